@@ -1,0 +1,1 @@
+"""Test and benchmark infrastructure: real components on loopback, and a network shaper."""

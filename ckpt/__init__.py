@@ -1,0 +1,1 @@
+"""ckpt: see docs/ and DESIGN.md; not built yet."""

@@ -1,0 +1,1 @@
+"""prefetch: see docs/ and DESIGN.md; not built yet."""

@@ -1,0 +1,1 @@
+"""snapshot: see docs/ and DESIGN.md; not built yet."""

@@ -1,0 +1,24 @@
+"""striped_fs: parallel striped reads and writes over any fsspec filesystem.
+
+    import fsspec
+    with fsspec.open("striped::s3://bucket/data.bin", "rb", s3={...}) as f:
+        data = f.read()
+
+See docs/striped_fs.md for the layout, the options and their defaults.
+"""
+
+from .config import DEFAULT_CONCURRENCY, DEFAULT_STRIPE_SIZE, OptionError, StripeOptions, parse_size
+from .errors import ManifestError, StripeChecksumError, StripedIOError
+from .filesystem import StripedFileSystem
+
+__all__ = [
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_STRIPE_SIZE",
+    "ManifestError",
+    "OptionError",
+    "StripeChecksumError",
+    "StripeOptions",
+    "StripedFileSystem",
+    "StripedIOError",
+    "parse_size",
+]

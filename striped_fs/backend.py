@@ -1,0 +1,235 @@
+"""Concurrent range reads and object writes on the target filesystem, with bounded retries.
+
+Sync targets (local disk, pyarrow HDFS, memory) run on a thread pool; async targets (s3fs,
+HTTP) run natively on their own event loop. Either way the caller gets a
+``concurrent.futures.Future``, so the reader and writer are written once for both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+from .config import StripeOptions
+from .errors import ShortReadError, StripeChecksumError, StripedIOError
+
+log = logging.getLogger("striped_fs")
+
+_TRANSIENT_ERRNOS = {
+    errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT,
+    errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN, errno.EIO, errno.EBUSY,
+}
+_PERMANENT_OSERRORS = (FileNotFoundError, PermissionError, IsADirectoryError,
+                       NotADirectoryError, FileExistsError)
+
+
+def _third_party_transient() -> tuple[type[BaseException], ...]:
+    kinds: list[type[BaseException]] = []
+    try:
+        import aiohttp
+
+        kinds.append(aiohttp.ClientError)
+    except ImportError:  # pragma: no cover - aiohttp is a dependency
+        pass
+    try:
+        from botocore import exceptions as bce
+
+        kinds += [bce.ConnectionError, bce.HTTPClientError, bce.ReadTimeoutError]
+    except ImportError:  # pragma: no cover - only with s3fs
+        pass
+    return tuple(kinds)
+
+
+_THIRD_PARTY_TRANSIENT = _third_party_transient()
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors worth another attempt: dropped connections, timeouts, 5xx-style I/O errors."""
+    if isinstance(exc, _PERMANENT_OSERRORS):
+        return False
+    if isinstance(exc, ShortReadError | ConnectionError | TimeoutError | asyncio.TimeoutError):
+        return True
+    if _THIRD_PARTY_TRANSIENT and isinstance(exc, _THIRD_PARTY_TRANSIENT):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno is None or exc.errno in _TRANSIENT_ERRNOS
+    return False
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded exponential backoff: ``retries`` extra attempts, delays capped at ``cap_s``."""
+
+    retries: int
+    base_s: float
+    cap_s: float
+
+    @classmethod
+    def from_options(cls, opts: StripeOptions) -> RetryPolicy:
+        return cls(opts.retries, opts.backoff_s, opts.backoff_cap_s)
+
+    def should_retry(self, exc: BaseException, attempt: int) -> bool:
+        if attempt >= self.retries:
+            return False
+        if isinstance(exc, StripeChecksumError):
+            return attempt < 1  # one refetch: a flipped bit in transit, not at rest
+        return is_transient(exc)
+
+    def delay(self, attempt: int) -> float:
+        return min(self.cap_s, self.base_s * (2**attempt)) * random.uniform(0.8, 1.2)
+
+
+Validator = Callable[[bytes], None]
+
+
+class Backend:
+    """Submits I/O on the target and returns futures; retries transient failures."""
+
+    def __init__(self, fs: AbstractFileSystem, max_workers: int = 64) -> None:
+        self.fs = fs
+        self.is_async = bool(getattr(fs, "async_impl", False)) and hasattr(fs, "_cat_file")
+        self.is_local = isinstance(fs, LocalFileSystem)
+        self._max_workers = max_workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    # -- public operations -------------------------------------------------------------
+    def read_range(self, path: str, start: int, end: int, *, what: str, retry: RetryPolicy,
+                   validate: Validator | None = None, stripe: int | None = None) -> Future[bytes]:
+        """Bytes ``[start, end)`` of ``path``; a short answer is retried like a dropped stream."""
+        want = end - start
+
+        def check(data: bytes) -> None:
+            if len(data) != want:
+                raise ShortReadError(f"got {len(data)} of {want} bytes")
+            if validate is not None:
+                validate(data)
+
+        return self._submit(
+            what, stripe, path, retry, check,
+            lambda: self.fs.cat_file(path, start=start, end=end),
+            lambda: self.fs._cat_file(path, start=start, end=end),
+        )
+
+    def read_object(self, path: str, *, what: str, retry: RetryPolicy,
+                    validate: Validator | None = None, stripe: int | None = None) -> Future[bytes]:
+        return self._submit(what, stripe, path, retry, validate,
+                            lambda: self.fs.cat_file(path),
+                            lambda: self.fs._cat_file(path))
+
+    def write_object(self, path: str, data: bytes, *, what: str, retry: RetryPolicy,
+                     durable: bool = True, stripe: int | None = None) -> Future[None]:
+        """Store ``data`` as the whole object ``path`` (fsync'd on local disk when durable)."""
+        if self.is_local:
+            return self._submit(what, stripe, path, retry, None,
+                                lambda: _local_write(path, data, durable), None)
+        return self._submit(what, stripe, path, retry, None,
+                            lambda: self.fs.pipe_file(path, data),
+                            lambda: self.fs._pipe_file(path, data))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+
+    # -- machinery ---------------------------------------------------------------------
+    def _submit(self, what: str, stripe: int | None, path: str, retry: RetryPolicy, validate: Validator | None,
+                sync_call: Callable[[], Any], async_call: Callable[[], Awaitable[Any]] | None,
+                ) -> Future:
+        if self.is_async and async_call is not None:
+            coro = self._run_async(what, stripe, path, retry, validate, async_call)
+            return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
+        return self._executor().submit(self._run_sync, what, stripe, path, retry, validate,
+                                       sync_call)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="striped-io")
+            return self._pool
+
+    def _run_sync(self, what: str, stripe: int | None, path: str, retry: RetryPolicy, validate: Validator | None,
+                  call: Callable[[], Any]) -> Any:
+        attempt = 0
+        while True:
+            try:
+                result = call()
+                if validate is not None:
+                    validate(result)
+                return result
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if not retry.should_retry(exc, attempt):
+                    raise _final_error(exc, what, path, attempt + 1, stripe) from exc
+                _log_retry(what, path, exc, attempt)
+                time.sleep(retry.delay(attempt))
+                attempt += 1
+
+    async def _run_async(self, what: str, stripe: int | None, path: str, retry: RetryPolicy,
+                         validate: Validator | None, call: Callable[[], Awaitable[Any]]) -> Any:
+        attempt = 0
+        while True:
+            try:
+                result = await call()
+                if validate is not None:
+                    validate(result)
+                return result
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if not retry.should_retry(exc, attempt):
+                    raise _final_error(exc, what, path, attempt + 1, stripe) from exc
+                _log_retry(what, path, exc, attempt)
+                await asyncio.sleep(retry.delay(attempt))
+                attempt += 1
+
+
+def _log_retry(what: str, path: str, exc: BaseException, attempt: int) -> None:
+    log.warning("%s (%s): %s: %s; retrying (attempt %d)", what, path,
+                type(exc).__name__, exc, attempt + 2)
+
+
+def _final_error(exc: BaseException, what: str, path: str, attempts: int,
+                 stripe: int | None) -> BaseException:
+    """Name the file and the stripe; keep the original as ``__cause__``."""
+    if isinstance(exc, StripedIOError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        return FileNotFoundError(errno.ENOENT, f"{what}: {path} does not exist", path)
+    if isinstance(exc, _PERMANENT_OSERRORS):
+        return type(exc)(exc.errno, f"{what}: {path}: {exc.strerror or exc}", path)
+    return StripedIOError(
+        f"{what} of {path} failed after {attempts} attempt(s): {type(exc).__name__}: {exc}",
+        path=path, stripe=stripe,
+    )
+
+
+def _local_write(path: str, data: bytes, durable: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or a new entry in ``path`` durable (local disks only)."""
+    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,441 @@
+"""``striped``: an fsspec filesystem that stripes reads and writes over any other one.
+
+Chained the fsspec way::
+
+    fs, path = fsspec.core.url_to_fs("striped::s3://bucket/ckpt", s3={...})
+    with fsspec.open("striped::file:///data/big.bin", "rb") as f: ...
+
+Reads of *any* file are split into stripe-sized ranges over concurrent streams; files
+written through it use the striped layout (see :mod:`striped_fs.layout`), committed by a
+manifest written last.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import fsspec
+from fsspec.core import split_protocol
+from fsspec.implementations.chained import ChainedFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
+
+from .backend import Backend, RetryPolicy, fsync_dir
+from .config import OPTION_NAMES, OptionError, StripeOptions
+from .errors import ManifestError
+from .layout import (
+    MAGIC,
+    MAX_MANIFEST_SIZE,
+    SMALL_FILE_PROBE,
+    Manifest,
+    is_stripes_dir_name,
+    split_path,
+    stripe_path,
+    stripes_dir,
+    version_dir,
+)
+from .reader import InlineSource, PlainSource, Source, StripedReader, StripedSource, download, read_range
+from .writer import StripedWriter
+
+log = logging.getLogger("striped_fs")
+
+# Options fsspec itself consumes when it builds and caches filesystem instances.
+_FSSPEC_OPTIONS = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time",
+                   "max_paths", "asynchronous", "loop"}
+_READ_MODES = {"rb"}
+_WRITE_MODES = {"wb", "xb"}
+
+
+class StripedFileSystem(ChainedFileSystem):
+    """Parallel striped I/O over a target filesystem.
+
+    Options (constructor, storage options under the ``striped`` key, or per call):
+    ``stripe_size`` (bytes or "8MiB"), ``concurrency`` (streams), ``readahead`` (stripes a
+    sequential reader keeps ahead), ``retries``, ``backoff_s``, ``fsync`` (local targets).
+    """
+
+    protocol = "striped"
+    root_marker = ""
+
+    def __init__(self, target_protocol: str | None = None, target_options: dict | None = None,
+                 fs: fsspec.AbstractFileSystem | None = None, fo: str | None = None,
+                 **options: Any) -> None:
+        unknown = set(options) - OPTION_NAMES - _FSSPEC_OPTIONS
+        if unknown:
+            raise OptionError(
+                f"unknown striped_fs option(s) {', '.join(sorted(unknown))}; known options: "
+                f"{', '.join(sorted(OPTION_NAMES))}")
+        stripe_opts = {k: v for k, v in options.items() if k in OPTION_NAMES}
+        super().__init__(**{k: v for k, v in options.items() if k in _FSSPEC_OPTIONS})
+        self.options = StripeOptions.from_env(**stripe_opts)
+        if fs is None:
+            if target_protocol is None:
+                target_protocol = (split_protocol(fo)[0] if fo else None) or "file"
+            fs = fsspec.filesystem(target_protocol,
+                                   **_target_defaults(target_protocol, target_options or {},
+                                                      self.options))
+        self.target = fs
+        self.backend = Backend(fs, max_workers=max(64, self.options.concurrency))
+
+    # -- paths -------------------------------------------------------------------------
+    @classmethod
+    def _strip_protocol(cls, path):
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]
+        path = fsspec.utils.stringify_path(path)
+        for prefix in ("striped::", "striped://"):
+            if path.startswith(prefix):
+                path = path[len(prefix):]
+        return path
+
+    def _norm(self, path: str) -> str:
+        return self.target._strip_protocol(self._strip_protocol(path))
+
+    def unstrip_protocol(self, name: str) -> str:
+        return f"striped::{self.target.unstrip_protocol(name)}"
+
+    def _opts(self, overrides: dict[str, Any]) -> StripeOptions:
+        unknown = set(overrides) - OPTION_NAMES
+        if unknown:
+            raise OptionError(
+                f"unknown striped_fs option(s) {', '.join(sorted(unknown))}; known options: "
+                f"{', '.join(sorted(OPTION_NAMES))}")
+        return self.options.updated(**overrides) if overrides else self.options
+
+    # -- resolving a path to a source ----------------------------------------------------
+    def _probe(self, path: str, size: int | None) -> tuple[Manifest | None, bytes | None]:
+        """Is ``path`` a striped manifest? Returns (manifest, whole bytes of a small file)."""
+        if size is None:
+            raise OSError(f"{path}: the target did not report a size; striped reads need one "
+                          "(an HTTP server must send Content-Length)")
+        if size <= SMALL_FILE_PROBE:
+            data = self.target.cat_file(path)
+            if data.startswith(MAGIC):
+                return Manifest.from_bytes(data, path=path), None
+            return None, data
+        if size <= MAX_MANIFEST_SIZE and self.target.cat_file(path, 0, len(MAGIC)) == MAGIC:
+            return Manifest.from_bytes(self.target.cat_file(path), path=path), None
+        return None, None
+
+    def _target_file_info(self, path: str) -> dict[str, Any]:
+        info = self.target.info(path)
+        if info["type"] == "directory":
+            raise IsADirectoryError(path)
+        return info
+
+    def _resolve(self, path: str, opts: StripeOptions) -> Source:
+        info = self._target_file_info(path)
+        manifest, data = self._probe(path, info.get("size"))
+        retry = RetryPolicy.from_options(opts)
+        if manifest is not None:
+            return StripedSource(self.backend, path, manifest, retry)
+        if data is not None:
+            return InlineSource(path, data)
+        return PlainSource(self.backend, path, info["size"], opts.stripe_size, retry)
+
+    def _manifest_or_none(self, path: str) -> Manifest | None:
+        try:
+            info = self.target.info(path)
+        except FileNotFoundError:
+            return None
+        if info["type"] != "file":
+            return None
+        try:
+            return self._probe(path, info.get("size"))[0]
+        except ManifestError:
+            return None
+
+    # -- metadata ----------------------------------------------------------------------
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        path = self._norm(path)
+        info = self.target.info(path, **kwargs)
+        if info["type"] == "file":
+            manifest, _ = self._probe(path, info.get("size"))
+            if manifest is not None:
+                info = _logical(info, manifest)
+        return info
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list:
+        path = self._norm(path)
+        entries = self.target.ls(path, detail=True, **kwargs)
+        names = {split_path(e["name"].rstrip("/"))[1] for e in entries}
+        shown, probes = [], {}
+        for entry in entries:
+            name = split_path(entry["name"].rstrip("/"))[1]
+            if entry["type"] == "directory" and is_stripes_dir_name(name):
+                continue
+            shown.append(entry)
+            size = entry.get("size") or 0
+            if entry["type"] == "file" and f".{name}.stripes" in names and size <= MAX_MANIFEST_SIZE:
+                probes[entry["name"]] = self.backend.read_object(
+                    entry["name"], what="manifest", retry=RetryPolicy.from_options(self.options))
+        for i, entry in enumerate(shown):
+            fut = probes.get(entry["name"])
+            if fut is None:
+                continue
+            data = fut.result()
+            if data.startswith(MAGIC):
+                shown[i] = _logical(entry, Manifest.from_bytes(data, path=entry["name"]))
+        return shown if detail else [e["name"] for e in shown]
+
+    def exists(self, path: str, **kwargs: Any) -> bool:
+        return self.target.exists(self._norm(path))
+
+    def isdir(self, path: str) -> bool:
+        return self.target.isdir(self._norm(path))
+
+    def isfile(self, path: str) -> bool:
+        return self.target.isfile(self._norm(path))
+
+    def modified(self, path: str):
+        return self.target.modified(self._norm(path))
+
+    def created(self, path: str):
+        return self.target.created(self._norm(path))
+
+    def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
+        self.target.mkdir(self._norm(path), create_parents=create_parents, **kwargs)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        self.target.makedirs(self._norm(path), exist_ok=exist_ok)
+
+    def rmdir(self, path: str) -> None:
+        self.target.rmdir(self._norm(path))
+
+    # -- reading -----------------------------------------------------------------------
+    def _open(self, path: str, mode: str = "rb", block_size: int | None = None,
+              autocommit: bool = True, cache_options: dict | None = None, **kwargs: Any):
+        path = self._norm(path)
+        opts = self._opts(kwargs)
+        if mode in _READ_MODES:
+            return StripedReader(self._resolve(path, opts), window=opts.window, name=path)
+        if mode in _WRITE_MODES:
+            if mode == "xb" and self.target.exists(path):
+                raise FileExistsError(path)
+            return self._writer(path, opts)
+        raise ValueError(
+            f"striped_fs cannot open {path} in mode {mode!r}: striped files are read with 'rb' "
+            "and written whole with 'wb' (no append or update in place)")
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None,
+                 **kwargs: Any) -> bytes:
+        path = self._norm(path)
+        opts = self._opts(kwargs)
+        source = self._resolve(path, opts)
+        start, end = _clip(start, end, source.size)
+        return read_range(source, start, end, opts.concurrency)
+
+    def get_file(self, rpath: str, lpath: str, callback=None, outfile=None,
+                 **kwargs: Any) -> None:
+        rpath = self._norm(rpath)
+        if self.isdir(rpath):
+            os.makedirs(lpath, exist_ok=True)
+            return
+        opts = self._opts(kwargs)
+        source = self._resolve(rpath, opts)
+        if callback is not None:
+            callback.set_size(source.size)
+        progress = callback.relative_update if callback is not None else None
+        download(source, lpath, opts.concurrency, progress)
+
+    # -- writing -----------------------------------------------------------------------
+    def _writer(self, path: str, opts: StripeOptions) -> StripedWriter:
+        return StripedWriter(path, self.backend, opts,
+                             commit=lambda p, m: self._commit(p, m, opts),
+                             prepare=self._prepare_version, discard_version=self._remove_version)
+
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite",
+                  **kwargs: Any) -> None:
+        with self._writer(self._norm(path), self._opts(kwargs)) as f:
+            f.write(value)
+
+    def put_file(self, lpath: str, rpath: str, callback=None, mode: str = "overwrite",
+                 **kwargs: Any) -> None:
+        rpath = self._norm(rpath)
+        if os.path.isdir(lpath):
+            self.makedirs(rpath, exist_ok=True)
+            return
+        opts = self._opts(kwargs)
+        size = os.path.getsize(lpath)
+        if callback is not None:
+            callback.set_size(size)
+        with open(lpath, "rb") as src, self._writer(rpath, opts) as dst:
+            while chunk := src.read(opts.stripe_size):
+                dst.write(chunk)
+                if callback is not None:
+                    callback.relative_update(len(chunk))
+
+    def _prepare_version(self, path: str, version: str) -> None:
+        if self.backend.is_local:
+            os.makedirs(version_dir(path, version), exist_ok=True)
+
+    def _commit(self, path: str, manifest: Manifest, opts: StripeOptions) -> None:
+        """Make ``manifest`` the file at ``path`` in one atomic step, then drop the old version."""
+        previous = self._manifest_or_none(path)
+        retry = RetryPolicy.from_options(opts)
+        if manifest.stripe_count == 0:
+            # An empty file has no stripes; a marker keeps its hidden directory listable, which
+            # is how listings know which small files to probe for a manifest.
+            self.backend.write_object(stripe_path(path, manifest.version, 0), b"", retry=retry,
+                                      durable=opts.fsync, what=f"marker of {path}").result()
+        self._atomic_put(path, manifest.to_bytes(), opts, retry)
+        if previous is not None and previous.version != manifest.version:
+            self._remove_version(path, previous.version)
+
+    def _atomic_put(self, path: str, data: bytes, opts: StripeOptions, retry: RetryPolicy) -> None:
+        if self.backend.is_local:
+            parent, name = split_path(path)
+            tmp = f"{parent}/.{name}.commit-{uuid.uuid4().hex}"
+            self.backend.write_object(tmp, data, retry=retry, durable=opts.fsync,
+                                      what=f"manifest of {path}").result()
+            os.replace(tmp, path)
+            if opts.fsync:
+                fsync_dir(parent)
+        elif self.backend.is_async or isinstance(self.target, MemoryFileSystem):
+            # Object stores replace a key atomically; memory assigns a dict entry.
+            self.backend.write_object(path, data, retry=retry,
+                                      what=f"manifest of {path}").result()
+        else:
+            # Other sync filesystems (HDFS): write aside, then rename over the path. HDFS
+            # rename does not replace, so the old manifest is removed first (a short window
+            # in which the path is absent, never torn).
+            parent, name = split_path(path)
+            tmp = f"{parent}/.{name}.commit-{uuid.uuid4().hex}"
+            self.target.pipe_file(tmp, data)
+            if self.target.exists(path):
+                self.target.rm_file(path)
+            self.target.mv(tmp, path)
+
+    def _remove_version(self, path: str, version: str) -> None:
+        try:
+            self.target.rm(version_dir(path, version), recursive=True)
+        except FileNotFoundError:
+            pass
+        if self.backend.is_local:
+            try:
+                os.rmdir(stripes_dir(path))
+            except OSError:
+                pass  # other versions (a concurrent writer's) still there
+
+    # -- removing, moving, copying -------------------------------------------------------
+    def rm_file(self, path: str) -> None:
+        path = self._norm(path)
+        self.target.rm_file(path)
+        try:
+            self.target.rm(stripes_dir(path), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def _rm(self, path: str) -> None:
+        self.rm_file(path)
+
+    def rm(self, path, recursive: bool = False, maxdepth: int | None = None) -> None:
+        for p in path if isinstance(path, list) else [path]:
+            p = self._norm(p)
+            if self.target.isdir(p):
+                if not recursive:
+                    raise IsADirectoryError(f"{p} is a directory: pass recursive=True to remove it")
+                self.target.rm(p, recursive=True)
+            else:
+                self.rm_file(p)
+
+    def mv(self, path1: str, path2: str, recursive: bool = False, maxdepth: int | None = None,
+           **kwargs: Any) -> None:
+        src, dst = self._norm(path1), self._norm(path2)
+        if self.target.isdir(src):
+            self.target.mv(src, dst, recursive=True)
+            return
+        manifest = self._manifest_or_none(src)
+        if manifest is None:
+            self.target.mv(src, dst)
+            return
+        moved = Manifest(size=manifest.size, stripe_size=manifest.stripe_size,
+                         version=manifest.version, checksums=manifest.checksums)
+        if self.backend.is_local:
+            os.makedirs(stripes_dir(dst), exist_ok=True)
+            os.rename(version_dir(src, manifest.version), version_dir(dst, manifest.version))
+        else:
+            self.target.copy(version_dir(src, manifest.version) + "/",
+                             version_dir(dst, manifest.version) + "/", recursive=True)
+        self._commit(dst, moved, self.options)
+        self.rm_file(src)
+
+    def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
+        src, dst = self._norm(path1), self._norm(path2)
+        manifest = self._manifest_or_none(src)
+        if manifest is None:
+            self.target.cp_file(src, dst)
+            return
+        copy = Manifest(size=manifest.size, stripe_size=manifest.stripe_size,
+                        version=uuid.uuid4().hex, checksums=manifest.checksums)
+        self._prepare_version(dst, copy.version)
+        for index in range(manifest.stripe_count):
+            self.target.cp_file(stripe_path(src, manifest.version, index),
+                                stripe_path(dst, copy.version, index))
+        self._commit(dst, copy, self.options)
+
+    # -- housekeeping ------------------------------------------------------------------
+    def gc(self, path: str, older_than_s: float = 3600.0,
+           on_remove: Callable[[str], None] | None = None) -> int:
+        """Remove stripe versions no manifest references (killed or failed writers).
+
+        Only versions untouched for ``older_than_s`` go, so a writer still uploading is
+        safe. Returns how many versions were removed.
+        """
+        removed = 0
+        now = time.time()
+        for dirpath, dirs, _files in self.target.walk(self._norm(path)):
+            for name in dirs:
+                if not is_stripes_dir_name(name):
+                    continue
+                owner = f"{dirpath}/{name[1:-len('.stripes')]}"
+                current = self._manifest_or_none(owner)
+                for version_path in self.target.ls(f"{dirpath}/{name}", detail=False):
+                    version = split_path(version_path.rstrip("/"))[1]
+                    if current is not None and version == current.version:
+                        continue
+                    if now - _newest_mtime(self.target, version_path) < older_than_s:
+                        continue
+                    self.target.rm(version_path, recursive=True)
+                    removed += 1
+                    if on_remove is not None:
+                        on_remove(version_path)
+        return removed
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _logical(info: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
+    return {**info, "size": manifest.size, "striped": True, "stripes": manifest.stripe_count,
+            "stripe_size": manifest.stripe_size, "version": manifest.version}
+
+
+def _clip(start: int | None, end: int | None, size: int) -> tuple[int, int]:
+    start = 0 if start is None else (max(0, size + start) if start < 0 else min(start, size))
+    end = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
+    return start, end
+
+
+def _newest_mtime(fs: fsspec.AbstractFileSystem, path: str) -> float:
+    newest = 0.0
+    for info in fs.find(path, detail=True, withdirs=False).values():
+        stamp = info.get("mtime") or info.get("LastModified") or info.get("created")
+        if hasattr(stamp, "timestamp"):
+            stamp = stamp.timestamp()
+        newest = max(newest, float(stamp or 0.0))
+    return newest
+
+
+def _target_defaults(protocol: str, options: dict[str, Any], opts: StripeOptions) -> dict[str, Any]:
+    """Give the target enough connections for ``concurrency`` streams."""
+    options = dict(options)
+    if protocol in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("max_pool_connections", max(opts.concurrency * 2, 10))
+        options["config_kwargs"] = config
+    return options

@@ -1,0 +1,155 @@
+"""Writing a striped file: stripes uploaded concurrently, the manifest written last.
+
+Nothing is visible at the file's path until :meth:`StripedWriter.close` has every stripe
+durable and replaces the path with the new manifest in one atomic step. A writer that
+fails, is discarded, or is killed leaves only unreferenced stripes behind (invisible to
+readers; ``StripedFileSystem.gc`` removes them).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import uuid
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+from .backend import Backend, RetryPolicy
+from .config import StripeOptions
+from .layout import Manifest, checksum, stripe_path
+
+log = logging.getLogger("striped_fs")
+
+
+class StripedWriter(io.BufferedIOBase):
+    """A write-only file object; at most ``concurrency`` stripes are buffered or in flight.
+
+    A background upload failure is raised in the caller at the next ``write`` or at
+    ``close``; it is never swallowed. Leaving a ``with`` block by an exception discards the
+    file instead of committing it.
+    """
+
+    def __init__(self, path: str, backend: Backend, options: StripeOptions,
+                 commit: Callable[[str, Manifest], None],
+                 prepare: Callable[[str, str], None] | None = None,
+                 discard_version: Callable[[str, str], None] | None = None) -> None:
+        super().__init__()
+        self.name = path
+        self.path = path
+        self.version = uuid.uuid4().hex
+        self._backend = backend
+        self._opts = options
+        self._retry = RetryPolicy.from_options(options)
+        self._commit = commit
+        self._discard_version = discard_version
+        self._buf = bytearray()
+        self._checksums: list[int] = []
+        self._inflight: dict[Future[None], int] = {}
+        self._size = 0
+        self._state = "open"
+        if prepare is not None:
+            prepare(path, self.version)
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._size
+
+    def write(self, data) -> int:  # type: ignore[override]
+        if self._state != "open":
+            raise ValueError(f"write to {self._state} striped file {self.path}")
+        stripe = self._opts.stripe_size
+        if not self._buf and type(data) is bytes and len(data) == stripe:
+            self._upload(data)  # immutable and exactly one stripe: no copy at all
+            self._size += stripe
+            return stripe
+        view = memoryview(data).cast("B")
+        written = len(view)
+        while view:
+            room = stripe - len(self._buf)
+            if not self._buf and len(view) >= stripe:
+                self._upload(bytes(view[:stripe]))  # whole stripe: one copy, no staging
+                view = view[stripe:]
+                continue
+            self._buf += view[:room]
+            view = view[room:]
+            if len(self._buf) == stripe:
+                self._upload(bytes(self._buf))
+                self._buf.clear()
+        self._size += written
+        return written
+
+    def close(self) -> None:
+        """Flush, wait for every stripe, then commit the manifest (the only visible step)."""
+        if self._state != "open":
+            super().close()
+            return
+        try:
+            if self._buf:
+                self._upload(bytes(self._buf))
+                self._buf.clear()
+            self._drain(0)
+            manifest = Manifest(size=self._size, stripe_size=self._opts.stripe_size,
+                                version=self.version, checksums=self._checksums)
+            self._commit(self.path, manifest)
+            self._state = "committed"
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            super().close()
+
+    def discard(self) -> None:
+        """Abandon the file: nothing becomes visible, uploaded stripes are removed."""
+        if self._state == "open":
+            self._abort()
+        super().close()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.discard()
+        else:
+            self.close()
+
+    def __del__(self) -> None:
+        # io's finalizer would call close() and commit a half-written file; only an
+        # explicit close() commits, so an abandoned writer is discarded instead.
+        if getattr(self, "_state", None) == "open":
+            log.warning("striped file %s was never closed: discarding it, nothing committed",
+                        self.path)
+            self.discard()
+
+    # -- internals ---------------------------------------------------------------------
+    def _upload(self, data: bytes) -> None:
+        self._drain(self._opts.concurrency - 1)
+        index = len(self._checksums)
+        self._checksums.append(checksum(data))
+        fut = self._backend.write_object(
+            stripe_path(self.path, self.version, index), data, retry=self._retry,
+            durable=self._opts.fsync, stripe=index, what=f"stripe {index} of {self.path}")
+        self._inflight[fut] = index
+
+    def _drain(self, limit: int) -> None:
+        """Wait until at most ``limit`` uploads are pending; raise the first failure."""
+        while len(self._inflight) > limit:
+            done, _ = wait(list(self._inflight), return_when=FIRST_COMPLETED)
+            for fut in done:
+                self._inflight.pop(fut)
+                fut.result()
+
+    def _abort(self) -> None:
+        self._state = "discarded"
+        for fut in self._inflight:
+            fut.cancel()
+        wait(list(self._inflight))
+        self._inflight.clear()
+        if self._discard_version is not None:
+            try:
+                self._discard_version(self.path, self.version)
+            except Exception as exc:  # noqa: BLE001 - cleanup is best effort, the cause is raised
+                log.warning("could not remove stripes of abandoned write %s (%s): %s",
+                            self.path, self.version, exc)
+
+    def __repr__(self) -> str:
+        return f"<StripedWriter {self.path!r} {self._state} {self._size} bytes>"
