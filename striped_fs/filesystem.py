@@ -214,6 +214,10 @@ class StripedFileSystem(ChainedFileSystem):
         if mode in _READ_MODES:
             return StripedReader(self._resolve(path, opts), window=opts.window, name=path)
         if mode in _WRITE_MODES:
+            if _read_only(self.target):
+                raise PermissionError(
+                    f"cannot write {path}: the {self.target.protocol} target is read-only "
+                    "for striped_fs (write to file://, s3:// or hdfs:// instead)")
             if mode == "xb" and self.target.exists(path):
                 raise FileExistsError(path)
             return self._writer(path, opts)
@@ -250,7 +254,7 @@ class StripedFileSystem(ChainedFileSystem):
 
     def pipe_file(self, path: str, value: bytes, mode: str = "overwrite",
                   **kwargs: Any) -> None:
-        with self._writer(self._norm(path), self._opts(kwargs)) as f:
+        with self._open(path, "wb", **kwargs) as f:
             f.write(value)
 
     def put_file(self, lpath: str, rpath: str, callback=None, mode: str = "overwrite",
@@ -263,7 +267,7 @@ class StripedFileSystem(ChainedFileSystem):
         size = os.path.getsize(lpath)
         if callback is not None:
             callback.set_size(size)
-        with open(lpath, "rb") as src, self._writer(rpath, opts) as dst:
+        with open(lpath, "rb") as src, self._open(rpath, "wb", **kwargs) as dst:
             while chunk := src.read(opts.stripe_size):
                 dst.write(chunk)
                 if callback is not None:
@@ -410,6 +414,11 @@ class StripedFileSystem(ChainedFileSystem):
         self.backend.close()
 
 
+def _read_only(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    return bool({"http", "https"} & set(protocols))
+
+
 def _logical(info: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
     return {**info, "size": manifest.size, "striped": True, "stripes": manifest.stripe_count,
             "stripe_size": manifest.stripe_size, "version": manifest.version}
@@ -437,5 +446,8 @@ def _target_defaults(protocol: str, options: dict[str, Any], opts: StripeOptions
     if protocol in ("s3", "s3a"):
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("max_pool_connections", max(opts.concurrency * 2, 10))
+        # striped_fs retries every stripe with bounded backoff; botocore retrying underneath
+        # as well would multiply the time a dead endpoint takes to be reported.
+        config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
         options["config_kwargs"] = config
     return options

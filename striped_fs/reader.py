@@ -187,10 +187,14 @@ class StripedReader(io.BufferedIOBase):
     readinto1 = readinto
 
     def close(self) -> None:
+        self._drop_all()
+        super().close()
+
+    def _drop_all(self) -> None:
         for _, fut in self._pieces.values():
             fut.cancel()
         self._pieces.clear()
-        super().close()
+        self._ramp = 2
 
     # -- window ------------------------------------------------------------------------
     def _take(self, want: int) -> Iterator[memoryview]:
@@ -201,7 +205,11 @@ class StripedReader(io.BufferedIOBase):
         while want > 0:
             index = self._pos // self.source.piece_size
             data_start, fut = self._pieces.get(index) or self._start(index)
-            data = fut.result()
+            try:
+                data = fut.result()
+            except BaseException:
+                self._drop_all()  # a later read retries from scratch, not a cached failure
+                raise
             offset = self._pos - data_start
             take = min(want, len(data) - offset)
             yield memoryview(data)[offset : offset + take]

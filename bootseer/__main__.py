@@ -1,0 +1,3 @@
+from bootseer.cli import main
+
+main()

@@ -1,0 +1,50 @@
+"""The ``bootseer`` command: one entry point whose subcommands reach every part."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .. import __version__
+from . import fs as fs_cmd
+
+
+class CliError(Exception):
+    """An error meant for a person: printed without a traceback, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bootseer",
+        description="Fast, safe restarts for large PyTorch training jobs.")
+    parser.add_argument("--version", action="version", version=f"bootseer {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more log output (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    fs_cmd.register(sub)
+    from . import bench, demo
+
+    demo.register(sub)
+    bench.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose + 1, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        raise SystemExit(2)
+    try:
+        code = args.func(args)
+    except (CliError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError,
+            OSError) as exc:
+        print(f"bootseer: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    raise SystemExit(code or 0)

@@ -1,0 +1,173 @@
+"""``bootseer fs``: striped copies, stat, listing, garbage collection and the FUSE mount."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+from striped_fs.urls import is_local, url_to_fs
+
+from ..progress import ByteProgress, human_bytes
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    fs = sub.add_parser("fs", help="parallel striped I/O over fsspec URLs (file, s3, http, hdfs)")
+    fs_sub = fs.add_subparsers(dest="fs_command", metavar="SUBCOMMAND", required=True)
+
+    cp = fs_sub.add_parser("cp", help="copy a file; remote sides are read/written striped")
+    cp.add_argument("src", help="path or URL (s3://b/k, http://h/f, striped::file:///x)")
+    cp.add_argument("dst", help="path or URL")
+    _stripe_args(cp)
+    cp.set_defaults(func=cmd_cp)
+
+    stat = fs_sub.add_parser("stat", help="size and layout of a file (JSON)")
+    stat.add_argument("url")
+    _stripe_args(stat)
+    stat.set_defaults(func=cmd_stat)
+
+    ls = fs_sub.add_parser("ls", help="list a directory with logical sizes")
+    ls.add_argument("url")
+    _stripe_args(ls)
+    ls.set_defaults(func=cmd_ls)
+
+    gc = fs_sub.add_parser("gc", help="remove stripes left by killed or failed writers")
+    gc.add_argument("url")
+    gc.add_argument("--older-than", type=float, default=3600.0, metavar="SECONDS",
+                    help="only versions untouched this long (default 3600)")
+    _stripe_args(gc)
+    gc.set_defaults(func=cmd_gc)
+
+    mount = fs_sub.add_parser("mount", help="FUSE-mount a URL (the same striped view)")
+    mount.add_argument("url")
+    mount.add_argument("mountpoint")
+    mount.add_argument("--read-only", action="store_true")
+    mount.add_argument("--foreground", "-f", action="store_true",
+                       help="stay attached; SIGINT/SIGTERM unmount (default: run in background)")
+    mount.add_argument("--allow-other", action="store_true")
+    mount.add_argument("--timeout", type=float, default=30.0,
+                       help="seconds to wait for a background mount (default 30)")
+    _stripe_args(mount)
+    mount.set_defaults(func=cmd_mount)
+
+    umount = fs_sub.add_parser("umount", help="unmount a bootseer FUSE mount")
+    umount.add_argument("mountpoint")
+    umount.add_argument("--lazy", action="store_true")
+    umount.set_defaults(func=cmd_umount)
+
+
+def _stripe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stripe-size", help="bytes per stripe, e.g. 8MiB (default 8MiB)")
+    p.add_argument("--concurrency", type=int, help="parallel streams (default 16)")
+    p.add_argument("--storage-options", default=os.environ.get("BOOTSEER_STORAGE_OPTIONS"),
+                   metavar="JSON",
+                   help='fsspec options by protocol, e.g. \'{"s3": {"endpoint_url": "http://127.0.0.1:9000"}}\' '
+                        "(env BOOTSEER_STORAGE_OPTIONS)")
+
+
+def _fs(args: argparse.Namespace, url: str):
+    try:
+        options: dict[str, Any] = json.loads(args.storage_options) if args.storage_options else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--storage-options is not valid JSON: {exc}") from None
+    if not isinstance(options, dict):
+        raise ValueError('--storage-options must be a JSON object keyed by protocol, e.g. {"s3": {...}}')
+    return url_to_fs(url, options, stripe_size=args.stripe_size, concurrency=args.concurrency)
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    src_fs, src = _fs(args, args.src)
+    dst_fs, dst = _fs(args, args.dst)
+    if dst_fs.isdir(dst):
+        dst = f"{dst.rstrip('/')}/{src.rstrip('/').rsplit('/', 1)[-1]}"
+    size = src_fs.info(src)["size"]
+    with ByteProgress(f"cp {args.src} -> {args.dst}", size) as progress:
+        if is_local(args.dst) and not is_local(args.src):
+            src_fs.get_file(src, dst, callback=progress)
+        elif is_local(args.src):
+            dst_fs.put_file(src, dst, callback=progress)
+        else:  # remote to remote: stream through a striped reader into a striped writer
+            with src_fs.open(src, "rb") as fin, dst_fs.open(dst, "wb") as fout:
+                while chunk := fin.read(dst_fs.options.stripe_size):
+                    fout.write(chunk)
+                    progress.relative_update(len(chunk))
+    print(f"copied {human_bytes(size)} in {progress.elapsed_s:.2f} s "
+          f"({human_bytes(size / max(progress.elapsed_s, 1e-9))}/s)")
+    return 0
+
+
+def cmd_stat(args: argparse.Namespace) -> int:
+    fs, path = _fs(args, args.url)
+    info = fs.info(path)
+    print(json.dumps({k: v for k, v in info.items() if _jsonable(v)}, indent=2, default=str))
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    fs, path = _fs(args, args.url)
+    for entry in fs.ls(path, detail=True):
+        kind = "d" if entry["type"] == "directory" else ("s" if entry.get("striped") else "-")
+        print(f"{kind} {entry.get('size') or 0:>14} {entry['name']}")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    fs, path = _fs(args, args.url)
+    n = fs.gc(path, older_than_s=args.older_than, on_remove=lambda p: print(f"removed {p}"))
+    print(f"{n} unreferenced stripe version(s) removed")
+    return 0
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from striped_fs import fuse
+
+    if not os.path.isdir(args.mountpoint):
+        raise ValueError(f"mount point {args.mountpoint} is not a directory: create it first")
+    if not args.foreground:
+        return _mount_in_background(args)
+    fs, path = _fs(args, args.url)
+    fuse.mount(fs, path, args.mountpoint, foreground=True, read_only=args.read_only,
+               allow_other=args.allow_other)
+    return 0
+
+
+def _mount_in_background(args: argparse.Namespace) -> int:
+    from striped_fs import fuse
+
+    argv = [sys.executable, "-m", "bootseer", "fs", "mount", args.url, args.mountpoint,
+            "--foreground"]
+    for flag, value in (("--stripe-size", args.stripe_size), ("--concurrency", args.concurrency),
+                        ("--storage-options", args.storage_options)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.read_only:
+        argv.append("--read-only")
+    if args.allow_other:
+        argv.append("--allow-other")
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        fuse.wait_mounted(args.mountpoint, timeout=args.timeout, proc=proc)
+    except BaseException:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        raise
+    proc.stderr.close()  # the mount logs nothing we need after it is up
+    print(f"mounted {args.url} at {args.mountpoint} (pid {proc.pid}); "
+          f"unmount with: bootseer fs umount {args.mountpoint}")
+    return 0
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from striped_fs import fuse
+
+    fuse.unmount(args.mountpoint, lazy=args.lazy)
+    return 0
+
+
+def _jsonable(value: Any) -> bool:
+    return isinstance(value, str | int | float | bool | type(None) | list | dict) or hasattr(value, "isoformat")

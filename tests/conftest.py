@@ -1,0 +1,185 @@
+"""Shared fixtures: real components (moto S3, nginx, FUSE) on 127.0.0.1 with free ports.
+
+A component that cannot be started skips its tests with the reason, or fails them when
+``BOOTSEER_REQUIRE_SYSTEM=1`` (a provisioned CI machine must not skip silently).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before anything imports botocore: tests must never reach real AWS, whatever the developer's
+# environment holds (credentials, profiles, config files with endpoints, instance metadata).
+os.environ["AWS_ACCESS_KEY_ID"] = "testing"
+os.environ["AWS_SECRET_ACCESS_KEY"] = "testing"
+os.environ["AWS_SECURITY_TOKEN"] = "testing"
+os.environ["AWS_SESSION_TOKEN"] = "testing"
+os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+os.environ["AWS_CONFIG_FILE"] = os.devnull
+os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
+os.environ.pop("AWS_PROFILE", None)
+os.environ.pop("AWS_ENDPOINT_URL", None)
+os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+# Loopback traffic never goes through an HTTP proxy configured in the environment.
+for _var in ("NO_PROXY", "no_proxy"):
+    _hosts = [h for h in os.environ.get(_var, "").split(",") if h]
+    for _host in ("127.0.0.1", "localhost"):
+        if _host not in _hosts:
+            _hosts.append(_host)
+    os.environ[_var] = ",".join(_hosts)
+
+import uuid  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, NoReturn  # noqa: E402
+
+import pytest  # noqa: E402
+
+from bootseer.testing.servers import (  # noqa: E402
+    ComponentUnavailable,
+    MotoS3Server,
+    NginxServer,
+    fuse_available,
+    require_system,
+)
+
+_SYSTEM_FIXTURES = {"nginx_factory", "fuse"}
+
+
+def require_component(reason: str) -> NoReturn:
+    """A component this test needs is unavailable: skip with the reason, or fail when
+    ``BOOTSEER_REQUIRE_SYSTEM=1``."""
+    if require_system():
+        pytest.fail(
+            f"required component unavailable (BOOTSEER_REQUIRE_SYSTEM=1): {reason}", pytrace=False
+        )
+    pytest.skip(reason)
+
+
+def need(reason: str | None) -> None:
+    """``need(fuse_available())``: continue when the check returned None, else
+    :func:`require_component` with its reason."""
+    if reason is not None:
+        require_component(reason)
+
+
+@pytest.fixture
+def system() -> Callable[[str | None], None]:
+    """The :func:`need` helper as a fixture: ``system(fuse_available())`` in a test."""
+    return need
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests using a system-component fixture get the ``system`` marker (``-m "not system"``)."""
+    for item in items:
+        if _SYSTEM_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.system)
+
+
+# -- S3 (moto server mode) -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[MotoS3Server]:
+    """One in-process moto S3 server for the session. A test that stops it must start it
+    again; ``s3_bucket`` restarts it if it finds it stopped."""
+    server = MotoS3Server(in_process=True)
+    try:
+        server.start()
+    except ComponentUnavailable as exc:
+        require_component(str(exc))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def s3_server_factory() -> Iterator[Callable[..., MotoS3Server]]:
+    """``factory(in_process=True, port=None)`` -> a started MotoS3Server private to the test
+    (free to stop, restart or kill); all are stopped at teardown. In-process servers share
+    moto's global state with ``s3_server``."""
+    servers: list[MotoS3Server] = []
+
+    def factory(*, in_process: bool = True, port: int | None = None) -> MotoS3Server:
+        server = MotoS3Server(port, in_process=in_process)
+        servers.append(server)
+        try:
+            return server.start()
+        except ComponentUnavailable as exc:
+            require_component(str(exc))
+
+    yield factory
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: MotoS3Server) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A fresh, uniquely named bucket: ``(bucket_name, s3fs storage_options)``. Emptied and
+    deleted at teardown so that moto's memory does not grow over the session."""
+    if not s3_server.running:
+        s3_server.start()
+    name = f"bootseer-test-{uuid.uuid4().hex[:16]}"
+    s3_server.create_bucket(name)
+    yield name, s3_server.storage_options()
+    if not s3_server.running:
+        s3_server.start()
+    try:
+        client = s3_server.boto3_client()
+        paginator = client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=name):
+            keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
+        uploads = client.list_multipart_uploads(Bucket=name).get("Uploads", [])
+        for upload in uploads:
+            client.abort_multipart_upload(
+                Bucket=name, Key=upload["Key"], UploadId=upload["UploadId"]
+            )
+        client.delete_bucket(Bucket=name)
+    except Exception as exc:  # cleanup only; never mask the test's own outcome
+        print(f"s3_bucket teardown: could not delete {name}: {exc!r}")
+
+
+@pytest.fixture
+def s3fs_fs(s3_server: MotoS3Server) -> Any:
+    """A fresh (uncached) ``s3fs.S3FileSystem`` talking HTTP to ``s3_server``."""
+    import s3fs
+
+    if not s3_server.running:
+        s3_server.start()
+    return s3fs.S3FileSystem(**s3_server.storage_options(), skip_instance_cache=True)
+
+
+# -- nginx ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nginx_factory() -> Iterator[Callable[..., NginxServer]]:
+    """``factory(root_dir, **kwargs)`` -> a started NginxServer serving ``root_dir`` on
+    127.0.0.1; every server is stopped at teardown. Skips (or fails, under
+    BOOTSEER_REQUIRE_SYSTEM=1) when nginx is not installed."""
+    servers: list[NginxServer] = []
+
+    def factory(root_dir: str | os.PathLike[str] | Path, **kwargs: Any) -> NginxServer:
+        server = NginxServer(root_dir, **kwargs)
+        servers.append(server)
+        try:
+            return server.start()
+        except ComponentUnavailable as exc:
+            require_component(str(exc))
+
+    yield factory
+    for server in servers:
+        server.stop()
+
+
+# -- FUSE -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fuse() -> None:
+    """Requires a working FUSE setup (/dev/fuse, libfuse2 via fusepy, fusermount)."""
+    need(fuse_available())
