@@ -23,10 +23,6 @@ def to_striped_url(url: str) -> str:
     return f"striped::{url}"
 
 
-def is_local(url: str) -> bool:
-    return "://" not in url and "::" not in url or url.startswith(("file://", "striped::file://"))
-
-
 def url_to_fs(url: str, storage_options: dict[str, Any] | None = None,
               **stripe_options: Any) -> tuple[StripedFileSystem, str]:
     """A :class:`StripedFileSystem` and the path inside it for ``url``.
@@ -41,8 +37,12 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None,
         raise OptionError(
             f"{url}: unknown protocol {protocol!r}; use a path or one of "
             f"{', '.join(sorted(KNOWN_TARGETS))} (e.g. striped::s3://bucket/key)")
-    kwargs = dict(storage_options or {})
-    striped_kw = {**kwargs.pop("striped", {}), **{k: v for k, v in stripe_options.items() if v is not None}}
+    options = storage_options or {}
+    striped_kw = {**options.get("striped", {}),
+                  **{k: v for k, v in stripe_options.items() if v is not None}}
+    # Options for protocols this URL does not use (s3 options while copying a local file)
+    # are dropped: fsspec would hand them to the outermost filesystem.
+    kwargs = {protocol: options[protocol]} if protocol in options else {}
     fs, path = fsspec.core.url_to_fs(striped, striped=striped_kw, **kwargs)
     if not isinstance(fs, StripedFileSystem):  # pragma: no cover - defensive
         raise OptionError(f"{url}: did not resolve to a striped filesystem")

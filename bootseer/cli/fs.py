@@ -10,7 +10,7 @@ import subprocess
 import sys
 from typing import Any
 
-from striped_fs.urls import is_local, url_to_fs
+from striped_fs.urls import url_to_fs
 
 from ..progress import ByteProgress, human_bytes
 
@@ -80,24 +80,35 @@ def _fs(args: argparse.Namespace, url: str):
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
+    """A plain path as destination gets a plain file; a URL (s3://, file://) gets stripes."""
     src_fs, src = _fs(args, args.src)
-    dst_fs, dst = _fs(args, args.dst)
-    if dst_fs.isdir(dst):
-        dst = f"{dst.rstrip('/')}/{src.rstrip('/').rsplit('/', 1)[-1]}"
-    size = src_fs.info(src)["size"]
-    with ByteProgress(f"cp {args.src} -> {args.dst}", size) as progress:
-        if is_local(args.dst) and not is_local(args.src):
+    info = src_fs.info(src)
+    if info["type"] == "directory":
+        raise IsADirectoryError(f"{args.src} is a directory: bootseer fs cp copies one file")
+    name = src.rstrip("/").rsplit("/", 1)[-1]
+    with ByteProgress(f"cp {args.src} -> {args.dst}", info["size"]) as progress:
+        if _is_plain_path(args.dst):
+            dst = os.path.join(args.dst, name) if os.path.isdir(args.dst) else args.dst
             src_fs.get_file(src, dst, callback=progress)
-        elif is_local(args.src):
-            dst_fs.put_file(src, dst, callback=progress)
-        else:  # remote to remote: stream through a striped reader into a striped writer
-            with src_fs.open(src, "rb") as fin, dst_fs.open(dst, "wb") as fout:
-                while chunk := fin.read(dst_fs.options.stripe_size):
-                    fout.write(chunk)
-                    progress.relative_update(len(chunk))
+        else:
+            dst_fs, dst = _fs(args, args.dst)
+            if dst_fs.isdir(dst):
+                dst = f"{dst.rstrip('/')}/{name}"
+            if _is_plain_path(args.src) and not info.get("striped"):
+                dst_fs.put_file(src, dst, callback=progress)
+            else:  # stream through a striped reader into a striped writer
+                with src_fs.open(src, "rb") as fin, dst_fs.open(dst, "wb") as fout:
+                    while chunk := fin.read(dst_fs.options.stripe_size):
+                        fout.write(chunk)
+                        progress.relative_update(len(chunk))
+    size = info["size"]
     print(f"copied {human_bytes(size)} in {progress.elapsed_s:.2f} s "
           f"({human_bytes(size / max(progress.elapsed_s, 1e-9))}/s)")
     return 0
+
+
+def _is_plain_path(url: str) -> bool:
+    return "://" not in url and "::" not in url
 
 
 def cmd_stat(args: argparse.Namespace) -> int:
