@@ -8,10 +8,7 @@ import sys
 
 from .. import __version__
 from . import fs as fs_cmd
-
-
-class CliError(Exception):
-    """An error meant for a person: printed without a traceback, exit code 2."""
+from .errors import CliError
 
 
 def build_parser() -> argparse.ArgumentParser:

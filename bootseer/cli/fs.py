@@ -8,11 +8,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 from striped_fs.urls import url_to_fs
 
 from ..progress import ByteProgress, human_bytes
+from .errors import CliError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -141,8 +143,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if not args.foreground:
         return _mount_in_background(args)
     fs, path = _fs(args, args.url)
-    fuse.mount(fs, path, args.mountpoint, foreground=True, read_only=args.read_only,
-               allow_other=args.allow_other)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"{args.url} does not exist: nothing to mount")
+    try:
+        fuse.mount(fs, path, args.mountpoint, foreground=True, read_only=args.read_only,
+                   allow_other=args.allow_other)
+    except fuse.MountError as exc:
+        raise CliError(str(exc)) from None
     return 0
 
 
@@ -159,16 +166,21 @@ def _mount_in_background(args: argparse.Namespace) -> int:
         argv.append("--read-only")
     if args.allow_other:
         argv.append("--allow-other")
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    # The mount outlives this command: its log goes to a file, not to a pipe nobody reads.
+    log_path = os.path.join(tempfile.gettempdir(),
+                            f"bootseer-mount-{os.path.basename(os.path.abspath(args.mountpoint))}"
+                            f"-{os.getpid()}.log")
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=log_file, start_new_session=True)
     try:
         fuse.wait_mounted(args.mountpoint, timeout=args.timeout, proc=proc)
-    except BaseException:
+    except fuse.MountError as exc:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        raise
-    proc.stderr.close()  # the mount logs nothing we need after it is up
-    print(f"mounted {args.url} at {args.mountpoint} (pid {proc.pid}); "
+        with open(log_path, errors="replace") as f:
+            raise CliError(f"{exc}\n{f.read()[-4000:]}") from None
+    print(f"mounted {args.url} at {args.mountpoint} (pid {proc.pid}, log {log_path}); "
           f"unmount with: bootseer fs umount {args.mountpoint}")
     return 0
 
