@@ -1,1 +1,32 @@
-"""ckpt: see docs/ and DESIGN.md; not built yet."""
+"""ckpt: sharded asynchronous checkpoints with atomic commit, integrity and resharding.
+
+See docs/ckpt.md. The entry point is :class:`CheckpointManager`.
+"""
+
+from .errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointNotFound,
+    CheckpointSaveError,
+    StateMismatchError,
+)
+from .loader import LoadReport
+from .manager import CheckpointInfo, CheckpointManager, SaveHandle, VerifyReport
+from .persist import SaveResult
+from .tensors import FlatShard, PerRank
+
+__all__ = [
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CheckpointNotFound",
+    "CheckpointSaveError",
+    "FlatShard",
+    "LoadReport",
+    "PerRank",
+    "SaveHandle",
+    "SaveResult",
+    "StateMismatchError",
+    "VerifyReport",
+]

@@ -101,6 +101,8 @@ class Backend:
         self.fs = fs
         self.is_async = bool(getattr(fs, "async_impl", False)) and hasattr(fs, "_cat_file")
         self.is_local = isinstance(fs, LocalFileSystem)
+        # Local writes go through os.write, which takes any buffer; other clients get bytes.
+        self.accepts_views = self.is_local
         self._max_workers = max_workers
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -129,7 +131,7 @@ class Backend:
                             lambda: self.fs.cat_file(path),
                             lambda: self.fs._cat_file(path))
 
-    def write_object(self, path: str, data: bytes, *, what: str, retry: RetryPolicy,
+    def write_object(self, path: str, data: bytes | memoryview, *, what: str, retry: RetryPolicy,
                      durable: bool = True, stripe: int | None = None) -> Future[None]:
         """Store ``data`` as the whole object ``path`` (fsync'd on local disk when durable)."""
         if self.is_local:

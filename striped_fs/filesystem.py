@@ -38,7 +38,15 @@ from .layout import (
     stripes_dir,
     version_dir,
 )
-from .reader import InlineSource, PlainSource, Source, StripedReader, StripedSource, download, read_range
+from .reader import (
+    InlineSource,
+    PlainSource,
+    Source,
+    StripedReader,
+    StripedSource,
+    download,
+    read_range,
+)
 from .writer import StripedWriter
 
 log = logging.getLogger("striped_fs")
@@ -409,6 +417,10 @@ class StripedFileSystem(ChainedFileSystem):
                     if on_remove is not None:
                         on_remove(version_path)
         return removed
+
+    def invalidate_cache(self, path: str | None = None) -> None:
+        """Forget the target's cached listings (s3fs caches them), e.g. before polling."""
+        self.target.invalidate_cache(None if path is None else self._norm(path))
 
     def close(self) -> None:
         self.backend.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
@@ -125,10 +125,12 @@ class StripedSource(Source):
 
 
 class StripedReader(io.BufferedIOBase):
-    """A seekable, read-only file object with a ramping readahead window.
+    """A seekable, read-only file object with a readahead window.
 
-    Sequential reads double the window at every new piece up to ``window``; a seek elsewhere
-    drops it back, so random access (FUSE, zip directories) does not drag in the whole file.
+    A read from offset 0 opens the full ``window``; other sequential reads double it at every
+    new piece; a seek elsewhere drops it back to 2, so random access (zip directories, header
+    probes) does not drag in the whole file. At most ``window + 2`` pieces are held (the
+    window, the current piece and the one before it, kept for out-of-order FUSE requests).
     """
 
     def __init__(self, source: Source, *, window: int, name: str | None = None) -> None:
@@ -195,6 +197,7 @@ class StripedReader(io.BufferedIOBase):
             fut.cancel()
         self._pieces.clear()
         self._ramp = 2
+        self._last_piece = -2
 
     # -- window ------------------------------------------------------------------------
     def _take(self, want: int) -> Iterator[memoryview]:
@@ -216,19 +219,31 @@ class StripedReader(io.BufferedIOBase):
             self._pos += take
             want -= take
             if self._pos >= self.source.piece_range(index)[1]:
-                self._pieces.pop(index, None)
                 if want > 0:
                     self._schedule(index + 1, last)
 
     def _schedule(self, first: int, last: int) -> None:
-        if first in (self._last_piece, self._last_piece + 1):
-            if first != self._last_piece:
+        """Keep pieces ``first..first+ramp`` in flight; drop what fell behind or too far ahead.
+
+        A read at offset 0 opens the whole window at once (whole-file reads are by far the
+        common case, and ramping costs seconds on a slow per-stream link). A read near the
+        previous one (inside the window, even slightly out of order, as FUSE's concurrent
+        readahead requests arrive) keeps growing the window; anything else is a seek and
+        drops it back to 2 pieces.
+        """
+        if self._last_piece == -2:  # first read
+            self._ramp = self._window if first == 0 else 2
+            self._last_piece = first
+        elif self._last_piece - 1 <= first <= self._last_piece + self._window:  # sequential-ish
+            if first > self._last_piece:
                 self._ramp = min(self._window, self._ramp * 2)
-        else:
+                self._last_piece = first
+        else:  # a seek
             self._ramp = 2
-        self._last_piece = first
+            self._last_piece = first
         upto = min(self.source.piece_count - 1, max(last, first + self._ramp - 1))
-        for index in [i for i in self._pieces if i < first or i > max(upto, first + self._window)]:
+        keep_from = first - 1  # an out-of-order request may still want the previous piece
+        for index in [i for i in self._pieces if i < keep_from or i > max(upto, first + self._window)]:
             self._pieces.pop(index)[1].cancel()
         for index in range(first, upto + 1):
             if index not in self._pieces:
@@ -259,7 +274,15 @@ def fetch_pieces(source: Source, start: int, end: int, concurrency: int,
         return
     first = start // source.piece_size
     last = (end - 1) // source.piece_size
-    todo = iter(range(first, last + 1))
+    fetch_piece_set(source, range(first, last + 1), concurrency, sink, start, end)
+
+
+def fetch_piece_set(source: Source, indices: Iterable[int], concurrency: int,
+                    sink: Callable[[int, bytes], None], start: int = 0,
+                    end: int | None = None) -> None:
+    """Fetch the pieces ``indices`` (clipped to ``[start, end)``), ``concurrency`` at a time."""
+    end = source.size if end is None else end
+    todo = iter(indices)
     inflight: dict[Future[bytes], int] = {}
 
     def launch() -> bool:

@@ -80,6 +80,28 @@ class StripedWriter(io.BufferedIOBase):
         self._size += written
         return written
 
+    def write_borrowed(self, buffer) -> int:
+        """Write without copying: ``buffer`` must stay unchanged until :meth:`close` returns.
+
+        For staged data that is immutable by construction (a checkpoint's staging buffer);
+        whole stripes are handed to the backend as views. Targets whose clients need
+        ``bytes`` (object stores) get one copy per stripe, as with :meth:`write`.
+        """
+        view = memoryview(buffer).cast("B")
+        stripe = self._opts.stripe_size
+        if self._buf:  # finish a partial stripe first, copying only that part
+            room = stripe - len(self._buf)
+            self.write(view[:room])
+            view = view[room:]
+        whole = len(view) - len(view) % stripe
+        for start in range(0, whole, stripe):
+            chunk = view[start : start + stripe]
+            self._upload(chunk if self._backend.accepts_views else bytes(chunk))
+        self._size += whole
+        if whole < len(view):
+            self.write(view[whole:])
+        return len(buffer) if not isinstance(buffer, memoryview) else buffer.nbytes
+
     def close(self) -> None:
         """Flush, wait for every stripe, then commit the manifest (the only visible step)."""
         if self._state != "open":
@@ -121,7 +143,7 @@ class StripedWriter(io.BufferedIOBase):
             self.discard()
 
     # -- internals ---------------------------------------------------------------------
-    def _upload(self, data: bytes) -> None:
+    def _upload(self, data: bytes | memoryview) -> None:
         self._drain(self._opts.concurrency - 1)
         index = len(self._checksums)
         self._checksums.append(checksum(data))

@@ -1,0 +1,40 @@
+"""Checkpoint errors: each names the step, the rank or the file, and what to do."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class for ckpt errors."""
+
+
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """No committed checkpoint (at that step) exists under the URL."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A committed checkpoint failed verification; ``path`` names the file."""
+
+    def __init__(self, message: str, *, step: int, path: str | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.path = path
+
+
+class CheckpointSaveError(CheckpointError):
+    """A background save failed; raised in the caller at the next save/wait/close."""
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+class StateMismatchError(CheckpointError):
+    """The state to load into does not match the checkpoint; lists every mismatch."""
+
+    def __init__(self, step: int, problems: list[str]) -> None:
+        self.step = step
+        self.problems = problems
+        lines = "\n  ".join(problems)
+        super().__init__(
+            f"checkpoint step {step} does not match the state to load ({len(problems)} "
+            f"problem(s)); pass strict=False to load what matches:\n  {lines}")

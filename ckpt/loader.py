@@ -1,0 +1,379 @@
+"""Loading with resharding: each target reads exactly the stored pieces its slice overlaps.
+
+For every tensor in the state to load into, the box it needs (the whole tensor, a DTensor's
+local shard, a FlatShard's range) is matched against the stored chunks (``overlap``). Each
+overlap becomes a copy job over a byte range of one rank's data file; the striped pieces
+those ranges touch are fetched in parallel and copied straight into the target tensors
+(through a small temporary only when the overlap is not contiguous in the file).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+import time
+import zlib
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from striped_fs import StripedFileSystem
+from striped_fs.reader import fetch_piece_set
+
+from .errors import CheckpointCorrupt, StateMismatchError
+from .flatten import walk
+from .layout import MANIFEST, Manifest, RankIndex, data_name, dtype_of, index_name, objects_name, step_dir
+from .overlap import ChunkIndex, StoredChunk
+from .tensors import Box, PerRank, TensorLeaf, describe, is_tensor_leaf
+
+log = logging.getLogger("ckpt")
+
+
+@dataclass
+class LoadReport:
+    step: int
+    bytes_read: int = 0
+    seconds: float = 0.0
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # in the state, not in the checkpoint
+    unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state
+    mismatched: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KeyInfo:
+    kind: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    index: ChunkIndex
+
+
+class CheckpointView:
+    """A committed checkpoint's manifest and indexes, read and cross-checked."""
+
+    def __init__(self, fs: StripedFileSystem, root: str, step: int) -> None:
+        self.fs, self.root, self.step = fs, root, step
+        self.dir = step_dir(root, step)
+        try:
+            raw = fs.cat_file(f"{self.dir}/{MANIFEST}")
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"step {step} is not committed (no {MANIFEST})",
+                                    step=step, path=f"{self.dir}/{MANIFEST}") from None
+        self.manifest = _parse(Manifest.from_json, raw, step, f"{self.dir}/{MANIFEST}")
+        with ThreadPoolExecutor(8) as pool:
+            blobs = list(pool.map(self._read_index, range(self.manifest.world_size)))
+        self.indexes: list[RankIndex] = []
+        for rank, blob in enumerate(blobs):
+            path = f"{self.dir}/{index_name(rank)}"
+            expected = self.manifest.ranks[rank]["index_crc32"]
+            if zlib.crc32(blob) != expected:
+                raise CheckpointCorrupt(f"step {step}: {path} does not match the manifest's "
+                                        "checksum", step=step, path=path)
+            self.indexes.append(_parse(RankIndex.from_json, blob, step, path))
+        grouped: dict[str, list[StoredChunk]] = defaultdict(list)
+        meta: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+        for idx in self.indexes:
+            for c in idx.chunks:
+                grouped[c.key].append(StoredChunk(c.key, idx.rank, Box(tuple(c.offsets), tuple(c.shape)),
+                                                  c.byte_offset, c.nbytes, c.dtype))
+                meta.setdefault(c.key, (c.kind, c.dtype, tuple(c.global_shape)))
+        self.keys = {k: KeyInfo(meta[k][0], meta[k][1], meta[k][2], ChunkIndex(v, meta[k][2]))
+                     for k, v in grouped.items()}
+
+    def _read_index(self, rank: int) -> bytes:
+        path = f"{self.dir}/{index_name(rank)}"
+        try:
+            return self.fs.cat_file(path)
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"step {self.step}: {path} is missing", step=self.step,
+                                    path=path) from None
+
+    def objects(self, rank: int, trust_objects: bool) -> dict[str, Any]:
+        idx = self.indexes[rank]
+        if not idx.objects_size:
+            return {}
+        path = f"{self.dir}/{objects_name(rank)}"
+        blob = self.fs.cat_file(path)
+        if len(blob) != idx.objects_size or zlib.crc32(blob) != idx.objects_crc32:
+            raise CheckpointCorrupt(f"step {self.step}: {path} does not match its index",
+                                    step=self.step, path=path)
+        try:
+            return torch.load(io.BytesIO(blob), weights_only=not trust_objects)
+        except pickle.UnpicklingError as exc:
+            raise CheckpointCorrupt(
+                f"step {self.step}: {path} holds objects outside torch's safe set ({exc}); "
+                "load with trust_objects=True if you trust this checkpoint", step=self.step,
+                path=path) from None
+
+
+def _parse(fn: Callable[..., Any], raw: bytes, step: int, path: str) -> Any:
+    try:
+        return fn(raw, path=path)
+    except ValueError as exc:
+        raise CheckpointCorrupt(f"step {step}: {exc}", step=step, path=path) from None
+
+
+# -- targets -----------------------------------------------------------------------------
+
+@dataclass
+class Target:
+    key: str
+    leaf: TensorLeaf
+    tensor: torch.Tensor  # where bytes land: the leaf's own memory when it is CPU-contiguous
+    box: Box
+    done: Callable[[], None] | None = None
+    flat_view: bool = False  # loaded through a 1-D view of the same row-major bytes
+
+
+def _target(key: str, leaf: TensorLeaf, info: KeyInfo | None) -> Target:
+    local = leaf.local
+    work = local if (local.is_contiguous() and local.device.type == "cpu") else \
+        torch.empty(local.shape, dtype=local.dtype)
+    done = None if work is local else (lambda: local.copy_(work))
+    box, flat_view = leaf.box, False
+    # A plain tensor loads from flat shards of the same numel, and a FlatShard from a
+    # single full copy of an N-D tensor: both are the same bytes in row-major order.
+    if info is not None and info.global_shape != leaf.global_shape:
+        numel = _prod(leaf.global_shape)
+        if numel == _prod(info.global_shape) and len(info.global_shape) == 1 and leaf.kind == "tensor":
+            work, box, flat_view = work.view(-1), Box((0,), (numel,)), True
+        elif leaf.kind == "flat" and numel == _prod(info.global_shape):
+            full = Box((0,) * len(info.global_shape), info.global_shape)
+            if info.index.overlapping(full) and all(c.box == full for c in info.index.chunks):
+                info.index = ChunkIndex([StoredChunk(c.key, c.rank, Box((0,), (numel,)),
+                                                     c.byte_offset, c.nbytes, c.dtype)
+                                         for c in info.index.chunks], (numel,))
+                info.global_shape = (numel,)
+                flat_view = True
+    return Target(key, leaf, work, box, done, flat_view)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def collect(state: Any) -> tuple[dict[str, TensorLeaf], dict[str, tuple[Any, Any, Any]]]:
+    tensors: dict[str, TensorLeaf] = {}
+    objects: dict[str, tuple[Any, Any, Any]] = {}
+    for key, value, container, slot in walk(state):
+        if is_tensor_leaf(value):
+            tensors[key] = describe(key, value)
+        else:
+            objects[key] = (container, slot, value)
+    return tensors, objects
+
+
+# -- copy jobs ---------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    rank: int
+    start: int
+    end: int
+    buffer: memoryview
+    finish: Callable[[], None] | None = None
+    filled: int = 0
+
+
+def _run(box: Box, outer: Box) -> tuple[int, int] | None:
+    """(element offset, count) when ``box`` is one contiguous run inside ``outer``."""
+    shape, rel = outer.shape, [b - o for b, o in zip(box.offsets, outer.offsets, strict=True)]
+    d = 0
+    while d < len(shape) and box.shape[d] == 1:
+        d += 1
+    if any(box.shape[k] != shape[k] for k in range(d + 1, len(shape))):
+        return None
+    offset = 0
+    for k in range(len(shape)):
+        offset = offset * shape[k] + rel[k]
+    return offset, box.numel
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def plan(target: Target, chunks: list[StoredChunk], itemsize: int) -> list[Job]:
+    jobs = []
+    for c in chunks:
+        inter = c.box.intersect(target.box)
+        if inter is None or inter.numel == 0:
+            continue
+        in_chunk = _run(inter, c.box)
+        in_target = _run(inter, target.box)
+        if in_chunk and in_target:
+            start = c.byte_offset + in_chunk[0] * itemsize
+            at = in_target[0] * itemsize
+            jobs.append(Job(c.rank, start, start + inter.numel * itemsize,
+                            _bytes_of(target.tensor)[at : at + inter.numel * itemsize]))
+            continue
+        # Not contiguous somewhere: read whole leading rows of the chunk (or the exact run)
+        # into a temporary and copy the sub-box with torch.
+        if in_chunk:
+            start, count, src_shape = in_chunk[0], inter.numel, inter.shape
+            narrow_from = (0,) * len(inter.shape)
+        else:
+            row = _prod(c.box.shape[1:])
+            first = inter.offsets[0] - c.box.offsets[0]
+            start, count = first * row, inter.shape[0] * row
+            src_shape = (inter.shape[0], *c.box.shape[1:])
+            narrow_from = (0, *(i - o for i, o in zip(inter.offsets[1:], c.box.offsets[1:], strict=True)))
+        temp = bytearray(count * itemsize)
+        dst = target.tensor
+        for d, (i, o) in enumerate(zip(inter.offsets, target.box.offsets, strict=True)):
+            dst = dst.narrow(d, i - o, inter.shape[d])
+
+        def finish(temp=temp, src_shape=src_shape, narrow_from=narrow_from, inter=inter, dst=dst):
+            src = torch.frombuffer(temp, dtype=dst.dtype).view(src_shape)
+            for d, (n0, size) in enumerate(zip(narrow_from, inter.shape, strict=True)):
+                src = src.narrow(d, n0, size)
+            dst.copy_(src)
+
+        byte_start = c.byte_offset + start * itemsize
+        jobs.append(Job(c.rank, byte_start, byte_start + len(temp), memoryview(temp), finish))
+    return jobs
+
+
+def execute(view: CheckpointView, jobs: list[Job], concurrency: int) -> int:
+    """Fetch the pieces the jobs touch, file by file in parallel; returns bytes fetched."""
+    by_rank: dict[int, list[Job]] = defaultdict(list)
+    for job in jobs:
+        by_rank[job.rank].append(job)
+
+    def one_file(rank: int) -> int:
+        path = f"{view.dir}/{data_name(rank)}"
+        source = view.fs._resolve(view.fs._norm(path), view.fs.options)
+        if source.size != view.indexes[rank].data_size:
+            raise CheckpointCorrupt(f"step {view.step}: {path} holds {source.size} bytes, its "
+                                    f"index says {view.indexes[rank].data_size}",
+                                    step=view.step, path=path)
+        size = source.piece_size
+        per_piece: dict[int, list[Job]] = defaultdict(list)
+        for job in by_rank[rank]:
+            for p in range(job.start // size, (job.end - 1) // size + 1):
+                per_piece[p].append(job)
+        fetched = 0
+
+        def sink(offset: int, data: bytes) -> None:
+            nonlocal fetched
+            fetched += len(data)
+            end = offset + len(data)
+            for job in per_piece[offset // size]:
+                lo, hi = max(job.start, offset), min(job.end, end)
+                if lo >= hi:
+                    continue
+                job.buffer[lo - job.start : hi - job.start] = memoryview(data)[lo - offset : hi - offset]
+                job.filled += hi - lo
+                if job.filled == job.end - job.start and job.finish is not None:
+                    job.finish()
+
+        try:
+            fetch_piece_set(source, sorted(per_piece), concurrency, sink)
+        except FileNotFoundError as exc:
+            raise CheckpointCorrupt(f"step {view.step}: {exc}", step=view.step, path=path) from exc
+        return fetched
+
+    if not by_rank:
+        return 0
+    with ThreadPoolExecutor(min(len(by_rank), 4), thread_name_prefix="ckpt-load") as pool:
+        return sum(pool.map(one_file, sorted(by_rank)))
+
+
+def load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
+              concurrency: int, trust_objects: bool = False) -> LoadReport:
+    started = time.perf_counter()
+    report = LoadReport(view.step)
+    tensors, objects = collect(state)
+    saved_objects_rank = rank if rank < view.manifest.world_size else 0
+    saved_object_keys = set(view.indexes[saved_objects_rank].object_keys)
+    problems: list[str] = []
+    targets: list[Target] = []
+    for key, leaf in tensors.items():
+        info = view.keys.get(key)
+        if info is None:
+            report.missing.append(key)
+            problems.append(f"missing from checkpoint: {key}")
+            continue
+        target = _target(key, leaf, info)
+        issue = _mismatch(key, leaf, info, target)
+        if issue:
+            report.mismatched.append(key)
+            problems.append(issue)
+            continue
+        targets.append(target)
+    for key in sorted(set(view.keys) - set(tensors)):
+        report.unexpected.append(key)
+        problems.append(f"unexpected in checkpoint (not in state): {key}")
+    for key in sorted(set(objects) - saved_object_keys):
+        report.missing.append(key)
+        problems.append(f"missing from checkpoint: {key} (object)")
+    for key in sorted(saved_object_keys - set(objects)):
+        report.unexpected.append(key)
+        problems.append(f"unexpected in checkpoint (not in state): {key} (object)")
+    if problems and strict:
+        raise StateMismatchError(view.step, problems)
+    jobs = []
+    for t in targets:
+        info = view.keys[t.key]
+        jobs += plan(t, info.index.overlapping(t.box), t.tensor.element_size())
+    report.bytes_read = execute(view, jobs, concurrency)
+    for t in targets:
+        if t.done is not None:
+            t.done()
+        report.loaded.append(t.key)
+    wanted = {k for k in objects if k in saved_object_keys}
+    if wanted:
+        if saved_objects_rank != rank:
+            log.warning("step %d was saved by %d ranks: rank %d takes rank 0's objects",
+                        view.step, view.manifest.world_size, rank)
+        values = view.objects(saved_objects_rank, trust_objects)
+        for key in wanted:
+            container, slot, old = objects[key]
+            if isinstance(old, PerRank):
+                old.value = values[key]
+            else:
+                container[slot] = values[key]
+            report.loaded.append(key)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _mismatch(key: str, leaf: TensorLeaf, info: KeyInfo, target: Target) -> str | None:
+    saved = dtype_of(info.dtype)
+    if saved != leaf.dtype:
+        return f"dtype of {key}: checkpoint {saved}, state {leaf.dtype}"
+    if info.global_shape != leaf.global_shape and not target.flat_view:
+        return (f"shape of {key}: checkpoint {list(info.global_shape)}, "
+                f"state {list(leaf.global_shape)}")
+    covered = info.index.covered(target.box)
+    if covered != target.box.numel:
+        return (f"incomplete {key}: the checkpoint stores {covered} of the "
+                f"{target.box.numel} elements this rank needs")
+    return None
+
+
+def full_state(view: CheckpointView, *, rank: int = 0, trust_objects: bool = False) -> dict[str, Any]:
+    """Every tensor as one full plain tensor plus rank ``rank``'s objects, as a nested dict."""
+    from .flatten import unflatten
+
+    flat: dict[str, Any] = {}
+    jobs = []
+    for key, info in view.keys.items():
+        tensor = torch.empty(info.global_shape, dtype=dtype_of(info.dtype))
+        leaf = describe(key, tensor)
+        target = Target(key, leaf, tensor, leaf.box)
+        jobs += plan(target, info.index.overlapping(target.box), tensor.element_size())
+        flat[key] = tensor
+    execute(view, jobs, view.fs.options.concurrency)
+    flat.update(view.objects(rank if rank < view.manifest.world_size else 0, trust_objects))
+    return unflatten(flat)
+
+

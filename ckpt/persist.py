@@ -1,0 +1,171 @@
+"""Persisting a staged save, committing it, and retention.
+
+Runs on the manager's background thread and never touches a process group: ranks report
+"my shard is durable" by writing their index file, and rank 0 commits by writing
+``MANIFEST.json`` once every index is present (shard markers in storage work on every
+backend and cannot deadlock with training collectives).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from striped_fs import StripedFileSystem
+
+from .errors import CheckpointSaveError
+from .layout import (
+    MANIFEST,
+    Manifest,
+    RankIndex,
+    data_name,
+    index_name,
+    objects_name,
+    parse_step,
+    step_dir,
+)
+from .staging import StagedSave
+
+log = logging.getLogger("ckpt")
+
+
+@dataclass
+class SaveResult:
+    """What one save did: for traces and benchmarks."""
+
+    step: int
+    rank: int
+    bytes_written: int
+    stage_s: float
+    persist_s: float
+    committed: bool
+
+
+def chunk_crcs(staged: StagedSave) -> None:
+    view = memoryview(staged.buffer.numpy())
+    for chunk in staged.chunks:
+        chunk.crc32 = zlib.crc32(view[chunk.byte_offset : chunk.byte_offset + chunk.nbytes])
+
+
+def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
+            world_size: int, commit_timeout_s: float, keep: int | None,
+            protected: set[int]) -> SaveResult:
+    started = time.perf_counter()
+    directory = step_dir(root, staged.step)
+    fs.makedirs(directory, exist_ok=True)
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") as crc_pool:
+        crcs = crc_pool.submit(chunk_crcs, staged)  # hashing overlaps the write (no GIL held)
+        with fs.open(f"{directory}/{data_name(rank)}", "wb") as f:
+            f.write_borrowed(staged.buffer.numpy())
+        crcs.result()
+    if staged.objects_blob:
+        fs.pipe_file(f"{directory}/{objects_name(rank)}", staged.objects_blob)
+    index = RankIndex(
+        step=staged.step, rank=rank, world_size=world_size, data_size=staged.data_size,
+        chunks=staged.chunks, tensor_keys=staged.tensor_keys,
+        replicated_keys=staged.replicated_keys, object_keys=staged.object_keys,
+        objects_size=len(staged.objects_blob),
+        objects_crc32=zlib.crc32(staged.objects_blob) if staged.objects_blob else 0)
+    fs.pipe_file(f"{directory}/{index_name(rank)}", index.to_json())  # "my shard is durable"
+    written = staged.data_size + len(staged.objects_blob)
+    committed = False
+    if rank == 0:
+        commit(fs, root, staged.step, world_size, commit_timeout_s)
+        committed = True
+        if keep is not None:
+            apply_retention(fs, root, keep, protected)
+    return SaveResult(staged.step, rank, written, staged.stage_s,
+                      time.perf_counter() - started, committed)
+
+
+def commit(fs: StripedFileSystem, root: str, step: int, world_size: int,
+           timeout_s: float) -> Manifest:
+    """Wait for every rank's index, check them against each other, write the manifest."""
+    directory = step_dir(root, step)
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        fs.invalidate_cache(directory)
+        names = {p.rsplit("/", 1)[-1] for p in fs.ls(directory, detail=False)}
+        missing = [r for r in range(world_size) if index_name(r) not in names]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise CheckpointSaveError(
+                f"step {step}: rank(s) {missing} did not report a durable shard within "
+                f"{timeout_s:.0f} s; the checkpoint was not committed", step=step)
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+    with ThreadPoolExecutor(8) as pool:
+        raw = list(pool.map(lambda r: fs.cat_file(f"{directory}/{index_name(r)}"),
+                            range(world_size)))
+    indexes = [RankIndex.from_json(b, path=f"{directory}/{index_name(r)}")
+               for r, b in enumerate(raw)]
+    problems = check_indexes(indexes, step, world_size)
+    if problems:
+        raise CheckpointSaveError(f"step {step}: not committed: " + "; ".join(problems), step=step)
+    manifest = Manifest(
+        step=step, world_size=world_size,
+        ranks=[{"rank": i.rank, "data_size": i.data_size, "index_crc32": zlib.crc32(b)}
+               for i, b in zip(indexes, raw, strict=True)],
+        total_bytes=sum(i.data_size + i.objects_size for i in indexes),
+        tensor_count=len({c.key for i in indexes for c in i.chunks}))
+    fs.pipe_file(f"{directory}/{MANIFEST}", manifest.to_json())
+    log.info("checkpoint step %d committed: %d ranks, %.1f MiB", step, world_size,
+             manifest.total_bytes / 2**20)
+    return manifest
+
+
+def check_indexes(indexes: list[RankIndex], step: int, world_size: int) -> list[str]:
+    problems = []
+    for i in indexes:
+        if i.step != step or i.world_size != world_size:
+            problems.append(f"rank {i.rank} wrote step {i.step} of world size {i.world_size}")
+    written = {c.key for i in indexes for c in i.chunks}
+    held = [set(i.replicated_keys) for i in indexes]
+    every = set().union(*held) if held else set()
+    for i, keys in zip(indexes, held, strict=True):
+        for key in sorted(every - keys)[:5]:
+            problems.append(f"rank {i.rank} does not hold replicated tensor {key!r} (plain "
+                            "tensors must exist on every rank; wrap per-rank values in PerRank)")
+    for key in sorted(every - written)[:5]:
+        problems.append(f"no rank wrote replicated tensor {key!r}")
+    return problems
+
+
+def committed_steps(fs: StripedFileSystem, root: str) -> tuple[list[int], list[int]]:
+    """(committed steps, uncommitted step directories), both ascending."""
+    fs.invalidate_cache(root)
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return [], []
+    steps = sorted(s for e in entries if e["type"] == "directory"
+                   and (s := parse_step(e["name"])) is not None)
+    done, torn = [], []
+    for s in steps:
+        (done if fs.exists(f"{step_dir(root, s)}/{MANIFEST}") else torn).append(s)
+    return done, torn
+
+
+def apply_retention(fs: StripedFileSystem, root: str, keep: int, protected: set[int]) -> None:
+    """Delete committed checkpoints beyond the newest ``keep`` and torn ones older than the
+    newest commit; never a step in ``protected`` (being loaded)."""
+    done, torn = committed_steps(fs, root)
+    if not done:
+        return
+    newest = done[-1]
+    doomed = [s for s in done[:-keep] if s not in protected] if keep > 0 else []
+    doomed += [s for s in torn if s < newest and s not in protected]
+    for s in doomed:
+        directory = step_dir(root, s)
+        try:
+            if fs.exists(f"{directory}/{MANIFEST}"):
+                fs.rm_file(f"{directory}/{MANIFEST}")  # invisible first, then the bytes
+            fs.rm(directory, recursive=True)
+            log.info("retention: removed checkpoint step %d", s)
+        except FileNotFoundError:
+            pass
