@@ -12,6 +12,7 @@ from .errors import (
 )
 from .loader import LoadReport
 from .manager import CheckpointInfo, CheckpointManager, SaveHandle, VerifyReport
+from .optim import init_optimizer_state
 from .persist import SaveResult
 from .tensors import FlatShard, PerRank
 
@@ -29,4 +30,5 @@ __all__ = [
     "SaveResult",
     "StateMismatchError",
     "VerifyReport",
+    "init_optimizer_state",
 ]

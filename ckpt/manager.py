@@ -38,6 +38,7 @@ class SaveHandle:
         self.step = step
         self.stage_s = stage_s
         self._future = future
+        self.reported = False  # its failure reached the caller once; not raised again
 
     def done(self) -> bool:
         return self._future.done()
@@ -46,8 +47,10 @@ class SaveHandle:
         try:
             return self._future.result(timeout)
         except CheckpointSaveError:
+            self.reported = True
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised with the step named
+            self.reported = True
             raise CheckpointSaveError(f"checkpoint step {self.step} failed: {exc}",
                                       step=self.step) from exc
 
@@ -129,7 +132,9 @@ class CheckpointManager:
 
     def _flush(self) -> SaveResult | None:
         handle, self._pending = self._pending, None
-        return handle.wait() if handle is not None else None
+        if handle is None or handle.reported:
+            return None
+        return handle.wait()
 
     def wait(self) -> SaveResult | None:
         """Wait for the save in flight; raise its failure naming the step."""

@@ -211,7 +211,7 @@ def _final_error(exc: BaseException, what: str, path: str, attempts: int,
     if isinstance(exc, _PERMANENT_OSERRORS):
         return type(exc)(exc.errno, f"{what}: {path}: {exc.strerror or exc}", path)
     return StripedIOError(
-        f"{what} of {path} failed after {attempts} attempt(s): {type(exc).__name__}: {exc}",
+        f"{what} ({path}) failed after {attempts} attempt(s): {type(exc).__name__}: {exc}",
         path=path, stripe=stripe,
     )
 
