@@ -275,7 +275,7 @@ def test_chunk_index_matches_brute_force():
     shape = (37, 23)
     rows, cols = [0, 5, 11, 20, 37], [0, 9, 23]
     chunks = [StoredChunk("k", 0, Box((r0, c0), (r1 - r0, c1 - c0)), 0, 0, "float32")
-              for r0, r1 in zip(rows, rows[1:]) for c0, c1 in zip(cols, cols[1:])]
+              for r0, r1 in zip(rows, rows[1:], strict=False) for c0, c1 in zip(cols, cols[1:], strict=False)]
     index = ChunkIndex(chunks, shape)
     assert index.is_grid
     for _ in range(300):
