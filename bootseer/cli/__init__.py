@@ -7,6 +7,7 @@ import logging
 import sys
 
 from .. import __version__
+from . import ckpt as ckpt_cmd
 from . import fs as fs_cmd
 from .errors import CliError
 
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="more log output (-vv for debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     fs_cmd.register(sub)
+    ckpt_cmd.register(sub)
     from . import bench, demo
 
     demo.register(sub)
@@ -42,6 +44,19 @@ def main(argv: list[str] | None = None) -> None:
             OSError) as exc:
         print(f"bootseer: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Exception as exc:
+        if _is_storage_client_error(exc):  # botocore's errors are not OSErrors
+            print(f"bootseer: error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     raise SystemExit(code or 0)
+
+
+def _is_storage_client_error(exc: BaseException) -> bool:
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:  # pragma: no cover - botocore comes with s3fs
+        return False
+    return isinstance(exc, BotoCoreError | ClientError)
