@@ -96,6 +96,7 @@ class RankIndex:
     object_keys: list[str]
     objects_size: int = 0
     objects_crc32: int = 0
+    attempt: str = ""  # which run of the job wrote it: the commit only mixes one attempt
     format: int = FORMAT_VERSION
     created: float = field(default_factory=time.time)
 

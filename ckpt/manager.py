@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import zlib
@@ -29,6 +30,20 @@ from .persist import SaveResult, committed_steps, persist
 from .staging import StagingPool, stage
 
 log = logging.getLogger("ckpt")
+
+
+def default_attempt() -> str:
+    """Which run of the job this is, as every rank of it sees it (no communication needed).
+
+    ``BOOTSEER_ATTEMPT`` (set by ``bootseer run``), else torchelastic's run id and restart
+    count. Without either, attempts are indistinguishable: see docs/ckpt.md.
+    """
+    if os.environ.get("BOOTSEER_ATTEMPT"):
+        return os.environ["BOOTSEER_ATTEMPT"]
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        return (f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:"
+                f"{os.environ['TORCHELASTIC_RESTART_COUNT']}")
+    return ""
 
 
 class SaveHandle:
@@ -82,7 +97,8 @@ class CheckpointManager:
     def __init__(self, url: str, *, rank: int = 0, world_size: int = 1, keep: int | None = None,
                  storage_options: dict[str, Any] | None = None,
                  stripe_size: int | str | None = None, concurrency: int | None = None,
-                 commit_timeout_s: float = 1800.0, trust_objects: bool = False) -> None:
+                 commit_timeout_s: float = 1800.0, trust_objects: bool = False,
+                 attempt: str | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if keep is not None and keep < 1:
@@ -93,6 +109,7 @@ class CheckpointManager:
         self.fs, self.root = url_to_fs(url, storage_options, stripe_size=stripe_size,
                                        concurrency=concurrency)
         self.commit_timeout_s = commit_timeout_s
+        self.attempt = default_attempt() if attempt is None else attempt
         self.trust_objects = trust_objects
         self._pool = StagingPool()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-persist-r{rank}")
@@ -121,7 +138,8 @@ class CheckpointManager:
         staged = stage(step, state, rank=self.rank, world_size=self.world_size, pool=self._pool)
         future = self._executor.submit(
             persist, self.fs, self.root, staged, rank=self.rank, world_size=self.world_size,
-            commit_timeout_s=self.commit_timeout_s, keep=self.keep, protected=self._loading)
+            commit_timeout_s=self.commit_timeout_s, keep=self.keep, protected=self._loading,
+            attempt=self.attempt)
         self._pending = SaveHandle(step, future, staged.stage_s)
         if block:
             self._flush()

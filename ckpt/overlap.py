@@ -29,7 +29,9 @@ class StoredChunk:
 class ChunkIndex:
     def __init__(self, chunks: Sequence[StoredChunk], global_shape: tuple[int, ...]) -> None:
         self.global_shape = global_shape
-        self.chunks = list(chunks)
+        # Empty chunks (an FSDP rank with no elements, a DTensor shard past the end) hold no
+        # data; keyed by start they would shadow the real chunk starting at the same offset.
+        self.chunks = [c for c in chunks if c.box.numel]
         self._by_start: dict[tuple[int, ...], StoredChunk] = {}
         for c in self.chunks:
             self._by_start.setdefault(c.box.offsets, c)  # replicas: any copy will do

@@ -52,10 +52,13 @@ def chunk_crcs(staged: StagedSave) -> None:
 
 def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
             world_size: int, commit_timeout_s: float, keep: int | None,
-            protected: set[int]) -> SaveResult:
+            protected: set[int], attempt: str = "") -> SaveResult:
     started = time.perf_counter()
     directory = step_dir(root, staged.step)
     fs.makedirs(directory, exist_ok=True)
+    own_index = f"{directory}/{index_name(rank)}"
+    if fs.exists(own_index):  # left by an earlier, killed attempt at this step: retract it
+        fs.rm_file(own_index)
     with ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") as crc_pool:
         crcs = crc_pool.submit(chunk_crcs, staged)  # hashing overlaps the write (no GIL held)
         with fs.open(f"{directory}/{data_name(rank)}", "wb") as f:
@@ -68,12 +71,13 @@ def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
         chunks=staged.chunks, tensor_keys=staged.tensor_keys,
         replicated_keys=staged.replicated_keys, object_keys=staged.object_keys,
         objects_size=len(staged.objects_blob),
-        objects_crc32=zlib.crc32(staged.objects_blob) if staged.objects_blob else 0)
-    fs.pipe_file(f"{directory}/{index_name(rank)}", index.to_json())  # "my shard is durable"
+        objects_crc32=zlib.crc32(staged.objects_blob) if staged.objects_blob else 0,
+        attempt=attempt)
+    fs.pipe_file(own_index, index.to_json())  # "my shard is durable"
     written = staged.data_size + len(staged.objects_blob)
     committed = False
     if rank == 0:
-        commit(fs, root, staged.step, world_size, commit_timeout_s)
+        commit(fs, root, staged.step, world_size, commit_timeout_s, attempt)
         committed = True
         if keep is not None:
             apply_retention(fs, root, keep, protected)
@@ -82,41 +86,60 @@ def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
 
 
 def commit(fs: StripedFileSystem, root: str, step: int, world_size: int,
-           timeout_s: float) -> Manifest:
-    """Wait for every rank's index, check them against each other, write the manifest."""
+           timeout_s: float, attempt: str = "") -> Manifest:
+    """Wait for every rank's index of this attempt, cross-check them, write the manifest.
+
+    An index written by another attempt (a killed run that reached this step before) does
+    not count: its rank will replace it when it gets here, so the poll goes on.
+    """
     directory = step_dir(root, step)
     deadline = time.monotonic() + timeout_s
     delay = 0.01
+    found: dict[int, tuple[RankIndex, bytes]] = {}
     while True:
         fs.invalidate_cache(directory)
         names = {p.rsplit("/", 1)[-1] for p in fs.ls(directory, detail=False)}
-        missing = [r for r in range(world_size) if index_name(r) not in names]
+        for r in range(world_size):
+            if r not in found and index_name(r) in names:
+                index = _read_index(fs, directory, r)
+                if index is not None and index[0].attempt == attempt:
+                    found[r] = index
+        missing = [r for r in range(world_size) if r not in found]
         if not missing:
             break
         if time.monotonic() > deadline:
             raise CheckpointSaveError(
-                f"step {step}: rank(s) {missing} did not report a durable shard within "
-                f"{timeout_s:.0f} s; the checkpoint was not committed", step=step)
+                f"step {step}: rank(s) {missing} did not report a durable shard of this attempt "
+                f"within {timeout_s:.0f} s; the checkpoint was not committed", step=step)
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
-    with ThreadPoolExecutor(8) as pool:
-        raw = list(pool.map(lambda r: fs.cat_file(f"{directory}/{index_name(r)}"),
-                            range(world_size)))
-    indexes = [RankIndex.from_json(b, path=f"{directory}/{index_name(r)}")
-               for r, b in enumerate(raw)]
+    indexes = [found[r][0] for r in range(world_size)]
     problems = check_indexes(indexes, step, world_size)
     if problems:
         raise CheckpointSaveError(f"step {step}: not committed: " + "; ".join(problems), step=step)
     manifest = Manifest(
         step=step, world_size=world_size,
-        ranks=[{"rank": i.rank, "data_size": i.data_size, "index_crc32": zlib.crc32(b)}
-               for i, b in zip(indexes, raw, strict=True)],
+        ranks=[{"rank": r, "data_size": found[r][0].data_size, "index_crc32": zlib.crc32(found[r][1])}
+               for r in range(world_size)],
         total_bytes=sum(i.data_size + i.objects_size for i in indexes),
         tensor_count=len({c.key for i in indexes for c in i.chunks}))
     fs.pipe_file(f"{directory}/{MANIFEST}", manifest.to_json())
     log.info("checkpoint step %d committed: %d ranks, %.1f MiB", step, world_size,
              manifest.total_bytes / 2**20)
     return manifest
+
+
+def _read_index(fs: StripedFileSystem, directory: str, rank: int) -> tuple[RankIndex, bytes] | None:
+    """An index being replaced may vanish between listing and reading: then not yet."""
+    path = f"{directory}/{index_name(rank)}"
+    try:
+        raw = fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+    try:
+        return RankIndex.from_json(raw, path=path), raw
+    except ValueError as exc:
+        raise CheckpointSaveError(f"{exc}", step=-1) from exc
 
 
 def check_indexes(indexes: list[RankIndex], step: int, world_size: int) -> list[str]:
@@ -133,7 +156,33 @@ def check_indexes(indexes: list[RankIndex], step: int, world_size: int) -> list[
                             "tensors must exist on every rank; wrap per-rank values in PerRank)")
     for key in sorted(every - written)[:5]:
         problems.append(f"no rank wrote replicated tensor {key!r}")
+    problems += _coverage_problems(indexes)
     return problems
+
+
+def _coverage_problems(indexes: list[RankIndex]) -> list[str]:
+    """Sharded tensors: the distinct stored chunks must tile the global tensor exactly."""
+    boxes: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    shapes: dict[str, list[int]] = {}
+    for i in indexes:
+        for c in i.chunks:
+            boxes.setdefault(c.key, set()).add((tuple(c.offsets), tuple(c.shape)))
+            shapes[c.key] = c.global_shape
+    problems = []
+    for key, found in boxes.items():
+        total = 1
+        for s in shapes[key]:
+            total *= s
+        stored = 0
+        for _, shape in found:
+            n = 1
+            for s in shape:
+                n *= s
+            stored += n
+        if stored != total:
+            problems.append(f"the shards of {key!r} hold {stored} elements of {total} "
+                            "(overlapping or missing shards)")
+    return problems[:5]
 
 
 def committed_steps(fs: StripedFileSystem, root: str) -> tuple[list[int], list[int]]:
