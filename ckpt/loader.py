@@ -27,7 +27,16 @@ from striped_fs.reader import fetch_piece_set
 
 from .errors import CheckpointCorrupt, StateMismatchError
 from .flatten import walk
-from .layout import MANIFEST, Manifest, RankIndex, data_name, dtype_of, index_name, objects_name, step_dir
+from .layout import (
+    MANIFEST,
+    Manifest,
+    RankIndex,
+    data_name,
+    dtype_of,
+    index_name,
+    objects_name,
+    step_dir,
+)
 from .overlap import ChunkIndex, StoredChunk
 from .tensors import Box, PerRank, TensorLeaf, describe, is_tensor_leaf
 
