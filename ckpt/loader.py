@@ -271,6 +271,20 @@ def execute(view: CheckpointView, jobs: list[Job], concurrency: int) -> int:
                 per_piece[p].append(job)
         fetched = 0
 
+        def direct(p: int) -> memoryview | None:
+            """A piece inside one job that lands in the target as is: read straight into it."""
+            jobs = per_piece[p]
+            lo, hi = source.piece_range(p)
+            if len(jobs) == 1 and jobs[0].finish is None and jobs[0].start <= lo and hi <= jobs[0].end:
+                return jobs[0].buffer[lo - jobs[0].start : hi - jobs[0].start]
+            return None
+
+        def landed(p: int) -> None:
+            nonlocal fetched
+            lo, hi = source.piece_range(p)
+            fetched += hi - lo
+            per_piece[p][0].filled += hi - lo
+
         def sink(offset: int, data: bytes) -> None:
             nonlocal fetched
             fetched += len(data)
@@ -285,7 +299,8 @@ def execute(view: CheckpointView, jobs: list[Job], concurrency: int) -> int:
                     job.finish()
 
         try:
-            fetch_piece_set(source, sorted(per_piece), concurrency, sink)
+            fetch_piece_set(source, sorted(per_piece), concurrency, sink, into=direct,
+                            landed=landed)
         except FileNotFoundError as exc:
             raise CheckpointCorrupt(f"step {view.step}: {exc}", step=view.step, path=path) from exc
         return fetched

@@ -41,6 +41,9 @@ class StagedSave:
         return self.buffer.numel()
 
 
+PAGE = 4096
+
+
 class StagingPool:
     """One CPU buffer, grown when needed, reused across saves (one save in flight)."""
 
@@ -53,13 +56,16 @@ class StagingPool:
         return 0 if self._buffer is None else self._buffer.numel()
 
     def acquire(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """A view of ``nbytes`` starting on a page boundary (whole stripes then go to a
+        local disk with O_DIRECT, straight from this buffer)."""
         buf = self._buffer
-        if buf is None or buf.numel() < nbytes or (pin and not buf.is_pinned()):
+        if buf is None or buf.numel() < nbytes + PAGE or (pin and not buf.is_pinned()):
             self._buffer = None  # free the old one before allocating the new one
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            buf = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
             self._buffer = buf
             self.allocations += 1
-        return buf[:nbytes]
+        start = -buf.data_ptr() % PAGE
+        return buf[start : start + nbytes]
 
 
 def assign_replicated_writers(leaves: list[TensorLeaf], world_size: int) -> dict[str, int]:

@@ -65,6 +65,7 @@ class StripeOptions:
     backoff_s: float = DEFAULT_BACKOFF_S
     backoff_cap_s: float = DEFAULT_BACKOFF_CAP_S
     fsync: bool = True
+    direct_io: bool = True
 
     def __post_init__(self) -> None:
         if not MIN_STRIPE_SIZE <= self.stripe_size <= MAX_STRIPE_SIZE:
@@ -123,7 +124,7 @@ def _coerce(values: dict[str, Any]) -> dict[str, Any]:
                 out[key] = int(value)
             elif key in ("backoff_s", "backoff_cap_s"):
                 out[key] = float(value)
-            elif key == "fsync":
+            elif key in ("fsync", "direct_io"):
                 out[key] = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
         except (TypeError, ValueError) as exc:
             if isinstance(exc, OptionError):

@@ -63,7 +63,8 @@ class StripedFileSystem(ChainedFileSystem):
 
     Options (constructor, storage options under the ``striped`` key, or per call):
     ``stripe_size`` (bytes or "8MiB"), ``concurrency`` (streams), ``readahead`` (stripes a
-    sequential reader keeps ahead), ``retries``, ``backoff_s``, ``fsync`` (local targets).
+    sequential reader keeps ahead), ``retries``, ``backoff_s``, ``fsync`` and ``direct_io``
+    (local targets).
     """
 
     protocol = "striped"
@@ -88,6 +89,7 @@ class StripedFileSystem(ChainedFileSystem):
                                                       self.options))
         self.target = fs
         self.backend = Backend(fs, max_workers=max(64, self.options.concurrency))
+        self.backend.direct_io = self.options.direct_io
 
     # -- paths -------------------------------------------------------------------------
     @classmethod

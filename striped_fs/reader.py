@@ -47,6 +47,21 @@ class Source:
         """
         raise NotImplementedError
 
+    def fetch_into(self, index: int, view: memoryview) -> Future[None]:
+        """Read the whole piece ``index`` into ``view`` (exactly its length), verified."""
+        start, fut = self.fetch(index)
+        out: Future[None] = Future()
+
+        def done(f: Future[bytes]) -> None:
+            try:
+                view[:] = f.result()
+                out.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                out.set_exception(exc)
+
+        fut.add_done_callback(done)
+        return out
+
     @property
     def striped(self) -> bool:
         return False
@@ -84,6 +99,11 @@ class PlainSource(Source):
                                       what=f"stripe {index} (bytes {start}-{end})")
         return start, fut
 
+    def fetch_into(self, index: int, view: memoryview) -> Future[None]:
+        start, end = self.piece_range(index)
+        return self.backend.read_into(self.path, view, start, retry=self.retry, stripe=index,
+                                      what=f"stripe {index} (bytes {start}-{end})")
+
 
 @dataclass
 class StripedSource(Source):
@@ -103,12 +123,27 @@ class StripedSource(Source):
         return True
 
     def fetch(self, index: int, lo: int = 0, hi: int | None = None) -> tuple[int, Future[bytes]]:
+        start, _ = self.piece_range(index)
+        fut = self.backend.read_object(self._object(index), what=f"stripe {index} of {self.path}",
+                                       retry=self.retry, validate=self._verifier(index),
+                                       stripe=index)
+        return start, fut
+
+    def fetch_into(self, index: int, view: memoryview) -> Future[None]:
+        return self.backend.read_into(self._object(index), view, retry=self.retry,
+                                      validate=self._verifier(index), stripe=index,
+                                      what=f"stripe {index} of {self.path}")
+
+    def _object(self, index: int) -> str:
+        return stripe_path(self.path, self.manifest.version, index)
+
+    def _verifier(self, index: int) -> Callable[[bytes | memoryview], None]:
         start, end = self.piece_range(index)
-        obj = stripe_path(self.path, self.manifest.version, index)
+        obj = self._object(index)
         expected_crc = self.manifest.checksums[index]
         expected_len = end - start
 
-        def verify(data: bytes) -> None:
+        def verify(data: bytes | memoryview) -> None:
             if len(data) != expected_len:
                 raise StripeChecksumError(
                     f"stripe {index} of {self.path} ({obj}) holds {len(data)} bytes, "
@@ -119,9 +154,7 @@ class StripedSource(Source):
                     f"stripe {index} of {self.path} ({obj}) is corrupt: crc32 {got:08x}, "
                     f"manifest says {expected_crc:08x}", path=self.path, stripe=index)
 
-        fut = self.backend.read_object(obj, what=f"stripe {index} of {self.path}",
-                                       retry=self.retry, validate=verify, stripe=index)
-        return start, fut
+        return verify
 
 
 class StripedReader(io.BufferedIOBase):
@@ -279,18 +312,29 @@ def fetch_pieces(source: Source, start: int, end: int, concurrency: int,
 
 def fetch_piece_set(source: Source, indices: Iterable[int], concurrency: int,
                     sink: Callable[[int, bytes], None], start: int = 0,
-                    end: int | None = None) -> None:
-    """Fetch the pieces ``indices`` (clipped to ``[start, end)``), ``concurrency`` at a time."""
+                    end: int | None = None,
+                    into: Callable[[int], memoryview | None] | None = None,
+                    landed: Callable[[int], None] | None = None) -> None:
+    """Fetch the pieces ``indices`` (clipped to ``[start, end)``), ``concurrency`` at a time.
+
+    A piece for which ``into(index)`` returns a view is read straight into it (no buffer in
+    between) and reported through ``landed(index)``; the others go to ``sink(offset, data)``.
+    Callbacks run in the calling thread. The first failure cancels the rest and is raised.
+    """
     end = source.size if end is None else end
     todo = iter(indices)
-    inflight: dict[Future[bytes], int] = {}
+    inflight: dict[Future, tuple[int, int | None]] = {}
 
     def launch() -> bool:
         index = next(todo, None)
         if index is None:
             return False
-        data_start, fut = source.fetch(index, start, end)
-        inflight[fut] = data_start
+        view = into(index) if into is not None else None
+        if view is not None:
+            inflight[source.fetch_into(index, view)] = (index, None)
+        else:
+            data_start, fut = source.fetch(index, start, end)
+            inflight[fut] = (index, data_start)
         return True
 
     try:
@@ -299,11 +343,15 @@ def fetch_piece_set(source: Source, indices: Iterable[int], concurrency: int,
         while inflight:
             finished, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
             for fut in finished:
-                data_start = inflight.pop(fut)
-                data = fut.result()
-                lo, hi = max(start, data_start), min(end, data_start + len(data))
-                sink(lo, data if (lo, hi) == (data_start, data_start + len(data))
-                     else memoryview(data)[lo - data_start : hi - data_start])
+                index, data_start = inflight.pop(fut)
+                result = fut.result()
+                if data_start is None:
+                    if landed is not None:
+                        landed(index)
+                else:
+                    lo, hi = max(start, data_start), min(end, data_start + len(result))
+                    sink(lo, result if (lo, hi) == (data_start, data_start + len(result))
+                         else memoryview(result)[lo - data_start : hi - data_start])
                 launch()
     finally:
         for fut in inflight:
