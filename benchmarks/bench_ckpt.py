@@ -145,7 +145,7 @@ def main() -> int:
     worst = lambda rows, key: [max(x[key][i] for x in rows) for i in range(len(rows[0][key]))]  # noqa: E731
     steady = lambda xs: xs[1:] if len(xs) > 1 else xs  # noqa: E731
     stall = med(steady(worst(local, "ours_stall")))
-    floor_copy = max(x["copy_floor"] for x in local)
+    floor_copy = med(steady(worst(local, "copy_floor_runs")))
     dcp_async = {}
     for kind in ("thread", "process"):
         runs = [max(x[f"dcp_async_{kind}"][i][k] for x in local) for i in range(3) for k in ("return",)]
@@ -200,7 +200,10 @@ def main() -> int:
         f"# ckpt benchmark{' (quick)' if args.quick else ''}", "",
         f"- command: `python benchmarks/bench_ckpt.py --results {args.results}{' --quick' if args.quick else ''}` ({time.time() - started:.0f} s)",
         f"- state: {total / MB:.0f} MB over 2 ranks (FSDP-style halves of a {cfg['layers'] * 2}-layer d={cfg['d']} transformer + AdamW); training step {t['step_s']:.2f} s",
-        f"- DCP async_save: DefaultStager (shared memory, cached, async staging); kinds: " + ", ".join(f"{k}: return {v['return']:.3f} s / safe {v['safe']:.3f} s / durable {v['durable']:.2f} s" for k, v in dcp_async.items()),
+        "- stall and copy floor: medians of saves 2-10, each floor copy measured right before its save on both ranks",
+        f"- training loop: {cfg['train_steps']} steps, a save every {cfg['save_every']}, methods interleaved x{cfg.get('train_reps', 3)}; loop medians: "
+        + ", ".join(f"{m} {med(t[f'train_{m}']):.1f} s" for m in ("none", "ours", "dcp_async", "dcp_save")),
+        "- DCP async_save: DefaultStager (shared memory, cached, async staging); kinds: " + ", ".join(f"{k}: return {v['return']:.3f} s / safe {v['safe']:.3f} s / durable {v['durable']:.2f} s" for k, v in dcp_async.items()),
         f"- dd floors: write+fsync {floors['write_runs']}, cold read {floors['read_runs']}",
         f"- S3 link: {S3_LINK.describe()}", "", *lines, ""])
     print(md)

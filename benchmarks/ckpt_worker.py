@@ -116,21 +116,12 @@ def synced(fn) -> float:
     return time.perf_counter() - t
 
 
-def copy_floor(flat: dict[str, torch.Tensor]) -> float:
-    total = sum(v.numel() * v.element_size() for v in flat.values())
-    buf = torch.empty(total, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        off = 0
-        for v in flat.values():
-            n = v.numel() * v.element_size()
-            buf[off : off + n].view(v.dtype).copy_(v)
-            off += n
-        best = min(best, time.perf_counter() - t)
-    del buf
-    gc.collect()
-    return best
+def copy_into(flat: dict[str, torch.Tensor], buf: torch.Tensor) -> None:
+    off = 0
+    for v in flat.values():
+        n = v.numel() * v.element_size()
+        buf[off : off + n].view(v.dtype).copy_(v)
+        off += n
 
 
 def dcp_async(state, url: str, kind: str, stager):
@@ -158,8 +149,13 @@ def phase_local(cfg, rank, world, out) -> None:
     out["rss_before"] = rss()
     # -- bootseer: 10 saves (RSS), stalls, durable ------------------------------------------------
     mgr = CheckpointManager(str(root / "ours"), rank=rank, world_size=world, keep=2)
-    stalls, durables = [], []
+    stalls, durables, floors = [], [], []
+    floor_buf = torch.empty(out["state_bytes_rank"], dtype=torch.uint8)
     for step in range(10):
+        # the floor, measured right before each save under the same conditions: one copy of
+        # this rank's tensors into a preallocated buffer
+        dist.barrier()
+        floors.append(timed(lambda: copy_into(flat, floor_buf)))
         dist.barrier()
         t = time.perf_counter()
         handle = mgr.save(step, ours_state(flat, rank, world))
@@ -170,8 +166,10 @@ def phase_local(cfg, rank, world, out) -> None:
     out["rss_after_10_saves"] = rss()
     out["ours_stall"] = stalls
     out["ours_durable"] = durables
+    out["copy_floor_runs"] = floors
     mgr.close()
-    out["copy_floor"] = copy_floor(flat)
+    floor_buf = torch.empty(0)  # release it before the DCP runs
+    gc.collect()
     # -- DCP save (synchronous) -------------------------------------------------------------------
     mesh = init_device_mesh("cpu", (world,))
     out["dcp_save"] = [synced(lambda i=i: dcp.save(dcp_state(flat, mesh), storage_writer=dcp.FileSystemWriter(str(root / f"dcp-sync-{i}"))))
@@ -264,7 +262,7 @@ def phase_train(cfg, rank, world, out) -> None:
         return time.perf_counter() - t
 
     loop("none")  # warm-up: first-touch of activations and optimizer buffers
-    for method in ("none", "ours", "dcp_async", "dcp_save", "none", "ours", "dcp_async", "dcp_save"):
+    for method in ("none", "ours", "dcp_async", "dcp_save") * cfg.get("train_reps", 3):
         out.setdefault(f"train_{method}", []).append(loop(method))
     out["saves_per_loop"] = steps // every
     out["step_s"] = min(out["train_none"]) / steps
