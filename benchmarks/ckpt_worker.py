@@ -163,13 +163,13 @@ def phase_local(cfg, rank, world, out) -> None:
         handle.wait()
         dist.barrier()  # rank 0 committed: the checkpoint is durable for everyone
         durables.append(time.perf_counter() - t)
+    floor_buf = torch.empty(0)  # the floor's buffer is not ours: release it before reading RSS
+    gc.collect()
     out["rss_after_10_saves"] = rss()
     out["ours_stall"] = stalls
     out["ours_durable"] = durables
     out["copy_floor_runs"] = floors
     mgr.close()
-    floor_buf = torch.empty(0)  # release it before the DCP runs
-    gc.collect()
     # -- DCP save (synchronous) -------------------------------------------------------------------
     mesh = init_device_mesh("cpu", (world,))
     out["dcp_save"] = [synced(lambda i=i: dcp.save(dcp_state(flat, mesh), storage_writer=dcp.FileSystemWriter(str(root / f"dcp-sync-{i}"))))
@@ -195,13 +195,18 @@ def phase_local(cfg, rank, world, out) -> None:
     # -- loads, page cache dropped first; alternate to spread disk noise ------------------------
     ours_mgr = CheckpointManager(str(root / "ours"), rank=rank, world_size=world)
     target = ours_state(flat, rank, world)
-    loads_ours, loads_dcp = [], []
-    for _ in range(2):
+    loads_ours, loads_dcp, floor_reads = [], [], []
+    stripes = sorted(str(p) for p in (root / "ours" / "step-9").glob(".rank-*.data.stripes/*/*"))
+    for _ in range(3):
+        # the floor: the same bytes (this checkpoint's data files) read sequentially, cold
+        drop_caches(rank)
+        if rank == 0:
+            floor_reads.append(timed(lambda: subprocess.run(["cat", *stripes], stdout=subprocess.DEVNULL, check=True)))
         drop_caches(rank)
         loads_ours.append(synced(lambda: ours_mgr.load(target)))
         drop_caches(rank)
         loads_dcp.append(synced(lambda: dcp.load(dcp_state(flat, mesh), storage_reader=dcp.FileSystemReader(str(root / "dcp-sync-1")))))
-    out["ours_load"], out["dcp_load"] = loads_ours, loads_dcp
+    out["ours_load"], out["dcp_load"], out["floor_read_runs"] = loads_ours, loads_dcp, floor_reads
     ours_mgr.close()
     if rank == 0:
         numels = {k: v.numel() * world for k, v in flat.items()}
