@@ -101,7 +101,7 @@ def commit(fs: StripedFileSystem, root: str, step: int, world_size: int,
         names = {p.rsplit("/", 1)[-1] for p in fs.ls(directory, detail=False)}
         for r in range(world_size):
             if r not in found and index_name(r) in names:
-                index = _read_index(fs, directory, r)
+                index = _read_index(fs, directory, r, step)
                 if index is not None and index[0].attempt == attempt:
                     found[r] = index
         missing = [r for r in range(world_size) if r not in found]
@@ -129,7 +129,8 @@ def commit(fs: StripedFileSystem, root: str, step: int, world_size: int,
     return manifest
 
 
-def _read_index(fs: StripedFileSystem, directory: str, rank: int) -> tuple[RankIndex, bytes] | None:
+def _read_index(fs: StripedFileSystem, directory: str, rank: int,
+                step: int) -> tuple[RankIndex, bytes] | None:
     """An index being replaced may vanish between listing and reading: then not yet."""
     path = f"{directory}/{index_name(rank)}"
     try:
@@ -139,7 +140,7 @@ def _read_index(fs: StripedFileSystem, directory: str, rank: int) -> tuple[RankI
     try:
         return RankIndex.from_json(raw, path=path), raw
     except ValueError as exc:
-        raise CheckpointSaveError(f"{exc}", step=-1) from exc
+        raise CheckpointSaveError(f"step {step}: {exc}", step=step) from exc
 
 
 def check_indexes(indexes: list[RankIndex], step: int, world_size: int) -> list[str]:
