@@ -291,9 +291,12 @@ def test_no_server_child_left_running(s3_server_factory, nginx_factory, tmp_path
     sub = s3_server_factory(in_process=False)
     web = nginx_factory(tmp_path)
     me = psutil.Process()
-    kids = me.children(recursive=True)
-    assert {sub.pid, web.pid} <= {k.pid for k in kids}
+    assert {sub.pid, web.pid} <= {k.pid for k in me.children(recursive=True)}
+    # only the servers' own process trees: other tests may leave unrelated helpers alive
+    # (multiprocessing's resource tracker lives as long as the test session)
+    servers = [psutil.Process(sub.pid), psutil.Process(web.pid)]
+    tree = servers + [c for p in servers for c in p.children(recursive=True)]
     sub.stop()
     web.stop()
-    gone, alive = psutil.wait_procs(kids, timeout=10)
+    gone, alive = psutil.wait_procs(tree, timeout=10)
     assert alive == []
