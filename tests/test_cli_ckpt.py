@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from cli_helpers import bootseer_cli
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from bootseer.cli import main
@@ -20,12 +19,6 @@ from ckpt import CheckpointManager, FlatShard, PerRank
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-def bootseer_cli(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "bootseer", *args], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **(env or {})})
-    if check and proc.returncode != 0:
-        raise AssertionError(f"bootseer {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
-    return proc
 
 
 def bootseer_inprocess(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

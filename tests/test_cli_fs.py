@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
+from cli_helpers import bootseer_cli
 
 import bootseer
-
-
-def bootseer_cli(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "bootseer", *args], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **(env or {})})
-    if check and proc.returncode != 0:
-        raise AssertionError(f"bootseer {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
-    return proc
 
 
 def test_version():

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from cli_helpers import bootseer_cli
 
 from striped_fs import StripedFileSystem
 from striped_fs.fuse import is_mounted, unmount, wait_mounted
@@ -20,8 +21,7 @@ STRIPE = 256 * 1024
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bootseer", *args], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **(env or {})})
+    return bootseer_cli(*args, env=env, check=False)
 
 
 @pytest.fixture

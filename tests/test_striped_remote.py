@@ -167,15 +167,18 @@ def test_permanent_failure_names_path_and_stripe(http_site):
         assert reader.read() == data  # the link is back: the same reader works again
 
 
+def _striped_s3_via(shaper: Shaper, s3_server, **options) -> StripedFileSystem:
+    """A striped filesystem on the S3 server, reached through the shaper (faults go there)."""
+    opts = s3_server.storage_options(endpoint_url=f"http://{shaper.address}")
+    return StripedFileSystem(target_protocol="s3",
+                             target_options={**opts, "skip_instance_cache": True},
+                             stripe_size=STRIPE, skip_instance_cache=True, **options)
+
+
 def test_s3_transient_outage_during_write_is_retried(s3_server, s3_bucket):
     bucket, _ = s3_bucket
     with Shaper("127.0.0.1", s3_server.port, ShaperSettings()) as shaper:
-        opts = s3_server.storage_options(endpoint_url=f"http://{shaper.address}")
-        fs = StripedFileSystem(target_protocol="s3",
-                               target_options={**opts, "skip_instance_cache": True,
-                                               },
-                               stripe_size=STRIPE, concurrency=4, retries=6, backoff_s=0.1,
-                               skip_instance_cache=True)
+        fs = _striped_s3_via(shaper, s3_server, concurrency=4, retries=6, backoff_s=0.1)
         data = payload(6 * STRIPE, 21)
         with fs.open(f"{bucket}/w.bin", "wb") as f:
             f.write(data[: 2 * STRIPE])
@@ -191,12 +194,7 @@ def test_s3_transient_outage_during_write_is_retried(s3_server, s3_bucket):
 def test_s3_permanent_outage_during_write_raises_and_commits_nothing(s3_server, s3_bucket):
     bucket, _ = s3_bucket
     with Shaper("127.0.0.1", s3_server.port, ShaperSettings()) as shaper:
-        opts = s3_server.storage_options(endpoint_url=f"http://{shaper.address}")
-        fs = StripedFileSystem(target_protocol="s3",
-                               target_options={**opts, "skip_instance_cache": True,
-                                               },
-                               stripe_size=STRIPE, concurrency=2, retries=2, backoff_s=0.01,
-                               skip_instance_cache=True)
+        fs = _striped_s3_via(shaper, s3_server, concurrency=2, retries=2, backoff_s=0.01)
         shaper.set_refuse(True)
         with pytest.raises(StripedIOError) as err:
             with fs.open(f"{bucket}/w.bin", "wb") as f:
