@@ -308,6 +308,7 @@ def main() -> None:
     out: dict[str, Any] = {"rank": rank, "world": world}
     try:
         PHASES[a.phase](cfg, rank, world, out)
+        dist.barrier()  # nobody tears gloo down while another rank still uses it
     finally:
         Path(cfg["out"]).mkdir(parents=True, exist_ok=True)
         (Path(cfg["out"]) / f"{a.phase}-{rank}.json").write_text(json.dumps(out))
