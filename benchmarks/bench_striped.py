@@ -509,22 +509,53 @@ class Bench:
         mnt = Path(tempfile.mkdtemp(prefix="bootseer-bench-mnt-"))
         pid: list[int] = []
 
+        def mount_processes() -> set[int]:
+            """Our mount process(es): the only processes whose command line names ``mnt`` (a
+            fresh temporary directory), found even when the mount command was interrupted
+            before it printed the pid."""
+            found = set(pid)
+            needle = str(mnt).encode()
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit() and int(entry.name) != os.getpid():
+                    with contextlib.suppress(OSError):
+                        argv = (entry / "cmdline").read_bytes().split(b"\0")
+                        if needle in argv and b"mount" in argv:
+                            found.add(int(entry.name))
+            return found
+
         def cleanup() -> None:
-            with contextlib.suppress(Exception):
-                subprocess.run([sys.executable, "-m", "bootseer", "fs", "umount", str(mnt)],
-                               capture_output=True, timeout=60, env=clean_env(), check=False)
-            with contextlib.suppress(Exception):
-                if fuse.is_mounted(mnt):
-                    fuse.unmount(mnt, lazy=True)
-            for p in pid:  # the background mount process this run started
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline and _alive(p):
-                    time.sleep(0.1)
-                if _alive(p):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(p, signal.SIGTERM)
-            with contextlib.suppress(OSError):
-                mnt.rmdir()
+            procs = mount_processes()
+            deadline = time.monotonic() + 20
+            while True:
+                with contextlib.suppress(Exception):
+                    if fuse.is_mounted(mnt):
+                        subprocess.run([sys.executable, "-m", "bootseer", "fs", "umount", str(mnt)],
+                                       capture_output=True, timeout=60, env=clean_env(),
+                                       check=False)
+                    if fuse.is_mounted(mnt):
+                        fuse.unmount(mnt, lazy=True)
+                procs |= mount_processes()
+                for p in [p for p in procs if _alive(p)]:
+                    if time.monotonic() > deadline - 10:  # SIGTERM: libfuse unmounts and exits
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(p, signal.SIGTERM)
+                alive = [p for p in procs if _alive(p)]
+                gone = False
+                with contextlib.suppress(OSError):
+                    if not fuse.is_mounted(mnt):
+                        mnt.rmdir()
+                        gone = True
+                if (gone or not mnt.exists()) and not alive:
+                    break
+                if time.monotonic() > deadline:
+                    log(f"WARNING: could not fully clean up the FUSE mount at {mnt} "
+                        f"(processes {alive}); remove it with: bootseer fs umount {mnt}")
+                    break
+                time.sleep(0.2)
+            # The background mount logs to TMPDIR/bootseer-mount-<mountpoint name>-<pid>.log.
+            for log_file in Path(tempfile.gettempdir()).glob(f"bootseer-mount-{mnt.name}-*.log"):
+                with contextlib.suppress(OSError):
+                    log_file.unlink()
 
         with contextlib.ExitStack() as local:
             local.callback(cleanup)
@@ -532,7 +563,7 @@ class Bench:
                 [sys.executable, "-m", "bootseer", "fs", "mount", f"striped::{base}", str(mnt),
                  "--read-only"],
                 capture_output=True, text=True, timeout=120, env=clean_env(), check=False)
-            m = re.search(r"\(pid (\d+)\)", proc.stdout)
+            m = re.search(r"\(pid (\d+)", proc.stdout)
             if m:
                 pid.append(int(m.group(1)))
             if proc.returncode != 0:
@@ -745,8 +776,11 @@ class Bench:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
             for name in ("BOOTSEER_STRIPE_SIZE", "BOOTSEER_STRIPE_CONCURRENCY"):
                 env.pop(name, None)
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env=env)
+            err_path = self.scratch / "rss-child.stderr"
+            with open(err_path, "wb") as err_file:
+                # Own process group (the shell and the child): stopped together on Ctrl-C.
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_file, text=True,
+                                        env=env, start_new_session=True)
             try:
                 done = None
                 assert proc.stdout is not None
@@ -757,12 +791,16 @@ class Bench:
                             f"(ru_maxrss; VmHWM {(event['baseline_vmhwm'] or 0) / MiB:.1f} MiB)")
                     elif event["event"] == "done":
                         done = event
-                err = proc.stderr.read() if proc.stderr else ""
                 code = proc.wait(timeout=60)
             finally:
                 if proc.poll() is None:
-                    proc.kill()
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+                if proc.stdout is not None:
+                    proc.stdout.close()
+            err = err_path.read_text(errors="replace")
+            err_path.unlink()
             if code != 0 or done is None:
                 raise RuntimeError(f"RSS child exited {code}: {err.strip()[-2000:]}")
             limit = RSS_BASE + done["concurrency"] * done["stripe_size"]
@@ -1036,15 +1074,12 @@ def human_or_bytes(n: int) -> str:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, exited but not yet reaped, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    # A zombie child of ours would still answer; the mount process is not our child
-    # (bootseer fs mount's own child), so it is reaped by init.
-    return True
 
 
 @contextlib.contextmanager

@@ -163,7 +163,9 @@ class StripedFileSystem(ChainedFileSystem):
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         path = self._norm(path)
         info = self.target.info(path, **kwargs)
-        if info["type"] == "file":
+        # A size the target cannot tell (an HTTP directory page without Content-Length)
+        # is not a striped manifest: report what the target says rather than fail.
+        if info["type"] == "file" and info.get("size") is not None:
             manifest, _ = self._probe(path, info.get("size"))
             if manifest is not None:
                 info = _logical(info, manifest)

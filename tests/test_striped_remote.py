@@ -125,6 +125,14 @@ def test_http_ranged_parallel_reads(http_site):
     assert fs.cat_file(f"{server.url}/small.txt") == b"hello"
 
 
+def test_http_info_of_a_page_without_a_size_does_not_fail(http_site):
+    """nginx's directory listing has no Content-Length; info (and so a FUSE ``ls``) works."""
+    server, _ = http_site
+    fs = StripedFileSystem(target_protocol="http", skip_instance_cache=True)
+    info = fs.info(f"{server.url}/")
+    assert info.get("size") is None and "striped" not in info
+
+
 def test_http_is_read_only(http_site):
     server, _ = http_site
     fs, path = fsspec.core.url_to_fs(f"striped::{server.url}/new.bin")
