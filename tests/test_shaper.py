@@ -169,42 +169,68 @@ def test_refuses_non_loopback() -> None:
         Shaper(host, 80)
 
 
+def _cap_holds(measure, cap: float, attempts: int = 3) -> None:
+    """The rate must never exceed the cap by more than 15%; falling short is retried, since a
+    proxy starved of CPU by other processes on the machine cannot reach it (that is the
+    machine, not the cap). Each attempt's checks run inside ``measure``."""
+    rates = []
+    for _ in range(attempts):
+        rate = measure()
+        rates.append(rate / MB)
+        assert rate <= cap * (1 + TOLERANCE), f"cap exceeded: {rates} MB/s vs cap {cap / MB:g}"
+        if _within(rate, cap):
+            return
+    raise AssertionError(f"cap not reached in {attempts} attempts: {rates} MB/s vs cap {cap / MB:g}")
+
+
 def test_per_connection_cap_down(upstream: int) -> None:
     cap = 8 * MB
-    with Shaper("127.0.0.1", upstream, ShaperSettings(per_conn_bps=cap)) as shaper:
-        count, digest, err, elapsed = fetch(shaper.port, 12 * MB)
-    assert err is None and count == 12 * MB and digest == _pattern_digest(count)
-    assert _within(count / elapsed, cap), f"{count / elapsed / MB:.2f} MB/s vs cap 8"
+
+    def measure() -> float:
+        with Shaper("127.0.0.1", upstream, ShaperSettings(per_conn_bps=cap)) as shaper:
+            count, digest, err, elapsed = fetch(shaper.port, 12 * MB)
+        assert err is None and count == 12 * MB and digest == _pattern_digest(count)
+        return count / elapsed
+
+    _cap_holds(measure, cap)
 
 
 def test_per_connection_cap_up(upstream: int) -> None:
     cap = 8 * MB
     data = random.Random(2).randbytes(8 * MB)
-    with Shaper("127.0.0.1", upstream, ShaperSettings(per_conn_bps=cap)) as shaper:
-        count, digest, elapsed = upload(shaper.port, data)
-    assert count == len(data) and digest == hashlib.sha256(data).hexdigest()
-    assert _within(count / elapsed, cap), f"{count / elapsed / MB:.2f} MB/s vs cap 8"
+
+    def measure() -> float:
+        with Shaper("127.0.0.1", upstream, ShaperSettings(per_conn_bps=cap)) as shaper:
+            count, digest, elapsed = upload(shaper.port, data)
+        assert count == len(data) and digest == hashlib.sha256(data).hexdigest()
+        return count / elapsed
+
+    _cap_holds(measure, cap)
 
 
 def test_total_cap_shared_fairly(upstream: int) -> None:
     cap, each = 16 * MB, 4 * MB
-    results: list[tuple[int, str, BaseException | None, float]] = []
-    with Shaper("127.0.0.1", upstream, ShaperSettings(total_bps=cap)) as shaper:
-        threads = [
-            threading.Thread(target=lambda: results.append(fetch(shaper.port, each)))
-            for _ in range(4)
-        ]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - start
-    assert [r[0] for r in results] == [each] * 4 and all(r[2] is None for r in results)
-    assert _within(4 * each / elapsed, cap), f"{4 * each / elapsed / MB:.2f} MB/s vs cap 16"
-    # Fair sharing: every stream progresses at a quarter of the cap, so all finish together.
-    times = [r[3] for r in results]
-    assert min(times) / max(times) >= 0.8, times
+
+    def measure() -> float:
+        results: list[tuple[int, str, BaseException | None, float]] = []
+        with Shaper("127.0.0.1", upstream, ShaperSettings(total_bps=cap)) as shaper:
+            threads = [
+                threading.Thread(target=lambda: results.append(fetch(shaper.port, each)))
+                for _ in range(4)
+            ]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            elapsed = time.perf_counter() - start
+        assert [r[0] for r in results] == [each] * 4 and all(r[2] is None for r in results)
+        # Fair sharing: every stream progresses at a quarter of the cap, so all finish together.
+        times = [r[3] for r in results]
+        assert min(times) / max(times) >= 0.8, times
+        return 4 * each / elapsed
+
+    _cap_holds(measure, cap)
 
 
 def test_latency_round_trip_and_throughput(upstream: int) -> None:
