@@ -127,12 +127,11 @@ class CheckpointManager:
         """
         self._check_open()
         if self._pending is not None and not self._pending.done():
-            waited = time.perf_counter()
-            log.info("save(step=%d) waits for step %d, still persisting", step,
-                     self._pending.step)
+            previous, waited = self._pending.step, time.perf_counter()
+            log.info("save(step=%d) waits for step %d, still persisting", step, previous)
             self._flush()
             log.info("save(step=%d) waited %.2f s for step %d", step,
-                     time.perf_counter() - waited, self._pending_step_or(step))
+                     time.perf_counter() - waited, previous)
         else:
             self._flush()
         staged = stage(step, state, rank=self.rank, world_size=self.world_size, pool=self._pool)
@@ -144,9 +143,6 @@ class CheckpointManager:
         if block:
             self._flush()
         return self._pending
-
-    def _pending_step_or(self, step: int) -> int:
-        return self._pending.step if self._pending is not None else step
 
     def _flush(self) -> SaveResult | None:
         handle, self._pending = self._pending, None

@@ -88,6 +88,7 @@ class StripedWriter(io.BufferedIOBase):
         ``bytes`` (object stores) get one copy per stripe, as with :meth:`write`.
         """
         view = memoryview(buffer).cast("B")
+        total = view.nbytes
         stripe = self._opts.stripe_size
         if self._buf:  # finish a partial stripe first, copying only that part
             room = stripe - len(self._buf)
@@ -100,7 +101,7 @@ class StripedWriter(io.BufferedIOBase):
         self._size += whole
         if whole < len(view):
             self.write(view[whole:])
-        return len(buffer) if not isinstance(buffer, memoryview) else buffer.nbytes
+        return total
 
     def close(self) -> None:
         """Flush, wait for every stripe, then commit the manifest (the only visible step)."""

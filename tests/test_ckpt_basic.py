@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import subprocess
 import threading
 
@@ -131,6 +132,7 @@ def test_new_save_waits_for_the_one_in_flight_and_says_so(tmp_path, caplog):
         assert first.done()  # the second save did not start before the first finished
         second.wait()
     assert "save(step=2) waits for step 1" in caplog.text
+    assert re.search(r"save\(step=2\) waited [0-9.]+ s for step 1", caplog.text)
 
 
 def test_background_failure_is_raised_in_the_caller_naming_the_step(tmp_path):
