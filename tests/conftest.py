@@ -183,3 +183,21 @@ def nginx_factory() -> Iterator[Callable[..., NginxServer]]:
 def fuse() -> None:
     """Requires a working FUSE setup (/dev/fuse, libfuse2 via fusepy, fusermount)."""
     need(fuse_available())
+
+
+# -- local PEP 503 package index ------------------------------------------------------------
+
+
+from bootseer.testing.pypi import PackageIndex, build_test_wheels  # noqa: E402
+
+
+@pytest.fixture
+def package_index(tmp_path: Path) -> Iterator[PackageIndex]:
+    """A started :class:`bootseer.testing.pypi.PackageIndex` on 127.0.0.1 serving freshly built
+    copies of ``TEST_WHEELS`` (tinyalpha 1.0 and 2.0, tinybeta 0.1, tinydata 0.3) from
+    ``index.wheel_dir`` (a private directory: a test may add wheels with ``build_wheel``).
+    Install from it with ``--index-url index.url`` under ``installer_env()``."""
+    wheel_dir = tmp_path / "wheels"
+    build_test_wheels(wheel_dir)
+    with PackageIndex(wheel_dir) as index:
+        yield index

@@ -8,6 +8,7 @@ import sys
 
 from .. import __version__
 from . import ckpt as ckpt_cmd
+from . import env as env_cmd
 from . import fs as fs_cmd
 from .errors import CliError
 
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     fs_cmd.register(sub)
     ckpt_cmd.register(sub)
+    env_cmd.register(sub)
     from . import bench, demo
 
     demo.register(sub)
@@ -38,9 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     if not getattr(args, "func", None):
         parser.print_help()
         raise SystemExit(2)
+    from snapshot.errors import SnapshotError
+
     try:
         code = args.func(args)
-    except (CliError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError,
+    except (CliError, SnapshotError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError,
             OSError) as exc:
         print(f"bootseer: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,0 +1,53 @@
+"""Snapshot errors: each names the key, the chunk, the member or the command, and what to do."""
+
+from __future__ import annotations
+
+
+class SnapshotError(Exception):
+    """Base class for snapshot errors."""
+
+
+class SnapshotNotFound(SnapshotError, FileNotFoundError):
+    """No committed snapshot exists for the key in the store."""
+
+
+class CorruptSnapshotError(SnapshotError):
+    """A snapshot's manifest or one of its chunks failed verification."""
+
+    def __init__(self, message: str, *, chunk: str | None = None) -> None:
+        super().__init__(message)
+        self.chunk = chunk
+
+
+class UnsafeMemberError(SnapshotError):
+    """A member breaks an untrusted-input rule; ``member`` and ``rule`` name both."""
+
+    def __init__(self, member: str, rule: str) -> None:
+        super().__init__(f"refused snapshot member {member!r}: {rule}")
+        self.member = member
+        self.rule = rule
+
+
+class RelocationError(SnapshotError):
+    """The snapshot cannot be restored to another prefix: binaries embed the old one."""
+
+    def __init__(self, message: str, *, paths: list[str]) -> None:
+        super().__init__(message)
+        self.paths = paths
+
+
+class InstallError(SnapshotError):
+    """The install (or setup) command failed: nothing was published."""
+
+    def __init__(self, command: list[str], returncode: int, output_tail: str) -> None:
+        shown = " ".join(command)
+        super().__init__(
+            f"install command failed with exit code {returncode}: {shown}\n"
+            f"--- last lines of its output ---\n{output_tail.rstrip()}")
+        self.command = command
+        self.returncode = returncode
+        self.output_tail = output_tail
+
+
+class StoreUnavailable(SnapshotError):
+    """The snapshot store could not be reached (network, credentials, missing bucket)."""

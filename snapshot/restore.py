@@ -1,0 +1,468 @@
+"""Restore a snapshot into a prefix: fetch, verify, decompress and extract in a pipeline,
+relocate, then move into place atomically.
+
+Pipeline: the TOC is fetched and checked first (nothing is written before every member passed
+:mod:`snapshot.safety`); chunks are then fetched concurrently through striped_fs's backend
+(bounded window, retries) while a few worker threads each verify a chunk's sha256, decompress
+it into a reused buffer and write its files. Workers take chunks from evenly spaced places in
+the stream, so that two threads rarely create files in the same directory (ext4 serializes
+creates per directory). Everything lands in ``.<name>.bootseer-staging-<pid>-*`` beside the
+prefix, which replaces the prefix with one ``rename`` (``renameat2(RENAME_EXCHANGE)`` when an
+older environment is there). A killed restore leaves only a staging directory, removed by the
+next restore; the prefix is never half-written.
+
+fsync: off by default. An environment is reproducible from the store, and the marker written
+with it lets the next start verify every file's type, size and mtime (``verify``), which
+catches what a crash can leave (empty files); ``fsync=True`` syncs the filesystem before the
+move for those who want the stronger promise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zstandard
+from fsspec.callbacks import DEFAULT_CALLBACK, Callback
+
+from .errors import CorruptSnapshotError, RelocationError, SnapshotError
+from .extract import Extractor
+from .manifest import DIR, FILE, HARDLINK, SYMLINK, Chunk, Manifest, Member, decode_toc
+from .pack import STATE_DIR
+from .relocate import PrefixRef, RelocationReport, relocate, rewrite_path
+from .safety import Plan, plan_extraction
+from .store import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+MARKER = "env.json"
+VERIFY_TOC = "toc.json.zst"
+STAGING_TAG = ".bootseer-staging-"
+
+
+@dataclass
+class RestoreResult:
+    """What a restore did (the orchestrator turns this into a startup-trace span)."""
+
+    key: str
+    prefix: str
+    files: int
+    bytes: int
+    compressed_bytes: int
+    chunks: int
+    seconds: float
+    relocation: RelocationReport | None = None
+    stripped_setid: list[str] = field(default_factory=list)
+
+
+@dataclass
+class VerifyResult:
+    """Whether ``prefix`` holds the environment of ``key``, intact (types, sizes, mtimes)."""
+
+    ok: bool
+    reason: str
+    key: str | None = None
+    checked: int = 0
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+# -- pipeline ----------------------------------------------------------------------------------
+
+def fetch_toc(store: SnapshotStore, manifest: Manifest) -> list[Member]:
+    name = manifest.toc["name"]
+    data = store.fetch(manifest.key, name).result()
+    if hashlib.sha256(data).hexdigest() != manifest.toc["sha256"]:
+        raise CorruptSnapshotError(f"snapshot {manifest.key}: TOC {name} does not match its "
+                                   f"sha256; the snapshot is damaged: remove it with `bootseer "
+                                   f"env rm` and rebuild", chunk=name)
+    raw = _decompress(data, manifest.toc["raw_size"], f"TOC {name} of snapshot {manifest.key}")
+    return decode_toc(raw, where=f"snapshot {manifest.key} TOC")
+
+
+def _decompress(data: bytes, raw_size: int, what: str) -> bytes:
+    try:
+        params = zstandard.get_frame_parameters(data)
+        if params.content_size != raw_size:
+            raise CorruptSnapshotError(f"{what}: frame declares {params.content_size} bytes, "
+                                       f"the manifest {raw_size}")
+        return zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
+    except zstandard.ZstdError as exc:
+        raise CorruptSnapshotError(f"{what}: not valid zstd ({exc})") from exc
+
+
+class _ChunkPipeline:
+    """Fetch chunks ahead (bounded), and let ``workers`` threads extract them as they land."""
+
+    def __init__(self, store: SnapshotStore, manifest: Manifest, extractor: Extractor,
+                 workers: int, window: int, progress: Callback) -> None:
+        self.store = store
+        self.manifest = manifest
+        self.extractor = extractor
+        self.workers = workers
+        self.window = window
+        self.progress = progress
+        self.order = spread_order(len(manifest.chunks), workers)
+        self.futures: dict[int, Future[bytes]] = {}
+        self.next = 0
+        self.lock = threading.Lock()
+        self.failed: BaseException | None = None
+        self.local = threading.local()
+
+    def run(self) -> None:
+        with self.lock:
+            for index in self.order[: self.window]:
+                self.futures[index] = self._fetch(index)
+        threads = [threading.Thread(target=self._work, name=f"snapshot-restore-{i}",
+                                    daemon=True) for i in range(self.workers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if self.failed is not None:
+            raise self.failed
+
+    def _fetch(self, index: int) -> Future[bytes]:
+        return self.store.fetch(self.manifest.key, self.manifest.chunks[index].name)
+
+    def _take(self) -> tuple[int, Future[bytes]] | None:
+        with self.lock:
+            if self.failed is not None or self.next >= len(self.order):
+                return None
+            index = self.order[self.next]
+            ahead = self.next + self.window
+            if ahead < len(self.order):
+                self.futures[self.order[ahead]] = self._fetch(self.order[ahead])
+            self.next += 1
+            return index, self.futures.pop(index)
+
+    def _work(self) -> None:
+        try:
+            while (item := self._take()) is not None:
+                index, future = item
+                chunk = self.manifest.chunks[index]
+                self._extract(index, chunk, future.result())
+                self.progress.relative_update(chunk.raw_size)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller by run()
+            with self.lock:
+                if self.failed is None:
+                    self.failed = exc
+                for future in self.futures.values():
+                    future.cancel()
+
+    def _extract(self, index: int, chunk: Chunk, data: bytes) -> None:
+        what = f"chunk {chunk.name} of snapshot {self.manifest.key}"
+        if len(data) != chunk.size or hashlib.sha256(data).hexdigest() != chunk.sha256:
+            raise CorruptSnapshotError(
+                f"{what} is corrupt (sha256 or size differs from the manifest); the prefix was "
+                f"not changed. Remove the snapshot (`bootseer env rm`) and rebuild it",
+                chunk=chunk.name)
+        buf = getattr(self.local, "buf", None)
+        if buf is None or len(buf) < chunk.raw_size:
+            buf = self.local.buf = memoryview(bytearray(chunk.raw_size))
+        decomp = getattr(self.local, "decomp", None)
+        if decomp is None:
+            decomp = self.local.decomp = zstandard.ZstdDecompressor()
+        try:
+            params = zstandard.get_frame_parameters(data)
+            if params.content_size != chunk.raw_size:
+                raise CorruptSnapshotError(
+                    f"{what}: frame declares {params.content_size} bytes, the manifest "
+                    f"{chunk.raw_size}", chunk=chunk.name)
+            reader = decomp.stream_reader(data)
+            got = 0
+            while got < chunk.raw_size:
+                n = reader.readinto(buf[got:chunk.raw_size])
+                if not n:
+                    break
+                got += n
+        except zstandard.ZstdError as exc:
+            raise CorruptSnapshotError(f"{what}: cannot decompress ({exc})",
+                                       chunk=chunk.name) from exc
+        if got != chunk.raw_size:
+            raise CorruptSnapshotError(f"{what}: decompressed to {got} bytes, the manifest "
+                                       f"says {chunk.raw_size}", chunk=chunk.name)
+        self.extractor.feed(index, buf[:got])
+
+
+def spread_order(count: int, lanes: int) -> list[int]:
+    """0..count-1 taken round-robin from ``lanes`` evenly spaced runs: with ``lanes``
+    workers, concurrent chunks lie far apart in the tree (different directories)."""
+    lanes = max(1, min(lanes, count))
+    bounds = [count * i // lanes for i in range(lanes + 1)]
+    runs = [list(range(bounds[i], bounds[i + 1])) for i in range(lanes)]
+    order: list[int] = []
+    for step in range(max((len(r) for r in runs), default=0)):
+        order.extend(run[step] for run in runs if step < len(run))
+    return order
+
+
+# -- the prefix --------------------------------------------------------------------------------
+
+def _staging_dir(prefix: Path) -> Path:
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(prefix)
+    return Path(tempfile.mkdtemp(prefix=f".{prefix.name}{STAGING_TAG}{os.getpid()}-",
+                                 dir=prefix.parent))
+
+
+def remove_stale_staging(prefix: Path) -> list[Path]:
+    """Staging directories beside ``prefix`` left by killed restores (their pid is gone)."""
+    removed = []
+    try:
+        names = os.listdir(prefix.parent)
+    except FileNotFoundError:
+        return removed
+    tag = f".{prefix.name}{STAGING_TAG}"
+    for name in names:
+        if not name.startswith(tag):
+            continue
+        pid_text = name[len(tag):].split("-", 1)[0]
+        if pid_text.isdigit() and _alive(int(pid_text)) and int(pid_text) != os.getpid():
+            continue
+        path = prefix.parent / name
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+        log.info("removed %s, left by an interrupted restore", path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    res = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if res == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def read_marker(prefix: str | os.PathLike) -> dict[str, Any] | None:
+    try:
+        with open(Path(prefix, STATE_DIR, MARKER), "rb") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def move_into_place(staging: Path, prefix: Path, *, replace: bool = False) -> None:
+    """Make ``staging`` the prefix in one step; an older bootseer environment is swapped out
+    and removed. A directory bootseer did not make is only replaced with ``replace``."""
+    if not os.path.lexists(prefix):
+        os.rename(staging, prefix)
+        return
+    if prefix.is_symlink() or not prefix.is_dir():
+        raise SnapshotError(f"{prefix} exists and is not a directory; remove it or choose "
+                            f"another prefix")
+    if any(prefix.iterdir()) and read_marker(prefix) is None and not replace:
+        raise SnapshotError(
+            f"{prefix} exists and was not made by bootseer; pass --replace to swap it out "
+            f"(it is deleted), or choose another prefix")
+    try:
+        swapped = _exchange(staging, prefix)
+    except OSError as exc:
+        if exc.errno in (errno.EBUSY, errno.EXDEV):
+            raise SnapshotError(f"cannot move the environment into {prefix}: it is a mount "
+                                f"point ({exc.strerror}); restore to a path inside the mounted "
+                                f"volume instead") from exc
+        raise
+    if not swapped:  # no renameat2: two renames, with a moment in which the prefix is absent
+        old = staging.with_name(staging.name + "-old")
+        os.rename(prefix, old)
+        os.rename(staging, prefix)
+        staging = old
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_marker(root: Path, key: str, prefix: Path, members: list[Member], *,
+                 built_at: str, store_url: str | None, published: bool,
+                 publisher: str = "") -> None:
+    """Record what ``root`` holds, and the TOC to verify it against on the next start."""
+    state = root / STATE_DIR
+    state.mkdir(exist_ok=True)
+    rows = []
+    for m in members:
+        if m.kind == FILE:
+            try:
+                st = os.lstat(root / m.path)
+            except FileNotFoundError:
+                continue  # a stale pyc removed by relocation
+            rows.append([m.path, m.kind, st.st_size, st.st_mtime_ns])
+        else:
+            rows.append([m.path, m.kind, 0, 0])
+    (state / VERIFY_TOC).write_bytes(
+        zstandard.ZstdCompressor(level=3).compress(json.dumps(rows).encode()))
+    marker = {"key": key, "prefix": str(prefix), "built_at": built_at, "publisher": publisher,
+              "store": _redact(store_url) if store_url else None, "published": published,
+              "written": time.time(), "entries": len(rows)}
+    (state / MARKER).write_text(json.dumps(marker, indent=1))
+
+
+def _redact(url: str) -> str:
+    """Drop ``user:password@`` from a URL before it is written anywhere."""
+    if "://" in url and "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://{rest.split('@', 1)[1]}"
+    return url
+
+
+def verify(prefix: str | os.PathLike, key: str | None = None) -> VerifyResult:
+    """Check that ``prefix`` holds the intact environment of ``key`` (any key if None):
+    every member's type, and every file's size and mtime. Cheap: stats only, no reads."""
+    start = time.perf_counter()
+    prefix = Path(prefix)
+    marker = read_marker(prefix)
+    if marker is None:
+        return VerifyResult(False, "no bootseer environment there")
+    if key is not None and marker.get("key") != key:
+        return VerifyResult(False, f"holds another environment ({marker.get('key')})",
+                            key=marker.get("key"))
+    if marker.get("prefix") != str(prefix):
+        return VerifyResult(False, f"was restored for {marker.get('prefix')}, not here",
+                            key=marker.get("key"))
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(
+            (prefix / STATE_DIR / VERIFY_TOC).read_bytes(), max_output_size=1 << 30)
+        rows = json.loads(raw)
+    except (OSError, ValueError, zstandard.ZstdError) as exc:
+        return VerifyResult(False, f"its verification record is unreadable ({exc})",
+                            key=marker.get("key"))
+    problems: list[str] = []
+    want = {FILE: stat.S_ISREG, HARDLINK: stat.S_ISREG, DIR: stat.S_ISDIR,
+            SYMLINK: stat.S_ISLNK}
+    base = str(prefix) + "/"
+    for path, kind, size, mtime_ns in rows:
+        try:
+            st = os.lstat(base + path)
+        except OSError:
+            problems.append(f"{path}: missing")
+        else:
+            if not want[kind](st.st_mode):
+                problems.append(f"{path}: wrong type")
+            elif kind == FILE and (st.st_size != size or st.st_mtime_ns != mtime_ns):
+                problems.append(f"{path}: changed (size or mtime)")
+        if len(problems) >= 20:
+            break
+    elapsed = time.perf_counter() - start
+    if problems:
+        return VerifyResult(False, f"{len(problems)}+ file(s) missing or changed",
+                            key=marker.get("key"), checked=len(rows), problems=problems,
+                            seconds=elapsed)
+    return VerifyResult(True, "intact", key=marker.get("key"), checked=len(rows),
+                        seconds=elapsed)
+
+
+# -- entry point -----------------------------------------------------------------------------
+
+def restore(store: SnapshotStore, key: str, prefix: str | os.PathLike, *,
+            force: bool = False, replace: bool = False, workers: int | None = None,
+            window: int | None = None, fsync: bool = False,
+            progress: Callback = DEFAULT_CALLBACK,
+            before_move: Callable[[Path], None] | None = None) -> RestoreResult:
+    """Restore snapshot ``key`` from ``store`` to ``prefix`` (see the module docstring).
+
+    ``force`` restores to another prefix even when binaries embed the old one;
+    ``replace`` swaps out a non-empty directory bootseer did not make.
+    """
+    start = time.perf_counter()
+    prefix = Path(os.path.abspath(prefix))
+    manifest = store.require_manifest(key)
+    if manifest.kind != "prefix":
+        raise SnapshotError(f"snapshot {key} is a capture of {manifest.capture.get('roots')}; "
+                            f"replay it with `bootseer env ensure --capture ...`")
+    refs = [PrefixRef.from_json(r) for r in manifest.prefix_refs]
+    relocating = manifest.prefix != str(prefix)
+    binaries = [r.path for r in refs if r.kind == "binary"]
+    if relocating and binaries and not force:
+        # Refuse before any download; relocate() repeats the check on the extracted tree.
+        relocate(Path("/nonexistent"), manifest.prefix, str(prefix), refs, force=False)
+    members = fetch_toc(store, manifest)
+    plan = plan_extraction(members, manifest.stream_size)
+    if relocating:
+        plan = _relocate_links(plan, manifest.prefix, str(prefix))
+    progress.set_size(manifest.stream_size)
+    staging = _staging_dir(prefix)
+    try:
+        extractor = Extractor(staging, plan, manifest.chunks)
+        try:
+            extractor.prepare()
+            workers = workers or max(4, 2 * (os.cpu_count() or 2))
+            window = window or max(2 * workers, store.fs.options.concurrency)
+            _ChunkPipeline(store, manifest, extractor, workers, window, progress).run()
+            extractor.finish()
+        finally:
+            extractor.close()
+        report = None
+        if relocating:
+            report = relocate(staging, manifest.prefix, str(prefix), refs, force=force)
+            log.info("%s", report.summary())
+        write_marker(staging, key, prefix, members, built_at=manifest.prefix,
+                     store_url=store.url, published=True, publisher=manifest.publisher)
+        if before_move is not None:
+            before_move(staging)
+        if fsync:
+            _syncfs(staging)
+        move_into_place(staging, prefix, replace=replace)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return RestoreResult(key, str(prefix), manifest.files, manifest.bytes,
+                         manifest.compressed_size, len(manifest.chunks),
+                         time.perf_counter() - start, report, plan.stripped)
+
+
+def _relocate_links(plan: Plan, old: str, new: str) -> Plan:
+    """Symlinks that point into the old prefix point into the new one."""
+    links = [Member(m.path, m.kind, m.mode, m.mtime_ns, m.size, m.offset,
+                    rewrite_path(m.link, old, new)) for m in plan.symlinks]
+    return Plan(plan.dirs, plan.files, links, plan.hardlinks, plan.stripped)
+
+
+def _syncfs(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+__all__ = ["RelocationError", "RestoreResult", "VerifyResult", "restore", "verify",
+           "remove_stale_staging", "move_into_place", "read_marker", "spread_order"]
