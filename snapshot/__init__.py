@@ -1,7 +1,36 @@
 """snapshot: dependency environments installed once, snapshotted, restored everywhere.
 
-See docs/snapshot.md. The public API is re-exported here once the modules exist.
+    from snapshot import ensure
+    result = ensure(["requirements.txt"], prefix="/opt/venv", store="s3://bucket/envs")
+    result.outcome   # "verified" | "restored" | "built" | "installed-locally"
+
+See docs/snapshot.md.
 """
 
 FORMAT_VERSION = 1
 """Version of the snapshot format (tar stream cut into zstd chunks + manifest); part of the key."""
+
+# Imported eagerly, below the constant (the submodules import it from here): the functions
+# ``ensure`` and ``restore`` share their modules' names, and binding them here, once, keeps
+# ``snapshot.ensure`` the function whatever is imported later.
+from .capture import ensure_capture  # noqa: E402
+from .ensure import EnsureResult, PublishResult, create, ensure, publish  # noqa: E402
+from .errors import (  # noqa: E402
+    CorruptSnapshotError,
+    InstallError,
+    RelocationError,
+    SnapshotError,
+    SnapshotNotFound,
+    StoreUnavailable,
+    UnsafeMemberError,
+)
+from .key import EnvKey, compute_key  # noqa: E402
+from .restore import RestoreResult, VerifyResult, restore, verify  # noqa: E402
+from .store import SnapshotStore  # noqa: E402
+
+__all__ = [
+    "FORMAT_VERSION", "CorruptSnapshotError", "EnsureResult", "EnvKey", "InstallError",
+    "PublishResult", "RelocationError", "RestoreResult", "SnapshotError", "SnapshotNotFound",
+    "SnapshotStore", "StoreUnavailable", "UnsafeMemberError", "VerifyResult", "compute_key",
+    "create", "ensure", "ensure_capture", "publish", "restore", "verify",
+]

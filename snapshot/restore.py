@@ -40,7 +40,7 @@ import zstandard
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 
 from .errors import CorruptSnapshotError, RelocationError, SnapshotError
-from .extract import Extractor
+from .extract import Extractor, _umask
 from .manifest import DIR, FILE, HARDLINK, SYMLINK, Chunk, Manifest, Member, decode_toc
 from .pack import STATE_DIR
 from .relocate import PrefixRef, RelocationReport, relocate, rewrite_path
@@ -67,6 +67,7 @@ class RestoreResult:
     seconds: float
     relocation: RelocationReport | None = None
     stripped_setid: list[str] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step, in order
 
 
 @dataclass
@@ -311,20 +312,32 @@ def move_into_place(staging: Path, prefix: Path, *, replace: bool = False) -> No
 
 def write_marker(root: Path, key: str, prefix: Path, members: list[Member], *,
                  built_at: str, store_url: str | None, published: bool,
-                 publisher: str = "") -> None:
-    """Record what ``root`` holds, and the TOC to verify it against on the next start."""
+                 publisher: str = "", changed: RelocationReport | None | bool = True) -> None:
+    """Record what ``root`` holds, and the TOC to verify it against on the next start.
+
+    ``changed=True``: stat every file (a tree bootseer did not write); otherwise the members'
+    sizes and mtimes are what was written, except the files a relocation rewrote or removed.
+    """
     state = root / STATE_DIR
     state.mkdir(exist_ok=True)
+    restat: set[str] = set()
+    removed: set[str] = set()
+    if isinstance(changed, RelocationReport):
+        restat, removed = set(changed.rewritten), set(changed.pyc_invalidated)
     rows = []
     for m in members:
-        if m.kind == FILE:
+        if m.kind != FILE:
+            rows.append([m.path, m.kind, 0, 0])
+        elif m.path in removed:
+            continue
+        elif changed is True or m.path in restat:
             try:
                 st = os.lstat(root / m.path)
             except FileNotFoundError:
-                continue  # a stale pyc removed by relocation
+                continue
             rows.append([m.path, m.kind, st.st_size, st.st_mtime_ns])
         else:
-            rows.append([m.path, m.kind, 0, 0])
+            rows.append([m.path, m.kind, m.size, m.mtime_ns])
     (state / VERIFY_TOC).write_bytes(
         zstandard.ZstdCompressor(level=3).compress(json.dumps(rows).encode()))
     marker = {"key": key, "prefix": str(prefix), "built_at": built_at, "publisher": publisher,
@@ -400,6 +413,15 @@ def restore(store: SnapshotStore, key: str, prefix: str | os.PathLike, *,
     ``replace`` swaps out a non-empty directory bootseer did not make.
     """
     start = time.perf_counter()
+    phases: dict[str, float] = {}
+    mark = start
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        phases[name] = now - mark
+        mark = now
+
     prefix = Path(os.path.abspath(prefix))
     manifest = store.require_manifest(key)
     if manifest.kind != "prefix":
@@ -411,39 +433,52 @@ def restore(store: SnapshotStore, key: str, prefix: str | os.PathLike, *,
     if relocating and binaries and not force:
         # Refuse before any download; relocate() repeats the check on the extracted tree.
         relocate(Path("/nonexistent"), manifest.prefix, str(prefix), refs, force=False)
+    phase("manifest")
     members = fetch_toc(store, manifest)
     plan = plan_extraction(members, manifest.stream_size)
     if relocating:
         plan = _relocate_links(plan, manifest.prefix, str(prefix))
     progress.set_size(manifest.stream_size)
     staging = _staging_dir(prefix)
+    phase("toc")
     try:
         extractor = Extractor(staging, plan, manifest.chunks)
         try:
             extractor.prepare()
+            phase("directories")
             workers = workers or max(4, 2 * (os.cpu_count() or 2))
             window = window or max(2 * workers, store.fs.options.concurrency)
             _ChunkPipeline(store, manifest, extractor, workers, window, progress).run()
+            phase("extract")
             extractor.finish()
+            phase("links")
         finally:
             extractor.close()
         report = None
         if relocating:
             report = relocate(staging, manifest.prefix, str(prefix), refs, force=force)
             log.info("%s", report.summary())
+            phase("relocate")
         write_marker(staging, key, prefix, members, built_at=manifest.prefix,
-                     store_url=store.url, published=True, publisher=manifest.publisher)
+                     store_url=store.url, published=True, publisher=manifest.publisher,
+                     changed=report)
+        # mkdtemp made the staging directory 0700; the prefix gets the mode mkdir gives.
+        os.chmod(staging, 0o777 & ~_umask())
+        phase("marker")
         if before_move is not None:
             before_move(staging)
         if fsync:
             _syncfs(staging)
+            phase("fsync")
         move_into_place(staging, prefix, replace=replace)
+        phase("move")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    log.debug("restore phases: %s", ", ".join(f"{k} {v:.3f}s" for k, v in phases.items()))
     return RestoreResult(key, str(prefix), manifest.files, manifest.bytes,
                          manifest.compressed_size, len(manifest.chunks),
-                         time.perf_counter() - start, report, plan.stripped)
+                         time.perf_counter() - start, report, plan.stripped, phases)
 
 
 def _relocate_links(plan: Plan, old: str, new: str) -> Plan:
