@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -21,7 +23,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,52 +88,55 @@ def ensure(spec_files: Sequence[str | os.PathLike] = (), *, prefix: str | os.Pat
     prefix = Path(os.path.abspath(prefix))
     env_key = key or compute_key(spec_files, command, python=python, base_image=base_image,
                                  extras=extras)
-    clear_interrupted_install(prefix)
-    checked = verify(prefix, env_key.key)
-    if checked.ok:
-        log.info("environment %s at %s verified (%d entries in %.2fs)", env_key.key, prefix,
-                 checked.checked, checked.seconds)
-        return EnsureResult(env_key.key, str(prefix), "verified", time.perf_counter() - start)
-    warnings: list[str] = []
-    snapshots = None
-    try:
-        snapshots = open_store(store, storage_options)
-        manifest = snapshots.read_manifest(env_key.key) if snapshots else None
-    except StoreUnavailable as exc:
-        warnings.append(f"snapshot store unreachable, installing locally: {exc}")
-        log.warning("%s", warnings[-1])
-        snapshots, manifest = None, None
-    if manifest is not None:
-        return _restored(snapshots, env_key, prefix, force, replace, progress, start)
-    build = dict(spec_files=spec_files, command=command, python=python, installer=installer,
-                 replace=replace)
-    if snapshots is None:
-        name = install(env_key, prefix, **build)
-        mark_local(prefix, env_key)
-        return EnsureResult(env_key.key, str(prefix), "installed-locally",
-                            time.perf_counter() - start, installer=name, warnings=warnings)
-    publisher = uuid.uuid4().hex
-    if not snapshots.try_lease(env_key.key, publisher):
-        found = _wait_for_builder(snapshots, env_key.key, lease_s, wait_timeout_s)
-        if found is not None:
-            return _restored(snapshots, env_key, prefix, force, replace, progress, start)
-        snapshots.try_lease(env_key.key, publisher)  # best effort; the commit decides
-    renewer = _LeaseRenewer(snapshots, env_key.key, publisher, lease_s)
-    try:
-        name = install(env_key, prefix, **build)
+    # One ensure per prefix on a node at a time (8 ranks may run the same entrypoint): the
+    # others wait here, then find the environment verified.
+    with prefix_lock(prefix):
+        clear_interrupted_install(prefix)
+        checked = verify(prefix, env_key.key)
+        if checked.ok:
+            log.info("environment %s at %s verified (%d entries in %.2fs)", env_key.key, prefix,
+                     checked.checked, checked.seconds)
+            return EnsureResult(env_key.key, str(prefix), "verified", time.perf_counter() - start)
+        warnings: list[str] = []
+        snapshots = None
         try:
-            published = publish(snapshots, env_key, prefix, publisher=publisher,
-                                installer=name)
-        except (SnapshotError, OSError) as exc:
-            warnings.append(f"built {prefix} but could not publish it: {exc}")
+            snapshots = open_store(store, storage_options)
+            manifest = snapshots.read_manifest(env_key.key) if snapshots else None
+        except StoreUnavailable as exc:
+            warnings.append(f"snapshot store unreachable, installing locally: {exc}")
             log.warning("%s", warnings[-1])
+            snapshots, manifest = None, None
+        if manifest is not None:
+            return _restored(snapshots, env_key, prefix, force, replace, progress, start)
+        build = dict(spec_files=spec_files, command=command, python=python, installer=installer,
+                     replace=replace)
+        if snapshots is None:
+            name = install(env_key, prefix, **build)
             mark_local(prefix, env_key)
-            published = None
-    finally:
-        renewer.stop()
-        snapshots.release_lease(env_key.key, publisher)
-    return EnsureResult(env_key.key, str(prefix), "built", time.perf_counter() - start,
-                        publish=published, installer=name, warnings=warnings)
+            return EnsureResult(env_key.key, str(prefix), "installed-locally",
+                                time.perf_counter() - start, installer=name, warnings=warnings)
+        publisher = uuid.uuid4().hex
+        if not snapshots.try_lease(env_key.key, publisher):
+            found = _wait_for_builder(snapshots, env_key.key, lease_s, wait_timeout_s)
+            if found is not None:
+                return _restored(snapshots, env_key, prefix, force, replace, progress, start)
+            snapshots.try_lease(env_key.key, publisher)  # best effort; the commit decides
+        renewer = _LeaseRenewer(snapshots, env_key.key, publisher, lease_s)
+        try:
+            name = install(env_key, prefix, **build)
+            try:
+                published = publish(snapshots, env_key, prefix, publisher=publisher,
+                                    installer=name)
+            except (SnapshotError, OSError) as exc:
+                warnings.append(f"built {prefix} but could not publish it: {exc}")
+                log.warning("%s", warnings[-1])
+                mark_local(prefix, env_key)
+                published = None
+        finally:
+            renewer.stop()
+            snapshots.release_lease(env_key.key, publisher)
+        return EnsureResult(env_key.key, str(prefix), "built", time.perf_counter() - start,
+                            publish=published, installer=name, warnings=warnings)
 
 
 def create(spec_files: Sequence[str | os.PathLike] = (), *, prefix: str | os.PathLike,
@@ -148,10 +153,11 @@ def create(spec_files: Sequence[str | os.PathLike] = (), *, prefix: str | os.Pat
                                  extras=extras)
     snapshots = open_store(store, storage_options)
     assert snapshots is not None
-    clear_interrupted_install(prefix)
-    name = install(env_key, prefix, spec_files=spec_files, command=command, python=python,
-                   installer=installer, replace=replace)
-    published = publish(snapshots, env_key, prefix, installer=name)
+    with prefix_lock(prefix):
+        clear_interrupted_install(prefix)
+        name = install(env_key, prefix, spec_files=spec_files, command=command, python=python,
+                       installer=installer, replace=replace)
+        published = publish(snapshots, env_key, prefix, installer=name)
     return EnsureResult(env_key.key, str(prefix), "built", time.perf_counter() - start,
                         publish=published, installer=name)
 
@@ -220,6 +226,23 @@ class _LeaseRenewer:
 
 # -- building --------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def prefix_lock(prefix: Path) -> Iterator[None]:
+    """An exclusive flock on ``.<name>.bootseer-lock`` beside the prefix (node-local)."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    path = prefix.with_name(f".{prefix.name}.bootseer-lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is preparing %s; waiting for it", prefix)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _installing_marker(prefix: Path) -> Path:
     return prefix.with_name(f".{prefix.name}{INSTALLING_TAG}")
 
@@ -243,6 +266,10 @@ def clear_interrupted_install(prefix: Path) -> bool:
             return False
     log.warning("removing %s, left half-installed by an interrupted build (pid %d)", prefix, pid)
     shutil.rmtree(prefix, ignore_errors=True)
+    old = prefix.with_name(f".{prefix.name}.bootseer-old-{pid}")
+    if old.is_dir():  # the environment it had moved aside comes back
+        os.rename(old, prefix)
+        log.warning("put back the previous environment of %s", prefix)
     marker.unlink(missing_ok=True)
     return True
 
