@@ -52,8 +52,10 @@ class Extractor:
         self._remaining: dict[str, int] = {}
         self._lock = threading.Lock()
         self.bytes_written = 0
+        offsets = [c.offset for c in chunks]
         for member in plan.files:
-            spans = list(iter_chunk_spans(chunks, member.offset, member.offset + member.size))
+            spans = list(iter_chunk_spans(chunks, member.offset, member.offset + member.size,
+                                          offsets))
             if len(spans) > 1:
                 self._spanning[member.path] = member
                 self._remaining[member.path] = len(spans)

@@ -111,6 +111,6 @@ def installer_version(name: str, commands: list[list[str]]) -> str:
     try:
         out = subprocess.run([commands[0][0], "--version"], capture_output=True, text=True,
                              timeout=10).stdout.strip()
-        return out or name
+        return out.split(" (")[0] or name  # "uv 0.13.8 (x86_64-...)" -> "uv 0.13.8"
     except (OSError, subprocess.SubprocessError):
         return name

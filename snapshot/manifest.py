@@ -15,6 +15,7 @@ checked before use (:func:`Manifest.from_json`, :mod:`snapshot.safety`).
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from collections.abc import Iterator
@@ -181,11 +182,12 @@ def decode_toc(raw: bytes, *, where: str) -> list[Member]:
     return [Member.from_row(row) for row in rows]
 
 
-def iter_chunk_spans(chunks: list[Chunk], start: int, end: int) -> Iterator[tuple[int, int, int]]:
-    """(chunk index, start in chunk, end in chunk) pieces covering stream bytes [start, end)."""
-    import bisect
-
-    offsets = [c.offset for c in chunks]
+def iter_chunk_spans(chunks: list[Chunk], start: int, end: int,
+                     offsets: list[int] | None = None) -> Iterator[tuple[int, int, int]]:
+    """(chunk index, start in chunk, end in chunk) pieces covering stream bytes [start, end);
+    ``offsets`` (the chunks' start offsets) saves rebuilding them on every call."""
+    if offsets is None:
+        offsets = [c.offset for c in chunks]
     i = max(bisect.bisect_right(offsets, start) - 1, 0)
     while start < end and i < len(chunks):
         chunk = chunks[i]
