@@ -121,6 +121,10 @@ def ensure(spec_files: Sequence[str | os.PathLike] = (), *, prefix: str | os.Pat
             if found is not None:
                 return _restored(snapshots, env_key, prefix, force, replace, progress, start)
             snapshots.try_lease(env_key.key, publisher)  # best effort; the commit decides
+        if snapshots.read_manifest(env_key.key) is not None:
+            # Published since the first look, by a builder that has just let go of its lease.
+            snapshots.release_lease(env_key.key, publisher)
+            return _restored(snapshots, env_key, prefix, force, replace, progress, start)
         renewer = _LeaseRenewer(snapshots, env_key.key, publisher, lease_s)
         try:
             name = install(env_key, prefix, **build)
@@ -184,6 +188,9 @@ def _wait_for_builder(snapshots: SnapshotStore, key: str, lease_s: float,
             return manifest
         lease = snapshots.read_lease(key)
         if lease is None:
+            manifest = snapshots.read_manifest(key)  # published, then let go, since the
+            if manifest is not None:  # look above
+                return manifest
             log.warning("the builder of %s stopped without publishing; building here", key)
             return None
         if lease.age() > lease_s:

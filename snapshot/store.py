@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from striped_fs.backend import RetryPolicy
-from striped_fs.config import StripeOptions
 from striped_fs.urls import url_to_fs
 
 from .errors import SnapshotError, SnapshotNotFound, StoreUnavailable
@@ -77,7 +76,9 @@ class SnapshotStore:
             raise SnapshotError(f"snapshot store {url}: {exc}") from exc
         self.target = self.fs.target
         self.backend = self.fs.backend
-        self.retry = RetryPolicy.from_options(StripeOptions.from_env(**overrides))
+        # The filesystem's options: defaults, environment, storage_options["striped"], and
+        # the overrides above (so that {"striped": {"retries": 0}} reaches the store too).
+        self.retry = RetryPolicy.from_options(self.fs.options)
         self.root = self.root.rstrip("/")
 
     # -- paths ---------------------------------------------------------------------------
