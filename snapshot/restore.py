@@ -281,11 +281,10 @@ def read_marker(prefix: str | os.PathLike) -> dict[str, Any] | None:
         return None
 
 
-def move_into_place(staging: Path, prefix: Path, *, replace: bool = False) -> None:
-    """Make ``staging`` the prefix in one step; an older bootseer environment is swapped out
-    and removed. A directory bootseer did not make is only replaced with ``replace``."""
+def check_replaceable(prefix: Path, replace: bool) -> None:
+    """May a restore put an environment at ``prefix``? (Asked before any download, and again
+    just before the move.)"""
     if not os.path.lexists(prefix):
-        os.rename(staging, prefix)
         return
     if prefix.is_symlink() or not prefix.is_dir():
         raise SnapshotError(f"{prefix} exists and is not a directory; remove it or choose "
@@ -294,6 +293,15 @@ def move_into_place(staging: Path, prefix: Path, *, replace: bool = False) -> No
         raise SnapshotError(
             f"{prefix} exists and was not made by bootseer; pass --replace to swap it out "
             f"(it is deleted), or choose another prefix")
+
+
+def move_into_place(staging: Path, prefix: Path, *, replace: bool = False) -> None:
+    """Make ``staging`` the prefix in one step; an older bootseer environment is swapped out
+    and removed. A directory bootseer did not make is only replaced with ``replace``."""
+    if not os.path.lexists(prefix):
+        os.rename(staging, prefix)
+        return
+    check_replaceable(prefix, replace)
     try:
         swapped = _exchange(staging, prefix)
     except OSError as exc:
@@ -427,6 +435,7 @@ def restore(store: SnapshotStore, key: str, prefix: str | os.PathLike, *,
     if manifest.kind != "prefix":
         raise SnapshotError(f"snapshot {key} is a capture of {manifest.capture.get('roots')}; "
                             f"replay it with `bootseer env ensure --capture ...`")
+    check_replaceable(prefix, replace)
     refs = [PrefixRef.from_json(r) for r in manifest.prefix_refs]
     relocating = manifest.prefix != str(prefix)
     binaries = [r.path for r in refs if r.kind == "binary"]

@@ -282,6 +282,11 @@ class SnapshotStore:
                     removed.append(entry["name"])
                     if not dry_run:
                         self.target.rm(entry["name"], recursive=True)
+            if manifest is None and not dry_run and self.backend.is_local:
+                try:
+                    os.rmdir(self.path(key))  # nothing left of a key no one published
+                except OSError:
+                    pass
         return removed
 
 
