@@ -124,10 +124,15 @@ class _ChunkPipeline:
         self.failed: BaseException | None = None
         self.local = threading.local()
 
-    def run(self) -> None:
+    def start_fetching(self) -> None:
+        """Put the first window of chunk fetches in flight (before the directories exist)."""
         with self.lock:
             for index in self.order[: self.window]:
-                self.futures[index] = self._fetch(index)
+                if index not in self.futures:
+                    self.futures[index] = self._fetch(index)
+
+    def run(self) -> None:
+        self.start_fetching()
         threads = [threading.Thread(target=self._work, name=f"snapshot-restore-{i}",
                                     daemon=True) for i in range(self.workers)]
         for thread in threads:
@@ -452,12 +457,14 @@ def restore(store: SnapshotStore, key: str, prefix: str | os.PathLike, *,
     phase("toc")
     try:
         extractor = Extractor(staging, plan, manifest.chunks)
+        workers = workers or max(4, 2 * (os.cpu_count() or 2))
+        window = window or max(2 * workers, store.fs.options.concurrency)
+        pipeline = _ChunkPipeline(store, manifest, extractor, workers, window, progress)
+        pipeline.start_fetching()  # the first chunks travel while the directories are made
         try:
             extractor.prepare()
             phase("directories")
-            workers = workers or max(4, 2 * (os.cpu_count() or 2))
-            window = window or max(2 * workers, store.fs.options.concurrency)
-            _ChunkPipeline(store, manifest, extractor, workers, window, progress).run()
+            pipeline.run()
             phase("extract")
             extractor.finish()
             phase("links")

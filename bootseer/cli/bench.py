@@ -8,7 +8,7 @@ import runpy
 import sys
 from pathlib import Path
 
-SUITES = ("striped", "ckpt")
+SUITES = ("striped", "ckpt", "snapshot")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
