@@ -27,7 +27,7 @@ from .manifest import DIR, FILE, HARDLINK, SYMLINK, Chunk, Member
 from .relocate import classify_reference
 
 DEFAULT_CHUNK_SIZE = 8 << 20
-DEFAULT_LEVEL = 3
+DEFAULT_LEVEL = 9  # measured: 13% smaller than 3, decompression as fast (docs/decisions.md)
 BLOCK = tarfile.BLOCKSIZE
 READ_PIECE = 8 << 20
 STATE_DIR = ".bootseer"
