@@ -28,21 +28,11 @@ from dataclasses import dataclass, field
 import zstandard
 
 from .cache import BlockCache, FrameMemory
+from .toc import Frame
 
 log = logging.getLogger(__name__)
 
 ON_DEMAND, PREFETCH = 0, 1
-
-
-@dataclass(frozen=True)
-class Frame:
-    """Where one frame of a layer blob lies (compressed) and what it holds (raw)."""
-
-    comp_offset: int
-    comp_size: int
-    raw_offset: int
-    raw_size: int
-    sha256: str
 
 
 @dataclass(eq=False)
@@ -207,15 +197,15 @@ class FrameFetcher:
     def _coalesce(self, blob: Blob, first: int) -> list[tuple[Blob, int]]:
         """``first`` plus the queued frames right after it in the blob, up to merge_cap."""
         run = [(blob, first)]
-        size = blob.frames[first].comp_size
+        size = blob.frames[first].c_size
         nxt = first + 1
         while nxt < len(blob.frames):
             key = (id(blob), nxt)
-            if key not in self._queued or size + blob.frames[nxt].comp_size > self.merge_cap:
+            if key not in self._queued or size + blob.frames[nxt].c_size > self.merge_cap:
                 break
             del self._queued[key]
             run.append((blob, nxt))
-            size += blob.frames[nxt].comp_size
+            size += blob.frames[nxt].c_size
             nxt += 1
         return run
 
@@ -237,8 +227,8 @@ class FrameFetcher:
             self._finish(run, pieces, None)
 
     def _fetch_run(self, blob: Blob, indices: list[int], frames: list[Frame]) -> list[bytes]:
-        start = frames[0].comp_offset
-        end = frames[-1].comp_offset + frames[-1].comp_size
+        start = frames[0].c_offset
+        end = frames[-1].c_offset + frames[-1].c_size
         verified_once = False
         attempt = 0
         while True:
@@ -249,8 +239,8 @@ class FrameFetcher:
                     raise ConnectionError(f"short range: {len(data)} of {end - start} bytes")
                 pieces = []
                 for i, info in zip(indices, frames, strict=True):
-                    at = info.comp_offset - start
-                    piece = data[at:at + info.comp_size]
+                    at = info.c_offset - start
+                    piece = data[at:at + info.c_size]
                     if _sha256(piece) != info.sha256:
                         raise _Corrupt(f"frame {i} does not match its sha256")
                     pieces.append(piece)
@@ -307,10 +297,10 @@ def _decompress(comp: bytes, info: Frame, blob: Blob, i: int) -> bytes:
     if decomp is None:
         decomp = _local.decomp = zstandard.ZstdDecompressor()
     try:
-        raw = decomp.decompress(comp, max_output_size=info.raw_size)
+        raw = decomp.decompress(comp, max_output_size=info.u_size)
     except zstandard.ZstdError as exc:
         raise OSError(errno.EIO, f"layer {blob.digest}: frame {i}: {exc}") from exc
-    if len(raw) != info.raw_size:
+    if len(raw) != info.u_size:
         raise OSError(errno.EIO, f"layer {blob.digest}: frame {i}: {len(raw)} bytes, expected "
-                                 f"{info.raw_size}")
+                                 f"{info.u_size}")
     return raw

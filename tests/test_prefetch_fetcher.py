@@ -14,7 +14,8 @@ import pytest
 import zstandard
 
 from prefetch.cache import BlockCache
-from prefetch.fetcher import Blob, Frame, FrameFetcher
+from prefetch.fetcher import Blob, FrameFetcher
+from prefetch.toc import Frame
 
 
 def _blob(n: int = 12, size: int = 64 << 10) -> tuple[Blob, bytes, list[bytes]]:
@@ -23,7 +24,7 @@ def _blob(n: int = 12, size: int = 64 << 10) -> tuple[Blob, bytes, list[bytes]]:
     for i in range(n):
         raw = hashlib.sha256(str(i).encode()).digest() * (size // 32)
         data = comp.compress(raw)
-        frames.append(Frame(len(out), len(data), raw_off, len(raw),
+        frames.append(Frame(i, len(out), len(data), raw_off, len(raw),
                             hashlib.sha256(data).hexdigest()))
         out += data
         raws.append(raw)
@@ -82,7 +83,7 @@ def test_an_on_demand_read_jumps_the_queue(tmp_path: Path) -> None:
     reader.join(10)
     assert got == [raws[11]]
     # Frame 11 was fetched right after the frame the worker already held, before 1..10.
-    order = [blob.frames.index(next(f for f in blob.frames if f.comp_offset == s))
+    order = [blob.frames.index(next(f for f in blob.frames if f.c_offset == s))
              for s, _ in server.requests]
     assert order.index(11) <= 1
     fetcher.close()

@@ -1,0 +1,221 @@
+"""The lazy root filesystem of an image, as one read-only FUSE mount.
+
+A read of ``[offset, offset + size)`` of a file maps to ``[entry.offset + offset, ...)`` of its
+layer's tar stream, then to the frames that hold those bytes; the fetcher serves each frame
+from memory, the block cache, or the registry (on demand, ahead of any prefetch). Metadata
+(``stat``, ``readdir``, ``readlink``, xattrs) comes from the TOCs alone: listing a tree or
+stat-ing every file fetches nothing. The mount is read-only, ``nodev`` and ``nosuid``
+unless the caller decides otherwise; device nodes and setuid bits are presented as the image
+says. Generic FUSE plumbing (wait for a mount, unmount) comes from striped_fs.fuse.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .fetcher import Blob, FrameFetcher
+from .merge import MergedTree, Node, merge_layers
+
+log = logging.getLogger(__name__)
+
+try:  # fusepy needs libfuse2 at import time
+    import fuse as _fusepy
+    from fuse import FuseOSError, Operations
+except (ImportError, OSError) as exc:  # pragma: no cover - no libfuse
+    _fusepy = None
+    _FUSE_IMPORT_ERROR = str(exc)
+    Operations = object  # type: ignore[assignment,misc]
+
+    class FuseOSError(OSError):  # type: ignore[no-redef]
+        def __init__(self, err: int) -> None:
+            super().__init__(err, os.strerror(err))
+
+
+@dataclass(eq=False)
+class Layer:
+    """One layer of the image: its index (frames + TOC entries) and the blob the fetcher
+    reads them from."""
+
+    index: Any  # prefetch.toc.LayerIndex
+    blob: Blob
+
+    @property
+    def entries(self) -> Sequence[Any]:
+        return self.index.entries
+
+    def frames_for(self, start: int, end: int) -> range:
+        """Indices of the frames holding tar-stream bytes ``[start, end)``."""
+        return self.index.frames_for(start, end)
+
+
+class LazyImage:
+    """The merged tree of an image's layers, and reads through a frame fetcher."""
+
+    def __init__(self, layers: Sequence[Layer], fetcher: FrameFetcher) -> None:
+        self.layers = list(layers)
+        self.fetcher = fetcher
+        self.tree: MergedTree = merge_layers(layer.entries for layer in self.layers)
+
+    def read(self, node: Node, offset: int, size: int) -> bytes:
+        data_node = node.data
+        entry = data_node.entry
+        if entry is None or entry.type not in ("reg", "hardlink"):
+            raise FuseOSError(errno.EISDIR if node.is_dir else errno.EINVAL)
+        size = max(0, min(size, entry.size - offset))
+        if size == 0:
+            return b""
+        if getattr(entry, "sparse", None):
+            return self._read_sparse(data_node, entry, offset, size)
+        return self._read_stream(data_node.layer, entry.offset + offset, size)
+
+    def _read_stream(self, layer_index: int, start: int, size: int) -> bytes:
+        layer = self.layers[layer_index]
+        end = start + size
+        parts = []
+        for i in layer.frames_for(start, end):
+            frame = layer.blob.frames[i]
+            raw = self.fetcher.frame(layer.blob, i)
+            lo = max(start, frame.u_offset) - frame.u_offset
+            hi = min(end, frame.u_offset + frame.u_size) - frame.u_offset
+            parts.append(raw[lo:hi])
+        data = b"".join(parts)
+        if len(data) != size:
+            raise FuseOSError(errno.EIO)
+        return data
+
+    def _read_sparse(self, node: Node, entry: Any, offset: int, size: int) -> bytes:
+        out = bytearray(size)  # holes read as zeros
+        stored = entry.offset
+        for ext_offset, length in entry.sparse:
+            lo, hi = max(offset, ext_offset), min(offset + size, ext_offset + length)
+            if lo < hi:
+                out[lo - offset:hi - offset] = self._read_stream(
+                    node.layer, stored + (lo - ext_offset), hi - lo)
+            stored += length
+        return bytes(out)
+
+
+class LazyOperations(Operations):  # type: ignore[misc,valid-type]
+    """fusepy operations over a :class:`LazyImage` (path-based, read-only: fusepy's own
+    defaults answer every write with EROFS)."""
+
+    use_ns = True  # times in integer nanoseconds (the TOC's precision)
+
+    def __init__(self, image: LazyImage) -> None:
+        self.image = image
+        self.mounted_at = time.time_ns()
+
+    def _node(self, path: str) -> Node:
+        node = self.image.tree.lookup(path)
+        if node is None:
+            raise FuseOSError(errno.ENOENT)
+        return node
+
+    def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
+        node = self._node(path)
+        entry = node.data.entry
+        mtime = entry.mtime_ns if entry is not None and entry.mtime_ns else self.mounted_at
+        st: dict[str, Any] = {
+            "st_mode": node.mode(), "st_ino": node.ino, "st_nlink": node.data.nlink,
+            "st_uid": getattr(entry, "uid", 0) if entry else 0,
+            "st_gid": getattr(entry, "gid", 0) if entry else 0,
+            "st_atime": mtime, "st_mtime": mtime, "st_ctime": mtime,
+        }
+        if node.is_dir:
+            st["st_nlink"] = 2 + sum(1 for c in node.children.values() if c.is_dir)
+            st["st_size"] = 4096
+        elif entry is not None:
+            st["st_size"] = len(entry.link) if entry.type == "symlink" else entry.size
+            if entry.type in ("char", "block"):
+                st["st_rdev"] = os.makedev(entry.devmajor, entry.devminor)
+        st["st_blocks"] = (st.get("st_size", 0) + 511) // 512
+        return st
+
+    def readdir(self, path: str, fh: Any) -> list[str]:
+        node = self._node(path)
+        if not node.is_dir:
+            raise FuseOSError(errno.ENOTDIR)
+        return [".", "..", *sorted(node.children)]
+
+    def readlink(self, path: str) -> str:
+        node = self._node(path)
+        if node.entry is None or node.entry.type != "symlink":
+            raise FuseOSError(errno.EINVAL)
+        return node.entry.link
+
+    def open(self, path: str, flags: int) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise FuseOSError(errno.EROFS)
+        self._node(path)
+        return 0
+
+    def read(self, path: str, size: int, offset: int, fh: Any) -> bytes:
+        try:
+            return self.image.read(self._node(path), offset, size)
+        except FuseOSError:
+            raise
+        except OSError as exc:
+            log.error("read %s [%d, +%d) failed: %s", path, offset, size, exc)
+            raise FuseOSError(errno.EIO) from None
+
+    def getxattr(self, path: str, name: str, position: int = 0) -> bytes:
+        entry = self._node(path).data.entry
+        xattrs = getattr(entry, "xattrs", None) or {}
+        if name not in xattrs:
+            raise FuseOSError(errno.ENODATA)
+        return xattrs[name]
+
+    def listxattr(self, path: str) -> list[str]:
+        entry = self._node(path).data.entry
+        return sorted((getattr(entry, "xattrs", None) or {}).keys())
+
+    def access(self, path: str, amode: int) -> int:
+        self._node(path)
+        if amode & os.W_OK:
+            raise FuseOSError(errno.EROFS)
+        return 0
+
+    def statfs(self, path: str) -> dict[str, int]:
+        return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": 0, "f_bfree": 0,
+                "f_bavail": 0, "f_files": len(self.image.tree.inodes), "f_ffree": 0,
+                "f_namemax": 255}
+
+
+def mount(image: LazyImage, mountpoint: str, *, foreground: bool = True,
+          allow_other: bool = False, dev_suid: bool = False,
+          ready: threading.Event | None = None) -> None:
+    """Serve ``image`` at ``mountpoint`` until unmounted (SIGINT/SIGTERM unmount cleanly)."""
+    from striped_fs.fuse import MountError
+
+    if _fusepy is None:
+        raise MountError(f"FUSE is unavailable: {_FUSE_IMPORT_ERROR}")
+    if not os.path.isdir(mountpoint):
+        raise MountError(f"mountpoint {mountpoint!r} is not a directory")
+    options: dict[str, Any] = {"foreground": foreground, "nothreads": False, "ro": True,
+                               "fsname": "bootseer-image", "subtype": "bootseer",
+                               "use_ino": True,  # hardlinks share an inode number
+                               "max_read": 1 << 20}
+    if not dev_suid:
+        options.update(nodev=True, nosuid=True)
+    if allow_other:
+        options["allow_other"] = True
+    saved: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            saved[sig] = signal.signal(sig, signal.SIG_DFL)
+    try:
+        _fusepy.FUSE(LazyOperations(image), mountpoint, **options)
+    except RuntimeError as exc:
+        raise MountError(f"libfuse failed to mount or serve {mountpoint!r} (code {exc})") \
+            from None
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
