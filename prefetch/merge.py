@@ -95,7 +95,7 @@ def _parts(path: str) -> list[str]:
 
 
 def merge_layers(layers: Iterable[Iterable[Any]]) -> MergedTree:
-    """Stack TOC entries (``name``, ``type``, ``linkname``, ``mode``...) of layers, lowest
+    """Stack TOC entries (``name``, ``type``, ``link``, ``mode``...) of layers, lowest
     first, into one tree."""
     counter = iter(range(1, 1 << 62))
     root = Node("", None, -1, next(counter), children={})
@@ -133,10 +133,10 @@ def merge_layers(layers: Iterable[Iterable[Any]]) -> MergedTree:
                     continue
                 node = Node(name, entry, index, next(counter), children={})
             elif entry.type == "hardlink":
-                target = tree.lookup(entry.linkname)
+                target = tree.lookup(entry.link)
                 if target is None or target.is_dir:
                     raise MergeError(f"layer {index}: hardlink {entry.name} -> "
-                                     f"{entry.linkname}: no such file in this or a lower layer")
+                                     f"{entry.link}: no such file in this or a lower layer")
                 data = target.data
                 data.nlink += 1
                 node = Node(name, entry, index, data.ino, content=data)

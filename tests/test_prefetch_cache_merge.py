@@ -68,7 +68,7 @@ def test_frame_memory_is_bounded() -> None:
 class E:
     name: str
     type: str = "reg"
-    linkname: str = ""
+    link: str = ""
     mode: int = 0o644
 
 
@@ -83,7 +83,7 @@ def test_merge_whiteouts_opaque_and_replacement() -> None:
              E("opt/tool/a"), E("opt/tool/sub", "dir", mode=0o755), E("opt/tool/sub/b"),
              E("lib", "dir"), E("lib/x.so"), E("data"), E("was-dir", "dir"), E("was-dir/f")]
     upper = [E("etc/.wh.hosts"), E("opt/tool/.wh..wh..opq"), E("opt/tool/new"),
-             E("lib", "dir", mode=0o700), E("data", "symlink", linkname="/elsewhere"),
+             E("lib", "dir", mode=0o700), E("data", "symlink", link="/elsewhere"),
              E("was-dir"), E("usr/bin/implied")]
     tree = merge_layers([lower, upper])
     paths = _paths(tree)
@@ -101,13 +101,13 @@ def test_merge_whiteouts_opaque_and_replacement() -> None:
 
 
 def test_merge_hardlinks_share_content_and_inode_across_layers() -> None:
-    tree = merge_layers([[E("a"), E("b", "hardlink", linkname="a")],
-                         [E("c", "hardlink", linkname="/a")]])
+    tree = merge_layers([[E("a"), E("b", "hardlink", link="a")],
+                         [E("c", "hardlink", link="/a")]])
     a, b, c = (tree.lookup(p) for p in ("a", "b", "c"))
     assert a.ino == b.ino == c.ino and a.nlink == 3
     assert c.data is a and c.data.layer == 0
     with pytest.raises(MergeError, match="no such file"):
-        merge_layers([[E("x", "hardlink", linkname="missing")]])
+        merge_layers([[E("x", "hardlink", link="missing")]])
 
 
 def test_merge_modes() -> None:
