@@ -201,3 +201,43 @@ def package_index(tmp_path: Path) -> Iterator[PackageIndex]:
     build_test_wheels(wheel_dir)
     with PackageIndex(wheel_dir) as index:
         yield index
+
+
+# -- OCI registry (CNCF distribution) ---------------------------------------------------------
+
+
+from bootseer.testing.registry import RegistryServer  # noqa: E402
+
+_SYSTEM_FIXTURES |= {"registry", "registry_factory"}
+
+
+@pytest.fixture
+def registry_factory(tmp_path: Path) -> Iterator[Callable[..., RegistryServer]]:
+    """``factory(htpasswd=None, token_auth=False, **kwargs)`` -> a started
+    :class:`~bootseer.testing.registry.RegistryServer` (``docker-registry serve``) on
+    127.0.0.1 with its storage under ``tmp_path``; ``htpasswd=(user, password)`` turns on Basic
+    auth, with ``token_auth=True`` those credentials go to a local token server (Bearer flow).
+    All are stopped at teardown. Skips (or fails, under BOOTSEER_REQUIRE_SYSTEM=1) when
+    docker-registry, or bcrypt for htpasswd, is missing."""
+    servers: list[RegistryServer] = []
+
+    def factory(
+        *, htpasswd: tuple[str, str] | None = None, token_auth: bool = False, **kwargs: Any
+    ) -> RegistryServer:
+        root = tmp_path / f"registry-{len(servers)}"
+        server = RegistryServer(root, htpasswd=htpasswd, token_auth=token_auth, **kwargs)
+        servers.append(server)
+        try:
+            return server.start()
+        except ComponentUnavailable as exc:
+            require_component(str(exc))
+
+    yield factory
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def registry(registry_factory: Callable[..., RegistryServer]) -> RegistryServer:
+    """A private registry without auth for this test (starts in about 0.1 s)."""
+    return registry_factory()
