@@ -10,6 +10,7 @@ from .. import __version__
 from . import ckpt as ckpt_cmd
 from . import env as env_cmd
 from . import fs as fs_cmd
+from . import image as image_cmd
 from .errors import CliError
 
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     fs_cmd.register(sub)
     ckpt_cmd.register(sub)
     env_cmd.register(sub)
+    image_cmd.register(sub)
     from . import bench, demo
 
     demo.register(sub)
@@ -33,7 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first "--" is a command to run (env ensure -- CMD, image record --
+    # CMD): split it off here, since argparse cannot mix options after a positional with a
+    # trailing command.
+    tail = None
+    if "--" in argv:
+        at = argv.index("--")
+        argv, tail = argv[:at], argv[at + 1:]
     args = parser.parse_args(argv)
+    if tail is not None:
+        if not getattr(args, "takes_command", False):
+            parser.error(f"unexpected arguments after --: {' '.join(tail)}")
+        args.command = tail
     level = logging.WARNING - 10 * min(args.verbose + 1, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -49,13 +63,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bootseer: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     except Exception as exc:
-        if _is_storage_client_error(exc):  # botocore's errors are not OSErrors
+        if _is_storage_client_error(exc) or _is_library_error(exc):
             print(f"bootseer: error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
         raise
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     raise SystemExit(code or 0)
+
+
+def _is_library_error(exc: BaseException) -> bool:
+    """prefetch's registry and layer-format errors carry their own what-to-do message (their
+    classes are not imported here: that would load aiohttp for every command)."""
+    return type(exc).__module__.startswith("prefetch.")
 
 
 def _is_storage_client_error(exc: BaseException) -> bool:

@@ -104,6 +104,7 @@ def _key_args(p: argparse.ArgumentParser) -> None:
                         "(repeatable)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="after --: the install (or setup) command; {prefix} is replaced")
+    p.set_defaults(takes_command=True)
 
 
 def _target_args(p: argparse.ArgumentParser) -> None:
