@@ -193,7 +193,7 @@ def mount(image: LazyImage, mountpoint: str, *, foreground: bool = True,
           allow_other: bool = False, dev_suid: bool = False,
           ready: threading.Event | None = None) -> None:
     """Serve ``image`` at ``mountpoint`` until unmounted (SIGINT/SIGTERM unmount cleanly)."""
-    from striped_fs.fuse import MountError
+    from striped_fs.fuse import MountError, restore_sigpipe
 
     if _fusepy is None:
         raise MountError(f"FUSE is unavailable: {_FUSE_IMPORT_ERROR}")
@@ -203,7 +203,9 @@ def mount(image: LazyImage, mountpoint: str, *, foreground: bool = True,
                                "fsname": "bootseer-image", "subtype": "bootseer",
                                "use_ino": True,  # hardlinks share an inode number
                                "max_read": 1 << 20}
-    if not dev_suid:
+    if dev_suid:  # libfuse mounts nodev,nosuid unless told otherwise
+        options.update(dev=True, suid=True)
+    else:
         options.update(nodev=True, nosuid=True)
     if allow_other:
         options["allow_other"] = True
@@ -217,5 +219,6 @@ def mount(image: LazyImage, mountpoint: str, *, foreground: bool = True,
         raise MountError(f"libfuse failed to mount or serve {mountpoint!r} (code {exc})") \
             from None
     finally:
+        restore_sigpipe()  # libfuse leaves SIGPIPE at "terminate": see striped_fs.fuse
         for sig, handler in saved.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)

@@ -799,6 +799,23 @@ def _fsname(fs: Any, root: str) -> str:
     return "".join(c if c.isalnum() or c in "._:/@+-=" else "_" for c in raw)[:200]
 
 
+def restore_sigpipe() -> None:
+    """Put SIGPIPE back to "ignore" after a FUSE session.
+
+    libfuse2 ignores SIGPIPE while it serves and, when it removes its handlers, resets SIGPIPE
+    to the default (terminate) - even though Python had it ignored. The next write to a closed
+    socket would then kill the whole process (a test run died with status 141 that way). This
+    goes through libc, so it works from the thread that served the mount, too."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal(signal.SIGPIPE, ctypes.c_void_p(1))  # SIG_IGN == (void (*)(int)) 1
+    except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
+        pass
+
+
 def mount(
     fs: Any,
     root: str,
@@ -852,6 +869,7 @@ def mount(
         raise MountError(f"libfuse failed to mount or serve {mountpoint!r} (code {e}); "
                          "libfuse's own message is on stderr") from None
     finally:
+        restore_sigpipe()
         for sig, handler in saved.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     log.info("unmounted %s", mountpoint)

@@ -244,3 +244,30 @@ def test_a_read_the_registry_cannot_serve_fails_with_eio(mounted) -> None:
     assert info.value.errno == errno.EIO
     registry.down = False  # back: the mount keeps working
     assert (mnt / "opt/x/c").read_bytes() == b"c"
+
+
+def _sigpipe_disposition() -> int:
+    """The C-level SIGPIPE handler (Python's own view is cached and would not show a change
+    made by libfuse)."""
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    current = libc.signal(signal.SIGPIPE, ctypes.c_void_p(1))
+    libc.signal(signal.SIGPIPE, ctypes.c_void_p(current or 0))
+    return current or 0
+
+
+def test_a_mount_in_a_thread_leaves_sigpipe_ignored(image, tmp_path: Path, fuse) -> None:
+    """libfuse resets SIGPIPE to "terminate" when it stops serving; a write to a closed socket
+    afterwards killed the whole test run (exit 141) before mount() put it back."""
+    lazy, _, _ = image
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    thread = threading.Thread(target=mount, args=(lazy, str(mnt)), daemon=True)
+    thread.start()
+    wait_mounted(mnt, 10)
+    unmount(mnt)
+    thread.join(10)
+    assert _sigpipe_disposition() == 1  # SIG_IGN, as Python set it at start-up
