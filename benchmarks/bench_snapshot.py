@@ -53,11 +53,26 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 _ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    command_line,
+    drop_caches,
+    fs_type,
+    kill_group,
+    log,
+    md_table,
+    mem_total,
+    reexec,
+    run_checked,
+    sigterm_as_interrupt,
+    source_state,
+    version_of,
+)
+
 if str(_ROOT) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(_ROOT))
 
@@ -114,10 +129,6 @@ fs.get_file(sys.argv[1], "/dev/stdout", max_concurrency=1)
 """
 
 _T0 = time.monotonic()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
 
 
 # -- the measured child ------------------------------------------------------------------------
@@ -223,64 +234,6 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def run_checked(argv: list[str], *, env: dict[str, str] | None = None, what: str,
-                cwd: str | None = None, timeout: float = 3600) -> subprocess.CompletedProcess:
-    """A set-up command (not timed); its own session, killed with its children on Ctrl-C."""
-    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException:
-        _kill_group(proc)
-        raise
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed (exit {proc.returncode}): "
-                           f"{(err or out).strip()[-3000:]}")
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(Exception):
-        proc.wait(timeout=30)
-
-
-def drop_caches() -> bool:
-    subprocess.run(["sync"], check=False)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def mem_total() -> int:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def fs_type(path: Path) -> str:
-    with contextlib.suppress(Exception):
-        out = subprocess.run(["findmnt", "-n", "-o", "FSTYPE,SOURCE", "--target", str(path)],
-                             capture_output=True, text=True, check=True).stdout.split()
-        return " on ".join(out) if out else "?"
-    return "?"
-
-
-def version_of(argv: list[str]) -> str:
-    with contextlib.suppress(Exception):
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-        text = (out.stdout or out.stderr).strip().splitlines()
-        return text[0].strip() if text else "?"
-    return "not found"
-
-
 def tree_bytes(root: Path) -> tuple[int, int]:
     """(files, bytes of regular files) under ``root``, not following links."""
     files = size = 0
@@ -309,47 +262,12 @@ def find_uv() -> str | None:
     return find_tool("uv")
 
 
-def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-    return [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *[line(r) for r in rows]]
-
-
 def _command_line() -> str:
-    orig = list(getattr(sys, "orig_argv", []) or [])
-    if len(orig) >= 2 and Path(orig[1]).name == "bootseer":
-        return " ".join(["bootseer", *orig[2:]])
-    return " ".join(["python", "benchmarks/bench_snapshot.py", *sys.argv[1:]])
+    return command_line("bench_snapshot.py")
 
 
 def _source_state() -> dict[str, Any]:
-    state: dict[str, Any] = {}
-    with contextlib.suppress(Exception):
-        state["commit"] = subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "HEAD"],
-                                         capture_output=True, text=True, timeout=10,
-                                         check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(_ROOT), "status", "--porcelain", "--",
-                                "snapshot", "striped_fs", "bootseer", "benchmarks"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout
-        state["local_changes"] = [line[3:] for line in dirty.splitlines()]
-    return state
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return source_state(["snapshot", "striped_fs", "bootseer", "benchmarks"])
 
 
 # -- the benchmark -----------------------------------------------------------------------------
@@ -762,7 +680,7 @@ class Bench:
             proc.stdout.read()
             rc = proc.wait()
         except BaseException:
-            _kill_group(proc)
+            kill_group(proc)
             raise
         result_path = Path(spec["result"])
         if not result_path.exists():
@@ -940,7 +858,7 @@ class Bench:
         tables: dict[str, list[str]] = {}
         for name in self.R["settings"]:
             rows = self.setting_rows(name)
-            tables[name] = _md_table(head, rows)
+            tables[name] = md_table(head, rows)
             self.R["settings"][name]["table"] = [dict(zip(head, r, strict=True)) for r in rows]
         print("")
         m = self.R["machine"]
@@ -1024,18 +942,6 @@ _MAPPED_BY_TOOLS = ("aiohttp", "yarl", "multidict", "frozenlist", "propcache", "
                     "s3fs", "numpy", "torch")
 
 
-def _reexec(argv: list[str]) -> int:
-    log("re-running in a fresh interpreter (this one has the measured tools' libraries loaded)")
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv])
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:  # the child cleans up on SIGTERM as on Ctrl-C
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        proc.wait()
-        return 130
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--measure-child"]:
@@ -1043,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--helper"]:
         return helper_main(argv[1], argv[2])
     if any(name in sys.modules for name in _MAPPED_BY_TOOLS):
-        return _reexec(argv)
+        return reexec(argv)
     parser = argparse.ArgumentParser(prog="bench_snapshot.py", description=__doc__.split("\n")[0])
     parser.add_argument("--results", default="bench-results", help="directory for snapshot.json/.md")
     parser.add_argument("--quick", action="store_true",
@@ -1060,7 +966,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     bench = Bench(args)
     interrupted = False
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():
         try:
             with bench.stack:
                 bench.run()

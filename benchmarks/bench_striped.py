@@ -43,12 +43,15 @@ import tempfile
 import time
 import traceback
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 _ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import sigterm_as_interrupt  # noqa: E402
+
 if str(_ROOT) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(_ROOT))
 
@@ -1082,20 +1085,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM runs the same cleanup as Ctrl-C."""
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1107,7 +1096,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     bench = Bench(args)
     interrupted = False
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():
         try:
             with bench.stack:
                 bench.run()

@@ -171,7 +171,7 @@ class FrameFetcher:
                 future = Future()
                 self._pending[key] = future
                 self._push(blob, i, priority)
-            elif priority < self._queued.get(key, priority + 1):
+            elif priority < self._queued.get(key, priority):  # in flight: not queued
                 self._push(blob, i, priority)  # promote: the stale entry is skipped later
             return future
 

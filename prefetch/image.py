@@ -169,9 +169,11 @@ def open_image(reference: str, cache_dir: str | os.PathLike, *, platform: str = 
             blobs.append(blob)
             layers.append(Layer(index, blob))
         recorder = Recorder(manifest.digest) if record else None
+        # retries=0: the registry client already retries connection errors and 5xx with
+        # backoff (one retry layer); the fetcher still refetches a corrupted frame once.
         fetcher = FrameFetcher(lambda digest, s, e: reg.get_blob_range(repo, digest, s, e),
                                BlockCache(cache_dir, cache_bytes), connections=connections,
-                               on_access=recorder)
+                               on_access=recorder, retries=0)
         lazy = LazyImage(layers, fetcher)
         lazy.recorder = recorder  # type: ignore[attr-defined]
     except BaseException:

@@ -19,26 +19,22 @@ import json
 import logging
 import os
 import shutil
-import socket
 import stat
 import tempfile
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import zstandard
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 
-from .ensure import EnsureResult, open_store
+from .ensure import EnsureResult, open_store, publish_tree
 from .errors import SnapshotError, StoreUnavailable, UnsafeMemberError
 from .extract import Extractor
 from .install import run_command
 from .key import EnvKey, compute_key
-from .manifest import DIR, FILE, HARDLINK, SYMLINK, Manifest, Member, encode_toc
-from .pack import pack_tree
+from .manifest import DIR, FILE, HARDLINK, SYMLINK, Manifest, Member
 from .restore import _ChunkPipeline, fetch_toc
 from .safety import Plan, check_path, plan_extraction
 from .store import SnapshotStore
@@ -175,31 +171,8 @@ def _kind(sig: Signature) -> str:
 
 def _publish_capture(snapshots: SnapshotStore, env_key: EnvKey, roots: list[str],
                      changes: Changes) -> None:
-    import hashlib
-
-    publisher = uuid.uuid4().hex
-    key = env_key.key
-    try:
-        packed = pack_tree("/", lambda name, data: snapshots.put(key, name, data),
-                           publisher=publisher, paths=changes.changed)
-        toc_raw = encode_toc(packed.members)
-        toc = zstandard.ZstdCompressor(level=3).compress(toc_raw)
-        toc_name = f"{publisher}/toc.json.zst"
-        snapshots.put(key, toc_name, toc).result()
-        manifest = Manifest(
-            key=key, kind="capture", prefix="/", chunks=packed.chunks,
-            toc={"name": toc_name, "sha256": hashlib.sha256(toc).hexdigest(), "size": len(toc),
-                 "raw_size": len(toc_raw)},
-            stream_size=packed.stream_size, files=packed.files, bytes=packed.bytes,
-            publisher=publisher, created=time.time(), host=socket.gethostname(),
-            installer="capture", inputs=env_key.inputs,
-            capture={"roots": roots, "deleted": changes.deleted})
-        won = snapshots.commit(manifest)
-    except BaseException:
-        snapshots.discard_publisher(key, publisher)
-        raise
-    if not won:
-        snapshots.discard_publisher(key, publisher)
+    publish_tree(snapshots, env_key, Path("/"), kind="capture", installer="capture",
+                 paths=changes.changed, capture={"roots": roots, "deleted": changes.deleted})
 
 
 # -- replay ----------------------------------------------------------------------------------

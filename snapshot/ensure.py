@@ -35,7 +35,7 @@ from .errors import SnapshotError, StoreUnavailable
 from .install import default_commands, installer_version, run_command
 from .key import EnvKey, compute_key
 from .manifest import Manifest, Member, encode_toc
-from .pack import pack_tree, walk
+from .pack import PackResult, pack_tree, walk
 from .restore import RestoreResult, read_marker, restore, verify, write_marker
 from .store import SnapshotStore
 
@@ -334,34 +334,48 @@ def publish(snapshots: SnapshotStore, env_key: EnvKey, prefix: Path, *,
             chunk_size: int | None = None) -> PublishResult:
     """Pack ``prefix`` into the store under the key; exactly one concurrent publisher wins."""
     start = time.perf_counter()
+    kwargs = {"chunk_size": chunk_size} if chunk_size else {}
+    packed, manifest, won = publish_tree(
+        snapshots, env_key, prefix, kind="prefix", publisher=publisher, installer=installer,
+        **kwargs)
+    write_marker(prefix, env_key.key, prefix, packed.members, built_at=str(prefix),
+                 store_url=snapshots.url, published=True, publisher=manifest.publisher)
+    return PublishResult(won, packed.files, packed.bytes, manifest.compressed_size,
+                         len(packed.chunks), time.perf_counter() - start)
+
+
+def publish_tree(snapshots: SnapshotStore, env_key: EnvKey, root: Path, *, kind: str,
+                 publisher: str | None = None, installer: str = "",
+                 paths: list[str] | None = None, capture: dict[str, Any] | None = None,
+                 **pack_options: Any) -> tuple[PackResult, Manifest, bool]:
+    """Pack ``root`` (or ``paths`` under it), upload chunks and TOC, commit the manifest;
+    (pack, manifest, won). A loser's or a failed publisher's chunks are removed."""
     publisher = publisher or uuid.uuid4().hex
     key = env_key.key
-    kwargs = {"chunk_size": chunk_size} if chunk_size else {}
     try:
-        packed = pack_tree(prefix, lambda name, data: snapshots.put(key, name, data),
-                           publisher=publisher, prefix=str(prefix), **kwargs)
+        packed = pack_tree(root, lambda name, data: snapshots.put(key, name, data),
+                           publisher=publisher, paths=paths,
+                           prefix=str(root) if kind == "prefix" else None, **pack_options)
         toc_raw = encode_toc(packed.members)
         toc = zstandard.ZstdCompressor(level=3).compress(toc_raw)
         toc_name = f"{publisher}/toc.json.zst"
         snapshots.put(key, toc_name, toc).result()
         manifest = Manifest(
-            key=key, kind="prefix", prefix=str(prefix), chunks=packed.chunks,
+            key=key, kind=kind, prefix=str(root), chunks=packed.chunks,
             toc={"name": toc_name, "sha256": hashlib.sha256(toc).hexdigest(), "size": len(toc),
                  "raw_size": len(toc_raw)},
             stream_size=packed.stream_size, files=packed.files, bytes=packed.bytes,
             publisher=publisher, created=time.time(), host=socket.gethostname(),
-            installer=installer, inputs=env_key.inputs, prefix_refs=packed.prefix_refs)
+            installer=installer, inputs=env_key.inputs, prefix_refs=packed.prefix_refs,
+            capture=capture or {})
         won = snapshots.commit(manifest)
     except BaseException:
         snapshots.discard_publisher(key, publisher)
         raise
     if not won:
-        log.info("another process published environment %s first; discarding this copy", key)
+        log.info("another process published snapshot %s first; discarding this copy", key)
         snapshots.discard_publisher(key, publisher)
-    write_marker(prefix, key, prefix, packed.members, built_at=str(prefix),
-                 store_url=snapshots.url, published=True, publisher=manifest.publisher)
-    return PublishResult(won, packed.files, packed.bytes, manifest.compressed_size,
-                         len(packed.chunks), time.perf_counter() - start)
+    return packed, manifest, won
 
 
 def mark_local(prefix: Path, env_key: EnvKey) -> None:

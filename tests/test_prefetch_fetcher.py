@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -119,4 +120,25 @@ def test_a_dead_server_fails_after_bounded_retries(tmp_path: Path) -> None:
     assert info.value.errno == errno.EIO and len(server.requests) == 4
     server.fail_next = 0  # the registry is back: the next read works
     assert fetcher.frame(blob, 0)
+    fetcher.close()
+
+
+def test_a_read_of_a_frame_in_flight_waits_for_it_instead_of_fetching_again(
+        tmp_path: Path) -> None:
+    blob, data, raws = _blob(n=2)
+    server = Server(data)
+    fetcher = FrameFetcher(server, BlockCache(tmp_path), connections=1, merge_cap=1)
+    server.gate.clear()
+    fetcher.prefetch([(blob, 0)])  # the worker takes it and blocks in the request
+    deadline = time.monotonic() + 5
+    while fetcher._queued and time.monotonic() < deadline:
+        time.sleep(0.01)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fetcher.frame(blob, 0)))
+    reader.start()
+    time.sleep(0.05)
+    server.gate.set()
+    reader.join(10)
+    assert got == [raws[0]]
+    assert len(server.requests) == 1  # one request: the read joined the prefetch in flight
     fetcher.close()

@@ -8,7 +8,7 @@ import runpy
 import sys
 from pathlib import Path
 
-SUITES = ("striped", "ckpt", "snapshot")
+SUITES = ("striped", "ckpt", "snapshot", "prefetch")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,140 @@
+"""Small pieces every benchmark script uses: its command line, the commit it measured, a
+markdown table, and SIGTERM as Ctrl-C (so that a killed run still stops what it started).
+
+Benchmarks import only the standard library in the harness process (what they measure runs in
+children), and so does this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+_T0 = time.monotonic()
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+    return [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+            *[line(r) for r in rows]]
+
+
+def command_line(script: str) -> str:
+    """How this run was started: ``bootseer bench ...`` or ``python benchmarks/<script>``."""
+    orig = list(getattr(sys, "orig_argv", []) or [])
+    if len(orig) >= 2 and Path(orig[1]).name == "bootseer":
+        return " ".join(["bootseer", *orig[2:]])
+    return " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]])
+
+
+def source_state(paths: list[str]) -> dict[str, Any]:
+    """The commit measured, and whether the measured code had local changes (read-only git)."""
+    state: dict[str, Any] = {}
+    with contextlib.suppress(Exception):
+        state["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+                                         capture_output=True, text=True, timeout=10,
+                                         check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", *paths],
+                               capture_output=True, text=True, timeout=10, check=True).stdout
+        state["local_changes"] = [line[3:] for line in dirty.splitlines()]
+    return state
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=30)
+
+
+def reexec(argv: list[str]) -> int:
+    log("re-running in a fresh interpreter (this one has the measured tools' libraries loaded)")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv])
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # the child cleans up on SIGTERM as on Ctrl-C
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        return 130
+
+
+def drop_caches() -> bool:
+    subprocess.run(["sync"], check=False)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def fs_type(path: Path) -> str:
+    with contextlib.suppress(Exception):
+        out = subprocess.run(["findmnt", "-n", "-o", "FSTYPE,SOURCE", "--target", str(path)],
+                             capture_output=True, text=True, check=True).stdout.split()
+        return " on ".join(out) if out else "?"
+    return "?"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
+
+
+def mem_total() -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_checked(argv: list[str], *, env: dict[str, str] | None = None, what: str,
+                cwd: str | None = None, timeout: float = 3600) -> subprocess.CompletedProcess:
+    """A set-up command (not timed); its own session, killed with its children on Ctrl-C."""
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        kill_group(proc)
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}): "
+                           f"{(err or out).strip()[-3000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def version_of(argv: list[str]) -> str:
+    with contextlib.suppress(Exception):
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+        text = (out.stdout or out.stderr).strip().splitlines()
+        return text[0].strip() if text else "?"
+    return "not found"
