@@ -202,7 +202,11 @@ def mount(image: LazyImage, mountpoint: str, *, foreground: bool = True,
     options: dict[str, Any] = {"foreground": foreground, "nothreads": False, "ro": True,
                                "fsname": "bootseer-image", "subtype": "bootseer",
                                "use_ino": True,  # hardlinks share an inode number
-                               "max_read": 1 << 20}
+                               "max_read": 1 << 20,
+                               # The image never changes under the mount: the kernel may keep
+                               # file pages across opens and cache lookups and attributes.
+                               "kernel_cache": True, "entry_timeout": 3600.0,
+                               "attr_timeout": 3600.0, "negative_timeout": 3600.0}
     if dev_suid:  # libfuse mounts nodev,nosuid unless told otherwise
         options.update(dev=True, suid=True)
     else:

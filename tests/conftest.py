@@ -241,3 +241,24 @@ def registry_factory(tmp_path: Path) -> Iterator[Callable[..., RegistryServer]]:
 def registry(registry_factory: Callable[..., RegistryServer]) -> RegistryServer:
     """A private registry without auth for this test (starts in about 0.1 s)."""
     return registry_factory()
+
+
+# -- containerd (a private daemon per test) -------------------------------------------------
+
+
+@pytest.fixture
+def containerd(tmp_path: Path):
+    """A started :class:`bootseer.testing.containerd.ContainerdServer` (CRI off, own socket);
+    skips, or fails under BOOTSEER_REQUIRE_SYSTEM=1, without containerd or root."""
+    from bootseer.testing.containerd import ContainerdServer
+
+    server = ContainerdServer(tmp_path / "containerd")
+    try:
+        server.start()
+    except ComponentUnavailable as exc:
+        require_component(str(exc))
+    yield server
+    server.stop()
+
+
+_SYSTEM_FIXTURES |= {"containerd"}

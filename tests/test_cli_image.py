@@ -150,3 +150,20 @@ def test_a_layer_with_a_dotdot_member_is_refused_at_convert(registry) -> None:
                         f"{registry.host}/app/evil:lazy", check=False)
     assert proc.returncode == 2 and "etc/../../escape" in proc.stderr and ".." in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_plain_containerd_pull_unpacks_the_converted_image(image, registry,
+                                                             containerd) -> None:
+    """The converted image is still an ordinary image: containerd pulls it from the registry
+    over HTTP, decompresses every seekable layer with its own zstd reader (skippable frames
+    and all), checks the diff_ids against the unchanged config, and unpacks it."""
+    _, ref = image
+    containerd.ctr("images", "pull", "--plain-http", "--snapshotter", "native", ref)
+    containerd.ctr("images", "check")
+    snapshots = containerd.ctr("snapshots", "--snapshotter", "native", "ls").stdout
+    assert len(snapshots.strip().splitlines()) == 3  # header + one snapshot per layer
+    dirs = list((containerd.root / "io.containerd.snapshotter.v1.native/snapshots").iterdir())
+    top = max(dirs, key=lambda d: int(d.name))  # the upper layer applied on the lower
+    assert (top / "lib/big.so").read_bytes() == BIG
+    assert not (top / "etc/hosts").exists()  # whited out by the upper layer
+    assert (top / "opt/x/c").read_bytes() == b"c" and not (top / "opt/x/a").exists()

@@ -12,8 +12,6 @@ import shutil
 import struct
 import subprocess
 import tarfile
-import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -702,47 +700,17 @@ def _oci_archive(path: Any, layer: Layer) -> None:
             tf.addfile(info, io.BytesIO(data))
 
 
-@pytest.mark.system
 def test_containerd_unpacks_the_converted_layer(layer: Layer, tmp_path: Any,
-                                                system: Callable[[str | None], None]) -> None:
+                                                containerd) -> None:
     """`ctr images import` runs containerd's own unpacker (zstd decompression, diff_id check,
-    apply), the same one a pull uses."""
-    missing = [b for b in ("containerd", "ctr") if shutil.which(b) is None]
-    system(f"needs {', '.join(missing)}" if missing else None)
-    system(None if os.geteuid() == 0 else "containerd needs root")
-    sock_dir = tempfile.mkdtemp(prefix="bootseer-ctd-")  # a socket path must stay short
-    sock = os.path.join(sock_dir, "containerd.sock")
-    (tmp_path / "config.toml").write_text(
-        f'version = 2\nroot = "{tmp_path}/root"\nstate = "{tmp_path}/state"\n'
-        f'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n[grpc]\n  address = "{sock}"\n')
+    apply), the same one a pull uses (a pull from the registry: tests/test_cli_image.py)."""
     _oci_archive(tmp_path / "image.tar", layer)
-    log = open(tmp_path / "containerd.log", "wb")
-    daemon = subprocess.Popen(["containerd", "--config", str(tmp_path / "config.toml")],
-                              stdout=log, stderr=log)
-    ctr = ["ctr", "--address", str(sock), "--namespace", "bootseer-test"]
-    try:
-        deadline = time.monotonic() + 30
-        while subprocess.run([*ctr, "version"], capture_output=True).returncode != 0:
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                system(f"containerd did not start: {(tmp_path / 'containerd.log').read_text()}")
-            time.sleep(0.2)
-        subprocess.run([*ctr, "images", "import", "--snapshotter", "native",
-                        str(tmp_path / "image.tar")], check=True, capture_output=True)
-        snapshots = subprocess.run([*ctr, "snapshots", "--snapshotter", "native", "ls"],
-                                   check=True, capture_output=True, text=True).stdout
-        assert layer.diff_id in snapshots  # unpacked, and the diff_id checked, by containerd
-        root = next((tmp_path / "root/io.containerd.snapshotter.v1.native/snapshots").iterdir())
-        assert (root / "usr/lib/libbig.so").read_bytes() == layer.contents["usr/lib/libbig.so"]
-        assert os.readlink(root / "usr/bin/python3") == "/etc/alternatives/python3"
-        for name, data in layer.contents.items():
-            if ".wh." not in name:  # whiteouts are applied, not unpacked
-                assert (root / name).read_bytes() == data, name
-    finally:
-        daemon.terminate()
-        try:
-            daemon.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
-        log.close()
-        shutil.rmtree(sock_dir, ignore_errors=True)
+    containerd.ctr("images", "import", "--snapshotter", "native", str(tmp_path / "image.tar"))
+    snapshots = containerd.ctr("snapshots", "--snapshotter", "native", "ls").stdout
+    assert layer.diff_id in snapshots  # unpacked, and the diff_id checked, by containerd
+    root = next((containerd.root / "io.containerd.snapshotter.v1.native/snapshots").iterdir())
+    assert (root / "usr/lib/libbig.so").read_bytes() == layer.contents["usr/lib/libbig.so"]
+    assert os.readlink(root / "usr/bin/python3") == "/etc/alternatives/python3"
+    for name, data in layer.contents.items():
+        if ".wh." not in name:  # whiteouts are applied, not unpacked
+            assert (root / name).read_bytes() == data, name
