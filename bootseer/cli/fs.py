@@ -5,16 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 from typing import Any
 
 from striped_fs.urls import url_to_fs
 
 from ..progress import ByteProgress, human_bytes
 from .errors import CliError
+from .mounts import start_background_mount
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -154,8 +152,6 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _mount_in_background(args: argparse.Namespace) -> int:
-    from striped_fs import fuse
-
     argv = [sys.executable, "-m", "bootseer", "fs", "mount", args.url, args.mountpoint,
             "--foreground"]
     for flag, value in (("--stripe-size", args.stripe_size), ("--concurrency", args.concurrency),
@@ -166,23 +162,8 @@ def _mount_in_background(args: argparse.Namespace) -> int:
         argv.append("--read-only")
     if args.allow_other:
         argv.append("--allow-other")
-    # The mount outlives this command: its log goes to a file, not to a pipe nobody reads.
-    log_path = os.path.join(tempfile.gettempdir(),
-                            f"bootseer-mount-{os.path.basename(os.path.abspath(args.mountpoint))}"
-                            f"-{os.getpid()}.log")
-    with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=log_file, start_new_session=True)
-    try:
-        fuse.wait_mounted(args.mountpoint, timeout=args.timeout, proc=proc)
-    except fuse.MountError as exc:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        with open(log_path, errors="replace") as f:
-            raise CliError(f"{exc}\n{f.read()[-4000:]}") from None
-    print(f"mounted {args.url} at {args.mountpoint} (pid {proc.pid}, log {log_path}); "
-          f"unmount with: bootseer fs umount {args.mountpoint}")
-    return 0
+    return start_background_mount(argv, args.mountpoint, timeout=args.timeout, what=args.url,
+                                  kind="fs")
 
 
 def cmd_umount(args: argparse.Namespace) -> int:

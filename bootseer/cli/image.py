@@ -13,7 +13,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any
 
 from ..progress import human_bytes
 from .errors import CliError
+from .mounts import start_background_mount
 
 log = logging.getLogger("bootseer")
 
@@ -167,8 +167,6 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _mount_in_background(args: argparse.Namespace) -> int:
-    from striped_fs import fuse
-
     argv = [sys.executable, "-m", "bootseer", "-v", "image", "mount", args.ref, args.mountpoint,
             "--foreground", "--cache", args.cache, "--platform", args.platform,
             "--connections", str(args.connections)]
@@ -176,22 +174,8 @@ def _mount_in_background(args: argparse.Namespace) -> int:
         argv.append("--no-prefetch")
     if args.stats:
         argv += ["--stats", args.stats]
-    log_path = os.path.join(tempfile.gettempdir(), f"bootseer-image-"
-                            f"{os.path.basename(os.path.abspath(args.mountpoint))}-"
-                            f"{os.getpid()}.log")
-    with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=log_file, start_new_session=True)
-    try:
-        fuse.wait_mounted(args.mountpoint, timeout=args.timeout, proc=proc)
-    except fuse.MountError as exc:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        with open(log_path, errors="replace") as f:
-            raise CliError(f"{exc}\n{f.read()[-4000:]}") from None
-    print(f"mounted {args.ref} at {args.mountpoint} (pid {proc.pid}, log {log_path}); "
-          f"unmount with: bootseer image umount {args.mountpoint}")
-    return 0
+    return start_background_mount(argv, args.mountpoint, timeout=args.timeout, what=args.ref,
+                                  kind="image")
 
 
 def cmd_umount(args: argparse.Namespace) -> int:

@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import base64
 import collections
-import contextlib
 import hashlib
 import html
 import http.server
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import urllib.parse
@@ -34,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from bootseer.testing.servers import LOOPBACK
+from bootseer.testing.servers import LOOPBACK, ConnectionTracking
 
 __all__ = [
     "TEST_WHEELS",
@@ -385,7 +383,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(body)
 
 
-class _IndexHTTPServer(http.server.ThreadingHTTPServer):
+class _IndexHTTPServer(ConnectionTracking, http.server.ThreadingHTTPServer):
     """Remembers open connections so that stop() can cut idle keep-alive ones."""
 
     daemon_threads = True
@@ -393,26 +391,7 @@ class _IndexHTTPServer(http.server.ThreadingHTTPServer):
 
     def __init__(self, addr: tuple[str, int], index: PackageIndex) -> None:
         self.index = index
-        self.open_connections: set[socket.socket] = set()
-        self.connections_lock = threading.Lock()
         super().__init__(addr, _Handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self.connections_lock:
-            self.open_connections.add(request)
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request: Any) -> None:
-        with self.connections_lock:
-            self.open_connections.discard(request)
-        super().shutdown_request(request)
-
-    def cut_connections(self) -> None:
-        with self.connections_lock:
-            conns = list(self.open_connections)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from bootseer.testing.servers import (
     _tail,
     _terminate,
     free_port,
+    start_on_a_free_port,
 )
 
 __all__ = ["REGISTRY_BINARY", "RegistryServer", "TokenServer", "find_registry"]
@@ -453,19 +454,7 @@ class RegistryServer:
             self.token_server = TokenServer(
                 users, self.root_dir / "token", grants=self.token_grants
             ).start()
-        may_move = not self._fixed_port and not self._started_once
-        attempts = 5 if may_move else 1
-        for attempt in range(attempts):
-            try:
-                self._start_once(binary)
-                break
-            except _PortBusy as exc:
-                if attempt + 1 == attempts:
-                    raise RuntimeError(
-                        f"docker-registry could not bind {self.host}: {exc}"
-                    ) from exc
-                self._port = free_port()
-        self._started_once = True
+        start_on_a_free_port(self, binary, "docker-registry")
         return self
 
     def _start_once(self, binary: str) -> None:

@@ -47,6 +47,51 @@ DUMMY_AWS_REGION = "us-east-1"
 _NGINX_CANDIDATES: tuple[str, ...] = ("/usr/sbin/nginx",)
 
 
+def start_on_a_free_port(server: Any, binary: str, what: str) -> None:
+    """``server._start_once(binary)``, moving to another free port when the chosen one was
+    taken meanwhile (a race with other processes), unless the caller fixed the port or the
+    server ran before (a restart must keep its address)."""
+    may_move = not server._fixed_port and not server._started_once
+    attempts = 5 if may_move else 1
+    for attempt in range(attempts):
+        try:
+            server._start_once(binary)
+            break
+        except _PortBusy as exc:
+            if attempt + 1 == attempts:
+                raise RuntimeError(f"{what} could not bind 127.0.0.1:{server._port}: {exc}") \
+                    from exc
+            server._port = free_port()
+    server._started_once = True
+
+
+class ConnectionTracking:
+    """socketserver mixin: remember open connections so that a test server's stop() can cut
+    them (a dropped connection in flight, or idle keep-alives that would outlive it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.open_connections: set[socket.socket] = set()
+        self.connections_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.connections_lock:
+            self.open_connections.add(request)
+        super().process_request(request, client_address)  # type: ignore[misc]
+
+    def shutdown_request(self, request: Any) -> None:
+        with self.connections_lock:
+            self.open_connections.discard(request)
+        super().shutdown_request(request)  # type: ignore[misc]
+
+    def cut_connections(self) -> None:
+        with self.connections_lock:
+            conns = list(self.open_connections)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+
 class ComponentUnavailable(RuntimeError):
     """A real component (binary, device, Python package) is missing; the message says how to
     install it. Tests skip on it, or fail when ``BOOTSEER_REQUIRE_SYSTEM=1``."""
@@ -153,30 +198,8 @@ class _InProcessMoto:
             def log_request(self, *args: Any, **kwargs: Any) -> None:
                 pass
 
-        class TrackingServer(ThreadedWSGIServer):  # type: ignore[misc, valid-type]
+        class TrackingServer(ConnectionTracking, ThreadedWSGIServer):  # type: ignore[misc, valid-type]
             """Remembers open connections so that stop() can cut them."""
-
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                self.open_connections: set[socket.socket] = set()
-                self.connections_lock = threading.Lock()
-                super().__init__(*args, **kwargs)
-
-            def process_request(self, request: Any, client_address: Any) -> None:
-                with self.connections_lock:
-                    self.open_connections.add(request)
-                super().process_request(request, client_address)
-
-            def shutdown_request(self, request: Any) -> None:
-                with self.connections_lock:
-                    self.open_connections.discard(request)
-                super().shutdown_request(request)
-
-            def cut_connections(self) -> None:
-                with self.connections_lock:
-                    conns = list(self.open_connections)
-                for conn in conns:
-                    with contextlib.suppress(OSError):
-                        conn.shutdown(socket.SHUT_RDWR)
 
         app = DomainDispatcherApplication(create_backend_app)
         # Binding happens here, in the caller's thread, so a busy port raises right away.
@@ -578,19 +601,7 @@ http {{
         binary = find_nginx()
         if not self.root_dir.is_dir():
             raise NotADirectoryError(f"nginx root_dir is not a directory: {self.root_dir}")
-        may_move = not self._fixed_port and not self._started_once
-        attempts = 5 if may_move else 1
-        for attempt in range(attempts):
-            try:
-                self._start_once(binary)
-                break
-            except _PortBusy as exc:
-                if attempt + 1 == attempts:
-                    raise RuntimeError(
-                        f"nginx could not bind 127.0.0.1:{self._port}: {exc}"
-                    ) from exc
-                self._port = free_port()
-        self._started_once = True
+        start_on_a_free_port(self, binary, "nginx")
         return self
 
     def _start_once(self, binary: str) -> None:
