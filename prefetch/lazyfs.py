@@ -14,8 +14,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import signal
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -190,10 +188,9 @@ class LazyOperations(Operations):  # type: ignore[misc,valid-type]
 
 
 def mount(image: LazyImage, mountpoint: str, *, foreground: bool = True,
-          allow_other: bool = False, dev_suid: bool = False,
-          ready: threading.Event | None = None) -> None:
+          allow_other: bool = False, dev_suid: bool = False) -> None:
     """Serve ``image`` at ``mountpoint`` until unmounted (SIGINT/SIGTERM unmount cleanly)."""
-    from striped_fs.fuse import MountError, restore_sigpipe
+    from striped_fs.fuse import MountError, run_fuse
 
     if _fusepy is None:
         raise MountError(f"FUSE is unavailable: {_FUSE_IMPORT_ERROR}")
@@ -213,16 +210,4 @@ def mount(image: LazyImage, mountpoint: str, *, foreground: bool = True,
         options.update(nodev=True, nosuid=True)
     if allow_other:
         options["allow_other"] = True
-    saved: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            saved[sig] = signal.signal(sig, signal.SIG_DFL)
-    try:
-        _fusepy.FUSE(LazyOperations(image), mountpoint, **options)
-    except RuntimeError as exc:
-        raise MountError(f"libfuse failed to mount or serve {mountpoint!r} (code {exc})") \
-            from None
-    finally:
-        restore_sigpipe()  # libfuse leaves SIGPIPE at "terminate": see striped_fs.fuse
-        for sig, handler in saved.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    run_fuse(LazyOperations(image), mountpoint, options)

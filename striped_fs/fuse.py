@@ -856,13 +856,22 @@ def mount(
         options["ro"] = True
     if allow_other:
         options["allow_other"] = True
-    # libfuse installs its unmount-and-exit handlers only where a signal's disposition is the
-    # default; fusepy resets SIGINT itself, do the same for SIGTERM and SIGHUP.
+    log.info("mounting %s at %s (read_only=%s)", options["fsname"], mountpoint, read_only)
+    run_fuse(ops, mountpoint, options)
+    log.info("unmounted %s", mountpoint)
+
+
+def run_fuse(ops: Any, mountpoint: str, options: dict[str, Any]) -> None:
+    """Serve ``ops`` at ``mountpoint`` with fusepy until unmounted; the signal handling every
+    bootseer mount needs: SIGTERM and SIGHUP unmount cleanly (libfuse installs its handlers
+    only where a signal's disposition is the default; fusepy resets SIGINT itself, this does
+    the same for SIGTERM and SIGHUP), and SIGPIPE is ignored again after."""
+    if _fusepy is None:
+        raise MountError(f"FUSE is unavailable: {_FUSE_IMPORT_ERROR}")
     saved: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGHUP):
             saved[sig] = signal.signal(sig, signal.SIG_DFL)
-    log.info("mounting %s at %s (read_only=%s)", options["fsname"], mountpoint, read_only)
     try:
         _fusepy.FUSE(ops, mountpoint, **options)
     except RuntimeError as e:
@@ -872,7 +881,6 @@ def mount(
         restore_sigpipe()
         for sig, handler in saved.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-    log.info("unmounted %s", mountpoint)
 
 
 def serve(fs: Any, root: str, mountpoint: str, **kw: Any) -> int:
