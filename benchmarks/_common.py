@@ -138,3 +138,38 @@ def version_of(argv: list[str]) -> str:
         text = (out.stdout or out.stderr).strip().splitlines()
         return text[0].strip() if text else "?"
     return "not found"
+
+
+def run_bench(bench: Any, *, done_key: str, report_inside: bool = True,
+              log_fn: Any = None) -> int:
+    """Run a benchmark object (``stack``, ``run()``, ``report()``, ``errors``, ``R``,
+    ``write_files()``): Ctrl-C and SIGTERM stop everything it started, a crash is recorded,
+    and partial results are written. Exit status: 130 interrupted, 1 on errors, else 0.
+
+    ``report_inside``: report while the servers of ``bench.stack`` still run (the report reads
+    their state), or after they are stopped."""
+    say = log_fn or log
+    interrupted = False
+    with sigterm_as_interrupt():
+        try:
+            with bench.stack:
+                bench.run()
+                if report_inside:
+                    bench.report()
+            if not report_inside:
+                bench.report()
+        except KeyboardInterrupt:
+            interrupted = True
+            say("interrupted: everything started has been stopped and removed")
+        except Exception as exc:  # noqa: BLE001 - recorded, and partial results still written
+            import traceback
+
+            bench.errors.append(f"crashed: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+        finally:
+            if interrupted or bench.errors and done_key not in bench.R:
+                with contextlib.suppress(Exception):
+                    bench.write_files()
+    if interrupted:
+        return 130
+    return 1 if bench.errors else 0

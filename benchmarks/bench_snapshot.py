@@ -67,8 +67,8 @@ from _common import (  # noqa: E402
     md_table,
     mem_total,
     reexec,
+    run_bench,
     run_checked,
-    sigterm_as_interrupt,
     source_state,
     version_of,
 )
@@ -965,28 +965,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep CACHE/snapshot-run (trees, stores, logs) for inspection")
     args = parser.parse_args(argv)
     bench = Bench(args)
-    interrupted = False
-    with sigterm_as_interrupt():
-        try:
-            with bench.stack:
-                bench.run()
-                bench.report()
-        except KeyboardInterrupt:
-            interrupted = True
-            log("interrupted: everything started has been stopped and removed")
-        except Exception as exc:  # noqa: BLE001
-            bench.errors.append(f"crashed: {type(exc).__name__}: {exc}")
-            traceback.print_exc()
-        finally:
-            if interrupted or bench.errors and "finished" not in bench.R:
-                with contextlib.suppress(Exception):
-                    bench.write_files()
+    code = run_bench(bench, done_key="finished")
     log(f"done in {time.monotonic() - _T0:.0f} s")
-    if interrupted:
-        return 130
-    crashed = [e for e in bench.errors if e.startswith("crashed")]
-    return 1 if crashed or bench.errors else 0
-
+    return code
 
 if __name__ == "__main__":
     sys.exit(main())

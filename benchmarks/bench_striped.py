@@ -50,7 +50,7 @@ from typing import Any
 
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import sigterm_as_interrupt  # noqa: E402
+from _common import run_bench  # noqa: E402
 
 if str(_ROOT) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(_ROOT))
@@ -1095,27 +1095,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", help="size of the main test file, e.g. 512MiB (default 1GiB)")
     args = parser.parse_args(argv)
     bench = Bench(args)
-    interrupted = False
-    with sigterm_as_interrupt():
-        try:
-            with bench.stack:
-                bench.run()
-            bench.report()
-        except KeyboardInterrupt:
-            interrupted = True
-            log("interrupted: everything started has been stopped")
-        except Exception as exc:  # noqa: BLE001
-            bench.errors.append(f"crashed: {type(exc).__name__}: {exc}")
-            traceback.print_exc()
-        finally:
-            if interrupted or bench.errors and "final_table" not in bench.R:
-                with contextlib.suppress(Exception):
-                    bench.write_files()
+    code = run_bench(bench, done_key="final_table", report_inside=False, log_fn=log)
     log(f"done in {time.monotonic() - _T0:.0f} s")
-    if interrupted:
-        return 130
-    return 1 if bench.errors else 0
-
+    return code
 
 if __name__ == "__main__":
     sys.exit(main())

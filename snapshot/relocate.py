@@ -67,6 +67,7 @@ __all__ = [
     "RelocationReport",
     "classify_reference",
     "relocate",
+    "binary_refusal",
     "rewrite_path",
     "scan_tree",
 ]
@@ -477,7 +478,7 @@ def _drop_cached_pyc(dir_fd: int, name: str, path: str) -> list[str]:
     return removed
 
 
-def _binary_error(binaries: list[str], old: str, new: str) -> RelocationError:
+def binary_refusal(binaries: list[str], old: str, new: str) -> RelocationError:
     shown = "\n  ".join(binaries[:_BINARY_LIST_LIMIT])
     more = len(binaries) - _BINARY_LIST_LIMIT
     if more > 0:
@@ -526,7 +527,7 @@ def relocate(root: Path, old_prefix: str, new_prefix: str, refs: Iterable[Prefix
         _check_ref_path(ref.path)
     binaries = sorted({r.path for r in parsed if r.kind == KIND_BINARY})
     if binaries and not force:
-        raise _binary_error(binaries, old_prefix, new_prefix)
+        raise binary_refusal(binaries, old_prefix, new_prefix)
     report.skipped_binary = binaries
 
     texts = sorted({r.path for r in parsed if r.kind == KIND_TEXT})

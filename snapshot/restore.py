@@ -43,7 +43,7 @@ from .errors import CorruptSnapshotError, RelocationError, SnapshotError
 from .extract import Extractor, _umask
 from .manifest import DIR, FILE, HARDLINK, SYMLINK, Chunk, Manifest, Member, decode_toc
 from .pack import STATE_DIR
-from .relocate import PrefixRef, RelocationReport, relocate, rewrite_path
+from .relocate import PrefixRef, RelocationReport, binary_refusal, relocate, rewrite_path
 from .safety import Plan, plan_extraction
 from .store import SnapshotStore
 
@@ -446,7 +446,7 @@ def restore(store: SnapshotStore, key: str, prefix: str | os.PathLike, *,
     binaries = [r.path for r in refs if r.kind == "binary"]
     if relocating and binaries and not force:
         # Refuse before any download; relocate() repeats the check on the extracted tree.
-        relocate(Path("/nonexistent"), manifest.prefix, str(prefix), refs, force=False)
+        raise binary_refusal(sorted(set(binaries)), manifest.prefix, str(prefix))
     phase("manifest")
     members = fetch_toc(store, manifest)
     plan = plan_extraction(members, manifest.stream_size)

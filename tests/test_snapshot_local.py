@@ -63,3 +63,25 @@ def test_a_live_builder_is_left_alone(tmp_path: Path) -> None:
     (tmp_path / ".venv.bootseer-installing").write_text(json.dumps({"pid": os.getppid()}))
     assert not clear_interrupted_install(prefix)
     assert prefix.exists()
+
+
+def test_restore_with_fsync_syncs_and_restores(tmp_path: Path) -> None:
+    """``fsync=True`` (``bootseer env restore --fsync``) runs syncfs before the move; the
+    environment is the same as without it."""
+    from snapshot.ensure import publish
+    from snapshot.key import EnvKey
+    from snapshot.restore import restore, verify
+    from snapshot.store import SnapshotStore
+
+    built = tmp_path / "built" / "venv"
+    (built / "bin").mkdir(parents=True)
+    (built / "bin" / "tool").write_text("#!/bin/sh\necho ok\n")
+    (built / "bin" / "tool").chmod(0o755)
+    store = SnapshotStore(str(tmp_path / "store"))
+    key = EnvKey("ab" * 20, {})
+    publish(store, key, built)
+    result = restore(store, key.key, tmp_path / "node" / "venv", fsync=True)
+    assert "fsync" in result.phases
+    target = tmp_path / "node" / "venv" / "bin" / "tool"
+    assert target.read_text() == "#!/bin/sh\necho ok\n" and target.stat().st_mode & 0o777 == 0o755
+    assert verify(tmp_path / "node" / "venv", key.key).ok
