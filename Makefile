@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test bench lint protos clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ bench: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# Regenerates the committed gRPC/protobuf code from prefetch/containerd/api/**/*.proto.
+protos: setup
+	$(PY) -m prefetch.containerd.api.generate
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -20,6 +20,7 @@ import re
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,20 @@ class BlockCache:
             self._bytes -= size
             victims.append(digest)
         return victims
+
+    def discard(self, digests: Iterable[str]) -> int:
+        """Delete these frames (a removed layer's); returns how many were cached."""
+        gone = 0
+        for digest in digests:
+            digest = _check_digest(digest)
+            with self._lock:
+                size = self._lru.pop(digest, None)
+                if size is None:
+                    continue
+                self._bytes -= size
+            self._path(digest).unlink(missing_ok=True)
+            gone += 1
+        return gone
 
     def clear(self) -> None:
         with self._lock:

@@ -184,11 +184,16 @@ def open_image(reference: str, cache_dir: str | os.PathLike, *, platform: str = 
 
 def load_profile(image: OpenImage) -> Profile | None:
     """The newest profile stored for the image, or None (absent or unreadable: warned)."""
-    reg, repo = image.registry, image.reference.repository
+    return find_profile(image.registry, image.reference.repository, image.manifest)
+
+
+def find_profile(reg: SyncRegistry, repo: str, manifest: Any) -> Profile | None:
+    """The newest profile stored in ``repo`` for ``manifest``, or None (warned when the
+    registry cannot list them or one is unreadable: a profile is an optimization)."""
     try:
-        referrers = reg.get_referrers(repo, image.manifest.digest, artifact_type=ARTIFACT_TYPE)
+        referrers = reg.get_referrers(repo, manifest.digest, artifact_type=ARTIFACT_TYPE)
     except Exception as exc:  # noqa: BLE001 - a profile is an optimization
-        log.warning("could not list the profiles of %s: %s", image.reference, exc)
+        log.warning("could not list the profiles of %s@%s: %s", repo, manifest.digest[:19], exc)
         return None
     for desc in reversed(list(referrers)):
         try:
@@ -196,18 +201,23 @@ def load_profile(image: OpenImage) -> Profile | None:
             blob = artifact.layers[0]
             profile = Profile.from_bytes(reg.get_blob(repo, blob.digest))
         except (ProfileError, IndexError, Exception) as exc:  # noqa: BLE001
-            log.warning("ignoring profile %s of %s: %s", desc.digest[:19], image.reference, exc)
+            log.warning("ignoring profile %s of %s@%s: %s", desc.digest[:19], repo,
+                        manifest.digest[:19], exc)
             continue
-        if profile.image == image.manifest.digest:
+        if profile.image == manifest.digest:
             return profile
     return None
 
 
 def save_profile(image: OpenImage, profile: Profile) -> str:
     """Store ``profile`` as an artifact referring to the image; returns its digest."""
-    desc = image.registry.put_referrer(
-        image.reference.repository, image.manifest, ARTIFACT_TYPE,
-        [(PROFILE_MEDIA_TYPE, profile.to_bytes())],
+    return store_profile(image.registry, image.reference.repository, image.manifest, profile)
+
+
+def store_profile(reg: SyncRegistry, repo: str, manifest: Any, profile: Profile) -> str:
+    """Push ``profile`` as an artifact whose subject is ``manifest``; returns its digest."""
+    desc = reg.put_referrer(
+        repo, manifest, ARTIFACT_TYPE, [(PROFILE_MEDIA_TYPE, profile.to_bytes())],
         annotations={"io.bootseer.profile.frames": str(len(profile.frames))})
     return desc.digest
 

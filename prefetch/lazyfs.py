@@ -24,6 +24,8 @@ from .merge import MergedTree, Node, merge_layers
 
 log = logging.getLogger(__name__)
 
+OVERLAY_OPAQUE = "trusted.overlay.opaque"
+
 try:  # fusepy needs libfuse2 at import time
     import fuse as _fusepy
     from fuse import FuseOSError, Operations
@@ -57,10 +59,12 @@ class Layer:
 class LazyImage:
     """The merged tree of an image's layers, and reads through a frame fetcher."""
 
-    def __init__(self, layers: Sequence[Layer], fetcher: FrameFetcher) -> None:
+    def __init__(self, layers: Sequence[Layer], fetcher: FrameFetcher, *,
+                 overlay: bool = False) -> None:
         self.layers = list(layers)
         self.fetcher = fetcher
-        self.tree: MergedTree = merge_layers(layer.entries for layer in self.layers)
+        self.tree: MergedTree = merge_layers((layer.entries for layer in self.layers),
+                                             overlay=overlay)
 
     def read(self, node: Node, offset: int, size: int) -> bytes:
         data_node = node.data
@@ -164,16 +168,21 @@ class LazyOperations(Operations):  # type: ignore[misc,valid-type]
             log.error("read %s [%d, +%d) failed: %s", path, offset, size, exc)
             raise FuseOSError(errno.EIO) from None
 
+    def _xattrs(self, path: str) -> dict[str, bytes]:
+        node = self._node(path)
+        xattrs = getattr(node.data.entry, "xattrs", None) or {}
+        if node.opaque:  # an overlay tree (merge_layers(overlay=True)): see merge.py
+            xattrs = {**xattrs, OVERLAY_OPAQUE: b"y"}
+        return xattrs
+
     def getxattr(self, path: str, name: str, position: int = 0) -> bytes:
-        entry = self._node(path).data.entry
-        xattrs = getattr(entry, "xattrs", None) or {}
+        xattrs = self._xattrs(path)
         if name not in xattrs:
             raise FuseOSError(errno.ENODATA)
         return xattrs[name]
 
     def listxattr(self, path: str) -> list[str]:
-        entry = self._node(path).data.entry
-        return sorted((getattr(entry, "xattrs", None) or {}).keys())
+        return sorted(self._xattrs(path))
 
     def access(self, path: str, amode: int) -> int:
         self._node(path)

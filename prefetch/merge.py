@@ -46,6 +46,7 @@ class Node:
     children: dict[str, Node] | None = None
     nlink: int = 1
     content: Node | None = None  # for a hardlink: the node holding the bytes
+    opaque: bool = False  # overlay presentation: hides every lower entry inside this dir
 
     @property
     def is_dir(self) -> bool:
@@ -94,9 +95,30 @@ def _parts(path: str) -> list[str]:
     return [p for p in path.strip("/").split("/") if p and p != "."]
 
 
-def merge_layers(layers: Iterable[Iterable[Any]]) -> MergedTree:
+@dataclass(frozen=True)
+class _Whiteout:
+    """An overlayfs whiteout (a 0:0 character device) standing for an OCI ``.wh.`` file."""
+
+    name: str
+    type: str = "char"
+    mode: int = 0
+    uid: int = 0
+    gid: int = 0
+    size: int = 0
+    mtime_ns: int = 0
+    link: str = ""
+    devmajor: int = 0
+    devminor: int = 0
+
+
+def merge_layers(layers: Iterable[Iterable[Any]], *, overlay: bool = False) -> MergedTree:
     """Stack TOC entries (``name``, ``type``, ``link``, ``mode``...) of layers, lowest
-    first, into one tree."""
+    first, into one tree.
+
+    ``overlay=True`` builds a tree meant to be one lowerdir of a kernel overlayfs above
+    layers it does not hold (a containerd snapshot over a normally unpacked layer): deletions
+    stay visible the overlayfs way, a whiteout as a 0:0 character device and an opaque
+    directory as a node with ``opaque`` set (presented as ``trusted.overlay.opaque=y``)."""
     counter = iter(range(1, 1 << 62))
     root = Node("", None, -1, next(counter), children={})
     tree = MergedTree(root)
@@ -108,13 +130,19 @@ def merge_layers(layers: Iterable[Iterable[Any]]) -> MergedTree:
             parts = _parts(entry.name)
             if not parts or not parts[-1].startswith(WHITEOUT):
                 continue
-            parent = _dir_at(tree, parts[:-1], index, counter, create=False)
+            parent = _dir_at(tree, parts[:-1], index, counter, create=overlay)
             if parent is None:
                 continue
             if parts[-1] == OPAQUE:
                 parent.children.clear()
+                parent.opaque = parent.opaque or overlay
             else:
-                parent.children.pop(parts[-1][len(WHITEOUT):], None)
+                name = parts[-1][len(WHITEOUT):]
+                parent.children.pop(name, None)
+                if overlay:
+                    node = Node(name, _Whiteout(name), index, next(counter))
+                    parent.children[name] = node
+                    tree.inodes[node.ino] = node
         for entry in entries:
             parts = _parts(entry.name)
             if not parts:  # the layer's own "./": root metadata
@@ -131,7 +159,8 @@ def merge_layers(layers: Iterable[Iterable[Any]]) -> MergedTree:
                 if existing is not None and existing.is_dir:
                     existing.entry, existing.layer = entry, index
                     continue
-                node = Node(name, entry, index, next(counter), children={})
+                node = Node(name, entry, index, next(counter), children={},
+                            opaque=_is_whiteout(existing))
             elif entry.type == "hardlink":
                 target = tree.lookup(entry.link)
                 if target is None or target.is_dir:
@@ -156,8 +185,14 @@ def _dir_at(tree: MergedTree, parts: list[str], layer: int, counter: Iterator[in
         if child is None or not child.is_dir:
             if not create:
                 return None
-            child = Node(part, None, layer, next(counter), children={})
+            # Over a whiteout (overlay trees only) the new directory must hide the lower one.
+            child = Node(part, None, layer, next(counter), children={},
+                         opaque=_is_whiteout(child))
             node.children[part] = child
             tree.inodes[child.ino] = child
         node = child
     return node
+
+
+def _is_whiteout(node: Node | None) -> bool:
+    return node is not None and isinstance(node.entry, _Whiteout)

@@ -261,4 +261,26 @@ def containerd(tmp_path: Path):
     server.stop()
 
 
-_SYSTEM_FIXTURES |= {"containerd"}
+@pytest.fixture
+def containerd_factory(tmp_path: Path):
+    """``factory(**kwargs)`` -> a started ContainerdServer (``proxy_snapshotters={name:
+    socket}`` adds proxy plugins); all are stopped at teardown."""
+    from bootseer.testing.containerd import ContainerdServer
+
+    servers: list[ContainerdServer] = []
+
+    def factory(**kwargs: Any) -> ContainerdServer:
+        server = ContainerdServer(tmp_path / f"containerd-{len(servers)}", **kwargs)
+        try:
+            server.start()
+        except ComponentUnavailable as exc:
+            require_component(str(exc))
+        servers.append(server)
+        return server
+
+    yield factory
+    for server in servers:
+        server.stop()
+
+
+_SYSTEM_FIXTURES |= {"containerd", "containerd_factory"}

@@ -11,6 +11,7 @@ from . import ckpt as ckpt_cmd
 from . import env as env_cmd
 from . import fs as fs_cmd
 from . import image as image_cmd
+from . import snapshotter as snapshotter_cmd
 from .errors import CliError
 
 
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_cmd.register(sub)
     env_cmd.register(sub)
     image_cmd.register(sub)
+    snapshotter_cmd.register(sub)
     from . import bench, demo
 
     demo.register(sub)

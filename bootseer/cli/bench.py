@@ -8,7 +8,7 @@ import runpy
 import sys
 from pathlib import Path
 
-SUITES = ("striped", "ckpt", "snapshot", "prefetch")
+SUITES = ("striped", "ckpt", "snapshot", "prefetch", "containerd")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -5,6 +5,7 @@ start's hot blocks, and prefetch them.
     bootseer image record registry:5000/team/train:v1-lazy -- python3 -c "import torch"
     bootseer image mount registry:5000/team/train:v1-lazy /run/rootfs      # prefetches
     bootseer image prefetch registry:5000/team/train:v1-lazy               # warmup, no mount
+    bootseer image pull registry:5000/team/train:v1-lazy --address /run/containerd/containerd.sock
 """
 
 from __future__ import annotations
@@ -85,6 +86,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     prefetch.add_argument("--all", action="store_true",
                           help="every frame, not only the profile's")
     prefetch.set_defaults(func=cmd_prefetch)
+
+    pull = img_sub.add_parser("pull", help="put an image into containerd through a "
+                                           "snapshotter: converted layers lazily, others "
+                                           "unpacked")
+    pull.add_argument("ref")
+    pull.add_argument("--address", default="/run/containerd/containerd.sock",
+                      help="containerd's socket (default %(default)s)")
+    pull.add_argument("--namespace", default="default", help="containerd namespace")
+    pull.add_argument("--snapshotter", default="bootseer",
+                      help="the proxy plugin's name in containerd's config (default bootseer)")
+    pull.add_argument("--platform", default="linux/amd64")
+    pull.set_defaults(func=cmd_pull)
 
 
 def _open_args(p: argparse.ArgumentParser) -> None:
@@ -242,4 +255,17 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
             raise CliError(f"{s.failures} range request(s) failed; see the log")
     finally:
         image.close()
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from prefetch.containerd.pull import pull_image
+
+    result = pull_image(args.ref, args.address, namespace=args.namespace,
+                        snapshotter=args.snapshotter, platform=args.platform)
+    print(f"pulled {result.image} ({result.manifest[:19]}) in {result.seconds:.2f} s: "
+          f"{result.lazy_layers} layers lazy, {result.unpacked_layers} unpacked "
+          f"({human_bytes(result.bytes_downloaded)} downloaded), {result.present_layers} "
+          f"already present; run it with: ctr -n {args.namespace} run --snapshotter "
+          f"{args.snapshotter} {result.image} ID CMD")
     return 0

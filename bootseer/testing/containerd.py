@@ -19,11 +19,15 @@ from .servers import ComponentUnavailable
 
 
 class ContainerdServer:
-    def __init__(self, root_dir: str | os.PathLike, namespace: str = "bootseer-test") -> None:
+    def __init__(self, root_dir: str | os.PathLike, namespace: str = "bootseer-test", *,
+                 proxy_snapshotters: dict[str, str] | None = None) -> None:
         self.dir = Path(root_dir)
         self.namespace = namespace
+        # name -> socket of a proxy snapshotter plugin (`ctr run --snapshotter NAME`)
+        self.proxy_snapshotters = dict(proxy_snapshotters or {})
         # A unix socket path must stay short (108 bytes): not under a deep tmp_path.
         self._sock_dir = tempfile.mkdtemp(prefix="bootseer-ctd-")
+        self.sock_dir = self._sock_dir  # short paths for other sockets of the test
         self.address = os.path.join(self._sock_dir, "containerd.sock")
         self.log_path = self.dir / "containerd.log"
         self._proc: subprocess.Popen | None = None
@@ -43,7 +47,9 @@ class ContainerdServer:
         config.write_text(
             f'version = 2\nroot = "{self.root}"\nstate = "{self.dir}/state"\n'
             f'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
-            f'[grpc]\n  address = "{self.address}"\n')
+            f'[grpc]\n  address = "{self.address}"\n'
+            + "".join(f'[proxy_plugins.{name}]\n  type = "snapshot"\n  address = "{sock}"\n'
+                      for name, sock in self.proxy_snapshotters.items()))
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(["containerd", "--config", str(config)],
                                           stdout=log, stderr=log)

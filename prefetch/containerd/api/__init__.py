@@ -1,0 +1,3 @@
+"""bootseer's own .proto definitions of the containerd API it uses, wire-compatible with
+containerd 1.6/1.7 (same proto packages, services and field numbers), and the Python code
+generated from them (committed; regenerate with ``make protos``, see ``generate``)."""

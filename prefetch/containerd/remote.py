@@ -1,0 +1,388 @@
+"""Layers the snapshotter serves from the registry: manifests, layer indexes, one shared frame
+fetcher and block cache, and the hot-block profiles of the images it serves.
+
+Everything a lazy snapshot needs to be mounted again after a restart of the snapshotter is
+kept on disk under the root: the manifest it came from (``manifests/``) and the blob tail that
+holds its index (``indexes/``), so a restart reads no registry before it can serve a mount.
+
+Profiles follow ``bootseer image record``'s rules, with containerd as the runner: the first
+start of an image that has no profile records one, from its first lazy layer until a ready
+signal (a container opening ``/.bootseer/ready``) or ``record_timeout_s``; the profile is kept
+on this node and pushed next to the image. A start of an image with a profile prefetches it as
+soon as the pull names the image, long before the container reads anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..cache import BlockCache
+from ..fetcher import Blob, FrameFetcher
+from ..image import FORMAT_ANNOTATION, FORMAT_VALUE, find_profile, store_profile
+from ..lazyfs import Layer, LazyImage
+from ..oci import Manifest
+from ..profile import Profile, ProfileError, Recorder, plan_prefetch
+from ..reference import Reference
+from ..registry import SyncRegistry
+from ..toc import LayerFormatError, LayerIndex, NotConvertedError
+from .errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from .labels import LayerRequest
+
+log = logging.getLogger(__name__)
+
+TAIL_GUESS = 256 << 10
+
+
+@dataclass
+class RemoteLayer:
+    """A converted layer: where it lives, its index and its frame table."""
+
+    digest: str
+    size: int
+    image_ref: str  # the reference it was first served for (registry + repository)
+    manifest: str
+    index: LayerIndex
+    blob: Blob
+
+    def source(self) -> dict[str, Any]:
+        """What the snapshot's metadata keeps to serve this layer again after a restart."""
+        return {"remote": True, "digest": self.digest, "size": self.size,
+                "ref": self.image_ref, "manifest": self.manifest}
+
+
+@dataclass
+class _Image:
+    ref: Reference
+    manifest: Manifest
+    layers: list[dict[str, Any]]
+    profile_checked: bool = False
+    recorder: Recorder | None = None
+    timer: threading.Timer | None = None
+    prefetched: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class RemoteLayers:
+    """The registry side of the snapshotter (thread-safe: gRPC and FUSE threads call in)."""
+
+    def __init__(self, root: str | os.PathLike, *, cache_bytes: int = 64 << 30,
+                 connections: int = 16, record_timeout_s: float = 120.0,
+                 push_profiles: bool = True, prefetch: bool = True,
+                 registry_options: dict[str, Any] | None = None) -> None:
+        self.root = Path(root)
+        for sub in ("manifests", "indexes", "profiles", "cache"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.record_timeout_s = record_timeout_s
+        self.push_profiles = push_profiles
+        self.prefetch_enabled = prefetch
+        self._registry_options = registry_options or {}
+        self._registries: dict[str, SyncRegistry] = {}
+        self._images: dict[str, _Image] = {}  # manifest digest -> image
+        self._layers: dict[str, RemoteLayer] = {}  # layer digest -> layer
+        self._where: dict[str, tuple[str, str]] = {}  # layer digest -> (registry, repository)
+        self._lock = threading.RLock()
+        self._layer_locks: dict[str, threading.Lock] = {}
+        self.cache = BlockCache(self.root / "cache", cache_bytes)
+        self.fetcher = FrameFetcher(self._read_range, self.cache, connections=connections,
+                                    on_access=self._on_access, retries=0)
+        self.saved_profiles: list[str] = []  # manifest digests whose profile was stored
+
+    # -- registry plumbing -------------------------------------------------------------------
+    def _registry(self, registry: str) -> SyncRegistry:
+        with self._lock:
+            reg = self._registries.get(registry)
+            if reg is None:
+                reg = self._registries[registry] = SyncRegistry(registry,
+                                                                **self._registry_options)
+            return reg
+
+    def _read_range(self, digest: str, start: int, end: int) -> bytes:
+        where = self._where.get(digest)
+        if where is None:
+            raise OSError(f"layer {digest} is not known to the snapshotter")
+        registry, repo = where
+        return self._registry(registry).get_blob_range(repo, digest, start, end)
+
+    # -- images and layers -------------------------------------------------------------------
+    def image(self, image_ref: str, manifest_digest: str | None) -> _Image:
+        """The manifest the request names (by digest when given, else resolved from the
+        reference for linux/amd64), cached in memory and on disk."""
+        try:
+            ref = Reference.parse(image_ref)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"image reference {image_ref!r}: {exc}") from None
+        if manifest_digest is not None:
+            with self._lock:
+                known = self._images.get(manifest_digest)
+            if known is not None:
+                return known
+            manifest = self._load_manifest(manifest_digest)
+        else:
+            manifest = None
+        if manifest is None:
+            reg = self._registry(ref.registry)
+            try:
+                if manifest_digest is not None:
+                    manifest = reg.get_manifest(ref.repository, manifest_digest)
+                else:
+                    manifest = reg.resolve_image(ref)
+            except Exception as exc:  # noqa: BLE001 - a registry error of any kind
+                raise UnavailableError(f"cannot read the manifest of {image_ref}: {exc}") from None
+            if manifest.is_index:
+                raise InvalidArgumentError(
+                    f"{image_ref}@{manifest.digest} is an index, not an image manifest: "
+                    "label the layer with the platform's manifest digest")
+            self._store_manifest(manifest, image_ref)
+        layers = manifest.parsed.get("layers")
+        if not isinstance(layers, list):
+            raise InvalidArgumentError(f"manifest {manifest.digest} of {image_ref} has no layers")
+        with self._lock:
+            image = self._images.setdefault(manifest.digest, _Image(ref, manifest, layers))
+        return image
+
+    def _manifest_path(self, digest: str) -> Path:
+        return self.root / "manifests" / digest.replace(":", "-")
+
+    def _store_manifest(self, manifest: Manifest, image_ref: str) -> None:
+        doc = {"media_type": manifest.media_type, "ref": image_ref,
+               "data": manifest.data.decode()}
+        _write_atomic(self._manifest_path(manifest.digest), json.dumps(doc).encode())
+
+    def _load_manifest(self, digest: str) -> Manifest | None:
+        try:
+            doc = json.loads(self._manifest_path(digest).read_bytes())
+            manifest = Manifest(doc["media_type"], doc["data"].encode(), digest)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        import hashlib
+
+        if "sha256:" + hashlib.sha256(manifest.data).hexdigest() != digest:
+            return None  # a damaged copy: read it from the registry again
+        return manifest
+
+    def layer(self, request: LayerRequest) -> RemoteLayer | None:
+        """The converted layer the request names, or None when it is not in the bootseer
+        format (then containerd unpacks it the normal way)."""
+        image = self.image(request.image_ref, request.manifest_digest)
+        desc = next((d for d in image.layers if isinstance(d, dict)
+                     and d.get("digest") == request.layer_digest), None)
+        if desc is None:
+            raise InvalidArgumentError(
+                f"layer {request.layer_digest} is not a layer of {request.image_ref} "
+                f"({image.manifest.digest})")
+        size = desc.get("size")
+        if not isinstance(size, int) or size < 0:
+            raise InvalidArgumentError(f"layer {request.layer_digest}: invalid size {size!r}")
+        annotations = desc.get("annotations") or {}
+        if annotations.get(FORMAT_ANNOTATION) not in (None, FORMAT_VALUE):
+            return None
+        layer = self._open_layer(request.layer_digest, size, request.image_ref,
+                                 image.manifest.digest, probe=FORMAT_ANNOTATION not in annotations)
+        if layer is not None:
+            self._start_image(image)
+        return layer
+
+    def layer_from_source(self, source: dict[str, Any]) -> RemoteLayer:
+        """A layer of an existing snapshot (after a restart), from its recorded source."""
+        layer = self._open_layer(source["digest"], int(source["size"]), source["ref"],
+                                 source["manifest"], probe=False)
+        assert layer is not None
+        return layer
+
+    def _open_layer(self, digest: str, size: int, image_ref: str, manifest: str, *,
+                    probe: bool) -> RemoteLayer | None:
+        with self._lock:
+            known = self._layers.get(digest)
+            if known is not None:
+                return known
+            lock = self._layer_locks.setdefault(digest, threading.Lock())
+        with lock:
+            with self._lock:
+                known = self._layers.get(digest)
+            if known is not None:
+                return known
+            ref = Reference.parse(image_ref)
+            self._where.setdefault(digest, (ref.registry, ref.repository))
+            try:
+                index = self._index(digest, size)
+            except NotConvertedError:
+                if probe:
+                    return None
+                raise FailedPreconditionError(
+                    f"layer {digest} of {image_ref} is annotated {FORMAT_VALUE} but has no "
+                    "bootseer index: convert the image again (bootseer image convert)") from None
+            except LayerFormatError as exc:
+                raise FailedPreconditionError(f"layer {digest} of {image_ref}: {exc}") from None
+            except (OSError, RuntimeError) as exc:
+                raise UnavailableError(f"cannot read the index of layer {digest} of "
+                                       f"{image_ref}: {exc}") from None
+            layer = RemoteLayer(digest, size, image_ref, manifest, index,
+                                Blob(digest, index.frames))
+            with self._lock:
+                self._layers[digest] = layer
+            return layer
+
+    def _index(self, digest: str, size: int) -> LayerIndex:
+        path = self.root / "indexes" / digest.replace(":", "-")
+        try:
+            tail = path.read_bytes()
+            if not LayerIndex.parse_tail(tail, size, digest):
+                return LayerIndex.from_tail(tail, size, digest)
+        except (OSError, LayerFormatError, ValueError):
+            pass  # absent or damaged: read it again
+        start = max(0, size - TAIL_GUESS)
+        tail = self._read_range(digest, start, size)
+        for _ in range(3):
+            need = LayerIndex.parse_tail(tail, size, digest)
+            if not need:
+                index = LayerIndex.from_tail(tail, size, digest)
+                _write_atomic(path, tail)
+                return index
+            lo = min(s for s, _ in need)
+            tail = self._read_range(digest, lo, size - len(tail)) + tail
+        raise FailedPreconditionError(f"layer {digest}: its index could not be located")
+
+    def lazy_image(self, layers: Iterable[RemoteLayer], *, overlay: bool) -> LazyImage:
+        """The merged tree of ``layers`` (lowest first), read through the shared fetcher."""
+        return LazyImage([Layer(layer.index, layer.blob) for layer in layers], self.fetcher,
+                         overlay=overlay)
+
+    def release(self, digest: str) -> int:
+        """Forget a layer no snapshot uses any more: its cached frames and index go."""
+        with self._lock:
+            layer = self._layers.pop(digest, None)
+            self._layer_locks.pop(digest, None)
+        (self.root / "indexes" / digest.replace(":", "-")).unlink(missing_ok=True)
+        if layer is None:
+            return 0
+        return self.cache.discard(f.sha256 for f in layer.index.frames)
+
+    # -- profiles ----------------------------------------------------------------------------
+    def _start_image(self, image: _Image) -> None:
+        """On an image's first lazy layer: prefetch its profile, or start recording one."""
+        with image.lock:
+            if image.profile_checked:
+                return
+            image.profile_checked = True
+        threading.Thread(target=self._profile_or_record, args=(image,), daemon=True,
+                         name=f"profile-{image.manifest.digest[7:19]}").start()
+
+    def _profile_or_record(self, image: _Image) -> None:
+        profile = self._local_profile(image.manifest.digest) if self.prefetch_enabled else None
+        if profile is None and self.prefetch_enabled:
+            reg = self._registry(image.ref.registry)
+            profile = find_profile(reg, image.ref.repository, image.manifest)
+        if profile is not None:
+            self._prefetch(image, profile)
+            return
+        recorder = Recorder(image.manifest.digest)
+        timer = threading.Timer(self.record_timeout_s, self._finish_recording, (image, "timeout"))
+        timer.daemon = True
+        with image.lock:
+            image.recorder, image.timer = recorder, timer
+        timer.start()
+        log.info("recording the start of %s (%s) until ready or %.0f s", image.ref,
+                 image.manifest.digest[:19], self.record_timeout_s)
+
+    def _prefetch(self, image: _Image, profile: Profile) -> None:
+        blobs = []
+        for desc in image.layers:
+            digest = desc.get("digest")
+            try:
+                layer = self._open_layer(digest, int(desc.get("size", 0)), str(image.ref),
+                                         image.manifest.digest, probe=True)
+            except Exception as exc:  # noqa: BLE001 - prefetch is an optimization
+                log.warning("prefetch of %s: layer %s skipped: %s", image.ref, digest, exc)
+                continue
+            if layer is not None:
+                blobs.append(layer.blob)
+        plan, full = plan_prefetch(profile, blobs)
+        queued = self.fetcher.prefetch(plan)
+        image.prefetched = queued
+        log.info("prefetching %d frames of %s (profile of %d frames%s)", queued, image.ref,
+                 len(profile.frames), ", then the rest" if full else "")
+
+    def _on_access(self, blob: Blob, frame: int, t: float) -> None:
+        with self._lock:
+            images = list(self._images.values())
+        for image in images:
+            recorder = image.recorder
+            if recorder is not None and any(d.get("digest") == blob.digest
+                                            for d in image.layers):
+                recorder(blob, frame, t)
+
+    def ready(self, digests: Iterable[str]) -> int:
+        """A container of an image holding these layers said it is ready: finish the
+        recordings of those images (returns how many were finished)."""
+        wanted = set(digests)
+        with self._lock:
+            images = [i for i in self._images.values() if i.recorder is not None
+                      and any(d.get("digest") in wanted for d in i.layers)]
+        for image in images:
+            threading.Thread(target=self._finish_recording, args=(image, "ready"),
+                             daemon=True).start()
+        return len(images)
+
+    def _finish_recording(self, image: _Image, why: str) -> None:
+        with image.lock:
+            recorder, timer = image.recorder, image.timer
+            image.recorder = image.timer = None
+        if recorder is None:
+            return
+        if timer is not None:
+            timer.cancel()
+        profile = recorder.stop()
+        log.info("recorded %d frames of %s (%s after %.1f s)", len(profile.frames), image.ref,
+                 why, profile.duration_s)
+        if not profile.frames:
+            return
+        _write_atomic(self._profile_path(image.manifest.digest), profile.to_bytes())
+        if self.push_profiles:
+            try:
+                reg = self._registry(image.ref.registry)
+                store_profile(reg, image.ref.repository, image.manifest, profile)
+            except Exception as exc:  # noqa: BLE001 - the local copy still serves this node
+                log.warning("could not push the profile of %s: %s", image.ref, exc)
+        with self._lock:
+            self.saved_profiles.append(image.manifest.digest)
+
+    def _profile_path(self, digest: str) -> Path:
+        return self.root / "profiles" / (digest.replace(":", "-") + ".json")
+
+    def _local_profile(self, digest: str) -> Profile | None:
+        try:
+            profile = Profile.from_bytes(self._profile_path(digest).read_bytes())
+        except (OSError, ProfileError):
+            return None
+        return profile if profile.image == digest else None
+
+    def recording(self, manifest_digest: str) -> bool:
+        with self._lock:
+            image = self._images.get(manifest_digest)
+        return image is not None and image.recorder is not None
+
+    def close(self) -> None:
+        with self._lock:
+            images = list(self._images.values())
+            registries = list(self._registries.values())
+            self._registries.clear()
+        for image in images:
+            if image.timer is not None:
+                image.timer.cancel()
+        self.fetcher.close()
+        for reg in registries:
+            reg.close()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

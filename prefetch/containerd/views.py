@@ -1,0 +1,206 @@
+"""One FUSE mount holding every lazy snapshot of the snapshotter, one directory each.
+
+``<root>/lazy/<id>/`` is the root filesystem that the lazy layers of snapshot ``id`` and its
+lazy parents form together (merged by prefetch.merge, as ``bootseer image mount`` does), and
+it is the single overlayfs lowerdir a container gets for them: a path lookup is one FUSE
+call, not one per layer, and a read goes straight to the layer and frames that hold it. Above
+a normally unpacked layer the tree keeps deletions the overlayfs way (whiteouts, opaque
+directories), so the kernel stacks it correctly on what lies below.
+
+A tree is built on its first access, from layer indexes already on disk; a restart of the
+snapshotter mounts the directory again and serves every snapshot it had. Each tree also shows
+``/.bootseer/ready``: a container that opens it tells the snapshotter its start is over (the
+end of a profile recording).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import stat
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..lazyfs import FuseOSError, LazyImage, LazyOperations, Operations
+
+log = logging.getLogger(__name__)
+
+CONTROL_DIR = ".bootseer"
+READY_FILE = "ready"
+_INO_SHIFT = 40  # st_ino = view id << 40 | node inode: unique across the mount
+
+
+class ViewOperations(Operations):  # type: ignore[misc,valid-type]
+    """fusepy operations dispatching ``/<id>/...`` to the lazy tree of snapshot ``id``."""
+
+    use_ns = True
+
+    def __init__(self, *, on_ready: Callable[[int], None] | None = None,
+                 on_init: Callable[[], None] | None = None) -> None:
+        self._builders: dict[int, Callable[[], LazyImage]] = {}
+        self._views: dict[int, LazyOperations] = {}
+        self._locks: dict[int, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self._on_ready = on_ready
+        self._on_init = on_init
+        self.mounted_at = time.time_ns()
+
+    # -- the snapshotter's side --------------------------------------------------------------
+    def register(self, view_id: int, builder: Callable[[], LazyImage]) -> None:
+        with self._lock:
+            self._builders[view_id] = builder
+            self._locks.setdefault(view_id, threading.Lock())
+
+    def unregister(self, view_id: int) -> None:
+        with self._lock:
+            self._builders.pop(view_id, None)
+            self._views.pop(view_id, None)
+            self._locks.pop(view_id, None)
+
+    def view(self, view_id: int) -> LazyOperations:
+        """The operations of one view, building its tree on first use."""
+        with self._lock:
+            ops = self._views.get(view_id)
+            if ops is not None:
+                return ops
+            builder, lock = self._builders.get(view_id), self._locks.get(view_id)
+        if builder is None or lock is None:
+            raise FuseOSError(errno.ENOENT)
+        with lock:
+            with self._lock:
+                ops = self._views.get(view_id)
+            if ops is None:
+                started = time.perf_counter()
+                try:
+                    ops = LazyOperations(builder())
+                except Exception as exc:  # noqa: BLE001 - the mount must keep serving
+                    log.error("lazy snapshot %d cannot be built: %s", view_id, exc)
+                    raise FuseOSError(errno.EIO) from None
+                with self._lock:
+                    if view_id not in self._builders:
+                        raise FuseOSError(errno.ENOENT)
+                    self._views[view_id] = ops
+                log.info("lazy snapshot %d: tree of %d nodes built in %.3f s", view_id,
+                         len(ops.image.tree.inodes), time.perf_counter() - started)
+        return ops
+
+    # -- fusepy ------------------------------------------------------------------------------
+    def init(self, path: str) -> None:
+        if self._on_init is not None:
+            self._on_init()
+
+    def _split(self, path: str) -> tuple[int | None, str]:
+        parts = path.strip("/").split("/", 1)
+        if not parts[0]:
+            return None, "/"
+        try:
+            view_id = int(parts[0])
+        except ValueError:
+            raise FuseOSError(errno.ENOENT) from None
+        return view_id, "/" + (parts[1] if len(parts) > 1 else "")
+
+    def _control(self, rest: str) -> str | None:
+        if rest == f"/{CONTROL_DIR}":
+            return "dir"
+        if rest == f"/{CONTROL_DIR}/{READY_FILE}":
+            return "ready"
+        return None
+
+    def _dir_stat(self, ino: int) -> dict[str, Any]:
+        t = self.mounted_at
+        return {"st_mode": stat.S_IFDIR | 0o755, "st_ino": ino, "st_nlink": 2,
+                "st_size": 4096, "st_atime": t, "st_mtime": t, "st_ctime": t}
+
+    def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
+        view_id, rest = self._split(path)
+        if view_id is None:
+            return self._dir_stat(1)
+        ops = self.view(view_id)
+        control = self._control(rest)
+        if control == "dir":
+            return self._dir_stat((view_id << _INO_SHIFT) | ((1 << _INO_SHIFT) - 1))
+        if control == "ready":
+            t = self.mounted_at
+            return {"st_mode": stat.S_IFREG | 0o444, "st_ino": (view_id << _INO_SHIFT)
+                    | ((1 << _INO_SHIFT) - 2), "st_nlink": 1, "st_size": 0,
+                    "st_atime": t, "st_mtime": t, "st_ctime": t}
+        st = ops.getattr(rest, fh)
+        st["st_ino"] = (view_id << _INO_SHIFT) | st["st_ino"]
+        return st
+
+    def readdir(self, path: str, fh: Any) -> list[str]:
+        view_id, rest = self._split(path)
+        if view_id is None:
+            with self._lock:
+                return [".", "..", *(str(i) for i in sorted(self._builders))]
+        control = self._control(rest)
+        if control == "dir":
+            return [".", "..", READY_FILE]
+        if control == "ready":
+            raise FuseOSError(errno.ENOTDIR)
+        names = self.view(view_id).readdir(rest, fh)
+        if rest == "/" and CONTROL_DIR not in names:
+            names.append(CONTROL_DIR)
+        return names
+
+    def open(self, path: str, flags: int) -> int:
+        view_id, rest = self._split(path)
+        if view_id is None:
+            raise FuseOSError(errno.EISDIR)
+        ops = self.view(view_id)
+        if self._control(rest) == "ready":
+            if self._on_ready is not None:
+                self._on_ready(view_id)
+            return 0
+        return ops.open(rest, flags)
+
+    def read(self, path: str, size: int, offset: int, fh: Any) -> bytes:
+        view_id, rest = self._split(path)
+        if view_id is None:
+            raise FuseOSError(errno.EISDIR)
+        if self._control(rest) == "ready":
+            return b""
+        return self.view(view_id).read(rest, size, offset, fh)
+
+    def _delegate(self, name: str, path: str, *args: Any) -> Any:
+        view_id, rest = self._split(path)
+        if view_id is None or self._control(rest) is not None:
+            if name == "listxattr":
+                return []
+            if name == "access":
+                return 0
+            raise FuseOSError(errno.ENODATA if name == "getxattr" else errno.EINVAL)
+        return getattr(self.view(view_id), name)(rest, *args)
+
+    def readlink(self, path: str) -> str:
+        return self._delegate("readlink", path)
+
+    def getxattr(self, path: str, name: str, position: int = 0) -> bytes:
+        return self._delegate("getxattr", path, name, position)
+
+    def listxattr(self, path: str) -> list[str]:
+        return self._delegate("listxattr", path)
+
+    def access(self, path: str, amode: int) -> int:
+        return self._delegate("access", path, amode)
+
+    def statfs(self, path: str) -> dict[str, int]:
+        return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": 0, "f_bfree": 0,
+                "f_bavail": 0, "f_files": 0, "f_ffree": 0, "f_namemax": 255}
+
+
+def mount_views(ops: ViewOperations, mountpoint: str) -> None:
+    """Serve ``ops`` at ``mountpoint`` until unmounted (blocks; SIGTERM unmounts). Mounted with
+    ``allow_other`` (containers read through it) and with devices and setuid bits as the image
+    says: the container runtime decides on its own mounts."""
+    from striped_fs.fuse import run_fuse
+
+    options: dict[str, Any] = {"foreground": True, "nothreads": False, "ro": True,
+                               "fsname": "bootseer-snapshots", "subtype": "bootseer",
+                               "use_ino": True, "max_read": 1 << 20, "allow_other": True,
+                               "dev": True, "suid": True, "kernel_cache": True,
+                               "entry_timeout": 3600.0, "attr_timeout": 3600.0,
+                               "negative_timeout": 3600.0}
+    run_fuse(ops, mountpoint, options)

@@ -1,0 +1,147 @@
+"""A runnable test image (the host's sh, cat, ls and sha256sum with their libraries, in three
+layers with a whiteout, an opaque directory and a hardlink), and the snapshotter started the
+way a node runs it: ``bootseer snapshotter`` in its own process."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from test_prefetch_image import _push_gzip_image
+
+TOOLS = ("sh", "cat", "ls", "sha256sum", "test")
+BIG = os.urandom(3 << 20)  # spans several frames of the converted layer
+HELLO = b"hello from layer two\n"
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes | None = None, *, mode: int = 0o644,
+         kind: bytes = tarfile.REGTYPE, link: str = "") -> None:
+    info = tarfile.TarInfo(name)
+    info.type, info.mode, info.mtime, info.linkname = kind, mode, 1_700_000_000, link
+    if data is not None:
+        info.size = len(data)
+    tar.addfile(info, io.BytesIO(data) if data is not None else None)
+
+
+def _libraries(binary: str) -> set[str]:
+    out = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+    libs = set()
+    for line in out.splitlines():
+        for part in line.split():
+            if part.startswith("/"):
+                libs.add(part)
+    return libs
+
+
+def runnable_layers() -> list[bytes]:
+    """Three tar layers: tools + libraries; an app layer deleting and replacing lower files;
+    a layer with a big file."""
+    base = io.BytesIO()
+    with tarfile.open(fileobj=base, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        files: dict[str, bytes] = {}
+        modes: dict[str, int] = {}
+        for tool in TOOLS:
+            path = shutil.which(tool)
+            assert path, f"{tool} is not installed"
+            real = os.path.realpath(path)
+            files[f"bin/{tool}"] = Path(real).read_bytes()
+            modes[f"bin/{tool}"] = 0o755
+            for lib in _libraries(real):
+                files[lib.lstrip("/")] = Path(os.path.realpath(lib)).read_bytes()
+                modes[lib.lstrip("/")] = 0o755
+        dirs = sorted({str(Path(name).parent) for name in files} | {"etc", "data", "data/old"})
+        for d in dirs:
+            for i in range(1, len(Path(d).parts) + 1):
+                sub = "/".join(Path(d).parts[:i])
+                if sub not in modes:
+                    modes[sub] = -1
+        for d in sorted(k for k, v in modes.items() if v == -1):
+            _add(tar, d, kind=tarfile.DIRTYPE, mode=0o755)
+        for name in sorted(files):
+            _add(tar, name, files[name], mode=modes[name])
+        _add(tar, "etc/removed.txt", b"deleted by layer two\n")
+        _add(tar, "data/old/a", b"hidden by an opaque directory\n")
+    app = io.BytesIO()
+    with tarfile.open(fileobj=app, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        _add(tar, "app", kind=tarfile.DIRTYPE, mode=0o755)
+        _add(tar, "app/hello.txt", HELLO)
+        _add(tar, "app/link", kind=tarfile.LNKTYPE, link="app/hello.txt")
+        _add(tar, "etc/.wh.removed.txt", b"")
+        _add(tar, "data/old", kind=tarfile.DIRTYPE, mode=0o755)
+        _add(tar, "data/old/.wh..wh..opq", b"")
+        _add(tar, "data/old/b", b"new\n")
+    big = io.BytesIO()
+    with tarfile.open(fileobj=big, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        _add(tar, "app/big.bin", BIG)
+    return [base.getvalue(), app.getvalue(), big.getvalue()]
+
+
+# What the test command prints inside the container, for the image above.
+SCRIPT = ("cat /app/hello.txt /app/link; ls /data/old; "
+          "test -e /etc/removed.txt && echo still-there || echo removed; "
+          "sha256sum /app/big.bin")
+
+
+def expected_output() -> str:
+    import hashlib
+
+    return (HELLO.decode() * 2 + "b\nremoved\n"
+            + f"{hashlib.sha256(BIG).hexdigest()}  /app/big.bin\n")
+
+
+def push_images(host: str) -> tuple[str, str]:
+    """(plain gzip image, its bootseer conversion) in the registry at ``host``."""
+    from prefetch.image import convert_image
+
+    _push_gzip_image(host, "app/run", "v1", runnable_layers())
+    src, dst = f"{host}/app/run:v1", f"{host}/app/run:lazy"
+    convert_image(src, dst, frame_size=256 << 10)
+    return src, dst
+
+
+@dataclass
+class SnapshotterProcess:
+    """``bootseer snapshotter`` in a child process (a node's daemon)."""
+
+    root: Path
+    address: str
+    log_path: Path
+    extra: tuple[str, ...] = ()
+    proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 30.0) -> SnapshotterProcess:
+        if os.path.exists(self.address):
+            os.unlink(self.address)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "bootseer", "snapshotter", "--root",
+                 str(self.root), "--address", self.address, *self.extra],
+                stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(self.address):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the snapshotter did not start:\n{self.log()}")
+            time.sleep(0.05)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()

@@ -1,0 +1,298 @@
+"""The bootseer snapshotter under a real containerd (proxy plugin) with runc and a real
+registry: a converted image runs lazily and an unconverted one is unpacked; a restart (even a
+kill -9) of the snapshotter breaks no image; removing the image cleans its mounts and cache;
+malformed labels are refused with clear gRPC errors and nothing half-created; the first start
+records a profile and a fresh node prefetches it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from cli_helpers import bootseer_cli
+from containerd_helpers import BIG, SCRIPT, SnapshotterProcess, expected_output, push_images
+
+from prefetch.containerd import labels as lbl
+from prefetch.containerd.client import ContainerdClient
+from prefetch.containerd.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from prefetch.containerd.pull import pull_image
+from prefetch.image import ARTIFACT_TYPE
+from prefetch.registry import SyncRegistry
+from striped_fs.fuse import is_mounted, unmount
+
+pytestmark = pytest.mark.usefixtures("fuse")
+
+
+class Node:
+    """One node: a snapshotter process and a containerd that uses it as ``bootseer``."""
+
+    def __init__(self, root: Path, containerd_factory, *extra: str) -> None:
+        self.sock_dir = tempfile.mkdtemp(prefix="bsn-")
+        self.root = root
+        self.snapshotter = SnapshotterProcess(root / "snapshotter", os.path.join(
+            self.sock_dir, "sn.sock"), root / "snapshotter.log", extra).start()
+        self.containerd = containerd_factory(
+            proxy_snapshotters={"bootseer": self.snapshotter.address})
+        self._runs = 0
+
+    @property
+    def lazy_dir(self) -> Path:
+        return self.root / "snapshotter" / "lazy"
+
+    def pull(self, ref: str):
+        return pull_image(ref, self.containerd.address, namespace=self.containerd.namespace)
+
+    def run(self, ref: str, script: str = SCRIPT) -> str:
+        deadline = time.monotonic() + 15
+        while True:
+            self._runs += 1
+            proc = self.containerd.ctr("run", "--rm", "--snapshotter", "bootseer", ref,
+                                       f"c{self._runs}", "/bin/sh", "-c", script, check=False)
+            # containerd redials a restarted snapshotter after its gRPC backoff; until then
+            # a call fails fast with UNAVAILABLE (as with any proxy plugin)
+            if "unavailable" not in proc.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert proc.returncode == 0, (proc.stderr, self.snapshotter.log())
+        return proc.stdout
+
+    def restart_snapshotter(self, sig: int) -> None:
+        self.snapshotter.stop(sig)
+        self.snapshotter.start()
+
+    def close(self) -> None:
+        self.snapshotter.stop()
+        if is_mounted(self.lazy_dir):
+            unmount(self.lazy_dir, lazy=True)
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def images(registry) -> tuple[str, str]:
+    return push_images(registry.host)
+
+
+@pytest.fixture
+def node_factory(tmp_path: Path, containerd_factory):
+    nodes: list[Node] = []
+
+    def factory(*extra: str) -> Node:
+        node = Node(tmp_path / f"node{len(nodes)}", containerd_factory, *extra)
+        nodes.append(node)
+        return node
+
+    yield factory
+    for node in nodes:
+        node.close()
+
+
+def test_a_converted_image_runs_lazily(images, node_factory) -> None:
+    _, lazy = images
+    node = node_factory()
+    result = node.pull(lazy)
+    assert (result.lazy_layers, result.unpacked_layers, result.bytes_downloaded) == (3, 0, 0)
+    assert node.run(lazy) == expected_output()
+    listing = node.containerd.ctr("snapshots", "--snapshotter", "bootseer", "ls").stdout
+    assert listing.count("Committed") == 3
+    assert is_mounted(node.lazy_dir)
+    # the CLI does the same; a second pull finds every layer present
+    out = bootseer_cli("image", "pull", lazy, "--address", node.containerd.address,
+                       "--namespace", node.containerd.namespace).stdout
+    assert "3 layers lazy" in out
+
+
+def test_an_unconverted_image_is_unpacked_the_normal_way(images, node_factory) -> None:
+    plain, _ = images
+    node = node_factory()
+    result = node.pull(plain)
+    assert (result.lazy_layers, result.unpacked_layers) == (0, 3)
+    assert result.bytes_downloaded > 3 << 20
+    assert node.run(plain) == expected_output()
+    listing = node.containerd.ctr("snapshots", "--snapshotter", "bootseer", "ls").stdout
+    assert listing.count("Committed") == 3
+    unpacked = [d / "fs" for d in (node.root / "snapshotter" / "snapshots").iterdir()]
+    assert any((d / "app/big.bin").is_file() and (d / "app/big.bin").read_bytes() == BIG
+               for d in unpacked)  # the top layer, unpacked into its own directory
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill-9"])
+def test_a_restart_of_the_snapshotter_breaks_no_image(images, node_factory, sig) -> None:
+    _, lazy = images
+    node = node_factory()
+    node.pull(lazy)
+    assert node.run(lazy) == expected_output()
+    node.snapshotter.stop(sig)
+    if sig == signal.SIGTERM:
+        assert not is_mounted(node.lazy_dir)  # a clean stop unmounts
+    node.snapshotter.start()  # a killed one's dead mount is detached and mounted again
+    assert node.run(lazy) == expected_output()
+
+
+def test_removing_the_image_cleans_mounts_and_cache(images, node_factory) -> None:
+    _, lazy = images
+    node = node_factory()
+    node.pull(lazy)
+    assert node.run(lazy) == expected_output()
+    cache = node.root / "snapshotter" / "remote" / "cache"
+    assert _files(cache)  # the run's frames are cached
+    orphan = node.root / "snapshotter" / "snapshots" / "999"  # as a crash would leave it
+    (orphan / "fs").mkdir(parents=True)
+    node.containerd.ctr("images", "rm", "--sync", lazy)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and os.listdir(node.lazy_dir):
+        time.sleep(0.2)
+    assert os.listdir(node.lazy_dir) == []  # no lazy view is served any more
+    assert node.containerd.ctr("snapshots", "--snapshotter", "bootseer", "ls").stdout \
+        .strip().count("\n") == 0  # header only
+    assert _files(cache) == []
+    assert os.listdir(node.root / "snapshotter" / "remote" / "indexes") == []
+    assert not orphan.exists()  # containerd's GC ends with Cleanup, which removes orphans
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+def test_malformed_or_missing_labels_are_refused_and_create_nothing(images, node_factory
+                                                                    ) -> None:
+    _, lazy = images
+    node = node_factory()
+    chain = "sha256:" + "1" * 64
+    with SyncRegistry(lazy.split("/")[0]) as reg:
+        manifest = reg.resolve_image(lazy)
+    layer = manifest.parsed["layers"][0]["digest"]
+    good = {lbl.SNAPSHOT_REF: chain, lbl.IMAGE_REF: lazy, lbl.LAYER_DIGEST: layer,
+            lbl.MANIFEST_DIGEST: manifest.digest}
+    cases = {
+        "not-a-digest": ({**good, lbl.LAYER_DIGEST: "sha256:xyz"}, "is not a sha256 digest"),
+        "no-image-ref": ({k: v for k, v in good.items() if k != lbl.IMAGE_REF},
+                         "cri.image-ref is missing"),
+        "bad-chain": ({**good, lbl.SNAPSHOT_REF: "latest"}, "is not a sha256 digest"),
+        "foreign-layer": ({**good, lbl.LAYER_DIGEST: "sha256:" + "2" * 64},
+                          "is not a layer of"),
+        "bad-reference": ({**good, lbl.IMAGE_REF: "UPPER/case::x"}, "image reference"),
+    }
+    # Straight at the snapshotter's socket (what containerd's proxy sends) ...
+    with ContainerdClient(node.snapshotter.address) as direct:
+        for key, (labels, message) in cases.items():
+            with pytest.raises(InvalidArgumentError, match=message.replace(".", r"\.")):
+                direct.prepare_snapshot("bootseer", key, "", labels)
+        assert direct.list_snapshots("bootseer") == []
+        with pytest.raises(NotFoundError):
+            direct.stat_snapshot("bootseer", chain)
+    # ... and through containerd, whose client sees the same code and message.
+    ctd = ContainerdClient(node.containerd.address, node.containerd.namespace)
+    with ctd, pytest.raises(InvalidArgumentError, match="is not a layer of"):
+        ctd.prepare_snapshot("bootseer", "k", "", cases["foreign-layer"][0])
+    assert os.listdir(node.lazy_dir) == []
+    dirs = [d for d in (node.root / "snapshotter" / "snapshots").iterdir()]
+    assert dirs == []
+
+
+def test_the_first_start_records_a_profile_and_a_fresh_node_prefetches_it(
+        images, node_factory, registry) -> None:
+    _, lazy = images
+    first = node_factory("--record-timeout", "60")
+    first.pull(lazy)
+    # The container reads what it needs, then says it is ready.
+    assert first.run(lazy, SCRIPT + "; cat /.bootseer/ready") == expected_output()
+    with SyncRegistry(registry.host) as reg:
+        manifest = reg.resolve_image(lazy)
+        deadline = time.monotonic() + 20
+        while not (found := reg.get_referrers("app/run", manifest.digest,
+                                              artifact_type=ARTIFACT_TYPE)):
+            assert time.monotonic() < deadline, first.snapshotter.log()
+            time.sleep(0.2)
+    assert len(found) == 1
+
+    fresh = node_factory()  # an empty cache: the profile comes from the registry
+    fresh.pull(lazy)
+    cache = fresh.root / "snapshotter" / "remote" / "cache"
+    deadline = time.monotonic() + 20
+    while not _files(cache):  # frames arrive before any container has run
+        assert time.monotonic() < deadline, fresh.snapshotter.log()
+        time.sleep(0.1)
+    assert "prefetching" in fresh.snapshotter.log()
+    assert fresh.run(lazy) == expected_output()
+
+
+def test_without_a_profile_a_pull_fetches_no_frame(images, node_factory) -> None:
+    _, lazy = images
+    node = node_factory("--no-push-profiles")
+    node.pull(lazy)
+    time.sleep(1.0)
+    assert _files(node.root / "snapshotter" / "remote" / "cache") == []
+
+
+def test_an_unreachable_registry_is_unavailable_and_creates_nothing(images, node_factory,
+                                                                    registry) -> None:
+    _, lazy = images
+    node = node_factory()
+    with SyncRegistry(registry.host) as reg:
+        manifest = reg.resolve_image(lazy)
+    labels = {lbl.SNAPSHOT_REF: "sha256:" + "3" * 64, lbl.IMAGE_REF: lazy,
+              lbl.LAYER_DIGEST: manifest.parsed["layers"][0]["digest"],
+              lbl.MANIFEST_DIGEST: manifest.digest}
+    registry.stop()
+    with ContainerdClient(node.snapshotter.address) as direct:
+        with pytest.raises(UnavailableError, match="cannot read the manifest"):
+            direct.prepare_snapshot("bootseer", "k", "", labels)
+        assert direct.list_snapshots("bootseer") == []
+
+
+def test_the_deploy_snippet_registers_the_snapshotter(tmp_path: Path, containerd_factory
+                                                      ) -> None:
+    import tomllib
+
+    repo = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((repo / "deploy/containerd/config.toml").read_text())
+    cri = config["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
+    assert cri == {"snapshotter": "bootseer", "disable_snapshot_annotations": False}
+    (name, plugin), = config["proxy_plugins"].items()
+    assert plugin["type"] == "snapshot"
+    unit = (repo / "deploy/systemd/bootseer-snapshotter.service").read_text()
+    assert plugin["address"] in unit  # the unit serves the socket the snippet names
+    sock_dir = tempfile.mkdtemp(prefix="bsn-")
+    try:
+        sn = SnapshotterProcess(tmp_path / "sn", os.path.join(sock_dir, "sn.sock"),
+                                tmp_path / "sn.log").start()
+        try:
+            ctd = containerd_factory(proxy_snapshotters={name: sn.address})
+            plugins = ctd.ctr("plugins", "ls").stdout
+            assert any(line.split()[:2] == ["io.containerd.snapshotter.v1", name]
+                       and line.split()[-1] == "ok" for line in plugins.splitlines())
+            with ContainerdClient(ctd.address, ctd.namespace) as client:
+                mounts = client.prepare_snapshot(name, "plain", "")
+                assert mounts[0].type == "bind"  # a plain snapshot, served by bootseer
+        finally:
+            sn.stop()
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_lazy_layers_above_an_unpacked_one_keep_its_deletions(images, node_factory,
+                                                              registry) -> None:
+    """A mixed image: the base layer in gzip (unpacked into a directory), the upper two
+    converted (one lazy view above it). The view must show layer two's whiteout and opaque
+    directory the overlayfs way, or the deleted lower files would reappear."""
+    import json
+
+    from prefetch.mediatypes import OCI_MANIFEST
+
+    plain, lazy = images
+    with SyncRegistry(registry.host) as reg:
+        gz, conv = reg.resolve_image(plain), reg.resolve_image(lazy)
+        doc = dict(conv.parsed)
+        doc["layers"] = [gz.parsed["layers"][0], *conv.parsed["layers"][1:]]
+        doc.pop("annotations", None)
+        reg.put_manifest("app/run", "mixed", json.dumps(doc).encode(), OCI_MANIFEST)
+    mixed = f"{registry.host}/app/run:mixed"
+    node = node_factory()
+    result = node.pull(mixed)
+    assert (result.unpacked_layers, result.lazy_layers) == (1, 2)
+    assert node.run(mixed) == expected_output()
