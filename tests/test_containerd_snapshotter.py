@@ -296,3 +296,26 @@ def test_lazy_layers_above_an_unpacked_one_keep_its_deletions(images, node_facto
     result = node.pull(mixed)
     assert (result.unpacked_layers, result.lazy_layers) == (1, 2)
     assert node.run(mixed) == expected_output()
+
+
+def test_a_layer_claiming_the_format_without_an_index_is_refused(images, node_factory,
+                                                                 registry) -> None:
+    import json
+
+    from prefetch.containerd.errors import FailedPreconditionError
+    from prefetch.mediatypes import OCI_MANIFEST
+
+    plain, lazy = images
+    with SyncRegistry(registry.host) as reg:
+        gz, conv = reg.resolve_image(plain), reg.resolve_image(lazy)
+        doc = dict(conv.parsed)
+        liar = {**gz.parsed["layers"][0], "annotations": conv.parsed["layers"][0]["annotations"]}
+        doc["layers"] = [liar, *conv.parsed["layers"][1:]]
+        digest = reg.put_manifest("app/run", "liar", json.dumps(doc).encode(), OCI_MANIFEST)
+    node = node_factory()
+    labels = {lbl.SNAPSHOT_REF: "sha256:" + "4" * 64, lbl.IMAGE_REF: f"{registry.host}/app/run:liar",
+              lbl.LAYER_DIGEST: liar["digest"], lbl.MANIFEST_DIGEST: digest}
+    with ContainerdClient(node.snapshotter.address) as direct:
+        with pytest.raises(FailedPreconditionError, match="convert the image again"):
+            direct.prepare_snapshot("bootseer", "k", "", labels)
+        assert direct.list_snapshots("bootseer") == []
