@@ -319,3 +319,53 @@ def test_a_layer_claiming_the_format_without_an_index_is_refused(images, node_fa
         with pytest.raises(FailedPreconditionError, match="convert the image again"):
             direct.prepare_snapshot("bootseer", "k", "", labels)
         assert direct.list_snapshots("bootseer") == []
+
+
+def test_every_rpc_of_the_snapshots_api(tmp_path: Path) -> None:
+    """Prepare, View, Mounts, Commit, Stat, Update, Usage, List (filters), Remove, Cleanup,
+    straight on the snapshotter's socket, with containerd's semantics."""
+    from prefetch.containerd.errors import AlreadyExistsError, FailedPreconditionError
+
+    sock_dir = tempfile.mkdtemp(prefix="bsn-")
+    sn = SnapshotterProcess(tmp_path / "sn", os.path.join(sock_dir, "sn.sock"),
+                            tmp_path / "sn.log").start()
+    try:
+        with ContainerdClient(sn.address) as c:
+            base = c.prepare_snapshot("bootseer", "a", "", {"team": "ml"})
+            assert base[0].type == "bind" and "rw" in base[0].options
+            (Path(base[0].source) / "hello").write_bytes(b"layer a")
+            assert c.snapshot_usage("bootseer", "a")[1] == 1  # one inode so far
+            c.commit_snapshot("bootseer", "A", "a", {"team": "ml"})
+            with pytest.raises(NotFoundError):
+                c.stat_snapshot("bootseer", "a")
+            info = c.stat_snapshot("bootseer", "A")
+            assert (info.kind, info.parent, info.labels) == ("committed", "", {"team": "ml"})
+            upper = c.prepare_snapshot("bootseer", "b", "A")
+            assert upper[0].type == "overlay"
+            opts = dict(o.split("=", 1) for o in upper[0].options if "=" in o)
+            assert (Path(opts["lowerdir"]) / "hello").read_bytes() == b"layer a"
+            assert c.snapshot_mounts("bootseer", "b") == upper
+            view = c.view_snapshot("bootseer", "v", "A")
+            assert view[0].type == "bind" and "ro" in view[0].options
+            with pytest.raises(AlreadyExistsError):
+                c.prepare_snapshot("bootseer", "b", "A")
+            with pytest.raises(FailedPreconditionError):
+                c.prepare_snapshot("bootseer", "c", "b")  # the parent must be committed
+            with pytest.raises(FailedPreconditionError):
+                c.remove_snapshot("bootseer", "A")  # it has children
+            updated = c.update_snapshot_labels("bootseer", "A", {"owner": "x"})
+            assert updated.labels == {"team": "ml", "owner": "x"}
+            names = lambda *f: sorted(i.name for i in c.list_snapshots("bootseer", *f))  # noqa: E731
+            assert names() == ["A", "b", "v"]
+            assert names("kind==active") == ["b"]
+            assert names("parent==A,kind==view") == ["v"]
+            assert names('labels."owner"==x', "name==b") == ["A", "b"]
+            for key in ("v", "b", "A"):
+                c.remove_snapshot("bootseer", key)
+            assert names() == []
+            (tmp_path / "sn" / "snapshots" / "77").mkdir()  # an orphan
+            assert c.cleanup_snapshots("bootseer")
+            assert list((tmp_path / "sn" / "snapshots").iterdir()) == []
+    finally:
+        sn.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
