@@ -8,6 +8,7 @@ import sys
 
 from .. import __version__
 from . import ckpt as ckpt_cmd
+from . import config as config_cmd
 from . import env as env_cmd
 from . import fs as fs_cmd
 from . import image as image_cmd
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     env_cmd.register(sub)
     image_cmd.register(sub)
     snapshotter_cmd.register(sub)
+    config_cmd.register(sub)
     from . import bench, demo
 
     demo.register(sub)

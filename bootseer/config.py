@@ -1,0 +1,496 @@
+"""Configuration of ``bootseer run`` and friends: a TOML file, environment variables and flags.
+
+One schema (:data:`SCHEMA`) drives everything: the defaults, the TOML sections, the environment
+variable of each key (``BOOTSEER_<SECTION>_<KEY>``), the command-line flags and the help text, so
+the four can never disagree. Precedence, lowest first::
+
+    defaults < TOML file (--config, else $BOOTSEER_CONFIG) < environment < flags
+
+Every effective value remembers where it came from (:class:`Setting`), because "why does the job
+use this value" is the first question when a restart misbehaves; ``bootseer config show``
+prints it. A bad value is a :class:`ConfigError` that names the key, the place (file, variable
+or flag) and what was expected: a container that dies at startup must say why in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import os
+import tomllib
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "SCHEMA", "NON_CONFIG_ENV", "ConfigError", "Config", "KeySpec", "Setting",
+    "add_config_arguments", "config_from_args", "load_config", "parse_ranks",
+]
+
+ENV_PREFIX = "BOOTSEER_"
+CONFIG_ENV = "BOOTSEER_CONFIG"
+
+#: ``BOOTSEER_<SECTION>_*`` variables that are not configuration keys yet are legitimate (set by
+#: other parts of bootseer); every other such name that is not a key is refused as a typo.
+NON_CONFIG_ENV: frozenset[str] = frozenset({
+    "BOOTSEER_CKPT_CACHE",  # set by `bootseer run` for the child's CheckpointManager (ckpt.cache)
+})
+
+
+class ConfigError(ValueError):
+    """A bad configuration value, file or variable; the message names the key and the place."""
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One key of the schema: its type, default, flag, help (and env aliases)."""
+
+    section: str
+    name: str
+    kind: str  # str, path, bool, int, float, list, ranks
+    default: Any
+    help: str
+    flag: str
+    aliases: tuple[str, ...] = ()  # further environment variables, below the canonical one
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def env(self) -> str:
+        return f"{ENV_PREFIX}{self.section}_{self.name}".upper()
+
+    @property
+    def expected(self) -> str:
+        """What a valid value looks like, for error messages."""
+        return _EXPECTED[self.kind]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One effective value and where it came from."""
+
+    key: str
+    value: Any
+    source: str
+
+
+_EXPECTED = {
+    "str": "a string",
+    "path": "a path (string)",
+    "bool": "true or false",
+    "int": "an integer >= 0",
+    "float": "a number >= 0",
+    "list": "a list of strings",
+    "ranks": "a rank list like '0-7' or '0,1,4' (or '' to derive it)",
+}
+
+
+def _spec(section: str, name: str, kind: str, default: Any, flag: str, help: str,
+          aliases: tuple[str, ...] = ()) -> KeySpec:
+    return KeySpec(section, name, kind, default, help, flag, aliases)
+
+
+_KEYS = [
+    _spec("run", "trace_dir", "path", "/var/log/bootseer/trace", "--trace-dir",
+          "where the startup trace (JSON lines) is written"),
+    _spec("run", "node", "str", "", "--node",
+          "node name in the trace; '' = the hostname", aliases=("BOOTSEER_NODE",)),
+    _spec("run", "allow_fresh_start", "bool", False, "--allow-fresh-start",
+          "start without a checkpoint when the checkpoint store is unreachable"),
+    _spec("run", "ready_file", "path", "", "--ready-file",
+          "file the training process touches when ready; '' = automatic (the wrapper's "
+          "control dir)"),
+    _spec("restart", "max_restarts", "int", 3, "--max-restarts",
+          "restarts of a failed command before giving up"),
+    _spec("restart", "backoff_s", "float", 5.0, "--backoff",
+          "seconds before the first restart; doubles per restart"),
+    _spec("restart", "backoff_max_s", "float", 60.0, "--backoff-max",
+          "longest delay between restarts, in seconds"),
+    _spec("hang", "timeout_s", "float", 0.0, "--hang-timeout",
+          "seconds without a heartbeat (after the first heartbeat or ready) that count as a "
+          "hang; 0 = hang detection off"),
+    _spec("hang", "dump_wait_s", "float", 5.0, "--dump-wait",
+          "seconds to wait for the stack dump of a hung process before SIGKILL"),
+    _spec("env", "spec", "list", [], "--env-spec",
+          "requirement files / pyproject.toml / uv.lock of the environment (repeatable); "
+          "empty = the environment phase is skipped"),
+    _spec("env", "prefix", "path", "", "--env-prefix",
+          "where the environment lives (venv prefix)"),
+    _spec("env", "store", "str", "", "--env-store",
+          "snapshot store of environments (fsspec URL)"),
+    _spec("ckpt", "url", "str", "", "--ckpt-url",
+          "checkpoint location (fsspec URL); empty = the checkpoint phase is skipped"),
+    _spec("ckpt", "cache_dir", "path", "/var/cache/bootseer/ckpt", "--ckpt-cache-dir",
+          "node-local checkpoint cache"),
+    _spec("ckpt", "ranks", "ranks", "", "--ranks",
+          "ranks of this node, '0-7' or '0,1,4'; '' = from LOCAL_WORLD_SIZE and NODE_RANK, "
+          "else RANK"),
+    _spec("image", "ref", "str", "", "--image-ref", "image reference (for warmup)"),
+    _spec("image", "cache", "path", "", "--image-cache",
+          "node-local block cache of images; '' = bootseer image's default"),
+]
+
+#: section -> key name -> spec, in documentation order.
+SCHEMA: dict[str, dict[str, KeySpec]] = {}
+for _k in _KEYS:
+    SCHEMA.setdefault(_k.section, {})[_k.name] = _k
+del _k
+_BY_KEY: dict[str, KeySpec] = {s.key: s for s in _KEYS}
+
+
+def _copy(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
+
+
+class Config:
+    """The effective configuration: ``cfg.get("restart.max_restarts")``,
+    ``cfg.restart.max_restarts``, ``cfg.source(key)``; immutable once loaded."""
+
+    def __init__(self, settings: Mapping[str, Setting], path: str | None = None) -> None:
+        object.__setattr__(self, "_settings", dict(settings))
+        #: the TOML file that was read, or None
+        object.__setattr__(self, "path", path)
+
+    def _spec(self, key: str) -> KeySpec:
+        try:
+            return _BY_KEY[key]
+        except KeyError:
+            raise KeyError(f"unknown configuration key {key!r}{_suggest(key, _BY_KEY)}") from None
+
+    def get(self, key: str) -> Any:
+        self._spec(key)
+        return _copy(self._settings[key].value)
+
+    def source(self, key: str) -> str:
+        self._spec(key)
+        return self._settings[key].source
+
+    def settings(self) -> list[Setting]:
+        return [Setting(s.key, _copy(self._settings[s.key].value), self._settings[s.key].source)
+                for s in _KEYS]
+
+    def section(self, name: str) -> types.SimpleNamespace:
+        if name not in SCHEMA:
+            raise KeyError(f"unknown configuration section {name!r}{_suggest(name, SCHEMA)}")
+        return types.SimpleNamespace(**{k: self.get(f"{name}.{k}") for k in SCHEMA[name]})
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        return {sec: {k: self.get(f"{sec}.{k}") for k in keys} for sec, keys in SCHEMA.items()}
+
+    def __getattr__(self, name: str) -> types.SimpleNamespace:
+        if name.startswith("_") or name not in SCHEMA:
+            raise AttributeError(name)
+        return self.section(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Config is immutable")
+
+    def __repr__(self) -> str:
+        return f"Config(path={self.path!r}, {self.as_dict()!r})"
+
+
+# --- parsing and validation -------------------------------------------------------------------
+
+def _suggest(word: str, choices: Any, known: str | None = None) -> str:
+    """`` (did you mean 'x'? known: a, b)``: the closest choice, and the list when given."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    parts = [f"did you mean {close[0]!r}?"] if close else []
+    if known:
+        parts.append(f"known: {known}")
+    return f" ({' '.join(parts)})" if parts else ""
+
+
+def _bad(spec: KeySpec, where: str, value: Any, expected: str | None = None) -> ConfigError:
+    return ConfigError(f"{spec.key} in {where}: expected {expected or spec.expected}, "
+                       f"got {value!r}")
+
+
+def _check(spec: KeySpec, value: Any, where: str) -> Any:
+    """A typed value (from TOML or code) checked against its spec; returns the normal form."""
+    kind = spec.kind
+    if kind in ("str", "path", "ranks"):
+        if not isinstance(value, str):
+            raise _bad(spec, where, value)
+        if kind == "path":
+            return os.path.expanduser(value)
+        if kind == "ranks" and value.strip():
+            try:
+                _parse_rank_list(value)
+            except ValueError:
+                raise _bad(spec, where, value) from None
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise _bad(spec, where, value)
+        return value
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _bad(spec, where, value)
+        return value
+    if kind == "float":
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not math.isfinite(value) or value < 0):
+            raise _bad(spec, where, value)
+        return float(value)
+    if kind == "list":
+        if isinstance(value, str):  # a lone string is a one-item list: `spec = "req.txt"`
+            value = [value]
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise _bad(spec, where, value)
+        return list(value)
+    raise AssertionError(f"unknown kind {kind}")  # pragma: no cover
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _from_text(spec: KeySpec, text: str, where: str) -> Any:
+    """A value given as text (an environment variable or a flag), parsed by its kind."""
+    kind = spec.kind
+    if kind == "bool":
+        word = text.strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE:
+            return False
+        raise _bad(spec, where, text, "one of 1/0/true/false/yes/no")
+    if kind == "int":
+        try:
+            value: Any = int(text.strip())
+        except ValueError:
+            raise _bad(spec, where, text) from None
+        if value < 0:
+            raise _bad(spec, where, text)
+        return value
+    if kind == "float":
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise _bad(spec, where, text) from None
+        if not math.isfinite(value) or value < 0:
+            raise _bad(spec, where, text)
+        return value
+    if kind == "list":
+        items = text.replace(os.pathsep, ",").split(",")
+        return [item.strip() for item in items if item.strip()]
+    return _check(spec, text, where)
+
+
+def _read_file(path: str, origin: str) -> dict[str, Any]:
+    label = path if origin == "" else f"{path} ({origin})"
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {label}: not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {label}: is a directory") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {label}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {label}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {label}: invalid TOML: {exc}") from None
+
+
+def _from_file(doc: dict[str, Any], path: str) -> dict[str, Any]:
+    """The key -> value pairs of a parsed TOML document, every name and type checked."""
+    values: dict[str, Any] = {}
+    for section, table in doc.items():
+        if section not in SCHEMA:
+            if not isinstance(table, dict):
+                homes = [s for s, keys in SCHEMA.items() if section in keys]
+                hint = (f"put it under [{homes[0]}]" if homes
+                        else f"known: {', '.join(_BY_KEY)}")
+                raise ConfigError(f"unknown key {section!r} in {path}: keys belong in a "
+                                  f"section ({hint})")
+            raise ConfigError(f"unknown section [{section}] in {path}"
+                              f"{_suggest(section, SCHEMA, ', '.join(SCHEMA))}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section} in {path}: expected a table [{section}], "
+                              f"got {table!r}")
+        for name, value in table.items():
+            key = f"{section}.{name}"
+            spec = _BY_KEY.get(key)
+            if spec is None:
+                known = ", ".join(s.key for s in SCHEMA[section].values())
+                raise ConfigError(f"unknown key {key!r} in {path}{_suggest(key, _BY_KEY, known)}")
+            values[key] = _check(spec, value, path)
+    return values
+
+
+def _env_section(name: str) -> tuple[str, str] | None:
+    """``BOOTSEER_RESTART_MAX_RETRIES`` -> ("restart", "max_retries") when its section exists."""
+    rest = name[len(ENV_PREFIX):].lower()
+    for section in SCHEMA:
+        if rest.startswith(section + "_") and len(rest) > len(section) + 1:
+            return section, rest[len(section) + 1:]
+    return None
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """key -> (value, source) from ``BOOTSEER_*`` variables; a near-miss of a key is refused."""
+    values: dict[str, tuple[Any, str]] = {}
+    canonical = {s.env: s for s in _KEYS}
+    aliases = {a: s for s in _KEYS for a in s.aliases}
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or name in canonical or name in aliases:
+            continue
+        split = _env_section(name)
+        if split and name not in NON_CONFIG_ENV:
+            section, key = split
+            known = ", ".join(s.env for s in SCHEMA[section].values())
+            raise ConfigError(f"unknown environment variable {name}: section [{section}] has no "
+                              f"key {key!r}{_suggest(name, canonical, known)}")
+    for spec in _KEYS:
+        for var in (spec.env, *spec.aliases):
+            if var in env:
+                where = f"env {var}"
+                values[spec.key] = (_from_text(spec, env[var], where), where)
+                break
+    return values
+
+
+def _from_override(spec: KeySpec, value: Any, where: str) -> Any:
+    if isinstance(value, str) and spec.kind not in ("str", "path", "ranks"):
+        return _from_text(spec, value, where)
+    return _check(spec, value, where)
+
+
+def load_config(path: str | os.PathLike | None = None, *, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None,
+                override_sources: Mapping[str, str] | None = None) -> Config:
+    """The effective configuration: defaults < TOML file (``path``, else ``$BOOTSEER_CONFIG``)
+    < environment (``env``, default ``os.environ``) < ``overrides`` (flags; a ``None`` value is
+    no override). ``override_sources`` names the origin of each override ("flag --x")."""
+    env = os.environ if env is None else env
+    settings = {s.key: Setting(s.key, _copy(s.default), "default") for s in _KEYS}
+    origin = ""
+    if path is None and env.get(CONFIG_ENV):
+        path, origin = env[CONFIG_ENV], f"from {CONFIG_ENV}"
+    file = os.fspath(path) if path is not None else None
+    if file is not None:
+        for key, value in _from_file(_read_file(file, origin), file).items():
+            settings[key] = Setting(key, value, f"file {file}")
+    for key, (value, source) in _from_env(env).items():
+        settings[key] = Setting(key, value, source)
+    for key, value in (overrides or {}).items():
+        spec = _BY_KEY.get(key)
+        if spec is None:
+            raise ConfigError(f"unknown key {key!r} in overrides{_suggest(key, _BY_KEY)}")
+        if value is None:
+            continue
+        source = (override_sources or {}).get(key, "override")
+        settings[key] = Setting(key, _from_override(spec, value, source), source)
+    return Config(settings, file)
+
+
+# --- command line -----------------------------------------------------------------------------
+
+def _dest(spec: KeySpec) -> str:
+    return f"cfg_{spec.section}_{spec.name}"
+
+
+def _show(value: Any) -> str:
+    if value == "" or value == []:
+        return "''" if value == "" else "none"
+    return str(value)
+
+
+_METAVARS = {"int": "N", "float": "SECONDS", "path": "PATH", "run.trace_dir": "DIR",
+             "ckpt.cache_dir": "DIR", "image.cache": "DIR", "env.store": "URL", "ckpt.url": "URL",
+             "run.node": "NAME"}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE`` and one flag per schema key (flags given become overrides in
+    :func:`config_from_args`; the others leave the file and environment in charge)."""
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help=f"TOML configuration file (env {CONFIG_ENV})")
+    group = parser.add_argument_group(
+        "configuration", "each flag overrides the config file and its BOOTSEER_* variable")
+    for spec in _KEYS:
+        doc = f"{spec.help} (default {_show(spec.default)}; env {spec.env})".replace("%", "%%")
+        if spec.kind == "bool":
+            group.add_argument(spec.flag, dest=_dest(spec), default=None,
+                               action=argparse.BooleanOptionalAction, help=doc)
+        elif spec.kind == "list":
+            group.add_argument(spec.flag, dest=_dest(spec), default=None, action="append",
+                               metavar="FILE", help=doc)
+        else:
+            metavar = _METAVARS.get(spec.key) or _METAVARS.get(spec.kind) or spec.name.upper()
+            group.add_argument(spec.flag, dest=_dest(spec), default=None, metavar=metavar,
+                               help=doc)
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Config:
+    """The configuration of a command parsed with :func:`add_config_arguments`."""
+    overrides: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for spec in _KEYS:
+        value = getattr(args, _dest(spec), None)
+        if value is None:
+            continue
+        overrides[spec.key] = value
+        flag = spec.flag
+        if spec.kind == "bool" and value is False:
+            flag = "--no-" + flag[2:]
+        sources[spec.key] = f"flag {flag}"
+    return load_config(getattr(args, "config", None), env=env, overrides=overrides,
+                       override_sources=sources)
+
+
+# --- ranks ------------------------------------------------------------------------------------
+
+def _parse_rank_list(text: str) -> list[int]:
+    ranks: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.strip().isdigit() or (sep and not hi.strip().isdigit()):
+            raise ValueError(part)
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(part)
+        ranks.update(range(first, last + 1))
+    return sorted(ranks)
+
+
+def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
+    text = env.get(name)
+    if text is None or text.strip() == "":
+        return None
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ConfigError(f"env {name}: expected an integer >= {minimum}, got {text!r}")
+    return value
+
+
+def parse_ranks(text: str, env: Mapping[str, str] | None = None) -> list[int]:
+    """The ranks a node serves: ``"0-3,8"`` -> ``[0, 1, 2, 3, 8]`` (sorted, no duplicates).
+    ``""`` derives them the way launchers describe a node: ``LOCAL_WORLD_SIZE`` ranks starting
+    at ``NODE_RANK`` (or torchrun's ``GROUP_RANK``) times that, else ``[RANK]``, else ``[0]``."""
+    if text.strip():
+        try:
+            return _parse_rank_list(text)
+        except ValueError:
+            raise ConfigError(f"bad rank list {text!r}: expected ranges and ranks like '0-7' or "
+                              f"'0,1,4' (ranks >= 0, ranges low-high)") from None
+    env = os.environ if env is None else env
+    local = _env_int(env, "LOCAL_WORLD_SIZE", 1)
+    node_var = "NODE_RANK" if env.get("NODE_RANK", "").strip() else "GROUP_RANK"
+    node = _env_int(env, node_var, 0)
+    if local is not None and node is not None:
+        return list(range(node * local, node * local + local))
+    rank = _env_int(env, "RANK", 0)
+    if rank is not None:
+        return [rank]
+    return [0]

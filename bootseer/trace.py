@@ -1,0 +1,135 @@
+"""The startup trace: one JSON object per line, one file per node and rank.
+
+Written by ``bootseer run`` and ``bootseer warmup`` (a span per startup phase and attempt),
+read by ``bootseer report``. Times are Unix seconds (float), so the files of many nodes can be
+lined up; a span's ``bytes`` says how much the phase moved, ``outcome`` is ``ok``, ``failed``,
+``skipped`` or ``killed``, and ``attempt`` counts restarts (0 for the first start)::
+
+    {"node": "node-3", "rank": 5, "phase": "environment", "start": 1763700000.12,
+     "end": 1763700002.95, "bytes": 194400000, "outcome": "ok", "attempt": 0,
+     "detail": {"outcome": "restored"}}
+
+Phases used: ``environment``, ``checkpoint_prefetch``, ``image_prefetch`` (warmup),
+``command_start`` (the child is spawned), ``first_step`` (from the start of the attempt to
+``bootseer.ready()``), ``restart`` (the backoff before an attempt), ``hang`` (no heartbeat).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+OUTCOMES = ("ok", "failed", "skipped", "killed")
+
+
+@dataclass
+class Span:
+    node: str
+    rank: int | None
+    phase: str
+    start: float
+    end: float
+    bytes: int = 0
+    outcome: str = "ok"
+    attempt: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"), default=str)
+
+    @classmethod
+    def from_json(cls, line: str) -> Span:
+        doc = json.loads(line)
+        if not isinstance(doc, dict):
+            raise ValueError("a trace line must be a JSON object")
+        missing = [k for k in ("node", "phase", "start", "end") if k not in doc]
+        if missing:
+            raise ValueError(f"trace line lacks {', '.join(missing)}")
+        return cls(node=str(doc["node"]), rank=doc.get("rank"), phase=str(doc["phase"]),
+                   start=float(doc["start"]), end=float(doc["end"]),
+                   bytes=int(doc.get("bytes", 0)), outcome=str(doc.get("outcome", "ok")),
+                   attempt=int(doc.get("attempt", 0)), detail=dict(doc.get("detail") or {}))
+
+
+def default_node() -> str:
+    return os.environ.get("BOOTSEER_NODE") or socket.gethostname()
+
+
+class TraceWriter:
+    """Appends spans to ``<dir>/<node>[-rank<r>].jsonl`` (thread-safe; each line is flushed,
+    so a killed process loses at most the span it was in)."""
+
+    def __init__(self, trace_dir: str | os.PathLike, node: str | None = None,
+                 rank: int | None = None) -> None:
+        self.dir = Path(trace_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.node = node or default_node()
+        self.rank = rank
+        name = self.node if rank is None else f"{self.node}-rank{rank}"
+        self.path = self.dir / f"{name}.jsonl"
+        self._lock = threading.Lock()
+
+    def write(self, span: Span) -> Span:
+        with self._lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(span.to_json() + "\n")
+        return span
+
+    def record(self, phase: str, start: float, end: float | None = None, *, attempt: int = 0,
+               bytes: int = 0, outcome: str = "ok", **detail: Any) -> Span:
+        return self.write(Span(self.node, self.rank, phase, start,
+                               time.time() if end is None else end, bytes, outcome, attempt,
+                               detail))
+
+    @contextmanager
+    def span(self, phase: str, *, attempt: int = 0, **detail: Any) -> Iterator[dict[str, Any]]:
+        """Times the block; the yielded dict may set ``bytes``, ``outcome`` and detail keys.
+        An exception marks the span failed (and propagates)."""
+        info: dict[str, Any] = dict(detail)
+        start = time.time()
+        try:
+            yield info
+        except BaseException as exc:
+            info.setdefault("outcome", "failed")
+            info.setdefault("error", f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            outcome = info.pop("outcome", "ok")
+            nbytes = int(info.pop("bytes", 0))
+            self.record(phase, start, attempt=attempt, bytes=nbytes, outcome=outcome, **info)
+
+
+def read_traces(paths: Iterable[str | os.PathLike]) -> tuple[list[Span], list[str]]:
+    """Every span under these files or directories (``*.jsonl``), and one warning per line
+    that could not be read (a torn last line of a killed process is expected)."""
+    spans: list[Span] = []
+    warnings: list[str] = []
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files.extend(sorted(p.rglob("*.jsonl")))
+        elif p.exists():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"trace path {p} does not exist")
+    for file in files:
+        with open(file, encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    spans.append(Span.from_json(line))
+                except (ValueError, TypeError) as exc:
+                    warnings.append(f"{file}:{n}: skipped ({exc})")
+    return spans, warnings

@@ -1,0 +1,328 @@
+"""Configuration: precedence and sources, every validation error, ``bootseer config show``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bootseer.config import (
+    SCHEMA,
+    Config,
+    ConfigError,
+    add_config_arguments,
+    config_from_args,
+    load_config,
+    parse_ranks,
+)
+
+ALL_KEYS = [f"{sec}.{name}" for sec, keys in SCHEMA.items() for name in keys]
+
+
+def write(tmp_path: Path, text: str, name: str = "bootseer.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def from_flags(argv: list[str], env: dict[str, str] | None = None) -> Config:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    return config_from_args(parser.parse_args(argv), env=env or {})
+
+
+def clean_env() -> dict[str, str]:
+    """The test runner's environment without BOOTSEER_* (a developer's own settings)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("BOOTSEER_")}
+
+
+def bootseer(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bootseer", *args], capture_output=True,
+                          text=True, timeout=60, env={**clean_env(), **(env or {})})
+
+
+# --- defaults, access, precedence -------------------------------------------------------------
+
+def test_defaults_and_access() -> None:
+    cfg = load_config(env={})
+    assert cfg.path is None
+    assert [s.key for s in cfg.settings()] == ALL_KEYS
+    assert all(s.source == "default" for s in cfg.settings())
+    assert cfg.get("restart.max_restarts") == 3
+    assert cfg.restart.max_restarts == 3
+    assert cfg.section("hang").timeout_s == 0.0
+    assert cfg.run.trace_dir == "/var/log/bootseer/trace"
+    assert cfg.ckpt.cache_dir == "/var/cache/bootseer/ckpt"
+    assert cfg.env.spec == [] and cfg.run.allow_fresh_start is False
+    assert cfg.as_dict()["restart"] == {"max_restarts": 3, "backoff_s": 5.0,
+                                        "backoff_max_s": 60.0}
+    assert set(cfg.as_dict()) == set(SCHEMA)
+    cfg.get("env.spec").append("x")  # a copy: the config cannot be changed through it
+    assert cfg.env.spec == []
+    with pytest.raises(AttributeError):
+        cfg.restart = None  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        cfg.nosuch  # noqa: B018
+    with pytest.raises(KeyError, match="max_restarts"):
+        cfg.get("restart.max_restart")
+
+
+def test_precedence_default_file_env_flag(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+[restart]
+max_restarts = 7
+backoff_s = 1
+[hang]
+timeout_s = 10.0
+[env]
+spec = ["requirements.txt"]
+""")
+    env = {"BOOTSEER_RESTART_BACKOFF_S": "2.5", "BOOTSEER_HANG_TIMEOUT_S": "20"}
+    cfg = from_flags(["--config", str(path), "--hang-timeout", "30"], env=env)
+    assert cfg.path == str(path)
+    expect = {
+        "restart.backoff_max_s": (60.0, "default"),
+        "restart.max_restarts": (7, f"file {path}"),
+        "env.spec": (["requirements.txt"], f"file {path}"),
+        "restart.backoff_s": (2.5, "env BOOTSEER_RESTART_BACKOFF_S"),
+        "hang.timeout_s": (30.0, "flag --hang-timeout"),
+    }
+    for key, (value, source) in expect.items():
+        assert (cfg.get(key), cfg.source(key)) == (value, source), key
+    assert isinstance(cfg.restart.backoff_s, float)
+
+
+def test_config_file_from_environment(tmp_path: Path) -> None:
+    a = write(tmp_path, "[restart]\nmax_restarts = 1\n", "a.toml")
+    b = write(tmp_path, "[restart]\nmax_restarts = 2\n", "b.toml")
+    cfg = load_config(env={"BOOTSEER_CONFIG": str(a)})
+    assert cfg.restart.max_restarts == 1 and cfg.source("restart.max_restarts") == f"file {a}"
+    assert load_config(b, env={"BOOTSEER_CONFIG": str(a)}).restart.max_restarts == 2
+    assert load_config(env={"BOOTSEER_CONFIG": ""}).path is None
+
+
+def test_environment_values_parsed_from_text() -> None:
+    env = {"BOOTSEER_RUN_ALLOW_FRESH_START": "yes", "BOOTSEER_RESTART_MAX_RESTARTS": " 5 ",
+           "BOOTSEER_HANG_DUMP_WAIT_S": "0.5",
+           "BOOTSEER_ENV_SPEC": f"a.txt, b.txt{os.pathsep}pyproject.toml",
+           "BOOTSEER_CKPT_RANKS": "0-3", "BOOTSEER_ENV_STORE": "s3://b/envs"}
+    cfg = load_config(env=env)
+    assert cfg.run.allow_fresh_start is True
+    assert cfg.restart.max_restarts == 5
+    assert cfg.hang.dump_wait_s == 0.5
+    assert cfg.env.spec == ["a.txt", "b.txt", "pyproject.toml"]
+    assert cfg.ckpt.ranks == "0-3" and cfg.env.store == "s3://b/envs"
+    assert cfg.source("env.spec") == "env BOOTSEER_ENV_SPEC"
+
+
+@pytest.mark.parametrize("text,value", [("1", True), ("0", False), ("true", True),
+                                        ("False", False), ("YES", True), ("no", False)])
+def test_environment_bools(text: str, value: bool) -> None:
+    assert load_config(env={"BOOTSEER_RUN_ALLOW_FRESH_START": text}).run.allow_fresh_start is value
+
+
+def test_node_alias() -> None:
+    cfg = load_config(env={"BOOTSEER_NODE": "n1"})
+    assert (cfg.run.node, cfg.source("run.node")) == ("n1", "env BOOTSEER_NODE")
+    cfg = load_config(env={"BOOTSEER_NODE": "n1", "BOOTSEER_RUN_NODE": "n2"})
+    assert (cfg.run.node, cfg.source("run.node")) == ("n2", "env BOOTSEER_RUN_NODE")
+
+
+def test_unrelated_bootseer_variables_ignored() -> None:
+    env = {"BOOTSEER_REQUIRE_SYSTEM": "1", "BOOTSEER_STORAGE_OPTIONS": "{}", "BOOTSEER_RUN": "x",
+           "BOOTSEER_ATTEMPT": "3", "BOOTSEER_PREFIX": "/p", "HOME": "/root"}
+    assert all(s.source == "default" for s in load_config(env=env).settings())
+
+
+def test_flags_only_given_ones_override(tmp_path: Path) -> None:
+    path = write(tmp_path, "[run]\nallow_fresh_start = true\n[env]\nspec = ['x.txt']\n")
+    cfg = from_flags(["--config", str(path)])
+    assert cfg.run.allow_fresh_start is True and cfg.env.spec == ["x.txt"]
+    assert cfg.source("run.allow_fresh_start") == f"file {path}"
+    cfg = from_flags(["--config", str(path), "--no-allow-fresh-start", "--env-spec", "a.txt",
+                      "--env-spec", "b.txt", "--max-restarts", "0", "--ranks", "0,1,4",
+                      "--ckpt-url", "s3://b/ckpt", "--trace-dir", "/t"])
+    assert cfg.run.allow_fresh_start is False
+    assert cfg.source("run.allow_fresh_start") == "flag --no-allow-fresh-start"
+    assert cfg.env.spec == ["a.txt", "b.txt"] and cfg.source("env.spec") == "flag --env-spec"
+    assert (cfg.restart.max_restarts, cfg.ckpt.ranks, cfg.ckpt.url, cfg.run.trace_dir) == (
+        0, "0,1,4", "s3://b/ckpt", "/t")
+    assert from_flags(["--allow-fresh-start"]).source("run.allow_fresh_start") == \
+        "flag --allow-fresh-start"
+
+
+def test_overrides_in_code() -> None:
+    cfg = load_config(env={}, overrides={"restart.max_restarts": 9, "hang.timeout_s": None},
+                      override_sources={"restart.max_restarts": "flag --max-restarts"})
+    assert (cfg.restart.max_restarts, cfg.source("restart.max_restarts")) == (
+        9, "flag --max-restarts")
+    assert cfg.source("hang.timeout_s") == "default"
+    with pytest.raises(ConfigError, match="unknown key 'restart.max_retries'"):
+        load_config(env={}, overrides={"restart.max_retries": 1})
+
+
+# --- validation -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,message", [
+    ("[restart]\nmax_retries = 1\n",
+     "unknown key 'restart.max_retries' in {path} (did you mean 'restart.max_restarts'? "
+     "known: restart.max_restarts, restart.backoff_s, restart.backoff_max_s)"),
+    ("[restat]\nmax_restarts = 1\n", "unknown section [restat] in {path} (did you mean 'restart'?"),
+    ("max_restarts = 1\n", "unknown key 'max_restarts' in {path}: keys belong in a section "
+                           "(put it under [restart])"),
+    ("restart = 1\n", "restart in {path}: expected a table [restart], got 1"),
+    ('[restart]\nmax_restarts = "three"\n',
+     "restart.max_restarts in {path}: expected an integer >= 0, got 'three'"),
+    ("[restart]\nmax_restarts = -1\n",
+     "restart.max_restarts in {path}: expected an integer >= 0, got -1"),
+    ("[restart]\nmax_restarts = 2.5\n",
+     "restart.max_restarts in {path}: expected an integer >= 0, got 2.5"),
+    ("[restart]\nmax_restarts = true\n",
+     "restart.max_restarts in {path}: expected an integer >= 0, got True"),
+    ("[hang]\ntimeout_s = -0.5\n", "hang.timeout_s in {path}: expected a number >= 0, got -0.5"),
+    ("[hang]\ntimeout_s = inf\n", "hang.timeout_s in {path}: expected a number >= 0, got inf"),
+    ('[run]\nallow_fresh_start = "yes"\n',
+     "run.allow_fresh_start in {path}: expected true or false, got 'yes'"),
+    ("[run]\ntrace_dir = 3\n", "run.trace_dir in {path}: expected a path (string), got 3"),
+    ("[env]\nspec = [1, 2]\n", "env.spec in {path}: expected a list of strings, got [1, 2]"),
+    ('[ckpt]\nranks = "0-x"\n', "ckpt.ranks in {path}: expected a rank list like '0-7'"),
+    ("[restart]\nmax_restarts = \n", "config file {path}: invalid TOML: "),
+])
+def test_file_errors_name_key_and_file(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert message.format(path=path) in str(info.value)
+
+
+def test_toml_syntax_error_names_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "[restart]\nmax_restarts = 1\nbackoff_s = = 2\n")
+    with pytest.raises(ConfigError, match=r"line 3") as info:
+        load_config(path, env={})
+    assert str(path) in str(info.value)
+
+
+def test_missing_file_names_file_and_origin(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match=rf"config file {missing}: not found"):
+        load_config(missing, env={})
+    with pytest.raises(ConfigError, match=rf"{missing} \(from BOOTSEER_CONFIG\): not found"):
+        load_config(env={"BOOTSEER_CONFIG": str(missing)})
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path, env={})
+
+
+def test_empty_file_and_sections_keep_defaults(tmp_path: Path) -> None:
+    path = write(tmp_path, "# nothing yet\n[restart]\n[hang]\n")
+    cfg = load_config(path, env={})
+    assert cfg.path == str(path) and cfg.as_dict() == load_config(env={}).as_dict()
+    assert all(s.source == "default" for s in cfg.settings())
+
+
+@pytest.mark.parametrize("var,text,message", [
+    ("BOOTSEER_RESTART_MAX_RESTARTS", "three",
+     "restart.max_restarts in env BOOTSEER_RESTART_MAX_RESTARTS: expected an integer >= 0, "
+     "got 'three'"),
+    ("BOOTSEER_RESTART_MAX_RESTARTS", "-2", "env BOOTSEER_RESTART_MAX_RESTARTS: expected an "
+                                            "integer >= 0, got '-2'"),
+    ("BOOTSEER_RESTART_BACKOFF_S", "5s", "restart.backoff_s in env BOOTSEER_RESTART_BACKOFF_S: "
+                                         "expected a number >= 0, got '5s'"),
+    ("BOOTSEER_RUN_ALLOW_FRESH_START", "maybe",
+     "run.allow_fresh_start in env BOOTSEER_RUN_ALLOW_FRESH_START: expected one of "
+     "1/0/true/false/yes/no, got 'maybe'"),
+    ("BOOTSEER_CKPT_RANKS", "3-1", "ckpt.ranks in env BOOTSEER_CKPT_RANKS: expected a rank list"),
+    ("BOOTSEER_RESTART_MAX_RETRIES", "1",
+     "unknown environment variable BOOTSEER_RESTART_MAX_RETRIES: section [restart] has no key "
+     "'max_retries' (did you mean 'BOOTSEER_RESTART_MAX_RESTARTS'?"),
+    ("BOOTSEER_HANG_TIMEOUT", "1", "unknown environment variable BOOTSEER_HANG_TIMEOUT"),
+])
+def test_environment_errors_name_variable(var: str, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={var: text})
+    assert message in str(info.value)
+
+
+def test_flag_errors_name_flag() -> None:
+    with pytest.raises(ConfigError, match="restart.max_restarts in flag --max-restarts: expected "
+                                          "an integer >= 0, got 'three'"):
+        from_flags(["--max-restarts", "three"])
+    with pytest.raises(ConfigError, match="hang.timeout_s in flag --hang-timeout"):
+        from_flags(["--hang-timeout", "-1"])
+
+
+# --- ranks ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,env,ranks", [
+    ("0-3,8", {}, [0, 1, 2, 3, 8]),
+    ("0,1,4", {}, [0, 1, 4]),
+    ("5", {}, [5]),
+    (" 8-9 , 0 ", {}, [0, 8, 9]),
+    ("0-2,1-3", {}, [0, 1, 2, 3]),
+    ("2", {"RANK": "7"}, [2]),  # explicit text wins over the environment
+    ("", {"LOCAL_WORLD_SIZE": "4", "NODE_RANK": "2"}, [8, 9, 10, 11]),
+    ("", {"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "RANK": "3"}, [2, 3]),
+    ("", {"LOCAL_WORLD_SIZE": "4", "RANK": "3"}, [3]),  # no node rank: the process's own rank
+    ("", {"RANK": "5"}, [5]),
+    ("", {}, [0]),
+])
+def test_parse_ranks(text: str, env: dict[str, str], ranks: list[int]) -> None:
+    assert parse_ranks(text, env) == ranks
+
+
+@pytest.mark.parametrize("text", ["a", "1-", "-1", "3-1", "0,,1", "1.5", "0-3;8"])
+def test_parse_ranks_bad_text(text: str) -> None:
+    with pytest.raises(ConfigError, match=f"bad rank list {text!r}"):
+        parse_ranks(text, {})
+
+
+@pytest.mark.parametrize("env,var", [
+    ({"LOCAL_WORLD_SIZE": "0", "NODE_RANK": "0"}, "LOCAL_WORLD_SIZE"),
+    ({"LOCAL_WORLD_SIZE": "8", "NODE_RANK": "x"}, "NODE_RANK"),
+    ({"RANK": "-1"}, "RANK"),
+])
+def test_parse_ranks_bad_environment(env: dict[str, str], var: str) -> None:
+    with pytest.raises(ConfigError, match=f"env {var}: expected an integer"):
+        parse_ranks("", env)
+
+
+# --- the command ------------------------------------------------------------------------------
+
+def test_show_lists_every_key_value_and_source(tmp_path: Path) -> None:
+    path = write(tmp_path, '[restart]\nmax_restarts = 7\n[env]\nspec = ["req.txt"]\n')
+    proc = bootseer("config", "show", "--config", str(path), "--hang-timeout", "30",
+                    env={"BOOTSEER_CKPT_URL": "s3://b/ckpt"})
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split()[0]: line.split(None, 2)[1:] for line in proc.stdout.splitlines()[2:]}
+    assert list(lines) == ALL_KEYS
+    assert lines["restart.max_restarts"] == ["7", f"file {path}"]
+    assert lines["env.spec"] == ['["req.txt"]', f"file {path}"]
+    assert lines["hang.timeout_s"] == ["30.0", "flag --hang-timeout"]
+    assert lines["ckpt.url"] == ['"s3://b/ckpt"', "env BOOTSEER_CKPT_URL"]
+    assert lines["restart.backoff_s"] == ["5.0", "default"]
+    assert proc.stdout.splitlines()[0] == f"config file: {path}"
+
+
+def test_show_json(tmp_path: Path) -> None:
+    path = write(tmp_path, "[run]\nallow_fresh_start = true\n")
+    proc = bootseer("config", "show", "--json", env={"BOOTSEER_CONFIG": str(path)})
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [f"{sec}.{name}" for sec, keys in doc.items() for name in keys] == ALL_KEYS
+    assert doc["run"]["allow_fresh_start"] == {"value": True, "source": f"file {path}"}
+    assert doc["env"]["spec"] == {"value": [], "source": "default"}
+
+
+def test_show_bad_file_exits_2_with_message(tmp_path: Path) -> None:
+    path = write(tmp_path, "[restart]\nmax_retries = 1\n")
+    proc = bootseer("config", "show", "--config", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"bootseer: error: unknown key 'restart.max_retries' in {path}")
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    proc = bootseer("config", "show", env={"BOOTSEER_RESTART_MAX_RESTARTS": "three"})
+    assert proc.returncode == 2 and "BOOTSEER_RESTART_MAX_RESTARTS" in proc.stderr
+    assert "Traceback" not in proc.stderr
