@@ -1,0 +1,509 @@
+"""``bootseer report``'s analysis: startup traces of many nodes in, one :class:`Report` out.
+
+Pure functions over :class:`~bootseer.trace.Span` lists (no I/O beyond :func:`load_report`), so
+the same report can be built in tests, by the CLI, or from a notebook.
+
+What it computes, and over what:
+
+* **Phase statistics** (``phases``): for each phase, p50/p90/max/mean of the span durations of
+  every node, rank and attempt whose outcome is ``ok`` (a ``skipped`` span lasts nothing and a
+  ``killed`` one was cut short; they are counted in ``outcomes`` instead). Percentiles are
+  linearly interpolated between closest ranks (numpy's default), so they can be checked by hand.
+* **Stragglers**: within one phase and one attempt number (a warm restart is never compared with
+  cold starts), a span is a straggler when ``seconds > median + 3 * max(MAD, 1% of the median,
+  10 ms)``, MAD being the median absolute deviation of that group (of at least 3 spans). The
+  floor keeps identical durations (MAD 0) from flagging noise of a few milliseconds.
+  ``restart`` (the backoff) and ``hang`` (the hang timeout) last what the policy says, so they
+  are not checked.
+* **Restarts**: per node/rank, the attempts seen and how each ended: ``hang`` (a hang span),
+  ``crash`` (the command failed before ``bootseer.ready()``, or a later attempt followed with
+  no hang or failed phase recorded: it died after its first step), ``failed:<phase>`` / ``killed:<phase>`` (a startup phase failed), ``ready``
+  (reached the first step) or ``incomplete`` (the last attempt has not reached it: still
+  starting, or the trace was cut). The ``restart`` span before the next attempt may carry the
+  cause in its detail (``reason``, ``exit_code``, ``returncode``, ``signal``).
+* **Time to first step**: per node/rank, the ``first_step`` span (attempt start to
+  ``bootseer.ready()``) of the first attempt and of the last one, and their p50/p90/max.
+* **Last attempt per node/rank** (``last_attempt``): its phase durations, and its wall time
+  split between phases (:func:`wall_segments`): the chart's bars.
+
+JSON (``Report.to_dict``; ``Report.from_dict`` reads it back): ``version``, ``sources``,
+``warnings``, ``spans``, ``nodes``, ``workers``, ``phases`` (list of ``phase, count, p50, p90,
+max, mean, bytes, outcomes``), ``stragglers`` (``phase, node, rank, attempt, seconds, median,
+mad, threshold``), ``restarts`` (``node, rank, restarts, attempts: [{attempt, outcome,
+reason}]``), ``time_to_first_step`` (``first_attempt`` and ``last_attempt``: ``count, p50, p90,
+max, mean`` or null; ``workers``: ``node, rank, first_attempt, first_attempt_s, last_attempt,
+last_attempt_s``) and ``last_attempt`` (``node, rank, attempt, phases, first_step_s, wall``).
+Times are seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .trace import Span, read_traces
+
+REPORT_VERSION = 1
+PHASE_ORDER = ("restart", "environment", "checkpoint_prefetch", "image_prefetch",
+               "command_start", "first_step", "hang")
+# Their length is set by policy (backoff, hang timeout), not by a slow node.
+NOT_STRAGGLER_PHASES = frozenset({"restart", "hang"})
+MAD_K = 3.0
+MAD_FLOOR_FRACTION = 0.01
+MAD_FLOOR_S = 0.010
+_REASON_KEYS = ("reason", "exit_code", "returncode", "signal")
+
+
+class ReportError(ValueError):
+    """The traces cannot make a report (no spans at all); the message names the paths."""
+
+
+@dataclass
+class Stats:
+    count: int
+    p50: float
+    p90: float
+    max: float
+    mean: float
+
+
+@dataclass
+class PhaseStats:
+    phase: str
+    count: int  # ok spans, the ones the percentiles are over
+    p50: float | None
+    p90: float | None
+    max: float | None
+    mean: float | None
+    bytes: int  # total over the ok spans
+    outcomes: dict[str, int] = field(default_factory=dict)  # every span, by outcome
+
+
+@dataclass
+class Straggler:
+    phase: str
+    node: str
+    rank: int | None
+    attempt: int
+    seconds: float
+    median: float
+    mad: float
+    threshold: float
+
+
+@dataclass
+class AttemptOutcome:
+    attempt: int
+    outcome: str
+    reason: str | None = None
+
+
+@dataclass
+class WorkerRestarts:
+    node: str
+    rank: int | None
+    restarts: int
+    attempts: list[AttemptOutcome]
+
+
+@dataclass
+class WorkerFirstStep:
+    node: str
+    rank: int | None
+    first_attempt: int
+    first_attempt_s: float | None  # None: that attempt never reached bootseer.ready()
+    last_attempt: int
+    last_attempt_s: float | None
+
+
+@dataclass
+class WorkerPhases:
+    """One bar of the chart: a node/rank's last attempt (node-level spans of the node included)."""
+    node: str
+    rank: int | None
+    attempt: int
+    phases: dict[str, float]  # seconds per phase, spans of any outcome summed
+    first_step_s: float | None
+    wall: dict[str, float]  # the attempt's wall time split by phase (see wall_segments)
+
+
+@dataclass
+class Report:
+    sources: list[str]
+    warnings: list[str]
+    spans: int
+    nodes: int
+    workers: int
+    phases: list[PhaseStats]
+    stragglers: list[Straggler]
+    restarts: list[WorkerRestarts]
+    first_step: list[WorkerFirstStep]
+    first_step_first: Stats | None
+    first_step_last: Stats | None
+    last_attempt: list[WorkerPhases]
+
+    def phase(self, name: str) -> PhaseStats | None:
+        return next((p for p in self.phases if p.phase == name), None)
+
+    @property
+    def total_restarts(self) -> int:
+        return sum(r.restarts for r in self.restarts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The documented JSON shape (see the module docstring)."""
+        return {
+            "version": REPORT_VERSION,
+            "sources": list(self.sources),
+            "warnings": list(self.warnings),
+            "spans": self.spans,
+            "nodes": self.nodes,
+            "workers": self.workers,
+            "phases": [asdict(p) for p in self.phases],
+            "stragglers": [asdict(s) for s in self.stragglers],
+            "restarts": [asdict(r) for r in self.restarts],
+            "time_to_first_step": {
+                "first_attempt": asdict(self.first_step_first) if self.first_step_first else None,
+                "last_attempt": asdict(self.first_step_last) if self.first_step_last else None,
+                "workers": [asdict(w) for w in self.first_step],
+            },
+            "last_attempt": [asdict(w) for w in self.last_attempt],
+        }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> Report:
+        if doc.get("version") != REPORT_VERSION:
+            raise ValueError(f"report version {doc.get('version')!r} is not {REPORT_VERSION}")
+        ttfs = doc["time_to_first_step"]
+        return cls(
+            sources=list(doc["sources"]), warnings=list(doc["warnings"]), spans=doc["spans"],
+            nodes=doc["nodes"], workers=doc["workers"],
+            phases=[PhaseStats(**p) for p in doc["phases"]],
+            stragglers=[Straggler(**s) for s in doc["stragglers"]],
+            restarts=[WorkerRestarts(**{**r, "attempts": [AttemptOutcome(**a)
+                                                          for a in r["attempts"]]})
+                      for r in doc["restarts"]],
+            first_step=[WorkerFirstStep(**w) for w in ttfs["workers"]],
+            first_step_first=Stats(**ttfs["first_attempt"]) if ttfs["first_attempt"] else None,
+            first_step_last=Stats(**ttfs["last_attempt"]) if ttfs["last_attempt"] else None,
+            last_attempt=[WorkerPhases(**w) for w in doc["last_attempt"]],
+        )
+
+
+# -- statistics --------------------------------------------------------------------------------
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
+    if not values:
+        raise ValueError("percentile of no values")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    return percentile(values, 50)
+
+
+def mad(values: Sequence[float]) -> float:
+    """Median absolute deviation: robust to the outliers it is used to find."""
+    m = median(values)
+    return median([abs(v - m) for v in values])
+
+
+def straggler_threshold(values: Sequence[float]) -> tuple[float, float, float]:
+    """(median, MAD, threshold): threshold = median + 3 * max(MAD, 1% of median, 10 ms)."""
+    m = median(values)
+    d = mad(values)
+    return m, d, m + MAD_K * max(d, MAD_FLOOR_FRACTION * abs(m), MAD_FLOOR_S)
+
+
+def stats(values: Sequence[float]) -> Stats | None:
+    if not values:
+        return None
+    return Stats(count=len(values), p50=percentile(values, 50), p90=percentile(values, 90),
+                 max=max(values), mean=sum(values) / len(values))
+
+
+# -- grouping ----------------------------------------------------------------------------------
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(text: str) -> tuple:
+    """node-2 before node-10."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in _DIGITS.split(text) if p)
+
+
+def worker_key(node: str, rank: Any) -> tuple:
+    return (natural_key(node), rank is not None, natural_key(str(rank)) if rank is not None else ())
+
+
+def phase_key(phase: str) -> tuple:
+    return (PHASE_ORDER.index(phase), "") if phase in PHASE_ORDER else (len(PHASE_ORDER), phase)
+
+
+def worker_label(node: str, rank: int | None) -> str:
+    return node if rank is None else f"{node}/r{rank}"
+
+
+def _clean(spans: Iterable[Span], warnings: list[str]) -> list[Span]:
+    """Drops spans whose times cannot be used (NaN, infinite, ending before they start)."""
+    kept = []
+    for s in spans:
+        if not (math.isfinite(s.start) and math.isfinite(s.end)) or s.end < s.start:
+            warnings.append(f"span {s.phase} of {worker_label(s.node, s.rank)} attempt "
+                            f"{s.attempt} skipped (start {s.start}, end {s.end})")
+            continue
+        kept.append(s)
+    return kept
+
+
+def _phase_stats(spans: list[Span]) -> list[PhaseStats]:
+    by_phase: dict[str, list[Span]] = defaultdict(list)
+    for s in spans:
+        by_phase[s.phase].append(s)
+    out = []
+    for phase in sorted(by_phase, key=phase_key):
+        group = by_phase[phase]
+        ok = [s for s in group if s.outcome == "ok"]
+        st = stats([s.seconds for s in ok])
+        outcomes: dict[str, int] = defaultdict(int)
+        for s in group:
+            outcomes[s.outcome] += 1
+        out.append(PhaseStats(phase=phase, count=len(ok), p50=st.p50 if st else None,
+                              p90=st.p90 if st else None, max=st.max if st else None,
+                              mean=st.mean if st else None, bytes=sum(s.bytes for s in ok),
+                              outcomes=dict(sorted(outcomes.items()))))
+    return out
+
+
+def find_stragglers(spans: Iterable[Span]) -> list[Straggler]:
+    """Spans longer than their (phase, attempt) group's median + 3 MAD (floored; see the
+    module docstring). Only ``ok`` spans, and never ``restart`` or ``hang``."""
+    groups: dict[tuple[str, int], list[Span]] = defaultdict(list)
+    for s in spans:
+        if s.outcome == "ok" and s.phase not in NOT_STRAGGLER_PHASES:
+            groups[(s.phase, s.attempt)].append(s)
+    found = []
+    for (phase, attempt), group in groups.items():
+        if len(group) < 3:  # no majority to compare with
+            continue
+        m, d, threshold = straggler_threshold([s.seconds for s in group])
+        for s in group:
+            if s.seconds > threshold:
+                found.append(Straggler(phase=phase, node=s.node, rank=s.rank, attempt=attempt,
+                                       seconds=s.seconds, median=m, mad=d, threshold=threshold))
+    found.sort(key=lambda x: (phase_key(x.phase), x.attempt, -x.seconds,
+                              worker_key(x.node, x.rank)))
+    return found
+
+
+def _reason(span: Span | None) -> str | None:
+    if span is None:
+        return None
+    parts = [f"{k}={span.detail[k]}" for k in _REASON_KEYS if span.detail.get(k) is not None]
+    return ", ".join(parts) or None
+
+
+def _attempt_outcome(spans: list[Span], has_later: bool) -> str:
+    if any(s.phase == "hang" for s in spans):
+        return "hang"
+    first_step = [s for s in spans if s.phase == "first_step"]
+    if any(s.outcome == "ok" for s in first_step):
+        return "crash" if has_later else "ready"
+    if any(s.outcome != "ok" for s in first_step):
+        return "crash"  # the command ended before bootseer.ready()
+    for bad in ("failed", "killed"):
+        phases = sorted({s.phase for s in spans if s.outcome == bad and s.phase != "restart"},
+                        key=phase_key)
+        if phases:
+            return f"{bad}:{phases[0]}"
+    return "crash" if has_later else "incomplete"
+
+
+def _latest(spans: Iterable[Span], phase: str, ok_only: bool = True) -> Span | None:
+    """The last-ending span of this phase (a trace dir reused by two runs holds both)."""
+    found = [s for s in spans if s.phase == phase and (s.outcome == "ok" or not ok_only)]
+    return max(found, key=lambda s: s.end) if found else None
+
+
+def build_report(spans: Sequence[Span], warnings: Sequence[str] = (),
+                 sources: Sequence[str] = ()) -> Report:
+    """The whole analysis; ``warnings`` (from :func:`read_traces`) are carried into it."""
+    warns = list(warnings)
+    spans = _clean(spans, warns)
+    by_worker: dict[tuple[str, Any], list[Span]] = defaultdict(list)
+    for s in spans:
+        by_worker[(s.node, s.rank)].append(s)
+    workers = sorted(by_worker, key=lambda k: worker_key(*k))
+
+    restarts: list[WorkerRestarts] = []
+    first_step: list[WorkerFirstStep] = []
+    for node, rank in workers:
+        attempts: dict[int, list[Span]] = defaultdict(list)
+        for s in by_worker[(node, rank)]:
+            attempts[s.attempt].append(s)
+        numbers = sorted(attempts)
+        outcomes = []
+        for i, a in enumerate(numbers):
+            later = i + 1 < len(numbers)
+            nxt = _latest(attempts[numbers[i + 1]], "restart", ok_only=False) if later else None
+            outcomes.append(AttemptOutcome(a, _attempt_outcome(attempts[a], later), _reason(nxt)))
+        restarts.append(WorkerRestarts(node, rank, max(numbers), outcomes))
+        with_step = [a for a in numbers if any(s.phase == "first_step" for s in attempts[a])]
+        if with_step:
+            lo, hi = with_step[0], with_step[-1]
+            first, last = _latest(attempts[lo], "first_step"), _latest(attempts[hi], "first_step")
+            first_step.append(WorkerFirstStep(node, rank, lo, first.seconds if first else None,
+                                              hi, last.seconds if last else None))
+
+    return Report(
+        sources=[str(p) for p in sources], warnings=warns, spans=len(spans),
+        nodes=len({n for n, _ in workers}), workers=len(workers),
+        phases=_phase_stats(spans), stragglers=find_stragglers(spans),
+        restarts=restarts, first_step=first_step,
+        first_step_first=stats([w.first_attempt_s for w in first_step
+                                if w.first_attempt_s is not None]),
+        first_step_last=stats([w.last_attempt_s for w in first_step
+                               if w.last_attempt_s is not None]),
+        last_attempt=_last_attempts(by_worker, workers),
+    )
+
+
+def _last_attempts(by_worker: dict[tuple[str, Any], list[Span]],
+                   workers: list[tuple[str, Any]]) -> list[WorkerPhases]:
+    """A row per rank (its node's rank-less spans of the same attempt folded in), or per node
+    when the node wrote no per-rank spans."""
+    ranked_nodes = {n for n, r in workers if r is not None}
+    out = []
+    for node, rank in workers:
+        if rank is None and node in ranked_nodes:
+            continue
+        own = by_worker[(node, rank)]
+        attempt = max(s.attempt for s in own)
+        spans = [s for s in own if s.attempt == attempt]
+        if rank is not None:
+            spans += [s for s in by_worker.get((node, None), []) if s.attempt == attempt]
+        phases: dict[str, float] = defaultdict(float)
+        for s in spans:
+            phases[s.phase] += s.seconds
+        step = _latest(spans, "first_step")
+        out.append(WorkerPhases(node, rank, attempt,
+                                dict(sorted(phases.items(), key=lambda kv: phase_key(kv[0]))),
+                                step.seconds if step else None, wall_segments(spans)))
+    return out
+
+
+def wall_segments(spans: Iterable[Span]) -> dict[str, float]:
+    """The wall time from the first start to the last end, split between phases: each stretch
+    goes to the phase that ends it (the one the start was waiting for), stretches where no
+    phase ran to ``untraced``. Unlike summed durations, concurrent phases (environment and
+    checkpoint prefetch) are not counted twice, so the parts add up to the elapsed time; with
+    ``first_step`` (attempt start to ready) it is the time to first step, backoff included."""
+    ordered = sorted(spans, key=lambda s: (s.end, s.start))
+    if not ordered:
+        return {}
+    covered = min(s.start for s in ordered)
+    seg: dict[str, float] = defaultdict(float)
+    for s in ordered:
+        if s.end <= covered:
+            continue
+        if s.start > covered:
+            seg["untraced"] += s.start - covered
+            covered = s.start
+        seg[s.phase] += s.end - covered
+        covered = s.end
+    return dict(sorted(seg.items(), key=lambda kv: phase_key(kv[0])))
+
+
+def load_report(paths: Sequence[str | os.PathLike]) -> Report:
+    """Reads the trace files or directories and builds the report.
+
+    Raises FileNotFoundError for a missing path and :class:`ReportError` when no usable span
+    was found (an empty directory, or only unreadable lines); both name the paths."""
+    if not paths:
+        raise ReportError("no trace path given")
+    for p in map(Path, paths):
+        if not p.exists():
+            raise FileNotFoundError(f"trace path {p} does not exist")
+    spans, warnings = read_traces(paths)
+    names = ", ".join(str(p) for p in paths)
+    if not spans:
+        files = [f for p in map(Path, paths)
+                 for f in (sorted(p.rglob("*.jsonl")) if p.is_dir() else [p])]
+        if not files:
+            raise ReportError(f"no trace files (*.jsonl) under {names}")
+        why = f" ({len(warnings)} unreadable lines, first: {warnings[0]})" if warnings else ""
+        raise ReportError(f"no trace spans in {names}{why}")
+    report = build_report(spans, warnings, [str(p) for p in paths])
+    if not report.spans:
+        raise ReportError(f"no usable trace spans in {names} (first problem: "
+                          f"{report.warnings[0] if report.warnings else 'none'})")
+    return report
+
+
+# -- plain text --------------------------------------------------------------------------------
+
+def fmt_s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def table_rows(report: Report) -> dict[str, tuple[list[str], list[list[str]]]]:
+    """The tables (title -> header, rows) that the CLI prints, as strings; shared by the rich
+    and the plain rendering so that both say the same."""
+    from .progress import human_bytes
+
+    tables: dict[str, tuple[list[str], list[list[str]]]] = {}
+    tables["phases (seconds, ok spans over all nodes, ranks and attempts)"] = (
+        ["phase", "n", "p50", "p90", "max", "bytes", "not ok"],
+        [[p.phase, str(p.count), fmt_s(p.p50), fmt_s(p.p90), fmt_s(p.max),
+          human_bytes(p.bytes) if p.bytes else "-",
+          ", ".join(f"{k} {v}" for k, v in p.outcomes.items() if k != "ok") or "-"]
+         for p in report.phases])
+    tables["time to first step (seconds, per node/rank)"] = (
+        ["attempt", "n", "p50", "p90", "max"],
+        [[name, *([str(st.count), fmt_s(st.p50), fmt_s(st.p90), fmt_s(st.max)] if st
+                  else ["0", "-", "-", "-"])]
+         for name, st in (("first", report.first_step_first), ("last", report.first_step_last))])
+    if report.stragglers:
+        tables[f"stragglers (> median + {MAD_K:g} MAD)"] = (
+            ["phase", "node", "rank", "attempt", "seconds", "median", "threshold"],
+            [[s.phase, s.node, "-" if s.rank is None else str(s.rank), str(s.attempt),
+              fmt_s(s.seconds), fmt_s(s.median), fmt_s(s.threshold)]
+             for s in report.stragglers])
+    restarted = [r for r in report.restarts if r.restarts]
+    if restarted:
+        tables[f"restarts ({report.total_restarts} in all)"] = (
+            ["node", "rank", "restarts", "attempts"],
+            [[r.node, "-" if r.rank is None else str(r.rank), str(r.restarts),
+              ", ".join(f"{a.attempt}: {a.outcome}" + (f" ({a.reason})" if a.reason else "")
+                        for a in r.attempts)]
+             for r in restarted])
+    return tables
+
+
+def summary_line(report: Report) -> str:
+    return (f"{report.spans} spans from {report.nodes} nodes ({report.workers} node/rank "
+            f"traces); {len(report.stragglers)} stragglers; {report.total_restarts} restarts")
+
+
+def format_text(report: Report) -> str:
+    """The report as aligned plain text (for logs and pipes)."""
+    lines = [summary_line(report)]
+    for title, (header, rows) in table_rows(report).items():
+        widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=False)]
+        lines += ["", title]
+        for row in (header, *rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
+                         .rstrip())
+    if not report.stragglers:
+        lines += ["", "no stragglers"]
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""The PNG of ``bootseer report``: a stacked bar per node/rank of its last attempt's phases.
+
+matplotlib is imported here, lazily and with the Agg backend, so that the CLI's other commands
+(and a headless node) never pay for it or need a display.
+
+Each bar is the last attempt's wall time, backoff included, split between its phases: a stretch
+goes to the phase that ended it (:func:`bootseer.report.wall_segments`). The startup phases
+overlap (environment and checkpoint prefetch run concurrently), so stacking their durations
+would count time twice and make the bar longer than the start-up; this way a bar that reaches
+the first step is exactly the time to first step, and the slowest phase on the way owns most of
+it. The full durations of each phase are in the table and the JSON.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .report import PHASE_ORDER, Report, WorkerPhases, phase_key, worker_label
+
+MAX_BARS = 60
+WIDTH_IN = 10.0
+DPI = 100
+
+
+def chart_size(bars: int) -> tuple[int, int]:
+    """(width, height) in pixels of a chart of this many bars."""
+    return int(WIDTH_IN * DPI), int(_height_in(bars) * DPI)
+
+
+def _height_in(bars: int) -> float:
+    return max(3.0, 1.6 + 0.28 * bars)
+
+
+def chart_rows(report: Report, max_bars: int = MAX_BARS) -> tuple[list[WorkerPhases], int]:
+    """The rows drawn (all of them in node order, or the slowest ``max_bars``), and how many
+    there were."""
+    rows = list(report.last_attempt)
+    if len(rows) <= max_bars:
+        return rows, len(rows)
+    return sorted(rows, key=lambda r: sum(r.wall.values()), reverse=True)[:max_bars], len(rows)
+
+
+def render_chart(report: Report, path: str | os.PathLike, *,
+                 max_bars: int = MAX_BARS) -> Path:
+    """Writes the PNG and returns its path."""
+    import logging
+
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # no font-cache chatter
+    import matplotlib.pyplot as plt
+
+    rows, total = chart_rows(report, max_bars)
+    phases = sorted({p for r in rows for p in r.wall}, key=phase_key)
+    cmap = plt.get_cmap("tab10")
+    extra = [p for p in phases if p not in PHASE_ORDER and p != "untraced"]
+    colors = {p: cmap(PHASE_ORDER.index(p) if p in PHASE_ORDER else
+                      (len(PHASE_ORDER) + extra.index(p)) % 10) for p in phases
+              if p != "untraced"}
+    colors["untraced"] = "lightgrey"
+    fig, ax = plt.subplots(figsize=(WIDTH_IN, _height_in(len(rows))), dpi=DPI)
+    try:
+        labels = [worker_label(r.node, r.rank) + (f" (attempt {r.attempt})" if r.attempt else "")
+                  for r in rows]
+        ys = list(range(len(rows)))
+        left = [0.0] * len(rows)
+        for phase in phases:
+            widths = [r.wall.get(phase, 0.0) for r in rows]
+            label = "first_step (command\nuntil ready)" if phase == "first_step" else phase
+            ax.barh(ys, widths, left=left, color=colors[phase], label=label, height=0.7)
+            left = [a + b for a, b in zip(left, widths, strict=True)]
+        ax.set_yticks(ys, labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds of wall time, each stretch given to the phase that ended it")
+        ax.set_ylabel("node/rank")
+        shown = f"slowest {len(rows)} of {total}" if len(rows) < total else f"{total}"
+        ax.set_title(f"Startup phases of the last attempt, per node/rank ({shown})")
+        if rows:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+        fig.subplots_adjust(left=0.17, right=0.75, top=1 - 0.5 / _height_in(len(rows)),
+                            bottom=0.6 / _height_in(len(rows)))
+        out = Path(path)
+        fig.savefig(out, format="png")
+    finally:
+        plt.close(fig)
+    return out
