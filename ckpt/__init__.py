@@ -3,11 +3,13 @@
 See docs/ckpt.md. The entry point is :class:`CheckpointManager`.
 """
 
+from .cache import PrefetchResult, cache_dir_from_env, prefetch_latest
 from .errors import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointNotFound,
     CheckpointSaveError,
+    CheckpointStoreUnavailable,
     StateMismatchError,
 )
 from .loader import LoadReport
@@ -23,12 +25,16 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFound",
     "CheckpointSaveError",
+    "CheckpointStoreUnavailable",
     "FlatShard",
     "LoadReport",
     "PerRank",
+    "PrefetchResult",
     "SaveHandle",
     "SaveResult",
     "StateMismatchError",
     "VerifyReport",
+    "cache_dir_from_env",
     "init_optimizer_state",
+    "prefetch_latest",
 ]

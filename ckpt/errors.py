@@ -20,6 +20,15 @@ class CheckpointCorrupt(CheckpointError):
         self.path = path
 
 
+class CheckpointStoreUnavailable(CheckpointError):
+    """The checkpoint store could not be listed or read (connection refused, timeouts,
+    credentials): not the same as an empty store, which holds no checkpoint yet."""
+
+    def __init__(self, message: str, *, url: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
 class CheckpointSaveError(CheckpointError):
     """A background save failed; raised in the caller at the next save/wait/close."""
 

@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,9 @@ from .layout import (
 from .overlap import ChunkIndex, StoredChunk
 from .tensors import Box, PerRank, TensorLeaf, describe, is_tensor_leaf
 
+if TYPE_CHECKING:
+    from .cache import StepCache
+
 log = logging.getLogger("ckpt")
 
 
@@ -52,6 +55,8 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)  # in the state, not in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the state
     mismatched: list[str] = field(default_factory=list)
+    cached_files: int = 0  # files read from the node-local cache (ckpt.cache), not the store
+    cached_bytes: int = 0
 
 
 @dataclass
@@ -65,7 +70,8 @@ class KeyInfo:
 class CheckpointView:
     """A committed checkpoint's manifest and indexes, read and cross-checked."""
 
-    def __init__(self, fs: StripedFileSystem, root: str, step: int) -> None:
+    def __init__(self, fs: StripedFileSystem, root: str, step: int,
+                 cache: StepCache | None = None) -> None:
         self.fs, self.root, self.step = fs, root, step
         self.dir = step_dir(root, step)
         try:
@@ -74,6 +80,8 @@ class CheckpointView:
             raise CheckpointCorrupt(f"step {step} is not committed (no {MANIFEST})",
                                     step=step, path=f"{self.dir}/{MANIFEST}") from None
         self.manifest = _parse(Manifest.from_json, raw, step, f"{self.dir}/{MANIFEST}")
+        # The manifest always comes from the store; the cache serves only while it matches.
+        self.cache = cache if cache is not None and cache.matches(raw) else None
         with ThreadPoolExecutor(8) as pool:
             blobs = list(pool.map(self._read_index, range(self.manifest.world_size)))
         self.indexes: list[RankIndex] = []
@@ -96,6 +104,10 @@ class CheckpointView:
 
     def _read_index(self, rank: int) -> bytes:
         path = f"{self.dir}/{index_name(rank)}"
+        if self.cache is not None:
+            cached = self.cache.index(rank, self.manifest.ranks[rank]["index_crc32"])
+            if cached is not None:
+                return cached
         try:
             return self.fs.cat_file(path)
         except FileNotFoundError:
@@ -107,7 +119,9 @@ class CheckpointView:
         if not idx.objects_size:
             return {}
         path = f"{self.dir}/{objects_name(rank)}"
-        blob = self.fs.cat_file(path)
+        blob = self.cache.objects(rank, idx) if self.cache is not None else None
+        if blob is None:
+            blob = self.fs.cat_file(path)
         if len(blob) != idx.objects_size or zlib.crc32(blob) != idx.objects_crc32:
             raise CheckpointCorrupt(f"step {self.step}: {path} does not match its index",
                                     step=self.step, path=path)
@@ -258,6 +272,10 @@ def execute(view: CheckpointView, jobs: list[Job], concurrency: int) -> int:
         by_rank[job.rank].append(job)
 
     def one_file(rank: int) -> int:
+        if view.cache is not None:
+            copied = view.cache.read_data(view.indexes[rank], by_rank[rank])
+            if copied is not None:
+                return copied
         path = f"{view.dir}/{data_name(rank)}"
         source = view.fs._resolve(view.fs._norm(path), view.fs.options)
         if source.size != view.indexes[rank].data_size:
@@ -366,6 +384,8 @@ def load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
             else:
                 container[slot] = values[key]
             report.loaded.append(key)
+    if view.cache is not None:
+        report.cached_files, report.cached_bytes = view.cache.files, view.cache.bytes
     report.seconds = time.perf_counter() - started
     return report
 

@@ -23,6 +23,7 @@ from typing import Any
 from striped_fs import StripedFileSystem, StripedIOError
 from striped_fs.urls import url_to_fs
 
+from .cache import StepCache, open_cache
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointSaveError
 from .layout import MANIFEST, data_name, step_dir
 from .loader import CheckpointView, LoadReport, full_state, load_into
@@ -98,7 +99,8 @@ class CheckpointManager:
                  storage_options: dict[str, Any] | None = None,
                  stripe_size: int | str | None = None, concurrency: int | None = None,
                  commit_timeout_s: float = 1800.0, trust_objects: bool = False,
-                 attempt: str | None = None) -> None:
+                 attempt: str | None = None,
+                 cache_dir: str | os.PathLike | bool | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if keep is not None and keep < 1:
@@ -111,6 +113,8 @@ class CheckpointManager:
         self.commit_timeout_s = commit_timeout_s
         self.attempt = default_attempt() if attempt is None else attempt
         self.trust_objects = trust_objects
+        # Node-local cache filled by prefetch_latest (docs/ckpt.md); None: $BOOTSEER_CKPT_CACHE.
+        self.cache = open_cache(cache_dir, url)
         self._pool = StagingPool()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-persist-r{rank}")
         self._pending: SaveHandle | None = None
@@ -225,7 +229,7 @@ class CheckpointManager:
         with self._lock:
             self._loading.add(step)
         try:
-            view = CheckpointView(self.fs, self.root, step)
+            view = CheckpointView(self.fs, self.root, step, self._cached(step))
             return load_into(view, state, rank=self.rank, strict=strict,
                              concurrency=self.fs.options.concurrency,
                              trust_objects=self.trust_objects)
@@ -236,8 +240,11 @@ class CheckpointManager:
     def load_full(self, step: int | None = None) -> dict[str, Any]:
         """The whole checkpoint as plain full tensors and objects (like ``torch.load``)."""
         step = self._resolve_step(step)
-        return full_state(CheckpointView(self.fs, self.root, step), rank=self.rank,
-                          trust_objects=self.trust_objects)
+        return full_state(CheckpointView(self.fs, self.root, step, self._cached(step)),
+                          rank=self.rank, trust_objects=self.trust_objects)
+
+    def _cached(self, step: int) -> StepCache | None:
+        return self.cache.step(step) if self.cache is not None else None
 
     def _resolve_step(self, step: int | None) -> int:
         if step is None:

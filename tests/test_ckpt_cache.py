@@ -1,0 +1,317 @@
+"""The node-local checkpoint cache: prefetch of the latest committed step for some ranks, and
+``load`` reading it transparently (verified), on the local filesystem and on moto S3.
+
+Two ranks are two managers in this process (ckpt uses no collectives: rank 1 saves first,
+rank 0 then commits), as in test_ckpt_basic's retention test.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bootseer.testing.servers import free_port
+from ckpt import (
+    CheckpointCorrupt,
+    CheckpointManager,
+    CheckpointNotFound,
+    CheckpointStoreUnavailable,
+    FlatShard,
+    PerRank,
+    prefetch_latest,
+)
+from ckpt.cache import CACHE_ENV, NodeCache, store_key
+from ckpt.layout import MANIFEST, data_name, index_name, objects_name, step_dir
+from striped_fs.layout import Manifest as StripeManifest
+from striped_fs.layout import stripe_path
+
+SMALL = {"striped": {"stripe_size": "64KiB"}}
+N = 50_000  # elements of the flat parameter: two shards of 100 KB, two stripes each
+
+
+@pytest.fixture(autouse=True)
+def no_cache_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+
+
+def rank_state(seed: int, rank: int, *, replicated: bool = False) -> dict[str, Any]:
+    """Rank ``rank``'s half of a sharded state (plus, optionally, a replicated tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randn(N, generator=g)
+    bias = torch.randn(17, generator=g)
+    half = N // 2
+    state: dict[str, Any] = {
+        "w": FlatShard(flat[rank * half:(rank + 1) * half].clone(), rank * half, N),
+        "m": FlatShard((flat * 2)[rank * half:(rank + 1) * half].clone(), rank * half, N),
+        "rng": PerRank(torch.full((3,), seed * 10 + rank)),
+        "step": seed,
+    }
+    if replicated:
+        state["bias"] = bias
+    return state
+
+
+def blank(rank: int, *, replicated: bool = False) -> dict[str, Any]:
+    half = N // 2
+    state: dict[str, Any] = {"w": FlatShard(torch.zeros(half), rank * half, N),
+                             "m": FlatShard(torch.zeros(half), rank * half, N),
+                             "rng": PerRank(None), "step": None}
+    if replicated:
+        state["bias"] = torch.zeros(17)
+    return state
+
+
+def assert_loaded(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert torch.equal(got["w"].local, want["w"].local)
+    assert torch.equal(got["m"].local, want["m"].local)
+    assert torch.equal(got["rng"].value, want["rng"].value)
+    assert got["step"] == want["step"]
+    if "bias" in want:
+        assert torch.equal(got["bias"], want["bias"])
+
+
+def save_both(url: str, step: int, seed: int, options: dict | None = None, *,
+              replicated: bool = False, commit: bool = True) -> None:
+    """Ranks 1 then 0 save ``step``; without ``commit`` only rank 1 does (a torn step)."""
+    order = (1, 0) if commit else (1,)
+    for rank in order:
+        with CheckpointManager(url, rank=rank, world_size=2, storage_options=options,
+                               cache_dir=False) as mgr:
+            mgr.save(step, rank_state(seed, rank, replicated=replicated), block=True)
+
+
+def cached_files(cache: Path) -> set[str]:
+    """Every visible file under the cache, relative (``<key>/step-N/name``)."""
+    return {str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file()}
+
+
+def step_files(url: str, step: int, names: list[str]) -> set[str]:
+    key = store_key(url)
+    return {f"{key}/SOURCE"} | {f"{key}/step-{step}/{n}" for n in names}
+
+
+def metadata() -> list[str]:
+    return [MANIFEST, index_name(0), index_name(1)]
+
+
+# -- local filesystem -------------------------------------------------------------------------
+
+
+def test_prefetch_copies_exactly_the_files_of_the_requested_ranks(tmp_path: Path) -> None:
+    store, cache = str(tmp_path / "store"), tmp_path / "cache"
+    save_both(store, 5, seed=5, options=SMALL)
+    result = prefetch_latest(store, cache, [1])
+    want = metadata() + [data_name(1), objects_name(1)]
+    assert cached_files(cache) == step_files(store, 5, want)
+    sizes = sum((cache / store_key(store) / "step-5" / n).stat().st_size for n in want)
+    assert (result.step, result.files, result.bytes, result.cached_already) == (5, 5, sizes, 0)
+    assert result.path == str(cache / store_key(store) / "step-5")
+
+    again = prefetch_latest(store, cache, [1])  # idempotent: verified, nothing copied
+    assert (again.step, again.files, again.bytes, again.cached_already) == (5, 0, 0, 5)
+    both = prefetch_latest(store, cache, [0, 1])  # the other rank's shards are added
+    assert (both.files, both.cached_already) == (2, 5)
+    assert cached_files(cache) == step_files(store, 5, want + [data_name(0), objects_name(0)])
+    assert not [p for p in cache.rglob(".*")]  # no temporary left behind
+
+
+def test_a_replicated_tensor_brings_the_file_of_the_rank_that_wrote_it(tmp_path: Path) -> None:
+    store, cache = str(tmp_path / "store"), tmp_path / "cache"
+    save_both(store, 1, seed=1, replicated=True)  # "bias" is written once, by rank 0
+    prefetch_latest(store, cache, [1])
+    assert cached_files(cache) == step_files(
+        store, 1, metadata() + [data_name(0), data_name(1), objects_name(1)])
+
+
+def test_load_reads_the_cache_and_nothing_of_the_store_for_cached_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store, cache = str(tmp_path / "store"), tmp_path / "cache"
+    save_both(store, 5, seed=5, options=SMALL)
+    prefetch_latest(store, cache, [1])
+    with CheckpointManager(store, rank=1, world_size=2, cache_dir=False) as plain:
+        for name in (data_name(1), objects_name(1), index_name(0), index_name(1)):
+            plain.fs.rm_file(f"{step_dir(plain.root, 5)}/{name}")  # only the manifest is left
+        with pytest.raises(CheckpointCorrupt):
+            plain.load(blank(1))  # without the cache, the step cannot be loaded any more
+    monkeypatch.setenv(CACHE_ENV, str(cache))  # cache_dir=None: $BOOTSEER_CKPT_CACHE
+    with CheckpointManager(store, rank=1, world_size=2) as mgr:
+        target = blank(1)
+        report = mgr.load_with_report(target)
+    assert report.step == 5
+    assert_loaded(target, rank_state(5, 1))
+    assert report.cached_files == 4  # both indexes, rank 1's data and objects
+    assert report.cached_bytes >= N // 2 * 4 * 2
+
+
+def test_a_damaged_cached_file_is_removed_and_the_store_used(tmp_path: Path, caplog) -> None:
+    store, cache = str(tmp_path / "store"), tmp_path / "cache"
+    save_both(store, 5, seed=5, options=SMALL)
+    prefetch_latest(store, cache, [0, 1])
+    step = cache / store_key(store) / "step-5"
+    for name in (data_name(1), index_name(0)):
+        raw = bytearray((step / name).read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        (step / name).write_bytes(bytes(raw))
+    with CheckpointManager(store, rank=1, world_size=2, cache_dir=cache) as mgr:
+        target = blank(1)
+        with caplog.at_level(logging.WARNING, logger="ckpt"):
+            report = mgr.load_with_report(target)
+    assert report.step == 5  # the same step, not a fallback: the store's copy is intact
+    assert_loaded(target, rank_state(5, 1))
+    assert report.cached_files == 2  # index 1 and objects 1; the damaged two came from the store
+    assert re.search(rf"{re.escape(str(step / data_name(1)))} tensor [wm] fails its checksum; "
+                     "removed", caplog.text)
+    assert f"{step / index_name(0)} does not match the manifest's checksum; removed" in caplog.text
+    assert not (step / data_name(1)).exists() and not (step / index_name(0)).exists()
+
+    again = prefetch_latest(store, cache, [0, 1])  # the next prefetch puts them back
+    assert (again.files, again.cached_already) == (2, 5)
+
+
+def test_a_truncated_cached_file_is_never_loaded(tmp_path: Path) -> None:
+    store, cache = str(tmp_path / "store"), tmp_path / "cache"
+    save_both(store, 5, seed=5)
+    prefetch_latest(store, cache, [0])
+    data = cache / store_key(store) / "step-5" / data_name(0)
+    data.write_bytes(data.read_bytes()[:-1])
+    with CheckpointManager(store, rank=0, world_size=2, cache_dir=cache) as mgr:
+        target = blank(0)
+        report = mgr.load_with_report(target)
+    assert_loaded(target, rank_state(5, 0))
+    assert report.cached_files == 3 and not data.exists()
+
+
+def test_a_torn_newer_step_is_never_prefetched(tmp_path: Path) -> None:
+    store, cache = str(tmp_path / "store"), tmp_path / "cache"
+    save_both(store, 1, seed=1)
+    save_both(store, 2, seed=2, commit=False)  # rank 1's shard only: no manifest
+    assert (tmp_path / "store" / "step-2" / index_name(1)).exists()
+    result = prefetch_latest(store, cache, [0, 1])
+    assert result.step == 1
+    assert {p.name for p in (cache / store_key(store)).iterdir()} == {"SOURCE", "step-1"}
+
+
+def test_a_damaged_latest_step_falls_back_like_load(tmp_path: Path, caplog) -> None:
+    store, cache = str(tmp_path / "store"), tmp_path / "cache"
+    save_both(store, 1, seed=1, options=SMALL)
+    save_both(store, 2, seed=2, options=SMALL)
+    with CheckpointManager(store, cache_dir=False, world_size=2) as mgr:
+        path = f"{step_dir(mgr.root, 2)}/{data_name(0)}"
+        manifest = StripeManifest.from_bytes(mgr.fs.target.cat_file(path), path=path)
+        victim = stripe_path(path, manifest.version, 0)
+        raw = bytearray(mgr.fs.target.cat_file(victim))
+        raw[10] ^= 0x01
+        mgr.fs.target.pipe_file(victim, bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        result = prefetch_latest(store, cache, [0])
+    assert result.step == 1 and "step 2" in caplog.text
+    assert not list((cache / store_key(store)).glob("step-2"))
+
+
+def test_a_rewritten_store_never_serves_the_old_cache(tmp_path: Path, caplog) -> None:
+    """Same URL, same step number, another checkpoint: the cached copy's manifest differs."""
+    store, cache = str(tmp_path / "store"), tmp_path / "cache"
+    save_both(store, 3, seed=1)
+    prefetch_latest(store, cache, [0])
+    for p in sorted((tmp_path / "store").rglob("*"), reverse=True):
+        p.unlink() if p.is_file() else p.rmdir()
+    time.sleep(0.01)  # the manifest records its creation time
+    save_both(store, 3, seed=2)
+    with CheckpointManager(store, rank=0, world_size=2, cache_dir=cache) as mgr:
+        target = blank(0)
+        with caplog.at_level(logging.WARNING, logger="ckpt"):
+            report = mgr.load_with_report(target)
+    assert_loaded(target, rank_state(2, 0))
+    assert report.cached_files == 0 and "the store was rewritten" in caplog.text
+
+
+def test_an_empty_or_absent_store_has_no_step(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    for store in (tmp_path / "empty", tmp_path / "absent"):
+        result = prefetch_latest(str(store), tmp_path / "cache", [0])
+        assert (result.step, result.files, result.cached_already) == (None, 0, 0)
+    with CheckpointManager(str(tmp_path / "empty"), cache_dir=tmp_path / "cache") as mgr, \
+            pytest.raises(CheckpointNotFound):
+        mgr.load({"w": torch.zeros(1)})
+
+
+def test_leftovers_of_a_killed_prefetch_are_cleared(tmp_path: Path) -> None:
+    store, cache = str(tmp_path / "store"), tmp_path / "cache"
+    save_both(store, 4, seed=4)
+    prefetch_latest(store, cache, [0])
+    step = cache / store_key(store) / "step-4"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftover = step / f".{data_name(1)}.tmp-{dead.pid}-{'0' * 32}"
+    leftover.write_bytes(b"half a shard")
+    ours = step / f".{data_name(1)}.tmp-{os.getpid()}-{'1' * 32}"
+    ours.write_bytes(b"a prefetch of this process in flight")
+    with CheckpointManager(store, rank=1, world_size=2, cache_dir=cache) as mgr:
+        target = blank(1)
+        assert mgr.load_with_report(target).cached_files == 2  # indexes only: no rank 1 shard
+    assert_loaded(target, rank_state(4, 1))
+    prefetch_latest(store, cache, [1])
+    assert not leftover.exists() and ours.exists()
+
+
+def test_older_cached_steps_go_when_a_newer_one_is_cached(tmp_path: Path) -> None:
+    store, cache = str(tmp_path / "store"), tmp_path / "cache"
+    save_both(store, 1, seed=1)
+    prefetch_latest(store, cache, [0])
+    save_both(store, 2, seed=2)
+    assert prefetch_latest(store, cache, [0]).step == 2
+    assert NodeCache(cache, store).steps() == [2]
+
+
+def test_store_keys_are_per_url() -> None:
+    assert store_key("s3://b/run") == store_key("striped::s3://b/run/")
+    assert store_key("/data/ckpt") == store_key("file:///data/ckpt")
+    assert store_key("s3://b/run") != store_key("s3://b/run2")
+
+
+# -- S3 (moto) ---------------------------------------------------------------------------------
+
+
+def test_s3_prefetch_then_load_without_the_shards_in_the_store(s3_bucket, tmp_path: Path) -> None:
+    bucket, options = s3_bucket
+    storage = {"s3": options, **SMALL}
+    url, cache = f"s3://{bucket}/run", tmp_path / "cache"
+    save_both(url, 7, seed=7, options=storage)
+    save_both(url, 8, seed=8, options=storage, commit=False)  # torn
+    result = prefetch_latest(url, cache, [0], storage_options=storage, connections=4)
+    assert (result.step, result.files) == (7, 5)
+    assert cached_files(cache) == step_files(url, 7, metadata() + [data_name(0), objects_name(0)])
+    with CheckpointManager(url, rank=0, world_size=2, storage_options=storage,
+                           cache_dir=cache) as mgr:
+        mgr.fs.rm_file(f"{step_dir(mgr.root, 7)}/{data_name(0)}")  # stripes and manifest
+        mgr.fs.rm_file(f"{step_dir(mgr.root, 7)}/{objects_name(0)}")
+        target = blank(0)
+        report = mgr.load_with_report(target)
+    assert report.step == 7 and report.cached_files == 4
+    assert_loaded(target, rank_state(7, 0))
+    again = prefetch_latest(url, cache, [0], storage_options=storage)
+    assert (again.files, again.cached_already) == (0, 5)
+
+
+def test_an_unreachable_store_is_its_own_error_and_quick(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    storage = {"s3": {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing",
+                      "secret": "testing", "client_kwargs": {"region_name": "us-east-1"}},
+               "striped": {"retries": 1, "backoff_s": 0.01}}
+    url = "s3://bucket/run"
+    started = time.monotonic()
+    with pytest.raises(CheckpointStoreUnavailable) as err:
+        prefetch_latest(url, tmp_path / "cache", [0], storage_options=storage)
+    assert time.monotonic() - started < 20
+    assert not isinstance(err.value, CheckpointNotFound)
+    assert err.value.url == url
+    assert url in str(err.value) and "Could not connect" in str(err.value)
+    assert not (tmp_path / "cache").exists()
