@@ -13,6 +13,7 @@ from . import env as env_cmd
 from . import fs as fs_cmd
 from . import image as image_cmd
 from . import report as report_cmd
+from . import run as run_cmd
 from . import snapshotter as snapshotter_cmd
 from . import warmup as warmup_cmd
 from .errors import CliError
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     env_cmd.register(sub)
     image_cmd.register(sub)
     snapshotter_cmd.register(sub)
+    run_cmd.register(sub)
     warmup_cmd.register(sub)
     config_cmd.register(sub)
     report_cmd.register(sub)

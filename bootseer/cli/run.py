@@ -1,0 +1,104 @@
+"""``bootseer run [config flags] -- CMD...``: the container entrypoint wrapper.
+
+The startup phases (environment, checkpoint prefetch) run concurrently, CMD starts when both
+are done and is supervised (signals forwarded, zombies reaped, exit code propagated,
+restarts after a crash or a hang), and every step goes to the startup trace. The parts:
+:mod:`bootseer.startup` (the phases), :mod:`bootseer.supervise` (the process), the client in
+:mod:`bootseer.client`; this module only turns the configuration into them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+
+from .errors import CliError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from ..config import add_config_arguments
+
+    run = sub.add_parser(
+        "run", help="the container entrypoint: startup phases, then CMD, supervised",
+        usage="bootseer run [--config FILE] [configuration flags] -- CMD [ARGS...]",
+        description="Prepare the environment and prefetch the latest checkpoint for this "
+                    "node's ranks (concurrently), then run CMD: signals forwarded, zombies "
+                    "reaped, its exit code returned, restarted after a crash or a hang, and "
+                    "every phase in the startup trace.",
+        epilog="example: bootseer run --config /etc/bootseer.toml -- torchrun "
+               "--nproc-per-node 8 train.py")
+    add_config_arguments(run)
+    run.set_defaults(func=cmd_run, takes_command=True)
+
+
+def _storage_options() -> dict | None:
+    text = os.environ.get("BOOTSEER_STORAGE_OPTIONS")
+    if not text:
+        return None
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"BOOTSEER_STORAGE_OPTIONS is not valid JSON: {exc}") from None
+    if not isinstance(options, dict):
+        raise CliError('BOOTSEER_STORAGE_OPTIONS must be a JSON object keyed by protocol, '
+                       'e.g. {"s3": {...}}')
+    return options
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = args.command if isinstance(args.command, list) else []
+    if not command:
+        raise CliError("nothing to run: bootseer run [options] -- CMD [ARGS...]")
+    from ..config import config_from_args, parse_ranks
+    from ..startup import StartupPlan, run_startup
+    from ..supervise import HangPolicy, RestartPolicy, Supervisor
+    from ..trace import TraceWriter, default_node
+
+    cfg = config_from_args(args)
+    node = cfg.run.node or default_node()
+    ckpt = cfg.ckpt
+    plan = StartupPlan(
+        env_spec=list(cfg.env.spec), env_prefix=cfg.env.prefix, env_store=cfg.env.store,
+        ckpt_url=ckpt.url, ckpt_cache_dir=ckpt.cache_dir,
+        ranks=parse_ranks(ckpt.ranks, os.environ) if ckpt.url else [],
+        allow_fresh_start=cfg.run.allow_fresh_start, storage_options=_storage_options())
+    try:
+        trace = TraceWriter(cfg.run.trace_dir, node)
+    except OSError as exc:
+        raise CliError(f"cannot write the trace to {cfg.run.trace_dir} (run.trace_dir, "
+                       f"--trace-dir): {exc.strerror or exc}") from None
+    base_env = dict(os.environ)
+
+    def before_attempt(attempt: int) -> dict[str, str]:
+        return run_startup(plan, trace=trace, attempt=attempt, base_env=base_env)
+
+    supervisor = Supervisor(
+        command, env=base_env, trace=trace, node=node, dump_dir=trace.dir,
+        ready_file=cfg.run.ready_file or None, before_attempt=before_attempt,
+        restart=RestartPolicy(cfg.restart.max_restarts, cfg.restart.backoff_s,
+                              cfg.restart.backoff_max_s),
+        hang=HangPolicy(cfg.hang.timeout_s, cfg.hang.dump_wait_s))
+    try:
+        code = supervisor.run()
+    except CliError as exc:  # a startup phase failed: the job does not start
+        _exit_if_lingering(f"bootseer: error: {exc}", 2)
+        raise
+    _exit_if_lingering(None, code)
+    return code
+
+
+def _exit_if_lingering(message: str | None, code: int) -> None:
+    """A phase abandoned by a stop or by the other phase's failure may still run in a
+    non-daemon worker thread (the prefetch's pool), which the interpreter would wait for
+    at exit: leave without waiting."""
+    if not any(t.is_alive() and not t.daemon for t in threading.enumerate()
+               if t is not threading.main_thread()):
+        return
+    if message:
+        print(message, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,170 @@
+"""The training side of ``bootseer run``: ``ready()`` and ``heartbeat(step)``.
+
+Training code tells the wrapper that its start is over (the first step) and that it still
+makes progress::
+
+    import bootseer
+
+    for step in range(start, steps):
+        train_step()
+        if step == start:
+            bootseer.ready()          # startup ends here: the trace's first_step span
+        bootseer.heartbeat(step)      # at most one write a second; a silence is a hang
+
+Both write small files (atomic replace, JSON ``{"step", "time", "pid", "rank"}``) into the
+control directory the wrapper gives the child (``BOOTSEER_CONTROL_DIR``): ``ready-<rank>`` and
+``heartbeat-<rank>``, the rank from ``RANK`` (0 without it). Without that variable (not under
+``bootseer run``) both return at once. Neither ever raises into the training loop.
+
+Under the wrapper, importing this module also registers a SIGUSR1 handler (``faulthandler``)
+that writes the Python stack of every thread to
+``$BOOTSEER_TRACE_DIR/stacks-<node>-rank<r>-<pid>.txt``: the wrapper sends SIGUSR1 before it
+kills a hung child, so the hang leaves its stacks behind. A SIGUSR1 handler the program had
+already installed keeps running after the dump (``chain=True``).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from typing import IO, Any
+
+__all__ = ["heartbeat", "install_stack_dump", "ready", "stack_file_name"]
+
+CONTROL_ENV = "BOOTSEER_CONTROL_DIR"
+TRACE_ENV = "BOOTSEER_TRACE_DIR"
+READY_FILE_ENV = "BOOTSEER_READY_FILE"
+IMAGE_READY = "/.bootseer/ready"
+HEARTBEAT_INTERVAL_S = 1.0
+
+_lock = threading.Lock()
+_last_heartbeat = float("-inf")  # monotonic time of the last heartbeat written
+_dump_file: IO[str] | None = None  # kept open: faulthandler writes to its descriptor
+_dump_pid: int | None = None
+_image_told = False
+_clock = time.monotonic
+
+
+def _rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _node() -> str:
+    return os.environ.get("BOOTSEER_NODE") or socket.gethostname()
+
+
+def stack_file_name(node: str, rank: int, pid: int) -> str:
+    """The file a process's stacks go to (the wrapper parses the pid back out of it)."""
+    return f"stacks-{node}-rank{rank}-{pid}.txt"
+
+
+def _write(path: str, doc: dict[str, Any]) -> None:
+    """Atomic replace, so the wrapper never reads half a file."""
+    tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+def _doc(step: Any) -> dict[str, Any]:
+    if step is not None:
+        try:
+            step = int(step)  # a numpy or tensor scalar is welcome too
+        except (TypeError, ValueError):
+            step = None
+    return {"step": step, "time": time.time(), "pid": os.getpid(), "rank": _rank()}
+
+
+def ready() -> None:
+    """The first training step is reached: the end of startup (and a heartbeat).
+
+    Also ends the profile recording of a lazily pulled bootseer image (``/.bootseer/ready``
+    exists in such containers; reading it is the signal), with or without the wrapper."""
+    global _image_told
+    try:
+        if not _image_told:
+            _image_told = True
+            if os.path.exists(IMAGE_READY):
+                with open(IMAGE_READY, "rb") as f:
+                    f.read()
+        control = os.environ.get(CONTROL_ENV)
+        if not control:
+            return
+        install_stack_dump()
+        doc = _doc(None)
+        _write(os.path.join(control, f"ready-{_rank()}"), doc)
+        extra = os.environ.get(READY_FILE_ENV)  # a configured file (a readiness probe's)
+        if extra and os.path.dirname(os.path.abspath(extra)) != os.path.abspath(control):
+            _write(extra, doc)
+    except Exception:  # noqa: BLE001 - a signal to the wrapper must never break training
+        pass
+
+
+def heartbeat(step: int | None = None) -> None:
+    """Progress: written at most once a second (cheap to call every step)."""
+    global _last_heartbeat
+    control = os.environ.get(CONTROL_ENV)
+    if not control:
+        return
+    now = _clock()
+    if now - _last_heartbeat < HEARTBEAT_INTERVAL_S:
+        return
+    try:
+        with _lock:
+            if now - _last_heartbeat < HEARTBEAT_INTERVAL_S:
+                return
+            _last_heartbeat = now
+        install_stack_dump()
+        _write(os.path.join(control, f"heartbeat-{_rank()}"), _doc(step))
+    except Exception:  # noqa: BLE001 - see ready()
+        pass
+
+
+def install_stack_dump() -> str | None:
+    """Register the SIGUSR1 stack dump of this process (once per process; a forked child
+    registers its own file). Returns the file, or None when not under the wrapper."""
+    global _dump_file, _dump_pid
+    if _dump_pid == os.getpid():
+        return _dump_file.name if _dump_file is not None else None
+    trace_dir = os.environ.get(TRACE_ENV)
+    if not trace_dir or not os.environ.get(CONTROL_ENV):
+        return None
+    with _lock:
+        if _dump_pid == os.getpid():
+            return _dump_file.name if _dump_file is not None else None
+        _dump_pid = os.getpid()
+        try:
+            previous = signal.getsignal(signal.SIGUSR1)
+            os.makedirs(trace_dir, exist_ok=True)
+            path = os.path.join(trace_dir, stack_file_name(_node(), _rank(), os.getpid()))
+            f = open(path, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the process
+            # chain only to a handler the program installed: chaining to SIG_DFL would kill it
+            chain = callable(previous)
+            faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=chain)
+            old, _dump_file = _dump_file, f
+            if old is not None:
+                old.close()  # the parent's file, inherited by a fork
+            return path
+        except Exception:  # noqa: BLE001 - no dump is better than a broken start
+            return None
+
+
+def _after_fork() -> None:
+    """A forked child (a DataLoader worker) dumps into its own file, not its parent's."""
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    if _dump_pid is not None and _dump_pid != os.getpid():
+        install_stack_dump()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+if os.environ.get(CONTROL_ENV):
+    install_stack_dump()

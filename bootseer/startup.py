@@ -1,0 +1,214 @@
+"""The startup phases of ``bootseer run``: the environment and the checkpoint prefetch.
+
+They are independent, so they run at the same time (two threads); the command starts when
+both are done, since it needs both: the environment's ``bin`` first on ``PATH`` and the
+checkpoint's shards in the node-local cache (``BOOTSEER_CKPT_CACHE``, which
+``CheckpointManager`` reads transparently). Each phase is a span of the startup trace (bytes,
+outcome, the attempt). On a restart the same phases run again and take the warm path: the
+environment is only verified, the cache already holds the checkpoint's files.
+
+Failures, and why they differ:
+
+* The environment cannot be made: the job does not start (:class:`StartupError`). Running
+  the command without its dependencies would only fail later and less clearly, and
+  restarting would fail the same way.
+* The checkpoint store cannot be reached: the job does not start either, unless fresh starts
+  are allowed, because a job that silently starts from step 0 overwrites weeks of training
+  with its first checkpoint. With ``allow_fresh_start`` it warns and the span says skipped.
+* Any other prefetch failure (a damaged newest checkpoint, a full cache disk) only costs the
+  cache: a warning, and the manager reads from the store as without a cache.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cli.errors import CliError
+from .progress import human_bytes
+from .trace import Span, TraceWriter
+
+__all__ = ["PhaseResult", "StartupError", "StartupPlan", "run_startup"]
+
+
+class StartupError(CliError):
+    """A phase failed in a way that must keep the job from starting."""
+
+
+@dataclass
+class StartupPlan:
+    """What the phases do; empty ``env_spec`` or ``ckpt_url`` skips that phase."""
+
+    env_spec: list[str] = field(default_factory=list)
+    env_prefix: str = ""
+    env_store: str = ""
+    ckpt_url: str = ""
+    ckpt_cache_dir: str = ""
+    ranks: list[int] = field(default_factory=lambda: [0])
+    allow_fresh_start: bool = False
+    storage_options: dict[str, Any] | None = None
+
+
+@dataclass
+class PhaseResult:
+    """One phase's outcome: the span's fields and the variables the command needs."""
+
+    phase: str
+    outcome: str = "ok"
+    bytes: int = 0
+    summary: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)
+    error: BaseException | None = None
+
+
+def _say(line: str) -> None:
+    print(f"bootseer: {line}", file=sys.stderr, flush=True)
+
+
+def environment_phase(plan: StartupPlan, base_env: Mapping[str, str]) -> PhaseResult:
+    """``snapshot.ensure``: verified, restored or built; the command runs inside it."""
+    result = PhaseResult("environment")
+    if not plan.env_spec:
+        result.outcome, result.summary = "skipped", "skipped (no env.spec)"
+        result.detail["reason"] = "no env.spec"
+        return result
+    if not plan.env_prefix:
+        raise StartupError("environment: env.spec is set but env.prefix is not: say where "
+                           "the environment lives (--env-prefix or env.prefix)")
+    from snapshot import ensure
+
+    prefix = os.path.abspath(plan.env_prefix)
+    try:
+        done = ensure(plan.env_spec, prefix=prefix, store=plan.env_store or None,
+                      storage_options=plan.storage_options)
+    except Exception as exc:
+        raise StartupError(f"environment {prefix} from {', '.join(plan.env_spec)} could not be "
+                           f"made, the job does not start: {type(exc).__name__}: {exc}"
+                           ) from exc
+    for warning in done.warnings:
+        _say(f"warning: {warning}")
+    moved = done.restore.bytes if done.restore is not None else 0
+    result.bytes = moved
+    result.detail.update(outcome=done.outcome, key=done.key, prefix=done.prefix)
+    if done.restore is not None:
+        result.detail["fetched_bytes"] = done.restore.compressed_bytes
+    if done.warnings:
+        result.detail["warnings"] = list(done.warnings)
+    result.summary = f"{done.outcome} {prefix}" + (f" ({human_bytes(moved)})" if moved else "")
+    path = base_env.get("PATH", os.defpath)
+    result.env = {"PATH": f"{prefix}/bin{os.pathsep}{path}" if path else f"{prefix}/bin",
+                  "VIRTUAL_ENV": prefix}
+    return result
+
+
+def checkpoint_phase(plan: StartupPlan) -> PhaseResult:
+    """The newest committed checkpoint's files for this node's ranks into the local cache."""
+    result = PhaseResult("checkpoint_prefetch")
+    if not plan.ckpt_url:
+        result.outcome, result.summary = "skipped", "skipped (no ckpt.url)"
+        result.detail["reason"] = "no ckpt.url"
+        return result
+    if not plan.ckpt_cache_dir:
+        raise StartupError("checkpoint_prefetch: ckpt.url is set but ckpt.cache_dir is not")
+    from ckpt import prefetch_latest
+    from ckpt.errors import CheckpointStoreUnavailable
+
+    result.detail.update(url=plan.ckpt_url, ranks=list(plan.ranks))
+    try:
+        done = prefetch_latest(plan.ckpt_url, plan.ckpt_cache_dir, plan.ranks,
+                               storage_options=plan.storage_options)
+    except CheckpointStoreUnavailable as exc:
+        if not plan.allow_fresh_start:
+            raise StartupError(
+                f"checkpoint store {plan.ckpt_url} is unreachable, the job does not start "
+                f"(it would start fresh and overwrite the run's checkpoints): {exc}. Fix the "
+                f"store or its credentials, or pass --allow-fresh-start (run.allow_fresh_start)"
+                f" to start without a checkpoint") from exc
+        _say(f"warning: checkpoint store {plan.ckpt_url} is unreachable; starting fresh "
+             f"(--allow-fresh-start): {exc}")
+        result.outcome, result.summary = "skipped", "skipped: store unreachable, fresh start"
+        result.detail.update(reason="store unreachable, fresh start allowed", error=str(exc))
+        return result
+    except Exception as exc:  # noqa: BLE001 - the cache is an optimization: warn, go on
+        _say(f"warning: checkpoint prefetch from {plan.ckpt_url} failed, the job reads the "
+             f"store directly: {type(exc).__name__}: {exc}")
+        result.outcome, result.summary = "failed", f"failed ({type(exc).__name__})"
+        result.detail["error"] = f"{type(exc).__name__}: {exc}"
+        result.env = {"BOOTSEER_CKPT_CACHE": os.path.abspath(plan.ckpt_cache_dir)}
+        return result
+    result.bytes = done.bytes
+    result.detail.update(step=done.step, files=done.files, cached_already=done.cached_already)
+    if done.step is None:
+        result.summary = "no committed checkpoint yet (a fresh run)"
+    else:
+        result.summary = (f"step {done.step} for ranks {_ranks(plan.ranks)}: {done.files} "
+                          f"file(s), {human_bytes(done.bytes)} fetched, "
+                          f"{done.cached_already} already cached")
+    result.env = {"BOOTSEER_CKPT_CACHE": os.path.abspath(plan.ckpt_cache_dir)}
+    return result
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def run_startup(plan: StartupPlan, *, trace: TraceWriter | None = None, attempt: int = 0,
+                base_env: Mapping[str, str] | None = None,
+                say: Callable[[str], None] = _say) -> dict[str, str]:
+    """Both phases at once, traced; the variables the command needs. Raises
+    :class:`StartupError` as soon as a phase fails that way (the other is abandoned: the
+    job does not start anyway)."""
+    base_env = os.environ if base_env is None else base_env
+    phases: list[tuple[str, Callable[[], PhaseResult]]] = [
+        ("environment", lambda: environment_phase(plan, base_env)),
+        ("checkpoint_prefetch", lambda: checkpoint_phase(plan)),
+    ]
+    done: list[PhaseResult] = []
+    cond = threading.Condition()
+
+    def run(name: str, fn: Callable[[], PhaseResult]) -> None:
+        start = time.time()
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            result = PhaseResult(name, outcome="failed", error=exc,
+                                 detail={"error": f"{type(exc).__name__}: {exc}"})
+        end = time.time()
+        try:
+            if trace is not None:  # detail may hold its own "outcome" (ensure's)
+                trace.write(Span(trace.node, trace.rank, name, start, end, result.bytes,
+                                 result.outcome, attempt, result.detail))
+            quiet = attempt > 0 and result.outcome == "skipped" and "error" not in result.detail
+            if result.error is None and not quiet:  # an unconfigured phase is said once
+                say(f"{name}: {result.summary} in {end - start:.2f}s")
+        except BaseException as exc:  # noqa: BLE001 - e.g. the trace disk is full
+            if result.error is None:
+                result.error = exc
+        finally:
+            with cond:
+                done.append(result)
+                cond.notify_all()
+
+    for name, fn in phases:
+        threading.Thread(target=run, args=(name, fn), name=f"bootseer-{name}",
+                         daemon=True).start()
+    with cond:
+        while True:
+            failed = [r for r in done if r.error is not None]
+            if failed:
+                raise failed[0].error  # type: ignore[misc]
+            if len(done) == len(phases):
+                break
+            cond.wait()
+    env: dict[str, str] = {}
+    for result in done:
+        env.update(result.env)
+    return env

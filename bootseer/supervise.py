@@ -1,0 +1,689 @@
+"""Supervision of the command of ``bootseer run``: a container's PID 1 done right, plus restarts.
+
+What it does, and why:
+
+* The command runs in its own process group, so that a signal reaches all of it (a launcher
+  such as torchrun and its workers) and so that what it leaves behind can be found and killed
+  before a restart (a stale worker would still hold its GPU).
+* SIGTERM, SIGINT, SIGHUP and SIGQUIT are forwarded to that group and stop the job: what the
+  command then exits with is the wrapper's exit code, and nothing is restarted. A second one
+  while waiting sends SIGKILL to the group and returns at once. SIGUSR2 and SIGWINCH are
+  forwarded as they are; SIGUSR1 asks the processes that registered the client's stack dump
+  (and only them: SIGUSR1 kills a process without a handler) to write their stacks.
+* Zombies are reaped: as PID 1 that is the kernel's rule, elsewhere the wrapper makes itself a
+  child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``) so orphans of the command come to it. The
+  reaping (``waitpid(-1)``) only runs while the command runs: during the startup phases other
+  threads wait for their own subprocesses (pip, uv), which a ``waitpid(-1)`` would steal.
+* The exit code is the command's, or 128+N when signal N killed it.
+* A crash (non-zero exit or death by a signal the wrapper did not forward) is restarted up to
+  ``max_restarts`` times, after a backoff that doubles from ``backoff_s`` to ``backoff_max_s``;
+  the ``before_attempt`` hook (the startup phases) runs again before every attempt.
+* A hang is a silence of the control directory (no ``ready-*``/``heartbeat-*`` file changed)
+  of ``timeout_s`` once the command has reported anything; before its first report the
+  allowance is ``max(timeout_s, startup_s)`` (default 10 minutes), since loading a model,
+  compiling and the first collective legitimately take long, while a start stuck forever is
+  still caught. A hang: SIGUSR1 to the group (stack dumps into the trace directory), a wait of
+  up to ``dump_wait_s`` for them, SIGKILL to the group, a ``hang`` span, and a restart.
+
+No configuration lives here: :mod:`bootseer.cli.run` turns the configuration into the policies
+and the hook.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .trace import Span, TraceWriter
+
+__all__ = [
+    "AttemptEnd", "HangPolicy", "RestartPolicy", "StopRequested", "Supervisor",
+    "become_subreaper", "exit_code",
+]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+FORWARD_SIGNALS = (signal.SIGUSR2, signal.SIGWINCH)
+HANDLED = (*STOP_SIGNALS, *FORWARD_SIGNALS, signal.SIGUSR1, signal.SIGCHLD)
+PR_SET_CHILD_SUBREAPER = 36
+EXIT_NOT_FOUND = 127
+EXIT_NOT_EXECUTABLE = 126
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How often and how fast a crashed command is started again."""
+
+    max_restarts: int = 0
+    backoff_s: float = 1.0
+    backoff_max_s: float = 60.0
+
+    def delay(self, restart: int) -> float:
+        """Seconds before restart number ``restart`` (1 for the first)."""
+        return min(self.backoff_s * 2 ** max(restart - 1, 0), self.backoff_max_s)
+
+
+@dataclass(frozen=True)
+class HangPolicy:
+    """``timeout_s`` 0 turns hang detection off."""
+
+    timeout_s: float = 0.0
+    dump_wait_s: float = 5.0
+    startup_s: float = 600.0  # allowance before the first ready/heartbeat, if longer
+
+
+@dataclass
+class AttemptEnd:
+    """How an attempt ended: ``reason`` is exited, signaled, hang, stopped (a stop signal
+    came) or not-started (the command could not be executed)."""
+
+    attempt: int
+    code: int
+    reason: str
+    pid: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.reason == "hang":
+            return "a hang"
+        if self.code > 128 and self.reason in ("signaled", "stopped"):
+            return f"signal {_signal_name(self.code - 128)}"
+        return f"exit code {self.code}"
+
+
+class StopRequested(Exception):
+    """A stop signal arrived while no command ran (startup phases, backoff)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def exit_code(status: int) -> int:
+    """A ``waitpid`` status as a shell would report it: the code, or 128+signal."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status)
+    return 128 + os.WSTOPSIG(status) if os.WIFSTOPPED(status) else 1
+
+
+def become_subreaper() -> bool:
+    """Orphans of the command become the wrapper's children (and are reaped by it). PID 1
+    is one already."""
+    if os.getpid() == 1:
+        return True
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux
+        return False
+
+
+def _stderr(line: str) -> None:
+    print(f"bootseer: {line}", file=sys.stderr, flush=True)
+
+
+def group_pids(pgid: int) -> set[int]:
+    """Live processes of a process group (from /proc)."""
+    found: set[int] = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        # fields[0] is the state, [1] the parent, [2] the process group
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            found.add(int(name))
+    return found
+
+
+class _Signals:
+    """Signals as bytes on a pipe (``signal.set_wakeup_fd``): the main loop waits on it with
+    ``select`` and handles them in order, never inside a handler."""
+
+    def __init__(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("the supervisor must run in the main thread (it owns signals)")
+        self.rfd, self.wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._old_fd = signal.set_wakeup_fd(self.wfd, warn_on_full_buffer=False)
+        self._old = {s: signal.signal(s, self._noop) for s in HANDLED}
+
+    @staticmethod
+    def _noop(signum: int, frame: Any) -> None:
+        """The byte on the pipe is the event; the handler only keeps the default away."""
+
+    def wake(self) -> None:
+        """Ends a wait early (a byte 0, which is no signal)."""
+        try:
+            os.write(self.wfd, b"\0")
+        except OSError:
+            pass
+
+    def wait(self, timeout: float) -> list[int]:
+        """Signals that arrived, waiting up to ``timeout`` seconds for the first."""
+        try:
+            ready, _, _ = select.select([self.rfd], [], [], max(timeout, 0.0))
+        except InterruptedError:  # pragma: no cover - PEP 475 retries
+            ready = [self.rfd]
+        if not ready:
+            return []
+        try:
+            data = os.read(self.rfd, 512)
+        except BlockingIOError:
+            return []
+        return [sig for sig in data if sig]
+
+    def close(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        signal.set_wakeup_fd(self._old_fd)
+        os.close(self.rfd)
+        os.close(self.wfd)
+
+
+class Supervisor:
+    """Runs ``command`` until it succeeds, is stopped, or runs out of restarts; :meth:`run`
+    returns the exit code for the wrapper.
+
+    ``before_attempt(attempt)`` runs before every spawn (the startup phases) and returns
+    variables for the command's environment; an exception from it ends the run (raised
+    from :meth:`run`: a startup error is not a crash). ``trace`` receives the command_start,
+    first_step, hang and restart spans (the hook writes its own). Stack dumps go to
+    ``dump_dir`` (the trace directory)."""
+
+    def __init__(self, command: Sequence[str], *, env: Mapping[str, str] | None = None,
+                 restart: RestartPolicy = RestartPolicy(), hang: HangPolicy = HangPolicy(),
+                 trace: TraceWriter | None = None, node: str | None = None,
+                 dump_dir: str | os.PathLike | None = None,
+                 control_dir: str | os.PathLike | None = None,
+                 ready_file: str | os.PathLike | None = None,
+                 before_attempt: Callable[[int], Mapping[str, str] | None] | None = None,
+                 kill_grace_s: float = 5.0,
+                 log: Callable[[str], None] = _stderr) -> None:
+        if not command:
+            raise ValueError("nothing to run: the command is empty")
+        self.command = list(command)
+        self.env = dict(os.environ if env is None else env)
+        self.restart = restart
+        self.hang = hang
+        self.trace = trace
+        self.node = node or (trace.node if trace is not None else None) or os.uname().nodename
+        self.dump_dir = Path(dump_dir) if dump_dir else (trace.dir if trace else None)
+        self._own_control = control_dir is None
+        self.control_dir = Path(control_dir) if control_dir else None
+        self.ready_file = Path(ready_file) if ready_file else None
+        self.before_attempt = before_attempt
+        self.kill_grace_s = kill_grace_s
+        self.log = log
+        self.attempts: list[AttemptEnd] = []
+        self._signals: _Signals | None = None
+        self._stopping: int | None = None
+        self._child: subprocess.Popen[bytes] | None = None
+        self._status: int | None = None
+
+    # -- the whole run ---------------------------------------------------------------------
+    def run(self) -> int:
+        self._signals = _Signals()
+        become_subreaper()
+        if self.control_dir is None:
+            self.control_dir = Path(tempfile.mkdtemp(prefix="bootseer-control-"))
+        else:
+            self.control_dir.mkdir(parents=True, exist_ok=True)
+        if self.ready_file is None:
+            self.ready_file = self.control_dir / "ready"
+        try:
+            return self._run()
+        except StopRequested as stop:
+            code = self.attempts[-1].code if self.attempts else 128 + stop.signum
+            self.log(f"stopped by {stop} before the command ran again; exit code {code}")
+            return code
+        finally:
+            self._signals.close()
+            self._signals = None
+            if self._own_control:
+                shutil.rmtree(self.control_dir, ignore_errors=True)
+
+    def _run(self) -> int:
+        attempt = 0
+        while True:
+            started = time.time()
+            extra = self._startup(attempt)
+            end = self._attempt(attempt, started, extra)
+            self.attempts.append(end)
+            if end.reason == "not-started" or self._stopping is not None or end.code == 0:
+                return end.code
+            if attempt >= self.restart.max_restarts:
+                self.log(f"command failed with {end.describe()}; no restarts left "
+                         f"({self.restart.max_restarts} allowed)")
+                return end.code
+            attempt += 1
+            self._backoff(attempt, end)
+
+    def _startup(self, attempt: int) -> Mapping[str, str]:
+        """The hook in a thread, while the main thread keeps answering signals."""
+        if self.before_attempt is None:
+            return {}
+        box: dict[str, Any] = {}
+        hook = self.before_attempt
+        signals = self._signals
+        finished = threading.Event()
+
+        def target() -> None:
+            try:
+                box["env"] = hook(attempt)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+                box["error"] = exc
+            finally:
+                finished.set()
+                signals.wake()
+
+        thread = threading.Thread(target=target, name=f"bootseer-startup-{attempt}",
+                                  daemon=True)
+        thread.start()
+        while not finished.is_set():
+            self._stop_check(self._signals.wait(1.0))
+        if "error" in box:
+            raise box["error"]
+        return box.get("env") or {}
+
+    def _stop_check(self, signals: list[int]) -> None:
+        for sig in signals:
+            if sig in STOP_SIGNALS:
+                raise StopRequested(sig)
+
+    def _backoff(self, attempt: int, previous: AttemptEnd) -> None:
+        delay = self.restart.delay(attempt)
+        self.log(f"command failed with {previous.describe()}; restart {attempt}/"
+                 f"{self.restart.max_restarts} in {delay:.1f}s")
+        start = time.time()
+        deadline = time.monotonic() + delay
+        while (left := deadline - time.monotonic()) > 0:
+            self._stop_check(self._signals.wait(left))
+        self._reap()
+        detail: dict[str, Any] = {"reason": "hang" if previous.reason == "hang" else "crash",
+                                  "exit_code": previous.code}
+        if previous.code > 128 and previous.reason in ("signaled", "hang"):
+            detail["signal"] = _signal_name(previous.code - 128)
+        self._record("restart", start, attempt=attempt, restart=attempt, delay_s=delay,
+                     **detail)
+
+    # -- one attempt -----------------------------------------------------------------------
+    def _child_env(self, attempt: int, extra: Mapping[str, str]) -> dict[str, str]:
+        env = dict(self.env)
+        env.update(extra)
+        env["BOOTSEER_CONTROL_DIR"] = str(self.control_dir)
+        env["BOOTSEER_READY_FILE"] = str(self.ready_file)
+        env["BOOTSEER_ATTEMPT"] = str(attempt)
+        env["BOOTSEER_NODE"] = self.node
+        if self.dump_dir is not None:
+            env["BOOTSEER_TRACE_DIR"] = str(self.dump_dir)
+        return env
+
+    def _clear_control(self) -> None:
+        """Signals of the previous attempt must not count for this one."""
+        assert self.control_dir is not None and self.ready_file is not None
+        for entry in os.scandir(self.control_dir):
+            if entry.name.startswith(("ready", "heartbeat", ".")):
+                try:
+                    os.unlink(entry.path)
+                except OSError:
+                    pass
+        try:
+            self.ready_file.unlink()
+        except OSError:
+            pass
+
+    def _attempt(self, attempt: int, started: float, extra: Mapping[str, str]) -> AttemptEnd:
+        self._clear_control()
+        env = self._child_env(attempt, extra)
+        spawn_start = time.time()
+        try:
+            self._child = subprocess.Popen(self.command, env=env, process_group=0)
+        except OSError as exc:  # nothing ran: retrying would fail the same way
+            found = isinstance(exc, FileNotFoundError)
+            why = "command not found" if found else f"cannot execute ({exc.strerror or exc})"
+            self.log(f"{why}: {self.command[0]}")
+            code = EXIT_NOT_FOUND if found else EXIT_NOT_EXECUTABLE
+            self._record("command_start", spawn_start, attempt=attempt, outcome="failed",
+                         command=self.command[0], error=why)
+            return AttemptEnd(attempt, code, "not-started")
+        pid = self._child.pid
+        self._status = None
+        self._record("command_start", spawn_start, attempt=attempt, command=self.command[0],
+                     pid=pid)
+        self.log(f"started {self.command[0]} (pid {pid}, attempt {attempt})")
+        try:
+            return self._watch(attempt, started)
+        finally:
+            self._cleanup_group(pid)
+            self._child.returncode = self._status if self._status is not None else -1
+            self._child = None
+            self._remove_empty_dumps()
+
+    def _watch(self, attempt: int, started: float) -> AttemptEnd:
+        """Wait for the command, forwarding signals and watching for a hang."""
+        assert self._child is not None
+        pid = self._child.pid
+        watch = _Progress(self.control_dir, self.ready_file)
+        spawned = time.monotonic()
+        first_ready = True
+        timeout = self.hang.timeout_s
+        poll = 0.25 if timeout <= 0 else min(0.25, timeout / 4)
+        while True:
+            for sig in self._signals.wait(poll):
+                if self._on_signal(sig, pid):
+                    return self._killed_now(attempt, pid)
+            exited = self._reap()
+            for rank, when in watch.scan():  # before an exit: a ready just before it counts
+                self._record("first_step", started, when, rank=rank, attempt=attempt, pid=pid)
+                if first_ready:
+                    first_ready = False
+                    self.log(f"first step: rank {rank} ready {when - started:.1f}s after the "
+                             f"start of attempt {attempt}")
+            if exited:
+                code = exit_code(self._status)
+                reason = "stopped" if self._stopping is not None else (
+                    "signaled" if os.WIFSIGNALED(self._status) else "exited")
+                self.log(f"command exited with {AttemptEnd(attempt, code, reason).describe()} "
+                         f"(attempt {attempt})")
+                return AttemptEnd(attempt, code, reason, pid)
+            if timeout > 0 and self._stopping is None:
+                if watch.last_change is None:
+                    silent, limit = time.monotonic() - spawned, max(timeout, self.hang.startup_s)
+                else:
+                    silent, limit = time.monotonic() - watch.last_change, timeout
+                if silent >= limit:
+                    return self._hang(attempt, pid, watch, silent, started)
+
+    def _on_signal(self, sig: int, pid: int) -> bool:
+        """Handle one signal; True when the command must be killed now (a second stop)."""
+        if sig == signal.SIGCHLD:
+            return False
+        name = signal.Signals(sig).name
+        if sig in STOP_SIGNALS:
+            if self._stopping is not None:
+                self.log(f"{name} again: killing the command")
+                return True
+            self._stopping = sig
+            self.log(f"{name}: forwarded to the command (send it again to kill it)")
+            self._signal_group(pid, sig)
+        elif sig == signal.SIGUSR1:
+            files = self._request_dumps(pid, everyone=False)
+            self.log(f"SIGUSR1: stack dump requested from {len(files)} process(es) into "
+                     f"{self.dump_dir}")
+        else:
+            self._signal_group(pid, sig)
+        return False
+
+    def _killed_now(self, attempt: int, pid: int) -> AttemptEnd:
+        self._signal_group(pid, signal.SIGKILL)
+        self._wait_child(5.0)
+        code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
+        return AttemptEnd(attempt, code, "stopped", pid)
+
+    # -- hangs -----------------------------------------------------------------------------
+    def _hang(self, attempt: int, pid: int, watch: _Progress, silent: float,
+              started: float) -> AttemptEnd:
+        before = "before its first heartbeat" if watch.last_change is None else (
+            f"after step {watch.last_step}" if watch.last_step is not None else "after ready")
+        self.log(f"hang: no heartbeat for {silent:.1f}s {before}; dumping stacks to "
+                 f"{self.dump_dir} and killing the command")
+        hang_start = time.time() - silent
+        sizes = self._request_dumps(pid, everyone=True)
+        grown = self._wait_dumps(sizes)
+        self._signal_group(pid, signal.SIGKILL)
+        self._wait_child(5.0)
+        code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
+        self._record("hang", hang_start, attempt=attempt, outcome="killed",
+                     timeout_s=self.hang.timeout_s, silent_s=round(silent, 3),
+                     last_step=watch.last_step, pid=pid, stacks=sorted(p.name for p in grown))
+        if grown:
+            self.log(f"stacks: {', '.join(str(p) for p in sorted(grown))}")
+        else:
+            self.log("no stack dump arrived (does the command import bootseer?)")
+        return AttemptEnd(attempt, code, "hang", pid, {"stacks": sorted(map(str, grown))})
+
+    def _dump_files(self, pids: set[int]) -> dict[Path, int]:
+        """This node's stack files of live processes of the group, with their sizes."""
+        out: dict[Path, int] = {}
+        if self.dump_dir is None:
+            return out
+        for pid in pids:
+            pattern = f"stacks-{glob.escape(self.node)}-rank*-{pid}.txt"
+            for path in self.dump_dir.glob(pattern):
+                try:
+                    out[path] = path.stat().st_size
+                except OSError:
+                    pass
+        return out
+
+    def _request_dumps(self, pid: int, *, everyone: bool) -> dict[Path, int]:
+        """SIGUSR1 to the group (``everyone``: they are about to be killed anyway) or only to
+        the processes with a registered dump file; their files and sizes before."""
+        members = group_pids(pid)
+        files = self._dump_files(members)
+        if everyone:
+            self._signal_group(pid, signal.SIGUSR1)
+        else:
+            for path in files:
+                try:
+                    os.kill(int(path.stem.rsplit("-", 1)[1]), signal.SIGUSR1)
+                except (ProcessLookupError, ValueError):
+                    pass
+        return files
+
+    def _wait_dumps(self, sizes: dict[Path, int]) -> set[Path]:
+        """Until every expected file has grown and stopped growing, or ``dump_wait_s``."""
+        deadline = time.monotonic() + self.hang.dump_wait_s
+        grown: set[Path] = set()
+        last: dict[Path, int] = dict(sizes)
+        steady = 0
+        while sizes and time.monotonic() < deadline:
+            if self._pause(0.05):
+                break  # stopped: the kill comes now, no restart after it
+            now = {p: _size(p) for p in sizes}
+            grown = {p for p, n in now.items() if n > sizes[p]}
+            steady = steady + 1 if now == last else 0
+            last = now
+            if len(grown) == len(sizes) and steady >= 2:
+                break
+        return grown
+
+    def _remove_empty_dumps(self) -> None:
+        """Every client process leaves an empty stack file; only dumps are worth keeping."""
+        if self.dump_dir is None:
+            return
+        for path in self.dump_dir.glob(f"stacks-{glob.escape(self.node)}-rank*.txt"):
+            try:
+                pid = int(path.stem.rsplit("-", 1)[1])
+                if path.stat().st_size == 0 and not _alive(pid):
+                    path.unlink()
+            except (OSError, ValueError):
+                pass
+
+    def _record(self, phase: str, start: float, end: float | None = None, *,
+                rank: int | None = None, attempt: int = 0, outcome: str = "ok",
+                **detail: Any) -> None:
+        """A span of the node's trace (``rank`` for first_step). A trace that cannot be
+        written is warned about, never a reason to lose the job."""
+        if self.trace is None:
+            return
+        span = Span(self.trace.node, rank, phase, start, time.time() if end is None else end,
+                    0, outcome, attempt, detail)
+        try:
+            self.trace.write(span)
+        except OSError as exc:
+            self.log(f"warning: cannot write the trace {self.trace.path}: {exc}")
+
+    # -- processes -------------------------------------------------------------------------
+    def _signal_group(self, pid: int, sig: int) -> None:
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _reap(self) -> bool:
+        """Reap every child that has exited; True once the command itself has."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if self._child is not None and pid == self._child.pid:
+                self._status = status
+        return self._status is not None
+
+    def _wait_child(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self._reap() and time.monotonic() < deadline:
+            self._pause(0.02)
+        return self._status is not None
+
+    def _pause(self, timeout: float) -> bool:
+        """Wait while the command is being killed; True when a stop signal arrived (the job
+        then ends after this attempt: no restart)."""
+        stop = False
+        for sig in self._signals.wait(timeout):
+            if sig in STOP_SIGNALS:
+                stop = True
+                if self._stopping is None:
+                    self._stopping = sig
+        self._reap()
+        return stop
+
+    def _cleanup_group(self, pgid: int) -> None:
+        """What the command left running in its group is stopped: SIGTERM, a grace period,
+        SIGKILL (a leftover worker would hold its GPU and ports across a restart)."""
+        if not self._group_alive(pgid):
+            return
+        self._signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.kill_grace_s
+        while time.monotonic() < deadline:
+            if self._pause(0.05):
+                break
+            if not self._group_alive(pgid):
+                return
+        self.log(f"killing what the command left running (process group {pgid})")
+        self._signal_group(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while self._group_alive(pgid) and time.monotonic() < deadline:
+            self._pause(0.02)
+
+    def _group_alive(self, pgid: int) -> bool:
+        self._reap()
+        try:
+            os.killpg(pgid, 0)  # the cheap answer first: nobody at all
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return bool(group_pids(pgid))
+
+
+class _Progress:
+    """Changes of the control directory's ready/heartbeat files (and of the ready file)."""
+
+    def __init__(self, control_dir: Path | None, ready_file: Path | None) -> None:
+        self.control_dir = control_dir
+        self.ready_file = ready_file
+        self.seen: dict[str, tuple[int, int, int]] = {}
+        self.ready_ranks: set[int] = set()
+        self.last_change: float | None = None  # monotonic
+        self.last_step: int | None = None
+
+    def scan(self) -> list[tuple[int, float]]:
+        """New ready signals since the last scan: (rank, time)."""
+        entries: list[tuple[str, str]] = []
+        if self.control_dir is not None:
+            try:
+                with os.scandir(self.control_dir) as it:
+                    entries = [(e.name, e.path) for e in it
+                               if e.name.startswith(("ready-", "heartbeat-"))]
+            except OSError:
+                pass
+        if self.ready_file is not None:
+            entries.append(("ready", str(self.ready_file)))
+        new_ready: list[tuple[int, float]] = []
+        for name, path in entries:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if self.seen.get(path) == sig:
+                continue
+            self.seen[path] = sig
+            self.last_change = time.monotonic()
+            doc = _read_json(path)
+            kind, _, rank_text = name.partition("-")
+            try:
+                rank = int(rank_text) if rank_text else int(doc.get("rank", 0))
+            except (TypeError, ValueError):
+                rank = 0
+            if kind == "heartbeat":
+                step = doc.get("step")
+                if isinstance(step, int):
+                    self.last_step = step
+            elif rank not in self.ready_ranks:
+                self.ready_ranks.add(rank)
+                when = doc.get("time")
+                new_ready.append((rank, float(when) if isinstance(when, int | float)
+                                  else st.st_mtime))
+        return new_ready
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.loads(f.read() or "{}")
+        return doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
