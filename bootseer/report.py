@@ -15,12 +15,18 @@ What it computes, and over what:
   floor keeps identical durations (MAD 0) from flagging noise of a few milliseconds.
   ``restart`` (the backoff) and ``hang`` (the hang timeout) last what the policy says, so they
   are not checked.
-* **Restarts**: per node/rank, the attempts seen and how each ended: ``hang`` (a hang span),
+* **Rows** (``workers``): one per node and rank. ``bootseer run`` writes every phase but
+  ``first_step`` once per node (rank null): those rank-less spans are folded into each of the
+  node's ranks (attempts, outcomes, last attempt). A node without any ranked span (warmup, or a
+  run that never reached ``bootseer.ready()``) is one rank-less row.
+* **Restarts**: per row, the attempts seen and how each ended: ``hang`` (a hang span),
   ``crash`` (the command failed before ``bootseer.ready()``, or a later attempt followed with
-  no hang or failed phase recorded: it died after its first step), ``failed:<phase>`` / ``killed:<phase>`` (a startup phase failed), ``ready``
-  (reached the first step) or ``incomplete`` (the last attempt has not reached it: still
-  starting, or the trace was cut). The ``restart`` span before the next attempt may carry the
-  cause in its detail (``reason``, ``exit_code``, ``returncode``, ``signal``).
+  no hang or failed phase recorded: it died after its first step), ``failed:<phase>`` /
+  ``killed:<phase>`` (a startup phase failed), ``ready`` (reached the first step) or
+  ``incomplete`` (the last attempt has not reached it: still starting, or the trace was cut).
+  The ``restart`` span before the next attempt may carry the cause in its detail (``reason``,
+  ``exit_code``, ``returncode``, ``signal``). A node's ranks restart together, so the total
+  (``Report.total_restarts``) counts each node once: the most restarts of any of its rows.
 * **Time to first step**: per node/rank, the ``first_step`` span (attempt start to
   ``bootseer.ready()``) of the first attempt and of the last one, and their p50/p90/max.
 * **Last attempt per node/rank** (``last_attempt``): its phase durations, and its wall time
@@ -106,6 +112,8 @@ class AttemptOutcome:
 
 @dataclass
 class WorkerRestarts:
+    """One row's attempts (its node's rank-less spans included); ``restarts``: the last
+    attempt number."""
     node: str
     rank: int | None
     restarts: int
@@ -153,7 +161,11 @@ class Report:
 
     @property
     def total_restarts(self) -> int:
-        return sum(r.restarts for r in self.restarts)
+        """Restarts counted once per node: its ranks restart together (one restart span)."""
+        per_node: dict[str, int] = {}
+        for r in self.restarts:
+            per_node[r.node] = max(per_node.get(r.node, 0), r.restarts)
+        return sum(per_node.values())
 
     def to_dict(self) -> dict[str, Any]:
         """The documented JSON shape (see the module docstring)."""
@@ -254,6 +266,24 @@ def worker_label(node: str, rank: int | None) -> str:
     return node if rank is None else f"{node}/r{rank}"
 
 
+def worker_spans(spans: Iterable[Span]) -> dict[tuple[str, Any], list[Span]]:
+    """The report's rows, in node/rank order: each rank's spans plus its node's rank-less
+    ones (``bootseer run`` writes all phases but ``first_step`` per node); a node with no
+    ranked span is one rank-less row."""
+    ranked: dict[tuple[str, Any], list[Span]] = defaultdict(list)
+    node_level: dict[str, list[Span]] = defaultdict(list)
+    for s in spans:
+        if s.rank is None:
+            node_level[s.node].append(s)
+        else:
+            ranked[(s.node, s.rank)].append(s)
+    rows = {key: own + node_level.get(key[0], []) for key, own in ranked.items()}
+    ranked_nodes = {node for node, _ in ranked}
+    rows.update({(node, None): group for node, group in node_level.items()
+                 if node not in ranked_nodes})
+    return {key: rows[key] for key in sorted(rows, key=lambda k: worker_key(*k))}
+
+
 def _clean(spans: Iterable[Span], warnings: list[str]) -> list[Span]:
     """Drops spans whose times cannot be used (NaN, infinite, ending before they start)."""
     kept = []
@@ -340,10 +370,8 @@ def build_report(spans: Sequence[Span], warnings: Sequence[str] = (),
     """The whole analysis; ``warnings`` (from :func:`read_traces`) are carried into it."""
     warns = list(warnings)
     spans = _clean(spans, warns)
-    by_worker: dict[tuple[str, Any], list[Span]] = defaultdict(list)
-    for s in spans:
-        by_worker[(s.node, s.rank)].append(s)
-    workers = sorted(by_worker, key=lambda k: worker_key(*k))
+    by_worker = worker_spans(spans)
+    workers = list(by_worker)
 
     restarts: list[WorkerRestarts] = []
     first_step: list[WorkerFirstStep] = []
@@ -374,24 +402,16 @@ def build_report(spans: Sequence[Span], warnings: Sequence[str] = (),
                                 if w.first_attempt_s is not None]),
         first_step_last=stats([w.last_attempt_s for w in first_step
                                if w.last_attempt_s is not None]),
-        last_attempt=_last_attempts(by_worker, workers),
+        last_attempt=_last_attempts(by_worker),
     )
 
 
-def _last_attempts(by_worker: dict[tuple[str, Any], list[Span]],
-                   workers: list[tuple[str, Any]]) -> list[WorkerPhases]:
-    """A row per rank (its node's rank-less spans of the same attempt folded in), or per node
-    when the node wrote no per-rank spans."""
-    ranked_nodes = {n for n, r in workers if r is not None}
+def _last_attempts(by_worker: dict[tuple[str, Any], list[Span]]) -> list[WorkerPhases]:
+    """Each row's last attempt (see :func:`worker_spans`: node-level spans included)."""
     out = []
-    for node, rank in workers:
-        if rank is None and node in ranked_nodes:
-            continue
-        own = by_worker[(node, rank)]
-        attempt = max(s.attempt for s in own)
-        spans = [s for s in own if s.attempt == attempt]
-        if rank is not None:
-            spans += [s for s in by_worker.get((node, None), []) if s.attempt == attempt]
+    for (node, rank), row in by_worker.items():
+        attempt = max(s.attempt for s in row)
+        spans = [s for s in row if s.attempt == attempt]
         phases: dict[str, float] = defaultdict(float)
         for s in spans:
             phases[s.phase] += s.seconds

@@ -448,6 +448,13 @@ class LayerIndex:
     def from_blob(cls, read_range: Callable[[int, int], bytes], blob_size: int,
                   digest: str | None = None) -> LayerIndex:
         """The index of a blob read through ``read_range(start, end)`` (half-open)."""
+        return cls.from_tail(cls.fetch_tail(read_range, blob_size, digest), blob_size, digest)
+
+    @classmethod
+    def fetch_tail(cls, read_range: Callable[[int, int], bytes], blob_size: int,
+                   digest: str | None = None) -> bytes:
+        """The shortest tail of the blob that holds its whole index (what a node keeps to
+        build the index again without the registry: :meth:`from_tail`)."""
         if not _is_int(blob_size):
             raise ValueError(f"invalid blob size {blob_size!r}")
         start = max(0, blob_size - TAIL_GUESS)
@@ -455,7 +462,7 @@ class LayerIndex:
         for _ in range(3):
             need = cls.parse_tail(tail, blob_size, digest)
             if not need:
-                return cls.from_tail(tail, blob_size, digest)
+                return tail
             lo = min(s for s, _ in need)
             tail = _read_exact(read_range, lo, blob_size - len(tail)) + tail
         raise MalformedLayerError(digest, "the index could not be located")  # pragma: no cover

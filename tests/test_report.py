@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_helpers import bootseer_cli
+from run_helpers import child, run_wrapper
 
 from bootseer.report import (
     Report,
@@ -144,7 +145,7 @@ def test_phase_statistics_by_hand(report: Report) -> None:
 def test_restarts_and_time_to_first_step(report: Report) -> None:
     restarted = [r for r in report.restarts if r.restarts]
     assert [(r.node, r.rank) for r in restarted] == [("node-2", 0), ("node-2", 1)]
-    assert report.total_restarts == 2
+    assert report.total_restarts == 1  # the node restarted once, both ranks with it
     a0, a1 = restarted[0].attempts
     assert (a0.attempt, a0.outcome, a0.reason) == (0, "hang", "reason=hang")
     assert (a1.attempt, a1.outcome) == (1, "ready")
@@ -199,6 +200,82 @@ def test_node_level_spans_join_their_ranks_bars() -> None:
     assert [(r.node, r.rank, sorted(r.phases)) for r in rows] == [
         ("n1", 0, ["environment", "first_step"]), ("n1", 1, ["environment", "first_step"]),
         ("n2", None, ["environment"])]
+
+
+def test_node_level_spans_decide_each_ranks_attempts() -> None:
+    """As ``bootseer run`` writes them: everything but first_step once per node (rank null)."""
+    spans = [Span("n1", None, "command_start", T0, T0 + 0.1),
+             Span("n1", 0, "first_step", T0, T0 + 2), Span("n1", 1, "first_step", T0, T0 + 3),
+             Span("n1", None, "hang", T0 + 4, T0 + 9, outcome="killed"),
+             Span("n1", None, "restart", T0 + 9, T0 + 10, attempt=1, detail={"reason": "hang"}),
+             Span("n1", None, "command_start", T0 + 10, T0 + 10.1, attempt=1),
+             Span("n1", 0, "first_step", T0 + 9, T0 + 12, attempt=1),
+             Span("n1", 1, "first_step", T0 + 9, T0 + 13, attempt=1),
+             Span("n2", None, "command_start", T0, T0 + 0.1),  # crashed before any ready
+             Span("n2", None, "restart", T0 + 1, T0 + 2, attempt=1, detail={"exit_code": 3}),
+             Span("n2", None, "command_start", T0 + 2, T0 + 2.1, attempt=1)]
+    rep = build_report(spans)
+    assert (rep.nodes, rep.workers) == (2, 3)
+    assert [(r.node, r.rank, r.restarts, [(a.attempt, a.outcome, a.reason) for a in r.attempts])
+            for r in rep.restarts] == [
+        ("n1", 0, 1, [(0, "hang", "reason=hang"), (1, "ready", None)]),
+        ("n1", 1, 1, [(0, "hang", "reason=hang"), (1, "ready", None)]),
+        ("n2", None, 1, [(0, "crash", "exit_code=3"), (1, "incomplete", None)])]
+    assert rep.total_restarts == 2  # once per node
+    assert [(r.node, r.rank, r.attempt, sorted(r.phases)) for r in rep.last_attempt] == [
+        ("n1", 0, 1, ["command_start", "first_step", "restart"]),
+        ("n1", 1, 1, ["command_start", "first_step", "restart"]),
+        ("n2", None, 1, ["command_start", "restart"])]
+
+
+@pytest.fixture(scope="module")
+def hang_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real ``bootseer run`` trace: the command is ready, heartbeats, hangs on attempt 0 and
+    succeeds on attempt 1."""
+    tmp = tmp_path_factory.mktemp("hang")
+    proc = run_wrapper(tmp / "trace", "--hang-timeout", "1", "--dump-wait", "1",
+                       "--max-restarts", "2", command=child("hang-once", tmp / "count"))
+    assert proc.returncode == 0, proc.stderr
+    return tmp / "trace"
+
+
+def test_a_real_hang_then_restart(hang_trace: Path) -> None:
+    spans, _ = read_traces([hang_trace])
+    assert {s.rank for s in spans if s.phase in ("hang", "restart")} == {None}  # node-level
+    rep = load_report([hang_trace])
+    assert (rep.nodes, rep.workers, rep.total_restarts) == (1, 1, 1)
+    [r] = rep.restarts
+    assert (r.node, r.rank, r.restarts) == ("testnode", 0, 1)
+    assert [(a.attempt, a.outcome) for a in r.attempts] == [(0, "hang"), (1, "ready")]
+    assert "reason=hang" in r.attempts[0].reason
+    [w] = rep.first_step
+    assert (w.first_attempt, w.last_attempt) == (0, 1)
+    assert w.first_attempt_s is not None and w.first_attempt_s > 0
+    assert w.last_attempt_s is not None and w.last_attempt_s > 0
+    [row] = rep.last_attempt
+    assert (row.rank, row.attempt) == (0, 1)
+    assert {"restart", "command_start", "first_step"} <= set(row.phases)
+
+
+def test_a_real_crash_then_restart(tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    proc = run_wrapper(trace, "--max-restarts", "2", command=child("crash-once",
+                                                                   tmp_path / "count"))
+    assert proc.returncode == 0, proc.stderr
+    rep = load_report([trace])
+    assert (rep.nodes, rep.workers, rep.total_restarts) == (1, 1, 1)
+    [r] = rep.restarts
+    assert [(a.attempt, a.outcome, a.reason) for a in r.attempts] == [
+        (0, "crash", "reason=crash, exit_code=5"), (1, "ready", None)]
+
+
+def test_cli_on_a_real_hang_trace(hang_trace: Path, tmp_path: Path) -> None:
+    out = bootseer_cli("report", str(hang_trace), "--out", str(tmp_path)).stdout
+    assert out.splitlines()[0].endswith("(1 node/rank traces); 0 stragglers; 1 restarts")
+    assert "restarts (1 in all)" in out
+    [row] = [line for line in out.splitlines() if line.startswith("testnode")]
+    assert row.split()[:4] == ["testnode", "0", "1", "0:"]
+    assert "0: hang (reason=hang" in row and row.endswith("1: ready")
 
 
 def test_json_round_trips_with_the_documented_keys(report: Report) -> None:
@@ -270,7 +347,7 @@ def test_cli_prints_the_table_and_writes_json_and_png(job: Path, tmp_path: Path)
     straggler_lines = [line for line in out.splitlines()
                        if line.startswith("checkpoint_prefetch  node-5")]
     assert len(straggler_lines) == 1 and " 1 " in straggler_lines[0]
-    assert "restarts (2 in all)" in out
+    assert "restarts (1 in all)" in out
     assert f"chart: {job / 'report.png'}" in out
     assert "skipped" in proc.stderr and "Traceback" not in proc.stderr
     doc = json.loads((job / "report.json").read_text())

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..progress import ByteProgress, human_bytes
 from .errors import CliError
+from .options import parse_storage_options, trailing_command
 
 log = logging.getLogger("bootseer")
 
@@ -130,23 +131,11 @@ def _store_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    if not args.storage_options:
-        return {}
-    try:
-        options = json.loads(args.storage_options)
-    except json.JSONDecodeError as exc:
-        raise CliError(f"--storage-options is not valid JSON: {exc}") from None
-    if not isinstance(options, dict):
-        raise CliError('--storage-options must be a JSON object keyed by protocol, '
-                       'e.g. {"s3": {...}}')
-    return options
+    return parse_storage_options(args.storage_options)
 
 
 def _command(args: argparse.Namespace) -> list[str] | None:
-    command = list(args.command or [])
-    if command and command[0] == "--":
-        command = command[1:]
-    return command or None
+    return trailing_command(args)
 
 
 def _require_store(args: argparse.Namespace) -> str:

@@ -10,12 +10,12 @@ restarts after a crash or a hang), and every step goes to the startup trace. The
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
 
 from .errors import CliError
+from .options import parse_storage_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,17 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _storage_options() -> dict | None:
-    text = os.environ.get("BOOTSEER_STORAGE_OPTIONS")
-    if not text:
-        return None
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CliError(f"BOOTSEER_STORAGE_OPTIONS is not valid JSON: {exc}") from None
-    if not isinstance(options, dict):
-        raise CliError('BOOTSEER_STORAGE_OPTIONS must be a JSON object keyed by protocol, '
-                       'e.g. {"s3": {...}}')
-    return options
+    return parse_storage_options(os.environ.get("BOOTSEER_STORAGE_OPTIONS"),
+                                 "BOOTSEER_STORAGE_OPTIONS") or None
 
 
 def cmd_run(args: argparse.Namespace) -> int:

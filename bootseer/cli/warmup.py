@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .errors import CliError
+from .options import parse_storage_options, trailing_command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -67,31 +68,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_warmup, takes_command=True, command=None)
 
 
-def _options(text: str | None) -> dict[str, Any] | None:
-    if not text:
-        return None
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CliError(f"--storage-options is not valid JSON: {exc}") from None
-    if not isinstance(options, dict):
-        raise CliError('--storage-options must be a JSON object keyed by protocol, '
-                       'e.g. {"s3": {...}}')
-    return options
-
-
-def _install_command(args: argparse.Namespace) -> list[str] | None:
-    command = list(args.command or [])
-    if command and command[0] == "--":
-        command = command[1:]
-    return command or None
-
-
 def _parts(args: argparse.Namespace) -> list[Any]:
     from ..config import parse_ranks
     from ..warmup import Part, warm_checkpoint, warm_environment, warm_image
 
-    options = _options(args.storage_options)
+    options = parse_storage_options(args.storage_options) or None
     parts = []
     if args.image:
         from .image import default_cache
@@ -100,7 +81,7 @@ def _parts(args: argparse.Namespace) -> list[Any]:
         parts.append(Part("image", args.image, lambda: warm_image(
             args.image, cache, platform=args.platform, connections=args.connections,
             everything=args.image_all)))
-    command = _install_command(args)
+    command = trailing_command(args)
     if args.env_spec or args.env_prefix or command:
         if not args.env_prefix:
             raise CliError("--env-spec needs --env-prefix (where the environment lives)")

@@ -14,6 +14,7 @@ soon as the pull names the image, long before the container reads anything.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -36,9 +37,6 @@ from .errors import FailedPreconditionError, InvalidArgumentError, UnavailableEr
 from .labels import LayerRequest
 
 log = logging.getLogger(__name__)
-
-TAIL_GUESS = 256 << 10
-
 
 @dataclass
 class RemoteLayer:
@@ -161,8 +159,6 @@ class RemoteLayers:
             manifest = Manifest(doc["media_type"], doc["data"].encode(), digest)
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        import hashlib
-
         if "sha256:" + hashlib.sha256(manifest.data).hexdigest() != digest:
             return None  # a damaged copy: read it from the registry again
         return manifest
@@ -237,17 +233,10 @@ class RemoteLayers:
                 return LayerIndex.from_tail(tail, size, digest)
         except (OSError, LayerFormatError, ValueError):
             pass  # absent or damaged: read it again
-        start = max(0, size - TAIL_GUESS)
-        tail = self._read_range(digest, start, size)
-        for _ in range(3):
-            need = LayerIndex.parse_tail(tail, size, digest)
-            if not need:
-                index = LayerIndex.from_tail(tail, size, digest)
-                _write_atomic(path, tail)
-                return index
-            lo = min(s for s, _ in need)
-            tail = self._read_range(digest, lo, size - len(tail)) + tail
-        raise FailedPreconditionError(f"layer {digest}: its index could not be located")
+        tail = LayerIndex.fetch_tail(lambda s, e: self._read_range(digest, s, e), size, digest)
+        index = LayerIndex.from_tail(tail, size, digest)
+        _write_atomic(path, tail)
+        return index
 
     def lazy_image(self, layers: Iterable[RemoteLayer], *, overlay: bool) -> LazyImage:
         """The merged tree of ``layers`` (lowest first), read through the shared fetcher."""
