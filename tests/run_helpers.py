@@ -132,15 +132,23 @@ def main(argv: list[str]) -> int:
     if scenario == "touch":
         Path(args[0]).write_text(json.dumps(dict(os.environ)))
         return 0
-    if scenario == "trap-term":  # started-file, marker
+    if scenario == "trap-term":  # started-file, marker[, signal name (default SIGTERM)]
+        trapped = getattr(signal, args[2]) if len(args) > 2 else signal.SIGTERM
+
         def on_term(signum: int, frame: Any) -> None:
-            Path(args[1]).write_text("got SIGTERM")
+            Path(args[1]).write_text(f"got {signal.Signals(signum).name}")
             sys.exit(0)
 
-        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(trapped, on_term)
         Path(args[0]).write_text(json.dumps({"pid": os.getpid(), "ppid": os.getppid()}))
         while True:
             time.sleep(1)
+    if scenario == "leave-behind":  # pid-file: start a sleeper in our group, then exit 0
+        import subprocess
+
+        sleeper = subprocess.Popen(["sleep", "600"])
+        Path(args[0]).write_text(str(sleeper.pid))
+        return 0
     if scenario == "ignore-term":  # started-file
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         Path(args[0]).write_text(str(os.getpid()))

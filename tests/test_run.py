@@ -83,6 +83,34 @@ def test_sigterm_is_forwarded_and_the_commands_exit_returned(tmp_path):
     assert len(phases(tmp_path / "trace", "command_start")) == 1  # a stop is not restarted
 
 
+@pytest.mark.parametrize("name", ["SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR2"])
+def test_other_signals_are_forwarded_too(tmp_path, name):
+    started, marker = tmp_path / "started", tmp_path / "marker"
+    wrapper = start_wrapper(tmp_path / "trace",
+                            command=child("trap-term", started, marker, name))
+    try:
+        wait_for(started.exists, "the command to start")
+        wrapper.send_signal(getattr(signal, name))
+        _, err = wrapper.communicate(timeout=GUARD)
+    finally:
+        wrapper.kill()
+    assert wrapper.returncode == 0, err
+    assert marker.read_text() == f"got {name}"
+    assert len(phases(tmp_path / "trace", "command_start")) == 1  # a clean exit: no restart
+
+
+def test_what_the_command_leaves_running_is_stopped(tmp_path):
+    pid_file = tmp_path / "sleeper"
+    wrapper = start_wrapper(tmp_path / "trace", command=child("leave-behind", pid_file))
+    try:
+        _, err = wrapper.communicate(timeout=GUARD)
+    finally:
+        wrapper.kill()
+    assert wrapper.returncode == 0, err
+    sleeper = int(pid_file.read_text())
+    wait_for(lambda: process_gone(sleeper), "the left-behind sleeper to be stopped")
+
+
 def test_a_second_sigterm_kills_a_command_that_ignores_the_first(tmp_path):
     started = tmp_path / "started"
     wrapper = start_wrapper(tmp_path / "trace", "--max-restarts", "3",
