@@ -1,7 +1,15 @@
 """ckpt: sharded asynchronous checkpoints with atomic commit, integrity and resharding.
 
 See docs/ckpt.md. The entry point is :class:`CheckpointManager`.
+
+The names that need torch are imported on first use: ``bootseer run`` prefetches a checkpoint
+(``prefetch_latest``) in a container whose torch is still being restored.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .cache import PrefetchResult, cache_dir_from_env, prefetch_latest
 from .errors import (
@@ -12,11 +20,28 @@ from .errors import (
     CheckpointStoreUnavailable,
     StateMismatchError,
 )
-from .loader import LoadReport
-from .manager import CheckpointInfo, CheckpointManager, SaveHandle, VerifyReport
-from .optim import init_optimizer_state
-from .persist import SaveResult
-from .tensors import FlatShard, PerRank
+
+_LAZY = {
+    "LoadReport": "loader", "CheckpointInfo": "manager", "CheckpointManager": "manager",
+    "SaveHandle": "manager", "VerifyReport": "manager", "init_optimizer_state": "optim",
+    "SaveResult": "persist", "FlatShard": "tensors", "PerRank": "tensors",
+}
+
+if TYPE_CHECKING:
+    from .loader import LoadReport
+    from .manager import CheckpointInfo, CheckpointManager, SaveHandle, VerifyReport
+    from .optim import init_optimizer_state
+    from .persist import SaveResult
+    from .tensors import FlatShard, PerRank
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "CheckpointCorrupt",

@@ -48,13 +48,13 @@ from .layout import (
     MANIFEST,
     Manifest,
     RankIndex,
+    committed_steps,
     data_name,
     index_name,
     objects_name,
     parse_step,
     step_dir,
 )
-from .persist import committed_steps
 
 log = logging.getLogger("ckpt")
 

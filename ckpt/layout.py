@@ -15,31 +15,45 @@ import json
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported lazily: `bootseer run` prefetches before torch exists
+    import torch
+
+    from striped_fs import StripedFileSystem
 
 FORMAT_VERSION = 1
 ALIGN = 64
 MANIFEST = "MANIFEST.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-    torch.float8_e4m3fn, torch.float8_e5m2)}
+# The dtypes a checkpoint may hold, with their element sizes. Names, not torch objects: the
+# layout is read by processes that never import torch (the node-local cache's prefetch).
+ELEMENT_SIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in ELEMENT_SIZES:
         raise ValueError(f"dtype {dtype} is not supported in checkpoints")
     return name
 
 
 def dtype_of(name: str) -> torch.dtype:
+    import torch
+
+    if name not in ELEMENT_SIZES:
+        raise ValueError(f"unknown dtype {name!r} in checkpoint index")
+    return getattr(torch, name)
+
+
+def element_size(name: str) -> int:
     try:
-        return _DTYPES[name]
+        return ELEMENT_SIZES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r} in checkpoint index") from None
 
@@ -117,7 +131,7 @@ class RankIndex:
             if c.byte_offset < 0 or c.nbytes < 0 or c.byte_offset + c.nbytes > index.data_size:
                 raise ValueError(f"{path}: chunk {c.key} lies outside the data file "
                                  f"({c.byte_offset}+{c.nbytes} > {index.data_size})")
-            elem = torch.tensor([], dtype=dtype_of(c.dtype)).element_size()
+            elem = element_size(c.dtype)
             count = 1
             for s in c.shape:
                 count *= s
@@ -148,3 +162,18 @@ class Manifest:
             return cls(**body)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{path}: malformed checkpoint manifest ({exc})") from exc
+
+
+def committed_steps(fs: StripedFileSystem, root: str) -> tuple[list[int], list[int]]:
+    """(committed steps, uncommitted step directories), both ascending."""
+    fs.invalidate_cache(root)
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return [], []
+    steps = sorted(s for e in entries if e["type"] == "directory"
+                   and (s := parse_step(e["name"])) is not None)
+    done, torn = [], []
+    for s in steps:
+        (done if fs.exists(f"{step_dir(root, s)}/{MANIFEST}") else torn).append(s)
+    return done, torn

@@ -21,10 +21,10 @@ from .layout import (
     MANIFEST,
     Manifest,
     RankIndex,
+    committed_steps,
     data_name,
     index_name,
     objects_name,
-    parse_step,
     step_dir,
 )
 from .staging import StagedSave
@@ -184,21 +184,6 @@ def _coverage_problems(indexes: list[RankIndex]) -> list[str]:
             problems.append(f"the shards of {key!r} hold {stored} elements of {total} "
                             "(overlapping or missing shards)")
     return problems[:5]
-
-
-def committed_steps(fs: StripedFileSystem, root: str) -> tuple[list[int], list[int]]:
-    """(committed steps, uncommitted step directories), both ascending."""
-    fs.invalidate_cache(root)
-    try:
-        entries = fs.ls(root, detail=True)
-    except FileNotFoundError:
-        return [], []
-    steps = sorted(s for e in entries if e["type"] == "directory"
-                   and (s := parse_step(e["name"])) is not None)
-    done, torn = [], []
-    for s in steps:
-        (done if fs.exists(f"{step_dir(root, s)}/{MANIFEST}") else torn).append(s)
-    return done, torn
 
 
 def apply_retention(fs: StripedFileSystem, root: str, keep: int, protected: set[int]) -> None:

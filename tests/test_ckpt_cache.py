@@ -123,6 +123,29 @@ def test_prefetch_copies_exactly_the_files_of_the_requested_ranks(tmp_path: Path
     assert not [p for p in cache.rglob(".*")]  # no temporary left behind
 
 
+def test_prefetch_runs_where_torch_is_not_installed(tmp_path: Path) -> None:
+    """`bootseer run` prefetches while the environment holding torch is still being restored:
+    neither the prefetch nor the startup module may import torch."""
+    import json
+    import sys
+
+    store, cache = str(tmp_path / "store"), tmp_path / "cache"
+    save_both(store, 3, seed=3, options=SMALL)
+    code = (
+        "import sys, json\n"
+        "sys.modules['torch'] = None  # import torch now raises ImportError\n"
+        "import bootseer.startup\n"
+        "from ckpt import prefetch_latest\n"
+        f"r = prefetch_latest({store!r}, {str(cache)!r}, [0, 1])\n"
+        "print(json.dumps([r.step, r.files]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == [3, 7]
+    want = metadata() + [data_name(r) for r in (0, 1)] + [objects_name(r) for r in (0, 1)]
+    assert cached_files(cache) == step_files(store, 3, want)
+
+
 def test_a_replicated_tensor_brings_the_file_of_the_rank_that_wrote_it(tmp_path: Path) -> None:
     store, cache = str(tmp_path / "store"), tmp_path / "cache"
     save_both(store, 1, seed=1, replicated=True)  # "bias" is written once, by rank 0

@@ -118,7 +118,7 @@ def _manager(args: argparse.Namespace, url: str | None = None) -> CheckpointMana
 
 
 def _steps(mgr: CheckpointManager) -> tuple[list[int], list[int]]:
-    from ckpt.persist import committed_steps
+    from ckpt.layout import committed_steps
 
     return committed_steps(mgr.fs, mgr.root)
 
