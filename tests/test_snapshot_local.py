@@ -85,3 +85,68 @@ def test_restore_with_fsync_syncs_and_restores(tmp_path: Path) -> None:
     target = tmp_path / "node" / "venv" / "bin" / "tool"
     assert target.read_text() == "#!/bin/sh\necho ok\n" and target.stat().st_mode & 0o777 == 0o755
     assert verify(tmp_path / "node" / "venv", key.key).ok
+
+
+def test_restore_of_many_directories_under_a_low_open_file_limit(tmp_path: Path) -> None:
+    """A container's default limit is 1024 open files and a torch environment has more
+    directories than that: the restore keeps a bounded set of directory descriptors. Here
+    600 directories (symlinks, a hardlink and modes included) under a limit of 64."""
+    from snapshot.ensure import publish
+    from snapshot.key import EnvKey
+    from snapshot.store import SnapshotStore
+
+    built = tmp_path / "built" / "venv"
+    for i in range(200):
+        leaf = built / "lib" / f"pkg{i}" / "sub" / "deep"
+        leaf.mkdir(parents=True)
+        (leaf / "mod.py").write_text(f"VALUE = {i}\n")
+        (built / "lib" / f"pkg{i}" / "link").symlink_to("sub/deep/mod.py")
+    os.link(built / "lib/pkg0/sub/deep/mod.py", built / "lib/pkg1/hard.py")
+    (built / "lib/pkg7").chmod(0o750)
+    store = SnapshotStore(str(tmp_path / "store"))
+    key = EnvKey("cd" * 20, {})
+    publish(store, key, built)
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+        "from snapshot.restore import restore, verify\n"
+        "from snapshot.store import SnapshotStore\n"
+        f"restore(SnapshotStore({str(tmp_path / 'store')!r}), {key.key!r}, "
+        f"{str(tmp_path / 'node' / 'venv')!r})\n"
+        f"sys.exit(0 if verify({str(tmp_path / 'node' / 'venv')!r}, {key.key!r}).ok else 3)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    node = tmp_path / "node" / "venv"
+    for i in (0, 99, 199):
+        assert (node / "lib" / f"pkg{i}" / "sub/deep/mod.py").read_text() == f"VALUE = {i}\n"
+        assert os.readlink(node / "lib" / f"pkg{i}" / "link") == "sub/deep/mod.py"
+    assert (node / "lib/pkg1/hard.py").stat().st_ino == (node / "lib/pkg0/sub/deep/mod.py").stat().st_ino
+    assert (node / "lib/pkg7").stat().st_mode & 0o777 == 0o750
+
+
+def test_directory_handles_stay_within_their_limit_and_refuse_unknown_paths(tmp_path: Path) -> None:
+    import pytest
+
+    from snapshot.errors import UnsafeMemberError
+    from snapshot.extract import DirectoryHandles
+
+    for i in range(20):
+        (tmp_path / f"d{i}" / "e").mkdir(parents=True)
+    known = {f"d{i}" for i in range(20)} | {f"d{i}/e" for i in range(20)}
+    handles = DirectoryHandles(tmp_path, known, limit=4)
+    with handles.open("d3/e") as held:
+        for i in range(20):
+            with handles.open(f"d{i}/e") as fd:
+                assert os.path.samestat(os.fstat(fd), os.stat(tmp_path / f"d{i}" / "e"))
+            assert len(handles._fds) <= 5  # the limit, plus the one held
+        assert os.path.samestat(os.fstat(held), os.stat(tmp_path / "d3" / "e"))  # never closed
+    with pytest.raises(UnsafeMemberError):
+        with handles.open("elsewhere"):
+            pass
+    (tmp_path / "d5" / "e").rmdir()
+    (tmp_path / "d5" / "e").symlink_to("/tmp")
+    with pytest.raises(OSError):  # O_NOFOLLOW: a swapped-in symlink is never entered
+        with handles.open("d5/e"):
+            pass
+    handles.close()
