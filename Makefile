@@ -4,9 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench lint protos clean
+.PHONY: setup system demo test bench lint protos clean
 
 setup: $(STAMP)
+
+# containerd, runc, FUSE, the registry, nginx (apt, as root; idempotent).
+system:
+	scripts/system-packages
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,13 +20,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
-demo: setup
+demo: setup system
 	$(VENV)/bin/bootseer demo
 
-test: setup
+test: setup system
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-bench: setup
+bench: setup system
 	$(VENV)/bin/bootseer bench $(BENCH_ARGS)
 
 lint: setup

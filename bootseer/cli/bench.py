@@ -8,7 +8,7 @@ import runpy
 import sys
 from pathlib import Path
 
-SUITES = ("striped", "ckpt", "snapshot", "prefetch", "containerd")
+SUITES = ("striped", "ckpt", "snapshot", "prefetch", "containerd", "e2e")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,7 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("suites", nargs="*", choices=[*SUITES, []], default=[],
                    help=f"which suites (default all: {', '.join(SUITES)})")
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    p.add_argument("--results", default="bench-results", help="directory for JSON results")
+    p.add_argument("--results", default="bench-results",
+                   help="directory for the results: JSON, markdown tables, PNG charts")
     p.set_defaults(func=run)
 
 
@@ -27,19 +28,42 @@ def benchmarks_dir() -> Path:
     raise FileNotFoundError("benchmarks/ not found: run `bootseer bench` from a source checkout")
 
 
+def run_script(script: Path, argv: list[str]) -> int:
+    """Run one benchmark script as ``__main__``; its exit status."""
+    saved = sys.argv
+    sys.argv = [str(script), *argv]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        if exc.code:
+            return int(exc.code) if isinstance(exc.code, int) else 1
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     directory = benchmarks_dir()
     os.makedirs(args.results, exist_ok=True)
+    worst = 0
+    done = []
     for suite in args.suites or SUITES:
-        script = directory / f"bench_{suite}.py"
-        argv = [str(script), "--results", args.results] + (["--quick"] if args.quick else [])
-        saved = sys.argv
-        sys.argv = argv
-        try:
-            runpy.run_path(str(script), run_name="__main__")
-        except SystemExit as exc:
-            if exc.code:
-                return int(exc.code) if isinstance(exc.code, int) else 1
-        finally:
-            sys.argv = saved
-    return 0
+        code = run_script(directory / f"bench_{suite}.py",
+                          ["--results", args.results] + (["--quick"] if args.quick else []))
+        worst = worst or code
+        done.append(suite)
+    write_summary(Path(args.results), done)
+    return worst
+
+
+def write_summary(results: Path, suites: list[str]) -> None:
+    """``summary.md``: every suite's markdown report, in the order run, and the charts."""
+    parts = ["# bootseer bench results", ""]
+    for suite in suites:
+        md = results / f"{suite}.md"
+        parts.append(md.read_text() if md.exists() else f"## {suite}: no results (failed early)\n")
+        chart = results / f"{suite}.png"
+        if chart.exists():
+            parts.append(f"![{suite}]({chart.name})\n")
+    (results / "summary.md").write_text("\n".join(parts))
+    print(f"results: {results.resolve()} (summary.md, <suite>.json, <suite>.md, charts)")

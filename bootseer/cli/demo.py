@@ -1,8 +1,10 @@
 """``bootseer demo``: the main job on embedded defaults (local services, nothing to configure).
 
-For now it shows the striped_fs effect: a file written and read through a shaped "remote"
-link to a real S3 server (moto, on loopback), plain single-stream s3fs against striped.
-It grows with each capability.
+``bootseer demo`` (``restart``) runs the quick form of the end-to-end scenario
+(``benchmarks/bench_e2e.py --quick``): a training job in a container started by containerd,
+a rank killed, the restart timed for the baseline and for bootseer, the phase breakdown
+printed and charted. ``bootseer demo striped`` shows striped_fs alone: a file written and
+read through a shaped link to S3 (moto), plain single-stream s3fs against striped.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from ..progress import human_bytes
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the main job on embedded defaults (local services)")
+    p.add_argument("scenario", nargs="?", choices=("restart", "striped"), default="restart",
+                   help="restart: the end-to-end restart scenario, quick form (default); "
+                        "striped: striped S3 reads and writes only")
+    p.add_argument("--results", default="demo-results",
+                   help="where the restart scenario writes e2e.json, e2e.md and e2e.png")
     p.add_argument("--size", default="64MiB", help="file size (default 64MiB)")
     p.add_argument("--stripe-size", default="2MiB",
                    help="stripe size for the demo (default 2MiB, so a small file still spans many streams)")
@@ -28,6 +35,26 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scenario == "restart":
+        return run_restart(args)
+    return run_striped(args)
+
+
+def run_restart(args: argparse.Namespace) -> int:
+    """The quick end-to-end scenario, through the benchmark harness of the source checkout."""
+    from .bench import benchmarks_dir, run_script
+
+    results = os.path.abspath(args.results)
+    print("bootseer demo: the end-to-end restart scenario, quick form (a few minutes: an image "
+          "built and pushed, two cold starts, two measured restarts)")
+    code = run_script(benchmarks_dir() / "bench_e2e.py", ["--quick", "--results", results])
+    chart = os.path.join(results, "e2e.png")
+    if os.path.exists(chart):
+        print(f"chart: {chart}")
+    return code
+
+
+def run_striped(args: argparse.Namespace) -> int:
     import s3fs
 
     from ..testing.servers import MotoS3Server

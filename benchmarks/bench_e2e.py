@@ -1,0 +1,670 @@
+"""End-to-end benchmark: a training job restarted after a rank is killed, time to the first step.
+
+The job (``e2e_train.py``): a transformer-shaped model in FSDP2 over gloo, world size 2 (two
+ranks under ``torchrun`` in one container: one node), 1.15 GB of state (0.25 GB with
+``--quick``), checkpoints saved asynchronously to S3. It runs in a container that containerd
+(``ctr run``, runc) starts from the training image (``e2e_image.py``: Debian + python3.11 +
+the entrypoint's code; torch is the job's environment, not the image).
+
+Everything remote sits behind the shaping proxy (1 ms, 10 MB/s per connection, 160 MB/s in
+all; S3 100 MB/s in all): the registry, the package index (the torch CPU wheel and its
+dependencies) and the S3 server (moto) holding checkpoints and environment snapshots.
+
+Each method first runs the job cold on a fresh node (its own containerd): it trains, saves,
+and once a checkpoint is committed and training has gone past it, rank 1 gets SIGKILL. Then
+the measured restart, on a fresh node (empty image store, empty caches, page cache dropped):
+
+* ``baseline``: ``ctr images pull`` (gzip, containerd's overlayfs snapshotter), ``ctr run``;
+  in the container ``pip install -r requirements.txt`` (torch from the index), ``torchrun``,
+  ``torch.distributed.checkpoint.load`` over s3fs (FsspecReader);
+* ``bootseer``: ``bootseer image pull`` of the converted image through the bootseer
+  snapshotter (the hot-block profile recorded by the first start prefetched), ``ctr run``;
+  in the container ``bootseer run``: the environment restored from its snapshot while the
+  checkpoint's shards for ranks 0-1 are prefetched into the node-local cache (striped reads),
+  then ``torchrun``; ``CheckpointManager.load`` reads the cache;
+* info, ``bootseer in place``: the supervisor's own restart on the node of the first start
+  (environment verified, new checkpoint prefetched, image blocks cached), from the kill.
+
+The clock runs from the restart (the pull; for ``in place`` the SIGKILL) to the first finished
+training step of the slower rank, minus the state digest each rank takes right after loading
+(it proves the resumed state bit-identical to the saved one and is not part of a start).
+Phases come from the job's milestones (and ``bootseer run``'s trace), on the same wall clock.
+
+Target (reported, never asserted): bootseer's restart takes >= 70% less time than the baseline.
+
+``python benchmarks/bench_e2e.py --results DIR [--quick] [--keep]`` or ``bootseer bench e2e``;
+root, containerd, runc, FUSE and docker-registry needed. Writes ``DIR/e2e.json``,
+``DIR/e2e.md`` and ``DIR/e2e.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_prefetch as bp  # noqa: E402
+import e2e_image  # noqa: E402
+from _common import command_line, drop_caches, log, md_table, mem_total, run_bench  # noqa: E402
+from bench_containerd import NAMESPACE, Node  # noqa: E402
+
+SUITE = "e2e"
+TARGET_REDUCTION = 0.70
+TORCH = "torch==2.13.0"
+LINKS = {"registry": (1.0, 10.0, 160.0), "index": (1.0, 10.0, 160.0), "s3": (1.0, 10.0, 100.0)}
+BUCKETS = ("ckpt", "envs")
+STEP_TIMEOUT_S = 1200.0
+PHASES = [  # (key, label, colour) in critical-path order
+    ("image", "image pull", "#4e79a7"),
+    ("container", "container start / restart", "#a0cbe8"),
+    ("environment", "environment (pip / snapshot)", "#f28e2b"),
+    ("prefetch", "checkpoint prefetch (not overlapped)", "#ffbe7d"),
+    ("launch", "torchrun, import torch, init, model", "#59a14f"),
+    ("load", "checkpoint load", "#e15759"),
+    ("step", "first training step", "#b07aa1"),
+]
+LABELS = {
+    "baseline": "baseline: full pull + pip install + DCP load over s3fs",
+    "bootseer": "bootseer: lazy image + env snapshot + ckpt prefetch",
+    "inplace": "bootseer in place: supervisor restart on the same node (info)",
+}
+
+
+def container_id(node: Node) -> str:
+    """Unique per node: runc keeps its state per namespace, shared by every containerd here."""
+    return f"job-{node.dir.name}"
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.quick = bool(args.quick)
+        self.size = "quick" if self.quick else "full"
+        self.cache = Path(args.cache or os.environ.get("BOOTSEER_BENCH_CACHE")
+                          or Path.home() / ".cache" / "bootseer-bench").expanduser().resolve()
+        self.work = self.cache / "e2e-run"
+        self.results_dir = Path(args.results).resolve()
+        self.stack = contextlib.ExitStack()
+        self.errors: list[str] = []
+        self.nodes: list[Node] = []
+        self.cold = True
+        self.R: dict[str, Any] = {
+            "suite": SUITE, "quick": self.quick,
+            "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            "command": command_line("bench_e2e.py"),
+            "machine": {"cpus": os.cpu_count(), "ram_bytes": mem_total(),
+                        "platform": platform.platform(), "python": platform.python_version(),
+                        "containerd": bp.version_of(["containerd", "--version"])},
+            "links": {k: {"latency_ms": v[0], "per_conn_mb_s": v[1], "total_mb_s": v[2]}
+                      for k, v in LINKS.items()},
+            "target": {"reduction_min": TARGET_REDUCTION},
+            "runs": {}, "warnings": [], "errors": self.errors,
+        }
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        if os.geteuid() != 0:
+            raise RuntimeError("needs root: containerd, runc, FUSE mounts and drop_caches")
+        for tool in ("containerd", "ctr", "runc", "containerd-shim-runc-v2", "fusermount",
+                     "tar", "gzip"):
+            if shutil.which(tool) is None:
+                raise RuntimeError(f"{tool} is not installed (see .ci/run for the packages)")
+        from bootseer.testing.pypi import PackageIndex
+        from bootseer.testing.registry import RegistryServer
+        from bootseer.testing.servers import MotoS3Server
+        from bootseer.testing.shaper import ShaperProcess, ShaperSettings
+
+        shutil.rmtree(self.work, ignore_errors=True)
+        self.work.mkdir(parents=True)
+        self.stack.callback(self.cleanup)
+        image_dir = self.cache / "image"
+        image_dir.mkdir(parents=True, exist_ok=True)
+        base = bp.build_base(image_dir, self.args.base or ("host" if self.quick else "auto"))
+        log(f"image base: {base['source']}, python {base.get('python')}")
+        layers = [e2e_image.layer_from_tree(image_dir / f"base-{base['source']}",
+                                            image_dir / "e2e", f"base-{base['source']}")]
+        tree = self.work / "runtime-tree"
+        runtime = e2e_image.build_runtime_tree(tree)
+        layers.append(e2e_image.layer_from_tree(tree, image_dir / "e2e", "runtime"))
+        shutil.rmtree(tree)
+        self.R["image"] = {"base": base, "layers": layers, **runtime}
+        log("image layers: " + ", ".join(f"{la['name']} {la['tar_bytes'] / 1e6:.0f} MB tar, "
+                                         f"{la['size'] / 1e6:.0f} MB gzip" for la in layers))
+
+        def shaped(port: int, link: str) -> str:
+            proxy = self.stack.enter_context(
+                ShaperProcess("127.0.0.1", port, ShaperSettings.from_mb(*LINKS[link])))
+            return proxy.address
+
+        self.registry = RegistryServer(self.work / "registry").start()
+        self.stack.callback(self.registry.close)
+        registry_addr = shaped(self.registry.port, "registry")
+        repo = f"e2e/train-{self.size}"
+        digest = e2e_image.push_image(self.registry.host, repo, "gzip", layers)
+        self.gzip_ref = f"{registry_addr}/{repo}:gzip"
+        log(f"pushed {self.gzip_ref} ({digest[:19]}); converting to the bootseer layer format")
+        conv = self._helper("convert", {"src": f"{self.registry.host}/{repo}:gzip",
+                                        "dst": f"{self.registry.host}/{repo}:lazy",
+                                        "workdir": str(self.work)})
+        self.R["conversion"] = conv
+        self.lazy_ref = f"{registry_addr}/{repo}:lazy"
+        self.gzip_blobs = [self.registry.blob_path(la["digest"]) for la in layers]
+        self.lazy_blobs = [self.registry.blob_path(d) for d in conv["layer_digests"]]
+
+        wheels = self.wheels()
+        self.index = self.stack.enter_context(PackageIndex(wheels[0].parent))
+        index_addr = shaped(self.index.port, "index")
+        self.moto = MotoS3Server(in_process=False)
+        self.stack.callback(self.moto.close)
+        self.moto.start()
+        for bucket in BUCKETS:
+            self.moto.create_bucket(bucket)
+        s3_addr = shaped(self.moto.port, "s3")
+        self.s3_options = {"s3": self.moto.storage_options(endpoint_url=f"http://{s3_addr}")}
+        self.direct_options = {"s3": self.moto.storage_options()}  # the harness's own checks
+
+        self.job = self.work / "job"
+        self.job.mkdir()
+        (self.job / "requirements.txt").write_text(
+            f"--index-url http://{index_addr}/simple/\n{TORCH}\n")
+        (self.job / "bootseer.toml").write_text(
+            '[run]\ntrace_dir = "/var/log/bootseer/trace"\n\n'
+            '[restart]\nmax_restarts = 2\nbackoff_s = 1.0\n\n'
+            '[env]\nspec = ["/job/requirements.txt"]\nprefix = "/opt/env"\n'
+            'store = "s3://envs/e2e"\n\n'
+            '[ckpt]\nurl = "s3://ckpt/bootseer"\ncache_dir = "/var/cache/bootseer/ckpt"\n'
+            'ranks = "0-1"\n')
+        log(f"registry {registry_addr}, index {index_addr}, S3 {s3_addr} (all shaped: "
+            + "; ".join(f"{k} {ShaperSettings.from_mb(*v).describe()}" for k, v in LINKS.items())
+            + ")")
+
+    def wheels(self) -> list[Path]:
+        """torch and its dependencies, downloaded once with this machine's pip configuration."""
+        wheel_dir = self.cache / "wheels-e2e"
+        stamp = wheel_dir / ".complete.json"
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            files = [wheel_dir / f for f in json.loads(stamp.read_text())["files"]]
+            if files and all(f.is_file() for f in files):
+                return files
+        wheel_dir.mkdir(parents=True, exist_ok=True)
+        log(f"pip download {TORCH} -d {wheel_dir} (once)")
+        bp.run_checked([sys.executable, "-m", "pip", "download", TORCH, "-d", str(wheel_dir),
+                        "--only-binary", ":all:", "--disable-pip-version-check"],
+                       what="pip download")
+        files = sorted(wheel_dir.glob("*.whl"))
+        stamp.write_text(json.dumps({"files": [f.name for f in files]}))
+        return files
+
+    def _helper(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
+        out = bp.run_checked([sys.executable, str(Path(bp.__file__)), "--helper", name,
+                              json.dumps(params)], env=bp.clean_env(), what=f"helper {name}",
+                             timeout=3600)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def cleanup(self) -> None:
+        for node in list(self.nodes):
+            with contextlib.suppress(Exception):
+                self.retire(node)
+        if self.args.keep:
+            log(f"kept {self.work}")
+        else:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    # -- nodes and containers --------------------------------------------------------------------
+    def node(self, tag: str, snapshotter_args: tuple[str, ...] | None = None) -> Node:
+        node = Node(self.work / "nodes", tag, snapshotter_args)
+        self.nodes.append(node)
+        for sub in ("ckpt-cache", "trace"):
+            (node.dir / "local" / sub).mkdir(parents=True)
+        return node
+
+    def retire(self, node: Node) -> None:
+        """Stop the node's container (every process in it), then its daemons. containerd's
+        shims outlive containerd by design, so the container goes first."""
+        cid = container_id(node)
+        subprocess.run(node.ctr("tasks", "kill", "--all", "-s", "SIGKILL", cid),
+                       capture_output=True, check=False, timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            listed = subprocess.run(node.ctr("tasks", "ls", "-q"), capture_output=True,
+                                    text=True, check=False, timeout=60).stdout.split()
+            if cid not in listed:
+                break
+            time.sleep(0.2)
+        for what in ("tasks", "containers"):
+            subprocess.run(node.ctr(what, "delete", cid), capture_output=True, check=False,
+                           timeout=60)
+        self.kill_tagged()
+        address = node.containerd.address
+        node.close()
+        self.nodes.remove(node)
+        for entry in Path("/proc").iterdir():  # a shim left behind by a task that would not die
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    argv = (entry / "cmdline").read_bytes().split(b"\0")
+                    if b"containerd-shim" in argv[0] and address.encode() in argv:
+                        os.kill(int(entry.name), signal.SIGKILL)
+        for line in reversed(Path("/proc/self/mounts").read_text().splitlines()):
+            target = line.split()[1]
+            if target.startswith(str(node.dir)):
+                subprocess.run(["umount", "-l", target], capture_output=True, check=False)
+
+    @staticmethod
+    def kill_tagged() -> None:
+        """SIGKILL whatever a job of this benchmark left running (its processes carry
+        BOOTSEER_E2E_TAG in their environment)."""
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if b"BOOTSEER_E2E_TAG=" in (entry / "environ").read_bytes():
+                        os.kill(int(entry.name), signal.SIGKILL)
+
+    def go_cold(self, blobs: list[Path]) -> None:
+        if not drop_caches():
+            self.cold = False
+        for blob in blobs:  # the registry's disk is not this node's
+            bp.read_through(blob)
+
+    def pull(self, node: Node, method: str, logf: Any) -> float:
+        if method == "baseline":
+            argv = node.ctr("images", "pull", "--plain-http", self.gzip_ref)
+        else:
+            argv = [sys.executable, "-m", "bootseer", "image", "pull", self.lazy_ref, "--address",
+                    node.containerd.address, "--namespace", NAMESPACE]
+        t = time.time()
+        r = subprocess.run(argv, stdout=logf, stderr=logf, env=bp.clean_env(),
+                           timeout=STEP_TIMEOUT_S, check=False)
+        if r.returncode != 0:
+            raise RuntimeError(f"{argv[0]} pull exited {r.returncode} (log {logf.name})")
+        return time.time() - t
+
+    def start(self, node: Node, method: str, results: Path, logf: Any, *, first: bool
+              ) -> subprocess.Popen:
+        """``ctr run`` the job; its results (events) go to ``results``."""
+        results.mkdir(parents=True, exist_ok=True)
+        (results / "events.jsonl").touch()
+        train = ["--mode", "dcp" if method == "baseline" else "bootseer", "--size", self.size,
+                 "--results", "/results", "--ckpt",
+                 "s3://ckpt/dcp" if method == "baseline" else "s3://ckpt/bootseer"]
+        if first:
+            train += ["--save-every", str(self.args.save_every)]
+        if method == "baseline":
+            cmd = ["python3", "/app/train.py", "launch", "--requirements",
+                   "/job/requirements.txt", "--results", "/results", "--", *train]
+            ref, snapshotter = self.gzip_ref, "overlayfs"
+        else:
+            cmd = ["python3", "-m", "bootseer", "run", "--config", "/job/bootseer.toml",
+                   "--node", node.dir.name, "--", "python", "-m", "torch.distributed.run",
+                   "--standalone", "--nproc-per-node=2", "/app/train.py", "train", *train]
+            ref, snapshotter = self.lazy_ref, "bootseer"
+        mounts = [(self.job, "/job", "ro"), (results, "/results", "rw"),
+                  (node.dir / "local" / "ckpt-cache", "/var/cache/bootseer/ckpt", "rw"),
+                  (node.dir / "local" / "trace", "/var/log/bootseer/trace", "rw"),
+                  (Path("/dev/shm"), "/dev/shm", "rw")]
+        env = {"BOOTSEER_STORAGE_OPTIONS": json.dumps(self.s3_options),
+               "BOOTSEER_E2E_TAG": results.name, "PYTHONUNBUFFERED": "1"}
+        argv = node.ctr("run", "--rm", "--net-host", "--snapshotter", snapshotter,
+                        *[a for src, dst, mode in mounts for a in (
+                            "--mount", f"type=bind,src={src},dst={dst},options=rbind:{mode}")],
+                        *[a for k, v in env.items() for a in ("--env", f"{k}={v}")],
+                        ref, container_id(node), *cmd)
+        logf.write(f"$ {' '.join(argv)}\n".encode())
+        logf.flush()
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                env=bp.clean_env())
+
+    # -- watching the job ------------------------------------------------------------------------
+    @staticmethod
+    def events(results: Path) -> list[dict[str, Any]]:
+        path = results / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def wait_for(self, what: str, proc: subprocess.Popen, logp: Path, check: Any,
+                 timeout: float = STEP_TIMEOUT_S) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = check()
+            if value:
+                return value
+            if proc.poll() is not None:
+                raise RuntimeError(f"the job ended (exit {proc.returncode}) before {what} "
+                                   f"(log {logp})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {what} (log {logp})")
+            time.sleep(0.2)
+
+    def committed(self, method: str) -> int | None:
+        if method == "baseline":
+            import fsspec
+
+            fs = fsspec.filesystem("s3", skip_instance_cache=True, **self.direct_options["s3"])
+            with contextlib.suppress(FileNotFoundError):
+                for path in sorted(fs.ls("ckpt/dcp", detail=False, refresh=True), reverse=True):
+                    if fs.exists(f"{path}/.metadata"):
+                        return int(path.rsplit("-", 1)[-1])
+            return None
+        from ckpt import CheckpointManager
+
+        mgr = CheckpointManager("s3://ckpt/bootseer", storage_options=self.direct_options,
+                                cache_dir=False)
+        try:
+            return mgr.latest()
+        finally:
+            mgr.close()
+
+    @staticmethod
+    def rank_pid(tag: str, rank: int) -> int | None:
+        """The host PID of ``rank`` of the job tagged ``tag`` (containers have their own PID
+        namespace; the host sees every process)."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                environ = (entry / "environ").read_bytes().split(b"\0")
+                if (f"BOOTSEER_E2E_TAG={tag}".encode() in environ
+                        and f"RANK={rank}".encode() in environ
+                        and b"train.py" in (entry / "cmdline").read_bytes()
+                        and b"torch.distributed.run" not in (entry / "cmdline").read_bytes()):
+                    return int(entry.name)
+        return None
+
+    # -- the runs --------------------------------------------------------------------------------
+    def first_start(self, method: str) -> dict[str, Any]:
+        """Cold start on a fresh node; train, save, then SIGKILL rank 1 after a commit."""
+        args = ("--record-timeout", "1200") if method == "bootseer" else None
+        node = self.node(f"{method}-first", args)
+        results = self.work / "results" / f"{method}-first"
+        logp = self.work / f"{method}-first.log"
+        out: dict[str, Any] = {}
+        with open(logp, "ab") as logf:
+            log(f"{method}: first start on a fresh node (cold; trains and saves)")
+            t0 = time.time()
+            self.pull(node, method, logf)
+            proc = self.start(node, method, results, logf, first=True)
+            first = self.wait_for("the first step", proc, logp, lambda: [
+                e for e in self.events(results) if e["event"] == "first_step"])
+            out["cold_start_s"] = first[0]["t"] - t0
+            log(f"  first step {out['cold_start_s']:.1f} s after the pull began (cold start: "
+                "environment built, nothing cached)")
+            step = self.wait_for("a committed checkpoint", proc, logp,
+                                 lambda: self.committed(method))
+            last = max(e["step"] for e in self.events(results) if e["event"] == "step")
+            self.wait_for("a step after the commit", proc, logp, lambda: any(
+                e["event"] == "step" and e["step"] > last for e in self.events(results)))
+            pid = self.rank_pid(results.name, 1)
+            if pid is None:
+                raise RuntimeError("rank 1's process was not found")
+            out["committed_step"] = step
+            out["kill_t"] = time.time()
+            os.kill(pid, signal.SIGKILL)
+            log(f"  step {step} committed; SIGKILL to rank 1 (host pid {pid})")
+            if method == "bootseer":
+                rc = proc.wait(timeout=STEP_TIMEOUT_S)
+                if rc != 0:
+                    raise RuntimeError(f"bootseer run ended with {rc} after its restart "
+                                       f"(log {logp})")
+                out["inplace"] = self.breakdown("inplace", results, out["kill_t"], None,
+                                                node.dir / "local" / "trace", attempt=1)
+                self.wait_profile(node)
+            else:
+                proc.wait(timeout=STEP_TIMEOUT_S)
+                out["exit_code"] = proc.returncode
+        self.retire(node)
+        return out
+
+    def wait_profile(self, node: Node) -> None:
+        deadline = time.monotonic() + 60
+        while "recorded " not in node.snapshotter_log():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no profile was recorded ({node.dir / 'snapshotter.log'})")
+            time.sleep(0.2)
+        time.sleep(2.0)  # the push to the registry follows the local copy
+
+    def restart(self, method: str) -> dict[str, Any]:
+        """The measured restart on a fresh node."""
+        node = self.node(f"{method}-restart", () if method == "bootseer" else None)
+        results = self.work / "results" / f"{method}-restart"
+        logp = self.work / f"{method}-restart.log"
+        with open(logp, "ab") as logf:
+            log(f"{method}: restart on a fresh node (page cache dropped)")
+            self.go_cold(self.gzip_blobs if method == "baseline" else self.lazy_blobs)
+            t0 = time.time()
+            pull_s = self.pull(node, method, logf)
+            proc = self.start(node, method, results, logf, first=False)
+            rc = proc.wait(timeout=STEP_TIMEOUT_S)
+        if rc != 0:
+            raise RuntimeError(f"the restarted job exited {rc} (log {logp})")
+        out = self.breakdown(method, results, t0, t0 + pull_s, node.dir / "local" / "trace",
+                             attempt=0)
+        if method == "bootseer":
+            out["prefetch_log"] = [ln.split("INFO ", 1)[-1] for ln in
+                                   node.snapshotter_log().splitlines() if "prefetching" in ln]
+        self.retire(node)
+        return out
+
+    # -- the breakdown ---------------------------------------------------------------------------
+    def breakdown(self, method: str, results: Path, t0: float, pulled: float | None,
+                  trace_dir: Path, attempt: int) -> dict[str, Any]:
+        ev = [e for e in self.events(results) if e["attempt"] == attempt]
+
+        def last(name: str) -> dict[str, Any]:
+            found = [e for e in ev if e["event"] == name]
+            if not found:
+                raise RuntimeError(f"{method}: no '{name}' milestone in {results}")
+            return max(found, key=lambda e: e["t"])
+
+        spans: list[Any] = []
+        if method == "baseline":
+            entry, env_end = last("entry")["t"], last("env_ready")["t"]
+            cmd = last("command_start")["t"]
+            detail = {"environment": {"installer": "pip", "seconds": env_end - entry}}
+        else:
+            from bootseer.trace import read_traces
+
+            spans = [s for s in read_traces([trace_dir])[0] if s.attempt == attempt]
+            phase = {s.phase: s for s in spans if s.rank is None}
+            entry = min(phase[p].start for p in ("environment", "checkpoint_prefetch"))
+            env_end = phase["environment"].end
+            cmd = phase["command_start"].end
+            pre = phase["checkpoint_prefetch"]
+            detail = {"environment": {"outcome": phase["environment"].detail.get("outcome"),
+                                      "seconds": phase["environment"].seconds,
+                                      "bytes": phase["environment"].bytes},
+                      "checkpoint_prefetch": {"seconds": pre.seconds, "bytes": pre.bytes,
+                                              "step": pre.detail.get("step")}}
+        verify = max(e["seconds"] for e in ev if e["event"] == "verified")
+        load_start, load_end = last("load_start")["t"], last("load_end")["t"]
+        first = last("first_step")["t"] - verify
+        start = pulled if pulled is not None else t0
+        phases = {
+            "image": (pulled - t0) if pulled is not None else 0.0,
+            "container": entry - start,
+            "environment": min(env_end, cmd) - entry,
+            "prefetch": cmd - min(env_end, cmd),
+            "launch": load_start - cmd,
+            "load": load_end - load_start,
+            "step": first - load_end,
+        }
+        loaded = {e["rank"]: e for e in ev if e["event"] == "verified"}
+        return {"total": first - t0, "phases": phases, "detail": detail,
+                "loaded_step": loaded[0]["step"],
+                "loaded_digests": {str(r): e["digest"] for r, e in loaded.items()},
+                "load_bytes": sum(e.get("bytes", 0) for e in ev if e["event"] == "load_end"),
+                "load_cached_bytes": sum(e.get("cached_bytes", 0) for e in ev
+                                         if e["event"] == "load_end"),
+                "verify_s": verify}
+
+    def check_identical(self, method: str, first: Path, out: dict[str, Any]) -> None:
+        """The resumed state equals the saved one, byte for byte, on every rank."""
+        saved = {(e["step"], str(e["rank"])): e["digest"] for e in self.events(first)
+                 if e["event"] == "saved"}
+        step = out["loaded_step"]
+        ok = all(saved.get((step, r)) == d for r, d in out["loaded_digests"].items()) \
+            and len(out["loaded_digests"]) == 2
+        out["bit_identical"] = ok
+        if not ok:
+            self.errors.append(f"{method}: the state loaded at step {step} differs from the one "
+                               "saved (sha256 per rank)")
+
+    def run(self) -> None:
+        self.setup()
+        for method in self.args.methods.split(","):
+            first = self.first_start(method)
+            self.R["runs"][f"{method}-first"] = first
+            if method == "bootseer":
+                self.check_identical("inplace", self.work / "results/bootseer-first",
+                                     first["inplace"])
+                self.R["runs"]["inplace"] = first["inplace"]
+            out = self.restart(method)
+            self.check_identical(method, self.work / "results" / f"{method}-first", out)
+            self.R["runs"][method] = out
+            log(f"  {method}: {out['total']:.1f} s to the first step; " + ", ".join(
+                f"{k} {v:.1f}" for k, v in out["phases"].items() if v > 0.05))
+        if not self.cold:
+            self.R["warnings"].append("the page cache could not be dropped: WARM figures")
+
+    # -- the report ------------------------------------------------------------------------------
+    def rows(self) -> list[list[str]]:
+        runs = self.R["runs"]
+        rows = []
+        for m in ("baseline", "bootseer", "inplace"):
+            r = runs.get(m)
+            if not r:
+                continue
+            rows.append([LABELS[m], f"{r['total']:.1f} s",
+                         *[f"{r['phases'][k]:.1f}" for k, _, _ in PHASES],
+                         "yes" if r.get("bit_identical") else "NO"])
+        return rows
+
+    def verdict(self) -> tuple[float | None, str]:
+        b, o = self.R["runs"].get("baseline"), self.R["runs"].get("bootseer")
+        if not b or not o:
+            return None, "n/a"
+        reduction = 1 - o["total"] / b["total"]
+        return reduction, "PASS" if reduction >= TARGET_REDUCTION else "MISS"
+
+    def chart(self, path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = [m for m in ("baseline", "bootseer", "inplace") if m in self.R["runs"]]
+        fig, ax = plt.subplots(figsize=(10, 1.2 + 0.8 * len(names)))
+        for i, m in enumerate(names):
+            left = 0.0
+            for key, label, colour in PHASES:
+                width = max(0.0, self.R["runs"][m]["phases"][key])
+                ax.barh(i, width, left=left, color=colour, label=label if i == 0 else None)
+                left += width
+            ax.text(left, i, f" {self.R['runs'][m]['total']:.1f} s", va="center")
+        longest = max(self.R["runs"][m]["total"] for m in names)
+        ax.set_xlim(0, longest * 1.15)  # room for the totals
+        ax.set_yticks(range(len(names)), [LABELS[m].split(":")[0] for m in names])
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds from the restart to the first training step")
+        ax.set_title(f"bootseer end-to-end restart ({self.size} scenario)")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(names) < 3 else -0.25),
+                  ncol=4, fontsize=8, frameon=False)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    def report(self) -> None:
+        head = ["restart (fresh node unless noted)", "to first step",
+                *[label for _, label, _ in PHASES], "state bit-identical"]
+        table = md_table(head, self.rows())
+        reduction, verdict = self.verdict()
+        self.R["reduction"] = reduction
+        self.R["verdict"] = verdict
+        self.R["table"] = table
+        self.R["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+        img = self.R.get("image", {})
+        runs = self.R["runs"]
+        lines = [f"# end-to-end restart benchmark ({self.size} scenario)", "",
+                 f"- command: `{self.R['command']}`",
+                 f"- machine: {self.R['machine']['cpus']} CPUs, "
+                 f"{self.R['machine']['ram_bytes'] / 2**30:.1f} GiB RAM, "
+                 f"{self.R['machine']['containerd']}",
+                 "- image: " + ", ".join(f"{la['name']} {la['size'] / 1e6:.0f} MB gzip"
+                                         for la in img.get("layers", [])),
+                 f"- job: FSDP2 over gloo, 2 ranks, state {self.state_text()}, saved "
+                 f"asynchronously every {self.args.save_every} steps; rank 1 killed with SIGKILL "
+                 "after a commit",
+                 "- links: " + "; ".join(f"{k} {v[0]:g} ms, {v[1]:g} MB/s per connection, "
+                                         f"{v[2]:g} MB/s in all" for k, v in LINKS.items()),
+                 f"- {'page cache dropped before each restart' if self.cold else 'WARM'}", "",
+                 *table, ""]
+        if reduction is not None:
+            lines.append(f"bootseer: {runs['bootseer']['total']:.1f} s vs baseline "
+                         f"{runs['baseline']['total']:.1f} s: {reduction:.0%} less startup "
+                         f"(target >= {TARGET_REDUCTION:.0%}): **{verdict}**")
+        for m in ("baseline", "bootseer"):
+            if m in runs:
+                lines.append(f"- {m}: {json.dumps(runs[m]['detail'])}; resumed at step "
+                             f"{runs[m]['loaded_step']}")
+        for key in ("bootseer-first", "baseline-first"):
+            if key in runs:
+                lines.append(f"- info: {key.split('-')[0]} cold first start to the first step: "
+                             f"{runs[key]['cold_start_s']:.1f} s")
+        lines += [f"- WARNING: {w}" for w in self.R["warnings"]]
+        lines += [f"- ERROR: {e}" for e in self.errors]
+        self.results_dir.mkdir(parents=True, exist_ok=True)
+        if self.rows():
+            chart = self.results_dir / f"{SUITE}.png"
+            self.chart(chart)
+            self.R["chart"] = str(chart)
+            lines.append(f"- chart: {chart}")
+        print("\n".join(lines))
+        (self.results_dir / f"{SUITE}.md").write_text("\n".join(lines) + "\n")
+        self.write_files()
+
+    def state_text(self) -> str:
+        from e2e_train import SIZES
+
+        c = SIZES[self.size]
+        d = c["d"]
+        params = c["vocab"] * d + c["layers"] * (12 * d * d + 13 * d)
+        return f"{params * 12 / 1e9:.2f} GB ({params / 1e6:.0f} M parameters + AdamW moments)"
+
+    def write_files(self) -> None:
+        self.results_dir.mkdir(parents=True, exist_ok=True)
+        (self.results_dir / f"{SUITE}.json").write_text(
+            json.dumps(self.R, indent=2, default=str) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="bench_e2e.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--results", default="bench-results")
+    parser.add_argument("--quick", action="store_true", help="the small job (0.25 GB of state)")
+    parser.add_argument("--save-every", type=int, default=3)
+    parser.add_argument("--base", choices=("auto", "debootstrap", "host"), default=None,
+                        help="image base (default: host for --quick, else auto)")
+    parser.add_argument("--cache", default=None, help="default ~/.cache/bootseer-bench")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--methods", default="bootseer,baseline",
+                        help="comma-separated, of bootseer, baseline (default both)")
+    args = parser.parse_args(argv)
+    unknown = set(args.methods.split(",")) - {"bootseer", "baseline"}
+    if unknown:
+        parser.error(f"--methods: unknown {', '.join(sorted(unknown))} (bootseer, baseline)")
+    bench = Bench(args)
+    return run_bench(bench, done_key="verdict")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The training image of the end-to-end scenario, built from this machine without a Dockerfile.
+
+Two gzip layers, as ``docker build`` would push them:
+
+1. ``base``: Debian bookworm + python3.11 (``bench_prefetch.build_base``: debootstrap, or a
+   minimal rootfs copied from this host's Debian packages when the mirror is out of reach);
+2. ``runtime``: the job's code and the bootseer entrypoint with its dependencies, under
+   ``/opt/bootseer`` (``site/`` on ``PYTHONPATH``, ``bin/uv``), pip, and ``/app/train.py``.
+   torch is *not* in the image: it is the job's environment (``/job/requirements.txt``),
+   installed by ``pip`` in the baseline and restored from a snapshot by bootseer.
+
+The runtime's distributions are copied from the virtual environment running the benchmark (the
+closure of the project's dependencies without torch): same Python minor, same wheels. Layers
+are cached under ``CACHE/image/e2e`` by the sha256 of their (deterministic) tar stream.
+"""
+
+from __future__ import annotations
+
+import compileall
+import hashlib
+import importlib.metadata as md
+import io
+import json
+import os
+import py_compile
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT_PACKAGES = ("bootseer", "ckpt", "snapshot", "striped_fs", "prefetch")
+EXCLUDED = {"torch"}  # the job's environment, not the image
+EXTRA_TOOLS = ("pip", "uv")
+SITE = "opt/bootseer/site"
+IMAGE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "PYTHONPATH": f"/{SITE}",
+    "BOOTSEER_UV": "/opt/bootseer/bin/uv",
+    "LANG": "C.UTF-8",
+    "HOME": "/root",
+}
+MiB = 1 << 20
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def runtime_distributions() -> list[md.Distribution]:
+    """The installed distributions the project needs at run time (torch excluded), + pip, uv."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    todo = [Requirement(d).name for d in deps] + list(EXTRA_TOOLS)
+    seen: dict[str, md.Distribution] = {}
+    while todo:
+        name = _norm(todo.pop())
+        if name in seen or name in EXCLUDED:
+            continue
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError as exc:
+            raise RuntimeError(f"{name} is not installed in {sys.prefix}: run `make setup`") from exc
+        seen[name] = dist
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return [seen[k] for k in sorted(seen)]
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    else:
+        shutil.copy2(src, dst)
+
+
+def build_runtime_tree(dest: Path) -> dict[str, Any]:
+    """``dest`` becomes the runtime layer's tree."""
+    site = dest / SITE
+    bindir = dest / "opt/bootseer/bin"
+    site.mkdir(parents=True)
+    bindir.mkdir(parents=True)
+    dists = runtime_distributions()
+    for dist in dists:
+        for rel in dist.files or []:
+            src = Path(dist.locate_file(rel))
+            if not src.exists() or "__pycache__" in rel.parts:
+                continue
+            if rel.parts[0] == "..":  # console scripts and binaries under the venv's bin/
+                if src.name == "uv":
+                    _copy_file(src, bindir / "uv")
+                continue
+            _copy_file(src, site / rel)
+    for pkg in PROJECT_PACKAGES:
+        shutil.copytree(ROOT / pkg, site / pkg,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "testing"))
+    # bootseer.testing is not part of the runtime, but bootseer.cli imports nothing from it.
+    version = re.search(r'__version__ = "([^"]+)"', (ROOT / "bootseer/__init__.py").read_text())
+    info = site / f"bootseer-{version.group(1) if version else '0'}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: bootseer\nVersion: "
+                                   f"{version.group(1) if version else '0'}\n")
+    (info / "entry_points.txt").write_text(
+        "[console_scripts]\nbootseer = bootseer.cli:main\n\n"
+        "[fsspec.specs]\nstriped = striped_fs.filesystem:StripedFileSystem\n")
+    (info / "RECORD").write_text("")
+    app = dest / "app"
+    app.mkdir()
+    shutil.copy2(ROOT / "benchmarks/e2e_train.py", app / "train.py")
+    # Bytecode now (as an image build does), not in every container's first start.
+    # unchecked-hash: valid whatever the files' mtimes (the layer's tar sets them all alike).
+    compileall.compile_dir(str(site), quiet=2, ddir=f"/{SITE}", workers=os.cpu_count() or 1,
+                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    return {"distributions": [f"{d.metadata['Name']}=={d.version}" for d in dists]}
+
+
+def layer_from_tree(tree: Path, cache: Path, name: str) -> dict[str, Any]:
+    """``tar --sort=name`` of ``tree`` (its sha256 is the diff ID), gzip -6 once per diff ID."""
+    cache.mkdir(parents=True, exist_ok=True)
+    tar_path = cache / f"{name}.tar.partial"
+    run = subprocess.run(["tar", "-C", str(tree), "--numeric-owner", "--owner=0", "--group=0",
+                          "--sort=name", "--mtime=@1700000000", "-cf", str(tar_path), "."],
+                         capture_output=True, text=True, check=False)
+    if run.returncode != 0:
+        raise RuntimeError(f"tar of {tree} failed: {run.stderr[-2000:]}")
+    diff = hashlib.sha256()
+    with open(tar_path, "rb") as f:
+        while block := f.read(8 * MiB):
+            diff.update(block)
+    diff_id = "sha256:" + diff.hexdigest()
+    meta_path = cache / f"{name}-{diff.hexdigest()[:16]}.json"
+    gz_path = cache / f"{name}-{diff.hexdigest()[:16]}.tar.gz"
+    if meta_path.exists() and gz_path.exists():
+        tar_path.unlink()
+        return json.loads(meta_path.read_text())
+    with open(gz_path.with_suffix(".partial"), "wb") as out:
+        subprocess.run(["gzip", "-6", "-n", "-c", str(tar_path)], stdout=out, check=True)
+    os.replace(gz_path.with_suffix(".partial"), gz_path)
+    gz = hashlib.sha256()
+    with open(gz_path, "rb") as f:
+        while block := f.read(8 * MiB):
+            gz.update(block)
+    meta = {"name": name, "diff_id": diff_id, "tar_bytes": tar_path.stat().st_size,
+            "path": str(gz_path), "digest": "sha256:" + gz.hexdigest(),
+            "size": gz_path.stat().st_size}
+    tar_path.unlink()
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def push_image(registry: str, repo: str, tag: str, layers: list[dict[str, Any]]) -> str:
+    """Push the layers, an OCI config and manifest; returns the manifest digest."""
+    from prefetch.mediatypes import OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST
+    from prefetch.registry import SyncRegistry
+
+    async def chunks(path: str) -> Any:
+        with open(path, "rb") as f:
+            while block := f.read(8 * MiB):
+                yield block
+
+    config = json.dumps({
+        "architecture": "amd64", "os": "linux",
+        "config": {"Env": [f"{k}={v}" for k, v in IMAGE_ENV.items()],
+                   "Cmd": ["/usr/bin/python3"], "WorkingDir": "/app"},
+        "rootfs": {"type": "layers", "diff_ids": [layer["diff_id"] for layer in layers]},
+    }, sort_keys=True, separators=(",", ":")).encode()
+    config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
+    with SyncRegistry(registry) as reg:
+        for layer in layers:
+            reg.put_blob(repo, chunks(layer["path"]), layer["digest"])
+        reg.put_blob(repo, io.BytesIO(config).getvalue(), config_digest)
+        manifest = json.dumps({
+            "schemaVersion": 2, "mediaType": OCI_MANIFEST,
+            "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(config)},
+            "layers": [{"mediaType": OCI_LAYER_GZIP, "digest": layer["digest"],
+                        "size": layer["size"]} for layer in layers]},
+            separators=(",", ":")).encode()
+        return reg.put_manifest(repo, tag, manifest, OCI_MANIFEST)
