@@ -151,7 +151,8 @@ class Bench:
         self.stack.callback(self.registry.close)
         registry_addr = shaped(self.registry.port, "registry")
         repo = f"e2e/train-{self.size}"
-        digest = e2e_image.push_image(self.registry.host, repo, "gzip", layers)
+        digest = e2e_image.push_image(self.registry.host, repo, "gzip", layers,
+                                      e2e_image.image_config(layers))
         self.gzip_ref = f"{registry_addr}/{repo}:gzip"
         log(f"pushed {self.gzip_ref} ({digest[:19]}); converting to the bootseer layer format")
         conv = self._helper("convert", {"src": f"{self.registry.host}/{repo}:gzip",

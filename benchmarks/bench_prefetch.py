@@ -292,26 +292,12 @@ def mount_child(spec_path: str) -> int:
 def helper_main(name: str, arg: str) -> int:
     params = json.loads(arg)
     if name == "push":
-        from prefetch.mediatypes import OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST
-        from prefetch.registry import SyncRegistry
+        from e2e_image import push_image
 
-        async def chunks(path: str) -> Any:
-            with open(path, "rb") as f:
-                while block := f.read(8 * MiB):
-                    yield block
-
-        config = json.dumps(params["config"], sort_keys=True, separators=(",", ":")).encode()
-        config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
         t0 = time.perf_counter()
-        with SyncRegistry(params["registry"]) as reg:
-            reg.put_blob(params["repo"], chunks(params["layer"]), params["digest"])
-            reg.put_blob(params["repo"], config, config_digest)
-            manifest = json.dumps({
-                "schemaVersion": 2, "mediaType": OCI_MANIFEST,
-                "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(config)},
-                "layers": [{"mediaType": OCI_LAYER_GZIP, "digest": params["digest"],
-                            "size": params["size"]}]}, separators=(",", ":")).encode()
-            digest = reg.put_manifest(params["repo"], params["tag"], manifest, OCI_MANIFEST)
+        layer = {"path": params["layer"], "digest": params["digest"], "size": params["size"]}
+        digest = push_image(params["registry"], params["repo"], params["tag"], [layer],
+                            params["config"])
         print(json.dumps({"manifest": digest, "seconds": time.perf_counter() - t0}))
         return 0
     if name == "convert":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import compileall
 import hashlib
 import importlib.metadata as md
-import io
 import json
 import os
 import py_compile
@@ -155,8 +154,18 @@ def layer_from_tree(tree: Path, cache: Path, name: str) -> dict[str, Any]:
     return meta
 
 
-def push_image(registry: str, repo: str, tag: str, layers: list[dict[str, Any]]) -> str:
-    """Push the layers, an OCI config and manifest; returns the manifest digest."""
+def image_config(layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The training image's OCI config."""
+    return {"architecture": "amd64", "os": "linux",
+            "config": {"Env": [f"{k}={v}" for k, v in IMAGE_ENV.items()],
+                       "Cmd": ["/usr/bin/python3"], "WorkingDir": "/app"},
+            "rootfs": {"type": "layers", "diff_ids": [layer["diff_id"] for layer in layers]}}
+
+
+def push_image(registry: str, repo: str, tag: str, layers: list[dict[str, Any]],
+               config: dict[str, Any]) -> str:
+    """Push gzip layers (``path``, ``digest``, ``size``), the OCI config and the manifest;
+    returns the manifest digest."""
     from prefetch.mediatypes import OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST
     from prefetch.registry import SyncRegistry
 
@@ -165,20 +174,15 @@ def push_image(registry: str, repo: str, tag: str, layers: list[dict[str, Any]])
             while block := f.read(8 * MiB):
                 yield block
 
-    config = json.dumps({
-        "architecture": "amd64", "os": "linux",
-        "config": {"Env": [f"{k}={v}" for k, v in IMAGE_ENV.items()],
-                   "Cmd": ["/usr/bin/python3"], "WorkingDir": "/app"},
-        "rootfs": {"type": "layers", "diff_ids": [layer["diff_id"] for layer in layers]},
-    }, sort_keys=True, separators=(",", ":")).encode()
-    config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+    config_digest = "sha256:" + hashlib.sha256(blob).hexdigest()
     with SyncRegistry(registry) as reg:
         for layer in layers:
             reg.put_blob(repo, chunks(layer["path"]), layer["digest"])
-        reg.put_blob(repo, io.BytesIO(config).getvalue(), config_digest)
+        reg.put_blob(repo, blob, config_digest)
         manifest = json.dumps({
             "schemaVersion": 2, "mediaType": OCI_MANIFEST,
-            "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(config)},
+            "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(blob)},
             "layers": [{"mediaType": OCI_LAYER_GZIP, "digest": layer["digest"],
                         "size": layer["size"]} for layer in layers]},
             separators=(",", ":")).encode()
