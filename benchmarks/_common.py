@@ -8,6 +8,7 @@ children), and so does this module.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -173,3 +174,31 @@ def run_bench(bench: Any, *, done_key: str, report_inside: bool = True,
     if interrupted:
         return 130
     return 1 if bench.errors else 0
+
+
+def download_wheels(wheel_dir: Path, requirements: list[str]) -> list[Path]:
+    """``pip download`` the requirements' wheels into ``wheel_dir`` once (this machine's pip
+    configuration: the CPU torch wheel comes from its find-links); the files, from a stamp
+    on later calls."""
+    import re
+
+    stamp = wheel_dir / ".complete.json"
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        meta = json.loads(stamp.read_text())
+        files = [wheel_dir / f for f in meta["files"]]
+        if meta["requirements"] == requirements and files and all(f.is_file() for f in files):
+            return files
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    log(f"downloading wheels once: pip download {' '.join(requirements)} -d {wheel_dir}")
+    before = set(wheel_dir.glob("*.whl"))
+    out = run_checked([sys.executable, "-m", "pip", "download", *requirements, "-d",
+                       str(wheel_dir), "--only-binary", ":all:", "--disable-pip-version-check"],
+                      what="pip download")
+    saved = {m.group(1).strip() for m in re.finditer(
+        r"(?:Saved|File was already downloaded) (.+)", out.stdout)}
+    files = sorted({Path(s).resolve() for s in saved} | (set(wheel_dir.glob("*.whl")) - before))
+    files = [f for f in files if f.suffix == ".whl" and f.parent == wheel_dir.resolve()]
+    if not files:
+        files = sorted(wheel_dir.glob("*.whl"))
+    stamp.write_text(json.dumps({"requirements": requirements, "files": [f.name for f in files]}))
+    return files

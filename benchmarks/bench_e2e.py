@@ -50,14 +50,25 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_prefetch as bp  # noqa: E402
 import e2e_image  # noqa: E402
-from _common import command_line, drop_caches, log, md_table, mem_total, run_bench  # noqa: E402
+from _common import (
+    command_line,
+    download_wheels,
+    drop_caches,
+    log,
+    md_table,
+    mem_total,
+    run_bench,  # noqa: E402
+)
 from bench_containerd import NAMESPACE, Node  # noqa: E402
+from e2e_train import dcp_latest  # noqa: E402
 
 SUITE = "e2e"
 TARGET_REDUCTION = 0.70
@@ -99,6 +110,7 @@ class Bench:
         self.errors: list[str] = []
         self.nodes: list[Node] = []
         self.cold = True
+        self.run_id = uuid.uuid4().hex[:8]  # in the jobs' tags: concurrent runs never meet
         self.R: dict[str, Any] = {
             "suite": SUITE, "quick": self.quick,
             "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -163,7 +175,7 @@ class Bench:
         self.gzip_blobs = [self.registry.blob_path(la["digest"]) for la in layers]
         self.lazy_blobs = [self.registry.blob_path(d) for d in conv["layer_digests"]]
 
-        wheels = self.wheels()
+        wheels = download_wheels(self.cache / "wheels-e2e", [TORCH])
         self.index = self.stack.enter_context(PackageIndex(wheels[0].parent))
         index_addr = shaped(self.index.port, "index")
         self.moto = MotoS3Server(in_process=False)
@@ -189,23 +201,6 @@ class Bench:
         log(f"registry {registry_addr}, index {index_addr}, S3 {s3_addr} (all shaped: "
             + "; ".join(f"{k} {ShaperSettings.from_mb(*v).describe()}" for k, v in LINKS.items())
             + ")")
-
-    def wheels(self) -> list[Path]:
-        """torch and its dependencies, downloaded once with this machine's pip configuration."""
-        wheel_dir = self.cache / "wheels-e2e"
-        stamp = wheel_dir / ".complete.json"
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            files = [wheel_dir / f for f in json.loads(stamp.read_text())["files"]]
-            if files and all(f.is_file() for f in files):
-                return files
-        wheel_dir.mkdir(parents=True, exist_ok=True)
-        log(f"pip download {TORCH} -d {wheel_dir} (once)")
-        bp.run_checked([sys.executable, "-m", "pip", "download", TORCH, "-d", str(wheel_dir),
-                        "--only-binary", ":all:", "--disable-pip-version-check"],
-                       what="pip download")
-        files = sorted(wheel_dir.glob("*.whl"))
-        stamp.write_text(json.dumps({"files": [f.name for f in files]}))
-        return files
 
     def _helper(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
         out = bp.run_checked([sys.executable, str(Path(bp.__file__)), "--helper", name,
@@ -246,7 +241,7 @@ class Bench:
         for what in ("tasks", "containers"):
             subprocess.run(node.ctr(what, "delete", cid), capture_output=True, check=False,
                            timeout=60)
-        self.kill_tagged()
+        self.kill_tagged(self.tag(node.dir.name))
         address = node.containerd.address
         node.close()
         self.nodes.remove(node)
@@ -261,15 +256,27 @@ class Bench:
             if target.startswith(str(node.dir)):
                 subprocess.run(["umount", "-l", target], capture_output=True, check=False)
 
+    def tag(self, name: str) -> str:
+        """The ``BOOTSEER_E2E_TAG`` of the job named ``name`` (its node's and results' name)."""
+        return f"{self.run_id}-{name}"
+
     @staticmethod
-    def kill_tagged() -> None:
-        """SIGKILL whatever a job of this benchmark left running (its processes carry
-        BOOTSEER_E2E_TAG in their environment)."""
+    def tagged(tag: str) -> Iterator[tuple[int, list[bytes]]]:
+        """(host PID, environment) of every process of the job tagged ``tag`` (containers
+        have their own PID namespace; the host sees every process)."""
+        want = f"BOOTSEER_E2E_TAG={tag}".encode()
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 with contextlib.suppress(OSError):
-                    if b"BOOTSEER_E2E_TAG=" in (entry / "environ").read_bytes():
-                        os.kill(int(entry.name), signal.SIGKILL)
+                    environ = (entry / "environ").read_bytes().split(b"\0")
+                    if want in environ:
+                        yield int(entry.name), environ
+
+    def kill_tagged(self, tag: str) -> None:
+        """SIGKILL whatever the job tagged ``tag`` left running."""
+        for pid, _ in self.tagged(tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def go_cold(self, blobs: list[Path]) -> None:
         if not drop_caches():
@@ -314,13 +321,15 @@ class Bench:
                   (node.dir / "local" / "trace", "/var/log/bootseer/trace", "rw"),
                   (Path("/dev/shm"), "/dev/shm", "rw")]
         env = {"BOOTSEER_STORAGE_OPTIONS": json.dumps(self.s3_options),
-               "BOOTSEER_E2E_TAG": results.name, "PYTHONUNBUFFERED": "1"}
+               "BOOTSEER_E2E_TAG": self.tag(results.name), "PYTHONUNBUFFERED": "1"}
         argv = node.ctr("run", "--rm", "--net-host", "--snapshotter", snapshotter,
                         *[a for src, dst, mode in mounts for a in (
                             "--mount", f"type=bind,src={src},dst={dst},options=rbind:{mode}")],
                         *[a for k, v in env.items() for a in ("--env", f"{k}={v}")],
                         ref, container_id(node), *cmd)
-        logf.write(f"$ {' '.join(argv)}\n".encode())
+        shown = [a.split("=", 1)[0] + "=<redacted>" if a.startswith("BOOTSEER_STORAGE_OPTIONS=")
+                 else a for a in argv]  # credentials are never logged
+        logf.write(f"$ {' '.join(shown)}\n".encode())
         logf.flush()
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                 env=bp.clean_env())
@@ -352,11 +361,7 @@ class Bench:
             import fsspec
 
             fs = fsspec.filesystem("s3", skip_instance_cache=True, **self.direct_options["s3"])
-            with contextlib.suppress(FileNotFoundError):
-                for path in sorted(fs.ls("ckpt/dcp", detail=False, refresh=True), reverse=True):
-                    if fs.exists(f"{path}/.metadata"):
-                        return int(path.rsplit("-", 1)[-1])
-            return None
+            return dcp_latest(fs, "ckpt/dcp")
         from ckpt import CheckpointManager
 
         mgr = CheckpointManager("s3://ckpt/bootseer", storage_options=self.direct_options,
@@ -366,20 +371,14 @@ class Bench:
         finally:
             mgr.close()
 
-    @staticmethod
-    def rank_pid(tag: str, rank: int) -> int | None:
-        """The host PID of ``rank`` of the job tagged ``tag`` (containers have their own PID
-        namespace; the host sees every process)."""
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
+    def rank_pid(self, tag: str, rank: int) -> int | None:
+        """The host PID of ``rank``'s training process in the job tagged ``tag``."""
+        for pid, environ in self.tagged(tag):
             with contextlib.suppress(OSError):
-                environ = (entry / "environ").read_bytes().split(b"\0")
-                if (f"BOOTSEER_E2E_TAG={tag}".encode() in environ
-                        and f"RANK={rank}".encode() in environ
-                        and b"train.py" in (entry / "cmdline").read_bytes()
-                        and b"torch.distributed.run" not in (entry / "cmdline").read_bytes()):
-                    return int(entry.name)
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if (f"RANK={rank}".encode() in environ and b"train.py" in cmdline
+                        and b"torch.distributed.run" not in cmdline):
+                    return pid
         return None
 
     # -- the runs --------------------------------------------------------------------------------
@@ -405,7 +404,7 @@ class Bench:
             last = max(e["step"] for e in self.events(results) if e["event"] == "step")
             self.wait_for("a step after the commit", proc, logp, lambda: any(
                 e["event"] == "step" and e["step"] > last for e in self.events(results)))
-            pid = self.rank_pid(results.name, 1)
+            pid = self.rank_pid(self.tag(results.name), 1)
             if pid is None:
                 raise RuntimeError("rank 1's process was not found")
             out["committed_step"] = step

@@ -60,6 +60,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     command_line,
+    download_wheels,
     drop_caches,
     fs_type,
     kill_group,
@@ -364,30 +365,8 @@ class Bench:
 
     # -- set-up ------------------------------------------------------------------------------
     def wheels(self) -> list[Path]:
-        """``pip download`` once into the cache, with this machine's normal pip config (the CPU
-        torch wheel comes from its find-links)."""
         reqs = ["numpy"] if self.quick else [TORCH, "numpy"]
-        wheel_dir = self.cache / ("wheels-quick" if self.quick else "wheels")
-        stamp = wheel_dir / ".complete.json"
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            meta = json.loads(stamp.read_text())
-            files = [wheel_dir / f for f in meta["files"]]
-            if meta["requirements"] == reqs and all(f.is_file() for f in files):
-                return files
-        wheel_dir.mkdir(parents=True, exist_ok=True)
-        log(f"downloading wheels once: pip download {' '.join(reqs)} -d {wheel_dir}")
-        before = set(wheel_dir.glob("*.whl"))
-        out = run_checked([sys.executable, "-m", "pip", "download", *reqs, "-d", str(wheel_dir),
-                           "--only-binary", ":all:", "--disable-pip-version-check"],
-                          what="pip download")
-        saved = {m.group(1).strip() for m in re.finditer(r"(?:Saved|File was already downloaded) (.+)",
-                                                          out.stdout)}
-        files = sorted({Path(s).resolve() for s in saved} | (set(wheel_dir.glob("*.whl")) - before))
-        files = [f for f in files if f.suffix == ".whl" and f.parent == wheel_dir.resolve()]
-        if not files:
-            files = sorted(wheel_dir.glob("*.whl"))
-        stamp.write_text(json.dumps({"requirements": reqs, "files": [f.name for f in files]}))
-        return files
+        return download_wheels(self.cache / ("wheels-quick" if self.quick else "wheels"), reqs)
 
     def requirements_text(self, index_url: str, wheels: list[Path]) -> str:
         numpy = next((w for w in wheels if w.name.startswith("numpy-")), None)

@@ -161,6 +161,19 @@ def digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def dcp_latest(fs: Any, root: str) -> int | None:
+    """The newest ``step-N`` directory under ``root`` holding DCP's ``.metadata`` (written
+    last, once every rank's data is in: the baseline's notion of committed)."""
+    try:
+        names = [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False, refresh=True)]
+    except FileNotFoundError:
+        return None
+    for step in sorted((int(n[5:]) for n in names if n.startswith("step-")), reverse=True):
+        if fs.exists(f"{root}/step-{step:08d}/.metadata"):
+            return step
+    return None
+
+
 class BootseerCheckpoints:
     def __init__(self, url: str, rank: int, world: int) -> None:
         from ckpt import CheckpointManager
@@ -174,7 +187,7 @@ class BootseerCheckpoints:
     def load(self, state: dict[str, Any]) -> dict[str, Any]:
         report = self.mgr.load_with_report(state)
         return {"step": report.step, "bytes": report.bytes_read,
-                "cached_bytes": getattr(report, "cached_bytes", 0)}
+                "cached_bytes": report.cached_bytes}
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         self.mgr.save(step, state)
@@ -201,16 +214,7 @@ class DcpCheckpoints:
         self.pending: Any = None
 
     def latest(self) -> int | None:
-        try:
-            names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False,
-                                                              refresh=True)]
-        except FileNotFoundError:
-            return None
-        steps = sorted((int(n[5:]) for n in names if n.startswith("step-")), reverse=True)
-        for step in steps:
-            if self.fs.exists(f"{self.root}/step-{step:08d}/.metadata"):
-                return step
-        return None
+        return dcp_latest(self.fs, self.root)
 
     def load(self, state: dict[str, Any]) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp

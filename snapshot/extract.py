@@ -5,8 +5,9 @@ Everything is created relative to directory file descriptors this module opened 
 staging root), files with ``O_CREAT | O_EXCL | O_NOFOLLOW``: nothing can be written through a
 symlink, and nothing lands outside the staging root, even if a rule in :mod:`snapshot.safety`
 were missed. The directory descriptors are a bounded cache (:class:`DirectoryHandles`): a
-container's default limit is 1024 open files, and an environment has thousands of directories. Python's ``tarfile`` is not used:
-it extracts one member at a time in stream order, and restore wants many chunks at once.
+container's default limit is 1024 open files, and an environment has thousands of
+directories. Python's ``tarfile`` is not used: it extracts one member at a time in stream
+order, and restore wants many chunks at once.
 
 Order: directories (``prepare``), file data as chunks arrive (``feed``, thread-safe), then
 symlinks, hardlinks, and directory modes and mtimes deepest first (``finish``), so that
