@@ -17,6 +17,8 @@ every cached file is verified when it is read, as the manifest and indexes say: 
 its CRC-32 in the manifest, a data file by its size and every chunk's CRC-32, an objects file
 by its size and CRC-32. A file that fails is removed with a warning and read from the store.
 Files appear under their final names only complete and verified (written aside, renamed).
+The cache is its owner's alone whatever the umask: directories 0700, files 0600 (a job that
+runs as another user than the prefetch has a cache of its own).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from striped_fs import ManifestError, StripeChecksumError, StripedFileSystem
+from striped_fs.private import create_private, make_dir
 from striped_fs.reader import fetch_pieces
 from striped_fs.urls import to_striped_url, url_to_fs
 
@@ -126,7 +129,7 @@ class NodeCache:
         return sorted(s for n in names if (s := parse_step(n)) is not None)
 
     def remember_source(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_dir(self.root, tighten=True)
         source = self.root / "SOURCE"
         if not source.exists():
             _atomic_write(source, f"{self.url}\n".encode())
@@ -256,7 +259,7 @@ class StepCache:
     def prepare(self, manifest_raw: bytes) -> bool:
         """Make the directory hold this step's commit record; True when it already did.
         Leftovers of killed prefetches go; a stale step (another commit) is emptied."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_dir(self.dir, tighten=True)
         self._remove_dead_temps()
         cached = _read_or_none(self.dir / MANIFEST)
         if cached == manifest_raw:
@@ -265,7 +268,7 @@ class StepCache:
             log.warning("checkpoint cache: %s holds another step %d than the store's; "
                         "replacing it", self.dir, self.step)
             shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir.mkdir(parents=True, exist_ok=True)
+            make_dir(self.dir)
         _atomic_write(self.dir / MANIFEST, manifest_raw)
         return False
 
@@ -322,7 +325,8 @@ def _read_or_none(path: Path) -> bytes | None:
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
     try:
-        tmp.write_bytes(data)
+        with os.fdopen(create_private(tmp), "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -584,7 +588,7 @@ def _local(fn: Callable[..., T], *args: Any) -> T:
 def _download(url: str, where: str, source: Any, tmp: Path, connections: int) -> None:
     """The store file into ``tmp``, stripes in parallel (each verified by striped_fs)."""
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = create_private(tmp)
         os.ftruncate(fd, source.size)
     except OSError as exc:
         raise _CacheWriteError(exc) from exc

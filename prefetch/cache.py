@@ -5,6 +5,8 @@ content-addressed, so frames shared by images or layers are stored once, a frame
 against its name whenever it is read back (a damaged cache file is dropped and refetched,
 never served), and the cache survives remounts and restarts with nothing to rebuild but its
 size. Files are written to a temporary name and renamed, so a crash leaves no torn entry.
+The cache is private to its owner whatever the umask: ``frames/`` and its directories are
+0700, frames 0600 (a cache directory this creates is 0700 too; one given keeps its mode).
 Eviction is least-recently-used by size, down to 90% of the limit when it is exceeded.
 
 In memory, a small LRU of *decompressed* frames serves the many small reads a program makes
@@ -22,6 +24,8 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
+
+from striped_fs.private import create_private, make_dir
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +45,8 @@ class BlockCache:
     def __init__(self, root: str | os.PathLike, max_bytes: int = 16 << 30) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
-        self._dir = self.root / "frames"
-        self._dir.mkdir(parents=True, exist_ok=True)
+        make_dir(self.root)
+        self._dir = make_dir(self.root / "frames", tighten=True)
         self._lock = threading.Lock()
         self._lru: OrderedDict[str, int] = OrderedDict()  # digest -> size, oldest first
         self._bytes = 0
@@ -111,9 +115,9 @@ class BlockCache:
                 self._lru.move_to_end(digest)
                 return
         path = self._path(digest)
-        path.parent.mkdir(exist_ok=True)
+        make_dir(path.parent)
         tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
+        with os.fdopen(create_private(tmp), "wb") as f:
             f.write(data)
         os.replace(tmp, path)
         with self._lock:

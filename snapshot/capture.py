@@ -29,6 +29,8 @@ from typing import Any
 
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 
+from striped_fs.private import make_dir
+
 from .ensure import EnsureResult, open_store, publish_tree
 from .errors import SnapshotError, StoreUnavailable, UnsafeMemberError
 from .extract import Extractor
@@ -375,8 +377,7 @@ def _record(key: str, roots: list[str], members: list[Member], deleted: list[str
         except FileNotFoundError:
             continue
         rows.append([m.path, stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns])
-    directory = state_dir() / "captures"
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = make_dir(state_dir() / "captures", tighten=True)  # the node's state: 0700
     record = {"key": key, "roots": roots, "entries": rows, "deleted": deleted,
               "written": time.time()}
     tmp = directory / f".{key}.{os.getpid()}.tmp"

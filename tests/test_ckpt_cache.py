@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from unprivileged import mode, umask
 
 from bootseer.testing.servers import free_port
 from ckpt import (
@@ -292,6 +293,19 @@ def test_older_cached_steps_go_when_a_newer_one_is_cached(tmp_path: Path) -> Non
     save_both(store, 2, seed=2)
     assert prefetch_latest(store, cache, [0]).step == 2
     assert NodeCache(cache, store).steps() == [2]
+
+
+def test_the_cache_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    """Under umask 000 the cache's directories (a missing parent too) are 0700 and its files
+    0600: shards and indexes are no other user's to read."""
+    store, cache = str(tmp_path / "store"), tmp_path / "node" / "cache"
+    save_both(store, 5, seed=5, options=SMALL)
+    with umask(0):
+        prefetch_latest(store, cache, [0, 1])
+    paths = [tmp_path / "node", *cache.rglob("*")]
+    assert {mode(p) for p in paths if p.is_dir()} == {0o700}
+    assert len([p for p in paths if p.is_file()]) == 8  # SOURCE, manifest, 2 indexes, 4 shards
+    assert {mode(p) for p in paths if p.is_file()} == {0o600}
 
 
 def test_store_keys_are_per_url() -> None:
