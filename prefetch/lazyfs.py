@@ -5,8 +5,10 @@ layer's tar stream, then to the frames that hold those bytes; the fetcher serves
 from memory, the block cache, or the registry (on demand, ahead of any prefetch). Metadata
 (``stat``, ``readdir``, ``readlink``, xattrs) comes from the TOCs alone: listing a tree or
 stat-ing every file fetches nothing. The mount is read-only, ``nodev`` and ``nosuid``
-unless the caller decides otherwise; device nodes and setuid bits are presented as the image
-says. Generic FUSE plumbing (wait for a mount, unmount) comes from striped_fs.fuse.
+unless the caller decides otherwise, and ``default_permissions``: the kernel checks every
+access against the modes and owners the image gives (a 0600 file stays its owner's); device
+nodes and setuid bits are presented as the image says. Generic FUSE plumbing (wait for a
+mount, unmount) comes from striped_fs.fuse.
 """
 
 from __future__ import annotations
@@ -198,7 +200,9 @@ class LazyOperations(Operations):  # type: ignore[misc,valid-type]
 
 def mount(image: LazyImage, mountpoint: str, *, foreground: bool = True,
           allow_other: bool = False, dev_suid: bool = False) -> None:
-    """Serve ``image`` at ``mountpoint`` until unmounted (SIGINT/SIGTERM unmount cleanly)."""
+    """Serve ``image`` at ``mountpoint`` until unmounted (SIGINT/SIGTERM unmount cleanly).
+    Only the mounting user reaches it unless ``allow_other``; ``dev_suid`` (a chroot that
+    must run the image's setuid programs) lifts ``nodev,nosuid``."""
     from striped_fs.fuse import MountError, run_fuse
 
     if _fusepy is None:
@@ -209,6 +213,8 @@ def mount(image: LazyImage, mountpoint: str, *, foreground: bool = True,
                                "fsname": "bootseer-image", "subtype": "bootseer",
                                "use_ino": True,  # hardlinks share an inode number
                                "max_read": 1 << 20,
+                               # the kernel enforces the image's modes and owners
+                               "default_permissions": True,
                                # The image never changes under the mount: the kernel may keep
                                # file pages across opens and cache lookups and attributes.
                                "kernel_cache": True, "entry_timeout": 3600.0,

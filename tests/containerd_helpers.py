@@ -41,32 +41,33 @@ def _libraries(binary: str) -> set[str]:
     return libs
 
 
+def add_programs(tar: tarfile.TarFile, tools: tuple[str, ...], dirs: tuple[str, ...] = ()
+                 ) -> None:
+    """The host's ``tools`` as ``bin/<tool>`` with the shared libraries they load, their
+    directories (0755) and ``dirs`` too."""
+    files: dict[str, bytes] = {}
+    for tool in tools:
+        path = shutil.which(tool)
+        assert path, f"{tool} is not installed"
+        real = os.path.realpath(path)
+        files[f"bin/{tool}"] = Path(real).read_bytes()
+        for lib in _libraries(real):
+            files[lib.lstrip("/")] = Path(os.path.realpath(lib)).read_bytes()
+    leaves = {str(Path(name).parent) for name in files} | set(dirs)
+    parents = {"/".join(Path(d).parts[:i]) for d in leaves
+               for i in range(1, len(Path(d).parts) + 1)}
+    for d in sorted(parents):
+        _add(tar, d, kind=tarfile.DIRTYPE, mode=0o755)
+    for name in sorted(files):
+        _add(tar, name, files[name], mode=0o755)
+
+
 def runnable_layers() -> list[bytes]:
     """Three tar layers: tools + libraries; an app layer deleting and replacing lower files;
     a layer with a big file."""
     base = io.BytesIO()
     with tarfile.open(fileobj=base, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        files: dict[str, bytes] = {}
-        modes: dict[str, int] = {}
-        for tool in TOOLS:
-            path = shutil.which(tool)
-            assert path, f"{tool} is not installed"
-            real = os.path.realpath(path)
-            files[f"bin/{tool}"] = Path(real).read_bytes()
-            modes[f"bin/{tool}"] = 0o755
-            for lib in _libraries(real):
-                files[lib.lstrip("/")] = Path(os.path.realpath(lib)).read_bytes()
-                modes[lib.lstrip("/")] = 0o755
-        dirs = sorted({str(Path(name).parent) for name in files} | {"etc", "data", "data/old"})
-        for d in dirs:
-            for i in range(1, len(Path(d).parts) + 1):
-                sub = "/".join(Path(d).parts[:i])
-                if sub not in modes:
-                    modes[sub] = -1
-        for d in sorted(k for k, v in modes.items() if v == -1):
-            _add(tar, d, kind=tarfile.DIRTYPE, mode=0o755)
-        for name in sorted(files):
-            _add(tar, name, files[name], mode=modes[name])
+        add_programs(tar, TOOLS, ("etc", "data", "data/old"))
         _add(tar, "etc/removed.txt", b"deleted by layer two\n")
         _add(tar, "data/old/a", b"hidden by an opaque directory\n")
     app = io.BytesIO()
@@ -116,6 +117,7 @@ class SnapshotterProcess:
     log_path: Path
     extra: tuple[str, ...] = ()
     proc: subprocess.Popen | None = None
+    umask: int = -1  # the process's umask (-1: this one's)
 
     def start(self, timeout_s: float = 30.0) -> SnapshotterProcess:
         if os.path.exists(self.address):
@@ -125,7 +127,7 @@ class SnapshotterProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "bootseer", "snapshotter", "--root",
                  str(self.root), "--address", self.address, *self.extra],
-                stdout=log, stderr=log, start_new_session=True)
+                stdout=log, stderr=log, start_new_session=True, umask=self.umask)
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(self.address):
             if self.proc.poll() is not None or time.monotonic() > deadline:

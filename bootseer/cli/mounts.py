@@ -1,5 +1,11 @@
 """Start a FUSE mount in a background process and wait for it (``bootseer fs mount``,
-``bootseer image mount``): the mount outlives the command, so its log goes to a file."""
+``bootseer image mount``): the mount outlives the command, so its log goes to a file.
+
+The log is private: a new directory with a name no one can guess (``mkdtemp``, 0700) in the
+temporary directory, and in it a file created 0600, exclusively, never through a symlink.
+A fixed name in a shared directory (``/tmp``) would let another user plant a symlink there
+and have the mount, often run as root, append to a file of their choosing.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,17 @@ import signal
 import subprocess
 import tempfile
 
+from striped_fs.private import create_private
+
 from .errors import CliError
+
+
+def open_log(kind: str, mountpoint: str) -> tuple[str, int]:
+    """(path, write descriptor) of a new private log file for a ``kind`` mount."""
+    directory = tempfile.mkdtemp(prefix=f"bootseer-{kind}-mount-")
+    name = os.path.basename(os.path.abspath(mountpoint)) or "root"
+    path = os.path.join(directory, f"{name}.log")
+    return path, create_private(path, os.O_WRONLY | os.O_APPEND)
 
 
 def start_background_mount(argv: list[str], mountpoint: str, *, timeout: float, what: str,
@@ -17,9 +33,8 @@ def start_background_mount(argv: list[str], mountpoint: str, *, timeout: float, 
     mounted, or raise CliError with the tail of its log."""
     from striped_fs import fuse
 
-    log_path = os.path.join(tempfile.gettempdir(), f"bootseer-{kind}-"
-                            f"{os.path.basename(os.path.abspath(mountpoint))}-{os.getpid()}.log")
-    with open(log_path, "ab") as log_file:
+    log_path, log_fd = open_log(kind, mountpoint)
+    with os.fdopen(log_fd, "ab") as log_file:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=log_file, start_new_session=True)
     try:

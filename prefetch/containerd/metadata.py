@@ -115,6 +115,17 @@ def _check_labels(labels: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def _make_private(path: str) -> None:
+    """Create the database file 0600 (or make an existing one 0600) before sqlite opens it:
+    sqlite would create it 0644 less the umask, and gives its -wal and -shm files the
+    database's mode."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 def _json(obj: Mapping[str, Any]) -> str:
     return json.dumps(dict(obj), sort_keys=True, separators=(",", ":"))
 
@@ -124,6 +135,7 @@ class MetadataStore:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
+        _make_private(self.path)
         self._lock = threading.RLock()
         self._depth = 0  # transaction nesting; only the lock's owner touches it
         self._conn: sqlite3.Connection | None = sqlite3.connect(

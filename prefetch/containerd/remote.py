@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from striped_fs.private import make_dir
+
 from ..cache import BlockCache
 from ..fetcher import Blob, FrameFetcher
 from ..image import FORMAT_ANNOTATION, FORMAT_VALUE, find_profile, store_profile
@@ -74,9 +76,9 @@ class RemoteLayers:
                  connections: int = 16, record_timeout_s: float = 120.0,
                  push_profiles: bool = True, prefetch: bool = True,
                  registry_options: dict[str, Any] | None = None) -> None:
-        self.root = Path(root)
+        self.root = make_dir(root, tighten=True)  # 0700, and each directory in it
         for sub in ("manifests", "indexes", "profiles", "cache"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+            make_dir(self.root / sub, tighten=True)
         self.record_timeout_s = record_timeout_s
         self.push_profiles = push_profiles
         self.prefetch_enabled = prefetch

@@ -5,12 +5,18 @@ One process holds both: the FUSE mount runs in the main thread (libfuse's signal
 unmounts it on SIGTERM), and the gRPC server starts from the mount's ``init``, so containerd
 never gets a lazy snapshot's path before that path can be read. A mount left by a killed
 predecessor is detached first; every lazy snapshot in the metadata is served again.
+
+Whatever umask the process was started with, everything it creates is private to root: the
+daemon runs under umask 077, its directories get explicit modes (snapshotter.py), and the
+socket is bound in a private directory, made 0600 there and only then renamed into place.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -19,6 +25,8 @@ from typing import Any
 
 import grpc
 from google.protobuf import empty_pb2, timestamp_pb2
+
+from striped_fs.private import make_dir
 
 from .api.services.snapshots.v1 import snapshots_pb2 as pb
 from .api.services.snapshots.v1 import snapshots_pb2_grpc as pb_grpc
@@ -119,39 +127,54 @@ class SnapshotsService(pb_grpc.SnapshotsServicer):
 
 
 def start_grpc(snapshotter: Snapshotter, address: str, *, workers: int = 32) -> grpc.Server:
-    """Serve the snapshots API on the unix socket ``address`` (a stale socket file of a
-    killed predecessor is replaced; the socket is private to root)."""
-    Path(address).parent.mkdir(parents=True, exist_ok=True)
-    if os.path.exists(address):
-        os.unlink(address)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
-                                                    thread_name_prefix="snapshots"))
-    pb_grpc.add_SnapshotsServicer_to_server(SnapshotsService(snapshotter), server)
-    if server.add_insecure_port(f"unix://{address}") == 0:
-        raise OSError(f"cannot listen on unix socket {address}")
-    old = os.umask(0o077)
+    """Serve the snapshots API on the unix socket ``address``, mode 0600 whatever the umask.
+
+    gRPC binds the socket with the umask's mode, in its own threads' time; so it binds a name
+    in a fresh 0700 directory beside ``address`` (nobody else can reach it there), the socket
+    is made 0600, then renamed onto ``address`` (atomically replacing the stale socket of a
+    killed predecessor). A missing parent directory is created 0700; an existing one keeps
+    its mode."""
+    parent = make_dir(Path(address).parent)
+    staging = tempfile.mkdtemp(prefix=".sock-", dir=parent)  # 0700, whatever the umask
     try:
-        server.start()
+        bound = os.path.join(staging, "s")
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
+                                                        thread_name_prefix="snapshots"))
+        pb_grpc.add_SnapshotsServicer_to_server(SnapshotsService(snapshotter), server)
+        if server.add_insecure_port(f"unix://{bound}") == 0:
+            raise OSError(f"cannot listen on unix socket {bound} (for {address}; a unix "
+                          "socket path has at most 107 bytes)")
+        os.chmod(bound, 0o600)
+        os.replace(bound, address)
     finally:
-        os.umask(old)
+        shutil.rmtree(staging, ignore_errors=True)
+    server.start()
     return server
 
 
 def serve(root: str | os.PathLike, address: str, *, remote_options: dict[str, Any] | None = None,
           ready: threading.Event | None = None) -> int:
-    """Run the snapshotter until SIGTERM/SIGINT (or an unmount of its lazy directory)."""
+    """Run the snapshotter until SIGTERM/SIGINT (or an unmount of its lazy directory), under
+    umask 077 (the caller's is put back after)."""
+    umask = os.umask(0o077)
+    try:
+        return _serve(Path(root).resolve(), address, remote_options, ready)
+    finally:
+        os.umask(umask)
+
+
+def _serve(root: Path, address: str, remote_options: dict[str, Any] | None,
+           ready: threading.Event | None) -> int:
     from striped_fs import fuse
 
     from .remote import RemoteLayers
     from .views import ViewOperations, mount_views
 
-    root = Path(root).resolve()
-    root.mkdir(parents=True, exist_ok=True)
+    make_dir(root, tighten=True)
     lazy_dir = root / "lazy"
     if _is_stale_mount(lazy_dir) or fuse.is_mounted(lazy_dir):
         log.info("detaching the lazy mount a previous snapshotter left at %s", lazy_dir)
         fuse.unmount(lazy_dir, lazy=True)
-    lazy_dir.mkdir(exist_ok=True)
     remote = RemoteLayers(root / "remote", **(remote_options or {}))
     server: list[grpc.Server] = []
 

@@ -15,6 +15,12 @@ directories, nearest first; a view of one parent is a read-only bind mount of it
 snapshot (a converted layer, committed at Prepare time and reported ALREADY_EXISTS) has no
 directory: its lazy view stands for it and for the lazy parents below it.
 
+Modes, as containerd's own snapshotters after CVE-2021-41103, whatever the umask: the root,
+``snapshots/``, each ``snapshots/<id>``, ``lazy/`` (and the lazy mount's own root) and
+``remote/`` are 0700, root's alone; inside them ``fs`` is 0755 (a container's ``/`` looks as
+usual) and ``work`` 0711. An existing root and those directories are set to their modes at
+start (a node set up by an older version).
+
 Crash safety: the database changes first, in one transaction; directories are created before
 the row commits and deleted after it is gone, so a crash can leave an orphan directory (which
 ``cleanup`` removes) but never a row without its directory.
@@ -30,6 +36,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from striped_fs.private import make_dir
 
 from . import labels as lbl
 from .errors import AlreadyExistsError, InvalidArgumentError
@@ -59,10 +67,9 @@ class Snapshotter:
 
     def __init__(self, root: str | os.PathLike, *, remote: RemoteLayers | None = None,
                  views: ViewOperations | None = None) -> None:
-        self.root = Path(root).resolve()
-        (self.root / "snapshots").mkdir(parents=True, exist_ok=True)
-        self.lazy_dir = self.root / "lazy"
-        self.lazy_dir.mkdir(exist_ok=True)
+        self.root = make_dir(Path(root).resolve(), tighten=True)
+        make_dir(self.root / "snapshots", tighten=True)
+        self.lazy_dir = make_dir(self.root / "lazy", tighten=True)
         self.db = MetadataStore(self.root / "metadata.db")
         self.remote = remote
         self.views = views or ViewOperations()
@@ -134,9 +141,10 @@ class Snapshotter:
             base = self._dir(snap)
             if base.exists():  # an orphan of a crash with this id: not ours any more
                 shutil.rmtree(base)
-            (base / "fs").mkdir(parents=True)
+            make_dir(base)
+            make_dir(base / "fs", 0o755)  # containerd's modes, whatever the umask
             if kind == Kind.ACTIVE:
-                (base / "work").mkdir()
+                make_dir(base / "work", 0o711)
         return self._mounts(snap)
 
     def _serve_remotely(self, key: str, parent: str, labels: dict[str, str],

@@ -108,15 +108,15 @@ class ViewOperations(Operations):  # type: ignore[misc,valid-type]
             return "ready"
         return None
 
-    def _dir_stat(self, ino: int) -> dict[str, Any]:
+    def _dir_stat(self, ino: int, mode: int = 0o755) -> dict[str, Any]:
         t = self.mounted_at
-        return {"st_mode": stat.S_IFDIR | 0o755, "st_ino": ino, "st_nlink": 2,
-                "st_size": 4096, "st_atime": t, "st_mtime": t, "st_ctime": t}
+        return {"st_mode": stat.S_IFDIR | mode, "st_ino": ino, "st_nlink": 2, "st_uid": 0,
+                "st_gid": 0, "st_size": 4096, "st_atime": t, "st_mtime": t, "st_ctime": t}
 
     def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
         view_id, rest = self._split(path)
-        if view_id is None:
-            return self._dir_stat(1)
+        if view_id is None:  # the mount's root: root's alone, as the directory under it
+            return self._dir_stat(1, 0o700)
         ops = self.view(view_id)
         control = self._control(rest)
         if control == "dir":
@@ -192,15 +192,25 @@ class ViewOperations(Operations):  # type: ignore[misc,valid-type]
 
 
 def mount_views(ops: ViewOperations, mountpoint: str) -> None:
-    """Serve ``ops`` at ``mountpoint`` until unmounted (blocks; SIGTERM unmounts). Mounted with
-    ``allow_other`` (containers read through it) and with devices and setuid bits as the image
-    says: the container runtime decides on its own mounts."""
+    """Serve ``ops`` at ``mountpoint`` until unmounted (blocks; SIGTERM unmounts).
+
+    ``nodev,nosuid,default_permissions,allow_other`` (docs/decisions.md, "node: private
+    directories, ..."): the kernel enforces the image's modes and owners on every access;
+    device nodes and setuid bits are presented as the image says but do nothing through this
+    mount. The container runtime decides on its own mount: containerd's overlay, which takes a
+    view as its lowerdir, carries neither flag, so a container sees its image's setuid
+    programs and devices work as with any snapshotter (a read-only container's bind mount of a
+    view too: containerd remounts it ``ro``, which resets both flags). ``allow_other`` is for
+    that bind mount: there a container's users other than root read through FUSE with their
+    own credentials. The mount's root is 0700 and lies in the snapshotter's 0700 root, so no
+    user of the node gets to it but root.
+    """
     from striped_fs.fuse import run_fuse
 
     options: dict[str, Any] = {"foreground": True, "nothreads": False, "ro": True,
                                "fsname": "bootseer-snapshots", "subtype": "bootseer",
                                "use_ino": True, "max_read": 1 << 20, "allow_other": True,
-                               "dev": True, "suid": True, "kernel_cache": True,
-                               "entry_timeout": 3600.0, "attr_timeout": 3600.0,
-                               "negative_timeout": 3600.0}
+                               "default_permissions": True, "nodev": True, "nosuid": True,
+                               "kernel_cache": True, "entry_timeout": 3600.0,
+                               "attr_timeout": 3600.0, "negative_timeout": 3600.0}
     run_fuse(ops, mountpoint, options)
