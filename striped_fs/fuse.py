@@ -833,6 +833,10 @@ def mount(
     *calling* process ``_exit(0)``s once the mount is up; a parent that wants the mount in the
     background should rather start a child process (``python -m striped_fs.fuse``) and use
     :func:`wait_mounted`.
+
+    Only the mounting user reaches the mount unless ``allow_other``; then the kernel checks
+    every access against the modes presented (``default_permissions``: files 0644, directories
+    0755, the mounting user's), so other users read but never change the store.
     """
     if _fusepy is None:
         raise MountError(f"FUSE is unavailable: {_FUSE_IMPORT_ERROR}")
@@ -851,6 +855,7 @@ def mount(
         "atomic_o_trunc": True,  # O_TRUNC arrives with open(), not as a separate truncate
         "nodev": True,
         "nosuid": True,
+        "default_permissions": True,  # the kernel enforces the modes presented
     }
     if read_only:
         options["ro"] = True
