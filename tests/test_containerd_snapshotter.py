@@ -257,6 +257,7 @@ def test_the_deploy_snippet_registers_the_snapshotter(tmp_path: Path, containerd
     assert plugin["type"] == "snapshot"
     unit = (repo / "deploy/systemd/bootseer-snapshotter.service").read_text()
     assert plugin["address"] in unit  # the unit serves the socket the snippet names
+    assert "UMask=0077" in unit.splitlines()
     sock_dir = tempfile.mkdtemp(prefix="bsn-")
     try:
         sn = SnapshotterProcess(tmp_path / "sn", os.path.join(sock_dir, "sn.sock"),

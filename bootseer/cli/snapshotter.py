@@ -15,9 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("snapshotter", help="serve containerd's snapshots API: lazy layers for "
                                            "`ctr run --snapshotter bootseer`")
     p.add_argument("--root", default="/var/lib/bootseer/snapshotter",
-                   help="metadata, snapshots, layer cache (default %(default)s)")
+                   help="metadata, snapshots, layer cache; made 0700 (default %(default)s)")
     p.add_argument("--address", default="/run/bootseer/snapshotter.sock",
-                   help="unix socket containerd's proxy_plugins entry names "
+                   help="unix socket containerd's proxy_plugins entry names, created 0600 "
                         "(default %(default)s)")
     p.add_argument("--cache-size", default="64G", help="block cache limit (default 64G)")
     p.add_argument("--connections", type=int, default=16,
