@@ -555,10 +555,12 @@ class Bench:
                         f"(processes {alive}); remove it with: bootseer fs umount {mnt}")
                     break
                 time.sleep(0.2)
-            # The background mount logs to TMPDIR/bootseer-mount-<mountpoint name>-<pid>.log.
-            for log_file in Path(tempfile.gettempdir()).glob(f"bootseer-mount-{mnt.name}-*.log"):
+            # The background mount logs to TMPDIR/bootseer-fs-mount-*/<mountpoint name>.log, a
+            # private directory of its own (the mountpoint's name is unique).
+            for log_file in Path(tempfile.gettempdir()).glob(f"bootseer-fs-mount-*/{mnt.name}.log"):
                 with contextlib.suppress(OSError):
                     log_file.unlink()
+                    log_file.parent.rmdir()
 
         with contextlib.ExitStack() as local:
             local.callback(cleanup)
