@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import pytest
+from conftest import need
 
 NOBODY = ("--reuid=nobody", "--regid=nogroup", "--clear-groups")
 
@@ -75,8 +75,9 @@ json.dump(out, sys.stdout)
 
 
 def need_setpriv() -> None:
+    """Skip (fail under BOOTSEER_REQUIRE_SYSTEM=1) without root and setpriv."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv (util-linux) to act as nobody")
+        need("needs root and setpriv (util-linux) to act as nobody")
 
 
 def as_nobody(*argv: str, stdin: str = "", timeout: float = 120
