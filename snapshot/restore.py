@@ -42,15 +42,16 @@ from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 from .errors import CorruptSnapshotError, RelocationError, SnapshotError
 from .extract import Extractor, _umask
 from .manifest import DIR, FILE, HARDLINK, SYMLINK, Chunk, Manifest, Member, decode_toc
-from .pack import STATE_DIR
 from .relocate import PrefixRef, RelocationReport, binary_refusal, relocate, rewrite_path
 from .safety import Plan, plan_extraction
+from .state import read_state, write_state
 from .store import SnapshotStore
 
 log = logging.getLogger(__name__)
 
 MARKER = "env.json"
 VERIFY_TOC = "toc.json.zst"
+MAX_MARKER = 1 << 20
 STAGING_TAG = ".bootseer-staging-"
 
 
@@ -278,12 +279,14 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def read_marker(prefix: str | os.PathLike) -> dict[str, Any] | None:
+    """The marker of the environment at ``prefix``; None when there is none, or it is
+    reached through a link (:mod:`snapshot.state`)."""
+    raw = read_state(prefix, MARKER, MAX_MARKER)
     try:
-        with open(Path(prefix, STATE_DIR, MARKER), "rb") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
+        data = json.loads(raw) if raw is not None else None
+    except ValueError:
         return None
+    return data if isinstance(data, dict) else None
 
 
 def check_replaceable(prefix: Path, replace: bool) -> None:
@@ -330,9 +333,20 @@ def write_marker(root: Path, key: str, prefix: Path, members: list[Member], *,
 
     ``changed=True``: stat every file (a tree bootseer did not write); otherwise the members'
     sizes and mtimes are what was written, except the files a relocation rewrote or removed.
+    The state directory is created, never reused (:func:`snapshot.state.write_state`).
     """
-    state = root / STATE_DIR
-    state.mkdir(exist_ok=True)
+    rows = _verify_rows(root, members, changed)
+    marker = {"key": key, "prefix": str(prefix), "built_at": built_at, "publisher": publisher,
+              "store": _redact(store_url) if store_url else None, "published": published,
+              "written": time.time(), "entries": len(rows)}
+    write_state(root, {
+        VERIFY_TOC: zstandard.ZstdCompressor(level=3).compress(json.dumps(rows).encode()),
+        MARKER: json.dumps(marker, indent=1).encode()})
+
+
+def _verify_rows(root: Path, members: list[Member],
+                 changed: RelocationReport | None | bool) -> list[list[Any]]:
+    """``[path, kind, size, mtime_ns]`` of every member, as :func:`verify` will compare."""
     restat: set[str] = set()
     removed: set[str] = set()
     if isinstance(changed, RelocationReport):
@@ -351,12 +365,7 @@ def write_marker(root: Path, key: str, prefix: Path, members: list[Member], *,
             rows.append([m.path, m.kind, st.st_size, st.st_mtime_ns])
         else:
             rows.append([m.path, m.kind, m.size, m.mtime_ns])
-    (state / VERIFY_TOC).write_bytes(
-        zstandard.ZstdCompressor(level=3).compress(json.dumps(rows).encode()))
-    marker = {"key": key, "prefix": str(prefix), "built_at": built_at, "publisher": publisher,
-              "store": _redact(store_url) if store_url else None, "published": published,
-              "written": time.time(), "entries": len(rows)}
-    (state / MARKER).write_text(json.dumps(marker, indent=1))
+    return rows
 
 
 def _redact(url: str) -> str:
@@ -382,8 +391,10 @@ def verify(prefix: str | os.PathLike, key: str | None = None) -> VerifyResult:
         return VerifyResult(False, f"was restored for {marker.get('prefix')}, not here",
                             key=marker.get("key"))
     try:
-        raw = zstandard.ZstdDecompressor().decompress(
-            (prefix / STATE_DIR / VERIFY_TOC).read_bytes(), max_output_size=1 << 30)
+        data = read_state(prefix, VERIFY_TOC, 1 << 30)
+        if data is None:
+            raise OSError("missing, not a regular file, or reached through a link")
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 30)
         rows = json.loads(raw)
     except (OSError, ValueError, zstandard.ZstdError) as exc:
         return VerifyResult(False, f"its verification record is unreadable ({exc})",
