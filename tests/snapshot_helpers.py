@@ -343,11 +343,14 @@ def tar_stream(entries: Sequence[tuple]) -> tuple[list[Member], bytes]:
 def publish_crafted(store: SnapshotStore, members: Sequence[Member], stream: bytes, *,
                     prefix: str | os.PathLike, key: str | None = None,
                     chunk_size: int | None = None,
-                    tamper: Callable[[dict[str, Any]], None] | None = None) -> Manifest:
+                    tamper: Callable[[dict[str, Any]], None] | None = None,
+                    compress: Callable[[bytes], bytes] | None = None,
+                    kind: str = "prefix", capture: dict[str, Any] | None = None) -> Manifest:
     """Publish a hand-made snapshot (``members`` as the TOC, ``stream`` cut into zstd chunks
     of ``chunk_size`` bytes, default one) the way a publisher would, hostile or not.
-    ``tamper(manifest_json)`` may edit the manifest before it is written. Returns the
-    manifest as built (before tampering)."""
+    ``compress(raw)`` makes each chunk object (default: real zstd); ``kind`` and ``capture``
+    make a capture snapshot; ``tamper(manifest_json)`` may edit the manifest before it is
+    written. Returns the manifest as built (before tampering)."""
     key = key or uuid.uuid4().hex
     publisher = uuid.uuid4().hex
     size = chunk_size or max(len(stream), 1)
@@ -355,7 +358,7 @@ def publish_crafted(store: SnapshotStore, members: Sequence[Member], stream: byt
     chunks = []
     for i, start in enumerate(range(0, len(stream), size)):
         raw = stream[start:start + size]
-        data = comp.compress(raw)
+        data = (compress or comp.compress)(raw)
         name = f"{publisher}/{i:06d}.tar.zst"
         store.put(key, name, data).result()
         chunks.append(Chunk(name, start, len(raw), len(data), hashlib.sha256(data).hexdigest()))
@@ -364,12 +367,12 @@ def publish_crafted(store: SnapshotStore, members: Sequence[Member], stream: byt
     toc_name = f"{publisher}/toc.json.zst"
     store.put(key, toc_name, toc).result()
     manifest = Manifest(
-        key=key, kind="prefix", prefix=os.fspath(prefix), chunks=chunks,
+        key=key, kind=kind, prefix=os.fspath(prefix), chunks=chunks,
         toc={"name": toc_name, "sha256": hashlib.sha256(toc).hexdigest(), "size": len(toc),
              "raw_size": len(toc_raw)},
         stream_size=len(stream), files=sum(m.kind == "f" for m in members),
         bytes=sum(m.size for m in members if m.kind == "f"), publisher=publisher,
-        created=time.time(), host="crafted")
+        created=time.time(), host="crafted", capture=capture or {})
     if tamper is None:
         assert store.commit(manifest)
     else:
@@ -388,3 +391,18 @@ def decompress_chunks(store: SnapshotStore, manifest: Manifest) -> bytes:
     while piece := reader.read(1 << 20):
         data += piece
     return bytes(data)
+
+
+def capture_entries(roots: Sequence[Path], entries: Sequence[tuple]) -> list[tuple]:
+    """Entries of a capture snapshot (paths relative to ``/``): every ancestor of each root
+    and the root as directories, then ``entries`` (paths relative to ``/`` too)."""
+    out: list[tuple] = []
+    seen: set[str] = set()
+    for root in roots:
+        parts = str(root).strip("/").split("/")
+        for depth in range(1, len(parts) + 1):
+            path = "/".join(parts[:depth])
+            if path not in seen:
+                seen.add(path)
+                out.append(("d", path))
+    return out + list(entries)

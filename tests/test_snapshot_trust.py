@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 from canary import Canary
-from snapshot_helpers import publish_crafted, scan, staging_dirs, tar_stream
+from snapshot_helpers import capture_entries, publish_crafted, scan, staging_dirs, tar_stream
 
+from snapshot.capture import replay, verify_capture
 from snapshot.ensure import ensure
-from snapshot.errors import UnsafeMemberError
-from snapshot.manifest import Member
+from snapshot.errors import SnapshotError, UnsafeMemberError
+from snapshot.manifest import Manifest, Member
 from snapshot.restore import read_marker, restore, write_marker
 from snapshot.store import SnapshotStore
 
@@ -129,4 +130,102 @@ def test_an_install_that_plants_the_state_dir_is_refused(tmp_path: Path) -> None
     with pytest.raises(UnsafeMemberError) as caught:
         ensure([], prefix=tmp_path / "venv", store=None, command=command)
     assert caught.value.member == ".bootseer" and "reserved" in caught.value.rule
+    canary.assert_unchanged()
+
+
+# -- high: capture replay never deletes through a symlink -------------------------------------
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path / "state"
+    monkeypatch.setenv("BOOTSEER_STATE_DIR", str(directory))
+    return directory
+
+
+def rel(path: Path) -> str:
+    return str(path).lstrip("/")
+
+
+def publish_capture(store: SnapshotStore, root: Path, entries: list[tuple],
+                    deleted: list[str]) -> Manifest:
+    members, stream = tar_stream(capture_entries([root], entries))
+    return publish_crafted(store, members, stream, prefix="/", kind="capture",
+                           capture={"roots": [str(root)], "deleted": deleted})
+
+
+DELETIONS = {"file": "victim.txt", "tree": "tree", "nested": "tree/deep/keep.bin"}
+
+
+@pytest.mark.parametrize("what", sorted(DELETIONS))
+@pytest.mark.parametrize("planted_by", ["host", "earlier-replay"])
+def test_replay_never_deletes_through_a_symlink(tmp_path: Path, state: Path, what: str,
+                                                planted_by: str) -> None:
+    canary = Canary.plant(tmp_path / "canary")
+    store = SnapshotStore(str(tmp_path / "store"))
+    root = tmp_path / "host" / "tool"
+    root.mkdir(parents=True)
+    (root / "keep.txt").write_text("host file\n")
+    link = root / "link"
+    if planted_by == "host":
+        link.symlink_to(canary.root)
+    else:  # a link is data: an earlier snapshot may plant one, pointing anywhere
+        first = publish_capture(store, root, [("l", rel(link), str(canary.root))], [])
+        replay(store, first, [str(root)])
+        assert os.readlink(link) == str(canary.root)
+    before = scan(root, exclude=())
+    target = f"{rel(link)}/{DELETIONS[what]}"
+    manifest = publish_capture(store, root, [("f", rel(root / "new.txt"), b"new\n")], [target])
+    with pytest.raises(UnsafeMemberError) as caught:
+        replay(store, manifest, [str(root)])
+    assert caught.value.member == target
+    assert "symlink" in caught.value.rule and "never followed" in caught.value.rule
+    assert rel(link) in caught.value.rule
+    canary.assert_unchanged()
+    assert scan(root, exclude=()) == before  # refused before anything changed
+    assert not verify_capture(manifest.key)
+
+
+def test_replay_deletes_a_listed_symlink_itself_not_its_target(tmp_path: Path,
+                                                               state: Path) -> None:
+    canary = Canary.plant(tmp_path / "canary")
+    store = SnapshotStore(str(tmp_path / "store"))
+    root = tmp_path / "host" / "tool"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "to-tree").symlink_to(canary.tree)
+    (root / "old").mkdir()
+    (root / "old" / "f").write_text("old\n")
+    manifest = publish_capture(store, root, [("f", rel(root / "new.txt"), b"new\n")],
+                               [rel(root / "sub" / "to-tree"), rel(root / "old")])
+    replay(store, manifest, [str(root)])
+    assert not os.path.lexists(root / "sub" / "to-tree") and not (root / "old").exists()
+    assert (root / "new.txt").read_text() == "new\n"
+    canary.assert_unchanged()
+
+
+def test_capture_paths_may_not_hold_the_state_dir(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay's record is bootseer's state: no snapshot member may reach it."""
+    canary = Canary.plant(tmp_path / "canary")
+    root = tmp_path / "host" / "tool"
+    root.mkdir(parents=True)
+    monkeypatch.setenv("BOOTSEER_STATE_DIR", str(root / "state"))
+    store = SnapshotStore(str(tmp_path / "store"))
+    manifest = publish_capture(store, root, [("l", rel(root / "state"), str(canary.root))], [])
+    with pytest.raises(SnapshotError, match="state directory"):
+        replay(store, manifest, [str(root)])
+    canary.assert_unchanged()
+    assert list(root.iterdir()) == []
+
+
+def test_the_capture_record_is_never_written_through_a_link(tmp_path: Path,
+                                                            state: Path) -> None:
+    canary = Canary.plant(tmp_path / "canary")
+    state.mkdir()
+    (state / "captures").symlink_to(canary.root)
+    store = SnapshotStore(str(tmp_path / "store"))
+    root = tmp_path / "host" / "tool"
+    root.mkdir(parents=True)
+    manifest = publish_capture(store, root, [("f", rel(root / "new.txt"), b"new\n")], [])
+    with pytest.raises(SnapshotError, match="never written through"):
+        replay(store, manifest, [str(root)])
     canary.assert_unchanged()
