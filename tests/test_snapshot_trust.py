@@ -7,19 +7,32 @@ afterwards, and that the error names the member (or object) and the rule.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from canary import Canary
-from snapshot_helpers import capture_entries, publish_crafted, scan, staging_dirs, tar_stream
+from snapshot_helpers import (
+    capture_entries,
+    publish_crafted,
+    replace_object,
+    scan,
+    staging_dirs,
+    tar_stream,
+    zstd_frame,
+)
 
 from snapshot.capture import replay, verify_capture
 from snapshot.ensure import ensure
 from snapshot.errors import SnapshotError, UnsafeMemberError
-from snapshot.manifest import Manifest, Member
+from snapshot.manifest import MAX_TOC_RAW, Manifest, Member, encode_toc
 from snapshot.restore import read_marker, restore, write_marker
 from snapshot.store import SnapshotStore
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class Target:
@@ -131,6 +144,131 @@ def test_an_install_that_plants_the_state_dir_is_refused(tmp_path: Path) -> None
         ensure([], prefix=tmp_path / "venv", store=None, command=command)
     assert caught.value.member == ".bootseer" and "reserved" in caught.value.rule
     canary.assert_unchanged()
+
+
+# -- medium: decompression bounded by the declared and checked size ---------------------------
+
+BOMB = 512 << 20  # what the crafted frames would inflate to (16 KiB of RLE blocks)
+GREW_LIMIT_KIB = 64 << 10  # peak RSS growth allowed for a refused restore
+ENTRIES = [("d", "lib"), ("f", "lib/data", b"a" * (1 << 20)), ("f", "lib/small", b"hello\n")]
+
+
+def _grow_declared(size: int):
+    """Tamper: the manifest declares ``size`` raw bytes for the one chunk."""
+    def tamper(m: dict) -> None:
+        m["chunks"][0]["raw_size"] = m["stream_size"] = size
+    return tamper
+
+
+def _toc_object(store: SnapshotStore, members: list[Member], frame_of, raw_size=None):
+    """Tamper: the TOC object becomes ``frame_of(toc bytes)``, with the size and sha256 that
+    pass the checksum layer, and the manifest's TOC ``raw_size`` if given."""
+    def tamper(m: dict) -> None:
+        replace_object(store, m, m["toc"], frame_of(encode_toc(members)))
+        if raw_size is not None:
+            m["toc"]["raw_size"] = raw_size
+    return tamper
+
+
+def bomb_case(target: Target, case: str) -> tuple[str, str, str]:
+    """Publish the crafted snapshot; (key, "chunk" or "toc", a piece of the rule)."""
+    members, stream = tar_stream(ENTRIES)
+    chunk = "chunk"
+    if case == "chunk-header-declares-the-manifest-size":
+        options = dict(compress=lambda raw: zstd_frame(raw, inflate=BOMB))
+        rule = "does not decompress to exactly its declared"
+    elif case == "chunk-header-declares-no-size":
+        options = dict(compress=lambda raw: zstd_frame(raw, content_size=None, inflate=BOMB))
+        rule = "no content size"
+    elif case == "chunk-header-declares-what-it-inflates-to":
+        options = dict(compress=lambda raw: zstd_frame(raw, content_size=len(raw) + BOMB,
+                                                       inflate=BOMB))
+        rule = "frame declares"
+    elif case == "chunk-second-frame":
+        options = dict(compress=lambda raw: zstd_frame(raw) + zstd_frame(b"", inflate=BOMB))
+        rule = "does not decompress to exactly its declared"
+    elif case == "manifest-declares-more-than-the-header":
+        options = dict(tamper=_grow_declared(BOMB))
+        rule = "frame declares"
+    elif case == "manifest-and-header-declare-more-than-the-bytes-hold":
+        options = dict(compress=lambda raw: zstd_frame(raw, content_size=BOMB),
+                       tamper=_grow_declared(BOMB))
+        rule = "more than zstd can expand"
+    elif case == "toc-header-declares-the-manifest-size":
+        options = dict(tamper=_toc_object(target.store, members,
+                                          lambda raw: zstd_frame(raw, inflate=BOMB)))
+        chunk, rule = "toc", "does not decompress to exactly its declared"
+    elif case == "toc-manifest-and-header-declare-the-limit":
+        options = dict(tamper=_toc_object(
+            target.store, members, lambda raw: zstd_frame(raw, content_size=MAX_TOC_RAW),
+            raw_size=MAX_TOC_RAW))
+        chunk, rule = "toc", "more than zstd can expand"
+    else:  # pragma: no cover
+        raise AssertionError(case)
+    key = publish_crafted(target.store, members, stream, prefix=target.prefix, **options).key
+    return key, chunk, rule
+
+
+BOMB_CASES = ["chunk-header-declares-the-manifest-size", "chunk-header-declares-no-size",
+              "chunk-header-declares-what-it-inflates-to", "chunk-second-frame",
+              "manifest-declares-more-than-the-header",
+              "manifest-and-header-declare-more-than-the-bytes-hold",
+              "toc-header-declares-the-manifest-size",
+              "toc-manifest-and-header-declare-the-limit"]
+
+RESTORE_AND_MEASURE = """
+import json, resource, sys
+from snapshot.errors import SnapshotError
+from snapshot.restore import restore
+from snapshot.store import SnapshotStore
+store = SnapshotStore(sys.argv[1])
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = {"error": None}
+try:
+    restore(store, sys.argv[2], sys.argv[3])
+except SnapshotError as exc:
+    out = {"error": type(exc).__name__, "message": str(exc),
+           "chunk": getattr(exc, "chunk", None), "rule": getattr(exc, "rule", None)}
+out["grew_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak
+print(json.dumps(out))
+"""
+
+
+def restore_in_child(target: Target, key: str) -> dict:
+    """Restore in a fresh interpreter; its error, and how much its peak RSS grew (KiB)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", RESTORE_AND_MEASURE, target.store.url, key,
+                           str(target.prefix)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", BOMB_CASES)
+def test_a_bomb_is_refused_within_the_declared_size(target: Target, case: str) -> None:
+    key, which, rule = bomb_case(target, case)
+    manifest = target.store.require_manifest(key)
+    name = manifest.toc["name"] if which == "toc" else manifest.chunks[0].name
+    out = restore_in_child(target, key)
+    assert out["error"] == "CorruptSnapshotError", out
+    assert out["chunk"] == name and name in out["message"], out
+    assert rule in out["rule"] and out["rule"] in out["message"], out
+    assert out["grew_kib"] < GREW_LIMIT_KIB, f"peak RSS grew {out['grew_kib']} KiB: {out}"
+    target.assert_untouched()
+
+
+def test_only_the_declared_bytes_of_an_object_are_fetched(target: Target) -> None:
+    """The store holds more bytes than the manifest declares (chunk and TOC): a restore reads
+    the declared bytes only (a range), never the whole object, and they are the snapshot."""
+    def grow(m: dict) -> None:
+        for ref in (m["chunks"][0], m["toc"]):
+            data = target.store.fetch(m["key"], ref["name"]).result()
+            target.store.put(m["key"], ref["name"], data + bytes(8 << 20)).result()
+
+    key = target.publish(ENTRIES, tamper=grow)
+    restore(target.store, key, target.prefix)
+    assert (target.prefix / "lib/data").read_bytes() == b"a" * (1 << 20)
+    target.canary.assert_unchanged()
 
 
 # -- high: capture replay never deletes through a symlink -------------------------------------
