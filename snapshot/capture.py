@@ -9,12 +9,18 @@ snapshot's member paths are relative to ``/`` (``opt/tool/bin/x``).
 Replay extracts each root's members into a staging directory beside that root (same
 filesystem), then moves every entry into place with ``rename`` (atomic per file) through
 directory descriptors opened with ``O_NOFOLLOW`` — a host symlink on the way is a conflict,
-never followed — and applies the deletions. Members outside the roots the caller named are
-refused: the roots of an untrusted snapshot are never trusted, only the caller's.
+never followed — and applies the deletions the same way: each directory on the way opened
+from the root with ``O_NOFOLLOW``, the entry removed relative to its parent's descriptor, so
+a deletion under a symlink (the host's, or one an earlier snapshot planted) is refused before
+anything changes. Members outside the roots the caller named are refused: the roots of an
+untrusted snapshot are never trusted, only the caller's; nor may a root hold bootseer's state
+directory, whose record is written through descriptors too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -22,7 +28,7 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,11 +45,11 @@ from .key import EnvKey, compute_key
 from .manifest import DIR, FILE, HARDLINK, SYMLINK, Manifest, Member
 from .restore import _ChunkPipeline, fetch_toc
 from .safety import Plan, check_path, plan_extraction
+from .state import DIR_FLAGS, open_in, write_new
 from .store import SnapshotStore
 
 log = logging.getLogger(__name__)
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def state_dir() -> Path:
@@ -66,7 +72,24 @@ def normalize_roots(paths: Sequence[str]) -> list[str]:
         for other in roots:
             if other != root and other.startswith(root + "/"):
                 raise SnapshotError(f"capture paths {root} and {other} overlap; name one")
+    check_state_dir(roots)
     return roots
+
+
+def _overlap(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
+
+
+def check_state_dir(roots: Sequence[str]) -> None:
+    """No capture path may hold bootseer's state directory or lie inside it: a snapshot's
+    members land under the capture paths, and could otherwise replace the state (a link)."""
+    state = os.path.abspath(state_dir())
+    real = os.path.realpath(state)
+    for root in roots:
+        if _overlap(root, state) or _overlap(os.path.realpath(root), real):
+            raise SnapshotError(f"capture path {root} and bootseer's state directory {state} "
+                                f"overlap; a snapshot could replace the state. Set "
+                                f"BOOTSEER_STATE_DIR elsewhere, or capture other paths")
 
 
 # -- recording -------------------------------------------------------------------------------
@@ -196,11 +219,13 @@ def replay(snapshots: SnapshotStore, manifest: Manifest, roots: list[str], *,
     declared = manifest.capture.get("roots")
     if declared != roots:
         raise SnapshotError(f"snapshot {manifest.key} captured {declared}, not {roots}")
+    check_state_dir(roots)
     deleted = manifest.capture.get("deleted", [])
     if not isinstance(deleted, list):
         raise SnapshotError(f"snapshot {manifest.key}: invalid list of deletions")
     members = fetch_toc(snapshots, manifest)
-    plan_extraction(members, manifest.stream_size)  # the rules, on the whole TOC first
+    # The rules, on the whole TOC first (no state directory is written into capture paths).
+    plan_extraction(members, manifest.stream_size, reserve_state=False)
     for path in deleted:
         check_path(path)
         if _root_of(path, roots) is None or "/" + path in roots:
@@ -229,7 +254,7 @@ def replay(snapshots: SnapshotStore, manifest: Manifest, roots: list[str], *,
             Path(root).mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=f".{Path(root).name}.bootseer-capture-",
                                             dir=Path(root).parent))
-            plan = plan_extraction(root_members, manifest.stream_size)
+            plan = plan_extraction(root_members, manifest.stream_size, reserve_state=False)
             extractor = Extractor(staging, plan, manifest.chunks)
             extractor.prepare()
             extractors.append(extractor)
@@ -246,7 +271,10 @@ def replay(snapshots: SnapshotStore, manifest: Manifest, roots: list[str], *,
         for root, _, plan in staged:
             _check_apply(Path(root), plan)  # conflicts first: nothing applied on a refusal
         for path in deleted:
-            _delete("/" + path)
+            with _deletion_parent(path, roots):
+                pass  # a symlink on the way is refused here, before anything changes
+        for path in deleted:
+            _delete(path, roots)
         for root, staging, plan in staged:
             _apply(staging, Path(root), plan)
     finally:
@@ -264,23 +292,29 @@ class _Fanout:
             extractor.feed(index, raw)
 
 
-def _open_dir(root_fd: int, rel: str, *, create: bool) -> int:
-    """A descriptor of ``root/rel``, never following a symlink on the way."""
+def _open_dir(root_fd: int, root: str | Path, rel: str, *, create: bool,
+              member: str | None = None) -> int:
+    """A descriptor of ``root/rel``, never following a symlink on the way: one is refused
+    (:class:`UnsafeMemberError` naming ``member``, else ``root/rel``)."""
     fd = os.dup(root_fd)
+    done = str(root)
     for part in [p for p in rel.split("/") if p]:
+        done = f"{done}/{part}"
         try:
-            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
         except FileNotFoundError:
             if not create:
                 os.close(fd)
                 raise
             os.mkdir(part, 0o755, dir_fd=fd)
-            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
         except OSError as exc:
             os.close(fd)
-            raise SnapshotError(f"cannot replay into {rel!r}: {part!r} is not a directory on "
-                                f"this host ({exc.strerror}); a symlink there is never "
-                                f"followed") from exc
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            raise UnsafeMemberError(member or f"{root}/{rel}",
+                                    f"{done} is a symlink or not a directory on this host; a "
+                                    f"symlink there is never followed") from None
         os.close(fd)
         fd = nxt
     return fd
@@ -322,16 +356,16 @@ def _check_apply(root: Path, plan: Plan) -> None:
 
 def _apply(staging: Path, root: Path, plan: Plan) -> None:
     """Move every staged entry into ``root`` (rename: atomic per entry)."""
-    root_fd = os.open(root, _DIR_FLAGS)
-    staging_fd = os.open(staging, _DIR_FLAGS)
+    root_fd = os.open(root, DIR_FLAGS)
+    staging_fd = os.open(staging, DIR_FLAGS)
     try:
         for member in plan.dirs:
-            fd = _open_dir(root_fd, member.path, create=True)
+            fd = _open_dir(root_fd, root, member.path, create=True)
             os.close(fd)
         for member in plan.files + plan.symlinks + plan.hardlinks:
             parent, _, name = member.path.rpartition("/")
-            src_fd = _open_dir(staging_fd, parent, create=False)
-            dst_fd = _open_dir(root_fd, parent, create=True)
+            src_fd = _open_dir(staging_fd, staging, parent, create=False)
+            dst_fd = _open_dir(root_fd, root, parent, create=True)
             try:
                 try:
                     st = os.lstat(name, dir_fd=dst_fd)
@@ -345,7 +379,7 @@ def _apply(staging: Path, root: Path, plan: Plan) -> None:
                 os.close(src_fd)
                 os.close(dst_fd)
         for member in sorted(plan.dirs, key=lambda m: m.path.count("/"), reverse=True):
-            fd = _open_dir(root_fd, member.path, create=False)
+            fd = _open_dir(root_fd, root, member.path, create=False)
             try:
                 os.fchmod(fd, member.mode)
                 os.utime(fd, ns=(member.mtime_ns, member.mtime_ns))
@@ -356,15 +390,41 @@ def _apply(staging: Path, root: Path, plan: Plan) -> None:
         os.close(staging_fd)
 
 
-def _delete(path: str) -> None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
+@contextlib.contextmanager
+def _deletion_parent(path: str, roots: list[str]) -> Iterator[tuple[int, str] | None]:
+    """The descriptor of the directory holding ``/path``, opened from its capture root one
+    component at a time with ``O_NOFOLLOW`` (a symlink on the way is refused), and the name
+    to delete in it; None when a directory on the way is absent (nothing to delete)."""
+    root = _root_of(path, roots)
+    assert root is not None  # replay() refused deletions outside the roots
+    parent, _, name = ("/" + path)[len(root) + 1:].rpartition("/")
+    with contextlib.ExitStack() as stack:
+        root_fd = open_in(stack, root, DIR_FLAGS)
+        try:
+            fd = _open_dir(root_fd, root, parent, create=False, member=path)
+        except FileNotFoundError:
+            yield None
+            return
+        stack.callback(os.close, fd)
+        yield fd, name
+
+
+def _delete(path: str, roots: list[str]) -> None:
+    """Delete ``/path`` relative to its parent's descriptor: a directory with ``rmtree``
+    (which opens every level with ``O_NOFOLLOW`` too), anything else, a link included, with
+    ``unlink`` (the link goes, never what it points at)."""
+    with _deletion_parent(path, roots) as found:
+        if found is None:
+            return
+        fd, name = found
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(name, dir_fd=fd)
+        else:
+            os.unlink(name, dir_fd=fd)
 
 
 # -- local record (the warm path) --------------------------------------------------------------
@@ -377,12 +437,30 @@ def _record(key: str, roots: list[str], members: list[Member], deleted: list[str
         except FileNotFoundError:
             continue
         rows.append([m.path, stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns])
-    directory = make_dir(state_dir() / "captures", tighten=True)  # the node's state: 0700
     record = {"key": key, "roots": roots, "entries": rows, "deleted": deleted,
               "written": time.time()}
-    tmp = directory / f".{key}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, directory / f"{key}.json")
+    _write_record(f"{key}.json", json.dumps(record).encode())
+
+
+def _write_record(name: str, data: bytes) -> None:
+    """``<state dir>/captures/<name>``, through descriptors: ``captures`` opened with
+    ``O_NOFOLLOW``, the record created with ``O_EXCL | O_NOFOLLOW`` under a temporary name and
+    renamed over the old one (a link there is replaced, never written through)."""
+    directory = make_dir(state_dir())  # the node's state: 0700 when created here
+    with contextlib.ExitStack() as stack:
+        state_fd = open_in(stack, directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir("captures", 0o700, dir_fd=state_fd)
+        try:
+            fd = open_in(stack, "captures", DIR_FLAGS, state_fd)
+        except OSError as exc:
+            raise SnapshotError(f"{directory}/captures is a symlink or not a directory "
+                                f"({exc.strerror}); the capture record is never written "
+                                f"through one") from None
+        os.fchmod(fd, 0o700)  # private whatever the umask, also on nodes set up before
+        tmp = f".{name}.{os.getpid()}-{os.urandom(4).hex()}.tmp"
+        write_new(fd, tmp, data, 0o600)
+        os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
 
 
 def verify_capture(key: str) -> bool:

@@ -12,11 +12,14 @@ class SnapshotNotFound(SnapshotError, FileNotFoundError):
 
 
 class CorruptSnapshotError(SnapshotError):
-    """A snapshot's manifest or one of its chunks failed verification."""
+    """A snapshot's manifest or one of its objects failed verification; ``chunk`` names the
+    object (a chunk or the TOC) and ``rule`` the check it failed, when there is one."""
 
-    def __init__(self, message: str, *, chunk: str | None = None) -> None:
+    def __init__(self, message: str, *, chunk: str | None = None,
+                 rule: str | None = None) -> None:
         super().__init__(message)
         self.chunk = chunk
+        self.rule = rule
 
 
 class UnsafeMemberError(SnapshotError):

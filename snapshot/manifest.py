@@ -31,6 +31,17 @@ MAX_CHUNK_RAW = 512 << 20
 """Largest decompressed chunk a restore will allocate for, whatever a manifest declares."""
 MAX_TOC_RAW = 1 << 30
 
+
+def zstd_bound(raw_size: int) -> int:
+    """The most bytes zstd compresses ``raw_size`` bytes to (``ZSTD_COMPRESSBOUND``)."""
+    margin = ((128 << 10) - raw_size) >> 11 if raw_size < 128 << 10 else 0
+    return raw_size + (raw_size >> 8) + margin
+
+
+MAX_CHUNK_SIZE = zstd_bound(MAX_CHUNK_RAW)
+"""Largest compressed chunk a restore will fetch: only that many bytes are ever read."""
+MAX_TOC_SIZE = zstd_bound(MAX_TOC_RAW)
+
 _CHUNK_NAME = re.compile(r"^[0-9a-f]{32}/[0-9]{6}\.tar\.zst$")
 _TOC_NAME = re.compile(r"^[0-9a-f]{32}/toc\.json\.zst$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -151,21 +162,25 @@ class Manifest:
                     raise bad(f"chunk {chunk.name} has an invalid size or offset")
             if chunk.offset != expected:
                 raise bad(f"chunk {chunk.name} starts at {chunk.offset}, expected {expected}")
-            if chunk.raw_size > MAX_CHUNK_RAW:
-                raise bad(f"chunk {chunk.name} declares {chunk.raw_size} bytes "
-                          f"(limit {MAX_CHUNK_RAW})")
+            if chunk.raw_size > MAX_CHUNK_RAW or chunk.size > MAX_CHUNK_SIZE:
+                raise bad(f"chunk {chunk.name} declares {chunk.raw_size} bytes, "
+                          f"{chunk.size} compressed (limits {MAX_CHUNK_RAW}, {MAX_CHUNK_SIZE})")
             expected += chunk.raw_size
         if manifest.stream_size != expected:
             raise bad(f"stream size {manifest.stream_size} != sum of chunks {expected}")
         toc = manifest.toc
         if not (isinstance(toc, dict) and isinstance(toc.get("name"), str)
                 and _TOC_NAME.match(toc["name"]) and isinstance(toc.get("sha256"), str)
-                and _SHA256.match(toc["sha256"]) and isinstance(toc.get("raw_size"), int)
-                and 0 <= toc["raw_size"] <= MAX_TOC_RAW):
+                and _SHA256.match(toc["sha256"]) and _is_size(toc.get("raw_size"), MAX_TOC_RAW)
+                and _is_size(toc.get("size"), MAX_TOC_SIZE)):
             raise bad("the TOC reference is invalid")
         if not isinstance(manifest.prefix, str) or not manifest.prefix.startswith("/"):
             raise bad(f"prefix {manifest.prefix!r} is not an absolute path")
         return manifest
+
+
+def _is_size(value: Any, limit: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= limit
 
 
 def encode_toc(members: list[Member]) -> bytes:

@@ -25,13 +25,12 @@ import zstandard
 from .errors import SnapshotError
 from .manifest import DIR, FILE, HARDLINK, SYMLINK, Chunk, Member
 from .relocate import classify_reference
+from .safety import STATE_DIR, is_reserved
 
 DEFAULT_CHUNK_SIZE = 8 << 20
 DEFAULT_LEVEL = 9  # measured: 13% smaller than 3, decompression as fast (docs/decisions.md)
 BLOCK = tarfile.BLOCKSIZE
 READ_PIECE = 8 << 20
-STATE_DIR = ".bootseer"
-"""bootseer's own marker directory inside a restored prefix; never packed."""
 
 ChunkSink = Callable[[str, bytes], "Future[None] | None"]
 
@@ -69,6 +68,11 @@ def walk(root: Path, exclude: frozenset[str] = frozenset({STATE_DIR})) -> Iterat
             if not rel and name in exclude:
                 continue
             child = os.path.join(abspath, name)
+            if not rel and is_reserved(name):
+                raise SnapshotError(
+                    f"cannot snapshot {child}: {name!r} is the same name as bootseer's state "
+                    f"directory {STATE_DIR!r} on some filesystems, and a restore refuses it; "
+                    f"remove it from the prefix")
             st = os.lstat(child)
             mode = st.st_mode
             if stat.S_ISDIR(mode):

@@ -41,16 +41,29 @@ from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 
 from .errors import CorruptSnapshotError, RelocationError, SnapshotError
 from .extract import Extractor, _umask
-from .manifest import DIR, FILE, HARDLINK, SYMLINK, Chunk, Manifest, Member, decode_toc
-from .pack import STATE_DIR
+from .manifest import (
+    DIR,
+    FILE,
+    HARDLINK,
+    MAX_CHUNK_RAW,
+    MAX_TOC_RAW,
+    SYMLINK,
+    Chunk,
+    Manifest,
+    Member,
+    decode_toc,
+)
 from .relocate import PrefixRef, RelocationReport, binary_refusal, relocate, rewrite_path
 from .safety import Plan, plan_extraction
+from .state import read_state, write_state
 from .store import SnapshotStore
+from .zframe import frame_size, inflate, inflate_into
 
 log = logging.getLogger(__name__)
 
 MARKER = "env.json"
 VERIFY_TOC = "toc.json.zst"
+MAX_MARKER = 1 << 20
 STAGING_TAG = ".bootseer-staging-"
 
 
@@ -86,24 +99,15 @@ class VerifyResult:
 
 def fetch_toc(store: SnapshotStore, manifest: Manifest) -> list[Member]:
     name = manifest.toc["name"]
-    data = store.fetch(manifest.key, name).result()
-    if hashlib.sha256(data).hexdigest() != manifest.toc["sha256"]:
+    data = store.fetch(manifest.key, name, size=manifest.toc["size"]).result()
+    if len(data) != manifest.toc["size"] or (hashlib.sha256(data).hexdigest()
+                                             != manifest.toc["sha256"]):
         raise CorruptSnapshotError(f"snapshot {manifest.key}: TOC {name} does not match its "
-                                   f"sha256; the snapshot is damaged: remove it with `bootseer "
-                                   f"env rm` and rebuild", chunk=name)
-    raw = _decompress(data, manifest.toc["raw_size"], f"TOC {name} of snapshot {manifest.key}")
+                                   f"sha256 or size; the snapshot is damaged: remove it with "
+                                   f"`bootseer env rm` and rebuild", chunk=name)
+    raw = inflate(data, f"TOC {name} of snapshot {manifest.key}",
+                  declared=manifest.toc["raw_size"], limit=MAX_TOC_RAW, chunk=name)
     return decode_toc(raw, where=f"snapshot {manifest.key} TOC")
-
-
-def _decompress(data: bytes, raw_size: int, what: str) -> bytes:
-    try:
-        params = zstandard.get_frame_parameters(data)
-        if params.content_size != raw_size:
-            raise CorruptSnapshotError(f"{what}: frame declares {params.content_size} bytes, "
-                                       f"the manifest {raw_size}")
-        return zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
-    except zstandard.ZstdError as exc:
-        raise CorruptSnapshotError(f"{what}: not valid zstd ({exc})") from exc
 
 
 class _ChunkPipeline:
@@ -143,7 +147,8 @@ class _ChunkPipeline:
             raise self.failed
 
     def _fetch(self, index: int) -> Future[bytes]:
-        return self.store.fetch(self.manifest.key, self.manifest.chunks[index].name)
+        chunk = self.manifest.chunks[index]
+        return self.store.fetch(self.manifest.key, chunk.name, size=chunk.size)
 
     def _take(self) -> tuple[int, Future[bytes]] | None:
         with self.lock:
@@ -177,32 +182,25 @@ class _ChunkPipeline:
                 f"{what} is corrupt (sha256 or size differs from the manifest); the prefix was "
                 f"not changed. Remove the snapshot (`bootseer env rm`) and rebuild it",
                 chunk=chunk.name)
+        # Checked before the buffer grows: the frame header, the manifest, the bytes.
+        size = frame_size(data, what, declared=chunk.raw_size, limit=MAX_CHUNK_RAW,
+                          chunk=chunk.name)
+        raw = self._buffer(size)
+        inflate_into(self._decompressor(), data, raw, what, chunk=chunk.name)
+        self.extractor.feed(index, raw)
+
+    def _buffer(self, size: int) -> memoryview:
+        """This thread's reused buffer, ``size`` bytes of it (grown only when needed)."""
         buf = getattr(self.local, "buf", None)
-        if buf is None or len(buf) < chunk.raw_size:
-            buf = self.local.buf = memoryview(bytearray(chunk.raw_size))
+        if buf is None or len(buf) < size:
+            buf = self.local.buf = memoryview(bytearray(size))
+        return buf[:size]
+
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
         decomp = getattr(self.local, "decomp", None)
         if decomp is None:
             decomp = self.local.decomp = zstandard.ZstdDecompressor()
-        try:
-            params = zstandard.get_frame_parameters(data)
-            if params.content_size != chunk.raw_size:
-                raise CorruptSnapshotError(
-                    f"{what}: frame declares {params.content_size} bytes, the manifest "
-                    f"{chunk.raw_size}", chunk=chunk.name)
-            reader = decomp.stream_reader(data)
-            got = 0
-            while got < chunk.raw_size:
-                n = reader.readinto(buf[got:chunk.raw_size])
-                if not n:
-                    break
-                got += n
-        except zstandard.ZstdError as exc:
-            raise CorruptSnapshotError(f"{what}: cannot decompress ({exc})",
-                                       chunk=chunk.name) from exc
-        if got != chunk.raw_size:
-            raise CorruptSnapshotError(f"{what}: decompressed to {got} bytes, the manifest "
-                                       f"says {chunk.raw_size}", chunk=chunk.name)
-        self.extractor.feed(index, buf[:got])
+        return decomp
 
 
 def spread_order(count: int, lanes: int) -> list[int]:
@@ -278,12 +276,14 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def read_marker(prefix: str | os.PathLike) -> dict[str, Any] | None:
+    """The marker of the environment at ``prefix``; None when there is none, or it is
+    reached through a link (:mod:`snapshot.state`)."""
+    raw = read_state(prefix, MARKER, MAX_MARKER)
     try:
-        with open(Path(prefix, STATE_DIR, MARKER), "rb") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
+        data = json.loads(raw) if raw is not None else None
+    except ValueError:
         return None
+    return data if isinstance(data, dict) else None
 
 
 def check_replaceable(prefix: Path, replace: bool) -> None:
@@ -330,9 +330,20 @@ def write_marker(root: Path, key: str, prefix: Path, members: list[Member], *,
 
     ``changed=True``: stat every file (a tree bootseer did not write); otherwise the members'
     sizes and mtimes are what was written, except the files a relocation rewrote or removed.
+    The state directory is created, never reused (:func:`snapshot.state.write_state`).
     """
-    state = root / STATE_DIR
-    state.mkdir(exist_ok=True)
+    rows = _verify_rows(root, members, changed)
+    marker = {"key": key, "prefix": str(prefix), "built_at": built_at, "publisher": publisher,
+              "store": _redact(store_url) if store_url else None, "published": published,
+              "written": time.time(), "entries": len(rows)}
+    write_state(root, {
+        VERIFY_TOC: zstandard.ZstdCompressor(level=3).compress(json.dumps(rows).encode()),
+        MARKER: json.dumps(marker, indent=1).encode()})
+
+
+def _verify_rows(root: Path, members: list[Member],
+                 changed: RelocationReport | None | bool) -> list[list[Any]]:
+    """``[path, kind, size, mtime_ns]`` of every member, as :func:`verify` will compare."""
     restat: set[str] = set()
     removed: set[str] = set()
     if isinstance(changed, RelocationReport):
@@ -351,12 +362,7 @@ def write_marker(root: Path, key: str, prefix: Path, members: list[Member], *,
             rows.append([m.path, m.kind, st.st_size, st.st_mtime_ns])
         else:
             rows.append([m.path, m.kind, m.size, m.mtime_ns])
-    (state / VERIFY_TOC).write_bytes(
-        zstandard.ZstdCompressor(level=3).compress(json.dumps(rows).encode()))
-    marker = {"key": key, "prefix": str(prefix), "built_at": built_at, "publisher": publisher,
-              "store": _redact(store_url) if store_url else None, "published": published,
-              "written": time.time(), "entries": len(rows)}
-    (state / MARKER).write_text(json.dumps(marker, indent=1))
+    return rows
 
 
 def _redact(url: str) -> str:
@@ -382,10 +388,11 @@ def verify(prefix: str | os.PathLike, key: str | None = None) -> VerifyResult:
         return VerifyResult(False, f"was restored for {marker.get('prefix')}, not here",
                             key=marker.get("key"))
     try:
-        raw = zstandard.ZstdDecompressor().decompress(
-            (prefix / STATE_DIR / VERIFY_TOC).read_bytes(), max_output_size=1 << 30)
-        rows = json.loads(raw)
-    except (OSError, ValueError, zstandard.ZstdError) as exc:
+        data = read_state(prefix, VERIFY_TOC, MAX_TOC_RAW)
+        if data is None:
+            raise OSError("missing, not a regular file, or reached through a link")
+        rows = json.loads(inflate(data, "verification TOC", declared=None, limit=MAX_TOC_RAW))
+    except (OSError, ValueError, CorruptSnapshotError) as exc:
         return VerifyResult(False, f"its verification record is unreadable ({exc})",
                             key=marker.get("key"))
     problems: list[str] = []

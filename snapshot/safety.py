@@ -4,7 +4,9 @@ Every snapshot is untrusted, whoever published it. Before a byte is written, the
 checked here: member paths must be relative and free of ``..``; no member may sit under a
 symlink member; hardlinks must point at a regular file inside the root; device nodes and FIFOs
 are refused; setuid/setgid bits are stripped with a warning. Symlinks themselves are data and
-may point anywhere (a venv's ``bin/python`` points at the system interpreter).
+may point anywhere (a venv's ``bin/python`` points at the system interpreter). ``.bootseer``,
+where bootseer keeps its own state in a prefix, is reserved: no member may be it or lie under
+it, in any spelling a case-insensitive or normalizing filesystem maps to the same name.
 
 The extractor adds the kernel-level half of the rule: it creates everything relative to
 directory file descriptors it made itself, with ``O_NOFOLLOW``/``O_EXCL``, so even a check
@@ -14,8 +16,11 @@ instead of extracting them); see docs/decisions.md.
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 import stat
+import unicodedata
 from dataclasses import dataclass, field
 
 from .errors import UnsafeMemberError
@@ -28,6 +33,9 @@ MAX_PATH = 4096
 MAX_NAME = 255
 PERMISSION_BITS = 0o7777
 PRIVILEGE_BITS = stat.S_ISUID | stat.S_ISGID
+STATE_DIR = ".bootseer"
+"""bootseer's own directory in a prefix (marker, verification TOC): reserved, never packed."""
+_DOS_SHORT_NAME = re.compile(r"bootse~[0-9]+")
 
 
 @dataclass
@@ -64,12 +72,37 @@ def check_path(path: str) -> str:
     return path
 
 
-def plan_extraction(members: list[Member], stream_size: int) -> Plan:
-    """Check every member against the rules; nothing is written until this returns."""
+@functools.lru_cache(maxsize=4096)
+def is_reserved(name: str) -> bool:
+    """Is the path component ``name`` :data:`STATE_DIR` on some filesystem? Case-insensitive
+    ones (vfat, NTFS/SMB, ext4 casefold) fold case and Unicode compatibility forms, HFS+
+    ignores format characters such as zero-width joiners, Windows drops trailing dots and
+    spaces and answers to 8.3 short names: every such spelling is refused, not only ours."""
+    kept = "".join(c for c in name if unicodedata.category(c) != "Cf")
+    folded = unicodedata.normalize("NFKC", kept).casefold().rstrip(". ")
+    return folded == STATE_DIR or bool(_DOS_SHORT_NAME.fullmatch(folded))
+
+
+def check_reserved(path: str) -> None:
+    """Refuse a member that is, or lies under, the reserved state directory."""
+    top = path.partition("/")[0]
+    if is_reserved(top):
+        same = "" if top == STATE_DIR else f" ({top!r} is that name on some filesystems)"
+        raise UnsafeMemberError(path, f"reserved: {STATE_DIR!r} holds bootseer's own state "
+                                      f"(marker, verification TOC){same}; a snapshot may not "
+                                      f"hold it")
+
+
+def plan_extraction(members: list[Member], stream_size: int, *,
+                    reserve_state: bool = True) -> Plan:
+    """Check every member against the rules; nothing is written until this returns.
+    ``reserve_state``: the tree is a prefix, which gets bootseer's state directory."""
     plan = Plan()
     kinds: dict[str, str] = {}
     for member in members:
         path = check_path(member.path)
+        if reserve_state:
+            check_reserved(path)
         if member.kind in DEVICE_KINDS:
             raise UnsafeMemberError(
                 path, f"{DEVICE_KINDS[member.kind]} not allowed in a dependency snapshot")

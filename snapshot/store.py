@@ -110,9 +110,14 @@ class SnapshotStore:
             raise SnapshotError(f"{self.url}/{key}: manifest names key {manifest.key}")
         return manifest
 
-    def fetch(self, key: str, name: str) -> Future[bytes]:
-        return self.backend.read_object(self.path(key, name), what=f"snapshot {key} {name}",
-                                        retry=self.retry)
+    def fetch(self, key: str, name: str, *, size: int | None = None) -> Future[bytes]:
+        """The object ``name`` of ``key``; with ``size`` (what the manifest declares), only
+        its first ``size`` bytes: an object the store made longer is never read whole."""
+        path = self.path(key, name)
+        what = f"snapshot {key} {name}"
+        if size is None:
+            return self.backend.read_object(path, what=what, retry=self.retry)
+        return self.backend.read_range(path, 0, size, what=what, retry=self.retry)
 
     # -- writing -------------------------------------------------------------------------
     def put(self, key: str, name: str, data: bytes) -> Future[None]:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
 import tarfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -343,9 +344,13 @@ def tar_stream(entries: Sequence[tuple]) -> tuple[list[Member], bytes]:
 def publish_crafted(store: SnapshotStore, members: Sequence[Member], stream: bytes, *,
                     prefix: str | os.PathLike, key: str | None = None,
                     chunk_size: int | None = None,
-                    tamper: Callable[[dict[str, Any]], None] | None = None) -> Manifest:
+                    tamper: Callable[[dict[str, Any]], None] | None = None,
+                    compress: Callable[[bytes], bytes] | None = None,
+                    kind: str = "prefix", capture: dict[str, Any] | None = None) -> Manifest:
     """Publish a hand-made snapshot (``members`` as the TOC, ``stream`` cut into zstd chunks
     of ``chunk_size`` bytes, default one) the way a publisher would, hostile or not.
+    ``compress(raw)`` makes each chunk object (default: real zstd; :func:`zstd_frame` for a
+    frame written byte by byte); ``kind`` and ``capture`` make a capture snapshot;
     ``tamper(manifest_json)`` may edit the manifest before it is written. Returns the
     manifest as built (before tampering)."""
     key = key or uuid.uuid4().hex
@@ -355,7 +360,7 @@ def publish_crafted(store: SnapshotStore, members: Sequence[Member], stream: byt
     chunks = []
     for i, start in enumerate(range(0, len(stream), size)):
         raw = stream[start:start + size]
-        data = comp.compress(raw)
+        data = (compress or comp.compress)(raw)
         name = f"{publisher}/{i:06d}.tar.zst"
         store.put(key, name, data).result()
         chunks.append(Chunk(name, start, len(raw), len(data), hashlib.sha256(data).hexdigest()))
@@ -364,12 +369,12 @@ def publish_crafted(store: SnapshotStore, members: Sequence[Member], stream: byt
     toc_name = f"{publisher}/toc.json.zst"
     store.put(key, toc_name, toc).result()
     manifest = Manifest(
-        key=key, kind="prefix", prefix=os.fspath(prefix), chunks=chunks,
+        key=key, kind=kind, prefix=os.fspath(prefix), chunks=chunks,
         toc={"name": toc_name, "sha256": hashlib.sha256(toc).hexdigest(), "size": len(toc),
              "raw_size": len(toc_raw)},
         stream_size=len(stream), files=sum(m.kind == "f" for m in members),
         bytes=sum(m.size for m in members if m.kind == "f"), publisher=publisher,
-        created=time.time(), host="crafted")
+        created=time.time(), host="crafted", capture=capture or {})
     if tamper is None:
         assert store.commit(manifest)
     else:
@@ -388,3 +393,75 @@ def decompress_chunks(store: SnapshotStore, manifest: Manifest) -> bytes:
     while piece := reader.read(1 << 20):
         data += piece
     return bytes(data)
+
+
+def replace_object(store: SnapshotStore, manifest: dict[str, Any], ref: dict[str, Any],
+                   data: bytes) -> None:
+    """Inside a ``tamper``: make the object ``ref`` names (a chunk or the TOC entry of
+    ``manifest``) hold ``data``, with the size and sha256 that let it pass the checksum
+    layer."""
+    store.put(manifest["key"], ref["name"], data).result()
+    ref.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+def capture_entries(roots: Sequence[Path], entries: Sequence[tuple]) -> list[tuple]:
+    """Entries of a capture snapshot (paths relative to ``/``): every ancestor of each root
+    and the root as directories, then ``entries`` (paths relative to ``/`` too)."""
+    out: list[tuple] = []
+    seen: set[str] = set()
+    for root in roots:
+        parts = str(root).strip("/").split("/")
+        for depth in range(1, len(parts) + 1):
+            path = "/".join(parts[:depth])
+            if path not in seen:
+                seen.add(path)
+                out.append(("d", path))
+    return out + list(entries)
+
+
+# -- zstd frames written byte by byte (RFC 8878) ---------------------------------------------
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+ZSTD_BLOCK_MAX = 128 << 10
+_RUN = re.compile(rb"(.)\1{31,}", re.S)
+
+
+def _zstd_block(kind: int, size: int, body: bytes, last: bool = False) -> bytes:
+    """One block: 3-byte header (last flag, type 0 raw / 1 RLE, size), then its body."""
+    return (int(last) | kind << 1 | size << 3).to_bytes(3, "little") + body
+
+
+def _zstd_blocks(raw: bytes) -> Iterator[bytes]:
+    """``raw`` as raw blocks, its runs of one byte as RLE blocks (4 bytes per 128 KiB)."""
+    pos = 0
+    for run in [*_RUN.finditer(raw), None]:
+        literal = raw[pos:run.start() if run else len(raw)]
+        for i in range(0, len(literal), ZSTD_BLOCK_MAX):
+            piece = literal[i:i + ZSTD_BLOCK_MAX]
+            yield _zstd_block(0, len(piece), piece)
+        if run is not None:
+            yield from _rle_blocks(run.group(1), run.end() - run.start())
+            pos = run.end()
+
+
+def _rle_blocks(byte: bytes, count: int) -> Iterator[bytes]:
+    while count > 0:
+        size = min(count, ZSTD_BLOCK_MAX)
+        yield _zstd_block(1, size, byte)
+        count -= size
+
+
+def zstd_frame(raw: bytes, *, content_size: int | None | str = "true",
+               inflate: int = 0) -> bytes:
+    """A zstd frame written byte by byte: ``raw``, then ``inflate`` more zero bytes (RLE
+    blocks: 512 MiB cost 16 KiB, a decompression bomb), under a header that declares
+    ``content_size``: the true size of the bytes before the bomb (``"true"``), any number,
+    or None (no size in the header). No checksum; window 128 KiB."""
+    blocks = [*_zstd_blocks(raw), *_rle_blocks(b"\0", inflate)] or [_zstd_block(0, 0, b"")]
+    last = blocks[-1]
+    blocks[-1] = bytes([last[0] | 1]) + last[1:]
+    if content_size == "true":
+        content_size = len(raw)
+    header = ZSTD_MAGIC + (bytes([0x00, 7 << 3]) if content_size is None else
+                           bytes([0xC0, 7 << 3]) + int(content_size).to_bytes(8, "little"))
+    return header + b"".join(blocks)

@@ -482,8 +482,8 @@ def test_binary_embedding_the_prefix_refuses_relocation_unless_forced(tmp_path, 
 
     fetched: list[str] = []
     real_fetch = store.fetch
-    monkeypatch.setattr(store, "fetch", lambda key, name: fetched.append(name) or
-                        real_fetch(key, name))
+    monkeypatch.setattr(store, "fetch", lambda key, name, **kw: fetched.append(name) or
+                        real_fetch(key, name, **kw))
     target = tmp_path / "elsewhere" / "venv"
     with pytest.raises(RelocationError) as caught:
         restore(store, built.key, target)

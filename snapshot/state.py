@@ -1,0 +1,115 @@
+"""bootseer's own state inside a tree of content: ``<root>/.bootseer`` (marker, verification TOC).
+
+The tree around the state is content: a snapshot's members, or whatever an install command
+made, and content may hold links. So state is written only through descriptors: the root is
+opened with ``O_NOFOLLOW``, the state directory is created by this process (``mkdirat``: one
+that is already there, link or directory, is refused) and opened with ``O_NOFOLLOW``, and
+each file is created in it with ``O_CREAT | O_EXCL | O_NOFOLLOW``. Reads take the same way, so
+a marker reached through a link is no marker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Mapping
+
+from .errors import SnapshotError, UnsafeMemberError
+from .safety import STATE_DIR
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+PLANTED_RULE = (f"reserved: {STATE_DIR!r} holds bootseer's own state, which bootseer alone "
+                f"creates; one is already there (a snapshot member, or made by the install), "
+                f"and state is never written through it")
+
+
+def open_in(stack: contextlib.ExitStack, path: str | os.PathLike, flags: int,
+            dir_fd: int | None = None, mode: int = 0o777) -> int:
+    """``os.open``, closed when ``stack`` closes."""
+    fd = os.open(path, flags, mode, dir_fd=dir_fd)
+    stack.callback(os.close, fd)
+    return fd
+
+
+def write_new(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
+    """Create the file ``name`` in ``dir_fd`` (``O_EXCL | O_NOFOLLOW``: never an existing
+    file, never through a link) holding ``data``."""
+    fd = os.open(name, NEW_FILE, mode, dir_fd=dir_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def _open_root(stack: contextlib.ExitStack, root: str | os.PathLike) -> int:
+    try:
+        return open_in(stack, root, DIR_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise SnapshotError(f"{root} is a symlink or not a directory; bootseer's state is "
+                                f"never written through one") from None
+        raise
+
+
+def write_state(root: str | os.PathLike, files: Mapping[str, bytes]) -> None:
+    """Create ``root/.bootseer`` holding ``files`` (name: content); see the module docstring.
+    A failure leaves no state directory behind (the next write would refuse it)."""
+    with contextlib.ExitStack() as stack:
+        root_fd = _open_root(stack, root)
+        try:
+            os.mkdir(STATE_DIR, 0o755, dir_fd=root_fd)
+        except FileExistsError:
+            raise UnsafeMemberError(STATE_DIR, PLANTED_RULE) from None
+        try:
+            state_fd = open_in(stack, STATE_DIR, DIR_FLAGS, root_fd)
+            for name, data in files.items():
+                try:
+                    write_new(state_fd, name, data)
+                except FileExistsError:  # raced in since our mkdirat
+                    raise UnsafeMemberError(f"{STATE_DIR}/{name}", PLANTED_RULE) from None
+        except BaseException:
+            _remove_state(root_fd, files)
+            raise
+
+
+def _remove_state(root_fd: int, files: Mapping[str, bytes]) -> None:
+    """Undo a failed :func:`write_state`: its own files and directory, nothing else."""
+    with contextlib.suppress(OSError), contextlib.ExitStack() as stack:
+        state_fd = open_in(stack, STATE_DIR, DIR_FLAGS, root_fd)
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=state_fd)
+        os.rmdir(STATE_DIR, dir_fd=root_fd)
+
+
+def read_state(root: str | os.PathLike, name: str, limit: int) -> bytes | None:
+    """The state file ``name`` of ``root``; None when it is absent, reached through a link,
+    not a regular file, or larger than ``limit`` bytes."""
+    try:
+        with contextlib.ExitStack() as stack:
+            state_fd = open_in(stack, STATE_DIR, DIR_FLAGS, open_in(stack, root, DIR_FLAGS))
+            fd = open_in(stack, name, _READ_FILE, state_fd)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+                return None
+            return _read_at_most(fd, st.st_size, limit)
+    except OSError:
+        return None
+
+
+def _read_at_most(fd: int, expected: int, limit: int) -> bytes | None:
+    """The file's bytes (``expected`` of them, as fstat said), None past ``limit``."""
+    pieces = []
+    total = 0
+    while piece := os.read(fd, min(max(expected - total, 0), 1 << 30) + 1):
+        pieces.append(piece)
+        total += len(piece)
+        if total > limit:
+            return None
+    return b"".join(pieces)
