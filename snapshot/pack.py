@@ -23,7 +23,7 @@ from pathlib import Path
 import zstandard
 
 from .errors import SnapshotError
-from .manifest import DIR, FILE, HARDLINK, SYMLINK, Chunk, Member
+from .manifest import DIR, FILE, HARDLINK, MAX_CHUNK_RAW, SYMLINK, Chunk, Member
 from .relocate import classify_reference
 from .safety import STATE_DIR, is_reserved
 
@@ -212,6 +212,9 @@ def pack_tree(root: str | os.PathLike, sink: ChunkSink, *, publisher: str,
     the pack returns); ``prefix`` is the path the tree was installed at, scanned for in every
     file so that restores elsewhere know what to rewrite.
     """
+    if not 0 < chunk_size <= MAX_CHUNK_RAW:
+        raise ValueError(f"chunk_size {chunk_size} is outside 1..{MAX_CHUNK_RAW} bytes "
+                         f"(restores refuse larger chunks)")
     root = Path(root)
     workers = workers or max(2, os.cpu_count() or 2)
     chunker = _Chunker(chunk_size, level, workers, sink, publisher, on_chunk)

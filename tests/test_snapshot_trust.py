@@ -28,7 +28,7 @@ from snapshot_helpers import (
 from snapshot.capture import replay, verify_capture
 from snapshot.ensure import ensure
 from snapshot.errors import SnapshotError, UnsafeMemberError
-from snapshot.manifest import MAX_TOC_RAW, Manifest, Member, encode_toc
+from snapshot.manifest import MAX_CHUNK_RAW, MAX_TOC_RAW, Manifest, Member, encode_toc
 from snapshot.restore import read_marker, restore, write_marker
 from snapshot.store import SnapshotStore
 
@@ -149,7 +149,7 @@ def test_an_install_that_plants_the_state_dir_is_refused(tmp_path: Path) -> None
 # -- medium: decompression bounded by the declared and checked size ---------------------------
 
 BOMB = 512 << 20  # what the crafted frames would inflate to (16 KiB of RLE blocks)
-GREW_LIMIT_KIB = 64 << 10  # peak RSS growth allowed for a refused restore
+GREW_LIMIT_KIB = 32 << 10  # peak RSS growth allowed for a refused restore (half a capped chunk)
 ENTRIES = [("d", "lib"), ("f", "lib/data", b"a" * (1 << 20)), ("f", "lib/small", b"hello\n")]
 
 
@@ -188,11 +188,11 @@ def bomb_case(target: Target, case: str) -> tuple[str, str, str]:
         options = dict(compress=lambda raw: zstd_frame(raw) + zstd_frame(b"", inflate=BOMB))
         rule = "does not decompress to exactly its declared"
     elif case == "manifest-declares-more-than-the-header":
-        options = dict(tamper=_grow_declared(BOMB))
+        options = dict(tamper=_grow_declared(MAX_CHUNK_RAW))  # the most a manifest may say
         rule = "frame declares"
     elif case == "manifest-and-header-declare-more-than-the-bytes-hold":
-        options = dict(compress=lambda raw: zstd_frame(raw, content_size=BOMB),
-                       tamper=_grow_declared(BOMB))
+        options = dict(compress=lambda raw: zstd_frame(raw, content_size=MAX_CHUNK_RAW),
+                       tamper=_grow_declared(MAX_CHUNK_RAW))
         rule = "more than zstd can expand"
     elif case == "toc-header-declares-the-manifest-size":
         options = dict(tamper=_toc_object(target.store, members,
@@ -367,3 +367,13 @@ def test_the_capture_record_is_never_written_through_a_link(tmp_path: Path,
     with pytest.raises(SnapshotError, match="never written through"):
         replay(store, manifest, [str(root)])
     canary.assert_unchanged()
+
+
+def test_the_packer_never_writes_a_chunk_restores_refuse(tmp_path: Path) -> None:
+    """Chunks above the restore's cap would publish a snapshot no node can restore."""
+    from snapshot.pack import pack_tree
+
+    (tmp_path / "tree").mkdir()
+    with pytest.raises(ValueError, match="chunk_size"):
+        pack_tree(tmp_path / "tree", lambda name, data: None, publisher="test",
+                  chunk_size=MAX_CHUNK_RAW + 1)
