@@ -39,6 +39,8 @@ from typing import Any
 import zstandard
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 
+from striped_fs.redact import redact
+
 from .errors import CorruptSnapshotError, RelocationError, SnapshotError
 from .extract import Extractor, _umask
 from .manifest import DIR, FILE, HARDLINK, SYMLINK, Chunk, Manifest, Member, decode_toc
@@ -354,17 +356,9 @@ def write_marker(root: Path, key: str, prefix: Path, members: list[Member], *,
     (state / VERIFY_TOC).write_bytes(
         zstandard.ZstdCompressor(level=3).compress(json.dumps(rows).encode()))
     marker = {"key": key, "prefix": str(prefix), "built_at": built_at, "publisher": publisher,
-              "store": _redact(store_url) if store_url else None, "published": published,
+              "store": redact(store_url) if store_url else None, "published": published,
               "written": time.time(), "entries": len(rows)}
     (state / MARKER).write_text(json.dumps(marker, indent=1))
-
-
-def _redact(url: str) -> str:
-    """Drop ``user:password@`` from a URL before it is written anywhere."""
-    if "://" in url and "@" in url.split("://", 1)[1].split("/", 1)[0]:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://{rest.split('@', 1)[1]}"
-    return url
 
 
 def verify(prefix: str | os.PathLike, key: str | None = None) -> VerifyResult:
