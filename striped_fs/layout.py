@@ -134,7 +134,7 @@ class Manifest:
         if not isinstance(body, dict):
             raise ManifestError(f"{path}: malformed striped manifest (not a JSON object)",
                                 path=path)
-        missing = [k for k in _FIELDS if k not in body]
+        missing = [k for k in _FIELDS if k not in body and k != "created"]
         if missing:
             raise ManifestError(f"{path}: malformed striped manifest (missing field(s) "
                                 f"{', '.join(missing)})", path=path)
@@ -152,7 +152,7 @@ class Manifest:
             raise _refused(path, f"unknown field(s) {', '.join(map(repr, unknown))} (format "
                                  f"{FORMAT_VERSION} has exactly: {', '.join(_FIELDS)})")
         size, stripe_size, version = body["size"], body["stripe_size"], body["version"]
-        sums, created = body["stripes"], body["created"]
+        sums, created = body["stripes"], body.get("created", 0.0)
         if not _is_int(size) or not 0 <= size <= MAX_FILE_SIZE:
             raise _refused(path, f"size {size!r} must be an integer from 0 to {MAX_FILE_SIZE}")
         if not _is_int(stripe_size) or not 1 <= stripe_size <= MAX_STRIPE_SIZE:

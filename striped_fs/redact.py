@@ -79,6 +79,9 @@ _AWS_KEY_ID = re.compile(r"\b(?:AKIA|ASIA|AIDA|AROA|AIPA|ANPA|ANVA|AGPA|ABIA|ACC
 _CREDENTIAL = re.compile(r"(?i)\b(Credential=)([^/\s,'\"&]+)")
 _SIGNATURE = re.compile(r"(?i)\b(Signature[=:]\s*)([0-9a-f]{16,})")
 
+# Every name in SECRET_NAMES, and "credential"/"signature", contains one of these (tested).
+_STEMS = ("secret", "passw", "token", "key", "credential", "authoriz", "signature", "x-amz-")
+
 _lock = threading.Lock()
 _known: OrderedDict[str, None] = OrderedDict()  # registered secrets, newest last
 _MAX_KNOWN = 4096
@@ -173,18 +176,24 @@ def _quoted(match: re.Match[str]) -> str:
 
 def redact_text(text: str) -> str:
     """``text`` with every credential it holds replaced by ``***``."""
+    if len(text) < 6:  # a newline, a progress tick: nothing fits (cheap for every write)
+        return text
     pattern = _pattern
     if pattern is not None:
         text = pattern.sub(REDACTED, text)
     if "@" in text:
         text = _KEY_URL_USERINFO.sub(lambda m: f"{m[1]}://{REDACTED}@", text)
         text = _URL_USERINFO.sub(_userinfo, text)
-    text = _QUOTED.sub(_quoted, text)
-    text = _ASSIGNED.sub(lambda m: f"{m[1]}={REDACTED}", text)
-    text = _HEADER.sub(lambda m: f"{m[1]}{REDACTED}", text)
     text = _AWS_KEY_ID.sub(REDACTED, text)
-    text = _CREDENTIAL.sub(lambda m: f"{m[1]}{REDACTED}", text)
-    return _SIGNATURE.sub(lambda m: f"{m[1]}{REDACTED}", text)
+    low = text.lower()
+    # The patterns below only apply near these words: skip them on ordinary lines.
+    if any(stem in low for stem in _STEMS):
+        text = _QUOTED.sub(_quoted, text)
+        text = _ASSIGNED.sub(lambda m: f"{m[1]}={REDACTED}", text)
+        text = _HEADER.sub(lambda m: f"{m[1]}{REDACTED}", text)
+        text = _CREDENTIAL.sub(lambda m: f"{m[1]}{REDACTED}", text)
+        text = _SIGNATURE.sub(lambda m: f"{m[1]}{REDACTED}", text)
+    return text
 
 
 def redact(value: Any) -> Any:
