@@ -70,6 +70,8 @@ from _common import (
 from bench_containerd import NAMESPACE, Node  # noqa: E402
 from e2e_train import dcp_latest  # noqa: E402
 
+from striped_fs.redact import redact_argv  # noqa: E402
+
 SUITE = "e2e"
 TARGET_REDUCTION = 0.70
 TORCH = "torch==2.13.0"
@@ -327,8 +329,7 @@ class Bench:
                             "--mount", f"type=bind,src={src},dst={dst},options=rbind:{mode}")],
                         *[a for k, v in env.items() for a in ("--env", f"{k}={v}")],
                         ref, container_id(node), *cmd)
-        shown = [a.split("=", 1)[0] + "=<redacted>" if a.startswith("BOOTSEER_STORAGE_OPTIONS=")
-                 else a for a in argv]  # credentials are never logged
+        shown = redact_argv(argv)  # credentials are never logged
         logf.write(f"$ {' '.join(shown)}\n".encode())
         logf.flush()
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,

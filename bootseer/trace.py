@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from striped_fs.redact import redact
+
 OUTCOMES = ("ok", "failed", "skipped", "killed")
 
 
@@ -47,7 +49,7 @@ class Span:
         return self.end - self.start
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"), default=str)
+        return json.dumps(redact(asdict(self)), separators=(",", ":"), default=str)
 
     @classmethod
     def from_json(cls, line: str) -> Span:

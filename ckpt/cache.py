@@ -44,6 +44,7 @@ from typing import Any, Protocol, TypeVar
 from striped_fs import ManifestError, StripeChecksumError, StripedFileSystem
 from striped_fs.private import create_private, make_dir
 from striped_fs.reader import fetch_pieces
+from striped_fs.redact import redact
 from striped_fs.urls import to_striped_url, url_to_fs
 
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointStoreUnavailable
@@ -114,7 +115,7 @@ class NodeCache:
     """The cache of one store on this node."""
 
     def __init__(self, cache_dir: str | os.PathLike, url: str) -> None:
-        self.url = url
+        self.url = redact(url)  # SOURCE and messages: never the credentials
         self.root = Path(cache_dir) / store_key(url)
 
     def step(self, step: int) -> StepCache:
@@ -482,7 +483,7 @@ def prefetch_latest(url: str, cache_dir: str | os.PathLike, ranks: Sequence[int]
             tally = _prefetch_step(fs, root, url, cache, wanted, connections)
         except (CheckpointCorrupt, StripeChecksumError, ManifestError, FileNotFoundError) as exc:
             log.warning("checkpoint step %d under %s cannot be prefetched (%s); trying the "
-                        "previous committed checkpoint", step, url, exc)
+                        "previous committed checkpoint", step, node.url, exc)
             failures.append(f"step {step}: {exc}")
             continue
         except _CacheWriteError as exc:
@@ -490,7 +491,7 @@ def prefetch_latest(url: str, cache_dir: str | os.PathLike, ranks: Sequence[int]
         node.drop_steps_except(step)
         seconds = time.perf_counter() - started
         log.info("checkpoint step %d of %s cached for ranks %s: %d file(s), %.1f MiB in %.2f s "
-                 "(%d already cached)", step, url, wanted, tally.files, tally.bytes / 2**20,
+                 "(%d already cached)", step, node.url, wanted, tally.files, tally.bytes / 2**20,
                  seconds, tally.already)
         return PrefetchResult(step, tally.files, tally.bytes, seconds, tally.already,
                               str(cache.dir))

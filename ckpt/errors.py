@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from striped_fs.redact import redact
+
 
 class CheckpointError(Exception):
-    """Base class for ckpt errors."""
+    """Base class for ckpt errors. Messages never show credentials (a store URL's
+    ``user:password@``, keys, tokens): they are redacted as the error is made."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact(a) for a in args))
 
 
 class CheckpointNotFound(CheckpointError, FileNotFoundError):
@@ -26,7 +32,7 @@ class CheckpointStoreUnavailable(CheckpointError):
 
     def __init__(self, message: str, *, url: str) -> None:
         super().__init__(message)
-        self.url = url
+        self.url = redact(url)
 
 
 class CheckpointSaveError(CheckpointError):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from striped_fs import StripedFileSystem, StripedIOError
+from striped_fs.redact import redact
 from striped_fs.urls import url_to_fs
 
 from .cache import StepCache, open_cache
@@ -105,7 +106,7 @@ class CheckpointManager:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if keep is not None and keep < 1:
             raise ValueError(f"keep={keep}: keep at least 1 checkpoint (or None for all)")
-        self.url = url
+        self.url = redact(url)  # for messages: never the credentials
         self.rank, self.world_size, self.keep = rank, world_size, keep
         self.fs: StripedFileSystem
         self.fs, self.root = url_to_fs(url, storage_options, stripe_size=stripe_size,

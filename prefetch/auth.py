@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from striped_fs.redact import redact_text, register_secret
+
 __all__ = [
     "Challenge",
     "Credentials",
@@ -283,7 +285,9 @@ class TokenCache:
 
 
 class Redactor:
-    """Replaces every registered secret in a text by ``***``."""
+    """Replaces every registered secret in a text by ``***``, and whatever else
+    :func:`striped_fs.redact.redact_text` knows to be a credential. Registered secrets are
+    known process-wide too, so bootseer's log filter scrubs them from any record."""
 
     def __init__(self) -> None:
         self._secrets: set[str] = set()
@@ -292,9 +296,10 @@ class Redactor:
         for secret in secrets:
             if secret and len(secret) >= 3:
                 self._secrets.add(secret)
+                register_secret(secret)
 
     def __call__(self, text: str) -> str:
         for secret in sorted(self._secrets, key=len, reverse=True):
             if secret in text:
                 text = text.replace(secret, "***")
-        return text
+        return redact_text(text)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from striped_fs.redact import redact
+
 
 class SnapshotError(Exception):
-    """Base class for snapshot errors."""
+    """Base class for snapshot errors. Messages never show credentials (a store URL's
+    ``user:password@``, keys, tokens): they are redacted as the error is made."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact(a) for a in args))
 
 
 class SnapshotNotFound(SnapshotError, FileNotFoundError):

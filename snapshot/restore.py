@@ -39,6 +39,8 @@ from typing import Any
 import zstandard
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 
+from striped_fs.redact import redact
+
 from .errors import CorruptSnapshotError, RelocationError, SnapshotError
 from .extract import Extractor, _umask
 from .manifest import (
@@ -334,7 +336,7 @@ def write_marker(root: Path, key: str, prefix: Path, members: list[Member], *,
     """
     rows = _verify_rows(root, members, changed)
     marker = {"key": key, "prefix": str(prefix), "built_at": built_at, "publisher": publisher,
-              "store": _redact(store_url) if store_url else None, "published": published,
+              "store": redact(store_url) if store_url else None, "published": published,
               "written": time.time(), "entries": len(rows)}
     write_state(root, {
         VERIFY_TOC: zstandard.ZstdCompressor(level=3).compress(json.dumps(rows).encode()),
@@ -363,14 +365,6 @@ def _verify_rows(root: Path, members: list[Member],
         else:
             rows.append([m.path, m.kind, m.size, m.mtime_ns])
     return rows
-
-
-def _redact(url: str) -> str:
-    """Drop ``user:password@`` from a URL before it is written anywhere."""
-    if "://" in url and "@" in url.split("://", 1)[1].split("/", 1)[0]:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://{rest.split('@', 1)[1]}"
-    return url
 
 
 def verify(prefix: str | os.PathLike, key: str | None = None) -> VerifyResult:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from striped_fs.backend import RetryPolicy
+from striped_fs.redact import redact
 from striped_fs.urls import url_to_fs
 
 from .errors import SnapshotError, SnapshotNotFound, StoreUnavailable
@@ -66,7 +67,7 @@ class SnapshotStore:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
                  concurrency: int = 16, retries: int | None = None) -> None:
-        self.url = url
+        self.url = redact(url)  # for messages and markers: never the credentials
         overrides: dict[str, Any] = {"concurrency": concurrency}
         if retries is not None:
             overrides["retries"] = retries

@@ -125,10 +125,28 @@ class Backend:
         )
 
     def read_object(self, path: str, *, what: str, retry: RetryPolicy,
-                    validate: Validator | None = None, stripe: int | None = None) -> Future[bytes]:
-        return self._submit(what, stripe, path, retry, validate,
-                            lambda: self.fs.cat_file(path),
-                            lambda: self.fs._cat_file(path))
+                    validate: Validator | None = None, stripe: int | None = None,
+                    limit: int | None = None) -> Future[bytes]:
+        """The whole object ``path``, or at most its first ``limit`` bytes when given (so that
+        an object larger than expected is never read, or allocated, whole)."""
+        if limit is None:
+            return self._submit(what, stripe, path, retry, validate,
+                                lambda: self.fs.cat_file(path),
+                                lambda: self.fs._cat_file(path))
+
+        def bounded() -> bytes:
+            try:
+                return self.fs.cat_file(path, start=0, end=limit)
+            except OSError as exc:
+                return _empty_if_unsatisfiable(exc)
+
+        async def bounded_async() -> bytes:
+            try:
+                return await self.fs._cat_file(path, start=0, end=limit)
+            except OSError as exc:
+                return _empty_if_unsatisfiable(exc)
+
+        return self._submit(what, stripe, path, retry, validate, bounded, bounded_async)
 
     def read_into(self, path: str, view: memoryview, start: int = 0, *, what: str,
                   retry: RetryPolicy, validate: Callable[[memoryview], None] | None = None,
@@ -234,6 +252,14 @@ class Backend:
                 _log_retry(what, path, exc, attempt)
                 await asyncio.sleep(retry.delay(attempt))
                 attempt += 1
+
+
+def _empty_if_unsatisfiable(exc: OSError) -> bytes:
+    """A range from byte 0 that the server cannot satisfy (S3's 416 InvalidRange, which s3fs
+    turns into EINVAL) means an empty object: say so with its length, not a protocol error."""
+    if exc.errno == errno.EINVAL and "range" in str(exc).lower():
+        return b""
+    raise exc
 
 
 def _log_retry(what: str, path: str, exc: BaseException, attempt: int) -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import errno
 
+from .redact import redact_text
+
 
 class StripedIOError(OSError):
     """A stripe could not be read or written after bounded retries."""
 
     def __init__(self, message: str, *, path: str, stripe: int | None = None) -> None:
-        super().__init__(errno.EIO, message)
+        super().__init__(errno.EIO, redact_text(message))
         self.path = path
         self.stripe = stripe
 

@@ -128,7 +128,9 @@ class StripedFileSystem(ChainedFileSystem):
                 return Manifest.from_bytes(data, path=path), None
             return None, data
         if size <= MAX_MANIFEST_SIZE and self.target.cat_file(path, 0, len(MAGIC)) == MAGIC:
-            return Manifest.from_bytes(self.target.cat_file(path), path=path), None
+            # bounded: the object may have grown since its size was asked
+            data = self.target.cat_file(path, 0, MAX_MANIFEST_SIZE + 1)
+            return Manifest.from_bytes(data, path=path), None
         return None, None
 
     def _target_file_info(self, path: str) -> dict[str, Any]:
@@ -184,7 +186,8 @@ class StripedFileSystem(ChainedFileSystem):
             size = entry.get("size") or 0
             if entry["type"] == "file" and f".{name}.stripes" in names and size <= MAX_MANIFEST_SIZE:
                 probes[entry["name"]] = self.backend.read_object(
-                    entry["name"], what="manifest", retry=RetryPolicy.from_options(self.options))
+                    entry["name"], what="manifest", retry=RetryPolicy.from_options(self.options),
+                    limit=MAX_MANIFEST_SIZE + 1)
         for i, entry in enumerate(shown):
             fut = probes.get(entry["name"])
             if fut is None:

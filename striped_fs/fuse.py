@@ -48,6 +48,8 @@ from typing import Any
 
 from fsspec.spec import AbstractBufferedFile
 
+from .redact import install_log_redaction
+
 try:  # libfuse may be missing; the helpers below (is_mounted, unmount...) still work.
     import fuse as _fusepy
 
@@ -893,6 +895,7 @@ def serve(fs: Any, root: str, mountpoint: str, **kw: Any) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    install_log_redaction()
     kw.setdefault("foreground", True)
     mount(fs, root, mountpoint, **kw)
     return 0

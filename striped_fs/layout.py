@@ -15,24 +15,30 @@ after the new manifest is in place.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import zlib
 from dataclasses import dataclass, field
 
+from .config import MAX_STRIPE_SIZE
 from .errors import ManifestError
 
 MAGIC = b"BOOTSEER-STRIPED\x00v1\n"
 FORMAT_VERSION = 1
 CHECKSUM_ALGO = "crc32"
-# Manifests hold ~12 bytes per stripe; 16 MiB covers > 1 PiB at 8 MiB stripes.
+# Manifests hold ~11 bytes per stripe; 16 MiB holds the largest stripe count below.
 MAX_MANIFEST_SIZE = 16 << 20
+# Caps on what a manifest may declare (checked before anything is allocated from it):
+# 2**20 stripes are 8 TiB at the default 8 MiB stripes and 1 PiB at the 1 GiB maximum.
+MAX_STRIPES = 1 << 20
+MAX_FILE_SIZE = MAX_STRIPES * MAX_STRIPE_SIZE
 # Files at most this large are read whole when probed: one request answers both
 # "is it a manifest?" and "what are its bytes?".
 SMALL_FILE_PROBE = 64 << 10
 
 _STRIPES_DIR_RE = re.compile(r"^\.(?P<name>.+)\.stripes$")
-_VERSION_RE = re.compile(r"^[0-9a-f]{32}$")
+_VERSION_RE = re.compile(r"[0-9a-f]{32}")  # always fullmatch()
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
@@ -54,10 +60,18 @@ def stripes_dir(path: str) -> str:
 
 
 def version_dir(path: str, version: str) -> str:
+    """``dir/.name.stripes/<version>``: ``version`` is 32 hex digits, so the directory is
+    always inside ``path``'s own stripes directory (a manifest cannot point elsewhere)."""
+    if not isinstance(version, str) or not _VERSION_RE.fullmatch(version):
+        raise ValueError(f"{path}: stripe version {version!r} is not 32 lowercase hex digits")
     return f"{stripes_dir(path)}/{version}"
 
 
 def stripe_path(path: str, version: str, index: int) -> str:
+    """The object holding stripe ``index``: derived from the file's own path, the version
+    and the index only, never from a name stored in the manifest."""
+    if not _is_int(index) or index < 0:
+        raise ValueError(f"{path}: stripe index {index!r} is not a non-negative integer")
     return f"{version_dir(path, version)}/{index:08d}"
 
 
@@ -103,35 +117,87 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, path: str) -> Manifest:
-        """Parse and check a manifest; every declared size is checked before it is trusted."""
+        """Parse and check a manifest: every declared size and count is checked against the
+        others and against the caps before anything is allocated from it.
+
+        A refusal is a :class:`ManifestError` naming ``path`` and the rule it breaks.
+        """
         if not data.startswith(MAGIC):
             raise ManifestError(f"{path}: not a striped manifest", path=path)
+        if len(data) > MAX_MANIFEST_SIZE:
+            raise _refused(path, f"the manifest is {len(data)} bytes, over the "
+                                 f"{MAX_MANIFEST_SIZE}-byte limit")
         try:
-            body = json.loads(data[len(MAGIC) :])
-            size, stripe_size = body["size"], body["stripe_size"]
-            version, sums = body["version"], body["stripes"]
-            fmt, algo = body["format"], body["checksum"]
-        except (ValueError, KeyError, TypeError) as exc:
+            body = json.loads(data[len(MAGIC):], object_pairs_hook=_no_duplicates)
+        except (ValueError, RecursionError) as exc:
             raise ManifestError(f"{path}: malformed striped manifest ({exc})", path=path) from exc
-        if fmt != FORMAT_VERSION or algo != CHECKSUM_ALGO:
+        if not isinstance(body, dict):
+            raise ManifestError(f"{path}: malformed striped manifest (not a JSON object)",
+                                path=path)
+        missing = [k for k in _FIELDS if k not in body and k != "created"]
+        if missing:
+            raise ManifestError(f"{path}: malformed striped manifest (missing field(s) "
+                                f"{', '.join(missing)})", path=path)
+        fmt, algo = body["format"], body["checksum"]
+        if type(fmt) is not int or fmt != FORMAT_VERSION or algo != CHECKSUM_ALGO:
             raise ManifestError(
                 f"{path}: striped manifest format {fmt!r}/{algo!r} is not supported by this "
                 f"bootseer (expects {FORMAT_VERSION}/{CHECKSUM_ALGO}); upgrade bootseer",
                 path=path,
             )
-        ints = (size, stripe_size)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints) or size < 0 or stripe_size <= 0:
-            raise ManifestError(f"{path}: manifest has invalid size {size!r}/{stripe_size!r}", path=path)
-        if not isinstance(version, str) or not _VERSION_RE.match(version):
-            raise ManifestError(f"{path}: manifest has invalid version {version!r}", path=path)
+        unknown = sorted(set(body) - set(_FIELDS))
+        if unknown:
+            # Stripe names, offsets and lengths are derived, never read from the manifest: a
+            # field this reader does not know could only be meant to change what it reads.
+            raise _refused(path, f"unknown field(s) {', '.join(map(repr, unknown))} (format "
+                                 f"{FORMAT_VERSION} has exactly: {', '.join(_FIELDS)})")
+        size, stripe_size, version = body["size"], body["stripe_size"], body["version"]
+        sums, created = body["stripes"], body.get("created", 0.0)
+        if not _is_int(size) or not 0 <= size <= MAX_FILE_SIZE:
+            raise _refused(path, f"size {size!r} must be an integer from 0 to {MAX_FILE_SIZE}")
+        if not _is_int(stripe_size) or not 1 <= stripe_size <= MAX_STRIPE_SIZE:
+            raise _refused(path, f"stripe_size {stripe_size!r} must be an integer from 1 to "
+                                 f"{MAX_STRIPE_SIZE}")
+        if not isinstance(version, str) or not _VERSION_RE.fullmatch(version):
+            raise _refused(path, f"version {version!r} must be 32 lowercase hex digits (it "
+                                 "names the directory of this file's stripes)")
+        if not isinstance(sums, list):
+            raise _refused(path, f"stripes must be a list of checksums, not {type(sums).__name__}")
         expected = -(-size // stripe_size)
-        if not isinstance(sums, list) or len(sums) != expected:
-            raise ManifestError(
-                f"{path}: manifest declares {size} bytes in {stripe_size}-byte stripes "
-                f"({expected} stripes) but lists {len(sums) if isinstance(sums, list) else '?'} checksums",
-                path=path,
-            )
-        if not all(isinstance(c, int) and 0 <= c <= 0xFFFFFFFF for c in sums):
-            raise ManifestError(f"{path}: manifest has invalid stripe checksums", path=path)
+        if expected > MAX_STRIPES:
+            raise _refused(path, f"declares {size} bytes in {stripe_size}-byte stripes, "
+                                 f"{expected} stripes: over the limit of {MAX_STRIPES}")
+        if len(sums) != expected:
+            raise _refused(path, f"declares {size} bytes in {stripe_size}-byte stripes "
+                                 f"({expected} stripes) but lists {len(sums)} checksums")
+        bad = next((i for i, c in enumerate(sums) if not _is_int(c) or not 0 <= c <= 0xFFFFFFFF),
+                   None)
+        if bad is not None:
+            raise _refused(path, f"checksum of stripe {bad} ({sums[bad]!r}) must be a crc32, "
+                                 "an integer from 0 to 4294967295")
+        if not isinstance(created, int | float) or isinstance(created, bool) \
+                or not math.isfinite(created):
+            raise _refused(path, f"created {created!r} must be a finite number (seconds)")
         return cls(size=size, stripe_size=stripe_size, version=version, checksums=sums,
-                   created=float(body.get("created", 0.0)))
+                   created=float(created))
+
+
+_FIELDS = ("format", "size", "stripe_size", "version", "checksum", "stripes", "created")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object whose keys are unique: a key given twice could be read either way."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"field {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _refused(path: str, rule: str) -> ManifestError:
+    return ManifestError(f"{path}: striped manifest refused: {rule}", path=path)

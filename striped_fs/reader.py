@@ -123,10 +123,12 @@ class StripedSource(Source):
         return True
 
     def fetch(self, index: int, lo: int = 0, hi: int | None = None) -> tuple[int, Future[bytes]]:
-        start, _ = self.piece_range(index)
+        start, end = self.piece_range(index)
+        # At most one byte more than the manifest declares is read: enough to tell a stripe
+        # object that is too long, never a whole object of whatever size someone put there.
         fut = self.backend.read_object(self._object(index), what=f"stripe {index} of {self.path}",
                                        retry=self.retry, validate=self._verifier(index),
-                                       stripe=index)
+                                       stripe=index, limit=end - start + 1)
         return start, fut
 
     def fetch_into(self, index: int, view: memoryview) -> Future[None]:
@@ -145,8 +147,9 @@ class StripedSource(Source):
 
         def verify(data: bytes | memoryview) -> None:
             if len(data) != expected_len:
+                held = f"{len(data)}" if len(data) < expected_len else f"more than {expected_len}"
                 raise StripeChecksumError(
-                    f"stripe {index} of {self.path} ({obj}) holds {len(data)} bytes, "
+                    f"stripe {index} of {self.path} ({obj}) holds {held} bytes, "
                     f"manifest says {expected_len}", path=self.path, stripe=index)
             got = checksum(data)
             if got != expected_crc:
@@ -359,20 +362,25 @@ def fetch_piece_set(source: Source, indices: Iterable[int], concurrency: int,
 
 
 def read_range(source: Source, start: int, end: int, concurrency: int) -> bytes:
-    """The bytes ``[start, end)`` of a source, fetched in parallel."""
+    """The bytes ``[start, end)`` of a source, fetched in parallel.
+
+    Nothing is allocated from the size a striped manifest declares: pieces are kept as they
+    arrive, each already checked (length and checksum) against the manifest, and joined once
+    all are in. A file whose stripes are missing or short fails at the first bad piece, having
+    allocated no more than the pieces that came back.
+    """
     end = min(end, source.size)
     if end <= start:
         return b""
     if isinstance(source, InlineSource):
         return source.data[start:end]
-    out = bytearray(end - start)
-    view = memoryview(out)
+    pieces: dict[int, bytes | memoryview] = {}
 
-    def sink(offset: int, data: bytes) -> None:
-        view[offset - start : offset - start + len(data)] = data
+    def sink(offset: int, data: bytes | memoryview) -> None:
+        pieces[offset] = data
 
     fetch_pieces(source, start, end, concurrency, sink)
-    return bytes(out)
+    return b"".join(pieces[offset] for offset in sorted(pieces))
 
 
 def download(source: Source, local_path: str, concurrency: int,
@@ -380,8 +388,6 @@ def download(source: Source, local_path: str, concurrency: int,
     """Write a source into a local file with positioned writes as pieces arrive."""
     fd = os.open(local_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-        os.ftruncate(fd, source.size)
-
         def sink(offset: int, data: bytes) -> None:
             view = memoryview(data)
             while view:
@@ -391,5 +397,8 @@ def download(source: Source, local_path: str, concurrency: int,
                 progress(len(data))
 
         fetch_pieces(source, 0, source.size, concurrency, sink)
+        # The declared size is applied only once every piece has arrived and checked out
+        # (a no-op then, since the last piece ends there; it keeps an empty file empty).
+        os.ftruncate(fd, source.size)
     finally:
         os.close(fd)

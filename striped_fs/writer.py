@@ -16,7 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from .backend import Backend, RetryPolicy
 from .config import StripeOptions
-from .layout import Manifest, checksum, stripe_path
+from .layout import MAX_STRIPES, Manifest, checksum, stripe_path
 
 log = logging.getLogger("striped_fs")
 
@@ -147,6 +147,10 @@ class StripedWriter(io.BufferedIOBase):
     def _upload(self, data: bytes | memoryview) -> None:
         self._drain(self._opts.concurrency - 1)
         index = len(self._checksums)
+        if index >= MAX_STRIPES:  # readers refuse such a manifest: fail now, not after upload
+            raise ValueError(
+                f"{self.path}: more than {MAX_STRIPES} stripes of {self._opts.stripe_size} "
+                "bytes; write it with a larger stripe_size")
         self._checksums.append(checksum(data))
         fut = self._backend.write_object(
             stripe_path(self.path, self.version, index), data, retry=self._retry,

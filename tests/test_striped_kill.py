@@ -62,6 +62,22 @@ def make_fs(protocol: str, options: dict) -> StripedFileSystem:
                              stripe_size=STRIPE, concurrency=4, skip_instance_cache=True)
 
 
+def wait_for_a_stripe(fs: StripedFileSystem, path: str, timeout: float = 60.0) -> None:
+    """Until a writer of ``path`` has stored a stripe (under load, its client may take a
+    second to start: a kill before that would leave nothing behind)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fs.target.invalidate_cache()
+        try:
+            if any(name.rsplit("/", 1)[-1].isdigit()
+                   for name in fs.target.find(stripes_dir(path))):
+                return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"no stripe of {path} stored within {timeout} s")
+
+
 def test_sigkill_mid_write_leaves_nothing_visible_or_the_previous_version(target):
     protocol, options, root = target
     fs = make_fs(protocol, options)
@@ -73,6 +89,8 @@ def test_sigkill_mid_write_leaves_nothing_visible_or_the_previous_version(target
             proc = start_writer(protocol, options, f"{root}/{name}", seed=100 + trial,
                                 size=40 * STRIPE, pause=0.01)
             assert proc.stdout.readline().strip() == "WRITING"
+            if trial == 0:  # one kill surely after a stripe landed: something for gc below
+                wait_for_a_stripe(fs, f"{root}/{name}")
             time.sleep(rng.uniform(0.0, 0.3))
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from striped_fs.redact import install_log_redaction, protect_process
+
 from .. import __version__
 from . import ckpt as ckpt_cmd
 from . import config as config_cmd
@@ -16,7 +18,7 @@ from . import report as report_cmd
 from . import run as run_cmd
 from . import snapshotter as snapshotter_cmd
 from . import warmup as warmup_cmd
-from .errors import CliError
+from .errors import CliError, is_storage_client_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,8 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Before anything can print: credentials given in arguments or the environment are
+    # registered, and stdout/stderr (errors, tracebacks, every log line at any -v) redacted.
+    protect_process(argv)
+    parser = build_parser()
     # Everything after the first "--" is a command to run (env ensure -- CMD, image record --
     # CMD): split it off here, since argparse cannot mix options after a positional with a
     # trailing command.
@@ -61,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     level = logging.WARNING - 10 * min(args.verbose + 1, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    # -vv shows botocore's debug output (requests with their Authorization headers): every
+    # record is redacted before it is formatted, so the debug output stays useful.
+    install_log_redaction()
     if not getattr(args, "func", None):
         parser.print_help()
         raise SystemExit(2)
@@ -73,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bootseer: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     except Exception as exc:
-        if _is_storage_client_error(exc) or _is_library_error(exc):
+        if is_storage_client_error(exc) or _is_library_error(exc):
             print(f"bootseer: error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
         raise
@@ -86,11 +94,3 @@ def _is_library_error(exc: BaseException) -> bool:
     """prefetch's registry and layer-format errors carry their own what-to-do message (their
     classes are not imported here: that would load aiohttp for every command)."""
     return type(exc).__module__.startswith("prefetch.")
-
-
-def _is_storage_client_error(exc: BaseException) -> bool:
-    try:
-        from botocore.exceptions import BotoCoreError, ClientError
-    except ImportError:  # pragma: no cover - botocore comes with s3fs
-        return False
-    return isinstance(exc, BotoCoreError | ClientError)

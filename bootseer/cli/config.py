@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from striped_fs.redact import redact
+
 from ..config import Config, add_config_arguments, config_from_args
 
 
@@ -33,8 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _literal(value: object) -> str:
-    """A value as it would be written in the TOML file (strings quoted, lists bracketed)."""
-    return json.dumps(value)
+    """A value as it would be written in the TOML file (strings quoted, lists bracketed),
+    credentials hidden (``s3://KEY:SECRET@bucket`` shows as ``s3://***@bucket``)."""
+    return json.dumps(redact(value))
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -43,7 +46,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         doc: dict[str, dict[str, dict[str, object]]] = {}
         for s in cfg.settings():
             section, name = s.key.split(".", 1)
-            doc.setdefault(section, {})[name] = {"value": s.value, "source": s.source}
+            doc.setdefault(section, {})[name] = {"value": redact(s.value), "source": s.source}
         print(json.dumps(doc, indent=1))
         return 0
     if sys.stdout.isatty():

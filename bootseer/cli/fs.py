@@ -8,11 +8,13 @@ import os
 import sys
 from typing import Any
 
-from striped_fs.urls import url_to_fs
+from striped_fs.redact import redact
+from striped_fs.urls import split_credentials, url_to_fs
 
 from ..progress import ByteProgress, human_bytes
-from .errors import CliError
+from .errors import CliError, naming_the_store
 from .mounts import start_background_mount
+from .options import parse_storage_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -69,18 +71,22 @@ def _stripe_args(p: argparse.ArgumentParser) -> None:
                         "(env BOOTSEER_STORAGE_OPTIONS)")
 
 
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    return parse_storage_options(args.storage_options)
+
+
 def _fs(args: argparse.Namespace, url: str):
-    try:
-        options: dict[str, Any] = json.loads(args.storage_options) if args.storage_options else {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--storage-options is not valid JSON: {exc}") from None
-    if not isinstance(options, dict):
-        raise ValueError('--storage-options must be a JSON object keyed by protocol, e.g. {"s3": {...}}')
-    return url_to_fs(url, options, stripe_size=args.stripe_size, concurrency=args.concurrency)
+    return url_to_fs(url, _options(args), stripe_size=args.stripe_size,
+                     concurrency=args.concurrency)
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
     """A plain path as destination gets a plain file; a URL (s3://, file://) gets stripes."""
+    with naming_the_store(f"cp {args.src} -> {args.dst}"):
+        return _cp(args)
+
+
+def _cp(args: argparse.Namespace) -> int:
     src_fs, src = _fs(args, args.src)
     info = src_fs.info(src)
     if info["type"] == "directory":
@@ -112,23 +118,27 @@ def _is_plain_path(url: str) -> bool:
 
 
 def cmd_stat(args: argparse.Namespace) -> int:
-    fs, path = _fs(args, args.url)
-    info = fs.info(path)
+    with naming_the_store(args.url):
+        fs, path = _fs(args, args.url)
+        info = fs.info(path)
     print(json.dumps({k: v for k, v in info.items() if _jsonable(v)}, indent=2, default=str))
     return 0
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    fs, path = _fs(args, args.url)
-    for entry in fs.ls(path, detail=True):
+    with naming_the_store(args.url):
+        fs, path = _fs(args, args.url)
+        entries = fs.ls(path, detail=True)
+    for entry in entries:
         kind = "d" if entry["type"] == "directory" else ("s" if entry.get("striped") else "-")
         print(f"{kind} {entry.get('size') or 0:>14} {entry['name']}")
     return 0
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    fs, path = _fs(args, args.url)
-    n = fs.gc(path, older_than_s=args.older_than, on_remove=lambda p: print(f"removed {p}"))
+    with naming_the_store(args.url):
+        fs, path = _fs(args, args.url)
+        n = fs.gc(path, older_than_s=args.older_than, on_remove=lambda p: print(f"removed {p}"))
     print(f"{n} unreferenced stripe version(s) removed")
     return 0
 
@@ -152,18 +162,21 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _mount_in_background(args: argparse.Namespace) -> int:
-    argv = [sys.executable, "-m", "bootseer", "fs", "mount", args.url, args.mountpoint,
+    # The mount outlives this command: its command line (visible to every local user in the
+    # process list) carries no credentials; they travel in its environment.
+    url, options = split_credentials(args.url, _options(args))
+    argv = [sys.executable, "-m", "bootseer", "fs", "mount", url, args.mountpoint,
             "--foreground"]
-    for flag, value in (("--stripe-size", args.stripe_size), ("--concurrency", args.concurrency),
-                        ("--storage-options", args.storage_options)):
+    for flag, value in (("--stripe-size", args.stripe_size), ("--concurrency", args.concurrency)):
         if value is not None:
             argv += [flag, str(value)]
+    env = {**os.environ, "BOOTSEER_STORAGE_OPTIONS": json.dumps(options)}
     if args.read_only:
         argv.append("--read-only")
     if args.allow_other:
         argv.append("--allow-other")
-    return start_background_mount(argv, args.mountpoint, timeout=args.timeout, what=args.url,
-                                  kind="fs")
+    return start_background_mount(argv, args.mountpoint, timeout=args.timeout,
+                                  what=redact(args.url), kind="fs", env=env)
 
 
 def cmd_umount(args: argparse.Namespace) -> int:

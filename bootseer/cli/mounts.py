@@ -28,15 +28,15 @@ def open_log(kind: str, mountpoint: str) -> tuple[str, int]:
 
 
 def start_background_mount(argv: list[str], mountpoint: str, *, timeout: float, what: str,
-                           kind: str) -> int:
-    """Run ``argv`` (a foreground mount command) detached; return once ``mountpoint`` is
-    mounted, or raise CliError with the tail of its log."""
+                           kind: str, env: dict[str, str] | None = None) -> int:
+    """Run ``argv`` (a foreground mount command, with ``env``) detached; return once
+    ``mountpoint`` is mounted, or raise CliError with the tail of its log."""
     from striped_fs import fuse
 
     log_path, log_fd = open_log(kind, mountpoint)
     with os.fdopen(log_fd, "ab") as log_file:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=log_file, start_new_session=True)
+                                stderr=log_file, start_new_session=True, env=env)
     try:
         fuse.wait_mounted(mountpoint, timeout=timeout, proc=proc)
     except fuse.MountError as exc:
