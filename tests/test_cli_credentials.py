@@ -157,6 +157,6 @@ def test_background_mount_keeps_credentials_off_its_command_line_and_log(store, 
     finally:
         if is_mounted(mnt):
             unmount(mnt, lazy=True)
-    logs = list(Path(env["TMPDIR"]).glob("bootseer-fs-*.log"))
+    logs = list(Path(env["TMPDIR"]).glob("bootseer-fs-mount-*/*.log"))  # a private dir each
     assert logs
     assert_clean(up, *logs)
