@@ -114,24 +114,64 @@ class CheckpointView:
             raise CheckpointCorrupt(f"step {self.step}: {path} is missing", step=self.step,
                                     path=path) from None
 
-    def objects(self, rank: int, trust_objects: bool) -> dict[str, Any]:
+    def objects_blob(self, rank: int) -> bytes:
+        """Rank ``rank``'s objects file, checked against its index (size, CRC-32) and never
+        deserialized: what ``verify`` reads."""
         idx = self.indexes[rank]
         if not idx.objects_size:
-            return {}
+            return b""
         path = f"{self.dir}/{objects_name(rank)}"
         blob = self.cache.objects(rank, idx) if self.cache is not None else None
         if blob is None:
-            blob = self.fs.cat_file(path)
+            try:
+                blob = self.fs.cat_file(path)
+            except FileNotFoundError:
+                raise CheckpointCorrupt(f"step {self.step}: {path} is missing", step=self.step,
+                                        path=path) from None
         if len(blob) != idx.objects_size or zlib.crc32(blob) != idx.objects_crc32:
             raise CheckpointCorrupt(f"step {self.step}: {path} does not match its index",
                                     step=self.step, path=path)
+        return blob
+
+    def objects(self, rank: int, trust_objects: bool) -> dict[str, Any]:
+        """Rank ``rank``'s objects. Untrusted (the default), only torch's weights-only
+        allow-list is unpickled (tensors, containers, numbers, strings; no other globals):
+        a pickle that names any other callable is refused before it runs. ``trust_objects``
+        unpickles anything: only for checkpoints the user trusts (docs/decisions.md)."""
+        blob = self.objects_blob(rank)
+        if not blob:
+            return {}
+        path = f"{self.dir}/{objects_name(rank)}"
         try:
-            return torch.load(io.BytesIO(blob), weights_only=not trust_objects)
+            values = torch.load(io.BytesIO(blob), weights_only=not trust_objects)
         except pickle.UnpicklingError as exc:
+            if trust_objects:
+                raise CheckpointCorrupt(f"step {self.step}: {path} cannot be unpickled ({exc})",
+                                        step=self.step, path=path) from None
             raise CheckpointCorrupt(
-                f"step {self.step}: {path} holds objects outside torch's safe set ({exc}); "
-                "load with trust_objects=True if you trust this checkpoint", step=self.step,
-                path=path) from None
+                f"step {self.step}: {path}: {unpickling_refusal(exc)} (rule: objects outside torch's "
+                "weights-only allow-list are not deserialized without trust_objects=True, "
+                "bootseer's --trust-objects; pass it only for a checkpoint you trust)",
+                step=self.step, path=path) from None
+        except Exception as exc:  # noqa: BLE001 - a damaged blob: zip, EOF, storage errors
+            raise CheckpointCorrupt(f"step {self.step}: {path} cannot be read "
+                                    f"({type(exc).__name__}: {exc})", step=self.step,
+                                    path=path) from None
+        declared = self.indexes[rank].object_keys
+        if not isinstance(values, dict) or set(values) != set(declared):
+            found = sorted(map(str, values)) if isinstance(values, dict) else type(values).__name__
+            raise CheckpointCorrupt(f"step {self.step}: {path} holds {found}, its index lists "
+                                    f"{declared} (rule: the objects its index lists)",
+                                    step=self.step, path=path)
+        return values
+
+
+def unpickling_refusal(exc: pickle.UnpicklingError) -> str:
+    """The line of torch's weights-only refusal that names the global, not its advice."""
+    advice = ("Weights only load failed", "Check the documentation", "Please file an issue")
+    lines = [line.strip() for line in str(exc).splitlines()
+             if line.strip() and not line.strip().startswith(advice)]
+    return lines[0] if lines else "refused by torch's weights-only unpickler"
 
 
 def _parse(fn: Callable[..., Any], raw: bytes, step: int, path: str) -> Any:
@@ -362,6 +402,9 @@ def load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
         problems.append(f"unexpected in checkpoint (not in state): {key} (object)")
     if problems and strict:
         raise StateMismatchError(view.step, problems)
+    # Objects first: one refused (not trusted, damaged) leaves every tensor untouched.
+    wanted = {k for k in objects if k in saved_object_keys}
+    values = view.objects(saved_objects_rank, trust_objects) if wanted else {}
     jobs = []
     for t in targets:
         info = view.keys[t.key]
@@ -371,12 +414,10 @@ def load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
         if t.done is not None:
             t.done()
         report.loaded.append(t.key)
-    wanted = {k for k in objects if k in saved_object_keys}
     if wanted:
         if saved_objects_rank != rank:
             log.warning("step %d was saved by %d ranks: rank %d takes rank 0's objects",
                         view.step, view.manifest.world_size, rank)
-        values = view.objects(saved_objects_rank, trust_objects)
         for key in wanted:
             container, slot, old = objects[key]
             if isinstance(old, PerRank):
