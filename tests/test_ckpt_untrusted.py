@@ -26,9 +26,18 @@ import torch
 from canary import Canary
 
 from bootseer.cli import main
-from ckpt import CheckpointCorrupt, CheckpointManager
+from ckpt import CheckpointCorrupt, CheckpointManager, layout
 from ckpt.dcp import ConversionError, dcp_to_bootseer
-from ckpt.layout import MANIFEST, data_name, index_name, objects_name
+from ckpt.layout import (
+    MANIFEST,
+    MAX_BYTES,
+    RankIndex,
+    data_name,
+    index_name,
+    objects_name,
+    tiling_problem,
+)
+from ckpt.persist import check_indexes
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -211,6 +220,221 @@ def test_verify_checks_the_objects_bytes_without_deserializing_them(run):
     (directory / objects_name(0)).write_bytes(bytes(damaged))
     assert_refused(root, canary, f"{directory}/{objects_name(0)} does not match its index",
                    objects=("epoch", "evil"))
+
+
+# -- the manifest's world size and ranks --------------------------------------------------------
+
+def _ranks(listed: list[int]) -> Callable[[dict], None]:
+    def change(m: dict) -> None:
+        first = m["ranks"][0]
+        m["ranks"] = [{**first, "rank": r} for r in listed]
+    return change
+
+
+@pytest.mark.parametrize("change, rule", [
+    (lambda m: m.update(world_size=-1), "world_size is -1 (rule: an integer in [1, 1048576])"),
+    (lambda m: m.update(world_size=0, ranks=[]), "world_size is 0 (rule: an integer in [1, "),
+    (lambda m: m.update(world_size=2), "world_size 2 but 1 rank(s) listed (rule: world_size "
+                                       "equals the number of ranks listed)"),
+    (lambda m: m.update(world_size=2**40), "world_size is 1099511627776 (rule: an integer in"),
+    (lambda m: m.update(world_size=True), "world_size is True (rule: an integer"),
+    (lambda m: (_ranks([0, 0])(m), m.update(world_size=2)),
+     "rank(s) [0] listed twice, [1] missing (rule: ranks 0..1 each listed once)"),
+    (lambda m: (_ranks([0, 2])(m), m.update(world_size=2)), "a rank is 2 (rule: an integer in [0, 1])"),
+    (lambda m: m.update(step=7), "says step 7 (rule: a manifest commits its own step directory)"),
+], ids=["negative", "zero", "more-than-listed", "huge", "bool", "duplicate-rank",
+        "rank-out-of-range", "other-step"])
+def test_a_crafted_world_size_or_rank_list_is_refused(run, capsys, change, rule):
+    root, canary = run
+    directory = write_step(root, one_rank(), manifest=change)
+    assert_refused(root, canary, f"{directory}/{MANIFEST}", rule)
+    code, out, _ = cli(capsys, "ckpt", "verify", str(root))
+    assert code == 1 and "FAILED" in out and rule in out
+    canary.assert_unchanged()
+
+
+@pytest.mark.parametrize("change, rule", [
+    (lambda b: b.update(world_size=3), "world_size 3, the manifest's is 1 (rule: one world size)"),
+    (lambda b: b.update(world_size=-1), "world_size is -1 (rule: an integer in [1,"),
+    (lambda b: b.update(rank=0, world_size=2), "world_size 2, the manifest's is 1"),
+    (lambda b: b.update(step=9), "step 9, the manifest's is 1 (rule: one step)"),
+], ids=["index-world-3", "index-world-negative", "index-world-2", "index-other-step"])
+def test_an_index_disagreeing_with_its_manifest_is_refused(run, change, rule):
+    root, canary = run
+    directory = write_step(root, one_rank(body=change))
+    assert_refused(root, canary, f"{directory}/{index_name(0)}", rule)
+
+
+def test_an_index_claiming_another_rank_is_refused(run):
+    root, canary = run
+    r0 = rank_files(0, 2, {"w": (torch.arange(4.0), [8], [0])})
+    r1 = rank_files(0, 2, {"w": (torch.arange(4.0, 8.0), [8], [4])})  # says rank 0 again
+    directory = write_step(root, [r0, r1])
+    assert_refused(root, canary, f"{directory}/{index_name(1)}", "rank 0 (rule: rank-R's index "
+                   "is rank R's)")
+
+
+# -- chunk shapes: the chained != -----------------------------------------------------------------
+
+@pytest.mark.parametrize("change", [
+    # len(shape) == len(global_shape) != len(offsets): the chained != accepted it
+    lambda c: c.update(global_shape=[2, 4], shape=[2, 4], offsets=[0]),
+    # len(shape) != len(global_shape) == len(offsets): the chained != accepted it
+    lambda c: c.update(global_shape=[8], shape=[2, 4], offsets=[0]),
+    lambda c: c.update(global_shape=[8], shape=[8], offsets=[]),
+], ids=["offsets-short", "shape-long", "offsets-empty"])
+def test_chunk_dimensions_must_agree(run, change):
+    root, canary = run
+    directory = write_step(root, one_rank(chunk=change))
+    assert_refused(root, canary, f"{directory}/{index_name(0)}: chunk 'w'",
+                   "(rule: the same number of dimensions, at most 64)")
+
+
+# -- load_full never returns memory that no chunk filled -------------------------------------------
+
+def _two_ranks(a: tuple[int, int], b: tuple[int, int], length: int = 8) -> list:
+    """``w`` of ``length`` elements stored as chunks [a0, a0+a1) on rank 0, [b0, b0+b1) on 1."""
+    values = torch.arange(float(length + 8))
+    return [rank_files(r, 2, {"w": (values[o : o + n], [length], [o])})
+            for r, (o, n) in enumerate((a, b))]
+
+
+@pytest.mark.parametrize("ranks, region", [
+    (_two_ranks((0, 3), (5, 3)), "no chunk stores the elements at offsets [3] shape [2] (rule: "
+                                 "the chunks cover the whole tensor)"),
+    (_two_ranks((0, 3), (3, 3)), "no chunk stores the elements at offsets [6] shape [2]"),
+    (_two_ranks((2, 3), (5, 3)), "no chunk stores the elements at offsets [0] shape [2]"),
+    # overlap and gap of the same size: the element count alone was right
+    (_two_ranks((0, 4), (2, 4)), "chunks overlap at offsets [2] shape [2] (rule: every element "
+                                 "stored once)"),
+    # one start, two shapes: the smaller used to shadow the other as a "replica"
+    (_two_ranks((0, 8), (0, 4)), "chunks overlap at offsets [0] shape [4]"),
+], ids=["hole", "short-tail", "missing-head", "overlap-and-gap", "shadowed-replica"])
+def test_chunks_that_do_not_tile_the_tensor_are_refused(run, ranks, region):
+    root, canary = run
+    write_step(root, ranks)
+    assert_refused(root, canary, "tensor 'w'", region)
+
+
+def test_a_hole_in_a_2d_grid_is_named(run):
+    root, canary = run
+    values = torch.arange(16.0).view(4, 4)
+    blocks = {(0, 0): values[:2, :2], (0, 2): values[:2, 2:], (2, 0): values[2:, :2]}  # no (2, 2)
+    ranks = [rank_files(r, 3, {"w": (v, [4, 4], list(at))}) for r, (at, v) in enumerate(blocks.items())]
+    write_step(root, ranks)
+    assert_refused(root, canary, "tensor 'w'", "no chunk stores the elements at offsets [2, 2] "
+                   "shape [2, 2]")
+
+
+def test_chunks_of_one_tensor_must_agree_on_dtype_and_shape(run):
+    root, canary = run
+    r0 = rank_files(0, 2, {"w": (torch.arange(4.0), [8], [0])})
+    r1 = rank_files(1, 2, {"w": (torch.arange(4, dtype=torch.int32), [8], [4])})
+    directory = write_step(root, [r0, r1])
+    assert_refused(root, canary, f"{directory}/{index_name(1)}: chunk 'w' is int32 [8], rank 0's "
+                   "is float32 [8] (rule: every chunk of a tensor has one dtype and global shape)")
+
+
+# -- other declared lengths ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, rule", [
+    (lambda c: c.update(offsets=[-2], shape=[8]), "(rule: a chunk lies inside its global shape [8])"),
+    (lambda c: c.update(offsets=[4]), "offsets [4] and shape [8] (rule: a chunk lies inside"),
+    (lambda c: c.update(global_shape=[-8], offsets=[0]), "(rule: a chunk lies inside its global shape"),
+    (lambda c: c.update(byte_offset=40), "bytes 40+32 (rule: inside the data file, whose index "
+                                         "says 64 bytes)"),
+    (lambda c: c.update(byte_offset=-8), "byte_offset is -8 (rule: an integer in [0,"),
+    (lambda c: c.update(nbytes=16), "16 bytes for shape [8] of float32 (rule: nbytes = elements x 4)"),
+    (lambda c: c.update(nbytes=2**70), "nbytes is 1180591620717411303424 (rule: an integer in [0,"),
+    (lambda c: c.update(byte_offset=1.5), "byte_offset is 1.5 (rule: an integer"),
+    (lambda c: c.update(offsets=[True]), "must be lists of integers"),
+    (lambda c: c.update(dtype="object"), "unknown dtype 'object'"),
+    (lambda c: c.update(kind="pickle"), "kind 'pickle' (rule: one of tensor, dtensor, flat)"),
+    (lambda c: c.update(global_shape=[2**31] * 3, offsets=[0] * 3, shape=[8, 1, 1]),
+     f"(rule: at most {MAX_BYTES} bytes)"),
+    (lambda c: c.update(global_shape=[1] * 65, offsets=[0] * 65, shape=[1] * 65),
+     "(rule: the same number of dimensions, at most 64)"),
+    (lambda c: c.update(crc32=-1), "crc32 is -1 (rule: an integer in [0, 4294967295])"),
+], ids=["negative-offset", "past-the-end", "negative-global", "bytes-past-file",
+        "negative-byte-offset", "nbytes-vs-shape", "nbytes-huge", "float-offset", "bool-dim",
+        "unknown-dtype", "unknown-kind", "numel-overflow", "too-many-dims", "crc-negative"])
+def test_declared_chunk_lengths_are_checked(run, change, rule):
+    root, canary = run
+    directory = write_step(root, one_rank(chunk=change))
+    assert_refused(root, canary, f"{directory}/{index_name(0)}", rule)
+
+
+@pytest.mark.parametrize("change, rule", [
+    (lambda b: b.update(data_size=-64), "data_size is -64 (rule: an integer in [0,"),
+    (lambda b: b.update(objects_size=-1), "objects_size is -1 (rule: an integer in [0,"),
+    (lambda b: b.update(object_keys=[1, 2]), "object_keys must be a list of strings"),
+    (lambda b: b.update(chunks={"w": 1}), "chunks must be a list of objects"),
+    (lambda b: b["chunks"].append({**b["chunks"][0], "key": "alias"}),
+     "chunk 'alias' at bytes 0+32 overlaps chunk 'w' (rule: chunks occupy disjoint byte ranges"),
+], ids=["negative-data-size", "negative-objects-size", "non-string-keys", "chunks-not-list",
+        "aliased-bytes"])
+def test_declared_index_lengths_are_checked(run, change, rule):
+    root, canary = run
+    directory = write_step(root, one_rank(body=change),  # the manifest keeps the real size
+                           manifest=lambda m: m["ranks"][0].update(data_size=64))
+    assert_refused(root, canary, f"{directory}/{index_name(0)}", rule)
+
+
+def test_a_huge_declared_size_is_checked_against_the_file_before_allocating(run, monkeypatch):
+    """An index declaring a 4 TiB tensor over a 64-byte file: refused by the file's size,
+    and nothing of the declared size is ever allocated."""
+    root, canary = run
+    huge = 1 << 42
+
+    def claim(b: dict) -> None:
+        b["data_size"] = huge
+        b["chunks"][0].update(global_shape=[huge // 4], shape=[huge // 4], nbytes=huge)
+
+    directory = write_step(root, one_rank(body=claim))
+    allocated: list[int] = []
+    empty = torch.empty
+
+    def spy(*shape: Any, **kwargs: Any) -> torch.Tensor:
+        size = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple | list) else shape
+        allocated.append(int(torch.Size(size).numel()))
+        return empty(*shape, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", spy)
+    mgr = CheckpointManager(str(root), cache_dir=False)
+    with pytest.raises(CheckpointCorrupt) as err:
+        mgr.load_full()
+    assert f"{directory}/{data_name(0)} holds 64 bytes, its index says {huge}" in str(err.value)
+    assert not allocated or max(allocated) < 1 << 20, allocated
+    report = mgr.verify(STEP)
+    assert not report.ok and f"64 bytes, index says {huge}" in "\n".join(report.problems)
+    canary.assert_unchanged()
+
+
+# -- the writer's own commit check is the reader's ----------------------------------------------
+
+def test_commit_refuses_overlapping_shards_whose_count_adds_up():
+    """The commit counted elements: an overlap and a gap of the same size passed it."""
+    indexes = [RankIndex.from_json(json.dumps(body).encode(), path=f"r{r}")
+               for r, (body, _, _) in enumerate(_two_ranks((0, 4), (2, 4)))]
+    problems = check_indexes(indexes, STEP, 2)
+    assert problems == ["the shards of 'w': chunks overlap at offsets [2] shape [2] (rule: every "
+                        "element stored once)"]
+
+
+def test_tiling_check_handles_non_grid_layouts_and_bounds_its_work(monkeypatch):
+    # a legal non-grid layout: one full-width row block above two column blocks
+    assert tiling_problem([4, 4], [([0, 0], [2, 4]), ([2, 0], [2, 2]), ([2, 2], [2, 2])]) is None
+    assert tiling_problem([], [([], [])]) is None  # a scalar
+    assert "offsets [] shape []" in tiling_problem([], [])
+    assert tiling_problem([0, 5], []) is None  # nothing to cover
+    rows = [([i, 0], [1, 2]) for i in range(50)]
+    assert tiling_problem([50, 2], rows) is None
+    column = ([0, 1], [50, 1])
+    assert tiling_problem([50, 2], [*rows, column]).startswith("chunks overlap at offsets [0, 1] "
+                                                               "shape [1, 1]")
+    monkeypatch.setattr(layout, "MAX_TILING_CELLS", 100)  # 50 rows + a column: 150 cells
+    assert "too fragmented to check (rule: at most 100 cells)" in tiling_problem([50, 2],
+                                                                                  [*rows, column])
 
 
 # -- DCP checkpoints: pickles, read only as DCP metadata and weights-only objects -------------------
