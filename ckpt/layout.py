@@ -33,6 +33,7 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_NDIM = 64
 MAX_BYTES = 1 << 62  # any size, offset or tensor extent: products stay within torch's int64
 _U32 = (1 << 32) - 1
+MAX_TIME = 253_402_300_799  # 9999-12-31T23:59:59Z
 KINDS = ("tensor", "dtensor", "flat")
 # A layout of one tensor's chunks that needs more cells than this to check is refused
 # (chunks written by ckpt always form a grid of one cell each and never get near it).
@@ -163,6 +164,7 @@ class RankIndex:
                 raise ValueError(f"{path}: {name} must be a list of strings")
         if not isinstance(self.attempt, str):
             raise ValueError(f"{path}: attempt must be a string")
+        _time(path, self.created)
         for c in self.chunks:
             _check_chunk(path, c, self.data_size)
         # Disjoint byte ranges: what a reader allocates for the chunks is then bounded by the
@@ -180,6 +182,13 @@ def _int(path: str, what: str, value: Any, lo: int = 0, hi: int = MAX_BYTES) -> 
     if type(value) is not int or not lo <= value <= hi:
         raise ValueError(f"{path}: {what} is {value!r} (rule: an integer in [{lo}, {hi}])")
     return value
+
+
+def _time(path: str, value: Any) -> None:
+    """A ``created`` time that tools can print (a number of seconds up to year 9999)."""
+    if type(value) not in (int, float) or not 0 <= value <= MAX_TIME:
+        raise ValueError(f"{path}: created is {value!r} (rule: seconds since the epoch in "
+                         f"[0, {MAX_TIME}])")
 
 
 def numel(shape: Sequence[int]) -> int:
@@ -344,6 +353,7 @@ class Manifest:
         _int(path, "step", self.step)
         _int(path, "total_bytes", self.total_bytes)
         _int(path, "tensor_count", self.tensor_count)
+        _time(path, self.created)
         world = _int(path, "world_size", self.world_size, 1, MAX_WORLD_SIZE)
         if not isinstance(self.ranks, list) or len(self.ranks) != world:
             count = len(self.ranks) if isinstance(self.ranks, list) else self.ranks

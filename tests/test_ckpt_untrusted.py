@@ -242,14 +242,17 @@ def _ranks(listed: list[int]) -> Callable[[dict], None]:
      "rank(s) [0] listed twice, [1] missing (rule: ranks 0..1 each listed once)"),
     (lambda m: (_ranks([0, 2])(m), m.update(world_size=2)), "a rank is 2 (rule: an integer in [0, 1])"),
     (lambda m: m.update(step=7), "says step 7 (rule: a manifest commits its own step directory)"),
+    (lambda m: m.update(created=1e300), "created is 1e+300 (rule: seconds since the epoch in"),
 ], ids=["negative", "zero", "more-than-listed", "huge", "bool", "duplicate-rank",
-        "rank-out-of-range", "other-step"])
+        "rank-out-of-range", "other-step", "created-unprintable"])
 def test_a_crafted_world_size_or_rank_list_is_refused(run, capsys, change, rule):
     root, canary = run
     directory = write_step(root, one_rank(), manifest=change)
     assert_refused(root, canary, f"{directory}/{MANIFEST}", rule)
     code, out, _ = cli(capsys, "ckpt", "verify", str(root))
     assert code == 1 and "FAILED" in out and rule in out
+    code, out, _ = cli(capsys, "ckpt", "ls", str(root))  # listed, not a traceback
+    assert code == 0 and "(unreadable manifest)" in out
     canary.assert_unchanged()
 
 
