@@ -226,6 +226,10 @@ _METADATA_GLOBALS = {
 }
 
 
+class _Refused(pickle.UnpicklingError):
+    """A global outside the DCP metadata allow-list."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata and nothing else: every global the pickle names must be on
     ``_METADATA_GLOBALS`` (or be a torch dtype, layout or memory format). Pickle calls only
@@ -237,7 +241,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None),
                                             torch.dtype | torch.layout | torch.memory_format):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not DCP metadata")
+        raise _Refused(f"global {module}.{name} is not DCP metadata")
 
 
 def _untrusted_reader() -> type:
@@ -252,9 +256,9 @@ def _untrusted_reader() -> type:
             with self.fs.create_stream(path, "rb") as f:
                 try:
                     metadata = _MetadataUnpickler(f).load()
-                except pickle.UnpicklingError as exc:
+                except _Refused as exc:
                     raise ConversionError(f"{path}: {exc} ({_RULE})") from None
-                except (EOFError, ValueError, TypeError, AttributeError) as exc:
+                except Exception as exc:  # noqa: BLE001 - a malformed pickle: EOF, memo, lookups
                     raise ConversionError(f"{path}: not DCP metadata ({type(exc).__name__}: "
                                           f"{exc})") from None
             if not isinstance(metadata, Metadata):

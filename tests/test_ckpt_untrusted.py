@@ -458,6 +458,30 @@ def test_a_dcp_metadata_pickle_that_runs_code_is_refused(tmp_path, capsys):
     canary.assert_unchanged()
 
 
+class UnknownLayout:
+    """An allowed callable with an argument it has no answer for (a KeyError inside)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (torch.serialization._get_layout, ("torch.no_such_layout",))
+
+
+@pytest.mark.parametrize("payload, rule", [
+    (pickle.dumps(UnknownLayout()), "not DCP metadata (KeyError: 'torch.no_such_layout')"),
+    (b"\x80\x04\x95", "not DCP metadata ("),  # truncated
+    (pickle.dumps(42), "holds a int, not DCP metadata"),
+], ids=["allowed-callable-bad-argument", "truncated", "not-metadata"])
+def test_a_malformed_dcp_metadata_pickle_is_a_clear_error(tmp_path, capsys, payload, rule):
+    canary = Canary.plant(tmp_path / "canary")
+    src = tmp_path / "dcp"
+    src.mkdir()
+    (src / ".metadata").write_bytes(payload)
+    code, _, err_text = cli(capsys, "ckpt", "convert", str(src), str(tmp_path / "ours"),
+                            "--from", "dcp")
+    assert code == 2 and f"{src}/.metadata: " in err_text and rule in err_text, err_text
+    assert "Traceback" not in err_text
+    canary.assert_unchanged()
+
+
 def test_a_dcp_entry_that_runs_code_is_refused_and_runs_only_when_trusted(tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystemReader
