@@ -54,6 +54,7 @@ from .layout import (
     RankIndex,
     committed_steps,
     data_name,
+    index_disagreement,
     index_name,
     objects_name,
     parse_step,
@@ -510,6 +511,9 @@ def _prefetch_step(fs: StripedFileSystem, root: str, url: str, cache: StepCache,
     path = f"{directory}/{MANIFEST}"
     raw = _store(url, f"reading {path}", fs.cat_file, path)
     manifest = _parse(Manifest.from_json, raw, cache.step, path)
+    if manifest.step_problem(cache.step):
+        raise CheckpointCorrupt(f"step {cache.step}: {path} {manifest.step_problem(cache.step)}",
+                                step=cache.step, path=path)
     tally = _Tally()
     try:
         if cache.prepare(raw):
@@ -532,7 +536,12 @@ def _prefetch_step(fs: StripedFileSystem, root: str, url: str, cache: StepCache,
                                         "manifest's checksum", step=cache.step, path=where)
             _local(cache.put, index_name(rank), blob)
             tally.fetched(len(blob))
-        return _parse(RankIndex.from_json, blob, cache.step, where)
+        parsed = _parse(RankIndex.from_json, blob, cache.step, where)
+        problem = index_disagreement(parsed, rank, manifest)
+        if problem:
+            raise CheckpointCorrupt(f"step {cache.step}: {where}: {problem}", step=cache.step,
+                                    path=where)
+        return parsed
 
     def objects(rank: int, idx: RankIndex) -> None:
         if cache.objects(rank, idx) is not None:

@@ -43,7 +43,9 @@ side is any URL :class:`CheckpointManager` takes. ``storage_options`` are keyed 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
+import pickle
 import time
 import warnings
 from collections.abc import Iterator
@@ -56,6 +58,7 @@ from striped_fs.urls import to_striped_url
 
 from .errors import CheckpointError, CheckpointNotFound
 from .layout import MANIFEST, dtype_name, step_dir
+from .loader import unpickling_refusal
 from .manager import CheckpointManager
 
 log = logging.getLogger("ckpt")
@@ -84,13 +87,18 @@ class ConversionResult:
 def dcp_to_bootseer(dcp_url: str, ckpt_url: str, step: int,
                     storage_options: dict[str, Any] | None = None, *,
                     overwrite: bool = False, stripe_size: int | str | None = None,
-                    concurrency: int | None = None) -> ConversionResult:
+                    concurrency: int | None = None,
+                    trust_objects: bool = False) -> ConversionResult:
     """Convert the DCP checkpoint at ``dcp_url`` into step ``step`` of ours under ``ckpt_url``.
 
     The whole state is held in memory (every tensor at its global size). DCP FQNs become the
-    keys of a flat state dict (see the module docstring). DCP itself unpickles the
-    checkpoint's non-tensor entries (``torch.load(weights_only=False)``): convert only
-    checkpoints you trust. Refuses an existing ``step`` unless ``overwrite=True``.
+    keys of a flat state dict (see the module docstring). A DCP checkpoint is pickles: its
+    ``.metadata`` and its non-tensor entries, which DCP itself would unpickle with plain
+    ``pickle``/``torch.load(weights_only=False)``. Unless ``trust_objects``, the metadata is
+    read by an unpickler that admits only DCP's metadata classes and torch's dtypes and sizes,
+    and the entries with ``torch.load(weights_only=True)``: anything else is refused before it
+    runs (:class:`ConversionError` naming the file or entry and the rule). Refuses an
+    existing ``step`` unless ``overwrite=True``.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -98,7 +106,9 @@ def dcp_to_bootseer(dcp_url: str, ckpt_url: str, step: int,
 
     started = time.perf_counter()
     read_url = to_striped_url(dcp_url)
-    reader = FsspecReader(read_url, **fsspec_kwargs(read_url, storage_options))
+    reader_class = FsspecReader if trust_objects else _untrusted_reader()
+    reader = reader_class(read_url, **fsspec_kwargs(read_url, storage_options))
+    planner = None if trust_objects else _untrusted_planner()(reader, dcp_url)
     try:
         metadata = reader.read_metadata()
     except (FileNotFoundError, IsADirectoryError):
@@ -139,7 +149,7 @@ def dcp_to_bootseer(dcp_url: str, ckpt_url: str, step: int,
                  n_tensors, tensor_bytes / 2**20, n_objects)
         loading = time.perf_counter()
         with _quiet_dcp(), _dcp_errors(f"reading DCP checkpoint {dcp_url}"):
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
         log.info("read %s in %.2f s; writing step %d under %s", dcp_url,
                  time.perf_counter() - loading, step, ckpt_url)
         mgr.save(step, state, block=True)
@@ -195,6 +205,98 @@ def bootseer_to_dcp(ckpt_url: str, dcp_url: str, step: int | None = None,
     seconds = time.perf_counter() - started
     log.info("converted %s step %d -> %s in %.2f s", ckpt_url, step, dcp_url, seconds)
     return ConversionResult(ckpt_url, dcp_url, step, n_tensors, n_objects, tensor_bytes, seconds)
+
+
+# -- reading a DCP checkpoint that is not trusted ---------------------------------------------
+
+_RULE = ("rule: a DCP checkpoint's pickles are deserialized only as DCP metadata and torch's "
+         "weights-only allow-list without trust_objects=True, bootseer's --trust-objects; pass "
+         "it only for a checkpoint you trust")
+# What DCP's own metadata pickle is made of (torch 2.x): its dataclasses, torch sizes, dtypes,
+# layouts and memory formats. Constructing any of them runs no code of the checkpoint's.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "StorageMeta", "MetadataIndex"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+}
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global outside the DCP metadata allow-list."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: every global the pickle names must be on
+    ``_METADATA_GLOBALS`` (or be a torch dtype, layout or memory format). Pickle calls only
+    what ``find_class`` returns, so a ``__reduce__`` naming ``os.system`` stops here."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None),
+                                            torch.dtype | torch.layout | torch.memory_format):
+            return getattr(torch, name)
+        raise _Refused(f"global {module}.{name} is not DCP metadata")
+
+
+def _untrusted_reader() -> type:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class UntrustedReader(FsspecReader):
+        """DCP's reader, its ``.metadata`` read by :class:`_MetadataUnpickler`."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                try:
+                    metadata = _MetadataUnpickler(f).load()
+                except _Refused as exc:
+                    raise ConversionError(f"{path}: {exc} ({_RULE})") from None
+                except Exception as exc:  # noqa: BLE001 - a malformed pickle: EOF, memo, lookups
+                    raise ConversionError(f"{path}: not DCP metadata ({type(exc).__name__}: "
+                                          f"{exc})") from None
+            if not isinstance(metadata, Metadata):
+                raise ConversionError(f"{path}: holds a {type(metadata).__name__}, not DCP "
+                                      "metadata")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return UntrustedReader
+
+
+def _untrusted_planner() -> type:
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class UntrustedPlanner(DefaultLoadPlanner):
+        """DCP's load planner, its non-tensor entries read with ``weights_only=True``."""
+
+        def __init__(self, reader: Any, url: str) -> None:
+            super().__init__()
+            self.reader, self.url = reader, url
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                storage = getattr(self.reader, "storage_data", {}).get(read_item.storage_index)
+                where = f"{self.url}/{storage.relative_path}" if storage else self.url
+                raise ConversionError(f"{where}: entry {fqn!r}: {unpickling_refusal(exc)} ({_RULE})") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return UntrustedPlanner
 
 
 def flatten_like_dcp(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

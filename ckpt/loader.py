@@ -33,9 +33,11 @@ from .layout import (
     RankIndex,
     data_name,
     dtype_of,
+    index_disagreement,
     index_name,
     objects_name,
     step_dir,
+    tiling_problem,
 )
 from .overlap import ChunkIndex, StoredChunk
 from .tensors import Box, PerRank, TensorLeaf, describe, is_tensor_leaf
@@ -80,6 +82,10 @@ class CheckpointView:
             raise CheckpointCorrupt(f"step {step} is not committed (no {MANIFEST})",
                                     step=step, path=f"{self.dir}/{MANIFEST}") from None
         self.manifest = _parse(Manifest.from_json, raw, step, f"{self.dir}/{MANIFEST}")
+        problem = self.manifest.step_problem(step)
+        if problem:
+            raise CheckpointCorrupt(f"step {step}: {self.dir}/{MANIFEST} {problem}", step=step,
+                                    path=f"{self.dir}/{MANIFEST}")
         # The manifest always comes from the store; the cache serves only while it matches.
         self.cache = cache if cache is not None and cache.matches(raw) else None
         with ThreadPoolExecutor(8) as pool:
@@ -91,14 +97,30 @@ class CheckpointView:
             if zlib.crc32(blob) != expected:
                 raise CheckpointCorrupt(f"step {step}: {path} does not match the manifest's "
                                         "checksum", step=step, path=path)
-            self.indexes.append(_parse(RankIndex.from_json, blob, step, path))
+            index = _parse(RankIndex.from_json, blob, step, path)
+            problem = index_disagreement(index, rank, self.manifest)
+            if problem:
+                raise CheckpointCorrupt(f"step {step}: {path}: {problem}", step=step, path=path)
+            self.indexes.append(index)
         grouped: dict[str, list[StoredChunk]] = defaultdict(list)
-        meta: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+        meta: dict[str, tuple[str, str, tuple[int, ...], int]] = {}
         for idx in self.indexes:
             for c in idx.chunks:
                 grouped[c.key].append(StoredChunk(c.key, idx.rank, Box(tuple(c.offsets), tuple(c.shape)),
                                                   c.byte_offset, c.nbytes, c.dtype))
-                meta.setdefault(c.key, (c.kind, c.dtype, tuple(c.global_shape)))
+                shape = tuple(c.global_shape)
+                first = meta.setdefault(c.key, (c.kind, c.dtype, shape, idx.rank))
+                if first[1] != c.dtype or first[2] != shape:
+                    path = f"{self.dir}/{index_name(idx.rank)}"
+                    raise CheckpointCorrupt(
+                        f"step {step}: {path}: chunk {c.key!r} is {c.dtype} {c.global_shape}, rank "
+                        f"{first[3]}'s is {first[1]} {list(first[2])} (rule: every chunk of a "
+                        "tensor has one dtype and global shape)", step=step, path=path)
+        for key, chunks in grouped.items():
+            problem = tiling_problem(meta[key][2], [(c.box.offsets, c.box.shape) for c in chunks])
+            if problem:
+                raise CheckpointCorrupt(f"step {step}: tensor {key!r} in {self.dir}: {problem}",
+                                        step=step, path=self.dir)
         self.keys = {k: KeyInfo(meta[k][0], meta[k][1], meta[k][2], ChunkIndex(v, meta[k][2]))
                      for k, v in grouped.items()}
 
@@ -114,24 +136,64 @@ class CheckpointView:
             raise CheckpointCorrupt(f"step {self.step}: {path} is missing", step=self.step,
                                     path=path) from None
 
-    def objects(self, rank: int, trust_objects: bool) -> dict[str, Any]:
+    def objects_blob(self, rank: int) -> bytes:
+        """Rank ``rank``'s objects file, checked against its index (size, CRC-32) and never
+        deserialized: what ``verify`` reads."""
         idx = self.indexes[rank]
         if not idx.objects_size:
-            return {}
+            return b""
         path = f"{self.dir}/{objects_name(rank)}"
         blob = self.cache.objects(rank, idx) if self.cache is not None else None
         if blob is None:
-            blob = self.fs.cat_file(path)
+            try:
+                blob = self.fs.cat_file(path)
+            except FileNotFoundError:
+                raise CheckpointCorrupt(f"step {self.step}: {path} is missing", step=self.step,
+                                        path=path) from None
         if len(blob) != idx.objects_size or zlib.crc32(blob) != idx.objects_crc32:
             raise CheckpointCorrupt(f"step {self.step}: {path} does not match its index",
                                     step=self.step, path=path)
+        return blob
+
+    def objects(self, rank: int, trust_objects: bool) -> dict[str, Any]:
+        """Rank ``rank``'s objects. Untrusted (the default), only torch's weights-only
+        allow-list is unpickled (tensors, containers, numbers, strings; no other globals):
+        a pickle that names any other callable is refused before it runs. ``trust_objects``
+        unpickles anything: only for checkpoints the user trusts (docs/decisions.md)."""
+        blob = self.objects_blob(rank)
+        if not blob:
+            return {}
+        path = f"{self.dir}/{objects_name(rank)}"
         try:
-            return torch.load(io.BytesIO(blob), weights_only=not trust_objects)
+            values = torch.load(io.BytesIO(blob), weights_only=not trust_objects)
         except pickle.UnpicklingError as exc:
+            if trust_objects:
+                raise CheckpointCorrupt(f"step {self.step}: {path} cannot be unpickled ({exc})",
+                                        step=self.step, path=path) from None
             raise CheckpointCorrupt(
-                f"step {self.step}: {path} holds objects outside torch's safe set ({exc}); "
-                "load with trust_objects=True if you trust this checkpoint", step=self.step,
-                path=path) from None
+                f"step {self.step}: {path}: {unpickling_refusal(exc)} (rule: objects outside torch's "
+                "weights-only allow-list are not deserialized without trust_objects=True, "
+                "bootseer's --trust-objects; pass it only for a checkpoint you trust)",
+                step=self.step, path=path) from None
+        except Exception as exc:  # noqa: BLE001 - a damaged blob: zip, EOF, storage errors
+            raise CheckpointCorrupt(f"step {self.step}: {path} cannot be read "
+                                    f"({type(exc).__name__}: {exc})", step=self.step,
+                                    path=path) from None
+        declared = self.indexes[rank].object_keys
+        if not isinstance(values, dict) or set(values) != set(declared):
+            found = sorted(map(str, values)) if isinstance(values, dict) else type(values).__name__
+            raise CheckpointCorrupt(f"step {self.step}: {path} holds {found}, its index lists "
+                                    f"{declared} (rule: the objects its index lists)",
+                                    step=self.step, path=path)
+        return values
+
+
+def unpickling_refusal(exc: pickle.UnpicklingError) -> str:
+    """The line of torch's weights-only refusal that names the global, not its advice."""
+    advice = ("Weights only load failed", "Check the documentation", "Please file an issue")
+    lines = [line.strip() for line in str(exc).splitlines()
+             if line.strip() and not line.strip().startswith(advice)]
+    return lines[0] if lines else "refused by torch's weights-only unpickler"
 
 
 def _parse(fn: Callable[..., Any], raw: bytes, step: int, path: str) -> Any:
@@ -265,6 +327,21 @@ def plan(target: Target, chunks: list[StoredChunk], itemsize: int) -> list[Job]:
     return jobs
 
 
+def data_source(view: CheckpointView, rank: int) -> tuple[str, Any]:
+    """Rank ``rank``'s data file in the store, whose size must be what its index says."""
+    path = f"{view.dir}/{data_name(rank)}"
+    try:
+        source = view.fs._resolve(view.fs._norm(path), view.fs.options)
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"step {view.step}: {path} is missing", step=view.step,
+                                path=path) from None
+    if source.size != view.indexes[rank].data_size:
+        raise CheckpointCorrupt(f"step {view.step}: {path} holds {source.size} bytes, its "
+                                f"index says {view.indexes[rank].data_size}",
+                                step=view.step, path=path)
+    return path, source
+
+
 def execute(view: CheckpointView, jobs: list[Job], concurrency: int) -> int:
     """Fetch the pieces the jobs touch, file by file in parallel; returns bytes fetched."""
     by_rank: dict[int, list[Job]] = defaultdict(list)
@@ -276,12 +353,7 @@ def execute(view: CheckpointView, jobs: list[Job], concurrency: int) -> int:
             copied = view.cache.read_data(view.indexes[rank], by_rank[rank])
             if copied is not None:
                 return copied
-        path = f"{view.dir}/{data_name(rank)}"
-        source = view.fs._resolve(view.fs._norm(path), view.fs.options)
-        if source.size != view.indexes[rank].data_size:
-            raise CheckpointCorrupt(f"step {view.step}: {path} holds {source.size} bytes, its "
-                                    f"index says {view.indexes[rank].data_size}",
-                                    step=view.step, path=path)
+        path, source = data_source(view, rank)
         size = source.piece_size
         per_piece: dict[int, list[Job]] = defaultdict(list)
         for job in by_rank[rank]:
@@ -362,6 +434,9 @@ def load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
         problems.append(f"unexpected in checkpoint (not in state): {key} (object)")
     if problems and strict:
         raise StateMismatchError(view.step, problems)
+    # Objects first: one refused (not trusted, damaged) leaves every tensor untouched.
+    wanted = {k for k in objects if k in saved_object_keys}
+    values = view.objects(saved_objects_rank, trust_objects) if wanted else {}
     jobs = []
     for t in targets:
         info = view.keys[t.key]
@@ -371,12 +446,10 @@ def load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
         if t.done is not None:
             t.done()
         report.loaded.append(t.key)
-    wanted = {k for k in objects if k in saved_object_keys}
     if wanted:
         if saved_objects_rank != rank:
             log.warning("step %d was saved by %d ranks: rank %d takes rank 0's objects",
                         view.step, view.manifest.world_size, rank)
-        values = view.objects(saved_objects_rank, trust_objects)
         for key in wanted:
             container, slot, old = objects[key]
             if isinstance(old, PerRank):
@@ -405,9 +478,17 @@ def _mismatch(key: str, leaf: TensorLeaf, info: KeyInfo, target: Target) -> str 
 
 
 def full_state(view: CheckpointView, *, rank: int = 0, trust_objects: bool = False) -> dict[str, Any]:
-    """Every tensor as one full plain tensor plus rank ``rank``'s objects, as a nested dict."""
+    """Every tensor as one full plain tensor plus rank ``rank``'s objects, as a nested dict.
+
+    Nothing is allocated before the data files are known to hold the bytes their indexes
+    declare; the view has checked that each tensor's chunks cover it exactly and occupy
+    disjoint byte ranges, so every element of every tensor returned is read from the files
+    (never uninitialised memory) and the memory taken is at most the files' size."""
     from .flatten import unflatten
 
+    for idx in view.indexes:
+        if any(c.nbytes for c in idx.chunks):
+            data_source(view, idx.rank)
     flat: dict[str, Any] = {}
     jobs = []
     for key, info in view.keys.items():
@@ -417,7 +498,15 @@ def full_state(view: CheckpointView, *, rank: int = 0, trust_objects: bool = Fal
         jobs += plan(target, info.index.overlapping(target.box), tensor.element_size())
         flat[key] = tensor
     execute(view, jobs, view.fs.options.concurrency)
-    flat.update(view.objects(rank if rank < view.manifest.world_size else 0, trust_objects))
-    return unflatten(flat)
-
-
+    objects = view.objects(rank if rank < view.manifest.world_size else 0, trust_objects)
+    clash = sorted(set(objects) & set(flat))
+    if clash:
+        raise CheckpointCorrupt(f"step {view.step}: {clash[:5]} are both tensors and objects "
+                                "(rule: one value per key)", step=view.step, path=view.dir)
+    flat.update(objects)
+    try:
+        return unflatten(flat)
+    except (TypeError, AttributeError) as exc:  # "a" a tensor and "a/b" under it
+        raise CheckpointCorrupt(f"step {view.step}: the keys of {view.dir} do not nest ({exc}) "
+                                "(rule: no key is a value and a container)", step=view.step,
+                                path=view.dir) from None

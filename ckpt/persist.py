@@ -26,6 +26,7 @@ from .layout import (
     index_name,
     objects_name,
     step_dir,
+    tiling_problem,
 )
 from .staging import StagedSave
 
@@ -162,27 +163,22 @@ def check_indexes(indexes: list[RankIndex], step: int, world_size: int) -> list[
 
 
 def _coverage_problems(indexes: list[RankIndex]) -> list[str]:
-    """Sharded tensors: the distinct stored chunks must tile the global tensor exactly."""
-    boxes: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-    shapes: dict[str, list[int]] = {}
+    """The stored chunks of every tensor must cover it exactly once, with one dtype and
+    global shape (what every reader checks before loading, ``tiling_problem``)."""
+    boxes: dict[str, list[tuple[list[int], list[int]]]] = {}
+    shapes: dict[str, tuple[str, list[int]]] = {}
+    problems, disagree = [], set()
     for i in indexes:
         for c in i.chunks:
-            boxes.setdefault(c.key, set()).add((tuple(c.offsets), tuple(c.shape)))
-            shapes[c.key] = c.global_shape
-    problems = []
+            boxes.setdefault(c.key, []).append((c.offsets, c.shape))
+            if shapes.setdefault(c.key, (c.dtype, c.global_shape)) != (c.dtype, c.global_shape):
+                problems.append(f"rank {i.rank} wrote {c.key!r} as {c.dtype} {c.global_shape}, "
+                                f"another rank as {shapes[c.key][0]} {shapes[c.key][1]}")
+                disagree.add(c.key)
     for key, found in boxes.items():
-        total = 1
-        for s in shapes[key]:
-            total *= s
-        stored = 0
-        for _, shape in found:
-            n = 1
-            for s in shape:
-                n *= s
-            stored += n
-        if stored != total:
-            problems.append(f"the shards of {key!r} hold {stored} elements of {total} "
-                            "(overlapping or missing shards)")
+        problem = None if key in disagree else tiling_problem(shapes[key][1], found)
+        if problem:
+            problems.append(f"the shards of {key!r}: {problem}")
     return problems[:5]
 
 

@@ -35,7 +35,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     _options_arg(ls)
     ls.set_defaults(func=cmd_ls)
 
-    verify = ck_sub.add_parser("verify", help="read every byte and check every checksum")
+    verify = ck_sub.add_parser(
+        "verify", help="read every byte and check every checksum",
+        description="Check a committed checkpoint: its manifest and indexes against their rules "
+                    "(world size and ranks, shapes, offsets, byte ranges, every tensor covered "
+                    "exactly once), every stripe's and tensor's CRC-32, and each objects file's "
+                    "size and CRC-32. Objects are never deserialized: verify runs no unpickler, "
+                    "and says how many objects it left as bytes.")
     verify.add_argument("url")
     which = verify.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="the step to verify (default: the newest)")
@@ -68,7 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     convert.add_argument("--overwrite", action="store_true",
                          help="replace an existing destination step / DCP checkpoint")
     convert.add_argument("--trust-objects", action="store_true",
-                         help="--from bootseer: unpickle any object (default: torch's safe set)")
+                         help="unpickle any object SRC holds, which can run code: only for a "
+                              "checkpoint you trust (default: only torch's weights-only "
+                              "allow-list; --from dcp: also DCP's metadata classes)")
     _options_arg(convert)
     convert.set_defaults(func=cmd_convert)
 
@@ -230,17 +238,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
             try:
                 report = mgr.verify(step)
                 ok, checked, problems = report.ok, report.bytes_checked, report.problems
+                unread = _not_deserialized(report.objects_not_deserialized, report.object_files)
             except (CheckpointError, OSError) as exc:
-                ok, checked, problems = False, 0, [str(exc)]
+                ok, checked, problems, unread = False, 0, [str(exc)], ""
             seconds = time.perf_counter() - started
             if ok:
-                print(f"step {step}: ok ({human_bytes(checked)} checked in {seconds:.2f} s)")
+                print(f"step {step}: ok ({human_bytes(checked)} checked in {seconds:.2f} s{unread})")
             else:
                 failed += 1
                 print(f"step {step}: FAILED, {len(problems)} problem(s):")
                 for problem in problems:
                     print(f"  {problem}")
+                if unread:
+                    print(f"  ({unread.removeprefix('; ')})")
     return 1 if failed else 0
+
+
+def _not_deserialized(objects: int, files: int) -> str:
+    """verify never unpickles: say what it left as bytes."""
+    if not objects:
+        return ""
+    return (f"; {objects} object(s) in {files} objects file(s) checked by size and CRC-32, "
+            "not deserialized")
 
 
 # -- inspect ----------------------------------------------------------------------------------
@@ -326,7 +345,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
             step = 0 if args.step is None else args.step
             if step < 0:
                 raise CliError(f"--step {step}: steps are non-negative")
-            result = dcp_to_bootseer(args.src, args.dst, step, options, overwrite=args.overwrite)
+            result = dcp_to_bootseer(args.src, args.dst, step, options, overwrite=args.overwrite,
+                                     trust_objects=args.trust_objects)
         else:
             with CheckpointManager(args.src, storage_options=options) as mgr:
                 step = _resolve_step(mgr, args.src, args.step)
