@@ -229,6 +229,7 @@ def _quick_match(block: bytes, entry: TocEntry) -> bool:
                 or _nts(block[265:297]) != entry.uname or _nts(block[297:329]) != entry.gname):
             return False
         size = _octal(block[124:136])
+        devices = _octal(block[329:337]), _octal(block[337:345])  # tarfile reads them all
         if kind == "reg":
             return size == entry.size
         if kind == "symlink":
@@ -237,8 +238,7 @@ def _quick_match(block: bytes, entry: TocEntry) -> bool:
             link = _nts(block[157:257])
             return link == entry.link or normalize_hardlink_target(name, link) == entry.link
         if kind in ("char", "block"):
-            return (_octal(block[329:337]) == entry.devmajor
-                    and _octal(block[337:345]) == entry.devminor)
+            return devices == (entry.devmajor, entry.devminor)
         return True
     except (ValueError, UnsafeMemberError):
         return False
