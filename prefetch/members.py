@@ -21,8 +21,9 @@ The rules a verified TOC satisfies, each named in the error that breaks it:
   member would make each member depend on all the headers before it, which a lazy reader does
   not read. The converter refuses such a layer; the verifier refuses a chain holding one.
 
-The fast path (:func:`_quick_match`) reads a plain one-block ustar/GNU header with a few slices
-and integer conversions (a checksum through ``zlib.adler32``), ~15x cheaper than ``tarfile``; it
+The fast path (:func:`_quick_match`) reads a plain one-block ustar/GNU header with one struct
+unpack, byte comparisons and integer conversions (the checksum through ``zlib.adler32``), several
+times cheaper than ``tarfile``; it
 only ever *accepts* a header whose every field it compared, and sends anything else (extension
 headers, base-256 numbers, a signed checksum, a mismatch) to ``tarfile``, which decides and
 names the difference.
@@ -30,6 +31,7 @@ names the difference.
 
 from __future__ import annotations
 
+import struct
 import tarfile
 import zlib
 from collections.abc import Callable, Iterable
@@ -182,19 +184,19 @@ def read_member(read: Callable[[int, int], bytes], start: int,
 
 _QUICK_TYPES = {b"0": "reg", b"\0": "reg", b"7": "reg", b"1": "hardlink", b"2": "symlink",
                 b"3": "char", b"4": "block", b"5": "dir", b"6": "fifo"}
+# name mode uid gid size mtime chksum type linkname magic+version uname gname major minor prefix
+_USTAR = struct.Struct("100s8s8s8s12s12s8s1s100s8s32s32s8s8s155s")
 
 
-def _nts(field: bytes) -> str:
+def _nul(field: bytes) -> bytes:
     p = field.find(b"\0")
-    return (field if p < 0 else field[:p]).decode(ENCODING, ERRORS)
+    return field if p < 0 else field[:p]
 
 
 def _octal(field: bytes) -> int:
-    """tarfile's ``nti`` for an octal field (ValueError for base-256, left to tarfile)."""
-    if field[0] in (0o200, 0o377):
-        raise ValueError("base-256 number")
-    p = field.find(b"\0")
-    return int((field if p < 0 else field[:p]).decode("ascii").strip() or "0", 8)
+    """tarfile's ``nti`` for an octal field, or ValueError (base-256 numbers, a NUL inside
+    the digits: tarfile decides those). Where this returns a number, nti returns the same."""
+    return int(field.rstrip(b"\0 ") or b"0", 8)
 
 
 def _byte_sum(block: bytes) -> int:
@@ -203,40 +205,48 @@ def _byte_sum(block: bytes) -> int:
     return (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
 
 
+def _text(value: str) -> bytes:
+    return value.encode(ENCODING, ERRORS)
+
+
 def _quick_match(block: bytes, entry: TocEntry) -> bool:
     """True when ``block`` is a plain one-block header (no extension headers) that tarfile
-    and :func:`tar_entry` read as exactly ``entry``; False: let tarfile decide."""
-    kind = _QUICK_TYPES.get(block[156:157])
+    and :func:`tar_entry` read as exactly ``entry``; False: let tarfile decide. Fields are
+    compared as bytes where the TOC's form is the header's (names are utf-8 with surrogate
+    escapes, a bijection), and normalized only when they differ."""
+    (name, mode, uid, gid, size, mtime, chksum, kind_byte, link, _, uname, gname, major,
+     minor, prefix) = _USTAR.unpack_from(block)
+    kind = _QUICK_TYPES.get(kind_byte)
     if kind != entry.type or entry.sparse is not None or entry.xattrs:
         return False
     try:
-        field = block[148:156]
-        if _octal(field) != _byte_sum(block) - sum(field) + 256:
+        if _octal(chksum) != _byte_sum(block) - sum(chksum) + 256:
             return False  # a signed checksum, or a bad one: tarfile decides
-        name = _nts(block[0:100])
+        if (_octal(mode) & 0o7777 != entry.mode or _octal(uid) != entry.uid
+                or _octal(gid) != entry.gid or _octal(mtime) * 1_000_000_000 != entry.mtime_ns
+                or _nul(uname) != _text(entry.uname) or _nul(gname) != _text(entry.gname)):
+            return False
+        devices = _octal(major), _octal(minor)  # tarfile reads every number field
+        size_value = _octal(size)
+        name = _nul(name)
         if kind == "dir":
-            name = name.rstrip("/")
-        elif name.endswith("/"):
-            return False  # an old-style directory (or odd name): tarfile decides
-        prefix = _nts(block[345:500])
+            name = name.rstrip(b"/")
+        elif name.endswith(b"/"):
+            return False  # an old-style directory (or an odd name): tarfile decides
+        prefix = _nul(prefix)
         if prefix:
-            name = prefix + "/" + name
-        if name != entry.name and normalize_member_path(name) != entry.name:
+            name = prefix + b"/" + name
+        if (name != _text(entry.name)
+                and normalize_member_path(name.decode(ENCODING, ERRORS)) != entry.name):
             return False
-        if (_octal(block[100:108]) & 0o7777 != entry.mode
-                or _octal(block[108:116]) != entry.uid or _octal(block[116:124]) != entry.gid
-                or _octal(block[136:148]) * 1_000_000_000 != entry.mtime_ns
-                or _nts(block[265:297]) != entry.uname or _nts(block[297:329]) != entry.gname):
-            return False
-        size = _octal(block[124:136])
-        devices = _octal(block[329:337]), _octal(block[337:345])  # tarfile reads them all
         if kind == "reg":
-            return size == entry.size
+            return size_value == entry.size
         if kind == "symlink":
-            return _nts(block[157:257]) == entry.link
+            return _nul(link) == _text(entry.link)
         if kind == "hardlink":
-            link = _nts(block[157:257])
-            return link == entry.link or normalize_hardlink_target(name, link) == entry.link
+            target = _nul(link)
+            return target == _text(entry.link) or normalize_hardlink_target(
+                name.decode(ENCODING, ERRORS), target.decode(ENCODING, ERRORS)) == entry.link
         if kind in ("char", "block"):
             return devices == (entry.devmajor, entry.devminor)
         return True
