@@ -629,6 +629,29 @@ def test_a_second_registry_cannot_poison_a_layer_of_the_same_digest(
     names = sorted(p.name for p in (node / "indexes").iterdir())
     assert names == sorted(d.replace(":", "-") for d in (converted["index"],
                                                           attack.index_digest))
+
+    # A third registry names the real index digest and serves the real index over damaged
+    # frames: its own image fails (EIO), the real one, opened after it, does not.
+    third = registry_factory()
+    manifest_c = _push_manifest(third.host, "team/app", "lazy",
+                                [{**layer, "annotations": converted["manifest"].parsed["layers"]
+                                  [0]["annotations"]}], config,
+                                {config.digest: config_bytes, converted["digest"]: legit_blob})
+    damaged = bytearray(legit_blob)
+    damaged[100] ^= 0xFF  # inside the first data frame; the index is untouched
+    third.blob_path(converted["digest"]).write_bytes(bytes(damaged))
+    fresh = RemoteLayers(tmp_path / "node3", prefetch=False, push_profiles=False)
+    try:
+        layer_c = fresh.layer(LayerRequest("sha256:" + "d" * 64, f"{third.host}/team/app:lazy",
+                                           converted["digest"], manifest_c))
+        with pytest.raises(OSError) as info:
+            remote_read(fresh, layer_c, "etc/a.conf")
+        assert info.value.errno == errno.EIO
+        layer_a = fresh.layer(request(converted))
+        assert layer_a is not layer_c
+        assert remote_read(fresh, layer_a, "etc/a.conf") == BENIGN
+    finally:
+        fresh.close()
     restarted = RemoteLayers(node, prefetch=False, push_profiles=False)
     try:
         layer_a = restarted.layer_from_source(sources[0])

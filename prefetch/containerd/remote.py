@@ -100,11 +100,12 @@ class RemoteLayers:
         self._registry_options = registry_options or {}
         self._registries: dict[str, SyncRegistry] = {}
         self._images: dict[str, _Image] = {}  # manifest digest -> image
-        # (layer digest, index digest) -> layer: a layer digest alone is what a registry
-        # claims; the index digest comes from a digest-checked manifest
-        self._layers: dict[tuple[str, str], RemoteLayer] = {}
+        # (layer digest, index digest, registry, repository) -> layer: a layer digest alone is
+        # what a registry claims; the index digest comes from a digest-checked manifest; and
+        # a registry serving the right index over the wrong frames only fails its own images
+        self._layers: dict[tuple[str, str, str, str], RemoteLayer] = {}
         self._lock = threading.RLock()
-        self._layer_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._layer_locks: dict[tuple[str, str, str, str], threading.Lock] = {}
         self.cache = BlockCache(self.root / "cache", cache_bytes)
         self.fetcher = FrameFetcher(self._read_range, self.cache, connections=connections,
                                     on_access=self._on_access, retries=0)
@@ -122,9 +123,7 @@ class RemoteLayers:
     def _read_range(self, digest: str, start: int, end: int) -> bytes:
         raise OSError(f"layer {digest} is not known to the snapshotter")  # blobs name a source
 
-    def _blob_reader(self, image_ref: str, digest: str) -> Any:
-        ref = Reference.parse(image_ref)
-
+    def _blob_reader(self, ref: Reference, digest: str) -> Any:
         def read_range(start: int, end: int) -> bytes:
             return self._registry(ref.registry).get_blob_range(ref.repository, digest, start,
                                                                 end)
@@ -225,7 +224,8 @@ class RemoteLayers:
 
     def _open_layer(self, digest: str, size: int, image_ref: str, manifest: str,
                     index_digest: str) -> RemoteLayer:
-        key = (digest, index_digest)
+        ref = Reference.parse(image_ref)
+        key = (digest, index_digest, ref.registry, ref.repository)
         with self._lock:
             known = self._layers.get(key)
             if known is not None:
@@ -236,7 +236,7 @@ class RemoteLayers:
                 known = self._layers.get(key)
             if known is not None:
                 return known
-            read_range = self._blob_reader(image_ref, digest)
+            read_range = self._blob_reader(ref, digest)
             try:
                 index = self._index(read_range, digest, size, index_digest)
             except NotConvertedError:
