@@ -10,8 +10,9 @@ Trust: a layer is served lazily only when the manifest (fetched by, or checked a
 digest) marks it converted and records the digest of its index (``io.bootseer.layer.index.
 digest``); an index, fetched or cached, is used only when its bytes hash to that digest. The
 node's caches are keyed by verified content only: indexes by their digest, frames by their
-sha256 (which the verified index lists), layers in memory by (layer digest, index digest), and
-each layer's frames are read from the registry of the image that named that index. A second
+sha256 (which the verified index lists), layers in memory by (layer digest, index digest,
+registry, repository), and each layer's frames are read from the registry of the image that
+named that index. A second
 registry serving other bytes under the same layer digest can therefore neither replace nor
 poison what another image's layer shows, now or after a restart. A converted layer whose
 manifest records no index digest is not trusted: containerd unpacks it the normal way.
