@@ -236,7 +236,8 @@ def _quick_match(block: bytes, entry: TocEntry) -> bool:
         prefix = _nul(prefix)
         if prefix:
             name = prefix + b"/" + name
-        if (name != _text(entry.name)
+        expected = _text(entry.name)  # normalized (the TOC check insists), so "./" + it is too
+        if (name != expected and name != b"./" + expected
                 and normalize_member_path(name.decode(ENCODING, ERRORS)) != entry.name):
             return False
         if kind == "reg":
@@ -244,8 +245,8 @@ def _quick_match(block: bytes, entry: TocEntry) -> bool:
         if kind == "symlink":
             return _nul(link) == _text(entry.link)
         if kind == "hardlink":
-            target = _nul(link)
-            return target == _text(entry.link) or normalize_hardlink_target(
+            target, expected = _nul(link), _text(entry.link)
+            return target in (expected, b"./" + expected) or normalize_hardlink_target(
                 name.decode(ENCODING, ERRORS), target.decode(ENCODING, ERRORS)) == entry.link
         if kind in ("char", "block"):
             return devices == (entry.devmajor, entry.devminor)
