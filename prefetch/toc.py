@@ -771,9 +771,14 @@ class LayerIndex:
         holds it when it was not)."""
         if self.tar_size == 0:
             return
-        h = self.frame_of(min(entry.header_offset, self.tar_size - 1))
-        if h not in self.verified:
-            self.verify_frame(h, self._load_frame(read_range, h),
+        self.fetch_and_verify(read_range, self.frame_of(min(entry.header_offset,
+                                                               self.tar_size - 1)))
+
+    def fetch_and_verify(self, read_range: Callable[[int, int], bytes], i: int) -> None:
+        """Frame ``i`` fetched, decompressed and its entries checked (:meth:`verify_frame`),
+        unless that was done already."""
+        if i not in self.verified:
+            self.verify_frame(i, self._load_frame(read_range, i),
                               lambda j: self._load_frame(read_range, j))
 
     def read_raw(self, read_range: Callable[[int, int], bytes], raw_start: int,

@@ -53,7 +53,7 @@ from prefetch.containerd.errors import FailedPreconditionError
 from prefetch.containerd.labels import LayerRequest
 from prefetch.containerd.remote import RemoteLayers
 from prefetch.fetcher import Blob, FrameFetcher
-from prefetch.image import convert_image, open_image
+from prefetch.image import convert_image, open_image, verify_image
 from prefetch.layer import ConvertError, convert_layer
 from prefetch.lazyfs import Layer, LazyImage, mount
 from prefetch.mediatypes import OCI_CONFIG, OCI_LAYER_ZSTD, OCI_MANIFEST
@@ -726,18 +726,8 @@ def test_convert_derives_the_toc_and_never_copies_a_supplied_one(registry, tmp_p
     entries = honest_entries(tar)
     _point_a_at_b(entries)
     crafted = build_blob(tar, entries)
-    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {},
-                         "rootfs": {"type": "layers", "diff_ids": [sha256(tar)]}}).encode()
-
-    class Config:
-        digest, size = sha256(config), len(config)
-
-    layer = {"mediaType": OCI_LAYER_ZSTD, "digest": crafted.digest, "size": len(crafted.blob),
-             "annotations": {"io.bootseer.layer.format": "seekable-zstd/1",
-                             INDEX_ANNOTATION: crafted.index_digest}}
-    _push_manifest(registry.host, "team/lies", "v1", [layer], Config,
-                   {Config.digest: config, crafted.digest: crafted.blob})
-    src, dst = f"{registry.host}/team/lies:v1", f"{registry.host}/team/lies:lazy"
+    src = _push_crafted(registry.host, "team/lies", crafted)
+    dst = f"{registry.host}/team/lies:lazy"
 
     lying = open_image(src, tmp_path / "c1")  # bound, but the tar check catches it
     try:
@@ -756,3 +746,64 @@ def test_convert_derives_the_toc_and_never_copies_a_supplied_one(registry, tmp_p
         assert read(image.lazy, "etc/b.conf") == EVIL
     finally:
         image.close()
+
+
+# --- what a lazy read does not check, `bootseer image verify` does --------------------------------
+
+
+def _push_crafted(host: str, repo: str, crafted: Crafted) -> str:
+    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {},
+                         "rootfs": {"type": "layers", "diff_ids": [sha256(crafted.tar)]}}
+                        ).encode()
+
+    class Config:
+        digest, size = sha256(config), len(config)
+
+    layer = {"mediaType": OCI_LAYER_ZSTD, "digest": crafted.digest, "size": len(crafted.blob),
+             "annotations": {"io.bootseer.layer.format": "seekable-zstd/1",
+                             INDEX_ANNOTATION: crafted.index_digest}}
+    _push_manifest(host, repo, "v1", [layer], Config,
+                   {Config.digest: config, crafted.digest: crafted.blob})
+    return f"{host}/{repo}:v1"
+
+
+def test_verify_checks_the_frames_a_lazy_start_never_reads(registry, tmp_path: Path) -> None:
+    """A frame that holds a second zstd frame (a member only a plain unpack sees) is found by
+    a lazy read only when the read touches it; `bootseer image verify` reads every frame."""
+    tar = tar_of([("a", b"a" * 3000), ("b", b"b" * 3000), ("c", b"c" * 3000)])
+    entries = honest_entries(tar)
+    cut1, cut2 = entry(entries, "b")["header"], entry(entries, "c")["header"]
+    hidden = tar_of([("etc/hidden", b"only a plain unpack shows this")])[:1024]
+    frames = [(zstd_frame(tar[:cut1]), cut1),
+              (zstd_frame(tar[cut1:cut2]) + zstd_frame(hidden), cut2 - cut1),
+              (zstd_frame(tar[cut2:]), len(tar) - cut2)]
+    crafted = build_blob(tar, entries, frames=frames)
+    assert "etc/hidden" in plain_unpack(crafted.blob)
+    ref = _push_crafted(registry.host, "team/hidden", crafted)
+    image = open_image(ref, tmp_path / "cache")
+    try:
+        assert read(image.lazy, "c") == b"c" * 3000  # frame 2 alone: not caught (documented)
+        with pytest.raises(OSError) as info:
+            read(image.lazy, "b")  # frame 1: caught on read
+        assert info.value.errno == errno.EIO and "one zstd frame expected" in str(info.value)
+    finally:
+        image.close()
+    with pytest.raises(FrameVerificationError, match="frame 1 failed verification: .*one zstd "
+                                                     "frame expected"):
+        verify_image(ref)
+
+
+def test_bootseer_image_verify(converted, registry) -> None:
+    result = verify_image(converted["ref"])
+    assert (result.layers, result.members) == (1, len(FILES))
+    assert result.bytes == converted["size"] and result.frames > 4
+    out = bootseer_cli("image", "verify", converted["ref"]).stdout
+    assert out.startswith("verified") and "equals a plain unpack" in out
+
+    tar = tar_of(LAYER)
+    entries = honest_entries(tar)
+    _relink(entries)
+    ref = _push_crafted(registry.host, "team/relinked", build_blob(tar, entries))
+    proc = bootseer_cli("image", "verify", ref, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "'etc/link'" in proc.stderr and RULE_MATCH in proc.stderr
