@@ -50,7 +50,12 @@ Level 9, not 3 (measured, 1 MiB frames, same tar): level 3 makes an 8 % larger b
 
 Untrusted input: the converter applies :mod:`prefetch.safety` to every member and refuses the
 layer (naming the member) when one breaks a rule, and it insists that the tar stream ends
-properly (a corrupt header mid-stream is an error, not a silent end of the member list).
+properly (a corrupt header mid-stream is an error, not a silent end of the member list). It
+derives every TOC entry from the tar stream itself (:func:`prefetch.members.tar_entry`, the
+mapping the lazy read path checks entries against), never from a TOC it was given; a member's
+``header`` offset is where its whole header chain starts, so members tile the stream, and a
+global pax header that would change later members is refused. The result carries the digest of
+the index bytes (TOC frame + seek table), which the image's manifest records.
 """
 
 from __future__ import annotations
