@@ -155,10 +155,15 @@ class Crafted:
 
 
 def build_blob(tar: bytes, entries: list[dict[str, Any]], *, cuts: Iterable[int] = (),
-               frames: list[tuple[bytes, int]] | None = None) -> Crafted:
+               frames: list[tuple[bytes, int]] | None = None, toc_pad: int | None = None
+               ) -> Crafted:
     """A blob of ``tar`` cut into zstd frames at ``cuts`` (tar offsets), with a TOC listing
     ``entries`` (lies included) and the seek table. ``frames`` replaces the data frames by
-    ``(compressed bytes, declared content size)`` pairs."""
+    ``(compressed bytes, declared content size)`` pairs. ``toc_pad`` stores the TOC JSON
+    uncompressed (a raw zstd frame) with that many spaces in a key readers ignore: each one
+    adds exactly one byte to the blob."""
+    import json
+
     if frames is None:
         bounds = [0, *sorted(cuts), len(tar)]
         frames = [(zstd_frame(tar[a:b]), b - a)
@@ -168,12 +173,13 @@ def build_blob(tar: bytes, entries: list[dict[str, Any]], *, cuts: Iterable[int]
         rows.append([c_off, len(data), u_off, size, hashlib.sha256(data).hexdigest()])
         c_off += len(data)
         u_off += size
-    doc = {"format": "bootseer-layer-toc", "version": 1, "tar_size": u_off,
-           "diff_id": sha256(tar), "frame_size": 1 << 20, "level": 3, "frames": rows,
-           "entries": entries}
-    import json
-
-    toc = toc_frame(json.dumps(doc, separators=(",", ":")).encode())
+    doc: dict[str, Any] = {"format": "bootseer-layer-toc", "version": 1, "tar_size": u_off,
+                           "diff_id": sha256(tar), "frame_size": 1 << 20, "level": 3,
+                           "frames": rows, "entries": entries}
+    if toc_pad is not None:
+        doc["pad"] = " " * toc_pad
+    json_bytes = json.dumps(doc, separators=(",", ":")).encode()
+    toc = toc_frame(json_bytes, compressed=None if toc_pad is None else raw_frame(json_bytes))
     table = seek_table([(len(d), s, int.from_bytes(d[-4:], "little")) for d, s in frames]
                        + [(len(toc), 0, EMPTY_XXH64_LOW32)])
     data = b"".join(d for d, _ in frames)
@@ -183,16 +189,23 @@ def build_blob(tar: bytes, entries: list[dict[str, Any]], *, cuts: Iterable[int]
 def padded_blob(tar: bytes, entries: list[dict[str, Any]], size: int) -> Crafted:
     """A blob of ``tar`` exactly ``size`` bytes long (an attacker's same-size replacement, so
     that only the index digest can tell): random bytes after the tar's end-of-archive blocks
-    (a tar stream may carry them), stored in a raw zstd frame."""
+    (a tar stream may carry them) in a raw zstd frame for the bulk, spaces in an uncompressed
+    TOC for the last bytes (one byte each)."""
     import random
 
-    for block in (128 << 10, 100_000, 65_536, 77_777):  # block headers shift with the size
-        junk = max(0, size - len(build_blob(tar, entries).blob))
-        for _ in range(8):
-            tail = random.Random(junk).randbytes(junk)
-            crafted = build_blob(tar + tail, entries, frames=[(zstd_frame(tar), len(tar)),
-                                                              (raw_frame(tail, block), junk)])
-            if len(crafted.blob) == size:
-                return crafted
-            junk = max(0, junk + size - len(crafted.blob))
-    raise AssertionError(f"could not pad a blob of {len(tar)} tar bytes to {size} bytes")
+    def build(junk: int, pad: int) -> Crafted:
+        tail = random.Random(junk).randbytes(junk)
+        return build_blob(tar + tail, entries, toc_pad=pad,
+                          frames=[(zstd_frame(tar), len(tar)), (raw_frame(tail), junk)])
+
+    junk = size - len(build(1, 0).blob) - 1000
+    for _ in range(10):
+        if junk < 1:
+            break
+        pad = size - len(build(junk, 0).blob)
+        if pad >= 0:
+            crafted = build(junk, pad)
+            assert len(crafted.blob) == size
+            return crafted
+        junk += pad - 1000
+    raise AssertionError(f"cannot make a blob of {len(tar)} tar bytes {size} bytes long")
