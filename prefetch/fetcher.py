@@ -8,6 +8,12 @@ many small adjacent frames costs few requests. Every frame is checked against it
 before it is cached or used: a mismatch is refetched once, then fails with EIO, as does a
 range that still fails after the retries. A failed read never returns wrong bytes.
 
+A frame is decompressed only when it is exactly one zstd frame declaring the seek table's
+content size, into a buffer of that size (:func:`prefetch.toc.decompress_bounded`). A blob
+that carries a ``check`` (a lazy layer's :meth:`~prefetch.toc.LayerIndex.verify_frame`) has
+each frame's TOC entries checked against the tar headers in it before the frame serves a read;
+a mismatch fails the read with EIO and an error naming the layer, the member and the rule.
+
 The first on-demand access of each frame is reported to ``on_access`` (the recorder); what
 prefetch fetched and nobody read is counted, so a profile's precision can be judged.
 """
@@ -25,23 +31,32 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import zstandard
-
 from .cache import BlockCache, FrameMemory
-from .toc import Frame
+from .toc import Frame, LayerFormatError, decompress_bounded
 
 log = logging.getLogger(__name__)
 
 ON_DEMAND, PREFETCH = 0, 1
 
 
+FrameCheck = Callable[[int, bytes, Callable[[int], bytes]], None]
+"""``check(i, content, load)``: raise when frame ``i``'s content contradicts the index
+(``load(j)`` gives another frame's content); see :meth:`prefetch.toc.LayerIndex.verify_frame`."""
+
+
 @dataclass(eq=False)
 class Blob:
-    """A layer blob: its digest, repository-relative identity, and frame table."""
+    """A layer blob: its digest, the digest of the index its frame table came from, and the
+    frame table."""
 
     digest: str
     frames: Sequence[Frame]
     index: int = 0  # the layer's position in the image, for profiles
+    index_digest: str = ""  # the verified index (io.bootseer.layer.index.digest)
+    check: FrameCheck | None = None
+    # Where this blob's bytes come from (``source(start, end)``: its own registry and
+    # repository); None: the fetcher's read_range, by digest.
+    source: Callable[[int, int], bytes] | None = None
 
 
 @dataclass
@@ -92,8 +107,8 @@ class FrameFetcher:
         self._cond = threading.Condition()
         self._pending: dict[tuple[int, int], Future[bytes]] = {}  # (id(blob), frame) -> comp
         self._queued: dict[tuple[int, int], int] = {}  # key -> best priority queued
-        self._seen: set[tuple[str, int]] = set()
-        self._prefetched: set[tuple[str, int]] = set()
+        self._seen: set[tuple[str, str, int]] = set()
+        self._prefetched: set[tuple[str, str, int]] = set()
         self._closed = False
         self._started = time.monotonic()
         self._workers = [threading.Thread(target=self._work, name=f"prefetch-{i}", daemon=True)
@@ -103,31 +118,45 @@ class FrameFetcher:
 
     # -- the two entry points ---------------------------------------------------------------
     def frame(self, blob: Blob, i: int) -> bytes:
-        """Frame ``i`` of ``blob``, decompressed: what a read waits for (jumps the queue)."""
-        key = (blob.digest, i)
+        """Frame ``i`` of ``blob``, decompressed and checked: what a read waits for (jumps the
+        queue)."""
+        key = (blob.digest, blob.index_digest, i)
         first = key not in self._seen
         if first:
             self._seen.add(key)
             self.stats.frames_read += 1
             if self.on_access is not None:
                 self.on_access(blob, i, time.monotonic() - self._started)
-        raw = self.memory.get(key)
-        if raw is not None:
-            if first:
-                self.stats.cache_hits += 1
-            return raw
+        raw, hit = self._content(blob, i)
+        if hit and first:
+            self.stats.cache_hits += 1
+        if blob.check is not None:
+            try:
+                blob.check(i, raw, lambda j: self._content(blob, j)[0])
+            except LayerFormatError as exc:
+                self.stats.failures += 1
+                log.error("%s", exc)
+                raise OSError(errno.EIO, str(exc)) from exc
+        return raw
+
+    def _content(self, blob: Blob, i: int) -> tuple[bytes, bool]:
+        """(frame ``i``'s content, whether it was local). Memory holds decompressed frames by
+        the sha256 of their compressed bytes (content-addressed like the block cache: the same
+        frame in two layers is one entry; what a frame means to a layer is its index's
+        business)."""
         info = blob.frames[i]
+        raw = self.memory.get(info.sha256)
+        if raw is not None and len(raw) == info.u_size:
+            return raw, True
         comp = self.cache.get(info.sha256)
-        if comp is not None:
-            if first:
-                self.stats.cache_hits += 1
-        else:
+        hit = comp is not None
+        if comp is None:
             waited = time.monotonic()
             comp = self._request(blob, i, ON_DEMAND).result()
             self.stats.seconds_waiting += time.monotonic() - waited
         raw = _decompress(comp, info, blob, i)
-        self.memory.put(key, raw)
-        return raw
+        self.memory.put(info.sha256, raw)
+        return raw, hit
 
     def prefetch(self, items: Sequence[tuple[Blob, int]]) -> int:
         """Queue frames in this order (a profile); returns how many were not cached yet."""
@@ -136,7 +165,7 @@ class FrameFetcher:
             if blob.frames[i].sha256 in self.cache:
                 continue
             self._request(blob, i, PREFETCH)
-            self._prefetched.add((blob.digest, i))
+            self._prefetched.add((blob.digest, blob.index_digest, i))
             queued += 1
         return queued
 
@@ -234,7 +263,8 @@ class FrameFetcher:
         while True:
             try:
                 self.stats.requests += 1
-                data = self.read_range(blob.digest, start, end)
+                data = (blob.source(start, end) if blob.source is not None
+                        else self.read_range(blob.digest, start, end))
                 if len(data) != end - start:
                     raise ConnectionError(f"short range: {len(data)} of {end - start} bytes")
                 pieces = []
@@ -267,7 +297,7 @@ class FrameFetcher:
         for n, (blob, i) in enumerate(run):
             if pieces is not None:
                 self.cache.put(blob.frames[i].sha256, pieces[n])
-                if (blob.digest, i) in self._prefetched:
+                if (blob.digest, blob.index_digest, i) in self._prefetched:
                     self.stats.prefetched += 1
         with self._cond:
             for n, (blob, i) in enumerate(run):
@@ -289,18 +319,9 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-_local = threading.local()
-
-
 def _decompress(comp: bytes, info: Frame, blob: Blob, i: int) -> bytes:
-    decomp = getattr(_local, "decomp", None)
-    if decomp is None:
-        decomp = _local.decomp = zstandard.ZstdDecompressor()
     try:
-        raw = decomp.decompress(comp, max_output_size=info.u_size)
-    except zstandard.ZstdError as exc:
-        raise OSError(errno.EIO, f"layer {blob.digest}: frame {i}: {exc}") from exc
-    if len(raw) != info.u_size:
-        raise OSError(errno.EIO, f"layer {blob.digest}: frame {i}: {len(raw)} bytes, expected "
-                                 f"{info.u_size}")
-    return raw
+        return decompress_bounded(comp, info.u_size)
+    except ValueError as exc:
+        log.error("layer %s: frame %d: %s", blob.digest, i, exc)
+        raise OSError(errno.EIO, f"layer {blob.digest}: frame {i}: {exc}") from None

@@ -3,10 +3,14 @@ their hot-block profiles next to them.
 
 * :func:`convert_image` pulls ``SRC`` (gzip or zstd layers), rewrites every layer into the
   seekable format (the tar bytes, hence the diff_ids and the config, are unchanged), pushes
-  the layers, the config and an OCI manifest annotated with the format and the source digest.
-  Converting again is a no-op when ``DST`` already holds the conversion of the same source.
+  the layers, the config and an OCI manifest annotated with the format and the source digest;
+  each layer descriptor carries the digest of its index (:data:`INDEX_ANNOTATION`), which
+  binds the index to the manifest's digest. Every TOC is derived from the tar stream: a source
+  layer already in the format is converted again from its tar, never copied. Converting again
+  is a no-op when ``DST`` already holds the conversion of the same source.
 * :func:`open_image` resolves a converted image and reads each layer's TOC from the blob's
-  tail: the lazy root filesystem's metadata, with no layer downloaded.
+  tail, refusing an index that does not match the digest its manifest records (or a converted
+  layer without one): the lazy root filesystem's metadata, with no layer downloaded.
 * Profiles are OCI artifacts whose ``subject`` is the image manifest (the referrers API, or
   its tag-schema fallback on registries without it, such as distribution 2.8).
 """
@@ -16,8 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +35,7 @@ from .mediatypes import OCI_LAYER_ZSTD, OCI_MANIFEST
 from .profile import ARTIFACT_TYPE, Profile, ProfileError, Recorder
 from .reference import Reference
 from .registry import SyncRegistry
-from .toc import LayerIndex
+from .toc import INDEX_ANNOTATION, LayerIndex, NotConvertedError, UnboundIndexError
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +44,7 @@ FORMAT_VALUE = "seekable-zstd/1"
 SOURCE_ANNOTATION = "io.bootseer.converted-from"
 TOC_OFFSET_ANNOTATION = "io.bootseer.toc.offset"
 PROFILE_MEDIA_TYPE = "application/vnd.bootseer.profile.v1+json"
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 @dataclass
@@ -85,12 +91,9 @@ def convert_image(src: str, dst: str, *, platform: str = "linux/amd64",
         dst_reg.put_blob(dst_ref.repository, config_bytes, config.digest)
         layers = []
         for n, layer in enumerate(manifest.layers):
-            annotations = dict(layer.annotations or {})
-            if annotations.get(FORMAT_ANNOTATION) == FORMAT_VALUE:
-                blob = src_reg.get_blob(src_ref.repository, layer.digest)
-                dst_reg.put_blob(dst_ref.repository, blob, layer.digest)
-                layers.append(layer.to_json())
-                continue
+            # A layer already in the format is converted again from its tar stream like any
+            # other: its TOC is derived here, never copied (the TOC it carries could point a
+            # name at another member's bytes).
             with tempfile.TemporaryDirectory(dir=workdir, prefix="bootseer-convert-") as tmp:
                 raw_path = os.path.join(tmp, "layer.in")
                 with open(raw_path, "wb") as f:
@@ -107,7 +110,8 @@ def convert_image(src: str, dst: str, *, platform: str = "linux/amd64",
             layers.append({"mediaType": OCI_LAYER_ZSTD, "digest": result.digest,
                            "size": result.size,
                            "annotations": {FORMAT_ANNOTATION: FORMAT_VALUE,
-                                           TOC_OFFSET_ANNOTATION: str(result.toc_offset)}})
+                                           TOC_OFFSET_ANNOTATION: str(result.toc_offset),
+                                           INDEX_ANNOTATION: result.index_digest}})
         new = {"schemaVersion": 2, "mediaType": OCI_MANIFEST,
                "config": {"mediaType": config.media_type, "digest": config.digest,
                           "size": config.size},
@@ -128,9 +132,11 @@ def _existing_conversion(reg: SyncRegistry, ref: Reference, source_digest: str) 
     except Exception:  # noqa: BLE001 - absent (or unreadable): convert
         return None
     annotations = current.parsed.get("annotations") or {}
-    if annotations.get(SOURCE_ANNOTATION) == source_digest:
-        return current
-    return None
+    if annotations.get(SOURCE_ANNOTATION) != source_digest:
+        return None
+    if not all(INDEX_ANNOTATION in (d.annotations or {}) for d in current.layers):
+        return None  # converted before indexes were bound to the manifest: convert again
+    return current
 
 
 @dataclass
@@ -163,9 +169,10 @@ def open_image(reference: str, cache_dir: str | os.PathLike, *, platform: str = 
             def read_range(start: int, end: int, digest: str = desc.digest) -> bytes:
                 return reg.get_blob_range(repo, digest, start, end)
 
-            # An unconverted layer raises NotConvertedError naming it, with the convert hint.
-            index = LayerIndex.from_blob(read_range, desc.size, desc.digest)
-            blob = Blob(desc.digest, index.frames, i)
+            index_digest = bound_index_digest(desc.digest, desc.annotations)
+            index = LayerIndex.from_blob(read_range, desc.size, desc.digest,
+                                         index_digest=index_digest)
+            blob = Blob(desc.digest, index.frames, i, index_digest)
             blobs.append(blob)
             layers.append(Layer(index, blob))
         recorder = Recorder(manifest.digest) if record else None
@@ -180,6 +187,72 @@ def open_image(reference: str, cache_dir: str | os.PathLike, *, platform: str = 
         reg.close()
         raise
     return OpenImage(ref, reg, manifest, lazy, blobs)
+
+
+@dataclass
+class VerifyImageResult:
+    reference: str
+    digest: str  # the manifest's
+    layers: int
+    frames: int
+    members: int
+    bytes: int  # blob bytes read
+    seconds: float
+
+
+def verify_image(reference: str, *, platform: str = "linux/amd64",
+                 workdir: str | None = None,
+                 registry_options: dict[str, Any] | None = None) -> VerifyImageResult:
+    """Check, once, everything a lazy mount checks only for the frames it reads: every layer
+    is downloaded (its digest checked), its index checked against the manifest's digest, every
+    frame checked to be one zstd frame of its declared size, and every TOC entry against its
+    tar header, none left out. When it passes, a lazy mount of the image shows exactly what a
+    plain unpack does, metadata of never-read members included. Raises the error of the first
+    check that fails (naming the layer, and the member and rule for a TOC mismatch)."""
+    import time
+
+    started = time.perf_counter()
+    ref = Reference.parse(reference)
+    frames = members = total = 0
+    with _registry(ref, **(registry_options or {})) as reg:
+        manifest = reg.resolve_image(ref, platform)
+        for desc in manifest.layers:
+            index_digest = bound_index_digest(desc.digest, desc.annotations)
+            with tempfile.TemporaryFile(dir=workdir, prefix="bootseer-verify-") as f:
+                for chunk in reg.iter_blob(ref.repository, desc.digest,
+                                           expected_size=desc.size):
+                    f.write(chunk)  # the stream checks the digest before its last chunk
+                f.flush()
+
+                def read_range(start: int, end: int, fd: int = f.fileno()) -> bytes:
+                    return os.pread(fd, end - start, start)
+
+                index = LayerIndex.from_blob(read_range, desc.size, desc.digest,
+                                             index_digest=index_digest)
+                for i in range(len(index.frames)):
+                    index.fetch_and_verify(read_range, i)
+            frames += len(index.frames)
+            members += len(index.entries)
+            total += desc.size
+    return VerifyImageResult(reference, manifest.digest, len(manifest.layers), frames, members,
+                             total, time.perf_counter() - started)
+
+
+def bound_index_digest(layer: str, annotations: Mapping[str, Any] | None) -> str:
+    """The index digest a converted layer's descriptor records; a layer the manifest does not
+    mark as converted is :class:`NotConvertedError` (the convert hint), a converted one without
+    a well-formed index digest :class:`UnboundIndexError` (its index is never trusted)."""
+    annotations = annotations or {}
+    if annotations.get(FORMAT_ANNOTATION) != FORMAT_VALUE:
+        raise NotConvertedError(layer, f"its descriptor has no {FORMAT_ANNOTATION}: "
+                                       f"{FORMAT_VALUE} annotation")
+    value = annotations.get(INDEX_ANNOTATION)
+    if value is None:
+        raise UnboundIndexError(layer, f"the manifest marks it {FORMAT_VALUE} but records no "
+                                       f"{INDEX_ANNOTATION}")
+    if not isinstance(value, str) or not _DIGEST.match(value):
+        raise UnboundIndexError(layer, f"{INDEX_ANNOTATION} {value!r} is not a sha256 digest")
+    return value
 
 
 def load_profile(image: OpenImage) -> Profile | None:

@@ -50,7 +50,12 @@ Level 9, not 3 (measured, 1 MiB frames, same tar): level 3 makes an 8 % larger b
 
 Untrusted input: the converter applies :mod:`prefetch.safety` to every member and refuses the
 layer (naming the member) when one breaks a rule, and it insists that the tar stream ends
-properly (a corrupt header mid-stream is an error, not a silent end of the member list).
+properly (a corrupt header mid-stream is an error, not a silent end of the member list). It
+derives every TOC entry from the tar stream itself (:func:`prefetch.members.tar_entry`, the
+mapping the lazy read path checks entries against), never from a TOC it was given; a member's
+``header`` offset is where its whole header chain starts, so members tile the stream, and a
+global pax header that would change later members is refused. The result carries the digest of
+the index bytes (TOC frame + seek table), which the image's manifest records.
 """
 
 from __future__ import annotations
@@ -65,22 +70,15 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from typing import IO, Any
 
 import zstandard
 
-from .safety import (
-    ROOT,
-    UnsafeMemberError,
-    check_symlink_target,
-    normalize_hardlink_target,
-    normalize_member_path,
-)
+from .members import ENCODING, ERRORS, ConvertError, global_header_problem, tar_entry
+from .safety import UnsafeMemberError
 from .toc import (
     EMPTY_XXH64_LOW32,
     MAX_FRAME_RAW,
-    MAX_ID,
     Frame,
     FrameVerificationError,
     LayerFormatError,
@@ -125,17 +123,6 @@ _TAR_TYPES = {
     "application/vnd.docker.image.rootfs.diff.tar",
 }
 
-_TYPES = {
-    tarfile.REGTYPE: "reg", tarfile.AREGTYPE: "reg", tarfile.CONTTYPE: "reg",
-    tarfile.GNUTYPE_SPARSE: "reg", tarfile.DIRTYPE: "dir", tarfile.SYMTYPE: "symlink",
-    tarfile.LNKTYPE: "hardlink", tarfile.CHRTYPE: "char", tarfile.BLKTYPE: "block",
-    tarfile.FIFOTYPE: "fifo",
-}
-_XATTR_PREFIX = "SCHILY.xattr."
-
-
-class ConvertError(ValueError):
-    """The input is not a tar stream bootseer can convert (corrupt, truncated, odd types)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +137,8 @@ class ConvertResult:
     entries: int  # TOC entries
     toc_offset: int  # where the TOC skippable frame starts in the blob
     table_offset: int  # where the seek table starts
+    index_digest: str  # "sha256:..." of the index bytes (TOC frame + seek table): the
+    # io.bootseer.layer.index.digest annotation that binds them to the manifest
     media_type: str = MEDIA_TYPE_TAR_ZSTD
 
 
@@ -359,55 +348,6 @@ class _Tee(io.RawIOBase):
         return len(data)
 
 
-def _mtime_ns(info: tarfile.TarInfo) -> int:
-    text = info.pax_headers.get("mtime")
-    if text is not None:
-        try:
-            return int(Decimal(text).scaleb(9).to_integral_value())
-        except (InvalidOperation, ValueError):
-            pass
-    return int(Decimal(str(info.mtime)).scaleb(9).to_integral_value())
-
-
-def _entry(info: tarfile.TarInfo, end: int) -> TocEntry:
-    raw_name = info.name
-    kind = _TYPES.get(info.type)
-    if kind is None:
-        raise ConvertError(f"layer member {raw_name!r}: unsupported tar member type "
-                           f"{info.type!r}")
-    name = normalize_member_path(raw_name)
-    if name == ROOT and kind != "dir":
-        raise UnsafeMemberError(raw_name, f"the root is a {kind} member, not a directory")
-    link = ""
-    if kind == "hardlink":
-        link = normalize_hardlink_target(raw_name, info.linkname)
-    elif kind == "symlink":
-        link = check_symlink_target(raw_name, info.linkname)
-    for what, value in (("uid", info.uid), ("gid", info.gid), ("devmajor", info.devmajor),
-                        ("devminor", info.devminor)):
-        if not 0 <= value <= MAX_ID:
-            raise ConvertError(f"layer member {raw_name!r}: {what} {value} out of range")
-    xattrs = {}
-    for key, value in info.pax_headers.items():
-        if key.startswith(_XATTR_PREFIX) and len(key) > len(_XATTR_PREFIX):
-            xattrs[key[len(_XATTR_PREFIX):]] = value.encode("utf-8", "surrogateescape")
-    sparse = None
-    size = 0
-    if kind == "reg":
-        size = info.size
-        if info.sparse is not None:
-            sparse = tuple((int(o), int(n)) for o, n in info.sparse)
-    entry = TocEntry(
-        name=name, type=kind, mode=info.mode & 0o7777, uid=info.uid, gid=info.gid,
-        uname=info.uname or "", gname=info.gname or "", size=size, mtime_ns=_mtime_ns(info),
-        link=link, devmajor=info.devmajor if kind in ("char", "block") else 0,
-        devminor=info.devminor if kind in ("char", "block") else 0, xattrs=xattrs,
-        offset=info.offset_data, header_offset=info.offset, sparse=sparse)
-    if entry.data_end > end:  # pragma: no cover - tarfile's own arithmetic
-        raise ConvertError(f"layer member {raw_name!r}: data beyond the member's end")
-    return entry
-
-
 def convert_layer(tar_stream: IO[bytes], out: IO[bytes], *,
                   frame_size: int = DEFAULT_FRAME_SIZE, level: int = DEFAULT_LEVEL,
                   workers: int | None = None) -> ConvertResult:
@@ -441,12 +381,15 @@ def convert_layer(tar_stream: IO[bytes], out: IO[bytes], *,
         table_offset = writer.size
         sizes = [(f.c_size, f.u_size, f.checksum) for f in writer.frames]
         sizes.append((len(toc_frame), 0, EMPTY_XXH64_LOW32))
-        writer.write(encode_seek_table(sizes))
+        seek_table = encode_seek_table(sizes)
+        writer.write(seek_table)
+        index_digest = "sha256:" + hashlib.sha256(toc_frame + seek_table).hexdigest()
     finally:
         writer.close()
     return ConvertResult(digest="sha256:" + writer.sha.hexdigest(), size=writer.size,
                          diff_id=diff_id, tar_size=tee.total, frames=len(writer.frames),
-                         entries=len(entries), toc_offset=toc_offset, table_offset=table_offset)
+                         entries=len(entries), toc_offset=toc_offset, table_offset=table_offset,
+                         index_digest=index_digest)
 
 
 def convert_layer_blob(blob: IO[bytes], media_type: str | None, out: IO[bytes],
@@ -461,11 +404,12 @@ def _scan(tee: _Tee, cutter: _Cutter) -> list[TocEntry]:
     with an end-of-archive block (or exactly at a member boundary)."""
     entries: list[TocEntry] = []
     try:
-        tf = tarfile.open(fileobj=tee, mode="r|", encoding="utf-8", errors="surrogateescape")
+        tf = tarfile.open(fileobj=tee, mode="r|", encoding=ENCODING, errors=ERRORS)
     except tarfile.ReadError as exc:
         if tee.total == 0:
             return entries  # an empty stream: no members, nothing to cut
         raise ConvertError(f"not a tar stream: {exc}") from None
+    start = 0  # where the next member's headers (a global pax header included) start
     try:
         while True:
             try:
@@ -475,9 +419,13 @@ def _scan(tee: _Tee, cutter: _Cutter) -> list[TocEntry]:
             if info is None:
                 break
             tf.members.clear()  # stream mode keeps every TarInfo otherwise
+            problem = global_header_problem(tf.pax_headers)
+            if problem is not None:
+                raise ConvertError(f"layer member {info.name!r}: {problem}")
             end = tf.offset
-            entries.append(_entry(info, end))
-            cutter.member(info.offset, info.offset_data, end)
+            entries.append(tar_entry(info, start, end))
+            cutter.member(start, info.offset_data, end)
+            start = end
     finally:
         tf.close()
     _check_end(tee, cutter, tf.offset)

@@ -2,7 +2,11 @@
 
 A read of ``[offset, offset + size)`` of a file maps to ``[entry.offset + offset, ...)`` of its
 layer's tar stream, then to the frames that hold those bytes; the fetcher serves each frame
-from memory, the block cache, or the registry (on demand, ahead of any prefetch). Metadata
+from memory, the block cache, or the registry (on demand, ahead of any prefetch). No byte of a
+file is served before its TOC entry was checked against its tar header (the frame holding the
+header is fetched first when a read starts elsewhere in the file), and every frame's entries
+are checked when it is decompressed (:meth:`prefetch.toc.LayerIndex.verify_frame`): a
+mismatch is EIO, never the wrong bytes. Metadata
 (``stat``, ``readdir``, ``readlink``, xattrs) comes from the TOCs alone: listing a tree or
 stat-ing every file fetches nothing. The mount is read-only, ``nodev`` and ``nosuid``
 unless the caller decides otherwise, and ``default_permissions``: the kernel checks every
@@ -49,6 +53,20 @@ class Layer:
     index: Any  # prefetch.toc.LayerIndex
     blob: Blob
 
+    def __post_init__(self) -> None:
+        if self.blob.check is None:  # every frame served through this layer is checked
+            self.blob.check = self.index.verify_frame
+
+    def require_header(self, fetcher: FrameFetcher, entry: Any) -> None:
+        """Make sure ``entry`` was checked against its tar header before its bytes are
+        served: fetch the frame that holds the header when it was not verified yet."""
+        verified = getattr(self.index, "verified", None)
+        if verified is None or not self.index.tar_size:
+            return
+        h = self.index.frame_of(min(entry.header_offset, self.index.tar_size - 1))
+        if h not in verified:
+            fetcher.frame(self.blob, h)
+
     @property
     def entries(self) -> Sequence[Any]:
         return self.index.entries
@@ -76,6 +94,7 @@ class LazyImage:
         size = max(0, min(size, entry.size - offset))
         if size == 0:
             return b""
+        self.layers[data_node.layer].require_header(self.fetcher, entry)
         if getattr(entry, "sparse", None):
             return self._read_sparse(data_node, entry, offset, size)
         return self._read_stream(data_node.layer, entry.offset + offset, size)

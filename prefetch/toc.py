@@ -26,8 +26,18 @@ starts. Two ranged reads (often one, see :data:`TAIL_GUESS`) find everything.
 
 Untrusted input: every size and count read from a blob is checked against the bytes before
 it is used (frame count against the table size and the blob size, offsets monotonic and
-inside the blob, per-frame and TOC size caps, TOC JSON checked field by field, member paths
-checked by :mod:`prefetch.safety`). Nothing is allocated from an unchecked length.
+inside the blob, per-frame and TOC size caps, the TOC JSON's size against the bytes it came in
+and the tar stream's size, entries against the 512-byte headers the tar stream could hold, TOC
+JSON checked field by field, member paths checked by :mod:`prefetch.safety`). Nothing is
+allocated from an unchecked length; a data frame is decompressed only when it is exactly one
+zstd frame whose header declares the seek table's size, into a buffer of that size.
+
+Trust: the index (TOC frame and seek table, ``blob[toc_offset:]``) is bound to the image by the
+digest the converter records in the layer descriptor (:data:`INDEX_ANNOTATION`, in the
+digest-addressed manifest); a reader given that digest refuses an index that does not match it
+before decoding anything (:meth:`LayerIndex.from_tail`). Each TOC entry is then checked against
+the tar header it points at when the frame holding that header is decompressed
+(:meth:`LayerIndex.verify_frame`, rules in :mod:`prefetch.members`).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import bisect
 import hashlib
 import json
 import struct
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +87,20 @@ MAX_FRAMES = 0x8000000  # the seekable format's own limit on Number_Of_Frames
 MAX_FRAME_RAW = 128 << 20  # uncompressed bytes in one data frame (converter: <= 2 x 64 MiB)
 MAX_TOC_FRAME = 256 << 20  # compressed TOC frame
 MAX_TOC_JSON = 1 << 30  # uncompressed TOC JSON (~5M entries)
+# What a TOC may declare against the bytes it came in (measured on real and extreme layers: a
+# site-packages layer's TOC JSON is 10.6x its compressed bytes and holds 0.64 JSON values
+# ("{", "[" and "," counted) per compressed byte; 50,000 members of one name, the most
+# repetitive TOC a tar makes, 48x and 4.2 values per byte): JSON bytes at most MAX_TOC_RATIO
+# times the compressed bytes (plus a slack for one long repetitive string, an xattr), values
+# at most MAX_TOC_VALUES_PER_BYTE per compressed byte (what Python allocates per entry), and
+# JSON bytes at most TOC_JSON_PER_TAR_BYTE per byte of the tar stream (every byte of a name,
+# link or xattr comes from the tar). All checked before decompressing or parsing.
+MAX_TOC_RATIO = 1024
+MAX_TOC_VALUES_PER_BYTE = 32
+TOC_JSON_PER_TAR_BYTE = 16
+TOC_JSON_SLACK = 1 << 20
+TAR_BLOCK = 512  # every member needs at least one header block of the tar stream
+MAX_HEADER_CHAIN = 16 << 20  # a member's header blocks (pax, GNU long names) before its data
 MAX_XATTRS = 1024  # per entry
 MAX_XATTR_BYTES = 1 << 20  # per entry, names and values together
 MAX_ID = 2**32 - 1  # uid, gid, devmajor, devminor
@@ -84,6 +109,14 @@ TAIL_GUESS = 256 << 10  # a first tail read of this size holds the whole index o
 
 TYPES = ("reg", "dir", "symlink", "hardlink", "char", "block", "fifo")
 CONVERT_HINT = "convert the image with `bootseer image convert SRC DST`"
+
+# The digest of the layer's index bytes (TOC frame + seek table), on each layer descriptor of a
+# converted manifest: what binds the index read from a blob's tail to the manifest's digest.
+INDEX_ANNOTATION = "io.bootseer.layer.index.digest"
+RULE_BOUND = (f"a converted layer's index must match the {INDEX_ANNOTATION} its manifest "
+              "records")
+RULE_MATCH = "a TOC entry must match the tar header it points at"
+RULE_COMPLETE = "the TOC must list every member of the tar stream, in order"
 
 
 # --- errors -----------------------------------------------------------------------------------
@@ -128,6 +161,32 @@ class UnsafeLayerError(MalformedLayerError, UnsafeMemberError):
         self.what = what
         self.member = member
         self.rule = rule
+
+
+class UnboundIndexError(LayerFormatError):
+    """The layer's index is not bound to its manifest (no or a malformed index digest
+    annotation) or does not match the digest the manifest records: never trusted."""
+
+    def __init__(self, digest: str | None, what: str) -> None:
+        name = digest or "(unknown digest)"
+        super().__init__(f"layer {name}: refused: {what} (rule: {RULE_BOUND}); {CONVERT_HINT}"
+                         " again")
+        self.digest = digest
+        self.what = what
+        self.rule = RULE_BOUND
+
+
+class TocMismatchError(LayerFormatError):
+    """A TOC entry does not match the tar header it points at, or the TOC leaves a member of
+    the tar stream out: the lazy view would differ from a plain unpack of the blob."""
+
+    def __init__(self, digest: str | None, member: str, rule: str, what: str) -> None:
+        name = digest or "(unknown digest)"
+        super().__init__(f"layer {name}: TOC entry {member!r} refused: {what} (rule: {rule})")
+        self.digest = digest
+        self.member = member
+        self.rule = rule
+        self.what = what
 
 
 class FrameVerificationError(LayerFormatError):
@@ -343,9 +402,9 @@ class _TocChecker:
                          size=ints["size"], mtime_ns=mtime, link=link,
                          devmajor=ints["devmajor"], devminor=ints["devminor"], xattrs=xattrs,
                          offset=ints["offset"], header_offset=ints["header"], sparse=sparse)
-        if entry.header_offset > entry.offset:
-            raise self.fail(f"{where}: data offset {entry.offset} lies before its header "
-                            f"{entry.header_offset}")
+        if not entry.header_offset < entry.offset <= entry.header_offset + MAX_HEADER_CHAIN:
+            raise self.fail(f"{where}: data offset {entry.offset} does not follow its header "
+                            f"{entry.header_offset} (1 to {MAX_HEADER_CHAIN} bytes of headers)")
         if entry.data_end > tar_size:
             raise self.fail(f"{where}: data [{entry.offset}, {entry.data_end}) lies beyond the "
                             f"tar stream ({tar_size} bytes)")
@@ -417,6 +476,9 @@ class LayerIndex:
         self.frame_size = frame_size
         self.level = level
         self._u_starts = [f.u_offset for f in frames]
+        self._h_starts = [e.header_offset for e in entries]
+        self.verified: set[int] = set()  # frames whose entries passed verify_frame
+        self.index_digest: str | None = None  # set when built against the manifest's digest
         self._by_name: dict[str, int] = {}
         for i, entry in enumerate(entries):
             self._by_name[entry.name] = i  # a later member of the same name replaces an earlier
@@ -436,9 +498,13 @@ class LayerIndex:
         return need
 
     @classmethod
-    def from_tail(cls, tail: bytes, blob_size: int, digest: str | None = None) -> LayerIndex:
-        """The index from a tail that :meth:`parse_tail` found sufficient."""
-        index = cls._parse(tail, blob_size, digest, build=True)
+    def from_tail(cls, tail: bytes, blob_size: int, digest: str | None = None, *,
+                  index_digest: str | None = None) -> LayerIndex:
+        """The index from a tail that :meth:`parse_tail` found sufficient.
+
+        With ``index_digest`` (the manifest's :data:`INDEX_ANNOTATION`), the index bytes must
+        hash to it, checked before the TOC is decoded (:class:`UnboundIndexError`)."""
+        index = cls._parse(tail, blob_size, digest, build=True, index_digest=index_digest)
         if isinstance(index, list):
             raise ValueError(f"the tail ({len(tail)} bytes) does not hold the whole index; "
                              f"fetch {index} first")
@@ -446,9 +512,10 @@ class LayerIndex:
 
     @classmethod
     def from_blob(cls, read_range: Callable[[int, int], bytes], blob_size: int,
-                  digest: str | None = None) -> LayerIndex:
+                  digest: str | None = None, *, index_digest: str | None = None) -> LayerIndex:
         """The index of a blob read through ``read_range(start, end)`` (half-open)."""
-        return cls.from_tail(cls.fetch_tail(read_range, blob_size, digest), blob_size, digest)
+        return cls.from_tail(cls.fetch_tail(read_range, blob_size, digest), blob_size, digest,
+                             index_digest=index_digest)
 
     @classmethod
     def fetch_tail(cls, read_range: Callable[[int, int], bytes], blob_size: int,
@@ -468,8 +535,8 @@ class LayerIndex:
         raise MalformedLayerError(digest, "the index could not be located")  # pragma: no cover
 
     @classmethod
-    def _parse(cls, tail: bytes, blob_size: int, digest: str | None,
-               *, build: bool) -> LayerIndex | list[tuple[int, int]]:
+    def _parse(cls, tail: bytes, blob_size: int, digest: str | None, *, build: bool,
+               index_digest: str | None = None) -> LayerIndex | list[tuple[int, int]]:
         if not _is_int(blob_size) or len(tail) > blob_size:
             raise ValueError(f"tail of {len(tail)} bytes for a blob of {blob_size!r} bytes")
         held = blob_size - len(tail)  # the tail holds [held, blob_size)
@@ -485,9 +552,19 @@ class LayerIndex:
             return [(table.toc_offset, held)]
         if not build:
             return []
+        if index_digest is not None:
+            got = "sha256:" + hashlib.sha256(tail[table.toc_offset - held:]).hexdigest()
+            if got != index_digest:
+                raise UnboundIndexError(
+                    digest, f"its index (TOC and seek table, bytes {table.toc_offset}-"
+                            f"{blob_size}) has digest {got}, the manifest records "
+                            f"{index_digest}")
         toc_bytes = tail[table.toc_offset - held:table.table_offset - held]
-        doc = _decode_toc_frame(toc_bytes, digest)
-        return cls._from_document(doc, table, blob_size, digest)
+        tar_size = sum(d for _, d, _ in table.sizes[:-1])
+        doc = _decode_toc_frame(toc_bytes, digest, tar_size=tar_size)
+        index = cls._from_document(doc, table, blob_size, digest)
+        index.index_digest = index_digest
+        return index
 
     @staticmethod
     def _seek_table(tail: bytes, blob_size: int, digest: str | None
@@ -562,10 +639,18 @@ class LayerIndex:
         raw_entries = doc.get("entries")
         if not isinstance(raw_entries, list):
             raise check.fail("the TOC has no entries list")
+        if len(raw_entries) > tar_size // TAR_BLOCK:
+            raise check.fail(f"the TOC declares {len(raw_entries)} entries, more than the "
+                             f"{tar_size // TAR_BLOCK} headers of {TAR_BLOCK} bytes a "
+                             f"{tar_size}-byte tar stream can hold")
         entries = []
         previous_end = 0
         for i, raw in enumerate(raw_entries):
             entry = check.entry(i, raw, tar_size)
+            if i == 0 and entry.header_offset != 0:
+                raise check.fail(f"TOC entry 0 ({entry.name!r}) starts at "
+                                 f"{entry.header_offset}, not at the tar stream's first byte "
+                                 "(members left out)")
             if entry.header_offset < previous_end:
                 raise check.fail(f"TOC entry {i} ({entry.name!r}) starts at {entry.header_offset}"
                                  f", inside the previous member (ends at {previous_end})")
@@ -636,8 +721,8 @@ class LayerIndex:
         return frame.c_offset, frame.c_end
 
     def decompress_frame(self, i: int, data: bytes) -> bytes:
-        """Frame ``i``'s content from its compressed bytes, verified (size, SHA-256, content
-        size) before anything is decompressed."""
+        """Frame ``i``'s content from its compressed bytes, verified (size, SHA-256, one zstd
+        frame declaring the seek table's content size) before anything is decompressed."""
         frame = self.frames[i]
         if len(data) != frame.c_size:
             raise FrameVerificationError(self.digest, i, f"got {len(data)} bytes, expected "
@@ -649,22 +734,57 @@ class LayerIndex:
                                                          f" (blob bytes {frame.c_offset}-"
                                                          f"{frame.c_end})")
         try:
-            declared = zstandard.frame_content_size(data)
-            if declared != frame.u_size:
-                raise FrameVerificationError(self.digest, i, f"content size {declared}, "
-                                                             f"expected {frame.u_size}")
-            out = zstandard.ZstdDecompressor().decompress(data, max_output_size=frame.u_size)
-        except zstandard.ZstdError as exc:
-            raise FrameVerificationError(self.digest, i, f"zstd: {exc}") from None
-        if len(out) != frame.u_size:
-            raise FrameVerificationError(self.digest, i, f"decompressed to {len(out)} bytes, "
-                                                         f"expected {frame.u_size}")
-        return out
+            return decompress_bounded(data, frame.u_size)
+        except ValueError as exc:
+            raise FrameVerificationError(self.digest, i, str(exc)) from None
+
+    def frame_of(self, raw_offset: int) -> int:
+        """The index of the frame holding tar byte ``raw_offset`` (< tar_size)."""
+        return bisect.bisect_right(self._u_starts, raw_offset) - 1
+
+    def verify_frame(self, i: int, content: bytes, load: Callable[[int], bytes]) -> None:
+        """Check every TOC entry whose header starts in frame ``i`` against the tar headers in
+        ``content`` (the frame, decompressed and verified against its sha256): the member
+        the header describes must be the entry (name, type, size, link target, mode, owner,
+        times, xattrs, data offset) and must end where the next entry starts (or, for the last
+        one, where the end-of-archive block lies), so no member is left out. ``load(j)`` gives
+        another frame's content, for headers that run on into the next frame. Raises
+        :class:`TocMismatchError` naming the member and the rule; a frame that passed is
+        remembered (:attr:`verified`)."""
+        if i in self.verified:
+            return
+        from .members import verify_entries  # members builds TocEntry: imported late
+
+        frame = self.frames[i]
+        lo = bisect.bisect_left(self._h_starts, frame.u_offset)
+        hi = bisect.bisect_left(self._h_starts, frame.u_end)
+        if lo < hi or (not self.entries and frame.u_offset == 0):
+            verify_entries(self, range(lo, hi), _FrameBytes(self, i, content, load))
+        self.verified.add(i)
+
+    def _load_frame(self, read_range: Callable[[int, int], bytes], i: int) -> bytes:
+        frame = self.frames[i]
+        return self.decompress_frame(i, _read_exact(read_range, frame.c_offset, frame.c_end))
+
+    def verify_header_of(self, entry: TocEntry, read_range: Callable[[int, int], bytes]) -> None:
+        """Make sure ``entry`` was checked against its tar header (fetching the frame that
+        holds it when it was not)."""
+        if self.tar_size == 0:
+            return
+        self.fetch_and_verify(read_range, self.frame_of(min(entry.header_offset,
+                                                               self.tar_size - 1)))
+
+    def fetch_and_verify(self, read_range: Callable[[int, int], bytes], i: int) -> None:
+        """Frame ``i`` fetched, decompressed and its entries checked (:meth:`verify_frame`),
+        unless that was done already."""
+        if i not in self.verified:
+            self.verify_frame(i, self._load_frame(read_range, i),
+                              lambda j: self._load_frame(read_range, j))
 
     def read_raw(self, read_range: Callable[[int, int], bytes], raw_start: int,
                  raw_end: int) -> bytes:
         """Tar bytes ``[raw_start, raw_end)``, fetching exactly the frames that hold them in
-        one coalesced ``read_range`` call."""
+        one coalesced ``read_range`` call (each frame verified, :meth:`verify_frame`)."""
         frames = self.frames_for(raw_start, raw_end)
         if not frames:
             return b""
@@ -675,6 +795,7 @@ class LayerIndex:
             frame = self.frames[i]
             content = self.decompress_frame(
                 i, blob[frame.c_offset - first.c_offset:frame.c_end - first.c_offset])
+            self.verify_frame(i, content, lambda j: self._load_frame(read_range, j))
             lo = max(raw_start, frame.u_offset) - frame.u_offset
             hi = min(raw_end, frame.u_end) - frame.u_offset
             parts.append(content[lo:hi])
@@ -697,6 +818,7 @@ class LayerIndex:
             entry = target
         if entry.type != "reg":
             raise IsADirectoryError(f"{entry.name} is a {entry.type}, not a regular file")
+        self.verify_header_of(entry, read_range)
         offset = max(0, offset)
         end = entry.size if size is None else min(entry.size, offset + max(0, size))
         if end <= offset:
@@ -727,7 +849,10 @@ def _read_exact(read_range: Callable[[int, int], bytes], start: int, end: int) -
     return data
 
 
-def _decode_toc_frame(frame: bytes, digest: str | None) -> Any:
+def _decode_toc_frame(frame: bytes, digest: str | None, *, tar_size: int | None = None) -> Any:
+    """The TOC document of a TOC skippable frame; its declared JSON size is checked against
+    the caps, the compressed bytes (:data:`MAX_TOC_RATIO`) and the tar stream's size (from the
+    seek table) before anything is decompressed."""
     magic, size = SKIPPABLE_HEADER.unpack_from(frame, 0)
     if magic != TOC_FRAME_MAGIC:
         raise NotConvertedError(digest, "the frame before the seek table is not a bootseer TOC")
@@ -744,9 +869,22 @@ def _decode_toc_frame(frame: bytes, digest: str | None) -> Any:
         raise MalformedLayerError(digest, f"TOC declares {json_size} bytes, more than the "
                                           f"{MAX_TOC_JSON} allowed")
     compressed = frame[SKIPPABLE_HEADER.size + TOC_HEADER.size:]
+    if json_size > MAX_TOC_RATIO * len(compressed) + TOC_JSON_SLACK:
+        raise MalformedLayerError(digest, f"TOC declares {json_size} bytes of JSON from "
+                                          f"{len(compressed)} compressed bytes (more than "
+                                          f"{MAX_TOC_RATIO}x + {TOC_JSON_SLACK})")
+    if tar_size is not None and json_size > TOC_JSON_PER_TAR_BYTE * tar_size + TOC_JSON_SLACK:
+        raise MalformedLayerError(digest, f"TOC declares {json_size} bytes of JSON for a "
+                                          f"{tar_size}-byte tar stream (more than "
+                                          f"{TOC_JSON_PER_TAR_BYTE}x + {TOC_JSON_SLACK})")
     doc = _bounded_decompress(compressed, json_size, digest)
     if hashlib.sha256(doc).digest() != sha:
         raise MalformedLayerError(digest, "TOC checksum mismatch")
+    values = doc.count(b"{") + doc.count(b"[") + doc.count(b",")  # an upper bound
+    if values > MAX_TOC_VALUES_PER_BYTE * len(compressed) + 4096:
+        raise MalformedLayerError(digest, f"TOC of {len(compressed)} compressed bytes declares "
+                                          f"{values} JSON values (more than "
+                                          f"{MAX_TOC_VALUES_PER_BYTE} per byte)")
     try:
         return json.loads(doc)
     except (ValueError, RecursionError) as exc:
@@ -772,3 +910,104 @@ def _bounded_decompress(data: bytes, expected: int, digest: str | None) -> bytes
         raise MalformedLayerError(
             digest, f"TOC decompresses to {more}{len(out)} bytes, its header says {expected}")
     return bytes(out)
+
+
+# --- data frames: bounded decompression ----------------------------------------------------------
+
+ZSTD_MAGIC = 0xFD2FB528
+_FCS_SIZES = (0, 2, 4, 8)
+_DID_SIZES = (0, 1, 2, 4)
+_dctx = threading.local()
+
+
+def zstd_frame(data: bytes) -> tuple[int | None, int]:
+    """``(declared content size or None, compressed size)`` of the zstd frame that starts
+    ``data``, found by walking its header and block headers (RFC 8878), without decompressing;
+    ValueError when ``data`` does not start with a whole zstd frame."""
+    n = len(data)
+    if n < 6 or int.from_bytes(data[:4], "little") != ZSTD_MAGIC:
+        raise ValueError("not a zstd frame")
+    fhd = data[4]
+    if fhd & 0x08:
+        raise ValueError("the zstd frame header sets its reserved bit")
+    single = fhd & 0x20
+    pos = 5 + (0 if single else 1) + _DID_SIZES[fhd & 3]
+    fcs = _FCS_SIZES[fhd >> 6] or (1 if single else 0)
+    if pos + fcs > n:
+        raise ValueError("truncated zstd frame header")
+    content = None
+    if fcs:
+        content = int.from_bytes(data[pos:pos + fcs], "little") + (256 if fcs == 2 else 0)
+    pos += fcs
+    while True:
+        if pos + 3 > n:
+            raise ValueError("truncated zstd frame (a block header is missing)")
+        header = int.from_bytes(data[pos:pos + 3], "little")
+        kind = (header >> 1) & 3
+        if kind == 3:
+            raise ValueError("a zstd block of the reserved type")
+        pos += 3 + (1 if kind == 1 else header >> 3)
+        if header & 1:
+            break
+    pos += 4 if fhd & 0x04 else 0
+    if pos > n:
+        raise ValueError("truncated zstd frame")
+    return content, pos
+
+
+def decompress_bounded(data: bytes, expected: int) -> bytes:
+    """The content of ``data``, which must be exactly one zstd frame whose header declares
+    ``expected`` bytes: the output buffer is ``expected`` bytes (python-zstandard sizes it from
+    the header and ignores ``max_output_size`` when the header has a size, so the header is
+    checked first), and a frame producing more or less is an error (ValueError)."""
+    content, size = zstd_frame(data)
+    if size != len(data):
+        raise ValueError(f"{len(data)} bytes hold a {size}-byte zstd frame and more (one zstd "
+                         "frame expected)")
+    if content != expected:
+        raise ValueError(f"the zstd frame declares {content} bytes of content, the seek table "
+                         f"{expected}")
+    dctx = getattr(_dctx, "dctx", None)
+    if dctx is None:
+        dctx = _dctx.dctx = zstandard.ZstdDecompressor()
+    try:
+        out = dctx.decompress(data, max_output_size=expected)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"zstd: {exc}") from None
+    if len(out) != expected:
+        raise ValueError(f"decompressed to {len(out)} bytes, expected {expected}")
+    return out
+
+
+class _FrameBytes:
+    """Tar-stream bytes around one frame being verified: that frame from its content, the
+    others (a header running on into the next frame, the end-of-archive block) loaded."""
+
+    def __init__(self, index: LayerIndex, i: int, content: bytes,
+                 load: Callable[[int], bytes]) -> None:
+        self.index = index
+        self.frames = {i: content}
+        self.load = load
+        self.first = index.frames[i]
+
+    def block(self, start: int) -> bytes | None:
+        """The 512 bytes at ``start`` when they lie inside the first frame (the fast path)."""
+        f = self.first
+        if f.u_offset <= start and start + TAR_BLOCK <= f.u_end:
+            lo = start - f.u_offset
+            return self.frames[f.index][lo:lo + TAR_BLOCK]
+        return None
+
+    def read(self, start: int, end: int) -> bytes:
+        end = min(end, self.index.tar_size)
+        if end <= start:
+            return b""
+        parts = []
+        for j in self.index.frames_for(start, end):
+            content = self.frames.get(j)
+            if content is None:
+                content = self.frames[j] = self.load(j)
+            f = self.index.frames[j]
+            parts.append(content[max(start, f.u_offset) - f.u_offset:min(end, f.u_end)
+                                 - f.u_offset])
+        return b"".join(parts)

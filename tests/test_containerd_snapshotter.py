@@ -281,9 +281,7 @@ def test_lazy_layers_above_an_unpacked_one_keep_its_deletions(images, node_facto
     """A mixed image: the base layer in gzip (unpacked into a directory), the upper two
     converted (one lazy view above it). The view must show layer two's whiteout and opaque
     directory the overlayfs way, or the deleted lower files would reappear."""
-    import json
 
-    from prefetch.mediatypes import OCI_MANIFEST
 
     plain, lazy = images
     with SyncRegistry(registry.host) as reg:
@@ -291,12 +289,25 @@ def test_lazy_layers_above_an_unpacked_one_keep_its_deletions(images, node_facto
         doc = dict(conv.parsed)
         doc["layers"] = [gz.parsed["layers"][0], *conv.parsed["layers"][1:]]
         doc.pop("annotations", None)
-        reg.put_manifest("app/run", "mixed", json.dumps(doc).encode(), OCI_MANIFEST)
-    mixed = f"{registry.host}/app/run:mixed"
     node = node_factory()
-    result = node.pull(mixed)
-    assert (result.unpacked_layers, result.lazy_layers) == (1, 2)
-    assert node.run(mixed) == expected_output()
+    _pulls_and_runs(node, _put_variant(registry, "mixed", doc), lazy=2, unpacked=1)
+
+
+def _put_variant(registry, tag: str, doc: dict) -> str:
+    """Push ``doc`` as the manifest of app/run:TAG; returns the reference."""
+    import json
+
+    from prefetch.mediatypes import OCI_MANIFEST
+
+    with SyncRegistry(registry.host) as reg:
+        reg.put_manifest("app/run", tag, json.dumps(doc).encode(), OCI_MANIFEST)
+    return f"{registry.host}/app/run:{tag}"
+
+
+def _pulls_and_runs(node: Node, ref: str, *, lazy: int, unpacked: int) -> None:
+    result = node.pull(ref)
+    assert (result.lazy_layers, result.unpacked_layers) == (lazy, unpacked)
+    assert node.run(ref) == expected_output()
 
 
 def test_a_layer_claiming_the_format_without_an_index_is_refused(images, node_factory,
@@ -370,3 +381,41 @@ def test_every_rpc_of_the_snapshots_api(tmp_path: Path) -> None:
     finally:
         sn.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_an_unbound_or_swapped_converted_layer_is_never_served_lazily(images, node_factory,
+                                                                     registry) -> None:
+    """Trust boundaries through containerd: a converted image whose manifest records no index
+    digests is unpacked the normal way (containerd checks every blob's digest) and runs; a
+    layer blob swapped in the registry's storage (same digest path, same size, another
+    self-consistent index) is refused by Prepare, naming the layer and the rule, and nothing
+    is created."""
+    import json
+
+    from layer_craft import honest_entries, padded_blob, tar_of
+
+    from prefetch.containerd.errors import FailedPreconditionError
+    from prefetch.toc import INDEX_ANNOTATION, RULE_BOUND
+
+    _, lazy = images
+    with SyncRegistry(registry.host) as reg:
+        conv = reg.resolve_image(lazy)
+    doc = json.loads(conv.data)
+    for desc in doc["layers"]:
+        desc["annotations"].pop(INDEX_ANNOTATION)
+    node = node_factory()
+    _pulls_and_runs(node, _put_variant(registry, "unbound", doc), lazy=0, unpacked=3)
+    assert "records no io.bootseer.layer.index.digest" in node.snapshotter.log()
+
+    layer = conv.layers[2]  # the big file's layer, replaced by one of the same size
+    tar = tar_of([("app", None), ("app/big.bin", b"EVIL")])
+    crafted = padded_blob(tar, honest_entries(tar), layer.size)
+    registry.blob_path(layer.digest).write_bytes(crafted.blob)
+    labels = {lbl.SNAPSHOT_REF: "sha256:" + "5" * 64, lbl.IMAGE_REF: lazy,
+              lbl.LAYER_DIGEST: layer.digest, lbl.MANIFEST_DIGEST: conv.digest}
+    with ContainerdClient(node.snapshotter.address) as direct:
+        before = {s.name for s in direct.list_snapshots("bootseer")}
+        with pytest.raises(FailedPreconditionError) as info:
+            direct.prepare_snapshot("bootseer", "swapped", "", labels)
+        assert layer.digest in str(info.value) and RULE_BOUND in str(info.value)
+        assert {s.name for s in direct.list_snapshots("bootseer")} == before

@@ -334,6 +334,13 @@ def test_random_access_fetches_only_the_frames_it_needs(layer: Layer) -> None:
     needed = index.frames_for(big.offset + offset, big.offset + offset + 4096)
     assert len(needed) == 1
     frame = index.frames[needed[0]]
+    header = index.frames[index.frame_of(big.header_offset)]
+    # the first read of a file also checks its tar header (once), then one frame per read
+    assert log == [(header.c_offset, header.c_end), (frame.c_offset, frame.c_end)]
+    log.clear()
+    offset += FRAME
+    index.read(big, layer.reader(log), offset, 4096)
+    frame = index.frames[index.frame_of(big.offset + offset)]
     assert log == [(frame.c_offset, frame.c_end)]  # one range request, one frame
     log.clear()
     straddling = 6 * FRAME - 100  # two frames, coalesced into one request

@@ -5,6 +5,7 @@ start's hot blocks, and prefetch them.
     bootseer image record registry:5000/team/train:v1-lazy -- python3 -c "import torch"
     bootseer image mount registry:5000/team/train:v1-lazy /run/rootfs      # prefetches
     bootseer image prefetch registry:5000/team/train:v1-lazy               # warmup, no mount
+    bootseer image verify registry:5000/team/train:v1-lazy    # the lazy view == a plain unpack
     bootseer image pull registry:5000/team/train:v1-lazy --address /run/containerd/containerd.sock
 """
 
@@ -86,6 +87,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     prefetch.add_argument("--all", action="store_true",
                           help="every frame, not only the profile's")
     prefetch.set_defaults(func=cmd_prefetch)
+
+    verify = img_sub.add_parser("verify", help="download a converted image once and check "
+                                               "that its lazy view equals a plain unpack (every "
+                                               "frame, every TOC entry against its tar header)")
+    verify.add_argument("ref")
+    verify.add_argument("--platform", default="linux/amd64")
+    verify.set_defaults(func=cmd_verify)
 
     pull = img_sub.add_parser("pull", help="put an image into containerd through a "
                                            "snapshotter: converted layers lazily, others "
@@ -255,6 +263,16 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
             raise CliError(f"{s.failures} range request(s) failed; see the log")
     finally:
         image.close()
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from prefetch.image import verify_image
+
+    r = verify_image(args.ref, platform=args.platform)
+    print(f"verified {args.ref} ({r.digest}): {r.layers} layer(s), {r.frames} frame(s), "
+          f"{r.members} member(s), {human_bytes(r.bytes)} in {r.seconds:.1f}s: the lazy view "
+          "equals a plain unpack")
     return 0
 
 

@@ -2,8 +2,20 @@
 fetcher and block cache, and the hot-block profiles of the images it serves.
 
 Everything a lazy snapshot needs to be mounted again after a restart of the snapshotter is
-kept on disk under the root: the manifest it came from (``manifests/``) and the blob tail that
-holds its index (``indexes/``), so a restart reads no registry before it can serve a mount.
+kept on disk under the root: the manifest it came from (``manifests/``, named by its digest and
+checked against it when read back) and the index bytes of each layer (``indexes/``), so a
+restart reads no registry before it can serve a mount.
+
+Trust: a layer is served lazily only when the manifest (fetched by, or checked against, its
+digest) marks it converted and records the digest of its index (``io.bootseer.layer.index.
+digest``); an index, fetched or cached, is used only when its bytes hash to that digest. The
+node's caches are keyed by verified content only: indexes by their digest, frames by their
+sha256 (which the verified index lists), layers in memory by (layer digest, index digest,
+registry, repository), and each layer's frames are read from the registry of the image that
+named that index. A second
+registry serving other bytes under the same layer digest can therefore neither replace nor
+poison what another image's layer shows, now or after a restart. A converted layer whose
+manifest records no index digest is not trusted: containerd unpacks it the normal way.
 
 Profiles follow ``bootseer image record``'s rules, with containerd as the runner: the first
 start of an image that has no profile records one, from its first lazy layer until a ready
@@ -28,13 +40,18 @@ from striped_fs.private import make_dir
 
 from ..cache import BlockCache
 from ..fetcher import Blob, FrameFetcher
-from ..image import FORMAT_ANNOTATION, FORMAT_VALUE, find_profile, store_profile
+from ..image import (
+    FORMAT_VALUE,
+    bound_index_digest,
+    find_profile,
+    store_profile,
+)
 from ..lazyfs import Layer, LazyImage
 from ..oci import Manifest
 from ..profile import Profile, ProfileError, Recorder, plan_prefetch
 from ..reference import Reference
 from ..registry import SyncRegistry
-from ..toc import LayerFormatError, LayerIndex, NotConvertedError
+from ..toc import LayerFormatError, LayerIndex, NotConvertedError, UnboundIndexError
 from .errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from .labels import LayerRequest
 
@@ -48,13 +65,14 @@ class RemoteLayer:
     size: int
     image_ref: str  # the reference it was first served for (registry + repository)
     manifest: str
+    index_digest: str  # what the manifest records, and what the index was checked against
     index: LayerIndex
     blob: Blob
 
     def source(self) -> dict[str, Any]:
         """What the snapshot's metadata keeps to serve this layer again after a restart."""
         return {"remote": True, "digest": self.digest, "size": self.size,
-                "ref": self.image_ref, "manifest": self.manifest}
+                "ref": self.image_ref, "manifest": self.manifest, "index": self.index_digest}
 
 
 @dataclass
@@ -85,10 +103,12 @@ class RemoteLayers:
         self._registry_options = registry_options or {}
         self._registries: dict[str, SyncRegistry] = {}
         self._images: dict[str, _Image] = {}  # manifest digest -> image
-        self._layers: dict[str, RemoteLayer] = {}  # layer digest -> layer
-        self._where: dict[str, tuple[str, str]] = {}  # layer digest -> (registry, repository)
+        # (layer digest, index digest, registry, repository) -> layer: a layer digest alone is
+        # what a registry claims; the index digest comes from a digest-checked manifest; and
+        # a registry serving the right index over the wrong frames only fails its own images
+        self._layers: dict[tuple[str, str, str, str], RemoteLayer] = {}
         self._lock = threading.RLock()
-        self._layer_locks: dict[str, threading.Lock] = {}
+        self._layer_locks: dict[tuple[str, str, str, str], threading.Lock] = {}
         self.cache = BlockCache(self.root / "cache", cache_bytes)
         self.fetcher = FrameFetcher(self._read_range, self.cache, connections=connections,
                                     on_access=self._on_access, retries=0)
@@ -104,11 +124,13 @@ class RemoteLayers:
             return reg
 
     def _read_range(self, digest: str, start: int, end: int) -> bytes:
-        where = self._where.get(digest)
-        if where is None:
-            raise OSError(f"layer {digest} is not known to the snapshotter")
-        registry, repo = where
-        return self._registry(registry).get_blob_range(repo, digest, start, end)
+        raise OSError(f"layer {digest} is not known to the snapshotter")  # blobs name a source
+
+    def _blob_reader(self, ref: Reference, digest: str) -> Any:
+        def read_range(start: int, end: int) -> bytes:
+            return self._registry(ref.registry).get_blob_range(ref.repository, digest, start,
+                                                                end)
+        return read_range
 
     # -- images and layers -------------------------------------------------------------------
     def image(self, image_ref: str, manifest_digest: str | None) -> _Image:
@@ -178,41 +200,49 @@ class RemoteLayers:
         size = desc.get("size")
         if not isinstance(size, int) or size < 0:
             raise InvalidArgumentError(f"layer {request.layer_digest}: invalid size {size!r}")
-        annotations = desc.get("annotations") or {}
-        if annotations.get(FORMAT_ANNOTATION) not in (None, FORMAT_VALUE):
+        index_digest = _index_digest(request.layer_digest, desc, image.manifest.digest)
+        if index_digest is None:
             return None
         layer = self._open_layer(request.layer_digest, size, request.image_ref,
-                                 image.manifest.digest, probe=FORMAT_ANNOTATION not in annotations)
-        if layer is not None:
-            self._start_image(image)
+                                 image.manifest.digest, index_digest)
+        self._start_image(image)
         return layer
 
     def layer_from_source(self, source: dict[str, Any]) -> RemoteLayer:
-        """A layer of an existing snapshot (after a restart), from its recorded source."""
-        layer = self._open_layer(source["digest"], int(source["size"]), source["ref"],
-                                 source["manifest"], probe=False)
-        assert layer is not None
-        return layer
+        """A layer of an existing snapshot (after a restart), from its recorded source. The
+        index digest is the one recorded at Prepare (from the digest-checked manifest); a
+        snapshot recorded without one takes it from that manifest, kept on disk."""
+        digest, manifest = source["digest"], source["manifest"]
+        index_digest = source.get("index")
+        if not isinstance(index_digest, str):
+            image = self.image(source["ref"], manifest)
+            desc = next((d for d in image.layers if isinstance(d, dict)
+                         and d.get("digest") == digest), {})
+            index_digest = _index_digest(digest, desc, manifest)
+            if index_digest is None:
+                raise FailedPreconditionError(f"layer {digest} of {manifest}: no index digest "
+                                              "in its manifest: it cannot be served lazily")
+        return self._open_layer(digest, int(source["size"]), source["ref"], manifest,
+                                index_digest)
 
-    def _open_layer(self, digest: str, size: int, image_ref: str, manifest: str, *,
-                    probe: bool) -> RemoteLayer | None:
+    def _open_layer(self, digest: str, size: int, image_ref: str, manifest: str,
+                    index_digest: str) -> RemoteLayer:
+        ref = Reference.parse(image_ref)
+        key = (digest, index_digest, ref.registry, ref.repository)
         with self._lock:
-            known = self._layers.get(digest)
+            known = self._layers.get(key)
             if known is not None:
                 return known
-            lock = self._layer_locks.setdefault(digest, threading.Lock())
+            lock = self._layer_locks.setdefault(key, threading.Lock())
         with lock:
             with self._lock:
-                known = self._layers.get(digest)
+                known = self._layers.get(key)
             if known is not None:
                 return known
-            ref = Reference.parse(image_ref)
-            self._where.setdefault(digest, (ref.registry, ref.repository))
+            read_range = self._blob_reader(ref, digest)
             try:
-                index = self._index(digest, size)
+                index = self._index(read_range, digest, size, index_digest)
             except NotConvertedError:
-                if probe:
-                    return None
                 raise FailedPreconditionError(
                     f"layer {digest} of {image_ref} is annotated {FORMAT_VALUE} but has no "
                     "bootseer index: convert the image again (bootseer image convert)") from None
@@ -221,23 +251,32 @@ class RemoteLayers:
             except (OSError, RuntimeError) as exc:
                 raise UnavailableError(f"cannot read the index of layer {digest} of "
                                        f"{image_ref}: {exc}") from None
-            layer = RemoteLayer(digest, size, image_ref, manifest, index,
-                                Blob(digest, index.frames))
+            layer = RemoteLayer(digest, size, image_ref, manifest, index_digest, index,
+                                Blob(digest, index.frames, index_digest=index_digest,
+                                     check=index.verify_frame, source=read_range))
             with self._lock:
-                self._layers[digest] = layer
+                self._layers[key] = layer
             return layer
 
-    def _index(self, digest: str, size: int) -> LayerIndex:
-        path = self.root / "indexes" / digest.replace(":", "-")
+    def _index_path(self, index_digest: str) -> Path:
+        return self.root / "indexes" / index_digest.replace(":", "-")
+
+    def _index(self, read_range: Any, digest: str, size: int, index_digest: str) -> LayerIndex:
+        """The layer's index from ``indexes/<index digest>`` or the registry; either way its
+        bytes must hash to ``index_digest`` (a cached copy that does not is dropped and read
+        again; a registry's that does not is refused)."""
+        path = self._index_path(index_digest)
         try:
             tail = path.read_bytes()
             if not LayerIndex.parse_tail(tail, size, digest):
-                return LayerIndex.from_tail(tail, size, digest)
-        except (OSError, LayerFormatError, ValueError):
-            pass  # absent or damaged: read it again
-        tail = LayerIndex.fetch_tail(lambda s, e: self._read_range(digest, s, e), size, digest)
-        index = LayerIndex.from_tail(tail, size, digest)
-        _write_atomic(path, tail)
+                return LayerIndex.from_tail(tail, size, digest, index_digest=index_digest)
+        except (OSError, LayerFormatError, ValueError) as exc:
+            if not isinstance(exc, FileNotFoundError):
+                log.warning("index cache %s: %s; reading it from the registry again", path.name,
+                            exc)
+        tail = LayerIndex.fetch_tail(read_range, size, digest)
+        index = LayerIndex.from_tail(tail, size, digest, index_digest=index_digest)
+        _write_atomic(path, tail[index.toc_offset - (size - len(tail)):])  # verified bytes only
         return index
 
     def lazy_image(self, layers: Iterable[RemoteLayer], *, overlay: bool) -> LazyImage:
@@ -245,15 +284,19 @@ class RemoteLayers:
         return LazyImage([Layer(layer.index, layer.blob) for layer in layers], self.fetcher,
                          overlay=overlay)
 
-    def release(self, digest: str) -> int:
-        """Forget a layer no snapshot uses any more: its cached frames and index go."""
+    def release(self, digest: str, index_digest: str | None = None) -> int:
+        """Forget a layer no snapshot uses any more: its cached frames and index go (every
+        index of the digest when ``index_digest`` is None)."""
         with self._lock:
-            layer = self._layers.pop(digest, None)
-            self._layer_locks.pop(digest, None)
-        (self.root / "indexes" / digest.replace(":", "-")).unlink(missing_ok=True)
-        if layer is None:
-            return 0
-        return self.cache.discard(f.sha256 for f in layer.index.frames)
+            keys = [k for k in self._layers if k[0] == digest
+                    and index_digest in (None, k[1])]
+            layers = [self._layers.pop(k) for k in keys]
+            for k in keys:
+                self._layer_locks.pop(k, None)
+        indexes = {index_digest} if index_digest else {layer.index_digest for layer in layers}
+        for value in indexes:
+            self._index_path(value).unlink(missing_ok=True)
+        return sum(self.cache.discard(f.sha256 for f in layer.index.frames) for layer in layers)
 
     # -- profiles ----------------------------------------------------------------------------
     def _start_image(self, image: _Image) -> None:
@@ -287,13 +330,15 @@ class RemoteLayers:
         for desc in image.layers:
             digest = desc.get("digest")
             try:
+                index_digest = _index_digest(digest, desc, image.manifest.digest)
+                if index_digest is None:
+                    continue  # unpacked the normal way: nothing to prefetch
                 layer = self._open_layer(digest, int(desc.get("size", 0)), str(image.ref),
-                                         image.manifest.digest, probe=True)
+                                         image.manifest.digest, index_digest)
             except Exception as exc:  # noqa: BLE001 - prefetch is an optimization
                 log.warning("prefetch of %s: layer %s skipped: %s", image.ref, digest, exc)
                 continue
-            if layer is not None:
-                blobs.append(layer.blob)
+            blobs.append(layer.blob)
         plan, full = plan_prefetch(profile, blobs)
         queued = self.fetcher.prefetch(plan)
         image.prefetched = queued
@@ -370,6 +415,19 @@ class RemoteLayers:
         self.fetcher.close()
         for reg in registries:
             reg.close()
+
+
+def _index_digest(layer: str, desc: dict[str, Any], manifest: str) -> str | None:
+    """The index digest a layer descriptor records, or None when the layer is not to be served
+    lazily: not marked converted, or converted without a (well-formed) index digest, which is
+    never trusted (logged; containerd unpacks it the normal way, checking its digest)."""
+    try:
+        return bound_index_digest(layer, desc.get("annotations"))
+    except NotConvertedError:
+        return None
+    except UnboundIndexError as exc:
+        log.warning("manifest %s: %s; unpacking it the normal way", manifest, exc)
+        return None
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

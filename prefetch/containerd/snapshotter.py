@@ -214,10 +214,11 @@ class Snapshotter:
             snap = self.db.remove(key)
         if _is_lazy(snap):
             self.views.unregister(snap.id)
-            digest = snap.source.get("digest")
-            still_used = any(s.source.get("digest") == digest for s in self.db.list())
+            digest, index = snap.source.get("digest"), snap.source.get("index")
+            still_used = any(s.source.get("digest") == digest and s.source.get("index") == index
+                             for s in self.db.list())
             if self.remote is not None and digest and not still_used:
-                dropped = self.remote.release(digest)
+                dropped = self.remote.release(digest, index)
                 log.info("removed lazy snapshot %s; %d cached frames of %s dropped", key,
                          dropped, digest)
         else:
