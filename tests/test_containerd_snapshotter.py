@@ -418,4 +418,5 @@ def test_an_unbound_or_swapped_converted_layer_is_never_served_lazily(images, no
         with pytest.raises(FailedPreconditionError) as info:
             direct.prepare_snapshot("bootseer", "swapped", "", labels)
         assert layer.digest in str(info.value) and RULE_BOUND in str(info.value)
-        assert {s.name for s in direct.list_snapshots("bootseer")} == before
+        # nothing new (the earlier container's snapshot may still be going away meanwhile)
+        assert {s.name for s in direct.list_snapshots("bootseer")} <= before
