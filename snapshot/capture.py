@@ -45,7 +45,7 @@ from .key import EnvKey, compute_key
 from .manifest import DIR, FILE, HARDLINK, SYMLINK, Manifest, Member
 from .restore import _ChunkPipeline, fetch_toc
 from .safety import Plan, check_path, plan_extraction
-from .state import DIR_FLAGS, open_in, write_new
+from .state import DIR_FLAGS, open_in, replace_file
 from .store import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -458,9 +458,7 @@ def _write_record(name: str, data: bytes) -> None:
                                 f"({exc.strerror}); the capture record is never written "
                                 f"through one") from None
         os.fchmod(fd, 0o700)  # private whatever the umask, also on nodes set up before
-        tmp = f".{name}.{os.getpid()}-{os.urandom(4).hex()}.tmp"
-        write_new(fd, tmp, data, 0o600)
-        os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+        replace_file(fd, name, data, 0o600)
 
 
 def verify_capture(key: str) -> bool:

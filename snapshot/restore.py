@@ -332,7 +332,7 @@ def write_marker(root: Path, key: str, prefix: Path, members: list[Member], *,
 
     ``changed=True``: stat every file (a tree bootseer did not write); otherwise the members'
     sizes and mtimes are what was written, except the files a relocation rewrote or removed.
-    The state directory is created, never reused (:func:`snapshot.state.write_state`).
+    State is written through descriptors, never through a link (:mod:`snapshot.state`).
     """
     rows = _verify_rows(root, members, changed)
     marker = {"key": key, "prefix": str(prefix), "built_at": built_at, "publisher": publisher,

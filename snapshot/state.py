@@ -2,10 +2,12 @@
 
 The tree around the state is content: a snapshot's members, or whatever an install command
 made, and content may hold links. So state is written only through descriptors: the root is
-opened with ``O_NOFOLLOW``, the state directory is created by this process (``mkdirat``: one
-that is already there, link or directory, is refused) and opened with ``O_NOFOLLOW``, and
-each file is created in it with ``O_CREAT | O_EXCL | O_NOFOLLOW``. Reads take the same way, so
-a marker reached through a link is no marker.
+opened with ``O_NOFOLLOW``, the state directory is created (``mkdirat``) or, when a real
+directory is already there (the state of an earlier run: an installed prefix published later),
+reused, and opened with ``O_NOFOLLOW``: a link there is refused. Each file is created under a
+temporary name with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and renamed over its final name within
+that descriptor, so a link planted at the final name is replaced, never written through. Reads
+take the same way, so a marker reached through a link is no marker.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from .safety import STATE_DIR
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-PLANTED_RULE = (f"reserved: {STATE_DIR!r} holds bootseer's own state, which bootseer alone "
-                f"creates; one is already there (a snapshot member, or made by the install), "
-                f"and state is never written through it")
+PLANTED_RULE = (f"reserved: {STATE_DIR!r} holds bootseer's own state; a symlink or a "
+                f"non-directory is there (a snapshot member, or made by the install), and state "
+                f"is never written through it")
 
 
 def open_in(stack: contextlib.ExitStack, path: str | os.PathLike, flags: int,
@@ -47,6 +49,20 @@ def write_new(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
         os.close(fd)
 
 
+def replace_file(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
+    """``name`` in ``dir_fd`` now holds ``data``, atomically: written under a new temporary
+    name (:func:`write_new`) and renamed over ``name``, which replaces a link there instead of
+    following it. A directory at ``name`` is an error (``IsADirectoryError``)."""
+    tmp = f".{name}.{os.getpid()}-{os.urandom(4).hex()}.tmp"
+    write_new(dir_fd, tmp, data, mode)
+    try:
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+
+
 def _open_root(stack: contextlib.ExitStack, root: str | os.PathLike) -> int:
     try:
         return open_in(stack, root, DIR_FLAGS)
@@ -58,34 +74,44 @@ def _open_root(stack: contextlib.ExitStack, root: str | os.PathLike) -> int:
 
 
 def write_state(root: str | os.PathLike, files: Mapping[str, bytes]) -> None:
-    """Create ``root/.bootseer`` holding ``files`` (name: content); see the module docstring.
-    A failure leaves no state directory behind (the next write would refuse it)."""
+    """``root/.bootseer`` holds ``files`` (name: content); see the module docstring. A failure
+    removes what this call wrote (and the directory, when this call created it)."""
     with contextlib.ExitStack() as stack:
         root_fd = _open_root(stack, root)
+        created = True
+        written: list[str] = []
         try:
             os.mkdir(STATE_DIR, 0o755, dir_fd=root_fd)
         except FileExistsError:
-            raise UnsafeMemberError(STATE_DIR, PLANTED_RULE) from None
+            created = False
         try:
-            state_fd = open_in(stack, STATE_DIR, DIR_FLAGS, root_fd)
+            try:
+                state_fd = open_in(stack, STATE_DIR, DIR_FLAGS, root_fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafeMemberError(STATE_DIR, PLANTED_RULE) from None
+                raise
             for name, data in files.items():
                 try:
-                    write_new(state_fd, name, data)
-                except FileExistsError:  # raced in since our mkdirat
+                    replace_file(state_fd, name, data)
+                except IsADirectoryError:
                     raise UnsafeMemberError(f"{STATE_DIR}/{name}", PLANTED_RULE) from None
+                written.append(name)
         except BaseException:
-            _remove_state(root_fd, files)
+            _remove_state(root_fd, written, remove_dir=created)
             raise
 
 
-def _remove_state(root_fd: int, files: Mapping[str, bytes]) -> None:
-    """Undo a failed :func:`write_state`: its own files and directory, nothing else."""
+def _remove_state(root_fd: int, names: list[str], *, remove_dir: bool) -> None:
+    """Undo a failed :func:`write_state`: the files it wrote, and the directory if it made
+    it; nothing else."""
     with contextlib.suppress(OSError), contextlib.ExitStack() as stack:
         state_fd = open_in(stack, STATE_DIR, DIR_FLAGS, root_fd)
-        for name in files:
+        for name in names:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=state_fd)
-        os.rmdir(STATE_DIR, dir_fd=root_fd)
+        if remove_dir:
+            os.rmdir(STATE_DIR, dir_fd=root_fd)
 
 
 def read_state(root: str | os.PathLike, name: str, limit: int) -> bytes | None:

@@ -113,16 +113,14 @@ def _plant_state(root: Path, canary: Canary, how: str) -> None:
         (state / "toc.json.zst").symlink_to(canary.victim)
 
 
-@pytest.mark.parametrize("how", ["state-dir-symlink", "marker-symlink", "toc-symlink"])
-def test_state_is_never_written_through_a_planted_link(tmp_path: Path, how: str) -> None:
-    """Even past the member checks, write_marker creates its directory and files itself,
-    through descriptors, O_NOFOLLOW | O_EXCL: a planted link is refused, never written
-    through, and never read as a marker either."""
+def test_state_is_never_written_through_a_planted_state_dir_link(tmp_path: Path) -> None:
+    """Even past the member checks, write_marker opens the state directory with O_NOFOLLOW:
+    a ``.bootseer`` link is refused, never written through, never read as a marker."""
     canary = Canary.plant(tmp_path / "canary")
     root = tmp_path / "venv"
     root.mkdir()
     (root / "data.txt").write_text("data\n")
-    _plant_state(root, canary, how)
+    _plant_state(root, canary, "state-dir-symlink")
     before = scan(root, exclude=())
     with pytest.raises(UnsafeMemberError) as caught:
         write_marker(root, "0" * 40, root, [Member("data.txt", "f", 0o644, 0, 5)],
@@ -131,8 +129,60 @@ def test_state_is_never_written_through_a_planted_link(tmp_path: Path, how: str)
     assert "reserved" in caught.value.rule and "never written through" in caught.value.rule
     canary.assert_unchanged()
     assert scan(root, exclude=()) == before
-    if how != "toc-symlink":
-        assert read_marker(root) is None  # a marker reached through a link is not one
+    assert read_marker(root) is None  # a marker reached through a link is not one
+
+
+@pytest.mark.parametrize("how", ["marker-symlink", "toc-symlink"])
+def test_a_link_planted_in_the_state_dir_is_replaced_never_followed(tmp_path: Path,
+                                                                    how: str) -> None:
+    """Each state file is written under a new name (O_EXCL | O_NOFOLLOW) and renamed over its
+    final name inside the directory's descriptor: a link planted there is replaced by the
+    real file, and what it pointed at is unchanged."""
+    canary = Canary.plant(tmp_path / "canary")
+    root = tmp_path / "venv"
+    root.mkdir()
+    (root / "data.txt").write_text("data\n")
+    _plant_state(root, canary, how)
+    assert read_marker(root) is None  # a marker reached through a link is not one
+    write_marker(root, "0" * 40, root, [Member("data.txt", "f", 0o644, 0, 5)],
+                 built_at=str(root), store_url=None, published=False)
+    canary.assert_unchanged()
+    state = root / ".bootseer"
+    for name in ("env.json", "toc.json.zst"):
+        assert (state / name).is_file() and not (state / name).is_symlink()
+    assert sorted(p.name for p in state.iterdir()) == ["env.json", "toc.json.zst"]
+    assert read_marker(root)["key"] == "0" * 40
+
+
+def test_a_directory_planted_at_a_state_file_is_refused(tmp_path: Path) -> None:
+    canary = Canary.plant(tmp_path / "canary")
+    root = tmp_path / "venv"
+    (root / ".bootseer" / "env.json").mkdir(parents=True)
+    with pytest.raises(UnsafeMemberError) as caught:
+        write_marker(root, "0" * 40, root, [], built_at=str(root), store_url=None,
+                     published=False)
+    assert caught.value.member == ".bootseer/env.json" and "reserved" in caught.value.rule
+    canary.assert_unchanged()
+    assert [p.name for p in (root / ".bootseer").iterdir()] == ["env.json"]  # no temp left
+
+
+def test_an_installed_prefix_is_published_again_with_its_state(tmp_path: Path) -> None:
+    """The state bootseer wrote at install is a real directory: publishing the prefix later
+    (another store, a retry) reuses it, rewriting each file atomically."""
+    from snapshot.ensure import publish
+    from snapshot.key import compute_key
+
+    command = ["sh", "-c", "mkdir -p {prefix} && echo data > {prefix}/data"]
+    prefix = tmp_path / "venv"
+    ensure([], prefix=prefix, store=None, command=command)
+    first = read_marker(prefix)
+    assert first is not None
+    store = SnapshotStore(str(tmp_path / "store"))
+    key = compute_key([], install_command=command)
+    assert publish(store, key, prefix).published
+    assert read_marker(prefix)["key"] == key.key
+    assert sorted(p.name for p in (prefix / ".bootseer").iterdir()) == ["env.json",
+                                                                       "toc.json.zst"]
 
 
 def test_an_install_that_plants_the_state_dir_is_refused(tmp_path: Path) -> None:
