@@ -39,6 +39,9 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import command_line, sigterm_as_interrupt  # noqa: E402
+
 from bootseer.testing.servers import MotoS3Server  # noqa: E402
 from bootseer.testing.shaper import ShaperProcess, ShaperSettings  # noqa: E402
 
@@ -120,7 +123,9 @@ def main() -> int:
     work.mkdir(parents=True)
     started = time.time()
     cfg = {**(QUICK if args.quick else FULL), "dir": str(work), "out": str(work / "out")}
-    r: dict[str, Any] = {"config": cfg, "machine": {"cpus": os.cpu_count()}}
+    r: dict[str, Any] = {"suite": "ckpt", "quick": bool(args.quick),
+                         "command": command_line("bench_ckpt.py"), "config": cfg,
+                         "machine": {"cpus": os.cpu_count()}}
     try:
         log("phase local (2 ranks): 10 bootseer saves, DCP save, DCP async_save x2 kinds, loads")
         local = launch("local", 2, cfg, work)
@@ -199,7 +204,7 @@ def main() -> int:
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     md = "\n".join([
         f"# ckpt benchmark{' (quick)' if args.quick else ''}", "",
-        f"- command: `python benchmarks/bench_ckpt.py --results {args.results}{' --quick' if args.quick else ''}` ({time.time() - started:.0f} s)",
+        f"- command: `{r['command']}` ({time.time() - started:.0f} s)",
         f"- state: {total / MB:.0f} MB over 2 ranks (FSDP-style halves of a {cfg['layers'] * 2}-layer d={cfg['d']} transformer + AdamW); training step {t['step_s']:.2f} s",
         "- stall and copy floor: medians of saves 2-10, each floor copy measured right before its save on both ranks",
         f"- training loop: {cfg['train_steps']} steps, a save every {cfg['save_every']}, methods interleaved x{cfg.get('train_reps', 3)}; loop medians: "
@@ -217,4 +222,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_interrupt():  # SIGTERM (``bootseer bench`` stopping it) runs the clean-up
+        sys.exit(main())
