@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,7 @@ from ..lazyfs import Layer, LazyImage
 from ..oci import Manifest
 from ..profile import Profile, ProfileError, Recorder, plan_prefetch
 from ..reference import Reference
-from ..registry import SyncRegistry
+from ..registry import RegistryError, SyncRegistry
 from ..toc import LayerFormatError, LayerIndex, NotConvertedError, UnboundIndexError
 from .errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from .labels import LayerRequest
@@ -93,7 +94,8 @@ class RemoteLayers:
     def __init__(self, root: str | os.PathLike, *, cache_bytes: int = 64 << 30,
                  connections: int = 16, record_timeout_s: float = 120.0,
                  push_profiles: bool = True, prefetch: bool = True,
-                 registry_options: dict[str, Any] | None = None) -> None:
+                 registry_options: dict[str, Any] | None = None,
+                 unreadable_retry_s: float = 30.0) -> None:
         self.root = make_dir(root, tighten=True)  # 0700, and each directory in it
         for sub in ("manifests", "indexes", "profiles", "cache"):
             make_dir(self.root / sub, tighten=True)
@@ -102,6 +104,10 @@ class RemoteLayers:
         self.prefetch_enabled = prefetch
         self._registry_options = registry_options or {}
         self._registries: dict[str, SyncRegistry] = {}
+        # (registry, manifest digest or reference) -> (when, why) its manifest could not be
+        # read: the other layers of that pull fall back at once instead of retrying
+        self._unreadable: dict[tuple[str, str], tuple[float, str]] = {}
+        self.unreadable_retry_s = unreadable_retry_s
         self._images: dict[str, _Image] = {}  # manifest digest -> image
         # (layer digest, index digest, registry, repository) -> layer: a layer digest alone is
         # what a registry claims; the index digest comes from a digest-checked manifest; and
@@ -149,14 +155,7 @@ class RemoteLayers:
         else:
             manifest = None
         if manifest is None:
-            reg = self._registry(ref.registry)
-            try:
-                if manifest_digest is not None:
-                    manifest = reg.get_manifest(ref.repository, manifest_digest)
-                else:
-                    manifest = reg.resolve_image(ref)
-            except Exception as exc:  # noqa: BLE001 - a registry error of any kind
-                raise UnavailableError(f"cannot read the manifest of {image_ref}: {exc}") from None
+            manifest = self._read_manifest(ref, image_ref, manifest_digest)
             if manifest.is_index:
                 raise InvalidArgumentError(
                     f"{image_ref}@{manifest.digest} is an index, not an image manifest: "
@@ -168,6 +167,34 @@ class RemoteLayers:
         with self._lock:
             image = self._images.setdefault(manifest.digest, _Image(ref, manifest, layers))
         return image
+
+    def _read_manifest(self, ref: Reference, image_ref: str, manifest_digest: str | None
+                       ) -> Manifest:
+        """The manifest from the registry; a failure is remembered for ``unreadable_retry_s``
+        so that the other layers of the same pull do not wait for the registry again."""
+        key = (ref.registry, manifest_digest or str(ref))
+        with self._lock:
+            failed = self._unreadable.get(key)
+        if failed is not None:
+            age = time.monotonic() - failed[0]
+            if age < self.unreadable_retry_s:
+                raise UnavailableError(
+                    f"cannot read the manifest of {image_ref}: {failed[1]} ({age:.1f} s ago; "
+                    f"not tried again for {self.unreadable_retry_s:.0f} s)")
+        reg = self._registry(ref.registry)
+        try:
+            manifest = (reg.get_manifest(ref.repository, manifest_digest)
+                        if manifest_digest is not None else reg.resolve_image(ref))
+        except Exception as exc:  # noqa: BLE001 - a registry error of any kind
+            now = time.monotonic()
+            with self._lock:
+                self._unreadable = {k: v for k, v in self._unreadable.items()
+                                    if now - v[0] < self.unreadable_retry_s}
+                self._unreadable[key] = (now, str(exc))
+            raise UnavailableError(f"cannot read the manifest of {image_ref}: {exc}") from None
+        with self._lock:
+            self._unreadable.pop(key, None)
+        return manifest
 
     def _manifest_path(self, digest: str) -> Path:
         return self.root / "manifests" / digest.replace(":", "-")
@@ -248,7 +275,7 @@ class RemoteLayers:
                     "bootseer index: convert the image again (bootseer image convert)") from None
             except LayerFormatError as exc:
                 raise FailedPreconditionError(f"layer {digest} of {image_ref}: {exc}") from None
-            except (OSError, RuntimeError) as exc:
+            except (OSError, RuntimeError, RegistryError) as exc:
                 raise UnavailableError(f"cannot read the index of layer {digest} of "
                                        f"{image_ref}: {exc}") from None
             layer = RemoteLayer(digest, size, image_ref, manifest, index_digest, index,
