@@ -6,6 +6,13 @@ kept on disk under the root: the manifest it came from (``manifests/``, named by
 checked against it when read back) and the index bytes of each layer (``indexes/``), so a
 restart reads no registry before it can serve a mount.
 
+Where it reads: the registry an image reference names, through the hosts containerd's hosts
+configuration gives it (``registry_config_path``, containerd's ``config_path``: mirrors first,
+see :mod:`.hosts`), re-read at every pull as containerd does. What a mirror serves is checked
+exactly as the registry's own bytes are (below), so a mirror can make a layer unreadable, never
+different. A layer that no host can serve (unreachable, 401, 404) raises UNAVAILABLE, and the
+snapshotter lets containerd unpack it.
+
 Trust: a layer is served lazily only when the manifest (fetched by, or checked against, its
 digest) marks it converted and records the digest of its index (``io.bootseer.layer.index.
 digest``); an index, fetched or cached, is used only when its bytes hash to that digest. The
@@ -51,9 +58,10 @@ from ..lazyfs import Layer, LazyImage
 from ..oci import Manifest
 from ..profile import Profile, ProfileError, Recorder, plan_prefetch
 from ..reference import Reference
-from ..registry import RegistryError, SyncRegistry
+from ..registry import RegistryError, RegistryUnavailable
 from ..toc import LayerFormatError, LayerIndex, NotConvertedError, UnboundIndexError
 from .errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from .hosts import RegistryHosts, registry_hosts
 from .labels import LayerRequest
 
 log = logging.getLogger(__name__)
@@ -95,6 +103,7 @@ class RemoteLayers:
                  connections: int = 16, record_timeout_s: float = 120.0,
                  push_profiles: bool = True, prefetch: bool = True,
                  registry_options: dict[str, Any] | None = None,
+                 registry_config_path: str | os.PathLike | None = None,
                  unreadable_retry_s: float = 30.0) -> None:
         self.root = make_dir(root, tighten=True)  # 0700, and each directory in it
         for sub in ("manifests", "indexes", "profiles", "cache"):
@@ -103,7 +112,9 @@ class RemoteLayers:
         self.push_profiles = push_profiles
         self.prefetch_enabled = prefetch
         self._registry_options = registry_options or {}
-        self._registries: dict[str, SyncRegistry] = {}
+        self.registry_config_path = registry_config_path  # containerd's hosts.toml tree
+        self._registries: dict[str, RegistryHosts] = {}
+        self._retired: list[RegistryHosts] = []  # replaced after a hosts.toml change
         # (registry, manifest digest or reference) -> (when, why) its manifest could not be
         # read: the other layers of that pull fall back at once instead of retrying
         self._unreadable: dict[tuple[str, str], tuple[float, str]] = {}
@@ -121,12 +132,22 @@ class RemoteLayers:
         self.saved_profiles: list[str] = []  # manifest digests whose profile was stored
 
     # -- registry plumbing -------------------------------------------------------------------
-    def _registry(self, registry: str) -> SyncRegistry:
+    def _registry(self, registry: str, *, reread_hosts: bool = False) -> RegistryHosts:
+        """The registry, read through the hosts containerd's hosts.toml gives it. containerd
+        reads that file at every pull, so a pull (``reread_hosts``) reads it again."""
         with self._lock:
             reg = self._registries.get(registry)
-            if reg is None:
-                reg = self._registries[registry] = SyncRegistry(registry,
-                                                                **self._registry_options)
+        hosts = (registry_hosts(self.registry_config_path, registry)
+                 if reg is None or reread_hosts else reg.hosts)
+        with self._lock:
+            reg = self._registries.get(registry)
+            if reg is None or reg.hosts != hosts:
+                if reg is not None:
+                    self._retired.append(reg)  # reads in flight may still use it
+                    log.info("registry %s: hosts now %s", registry,
+                             ", ".join(h.url for h in hosts) or "none")
+                reg = self._registries[registry] = RegistryHosts(registry, hosts,
+                                                                 **self._registry_options)
             return reg
 
     def _read_range(self, digest: str, start: int, end: int) -> bytes:
@@ -170,27 +191,28 @@ class RemoteLayers:
 
     def _read_manifest(self, ref: Reference, image_ref: str, manifest_digest: str | None
                        ) -> Manifest:
-        """The manifest from the registry; a failure is remembered for ``unreadable_retry_s``
-        so that the other layers of the same pull do not wait for the registry again."""
+        """The manifest from the registry. A failure is remembered for ``unreadable_retry_s``
+        so that the other layers of the pull do not wait for the registry again: for that
+        manifest, or for the whole registry when it could not be reached at all."""
         key = (ref.registry, manifest_digest or str(ref))
+        now = time.monotonic()
         with self._lock:
-            failed = self._unreadable.get(key)
+            self._unreadable = {k: v for k, v in self._unreadable.items()
+                                if now - v[0] < self.unreadable_retry_s}
+            failed = self._unreadable.get(key) or self._unreadable.get((ref.registry, ""))
         if failed is not None:
-            age = time.monotonic() - failed[0]
-            if age < self.unreadable_retry_s:
-                raise UnavailableError(
-                    f"cannot read the manifest of {image_ref}: {failed[1]} ({age:.1f} s ago; "
-                    f"not tried again for {self.unreadable_retry_s:.0f} s)")
-        reg = self._registry(ref.registry)
+            raise UnavailableError(
+                f"cannot read the manifest of {image_ref}: {failed[1]} ({now - failed[0]:.1f} s "
+                f"ago; not tried again for {self.unreadable_retry_s:.0f} s)")
+        reg = self._registry(ref.registry, reread_hosts=True)
         try:
             manifest = (reg.get_manifest(ref.repository, manifest_digest)
                         if manifest_digest is not None else reg.resolve_image(ref))
         except Exception as exc:  # noqa: BLE001 - a registry error of any kind
-            now = time.monotonic()
             with self._lock:
-                self._unreadable = {k: v for k, v in self._unreadable.items()
-                                    if now - v[0] < self.unreadable_retry_s}
-                self._unreadable[key] = (now, str(exc))
+                self._unreadable[key] = (time.monotonic(), str(exc))
+                if isinstance(exc, RegistryUnavailable):  # unreachable: every image of it
+                    self._unreadable[(ref.registry, "")] = self._unreadable[key]
             raise UnavailableError(f"cannot read the manifest of {image_ref}: {exc}") from None
         with self._lock:
             self._unreadable.pop(key, None)
@@ -434,8 +456,9 @@ class RemoteLayers:
     def close(self) -> None:
         with self._lock:
             images = list(self._images.values())
-            registries = list(self._registries.values())
+            registries = [*self._registries.values(), *self._retired]
             self._registries.clear()
+            self._retired.clear()
         for image in images:
             if image.timer is not None:
                 image.timer.cancel()
