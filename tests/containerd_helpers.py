@@ -17,7 +17,7 @@ from pathlib import Path
 
 from test_prefetch_image import _push_gzip_image
 
-TOOLS = ("sh", "cat", "ls", "sha256sum", "test")
+TOOLS = ("sh", "cat", "ls", "sha256sum", "test", "sleep")  # sleep: a container that stays up
 BIG = os.urandom(3 << 20)  # spans several frames of the converted layer
 HELLO = b"hello from layer two\n"
 

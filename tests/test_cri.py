@@ -32,11 +32,17 @@ USER, PASSWORD = "alice", "pull-secret-s3cret"
 WRONG_PASSWORD = "node-password-wrong"
 
 
+CHECK = SCRIPT + "; sha256sum /etc/image-id"
+
+
+def _expected(salt: bytes) -> str:
+    """What CHECK prints: the image's files (three layers, a whiteout, an opaque directory, a
+    hardlink, a 3 MiB file, the image's own ID file) as pushed."""
+    return expected_output() + f"{hashlib.sha256(salt).hexdigest()}  /etc/image-id\n"
+
+
 def _run_and_check(node: CRINode, image: str, salt: bytes) -> None:
-    """The container reads the image's files (three layers, a whiteout, an opaque directory,
-    a hardlink, a 3 MiB file, the image's own ID file): its output must be their bytes."""
-    output = node.run(image, SCRIPT + "; sha256sum /etc/image-id")
-    assert output == expected_output() + f"{hashlib.sha256(salt).hexdigest()}  /etc/image-id\n"
+    assert node.run(image, CHECK) == _expected(salt)
 
 
 def _layers(node: CRINode) -> dict[str, int]:
@@ -117,7 +123,9 @@ def test_pulls_through_a_mirror(tmp_path: Path, open_registry, cri_node_factory,
 
     node.pull(converted)
     node.pull(plain)
-    _run_and_check(node, converted, b"conv")
+    running = node.start(converted, ["/bin/sleep", "infinity"])  # stays up: read it by exec
+    result = node.exec(running, ["/bin/sh", "-c", CHECK])
+    assert (result.exit_code, result.stdout.decode()) == (0, _expected(b"conv")), result
     _run_and_check(node, plain, b"plain")
 
     log = node.snapshotter.log()
