@@ -163,3 +163,40 @@ def test_calls_go_only_to_hosts_with_their_capability(registry_factory) -> None:
         none.close()
     finally:
         hosts.close()
+
+
+# -- the snapshotter's registry side reading through them ----------------------------------
+
+
+def test_the_snapshotter_reads_the_hosts_file_again_at_every_pull(tmp_path: Path,
+                                                                  registry_factory) -> None:
+    """An image named after a registry nobody serves: unreadable (and, being unreachable,
+    every image of that registry is given up at once for a while); once containerd's hosts
+    directory names a mirror, the next pull reads the mirror, with no restart."""
+    from containerd_helpers import push_images
+
+    from bootseer.testing.servers import free_port
+    from prefetch.containerd.errors import UnavailableError
+    from prefetch.containerd.remote import RemoteLayers
+
+    mirror = registry_factory()
+    push_images(mirror.host, "team/app")
+    with SyncRegistry(mirror.host) as reg:
+        digest = reg.resolve_image(f"{mirror.host}/team/app:lazy").digest
+    origin = f"127.0.0.1:{free_port()}"
+    config = tmp_path / "certs.d"
+    remote = RemoteLayers(tmp_path / "remote", registry_config_path=config,
+                          registry_options={"retries": 0}, unreadable_retry_s=60)
+    try:
+        with pytest.raises(UnavailableError, match=f"registry at http://{origin} is up"):
+            remote.image(f"{origin}/team/app:lazy", digest)
+        with pytest.raises(UnavailableError, match="not tried again for 60 s"):
+            remote.image(f"{origin}/team/other:v1", None)  # the whole registry, for now
+        remote.unreadable_retry_s = 0
+        (config / origin).mkdir(parents=True)
+        (config / origin / "hosts.toml").write_text(f'[host."{mirror.url}"]\n')
+        image = remote.image(f"{origin}/team/app:lazy", digest)
+        assert image.manifest.digest == digest
+        assert [h.url for h in remote._registry(origin).hosts] == [mirror.url, origin]
+    finally:
+        remote.close()
