@@ -55,7 +55,7 @@ def _find_codec(name: str) -> codecs.CodecInfo | None:
 codecs.register(_find_codec)
 
 
-def name_bytes(name: str) -> bytes:
+def _name_bytes(name: str) -> bytes:
     """A TOC name or link target as the bytes the file system shows."""
     return name.encode("utf-8", "surrogateescape")
 
@@ -189,7 +189,7 @@ class LazyOperations(Operations):  # type: ignore[misc,valid-type]
             st["st_nlink"] = 2 + sum(1 for c in node.children.values() if c.is_dir)
             st["st_size"] = 4096
         elif entry is not None:
-            st["st_size"] = (len(name_bytes(entry.link)) if entry.type == "symlink"
+            st["st_size"] = (len(_name_bytes(entry.link)) if entry.type == "symlink"
                              else entry.size)
             if entry.type in ("char", "block"):
                 st["st_rdev"] = os.makedev(entry.devmajor, entry.devminor)
