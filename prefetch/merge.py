@@ -180,11 +180,20 @@ class _Builder:
         self.tree.inodes.setdefault(node.ino, node)
         return node
 
-    def parent(self, parts: list[str], layer: int, *, create: bool
-               ) -> tuple[Node, list[str]] | None:
+    def parent(self, parts: list[str], layer: int, *, create: bool) -> Node | None:
         """The directory that the path ``parts`` (a member's parent) of layer ``layer``
-        names, and its resolved path; missing directories are implied when ``create``.
-        None when it does not exist (``create`` False) or too many symlinks lie on it."""
+        names; missing directories are implied when ``create``. None when it does not exist
+        (``create`` False) or too many symlinks lie on it."""
+        node = self.tree.root
+        for part in parts:  # the common case: every component is a directory already
+            child = node.children.get(part)  # type: ignore[union-attr]
+            if child is None or child.children is None:
+                return self._resolve(parts, layer, create=create)
+            node = child
+        return node
+
+    def _resolve(self, parts: list[str], layer: int, *, create: bool) -> Node | None:
+        """:meth:`parent` where a component is missing, or not a directory."""
         stack = [self.tree.root]
         names: list[str] = []
         pending = list(parts)
@@ -216,7 +225,7 @@ class _Builder:
                 child = self.implied_dir(node, part, [*names, part], layer, replaced=child)
             stack.append(child)
             names.append(part)
-        return stack[-1], names
+        return stack[-1]
 
     def implied_dir(self, parent: Node, name: str, path: list[str], layer: int, *,
                     replaced: Node | None) -> Node:
@@ -234,10 +243,9 @@ class _Builder:
         self.tree.problems.append(f"layer {layer}: member {entry.name!r} left out: {rule}")
 
     def whiteout(self, entry: Any, parts: list[str], layer: int) -> None:
-        found = self.parent(parts[:-1], layer, create=self.overlay)
-        if found is None:
+        parent = self.parent(parts[:-1], layer, create=self.overlay)
+        if parent is None:
             return
-        parent = found[0]
         assert parent.children is not None
         if parts[-1] == OPAQUE:
             parent.children.clear()
@@ -249,11 +257,10 @@ class _Builder:
             self.add(Node(name, _Whiteout(name), layer, next(self.counter)), parent)
 
     def member(self, entry: Any, parts: list[str], layer: int) -> None:
-        found = self.parent(parts[:-1], layer, create=True)
-        if found is None:
+        parent = self.parent(parts[:-1], layer, create=True)
+        if parent is None:
             self.problem(layer, entry, f"more than {MAX_LINKS} symlinks on its path")
             return
-        parent = found[0]
         assert parent.children is not None
         name = parts[-1]
         existing = parent.children.get(name)
@@ -281,10 +288,9 @@ class _Builder:
         """The non-directory a hardlink names; symlinks on its parent path are followed as
         for a member's path, the last component is not (a hardlink to a symlink)."""
         parts = _parts(link)
-        found = self.parent(parts[:-1], layer, create=False) if parts else None
-        if found is None:
+        parent = self.parent(parts[:-1], layer, create=False) if parts else None
+        if parent is None:
             return None
-        parent = found[0]
         assert parent.children is not None
         target = parent.children.get(parts[-1])
         if target is None or target.is_dir or isinstance(target.entry, _Whiteout):
