@@ -62,8 +62,7 @@ def private_dir() -> Iterator[Path]:
     nothing is still mounted under it)."""
     path = Path(tempfile.mkdtemp(prefix="bootseer-lazyview-"))
     yield path
-    mounted = [p for p in path.iterdir() if is_mounted(p)]
-    for p in mounted:
+    for p in [p for p in path.iterdir() if is_mounted(p)]:
         unmount(p, lazy=True)
     if path.parent == Path(tempfile.gettempdir()) and path.name.startswith("bootseer-lazyview-"):
         shutil.rmtree(path, ignore_errors=True)
@@ -94,8 +93,9 @@ class Node:
             options = [o for o in m.options if o != "rbind"]
             if m.type == "bind":
                 options.append("bind")
-            subprocess.run(["mount", "-t", m.type, "-o", ",".join(options), m.source,
-                            str(target)], check=True, capture_output=True)
+            proc = subprocess.run(["mount", "-t", m.type, "-o", ",".join(options), m.source,
+                                   str(target)], capture_output=True, text=True)
+            assert proc.returncode == 0, f"mount {m}: {proc.stderr}"
             try:
                 yield target
             finally:
