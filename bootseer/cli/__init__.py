@@ -75,6 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     from snapshot.errors import SnapshotError
 
     try:
+        from ..config import config_from_args
+
+        # Every command checks the configuration file and the BOOTSEER_* variables, and reads
+        # its settings from the result: one resolution for all of them.
+        args.cfg = config_from_args(args)
         code = args.func(args)
     except (CliError, SnapshotError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError,
             OSError) as exc:
