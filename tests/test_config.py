@@ -462,3 +462,27 @@ def test_show_bad_file_exits_2_with_message(tmp_path: Path) -> None:
     proc = bootseer("config", "show", env={"BOOTSEER_RESTART_MAX_RESTARTS": "three"})
     assert proc.returncode == 2 and "BOOTSEER_RESTART_MAX_RESTARTS" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_one_config_file_serves_every_command(tmp_path: Path) -> None:
+    """The job's file configures `bootseer env` and `bootseer fs` as it does run and warmup:
+    [env] makes the environment's key, [storage.options] reaches the stores."""
+    from snapshot.key import compute_key
+
+    req = write(tmp_path, "tinybeta==1.0\n", "requirements.txt")
+    digest = "registry.example/base@sha256:" + "b" * 64
+    path = write(tmp_path, f'[env]\nspec = ["{req}"]\nbase_image = "{digest}"\n'
+                           '[storage.options.striped]\nstripe_size = "64KiB"\n')
+    env = {"BOOTSEER_CONFIG": str(path)}
+    key = bootseer("env", "key", "--json", env=env)
+    assert key.returncode == 0, key.stderr
+    assert json.loads(key.stdout)["key"] == compute_key([req], base_image=digest).key
+
+    src, dst = tmp_path / "in.bin", tmp_path / "store" / "out.bin"
+    src.write_bytes(os.urandom(300_000))
+    dst.parent.mkdir()
+    copied = bootseer("fs", "cp", str(src), f"file://{dst}", env=env)
+    assert copied.returncode == 0, copied.stderr
+    stat = bootseer("fs", "stat", f"file://{dst}", env=env)
+    info = json.loads(stat.stdout)
+    assert (info["striped"], info["stripe_size"], info["size"]) == (True, 64 << 10, 300_000)

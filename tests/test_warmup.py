@@ -286,3 +286,14 @@ def test_warmup_and_run_read_one_config_file(tmp_path: Path) -> None:
     assert seen["cache"] == str(cache) and seen["cached_files"] >= 2
     assert not (tmp_path / "unused-state").exists()  # every path came from the file
     assert [s["phase"] for s in _spans(trace)].count("checkpoint_prefetch") == 2
+
+
+def test_warmup_fills_the_image_cache_that_image_commands_read(lazy_image: str,
+                                                               tmp_path: Path) -> None:
+    env = _clean_env(BOOTSEER_STATE_DIR=str(tmp_path / "state"))
+    warm = bootseer_cli("warmup", "--image-ref", lazy_image, "--image-all", env=env)
+    assert "prefetched" in warm.stdout and str(tmp_path / "state" / "images") in warm.stdout
+    # `bootseer image prefetch` with its defaults finds every frame there: nothing moves.
+    again = bootseer_cli("image", "prefetch", lazy_image, "--all", env=env)
+    assert "prefetched 0 frame(s), 0 B in" in again.stdout, again.stdout
+    assert f"into {tmp_path / 'state' / 'images'}" in again.stdout
