@@ -640,10 +640,12 @@ def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
     return value
 
 
-def parse_ranks(text: str, env: Mapping[str, str] | None = None) -> list[int]:
+def parse_ranks(text: str, env: Mapping[str, str] | None = None, *,
+                fallback: bool = True) -> list[int]:
     """The ranks a node serves: ``"0-3,8"`` -> ``[0, 1, 2, 3, 8]`` (sorted, no duplicates).
     ``""`` derives them the way launchers describe a node: ``LOCAL_WORLD_SIZE`` ranks starting
-    at ``NODE_RANK`` (or torchrun's ``GROUP_RANK``) times that, else ``[RANK]``, else ``[0]``."""
+    at ``NODE_RANK`` (or torchrun's ``GROUP_RANK``) times that, else ``[RANK]``, else ``[0]``
+    (without ``fallback``: a ConfigError, for a caller that must not guess)."""
     if text.strip():
         try:
             return _parse_rank_list(text)
@@ -659,4 +661,8 @@ def parse_ranks(text: str, env: Mapping[str, str] | None = None) -> list[int]:
     rank = _env_int(env, "RANK", 0)
     if rank is not None:
         return [rank]
+    if not fallback:
+        raise ConfigError("ckpt.ranks is empty and no launcher variable (LOCAL_WORLD_SIZE with "
+                          "NODE_RANK or GROUP_RANK, or RANK) says which ranks this node serves: "
+                          "give them (--ranks 0-7, BOOTSEER_CKPT_RANKS, [ckpt] ranks)")
     return [0]

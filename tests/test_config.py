@@ -349,6 +349,14 @@ def test_parse_ranks(text: str, env: dict[str, str], ranks: list[int]) -> None:
     assert parse_ranks(text, env) == ranks
 
 
+def test_parse_ranks_without_a_fallback_never_guesses() -> None:
+    assert parse_ranks("", {"RANK": "3"}, fallback=False) == [3]
+    assert parse_ranks("", {"LOCAL_WORLD_SIZE": "2", "NODE_RANK": "1"}, fallback=False) == [2, 3]
+    for env in ({}, {"LOCAL_WORLD_SIZE": "8"}):
+        with pytest.raises(ConfigError, match="says which ranks this node serves"):
+            parse_ranks("", env, fallback=False)
+
+
 @pytest.mark.parametrize("text", ["a", "1-", "-1", "3-1", "0,,1", "1.5", "0-3;8"])
 def test_parse_ranks_bad_text(text: str) -> None:
     with pytest.raises(ConfigError, match=f"bad rank list {text!r}"):

@@ -55,20 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_warmup, takes_command=True, command=None)
 
 
-def _ranks(cfg: Any) -> list[int]:
-    """The node's ranks: ``ckpt.ranks``, else the launcher's variables; warmup runs before
-    the job, where nothing may say which ranks come, so it never guesses rank 0."""
-    from ..config import parse_ranks
-
-    launcher = ("LOCAL_WORLD_SIZE", "RANK")
-    if not cfg.ckpt.ranks.strip() and not any(os.environ.get(v, "").strip() for v in launcher):
-        raise CliError("ckpt.url needs this node's ranks (whose shards to cache): --ranks 0-7 "
-                       "(ckpt.ranks, BOOTSEER_CKPT_RANKS)")
-    return parse_ranks(cfg.ckpt.ranks, os.environ)
-
-
 def _parts(args: argparse.Namespace) -> list[Any]:
-    from ..config import check_ckpt_cache_handoff
+    from ..config import check_ckpt_cache_handoff, parse_ranks
     from ..warmup import Part, warm_checkpoint, warm_environment, warm_image
 
     cfg = args.cfg
@@ -94,7 +82,8 @@ def _parts(args: argparse.Namespace) -> list[Any]:
             env.spec, env.prefix, env.store or None, command=command, extras=extras,
             base_image=env.base_image or None, storage_options=options)))
     if ckpt.url:
-        ranks = _ranks(cfg)
+        # Before the job nothing may say which ranks will come: never guess rank 0.
+        ranks = parse_ranks(ckpt.ranks, os.environ, fallback=False)
         check_ckpt_cache_handoff(cfg)
         parts.append(Part("checkpoint", ckpt.url, lambda: warm_checkpoint(
             ckpt.url, ckpt.cache_dir, ranks, storage_options=options,
