@@ -50,6 +50,12 @@ def test_usage_errors_are_clear(tmp_path: Path) -> None:
         renamed = bootseer_cli("warmup", old, "x", env=env, check=False)
         assert renamed.returncode == 2, renamed.stderr
         assert f"{old} is now {new}" in renamed.stderr
+    handed = bootseer_cli("warmup", "--ckpt-url", str(tmp_path), "--ranks", "0",
+                          env={**env, "BOOTSEER_CKPT_CACHE": "/old/cache"}, check=False)
+    assert handed.returncode == 2, handed.stderr
+    assert "BOOTSEER_CKPT_CACHE=/old/cache is what `bootseer run` hands its command" in \
+        handed.stderr
+    assert f"ckpt.cache_dir = '{tmp_path}/state/ckpt'" in handed.stderr
     assert not (tmp_path / "state").exists()  # nothing was started
 
 

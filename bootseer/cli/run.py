@@ -48,7 +48,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ..trace import default_node
 
     cfg = args.cfg
-    check_ckpt_cache_handoff(cfg)
+    if cfg.ckpt.url:  # the phase fills ckpt.cache_dir, and hands it over
+        check_ckpt_cache_handoff(cfg)
     node = cfg.run.node or default_node()
     ckpt, env = cfg.ckpt, cfg.env
     plan = StartupPlan(
