@@ -494,3 +494,25 @@ def test_one_config_file_serves_every_command(tmp_path: Path) -> None:
     stat = bootseer("fs", "stat", f"file://{dst}", env=env)
     info = json.loads(stat.stdout)
     assert (info["striped"], info["stripe_size"], info["size"]) == (True, 64 << 10, 300_000)
+
+
+def test_capture_mode_records_under_state_dir_and_leaves_the_jobs_env_keys(tmp_path: Path) -> None:
+    """`env ensure --capture` snapshots a setup command: the job's [env] spec and prefix (from
+    a file or a variable) describe another environment and are not used; its record goes to
+    state.dir, which the library gets as an argument."""
+    tool, state = tmp_path / "tool", tmp_path / "state"
+    tool.mkdir()
+    env = {"BOOTSEER_STATE_DIR": str(state), "BOOTSEER_ENV_PREFIX": str(tmp_path / "venv"),
+           "BOOTSEER_ENV_SPEC": str(tmp_path / "requirements.txt")}
+    setup = ["--", "sh", "-c", f"echo built > {tool}/f"]
+    done = bootseer("env", "ensure", "--capture", str(tool), "--json", *setup, env=env)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["outcome"] == "installed-locally"  # no store configured
+    assert (tool / "f").read_text() == "built\n" and not (tmp_path / "venv").exists()
+    assert (state / "captures" / f"{result['key']}.json").is_file()
+    again = bootseer("env", "ensure", "--capture", str(tool), "--json", *setup, env=env)
+    assert json.loads(again.stdout)["outcome"] == "verified"  # read back from state.dir
+    both = bootseer("env", "ensure", "--capture", str(tool), "--prefix", str(tmp_path / "v"),
+                    *setup, env=env)
+    assert both.returncode == 2 and "--capture and --prefix exclude each other" in both.stderr
