@@ -64,7 +64,8 @@ def test_defaults_and_access() -> None:
                                       os.path.expanduser("~/.cache/bootseer"))
     assert cfg.run.trace_dir == f"{state}/trace"
     assert cfg.ckpt.cache_dir == f"{state}/ckpt" and cfg.image.cache == f"{state}/images"
-    assert cfg.snapshotter.root == f"{state}/snapshotter"
+    # not under state.dir: containerd's CRI reports the image filesystem at this path
+    assert cfg.snapshotter.root == "/var/lib/containerd/io.containerd.snapshotter.v1.bootseer"
     assert cfg.storage.options == {} and cfg.snapshotter.cache_size == 64 << 30
     assert cfg.env.spec == [] and cfg.run.allow_fresh_start is False
     assert cfg.as_dict()["restart"] == {"max_restarts": 3, "backoff_s": 5.0,
@@ -170,8 +171,10 @@ def test_paths_derive_from_the_state_dir(tmp_path: Path) -> None:
     cfg = load_config(env={"BOOTSEER_STATE_DIR": str(tmp_path)})
     derived = "state.dir (env BOOTSEER_STATE_DIR)"
     for key, under in (("run.trace_dir", "trace"), ("ckpt.cache_dir", "ckpt"),
-                       ("image.cache", "images"), ("snapshotter.root", "snapshotter")):
+                       ("image.cache", "images")):
         assert (cfg.get(key), cfg.source(key)) == (str(tmp_path / under), derived), key
+    # the snapshotter's root is where containerd's CRI looks, whatever state.dir says
+    assert cfg.source("snapshotter.root") == "default"
     path = write(tmp_path, f'[state]\ndir = "{tmp_path}/s"\n[ckpt]\ncache_dir = "/c"\n'
                            '[image]\ncache = ""\n')
     cfg = from_flags(["--config", str(path), "--trace-dir", "/t"])
