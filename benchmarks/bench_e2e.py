@@ -32,8 +32,8 @@ Phases come from the job's milestones (and ``bootseer run``'s trace), on the sam
 
 Target (reported, never asserted): bootseer's restart takes >= 70% less time than the baseline.
 
-``python benchmarks/bench_e2e.py --results DIR [--quick|--smoke] [--keep]`` or ``bootseer bench
-e2e``; root, containerd, runc, FUSE and docker-registry needed. Writes ``DIR/e2e.json``,
+``python benchmarks/bench_e2e.py --results DIR [--quick] [--keep]`` or ``bootseer bench e2e``;
+root, containerd, runc, FUSE and docker-registry needed. Writes ``DIR/e2e.json``,
 ``DIR/e2e.md`` and ``DIR/e2e.png``.
 """
 
@@ -102,8 +102,8 @@ def container_id(node: Node) -> str:
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.quick = bool(args.quick or args.smoke)  # not the figures: marked so in the JSON
-        self.size = "smoke" if args.smoke else "quick" if args.quick else "full"
+        self.quick = bool(args.quick)
+        self.size = "quick" if self.quick else "full"
         self.cache = Path(args.cache or os.environ.get("BOOTSEER_BENCH_CACHE")
                           or Path.home() / ".cache" / "bootseer-bench").expanduser().resolve()
         self.work = self.cache / "e2e-run"
@@ -114,7 +114,7 @@ class Bench:
         self.cold = True
         self.run_id = uuid.uuid4().hex[:8]  # in the jobs' tags: concurrent runs never meet
         self.R: dict[str, Any] = {
-            "suite": SUITE, "quick": self.quick, "size": self.size,
+            "suite": SUITE, "quick": self.quick,
             "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "command": command_line("bench_e2e.py"),
             "machine": {"cpus": os.cpu_count(), "ram_bytes": mem_total(),
@@ -651,13 +651,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="bench_e2e.py", description=__doc__.split("\n")[0])
     parser.add_argument("--results", default="bench-results")
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="the small job (0.25 GB of state)")
-    size.add_argument("--smoke", action="store_true",
-                      help="the smallest job (8 MB of state): every method once, for tests")
+    parser.add_argument("--quick", action="store_true", help="the small job (0.25 GB of state)")
     parser.add_argument("--save-every", type=int, default=3)
     parser.add_argument("--base", choices=("auto", "debootstrap", "host"), default=None,
-                        help="image base (default: host for --quick and --smoke, else auto)")
+                        help="image base (default: host for --quick, else auto)")
     parser.add_argument("--cache", default=None, help="default ~/.cache/bootseer-bench")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--methods", default="bootseer,baseline",

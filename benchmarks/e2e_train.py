@@ -30,11 +30,9 @@ from typing import Any
 
 SIZES = {
     # vocab, width, blocks, sequence length: full = 96 M parameters, 1.15 GB of fp32 state
-    # (parameters + AdamW's two moments); quick = 21 M parameters, 0.25 GB; smoke (tests: every
-    # path once, no figures) = 0.7 M parameters, 8 MB.
+    # (parameters + AdamW's two moments); quick = 21 M parameters, 0.25 GB.
     "full": {"vocab": 32000, "d": 1024, "layers": 5, "seq": 128},
     "quick": {"vocab": 16000, "d": 512, "layers": 4, "seq": 128},
-    "smoke": {"vocab": 2048, "d": 128, "layers": 2, "seq": 32},
 }
 
 

@@ -28,7 +28,6 @@ from typing import IO, Any
 
 SUITES = ("striped", "ckpt", "snapshot", "prefetch", "containerd", "e2e")
 TAKES_BASE = ("prefetch", "containerd", "e2e")  # the suites that build an image from a base
-HAS_SMOKE = ("e2e",)  # a size below --quick; for the others --smoke is their --quick
 TAIL_LINES = 25
 STOP_GRACE_S = 300.0  # a suite's own clean-up after SIGTERM (unmounts, containerd tasks)
 
@@ -37,12 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run benchmarks (results: docs/benchmarks.md)")
     p.add_argument("suites", nargs="*", choices=[*SUITES, []], default=[],
                    help=f"which suites (default all: {', '.join(SUITES)})")
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true",
-                      help="small sizes, a few minutes a suite (results marked quick)")
-    size.add_argument("--smoke", action="store_true",
-                      help="the smallest sizes that still run every method once (for tests; "
-                           "e2e's job is 8 MB; results marked quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes, for a smoke run (marked quick in the results)")
     p.add_argument("--results", default="bench-results",
                    help="directory for the results: JSON, markdown tables, PNG charts")
     p.add_argument("--cache", default=None,
@@ -51,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base", choices=("auto", "debootstrap", "host"), default=None,
                    help=f"image base for {', '.join(TAKES_BASE)} (host: a copy of this host's "
                         "Debian python3.11, no mirror needed)")
+    p.add_argument("--methods", default=None,
+                   help="e2e's restart paths, comma-separated (default bootseer,baseline)")
     p.set_defaults(func=run)
 
 
@@ -196,10 +193,9 @@ def run_suite(directory: Path, suite: str, args: argparse.Namespace,
               env: dict[str, str]) -> tuple[Outcome, bool]:
     """One suite as a child process; its outcome, and whether we were interrupted."""
     results = Path(args.results)
-    size = ("--smoke" if suite in HAS_SMOKE else "--quick") if args.smoke else \
-        "--quick" if args.quick else None
-    argv = ["--results", args.results, *([size] if size else []),
-            *(["--base", args.base] if args.base and suite in TAKES_BASE else [])]
+    argv = ["--results", args.results, *(["--quick"] if args.quick else []),
+            *(["--base", args.base] if args.base and suite in TAKES_BASE else []),
+            *(["--methods", args.methods] if args.methods and suite == "e2e" else [])]
     env = {**env, "BOOTSEER_BENCH_COMMAND": shlex.join(["bootseer", "bench", suite, *argv])}
     before = results_state(results, suite)
     print(f"bootseer bench: {suite} ({shlex.join(['python', f'benchmarks/bench_{suite}.py', *argv])})",
