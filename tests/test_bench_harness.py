@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -263,3 +264,27 @@ def test_a_suite_called_with_measured_libraries_loaded_reruns_itself(script: str
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"re-running {script} in a fresh interpreter" in run.stdout
     assert f"usage: {script}" in run.stdout  # the script's own parser answered
+
+
+@pytest.mark.timeout(300)
+def test_ckpt_ranks_stop_when_their_rendezvous_port_is_taken(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The port bench_ckpt picked was taken before rank 0 bound it (another process on a busy
+    CI machine): rank 0 fails with EADDRINUSE, and the other ranks used to wait for it for
+    torch's 30-minute rendezvous timeout. Now they are stopped and the phase is tried again on
+    another port; here the port is taken every time, so the phase fails, naming why."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_ckpt
+
+    with socket.socket() as holder:  # a real listener on the port every attempt is given
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        monkeypatch.setattr(bench_ckpt, "free_port", lambda: holder.getsockname()[1])
+        cfg = {**bench_ckpt.QUICK, "dir": str(tmp_path), "out": str(tmp_path / "out")}
+        with pytest.raises(RuntimeError, match="its rendezvous port was taken each time"):
+            bench_ckpt.launch("local", 2, cfg, tmp_path)
+
+    out = capsys.readouterr()
+    assert out.out.count("again on another port") == bench_ckpt.PORT_TRIES - 1
+    assert out.err.count("EADDRINUSE") >= bench_ckpt.PORT_TRIES  # each rank 0's own error
+    assert not processes_mentioning(str(tmp_path))  # no rank left waiting
