@@ -327,7 +327,8 @@ class CheckpointManager:
             report = self._load_step(state, candidate, strict, check_all)
         except (CheckpointCorrupt, StripedIOError, FileNotFoundError) as exc:
             path = getattr(exc, "path", None) or getattr(exc, "filename", None) or ""
-            message = str(exc) if str(path) in str(exc) else f"{exc} ({path})"
+            message = str(exc).removeprefix(f"step {candidate}: ")  # the step is said anyway
+            message = message if str(path) in message else f"{message} ({path})"
             return Outcome(self.rank, candidate, DAMAGED, message, str(path)), None, exc
         except Exception as exc:  # noqa: BLE001 - raised on every rank after the exchange
             return Outcome(self.rank, candidate, ERROR, f"{type(exc).__name__}: {exc}"), None, exc
