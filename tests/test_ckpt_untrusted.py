@@ -279,20 +279,6 @@ def test_an_index_claiming_another_rank_is_refused(run):
 
 # -- what an index says about the state's structure ------------------------------------------------
 
-@pytest.mark.parametrize("change, rule", [
-    (lambda b: b.update(format=2, containers=["w"]), "containers must map keys to one of "
-                                                      "['list', 'int']"),
-    (lambda b: b.update(format=2, containers={"": "tuple"}), "containers must map keys to one of"),
-    (lambda b: b.update(format=2, key_style="pickle"), "key_style 'pickle' (rule: one of ['', "
-                                                       "'dcp'])"),
-    (lambda b: b.update(format=3), "format 3, expected one of [1, 2]"),
-], ids=["containers-list", "containers-kind", "key-style", "format-3"])
-def test_declared_container_kinds_and_key_style_are_checked(run, change, rule):
-    root, canary = run
-    directory = write_step(root, one_rank(body=change))
-    assert_refused(root, canary, f"{directory}/{index_name(0)}", rule)
-
-
 @pytest.mark.parametrize("kind, rule", [
     ("list", "the top level is recorded as a list but its keys are ['w'] (rule: a list holds "
              "items 0..n-1)"),
@@ -411,8 +397,15 @@ def test_declared_chunk_lengths_are_checked(run, change, rule):
     (lambda b: b.update(chunks={"w": 1}), "chunks must be a list of objects"),
     (lambda b: b["chunks"].append({**b["chunks"][0], "key": "alias"}),
      "chunk 'alias' at bytes 0+32 overlaps chunk 'w' (rule: chunks occupy disjoint byte ranges"),
+    # what the index says about the state's structure (format 2)
+    (lambda b: b.update(format=2, containers=["w"]), "containers must map keys to one of "
+                                                      "['list', 'int']"),
+    (lambda b: b.update(format=2, containers={"": "tuple"}), "containers must map keys to one of"),
+    (lambda b: b.update(format=2, key_style="pickle"), "key_style 'pickle' (rule: one of ['', "
+                                                       "'dcp'])"),
+    (lambda b: b.update(format=3), "format 3, expected one of [1, 2]"),
 ], ids=["negative-data-size", "negative-objects-size", "non-string-keys", "chunks-not-list",
-        "aliased-bytes"])
+        "aliased-bytes", "containers-list", "containers-kind", "key-style", "format-3"])
 def test_declared_index_lengths_are_checked(run, change, rule):
     root, canary = run
     directory = write_step(root, one_rank(body=change),  # the manifest keeps the real size
