@@ -108,6 +108,8 @@ class CheckpointManager:
 
     One manager per rank. ``keep`` committed checkpoints are retained (``None``: all).
     Persisting runs on one background thread; a new ``save`` waits for the previous one.
+    Loads agree on one step over ``process_group`` (``None``: torch.distributed's default
+    group when it is this manager's world; ``False``: none).
     """
 
     def __init__(self, url: str, *, rank: int = 0, world_size: int = 1, keep: int | None = None,
@@ -264,6 +266,7 @@ class CheckpointManager:
 
     def load_with_report(self, state: Any, step: int | None = None, *,
                          strict: bool = True) -> LoadReport:
+        """``load``, returning what it did: bytes, seconds, keys, and the steps skipped."""
         group = agree.resolve_group(self.process_group, self.rank, self.world_size)
         exchange = agree.group_exchange(group) if group is not None else agree.alone
         failed: set[int] = set()

@@ -235,3 +235,26 @@ def test_one_process_loading_a_multi_rank_checkpoint_takes_the_step_all_files_ve
         assert mgr.load(state) == 1
     assert W.agree_problems(state, 1, 0, 1, 2) == []
     assert objects_name(1) in caplog.text and "step 2 " in caplog.text
+
+
+def test_a_process_group_of_another_world_is_a_clear_error(tmp_path: Path) -> None:
+    """A group whose size or rank is not the manager's cannot agree for it: said before
+    any collective, naming both."""
+    import torch.distributed as dist
+
+    url = str(tmp_path / "store")
+    W.save_agree_steps(url, 2, [1])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                            world_size=1)
+    try:
+        with CheckpointManager(url, rank=0, world_size=2, cache_dir=False,
+                               process_group=dist.group.WORLD) as mgr:
+            state = W.agree_blank(0, 2)
+            with pytest.raises(ValueError, match=r"process_group has rank 0 of 1; the manager "
+                               r"is rank 0 of 2: pass the group of the ranks that load together"):
+                mgr.load(state)
+            assert state["step"] is None  # nothing loaded
+        with CheckpointManager(url, rank=0, world_size=2, cache_dir=False) as mgr:
+            assert mgr.load(state) == 1  # the default group is not this world's: none used
+    finally:
+        dist.destroy_process_group()
