@@ -283,7 +283,7 @@ class CheckpointManager:
                 return report
             errors = [o for o in outcomes if o.status == ERROR]
             if errors:
-                if error is not None:
+                if outcome.status == ERROR and error is not None:
                     raise error
                 first = errors[0]
                 raise CheckpointError(f"loading checkpoint step {first.step} under {self.url} "

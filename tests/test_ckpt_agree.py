@@ -71,6 +71,8 @@ def scenarios(world: int) -> list[Scenario]:
         Scenario("explicit-step", world, [("data", 3, last)], None,
                  [(3, last, data_name(last))], step=3),
         Scenario("one-rank-raises", world, [], None, extra_key_on=(last,)),
+        # the error wins over damage found in the same round: rank 0 raises rank W-1's error
+        Scenario("raises-beside-damage", world, [("data", 3, 0)], None, extra_key_on=(last,)),
     ]
     if world == 3:  # resharding: loader 2 reads the end of saved rank 1's shard, nobody else
         out.append(Scenario("reshard-2to3", 3, [("data-end", 3, 1)], 2,
@@ -171,12 +173,14 @@ def test_an_explicit_step_some_rank_cannot_load_raises_on_every_rank(loads, worl
     _assert_warned(results, s.failing)
 
 
+@pytest.mark.parametrize("name", ["one-rank-raises", "raises-beside-damage"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_rank_that_raises_makes_every_rank_raise_without_a_hang(loads, world: int) -> None:
+def test_a_rank_that_raises_makes_every_rank_raise_without_a_hang(loads, world: int,
+                                                                   name: str) -> None:
     """Rank W-1's state has a key the checkpoint lacks: it raises its StateMismatchError,
-    every other rank a CheckpointError naming it; none waits in a collective for ever (the
-    group returned)."""
-    s = next(x for x in ALL if x.world == world and x.name == "one-rank-raises")
+    every other rank a CheckpointError naming it (also rank 0, whose own file is damaged);
+    none waits in a collective for ever (the group returned)."""
+    s = next(x for x in ALL if x.world == world and x.name == name)
     results = _ranks(loads, s.key, world)
     last = world - 1
     assert results[last]["raised"] == "StateMismatchError"
