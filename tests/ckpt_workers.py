@@ -481,7 +481,8 @@ def act_agree_load(meshes: Meshes, rank: int, action: dict[str, Any]) -> dict[st
     state = agree_blank(rank, world)
     if rank in action.get("extra_key_on", ()):
         state["not_in_checkpoint"] = torch.zeros(3)
-    mgr = CheckpointManager(action["url"], rank=rank, world_size=world, stripe_size=STRIPE,
+    url = action.get("urls", {}).get(str(rank), action["url"])  # a rank may see another copy
+    mgr = CheckpointManager(url, rank=rank, world_size=world, stripe_size=STRIPE,
                             concurrency=CONCURRENCY, cache_dir=False)
     out: dict[str, Any] = {}
     with Captured() as captured, CollectiveCount() as count:

@@ -14,6 +14,8 @@ verify.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,7 @@ import ckpt_workers as W
 import pytest
 
 from ckpt import CheckpointManager
-from ckpt.layout import data_name, index_name, objects_name, step_dir
+from ckpt.layout import MANIFEST, data_name, index_name, objects_name, step_dir
 from striped_fs.urls import url_to_fs
 
 STEPS = [1, 2, 3]
@@ -41,6 +43,7 @@ class Scenario:
     saved: int = 0  # 0: the group's world size
     step: int | None = None  # an explicit step to load
     extra_key_on: tuple[int, ...] = ()
+    behind: int | None = None  # this rank lists a copy of the store where step 3 is not committed
 
     def __post_init__(self) -> None:
         self.saved = self.saved or self.world
@@ -66,6 +69,9 @@ def scenarios(world: int) -> list[Scenario]:
                  [(3, last, objects_name(last))]),
         Scenario("missing-data", world, [("rm-data", 3, last)], 2,
                  [(3, last, data_name(last))]),
+        # a commit landing between the ranks' listings: the ranks settle on the older step,
+        # nothing damaged, nothing warned
+        Scenario("listed-differently", world, [], 2, behind=last),
         Scenario("two-steps", world, [("data", 3, 0), ("data", 2, last)], 1,
                  [(3, 0, data_name(0)), (2, last, data_name(last))]),
         Scenario("explicit-step", world, [("data", 3, last)], None,
@@ -116,8 +122,14 @@ def loads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict[
             W.save_agree_steps(url, s.saved, STEPS)
             for what, step, rank in s.damage:
                 damage(url, what, step, rank)
+            urls = {}
+            if s.behind is not None:
+                shutil.copytree(url, f"{url}-behind")
+                os.unlink(f"{url}-behind/step-3/{MANIFEST}")
+                urls[str(s.behind)] = f"{url}-behind"
             actions.append({"op": "agree_load", "tag": s.key, "url": url, "step": s.step,
-                            "saved_world": s.saved, "extra_key_on": list(s.extra_key_on)})
+                            "saved_world": s.saved, "extra_key_on": list(s.extra_key_on),
+                            "urls": urls})
         if world == 2:
             actions.append({"op": "fsdp2", "tag": "fsdp2", "url": str(base / "fsdp2")})
         started = time.perf_counter()
@@ -157,7 +169,9 @@ def test_every_rank_loads_the_newest_step_every_rank_can_load(loads, s: Scenario
                   for x in skipped[0]) == sorted((st, who) for st, who, _ in s.failing)
     calls = [r["collectives"] for r in results.values()]
     assert all(c == calls[0] for c in calls), calls  # every rank ran the same collectives
-    if not s.failing:  # nothing damaged: agreeing cost one small all_reduce
+    if s.behind is not None:  # one more round, in which the rank that held step 2 kept it
+        assert calls[0] == {"all_reduce": 2, "all_gather_object": 1}
+    elif not s.failing:  # nothing damaged: agreeing cost one small all_reduce
         assert calls[0] == {"all_reduce": 1, "all_gather_object": 0}
 
 
