@@ -275,3 +275,18 @@ def test_real_run_traces_have_their_incidents(tmp_path: Path) -> None:
     assert sum(restart.cost.values()) == pytest.approx(restart.wall_s, abs=1e-9)
     assert {"restart", "first_step"} <= set(restart.cost)
     assert Report.from_dict(json.loads(json.dumps(rep.to_dict()))) == rep
+
+
+def test_spans_carry_bytes_by_remote_through_the_writer(tmp_path: Path) -> None:
+    from bootseer.trace import read_traces, remote_of
+
+    assert [remote_of(u) for u in ("striped::s3://b/x", "s3://b", "/data/ckpt",
+                                   "hdfs://nn/x")] == ["s3", "s3", "file", "hdfs"]
+    w = TraceWriter(tmp_path, node="n")
+    with w.span("checkpoint_prefetch") as info:
+        info["bytes_by_remote"] = {"s3": 7}
+    w.record("environment", T0, T0 + 1)
+    with pytest.raises(ValueError, match="bytes_by_remote: 's3': expected an integer >= 0"):
+        w.record("environment", T0, T0 + 1, bytes_by_remote={"s3": 1.5})
+    spans, warnings = read_traces([tmp_path])
+    assert [s.bytes_by_remote for s in spans] == [{"s3": 7}, {}] and not warnings
