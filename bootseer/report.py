@@ -38,8 +38,10 @@ max, mean, bytes, outcomes``), ``stragglers`` (``phase, node, rank, attempt, sec
 mad, threshold``), ``restarts`` (``node, rank, restarts, attempts: [{attempt, outcome,
 reason}]``), ``time_to_first_step`` (``first_attempt`` and ``last_attempt``: ``count, p50, p90,
 max, mean`` or null; ``workers``: ``node, rank, first_attempt, first_attempt_s, last_attempt,
-last_attempt_s``) and ``last_attempt`` (``node, rank, attempt, phases, first_step_s, wall``).
-Times are seconds.
+last_attempt_s``), ``last_attempt`` (``node, rank, attempt, phases, first_step_s, wall``)
+and, since version 2, the node-level views of :mod:`bootseer.report_nodes`: ``incidents``,
+``node_stragglers`` and ``bytes_by_remote``. Times are seconds. Every field, with its type and
+unit, is in docs/report.md (a scale model reads this file: change it only with the version).
 """
 
 from __future__ import annotations
