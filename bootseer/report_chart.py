@@ -106,9 +106,10 @@ def timeline_figure(report: Report, attempt: int | None = None, *,
                 height=0.7, gid=f"phase:{phase}")
     if incident.critical_node in ys:
         y = ys[incident.critical_node]
-        for seg in incident.critical_path:
+        for i, seg in enumerate(incident.critical_path):
             ax.barh([y], [seg.end - seg.start], left=[seg.start], height=0.7, fill=False,
-                    edgecolor="black", linewidth=1.6, gid="critical")
+                    edgecolor="black", linewidth=1.6, gid="critical",
+                    label="critical path" if i == 0 else None)
     if incident.wall_s is not None:
         ax.axvline(incident.wall_s, color="black", linestyle="--", linewidth=1,
                    label=f"first step ({incident.wall_s:.2f} s)", gid="first_step")

@@ -24,11 +24,15 @@ MAX_WARNINGS = 10
 def register(sub: argparse._SubParsersAction) -> None:
     """Adds the ``report`` subcommand."""
     p = sub.add_parser(
-        "report", help="aggregate startup traces: phase percentiles, stragglers, restarts",
+        "report", help="aggregate startup traces: phase percentiles, stragglers, restarts, "
+                       "the critical path of each restart",
         description="Reads the startup traces (*.jsonl) under each TRACE_DIR (or trace files) "
                     "and prints per-phase p50/p90/max across nodes and ranks, time to first "
                     "step, stragglers (a phase longer than median + 3 MAD of its peers) and "
-                    "restarts; writes report.json and report.png.")
+                    "restarts, and per incident (a start or restart) the critical path from "
+                    "the failure to the job's first step with its cost by phase, and the "
+                    "bytes each node read from each remote; writes report.json, report.png "
+                    "and timeline.png.")
     p.add_argument("trace_dirs", nargs="+", metavar="TRACE_DIR",
                    help="directories of trace files (searched recursively), or trace files")
     p.add_argument("--out", metavar="DIR",
