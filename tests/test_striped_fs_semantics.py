@@ -144,6 +144,10 @@ def test_mv_directory_moves_every_file(target):
     with pytest.raises(ValueError, match="into itself"):
         fs.mv(f"{root}/e", f"{root}/e/inner", recursive=True)
     assert fs.cat_file(f"{root}/e/n/deep") == blobs["d/n/deep"]
+    fs.mv(f"{root}/e", f"{root}/d")  # a directory moves whole without recursive=True too
+    for name, data in blobs.items():
+        assert fs.cat_file(f"{root}/{name}") == data
+    assert not fs.exists(f"{root}/e")
 
 
 def test_mv_that_cannot_write_the_destination_keeps_the_source(target):
@@ -203,6 +207,26 @@ def test_rm_recursive_glob_and_list(target):
     assert fs.find(target.root) == []
 
 
+def test_rm_with_maxdepth_keeps_what_is_deeper(target):
+    fs, root = target.fs, target.root
+    for name in ("m/a", "m/n/b", "m/n/o/c"):
+        fs.pipe_file(f"{root}/{name}", name.encode())
+    fs.rm(f"{root}/m", recursive=True, maxdepth=2)
+    fs.invalidate_cache()
+    assert fs.find(f"{root}/m") == [f"{root}/m/n/o/c"]
+    assert fs.cat_file(f"{root}/m/n/o/c") == b"m/n/o/c"
+
+
+def test_stripes_directories_cannot_be_named(target):
+    fs, root = target.fs, target.root
+    fs.pipe_file(f"{root}/f.bin", payload(2 * STRIPE))
+    for call in (lambda: fs.rm(f"{root}/.f.bin.stripes", recursive=True),
+                 lambda: fs.mv(f"{root}/.f.bin.stripes", f"{root}/elsewhere")):
+        with pytest.raises(ValueError, match="stripes"):
+            call()
+    assert fs.cat_file(f"{root}/f.bin") == payload(2 * STRIPE)
+
+
 # -- ls, get_file ---------------------------------------------------------------------------------
 
 def test_ls_of_a_file_reports_the_file_not_its_manifest(target):
@@ -259,6 +283,26 @@ def test_close_inside_an_except_block_for_an_earlier_error_commits(target):
         f.write(b"fallback")
         f.close()
     assert fs.cat_file(p) == b"fallback"
+
+
+def test_close_in_a_finally_while_an_error_propagates_discards_and_commit_commits(target):
+    fs, root = target.fs, target.root
+    with pytest.raises(ValueError):
+        f = fs.open(f"{root}/finally.bin", "wb")
+        try:
+            f.write(payload(2 * STRIPE))
+            raise ValueError("bad batch")
+        finally:
+            f.close()
+    assert not fs.exists(f"{root}/finally.bin")
+    assert target.stripe_objects(f"{root}/finally.bin") == []
+    f = fs.open(f"{root}/chosen.bin", "wb")
+    try:
+        raise ValueError("handled, and the file is wanted anyway")
+    except ValueError:
+        f.write(b"kept on purpose")
+        f.commit()
+    assert fs.cat_file(f"{root}/chosen.bin") == b"kept on purpose"
 
 
 # -- exclusive creation ----------------------------------------------------------------------
@@ -321,12 +365,15 @@ def test_transaction_left_by_an_exception_commits_nothing(target):
     assert len(fs.target.ls(stripes_dir(f"{root}/a.bin"), detail=False)) == 1
 
 
-def test_rm_and_mv_inside_a_transaction_are_refused(target):
+def test_what_a_transaction_cannot_defer_is_refused(target):
     fs, root = target.fs, target.root
     fs.pipe_file(f"{root}/a.bin", b"kept")
+    fs.target.pipe_file(f"{root}/plain.txt", b"plain")
     with fs.transaction:
-        with pytest.raises(RuntimeError, match="transaction"):
-            fs.rm(f"{root}/a.bin")
-        with pytest.raises(RuntimeError, match="transaction"):
-            fs.mv(f"{root}/a.bin", f"{root}/b.bin")
+        for call in (lambda: fs.rm(f"{root}/a.bin"), lambda: fs.rm_file(f"{root}/a.bin"),
+                     lambda: fs.mv(f"{root}/a.bin", f"{root}/b.bin"),
+                     lambda: fs.cp_file(f"{root}/plain.txt", f"{root}/copy.txt")):
+            with pytest.raises(NotImplementedError, match="transaction"):
+                call()
     assert fs.cat_file(f"{root}/a.bin") == b"kept" and not fs.exists(f"{root}/b.bin")
+    assert not fs.exists(f"{root}/copy.txt")
