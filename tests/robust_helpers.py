@@ -84,25 +84,13 @@ def s3_put(endpoint: str, bucket: str) -> None:
     s3.put_object(Bucket=bucket, Key="ckpt/step-10/shard-0", Body=b"x" * 1024)
 
 
-def gloo_peer_dies(rank: str, port: str) -> None:
-    """Rank 1 dies by SIGKILL after the first all_reduce; rank 0 blocks in the second."""
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank),
-                            world_size=2)
-    t = torch.ones(4)
-    dist.all_reduce(t)
-    if rank == "1":
-        os.kill(os.getpid(), 9)
-    dist.all_reduce(t)
-
-
 def gloo_one_late(rank: str, world: str, port: str, late: str, ready_dir: str) -> None:
     """Every rank loops over all_reduce; rank ``late`` sleeps before its second one, so the
     others block inside all_reduce. Each writes ``ready_dir/<rank>`` once it is in place."""
     import torch
     import torch.distributed as dist
+
+    import bootseer.client  # noqa: F401 - under BOOTSEER_CONTROL_DIR: the SIGUSR1 dump
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank),
                             world_size=int(world))

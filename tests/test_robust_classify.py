@@ -1,5 +1,6 @@
 """Crash classification on the real output of real failures: each process below is driven
-into its failure here and its own exit code and last lines are classified. CUDA, Xid and
+into its failure here and its own exit code and last lines are classified (the gloo error of
+a killed peer: test_robust_stacks.py, on its real gloo job). CUDA, Xid and
 NCCL lines (no GPU here) are quoted from real logs, each with its source."""
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from bootseer.robust.classify import (
     oom_kills,
     tail_lines,
 )
-from bootseer.testing.servers import free_port
 
 
 def test_a_python_exception_names_its_type():
@@ -111,23 +111,6 @@ def test_enospc_on_a_full_tmpfs_is_disk_full(tiny_disk):
     got = classify(code, lines)
     assert (got.failure_class, got.detail["exception"]) == ("disk_full", "OSError")
     assert "[Errno 28] No space left on device" in got.lines[0]
-
-
-def test_the_survivor_of_a_killed_gloo_peer_is_gloo_error():
-    port = free_port()
-    peer = subprocess.Popen([sys.executable, str(Path(__file__).parent / "robust_helpers.py"),
-                             "gloo-peer-dies", "1", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        code, lines = run_scenario("gloo-peer-dies", 0, port)
-    finally:
-        peer.kill()
-        peer.wait()
-    assert peer.returncode == -9
-    got = classify(code, lines)
-    assert (got.failure_class, got.rule, got.detail["exception"]) == (
-        "gloo_error", "gloo", "RuntimeError")
-    assert "third_party/gloo/" in got.lines[0]
 
 
 def test_botocore_against_a_stopped_moto_server_is_storage_error(s3_server_factory):
