@@ -118,5 +118,21 @@ def heartbeats(steps: str, step_s: str, nan_at: str) -> None:
         bootseer.heartbeat(step, loss=loss, grad_norm=1.0)
 
 
+def crash_hang_finish(counter: str) -> None:
+    """Under ``bootseer run``: attempt 0 crashes, attempt 1 hangs, attempt 2 finishes."""
+    import bootseer
+
+    path = Path(counter)
+    attempt = int(path.read_text()) if path.exists() else 0
+    path.write_text(str(attempt + 1))
+    bootseer.ready()
+    bootseer.heartbeat(1, loss=1.0)
+    time.sleep(0.2)
+    if attempt == 0:
+        sys.exit(3)
+    if attempt == 1:
+        sleep_before_all_reduce()
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1].replace("-", "_")](*sys.argv[2:])
