@@ -19,6 +19,7 @@ from robust_helpers import run_scenario
 from bootseer.robust.classify import (
     CLASSES,
     RULES,
+    Rule,
     classify,
     memory_cgroup,
     oom_kills,
@@ -187,8 +188,17 @@ def test_quoted_gpu_lines(quoted, cls, detail):
 def test_the_table_is_ordered_data_and_ends_in_unknown():
     assert {r.failure_class for r in RULES} == set(CLASSES)
     assert RULES[-1].failure_class == "unknown" and RULES[-1].pattern is None
-    assert classify(0, []).failure_class == "unknown"
     assert classify(None, ["nothing known"]).failure_class == "unknown"
+    # a clean exit is no failure, whatever its log says (a caught OOM, a retried S3 error)
+    clean = classify(0, QUOTED["gpu_oom"])
+    assert (clean.failure_class, clean.rule) == ("unknown", "fallback")
     # first match wins: an OOM inside an NCCL call is an OOM, not a network fault
     got = classify(1, ["ProcessGroupNCCL.cpp:1000 ...", *QUOTED["gpu_oom"]])
     assert got.failure_class == "gpu_oom"
+
+
+def test_a_rule_with_a_bad_exit_condition_is_named():
+    bad = (Rule("mine", "unknown", exit="nonzero"),)
+    with pytest.raises(ValueError, match="rule mine: exit must be signal, sigkill, error, "
+                                         "always or None, not 'nonzero'"):
+        classify(1, [], rules=bad)

@@ -123,3 +123,11 @@ def test_real_heartbeat_files_from_real_processes(tmp_path):
     now = beats[0].time + 10.0
     expected = [0] + ([1] if beats[1].time <= beats[0].time else [])
     assert [e.rank for e in hangs.check(now)] == expected
+
+
+def test_torn_and_foreign_files_in_the_control_dir_are_skipped(tmp_path):
+    (tmp_path / "heartbeat-0").write_text('{"step": 4, "time": 10.0, "rank": 0, "loss": 1.5}')
+    (tmp_path / "heartbeat-1").write_text('{"step": 4, "ti')  # torn (not the client's)
+    (tmp_path / "heartbeat-2").write_text('{"step": 4}')  # no time
+    (tmp_path / "ready-0").write_text('{"step": null, "time": 9.0, "rank": 0}')
+    assert read_heartbeats(tmp_path) == [Beat(rank=0, step=4, time=10.0, loss=1.5)]

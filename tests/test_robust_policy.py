@@ -8,7 +8,7 @@ import pytest
 
 from bootseer.robust.classify import CLASSES
 from bootseer.robust.events import Event
-from bootseer.robust.policy import ACTIONS, TABLE, ExclusionList, decide
+from bootseer.robust.policy import ACTIONS, TABLE, ActionRule, ExclusionList, decide
 
 
 def crash(cls, node="node-2", rank=5):
@@ -91,3 +91,9 @@ def test_an_unreadable_exclusion_list_is_refused_and_left_alone(tmp_path):
                                          "move it away"):
         ExclusionList(path).add(["node-2"], "cuda_error")
     assert path.read_text() == '{"nodes": ["node-1"]'
+
+
+def test_a_table_without_the_class_or_unknown_is_refused_by_name():
+    table = (ActionRule("user_error", "stop", "deterministic"),)
+    with pytest.raises(ValueError, match="no action for class 'cuda_error' and no 'unknown' row"):
+        decide(crash("cuda_error"), table=table)

@@ -150,3 +150,10 @@ def test_normalization_drops_lines_addresses_and_install_paths():
             'Thread 0x00007f84a65c16c0 (most recent call first):\n'  # a second SIGUSR1
             '  File "/srv/job/train.py", line 5 in save\n')
     assert parse_dump(dump) == [("save (train.py)",)]
+
+
+def test_a_failed_pyspy_dump_names_the_pid_and_rank():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process now
+    with pytest.raises(RuntimeError, match=f"py-spy dump of pid {gone.pid} \\(rank 7\\) failed"):
+        pyspy_dump(gone.pid, rank=7)

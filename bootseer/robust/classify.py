@@ -6,8 +6,8 @@ mapping must be readable, reviewable and testable row by row; no model, no netwo
 table, as docs/robust.md shows it, is :data:`RULES`; each row names the facts it needs:
 
 * ``exit``: ``"signal"`` (killed by a signal: a negative return code, or 128+N),
-  ``"sigkill"`` (by SIGKILL), ``"error"`` (exited with a non-zero code of its own), or None
-  (any end);
+  ``"sigkill"`` (by SIGKILL), ``"error"`` (exited with a non-zero code of its own), None
+  (any failure: not a clean exit 0) or ``"always"`` (the fallback row, even for exit 0);
 * ``oom_kill``: True when the row needs the cgroup's ``memory.events`` ``oom_kill`` count to
   have grown (:func:`oom_kills`);
 * ``pattern``: a regular expression searched in the last lines (``[rank3]:`` and
@@ -78,7 +78,7 @@ RULES: tuple[Rule, ...] = (
          rf"^(?P<exception>{'|'.join(_DETERMINISTIC)})\b", exit="error"),
     Rule("python_exception", "python_exception", rf"^{_EXC}(?::|$)", exit="error"),
     Rule("signal", "killed_by_signal", exit="signal"),
-    Rule("fallback", "unknown"),
+    Rule("fallback", "unknown", exit="always"),
 )
 
 _PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
@@ -113,16 +113,18 @@ def _signal_of(exit_code: int | None) -> int | None:
 
 
 def _exit_matches(rule: Rule, exit_code: int | None, signum: int | None) -> bool:
-    if rule.exit is None:
+    if rule.exit == "always":
         return True
+    if rule.exit is None:
+        return exit_code != 0
     if rule.exit == "signal":
         return signum is not None
     if rule.exit == "sigkill":
         return signum == signal.SIGKILL
     if rule.exit == "error":
         return exit_code is not None and exit_code != 0 and signum is None
-    raise ValueError(f"rule {rule.name}: exit must be signal, sigkill, error or None, "
-                     f"not {rule.exit!r}")
+    raise ValueError(f"rule {rule.name}: exit must be signal, sigkill, error, always or "
+                     f"None, not {rule.exit!r}")
 
 
 def _last_match(pattern: re.Pattern[str], lines: Sequence[str]) -> tuple[int, re.Match[str]] | None:
