@@ -32,6 +32,33 @@ NODES = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
 LAYOUT = {"dp": [[0, 1], [2, 3]], "pp": [[0, 2], [1, 3]]}
 
 
+PLACES = ("all_reduce (torch/distributed/distributed_c10d.py)",
+          "sleep_before_all_reduce (robust_helpers.py)")
+
+
+def wait_in_place(pids: dict[int, int], deadline: float) -> None:
+    """Until every rank's main thread is inside all_reduce or the sleep (a rank between
+    its ready file and there would be dumped elsewhere)."""
+    while True:
+        tops = [pyspy_dump(pid, rank=r).threads[0][0] for r, pid in pids.items()]
+        if all(top in PLACES for top in tops):
+            return
+        assert time.monotonic() < deadline, f"ranks never settled: {tops}"
+        time.sleep(0.1)
+
+
+def settled_stack_files(trace: Path, deadline: float) -> list[ProcessStacks]:
+    """The client's files once all ranks wrote theirs and they stopped changing."""
+    last = None
+    while True:
+        found = read_stack_files(trace)
+        if len(found) == WORLD and found == last:
+            return found
+        assert time.monotonic() < deadline, f"stack files never settled: {len(found)}"
+        last = found
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def stuck_job(tmp_path_factory):
     """{rank: pid} of a 4-rank gloo job where rank 3 sleeps before its second all_reduce;
@@ -53,7 +80,7 @@ def stuck_job(tmp_path_factory):
             assert time.monotonic() < deadline, "the gloo job never reached its second step"
             assert all(p.poll() is None for p in procs), "a rank of the gloo job died"
             time.sleep(0.1)
-        time.sleep(0.5)  # from the ready file to inside all_reduce / the sleep
+        wait_in_place({rank: p.pid for rank, p in enumerate(procs)}, deadline)
         yield {rank: p.pid for rank, p in enumerate(procs)}, trace, procs, root
     finally:
         for p, log in zip(procs, logs, strict=True):
@@ -71,8 +98,8 @@ def test_pyspy_json_dumps_name_the_stuck_rank_and_its_group(stuck_job):
                                                                       ("node-b",))
     healthy, stuck = found.groups
     assert healthy.ranks == (0, 1, 2) and stuck.ranks == (3,)
-    assert "all_reduce (torch/distributed/distributed_c10d.py)" in healthy.signature[0]
-    assert stuck.signature[0][0] == "sleep_before_all_reduce (robust_helpers.py)"
+    assert healthy.signature[0][0] == PLACES[0]
+    assert stuck.signature[0][0] == PLACES[1]
     assert found.evidence["groups"][1]["ranks"] == [3]
 
 
@@ -85,10 +112,7 @@ def test_pyspy_text_and_faulthandler_files_agree(stuck_job):
     from_text = [ProcessStacks.from_text(t, rank=r, node=NODES[r]) for r, t in texts.items()]
     for pid in pids.values():
         os.kill(pid, signal.SIGUSR1)  # the client's faulthandler dump
-    deadline = time.monotonic() + GUARD
-    while len(read_stack_files(trace)) < WORLD and time.monotonic() < deadline:
-        time.sleep(0.1)
-    from_files = read_stack_files(trace)
+    from_files = settled_stack_files(trace, time.monotonic() + GUARD)
     assert sorted((p.rank, p.node, p.pid) for p in from_files) == sorted(
         (r, NODES[r], pid) for r, pid in pids.items())
     for found in (localize(from_text, LAYOUT), localize(from_files, LAYOUT)):
