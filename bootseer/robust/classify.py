@@ -18,9 +18,9 @@ Usage::
 
     from bootseer.robust.classify import classify, tail_lines
 
-    verdict = classify(proc.returncode, tail_lines("rank3.log"))
-    verdict.failure_class      # "gpu_oom", "user_error", ...
-    verdict.detail             # {"exception": "torch.OutOfMemoryError"}
+    got = classify(proc.returncode, tail_lines("rank3.log"))
+    got.failure_class      # "gpu_oom", "user_error", ...
+    got.detail             # {"exception": "torch.OutOfMemoryError"}
 """
 
 from __future__ import annotations
