@@ -158,11 +158,8 @@ class TraceWriter:
                         bytes_by_remote=remotes, **info)
 
 
-def read_traces(paths: Iterable[str | os.PathLike]) -> tuple[list[Span], list[str]]:
-    """Every span under these files or directories (``*.jsonl``), and one warning per line
-    that could not be read (a torn last line of a killed process is expected)."""
-    spans: list[Span] = []
-    warnings: list[str] = []
+def trace_lines(paths: Iterable[str | os.PathLike]) -> Iterator[tuple[Path, int, str]]:
+    """Every non-empty line of these files or directories (``*.jsonl``): (file, number, line)."""
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -174,10 +171,22 @@ def read_traces(paths: Iterable[str | os.PathLike]) -> tuple[list[Span], list[st
     for file in files:
         with open(file, encoding="utf-8", errors="replace") as f:
             for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    spans.append(Span.from_json(line))
-                except (ValueError, TypeError) as exc:
-                    warnings.append(f"{file}:{n}: skipped ({exc})")
+                if line.strip():
+                    yield file, n, line
+
+
+def read_traces(paths: Iterable[str | os.PathLike]) -> tuple[list[Span], list[str]]:
+    """Every span under these files or directories (``*.jsonl``), and one warning per line
+    that could not be read (a torn last line of a killed process is expected). Lines of
+    other records (``{"record": "event" | "verdict", ...}``: :mod:`bootseer.robust.events`)
+    are not spans and are passed over."""
+    spans: list[Span] = []
+    warnings: list[str] = []
+    for file, n, line in trace_lines(paths):
+        if line.startswith('{"record":'):
+            continue
+        try:
+            spans.append(Span.from_json(line))
+        except (ValueError, TypeError) as exc:
+            warnings.append(f"{file}:{n}: skipped ({exc})")
     return spans, warnings
