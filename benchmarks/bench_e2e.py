@@ -99,6 +99,14 @@ def container_id(node: Node) -> str:
     return f"job-{node.dir.name}"
 
 
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The end of a job's log, for errors that a CI run shows without the file."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(unreadable: {exc})"
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -296,7 +304,8 @@ class Bench:
         r = subprocess.run(argv, stdout=logf, stderr=logf, env=bp.clean_env(),
                            timeout=STEP_TIMEOUT_S, check=False)
         if r.returncode != 0:
-            raise RuntimeError(f"{argv[0]} pull exited {r.returncode} (log {logf.name})")
+            raise RuntimeError(f"{argv[0]} pull exited {r.returncode} (log {logf.name}):\n"
+                               f"{log_tail(Path(logf.name))}")
         return time.time() - t
 
     def start(self, node: Node, method: str, results: Path, logf: Any, *, first: bool
@@ -352,9 +361,9 @@ class Bench:
                 return value
             if proc.poll() is not None:
                 raise RuntimeError(f"the job ended (exit {proc.returncode}) before {what} "
-                                   f"(log {logp})")
+                                   f"(log {logp}):\n{log_tail(logp)}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out waiting for {what} (log {logp})")
+                raise RuntimeError(f"timed out waiting for {what} (log {logp}):\n{log_tail(logp)}")
             time.sleep(0.2)
 
     def committed(self, method: str) -> int | None:
@@ -447,7 +456,7 @@ class Bench:
             proc = self.start(node, method, results, logf, first=False)
             rc = proc.wait(timeout=STEP_TIMEOUT_S)
         if rc != 0:
-            raise RuntimeError(f"the restarted job exited {rc} (log {logp})")
+            raise RuntimeError(f"the restarted job exited {rc} (log {logp}):\n{log_tail(logp)}")
         out = self.breakdown(method, results, t0, t0 + pull_s, node.dir / "local" / "trace",
                              attempt=0)
         if method == "bootseer":

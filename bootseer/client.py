@@ -9,12 +9,18 @@ makes progress::
         train_step()
         if step == start:
             bootseer.ready()          # startup ends here: the trace's first_step span
-        bootseer.heartbeat(step)      # at most one write a second; a silence is a hang
+        bootseer.heartbeat(step, loss=loss, grad_norm=norm)  # at most one write a second
 
-Both write small files (atomic replace, JSON ``{"step", "time", "pid", "rank"}``) into the
-control directory the wrapper gives the child (``BOOTSEER_CONTROL_DIR``): ``ready-<rank>`` and
-``heartbeat-<rank>``, the rank from ``RANK`` (0 without it). Without that variable (not under
+Both write small files (atomic replace, JSON ``{"step", "time", "pid", "rank"}``, plus
+``"loss"`` and ``"grad_norm"`` when given) into the control directory the wrapper gives the
+child (``BOOTSEER_CONTROL_DIR``): ``ready-<rank>`` and ``heartbeat-<rank>``, the rank from ``RANK`` (0 without it). Without that variable (not under
 ``bootseer run``) both return at once. Neither ever raises into the training loop.
+
+A silence is a hang; the metrics feed :mod:`bootseer.robust.detect` (NaN/Inf, 5x jumps). A
+NaN or Inf loss or grad norm skips the rate limit, so the step it happened at is on disk at
+once, and every later heartbeat of the process carries it as ``"first_nonfinite"`` (a
+reader that polls slower than the steps still sees it). JSON has no NaN: non-finite values
+are written as the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (:func:`bootseer.robust.events.metric` reads both forms back).
 
 Under the wrapper, importing this module also registers a SIGUSR1 handler (``faulthandler``)
 that writes the Python stack of every thread to
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import math
 import os
 import signal
 import socket
@@ -48,6 +55,7 @@ _dump_file: IO[str] | None = None  # kept open: faulthandler writes to its descr
 _dump_pid: int | None = None
 _image_told = False
 _clock = time.monotonic
+_first_nonfinite: dict[str, Any] | None = None  # the first NaN/Inf heartbeat of this process
 
 
 def _rank() -> int:
@@ -83,6 +91,22 @@ def _doc(step: Any) -> dict[str, Any]:
     return {"step": step, "time": time.time(), "pid": os.getpid(), "rank": _rank()}
 
 
+def _metric(value: Any) -> float | str | None:
+    """A float for JSON, non-finite ones as strings (JSON has no NaN); None when absent or
+    not a number (a metric must never break training)."""
+    if value is None:
+        return None
+    try:
+        number = float(value)  # a Python float, a numpy or a 0-d tensor (.item() sync)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if math.isnan(number):
+        return "nan"
+    if math.isinf(number):
+        return "inf" if number > 0 else "-inf"
+    return number
+
+
 def ready() -> None:
     """The first training step is reached: the end of startup (and a heartbeat).
 
@@ -108,22 +132,32 @@ def ready() -> None:
         pass
 
 
-def heartbeat(step: int | None = None) -> None:
-    """Progress: written at most once a second (cheap to call every step)."""
+def heartbeat(step: int | None = None, loss: Any = None, grad_norm: Any = None) -> None:
+    """Progress, with the step's loss and grad norm when given: written at most once a
+    second (cheap to call every step), except that a NaN or Inf metric is written at once."""
     global _last_heartbeat
     control = os.environ.get(CONTROL_ENV)
     if not control:
         return
-    now = _clock()
-    if now - _last_heartbeat < HEARTBEAT_INTERVAL_S:
-        return
     try:
+        now = _clock()
+        metrics = {k: m for k, v in (("loss", loss), ("grad_norm", grad_norm))
+                   if (m := _metric(v)) is not None}
+        urgent = any(isinstance(m, str) for m in metrics.values())
+        global _first_nonfinite
+        if urgent and _first_nonfinite is None:
+            _first_nonfinite = {"step": _doc(step)["step"], **metrics}
+        if not urgent and now - _last_heartbeat < HEARTBEAT_INTERVAL_S:
+            return
         with _lock:
-            if now - _last_heartbeat < HEARTBEAT_INTERVAL_S:
+            if not urgent and now - _last_heartbeat < HEARTBEAT_INTERVAL_S:
                 return
             _last_heartbeat = now
         install_stack_dump()
-        _write(os.path.join(control, f"heartbeat-{_rank()}"), _doc(step))
+        doc = {**_doc(step), **metrics}
+        if _first_nonfinite is not None:  # sticky: a reader polling slower still sees it
+            doc["first_nonfinite"] = _first_nonfinite
+        _write(os.path.join(control, f"heartbeat-{_rank()}"), doc)
     except Exception:  # noqa: BLE001 - see ready()
         pass
 

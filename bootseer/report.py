@@ -38,8 +38,10 @@ max, mean, bytes, outcomes``), ``stragglers`` (``phase, node, rank, attempt, sec
 mad, threshold``), ``restarts`` (``node, rank, restarts, attempts: [{attempt, outcome,
 reason}]``), ``time_to_first_step`` (``first_attempt`` and ``last_attempt``: ``count, p50, p90,
 max, mean`` or null; ``workers``: ``node, rank, first_attempt, first_attempt_s, last_attempt,
-last_attempt_s``) and ``last_attempt`` (``node, rank, attempt, phases, first_step_s, wall``).
-Times are seconds.
+last_attempt_s``), ``last_attempt`` (``node, rank, attempt, phases, first_step_s, wall``)
+and, since version 2, the node-level views of :mod:`bootseer.report_nodes`: ``incidents``,
+``node_stragglers`` and ``bytes_by_remote``. Times are seconds. Every field, with its type and
+unit, is in docs/report.md (a scale model reads this file: change it only with the version).
 """
 
 from __future__ import annotations
@@ -53,16 +55,29 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .report_nodes import (
+    FAILURE_PHASE,
+    Incident,
+    NodeBytes,
+    NodeStraggler,
+    NodeTimeline,
+    Segment,
+    node_views,
+    positioned_segments,
+    split_by_phase,
+)
 from .trace import Span, read_traces
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # v1 lacks the node-level views: they read back empty
 PHASE_ORDER = ("restart", "environment", "checkpoint_prefetch", "image_prefetch",
                "command_start", "first_step", "hang")
 # Their length is set by policy (backoff, hang timeout), not by a slow node.
-NOT_STRAGGLER_PHASES = frozenset({"restart", "hang"})
+NOT_STRAGGLER_PHASES = frozenset({"restart", "hang", FAILURE_PHASE})
 MAD_K = 3.0
 MAD_FLOOR_FRACTION = 0.01
 MAD_FLOOR_S = 0.010
+MAX_BYTE_ROWS = 20  # the table's; the JSON has every node
 _REASON_KEYS = ("reason", "exit_code", "returncode", "signal")
 
 
@@ -155,6 +170,11 @@ class Report:
     first_step_first: Stats | None
     first_step_last: Stats | None
     last_attempt: list[WorkerPhases]
+    # v2: the node-level views (bootseer/report_nodes.py); empty when read from v1
+    incidents: list[Incident] = field(default_factory=list)
+    node_stragglers: list[NodeStraggler] = field(default_factory=list)
+    bytes_by_node: list[NodeBytes] = field(default_factory=list)
+    bytes_by_remote: dict[str, int] = field(default_factory=dict)
 
     def phase(self, name: str) -> PhaseStats | None:
         return next((p for p in self.phases if p.phase == name), None)
@@ -185,13 +205,21 @@ class Report:
                 "workers": [asdict(w) for w in self.first_step],
             },
             "last_attempt": [asdict(w) for w in self.last_attempt],
+            "incidents": [asdict(i) for i in self.incidents],
+            "node_stragglers": [asdict(s) for s in self.node_stragglers],
+            "bytes_by_remote": {"total": dict(self.bytes_by_remote),
+                                "nodes": [asdict(n) for n in self.bytes_by_node]},
         }
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> Report:
-        if doc.get("version") != REPORT_VERSION:
-            raise ValueError(f"report version {doc.get('version')!r} is not {REPORT_VERSION}")
+        """Reads this version's JSON and every earlier one (:data:`READABLE_VERSIONS`)."""
+        if doc.get("version") not in READABLE_VERSIONS:
+            raise ValueError(f"report version {doc.get('version')!r} is not one of "
+                             f"{READABLE_VERSIONS}: a newer bootseer wrote it; read it with "
+                             "that version")
         ttfs = doc["time_to_first_step"]
+        remotes = doc.get("bytes_by_remote") or {"total": {}, "nodes": []}
         return cls(
             sources=list(doc["sources"]), warnings=list(doc["warnings"]), spans=doc["spans"],
             nodes=doc["nodes"], workers=doc["workers"],
@@ -204,7 +232,27 @@ class Report:
             first_step_first=Stats(**ttfs["first_attempt"]) if ttfs["first_attempt"] else None,
             first_step_last=Stats(**ttfs["last_attempt"]) if ttfs["last_attempt"] else None,
             last_attempt=[WorkerPhases(**w) for w in doc["last_attempt"]],
+            incidents=[_incident_from_dict(i) for i in doc.get("incidents", [])],
+            node_stragglers=[NodeStraggler(**s) for s in doc.get("node_stragglers", [])],
+            bytes_by_node=[NodeBytes(**n) for n in remotes["nodes"]],
+            bytes_by_remote=dict(remotes["total"]),
         )
+
+    def incident(self, attempt: int | None = None) -> Incident | None:
+        """The incident of this attempt number (default: the last one)."""
+        if not self.incidents:
+            return None
+        if attempt is None:
+            return self.incidents[-1]
+        return next((i for i in self.incidents if i.attempt == attempt), None)
+
+
+def _incident_from_dict(doc: dict[str, Any]) -> Incident:
+    return Incident(**{**doc,
+                       "critical_path": [Segment(**s) for s in doc["critical_path"]],
+                       "timeline": [NodeTimeline(**{**t, "segments": [Segment(**s) for s in
+                                                                       t["segments"]]})
+                                    for t in doc["timeline"]]})
 
 
 # -- statistics --------------------------------------------------------------------------------
@@ -352,7 +400,8 @@ def _attempt_outcome(spans: list[Span], has_later: bool) -> str:
     if any(s.outcome != "ok" for s in first_step):
         return "crash"  # the command ended before bootseer.ready()
     for bad in ("failed", "killed"):
-        phases = sorted({s.phase for s in spans if s.outcome == bad and s.phase != "restart"},
+        phases = sorted({s.phase for s in spans if s.outcome == bad
+                         and s.phase not in ("restart", FAILURE_PHASE)},
                         key=phase_key)
         if phases:
             return f"{bad}:{phases[0]}"
@@ -393,6 +442,7 @@ def build_report(spans: Sequence[Span], warnings: Sequence[str] = (),
             first_step.append(WorkerFirstStep(node, rank, lo, first.seconds if first else None,
                                               hi, last.seconds if last else None))
 
+    views = node_views(spans, NOT_STRAGGLER_PHASES)
     return Report(
         sources=[str(p) for p in sources], warnings=warns, spans=len(spans),
         nodes=len({n for n, _ in workers}), workers=len(workers),
@@ -403,6 +453,8 @@ def build_report(spans: Sequence[Span], warnings: Sequence[str] = (),
         first_step_last=stats([w.last_attempt_s for w in first_step
                                if w.last_attempt_s is not None]),
         last_attempt=_last_attempts(by_worker),
+        incidents=views.incidents, node_stragglers=views.node_stragglers,
+        bytes_by_node=views.bytes_by_node, bytes_by_remote=views.bytes_by_remote,
     )
 
 
@@ -428,19 +480,7 @@ def wall_segments(spans: Iterable[Span]) -> dict[str, float]:
     phase ran to ``untraced``. Unlike summed durations, concurrent phases (environment and
     checkpoint prefetch) are not counted twice, so the parts add up to the elapsed time; with
     ``first_step`` (attempt start to ready) it is the time to first step, backoff included."""
-    ordered = sorted(spans, key=lambda s: (s.end, s.start))
-    if not ordered:
-        return {}
-    covered = min(s.start for s in ordered)
-    seg: dict[str, float] = defaultdict(float)
-    for s in ordered:
-        if s.end <= covered:
-            continue
-        if s.start > covered:
-            seg["untraced"] += s.start - covered
-            covered = s.start
-        seg[s.phase] += s.end - covered
-        covered = s.end
+    seg = split_by_phase(positioned_segments(spans))
     return dict(sorted(seg.items(), key=lambda kv: phase_key(kv[0])))
 
 
@@ -499,6 +539,31 @@ def table_rows(report: Report) -> dict[str, tuple[list[str], list[list[str]]]]:
             [[s.phase, s.node, "-" if s.rank is None else str(s.rank), str(s.attempt),
               fmt_s(s.seconds), fmt_s(s.median), fmt_s(s.threshold)]
              for s in report.stragglers])
+    if report.node_stragglers:
+        tables[f"straggling nodes (a node's time in a phase > median + {MAD_K:g} MAD)"] = (
+            ["phase", "node", "attempt", "seconds", "median", "threshold"],
+            [[s.phase, s.node, str(s.attempt), fmt_s(s.seconds), fmt_s(s.median),
+              fmt_s(s.threshold)] for s in report.node_stragglers])
+    if report.incidents:
+        tables["incidents: failure (or start) to the job's first step, along the critical path"] = (
+            ["attempt", "kind", "wall", "critical node", "ready", "cost by phase (seconds)"],
+            [[str(i.attempt), i.kind, fmt_s(i.wall_s),
+              "-" if i.critical_node is None else worker_label(i.critical_node, i.critical_rank),
+              f"{i.ready_nodes}/{i.nodes}",
+              ", ".join(f"{k} {v:.2f}" for k, v in sorted(i.cost.items(),
+                                                          key=lambda kv: phase_key(kv[0])))
+              or "-"] for i in report.incidents])
+    if report.bytes_by_remote:
+        remotes = sorted(report.bytes_by_remote)
+        heavy = sorted(report.bytes_by_node, key=lambda n: -n.total)[:MAX_BYTE_ROWS]
+        shown = "" if len(heavy) == len(report.bytes_by_node) else (
+            f", the {len(heavy)} heaviest of {len(report.bytes_by_node)} nodes")
+        tables[f"bytes received per remote (every attempt and warmup{shown})"] = (
+            ["node", *remotes, "total"],
+            [[n.node, *(human_bytes(n.remotes.get(r, 0)) for r in remotes), human_bytes(n.total)]
+             for n in sorted(heavy, key=lambda n: worker_key(n.node, None))]
+            + [["all nodes", *(human_bytes(report.bytes_by_remote[r]) for r in remotes),
+                human_bytes(sum(report.bytes_by_remote.values()))]])
     restarted = [r for r in report.restarts if r.restarts]
     if restarted:
         tables[f"restarts ({report.total_restarts} in all)"] = (

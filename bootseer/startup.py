@@ -31,7 +31,7 @@ from typing import Any
 
 from .cli.errors import CliError
 from .progress import human_bytes
-from .trace import Span, TraceWriter
+from .trace import Span, TraceWriter, remote_bytes, remote_of
 from .variables import CKPT_CACHE_HANDOFF
 
 __all__ = ["PhaseResult", "StartupError", "StartupPlan", "run_startup"]
@@ -69,6 +69,7 @@ class PhaseResult:
     env: dict[str, str] = field(default_factory=dict)
     detail: dict[str, Any] = field(default_factory=dict)
     error: BaseException | None = None
+    bytes_by_remote: dict[str, int] = field(default_factory=dict)  # the span's, see trace.py
 
 
 def _say(line: str) -> None:
@@ -103,6 +104,9 @@ def environment_phase(plan: StartupPlan, base_env: Mapping[str, str]) -> PhaseRe
     result.detail.update(outcome=done.outcome, key=done.key, prefix=done.prefix)
     if done.restore is not None:
         result.detail["fetched_bytes"] = done.restore.compressed_bytes
+        if plan.env_store:
+            result.bytes_by_remote = remote_bytes(remote_of(plan.env_store),
+                                                  done.restore.compressed_bytes)
     if done.warnings:
         result.detail["warnings"] = list(done.warnings)
     result.summary = f"{done.outcome} {prefix}" + (f" ({human_bytes(moved)})" if moved else "")
@@ -149,6 +153,7 @@ def checkpoint_phase(plan: StartupPlan) -> PhaseResult:
         result.env = _cache_handoff(plan)
         return result
     result.bytes = done.bytes
+    result.bytes_by_remote = remote_bytes(remote_of(plan.ckpt_url), done.bytes)
     result.detail.update(step=done.step, files=done.files, cached_already=done.cached_already)
     if done.step is None:
         result.summary = "no committed checkpoint yet (a fresh run)"
@@ -196,7 +201,8 @@ def run_startup(plan: StartupPlan, *, trace: TraceWriter | None = None, attempt:
         try:
             if trace is not None:  # detail may hold its own "outcome" (ensure's)
                 trace.write(Span(trace.node, trace.rank, name, start, end, result.bytes,
-                                 result.outcome, attempt, result.detail))
+                                 result.outcome, attempt, result.detail,
+                                 result.bytes_by_remote))
             quiet = attempt > 0 and result.outcome == "skipped" and "error" not in result.detail
             if result.error is None and not quiet:  # an unconfigured phase is said once
                 say(f"{name}: {result.summary} in {end - start:.2f}s")

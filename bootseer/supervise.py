@@ -326,6 +326,8 @@ class Supervisor:
                                   "exit_code": previous.code}
         if previous.code > 128 and previous.reason in ("signaled", "hang"):
             detail["signal"] = _signal_name(previous.code - 128)
+        if "exited_at" in previous.detail:  # the end of the attempt, before its teardown
+            detail["exited_at"] = previous.detail["exited_at"]
         self._record("restart", start, attempt=attempt, restart=attempt, delay_s=delay,
                      **detail)
 
@@ -408,7 +410,7 @@ class Supervisor:
                     "signaled" if os.WIFSIGNALED(self._status) else "exited")
                 self.log(f"command exited with {AttemptEnd(attempt, code, reason).describe()} "
                          f"(attempt {attempt})")
-                return AttemptEnd(attempt, code, reason, pid)
+                return AttemptEnd(attempt, code, reason, pid, {"exited_at": time.time()})
             if timeout > 0 and self._stopping is None:
                 if watch.last_change is None:
                     silent, limit = time.monotonic() - spawned, max(timeout, self.hang.startup_s)
@@ -451,19 +453,23 @@ class Supervisor:
         self.log(f"hang: no heartbeat for {silent:.1f}s {before}; dumping stacks to "
                  f"{self.dump_dir} and killing the command")
         hang_start = time.time() - silent
+        detected = time.time()
         sizes = self._request_dumps(pid, everyone=True)
         grown = self._wait_dumps(sizes)
+        dumped = time.time()
         self._signal_group(pid, signal.SIGKILL)
         self._wait_child(5.0)
         code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
         self._record("hang", hang_start, attempt=attempt, outcome="killed",
                      timeout_s=self.hang.timeout_s, silent_s=round(silent, 3),
-                     last_step=watch.last_step, pid=pid, stacks=sorted(p.name for p in grown))
+                     last_step=watch.last_step, pid=pid, stacks=sorted(p.name for p in grown),
+                     detected_at=detected, dumped_at=dumped)
         if grown:
             self.log(f"stacks: {', '.join(str(p) for p in sorted(grown))}")
         else:
             self.log("no stack dump arrived (does the command import bootseer?)")
-        return AttemptEnd(attempt, code, "hang", pid, {"stacks": sorted(map(str, grown))})
+        return AttemptEnd(attempt, code, "hang", pid, {"stacks": sorted(map(str, grown)),
+                                                       "exited_at": time.time()})
 
     def _dump_files(self, pids: set[int]) -> dict[Path, int]:
         """This node's stack files of live processes of the group, with their sizes."""

@@ -7,7 +7,15 @@ lined up; a span's ``bytes`` says how much the phase moved, ``outcome`` is ``ok`
 
     {"node": "node-3", "rank": 5, "phase": "environment", "start": 1763700000.12,
      "end": 1763700002.95, "bytes": 194400000, "outcome": "ok", "attempt": 0,
-     "detail": {"outcome": "restored"}}
+     "detail": {"outcome": "restored"}, "bytes_by_remote": {"s3": 61300000}}
+
+``bytes_by_remote`` (optional; absent or ``{}`` when the phase read nothing from a remote)
+says which remote the phase received bytes from, and how many: the registry for image
+blocks (:data:`REMOTE_REGISTRY`), a store by its URL's protocol for snapshots and checkpoints
+(:func:`remote_of`: ``s3``, ``hdfs``, ``http``, ``file``). They are bytes received over the
+wire, so they can differ from ``bytes`` (an environment's ``bytes`` are the unpacked ones).
+``bootseer warmup``'s spans carry ``"warmup": true`` in their detail: they fill a node before
+the job and belong to no attempt of it.
 
 Phases used: ``environment``, ``checkpoint_prefetch``, ``image_prefetch`` (warmup),
 ``command_start`` (the child is spawned), ``first_step`` (from the start of the attempt to
@@ -30,6 +38,38 @@ from typing import Any
 from striped_fs.redact import redact
 
 OUTCOMES = ("ok", "failed", "skipped", "killed")
+#: The ``bytes_by_remote`` name of the OCI registry (image blocks).
+REMOTE_REGISTRY = "registry"
+
+
+def remote_of(url: str) -> str:
+    """The ``bytes_by_remote`` name of the store behind an fsspec URL: its innermost protocol
+    (``striped::s3://b/x`` -> ``s3``), ``file`` for a plain path. Named by kind, not by
+    bucket, so that a report can add up what every node asked of the same service."""
+    from fsspec.core import split_protocol
+
+    protocol, _ = split_protocol(url.split("::")[-1])
+    return protocol or "file"
+
+
+def remote_bytes(remote: str, nbytes: int) -> dict[str, int]:
+    """A span's ``bytes_by_remote`` for one remote: empty when nothing came from it."""
+    return {remote: nbytes} if nbytes else {}
+
+
+def checked_remote_bytes(value: Any) -> dict[str, int]:
+    """A checked ``bytes_by_remote``: names to byte counts >= 0."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"bytes_by_remote must be an object of remote -> bytes, got {value!r}")
+    out: dict[str, int] = {}
+    for name, n in value.items():
+        if (not isinstance(name, str) or isinstance(n, bool) or not isinstance(n, int)
+                or n < 0):
+            raise ValueError(f"bytes_by_remote: {name!r}: expected an integer >= 0, got {n!r}")
+        out[name] = n
+    return out
 
 
 @dataclass
@@ -43,6 +83,7 @@ class Span:
     outcome: str = "ok"
     attempt: int = 0
     detail: dict[str, Any] = field(default_factory=dict)
+    bytes_by_remote: dict[str, int] = field(default_factory=dict)  # remote -> bytes received
 
     @property
     def seconds(self) -> float:
@@ -62,7 +103,8 @@ class Span:
         return cls(node=str(doc["node"]), rank=doc.get("rank"), phase=str(doc["phase"]),
                    start=float(doc["start"]), end=float(doc["end"]),
                    bytes=int(doc.get("bytes", 0)), outcome=str(doc.get("outcome", "ok")),
-                   attempt=int(doc.get("attempt", 0)), detail=dict(doc.get("detail") or {}))
+                   attempt=int(doc.get("attempt", 0)), detail=dict(doc.get("detail") or {}),
+                   bytes_by_remote=checked_remote_bytes(doc.get("bytes_by_remote")))
 
 
 def default_node() -> str:
@@ -89,14 +131,16 @@ class TraceWriter:
         return span
 
     def record(self, phase: str, start: float, end: float | None = None, *, attempt: int = 0,
-               bytes: int = 0, outcome: str = "ok", **detail: Any) -> Span:
+               bytes: int = 0, outcome: str = "ok",
+               bytes_by_remote: dict[str, int] | None = None, **detail: Any) -> Span:
         return self.write(Span(self.node, self.rank, phase, start,
                                time.time() if end is None else end, bytes, outcome, attempt,
-                               detail))
+                               detail, checked_remote_bytes(bytes_by_remote)))
 
     @contextmanager
     def span(self, phase: str, *, attempt: int = 0, **detail: Any) -> Iterator[dict[str, Any]]:
-        """Times the block; the yielded dict may set ``bytes``, ``outcome`` and detail keys.
+        """Times the block; the yielded dict may set ``bytes``, ``outcome``,
+        ``bytes_by_remote`` and detail keys.
         An exception marks the span failed (and propagates)."""
         info: dict[str, Any] = dict(detail)
         start = time.time()
@@ -109,14 +153,13 @@ class TraceWriter:
         finally:
             outcome = info.pop("outcome", "ok")
             nbytes = int(info.pop("bytes", 0))
-            self.record(phase, start, attempt=attempt, bytes=nbytes, outcome=outcome, **info)
+            remotes = info.pop("bytes_by_remote", None)
+            self.record(phase, start, attempt=attempt, bytes=nbytes, outcome=outcome,
+                        bytes_by_remote=remotes, **info)
 
 
-def read_traces(paths: Iterable[str | os.PathLike]) -> tuple[list[Span], list[str]]:
-    """Every span under these files or directories (``*.jsonl``), and one warning per line
-    that could not be read (a torn last line of a killed process is expected)."""
-    spans: list[Span] = []
-    warnings: list[str] = []
+def trace_lines(paths: Iterable[str | os.PathLike]) -> Iterator[tuple[Path, int, str]]:
+    """Every non-empty line of these files or directories (``*.jsonl``): (file, number, line)."""
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -128,10 +171,22 @@ def read_traces(paths: Iterable[str | os.PathLike]) -> tuple[list[Span], list[st
     for file in files:
         with open(file, encoding="utf-8", errors="replace") as f:
             for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    spans.append(Span.from_json(line))
-                except (ValueError, TypeError) as exc:
-                    warnings.append(f"{file}:{n}: skipped ({exc})")
+                if line.strip():
+                    yield file, n, line
+
+
+def read_traces(paths: Iterable[str | os.PathLike]) -> tuple[list[Span], list[str]]:
+    """Every span under these files or directories (``*.jsonl``), and one warning per line
+    that could not be read (a torn last line of a killed process is expected). Lines of
+    other records (``{"record": "event" | "verdict", ...}``: :mod:`bootseer.robust.events`)
+    are not spans and are passed over."""
+    spans: list[Span] = []
+    warnings: list[str] = []
+    for file, n, line in trace_lines(paths):
+        if line.startswith('{"record":'):
+            continue
+        try:
+            spans.append(Span.from_json(line))
+        except (ValueError, TypeError) as exc:
+            warnings.append(f"{file}:{n}: skipped ({exc})")
     return spans, warnings

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .progress import human_bytes
-from .trace import TraceWriter
+from .trace import REMOTE_REGISTRY, TraceWriter, remote_bytes, remote_of
 
 PHASES = {"image": "image_prefetch", "environment": "environment",
           "checkpoint": "checkpoint_prefetch"}
@@ -52,6 +52,7 @@ class PartResult:
     warm_already: bool = False  # nothing heavy to do: everything was in place
     error: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+    bytes_by_remote: dict[str, int] = field(default_factory=dict)  # the span's, see trace.py
 
     @property
     def phase(self) -> str:
@@ -118,7 +119,8 @@ def warm_image(ref: str, cache_dir: str | os.PathLike, *, platform: str = "linux
             outcome = (f"prefetched {stats.prefetched} frame(s) of {scope} "
                        f"({len(plan) - queued} already cached) into {cache_dir}")
         return PartResult("image", ref, bytes=stats.bytes_fetched, outcome=outcome,
-                          warm_already=queued == 0,
+                          warm_already=queued == 0, bytes_by_remote=remote_bytes(
+                              REMOTE_REGISTRY, stats.bytes_fetched),
                           detail={"frames": len(plan), "fetched": stats.prefetched,
                                   "requests": stats.requests})
     finally:
@@ -156,6 +158,7 @@ def warm_environment(spec_files: Sequence[str | os.PathLike], prefix: str | os.P
                 "does not install (the job's `bootseer env ensure` builds and publishes it once)")
         result = restore(snapshots, key, where)
     return PartResult("environment", str(where), bytes=result.compressed_bytes,
+                      bytes_by_remote=remote_bytes(remote_of(store), result.compressed_bytes),
                       outcome=f"restored environment {key}: {result.files} files, "
                               f"{human_bytes(result.bytes)}",
                       detail={"key": key, "action": "restored", "files": result.files,
@@ -181,6 +184,7 @@ def warm_checkpoint(url: str, cache_dir: str | os.PathLike, ranks: Sequence[int]
                                   f"{format_ranks(ranks)} ({result.cached_already} file(s) "
                                   "verified)")
     return PartResult("checkpoint", url, bytes=result.bytes, detail=detail,
+                      bytes_by_remote=remote_bytes(remote_of(url), result.bytes),
                       outcome=f"cached step {result.step} for ranks {format_ranks(ranks)}: "
                               f"{result.files} file(s) ({result.cached_already} already there) "
                               f"into {result.path}")
@@ -204,7 +208,8 @@ def run_parts(parts: Sequence[Part], trace: TraceWriter | None = None) -> list[P
             detail = {k: v for k, v in result.detail.items()
                       if k not in ("attempt", "bytes", "outcome", "what", "result")}
             trace.record(result.phase, wall, wall + result.seconds, bytes=result.bytes,
-                         outcome="ok" if result.ok else "failed", what=result.what,
+                         outcome="ok" if result.ok else "failed",
+                         bytes_by_remote=result.bytes_by_remote, warmup=True, what=result.what,
                          result=result.outcome if result.ok else result.error,
                          warm_already=result.warm_already, **detail)
         return result

@@ -15,9 +15,11 @@ tensor and no dict (``param_groups[0]["params"]``) stay one value.
   unchanged (``"model.0.weight"``). Tensors become tensors of our format at their global
   shape and dtype (a DCP checkpoint sharded over any number of ranks is assembled); the
   non-tensor entries (DCP "bytes" items: learning rates, ``param_groups`` fields, user
-  objects) become our objects. Load the result with :meth:`CheckpointManager.load_full`, or
-  into live state with ``flat, mapping = flatten_like_dcp(state)``, ``mgr.load(flat)``
-  (tensors are filled in place), ``state = unflatten_like_dcp(flat, mapping)``.
+  objects) become our objects. The checkpoint is marked as keyed by FQNs: ``mgr.load(state)``
+  into live nested state flattens ``state`` the way DCP does, fills the tensors in place and
+  puts the objects back where they were; :meth:`CheckpointManager.load_full` returns the flat
+  table. (Checkpoints converted before that mark need ``flat, m = flatten_like_dcp(state)``,
+  ``mgr.load(flat)``, ``state = unflatten_like_dcp(flat, m)``.)
 * Ours -> DCP (:func:`bootseer_to_dcp`): the checkpoint is read with
   :meth:`CheckpointManager.load_full` (nested dicts/lists, full plain tensors, rank 0's
   objects) and handed to ``dcp.save``, which flattens it with its own rules. A checkpoint
@@ -57,6 +59,7 @@ import torch
 from striped_fs.urls import to_striped_url
 
 from .errors import CheckpointError, CheckpointNotFound
+from .flatten import flatten_like_dcp, unflatten_like_dcp
 from .layout import MANIFEST, dtype_name, step_dir
 from .loader import unpickling_refusal
 from .manager import CheckpointManager
@@ -152,7 +155,7 @@ def dcp_to_bootseer(dcp_url: str, ckpt_url: str, step: int,
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
         log.info("read %s in %.2f s; writing step %d under %s", dcp_url,
                  time.perf_counter() - loading, step, ckpt_url)
-        mgr.save(step, state, block=True)
+        mgr._save(step, state, block=True, key_style="dcp")  # load() then flattens like DCP
     seconds = time.perf_counter() - started
     log.info("converted %s -> %s step %d in %.2f s", dcp_url, ckpt_url, step, seconds)
     return ConversionResult(dcp_url, ckpt_url, step, n_tensors, n_objects, tensor_bytes, seconds)
@@ -297,27 +300,6 @@ def _untrusted_planner() -> type:
                 self.state_dict[fqn] = obj
 
     return UntrustedPlanner
-
-
-def flatten_like_dcp(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(flat, mapping)``: ``state`` keyed by DCP FQNs, the same tensor objects as leaves.
-
-    For loading a checkpoint converted from DCP into live state::
-
-        flat, mapping = flatten_like_dcp({"model": model.state_dict(), "optim": osd})
-        mgr.load(flat)                               # tensors filled in place
-        state = unflatten_like_dcp(flat, mapping)    # objects put back where they were
-    """
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    return flatten_state_dict(state)
-
-
-def unflatten_like_dcp(flat: dict[str, Any], mapping: dict[str, Any]) -> dict[str, Any]:
-    """Inverse of :func:`flatten_like_dcp`."""
-    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
-
-    return unflatten_state_dict(flat, mapping)
 
 
 def fsspec_kwargs(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:

@@ -20,12 +20,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .flatten import KINDS as CONTAINER_KINDS
+
 if TYPE_CHECKING:  # torch is imported lazily: `bootseer run` prefetches before torch exists
     import torch
 
     from striped_fs import StripedFileSystem
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # MANIFEST.json
+# rank-R.index.json: 2 added ``containers`` (which levels of the state were lists or
+# int-keyed dicts) and ``key_style`` ("dcp": keys are DCP FQNs); 1 is still read.
+INDEX_FORMAT = 2
+INDEX_FORMATS = (1, 2)
+KEY_STYLES = ("", "dcp")
 ALIGN = 64
 # Bounds on what an index or manifest may declare (docs/ckpt.md, "What is checked"): every
 # length is checked against these and against the bytes before anything is allocated.
@@ -125,8 +132,12 @@ class RankIndex:
     objects_size: int = 0
     objects_crc32: int = 0
     attempt: str = ""  # which run of the job wrote it: the commit only mixes one attempt
-    format: int = FORMAT_VERSION
+    format: int = INDEX_FORMAT
     created: float = field(default_factory=time.time)
+    # {container key: "list" | "int"}: the levels of the state that were not dicts keyed by
+    # strings (ckpt.flatten.container_kinds); None in format 1 indexes
+    containers: dict[str, str] | None = None
+    key_style: str = ""  # "dcp": converted from DCP, keys are DCP FQNs (flat)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -139,8 +150,9 @@ class RankIndex:
             body = json.loads(data)
             if not isinstance(body, dict):
                 raise ValueError(f"a JSON {type(body).__name__}, expected an object")
-            if body.get("format") != FORMAT_VERSION:
-                raise ValueError(f"format {body.get('format')!r}, expected {FORMAT_VERSION}")
+            if body.get("format") not in INDEX_FORMATS:
+                raise ValueError(f"format {body.get('format')!r}, expected one of "
+                                 f"{list(INDEX_FORMATS)} (a newer bootseer wrote it?)")
             if not isinstance(body.get("chunks"), list) or \
                     not all(isinstance(c, dict) for c in body["chunks"]):
                 raise ValueError("chunks must be a list of objects")
@@ -164,6 +176,12 @@ class RankIndex:
                 raise ValueError(f"{path}: {name} must be a list of strings")
         if not isinstance(self.attempt, str):
             raise ValueError(f"{path}: attempt must be a string")
+        if self.key_style not in KEY_STYLES:
+            raise ValueError(f"{path}: key_style {self.key_style!r} (rule: one of {list(KEY_STYLES)})")
+        if self.containers is not None and not (
+                isinstance(self.containers, dict) and all(
+                    isinstance(k, str) and v in CONTAINER_KINDS for k, v in self.containers.items())):
+            raise ValueError(f"{path}: containers must map keys to one of {list(CONTAINER_KINDS)}")
         _time(path, self.created)
         for c in self.chunks:
             _check_chunk(path, c, self.data_size)

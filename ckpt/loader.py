@@ -9,6 +9,7 @@ those ranges touch are fetched in parallel and copied straight into the target t
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import pickle
@@ -22,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from striped_fs import StripedFileSystem
+from striped_fs import StripedFileSystem, StripedIOError
 from striped_fs.reader import fetch_piece_set
 
 from .errors import CheckpointCorrupt, StateMismatchError
-from .flatten import walk
+from .flatten import dcp_slots, walk
 from .layout import (
     MANIFEST,
     Manifest,
@@ -59,6 +60,9 @@ class LoadReport:
     mismatched: list[str] = field(default_factory=list)
     cached_files: int = 0  # files read from the node-local cache (ckpt.cache), not the store
     cached_bytes: int = 0
+    # newer committed steps skipped because some rank could not load them: "step N: rank R:
+    # what was wrong (naming the file)"; every rank gets the same list
+    skipped: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -69,18 +73,25 @@ class KeyInfo:
     index: ChunkIndex
 
 
+@dataclass
+class Reads:
+    """What one load read: the pieces of each rank's data file (``None``: the whole file,
+    verified, from the node cache) and whose objects files. The rest of a checkpoint is
+    what ``check_unread`` verifies when ranks cannot compare outcomes."""
+
+    pieces: dict[int, set[int] | None] = field(default_factory=dict)
+    objects: set[int] = field(default_factory=set)
+
+
 class CheckpointView:
     """A committed checkpoint's manifest and indexes, read and cross-checked."""
 
     def __init__(self, fs: StripedFileSystem, root: str, step: int,
-                 cache: StepCache | None = None) -> None:
+                 cache: StepCache | None = None, manifest_raw: bytes | None = None) -> None:
         self.fs, self.root, self.step = fs, root, step
         self.dir = step_dir(root, step)
-        try:
-            raw = fs.cat_file(f"{self.dir}/{MANIFEST}")
-        except FileNotFoundError:
-            raise CheckpointCorrupt(f"step {step} is not committed (no {MANIFEST})",
-                                    step=step, path=f"{self.dir}/{MANIFEST}") from None
+        raw = read_manifest(fs, root, step) if manifest_raw is None else manifest_raw
+        self.manifest_raw = raw
         self.manifest = _parse(Manifest.from_json, raw, step, f"{self.dir}/{MANIFEST}")
         problem = self.manifest.step_problem(step)
         if problem:
@@ -123,6 +134,19 @@ class CheckpointView:
                                         step=step, path=self.dir)
         self.keys = {k: KeyInfo(meta[k][0], meta[k][1], meta[k][2], ChunkIndex(v, meta[k][2]))
                      for k, v in grouped.items()}
+        styles = {idx.key_style for idx in self.indexes}
+        if len(styles) > 1:
+            raise CheckpointCorrupt(f"step {step}: the indexes of {self.dir} disagree on their "
+                                    f"key style {sorted(styles)} (rule: one key style)",
+                                    step=step, path=self.dir)
+        self.key_style = styles.pop() if styles else ""
+
+    def with_cache(self, cache: StepCache | None) -> CheckpointView:
+        """This view (already read and checked) reading data through another node cache
+        view: a load reuses the view ``latest()`` built for the same commit."""
+        view = copy.copy(self)
+        view.cache = cache if cache is not None and cache.matches(self.manifest_raw) else None
+        return view
 
     def _read_index(self, rank: int) -> bytes:
         path = f"{self.dir}/{index_name(rank)}"
@@ -188,6 +212,16 @@ class CheckpointView:
         return values
 
 
+def read_manifest(fs: StripedFileSystem, root: str, step: int) -> bytes:
+    """The raw ``MANIFEST.json`` of ``step``; a step without one is not committed."""
+    path = f"{step_dir(root, step)}/{MANIFEST}"
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"step {step} is not committed (no {MANIFEST})", step=step,
+                                path=path) from None
+
+
 def unpickling_refusal(exc: pickle.UnpicklingError) -> str:
     """The line of torch's weights-only refusal that names the global, not its advice."""
     advice = ("Weights only load failed", "Check the documentation", "Please file an issue")
@@ -213,6 +247,7 @@ class Target:
     box: Box
     done: Callable[[], None] | None = None
     flat_view: bool = False  # loaded through a 1-D view of the same row-major bytes
+    info: KeyInfo | None = None  # the stored tensor as this target reads it
 
 
 def _target(key: str, leaf: TensorLeaf, info: KeyInfo | None) -> Target:
@@ -230,12 +265,12 @@ def _target(key: str, leaf: TensorLeaf, info: KeyInfo | None) -> Target:
         elif leaf.kind == "flat" and numel == _prod(info.global_shape):
             full = Box((0,) * len(info.global_shape), info.global_shape)
             if info.index.overlapping(full) and all(c.box == full for c in info.index.chunks):
-                info.index = ChunkIndex([StoredChunk(c.key, c.rank, Box((0,), (numel,)),
-                                                     c.byte_offset, c.nbytes, c.dtype)
-                                         for c in info.index.chunks], (numel,))
-                info.global_shape = (numel,)
+                # a 1-D reading of the stored tensor, for this target only (the view is shared)
+                info = KeyInfo(info.kind, info.dtype, (numel,), ChunkIndex(
+                    [StoredChunk(c.key, c.rank, Box((0,), (numel,)), c.byte_offset, c.nbytes,
+                                 c.dtype) for c in info.index.chunks], (numel,)))
                 flat_view = True
-    return Target(key, leaf, work, box, done, flat_view)
+    return Target(key, leaf, work, box, done, flat_view, info)
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -342,8 +377,12 @@ def data_source(view: CheckpointView, rank: int) -> tuple[str, Any]:
     return path, source
 
 
-def execute(view: CheckpointView, jobs: list[Job], concurrency: int) -> int:
-    """Fetch the pieces the jobs touch, file by file in parallel; returns bytes fetched."""
+def execute(view: CheckpointView, jobs: list[Job], concurrency: int,
+            reads: Reads | None = None) -> int:
+    """Fetch the pieces the jobs touch, file by file in parallel; returns bytes fetched.
+
+    A piece that cannot be read or fails its checksum is a ``CheckpointCorrupt`` naming the
+    data file (and, in its message, the stripe). ``reads`` records what was read."""
     by_rank: dict[int, list[Job]] = defaultdict(list)
     for job in jobs:
         by_rank[job.rank].append(job)
@@ -352,6 +391,8 @@ def execute(view: CheckpointView, jobs: list[Job], concurrency: int) -> int:
         if view.cache is not None:
             copied = view.cache.read_data(view.indexes[rank], by_rank[rank])
             if copied is not None:
+                if reads is not None:
+                    reads.pieces[rank] = None
                 return copied
         path, source = data_source(view, rank)
         size = source.piece_size
@@ -388,11 +429,9 @@ def execute(view: CheckpointView, jobs: list[Job], concurrency: int) -> int:
                 if job.filled == job.end - job.start and job.finish is not None:
                     job.finish()
 
-        try:
-            fetch_piece_set(source, sorted(per_piece), concurrency, sink, into=direct,
-                            landed=landed)
-        except FileNotFoundError as exc:
-            raise CheckpointCorrupt(f"step {view.step}: {exc}", step=view.step, path=path) from exc
+        _fetch(view, path, source, sorted(per_piece), concurrency, sink, direct, landed)
+        if reads is not None:
+            reads.pieces[rank] = set(per_piece)
         return fetched
 
     if not by_rank:
@@ -401,8 +440,68 @@ def execute(view: CheckpointView, jobs: list[Job], concurrency: int) -> int:
         return sum(pool.map(one_file, sorted(by_rank)))
 
 
+def _fetch(view: CheckpointView, path: str, source: Any, pieces: list[int], concurrency: int,
+           sink: Callable[[int, bytes], None], into: Callable[[int], memoryview | None] | None = None,
+           landed: Callable[[int], None] | None = None) -> None:
+    """``fetch_piece_set`` whose failures name the step and the data file."""
+    try:
+        fetch_piece_set(source, pieces, concurrency, sink, into=into, landed=landed)
+    except (FileNotFoundError, StripedIOError) as exc:
+        raise CheckpointCorrupt(f"step {view.step}: {path}: {exc}", step=view.step,
+                                path=path) from exc
+
+
+def check_unread(view: CheckpointView, reads: Reads, concurrency: int) -> int:
+    """Verify, as a load would, every file of the checkpoint that this load did not read:
+    the other pieces of every data file (each stripe's checksum) and every objects file
+    (size, CRC-32; never deserialized). Returns the bytes read.
+
+    This is how ranks that cannot compare outcomes (no process group) still agree: each
+    takes a step only when every rank's files verify, which is the same answer on every
+    rank."""
+    checked = 0
+
+    def discard(offset: int, data: bytes) -> None:
+        nonlocal checked
+        checked += len(data)
+
+    for idx in view.indexes:
+        rank = idx.rank
+        if idx.data_size and rank in reads.pieces and reads.pieces[rank] is None:
+            pass  # read whole from the node cache, every chunk's checksum verified
+        elif idx.data_size and (view.cache is None or view.cache.read_data(idx, []) is None):
+            path, source = data_source(view, rank)
+            done = reads.pieces.get(rank) or set()
+            _fetch(view, path, source, [p for p in range(source.piece_count) if p not in done],
+                   concurrency, discard)
+        if idx.objects_size and rank not in reads.objects:
+            checked += len(view.objects_blob(rank))
+    return checked
+
+
 def load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
-              concurrency: int, trust_objects: bool = False) -> LoadReport:
+              concurrency: int, trust_objects: bool = False,
+              reads: Reads | None = None) -> LoadReport:
+    """Load ``view`` into ``state`` in place. A checkpoint converted from DCP (keys are DCP
+    FQNs) is loaded through DCP's flattening of ``state``, values put back where they were."""
+    if view.key_style != "dcp":
+        return _load_into(view, state, rank=rank, strict=strict, concurrency=concurrency,
+                          trust_objects=trust_objects, reads=reads)
+    try:
+        slots = dcp_slots(state)
+    except TypeError as exc:
+        raise StateMismatchError(view.step, [str(exc)]) from None
+    flat = {fqn: container[slot] for fqn, (container, slot) in slots.items()}
+    report = _load_into(view, flat, rank=rank, strict=strict, concurrency=concurrency,
+                        trust_objects=trust_objects, reads=reads)
+    for fqn, (container, slot) in slots.items():
+        if flat[fqn] is not container[slot]:
+            container[slot] = flat[fqn]  # an object replaced by the load
+    return report
+
+
+def _load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
+               concurrency: int, trust_objects: bool, reads: Reads | None) -> LoadReport:
     started = time.perf_counter()
     report = LoadReport(view.step)
     tensors, objects = collect(state)
@@ -417,7 +516,7 @@ def load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
             problems.append(f"missing from checkpoint: {key}")
             continue
         target = _target(key, leaf, info)
-        issue = _mismatch(key, leaf, info, target)
+        issue = _mismatch(key, leaf, target)
         if issue:
             report.mismatched.append(key)
             problems.append(issue)
@@ -437,11 +536,13 @@ def load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
     # Objects first: one refused (not trusted, damaged) leaves every tensor untouched.
     wanted = {k for k in objects if k in saved_object_keys}
     values = view.objects(saved_objects_rank, trust_objects) if wanted else {}
+    if wanted and reads is not None:
+        reads.objects.add(saved_objects_rank)
     jobs = []
     for t in targets:
-        info = view.keys[t.key]
-        jobs += plan(t, info.index.overlapping(t.box), t.tensor.element_size())
-    report.bytes_read = execute(view, jobs, concurrency)
+        assert t.info is not None
+        jobs += plan(t, t.info.index.overlapping(t.box), t.tensor.element_size())
+    report.bytes_read = execute(view, jobs, concurrency, reads)
     for t in targets:
         if t.done is not None:
             t.done()
@@ -463,7 +564,9 @@ def load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
     return report
 
 
-def _mismatch(key: str, leaf: TensorLeaf, info: KeyInfo, target: Target) -> str | None:
+def _mismatch(key: str, leaf: TensorLeaf, target: Target) -> str | None:
+    info = target.info
+    assert info is not None
     saved = dtype_of(info.dtype)
     if saved != leaf.dtype:
         return f"dtype of {key}: checkpoint {saved}, state {leaf.dtype}"
@@ -477,8 +580,10 @@ def _mismatch(key: str, leaf: TensorLeaf, info: KeyInfo, target: Target) -> str 
     return None
 
 
-def full_state(view: CheckpointView, *, rank: int = 0, trust_objects: bool = False) -> dict[str, Any]:
-    """Every tensor as one full plain tensor plus rank ``rank``'s objects, as a nested dict.
+def full_state(view: CheckpointView, *, rank: int = 0, trust_objects: bool = False) -> Any:
+    """Every tensor as one full plain tensor plus rank ``rank``'s objects, nested as saved:
+    lists as lists, integer dict keys as integers (an optimizer's ``state``), so that
+    ``optimizer.load_state_dict`` takes the optimizer part as it is.
 
     Nothing is allocated before the data files are known to hold the bytes their indexes
     declare; the view has checked that each tensor's chunks cover it exactly and occupy
@@ -498,15 +603,16 @@ def full_state(view: CheckpointView, *, rank: int = 0, trust_objects: bool = Fal
         jobs += plan(target, info.index.overlapping(target.box), tensor.element_size())
         flat[key] = tensor
     execute(view, jobs, view.fs.options.concurrency)
-    objects = view.objects(rank if rank < view.manifest.world_size else 0, trust_objects)
+    owner = rank if rank < view.manifest.world_size else 0
+    objects = view.objects(owner, trust_objects)
     clash = sorted(set(objects) & set(flat))
     if clash:
         raise CheckpointCorrupt(f"step {view.step}: {clash[:5]} are both tensors and objects "
                                 "(rule: one value per key)", step=view.step, path=view.dir)
     flat.update(objects)
     try:
-        return unflatten(flat)
-    except (TypeError, AttributeError) as exc:  # "a" a tensor and "a/b" under it
-        raise CheckpointCorrupt(f"step {view.step}: the keys of {view.dir} do not nest ({exc}) "
-                                "(rule: no key is a value and a container)", step=view.step,
-                                path=view.dir) from None
+        return unflatten(flat, view.indexes[owner].containers)
+    except ValueError as exc:
+        path = f"{view.dir}/{index_name(owner)}"
+        raise CheckpointCorrupt(f"step {view.step}: the keys of {view.dir} do not nest as "
+                                f"{path} says ({exc})", step=view.step, path=path) from None

@@ -1,7 +1,7 @@
 """``CheckpointManager``: save asynchronously, commit atomically, load with resharding.
 
     mgr = CheckpointManager("striped::s3://bucket/run1", rank=rank, world_size=world, keep=3)
-    step = mgr.load(state) if mgr.latest() is not None else 0
+    step = mgr.load(state) if mgr.latest() is not None else 0   # every rank: the same step
     for step in range(step, steps):
         train_step()
         if step % 100 == 0:
@@ -24,10 +24,20 @@ from striped_fs import StripedFileSystem, StripedIOError
 from striped_fs.redact import redact
 from striped_fs.urls import url_to_fs
 
+from . import agree
+from .agree import DAMAGED, ERROR, NONE, OK, Outcome
 from .cache import StepCache, open_cache
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointSaveError
 from .layout import MANIFEST, data_name, step_dir
-from .loader import CheckpointView, LoadReport, full_state, load_into
+from .loader import (
+    CheckpointView,
+    LoadReport,
+    Reads,
+    check_unread,
+    full_state,
+    load_into,
+    read_manifest,
+)
 from .persist import SaveResult, committed_steps, persist
 from .staging import StagingPool, stage
 
@@ -98,6 +108,8 @@ class CheckpointManager:
 
     One manager per rank. ``keep`` committed checkpoints are retained (``None``: all).
     Persisting runs on one background thread; a new ``save`` waits for the previous one.
+    Loads agree on one step over ``process_group`` (``None``: torch.distributed's default
+    group when it is this manager's world; ``False``: none).
     """
 
     def __init__(self, url: str, *, rank: int = 0, world_size: int = 1, keep: int | None = None,
@@ -105,7 +117,8 @@ class CheckpointManager:
                  stripe_size: int | str | None = None, concurrency: int | None = None,
                  commit_timeout_s: float = 1800.0, trust_objects: bool = False,
                  attempt: str | None = None,
-                 cache_dir: str | os.PathLike | bool | None = None) -> None:
+                 cache_dir: str | os.PathLike | bool | None = None,
+                 process_group: Any = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if keep is not None and keep < 1:
@@ -126,14 +139,24 @@ class CheckpointManager:
         self._loading: set[int] = set()
         self._lock = threading.Lock()
         self._closed = False
+        # What loads agree over (agree.resolve_group): None, the default group when it is
+        # this manager's world; False, none; or a ProcessGroup. Resolved at each load.
+        self.process_group = process_group
+        self._view: CheckpointView | None = None  # the last commit read: latest() -> load
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, block: bool = False) -> SaveHandle:
         """Stage ``state`` (the only stall) and persist it in the background.
 
         Raises the previous save's failure, if any, before starting. ``block=True`` waits
-        until this rank's shard is durable (and, on rank 0, committed).
+        until this rank's shard is durable (and, on rank 0, committed) and returns the
+        finished handle (``handle.wait()`` gives its result at once).
         """
+        return self._save(step, state, block=block)
+
+    def _save(self, step: int, state: Any, *, block: bool, key_style: str = "") -> SaveHandle:
+        """``save``; ``key_style="dcp"`` marks a checkpoint whose keys are DCP FQNs
+        (``ckpt.dcp.dcp_to_bootseer``), which ``load`` then flattens the state for."""
         self._check_open()
         if self._pending is not None and not self._pending.done():
             previous, waited = self._pending.step, time.perf_counter()
@@ -143,15 +166,16 @@ class CheckpointManager:
                      time.perf_counter() - waited, previous)
         else:
             self._flush()
-        staged = stage(step, state, rank=self.rank, world_size=self.world_size, pool=self._pool)
+        staged = stage(step, state, rank=self.rank, world_size=self.world_size, pool=self._pool,
+                       key_style=key_style)
         future = self._executor.submit(
             persist, self.fs, self.root, staged, rank=self.rank, world_size=self.world_size,
             commit_timeout_s=self.commit_timeout_s, keep=self.keep, protected=self._loading,
             attempt=self.attempt)
-        self._pending = SaveHandle(step, future, staged.stage_s)
+        handle = self._pending = SaveHandle(step, future, staged.stage_s)
         if block:
             self._flush()
-        return self._pending
+        return handle
 
     def _flush(self) -> SaveResult | None:
         handle, self._pending = self._pending, None
@@ -197,47 +221,134 @@ class CheckpointManager:
         return out
 
     def latest(self) -> int | None:
-        """The newest committed step, or ``None``. Uncommitted (torn) saves are invisible."""
+        """The newest step whose commit is valid, or ``None``.
+
+        Valid: its ``MANIFEST.json`` is well-formed and every rank's index it lists is there
+        and matches it (what a load reads before any data). Uncommitted (torn) saves, and a
+        commit whose files were replaced or lost since, are passed over; damage inside the
+        data files is found only by reading them, and ``load`` then falls back (every rank
+        together). Steps are numbers: a job that resumed from an older step leaves newer
+        ones in place until it saves them again (docs/ckpt.md). Local: no collective."""
         done, _ = committed_steps(self.fs, self.root)
-        return done[-1] if done else None
+        for step in reversed(done):
+            try:
+                self._open_view(step)
+            except (CheckpointCorrupt, StripedIOError, FileNotFoundError) as exc:
+                log.warning("checkpoint step %d under %s is committed but its commit is not "
+                            "valid (%s); latest() passes over it", step, self.url, exc)
+                continue
+            return step
+        return None
+
+    def _open_view(self, step: int) -> CheckpointView:
+        """Step ``step``'s manifest and indexes, read and checked; the last one is kept, so
+        a load right after ``latest()`` reads only the manifest again (to see it is the same
+        commit) and not every rank's index."""
+        raw = read_manifest(self.fs, self.root, step)
+        known = self._view
+        if known is not None and known.step == step and known.manifest_raw == raw:
+            return known.with_cache(self._cached(step))
+        view = CheckpointView(self.fs, self.root, step, self._cached(step), manifest_raw=raw)
+        self._view = view
+        return view
 
     # -- loading ---------------------------------------------------------------------------
     def load(self, state: Any, step: int | None = None, *, strict: bool = True) -> int:
         """Load into ``state`` in place (tensors filled, objects replaced); returns the step.
 
-        With ``step=None`` the newest committed checkpoint is used; if it fails to read or
-        verify, the previous one is tried, with a warning naming what was wrong.
+        With ``step=None`` every rank loads the same step: the newest committed one that
+        every rank can load (agreed over the process group; docs/ckpt.md). A step that some
+        rank cannot load is skipped on every rank, with a warning on every rank naming the
+        step, the rank and the file. An explicit ``step`` that some rank cannot load raises
+        on every rank.
         """
         return self.load_with_report(state, step, strict=strict).step
 
     def load_with_report(self, state: Any, step: int | None = None, *,
                          strict: bool = True) -> LoadReport:
-        if step is not None:
-            return self._load_step(state, step, strict)
-        done, _ = committed_steps(self.fs, self.root)
-        if not done:
-            raise CheckpointNotFound(f"no committed checkpoint under {self.url}")
-        failures = []
-        for candidate in reversed(done):
-            try:
-                report = self._load_step(state, candidate, strict)
-            except (CheckpointCorrupt, StripedIOError, FileNotFoundError) as exc:
-                log.warning("checkpoint step %d under %s cannot be loaded (%s); falling back "
-                            "to the previous committed checkpoint", candidate, self.url, exc)
-                failures.append(f"step {candidate}: {exc}")
-                continue
-            return report
-        raise CheckpointCorrupt("no committed checkpoint could be loaded:\n  " +
-                                "\n  ".join(failures), step=done[-1])
+        """``load``, returning what it did: bytes, seconds, keys, and the steps skipped."""
+        group = agree.resolve_group(self.process_group, self.rank, self.world_size)
+        exchange = agree.group_exchange(group) if group is not None else agree.alone
+        failed: set[int] = set()
+        skipped: list[str] = []
+        held: LoadReport | None = None  # what this rank's state holds, loaded whole
+        bound = step
+        while True:
+            outcome, report, error = self._try(state, step, bound, failed, held, strict,
+                                               check_all=group is None)
+            outcomes = exchange(outcome)
+            if outcomes is None:
+                assert report is not None
+                report.skipped = skipped
+                return report
+            errors = [o for o in outcomes if o.status == ERROR]
+            if errors:
+                if outcome.status == ERROR and error is not None:
+                    raise error
+                first = errors[0]
+                raise CheckpointError(f"loading checkpoint step {first.step} under {self.url} "
+                                      f"failed on rank {first.rank}: {first.message}")
+            held = report if outcome.status == OK else None
+            for o in outcomes:
+                if o.status == DAMAGED:
+                    failed.add(o.step)
+                    skipped.append(agree.warn(o, self.url, group is None))
+            if held is not None and held.step in failed:
+                held = None
+            low = min(o.step for o in outcomes)
+            if step is not None and failed:
+                raise CheckpointCorrupt(f"checkpoint step {step} under {self.url} cannot be "
+                                        "loaded by every rank:\n  " + "\n  ".join(skipped),
+                                        step=step, path=_first_path(outcomes))
+            if low == NONE:
+                if not skipped and all(o.step == NONE for o in outcomes):
+                    raise CheckpointNotFound(f"no committed checkpoint under {self.url}")
+                raise CheckpointCorrupt(f"no committed checkpoint under {self.url} could be "
+                                        "loaded by every rank:\n  " + "\n  ".join(
+                                            skipped or _none_left(outcomes)),
+                                        step=max(failed, default=NONE),
+                                        path=_first_path(outcomes))
+            bound = low  # every rank next tries the newest step not newer than this one
 
-    def _load_step(self, state: Any, step: int, strict: bool) -> LoadReport:
+    def _try(self, state: Any, step: int | None, bound: int | None, failed: set[int],
+             held: LoadReport | None, strict: bool, *,
+             check_all: bool) -> tuple[Outcome, LoadReport | None, BaseException | None]:
+        """One round on this rank: pick the newest candidate step, load it. Never raises:
+        every outcome, errors included, goes to the exchange."""
+        candidate = NONE
+        try:
+            if step is not None:
+                candidate = step if step not in failed else NONE
+            else:
+                done, _ = committed_steps(self.fs, self.root)
+                candidate = max((s for s in done if (bound is None or s <= bound)
+                                 and s not in failed), default=NONE)
+            if candidate == NONE:
+                return Outcome(self.rank, NONE, OK, "no committed step left to try"), None, None
+            if held is not None and held.step == candidate:
+                return Outcome(self.rank, candidate, OK), held, None  # holds it already
+            report = self._load_step(state, candidate, strict, check_all)
+        except (CheckpointCorrupt, StripedIOError, FileNotFoundError) as exc:
+            path = getattr(exc, "path", None) or getattr(exc, "filename", None) or ""
+            message = str(exc).removeprefix(f"step {candidate}: ")  # the step is said anyway
+            message = message if str(path) in message else f"{message} ({path})"
+            return Outcome(self.rank, candidate, DAMAGED, message, str(path)), None, exc
+        except Exception as exc:  # noqa: BLE001 - raised on every rank after the exchange
+            return Outcome(self.rank, candidate, ERROR, f"{type(exc).__name__}: {exc}"), None, exc
+        return Outcome(self.rank, candidate, OK), report, None
+
+    def _load_step(self, state: Any, step: int, strict: bool, check_all: bool = False) -> LoadReport:
         with self._lock:
             self._loading.add(step)
         try:
-            view = CheckpointView(self.fs, self.root, step, self._cached(step))
-            return load_into(view, state, rank=self.rank, strict=strict,
-                             concurrency=self.fs.options.concurrency,
-                             trust_objects=self.trust_objects)
+            view = self._open_view(step)
+            reads = Reads()
+            report = load_into(view, state, rank=self.rank, strict=strict,
+                               concurrency=self.fs.options.concurrency,
+                               trust_objects=self.trust_objects, reads=reads)
+            if check_all:
+                check_unread(view, reads, self.fs.options.concurrency)
+            return report
         finally:
             with self._lock:
                 self._loading.discard(step)
@@ -245,15 +356,20 @@ class CheckpointManager:
     def load_full(self, step: int | None = None) -> dict[str, Any]:
         """The whole checkpoint as plain full tensors and objects (like ``torch.load``)."""
         step = self._resolve_step(step)
-        return full_state(CheckpointView(self.fs, self.root, step, self._cached(step)),
-                          rank=self.rank, trust_objects=self.trust_objects)
+        return full_state(self._open_view(step), rank=self.rank, trust_objects=self.trust_objects)
 
     def _cached(self, step: int) -> StepCache | None:
         return self.cache.step(step) if self.cache is not None else None
 
-    def _resolve_step(self, step: int | None) -> int:
+    def _resolve_step(self, step: int | None, *, newest: bool = False) -> int:
+        """``step``, checked to be committed; ``None``: ``latest()`` (``newest``: the newest
+        committed step, valid or not: what verify examines)."""
         if step is None:
-            step = self.latest()
+            if newest:
+                done, _ = committed_steps(self.fs, self.root)
+                step = done[-1] if done else None
+            else:
+                step = self.latest()
             if step is None:
                 raise CheckpointNotFound(f"no committed checkpoint under {self.url}")
         elif not self.fs.exists(f"{step_dir(self.root, step)}/{MANIFEST}"):
@@ -267,7 +383,7 @@ class CheckpointManager:
         The manifest and indexes are checked against their rules (world size and ranks,
         shapes, offsets, byte ranges, exact coverage); the objects files by size and CRC-32
         only: verify never deserializes objects, and reports how many it did not."""
-        step = self._resolve_step(step)
+        step = self._resolve_step(step, newest=True)
         problems: list[str] = []
         checked = objects = object_files = 0
         try:
@@ -300,3 +416,11 @@ class CheckpointManager:
             objects += len(idx.object_keys)
             object_files += 1
         return VerifyReport(step, not problems, checked, problems, objects, object_files)
+
+
+def _first_path(outcomes: list[Outcome]) -> str | None:
+    return next((o.path for o in outcomes if o.path), None)
+
+
+def _none_left(outcomes: list[Outcome]) -> list[str]:
+    return [f"rank {o.rank}: {o.message}" for o in outcomes if o.step == NONE]

@@ -58,8 +58,7 @@ def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
     directory = step_dir(root, staged.step)
     fs.makedirs(directory, exist_ok=True)
     own_index = f"{directory}/{index_name(rank)}"
-    if fs.exists(own_index):  # left by an earlier, killed attempt at this step: retract it
-        fs.rm_file(own_index)
+    stale = withdraw(fs, directory, own_index, staged.step)
     with ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") as crc_pool:
         crcs = crc_pool.submit(chunk_crcs, staged)  # hashing overlaps the write (no GIL held)
         with fs.open(f"{directory}/{data_name(rank)}", "wb") as f:
@@ -73,12 +72,12 @@ def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
         replicated_keys=staged.replicated_keys, object_keys=staged.object_keys,
         objects_size=len(staged.objects_blob),
         objects_crc32=zlib.crc32(staged.objects_blob) if staged.objects_blob else 0,
-        attempt=attempt)
+        attempt=attempt, containers=staged.containers, key_style=staged.key_style)
     fs.pipe_file(own_index, index.to_json())  # "my shard is durable"
     written = staged.data_size + len(staged.objects_blob)
     committed = False
     if rank == 0:
-        commit(fs, root, staged.step, world_size, commit_timeout_s, attempt)
+        commit(fs, root, staged.step, world_size, commit_timeout_s, attempt, stale)
         committed = True
         if keep is not None:
             apply_retention(fs, root, keep, protected)
@@ -86,13 +85,41 @@ def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
                       time.perf_counter() - started, committed)
 
 
+def withdraw(fs: StripedFileSystem, directory: str, own_index: str, step: int) -> dict[int, int]:
+    """Before any file of a step changes: retract this rank's index (left by an earlier save
+    of this step), then withdraw the step's commit if it has one, so that no reader and no
+    ``latest()`` takes the step for committed while its files are replaced.
+
+    Returns the withdrawn manifest's index checksums by rank: an index that still has one
+    of them is the earlier save's, never committed with the new one's."""
+    if fs.exists(own_index):
+        fs.rm_file(own_index)
+    path = f"{directory}/{MANIFEST}"
+    try:
+        raw = fs.cat_file(path)
+    except FileNotFoundError:
+        return {}
+    try:
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass  # another rank withdrew it first
+    log.info("step %d is saved again: its earlier commit is withdrawn until this one commits",
+             step)
+    try:
+        return {e["rank"]: e["index_crc32"] for e in Manifest.from_json(raw, path=path).ranks}
+    except ValueError:
+        return {}
+
+
 def commit(fs: StripedFileSystem, root: str, step: int, world_size: int,
-           timeout_s: float, attempt: str = "") -> Manifest:
+           timeout_s: float, attempt: str = "", stale: dict[int, int] | None = None) -> Manifest:
     """Wait for every rank's index of this attempt, cross-check them, write the manifest.
 
-    An index written by another attempt (a killed run that reached this step before) does
-    not count: its rank will replace it when it gets here, so the poll goes on.
+    An index written by another attempt (a killed run that reached this step before), or
+    one the withdrawn earlier commit of this step listed (``stale``), does not count: its
+    rank will replace it when it gets here, so the poll goes on.
     """
+    stale = stale or {}
     directory = step_dir(root, step)
     deadline = time.monotonic() + timeout_s
     delay = 0.01
@@ -103,7 +130,8 @@ def commit(fs: StripedFileSystem, root: str, step: int, world_size: int,
         for r in range(world_size):
             if r not in found and index_name(r) in names:
                 index = _read_index(fs, directory, r, step)
-                if index is not None and index[0].attempt == attempt:
+                if index is not None and index[0].attempt == attempt and \
+                        zlib.crc32(index[1]) != stale.get(r):
                     found[r] = index
         missing = [r for r in range(world_size) if r not in found]
         if not missing:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .flatten import walk
+from .flatten import container_kinds, walk
 from .layout import ChunkRecord, align, dtype_name
 from .tensors import PerRank, TensorLeaf, describe, is_tensor_leaf
 
@@ -34,7 +34,8 @@ class StagedSave:
     object_keys: list[str]
     stage_s: float
     total_state_bytes: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    containers: dict[str, str] = field(default_factory=dict)  # flatten.container_kinds
+    key_style: str = ""  # "dcp": the keys are DCP FQNs (a converted checkpoint)
 
     @property
     def data_size(self) -> int:
@@ -83,7 +84,8 @@ def assign_replicated_writers(leaves: list[TensorLeaf], world_size: int) -> dict
     return owner
 
 
-def stage(step: int, state: Any, *, rank: int, world_size: int, pool: StagingPool) -> StagedSave:
+def stage(step: int, state: Any, *, rank: int, world_size: int, pool: StagingPool,
+          key_style: str = "") -> StagedSave:
     """Describe, lay out and copy the state. Returns when the state may be mutated."""
     started = time.perf_counter()
     leaves: list[TensorLeaf] = []
@@ -124,4 +126,5 @@ def stage(step: int, state: Any, *, rank: int, world_size: int, pool: StagingPoo
         step=step, buffer=buffer, chunks=chunks, tensor_keys=[x.key for x in leaves],
         replicated_keys=sorted(x.key for x in leaves if x.replicated),
         objects_blob=blob, object_keys=sorted(objects), stage_s=time.perf_counter() - started,
-        total_state_bytes=sum(x.nbytes for x in leaves))
+        total_state_bytes=sum(x.nbytes for x in leaves), containers=container_kinds(state),
+        key_style=key_style)

@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import random
+import shutil
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -190,14 +191,36 @@ class Backend:
                             remote)
 
     def write_object(self, path: str, data: bytes | memoryview, *, what: str, retry: RetryPolicy,
-                     durable: bool = True, stripe: int | None = None) -> Future[None]:
-        """Store ``data`` as the whole object ``path`` (fsync'd on local disk when durable)."""
+                     durable: bool = True, stripe: int | None = None,
+                     exclusive: bool = False) -> Future[None]:
+        """Store ``data`` as the whole object ``path`` (fsync'd on local disk when durable).
+
+        ``exclusive``: fail with ``FileExistsError`` if ``path`` exists, decided by the store
+        in the same request (S3 ``If-None-Match: *``; memory). Not for local disk, where the
+        caller links a written file into place instead.
+        """
         if self.is_local:
             return self._submit(what, stripe, path, retry, None,
                                 lambda: _local_write(path, data, durable, self.direct_io), None)
+        mode = {"mode": "create"} if exclusive else {}
         return self._submit(what, stripe, path, retry, None,
-                            lambda: self.fs.pipe_file(path, data),
-                            lambda: self.fs._pipe_file(path, data))
+                            lambda: self.fs.pipe_file(path, data, **mode),
+                            lambda: self.fs._pipe_file(path, data, **mode))
+
+    def copy_object(self, src: str, dst: str, *, what: str, retry: RetryPolicy,
+                    durable: bool = True, link: bool = False) -> Future[None]:
+        """Copy the object ``src`` to ``dst`` on the target (server-side on object stores).
+
+        On local disk ``link`` makes ``dst`` a hard link (no bytes copied; for immutable
+        objects whose source is about to go, as in a move); otherwise the bytes are copied
+        and fsync'd when durable.
+        """
+        if self.is_local:
+            return self._submit(what, None, dst, retry, None,
+                                lambda: _local_copy(src, dst, durable, link), None)
+        return self._submit(what, None, dst, retry, None,
+                            lambda: self.fs.cp_file(src, dst),
+                            lambda: self.fs._cp_file(src, dst))
 
     def close(self) -> None:
         with self._lock:
@@ -325,6 +348,23 @@ def _local_write(path: str, data: bytes | memoryview, durable: bool, direct: boo
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _local_copy(src: str, dst: str, durable: bool, link: bool) -> None:
+    if link:
+        try:
+            os.link(src, dst)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                raise  # another filesystem, or no hard links there: copy the bytes below
+    shutil.copyfile(src, dst)
+    if durable:
+        fd = os.open(dst, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def fsync_dir(path: str) -> None:

@@ -12,18 +12,22 @@ manifest written last.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 import fsspec
 from fsspec.core import split_protocol
 from fsspec.implementations.chained import ChainedFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.utils import isfilelike
 
+from . import tree
 from .backend import Backend, RetryPolicy, fsync_dir
 from .config import OPTION_NAMES, OptionError, StripeOptions
 from .errors import ManifestError
@@ -150,14 +154,24 @@ class StripedFileSystem(ChainedFileSystem):
         return PlainSource(self.backend, path, info["size"], opts.stripe_size, retry)
 
     def _manifest_or_none(self, path: str) -> Manifest | None:
+        """The manifest at ``path``; None for a plain file, a directory or nothing there.
+
+        One bounded read answers all of these (no stat first: on S3 a stat of a missing key
+        is two requests). Other errors (a store that does not answer) are raised.
+        """
+        retry = RetryPolicy.from_options(self.options)
         try:
-            info = self.target.info(path)
-        except FileNotFoundError:
+            data = self.backend.read_object(path, what=f"manifest of {path}", retry=retry,
+                                            limit=SMALL_FILE_PROBE).result()
+            if data.startswith(MAGIC) and len(data) >= SMALL_FILE_PROBE:
+                data = self.backend.read_object(path, what=f"manifest of {path}", retry=retry,
+                                                limit=MAX_MANIFEST_SIZE + 1).result()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
-        if info["type"] != "file":
+        if not data.startswith(MAGIC):
             return None
         try:
-            return self._probe(path, info.get("size"))[0]
+            return Manifest.from_bytes(data, path=path)
         except ManifestError:
             return None
 
@@ -176,6 +190,10 @@ class StripedFileSystem(ChainedFileSystem):
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list:
         path = self._norm(path)
         entries = self.target.ls(path, detail=True, **kwargs)
+        if len(entries) == 1 and entries[0]["type"] == "file" \
+                and self._norm(entries[0]["name"]).rstrip("/") == path.rstrip("/"):
+            info = self.info(path)  # ``path`` is a file: what it holds, not its manifest
+            return [info] if detail else [info["name"]]
         names = {split_path(e["name"].rstrip("/"))[1] for e in entries}
         shown, probes = [], {}
         for entry in entries:
@@ -233,9 +251,10 @@ class StripedFileSystem(ChainedFileSystem):
                 raise PermissionError(
                     f"cannot write {path}: the {self.target.protocol} target is read-only "
                     "for striped_fs (write to file://, s3:// or hdfs:// instead)")
-            if mode == "xb" and self.target.exists(path):
-                raise FileExistsError(path)
-            return self._writer(path, opts)
+            exclusive = mode == "xb"
+            if exclusive and self.target.exists(path):
+                raise _exists_error(path)  # early; the commit decides again, atomically
+            return self._writer(path, opts, exclusive=exclusive, autocommit=autocommit)
         raise ValueError(
             f"striped_fs cannot open {path} in mode {mode!r}: striped files are read with 'rb' "
             "and written whole with 'wb' (no append or update in place)")
@@ -248,10 +267,14 @@ class StripedFileSystem(ChainedFileSystem):
         start, end = _clip(start, end, source.size)
         return read_range(source, start, end, opts.concurrency)
 
-    def get_file(self, rpath: str, lpath: str, callback=None, outfile=None,
+    def get_file(self, rpath: str, lpath: Any, callback=None, outfile=None,
                  **kwargs: Any) -> None:
+        """Copy one file out: to a local path (parents created, positioned writes as stripes
+        arrive) or into a file object (``lpath`` or ``outfile``, written in order)."""
         rpath = self._norm(rpath)
-        if self.isdir(rpath):
+        if isfilelike(lpath):
+            outfile = lpath
+        if outfile is None and self.isdir(rpath):
             os.makedirs(lpath, exist_ok=True)
             return
         opts = self._opts(kwargs)
@@ -259,22 +282,35 @@ class StripedFileSystem(ChainedFileSystem):
         if callback is not None:
             callback.set_size(source.size)
         progress = callback.relative_update if callback is not None else None
+        if outfile is not None:
+            with StripedReader(source, window=opts.window, name=rpath) as reader:
+                while chunk := reader.read1():
+                    outfile.write(chunk)
+                    if progress is not None:
+                        progress(len(chunk))
+            return
+        tree.local_parent(lpath)
         download(source, lpath, opts.concurrency, progress)
 
     # -- writing -----------------------------------------------------------------------
-    def _writer(self, path: str, opts: StripeOptions) -> StripedWriter:
+    def _writer(self, path: str, opts: StripeOptions, *, exclusive: bool = False,
+                autocommit: bool = True) -> StripedWriter:
         return StripedWriter(path, self.backend, opts,
-                             commit=lambda p, m: self._commit(p, m, opts),
-                             prepare=self._prepare_version, discard_version=self._remove_version)
+                             commit=lambda p, m: self._commit(p, m, opts, exclusive=exclusive),
+                             prepare=self._prepare_version, discard_version=self._remove_version,
+                             autocommit=autocommit)
 
     def pipe_file(self, path: str, value: bytes, mode: str = "overwrite",
                   **kwargs: Any) -> None:
-        with self._open(path, "wb", **kwargs) as f:
+        """Write ``value`` as the whole file; ``mode="create"`` refuses an existing one."""
+        with self.open(path, _write_mode(mode, path), **kwargs) as f:
             f.write(value)
 
     def put_file(self, lpath: str, rpath: str, callback=None, mode: str = "overwrite",
                  **kwargs: Any) -> None:
+        """Upload a local file, striped; ``mode="create"`` refuses an existing one."""
         rpath = self._norm(rpath)
+        write_mode = _write_mode(mode, rpath)
         if os.path.isdir(lpath):
             self.makedirs(rpath, exist_ok=True)
             return
@@ -282,7 +318,7 @@ class StripedFileSystem(ChainedFileSystem):
         size = os.path.getsize(lpath)
         if callback is not None:
             callback.set_size(size)
-        with open(lpath, "rb") as src, self._open(rpath, "wb", **kwargs) as dst:
+        with open(lpath, "rb") as src, self.open(rpath, write_mode, **kwargs) as dst:
             while chunk := src.read(opts.stripe_size):
                 dst.write(chunk)
                 if callback is not None:
@@ -292,110 +328,228 @@ class StripedFileSystem(ChainedFileSystem):
         if self.backend.is_local:
             os.makedirs(version_dir(path, version), exist_ok=True)
 
-    def _commit(self, path: str, manifest: Manifest, opts: StripeOptions) -> None:
-        """Make ``manifest`` the file at ``path`` in one atomic step, then drop the old version."""
-        previous = self._manifest_or_none(path)
+    def _commit(self, path: str, manifest: Manifest, opts: StripeOptions, *,
+                exclusive: bool = False) -> None:
+        """Make ``manifest`` the file at ``path`` in one atomic step, then drop the old version.
+
+        ``exclusive``: only if nothing is at ``path``, decided in that same step where the
+        target can (local disk, S3, memory); otherwise ``FileExistsError``.
+        """
+        previous = None if exclusive else self._manifest_or_none(path)
         retry = RetryPolicy.from_options(opts)
         if manifest.stripe_count == 0:
             # An empty file has no stripes; a marker keeps its hidden directory listable, which
             # is how listings know which small files to probe for a manifest.
             self.backend.write_object(stripe_path(path, manifest.version, 0), b"", retry=retry,
                                       durable=opts.fsync, what=f"marker of {path}").result()
-        self._atomic_put(path, manifest.to_bytes(), opts, retry)
+        self._atomic_put(path, manifest.to_bytes(), opts, retry, exclusive)
         if previous is not None and previous.version != manifest.version:
             self._remove_version(path, previous.version)
 
-    def _atomic_put(self, path: str, data: bytes, opts: StripeOptions, retry: RetryPolicy) -> None:
+    def _atomic_put(self, path: str, data: bytes, opts: StripeOptions, retry: RetryPolicy,
+                    exclusive: bool = False) -> None:
         if self.backend.is_local:
             parent, name = split_path(path)
             tmp = f"{parent}/.{name}.commit-{uuid.uuid4().hex}"
             self.backend.write_object(tmp, data, retry=retry, durable=opts.fsync,
                                       what=f"manifest of {path}").result()
-            os.replace(tmp, path)
+            try:
+                if exclusive:
+                    os.link(tmp, path)  # fails if anything is at path: atomic create
+                    os.unlink(tmp)
+                else:
+                    os.replace(tmp, path)
+            except FileExistsError:
+                os.unlink(tmp)
+                raise _exists_error(path) from None
             if opts.fsync:
                 fsync_dir(parent)
         elif self.backend.is_async or isinstance(self.target, MemoryFileSystem):
-            # Object stores replace a key atomically; memory assigns a dict entry.
-            self.backend.write_object(path, data, retry=retry,
-                                      what=f"manifest of {path}").result()
+            # Object stores replace a key atomically (or create it only if absent, with
+            # If-None-Match); memory assigns a dict entry.
+            try:
+                self.backend.write_object(path, data, retry=retry, exclusive=exclusive,
+                                          what=f"manifest of {path}").result()
+            except FileExistsError:
+                raise _exists_error(path) from None
         else:
             # Other sync filesystems (HDFS): write aside, then rename over the path. HDFS
             # rename does not replace, so the old manifest is removed first (a short window
-            # in which the path is absent, never torn).
+            # in which the path is absent, never torn). Exclusive creation is checked just
+            # before, not atomically.
             parent, name = split_path(path)
             tmp = f"{parent}/.{name}.commit-{uuid.uuid4().hex}"
             self.target.pipe_file(tmp, data)
             if self.target.exists(path):
+                if exclusive:
+                    self.target.rm_file(tmp)
+                    raise _exists_error(path)
                 self.target.rm_file(path)
             self.target.mv(tmp, path)
 
     def _remove_version(self, path: str, version: str) -> None:
-        try:
-            self.target.rm(version_dir(path, version), recursive=True)
-        except FileNotFoundError:
-            pass
+        tree.remove_literal(self.target, version_dir(path, version))
         if self.backend.is_local:
             try:
                 os.rmdir(stripes_dir(path))
             except OSError:
                 pass  # other versions (a concurrent writer's) still there
 
+    def _copy_striped(self, src: str, manifest: Manifest, dst: str, *, link: bool) -> None:
+        """A new version of ``dst`` holding ``src``'s stripes, committed (or, inside a
+        transaction, deferred). Stripes go ``concurrency`` at a time, each retried like any
+        stripe: server-side copies on S3, hard links on local disk when ``link``."""
+        opts, retry = self.options, RetryPolicy.from_options(self.options)
+        copy = Manifest(size=manifest.size, stripe_size=manifest.stripe_size,
+                        version=uuid.uuid4().hex, checksums=manifest.checksums)
+        pending: set[Future[None]] = set()
+        try:
+            self._prepare_version(dst, copy.version)
+            for index in range(manifest.stripe_count):
+                if len(pending) >= opts.concurrency:
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        fut.result()
+                pending.add(self.backend.copy_object(
+                    stripe_path(src, manifest.version, index),
+                    stripe_path(dst, copy.version, index),
+                    what=f"stripe {index} of {src} to {dst}", retry=retry, durable=opts.fsync,
+                    link=link))
+            for fut in wait(pending).done:
+                fut.result()
+            if self.backend.is_local and opts.fsync and manifest.stripe_count:
+                fsync_dir(version_dir(dst, copy.version))
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            wait(pending)  # nothing lands after the removal below
+            self._remove_version(dst, copy.version)
+            raise
+        self._commit_or_defer(dst, copy)
+
+    def _commit_or_defer(self, path: str, manifest: Manifest) -> None:
+        """Commit now, or at the end of the transaction this filesystem is in."""
+        if not self._intrans:
+            try:
+                self._commit(path, manifest, self.options)
+            except BaseException:
+                self._remove_version(path, manifest.version)
+                raise
+            return
+        self.transaction.files.append(_DeferredCommit(self, path, manifest))
+
+    def _not_in_transaction(self, operation: str) -> None:
+        if self._intrans:
+            raise NotImplementedError(
+                f"striped_fs: {operation} inside a transaction cannot wait for its end (only "
+                "file writes and copies of striped files are deferred); call it after the "
+                "transaction")
+
     # -- removing, moving, copying -------------------------------------------------------
     def rm_file(self, path: str) -> None:
+        """Remove one file: its manifest first (it is gone for readers), then its stripes."""
+        self._not_in_transaction("rm_file")
         path = self._norm(path)
         self.target.rm_file(path)
-        try:
-            self.target.rm(stripes_dir(path), recursive=True)
-        except FileNotFoundError:
-            pass
+        tree.remove_literal(self.target, stripes_dir(path))
 
     def _rm(self, path: str) -> None:
         self.rm_file(path)
 
-    def rm(self, path, recursive: bool = False, maxdepth: int | None = None) -> None:
-        for p in path if isinstance(path, list) else [path]:
-            p = self._norm(p)
+    def rm(self, path: str | list[str], recursive: bool = False,
+           maxdepth: int | None = None) -> None:
+        """Remove files or (with ``recursive``) directories; see :mod:`striped_fs.tree` for
+        which paths a glob names."""
+        self._not_in_transaction("rm")
+        paths, _ = tree.sources(self, path)
+        removed: list[str] = []
+        for p in paths:
+            if tree.under(p, removed):
+                continue
             if self.target.isdir(p):
                 if not recursive:
-                    raise IsADirectoryError(f"{p} is a directory: pass recursive=True to remove it")
-                self.target.rm(p, recursive=True)
+                    raise IsADirectoryError(errno.EISDIR, "is a directory: pass recursive=True "
+                                            "to remove it", p)
+                if maxdepth is None:
+                    tree.remove_literal(self.target, p)
+                else:
+                    for f in self.find(p, maxdepth=maxdepth):
+                        self.rm_file(f)
+                    tree.remove_empty_dirs(self.target, p)
+                removed.append(p)
             else:
                 self.rm_file(p)
+        self.invalidate_cache()
 
-    def mv(self, path1: str, path2: str, recursive: bool = False, maxdepth: int | None = None,
-           **kwargs: Any) -> None:
-        src, dst = self._norm(path1), self._norm(path2)
-        if self.target.isdir(src):
-            self.target.mv(src, dst, recursive=True)
+    def mv(self, path1: str | list[str], path2: str | list[str], recursive: bool = False,
+           maxdepth: int | None = None, **kwargs: Any) -> None:
+        """Move files, globs, lists and directories (a directory moves whole, ``recursive``
+        or not); each destination is committed before its source is removed."""
+        self._not_in_transaction("mv")
+        for src, dst in tree.move_pairs(self, path1, path2):
+            if self.target.isdir(src):
+                self._move_tree(src, dst, maxdepth)
+            else:
+                self._move_file(src, dst)
+        self.invalidate_cache()
+
+    def _move_tree(self, src: str, dst: str, maxdepth: int | None) -> None:
+        if self.target.isfile(dst):
+            raise NotADirectoryError(errno.ENOTDIR, f"cannot move the directory {src} over "
+                                     "a file", dst)
+        if self.backend.is_local and maxdepth is None and not os.path.lexists(dst):
+            tree.local_parent(dst)
+            os.rename(src, dst)  # the whole tree, manifests and stripes, in one atomic step
+            if self.options.fsync:
+                fsync_dir(os.path.dirname(src) or ".")
+                fsync_dir(os.path.dirname(dst) or ".")
             return
+        found = self.find(src, maxdepth=maxdepth, withdirs=True, detail=True)
+        for name, info in sorted(found.items()):
+            moved = dst + name[len(src):]
+            if info["type"] == "directory":
+                self.makedirs(moved, exist_ok=True)
+            else:
+                self._move_file(name, moved)
+        self.invalidate_cache()
+        if maxdepth is None and not self.find(src):
+            tree.remove_literal(self.target, src)  # what is left is hidden (stale stripes)
+        else:
+            tree.remove_empty_dirs(self.target, src)
+
+    def _move_file(self, src: str, dst: str) -> None:
+        """Move one file: the destination is committed before the source goes."""
         manifest = self._manifest_or_none(src)
         if manifest is None:
-            self.target.mv(src, dst)
+            self._move_plain(src, dst)
             return
-        moved = Manifest(size=manifest.size, stripe_size=manifest.stripe_size,
-                         version=manifest.version, checksums=manifest.checksums)
-        if self.backend.is_local:
-            os.makedirs(stripes_dir(dst), exist_ok=True)
-            os.rename(version_dir(src, manifest.version), version_dir(dst, manifest.version))
-        else:
-            self.target.copy(version_dir(src, manifest.version) + "/",
-                             version_dir(dst, manifest.version) + "/", recursive=True)
-        self._commit(dst, moved, self.options)
+        self._copy_striped(src, manifest, dst, link=True)
         self.rm_file(src)
 
+    def _move_plain(self, src: str, dst: str) -> None:
+        previous = self._manifest_or_none(dst)
+        if self.backend.is_local:
+            tree.local_parent(dst)
+            os.rename(src, dst)
+        else:
+            self.target.cp_file(src, dst)
+            self.target.rm_file(src)
+        if previous is not None:  # a plain file replaced a striped one: its stripes go too
+            self._remove_version(dst, previous.version)
+
     def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
+        """Copy one file; a striped source is copied stripe by stripe and committed at the
+        destination (at the end of a transaction, inside one)."""
         src, dst = self._norm(path1), self._norm(path2)
         manifest = self._manifest_or_none(src)
         if manifest is None:
+            if self.target.isdir(src):  # copy() hands directories over too
+                self.makedirs(dst, exist_ok=True)
+                return
+            self._not_in_transaction(f"copying the plain (not striped) file {src}")
             self.target.cp_file(src, dst)
             return
-        copy = Manifest(size=manifest.size, stripe_size=manifest.stripe_size,
-                        version=uuid.uuid4().hex, checksums=manifest.checksums)
-        self._prepare_version(dst, copy.version)
-        for index in range(manifest.stripe_count):
-            self.target.cp_file(stripe_path(src, manifest.version, index),
-                                stripe_path(dst, copy.version, index))
-        self._commit(dst, copy, self.options)
+        self._copy_striped(src, manifest, dst, link=False)
 
     # -- housekeeping ------------------------------------------------------------------
     def gc(self, path: str, older_than_s: float = 3600.0,
@@ -419,7 +573,7 @@ class StripedFileSystem(ChainedFileSystem):
                         continue
                     if now - _newest_mtime(self.target, version_path) < older_than_s:
                         continue
-                    self.target.rm(version_path, recursive=True)
+                    tree.remove_literal(self.target, version_path)
                     removed += 1
                     if on_remove is not None:
                         on_remove(version_path)
@@ -431,6 +585,37 @@ class StripedFileSystem(ChainedFileSystem):
 
     def close(self) -> None:
         self.backend.close()
+
+
+class _DeferredCommit:
+    """A copied striped file waiting for the end of a transaction (fsspec calls
+    ``commit`` or ``discard`` on everything in ``transaction.files``)."""
+
+    def __init__(self, fs: StripedFileSystem, path: str, manifest: Manifest) -> None:
+        self.fs, self.path, self.manifest = fs, path, manifest
+
+    def commit(self) -> None:
+        try:
+            self.fs._commit(self.path, self.manifest, self.fs.options)
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        self.fs._remove_version(self.path, self.manifest.version)
+
+
+def _write_mode(mode: str, path: str) -> str:
+    """fsspec's ``mode`` of ``pipe_file``/``put_file`` as an ``open`` mode."""
+    if mode not in ("overwrite", "create"):
+        raise ValueError(f"{path}: mode {mode!r} is not 'overwrite' (replace the file) or "
+                         "'create' (refuse an existing one)")
+    return "xb" if mode == "create" else "wb"
+
+
+def _exists_error(path: str) -> FileExistsError:
+    return FileExistsError(errno.EEXIST, "already exists (exclusive creation: mode 'xb' / "
+                           "mode='create'; use 'wb' / mode='overwrite' to replace it)", path)
 
 
 def _read_only(fs: fsspec.AbstractFileSystem) -> bool:

@@ -4,12 +4,19 @@ Nothing is visible at the file's path until :meth:`StripedWriter.close` has ever
 durable and replaces the path with the new manifest in one atomic step. A writer that
 fails, is discarded, or is killed leaves only unreferenced stripes behind (invisible to
 readers; ``StripedFileSystem.gc`` removes them).
+
+A ``close()`` that comes while an exception raised after the file was opened is in flight
+(``fsspec.open``'s ``with`` block, a ``TextIOWrapper`` around the file, a ``finally``)
+discards instead of committing: those callers close without saying why. Inside an fsspec
+transaction, ``close()`` uploads and :meth:`StripedWriter.commit` (at the transaction's end)
+makes the file visible.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import sys
 import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -26,13 +33,15 @@ class StripedWriter(io.BufferedIOBase):
 
     A background upload failure is raised in the caller at the next ``write`` or at
     ``close``; it is never swallowed. Leaving a ``with`` block by an exception discards the
-    file instead of committing it.
+    file instead of committing it. With ``autocommit=False`` (fsspec transactions) ``close``
+    only uploads; :meth:`commit` or :meth:`discard` decides.
     """
 
     def __init__(self, path: str, backend: Backend, options: StripeOptions,
                  commit: Callable[[str, Manifest], None],
                  prepare: Callable[[str, str], None] | None = None,
-                 discard_version: Callable[[str, str], None] | None = None) -> None:
+                 discard_version: Callable[[str, str], None] | None = None,
+                 autocommit: bool = True) -> None:
         super().__init__()
         self.name = path
         self.path = path
@@ -47,6 +56,11 @@ class StripedWriter(io.BufferedIOBase):
         self._inflight: dict[Future[None], int] = {}
         self._size = 0
         self._state = "open"
+        self._autocommit = autocommit
+        self._manifest: Manifest | None = None
+        # The exception being handled when the file was opened, if any: a close() while a
+        # *later* one is in flight is a with block (or a finally) unwinding.
+        self._exc_at_open: BaseException | None = sys.exc_info()[1]
         if prepare is not None:
             prepare(path, self.version)
 
@@ -104,29 +118,57 @@ class StripedWriter(io.BufferedIOBase):
         return total
 
     def close(self) -> None:
-        """Flush, wait for every stripe, then commit the manifest (the only visible step)."""
-        if self._state != "open":
-            super().close()
-            return
+        """Flush, wait for every stripe, then commit the manifest (the only visible step).
+
+        Called while an exception raised after the file was opened is in flight, it discards
+        instead: that exception is what the caller sees.
+        """
         try:
-            if self._buf:
-                self._upload(bytes(self._buf))
-                self._buf.clear()
-            self._drain(0)
-            manifest = Manifest(size=self._size, stripe_size=self._opts.stripe_size,
-                                version=self.version, checksums=self._checksums)
-            self._commit(self.path, manifest)
-            self._state = "committed"
-        except BaseException:
-            self._abort()
-            raise
+            if self._state == "open":
+                in_flight = sys.exc_info()[1]
+                if in_flight is not None and in_flight is not self._exc_at_open:
+                    log.info("%s closed while %s propagates: discarded, nothing committed",
+                             self.path, type(in_flight).__name__)
+                    self._abort()
+                else:
+                    self._finish(commit=self._autocommit)
+        finally:
+            self._exc_at_open = None
+            super().close()
+
+    def commit(self) -> None:
+        """Make the file visible (the end of an fsspec transaction calls this)."""
+        if self._state == "committed":
+            return
+        if self._state not in ("open", "uploaded"):
+            raise ValueError(f"cannot commit {self._state} striped file {self.path}")
+        try:
+            self._finish(commit=True)
         finally:
             super().close()
 
+    def _finish(self, *, commit: bool) -> None:
+        try:
+            if self._state == "open":
+                if self._buf:
+                    self._upload(bytes(self._buf))
+                    self._buf.clear()
+                self._drain(0)
+                self._manifest = Manifest(size=self._size, stripe_size=self._opts.stripe_size,
+                                          version=self.version, checksums=self._checksums)
+                self._state = "uploaded"
+            if commit and self._manifest is not None:
+                self._commit(self.path, self._manifest)
+                self._state = "committed"
+        except BaseException:
+            self._abort()
+            raise
+
     def discard(self) -> None:
         """Abandon the file: nothing becomes visible, uploaded stripes are removed."""
-        if self._state == "open":
+        if self._state in ("open", "uploaded"):
             self._abort()
+        self._exc_at_open = None
         super().close()
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -138,7 +180,7 @@ class StripedWriter(io.BufferedIOBase):
     def __del__(self) -> None:
         # io's finalizer would call close() and commit a half-written file; only an
         # explicit close() commits, so an abandoned writer is discarded instead.
-        if getattr(self, "_state", None) == "open":
+        if getattr(self, "_state", None) in ("open", "uploaded"):
             log.warning("striped file %s was never closed: discarding it, nothing committed",
                         self.path)
             self.discard()
@@ -166,6 +208,8 @@ class StripedWriter(io.BufferedIOBase):
                 fut.result()
 
     def _abort(self) -> None:
+        if self._state in ("discarded", "committed"):
+            return
         self._state = "discarded"
         for fut in self._inflight:
             fut.cancel()

@@ -19,6 +19,7 @@ expected content bit for bit.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -343,8 +344,223 @@ def act_mismatch(meshes: Meshes, rank: int, action: dict[str, Any]) -> dict[str,
     return out
 
 
+# -- agreement: every rank loads the same step ----------------------------------------------------
+
+AGREE_N = 147_456  # elements of the flat parameter "w": 576 KiB, several stripes per rank
+
+
+def agree_bounds(world: int, rank: int) -> tuple[int, int]:
+    return rank * AGREE_N // world, (rank + 1) * AGREE_N // world
+
+
+def agree_global(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(AGREE_N, generator=g), "bias": torch.randn(300, generator=g)}
+
+
+def agree_state(step: int, rank: int, world: int) -> dict[str, Any]:
+    """Rank ``rank``'s state at ``step``: its own piece of "w" (first in its data file, read by
+    it alone at the saved world size), "bias" (replicated: written by one rank, read by all),
+    a per-rank value and an object."""
+    from ckpt import FlatShard, PerRank
+
+    full = agree_global(step)
+    lo, hi = agree_bounds(world, rank)
+    return {"w": FlatShard(full["w"][lo:hi].clone(), lo, AGREE_N), "bias": full["bias"].clone(),
+            "rng": PerRank(torch.full((4,), step * 100 + rank)), "step": step}
+
+
+def agree_blank(rank: int, world: int) -> dict[str, Any]:
+    from ckpt import FlatShard, PerRank
+
+    lo, hi = agree_bounds(world, rank)
+    return {"w": FlatShard(torch.zeros(hi - lo), lo, AGREE_N), "bias": torch.zeros(300),
+            "rng": PerRank(None), "step": None}
+
+
+def agree_problems(state: dict[str, Any], step: int, rank: int, world: int,
+                   saved_world: int) -> list[str]:
+    """How ``state`` differs from ``step``'s values for this rank (bit for bit)."""
+    want = agree_state(step, rank, world)
+    problems = []
+    if not bit_equal(state["w"].local, want["w"].local):
+        problems.append(f"w on rank {rank} is not step {step}'s")
+    if not bit_equal(state["bias"], want["bias"]):
+        problems.append(f"bias on rank {rank} is not step {step}'s")
+    owner = rank if rank < saved_world else 0
+    if state["step"] != step or not bit_equal(state["rng"].value,
+                                              torch.full((4,), step * 100 + owner)):
+        problems.append(f"objects on rank {rank}: step {state['step']}, rng {state['rng'].value}")
+    return problems
+
+
+def save_agree_steps(url: str, world: int, steps: list[int]) -> None:
+    """Save ``steps`` of the agreement state as ``world`` ranks from this one process (ranks
+    W-1 .. 1 first, then rank 0, which commits)."""
+    from ckpt import CheckpointManager
+
+    for step in steps:
+        for rank in reversed(range(world)):
+            with CheckpointManager(url, rank=rank, world_size=world, stripe_size=STRIPE,
+                                   cache_dir=False) as mgr:
+                mgr.save(step, agree_state(step, rank, world), block=True)
+
+
+def flip_chunk_byte(url: str, step: int, rank: int, key: str | None = None, *,
+                    at: str = "middle", kind: str | None = None) -> str:
+    """Flip one byte inside a chunk of rank ``rank``'s data file of ``step`` (in its stripe,
+    so the stripe fails its checksum); the chunk is ``key``'s, else the largest of ``kind``,
+    else the first. Returns the data file's path."""
+    from ckpt.layout import RankIndex, data_name, index_name, step_dir
+    from striped_fs.layout import Manifest as StripeManifest
+    from striped_fs.layout import stripe_path
+    from striped_fs.urls import url_to_fs
+
+    fs, root = url_to_fs(url)
+    directory = step_dir(root, step)
+    index = RankIndex.from_json(fs.cat_file(f"{directory}/{index_name(rank)}"), path="index")
+    chunks = [c for c in index.chunks if c.nbytes and (key is None or c.key == key)
+              and (kind is None or c.kind == kind)]
+    chunk = max(chunks, key=lambda c: c.nbytes) if kind else min(chunks, key=lambda c: c.byte_offset)
+    offset = chunk.byte_offset + (chunk.nbytes // 2 if at == "middle" else chunk.nbytes - 100)
+    path = f"{directory}/{data_name(rank)}"
+    manifest = StripeManifest.from_bytes(fs.target.cat_file(path), path=path)
+    victim = stripe_path(path, manifest.version, offset // manifest.stripe_size)
+    raw = bytearray(fs.target.cat_file(victim))
+    raw[offset % manifest.stripe_size] ^= 0x01
+    fs.target.pipe_file(victim, bytes(raw))
+    return path
+
+
+class Captured(logging.Handler):
+    """The warnings of the ``ckpt`` logger while it is installed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> Captured:
+        logging.getLogger("ckpt").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        logging.getLogger("ckpt").removeHandler(self)
+
+
+class CollectiveCount:
+    """Counts the collectives a load runs (the real ones still run)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.calls = dist, {"all_reduce": 0, "all_gather_object": 0}
+        self.saved = {name: getattr(dist, name) for name in self.calls}
+
+    def __enter__(self) -> CollectiveCount:
+        for name, fn in self.saved.items():
+            def counted(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
+                self.calls[_name] += 1
+                return _fn(*args, **kwargs)
+            setattr(self.dist, name, counted)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.dist, name, fn)
+
+
+def act_agree_load(meshes: Meshes, rank: int, action: dict[str, Any]) -> dict[str, Any]:
+    """Load the agreement state (``step``: an explicit step); report the step, whether the
+    state is that step's bit for bit, the warnings, and the collectives the load ran."""
+    from ckpt import CheckpointManager
+
+    world = meshes.world
+    state = agree_blank(rank, world)
+    if rank in action.get("extra_key_on", ()):
+        state["not_in_checkpoint"] = torch.zeros(3)
+    url = action.get("urls", {}).get(str(rank), action["url"])  # a rank may see another copy
+    mgr = CheckpointManager(url, rank=rank, world_size=world, stripe_size=STRIPE,
+                            concurrency=CONCURRENCY, cache_dir=False)
+    out: dict[str, Any] = {}
+    with Captured() as captured, CollectiveCount() as count:
+        try:
+            report = mgr.load_with_report(state, action.get("step"))
+            out.update(step=report.step, skipped=getattr(report, "skipped", None),
+                       problems=agree_problems(state, report.step, rank, world,
+                                               action["saved_world"]))
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            out.update(raised=type(exc).__name__, message=str(exc))
+        finally:
+            mgr.close()
+    out.update(warnings=captured.lines, collectives=count.calls)
+    return out
+
+
+def act_fsdp2(meshes: Meshes, rank: int, action: dict[str, Any]) -> dict[str, Any]:
+    """The issue's case: FSDP2 on 2 ranks saves steps 1 and 2; one byte of rank 1's data file
+    of step 2 flipped; fresh models load. Reports the step each rank loaded and whether the
+    gathered (full) model and optimizer state equal step 1's bit for bit."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from ckpt import init_optimizer_state
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                    torch.nn.Linear(256, 64))
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        model(torch.randn(8, 64, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def gathered(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in model.named_parameters():  # full_tensor: a collective, same order
+            out[name] = p.full_tensor().clone()
+            for k, v in sorted(opt.state[p].items()):
+                out[f"{name}/{k}"] = v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+        return out
+
+    mgr = _manager(action, rank, meshes.world)
+    model, opt = build()
+    saved = {}
+    for step in (1, 2):
+        train(model, opt, step)
+        msd, osd = get_state_dict(model, opt)
+        mgr.save(step, {"model": msd, "optim": osd}, block=True)
+        saved[step] = gathered(model, opt)
+        dist.barrier()  # rank 0 returned from a blocking save: the step is committed
+    if rank == 0:
+        flip_chunk_byte(action["url"], 2, 1, kind="dtensor")
+    dist.barrier()
+    fresh, fresh_opt = build()
+    init_optimizer_state(fresh_opt)
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    state = {"model": msd, "optim": osd}
+    with Captured() as captured:
+        step = mgr.load(state)
+    mgr.close()
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    got = gathered(fresh, fresh_opt)
+    return {"step": step, "warnings": captured.lines,
+            "differ_from_step1": sorted(k for k in saved[1] if not bit_equal(got[k], saved[1][k])),
+            "keys": len(got), "differs_from_step2": any(not bit_equal(got[k], saved[2][k])
+                                                        for k in saved[2])}
+
+
 ACTIONS = {"save": act_save, "load": act_load, "partial_read": act_partial_read,
-           "mismatch": act_mismatch}
+           "mismatch": act_mismatch, "agree_load": act_agree_load, "fsdp2": act_fsdp2}
 
 
 def rank_main(rank: int, world: int, port: int, actions: list[dict[str, Any]],

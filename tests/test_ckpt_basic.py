@@ -8,7 +8,9 @@ import random
 import re
 import subprocess
 import threading
+import time
 
+import ckpt_workers as W
 import pytest
 import torch
 
@@ -17,15 +19,17 @@ from ckpt import (
     CheckpointSaveError,
     FlatShard,
     PerRank,
+    SaveHandle,
     StateMismatchError,
     init_optimizer_state,
 )
-from ckpt.layout import data_name, step_dir
+from ckpt.layout import data_name, index_name, step_dir
 from ckpt.overlap import ChunkIndex, StoredChunk
 from ckpt.persist import apply_retention
 from ckpt.tensors import Box
 from striped_fs.layout import Manifest as StripeManifest
 from striped_fs.layout import stripe_path
+from striped_fs.urls import url_to_fs
 
 SMALL = {"stripe_size": "64KiB"}
 
@@ -385,3 +389,151 @@ def test_environment_has_no_leftover_workers(tmp_path):
     after = {t.name for t in threading.enumerate() if t.name.startswith("ckpt-persist")}
     assert not after - before
     assert os.path.isdir(tmp_path / "step-1")
+
+
+# -- save(block=True), latest() after re-saving, load_full ------------------------------------
+
+
+def test_a_blocking_save_returns_its_finished_handle(tmp_path):
+    state = {"w": torch.arange(1000, dtype=torch.float32), "n": 3}
+    with CheckpointManager(str(tmp_path)) as mgr:
+        handle = mgr.save(7, state, block=True)
+        assert isinstance(handle, SaveHandle) and handle.step == 7 and handle.done()
+        result = handle.wait()
+        assert (result.step, result.rank, result.committed) == (7, 0, True)
+        assert result.bytes_written >= 4000 and result.persist_s > 0
+        assert mgr.latest() == 7
+
+
+def _manager(url: str, rank: int, world: int = 2, **kwargs) -> CheckpointManager:
+    return CheckpointManager(url, rank=rank, world_size=world, stripe_size=W.STRIPE,
+                             cache_dir=False, **kwargs)
+
+
+def _load(url: str, rank: int, world: int = 2, step: int | None = None) -> tuple[int, dict]:
+    state = W.agree_blank(rank, world)
+    with _manager(url, rank, world) as mgr:
+        return mgr.load(state, step), state
+
+
+def test_resaving_a_committed_step_withdraws_its_commit_until_the_new_one_commits(tmp_path):
+    """A restart resumed from step 1 saves step 2 again. Rank 1 is through, rank 0 not yet
+    (or killed): step 2's files are no longer the ones its old manifest lists, so latest()
+    must not name it. Once rank 0 commits, step 2 is the new save's."""
+    url = str(tmp_path / "run")
+    W.save_agree_steps(url, 2, [1, 2])
+    with _manager(url, 1, attempt="restart") as rank1:
+        rank1.save(2, W.agree_state(22, 1, 2), block=True)
+    with _manager(url, 0) as reader:
+        assert reader.latest() == 1
+    assert _load(url, 0)[0] == 1
+    with _manager(url, 0, attempt="restart") as rank0:
+        assert rank0.save(2, W.agree_state(22, 0, 2), block=True).wait().committed
+        assert rank0.latest() == 2
+    for rank in (0, 1):
+        step, state = _load(url, rank)
+        assert step == 2 and W.agree_problems(state, 22, rank, 2, 2) == []
+
+
+def test_resaving_a_step_in_the_same_attempt_never_commits_the_earlier_shards(tmp_path):
+    """Same attempt id (a job re-saving a step without a restart): rank 0 gets there first
+    and must wait for rank 1's new index, not commit rank 1's earlier one, which is still
+    in the directory."""
+    url = str(tmp_path / "run")
+    W.save_agree_steps(url, 2, [1, 2])
+    fs, root = url_to_fs(url)
+    index0 = f"{step_dir(root, 2)}/{index_name(0)}"
+    before = fs.cat_file(index0)
+    with _manager(url, 0) as rank0:
+        handle = rank0.save(2, W.agree_state(22, 0, 2))
+        while True:  # rank 0's shard is written; rank 1 has not started
+            fs.invalidate_cache()
+            if fs.exists(index0) and fs.cat_file(index0) != before:
+                break
+            assert not handle.done(), handle.wait()
+            time.sleep(0.01)
+        assert rank0.latest() == 1  # step 2 is not committed meanwhile
+        with _manager(url, 1) as rank1:
+            rank1.save(2, W.agree_state(22, 1, 2), block=True)
+        assert handle.wait().committed
+    for rank in (0, 1):
+        step, state = _load(url, rank)
+        assert step == 2 and W.agree_problems(state, 22, rank, 2, 2) == []
+
+
+def test_latest_passes_over_a_commit_whose_files_no_longer_match(tmp_path, caplog):
+    url = str(tmp_path / "run")
+    W.save_agree_steps(url, 2, [1, 2])
+    with _manager(url, 0) as mgr:
+        mgr.fs.rm_file(f"{step_dir(mgr.root, 2)}/{index_name(1)}")
+        with caplog.at_level(logging.WARNING, logger="ckpt"):
+            assert mgr.latest() == 1
+        assert f"step 2 under {url} is committed but its commit is not valid" in caplog.text
+        assert index_name(1) in caplog.text
+        assert [c.step for c in mgr.list()] == [1]  # as list() always did
+        report = mgr.verify()  # verify examines the newest commit, valid or not
+        assert report.step == 2 and not report.ok and index_name(1) in report.problems[0]
+    assert _load(url, 0)[0] == 1
+
+
+def test_newer_steps_stay_when_an_older_step_is_saved_again(tmp_path):
+    """Resuming from step 1 on purpose and saving step 2 again replaces step 2 only; step 3
+    (of the abandoned run) stays, and latest() names it (docs/ckpt.md)."""
+    url = str(tmp_path / "run")
+    W.save_agree_steps(url, 1, [1, 2, 3])
+    state = W.agree_blank(0, 1)
+    with _manager(url, 0, 1) as mgr:
+        assert mgr.load(state, step=1) == 1
+        mgr.save(2, W.agree_state(22, 0, 1), block=True)
+        assert mgr.latest() == 3
+    step, state = _load(url, 0, 1, step=2)
+    assert W.agree_problems(state, 22, 0, 1, 1) == []
+    step, state = _load(url, 0, 1)
+    assert step == 3 and W.agree_problems(state, 3, 0, 1, 1) == []
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for s in steps:
+        g = torch.Generator().manual_seed(s)
+        model(torch.randn(4, 32, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _adamw() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def test_load_full_optimizer_state_goes_into_load_state_dict_and_training_continues(tmp_path):
+    """AdamW's state_dict()["state"] is keyed by integers; load_full gives it back so, and a
+    fresh model and optimizer continue exactly like the run that never stopped."""
+    model, opt = _adamw()
+    _train(model, opt, range(3))
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(3, {"model": model.state_dict(), "optim": opt.state_dict()}, block=True)
+        full = mgr.load_full()
+    _train(model, opt, range(3, 6))  # the uninterrupted run
+
+    resumed, resumed_opt = _adamw()
+    resumed.load_state_dict(full["model"])
+    resumed_opt.load_state_dict(full["optim"])
+    assert sorted(full["optim"]["state"]) == [0, 1, 2, 3]
+    assert full["optim"]["param_groups"][0]["params"] == [0, 1, 2, 3]
+    _train(resumed, resumed_opt, range(3, 6))
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    assert_same(opt.state_dict()["state"], resumed_opt.state_dict()["state"])
+
+
+def test_load_full_rebuilds_lists_and_dict_keys_as_saved(tmp_path):
+    t = torch.arange(3.0)
+    state = {"by_int": {0: t, 1: t + 1}, "by_digits": {"0": t + 2, "1": t + 3},
+             "gaps": {0: t, 5: t}, "seq": [t, {"x": t}], "empty": [], "top": {"a/b": 1, "%": 2}}
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state, block=True)
+        full = mgr.load_full()
+    assert_same(state, full)
+    assert type(full["seq"]) is list and list(full["by_digits"]) == ["0", "1"]
+    assert list(full["by_int"]) == [0, 1] and list(full["gaps"]) == [0, 5]

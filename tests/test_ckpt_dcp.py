@@ -246,6 +246,29 @@ def test_convert_dcp_to_ours_to_dcp_is_bit_exact(tmp_path):
     _assert_same(state, target)
 
 
+def test_a_converted_checkpoint_loads_into_nested_state_as_it_is(tmp_path):
+    """No flatten_like_dcp by hand: the converted checkpoint says its keys are DCP FQNs, and
+    load flattens the nested state the way DCP does, filling tensors in place and putting
+    objects back where they were (the optimizer's integer keys stay integers)."""
+    _, _, state = _trained_state(0)
+    src = f"{tmp_path}/dcp-src"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(src), no_dist=True)
+    dcp_to_bootseer(src, f"{tmp_path}/ours", step=40)
+
+    model, opt, target = _trained_state(1)
+    weights = target["model"]["0.weight"]
+    with ckpt.CheckpointManager(f"{tmp_path}/ours") as mgr:
+        assert mgr.load(target) == 40
+    _assert_same(state, target)
+    assert target["model"]["0.weight"] is weights  # filled in place
+    assert sorted(target["optim"]["state"]) == [0, 1, 2, 3]  # no "0".."3" added beside them
+    model.load_state_dict(target["model"])
+    opt.load_state_dict(target["optim"])
+    _assert_same(state["optim"], opt.state_dict())
+
+
 def test_convert_ours_saved_nested_to_dcp_loads_into_the_same_structure(tmp_path):
     """A checkpoint saved by CheckpointManager from nested state gets DCP's own FQNs."""
     _, _, state = _trained_state(0)

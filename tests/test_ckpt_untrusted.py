@@ -277,6 +277,29 @@ def test_an_index_claiming_another_rank_is_refused(run):
                    "is rank R's)")
 
 
+# -- what an index says about the state's structure ------------------------------------------------
+
+@pytest.mark.parametrize("kind, rule", [
+    ("list", "the top level is recorded as a list but its keys are ['w'] (rule: a list holds "
+             "items 0..n-1)"),
+    ("int", "the top level is recorded as keyed by integers but holds key 'w' (rule: integer "
+            "keys)"),
+])
+def test_container_kinds_that_contradict_the_keys_are_refused_by_load_full(run, kind, rule):
+    """The record only shapes what load_full returns: load_full refuses a record that the
+    keys contradict, naming the index; a load into a state of one's own does not use it."""
+    root, canary = run
+    directory = write_step(root, one_rank(body=lambda b: b.update(format=2,
+                                                                  containers={"": kind})))
+    mgr = CheckpointManager(str(root), cache_dir=False)
+    with pytest.raises(CheckpointCorrupt) as err:
+        mgr.load_full(STEP)
+    assert f"{directory}/{index_name(0)}" in str(err.value) and rule in str(err.value)
+    target = {"w": torch.zeros(8)}
+    assert mgr.load(target) == STEP and torch.equal(target["w"], torch.arange(8.0))
+    canary.assert_unchanged()
+
+
 # -- chunk shapes: the chained != -----------------------------------------------------------------
 
 @pytest.mark.parametrize("change", [
@@ -374,8 +397,15 @@ def test_declared_chunk_lengths_are_checked(run, change, rule):
     (lambda b: b.update(chunks={"w": 1}), "chunks must be a list of objects"),
     (lambda b: b["chunks"].append({**b["chunks"][0], "key": "alias"}),
      "chunk 'alias' at bytes 0+32 overlaps chunk 'w' (rule: chunks occupy disjoint byte ranges"),
+    # what the index says about the state's structure (format 2)
+    (lambda b: b.update(format=2, containers=["w"]), "containers must map keys to one of "
+                                                      "['list', 'int']"),
+    (lambda b: b.update(format=2, containers={"": "tuple"}), "containers must map keys to one of"),
+    (lambda b: b.update(format=2, key_style="pickle"), "key_style 'pickle' (rule: one of ['', "
+                                                       "'dcp'])"),
+    (lambda b: b.update(format=3), "format 3, expected one of [1, 2]"),
 ], ids=["negative-data-size", "negative-objects-size", "non-string-keys", "chunks-not-list",
-        "aliased-bytes"])
+        "aliased-bytes", "containers-list", "containers-kind", "key-style", "format-3"])
 def test_declared_index_lengths_are_checked(run, change, rule):
     root, canary = run
     directory = write_step(root, one_rank(body=change),  # the manifest keeps the real size

@@ -109,6 +109,8 @@ def test_checkpoint_and_environment_fail_alone_then_warm_then_nothing_to_do(
     ckpt_spans = [s for s in spans if s["phase"] == "checkpoint_prefetch"]
     assert [s["outcome"] for s in ckpt_spans] == ["ok"] * 3
     assert ckpt_spans[0]["bytes"] > 0 and ckpt_spans[2]["bytes"] == 0
+    assert ckpt_spans[0]["bytes_by_remote"] == {"file": ckpt_spans[0]["bytes"]}  # a path
+    assert ckpt_spans[2]["bytes_by_remote"] == {} and ckpt_spans[2]["detail"]["warmup"] is True
     assert ckpt_spans[2]["detail"]["warm_already"] is True
     assert all(s["end"] >= s["start"] for s in spans)
 
@@ -257,6 +259,9 @@ def test_warmup_then_run_with_defaults_load_from_what_warmup_fetched(
     assert warmup_span["bytes"] > 0 and warmup_span["detail"]["step"] == 7
     assert run_span["outcome"] == "ok" and run_span["bytes"] == 0
     assert run_span["detail"]["files"] == 0 and run_span["detail"]["cached_already"] > 0
+    # what each read from the store, named by kind for the report's bytes per remote
+    assert warmup_span["bytes_by_remote"] == {"s3": warmup_span["bytes"]}
+    assert run_span["bytes_by_remote"] == {} and "warmup" not in run_span["detail"]
 
 
 def test_warmup_and_run_read_one_config_file(tmp_path: Path) -> None:

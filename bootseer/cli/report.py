@@ -1,7 +1,8 @@
 """``bootseer report TRACE_DIR...``: startup traces of many nodes as one table, chart and JSON.
 
-Prints per-phase p50/p90/max, time to first step, stragglers and restarts; writes
-``report.json`` and ``report.png`` into the first trace directory (or ``--out``)."""
+Prints per-phase p50/p90/max, time to first step, stragglers (spans and nodes), restarts,
+each incident's cost along its critical path and the bytes per remote; writes
+``report.json``, ``report.png`` and ``timeline.png`` into the first trace directory (or ``--out``)."""
 
 from __future__ import annotations
 
@@ -23,17 +24,24 @@ MAX_WARNINGS = 10
 def register(sub: argparse._SubParsersAction) -> None:
     """Adds the ``report`` subcommand."""
     p = sub.add_parser(
-        "report", help="aggregate startup traces: phase percentiles, stragglers, restarts",
+        "report", help="aggregate startup traces: phase percentiles, stragglers, restarts, "
+                       "the critical path of each restart",
         description="Reads the startup traces (*.jsonl) under each TRACE_DIR (or trace files) "
                     "and prints per-phase p50/p90/max across nodes and ranks, time to first "
                     "step, stragglers (a phase longer than median + 3 MAD of its peers) and "
-                    "restarts; writes report.json and report.png.")
+                    "restarts, and per incident (a start or restart) the critical path from "
+                    "the failure to the job's first step with its cost by phase, and the "
+                    "bytes each node read from each remote; writes report.json, report.png "
+                    "and timeline.png.")
     p.add_argument("trace_dirs", nargs="+", metavar="TRACE_DIR",
                    help="directories of trace files (searched recursively), or trace files")
     p.add_argument("--out", metavar="DIR",
                    help="where report.json and report.png go (default: the first TRACE_DIR)")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="the JSON report's path")
     p.add_argument("--png", dest="png_path", metavar="FILE", help="the chart's path")
+    p.add_argument("--timeline-png", dest="timeline_path", metavar="FILE",
+                   help="the timeline's path (node x phase of the last incident; default "
+                        "timeline.png next to report.png)")
     p.set_defaults(func=cmd_report)
 
 
@@ -64,8 +72,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     out = _out_dir(args)
     json_path = Path(args.json_path) if args.json_path else out / "report.json"
     png_path = Path(args.png_path) if args.png_path else out / "report.png"
+    timeline_path = (Path(args.timeline_path) if args.timeline_path
+                     else png_path.with_name("timeline.png"))
     try:
-        for path in (json_path, png_path):
+        for path in (json_path, png_path, timeline_path):
             path.parent.mkdir(parents=True, exist_ok=True)
         tmp = json_path.with_name(json_path.name + ".tmp")
         tmp.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
@@ -74,16 +84,22 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise CliError(f"cannot write {json_path}: {exc} (choose another place with --out)"
                        ) from None
     try:
-        from ..report_chart import render_chart
+        from ..report_chart import render_chart, render_timeline
     except ImportError as exc:  # pragma: no cover - matplotlib is a dependency
         raise CliError(f"the chart needs matplotlib ({exc}); pip install matplotlib") from None
-    try:
-        render_chart(report, png_path)
-    except OSError as exc:
-        raise CliError(f"cannot write {png_path}: {exc} (choose another place with --out)"
-                       ) from None
+    charts = [(png_path, render_chart)]
+    if report.incidents:
+        charts.append((timeline_path, render_timeline))
+    for path, render in charts:
+        try:
+            render(report, path)
+        except OSError as exc:
+            raise CliError(f"cannot write {path}: {exc} (choose another place with --out)"
+                           ) from None
     print(f"json: {json_path}")
     print(f"chart: {png_path}")
+    if report.incidents:
+        print(f"timeline: {timeline_path}")
     return 0
 
 

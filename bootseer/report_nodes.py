@@ -1,0 +1,238 @@
+"""The node-level views of ``bootseer report``: incidents, timelines, critical path, bytes.
+
+A training job's first step waits for its slowest rank, so a restart costs the time from the
+failure to the moment the *last* node reached ``bootseer.ready()``. This module lines the nodes
+up per incident and says which node, and which of its phases, decided that time.
+
+* **Incident** ``k``: every node's spans of attempt ``k`` (``bootseer run`` counts attempts per
+  node, and a job whose ranks meet in a c10d rendezvous restarts all its nodes together, so
+  attempt ``k`` of each node is the same restart). It starts at the failure: the earliest
+  ``failure`` event of attempt ``k - 1`` (a point span, :data:`FAILURE_PHASE`), else the
+  earliest ``restart`` span of attempt ``k``, else (attempt 0: the cold start) the earliest span.
+  It ends at the job's first step: the latest ``first_step`` end of that attempt.
+* **Critical path**: the node/rank whose first step ended last; its spans from the incident's
+  start to its first step, each stretch of wall time given to the phase that ended it
+  (:func:`positioned_segments`), stretches where none of its phases ran as ``untraced``. Its
+  parts add up to the incident's wall time: the restart's **cost split by phase**.
+* **Timeline**: per node, its spans of the incident (all ranks) as positioned segments, seconds
+  since the incident's start; gaps where nothing ran are left out, so a chart shows them.
+* **Node stragglers**: per phase and attempt, a node's time in the phase (first start to last
+  end over its ranks) against the other nodes', median + 3 MAD as for spans.
+* **Bytes by remote**: the spans' ``bytes_by_remote`` (see :mod:`bootseer.trace`) summed per node
+  and over the job, every attempt and warmup included: what each node asked of each service.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .trace import Span
+
+#: A point event (start == end) a producer may write when it detects a failure, in the failed
+#: attempt: the incident of the next attempt starts there, not at the restart's backoff.
+FAILURE_PHASE = "failure"
+UNTRACED = "untraced"
+
+
+@dataclass
+class Segment:
+    """A stretch of wall time given to one phase; seconds since the incident's start."""
+    phase: str
+    start: float
+    end: float
+
+
+@dataclass
+class NodeTimeline:
+    node: str
+    segments: list[Segment]
+    first_step_s: float | None  # when the node's last rank was ready; None: none was
+
+
+@dataclass
+class Incident:
+    """One start or restart of the job, from the failure to its first step."""
+    attempt: int
+    kind: str  # "start" (attempt 0) or "restart"
+    start_at: float  # epoch seconds of the failure (or the start)
+    start_from: str  # what set it: "failure", "restart" or "first_span"
+    first_step_at: float | None  # epoch seconds of the job's first step; None: not reached
+    wall_s: float | None  # first_step_at - start_at
+    nodes: int
+    ready_nodes: int  # nodes whose every rank reached its first step
+    critical_node: str | None
+    critical_rank: int | None
+    critical_path: list[Segment]
+    cost: dict[str, float]  # wall_s split by phase along the critical path; sums to wall_s
+    timeline: list[NodeTimeline]
+
+
+@dataclass
+class NodeBytes:
+    node: str
+    remotes: dict[str, int]  # remote -> bytes received
+    total: int
+
+
+@dataclass
+class NodeStraggler:
+    phase: str
+    node: str
+    attempt: int
+    seconds: float  # the node's time in the phase: its ranks' first start to last end
+    median: float
+    mad: float
+    threshold: float
+
+
+@dataclass
+class NodeViews:
+    incidents: list[Incident] = field(default_factory=list)
+    node_stragglers: list[NodeStraggler] = field(default_factory=list)
+    bytes_by_node: list[NodeBytes] = field(default_factory=list)
+    bytes_by_remote: dict[str, int] = field(default_factory=dict)  # the job's totals
+
+
+def positioned_segments(spans: Iterable[Span], origin: float | None = None,
+                        until: float | None = None, gap: str | None = UNTRACED
+                        ) -> list[Segment]:
+    """The wall time from ``origin`` (default: the first start) to the last end (at most
+    ``until``) as segments in time order: each stretch goes to the phase that ends it (the one
+    the time was waiting for), a stretch where no span ran to ``gap`` (left out when None).
+    Times are seconds since ``origin``; adjacent stretches of one phase are merged."""
+    ordered = sorted(spans, key=lambda s: (s.end, s.start))
+    if not ordered:
+        return []
+    zero = min(s.start for s in ordered) if origin is None else origin
+    covered = zero
+    out: list[Segment] = []
+
+    def add(phase: str, start: float, end: float) -> None:
+        if out and out[-1].phase == phase and out[-1].end == start - zero:
+            out[-1].end = end - zero
+        else:
+            out.append(Segment(phase, start - zero, end - zero))
+
+    for s in ordered:
+        end = s.end if until is None else min(s.end, until)
+        if end <= covered:
+            continue
+        if s.start > covered:
+            if gap is not None:
+                add(gap, covered, s.start)
+            covered = s.start
+        add(s.phase, covered, end)
+        covered = end
+    return out
+
+
+def split_by_phase(segments: Iterable[Segment]) -> dict[str, float]:
+    """Seconds per phase of positioned segments."""
+    out: dict[str, float] = defaultdict(float)
+    for seg in segments:
+        out[seg.phase] += seg.end - seg.start
+    return dict(out)
+
+
+def _incident_start(attempt: int, spans: list[Span], failures: list[Span]) -> tuple[float, str]:
+    failed = [f.start for f in failures if f.attempt == attempt - 1]
+    if attempt > 0 and failed:
+        return min(failed), "failure"
+    restarts = [s.start for s in spans if s.phase == "restart"]
+    if restarts:
+        return min(restarts), "restart"
+    return min(s.start for s in spans), "first_span"
+
+
+def _incident(attempt: int, spans: list[Span], failures: list[Span]) -> Incident:
+    start_at, start_from = _incident_start(attempt, spans, failures)
+    by_node: dict[str, list[Span]] = defaultdict(list)
+    for s in spans:
+        by_node[s.node].append(s)
+    ready: dict[tuple[str, int | None], float] = {}  # (node, rank) -> its first step's end
+    ranks: dict[str, set[int | None]] = defaultdict(set)  # ranks that started a first step
+    for s in spans:
+        if s.phase == "first_step":
+            ranks[s.node].add(s.rank)
+            if s.outcome == "ok":
+                key = (s.node, s.rank)
+                ready[key] = max(ready.get(key, s.end), s.end)
+    ends: dict[str, list[float]] = defaultdict(list)
+    for (node, _), end in ready.items():
+        ends[node].append(end)
+    timeline = []
+    from .report import worker_key  # the report's node order (node-2 before node-10)
+
+    for node in sorted(by_node, key=lambda n: worker_key(n, None)):
+        # a node is ready when every rank that started a first step reached it
+        done = ends.get(node, [])
+        node_ready = max(done) if done and len(done) == len(ranks[node]) else None
+        timeline.append(NodeTimeline(node, positioned_segments(by_node[node], start_at, gap=None),
+                                     None if node_ready is None else node_ready - start_at))
+    if not ready:
+        return Incident(attempt, "start" if attempt == 0 else "restart", start_at, start_from,
+                        None, None, len(by_node), 0, None, None, [], {}, timeline)
+    (node, rank), first_step_at = max(ready.items(), key=lambda kv: kv[1])
+    row = [s for s in by_node[node] if s.rank is None or s.rank == rank]
+    path = positioned_segments(row, start_at, until=first_step_at)
+    return Incident(attempt, "start" if attempt == 0 else "restart", start_at, start_from,
+                    first_step_at, first_step_at - start_at, len(by_node),
+                    sum(t.first_step_s is not None for t in timeline), node, rank, path,
+                    split_by_phase(path), timeline)
+
+
+def find_node_stragglers(spans: Iterable[Span], skip: Iterable[str] = ()) -> list[NodeStraggler]:
+    """Nodes whose time in a phase (per attempt) exceeds median + 3 MAD of all nodes'."""
+    from .report import phase_key, straggler_threshold, worker_key
+
+    skip = frozenset(skip)
+    window: dict[tuple[str, int, str], list[float]] = {}
+    for s in spans:
+        if s.outcome != "ok" or s.phase in skip:
+            continue
+        w = window.setdefault((s.phase, s.attempt, s.node), [s.start, s.end])
+        w[0], w[1] = min(w[0], s.start), max(w[1], s.end)
+    groups: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
+    for (phase, attempt, node), (lo, hi) in window.items():
+        groups[(phase, attempt)][node] = hi - lo
+    found = []
+    for (phase, attempt), per_node in groups.items():
+        if len(per_node) < 3:
+            continue
+        m, d, threshold = straggler_threshold(list(per_node.values()))
+        found += [NodeStraggler(phase, node, attempt, sec, m, d, threshold)
+                  for node, sec in per_node.items() if sec > threshold]
+    found.sort(key=lambda x: (phase_key(x.phase), x.attempt, -x.seconds, worker_key(x.node, None)))
+    return found
+
+
+def remote_totals(spans: Iterable[Span]) -> tuple[list[NodeBytes], dict[str, int]]:
+    """Bytes received per node and remote, and the job's totals per remote."""
+    from .report import worker_key
+
+    per_node: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    total: dict[str, int] = defaultdict(int)
+    for s in spans:
+        for remote, n in s.bytes_by_remote.items():
+            per_node[s.node][remote] += n
+            total[remote] += n
+    nodes = [NodeBytes(node, dict(sorted(r.items())), sum(r.values()))
+             for node, r in sorted(per_node.items(), key=lambda kv: worker_key(kv[0], None))]
+    return nodes, dict(sorted(total.items()))
+
+
+def node_views(spans: Sequence[Span], skip_stragglers: Iterable[str] = ()) -> NodeViews:
+    """Every node-level view of these (clean) spans; warmup spans count for bytes only."""
+    job = [s for s in spans if not s.detail.get("warmup")]
+    failures = [s for s in job if s.phase == FAILURE_PHASE]
+    by_attempt: dict[int, list[Span]] = defaultdict(list)
+    for s in job:
+        if s.phase != FAILURE_PHASE:
+            by_attempt[s.attempt].append(s)
+    nodes, total = remote_totals(spans)
+    return NodeViews(
+        incidents=[_incident(a, by_attempt[a], failures) for a in sorted(by_attempt)],
+        node_stragglers=find_node_stragglers(job, {*skip_stragglers, FAILURE_PHASE}),
+        bytes_by_node=nodes, bytes_by_remote=total)

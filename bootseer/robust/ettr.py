@@ -1,0 +1,246 @@
+"""ETTR (effective training time ratio) from the traces: productive time over wall time,
+cumulative and over a sliding hour, and for every incident where the unproductive time went.
+
+Read: the spans of :mod:`bootseer.trace` that ``bootseer run`` writes (``first_step`` per
+rank and attempt, the startup phases, ``hang`` with ``detected_at``/``dumped_at``,
+``restart`` with ``exited_at``), and the records of :mod:`.events` (an incident's event may
+carry ``step`` and, in its evidence, ``checkpoint_step`` and ``step_time_s``: the steps
+redone after the restart).
+
+The model, per attempt ``a`` (all nodes and ranks together):
+
+* productive from its first step (the last rank's ``first_step`` end) plus the
+  recomputation (steps since the last checkpoint, redone), to its failure: the last progress
+  for a hang (the ``hang`` span's start), the exit for a crash (``exited_at``), or the end
+  of the job;
+* an incident runs from that failure to the next attempt's first step, split into
+  ``detection`` (hang: the silence until it was seen; a crash is seen at its exit),
+  ``localization`` (the stack dumps), ``teardown`` (kill and cleanup, until the backoff),
+  ``restart`` (the backoff), each startup phase of the next attempt (``environment``,
+  ``checkpoint_prefetch``, ``image_prefetch``, ``command_start``, and ``first_step``: the
+  rest until the first step), ``failed_attempt`` (an attempt that failed before its first
+  step) and ``other`` (gaps no span covers), which add up to the incident exactly; plus
+  ``recomputation`` after it (None when the trace does not say).
+
+Usage::
+
+    from bootseer.robust.ettr import compute_ettr, read_ettr
+
+    report = read_ettr(["traces/"], end=time.time())
+    report.ettr, report.sliding(window_s=3600)[-1], report.incidents[0].split()
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..trace import Span, read_traces
+from .events import Event, Verdict, read_records
+
+__all__ = ["STARTUP_PHASES", "EttrReport", "Incident", "compute_ettr", "read_ettr"]
+
+STARTUP_PHASES = ("environment", "checkpoint_prefetch", "image_prefetch", "command_start")
+
+
+@dataclass(frozen=True)
+class Incident:
+    """One failure and the way back to training."""
+
+    attempt: int  # the attempt that failed
+    reason: str  # crash or hang (the restart span's)
+    failure_class: str | None
+    start: float  # the end of productive time
+    end: float  # the next attempt's first step
+    detection_s: float
+    localization_s: float
+    teardown_s: float
+    startup_s: dict[str, float] = field(default_factory=dict)  # restart, phases, first_step
+    failed_attempt_s: float = 0.0
+    other_s: float = 0.0
+    recomputation_s: float | None = None
+
+    def split(self) -> dict[str, float]:
+        """Seconds per part, in order; they add up to ``end - start``."""
+        return {"detection": self.detection_s, "localization": self.localization_s,
+                "teardown": self.teardown_s, **self.startup_s,
+                "failed_attempt": self.failed_attempt_s, "other": self.other_s}
+
+    @property
+    def unproductive_s(self) -> float:
+        return self.end - self.start + (self.recomputation_s or 0.0)
+
+
+@dataclass(frozen=True)
+class EttrReport:
+    start: float
+    end: float
+    productive: tuple[tuple[float, float], ...]  # intervals of productive time
+    incidents: tuple[Incident, ...]
+
+    @property
+    def wall_s(self) -> float:
+        return self.end - self.start
+
+    @property
+    def productive_s(self) -> float:
+        return sum(b - a for a, b in self.productive)
+
+    @property
+    def ettr(self) -> float:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def window(self, start: float, end: float) -> float:
+        """ETTR over ``[start, end]`` (clipped to the job)."""
+        start, end = max(start, self.start), min(end, self.end)
+        if end <= start:
+            return 0.0
+        inside = sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.productive)
+        return inside / (end - start)
+
+    def sliding(self, window_s: float = 3600.0, step_s: float = 60.0) -> list[tuple[float, float]]:
+        """(time, ETTR of the window ending then) every ``step_s`` and at the end; a window
+        starts no earlier than the job."""
+        points, t = [], self.start + step_s
+        while t < self.end:
+            points.append((t, self.window(t - window_s, t)))
+            t += step_s
+        points.append((self.end, self.window(self.end - window_s, self.end)))
+        return points
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "end": self.end, "wall_s": self.wall_s,
+                "productive_s": self.productive_s, "ettr": self.ettr,
+                "incidents": [{"attempt": i.attempt, "reason": i.reason,
+                               "class": i.failure_class, "start": i.start, "end": i.end,
+                               "split": i.split(), "recomputation_s": i.recomputation_s}
+                              for i in self.incidents]}
+
+
+def _incident_event(records: Sequence[Event | Verdict], start: float, end: float
+                    ) -> Event | None:
+    """The first detector event of an attempt's life (between its start and its restart)."""
+    events = [r for r in records if isinstance(r, Event) and start <= r.time <= end
+              and r.kind in ("crash", "hang", "nonfinite", "fail_slow", "health")]
+    return min(events, key=lambda e: e.time, default=None)
+
+
+def _recomputation(event: Event | None) -> float | None:
+    if event is None or event.step is None:
+        return None
+    ckpt, step_time = event.evidence.get("checkpoint_step"), event.evidence.get("step_time_s")
+    if not isinstance(ckpt, int | float) or not isinstance(step_time, int | float):
+        return None
+    return max(0.0, (event.step - ckpt) * step_time)
+
+
+def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (), *,
+                 start: float | None = None, end: float | None = None) -> EttrReport:
+    """The report of one job from its spans (every node's) and event records. ``end``: the
+    end of the job (default: the last time the trace holds); ``start``: its start (default:
+    the start of attempt 0)."""
+    spans = list(spans)
+    by = defaultdict(list)
+    for s in spans:
+        by[(s.phase, s.attempt)].append(s)
+    attempts = sorted({s.attempt for s in spans})
+    if not attempts:
+        raise ValueError("the trace holds no spans of bootseer run: nothing to measure")
+
+    def attempt_start(a: int) -> float:
+        first = by.get(("first_step", a))
+        return min(s.start for s in first) if first else min(
+            s.start for s in spans if s.attempt == a and s.phase != "restart")
+
+    def ready(a: int) -> float | None:
+        first = by.get(("first_step", a))
+        return max(s.end for s in first) if first else None
+
+    job_start = attempt_start(attempts[0]) if start is None else start
+    job_end = end if end is not None else max(
+        [s.end for s in spans] + [r.time for r in records])
+
+    # the failure of each failed attempt: when productive time ended, and how it was seen
+    failures: dict[int, dict[str, Any]] = {}
+    for a in attempts:
+        restarts = by.get(("restart", a + 1))
+        if not restarts:
+            continue
+        restart = min(restarts, key=lambda s: s.start)
+        hangs = by.get(("hang", a))
+        exited = restart.detail.get("exited_at", restart.start)
+        event = _incident_event(records, attempt_start(a), restart.start)
+        info: dict[str, Any] = {"restart": restart, "event": event,
+                                "reason": restart.detail.get("reason", "crash")}
+        if hangs:
+            hang = min(hangs, key=lambda s: s.start)
+            detected = float(hang.detail.get("detected_at", hang.start + float(
+                hang.detail.get("silent_s", 0.0))))
+            dumped = float(hang.detail.get("dumped_at", detected))
+            info.update(fail=hang.start, detection=detected - hang.start,
+                        localization=dumped - detected, teardown=restart.start - dumped,
+                        cls=event.failure_class if event else "hang")
+        else:
+            info.update(fail=float(exited), detection=0.0, localization=0.0,
+                        teardown=restart.start - float(exited),
+                        cls=event.failure_class if event else None)
+        if ready(a) is None:  # failed before its first step: all of it was unproductive
+            info["failed_attempt"] = info["fail"] - attempt_start(a)
+            info["fail"] = attempt_start(a)
+        failures[a] = info
+
+    incidents, productive = [], []
+    recompute_before: dict[int, float] = {}
+    for a in attempts:
+        if a not in failures:
+            continue
+        f = failures[a]
+        nxt = a + 1
+        restart: Span = f["restart"]
+        r_next = ready(nxt)
+        if r_next is None or nxt in failures and failures[nxt]["fail"] < r_next:
+            inc_end = failures[nxt]["fail"] if nxt in failures else job_end
+            r_next = None
+        else:
+            inc_end = r_next
+        startup = {"restart": restart.seconds}
+        covered = f["detection"] + f["localization"] + f["teardown"] + restart.seconds
+        if r_next is not None:
+            t0 = attempt_start(nxt)
+            for phase in STARTUP_PHASES:
+                found = [s for s in by.get((phase, nxt), []) if t0 <= s.start <= r_next]
+                if found:
+                    startup[phase] = max(s.seconds for s in found)  # nodes work in parallel
+            named = sum(v for k, v in startup.items() if k != "restart")
+            startup["first_step"] = max(0.0, (r_next - t0) - named)
+            covered += (r_next - t0)
+        failed = f.get("failed_attempt", 0.0)
+        covered += failed
+        recompute = _recomputation(f["event"])
+        if recompute is not None and r_next is not None:
+            recompute_before[nxt] = recompute
+        incidents.append(Incident(
+            attempt=a, reason=f["reason"], failure_class=f["cls"], start=f["fail"],
+            end=inc_end, detection_s=f["detection"], localization_s=f["localization"],
+            teardown_s=f["teardown"], startup_s=startup, failed_attempt_s=failed,
+            other_s=max(0.0, (inc_end - f["fail"]) - covered), recomputation_s=recompute))
+    for a in attempts:
+        r = ready(a)
+        if r is None:
+            continue
+        stop = failures[a]["fail"] if a in failures else job_end
+        begin = min(r + recompute_before.get(a, 0.0), stop)
+        if stop > begin:
+            productive.append((begin, stop))
+    return EttrReport(job_start, job_end, tuple(productive), tuple(incidents))
+
+
+def read_ettr(paths: Sequence[str | os.PathLike], *, start: float | None = None,
+              end: float | None = None) -> EttrReport:
+    """:func:`compute_ettr` over trace files or directories."""
+    spans, _ = read_traces(paths)
+    records, _ = read_records(list(paths))
+    return compute_ettr(spans, records, start=start, end=end)

@@ -1,0 +1,138 @@
+"""Real processes driven into real failures, for the robust-training tests.
+
+As a script: ``python robust_helpers.py SCENARIO ARGS...``; imported: :func:`run_scenario`
+(runs one, returns its exit code and its output lines) and :func:`scenario_argv`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HELPERS = str(Path(__file__).resolve())
+ROOT = str(Path(__file__).resolve().parent.parent)
+GUARD = 120  # seconds: only a guard against a scenario that never ends
+
+
+def scenario_argv(scenario: str, *args: object) -> list[str]:
+    return [sys.executable, HELPERS, scenario, *map(str, args)]
+
+
+def scenario_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BOOTSEER_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    env.update(extra or {})
+    return env
+
+
+def run_scenario(scenario: str, *args: object, env: dict[str, str] | None = None,
+                 preexec_fn=None) -> tuple[int, list[str]]:
+    """(return code as Popen gives it, stdout+stderr lines)."""
+    proc = subprocess.run(scenario_argv(scenario, *args), env=scenario_env(env),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=GUARD, preexec_fn=preexec_fn)
+    return proc.returncode, proc.stdout.splitlines()
+
+
+# -- the scenarios (the child side) ------------------------------------------------------------
+
+def exception() -> None:
+    print("step 1")
+    {}["missing-key"]
+
+
+def sigkill() -> None:
+    print("step 1", flush=True)
+    os.kill(os.getpid(), 9)
+
+
+def memory_error(limit_mb: str) -> None:
+    import resource
+
+    limit = int(limit_mb) * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    blocks = [bytearray(2**20) for _ in range(int(limit_mb) * 2)]
+    print(len(blocks))
+
+
+def allocate(mb: str) -> None:
+    data = bytearray(int(mb) * 2**20)
+    for i in range(0, len(data), 4096):  # touch every page: the cgroup charges them
+        data[i] = 1
+    print(len(data))
+
+
+def write(path: str, mb: str) -> None:
+    with open(path, "wb") as f:
+        for _ in range(int(mb)):
+            f.write(os.urandom(2**20))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def s3_put(endpoint: str, bucket: str) -> None:
+    import boto3
+    from botocore.config import Config
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                      aws_access_key_id="testing", aws_secret_access_key="testing",
+                      config=Config(retries={"max_attempts": 1, "mode": "standard"},
+                                    connect_timeout=2, read_timeout=2))
+    s3.put_object(Bucket=bucket, Key="ckpt/step-10/shard-0", Body=b"x" * 1024)
+
+
+def gloo_one_late(rank: str, world: str, port: str, late: str, ready_dir: str) -> None:
+    """Every rank loops over all_reduce; rank ``late`` sleeps before its second one, so the
+    others block inside all_reduce. Each writes ``ready_dir/<rank>`` once it is in place."""
+    import torch
+    import torch.distributed as dist
+
+    import bootseer.client  # noqa: F401 - under BOOTSEER_CONTROL_DIR: the SIGUSR1 dump
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank),
+                            world_size=int(world))
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    Path(ready_dir, rank).write_text(str(os.getpid()))
+    if rank == late:
+        sleep_before_all_reduce()
+    dist.all_reduce(t)
+
+
+def sleep_before_all_reduce() -> None:
+    time.sleep(GUARD)
+
+
+def heartbeats(steps: str, step_s: str, nan_at: str) -> None:
+    """A training loop that reports through bootseer.heartbeat (loss NaN at ``nan_at``)."""
+    import bootseer
+
+    for step in range(int(steps)):
+        time.sleep(float(step_s))
+        loss = float("nan") if step == int(nan_at) else 2.0 / (step + 1)
+        if step == 0:
+            bootseer.ready()
+        bootseer.heartbeat(step, loss=loss, grad_norm=1.0)
+
+
+def crash_hang_finish(counter: str) -> None:
+    """Under ``bootseer run``: attempt 0 crashes, attempt 1 hangs, attempt 2 finishes."""
+    import bootseer
+
+    path = Path(counter)
+    attempt = int(path.read_text()) if path.exists() else 0
+    path.write_text(str(attempt + 1))
+    bootseer.ready()
+    bootseer.heartbeat(1, loss=1.0)
+    time.sleep(0.2)
+    if attempt == 0:
+        sys.exit(3)
+    if attempt == 1:
+        sleep_before_all_reduce()
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1].replace("-", "_")](*sys.argv[2:])

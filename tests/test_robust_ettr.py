@@ -1,0 +1,113 @@
+"""ETTR from traces: a constructed trace with known answers, and the trace of a real
+``bootseer run`` whose child crashes once, hangs once, then finishes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from robust_helpers import scenario_argv
+from run_helpers import run_wrapper
+
+from bootseer.robust.ettr import compute_ettr, read_ettr
+from bootseer.robust.events import Event, write_record
+from bootseer.trace import Span, read_traces
+
+
+def span(phase, start, end, attempt, rank=None, **detail):
+    return Span("node-1", rank, phase, float(start), float(end), attempt=attempt, detail=detail)
+
+
+SPANS = [
+    span("environment", 0, 30, 0), span("command_start", 40, 41, 0),
+    span("first_step", 0, 100, 0, rank=0), span("first_step", 0, 95, 0, rank=1),
+    # attempt 0 crashes at 1000; cleanup until 1010; a 10 s backoff
+    span("restart", 1010, 1020, 1, reason="crash", exit_code=1, exited_at=1000.0),
+    span("environment", 1020, 1030, 1), span("command_start", 1030, 1031, 1),
+    span("first_step", 1020, 1080, 1, rank=0), span("first_step", 1020, 1079, 1, rank=1),
+    # attempt 1 stops making progress at 2000, seen at 2030, dumped by 2035, killed at 2040
+    span("hang", 2000, 2040, 1, silent_s=30.0, detected_at=2030.0, dumped_at=2035.0),
+    span("restart", 2042, 2044, 2, reason="hang", exited_at=2040.0),
+    span("environment", 2044, 2050, 2), span("first_step", 2044, 2100, 2, rank=0),
+]
+CRASH = Event("crash", "python_exception", node="node-1", rank=1, step=950, time=1000.5,
+              evidence={"checkpoint_step": 900, "step_time_s": 1.0})
+
+
+def test_a_constructed_trace_gives_the_known_numbers():
+    report = compute_ettr(SPANS, [CRASH], end=3700.0)
+    # productive: [100, 1000] + [1080 + 50 recomputed, 2000] + [2100, 3700]
+    assert report.productive == ((100.0, 1000.0), (1130.0, 2000.0), (2100.0, 3700.0))
+    assert (report.wall_s, report.productive_s) == (3700.0, 3370.0)
+    assert report.ettr == pytest.approx(3370 / 3700)
+    crash, hang = report.incidents
+    assert (crash.attempt, crash.reason, crash.failure_class, crash.start, crash.end) == (
+        0, "crash", "python_exception", 1000.0, 1080.0)
+    assert crash.split() == {"detection": 0.0, "localization": 0.0, "teardown": 10.0,
+                             "restart": 10.0, "environment": 10.0, "command_start": 1.0,
+                             "first_step": 49.0, "failed_attempt": 0.0, "other": 0.0}
+    assert (crash.recomputation_s, crash.unproductive_s) == (50.0, 130.0)
+    assert (hang.reason, hang.failure_class, hang.start, hang.end) == ("hang", "hang", 2000.0,
+                                                                       2100.0)
+    assert hang.split() == {"detection": 30.0, "localization": 5.0, "teardown": 7.0,
+                            "restart": 2.0, "environment": 6.0, "first_step": 50.0,
+                            "failed_attempt": 0.0, "other": 0.0}
+    assert hang.recomputation_s is None  # the trace does not say: unknown, not 0
+    # the sliding hour: the last window is [100, 3700]; an early one holds the crash
+    assert report.sliding(3600.0, 600.0)[-1] == (3700.0, pytest.approx(3370 / 3600))
+    assert report.window(0, 1200) == pytest.approx((900 + 70) / 1200)
+
+
+def test_an_attempt_that_fails_before_its_first_step():
+    spans = [span("first_step", 0, 10, 0, rank=0),
+             span("restart", 100, 101, 1, reason="crash", exited_at=100.0),
+             span("environment", 101, 105, 1),  # attempt 1 dies during its startup
+             span("restart", 106, 107, 2, reason="crash", exited_at=105.5),
+             span("first_step", 107, 120, 2, rank=0)]
+    report = compute_ettr(spans, end=200.0)
+    assert report.productive == ((10.0, 100.0), (120.0, 200.0))
+    first, second = report.incidents
+    assert (first.start, first.end, first.split()["restart"]) == (100.0, 101.0, 1.0)
+    assert (second.start, second.end) == (101.0, 120.0)
+    assert second.split() == {"detection": 0.0, "localization": 0.0, "teardown": 0.5,
+                              "restart": 1.0, "first_step": 13.0, "failed_attempt": 4.5,
+                              "other": 0.0}
+
+
+def test_records_and_spans_are_read_from_the_same_trace(tmp_path):
+    path = tmp_path / "node-1.jsonl"
+    path.write_text("".join(s.to_json() + "\n" for s in SPANS))
+    write_record(path, CRASH)
+    report = read_ettr([tmp_path], end=3700.0)
+    assert report.productive_s == 3370.0 and report.incidents[0].recomputation_s == 50.0
+    with pytest.raises(ValueError, match="no spans of bootseer run"):
+        compute_ettr([])
+
+
+def test_the_trace_of_a_real_bootseer_run(tmp_path):
+    trace, counter = tmp_path / "trace", tmp_path / "count"
+    proc = run_wrapper(trace, "--max-restarts", "2", "--hang-timeout", "1", "--dump-wait", "5",
+                       command=scenario_argv("crash-hang-finish", counter))
+    end = time.time()
+    assert proc.returncode == 0, proc.stderr
+    spans, _ = read_traces([trace])
+    report = read_ettr([trace], end=end)
+    crash, hang = report.incidents
+    assert (crash.attempt, crash.reason, hang.attempt, hang.reason) == (0, "crash", 1, "hang")
+    [restart1] = [s for s in spans if s.phase == "restart" and s.attempt == 1]
+    [hang_span] = [s for s in spans if s.phase == "hang"]
+    assert crash.start == restart1.detail["exited_at"] and crash.detection_s == 0.0
+    assert hang.start == hang_span.start  # the last heartbeat
+    assert hang.detection_s == pytest.approx(hang_span.detail["silent_s"], abs=1e-3)
+    assert hang.detection_s >= 1.0  # the hang threshold
+    assert hang.localization_s == pytest.approx(
+        hang_span.detail["dumped_at"] - hang_span.detail["detected_at"])
+    readies = {a: max(s.end for s in spans if s.phase == "first_step" and s.attempt == a)
+               for a in (0, 1, 2)}
+    assert report.productive == ((readies[0], crash.start), (readies[1], hang.start),
+                                 (readies[2], end))
+    for incident in report.incidents:
+        assert incident.end == readies[incident.attempt + 1]
+        assert sum(incident.split().values()) == pytest.approx(incident.end - incident.start)
+    assert report.productive_s + sum(i.end - i.start for i in report.incidents) == (
+        pytest.approx(report.wall_s - (readies[0] - report.start)))
