@@ -8,6 +8,8 @@ import io
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tarfile
@@ -108,6 +110,15 @@ def push_images(host: str) -> tuple[str, str]:
     return src, dst
 
 
+def holder_pid(address: str) -> int:
+    """The pid of the FUSE holder listening at ``address`` (its socket's peer credentials)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.connect(address)
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                        12))
+    return pid
+
+
 @dataclass
 class SnapshotterProcess:
     """``bootseer snapshotter`` in a child process (a node's daemon)."""
@@ -118,6 +129,7 @@ class SnapshotterProcess:
     extra: tuple[str, ...] = ()
     proc: subprocess.Popen | None = None
     umask: int = -1  # the process's umask (-1: this one's)
+    env: dict[str, str] | None = None  # the process's environment (None: this one's)
 
     def start(self, timeout_s: float = 30.0) -> SnapshotterProcess:
         if os.path.exists(self.address):
@@ -127,7 +139,8 @@ class SnapshotterProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "bootseer", "snapshotter", "--root",
                  str(self.root), "--address", self.address, *self.extra],
-                stdout=log, stderr=log, start_new_session=True, umask=self.umask)
+                stdout=log, stderr=log, start_new_session=True, umask=self.umask,
+                env=self.env)
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(self.address):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -137,6 +150,27 @@ class SnapshotterProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
+
+    @property
+    def holder_address(self) -> str:
+        """The FUSE holder the snapshotter starts when none runs (beside its socket)."""
+        return os.path.join(os.path.dirname(self.address), "fuse-holder.sock")
+
+    def close(self) -> None:
+        """Stop, and take down the lazy mount, which a stop leaves to the FUSE holder; the
+        holder then exits. A holder still there after that (a container still using the
+        mount) is killed, which ends the connection, and reported."""
+        from striped_fs.fuse import is_mounted, unmount
+
+        self.stop()
+        if is_mounted(self.root / "lazy"):
+            unmount(self.root / "lazy", lazy=True)
+        deadline = time.monotonic() + 15
+        while os.path.exists(self.holder_address):
+            if time.monotonic() > deadline:
+                os.kill(holder_pid(self.holder_address), signal.SIGKILL)
+                raise AssertionError(f"the FUSE holder did not exit:\n{self.log()}")
+            time.sleep(0.05)
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc is None or self.proc.poll() is not None:

@@ -1,0 +1,375 @@
+"""Running containers on lazy layers keep working across a restart of the snapshotter.
+
+A container (real containerd, runc, registry) reads files of a converted image when the test
+says so, and keeps a file mapped (a static C program copies its pages through user memory, so
+a failed page-in is SIGBUS). Between its reads the snapshotter is stopped with SIGTERM, killed
+with SIGKILL, replaced by a successor from another copy of the code while it is still
+stopping (an upgrade), or its FUSE holder is killed first and then the snapshotter. After
+each, the container is still RUNNING and reads the right bytes: files it never read before
+(fetched lazily by the successor), the mapped file's remaining pages, and a file read before
+the restart, served from the node's block cache (the registry serves garbage by then, which a
+never-read file shows). A request the killed snapshotter had read and not answered is
+answered by its successor (FUSE_NOTIFY_RESEND). One snapshotter per root; an unmount ends the
+connection and the holder lets go.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from containerd_helpers import SnapshotterProcess, _add, add_programs, holder_pid
+from test_prefetch_image import _push_gzip_image
+
+from bootseer.testing.shaper import Shaper, ShaperSettings
+from prefetch.image import convert_image
+from prefetch.registry import SyncRegistry
+from striped_fs.fuse import is_mounted, unmount
+
+pytestmark = pytest.mark.usefixtures("fuse")
+
+REPO = Path(__file__).resolve().parents[1]
+FILES = {f"f{i}": os.urandom(1536 << 10) for i in range(4)}  # six 256 KiB frames each
+MAPPED = os.urandom(4 << 20)
+TOOLS = ("sh", "cat", "sha256sum", "sleep", "test")
+
+MMAPCAT_C = r"""
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+/* mmapcat FILE READY GO: map FILE, touch its first page, create READY, wait for GO, then copy
+   every page through user memory to stdout: a page that cannot be read in is SIGBUS. */
+int main(int argc, char **argv) {
+    struct stat st;
+    int fd = open(argv[1], O_RDONLY);
+    if (fd < 0 || fstat(fd, &st) != 0) return 2;
+    volatile unsigned char *p = mmap(0, st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) return 2;
+    unsigned char buf[4096];
+    buf[0] = p[0];
+    close(open(argv[2], O_CREAT | O_WRONLY, 0644));
+    while (access(argv[3], F_OK) != 0) usleep(20000);
+    for (off_t off = 0; off < st.st_size; off += sizeof buf) {
+        size_t n = st.st_size - off < (off_t)sizeof buf ? (size_t)(st.st_size - off) : sizeof buf;
+        for (size_t i = 0; i < n; i++) buf[i] = p[off + i];
+        if (write(1, buf, n) != (ssize_t)n) return 3;
+    }
+    return 0;
+}
+"""
+
+# The container: maps /data/mapped at once; then, for each go-N the test writes (a file name),
+# checksums /data/NAME into out-N and its exit status into done-N.
+SCRIPT = """
+{ /bin/mmapcat /data/mapped /ctl/mapped /ctl/go-map; echo $? > /ctl/map-status; } \
+    | sha256sum > /ctl/out-map &
+i=0
+while :; do
+  while ! test -e /ctl/go-$i; do sleep 0.05; done
+  name=$(cat /ctl/go-$i)
+  sha256sum /data/$name > /ctl/out-$i 2> /ctl/err-$i
+  echo $? > /ctl/done-$i
+  i=$((i+1))
+done
+"""
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _mmapcat(tmp: Path) -> bytes:
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc to build the mmap reader")
+    src = tmp / "mmapcat.c"
+    src.write_text(MMAPCAT_C)
+    subprocess.run(["gcc", "-O2", "-static", "-o", str(tmp / "mmapcat"), str(src)], check=True)
+    return (tmp / "mmapcat").read_bytes()
+
+
+def _layers(mmapcat: bytes) -> list[bytes]:
+    tools = io.BytesIO()
+    with tarfile.open(fileobj=tools, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        add_programs(tar, TOOLS, ("ctl", "data"))
+        _add(tar, "bin/mmapcat", mmapcat, mode=0o755)
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, content in FILES.items():
+            _add(tar, f"data/{name}", content)
+        _add(tar, "data/mapped", MAPPED)
+    return [tools.getvalue(), data.getvalue()]
+
+
+@pytest.fixture
+def link(registry):
+    """The registry behind a link the test can slow down (unshaped until then)."""
+    with Shaper("127.0.0.1", registry.port, ShaperSettings()) as shaper:
+        yield shaper
+
+
+@pytest.fixture
+def image(link, tmp_path: Path) -> str:
+    host = link.address
+    _push_gzip_image(host, "app/restart", "v1", _layers(_mmapcat(tmp_path)))
+    convert_image(f"{host}/app/restart:v1", f"{host}/app/restart:lazy", frame_size=256 << 10)
+    return f"{host}/app/restart:lazy"
+
+
+class Node:
+    """containerd with the bootseer snapshotter (started the way a node runs it)."""
+
+    def __init__(self, tmp_path: Path, containerd_factory) -> None:
+        self.sock_dir = tempfile.mkdtemp(prefix="bsr-")
+        self.tmp = tmp_path
+        self.sn = self.snapshotter().start()  # before containerd, which dials it once
+        self.ctd = containerd_factory(proxy_snapshotters={"bootseer": self.sn.address})
+        self.old: list[SnapshotterProcess] = []
+        self.jobs: list[str] = []
+
+    def snapshotter(self, env: dict[str, str] | None = None, *extra: str) -> SnapshotterProcess:
+        return SnapshotterProcess(self.tmp / "sn", os.path.join(self.sock_dir, "sn.sock"),
+                                  self.tmp / "sn.log", ("--no-push-profiles", "--no-prefetch",
+                                                        *extra), env=env)
+
+    @property
+    def lazy_dir(self) -> Path:
+        return self.tmp / "sn" / "lazy"
+
+    def task(self, name: str) -> str | None:
+        for line in self.ctd.ctr("tasks", "ls").stdout.splitlines()[1:]:
+            fields = line.split()
+            if fields and fields[0] == name:
+                return fields[-1]
+        return None
+
+    def remove(self, name: str) -> None:
+        self.ctd.ctr("tasks", "kill", "--signal", "SIGKILL", name, check=False)
+        deadline = time.monotonic() + 10
+        while self.task(name) not in ("STOPPED", None) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.ctd.ctr("tasks", "delete", name, check=False)
+        self.ctd.ctr("containers", "delete", name, check=False)
+
+    def close(self) -> None:
+        for name in self.jobs:
+            self.remove(name)
+        for proc in self.old:
+            proc.stop(signal.SIGKILL)
+        try:
+            self.sn.close()
+        finally:  # a task stuck on a connection nobody served is gone now
+            for name in self.jobs:
+                self.remove(name)
+            shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def node(tmp_path: Path, containerd_factory):
+    node = Node(tmp_path, containerd_factory)
+    yield node
+    node.close()
+
+
+class Job:
+    """A container started with ``ctr run -d`` that reads files when told (SCRIPT)."""
+
+    def __init__(self, node: Node, ref: str) -> None:
+        # runc's state is per namespace, not per containerd: a name no other test uses
+        self.node, self.ref, self.name = node, ref, f"restart-{uuid.uuid4().hex[:12]}"
+        self.ctl = node.tmp / f"ctl-{self.name}"
+        self.ctl.mkdir()
+        self.reads = 0
+
+    def __enter__(self) -> Job:
+        from prefetch.containerd.pull import pull_image
+
+        ctd = self.node.ctd
+        assert pull_image(self.ref, ctd.address, namespace=ctd.namespace).lazy_layers == 2
+        self.node.jobs.append(self.name)
+        ctd.ctr("run", "-d", "--snapshotter", "bootseer", "--mount",
+                f"type=bind,src={self.ctl},dst=/ctl,options=rbind:rw", self.ref, self.name,
+                "/bin/sh", "-c", SCRIPT)
+        self._wait(self.ctl / "mapped", line=False)  # mapped, its first page read
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.node.remove(self.name)
+
+    def status(self) -> str | None:
+        return self.node.task(self.name)
+
+    def _wait(self, path: Path, timeout_s: float = 60.0, line: bool = True) -> str:
+        deadline = time.monotonic() + timeout_s
+        while not (path.exists() and (not line or path.read_text().endswith("\n"))):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{path.name} did not come (task {self.status()}):\n"
+                                     f"{self.node.sn.log()}")
+            time.sleep(0.05)
+        return path.read_text()
+
+    def go(self, name: str) -> int:
+        """Have the container checksum /data/NAME; returns the read's number."""
+        n, self.reads = self.reads, self.reads + 1
+        tmp = self.ctl / f".go-{n}"
+        tmp.write_text(name)
+        tmp.rename(self.ctl / f"go-{n}")
+        return n
+
+    def result(self, n: int) -> tuple[int, str]:
+        """(exit status of sha256sum, the checksum it printed)."""
+        status = int(self._wait(self.ctl / f"done-{n}"))
+        out = (self.ctl / f"out-{n}").read_text().split()
+        return status, out[0] if out else ""
+
+    def read(self, name: str) -> tuple[int, str]:
+        return self.result(self.go(name))
+
+    def mapped(self) -> tuple[int, str]:
+        """Let the mapping program copy every page; (its exit status, the checksum)."""
+        (self.ctl / "go-map").touch()
+        digest = self._wait(self.ctl / "out-map").split()[0]
+        return int(self._wait(self.ctl / "map-status")), digest
+
+
+def _code_copy(dst: Path) -> dict[str, str]:
+    """Another installation of this code (an upgrade's new version), and the environment that
+    runs it."""
+    for package in ("bootseer", "prefetch", "striped_fs", "snapshot", "ckpt"):
+        if (REPO / package).is_dir():
+            shutil.copytree(REPO / package, dst / package,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+    return {**os.environ, "PYTHONPATH": str(dst)}
+
+
+def _wait_log(sn: SnapshotterProcess, text: str, count: int = 1, timeout_s: float = 30.0
+              ) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sn.log_path.read_text(errors="replace").count(text) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{text!r} not in the snapshotter's log:\n{sn.log()}")
+        time.sleep(0.05)
+
+
+def _evict(lazy_dir: Path, path: str) -> None:
+    """Drop the kernel's cached pages of ``path`` in the lazy views (the next read goes to
+    the snapshotter)."""
+    for view in lazy_dir.iterdir():
+        target = view / path.lstrip("/")
+        if target.exists():
+            fd = os.open(target, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _restart(node: Node, how: str) -> None:
+    if how == "term":
+        node.sn.stop(signal.SIGTERM)
+        assert is_mounted(node.lazy_dir)  # the holder keeps it for the next start
+        node.sn.start()
+    elif how == "kill-9":
+        node.sn.stop(signal.SIGKILL)
+        node.sn.start()
+    elif how == "upgrade":  # a new version starts while the old one is still stopping
+        old = node.sn
+        old.proc.send_signal(signal.SIGTERM)
+        node.old.append(old)
+        node.sn = node.snapshotter(_code_copy(node.tmp / "v2")).start()
+        assert old.proc.wait(timeout=30) == 0
+    elif how == "holder-kill-9":  # the holder dies; the snapshotter deposits with a new one
+        os.kill(holder_pid(node.sn.holder_address), signal.SIGKILL)
+        _wait_log(node.sn, "the FUSE holder holds")
+        node.sn.stop(signal.SIGKILL)
+        node.sn.start()
+    else:
+        raise ValueError(how)
+    _wait_log(node.sn, "lazy mount taken over")
+
+
+@pytest.mark.parametrize("how", ["term", "kill-9", "upgrade", "holder-kill-9"])
+def test_running_containers_keep_reading_across_a_restart(image, node, link, registry,
+                                                          how) -> None:
+    with Job(node, image) as job:
+        assert job.read("f0") == (0, _sha(FILES["f0"]))
+        _restart(node, how)
+        assert job.status() == "RUNNING"
+        # never read before the restart: fetched lazily by the successor
+        assert job.read("f1") == (0, _sha(FILES["f1"]))
+        assert job.mapped() == (0, _sha(MAPPED))  # no SIGBUS: every page came in
+        # The registry now serves garbage: a file never fetched fails (EIO, the frames do
+        # not verify), a file read before the restart is served from the node's cache.
+        with SyncRegistry(registry.host) as reg:
+            layer = reg.resolve_image(image.replace(link.address, registry.host)).layers[1]
+        blob = registry.blob_path(layer.digest)
+        blob.write_bytes(bytes(len(blob.read_bytes())))
+        n = job.go("f3")
+        assert job.result(n)[0] != 0
+        assert "Input/output error" in (job.ctl / f"err-{n}").read_text()
+        _evict(node.lazy_dir, "/data/f0")
+        assert job.read("f0") == (0, _sha(FILES["f0"]))
+        assert job.status() == "RUNNING"
+    assert "Transport endpoint is not connected" not in node.sn.log()
+
+
+def test_a_request_the_killed_snapshotter_had_read_is_answered_by_its_successor(
+        image, node, link) -> None:
+    with Job(node, image) as job:
+        assert job.read("f0") == (0, _sha(FILES["f0"]))
+        link.update(ShaperSettings(per_conn_bps=64e3))  # a 256 KiB frame takes 4 s
+        before = link.bytes_down
+        n = job.go("f2")
+        deadline = time.monotonic() + 30
+        while link.bytes_down == before:  # the snapshotter read the request: it fetches
+            assert time.monotonic() < deadline, node.sn.log()
+            time.sleep(0.01)
+        node.sn.stop(signal.SIGKILL)  # mid-fetch: the request is read and unanswered
+        link.update(ShaperSettings())
+        node.sn.start()
+        assert job.result(n) == (0, _sha(FILES["f2"]))
+        assert job.status() == "RUNNING"
+    assert "answering requests a predecessor had read and left unanswered" in node.sn.log()
+
+
+def test_one_snapshotter_per_root(image, node) -> None:
+    address = os.path.join(node.sock_dir, "second.sock")
+    second = subprocess.run([sys.executable, "-m", "bootseer", "snapshotter", "--root",
+                             str(node.sn.root), "--address", address, "--holder",
+                             node.sn.holder_address, "--takeover-wait", "0.5"],
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1
+    assert f"is served by pid {node.sn.proc.pid}: one snapshotter per root" in second.stderr
+    assert not os.path.exists(address)
+    with Job(node, image) as job:  # the first one still serves
+        assert job.read("f1") == (0, _sha(FILES["f1"]))
+
+
+def test_an_unmount_ends_the_connection_and_the_next_start_mounts_anew(image, node) -> None:
+    with Job(node, image) as job:
+        assert job.read("f0") == (0, _sha(FILES["f0"]))
+    node.sn.stop(signal.SIGTERM)
+    assert is_mounted(node.lazy_dir)
+    unmount(node.lazy_dir, lazy=True)
+    deadline = time.monotonic() + 15
+    while os.path.exists(node.sn.holder_address):  # nothing held, nobody connected: it exits
+        assert time.monotonic() < deadline, node.sn.log()
+        time.sleep(0.05)
+    assert "FUSE holder: the connection of" in node.sn.log()
+    node.sn.start()
+    _wait_log(node.sn, "lazy mount new", count=2)
+    assert stat.S_IMODE(os.stat(node.lazy_dir).st_mode) == 0o700
+    with Job(node, image) as job:  # every snapshot is served again
+        assert job.read("f3") == (0, _sha(FILES["f3"]))
