@@ -15,6 +15,7 @@ connection and the holder lets go.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -43,6 +44,7 @@ pytestmark = pytest.mark.usefixtures("fuse")
 REPO = Path(__file__).resolve().parents[1]
 FILES = {f"f{i}": os.urandom(1536 << 10) for i in range(4)}  # six 256 KiB frames each
 MAPPED = os.urandom(4 << 20)
+BIG = os.urandom(3 << 20)
 TOOLS = ("sh", "cat", "sha256sum", "sleep", "test")
 
 MMAPCAT_C = r"""
@@ -373,3 +375,220 @@ def test_an_unmount_ends_the_connection_and_the_next_start_mounts_anew(image, no
     assert stat.S_IMODE(os.stat(node.lazy_dir).st_mode) == 0o700
     with Job(node, image) as job:  # every snapshot is served again
         assert job.read("f3") == (0, _sha(FILES["f3"]))
+
+
+# -- the parts on their own: the FUSE server on the kernel, node ids, the holder -------------
+
+
+def _tree_layer() -> bytes:
+    """A directory of 300 long names (READDIR pages), a 3 MiB file, a link, an xattr."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        _add(tar, "many", kind=tarfile.DIRTYPE, mode=0o755)
+        for i in range(300):
+            _add(tar, f"many/{i:04d}-{'n' * 60}", f"{i}\n".encode())
+        _add(tar, "big.bin", BIG)
+        _add(tar, "link", kind=tarfile.SYMTYPE, link="big.bin")
+        info = tarfile.TarInfo("tagged")
+        info.size, info.mtime = 3, 1_700_000_000
+        info.pax_headers = {"SCHILY.xattr.user.origin": "layer"}
+        tar.addfile(info, io.BytesIO(b"tag"))
+    return out.getvalue()
+
+
+class _Blobs:
+    """The converted layer's bytes, read by range; counts the reads (each server's own)."""
+
+    def __init__(self, blob: bytes) -> None:
+        self.blob, self.reads = blob, 0
+
+    def __call__(self, digest: str, start: int, end: int) -> bytes:
+        self.reads += 1
+        return self.blob[start:end]
+
+
+def _views(raw: bytes, cache: Path, blobs: _Blobs):
+    """ViewOperations showing ``raw`` as view 1, as a fresh snapshotter process would."""
+    from prefetch.cache import BlockCache
+    from prefetch.containerd.views import ViewOperations
+    from prefetch.fetcher import Blob, FrameFetcher
+    from prefetch.layer import convert_layer
+    from prefetch.lazyfs import Layer, LazyImage
+    from prefetch.toc import LayerIndex
+
+    out = io.BytesIO()
+    result = convert_layer(io.BytesIO(raw), out, frame_size=256 << 10)
+    blobs.blob = out.getvalue()
+    index = LayerIndex.from_blob(lambda s, e: blobs.blob[s:e], len(blobs.blob), result.digest)
+    fetcher = FrameFetcher(blobs, BlockCache(cache), connections=4, retries=0)
+    views = ViewOperations()
+    views.register(1, lambda: LazyImage([Layer(index, Blob(result.digest, index.frames))],
+                                        fetcher))
+    return views, fetcher
+
+
+def test_a_successor_serves_the_node_ids_and_handles_its_predecessor_gave_out(tmp_path
+                                                                              ) -> None:
+    """Through the kernel: a file opened and a directory half listed under one server are
+    read and listed to the end under a successor that shares nothing with it but the
+    connection (its own views, tree, fetcher and cache)."""
+    from prefetch.containerd.fuseserver import Connection, FuseServer
+    from prefetch.containerd.views import mount_views
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir(mode=0o700)
+    raw = _tree_layer()
+    conn = mount_views(str(mnt))  # this test holds the connection, as the holder does
+    servers = []
+    try:
+        first_blobs = _Blobs(b"")
+        views, fetcher = _views(raw, tmp_path / "cache-1", first_blobs)
+        views.mounted_at = conn.meta["mounted_at"]
+        first = FuseServer(views, Connection(os.dup(conn.fd), str(mnt), conn.meta))
+        servers.append(first)
+        first.start()
+        names = sorted(f"{i:04d}-{'n' * 60}" for i in range(300))
+        root = mnt / "1"
+        assert os.listdir(mnt) == ["1"]
+        with open(root / "big.bin", "rb", buffering=0) as f, os.scandir(root / "many") as it:
+            assert f.read(65536) == BIG[:65536]
+            seen = [next(it).name for _ in range(50)]
+            before = os.stat(root / "big.bin")
+            assert first.stop()
+            first.conn.close()
+
+            second_blobs = _Blobs(b"")
+            views, fetcher2 = _views(raw, tmp_path / "cache-2", second_blobs)
+            views.mounted_at = conn.meta["mounted_at"]
+            second = FuseServer(views, Connection(os.dup(conn.fd), str(mnt), conn.meta))
+            servers.append(second)
+            assert second.resend()
+            second.start()
+            seen += [entry.name for entry in it]  # the predecessor's handle and offset
+            f.seek(2 << 20)
+            assert f.read(1 << 20) == BIG[2 << 20:3 << 20]  # its node id, its open file
+        assert second_blobs.reads > 0  # served by the successor's own fetcher
+        assert sorted(seen) == names and len(seen) == len(set(seen))
+        after = os.stat(root / "big.bin")
+        assert (after.st_ino, after.st_mtime_ns, after.st_size) == \
+            (before.st_ino, before.st_mtime_ns, before.st_size)
+        assert os.readlink(root / "link") == "big.bin"
+        assert os.getxattr(root / "tagged", "user.origin") == b"layer"
+        assert os.listxattr(root / "tagged") == ["user.origin"]
+        assert (root / "many" / names[-1]).read_bytes() == f"{int(names[-1][:4])}\n".encode()
+        with pytest.raises(OSError) as refused:
+            open(root / "big.bin", "r+b")  # noqa: SIM115
+        assert refused.value.errno == errno.EROFS
+        assert not (root / "missing").exists()
+        fetcher.close()
+        fetcher2.close()
+    finally:
+        unmount(mnt, lazy=True)
+        for server in servers:
+            server.stop()
+        conn.close()
+    assert servers[-1].ended.is_set()  # an unmount ends the connection
+
+
+def test_node_ids_come_from_paths_and_collisions_resolve_the_same_everywhere() -> None:
+    from prefetch.containerd.nodeids import VIEW_SHIFT, ViewNodeIds, _hash
+
+    a, b = "/d/f1569505", "/d/f2178348"  # found by search: equal 40-bit hashes
+    assert _hash(a) == _hash(b)
+    paths = ["/", "/d", b, "/x", a]
+    ids = ViewNodeIds(7, lambda: paths)
+    successor = ViewNodeIds(7, lambda: list(reversed(paths)))  # another process, order
+    h = _hash(a)
+    assert ids.nodeid(a) == (7 << VIEW_SHIFT) | h  # the first in sorted order keeps it
+    assert ids.nodeid(b) == (7 << VIEW_SHIFT) | (h + 1)
+    assert [ids.nodeid(p) for p in paths] == [successor.nodeid(p) for p in paths]
+    assert len({ids.nodeid(p) for p in paths}) == len(paths)
+    assert all(successor.path_of(ids.nodeid(p)) == p for p in paths)
+    assert successor.path_of((7 << VIEW_SHIFT) | 12345) is None
+    assert ViewNodeIds(8, lambda: paths).nodeid("/x") >> VIEW_SHIFT == 8
+    with pytest.raises(ValueError, match="beyond the node id space"):
+        ViewNodeIds(1 << 24, lambda: paths)
+
+
+@pytest.fixture
+def holder(tmp_path: Path):
+    """A FUSE holder process on a socket in a private directory."""
+    sock_dir = tempfile.mkdtemp(prefix="bsh-")
+    address = os.path.join(sock_dir, "h.sock")
+    log = open(tmp_path / "holder.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "prefetch.containerd.holder", "--address",
+                             address], stdout=log, stderr=log)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(address):
+        assert proc.poll() is None and time.monotonic() < deadline, \
+            (tmp_path / "holder.log").read_text()
+        time.sleep(0.05)
+    yield address, proc, tmp_path / "holder.log"
+    proc.terminate()
+    proc.wait(timeout=10)
+    log.close()
+    shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_the_holder_keeps_a_connection_for_one_owner_at_a_time(holder, tmp_path) -> None:
+    from prefetch.containerd.fuseserver import alive
+    from prefetch.containerd.holder import HolderClient, HolderError
+    from prefetch.containerd.views import mount_views
+
+    address, proc, log = holder
+    mnt = tmp_path / "mnt"
+    mnt.mkdir(mode=0o700)
+    first, second = HolderClient(address, spawn=False), HolderClient(address, spawn=False)
+    try:
+        assert first.take("lazy") is None
+        conn = mount_views(str(mnt))
+        first.keep("lazy", conn.fd, conn.meta)
+        conn.close()  # only the holder has the connection now
+        assert is_mounted(mnt)
+        with pytest.raises(HolderError, match=f"served by pid {os.getpid()}: one snapshotter"):
+            second.take("lazy")
+        assert second.held()["lazy"]["owner"] == os.getpid()
+        first.close()  # the owner goes (a stop, a kill -9): the next one takes over
+        fd, meta = second.take("lazy")
+        try:
+            assert meta == {**conn.meta} and alive(fd)
+        finally:
+            os.close(fd)
+        unmount(mnt, lazy=True)  # the connection ends: the holder closes its descriptor
+        deadline = time.monotonic() + 15
+        while second.held():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert "the connection of lazy ended (unmounted)" in log.read_text()
+        with pytest.raises(HolderError, match="put takes one descriptor"):
+            second._call({"op": "put", "name": "lazy", "meta": {}})
+    finally:
+        first.close()
+        second.close()
+        if is_mounted(mnt):
+            unmount(mnt, lazy=True)
+    assert proc.poll() is None  # a holder service keeps running when idle
+
+
+def test_the_holder_refuses_other_users_and_a_second_holder(holder, tmp_path) -> None:
+    from unprivileged import as_nobody, need_setpriv
+
+    need_setpriv()
+    address, proc, log = holder
+    os.chmod(os.path.dirname(address), 0o755)  # a mistake in the modes: the peer check holds
+    os.chmod(address, 0o666)
+    code = ("import socket\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+            f"s.connect({address!r})\n"
+            "try:\n"
+            "    s.send(b'{\"op\": \"list\"}')\n"
+            "    print(repr(s.recv(99)))\n"
+            "except (BrokenPipeError, ConnectionResetError):\n"
+            "    print(repr(b''))\n")
+    out = as_nobody(sys.executable, "-I", "-c", code)
+    assert out.stdout.strip() == "b''", out.stderr  # closed without an answer
+    assert "refused a connection of pid" in log.read_text()
+    again = subprocess.run([sys.executable, "-m", "prefetch.containerd.holder", "--address",
+                            address], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "another FUSE holder serves" in again.stderr
+    assert proc.poll() is None and os.path.exists(address)

@@ -34,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the FUSE holder's socket (`bootseer fuse-holder`), which keeps the lazy "
                         "mount across restarts; started when none runs (default: "
                         "fuse-holder.sock beside --address)")
+    p.add_argument("--no-spawn-holder", action="store_true",
+                   help="never start a holder: wait for the holder service (deploy/)")
     p.add_argument("--takeover-wait", type=float, default=30.0,
                    help="seconds to wait for a predecessor still serving --root to stop "
                         "(default 30)")
@@ -54,7 +56,7 @@ def cmd_snapshotter(args: argparse.Namespace) -> int:
                "record_timeout_s": args.record_timeout,
                "push_profiles": not args.no_push_profiles, "prefetch": not args.no_prefetch}
     return serve(args.root, args.address, remote_options=options, holder=args.holder,
-                 takeover_wait_s=args.takeover_wait)
+                 spawn_holder=not args.no_spawn_holder, takeover_wait_s=args.takeover_wait)
 
 
 def cmd_fuse_holder(args: argparse.Namespace) -> int:

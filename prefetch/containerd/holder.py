@@ -256,7 +256,8 @@ def _drain(fd: int) -> None:
 
 class HolderClient:
     """The snapshotter's side: one connection to the holder at ``address``, started when none
-    runs (``spawn``). What it :meth:`keep`\\ s is deposited again when the holder restarts
+    runs (``spawn``; a node runs it as a service instead, and then a restarting holder is
+    waited for). What it :meth:`keep`\\ s is deposited again when the holder restarts
     (:meth:`watch`)."""
 
     def __init__(self, address: str, *, spawn: bool = True, timeout_s: float = 10.0) -> None:
@@ -270,6 +271,8 @@ class HolderClient:
         self._child: subprocess.Popen[bytes] | None = None
 
     def connect(self) -> None:
+        """Connect, starting a holder when none runs (``spawn``) or waiting up to
+        ``timeout_s`` for one (a holder service restarting)."""
         with self._lock:
             deadline = time.monotonic() + self.timeout_s
             started = False
@@ -281,15 +284,15 @@ class HolderClient:
                     return
                 except (FileNotFoundError, ConnectionRefusedError) as exc:
                     sock.close()
-                    if not self.spawn:
-                        raise HolderError(f"no FUSE holder at {self.address} ({exc}): start "
-                                          "`bootseer fuse-holder`") from None
-                    if not started or (self._child and self._child.poll() is not None):
+                    if self.spawn and (not started or (self._child and
+                                                       self._child.poll() is not None)):
                         self._start_holder()
                         started = True
                     if time.monotonic() > deadline:
-                        raise HolderError(f"the FUSE holder at {self.address} did not start "
-                                          f"in {self.timeout_s:.0f} s") from None
+                        raise HolderError(
+                            f"no FUSE holder at {self.address} ({exc}) after "
+                            f"{self.timeout_s:.0f} s: start `bootseer fuse-holder --address "
+                            f"{self.address}` (deploy/ runs it as its own service)") from None
                     time.sleep(0.05)
 
     def _start_holder(self) -> None:

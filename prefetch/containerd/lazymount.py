@@ -57,7 +57,12 @@ def open_lazy_mount(lazy_dir: Path, holder: HolderClient, *, wait_s: float = 30.
     os.makedirs(lazy_dir, 0o700, exist_ok=True)
     conn = mount_views(name)
     conn.meta.update(handoff=HANDOFF_VERSION, mounted_by=os.getpid())
-    holder.keep(name, conn.fd, conn.meta)
+    try:
+        holder.keep(name, conn.fd, conn.meta)
+    except BaseException:  # not kept: it would not survive this process
+        unmount(lazy_dir, lazy=True)
+        conn.close()
+        raise
     return LazyMount(conn, False)
 
 

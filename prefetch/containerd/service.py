@@ -33,6 +33,7 @@ from .api.services.snapshots.v1 import snapshots_pb2 as pb
 from .api.services.snapshots.v1 import snapshots_pb2_grpc as pb_grpc
 from .api.types import mount_pb2
 from .errors import ContainerdError
+from .holder import HolderClient, HolderError
 from .metadata import Snapshot
 from .snapshotter import MountSpec, Snapshotter
 from .unixsock import private_socket
@@ -144,15 +145,18 @@ def start_grpc(snapshotter: Snapshotter, address: str, *, workers: int = 32) -> 
 
 def serve(root: str | os.PathLike, address: str, *, remote_options: dict[str, Any] | None = None,
           ready: threading.Event | None = None, holder: str | None = None,
-          takeover_wait_s: float = 30.0) -> int:
+          spawn_holder: bool = True, takeover_wait_s: float = 30.0) -> int:
     """Run the snapshotter until SIGTERM/SIGINT/SIGHUP (or an unmount of its lazy directory),
     under umask 077 (the caller's is put back after). ``holder``: the FUSE holder's socket
-    (default: ``fuse-holder.sock`` beside ``address``; one is started when none runs);
-    ``takeover_wait_s``: how long a predecessor still serving the root is waited for."""
+    (default: ``fuse-holder.sock`` beside ``address``); one is started when none runs unless
+    not ``spawn_holder`` (a holder service is waited for); ``takeover_wait_s``: how long a
+    predecessor still serving the root is waited for."""
     umask = os.umask(0o077)
     try:
-        return _serve(Path(root).resolve(), address, remote_options, ready,
-                      holder or default_holder(address), takeover_wait_s)
+        client = HolderClient(holder or default_holder(address), spawn=spawn_holder,
+                              timeout_s=10.0 if spawn_holder else 60.0)
+        return _serve(Path(root).resolve(), address, remote_options, ready, client,
+                      takeover_wait_s)
     finally:
         os.umask(umask)
 
@@ -162,15 +166,14 @@ def default_holder(address: str) -> str:
 
 
 def _serve(root: Path, address: str, remote_options: dict[str, Any] | None,
-           ready: threading.Event | None, holder_address: str, takeover_wait_s: float) -> int:
+           ready: threading.Event | None, holder: HolderClient, takeover_wait_s: float
+           ) -> int:
     from .fuseserver import FuseServer
-    from .holder import HolderClient, HolderError
     from .lazymount import open_lazy_mount
     from .remote import RemoteLayers
     from .views import ViewOperations
 
     make_dir(root, tighten=True)
-    holder = HolderClient(holder_address)
     try:
         lazy = open_lazy_mount(root / "lazy", holder, wait_s=takeover_wait_s)
     except HolderError as exc:
