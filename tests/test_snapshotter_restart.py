@@ -196,10 +196,20 @@ class Job:
         self.reads = 0
 
     def __enter__(self) -> Job:
+        from prefetch.containerd.errors import UnavailableError
         from prefetch.containerd.pull import pull_image
 
         ctd = self.node.ctd
-        assert pull_image(self.ref, ctd.address, namespace=ctd.namespace).lazy_layers == 2
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                pulled = pull_image(self.ref, ctd.address, namespace=ctd.namespace)
+                break
+            except UnavailableError:  # containerd redials a restarted snapshotter after its
+                if time.monotonic() > deadline:  # gRPC backoff (3 s at most): fails till then
+                    raise
+                time.sleep(0.5)
+        assert pulled.lazy_layers == 2
         self.node.jobs.append(self.name)
         ctd.ctr("run", "-d", "--snapshotter", "bootseer", "--mount",
                 f"type=bind,src={self.ctl},dst=/ctl,options=rbind:rw", self.ref, self.name,

@@ -11,7 +11,7 @@ server declaring a lower minor than its own.
 
 from __future__ import annotations
 
-import os
+import stat
 import struct
 from typing import Any
 
@@ -61,6 +61,16 @@ KSTATFS = struct.Struct("<QQQQQIII28x")  # 80 bytes
 UNKNOWN_INO = 0xFFFFFFFF
 
 
+def encode_name(name: str) -> bytes:
+    """A name or link target as the kernel gets it: the tree's names are UTF-8 with surrogate
+    escapes for the bytes that are not (prefetch.lazyfs.FS_ENCODING), whatever the locale."""
+    return name.encode("utf-8", "surrogateescape")
+
+
+def decode_name(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogateescape")
+
+
 class Request:
     """One request read from the device: its header fields and its argument bytes."""
 
@@ -74,7 +84,7 @@ class Request:
     def name(self, offset: int = 0) -> str:
         """The NUL-terminated name at ``offset`` of the arguments."""
         end = self.body.index(b"\0", offset)
-        return os.fsdecode(self.body[offset:end])
+        return decode_name(self.body[offset:end])
 
 
 def reply(unique: int, payload: bytes = b"", error: int = 0) -> list[bytes]:
@@ -136,17 +146,23 @@ def statfs_out(st: dict[str, Any]) -> bytes:
         "f_frsize")))
 
 
-def dirents(names: list[str], offset: int, size: int) -> bytes:
-    """READDIR's reply: ``names[offset:]`` as ``struct fuse_dirent`` records, as many as fit
-    in ``size`` bytes; each record's ``off`` is the index of the next name."""
+def dirents(entries: list[Any], offset: int, size: int) -> bytes:
+    """READDIR's reply: ``entries[offset:]`` as ``struct fuse_dirent`` records, as many as fit
+    in ``size`` bytes; each record's ``off`` is the index of the next entry. An entry is a
+    name, or fusepy's ``(name, attrs or None, 0)``: its ``st_mode`` gives the record's type,
+    by which overlayfs recognizes a whiteout in a lower layer, and its ``st_ino`` the inode."""
     out = bytearray()
-    for i in range(offset, len(names)):
-        raw = os.fsencode(names[i])
+    for i in range(offset, len(entries)):
+        entry = entries[i]
+        name, st = (entry, None) if isinstance(entry, str) else (entry[0], entry[1])
+        raw = encode_name(name)
         record = DIRENT.size + len(raw)
         padded = (record + 7) & ~7
         if len(out) + padded > size:
             break
-        out += DIRENT.pack(UNKNOWN_INO, i + 1, len(raw), 0) + raw + bytes(padded - record)
+        ino = int(st.get("st_ino", UNKNOWN_INO)) if st else UNKNOWN_INO
+        kind = stat.S_IFMT(int(st.get("st_mode", 0))) >> 12 if st else 0  # DT_* = S_IF* >> 12
+        out += DIRENT.pack(ino, i + 1, len(raw), kind) + raw + bytes(padded - record)
     return bytes(out)
 
 

@@ -58,7 +58,7 @@ class TreeOperations(Protocol):
     def nodeid(self, path: str) -> int: ...
     def path_of(self, nodeid: int) -> str | None: ...
     def getattr(self, path: str, fh: Any = None) -> dict[str, Any]: ...
-    def readdir(self, path: str, fh: Any) -> list[str]: ...
+    def readdir(self, path: str, fh: Any) -> list[Any]: ...  # names or (name, st, 0)
     def open(self, path: str, flags: int) -> int: ...
     def read(self, path: str, size: int, offset: int, fh: Any) -> bytes: ...
     def readlink(self, path: str) -> str: ...
@@ -170,7 +170,7 @@ class FuseServer:
         self.ended = threading.Event()
         self.resent = 0  # requests a predecessor had read and never answered
         self._paths: dict[int, str] = {fp.ROOT_ID: "/"}
-        self._dirs: dict[int, tuple[int, list[str]]] = {}  # fh -> (nodeid, names)
+        self._dirs: dict[int, tuple[int, list[Any]]] = {}  # fh -> (nodeid, entries)
         self._dir_handles = itertools.count(1)
         self._lock = threading.Lock()
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -318,7 +318,7 @@ class FuseServer:
                            self.attr_timeout)
 
     def _readlink(self, req: fp.Request) -> bytes:
-        return os.fsencode(self.ops.readlink(self._path(req.nodeid)))
+        return fp.encode_name(self.ops.readlink(self._path(req.nodeid)))
 
     def _open(self, req: fp.Request) -> bytes:
         flags = struct.unpack_from("<I", req.body)[0]
@@ -347,7 +347,7 @@ class FuseServer:
     def _listxattr(self, req: fp.Request) -> bytes:
         size = fp.GETXATTR_IN.unpack_from(req.body)[0]
         names = self.ops.listxattr(self._path(req.nodeid))
-        return self._sized(b"".join(os.fsencode(n) + b"\0" for n in names), size)
+        return self._sized(b"".join(fp.encode_name(n) + b"\0" for n in names), size)
 
     def _access(self, req: fp.Request) -> bytes:
         self.ops.access(self._path(req.nodeid), struct.unpack_from("<I", req.body)[0])

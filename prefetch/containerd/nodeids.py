@@ -14,7 +14,6 @@ an upgrade keeps them.
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from collections.abc import Callable, Iterable
 
@@ -24,7 +23,8 @@ _MASK = (1 << VIEW_SHIFT) - 1
 
 
 def _hash(path: str) -> int:
-    return int.from_bytes(hashlib.blake2b(os.fsencode(path), digest_size=5).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(path.encode("utf-8", "surrogateescape"),
+                                         digest_size=5).digest(), "little")
 
 
 class ViewNodeIds:
