@@ -391,7 +391,8 @@ def test_an_unmount_ends_the_connection_and_the_next_start_mounts_anew(image, no
 
 
 def _tree_layer() -> bytes:
-    """A directory of 300 long names (READDIR pages), a 3 MiB file, a link, an xattr."""
+    """A directory of 300 long names (READDIR pages), a 3 MiB file, links, an xattr, a name
+    that is not UTF-8."""
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
         _add(tar, "many", kind=tarfile.DIRTYPE, mode=0o755)
@@ -399,6 +400,8 @@ def _tree_layer() -> bytes:
             _add(tar, f"many/{i:04d}-{'n' * 60}", f"{i}\n".encode())
         _add(tar, "big.bin", BIG)
         _add(tar, "link", kind=tarfile.SYMTYPE, link="big.bin")
+        _add(tar, os.fsdecode(b"caf\xe9"), b"latin-1 name\n")  # a name that is not UTF-8
+        _add(tar, "to-cafe", kind=tarfile.SYMTYPE, link=os.fsdecode(b"caf\xe9"))
         info = tarfile.TarInfo("tagged")
         info.size, info.mtime = 3, 1_700_000_000
         info.pax_headers = {"SCHILY.xattr.user.origin": "layer"}
@@ -483,6 +486,9 @@ def test_a_successor_serves_the_node_ids_and_handles_its_predecessor_gave_out(tm
         assert (after.st_ino, after.st_mtime_ns, after.st_size) == \
             (before.st_ino, before.st_mtime_ns, before.st_size)
         assert os.readlink(root / "link") == "big.bin"
+        assert b"caf\xe9" in os.listdir(bytes(root))  # names are bytes, as on any Linux fs
+        assert (root / os.fsdecode(b"caf\xe9")).read_bytes() == b"latin-1 name\n"
+        assert os.readlink(bytes(root / "to-cafe")) == b"caf\xe9"
         assert os.getxattr(root / "tagged", "user.origin") == b"layer"
         assert os.listxattr(root / "tagged") == ["user.origin"]
         assert (root / "many" / names[-1]).read_bytes() == f"{int(names[-1][:4])}\n".encode()
@@ -602,3 +608,52 @@ def test_the_holder_refuses_other_users_and_a_second_holder(holder, tmp_path) ->
                             address], capture_output=True, text=True, timeout=60)
     assert again.returncode == 1 and "another FUSE holder serves" in again.stderr
     assert proc.poll() is None and os.path.exists(address)
+
+
+def test_the_deploy_files_keep_the_holder_out_of_the_snapshotters_restarts() -> None:
+    """The holder runs on its own (a systemd unit a restart of the snapshotter's never stops, a
+    DaemonSet rolled by hand), on the socket the snapshotter is told, which does not start a
+    holder of its own (one would die with the snapshotter's cgroup or pod)."""
+    import configparser
+    import shlex
+
+    import yaml
+
+    from bootseer.cli import build_parser
+    from bootseer.config import config_from_args
+
+    def unit(name: str) -> configparser.ConfigParser:
+        parser = configparser.ConfigParser(strict=False, interpolation=None)
+        parser.read_string((REPO / "deploy/systemd" / name).read_text().replace("\\\n", " "))
+        return parser
+
+    sn_unit, holder_unit = unit("bootseer-snapshotter.service"), unit("bootseer-fuse-holder.service")
+    for dep in ("Requires", "BindsTo", "PartOf", "Requisite"):  # no restart reaches the holder
+        assert "bootseer-fuse-holder" not in sn_unit["Unit"].get(dep, "")
+        assert "bootseer-snapshotter" not in holder_unit["Unit"].get(dep, "")
+    assert "bootseer-fuse-holder.service" in sn_unit["Unit"]["Wants"]
+    assert holder_unit["Service"]["UMask"] == "0077"
+    sets = {"bootseer-fuse-holder": yaml.safe_load(
+        (REPO / "deploy/kubernetes/fuse-holder.yaml").read_text()),
+        "bootseer-snapshotter": yaml.safe_load(
+        (REPO / "deploy/kubernetes/daemonset.yaml").read_text())}
+    assert sets["bootseer-fuse-holder"]["spec"]["updateStrategy"]["type"] == "OnDelete"
+    commands = {"systemd": (shlex.split(holder_unit["Service"]["ExecStart"])[1:],
+                            shlex.split(sn_unit["Service"]["ExecStart"])[1:])}
+    pods = {}
+    for name, ds in sets.items():
+        assert ds["metadata"]["name"] == name
+        pods[name] = ds["spec"]["template"]["spec"]
+    commands["kubernetes"] = tuple(pods[n]["containers"][0]["command"][1:]
+                                   for n in ("bootseer-fuse-holder", "bootseer-snapshotter"))
+    for where, (holder_cmd, sn_cmd) in commands.items():
+        holder_args = build_parser().parse_args(holder_cmd)
+        cfg = config_from_args(build_parser().parse_args(sn_cmd), env={}).snapshotter
+        assert (holder_cmd[0], sn_cmd[0]) == ("fuse-holder", "snapshotter"), where
+        assert cfg.holder == holder_args.address and not cfg.spawn_holder, where
+    mounts = {n: {m["mountPath"]: m["name"] for m in p["containers"][0]["volumeMounts"]}
+              for n, p in pods.items()}
+    host = {n: {v["name"]: v.get("hostPath", {}).get("path") for v in p["volumes"]}
+            for n, p in pods.items()}
+    sock_dir = os.path.dirname(cfg.holder)
+    assert {host[n][mounts[n][sock_dir]] for n in pods} == {sock_dir}  # one socket for both
