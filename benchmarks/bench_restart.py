@@ -84,7 +84,7 @@ def main() -> int:
                   f"{', '.join(f'{g:.3f}' for g in gaps)}); new process serving after "
                   f"{statistics.median(starts):.3f} s (median)")
         print(f"load average {load:.2f} on {os.cpu_count()} CPUs; taken over "
-              f"{log.read_text().count('lazy mount taken over')} times")
+              f"{log.read_text().count('taking over the lazy mount')} times")
         return 0
     finally:
         if proc is not None and proc.poll() is None:
