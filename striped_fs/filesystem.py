@@ -12,6 +12,7 @@ manifest written last.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import time
@@ -38,6 +39,7 @@ from .layout import (
     stripes_dir,
     version_dir,
 )
+from .mtime import mtime_ns_of, set_mtime
 from .reader import (
     InlineSource,
     PlainSource,
@@ -207,7 +209,16 @@ class StripedFileSystem(ChainedFileSystem):
         return self.target.isfile(self._norm(path))
 
     def modified(self, path: str):
+        info = self.info(path)
+        if "mtime_ns" in info:  # set on a striped file (utime, rsync -a)
+            return datetime.datetime.fromtimestamp(info["mtime_ns"] / 1e9, tz=datetime.UTC)
         return self.target.modified(self._norm(path))
+
+    def set_mtime(self, path: str, mtime_ns: int) -> None:
+        """Set a file's modification time (integer ns): a striped file's in a new manifest
+        naming the same stripes, atomically; a plain file's or directory's where the target
+        can (local disk); otherwise ``OSError(EOPNOTSUPP)``. See :mod:`striped_fs.mtime`."""
+        set_mtime(self, self._norm(path), mtime_ns)
 
     def created(self, path: str):
         return self.target.created(self._norm(path))
@@ -372,8 +383,12 @@ class StripedFileSystem(ChainedFileSystem):
         if manifest is None:
             self.target.mv(src, dst)
             return
+        # rename keeps the file's mtime, also one that was the old manifest's own time
+        keep = manifest.mtime_ns
+        if keep is None:
+            keep = mtime_ns_of(self.target.info(src))
         moved = Manifest(size=manifest.size, stripe_size=manifest.stripe_size,
-                         version=manifest.version, checksums=manifest.checksums)
+                         version=manifest.version, checksums=manifest.checksums, mtime_ns=keep)
         if self.backend.is_local:
             os.makedirs(stripes_dir(dst), exist_ok=True)
             os.rename(version_dir(src, manifest.version), version_dir(dst, manifest.version))
@@ -439,8 +454,12 @@ def _read_only(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 def _logical(info: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
-    return {**info, "size": manifest.size, "striped": True, "stripes": manifest.stripe_count,
-            "stripe_size": manifest.stripe_size, "version": manifest.version}
+    out = {**info, "size": manifest.size, "striped": True, "stripes": manifest.stripe_count,
+           "stripe_size": manifest.stripe_size, "version": manifest.version}
+    if manifest.mtime_ns is not None:
+        out["mtime_ns"] = manifest.mtime_ns
+        out["mtime"] = manifest.mtime_ns / 1e9
+    return out
 
 
 def _clip(start: int | None, end: int | None, size: int) -> tuple[int, int]:

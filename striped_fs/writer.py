@@ -47,6 +47,9 @@ class StripedWriter(io.BufferedIOBase):
         self._inflight: dict[Future[None], int] = {}
         self._size = 0
         self._state = "open"
+        #: The mtime (ns) the manifest records, when set before close() (cp -p, rsync); None:
+        #: the commit's own time is the file's mtime.
+        self.mtime_ns: int | None = None
         if prepare is not None:
             prepare(path, self.version)
 
@@ -114,7 +117,8 @@ class StripedWriter(io.BufferedIOBase):
                 self._buf.clear()
             self._drain(0)
             manifest = Manifest(size=self._size, stripe_size=self._opts.stripe_size,
-                                version=self.version, checksums=self._checksums)
+                                version=self.version, checksums=self._checksums,
+                                mtime_ns=self.mtime_ns)
             self._commit(self.path, manifest)
             self._state = "committed"
         except BaseException:
