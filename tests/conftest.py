@@ -284,3 +284,28 @@ def containerd_factory(tmp_path: Path):
 
 
 _SYSTEM_FIXTURES |= {"containerd", "containerd_factory"}
+
+
+@pytest.fixture
+def cri_node_factory(tmp_path: Path):
+    """``factory(sandbox_image, **kwargs)`` -> a started :class:`cri_helpers.CRINode` (the
+    bootseer snapshotter under a containerd with CRI on); all are closed at teardown."""
+    from cri_helpers import CRINode
+
+    need(fuse_available())
+    nodes: list[CRINode] = []
+
+    def factory(sandbox_image: str, **kwargs: Any) -> CRINode:
+        try:
+            node = CRINode(tmp_path / f"cri-node{len(nodes)}", sandbox_image, **kwargs)
+        except ComponentUnavailable as exc:
+            require_component(str(exc))
+        nodes.append(node)
+        return node
+
+    yield factory
+    for node in nodes:
+        node.close()
+
+
+_SYSTEM_FIXTURES |= {"cri_node_factory"}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from test_prefetch_image import _push_gzip_image
 
-TOOLS = ("sh", "cat", "ls", "sha256sum", "test")
+TOOLS = ("sh", "cat", "ls", "sha256sum", "test", "sleep")  # sleep: a container that stays up
 BIG = os.urandom(3 << 20)  # spans several frames of the converted layer
 HELLO = b"hello from layer two\n"
 
@@ -62,12 +62,15 @@ def add_programs(tar: tarfile.TarFile, tools: tuple[str, ...], dirs: tuple[str, 
         _add(tar, name, files[name], mode=0o755)
 
 
-def runnable_layers() -> list[bytes]:
+def runnable_layers(salt: bytes = b"") -> list[bytes]:
     """Three tar layers: tools + libraries; an app layer deleting and replacing lower files;
-    a layer with a big file."""
+    a layer with a big file. A ``salt`` goes to ``/etc/image-id`` in the base layer: images
+    of different salts share no layer (every chain ID differs)."""
     base = io.BytesIO()
     with tarfile.open(fileobj=base, mode="w", format=tarfile.PAX_FORMAT) as tar:
         add_programs(tar, TOOLS, ("etc", "data", "data/old"))
+        if salt:
+            _add(tar, "etc/image-id", salt)
         _add(tar, "etc/removed.txt", b"deleted by layer two\n")
         _add(tar, "data/old/a", b"hidden by an opaque directory\n")
     app = io.BytesIO()
@@ -98,12 +101,13 @@ def expected_output() -> str:
             + f"{hashlib.sha256(BIG).hexdigest()}  /app/big.bin\n")
 
 
-def push_images(host: str) -> tuple[str, str]:
-    """(plain gzip image, its bootseer conversion) in the registry at ``host``."""
+def push_images(host: str, repo: str = "app/run", salt: bytes = b"") -> tuple[str, str]:
+    """(plain gzip image, its bootseer conversion) as ``repo:v1`` and ``repo:lazy`` in the
+    registry at ``host`` (``salt``: see :func:`runnable_layers`)."""
     from prefetch.image import convert_image
 
-    _push_gzip_image(host, "app/run", "v1", runnable_layers())
-    src, dst = f"{host}/app/run:v1", f"{host}/app/run:lazy"
+    _push_gzip_image(host, repo, "v1", runnable_layers(salt))
+    src, dst = f"{host}/{repo}:v1", f"{host}/{repo}:lazy"
     convert_image(src, dst, frame_size=256 << 10)
     return src, dst
 
@@ -118,6 +122,7 @@ class SnapshotterProcess:
     extra: tuple[str, ...] = ()
     proc: subprocess.Popen | None = None
     umask: int = -1  # the process's umask (-1: this one's)
+    env: dict[str, str] | None = None  # added to this process's environment
 
     def start(self, timeout_s: float = 30.0) -> SnapshotterProcess:
         if os.path.exists(self.address):
@@ -127,7 +132,8 @@ class SnapshotterProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "bootseer", "snapshotter", "--root",
                  str(self.root), "--address", self.address, *self.extra],
-                stdout=log, stderr=log, start_new_session=True, umask=self.umask)
+                stdout=log, stderr=log, start_new_session=True, umask=self.umask,
+                env={**os.environ, **(self.env or {})})
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(self.address):
             if self.proc.poll() is not None or time.monotonic() > deadline:

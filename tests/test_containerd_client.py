@@ -134,7 +134,7 @@ def _embedded_descriptors(binary: str) -> dict[str, descriptor_pb2.FileDescripto
         try:
             raw = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(data[start:start + (4 << 20)])
             fd = descriptor_pb2.FileDescriptorProto.FromString(raw)
-            if "containerd/api/" in fd.name:
+            if "containerd/api/" in fd.name or fd.package == "runtime.v1":  # + CRI's
                 found[f"{fd.package}/{fd.name.rsplit('/', 1)[-1]}"] = fd
         except Exception:  # not a gzip stream, or not a descriptor
             pass
@@ -208,6 +208,46 @@ def test_protos_match_installed_containerd(system) -> None:
             assert set(our_methods) == {m.name for m in ref_svc.method}
         checked += 1
     assert checked == len(OUR_MODULES)
+
+
+def test_the_drift_check_covers_the_cri_api() -> None:
+    from prefetch.containerd.api import generate
+
+    assert Path("prefetch/containerd/api/cri/runtime/v1/api.proto") in generate.proto_files()
+
+
+@pytest.mark.system
+def test_cri_proto_is_a_wire_compatible_subset_of_installed_containerds(system) -> None:
+    """The CRI definition keeps only what the client uses: every message, field, enum value
+    and method it has must be containerd's, with the same number, name and type."""
+    binary = shutil.which("containerd")
+    system(None if binary else "needs containerd (apt: containerd)")
+    theirs = _embedded_descriptors(binary).get("runtime.v1/api.proto")
+    if theirs is None:
+        pytest.skip("this containerd build embeds no CRI v1 descriptor to compare with")
+    from prefetch.containerd.api.cri.runtime.v1 import api_pb2
+
+    ours = descriptor_pb2.FileDescriptorProto()
+    api_pb2.DESCRIPTOR.CopyToProto(ours)
+    ref_msgs = _messages(theirs)
+    for name, msg in _messages(ours).items():
+        assert name in ref_msgs, f"containerd's CRI has no {name}"
+        ref_fields = {f.number: f for f in ref_msgs[name].field}
+        for f in msg.field:
+            r = ref_fields.get(f.number)
+            assert r is not None, f"{name}.{f.name}: containerd has no field {f.number}"
+            assert (f.name, f.type, f.label, f.type_name) == \
+                (r.name, r.type, r.label, r.type_name), f"{name}.{f.name}"
+    for enum in ours.enum_type:
+        ref_enum = next(e for e in theirs.enum_type if e.name == enum.name)
+        assert {(v.name, v.number) for v in enum.value} <= \
+            {(v.name, v.number) for v in ref_enum.value}, enum.name
+    for svc in ours.service:
+        ref_methods = {m.name: m for m in next(s for s in theirs.service
+                                               if s.name == svc.name).method}
+        for m in svc.method:
+            r = ref_methods[m.name]
+            assert (m.input_type, m.output_type) == (r.input_type, r.output_type), m.name
 
 
 # -- against a private containerd ---------------------------------------------------------------

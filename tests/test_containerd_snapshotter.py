@@ -19,7 +19,7 @@ from containerd_helpers import BIG, SCRIPT, SnapshotterProcess, expected_output,
 
 from prefetch.containerd import labels as lbl
 from prefetch.containerd.client import ContainerdClient
-from prefetch.containerd.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from prefetch.containerd.errors import InvalidArgumentError, NotFoundError
 from prefetch.containerd.pull import pull_image
 from prefetch.image import ARTIFACT_TYPE
 from prefetch.registry import SyncRegistry
@@ -229,20 +229,40 @@ def test_without_a_profile_a_pull_fetches_no_frame(images, node_factory) -> None
     assert _files(node.root / "snapshotter" / "remote" / "cache") == []
 
 
-def test_an_unreachable_registry_is_unavailable_and_creates_nothing(images, node_factory,
-                                                                    registry) -> None:
+def test_an_unreachable_registry_falls_back_to_a_normal_unpack(images, node_factory,
+                                                               registry) -> None:
+    """A snapshotter that cannot read the registry (down, a mirror it does not know, a 401)
+    must not fail the pull: Prepare answers with an ordinary active snapshot, which containerd
+    fills the normal way, and the log says why; a second layer of the same image does not
+    wait for the registry again."""
     _, lazy = images
     node = node_factory()
     with SyncRegistry(registry.host) as reg:
         manifest = reg.resolve_image(lazy)
-    labels = {lbl.SNAPSHOT_REF: "sha256:" + "3" * 64, lbl.IMAGE_REF: lazy,
-              lbl.LAYER_DIGEST: manifest.parsed["layers"][0]["digest"],
-              lbl.MANIFEST_DIGEST: manifest.digest}
+    layers = manifest.parsed["layers"]
+    labels = [{lbl.SNAPSHOT_REF: "sha256:" + str(i) * 64, lbl.IMAGE_REF: lazy,
+               lbl.LAYER_DIGEST: layer["digest"], lbl.MANIFEST_DIGEST: manifest.digest}
+              for i, layer in enumerate(layers[:2], start=3)]
     registry.stop()
     with ContainerdClient(node.snapshotter.address) as direct:
-        with pytest.raises(UnavailableError, match="cannot read the manifest"):
-            direct.prepare_snapshot("bootseer", "k", "", labels)
-        assert direct.list_snapshots("bootseer") == []
+        mounts = direct.prepare_snapshot("bootseer", "k", "", labels[0])
+        assert [m.type for m in mounts] == ["bind"]  # an empty directory to unpack into
+        assert direct.stat_snapshot("bootseer", "k").kind == "active"
+        assert direct.stat_snapshot("bootseer", "k").labels == labels[0]
+        with open(os.path.join(mounts[0].source, "unpacked"), "wb") as f:
+            f.write(b"by containerd")
+        direct.commit_snapshot("bootseer", labels[0][lbl.SNAPSHOT_REF], "k")
+        second = direct.prepare_snapshot("bootseer", "k2", labels[0][lbl.SNAPSHOT_REF],
+                                         labels[1])
+        assert [m.type for m in second] == ["overlay"]
+        assert {s.name: s.kind for s in direct.list_snapshots("bootseer")} == {
+            labels[0][lbl.SNAPSHOT_REF]: "committed", "k2": "active"}
+    log = node.snapshotter.log()
+    for layer in layers[:2]:
+        assert (f"layer {layer['digest']} of {lazy} cannot be served lazily" in log), log
+    assert "containerd downloads and unpacks it" in log
+    assert log.count("cannot read the manifest") == 2
+    assert "not tried again for" in log  # the second layer did not retry the registry
 
 
 def test_the_deploy_snippet_registers_the_snapshotter(tmp_path: Path, containerd_factory

@@ -22,7 +22,8 @@ from prefetch.toc import NotConvertedError
 from striped_fs.fuse import unmount, wait_mounted
 
 
-def _push_gzip_image(host: str, repo: str, tag: str, tars: list[bytes]) -> str:
+def _push_gzip_image(host: str, repo: str, tag: str, tars: list[bytes],
+                     run_config: dict | None = None) -> str:
     layers, diff_ids = [], []
     with SyncRegistry(host) as reg:
         for raw in tars:
@@ -33,7 +34,7 @@ def _push_gzip_image(host: str, repo: str, tag: str, tars: list[bytes]) -> str:
             diff_ids.append("sha256:" + hashlib.sha256(raw).hexdigest())
         config = json.dumps({"architecture": "amd64", "os": "linux",
                              "rootfs": {"type": "layers", "diff_ids": diff_ids},
-                             "config": {}}).encode()
+                             "config": run_config or {}}).encode()
         config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
         reg.put_blob(repo, config, config_digest)
         manifest = json.dumps({"schemaVersion": 2, "mediaType": OCI_MANIFEST,

@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 import zstandard
+from canary import Canary
 from cli_helpers import bootseer_cli
 from layer_craft import (
     Crafted,
@@ -78,6 +79,15 @@ EVIL = b"EVIL payload the lazy mount must never show under another name\n"
 
 # --- helpers ---------------------------------------------------------------------------------
 
+
+
+@pytest.fixture(autouse=True)
+def canary(tmp_path: Path):
+    """A canary tree beside the caches, mounts and node roots every test here puts under
+    ``tmp_path``: whatever a crafted layer or index does, nothing outside them changes."""
+    planted = Canary.plant(tmp_path / "canary")
+    yield planted
+    planted.assert_unchanged()
 
 class Server:
     """Blobs by digest, served by range (a registry in memory)."""
@@ -150,7 +160,7 @@ def _rename_b(entries: list[dict]) -> None:
 
 
 def _relink(entries: list[dict]) -> None:
-    entry(entries, "etc/link")["link"] = "/etc/shadow"
+    entry(entries, "etc/link")["link"] = "/etc/shadow"  # presented, never followed
 
 
 def _setuid(entries: list[dict]) -> None:

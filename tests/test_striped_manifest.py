@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import pytest
+from canary import Canary
 
 from striped_fs import ManifestError, StripeChecksumError, StripedFileSystem
 from striped_fs.layout import MAGIC, MAX_MANIFEST_SIZE, MAX_STRIPES, Manifest
@@ -260,6 +261,7 @@ def test_deeply_nested_manifest_is_a_manifest_error():
 
 _ESCAPES = [
     ("parent directory", "../other"),
+    ("the canary beside the file", "../canary"),  # .f.stripes/../canary
     ("absolute path", "/etc/passwd"),
     ("another file's stripes", f"../../.g.stripes/{VERSION}"),
     ("trailing newline", VERSION + "\n"),
@@ -270,12 +272,20 @@ _ESCAPES = [
 
 
 @pytest.mark.parametrize("case, version", _ESCAPES, ids=[c[0] for c in _ESCAPES])
-def test_version_cannot_point_outside_the_stripes_directory(target, case, version):
+def test_version_cannot_point_outside_the_stripes_directory(target, case, version, tmp_path):
+    """Reading, replacing or removing the file touches nothing outside its own stripes."""
     fs, root = target
+    canary = Canary.plant(tmp_path / "canary")  # beside f on the file target
     fs.target.pipe_file(f"{root}/f", raw_manifest(size=4096, stripes=[0], version=version))
     with pytest.raises(ManifestError, match="version .* must be 32 lowercase hex digits") as err:
         fs.cat_file(f"{root}/f")
     assert f"{root}/f" in str(err.value)
+    for remove in (lambda: fs.pipe_file(f"{root}/f", b"new f"), lambda: fs.rm(f"{root}/f")):
+        try:
+            remove()
+        except ManifestError:
+            pass  # refusing is fine too; touching the canary is not
+    canary.assert_unchanged()
 
 
 @pytest.mark.parametrize("field", ["stripe_paths", "objects", "stripes_dir", "prefix"])

@@ -194,6 +194,15 @@ def _error(what: str, exc: grpc.RpcError) -> errors.ContainerdError:
     return errors.from_status(code, f"{what}: {details}")
 
 
+def unary(what: str, method: Callable[..., _T], request: Any, timeout_s: float,
+          metadata: Sequence[tuple[str, str]] = ()) -> _T:
+    """One unary call; a gRPC failure is raised as its :mod:`errors` class, naming ``what``."""
+    try:
+        return method(request, metadata=metadata, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        raise _error(what, exc) from exc
+
+
 class ContainerdClient:
     """containerd's API in one namespace (and optionally under one lease)."""
 
@@ -240,11 +249,8 @@ class ContainerdClient:
     def _call(self, what: str, method: Callable[..., _T], request: Any,
               timeout_s: float | None = None) -> _T:
         """One unary call with this client's headers and deadline, errors converted."""
-        try:
-            return method(request, metadata=self._metadata,
-                          timeout=self.timeout_s if timeout_s is None else timeout_s)
-        except grpc.RpcError as exc:
-            raise _error(what, exc) from exc
+        return unary(what, method, request, self.timeout_s if timeout_s is None else timeout_s,
+                     self._metadata)
 
     def _stream(self, what: str, method: Callable[..., Iterable[_T]], request: Any,
                 timeout_s: float | None = None) -> list[_T]:

@@ -6,6 +6,13 @@ kept on disk under the root: the manifest it came from (``manifests/``, named by
 checked against it when read back) and the index bytes of each layer (``indexes/``), so a
 restart reads no registry before it can serve a mount.
 
+Where it reads: the registry an image reference names, through the hosts containerd's hosts
+configuration gives it (``registry_config_path``, containerd's ``config_path``: mirrors first,
+see :mod:`.hosts`), re-read at every pull as containerd does. What a mirror serves is checked
+exactly as the registry's own bytes are (below), so a mirror can make a layer unreadable, never
+different. A layer that no host can serve (unreachable, 401, 404) raises UNAVAILABLE, and the
+snapshotter lets containerd unpack it.
+
 Trust: a layer is served lazily only when the manifest (fetched by, or checked against, its
 digest) marks it converted and records the digest of its index (``io.bootseer.layer.index.
 digest``); an index, fetched or cached, is used only when its bytes hash to that digest. The
@@ -31,7 +38,8 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,12 +55,14 @@ from ..image import (
     store_profile,
 )
 from ..lazyfs import Layer, LazyImage
+from ..merge import LowerDir
 from ..oci import Manifest
 from ..profile import Profile, ProfileError, Recorder, plan_prefetch
 from ..reference import Reference
-from ..registry import SyncRegistry
+from ..registry import RegistryError, RegistryUnavailable
 from ..toc import LayerFormatError, LayerIndex, NotConvertedError, UnboundIndexError
 from .errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from .hosts import RegistryHosts, registry_hosts
 from .labels import LayerRequest
 
 log = logging.getLogger(__name__)
@@ -93,7 +103,9 @@ class RemoteLayers:
     def __init__(self, root: str | os.PathLike, *, cache_bytes: int = 64 << 30,
                  connections: int = 16, record_timeout_s: float = 120.0,
                  push_profiles: bool = True, prefetch: bool = True,
-                 registry_options: dict[str, Any] | None = None) -> None:
+                 registry_options: dict[str, Any] | None = None,
+                 registry_config_path: str | os.PathLike | None = None,
+                 unreadable_retry_s: float = 30.0) -> None:
         self.root = make_dir(root, tighten=True)  # 0700, and each directory in it
         for sub in ("manifests", "indexes", "profiles", "cache"):
             make_dir(self.root / sub, tighten=True)
@@ -101,7 +113,13 @@ class RemoteLayers:
         self.push_profiles = push_profiles
         self.prefetch_enabled = prefetch
         self._registry_options = registry_options or {}
-        self._registries: dict[str, SyncRegistry] = {}
+        self.registry_config_path = registry_config_path  # containerd's hosts.toml tree
+        self._registries: dict[str, RegistryHosts] = {}
+        self._retired: list[RegistryHosts] = []  # replaced after a hosts.toml change
+        # (registry, manifest digest or reference) -> (when, why) its manifest could not be
+        # read: the other layers of that pull fall back at once instead of retrying
+        self._unreadable: dict[tuple[str, str], tuple[float, str]] = {}
+        self.unreadable_retry_s = unreadable_retry_s
         self._images: dict[str, _Image] = {}  # manifest digest -> image
         # (layer digest, index digest, registry, repository) -> layer: a layer digest alone is
         # what a registry claims; the index digest comes from a digest-checked manifest; and
@@ -115,12 +133,22 @@ class RemoteLayers:
         self.saved_profiles: list[str] = []  # manifest digests whose profile was stored
 
     # -- registry plumbing -------------------------------------------------------------------
-    def _registry(self, registry: str) -> SyncRegistry:
+    def _registry(self, registry: str, *, reread_hosts: bool = False) -> RegistryHosts:
+        """The registry, read through the hosts containerd's hosts.toml gives it. containerd
+        reads that file at every pull, so a pull (``reread_hosts``) reads it again."""
         with self._lock:
             reg = self._registries.get(registry)
-            if reg is None:
-                reg = self._registries[registry] = SyncRegistry(registry,
-                                                                **self._registry_options)
+        hosts = (registry_hosts(self.registry_config_path, registry)
+                 if reg is None or reread_hosts else reg.hosts)
+        with self._lock:
+            reg = self._registries.get(registry)
+            if reg is None or reg.hosts != hosts:
+                if reg is not None:
+                    self._retired.append(reg)  # reads in flight may still use it
+                    log.info("registry %s: hosts now %s", registry,
+                             ", ".join(h.url for h in hosts) or "none")
+                reg = self._registries[registry] = RegistryHosts(registry, hosts,
+                                                                 **self._registry_options)
             return reg
 
     def _read_range(self, digest: str, start: int, end: int) -> bytes:
@@ -149,14 +177,7 @@ class RemoteLayers:
         else:
             manifest = None
         if manifest is None:
-            reg = self._registry(ref.registry)
-            try:
-                if manifest_digest is not None:
-                    manifest = reg.get_manifest(ref.repository, manifest_digest)
-                else:
-                    manifest = reg.resolve_image(ref)
-            except Exception as exc:  # noqa: BLE001 - a registry error of any kind
-                raise UnavailableError(f"cannot read the manifest of {image_ref}: {exc}") from None
+            manifest = self._read_manifest(ref, image_ref, manifest_digest)
             if manifest.is_index:
                 raise InvalidArgumentError(
                     f"{image_ref}@{manifest.digest} is an index, not an image manifest: "
@@ -168,6 +189,35 @@ class RemoteLayers:
         with self._lock:
             image = self._images.setdefault(manifest.digest, _Image(ref, manifest, layers))
         return image
+
+    def _read_manifest(self, ref: Reference, image_ref: str, manifest_digest: str | None
+                       ) -> Manifest:
+        """The manifest from the registry. A failure is remembered for ``unreadable_retry_s``
+        so that the other layers of the pull do not wait for the registry again: for that
+        manifest, or for the whole registry when it could not be reached at all."""
+        key = (ref.registry, manifest_digest or str(ref))
+        now = time.monotonic()
+        with self._lock:
+            self._unreadable = {k: v for k, v in self._unreadable.items()
+                                if now - v[0] < self.unreadable_retry_s}
+            failed = self._unreadable.get(key) or self._unreadable.get((ref.registry, ""))
+        if failed is not None:
+            raise UnavailableError(
+                f"cannot read the manifest of {image_ref}: {failed[1]} ({now - failed[0]:.1f} s "
+                f"ago; not tried again for {self.unreadable_retry_s:.0f} s)")
+        reg = self._registry(ref.registry, reread_hosts=True)
+        try:
+            manifest = (reg.get_manifest(ref.repository, manifest_digest)
+                        if manifest_digest is not None else reg.resolve_image(ref))
+        except Exception as exc:  # noqa: BLE001 - a registry error of any kind
+            with self._lock:
+                self._unreadable[key] = (time.monotonic(), str(exc))
+                if isinstance(exc, RegistryUnavailable):  # unreachable: every image of it
+                    self._unreadable[(ref.registry, "")] = self._unreadable[key]
+            raise UnavailableError(f"cannot read the manifest of {image_ref}: {exc}") from None
+        with self._lock:
+            self._unreadable.pop(key, None)
+        return manifest
 
     def _manifest_path(self, digest: str) -> Path:
         return self.root / "manifests" / digest.replace(":", "-")
@@ -248,7 +298,7 @@ class RemoteLayers:
                     "bootseer index: convert the image again (bootseer image convert)") from None
             except LayerFormatError as exc:
                 raise FailedPreconditionError(f"layer {digest} of {image_ref}: {exc}") from None
-            except (OSError, RuntimeError) as exc:
+            except (OSError, RuntimeError, RegistryError) as exc:
                 raise UnavailableError(f"cannot read the index of layer {digest} of "
                                        f"{image_ref}: {exc}") from None
             layer = RemoteLayer(digest, size, image_ref, manifest, index_digest, index,
@@ -279,10 +329,12 @@ class RemoteLayers:
         _write_atomic(path, tail[index.toc_offset - (size - len(tail)):])  # verified bytes only
         return index
 
-    def lazy_image(self, layers: Iterable[RemoteLayer], *, overlay: bool) -> LazyImage:
-        """The merged tree of ``layers`` (lowest first), read through the shared fetcher."""
+    def lazy_image(self, layers: Iterable[RemoteLayer], *, overlay: bool,
+                   below: Callable[[str], LowerDir | None] | None = None) -> LazyImage:
+        """The merged tree of ``layers`` (lowest first), read through the shared fetcher
+        (``overlay``, ``below``: :func:`prefetch.merge.merge_layers`)."""
         return LazyImage([Layer(layer.index, layer.blob) for layer in layers], self.fetcher,
-                         overlay=overlay)
+                         overlay=overlay, below=below)
 
     def release(self, digest: str, index_digest: str | None = None) -> int:
         """Forget a layer no snapshot uses any more: its cached frames and index go (every
@@ -407,8 +459,9 @@ class RemoteLayers:
     def close(self) -> None:
         with self._lock:
             images = list(self._images.values())
-            registries = list(self._registries.values())
+            registries = [*self._registries.values(), *self._retired]
             self._registries.clear()
+            self._retired.clear()
         for image in images:
             if image.timer is not None:
                 image.timer.cancel()

@@ -21,6 +21,11 @@ Modes, as containerd's own snapshotters after CVE-2021-41103, whatever the umask
 usual) and ``work`` 0711. An existing root and those directories are set to their modes at
 start (a node set up by an older version).
 
+Fallback: a layer the snapshotter cannot read from the registry (unreachable, a 401 because
+the credentials came with the kubelet's pull secret and went to containerd alone, a mirror it
+was not told about) gets an ordinary active snapshot, which containerd fills the normal way;
+the log says why. Only malformed labels and layers whose index breaks the rules are refused.
+
 Crash safety: the database changes first, in one transaction; directories are created before
 the row commits and deleted after it is gone, so a crash can leave an orphan directory (which
 ``cleanup`` removes) but never a row without its directory.
@@ -28,6 +33,7 @@ the row commits and deleted after it is gone, so a crash can leave an orphan dir
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -40,11 +46,11 @@ from typing import Any
 from striped_fs.private import make_dir
 
 from . import labels as lbl
-from .errors import AlreadyExistsError, InvalidArgumentError
+from .errors import AlreadyExistsError, InvalidArgumentError, UnavailableError
 from .filters import parse, snapshot_adaptor
 from .metadata import Kind, MetadataStore, Snapshot
 from .remote import RemoteLayers
-from .views import ViewOperations
+from .views import ViewOperations, lower_dirs
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +133,12 @@ class Snapshotter:
         labels = dict(labels or {})
         request = lbl.layer_request(key, labels)
         if request is not None and self.remote is not None:
-            self._serve_remotely(key, parent, labels, request)  # raises ALREADY_EXISTS
+            try:
+                self._serve_remotely(key, parent, labels, request)  # raises ALREADY_EXISTS
+            except UnavailableError as exc:  # containerd can read what this process cannot
+                log.warning("prepare %s: layer %s of %s cannot be served lazily (%s): "
+                            "containerd downloads and unpacks it", key, request.layer_digest,
+                            request.image_ref, exc)
         return self._create(key, parent, Kind.ACTIVE, labels)
 
     def view(self, key: str, parent: str = "", labels: dict[str, str] | None = None
@@ -179,7 +190,7 @@ class Snapshotter:
         def build() -> Any:
             run = self._lazy_run(snap.name)
             layers = [remote.layer_from_source(s.source) for s in reversed(run.snapshots)]
-            return remote.lazy_image(layers, overlay=run.has_base)
+            return remote.lazy_image(layers, overlay=run.has_base, below=lower_dirs(run.below))
 
         self.views.register(snap.id, build)
 
@@ -187,14 +198,17 @@ class Snapshotter:
     class _LazyRun:
         snapshots: list[Snapshot]  # top first
         has_base: bool  # a normal snapshot lies below: keep whiteouts for overlayfs
+        below: list[str]  # the normal snapshots' directories right below, nearest first
 
     def _lazy_run(self, name: str) -> Snapshotter._LazyRun:
         run: list[Snapshot] = []
-        for snap in self.db.chain(name):
+        chain = self.db.chain(name)
+        for i, snap in enumerate(chain):
             if not _is_lazy(snap):
-                return self._LazyRun(run, True)
+                below = itertools.takewhile(lambda s: not _is_lazy(s), chain[i:])
+                return self._LazyRun(run, True, [self._layer_dir(s) for s in below])
             run.append(snap)
-        return self._LazyRun(run, False)
+        return self._LazyRun(run, False, [])
 
     def mounts(self, key: str) -> list[MountSpec]:
         return self._mounts(self.db.get(key))
