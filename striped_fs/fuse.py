@@ -238,7 +238,9 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
         self._lock = threading.Lock()  # guards the dicts above (not held during I/O)
         self._settled = threading.Condition(self._lock)  # notified when a pending write ends
         protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-        self._local = "file" in protocol or "local" in protocol
+        backend = getattr(fs, "backend", None)  # striped_fs: the target's, local or not
+        self._local = ("file" in protocol or "local" in protocol
+                       or getattr(backend, "is_local", False) is True)
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -453,14 +455,13 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
                         raise _fuse_error(errno.EOPNOTSUPP)
                     pending.mtime_set = pending.mtime_ns = mtime
                     return 0
-        is_dir = stat.S_ISDIR(self.getattr(path)["st_mode"])
+        if stat.S_ISDIR(self.getattr(path)["st_mode"]) and not self._local:
+            # A prefix has no time to set, and one rsync has just made is not even in the
+            # store until a file lands in it: asking the store would fail rsync with ENOENT.
+            log.debug("utimens %s: this store keeps no directory times; ignored", path)
+            return 0
         try:
             self._set_mtime(self._full(path), mtime)
-        except OSError as e:
-            if is_dir and e.errno in (errno.EOPNOTSUPP, errno.ENOENT):
-                log.debug("utimens %s: this store keeps no directory times; ignored", path)
-                return 0
-            raise
         finally:
             self._invalidate()
         return 0

@@ -231,6 +231,11 @@ def _tree(src: Path) -> dict[str, bytes]:
         (src / "many").mkdir(exist_ok=True)
         (src / "many" / f"f{i:03d}").write_bytes(f"file {i}\n".encode() * (i + 1))
         files[f"many/f{i:03d}"] = f"file {i}\n".encode() * (i + 1)
+    # Old directory times, one directory empty: rsync sets them on directories it has just
+    # made, before any file is in them (on S3 such a directory is not in the store yet).
+    (src / "void").mkdir()
+    for d in ("void", "sub/deeper", "sub", "many"):
+        os.utime(src / d, ns=(OLD_NS, OLD_NS))
     return files
 
 
@@ -245,7 +250,9 @@ def test_rsync_twice_transfers_nothing_the_second_time(mount: Any, store: Store,
     """``rsync -a`` into the mount exited 23 (times could not be set on a file that was not
     there yet) and re-sent everything on every run (mtimes were not kept). Now: exit 0,
     bytes and mtimes equal; an unchanged tree transfers no file; a touched file alone is
-    sent again."""
+    sent again. Directories with old times (one empty) made rsync exit 23 over S3 (setting
+    the time of a directory not yet in the store was ENOENT); a local disk keeps their times
+    to the nanosecond (they were read back as float seconds)."""
     m = mount()
     src = tmp_path / "src"
     files = _tree(src)
@@ -256,6 +263,10 @@ def test_rsync_twice_transfers_nothing_the_second_time(mount: Any, store: Store,
         assert os.stat(m.path / "dst" / rel).st_mtime_ns == os.stat(src / rel).st_mtime_ns, rel
     assert store.fs.ls(store.path("dst/sub"), detail=False)  # no temporary names left
     assert sorted(os.listdir(m.path / "dst" / "sub")) == [".hidden", "deeper", "name with spaces"]
+    assert (m.path / "dst" / "void").is_dir()
+    if store.fs.backend.is_local:  # a local disk keeps directory times; S3 prefixes have none
+        for d in ("void", "sub/deeper", "sub", "many"):
+            assert os.stat(m.path / "dst" / d).st_mtime_ns == OLD_NS, d
 
     r = _rsync(src, m.path / "dst", "--itemize-changes", "--stats")
     assert r.returncode == 0, r.stderr
