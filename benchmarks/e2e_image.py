@@ -40,7 +40,7 @@ SITE = "opt/bootseer/site"
 IMAGE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "PYTHONPATH": f"/{SITE}",
-    "BOOTSEER_UV": "/opt/bootseer/bin/uv",
+    "BOOTSEER_ENV_UV": "/opt/bootseer/bin/uv",  # key env.uv
     "LANG": "C.UTF-8",
     "HOME": "/root",
 }

@@ -1,42 +1,50 @@
-"""Configuration of ``bootseer run`` and friends: a TOML file, environment variables and flags.
+"""Configuration of every ``bootseer`` command: a TOML file, environment variables and flags.
 
 One schema (:data:`SCHEMA`) drives everything: the defaults, the TOML sections, the environment
-variable of each key (``BOOTSEER_<SECTION>_<KEY>``), the command-line flags and the help text, so
-the four can never disagree. Precedence, lowest first::
+variable of each key (``BOOTSEER_<SECTION>_<KEY>``), the command-line flag and the help text,
+and every command (run, warmup, env, image, fs, ckpt, snapshotter, config show) resolves its
+settings through it, so no two commands can disagree on a name or a default. Precedence,
+lowest first::
 
     defaults < TOML file (--config, else $BOOTSEER_CONFIG) < environment < flags
+
+The node's paths derive from one key, ``state.dir``: the checkpoint cache, the image cache, the
+trace and the snapshotter's root default to directories under it, so that ``bootseer warmup``
+fills exactly the caches ``bootseer run`` reads.
 
 Every effective value remembers where it came from (:class:`Setting`), because "why does the job
 use this value" is the first question when a restart misbehaves; ``bootseer config show``
 prints it. A bad value is a :class:`ConfigError` that names the key, the place (file, variable
-or flag) and what was expected: a container that dies at startup must say why in one line.
+or flag) and what was expected: a container that dies at startup must say why in one line. A
+``BOOTSEER_*`` variable that is neither a key's nor one of :mod:`bootseer.variables` is refused
+as a mistake, and so is a retired name (the message names its replacement).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
+import json
 import math
 import os
 import tomllib
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from .variables import CKPT_CACHE_HANDOFF, RETIRED, known_variable
+
 __all__ = [
-    "SCHEMA", "NON_CONFIG_ENV", "ConfigError", "Config", "KeySpec", "Setting",
-    "add_config_arguments", "config_from_args", "load_config", "parse_ranks",
+    "SCHEMA", "ConfigError", "Config", "KeySpec", "Setting", "add_config_arguments",
+    "check_ckpt_cache_handoff", "config_from_args", "default_state_dir", "load_config",
+    "parse_ranks",
 ]
 
 ENV_PREFIX = "BOOTSEER_"
 CONFIG_ENV = "BOOTSEER_CONFIG"
-
-#: ``BOOTSEER_<SECTION>_*`` variables that are not configuration keys yet are legitimate (set by
-#: other parts of bootseer); every other such name that is not a key is refused as a typo.
-NON_CONFIG_ENV: frozenset[str] = frozenset({
-    "BOOTSEER_CKPT_CACHE",  # set by `bootseer run` for the child's CheckpointManager (ckpt.cache)
-})
 
 
 class ConfigError(ValueError):
@@ -49,11 +57,12 @@ class KeySpec:
 
     section: str
     name: str
-    kind: str  # str, path, bool, int, float, list, ranks
+    kind: str  # str, path, bool, int, count, float, list, ranks, table, size
     default: Any
     help: str
     flag: str
     aliases: tuple[str, ...] = ()  # further environment variables, below the canonical one
+    under: str = ""  # a path key whose '' means <state.dir>/<under>
 
     @property
     def key(self) -> str:
@@ -67,6 +76,11 @@ class KeySpec:
     def expected(self) -> str:
         """What a valid value looks like, for error messages."""
         return _EXPECTED[self.kind]
+
+    @property
+    def flag_form(self) -> str:
+        """The flag as help and ``config show`` write it (``--[no-]x`` for a switch)."""
+        return f"--[no-]{self.flag[2:]}" if self.kind == "bool" else self.flag
 
 
 @dataclass(frozen=True)
@@ -83,20 +97,29 @@ _EXPECTED = {
     "path": "a path (string)",
     "bool": "true or false",
     "int": "an integer >= 0",
+    "count": "an integer >= 1",
     "float": "a number >= 0",
     "list": "a list of strings",
     "ranks": "a rank list like '0-7' or '0,1,4' (or '' to derive it)",
+    "table": 'a table keyed by protocol, e.g. {s3 = {endpoint_url = "http://host:9000"}} '
+             '(JSON in a variable or flag: {"s3": {"endpoint_url": "http://host:9000"}})',
+    "size": "a size in bytes, e.g. 68719476736, '64G' or '512MiB'",
 }
 
 
 def _spec(section: str, name: str, kind: str, default: Any, flag: str, help: str,
-          aliases: tuple[str, ...] = ()) -> KeySpec:
-    return KeySpec(section, name, kind, default, help, flag, aliases)
+          aliases: tuple[str, ...] = (), under: str = "") -> KeySpec:
+    return KeySpec(section, name, kind, default, help, flag, aliases, under)
 
 
 _KEYS = [
-    _spec("run", "trace_dir", "path", "/var/log/bootseer/trace", "--trace-dir",
-          "where the startup trace (JSON lines) is written"),
+    _spec("state", "dir", "path", "", "--state-dir",
+          "the node's bootseer state: the checkpoint cache, the image cache, the trace and the "
+          "snapshotter's root default to directories under it, and replayed captures are "
+          "recorded there; '' = /var/lib/bootseer as root, else ~/.cache/bootseer"),
+    _spec("run", "trace_dir", "path", "", "--trace-dir",
+          "where the startup trace (JSON lines) is written, by run and warmup; "
+          "'' = <state.dir>/trace", under="trace"),
     _spec("run", "node", "str", "", "--node",
           "node name in the trace; '' = the hostname", aliases=("BOOTSEER_NODE",)),
     _spec("run", "allow_fresh_start", "bool", False, "--allow-fresh-start",
@@ -122,16 +145,49 @@ _KEYS = [
           "where the environment lives (venv prefix)"),
     _spec("env", "store", "str", "", "--env-store",
           "snapshot store of environments (fsspec URL)"),
+    _spec("env", "base_image", "str", "", "--env-base-image",
+          "base image digest, an input of the environment's key; '' = none"),
+    _spec("env", "uv", "path", "", "--env-uv",
+          "the uv binary of the default install; '' = the uv package's, else uv on PATH "
+          "(else pip)"),
     _spec("ckpt", "url", "str", "", "--ckpt-url",
           "checkpoint location (fsspec URL); empty = the checkpoint phase is skipped"),
-    _spec("ckpt", "cache_dir", "path", "/var/cache/bootseer/ckpt", "--ckpt-cache-dir",
-          "node-local checkpoint cache"),
+    _spec("ckpt", "cache_dir", "path", "", "--ckpt-cache-dir",
+          "node-local checkpoint cache, filled by warmup and run, read by the job; "
+          "'' = <state.dir>/ckpt", under="ckpt"),
     _spec("ckpt", "ranks", "ranks", "", "--ranks",
           "ranks of this node, '0-7' or '0,1,4'; '' = from LOCAL_WORLD_SIZE and NODE_RANK, "
           "else RANK"),
+    _spec("ckpt", "connections", "count", 16, "--ckpt-connections",
+          "parallel streams of the checkpoint prefetch"),
     _spec("image", "ref", "str", "", "--image-ref", "image reference (for warmup)"),
     _spec("image", "cache", "path", "", "--image-cache",
-          "node-local block cache of images; '' = bootseer image's default"),
+          "node-local block cache of images; '' = <state.dir>/images", under="images"),
+    _spec("image", "platform", "str", "linux/amd64", "--platform",
+          "platform picked from a multi-platform image"),
+    _spec("image", "connections", "count", 16, "--connections",
+          "parallel range requests to the registry"),
+    _spec("storage", "options", "table", {}, "--storage-options",
+          "fsspec options of every store, keyed by protocol"),
+    _spec("snapshotter", "root", "path", "/var/lib/containerd/io.containerd.snapshotter.v1.bootseer",
+          "--root",
+          "the snapshotter's metadata, snapshots and layer cache, made 0700; where containerd's "
+          "CRI reports the image filesystem to the kubelet: <containerd root>/"
+          "io.containerd.snapshotter.v1.<name>"),
+    _spec("snapshotter", "address", "path", "/run/bootseer/snapshotter.sock", "--address",
+          "unix socket containerd's proxy_plugins entry names, created 0600"),
+    _spec("snapshotter", "cache_size", "size", 64 << 30, "--cache-size",
+          "block cache limit in bytes ('64G', '512MiB' as text)"),
+    _spec("snapshotter", "record_timeout_s", "float", 120.0, "--record-timeout",
+          "seconds a first start is recorded when no ready signal comes"),
+    _spec("snapshotter", "push_profiles", "bool", True, "--push-profiles",
+          "push recorded profiles to the registry (else keep them on this node)"),
+    _spec("snapshotter", "prefetch", "bool", True, "--prefetch",
+          "prefetch the frames of stored profiles"),
+    _spec("snapshotter", "registry_config_path", "path", "", "--registry-config-path",
+          "containerd's registry hosts directory (CRI's registry.config_path, e.g. "
+          "/etc/containerd/certs.d): read layers from the mirrors its hosts.toml files name; "
+          "'' = the registry itself"),
 ]
 
 #: section -> key name -> spec, in documentation order.
@@ -143,7 +199,16 @@ _BY_KEY: dict[str, KeySpec] = {s.key: s for s in _KEYS}
 
 
 def _copy(value: Any) -> Any:
-    return list(value) if isinstance(value, list) else value
+    return copy.deepcopy(value) if isinstance(value, list | dict) else value
+
+
+def default_state_dir(env: Mapping[str, str] | None = None) -> str:
+    """``state.dir`` when not set: /var/lib/bootseer as root, else ~/.cache/bootseer."""
+    if os.geteuid() == 0:
+        return "/var/lib/bootseer"
+    env = os.environ if env is None else env
+    home = env.get("HOME") or str(Path.home())
+    return os.path.join(home, ".cache", "bootseer")
 
 
 class Config:
@@ -168,6 +233,10 @@ class Config:
     def source(self, key: str) -> str:
         self._spec(key)
         return self._settings[key].source
+
+    def describe(self, key: str) -> str:
+        """``ckpt.cache_dir = '/x' (env BOOTSEER_CKPT_CACHE_DIR)``, for messages."""
+        return f"{key} = {self.get(key)!r} ({self.source(key)})"
 
     def settings(self) -> list[Setting]:
         return [Setting(s.key, _copy(self._settings[s.key].value), self._settings[s.key].source)
@@ -209,6 +278,37 @@ def _bad(spec: KeySpec, where: str, value: Any, expected: str | None = None) -> 
                        f"got {value!r}")
 
 
+def _check_table(spec: KeySpec, value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, dict)
+                                              for k, v in value.items()):
+        raise _bad(spec, where, value)
+    return copy.deepcopy(value)
+
+
+def _check_size(spec: KeySpec, value: Any, where: str) -> int:
+    from striped_fs.config import OptionError, parse_size
+
+    try:
+        size = parse_size(value, name=spec.key)
+    except OptionError:
+        raise _bad(spec, where, value) from None
+    if size < 0:
+        raise _bad(spec, where, value)
+    return size
+
+
+def _check_number(spec: KeySpec, value: Any, where: str) -> int | float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(spec, where, value)
+    if spec.kind == "float":
+        if not math.isfinite(value) or value < 0:
+            raise _bad(spec, where, value)
+        return float(value)
+    if not isinstance(value, int) or value < (1 if spec.kind == "count" else 0):
+        raise _bad(spec, where, value)
+    return value
+
+
 def _check(spec: KeySpec, value: Any, where: str) -> Any:
     """A typed value (from TOML or code) checked against its spec; returns the normal form."""
     kind = spec.kind
@@ -227,21 +327,18 @@ def _check(spec: KeySpec, value: Any, where: str) -> Any:
         if not isinstance(value, bool):
             raise _bad(spec, where, value)
         return value
-    if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise _bad(spec, where, value)
-        return value
-    if kind == "float":
-        if (isinstance(value, bool) or not isinstance(value, int | float)
-                or not math.isfinite(value) or value < 0):
-            raise _bad(spec, where, value)
-        return float(value)
+    if kind in ("int", "count", "float"):
+        return _check_number(spec, value, where)
     if kind == "list":
         if isinstance(value, str):  # a lone string is a one-item list: `spec = "req.txt"`
             value = [value]
         if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
             raise _bad(spec, where, value)
         return list(value)
+    if kind == "table":
+        return _check_table(spec, value, where)
+    if kind == "size":
+        return _check_size(spec, value, where)
     raise AssertionError(f"unknown kind {kind}")  # pragma: no cover
 
 
@@ -259,12 +356,12 @@ def _from_text(spec: KeySpec, text: str, where: str) -> Any:
         if word in _FALSE:
             return False
         raise _bad(spec, where, text, "one of 1/0/true/false/yes/no")
-    if kind == "int":
+    if kind in ("int", "count"):
         try:
             value: Any = int(text.strip())
         except ValueError:
             raise _bad(spec, where, text) from None
-        if value < 0:
+        if value < (1 if kind == "count" else 0):
             raise _bad(spec, where, text)
         return value
     if kind == "float":
@@ -278,6 +375,17 @@ def _from_text(spec: KeySpec, text: str, where: str) -> Any:
     if kind == "list":
         items = text.replace(os.pathsep, ",").split(",")
         return [item.strip() for item in items if item.strip()]
+    if kind == "table":
+        if not text.strip():
+            return {}
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{spec.key} in {where}: not valid JSON ({exc}); expected "
+                              f"{spec.expected}") from None
+        return _check_table(spec, value, where)
+    if kind == "size":
+        return _check_size(spec, text.strip(), where)
     return _check(spec, text, where)
 
 
@@ -324,6 +432,26 @@ def _from_file(doc: dict[str, Any], path: str) -> dict[str, Any]:
     return values
 
 
+def _refuse_unknown_env(env: Mapping[str, str], names: Iterable[str]) -> None:
+    """Every ``BOOTSEER_*`` variable must be a key's, an alias, or a known non-key variable;
+    a retired name is refused with its replacement, anything else as a mistake."""
+    keys = set(names)
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or name in keys or known_variable(name):
+            continue
+        if name in RETIRED:
+            raise ConfigError(f"environment variable {name} is no longer read: use "
+                              f"{RETIRED[name]} (docs/decisions.md)")
+        split = _env_section(name)
+        if split:
+            section, key = split
+            known = ", ".join(s.env for s in SCHEMA[section].values())
+            raise ConfigError(f"unknown environment variable {name}: section [{section}] has "
+                              f"no key {key!r}{_suggest(name, keys, known)}")
+        raise ConfigError(f"unknown environment variable {name}{_suggest(name, keys)}: "
+                          "`bootseer config show` lists every variable bootseer reads")
+
+
 def _env_section(name: str) -> tuple[str, str] | None:
     """``BOOTSEER_RESTART_MAX_RETRIES`` -> ("restart", "max_retries") when its section exists."""
     rest = name[len(ENV_PREFIX):].lower()
@@ -334,19 +462,9 @@ def _env_section(name: str) -> tuple[str, str] | None:
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
-    """key -> (value, source) from ``BOOTSEER_*`` variables; a near-miss of a key is refused."""
+    """key -> (value, source) from ``BOOTSEER_*`` variables; an unknown one is refused."""
     values: dict[str, tuple[Any, str]] = {}
-    canonical = {s.env: s for s in _KEYS}
-    aliases = {a: s for s in _KEYS for a in s.aliases}
-    for name in sorted(env):
-        if not name.startswith(ENV_PREFIX) or name in canonical or name in aliases:
-            continue
-        split = _env_section(name)
-        if split and name not in NON_CONFIG_ENV:
-            section, key = split
-            known = ", ".join(s.env for s in SCHEMA[section].values())
-            raise ConfigError(f"unknown environment variable {name}: section [{section}] has no "
-                              f"key {key!r}{_suggest(name, canonical, known)}")
+    _refuse_unknown_env(env, [s.env for s in _KEYS] + [a for s in _KEYS for a in s.aliases])
     for spec in _KEYS:
         for var in (spec.env, *spec.aliases):
             if var in env:
@@ -360,6 +478,20 @@ def _from_override(spec: KeySpec, value: Any, where: str) -> Any:
     if isinstance(value, str) and spec.kind not in ("str", "path", "ranks"):
         return _from_text(spec, value, where)
     return _check(spec, value, where)
+
+
+def _derive_paths(settings: dict[str, Setting], env: Mapping[str, str]) -> None:
+    """``state.dir`` '' -> the platform's default; a path key with ``under`` left '' ->
+    ``<state.dir>/<under>``, its source saying so."""
+    state = settings["state.dir"]
+    if not state.value:
+        settings["state.dir"] = Setting(state.key, default_state_dir(env), state.source)
+        state = settings["state.dir"]
+    for spec in _KEYS:
+        if spec.under and not settings[spec.key].value:
+            source = "default" if state.source == "default" else f"state.dir ({state.source})"
+            settings[spec.key] = Setting(spec.key, os.path.join(state.value, spec.under),
+                                         source)
 
 
 def load_config(path: str | os.PathLike | None = None, *, env: Mapping[str, str] | None = None,
@@ -387,7 +519,22 @@ def load_config(path: str | os.PathLike | None = None, *, env: Mapping[str, str]
             continue
         source = (override_sources or {}).get(key, "override")
         settings[key] = Setting(key, _from_override(spec, value, source), source)
+    _derive_paths(settings, env)
     return Config(settings, file)
+
+
+def check_ckpt_cache_handoff(cfg: Config, env: Mapping[str, str] | None = None) -> None:
+    """Refuse a ``BOOTSEER_CKPT_CACHE`` that names another directory than ``ckpt.cache_dir``:
+    it is what ``bootseer run`` hands its job, not a setting (earlier versions of warmup read
+    it), and a warmup filling one cache while the job reads another loses the whole warmup."""
+    env = os.environ if env is None else env
+    handed = env.get(CKPT_CACHE_HANDOFF, "").strip()
+    if handed and os.path.abspath(handed) != os.path.abspath(cfg.ckpt.cache_dir):
+        raise ConfigError(
+            f"{CKPT_CACHE_HANDOFF}={handed} is what `bootseer run` hands its command, not a "
+            f"setting, and this command's checkpoint cache is {cfg.describe('ckpt.cache_dir')}"
+            f": set BOOTSEER_CKPT_CACHE_DIR (or [ckpt] cache_dir) to choose the cache, and "
+            f"unset {CKPT_CACHE_HANDOFF}")
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -396,40 +543,65 @@ def _dest(spec: KeySpec) -> str:
     return f"cfg_{spec.section}_{spec.name}"
 
 
-def _show(value: Any) -> str:
-    if value == "" or value == []:
+def _show(spec: KeySpec) -> str:
+    if spec.under:
+        return f"<state.dir>/{spec.under}"
+    value = spec.default
+    if value == "" or value == [] or value == {}:
         return "''" if value == "" else "none"
+    if spec.kind == "size" and value % (1 << 30) == 0:
+        return f"{value >> 30}GiB"
     return str(value)
 
 
-_METAVARS = {"int": "N", "float": "SECONDS", "path": "PATH", "run.trace_dir": "DIR",
-             "ckpt.cache_dir": "DIR", "image.cache": "DIR", "env.store": "URL", "ckpt.url": "URL",
-             "run.node": "NAME"}
+_METAVARS = {"int": "N", "count": "N", "float": "SECONDS", "path": "PATH", "table": "JSON",
+             "size": "SIZE", "run.trace_dir": "DIR", "ckpt.cache_dir": "DIR",
+             "image.cache": "DIR", "state.dir": "DIR", "snapshotter.root": "DIR",
+             "env.store": "URL", "ckpt.url": "URL", "run.node": "NAME", "image.ref": "REF",
+             "env.base_image": "DIGEST", "ckpt.ranks": "LIST", "env.prefix": "DIR"}
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--config FILE`` and one flag per schema key (flags given become overrides in
-    :func:`config_from_args`; the others leave the file and environment in charge)."""
+def _selected(keys: Iterable[str] | None) -> list[KeySpec]:
+    if keys is None:
+        return list(_KEYS)
+    wanted = set(keys)
+    unknown = wanted - set(SCHEMA) - set(_BY_KEY)
+    if unknown:  # a programming error, caught by the CLI tests
+        raise KeyError(f"unknown configuration keys {sorted(unknown)}")
+    return [s for s in _KEYS if s.key in wanted or s.section in wanted]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, keys: Iterable[str] | None = None,
+                         *, short: Mapping[str, str] | None = None,
+                         title: str = "configuration") -> None:
+    """``--config FILE`` and the flag of each schema key in ``keys`` (sections or
+    ``section.key``; None: every key). ``short`` gives a key a second spelling inside one
+    command (``bootseer env ensure --store`` for ``--env-store``). Flags given become
+    overrides in :func:`config_from_args`; the others leave the file and environment in
+    charge."""
     parser.add_argument("--config", metavar="FILE", default=None,
                         help=f"TOML configuration file (env {CONFIG_ENV})")
     group = parser.add_argument_group(
-        "configuration", "each flag overrides the config file and its BOOTSEER_* variable")
-    for spec in _KEYS:
-        doc = f"{spec.help} (default {_show(spec.default)}; env {spec.env})".replace("%", "%%")
+        title, "each flag overrides the config file and its BOOTSEER_* variable "
+               "(`bootseer config show` prints the effective values)")
+    for spec in _selected(keys):
+        doc = f"{spec.help} (default {_show(spec)}; env {spec.env})".replace("%", "%%")
+        flags = [spec.flag] + ([short[spec.key]] if short and spec.key in short else [])
         if spec.kind == "bool":
-            group.add_argument(spec.flag, dest=_dest(spec), default=None,
+            group.add_argument(*flags, dest=_dest(spec), default=None,
                                action=argparse.BooleanOptionalAction, help=doc)
         elif spec.kind == "list":
-            group.add_argument(spec.flag, dest=_dest(spec), default=None, action="append",
+            group.add_argument(*flags, dest=_dest(spec), default=None, action="append",
                                metavar="FILE", help=doc)
         else:
             metavar = _METAVARS.get(spec.key) or _METAVARS.get(spec.kind) or spec.name.upper()
-            group.add_argument(spec.flag, dest=_dest(spec), default=None, metavar=metavar,
+            group.add_argument(*flags, dest=_dest(spec), default=None, metavar=metavar,
                                help=doc)
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Config:
-    """The configuration of a command parsed with :func:`add_config_arguments`."""
+    """The configuration of a command parsed with :func:`add_config_arguments` (any other
+    command: the file of ``$BOOTSEER_CONFIG`` and the environment, checked all the same)."""
     overrides: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for spec in _KEYS:
@@ -474,10 +646,12 @@ def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
     return value
 
 
-def parse_ranks(text: str, env: Mapping[str, str] | None = None) -> list[int]:
+def parse_ranks(text: str, env: Mapping[str, str] | None = None, *,
+                fallback: bool = True) -> list[int]:
     """The ranks a node serves: ``"0-3,8"`` -> ``[0, 1, 2, 3, 8]`` (sorted, no duplicates).
     ``""`` derives them the way launchers describe a node: ``LOCAL_WORLD_SIZE`` ranks starting
-    at ``NODE_RANK`` (or torchrun's ``GROUP_RANK``) times that, else ``[RANK]``, else ``[0]``."""
+    at ``NODE_RANK`` (or torchrun's ``GROUP_RANK``) times that, else ``[RANK]``, else ``[0]``
+    (without ``fallback``: a ConfigError, for a caller that must not guess)."""
     if text.strip():
         try:
             return _parse_rank_list(text)
@@ -493,4 +667,8 @@ def parse_ranks(text: str, env: Mapping[str, str] | None = None) -> list[int]:
     rank = _env_int(env, "RANK", 0)
     if rank is not None:
         return [rank]
+    if not fallback:
+        raise ConfigError("ckpt.ranks is empty and no launcher variable (LOCAL_WORLD_SIZE with "
+                          "NODE_RANK or GROUP_RANK, or RANK) says which ranks this node serves: "
+                          "give them (--ranks 0-7, BOOTSEER_CKPT_RANKS, [ckpt] ranks)")
     return [0]

@@ -2,9 +2,9 @@
 
 They are independent, so they run at the same time (two threads); the command starts when
 both are done, since it needs both: the environment's ``bin`` first on ``PATH`` and the
-checkpoint's shards in the node-local cache (``BOOTSEER_CKPT_CACHE``, which
-``CheckpointManager`` reads transparently). Each phase is a span of the startup trace (bytes,
-outcome, the attempt). On a restart the same phases run again and take the warm path: the
+checkpoint's shards in the node-local cache (``ckpt.cache_dir``, handed to the command as
+``BOOTSEER_CKPT_CACHE``, which ``CheckpointManager`` reads transparently). Each phase is a span
+of the startup trace (bytes, outcome, the attempt). On a restart the same phases run again and take the warm path: the
 environment is only verified, the cache already holds the checkpoint's files.
 
 Failures, and why they differ:
@@ -32,6 +32,7 @@ from typing import Any
 from .cli.errors import CliError
 from .progress import human_bytes
 from .trace import Span, TraceWriter
+from .variables import CKPT_CACHE_HANDOFF
 
 __all__ = ["PhaseResult", "StartupError", "StartupPlan", "run_startup"]
 
@@ -47,9 +48,12 @@ class StartupPlan:
     env_spec: list[str] = field(default_factory=list)
     env_prefix: str = ""
     env_store: str = ""
+    env_base_image: str = ""
+    env_uv: str = ""
     ckpt_url: str = ""
     ckpt_cache_dir: str = ""
     ranks: list[int] = field(default_factory=lambda: [0])
+    ckpt_connections: int = 16
     allow_fresh_start: bool = False
     storage_options: dict[str, Any] | None = None
 
@@ -86,6 +90,7 @@ def environment_phase(plan: StartupPlan, base_env: Mapping[str, str]) -> PhaseRe
     prefix = os.path.abspath(plan.env_prefix)
     try:
         done = ensure(plan.env_spec, prefix=prefix, store=plan.env_store or None,
+                      base_image=plan.env_base_image or None, uv=plan.env_uv or None,
                       storage_options=plan.storage_options)
     except Exception as exc:
         raise StartupError(f"environment {prefix} from {', '.join(plan.env_spec)} could not be "
@@ -122,7 +127,8 @@ def checkpoint_phase(plan: StartupPlan) -> PhaseResult:
     result.detail.update(url=plan.ckpt_url, ranks=list(plan.ranks))
     try:
         done = prefetch_latest(plan.ckpt_url, plan.ckpt_cache_dir, plan.ranks,
-                               storage_options=plan.storage_options)
+                               storage_options=plan.storage_options,
+                               connections=plan.ckpt_connections)
     except CheckpointStoreUnavailable as exc:
         if not plan.allow_fresh_start:
             raise StartupError(
@@ -140,7 +146,7 @@ def checkpoint_phase(plan: StartupPlan) -> PhaseResult:
              f"store directly: {type(exc).__name__}: {exc}")
         result.outcome, result.summary = "failed", f"failed ({type(exc).__name__})"
         result.detail["error"] = f"{type(exc).__name__}: {exc}"
-        result.env = {"BOOTSEER_CKPT_CACHE": os.path.abspath(plan.ckpt_cache_dir)}
+        result.env = _cache_handoff(plan)
         return result
     result.bytes = done.bytes
     result.detail.update(step=done.step, files=done.files, cached_already=done.cached_already)
@@ -150,8 +156,13 @@ def checkpoint_phase(plan: StartupPlan) -> PhaseResult:
         result.summary = (f"step {done.step} for ranks {_ranks(plan.ranks)}: {done.files} "
                           f"file(s), {human_bytes(done.bytes)} fetched, "
                           f"{done.cached_already} already cached")
-    result.env = {"BOOTSEER_CKPT_CACHE": os.path.abspath(plan.ckpt_cache_dir)}
+    result.env = _cache_handoff(plan)
     return result
+
+
+def _cache_handoff(plan: StartupPlan) -> dict[str, str]:
+    """What tells the command's ``CheckpointManager`` where the node's cache is."""
+    return {CKPT_CACHE_HANDOFF: os.path.abspath(plan.ckpt_cache_dir)}
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -69,19 +69,10 @@ T = TypeVar("T")
 
 
 def cache_dir_from_env() -> str | None:
-    """``$BOOTSEER_CKPT_CACHE`` (set by ``bootseer run``), or None: no cache."""
+    """``$BOOTSEER_CKPT_CACHE``, the hand-off ``bootseer run`` sets for its command (the only
+    variable ckpt reads), or None: no cache. Where the cache lies is bootseer's setting
+    (``ckpt.cache_dir``), never decided here."""
     return os.environ.get(CACHE_ENV, "").strip() or None
-
-
-def default_cache_dir() -> str:
-    """Where ``bootseer warmup`` puts the cache when not told: the environment's, else a
-    per-machine (root) or per-user directory."""
-    explicit = cache_dir_from_env()
-    if explicit:
-        return explicit
-    if os.geteuid() == 0:
-        return "/var/lib/bootseer/ckpt"
-    return str(Path.home() / ".cache" / "bootseer" / "ckpt")
 
 
 def store_key(url: str) -> str:

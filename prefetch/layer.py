@@ -13,8 +13,11 @@ Where frames end
     read with one frame. A member larger than the target starts its own frame and is cut inside
     its data at multiples of the target from the data start (the target is a multiple of 4 KiB,
     so a page of the file never straddles two frames); its last piece is shared with the members
-    that follow. Tar headers travel with the data after them. Frames never exceed twice the
-    target (a giant pax header is cut like data). The converter streams: it reads the tar once,
+    that follow. A member whose headers push it just past the target is not cut at all (its
+    frame holds up to twice the target), nor is the last one before the end-of-archive blocks.
+    For a sparse file the pages are those of its stored data (its extents, back to back).
+    Tar headers travel with the data after them. Frames never exceed twice the target (a giant
+    pax header is cut like data, before the data starts). The converter streams: it reads the tar once,
     never seeks, and holds the open frame plus at most ``2 x workers`` frames in flight.
 
 Frame size: 1 MiB (measured)
@@ -269,6 +272,7 @@ class _Cutter:
         self.start = 0  # tar offset of buf[0]: the open frame's start
         self.cuts: collections.deque[int] = collections.deque()
         self.planned = 0  # start of the frame being planned (>= start)
+        self.members_end = 0  # where the last member seen ends
         self.tail = False  # past the member list: cut every `target` bytes
 
     @property
@@ -281,7 +285,9 @@ class _Cutter:
             self._emit(self.cuts.popleft() - self.start)
         if self.tail and not self.cuts:
             while len(self.buf) > self.target:
-                self._emit(self.target)
+                # the frame holding the last member ends with it (never inside its data)
+                held = self.members_end - self.start
+                self._emit(held if held > 0 else self.target)
                 self.planned = self.start
 
     def _emit(self, n: int) -> None:
@@ -300,6 +306,7 @@ class _Cutter:
     def member(self, header: int, data: int, end: int) -> None:
         """Plan cuts for a member occupying tar bytes ``[header, end)``, data from ``data``."""
         target = self.target
+        self.members_end = end
         if end - self.planned <= target:
             return  # it fits in the open frame
         if header > self.planned:
@@ -310,8 +317,10 @@ class _Cutter:
                 cut = data + target  # the first piece carries the headers
             else:
                 cut = data + ((p - data) // target + 1) * target
-            if cut - p > 2 * target or cut >= end:
-                cut = p + target  # giant headers: cut them like data
+            if cut - p > 2 * target:
+                cut = p + target  # giant headers: cut them like data, before the data
+            elif cut >= end:
+                break  # headers + data fit in one frame of at most twice the target
             self._cut(cut)
         self.feed(b"")
 

@@ -11,26 +11,53 @@ mismatch is EIO, never the wrong bytes. Metadata
 stat-ing every file fetches nothing. The mount is read-only, ``nodev`` and ``nosuid``
 unless the caller decides otherwise, and ``default_permissions``: the kernel checks every
 access against the modes and owners the image gives (a 0600 file stays its owner's); device
-nodes and setuid bits are presented as the image says. Generic FUSE plumbing (wait for a
-mount, unmount) comes from striped_fs.fuse.
+nodes and setuid bits are presented as the image says. Names and link targets are bytes, as
+on any Linux file system (:data:`FS_ENCODING`: one that is not UTF-8 is listed and opened like
+any other). ``readdir`` gives each entry's type with its name: overlayfs, which stacks a view
+over normally unpacked layers, recognizes a whiteout only by the character-device type its
+listing reports. Generic FUSE plumbing (wait for a mount, unmount) comes from
+striped_fs.fuse.
 """
 
 from __future__ import annotations
 
+import codecs
 import errno
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .fetcher import Blob, FrameFetcher
-from .merge import MergedTree, Node, merge_layers
+from .merge import LowerDir, MergedTree, Node, merge_layers
 
 log = logging.getLogger(__name__)
 
 OVERLAY_OPAQUE = "trusted.overlay.opaque"
+#: How fusepy turns the kernel's path bytes into the TOC's names and back: UTF-8 with
+#: surrogate escapes, Python's own file-system encoding (os.fsdecode), under a codec name
+#: fusepy can be given (it takes an encoding name, not an error handler).
+FS_ENCODING = "bootseer-fs-names"
+
+
+def _find_codec(name: str) -> codecs.CodecInfo | None:
+    if name != FS_ENCODING.replace("-", "_"):
+        return None
+    return codecs.CodecInfo(
+        name=FS_ENCODING,
+        encode=lambda text, errors="strict": codecs.utf_8_encode(text, "surrogateescape"),
+        decode=lambda data, errors="strict": codecs.utf_8_decode(data, "surrogateescape",
+                                                                 True))
+
+
+codecs.register(_find_codec)
+
+
+def _name_bytes(name: str) -> bytes:
+    """A TOC name or link target as the bytes the file system shows."""
+    return name.encode("utf-8", "surrogateescape")
 
 try:  # fusepy needs libfuse2 at import time
     import fuse as _fusepy
@@ -80,11 +107,14 @@ class LazyImage:
     """The merged tree of an image's layers, and reads through a frame fetcher."""
 
     def __init__(self, layers: Sequence[Layer], fetcher: FrameFetcher, *,
-                 overlay: bool = False) -> None:
+                 overlay: bool = False,
+                 below: Callable[[str], LowerDir | None] | None = None) -> None:
         self.layers = list(layers)
         self.fetcher = fetcher
         self.tree: MergedTree = merge_layers((layer.entries for layer in self.layers),
-                                             overlay=overlay)
+                                             overlay=overlay, below=below)
+        for problem in self.tree.problems:  # left out of the view; the rest is served
+            log.error("%s (containerd's own unpack refuses such a layer)", problem)
 
     def read(self, node: Node, offset: int, size: int) -> bytes:
         data_node = node.data
@@ -132,8 +162,9 @@ class LazyOperations(Operations):  # type: ignore[misc,valid-type]
 
     use_ns = True  # times in integer nanoseconds (the TOC's precision)
 
-    def __init__(self, image: LazyImage) -> None:
+    def __init__(self, image: LazyImage, *, ino_base: int = 0) -> None:
         self.image = image
+        self.ino_base = ino_base  # ORed into every inode number (views share one mount)
         self.mounted_at = time.time_ns()
 
     def _node(self, path: str) -> Node:
@@ -144,35 +175,42 @@ class LazyOperations(Operations):  # type: ignore[misc,valid-type]
 
     def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
         node = self._node(path)
-        entry = node.data.entry
-        mtime = entry.mtime_ns if entry is not None and entry.mtime_ns else self.mounted_at
+        entry, meta = node.data.entry, node.meta
+        # An implied directory has no time of its own (containerd's is the unpack's).
+        mtime = meta.mtime_ns if meta is not None else self.mounted_at
         st: dict[str, Any] = {
-            "st_mode": node.mode(), "st_ino": node.ino, "st_nlink": node.data.nlink,
-            "st_uid": getattr(entry, "uid", 0) if entry else 0,
-            "st_gid": getattr(entry, "gid", 0) if entry else 0,
+            "st_mode": node.mode(), "st_ino": self.ino_base | node.ino,
+            "st_nlink": node.data.nlink,
+            "st_uid": meta.uid if meta is not None else 0,
+            "st_gid": meta.gid if meta is not None else 0,
             "st_atime": mtime, "st_mtime": mtime, "st_ctime": mtime,
         }
         if node.is_dir:
             st["st_nlink"] = 2 + sum(1 for c in node.children.values() if c.is_dir)
             st["st_size"] = 4096
         elif entry is not None:
-            st["st_size"] = len(entry.link) if entry.type == "symlink" else entry.size
+            st["st_size"] = (len(_name_bytes(entry.link)) if entry.type == "symlink"
+                             else entry.size)
             if entry.type in ("char", "block"):
                 st["st_rdev"] = os.makedev(entry.devmajor, entry.devminor)
         st["st_blocks"] = (st.get("st_size", 0) + 511) // 512
         return st
 
-    def readdir(self, path: str, fh: Any) -> list[str]:
+    def readdir(self, path: str, fh: Any) -> list[tuple[str, dict[str, int] | None, int]]:
+        """Names with their type and inode (a listing's ``d_type``, ``d_ino``)."""
         node = self._node(path)
         if not node.is_dir:
             raise FuseOSError(errno.ENOTDIR)
-        return [".", "..", *sorted(node.children)]
+        base = self.ino_base
+        return [(".", None, 0), ("..", None, 0),
+                *((name, {"st_mode": child.mode(), "st_ino": base | child.ino}, 0)
+                  for name, child in sorted(node.children.items()))]
 
     def readlink(self, path: str) -> str:
-        node = self._node(path)
-        if node.entry is None or node.entry.type != "symlink":
+        entry = self._node(path).data.entry  # a hardlink to a symlink is that symlink
+        if entry is None or entry.type != "symlink":
             raise FuseOSError(errno.EINVAL)
-        return node.entry.link
+        return entry.link
 
     def open(self, path: str, flags: int) -> int:
         if flags & (os.O_WRONLY | os.O_RDWR):
@@ -191,7 +229,7 @@ class LazyOperations(Operations):  # type: ignore[misc,valid-type]
 
     def _xattrs(self, path: str) -> dict[str, bytes]:
         node = self._node(path)
-        xattrs = getattr(node.data.entry, "xattrs", None) or {}
+        xattrs = getattr(node.meta, "xattrs", None) or {}
         if node.opaque:  # an overlay tree (merge_layers(overlay=True)): see merge.py
             xattrs = {**xattrs, OVERLAY_OPAQUE: b"y"}
         return xattrs
@@ -229,6 +267,7 @@ def mount(image: LazyImage, mountpoint: str, *, foreground: bool = True,
     if not os.path.isdir(mountpoint):
         raise MountError(f"mountpoint {mountpoint!r} is not a directory")
     options: dict[str, Any] = {"foreground": foreground, "nothreads": False, "ro": True,
+                               "encoding": FS_ENCODING,
                                "fsname": "bootseer-image", "subtype": "bootseer",
                                "use_ino": True,  # hardlinks share an inode number
                                "max_read": 1 << 20,

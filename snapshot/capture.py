@@ -14,7 +14,8 @@ from the root with ``O_NOFOLLOW``, the entry removed relative to its parent's de
 a deletion under a symlink (the host's, or one an earlier snapshot planted) is refused before
 anything changes. Members outside the roots the caller named are refused: the roots of an
 untrusted snapshot are never trusted, only the caller's; nor may a root hold bootseer's state
-directory, whose record is written through descriptors too.
+directory (``state_dir``, given by the caller: ``bootseer`` passes the key ``state.dir``),
+whose record is written through descriptors too.
 """
 
 from __future__ import annotations
@@ -52,18 +53,7 @@ log = logging.getLogger(__name__)
 
 
 
-def state_dir() -> Path:
-    """Where replayed captures are recorded: ``BOOTSEER_STATE_DIR``, else /var/lib/bootseer
-    (root) or ~/.cache/bootseer."""
-    explicit = os.environ.get("BOOTSEER_STATE_DIR")
-    if explicit:
-        return Path(explicit)
-    if os.geteuid() == 0:
-        return Path("/var/lib/bootseer")
-    return Path.home() / ".cache" / "bootseer"
-
-
-def normalize_roots(paths: Sequence[str]) -> list[str]:
+def normalize_roots(paths: Sequence[str], state_dir: str | os.PathLike) -> list[str]:
     roots = sorted({os.path.normpath(os.path.abspath(p)) for p in paths})
     for root in roots:
         if root == "/":
@@ -72,7 +62,7 @@ def normalize_roots(paths: Sequence[str]) -> list[str]:
         for other in roots:
             if other != root and other.startswith(root + "/"):
                 raise SnapshotError(f"capture paths {root} and {other} overlap; name one")
-    check_state_dir(roots)
+    check_state_dir(roots, state_dir)
     return roots
 
 
@@ -80,16 +70,17 @@ def _overlap(a: str, b: str) -> bool:
     return a == b or a.startswith(b + "/") or b.startswith(a + "/")
 
 
-def check_state_dir(roots: Sequence[str]) -> None:
+def check_state_dir(roots: Sequence[str], state_dir: str | os.PathLike) -> None:
     """No capture path may hold bootseer's state directory or lie inside it: a snapshot's
     members land under the capture paths, and could otherwise replace the state (a link)."""
-    state = os.path.abspath(state_dir())
+    state = os.path.abspath(state_dir)
     real = os.path.realpath(state)
     for root in roots:
         if _overlap(root, state) or _overlap(os.path.realpath(root), real):
             raise SnapshotError(f"capture path {root} and bootseer's state directory {state} "
-                                f"overlap; a snapshot could replace the state. Set "
-                                f"BOOTSEER_STATE_DIR elsewhere, or capture other paths")
+                                f"overlap; a snapshot could replace the state. Choose "
+                                f"another state directory (state.dir: BOOTSEER_STATE_DIR, "
+                                f"--state-dir), or capture other paths")
 
 
 # -- recording -------------------------------------------------------------------------------
@@ -139,17 +130,18 @@ def diff(before: dict[str, Signature], after: dict[str, Signature]) -> Changes:
 # -- entry point -----------------------------------------------------------------------------
 
 def ensure_capture(paths: Sequence[str], command: Sequence[str], *,
-                   store: str | SnapshotStore | None,
+                   store: str | SnapshotStore | None, state_dir: str | os.PathLike,
                    storage_options: dict[str, Any] | None = None, key: EnvKey | None = None,
                    rebuild: bool = False, progress: Callback = DEFAULT_CALLBACK
                    ) -> EnsureResult:
     """Hit: replay the captured changes (or only verify them). Miss: run ``command``,
-    capture what it changed under ``paths``, publish."""
+    capture what it changed under ``paths``, publish. What was replayed or captured here is
+    recorded under ``state_dir`` (the warm path's verification)."""
     start = time.perf_counter()
-    roots = normalize_roots(paths)
+    roots = normalize_roots(paths, state_dir)
     env_key = key or compute_key((), command, capture=roots)
     shown = " ".join(roots)
-    if not rebuild and verify_capture(env_key.key):
+    if not rebuild and verify_capture(env_key.key, state_dir):
         return EnsureResult(env_key.key, shown, "verified", time.perf_counter() - start)
     warnings: list[str] = []
     snapshots = None
@@ -163,7 +155,7 @@ def ensure_capture(paths: Sequence[str], command: Sequence[str], *,
         log.warning("%s", warnings[-1])
         snapshots = None
     if manifest is not None:
-        replay(snapshots, manifest, roots, progress=progress)
+        replay(snapshots, manifest, roots, state_dir=state_dir, progress=progress)
         return EnsureResult(env_key.key, shown, "restored", time.perf_counter() - start)
     before = {}
     for root in roots:
@@ -183,8 +175,8 @@ def ensure_capture(paths: Sequence[str], command: Sequence[str], *,
         except (SnapshotError, OSError) as exc:
             warnings.append(f"captured the setup but could not publish it: {exc}")
             log.warning("%s", warnings[-1])
-    _record(env_key.key, roots, [Member(p, _kind(after[p]), 0, 0) for p in changes.changed],
-            changes.deleted)
+    _record(state_dir, env_key.key, roots,
+            [Member(p, _kind(after[p]), 0, 0) for p in changes.changed], changes.deleted)
     return EnsureResult(env_key.key, shown, outcome, time.perf_counter() - start,
                         warnings=warnings)
 
@@ -211,7 +203,7 @@ def _root_of(path: str, roots: list[str]) -> str | None:
 
 
 def replay(snapshots: SnapshotStore, manifest: Manifest, roots: list[str], *,
-           progress: Callback = DEFAULT_CALLBACK) -> None:
+           state_dir: str | os.PathLike, progress: Callback = DEFAULT_CALLBACK) -> None:
     """Apply a capture snapshot under ``roots`` (the caller's; see the module docstring)."""
     if manifest.kind != "capture":
         raise SnapshotError(f"snapshot {manifest.key} is an environment for "
@@ -219,7 +211,7 @@ def replay(snapshots: SnapshotStore, manifest: Manifest, roots: list[str], *,
     declared = manifest.capture.get("roots")
     if declared != roots:
         raise SnapshotError(f"snapshot {manifest.key} captured {declared}, not {roots}")
-    check_state_dir(roots)
+    check_state_dir(roots, state_dir)
     deleted = manifest.capture.get("deleted", [])
     if not isinstance(deleted, list):
         raise SnapshotError(f"snapshot {manifest.key}: invalid list of deletions")
@@ -280,7 +272,7 @@ def replay(snapshots: SnapshotStore, manifest: Manifest, roots: list[str], *,
     finally:
         for _, staging, _ in staged:
             shutil.rmtree(staging, ignore_errors=True)
-    _record(manifest.key, roots, members, deleted)
+    _record(state_dir, manifest.key, roots, members, deleted)
 
 
 class _Fanout:
@@ -429,7 +421,8 @@ def _delete(path: str, roots: list[str]) -> None:
 
 # -- local record (the warm path) --------------------------------------------------------------
 
-def _record(key: str, roots: list[str], members: list[Member], deleted: list[str]) -> None:
+def _record(state_dir: str | os.PathLike, key: str, roots: list[str], members: list[Member],
+            deleted: list[str]) -> None:
     rows = []
     for m in members:
         try:
@@ -439,14 +432,14 @@ def _record(key: str, roots: list[str], members: list[Member], deleted: list[str
         rows.append([m.path, stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns])
     record = {"key": key, "roots": roots, "entries": rows, "deleted": deleted,
               "written": time.time()}
-    _write_record(f"{key}.json", json.dumps(record).encode())
+    _write_record(state_dir, f"{key}.json", json.dumps(record).encode())
 
 
-def _write_record(name: str, data: bytes) -> None:
+def _write_record(state_dir: str | os.PathLike, name: str, data: bytes) -> None:
     """``<state dir>/captures/<name>``, through descriptors: ``captures`` opened with
     ``O_NOFOLLOW``, the record created with ``O_EXCL | O_NOFOLLOW`` under a temporary name and
     renamed over the old one (a link there is replaced, never written through)."""
-    directory = make_dir(state_dir())  # the node's state: 0700 when created here
+    directory = make_dir(Path(state_dir))  # the node's state: 0700 when created here
     with contextlib.ExitStack() as stack:
         state_fd = open_in(stack, directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         with contextlib.suppress(FileExistsError):
@@ -461,10 +454,10 @@ def _write_record(name: str, data: bytes) -> None:
         replace_file(fd, name, data, 0o600)
 
 
-def verify_capture(key: str) -> bool:
+def verify_capture(key: str, state_dir: str | os.PathLike) -> bool:
     """The captured changes of ``key`` are in place on this host (stats only)."""
     try:
-        record = json.loads((state_dir() / "captures" / f"{key}.json").read_text())
+        record = json.loads((Path(state_dir) / "captures" / f"{key}.json").read_text())
     except (OSError, ValueError):
         return False
     for path, fmt, size, mtime_ns in record.get("entries", []):

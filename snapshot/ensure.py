@@ -79,7 +79,7 @@ def ensure(spec_files: Sequence[str | os.PathLike] = (), *, prefix: str | os.Pat
            store: str | SnapshotStore | None, command: Sequence[str] | None = None,
            python: str | None = None, base_image: str | None = None,
            extras: Mapping[str, str] | None = None, installer: str = "auto",
-           force: bool = False, replace: bool = False,
+           uv: str | os.PathLike | None = None, force: bool = False, replace: bool = False,
            storage_options: dict[str, Any] | None = None, lease_s: float = 60.0,
            wait_timeout_s: float = 3600.0, progress: Callback = DEFAULT_CALLBACK,
            key: EnvKey | None = None) -> EnsureResult:
@@ -109,7 +109,7 @@ def ensure(spec_files: Sequence[str | os.PathLike] = (), *, prefix: str | os.Pat
         if manifest is not None:
             return _restored(snapshots, env_key, prefix, force, replace, progress, start)
         build = dict(spec_files=spec_files, command=command, python=python, installer=installer,
-                     replace=replace)
+                     uv=uv, replace=replace)
         if snapshots is None:
             name = install(env_key, prefix, **build)
             mark_local(prefix, env_key)
@@ -147,7 +147,8 @@ def create(spec_files: Sequence[str | os.PathLike] = (), *, prefix: str | os.Pat
            store: str | SnapshotStore, command: Sequence[str] | None = None,
            python: str | None = None, base_image: str | None = None,
            extras: Mapping[str, str] | None = None, installer: str = "auto",
-           replace: bool = False, storage_options: dict[str, Any] | None = None,
+           uv: str | os.PathLike | None = None, replace: bool = False,
+           storage_options: dict[str, Any] | None = None,
            key: EnvKey | None = None) -> EnsureResult:
     """Install at ``prefix`` and publish, whether or not the store has the key (a published
     snapshot is never replaced: the first one stays)."""
@@ -160,7 +161,7 @@ def create(spec_files: Sequence[str | os.PathLike] = (), *, prefix: str | os.Pat
     with prefix_lock(prefix):
         clear_interrupted_install(prefix)
         name = install(env_key, prefix, spec_files=spec_files, command=command, python=python,
-                       installer=installer, replace=replace)
+                       installer=installer, uv=uv, replace=replace)
         published = publish(snapshots, env_key, prefix, installer=name)
     return EnsureResult(env_key.key, str(prefix), "built", time.perf_counter() - start,
                         publish=published, installer=name)
@@ -283,7 +284,8 @@ def clear_interrupted_install(prefix: Path) -> bool:
 
 def install(env_key: EnvKey, prefix: Path, *, spec_files: Sequence[str | os.PathLike] = (),
             command: Sequence[str] | None = None, python: str | None = None,
-            installer: str = "auto", replace: bool = False) -> str:
+            installer: str = "auto", uv: str | os.PathLike | None = None,
+            replace: bool = False) -> str:
     """Install at ``prefix`` (the old environment is kept aside and put back on failure).
     Returns the installer's name."""
     old = None
@@ -309,7 +311,7 @@ def install(env_key: EnvKey, prefix: Path, *, spec_files: Sequence[str | os.Path
             steps = [list(command)]
         else:
             name, steps = default_commands(spec_files, prefix, python=python,
-                                           installer=installer)
+                                           installer=installer, uv=uv)
             name = installer_version(name, steps)
         log.info("installing environment %s at %s with %s", env_key.key, prefix, name)
         for step in steps:

@@ -33,11 +33,11 @@ class InstallResult:
     seconds: float
 
 
-def find_uv() -> str | None:
-    """The uv binary: ``BOOTSEER_UV``, the ``uv`` package's binary, or ``uv`` on PATH."""
-    explicit = os.environ.get("BOOTSEER_UV")
+def find_uv(explicit: str | os.PathLike | None = None) -> str | None:
+    """The uv binary: ``explicit`` (key env.uv), the ``uv`` package's binary, or ``uv`` on
+    PATH."""
     if explicit:
-        return explicit
+        return os.fspath(explicit)
     try:
         import uv  # type: ignore[import-not-found]
 
@@ -50,16 +50,16 @@ def find_uv() -> str | None:
 
 
 def default_commands(spec_files: Sequence[str | os.PathLike], prefix: Path, *,
-                     python: str | None = None, installer: str = "auto"
-                     ) -> tuple[str, list[list[str]]]:
+                     python: str | None = None, installer: str = "auto",
+                     uv: str | os.PathLike | None = None) -> tuple[str, list[list[str]]]:
     """(installer name, commands) that create a venv at ``prefix`` and install the specs."""
     if installer not in INSTALLERS:
         raise SnapshotError(f"unknown installer {installer!r}; use one of {', '.join(INSTALLERS)}")
     python = python or sys.executable
-    uv = find_uv() if installer in ("auto", "uv") else None
+    uv = find_uv(uv) if installer in ("auto", "uv") else None
     if installer == "uv" and uv is None:
-        raise SnapshotError("installer uv requested but not found: `pip install uv`, or set "
-                            "BOOTSEER_UV to its path")
+        raise SnapshotError("installer uv requested but not found: `pip install uv`, or give "
+                            "its path (env.uv, BOOTSEER_ENV_UV, --env-uv)")
     requirements: list[str] = []
     for spec in spec_files:
         path = Path(spec)

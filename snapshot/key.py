@@ -9,8 +9,8 @@ any extra inputs the user names (a CUDA version, a driver...).
 
 The key must be the same on every machine and checkout for the same inputs: spec files are
 recorded by base name and content (never their absolute path), dicts are serialized with
-sorted keys, and nothing depends on the process (hash seed, cwd, environment) except the
-documented ``BOOTSEER_BASE_IMAGE`` fallback.
+sorted keys, and nothing depends on the process (hash seed, cwd, environment): the base image
+comes only from the caller (``bootseer`` passes the key ``env.base_image``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from snapshot import FORMAT_VERSION
 from snapshot.errors import SnapshotError
 
 __all__ = [
-    "BASE_IMAGE_ENV",
     "KEY_LENGTH",
     "EnvKey",
     "SpecFileError",
@@ -45,9 +44,6 @@ __all__ = [
     "parse_extras",
     "python_identity",
 ]
-
-BASE_IMAGE_ENV = "BOOTSEER_BASE_IMAGE"
-"""Environment variable naming the base image (e.g. an OCI digest) when no flag gives it."""
 
 KEY_LENGTH = 40
 """Hex characters of sha256 kept in a key: 160 bits, plenty against collisions, short paths."""
@@ -614,8 +610,8 @@ def compute_key(
 
     ``spec_files`` keep their order (it can matter to the install); ``install_command`` is
     recorded verbatim, ``None`` meaning the default install; ``python`` is the interpreter
-    the env is built with (default: this one); ``base_image`` falls back to
-    ``$BOOTSEER_BASE_IMAGE``; ``extras`` are user-named inputs (e.g. ``{"cuda": "12.4"}``);
+    the env is built with (default: this one); ``base_image`` is the base image's digest
+    (None: unknown); ``extras`` are user-named inputs (e.g. ``{"cuda": "12.4"}``);
     ``capture`` are the paths a capture-mode snapshot records, made absolute and sorted.
     """
     if isinstance(install_command, str | bytes):
@@ -625,10 +621,7 @@ def compute_key(
         spec_files = [spec_files]  # type: ignore[list-item]
     if isinstance(capture, str | bytes):
         capture = [capture]
-    if base_image is None:
-        base_image = os.environ.get(BASE_IMAGE_ENV, "").strip() or None
-    else:
-        base_image = base_image.strip() or None
+    base_image = (base_image or "").strip() or None
     extras_in = dict(extras or {})
     for k, v in extras_in.items():
         if not isinstance(k, str) or not isinstance(v, str) or not _EXTRA_NAME_RE.match(k):

@@ -94,14 +94,24 @@ class StripeOptions:
         return replace(self, **_coerce(overrides))
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> StripeOptions:
-        """Defaults, then ``BOOTSEER_STRIPE_SIZE`` / ``BOOTSEER_STRIPE_CONCURRENCY``, then overrides."""
-        env: dict[str, Any] = {}
-        if os.environ.get("BOOTSEER_STRIPE_SIZE"):
-            env["stripe_size"] = os.environ["BOOTSEER_STRIPE_SIZE"]
-        if os.environ.get("BOOTSEER_STRIPE_CONCURRENCY"):
-            env["concurrency"] = os.environ["BOOTSEER_STRIPE_CONCURRENCY"]
-        return cls(**_coerce({**env, **{k: v for k, v in overrides.items() if v is not None}}))
+    def resolve(cls, **options: Any) -> StripeOptions:
+        """Defaults, then ``options`` (``None`` values ignored). striped_fs reads no variable:
+        what a process sets in its environment reaches these options only through fsspec's
+        own configuration (``FSSPEC_STRIPED_STRIPE_SIZE``...), which fsspec passes as
+        constructor options, below storage options and per-call arguments."""
+        for name, option in RETIRED_ENV.items():
+            if os.environ.get(name):
+                raise OptionError(f"environment variable {name} is no longer read: set "
+                                  f"FSSPEC_STRIPED_{option.upper()} (fsspec's default for "
+                                  f"striped://), or the storage option striped="
+                                  f"{{{option!r}: ...}}")
+        return cls(**_coerce({k: v for k, v in options.items() if v is not None}))
+
+
+#: Variables earlier versions read -> the option they set. A leftover one is refused rather than
+#: silently ignored.
+RETIRED_ENV = {"BOOTSEER_STRIPE_SIZE": "stripe_size",
+               "BOOTSEER_STRIPE_CONCURRENCY": "concurrency"}
 
 
 OPTION_NAMES = frozenset(f.name for f in fields(StripeOptions))

@@ -80,7 +80,7 @@ class StripedFileSystem(ChainedFileSystem):
                 f"{', '.join(sorted(OPTION_NAMES))}")
         stripe_opts = {k: v for k, v in options.items() if k in OPTION_NAMES}
         super().__init__(**{k: v for k, v in options.items() if k in _FSSPEC_OPTIONS})
-        self.options = StripeOptions.from_env(**stripe_opts)
+        self.options = StripeOptions.resolve(**stripe_opts)
         if fs is None:
             if target_protocol is None:
                 target_protocol = (split_protocol(fo)[0] if fo else None) or "file"

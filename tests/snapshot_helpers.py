@@ -44,8 +44,8 @@ def use_test_index(monkeypatch: pytest.MonkeyPatch,
     in-process ``ensure`` calls, whose install subprocesses inherit it; also drops the
     bootseer variables that would change a key or a store. Returns the environment."""
     env = installer_env(cache_dir)
-    for name in ("BOOTSEER_BASE_IMAGE", "BOOTSEER_ENV_STORE", "BOOTSEER_STORAGE_OPTIONS",
-                 "BOOTSEER_UV", "VIRTUAL_ENV", "PYTHONPATH"):
+    for name in ("BOOTSEER_ENV_BASE_IMAGE", "BOOTSEER_ENV_STORE", "BOOTSEER_STORAGE_OPTIONS",
+                 "BOOTSEER_ENV_UV", "VIRTUAL_ENV", "PYTHONPATH"):
         env.pop(name, None)
     for name in list(os.environ):
         if name not in env:

@@ -211,7 +211,7 @@ def test_bad_input_in_a_real_process_has_no_traceback(tmp_path):
         (["ckpt", "convert", "{run}", "{tmp}/x"], "the following arguments are required: --from"),
         (["ckpt", "convert", "{run}", "{run}", "--from", "dcp"],
          "no DCP checkpoint at {run}"),
-        (["ckpt", "ls", "{run}", "--storage-options", "{{nope"], "--storage-options is not valid JSON"),
+        (["ckpt", "ls", "{run}", "--storage-options", "{{nope"], "storage.options in flag --storage-options: not valid JSON"),
         (["ckpt", "ls", "nosuch://bucket/run"], "unknown protocol 'nosuch'"),
         (["ckpt", "verify", "{run}/step-30"], "no checkpoints under {run}/step-30"),
     ],

@@ -112,12 +112,12 @@ def test_ckpt_env_config_warmup_and_run_never_show_credentials(store, tmp_path):
     for proc in outputs:
         assert_clean(proc)
     assert f"s3://***@{bucket}/ckpt" in outputs[0].stderr
-    shown = json.loads(outputs[3].stdout)["ckpt"]["url"]
-    assert shown == {"value": f"s3://***@{bucket}/ckpt", "source": "flag --ckpt-url"}
+    shown = json.loads(outputs[3].stdout)["settings"]["ckpt"]["url"]
+    assert (shown["value"], shown["source"]) == (f"s3://***@{bucket}/ckpt", "flag --ckpt-url")
     assert f'"s3://***@{bucket}/ckpt"' in outputs[2].stdout
     # warmup and run write traces and a cache: files, searched as well
     trace, cache = tmp_path / "trace", tmp_path / "cache"
-    warm = bootseer_cli("-vv", "warmup", "--ckpt", ckpt_url, "--ckpt-cache", str(cache),
+    warm = bootseer_cli("-vv", "warmup", "--ckpt-url", ckpt_url, "--ckpt-cache-dir", str(cache),
                         "--ranks", "0", "--trace-dir", str(trace), env=env, check=False)
     assert_clean(warm, trace)
     assert f"s3://***@{bucket}/ckpt" in warm.stdout
@@ -131,6 +131,28 @@ def test_ckpt_env_config_warmup_and_run_never_show_credentials(store, tmp_path):
     assert run.returncode == 2 and f"checkpoint store s3://***@{bucket}/ckpt is unreachable" in out
     assert run.stderr.strip().splitlines()[-1].startswith("bootseer: error: checkpoint store")
     assert f"s3://***@{bucket}/ckpt" in "".join(p.read_text() for p in trace.glob("*.jsonl"))
+
+
+def test_credentials_in_a_config_file_are_never_shown(store, tmp_path):
+    """storage.options may come from the TOML file: its secrets are hidden like a flag's."""
+    bucket, env = store
+    endpoint = json.loads(env.pop("BOOTSEER_STORAGE_OPTIONS"))["s3"]["endpoint_url"]
+    config = tmp_path / "bootseer.toml"
+    config.write_text(f'[storage.options.s3]\nendpoint_url = "{endpoint}"\nkey = "{OPT_KEY}"\n'
+                      f'secret = "{OPT_SECRET}"\ntoken = "{OPT_TOKEN}"\n')
+    src = tmp_path / "in.bin"
+    src.write_bytes(os.urandom(1000))
+    up = bootseer_cli("-vv", "fs", "cp", str(src), f"s3://{bucket}/c/x.bin", "--config",
+                      str(config), env=env)
+    assert "X-Amz-Security-Token" in assert_clean(up)  # the file's token was used, and hidden
+    shows = [bootseer_cli("config", "show", *flags, env={**env, "BOOTSEER_CONFIG": str(config)})
+             for flags in ([], ["--json"])]
+    for proc in shows:
+        assert_clean(proc)
+    options = json.loads(shows[1].stdout)["settings"]["storage"]["options"]
+    assert options["source"] == f"file {config}"
+    assert options["value"]["s3"]["endpoint_url"] == endpoint
+    assert options["value"]["s3"]["secret"] != OPT_SECRET
 
 
 @pytest.mark.usefixtures("fuse")

@@ -183,7 +183,7 @@ def test_unreachable_store_warns_and_installs_locally(tmp_path, cli_env, package
     (["env", "restore", "0123456789abcdef", "--prefix", "{tmp}/p", "--store", "{tmp}/s"],
      "no snapshot 0123456789abcdef in {tmp}/s"),
     (["env", "ls", "--store", "{tmp}/s", "--storage-options", "{not json"],
-     "--storage-options is not valid JSON"),
+     "storage.options in flag --storage-options: not valid JSON"),
     (["env", "ls", "--store", "nosuch://bucket/envs"], "unknown protocol 'nosuch'"),
 ])
 def test_errors_are_one_line_and_exit_2(args, message, tmp_path, cli_env):

@@ -52,7 +52,7 @@ def test_cp_local_paths_and_logs_progress_when_not_a_terminal(tmp_path):
         (["fs", "stat", "/definitely/not/here"], "/definitely/not/here"),
         (["fs", "cp", "a", "b", "--stripe-size", "huge"], "stripe_size"),
         (["fs", "cp", "a", "b", "--concurrency", "0"], "concurrency"),
-        (["fs", "stat", "x", "--storage-options", "{not json"], "--storage-options is not valid JSON"),
+        (["fs", "stat", "x", "--storage-options", "{not json"], "storage.options in flag --storage-options: not valid JSON"),
         (["fs", "mount", "x", "/definitely/not/a/dir"], "is not a directory"),
     ],
 )

@@ -16,10 +16,13 @@ from bootseer.config import (
     Config,
     ConfigError,
     add_config_arguments,
+    check_ckpt_cache_handoff,
     config_from_args,
+    default_state_dir,
     load_config,
     parse_ranks,
 )
+from bootseer.variables import VARIABLES
 
 ALL_KEYS = [f"{sec}.{name}" for sec, keys in SCHEMA.items() for name in keys]
 
@@ -56,8 +59,14 @@ def test_defaults_and_access() -> None:
     assert cfg.get("restart.max_restarts") == 3
     assert cfg.restart.max_restarts == 3
     assert cfg.section("hang").timeout_s == 0.0
-    assert cfg.run.trace_dir == "/var/log/bootseer/trace"
-    assert cfg.ckpt.cache_dir == "/var/cache/bootseer/ckpt"
+    state = default_state_dir()
+    assert cfg.state.dir == state == ("/var/lib/bootseer" if os.geteuid() == 0 else
+                                      os.path.expanduser("~/.cache/bootseer"))
+    assert cfg.run.trace_dir == f"{state}/trace"
+    assert cfg.ckpt.cache_dir == f"{state}/ckpt" and cfg.image.cache == f"{state}/images"
+    # not under state.dir: containerd's CRI reports the image filesystem at this path
+    assert cfg.snapshotter.root == "/var/lib/containerd/io.containerd.snapshotter.v1.bootseer"
+    assert cfg.storage.options == {} and cfg.snapshotter.cache_size == 64 << 30
     assert cfg.env.spec == [] and cfg.run.allow_fresh_start is False
     assert cfg.as_dict()["restart"] == {"max_restarts": 3, "backoff_s": 5.0,
                                         "backoff_max_s": 60.0}
@@ -133,10 +142,79 @@ def test_node_alias() -> None:
     assert (cfg.run.node, cfg.source("run.node")) == ("n2", "env BOOTSEER_RUN_NODE")
 
 
-def test_unrelated_bootseer_variables_ignored() -> None:
-    env = {"BOOTSEER_REQUIRE_SYSTEM": "1", "BOOTSEER_STORAGE_OPTIONS": "{}", "BOOTSEER_RUN": "x",
-           "BOOTSEER_ATTEMPT": "3", "BOOTSEER_PREFIX": "/p", "HOME": "/root"}
+def test_known_variables_that_are_not_keys_are_accepted() -> None:
+    env = {v.name: "x" for v in VARIABLES if v.name not in ("BOOTSEER_NODE", "BOOTSEER_CONFIG")}
+    env.update({"BOOTSEER_BENCH_CACHE": "/b", "BOOTSEER_E2E_TAG": "t", "HOME": "/root",
+                "BOOTSEER_CKPT_CACHE": "/var/lib/bootseer/ckpt"})
     assert all(s.source == "default" for s in load_config(env=env).settings())
+
+
+@pytest.mark.parametrize("var,message", [
+    ("BOOTSEER_RUN", "unknown environment variable BOOTSEER_RUN"),
+    ("BOOTSEER_CHECKPOINT_URL", "unknown environment variable BOOTSEER_CHECKPOINT_URL (did you "
+                                "mean 'BOOTSEER_CKPT_URL'?)"),
+    ("BOOTSEER_CKPT_CACHE_DIRECTORY", "section [ckpt] has no key 'cache_directory' (did you "
+                                      "mean 'BOOTSEER_CKPT_CACHE_DIR'?"),
+    ("BOOTSEER_STRIPE_SIZE", "environment variable BOOTSEER_STRIPE_SIZE is no longer read: use "
+                             "FSSPEC_STRIPED_STRIPE_SIZE"),
+    ("BOOTSEER_STRIPE_CONCURRENCY", "use FSSPEC_STRIPED_CONCURRENCY"),
+    ("BOOTSEER_BASE_IMAGE", "BOOTSEER_BASE_IMAGE is no longer read: use BOOTSEER_ENV_BASE_IMAGE"),
+    ("BOOTSEER_UV", "BOOTSEER_UV is no longer read: use BOOTSEER_ENV_UV"),
+])
+def test_unknown_and_retired_variables_are_refused_by_name(var: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={var: "1"})
+    assert message in str(info.value)
+
+
+def test_paths_derive_from_the_state_dir(tmp_path: Path) -> None:
+    cfg = load_config(env={"BOOTSEER_STATE_DIR": str(tmp_path)})
+    derived = "state.dir (env BOOTSEER_STATE_DIR)"
+    for key, under in (("run.trace_dir", "trace"), ("ckpt.cache_dir", "ckpt"),
+                       ("image.cache", "images")):
+        assert (cfg.get(key), cfg.source(key)) == (str(tmp_path / under), derived), key
+    # the snapshotter's root is where containerd's CRI looks, whatever state.dir says
+    assert cfg.source("snapshotter.root") == "default"
+    path = write(tmp_path, f'[state]\ndir = "{tmp_path}/s"\n[ckpt]\ncache_dir = "/c"\n'
+                           '[image]\ncache = ""\n')
+    cfg = from_flags(["--config", str(path), "--trace-dir", "/t"])
+    assert (cfg.ckpt.cache_dir, cfg.source("ckpt.cache_dir")) == ("/c", f"file {path}")
+    assert (cfg.run.trace_dir, cfg.source("run.trace_dir")) == ("/t", "flag --trace-dir")
+    assert cfg.image.cache == f"{tmp_path}/s/images"  # '' in the file: derived
+    assert cfg.source("image.cache") == f"state.dir (file {path})"
+    assert from_flags(["--state-dir", "/n"]).ckpt.cache_dir == "/n/ckpt"
+
+
+def test_storage_options_from_file_variable_and_flag(tmp_path: Path) -> None:
+    path = write(tmp_path, '[storage.options.s3]\nendpoint_url = "http://file:9000"\n')
+    assert load_config(path, env={}).storage.options == {"s3": {"endpoint_url": "http://file:9000"}}
+    env = {"BOOTSEER_STORAGE_OPTIONS": '{"s3": {"endpoint_url": "http://env:9000"}}'}
+    cfg = load_config(path, env=env)
+    assert cfg.storage.options["s3"]["endpoint_url"] == "http://env:9000"
+    assert cfg.source("storage.options") == "env BOOTSEER_STORAGE_OPTIONS"
+    cfg = from_flags(["--storage-options", '{"striped": {"stripe_size": "1MiB"}}'], env=env)
+    assert cfg.storage.options == {"striped": {"stripe_size": "1MiB"}}
+    cfg.get("storage.options")["s3"] = {}  # a copy
+    assert "s3" not in cfg.storage.options
+    with pytest.raises(ConfigError, match="storage.options in env BOOTSEER_STORAGE_OPTIONS: "
+                                          "not valid JSON"):
+        load_config(env={"BOOTSEER_STORAGE_OPTIONS": "{nope"})
+    with pytest.raises(ConfigError, match="storage.options in flag --storage-options: expected a "
+                                          "table keyed by protocol"):
+        from_flags(["--storage-options", '{"endpoint_url": "http://x"}'])
+
+
+def test_a_ckpt_cache_handoff_naming_another_cache_is_refused(tmp_path: Path) -> None:
+    env = {"BOOTSEER_STATE_DIR": str(tmp_path), "BOOTSEER_CKPT_CACHE": str(tmp_path / "ckpt")}
+    check_ckpt_cache_handoff(load_config(env=env), env)  # the same directory: fine
+    env["BOOTSEER_CKPT_CACHE"] = "/elsewhere"
+    with pytest.raises(ConfigError) as info:
+        check_ckpt_cache_handoff(load_config(env=env), env)
+    assert "BOOTSEER_CKPT_CACHE=/elsewhere is what `bootseer run` hands its command" in str(
+        info.value)
+    assert f"ckpt.cache_dir = '{tmp_path}/ckpt' (state.dir (env BOOTSEER_STATE_DIR))" in str(
+        info.value)
+    assert "set BOOTSEER_CKPT_CACHE_DIR" in str(info.value)
 
 
 def test_flags_only_given_ones_override(tmp_path: Path) -> None:
@@ -274,6 +352,14 @@ def test_parse_ranks(text: str, env: dict[str, str], ranks: list[int]) -> None:
     assert parse_ranks(text, env) == ranks
 
 
+def test_parse_ranks_without_a_fallback_never_guesses() -> None:
+    assert parse_ranks("", {"RANK": "3"}, fallback=False) == [3]
+    assert parse_ranks("", {"LOCAL_WORLD_SIZE": "2", "NODE_RANK": "1"}, fallback=False) == [2, 3]
+    for env in ({}, {"LOCAL_WORLD_SIZE": "8"}):
+        with pytest.raises(ConfigError, match="says which ranks this node serves"):
+            parse_ranks("", env, fallback=False)
+
+
 @pytest.mark.parametrize("text", ["a", "1-", "-1", "3-1", "0,,1", "1.5", "0-3;8"])
 def test_parse_ranks_bad_text(text: str) -> None:
     with pytest.raises(ConfigError, match=f"bad rank list {text!r}"):
@@ -292,29 +378,90 @@ def test_parse_ranks_bad_environment(env: dict[str, str], var: str) -> None:
 
 # --- the command ------------------------------------------------------------------------------
 
-def test_show_lists_every_key_value_and_source(tmp_path: Path) -> None:
+def test_show_lists_every_key_variable_flag_value_and_source(tmp_path: Path) -> None:
     path = write(tmp_path, '[restart]\nmax_restarts = 7\n[env]\nspec = ["req.txt"]\n')
     proc = bootseer("config", "show", "--config", str(path), "--hang-timeout", "30",
-                    env={"BOOTSEER_CKPT_URL": "s3://b/ckpt"})
+                    env={"BOOTSEER_CKPT_URL": "s3://b/ckpt", "BOOTSEER_STATE_DIR": "/n",
+                         "BOOTSEER_CKPT_CACHE": "/n/ckpt"})
     assert proc.returncode == 0, proc.stderr
-    lines = {line.split()[0]: line.split(None, 2)[1:] for line in proc.stdout.splitlines()[2:]}
-    assert list(lines) == ALL_KEYS
-    assert lines["restart.max_restarts"] == ["7", f"file {path}"]
-    assert lines["env.spec"] == ['["req.txt"]', f"file {path}"]
-    assert lines["hang.timeout_s"] == ["30.0", "flag --hang-timeout"]
-    assert lines["ckpt.url"] == ['"s3://b/ckpt"', "env BOOTSEER_CKPT_URL"]
-    assert lines["restart.backoff_s"] == ["5.0", "default"]
-    assert proc.stdout.splitlines()[0] == f"config file: {path}"
+    out = proc.stdout.splitlines()
+    assert out[0] == f"config file: {path}"
+    assert out[1].split() == ["KEY", "VARIABLE", "FLAG", "VALUE", "SOURCE"]
+    rows = {line.split()[0]: line.split(None, 4)[1:] for line in out[2:2 + len(ALL_KEYS)]}
+    assert list(rows) == ALL_KEYS
+    assert rows["restart.max_restarts"] == ["BOOTSEER_RESTART_MAX_RESTARTS", "--max-restarts",
+                                            "7", f"file {path}"]
+    assert rows["env.spec"][2:] == ['["req.txt"]', f"file {path}"]
+    assert rows["hang.timeout_s"][1:] == ["--hang-timeout", "30.0", "flag --hang-timeout"]
+    assert rows["ckpt.url"][2:] == ['"s3://b/ckpt"', "env BOOTSEER_CKPT_URL"]
+    assert rows["ckpt.cache_dir"] == ["BOOTSEER_CKPT_CACHE_DIR", "--ckpt-cache-dir", '"/n/ckpt"',
+                                      "state.dir (env BOOTSEER_STATE_DIR)"]
+    assert rows["run.allow_fresh_start"][1] == "--[no-]allow-fresh-start"
+    assert rows["restart.backoff_s"][2:] == ["5.0", "default"]
+    # Then every variable that is not a setting, with its value here.
+    tail = out[2 + len(ALL_KEYS):]
+    assert tail[0] == "" and tail[1].startswith("variables that are not settings")
+    variables = {line.split()[0]: line.split(None, 3)[1:] for line in tail[3:]}
+    assert list(variables) == [v.name for v in VARIABLES]
+    assert variables["BOOTSEER_CKPT_CACHE"][:2] == ["hand-off", "/n/ckpt"]
+    assert "ckpt.cache_dir" in variables["BOOTSEER_CKPT_CACHE"][2]
+    assert variables["FSSPEC_STRIPED_STRIPE_SIZE"][:2] == ["fsspec", "unset"]
 
 
 def test_show_json(tmp_path: Path) -> None:
-    path = write(tmp_path, "[run]\nallow_fresh_start = true\n")
-    proc = bootseer("config", "show", "--json", env={"BOOTSEER_CONFIG": str(path)})
+    path = write(tmp_path, "[run]\nallow_fresh_start = true\n[storage.options.s3]\n"
+                           'endpoint_url = "http://h:9000"\nsecret = "hunter2-secret"\n')
+    proc = bootseer("config", "show", "--json",
+                    env={"BOOTSEER_CONFIG": str(path), "BOOTSEER_REGISTRY_PASSWORD": "pw-xyzzy",
+                         "FSSPEC_STRIPED_STRIPE_SIZE": "16MiB", "FSSPEC_STRIPED_RETRIES": "2"})
     assert proc.returncode == 0, proc.stderr
+    assert "hunter2-secret" not in proc.stdout and "pw-xyzzy" not in proc.stdout
     doc = json.loads(proc.stdout)
-    assert [f"{sec}.{name}" for sec, keys in doc.items() for name in keys] == ALL_KEYS
-    assert doc["run"]["allow_fresh_start"] == {"value": True, "source": f"file {path}"}
-    assert doc["env"]["spec"] == {"value": [], "source": "default"}
+    assert doc["config_file"] == str(path)
+    settings = doc["settings"]
+    assert [f"{sec}.{name}" for sec, keys in settings.items() for name in keys] == ALL_KEYS
+    assert settings["run"]["allow_fresh_start"] == {
+        "value": True, "source": f"file {path}", "variable": "BOOTSEER_RUN_ALLOW_FRESH_START",
+        "flag": "--[no-]allow-fresh-start"}
+    assert settings["env"]["spec"]["value"] == [] and settings["env"]["spec"]["source"] == "default"
+    assert settings["storage"]["options"]["value"]["s3"]["endpoint_url"] == "http://h:9000"
+    shown = {v["name"]: v for v in doc["variables"]}
+    assert shown["BOOTSEER_REGISTRY_PASSWORD"]["value"] == "***"
+    assert shown["FSSPEC_STRIPED_STRIPE_SIZE"]["value"] == "16MiB"
+    assert shown["FSSPEC_STRIPED_RETRIES"]["role"] == "fsspec"  # any striped option fsspec sets
+    assert shown["BOOTSEER_CKPT_CACHE"] == {
+        "name": "BOOTSEER_CKPT_CACHE", "role": "hand-off", "value": None,
+        "meaning": next(v.meaning for v in VARIABLES if v.name == "BOOTSEER_CKPT_CACHE")}
+
+
+#: One invocation of every command that has settings; each must refuse a bad configuration
+#: before it does anything.
+COMMANDS = [
+    ["run", "--", "true"], ["warmup"], ["config", "show"], ["env", "ls"], ["env", "key"],
+    ["image", "prefetch", "reg/x:1"], ["fs", "ls", "/nonexistent"], ["ckpt", "ls", "/nowhere"],
+    ["snapshotter"], ["report", "/nonexistent"],
+]
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda a: " ".join(a[:2]))
+def test_every_command_refuses_an_unknown_variable_or_key(tmp_path: Path, argv: list[str]) -> None:
+    env = {"BOOTSEER_STATE_DIR": str(tmp_path / "state")}
+    typo = bootseer(*argv, env={**env, "BOOTSEER_CKPT_CACHE_DIRR": "/x"})
+    assert typo.returncode == 2, typo.stderr
+    assert typo.stderr.startswith("bootseer: error: unknown environment variable "
+                                  "BOOTSEER_CKPT_CACHE_DIRR: section [ckpt] has no key "
+                                  "'cache_dirr' (did you mean 'BOOTSEER_CKPT_CACHE_DIR'?"), \
+        typo.stderr
+    retired = bootseer(*argv, env={**env, "BOOTSEER_STRIPE_SIZE": "1MiB"})
+    assert retired.returncode == 2 and "use FSSPEC_STRIPED_STRIPE_SIZE" in retired.stderr
+    path = write(tmp_path, "[ckpt]\ncache_directory = '/x'\n")
+    bad_key = bootseer(*argv, env={**env, "BOOTSEER_CONFIG": str(path)})
+    assert bad_key.returncode == 2, bad_key.stderr
+    assert bad_key.stderr.startswith(f"bootseer: error: unknown key 'ckpt.cache_directory' in "
+                                     f"{path} (did you mean 'ckpt.cache_dir'?"), bad_key.stderr
+    for proc in (typo, retired, bad_key):
+        assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert not (tmp_path / "state").exists()  # refused before anything was made
 
 
 def test_show_bad_file_exits_2_with_message(tmp_path: Path) -> None:
@@ -326,3 +473,49 @@ def test_show_bad_file_exits_2_with_message(tmp_path: Path) -> None:
     proc = bootseer("config", "show", env={"BOOTSEER_RESTART_MAX_RESTARTS": "three"})
     assert proc.returncode == 2 and "BOOTSEER_RESTART_MAX_RESTARTS" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_one_config_file_serves_every_command(tmp_path: Path) -> None:
+    """The job's file configures `bootseer env` and `bootseer fs` as it does run and warmup:
+    [env] makes the environment's key, [storage.options] reaches the stores."""
+    from snapshot.key import compute_key
+
+    req = write(tmp_path, "tinybeta==1.0\n", "requirements.txt")
+    digest = "registry.example/base@sha256:" + "b" * 64
+    path = write(tmp_path, f'[env]\nspec = ["{req}"]\nbase_image = "{digest}"\n'
+                           '[storage.options.striped]\nstripe_size = "64KiB"\n')
+    env = {"BOOTSEER_CONFIG": str(path)}
+    key = bootseer("env", "key", "--json", env=env)
+    assert key.returncode == 0, key.stderr
+    assert json.loads(key.stdout)["key"] == compute_key([req], base_image=digest).key
+
+    src, dst = tmp_path / "in.bin", tmp_path / "store" / "out.bin"
+    src.write_bytes(os.urandom(300_000))
+    dst.parent.mkdir()
+    copied = bootseer("fs", "cp", str(src), f"file://{dst}", env=env)
+    assert copied.returncode == 0, copied.stderr
+    stat = bootseer("fs", "stat", f"file://{dst}", env=env)
+    info = json.loads(stat.stdout)
+    assert (info["striped"], info["stripe_size"], info["size"]) == (True, 64 << 10, 300_000)
+
+
+def test_capture_mode_records_under_state_dir_and_leaves_the_jobs_env_keys(tmp_path: Path) -> None:
+    """`env ensure --capture` snapshots a setup command: the job's [env] spec and prefix (from
+    a file or a variable) describe another environment and are not used; its record goes to
+    state.dir, which the library gets as an argument."""
+    tool, state = tmp_path / "tool", tmp_path / "state"
+    tool.mkdir()
+    env = {"BOOTSEER_STATE_DIR": str(state), "BOOTSEER_ENV_PREFIX": str(tmp_path / "venv"),
+           "BOOTSEER_ENV_SPEC": str(tmp_path / "requirements.txt")}
+    setup = ["--", "sh", "-c", f"echo built > {tool}/f"]
+    done = bootseer("env", "ensure", "--capture", str(tool), "--json", *setup, env=env)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["outcome"] == "installed-locally"  # no store configured
+    assert (tool / "f").read_text() == "built\n" and not (tmp_path / "venv").exists()
+    assert (state / "captures" / f"{result['key']}.json").is_file()
+    again = bootseer("env", "ensure", "--capture", str(tool), "--json", *setup, env=env)
+    assert json.loads(again.stdout)["outcome"] == "verified"  # read back from state.dir
+    both = bootseer("env", "ensure", "--capture", str(tool), "--prefix", str(tmp_path / "v"),
+                    *setup, env=env)
+    assert both.returncode == 2 and "--capture and --prefix exclude each other" in both.stderr

@@ -24,6 +24,7 @@ import pytest
 from containerd_helpers import SCRIPT, expected_output, push_images
 from cri_helpers import CRINode, push_pause_image, registry_login, write_hosts_toml
 
+from bootseer.config import config_from_args
 from bootseer.testing.servers import free_port
 from prefetch.containerd import labels as lbl
 from prefetch.containerd.errors import ContainerdError
@@ -190,4 +191,4 @@ def test_the_deploy_files_agree_with_what_cri_expects() -> None:
     assert host_paths[mounts[hosts_dir]["name"]] == hosts_dir
 
     args = build_parser().parse_args(["snapshotter"])
-    assert args.root == root  # the command's default is the same layout
+    assert config_from_args(args, env={}).snapshotter.root == root  # the command's default is the same layout

@@ -323,6 +323,38 @@ def test_frame_cutting_holds_its_invariants_on_random_layers(seed: int) -> None:
             assert len(span) == 1, entry.name
 
 
+PAGE = 4096
+
+
+def _pages_split(index: LayerIndex) -> list[str]:
+    """Members with a frame boundary inside a 4 KiB page of their data."""
+    starts = [f.u_offset for f in index.frames[1:]]
+    return [f"{e.name}: boundary at data byte {b - e.offset}" for e in index.entries
+            if e.type == "reg" and not e.sparse
+            for b in starts if e.offset < b < e.offset + e.size and (b - e.offset) % PAGE]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_frame_boundary_falls_inside_a_page_of_a_file(seed: int) -> None:
+    """docs/prefetch.md: a page of a file never spans two frames. A member just under the
+    target whose headers push it past the target was cut target bytes after its *header*:
+    inside its last page (data starting 512 or 1536 bytes after the frame's start)."""
+    rng = random.Random(seed)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        _add(tf, "first", data=rng.randbytes(FRAME - 3000))  # the next one starts a frame
+        for i in range(30):
+            n = rng.choice([FRAME - 100, FRAME - 511, FRAME - 1, FRAME, FRAME + 100,
+                            2 * FRAME - 700, 3 * FRAME + 5, rng.randrange(1, 4 * FRAME)])
+            pax = {"SCHILY.xattr.user.x": "y" * rng.randrange(600)} if rng.random() < 0.5 \
+                else {}
+            _add(tf, f"f{i}", data=rng.randbytes(n), pax_headers=pax)
+    blob, _ = convert(buf.getvalue(), frame_size=FRAME)
+    index = LayerIndex.from_blob(lambda s, e: blob[s:e], len(blob))
+    assert _pages_split(index) == []
+    assert all(0 < f.u_size <= 2 * FRAME for f in index.frames)
+
+
 def test_random_access_fetches_only_the_frames_it_needs(layer: Layer) -> None:
     index = layer.index()
     big = index.lookup("usr/lib/libbig.so")

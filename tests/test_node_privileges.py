@@ -235,7 +235,8 @@ def _assert_modes(root: Path, address: str) -> None:
     snapshot_dirs = list((root / "snapshots").iterdir())
     assert snapshot_dirs and {mode(d) for d in snapshot_dirs} == {0o700}
     assert {mode(d / "fs") for d in snapshot_dirs} == {0o755}
-    assert {mode(d / "work") for d in snapshot_dirs if (d / "work").exists()} == {0o711}
+    # a container's writable snapshot has a work dir (ctr run --rm may have removed it by now)
+    assert {mode(d / "work") for d in snapshot_dirs if (d / "work").exists()} <= {0o711}
     remote = [root / "remote", *tree(root / "remote")]
     assert {mode(p) for p in remote if p.is_dir()} == {0o700}
     files = [p for p in remote if p.is_file()] + list(root.glob("metadata.db*"))
@@ -304,7 +305,8 @@ def test_state_is_private_under_umask_000_as_a_library(tmp_path: Path) -> None:
     snapshot_dirs = list((root / "snapshots").iterdir())
     assert len(snapshot_dirs) == 3 and {mode(d) for d in snapshot_dirs} == {0o700}
     assert {mode(d / "fs") for d in snapshot_dirs} == {0o755}
-    assert {mode(d / "work") for d in snapshot_dirs if (d / "work").exists()} == {0o711}
+    # a container's writable snapshot has a work dir (ctr run --rm may have removed it by now)
+    assert {mode(d / "work") for d in snapshot_dirs if (d / "work").exists()} <= {0o711}
     cache_paths = [tmp_path / "b", *tree(tmp_path / "b")]
     assert {mode(p) for p in cache_paths if p.is_dir()} == {0o700}
     assert {mode(p) for p in cache_paths if p.is_file()} == {0o600}

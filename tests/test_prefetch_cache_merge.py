@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from prefetch.cache import BlockCache, FrameMemory
-from prefetch.merge import MergeError, merge_layers
+from prefetch.merge import merge_layers
 
 
 def _frame(n: int, size: int = 1000) -> tuple[str, bytes]:
@@ -66,10 +66,16 @@ def test_frame_memory_is_bounded() -> None:
 
 @dataclass
 class E:
+    """A TOC entry, as far as the merge reads one."""
+
     name: str
     type: str = "reg"
     link: str = ""
     mode: int = 0o644
+    uid: int = 0
+    gid: int = 0
+    mtime_ns: int = 0
+    xattrs: dict | None = None
 
 
 def _paths(tree) -> dict[str, tuple[int, str]]:
@@ -106,8 +112,10 @@ def test_merge_hardlinks_share_content_and_inode_across_layers() -> None:
     a, b, c = (tree.lookup(p) for p in ("a", "b", "c"))
     assert a.ino == b.ino == c.ino and a.nlink == 3
     assert c.data is a and c.data.layer == 0
-    with pytest.raises(MergeError, match="no such file"):
-        merge_layers([[E("x", "hardlink", link="missing")]])
+    broken = merge_layers([[E("x", "hardlink", link="missing"), E("y")]])
+    assert broken.lookup("x") is None and broken.lookup("y") is not None  # the rest stays
+    assert broken.problems == ["layer 0: member 'x' left out: hardlink to 'missing': no such "
+                               "file in this or a lower layer"]
 
 
 def test_merge_modes() -> None:

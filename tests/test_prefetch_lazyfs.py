@@ -112,8 +112,9 @@ def _reference(layers: list[bytes], root: Path) -> None:
                     continue
                 if target.exists() or target.is_symlink():
                     target.unlink()
-                if m.islnk():
+                if m.islnk():  # containerd applies the link's header to the inode
                     os.link(root / m.linkname, target)
+                    os.chmod(target, m.mode)
                 elif m.issym():
                     os.symlink(m.linkname, target)
                 else:

@@ -417,3 +417,19 @@ def test_config_errors_name_the_key(tmp_path):
     assert proc.returncode == 2
     assert "restart.max_restarts" in proc.stderr
 
+
+
+def test_a_handed_over_cache_naming_another_directory_stops_the_start(tmp_path):
+    """BOOTSEER_CKPT_CACHE is what run hands its command, not a setting (earlier versions of
+    warmup read it): one naming another directory than ckpt.cache_dir would fill one cache
+    while the job reads the other, so the start is refused, naming the setting to use."""
+    marker, cache = tmp_path / "marker", tmp_path / "cache"
+    proc = run_wrapper(tmp_path / "trace", "--ckpt-url", str(tmp_path / "store"),
+                       "--ckpt-cache-dir", str(cache), command=child("touch", marker),
+                       env={"BOOTSEER_CKPT_CACHE": str(tmp_path / "old-cache")})
+    assert proc.returncode == 2 and not marker.exists()
+    assert f"BOOTSEER_CKPT_CACHE={tmp_path / 'old-cache'} is what `bootseer run` hands" in \
+        proc.stderr
+    assert f"ckpt.cache_dir = '{cache}' (flag --ckpt-cache-dir)" in proc.stderr
+    assert "set BOOTSEER_CKPT_CACHE_DIR" in proc.stderr and "Traceback" not in proc.stderr
+    assert not cache.exists() and not (tmp_path / "old-cache").exists()

@@ -36,10 +36,10 @@ def _command(root: Path) -> list[str]:
 
 
 @pytest.fixture
-def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path / "state"
-    monkeypatch.setenv("BOOTSEER_STATE_DIR", str(directory))
-    return directory
+def state(tmp_path: Path) -> Path:
+    """The node's state directory, given to every capture call (the library reads no
+    environment variable for it)."""
+    return tmp_path / "state"
 
 
 def _snapshot(root: Path) -> dict[str, tuple]:
@@ -58,7 +58,7 @@ def _snapshot(root: Path) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("store_kind", ["local", "s3"])
 def test_capture_build_then_replay_on_another_node(tmp_path: Path, state: Path, store_kind,
-                                                   request, monkeypatch) -> None:
+                                                   request) -> None:
     root = tmp_path / "node1" / "tool"
     _host(root)
     if store_kind == "local":
@@ -66,22 +66,24 @@ def test_capture_build_then_replay_on_another_node(tmp_path: Path, state: Path, 
     else:
         bucket, s3_options = request.getfixturevalue("s3_bucket")
         store, options = f"s3://{bucket}/envs", {"s3": s3_options}
-    built = ensure_capture([str(root)], _command(root), store=store, storage_options=options)
+    built = ensure_capture([str(root)], _command(root), store=store, storage_options=options,
+                           state_dir=state)
     assert built.outcome == "built"
     expected = _snapshot(root)
     assert "old" not in expected and expected["keep"][1] == b"changed\n"
 
-    again = ensure_capture([str(root)], _command(root), store=store, storage_options=options)
+    again = ensure_capture([str(root)], _command(root), store=store, storage_options=options,
+                           state_dir=state)
     assert again.outcome == "verified"
 
     # Another node: same paths, original state, no local record. The command must not run.
     state_two = tmp_path / "state2"
-    monkeypatch.setenv("BOOTSEER_STATE_DIR", str(state_two))
     moved = tmp_path / "node1-built"
     root.rename(moved)
     _host(root)
     replayed = ensure_capture([str(root)], ["sh", "-c", "exit 99"], store=store,
-                              storage_options=options, key=built_key(built, root))
+                              storage_options=options, key=built_key(built, root),
+                              state_dir=state_two)
     assert replayed.outcome == "restored"
     replayed_tree, built_tree = _snapshot(root), _snapshot(moved)
     # "untouched" was made by each node itself (its own mtime); everything else is the build's.
@@ -91,7 +93,7 @@ def test_capture_build_then_replay_on_another_node(tmp_path: Path, state: Path, 
     blob, twin = root / "share/data/blob", root / "share/data/blob-hardlink"
     assert blob.stat().st_ino == twin.stat().st_ino
     assert (root / "untouched").read_text() == "same on every node\n"
-    assert verify_capture(built.key)
+    assert verify_capture(built.key, state_two)
     assert not [p for p in root.parent.iterdir() if "bootseer-capture" in p.name]
 
 
@@ -106,20 +108,21 @@ def built_key(result, root: Path):
 def test_capture_detects_changes_after_replay(tmp_path: Path, state: Path) -> None:
     root = tmp_path / "tool"
     _host(root)
-    built = ensure_capture([str(root)], _command(root), store=str(tmp_path / "store"))
+    built = ensure_capture([str(root)], _command(root), store=str(tmp_path / "store"),
+                           state_dir=state)
     (root / "bin" / "tool").write_text("tampered\n")
-    assert not verify_capture(built.key)
-    again = ensure_capture([str(root)], _command(root), store=str(tmp_path / "store"))
+    assert not verify_capture(built.key, state)
+    again = ensure_capture([str(root)], _command(root), store=str(tmp_path / "store"),
+                           state_dir=state)
     assert again.outcome == "restored"
     assert b"tool-ok" in (root / "bin" / "tool").read_bytes()
 
 
-def test_replay_refuses_members_outside_the_callers_paths(tmp_path: Path, state: Path,
-                                                         monkeypatch) -> None:
+def test_replay_refuses_members_outside_the_callers_paths(tmp_path: Path, state: Path) -> None:
     root = tmp_path / "tool"
     _host(root)
     store = tmp_path / "store"
-    built = ensure_capture([str(root)], _command(root), store=str(store))
+    built = ensure_capture([str(root)], _command(root), store=str(store), state_dir=state)
     # Forge the manifest: it now claims to be a capture of root/bin only, but its members
     # still cover root/share and root/keep.
     narrow = str(root / "bin")
@@ -127,7 +130,6 @@ def test_replay_refuses_members_outside_the_callers_paths(tmp_path: Path, state:
     data = json.loads(manifest_path.read_text())
     data["capture"]["roots"] = [narrow]
     manifest_path.write_text(json.dumps(data))
-    monkeypatch.setenv("BOOTSEER_STATE_DIR", str(tmp_path / "state2"))
     from snapshot.capture import replay
     from snapshot.store import SnapshotStore
 
@@ -135,20 +137,19 @@ def test_replay_refuses_members_outside_the_callers_paths(tmp_path: Path, state:
     manifest = snapshots.require_manifest(built.key)
     before = _snapshot(root)
     with pytest.raises(UnsafeMemberError, match="outside the capture paths"):
-        replay(snapshots, manifest, [narrow])
+        replay(snapshots, manifest, [narrow], state_dir=tmp_path / "state2")
     assert _snapshot(root) == before
     # And the caller's paths must be the ones captured.
     with pytest.raises(SnapshotError, match="captured"):
-        replay(snapshots, manifest, [str(root)])
+        replay(snapshots, manifest, [str(root)], state_dir=tmp_path / "state2")
 
 
-def test_replay_never_follows_a_host_symlink(tmp_path: Path, state: Path, monkeypatch) -> None:
+def test_replay_never_follows_a_host_symlink(tmp_path: Path, state: Path) -> None:
     root = tmp_path / "tool"
     _host(root)
     store = str(tmp_path / "store")
-    built = ensure_capture([str(root)], _command(root), store=store)
+    built = ensure_capture([str(root)], _command(root), store=store, state_dir=state)
     # Another node where root/share is a symlink to a directory outside the root.
-    monkeypatch.setenv("BOOTSEER_STATE_DIR", str(tmp_path / "state2"))
     outside = tmp_path / "outside"
     outside.mkdir()
     (tmp_path / "old-root").mkdir()
@@ -157,7 +158,7 @@ def test_replay_never_follows_a_host_symlink(tmp_path: Path, state: Path, monkey
     (root / "share").symlink_to(outside)
     with pytest.raises(SnapshotError, match="never followed"):
         ensure_capture([str(root)], ["sh", "-c", "exit 99"], store=store,
-                       key=built_key(built, root))
+                       key=built_key(built, root), state_dir=tmp_path / "state2")
     assert list(outside.iterdir()) == []
     assert (root / "old" / "f").read_text() == "old\n"  # refused before any change
     assert (root / "keep").read_text() == "keep\n"
@@ -165,16 +166,18 @@ def test_replay_never_follows_a_host_symlink(tmp_path: Path, state: Path, monkey
 
 def test_capture_paths_are_checked(tmp_path: Path, state: Path) -> None:
     with pytest.raises(SnapshotError, match="not allowed"):
-        ensure_capture(["/"], ["true"], store=None)
+        ensure_capture(["/"], ["true"], store=None, state_dir=state)
     with pytest.raises(SnapshotError, match="overlap"):
-        ensure_capture([str(tmp_path), str(tmp_path / "a")], ["true"], store=None)
+        ensure_capture([str(tmp_path), str(tmp_path / "a")], ["true"], store=None,
+                       state_dir=state)
 
 
 def test_capture_without_a_store_runs_the_setup_and_records_it(tmp_path: Path,
                                                                state: Path) -> None:
     root = tmp_path / "tool"
     _host(root)
-    result = ensure_capture([str(root)], _command(root), store=None)
+    result = ensure_capture([str(root)], _command(root), store=None, state_dir=state)
     assert result.outcome == "installed-locally"
     assert (root / "bin" / "tool").exists()
-    assert ensure_capture([str(root)], _command(root), store=None).outcome == "verified"
+    assert ensure_capture([str(root)], _command(root), store=None,
+                          state_dir=state).outcome == "verified"

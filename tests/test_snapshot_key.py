@@ -27,11 +27,6 @@ from snapshot.key import (
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _no_base_image_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(keymod.BASE_IMAGE_ENV, raising=False)
-
-
 def write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -258,16 +253,30 @@ def test_other_inputs_change_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert key_of(req) != base
 
 
-def test_base_image_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_base_image_comes_from_the_caller_or_the_config_never_the_library_env(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     req = write(tmp_path / "requirements.txt", "torch==2.13.0\n")
     digest = "registry.example/train@sha256:" + "a" * 64
     assert compute_key([req]).inputs["base_image"] is None
     flagged = compute_key([req], base_image=digest)
-    monkeypatch.setenv(keymod.BASE_IMAGE_ENV, digest)
-    from_env = compute_key([req])
-    assert from_env.inputs["base_image"] == digest
-    assert from_env.key == flagged.key
+    assert flagged.inputs["base_image"] == digest
+    for name in ("BOOTSEER_BASE_IMAGE", "BOOTSEER_ENV_BASE_IMAGE"):  # the library reads neither
+        monkeypatch.setenv(name, digest)
+        assert compute_key([req]).inputs["base_image"] is None
+        monkeypatch.delenv(name)
     assert compute_key([req], base_image="other").inputs["base_image"] == "other"
+
+    # bootseer passes the key env.base_image: its variable, or its flag, gives the same key.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BOOTSEER_")}
+    argv = [sys.executable, "-m", "bootseer", "env", "key", "--spec", str(req), "--json"]
+    by_var = subprocess.run(argv, capture_output=True, text=True, check=True,
+                            env={**env, "BOOTSEER_ENV_BASE_IMAGE": digest})
+    by_flag = subprocess.run([*argv, "--base-image", digest], capture_output=True, text=True,
+                             check=True, env=env)
+    assert json.loads(by_var.stdout)["key"] == json.loads(by_flag.stdout)["key"] == flagged.key
+    old = subprocess.run(argv, capture_output=True, text=True,
+                         env={**env, "BOOTSEER_BASE_IMAGE": digest})
+    assert old.returncode == 2 and "use BOOTSEER_ENV_BASE_IMAGE" in old.stderr
 
 
 def test_python_identity_fields_and_errors(tmp_path: Path) -> None:

@@ -324,10 +324,10 @@ def test_only_the_declared_bytes_of_an_object_are_fetched(target: Target) -> Non
 # -- high: capture replay never deletes through a symlink -------------------------------------
 
 @pytest.fixture
-def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path / "state"
-    monkeypatch.setenv("BOOTSEER_STATE_DIR", str(directory))
-    return directory
+def state(tmp_path: Path) -> Path:
+    """The node's state directory, given to every capture call (never an environment
+    variable: the library reads none)."""
+    return tmp_path / "state"
 
 
 def rel(path: Path) -> str:
@@ -358,19 +358,19 @@ def test_replay_never_deletes_through_a_symlink(tmp_path: Path, state: Path, wha
         link.symlink_to(canary.root)
     else:  # a link is data: an earlier snapshot may plant one, pointing anywhere
         first = publish_capture(store, root, [("l", rel(link), str(canary.root))], [])
-        replay(store, first, [str(root)])
+        replay(store, first, [str(root)], state_dir=state)
         assert os.readlink(link) == str(canary.root)
     before = scan(root, exclude=())
     target = f"{rel(link)}/{DELETIONS[what]}"
     manifest = publish_capture(store, root, [("f", rel(root / "new.txt"), b"new\n")], [target])
     with pytest.raises(UnsafeMemberError) as caught:
-        replay(store, manifest, [str(root)])
+        replay(store, manifest, [str(root)], state_dir=state)
     assert caught.value.member == target
     assert "symlink" in caught.value.rule and "never followed" in caught.value.rule
     assert rel(link) in caught.value.rule
     canary.assert_unchanged()
     assert scan(root, exclude=()) == before  # refused before anything changed
-    assert not verify_capture(manifest.key)
+    assert not verify_capture(manifest.key, state)
 
 
 def test_replay_deletes_a_listed_symlink_itself_not_its_target(tmp_path: Path,
@@ -384,23 +384,21 @@ def test_replay_deletes_a_listed_symlink_itself_not_its_target(tmp_path: Path,
     (root / "old" / "f").write_text("old\n")
     manifest = publish_capture(store, root, [("f", rel(root / "new.txt"), b"new\n")],
                                [rel(root / "sub" / "to-tree"), rel(root / "old")])
-    replay(store, manifest, [str(root)])
+    replay(store, manifest, [str(root)], state_dir=state)
     assert not os.path.lexists(root / "sub" / "to-tree") and not (root / "old").exists()
     assert (root / "new.txt").read_text() == "new\n"
     canary.assert_unchanged()
 
 
-def test_capture_paths_may_not_hold_the_state_dir(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_capture_paths_may_not_hold_the_state_dir(tmp_path: Path) -> None:
     """The replay's record is bootseer's state: no snapshot member may reach it."""
     canary = Canary.plant(tmp_path / "canary")
     root = tmp_path / "host" / "tool"
     root.mkdir(parents=True)
-    monkeypatch.setenv("BOOTSEER_STATE_DIR", str(root / "state"))
     store = SnapshotStore(str(tmp_path / "store"))
     manifest = publish_capture(store, root, [("l", rel(root / "state"), str(canary.root))], [])
     with pytest.raises(SnapshotError, match="state directory"):
-        replay(store, manifest, [str(root)])
+        replay(store, manifest, [str(root)], state_dir=root / "state")
     canary.assert_unchanged()
     assert list(root.iterdir()) == []
 
@@ -415,7 +413,7 @@ def test_the_capture_record_is_never_written_through_a_link(tmp_path: Path,
     root.mkdir(parents=True)
     manifest = publish_capture(store, root, [("f", rel(root / "new.txt"), b"new\n")], [])
     with pytest.raises(SnapshotError, match="never written through"):
-        replay(store, manifest, [str(root)])
+        replay(store, manifest, [str(root)], state_dir=state)
     canary.assert_unchanged()
 
 

@@ -292,11 +292,45 @@ def test_options_through_url_storage_options_and_per_call(tmp_path):
         assert f.read() == payload(100_000)
 
 
-def test_env_overrides_defaults(monkeypatch):
+PRECEDENCE = """
+import json, fsspec
+from striped_fs.urls import url_to_fs
+fs, _ = url_to_fs("memory://x")
+opts, _ = url_to_fs("memory://x", {"striped": {"stripe_size": "2MiB"}})
+call, _ = url_to_fs("memory://x", {"striped": {"stripe_size": "2MiB"}}, stripe_size="4MiB")
+print(json.dumps([fs.options.stripe_size, fs.options.concurrency, opts.options.stripe_size,
+                  opts.options.concurrency, call.options.stripe_size,
+                  call._opts({"stripe_size": "8KiB"}).stripe_size]))
+"""
+
+
+def test_stripe_options_precedence_in_one_place():
+    """default < fsspec's configuration (FSSPEC_STRIPED_*, read by fsspec, never by
+    striped_fs) < storage options < explicit/per-call arguments (docs/striped_fs.md)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FSSPEC_", "BOOTSEER_STRIPE"))}
+    plain = subprocess.run([sys.executable, "-c", PRECEDENCE], env=env, capture_output=True,
+                           text=True, check=True)
+    assert json.loads(plain.stdout) == [8 << 20, 16, 2 << 20, 16, 4 << 20, 8 << 10]
+    env.update(FSSPEC_STRIPED_STRIPE_SIZE="1MiB", FSSPEC_STRIPED_CONCURRENCY="3")
+    configured = subprocess.run([sys.executable, "-c", PRECEDENCE], env=env, capture_output=True,
+                                text=True, check=True)
+    assert json.loads(configured.stdout) == [1 << 20, 3, 2 << 20, 3, 4 << 20, 8 << 10]
+
+
+def test_retired_stripe_variables_are_refused_by_name(monkeypatch):
     monkeypatch.setenv("BOOTSEER_STRIPE_SIZE", "1MiB")
+    with pytest.raises(OptionError, match="BOOTSEER_STRIPE_SIZE is no longer read: set "
+                                          "FSSPEC_STRIPED_STRIPE_SIZE"):
+        StripedFileSystem(target_protocol="memory", skip_instance_cache=True)
+    monkeypatch.delenv("BOOTSEER_STRIPE_SIZE")
     monkeypatch.setenv("BOOTSEER_STRIPE_CONCURRENCY", "3")
-    fs = StripedFileSystem(target_protocol="memory", skip_instance_cache=True)
-    assert (fs.options.stripe_size, fs.options.concurrency) == (1 << 20, 3)
+    with pytest.raises(OptionError, match="set FSSPEC_STRIPED_CONCURRENCY"):
+        StripedFileSystem(target_protocol="memory", skip_instance_cache=True)
 
 
 def test_xb_refuses_existing(sfs):

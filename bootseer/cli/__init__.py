@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from striped_fs.redact import install_log_redaction, protect_process
+from striped_fs.redact import install_log_redaction, protect_process, register_options
 
 from .. import __version__
 from . import ckpt as ckpt_cmd
@@ -75,6 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     from snapshot.errors import SnapshotError
 
     try:
+        from ..config import config_from_args
+
+        # Every command checks the configuration file and the BOOTSEER_* variables, and reads
+        # its settings from the result: one resolution for all of them.
+        args.cfg = config_from_args(args)
+        register_options(args.cfg.storage.options)  # a config file's secrets: never printed
         code = args.func(args)
     except (CliError, SnapshotError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError,
             OSError) as exc:

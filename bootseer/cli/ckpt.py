@@ -6,7 +6,6 @@ import argparse
 import functools
 import json
 import logging
-import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -103,20 +102,13 @@ def _person_facing(fn: Callable[[argparse.Namespace], int]) -> Callable[[argpars
 
 
 def _options_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--storage-options", default=os.environ.get("BOOTSEER_STORAGE_OPTIONS"),
-                   metavar="JSON",
-                   help='fsspec options by protocol, e.g. \'{"s3": {"endpoint_url": "http://127.0.0.1:9000"}}\' '
-                        "(env BOOTSEER_STORAGE_OPTIONS)")
+    from ..config import add_config_arguments
+
+    add_config_arguments(p, ("storage",))
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    try:
-        options = json.loads(args.storage_options) if args.storage_options else {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--storage-options is not valid JSON: {exc}") from None
-    if not isinstance(options, dict):
-        raise ValueError('--storage-options must be a JSON object keyed by protocol, e.g. {"s3": {...}}')
-    return options
+    return args.cfg.storage.options
 
 
 def _manager(args: argparse.Namespace, url: str | None = None) -> CheckpointManager:

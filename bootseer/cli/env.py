@@ -3,6 +3,10 @@
 The line for a container entrypoint::
 
     bootseer env ensure --spec requirements.txt --prefix /opt/venv --store s3://bucket/envs
+
+The settings are the configuration's ``[env]`` keys, as ``bootseer run`` reads them (file,
+``BOOTSEER_ENV_*``, flags); inside ``bootseer env`` their flags may drop the ``env-`` prefix
+(``--store`` is ``--env-store``).
 """
 
 from __future__ import annotations
@@ -10,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import sys
 import time
@@ -18,9 +21,10 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
+from ..config import add_config_arguments
 from ..progress import ByteProgress, human_bytes
 from .errors import CliError
-from .options import parse_storage_options, trailing_command
+from .options import trailing_command
 
 log = logging.getLogger("bootseer")
 
@@ -42,8 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Hit: restore the snapshot (or only verify, when the prefix already holds "
                     "it). Miss: install (a venv at --prefix with uv when present, else pip, or "
                     "the command after --), pack and publish. With --capture, snapshot what a "
-                    "setup command changes under those paths, and replay it.")
-    _key_args(ensure)
+                    "setup command changes under those paths, and replay it (env.spec and "
+                    "env.prefix of the file or environment are then not used).")
+    _key_args(ensure, _TARGET_KEYS)
     _target_args(ensure)
     ensure.add_argument("--lease", type=float, default=60.0, metavar="SECONDS",
                         help="a builder that stops renewing its lease this long is replaced")
@@ -53,14 +58,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     create = env_sub.add_parser("create", help="build and publish, even if the store has it "
                                                "(replaces nothing there: the first wins)")
-    _key_args(create)
+    _key_args(create, _TARGET_KEYS)
     _target_args(create)
     create.set_defaults(func=cmd_create)
 
     restore = env_sub.add_parser("restore", help="restore a snapshot by key")
     restore.add_argument("key", help="the key, as `bootseer env key` or `ls` prints it")
-    restore.add_argument("--prefix", required=True, help="where the environment goes")
-    _store_arg(restore)
+    _config_args(restore, ("env.prefix", "env.store", "storage"))
     restore.add_argument("--force", action="store_true",
                          help="restore to another prefix even if binaries embed the old one")
     restore.add_argument("--replace", action="store_true",
@@ -75,29 +79,39 @@ def register(sub: argparse._SubParsersAction) -> None:
     verify.set_defaults(func=cmd_verify)
 
     ls = env_sub.add_parser("ls", help="snapshots in a store")
-    _store_arg(ls)
+    _config_args(ls, _STORE_KEYS)
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=cmd_ls)
 
     rm = env_sub.add_parser("rm", help="delete snapshots")
     rm.add_argument("keys", nargs="+", metavar="KEY")
-    _store_arg(rm)
+    _config_args(rm, _STORE_KEYS)
     rm.set_defaults(func=cmd_rm)
 
     gc = env_sub.add_parser("gc", help="delete old snapshots and leftovers of dead publishers")
-    _store_arg(gc)
+    _config_args(gc, _STORE_KEYS)
     gc.add_argument("--older-than", required=True, metavar="AGE",
                     help="e.g. 3600, 90m, 12h, 14d")
     gc.add_argument("--dry-run", action="store_true", help="list, delete nothing")
     gc.set_defaults(func=cmd_gc)
 
 
-def _key_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec", action="append", default=[], metavar="FILE",
-                   help="requirements.txt, pyproject.toml or uv.lock (repeatable)")
+#: The short spellings of the [env] keys' flags inside `bootseer env`.
+SHORT = {"env.spec": "--spec", "env.prefix": "--prefix", "env.store": "--store",
+         "env.base_image": "--base-image"}
+_KEY_KEYS = ("env.spec", "env.base_image")
+_TARGET_KEYS = ("state", "env.spec", "env.base_image", "env.prefix", "env.store", "env.uv",
+                "storage")
+_STORE_KEYS = ("env.store", "storage")
+
+
+def _config_args(p: argparse.ArgumentParser, keys: tuple[str, ...]) -> None:
+    add_config_arguments(p, keys, short=SHORT)
+
+
+def _key_args(p: argparse.ArgumentParser, keys: tuple[str, ...] = _KEY_KEYS) -> None:
+    _config_args(p, keys)
     p.add_argument("--python", help="interpreter to build with (default: this one)")
-    p.add_argument("--base-image", default=None,
-                   help="base image digest (default: env BOOTSEER_BASE_IMAGE)")
     p.add_argument("--extra", action="append", default=[], metavar="NAME=VALUE",
                    help="another input of the key, e.g. cuda=12.4 (repeatable)")
     p.add_argument("--capture", action="append", default=[], metavar="PATH",
@@ -109,8 +123,6 @@ def _key_args(p: argparse.ArgumentParser) -> None:
 
 
 def _target_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefix", help="where the environment lives (not with --capture)")
-    _store_arg(p)
     p.add_argument("--installer", choices=("auto", "uv", "pip"), default="auto",
                    help="default install: uv when present (auto), or force one")
     p.add_argument("--force", action="store_true",
@@ -120,36 +132,50 @@ def _target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def _store_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", default=os.environ.get("BOOTSEER_ENV_STORE"),
-                   help="snapshot store: path or URL, e.g. s3://bucket/envs "
-                        "(env BOOTSEER_ENV_STORE)")
-    p.add_argument("--storage-options", default=os.environ.get("BOOTSEER_STORAGE_OPTIONS"),
-                   metavar="JSON",
-                   help='fsspec options by protocol, e.g. \'{"s3": {"endpoint_url": '
-                        '"http://127.0.0.1:9000"}}\' (env BOOTSEER_STORAGE_OPTIONS)')
-
-
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    return parse_storage_options(args.storage_options)
+    return args.cfg.storage.options
 
 
 def _command(args: argparse.Namespace) -> list[str] | None:
     return trailing_command(args)
 
 
+def _store(args: argparse.Namespace) -> str | None:
+    return args.cfg.env.store or None
+
+
 def _require_store(args: argparse.Namespace) -> str:
-    if not args.store:
-        raise CliError("no snapshot store: pass --store URL or set BOOTSEER_ENV_STORE")
-    return args.store
+    store = _store(args)
+    if not store:
+        raise CliError("no snapshot store: pass --store URL or set BOOTSEER_ENV_STORE "
+                       "(env.store)")
+    return store
+
+
+def _flagged(args: argparse.Namespace, key: str) -> bool:
+    return args.cfg.source(key).startswith("flag ")
+
+
+def _spec(args: argparse.Namespace) -> list[str]:
+    """env.spec; in capture mode only as given on the command line (the file's [env] is the
+    job's environment, not a capture's)."""
+    if getattr(args, "capture", None) and not _flagged(args, "env.spec"):
+        return []
+    return args.cfg.env.spec
+
+
+def _prefix(args: argparse.Namespace) -> str:
+    if getattr(args, "capture", None) and not _flagged(args, "env.prefix"):
+        return ""
+    return args.cfg.env.prefix
 
 
 def _env_key(args: argparse.Namespace):
     from snapshot.key import compute_key, parse_extras
 
-    return compute_key(args.spec, _command(args), python=args.python,
-                       base_image=args.base_image, extras=parse_extras(args.extra),
-                       capture=args.capture)
+    return compute_key(_spec(args), _command(args), python=args.python,
+                       base_image=args.cfg.env.base_image or None,
+                       extras=parse_extras(args.extra), capture=args.capture)
 
 
 def cmd_key(args: argparse.Namespace) -> int:
@@ -163,14 +189,14 @@ def cmd_key(args: argparse.Namespace) -> int:
 
 def _check_target(args: argparse.Namespace) -> None:
     if args.capture:
-        if args.prefix:
+        if _prefix(args):
             raise CliError("--capture and --prefix exclude each other: a capture replays "
                            "changes under its paths")
         if not _command(args):
             raise CliError("--capture needs the setup command after --")
-    elif not args.prefix:
-        raise CliError("--prefix is required (where the environment lives)")
-    if not args.spec and not _command(args):
+    elif not _prefix(args):
+        raise CliError("--prefix is required (where the environment lives; env.prefix)")
+    if not _spec(args) and not _command(args):
         raise CliError("nothing to install: pass --spec FILE, or the install command after --")
 
 
@@ -180,15 +206,17 @@ def cmd_ensure(args: argparse.Namespace) -> int:
     if args.capture:
         from snapshot.capture import ensure_capture
 
-        result = ensure_capture(args.capture, _command(args), store=args.store,
-                                storage_options=_options(args), key=env_key)
+        result = ensure_capture(args.capture, _command(args), store=_store(args),
+                                storage_options=_options(args), key=env_key,
+                                state_dir=args.cfg.state.dir)
     else:
         from snapshot.ensure import ensure
 
-        with ByteProgress(f"env {env_key.key[:12]} -> {args.prefix}") as progress:
-            result = ensure(args.spec, prefix=args.prefix, store=args.store,
+        prefix = _prefix(args)
+        with ByteProgress(f"env {env_key.key[:12]} -> {prefix}") as progress:
+            result = ensure(_spec(args), prefix=prefix, store=_store(args),
                             command=_command(args), installer=args.installer,
-                            force=args.force, replace=args.replace,
+                            uv=args.cfg.env.uv or None, force=args.force, replace=args.replace,
                             storage_options=_options(args), lease_s=args.lease,
                             wait_timeout_s=args.wait_timeout, progress=progress, key=env_key)
     _report(result, args.json)
@@ -203,13 +231,14 @@ def cmd_create(args: argparse.Namespace) -> int:
         from snapshot.capture import ensure_capture
 
         result = ensure_capture(args.capture, _command(args), store=store,
-                                storage_options=_options(args), key=env_key, rebuild=True)
+                                storage_options=_options(args), key=env_key, rebuild=True,
+                                state_dir=args.cfg.state.dir)
     else:
         from snapshot.ensure import create
 
-        result = create(args.spec, prefix=args.prefix, store=store, command=_command(args),
-                        installer=args.installer, replace=args.replace,
-                        storage_options=_options(args), key=env_key)
+        result = create(_spec(args), prefix=_prefix(args), store=store, command=_command(args),
+                        installer=args.installer, uv=args.cfg.env.uv or None,
+                        replace=args.replace, storage_options=_options(args), key=env_key)
     _report(result, args.json)
     return 0
 
@@ -236,9 +265,12 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from snapshot.restore import restore
     from snapshot.store import SnapshotStore
 
+    prefix = args.cfg.env.prefix
+    if not prefix:
+        raise CliError("--prefix is required (where the environment goes; env.prefix)")
     store = SnapshotStore(_require_store(args), _options(args))
-    with ByteProgress(f"restore {args.key[:12]} -> {args.prefix}") as progress:
-        result = restore(store, args.key, args.prefix, force=args.force, replace=args.replace,
+    with ByteProgress(f"restore {args.key[:12]} -> {prefix}") as progress:
+        result = restore(store, args.key, prefix, force=args.force, replace=args.replace,
                          fsync=args.fsync, progress=progress)
     print(f"restored {result.key} to {result.prefix}: {result.files} files, "
           f"{human_bytes(result.bytes)} in {result.seconds:.2f}s", file=sys.stderr)
@@ -270,7 +302,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                            "capture": m.capture.get("roots")} for m in manifests], indent=1))
         return 0
     if not manifests:
-        print(f"no snapshots in {args.store}")
+        print(f"no snapshots in {_store(args)}")
         return 0
     print(f"{'KEY':40}  {'CREATED':19}  {'FILES':>7}  {'SIZE':>10}  {'STORED':>10}  WHAT")
     for m in manifests:

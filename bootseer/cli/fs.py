@@ -11,10 +11,10 @@ from typing import Any
 from striped_fs.redact import redact
 from striped_fs.urls import split_credentials, url_to_fs
 
+from ..config import add_config_arguments
 from ..progress import ByteProgress, human_bytes
 from .errors import CliError, naming_the_store
 from .mounts import start_background_mount
-from .options import parse_storage_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -65,14 +65,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _stripe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stripe-size", help="bytes per stripe, e.g. 8MiB (default 8MiB)")
     p.add_argument("--concurrency", type=int, help="parallel streams (default 16)")
-    p.add_argument("--storage-options", default=os.environ.get("BOOTSEER_STORAGE_OPTIONS"),
-                   metavar="JSON",
-                   help='fsspec options by protocol, e.g. \'{"s3": {"endpoint_url": "http://127.0.0.1:9000"}}\' '
-                        "(env BOOTSEER_STORAGE_OPTIONS)")
+    add_config_arguments(p, ("storage",))
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    return parse_storage_options(args.storage_options)
+    return args.cfg.storage.options
 
 
 def _fs(args: argparse.Namespace, url: str):

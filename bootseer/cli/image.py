@@ -23,20 +23,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..config import add_config_arguments
 from ..progress import human_bytes
 from .errors import CliError
 from .mounts import start_background_mount
 
 log = logging.getLogger("bootseer")
 
+#: The [image] keys of commands that open an image (its block cache: image.cache, by default
+#: <state.dir>/images, the cache `bootseer warmup` fills); `--cache` is `--image-cache`.
+_OPEN_KEYS = ("state", "image.cache", "image.platform", "image.connections")
+_SHORT = {"image.cache": "--cache"}
 
-def default_cache() -> str:
-    explicit = os.environ.get("BOOTSEER_IMAGE_CACHE")
-    if explicit:
-        return explicit
-    if os.geteuid() == 0:
-        return "/var/lib/bootseer/images"
-    return str(Path.home() / ".cache" / "bootseer" / "images")
+
+def _platform_arg(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p, ("image.platform",))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                  "format and push it (idempotent)")
     convert.add_argument("src")
     convert.add_argument("dst")
-    convert.add_argument("--platform", default="linux/amd64")
+    _platform_arg(convert)
     convert.add_argument("--frame-size", type=int, default=None, help="bytes (default 1 MiB)")
     convert.add_argument("--level", type=int, default=None, help="zstd level (default 9)")
     convert.set_defaults(func=cmd_convert)
@@ -92,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                "that its lazy view equals a plain unpack (every "
                                                "frame, every TOC entry against its tar header)")
     verify.add_argument("ref")
-    verify.add_argument("--platform", default="linux/amd64")
+    _platform_arg(verify)
     verify.set_defaults(func=cmd_verify)
 
     pull = img_sub.add_parser("pull", help="put an image into containerd through a "
@@ -104,15 +105,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     pull.add_argument("--namespace", default="default", help="containerd namespace")
     pull.add_argument("--snapshotter", default="bootseer",
                       help="the proxy plugin's name in containerd's config (default bootseer)")
-    pull.add_argument("--platform", default="linux/amd64")
+    _platform_arg(pull)
     pull.set_defaults(func=cmd_pull)
 
 
 def _open_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cache", default=default_cache(),
-                   help="node-local block cache (env BOOTSEER_IMAGE_CACHE)")
-    p.add_argument("--platform", default="linux/amd64")
-    p.add_argument("--connections", type=int, default=16)
+    add_config_arguments(p, _OPEN_KEYS, short=_SHORT)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -123,7 +121,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         options["frame_size"] = args.frame_size
     if args.level:
         options["level"] = args.level
-    result = convert_image(args.src, args.dst, platform=args.platform, **options)
+    result = convert_image(args.src, args.dst, platform=args.cfg.image.platform, **options)
     verb = "converted" if result.converted else "already converted"
     print(f"{verb} {args.src} -> {args.dst} ({result.digest}): {result.layers} layer(s), "
           f"{human_bytes(result.size_before)} -> {human_bytes(result.size_after)} in "
@@ -134,8 +132,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def _open(args: argparse.Namespace, *, record: bool = False):
     from prefetch.image import open_image
 
-    return open_image(args.ref, args.cache, platform=args.platform,
-                      connections=args.connections, record=record)
+    image = args.cfg.image
+    return open_image(args.ref, image.cache, platform=image.platform,
+                      connections=image.connections, record=record)
 
 
 def _start_prefetch(image: Any, everything: bool = False) -> str:
@@ -188,9 +187,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _mount_in_background(args: argparse.Namespace) -> int:
+    image = args.cfg.image
     argv = [sys.executable, "-m", "bootseer", "-v", "image", "mount", args.ref, args.mountpoint,
-            "--foreground", "--cache", args.cache, "--platform", args.platform,
-            "--connections", str(args.connections)]
+            "--foreground", "--image-cache", image.cache, "--platform", image.platform,
+            "--connections", str(image.connections)]
     if args.no_prefetch:
         argv.append("--no-prefetch")
     if args.stats:
@@ -258,7 +258,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
             raise CliError("prefetch did not finish")
         s = image.lazy.fetcher.report()
         print(f"prefetched {s.prefetched} frame(s), {human_bytes(s.bytes_fetched)} in "
-              f"{time.monotonic() - started:.1f}s into {args.cache}")
+              f"{time.monotonic() - started:.1f}s into {args.cfg.image.cache}")
         if s.failures:
             raise CliError(f"{s.failures} range request(s) failed; see the log")
     finally:
@@ -269,7 +269,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from prefetch.image import verify_image
 
-    r = verify_image(args.ref, platform=args.platform)
+    r = verify_image(args.ref, platform=args.cfg.image.platform)
     print(f"verified {args.ref} ({r.digest}): {r.layers} layer(s), {r.frames} frame(s), "
           f"{r.members} member(s), {human_bytes(r.bytes)} in {r.seconds:.1f}s: the lazy view "
           "equals a plain unpack")
@@ -280,7 +280,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from prefetch.containerd.pull import pull_image
 
     result = pull_image(args.ref, args.address, namespace=args.namespace,
-                        snapshotter=args.snapshotter, platform=args.platform)
+                        snapshotter=args.snapshotter, platform=args.cfg.image.platform)
     print(f"pulled {result.image} ({result.manifest[:19]}) in {result.seconds:.2f} s: "
           f"{result.lazy_layers} layers lazy, {result.unpacked_layers} unpacked "
           f"({human_bytes(result.bytes_downloaded)} downloaded), {result.present_layers} "

@@ -15,7 +15,11 @@ import sys
 import threading
 
 from .errors import CliError
-from .options import parse_storage_options
+from .options import open_trace
+
+#: The keys `bootseer run` takes flags for (the file and the environment may set any key).
+RUN_KEYS = ("state", "run", "restart", "hang", "env.spec", "env.prefix", "env.store",
+            "env.base_image", "env.uv", "ckpt", "storage")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,37 +34,32 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "every phase in the startup trace.",
         epilog="example: bootseer run --config /etc/bootseer.toml -- torchrun "
                "--nproc-per-node 8 train.py")
-    add_config_arguments(run)
+    add_config_arguments(run, RUN_KEYS)
     run.set_defaults(func=cmd_run, takes_command=True)
-
-
-def _storage_options() -> dict | None:
-    return parse_storage_options(os.environ.get("BOOTSEER_STORAGE_OPTIONS"),
-                                 "BOOTSEER_STORAGE_OPTIONS") or None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     command = args.command if isinstance(args.command, list) else []
     if not command:
         raise CliError("nothing to run: bootseer run [options] -- CMD [ARGS...]")
-    from ..config import config_from_args, parse_ranks
+    from ..config import check_ckpt_cache_handoff, parse_ranks
     from ..startup import StartupPlan, run_startup
     from ..supervise import HangPolicy, RestartPolicy, Supervisor
-    from ..trace import TraceWriter, default_node
+    from ..trace import default_node
 
-    cfg = config_from_args(args)
+    cfg = args.cfg
+    if cfg.ckpt.url:  # the phase fills ckpt.cache_dir, and hands it over
+        check_ckpt_cache_handoff(cfg)
     node = cfg.run.node or default_node()
-    ckpt = cfg.ckpt
+    ckpt, env = cfg.ckpt, cfg.env
     plan = StartupPlan(
-        env_spec=list(cfg.env.spec), env_prefix=cfg.env.prefix, env_store=cfg.env.store,
+        env_spec=list(env.spec), env_prefix=env.prefix, env_store=env.store,
+        env_base_image=env.base_image, env_uv=env.uv,
         ckpt_url=ckpt.url, ckpt_cache_dir=ckpt.cache_dir,
         ranks=parse_ranks(ckpt.ranks, os.environ) if ckpt.url else [],
-        allow_fresh_start=cfg.run.allow_fresh_start, storage_options=_storage_options())
-    try:
-        trace = TraceWriter(cfg.run.trace_dir, node)
-    except OSError as exc:
-        raise CliError(f"cannot write the trace to {cfg.run.trace_dir} (run.trace_dir, "
-                       f"--trace-dir): {exc.strerror or exc}") from None
+        ckpt_connections=ckpt.connections, allow_fresh_start=cfg.run.allow_fresh_start,
+        storage_options=cfg.storage.options or None)
+    trace = open_trace(cfg)
     base_env = dict(os.environ)
 
     def before_attempt(attempt: int) -> dict[str, str]:

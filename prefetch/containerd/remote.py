@@ -39,7 +39,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ from ..image import (
     store_profile,
 )
 from ..lazyfs import Layer, LazyImage
+from ..merge import LowerDir
 from ..oci import Manifest
 from ..profile import Profile, ProfileError, Recorder, plan_prefetch
 from ..reference import Reference
@@ -328,10 +329,12 @@ class RemoteLayers:
         _write_atomic(path, tail[index.toc_offset - (size - len(tail)):])  # verified bytes only
         return index
 
-    def lazy_image(self, layers: Iterable[RemoteLayer], *, overlay: bool) -> LazyImage:
-        """The merged tree of ``layers`` (lowest first), read through the shared fetcher."""
+    def lazy_image(self, layers: Iterable[RemoteLayer], *, overlay: bool,
+                   below: Callable[[str], LowerDir | None] | None = None) -> LazyImage:
+        """The merged tree of ``layers`` (lowest first), read through the shared fetcher
+        (``overlay``, ``below``: :func:`prefetch.merge.merge_layers`)."""
         return LazyImage([Layer(layer.index, layer.blob) for layer in layers], self.fetcher,
-                         overlay=overlay)
+                         overlay=overlay, below=below)
 
     def release(self, digest: str, index_digest: str | None = None) -> int:
         """Forget a layer no snapshot uses any more: its cached frames and index go (every

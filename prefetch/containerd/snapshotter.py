@@ -33,6 +33,7 @@ the row commits and deleted after it is gone, so a crash can leave an orphan dir
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -49,7 +50,7 @@ from .errors import AlreadyExistsError, InvalidArgumentError, UnavailableError
 from .filters import parse, snapshot_adaptor
 from .metadata import Kind, MetadataStore, Snapshot
 from .remote import RemoteLayers
-from .views import ViewOperations
+from .views import ViewOperations, lower_dirs
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class Snapshotter:
         def build() -> Any:
             run = self._lazy_run(snap.name)
             layers = [remote.layer_from_source(s.source) for s in reversed(run.snapshots)]
-            return remote.lazy_image(layers, overlay=run.has_base)
+            return remote.lazy_image(layers, overlay=run.has_base, below=lower_dirs(run.below))
 
         self.views.register(snap.id, build)
 
@@ -197,14 +198,17 @@ class Snapshotter:
     class _LazyRun:
         snapshots: list[Snapshot]  # top first
         has_base: bool  # a normal snapshot lies below: keep whiteouts for overlayfs
+        below: list[str]  # the normal snapshots' directories right below, nearest first
 
     def _lazy_run(self, name: str) -> Snapshotter._LazyRun:
         run: list[Snapshot] = []
-        for snap in self.db.chain(name):
+        chain = self.db.chain(name)
+        for i, snap in enumerate(chain):
             if not _is_lazy(snap):
-                return self._LazyRun(run, True)
+                below = itertools.takewhile(lambda s: not _is_lazy(s), chain[i:])
+                return self._LazyRun(run, True, [self._layer_dir(s) for s in below])
             run.append(snap)
-        return self._LazyRun(run, False)
+        return self._LazyRun(run, False, [])
 
     def mounts(self, key: str) -> list[MountSpec]:
         return self._mounts(self.db.get(key))

@@ -5,7 +5,10 @@ lazy parents form together (merged by prefetch.merge, as ``bootseer image mount`
 it is the single overlayfs lowerdir a container gets for them: a path lookup is one FUSE
 call, not one per layer, and a read goes straight to the layer and frames that hold it. Above
 a normally unpacked layer the tree keeps deletions the overlayfs way (whiteouts, opaque
-directories), so the kernel stacks it correctly on what lies below.
+directories, each listed with its type: overlayfs recognizes a whiteout in a lower layer's
+listing by it), so the kernel stacks it correctly on what lies below; a directory the lazy
+layers only imply there takes the mode, owner and xattrs of the unpacked directory below it
+(:func:`lower_dirs`), as containerd's own unpack gives the directory it creates.
 
 A tree is built on its first access, from layer indexes already on disk; a restart of the
 snapshotter mounts the directory again and serves every snapshot it had. Each tree also shows
@@ -17,13 +20,15 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..lazyfs import FuseOSError, LazyImage, LazyOperations, Operations
+from ..lazyfs import FS_ENCODING, FuseOSError, LazyImage, LazyOperations, Operations
+from ..merge import LowerDir
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +79,7 @@ class ViewOperations(Operations):  # type: ignore[misc,valid-type]
             if ops is None:
                 started = time.perf_counter()
                 try:
-                    ops = LazyOperations(builder())
+                    ops = LazyOperations(builder(), ino_base=view_id << _INO_SHIFT)
                 except Exception as exc:  # noqa: BLE001 - the mount must keep serving
                     log.error("lazy snapshot %d cannot be built: %s", view_id, exc)
                     raise FuseOSError(errno.EIO) from None
@@ -126,11 +131,9 @@ class ViewOperations(Operations):  # type: ignore[misc,valid-type]
             return {"st_mode": stat.S_IFREG | 0o444, "st_ino": (view_id << _INO_SHIFT)
                     | ((1 << _INO_SHIFT) - 2), "st_nlink": 1, "st_size": 0,
                     "st_atime": t, "st_mtime": t, "st_ctime": t}
-        st = ops.getattr(rest, fh)
-        st["st_ino"] = (view_id << _INO_SHIFT) | st["st_ino"]
-        return st
+        return ops.getattr(rest, fh)
 
-    def readdir(self, path: str, fh: Any) -> list[str]:
+    def readdir(self, path: str, fh: Any) -> list[Any]:
         view_id, rest = self._split(path)
         if view_id is None:
             with self._lock:
@@ -140,10 +143,10 @@ class ViewOperations(Operations):  # type: ignore[misc,valid-type]
             return [".", "..", READY_FILE]
         if control == "ready":
             raise FuseOSError(errno.ENOTDIR)
-        names = self.view(view_id).readdir(rest, fh)
-        if rest == "/" and CONTROL_DIR not in names:
-            names.append(CONTROL_DIR)
-        return names
+        entries = self.view(view_id).readdir(rest, fh)  # (name, type and inode, 0)
+        if rest == "/" and all(name != CONTROL_DIR for name, _, _ in entries):
+            entries.append((CONTROL_DIR, None, 0))
+        return entries
 
     def open(self, path: str, flags: int) -> int:
         view_id, rest = self._split(path)
@@ -208,9 +211,59 @@ def mount_views(ops: ViewOperations, mountpoint: str) -> None:
     from striped_fs.fuse import run_fuse
 
     options: dict[str, Any] = {"foreground": True, "nothreads": False, "ro": True,
-                               "fsname": "bootseer-snapshots", "subtype": "bootseer",
+                               "encoding": FS_ENCODING, "fsname": "bootseer-snapshots", "subtype": "bootseer",
                                "use_ino": True, "max_read": 1 << 20, "allow_other": True,
                                "default_permissions": True, "nodev": True, "nosuid": True,
                                "kernel_cache": True, "entry_timeout": 3600.0,
                                "attr_timeout": 3600.0, "negative_timeout": 3600.0}
     run_fuse(ops, mountpoint, options)
+
+
+def lower_dirs(dirs: Sequence[str]) -> Callable[[str], LowerDir | None]:
+    """``below`` for :func:`prefetch.merge.merge_layers` over normally unpacked layer
+    directories (nearest first): what the first of them holding ``path`` has there, as
+    containerd's unpack copies it to a parent it creates (mode, owner, mtime, xattrs but
+    ``trusted.*``); None where that is not a directory, or no layer holds the path.
+
+    The path comes from a layer index: it is walked one component at a time with
+    ``O_NOFOLLOW`` under each directory, so a symlink in an unpacked layer never leads out
+    of it."""
+    def below(path: str) -> LowerDir | None:
+        parts = [p.encode("utf-8", "surrogateescape") for p in path.split("/") if p]
+        for top in dirs:
+            found = _lower_dir(top, parts)
+            if found is not False:
+                return found or None
+        return None
+
+    return below
+
+
+def _lower_dir(top: str, parts: list[bytes]) -> LowerDir | None | bool:
+    """The directory at ``parts`` under ``top``; None when something else is there; False
+    when nothing is (look further down)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(top, flags)
+    except OSError:
+        return False
+    try:
+        for part in parts:
+            try:
+                nxt = os.open(part, flags, dir_fd=fd)
+            except FileNotFoundError:
+                return False
+            except OSError:  # a symlink, a file, a whiteout device: not a directory
+                return None
+            os.close(fd)
+            fd = nxt
+        st = os.fstat(fd)
+        xattrs = {name: os.getxattr(fd, name) for name in os.listxattr(fd)
+                  if not name.startswith("trusted.")}
+        return LowerDir(mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid,
+                        mtime_ns=st.st_mtime_ns, xattrs=xattrs)
+    except OSError as exc:
+        log.warning("unpacked layer %s: cannot read %s: %s", top, b"/".join(parts), exc)
+        return None
+    finally:
+        os.close(fd)

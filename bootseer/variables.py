@@ -1,0 +1,96 @@
+"""Environment variables bootseer knows that are not configuration keys.
+
+Every ``BOOTSEER_*`` variable is either a key's (``BOOTSEER_<SECTION>_<KEY>``, see
+:mod:`bootseer.config`) or listed here with its role, so that a command can refuse any other
+one as a mistake and ``bootseer config show`` can list them all:
+
+* hand-offs: set by a bootseer command for the program it starts (``bootseer run`` telling
+  the job's ``CheckpointManager`` where the node's checkpoint cache is); never settings;
+* credentials: secrets stay out of configuration files, as AWS's and docker's do;
+* fsspec: fsspec's own per-protocol defaults, which apply to ``striped::`` like to any
+  fsspec filesystem (the one place a process's stripe size can come from the environment);
+* reserved: the test and benchmark harness's own;
+* retired: names of earlier versions, refused with the name that replaced them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Variable", "VARIABLES", "RESERVED_PREFIXES", "RETIRED", "CKPT_CACHE_HANDOFF",
+           "known_variable"]
+
+#: The variable `bootseer run` sets to ``ckpt.cache_dir`` for its command (read by ckpt.cache).
+CKPT_CACHE_HANDOFF = "BOOTSEER_CKPT_CACHE"
+
+
+@dataclass(frozen=True)
+class Variable:
+    """A variable that is not a configuration key: its role, who sets and who reads it."""
+
+    name: str
+    role: str  # hand-off | credential | fsspec | reserved
+    meaning: str
+    secret: bool = False
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("BOOTSEER_CONFIG", "config file",
+             "the TOML configuration file when no --config is given"),
+    Variable(CKPT_CACHE_HANDOFF, "hand-off",
+             "bootseer run -> its command: ckpt.cache_dir, the node-local checkpoint cache that "
+             "CheckpointManager(cache_dir=None) reads"),
+    Variable("BOOTSEER_CONTROL_DIR", "hand-off",
+             "bootseer run -> its command: where bootseer.ready()/heartbeat() write"),
+    Variable("BOOTSEER_READY_FILE", "hand-off",
+             "bootseer run -> its command: run.ready_file, or <control dir>/ready"),
+    Variable("BOOTSEER_TRACE_DIR", "hand-off",
+             "bootseer run -> its command: run.trace_dir (stack dumps go there)"),
+    Variable("BOOTSEER_NODE", "hand-off",
+             "bootseer run -> its command: the node's name; also read as run.node, so a "
+             "bootseer command inside the job names the same node"),
+    Variable("BOOTSEER_ATTEMPT", "hand-off",
+             "bootseer run -> its command: the attempt number (0 first); CheckpointManager's "
+             "attempt id"),
+    Variable("BOOTSEER_ROOTFS", "hand-off",
+             "bootseer image record --no-chroot -> the recorded command: the image's mount"),
+    Variable("BOOTSEER_PREFIX", "hand-off",
+             "bootseer env ensure -- CMD -> the install command: the prefix to install into"),
+    Variable("BOOTSEER_REGISTRY_USERNAME", "credential",
+             "registry user for image commands and the snapshotter (else docker's config.json)"),
+    Variable("BOOTSEER_REGISTRY_PASSWORD", "credential", "registry password", secret=True),
+    Variable("DOCKER_CONFIG", "credential",
+             "directory of docker's config.json (registry credentials)"),
+    Variable("FSSPEC_STRIPED_STRIPE_SIZE", "fsspec",
+             "default stripe size of striped:// in every process (fsspec's configuration); "
+             "storage options and per-call arguments win"),
+    Variable("FSSPEC_STRIPED_CONCURRENCY", "fsspec",
+             "default streams per striped file in every process (fsspec's configuration)"),
+    Variable("BOOTSEER_REQUIRE_SYSTEM", "reserved",
+             "tests: a missing system component fails instead of skipping"),
+)
+
+#: Prefixes of the benchmark harness's own variables.
+RESERVED_PREFIXES: tuple[str, ...] = ("BOOTSEER_BENCH_", "BOOTSEER_E2E_")
+
+#: Names earlier versions read -> what replaced them.
+RETIRED: dict[str, str] = {
+    "BOOTSEER_STRIPE_SIZE": "FSSPEC_STRIPED_STRIPE_SIZE (fsspec's default for striped://), or "
+                            'the storage option {"striped": {"stripe_size": ...}}',
+    "BOOTSEER_STRIPE_CONCURRENCY": "FSSPEC_STRIPED_CONCURRENCY (fsspec's default for "
+                                   'striped://), or the storage option {"striped": '
+                                   '{"concurrency": ...}}',
+    "BOOTSEER_BASE_IMAGE": "BOOTSEER_ENV_BASE_IMAGE (key env.base_image)",
+    "BOOTSEER_UV": "BOOTSEER_ENV_UV (key env.uv)",
+}
+
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def known_variable(name: str) -> Variable | None:
+    """The registered variable ``name`` (reserved prefixes included), or None."""
+    if name in _BY_NAME:
+        return _BY_NAME[name]
+    if name.startswith(RESERVED_PREFIXES):
+        return Variable(name, "reserved", "benchmark harness")
+    return None
