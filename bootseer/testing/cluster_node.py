@@ -104,7 +104,8 @@ class Node(Host):
             log_path = self.logs / "snapshotter.log"
             with open(log_path, "ab") as log:
                 self.snapshotter = self.popen(
-                    [sys.executable, "-m", "bootseer", "snapshotter", "--root",
+                    [sys.executable, "-m", "bootseer", "snapshotter", "--state-dir",
+                     str(self.dirs.cache / "bootseer"), "--root",
                      str(self.containerd.snapshotter_root("bootseer")), "--address",
                      self.snapshotter_address, *snapshotter_args], stdout=log, stderr=log)
             deadline = time.monotonic() + 60
@@ -129,6 +130,12 @@ class Node(Host):
     def bytes_to(self, service: str) -> int:
         """Bytes this node sent to ``service`` (request bodies: uploads, checkpoint saves)."""
         return self._proxy(service).bytes_up
+
+    @property
+    def service_latency_s(self) -> float:
+        """The one-way delay this node's service proxies add (the link's delay where tc has
+        no netem, else 0: netem carries it)."""
+        return self._proxy_settings().latency_s
 
     def _proxy(self, service: str) -> Shaper:
         try:
