@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,15 @@ from torch import nn
 
 
 def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model and its optimizer, with optimizer state allocated (a step at lr 0: the
+    checkpoint has every tensor from the start), the same in the job and the reference."""
+    from ckpt import init_optimizer_state
+
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    init_optimizer_state(opt)
+    return model, opt
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,19 +98,33 @@ def reference(steps: int, world: int) -> str:
     return digest(model, opt)
 
 
+def agreed_attempt() -> str:
+    """One attempt id for every rank of this round, chosen by rank 0.
+
+    Why not ckpt's default (torchelastic's run id and restart count): the restart count is
+    each agent's own, so a replaced node starts again at 0 while the survivors are at 1; the
+    ranks then write different attempts and rank 0's commit waits for an index that never
+    comes (seen on this cluster: the job hangs at its first save after the replacement)."""
+    import torch.distributed as dist
+
+    box = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
 def train(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from ckpt import CheckpointManager, init_optimizer_state
+    from ckpt import CheckpointManager
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     out = Path(args.out)
     model, opt = build()
-    init_optimizer_state(opt)
-    mgr = CheckpointManager(args.ckpt, rank=rank, world_size=world,
-                            storage_options=json.loads(args.storage_options))
+    mgr = CheckpointManager(args.ckpt, rank=rank, world_size=world, attempt=agreed_attempt(),
+                            storage_options=json.loads(args.storage_options),
+                            commit_timeout_s=60)
     start, loaded = 0, False
     if mgr.latest() is not None:
         state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": -1}
