@@ -110,7 +110,7 @@ def test_bytes_from_services_are_counted_per_node(cluster_factory) -> None:
     from containerd_helpers import runnable_layers
     from test_prefetch_image import _push_gzip_image
 
-    c = cluster_factory(2, services=("registry", "s3"), containerd=True)
+    c = cluster_factory(2, services=("registry", "s3"), snapshotter=True)
     blob = os.urandom(3 << 20)
     c.services.create_bucket("data")
     with c.services.entered():
@@ -129,7 +129,7 @@ def test_bytes_from_services_are_counted_per_node(cluster_factory) -> None:
     assert c.nodes[0].bytes_to("s3") < 64 << 10  # a GET sends no body
 
     ref = f"{c.services.registry_host}/app/run:v1"
-    c.nodes[1].ctr("images", "pull", "--plain-http", ref)
+    c.nodes[1].ctr("images", "pull", "--plain-http", "--snapshotter", "bootseer", ref)
     blobs = Path(c.services.registry.storage_dir).rglob("blobs/sha256/*/*/data")
     stored = sum(p.stat().st_size for p in blobs)  # config, layers and manifest
     assert stored <= c.nodes[1].bytes_from("registry") < stored + (256 << 10)
@@ -137,6 +137,12 @@ def test_bytes_from_services_are_counted_per_node(cluster_factory) -> None:
     listed = c.nodes[1].ctr("images", "ls", "-q").stdout.split()
     assert listed == [ref]
     assert c.nodes[0].ctr("images", "ls", "-q").stdout.split() == []  # containerd per node
+    # node1's layers were unpacked by node1's own bootseer snapshotter, node0's has none
+    snapshots = [n.ctr("snapshots", "--snapshotter", "bootseer", "ls").stdout.splitlines()[1:]
+                 for n in c.nodes]
+    assert snapshots[0] == [] and len(snapshots[1]) == len(runnable_layers(b""))
+    assert c.nodes[1].snapshotter is not None
+    assert c.nodes[1].snapshotter.pid in c.nodes[1].cgroup.pids()
 
 
 def test_kill_replace_and_fill_a_node(cluster_factory) -> None:
