@@ -212,6 +212,48 @@ def test_teardown_leaves_nothing_after_a_killed_node_and_an_exception() -> None:
     cluster.close()  # again: a no-op
 
 
+_OWNER = """
+import sys
+from bootseer.testing.cluster import Cluster
+c = Cluster(2, services=("s3", "rendezvous")).start()
+sleeper = c.nodes[0].popen(["sleep", "600"])
+c.fill_disk(1)
+print(c.prefix, c.dir, c._cgroup.path, sleeper.pid, *c.services.cgroup.pids(), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_owners_cluster_is_swept_by_the_next() -> None:
+    """The test process itself SIGKILLed (no teardown runs): the next cluster's start removes
+    what it left, and leaves a live owner's cluster alone."""
+    from conftest import need
+
+    from bootseer.testing.cluster_sweep import RECORDS, sweep_stale
+
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = owner.stdout.readline().split() if owner.stdout else []
+    if not line:
+        owner.kill()
+        need(f"the cluster did not start: {owner.communicate()[1][-2000:]}")
+    prefix, directory, cgroup, *pids = line
+    try:
+        assert prefix not in sweep_stale()  # its owner lives: left alone
+        assert (NETNS_DIR / f"{prefix}-node0").exists()
+        owner.kill()
+        owner.wait()
+        assert (RECORDS / f"{prefix}.json").exists() and Path(directory).exists()
+        assert all(_alive(int(p)) for p in pids)  # orphans: the services, node0's sleep
+    finally:
+        swept = sweep_stale()
+    assert prefix in swept
+    assert not [p for p in NETNS_DIR.iterdir() if p.name.startswith(prefix)]
+    assert not Path(cgroup).exists() and not Path(directory).exists()
+    assert mounts_under(Path(directory)) == []
+    assert not any(_alive(int(p)) for p in pids)
+    assert not (RECORDS / f"{prefix}.json").exists()
+
+
 # -- the CI form: 2 nodes x 1 rank, a node lost, replaced, resumed bit-identical ---------------
 
 

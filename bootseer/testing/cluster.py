@@ -34,6 +34,7 @@ from .cgroup import Cgroup, KillMethod, cgroup2_root
 from .cluster_host import Host, HostDead
 from .cluster_node import RUNC_ROOT, Node, NodeDirs
 from .cluster_services import ALL_SERVICES, PORTS, Services, check_services
+from .cluster_sweep import forget, record, sweep_stale
 from .links import Link, qdisc_available
 from .netns import NETNS_DIR, mounts_under
 from .servers import ComponentUnavailable
@@ -113,9 +114,14 @@ class Cluster:
         """Build the switch, the services host and the nodes; on failure, remove what was
         built and raise (ComponentUnavailable when something is not installed)."""
         self._check_machine()
+        if swept := sweep_stale():
+            warnings.warn(f"removed the remains of clusters whose owner died: {swept}",
+                          RuntimeWarning, stacklevel=2)
         try:
             self.dir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-", dir=self.workdir))
-            self._cgroup = Cgroup(cgroup2_root() / self.prefix).create()
+            cgroup = cgroup2_root() / self.prefix
+            record(self.prefix, self.dir, cgroup)  # a killed owner's remains can be found
+            self._cgroup = Cgroup(cgroup).create()
             self._switch.create()
             self._services = Services(
                 "services", SERVICES_ADDRESS, f"{self.prefix}-services", self.dir / "services",
@@ -185,11 +191,13 @@ class Cluster:
                 and not mounts_under(self.dir):
             shutil.rmtree(self.dir, ignore_errors=True)
         left = self.leaks()
-        if left:
-            if raise_leaks:
-                raise RuntimeError(f"cluster {self.prefix} teardown left: {'; '.join(left)}")
-            warnings.warn(f"cluster {self.prefix} teardown left: {'; '.join(left)}",
-                          RuntimeWarning, stacklevel=2)
+        if not left:
+            forget(self.prefix)  # else the record stays: a later sweep retries
+            return
+        if raise_leaks:
+            raise RuntimeError(f"cluster {self.prefix} teardown left: {'; '.join(left)}")
+        warnings.warn(f"cluster {self.prefix} teardown left: {'; '.join(left)}",
+                      RuntimeWarning, stacklevel=2)
 
     def leaks(self) -> list[str]:
         """What of this cluster exists after ``close()`` (empty when everything is gone):
