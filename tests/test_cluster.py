@@ -110,7 +110,9 @@ def test_bytes_from_services_are_counted_per_node(cluster_factory) -> None:
     from containerd_helpers import runnable_layers
     from test_prefetch_image import _push_gzip_image
 
-    c = cluster_factory(2, services=("registry", "s3"), snapshotter=True)
+    from bootseer.testing.pypi import build_test_wheels, installer_env
+
+    c = cluster_factory(2, services=("registry", "s3", "index"), snapshotter=True)
     blob = os.urandom(3 << 20)
     c.services.create_bucket("data")
     with c.services.entered():
@@ -127,6 +129,16 @@ def test_bytes_from_services_are_counted_per_node(cluster_factory) -> None:
     assert len(blob) <= c.nodes[0].bytes_from("s3") < len(blob) + (64 << 10)
     assert c.nodes[1].bytes_from("s3") == 0
     assert c.nodes[0].bytes_to("s3") < 64 << 10  # a GET sends no body
+
+    # the package index: real pip on node0 downloads a wheel, bytes equal
+    wheels = {p.name: p for p in build_test_wheels(c.services.index_dir)}
+    c.nodes[0].run([sys.executable, "-m", "pip", "download", "--no-deps", "--index-url",
+                    c.services.index_url, "-d", str(c.nodes[0].dirs.work), "tinyalpha==2.0"],
+                   env=installer_env())
+    (got_wheel,) = c.nodes[0].dirs.work.iterdir()
+    assert got_wheel.read_bytes() == wheels[got_wheel.name].read_bytes()
+    assert c.nodes[0].bytes_from("index") >= got_wheel.stat().st_size
+    assert c.nodes[1].bytes_from("index") == 0
 
     ref = f"{c.services.registry_host}/app/run:v1"
     c.nodes[1].ctr("images", "pull", "--plain-http", "--snapshotter", "bootseer", ref)
