@@ -157,8 +157,11 @@ def test_bytes_from_services_are_counted_per_node(cluster_factory) -> None:
     assert c.nodes[1].snapshotter.pid in c.nodes[1].cgroup.pids()
 
 
-def test_kill_replace_and_fill_a_node(cluster_factory) -> None:
-    c = cluster_factory(2, services=("s3",))
+@pytest.mark.parametrize("kill_method", ["kill", "freeze"])
+def test_kill_replace_and_fill_a_node(cluster_factory, kill_method: str) -> None:
+    """Both ways of losing every process at once: cgroup.kill, and freeze + SIGKILL (kernels
+    before 5.14)."""
+    c = cluster_factory(2, services=("s3",), kill_method=kill_method)
     # node1 runs a process tree that keeps forking; node0 runs one process
     tree = c.nodes[1].popen(["/bin/sh", "-c", "sleep 600 & sleep 600 & while :; do sleep 0.05;"
                              " done"])
@@ -196,6 +199,19 @@ def test_kill_replace_and_fill_a_node(cluster_factory) -> None:
     c.free_disk(0)
     c.nodes[0].run(write)
     assert (c.nodes[0].dirs.cache / "f").stat().st_size == 65536
+
+    # an unplugged cable: connections to node0 time out (nobody is told), then work again
+    listener = c.nodes[0].popen(_python(
+        f"import socket; s = socket.create_server(('{c.nodes[0].address}', 7001))\n"
+        "print('READY', flush=True)\n"
+        "while True: s.accept()[0].close()"), stdout=subprocess.PIPE, text=True)
+    assert listener.stdout is not None and listener.stdout.readline().strip() == "READY"
+    connect = _python(f"import socket; socket.create_connection(('{c.nodes[0].address}', 7001), 2)")
+    c.disconnect(0)
+    cut = c.nodes[1].run(connect, check=False)
+    assert cut.returncode != 0 and "timed out" in cut.stderr
+    c.reconnect(0)
+    c.nodes[1].run(connect)
 
 
 def test_teardown_leaves_nothing_after_a_killed_node_and_an_exception() -> None:
