@@ -240,13 +240,65 @@ def test_teardown_leaves_nothing_after_a_killed_node_and_an_exception() -> None:
     cluster.close()  # again: a no-op
 
 
-_OWNER = """
+def _container_cgroups(prefix: str) -> list[Path]:
+    """Cgroup directories of a cluster's containers, in every hierarchy (runc puts a
+    container at /CONTAINERD-NAMESPACE/ID: the namespace is named after the node)."""
+    return sorted(Path("/sys/fs/cgroup").glob(f"*/{prefix}-*")) + \
+        sorted(Path("/sys/fs/cgroup").glob(f"{prefix}-*"))
+
+
+def test_a_lost_node_loses_its_containers(cluster_factory) -> None:
+    """runc moves a container out of the node's cgroup and into a network namespace of its
+    own: killing the node must still kill it, and teardown must remove it and its cgroups."""
+    from conftest import require_component
+    from containerd_helpers import runnable_layers
+    from test_prefetch_image import _push_gzip_image
+
+    from bootseer.testing.servers import ComponentUnavailable
+
+    cluster = Cluster(2, services=("registry",), containerd=True)
+    try:
+        c = cluster.start()
+    except ComponentUnavailable as exc:
+        require_component(str(exc))
+    pids: list[int] = []
+    try:
+        with c.services.entered():
+            _push_gzip_image(c.services.registry_host, "app/run", "v1", runnable_layers(b""))
+        ref = f"{c.services.registry_host}/app/run:v1"
+        for node in c.nodes:
+            node.ctr("images", "pull", "--plain-http", ref)
+            node.ctr("run", "-d", ref, "sleeper", "sleep", "600")
+            pids.append(int(node.ctr("task", "ls").stdout.splitlines()[1].split()[1]))
+        assert all(_alive(p) for p in pids)
+        assert _container_cgroups(c.prefix)  # runc made them, outside the node's group
+        c.kill_node(1)
+        assert not _alive(pids[1])
+        assert _alive(pids[0])  # node0's container is untouched
+    finally:
+        cluster.close(raise_leaks=False)
+    assert not _alive(pids[0])
+    assert cluster.leaks() == []
+    assert _container_cgroups(cluster.prefix) == []
+
+
+_OWNER = f"""
 import sys
+sys.path.insert(0, {str(HERE)!r})
+from containerd_helpers import runnable_layers
+from test_prefetch_image import _push_gzip_image
 from bootseer.testing.cluster import Cluster
-c = Cluster(2, services=("s3", "rendezvous")).start()
+c = Cluster(2, services=("registry", "rendezvous"), containerd=True).start()
 sleeper = c.nodes[0].popen(["sleep", "600"])
-c.fill_disk(1)
-print(c.prefix, c.dir, c._cgroup.path, sleeper.pid, *c.services.cgroup.pids(), flush=True)
+c.fill_disk(0)
+with c.services.entered():
+    _push_gzip_image(c.services.registry_host, "app/run", "v1", runnable_layers(b""))
+ref = c.services.registry_host + "/app/run:v1"
+c.nodes[1].ctr("images", "pull", "--plain-http", ref)
+c.nodes[1].ctr("run", "-d", ref, "sleeper", "sleep", "600")
+container = c.nodes[1].ctr("task", "ls").stdout.splitlines()[1].split()[1]
+print(c.prefix, c.dir, c._cgroup.path, sleeper.pid, container, *c.services.cgroup.pids(),
+      flush=True)
 sys.stdin.read()
 """
 
@@ -256,14 +308,17 @@ def test_a_killed_owners_cluster_is_swept_by_the_next() -> None:
     what it left, and leaves a live owner's cluster alone."""
     from conftest import need
 
+    from bootseer.testing.cluster_host import wait_for_line
     from bootseer.testing.cluster_sweep import RECORDS, sweep_stale
 
     owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = owner.stdout.readline().split() if owner.stdout else []
-    if not line:
+                             stdout=subprocess.PIPE, text=True)
+    try:  # the nodes' processes inherit its stdout: an exit does not end the pipe
+        line = wait_for_line(owner, "bsc-", "the owner's cluster", 240).split()
+    except RuntimeError as exc:
         owner.kill()
-        need(f"the cluster did not start: {owner.communicate()[1][-2000:]}")
+        sweep_stale()
+        need(f"the cluster did not start: {exc}")
     prefix, directory, cgroup, *pids = line
     try:
         assert prefix not in sweep_stale()  # its owner lives: left alone
@@ -271,7 +326,8 @@ def test_a_killed_owners_cluster_is_swept_by_the_next() -> None:
         owner.kill()
         owner.wait()
         assert (RECORDS / f"{prefix}.json").exists() and Path(directory).exists()
-        assert all(_alive(int(p)) for p in pids)  # orphans: the services, node0's sleep
+        assert all(_alive(int(p)) for p in pids)  # orphans: services, node0's sleep, container
+        assert _container_cgroups(prefix)
     finally:
         swept = sweep_stale()
     assert prefix in swept
@@ -279,6 +335,7 @@ def test_a_killed_owners_cluster_is_swept_by_the_next() -> None:
     assert not Path(cgroup).exists() and not Path(directory).exists()
     assert mounts_under(Path(directory)) == []
     assert not any(_alive(int(p)) for p in pids)
+    assert _container_cgroups(prefix) == []
     assert not (RECORDS / f"{prefix}.json").exists()
 
 

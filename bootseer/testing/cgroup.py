@@ -18,7 +18,7 @@ from typing import Literal
 
 from .servers import ComponentUnavailable
 
-__all__ = ["Cgroup", "KillMethod", "cgroup2_root"]
+__all__ = ["Cgroup", "KillMethod", "cgroup2_root", "groups_named"]
 
 KillMethod = Literal["auto", "kill", "freeze"]
 
@@ -34,6 +34,19 @@ def cgroup2_root() -> Path:
     raise ComponentUnavailable(
         "no writable cgroup2 hierarchy (needed to kill every process of a node at once): "
         "mount one (mount -t cgroup2 none /sys/fs/cgroup/unified) and run as root")
+
+
+def _hierarchies() -> list[Path]:
+    """Every cgroup hierarchy mounted here (v1 controllers and cgroup2)."""
+    with open("/proc/self/mounts", encoding="utf-8") as f:
+        return [Path(line.split()[1]) for line in f if line.split()[2] in ("cgroup", "cgroup2")]
+
+
+def groups_named(prefix: str) -> list[Path]:
+    """Top-level groups whose name starts with ``prefix``, in every hierarchy: where runc puts
+    a container (``/CONTAINERD-NAMESPACE/ID``), outside the group of whoever started it."""
+    return sorted(p for h in _hierarchies() if h.is_dir() for p in h.iterdir()
+                  if p.is_dir() and p.name.startswith(prefix))
 
 
 class Cgroup:

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from .cgroup import Cgroup, KillMethod, cgroup2_root
+from .cgroup import Cgroup, KillMethod, cgroup2_root, groups_named
 from .cluster_host import Host, HostDead
 from .cluster_node import RUNC_ROOT, Node, NodeDirs
 from .cluster_services import ALL_SERVICES, PORTS, Services, check_services
@@ -113,6 +113,9 @@ class Cluster:
     def start(self) -> Self:
         """Build the switch, the services host and the nodes; on failure, remove what was
         built and raise (ComponentUnavailable when something is not installed)."""
+        if self.dir is not None or self._closed:
+            raise RuntimeError(f"cluster {self.prefix} was started already: a Cluster starts "
+                               "once (use a new one)")
         self._check_machine()
         if swept := sweep_stale():
             warnings.warn(f"removed the remains of clusters whose owner died: {swept}",
@@ -209,6 +212,7 @@ class Cluster:
                       if p.name.startswith(f"{self.prefix}-")]
         if self._cgroup is not None and self._cgroup.path.exists():
             found.append(f"cgroup {self._cgroup.path}")
+        found += [f"cgroup {p} (a container's)" for p in groups_named(f"{self.prefix}-")]
         if self.dir is not None:
             found += [f"mount {m}" for m in mounts_under(self.dir)]
             if self.dir.exists():

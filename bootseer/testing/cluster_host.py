@@ -164,8 +164,18 @@ class Host:
     def kill(self, timeout_s: float = 30.0) -> None:
         """Every process of the host gets SIGKILL at once; returns when none is left."""
         self.alive = False
-        self.cgroup.kill(self.kill_method, timeout_s)
+        self._kill_groups(timeout_s)
         self._kill_leftovers(self._held_inodes(), timeout_s)
+
+    def _outside_groups(self) -> list[Cgroup]:
+        """Subclasses: cgroup2 groups of this host's processes outside its own group (runc
+        moves containers out)."""
+        return []
+
+    def _kill_groups(self, timeout_s: float = 30.0) -> None:
+        self.cgroup.kill(self.kill_method, timeout_s)
+        for group in self._outside_groups():
+            group.kill(self.kill_method, timeout_s)
 
     def _held_inodes(self) -> set[int]:
         return {os.stat(p).st_ino for p in (self.netns_path, self.uts) if p.exists()}
@@ -202,8 +212,8 @@ class Host:
         held = [os.open(p, os.O_RDONLY) for p in (self.netns_path, self.uts) if p.exists()]
         inodes = {os.fstat(fd).st_ino for fd in held}
         try:
-            for step in (lambda: self.cgroup.kill(self.kill_method),
-                         lambda: self._kill_leftovers(inodes, 30.0), self._reap, self._release):
+            for step in (self._kill_groups, lambda: self._kill_leftovers(inodes, 30.0),
+                         self._reap, self._release):
                 try:
                     step()
                 except Exception as exc:  # noqa: BLE001 - teardown goes on; say what is left

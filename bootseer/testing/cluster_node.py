@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .cgroup import Cgroup, cgroup2_root, groups_named
 from .cluster_host import Host
 from .cluster_services import PORTS, Services
 from .containerd import ContainerdServer
@@ -207,6 +208,13 @@ class Node(Host):
 
     # -- teardown ------------------------------------------------------------------------
 
+    def _outside_groups(self) -> list[Cgroup]:
+        """The node's containers: runc puts each at ``/NAMESPACE/ID`` of every hierarchy, its
+        containerd namespace being named after the node."""
+        if self.containerd is None:
+            return []
+        return [Cgroup(cgroup2_root() / self.containerd.namespace)]
+
     def _release(self) -> None:
         for proxy in self._proxies.values():
             proxy.stop()
@@ -221,3 +229,6 @@ class Node(Host):
             runc = RUNC_ROOT / ns  # only a namespace this node named after itself
             if ns.startswith(f"{self.netns}-") and runc.is_dir():
                 shutil.rmtree(runc, ignore_errors=True)
+            for path in groups_named(ns):  # the containers' groups, empty by now
+                if path.name == ns:
+                    Cgroup(path).remove()

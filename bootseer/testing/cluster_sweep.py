@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from .cgroup import Cgroup
+from .cgroup import Cgroup, cgroup2_root, groups_named
 from .cluster_node import RUNC_ROOT
 from .netns import NETNS_DIR, delete_netns, mounts_under, processes_in
 
@@ -59,9 +59,9 @@ def _owner_alive(rec: dict[str, Any]) -> bool:
 
 
 def remove_remains(rec: dict[str, Any]) -> list[str]:
-    """Remove every trace of the cluster ``rec`` describes: its processes (cgroup, then
-    anything still in its namespaces), mounts under its directory, network namespaces, cgroup,
-    runc state, directory. Returns what could not be removed."""
+    """Remove every trace of the cluster ``rec`` describes: its processes (its cgroup and its
+    containers' groups, then anything still in its namespaces), mounts under its directory,
+    network namespaces, cgroups, runc state, directory. Returns what could not be removed."""
     prefix, directory = rec["prefix"], Path(rec["dir"])
     problems: list[str] = []
     names = [p.name for p in NETNS_DIR.iterdir() if p.name.startswith(f"{prefix}-")] \
@@ -73,10 +73,12 @@ def remove_remains(rec: dict[str, Any]) -> list[str]:
     try:
         inodes = {os.fstat(fd).st_ino for fd in held}
         cgroup = Cgroup(Path(rec["cgroup"]))
-        try:
-            cgroup.kill()
-        except Exception as exc:  # noqa: BLE001 - go on; say what is left
-            problems.append(f"cgroup {cgroup.path}: {exc}")
+        containers = [Cgroup(p) for p in groups_named(f"{prefix}-")]  # runc's, per node
+        for group in [cgroup, *(g for g in containers if g.path.parent == cgroup2_root())]:
+            try:
+                group.kill()
+            except Exception as exc:  # noqa: BLE001 - go on; say what is left
+                problems.append(f"cgroup {group.path}: {exc}")
         for pid in processes_in(inodes, kinds=("net",)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -84,10 +86,11 @@ def remove_remains(rec: dict[str, Any]) -> list[str]:
             subprocess.run(["umount", "-l", str(point)], capture_output=True, check=False)
         for name in names:
             delete_netns(name)
-        try:
-            cgroup.remove()
-        except OSError as exc:
-            problems.append(f"cgroup {cgroup.path}: {exc}")
+        for group in [cgroup, *containers]:
+            try:
+                group.remove()
+            except OSError as exc:
+                problems.append(f"cgroup {group.path}: {exc}")
     finally:
         for fd in held:
             os.close(fd)
