@@ -19,6 +19,7 @@ objects) and the ranks compare outcomes:
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -65,6 +66,25 @@ def resolve_group(group: Any, rank: int, world_size: int) -> Any:
                          f"{dist.get_world_size(group)}; the manager is rank {rank} of "
                          f"{world_size}: pass the group of the ranks that load together")
     return group
+
+
+def agree_attempt(local: str, group: Any, rank: int, world_size: int) -> str:
+    """The attempt id every rank of this run writes: rank 0's, made unique to this run.
+
+    The environment's ids (``BOOTSEER_ATTEMPT``, torchelastic's restart count) are counted by
+    each node's own agent: a node that replaced a lost one starts again at 0 while the
+    survivors are at 1, so the ranks would write different attempts and rank 0's commit would
+    wait for indexes that never come (a hang at the first save after a node replacement). Over
+    a process group rank 0 decides, adding a random part, so that a rank 0 whose own count
+    started again never reuses an earlier run's id. Without a group: ``local`` as it is."""
+    resolved = resolve_group(group, rank, world_size)
+    if resolved is None:
+        return local
+    import torch.distributed as dist
+
+    box = [f"{local}:{uuid.uuid4().hex[:12]}" if rank == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(resolved, 0), group=resolved)
+    return str(box[0])
 
 
 def group_exchange(group: Any) -> Exchange:

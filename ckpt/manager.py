@@ -130,6 +130,10 @@ class CheckpointManager:
                                        concurrency=concurrency)
         self.commit_timeout_s = commit_timeout_s
         self.attempt = default_attempt() if attempt is None else attempt
+        # An attempt from the environment is each node's own count: agreed over the process
+        # group at the first save (agree_attempt), so a replaced node's ranks write the same
+        # attempt as the survivors'. One given by the caller is used as it is.
+        self._attempt_agreed = attempt is not None
         self.trust_objects = trust_objects
         # Node-local cache filled by prefetch_latest (docs/ckpt.md); None: $BOOTSEER_CKPT_CACHE.
         self.cache = open_cache(cache_dir, url)
@@ -166,6 +170,10 @@ class CheckpointManager:
                      time.perf_counter() - waited, previous)
         else:
             self._flush()
+        if not self._attempt_agreed:
+            self.attempt = agree.agree_attempt(self.attempt, self.process_group, self.rank,
+                                               self.world_size)
+            self._attempt_agreed = True
         staged = stage(step, state, rank=self.rank, world_size=self.world_size, pool=self._pool,
                        key_style=key_style)
         future = self._executor.submit(

@@ -23,7 +23,6 @@ import os
 import signal
 import socket
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -98,20 +97,6 @@ def reference(steps: int, world: int) -> str:
     return digest(model, opt)
 
 
-def agreed_attempt() -> str:
-    """One attempt id for every rank of this round, chosen by rank 0.
-
-    Why not ckpt's default (torchelastic's run id and restart count): the restart count is
-    each agent's own, so a replaced node starts again at 0 while the survivors are at 1; the
-    ranks then write different attempts and rank 0's commit waits for an index that never
-    comes (seen on this cluster: the job hangs at its first save after the replacement)."""
-    import torch.distributed as dist
-
-    box = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return str(box[0])
-
-
 def train(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -122,7 +107,7 @@ def train(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     out = Path(args.out)
     model, opt = build()
-    mgr = CheckpointManager(args.ckpt, rank=rank, world_size=world, attempt=agreed_attempt(),
+    mgr = CheckpointManager(args.ckpt, rank=rank, world_size=world,
                             storage_options=json.loads(args.storage_options),
                             commit_timeout_s=60)
     start, loaded = 0, False

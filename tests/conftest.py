@@ -323,6 +323,7 @@ def e2e_bench(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 _SYSTEM_FIXTURES |= {"e2e_bench"}
 
+
 @pytest.fixture
 def cluster_factory():
     """``factory(nodes=2, **kwargs)`` -> a started :class:`bootseer.testing.cluster.Cluster`
