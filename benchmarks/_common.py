@@ -32,11 +32,10 @@ def md_table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def command_line(script: str) -> str:
-    """How this run was started: ``bootseer bench ...`` or ``python benchmarks/<script>``."""
-    orig = list(getattr(sys, "orig_argv", []) or [])
-    if len(orig) >= 2 and Path(orig[1]).name == "bootseer":
-        return " ".join(["bootseer", *orig[2:]])
-    return " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]])
+    """How this run was started: the ``bootseer bench ...`` command that ran this suite (the
+    harness says so in ``BOOTSEER_BENCH_COMMAND``), else ``python benchmarks/<script> ...``."""
+    return os.environ.get("BOOTSEER_BENCH_COMMAND") or " ".join(
+        ["python", f"benchmarks/{script}", *sys.argv[1:]])
 
 
 def source_state(paths: list[str]) -> dict[str, Any]:
@@ -74,9 +73,19 @@ def kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def reexec(argv: list[str]) -> int:
-    log("re-running in a fresh interpreter (this one has the measured tools' libraries loaded)")
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv])
+def reexec(script: str, argv: list[str]) -> int:
+    """Run ``script`` (the caller's ``__file__``) with ``argv`` in a fresh interpreter: its
+    ``main()`` was called in a process that already has the measured tools' libraries loaded
+    (imports would be warm). ``bootseer bench`` starts each suite fresh, so only an in-process
+    caller gets here; a fresh interpreter that still has them loaded is an error, not a loop."""
+    if os.environ.get("BOOTSEER_BENCH_REEXEC") == script:
+        log(f"{script}: the measured tools' libraries are loaded even in a fresh interpreter "
+            "(an import at module level?); refusing to measure warm imports")
+        return 2
+    log(f"re-running {Path(script).name} in a fresh interpreter (this one has the measured "
+        "tools' libraries loaded)")
+    proc = subprocess.Popen([sys.executable, script, *argv],
+                            env={**os.environ, "BOOTSEER_BENCH_REEXEC": script})
     try:
         return proc.wait()
     except KeyboardInterrupt:  # the child cleans up on SIGTERM as on Ctrl-C

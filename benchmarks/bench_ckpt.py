@@ -39,6 +39,9 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import command_line, sigterm_as_interrupt  # noqa: E402
+
 from bootseer.testing.servers import MotoS3Server  # noqa: E402
 from bootseer.testing.shaper import ShaperProcess, ShaperSettings  # noqa: E402
 
@@ -59,20 +62,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PORT_TRIES = 3  # a free port can be taken by another process before rank 0 binds it
+
+
 def launch(phase: str, world: int, cfg: dict[str, Any], out: Path) -> list[dict[str, Any]]:
+    """Run ``phase`` on ``world`` ranks; their results. A rank that fails stops the others (they
+    would wait for it for torch's 30-minute rendezvous timeout); a rendezvous port taken
+    meanwhile (EADDRINUSE) is retried on another port."""
     cfg_path = out / f"cfg-{phase}.json"
     cfg_path.write_text(json.dumps(cfg))
-    port = free_port()
-    procs = []
+    for attempt in range(1, PORT_TRIES + 1):
+        codes, errors = run_ranks(phase, world, cfg_path, out, free_port())
+        if not any(codes):
+            return [json.loads((Path(cfg["out"]) / f"{phase}-{r}.json").read_text())
+                    for r in range(world)]
+        taken = "EADDRINUSE" in errors[0]
+        if not (taken and attempt < PORT_TRIES):
+            why = "its rendezvous port was taken each time" if taken else "see the output above"
+            raise RuntimeError(f"phase {phase}: rank exit codes {codes} ({why})")
+        log(f"  phase {phase}: the rendezvous port was taken meanwhile; again on another port")
+    raise AssertionError("unreachable")
+
+
+def run_ranks(phase: str, world: int, cfg_path: Path, out: Path,
+              port: int) -> tuple[list[int | None], list[str]]:
+    """The ranks' exit codes (None: stopped because another failed) and their stderr, which is
+    also copied to ours."""
+    procs, logs = [], []
     for rank in range(world):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), "--phase", phase, "--cfg", str(cfg_path)], env=env))
-    codes = [p.wait() for p in procs]
-    if any(codes):
-        raise RuntimeError(f"phase {phase}: rank exit codes {codes}")
-    return [json.loads((Path(cfg["out"]) / f"{phase}-{r}.json").read_text()) for r in range(world)]
+        logs.append(out / f"{phase}-{rank}.stderr")
+        with open(logs[-1], "wb") as err:
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), "--phase", phase, "--cfg", str(cfg_path)],
+                                          env=env, stderr=err))
+    try:
+        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+            time.sleep(0.2)
+    finally:
+        codes: list[int | None] = [p.poll() for p in procs]
+        for p in procs:  # a rank failed (or we were interrupted): the rest wait for it forever
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        errors = [path.read_text(errors="replace") for path in logs]
+        for text in errors:
+            sys.stderr.write(text)
+        sys.stderr.flush()
+    return codes, errors
 
 
 def drop_caches() -> None:
@@ -120,7 +158,9 @@ def main() -> int:
     work.mkdir(parents=True)
     started = time.time()
     cfg = {**(QUICK if args.quick else FULL), "dir": str(work), "out": str(work / "out")}
-    r: dict[str, Any] = {"config": cfg, "machine": {"cpus": os.cpu_count()}}
+    r: dict[str, Any] = {"suite": "ckpt", "quick": bool(args.quick),
+                         "command": command_line("bench_ckpt.py"), "config": cfg,
+                         "machine": {"cpus": os.cpu_count()}}
     try:
         log("phase local (2 ranks): 10 bootseer saves, DCP save, DCP async_save x2 kinds, loads")
         local = launch("local", 2, cfg, work)
@@ -199,7 +239,7 @@ def main() -> int:
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     md = "\n".join([
         f"# ckpt benchmark{' (quick)' if args.quick else ''}", "",
-        f"- command: `python benchmarks/bench_ckpt.py --results {args.results}{' --quick' if args.quick else ''}` ({time.time() - started:.0f} s)",
+        f"- command: `{r['command']}` ({time.time() - started:.0f} s)",
         f"- state: {total / MB:.0f} MB over 2 ranks (FSDP-style halves of a {cfg['layers'] * 2}-layer d={cfg['d']} transformer + AdamW); training step {t['step_s']:.2f} s",
         "- stall and copy floor: medians of saves 2-10, each floor copy measured right before its save on both ranks",
         f"- training loop: {cfg['train_steps']} steps, a save every {cfg['save_every']}, methods interleaved x{cfg.get('train_reps', 3)}; loop medians: "
@@ -217,4 +257,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_interrupt():  # SIGTERM (``bootseer bench`` stopping it) runs the clean-up
+        sys.exit(main())

@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--helper"]:
         return bp.helper_main(argv[1], argv[2])
     if any(name in sys.modules for name in bp._MAPPED_BY_TOOLS):
-        return reexec(argv)
+        return reexec(__file__, argv)
     parser = argparse.ArgumentParser(prog="bench_containerd.py",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--results", default="bench-results")

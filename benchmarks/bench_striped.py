@@ -50,7 +50,7 @@ from typing import Any
 
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import run_bench  # noqa: E402
+from _common import command_line, md_table, run_bench, source_state  # noqa: E402
 
 if str(_ROOT) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(_ROOT))
@@ -307,8 +307,8 @@ class Bench:
         self.R: dict[str, Any] = {
             "suite": "striped",
             "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-            "command": _command_line(),
-            "source": _source_state(),
+            "command": command_line("bench_striped.py"),
+            "source": source_state(["striped_fs", "bootseer/testing"]),
             "quick": self.quick,
             "machine": {
                 "cpus": os.cpu_count(),
@@ -947,18 +947,18 @@ class Bench:
                 r = sweep.get(f"read_{human(stripe)}_c{conc}")
                 cells.append(_cell(r))
             body.append(cells)
-        lines += _md_table(head, body)
+        lines += md_table(head, body)
         lines += ["", f"Sweep: striped write to the shaped moto link ({S3_LINK.describe()}), "
                       f"concurrency {SWEEP_WRITE_CONCURRENCY}, {human(self.sweep_size)}, MB/s", ""]
         head = ["stripe", "write MB/s"]
         body = [[human(s), _cell(sweep.get(f"write_{human(s)}_c{SWEEP_WRITE_CONCURRENCY}"))]
                 for s in SWEEP_WRITE_STRIPES]
-        lines += _md_table(head, body)
+        lines += md_table(head, body)
         return lines
 
     def report(self) -> None:
         rows = self.final_rows()
-        table = _md_table(["metric", "bootseer", "peer", "limit/target", "pass/fail"], rows)
+        table = md_table(["metric", "bootseer", "peer", "limit/target", "pass/fail"], rows)
         self.R["final_table"] = [dict(zip(["metric", "bootseer", "peer", "target", "verdict"], r, strict=True))
                                  for r in rows]
         print("", flush=True)
@@ -1043,35 +1043,6 @@ def _cell(r: dict | None) -> str:
     if "error" in r:
         return "error"
     return f"{r['mb_s']:.1f}" + ("" if r.get("verified", True) else " (DATA MISMATCH)")
-
-
-def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-    return [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *[line(r) for r in rows]]
-
-
-def _command_line() -> str:
-    """How this run was started, as a person would type it."""
-    orig = list(getattr(sys, "orig_argv", []) or [])
-    if len(orig) >= 2 and Path(orig[1]).name == "bootseer":
-        return " ".join(["bootseer", *orig[2:]])
-    return " ".join(["python", "benchmarks/bench_striped.py", *sys.argv[1:]])
-
-
-def _source_state() -> dict[str, Any]:
-    """The commit measured, and whether the measured code had local changes (read-only git)."""
-    state: dict[str, Any] = {}
-    with contextlib.suppress(Exception):
-        state["commit"] = subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "HEAD"],
-                                         capture_output=True, text=True, timeout=10,
-                                         check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(_ROOT), "status", "--porcelain", "--",
-                                "striped_fs", "bootseer/testing"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout
-        state["local_changes"] = [line[3:] for line in dirty.splitlines()]
-    return state
 
 
 def human_or_bytes(n: int) -> str:

@@ -204,6 +204,13 @@ _KEYS = [
           "containerd's registry hosts directory (CRI's registry.config_path, e.g. "
           "/etc/containerd/certs.d): read layers from the mirrors its hosts.toml files name; "
           "'' = the registry itself"),
+    _spec("snapshotter", "holder", "path", "", "--holder",
+          "the FUSE holder's socket (bootseer fuse-holder), which keeps the lazy mount across "
+          "restarts; '' = fuse-holder.sock beside the address"),
+    _spec("snapshotter", "spawn_holder", "bool", True, "--spawn-holder",
+          "start a holder when none runs (else wait for the holder service, as deploy/ runs it)"),
+    _spec("snapshotter", "takeover_wait_s", "float", 30.0, "--takeover-wait",
+          "seconds to wait for a predecessor still serving the root to stop"),
 ]
 
 #: section -> key name -> spec, in documentation order.

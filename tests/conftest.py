@@ -309,3 +309,16 @@ def cri_node_factory(tmp_path: Path):
 
 
 _SYSTEM_FIXTURES |= {"cri_node_factory"}
+
+
+@pytest.fixture(scope="session")
+def e2e_bench(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The end-to-end job's quick form through ``bootseer bench e2e``, once a session: minutes
+    of CI, shared by test_e2e.py and test_bench_harness.py (see e2e_helpers)."""
+    from e2e_helpers import missing_component, run_e2e_bench
+
+    need(missing_component())
+    return run_e2e_bench(tmp_path_factory.mktemp("e2e"))
+
+
+_SYSTEM_FIXTURES |= {"e2e_bench"}

@@ -8,6 +8,8 @@ import io
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tarfile
@@ -112,6 +114,15 @@ def push_images(host: str, repo: str = "app/run", salt: bytes = b"") -> tuple[st
     return src, dst
 
 
+def holder_pid(address: str) -> int:
+    """The pid of the FUSE holder listening at ``address`` (its socket's peer credentials)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.connect(address)
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                        12))
+    return pid
+
+
 @dataclass
 class SnapshotterProcess:
     """``bootseer snapshotter`` in a child process (a node's daemon)."""
@@ -143,6 +154,27 @@ class SnapshotterProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
+
+    @property
+    def holder_address(self) -> str:
+        """The FUSE holder the snapshotter starts when none runs (beside its socket)."""
+        return os.path.join(os.path.dirname(self.address), "fuse-holder.sock")
+
+    def close(self) -> None:
+        """Stop, and take down the lazy mount, which a stop leaves to the FUSE holder; the
+        holder then exits. A holder still there after that (a container still using the
+        mount) is killed, which ends the connection, and reported."""
+        from striped_fs.fuse import is_mounted, unmount
+
+        self.stop()
+        if is_mounted(self.root / "lazy"):
+            unmount(self.root / "lazy", lazy=True)
+        deadline = time.monotonic() + 15
+        while os.path.exists(self.holder_address):
+            if time.monotonic() > deadline:
+                os.kill(holder_pid(self.holder_address), signal.SIGKILL)
+                raise AssertionError(f"the FUSE holder did not exit:\n{self.log()}")
+            time.sleep(0.05)
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc is None or self.proc.poll() is not None:

@@ -1,47 +1,22 @@
 """The end-to-end scenario, bootseer's path, for real (quick form): a training job in a container
 that containerd started from the training image, rank 1 killed with SIGKILL after a commit,
-restarted by ``bootseer run`` in place and then on a fresh node. Asserts what happened and the
+restarted by ``bootseer run`` in place and then on a fresh node (``bootseer bench e2e``, run
+once a session: conftest's ``e2e_bench``). Asserts what happened and the
 resumed state (bit-identical to the saved one); the times are the benchmark's business
 (``bootseer bench e2e``), not this test's."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from conftest import need
-
-from bootseer.testing.servers import fuse_available
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def missing_component() -> str | None:
-    if os.geteuid() != 0:
-        return "the end-to-end scenario needs root (containerd, runc, FUSE)"
-    for tool in ("containerd", "ctr", "runc", "containerd-shim-runc-v2", "docker-registry"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed (apt: containerd runc docker-registry)"
-    dpkg = subprocess.run(["dpkg-query", "-W", "-f=${Status}", "python3.11"],
-                          capture_output=True, text=True, check=False)
-    if not dpkg.stdout.endswith(" installed"):
-        return "the image base is copied from Debian's python3.11 package, not installed here"
-    return fuse_available()
+from e2e_helpers import E2ERun
 
 
 @pytest.mark.timeout(1200)
-def test_a_killed_rank_resumes_bit_identical_in_place_and_on_a_fresh_node(tmp_path: Path) -> None:
-    need(missing_component())
-    results = tmp_path / "results"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_e2e.py"), "--quick", "--methods",
-         "bootseer", "--results", str(results), "--cache", str(tmp_path / "cache")],
-        capture_output=True, text=True, timeout=1150, check=False, cwd=ROOT)
+def test_a_killed_rank_resumes_bit_identical_in_place_and_on_a_fresh_node(
+        e2e_bench: E2ERun) -> None:
+    run, results = e2e_bench.run, e2e_bench.results
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-6000:]
     report = json.loads((results / "e2e.json").read_text())
     first = report["runs"]["bootseer-first"]

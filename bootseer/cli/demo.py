@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 from striped_fs import StripedFileSystem, parse_size
@@ -42,13 +43,14 @@ def run(args: argparse.Namespace) -> int:
 
 def run_restart(args: argparse.Namespace) -> int:
     """The quick end-to-end scenario, through the benchmark harness of the source checkout."""
-    from .bench import benchmarks_dir, run_script
+    from .bench import benchmarks_dir, run_child
 
     results = os.path.abspath(args.results)
     print("bootseer demo: the end-to-end restart scenario, quick form (a few minutes: an image "
           "built and pushed, two cold starts, two measured restarts)")
     # The report it prints ends with the breakdown table, the verdict and the chart's path.
-    return run_script(benchmarks_dir() / "bench_e2e.py", ["--quick", "--results", results])
+    return run_child([sys.executable, str(benchmarks_dir() / "bench_e2e.py"), "--quick",
+                      "--results", results]).status
 
 
 def run_striped(args: argparse.Namespace) -> int:

@@ -1,10 +1,12 @@
 """``bootseer snapshotter``: containerd's snapshots API over gRPC on a unix socket, in front of
 :class:`~prefetch.containerd.snapshotter.Snapshotter`, with the lazy views' FUSE mount.
 
-One process holds both: the FUSE mount runs in the main thread (libfuse's signal handling
-unmounts it on SIGTERM), and the gRPC server starts from the mount's ``init``, so containerd
-never gets a lazy snapshot's path before that path can be read. A mount left by a killed
-predecessor is detached first; every lazy snapshot in the metadata is served again.
+One process serves both. At start it takes over the lazy mount's connection from the FUSE
+holder (or mounts anew: lazymount.py), registers every lazy snapshot of its metadata, serves
+the mount (fuseserver.py) and only then the gRPC socket, so containerd never gets a lazy
+snapshot's path before that path can be read. A stop (SIGTERM, SIGINT, SIGHUP; or SIGKILL)
+leaves the mount to the holder: running containers wait for the next start, which resumes
+the same connection, and lose nothing.
 
 Whatever umask the process was started with, everything it creates is private to root: the
 daemon runs under umask 077, its directories get explicit modes (snapshotter.py), and the
@@ -15,8 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
+import signal
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -32,8 +33,10 @@ from .api.services.snapshots.v1 import snapshots_pb2 as pb
 from .api.services.snapshots.v1 import snapshots_pb2_grpc as pb_grpc
 from .api.types import mount_pb2
 from .errors import ContainerdError
+from .holder import HolderClient, HolderError
 from .metadata import Snapshot
 from .snapshotter import MountSpec, Snapshotter
+from .unixsock import private_socket
 
 log = logging.getLogger(__name__)
 
@@ -127,82 +130,105 @@ class SnapshotsService(pb_grpc.SnapshotsServicer):
 
 
 def start_grpc(snapshotter: Snapshotter, address: str, *, workers: int = 32) -> grpc.Server:
-    """Serve the snapshots API on the unix socket ``address``, mode 0600 whatever the umask.
-
-    gRPC binds the socket with the umask's mode, in its own threads' time; so it binds a name
-    in a fresh 0700 directory beside ``address`` (nobody else can reach it there), the socket
-    is made 0600, then renamed onto ``address`` (atomically replacing the stale socket of a
-    killed predecessor). A missing parent directory is created 0700; an existing one keeps
-    its mode."""
-    parent = make_dir(Path(address).parent)
-    staging = tempfile.mkdtemp(prefix=".sock-", dir=parent)  # 0700, whatever the umask
-    try:
-        bound = os.path.join(staging, "s")
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
-                                                        thread_name_prefix="snapshots"))
-        pb_grpc.add_SnapshotsServicer_to_server(SnapshotsService(snapshotter), server)
+    """Serve the snapshots API on the unix socket ``address``, mode 0600 whatever the umask
+    (bound privately, then renamed into place: unixsock.private_socket)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
+                                                    thread_name_prefix="snapshots"))
+    pb_grpc.add_SnapshotsServicer_to_server(SnapshotsService(snapshotter), server)
+    with private_socket(address) as bound:
         if server.add_insecure_port(f"unix://{bound}") == 0:
             raise OSError(f"cannot listen on unix socket {bound} (for {address}; a unix "
                           "socket path has at most 107 bytes)")
-        os.chmod(bound, 0o600)
-        os.replace(bound, address)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     server.start()
     return server
 
 
 def serve(root: str | os.PathLike, address: str, *, remote_options: dict[str, Any] | None = None,
-          ready: threading.Event | None = None) -> int:
-    """Run the snapshotter until SIGTERM/SIGINT (or an unmount of its lazy directory), under
-    umask 077 (the caller's is put back after)."""
+          ready: threading.Event | None = None, holder: str | None = None,
+          spawn_holder: bool = True, takeover_wait_s: float = 30.0) -> int:
+    """Run the snapshotter until SIGTERM/SIGINT/SIGHUP (or an unmount of its lazy directory),
+    under umask 077 (the caller's is put back after). ``holder``: the FUSE holder's socket
+    (default: ``fuse-holder.sock`` beside ``address``); one is started when none runs unless
+    not ``spawn_holder`` (a holder service is waited for); ``takeover_wait_s``: how long a
+    predecessor still serving the root is waited for."""
     umask = os.umask(0o077)
     try:
-        return _serve(Path(root).resolve(), address, remote_options, ready)
+        client = HolderClient(holder or default_holder(address), spawn=spawn_holder,
+                              timeout_s=10.0 if spawn_holder else 60.0)
+        return _serve(Path(root).resolve(), address, remote_options, ready, client,
+                      takeover_wait_s)
     finally:
         os.umask(umask)
 
 
-def _serve(root: Path, address: str, remote_options: dict[str, Any] | None,
-           ready: threading.Event | None) -> int:
-    from striped_fs import fuse
+def default_holder(address: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(address)), "fuse-holder.sock")
 
+
+def _serve(root: Path, address: str, remote_options: dict[str, Any] | None,
+           ready: threading.Event | None, holder: HolderClient, takeover_wait_s: float
+           ) -> int:
+    from .fuseserver import FuseServer
+    from .lazymount import open_lazy_mount
     from .remote import RemoteLayers
-    from .views import ViewOperations, mount_views
+    from .views import ViewOperations
 
     make_dir(root, tighten=True)
-    lazy_dir = root / "lazy"
-    if _is_stale_mount(lazy_dir) or fuse.is_mounted(lazy_dir):
-        log.info("detaching the lazy mount a previous snapshotter left at %s", lazy_dir)
-        fuse.unmount(lazy_dir, lazy=True)
-    remote = RemoteLayers(root / "remote", **(remote_options or {}))
-    server: list[grpc.Server] = []
-
-    def on_init() -> None:
-        server.append(start_grpc(snapshotter, address))
-        log.info("bootseer snapshotter serving %s (root %s)", address, root)
+    try:
+        lazy = open_lazy_mount(root / "lazy", holder, wait_s=takeover_wait_s)
+    except HolderError as exc:
+        log.error("cannot serve %s: %s", root, exc)
+        holder.close()
+        return 1
+    views = ViewOperations()
+    views.mounted_at = lazy.conn.meta.get("mounted_at", views.mounted_at)
+    try:  # every lazy snapshot is registered before the first request is read
+        snapshotter = Snapshotter(root, remote=RemoteLayers(root / "remote",
+                                                            **(remote_options or {})),
+                                  views=views)
+    except BaseException:
+        holder.close()
+        lazy.conn.close()
+        raise
+    fuse = FuseServer(views, lazy.conn)
+    if lazy.resumed:
+        fuse.resend()
+    fuse.start()
+    holder.watch()
+    server: grpc.Server | None = None
+    try:
+        server = start_grpc(snapshotter, address)
+        log.info("bootseer snapshotter serving %s (root %s, lazy mount %s)", address, root,
+                 "taken over" if lazy.resumed else "new")
         if ready is not None:
             ready.set()
-
-    views = ViewOperations(on_init=on_init)
-    snapshotter = Snapshotter(root, remote=remote, views=views)
-    try:
-        mount_views(views, str(lazy_dir))
+        _wait(fuse)
     finally:
-        for srv in server:
-            srv.stop(grace=2).wait()
+        if server is not None:
+            server.stop(grace=2).wait()
+        stopped = fuse.stop()  # the requests read are answered; the holder keeps the mount
         if os.path.exists(address):
             os.unlink(address)
         snapshotter.close()
+        holder.close()
+        if stopped:
+            lazy.conn.close()
+            fuse.close()
     return 0
 
 
-def _is_stale_mount(path: Path) -> bool:
-    """A FUSE mount whose daemon died answers ENOTCONN."""
+def _wait(fuse: Any) -> None:
+    """Until a stop signal, or the end of the lazy mount's connection (an unmount)."""
+    stop = threading.Event()
+    saved: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            saved[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
-        os.stat(path)
-    except OSError as exc:
-        import errno
-
-        return exc.errno == errno.ENOTCONN
-    return False
+        while not stop.wait(0.5):
+            if fuse.ended.is_set():
+                log.info("the lazy mount was unmounted: stopping")
+                return
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from striped_fs.fuse import is_mounted
 from striped_fs.private import make_dir
 
 from . import labels as lbl
@@ -75,7 +76,9 @@ class Snapshotter:
                  views: ViewOperations | None = None) -> None:
         self.root = make_dir(Path(root).resolve(), tighten=True)
         make_dir(self.root / "snapshots", tighten=True)
-        self.lazy_dir = make_dir(self.root / "lazy", tighten=True)
+        self.lazy_dir = self.root / "lazy"
+        if not is_mounted(self.lazy_dir):  # a held mount nobody serves yet would block a stat
+            make_dir(self.lazy_dir, tighten=True)
         self.db = MetadataStore(self.root / "metadata.db")
         self.remote = remote
         self.views = views or ViewOperations()

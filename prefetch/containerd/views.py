@@ -11,7 +11,8 @@ layers only imply there takes the mode, owner and xattrs of the unpacked directo
 (:func:`lower_dirs`), as containerd's own unpack gives the directory it creates.
 
 A tree is built on its first access, from layer indexes already on disk; a restart of the
-snapshotter mounts the directory again and serves every snapshot it had. Each tree also shows
+snapshotter serves the same mount again (fuseserver.py, holder.py) with every snapshot it had,
+and the node ids the kernel holds stay valid (nodeids.py). Each tree also shows
 ``/.bootseer/ready``: a container that opens it tells the snapshotter its start is over (the
 end of a profile recording).
 """
@@ -27,8 +28,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..lazyfs import FS_ENCODING, FuseOSError, LazyImage, LazyOperations, Operations
+from ..lazyfs import FuseOSError, LazyImage, LazyOperations, Operations
 from ..merge import LowerDir
+from .nodeids import ViewNodeIds, view_of
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +44,14 @@ class ViewOperations(Operations):  # type: ignore[misc,valid-type]
 
     use_ns = True
 
-    def __init__(self, *, on_ready: Callable[[int], None] | None = None,
-                 on_init: Callable[[], None] | None = None) -> None:
+    def __init__(self, *, on_ready: Callable[[int], None] | None = None) -> None:
         self._builders: dict[int, Callable[[], LazyImage]] = {}
         self._views: dict[int, LazyOperations] = {}
+        self._ids: dict[int, ViewNodeIds] = {}
         self._locks: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
         self._on_ready = on_ready
-        self._on_init = on_init
-        self.mounted_at = time.time_ns()
+        self.mounted_at = time.time_ns()  # the mount's: the service sets it from the connection
 
     # -- the snapshotter's side --------------------------------------------------------------
     def register(self, view_id: int, builder: Callable[[], LazyImage]) -> None:
@@ -62,6 +63,7 @@ class ViewOperations(Operations):  # type: ignore[misc,valid-type]
         with self._lock:
             self._builders.pop(view_id, None)
             self._views.pop(view_id, None)
+            self._ids.pop(view_id, None)
             self._locks.pop(view_id, None)
 
     def view(self, view_id: int) -> LazyOperations:
@@ -80,6 +82,8 @@ class ViewOperations(Operations):  # type: ignore[misc,valid-type]
                 started = time.perf_counter()
                 try:
                     ops = LazyOperations(builder(), ino_base=view_id << _INO_SHIFT)
+                    ops.mounted_at = self.mounted_at  # the same times after a restart
+                    ids = ViewNodeIds(view_id, lambda: _view_paths(ops))
                 except Exception as exc:  # noqa: BLE001 - the mount must keep serving
                     log.error("lazy snapshot %d cannot be built: %s", view_id, exc)
                     raise FuseOSError(errno.EIO) from None
@@ -87,15 +91,41 @@ class ViewOperations(Operations):  # type: ignore[misc,valid-type]
                     if view_id not in self._builders:
                         raise FuseOSError(errno.ENOENT)
                     self._views[view_id] = ops
+                    self._ids[view_id] = ids
                 log.info("lazy snapshot %d: tree of %d nodes built in %.3f s", view_id,
                          len(ops.image.tree.inodes), time.perf_counter() - started)
         return ops
 
-    # -- fusepy ------------------------------------------------------------------------------
-    def init(self, path: str) -> None:
-        if self._on_init is not None:
-            self._on_init()
+    # -- node ids (fuseserver.TreeOperations) ------------------------------------------------
+    def nodeid(self, path: str) -> int:
+        view_id, rest = self._split(path)
+        if view_id is None:
+            return 1
+        self.view(view_id)
+        with self._lock:
+            ids = self._ids.get(view_id)
+        if ids is None:
+            raise FuseOSError(errno.ENOENT)
+        return ids.nodeid(rest)
 
+    def path_of(self, nodeid: int) -> str | None:
+        if nodeid == 1:
+            return "/"
+        view_id = view_of(nodeid)
+        try:
+            self.view(view_id)
+        except FuseOSError as exc:
+            if exc.errno == errno.ENOENT:
+                return None  # a removed snapshot
+            raise
+        with self._lock:
+            ids = self._ids.get(view_id)
+        rest = ids.path_of(nodeid) if ids is not None else None
+        if rest is None:
+            return None
+        return f"/{view_id}" + ("" if rest == "/" else rest)
+
+    # -- fusepy ------------------------------------------------------------------------------
     def _split(self, path: str) -> tuple[int | None, str]:
         parts = path.strip("/").split("/", 1)
         if not parts[0]:
@@ -194,8 +224,16 @@ class ViewOperations(Operations):  # type: ignore[misc,valid-type]
                 "f_bavail": 0, "f_files": 0, "f_ffree": 0, "f_namemax": 255}
 
 
-def mount_views(ops: ViewOperations, mountpoint: str) -> None:
-    """Serve ``ops`` at ``mountpoint`` until unmounted (blocks; SIGTERM unmounts).
+def _view_paths(ops: LazyOperations) -> list[str]:
+    """Every path a view shows, its control files included."""
+    paths = ["/", f"/{CONTROL_DIR}", f"/{CONTROL_DIR}/{READY_FILE}"]
+    paths.extend(f"/{p}" for p, _ in ops.image.tree.walk() if p)
+    return paths
+
+
+def mount_views(mountpoint: str) -> Any:
+    """Mount the views' FUSE filesystem at ``mountpoint`` (the connection is returned; a
+    fuseserver.FuseServer serves it, this process or a successor).
 
     ``nodev,nosuid,default_permissions,allow_other`` (docs/decisions.md, "node: private
     directories, ..."): the kernel enforces the image's modes and owners on every access;
@@ -206,17 +244,14 @@ def mount_views(ops: ViewOperations, mountpoint: str) -> None:
     view too: containerd remounts it ``ro``, which resets both flags). ``allow_other`` is for
     that bind mount: there a container's users other than root read through FUSE with their
     own credentials. The mount's root is 0700 and lies in the snapshotter's 0700 root, so no
-    user of the node gets to it but root.
+    user of the node gets to it but root. The images never change under the mount: the server
+    lets the kernel keep pages across opens and cache names and attributes for an hour
+    (FuseServer's defaults).
     """
-    from striped_fs.fuse import run_fuse
+    from .fuseserver import mount
 
-    options: dict[str, Any] = {"foreground": True, "nothreads": False, "ro": True,
-                               "encoding": FS_ENCODING, "fsname": "bootseer-snapshots", "subtype": "bootseer",
-                               "use_ino": True, "max_read": 1 << 20, "allow_other": True,
-                               "default_permissions": True, "nodev": True, "nosuid": True,
-                               "kernel_cache": True, "entry_timeout": 3600.0,
-                               "attr_timeout": 3600.0, "negative_timeout": 3600.0}
-    run_fuse(ops, mountpoint, options)
+    return mount(mountpoint, fsname="bootseer-snapshots", subtype="bootseer",
+                 max_read=1 << 20, allow_other=True)
 
 
 def lower_dirs(dirs: Sequence[str]) -> Callable[[str], LowerDir | None]:

@@ -1,0 +1,53 @@
+"""The end-to-end scenario's quick form, run once a test session through ``bootseer bench e2e``.
+
+Its job takes minutes on a CI machine: test_e2e.py asserts what happened in it, and
+test_bench_harness.py that the harness left its results, from the same run (conftest's
+``e2e_bench`` fixture), so ``make test`` never runs the job twice.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bootseer.testing.servers import fuse_available
+
+ROOT = Path(__file__).resolve().parents[1]
+E2E_ARGS = ("--quick", "--methods", "bootseer")  # in place and on a fresh node; no baseline
+
+
+def missing_component() -> str | None:
+    """Why the scenario cannot run here (None: it can)."""
+    if os.geteuid() != 0:
+        return "the end-to-end scenario needs root (containerd, runc, FUSE)"
+    for tool in ("containerd", "ctr", "runc", "containerd-shim-runc-v2", "docker-registry"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (apt: containerd runc docker-registry)"
+    dpkg = subprocess.run(["dpkg-query", "-W", "-f=${Status}", "python3.11"],
+                          capture_output=True, text=True, check=False)
+    if not dpkg.stdout.endswith(" installed"):
+        return "the image base is copied from Debian's python3.11 package, not installed here"
+    return fuse_available()
+
+
+@dataclass(frozen=True)
+class E2ERun:
+    """``bootseer bench e2e``'s exit, output and results directory."""
+
+    run: subprocess.CompletedProcess[str]
+    results: Path
+
+
+def run_e2e_bench(work: Path) -> E2ERun:
+    """``bootseer bench e2e --quick --methods bootseer`` with its results and a cold cache
+    under ``work``."""
+    results = work / "results"
+    run = subprocess.run(
+        [sys.executable, "-m", "bootseer", "bench", "e2e", *E2E_ARGS, "--results", str(results),
+         "--cache", str(work / "cache")],
+        capture_output=True, text=True, timeout=1150, check=False, cwd=ROOT)
+    return E2ERun(run, results)
