@@ -217,5 +217,34 @@ def output(n: str) -> None:
     raise ValueError("the last words")
 
 
+def steady_then_stall(steps: str, step_s: str) -> None:
+    """``steps`` heartbeats ``step_s`` apart (every one written), then silence."""
+    import bootseer
+    import bootseer.client
+
+    bootseer.client.HEARTBEAT_INTERVAL_S = 0.0
+    bootseer.ready()
+    for step in range(int(steps)):
+        bootseer.heartbeat(step, loss=1.0)
+        time.sleep(float(step_s))
+    sleep_before_all_reduce()
+
+
+def supervise_learned(trace_dir: str, steps: str, step_s: str) -> None:
+    """A Supervisor whose agent learns the hang threshold (k=2, floor 0.5 s: the defaults'
+    30 s floor is too long for a test) over ``steady-then-stall``; exits with its code."""
+    from bootseer.robust.agent import Agent
+    from bootseer.robust.detect import HangDetector
+    from bootseer.supervise import HangPolicy, RestartPolicy, Supervisor
+    from bootseer.trace import TraceWriter
+
+    trace = TraceWriter(trace_dir, "learnnode")
+    agent = Agent(trace, "learnnode", hang=HangDetector(None, k=2.0, floor_s=0.5))
+    sup = Supervisor(scenario_argv("steady-then-stall", steps, step_s), trace=trace,
+                     restart=RestartPolicy(0), hang=HangPolicy(0.0, dump_wait_s=2.0),
+                     agent=agent)
+    sys.exit(sup.run())
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1].replace("-", "_")](*sys.argv[2:])

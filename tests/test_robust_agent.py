@@ -157,3 +157,19 @@ def test_verdicts_are_json_lines_in_the_nodes_trace(tmp_path):
     kinds = [(d.get("record"), d.get("class")) for d in lines if "record" in d]
     assert kinds == [("event", "user_error"), ("verdict", "user_error")]
     assert lines[-1]["evidence"]["event"]["evidence"]["exception"] == "ModuleNotFoundError"
+
+
+def test_a_learned_hang_threshold_catches_a_stall(tmp_path):
+    """hang.timeout_s 0 with a learned threshold: steady 0.2 s steps, then silence."""
+    trace = tmp_path / "trace"
+    proc = subprocess.run(scenario_argv("supervise-learned", trace, 8, 0.2),
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve()
+                                                              .parent.parent)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + 9, proc.stderr  # killed as hung, no restart allowed
+    [event], [verdict] = records(trace)
+    assert (event.kind, event.rank, event.step, event.evidence["threshold_from"]) == (
+        "hang", 0, 7, "learned")
+    # the threshold came from the steps: max(2 x median step time, 0.5 s)
+    assert event.evidence["threshold_s"] >= 0.5
+    assert verdict.failure_class == "hang"
