@@ -4,7 +4,10 @@ classifier (:mod:`bootseer.robust.classify`).
 Why a tee and not a log file read afterwards: the command's output is the container's log
 (the terminal, ``kubectl logs``), so it must reach the wrapper's own stdout/stderr at once
 and byte for byte; the classifier only needs the last lines, so memory stays bounded: at most
-``lines`` lines of at most ``line_bytes`` bytes each, whatever the command prints.
+``lines`` lines of at most ``line_bytes`` bytes per stream, whatever the command prints. The
+streams are kept apart and given back stdout's first, stderr's last: two pipes read by two
+threads have no common order, and a traceback (stderr) must stay at the end, where the
+classifier looks, even when stdout's last chunk is read after it.
 
 Usage::
 
@@ -26,20 +29,23 @@ __all__ = ["OutputTail"]
 
 
 class OutputTail:
-    """Copies pipes to file descriptors unbuffered and keeps their last lines (shared, in
-    arrival order, so a traceback on stderr and progress on stdout stay interleaved)."""
+    """Copies pipes to file descriptors unbuffered and keeps each one's last lines."""
 
     def __init__(self, lines: int = 200, line_bytes: int = 4096) -> None:
         if lines < 1:
             raise ValueError(f"the tail must keep at least one line (got {lines})")
         self.line_bytes = line_bytes
-        self._lines: deque[str] = deque(maxlen=lines)
+        self.max_lines = lines
+        self._streams: list[deque[str]] = []
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
     def attach(self, source_fd: int, target_fd: int) -> None:
         """Copy ``source_fd`` (a pipe's read end, closed at EOF) to ``target_fd``."""
-        thread = threading.Thread(target=self._copy, args=(source_fd, target_fd),
+        with self._lock:
+            kept: deque[str] = deque(maxlen=self.max_lines)
+            self._streams.append(kept)
+        thread = threading.Thread(target=self._copy, args=(source_fd, target_fd, kept),
                                   name=f"bootseer-tee-{target_fd}", daemon=True)
         thread.start()
         self._threads.append(thread)
@@ -54,21 +60,22 @@ class OutputTail:
         return not alive
 
     def lines(self) -> list[str]:
-        """The last lines, oldest first (a last line without its newline included)."""
+        """The last lines of each stream, oldest first, the streams in the order they were
+        attached (a last line without its newline included)."""
         with self._lock:
-            return list(self._lines)
+            return [line for kept in self._streams for line in kept]
 
     def clear(self) -> None:
-        """Forget the lines (a new attempt starts its own tail)."""
+        """Forget the streams and their lines (a new attempt attaches its own)."""
         with self._lock:
-            self._lines.clear()
+            self._streams = []
 
-    def _keep(self, raw: bytes) -> None:
+    def _keep(self, kept: deque[str], raw: bytes) -> None:
         text = raw[: self.line_bytes].decode("utf-8", errors="replace").rstrip("\r")
         with self._lock:
-            self._lines.append(text)
+            kept.append(text)
 
-    def _copy(self, source_fd: int, target_fd: int) -> None:
+    def _copy(self, source_fd: int, target_fd: int, kept: deque[str]) -> None:
         partial = b""
         writable = True
         try:
@@ -77,10 +84,10 @@ class OutputTail:
                     writable = _write_all(target_fd, chunk)
                 *whole, partial = (partial + chunk).split(b"\n")
                 for line in whole:
-                    self._keep(line)
+                    self._keep(kept, line)
                 partial = partial[: self.line_bytes]  # a line without end stays bounded
             if partial:
-                self._keep(partial)
+                self._keep(kept, partial)
         finally:
             os.close(source_fd)
 

@@ -129,22 +129,29 @@ def test_output_passes_unchanged_and_only_the_tail_is_kept(tmp_path):
     [event], _ = records(trace)
     assert (event.failure_class, event.evidence["exception"]) == ("python_exception",
                                                                   "ValueError")
-    assert "ValueError: the last words" in event.evidence["lines"]
-    assert "line 4999" in event.evidence["lines"] and "line 0" not in event.evidence["lines"]
+    # stdout's last lines first, stderr's last: the traceback ends the evidence (its last 20)
+    lines = event.evidence["lines"]
+    assert lines[-1] == "ValueError: the last words" and "line 0" not in lines
+    assert lines[:lines.index("no newline at the end")][-2:] == ["line 4998", "line 4999"]
 
 
-def test_the_tail_is_bounded():
+def test_the_tail_is_bounded_per_stream_and_stderr_comes_last():
     tail = OutputTail(lines=3, line_bytes=8)
-    r, w = os.pipe()
-    out_r, out_w = os.pipe()
-    tail.attach(r, out_w)
-    os.write(w, b"one\ntwo\nthree\nfour\n" + b"x" * 100 + b"\nlast")
-    os.close(w)
+    (r1, w1), (r2, w2) = os.pipe(), os.pipe()
+    (out1_r, out1_w), (out2_r, out2_w) = os.pipe(), os.pipe()
+    tail.attach(r1, out1_w)
+    tail.attach(r2, out2_w)
+    os.write(w2, b"Traceback\nKeyError: 'x'\n")  # stderr's lines arrive first
+    os.write(w1, b"one\ntwo\nthree\nfour\n" + b"x" * 100 + b"\nlast")
+    os.close(w1)
+    os.close(w2)
     assert tail.drain(10.0)
-    os.close(out_w)
-    with os.fdopen(out_r, "rb") as f:
-        assert f.read() == b"one\ntwo\nthree\nfour\n" + b"x" * 100 + b"\nlast"
-    assert tail.lines() == ["four", "x" * 8, "last"]
+    os.close(out1_w)
+    os.close(out2_w)
+    with os.fdopen(out1_r, "rb") as f1, os.fdopen(out2_r, "rb") as f2:
+        assert f1.read() == b"one\ntwo\nthree\nfour\n" + b"x" * 100 + b"\nlast"
+        assert f2.read() == b"Traceback\nKeyError: 'x'\n"
+    assert tail.lines() == ["four", "x" * 8, "last", "Tracebac", "KeyError"]  # cut at 8 B
 
 
 def test_verdicts_are_json_lines_in_the_nodes_trace(tmp_path):
