@@ -12,6 +12,7 @@ manifest written last.
 
 from __future__ import annotations
 
+import datetime
 import errno
 import logging
 import os
@@ -42,6 +43,7 @@ from .layout import (
     stripes_dir,
     version_dir,
 )
+from .mtime import mtime_ns_of, set_mtime
 from .reader import (
     InlineSource,
     PlainSource,
@@ -225,7 +227,16 @@ class StripedFileSystem(ChainedFileSystem):
         return self.target.isfile(self._norm(path))
 
     def modified(self, path: str):
+        info = self.info(path)
+        if "mtime_ns" in info:  # set on a striped file (utime, rsync -a)
+            return datetime.datetime.fromtimestamp(info["mtime_ns"] / 1e9, tz=datetime.UTC)
         return self.target.modified(self._norm(path))
+
+    def set_mtime(self, path: str, mtime_ns: int) -> None:
+        """Set a file's modification time (integer ns): a striped file's in a new manifest
+        naming the same stripes, atomically; a plain file's or directory's where the target
+        can (local disk); otherwise ``OSError(EOPNOTSUPP)``. See :mod:`striped_fs.mtime`."""
+        set_mtime(self, self._norm(path), mtime_ns)
 
     def created(self, path: str):
         return self.target.created(self._norm(path))
@@ -395,13 +406,16 @@ class StripedFileSystem(ChainedFileSystem):
             except OSError:
                 pass  # other versions (a concurrent writer's) still there
 
-    def _copy_striped(self, src: str, manifest: Manifest, dst: str, *, link: bool) -> None:
+    def _copy_striped(self, src: str, manifest: Manifest, dst: str, *, link: bool,
+                      mtime_ns: int | None = None) -> None:
         """A new version of ``dst`` holding ``src``'s stripes, committed (or, inside a
         transaction, deferred). Stripes go ``concurrency`` at a time, each retried like any
-        stripe: server-side copies on S3, hard links on local disk when ``link``."""
+        stripe: server-side copies on S3, hard links on local disk when ``link``. ``mtime_ns``:
+        the time the new manifest records (a move keeps the source's)."""
         opts, retry = self.options, RetryPolicy.from_options(self.options)
         copy = Manifest(size=manifest.size, stripe_size=manifest.stripe_size,
-                        version=uuid.uuid4().hex, checksums=manifest.checksums)
+                        version=uuid.uuid4().hex, checksums=manifest.checksums,
+                        mtime_ns=mtime_ns)
         pending: set[Future[None]] = set()
         try:
             self._prepare_version(dst, copy.version)
@@ -523,7 +537,11 @@ class StripedFileSystem(ChainedFileSystem):
         if manifest is None:
             self._move_plain(src, dst)
             return
-        self._copy_striped(src, manifest, dst, link=True)
+        # rename keeps the file's mtime, also one that was the old manifest's own time
+        keep = manifest.mtime_ns
+        if keep is None:
+            keep = mtime_ns_of(self.target.info(src))
+        self._copy_striped(src, manifest, dst, link=True, mtime_ns=keep)
         self.rm_file(src)
 
     def _move_plain(self, src: str, dst: str) -> None:
@@ -624,8 +642,12 @@ def _read_only(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 def _logical(info: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
-    return {**info, "size": manifest.size, "striped": True, "stripes": manifest.stripe_count,
-            "stripe_size": manifest.stripe_size, "version": manifest.version}
+    out = {**info, "size": manifest.size, "striped": True, "stripes": manifest.stripe_count,
+           "stripe_size": manifest.stripe_size, "version": manifest.version}
+    if manifest.mtime_ns is not None:
+        out["mtime_ns"] = manifest.mtime_ns
+        out["mtime"] = manifest.mtime_ns / 1e9
+    return out
 
 
 def _clip(start: int | None, end: int | None, size: int) -> tuple[int, int]:

@@ -13,11 +13,21 @@ cannot do more without lying:
   zeros (what a sparse source reads as), anything that would rewrite bytes already written is
   refused with ``EOPNOTSUPP`` and poisons the handle;
 * commit happens when the writer calls ``close()``: the kernel sends FLUSH synchronously from
-  ``close(2)``, so a failed commit reaches ``cp`` as ``EIO`` from ``close`` (RELEASE comes later
-  and its status is discarded by the kernel). As FLUSH comes with the close of *any* descriptor
-  sharing the open file, a flush before the first byte is ignored (``dd`` dups, then closes
-  the original); a write after the commit fails with ``EIO`` (loud, never silent). An empty new
-  file commits at RELEASE. A poisoned handle is discarded, never committed.
+  ``close(2)``, so the file is in the store when ``close`` returns, and a failed commit reaches
+  ``cp`` as ``EIO`` from ``close`` (RELEASE comes later and its status is discarded by the
+  kernel). A new or empty file is committed empty at its first FLUSH (``touch``); FLUSH comes
+  with the close of *any* descriptor sharing the open file (``dd`` dups, then closes the
+  original), so a first write after such an empty commit starts the file again, committed at
+  the next FLUSH. A flush before the first byte of a write that replaces a non-empty file is
+  not final: the old bytes stay until data comes (or RELEASE). Any other write after the
+  commit fails with ``EIO`` (loud, never silent). A poisoned handle is discarded, never
+  committed. Until its commit has landed, a file being written is answered from the handle
+  (getattr, readdir), so it never looks missing in between;
+* times: ``utimens`` sets the mtime (``touch -d``, ``cp -p``, ``rsync -a``) through the
+  filesystem's ``set_mtime`` (striped: in the manifest) or ``os.utime`` on a local backing; on
+  a file being written it is recorded with the commit. Directories without settable times
+  (object-store prefixes) accept it and ignore it. Modes and owners are not stored: ``chmod``
+  and ``chown`` are accepted and ignored (files show 0644, directories 0755).
 
 Exceptions become errnos (``FileNotFoundError`` -> ``ENOENT`` ... anything unexpected -> ``EIO``
 with a log line on ``striped_fs.fuse``). ``read_only=True`` turns every mutation into ``EROFS``.
@@ -30,7 +40,6 @@ runs the mount as a child (``python -m striped_fs.fuse URL MOUNTPOINT``).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import errno
 import itertools
 import logging
@@ -48,6 +57,7 @@ from typing import Any
 
 from fsspec.spec import AbstractBufferedFile
 
+from .mtime import mtime_ns_of
 from .redact import install_log_redaction
 
 try:  # libfuse may be missing; the helpers below (is_mounted, unmount...) still work.
@@ -90,6 +100,9 @@ IO_SIZE = 131072
 INFO_TTL = 1.0
 _INFO_CACHE_MAX = 65536
 _ZERO_CHUNK = bytes(1 << 20)
+# utimensat's special nanosecond values; libfuse2 passes them with tv_sec 0, fusepy as ns.
+_UTIME_NOW = (1 << 30) - 1
+_UTIME_OMIT = (1 << 30) - 2
 
 _MUTATING = frozenset(
     {
@@ -124,21 +137,14 @@ def _fuse_error(err: int) -> OSError:
     return FuseOSError(err)
 
 
-def _mtime_ns(info: dict[str, Any], default: int) -> int:
-    """Modification time from whatever key this fsspec backend uses (float, datetime, str)."""
-    for key in ("mtime", "LastModified", "last_modified", "modified", "updated", "created", "ctime"):
-        val = info.get(key)
-        if val is None:
-            continue
-        try:
-            if isinstance(val, _dt.datetime):
-                return int(val.timestamp() * 1e9)
-            if isinstance(val, str):
-                return int(_dt.datetime.fromisoformat(val.replace("Z", "+00:00")).timestamp() * 1e9)
-            return int(float(val) * 1e9)
-        except (TypeError, ValueError, OverflowError):
-            continue
-    return default
+def _requested_mtime(times: tuple[int, int] | None) -> int | None:
+    """The mtime (ns) a utimens call asks for; None when it leaves the mtime alone."""
+    if times is None:
+        return time.time_ns()
+    mtime = int(times[1])
+    if mtime == _UTIME_OMIT:
+        return None
+    return time.time_ns() if mtime == _UTIME_NOW else mtime
 
 
 def _abandon(f: Any, path: str) -> None:
@@ -175,9 +181,10 @@ class _ReadHandle:
 
 
 class _WriteHandle:
-    __slots__ = ("path", "full", "f", "lock", "pos", "failed", "done", "unlinked", "mtime_ns")
+    __slots__ = ("path", "full", "f", "lock", "pos", "failed", "done", "unlinked", "mtime_ns",
+                 "mtime_set", "empty_ok")
 
-    def __init__(self, path: str, full: str, f: Any) -> None:
+    def __init__(self, path: str, full: str, f: Any, empty_ok: bool) -> None:
         self.path = path
         self.full = full
         self.f = f
@@ -186,7 +193,10 @@ class _WriteHandle:
         self.failed: str | None = None  # why the handle can no longer commit
         self.done = False  # committed or abandoned
         self.unlinked = False
-        self.mtime_ns = time.time_ns()
+        self.mtime_ns = time.time_ns()  # what getattr shows until the commit
+        self.mtime_set: int | None = None  # set by utimens: recorded with the commit
+        # Committing it empty hides no bytes anyone could read: a new file, or an empty one.
+        self.empty_ok = empty_ok
 
 
 class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
@@ -198,6 +208,9 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
 
     #: fusepy: times are integer nanoseconds.
     use_ns = True
+    #: libfuse2: pass utimens calls that set only one of atime/mtime (``touch -m``, rsync),
+    #: with UTIME_OMIT/UTIME_NOW, instead of dropping them while answering success.
+    flag_utime_omit_ok = 1
 
     def __init__(
         self,
@@ -225,7 +238,9 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
         self._lock = threading.Lock()  # guards the dicts above (not held during I/O)
         self._settled = threading.Condition(self._lock)  # notified when a pending write ends
         protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-        self._local = "file" in protocol or "local" in protocol
+        backend = getattr(fs, "backend", None)  # striped_fs: the target's, local or not
+        self._local = ("file" in protocol or "local" in protocol
+                       or getattr(backend, "is_local", False) is True)
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -306,7 +321,14 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
         return info
 
     def _stat(self, info: dict[str, Any]) -> dict[str, Any]:
-        t = _mtime_ns(info, self.mounted_at_ns)
+        t = mtime_ns_of(info)
+        if self._local and "mtime_ns" not in info and info.get("name"):
+            try:  # LocalFileSystem gives float seconds: rsync compares nanoseconds
+                t = os.stat(info["name"], follow_symlinks=False).st_mtime_ns
+            except OSError:
+                pass
+        if t is None:
+            t = self.mounted_at_ns
         common = {
             "st_uid": self.uid,
             "st_gid": self.gid,
@@ -338,7 +360,7 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
         with self._lock:
             pending = self._writing.get(path)
         if pending is not None:
-            return self._stat({"type": "file", "size": pending.pos, "mtime": pending.mtime_ns / 1e9})
+            return self._stat({"type": "file", "size": pending.pos, "mtime_ns": pending.mtime_ns})
         full = self._full(path)
         try:
             info = self._info(full)
@@ -416,8 +438,46 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
         return 0
 
     def utimens(self, path: str, times: tuple[int, int] | None = None) -> int:
-        """Accepted and ignored: fsspec has no portable way to set mtime."""
+        """Set the mtime (the atime is not kept: it shows as the mtime).
+
+        A file being written records it for its commit (one manifest, ``cp -p``); a committed
+        one gets it through :meth:`_set_mtime`. A directory whose store keeps no times (an
+        object-store prefix) accepts it and ignores it, so ``rsync -a`` can finish."""
+        mtime = _requested_mtime(times)
+        if mtime is None:
+            return 0
+        with self._lock:
+            pending = self._writing.get(path)
+        if pending is not None:
+            with pending.lock:
+                if not pending.done:
+                    if not self._can_set_mtime():
+                        raise _fuse_error(errno.EOPNOTSUPP)
+                    pending.mtime_set = pending.mtime_ns = mtime
+                    return 0
+        if stat.S_ISDIR(self.getattr(path)["st_mode"]) and not self._local:
+            # A prefix has no time to set, and one rsync has just made is not even in the
+            # store until a file lands in it: asking the store would fail rsync with ENOENT.
+            log.debug("utimens %s: this store keeps no directory times; ignored", path)
+            return 0
+        try:
+            self._set_mtime(self._full(path), mtime)
+        finally:
+            self._invalidate()
         return 0
+
+    def _can_set_mtime(self) -> bool:
+        return callable(getattr(self.fs, "set_mtime", None)) or self._local
+
+    def _set_mtime(self, full: str, mtime_ns: int) -> None:
+        """The filesystem's ``set_mtime`` (striped_fs), else ``os.utime`` on a local backing."""
+        setter = getattr(self.fs, "set_mtime", None)
+        if callable(setter):
+            setter(full, mtime_ns)
+        elif self._local:
+            os.utime(full, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
+        else:
+            raise OSError(errno.EOPNOTSUPP, "this filesystem keeps no settable mtimes", full)
 
     def readlink(self, path: str) -> str:
         raise _fuse_error(errno.EINVAL)
@@ -569,15 +629,15 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
             raise _fuse_error(errno.EBADF)
         return h
 
-    def _start_write(self, path: str) -> int:
+    def _start_write(self, path: str, empty_ok: bool) -> int:
         full = self._full(path)
         f = self.fs.open(full, "wb")
         self._invalidate()
-        return self._new_handle(_WriteHandle(path, full, f))
+        return self._new_handle(_WriteHandle(path, full, f, empty_ok))
 
     def create(self, path: str, mode: int, fi: Any = None) -> int:
         """New file: one sequential ``fs.open(path, "wb")`` stream, committed at close."""
-        return self._start_write(path)
+        return self._start_write(path, empty_ok=True)
 
     def open(self, path: str, flags: int) -> int:
         """O_RDONLY: a read handle. Writing: only as a new stream (O_TRUNC, or an empty file)."""
@@ -587,14 +647,13 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
             return self._new_handle(_ReadHandle(path, self.fs.open(full, "rb")))
         if self.read_only:
             raise _fuse_error(errno.EROFS)
-        if not flags & os.O_TRUNC:
-            size = self.getattr(path).get("st_size", 0)
-            if size:
-                log.warning(
-                    "open %s for writing without O_TRUNC refused: files here are written once, "
-                    "sequentially (existing size %d)", path, size)
-                raise _fuse_error(errno.EOPNOTSUPP)
-        return self._start_write(path)
+        size = self.getattr(path).get("st_size", 0)
+        if size and not flags & os.O_TRUNC:
+            log.warning(
+                "open %s for writing without O_TRUNC refused: files here are written once, "
+                "sequentially (existing size %d)", path, size)
+            raise _fuse_error(errno.EOPNOTSUPP)
+        return self._start_write(path, empty_ok=not size)
 
     def read(self, path: str | None, size: int, offset: int, fh: int) -> bytes:
         """``seek`` (only when the offset moved) + ``read`` on the handle's fsspec file."""
@@ -643,6 +702,8 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
         if not isinstance(h, _WriteHandle):
             raise _fuse_error(errno.EBADF)
         with h.lock:
+            if h.done and not h.failed and h.pos == 0 and not h.unlinked:
+                self._restart(h)  # dd: committed empty at the first close of a dup
             if h.done or h.failed:
                 log.warning("write to %s refused: %s", h.path,
                             f"an earlier error ({h.failed})" if h.failed
@@ -656,7 +717,17 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
             if offset > h.pos:
                 self._zero_fill(h, offset)
             self._append(h, data)
+            h.mtime_set = None  # a write after utimens: the file's mtime is the commit's
         return len(data)
+
+    def _restart(self, h: _WriteHandle) -> None:
+        """A handle committed empty gets data: start the file again (the empty version stays
+        visible until this one commits)."""
+        h.f = self.fs.open(h.full, "wb")
+        h.done = False
+        h.mtime_ns = time.time_ns()
+        with self._lock:
+            self._writing[h.path] = h
 
     def truncate(self, path: str, length: int, fh: int | None = None) -> int:
         """Only what a sequential stream can honour: to the current end, upwards, or to 0."""
@@ -701,17 +772,16 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
         raise _fuse_error(errno.EOPNOTSUPP)
 
     def _commit(self, h: _WriteHandle) -> None:
-        """Close the fsspec file (= make the file visible), once; EIO if that is not possible."""
+        """Close the fsspec file (= make the file visible), once; EIO if that is not possible.
+
+        The handle answers getattr and readdir for the path until the commit has landed (or
+        failed): forgetting it before would show the file as missing in between."""
         with h.lock:
             if h.done:
                 if h.failed:
                     raise _fuse_error(errno.EIO)
                 return
             h.done = True
-            with self._lock:
-                if self._writing.get(h.path) is h:
-                    del self._writing[h.path]
-                    self._settled.notify_all()
             try:
                 if h.unlinked:
                     _abandon(h.f, h.full)
@@ -720,26 +790,52 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
                     log.error("%s not committed: %s", h.path, h.failed)
                     _abandon(h.f, h.full)
                     raise _fuse_error(errno.EIO)
-                try:
-                    h.f.close()
-                except Exception as e:
-                    h.failed = f"commit failed: {e!r}"
-                    log.error("commit of %s (%d bytes) failed: %r", h.path, h.pos, e,
-                              exc_info=True)
-                    _abandon(h.f, h.full)
-                    raise _fuse_error(errno.EIO) from None
+                self._close(h)
+                if h.unlinked:  # unlinked while its commit was landing: it stays unlinked
+                    try:
+                        self.fs.rm(h.full)
+                    except FileNotFoundError:
+                        pass
             finally:
                 self._invalidate()
+                with self._lock:
+                    if self._writing.get(h.path) is h:
+                        del self._writing[h.path]
+                    self._settled.notify_all()
+
+    def _close(self, h: _WriteHandle) -> None:
+        """Commit: close the file object, with the mtime utimens recorded (in the manifest
+        itself where the writer takes it, else set right after)."""
+        later = h.mtime_set
+        if later is not None and hasattr(h.f, "mtime_ns"):
+            h.f.mtime_ns = later  # striped: the commit's manifest records it
+            later = None
+        try:
+            h.f.close()
+        except Exception as e:
+            h.failed = f"commit failed: {e!r}"
+            log.error("commit of %s (%d bytes) failed: %r", h.path, h.pos, e, exc_info=True)
+            _abandon(h.f, h.full)
+            raise _fuse_error(errno.EIO) from None
+        if later is not None:
+            try:
+                self._set_mtime(h.full, later)
+            except Exception as e:
+                h.failed = f"committed, but its mtime could not be set: {e!r}"
+                log.error("%s: %s", h.path, h.failed)
+                raise _fuse_error(errno.EIO) from None
 
     def flush(self, path: str | None, fh: int) -> int:
-        """close(2) of a written file: commit here, where the caller still sees the error.
+        """close(2) of a written file: commit here, where the caller still sees the error, and
+        before close() returns, so the next command finds the file.
 
         FLUSH comes with every close of a descriptor sharing the open file, so one that comes
-        before any byte was written is not the writer's final close (``dd`` dups its output and
-        closes the original first); such a handle commits on the next flush or on release.
-        """
+        before any byte was written may not be the writer's final close (``dd`` dups its
+        output and closes the original first). A new or empty file is committed empty anyway
+        (``touch x && cat x``; a later write starts it again); one whose old bytes an empty
+        commit would hide waits for data or for release."""
         h = self._handles.get(fh)
-        if isinstance(h, _WriteHandle) and (h.pos > 0 or h.failed or h.done):
+        if isinstance(h, _WriteHandle) and (h.pos > 0 or h.failed or h.done or h.empty_ok):
             self._commit(h)
         return 0
 

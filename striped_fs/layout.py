@@ -25,10 +25,16 @@ from .config import MAX_STRIPE_SIZE
 from .errors import ManifestError
 
 MAGIC = b"BOOTSEER-STRIPED\x00v1\n"
-FORMAT_VERSION = 1
+#: Format 2 is format 1 plus ``mtime_ns``. A manifest is written as format 1 unless it
+#: carries an mtime, so files nobody set a time on stay readable by older readers, which
+#: refuse format 2 by its number ("upgrade bootseer"), not as an unknown field.
+FORMAT_VERSION = 2
+FORMATS = (1, 2)
 CHECKSUM_ALGO = "crc32"
 # Manifests hold ~11 bytes per stripe; 16 MiB holds the largest stripe count below.
 MAX_MANIFEST_SIZE = 16 << 20
+# An mtime is integer nanoseconds since the epoch, within what a signed 64-bit time holds.
+MIN_MTIME_NS, MAX_MTIME_NS = -(1 << 63), (1 << 63) - 1
 # Caps on what a manifest may declare (checked before anything is allocated from it):
 # 2**20 stripes are 8 TiB at the default 8 MiB stripes and 1 PiB at the 1 GiB maximum.
 MAX_STRIPES = 1 << 20
@@ -94,6 +100,9 @@ class Manifest:
     version: str
     checksums: list[int] = field(default_factory=list)
     created: float = field(default_factory=time.time)
+    #: The file's modification time when one was set (utime, rsync -a, cp -p); otherwise
+    #: the time the target gives the manifest object (its commit) is the file's mtime.
+    mtime_ns: int | None = None
 
     @property
     def stripe_count(self) -> int:
@@ -104,8 +113,8 @@ class Manifest:
         return start, min(start + self.stripe_size, self.size)
 
     def to_bytes(self) -> bytes:
-        body = {
-            "format": FORMAT_VERSION,
+        body: dict[str, object] = {
+            "format": 1 if self.mtime_ns is None else 2,
             "size": self.size,
             "stripe_size": self.stripe_size,
             "version": self.version,
@@ -113,6 +122,8 @@ class Manifest:
             "stripes": self.checksums,
             "created": self.created,
         }
+        if self.mtime_ns is not None:
+            body["mtime_ns"] = self.mtime_ns
         return MAGIC + json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -134,25 +145,29 @@ class Manifest:
         if not isinstance(body, dict):
             raise ManifestError(f"{path}: malformed striped manifest (not a JSON object)",
                                 path=path)
-        missing = [k for k in _FIELDS if k not in body and k != "created"]
+        missing = [k for k in _V1_FIELDS if k not in body and k != "created"]
         if missing:
             raise ManifestError(f"{path}: malformed striped manifest (missing field(s) "
                                 f"{', '.join(missing)})", path=path)
         fmt, algo = body["format"], body["checksum"]
-        if type(fmt) is not int or fmt != FORMAT_VERSION or algo != CHECKSUM_ALGO:
+        if type(fmt) is not int or fmt not in FORMATS or algo != CHECKSUM_ALGO:
             raise ManifestError(
                 f"{path}: striped manifest format {fmt!r}/{algo!r} is not supported by this "
-                f"bootseer (expects {FORMAT_VERSION}/{CHECKSUM_ALGO}); upgrade bootseer",
+                f"bootseer (reads {'/'.join(map(str, FORMATS))} with {CHECKSUM_ALGO}); "
+                "upgrade bootseer",
                 path=path,
             )
-        unknown = sorted(set(body) - set(_FIELDS))
+        if fmt == 2 and "mtime_ns" not in body:
+            raise _refused(path, "format 2 is format 1 with an mtime_ns, which is missing")
+        unknown = sorted(set(body) - set(_FIELDS[fmt]))
         if unknown:
             # Stripe names, offsets and lengths are derived, never read from the manifest: a
             # field this reader does not know could only be meant to change what it reads.
             raise _refused(path, f"unknown field(s) {', '.join(map(repr, unknown))} (format "
-                                 f"{FORMAT_VERSION} has exactly: {', '.join(_FIELDS)})")
+                                 f"{fmt} has exactly: {', '.join(_FIELDS[fmt])})")
         size, stripe_size, version = body["size"], body["stripe_size"], body["version"]
         sums, created = body["stripes"], body.get("created", 0.0)
+        mtime_ns = body.get("mtime_ns")
         if not _is_int(size) or not 0 <= size <= MAX_FILE_SIZE:
             raise _refused(path, f"size {size!r} must be an integer from 0 to {MAX_FILE_SIZE}")
         if not _is_int(stripe_size) or not 1 <= stripe_size <= MAX_STRIPE_SIZE:
@@ -178,11 +193,16 @@ class Manifest:
         if not isinstance(created, int | float) or isinstance(created, bool) \
                 or not math.isfinite(created):
             raise _refused(path, f"created {created!r} must be a finite number (seconds)")
+        if fmt == 2 and (not _is_int(mtime_ns) or not MIN_MTIME_NS <= mtime_ns <= MAX_MTIME_NS):
+            raise _refused(path, f"mtime_ns {mtime_ns!r} must be an integer (nanoseconds since "
+                                 f"the epoch) from {MIN_MTIME_NS} to {MAX_MTIME_NS}")
         return cls(size=size, stripe_size=stripe_size, version=version, checksums=sums,
-                   created=float(created))
+                   created=float(created), mtime_ns=mtime_ns)
 
 
-_FIELDS = ("format", "size", "stripe_size", "version", "checksum", "stripes", "created")
+_V1_FIELDS = ("format", "size", "stripe_size", "version", "checksum", "stripes", "created")
+#: The fields each format has, exactly ("created" may be left out).
+_FIELDS = {1: _V1_FIELDS, 2: (*_V1_FIELDS, "mtime_ns")}
 
 
 def _is_int(value: object) -> bool:

@@ -61,6 +61,9 @@ class StripedWriter(io.BufferedIOBase):
         # The exception being handled when the file was opened, if any: a close() while a
         # *later* one is in flight is a with block (or a finally) unwinding.
         self._exc_at_open: BaseException | None = sys.exc_info()[1]
+        #: The mtime (ns) the manifest records, when set before close() (cp -p, rsync); None:
+        #: the commit's own time is the file's mtime.
+        self.mtime_ns: int | None = None
         if prepare is not None:
             prepare(path, self.version)
 
@@ -155,7 +158,8 @@ class StripedWriter(io.BufferedIOBase):
                     self._buf.clear()
                 self._drain(0)
                 self._manifest = Manifest(size=self._size, stripe_size=self._opts.stripe_size,
-                                          version=self.version, checksums=self._checksums)
+                                          version=self.version, checksums=self._checksums,
+                                          mtime_ns=self.mtime_ns)
                 self._state = "uploaded"
             if commit and self._manifest is not None:
                 self._commit(self.path, self._manifest)

@@ -322,3 +322,29 @@ def e2e_bench(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 _SYSTEM_FIXTURES |= {"e2e_bench"}
+
+@pytest.fixture
+def cluster_factory():
+    """``factory(nodes=2, **kwargs)`` -> a started :class:`bootseer.testing.cluster.Cluster`
+    (network namespaces, real services); each is closed at teardown and its leak check must
+    come back empty. Skips (or fails under BOOTSEER_REQUIRE_SYSTEM=1) without root, iproute2,
+    tc or cgroup2."""
+    from bootseer.testing.cluster import Cluster
+
+    clusters: list[Cluster] = []
+
+    def factory(nodes: int = 2, **kwargs: Any) -> Cluster:
+        cluster = Cluster(nodes, **kwargs)
+        try:
+            cluster.start()
+        except ComponentUnavailable as exc:
+            require_component(str(exc))
+        clusters.append(cluster)
+        return cluster
+
+    yield factory
+    for cluster in clusters:
+        cluster.close()  # raises when anything of the cluster is left
+
+
+_SYSTEM_FIXTURES |= {"cluster_factory"}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -138,6 +139,41 @@ def test_pulls_through_a_mirror(tmp_path: Path, open_registry, cri_node_factory,
         assert _fallbacks(log) == 6, log
         assert f"check that the registry at http://{origin} is up" in log
     _check_image_fs(node)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill-9"])
+def test_a_running_pod_keeps_reading_its_lazy_image_across_a_snapshotter_restart(
+        open_registry, cri_node_factory, sig: signal.Signals) -> None:
+    """The kubelet's path: a pod started through CRI on a lazily pulled image keeps running,
+    and files it never read before come right, after the snapshotter is stopped (or killed)
+    and started again under it (docs/containerd.md, "Restarts and upgrades")."""
+    push_images(open_registry.host, "team/conv", b"conv")
+    node = cri_node_factory(open_registry.pause_image)
+    image = f"{open_registry.host}/team/conv:lazy"
+    node.pull(image)
+    assert _layers(node)["lazy"] == 3
+    running = node.start(image, ["/bin/sleep", "infinity"])
+    first = node.exec(running, ["/bin/sh", "-c", "sha256sum /etc/image-id"])
+    assert first.exit_code == 0, first
+    before = node.snapshotter.log_path.read_text(errors="replace").count("lazy mount taken over")
+
+    node.restart_snapshotter(sig)
+    deadline = time.monotonic() + 30
+    while node.snapshotter.log_path.read_text(errors="replace").count(
+            "lazy mount taken over") <= before:
+        assert time.monotonic() < deadline, node.snapshotter.log()
+        time.sleep(0.1)
+
+    assert node.cri.container_status(running.container_id).state == "running"
+    result = node.exec(running, ["/bin/sh", "-c", CHECK])  # every file, most never read
+    assert (result.exit_code, result.stdout.decode()) == (0, _expected(b"conv")), (
+        result, node.snapshotter.log())
+    log = node.snapshotter.log()
+    assert "ENOTCONN" not in log and "Transport endpoint" not in log
+    # a pull after the restart is served by the new process
+    push_images(open_registry.host, "team/later", b"later")
+    node.pull(f"{open_registry.host}/team/later:lazy")
+    _run_and_check(node, f"{open_registry.host}/team/later:lazy", b"later")
 
 
 def _check_image_fs(node: CRINode) -> None:

@@ -4,33 +4,43 @@ Two layers: the operations object driven directly (no kernel involved: MemoryFil
 LocalFileSystem backings), and real mounts served by a child process and used from here with
 cp, dd and plain ``open()``. The mount tests skip without FUSE, unless BOOTSEER_REQUIRE_SYSTEM=1.
 
-Every wait is bounded: commands run with subprocess timeouts, in-process I/O on a mount runs
-in a thread that, on timeout, aborts the FUSE connection (which unblocks it), and teardown
-lazily unmounts whatever is left.
+Every wait is bounded (see fuse_helpers).
 """
 
 from __future__ import annotations
 
-import ctypes.util
+import contextlib
 import errno
 import logging
 import os
 import random
-import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
+from fuse_helpers import (
+    IO_TIMEOUT,
+    MOUNT_TIMEOUT,
+    Mount,
+    bounded,
+    errno_of,
+    fuse_missing,
+    mounted_in_proc_mounts,
+    need_fuse,
+    run,
+    stop_mount,
+)
 
+from striped_fs import StripedFileSystem
 from striped_fs.fuse import (
     FsspecOperations,
     FuseOSError,
@@ -41,10 +51,9 @@ from striped_fs.fuse import (
     unmount,
     wait_mounted,
 )
+from striped_fs.layout import Manifest
 
 REPO = Path(__file__).resolve().parents[1]
-MOUNT_TIMEOUT = 20.0
-IO_TIMEOUT = 120.0
 MiB = 1 << 20
 
 # The child process serving a mount: argv = backing-kind, backing path, mountpoint, mode.
@@ -78,32 +87,10 @@ sys.exit(serve(fs, backing, mountpoint, read_only=(mode == "ro")))
 # -- FUSE availability ------------------------------------------------------------------------
 
 
-def _fuse_missing() -> str | None:
-    """Why a mount cannot work here, or None."""
-    if not os.path.exists("/dev/fuse"):
-        return "/dev/fuse missing (modprobe fuse, or run the container with --device /dev/fuse)"
-    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
-        return f"/dev/fuse not readable and writable by uid {os.geteuid()}"
-    if not (shutil.which("fusermount") or shutil.which("fusermount3")):
-        return "fusermount not found (apt-get install fuse3)"
-    if not ctypes.util.find_library("fuse"):
-        return "libfuse2 not found (apt-get install libfuse2)"
-    return None
-
-
-def _need(reason: str | None) -> None:
-    if reason is None:
-        return
-    if os.environ.get("BOOTSEER_REQUIRE_SYSTEM") == "1":
-        pytest.fail(f"FUSE required (BOOTSEER_REQUIRE_SYSTEM=1) but unavailable: {reason}",
-                    pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="session")
 def fuse_probe(tmp_path_factory: pytest.TempPathFactory) -> str | None:
     """One real mount attempt per session: /dev/fuse can exist while mounting is forbidden."""
-    reason = _fuse_missing()
+    reason = fuse_missing()
     if reason is not None:
         return reason
     base = tmp_path_factory.mktemp("fuse-probe")
@@ -115,28 +102,11 @@ def fuse_probe(tmp_path_factory: pytest.TempPathFactory) -> str | None:
     except MountError as e:
         return f"a test mount failed: {e}"
     finally:
-        _stop(m)
+        stop_mount(m)
     return None
 
 
 # -- mounts served by a child process ----------------------------------------------------------
-
-
-@dataclass
-class Mount:
-    backing: Path
-    path: Path
-    proc: subprocess.Popen[bytes]
-    log: list[str] = field(default_factory=list)
-
-    def stderr(self) -> str:
-        """The child's stderr (only once it has exited)."""
-        if self.proc.stderr is None or self.proc.poll() is None:
-            return ""
-        try:
-            return self.proc.stderr.read().decode("utf-8", "replace")
-        except (OSError, ValueError):
-            return ""
 
 
 def _start(backing: Path, mountpoint: Path, kind: str, mode: str) -> Mount:
@@ -149,39 +119,10 @@ def _start(backing: Path, mountpoint: Path, kind: str, mode: str) -> Mount:
     return Mount(backing, mountpoint, proc)
 
 
-def _mounted_in_proc_mounts(path: Path) -> bool:
-    with open("/proc/mounts", encoding="utf-8") as f:
-        return any(line.split()[1] == str(path) for line in f)
-
-
-def _stop(m: Mount) -> None:
-    """Unmount and reap, whatever state the mount is in; never leaves a mount behind."""
-    try:
-        if m.proc.poll() is None and is_mounted(m.path):
-            try:
-                unmount(m.path, timeout=10)
-            except MountError:
-                pass
-        try:
-            m.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            m.proc.kill()
-            m.proc.wait(timeout=10)
-    finally:
-        if is_mounted(m.path):
-            subprocess.run(["fusermount", "-u", "-z", str(m.path)], capture_output=True,
-                           timeout=10, check=False)
-        if is_mounted(m.path):
-            subprocess.run(["umount", "-l", str(m.path)], capture_output=True, timeout=10,
-                           check=False)
-        if m.proc.stderr is not None:
-            m.proc.stderr.close()
-
-
 @pytest.fixture
 def mounts(fuse_probe: str | None, tmp_path: Path) -> Iterator[Callable[..., Mount]]:
     """``mounts(kind="local", mode="rw")`` -> a ready mount over a fresh backing directory."""
-    _need(fuse_probe)
+    need_fuse(fuse_probe)
     started: list[Mount] = []
 
     def factory(kind: str = "local", mode: str = "rw") -> Mount:
@@ -196,56 +137,9 @@ def mounts(fuse_probe: str | None, tmp_path: Path) -> Iterator[Callable[..., Mou
 
     yield factory
     for m in started:
-        _stop(m)
-    leaked = [str(m.path) for m in started if _mounted_in_proc_mounts(m.path)]
+        stop_mount(m)
+    leaked = [str(m.path) for m in started if mounted_in_proc_mounts(m.path)]
     assert not leaked, f"mounts left behind: {leaked}"
-
-
-def _abort_connection(path: Path) -> None:
-    """Abort the FUSE connection of ``path`` so that I/O blocked on it returns ENOTCONN."""
-    with open("/proc/self/mountinfo", encoding="utf-8") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == str(path):
-                minor = fields[2].split(":")[1]
-                try:
-                    Path(f"/sys/fs/fuse/connections/{minor}/abort").write_text("1")
-                except OSError:
-                    pass
-
-
-def bounded(m: Mount, fn: Callable[[], Any], timeout: float = IO_TIMEOUT) -> Any:
-    """Run in-process I/O on a mount with a deadline (a hung server must not hang the test)."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        _abort_connection(m.path)
-        t.join(10)
-        pytest.fail(f"I/O on {m.path} did not finish within {timeout}s")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
-def run(*cmd: str, timeout: float = IO_TIMEOUT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def _errno_of(fn: Callable[[], Any]) -> int | None:
-    try:
-        fn()
-    except OSError as e:
-        return e.errno
-    return None
 
 
 # == the operations object, no kernel ==========================================================
@@ -316,25 +210,176 @@ def test_ops_non_sequential_write_poisons_the_handle() -> None:
     assert not ops._handles and not ops._writing
 
 
-def test_ops_flush_commits_only_after_data(tmp_path: Path) -> None:
-    """FLUSH arrives for every close of a shared descriptor: before any data it is not final."""
-    ops = FsspecOperations(LocalFileSystem(), str(tmp_path))
+def test_ops_flush_commits_at_close_and_dd_starts_again(tmp_path: Path) -> None:
+    """FLUSH arrives for every close of a shared descriptor (``dd``: dup2(fd, 1); close(fd)).
+    A new file is committed empty at the first one, and data written after that starts it
+    again, committed at the writer's own close; a write after a commit with data is loud."""
+    fs = StripedFileSystem(target_protocol="file", skip_instance_cache=True)
+    ops = FsspecOperations(fs, str(tmp_path))
+
+    def stored(name: str) -> bytes:
+        return fs.cat_file(f"{tmp_path}/{name}")
+
     fh = ops("create", "/d.bin", 0o644)
-    ops("flush", "/d.bin", fh)  # dd: dup2(fd, 1); close(fd)
-    ops("write", "/d.bin", b"payload", 0, fh)
+    ops("flush", "/d.bin", fh)  # dd closes the original descriptor
+    assert stored("d.bin") == b""  # a new file: there, empty
+    ops("write", "/d.bin", b"pay", 0, fh)
+    ops("write", "/d.bin", b"load", 3, fh)
+    assert ops("getattr", "/d.bin")["st_size"] == 7  # the handle answers while it is written
     ops("flush", "/d.bin", fh)  # the writer's close: committed
-    assert (tmp_path / "d.bin").read_bytes() == b"payload"
+    assert stored("d.bin") == b"payload"
     with pytest.raises(FuseOSError) as exc:  # a write through another dup after that is loud
         ops("write", "/d.bin", b"more", 7, fh)
     assert exc.value.errno == errno.EIO
     ops("release", "/d.bin", fh)
+    assert stored("d.bin") == b"payload"
 
-    fh = ops("create", "/empty", 0o644)  # touch: no data, committed at release
+    fh = ops("create", "/empty", 0o644)  # touch: committed by close(), not by a later release
     ops("flush", "/empty", fh)
+    assert stored("empty") == b""
     assert ops("getattr", "/empty")["st_size"] == 0
     ops("release", "/empty", fh)
-    assert (tmp_path / "empty").read_bytes() == b""
+    assert stored("empty") == b""
+
+    # Replacing a non-empty file: a flush before any data is not final, and committing it
+    # empty would hide the old bytes; they stay until the new ones are committed.
+    fh = ops("open", "/d.bin", os.O_WRONLY | os.O_TRUNC)
+    ops("flush", "/d.bin", fh)
+    assert stored("d.bin") == b"payload"
+    ops("write", "/d.bin", b"new", 0, fh)
+    ops("flush", "/d.bin", fh)
+    ops("release", "/d.bin", fh)
+    assert stored("d.bin") == b"new"
     assert not ops._handles and not ops._writing
+
+
+class _SlowCommitFS(LocalFileSystem):
+    """Local files whose commit (close of a written file) waits until ``land`` is set."""
+
+    cachable = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.closing = threading.Event()
+        self.land = threading.Event()
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        f = super()._open(path, mode, **kwargs)
+        if "w" in mode:
+            close = f.close
+
+            def slow_close() -> None:
+                self.closing.set()
+                assert self.land.wait(30), "the test never let the commit land"
+                close()
+
+            f.close = slow_close
+        return f
+
+
+@contextlib.contextmanager
+def _commit_landing(tmp_path: Path) -> Iterator[tuple[FsspecOperations, int]]:
+    """``/x`` (3 bytes) written and closed: inside the block its commit is on its way."""
+    fs = _SlowCommitFS()
+    ops = FsspecOperations(fs, str(tmp_path))
+    fh = ops("create", "/x", 0o644)
+    ops("write", "/x", b"abc", 0, fh)
+    closer = threading.Thread(target=ops, args=("flush", "/x", fh))
+    closer.start()
+    try:
+        assert fs.closing.wait(30)
+        yield ops, fh
+    finally:
+        fs.land.set()
+        closer.join(30)
+
+
+def test_ops_a_file_stays_visible_while_its_commit_lands(tmp_path: Path) -> None:
+    """The mount forgot a file in flight before its commit had landed: a lookup in between
+    (``cat x`` right after ``touch x``, rsync's utime after close) found nothing, ENOENT."""
+    with _commit_landing(tmp_path) as (ops, fh):
+        st = ops("getattr", "/x")  # the commit is on its way: the handle answers
+        assert st["st_size"] == 3 and stat.S_ISREG(st["st_mode"])
+        names = [e if isinstance(e, str) else e[0] for e in ops("readdir", "/", 0)]
+        assert "x" in names
+    assert (tmp_path / "x").read_bytes() == b"abc"
+    assert ops("getattr", "/x")["st_size"] == 3
+    ops("release", "/x", fh)
+    assert not ops._writing
+
+
+def test_ops_unlink_while_the_commit_lands_wins(tmp_path: Path) -> None:
+    with _commit_landing(tmp_path) as (ops, fh):
+        ops("unlink", "/x")
+    ops("release", "/x", fh)
+    assert not (tmp_path / "x").exists()
+    assert errno_of(lambda: ops("getattr", "/x")) == errno.ENOENT
+
+
+OLD_NS = 1_000_000_000_123_456_789  # nanoseconds a float of seconds cannot hold
+UTIME_NOW, UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2
+
+
+@pytest.mark.parametrize("kind", ["local", "striped"])
+def test_ops_utimens_sets_the_mtime(kind: str, tmp_path: Path) -> None:
+    """utimens was accepted and ignored, so rsync re-sent every file on every run."""
+    fs: Any = LocalFileSystem() if kind == "local" else StripedFileSystem(
+        target_protocol="file", skip_instance_cache=True)
+    ops = FsspecOperations(fs, str(tmp_path))
+    _write_file(ops, "/a", [b"committed"])
+    ops("utimens", "/a", (OLD_NS, OLD_NS))
+    assert ops("getattr", "/a")["st_mtime"] == OLD_NS
+    assert fs.info(f"{tmp_path}/a").get("mtime_ns", OLD_NS) == OLD_NS
+    ops("utimens", "/a", (UTIME_NOW, UTIME_OMIT))  # atime only: the mtime stays
+    assert ops("getattr", "/a")["st_mtime"] == OLD_NS
+    before = time.time_ns()
+    ops("utimens", "/a", (UTIME_OMIT, UTIME_NOW))
+    assert before <= ops("getattr", "/a")["st_mtime"] <= time.time_ns()
+    ops("utimens", "/a", None)  # utime(path, NULL): now
+    assert before <= ops("getattr", "/a")["st_mtime"] <= time.time_ns()
+    assert fs.cat_file(f"{tmp_path}/a") == b"committed"
+
+    fh = ops("create", "/b", 0o644)  # cp -p: futimens after the data, before close
+    ops("write", "/b", b"data", 0, fh)
+    ops("utimens", "/b", (OLD_NS, OLD_NS + 5))
+    assert ops("getattr", "/b")["st_mtime"] == OLD_NS + 5
+    ops("flush", "/b", fh)
+    ops("release", "/b", fh)
+    assert ops("getattr", "/b")["st_mtime"] == OLD_NS + 5
+    if kind == "striped":  # recorded by the commit's own manifest
+        manifest = Manifest.from_bytes((tmp_path / "b").read_bytes(), path="b")
+        assert manifest.mtime_ns == OLD_NS + 5
+    else:
+        assert os.stat(tmp_path / "b").st_mtime_ns == OLD_NS + 5
+
+    fh = ops("create", "/c", 0o644)  # a write after utimens: the mtime is the commit's again
+    ops("utimens", "/c", (OLD_NS, OLD_NS))
+    ops("write", "/c", b"later", 0, fh)
+    ops("flush", "/c", fh)
+    ops("release", "/c", fh)
+    assert ops("getattr", "/c")["st_mtime"] >= before
+
+    ops("mkdir", "/d", 0o755)  # a local directory keeps its time
+    ops("utimens", "/d", (OLD_NS, OLD_NS))
+    assert os.stat(tmp_path / "d").st_mtime_ns == OLD_NS
+
+
+def test_ops_utimens_where_the_store_keeps_no_times() -> None:
+    """fsspec's memory store has no settable mtime: a file says so (EOPNOTSUPP, before any
+    data is written), a directory accepts it and ignores it (rsync -a sets every one)."""
+    fs = MemoryFileSystem()
+    root = f"/utimens-{time.monotonic_ns()}"
+    fs.mkdir(root)
+    ops = FsspecOperations(fs, root)
+    _write_file(ops, "/f", [b"x"])
+    assert errno_of(lambda: ops("utimens", "/f", (OLD_NS, OLD_NS))) == errno.EOPNOTSUPP
+    fh = ops("create", "/g", 0o644)
+    assert errno_of(lambda: ops("utimens", "/g", (OLD_NS, OLD_NS))) == errno.EOPNOTSUPP
+    ops("release", "/g", fh)
+    ops("mkdir", "/d", 0o755)
+    assert ops("utimens", "/d", (OLD_NS, OLD_NS)) == 0
+    assert ops("utimens", "/", (OLD_NS, OLD_NS)) == 0
+    assert fs.cat_file(f"{root}/f") == b"x"
 
 
 def test_ops_rename_waits_for_a_pending_release(tmp_path: Path) -> None:
@@ -628,10 +673,10 @@ def test_directory_operations_reach_the_backing_store(mounts: Callable[..., Moun
         assert sorted(os.listdir(m.path)) == ["new", "sub2"]
         os.unlink(m.path / "new" / "a2.bin")
         assert not (m.backing / "new" / "a2.bin").exists()
-        assert _errno_of(lambda: os.rmdir(m.path / "sub2")) == errno.ENOTEMPTY
+        assert errno_of(lambda: os.rmdir(m.path / "sub2")) == errno.ENOTEMPTY
         os.rmdir(m.path / "new")
         assert not (m.backing / "new").exists()
-        assert _errno_of(lambda: os.stat(m.path / "new")) == errno.ENOENT
+        assert errno_of(lambda: os.stat(m.path / "new")) == errno.ENOENT
         with open(m.path / "sub2" / "c.txt", "w") as f:
             f.write("text")
         assert (m.backing / "sub2" / "c.txt").read_text() == "text"
@@ -663,12 +708,12 @@ def test_read_only_mount(mounts: Callable[..., Mount]) -> None:
     def check() -> None:
         assert (m.path / "f.bin").read_bytes() == data
         assert os.stat(m.path / "f.bin").st_mode & 0o777 == 0o444
-        assert _errno_of(lambda: open(m.path / "g.bin", "wb")) == errno.EROFS
-        assert _errno_of(lambda: open(m.path / "f.bin", "wb")) == errno.EROFS
-        assert _errno_of(lambda: os.mkdir(m.path / "e")) == errno.EROFS
-        assert _errno_of(lambda: os.unlink(m.path / "f.bin")) == errno.EROFS
-        assert _errno_of(lambda: os.rename(m.path / "f.bin", m.path / "h")) == errno.EROFS
-        assert _errno_of(lambda: os.rmdir(m.path / "d")) == errno.EROFS
+        assert errno_of(lambda: open(m.path / "g.bin", "wb")) == errno.EROFS
+        assert errno_of(lambda: open(m.path / "f.bin", "wb")) == errno.EROFS
+        assert errno_of(lambda: os.mkdir(m.path / "e")) == errno.EROFS
+        assert errno_of(lambda: os.unlink(m.path / "f.bin")) == errno.EROFS
+        assert errno_of(lambda: os.rename(m.path / "f.bin", m.path / "h")) == errno.EROFS
+        assert errno_of(lambda: os.rmdir(m.path / "d")) == errno.EROFS
 
     bounded(m, check)
     assert run("cp", str(m.path / "f.bin"), str(m.path / "g.bin")).returncode != 0
@@ -684,9 +729,9 @@ def test_non_sequential_write_fails_loudly(mounts: Callable[..., Mount]) -> None
         try:
             os.write(fd, b"a" * 200_000)
             os.lseek(fd, 1000, os.SEEK_SET)
-            write_err = _errno_of(lambda: os.write(fd, b"b" * 100))
+            write_err = errno_of(lambda: os.write(fd, b"b" * 100))
         finally:
-            close_err = _errno_of(lambda: os.close(fd))
+            close_err = errno_of(lambda: os.close(fd))
         return write_err, close_err
 
     write_err, close_err = bounded(m, check)
@@ -708,10 +753,10 @@ def test_signal_unmounts_cleanly(mounts: Callable[..., Mount], sig: int) -> None
     m = mounts()
     (m.backing / "f").write_bytes(b"ok")
     assert bounded(m, lambda: (m.path / "f").read_bytes()) == b"ok"
-    assert _mounted_in_proc_mounts(m.path)
+    assert mounted_in_proc_mounts(m.path)
     m.proc.send_signal(sig)
     assert m.proc.wait(timeout=15) == 0, m.stderr()
-    assert not _mounted_in_proc_mounts(m.path)
+    assert not mounted_in_proc_mounts(m.path)
     assert not is_mounted(m.path)
 
 
@@ -719,12 +764,12 @@ def test_unmount_helper_ends_the_server(mounts: Callable[..., Mount]) -> None:
     m = mounts()
     unmount(m.path)
     assert m.proc.wait(timeout=15) == 0, m.stderr()
-    assert not _mounted_in_proc_mounts(m.path)
+    assert not mounted_in_proc_mounts(m.path)
 
 
 def test_module_entry_point(fuse_probe: str | None, tmp_path: Path) -> None:
     """``python -m striped_fs.fuse URL MOUNTPOINT --read-only`` serves an fsspec URL."""
-    _need(fuse_probe)
+    need_fuse(fuse_probe)
     back, mnt = tmp_path / "back", tmp_path / "mnt"
     back.mkdir()
     mnt.mkdir()
@@ -742,6 +787,6 @@ def test_module_entry_point(fuse_probe: str | None, tmp_path: Path) -> None:
         assert fstype == "fuse.striped_fs"
         assert {"ro", "nodev", "nosuid"} <= set(options)
     finally:
-        _stop(m)
+        stop_mount(m)
     assert proc.returncode == 0
-    assert not _mounted_in_proc_mounts(mnt)
+    assert not mounted_in_proc_mounts(mnt)

@@ -165,8 +165,11 @@ def test_refuses_non_loopback() -> None:
             ShaperProcess(host, 80)
     with pytest.raises(SystemExit):
         main(["--upstream", "8.8.8.8:53"])
-    for host in ("127.0.0.2", "localhost", "::1"):
-        Shaper(host, 80)
+    for host in ("127.0.0.2", "localhost", "::1", "198.18.0.2", "198.19.255.1"):
+        Shaper(host, 80)  # loopback, or the cluster fixture's private namespaces
+    for host in ("198.17.255.255", "198.20.0.1"):  # just outside 198.18.0.0/15
+        with pytest.raises(ValueError, match="loopback"):
+            Shaper(host, 80)
 
 
 def _cap_holds(measure, cap: float, attempts: int = 3) -> None:

@@ -200,7 +200,38 @@ _REFUSED = [
     ("created NaN", RAW_MAGIC + raw_manifest()[len(RAW_MAGIC):].replace(b'"created":0',
                                                                          b'"created":NaN'),
      "created nan must be a finite number"),
+    # Format 2 is format 1 plus an mtime_ns (integer nanoseconds, signed 64-bit).
+    ("mtime_ns in format 1", raw_manifest(mtime_ns=5), "unknown field(s) 'mtime_ns'"),
+    ("format 2 without mtime_ns", raw_manifest(format=2), "format 2 is format 1 with an mtime_ns"),
+    ("mtime_ns a float", raw_manifest(format=2, mtime_ns=1.5), "mtime_ns 1.5 must be an integer"),
+    ("mtime_ns a string", raw_manifest(format=2, mtime_ns="1"), "mtime_ns '1' must be an integer"),
+    ("mtime_ns a boolean", raw_manifest(format=2, mtime_ns=True), "mtime_ns True must be an integer"),
+    ("mtime_ns null", RAW_MAGIC + raw_manifest(format=2, mtime_ns=0)[len(RAW_MAGIC):].replace(
+        b'"mtime_ns":0', b'"mtime_ns":null'), "mtime_ns None must be an integer"),
+    ("mtime_ns over 64 bits", raw_manifest(format=2, mtime_ns=1 << 63),
+     f"mtime_ns {1 << 63} must be an integer"),
+    ("mtime_ns under 64 bits", raw_manifest(format=2, mtime_ns=-(1 << 63) - 1),
+     f"mtime_ns {-(1 << 63) - 1} must be an integer"),
+    ("duplicate mtime_ns", raw_manifest(format=2, mtime_ns=1)[:-1] + b',"mtime_ns":2}',
+     "field 'mtime_ns' appears twice"),
+    ("format 3", raw_manifest(format=3, mtime_ns=1), "format 3/'crc32' is not supported"),
+    ("unknown field in format 2", raw_manifest(format=2, mtime_ns=1, mode=0o644),
+     "unknown field(s) 'mode'"),
 ]
+
+
+def test_mtime_ns_round_trip_and_format_number():
+    """A manifest carries an mtime only when one was set, and only then is format 2: files
+    nobody set a time on stay readable by readers that know format 1 alone."""
+    plain = Manifest(size=0, stripe_size=4096, version=VERSION, created=0)
+    assert json.loads(plain.to_bytes()[len(MAGIC):])["format"] == 1
+    timed = Manifest(size=0, stripe_size=4096, version=VERSION, created=0,
+                     mtime_ns=-(1 << 63))
+    body = json.loads(timed.to_bytes()[len(MAGIC):])
+    assert (body["format"], body["mtime_ns"]) == (2, -(1 << 63))
+    assert Manifest.from_bytes(timed.to_bytes(), path="f") == timed
+    assert Manifest.from_bytes(raw_manifest(format=2, mtime_ns=(1 << 63) - 1),
+                               path="f").mtime_ns == (1 << 63) - 1
 
 
 @pytest.mark.parametrize("case, data, rule", _REFUSED, ids=[c[0] for c in _REFUSED])

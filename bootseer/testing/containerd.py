@@ -73,6 +73,11 @@ class ContainerdServer:
         self._proc: subprocess.Popen | None = None
 
     @property
+    def pid(self) -> int | None:
+        """The daemon's pid while it runs."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    @property
     def root(self) -> Path:
         return self.dir / "root"
 

@@ -18,7 +18,8 @@ Measured throughput, unshaped, one connection, loopback, on the project's shared
 and 1.1-1.6 GB/s with ShaperProcess at 0-1 ms latency; about 680 MB/s at 10 ms, where the 8 MiB
 latency queue (8 MiB / 10 ms) is the bound.
 
-Only loopback addresses are accepted, for both ends.
+Only loopback addresses are accepted, for both ends, and the addresses of the cluster fixture's
+private namespaces (:data:`CLUSTER_NETWORK`, the RFC 2544 benchmarking range, never routed).
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ MIN_CHUNK = 8 * 1024  # smallest read on a slow link, to keep per-chunk overhead
 BURST_SECONDS = 0.01
 QUEUE_BYTES = 8 * 1024 * 1024  # latency queue per connection and direction
 STREAM_LIMIT = 1024 * 1024  # StreamReader buffer; reading pauses at twice this
+
+# bootseer.testing.cluster's nodes and services live in network namespaces of their own on this
+# range (RFC 2544: reserved for benchmarking, never routed), so a shaper may listen on it or
+# forward to it without ever reaching a real network.
+CLUSTER_NETWORK = ipaddress.ip_network("198.18.0.0/15")
 
 _EOF = object()  # queue marker: peer closed its sending side
 _CUT = object()  # queue marker: drop_after threshold reached
@@ -98,17 +104,20 @@ class ShaperSettings:
 
 
 def _check_loopback(host: str) -> str:
-    """Return ``host`` without brackets; raise ValueError unless it is a loopback address."""
+    """Return ``host`` without brackets; raise ValueError unless it is a loopback address or
+    one of the cluster fixture's private addresses (:data:`CLUSTER_NETWORK`)."""
     bare = host.strip("[]")
     if bare == "localhost":
         return bare
     try:
-        ok = ipaddress.ip_address(bare).is_loopback
+        address = ipaddress.ip_address(bare)
+        ok = address.is_loopback or address in CLUSTER_NETWORK
     except ValueError:
         ok = False
     if not ok:
         raise ValueError(
-            f"shaper only works on loopback: {host!r} is not in 127.0.0.0/8, ::1 or 'localhost'"
+            f"shaper only works on loopback: {host!r} is not in 127.0.0.0/8, ::1, 'localhost' "
+            f"or the cluster fixture's {CLUSTER_NETWORK}"
         )
     return bare
 
