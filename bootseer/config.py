@@ -127,17 +127,33 @@ _KEYS = [
     _spec("run", "ready_file", "path", "", "--ready-file",
           "file the training process touches when ready; '' = automatic (the wrapper's "
           "control dir)"),
+    _spec("run", "log_tail_lines", "int", 200, "--log-tail-lines",
+          "last lines of the command's output kept to classify a crash (the output itself "
+          "passes through unchanged); 0 = not teed, a crash is classified from its exit alone"),
     _spec("restart", "max_restarts", "int", 3, "--max-restarts",
           "restarts of a failed command before giving up"),
     _spec("restart", "backoff_s", "float", 5.0, "--backoff",
           "seconds before the first restart; doubles per restart"),
     _spec("restart", "backoff_max_s", "float", 60.0, "--backoff-max",
           "longest delay between restarts, in seconds"),
+    _spec("restart", "max_no_progress", "int", 3, "--max-no-progress",
+          "stop when none of the last N restarts got past the step reached before them "
+          "(heartbeat steps); 0 = off"),
     _spec("hang", "timeout_s", "float", 0.0, "--hang-timeout",
           "seconds without a heartbeat (after the first heartbeat or ready) that count as a "
           "hang; 0 = hang detection off"),
     _spec("hang", "dump_wait_s", "float", 5.0, "--dump-wait",
           "seconds to wait for the stack dump of a hung process before SIGKILL"),
+    _spec("hang", "learn", "bool", False, "--hang-learn",
+          "with timeout_s 0: a rank is hung after max(5 x its job's median step time, 30 s) "
+          "without a new step (warm-up steps left out; 600 s before any step time is known)"),
+    _spec("health", "min_free_disk", "size", 1 << 30, "--min-free-disk",
+          "free bytes needed on the state, checkpoint cache and trace filesystems before "
+          "every (re)start; 0 = not checked"),
+    _spec("health", "min_free_memory", "size", 256 << 20, "--min-free-memory",
+          "available memory (MemAvailable) needed before every (re)start; 0 = not checked"),
+    _spec("health", "gpu", "bool", True, "--gpu-check",
+          "run nvidia-smi before every (re)start when it is installed (skipped without it)"),
     _spec("env", "spec", "list", [], "--env-spec",
           "requirement files / pyproject.toml / uv.lock of the environment (repeatable); "
           "empty = the environment phase is skipped"),

@@ -175,6 +175,8 @@ class Report:
     node_stragglers: list[NodeStraggler] = field(default_factory=list)
     bytes_by_node: list[NodeBytes] = field(default_factory=list)
     bytes_by_remote: dict[str, int] = field(default_factory=dict)
+    # ETTR, incidents by cause, events and verdicts (bootseer/report_robust.py); {} if none
+    robust: dict[str, Any] = field(default_factory=dict)
 
     def phase(self, name: str) -> PhaseStats | None:
         return next((p for p in self.phases if p.phase == name), None)
@@ -209,6 +211,7 @@ class Report:
             "node_stragglers": [asdict(s) for s in self.node_stragglers],
             "bytes_by_remote": {"total": dict(self.bytes_by_remote),
                                 "nodes": [asdict(n) for n in self.bytes_by_node]},
+            "robust": self.robust,
         }
 
     @classmethod
@@ -236,6 +239,7 @@ class Report:
             node_stragglers=[NodeStraggler(**s) for s in doc.get("node_stragglers", [])],
             bytes_by_node=[NodeBytes(**n) for n in remotes["nodes"]],
             bytes_by_remote=dict(remotes["total"]),
+            robust=dict(doc.get("robust") or {}),
         )
 
     def incident(self, attempt: int | None = None) -> Incident | None:
@@ -507,6 +511,12 @@ def load_report(paths: Sequence[str | os.PathLike]) -> Report:
     if not report.spans:
         raise ReportError(f"no usable trace spans in {names} (first problem: "
                           f"{report.warnings[0] if report.warnings else 'none'})")
+    from .report_robust import robust_section
+    from .robust.events import read_records
+
+    records, record_warnings = read_records(list(paths))
+    report.warnings += record_warnings
+    report.robust = robust_section(spans, records)
     return report
 
 
@@ -564,6 +574,10 @@ def table_rows(report: Report) -> dict[str, tuple[list[str], list[list[str]]]]:
              for n in sorted(heavy, key=lambda n: worker_key(n.node, None))]
             + [["all nodes", *(human_bytes(report.bytes_by_remote[r]) for r in remotes),
                 human_bytes(sum(report.bytes_by_remote.values()))]])
+    if report.robust:
+        from .report_robust import robust_tables
+
+        tables.update(robust_tables(report.robust))
     restarted = [r for r in report.restarts if r.restarts]
     if restarted:
         tables[f"restarts ({report.total_restarts} in all)"] = (

@@ -24,6 +24,13 @@ What it does, and why:
   compiling and the first collective legitimately take long, while a start stuck forever is
   still caught. A hang: SIGUSR1 to the group (stack dumps into the trace directory), a wait of
   up to ``dump_wait_s`` for them, SIGKILL to the group, a ``hang`` span, and a restart.
+* With an ``agent`` (:class:`bootseer.robust.agent.Agent`) the command's output goes through a
+  tee (:class:`bootseer.tee.OutputTail`: unchanged to the wrapper's stdout/stderr, its last
+  ``tail_lines`` lines kept); a crash is classified from its exit status and those lines, and
+  the policy's verdict decides: stop at once (a deterministic user error, no progress across
+  restarts) or restart. Its heartbeats feed the agent's detectors: a rank silent past the
+  hang threshold is a hang (as above), a NaN/Inf kills the command at the step it came
+  (SIGKILL: no chance to checkpoint the damaged state) and the verdict decides the restart.
 
 No configuration lives here: :mod:`bootseer.cli.run` turns the configuration into the policies
 and the hook.
@@ -32,6 +39,7 @@ and the hook.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import glob
 import json
 import os
@@ -48,6 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .robust.detect import Beat
+from .tee import OutputTail
 from .trace import Span, TraceWriter
 
 __all__ = [
@@ -87,8 +97,9 @@ class HangPolicy:
 
 @dataclass
 class AttemptEnd:
-    """How an attempt ended: ``reason`` is exited, signaled, hang, stopped (a stop signal
-    came) or not-started (the command could not be executed)."""
+    """How an attempt ended: ``reason`` is exited, signaled, hang, nonfinite (a NaN/Inf
+    heartbeat), stopped (a stop signal came) or not-started (the command could not be
+    executed)."""
 
     attempt: int
     code: int
@@ -99,6 +110,8 @@ class AttemptEnd:
     def describe(self) -> str:
         if self.reason == "hang":
             return "a hang"
+        if self.reason == "nonfinite":
+            return "a NaN/Inf"
         if self.code > 128 and self.reason in ("signaled", "stopped"):
             return f"signal {_signal_name(self.code - 128)}"
         return f"exit code {self.code}"
@@ -220,7 +233,7 @@ class Supervisor:
                  control_dir: str | os.PathLike | None = None,
                  ready_file: str | os.PathLike | None = None,
                  before_attempt: Callable[[int], Mapping[str, str] | None] | None = None,
-                 kill_grace_s: float = 5.0,
+                 kill_grace_s: float = 5.0, agent: Any = None, tail_lines: int = 200,
                  log: Callable[[str], None] = _stderr) -> None:
         if not command:
             raise ValueError("nothing to run: the command is empty")
@@ -237,6 +250,8 @@ class Supervisor:
         self.before_attempt = before_attempt
         self.kill_grace_s = kill_grace_s
         self.log = log
+        self.agent = agent  # a bootseer.robust.agent.Agent, or None: no classification
+        self.tail = OutputTail(tail_lines) if agent is not None and tail_lines > 0 else None
         self.attempts: list[AttemptEnd] = []
         self._signals: _Signals | None = None
         self._stopping: int | None = None
@@ -274,12 +289,25 @@ class Supervisor:
             self.attempts.append(end)
             if end.reason == "not-started" or self._stopping is not None or end.code == 0:
                 return end.code
+            if self._judge(end) == "stop":
+                self.log(f"stopping after {end.describe()} (attempt {attempt}): the verdict "
+                         f"is not to restart")
+                return end.code
             if attempt >= self.restart.max_restarts:
                 self.log(f"command failed with {end.describe()}; no restarts left "
                          f"({self.restart.max_restarts} allowed)")
                 return end.code
             attempt += 1
             self._backoff(attempt, end)
+
+    def _judge(self, end: AttemptEnd) -> str:
+        """The agent's local action after a failed attempt: stop or restart."""
+        if self.agent is None:
+            return "restart"
+        verdict = end.detail.get("verdict")
+        if verdict is None:  # a crash: classified from its exit and last lines
+            verdict = self.agent.judge_crash(end.code, self.tail.lines() if self.tail else [])
+        return self.agent.local_action(verdict)
 
     def _startup(self, attempt: int) -> Mapping[str, str]:
         """The hook in a thread, while the main thread keeps answering signals."""
@@ -322,8 +350,8 @@ class Supervisor:
         while (left := deadline - time.monotonic()) > 0:
             self._stop_check(self._signals.wait(left))
         self._reap()
-        detail: dict[str, Any] = {"reason": "hang" if previous.reason == "hang" else "crash",
-                                  "exit_code": previous.code}
+        reason = previous.reason if previous.reason in ("hang", "nonfinite") else "crash"
+        detail: dict[str, Any] = {"reason": reason, "exit_code": previous.code}
         if previous.code > 128 and previous.reason in ("signaled", "hang"):
             detail["signal"] = _signal_name(previous.code - 128)
         if "exited_at" in previous.detail:  # the end of the attempt, before its teardown
@@ -361,9 +389,15 @@ class Supervisor:
         self._clear_control()
         env = self._child_env(attempt, extra)
         spawn_start = time.time()
+        pipes = self._output_pipes()
         try:
-            self._child = subprocess.Popen(self.command, env=env, process_group=0)
+            self._child = subprocess.Popen(self.command, env=env, process_group=0,
+                                           stdout=pipes[0][1] if pipes else None,
+                                           stderr=pipes[1][1] if pipes else None)
         except OSError as exc:  # nothing ran: retrying would fail the same way
+            for r, w in pipes:
+                os.close(r)
+                os.close(w)
             found = isinstance(exc, FileNotFoundError)
             why = "command not found" if found else f"cannot execute ({exc.strerror or exc})"
             self.log(f"{why}: {self.command[0]}")
@@ -372,6 +406,11 @@ class Supervisor:
                          command=self.command[0], error=why)
             return AttemptEnd(attempt, code, "not-started")
         pid = self._child.pid
+        for (r, w), target in zip(pipes, (1, 2), strict=False):
+            os.close(w)
+            self.tail.attach(r, target)
+        if self.agent is not None:
+            self.agent.start_attempt(attempt)
         self._status = None
         self._record("command_start", spawn_start, attempt=attempt, command=self.command[0],
                      pid=pid)
@@ -383,6 +422,15 @@ class Supervisor:
             self._child.returncode = self._status if self._status is not None else -1
             self._child = None
             self._remove_empty_dumps()
+            if self.tail is not None:  # its last lines, before the crash is classified
+                self.tail.drain(2.0)
+
+    def _output_pipes(self) -> list[tuple[int, int]]:
+        """Pipes for the command's stdout and stderr when its output is teed, else none."""
+        if self.tail is None:
+            return []
+        self.tail.clear()
+        return [os.pipe2(os.O_CLOEXEC), os.pipe2(os.O_CLOEXEC)]
 
     def _watch(self, attempt: int, started: float) -> AttemptEnd:
         """Wait for the command, forwarding signals and watching for a hang."""
@@ -411,6 +459,9 @@ class Supervisor:
                 self.log(f"command exited with {AttemptEnd(attempt, code, reason).describe()} "
                          f"(attempt {attempt})")
                 return AttemptEnd(attempt, code, reason, pid, {"exited_at": time.time()})
+            if self.agent is not None and (end := self._agent_watch(attempt, pid, watch,
+                                                                    started)):
+                return end
             if timeout > 0 and self._stopping is None:
                 if watch.last_change is None:
                     silent, limit = time.monotonic() - spawned, max(timeout, self.hang.startup_s)
@@ -445,9 +496,32 @@ class Supervisor:
         code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
         return AttemptEnd(attempt, code, "stopped", pid)
 
+    def _agent_watch(self, attempt: int, pid: int, watch: _Progress,
+                     started: float) -> AttemptEnd | None:
+        """Heartbeats through the agent's detectors: a NaN/Inf kills the command now, a rank
+        silent past the threshold is a hang."""
+        for doc in watch.take_beats():
+            try:
+                beat = Beat.from_doc(doc, self.node)
+            except (KeyError, TypeError, ValueError):
+                continue
+            verdict = self.agent.observe(beat)
+            if verdict is not None and self._stopping is None:
+                self.log(f"killing the command at step {beat.step} (attempt {attempt}): "
+                         f"{verdict.failure_class}")
+                self._signal_group(pid, signal.SIGKILL)
+                self._wait_child(5.0)
+                code = exit_code(self._status) if self._status is not None else 137
+                return AttemptEnd(attempt, code, "nonfinite", pid,
+                                  {"verdict": verdict, "exited_at": time.time()})
+        if self._stopping is None and (event := self.agent.check_hang(time.time())):
+            silent = float(event.evidence.get("silent_s", 0.0))
+            return self._hang(attempt, pid, watch, silent, started, event=event)
+        return None
+
     # -- hangs -----------------------------------------------------------------------------
     def _hang(self, attempt: int, pid: int, watch: _Progress, silent: float,
-              started: float) -> AttemptEnd:
+              started: float, event: Any = None) -> AttemptEnd:
         before = "before its first heartbeat" if watch.last_change is None else (
             f"after step {watch.last_step}" if watch.last_step is not None else "after ready")
         self.log(f"hang: no heartbeat for {silent:.1f}s {before}; dumping stacks to "
@@ -468,8 +542,20 @@ class Supervisor:
             self.log(f"stacks: {', '.join(str(p) for p in sorted(grown))}")
         else:
             self.log("no stack dump arrived (does the command import bootseer?)")
-        return AttemptEnd(attempt, code, "hang", pid, {"stacks": sorted(map(str, grown)),
-                                                       "exited_at": time.time()})
+        detail: dict[str, Any] = {"stacks": sorted(map(str, grown)), "exited_at": time.time()}
+        if self.agent is not None:
+            if event is None:  # the control directory's silence (a ready-only command)
+                from .robust.events import Event
+
+                event = Event("hang", "hang", node=self.node, step=watch.last_step,
+                              time=detected, evidence={
+                                  "silent_s": round(silent, 3), "last_step": watch.last_step,
+                                  "threshold_s": self.hang.timeout_s,
+                                  "threshold_from": "configured"})
+            event = dataclasses.replace(event, evidence={
+                **event.evidence, "stacks": sorted(p.name for p in grown)})
+            detail["verdict"] = self.agent.judge(event)
+        return AttemptEnd(attempt, code, "hang", pid, detail)
 
     def _dump_files(self, pids: set[int]) -> dict[Path, int]:
         """This node's stack files of live processes of the group, with their sizes."""
@@ -620,6 +706,12 @@ class _Progress:
         self.ready_ranks: set[int] = set()
         self.last_change: float | None = None  # monotonic
         self.last_step: int | None = None
+        self._beats: list[dict[str, Any]] = []
+
+    def take_beats(self) -> list[dict[str, Any]]:
+        """Heartbeat documents that changed since the last call (with their rank)."""
+        beats, self._beats = self._beats, []
+        return beats
 
     def scan(self) -> list[tuple[int, float]]:
         """New ready signals since the last scan: (rank, time)."""
@@ -654,6 +746,8 @@ class _Progress:
                 step = doc.get("step")
                 if isinstance(step, int):
                     self.last_step = step
+                if "time" in doc:
+                    self._beats.append({**doc, "rank": rank})
             elif rank not in self.ready_ranks:
                 self.ready_ranks.add(rank)
                 when = doc.get("time")

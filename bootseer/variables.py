@@ -66,6 +66,9 @@ VARIABLES: tuple[Variable, ...] = (
              "storage options and per-call arguments win"),
     Variable("FSSPEC_STRIPED_CONCURRENCY", "fsspec",
              "default streams per striped file in every process (fsspec's configuration)"),
+    Variable("BOOTSEER_CHECK_FAULT", "reserved",
+             "tests: faults bootseer check injects, e.g. 'alignment:1,sum:2' (rank 1's "
+             "reference weights one ulp off, rank 2's reduced sum off by one)"),
     Variable("BOOTSEER_REQUIRE_SYSTEM", "reserved",
              "tests: a missing system component fails instead of skipping"),
 )

@@ -9,8 +9,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import pytest
 
 HELPERS = str(Path(__file__).resolve())
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -35,6 +38,25 @@ def run_scenario(scenario: str, *args: object, env: dict[str, str] | None = None
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=GUARD, preexec_fn=preexec_fn)
     return proc.returncode, proc.stdout.splitlines()
+
+
+@pytest.fixture
+def tiny_disk():
+    """A 256 KiB tmpfs mounted on a private directory, unmounted and removed afterwards."""
+    from conftest import require_component
+
+    path = Path(tempfile.mkdtemp(prefix="bootseer-test-enospc-"))
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        path.rmdir()
+        require_component(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+        if path.name.startswith("bootseer-test-enospc-"):
+            path.rmdir()
 
 
 # -- the scenarios (the child side) ------------------------------------------------------------
@@ -132,6 +154,96 @@ def crash_hang_finish(counter: str) -> None:
         sys.exit(3)
     if attempt == 1:
         sleep_before_all_reduce()
+
+
+def _count(path: str) -> int:
+    """How many times this ran before (a file counter across attempts)."""
+    p = Path(path)
+    n = int(p.read_text()) if p.exists() else 0
+    p.write_text(str(n + 1))
+    return n
+
+
+def sigkill_once(counter: str) -> None:
+    if _count(counter) == 0:
+        print("step 1", flush=True)
+        os.kill(os.getpid(), 9)
+
+
+def steps_then_raise(counter: str, steps: str) -> None:
+    """Reaches ``steps`` heartbeats on every attempt, then fails with a RuntimeError."""
+    import bootseer
+
+    _count(counter)
+    bootseer.ready()
+    bootseer.heartbeat(int(steps), loss=1.0)
+    time.sleep(0.3)  # the wrapper polls every 0.25 s: it sees the step
+    raise RuntimeError("the same failure at the same step")
+
+
+def nan_once(counter: str, nan_at: str) -> None:
+    """Attempt 0: heartbeats, a NaN loss at ``nan_at``, then it would go on forever; the
+    next attempt finishes."""
+    import bootseer
+
+    first = _count(counter) == 0
+    bootseer.ready()
+    for step in range(int(nan_at) + 1):
+        nan = first and step == int(nan_at)
+        bootseer.heartbeat(step, loss=float("nan") if nan else 1.0)
+    if first:
+        sleep_before_all_reduce()
+
+
+def spike(steps: str, at: str) -> None:
+    """Loss 1.0, then 10.0 at step ``at`` (a 10x jump); every beat written (no rate limit)
+    and held long enough for the wrapper's 0.25 s poll to see each."""
+    import bootseer
+    import bootseer.client
+
+    bootseer.client.HEARTBEAT_INTERVAL_S = 0.0
+    bootseer.ready()
+    for step in range(int(steps)):
+        bootseer.heartbeat(step, loss=10.0 if step == int(at) else 1.0)
+        time.sleep(0.35)
+
+
+def output(n: str) -> None:
+    """``n`` numbered lines on stdout, a partial line, then a ValueError (stderr)."""
+    for i in range(int(n)):
+        sys.stdout.write(f"line {i}\n")
+    sys.stdout.write("no newline at the end")
+    sys.stdout.flush()
+    raise ValueError("the last words")
+
+
+def steady_then_stall(steps: str, step_s: str) -> None:
+    """``steps`` heartbeats ``step_s`` apart (every one written), then silence."""
+    import bootseer
+    import bootseer.client
+
+    bootseer.client.HEARTBEAT_INTERVAL_S = 0.0
+    bootseer.ready()
+    for step in range(int(steps)):
+        bootseer.heartbeat(step, loss=1.0)
+        time.sleep(float(step_s))
+    sleep_before_all_reduce()
+
+
+def supervise_learned(trace_dir: str, steps: str, step_s: str) -> None:
+    """A Supervisor whose agent learns the hang threshold (k=2, floor 0.5 s: the defaults'
+    30 s floor is too long for a test) over ``steady-then-stall``; exits with its code."""
+    from bootseer.robust.agent import Agent
+    from bootseer.robust.detect import HangDetector
+    from bootseer.supervise import HangPolicy, RestartPolicy, Supervisor
+    from bootseer.trace import TraceWriter
+
+    trace = TraceWriter(trace_dir, "learnnode")
+    agent = Agent(trace, "learnnode", hang=HangDetector(None, k=2.0, floor_s=0.5))
+    sup = Supervisor(scenario_argv("steady-then-stall", steps, step_s), trace=trace,
+                     restart=RestartPolicy(0), hang=HangPolicy(0.0, dump_wait_s=2.0),
+                     agent=agent)
+    sys.exit(sup.run())
 
 
 if __name__ == "__main__":

@@ -83,9 +83,11 @@ def read_until(stream: IO[str], text: str) -> str:
 
 
 def spans(trace_dir: Path) -> list[dict[str, Any]]:
+    """The spans of a trace directory (the agent's event and verdict records left out)."""
     out: list[dict[str, Any]] = []
     for path in sorted(trace_dir.glob("*.jsonl")):
-        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out += [doc for line in path.read_text().splitlines() if line.strip()
+                if "record" not in (doc := json.loads(line))]
     return out
 
 

@@ -69,7 +69,7 @@ def test_defaults_and_access() -> None:
     assert cfg.storage.options == {} and cfg.snapshotter.cache_size == 64 << 30
     assert cfg.env.spec == [] and cfg.run.allow_fresh_start is False
     assert cfg.as_dict()["restart"] == {"max_restarts": 3, "backoff_s": 5.0,
-                                        "backoff_max_s": 60.0}
+                                        "backoff_max_s": 60.0, "max_no_progress": 3}
     assert set(cfg.as_dict()) == set(SCHEMA)
     cfg.get("env.spec").append("x")  # a copy: the config cannot be changed through it
     assert cfg.env.spec == []
@@ -249,7 +249,8 @@ def test_overrides_in_code() -> None:
 @pytest.mark.parametrize("text,message", [
     ("[restart]\nmax_retries = 1\n",
      "unknown key 'restart.max_retries' in {path} (did you mean 'restart.max_restarts'? "
-     "known: restart.max_restarts, restart.backoff_s, restart.backoff_max_s)"),
+     "known: restart.max_restarts, restart.backoff_s, restart.backoff_max_s, "
+     "restart.max_no_progress)"),
     ("[restat]\nmax_restarts = 1\n", "unknown section [restat] in {path} (did you mean 'restart'?"),
     ("max_restarts = 1\n", "unknown key 'max_restarts' in {path}: keys belong in a section "
                            "(put it under [restart])"),

@@ -282,8 +282,8 @@ def test_json_round_trips_with_the_documented_keys(report: Report) -> None:
     doc = json.loads(json.dumps(report.to_dict()))
     assert set(doc) == {"version", "sources", "warnings", "spans", "nodes", "workers", "phases",
                         "stragglers", "restarts", "time_to_first_step", "last_attempt",
-                        "incidents", "node_stragglers", "bytes_by_remote"}  # v2: see
-    # test_report_nodes.py for those three
+                        "incidents", "node_stragglers", "bytes_by_remote", "robust"}  # v2:
+    # see test_report_nodes.py for those three, test_report_robust.py for "robust"
     assert set(doc["phases"][0]) == {"phase", "count", "p50", "p90", "max", "mean", "bytes",
                                      "outcomes"}
     assert set(doc["stragglers"][0]) == {"phase", "node", "rank", "attempt", "seconds",

@@ -14,7 +14,7 @@ from pathlib import Path
 import boto3
 import pytest
 from conftest import require_component
-from robust_helpers import run_scenario
+from robust_helpers import run_scenario, tiny_disk  # noqa: F401 - a fixture
 
 from bootseer.robust.classify import (
     CLASSES,
@@ -90,24 +90,7 @@ def test_kernel_oom_kill_in_a_cgroup_is_cpu_oom(child_memory_cgroup):
     assert classify(code, lines).failure_class == "killed_by_signal"  # without the count
 
 
-@pytest.fixture
-def tiny_disk():
-    """A 256 KiB tmpfs mounted on a private directory, unmounted and removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="bootseer-test-enospc-"))
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        path.rmdir()
-        require_component(f"cannot mount a tmpfs: {done.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
-        if path.name.startswith("bootseer-test-enospc-"):
-            path.rmdir()
-
-
-def test_enospc_on_a_full_tmpfs_is_disk_full(tiny_disk):
+def test_enospc_on_a_full_tmpfs_is_disk_full(tiny_disk):  # noqa: F811 - the fixture
     code, lines = run_scenario("write", tiny_disk / "shard-0.bin", 1)
     got = classify(code, lines)
     assert (got.failure_class, got.detail["exception"]) == ("disk_full", "OSError")

@@ -9,6 +9,7 @@ import sys
 from striped_fs.redact import install_log_redaction, protect_process, register_options
 
 from .. import __version__
+from . import check as check_cmd
 from . import ckpt as ckpt_cmd
 from . import config as config_cmd
 from . import env as env_cmd
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     warmup_cmd.register(sub)
     config_cmd.register(sub)
     report_cmd.register(sub)
+    check_cmd.register(sub)
     from . import bench, demo
 
     demo.register(sub)

@@ -18,7 +18,7 @@ from .errors import CliError
 from .options import open_trace
 
 #: The keys `bootseer run` takes flags for (the file and the environment may set any key).
-RUN_KEYS = ("state", "run", "restart", "hang", "env.spec", "env.prefix", "env.store",
+RUN_KEYS = ("state", "run", "restart", "hang", "health", "env.spec", "env.prefix", "env.store",
             "env.base_image", "env.uv", "ckpt", "storage")
 
 
@@ -43,6 +43,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise CliError("nothing to run: bootseer run [options] -- CMD [ARGS...]")
     from ..config import check_ckpt_cache_handoff, parse_ranks
+    from ..robust.agent import Agent
+    from ..robust.detect import HangDetector
     from ..startup import StartupPlan, run_startup
     from ..supervise import HangPolicy, RestartPolicy, Supervisor
     from ..trace import default_node
@@ -63,14 +65,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     base_env = dict(os.environ)
 
     def before_attempt(attempt: int) -> dict[str, str]:
+        node_check(cfg, trace, node, attempt)
         return run_startup(plan, trace=trace, attempt=attempt, base_env=base_env)
+
+    hang = HangPolicy(cfg.hang.timeout_s, cfg.hang.dump_wait_s)
+    detector = None
+    if hang.timeout_s > 0:
+        detector = HangDetector(hang.timeout_s)
+    elif cfg.hang.learn:
+        detector = HangDetector(None, initial_s=hang.startup_s)
+    agent = Agent(trace, node, hang=detector, max_no_progress=cfg.restart.max_no_progress)
 
     supervisor = Supervisor(
         command, env=base_env, trace=trace, node=node, dump_dir=trace.dir,
         ready_file=cfg.run.ready_file or None, before_attempt=before_attempt,
         restart=RestartPolicy(cfg.restart.max_restarts, cfg.restart.backoff_s,
                               cfg.restart.backoff_max_s),
-        hang=HangPolicy(cfg.hang.timeout_s, cfg.hang.dump_wait_s))
+        hang=hang, agent=agent, tail_lines=cfg.run.log_tail_lines)
     try:
         code = supervisor.run()
     except CliError as exc:  # a startup phase failed: the job does not start
@@ -78,6 +89,32 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise
     _exit_if_lingering(None, code)
     return code
+
+
+def node_check(cfg: argparse.Namespace, trace: object, node: str, attempt: int) -> None:
+    """The node's health before a (re)start: a failed check is an event in the trace and a
+    :class:`~bootseer.startup.StartupError` naming the resource (the job does not start)."""
+    from ..robust.events import write_record
+    from ..robust.health import check_node
+    from ..startup import StartupError
+
+    paths = {"state.dir": cfg.state.dir, "ckpt.cache_dir": cfg.ckpt.cache_dir,
+             "run.trace_dir": cfg.run.trace_dir}
+    results = check_node(paths, min_free_disk=cfg.health.min_free_disk,
+                         min_free_memory=cfg.health.min_free_memory, gpu=cfg.health.gpu,
+                         node=node)
+    failed = [r for r in results if r.ok is False]
+    for result in failed:
+        try:
+            write_record(trace.path, result.event())  # type: ignore[attr-defined]
+        except OSError as exc:  # the full disk may be the trace's own
+            print(f"bootseer: warning: cannot write the trace: {exc}", file=sys.stderr)
+    if failed:
+        raise StartupError(f"node check failed before attempt {attempt}, the job does not "
+                           "start: " + "; ".join(r.message for r in failed))
+    if attempt == 0:
+        print("bootseer: node check: " + "; ".join(r.message for r in results), file=sys.stderr,
+              flush=True)
 
 
 def _exit_if_lingering(message: str | None, code: int) -> None:

@@ -1,0 +1,100 @@
+"""The robust-training part of ``bootseer report``: ETTR from the traces, each incident's
+unproductive time split by cause, and the agent's events and verdicts.
+
+Why a separate module: :mod:`bootseer.report` is about startup phases; this reads the same
+traces through :mod:`bootseer.robust.ettr` and only hands tables (title -> header, rows) and
+a JSON-ready dict to it, so the report's own tables and JSON keep their shape.
+
+Usage::
+
+    section = robust_section(spans, records)     # {} when the trace holds no run
+    for title, (header, rows) in robust_tables(section).items(): ...
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from .robust.ettr import compute_ettr
+from .robust.events import Event, Verdict
+from .trace import Span
+
+__all__ = ["MAX_RECORD_ROWS", "robust_section", "robust_tables"]
+
+MAX_RECORD_ROWS = 40
+_PARTS = ("detection", "localization", "teardown")
+
+
+def robust_section(spans: Sequence[Span], records: Sequence[Event | Verdict]) -> dict[str, Any]:
+    """ETTR (cumulative and over the last hour) with its incidents, and the records, as JSON;
+    ``{}`` when the spans hold no ``bootseer run`` job (warmup alone, say)."""
+    run = [s for s in spans if not (s.detail or {}).get("warmup")]
+    if not any(s.phase == "first_step" for s in run) and not records:
+        return {}
+    doc: dict[str, Any] = {"records": [json.loads(r.to_json()) for r in records]}
+    try:
+        ettr = compute_ettr(run, records)
+    except ValueError:  # records without spans: nothing to measure
+        return doc
+    doc["ettr"] = {**ettr.to_dict(), "last_hour": ettr.sliding(3600.0, 60.0)[-1][1]}
+    return doc
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def robust_tables(section: dict[str, Any]) -> dict[str, tuple[list[str], list[list[str]]]]:
+    """The tables of :func:`robust_section`'s dict (empty when it is)."""
+    tables: dict[str, tuple[list[str], list[list[str]]]] = {}
+    ettr = section.get("ettr")
+    if ettr:
+        tables["ETTR: productive time over wall time"] = (
+            ["wall s", "productive s", "ETTR", "last hour", "incidents"],
+            [[_s(ettr["wall_s"]), _s(ettr["productive_s"]), f"{ettr['ettr']:.1%}",
+              f"{ettr['last_hour']:.1%}", str(len(ettr["incidents"]))]])
+        if ettr["incidents"]:
+            rows = []
+            for i in ettr["incidents"]:
+                split = i["split"]
+                startup = sum(v for k, v in split.items() if k not in _PARTS)
+                total = i["end"] - i["start"] + (i["recomputation_s"] or 0.0)
+                rows.append([str(i["attempt"]), i["reason"], i["class"] or "-",
+                             *(_s(split[k]) for k in _PARTS), _s(startup),
+                             _s(i["recomputation_s"]), _s(total)])
+            tables["incidents: unproductive seconds by cause (startup = backoff, phases and "
+                   "the way to the first step; recompute '-' = unknown)"] = (
+                ["attempt", "reason", "class", *_PARTS, "startup", "recompute", "total"], rows)
+    records = section.get("records") or []
+    if records:
+        t0 = min(r["time"] for r in records)
+        shown = records[-MAX_RECORD_ROWS:]
+        more = f", the last {len(shown)} of {len(records)}" if len(shown) < len(records) else ""
+        tables[f"robust events and verdicts (seconds from the first{more})"] = (
+            ["t", "record", "class", "node", "rank", "step", "what"],
+            [[_s(r["time"] - t0), r["record"] if r["record"] == "verdict" else r["kind"],
+              r["class"], str(r.get("node") or (",".join(r.get("nodes") or []) or "-")),
+              _rank(r), "-" if r.get("step") is None else str(r["step"]), _what(r)]
+             for r in shown])
+    return tables
+
+
+def _rank(record: dict[str, Any]) -> str:
+    if record["record"] == "verdict":
+        return ",".join(map(str, record.get("ranks") or [])) or "-"
+    return "-" if record.get("rank") is None else str(record["rank"])
+
+
+def _what(record: dict[str, Any]) -> str:
+    if record["record"] == "verdict":
+        local = record.get("evidence", {}).get("local")
+        here = f" (here: {local})" if local and local != record["action"] else ""
+        return f"{record['action']}{here}: {record['reason']}"[:120]
+    ev = record.get("evidence") or {}
+    for key in ("exception", "signal", "message", "check", "metric"):
+        if ev.get(key):
+            return str(ev[key])[:120]
+    return ", ".join(f"{k}={v}" for k, v in ev.items()
+                     if v is not None and not isinstance(v, list | dict))[:120]

@@ -1,0 +1,161 @@
+"""The node's agent inside ``bootseer run``: the decision libraries wired to one supervised
+command. It turns what the supervisor sees (a crash with its last output lines, heartbeats,
+the time) into events and verdicts, writes them into the node's trace, says each in one line,
+and answers the only question the supervisor asks: stop, restart, or go on.
+
+Why here and not in the supervisor: the supervisor owns processes and signals; which failure
+deserves which action is the policy table's (:mod:`.policy`), and must stay one table for the
+agent now and the controller across nodes later.
+
+The agent acts alone on its node, so a verdict becomes a local action:
+
+* ``stop`` (a deterministic user error, no progress across restarts): no more restarts;
+* ``restart_in_place``: restart after the usual backoff;
+* ``replace_and_restart``: the node cannot replace itself without a controller, so it
+  restarts in place; the node check before every start (:mod:`.health`) stops a node that
+  is unfit (a full disk), and the verdict stays in the trace for the controller;
+* ``rollback``: nothing to roll back here (the agent passes no update): stop, saying so;
+* ``continue`` (a loss spike): recorded, nothing done.
+
+Usage::
+
+    agent = Agent(trace, node="node-3", hang=HangDetector(timeout_s=600))
+    agent.start_attempt(0)
+    for beat in beats: kill = agent.observe(beat)        # a NaN: a Verdict to act on at once
+    hang = agent.check_hang(time.time())                 # a hang Event, or None
+    verdict = agent.judge_crash(exit_code, tail.lines()) # after a crash
+    agent.local_action(verdict)                          # "stop" | "restart" | "continue"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..trace import TraceWriter
+from .classify import classify, memory_cgroup, oom_kills
+from .detect import Beat, HangDetector, MetricDetector
+from .events import Event, Verdict, write_record
+from .policy import decide
+
+__all__ = ["Agent", "LOCAL_ACTIONS"]
+
+#: verdict action -> what the agent on its own node does
+LOCAL_ACTIONS = {"stop": "stop", "rollback": "stop", "restart_in_place": "restart",
+                 "replace_and_restart": "restart", "continue": "continue"}
+
+
+def _say(line: str) -> None:
+    print(f"bootseer: {line}", file=sys.stderr, flush=True)
+
+
+class Agent:
+    """Events and verdicts of one node's supervised command, across its attempts."""
+
+    def __init__(self, trace: TraceWriter | None, node: str, *,
+                 hang: HangDetector | None = None, max_no_progress: int = 3,
+                 log: Callable[[str], None] = _say) -> None:
+        self.trace = trace
+        self.node = node
+        self._hang_template = hang
+        self.max_no_progress = max_no_progress
+        self.log = log
+        self.verdicts: list[Verdict] = []
+        self.progress: list[int | None] = []  # the highest step of each attempt
+        self.attempt = -1
+        self.hang: HangDetector | None = None
+        self.metrics = MetricDetector()
+        self._cgroup = memory_cgroup()
+        self._oom_before = 0
+
+    # -- an attempt ------------------------------------------------------------------------
+    def start_attempt(self, attempt: int) -> None:
+        """Fresh detectors: a NaN or a stall of the last attempt is not this one's."""
+        self.attempt = attempt
+        self.progress.append(None)
+        self.metrics = MetricDetector()
+        t = self._hang_template
+        self.hang = None if t is None else HangDetector(
+            t.timeout_s, k=t.k, floor_s=t.floor_s, warmup_steps=t.warmup_steps,
+            initial_s=t.initial_s)
+        self._oom_before = oom_kills(self._cgroup) if self._cgroup else 0
+
+    def observe(self, beat: Beat) -> Verdict | None:
+        """A heartbeat; a verdict whose action needs the command killed now (a NaN), or None."""
+        if beat.step is not None and (self.progress[-1] is None or beat.step > self.progress[-1]):
+            self.progress[-1] = beat.step
+        if self.hang is not None:
+            self.hang.observe(beat)
+        act = None
+        for event in self.metrics.observe(dataclasses.replace(beat, node=self.node)):
+            verdict = self.judge(event)
+            if event.kind == "nonfinite" and self.local_action(verdict) != "continue":
+                act = verdict
+        return act
+
+    def check_hang(self, now: float) -> Event | None:
+        """The first rank silent past the threshold (the event is written by :meth:`judge`)."""
+        if self.hang is None:
+            return None
+        events = self.hang.check(now)
+        return dataclasses.replace(events[0], node=self.node) if events else None
+
+    def judge_crash(self, exit_code: int, lines: list[str]) -> Verdict:
+        """The class of a crash from its exit code and last lines, and what to do."""
+        oom = bool(self._cgroup) and oom_kills(self._cgroup) > self._oom_before
+        got = classify(exit_code, lines, oom_killed=oom)
+        evidence = got.evidence()
+        evidence["lines"] = lines[-20:]  # the context a reader needs, not the whole tail
+        evidence["matched"] = list(got.lines)
+        event = Event("crash", got.failure_class, node=self.node, step=self.progress[-1],
+                      time=time.time(), evidence=evidence)
+        return self.judge(event)
+
+    # -- decisions -------------------------------------------------------------------------
+    def judge(self, event: Event) -> Verdict:
+        """The policy's verdict on ``event``; both written to the trace and said in a line."""
+        progress = self.progress if any(p is not None for p in self.progress) else ()
+        verdict = decide(event, history=self.verdicts, progress=progress,
+                         max_no_progress=self.max_no_progress)
+        local = self.local_action(verdict)
+        verdict = dataclasses.replace(verdict, evidence={**verdict.evidence, "local": local,
+                                                         "attempt": self.attempt})
+        self.verdicts.append(verdict)
+        self._write(event)
+        self._write(verdict)
+        where = f" rank {event.rank}" if event.rank is not None else ""
+        at = f" at step {event.step}" if event.step is not None else ""
+        detail = _detail(event)
+        self.log(f"verdict: {event.kind} {event.failure_class}{detail}{where}{at} (attempt "
+                 f"{self.attempt}) -> {verdict.action}" + (
+                     f" (here: {local})" if local != verdict.action else "") +
+                 f": {verdict.reason}")
+        return verdict
+
+    @staticmethod
+    def local_action(verdict: Verdict) -> str:
+        return LOCAL_ACTIONS.get(verdict.action, "restart")
+
+    def _write(self, record: Event | Verdict) -> None:
+        if self.trace is None:
+            return
+        try:
+            write_record(self.trace.path, record)
+        except OSError as exc:  # a full trace disk must not cost the job
+            self.log(f"warning: cannot write the trace {self.trace.path}: {exc}")
+
+
+def _detail(event: Event) -> str:
+    ev: dict[str, Any] = event.evidence
+    if ev.get("exception"):
+        return f" ({ev['exception']})"
+    if ev.get("signal"):
+        return f" ({ev['signal']})"
+    if event.kind == "nonfinite":
+        return " (" + ", ".join(f"{k}={v}" for k, v in sorted(ev.items())) + ")"
+    if event.kind == "spike":
+        return f" ({ev.get('metric')} {ev.get('value')} vs median {ev.get('median')})"
+    return ""

@@ -1,0 +1,292 @@
+"""Stop-time checks (``bootseer check``): a collective self-test and a bitwise alignment test
+between the processes of a job, naming the ranks that disagree.
+
+Why both: after an unclear crash or a NaN the suspect is the hardware, and the two faults
+that matter look different. A broken link or NIC corrupts or stalls collectives (the
+self-test: all_reduce sums checked exactly, bandwidth measured); a GPU or CPU that computes
+wrong bits passes every collective yet trains garbage (the alignment test: every rank runs one
+step of the same small model, same weights and input, deterministic and single-threaded, and
+hashes outputs and gradients; the ranks outside the majority are named). ByteRobust runs the
+same pair before it evicts machines.
+
+Usage::
+
+    from bootseer.robust.check import run_local
+
+    report = run_local(3)              # 3 gloo processes on this machine
+    report.ok, report.suspects         # False, (1,)
+    print(report.text())
+
+Inside a torchrun job (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set) every rank calls
+:func:`run_rank` with ``init="env://"``; each gets the same :class:`CheckReport`.
+Fault injection for tests: ``BOOTSEER_CHECK_FAULT`` = ``alignment:R`` (rank R's weights one
+ulp off), ``sum:R`` (rank R's reduced sum off by one), comma-separated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from .events import Event, Verdict
+
+__all__ = ["CHECK_FAULT", "CheckReport", "RankResult", "parse_faults", "reference_step",
+           "run_local", "run_rank"]
+
+#: Test hook: faults to inject (see the module docstring).
+CHECK_FAULT = "BOOTSEER_CHECK_FAULT"
+SUM_NUMEL = 1 << 16  # elements of the exact-sum test (int64)
+
+
+def parse_faults(text: str | None) -> dict[str, set[int]]:
+    """``"alignment:1,sum:2"`` -> ``{"alignment": {1}, "sum": {2}}`` (anything else refused)."""
+    faults: dict[str, set[int]] = {"alignment": set(), "sum": set()}
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        kind, _, rank = item.partition(":")
+        if kind not in faults or not rank.isdigit():
+            raise ValueError(f"{CHECK_FAULT}={text!r}: each fault is alignment:RANK or "
+                             f"sum:RANK, comma-separated")
+        faults[kind].add(int(rank))
+    return faults
+
+
+@dataclass
+class RankResult:
+    """What one rank measured and computed."""
+
+    rank: int
+    node: str
+    sum_errors: int  # elements of the all_reduce result that differ from the exact sum
+    output_hash: str
+    grad_hash: str
+    seconds: float  # one all_reduce of the bandwidth buffer (median of the runs)
+    nbytes: int
+
+
+def reference_step(perturb: bool = False) -> tuple[str, str]:
+    """One forward and backward step of a fixed small model on fixed input, deterministic
+    and single-threaded; the sha256 of its output and of its gradients. ``perturb``: one
+    weight one ulp off (the test's stand-in for a unit computing wrong bits)."""
+    import torch
+
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(20250917)
+    shapes = [(64, 32), (64,), (8, 64), (8,)]
+    params = [torch.randn(s, generator=gen, dtype=torch.float32) for s in shapes]
+    x = torch.randn(16, 32, generator=gen)
+    target = torch.randn(16, 8, generator=gen)
+    if perturb:
+        flat = params[0].view(-1)
+        flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
+    for p in params:
+        p.requires_grad_(True)
+    w1, b1, w2, b2 = params
+    out = torch.tanh(x @ w1.T + b1) @ w2.T + b2
+    loss = torch.nn.functional.mse_loss(out, target)
+    loss.backward()
+    grads = hashlib.sha256()
+    for p in params:
+        grads.update(p.grad.numpy().tobytes())
+    return hashlib.sha256(out.detach().numpy().tobytes()).hexdigest(), grads.hexdigest()
+
+
+def _exact_sum_test(rank: int, world: int, corrupt: bool) -> int:
+    import torch
+    import torch.distributed as dist
+
+    base = torch.arange(SUM_NUMEL, dtype=torch.int64)
+    t = base * (rank + 1) + rank
+    dist.all_reduce(t)
+    expected = base * (world * (world + 1) // 2) + world * (world - 1) // 2
+    if corrupt:
+        t[SUM_NUMEL // 2] += 1
+    return int((t != expected).sum())
+
+
+def _bandwidth(nbytes: int, runs: int = 3) -> float:
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    dist.all_reduce(buf)  # warm-up: connections, allocation
+    times = []
+    for _ in range(runs):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+@dataclass
+class CheckReport:
+    """Every rank's results and the verdict: which ranks failed which test."""
+
+    results: list[RankResult]
+    sum_suspects: tuple[int, ...] = ()
+    alignment_suspects: tuple[int, ...] = ()
+    alignment_majority: tuple[str, str] | None = None
+    no_majority: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_results(cls, results: list[RankResult]) -> CheckReport:
+        results = sorted(results, key=lambda r: r.rank)
+        votes = Counter((r.output_hash, r.grad_hash) for r in results)
+        (top, n), *rest = votes.most_common()
+        no_majority = bool(rest) and rest[0][1] == n
+        return cls(results,
+                   sum_suspects=tuple(r.rank for r in results if r.sum_errors),
+                   alignment_suspects=() if no_majority else tuple(
+                       r.rank for r in results if (r.output_hash, r.grad_hash) != top),
+                   alignment_majority=None if no_majority else top, no_majority=no_majority)
+
+    @property
+    def suspects(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.sum_suspects) | set(self.alignment_suspects)))
+
+    @property
+    def ok(self) -> bool:
+        return not self.suspects and not self.no_majority
+
+    def bandwidth(self) -> tuple[float, float, float]:
+        """(seconds, algorithm bandwidth, bus bandwidth) in s and bytes/s: the slowest rank."""
+        seconds = max(r.seconds for r in self.results)
+        nbytes, n = self.results[0].nbytes, len(self.results)
+        alg = nbytes / seconds if seconds > 0 else 0.0
+        return seconds, alg, alg * 2 * (n - 1) / n
+
+    def _named(self, ranks: tuple[int, ...]) -> str:
+        by = {r.rank: r.node for r in self.results}
+        return ", ".join(f"rank {r} (node {by[r]})" for r in ranks)
+
+    def text(self) -> str:
+        n = len(self.results)
+        seconds, alg, bus = self.bandwidth()
+        lines = [f"check: {n} ranks over gloo"]
+        if self.sum_suspects:
+            lines.append(f"collective: all_reduce of {SUM_NUMEL} int64 sums WRONG on "
+                         f"{self._named(self.sum_suspects)}")
+        else:
+            lines.append(f"collective: all_reduce of {SUM_NUMEL} int64: sums exact on all "
+                         f"{n} ranks")
+        mib = self.results[0].nbytes / 2**20
+        lines.append(f"bandwidth: all_reduce of {mib:.1f} MiB in {seconds * 1e3:.2f} ms: "
+                     f"algbw {alg / 1e9:.3f} GB/s, busbw {bus / 1e9:.3f} GB/s")
+        if self.no_majority:
+            lines.append("alignment: no majority among the reference step's hashes: "
+                         + "; ".join(f"rank {r.rank} {r.output_hash[:12]}" for r in self.results))
+        elif self.alignment_suspects:
+            out, grad = self.alignment_majority or ("", "")
+            verb = "differs" if len(self.alignment_suspects) == 1 else "differ"
+            lines.append(f"alignment: {self._named(self.alignment_suspects)} {verb} from the "
+                         f"majority (output {out[:12]}, gradients {grad[:12]})")
+        else:
+            out, grad = self.alignment_majority or ("", "")
+            lines.append(f"alignment: all {n} ranks bit-identical (output {out[:12]}, "
+                         f"gradients {grad[:12]})")
+        lines.append("verdict: ok" if self.ok else
+                     f"verdict: FAILED: evict {self._named(self.suspects) or 'nobody (no majority)'}")
+        return "\n".join(lines)
+
+    def records(self, now: float | None = None) -> list[Event | Verdict]:
+        """An event per failed check and the verdict, for the trace."""
+        now = time.time() if now is None else now
+        by = {r.rank: r for r in self.results}
+        events: list[Event | Verdict] = []
+        for rank in self.sum_suspects:
+            events.append(Event("health", "collective_error", node=by[rank].node, rank=rank,
+                                time=now, evidence={"check": "all_reduce_sum",
+                                                    "wrong_elements": by[rank].sum_errors}))
+        for rank in self.alignment_suspects:
+            events.append(Event("health", "alignment_mismatch", node=by[rank].node, rank=rank,
+                                time=now, evidence={"check": "bitwise_alignment",
+                                                    "output": by[rank].output_hash,
+                                                    "gradients": by[rank].grad_hash,
+                                                    "majority": list(self.alignment_majority
+                                                                     or ())}))
+        seconds, alg, bus = self.bandwidth()
+        evidence = {"results": [asdict(r) for r in self.results], "bandwidth": {
+            "seconds": seconds, "algbw_bytes_s": alg, "busbw_bytes_s": bus},
+            "no_majority": self.no_majority}
+        nodes = tuple(sorted({by[r].node for r in self.suspects}))
+        events.append(Verdict("continue" if self.ok else "replace_and_restart", "check",
+                              nodes=nodes, ranks=self.suspects, time=now,
+                              reason="all checks passed" if self.ok else self.text()
+                              .splitlines()[-1].removeprefix("verdict: "), evidence=evidence))
+        return events
+
+
+def run_rank(rank: int, world: int, *, init: str = "env://", nbytes: int = 16 << 20,
+             node: str | None = None, fault: str | None = None,
+             timeout_s: float = 120.0) -> CheckReport:
+    """This rank's part of both tests; every rank gets the whole report."""
+    import torch.distributed as dist
+
+    faults = parse_faults(os.environ.get(CHECK_FAULT) if fault is None else fault)
+    node = node or os.environ.get("BOOTSEER_NODE") or os.uname().nodename
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        errors = _exact_sum_test(rank, world, rank in faults["sum"])
+        seconds = _bandwidth(nbytes)
+        out, grad = reference_step(perturb=rank in faults["alignment"])
+        mine = RankResult(rank, node, errors, out, grad, seconds, nbytes)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, asdict(mine))
+    finally:
+        dist.destroy_process_group()
+    return CheckReport.from_results([RankResult(**g) for g in gathered])
+
+
+def _spawned(rank: int, world: int, port: int, nbytes: int, fault: str | None,
+             queue: Any) -> None:
+    try:
+        report = run_rank(rank, world, init=f"tcp://127.0.0.1:{port}", nbytes=nbytes,
+                          fault=fault)
+        if rank == 0:
+            queue.put(("ok", [asdict(r) for r in report.results]))
+    except BaseException as exc:  # noqa: BLE001 - handed to the parent, which says it
+        queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+        raise
+
+
+def run_local(nproc: int, *, nbytes: int = 16 << 20, fault: str | None = None,
+              timeout_s: float = 300.0) -> CheckReport:
+    """Both tests between ``nproc`` processes of this machine (spawned, gloo on loopback)."""
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    if nproc < 2:
+        raise ValueError(f"--nproc {nproc}: a check between processes needs at least 2")
+    parse_faults(os.environ.get(CHECK_FAULT) if fault is None else fault)  # refuse early
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [ctx.Process(target=_spawned, args=(r, nproc, port, nbytes, fault, results),
+                         name=f"bootseer-check-{r}", daemon=True) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    try:
+        try:
+            status, payload = results.get(timeout=timeout_s)
+        except queue_mod.Empty:
+            raise RuntimeError(f"the check did not finish in {timeout_s:.0f}s") from None
+        if status != "ok":
+            raise RuntimeError(f"the check failed: {payload}")
+        return CheckReport.from_results([RankResult(**r) for r in payload])
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
