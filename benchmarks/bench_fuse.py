@@ -1,29 +1,33 @@
 """FUSE mount benchmark: what writing through ``bootseer fs mount`` costs, big files and small.
 
-One run mounts a striped store (``--store file``: striped::file:// in a temporary directory;
-``--store s3``: striped::s3:// on a moto server in its own process) and measures, each
-``--repeat`` times (the median is reported):
+One run measures a plain local directory (the peer), then a mount of each striped store
+(``--stores file,s3``: striped::file:// in the run's work directory, and striped::s3:// on a
+moto server in its own process, unshaped), each ``--repeat`` times (medians reported):
 
-1. ``dd`` of a ``--size`` random file into the mount (bs=1M; the time includes close(), which
-   commits), and ``dd`` of it back out (the backing files are in the page cache);
-2. ``rsync -a`` of ``--files`` small files (``--file-size`` each) into the mount, then again
+1. ``dd`` of a ``--size`` random file into the target (bs=1M; the time includes close(),
+   which commits), and ``dd`` of it back out (the backing files are in the page cache);
+2. ``rsync -a`` of ``--files`` small files (``--file-size`` each) into the target, then again
    on the unchanged tree (what a second rsync costs: nothing to send when mtimes are kept);
 3. ``touch f && cat f`` per file, the latency of one create-commit-lookup-read.
 
-The same dd and rsync into a plain local directory are the floor. Every copy is checked:
-the bytes read back through the mount equal the source. The mount runs the code on
+Every copy is checked: the bytes read back equal the source, and a failed ``touch && cat``
+or an rsync that did not exit 0 fails the run's verdict. The mount runs the code on
 PYTHONPATH (else this checkout's), so the same script measures another tree
 (``PYTHONPATH=/old/tree``); the tree measured is printed.
 
-``python benchmarks/bench_fuse.py [--store file|s3] [--size 256MiB] [--files 300]
-[--repeat 3] [--results DIR]``; needs root (FUSE), rsync and dd. Everything it starts (mount,
-moto, temporary directory) is removed on exit, Ctrl-C included.
+``python benchmarks/bench_fuse.py --results DIR [--quick] [--stores file,s3] [--size 256MiB]
+[--files 300] [--repeat 3]`` or ``bootseer bench fuse [--quick]``; writes ``DIR/fuse.json``
+and ``DIR/fuse.md``. ``--quick``: 16 MiB, 40 files (10 on S3), one run each, a smoke run of
+seconds. Needs root (FUSE), rsync and dd. The work directory is made under
+``~/.cache/bootseer-bench`` (``BOOTSEER_BENCH_CACHE``); it, the mounts and moto are removed on
+exit, Ctrl-C and SIGTERM included.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as _dt
 import json
 import os
 import shutil
@@ -42,7 +46,7 @@ from _common import (  # noqa: E402
     command_line,
     log,
     md_table,
-    sigterm_as_interrupt,
+    run_bench,
     source_state,
 )
 
@@ -132,8 +136,10 @@ def _same_tree(a: Path, b: Path) -> bool:
     return True
 
 
-def measure(args: argparse.Namespace, work: Path, target: Path, label: str) -> dict[str, Any]:
-    """dd in/out, rsync twice and touch+cat into ``target`` (a mount or a local directory)."""
+def measure(args: argparse.Namespace, work: Path, src: Path, target: Path,
+            label: str) -> dict[str, Any]:
+    """dd in/out, rsync of the tree ``src`` twice and touch+cat into ``target`` (a mount or a
+    local directory)."""
     out: dict[str, Any] = {"target": label}
     big = work / "big.bin"
     back = work / "back.bin"
@@ -154,7 +160,6 @@ def measure(args: argparse.Namespace, work: Path, target: Path, label: str) -> d
         raise RuntimeError(f"{label}: the file read back differs from the one written")
     back.unlink()
 
-    src = work / "small"
     codes: list[int] = []
     run = {"i": 0}  # each timed first run goes to a directory of its own (no deletes timed)
 
@@ -187,68 +192,172 @@ def measure(args: argparse.Namespace, work: Path, target: Path, label: str) -> d
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench_fuse.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--store", choices=["file", "s3"], default="file")
-    parser.add_argument("--size", type=_size, default=256 * MiB, help="dd file size (256MiB)")
-    parser.add_argument("--files", type=int, default=300, help="small files for rsync (300)")
-    parser.add_argument("--file-size", type=_size, default=4096, help="their size (4096)")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--results", help="directory for fuse-<store>.json/.md")
-    args = parser.parse_args(argv)
-    for tool in ("rsync", "dd"):
-        if shutil.which(tool) is None:
-            parser.error(f"{tool} is not installed (scripts/system-packages installs it)")
-    work = Path(tempfile.mkdtemp(prefix="bench-fuse-"))
-    result: dict[str, Any] = {"command": command_line("bench_fuse.py"),
-                              "source": source_state(["striped_fs", "bootseer/cli"]),
-                              "pythonpath": os.environ.get("PYTHONPATH", ""),
-                              "store": args.store, "size": args.size, "files": args.files,
-                              "file_size": args.file_size, "repeat": args.repeat}
-    try:
-        with sigterm_as_interrupt(), contextlib.ExitStack() as stack:
-            (work / "big.bin").write_bytes(os.urandom(args.size))
-            _small_tree(work / "small", args.files, args.file_size)
-            (work / "local").mkdir()
-            log("floor: a plain local directory")
-            result["local"] = measure(args, work, work / "local", "local directory")
-            shutil.rmtree(work / "local")
-            if args.store == "s3":
+STORES = ("file", "s3")
+FULL = {"size": 256 * MiB, "files": 300, "repeat": 3}
+QUICK = {"size": 16 * MiB, "files": 40, "repeat": 1}
+QUICK_S3_FILES = 10  # a file over moto costs ~0.3 s to rsync on 2 cores: keep the smoke run short
+WORK_PREFIX = "fuse-run-"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BOOTSEER_BENCH_CACHE")
+                or Path.home() / ".cache" / "bootseer-bench")
+
+
+class Bench:
+    """One run: the local directory, then each store's mount (``run_bench``'s protocol)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.quick = bool(args.quick)
+        self.stores = [s for s in args.stores.split(",") if s]
+        bad = [s for s in self.stores if s not in STORES]
+        if bad or not self.stores:
+            raise SystemExit(f"bench_fuse.py: --stores {args.stores!r}: each must be one of "
+                             f"{', '.join(STORES)} (comma-separated)")
+        base = QUICK if self.quick else FULL
+        self.size = args.size or base["size"]
+        self.files = args.files or base["files"]
+        self.repeat = args.repeat or base["repeat"]
+        self.results_dir = Path(args.results)
+        self.stack = contextlib.ExitStack()
+        self.errors: list[str] = []
+        self.R: dict[str, Any] = {
+            "suite": "fuse", "quick": self.quick, "command": command_line("bench_fuse.py"),
+            "source": source_state(["striped_fs", "bootseer/cli", "benchmarks/bench_fuse.py"]),
+            "pythonpath": os.environ.get("PYTHONPATH", ""), "machine": {"cpus": os.cpu_count()},
+            "config": {"stores": self.stores, "size": self.size, "files": self.files,
+                       "file_size": args.file_size, "repeat": self.repeat},
+            "stores": {}, "errors": self.errors}
+
+    def _files_for(self, store: str) -> int:
+        if self.quick and store == "s3" and not self.args.files:
+            return QUICK_S3_FILES
+        return self.files
+
+    def run(self) -> None:
+        cache = cache_dir()
+        cache.mkdir(parents=True, exist_ok=True)  # a file there: FileExistsError, exit 1
+        work = Path(tempfile.mkdtemp(prefix=WORK_PREFIX, dir=cache))
+        self.stack.callback(_remove_work, work, cache)
+        log(f"bench fuse: {'quick' if self.quick else 'full'} run; dd {self.size // MiB} MiB, "
+            f"{self.files} files of {self.args.file_size} B, repeat {self.repeat}; "
+            f"stores {', '.join(self.stores)}; work {work}")
+        (work / "big.bin").write_bytes(os.urandom(self.size))
+        self.R["measured_tree"] = measured_tree(work)
+        log(f"the mount runs the code in {self.R['measured_tree']}")
+        for store in self.stores:
+            files = self._files_for(store)
+            src = work / f"small-{files}"
+            if not src.exists():
+                _small_tree(src, files, self.args.file_size)
+            local = work / f"local-{store}"
+            local.mkdir()
+            log(f"peer: a plain local directory ({files} files)")
+            peer = measure(self._params(files), work, src, local, "local directory")
+            shutil.rmtree(local)
+            if store == "s3":
                 from bootseer.testing.servers import MotoS3Server
 
                 server = MotoS3Server(in_process=False)
-                stack.callback(server.close)
+                self.stack.callback(server.close)
                 server.start()
                 server.create_bucket("bench-fuse")
                 url, options = "s3://bench-fuse", {"s3": server.storage_options()}
             else:
                 (work / "store").mkdir()
                 url, options = str(work / "store"), {}
-            (work / "mnt").mkdir()
-            result["measured_tree"] = measured_tree(work)
-            log(f"the mount runs the code in {result['measured_tree']}")
-            stack.enter_context(_mounted(url, work / "mnt", options, work / "mount.log"))
-            log(f"the mount: bootseer fs mount {url}")
-            result["mount"] = measure(args, work, work / "mnt", f"mount of striped {args.store}")
-    except KeyboardInterrupt:
-        log("interrupted")
-        return 130
-    finally:
-        if work.name.startswith("bench-fuse-") and work.parent == Path(tempfile.gettempdir()):
-            shutil.rmtree(work, ignore_errors=True)
-    m, loc = result["mount"], result["local"]
-    keys = ["dd_write_mb_s", "dd_read_mb_s", "rsync_first_s", "rsync_first_files_s",
-            "rsync_again_s", "rsync_exit_codes", "touch_cat_ms", "touch_cat_failed"]
-    rows = [[k, str(m[k]), str(loc[k])] for k in keys]
-    lines = [f"`{result['command']}` (code: {result['measured_tree']})", "",
-             *md_table(["metric", m["target"], "local directory"], rows)]
-    print("\n".join(lines))
-    if args.results:
-        out = Path(args.results)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"fuse-{args.store}.json").write_text(json.dumps(result, indent=2))
-        (out / f"fuse-{args.store}.md").write_text("\n".join(lines) + "\n")
-    return 0
+            mnt = work / f"mnt-{store}"
+            mnt.mkdir()
+            log(f"the mount: bootseer fs mount {url} ({files} files)")
+            with _mounted(url, mnt, options, work / "mount.log"):
+                ours = measure(self._params(files), work, src, mnt, f"mount of striped {store}")
+            self.R["stores"][store] = {"url": url, "files": files, "mount": ours, "local": peer}
+
+    def _params(self, files: int) -> argparse.Namespace:
+        return argparse.Namespace(size=self.size, files=files, repeat=self.repeat)
+
+    def rows(self) -> list[list[str]]:
+        out: list[list[str]] = []
+        for store, r in self.R["stores"].items():
+            m, p, n = r["mount"], r["local"], r["files"]
+            tc_total = n * self.repeat
+            out += [
+                [f"{store}: dd write into the mount, MB/s", f"{m['dd_write_mb_s']:.1f}",
+                 f"local {p['dd_write_mb_s']:.1f}", "-", "info"],
+                [f"{store}: dd read back, MB/s", f"{m['dd_read_mb_s']:.1f}",
+                 f"local {p['dd_read_mb_s']:.1f}", "bytes equal", "pass"],
+                [f"{store}: rsync -a of {n} files, first, s", f"{m['rsync_first_s']:.3f}",
+                 f"local {p['rsync_first_s']:.3f}", "rsync exits 0",
+                 _verdict(all(c == 0 for c in m["rsync_exit_codes"]))],
+                [f"{store}: the same rsync again, unchanged tree, s", f"{m['rsync_again_s']:.3f}",
+                 f"local {p['rsync_again_s']:.3f}", f"< first ({m['rsync_first_s']:.3f} s)",
+                 _verdict(m["rsync_again_s"] < m["rsync_first_s"])],
+                [f"{store}: touch f && cat f, ms per file", f"{m['touch_cat_ms']:.2f}",
+                 f"local {p['touch_cat_ms']:.2f}", f"0 of {tc_total} fail",
+                 _verdict(m["touch_cat_failed"] == f"0 of {tc_total}")],
+            ]
+        return out
+
+    def report(self) -> None:
+        rows = self.rows()
+        self.R["final_table"] = [dict(zip(["metric", "bootseer", "peer", "limit", "verdict"], r,
+                                          strict=True)) for r in rows]
+        table = md_table(["metric", "bootseer", "peer", "limit/target", "pass/fail"], rows)
+        print("", flush=True)
+        for line in table:
+            print(line)
+        if self.quick:
+            self.R.setdefault("warnings", []).append(
+                "--quick: small sizes, one run each: a smoke test, not the figures")
+        self.write_files(table)
+
+    def write_files(self, table: list[str] | None = None) -> None:
+        self.results_dir.mkdir(parents=True, exist_ok=True)
+        self.R["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+        (self.results_dir / "fuse.json").write_text(json.dumps(self.R, indent=2, default=str) + "\n")
+        src = self.R["source"]
+        md = [f"# FUSE mount benchmark ({'quick' if self.quick else 'full'} run)", "",
+              f"- command: `{self.R['command']}` ({self.R['finished']})",
+              f"- code measured: {self.R.get('measured_tree', '?')}, commit "
+              f"{src.get('commit', '?')[:12]}"
+              + (f", local changes in {', '.join(src['local_changes'])}"
+                 if src.get("local_changes") else ""),
+              f"- dd: {self.size // MiB} MiB, bs=1M; rsync and touch+cat: files of "
+              f"{self.args.file_size} B; {self.repeat} run(s) each, medians; S3: moto, unshaped",
+              "", *(table or ["(no results: the run failed before its report)"])]
+        md += [f"- WARNING: {w}" for w in self.R.get("warnings", [])]
+        md += [f"- ERROR: {e}" for e in self.errors]
+        (self.results_dir / "fuse.md").write_text("\n".join(md) + "\n")
+        log(f"wrote {self.results_dir / 'fuse.json'} and {self.results_dir / 'fuse.md'}")
+
+
+def _verdict(ok: bool) -> str:
+    return "pass" if ok else "FAIL"
+
+
+def _remove_work(work: Path, cache: Path) -> None:
+    """Remove the run's own work directory, and only it (never the cache around it)."""
+    if work.parent == cache and work.name.startswith(WORK_PREFIX):
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_fuse.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--results", default="bench-results", help="directory for fuse.json/.md")
+    parser.add_argument("--quick", action="store_true",
+                        help="16 MiB, 40 files (10 on S3), one run each: a smoke run")
+    parser.add_argument("--stores", default=",".join(STORES), help="file,s3 (both)")
+    parser.add_argument("--size", type=_size, help="dd file size (256MiB; quick 16MiB)")
+    parser.add_argument("--files", type=int, help="small files for rsync (300; quick 40)")
+    parser.add_argument("--file-size", type=_size, default=4096, help="their size (4096)")
+    parser.add_argument("--repeat", type=int, help="runs of each measure (3; quick 1)")
+    args = parser.parse_args(argv)
+    for tool in ("rsync", "dd"):
+        if shutil.which(tool) is None:
+            parser.error(f"{tool} is not installed (scripts/system-packages installs it)")
+    bench = Bench(args)
+    return run_bench(bench, done_key="final_table", report_inside=False, log_fn=log)
 
 
 if __name__ == "__main__":

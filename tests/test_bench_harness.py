@@ -43,8 +43,9 @@ TOOLS: dict[str, tuple[str, ...]] = {
     "prefetch": ("docker-registry", "curl", "tar", "gzip", "chroot"),
     "containerd": ("docker-registry", "curl", "tar", "gzip", "chroot", "containerd", "ctr",
                    "runc", "containerd-shim-runc-v2"),
+    "fuse": ("rsync", "dd"),
 }
-NEEDS_FUSE = ("striped", "prefetch", "containerd")
+NEEDS_FUSE = ("striped", "prefetch", "containerd", "fuse")
 HOST_BASE = ("prefetch", "containerd")  # their image base: a copy of Debian's python3.11
 
 
@@ -80,6 +81,10 @@ FIGURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
                                 *r["settings"]["local"]["runs"]),
     "prefetch": lambda r: _runs(r["runs"], "full", "lazy", "profile", "floor"),
     "containerd": lambda r: _runs(r["runs"], "default", "lazy", "profile", "floor"),
+    "fuse": lambda r: {f"{store} {side} {k}": r["stores"][store][side][k]
+                       for store in ("file", "s3") for side in ("mount", "local")
+                       for k in ("dd_write_mb_s", "dd_read_mb_s", "rsync_first_s",
+                                 "touch_cat_ms")},
     "e2e": lambda r: {f"{m} to first step s": r["runs"][m]["total"] for m in ("bootseer", "inplace")}
     | {"bootseer loaded step": r["runs"]["bootseer"]["loaded_step"]},
 }
@@ -159,6 +164,12 @@ def test_each_suite_quick_form_leaves_its_results_through_bootseer_bench(
            if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0}
     assert figures and not bad, f"{suite}: figures missing or not positive: {bad or figures}"
 
+    if suite == "fuse":  # every rsync exited 0 and every touch+cat read its file back
+        for store in report["stores"].values():
+            runs = store["files"] * report["config"]["repeat"]
+            assert store["mount"]["rsync_exit_codes"] == [0] * 2 * report["config"]["repeat"]
+            assert store["mount"]["touch_cat_failed"] == f"0 of {runs}"
+
     md = (results / f"{suite}.md").read_text()
     assert "quick" in md.splitlines()[0]
     assert re.search(r"^\|.*\d+\.\d+ ?(s|MB/s|MiB|MB)\b", md, re.M), md
@@ -185,7 +196,7 @@ def test_a_failed_suite_is_reported_and_the_others_still_run(tmp_path: Path) -> 
         assert f"## {suite}: FAILED (exit 1)" in summary
     block = run.stderr.split("bootseer bench: striped FAILED")[1].split("bootseer bench: ckpt")[0]
     assert str(not_a_dir) in block and "FileExistsError" in block  # the why, in its tail
-    assert "0 of 6 suites wrote their results" in run.stdout
+    assert f"0 of {len(SUITES)} suites wrote their results" in run.stdout
 
 
 def test_sigterm_stops_the_running_suite_and_its_process_group(tmp_path: Path) -> None:

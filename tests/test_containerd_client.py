@@ -264,24 +264,32 @@ def test_version_and_namespace(client: ContainerdClient, containerd) -> None:
 
 
 def test_content_write_read_dedup_delete(client: ContainerdClient) -> None:
-    data = os.urandom(2 * CHUNK_SIZE + 12345)  # three Write messages and a commit
-    digest = _digest(data)
-    assert client.write_content(data, digest=digest, size=len(data), labels={"a": "1"}) is True
-    assert client.read_content(digest) == data
-    assert client.read_content(digest, offset=10, size=100) == data[10:110]
-    got_digest, size, labels = client.content_info(digest)
-    assert (got_digest, size, labels) == (digest, len(data), {"a": "1"})
-    # The same blob again, from an iterable: nothing written, labels merged.
-    assert client.write_content(iter([data[:5], data[5:]]), digest=digest, size=len(data),
-                                labels={"b": "2"}) is False
-    assert client.content_info(digest).labels == {"a": "1", "b": "2"}
-    client.update_content_labels(digest, {"a": ""})  # "" removes
-    assert client.content_info(digest).labels == {"b": "2"}
-    assert [i.digest for i in client.list_content(f"digest=={digest}")] == [digest]
-    assert client.ingest_refs() == []
-    client.delete_content(digest)
-    with pytest.raises(errors.NotFoundError, match=digest):
-        client.content_info(digest)
+    """Under a lease, as containerd's own clients write: content nothing references is removed
+    by containerd's garbage collector, which runs 100 ms after containerd starts and after
+    deletions, so a write-then-read without one failed whenever the test ran that long (on a
+    busy machine, e.g. after test_snapshotter_restart.py). A collection between the write and
+    the reads is forced here."""
+    with client.lease() as c:
+        data = os.urandom(2 * CHUNK_SIZE + 12345)  # three Write messages and a commit
+        digest = _digest(data)
+        assert c.write_content(data, digest=digest, size=len(data),
+                                labels={"a": "1"}) is True
+        _collect_garbage(client)
+        assert c.read_content(digest) == data
+        assert c.read_content(digest, offset=10, size=100) == data[10:110]
+        got_digest, size, labels = c.content_info(digest)
+        assert (got_digest, size, labels) == (digest, len(data), {"a": "1"})
+        # The same blob again, from an iterable: nothing written, labels merged.
+        assert c.write_content(iter([data[:5], data[5:]]), digest=digest, size=len(data),
+                               labels={"b": "2"}) is False
+        assert c.content_info(digest).labels == {"a": "1", "b": "2"}
+        c.update_content_labels(digest, {"a": ""})  # "" removes
+        assert c.content_info(digest).labels == {"b": "2"}
+        assert [i.digest for i in c.list_content(f"digest=={digest}")] == [digest]
+        assert c.ingest_refs() == []
+        c.delete_content(digest)  # an explicit delete removes it, lease or not
+        with pytest.raises(errors.NotFoundError, match=digest):
+            c.content_info(digest)
 
 
 def test_wrong_digest_or_size_is_refused_and_leaves_nothing(client: ContainerdClient) -> None:
