@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -111,6 +113,50 @@ def fs_type(path: Path) -> str:
                              capture_output=True, text=True, check=True).stdout.split()
         return " on ".join(out) if out else "?"
     return "?"
+
+
+def final_table(report: dict[str, Any], rows: list[list[str]]) -> list[str]:
+    """The suite's table of figures (metric, bootseer, peer, limit, verdict): kept in
+    ``report["final_table"]``, printed, and returned as markdown lines."""
+    report["final_table"] = [dict(zip(["metric", "bootseer", "peer", "limit", "verdict"], r,
+                                      strict=True)) for r in rows]
+    table = md_table(["metric", "bootseer", "peer", "limit/target", "pass/fail"], rows)
+    print("", flush=True)
+    for line in table:
+        print(line)
+    return table
+
+
+def cache_dir() -> Path:
+    """The suites' cache and work directory: ``BOOTSEER_BENCH_CACHE``, else
+    ``~/.cache/bootseer-bench``."""
+    return Path(os.environ.get("BOOTSEER_BENCH_CACHE")
+                or Path.home() / ".cache" / "bootseer-bench")
+
+
+def work_dir(prefix: str, stack: contextlib.ExitStack) -> Path:
+    """A private work directory ``CACHE/<prefix>XXXX`` for one run, removed when ``stack``
+    closes (only it: never the cache around it). A file where the cache should be raises
+    FileExistsError (the suite exits 1)."""
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=cache))
+
+    def remove() -> None:
+        if work.parent == cache and work.name.startswith(prefix):  # the directory made here
+            shutil.rmtree(work, ignore_errors=True)
+    stack.callback(remove)
+    return work
+
+
+def code_env() -> dict[str, str]:
+    """The environment of a measured child: the tree on PYTHONPATH, else this checkout's (so
+    that the same script measures another tree with ``PYTHONPATH=/old/tree``)."""
+    return {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(ROOT)}
+
+
+def verdict(ok: bool) -> str:
+    return "pass" if ok else "FAIL"
 
 
 def log(msg: str) -> None:

@@ -34,7 +34,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,12 +41,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    ROOT,
+    code_env,
     command_line,
+    final_table,
     log,
-    md_table,
     run_bench,
     source_state,
+    verdict,
+    work_dir,
 )
 
 MiB = 1 << 20
@@ -81,15 +82,9 @@ def _timed(fn: Callable[[], Any], repeat: int, before: Callable[[int], Any] | No
     return statistics.median(times), times
 
 
-def _code_env() -> dict[str, str]:
-    """The mount runs the tree on PYTHONPATH, else this checkout's (from a neutral working
-    directory: ``python -m`` would otherwise import whatever tree the caller stands in)."""
-    return {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(ROOT)}
-
-
 def measured_tree(cwd: Path) -> str:
     r = subprocess.run([sys.executable, "-c", "import striped_fs; print(striped_fs.__file__)"],
-                       capture_output=True, text=True, env=_code_env(), cwd=cwd, check=True)
+                       capture_output=True, text=True, env=code_env(), cwd=cwd, check=True)
     return str(Path(r.stdout.strip()).parents[1])
 
 
@@ -101,7 +96,7 @@ def _mounted(url: str, mnt: Path, options: dict[str, Any], log_file: Path) -> It
         proc = subprocess.Popen(
             [sys.executable, "-m", "bootseer", "fs", "mount", url, str(mnt), "--foreground",
              "--storage-options", json.dumps(options)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=_code_env(),
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=code_env(),
             cwd=mnt.parent)
     try:
         wait_mounted(mnt, 60, proc)
@@ -199,11 +194,6 @@ QUICK_S3_FILES = 10  # a file over moto costs ~0.3 s to rsync on 2 cores: keep t
 WORK_PREFIX = "fuse-run-"
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("BOOTSEER_BENCH_CACHE")
-                or Path.home() / ".cache" / "bootseer-bench")
-
-
 class Bench:
     """One run: the local directory, then each store's mount (``run_bench``'s protocol)."""
 
@@ -236,10 +226,7 @@ class Bench:
         return self.files
 
     def run(self) -> None:
-        cache = cache_dir()
-        cache.mkdir(parents=True, exist_ok=True)  # a file there: FileExistsError, exit 1
-        work = Path(tempfile.mkdtemp(prefix=WORK_PREFIX, dir=cache))
-        self.stack.callback(_remove_work, work, cache)
+        work = work_dir(WORK_PREFIX, self.stack)  # a file at the cache: FileExistsError, exit 1
         log(f"bench fuse: {'quick' if self.quick else 'full'} run; dd {self.size // MiB} MiB, "
             f"{self.files} files of {self.args.file_size} B, repeat {self.repeat}; "
             f"stores {', '.join(self.stores)}; work {work}")
@@ -289,24 +276,18 @@ class Bench:
                  f"local {p['dd_read_mb_s']:.1f}", "bytes equal", "pass"],
                 [f"{store}: rsync -a of {n} files, first, s", f"{m['rsync_first_s']:.3f}",
                  f"local {p['rsync_first_s']:.3f}", "rsync exits 0",
-                 _verdict(all(c == 0 for c in m["rsync_exit_codes"]))],
+                 verdict(all(c == 0 for c in m["rsync_exit_codes"]))],
                 [f"{store}: the same rsync again, unchanged tree, s", f"{m['rsync_again_s']:.3f}",
                  f"local {p['rsync_again_s']:.3f}", f"< first ({m['rsync_first_s']:.3f} s)",
-                 _verdict(m["rsync_again_s"] < m["rsync_first_s"])],
+                 verdict(m["rsync_again_s"] < m["rsync_first_s"])],
                 [f"{store}: touch f && cat f, ms per file", f"{m['touch_cat_ms']:.2f}",
                  f"local {p['touch_cat_ms']:.2f}", f"0 of {tc_total} fail",
-                 _verdict(m["touch_cat_failed"] == f"0 of {tc_total}")],
+                 verdict(m["touch_cat_failed"] == f"0 of {tc_total}")],
             ]
         return out
 
     def report(self) -> None:
-        rows = self.rows()
-        self.R["final_table"] = [dict(zip(["metric", "bootseer", "peer", "limit", "verdict"], r,
-                                          strict=True)) for r in rows]
-        table = md_table(["metric", "bootseer", "peer", "limit/target", "pass/fail"], rows)
-        print("", flush=True)
-        for line in table:
-            print(line)
+        table = final_table(self.R, self.rows())
         if self.quick:
             self.R.setdefault("warnings", []).append(
                 "--quick: small sizes, one run each: a smoke test, not the figures")
@@ -330,16 +311,6 @@ class Bench:
         md += [f"- ERROR: {e}" for e in self.errors]
         (self.results_dir / "fuse.md").write_text("\n".join(md) + "\n")
         log(f"wrote {self.results_dir / 'fuse.json'} and {self.results_dir / 'fuse.md'}")
-
-
-def _verdict(ok: bool) -> str:
-    return "pass" if ok else "FAIL"
-
-
-def _remove_work(work: Path, cache: Path) -> None:
-    """Remove the run's own work directory, and only it (never the cache around it)."""
-    if work.parent == cache and work.name.startswith(WORK_PREFIX):
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
