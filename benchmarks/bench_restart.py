@@ -151,6 +151,30 @@ class Node:
                 self.proc.wait(timeout=30)
         if is_mounted(self.root / "lazy"):
             unmount(self.root / "lazy", lazy=True)
+        holder = str(self.base / "run" / "fuse-holder.sock")  # started by the first snapshotter
+        left = _processes_with(holder, wait_s=30.0)
+        if left:
+            raise RuntimeError(f"the FUSE holder of {self.root} (pids {left}) did not exit "
+                               "after the unmount: kill them and report a bug")
+
+
+def _secs(stats: dict[str, Any]) -> str:
+    return f"{stats['median']:.3f} s (p90 {stats['p90']:.3f} s)"
+
+
+def _processes_with(text: str, *, wait_s: float) -> list[int]:
+    """The processes whose command line holds ``text``, after waiting up to ``wait_s`` for
+    them to exit (an idle holder exits when its connection ends)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                if text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(int(pid))
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
 
 
 def _stats(values: list[float]) -> dict[str, Any]:
@@ -214,14 +238,14 @@ class Bench:
 
     def rows(self) -> list[list[str]]:
         floor = self.R["floor_start_s"]
-        peer = f"floor: bare start {floor['median']:.3f} (p90 {floor['p90']:.3f})"
+        peer = f"floor: bare start {_secs(floor)}"
         out: list[list[str]] = []
         for name, r in self.R["signals"].items():
             gap, start = r["gap_s"], r["start_s"]
-            out += [[f"{name}: reader waited (signal to listing), s",
-                     f"{gap['median']:.3f} (p90 {gap['p90']:.3f})", peer, "-", "info"],
-                    [f"{name}: new process serving gRPC after, s",
-                     f"{start['median']:.3f} (p90 {start['p90']:.3f})", peer, "-", "info"]]
+            out += [[f"{name}: reader waited (signal to listing)", _secs(gap), peer, "-",
+                     "info"],
+                    [f"{name}: new process serving gRPC after", _secs(start), peer, "-",
+                     "info"]]
         t = self.R["takeovers"]
         out += [["takeovers of the held connection", f"{t['succeeded']} of {t['rounds']}", "-",
                  "every one", verdict(t["succeeded"] == t["rounds"])],

@@ -44,8 +44,9 @@ TOOLS: dict[str, tuple[str, ...]] = {
     "containerd": ("docker-registry", "curl", "tar", "gzip", "chroot", "containerd", "ctr",
                    "runc", "containerd-shim-runc-v2"),
     "fuse": ("rsync", "dd"),
+    "restart": (),
 }
-NEEDS_FUSE = ("striped", "prefetch", "containerd", "fuse")
+NEEDS_FUSE = ("striped", "prefetch", "containerd", "fuse", "restart")
 HOST_BASE = ("prefetch", "containerd")  # their image base: a copy of Debian's python3.11
 
 
@@ -85,6 +86,11 @@ FIGURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
                        for store in ("file", "s3") for side in ("mount", "local")
                        for k in ("dd_write_mb_s", "dd_read_mb_s", "rsync_first_s",
                                  "touch_cat_ms")},
+    "restart": lambda r: {f"{sig} {what} {stat}": r["signals"][sig][what][stat]
+                          for sig in ("SIGTERM", "SIGKILL") for what in ("gap_s", "start_s")
+                          for stat in ("median", "p90")}
+    | {"floor start s": r["floor_start_s"]["median"],
+       "takeovers succeeded": r["takeovers"]["succeeded"]},
     "e2e": lambda r: {f"{m} to first step s": r["runs"][m]["total"] for m in ("bootseer", "inplace")}
     | {"bootseer loaded step": r["runs"]["bootseer"]["loaded_step"]},
 }
@@ -169,6 +175,13 @@ def test_each_suite_quick_form_leaves_its_results_through_bootseer_bench(
             runs = store["files"] * report["config"]["repeat"]
             assert store["mount"]["rsync_exit_codes"] == [0] * 2 * report["config"]["repeat"]
             assert store["mount"]["touch_cat_failed"] == f"0 of {runs}"
+    if suite == "restart":  # every restart took the held connection over, nothing left behind
+        rounds = 2 * report["config"]["repeat"]  # SIGTERM and SIGKILL each
+        assert report["takeovers"] == {"rounds": rounds, "succeeded": rounds,
+                                       "listing_equal": rounds}
+        assert all(len(s["rounds"]) == report["config"]["repeat"]
+                   for s in report["signals"].values())
+        assert not processes_mentioning(str(cache))  # snapshotters and their FUSE holders
 
     md = (results / f"{suite}.md").read_text()
     assert "quick" in md.splitlines()[0]
