@@ -312,3 +312,40 @@ def test_ckpt_ranks_stop_when_their_rendezvous_port_is_taken(
     assert out.out.count("again on another port") == bench_ckpt.PORT_TRIES - 1
     assert out.err.count("EADDRINUSE") >= bench_ckpt.PORT_TRIES  # each rank 0's own error
     assert not processes_mentioning(str(tmp_path))  # no rank left waiting
+
+
+@pytest.mark.timeout(300)
+def test_restart_suite_fails_when_a_takeover_fails(
+        tmp_path: Path, bench_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A successor that did not take the held connection over (injected: the second one's log
+    is read as not saying so) fails the run: exit 1, the error and a FAIL row in its results,
+    and still nothing left running or mounted."""
+    need(missing_for("restart"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_restart
+
+    real = bench_restart.Node.took_over
+    calls = []
+
+    def second_fails(node: Any) -> bool:
+        calls.append(real(node))  # the real answer, kept to show the run itself was sound
+        return calls[-1] and len(calls) != 2
+
+    monkeypatch.setattr(bench_restart.Node, "took_over", second_fails)
+    monkeypatch.setenv("BOOTSEER_BENCH_CACHE", str(bench_cache))  # short: unix socket paths
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    code = bench_restart.main(["--results", str(tmp_path / "results"), "--repeat", "1"])
+
+    assert code == 1
+    assert calls == [True, True]  # one SIGTERM and one SIGKILL round, both real takeovers
+    report = json.loads((tmp_path / "results" / "restart.json").read_text())
+    assert report["takeovers"] == {"rounds": 2, "succeeded": 1, "listing_equal": 2}
+    assert [r["took_over"] for s in report["signals"].values() for r in s["rounds"]] == [True,
+                                                                                        False]
+    assert report["errors"] and "1 takeover(s) failed" in report["errors"][0]
+    md = (tmp_path / "results" / "restart.md").read_text()
+    assert re.search(r"^\| takeovers of the held connection +\| 1 of 2 .*\| FAIL", md, re.M), md
+    assert "- ERROR: 1 takeover(s) failed" in md
+    assert not processes_mentioning(str(bench_cache))
+    assert not mounts_under(bench_cache)
+    assert not list(bench_cache.glob("restart-run-*"))  # its work directory removed
