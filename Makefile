@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml
 demo: setup system
 	$(VENV)/bin/bootseer demo
 
+# Two workers, a test file each at a time (module fixtures are built once): most tests wait on
+# real servers, links and subprocesses, so CI's two cores take both. TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 test: setup system
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: setup system
 	$(VENV)/bin/bootseer bench $(BENCH_ARGS)

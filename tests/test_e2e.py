@@ -11,6 +11,7 @@ import json
 
 import pytest
 from e2e_helpers import E2ERun
+from test_bench_harness import check_quick_results
 
 
 @pytest.mark.timeout(1200)
@@ -42,3 +43,10 @@ def test_a_killed_rank_resumes_bit_identical_in_place_and_on_a_fresh_node(
 
     assert (results / "e2e.png").stat().st_size > 0
     assert "bootseer" in (results / "e2e.md").read_text()
+
+
+@pytest.mark.timeout(1200)
+def test_the_quick_form_leaves_its_results_through_bootseer_bench(e2e_bench: E2ERun) -> None:
+    """The harness's check of every suite (test_bench_harness.py), on the same run."""
+    check_quick_results("e2e", e2e_bench.run, e2e_bench.results,
+                        e2e_bench.results.parent / "cache")
