@@ -380,6 +380,9 @@ class Supervisor:
         env["BOOTSEER_READY_FILE"] = str(self.ready_file)
         env["BOOTSEER_ATTEMPT"] = str(attempt)
         env["BOOTSEER_NODE"] = self.node
+        if self.remote is not None:  # the same on every node after a verdict: a restarted
+            # launcher joins a fresh rendezvous (torchrun closes its own when it gives up)
+            env["BOOTSEER_INCIDENT"] = str(self.remote.answered)
         if self.dump_dir is not None:
             env["BOOTSEER_TRACE_DIR"] = str(self.dump_dir)
         return env

@@ -114,7 +114,9 @@ class Agent:
         evidence = got.evidence()
         evidence["lines"] = lines[-20:]  # the context a reader needs, not the whole tail
         evidence["matched"] = list(got.lines)
-        return Event("crash", got.failure_class, node=self.node, step=self.progress[-1],
+        rank = got.detail.get("rank")  # under torchrun: its root-cause rank
+        return Event("crash", got.failure_class, node=self.node, rank=rank,
+                     step=self.progress[-1],
                      time=time.time(), evidence=evidence)
 
     # -- decisions -------------------------------------------------------------------------

@@ -201,6 +201,11 @@ class Controller:
         missing = [n for n, a in answers.items() if a is None]
         if waited < self.settle_s or (missing and waited < self.dump_wait_s):
             return None
+        if not missing and "answered_at" not in opened:
+            # one more pass: an event a node published just before its answer is read first
+            opened["answered_at"] = self.clock()
+            self.store.set(self.keys.open, wire.encode(opened, wire.MAX_DUMP_BYTES))
+            return None
         return self._close(opened, {n: a for n, a in answers.items() if a}, missing)
 
     # -- the verdict -----------------------------------------------------------------------
@@ -210,7 +215,7 @@ class Controller:
         events = [Event.from_doc(d) for d in opened["events"]]
         processes, dumps = _processes(answers)
         found = localize(processes, self.layout)
-        primary = min(events, key=lambda e: (e.failure_class in SECONDARY, e.time))
+        primary = min(events, key=lambda e: (_rank_of_cause(e), e.time))
         history = self.verdicts()
         if primary.kind in ("hang", "fail_slow"):  # every rank may look hung: stacks decide
             anonymous = dataclasses.replace(primary, node=None, rank=None)
@@ -262,6 +267,15 @@ class Controller:
         while not stop.is_set():
             self.step()
             stop.wait(interval_s)
+
+
+def _rank_of_cause(event: Event) -> int:
+    """Which event of an incident is its cause: a crash of its own (0) before a NaN (1),
+    before a hang or a slow node (2: others stall when a peer dies), before a collective
+    error (3: the peer died first)."""
+    if event.failure_class in SECONDARY:
+        return 3
+    return {"crash": 0, "nonfinite": 1}.get(event.kind, 2)
 
 
 def _doc(event: Event) -> dict[str, Any]:
