@@ -639,9 +639,10 @@ class Supervisor:
         self.log(f"controller: incident {incident} ({order.get('reason')}): dumping stacks")
         rank_pids = {r: int(v["pid"]) for r, v in watch.ranks.items()
                      if isinstance(v.get("pid"), int)}
-        processes, failed = dump_ranks(rank_pids, node=self.node)
-        if failed or not rank_pids:  # the client's faulthandler files instead
-            grown = self._wait_dumps(self._request_dumps(pid, everyone=True))
+        processes, failed = dump_ranks(rank_pids, node=self.node, dump=self.remote.dump_tool)
+        if failed or not rank_pids:  # the client's faulthandler files instead (only the
+            # processes that registered one: SIGUSR1 kills the others, and no verdict yet)
+            grown = self._wait_dumps(self._request_dumps(pid, everyone=False))
             for path in sorted(grown):
                 stem = path.stem.rsplit("-", 2)
                 rank = int(stem[1].removeprefix("rank")) if len(stem) == 3 else -1

@@ -99,6 +99,25 @@ def test_a_restarted_controller_resumes_the_open_incident(store) -> None:
     assert a.verdict(1) == verdict
 
 
+def test_a_node_that_never_answers_is_waited_for_then_named_missing(store) -> None:
+    now = [50.0]
+    links = [ControllerLink(store, n) for n in ("n0", "n1", "n2")]
+    for link in links:
+        link.register()
+    links[0].publish(Event("crash", "killed_by_signal", node="n0", time=50.0))
+    ctl = Controller(store, dump_wait_s=10, clock=lambda: now[0], log=lambda _: None)
+    ctl.step()
+    links[0].answer(1, [])
+    links[1].answer(1, [])  # n2 was lost with its agent: it never answers
+    for t in (52.0, 59.0):
+        now[0] = t
+        assert ctl.step() is None  # still waiting for n2
+    now[0] = 60.5
+    verdict = ctl.step()
+    assert verdict is not None and verdict.evidence["missing_dumps"] == ["n2"]
+    assert sorted(verdict.evidence["dumps"]) == ["n0", "n1"]
+
+
 def test_an_evicted_node_cannot_register_again(store, tmp_path: Path) -> None:
     a, b, c = (ControllerLink(store, n) for n in ("n0", "n1", "n2"))
     for link in (a, b, c):
@@ -120,6 +139,55 @@ def test_an_evicted_node_cannot_register_again(store, tmp_path: Path) -> None:
     assert list(json.loads((tmp_path / "excluded.json").read_text())["nodes"]) == ["n1"]
     with pytest.raises(ExcludedNode, match="node n1 is on job job's exclusion list"):
         ControllerLink(store, "n1").register()
+
+
+def test_without_py_spy_the_stacks_come_from_the_clients_faulthandler(store, tmp_path):
+    """The whole agent path on one machine: a hang published, the order, py-spy failing, the
+    client's SIGUSR1 file dumped instead, the verdict, and only then the kill."""
+    import threading
+
+    from robust_helpers import scenario_argv, scenario_env
+    from torch.distributed import TCPStore
+
+    from bootseer.robust.agent import Agent
+    from bootseer.robust.detect import HangDetector
+    from bootseer.supervise import HangPolicy, RestartPolicy, Supervisor
+    from bootseer.trace import TraceWriter
+
+    def no_pyspy(pid: int) -> str:
+        raise RuntimeError("py-spy is not installed")
+
+    link = ControllerLink(store, "solo")
+    link.register()
+    link.dump_tool = no_pyspy
+    ctl_store = TCPStore("127.0.0.1", store.port, is_master=False,
+                         timeout=datetime.timedelta(seconds=10))
+    ctl = Controller(ctl_store, trace_path=tmp_path / "ctl.jsonl", settle_s=0.2,
+                     log=lambda _: None)
+    stop = threading.Event()
+    watcher = threading.Thread(target=ctl.run, args=(stop, 0.1), daemon=True)
+    watcher.start()
+    trace = TraceWriter(tmp_path / "trace", "solo")
+    agent = Agent(trace, "solo", hang=HangDetector(1.0))
+    sup = Supervisor(scenario_argv("steady-then-stall", 3, 0.1), env=scenario_env(),
+                     trace=trace, restart=RestartPolicy(0), hang=HangPolicy(0.0, 3.0),
+                     agent=agent, remote=link, remote_wait_s=20)
+    try:
+        code = sup.run()
+    finally:
+        stop.set()
+        watcher.join(10)
+    assert code == 128 + signal.SIGKILL  # killed after the verdict; no restarts allowed
+    dumps = sorted((tmp_path / "trace").glob("dump-solo-i1-rank0-*.txt"))
+    assert len(dumps) == 1
+    assert dumps[0].read_text().startswith("# faulthandler main")
+    assert "sleep_before_all_reduce" in dumps[0].read_text()
+    verdict = _records(tmp_path / "ctl.jsonl", "verdict")[0]
+    assert verdict["evidence"]["dumps"]["solo"]["sources"] == ["faulthandler"]
+    assert verdict["class"] == "hang"
+    span = [s for s in map(json.loads, (tmp_path / "trace" / "solo.jsonl").read_text()
+                           .splitlines()) if s.get("phase") == "hang"][0]["detail"]
+    assert span["dumped_at"] <= span["decided_at"] <= span["killed_at"]
 
 
 # -- on the cluster ---------------------------------------------------------------------------

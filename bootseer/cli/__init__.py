@@ -11,8 +11,8 @@ from striped_fs.redact import install_log_redaction, protect_process, register_o
 from .. import __version__
 from . import check as check_cmd
 from . import ckpt as ckpt_cmd
-from . import controller as controller_cmd
 from . import config as config_cmd
+from . import controller as controller_cmd
 from . import env as env_cmd
 from . import fs as fs_cmd
 from . import image as image_cmd

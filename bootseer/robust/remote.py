@@ -56,6 +56,7 @@ class ControllerLink:
         self._last_poll = float("-inf")
         self._last_beat = float("-inf")
         self.answered = 0  # the newest incident this agent dumped for
+        self.dump_tool: Callable[[int], str] = pyspy_text  # pid -> its stacks (text)
 
     @classmethod
     def connect(cls, address: str, node: str, *, job: str = "job",
