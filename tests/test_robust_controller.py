@@ -190,6 +190,53 @@ def test_without_py_spy_the_stacks_come_from_the_clients_faulthandler(store, tmp
     assert span["dumped_at"] <= span["decided_at"] <= span["killed_at"]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_hosted_store_outlives_a_killed_controller(tmp_path: Path) -> None:
+    """``--port``: the store starts in a session of its own; a controller killed with
+    SIGKILL leaves it (and the job's state) to the next, which attaches instead."""
+    from torch.distributed import TCPStore
+
+    from bootseer.testing.cluster_host import wait_for_line
+
+    port = _free_port()
+    argv = [sys.executable, "-m", "bootseer", "controller", "--port", str(port),
+            "--trace-dir", str(tmp_path)]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    store_pid = None
+    try:
+        wait_for_line(first, "READY", "the controller", 60)
+        client = TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=datetime.timedelta(seconds=10))
+        ControllerLink(client, "n0").register()
+        first.kill()
+        started = first.communicate()[1]
+        store_pid = int(started.split("(pid ")[1].split(")")[0])
+        assert client.get(wire.Keys().nodes) == b"n0\n"  # the store lives on
+        second = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+        try:
+            assert "1 node(s) registered" in wait_for_line(second, "READY", "controller", 60)
+        finally:
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(timeout=30) == 0
+        assert "store started" not in second.communicate()[1]  # it attached
+    finally:
+        if first.poll() is None:
+            first.kill()
+        if store_pid is not None:
+            os.kill(store_pid, signal.SIGTERM)
+    bad = subprocess.run([*argv[:4], "--store", "127.0.0.1:1", "--layout", "[1]"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--layout '[1]' is not a JSON object" in bad.stderr
+
+
 # -- on the cluster ---------------------------------------------------------------------------
 
 
