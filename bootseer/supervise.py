@@ -31,6 +31,11 @@ What it does, and why:
   restarts) or restart. Its heartbeats feed the agent's detectors: a rank silent past the
   hang threshold is a hang (as above), a NaN/Inf kills the command at the step it came
   (SIGKILL: no chance to checkpoint the damaged state) and the verdict decides the restart.
+* With a ``remote`` (:class:`bootseer.robust.remote.ControllerLink`) a hang or a crash is
+  published to the job's controller, and on its order (polled in the watch loop) every rank's
+  process tree is dumped (py-spy, else the client's stack files); the command is killed only
+  once its verdict came (or ``remote_wait_s`` passed), and the verdict decides stop or
+  restart (this node evicted: stop).
 
 No configuration lives here: :mod:`bootseer.cli.run` turns the configuration into the policies
 and the hook.
