@@ -118,6 +118,52 @@ def test_a_node_that_never_answers_is_waited_for_then_named_missing(store) -> No
     assert sorted(verdict.evidence["dumps"]) == ["n0", "n1"]
 
 
+_WAITING = ('Thread 7 (idle): "MainThread"\n'
+            '    all_reduce (torch/distributed/distributed_c10d.py:3252)\n'
+            '    _exception_logger.<locals>.wrapper (torch/distributed/c10d_logger.py:83)\n'
+            '    main (controller_job.py:58)\n')
+_SLEEPING = ('Thread 8 (idle): "MainThread"\n'
+             '    hang_before_all_reduce (controller_job.py:32)\n'
+             '    main (controller_job.py:57)\n')
+
+
+def test_two_ranks_a_tie_is_broken_by_who_waits_inside_a_collective(store) -> None:
+    """2 nodes x 1 rank (the CI form): the stacks tie 1:1, but the rank outside every
+    collective is the one the other waits for."""
+    links = [ControllerLink(store, n) for n in ("n0", "n1")]
+    for link in links:
+        link.register()
+        link.publish(Event("hang", "hang", node=link.node, rank=0, time=time.time()))
+    ctl = Controller(store, settle_s=0, log=lambda _: None)
+    ctl.step()
+    for rank, link in enumerate(links):
+        link.answer(1, [{"rank": rank, "pid": 5 + rank, "role": "main", "source": "py-spy",
+                         "text": _SLEEPING if rank == 1 else _WAITING}])
+    ctl.step()
+    verdict = ctl.step()
+    assert verdict is not None
+    assert (verdict.action, verdict.nodes, verdict.ranks) == ("replace_and_restart", ("n1",),
+                                                               (1,))
+    assert "waits inside a collective" in verdict.evidence["localization"]["reason"]
+
+
+def test_two_ranks_both_inside_collectives_is_no_verdict_from_stacks(store) -> None:
+    links = [ControllerLink(store, n) for n in ("n0", "n1")]
+    for link in links:
+        link.register()
+    links[0].publish(Event("hang", "hang", node="n0", rank=0, time=time.time()))
+    ctl = Controller(store, settle_s=0, log=lambda _: None)
+    ctl.step()
+    other = _WAITING.replace("all_reduce (", "broadcast (")
+    for rank, link in enumerate(links):
+        link.answer(1, [{"rank": rank, "pid": 5 + rank, "role": "main", "source": "py-spy",
+                         "text": other if rank == 1 else _WAITING}])
+    ctl.step()
+    verdict = ctl.step()
+    assert verdict is not None and verdict.action == "restart_in_place" and verdict.nodes == ()
+    assert "no verdict from stacks" in verdict.evidence["localization"]["reason"]
+
+
 def test_an_evicted_node_cannot_register_again(store, tmp_path: Path) -> None:
     a, b, c = (ControllerLink(store, n) for n in ("n0", "n1", "n2"))
     for link in (a, b, c):

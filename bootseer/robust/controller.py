@@ -35,7 +35,7 @@ from typing import Any
 from . import wire
 from .events import Event, Verdict, write_record
 from .policy import ExclusionList, decide
-from .stacks import ProcessStacks, localize
+from .stacks import Localization, ProcessStacks, _domain, localize
 
 __all__ = ["ACTIONABLE", "SECONDARY", "Controller"]
 
@@ -214,7 +214,7 @@ class Controller:
         incident = int(opened["incident"])
         events = [Event.from_doc(d) for d in opened["events"]]
         processes, dumps = _processes(answers)
-        found = localize(processes, self.layout)
+        found = _break_tie(localize(processes, self.layout), processes, self.layout)
         primary = min(events, key=lambda e: (_rank_of_cause(e), e.time))
         history = self.verdicts()
         if primary.kind in ("hang", "fail_slow"):  # every rank may look hung: stacks decide
@@ -267,6 +267,36 @@ class Controller:
         while not stop.is_set():
             self.step()
             stop.wait(interval_s)
+
+
+#: a frame inside torch's collectives (a rank waiting there waits for the others)
+_COLLECTIVE_FILE = "torch/distributed/distributed_c10d.py"
+
+
+def _break_tie(found: Localization, processes: list[ProcessStacks],
+               layout: Mapping[str, Sequence[Sequence[int]]] | None) -> Localization:
+    """With no dominant stack group (two ranks: 1:1), the trainers outside every collective
+    are the suspects when the others all wait inside one: they are who the others wait for.
+    Anything else stays without a verdict from stacks."""
+    if found.suspects:
+        return found
+    main = [g for g in found.groups if g.role == "main"]
+    inside = [g for g in main if any(_COLLECTIVE_FILE in f for t in g.signature for f in t)]
+    outside = [g for g in main if g not in inside]
+    if len(main) < 2 or not inside or not outside:
+        return found
+    waiting = sorted(r for g in inside for r in g.ranks)
+    suspects = {r for g in outside for r in g.ranks}
+    domain, ranks = _domain(suspects, layout or {})
+    node_of = {p.rank: p.node for p in processes if p.node}
+    why = (f"no dominant stack group; rank(s) {', '.join(map(str, sorted(suspects)))} outside "
+           f"every collective while rank(s) {', '.join(map(str, waiting))} waits inside a "
+           "collective")
+    return Localization(tuple(sorted(suspects)),
+                        tuple(sorted({node_of[r] for r in suspects if r in node_of})),
+                        domain if layout else None, ranks,
+                        tuple(sorted({node_of[r] for r in ranks if r in node_of})),
+                        found.groups, why, found.evidence)
 
 
 def _rank_of_cause(event: Event) -> int:
