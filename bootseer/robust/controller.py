@@ -24,6 +24,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import threading
@@ -309,14 +310,10 @@ def _rank_of_cause(event: Event) -> int:
 
 
 def _doc(event: Event) -> dict[str, Any]:
-    import json
-
     return json.loads(event.to_json())
 
 
 def _verdict_doc(verdict: Verdict) -> dict[str, Any]:
-    import json
-
     return json.loads(verdict.to_json())
 
 
