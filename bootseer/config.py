@@ -154,6 +154,14 @@ _KEYS = [
           "available memory (MemAvailable) needed before every (re)start; 0 = not checked"),
     _spec("health", "gpu", "bool", True, "--gpu-check",
           "run nvidia-smi before every (re)start when it is installed (skipped without it)"),
+    _spec("controller", "address", "str", "", "--controller",
+          "HOST:PORT of the job's controller store (bootseer controller): events go there and "
+          "its verdicts decide; '' = the node's agent acts alone"),
+    _spec("controller", "job", "str", "job", "--job",
+          "the job's name in the controller's store (torchrun's --rdzv-id)"),
+    _spec("controller", "wait_s", "float", 30.0, "--controller-wait",
+          "seconds to wait for the controller's dump order, then for its verdict, before the "
+          "node acts alone"),
     _spec("env", "spec", "list", [], "--env-spec",
           "requirement files / pyproject.toml / uv.lock of the environment (repeatable); "
           "empty = the environment phase is skipped"),

@@ -31,6 +31,11 @@ What it does, and why:
   restarts) or restart. Its heartbeats feed the agent's detectors: a rank silent past the
   hang threshold is a hang (as above), a NaN/Inf kills the command at the step it came
   (SIGKILL: no chance to checkpoint the damaged state) and the verdict decides the restart.
+* With a ``remote`` (:class:`bootseer.robust.remote.ControllerLink`) a hang or a crash is
+  published to the job's controller, and on its order (polled in the watch loop) every rank's
+  process tree is dumped (py-spy, else the client's stack files); the command is killed only
+  once its verdict came (or ``remote_wait_s`` passed), and the verdict decides stop or
+  restart (this node evicted: stop).
 
 No configuration lives here: :mod:`bootseer.cli.run` turns the configuration into the policies
 and the hook.
@@ -234,6 +239,7 @@ class Supervisor:
                  ready_file: str | os.PathLike | None = None,
                  before_attempt: Callable[[int], Mapping[str, str] | None] | None = None,
                  kill_grace_s: float = 5.0, agent: Any = None, tail_lines: int = 200,
+                 remote: Any = None, remote_wait_s: float = 30.0,
                  log: Callable[[str], None] = _stderr) -> None:
         if not command:
             raise ValueError("nothing to run: the command is empty")
@@ -251,6 +257,9 @@ class Supervisor:
         self.kill_grace_s = kill_grace_s
         self.log = log
         self.agent = agent  # a bootseer.robust.agent.Agent, or None: no classification
+        # a bootseer.robust.remote.ControllerLink (needs the agent), or None: the node alone
+        self.remote = remote if agent is not None else None
+        self.remote_wait_s = remote_wait_s
         self.tail = OutputTail(tail_lines) if agent is not None and tail_lines > 0 else None
         self.attempts: list[AttemptEnd] = []
         self._signals: _Signals | None = None
@@ -305,8 +314,17 @@ class Supervisor:
         if self.agent is None:
             return "restart"
         verdict = end.detail.get("verdict")
+        if end.detail.get("remote"):
+            return self.remote.local_action(verdict)
+        lines = self.tail.lines() if self.tail else []
+        if verdict is None and self.remote is not None:  # the controller decides, if it can
+            event = self.agent.crash_event(end.code, lines)
+            verdict = self._remote_verdict(event, end.attempt)
+            if verdict is not None:
+                return self.remote.local_action(verdict)
+            return self.agent.local_action(self.agent.judge(event))
         if verdict is None:  # a crash: classified from its exit and last lines
-            verdict = self.agent.judge_crash(end.code, self.tail.lines() if self.tail else [])
+            verdict = self.agent.judge_crash(end.code, lines)
         return self.agent.local_action(verdict)
 
     def _startup(self, attempt: int) -> Mapping[str, str]:
@@ -367,6 +385,9 @@ class Supervisor:
         env["BOOTSEER_READY_FILE"] = str(self.ready_file)
         env["BOOTSEER_ATTEMPT"] = str(attempt)
         env["BOOTSEER_NODE"] = self.node
+        if self.remote is not None:  # the same on every node after a verdict: a restarted
+            # launcher joins a fresh rendezvous (torchrun closes its own when it gives up)
+            env["BOOTSEER_INCIDENT"] = str(self.remote.answered)
         if self.dump_dir is not None:
             env["BOOTSEER_TRACE_DIR"] = str(self.dump_dir)
         return env
@@ -462,6 +483,10 @@ class Supervisor:
             if self.agent is not None and (end := self._agent_watch(attempt, pid, watch,
                                                                     started)):
                 return end
+            if self.remote is not None and self._stopping is None:
+                self.remote.beat(attempt, watch.ranks)
+                if order := self.remote.dump_order():
+                    return self._on_order(attempt, pid, watch, order, started)
             if timeout > 0 and self._stopping is None:
                 if watch.last_change is None:
                     silent, limit = time.monotonic() - spawned, max(timeout, self.hang.startup_s)
@@ -528,6 +553,15 @@ class Supervisor:
                  f"{self.dump_dir} and killing the command")
         hang_start = time.time() - silent
         detected = time.time()
+        if self.remote is not None:  # the controller localizes across nodes first
+            event = event or self._hang_event(watch, silent, detected)
+            self.remote.publish(event)
+            self.agent.write(event)
+            order = self._wait_order()
+            if order is not None:
+                return self._on_order(attempt, pid, watch, order, started, event=event,
+                                      since=hang_start, detected=detected)
+            self.log("the controller ordered no dump: the node acts alone")
         sizes = self._request_dumps(pid, everyone=True)
         grown = self._wait_dumps(sizes)
         dumped = time.time()
@@ -544,18 +578,123 @@ class Supervisor:
             self.log("no stack dump arrived (does the command import bootseer?)")
         detail: dict[str, Any] = {"stacks": sorted(map(str, grown)), "exited_at": time.time()}
         if self.agent is not None:
-            if event is None:  # the control directory's silence (a ready-only command)
-                from .robust.events import Event
-
-                event = Event("hang", "hang", node=self.node, step=watch.last_step,
-                              time=detected, evidence={
-                                  "silent_s": round(silent, 3), "last_step": watch.last_step,
-                                  "threshold_s": self.hang.timeout_s,
-                                  "threshold_from": "configured"})
+            event = event or self._hang_event(watch, silent, detected)
             event = dataclasses.replace(event, evidence={
                 **event.evidence, "stacks": sorted(p.name for p in grown)})
             detail["verdict"] = self.agent.judge(event)
         return AttemptEnd(attempt, code, "hang", pid, detail)
+
+    def _hang_event(self, watch: _Progress, silent: float, detected: float) -> Any:
+        """The hang event of the control directory's silence (a ready-only command)."""
+        from .robust.events import Event
+
+        return Event("hang", "hang", node=self.node, step=watch.last_step, time=detected,
+                     evidence={"silent_s": round(silent, 3), "last_step": watch.last_step,
+                               "threshold_s": self.hang.timeout_s,
+                               "threshold_from": "configured"})
+
+    # -- the controller: dump everywhere, wait for the verdict, then stop ------------------
+    def _wait_order(self) -> dict[str, Any] | None:
+        """The controller's order to dump, within ``remote_wait_s``."""
+        deadline = time.monotonic() + self.remote_wait_s
+        while time.monotonic() < deadline:
+            if (order := self.remote.dump_order(force=True)) is not None:
+                return order
+            if self._pause(self.remote.poll_s):
+                return None
+        return None
+
+    def _remote_verdict(self, event: Any, attempt: int) -> Any:
+        """After a crash: the event to the controller, an empty dump when ordered (nothing
+        runs any more), and its verdict (None: no answer in ``remote_wait_s``)."""
+        self.remote.publish(event)
+        self.agent.write(event)
+        order = self._wait_order()
+        if order is None:
+            self.log("no order from the controller: the node decides alone")
+            return None
+        self.remote.answer(int(order["incident"]), [])
+        verdict = self.remote.wait_verdict(int(order["incident"]), self.remote_wait_s,
+                                           self._pause)
+        if verdict is not None:
+            self._note_verdict(verdict, attempt)
+        return verdict
+
+    def _note_verdict(self, verdict: Any, attempt: int) -> None:
+        local = self.remote.local_action(verdict)
+        verdict = dataclasses.replace(verdict, evidence={
+            "incident": verdict.evidence.get("incident"), "local": local, "attempt": attempt,
+            "from": "controller"})
+        self.agent.write(verdict)
+        evicted = self.node in verdict.nodes and verdict.action == "replace_and_restart"
+        self.log(f"controller verdict: {verdict.action} ({verdict.failure_class})"
+                 + (f" ranks {', '.join(map(str, verdict.ranks))}" if verdict.ranks else "")
+                 + (f" nodes {', '.join(verdict.nodes)}" if verdict.nodes else "")
+                 + f" -> here: {local}" + (" (this node is evicted)" if evicted else ""))
+
+    def _on_order(self, attempt: int, pid: int, watch: _Progress, order: dict[str, Any],
+                  started: float, *, event: Any = None, since: float | None = None,
+                  detected: float | None = None) -> AttemptEnd:
+        """Dump every process of this node's ranks (py-spy; else SIGUSR1 stack files), hand
+        them to the controller, wait for its verdict, and only then kill the command."""
+        from .robust.remote import dump_ranks
+
+        incident = int(order["incident"])
+        detected = detected or time.time()
+        self.log(f"controller: incident {incident} ({order.get('reason')}): dumping stacks")
+        rank_pids = {r: int(v["pid"]) for r, v in watch.ranks.items()
+                     if isinstance(v.get("pid"), int)}
+        processes, failed = dump_ranks(rank_pids, node=self.node, dump=self.remote.dump_tool)
+        if failed or not rank_pids:  # the client's faulthandler files instead (only the
+            # processes that registered one: SIGUSR1 kills the others, and no verdict yet)
+            grown = self._wait_dumps(self._request_dumps(pid, everyone=False))
+            for path in sorted(grown):
+                stem = path.stem.rsplit("-", 2)
+                rank = int(stem[1].removeprefix("rank")) if len(stem) == 3 else -1
+                if rank in failed or not rank_pids:
+                    processes.append({"rank": rank, "pid": int(stem[-1]), "role": "main",
+                                      "node": self.node, "source": "faulthandler",
+                                      "text": _last_dump(path)})
+        files = self._keep_dumps(processes, incident)
+        self.remote.answer(incident, processes, [p.name for p in files])
+        dumped = time.time()
+        verdict = self.remote.wait_verdict(incident, self.remote_wait_s, self._pause)
+        decided = time.time()
+        self._signal_group(pid, signal.SIGKILL)
+        self._wait_child(5.0)
+        code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
+        killed = time.time()
+        hang = (verdict.failure_class if verdict else (event.kind if event else "")) == "hang"
+        self._record("hang" if hang else "controller_stop", since or detected, attempt=attempt,
+                     outcome="killed", incident=incident, last_step=watch.last_step, pid=pid,
+                     stacks=[p.name for p in files], detected_at=detected, dumped_at=dumped,
+                     decided_at=decided, killed_at=killed)
+        detail: dict[str, Any] = {"stacks": [str(p) for p in files], "exited_at": killed}
+        if verdict is None:  # no verdict in time: the node's own policy
+            self.log(f"no verdict for incident {incident} in {self.remote_wait_s:.0f}s: the "
+                     "node decides alone")
+            detail["verdict"] = self.agent.judge(event or self._hang_event(
+                watch, time.time() - (since or detected), detected))
+        else:
+            self._note_verdict(verdict, attempt)
+            detail.update(verdict=verdict, remote=True)
+        return AttemptEnd(attempt, code, "hang" if hang else "verdict", pid, detail)
+
+    def _keep_dumps(self, processes: list[dict[str, Any]], incident: int) -> list[Path]:
+        """Each dump also as a file in the trace directory (evidence that outlives the
+        store): ``dump-<node>-i<incident>-rank<r>-<pid>.txt``."""
+        if self.dump_dir is None:
+            return []
+        kept = []
+        for item in processes:
+            path = self.dump_dir / (f"dump-{self.node}-i{incident}-rank{item['rank']}-"
+                                    f"{item['pid']}.txt")
+            try:
+                path.write_text(f"# {item['source']} {item['role']}\n{item['text']}")
+                kept.append(path)
+            except OSError as exc:
+                self.log(f"warning: cannot keep the dump {path}: {exc}")
+        return kept
 
     def _dump_files(self, pids: set[int]) -> dict[Path, int]:
         """This node's stack files of live processes of the group, with their sizes."""
@@ -706,6 +845,7 @@ class _Progress:
         self.ready_ranks: set[int] = set()
         self.last_change: float | None = None  # monotonic
         self.last_step: int | None = None
+        self.ranks: dict[int, dict[str, Any]] = {}  # the newest heartbeat of each rank
         self._beats: list[dict[str, Any]] = []
 
     def take_beats(self) -> list[dict[str, Any]]:
@@ -748,6 +888,7 @@ class _Progress:
                     self.last_step = step
                 if "time" in doc:
                     self._beats.append({**doc, "rank": rank})
+                    self.ranks[rank] = doc
             elif rank not in self.ready_ranks:
                 self.ready_ranks.add(rank)
                 when = doc.get("time")
@@ -770,6 +911,17 @@ def _read_json(path: str) -> dict[str, Any]:
         return doc if isinstance(doc, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def _last_dump(path: Path, limit: int = 32 << 10) -> str:
+    """A stack file's newest dumps, at most ``limit`` characters from its end, starting at
+    a thread header (the parser keeps the last dump of a file)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if len(text) <= limit:
+        return text
+    tail = text[-limit:]
+    starts = [i for i in (tail.find("\nThread 0x"), tail.find("\nCurrent thread 0x")) if i >= 0]
+    return tail[min(starts) + 1:] if starts else tail
 
 
 def _size(path: Path) -> int:

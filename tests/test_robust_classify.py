@@ -185,3 +185,22 @@ def test_a_rule_with_a_bad_exit_condition_is_named():
     with pytest.raises(ValueError, match="rule mine: exit must be signal, sigkill, error, "
                                          "always or None, not 'nonzero'"):
         classify(1, [], rules=bad)
+
+
+def test_under_torchrun_the_ranks_exception_and_rank_are_named(tmp_path):
+    """torchrun ends with its own ChildFailedError traceback: the class and the exception
+    are the failed rank's, and its rank comes from torchrun's root-cause block."""
+    script = tmp_path / "job.py"
+    script.write_text("import os, time\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    raise ValueError('injected')\n"
+                      "time.sleep(1)\n")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "--monitor-interval", "0.2", str(script)],
+                          capture_output=True, text=True, timeout=120)
+    lines = (done.stdout + done.stderr).splitlines()
+    assert any("ChildFailedError" in line for line in lines)  # the launcher's own traceback
+    got = classify(done.returncode, lines)
+    assert (got.failure_class, got.detail["exception"], got.detail["rank"]) == (
+        "python_exception", "ValueError", 1)
+    assert got.lines == ("ValueError: injected",)

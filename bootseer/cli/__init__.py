@@ -12,6 +12,7 @@ from .. import __version__
 from . import check as check_cmd
 from . import ckpt as ckpt_cmd
 from . import config as config_cmd
+from . import controller as controller_cmd
 from . import env as env_cmd
 from . import fs as fs_cmd
 from . import image as image_cmd
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_cmd.register(sub)
     report_cmd.register(sub)
     check_cmd.register(sub)
+    controller_cmd.register(sub)
     from . import bench, demo
 
     demo.register(sub)

@@ -18,7 +18,7 @@ from .errors import CliError
 from .options import open_trace
 
 #: The keys `bootseer run` takes flags for (the file and the environment may set any key).
-RUN_KEYS = ("state", "run", "restart", "hang", "health", "env.spec", "env.prefix", "env.store",
+RUN_KEYS = ("state", "run", "restart", "hang", "health", "controller", "env.spec", "env.prefix", "env.store",
             "env.base_image", "env.uv", "ckpt", "storage")
 
 
@@ -75,13 +75,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     elif cfg.hang.learn:
         detector = HangDetector(None, initial_s=hang.startup_s)
     agent = Agent(trace, node, hang=detector, max_no_progress=cfg.restart.max_no_progress)
+    remote = _controller_link(cfg, node)
 
     supervisor = Supervisor(
         command, env=base_env, trace=trace, node=node, dump_dir=trace.dir,
         ready_file=cfg.run.ready_file or None, before_attempt=before_attempt,
         restart=RestartPolicy(cfg.restart.max_restarts, cfg.restart.backoff_s,
                               cfg.restart.backoff_max_s),
-        hang=hang, agent=agent, tail_lines=cfg.run.log_tail_lines)
+        hang=hang, agent=agent, tail_lines=cfg.run.log_tail_lines, remote=remote,
+        remote_wait_s=cfg.controller.wait_s)
     try:
         code = supervisor.run()
     except CliError as exc:  # a startup phase failed: the job does not start
@@ -89,6 +91,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise
     _exit_if_lingering(None, code)
     return code
+
+
+def _controller_link(cfg: argparse.Namespace, node: str) -> object | None:
+    """The link to the job's controller, registered; None without ``controller.address``."""
+    if not cfg.controller.address:
+        return None
+    from ..robust.remote import ControllerLink, ExcludedNode
+
+    try:
+        link = ControllerLink.connect(cfg.controller.address, node, job=cfg.controller.job,
+                                      timeout_s=cfg.controller.wait_s)
+        link.register()
+    except ExcludedNode as exc:
+        raise CliError(str(exc)) from None
+    except (ValueError, RuntimeError, OSError) as exc:  # TCPStore raises these
+        raise CliError(f"cannot reach the controller's store at {cfg.controller.address} "
+                       f"(controller.address): {exc}") from None
+    print(f"bootseer: controller: node {node} registered at {cfg.controller.address} "
+          f"(job {cfg.controller.job})", file=sys.stderr, flush=True)
+    return link
 
 
 def node_check(cfg: argparse.Namespace, trace: object, node: str, attempt: int) -> None:

@@ -105,14 +105,19 @@ class Agent:
 
     def judge_crash(self, exit_code: int, lines: list[str]) -> Verdict:
         """The class of a crash from its exit code and last lines, and what to do."""
+        return self.judge(self.crash_event(exit_code, lines))
+
+    def crash_event(self, exit_code: int, lines: list[str]) -> Event:
+        """The crash as an event (classified), for this node's policy or the controller's."""
         oom = bool(self._cgroup) and oom_kills(self._cgroup) > self._oom_before
         got = classify(exit_code, lines, oom_killed=oom)
         evidence = got.evidence()
         evidence["lines"] = lines[-20:]  # the context a reader needs, not the whole tail
         evidence["matched"] = list(got.lines)
-        event = Event("crash", got.failure_class, node=self.node, step=self.progress[-1],
-                      time=time.time(), evidence=evidence)
-        return self.judge(event)
+        rank = got.detail.get("rank")  # under torchrun: its root-cause rank
+        return Event("crash", got.failure_class, node=self.node, rank=rank,
+                     step=self.progress[-1],
+                     time=time.time(), evidence=evidence)
 
     # -- decisions -------------------------------------------------------------------------
     def judge(self, event: Event) -> Verdict:
@@ -138,6 +143,10 @@ class Agent:
     @staticmethod
     def local_action(verdict: Verdict) -> str:
         return LOCAL_ACTIONS.get(verdict.action, "restart")
+
+    def write(self, record: Event | Verdict) -> None:
+        """A record into the node's trace (a failed write is said, never raised)."""
+        self._write(record)
 
     def _write(self, record: Event | Verdict) -> None:
         if self.trace is None:

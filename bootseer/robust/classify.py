@@ -82,6 +82,11 @@ RULES: tuple[Rule, ...] = (
 )
 
 _PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
+#: a launcher's own traceback that wraps a rank's failure (torchrun's): not the cause
+_LAUNCHER_ERROR = re.compile(
+    r"^(?:torch\.distributed\.elastic\.multiprocessing\.errors\.)?ChildFailedError\b")
+#: torchrun's summary of the first failed rank: "  rank      : 1 (local_rank: 0)"
+_ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank")
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,8 @@ def classify(exit_code: int | None, lines: Sequence[str], *, oom_killed: bool = 
     """The class of a process that ended with ``exit_code`` (None: unknown) after printing
     ``lines`` (its last ones); ``oom_killed``: the kernel's OOM killer hit its cgroup."""
     clean = [_PREFIX.sub("", line.rstrip("\n")) for line in lines]
+    clean = [line for line in clean if not _LAUNCHER_ERROR.match(line)]
+    root = _last_match(_ROOT_CAUSE_RANK, clean)
     signum = _signal_of(exit_code)
     sig = _signal_name(signum) if signum is not None else None
     for rule in rules:
@@ -162,6 +169,8 @@ def classify(exit_code: int | None, lines: Sequence[str], *, oom_killed: bool = 
             detail["exception"] = exc[1].group("exception")
         if "xid" in detail:
             detail["xid"] = int(detail["xid"])
+        if root is not None:  # under torchrun: the rank that failed first
+            detail["rank"] = int(root[1]["rank"])
         return Classification(rule.failure_class, rule.name, exit_code, sig, detail, matched)
     raise ValueError("the rule table has no fallback row")  # pragma: no cover - RULES has one
 

@@ -91,7 +91,7 @@ class Services(Host):
         """Start the services asked for; the slow ones (moto, torch's store) overlap."""
         waits: list[tuple[subprocess.Popen, str, str]] = []
         if "rendezvous" in self.names:
-            waits.append((self._spawn([sys.executable, "-m", "bootseer.testing.c10d_store",
+            waits.append((self._spawn([sys.executable, "-m", "bootseer.robust.store_host",
                                        "--port", str(PORTS["rendezvous"]),
                                        "--exit-on-stdin-eof"], "rendezvous"),
                           "READY", "the controller's c10d store"))

@@ -1,10 +1,13 @@
-"""The controller host's c10d store: ``python -m bootseer.testing.c10d_store --port 29400``.
+"""The controller host's c10d store: ``python -m bootseer.robust.store_host --port 29400``.
 
 Why a process of its own on the controller: torchrun's c10d rendezvous keeps its state in a
 TCPStore, and whoever hosts that store is a single point of failure for the job. Hosted here,
 on a host that runs no training, a lost training node never takes the rendezvous with it
 (``--rdzv-conf is_host=false`` on every node). Prints ``READY <port>`` once the store listens,
 serves until SIGTERM/SIGINT or until stdin closes (its parent died).
+
+``bootseer controller --port`` starts it in a session of its own when nothing serves the
+port yet: a controller killed with SIGKILL leaves it, with the job's state, to the next one.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import threading
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bootseer.testing.c10d_store",
+    parser = argparse.ArgumentParser(prog="python -m bootseer.robust.store_host",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True, help="TCP port to listen on")
     parser.add_argument("--exit-on-stdin-eof", action="store_true",

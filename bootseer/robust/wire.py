@@ -1,0 +1,131 @@
+"""The controller's wire format: keys in torch's c10d store (the one torchrun's rendezvous
+uses), every value one JSON document, every size bounded, every node record checked to name
+the node whose keys hold it.
+
+Why the store: the job needs no other service, the store outlives a controller restart (the
+controller keeps no state of its own), and every agent already reaches it. Keys, under
+``bootseer/<job>/``:
+
+=============================  ========  ============================================
+key                            writer    value
+=============================  ========  ============================================
+``nodes``                      agents    node names, one per line (``append``)
+``node/<n>/info``              agent n   ``{"node", "pid", "time"}``
+``node/<n>/beat``              agent n   ``{"node", "time", "attempt", "ranks": {r: {"step", "time", "pid"}}}``
+``node/<n>/events``            agent n   counter: events written so far (``add``)
+``node/<n>/event/<i>``         agent n   an :class:`~.events.Event` record (``node`` = n)
+``node/<n>/dump/<k>``          agent n   ``{"node", "incident", "time", "processes": [...]}``
+``incident``                   ctl       counter: incidents opened so far (``add``)
+``dump/request``               ctl       ``{"incident", "time", "reason"}``: dump now
+``verdict/<k>``                ctl       a :class:`~.events.Verdict` record (``evidence.incident`` = k)
+``verdict/last``               ctl       the newest incident with a verdict
+``ctl/seen/<n>``               ctl       the last event of node n the controller consumed
+``ctl/open``                   ctl       the incident being localized (resumed after a restart)
+``excluded``                   ctl       ``{"nodes": [...]}``: evicted nodes
+=============================  ========  ============================================
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from typing import Any
+
+__all__ = ["MAX_DUMP_BYTES", "MAX_RECORD_BYTES", "MAX_STACK_CHARS", "Keys", "WireError",
+           "connect", "decode", "encode", "parse_address", "valid_node"]
+
+MAX_RECORD_BYTES = 64 << 10  # an event, a beat, a verdict
+MAX_STACK_CHARS = 32 << 10   # one process's dump text
+MAX_DUMP_BYTES = 512 << 10   # one node's whole dump answer
+MAX_NODES = 4096
+_NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class WireError(ValueError):
+    """A value in the store that is not what its key promises."""
+
+
+def valid_node(name: object) -> bool:
+    """A node name as keys may hold it: 1-63 of letters, digits, ``.``, ``_``, ``-``."""
+    return isinstance(name, str) and bool(_NODE.match(name))
+
+
+class Keys:
+    """Key names of one job (``job`` is the rendezvous id, so several jobs share a store)."""
+
+    def __init__(self, job: str = "job") -> None:
+        if not valid_node(job):
+            raise ValueError(f"job name {job!r}: use 1-63 letters, digits, '.', '_' or '-'")
+        self.prefix = f"bootseer/{job}/"
+        self.nodes = self.prefix + "nodes"
+        self.incident = self.prefix + "incident"
+        self.dump_request = self.prefix + "dump/request"
+        self.verdict_last = self.prefix + "verdict/last"
+        self.open = self.prefix + "ctl/open"
+        self.excluded = self.prefix + "excluded"
+
+    def node(self, node: str, what: str) -> str:
+        return f"{self.prefix}node/{node}/{what}"
+
+    def event(self, node: str, i: int) -> str:
+        return self.node(node, f"event/{i}")
+
+    def dump(self, node: str, incident: int) -> str:
+        return self.node(node, f"dump/{incident}")
+
+    def verdict(self, incident: int) -> str:
+        return f"{self.prefix}verdict/{incident}"
+
+    def seen(self, node: str) -> str:
+        return f"{self.prefix}ctl/seen/{node}"
+
+
+def encode(doc: dict[str, Any], limit: int = MAX_RECORD_BYTES) -> bytes:
+    data = json.dumps(doc, separators=(",", ":"), default=str).encode()
+    if len(data) > limit:
+        raise WireError(f"a record of {len(data)} bytes is over the limit of {limit}")
+    return data
+
+
+def decode(data: bytes, *, key: str, node: str | None = None,
+           limit: int = MAX_RECORD_BYTES) -> dict[str, Any]:
+    """One value read back: a JSON object of at most ``limit`` bytes and, for a node's key,
+    naming that node (a node may only speak for itself)."""
+    if len(data) > limit:
+        raise WireError(f"{key}: {len(data)} bytes, over the limit of {limit}")
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise WireError(f"{key}: not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise WireError(f"{key}: not a JSON object")
+    if node is not None and doc.get("node") != node:
+        raise WireError(f"{key}: the record names node {doc.get('node')!r}, not {node!r} "
+                        "whose key holds it: refused")
+    return doc
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` of a store (ValueError naming the value otherwise)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"controller address {text!r}: expected HOST:PORT, e.g. "
+                         "10.0.0.5:29400")
+    return host.strip("[]"), int(port)
+
+
+def connect(address: str, timeout_s: float = 30.0) -> Any:
+    """A client of the store at ``HOST:PORT`` (torch's TCPStore)."""
+    from torch.distributed import TCPStore
+
+    host, port = parse_address(address)
+    return TCPStore(host, port, is_master=False,
+                    timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def get(store: Any, key: str) -> bytes | None:
+    """The value of ``key``, or None when it is not set (never blocks)."""
+    if not store.check([key]):
+        return None
+    return store.get(key)

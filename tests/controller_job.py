@@ -1,0 +1,73 @@
+"""A small gloo job for the controller tests (modelled on ``cluster_job.py``, without
+checkpoints): one rank per node under torchrun inside ``bootseer run``, a gradient all-reduced
+per step, heartbeats through ``bootseer.heartbeat``.
+
+Faults, injected in the first attempt only (``BOOTSEER_ATTEMPT`` 0):
+
+* ``--hang-rank R --hang-when FILE``: once FILE exists, rank R stops before its all_reduce
+  (in :func:`hang_before_all_reduce`, the frame a dump must name) while the others wait
+  inside theirs;
+* ``--crash-rank R --crash-at S``: rank R raises ``ValueError`` at step S.
+
+Writes ``--out``/``running-R`` after its third step and ``done-R-A.json`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import bootseer
+
+
+def hang_before_all_reduce() -> None:
+    while True:
+        time.sleep(0.2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--step-time", type=float, default=0.2)
+    parser.add_argument("--hang-rank", type=int, default=-1)
+    parser.add_argument("--hang-when", default="")
+    parser.add_argument("--crash-rank", type=int, default=-1)
+    parser.add_argument("--crash-at", type=int, default=-1)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    first = os.environ.get("BOOTSEER_ATTEMPT", "0") == "0"
+    out = Path(args.out)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    weights = torch.zeros(8)
+    step = 0
+    while step < args.steps or (args.hang_when and first):
+        grad = torch.full((8,), float(rank + step))
+        if first and rank == args.crash_rank and step == args.crash_at:
+            raise ValueError(f"injected fault on rank {rank} at step {step}")
+        if first and rank == args.hang_rank and os.path.exists(args.hang_when):
+            hang_before_all_reduce()
+        dist.all_reduce(grad)
+        weights -= 0.01 * grad
+        if step == 0:
+            bootseer.ready()
+        bootseer.heartbeat(step, loss=float(weights.sum()))
+        if step == 2:
+            (out / f"running-{rank}").write_text(str(os.getpid()))
+        time.sleep(args.step_time)
+        step += 1
+    (out / f"done-{rank}-{os.environ.get('BOOTSEER_ATTEMPT')}.json").write_text(json.dumps(
+        {"steps": step, "weights": weights.tolist()}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,437 @@
+"""``bootseer controller`` on the cluster fixture: nodes' agents (``bootseer run
+--controller``) publish events into the controller's c10d store; a hang or a crash on one node
+makes every node dump before anything is killed, and the verdict names the culprit. Also the
+wire format's refusals, on a real store in this process."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bootseer.robust import wire
+from bootseer.robust.controller import Controller
+from bootseer.robust.events import Event
+from bootseer.robust.remote import ControllerLink, ExcludedNode
+
+HERE = Path(__file__).resolve().parent
+JOB = HERE / "controller_job.py"
+PORT = 29400  # the cluster's c10d store (the fixture's "rendezvous" service)
+
+
+# -- the wire, on a real TCPStore in this process ---------------------------------------------
+
+
+@pytest.fixture()
+def store():
+    from torch.distributed import TCPStore
+
+    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                 timeout=datetime.timedelta(seconds=10))
+    yield s
+    del s
+
+
+def test_a_node_cannot_speak_for_another_and_bad_records_are_skipped(store) -> None:
+    keys = wire.Keys("job")
+    a, b = ControllerLink(store, "node-a"), ControllerLink(store, "node-b")
+    a.register()
+    b.register()
+    # node-b writes, under its own key, a hang that claims to be node-a's
+    forged = Event("hang", "hang", node="node-a", rank=0, time=time.time()).to_json()
+    store.set(keys.event("node-b", 1), forged)
+    store.add(keys.node("node-b", "events"), 1)
+    store.set(keys.event("node-b", 2), b"[\"a list\"]")
+    store.add(keys.node("node-b", "events"), 1)
+    store.set(keys.event("node-b", 3), b"x" * (wire.MAX_RECORD_BYTES + 1))
+    store.add(keys.node("node-b", "events"), 1)
+    logs: list[str] = []
+    ctl = Controller(store, log=logs.append)
+    assert ctl.step() is None  # nothing believable: no incident
+    assert wire.get(store, keys.dump_request) is None
+    assert any("names node 'node-a', not 'node-b'" in w for w in ctl.warnings)
+    assert any("not a JSON object" in w for w in ctl.warnings)
+    assert any("over the limit" in w for w in ctl.warnings)
+    assert int(store.add(keys.seen("node-b"), 0)) == 3  # skipped for good, not re-read
+    # publish() puts the node's own name in, whatever the event said
+    b.publish(Event("crash", "python_exception", node="node-a", time=time.time()))
+    ctl.step()
+    opened = json.loads(store.get(keys.open))
+    assert [e["node"] for e in opened["events"]] == ["node-b"]
+    with pytest.raises(ValueError, match="node name 'a/b'"):
+        ControllerLink(store, "a/b")
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        wire.parse_address("10.0.0.5")
+
+
+def test_a_restarted_controller_resumes_the_open_incident(store) -> None:
+    """Killed between the dump order and the verdict: the next one finishes the incident
+    from the store and neither re-opens it nor loses its events."""
+    now = [1000.0]
+    a, b = ControllerLink(store, "n0"), ControllerLink(store, "n1")
+    a.register()
+    b.register()
+    b.publish(Event("crash", "python_exception", node="n1", time=1000.0,
+                    evidence={"exception": "KeyError"}))
+    first = Controller(store, clock=lambda: now[0], log=lambda _: None)
+    assert first.step() is None  # incident 1 opened, the dump ordered
+    assert a.dump_order(force=True)["incident"] == 1
+    del first  # "killed"
+    a.answer(1, [])
+    b.answer(1, [])
+    now[0] += 2
+    second = Controller(store, clock=lambda: now[0], log=lambda _: None)
+    assert second.step() is None  # every answer in: one more pass for late events
+    verdict = second.step()
+    assert verdict is not None and verdict.failure_class == "python_exception"
+    assert verdict.evidence["incident"] == 1 and verdict.evidence["primary"]["node"] == "n1"
+    assert verdict.action == "restart_in_place" and verdict.nodes == ()  # nobody evicted
+    assert second.step() is None and int(store.add(wire.Keys().incident, 0)) == 1
+    assert a.verdict(1) == verdict
+
+
+def test_a_node_that_never_answers_is_waited_for_then_named_missing(store) -> None:
+    now = [50.0]
+    links = [ControllerLink(store, n) for n in ("n0", "n1", "n2")]
+    for link in links:
+        link.register()
+    links[0].publish(Event("crash", "killed_by_signal", node="n0", time=50.0))
+    ctl = Controller(store, dump_wait_s=10, clock=lambda: now[0], log=lambda _: None)
+    ctl.step()
+    links[0].answer(1, [])
+    links[1].answer(1, [])  # n2 was lost with its agent: it never answers
+    for t in (52.0, 59.0):
+        now[0] = t
+        assert ctl.step() is None  # still waiting for n2
+    now[0] = 60.5
+    verdict = ctl.step()
+    assert verdict is not None and verdict.evidence["missing_dumps"] == ["n2"]
+    assert sorted(verdict.evidence["dumps"]) == ["n0", "n1"]
+
+
+_WAITING = ('Thread 7 (idle): "MainThread"\n'
+            '    all_reduce (torch/distributed/distributed_c10d.py:3252)\n'
+            '    _exception_logger.<locals>.wrapper (torch/distributed/c10d_logger.py:83)\n'
+            '    main (controller_job.py:58)\n')
+_SLEEPING = ('Thread 8 (idle): "MainThread"\n'
+             '    hang_before_all_reduce (controller_job.py:32)\n'
+             '    main (controller_job.py:57)\n')
+
+
+def test_two_ranks_a_tie_is_broken_by_who_waits_inside_a_collective(store) -> None:
+    """2 nodes x 1 rank (the CI form): the stacks tie 1:1, but the rank outside every
+    collective is the one the other waits for."""
+    links = [ControllerLink(store, n) for n in ("n0", "n1")]
+    for link in links:
+        link.register()
+        link.publish(Event("hang", "hang", node=link.node, rank=0, time=time.time()))
+    ctl = Controller(store, settle_s=0, log=lambda _: None)
+    ctl.step()
+    for rank, link in enumerate(links):
+        link.answer(1, [{"rank": rank, "pid": 5 + rank, "role": "main", "source": "py-spy",
+                         "text": _SLEEPING if rank == 1 else _WAITING}])
+    ctl.step()
+    verdict = ctl.step()
+    assert verdict is not None
+    assert (verdict.action, verdict.nodes, verdict.ranks) == ("replace_and_restart", ("n1",),
+                                                               (1,))
+    assert "waits inside a collective" in verdict.evidence["localization"]["reason"]
+
+
+def test_two_ranks_both_inside_collectives_is_no_verdict_from_stacks(store) -> None:
+    links = [ControllerLink(store, n) for n in ("n0", "n1")]
+    for link in links:
+        link.register()
+    links[0].publish(Event("hang", "hang", node="n0", rank=0, time=time.time()))
+    ctl = Controller(store, settle_s=0, log=lambda _: None)
+    ctl.step()
+    other = _WAITING.replace("all_reduce (", "broadcast (")
+    for rank, link in enumerate(links):
+        link.answer(1, [{"rank": rank, "pid": 5 + rank, "role": "main", "source": "py-spy",
+                         "text": other if rank == 1 else _WAITING}])
+    ctl.step()
+    verdict = ctl.step()
+    assert verdict is not None and verdict.action == "restart_in_place" and verdict.nodes == ()
+    assert "no verdict from stacks" in verdict.evidence["localization"]["reason"]
+
+
+def test_an_evicted_node_cannot_register_again(store, tmp_path: Path) -> None:
+    a, b, c = (ControllerLink(store, n) for n in ("n0", "n1", "n2"))
+    for link in (a, b, c):
+        link.register()
+    for link in (a, c):
+        link.publish(Event("hang", "hang", node=link.node, rank=0, time=time.time()))
+    ctl = Controller(store, exclusion=tmp_path / "excluded.json", settle_s=0,
+                     log=lambda _: None)
+    ctl.step()
+    sleeping = 'Thread 0x1 (idle): "MainThread"\n    hang_before_all_reduce (job.py:3)\n'
+    waiting = 'Thread 0x1 (idle): "MainThread"\n    all_reduce (torch/distributed/c10d.py:9)\n'
+    for rank, link in enumerate((a, b, c)):
+        link.answer(1, [{"rank": rank, "pid": 10 + rank, "role": "main", "source": "py-spy",
+                         "text": sleeping if rank == 1 else waiting}])
+    ctl.step()
+    verdict = ctl.step()
+    assert verdict is not None and (verdict.action, verdict.nodes, verdict.ranks) == (
+        "replace_and_restart", ("n1",), (1,))
+    assert list(json.loads((tmp_path / "excluded.json").read_text())["nodes"]) == ["n1"]
+    with pytest.raises(ExcludedNode, match="node n1 is on job job's exclusion list"):
+        ControllerLink(store, "n1").register()
+
+
+def test_without_py_spy_the_stacks_come_from_the_clients_faulthandler(store, tmp_path):
+    """The whole agent path on one machine: a hang published, the order, py-spy failing, the
+    client's SIGUSR1 file dumped instead, the verdict, and only then the kill."""
+    import threading
+
+    from robust_helpers import scenario_argv, scenario_env
+    from torch.distributed import TCPStore
+
+    from bootseer.robust.agent import Agent
+    from bootseer.robust.detect import HangDetector
+    from bootseer.supervise import HangPolicy, RestartPolicy, Supervisor
+    from bootseer.trace import TraceWriter
+
+    def no_pyspy(pid: int) -> str:
+        raise RuntimeError("py-spy is not installed")
+
+    link = ControllerLink(store, "solo")
+    link.register()
+    link.dump_tool = no_pyspy
+    ctl_store = TCPStore("127.0.0.1", store.port, is_master=False,
+                         timeout=datetime.timedelta(seconds=10))
+    ctl = Controller(ctl_store, trace_path=tmp_path / "ctl.jsonl", settle_s=0.2,
+                     log=lambda _: None)
+    stop = threading.Event()
+    watcher = threading.Thread(target=ctl.run, args=(stop, 0.1), daemon=True)
+    watcher.start()
+    trace = TraceWriter(tmp_path / "trace", "solo")
+    agent = Agent(trace, "solo", hang=HangDetector(1.0))
+    sup = Supervisor(scenario_argv("steady-then-stall", 3, 0.1), env=scenario_env(),
+                     trace=trace, restart=RestartPolicy(0), hang=HangPolicy(0.0, 3.0),
+                     agent=agent, remote=link, remote_wait_s=20)
+    try:
+        code = sup.run()
+    finally:
+        stop.set()
+        watcher.join(10)
+    assert code == 128 + signal.SIGKILL  # killed after the verdict; no restarts allowed
+    dumps = sorted((tmp_path / "trace").glob("dump-solo-i1-rank0-*.txt"))
+    assert len(dumps) == 1
+    assert dumps[0].read_text().startswith("# faulthandler main")
+    assert "sleep_before_all_reduce" in dumps[0].read_text()
+    verdict = _records(tmp_path / "ctl.jsonl", "verdict")[0]
+    assert verdict["evidence"]["dumps"]["solo"]["sources"] == ["faulthandler"]
+    assert verdict["class"] == "hang"
+    span = [s for s in map(json.loads, (tmp_path / "trace" / "solo.jsonl").read_text()
+                           .splitlines()) if s.get("phase") == "hang"][0]["detail"]
+    assert span["dumped_at"] <= span["decided_at"] <= span["killed_at"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_hosted_store_outlives_a_killed_controller(tmp_path: Path) -> None:
+    """``--port``: the store starts in a session of its own; a controller killed with
+    SIGKILL leaves it (and the job's state) to the next, which attaches instead."""
+    from torch.distributed import TCPStore
+
+    from bootseer.testing.cluster_host import wait_for_line
+
+    port = _free_port()
+    argv = [sys.executable, "-m", "bootseer", "controller", "--port", str(port),
+            "--trace-dir", str(tmp_path)]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    store_pid = None
+    try:
+        wait_for_line(first, "READY", "the controller", 60)
+        client = TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=datetime.timedelta(seconds=10))
+        ControllerLink(client, "n0").register()
+        first.kill()
+        started = first.communicate()[1]
+        store_pid = int(started.split("(pid ")[1].split(")")[0])
+        assert client.get(wire.Keys().nodes) == b"n0\n"  # the store lives on
+        second = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+        try:
+            assert "1 node(s) registered" in wait_for_line(second, "READY", "controller", 60)
+        finally:
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(timeout=30) == 0
+        assert "store started" not in second.communicate()[1]  # it attached
+    finally:
+        if first.poll() is None:
+            first.kill()
+        if store_pid is not None:
+            os.kill(store_pid, signal.SIGTERM)
+    bad = subprocess.run([*argv[:4], "--store", "127.0.0.1:1", "--layout", "[1]"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--layout '[1]' is not a JSON object" in bad.stderr
+
+
+# -- on the cluster ---------------------------------------------------------------------------
+
+
+def _controller(c, out: Path) -> subprocess.Popen:
+    proc = c.services.popen(
+        [sys.executable, "-m", "bootseer", "controller", "--store", f"127.0.0.1:{PORT}",
+         "--trace-dir", str(out / "ctl"), "--exclusion", str(out / "excluded.json"),
+         "--dump-wait", "15"], stdout=subprocess.PIPE, stderr=open(out / "ctl.log", "a"),  # noqa: SIM115
+        text=True)
+    from bootseer.testing.cluster_host import wait_for_line
+
+    proc.ready = wait_for_line(proc, "READY", "the controller", 60)  # type: ignore[attr-defined]
+    return proc
+
+
+def _agent(c, node, out: Path, script: list[str], *, nnodes: int, hang_timeout: float = 0,
+           max_restarts: int = 1) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "bootseer", "run", "--controller",
+            f"{c.services.controller}:{PORT}", "--node", node.name, "--hang-timeout",
+            str(hang_timeout),
+            "--state-dir", str(out / f"state-{node.name}"), "--trace-dir", str(out / "trace"),
+            "--min-free-disk", "0", "--min-free-memory", "0", "--max-restarts", str(max_restarts),
+            "--backoff", "0.5", "--", "sh", "-c", "exec " + _torchrun(node, out, script, nnodes)]
+    log = open(out / f"{node.name}.log", "w")  # noqa: SIM115
+    with log:
+        return node.popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _torchrun(node, out: Path, script: list[str], nnodes: int) -> str:
+    """torchrun rejoins after a verdict under a fresh rendezvous id (``job-<incident>``): a
+    torchrun that gave up closed the last one for good."""
+    argv = node.torchrun([str(JOB), "--out", str(out), *script], nnodes=f"{nnodes}:{nnodes}",
+                         max_restarts=0, rdzv_id="job-@INCIDENT@")
+    return shlex.join(argv).replace("@INCIDENT@", '"$BOOTSEER_INCIDENT"')
+
+
+def _wait(what: str, ready, procs: dict[str, subprocess.Popen], out: Path,
+          timeout_s: float = 120) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (got := ready()):
+        if time.monotonic() > deadline:
+            logs = {p.name: p.read_text()[-1500:] for p in out.glob("*.log")}
+            raise AssertionError(f"no {what} in {timeout_s} s: {logs}")
+        time.sleep(0.2)
+    return got
+
+
+def _records(path: Path, record: str) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [d for d in map(json.loads, path.read_text().splitlines())
+            if d.get("record") == record]
+
+
+def _job(cluster_factory, nodes: int, tmp_path: Path) -> tuple[Any, Path, subprocess.Popen]:
+    """A cluster with the controller's store, the output directory, the controller."""
+    c = cluster_factory(nodes, services=("rendezvous",))
+    out = tmp_path / "out"
+    out.mkdir()
+    return c, out, _controller(c, out)
+
+
+def test_a_hang_is_localized_across_nodes_before_anything_is_killed(cluster_factory,
+                                                                    tmp_path: Path) -> None:
+    c, out, ctl = _job(cluster_factory, 3, tmp_path)
+    trigger = out / "hang-now"
+    script = ["--hang-rank", "1", "--hang-when", str(trigger), "--step-time", "0.3"]
+    procs = {n.name: _agent(c, n, out, script, nnodes=3, hang_timeout=3, max_restarts=0)
+             for n in c.nodes}  # the restart after a verdict is the crash test's
+    _wait("three running ranks", lambda: all((out / f"running-{r}").exists() for r in range(3)),
+          procs, out)
+    # the controller is killed with SIGKILL and started again: the nodes it knows and what it
+    # does next come from the store
+    ctl.kill()
+    ctl.wait()
+    ctl = _controller(c, out)
+    assert "3 node(s) registered" in ctl.ready, ctl.ready
+    pids = {r: int((out / f"running-{r}").read_text()) for r in range(3)}
+    trigger.touch()
+    verdicts = _wait("verdict", lambda: _records(out / "ctl" / "controller.jsonl", "verdict"),
+                     procs, out)
+    assert procs["node1"].wait(timeout=60) != 0  # evicted: its agent stops
+    verdict = verdicts[0]
+    assert (verdict["action"], verdict["class"]) == ("replace_and_restart", "hang")
+    assert verdict["nodes"] == ["node1"] and verdict["ranks"] == [1]
+    ev = verdict["evidence"]
+    assert ev["incident"] == 1 and ev["controller_pid"] == ctl.pid  # the restarted one
+    assert ev["localization"]["suspects"] == [1]
+    assert sorted(ev["dumps"]) == ["node0", "node1", "node2"] and ev["missing_dumps"] == []
+    groups = {tuple(g["ranks"]): g for g in ev["localization"]["groups"]}
+    assert set(groups) == {(0, 2), (1,)}
+    assert any("hang_before_all_reduce" in f for t in groups[(1,)]["stacks"] for f in t)
+    assert any("all_reduce" in f for t in groups[(0, 2)]["stacks"] for f in t)
+    assert json.loads((out / "excluded.json").read_text())["nodes"]["node1"]["class"] == "hang"
+    # the dumps were taken from the live processes (py-spy of the ranks' pids), and each node
+    # killed its command only after the verdict
+    for rank, node in enumerate(("node0", "node1", "node2")):
+        dump = out / "trace" / f"dump-{node}-i1-rank{rank}-{pids[rank]}.txt"
+        text = dump.read_text()
+        assert ("hang_before_all_reduce" in text) == (rank == 1), text
+        assert "all_reduce" in text
+        spans = [s for s in map(json.loads, (out / "trace" / f"{node}.jsonl").read_text()
+                                .splitlines()) if s.get("phase") == "hang"]
+        assert spans, node
+        d = spans[0]["detail"]
+        assert d["incident"] == 1 and d["dumped_at"] <= d["decided_at"] <= d["killed_at"]
+        assert d["stacks"] == [dump.name]
+    assert verdict["time"] <= min(s["detail"]["killed_at"] for s in _spans(out, "hang"))
+    # the evicted node cannot rejoin
+    again = c.nodes[1].run([sys.executable, "-m", "bootseer", "run", "--controller",
+                            f"{c.services.controller}:{PORT}", "--node", "node1", "--", "true"],
+                           check=False)
+    assert again.returncode == 2 and "exclusion list" in again.stderr
+    ctl.send_signal(signal.SIGTERM)
+    assert ctl.wait(timeout=30) == 0
+
+
+def _spans(out: Path, phase: str) -> list[dict[str, Any]]:
+    spans = []
+    for path in (out / "trace").glob("node*.jsonl"):
+        spans += [s for s in map(json.loads, path.read_text().splitlines())
+                  if s.get("phase") == phase]
+    return spans
+
+
+def test_a_crash_gets_its_class_and_the_job_restarts_everywhere(cluster_factory,
+                                                               tmp_path: Path) -> None:
+    c, out, ctl = _job(cluster_factory, 2, tmp_path)
+    script = ["--crash-rank", "1", "--crash-at", "4", "--steps", "8", "--step-time", "0.1"]
+    procs = {n.name: _agent(c, n, out, script, nnodes=2) for n in c.nodes}
+    for name, proc in procs.items():
+        assert proc.wait(timeout=180) == 0, (out / f"{name}.log").read_text()[-3000:]
+    verdicts = _records(out / "ctl" / "controller.jsonl", "verdict")
+    assert len(verdicts) == 1, verdicts  # one incident, whatever each node saw
+    verdict = verdicts[0]
+    assert (verdict["action"], verdict["class"]) == ("restart_in_place", "python_exception")
+    primary = verdict["evidence"]["primary"]
+    assert primary["node"] == "node1" and primary["evidence"]["exception"] == "ValueError"
+    assert primary["rank"] == 1 and verdict["ranks"] == [1]  # torchrun named the rank
+    assert verdict["nodes"] == []  # restarted in place: nobody evicted
+    assert not (out / "excluded.json").exists()
+    # both nodes restarted on the verdict and finished the job in attempt 1
+    for rank in (0, 1):
+        assert json.loads((out / f"done-{rank}-1.json").read_text())["steps"] == 8
+    for node in ("node0", "node1"):
+        mine = [v for v in _records(out / "trace" / f"{node}.jsonl", "verdict")
+                if v["evidence"].get("from") == "controller"]
+        assert [(v["action"], v["evidence"]["local"]) for v in mine] == [
+            ("restart_in_place", "restart")], node
+    ctl.send_signal(signal.SIGTERM)
+    assert ctl.wait(timeout=30) == 0
+    assert os.path.exists(out / "ctl" / "controller.jsonl")
