@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import hashlib
 import json
 import os
 import platform
@@ -95,8 +96,10 @@ LABELS = {
 
 
 def container_id(node: Node) -> str:
-    """Unique per node: runc keeps its state per namespace, shared by every containerd here."""
-    return f"job-{node.dir.name}"
+    """The job's container on ``node``: unique to this node's directory, because runc keeps
+    every containerd's containers of one namespace under one state directory
+    (/run/containerd/runc/<namespace>) and benchmarks may run side by side."""
+    return f"job-{node.dir.name}-{hashlib.sha256(str(node.dir).encode()).hexdigest()[:8]}"
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

@@ -180,7 +180,10 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
             detected = float(hang.detail.get("detected_at", hang.start + float(
                 hang.detail.get("silent_s", 0.0))))
             dumped = float(hang.detail.get("dumped_at", detected))
-            info.update(fail=hang.start, detection=detected - hang.start,
+            # the last heartbeat can precede the attempt's ready mark (a step's beat written
+            # just before it): productive time ends no earlier than it began
+            fail = max(hang.start, ready(a) or hang.start)
+            info.update(fail=fail, detection=detected - fail,
                         localization=dumped - detected, teardown=restart.start - dumped,
                         cls=event.failure_class if event else "hang")
         else:

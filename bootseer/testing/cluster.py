@@ -36,7 +36,7 @@ from .cluster_node import RUNC_ROOT, Node, NodeDirs
 from .cluster_services import ALL_SERVICES, PORTS, Services, check_services
 from .cluster_sweep import forget, record, sweep_stale
 from .links import Link, qdisc_available
-from .netns import NETNS_DIR, mounts_under
+from .netns import NETNS_DIR, ip, mounts_under
 from .servers import ComponentUnavailable
 from .switch import Switch
 
@@ -254,7 +254,12 @@ class Cluster:
         self._switch.set_up(f"n{index}", False)
 
     def reconnect(self, index: int) -> None:
+        """Plug the cable back in. Every host forgets the neighbours it failed to reach
+        meanwhile (a FAILED entry answers EHOSTUNREACH until the kernel re-probes it), so the
+        next connection resolves the address again, as after a real repair."""
         self._switch.set_up(f"n{index}", True)
+        for host in (*self.nodes, *([self._services] if self._services is not None else [])):
+            ip("neigh", "flush", "all", netns=host.netns, check=False)
 
     def fill_disk(self, index: int) -> int:
         """Fill node ``index``'s disk (writes on it fail with ENOSPC); returns the bytes."""
