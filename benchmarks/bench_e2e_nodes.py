@@ -260,10 +260,9 @@ class MethodRun:
                 "src": self.ref, "dst": f"{host}/{self.repo}:lazy",
                 "workdir": str(self.work)}))
             self.ref = f"{host}/{self.repo}:lazy"
-        else:
-            c.services.index_dir.mkdir(parents=True, exist_ok=True)
-            for wheel in self.b.wheels:
-                shutil.copy2(wheel, c.services.index_dir / wheel.name)
+        c.services.index_dir.mkdir(parents=True, exist_ok=True)  # torch for pip and uv
+        for wheel in self.b.wheels:
+            shutil.copy2(wheel, c.services.index_dir / wheel.name)
         (self.job / "requirements.txt").write_text(f"--index-url {c.services.index_url}\n"
                                                    f"{TORCH}\n")
         for i in range(self.b.nodes):
@@ -356,6 +355,18 @@ class MethodRun:
                                          "options": {"s3": self.c.services.storage_options()}}
                            )["step"]
 
+    def env_built(self, key: str) -> bool:
+        """The node's ``bootseer run`` made its environment (raises when it could not)."""
+        from bootseer.trace import read_traces
+
+        for span in read_traces([self.traces / key])[0]:
+            if span.phase == "environment":
+                if span.outcome != "ok":
+                    raise RuntimeError(f"{key}: the environment could not be made:\n"
+                                       f"{tail(self.logs[key])}")
+                return True
+        return False
+
     def recorded(self) -> bool:
         return any("recorded " in (n.logs / "snapshotter.log").read_text(errors="replace")
                    for n in self.c.nodes if (n.logs / "snapshotter.log").exists())
@@ -372,9 +383,8 @@ class MethodRun:
             self.start(node, first=True)
             first_keys.append(f"{node.name}.g{node.generation}")
             if self.bootseer and i == 0:
-                self.wait_for("node0's environment", lambda: any(
-                    '"phase":"environment"' in p.read_text()
-                    for p in (self.traces / first_keys[0]).glob("*.jsonl")), first_keys)
+                self.wait_for("node0's environment", lambda: self.env_built(first_keys[0]),
+                              first_keys)
         self.wait_for("the first step", lambda: [
             e for e in self.events() if e["event"] == "first_step"], first_keys)
         cold_s = time.time() - t0
