@@ -148,3 +148,15 @@ def test_bad_arguments_are_refused_by_name(args: list[str], message: str, tmp_pa
     assert r.returncode == 2, r.stderr
     assert message in r.stderr
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_bootseer_bench_passes_nodes_to_the_e2e_suite(tmp_path: Path) -> None:
+    """``bootseer bench e2e --nodes N`` reaches the multi-node scenario (here refused by name:
+    one node cannot lose one) and the suite's failure is reported as such."""
+    r = subprocess.run([sys.executable, "-m", "bootseer", "bench", "e2e", "--nodes", "1",
+                        "--results", str(tmp_path / "results")], capture_output=True, text=True,
+                       timeout=300, cwd=BENCH.parent)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "benchmarks/bench_e2e.py --results" in r.stdout and "--nodes 1" in r.stdout
+    assert "--nodes 1: the scenario needs 2 to 8 nodes" in r.stderr
+    assert "e2e FAILED: exit 2" in r.stderr
