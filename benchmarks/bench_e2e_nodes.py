@@ -420,7 +420,8 @@ class MethodRun:
                   for n, v in after.items()}
         return self.results_for(NodeRun(
             method=self.method, kill_t=kill_t, replaced_t=replaced_t, lost=fresh.name,
-            pull=pulled, bytes=nbytes, trace_dir=self.traces / fresh_key), cold_s, step)
+            pull=pulled, bytes=nbytes,
+            trace_dir=self.traces / fresh_key if self.bootseer else None), cold_s, step)
 
     def results_for(self, run: NodeRun, cold_s: float, step: int) -> dict[str, Any]:
         events = self.events()
