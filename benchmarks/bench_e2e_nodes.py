@@ -161,13 +161,14 @@ class NodesBench:
                  "(SIGKILL to all its processes) after a commit, replaced by a fresh node",
                  f"- links: each node {NODE_LINK[0]} ({NODE_LINK[1]:g} ms to the services), "
                  f"the services host {SERVICE_LINK} shared", ""]
-        head = ["method", "p50 (ranks)", "p90", "max (job back)", "straggler", "why",
+        head = ["method", "p50 (ranks)", "p90", "max (job back)", "critical path ends on",
+                "its split", "paced by (waited for)", "its phases before the rendezvous",
                 "registry MB", "S3 MB", "index MB", "bit-identical"]
         rows = []
         for m, r in runs.items():
             s = r["summary"]
             rows.append([m, f"{s['p50_s']:.1f} s", f"{s['p90_s']:.1f} s", f"{s['max_s']:.1f} s",
-                         s["straggler"], s["why"],
+                         s["straggler"], s["why"], s["paced_by"], s["paced_why"],
                          *[f"{r['bytes_total'].get(k, 0) / 1e6:.1f}"
                            for k in ("registry", "s3", "index")],
                          "yes" if r["bit_identical"] else "NO"])
@@ -443,7 +444,8 @@ class MethodRun:
                    node_replace_s=run.replaced_t - run.kill_t)
         s = out["summary"]
         log(f"  {self.method}: p50 {s['p50_s']:.1f} s, p90 {s['p90_s']:.1f} s, max "
-            f"{s['max_s']:.1f} s; straggler {s['straggler']} ({s['why']})")
+            f"{s['max_s']:.1f} s; critical path {s['straggler']} ({s['why']}); paced by "
+            f"{s['paced_by']} ({s['paced_why']})")
         return out
 
 

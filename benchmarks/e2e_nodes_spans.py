@@ -172,6 +172,20 @@ def node_phases(spans: list[Span], node: str, origin: float) -> dict[str, float]
     return split_by_phase(positioned_segments(row, origin, until=ready[rank]))
 
 
+AFTER_RENDEZVOUS = ("rendezvous", "launch", "checkpoint_load", "first_step", "untraced")
+
+
+def paced_by(per_node: dict[str, dict[str, Any]]) -> tuple[str, str]:
+    """The node the others waited for, and its phases before the rendezvous. Ranks of a
+    synchronous job finish their first step together (it is a collective), so the critical
+    path ends on any rank; the node that set the pace is the one that waited least in the
+    rendezvous (it arrived last)."""
+    node = min(per_node, key=lambda n: per_node[n]["phases"].get("rendezvous", 0.0))
+    before = sorted(((p, s) for p, s in per_node[node]["phases"].items()
+                     if p not in AFTER_RENDEZVOUS and s >= 0.05), key=lambda kv: -kv[1])
+    return node, ", ".join(f"{p} {s:.1f} s" for p, s in before[:3])
+
+
 def summarize(report: dict[str, Any], run: NodeRun, totals: dict[str, float],
               spans: list[Span]) -> dict[str, Any]:
     """p50/p90/max over ranks, the straggler and why (the report's critical path), the per-node
@@ -189,9 +203,11 @@ def summarize(report: dict[str, Any], run: NodeRun, totals: dict[str, float],
                                   "phases": node_phases(spans, line["node"], run.kill_t),
                                   "bytes": run.bytes.get(line["node"], {})}
     total = {s: sum(b.get(s, 0) for b in run.bytes.values()) for s in SERVICES}
+    pace, pace_why = paced_by(per_node)
     return {"summary": {"p50_s": percentile(values, 50), "p90_s": percentile(values, 90),
                         "max_s": max(values), "job_back_s": incident["wall_s"],
-                        "straggler": straggler, "why": why,
+                        "straggler": straggler, "why": why, "paced_by": pace,
+                        "paced_why": pace_why,
                         "node_stragglers": report["node_stragglers"]},
             "ranks": totals, "per_node": per_node, "cost": dict(cost),
             "bytes_total": total, "bytes_per_node": run.bytes}

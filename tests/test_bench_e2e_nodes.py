@@ -85,6 +85,9 @@ def test_the_report_finds_the_restart_its_straggler_and_every_node_s_phases(tmp_
     # the survivors are last: they waited in the rendezvous for the fresh node
     assert s["straggler"] in ("node0/r0", "node0/r1")
     assert s["why"].startswith("rendezvous 19.0 s")
+    # ...for node1, the fresh node: its replacement, pull, pip and start set the pace
+    assert s["paced_by"] == "node1"
+    assert s["paced_why"] == "environment 10.0 s, image_pull 3.0 s, node_replace 2.0 s"
     node1 = out["per_node"]["node1"]
     assert node1["first_step_s"] == pytest.approx(20.3)
     assert node1["phases"] == pytest.approx({
