@@ -25,9 +25,10 @@ loading, which proves the resumed state bit-identical to the saved one):
 * ``baseline``: ``ctr images pull`` (gzip, overlayfs), ``ctr run``; in the container ``pip
   install`` of torch from the index, torchrun, DCP ``load`` over s3fs on every rank.
 
-Per node the phase breakdown; across ranks p50, p90 and max; the straggler and why, from
+Per node the phase breakdown; across ranks p50, p90 and max; the critical path from
 ``bootseer report`` run on every node's trace (the harness writes the spans it measures next to
-``bootseer run``'s own); registry, S3 and index bytes per node (the cluster's counting proxies).
+``bootseer run``'s own) and the node that set the pace (the one the others waited for in the
+rendezvous) with its phases; registry, S3 and index bytes per node (the cluster's counting proxies).
 Writes ``DIR/e2e-nodes.json`` and ``DIR/e2e-nodes.md`` (and each method's report under
 ``DIR/e2e-nodes-report/METHOD/``).
 
