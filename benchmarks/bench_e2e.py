@@ -671,7 +671,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--methods", default="bootseer,baseline",
                         help="comma-separated, of bootseer, baseline (default both)")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="the scenario on N nodes of a cluster (bench_e2e_nodes.py)")
+    parser.add_argument("--lose", type=int, default=None, help="with --nodes: the node lost")
     args = parser.parse_args(argv)
+    if args.nodes is not None:
+        import bench_e2e_nodes
+
+        return bench_e2e_nodes.main(argv)
     unknown = set(args.methods.split(",")) - {"bootseer", "baseline"}
     if unknown:
         parser.error(f"--methods: unknown {', '.join(sorted(unknown))} (bootseer, baseline)")

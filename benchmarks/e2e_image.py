@@ -187,3 +187,21 @@ def push_image(registry: str, repo: str, tag: str, layers: list[dict[str, Any]],
                         "size": layer["size"]} for layer in layers]},
             separators=(",", ":")).encode()
         return reg.put_manifest(repo, tag, manifest, OCI_MANIFEST)
+
+
+def training_layers(cache: Path, work: Path, base_choice: str) -> dict[str, Any]:
+    """The training image's layers, built once per content under ``cache/image``: the base
+    (``bench_prefetch.build_base``'s ``base_choice``) and the runtime layer; ``work`` holds
+    the runtime tree while it is packed. Returns ``{"base", "layers", **runtime}``."""
+    import bench_prefetch as bp
+
+    image_dir = cache / "image"
+    image_dir.mkdir(parents=True, exist_ok=True)
+    base = bp.build_base(image_dir, base_choice)
+    layers = [layer_from_tree(image_dir / f"base-{base['source']}", image_dir / "e2e",
+                              f"base-{base['source']}")]
+    tree = work / "runtime-tree"
+    runtime = build_runtime_tree(tree)
+    layers.append(layer_from_tree(tree, image_dir / "e2e", "runtime"))
+    shutil.rmtree(tree)
+    return {"base": base, "layers": layers, **runtime}

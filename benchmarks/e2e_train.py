@@ -33,6 +33,8 @@ SIZES = {
     # (parameters + AdamW's two moments); quick = 21 M parameters, 0.25 GB.
     "full": {"vocab": 32000, "d": 1024, "layers": 5, "seq": 128},
     "quick": {"vocab": 16000, "d": 512, "layers": 4, "seq": 128},
+    # the multi-node scenario's quick form (8 ranks on a 2-core machine): 0.66 M parameters
+    "tiny": {"vocab": 2048, "d": 128, "layers": 2, "seq": 64},
 }
 
 
@@ -40,7 +42,8 @@ def event(results: str, name: str, **detail: Any) -> None:
     """Append one milestone (O_APPEND: lines of concurrent ranks never interleave)."""
     line = json.dumps({"event": name, "t": time.time(), "pid": os.getpid(),
                        "rank": int(os.environ.get("RANK", "-1")),
-                       "attempt": int(os.environ.get("BOOTSEER_ATTEMPT", "0")), **detail})
+                       "attempt": int(os.environ.get("BOOTSEER_ATTEMPT", "0")),
+                       "node": os.environ.get("BOOTSEER_E2E_NODE", ""), **detail})
     fd = os.open(os.path.join(results, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
                  0o644)
     try:
@@ -59,8 +62,11 @@ def launch(args: argparse.Namespace, rest: list[str]) -> int:
     t = time.time()
     subprocess.run(pip, check=True)
     event(args.results, "env_ready", seconds=time.time() - t, installer="pip")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={args.nproc}", os.path.abspath(__file__), "train", *rest]
+    # BOOTSEER_E2E_TORCHRUN (a JSON list): torchrun's options for a job across nodes
+    options = json.loads(os.environ.get("BOOTSEER_E2E_TORCHRUN") or "null") or [
+        "--standalone", f"--nproc-per-node={args.nproc}"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", *options,
+                os.path.abspath(__file__), "train", *rest]
     event(args.results, "command_start")
     os.execv(sys.executable, torchrun)
     return 0  # not reached

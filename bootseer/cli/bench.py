@@ -48,6 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "Debian python3.11, no mirror needed)")
     p.add_argument("--methods", default=None,
                    help="e2e's restart paths, comma-separated (default bootseer,baseline)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="e2e on N nodes of a cluster of network namespaces (writes e2e-nodes.*)")
     p.set_defaults(func=run)
 
 
@@ -195,9 +197,12 @@ def run_suite(directory: Path, suite: str, args: argparse.Namespace,
     results = Path(args.results)
     argv = ["--results", args.results, *(["--quick"] if args.quick else []),
             *(["--base", args.base] if args.base and suite in TAKES_BASE else []),
-            *(["--methods", args.methods] if args.methods and suite == "e2e" else [])]
+            *(["--methods", args.methods] if args.methods and suite == "e2e" else []),
+            *(["--nodes", str(args.nodes)] if getattr(args, "nodes", None) and suite == "e2e"
+              else [])]
     env = {**env, "BOOTSEER_BENCH_COMMAND": shlex.join(["bootseer", "bench", suite, *argv])}
-    before = results_state(results, suite)
+    files = "e2e-nodes" if "--nodes" in argv else suite  # the results' names
+    before = results_state(results, files)
     print(f"bootseer bench: {suite} ({shlex.join(['python', f'benchmarks/bench_{suite}.py', *argv])})",
           flush=True)
     child = run_child([sys.executable, str(directory / f"bench_{suite}.py"), *argv], env=env)
@@ -206,7 +211,7 @@ def run_suite(directory: Path, suite: str, args: argparse.Namespace,
     elif child.code != 0:
         why = _exit_text(child.code)
     else:
-        missing = missing_results(results, suite, before)
+        missing = missing_results(results, files, before)
         why = f"exit 0, but {missing}" if missing else None
     return Outcome(suite, why, child.tail), child.interrupted
 
