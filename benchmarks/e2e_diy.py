@@ -13,6 +13,8 @@ gives two streams; ``--multi-thread-streams`` splits each file into ranged GETs 
 docs/e2e.md).
 
 ``CopyJob(...).start()`` runs list + copy on a thread and writes ``.copy-status.json`` last.
+``python benchmarks/e2e_diy.py tune [--mb 128]`` times the copy of two files (DCP's two ranks)
+through the scenario's shaped S3 link with a few tunings: how the defaults were chosen.
 """
 
 from __future__ import annotations
@@ -163,3 +165,64 @@ class CopyJob:
         status["seconds"] = status["ended"] - t0
         self.status = status
         write_status(self.dest, status)
+
+
+def tune(mb: int, out: Path) -> list[dict[str, Any]]:
+    """Copy two ``mb`` MB objects through the e2e scenario's shaped S3 link with each candidate
+    tuning (rclone's defaults first) and return the seconds of each."""
+    import shutil as _shutil
+    import tempfile
+
+    from bench_e2e import LINKS
+
+    from bootseer.testing.servers import MotoS3Server
+    from bootseer.testing.shaper import ShaperProcess, ShaperSettings
+
+    candidates = [("rclone defaults (4 streams, cutoff 250M)", RcloneTuning(streams=4, cutoff="250M")),
+                  ("4 streams, cutoff 32M", RcloneTuning(streams=4)),
+                  ("8 streams, cutoff 32M (chosen)", RcloneTuning()),
+                  ("16 streams, cutoff 32M", RcloneTuning(streams=16))]
+    rows = []
+    work = Path(tempfile.mkdtemp(prefix="rclone-tune-"))
+    server = MotoS3Server(in_process=False)
+    try:
+        server.start()
+        server.create_bucket("ckpt")
+        client = server.boto3_client()
+        for rank in range(2):
+            client.put_object(Bucket="ckpt", Key=f"t/step-00000001/__{rank}_0.distcp",
+                              Body=os.urandom(mb << 20))
+        client.put_object(Bucket="ckpt", Key="t/step-00000001/.metadata", Body=b"m")
+        with ShaperProcess("127.0.0.1", server.port, ShaperSettings.from_mb(*LINKS["s3"])) as proxy:
+            env = rclone_env(server.storage_options(endpoint_url=f"http://{proxy.address}"))
+            for name, tuning in candidates:
+                dest = work / "dest"
+                dest.mkdir()
+                job = CopyJob("ckpt/t", dest, env, out.with_suffix(".log"), tuning)
+                status = job.start().join(600)
+                if not status.get("ok"):
+                    raise RuntimeError(f"{name}: {status.get('error')}")
+                rows.append({"tuning": name, "flags": tuning.flags(), "seconds": status["seconds"],
+                             "mb_s": status["bytes"] / 1e6 / status["seconds"]})
+                print(f"{name}: {status['seconds']:.1f} s, {rows[-1]['mb_s']:.0f} MB/s", flush=True)
+                _shutil.rmtree(dest)
+    finally:
+        server.close()
+        _shutil.rmtree(work, ignore_errors=True)
+    out.write_text(json.dumps({"mb_per_file": mb, "files": 2, "link": LINKS["s3"],
+                               "rows": rows}, indent=2) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    parser = argparse.ArgumentParser(prog="e2e_diy.py")
+    parser.add_argument("cmd", choices=["tune"])
+    parser.add_argument("--mb", type=int, default=128, help="size of each of the two files")
+    parser.add_argument("--out", default="bench-results/rclone-tune.json")
+    a = parser.parse_args()
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    tune(a.mb, Path(a.out))
