@@ -53,6 +53,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -172,11 +173,15 @@ def container_id(node: Node) -> str:
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
-    """The end of a job's log, for errors that a CI run shows without the file."""
+    """The end of a job's log, for errors that a CI run shows without the file; a rank's own
+    exception comes first (torchrun's summary, at the end, does not name it)."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except OSError as exc:
         return f"(unreadable: {exc})"
+    raised = [ln for ln in text if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b: ", ln)]
+    head = ["exceptions raised in the job:", *raised[-10:], "..."] if raised else []
+    return "\n".join(head + text[-lines:])
 
 
 def compare(runs: dict[str, Any]) -> dict[str, dict[str, float]]:

@@ -179,3 +179,15 @@ def test_status_file_is_written_whole(tmp_path: Path) -> None:
     e2e_diy.write_status(tmp_path, {"ok": True, "step": 3})
     assert json.loads((tmp_path / e2e_train.COPY_STATUS).read_text()) == {"ok": True, "step": 3}
     assert list(tmp_path.iterdir()) == [tmp_path / e2e_train.COPY_STATUS]
+
+
+def test_a_failed_jobs_message_names_the_ranks_exception(tmp_path: Path) -> None:
+    """torchrun's summary at the end of a log names no exception; the message shows the
+    rank's own one first, whatever the log's length."""
+    log = tmp_path / "job.log"
+    log.write_text("Traceback (most recent call last):\n  File x\n"
+                   "RuntimeError: the checkpoint copy into /ckpt-local failed: boom\n"
+                   + "torchrun summary line\n" * 100)
+    text = bench_e2e.log_tail(log)
+    assert text.splitlines()[1] == "RuntimeError: the checkpoint copy into /ckpt-local failed: boom"
+    assert text.endswith("torchrun summary line")
