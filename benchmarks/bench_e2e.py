@@ -736,7 +736,9 @@ class Bench:
                  f"{self.R['machine']['ram_bytes'] / 2**30:.1f} GiB RAM, "
                  f"{self.R['machine']['containerd']}",
                  "- image: " + ", ".join(f"{la['name']} {la['size'] / 1e6:.0f} MB gzip"
-                                         for la in img.get("layers", [])),
+                                         for la in img.get("layers", []))
+                 + "".join(f"; diy image: + {la['name']} {la['size'] / 1e6:.0f} MB gzip"
+                           for la in img.get("diy_layers", [])[len(img.get("layers", [])):]),
                  f"- job: FSDP2 over gloo, 2 ranks, state {self.state_text()}, saved "
                  f"asynchronously every {self.args.save_every} steps; rank 1 killed with SIGKILL "
                  "after a commit",
