@@ -605,6 +605,7 @@ class Bench:
             raise RuntimeError(f"the restarted job exited {rc} (log {logp}):\n{log_tail(logp)}")
         out = self.breakdown(method, results, t0, t0 + pull_s, node.dir / "local" / "trace",
                              attempt=0)
+        out["loadavg_1m_after"] = os.getloadavg()[0]  # a shared machine's noise, on record
         if copy is not None:
             st = copy.status
             out["detail"]["checkpoint_copy"] = {
@@ -757,7 +758,8 @@ class Bench:
         for m in ("baseline", "diy", "diy-warm", "bootseer"):
             if m in runs:
                 lines.append(f"- {m}: {json.dumps(runs[m]['detail'])}; resumed at step "
-                             f"{runs[m]['loaded_step']}")
+                             f"{runs[m]['loaded_step']}; load average "
+                             f"{runs[m].get('loadavg_1m_after', float('nan')):.1f} after it")
         for key in ("bootseer-first", "baseline-first", "diy-first"):
             if key in runs:
                 lines.append(f"- info: {key.split('-')[0]} cold first start to the first step: "
