@@ -104,7 +104,8 @@ LABELS = {
     "bootseer": "bootseer: lazy image + env snapshot + ckpt prefetch",
     "inplace": "bootseer in place: supervisor restart on the same node (info)",
 }
-METHODS = ("baseline", "diy", "diy-warm", "bootseer")  # --methods, in the order they run
+# --methods, in the order they run: the slowest last, so a run cut short keeps the others
+METHODS = ("diy", "diy-warm", "bootseer", "baseline")
 ORDER = ("baseline", "diy", "diy-warm", "bootseer", "inplace")  # the report's rows
 DIY = ("diy", "diy-warm")
 RCLONE = e2e_diy.RcloneTuning()
@@ -179,7 +180,8 @@ def log_tail(path: Path, lines: int = 40) -> str:
         text = path.read_text(errors="replace").splitlines()
     except OSError as exc:
         return f"(unreadable: {exc})"
-    raised = [ln for ln in text if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b: ", ln)]
+    raised = [ln for ln in text  # torchrun prefixes a rank's lines with "[rankN]:"
+              if re.match(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Interrupt)\b: ", ln)]
     head = ["exceptions raised in the job:", *raised[-10:], "..."] if raised else []
     return "\n".join(head + text[-lines:])
 
@@ -657,21 +659,30 @@ class Bench:
     def run(self) -> None:
         self.setup()
         for method in self.methods:
-            key = f"{family(method)}-first"
-            if key not in self.R["runs"]:  # diy and diy-warm restart from the same one
-                first = self.first_start(family(method))
-                self.R["runs"][key] = first
-                if method == "bootseer":
-                    self.check_identical("inplace", self.work / "results/bootseer-first",
-                                         first["inplace"])
-                    self.R["runs"]["inplace"] = first["inplace"]
-            out = self.restart(method)
-            self.check_identical(method, self.work / "results" / key, out)
-            self.R["runs"][method] = out
-            log(f"  {method}: {out['total']:.1f} s to the first step; " + ", ".join(
-                f"{k} {v:.1f}" for k, v in out["phases"].items() if v > 0.05))
+            try:
+                self.run_method(method)
+            except RuntimeError as exc:  # recorded; the other methods still run
+                self.errors.append(f"{method}: {exc}")
+                log(f"{method} FAILED: {exc}")
+                for node in list(self.nodes):
+                    self.retire(node)
         if not self.cold:
             self.R["warnings"].append("the page cache could not be dropped: WARM figures")
+
+    def run_method(self, method: str) -> None:
+        key = f"{family(method)}-first"
+        if key not in self.R["runs"]:  # diy and diy-warm restart from the same one
+            first = self.first_start(family(method))
+            self.R["runs"][key] = first
+            if method == "bootseer":
+                self.check_identical("inplace", self.work / "results/bootseer-first",
+                                     first["inplace"])
+                self.R["runs"]["inplace"] = first["inplace"]
+        out = self.restart(method)
+        self.check_identical(method, self.work / "results" / key, out)
+        self.R["runs"][method] = out
+        log(f"  {method}: {out['total']:.1f} s to the first step; " + ", ".join(
+            f"{k} {v:.1f}" for k, v in out["phases"].items() if v > 0.05))
 
     # -- the report ------------------------------------------------------------------------------
     def rows(self) -> list[list[str]]:

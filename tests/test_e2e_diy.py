@@ -186,8 +186,8 @@ def test_a_failed_jobs_message_names_the_ranks_exception(tmp_path: Path) -> None
     rank's own one first, whatever the log's length."""
     log = tmp_path / "job.log"
     log.write_text("Traceback (most recent call last):\n  File x\n"
-                   "RuntimeError: the checkpoint copy into /ckpt-local failed: boom\n"
+                   "[rank1]: RuntimeError: the checkpoint copy into /ckpt-local failed: boom\n"
                    + "torchrun summary line\n" * 100)
     text = bench_e2e.log_tail(log)
-    assert text.splitlines()[1] == "RuntimeError: the checkpoint copy into /ckpt-local failed: boom"
+    assert text.splitlines()[1] == "[rank1]: RuntimeError: the checkpoint copy into /ckpt-local failed: boom"
     assert text.endswith("torchrun summary line")
