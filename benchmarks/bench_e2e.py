@@ -465,8 +465,9 @@ class Bench:
         mounts = [(self.job, "/job", "ro"), (results, "/results", "rw"),
                   (node.dir / "local" / "ckpt-cache", "/var/cache/bootseer/ckpt", "rw"),
                   (node.dir / "local" / "trace", "/var/log/bootseer/trace", "rw"),
-                  (node.dir / "local" / "ckpt-copy", "/ckpt-local", "rw"),
                   (Path("/dev/shm"), "/dev/shm", "rw")]
+        if method in DIY:  # where the copy tool puts the checkpoint
+            mounts.append((node.dir / "local" / "ckpt-copy", "/ckpt-local", "rw"))
         env = {"BOOTSEER_STORAGE_OPTIONS": json.dumps(self.s3_options),
                "BOOTSEER_E2E_TAG": self.tag(results.name), "PYTHONUNBUFFERED": "1"}
         argv = node.ctr("run", "--rm", "--net-host", "--snapshotter", snapshotter,
