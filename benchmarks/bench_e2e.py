@@ -22,9 +22,16 @@ the measured restart, on a fresh node (empty image store, empty caches, page cac
   in the container ``bootseer run``: the environment restored from its snapshot while the
   checkpoint's shards for ranks 0-1 are prefetched into the node-local cache (striped reads),
   then ``torchrun``; ``CheckpointManager.load`` reads the cache;
+* ``diy``: the strongest do-it-yourself restart (``e2e_diy.py``): the job's dependencies baked
+  into the image (a third gzip layer), ``ctr images pull`` + ``ctr run`` as in the baseline;
+  from the restart on, ``rclone copy`` (many streams) copies the newest DCP checkpoint from S3
+  to the node's disk while the image is pulled and the container starts; each rank waits for
+  the copy, then ``torch.distributed.checkpoint.load`` with ``FileSystemReader``;
+* ``diy-warm``: the same with the image already on the node (pulled before the clock starts);
 * info, ``bootseer in place``: the supervisor's own restart on the node of the first start
   (environment verified, new checkpoint prefetched, image blocks cached), from the kill.
 
+``diy`` and ``diy-warm`` share one first start (the job saves with DCP to S3, as the baseline).
 The clock runs from the restart (the pull; for ``in place`` the SIGKILL) to the first finished
 training step of the slower rank, minus the state digest each rank takes right after loading
 (it proves the resumed state bit-identical to the saved one and is not part of a start).
@@ -32,7 +39,8 @@ Phases come from the job's milestones (and ``bootseer run``'s trace), on the sam
 
 Target (reported, never asserted): bootseer's restart takes >= 70% less time than the baseline.
 
-``python benchmarks/bench_e2e.py --results DIR [--quick] [--keep]`` or ``bootseer bench e2e``;
+``python benchmarks/bench_e2e.py --results DIR [--quick] [--keep] [--methods ...]`` or
+``bootseer bench e2e``;
 root, containerd, runc, FUSE and docker-registry needed. Writes ``DIR/e2e.json``,
 ``DIR/e2e.md`` and ``DIR/e2e.png``.
 """
@@ -46,6 +54,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -58,6 +67,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_prefetch as bp  # noqa: E402
+import e2e_diy  # noqa: E402
 import e2e_image  # noqa: E402
 from _common import (
     command_line,
@@ -83,16 +93,80 @@ PHASES = [  # (key, label, colour) in critical-path order
     ("image", "image pull", "#4e79a7"),
     ("container", "container start / restart", "#a0cbe8"),
     ("environment", "environment (pip / snapshot)", "#f28e2b"),
-    ("prefetch", "checkpoint prefetch (not overlapped)", "#ffbe7d"),
+    ("prefetch", "checkpoint prefetch / copy (not overlapped)", "#ffbe7d"),
     ("launch", "torchrun, import torch, init, model", "#59a14f"),
     ("load", "checkpoint load", "#e15759"),
     ("step", "first training step", "#b07aa1"),
 ]
 LABELS = {
     "baseline": "baseline: full pull + pip install + DCP load over s3fs",
+    "diy": "diy: deps baked in the image, full pull + rclone copy + DCP load from disk",
+    "diy-warm": "diy-warm: the same, image already on the node",
     "bootseer": "bootseer: lazy image + env snapshot + ckpt prefetch",
     "inplace": "bootseer in place: supervisor restart on the same node (info)",
 }
+# --methods, in the order they run: the slowest last, so a run cut short keeps the others
+METHODS = ("diy", "diy-warm", "bootseer", "baseline")
+ORDER = ("baseline", "diy", "diy-warm", "bootseer", "inplace")  # the report's rows
+DIY = ("diy", "diy-warm")
+RCLONE = e2e_diy.RcloneTuning()
+
+
+def family(method: str) -> str:
+    """The method whose first start (and checkpoint prefix) ``method`` uses."""
+    return "diy" if method in DIY else method
+
+
+def ckpt_root(method: str) -> str:
+    """bucket/prefix of ``method``'s checkpoints."""
+    return {"baseline": "ckpt/dcp", "diy": "ckpt/diy"}.get(family(method), "ckpt/bootseer")
+
+
+def phases_of(method: str, ev: list[dict[str, Any]], t0: float, pulled: float | None,
+              spans: list[Any]) -> tuple[dict[str, float], float, dict[str, Any]]:
+    """(phases, first step's time, detail) of one restart from its milestones ``ev`` (one
+    attempt) and, for bootseer, ``bootseer run``'s trace ``spans``; every phase ends where the
+    next begins, so they add up to the total."""
+    def last(name: str) -> dict[str, Any]:
+        found = [e for e in ev if e["event"] == name]
+        if not found:
+            raise RuntimeError(f"{method}: no '{name}' milestone")
+        return max(found, key=lambda e: e["t"])
+
+    waited = 0.0
+    if method in ("baseline", *DIY):
+        entry, env_end = last("entry")["t"], last("env_ready")["t"]
+        cmd = last("command_start")["t"]
+        detail: dict[str, Any] = {"environment": {"installer": last("env_ready")["installer"],
+                                                  "seconds": env_end - entry}}
+        if method in DIY:  # the job's wait for the copy: from the last rank ready to load
+            ready = max(e["t"] - e["waited"] for e in ev if e["event"] == "copy_ready")
+            waited = max(0.0, last("load_start")["t"] - max(ready, cmd))
+    else:
+        phase = {s.phase: s for s in spans if s.rank is None}
+        entry = min(phase[p].start for p in ("environment", "checkpoint_prefetch"))
+        env_end = phase["environment"].end
+        cmd = phase["command_start"].end
+        pre = phase["checkpoint_prefetch"]
+        detail = {"environment": {"outcome": phase["environment"].detail.get("outcome"),
+                                  "seconds": phase["environment"].seconds,
+                                  "bytes": phase["environment"].bytes},
+                  "checkpoint_prefetch": {"seconds": pre.seconds, "bytes": pre.bytes,
+                                          "step": pre.detail.get("step")}}
+    verify = max(e["seconds"] for e in ev if e["event"] == "verified")
+    load_start, load_end = last("load_start")["t"], last("load_end")["t"]
+    first = last("first_step")["t"] - verify
+    start = pulled if pulled is not None else t0
+    phases = {
+        "image": (pulled - t0) if pulled is not None else 0.0,
+        "container": entry - start,
+        "environment": min(env_end, cmd) - entry,
+        "prefetch": cmd - min(env_end, cmd) + waited,
+        "launch": load_start - cmd - waited,
+        "load": load_end - load_start,
+        "step": first - load_end,
+    }
+    return phases, first, detail
 
 
 def container_id(node: Node) -> str:
@@ -103,17 +177,33 @@ def container_id(node: Node) -> str:
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
-    """The end of a job's log, for errors that a CI run shows without the file."""
+    """The end of a job's log, for errors that a CI run shows without the file; a rank's own
+    exception comes first (torchrun's summary, at the end, does not name it)."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except OSError as exc:
         return f"(unreadable: {exc})"
+    raised = [ln for ln in text  # torchrun prefixes a rank's lines with "[rankN]:"
+              if re.match(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Interrupt)\b: ", ln)]
+    head = ["exceptions raised in the job:", *raised[-10:], "..."] if raised else []
+    return "\n".join(head + text[-lines:])
+
+
+def compare(runs: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """bootseer's restart against each other fresh-node restart that ran: speedup and the
+    share of start-up time it removes (negative: bootseer was slower)."""
+    if "bootseer" not in runs:
+        return {}
+    ours = runs["bootseer"]["total"]
+    return {m: {"speedup": runs[m]["total"] / ours, "less": 1 - ours / runs[m]["total"]}
+            for m in ("baseline", "diy", "diy-warm") if m in runs}
 
 
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.quick = bool(args.quick)
+        self.methods = [m for m in METHODS if m in args.methods.split(",")]
         self.size = "quick" if self.quick else "full"
         self.cache = Path(args.cache or os.environ.get("BOOTSEER_BENCH_CACHE")
                           or Path.home() / ".cache" / "bootseer-bench").expanduser().resolve()
@@ -166,6 +256,11 @@ class Bench:
         self.R["image"] = {"base": base, "layers": layers, **runtime}
         log("image layers: " + ", ".join(f"{la['name']} {la['tar_bytes'] / 1e6:.0f} MB tar, "
                                          f"{la['size'] / 1e6:.0f} MB gzip" for la in layers))
+        wheels = download_wheels(self.cache / "wheels-e2e", [TORCH])
+        diy_layers = None
+        if set(self.methods) & set(DIY):
+            diy_layers = [*layers, self.deps_layer(image_dir, wheels[0].parent)]
+            self.R["image"]["diy_layers"] = diy_layers
 
         def shaped(port: int, link: str) -> str:
             proxy = self.stack.enter_context(
@@ -179,16 +274,23 @@ class Bench:
         digest = e2e_image.push_image(self.registry.host, repo, "gzip", layers,
                                       e2e_image.image_config(layers))
         self.gzip_ref = f"{registry_addr}/{repo}:gzip"
-        log(f"pushed {self.gzip_ref} ({digest[:19]}); converting to the bootseer layer format")
-        conv = self._helper("convert", {"src": f"{self.registry.host}/{repo}:gzip",
-                                        "dst": f"{self.registry.host}/{repo}:lazy",
-                                        "workdir": str(self.work)})
-        self.R["conversion"] = conv
-        self.lazy_ref = f"{registry_addr}/{repo}:lazy"
+        log(f"pushed {self.gzip_ref} ({digest[:19]})")
         self.gzip_blobs = [self.registry.blob_path(la["digest"]) for la in layers]
-        self.lazy_blobs = [self.registry.blob_path(d) for d in conv["layer_digests"]]
-
-        wheels = download_wheels(self.cache / "wheels-e2e", [TORCH])
+        if "bootseer" in self.methods:  # only bootseer's restart reads the converted image
+            log("converting to the bootseer layer format")
+            conv = self._helper("convert", {"src": f"{self.registry.host}/{repo}:gzip",
+                                            "dst": f"{self.registry.host}/{repo}:lazy",
+                                            "workdir": str(self.work)})
+            self.R["conversion"] = conv
+            self.lazy_ref = f"{registry_addr}/{repo}:lazy"
+            self.lazy_blobs = [self.registry.blob_path(d) for d in conv["layer_digests"]]
+        if diy_layers:
+            e2e_image.push_image(self.registry.host, repo, "diy", diy_layers,
+                                 e2e_image.image_config(diy_layers))
+            self.diy_ref = f"{registry_addr}/{repo}:diy"
+            self.diy_blobs = [self.registry.blob_path(la["digest"]) for la in diy_layers]
+            log(f"pushed {self.diy_ref} (the dependencies baked in: "
+                f"{diy_layers[-1]['size'] / 1e6:.0f} MB gzip more)")
         self.index = self.stack.enter_context(PackageIndex(wheels[0].parent))
         index_addr = shaped(self.index.port, "index")
         self.moto = MotoS3Server(in_process=False)
@@ -198,6 +300,7 @@ class Bench:
             self.moto.create_bucket(bucket)
         s3_addr = shaped(self.moto.port, "s3")
         self.s3_options = {"s3": self.moto.storage_options(endpoint_url=f"http://{s3_addr}")}
+        self.rclone_env = e2e_diy.rclone_env(self.s3_options["s3"])
         self.direct_options = {"s3": self.moto.storage_options()}  # the harness's own checks
 
         self.job = self.work / "job"
@@ -214,6 +317,26 @@ class Bench:
         log(f"registry {registry_addr}, index {index_addr}, S3 {s3_addr} (all shaped: "
             + "; ".join(f"{k} {ShaperSettings.from_mb(*v).describe()}" for k, v in LINKS.items())
             + ")")
+
+    def deps_layer(self, image_dir: Path, wheel_dir: Path) -> dict[str, Any]:
+        """The diy image's third layer (torch and its dependencies installed), built once per
+        set of wheels: the tree is large, so its layer is cached by what goes into it."""
+        import hashlib
+
+        key = hashlib.sha256(json.dumps([TORCH, platform.python_version(), sorted(
+            p.name for p in wheel_dir.glob("*.whl"))]).encode()).hexdigest()[:16]
+        ref = image_dir / "e2e" / f"deps-for-{key}.json"
+        with contextlib.suppress(OSError, ValueError):
+            meta = json.loads(ref.read_text())
+            if Path(meta["path"]).is_file():
+                return meta
+        tree = self.work / "deps-tree"
+        log(f"baking {TORCH} into a layer (once per set of wheels)")
+        e2e_image.build_deps_tree(tree, wheel_dir, [TORCH])
+        meta = e2e_image.layer_from_tree(tree, image_dir / "e2e", "deps")
+        shutil.rmtree(tree)
+        ref.write_text(json.dumps(meta, indent=2) + "\n")
+        return meta
 
     def _helper(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
         out = bp.run_checked([sys.executable, str(Path(bp.__file__)), "--helper", name,
@@ -234,7 +357,7 @@ class Bench:
     def node(self, tag: str, snapshotter_args: tuple[str, ...] | None = None) -> Node:
         node = Node(self.work / "nodes", tag, snapshotter_args)
         self.nodes.append(node)
-        for sub in ("ckpt-cache", "trace"):
+        for sub in ("ckpt-cache", "trace", "ckpt-copy"):
             (node.dir / "local" / sub).mkdir(parents=True)
         return node
 
@@ -291,6 +414,12 @@ class Bench:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
+    def blobs(self, method: str) -> list[Path]:
+        """The registry blobs of the image that ``method`` pulls."""
+        if method in DIY:
+            return self.diy_blobs
+        return self.lazy_blobs if method == "bootseer" else self.gzip_blobs
+
     def go_cold(self, blobs: list[Path]) -> None:
         if not drop_caches():
             self.cold = False
@@ -300,6 +429,8 @@ class Bench:
     def pull(self, node: Node, method: str, logf: Any) -> float:
         if method == "baseline":
             argv = node.ctr("images", "pull", "--plain-http", self.gzip_ref)
+        elif method in DIY:
+            argv = node.ctr("images", "pull", "--plain-http", self.diy_ref)
         else:
             argv = [sys.executable, "-m", "bootseer", "image", "pull", self.lazy_ref, "--address",
                     node.containerd.address, "--namespace", NAMESPACE]
@@ -316,15 +447,19 @@ class Bench:
         """``ctr run`` the job; its results (events) go to ``results``."""
         results.mkdir(parents=True, exist_ok=True)
         (results / "events.jsonl").touch()
-        train = ["--mode", "dcp" if method == "baseline" else "bootseer", "--size", self.size,
-                 "--results", "/results", "--ckpt",
-                 "s3://ckpt/dcp" if method == "baseline" else "s3://ckpt/bootseer"]
+        train = ["--mode", "bootseer" if method == "bootseer" else "dcp", "--size", self.size,
+                 "--results", "/results", "--ckpt", f"s3://{ckpt_root(method)}"]
         if first:
             train += ["--save-every", str(self.args.save_every)]
+        elif method in DIY:
+            train += ["--local-copy", "/ckpt-local"]
         if method == "baseline":
             cmd = ["python3", "/app/train.py", "launch", "--requirements",
                    "/job/requirements.txt", "--results", "/results", "--", *train]
             ref, snapshotter = self.gzip_ref, "overlayfs"
+        elif method in DIY:
+            cmd = ["python3", "/app/train.py", "launch", "--results", "/results", "--", *train]
+            ref, snapshotter = self.diy_ref, "overlayfs"
         else:
             cmd = ["python3", "-m", "bootseer", "run", "--config", "/job/bootseer.toml",
                    "--node", node.dir.name, "--", "python", "-m", "torch.distributed.run",
@@ -334,6 +469,8 @@ class Bench:
                   (node.dir / "local" / "ckpt-cache", "/var/cache/bootseer/ckpt", "rw"),
                   (node.dir / "local" / "trace", "/var/log/bootseer/trace", "rw"),
                   (Path("/dev/shm"), "/dev/shm", "rw")]
+        if method in DIY:  # where the copy tool puts the checkpoint
+            mounts.append((node.dir / "local" / "ckpt-copy", "/ckpt-local", "rw"))
         env = {"BOOTSEER_STORAGE_OPTIONS": json.dumps(self.s3_options),
                "BOOTSEER_E2E_TAG": self.tag(results.name), "PYTHONUNBUFFERED": "1"}
         argv = node.ctr("run", "--rm", "--net-host", "--snapshotter", snapshotter,
@@ -370,11 +507,11 @@ class Bench:
             time.sleep(0.2)
 
     def committed(self, method: str) -> int | None:
-        if method == "baseline":
+        if method != "bootseer":
             import fsspec
 
             fs = fsspec.filesystem("s3", skip_instance_cache=True, **self.direct_options["s3"])
-            return dcp_latest(fs, "ckpt/dcp")
+            return dcp_latest(fs, ckpt_root(method))
         from ckpt import CheckpointManager
 
         mgr = CheckpointManager("s3://ckpt/bootseer", storage_options=self.direct_options,
@@ -451,17 +588,37 @@ class Bench:
         node = self.node(f"{method}-restart", () if method == "bootseer" else None)
         results = self.work / "results" / f"{method}-restart"
         logp = self.work / f"{method}-restart.log"
+        copy = None
         with open(logp, "ab") as logf:
+            if method == "diy-warm":  # the image is on the node before the clock starts
+                log(f"{method}: the image pulled before the clock starts")
+                self.pull(node, method, logf)
             log(f"{method}: restart on a fresh node (page cache dropped)")
-            self.go_cold(self.gzip_blobs if method == "baseline" else self.lazy_blobs)
+            self.go_cold(self.blobs(method))
             t0 = time.time()
-            pull_s = self.pull(node, method, logf)
-            proc = self.start(node, method, results, logf, first=False)
-            rc = proc.wait(timeout=STEP_TIMEOUT_S)
+            try:
+                if method in DIY:  # the copy starts with the restart, beside pull and start
+                    copy = e2e_diy.CopyJob(ckpt_root(method), node.dir / "local" / "ckpt-copy",
+                                           self.rclone_env, self.work / f"{method}-rclone.log",
+                                           RCLONE).start()
+                pull_s = 0.0 if method == "diy-warm" else self.pull(node, method, logf)
+                proc = self.start(node, method, results, logf, first=False)
+                rc = proc.wait(timeout=STEP_TIMEOUT_S)
+            finally:
+                if copy is not None:
+                    copy.stop()
         if rc != 0:
             raise RuntimeError(f"the restarted job exited {rc} (log {logp}):\n{log_tail(logp)}")
         out = self.breakdown(method, results, t0, t0 + pull_s, node.dir / "local" / "trace",
                              attempt=0)
+        out["loadavg_1m_after"] = os.getloadavg()[0]  # a shared machine's noise, on record
+        if copy is not None:
+            st = copy.status
+            out["detail"]["checkpoint_copy"] = {
+                "tool": "rclone", "argv": st.get("argv"), "ok": st.get("ok"),
+                "step": st.get("step"), "bytes": st.get("bytes"), "seconds": st.get("seconds"),
+                "started_after_restart_s": st["started"] - t0,
+                "ended_after_restart_s": st["ended"] - t0}
         if method == "bootseer":
             out["prefetch_log"] = [ln.split("INFO ", 1)[-1] for ln in
                                    node.snapshotter_log().splitlines() if "prefetching" in ln]
@@ -472,45 +629,16 @@ class Bench:
     def breakdown(self, method: str, results: Path, t0: float, pulled: float | None,
                   trace_dir: Path, attempt: int) -> dict[str, Any]:
         ev = [e for e in self.events(results) if e["attempt"] == attempt]
-
-        def last(name: str) -> dict[str, Any]:
-            found = [e for e in ev if e["event"] == name]
-            if not found:
-                raise RuntimeError(f"{method}: no '{name}' milestone in {results}")
-            return max(found, key=lambda e: e["t"])
-
         spans: list[Any] = []
-        if method == "baseline":
-            entry, env_end = last("entry")["t"], last("env_ready")["t"]
-            cmd = last("command_start")["t"]
-            detail = {"environment": {"installer": "pip", "seconds": env_end - entry}}
-        else:
+        if method in ("bootseer", "inplace"):
             from bootseer.trace import read_traces
 
             spans = [s for s in read_traces([trace_dir])[0] if s.attempt == attempt]
-            phase = {s.phase: s for s in spans if s.rank is None}
-            entry = min(phase[p].start for p in ("environment", "checkpoint_prefetch"))
-            env_end = phase["environment"].end
-            cmd = phase["command_start"].end
-            pre = phase["checkpoint_prefetch"]
-            detail = {"environment": {"outcome": phase["environment"].detail.get("outcome"),
-                                      "seconds": phase["environment"].seconds,
-                                      "bytes": phase["environment"].bytes},
-                      "checkpoint_prefetch": {"seconds": pre.seconds, "bytes": pre.bytes,
-                                              "step": pre.detail.get("step")}}
+        try:
+            phases, first, detail = phases_of(method, ev, t0, pulled, spans)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc} in {results}") from None
         verify = max(e["seconds"] for e in ev if e["event"] == "verified")
-        load_start, load_end = last("load_start")["t"], last("load_end")["t"]
-        first = last("first_step")["t"] - verify
-        start = pulled if pulled is not None else t0
-        phases = {
-            "image": (pulled - t0) if pulled is not None else 0.0,
-            "container": entry - start,
-            "environment": min(env_end, cmd) - entry,
-            "prefetch": cmd - min(env_end, cmd),
-            "launch": load_start - cmd,
-            "load": load_end - load_start,
-            "step": first - load_end,
-        }
         loaded = {e["rank"]: e for e in ev if e["event"] == "verified"}
         return {"total": first - t0, "phases": phases, "detail": detail,
                 "loaded_step": loaded[0]["step"],
@@ -534,26 +662,37 @@ class Bench:
 
     def run(self) -> None:
         self.setup()
-        for method in self.args.methods.split(","):
-            first = self.first_start(method)
-            self.R["runs"][f"{method}-first"] = first
+        for method in self.methods:
+            try:
+                self.run_method(method)
+            except RuntimeError as exc:  # recorded; the other methods still run
+                self.errors.append(f"{method}: {exc}")
+                log(f"{method} FAILED: {exc}")
+                for node in list(self.nodes):
+                    self.retire(node)
+        if not self.cold:
+            self.R["warnings"].append("the page cache could not be dropped: WARM figures")
+
+    def run_method(self, method: str) -> None:
+        key = f"{family(method)}-first"
+        if key not in self.R["runs"]:  # diy and diy-warm restart from the same one
+            first = self.first_start(family(method))
+            self.R["runs"][key] = first
             if method == "bootseer":
                 self.check_identical("inplace", self.work / "results/bootseer-first",
                                      first["inplace"])
                 self.R["runs"]["inplace"] = first["inplace"]
-            out = self.restart(method)
-            self.check_identical(method, self.work / "results" / f"{method}-first", out)
-            self.R["runs"][method] = out
-            log(f"  {method}: {out['total']:.1f} s to the first step; " + ", ".join(
-                f"{k} {v:.1f}" for k, v in out["phases"].items() if v > 0.05))
-        if not self.cold:
-            self.R["warnings"].append("the page cache could not be dropped: WARM figures")
+        out = self.restart(method)
+        self.check_identical(method, self.work / "results" / key, out)
+        self.R["runs"][method] = out
+        log(f"  {method}: {out['total']:.1f} s to the first step; " + ", ".join(
+            f"{k} {v:.1f}" for k, v in out["phases"].items() if v > 0.05))
 
     # -- the report ------------------------------------------------------------------------------
     def rows(self) -> list[list[str]]:
         runs = self.R["runs"]
         rows = []
-        for m in ("baseline", "bootseer", "inplace"):
+        for m in ORDER:
             r = runs.get(m)
             if not r:
                 continue
@@ -575,7 +714,7 @@ class Bench:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        names = [m for m in ("baseline", "bootseer", "inplace") if m in self.R["runs"]]
+        names = [m for m in ORDER if m in self.R["runs"]]
         fig, ax = plt.subplots(figsize=(10, 1.2 + 0.8 * len(names)))
         for i, m in enumerate(names):
             left = 0.0
@@ -613,7 +752,9 @@ class Bench:
                  f"{self.R['machine']['ram_bytes'] / 2**30:.1f} GiB RAM, "
                  f"{self.R['machine']['containerd']}",
                  "- image: " + ", ".join(f"{la['name']} {la['size'] / 1e6:.0f} MB gzip"
-                                         for la in img.get("layers", [])),
+                                         for la in img.get("layers", []))
+                 + "".join(f"; diy image: + {la['name']} {la['size'] / 1e6:.0f} MB gzip"
+                           for la in img.get("diy_layers", [])[len(img.get("layers", [])):]),
                  f"- job: FSDP2 over gloo, 2 ranks, state {self.state_text()}, saved "
                  f"asynchronously every {self.args.save_every} steps; rank 1 killed with SIGKILL "
                  "after a commit",
@@ -625,11 +766,16 @@ class Bench:
             lines.append(f"bootseer: {runs['bootseer']['total']:.1f} s vs baseline "
                          f"{runs['baseline']['total']:.1f} s: {reduction:.0%} less startup "
                          f"(target >= {TARGET_REDUCTION:.0%}): **{verdict}**")
-        for m in ("baseline", "bootseer"):
+        self.R["vs"] = vs = compare(runs)
+        lines += [f"- bootseer vs {m}: {runs['bootseer']['total']:.1f} s vs "
+                  f"{runs[m]['total']:.1f} s, {v['speedup']:.2f}x ({v['less']:.0%} less)"
+                  for m, v in vs.items()]
+        for m in ("baseline", "diy", "diy-warm", "bootseer"):
             if m in runs:
                 lines.append(f"- {m}: {json.dumps(runs[m]['detail'])}; resumed at step "
-                             f"{runs[m]['loaded_step']}")
-        for key in ("bootseer-first", "baseline-first"):
+                             f"{runs[m]['loaded_step']}; load average "
+                             f"{runs[m].get('loadavg_1m_after', float('nan')):.1f} after it")
+        for key in ("bootseer-first", "baseline-first", "diy-first"):
             if key in runs:
                 lines.append(f"- info: {key.split('-')[0]} cold first start to the first step: "
                              f"{runs[key]['cold_start_s']:.1f} s")
@@ -669,8 +815,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="image base (default: host for --quick, else auto)")
     parser.add_argument("--cache", default=None, help="default ~/.cache/bootseer-bench")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument("--methods", default="bootseer,baseline",
-                        help="comma-separated, of bootseer, baseline (default both)")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated, of {', '.join(METHODS)} (default all; with "
+                             "--nodes: bootseer, baseline)")
     parser.add_argument("--nodes", type=int, default=None,
                         help="the scenario on N nodes of a cluster (bench_e2e_nodes.py)")
     parser.add_argument("--lose", type=int, default=None, help="with --nodes: the node lost")
@@ -679,9 +826,10 @@ def main(argv: list[str] | None = None) -> int:
         import bench_e2e_nodes
 
         return bench_e2e_nodes.main(argv)
-    unknown = set(args.methods.split(",")) - {"bootseer", "baseline"}
+    unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
-        parser.error(f"--methods: unknown {', '.join(sorted(unknown))} (bootseer, baseline)")
+        parser.error(f"--methods: unknown {', '.join(sorted(unknown))} "
+                     f"(choose from {', '.join(METHODS)})")
     bench = Bench(args)
     return run_bench(bench, done_key="verdict")
 

@@ -7,7 +7,11 @@ Two gzip layers, as ``docker build`` would push them:
 2. ``runtime``: the job's code and the bootseer entrypoint with its dependencies, under
    ``/opt/bootseer`` (``site/`` on ``PYTHONPATH``, ``bin/uv``), pip, and ``/app/train.py``.
    torch is *not* in the image: it is the job's environment (``/job/requirements.txt``),
-   installed by ``pip`` in the baseline and restored from a snapshot by bootseer.
+   installed by ``pip`` in the baseline and restored from a snapshot by bootseer;
+3. ``deps`` (the do-it-yourself image only, ``build_deps_tree``): the job's requirements (torch
+   and its dependencies) installed from the same wheels into the image's
+   ``/usr/local/lib/python3.X/dist-packages``, where the baseline's ``pip install`` puts them:
+   the image a team bakes so that no start installs anything.
 
 The runtime's distributions are copied from the virtual environment running the benchmark (the
 closure of the project's dependencies without torch): same Python minor, same wheels. Layers
@@ -113,11 +117,35 @@ def build_runtime_tree(dest: Path) -> dict[str, Any]:
     app = dest / "app"
     app.mkdir()
     shutil.copy2(ROOT / "benchmarks/e2e_train.py", app / "train.py")
-    # Bytecode now (as an image build does), not in every container's first start.
-    # unchecked-hash: valid whatever the files' mtimes (the layer's tar sets them all alike).
-    compileall.compile_dir(str(site), quiet=2, ddir=f"/{SITE}", workers=os.cpu_count() or 1,
-                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    compile_tree(site, f"/{SITE}")
     return {"distributions": [f"{d.metadata['Name']}=={d.version}" for d in dists]}
+
+
+def compile_tree(tree: Path, ddir: str) -> None:
+    """Bytecode now (as an image build does), not in every container's first start.
+    unchecked-hash: valid whatever the files' mtimes (the layer's tar sets them all alike)."""
+    compileall.compile_dir(str(tree), quiet=2, ddir=ddir, workers=os.cpu_count() or 1,
+                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+
+
+def build_deps_tree(dest: Path, wheel_dir: Path, requirements: list[str]) -> dict[str, Any]:
+    """``dest`` becomes the baked-dependencies layer's tree: ``requirements`` installed offline
+    from ``wheel_dir`` (the wheels the package index serves) into the image's system
+    site-packages, as the ``RUN pip install`` line of a Dockerfile would."""
+    pyver = f"{sys.version_info[0]}.{sys.version_info[1]}"  # the image's python3 (the runtime layer's rule)
+    rel = f"usr/local/lib/python{pyver}/dist-packages"
+    site = dest / rel
+    site.mkdir(parents=True)
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--find-links",
+                        str(wheel_dir), "--no-compile", "--disable-pip-version-check", "-q",
+                        "--target", str(site), *requirements],
+                       capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"pip install --target {site} {' '.join(requirements)} failed "
+                           f"(wheels from {wheel_dir}): {r.stderr[-2000:]}")
+    shutil.rmtree(site / "bin", ignore_errors=True)  # console scripts with this host's shebang
+    compile_tree(site, f"/{rel}")
+    return {"requirements": requirements, "site": f"/{rel}"}
 
 
 def layer_from_tree(tree: Path, cache: Path, name: str) -> dict[str, Any]:

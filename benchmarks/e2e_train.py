@@ -2,9 +2,10 @@
 
 Two subcommands:
 
-* ``launch``: the baseline's container command. It installs the requirements with ``pip``
-  (the way a Dockerfile-less job does on every start), then starts ``torchrun``. It imports
-  nothing heavy: torch does not exist yet when it starts.
+* ``launch``: the container command of the baseline and of the do-it-yourself methods. With
+  ``--requirements`` it installs them with ``pip`` (the way a Dockerfile-less job does on every
+  start), without it the dependencies are baked into the image; then it starts ``torchrun``.
+  It imports nothing heavy: torch does not exist yet when it starts.
 * ``train``: one rank (started by ``torchrun``). A transformer-shaped model (token embedding,
   pre-norm blocks, tied head) wrapped in FSDP2 (``fully_shard``) over gloo: each rank holds its
   half of every parameter and of the AdamW state. It resumes from the newest committed
@@ -13,7 +14,8 @@ Two subcommands:
   bootseer``) or through ``torch.distributed.checkpoint.async_save`` on s3fs (``--mode dcp``).
 
 Every milestone is one JSON line in ``RESULTS/events.jsonl`` (wall clock, the host's clock too):
-``process_start``, ``model_built``, ``load_start``/``load_end``, ``verified`` (the sha256 of the
+``process_start``, ``model_built``, ``copy_ready`` (how long the rank waited for the local
+copy), ``load_start``/``load_end``, ``verified`` (the sha256 of the
 rank's state right after a load: the harness compares it with the one written at the save of
 that step), ``first_step``, ``step``, ``saved`` (digest of the state saved), ``done``.
 """
@@ -28,6 +30,7 @@ import sys
 import time
 from typing import Any
 
+COPY_TIMEOUT_S = 1200.0
 SIZES = {
     # vocab, width, blocks, sequence length: full = 96 M parameters, 1.15 GB of fp32 state
     # (parameters + AdamW's two moments); quick = 21 M parameters, 0.25 GB.
@@ -57,11 +60,14 @@ def event(results: str, name: str, **detail: Any) -> None:
 
 def launch(args: argparse.Namespace, rest: list[str]) -> int:
     event(args.results, "entry")
-    pip = [sys.executable, "-m", "pip", "install", "--no-cache-dir", "--disable-pip-version-check",
-           "--break-system-packages", "--root-user-action=ignore", "-q", "-r", args.requirements]
     t = time.time()
-    subprocess.run(pip, check=True)
-    event(args.results, "env_ready", seconds=time.time() - t, installer="pip")
+    if args.requirements:
+        pip = [sys.executable, "-m", "pip", "install", "--no-cache-dir",
+               "--disable-pip-version-check", "--break-system-packages",
+               "--root-user-action=ignore", "-q", "-r", args.requirements]
+        subprocess.run(pip, check=True)
+    event(args.results, "env_ready", seconds=time.time() - t,
+          installer="pip" if args.requirements else "baked into the image")
     # BOOTSEER_E2E_TORCHRUN (a JSON list): torchrun's options for a job across nodes
     options = json.loads(os.environ.get("BOOTSEER_E2E_TORCHRUN") or "null") or [
         "--standalone", f"--nproc-per-node={args.nproc}"]
@@ -202,11 +208,37 @@ class BootseerCheckpoints:
         self.mgr.close()
 
 
+COPY_STATUS = ".copy-status.json"  # written (atomically) by the copy tool's wrapper when it ends
+
+
+def wait_for_copy(directory: str, timeout: float, poll: float = 0.05) -> dict[str, Any]:
+    """Block until the copy tool's status file appears in ``directory``; its content (``ok``,
+    ``step``, ``error``). A failed or missing copy raises: a rank must never load a partial
+    checkpoint, nor start from scratch as if there were none."""
+    path = os.path.join(directory, COPY_STATUS)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the checkpoint copy into {directory} did not finish within "
+                               f"{timeout:.0f} s (no {COPY_STATUS}): check the copy tool's log")
+        time.sleep(poll)
+    with open(path) as f:
+        status = json.load(f)
+    if not status.get("ok"):
+        raise RuntimeError(f"the checkpoint copy into {directory} failed: "
+                           f"{status.get('error', 'no reason given')}; the job cannot resume "
+                           "from it (rerun the copy, or load from the store)")
+    return status
+
+
 class DcpCheckpoints:
     """DCP the documented way: ``async_save`` with ``FsspecWriter`` (s3fs), one directory per
-    step; a step counts once its ``.metadata`` exists (DCP writes it last)."""
+    step; a step counts once its ``.metadata`` exists (DCP writes it last). With ``local``, the
+    load reads a local copy of the newest step instead (``FileSystemReader``), once the copy
+    tool says it is complete."""
 
-    def __init__(self, url: str, rank: int, world: int) -> None:
+    def __init__(self, url: str, rank: int, world: int, local: str | None = None,
+                 results: str | None = None) -> None:
         import fsspec
         import torch.distributed as dist
 
@@ -218,15 +250,29 @@ class DcpCheckpoints:
         self.options = options.get("s3", options)
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.options)
         self.pending: Any = None
+        self.local, self.results = local, results
+        self.copied: int | None = None
 
     def latest(self) -> int | None:
-        return dcp_latest(self.fs, self.root)
+        if self.local is None:
+            return dcp_latest(self.fs, self.root)
+        if self.copied is None:
+            t = time.time()
+            status = wait_for_copy(self.local, timeout=COPY_TIMEOUT_S)
+            self.copied = int(status["step"])
+            if self.results:
+                event(self.results, "copy_ready", waited=time.time() - t, step=self.copied)
+        return self.copied
 
     def load(self, state: dict[str, Any]) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         step = self.latest()
+        if self.local is not None:
+            dcp.load(state, storage_reader=dcp.FileSystemReader(
+                os.path.join(self.local, f"step-{step:08d}")), process_group=self.group)
+            return {"step": step}
         dcp.load(state, storage_reader=FsspecReader(f"{self.url}/step-{step:08d}",
                                                     **self.options), process_group=self.group)
         return {"step": step}
@@ -259,8 +305,10 @@ def train(args: argparse.Namespace) -> int:
     cfg = SIZES[args.size]
     model, opt = build(cfg)
     init_optimizer(model, opt)
-    store = (BootseerCheckpoints if args.mode == "bootseer" else DcpCheckpoints)(
-        args.ckpt, rank, world)
+    if args.mode == "bootseer":
+        store: Any = BootseerCheckpoints(args.ckpt, rank, world)
+    else:
+        store = DcpCheckpoints(args.ckpt, rank, world, local=args.local_copy, results=results)
     event(results, "model_built")
     start = 0
     if store.latest() is not None:
@@ -302,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="e2e_train.py")
     sub = p.add_subparsers(dest="cmd", required=True)
     lp = sub.add_parser("launch")
-    lp.add_argument("--requirements", required=True)
+    lp.add_argument("--requirements", default=None,
+                    help="pip install these first (absent: the dependencies are in the image)")
     lp.add_argument("--nproc", type=int, default=2)
     lp.add_argument("--results", required=True)
     tp = sub.add_parser("train")
@@ -312,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_argument("--steps", type=int, default=1000)
     tp.add_argument("--save-every", type=int, default=0)
     tp.add_argument("--steps-after-resume", type=int, default=2)
+    tp.add_argument("--local-copy", default=None,
+                    help="load (DCP) from this local copy, once the copy tool finished it")
     tp.add_argument("--results", required=True)
     if argv[:1] == ["launch"]:
         split = argv.index("--") if "--" in argv else len(argv)

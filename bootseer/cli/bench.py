@@ -47,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"image base for {', '.join(TAKES_BASE)} (host: a copy of this host's "
                         "Debian python3.11, no mirror needed)")
     p.add_argument("--methods", default=None,
-                   help="e2e's restart paths, comma-separated (default bootseer,baseline)")
+                   help="e2e's restart paths, comma-separated, of baseline, diy, diy-warm, "
+                        "bootseer (default all)")
     p.add_argument("--nodes", type=int, default=None,
                    help="e2e on N nodes of a cluster of network namespaces (writes e2e-nodes.*)")
     p.set_defaults(func=run)
