@@ -36,7 +36,10 @@ with open(sys.argv[2], "w") as f:
 
 
 def _run_job(tmp: Path, ckpt: str, restart_counts: list[str], name: str) -> list[dict]:
-    script = tmp / "worker.py"
+    # Not beside the store: the script's folder leads sys.path, and a folder there named
+    # ``ckpt`` (the store) would shadow the package as a namespace package.
+    (tmp / "bin").mkdir(exist_ok=True)
+    script = tmp / "bin" / "worker.py"
     script.write_text(WORKER)
     port = free_port()
     procs, outs = [], []
