@@ -31,11 +31,12 @@ What it does, and why:
   restarts) or restart. Its heartbeats feed the agent's detectors: a rank silent past the
   hang threshold is a hang (as above), a NaN/Inf kills the command at the step it came
   (SIGKILL: no chance to checkpoint the damaged state) and the verdict decides the restart.
-* With a ``remote`` (:class:`bootseer.robust.remote.ControllerLink`) a hang or a crash is
-  published to the job's controller, and on its order (polled in the watch loop) every rank's
-  process tree is dumped (py-spy, else the client's stack files); the command is killed only
-  once its verdict came (or ``remote_wait_s`` passed), and the verdict decides stop or
-  restart (this node evicted: stop).
+* With a ``remote`` (:class:`bootseer.robust.remote.ControllerLink`) a hang, a crash, a
+  NaN/Inf or a loss jump is published to the job's controller, and on its order (polled in
+  the watch loop) every rank's process tree is dumped (py-spy, else the client's stack files);
+  the command is killed only once its verdict came (or ``remote_wait_s`` passed), or when the
+  controller orders the stop-time checks (they run on the stopped node), or at once for a NaN;
+  the verdict decides stop or restart (this node evicted: stop).
 
 No configuration lives here: :mod:`bootseer.cli.run` turns the configuration into the policies
 and the hook.
@@ -530,6 +531,10 @@ class Supervisor:
                 beat = Beat.from_doc(doc, self.node)
             except (KeyError, TypeError, ValueError):
                 continue
+            if self.remote is not None:
+                if end := self._remote_metrics(attempt, pid, beat):
+                    return end
+                continue
             verdict = self.agent.observe(beat)
             if verdict is not None and self._stopping is None:
                 self.log(f"killing the command at step {beat.step} (attempt {attempt}): "
@@ -542,6 +547,28 @@ class Supervisor:
         if self._stopping is None and (event := self.agent.check_hang(time.time())):
             silent = float(event.evidence.get("silent_s", 0.0))
             return self._hang(attempt, pid, watch, silent, started, event=event)
+        return None
+
+    def _remote_metrics(self, attempt: int, pid: int, beat: Beat) -> AttemptEnd | None:
+        """Under a controller a NaN/Inf or a jump goes to it. A NaN kills the command at once
+        (no checkpoint of the damaged state), then the verdict (after the controller's checks)
+        decides; a jump is published and the controller's order stops the job."""
+        for event in self.agent.metric_events(beat):
+            self.remote.publish(event)
+            if event.kind != "nonfinite" or self._stopping is not None:
+                continue
+            self.log(f"killing the command at step {beat.step} (attempt {attempt}): "
+                     f"{event.failure_class}; the controller decides")
+            self._signal_group(pid, signal.SIGKILL)
+            self._wait_child(5.0)
+            code = exit_code(self._status) if self._status is not None else 137
+            exited = time.time()
+            verdict = self._remote_verdict(event, attempt, published=True)
+            if verdict is None:
+                return AttemptEnd(attempt, code, "nonfinite", pid,
+                                  {"verdict": self.agent.judge(event), "exited_at": exited})
+            return AttemptEnd(attempt, code, "nonfinite", pid,
+                              {"verdict": verdict, "remote": True, "exited_at": exited})
         return None
 
     # -- hangs -----------------------------------------------------------------------------
@@ -604,11 +631,12 @@ class Supervisor:
                 return None
         return None
 
-    def _remote_verdict(self, event: Any, attempt: int) -> Any:
+    def _remote_verdict(self, event: Any, attempt: int, published: bool = False) -> Any:
         """After a crash: the event to the controller, an empty dump when ordered (nothing
         runs any more), and its verdict (None: no answer in ``remote_wait_s``)."""
-        self.remote.publish(event)
-        self.agent.write(event)
+        if not published:
+            self.remote.publish(event)
+            self.agent.write(event)
         order = self._wait_order()
         if order is None:
             self.log("no order from the controller: the node decides alone")
@@ -658,12 +686,19 @@ class Supervisor:
         files = self._keep_dumps(processes, incident)
         self.remote.answer(incident, processes, [p.name for p in files])
         dumped = time.time()
-        verdict = self.remote.wait_verdict(incident, self.remote_wait_s, self._pause)
+        killed_for_check: list[float] = []
+
+        def stop() -> None:  # the stop-time checks need the node: the command goes first
+            self._signal_group(pid, signal.SIGKILL)
+            self._wait_child(5.0)
+            killed_for_check.append(time.time())
+
+        verdict = self.remote.wait_verdict(incident, self.remote_wait_s, self._pause, stop)
         decided = time.time()
         self._signal_group(pid, signal.SIGKILL)
         self._wait_child(5.0)
         code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
-        killed = time.time()
+        killed = killed_for_check[0] if killed_for_check else time.time()
         hang = (verdict.failure_class if verdict else (event.kind if event else "")) == "hang"
         self._record("hang" if hang else "controller_stop", since or detected, attempt=attempt,
                      outcome="killed", incident=incident, last_step=watch.last_step, pid=pid,

@@ -7,7 +7,10 @@ Faults, injected in the first attempt only (``BOOTSEER_ATTEMPT`` 0):
 * ``--hang-rank R --hang-when FILE``: once FILE exists, rank R stops before its all_reduce
   (in :func:`hang_before_all_reduce`, the frame a dump must name) while the others wait
   inside theirs;
-* ``--crash-rank R --crash-at S``: rank R raises ``ValueError`` at step S.
+* ``--crash-rank R --crash-at S``: rank R raises ``ValueError`` at step S;
+* ``--slow-rank R --slow-s X``: rank R spends X more seconds in each step before its
+  all_reduce (in :func:`slow_step`) while the others wait inside theirs (a fail-slow rank);
+* ``--nan-rank R --nan-at S``: rank R reports a NaN loss at step S.
 
 Writes ``--out``/``running-R`` after its third step and ``done-R-A.json`` at the end.
 """
@@ -32,6 +35,10 @@ def hang_before_all_reduce() -> None:
         time.sleep(0.2)
 
 
+def slow_step(seconds: float) -> None:
+    time.sleep(seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -41,6 +48,10 @@ def main() -> None:
     parser.add_argument("--hang-when", default="")
     parser.add_argument("--crash-rank", type=int, default=-1)
     parser.add_argument("--crash-at", type=int, default=-1)
+    parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--slow-s", type=float, default=0.0)
+    parser.add_argument("--nan-rank", type=int, default=-1)
+    parser.add_argument("--nan-at", type=int, default=-1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -55,11 +66,14 @@ def main() -> None:
             raise ValueError(f"injected fault on rank {rank} at step {step}")
         if first and rank == args.hang_rank and os.path.exists(args.hang_when):
             hang_before_all_reduce()
+        if first and rank == args.slow_rank:
+            slow_step(args.slow_s)
         dist.all_reduce(grad)
         weights -= 0.01 * grad
         if step == 0:
             bootseer.ready()
-        bootseer.heartbeat(step, loss=float(weights.sum()))
+        nan = first and rank == args.nan_rank and step == args.nan_at
+        bootseer.heartbeat(step, loss=float("nan") if nan else float(weights.sum()))
         if step == 2:
             (out / f"running-{rank}").write_text(str(os.getpid()))
         time.sleep(args.step_time)

@@ -286,12 +286,12 @@ def test_the_hosted_store_outlives_a_killed_controller(tmp_path: Path) -> None:
 # -- on the cluster ---------------------------------------------------------------------------
 
 
-def _controller(c, out: Path) -> subprocess.Popen:
+def _controller(c, out: Path, *extra: str) -> subprocess.Popen:
     proc = c.services.popen(
         [sys.executable, "-m", "bootseer", "controller", "--store", f"127.0.0.1:{PORT}",
          "--trace-dir", str(out / "ctl"), "--exclusion", str(out / "excluded.json"),
-         "--dump-wait", "15"], stdout=subprocess.PIPE, stderr=open(out / "ctl.log", "a"),  # noqa: SIM115
-        text=True)
+         "--dump-wait", "15", *extra], stdout=subprocess.PIPE,
+        stderr=open(out / "ctl.log", "a"), text=True)  # noqa: SIM115
     from bootseer.testing.cluster_host import wait_for_line
 
     proc.ready = wait_for_line(proc, "READY", "the controller", 60)  # type: ignore[attr-defined]
@@ -299,7 +299,7 @@ def _controller(c, out: Path) -> subprocess.Popen:
 
 
 def _agent(c, node, out: Path, script: list[str], *, nnodes: int, hang_timeout: float = 0,
-           max_restarts: int = 1) -> subprocess.Popen:
+           max_restarts: int = 1, env: dict[str, str] | None = None) -> subprocess.Popen:
     argv = [sys.executable, "-m", "bootseer", "run", "--controller",
             f"{c.services.controller}:{PORT}", "--node", node.name, "--hang-timeout",
             str(hang_timeout),
@@ -308,7 +308,7 @@ def _agent(c, node, out: Path, script: list[str], *, nnodes: int, hang_timeout: 
             "--backoff", "0.5", "--", "sh", "-c", "exec " + _torchrun(node, out, script, nnodes)]
     log = open(out / f"{node.name}.log", "w")  # noqa: SIM115
     with log:
-        return node.popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        return node.popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def _torchrun(node, out: Path, script: list[str], nnodes: int) -> str:
@@ -337,12 +337,14 @@ def _records(path: Path, record: str) -> list[dict[str, Any]]:
             if d.get("record") == record]
 
 
-def _job(cluster_factory, nodes: int, tmp_path: Path) -> tuple[Any, Path, subprocess.Popen]:
-    """A cluster with the controller's store, the output directory, the controller."""
+def _job(cluster_factory, nodes: int, tmp_path: Path, *extra: str
+         ) -> tuple[Any, Path, subprocess.Popen]:
+    """A cluster with the controller's store, the output directory, the controller (``extra``:
+    more of its options)."""
     c = cluster_factory(nodes, services=("rendezvous",))
     out = tmp_path / "out"
     out.mkdir()
-    return c, out, _controller(c, out)
+    return c, out, _controller(c, out, *extra)
 
 
 def test_a_hang_is_localized_across_nodes_before_anything_is_killed(cluster_factory,

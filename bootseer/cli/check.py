@@ -32,6 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write the events and the verdict into this trace directory")
     p.add_argument("--node", help="this node's name in the trace (default: BOOTSEER_NODE, "
                                   "else the hostname)")
+    p.add_argument("--store", metavar="HOST:PORT",
+                   help="the checks a controller ordered: meet the job's other nodes in its "
+                        "store and hand the result to the controller (needs --incident)")
+    p.add_argument("--job", default="job", help="the job's name in the store (default job)")
+    p.add_argument("--incident", type=int, help="the incident whose check order to run")
     p.set_defaults(func=cmd_check)
 
 
@@ -45,8 +50,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     nbytes = int(args.mib * 2**20)
     node = args.node or default_node()
     in_job = all(os.environ.get(v) for v in LAUNCHER_VARS)
+    if args.store and args.incident is None:
+        raise CliError("--store needs --incident: the incident whose check order to run")
     try:
-        if in_job:
+        if args.store:
+            from ..robust.check import run_for_incident
+
+            report = run_for_incident(args.store, job=args.job, incident=args.incident,
+                                      node=node, nbytes=nbytes)
+            rank = 0 if report.results[0].node == node else 1  # the first node prints
+        elif in_job:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             report = run_rank(rank, world, nbytes=nbytes, node=node)
         else:

@@ -44,6 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    '\'{"dp": [[0, 1], [2, 3]]}\': the failure domain to evict')
     p.add_argument("--dump-wait", type=float, default=10.0,
                    help="seconds to wait for every node's dump before deciding (default 10)")
+    p.add_argument("--failslow-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="a fail-slow round (step times and a stack sample of every rank) "
+                        "every SECONDS while no incident is open; 0 = off (default 10)")
+    p.add_argument("--check-wait", type=float, default=180.0, metavar="SECONDS",
+                   help="seconds to wait for every node's stop-time check result after a "
+                        "NaN, a loss jump or an unclear crash (default 180)")
     p.set_defaults(func=cmd_controller)
 
 
@@ -74,8 +80,12 @@ def cmd_controller(args: argparse.Namespace) -> int:
     except (RuntimeError, OSError) as exc:
         raise CliError(f"cannot reach the store at {address}: {exc}") from None
     trace = Path(args.trace_dir) / "controller.jsonl" if args.trace_dir else None
+    if args.failslow_interval < 0 or args.check_wait <= 0:
+        raise CliError(f"--failslow-interval {args.failslow_interval} / --check-wait "
+                       f"{args.check_wait}: give seconds (0 turns the rounds off)")
     ctl = Controller(store, job=args.job, trace_path=trace, exclusion=args.exclusion,
-                     layout=layout, dump_wait_s=args.dump_wait)
+                     layout=layout, dump_wait_s=args.dump_wait,
+                     failslow_interval_s=args.failslow_interval, check_wait_s=args.check_wait)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -22,6 +22,7 @@ Usage::
     agent = Agent(trace, node="node-3", hang=HangDetector(timeout_s=600))
     agent.start_attempt(0)
     for beat in beats: kill = agent.observe(beat)        # a NaN: a Verdict to act on at once
+    events = agent.metric_events(beat)                   # under a controller: not judged here
     hang = agent.check_hang(time.time())                 # a hang Event, or None
     verdict = agent.judge_crash(exit_code, tail.lines()) # after a crash
     agent.local_action(verdict)                          # "stop" | "restart" | "continue"
@@ -85,16 +86,27 @@ class Agent:
 
     def observe(self, beat: Beat) -> Verdict | None:
         """A heartbeat; a verdict whose action needs the command killed now (a NaN), or None."""
-        if beat.step is not None and (self.progress[-1] is None or beat.step > self.progress[-1]):
-            self.progress[-1] = beat.step
-        if self.hang is not None:
-            self.hang.observe(beat)
         act = None
-        for event in self.metrics.observe(dataclasses.replace(beat, node=self.node)):
+        for event in self._metrics(beat):
             verdict = self.judge(event)
             if event.kind == "nonfinite" and self.local_action(verdict) != "continue":
                 act = verdict
         return act
+
+    def metric_events(self, beat: Beat) -> list[Event]:
+        """A heartbeat, under a controller: its NaN/Inf and jump events, written to the trace
+        and not judged (the controller decides)."""
+        events = self._metrics(beat)
+        for event in events:
+            self._write(event)
+        return events
+
+    def _metrics(self, beat: Beat) -> list[Event]:
+        if beat.step is not None and (self.progress[-1] is None or beat.step > self.progress[-1]):
+            self.progress[-1] = beat.step
+        if self.hang is not None:
+            self.hang.observe(beat)
+        return self.metrics.observe(dataclasses.replace(beat, node=self.node))
 
     def check_hang(self, now: float) -> Event | None:
         """The first rank silent past the threshold (the event is written by :meth:`judge`)."""

@@ -20,7 +20,14 @@ Usage::
 Inside a torchrun job (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set) every rank calls
 :func:`run_rank` with ``init="env://"``; each gets the same :class:`CheckReport`.
 Fault injection for tests: ``BOOTSEER_CHECK_FAULT`` = ``alignment:R`` (rank R's weights one
-ulp off), ``sum:R`` (rank R's reduced sum off by one), comma-separated.
+ulp off), ``sum:R`` (rank R's reduced sum off by one), comma-separated; ``R`` = ``*`` is every
+rank that sees the variable (one node's environment: that node computes wrong bits).
+
+Ordered by the controller (:mod:`.controller`, after a NaN or an unclear crash), every node's
+agent runs ``bootseer check --store HOST:PORT --job J --incident K --node N``
+(:func:`run_for_incident`): the ranks are the order's nodes, the process group meets in the
+job's own store, and each node writes its :class:`RankResult` under its own key, from which
+the controller builds the :class:`CheckReport`.
 """
 
 from __future__ import annotations
@@ -37,23 +44,31 @@ from typing import Any
 from .events import Event, Verdict
 
 __all__ = ["CHECK_FAULT", "CheckReport", "RankResult", "parse_faults", "reference_step",
-           "run_local", "run_rank"]
+           "run_for_incident", "run_local", "run_rank"]
 
 #: Test hook: faults to inject (see the module docstring).
 CHECK_FAULT = "BOOTSEER_CHECK_FAULT"
 SUM_NUMEL = 1 << 16  # elements of the exact-sum test (int64)
 
 
+ANY_RANK = -1  # ``*`` in a fault: every rank that reads it
+
+
 def parse_faults(text: str | None) -> dict[str, set[int]]:
-    """``"alignment:1,sum:2"`` -> ``{"alignment": {1}, "sum": {2}}`` (anything else refused)."""
+    """``"alignment:1,sum:2"`` -> ``{"alignment": {1}, "sum": {2}}``; ``*`` is
+    :data:`ANY_RANK` (anything else refused)."""
     faults: dict[str, set[int]] = {"alignment": set(), "sum": set()}
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
         kind, _, rank = item.partition(":")
-        if kind not in faults or not rank.isdigit():
+        if kind not in faults or not (rank.isdigit() or rank == "*"):
             raise ValueError(f"{CHECK_FAULT}={text!r}: each fault is alignment:RANK or "
-                             f"sum:RANK, comma-separated")
-        faults[kind].add(int(rank))
+                             f"sum:RANK (RANK a number or *), comma-separated")
+        faults[kind].add(ANY_RANK if rank == "*" else int(rank))
     return faults
+
+
+def _hit(faults: dict[str, set[int]], kind: str, rank: int) -> bool:
+    return rank in faults[kind] or ANY_RANK in faults[kind]
 
 
 @dataclass
@@ -224,26 +239,56 @@ class CheckReport:
         return events
 
 
-def run_rank(rank: int, world: int, *, init: str = "env://", nbytes: int = 16 << 20,
+def run_rank(rank: int, world: int, *, init: str | None = "env://", nbytes: int = 16 << 20,
              node: str | None = None, fault: str | None = None,
-             timeout_s: float = 120.0) -> CheckReport:
-    """This rank's part of both tests; every rank gets the whole report."""
+             timeout_s: float = 120.0, store: Any = None) -> CheckReport:
+    """This rank's part of both tests; every rank gets the whole report. ``store``: meet
+    there (a c10d store) instead of ``init``."""
     import torch.distributed as dist
 
     faults = parse_faults(os.environ.get(CHECK_FAULT) if fault is None else fault)
     node = node or os.environ.get("BOOTSEER_NODE") or os.uname().nodename
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=None if store is not None else init,
+                            store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     try:
-        errors = _exact_sum_test(rank, world, rank in faults["sum"])
+        errors = _exact_sum_test(rank, world, _hit(faults, "sum", rank))
         seconds = _bandwidth(nbytes)
-        out, grad = reference_step(perturb=rank in faults["alignment"])
+        out, grad = reference_step(perturb=_hit(faults, "alignment", rank))
         mine = RankResult(rank, node, errors, out, grad, seconds, nbytes)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, asdict(mine))
     finally:
         dist.destroy_process_group()
     return CheckReport.from_results([RankResult(**g) for g in gathered])
+
+
+def run_for_incident(address: str, *, job: str, incident: int, node: str,
+                     nbytes: int = 16 << 20, timeout_s: float = 120.0) -> CheckReport:
+    """This node's part of the checks the controller ordered for ``incident``: the order's
+    nodes are the ranks, the process group meets in the job's store (under the incident's
+    prefix, so a rerun never meets an old one), and this node's result goes to its key."""
+    from torch.distributed import PrefixStore
+
+    from . import wire
+    from .remote import ControllerLink
+
+    keys = wire.Keys(job)
+    client = wire.connect(address, timeout_s)
+    data = wire.get(client, keys.check_request(incident))
+    if data is None:
+        raise ValueError(f"no check order for incident {incident} of job {job} in the store "
+                         f"at {address}: the controller writes it (bootseer controller)")
+    nodes = list(wire.decode(data, key=keys.check_request(incident)).get("nodes") or [])
+    if node not in nodes:
+        raise ValueError(f"node {node} is not in the check order of incident {incident} "
+                         f"({', '.join(nodes)}): --node must be this node's name")
+    group = PrefixStore(f"{keys.prefix}check/{incident}/pg/", client)
+    report = run_rank(nodes.index(node), len(nodes), store=group, nbytes=nbytes, node=node,
+                      timeout_s=timeout_s)
+    mine = report.results[nodes.index(node)]
+    ControllerLink(client, node, job=job, address=address).answer_check(incident, asdict(mine))
+    return report
 
 
 def _spawned(rank: int, world: int, port: int, nbytes: int, fault: str | None,

@@ -1,9 +1,21 @@
 """``bootseer controller``: one per job, on a stable host. It watches the events the nodes'
-agents publish in the job's c10d store, and on a crash, a hang, a NaN or a slow node it
-localizes before anything is killed: every node is ordered to dump at once, the dumps of all
-ranks of all nodes are aggregated (:mod:`.stacks`), and a verdict (:mod:`.policy`) naming the
-suspect ranks and the nodes to evict is written to the store, where the agents wait for it
-before they stop their processes.
+agents publish in the job's c10d store, and on a crash, a hang, a NaN, a loss jump or a slow
+node it localizes before anything is killed: every node is ordered to dump at once, the dumps
+of all ranks of all nodes are aggregated (:mod:`.stacks`), and a verdict (:mod:`.policy`)
+naming the suspect ranks and the nodes to evict is written to the store, where the agents wait
+for it before they stop their processes.
+
+Two more duties:
+
+* fail-slow rounds (every ``failslow_interval_s``, 10 s) while no incident is open: each
+  rank's step time from the nodes' beats and a stack sample of every trainer go through
+  :class:`.failslow.FailSlowRounds`; the group it names opens a ``fail_slow`` incident whose
+  verdict evicts that group's nodes;
+* stop-time checks after a NaN, a loss jump or an unclear crash (class ``unknown``, or
+  killed by a signal while every node answered, so no node was lost): once the dumps are in,
+  every node is ordered to stop its command and run ``bootseer check`` with the others
+  (:mod:`.check`); a node whose sums are wrong or whose bits differ from the majority is
+  named in the verdict with the failing check and evicted; none failing: restart in place.
 
 Why stateless: everything it knows is in the store (:mod:`.wire`: the nodes, their event
 cursors, the incident in progress, the verdicts), so a controller killed at any point is
@@ -34,16 +46,20 @@ from pathlib import Path
 from typing import Any
 
 from . import wire
+from .check import CheckReport, RankResult
 from .events import Event, Verdict, write_record
+from .failslow import COLLECTIVE_FILE, FailSlowRounds
 from .policy import ExclusionList, decide
 from .stacks import Localization, ProcessStacks, _domain, localize
 
-__all__ = ["ACTIONABLE", "SECONDARY", "Controller"]
+__all__ = ["ACTIONABLE", "CHECKED", "SECONDARY", "Controller"]
 
-#: event kinds that open an incident (a spike is recorded only; a health event ends a start)
-ACTIONABLE = ("crash", "hang", "nonfinite", "fail_slow")
+#: event kinds that open an incident (a health event ends a start and is recorded only)
+ACTIONABLE = ("crash", "hang", "nonfinite", "spike", "fail_slow")
 #: crash classes that follow another rank's failure: the root cause is elsewhere
 SECONDARY = ("gloo_error", "nccl_error")
+#: crash classes with no cause named: the stop-time checks run (unless a node was lost)
+CHECKED = ("unknown", "killed_by_signal")
 HISTORY = 50  # earlier verdicts read back for the repeat rules
 
 
@@ -58,6 +74,7 @@ class Controller:
                  = None, exclusion: str | os.PathLike | None = None,
                  layout: Mapping[str, Sequence[Sequence[int]]] | None = None,
                  dump_wait_s: float = 10.0, settle_s: float = 1.0,
+                 failslow_interval_s: float = 10.0, check_wait_s: float = 180.0,
                  log: Callable[[str], None] = _say, clock: Callable[[], float] = time.time
                  ) -> None:
         self.store = store
@@ -69,8 +86,11 @@ class Controller:
         self.settle_s = settle_s
         self.log = log
         self.clock = clock
+        self.failslow_interval_s = failslow_interval_s
+        self.check_wait_s = check_wait_s
         self.warnings: list[str] = []
         self._cursors: dict[str, int] = {}  # moved once the events are held (see _flush)
+        self._last_round = float("-inf")
 
     # -- what the store says -------------------------------------------------------------
     def nodes(self) -> list[str]:
@@ -159,7 +179,10 @@ class Controller:
                     self._write(event)
             if not actionable:
                 self._flush_cursors()
-                return None
+                event = self._failslow_round(excluded)
+                if event is None:
+                    return None
+                actionable = [event]
             opened = self._open(actionable)
         elif fresh:
             opened["events"] += [_doc(e) for e in fresh]
@@ -207,24 +230,71 @@ class Controller:
             opened["answered_at"] = self.clock()
             self.store.set(self.keys.open, wire.encode(opened, wire.MAX_DUMP_BYTES))
             return None
-        return self._close(opened, {n: a for n, a in answers.items() if a}, missing)
+        checked = None
+        if _needs_checks(opened, missing) and len(expected) >= 2:
+            checked = self._checks(opened, [n for n in expected if n not in missing])
+            if checked is None:
+                return None
+        return self._close(opened, {n: a for n, a in answers.items() if a}, missing, checked)
+
+    # -- stop-time checks ------------------------------------------------------------------
+    def _checks(self, opened: dict[str, Any], nodes: list[str]) -> dict[str, Any] | None:
+        """Order the checks once, then their results; None while they are running."""
+        incident = int(opened["incident"])
+        if "check" not in opened:
+            order = {"incident": incident, "nodes": nodes, "time": self.clock()}
+            self.store.set(self.keys.check_request(incident), wire.encode(order))
+            opened["check"] = order
+            self.store.set(self.keys.open, wire.encode(opened, wire.MAX_DUMP_BYTES))
+            self.log(f"incident {incident}: stop-time checks ordered on "
+                     f"{', '.join(nodes)} (collective self-test, bitwise alignment)")
+            return None
+        nodes = list(opened["check"]["nodes"])
+        results: dict[str, RankResult] = {}
+        for node in nodes:
+            doc = self._read(self.keys.check_result(node, incident), node)
+            try:
+                if doc is not None:
+                    results[node] = RankResult(**{**doc["result"], "node": node})
+            except (KeyError, TypeError) as exc:
+                self._warn(f"{self.keys.check_result(node, incident)}: not a check result "
+                           f"({exc})")
+        waited = self.clock() - float(opened["check"]["time"])
+        if len(results) < len(nodes) and waited < self.check_wait_s:
+            return None
+        return _check_evidence(results, nodes)
 
     # -- the verdict -----------------------------------------------------------------------
     def _close(self, opened: dict[str, Any], answers: dict[str, dict[str, Any]],
-               missing: list[str]) -> Verdict:
+               missing: list[str], checked: dict[str, Any] | None = None) -> Verdict:
         incident = int(opened["incident"])
         events = [Event.from_doc(d) for d in opened["events"]]
         processes, dumps = _processes(answers)
         found = _break_tie(localize(processes, self.layout), processes, self.layout)
         primary = min(events, key=lambda e: (_rank_of_cause(e), e.time))
         history = self.verdicts()
-        if primary.kind in ("hang", "fail_slow"):  # every rank may look hung: stacks decide
+        if checked and checked["failed"]:  # a node that fails a check is evicted
+            verdict = _check_verdict(primary, checked)
+        elif primary.kind == "fail_slow" and primary.evidence.get("group_nodes"):
+            ev = primary.evidence  # the rounds named the group
+            verdict = decide(dataclasses.replace(primary, node=None, rank=None),
+                             suspect_nodes=tuple(ev["group_nodes"]),
+                             suspect_ranks=tuple(ev.get("group_ranks") or ()), history=history)
+        elif primary.kind in ("hang", "fail_slow"):  # every rank may look hung: stacks decide
             anonymous = dataclasses.replace(primary, node=None, rank=None)
             verdict = decide(anonymous, suspect_nodes=found.domain_nodes or found.suspect_nodes,
                              suspect_ranks=found.domain_ranks or found.suspects,
                              history=history)
         else:
             verdict = decide(primary, history=history)
+            if verdict.action == "continue":  # a jump stopped the job: resume it
+                verdict = dataclasses.replace(
+                    verdict, action="restart_in_place",
+                    reason=f"{verdict.reason}; the job was stopped at the jump and the checks "
+                           "found no faulty node: resume from the last checkpoint")
+        if checked is not None:
+            verdict = dataclasses.replace(verdict, evidence={**verdict.evidence,
+                                                             "check": checked})
         evidence = {**verdict.evidence, "incident": incident, "reason": opened["reason"],
                     "events": opened["events"], "primary": _doc(primary),
                     "localization": {"suspects": list(found.suspects),
@@ -240,6 +310,7 @@ class Controller:
         self.store.set(self.keys.verdict_last, wire.encode(
             {"incident": incident, "time": verdict.time}))
         self.store.delete_key(self.keys.open)
+        self.store.delete_key(self.keys.failslow)  # the rounds start afresh after an incident
         self._write(verdict)
         self.log(f"incident {incident}: verdict {verdict.action} ({verdict.failure_class})"
                  + (f" nodes {', '.join(verdict.nodes)}" if verdict.nodes else "")
@@ -262,16 +333,55 @@ class Controller:
         except OSError as exc:
             self._warn(f"cannot write the trace {self.trace_path}: {exc}")
 
+    # -- fail-slow rounds --------------------------------------------------------------------
+    def _failslow_round(self, excluded: set[str]) -> Event | None:
+        """A round when one is due: step times from the beats, the stack samples of the last
+        round's order, a new order; the event of a slow group, or None."""
+        now = self.clock()
+        if self.failslow_interval_s <= 0 or now - self._last_round < self.failslow_interval_s:
+            return None
+        self._last_round = now
+        doc = self._read(self.keys.failslow) or {}
+        rounds = FailSlowRounds.from_doc(doc, layout=self.layout)
+        asked = int(doc.get("asked", 0))
+        step_times: dict[int, float] = {}
+        nodes: dict[int, str] = {}
+        samples: list[ProcessStacks] = []
+        for node in self.nodes():
+            if node in excluded:
+                continue
+            beat = self._read(self.keys.node(node, "beat"), node)
+            fresh = beat and now - float(beat.get("time", 0)) <= max(
+                3 * self.failslow_interval_s, 5.0)
+            for rank, info in ((beat or {}).get("ranks") or {}).items() if fresh else ():
+                if isinstance(info, dict) and isinstance(info.get("step_time_s"), int | float):
+                    step_times[int(rank)] = float(info["step_time_s"])
+                    nodes[int(rank)] = node
+            if asked:
+                answer = self._read(self.keys.sample(node, asked), node, wire.MAX_DUMP_BYTES)
+                processes, _ = _processes({node: answer} if answer else {})
+                samples += processes
+                self.store.delete_key(self.keys.sample(node, asked))
+        event = None
+        if step_times or samples:
+            event = rounds.round(step_times, now, nodes=nodes, samples=samples)
+            flagged = rounds.history[-1] if rounds.history else {}
+            if flagged:
+                self.log(f"fail-slow round {rounds.count}: flagged " + ", ".join(
+                    f"rank {r} ({'+'.join(w)})" for r, w in sorted(flagged.items())))
+        asked = int(self.store.add(self.keys.sample_count, 1))  # never reused: an agent
+        # answers each order once, across controller restarts and incidents
+        self.store.set(self.keys.failslow, wire.encode({**rounds.to_doc(), "asked": asked},
+                                                       wire.MAX_DUMP_BYTES))
+        self.store.set(self.keys.sample_request, wire.encode({"round": asked, "time": now}))
+        return event
+
     # -- the loop --------------------------------------------------------------------------
     def run(self, stop: threading.Event, interval_s: float = 0.25) -> None:
         """:meth:`step` every ``interval_s`` until ``stop`` is set."""
         while not stop.is_set():
             self.step()
             stop.wait(interval_s)
-
-
-#: a frame inside torch's collectives (a rank waiting there waits for the others)
-_COLLECTIVE_FILE = "torch/distributed/distributed_c10d.py"
 
 
 def _break_tie(found: Localization, processes: list[ProcessStacks],
@@ -282,7 +392,7 @@ def _break_tie(found: Localization, processes: list[ProcessStacks],
     if found.suspects:
         return found
     main = [g for g in found.groups if g.role == "main"]
-    inside = [g for g in main if any(_COLLECTIVE_FILE in f for t in g.signature for f in t)]
+    inside = [g for g in main if any(COLLECTIVE_FILE in f for t in g.signature for f in t)]
     outside = [g for g in main if g not in inside]
     if len(main) < 2 or not inside or not outside:
         return found
@@ -300,13 +410,56 @@ def _break_tie(found: Localization, processes: list[ProcessStacks],
                         found.groups, why, found.evidence)
 
 
+def _needs_checks(opened: dict[str, Any], missing: list[str]) -> bool:
+    """A NaN, a jump or an unclear crash, with every node answering (no node lost)."""
+    if missing:
+        return False
+    events = [Event.from_doc(d) for d in opened["events"]]
+    primary = min(events, key=lambda e: (_rank_of_cause(e), e.time))
+    return primary.kind in ("nonfinite", "spike") or (
+        primary.kind == "crash" and primary.failure_class in CHECKED)
+
+
+def _check_evidence(results: dict[str, RankResult], nodes: list[str]) -> dict[str, Any]:
+    """The checks' outcome: each failing node with the check it failed and the numbers."""
+    failed: list[dict[str, Any]] = []
+    report = None
+    if len(results) >= 2:
+        ordered = sorted(results.values(), key=lambda r: nodes.index(r.node))
+        report = CheckReport.from_results([dataclasses.replace(r, rank=i)
+                                           for i, r in enumerate(ordered)])
+        by = {i: r for i, r in enumerate(ordered)}
+        for i in report.sum_suspects:
+            failed.append({"node": by[i].node, "check": "all_reduce_sum",
+                           "wrong_elements": by[i].sum_errors})
+        for i in report.alignment_suspects:
+            out, grad = report.alignment_majority or ("", "")
+            failed.append({"node": by[i].node, "check": "bitwise_alignment",
+                           "output": by[i].output_hash, "gradients": by[i].grad_hash,
+                           "majority": [out, grad]})
+    return {"nodes": nodes, "missing": [n for n in nodes if n not in results],
+            "failed": failed, "no_majority": bool(report and report.no_majority),
+            "text": report.text() if report else "fewer than two nodes answered",
+            "results": {n: dataclasses.asdict(r) for n, r in sorted(results.items())}}
+
+
+def _check_verdict(primary: Event, checked: dict[str, Any]) -> Verdict:
+    nodes = tuple(sorted({f["node"] for f in checked["failed"]}))
+    why = "; ".join(f"{f['node']} failed {f['check']}" for f in checked["failed"])
+    return Verdict("replace_and_restart", primary.failure_class, nodes=nodes,
+                   reason=f"stop-time check after {primary.kind} {primary.failure_class}: "
+                          f"{why}",
+                   evidence={"event": _doc(primary), "rule": "stop_time_check",
+                             "on_nodes": list(nodes)})
+
+
 def _rank_of_cause(event: Event) -> int:
-    """Which event of an incident is its cause: a crash of its own (0) before a NaN (1),
-    before a hang or a slow node (2: others stall when a peer dies), before a collective
-    error (3: the peer died first)."""
+    """Which event of an incident is its cause: a crash of its own (0) before a NaN or a
+    jump (1), before a hang or a slow node (2: others stall when a peer dies), before a
+    collective error (3: the peer died first)."""
     if event.failure_class in SECONDARY:
         return 3
-    return {"crash": 0, "nonfinite": 1}.get(event.kind, 2)
+    return {"crash": 0, "nonfinite": 1, "spike": 1}.get(event.kind, 2)
 
 
 def _doc(event: Event) -> dict[str, Any]:

@@ -11,10 +11,20 @@ Usage::
     link = ControllerLink.connect("10.0.0.5:29400", node="node-3")
     link.register()                                  # ExcludedNode if the job evicted it
     link.publish(event)
+    link.beat(attempt, {0: {"step": 12, "time": t, "pid": 1234}})   # also answers samples
     order = link.dump_order()                        # {"incident": 4, ...} or None
     link.answer(order["incident"], dump_ranks({0: 1234}, node="node-3"))
-    verdict = link.wait_verdict(order["incident"], timeout_s=30)
+    verdict = link.wait_verdict(order["incident"], timeout_s=30, stop=kill_the_command)
     link.local_action(verdict)                       # "stop" | "restart"
+
+Beside the incidents the link answers two orders of the controller on its own:
+
+* a fail-slow round's stack sample (``sample/request``): every rank's trainer dumped with
+  ``py-spy dump --nonblocking`` (the process is not paused) in a thread, answered under
+  ``node/<n>/sample/<k>``; each beat also carries every rank's recent step time;
+* the stop-time checks (``check/<k>``, while the node waits for a verdict): ``stop`` kills the
+  command, then ``bootseer check --store`` runs on this node with the other nodes of the job
+  (:mod:`.check`), and its result goes to ``node/<n>/check/<k>``.
 """
 
 from __future__ import annotations
@@ -24,7 +34,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,7 +44,16 @@ from typing import Any
 from . import wire
 from .events import Event, Verdict
 
-__all__ = ["ControllerLink", "ExcludedNode", "descendants", "dump_ranks", "pyspy_text"]
+__all__ = ["STEP_WINDOW", "ControllerLink", "ExcludedNode", "descendants", "dump_ranks",
+           "pyspy_text"]
+
+STEP_WINDOW = 8  # heartbeats (at most one a second) a rank's step time is measured over
+
+
+def _address_of(store: Any) -> str | None:
+    """``HOST:PORT`` of a TCPStore client (the checks' subprocess connects there)."""
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return f"{host}:{port}" if host and port else None
 
 
 class ExcludedNode(RuntimeError):
@@ -43,7 +64,8 @@ class ControllerLink:
     """One node's agent talking to the job's controller through the store."""
 
     def __init__(self, store: Any, node: str, *, job: str = "job", poll_s: float = 0.5,
-                 beat_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 beat_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 address: str | None = None, check_timeout_s: float = 180.0) -> None:
         if not wire.valid_node(node):
             raise ValueError(f"node name {node!r} cannot be a controller key: use 1-63 "
                              "letters, digits, '.', '_' or '-' (--node)")
@@ -57,11 +79,19 @@ class ControllerLink:
         self._last_beat = float("-inf")
         self.answered = 0  # the newest incident this agent dumped for
         self.dump_tool: Callable[[int], str] = pyspy_text  # pid -> its stacks (text)
+        self.sample_tool: Callable[[int], str] = lambda pid: pyspy_text(pid, nonblocking=True)
+        self.job = job
+        self.address = address or _address_of(store)
+        self.check_timeout_s = check_timeout_s
+        self.checked = 0  # the newest incident this agent ran the checks for
+        self._steps: dict[int, deque[tuple[int, float]]] = {}
+        self._sampled = 0  # the newest fail-slow round this agent answered
+        self._sampler: threading.Thread | None = None
 
     @classmethod
     def connect(cls, address: str, node: str, *, job: str = "job",
                 timeout_s: float = 30.0) -> ControllerLink:
-        return cls(wire.connect(address, timeout_s), node, job=job)
+        return cls(wire.connect(address, timeout_s), node, job=job, address=address)
 
     def register(self) -> None:
         """Join the job's node list; refused when the controller evicted this node."""
@@ -87,15 +117,74 @@ class ControllerLink:
         return i
 
     def beat(self, attempt: int, ranks: Mapping[int, Mapping[str, Any]]) -> None:
-        """The node's heartbeat summary, at most once per ``beat_s``."""
+        """The node's heartbeat summary, at most once per ``beat_s``, with each rank's step
+        time over its last heartbeats; and the answer to a fail-slow round's sample order."""
+        for r, v in ranks.items():
+            self._note_step(r, v.get("step"), v.get("time"))
+        self._answer_sample(ranks)
         now = self.clock()
         if now - self._last_beat < self.beat_s:
             return
         self._last_beat = now
-        summary = {str(r): {k: v.get(k) for k in ("step", "time", "pid")}
+        summary = {str(r): {**{k: v.get(k) for k in ("step", "time", "pid")},
+                            "step_time_s": self.step_time(r)}
                    for r, v in sorted(ranks.items())[:256]}
         self.store.set(self.keys.node(self.node, "beat"), wire.encode(
             {"node": self.node, "time": time.time(), "attempt": attempt, "ranks": summary}))
+
+    def _note_step(self, rank: int, step: Any, when: Any) -> None:
+        if not isinstance(step, int) or not isinstance(when, int | float):
+            return
+        seen = self._steps.setdefault(rank, deque(maxlen=STEP_WINDOW))
+        if seen and step < seen[-1][0]:  # a new attempt counts from 0 again
+            seen.clear()
+        if not seen or step > seen[-1][0]:
+            seen.append((step, float(when)))
+
+    def step_time(self, rank: int) -> float | None:
+        """Seconds per step of ``rank`` over its last :data:`STEP_WINDOW` heartbeats (the
+        client's own times), or None before two are known."""
+        seen = self._steps.get(rank)
+        if not seen or len(seen) < 2 or seen[-1][0] == seen[0][0]:
+            return None
+        return round((seen[-1][1] - seen[0][1]) / (seen[-1][0] - seen[0][0]), 6)
+
+    # -- fail-slow samples -----------------------------------------------------------------
+    def _answer_sample(self, ranks: Mapping[int, Mapping[str, Any]]) -> None:
+        """A new round's sample order: the trainers dumped in a thread (the watch loop goes
+        on), answered under this node's key."""
+        if self._sampler is not None and self._sampler.is_alive():
+            return
+        data = wire.get(self.store, self.keys.sample_request)
+        try:
+            order = wire.decode(data, key=self.keys.sample_request) if data else None
+            round_ = int(order["round"]) if order else 0
+        except (wire.WireError, KeyError, TypeError, ValueError):
+            return
+        if round_ <= self._sampled:
+            return
+        self._sampled = round_
+        pids = {r: int(v["pid"]) for r, v in ranks.items() if isinstance(v.get("pid"), int)}
+
+        def sample() -> None:
+            processes = []
+            for rank, pid in sorted(pids.items()):
+                try:
+                    text = self.sample_tool(pid)
+                except (RuntimeError, OSError):
+                    continue
+                processes.append({"rank": rank, "pid": pid, "role": "main",
+                                  "source": "py-spy", "text": text[:wire.MAX_STACK_CHARS]})
+            try:
+                self.store.set(self.keys.sample(self.node, round_), wire.encode(
+                    {"node": self.node, "round": round_, "time": time.time(),
+                     "processes": processes}, wire.MAX_DUMP_BYTES))
+            except (RuntimeError, OSError, wire.WireError):
+                pass  # the next round asks again
+
+        self._sampler = threading.Thread(target=sample, name=f"bootseer-sample-{round_}",
+                                         daemon=True)
+        self._sampler.start()
 
     def dump_order(self, *, force: bool = False) -> dict[str, Any] | None:
         """An order to dump for an incident this node has not answered (polled at most every
@@ -140,16 +229,63 @@ class ControllerLink:
             return None
 
     def wait_verdict(self, incident: int, timeout_s: float,
-                     pause: Callable[[float], bool] | None = None) -> Verdict | None:
+                     pause: Callable[[float], bool] | None = None,
+                     stop: Callable[[], None] | None = None) -> Verdict | None:
         """The verdict of ``incident``, polled every ``poll_s``; None after ``timeout_s`` or
-        when ``pause`` (the supervisor's wait, answering signals) says to stop."""
+        when ``pause`` (the supervisor's wait, answering signals) says to stop. An order to
+        run the stop-time checks meanwhile: ``stop`` (kill the command), the checks, and
+        ``timeout_s`` counts again from their end."""
         deadline = time.monotonic() + timeout_s
         while True:
             got = self.verdict(incident)
             if got is not None or time.monotonic() >= deadline:
                 return got
+            if (order := self.check_order(incident)) is not None:
+                if stop is not None:
+                    stop()
+                self.run_check(order)
+                deadline = time.monotonic() + timeout_s
+                continue
             if pause(self.poll_s) if pause else time.sleep(self.poll_s):
                 return None
+
+    # -- stop-time checks ------------------------------------------------------------------
+    def check_order(self, incident: int) -> dict[str, Any] | None:
+        """The controller's order to run the checks for ``incident`` with this node in it,
+        once."""
+        if incident <= self.checked:
+            return None
+        key = self.keys.check_request(incident)
+        data = wire.get(self.store, key)
+        try:
+            order = wire.decode(data, key=key) if data else None
+        except wire.WireError:
+            return None
+        if not order or self.node not in (order.get("nodes") or []):
+            return None
+        return order
+
+    def run_check(self, order: Mapping[str, Any]) -> int:
+        """``bootseer check --store`` on this node, joining the job's other nodes through the
+        store (its result goes to the store itself); its exit code (124: it timed out)."""
+        incident = int(order["incident"])
+        self.checked = max(self.checked, incident)
+        argv = [sys.executable, "-m", "bootseer", "check", "--store", str(self.address),
+                "--job", self.job, "--incident", str(incident), "--node", self.node]
+        print(f"bootseer: controller: incident {incident}: running the stop-time checks "
+              f"with {len(order.get('nodes') or [])} node(s)", file=sys.stderr, flush=True)
+        try:
+            return subprocess.run(argv, timeout=self.check_timeout_s,
+                                  stdin=subprocess.DEVNULL).returncode
+        except subprocess.TimeoutExpired:
+            return 124
+
+    def answer_check(self, incident: int, result: Mapping[str, Any]) -> None:
+        """This node's check result (a :class:`.check.RankResult` as a dict) for the
+        controller."""
+        self.store.set(self.keys.check_result(self.node, incident), wire.encode(
+            {"node": self.node, "incident": incident, "time": time.time(),
+             "result": dict(result)}))
 
     def local_action(self, verdict: Verdict) -> str:
         """``stop`` when the verdict stops the job or evicts this node, else ``restart``."""
@@ -178,14 +314,15 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def pyspy_text(pid: int, timeout_s: float = 20.0) -> str:
-    """``py-spy dump`` of a live process (text); RuntimeError when py-spy cannot."""
+def pyspy_text(pid: int, timeout_s: float = 20.0, *, nonblocking: bool = False) -> str:
+    """``py-spy dump`` of a live process (text); RuntimeError when py-spy cannot.
+    ``nonblocking``: the process is not paused (a sample of a healthy job)."""
     exe = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
     if exe is None:
         raise RuntimeError("py-spy is not installed")
+    argv = [exe, "dump", "--pid", str(pid), *(["--nonblocking"] if nonblocking else [])]
     try:
-        done = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True,
-                              text=True, timeout=timeout_s)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"py-spy dump of pid {pid} took over {timeout_s} s") from None
     if done.returncode != 0 or "Thread" not in done.stdout:

@@ -22,6 +22,12 @@ key                            writer    value
 ``ctl/seen/<n>``               ctl       the last event of node n the controller consumed
 ``ctl/open``                   ctl       the incident being localized (resumed after a restart)
 ``excluded``                   ctl       ``{"nodes": [...]}``: evicted nodes
+``sample/request``             ctl       ``{"round", "time"}``: a fail-slow round's stack sample
+``sample/count``               ctl       counter: sample orders so far (``add``)
+``node/<n>/sample/<k>``        agent n   ``{"node", "round", "time", "processes": [...]}``
+``ctl/failslow``               ctl       the fail-slow rounds so far (resumed after a restart)
+``check/<k>``                  ctl       ``{"incident", "nodes", "time"}``: run ``bootseer check``
+``node/<n>/check/<k>``         agent n   ``{"node", "incident", "result"}``: its check result
 =============================  ========  ============================================
 """
 
@@ -64,6 +70,9 @@ class Keys:
         self.verdict_last = self.prefix + "verdict/last"
         self.open = self.prefix + "ctl/open"
         self.excluded = self.prefix + "excluded"
+        self.sample_request = self.prefix + "sample/request"
+        self.sample_count = self.prefix + "sample/count"
+        self.failslow = self.prefix + "ctl/failslow"
 
     def node(self, node: str, what: str) -> str:
         return f"{self.prefix}node/{node}/{what}"
@@ -79,6 +88,15 @@ class Keys:
 
     def seen(self, node: str) -> str:
         return f"{self.prefix}ctl/seen/{node}"
+
+    def sample(self, node: str, round_: int) -> str:
+        return self.node(node, f"sample/{round_}")
+
+    def check_request(self, incident: int) -> str:
+        return f"{self.prefix}check/{incident}"
+
+    def check_result(self, node: str, incident: int) -> str:
+        return self.node(node, f"check/{incident}")
 
 
 def encode(doc: dict[str, Any], limit: int = MAX_RECORD_BYTES) -> bytes:

@@ -1,0 +1,240 @@
+"""The controller's fail-slow rounds, its reaction to a NaN or a loss jump, and the stop-time
+checks it orders after a NaN or an unclear crash: the round logic on constructed stacks, the
+controller on a real TCPStore in this process (check results from the real reference step),
+and two jobs on the cluster fixture (a slowed rank; a NaN with one node computing wrong
+bits)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import test_robust_controller
+from test_robust_controller import _agent, _job, _records, _wait
+
+from bootseer.robust import wire
+from bootseer.robust.check import RankResult, reference_step
+from bootseer.robust.controller import Controller
+from bootseer.robust.events import Event
+from bootseer.robust.failslow import FailSlowRounds
+from bootseer.robust.remote import ControllerLink
+from bootseer.robust.stacks import ProcessStacks
+
+WAITING = ('Thread 7 (idle): "MainThread"\n'
+           '    all_reduce (torch/distributed/distributed_c10d.py:3252)\n'
+           '    main (controller_job.py:58)\n')
+WORKING = ('Thread 8 (active): "MainThread"\n'
+           '    slow_step (controller_job.py:34)\n'
+           '    main (controller_job.py:57)\n')
+
+
+store = test_robust_controller.store  # the fixture: a TCPStore in this process
+
+
+def _samples(outside: set[int], ranks: int = 4) -> list[ProcessStacks]:
+    return [ProcessStacks.from_text(WORKING if r in outside else WAITING, rank=r,
+                                    node=f"n{r // 2}") for r in range(ranks)]
+
+
+# -- the rounds, on constructed records -------------------------------------------------------
+
+
+def test_the_rank_outside_the_collective_names_its_group_after_five_rounds() -> None:
+    """A synchronous job: every rank has the same step time, the stacks name the straggler.
+    3 rounds in a row flag it, the group is named only once 5 rounds are in."""
+    even = {r: 1.0 for r in range(4)}
+    rounds = FailSlowRounds(layout={"dp": [[0, 1], [2, 3]], "pp": [[0, 2], [1, 3]]})
+    seen = [rounds.round(even, float(t), samples=_samples({3} if t != 1 else {0}))
+            for t in range(5)]
+    assert seen[:4] == [None] * 4  # rank 0 flagged once: rank 3 reaches 3 in a row at round 5
+    event = seen[4]
+    assert event is not None and (event.kind, event.failure_class) == ("fail_slow", "fail_slow")
+    ev = event.evidence
+    assert ev["slow_ranks"] == [3] and ev["most_flagged"] == [3]
+    assert ev["rounds_flagged"] == {"0": 1, "3": 4}
+    assert ev["group"] == "dp[1]" and ev["group_ranks"] == [2, 3] and ev["group_nodes"] == ["n1"]
+    assert ev["rounds"][-1] == {"3": ["outside_collective"]}
+    # a restarted controller carries on from the stored doc
+    again = FailSlowRounds.from_doc(json.loads(json.dumps(rounds.to_doc())))
+    assert again.runs == {3: 3} and again.history == rounds.history
+
+
+def test_a_slow_node_by_step_time_and_no_verdict_without_three_rounds_in_a_row() -> None:
+    nodes = {0: "n0", 1: "n0", 2: "n1", 3: "n1", 4: "n2", 5: "n2"}
+    slow = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.9, 5: 2.0}
+    rounds = FailSlowRounds()
+    for t in range(4):  # flagged, not, flagged, flagged: never 3 in a row within 5 rounds
+        assert rounds.round(slow if t != 1 else dict.fromkeys(nodes, 1.0), t,
+                            nodes=nodes) is None
+    event = rounds.round(slow, 4.0, nodes=nodes)
+    assert event is not None
+    assert event.evidence["group_nodes"] == ["n2"] and event.evidence["group_ranks"] == [4, 5]
+    assert event.node == "n2"
+    assert set(event.evidence["rounds"][-1]["5"]) == {"step_time", "node_step_time"}
+    assert FailSlowRounds().flags({0: 1.0, 1: 1.4}, {}) == {}  # under 1.5x: not slow
+    with pytest.raises(ValueError, match="need 1 <= rounds <= window"):
+        FailSlowRounds(rounds=6, window=5)
+
+
+# -- the controller on a real store in this process -------------------------------------------
+
+
+def _result(node: str, index: int, perturb: bool = False) -> dict:
+    out, grad = reference_step(perturb=perturb)
+    return dataclasses.asdict(RankResult(index, node, 0, out, grad, 0.01, 1 << 20))
+
+
+def _incident(store, event: Event, answering=("n0", "n1", "n2")):
+    now = [100.0]
+    links = {n: ControllerLink(store, n) for n in ("n0", "n1", "n2")}
+    for link in links.values():
+        link.register()
+    links[event.node].publish(event)
+    ctl = Controller(store, settle_s=0, failslow_interval_s=0, check_wait_s=30,
+                     clock=lambda: now[0], log=lambda _: None)
+    assert ctl.step() is None  # opened, the dump ordered
+    for n in answering:
+        links[n].answer(1, [])
+    assert ctl.step() is None  # every answer in: one more pass
+    return ctl, links, now
+
+
+def test_an_unclear_crash_orders_the_checks_and_evicts_the_node_whose_bits_differ(
+        store) -> None:
+    crash = Event("crash", "killed_by_signal", node="n0", time=100.0,
+                  evidence={"signal": "SIGKILL"})
+    ctl, links, _ = _incident(store, crash)
+    assert ctl.step() is None  # the checks are ordered, nothing decided yet
+    order = links["n2"].check_order(1)
+    assert order is not None and order["nodes"] == ["n0", "n1", "n2"]
+    assert links["n0"].check_order(2) is None
+    for i, n in enumerate(("n0", "n1", "n2")):
+        assert ctl.step() is None  # still waiting for the others' results
+        links[n].answer_check(1, _result(n, i, perturb=n == "n1"))
+    verdict = ctl.step()
+    assert verdict is not None
+    assert (verdict.action, verdict.failure_class, verdict.nodes) == (
+        "replace_and_restart", "killed_by_signal", ("n1",))
+    check = verdict.evidence["check"]
+    assert [(f["node"], f["check"]) for f in check["failed"]] == [("n1", "bitwise_alignment")]
+    out, grad = reference_step()
+    assert check["failed"][0]["majority"] == [out, grad]
+    assert check["failed"][0]["output"] != out
+    assert "n1 failed bitwise_alignment" in verdict.reason
+    assert links["n1"].local_action(verdict) == "stop"
+    assert links["n0"].local_action(verdict) == "restart"
+
+
+def test_a_jump_stops_the_job_and_clean_checks_restart_it_in_place(store) -> None:
+    spike = Event("spike", "spike", node="n2", rank=2, step=40, time=100.0,
+                  evidence={"metric": "loss", "value": 50.0, "median": 2.0, "factor": 5.0})
+    ctl, links, _ = _incident(store, spike)
+    assert ctl.step() is None
+    for i, n in enumerate(("n0", "n1", "n2")):
+        links[n].answer_check(1, _result(n, i))
+    verdict = ctl.step()
+    assert verdict is not None and verdict.action == "restart_in_place"
+    assert verdict.evidence["check"]["failed"] == [] and verdict.nodes == ()
+    assert "checks found no faulty node" in verdict.reason
+
+
+def test_a_lost_node_is_no_unclear_crash_no_checks(store) -> None:
+    crash = Event("crash", "killed_by_signal", node="n0", time=100.0)
+    ctl, links, now = _incident(store, crash, answering=("n0", "n1"))  # n2 is gone
+    now[0] += 11  # past --dump-wait
+    verdict = ctl.step()
+    assert verdict is not None and verdict.evidence["missing_dumps"] == ["n2"]
+    assert "check" not in verdict.evidence
+    assert wire.get(store, wire.Keys().check_request(1)) is None
+
+
+def test_a_round_reads_step_times_and_samples_from_the_nodes(store) -> None:
+    """The controller's side of a round: beats with step times, the sample order answered
+    by each node's link (its dump tool standing in for py-spy), the flags in the store."""
+    now = [0.0]
+    links = [ControllerLink(store, f"n{i}") for i in range(3)]
+    for i, link in enumerate(links):
+        link.register()
+        text = WORKING if i == 1 else WAITING
+        link.sample_tool = lambda pid, text=text: text
+    ctl = Controller(store, failslow_interval_s=1.0, clock=lambda: now[0], log=lambda _: None)
+    base = time.time()
+    for t in range(6):
+        now[0] = float(t)
+        for i, link in enumerate(links):  # two heartbeats a round, 0.5 s apart
+            link._note_step(i, 2 * t, base + t)
+            link._last_beat = float("-inf")
+            link.beat(0, {i: {"step": 2 * t + 1, "time": base + t + 0.5, "pid": 100 + i}})
+            if link._sampler is not None:
+                link._sampler.join(10)
+        assert ctl.step() is None  # round 1 has no sample yet; round 5 opens the incident
+    opened = json.loads(store.get(wire.Keys().open))
+    event = opened["events"][0]
+    assert (event["kind"], event["node"]) == ("fail_slow", "n1")
+    assert event["evidence"]["group_nodes"] == ["n1"] and event["evidence"]["slow_ranks"] == [1]
+    assert event["evidence"]["rounds"] == [{}] + [{"1": ["outside_collective"]}] * 4
+    assert json.loads(store.get(wire.Keys().dump_request))["incident"] == 1
+    assert event["evidence"]["step_times_s"] == {"0": 0.5, "1": 0.5, "2": 0.5}
+
+
+# -- on the cluster ---------------------------------------------------------------------------
+
+
+def test_a_slowed_rank_is_found_by_the_rounds_and_only_its_node_evicted(cluster_factory,
+                                                                        tmp_path: Path) -> None:
+    c, out, ctl = _job(cluster_factory, 3, tmp_path, "--failslow-interval", "1")
+    script = ["--slow-rank", "1", "--slow-s", "0.4", "--step-time", "0.02", "--steps", "100000"]
+    procs = {n.name: _agent(c, n, out, script, nnodes=3, max_restarts=0) for n in c.nodes}
+    verdicts = _wait("verdict", lambda: _records(out / "ctl" / "controller.jsonl", "verdict"),
+                     procs, out, timeout_s=180)
+    verdict = verdicts[0]
+    assert (verdict["action"], verdict["class"]) == ("replace_and_restart", "fail_slow")
+    assert verdict["nodes"] == ["node1"], verdict
+    primary = verdict["evidence"]["primary"]["evidence"]
+    assert primary["group_nodes"] == ["node1"] and primary["slow_ranks"] == [1]
+    assert max(primary["rounds_flagged"], key=primary["rounds_flagged"].get) == "1"
+    assert "outside_collective" in primary["rounds"][-1]["1"]
+    assert list(json.loads((out / "excluded.json").read_text())["nodes"]) == ["node1"]
+    for name, proc in procs.items():  # no restarts allowed: every agent ends on the verdict
+        assert proc.wait(timeout=60) != 0, name
+    ctl.send_signal(signal.SIGTERM)
+    assert ctl.wait(timeout=30) == 0
+
+
+def test_a_nan_stops_the_job_and_the_checks_name_the_node_with_wrong_bits(
+        cluster_factory, tmp_path: Path) -> None:
+    c, out, ctl = _job(cluster_factory, 3, tmp_path, "--failslow-interval", "0")
+    script = ["--nan-rank", "0", "--nan-at", "6", "--step-time", "0.1", "--steps", "100000"]
+    procs = {n.name: _agent(c, n, out, script, nnodes=3, max_restarts=0,
+                            env={"BOOTSEER_CHECK_FAULT": "alignment:*"} if n.name == "node2"
+                            else None) for n in c.nodes}
+    verdicts = _wait("verdict", lambda: _records(out / "ctl" / "controller.jsonl", "verdict"),
+                     procs, out, timeout_s=240)
+    verdict = verdicts[0]
+    assert (verdict["action"], verdict["class"]) == ("replace_and_restart", "nonfinite")
+    assert verdict["nodes"] == ["node2"], verdict
+    ev = verdict["evidence"]
+    primary = ev["primary"]
+    assert (primary["node"], primary["rank"], primary["step"]) == ("node0", 0, 6)
+    assert primary["evidence"] == {"loss": "nan"}
+    check = ev["check"]
+    assert check["nodes"] == ["node0", "node1", "node2"] and check["missing"] == []
+    assert [(f["node"], f["check"]) for f in check["failed"]] == [("node2", "bitwise_alignment")]
+    hashes = {n: (r["output_hash"], r["grad_hash"]) for n, r in check["results"].items()}
+    assert hashes["node0"] == hashes["node1"] == reference_step() != hashes["node2"]
+    assert all(r["sum_errors"] == 0 for r in check["results"].values())
+    for name, proc in procs.items():
+        assert proc.wait(timeout=60) != 0, name
+    # each node stopped its command before its check and wrote the controller's verdict
+    for node in ("node0", "node1", "node2"):
+        mine = [v for v in _records(out / "trace" / f"{node}.jsonl", "verdict")
+                if v["evidence"].get("from") == "controller"]
+        assert [v["action"] for v in mine] == ["replace_and_restart"], node
+        assert "running the stop-time checks" in (out / f"{node}.log").read_text()
+    assert list(json.loads((out / "excluded.json").read_text())["nodes"]) == ["node2"]
+    ctl.send_signal(signal.SIGTERM)
+    assert ctl.wait(timeout=30) == 0
