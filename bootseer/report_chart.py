@@ -178,3 +178,65 @@ def render_chart(report: Report, path: str | os.PathLike, *,
     finally:
         plt.close(fig)
     return out
+
+
+#: colours of the ETTR chart's categories (report_robust.CATEGORIES)
+ETTR_COLORS = {"productive": "tab:green", "detection": "tab:red", "localization": "tab:orange",
+               "teardown": "tab:purple", "startup": "tab:blue", "recomputation": "tab:brown",
+               "other": "lightgrey", "initial_startup": "tab:cyan"}
+
+
+def render_ettr(data: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Writes the ETTR chart of ``bootseer report`` (``robust.chart`` of report.json,
+    :func:`bootseer.report_robust.ettr_chart_data`): the job's wall time as one bar of
+    productive and unproductive stretches, each incident's seconds by cause, and ETTR over
+    time (cumulative and over the sliding hour)."""
+    plt = _pyplot()
+    incidents = data["incidents"]
+    fig, (top, mid, low) = plt.subplots(
+        3, 1, figsize=(WIDTH_IN, 3.2 + 0.3 * max(len(incidents), 1)), dpi=DPI,
+        gridspec_kw={"height_ratios": [1, max(len(incidents), 1) * 0.6 + 0.6, 2]})
+    try:
+        t0 = data["start"]
+        seen: set[str] = set()
+        for seg in data["segments"]:
+            cat = seg["category"]
+            top.barh([0], [seg["end"] - seg["start"]], left=[seg["start"] - t0], height=0.6,
+                     color=ETTR_COLORS.get(cat, "black"), label=None if cat in seen else cat,
+                     gid=f"segment:{cat}")
+            seen.add(cat)
+        top.set_yticks([])
+        top.set_xlim(0, max(data["wall_s"], 1e-9))
+        top.set_title(f"ETTR {data['ettr']:.1%}: productive {data['productive_s']:.1f} s of "
+                      f"{data['wall_s']:.1f} s wall time, {len(incidents)} incident(s)",
+                      fontsize=9)
+        top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.3), fontsize=7)
+        ys = list(range(len(incidents)))
+        left = [0.0] * len(incidents)
+        for cat in (c for c in ETTR_COLORS if c not in ("productive", "initial_startup")):
+            widths = [i["seconds"].get(cat, 0.0) for i in incidents]
+            mid.barh(ys, widths, left=left, color=ETTR_COLORS[cat], height=0.6,
+                     gid=f"incident:{cat}")
+            left = [a + b for a, b in zip(left, widths, strict=True)]
+        mid.set_yticks(ys, [f"{i['attempt']}: {i['reason']} ({i['class'] or '-'})"
+                            for i in incidents], fontsize=7)
+        mid.invert_yaxis()
+        mid.set_xlabel("unproductive seconds per incident (failed attempt)", fontsize=8)
+        points = data["series"]["points"]
+        low.plot([p[0] for p in points], [p[1] for p in points], color="black",
+                 label="cumulative", gid="series:cumulative")
+        low.plot([p[0] for p in points], [p[2] for p in points], color="tab:green",
+                 linestyle="--", label="last hour (sliding)", gid="series:last_hour")
+        low.set_ylim(0, 1.05)
+        low.set_xlim(0, max(data["wall_s"], 1e-9))
+        low.set_xlabel("seconds since the start of the job")
+        low.set_ylabel("ETTR")
+        low.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+        for ax in (top, mid, low):
+            ax.grid(axis="x", alpha=0.3)
+        fig.subplots_adjust(left=0.2, right=0.78, hspace=0.6)
+        out = Path(path)
+        fig.savefig(out, format="png")
+    finally:
+        plt.close(fig)
+    return out

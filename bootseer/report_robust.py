@@ -5,10 +5,17 @@ Why a separate module: :mod:`bootseer.report` is about startup phases; this read
 traces through :mod:`bootseer.robust.ettr` and only hands tables (title -> header, rows) and
 a JSON-ready dict to it, so the report's own tables and JSON keep their shape.
 
+The chart (``ettr.png``, :func:`bootseer.report_chart.render_ettr`) is drawn from
+``section["chart"]`` (:func:`ettr_chart_data`), which ``report.json`` keeps: the job's wall
+time cut into segments (productive, each incident's parts, recomputation, the initial start-up)
+that add up to the wall time, each incident's split, and the ETTR series (cumulative and over
+the sliding hour).
+
 Usage::
 
     section = robust_section(spans, records)     # {} when the trace holds no run
     for title, (header, rows) in robust_tables(section).items(): ...
+    section["chart"]["segments"][0]              # {"start", "end", "category", "part", ...}
 """
 
 from __future__ import annotations
@@ -17,14 +24,19 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from .robust.ettr import compute_ettr
+from .robust.ettr import EttrReport, compute_ettr
 from .robust.events import Event, Verdict
 from .trace import Span
 
-__all__ = ["MAX_RECORD_ROWS", "robust_section", "robust_tables"]
+__all__ = ["CATEGORIES", "MAX_RECORD_ROWS", "ettr_chart_data", "robust_section",
+           "robust_tables"]
 
 MAX_RECORD_ROWS = 40
+SERIES_POINTS = 300  # points of the ETTR series in the chart
 _PARTS = ("detection", "localization", "teardown")
+#: the chart's categories of wall time, in drawing order
+CATEGORIES = ("productive", "detection", "localization", "teardown", "startup",
+              "recomputation", "other", "initial_startup")
 
 
 def robust_section(spans: Sequence[Span], records: Sequence[Event | Verdict]) -> dict[str, Any]:
@@ -39,7 +51,66 @@ def robust_section(spans: Sequence[Span], records: Sequence[Event | Verdict]) ->
     except ValueError:  # records without spans: nothing to measure
         return doc
     doc["ettr"] = {**ettr.to_dict(), "last_hour": ettr.sliding(3600.0, 60.0)[-1][1]}
+    doc["chart"] = ettr_chart_data(ettr)
     return doc
+
+
+def _category(part: str) -> str:
+    return part if part in (*_PARTS, "other") else "startup"
+
+
+def ettr_chart_data(ettr: EttrReport, points: int = SERIES_POINTS) -> dict[str, Any]:
+    """What the ETTR chart shows, as JSON: ``segments`` covering the job's wall time once
+    (productive time, each incident's parts in order, the recomputation after it, the
+    start-up before the first step as ``initial_startup``), ``incidents`` (each one's seconds
+    by category), ``series`` (time since the start, cumulative ETTR, ETTR of the sliding hour)
+    and ``totals`` (seconds by category; they add up to ``wall_s``)."""
+    segments: list[dict[str, Any]] = [
+        {"start": a, "end": b, "category": "productive", "part": "productive",
+         "incident": None} for a, b in ettr.productive]
+    incidents = []
+    for n, inc in enumerate(ettr.incidents):
+        t, by_category = inc.start, dict.fromkeys(CATEGORIES[1:-1], 0.0)
+        for part, seconds in inc.split().items():
+            end = min(t + seconds, inc.end)
+            if end > t:
+                segments.append({"start": t, "end": end, "category": _category(part),
+                                 "part": part, "incident": n})
+                by_category[_category(part)] += end - t
+            t = end
+        later = [a for a, _ in ettr.productive if a >= inc.end]
+        if inc.recomputation_s and later:  # productive again after the steps are redone
+            end = min(inc.end + inc.recomputation_s, min(later))
+            if end > inc.end:
+                segments.append({"start": inc.end, "end": end, "category": "recomputation",
+                                 "part": "recomputation", "incident": n})
+                by_category["recomputation"] = end - inc.end
+        incidents.append({"incident": n, "attempt": inc.attempt, "reason": inc.reason,
+                          "class": inc.failure_class, "start": inc.start, "end": inc.end,
+                          "seconds": by_category, "total_s": sum(by_category.values())})
+    segments.sort(key=lambda g: g["start"])
+    filled, t = [], ettr.start
+    for seg in segments:  # what no span covers: before the first step, or gaps
+        if seg["start"] > t:
+            first = not any(g["category"] == "productive" for g in filled)
+            filled.append({"start": t, "end": seg["start"],
+                           "category": "initial_startup" if first else "other",
+                           "part": "initial_startup" if first else "other", "incident": None})
+        filled.append(seg)
+        t = max(t, seg["end"])
+    if ettr.end > t:
+        filled.append({"start": t, "end": ettr.end, "category": "other", "part": "other",
+                       "incident": None})
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    for seg in filled:
+        totals[seg["category"]] += seg["end"] - seg["start"]
+    step = max(ettr.wall_s / points, 1e-3)
+    hour = dict(ettr.sliding(3600.0, step))
+    series = [[t - ettr.start, ettr.window(ettr.start, t), v] for t, v in sorted(hour.items())]
+    return {"start": ettr.start, "end": ettr.end, "wall_s": ettr.wall_s,
+            "productive_s": ettr.productive_s, "ettr": ettr.ettr, "segments": filled,
+            "incidents": incidents, "totals": totals,
+            "series": {"columns": ["t_s", "cumulative", "last_hour"], "points": series}}
 
 
 def _s(value: float | None) -> str:

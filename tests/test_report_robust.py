@@ -11,7 +11,26 @@ import pytest
 from robust_helpers import scenario_argv
 from run_helpers import run_wrapper, wrapper_env
 
-from bootseer.robust.ettr import read_ettr
+from bootseer.report_chart import render_ettr
+from bootseer.report_robust import CATEGORIES, ettr_chart_data
+from bootseer.robust.ettr import compute_ettr, read_ettr
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _adds_up(chart: dict) -> None:
+    """The chart's segments cover the wall time once, in order, and agree with the totals,
+    the incidents and ETTR."""
+    segs = chart["segments"]
+    assert segs[0]["start"] == chart["start"] and segs[-1]["end"] == chart["end"]
+    for a, b in zip(segs, segs[1:], strict=False):
+        assert a["end"] == pytest.approx(b["start"])
+    assert sum(chart["totals"].values()) == pytest.approx(chart["wall_s"])
+    assert chart["totals"]["productive"] == pytest.approx(chart["productive_s"])
+    for inc in chart["incidents"]:
+        mine = sum(s["end"] - s["start"] for s in segs if s["incident"] == inc["incident"])
+        assert mine == pytest.approx(inc["total_s"])
+    assert chart["series"]["points"][-1][1] == pytest.approx(chart["ettr"])
 
 
 def test_report_shows_ettr_incidents_and_verdicts(tmp_path):
@@ -48,3 +67,41 @@ def test_report_shows_ettr_incidents_and_verdicts(tmp_path):
             if line.split()[:2] in (["0", "crash"], ["1", "hang"])}
     assert rows["1"][2] == "hang" and rows["1"][3] == f"{hang['split']['detection']:.2f}"
     assert rows["0"][2] == "unknown"
+    # the ETTR chart and the JSON behind it
+    assert f"ettr chart: {out_dir / 'ettr.png'}" in text
+    assert (out_dir / "ettr.png").read_bytes()[:8] == PNG
+    chart = robust["chart"]
+    _adds_up(chart)
+    assert chart["ettr"] == pytest.approx(robust["ettr"]["ettr"])
+    assert [(i["reason"], i["class"]) for i in chart["incidents"]] == [("crash", "unknown"),
+                                                                      ("hang", "hang")]
+    assert chart["incidents"][1]["seconds"]["detection"] == pytest.approx(
+        hang["split"]["detection"])
+
+
+def test_the_ettr_chart_data_of_a_constructed_trace() -> None:
+    """The constructed trace of test_robust_ettr (ETTR 3370/3700): every second placed."""
+    from test_robust_ettr import CRASH, SPANS
+
+    chart = ettr_chart_data(compute_ettr(SPANS, [CRASH], end=3700.0))
+    _adds_up(chart)
+    assert chart["totals"] == {"productive": 3370.0, "detection": 30.0, "localization": 5.0,
+                               "teardown": 17.0, "startup": 128.0, "recomputation": 50.0,
+                               "other": 0.0, "initial_startup": 100.0}
+    assert list(chart["totals"]) == list(CATEGORIES)
+    crash, hang = chart["incidents"]
+    assert crash["seconds"] == {"detection": 0.0, "localization": 0.0, "teardown": 10.0,
+                                "startup": 70.0, "recomputation": 50.0, "other": 0.0}
+    assert (hang["seconds"]["detection"], hang["seconds"]["localization"]) == (30.0, 5.0)
+    redo = [s for s in chart["segments"] if s["category"] == "recomputation"]
+    assert [(s["start"], s["end"], s["incident"]) for s in redo] == [(1080.0, 1130.0, 0)]
+    # the sliding hour drops the first 100 s of start-up at the end
+    assert chart["series"]["points"][-1][2] == pytest.approx(3370 / 3600)
+
+
+def test_the_ettr_chart_is_drawn(tmp_path) -> None:
+    from test_robust_ettr import CRASH, SPANS
+
+    path = render_ettr(ettr_chart_data(compute_ettr(SPANS, [CRASH], end=3700.0)),
+                       tmp_path / "ettr.png")
+    assert path.read_bytes()[:8] == PNG and path.stat().st_size > 10_000

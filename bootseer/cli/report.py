@@ -96,10 +96,22 @@ def cmd_report(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise CliError(f"cannot write {path}: {exc} (choose another place with --out)"
                            ) from None
+    ettr_path = None
+    if report.robust.get("chart"):  # ETTR over time and each incident's split
+        from ..report_chart import render_ettr
+
+        ettr_path = png_path.with_name("ettr.png")
+        try:
+            render_ettr(report.robust["chart"], ettr_path)
+        except OSError as exc:
+            raise CliError(f"cannot write {ettr_path}: {exc} (choose another place with "
+                           "--out)") from None
     print(f"json: {json_path}")
     print(f"chart: {png_path}")
     if report.incidents:
         print(f"timeline: {timeline_path}")
+    if ettr_path is not None:
+        print(f"ettr chart: {ettr_path}")
     return 0
 
 
