@@ -50,6 +50,17 @@ __all__ = ["STEP_WINDOW", "ControllerLink", "ExcludedNode", "descendants", "dump
 STEP_WINDOW = 8  # heartbeats (at most one a second) a rank's step time is measured over
 
 
+def _end(proc: subprocess.Popen[bytes] | None) -> None:
+    """A check process that is still running: terminated (its result is in or too late)."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _address_of(store: Any) -> str | None:
     """``HOST:PORT`` of a TCPStore client (the checks' subprocess connects there)."""
     host, port = getattr(store, "host", None), getattr(store, "port", None)
@@ -233,21 +244,34 @@ class ControllerLink:
                      stop: Callable[[], None] | None = None) -> Verdict | None:
         """The verdict of ``incident``, polled every ``poll_s``; None after ``timeout_s`` or
         when ``pause`` (the supervisor's wait, answering signals) says to stop. An order to
-        run the stop-time checks meanwhile: ``stop`` (kill the command), the checks, and
-        ``timeout_s`` counts again from their end."""
+        run the stop-time checks meanwhile: ``stop`` (kill the command), the checks in a
+        process of their own (up to ``check_timeout_s``), and ``timeout_s`` counts again from
+        their end. The verdict may come before that process has exited: it is not waited
+        for (its result is in)."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            got = self.verdict(incident)
-            if got is not None or time.monotonic() >= deadline:
-                return got
-            if (order := self.check_order(incident)) is not None:
-                if stop is not None:
-                    stop()
-                self.run_check(order)
-                deadline = time.monotonic() + timeout_s
-                continue
-            if pause(self.poll_s) if pause else time.sleep(self.poll_s):
-                return None
+        check: subprocess.Popen[bytes] | None = None
+        check_deadline = 0.0
+        try:
+            while True:
+                got = self.verdict(incident)
+                if got is not None:
+                    return got
+                now = time.monotonic()
+                if check is not None and (check.poll() is not None or now >= check_deadline):
+                    check = _end(check)
+                    deadline = now + timeout_s
+                if check is None and now >= deadline:
+                    return None
+                if check is None and (order := self.check_order(incident)) is not None:
+                    if stop is not None:
+                        stop()
+                    check = self.start_check(order)
+                    check_deadline = time.monotonic() + self.check_timeout_s
+                    continue
+                if pause(self.poll_s) if pause else time.sleep(self.poll_s):
+                    return None
+        finally:
+            _end(check)
 
     # -- stop-time checks ------------------------------------------------------------------
     def check_order(self, incident: int) -> dict[str, Any] | None:
@@ -265,20 +289,16 @@ class ControllerLink:
             return None
         return order
 
-    def run_check(self, order: Mapping[str, Any]) -> int:
+    def start_check(self, order: Mapping[str, Any]) -> subprocess.Popen[bytes]:
         """``bootseer check --store`` on this node, joining the job's other nodes through the
-        store (its result goes to the store itself); its exit code (124: it timed out)."""
+        store (its result goes to the store itself)."""
         incident = int(order["incident"])
         self.checked = max(self.checked, incident)
         argv = [sys.executable, "-m", "bootseer", "check", "--store", str(self.address),
                 "--job", self.job, "--incident", str(incident), "--node", self.node]
         print(f"bootseer: controller: incident {incident}: running the stop-time checks "
               f"with {len(order.get('nodes') or [])} node(s)", file=sys.stderr, flush=True)
-        try:
-            return subprocess.run(argv, timeout=self.check_timeout_s,
-                                  stdin=subprocess.DEVNULL).returncode
-        except subprocess.TimeoutExpired:
-            return 124
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
 
     def answer_check(self, incident: int, result: Mapping[str, Any]) -> None:
         """This node's check result (a :class:`.check.RankResult` as a dict) for the
