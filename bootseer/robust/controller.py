@@ -315,7 +315,10 @@ class Controller:
         self.log(f"incident {incident}: verdict {verdict.action} ({verdict.failure_class})"
                  + (f" nodes {', '.join(verdict.nodes)}" if verdict.nodes else "")
                  + (f" ranks {', '.join(map(str, verdict.ranks))}" if verdict.ranks else "")
-                 + f": {verdict.reason}; {found.reason}")
+                 + f": {verdict.reason}; " + (
+                     f"the fail-slow rounds named {primary.evidence['group']}"
+                     if primary.kind == "fail_slow" and primary.evidence.get("group")
+                     else found.reason))
         return verdict
 
     def _exclude(self, verdict: Verdict) -> None:
