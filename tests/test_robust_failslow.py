@@ -142,6 +142,21 @@ def test_a_jump_stops_the_job_and_clean_checks_restart_it_in_place(store) -> Non
     assert "checks found no faulty node" in verdict.reason
 
 
+def test_a_check_that_cannot_run_is_reported_and_not_waited_for(store) -> None:
+    crash = Event("crash", "unknown", node="n1", time=100.0)
+    ctl, links, _ = _incident(store, crash)
+    assert ctl.step() is None
+    links["n0"].answer_check(1, _result("n0", 0))
+    links["n1"].answer_check(1, _result("n1", 1))
+    links["n2"]._check_failed(1, 2)  # its `bootseer check` exited with 2, no result
+    verdict = ctl.step()  # at once: --check-wait (30 s here) is not waited out
+    assert verdict is not None and verdict.action == "restart_in_place" and verdict.nodes == ()
+    check = verdict.evidence["check"]
+    assert check["errors"] == {"n2": "bootseer check on n2 exited with 2 without a result"}
+    assert check["missing"] == ["n2"] and check["failed"] == []
+    assert "alignment: all 2 ranks bit-identical" in check["text"]  # n0 and n1 compared
+
+
 def test_a_lost_node_is_no_unclear_crash_no_checks(store) -> None:
     crash = Event("crash", "killed_by_signal", node="n0", time=100.0)
     ctl, links, now = _incident(store, crash, answering=("n0", "n1"))  # n2 is gone

@@ -251,18 +251,21 @@ class Controller:
             return None
         nodes = list(opened["check"]["nodes"])
         results: dict[str, RankResult] = {}
+        errors: dict[str, str] = {}
         for node in nodes:
             doc = self._read(self.keys.check_result(node, incident), node)
             try:
-                if doc is not None:
+                if doc is not None and "error" in doc:
+                    errors[node] = str(doc["error"])[:500]
+                elif doc is not None:
                     results[node] = RankResult(**{**doc["result"], "node": node})
             except (KeyError, TypeError) as exc:
                 self._warn(f"{self.keys.check_result(node, incident)}: not a check result "
                            f"({exc})")
         waited = self.clock() - float(opened["check"]["time"])
-        if len(results) < len(nodes) and waited < self.check_wait_s:
+        if len(results) + len(errors) < len(nodes) and waited < self.check_wait_s:
             return None
-        return _check_evidence(results, nodes)
+        return {**_check_evidence(results, nodes), "errors": errors}
 
     # -- the verdict -----------------------------------------------------------------------
     def _close(self, opened: dict[str, Any], answers: dict[str, dict[str, Any]],
@@ -365,6 +368,9 @@ class Controller:
                 processes, _ = _processes({node: answer} if answer else {})
                 samples += processes
                 self.store.delete_key(self.keys.sample(node, asked))
+        # only ranks in training (a step time known): at start-up a rank still loading while
+        # others wait in init_process_group's barrier is not a straggler
+        samples = [p for p in samples if p.rank in step_times]
         event = None
         if step_times or samples:
             event = rounds.round(step_times, now, nodes=nodes, samples=samples)
@@ -440,7 +446,7 @@ def _check_evidence(results: dict[str, RankResult], nodes: list[str]) -> dict[st
             failed.append({"node": by[i].node, "check": "bitwise_alignment",
                            "output": by[i].output_hash, "gradients": by[i].grad_hash,
                            "majority": [out, grad]})
-    return {"nodes": nodes, "missing": [n for n in nodes if n not in results],
+    return {"nodes": nodes, "missing": [n for n in nodes if n not in results],  # or errors
             "failed": failed, "no_majority": bool(report and report.no_majority),
             "text": report.text() if report else "fewer than two nodes answered",
             "results": {n: dataclasses.asdict(r) for n, r in sorted(results.items())}}

@@ -258,8 +258,10 @@ class ControllerLink:
                     return got
                 now = time.monotonic()
                 if check is not None and (check.poll() is not None or now >= check_deadline):
+                    code = check.poll()
                     check = _end(check)
                     deadline = now + timeout_s
+                    self._check_failed(incident, code)
                 if check is None and now >= deadline:
                     return None
                 if check is None and (order := self.check_order(incident)) is not None:
@@ -299,6 +301,16 @@ class ControllerLink:
         print(f"bootseer: controller: incident {incident}: running the stop-time checks "
               f"with {len(order.get('nodes') or [])} node(s)", file=sys.stderr, flush=True)
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+
+    def _check_failed(self, incident: int, code: int | None) -> None:
+        """A check process that ended without its result: said to the controller, which then
+        waits no longer for this node."""
+        if wire.get(self.store, self.keys.check_result(self.node, incident)) is not None:
+            return
+        why = "timed out" if code is None else f"exited with {code} without a result"
+        self.store.set(self.keys.check_result(self.node, incident), wire.encode(
+            {"node": self.node, "incident": incident, "time": time.time(),
+             "error": f"bootseer check on {self.node} {why}"}))
 
     def answer_check(self, incident: int, result: Mapping[str, Any]) -> None:
         """This node's check result (a :class:`.check.RankResult` as a dict) for the
