@@ -21,10 +21,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "controller", help="the job's controller: localize failures across nodes, decide",
         description="Watches the events that every node's agent (bootseer run --controller) "
-                    "publishes in the job's c10d store; on a crash, hang, NaN or slow node "
-                    "it orders every node to dump its stacks, aggregates them, and writes a "
-                    "verdict (suspect ranks, nodes to evict, evidence) that the agents wait "
-                    "for before they stop anything. Stateless: kill it and start it again. "
+                    "publishes in the job's c10d store; on a crash, hang, NaN, loss jump or "
+                    "slow node it orders every node to dump its stacks, aggregates them, and "
+                    "writes a verdict (suspect ranks, nodes to evict, evidence) that the "
+                    "agents wait for before they stop anything. Fail-slow rounds (step times "
+                    "and stack samples) run every --failslow-interval seconds; after a NaN, a "
+                    "jump or an unclear crash every node runs bootseer check before the "
+                    "verdict. Stateless: kill it and start it again. "
                     "With --port it hosts the store (started in a process of its own that "
                     "outlives the controller) unless one already serves that port.",
         epilog="example: bootseer controller --port 29400 --trace-dir /var/lib/bootseer/ctl "
