@@ -274,7 +274,7 @@ class Controller:
         events = [Event.from_doc(d) for d in opened["events"]]
         processes, dumps = _processes(answers)
         found = _break_tie(localize(processes, self.layout), processes, self.layout)
-        primary = min(events, key=lambda e: (_rank_of_cause(e), e.time))
+        primary = _primary(events)
         history = self.verdicts()
         if checked and checked["failed"]:  # a node that fails a check is evicted
             verdict = _check_verdict(primary, checked)
@@ -423,8 +423,7 @@ def _needs_checks(opened: dict[str, Any], missing: list[str]) -> bool:
     """A NaN, a jump or an unclear crash, with every node answering (no node lost)."""
     if missing:
         return False
-    events = [Event.from_doc(d) for d in opened["events"]]
-    primary = min(events, key=lambda e: (_rank_of_cause(e), e.time))
+    primary = _primary([Event.from_doc(d) for d in opened["events"]])
     return primary.kind in ("nonfinite", "spike") or (
         primary.kind == "crash" and primary.failure_class in CHECKED)
 
@@ -460,6 +459,11 @@ def _check_verdict(primary: Event, checked: dict[str, Any]) -> Verdict:
                           f"{why}",
                    evidence={"event": _doc(primary), "rule": "stop_time_check",
                              "on_nodes": list(nodes)})
+
+
+def _primary(events: list[Event]) -> Event:
+    """The incident's cause among its events (see :func:`_rank_of_cause`)."""
+    return min(events, key=lambda e: (_rank_of_cause(e), e.time))
 
 
 def _rank_of_cause(event: Event) -> int:
