@@ -7,6 +7,7 @@ bits)."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import signal
 import time
@@ -194,6 +195,70 @@ def test_a_round_reads_step_times_and_samples_from_the_nodes(store) -> None:
     assert event["evidence"]["rounds"] == [{}] + [{"1": ["outside_collective"]}] * 4
     assert json.loads(store.get(wire.Keys().dump_request))["incident"] == 1
     assert event["evidence"]["step_times_s"] == {"0": 0.5, "1": 0.5, "2": 0.5}
+
+
+def _solo(store, tmp_path: Path, argv: list[str], restarts: int):
+    """One node's ``bootseer run`` machinery (agent, link, supervisor) in this process with
+    the controller in a thread: the agent's side of a NaN or a jump under a controller."""
+    import threading
+
+    from robust_helpers import scenario_env
+    from torch.distributed import TCPStore
+
+    from bootseer.robust.agent import Agent
+    from bootseer.supervise import HangPolicy, RestartPolicy, Supervisor
+    from bootseer.trace import TraceWriter
+
+    link = ControllerLink(store, "solo")
+    link.register()
+    ctl_store = TCPStore("127.0.0.1", store.port, is_master=False,
+                         timeout=datetime.timedelta(seconds=10))
+    ctl = Controller(ctl_store, trace_path=tmp_path / "ctl.jsonl", settle_s=0.2,
+                     failslow_interval_s=0, log=lambda _: None)
+    stop = threading.Event()
+    watcher = threading.Thread(target=ctl.run, args=(stop, 0.1), daemon=True)
+    watcher.start()
+    trace = TraceWriter(tmp_path / "trace", "solo")
+    sup = Supervisor(argv, env=scenario_env(), trace=trace,
+                     restart=RestartPolicy(restarts, backoff_s=0.1), hang=HangPolicy(0.0),
+                     agent=Agent(trace, "solo"), remote=link, remote_wait_s=20)
+    try:
+        code = sup.run()
+    finally:
+        stop.set()
+        watcher.join(10)
+    return code, _records(tmp_path / "ctl.jsonl", "event"), \
+        _records(tmp_path / "ctl.jsonl", "verdict"), sup
+
+
+def test_a_jump_goes_to_the_controller_which_stops_the_job(store, tmp_path: Path) -> None:
+    from robust_helpers import scenario_argv
+
+    code, events, verdicts, sup = _solo(store, tmp_path, scenario_argv("spike", 60, 8), 0)
+    assert code == 128 + signal.SIGKILL  # stopped on the verdict (no restarts allowed)
+    assert [(e["kind"], e["step"], e["evidence"]["value"]) for e in events] == [
+        ("spike", 8, 10.0)]
+    assert [(v["class"], v["action"]) for v in verdicts] == [("spike", "restart_in_place")]
+    assert "stopped at the jump: resume from the last checkpoint" in verdicts[0]["reason"]
+    assert sup.attempts[0].reason == "verdict"  # not a crash: the controller's order
+    dumps = verdicts[0]["evidence"]["dumps"]["solo"]
+    assert dumps["sources"] == ["py-spy"] and dumps["ranks"] == [0]  # dumped alive
+
+
+def test_a_nan_goes_to_the_controller_and_its_verdict_restarts(store, tmp_path: Path) -> None:
+    from robust_helpers import scenario_argv
+
+    argv = scenario_argv("nan-once", tmp_path / "count", 4)
+    code, events, verdicts, sup = _solo(store, tmp_path, argv, 1)
+    assert code == 0  # the second attempt finished
+    assert [(e["kind"], e["step"], e["evidence"]) for e in events] == [
+        ("nonfinite", 4, {"loss": "nan"})]
+    assert [(v["class"], v["action"]) for v in verdicts] == [("nonfinite", "restart_in_place")]
+    assert [(a.reason, a.code) for a in sup.attempts] == [("nonfinite", 128 + signal.SIGKILL),
+                                                          ("exited", 0)]
+    mine = _records(tmp_path / "trace" / "solo.jsonl", "verdict")
+    assert [(v["action"], v["evidence"].get("from")) for v in mine] == [
+        ("restart_in_place", "controller")]  # the node's own policy did not decide
 
 
 # -- on the cluster ---------------------------------------------------------------------------

@@ -293,8 +293,9 @@ class Controller:
             if verdict.action == "continue":  # a jump stopped the job: resume it
                 verdict = dataclasses.replace(
                     verdict, action="restart_in_place",
-                    reason=f"{verdict.reason}; the job was stopped at the jump and the checks "
-                           "found no faulty node: resume from the last checkpoint")
+                    reason=f"{verdict.reason}; the job was stopped at the jump" + (
+                        " and the checks found no faulty node" if checked else "")
+                    + ": resume from the last checkpoint")
         if checked is not None:
             verdict = dataclasses.replace(verdict, evidence={**verdict.evidence,
                                                              "check": checked})
