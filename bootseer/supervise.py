@@ -370,6 +370,8 @@ class Supervisor:
             self._stop_check(self._signals.wait(left))
         self._reap()
         reason = previous.reason if previous.reason in ("hang", "nonfinite") else "crash"
+        if previous.reason == "verdict":  # stopped on the controller's order (a slow node, a
+            reason = "controller"         # jump, a hang elsewhere), not a crash of its own
         detail: dict[str, Any] = {"reason": reason, "exit_code": previous.code}
         if previous.code > 128 and previous.reason in ("signaled", "hang"):
             detail["signal"] = _signal_name(previous.code - 128)

@@ -112,3 +112,19 @@ def test_the_trace_of_a_real_bootseer_run(tmp_path):
         assert sum(incident.split().values()) == pytest.approx(incident.end - incident.start)
     assert report.productive_s + sum(i.end - i.start for i in report.incidents) == (
         pytest.approx(report.wall_s - (readies[0] - report.start)))
+
+
+def test_an_attempt_stopped_by_the_controller_takes_the_verdicts_class():
+    """A slow node is the controller's finding: the node's trace holds only its verdict."""
+    from bootseer.robust.events import Verdict
+
+    spans = [span("first_step", 0, 10, 0, rank=0),
+             span("controller_stop", 50, 52, 0, detected_at=50.0, dumped_at=50.5,
+                  decided_at=51.0, killed_at=52.0),
+             span("restart", 53, 54, 1, reason="controller", exited_at=52.0),
+             span("first_step", 54, 60, 1, rank=0)]
+    verdict = Verdict("replace_and_restart", "fail_slow", nodes=("node-2",), time=51.0,
+                      evidence={"from": "controller", "local": "restart"})
+    incident, = compute_ettr(spans, [verdict], end=100.0).incidents
+    assert (incident.reason, incident.failure_class, incident.start, incident.end) == (
+        "controller", "fail_slow", 52.0, 60.0)

@@ -122,10 +122,20 @@ class EttrReport:
 
 def _incident_event(records: Sequence[Event | Verdict], start: float, end: float
                     ) -> Event | None:
-    """The first detector event of an attempt's life (between its start and its restart)."""
+    """The first detector event of an attempt's life (between its start and its restart);
+    without one, the controller's verdict that stopped it (a slow node or a hang elsewhere
+    is the controller's finding: the node's trace holds only the verdict)."""
     events = [r for r in records if isinstance(r, Event) and start <= r.time <= end
-              and r.kind in ("crash", "hang", "nonfinite", "fail_slow", "health")]
-    return min(events, key=lambda e: e.time, default=None)
+              and r.kind in ("crash", "hang", "nonfinite", "spike", "fail_slow", "health")]
+    if events:
+        return min(events, key=lambda e: e.time)
+    verdicts = [r for r in records if isinstance(r, Verdict) and start <= r.time <= end
+                and r.evidence.get("from") == "controller"]
+    first = min(verdicts, key=lambda v: v.time, default=None)
+    return None if first is None else Event(
+        first.failure_class if first.failure_class in ("fail_slow", "hang", "spike",
+                                                       "nonfinite") else "crash",
+        first.failure_class, time=first.time, evidence={"from": "controller"})
 
 
 def _recomputation(event: Event | None) -> float | None:
