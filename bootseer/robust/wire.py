@@ -22,6 +22,10 @@ key                            writer    value
 ``ctl/seen/<n>``               ctl       the last event of node n the controller consumed
 ``ctl/open``                   ctl       the incident being localized (resumed after a restart)
 ``excluded``                   ctl       ``{"nodes": [...]}``: evicted nodes
+``version/<id>``               publish   a :class:`~.update.Version` (immutable once written)
+``version/current``            publish   the version to run next (:class:`~.update.Published`)
+``version/at/<E>``             agents    the version every node runs after incident E (first wins)
+``version/running``            agents    the newest ``version/at/<E>``
 =============================  ========  ============================================
 """
 
@@ -79,6 +83,20 @@ class Keys:
 
     def seen(self, node: str) -> str:
         return f"{self.prefix}ctl/seen/{node}"
+
+    def version(self, version_id: str) -> str:
+        return f"{self.prefix}version/{version_id}"
+
+    @property
+    def version_current(self) -> str:
+        return f"{self.prefix}version/current"
+
+    @property
+    def version_running(self) -> str:
+        return f"{self.prefix}version/running"
+
+    def version_at(self, epoch: int) -> str:
+        return f"{self.prefix}version/at/{epoch}"
 
 
 def encode(doc: dict[str, Any], limit: int = MAX_RECORD_BYTES) -> bytes:
