@@ -314,13 +314,18 @@ def test_a_damaged_current_record_keeps_the_running_version(store, tmp_path) -> 
     version, pin = versions.resolve(1)  # the next epoch: refused, v2 kept
     assert (version.id, pin.updated, pin.epoch) == ("v2", False, 1)
     assert any("bootseer/damaged/version/current: not a published record" in s for s in said)
-    gone = update.NodeVersions(store, "n1", job="gone")
+    # a version whose code is not on this node: bootseer run refuses to start it
     store.set(wire.Keys("gone").version("v2"), json.dumps(
         {"id": "v2", "workdir": str(tmp_path / "missing"), "env": {}}))
     store.set(wire.Keys("gone").version_current, json.dumps({"id": "v2", "seq": 1}))
-    with pytest.raises(update.VersionError, match="its workdir .*missing does not exist on "
-                                                  "node n1"):
-        gone.resolve(0)
+    run = _bootseer("run", "--controller", f"127.0.0.1:{store.port}", "--job", "gone",
+                    "--node", "n1", "--state-dir", str(tmp_path / "state"), "--trace-dir",
+                    str(tmp_path / "trace"), "--min-free-disk", "0", "--min-free-memory", "0",
+                    "--", "touch", str(tmp_path / "ran"))
+    assert run.returncode == 2, run.stderr
+    assert f"version 'v2': its workdir {tmp_path}/missing does not exist on node n1" in \
+        run.stderr
+    assert not (tmp_path / "ran").exists()
 
 
 def test_after_a_rollback_a_second_failure_escalates_as_the_table_says(store) -> None:
