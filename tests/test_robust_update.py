@@ -373,3 +373,17 @@ def test_after_a_rollback_a_second_failure_escalates_as_the_table_says(store) ->
     second = incident(2)
     assert (second.action, second.failure_class) == ("stop", "user_error")
     assert "update" not in second.evidence
+
+
+def test_a_publication_between_two_nodes_restarts_never_mixes_versions(store) -> None:
+    """The race the pin exists for: node0 starts epoch 1, v3 is published, node1 starts
+    epoch 1: both run v2; v3 waits for the next epoch, where both run it."""
+    job = "race"
+    update.publish(store, job, update.Version("v2", env={"A": "2"}))
+    n0, n1 = (update.NodeVersions(store, n, job=job) for n in ("n0", "n1"))
+    assert n0.resolve(1)[0].id == "v2"
+    update.publish(store, job, update.Version("v3", env={"A": "3"}), urgent=True)
+    version, pin = n1.resolve(1)
+    assert (version.id, dict(version.env), pin.node) == ("v2", {"A": "2"}, "n0")
+    assert [n.resolve(2)[0].id for n in (n1, n0)] == ["v3", "v3"]
+    assert update.running(store, wire.Keys(job)).previous == "v2"
