@@ -250,9 +250,11 @@ class Controller:
         answers = {n: self._read(self.keys.dump(n, incident), n, wire.MAX_DUMP_BYTES)
                    for n in expected}
         missing = [n for n, a in answers.items() if a is None]
-        if waited < self.settle_s or (missing and waited < self.dump_wait_s):
+        update_only = bool(opened.get("update")) and not opened["events"]  # nothing to settle
+        if (waited < self.settle_s and not update_only) or (missing and
+                                                            waited < self.dump_wait_s):
             return None
-        if not missing and "answered_at" not in opened:
+        if not missing and not update_only and "answered_at" not in opened:
             # one more pass: an event a node published just before its answer is read first
             opened["answered_at"] = self.clock()
             self.store.set(self.keys.open, wire.encode(opened, wire.MAX_DUMP_BYTES))
