@@ -28,7 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "verdict (suspect ranks, nodes to evict, evidence) that the agents wait "
                     "for before they stop anything. Stateless: kill it and start it again. "
                     "With --port it hosts the store (started in a process of its own that "
-                    "outlives the controller) unless one already serves that port.",
+                    "outlives the controller) unless one already serves that port. "
+                    "'bootseer controller publish' publishes a new version of the job's code "
+                    "or environment (see its --help).",
         epilog="example: bootseer controller --port 29400 --trace-dir /var/lib/bootseer/ctl "
                "--exclusion /var/lib/bootseer/excluded.json; then on every node: bootseer "
                "run --controller HOST:29400 -- torchrun --rdzv-backend c10d --rdzv-endpoint "
