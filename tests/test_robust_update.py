@@ -387,3 +387,26 @@ def test_a_publication_between_two_nodes_restarts_never_mixes_versions(store) ->
     assert (version.id, dict(version.env), pin.node) == ("v2", {"A": "2"}, "n0")
     assert [n.resolve(2)[0].id for n in (n1, n0)] == ["v3", "v3"]
     assert update.running(store, wire.Keys(job)).previous == "v2"
+
+
+def test_a_restarted_controller_finishes_an_update_incident_and_never_reopens_it(store) -> None:
+    job = "resume"
+    links = [ControllerLink(store, n, job=job) for n in ("n0", "n1")]
+    for link in links:
+        link.register()
+    versions = [update.NodeVersions(store, link.node, job=job) for link in links]
+    assert versions[0].resolve(0)[0].id == "base"  # the job runs: epoch 0 is pinned
+    update.publish(store, job, update.Version("v2", env={"A": "2"}), urgent=True)
+    first = Controller(store, job=job, log=lambda _: None)
+    assert first.step() is None  # the update incident is opened
+    order = links[0].dump_order(force=True)
+    assert (order["incident"], order["update"]) == (1, "v2")
+    del first  # "killed" before any node answered
+    for link in links:
+        link.answer(1, [])
+    second = Controller(store, job=job, log=lambda _: None)
+    verdict = second.step()
+    assert (verdict.action, verdict.failure_class) == ("restart_in_place", "update")
+    assert verdict.evidence["answered"] == ["n0", "n1"]
+    assert [v.resolve(1)[0].id for v in versions] == ["v2", "v2"]
+    assert second.step() is None and int(store.add(wire.Keys(job).incident, 0)) == 1
