@@ -41,13 +41,21 @@ node, attempt = os.environ["BOOTSEER_NODE"], os.environ["BOOTSEER_ATTEMPT"]
 record = {"node": node, "attempt": int(attempt), "version": os.environ.get("BOOTSEER_VERSION"),
           "code": Path(__file__).resolve().parent.name, "flavour": os.environ.get("FLAVOUR"),
           "incident": os.environ.get("BOOTSEER_INCIDENT")}
-(out / f"start-{node}-{attempt}.json").write_text(json.dumps(record))
+
+
+def put(name, text):  # atomic: the test polls these files
+    tmp = out / f".{name}.{os.getpid()}"
+    tmp.write_text(text)
+    os.replace(tmp, out / name)
+
+
+put(f"start-{node}-{attempt}.json", json.dumps(record))
 step = 0
 while True:
     bootseer.heartbeat(step)
     if step == 0:
         bootseer.ready()
-    (out / f"step-{node}-{attempt}").write_text(str(step))
+    put(f"step-{node}-{attempt}", str(step))
     if BAD and step == 1:
         raise ValueError(f"version {record['version']} cannot read its config")
     if (out / f"crash-{node}-{attempt}").exists():
@@ -56,7 +64,7 @@ while True:
         break
     time.sleep(0.1)
     step += 1
-(out / f"done-{node}-{attempt}.json").write_text(json.dumps({**record, "steps": step}))
+put(f"done-{node}-{attempt}.json", json.dumps({**record, "steps": step}))
 '''
 
 
