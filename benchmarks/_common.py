@@ -127,6 +127,40 @@ def final_table(report: dict[str, Any], rows: list[list[str]]) -> list[str]:
     return table
 
 
+def write_report_json(results_dir: Path, suite: str, report: dict[str, Any]) -> None:
+    """``DIR/<suite>.json``, stamped with the time it was finished."""
+    import datetime
+
+    results_dir.mkdir(parents=True, exist_ok=True)
+    report["finished"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    (results_dir / f"{suite}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def repeat_args(prog: str, doc: str, suite: str, full: int, quick: int,
+                argv: list[str] | None) -> Any:
+    """The command line of a suite that repeats rounds: ``--results``, ``--quick``,
+    ``--repeat`` (at least 1; resolved to ``full`` or ``quick`` when not given)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    parser.add_argument("--results", default="bench-results", help=f"for {suite}.json/.md")
+    parser.add_argument("--quick", action="store_true", help=f"{quick} round(s): smoke")
+    parser.add_argument("--repeat", type=int, help=f"rounds ({full}; quick {quick})")
+    args = parser.parse_args(argv)
+    if args.repeat is not None and args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: give at least 1 round")
+    args.repeat = args.repeat or (quick if args.quick else full)
+    return args
+
+
+def load_text(machine: dict[str, Any]) -> str:
+    """The load averages (1, 5, 15 min) before the run, and after it when known."""
+    load = ", ".join(f"{x:.2f}" for x in machine["load_before"])
+    if "load_after" in machine:
+        load += f" before, {', '.join(f'{x:.2f}' for x in machine['load_after'])} after"
+    return load
+
+
 def cache_dir() -> Path:
     """The suites' cache and work directory: ``BOOTSEER_BENCH_CACHE``, else
     ``~/.cache/bootseer-bench``."""

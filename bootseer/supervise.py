@@ -37,6 +37,11 @@ What it does, and why:
   the command is killed only once its verdict came (or ``remote_wait_s`` passed), or when the
   controller orders the stop-time checks (they run on the stopped node), or at once for a NaN;
   the verdict decides stop or restart (this node evicted: stop).
+* With ``versions`` (:class:`bootseer.robust.update.NodeVersions`, beside a ``remote``) every
+  attempt runs the version pinned for its epoch (the newest incident with a verdict): its
+  variables in the command's environment, its code directory as the working directory. An
+  update incident (urgent, or its window passed) restarts the command at the next heartbeat
+  after the verdict; such a restart has no backoff and does not count as a failure.
 
 No configuration lives here: :mod:`bootseer.cli.run` turns the configuration into the policies
 and the hook.
@@ -104,8 +109,8 @@ class HangPolicy:
 @dataclass
 class AttemptEnd:
     """How an attempt ended: ``reason`` is exited, signaled, hang, nonfinite (a NaN/Inf
-    heartbeat), stopped (a stop signal came) or not-started (the command could not be
-    executed)."""
+    heartbeat), stopped (a stop signal came), update (stopped for a version update) or
+    not-started (the command could not be executed)."""
 
     attempt: int
     code: int
@@ -118,6 +123,8 @@ class AttemptEnd:
             return "a hang"
         if self.reason == "nonfinite":
             return "a NaN/Inf"
+        if self.reason == "update":
+            return "a restart for a version update"
         if self.code > 128 and self.reason in ("signaled", "stopped"):
             return f"signal {_signal_name(self.code - 128)}"
         return f"exit code {self.code}"
@@ -240,7 +247,7 @@ class Supervisor:
                  ready_file: str | os.PathLike | None = None,
                  before_attempt: Callable[[int], Mapping[str, str] | None] | None = None,
                  kill_grace_s: float = 5.0, agent: Any = None, tail_lines: int = 200,
-                 remote: Any = None, remote_wait_s: float = 30.0,
+                 remote: Any = None, remote_wait_s: float = 30.0, versions: Any = None,
                  log: Callable[[str], None] = _stderr) -> None:
         if not command:
             raise ValueError("nothing to run: the command is empty")
@@ -261,6 +268,7 @@ class Supervisor:
         # a bootseer.robust.remote.ControllerLink (needs the agent), or None: the node alone
         self.remote = remote if agent is not None else None
         self.remote_wait_s = remote_wait_s
+        self.versions = versions if self.remote is not None else None
         self.tail = OutputTail(tail_lines) if agent is not None and tail_lines > 0 else None
         self.attempts: list[AttemptEnd] = []
         self._signals: _Signals | None = None
@@ -303,7 +311,7 @@ class Supervisor:
                 self.log(f"stopping after {end.describe()} (attempt {attempt}): the verdict "
                          f"is not to restart")
                 return end.code
-            if attempt >= self.restart.max_restarts:
+            if end.reason != "update" and self._failures() > self.restart.max_restarts:
                 self.log(f"command failed with {end.describe()}; no restarts left "
                          f"({self.restart.max_restarts} allowed)")
                 return end.code
@@ -360,16 +368,25 @@ class Supervisor:
             if sig in STOP_SIGNALS:
                 raise StopRequested(sig)
 
+    def _failures(self) -> int:
+        """Attempts that failed (a restart for a version update is none)."""
+        return sum(1 for a in self.attempts if a.reason != "update")
+
     def _backoff(self, attempt: int, previous: AttemptEnd) -> None:
-        delay = self.restart.delay(attempt)
-        self.log(f"command failed with {previous.describe()}; restart {attempt}/"
-                 f"{self.restart.max_restarts} in {delay:.1f}s")
+        if previous.reason == "update":
+            delay = 0.0
+            self.log(f"restarting on the updated version (attempt {attempt})")
+        else:
+            delay = self.restart.delay(self._failures())
+            self.log(f"command failed with {previous.describe()}; restart {self._failures()}/"
+                     f"{self.restart.max_restarts} in {delay:.1f}s")
         start = time.time()
         deadline = time.monotonic() + delay
         while (left := deadline - time.monotonic()) > 0:
             self._stop_check(self._signals.wait(left))
         self._reap()
-        reason = previous.reason if previous.reason in ("hang", "nonfinite") else "crash"
+        reason = previous.reason if previous.reason in ("hang", "nonfinite", "update") else \
+            "crash"
         if previous.reason == "verdict":  # stopped on the controller's order (a slow node, a
             reason = "controller"         # jump, a hang elsewhere), not a crash of its own
         detail: dict[str, Any] = {"reason": reason, "exit_code": previous.code}
@@ -409,13 +426,38 @@ class Supervisor:
         except OSError:
             pass
 
+    def _version(self, attempt: int) -> Any:
+        """The version of this attempt's epoch (None without ``versions``), said in a line
+        and written to the trace as an ``update`` event."""
+        if self.versions is None:
+            return None
+        from .robust.events import Event
+        from .robust.update import describe
+
+        version, pin = self.versions.resolve(self.remote.answered)
+        line = describe(pin, version)
+        self.log(f"attempt {attempt} runs {line}")
+        if self.agent is not None:
+            self.agent.write(Event("update", "version", node=self.node, time=time.time(),
+                                   evidence={"message": line, "version": pin.id,
+                                             "previous": pin.previous, "updated": pin.updated,
+                                             "cause": pin.cause, "epoch": pin.epoch,
+                                             "attempt": attempt, "workdir": version.workdir,
+                                             "env": sorted(version.env)}))
+        return version
+
     def _attempt(self, attempt: int, started: float, extra: Mapping[str, str]) -> AttemptEnd:
         self._clear_control()
+        version = self._version(attempt)
         env = self._child_env(attempt, extra)
+        if version is not None:
+            env.update(version.env)
+            env["BOOTSEER_VERSION"] = version.id
         spawn_start = time.time()
         pipes = self._output_pipes()
         try:
             self._child = subprocess.Popen(self.command, env=env, process_group=0,
+                                           cwd=version.workdir if version else None,
                                            stdout=pipes[0][1] if pipes else None,
                                            stderr=pipes[1][1] if pipes else None)
         except OSError as exc:  # nothing ran: retrying would fail the same way
@@ -488,8 +530,9 @@ class Supervisor:
                 return end
             if self.remote is not None and self._stopping is None:
                 self.remote.beat(attempt, watch.ranks)
-                if order := self.remote.dump_order():
-                    return self._on_order(attempt, pid, watch, order, started)
+                if (order := self.remote.dump_order()) and (
+                        end := self._on_order(attempt, pid, watch, order, started)):
+                    return end
             if timeout > 0 and self._stopping is None:
                 if watch.last_change is None:
                     silent, limit = time.monotonic() - spawned, max(timeout, self.hang.startup_s)
@@ -587,9 +630,10 @@ class Supervisor:
             self.remote.publish(event)
             self.agent.write(event)
             order = self._wait_order()
-            if order is not None:
-                return self._on_order(attempt, pid, watch, order, started, event=event,
-                                      since=hang_start, detected=detected)
+            if order is not None and (end := self._on_order(
+                    attempt, pid, watch, order, started, event=event, since=hang_start,
+                    detected=detected)):
+                return end
             self.log("the controller ordered no dump: the node acts alone")
         sizes = self._request_dumps(pid, everyone=True)
         grown = self._wait_dumps(sizes)
@@ -664,10 +708,13 @@ class Supervisor:
 
     def _on_order(self, attempt: int, pid: int, watch: _Progress, order: dict[str, Any],
                   started: float, *, event: Any = None, since: float | None = None,
-                  detected: float | None = None) -> AttemptEnd:
+                  detected: float | None = None) -> AttemptEnd | None:
         """Dump every process of this node's ranks (py-spy; else SIGUSR1 stack files), hand
         them to the controller, wait for its verdict, and only then kill the command."""
         from .robust.remote import dump_ranks
+
+        if order.get("update"):
+            return self._on_update(attempt, pid, watch, order)
 
         incident = int(order["incident"])
         detected = detected or time.time()
@@ -716,6 +763,35 @@ class Supervisor:
             self._note_verdict(verdict, attempt)
             detail.update(verdict=verdict, remote=True)
         return AttemptEnd(attempt, code, "hang" if hang else "verdict", pid, detail)
+
+    def _on_update(self, attempt: int, pid: int, watch: _Progress,
+                   order: dict[str, Any]) -> AttemptEnd | None:
+        """An update incident: nothing to dump; after its verdict the command is stopped at
+        a step boundary (its next heartbeat, at most ``remote_wait_s`` away) and restarted
+        on the new version. No verdict: it runs on, on the version it has (never mixed)."""
+        incident = int(order["incident"])
+        self.log(f"controller: incident {incident}: {order.get('reason')}")
+        self.remote.answer(incident, [])
+        verdict = self.remote.wait_verdict(incident, self.remote_wait_s, self._pause)
+        if verdict is None:
+            self.log(f"no verdict for incident {incident}: the command runs on")
+            return None
+        decided, step = time.time(), watch.last_step
+        deadline = time.monotonic() + self.remote_wait_s
+        while watch.last_step == step and time.monotonic() < deadline:
+            if self._pause(0.05) or self._reap():
+                break
+            watch.scan()
+        self._signal_group(pid, signal.SIGKILL)
+        self._wait_child(5.0)
+        code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
+        killed = time.time()
+        self._record("controller_stop", decided, killed, attempt=attempt, outcome="killed",
+                     incident=incident, update=order["update"], last_step=watch.last_step,
+                     step_before=step, pid=pid, decided_at=decided, killed_at=killed)
+        self._note_verdict(verdict, attempt)
+        return AttemptEnd(attempt, code, "update", pid,
+                          {"verdict": verdict, "remote": True, "exited_at": killed})
 
     def _keep_dumps(self, processes: list[dict[str, Any]], incident: int) -> list[Path]:
         """Each dump also as a file in the trace directory (evidence that outlives the

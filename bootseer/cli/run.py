@@ -76,6 +76,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         detector = HangDetector(None, initial_s=hang.startup_s)
     agent = Agent(trace, node, hang=detector, max_no_progress=cfg.restart.max_no_progress)
     remote = _controller_link(cfg, node)
+    versions = None
+    if remote is not None:  # what each attempt runs: the version pinned for its epoch
+        from ..robust.update import NodeVersions
+
+        versions = NodeVersions(remote.store, node, job=cfg.controller.job,  # type: ignore[attr-defined]
+                                log=lambda line: print(f"bootseer: {line}", file=sys.stderr,
+                                                       flush=True))
 
     supervisor = Supervisor(
         command, env=base_env, trace=trace, node=node, dump_dir=trace.dir,
@@ -83,7 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         restart=RestartPolicy(cfg.restart.max_restarts, cfg.restart.backoff_s,
                               cfg.restart.backoff_max_s),
         hang=hang, agent=agent, tail_lines=cfg.run.log_tail_lines, remote=remote,
-        remote_wait_s=cfg.controller.wait_s)
+        remote_wait_s=cfg.controller.wait_s, versions=versions)
     try:
         code = supervisor.run()
     except CliError as exc:  # a startup phase failed: the job does not start

@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import wire
+from . import update, wire
 from .check import CheckReport, RankResult
 from .events import Event, Verdict, write_record
 from .failslow import COLLECTIVE_FILE, FailSlowRounds
@@ -75,6 +75,7 @@ class Controller:
                  layout: Mapping[str, Sequence[Sequence[int]]] | None = None,
                  dump_wait_s: float = 10.0, settle_s: float = 1.0,
                  failslow_interval_s: float = 10.0, check_wait_s: float = 180.0,
+                 update_recent_s: float = 3600.0,
                  log: Callable[[str], None] = _say, clock: Callable[[], float] = time.time
                  ) -> None:
         self.store = store
@@ -84,6 +85,7 @@ class Controller:
         self.layout = layout
         self.dump_wait_s = dump_wait_s
         self.settle_s = settle_s
+        self.update_recent_s = update_recent_s  # a failure this soon after an update: its
         self.log = log
         self.clock = clock
         self.failslow_interval_s = failslow_interval_s
@@ -181,6 +183,7 @@ class Controller:
                 self._flush_cursors()
                 event = self._failslow_round(excluded)
                 if event is None:
+                    self._force_update()
                     return None
                 actionable = [event]
             opened = self._open(actionable)
@@ -208,12 +211,59 @@ class Controller:
                   "events": [_doc(e) for e in events]}
         self.store.set(self.keys.open, wire.encode(opened, wire.MAX_DUMP_BYTES))
         self._flush_cursors()
-        self.store.set(self.keys.dump_request, wire.encode(
-            {"incident": incident, "time": now, "reason": reason}))
+        self._order(opened)
         self.log(f"incident {incident}: {reason}; every node ordered to dump its stacks")
         for event in events:
             self._write(event)
         return opened
+
+    def _order(self, opened: dict[str, Any]) -> None:
+        """``dump/request`` for an open incident (an update's says so: nothing to dump)."""
+        order = {k: opened[k] for k in ("incident", "time", "reason", "update") if k in opened}
+        self.store.set(self.keys.dump_request, wire.encode(order))
+
+    # -- versions (:mod:`.update`) ------------------------------------------------------------
+    def _epoch(self) -> int:
+        last = self._read(self.keys.verdict_last)
+        return int(last["incident"]) if last else 0
+
+    def _force_update(self) -> None:
+        """A published version that is urgent or past its window, and not run yet, opens an
+        update incident: every node restarts on it (the path of a verdict, without dumps)."""
+        try:
+            published = update.current(self.store, self.keys)
+            pin = update.running(self.store, self.keys, self._epoch())
+        except update.VersionError as exc:
+            self._warn(str(exc))
+            return
+        why = published.due(self.clock()) if published else None
+        if why is None or published.forced is not None or pin is None or pin.id == published.id:
+            return  # lazy, already ordered, nodes (re)starting, or applied
+        incident = int(self.store.add(self.keys.incident, 1))
+        if not update.mark_forced(self.store, self.keys, published, incident):
+            return  # published again meanwhile: the next pass sees the new one
+        when = ("published urgent" if why == "urgent" else
+                f"not run {published.window_s:g} s after its publication")
+        reason = f"version {published.id} {when}: every node restarts on it (from {pin.id})"
+        opened = {"incident": incident, "time": self.clock(), "reason": reason, "events": [],
+                  "update": published.id}
+        self.store.set(self.keys.open, wire.encode(opened, wire.MAX_DUMP_BYTES))
+        self._order(opened)
+        self.log(f"incident {incident}: {reason}")
+
+    def _updated_pin(self, failed_at: float) -> update.Pin | None:
+        """The version the failed epoch runs when a publish brought it in (within
+        ``update_recent_s``) and nothing newer was published: the one to roll back."""
+        try:
+            pin = update.running(self.store, self.keys, self._epoch())
+            published = update.current(self.store, self.keys)
+        except update.VersionError as exc:
+            self._warn(str(exc))
+            return None
+        if (pin is None or not pin.updated or pin.cause != "publish" or published is None
+                or published.id != pin.id or failed_at - pin.time > self.update_recent_s):
+            return None
+        return pin
 
     def _maybe_close(self, opened: dict[str, Any], excluded: set[str]) -> Verdict | None:
         self._flush_cursors()
@@ -223,9 +273,11 @@ class Controller:
         answers = {n: self._read(self.keys.dump(n, incident), n, wire.MAX_DUMP_BYTES)
                    for n in expected}
         missing = [n for n, a in answers.items() if a is None]
-        if waited < self.settle_s or (missing and waited < self.dump_wait_s):
+        update_only = bool(opened.get("update")) and not opened["events"]  # nothing to settle
+        if (waited < self.settle_s and not update_only) or (missing and
+                                                            waited < self.dump_wait_s):
             return None
-        if not missing and "answered_at" not in opened:
+        if not missing and not update_only and "answered_at" not in opened:
             # one more pass: an event a node published just before its answer is read first
             opened["answered_at"] = self.clock()
             self.store.set(self.keys.open, wire.encode(opened, wire.MAX_DUMP_BYTES))
@@ -271,25 +323,33 @@ class Controller:
     def _close(self, opened: dict[str, Any], answers: dict[str, dict[str, Any]],
                missing: list[str], checked: dict[str, Any] | None = None) -> Verdict:
         incident = int(opened["incident"])
+        if opened.get("update") and not opened["events"]:
+            return self._finish(incident, Verdict(
+                "restart_in_place", "update", reason=opened["reason"], time=self.clock(),
+                evidence={"incident": incident, "reason": opened["reason"],
+                          "update": {"version": opened["update"]}, "answered": sorted(answers),
+                          "missing_dumps": missing, "controller_pid": os.getpid()}))
         events = [Event.from_doc(d) for d in opened["events"]]
         processes, dumps = _processes(answers)
         found = _break_tie(localize(processes, self.layout), processes, self.layout)
         primary = _primary(events)
         history = self.verdicts()
+        pin = self._updated_pin(primary.time)
         if checked and checked["failed"]:  # a node that fails a check is evicted
             verdict = _check_verdict(primary, checked)
         elif primary.kind == "fail_slow" and primary.evidence.get("group_nodes"):
             ev = primary.evidence  # the rounds named the group
             verdict = decide(dataclasses.replace(primary, node=None, rank=None),
                              suspect_nodes=tuple(ev["group_nodes"]),
-                             suspect_ranks=tuple(ev.get("group_ranks") or ()), history=history)
+                             suspect_ranks=tuple(ev.get("group_ranks") or ()), history=history,
+                             recent_update=pin is not None)
         elif primary.kind in ("hang", "fail_slow"):  # every rank may look hung: stacks decide
             anonymous = dataclasses.replace(primary, node=None, rank=None)
             verdict = decide(anonymous, suspect_nodes=found.domain_nodes or found.suspect_nodes,
                              suspect_ranks=found.domain_ranks or found.suspects,
-                             history=history)
+                             history=history, recent_update=pin is not None)
         else:
-            verdict = decide(primary, history=history)
+            verdict = decide(primary, history=history, recent_update=pin is not None)
             if verdict.action == "continue":  # a jump stopped the job: resume it
                 verdict = dataclasses.replace(
                     verdict, action="restart_in_place",
@@ -299,6 +359,12 @@ class Controller:
         if checked is not None:
             verdict = dataclasses.replace(verdict, evidence={**verdict.evidence,
                                                              "check": checked})
+        if verdict.action == "rollback" and pin is not None:  # published before the verdict,
+            back = update.roll_back(self.store, self.keys, pin, incident, self.clock())
+            verdict = dataclasses.replace(  # so the agents restart on it
+                verdict, reason=f"{verdict.reason}: version {pin.id} rolled back to {back.id}",
+                evidence={**verdict.evidence, "update": {"failed": pin.id, "rolled_back_to":
+                                                         back.id, "epoch": pin.epoch}})
         evidence = {**verdict.evidence, "incident": incident, "reason": opened["reason"],
                     "events": opened["events"], "primary": _doc(primary),
                     "localization": {"suspects": list(found.suspects),
@@ -307,6 +373,13 @@ class Controller:
                                      **found.evidence},
                     "dumps": dumps, "missing_dumps": missing, "controller_pid": os.getpid()}
         verdict = dataclasses.replace(verdict, time=self.clock(), evidence=evidence)
+        why = (f"; the fail-slow rounds named {primary.evidence['group']}"
+               if primary.kind == "fail_slow" and primary.evidence.get("group")
+               else f"; {found.reason}")
+        return self._finish(incident, verdict, why)
+
+    def _finish(self, incident: int, verdict: Verdict, why: str = "") -> Verdict:
+        """The verdict into the store (the agents act on it), the trace and the log."""
         data = wire.encode(_verdict_doc(verdict), wire.MAX_DUMP_BYTES)
         self.store.set(self.keys.verdict(incident), data)
         if verdict.action == "replace_and_restart" and verdict.nodes:
@@ -319,10 +392,7 @@ class Controller:
         self.log(f"incident {incident}: verdict {verdict.action} ({verdict.failure_class})"
                  + (f" nodes {', '.join(verdict.nodes)}" if verdict.nodes else "")
                  + (f" ranks {', '.join(map(str, verdict.ranks))}" if verdict.ranks else "")
-                 + f": {verdict.reason}; " + (
-                     f"the fail-slow rounds named {primary.evidence['group']}"
-                     if primary.kind == "fail_slow" and primary.evidence.get("group")
-                     else found.reason))
+                 + f": {verdict.reason}{why}")
         return verdict
 
     def _exclude(self, verdict: Verdict) -> None:

@@ -14,6 +14,8 @@ Both are one JSON object per line in the node's trace file, beside the spans of
 ``kind`` is one of :data:`KINDS`; ``class`` is a failure class (:mod:`.classify`'s classes,
 or ``hang``, ``nonfinite``, ``spike``, ``fail_slow``); ``evidence`` is free-form JSON that
 says why (the matched rule and log lines, the stack groups with their ranks, the numbers).
+An ``update`` event (class ``version``) is no failure: the version a node started an attempt
+on (:mod:`.update`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..trace import trace_lines
 
 __all__ = ["KINDS", "Event", "Verdict", "metric", "parse_record", "read_records", "write_record"]
 
-KINDS = ("crash", "hang", "nonfinite", "spike", "fail_slow", "health")
+KINDS = ("crash", "hang", "nonfinite", "spike", "fail_slow", "health", "update")
 
 
 def metric(value: Any) -> float | None:

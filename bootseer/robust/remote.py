@@ -320,8 +320,10 @@ class ControllerLink:
              "result": dict(result)}))
 
     def local_action(self, verdict: Verdict) -> str:
-        """``stop`` when the verdict stops the job or evicts this node, else ``restart``."""
-        if verdict.action in ("stop", "rollback"):
+        """``stop`` when the verdict stops the job or evicts this node, else ``restart``
+        (``rollback`` too: the controller published the previous version before the verdict,
+        and the restart runs it)."""
+        if verdict.action == "stop":
             return "stop"
         if verdict.action == "replace_and_restart" and self.node in verdict.nodes:
             return "stop"

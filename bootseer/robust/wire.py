@@ -28,6 +28,10 @@ key                            writer    value
 ``ctl/failslow``               ctl       the fail-slow rounds so far (resumed after a restart)
 ``check/<k>``                  ctl       ``{"incident", "nodes", "time"}``: run ``bootseer check``
 ``node/<n>/check/<k>``         agent n   ``{"node", "incident", "result"}``: its check result
+``version/<id>``               publish   a :class:`~.update.Version` (immutable once written)
+``version/current``            publish   the version to run next (:class:`~.update.Published`)
+``version/at/<E>``             agents    the version every node runs after incident E (first wins)
+``version/running``            agents    the newest ``version/at/<E>``
 =============================  ========  ============================================
 """
 
@@ -97,6 +101,20 @@ class Keys:
 
     def check_result(self, node: str, incident: int) -> str:
         return self.node(node, f"check/{incident}")
+
+    def version(self, version_id: str) -> str:
+        return f"{self.prefix}version/{version_id}"
+
+    @property
+    def version_current(self) -> str:
+        return f"{self.prefix}version/current"
+
+    @property
+    def version_running(self) -> str:
+        return f"{self.prefix}version/running"
+
+    def version_at(self, epoch: int) -> str:
+        return f"{self.prefix}version/at/{epoch}"
 
 
 def encode(doc: dict[str, Any], limit: int = MAX_RECORD_BYTES) -> bytes:
