@@ -817,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"comma-separated, of {', '.join(METHODS)} (default all; with "
-                             "--nodes: bootseer, baseline)")
+                             "--nodes: bench_e2e_nodes.METHODS, in-place ones included)")
     parser.add_argument("--nodes", type=int, default=None,
                         help="the scenario on N nodes of a cluster (bench_e2e_nodes.py)")
     parser.add_argument("--lose", type=int, default=None, help="with --nodes: the node lost")

@@ -24,6 +24,16 @@ loading, which proves the resumed state bit-identical to the saved one):
   shards, then torchrun; ``CheckpointManager.load``.
 * ``baseline``: ``ctr images pull`` (gzip, overlayfs), ``ctr run``; in the container ``pip
   install`` of torch from the index, torchrun, DCP ``load`` over s3fs on every rank.
+* ``diy``: the strong do-it-yourself restart (``e2e_diy.py``, as in the one-node scenario):
+  torch baked into the image, ``ctr images pull``; ``rclone copy`` of the newest DCP checkpoint
+  runs on the fresh node from the moment it is up, beside the pull and the container start;
+  the fresh node's ranks wait for it and load from disk (the survivors' restarted workers
+  load over s3fs: torchrun restarts them with the first start's command).
+* ``diy-warm``: the same with the image pulled onto the fresh node before the clock, which
+  then starts when the node is given to the job.
+* in place (``inplace``: bootseer; ``diy-inplace``, ``baseline-inplace``): the node is kept and
+  only the job's processes on it get SIGKILL; ``bootseer run`` restarts torchrun itself, the
+  baselines' container is run again from the image the node holds.
 
 Per node the phase breakdown; across ranks p50, p90 and max; the critical path from
 ``bootseer report`` run on every node's trace (the harness writes the spans it measures next to
