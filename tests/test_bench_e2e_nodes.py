@@ -233,3 +233,36 @@ def test_bootseer_in_place_takes_its_restart_attempt_from_bootseer_run_s_trace(
                    ("rendezvous", KILL + 3.2, 1)]
     phases = node_phases(spans, "node1", KILL)
     assert phases["untraced"] == pytest.approx(0.5 + 0.5)  # kill to backoff; to the 2nd worker
+
+
+def test_the_markdown_names_every_method_and_compares_bootseer_with_each(tmp_path: Path) -> None:
+    """``render`` (the report a run prints, and ``--render`` from its JSON): a row per method
+    in the report's order, bootseer against every fresh-node method, the in-place line."""
+    from bench_e2e_nodes import LABELS, render
+
+    events = _restart()
+    runs = {}
+    for method, shift in (("baseline", 10.0), ("bootseer", 0.0), ("diy", 5.0),
+                          ("inplace", 0.0)):
+        run = _run(method=method)
+        moved = [{**e, "t": e["t"] + shift} if e["event"] in ("first_step",) else e
+                 for e in events]
+        (tmp_path / method).mkdir()
+        out = summarize(_report(tmp_path / method, run, moved), run,
+                        rank_totals(run, moved), harness_spans(run, moved))
+        out.update(bit_identical=True, report_dir=str(tmp_path / method),
+                   loadavg_1m={"before": 9.0, "after": 10.0})
+        runs[method] = out
+    R = {"runs": runs, "quick": True, "nodes": 2, "model": "tiny", "lost_node": "node1",  # noqa: N806
+         "command": "bench_e2e.py --nodes 2", "machine": {"cpus": 2, "ram_bytes": 2**33,
+                                                           "containerd": "containerd 1.6"},
+         "warnings": [], "errors": []}
+    text = "\n".join(render(R))
+    rows = [line for line in text.splitlines() if line.startswith("| ") and " s |" in line]
+    assert [r.split("|")[1].strip() for r in rows] == [
+        LABELS[m] for m in ("baseline", "diy", "bootseer", "inplace")]
+    assert "- bootseer vs baseline: job back 20.8 s vs 30.8 s after the loss, 1.48x (32% less)" \
+        in text
+    assert "- bootseer vs diy: job back 20.8 s vs 25.8 s" in text
+    assert "- in place (the node kept): bootseer 20.8 s" in text
+    assert R["reduction"] == pytest.approx(1 - 20.8 / 30.8)
