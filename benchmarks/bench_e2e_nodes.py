@@ -312,6 +312,7 @@ class MethodRun:
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
         self.copy: e2e_diy.CopyJob | None = None
+        self.warm_bytes: dict[str, dict[str, int]] = {}  # diy-warm: counted before the clock
 
     # -- services ----------------------------------------------------------------------------------
     def helper(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -530,7 +531,9 @@ class MethodRun:
             run.copy = (st["started"], st["ended"], int(st.get("bytes", 0)))
         after = {n.name: {s: n.bytes_from(s) for s in ("registry", "s3", "index")}
                  for n in c.nodes}
-        run.bytes = {n: {s: after[n][s] - (0 if n in run.fresh_nodes else before[n][s])
+        before.update(self.warm_bytes)  # diy-warm: the pull before the clock is not counted
+        run.bytes = {n: {s: after[n][s] - (0 if n in run.fresh_nodes and n not in
+                                           self.warm_bytes else before[n][s])
                          for s in v} for n, v in after.items()}
         out = self.results_for(run, cold_s, step)
         out["loadavg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
@@ -556,6 +559,8 @@ class MethodRun:
         pulled: tuple[float, float] | None = None
         if self.method == "diy-warm":
             self.pull(fresh)
+            self.warm_bytes[fresh.name] = {s: fresh.bytes_from(s)
+                                           for s in ("registry", "s3", "index")}
             log(f"  diy-warm: the image pulled onto the fresh node before the clock "
                 f"({time.time() - kill_t:.1f} s after the loss)")
             kill_t = time.time()  # the clock: the fresh node, image on it, joins the job
