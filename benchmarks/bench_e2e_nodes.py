@@ -245,7 +245,8 @@ def render(R: dict[str, Any]) -> list[str]:  # noqa: N803 - the results, as in e
         {m: {"total": r["summary"]["max_s"]} for m, r in runs.items()})
     lines += [f"- bootseer vs {m}: job back {runs['bootseer']['summary']['max_s']:.1f} s vs "
               f"{runs[m]['summary']['max_s']:.1f} s after the loss, {v['speedup']:.2f}x "
-              f"({v['less']:.0%} less)" for m, v in vs.items()]
+              + (f"({v['less']:.0%} less)" if v["less"] >= 0
+                 else f"(bootseer {-v['less']:.0%} slower)") for m, v in vs.items()]
     if "inplace" in runs:
         lines += [f"- in place (the node kept): bootseer {runs['inplace']['summary']['max_s']:.1f} s"
                   + "".join(f", {m.split('-')[0]} {runs[m]['summary']['max_s']:.1f} s"
