@@ -199,6 +199,26 @@ def compare(runs: dict[str, Any]) -> dict[str, dict[str, float]]:
             for m in ("baseline", "diy", "diy-warm") if m in runs}
 
 
+def deps_layer(work: Path, image_dir: Path, wheel_dir: Path) -> dict[str, Any]:
+    """The diy image's third layer (torch and its dependencies installed), built once per
+    set of wheels (``work`` holds the tree while it is packed): the tree is large, so its
+    layer is cached by what goes into it. Shared by the one-node and the multi-node scenario."""
+    key = hashlib.sha256(json.dumps([TORCH, platform.python_version(), sorted(
+        p.name for p in wheel_dir.glob("*.whl"))]).encode()).hexdigest()[:16]
+    ref = image_dir / "e2e" / f"deps-for-{key}.json"
+    with contextlib.suppress(OSError, ValueError):
+        meta = json.loads(ref.read_text())
+        if Path(meta["path"]).is_file():
+            return meta
+    tree = work / "deps-tree"
+    log(f"baking {TORCH} into a layer (once per set of wheels)")
+    e2e_image.build_deps_tree(tree, wheel_dir, [TORCH])
+    meta = e2e_image.layer_from_tree(tree, image_dir / "e2e", "deps")
+    shutil.rmtree(tree)
+    ref.write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -259,7 +279,7 @@ class Bench:
         wheels = download_wheels(self.cache / "wheels-e2e", [TORCH])
         diy_layers = None
         if set(self.methods) & set(DIY):
-            diy_layers = [*layers, self.deps_layer(image_dir, wheels[0].parent)]
+            diy_layers = [*layers, deps_layer(self.work, image_dir, wheels[0].parent)]
             self.R["image"]["diy_layers"] = diy_layers
 
         def shaped(port: int, link: str) -> str:
@@ -317,26 +337,6 @@ class Bench:
         log(f"registry {registry_addr}, index {index_addr}, S3 {s3_addr} (all shaped: "
             + "; ".join(f"{k} {ShaperSettings.from_mb(*v).describe()}" for k, v in LINKS.items())
             + ")")
-
-    def deps_layer(self, image_dir: Path, wheel_dir: Path) -> dict[str, Any]:
-        """The diy image's third layer (torch and its dependencies installed), built once per
-        set of wheels: the tree is large, so its layer is cached by what goes into it."""
-        import hashlib
-
-        key = hashlib.sha256(json.dumps([TORCH, platform.python_version(), sorted(
-            p.name for p in wheel_dir.glob("*.whl"))]).encode()).hexdigest()[:16]
-        ref = image_dir / "e2e" / f"deps-for-{key}.json"
-        with contextlib.suppress(OSError, ValueError):
-            meta = json.loads(ref.read_text())
-            if Path(meta["path"]).is_file():
-                return meta
-        tree = self.work / "deps-tree"
-        log(f"baking {TORCH} into a layer (once per set of wheels)")
-        e2e_image.build_deps_tree(tree, wheel_dir, [TORCH])
-        meta = e2e_image.layer_from_tree(tree, image_dir / "e2e", "deps")
-        shutil.rmtree(tree)
-        ref.write_text(json.dumps(meta, indent=2) + "\n")
-        return meta
 
     def _helper(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
         out = bp.run_checked([sys.executable, str(Path(bp.__file__)), "--helper", name,
@@ -817,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"comma-separated, of {', '.join(METHODS)} (default all; with "
-                             "--nodes: bootseer, baseline)")
+                             "--nodes: bench_e2e_nodes.METHODS, in-place ones included)")
     parser.add_argument("--nodes", type=int, default=None,
                         help="the scenario on N nodes of a cluster (bench_e2e_nodes.py)")
     parser.add_argument("--lose", type=int, default=None, help="with --nodes: the node lost")

@@ -24,6 +24,16 @@ loading, which proves the resumed state bit-identical to the saved one):
   shards, then torchrun; ``CheckpointManager.load``.
 * ``baseline``: ``ctr images pull`` (gzip, overlayfs), ``ctr run``; in the container ``pip
   install`` of torch from the index, torchrun, DCP ``load`` over s3fs on every rank.
+* ``diy``: the strong do-it-yourself restart (``e2e_diy.py``, as in the one-node scenario):
+  torch baked into the image, ``ctr images pull``; ``rclone copy`` of the newest DCP checkpoint
+  runs on the fresh node from the moment it is up, beside the pull and the container start;
+  the fresh node's ranks wait for it and load from disk (the survivors' restarted workers
+  load over s3fs: torchrun restarts them with the first start's command).
+* ``diy-warm``: the same with the image pulled onto the fresh node before the clock, which
+  then starts when the node is given to the job.
+* in place (``inplace``: bootseer; ``diy-inplace``, ``baseline-inplace``): the node is kept and
+  only the job's processes on it get SIGKILL; ``bootseer run`` restarts torchrun itself, the
+  baselines' container is run again from the image the node holds.
 
 Per node the phase breakdown; across ranks p50, p90 and max; the critical path from
 ``bootseer report`` run on every node's trace (the harness writes the spans it measures next to
@@ -45,6 +55,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -54,7 +65,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_e2e  # noqa: E402
 import bench_prefetch as bp  # noqa: E402
+import e2e_diy  # noqa: E402
 import e2e_image  # noqa: E402
 from _common import command_line, download_wheels, log, md_table, mem_total, run_bench  # noqa: E402
 from e2e_nodes_spans import (  # noqa: E402
@@ -71,7 +84,32 @@ MODEL = {"quick": "tiny", "full": "quick"}  # e2e_train.SIZES per form
 NODE_LINK = ("400mbit", 1.0)  # each node's link: 50 MB/s, 1 ms one way to the services
 SERVICE_LINK = "1280mbit"  # the services host's link, shared by every node: 160 MB/s
 STEP_TIMEOUT_S = 1500.0
-METHODS = ("bootseer", "baseline")
+# --methods, in the order they run (the slowest last, so a run cut short keeps the others);
+# the in-place rows of the two baselines last of all
+METHODS = ("diy", "diy-warm", "bootseer", "inplace", "baseline", "diy-inplace",
+           "baseline-inplace")
+ORDER = ("baseline", "diy", "diy-warm", "bootseer", "baseline-inplace", "diy-inplace",
+         "inplace")  # the report's rows
+LABELS = {
+    "baseline": "baseline: full pull + `pip install` + DCP over s3fs",
+    "diy": "diy: deps baked in the image, full pull + rclone copy + DCP from disk",
+    "diy-warm": "diy-warm: the same, the image already on the fresh node",
+    "bootseer": "bootseer: lazy image + env snapshot + ckpt prefetch",
+    "inplace": "bootseer in place: `bootseer run` restarts torchrun on the same node",
+    "baseline-inplace": "baseline in place: the container restarted on the same node",
+    "diy-inplace": "diy in place: the container restarted on the same node",
+}
+RCLONE = e2e_diy.RcloneTuning()
+
+
+def family(method: str) -> str:
+    """The image, job and checkpoint of ``method``: bootseer, diy or baseline."""
+    return "bootseer" if method == "inplace" else method.split("-")[0]
+
+
+def in_place(method: str) -> bool:
+    """The lost node's processes die but the node stays: the same node restarts them."""
+    return method == "inplace" or method.endswith("-inplace")
 
 
 class NodesBench:
@@ -93,6 +131,7 @@ class NodesBench:
                           or Path.home() / ".cache" / "bootseer-bench").expanduser().resolve()
         self.work = self.cache / f"e2e-nodes-run-{uuid.uuid4().hex[:8]}"  # private to this run
         self.results_dir = Path(args.results).resolve()
+        self.methods = [m for m in METHODS if m in args.methods.split(",")]
         self.stack = contextlib.ExitStack()
         self.errors: list[str] = []
         self.R: dict[str, Any] = {
@@ -118,6 +157,11 @@ class NodesBench:
             self.cache, self.work, self.args.base or ("host" if self.quick else "auto"))
         self.layers = self.R["image"]["layers"]
         self.wheels = download_wheels(self.cache / "wheels-e2e", [TORCH])
+        self.diy_layers = None
+        if any(family(m) == "diy" for m in self.methods):  # torch baked in: a third layer
+            self.diy_layers = [*self.layers, bench_e2e.deps_layer(
+                self.work, self.cache / "image", self.wheels[0].parent)]
+            self.R["image"]["diy_layers"] = self.diy_layers
 
     def cleanup(self) -> None:
         if self.args.keep:
@@ -128,7 +172,7 @@ class NodesBench:
     # -- one method ------------------------------------------------------------------------------
     def run(self) -> None:
         self.setup()
-        for method in self.args.methods.split(","):
+        for method in self.methods:
             try:
                 self.R["runs"][method] = self.run_method(method)
             except Exception as exc:  # noqa: BLE001 - the other method still runs
@@ -138,7 +182,7 @@ class NodesBench:
     def run_method(self, method: str) -> dict[str, Any]:
         from bootseer.testing.cluster import Cluster, Link
 
-        bootseer = method == "bootseer"
+        bootseer = family(method) == "bootseer"
         cluster = Cluster(self.nodes, link=Link(rate=NODE_LINK[0], delay_ms=NODE_LINK[1]),
                           service_link=Link(rate=SERVICE_LINK), containerd=True,
                           snapshotter=bootseer, snapshotter_args=("--record-timeout", "1200"),
@@ -150,48 +194,7 @@ class NodesBench:
 
     # -- the report ------------------------------------------------------------------------------
     def report(self) -> None:
-        runs = self.R["runs"]
-        lines = [f"# end-to-end restart on {self.nodes} nodes ({self.size} scenario)", "",
-                 f"- command: `{self.R['command']}`",
-                 f"- machine: {self.R['machine']['cpus']} CPUs, "
-                 f"{self.R['machine']['ram_bytes'] / 2**30:.1f} GiB RAM, "
-                 f"{self.R['machine']['containerd']}; every node, its containerd and its ranks "
-                 "share these CPUs",
-                 f"- job: FSDP2 over gloo, {self.nodes} nodes x 2 ranks, model "
-                 f"`{self.model}` ({state_text(self.model)}); node{self.lose} lost "
-                 "(SIGKILL to all its processes) after a commit, replaced by a fresh node",
-                 f"- links: each node {NODE_LINK[0]} ({NODE_LINK[1]:g} ms to the services), "
-                 f"the services host {SERVICE_LINK} shared", ""]
-        head = ["method", "p50 (ranks)", "p90", "max (job back)", "critical path ends on",
-                "its split", "paced by (waited for)", "its phases before the rendezvous",
-                "registry MB", "S3 MB", "index MB", "bit-identical"]
-        rows = []
-        for m, r in runs.items():
-            s = r["summary"]
-            rows.append([m, f"{s['p50_s']:.1f} s", f"{s['p90_s']:.1f} s", f"{s['max_s']:.1f} s",
-                         s["straggler"], s["why"], s["paced_by"], s["paced_why"],
-                         *[f"{r['bytes_total'].get(k, 0) / 1e6:.1f}"
-                           for k in ("registry", "s3", "index")],
-                         "yes" if r["bit_identical"] else "NO"])
-        lines += md_table(head, rows) + [""]
-        if "bootseer" in runs and "baseline" in runs:
-            b, o = runs["baseline"]["summary"]["max_s"], runs["bootseer"]["summary"]["max_s"]
-            self.R["reduction"] = 1 - o / b
-            lines += [f"bootseer: job back {o:.1f} s after the loss vs baseline {b:.1f} s: "
-                      f"{1 - o / b:.0%} less", ""]
-        for m, r in runs.items():
-            lines += [f"## {m}: per node (seconds from the loss; the node's slowest rank)", ""]
-            phases = sorted({p for n in r["per_node"].values() for p in n["phases"]},
-                            key=phase_order)
-            lines += md_table(["node", "back at", *phases, "registry MB", "S3 MB", "index MB"],
-                              [[n, f"{v['first_step_s']:.1f}",
-                                *[f"{v['phases'].get(p, 0.0):.1f}" for p in phases],
-                                *[f"{v['bytes'].get(k, 0) / 1e6:.1f}"
-                                  for k in ("registry", "s3", "index")]]
-                               for n, v in r["per_node"].items()])
-            lines += ["", f"- bootseer report: {r['report_dir']}", ""]
-        lines += [f"- WARNING: {w}" for w in self.R["warnings"]]
-        lines += [f"- ERROR: {e}" for e in self.errors]
+        lines = render(self.R)
         self.R["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
         self.R["done"] = True
         print("\n".join(lines))
@@ -203,6 +206,73 @@ class NodesBench:
         self.results_dir.mkdir(parents=True, exist_ok=True)
         (self.results_dir / f"{SUITE}.json").write_text(
             json.dumps(self.R, indent=2, default=str) + "\n")
+
+
+def render(R: dict[str, Any]) -> list[str]:  # noqa: N803 - the results, as in e2e-nodes.json
+    """The markdown report of a run's results (``--render FILE`` redoes it from the JSON)."""
+    runs, size = R["runs"], "quick" if R["quick"] else "full"
+    lines = [f"# end-to-end restart on {R['nodes']} nodes ({size} scenario)", "",
+             f"- command: `{R['command']}`",
+             f"- machine: {R['machine']['cpus']} CPUs, "
+             f"{R['machine']['ram_bytes'] / 2**30:.1f} GiB RAM, "
+             f"{R['machine']['containerd']}; every node, its containerd and its ranks "
+             "share these CPUs",
+             f"- job: FSDP2 over gloo, {R['nodes']} nodes x 2 ranks, model "
+             f"`{R['model']}` ({state_text(R['model'])}); {R['lost_node']} lost "
+             "(SIGKILL to all its processes) after a commit, replaced by a fresh node; "
+             "in place: its job processes killed, the same node restarts them",
+             f"- links: each node {NODE_LINK[0]} ({NODE_LINK[1]:g} ms to the services), "
+             f"the services host {SERVICE_LINK} shared", ""]
+    head = ["method", "p50 (ranks)", "p90", "max (job back)", "critical path ends on",
+            "its split", "paced by (waited for)", "its phases before the rendezvous",
+            "registry MB", "S3 MB", "index MB", "bit-identical", "load avg (1 min)"]
+    rows = []
+    for m in [m for m in ORDER if m in runs]:
+        r, s = runs[m], runs[m]["summary"]
+        load = r.get("loadavg_1m", {})
+        rows.append([LABELS[m], f"{s['p50_s']:.1f} s", f"{s['p90_s']:.1f} s",
+                     f"{s['max_s']:.1f} s", s["straggler"], s["why"], s["paced_by"],
+                     s["paced_why"], *[f"{r['bytes_total'].get(k, 0) / 1e6:.1f}"
+                                       for k in ("registry", "s3", "index")],
+                     "yes" if r["bit_identical"] else "NO",
+                     f"{load.get('before', float('nan')):.1f} / "
+                     f"{load.get('after', float('nan')):.1f}"])
+    lines += md_table(head, rows) + [""]
+    if "bootseer" in runs and "baseline" in runs:
+        b, o = runs["baseline"]["summary"]["max_s"], runs["bootseer"]["summary"]["max_s"]
+        R["reduction"] = 1 - o / b
+    R["vs"] = vs = bench_e2e.compare(
+        {m: {"total": r["summary"]["max_s"]} for m, r in runs.items()})
+    lines += [f"- bootseer vs {m}: job back {runs['bootseer']['summary']['max_s']:.1f} s vs "
+              f"{runs[m]['summary']['max_s']:.1f} s after the loss, {v['speedup']:.2f}x "
+              + (f"({v['less']:.0%} less)" if v["less"] >= 0
+                 else f"(bootseer {-v['less']:.0%} slower)") for m, v in vs.items()]
+    if "inplace" in runs:
+        lines += [f"- in place (the node kept): bootseer {runs['inplace']['summary']['max_s']:.1f} s"
+                  + "".join(f", {m.split('-')[0]} {runs[m]['summary']['max_s']:.1f} s"
+                            for m in ("baseline-inplace", "diy-inplace") if m in runs)]
+    lines += [f"- {m}: rclone copied step {r['checkpoint_copy']['step']}, "
+              f"{(r['checkpoint_copy']['bytes'] or 0) / 1e6:.1f} MB in "
+              f"{r['checkpoint_copy']['seconds']:.1f} s, from "
+              f"{r['checkpoint_copy']['started_after_loss_s']:.1f} s to "
+              f"{r['checkpoint_copy']['ended_after_loss_s']:.1f} s after the loss"
+              for m, r in runs.items() if r.get("checkpoint_copy")]
+    lines.append("")
+    for m, r in runs.items():
+        lines += [f"## {m}: per node (seconds from the loss; the node's slowest rank)", ""]
+        phases = sorted({p for n in r["per_node"].values() for p in n["phases"]},
+                        key=phase_order)
+        lines += md_table(["node", "back at", *phases, "registry MB", "S3 MB", "index MB"],
+                          [[n, f"{v['first_step_s']:.1f}",
+                            *[f"{v['phases'].get(p, 0.0):.1f}" for p in phases],
+                            *[f"{v['bytes'].get(k, 0) / 1e6:.1f}"
+                              for k in ("registry", "s3", "index")]]
+                           for n, v in r["per_node"].items()])
+        lines += ["", f"- bootseer report: {r['report_dir']}", ""]
+    lines += [f"- WARNING: {w}" for w in R["warnings"]]
+    lines += [f"- ERROR: {e}" for e in R["errors"]]
+
+    return lines
 
 
 def phase_order(phase: str) -> int:
@@ -221,13 +291,17 @@ def state_text(model: str) -> str:
 
 
 class MethodRun:
-    """One method on one cluster: first start, loss, replacement, restart, results."""
+    """One method on one cluster: first start, loss, replacement (or restart in place),
+    restart, results."""
 
     def __init__(self, bench: NodesBench, cluster: Any, method: str) -> None:
         self.b = bench
         self.c = cluster
         self.method = method
-        self.bootseer = method == "bootseer"
+        self.family = family(method)
+        self.bootseer = self.family == "bootseer"
+        self.diy = self.family == "diy"
+        self.in_place = in_place(method)
         self.work = bench.work / method
         self.results = self.work / "results"
         self.traces = self.work / "traces"
@@ -238,6 +312,8 @@ class MethodRun:
         self.repo = f"e2e/train-nodes-{bench.size}"
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
+        self.copy: e2e_diy.CopyJob | None = None
+        self.warm_bytes: dict[str, dict[str, int]] = {}  # diy-warm: counted before the clock
 
     # -- services ----------------------------------------------------------------------------------
     def helper(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -253,10 +329,11 @@ class MethodRun:
         for bucket in ("ckpt", "envs"):
             c.services.create_bucket(bucket)
         host = c.services.registry_host
-        self.helper("push", {"registry": host, "repo": self.repo, "tag": "gzip",
-                             "layers": self.b.layers,
-                             "config": e2e_image.image_config(self.b.layers)})
-        self.ref = f"{host}/{self.repo}:gzip"
+        layers = self.b.diy_layers if self.diy else self.b.layers
+        tag = "diy" if self.diy else "gzip"
+        self.helper("push", {"registry": host, "repo": self.repo, "tag": tag,
+                             "layers": layers, "config": e2e_image.image_config(layers)})
+        self.ref = f"{host}/{self.repo}:{tag}"
         if self.bootseer:
             self.b.R.setdefault("conversion", self.helper("convert", {
                 "src": self.ref, "dst": f"{host}/{self.repo}:lazy",
@@ -267,10 +344,11 @@ class MethodRun:
             shutil.copy2(wheel, c.services.index_dir / wheel.name)
         (self.job / "requirements.txt").write_text(f"--index-url {c.services.index_url}\n"
                                                    f"{TORCH}\n")
+        restarts = 1 if self.in_place else 0  # in place: bootseer run restarts torchrun
         for i in range(self.b.nodes):
             (self.job / f"bootseer-node{i}.toml").write_text(
                 '[run]\ntrace_dir = "/var/log/bootseer/trace"\n\n'
-                '[restart]\nmax_restarts = 0\n\n'
+                f'[restart]\nmax_restarts = {restarts}\nbackoff_s = 1.0\n\n'
                 '[env]\nspec = ["/job/requirements.txt"]\nprefix = "/opt/env"\n'
                 'store = "s3://envs/e2e"\n\n'
                 '[ckpt]\nurl = "s3://ckpt/bootseer"\ncache_dir = "/var/cache/bootseer/ckpt"\n'
@@ -289,9 +367,23 @@ class MethodRun:
                      timeout=STEP_TIMEOUT_S)
         return t, time.time()
 
-    def start(self, node: Any, first: bool) -> None:
-        """``ctr run`` the job's container on ``node`` (in the background)."""
-        key = f"{node.name}.g{node.generation}"
+    def copy_dir(self, node: Any) -> Path:
+        """Where the diy copy puts the checkpoint on ``node``'s disk (``/ckpt-local``)."""
+        path = node.dirs.cache / "ckpt-copy"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def start_copy(self, node: Any) -> None:
+        """diy: ``rclone copy`` of the newest DCP checkpoint, run on ``node`` (through its
+        link, its bytes counted), beside the pull and the container start."""
+        self.copy = e2e_diy.CopyJob(
+            "ckpt/diy", self.copy_dir(node), e2e_diy.rclone_env(
+                self.c.services.storage_options()), self.work / f"{node.name}-rclone.log",
+            RCLONE, wrap=node.argv).start()
+
+    def start(self, node: Any, first: bool, key: str | None = None) -> str:
+        """``ctr run`` the job's container on ``node`` (in the background); its key."""
+        key = key or f"{node.name}.g{node.generation}"
         trace = self.traces / key
         trace.mkdir()
         cache = node.dirs.cache / "ckpt"
@@ -300,10 +392,11 @@ class MethodRun:
                              rdzv_id=f"e2e-{self.method}", python="python")
         opts = opts[opts.index("torch.distributed.run") + 1:]  # torchrun's own options
         train = ["--mode", "bootseer" if self.bootseer else "dcp", "--size", self.b.model,
-                 "--results", "/results", "--ckpt",
-                 "s3://ckpt/bootseer" if self.bootseer else "s3://ckpt/dcp"]
+                 "--results", "/results", "--ckpt", f"s3://{bench_e2e.ckpt_root(self.family)}"]
         if first:
             train += ["--save-every", str(self.b.args.save_every)]
+        elif self.diy:
+            train += ["--local-copy", "/ckpt-local"]
         env = {"BOOTSEER_STORAGE_OPTIONS": json.dumps({"s3": self.c.services.storage_options()}),
                "BOOTSEER_E2E_TAG": f"{self.method}-{key}", "BOOTSEER_E2E_NODE": node.name,
                "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "eth0",
@@ -315,23 +408,43 @@ class MethodRun:
             snapshotter = "bootseer"
         else:
             env["BOOTSEER_E2E_TORCHRUN"] = json.dumps(opts)
-            cmd = ["python3", "/app/train.py", "launch", "--requirements",
-                   "/job/requirements.txt", "--results", "/results", "--", *train]
+            pip = ["--requirements", "/job/requirements.txt"] if not self.diy else []
+            cmd = ["python3", "/app/train.py", "launch", *pip, "--results", "/results", "--",
+                   *train]
             snapshotter = "overlayfs"
         mounts = [(self.job, "/job", "ro"), (self.results, "/results", "rw"),
                   (cache, "/var/cache/bootseer/ckpt", "rw"),
                   (trace, "/var/log/bootseer/trace", "rw")]
+        if self.diy:
+            mounts.append((self.copy_dir(node), "/ckpt-local", "rw"))
         argv = ["ctr", "--address", node.containerd.address, "--namespace",
                 node.containerd.namespace, "run", "--rm", "--net-host", "--snapshotter",
                 snapshotter,
                 *[a for src, dst, mode in mounts for a in (
                     "--mount", f"type=bind,src={src},dst={dst},options=rbind:{mode}")],
                 *[a for k, v in env.items() for a in ("--env", f"{k}={v}")],
-                self.ref, f"job-{key}", *cmd]
+                self.ref, f"job-{key.replace('.', '-')}", *cmd]
         self.logs[key] = self.work / f"{key}.log"
         with open(self.logs[key], "ab") as logf:
             self.procs[key] = node.popen(argv, stdin=subprocess.DEVNULL, stdout=logf,
                                          stderr=logf)
+        return key
+
+    def kill_in_place(self, key: str) -> int:
+        """SIGKILL the job's processes in the container ``key`` (its tag): every one for the
+        baselines (the container ends), all but ``bootseer run`` (PID 1, which restarts
+        torchrun) for bootseer. Returns how many were killed."""
+        killed = 0
+        for pid, _ in bench_e2e.Bench.tagged(f"{self.method}-{key}"):
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if self.bootseer and argv[1:4] == [b"-m", b"bootseer", b"run"]:
+                    continue
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        if not killed:
+            raise RuntimeError(f"{key}: no process of the job was found to kill")
+        return killed
 
     # -- watching ----------------------------------------------------------------------------------
     def events(self) -> list[dict[str, Any]]:
@@ -353,7 +466,7 @@ class MethodRun:
             time.sleep(1.0)
 
     def committed(self) -> int | None:
-        return self.helper("committed", {"method": self.method,
+        return self.helper("committed", {"root": bench_e2e.ckpt_root(self.family),
                                          "options": {"s3": self.c.services.storage_options()}}
                            )["step"]
 
@@ -382,8 +495,7 @@ class MethodRun:
         first_keys = []
         for i, node in enumerate(list(c.nodes)):  # bootseer: node0 builds the env snapshot
             self.pull(node)
-            self.start(node, first=True)
-            first_keys.append(f"{node.name}.g{node.generation}")
+            first_keys.append(self.start(node, first=True))
             if self.bootseer and i == 0:
                 self.wait_for("node0's environment", lambda: self.env_built(first_keys[0]),
                               first_keys)
@@ -395,35 +507,93 @@ class MethodRun:
         last = max(e["step"] for e in self.events() if e["event"] == "step")
         self.wait_for("a step after the commit", lambda: any(
             e["event"] == "step" and e["step"] > last for e in self.events()), first_keys)
-        if self.bootseer:
+        if self.method == "bootseer":  # the fresh node's pull prefetches the profile
             self.wait_for("a recorded image profile", self.recorded, first_keys)
         before = {n.name: {s: n.bytes_from(s) for s in ("registry", "s3", "index")}
                   for n in c.nodes}
-        lost_key = f"node{b.lose}.g{c.nodes[b.lose].generation}"
+        lost_key = first_keys[b.lose]
+        load_before = os.getloadavg()[0]
+        try:
+            run = self.restart_in_place(lost_key) if self.in_place else self.replace(lost_key)
+            for key, proc in self.procs.items():
+                if key in run.ended:
+                    continue
+                rc = proc.wait(timeout=STEP_TIMEOUT_S)
+                if rc != 0:
+                    raise RuntimeError(f"{key}'s job exited {rc} after the restart:\n"
+                                       f"{tail(self.logs[key])}")
+        finally:
+            if self.copy is not None:
+                self.copy.stop()
+        if self.copy is not None:
+            st = self.copy.status
+            if not st.get("ok"):
+                raise RuntimeError(f"the rclone copy failed: {st.get('error')}")
+            run.copy = (st["started"], st["ended"], int(st.get("bytes", 0)))
+        after = {n.name: {s: n.bytes_from(s) for s in ("registry", "s3", "index")}
+                 for n in c.nodes}
+        before.update(self.warm_bytes)  # diy-warm: the pull before the clock is not counted
+        run.bytes = {n: {s: after[n][s] - (0 if n in run.fresh_nodes and n not in
+                                           self.warm_bytes else before[n][s])
+                         for s in v} for n, v in after.items()}
+        out = self.results_for(run, cold_s, step)
+        out["loadavg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
+        if self.copy is not None:
+            st = self.copy.status
+            out["checkpoint_copy"] = {
+                "tool": "rclone", "argv": st.get("argv"), "ok": st.get("ok"),
+                "step": st.get("step"), "bytes": st.get("bytes"), "seconds": st.get("seconds"),
+                "started_after_loss_s": st["started"] - run.kill_t,
+                "ended_after_loss_s": st["ended"] - run.kill_t}
+        return out
+
+    def replace(self, lost_key: str) -> NodeRun:
+        """The node is lost and a fresh one takes its place; diy-warm pulls the image onto it
+        before the clock starts (the clock then starts when the job is given the node)."""
+        c, b = self.c, self.b
         kill_t = time.time()
         c.kill_node(b.lose)
         self.procs[lost_key].wait(timeout=60)
         fresh = c.replace_node(b.lose)
         replaced_t = time.time()
-        log(f"  step {step} committed; node{b.lose} lost, replaced in {replaced_t - kill_t:.1f} s")
-        pulled = self.pull(fresh)
-        self.start(fresh, first=False)
-        fresh_key = f"{fresh.name}.g{fresh.generation}"
-        for key, proc in self.procs.items():
-            if key == lost_key:
-                continue
-            rc = proc.wait(timeout=STEP_TIMEOUT_S)
-            if rc != 0:
-                raise RuntimeError(f"{key}'s job exited {rc} after the restart:\n"
-                                   f"{tail(self.logs[key])}")
-        after = {n.name: {s: n.bytes_from(s) for s in ("registry", "s3", "index")}
-                 for n in c.nodes}
-        nbytes = {n: {s: after[n][s] - (0 if n == fresh.name else before[n][s]) for s in v}
-                  for n, v in after.items()}
-        return self.results_for(NodeRun(
-            method=self.method, kill_t=kill_t, replaced_t=replaced_t, lost=fresh.name,
-            pull=pulled, bytes=nbytes,
-            trace_dir=self.traces / fresh_key if self.bootseer else None), cold_s, step)
+        log(f"  node{b.lose} lost, replaced in {replaced_t - kill_t:.1f} s")
+        pulled: tuple[float, float] | None = None
+        if self.method == "diy-warm":
+            self.pull(fresh)
+            self.warm_bytes[fresh.name] = {s: fresh.bytes_from(s)
+                                           for s in ("registry", "s3", "index")}
+            log(f"  diy-warm: the image pulled onto the fresh node before the clock "
+                f"({time.time() - kill_t:.1f} s after the loss)")
+            kill_t = time.time()  # the clock: the fresh node, image on it, joins the job
+        if self.diy:
+            self.start_copy(fresh)  # beside the pull and the container start
+        if self.method != "diy-warm":
+            pulled = self.pull(fresh)
+        fresh_key = self.start(fresh, first=False)
+        return NodeRun(method=self.method, kill_t=kill_t, replaced_t=replaced_t if pulled
+                       else None, lost=fresh.name, pull=pulled,
+                       trace_dir=self.traces / fresh_key if self.bootseer else None,
+                       ended={lost_key}, fresh_nodes={fresh.name})
+
+    def restart_in_place(self, lost_key: str) -> NodeRun:
+        """The lost node's job processes get SIGKILL; the node restarts them: ``bootseer
+        run`` its torchrun (its own restart), the baselines a new container of the same
+        image (as a container runtime restarts a failed container: the image and the node's
+        disk kept, a fresh root filesystem)."""
+        node = self.c.nodes[self.b.lose]
+        kill_t = time.time()
+        killed = self.kill_in_place(lost_key)
+        log(f"  node{self.b.lose}: SIGKILL to {killed} processes of the job, restarted in place")
+        if self.bootseer:
+            return NodeRun(method=self.method, kill_t=kill_t, replaced_t=None, lost=node.name,
+                           pull=None, trace_dir=self.traces / lost_key, in_place=True)
+        self.procs[lost_key].wait(timeout=60)
+        restart_t = time.time()
+        if self.diy:
+            self.start_copy(node)
+        self.start(node, first=False, key=f"{lost_key}.r1")
+        return NodeRun(method=self.method, kill_t=kill_t, replaced_t=None, lost=node.name,
+                       pull=None, in_place=True, restart_t=restart_t, ended={lost_key})
 
     def results_for(self, run: NodeRun, cold_s: float, step: int) -> dict[str, Any]:
         events = self.events()
@@ -442,7 +612,7 @@ class MethodRun:
         if not out["bit_identical"]:
             self.b.errors.append(f"{self.method}: resumed state differs: {out['identical']}")
         out.update(cold_start_s=cold_s, committed_step=step, report_dir=str(report_dir),
-                   node_replace_s=run.replaced_t - run.kill_t)
+                   node_replace_s=None if run.replaced_t is None else run.replaced_t - run.kill_t)
         s = out["summary"]
         log(f"  {self.method}: p50 {s['p50_s']:.1f} s, p90 {s['p90_s']:.1f} s, max "
             f"{s['max_s']:.1f} s; critical path {s['straggler']} ({s['why']}); paced by "
@@ -470,12 +640,12 @@ def helper(name: str, params: dict[str, Any]) -> int:
         print(json.dumps({"digest": r.digest, "size_before": r.size_before,
                           "size_after": r.size_after, "seconds": r.seconds}))
     elif name == "committed":
-        if params["method"] == "baseline":
+        if params["root"] != "ckpt/bootseer":  # DCP's (baseline, diy)
             import fsspec
             from e2e_train import dcp_latest
 
             fs = fsspec.filesystem("s3", skip_instance_cache=True, **params["options"]["s3"])
-            print(json.dumps({"step": dcp_latest(fs, "ckpt/dcp")}))
+            print(json.dumps({"step": dcp_latest(fs, params["root"])}))
         else:
             from ckpt import CheckpointManager
 
@@ -494,6 +664,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--helper"]:
         return helper(argv[1], json.loads(argv[2]))
+    if argv[:1] == ["--render"]:  # the report again, from a run's e2e-nodes.json
+        print("\n".join(render(json.loads(Path(argv[1]).read_text()))))
+        return 0
     parser = argparse.ArgumentParser(prog="bench_e2e.py --nodes N",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, required=True)

@@ -12,7 +12,8 @@ gives two streams; ``--multi-thread-streams`` splits each file into ranged GETs 
 ``--multi-thread-cutoff`` lets the quick form's 125 MB files split too (the tuning is in
 docs/e2e.md).
 
-``CopyJob(...).start()`` runs list + copy on a thread and writes ``.copy-status.json`` last.
+``CopyJob(...).start()`` runs list + copy on a thread and writes ``.copy-status.json`` last
+(``wrap``: run rclone elsewhere, e.g. on a cluster node: ``bench_e2e_nodes.py``).
 ``python benchmarks/e2e_diy.py tune [--mb 128]`` times the copy of two files (DCP's two ranks)
 through the scenario's shaped S3 link with a few tunings: how the defaults were chosen.
 """
@@ -25,6 +26,7 @@ import re
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,9 @@ class CopyJob:
     thread: threading.Thread | None = None
     proc: subprocess.Popen | None = None
     stopped: bool = False
+    # how rclone is started: e.g. a cluster node's ``Node.argv`` (its network and cgroup);
+    # None: on this host
+    wrap: Callable[[list[str]], list[str]] | None = None
 
     def start(self) -> CopyJob:
         self.thread = threading.Thread(target=self._run, name="rclone-copy", daemon=True)
@@ -138,7 +143,8 @@ class CopyJob:
         with open(self.log, "a") as logf:
             logf.write("$ " + " ".join(argv) + "\n")
             logf.flush()
-            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=logf, text=True,
+            run = argv if self.wrap is None else self.wrap(argv)
+            self.proc = subprocess.Popen(run, stdout=subprocess.PIPE, stderr=logf, text=True,
                                          env=process_env(self.env))
             out, _ = self.proc.communicate()
         if self.proc.returncode != 0:

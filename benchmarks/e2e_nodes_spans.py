@@ -5,11 +5,12 @@ Why spans: ``bootseer report`` already lines nodes up per incident (critical pat
 by median + 3 MAD, bytes per node and remote). The harness knows what no ``bootseer run``
 trace holds (when the node was lost and replaced, the image pull, the survivors' wait in the
 rendezvous, each rank's milestones from ``e2e_train.py``'s events), so it writes them as spans
-of attempt 1 (the restart) and lets the report do the aggregation.
+and lets the report do the aggregation.
 
-``bootseer run`` counts attempts per node: a replacement node's run starts at 0. Its spans are
-taken as attempt 1 here, the job's restart it joined (survivors restart in torchrun, not in
-``bootseer run``, so their attempt numbers do not move either).
+Each node's spans keep that node's own attempt number, as ``bootseer run`` counts them: a
+replacement node's first attempt is 0 (its ``bootseer run`` spans are taken as they are), a
+survivor's restarted workers and a node restarted in place are at 1. ``bootseer report``
+groups them into the job's restart by time (``report_nodes.job_attempts``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from bootseer.report_nodes import positioned_segments, split_by_phase
 from bootseer.trace import Span, read_traces
 
 # the breakdown's order (the report orders its own phases; these are the harness's)
-PHASE_ORDER = ["node_replace", "image_pull", "container_start", "environment",
-               "checkpoint_prefetch", "command_start", "rendezvous", "launch", "checkpoint_load",
-               "first_step"]
+PHASE_ORDER = ["node_replace", "restart", "image_pull", "checkpoint_copy", "container_start",
+               "environment", "checkpoint_prefetch", "command_start", "rendezvous", "launch",
+               "checkpoint_load", "first_step"]
 RUN_PHASES = ("environment", "checkpoint_prefetch", "command_start")  # from bootseer run's trace
 SERVICES = ("registry", "s3", "index")
 
@@ -35,12 +36,21 @@ class NodeRun:
     """What the harness measured around one restart (wall clock, epoch seconds)."""
 
     method: str
-    kill_t: float
-    replaced_t: float
-    lost: str  # the lost (and replaced) node's name
-    pull: tuple[float, float]  # the fresh node's image pull
+    kill_t: float  # the loss: the clock's start
+    replaced_t: float | None  # the fresh node up (None: in place, or before the clock)
+    lost: str  # the lost (and replaced, or restarted in place) node's name
+    pull: tuple[float, float] | None  # the fresh node's image pull (None: none on the clock)
     bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # node -> service -> bytes
-    trace_dir: Path | None = None  # the fresh node's ``bootseer run`` trace (None: baseline)
+    trace_dir: Path | None = None  # the lost node's ``bootseer run`` trace (None: baselines)
+    in_place: bool = False  # the node's processes died, the node restarted them
+    restart_t: float | None = None  # in place, baselines: the container run again
+    copy: tuple[float, float, int] | None = None  # diy: rclone's start, end and bytes
+    ended: set[str] = field(default_factory=set)  # containers the loss ended (harness keys)
+    fresh_nodes: set[str] = field(default_factory=set)  # nodes whose byte counters are new
+
+    def attempt(self, node: str) -> int:
+        """``node``'s own attempt number for the restart: a replacement starts at 0."""
+        return 0 if node == self.lost and not self.in_place else 1
 
 
 @dataclass
@@ -77,9 +87,11 @@ def restarted_ranks(events: list[dict[str, Any]], kill_t: float) -> list[RankRun
 
 
 def harness_spans(run: NodeRun, events: list[dict[str, Any]]) -> list[Span]:
-    """The restart as spans of attempt 1, plus the loss as a ``failure`` point of attempt 0."""
+    """The restart as spans (each node's own attempt number, :meth:`NodeRun.attempt`), plus
+    the loss as a ``failure`` point of the lost node's attempt 0."""
     spans = [Span(run.lost, None, "failure", run.kill_t, run.kill_t, attempt=0,
-                  detail={"what": "node lost: SIGKILL to every process"})]
+                  detail={"what": "SIGKILL to the node's job processes, restarted in place"
+                          if run.in_place else "node lost: SIGKILL to every process"})]
     ranks = restarted_ranks(events, run.kill_t)
     nodes = sorted({r.node for r in ranks} | {run.lost})
     after = [e for e in events if e["t"] > run.kill_t]
@@ -87,56 +99,75 @@ def harness_spans(run: NodeRun, events: list[dict[str, Any]]) -> list[Span]:
         mine = [r for r in ranks if r.node == node]
         if not mine:
             raise ValueError(f"{node}: no worker started after the loss")
-        remotes = {k: v for k, v in run.bytes.get(node, {}).items() if v}
+        attempt = run.attempt(node)
+        own: list[Span] = []
         if node == run.lost:
-            launched = _fresh_node(spans, run, [e for e in after if e.get("node") == node],
-                                   remotes)
+            launched = _lost_node(own, run, [e for e in after if e.get("node") == node])
+            own.append(Span(node, None, "rendezvous", launched,
+                            min(r.t("process_start") for r in mine), attempt=attempt))
         else:
-            spans.append(Span(node, None, "rendezvous", run.kill_t,
-                              min(r.t("process_start") for r in mine), attempt=1,
-                              detail={"why": "workers failed; waiting for the lost node's "
-                                             "replacement in the rendezvous"},
-                              bytes_by_remote=remotes))
-            launched = None
-        if launched is not None:
-            spans.append(Span(node, None, "rendezvous", launched,
-                              min(r.t("process_start") for r in mine), attempt=1))
+            own.append(Span(node, None, "rendezvous", run.kill_t,
+                            min(r.t("process_start") for r in mine), attempt=attempt,
+                            detail={"why": "workers failed; waiting for the lost node in the "
+                                           "rendezvous"}))
+        remotes = {k: v for k, v in run.bytes.get(node, {}).items() if v}
+        if remotes:  # the fixture's counters: the node's bytes over the whole restart
+            first = min((s for s in own if s.rank is None), key=lambda s: s.start)
+            first.bytes_by_remote = remotes
+        spans += own
         for r in mine:
-            spans += [Span(node, r.rank, "launch", r.t("process_start"), r.t("load_start"),
-                           attempt=1, detail={"what": "import torch, init, model"}),
+            loading = r.t("load_start")
+            if "copy_ready" in r.events:  # diy: the rank waited for the copy before loading
+                loading = r.t("copy_ready") - float(r.events["copy_ready"].get("waited", 0.0))
+            spans += [Span(node, r.rank, "launch", r.t("process_start"), loading,
+                           attempt=attempt, detail={"what": "import torch, init, model"}),
                       Span(node, r.rank, "checkpoint_load", r.t("load_start"), r.t("load_end"),
-                           attempt=1, bytes=int(r.events["load_end"].get("bytes", 0))),
-                      Span(node, r.rank, "first_step", r.t("load_end"), r.ready_t, attempt=1)]
+                           attempt=attempt, bytes=int(r.events["load_end"].get("bytes", 0))),
+                      Span(node, r.rank, "first_step", r.t("load_end"), r.ready_t,
+                           attempt=attempt)]
     return spans
 
 
-def _fresh_node(spans: list[Span], run: NodeRun, events: list[dict[str, Any]],
-                remotes: dict[str, int]) -> float:
-    """The replacement node's own phases; returns when its torchrun started."""
-    node = run.lost
-    spans.append(Span(node, None, "node_replace", run.kill_t, run.replaced_t, attempt=1,
-                      detail={"what": "the fixture provisions a fresh, empty node"},
-                      bytes_by_remote=remotes))
-    spans.append(Span(node, None, "image_pull", run.pull[0], run.pull[1], attempt=1))
-    if run.trace_dir is not None:  # bootseer run's own spans
+def _lost_node(spans: list[Span], run: NodeRun, events: list[dict[str, Any]]) -> float:
+    """The lost node's own phases until its torchrun started (returned): replaced (node up,
+    image pull, container start) or restarted in place, then ``bootseer run``'s trace or the
+    entrypoint's milestones, and diy's copy."""
+    node, attempt = run.lost, run.attempt(run.lost)
+    if run.replaced_t is not None:
+        spans.append(Span(node, None, "node_replace", run.kill_t, run.replaced_t,
+                          attempt=attempt,
+                          detail={"what": "the fixture provisions a fresh, empty node"}))
+    if run.pull is not None:
+        spans.append(Span(node, None, "image_pull", run.pull[0], run.pull[1], attempt=attempt))
+    if run.copy is not None:
+        spans.append(Span(node, None, "checkpoint_copy", run.copy[0], run.copy[1],
+                          attempt=attempt, bytes=run.copy[2], detail={"tool": "rclone"}))
+    if run.in_place and run.restart_t is not None:
+        spans.append(Span(node, None, "restart", run.kill_t, run.restart_t, attempt=attempt,
+                          detail={"what": "the container ended; run again on the node"}))
+    begun = run.restart_t if run.in_place else (run.pull[1] if run.pull else run.kill_t)
+    if run.trace_dir is not None:  # bootseer run's own spans, with its own attempt numbers
         found, _ = read_traces([run.trace_dir])
-        own = [replace(s, attempt=1, bytes_by_remote={}) for s in found
-               if s.rank is None and s.phase in RUN_PHASES and s.attempt == 0]
-        if not own:
-            raise ValueError(f"{node}: no bootseer run spans in {run.trace_dir}")
-        entry = min(s.start for s in own)
-        spans.append(Span(node, None, "container_start", run.pull[1], entry, attempt=1))
+        want = ("restart", *RUN_PHASES) if run.in_place else RUN_PHASES
+        own = [replace(s, bytes_by_remote={}) for s in found
+               if s.rank is None and s.phase in want and s.attempt == attempt]
+        if not own or not any(s.phase == "command_start" for s in own):
+            raise ValueError(f"{node}: no bootseer run spans of attempt {attempt} in "
+                             f"{run.trace_dir}")
+        if not run.in_place:
+            spans.append(Span(node, None, "container_start", begun,
+                              min(s.start for s in own), attempt=attempt))
         spans.extend(own)
         return max(s.end for s in own if s.phase == "command_start")
     by = {e["event"]: e for e in events}
     for name in ("entry", "env_ready", "command_start"):
         if name not in by:
             raise ValueError(f"{node}: no '{name}' milestone after the loss")
-    spans += [Span(node, None, "container_start", run.pull[1], by["entry"]["t"], attempt=1),
-              Span(node, None, "environment", by["entry"]["t"], by["env_ready"]["t"], attempt=1,
-                   detail={"installer": "pip"}),
+    spans += [Span(node, None, "container_start", begun, by["entry"]["t"], attempt=attempt),
+              Span(node, None, "environment", by["entry"]["t"], by["env_ready"]["t"],
+                   attempt=attempt, detail={"installer": by["env_ready"].get("installer")}),
               Span(node, None, "command_start", by["env_ready"]["t"], by["command_start"]["t"],
-                   attempt=1)]
+                   attempt=attempt)]
     return float(by["command_start"]["t"])
 
 
@@ -163,7 +194,7 @@ def check_identical(events: list[dict[str, Any]], kill_t: float) -> dict[str, An
 def node_phases(spans: list[Span], node: str, origin: float) -> dict[str, float]:
     """The node's time from ``origin`` to its slowest rank's first step, split by phase the
     way the report splits the critical path (each stretch to the phase that ended it)."""
-    mine = [s for s in spans if s.node == node and s.attempt == 1]
+    mine = [s for s in spans if s.node == node and s.phase != "failure"]  # the restart's
     ready = {s.rank: s.end for s in mine if s.phase == "first_step"}
     if not ready:
         return {}

@@ -40,7 +40,8 @@ reason}]``), ``time_to_first_step`` (``first_attempt`` and ``last_attempt``: ``c
 max, mean`` or null; ``workers``: ``node, rank, first_attempt, first_attempt_s, last_attempt,
 last_attempt_s``), ``last_attempt`` (``node, rank, attempt, phases, first_step_s, wall``)
 and, since version 2, the node-level views of :mod:`bootseer.report_nodes`: ``incidents``,
-``node_stragglers`` and ``bytes_by_remote``. Times are seconds. Every field, with its type and
+``node_stragglers`` and ``bytes_by_remote`` (since version 3 numbered by job attempt, each
+incident with its ``node_attempts``). Times are seconds. Every field, with its type and
 unit, is in docs/report.md (a scale model reads this file: change it only with the version).
 """
 
@@ -68,8 +69,9 @@ from .report_nodes import (
 )
 from .trace import Span, read_traces
 
-REPORT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # v1 lacks the node-level views: they read back empty
+REPORT_VERSION = 3
+# v1 lacks the node-level views (they read back empty); v2 the incidents' node_attempts
+READABLE_VERSIONS = (1, 2, 3)
 PHASE_ORDER = ("restart", "environment", "checkpoint_prefetch", "image_prefetch",
                "command_start", "first_step", "hang")
 # Their length is set by policy (backoff, hang timeout), not by a slow node.

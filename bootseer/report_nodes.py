@@ -4,19 +4,27 @@ A training job's first step waits for its slowest rank, so a restart costs the t
 failure to the moment the *last* node reached ``bootseer.ready()``. This module lines the nodes
 up per incident and says which node, and which of its phases, decided that time.
 
-* **Incident** ``k``: every node's spans of attempt ``k`` (``bootseer run`` counts attempts per
-  node, and a job whose ranks meet in a c10d rendezvous restarts all its nodes together, so
-  attempt ``k`` of each node is the same restart). It starts at the failure: the earliest
-  ``failure`` event of attempt ``k - 1`` (a point span, :data:`FAILURE_PHASE`), else the
-  earliest ``restart`` span of attempt ``k``, else (attempt 0: the cold start) the earliest span.
-  It ends at the job's first step: the latest ``first_step`` end of that attempt.
+* **Job attempt** (:func:`job_attempts`): ``bootseer run`` counts attempts per node, so a
+  node that replaced a lost one starts at 0 while the survivors are at 1, and survivors whose
+  workers torchrun restarted stay where they were. The report therefore numbers the job's
+  starts itself, by time: a node's attempt is one *run* (split where a ``failure`` point of
+  that node and attempt is followed by spans that start after it: a replacement of the same
+  name starting over), and runs in start order join the job's current attempt unless their
+  node is in it already, the job reached its first step before they started, or one of its
+  nodes failed before they started; else they open the next job attempt. A job whose nodes
+  all restart together gets the per-node numbers back.
+* **Incident** ``k``: every node's spans of job attempt ``k``. It starts at the failure: the
+  earliest ``failure`` event of job attempt ``k - 1`` (a point span, :data:`FAILURE_PHASE`),
+  else the earliest ``restart`` span of job attempt ``k``, else (the cold start) the earliest
+  span. It ends at the job's first step: the latest ``first_step`` end of that attempt.
+  ``node_attempts`` says which of each node's own attempts it holds.
 * **Critical path**: the node/rank whose first step ended last; its spans from the incident's
   start to its first step, each stretch of wall time given to the phase that ended it
   (:func:`positioned_segments`), stretches where none of its phases ran as ``untraced``. Its
   parts add up to the incident's wall time: the restart's **cost split by phase**.
 * **Timeline**: per node, its spans of the incident (all ranks) as positioned segments, seconds
   since the incident's start; gaps where nothing ran are left out, so a chart shows them.
-* **Node stragglers**: per phase and attempt, a node's time in the phase (first start to last
+* **Node stragglers**: per phase and job attempt, a node's time in the phase (first start to last
   end over its ranks) against the other nodes', median + 3 MAD as for spans.
 * **Bytes by remote**: the spans' ``bytes_by_remote`` (see :mod:`bootseer.trace`) summed per node
   and over the job, every attempt and warmup included: what each node asked of each service.
@@ -26,7 +34,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .trace import Span
 
@@ -54,7 +62,7 @@ class NodeTimeline:
 @dataclass
 class Incident:
     """One start or restart of the job, from the failure to its first step."""
-    attempt: int
+    attempt: int  # the job attempt (:func:`job_attempts`), not a node's own number
     kind: str  # "start" (attempt 0) or "restart"
     start_at: float  # epoch seconds of the failure (or the start)
     start_from: str  # what set it: "failure", "restart" or "first_span"
@@ -67,6 +75,8 @@ class Incident:
     critical_path: list[Segment]
     cost: dict[str, float]  # wall_s split by phase along the critical path; sums to wall_s
     timeline: list[NodeTimeline]
+    # v3: each node's own attempt numbers grouped into this job attempt ({} when read from v2)
+    node_attempts: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -223,9 +233,72 @@ def remote_totals(spans: Iterable[Span]) -> tuple[list[NodeBytes], dict[str, int
     return nodes, dict(sorted(total.items()))
 
 
+@dataclass
+class _Run:
+    """One node's spans of one of its attempts (a replacement's restart split off)."""
+    node: str
+    attempt: int
+    part: int  # 0, or 1+ after a failure point of the same node and attempt
+    spans: list[int] = field(default_factory=list)  # indices into the spans
+
+    def bounds(self, spans: Sequence[Span]) -> tuple[float, float | None, float | None]:
+        """(start, first failure, last ok first step) of the run."""
+        mine = [spans[i] for i in self.spans]
+        failed = [s.start for s in mine if s.phase == FAILURE_PHASE]
+        ready = [s.end for s in mine if s.phase == "first_step" and s.outcome == "ok"]
+        return (min(s.start for s in mine), min(failed) if failed else None,
+                max(ready) if ready else None)
+
+
+def _runs(spans: Sequence[Span]) -> list[_Run]:
+    groups: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for i, s in enumerate(spans):
+        groups[(s.node, s.attempt)].append(i)
+    runs: dict[tuple[str, int, int], _Run] = {}
+    for (node, attempt), idx in groups.items():
+        failed = sorted(spans[i].start for i in idx if spans[i].phase == FAILURE_PHASE)
+        for i in idx:  # a failure point closes its run; what starts at or after it is new
+            s = spans[i]
+            part = sum(f < s.start for f in failed) if s.phase == FAILURE_PHASE else sum(
+                f <= s.start for f in failed)
+            runs.setdefault((node, attempt, part), _Run(node, attempt, part)).spans.append(i)
+    return list(runs.values())
+
+
+def job_attempts(spans: Sequence[Span]) -> tuple[list[int], list[dict[str, list[int]]]]:
+    """The job attempt of every span (in order) and, per job attempt, each node's own attempt
+    numbers in it; how runs are grouped is in the module docstring."""
+    from .report import worker_key
+
+    runs = _runs(spans)
+    bounds = {id(r): r.bounds(spans) for r in runs}
+    runs.sort(key=lambda r: (bounds[id(r)][0], r.attempt, r.part, worker_key(r.node, None)))
+    of = [0] * len(spans)
+    members: list[dict[str, list[int]]] = []
+    ready: float | None = None
+    failed: float | None = None
+    for r in runs:
+        start, fail, done = bounds[id(r)]
+        current = members[-1] if members else None
+        if (current is None or r.node in current or (ready is not None and start >= ready)
+                or (failed is not None and start >= failed)):
+            current, ready, failed = {}, None, None
+            members.append(current)
+        current[r.node] = sorted({*current.get(r.node, []), r.attempt})
+        if done is not None:
+            ready = done if ready is None else max(ready, done)
+        if fail is not None:
+            failed = fail if failed is None else min(failed, fail)
+        for i in r.spans:
+            of[i] = len(members) - 1
+    return of, members
+
+
 def node_views(spans: Sequence[Span], skip_stragglers: Iterable[str] = ()) -> NodeViews:
     """Every node-level view of these (clean) spans; warmup spans count for bytes only."""
     job = [s for s in spans if not s.detail.get("warmup")]
+    of, members = job_attempts(job)
+    job = [s if s.attempt == a else replace(s, attempt=a) for s, a in zip(job, of, strict=True)]
     failures = [s for s in job if s.phase == FAILURE_PHASE]
     by_attempt: dict[int, list[Span]] = defaultdict(list)
     for s in job:
@@ -233,6 +306,7 @@ def node_views(spans: Sequence[Span], skip_stragglers: Iterable[str] = ()) -> No
             by_attempt[s.attempt].append(s)
     nodes, total = remote_totals(spans)
     return NodeViews(
-        incidents=[_incident(a, by_attempt[a], failures) for a in sorted(by_attempt)],
+        incidents=[replace(_incident(a, by_attempt[a], failures), node_attempts=members[a])
+                   for a in sorted(by_attempt)],
         node_stragglers=find_node_stragglers(job, {*skip_stragglers, FAILURE_PHASE}),
         bytes_by_node=nodes, bytes_by_remote=total)

@@ -19,6 +19,7 @@ from e2e_nodes_spans import (  # noqa: E402
     NodeRun,
     check_identical,
     harness_spans,
+    node_phases,
     rank_totals,
     summarize,
 )
@@ -58,10 +59,10 @@ def _restart(fresh_rank1_digest: str | None = None) -> list[dict[str, Any]]:
 
 
 def _run(**kw: Any) -> NodeRun:
-    return NodeRun(method="baseline", kill_t=KILL, replaced_t=KILL + 2.0, lost="node1",
-                   pull=(KILL + 2.0, KILL + 5.0),
-                   bytes={"node0": {"registry": 0, "s3": 300, "index": 0},
-                          "node1": {"registry": 5000, "s3": 200, "index": 9000}}, **kw)
+    return NodeRun(**{"method": "baseline", "kill_t": KILL, "replaced_t": KILL + 2.0,
+                      "lost": "node1", "pull": (KILL + 2.0, KILL + 5.0),
+                      "bytes": {"node0": {"registry": 0, "s3": 300, "index": 0},
+                                "node1": {"registry": 5000, "s3": 200, "index": 9000}}, **kw})
 
 
 def _report(tmp_path: Path, run: NodeRun, events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -103,8 +104,9 @@ def test_the_report_finds_the_restart_its_straggler_and_every_node_s_phases(tmp_
 
 
 def test_a_replacement_node_s_bootseer_run_spans_join_the_restart(tmp_path: Path) -> None:
-    """bootseer run on the fresh node counts from attempt 0; its spans are the restart's
-    (attempt 1), without its own byte counts (the fixture's are the measure)."""
+    """bootseer run on the fresh node counts from attempt 0; its spans keep that number
+    (without their own byte counts: the fixture's are the measure), and the report puts them
+    in the job's restart beside the survivor's attempt 1."""
     trace = tmp_path / "fresh"
     w = TraceWriter(trace, node="node1")
     w.record("environment", KILL + 6.0, KILL + 9.0, bytes_by_remote={"s3": 7})
@@ -118,12 +120,18 @@ def test_a_replacement_node_s_bootseer_run_spans_join_the_restart(tmp_path: Path
            ("environment", "checkpoint_prefetch", "command_start")]
     assert sorted(s.phase for s in own) == ["checkpoint_prefetch", "command_start",
                                             "environment"]
-    assert all(s.attempt == 1 and s.bytes_by_remote == {} for s in own)
+    assert all(s.attempt == 0 and s.bytes_by_remote == {} for s in own)
     start = next(s for s in spans if s.node == "node1" and s.phase == "container_start")
     assert (start.start, start.end) == (KILL + 5.0, KILL + 6.0)
     rdzv = next(s for s in spans if s.node == "node1" and s.phase == "rendezvous")
     assert (rdzv.start, rdzv.end) == (KILL + 10.2, KILL + 18.0)
     assert not [s for s in spans if s.phase == "first_step" and s.end == KILL + 25.0]
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "h.jsonl").write_text("".join(s.to_json() + "\n" for s in spans))
+    [incident] = load_report([tmp_path / "t"]).incidents  # the loss alone is no incident
+    assert (incident.attempt, incident.start_at, incident.start_from) == (1, KILL, "failure")
+    assert incident.node_attempts == {"node0": [1], "node1": [0]}
+    assert incident.ready_nodes == 2 and incident.wall_s == pytest.approx(20.8)
 
 
 def test_a_rank_that_resumed_other_bytes_is_named() -> None:
@@ -142,7 +150,7 @@ def test_a_missing_milestone_is_named_with_its_node_and_rank() -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--nodes", "1"], "--nodes 1: the scenario needs 2 to 8 nodes"),
     (["--nodes", "4", "--lose", "4"], "--lose 4: choose a node from 0 to 3"),
-    (["--nodes", "4", "--methods", "diy"], "--methods: unknown diy"),
+    (["--nodes", "4", "--methods", "diy,warm"], "--methods: unknown warm"),
 ])
 def test_bad_arguments_are_refused_by_name(args: list[str], message: str, tmp_path: Path
                                            ) -> None:
@@ -163,3 +171,98 @@ def test_bootseer_bench_passes_nodes_to_the_e2e_suite(tmp_path: Path) -> None:
     assert "benchmarks/bench_e2e.py --results" in r.stdout and "--nodes 1" in r.stdout
     assert "--nodes 1: the scenario needs 2 to 8 nodes" in r.stderr
     assert "e2e FAILED: exit 2" in r.stderr
+
+
+def test_diy_s_copy_is_the_fresh_node_s_phase_while_its_ranks_wait() -> None:
+    """diy: rclone's copy (on the fresh node, from its start to its end) and each rank's wait
+    for it: launch ends where the wait began, the stretch to the load goes to the copy."""
+    events = _restart()
+    for e in list(events):  # node1's ranks waited 0.5 s for the copy, then loaded
+        if e["event"] == "load_start" and e["node"] == "node1":
+            events.append(_ev("copy_ready", e["t"], "node1", e["rank"], e["pid"], waited=0.5))
+    run = _run(copy=(KILL + 2.5, KILL + 19.5, 8_000_000))  # ends as r3 loads
+    spans = harness_spans(run, events)
+    [copy] = [s for s in spans if s.phase == "checkpoint_copy"]
+    assert (copy.node, copy.rank, copy.start, copy.end, copy.bytes) == (
+        "node1", None, KILL + 2.5, KILL + 19.5, 8_000_000)
+    launch = {s.rank: (s.start, s.end) for s in spans if s.phase == "launch"}
+    assert launch[2] == (KILL + 18.0, KILL + 18.5) and launch[0] == (KILL + 19.0, KILL + 20.0)
+    phases = node_phases(spans, "node1", KILL)  # along r3: launch 18.5-19.0, waits to 19.5
+    assert phases["launch"] == pytest.approx(0.5) and phases["checkpoint_copy"] == pytest.approx(0.5)
+    assert sum(phases.values()) == pytest.approx(20.3)
+
+
+def test_a_node_restarted_in_place_keeps_its_node_and_its_attempt_1(tmp_path: Path) -> None:
+    """Baseline in place: the node's container killed and run again on the same node: no
+    replacement, no pull; the restart (kill to the new ``ctr run``) and the new container's
+    start are its phases, at the node's attempt 1, in the report's restart with the
+    survivor's."""
+    run = _run(replaced_t=None, pull=None, in_place=True, restart_t=KILL + 1.0)
+    run.bytes = {"node0": {"s3": 300}, "node1": {"s3": 200}}
+    spans = harness_spans(run, _restart())
+    node1 = [s for s in spans if s.node == "node1" and s.rank is None]
+    assert [(s.phase, s.start, s.end, s.attempt) for s in node1] == [
+        ("failure", KILL, KILL, 0), ("restart", KILL, KILL + 1.0, 1),
+        ("container_start", KILL + 1.0, KILL + 6.0, 1), ("environment", KILL + 6.0, KILL + 16.0, 1),
+        ("command_start", KILL + 16.0, KILL + 16.5, 1), ("rendezvous", KILL + 16.5, KILL + 18.0, 1)]
+    assert all(s.attempt == 1 for s in spans if s.phase != "failure")
+    report = _report(tmp_path, run, _restart())
+    [incident] = report["incidents"]
+    assert incident["attempt"] == 1 and incident["node_attempts"] == {"node0": [1], "node1": [1]}
+    assert incident["start_from"] == "failure" and incident["ready_nodes"] == 2
+
+
+def test_bootseer_in_place_takes_its_restart_attempt_from_bootseer_run_s_trace(
+        tmp_path: Path) -> None:
+    """bootseer in place: ``bootseer run`` restarted torchrun (its attempt 1: backoff,
+    environment verified, checkpoint prefetched); the cold start's attempt 0 is left out."""
+    trace = tmp_path / "node1"
+    w = TraceWriter(trace, node="node1")
+    w.record("environment", KILL - 90.0, KILL - 60.0)  # the cold start
+    w.record("command_start", KILL - 60.0, KILL - 59.9)
+    w.record("restart", KILL + 0.5, KILL + 1.5, attempt=1, reason="returncode=-9")
+    w.record("environment", KILL + 1.5, KILL + 2.0, attempt=1)
+    w.record("checkpoint_prefetch", KILL + 1.5, KILL + 3.0, attempt=1)
+    w.record("command_start", KILL + 3.0, KILL + 3.2, attempt=1)
+    events = [e for e in _restart() if e["event"] not in ("entry", "env_ready", "command_start")]
+    run = _run(replaced_t=None, pull=None, in_place=True, trace_dir=trace)
+    spans = harness_spans(run, events)
+    own = [(s.phase, s.start, s.attempt) for s in spans if s.node == "node1" and s.rank is None]
+    assert own == [("failure", KILL, 0), ("restart", KILL + 0.5, 1), ("environment", KILL + 1.5, 1),
+                   ("checkpoint_prefetch", KILL + 1.5, 1), ("command_start", KILL + 3.0, 1),
+                   ("rendezvous", KILL + 3.2, 1)]
+    phases = node_phases(spans, "node1", KILL)
+    assert phases["untraced"] == pytest.approx(0.5 + 0.5)  # kill to backoff; to the 2nd worker
+
+
+def test_the_markdown_names_every_method_and_compares_bootseer_with_each(tmp_path: Path) -> None:
+    """``render`` (the report a run prints, and ``--render`` from its JSON): a row per method
+    in the report's order, bootseer against every fresh-node method, the in-place line."""
+    from bench_e2e_nodes import LABELS, render
+
+    events = _restart()
+    runs = {}
+    for method, shift in (("baseline", 10.0), ("bootseer", 0.0), ("diy", 5.0),
+                          ("inplace", 0.0)):
+        run = _run(method=method)
+        moved = [{**e, "t": e["t"] + shift} if e["event"] in ("first_step",) else e
+                 for e in events]
+        (tmp_path / method).mkdir()
+        out = summarize(_report(tmp_path / method, run, moved), run,
+                        rank_totals(run, moved), harness_spans(run, moved))
+        out.update(bit_identical=True, report_dir=str(tmp_path / method),
+                   loadavg_1m={"before": 9.0, "after": 10.0})
+        runs[method] = out
+    R = {"runs": runs, "quick": True, "nodes": 2, "model": "tiny", "lost_node": "node1",  # noqa: N806
+         "command": "bench_e2e.py --nodes 2", "machine": {"cpus": 2, "ram_bytes": 2**33,
+                                                           "containerd": "containerd 1.6"},
+         "warnings": [], "errors": []}
+    text = "\n".join(render(R))
+    rows = [line for line in text.splitlines() if line.startswith("| ") and " s |" in line]
+    assert [r.split("|")[1].strip() for r in rows] == [
+        LABELS[m] for m in ("baseline", "diy", "bootseer", "inplace")]
+    assert "- bootseer vs baseline: job back 20.8 s vs 30.8 s after the loss, 1.48x (32% less)" \
+        in text
+    assert "- bootseer vs diy: job back 20.8 s vs 25.8 s" in text
+    assert "- in place (the node kept): bootseer 20.8 s" in text
+    assert R["reduction"] == pytest.approx(1 - 20.8 / 30.8)

@@ -211,15 +211,16 @@ def test_many_nodes(nodes: int, tmp_path: Path) -> None:
         plt.close(fig)
 
 
-def test_json_v2_schema_is_pinned_and_round_trips(report: Report) -> None:
+def test_json_v3_schema_is_pinned_and_round_trips(report: Report) -> None:
     doc = json.loads(json.dumps(report.to_dict()))
-    assert doc["version"] == REPORT_VERSION == 2
+    assert doc["version"] == REPORT_VERSION == 3
     inc = doc["incidents"][1]
     assert {k: type(v).__name__ for k, v in inc.items()} == {
         "attempt": "int", "kind": "str", "start_at": "float", "start_from": "str",
         "first_step_at": "float", "wall_s": "float", "nodes": "int", "ready_nodes": "int",
         "critical_node": "str", "critical_rank": "int", "critical_path": "list",
-        "cost": "dict", "timeline": "list"}
+        "cost": "dict", "timeline": "list", "node_attempts": "dict"}
+    assert inc["node_attempts"] == {f"node-{n}": [1] for n in range(NODES)}
     assert set(inc["critical_path"][0]) == {"phase", "start", "end"}
     assert set(inc["timeline"][0]) == {"node", "segments", "first_step_s"}
     assert {k: type(v).__name__ for k, v in doc["node_stragglers"][0].items()} == {
@@ -240,8 +241,18 @@ def test_a_v1_report_still_reads(report: Report) -> None:
     assert 1 in READABLE_VERSIONS
     old = Report.from_dict(v1)
     assert old.incidents == [] and old.bytes_by_remote == {} and old.phases == report.phases
-    with pytest.raises(ValueError, match="version 3 is not one of"):
-        Report.from_dict({**doc, "version": 3})
+    with pytest.raises(ValueError, match="version 4 is not one of"):
+        Report.from_dict({**doc, "version": 4})
+
+
+def test_a_v2_report_still_reads(report: Report) -> None:
+    """v2 incidents lack ``node_attempts``: they read back empty, the rest equal."""
+    doc = json.loads(json.dumps(report.to_dict()))
+    for inc in doc["incidents"]:
+        del inc["node_attempts"]
+    old = Report.from_dict({**doc, "version": 2})
+    assert [i.node_attempts for i in old.incidents] == [{}] * len(report.incidents)
+    assert [i.wall_s for i in old.incidents] == [i.wall_s for i in report.incidents]
 
 
 def test_cli_prints_the_node_views_and_writes_the_timeline(tmp_path: Path) -> None:
