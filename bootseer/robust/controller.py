@@ -492,7 +492,7 @@ def _break_tie(found: Localization, processes: list[ProcessStacks],
 
 def _needs_checks(opened: dict[str, Any], missing: list[str]) -> bool:
     """A NaN, a jump or an unclear crash, with every node answering (no node lost)."""
-    if missing:
+    if missing or not opened["events"]:  # an update incident has no events: nothing to check
         return False
     primary = _primary([Event.from_doc(d) for d in opened["events"]])
     return primary.kind in ("nonfinite", "spike") or (
