@@ -31,12 +31,9 @@ from typing import Any
 
 from . import wire
 from .events import Event, Verdict
+from .standby import ExcludedNode, check_admission
 
 __all__ = ["ControllerLink", "ExcludedNode", "descendants", "dump_ranks", "pyspy_text"]
-
-
-class ExcludedNode(RuntimeError):
-    """This node is on the job's exclusion list: it must not rejoin."""
 
 
 class ControllerLink:
@@ -57,19 +54,19 @@ class ControllerLink:
         self._last_beat = float("-inf")
         self.answered = 0  # the newest incident this agent dumped for
         self.dump_tool: Callable[[int], str] = pyspy_text  # pid -> its stacks (text)
+        self.where = ""  # the store's address, for errors
 
     @classmethod
     def connect(cls, address: str, node: str, *, job: str = "job",
                 timeout_s: float = 30.0) -> ControllerLink:
-        return cls(wire.connect(address, timeout_s), node, job=job)
+        link = cls(wire.connect(address, timeout_s), node, job=job)
+        link.where = address
+        return link
 
     def register(self) -> None:
         """Join the job's node list; refused when the controller evicted this node."""
-        excluded = wire.get(self.store, self.keys.excluded)
-        if excluded and self.node in json.loads(excluded).get("nodes", []):
-            raise ExcludedNode(f"node {self.node} is on job {self.keys.prefix.split('/')[1]}'s "
-                               "exclusion list (a verdict evicted it): replace the node, or "
-                               "clear the store's 'excluded' key after repairing it")
+        check_admission(self.store, self.node, job=self.keys.prefix.split("/")[1],
+                        where=self.where)
         if self.node not in (wire.get(self.store, self.keys.nodes) or b"").decode().split():
             self.store.append(self.keys.nodes, f"{self.node}\n")
         self.store.set(self.keys.node(self.node, "info"), wire.encode(
