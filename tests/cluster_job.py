@@ -2,9 +2,10 @@
 gradients all-reduced by hand, AdamW, checkpoints through ``CheckpointManager`` to S3.
 
 Everything a test checks is written to ``--out`` (a directory every node can write):
-``saved-R-S.json`` (the state's digest when rank R saved step S), ``loaded-R-A.json`` (what
-rank R loaded in attempt A), ``holding-R`` (rank R waits at ``--hold-at``), ``final-R.json``,
-``stepped-R-HOST-A.json`` (when rank R on HOST finished its first step of attempt A).
+``saved-R-S.json`` (the state's digest when rank R saved step S), ``loaded-R-HOST-A-wW.json``
+(what rank R on HOST loaded in attempt A, in a world of W ranks), ``holding-R`` (rank R waits at ``--hold-at``), ``final-R.json``,
+``stepped-R-HOST-A-wW.json`` (when rank R on HOST finished its first step of attempt A). A
+membership change does not count as an attempt in torchrun: the world tells them apart.
 The batch of step S on rank R depends only on S and R, so an uninterrupted run computes the
 same bits: ``--reference`` computes them in one process (world of 2) and prints the digest.
 
@@ -134,7 +135,7 @@ def train(args: argparse.Namespace) -> None:
         state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": -1}
         step = mgr.load(state)
         opt.load_state_dict(state["optim"])
-        write_json(out / f"loaded-{rank}-{socket.gethostname()}-{attempt}.json",
+        write_json(out / f"loaded-{rank}-{socket.gethostname()}-{attempt}-w{world}.json",
                    {"step": step, "digest": digest(model, opt), "world": world})
         start, loaded = step + 1, True
     for step in range(start, args.steps):
@@ -147,7 +148,7 @@ def train(args: argparse.Namespace) -> None:
             p.grad = g / world
         opt.step()
         if step == start:
-            write_json(out / f"stepped-{rank}-{socket.gethostname()}-{attempt}.json",
+            write_json(out / f"stepped-{rank}-{socket.gethostname()}-{attempt}-w{world}.json",
                        {"step": step, "time": time.time(), "world": world})
         if (step + 1) % args.save_every == 0:
             write_json(out / f"saved-{rank}-{step}.json", {"digest": digest(model, opt)})

@@ -7,7 +7,6 @@ its own bucket, rendezvous id and output directory."""
 from __future__ import annotations
 
 import json
-import pickle
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 from test_cluster import JOB, _read, _wait_for
 
 from bootseer.robust.policy import ExclusionList
-from bootseer.robust.standby import pool_size
+from bootseer.robust.standby import pool_size, rendezvous_members
 from bootseer.testing.cluster import Cluster, Link
 
 pytestmark = pytest.mark.system
@@ -68,21 +67,16 @@ def _reference(*args: str) -> str:
                           text=True, check=True).stdout.strip()
 
 
-def _rendezvous(c: Cluster, run_id: str) -> Any:
-    """torch's rendezvous state of ``run_id`` as the c10d backend stores it (a trusted store:
-    this test's own)."""
+def _rendezvous(c: Cluster, run_id: str) -> dict[str, Any] | None:
+    """torch's rendezvous state of ``run_id``, read from the services host."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend,
-    )
 
     with c.services.entered():
         store = TCPStore("127.0.0.1", STORE_PORT, is_master=False,
                          timeout=timedelta(seconds=20))
-        got = C10dRendezvousBackend(store, run_id).get_state()
-    return None if got is None else pickle.loads(got[0])
+        return rendezvous_members(store, run_id)
 
 
 def _job(c: Cluster, tmp_path: Path, bucket: str, *extra: str) -> tuple[Path, list[str], str]:
@@ -233,14 +227,13 @@ def test_a_lost_node_is_replaced_by_the_warm_standby(cluster: Cluster, tmp_path:
         deadline = time.monotonic() + 120
         while True:  # torch keeps it in the round's redundancy list: no join timeout there
             state = _rendezvous(c, "standby")
-            parked = {d.addr for d in state.redundancy_list} if state else set()
-            if spare.address in parked:
+            if state and spare.address in state["redundancy"]:
                 break
             assert time.monotonic() < deadline, (state, _logs(out))
             for name, proc in procs.items():
                 assert proc.poll() is None, (name, _logs(out))
             time.sleep(0.5)
-        assert state.wait_list == set() and len(state.participants) == 2  # not waiting:
+        assert state["waiting"] == [] and len(state["participants"]) == 2  # not waiting:
         assert not list(out.glob("loaded-*"))  # the running job was not restarted for it
         s3_before = spare.bytes_from("s3")
         lost_at = time.time()

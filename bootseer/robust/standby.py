@@ -23,12 +23,14 @@ Usage::
     publish_exclusions(store, ExclusionList("/var/lib/bootseer/excluded.json"), job="job")
     check_admission(store, "node-7", job="job", where="10.0.0.5:29400")  # ExcludedNode
     pool_size(1024, 0.001)     # spares for 1,024 nodes at 0.1 % loss each: P99 of losses
+    rendezvous_members(store, "job")   # {"participants": [...], "redundancy": [...], ...}
 """
 
 from __future__ import annotations
 
 import json
 import math
+import pickle
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,7 +38,7 @@ from . import wire
 from .policy import ExclusionList
 
 __all__ = ["ExcludedNode", "check_admission", "exclusion_record", "pool_size",
-           "publish_exclusions", "read_exclusions"]
+           "publish_exclusions", "read_exclusions", "rendezvous_members"]
 
 
 class ExcludedNode(RuntimeError):
@@ -116,3 +118,27 @@ def pool_size(nodes: int, p_loss: float, quantile: float = 0.99) -> int:
         if total >= quantile:
             return k
     return nodes
+
+
+def rendezvous_members(store: Any, run_id: str) -> dict[str, Any] | None:
+    """Who is where in torch's c10d rendezvous ``run_id`` (None before its first node):
+    ``participants``, ``waiting`` (the next round's), ``redundancy`` (parked standbys), as
+    node addresses, with ``round`` and ``complete``. Reads the state torch's backend keeps
+    in the store; torch unpickles the same bytes in every agent, so this trusts the store
+    exactly as much as torchrun does (the store must be reachable from the job only)."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+
+    got = C10dRendezvousBackend(store, run_id).get_state()
+    if got is None:
+        return None
+    state = pickle.loads(got[0])  # noqa: S301 - torch's own format, see above
+
+    def addresses(nodes: Iterable[Any]) -> list[str]:
+        return sorted(n.addr for n in nodes)
+
+    return {"round": state.round, "complete": state.complete,
+            "participants": addresses(state.participants),
+            "waiting": addresses(state.wait_list),
+            "redundancy": addresses(state.redundancy_list)}
