@@ -141,6 +141,53 @@ def test_an_excluded_standby_is_refused_by_name(cluster: Cluster, tmp_path: Path
         ctl.wait(timeout=30)
 
 
+def test_the_gate_reads_the_file_and_the_verdicts_through_the_store(tmp_path: Path) -> None:
+    """On a real TCPStore in this process: the file's nodes published with their reasons, a
+    verdict's eviction added beside them, a broken file refused and left as it is."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from bootseer.robust.controller import Controller
+    from bootseer.robust.events import Event
+    from bootseer.robust.remote import ControllerLink
+    from bootseer.robust.standby import ExcludedNode, check_admission, read_exclusions
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=10))
+    listed = ExclusionList(tmp_path / "excluded.json")
+    listed.add(["n7"], "disk_full: 0 B free on /var/lib/bootseer")
+    ctl = Controller(store, exclusion=listed.path, settle_s=0, log=lambda _: None)
+    assert ctl.publish_exclusions() == ["n7"]
+    check_admission(store, "n1")  # not listed: admitted
+    with pytest.raises(ExcludedNode) as refused:
+        check_admission(store, "n7", where="10.0.0.5:29400")
+    assert str(refused.value).startswith(
+        "node n7 is on job job's exclusion list (store key bootseer/job/excluded at "
+        f"10.0.0.5:29400, from the controller's file {listed.path}): evicted for 'disk_full")
+    # a crash verdict evicts n1: the file and the store both hold it, n7 stays
+    for node in ("n1", "n2"):
+        ControllerLink(store, node).register()
+    ControllerLink(store, "n1").publish(Event("crash", "cuda_error", node="n1", rank=1,
+                                              time=time.time()))
+    for _ in range(6):  # incident 1 opened, both nodes answer its dump order, the verdict
+        if ctl.step() is not None:
+            break
+        for node in ("n1", "n2"):
+            ControllerLink(store, node).answer(1, [])
+    assert set(listed.nodes()) == {"n1", "n7"}
+    doc = read_exclusions(store)
+    assert doc["nodes"] == ["n1", "n7"] and doc["list"] == str(listed.path)
+    assert "GPU" in doc["reasons"]["n1"] and "disk_full" in doc["reasons"]["n7"]
+    with pytest.raises(ExcludedNode, match="node n1 is on job job's exclusion list"):
+        ControllerLink(store, "n1").register()
+    # a file that cannot be read is refused by name, and left as it is
+    listed.path.write_text("{not json")
+    with pytest.raises(ValueError, match="is not readable"):
+        ctl.publish_exclusions()
+    assert listed.path.read_text() == "{not json"
+
+
 def test_the_pool_is_the_p99_of_binomial_losses() -> None:
     assert pool_size(1024, 0.001) == 4  # ByteRobust's figure for 1,024 machines
     assert pool_size(2, 0.0) == 0
