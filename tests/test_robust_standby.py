@@ -188,6 +188,27 @@ def test_the_gate_reads_the_file_and_the_verdicts_through_the_store(tmp_path: Pa
     assert listed.path.read_text() == "{not json"
 
 
+def test_a_standby_that_fails_its_self_check_is_not_parked(tmp_path: Path) -> None:
+    """The health check after the parts: a disk below ``health.min_free_disk`` fails it
+    (exit 1, the disk named, a failed ``self_check`` span); --json stays one document."""
+    (tmp_path / "ckpt").mkdir()
+    flags = ["--ckpt-url", str(tmp_path / "ckpt"), "--ranks", "0", "--state-dir",
+             str(tmp_path / "state"), "--node", "spare-1", "--min-free-memory", "1MiB",
+             "--no-gpu-check", "--json", "--self-check"]
+    bad = subprocess.run([*BOOTSEER, "warmup", *flags, "--min-free-disk", "1000000TiB"],
+                         capture_output=True, text=True, check=False)
+    assert bad.returncode == 1, bad.stderr
+    assert "self-check failed" in bad.stderr and "disk" in bad.stderr
+    doc = json.loads(bad.stdout)
+    assert doc["ok"] is False and doc["self_check"] is False
+    good = subprocess.run([*BOOTSEER, "warmup", *flags, "--min-free-disk", "1MiB"],
+                          capture_output=True, text=True, check=True)
+    assert json.loads(good.stdout)["self_check"] is True
+    spans = [json.loads(line) for line in (tmp_path / "state" / "trace" / "spare-1.jsonl")
+             .read_text().splitlines() if '"self_check"' in line]
+    assert [s["outcome"] for s in spans] == ["failed", "ok"]
+
+
 def test_the_pool_is_the_p99_of_binomial_losses() -> None:
     assert pool_size(1024, 0.001) == 4  # ByteRobust's figure for 1,024 machines
     assert pool_size(2, 0.0) == 0

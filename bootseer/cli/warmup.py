@@ -116,14 +116,19 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     results = run_parts(parts, trace)
     seconds = time.perf_counter() - started
     failed = [r for r in results if not r.ok]
-    if args.self_check and not failed and not _self_check(args.cfg, trace):
-        return 1
+    checked = _self_check(args.cfg, trace) if args.self_check and not failed else None
     if args.json:
-        print(json.dumps({"ok": not failed, "seconds": seconds,
-                          "parts": [asdict(r) for r in results]}, indent=1, default=str))
+        print(json.dumps({"ok": not failed and checked is not False, "seconds": seconds,
+                          "parts": [asdict(r) for r in results],
+                          **({} if checked is None else {"self_check": checked})},
+                         indent=1, default=str))
     else:
         for line in summary_lines(results):
             print(f"warmup: {line}")
+        if checked:
+            print("warmup: self-check ok")
+    if checked is False:
+        return 1
     if failed:
         for r in failed:
             print(f"bootseer: warmup: {r.part} ({r.what}) failed: {r.error}", file=sys.stderr)
@@ -171,5 +176,4 @@ def _self_check(cfg: Any, trace: Any) -> bool:
         print(f"bootseer: warmup: self-check failed: {exc}", file=sys.stderr)
         return False
     trace.record("self_check", wall, warmup=True, result="ok")
-    print("warmup: self-check ok")
     return True
