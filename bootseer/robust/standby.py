@@ -72,17 +72,15 @@ def read_exclusions(store: Any, job: str = "job") -> dict[str, Any]:
 
 
 def publish_exclusions(store: Any, exclusion: ExclusionList, job: str = "job") -> list[str]:
-    """Merge the file's evicted nodes into the store's ``excluded`` key (what nodes read), so
-    a node evicted in an earlier run of the job, or by an operator, is refused too. Returns
-    the nodes now excluded."""
-    current = read_exclusions(store, job)
+    """Write the file's evicted nodes to the store's ``excluded`` key (what nodes read): the
+    file is the list (every eviction goes into it first), so a node evicted in an earlier run
+    of the job, or by an operator, is refused too, and one removed from the file after a
+    repair is admitted again. Returns the nodes now excluded."""
     listed = exclusion.nodes()
-    reasons = {**current.get("reasons", {}),
-               **{n: str(e.get("reason", "")) for n, e in listed.items()}}
-    nodes = sorted(set(current["nodes"]) | set(listed))
-    store.set(wire.Keys(job).excluded, exclusion_record(nodes, reasons=reasons,
-                                                        source=str(exclusion.path)))
-    return nodes
+    store.set(wire.Keys(job).excluded, exclusion_record(
+        listed, reasons={n: str(e.get("reason", "")) for n, e in listed.items()},
+        source=str(exclusion.path)))
+    return sorted(listed)
 
 
 def check_admission(store: Any, node: str, *, job: str = "job", where: str = "") -> None:
@@ -100,9 +98,9 @@ def check_admission(store: Any, node: str, *, job: str = "job", where: str = "")
     raise ExcludedNode(
         f"node {node} is on job {job}'s exclusion list ({place})"
         + (f": evicted for {reason!r}" if reason else ": a verdict evicted it")
-        + "; it must not join the job, nor wait as a standby: use another node, or repair it "
-          "and remove it from the list (ExclusionList.remove, then restart the controller "
-          "or clear the store's key)")
+        + "; it must not join the job, nor wait as a standby: use another node, or repair it, "
+          "remove it from the controller's file (ExclusionList.remove) and restart the "
+          "controller")
 
 
 def pool_size(nodes: int, p_loss: float, quantile: float = 0.99) -> int:
