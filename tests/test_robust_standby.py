@@ -279,12 +279,30 @@ def test_a_lost_node_is_replaced_by_the_warm_standby(cluster: Cluster, tmp_path:
                   "--trace-dir", str(out / "trace"), "--ckpt-url", "s3://standby/run",
                   "--storage-options", opts, "--ranks", "0-1", "--min-free-disk", "1MiB",
                   "--min-free-memory", "1MiB"]
+    # the job's environment, built once by a node and published as a snapshot (a custom
+    # install command: 2 MB of random bytes in its prefix, so that a restore shows)
+    spec = out / "env.txt"
+    spec.write_text("# the standby test's environment\n")
+
+    def env_flags(node) -> list[str]:
+        return ["--env-spec", str(spec), "--env-prefix", str(node.dirs.work / "venv"),
+                "--env-store", "s3://standby/envs", "--", "sh", "-c",
+                'mkdir -p "$BOOTSEER_PREFIX/bin" && head -c 2000000 /dev/urandom'
+                ' > "$BOOTSEER_PREFIX/blob"']
+
+    builder = c.nodes[0]
+    builder.run([*BOOTSEER, "env", "ensure", "--storage-options", opts, "--state-dir",
+                 str(builder.dirs.work / "state"), *env_flags(builder)])
     try:
         _wait_for([out / "holding-0", out / "holding-1"], procs, 180)
-        # the standby: warmed (the newest checkpoint's shards for any rank it may take) and
-        # checked, then the same launcher as the job's nodes: it parks at the rendezvous
-        warm = spare.run([*BOOTSEER, "warmup", "--self-check", *node_flags])
+        # the standby: warmed (the environment; the newest checkpoint's shards for any rank
+        # it may take) and checked, then the same launcher as the job's nodes: it parks at
+        # the rendezvous
+        warm = spare.run([*BOOTSEER, "warmup", "--self-check", *node_flags, *env_flags(spare)])
         assert "cached step 8 for ranks 0-1" in warm.stdout and "self-check ok" in warm.stdout
+        assert "restored environment" in warm.stdout, warm.stdout
+        blob = (builder.dirs.work / "venv" / "blob").read_bytes()
+        assert (spare.dirs.work / "venv" / "blob").read_bytes() == blob
         procs["node2"] = _launch(spare, [*BOOTSEER, "run", *node_flags, "--hang-timeout", "0",
                                          "--", *spare.torchrun(script, nnodes="2:2",
                                                                rdzv_id="standby")], out, "job")
@@ -327,9 +345,12 @@ def test_a_lost_node_is_replaced_by_the_warm_standby(cluster: Cluster, tmp_path:
     spans = _spans(out / "trace" / "node2.jsonl")
     startup = [s for s in spans if s["phase"] in ("image_prefetch", "environment",
                                                   "checkpoint_prefetch", "self_check")]
-    assert {s["phase"] for s in startup} >= {"checkpoint_prefetch", "self_check"}, spans
+    assert {s["phase"] for s in startup} >= {"checkpoint_prefetch", "environment",
+                                             "self_check"}, spans
     assert all(s["end"] < lost_at for s in startup), (lost_at, startup)
     fetched = [s for s in startup if s["phase"] == "checkpoint_prefetch" and s["bytes"] > 0]
     assert len(fetched) == 1 and fetched[0]["detail"].get("warmup"), startup
+    restored = [s for s in startup if s["phase"] == "environment" and s["bytes"] > 0]
+    assert len(restored) == 1 and restored[0]["detail"].get("warmup"), startup
     rank_bytes = fetched[0]["bytes"] / 2
     assert s3_after - s3_before < rank_bytes / 4, (s3_after - s3_before, rank_bytes)
