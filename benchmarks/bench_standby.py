@@ -15,7 +15,8 @@ The cluster fixture (bootseer.testing.cluster), one rank per node, the cluster t
   rank 1's shards, the lost node's).
 
 Measured: from the kill to the first step finished after it, on every rank (the slower
-rank's), and the bytes the new node took from S3 after the kill. The cold figure leaves out
+rank's), when each rank's load was done, and the bytes the new node took from S3 after the
+kill. The cold figure leaves out
 the fixture's own node creation (namespaces, tmpfs: reported apart); a real cold node adds its
 scheduling, boot and image pull on top, which a standby also saves and this does not measure.
 
@@ -133,6 +134,10 @@ def scenario(method: str, width: int, rate: str, work: Path) -> dict[str, Any]:
     if len(after) != 2:
         raise RuntimeError(f"expected a first step after the loss on 2 ranks, got {after}")
     result["first_step_after_loss_s"] = after
+    # the load done (each rank's record of it): what came before is the rendezvous, the new
+    # worker processes and init_process_group; after it, one training step
+    result["loaded_after_loss_s"] = {p.name: p.stat().st_mtime - lost_at
+                                     for p in out.glob("loaded-*.json")}
     loss_to_step = max(after.values())
     if method == "cold":
         loss_to_step -= result["node_creation_s"]
