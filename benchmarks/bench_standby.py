@@ -44,6 +44,9 @@ from _common import command_line, final_table, log, md_table, verdict  # noqa: E
 REPO = Path(__file__).resolve().parent.parent
 JOB = REPO / "tests" / "cluster_job.py"
 BOOTSEER = [sys.executable, "-m", "bootseer"]
+#: keep-alive 1 s x 10: with the fixture's x 3, a live node that misses three beats on a
+#: loaded machine is sanitized out and the parked standby takes its place (docs/robust.md)
+PATIENT = {"keep_alive_max_attempt": 10}
 
 
 def _wait(what: str, ready: Any, procs: dict[str, subprocess.Popen], timeout_s: float) -> Any:
@@ -95,9 +98,11 @@ def scenario(method: str, width: int, rate: str, work: Path) -> dict[str, Any]:
 
         def job(node: Any, ranks: str) -> list[str]:
             return [*BOOTSEER, "run", *bootseer_run(node, ranks), "--hang-timeout", "0", "--",
-                    *node.torchrun(script, nnodes="2:2", rdzv_id="bench")]
+                    *node.torchrun(script, nnodes="2:2", rdzv_id="bench",
+                                  rdzv_conf=PATIENT)]
 
-        procs = {n.name: launch(n, n.torchrun(script, nnodes="2:2", rdzv_id="bench"))
+        procs = {n.name: launch(n, n.torchrun(script, nnodes="2:2", rdzv_id="bench",
+                                              rdzv_conf=PATIENT))
                  for n in c.nodes[:2]}
         try:
             _wait("both ranks holding", lambda: all((out / f"holding-{r}").exists()

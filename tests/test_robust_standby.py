@@ -26,6 +26,10 @@ pytestmark = pytest.mark.system
 
 BOOTSEER = [sys.executable, "-m", "bootseer"]
 STORE_PORT = 29400
+# Keep-alive: 1 s x 10. The fixture's 1 s x 3 lets a live node that misses three beats on a
+# machine at load 30 be sanitized out of the round: the parked standby then takes its place
+# (seen in bench_standby.py; docs/robust.md). A loss is noticed 7 s later than with 3.
+PATIENT = {"keep_alive_max_attempt": 10}
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +224,7 @@ def test_an_elastic_job_shrinks_goes_on_and_grows_back(cluster: Cluster, tmp_pat
     c = cluster
     out, script, _ = _job(c, tmp_path, "elastic", "--hold-again-at", "12",
                           "--hold-again-world", "1")
-    conf = {"last_call_timeout": 8}  # the first round waits this long for the second node
+    conf = {**PATIENT, "last_call_timeout": 8}  # the first round waits 8 s for the second
 
     def torchrun(node) -> list[str]:
         return node.torchrun(script, nnodes="1:2", rdzv_id="elastic", rdzv_conf=conf)
@@ -272,7 +276,8 @@ def _spans(path: Path) -> list[dict[str, Any]]:
 def test_a_lost_node_is_replaced_by_the_warm_standby(cluster: Cluster, tmp_path: Path) -> None:
     c = cluster
     out, script, opts = _job(c, tmp_path, "standby", "--width", WIDTH)
-    procs = {n.name: _launch(n, n.torchrun(script, nnodes="2:2", rdzv_id="standby"), out, "job")
+    procs = {n.name: _launch(n, n.torchrun(script, nnodes="2:2", rdzv_id="standby",
+                                            rdzv_conf=PATIENT), out, "job")
              for n in c.nodes[:2]}
     spare = c.nodes[2]
     node_flags = ["--node", spare.name, "--state-dir", str(spare.dirs.work / "state"),
@@ -305,7 +310,8 @@ def test_a_lost_node_is_replaced_by_the_warm_standby(cluster: Cluster, tmp_path:
         assert (spare.dirs.work / "venv" / "blob").read_bytes() == blob
         procs["node2"] = _launch(spare, [*BOOTSEER, "run", *node_flags, "--hang-timeout", "0",
                                          "--", *spare.torchrun(script, nnodes="2:2",
-                                                               rdzv_id="standby")], out, "job")
+                                                               rdzv_id="standby",
+                                                               rdzv_conf=PATIENT)], out, "job")
         deadline = time.monotonic() + 120
         while True:  # torch keeps it in the round's redundancy list: no join timeout there
             state = _rendezvous(c, "standby")
