@@ -2,14 +2,19 @@
 gradients all-reduced by hand, AdamW, checkpoints through ``CheckpointManager`` to S3.
 
 Everything a test checks is written to ``--out`` (a directory every node can write):
-``saved-R-S.json`` (the state's digest when rank R saved step S), ``loaded-R-A.json`` (what
-rank R loaded in attempt A), ``holding-R`` (rank R waits at ``--hold-at``), ``final-R.json``.
+``saved-R-S.json`` (the state's digest when rank R saved step S), ``loaded-R-HOST-A-wW.json``
+(what rank R on HOST loaded in attempt A, in a world of W ranks), ``holding-R`` (rank R waits at ``--hold-at``), ``final-R.json``,
+``stepped-R-HOST-A-wW.json`` (when rank R on HOST finished its first step of attempt A). A
+membership change does not count as an attempt in torchrun: the world tells them apart.
 The batch of step S on rank R depends only on S and R, so an uninterrupted run computes the
 same bits: ``--reference`` computes them in one process (world of 2) and prints the digest.
 
 On a first start (nothing to load) the job stops before step ``--hold-at`` and keeps running
 collectives there, so that a test can kill a node at a known point: the survivors' next
-collective fails and torchrun restarts them.
+collective fails and torchrun restarts them. ``--hold-again-at S --hold-again-world W`` holds
+the same way before step S whenever the world has W ranks (``holding-wW-R``): an elastic job
+that shrank waits there for a node to join. ``--reference-worlds 2:9,1:3,2:2`` is the
+reference of a run whose world changed (9 steps of 2 ranks, 3 of 1, 2 of 2).
 """
 
 from __future__ import annotations
@@ -30,13 +35,13 @@ import torch
 from torch import nn
 
 
-def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(seed: int = 0, width: int = 64) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model and its optimizer, with optimizer state allocated (a step at lr 0: the
     checkpoint has every tensor from the start), the same in the job and the reference."""
     from ckpt import init_optimizer_state
 
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     init_optimizer_state(opt)
     return model, opt
@@ -82,11 +87,13 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def reference(steps: int, world: int) -> str:
+def reference(steps: int, world: int, width: int = 64, worlds: list[int] | None = None) -> str:
     """The uninterrupted run, in one process: each rank's gradients summed, then averaged,
-    as the all-reduce does (two terms: the same bits in any order)."""
-    model, opt = build()
+    as the all-reduce does (two terms: the same bits in any order). ``worlds``: the world
+    size of each step, when it changed."""
+    model, opt = build(width=width)
     for step in range(steps):
+        world = worlds[step] if worlds else world
         per_rank = [grads(model, step, r) for r in range(world)]
         for p, *gs in zip(model.parameters(), *per_rank, strict=True):
             total = gs[0].clone()
@@ -95,6 +102,19 @@ def reference(steps: int, world: int) -> str:
             p.grad = total / world
         opt.step()
     return digest(model, opt)
+
+
+def hold(mgr: Any, marker: Path, step: int) -> None:
+    """The last save durable, ``marker`` written, then all-reduces until a peer is lost (the
+    collective fails) or the agent restarts this worker (a node joined)."""
+    import torch.distributed as dist
+
+    mgr.wait()
+    marker.write_text(str(step))
+    beat = torch.zeros(1)
+    while True:
+        dist.all_reduce(beat)
+        time.sleep(0.1)
 
 
 def train(args: argparse.Namespace) -> None:
@@ -106,7 +126,7 @@ def train(args: argparse.Namespace) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     out = Path(args.out)
-    model, opt = build()
+    model, opt = build(width=args.width)
     mgr = CheckpointManager(args.ckpt, rank=rank, world_size=world,
                             storage_options=json.loads(args.storage_options),
                             commit_timeout_s=60)
@@ -115,21 +135,21 @@ def train(args: argparse.Namespace) -> None:
         state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": -1}
         step = mgr.load(state)
         opt.load_state_dict(state["optim"])
-        write_json(out / f"loaded-{rank}-{socket.gethostname()}-{attempt}.json",
+        write_json(out / f"loaded-{rank}-{socket.gethostname()}-{attempt}-w{world}.json",
                    {"step": step, "digest": digest(model, opt), "world": world})
         start, loaded = step + 1, True
     for step in range(start, args.steps):
+        if step == args.hold_again_at and world == args.hold_again_world:
+            hold(mgr, out / f"holding-w{world}-{rank}", step)
         if step == args.hold_at and not loaded:
-            mgr.wait()  # the last save is durable (on rank 0: committed)
-            (out / f"holding-{rank}").write_text(str(step))
-            beat = torch.zeros(1)
-            while True:  # until a peer is lost: then this collective fails
-                dist.all_reduce(beat)
-                time.sleep(0.1)
+            hold(mgr, out / f"holding-{rank}", step)  # the last save durable (committed)
         for p, g in zip(model.parameters(), grads(model, step, rank), strict=True):
             dist.all_reduce(g)
             p.grad = g / world
         opt.step()
+        if step == start:
+            write_json(out / f"stepped-{rank}-{socket.gethostname()}-{attempt}-w{world}.json",
+                       {"step": step, "time": time.time(), "world": world})
         if (step + 1) % args.save_every == 0:
             write_json(out / f"saved-{rank}-{step}.json", {"digest": digest(model, opt)})
             mgr.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
@@ -148,11 +168,18 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=3)
     parser.add_argument("--hold-at", type=int, default=9)
     parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--width", type=int, default=64, help="the hidden layer's width")
+    parser.add_argument("--hold-again-at", type=int, default=-1)
+    parser.add_argument("--hold-again-world", type=int, default=0)
+    parser.add_argument("--reference-worlds", default="",
+                        help="WORLD:STEPS,...: the world size over the steps, in order")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1)  # a test that sees a hang asks for the stacks
     torch.set_num_threads(1)
     if args.reference:
-        print(reference(args.steps, 2))
+        worlds = [int(w) for part in filter(None, args.reference_worlds.split(","))
+                  for w, n in [part.split(":")] for _ in range(int(n))]
+        print(reference(len(worlds) if worlds else args.steps, 2, args.width, worlds or None))
     else:
         train(args)
 

@@ -159,11 +159,16 @@ def cmd_controller(args: argparse.Namespace) -> int:
     ctl = Controller(store, job=args.job, trace_path=trace, exclusion=args.exclusion,
                      layout=layout, dump_wait_s=args.dump_wait,
                      failslow_interval_s=args.failslow_interval, check_wait_s=args.check_wait)
+    try:
+        excluded = ctl.publish_exclusions()
+    except ValueError as exc:  # an unreadable exclusion file: refused, left as it is
+        raise CliError(str(exc)) from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print(f"READY controller of job {args.job} at {address} (pid {os.getpid()}); "
-          f"{len(ctl.nodes())} node(s) registered", flush=True)
+          f"{len(ctl.nodes())} node(s) registered"
+          + (f"; excluded: {', '.join(excluded)}" if excluded else ""), flush=True)
     ctl.run(stop)
     return 0
 

@@ -7,6 +7,8 @@ fills exactly the caches the job reads:
     bootseer warmup --image-ref registry:5000/team/train:v1-lazy \\
         --env-spec requirements.txt --env-prefix /opt/venv --env-store s3://bucket/envs \\
         --ckpt-url s3://bucket/run1 --ranks 0-7
+    bootseer warmup --self-check --controller 10.0.0.5:29400 --node spare-3 \
+        --ckpt-url s3://bucket/run1 --ranks 0-15      # a warm standby, then `bootseer run`
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .options import open_trace, refuse_renamed_flags, trailing_command
 
 #: The keys warmup takes flags for: what it fills, and where.
 WARMUP_KEYS = ("state", "run.trace_dir", "run.node", "image", "env.spec", "env.prefix",
-               "env.store", "env.base_image", "ckpt", "storage")
+               "env.store", "env.base_image", "ckpt", "storage", "health", "controller")
 
 #: Flags of earlier versions -> the schema's flag for the same key (the same in every command).
 RENAMED_FLAGS = {"--image": "--image-ref", "--ckpt": "--ckpt-url",
@@ -51,6 +53,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--env-extra", action="append", default=[], metavar="NAME=VALUE",
                    help="another input of the environment's key, as `env ensure --extra`")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--self-check", action="store_true",
+                   help="a warm standby's warmup: refuse a node on the job's exclusion list "
+                        "(controller.address) before warming anything (exit 2), then run the "
+                        "node's health checks after it (exit 1 when one fails); a span "
+                        "'self_check' in the trace")
     refuse_renamed_flags(p, RENAMED_FLAGS)
     p.set_defaults(func=cmd_warmup, takes_command=True, command=None)
 
@@ -102,17 +109,26 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     from ..warmup import run_parts, summary_lines
 
     parts = _parts(args)
+    if args.self_check:
+        _admitted(args.cfg)
     trace = open_trace(args.cfg)
     started = time.perf_counter()
     results = run_parts(parts, trace)
     seconds = time.perf_counter() - started
     failed = [r for r in results if not r.ok]
+    checked = _self_check(args.cfg, trace) if args.self_check and not failed else None
     if args.json:
-        print(json.dumps({"ok": not failed, "seconds": seconds,
-                          "parts": [asdict(r) for r in results]}, indent=1, default=str))
+        print(json.dumps({"ok": not failed and checked is not False, "seconds": seconds,
+                          "parts": [asdict(r) for r in results],
+                          **({} if checked is None else {"self_check": checked})},
+                         indent=1, default=str))
     else:
         for line in summary_lines(results):
             print(f"warmup: {line}")
+        if checked:
+            print("warmup: self-check ok")
+    if checked is False:
+        return 1
     if failed:
         for r in failed:
             print(f"bootseer: warmup: {r.part} ({r.what}) failed: {r.error}", file=sys.stderr)
@@ -124,3 +140,40 @@ def cmd_warmup(args: argparse.Namespace) -> int:
             else ""
         print(f"warmup: done in {seconds:.2f}s{note}")
     return 0
+
+
+def _admitted(cfg: Any) -> None:
+    """A standby evicted from the job must not be warmed, nor join: refused by name."""
+    if not cfg.controller.address:
+        return
+    from ..robust import wire
+    from ..robust.standby import ExcludedNode, check_admission
+    from ..trace import default_node
+
+    node = cfg.run.node or default_node()
+    try:
+        store = wire.connect(cfg.controller.address, cfg.controller.wait_s)
+        check_admission(store, node, job=cfg.controller.job, where=cfg.controller.address)
+    except ExcludedNode as exc:
+        raise CliError(str(exc)) from None
+    except (ValueError, RuntimeError, OSError) as exc:  # TCPStore raises these
+        raise CliError(f"cannot reach the controller's store at {cfg.controller.address} "
+                       f"(controller.address) to check the exclusion list: {exc}") from None
+
+
+def _self_check(cfg: Any, trace: Any) -> bool:
+    """The node's health checks (``bootseer run``'s, before every start) on the warmed node;
+    a span ``self_check`` records the outcome."""
+    from ..startup import StartupError
+    from ..trace import default_node
+    from .run import node_check
+
+    wall = time.time()
+    try:
+        node_check(cfg, trace, cfg.run.node or default_node(), 0)
+    except StartupError as exc:
+        trace.record("self_check", wall, outcome="failed", warmup=True, result=str(exc))
+        print(f"bootseer: warmup: self-check failed: {exc}", file=sys.stderr)
+        return False
+    trace.record("self_check", wall, warmup=True, result="ok")
+    return True

@@ -51,6 +51,7 @@ from .events import Event, Verdict, write_record
 from .failslow import COLLECTIVE_FILE, FailSlowRounds
 from .policy import ExclusionList, decide
 from .stacks import Localization, ProcessStacks, _domain, localize
+from .standby import exclusion_record, publish_exclusions, read_exclusions
 
 __all__ = ["ACTIONABLE", "CHECKED", "SECONDARY", "Controller"]
 
@@ -79,6 +80,7 @@ class Controller:
                  log: Callable[[str], None] = _say, clock: Callable[[], float] = time.time
                  ) -> None:
         self.store = store
+        self.job = job
         self.keys = wire.Keys(job)
         self.trace_path = Path(trace_path) if trace_path else None
         self.exclusion = ExclusionList(exclusion) if exclusion else None
@@ -396,11 +398,22 @@ class Controller:
         return verdict
 
     def _exclude(self, verdict: Verdict) -> None:
-        nodes = sorted(set(self.excluded()) | set(verdict.nodes))
-        self.store.set(self.keys.excluded, wire.encode({"nodes": nodes}))
         if self.exclusion is not None:
             self.exclusion.add(verdict.nodes, verdict.reason,
                                failure_class=verdict.failure_class)
+            publish_exclusions(self.store, self.exclusion, self.job)
+            return
+        doc = read_exclusions(self.store, self.job)
+        reasons = {**doc.get("reasons", {}), **dict.fromkeys(verdict.nodes, verdict.reason)}
+        self.store.set(self.keys.excluded, exclusion_record(
+            [*doc["nodes"], *verdict.nodes], reasons=reasons, source=doc.get("list")))
+
+    def publish_exclusions(self) -> list[str]:
+        """The exclusion file's nodes into the store, where nodes and standbys read them
+        (called when the controller starts: a node evicted earlier stays out)."""
+        if self.exclusion is None:
+            return self.excluded()
+        return publish_exclusions(self.store, self.exclusion, self.job)
 
     def _write(self, record: Event | Verdict) -> None:
         if self.trace_path is None:

@@ -43,6 +43,7 @@ from typing import Any
 
 from . import wire
 from .events import Event, Verdict
+from .standby import ExcludedNode, check_admission
 
 __all__ = ["STEP_WINDOW", "ControllerLink", "ExcludedNode", "descendants", "dump_ranks",
            "pyspy_text"]
@@ -65,10 +66,6 @@ def _address_of(store: Any) -> str | None:
     """``HOST:PORT`` of a TCPStore client (the checks' subprocess connects there)."""
     host, port = getattr(store, "host", None), getattr(store, "port", None)
     return f"{host}:{port}" if host and port else None
-
-
-class ExcludedNode(RuntimeError):
-    """This node is on the job's exclusion list: it must not rejoin."""
 
 
 class ControllerLink:
@@ -98,6 +95,7 @@ class ControllerLink:
         self._steps: dict[int, deque[tuple[int, float]]] = {}
         self._sampled = 0  # the newest fail-slow round this agent answered
         self._sampler: threading.Thread | None = None
+        self.where = self.address or ""  # the store's address, for errors
 
     @classmethod
     def connect(cls, address: str, node: str, *, job: str = "job",
@@ -106,11 +104,8 @@ class ControllerLink:
 
     def register(self) -> None:
         """Join the job's node list; refused when the controller evicted this node."""
-        excluded = wire.get(self.store, self.keys.excluded)
-        if excluded and self.node in json.loads(excluded).get("nodes", []):
-            raise ExcludedNode(f"node {self.node} is on job {self.keys.prefix.split('/')[1]}'s "
-                               "exclusion list (a verdict evicted it): replace the node, or "
-                               "clear the store's 'excluded' key after repairing it")
+        check_admission(self.store, self.node, job=self.keys.prefix.split("/")[1],
+                        where=self.where)
         if self.node not in (wire.get(self.store, self.keys.nodes) or b"").decode().split():
             self.store.append(self.keys.nodes, f"{self.node}\n")
         self.store.set(self.keys.node(self.node, "info"), wire.encode(
