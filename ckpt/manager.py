@@ -118,7 +118,7 @@ class CheckpointManager:
                  commit_timeout_s: float = 1800.0, trust_objects: bool = False,
                  attempt: str | None = None,
                  cache_dir: str | os.PathLike | bool | None = None,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, memory: Any = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if keep is not None and keep < 1:
@@ -147,6 +147,9 @@ class CheckpointManager:
         # this manager's world; False, none; or a ProcessGroup. Resolved at each load.
         self.process_group = process_group
         self._view: CheckpointView | None = None  # the last commit read: latest() -> load
+        # The memory tier (ckpt.memory, docs/ckpt.md): a MemoryConfig; None: the one `bootseer
+        # run` hands down (BOOTSEER_MEMCKPT_DIR), if any; False: none.
+        self.memory = _memory_tier(memory, rank, world_size, process_group, trust_objects)
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, block: bool = False) -> SaveHandle:
@@ -155,7 +158,18 @@ class CheckpointManager:
         Raises the previous save's failure, if any, before starting. ``block=True`` waits
         until this rank's shard is durable (and, on rank 0, committed) and returns the
         finished handle (``handle.wait()`` gives its result at once).
+
+        With the memory tier, every save is first copied into the node's memory; the durable
+        tier is written only every ``durable_every`` steps (the handle of a memory-only save
+        is finished, with ``committed=False`` and no bytes written).
         """
+        if self.memory is not None:
+            stall = self.memory.save(step, state)
+            every = self.memory.config.durable_every
+            if every and step % every:
+                done: Future[SaveResult] = Future()
+                done.set_result(SaveResult(step, self.rank, 0, stall, 0.0, False))
+                return SaveHandle(step, done, stall)
         return self._save(step, state, block=block)
 
     def _save(self, step: int, state: Any, *, block: bool, key_style: str = "") -> SaveHandle:
@@ -204,6 +218,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
+            if self.memory is not None:
+                self.memory.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -275,6 +291,17 @@ class CheckpointManager:
     def load_with_report(self, state: Any, step: int | None = None, *,
                          strict: bool = True) -> LoadReport:
         """``load``, returning what it did: bytes, seconds, keys, and the steps skipped."""
+        if self.memory is not None and step is None:
+            # the memory tier first: the newest step every rank holds in memory, when it is
+            # at least as new as the durable tier's (every rank decides the same)
+            try:
+                durable = self.latest()
+            except CheckpointError as exc:  # the store is down: memory is all there is
+                log.warning("memory tier: the durable tier cannot be listed (%s)", exc)
+                durable = None
+            from_memory = self.memory.load(state, durable)
+            if from_memory is not None:
+                return from_memory
         group = agree.resolve_group(self.process_group, self.rank, self.world_size)
         exchange = agree.group_exchange(group) if group is not None else agree.alone
         failed: set[int] = set()
@@ -424,6 +451,19 @@ class CheckpointManager:
             objects += len(idx.object_keys)
             object_files += 1
         return VerifyReport(step, not problems, checked, problems, objects, object_files)
+
+
+def _memory_tier(memory: Any, rank: int, world_size: int, group: Any,
+                 trust_objects: bool) -> Any:
+    if memory is False:
+        return None
+    from .memory import MemoryConfig, MemoryTier
+
+    config = MemoryConfig.from_env() if memory is None else memory
+    if config is None:
+        return None
+    return MemoryTier(config, rank=rank, world_size=world_size, process_group=group,
+                      trust_objects=trust_objects)
 
 
 def _first_path(outcomes: list[Outcome]) -> str | None:
