@@ -229,6 +229,8 @@ class MemoryTier:
             self._executor.shutdown(wait=True)
             if self._client is not None:
                 self._client.close()
+            for slot in self.slots:  # the files stay: the agent owns them
+                slot.close()
 
     def _check_budget(self, size: int) -> bool:
         """The node holds 2 copies of each of its ranks' state plus 2 of each peer rank's

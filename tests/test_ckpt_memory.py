@@ -117,3 +117,47 @@ def test_agent_owns_and_removes_its_memory(tmp_path: Path) -> None:
     assert directory.startswith("/dev/shm/bootseer-memckpt-") and mode == "0o700"
     assert not os.path.exists(directory)
     assert "memory tier: copies in" in proc.stderr
+
+
+def test_state_that_does_not_fit_turns_the_tier_off_naming_sizes(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A 4 MiB tmpfs cannot hold 4x a 2 MB state: said at the first save, the durable tier
+    goes on; a state whose shapes differ from the memory copy loads from the durable tier."""
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt.memory import MemoryConfig
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(small)],
+                   check=True)
+    try:
+        mgr = CheckpointManager(f"file://{tmp_path}/durable", memory=MemoryConfig(str(small)))
+        state = {"w": torch.arange(500_000, dtype=torch.float32)}
+        with caplog.at_level("ERROR", logger="ckpt"):
+            handle = mgr.save(0, state)
+        assert handle.wait().committed  # the durable tier took the save
+        assert not mgr.memory.enabled
+        assert "memory tier: off" in caplog.text and "1.9 MiB" in caplog.text
+        assert str(small) in caplog.text and "MiB free" in caplog.text
+        mgr.close()
+    finally:
+        if subprocess.run(["umount", str(small)]).returncode:
+            subprocess.run(["umount", "-l", str(small)], check=True)
+
+    roomy = tmp_path / "roomy"
+    roomy.mkdir(mode=0o700)
+    with CheckpointManager(f"file://{tmp_path}/durable", memory=MemoryConfig(
+            str(roomy), durable_every=100)) as mgr:
+        mgr.save(1, {"w": torch.full((10,), 1.0)})  # memory only: a different shape
+    with CheckpointManager(f"file://{tmp_path}/durable",
+                           memory=MemoryConfig(str(roomy))) as mgr:
+        state = {"w": torch.zeros(500_000)}
+        with caplog.at_level("WARNING", logger="ckpt"):
+            assert mgr.load(state) == 0  # the durable step 0, all of it
+        assert torch.equal(state["w"], torch.arange(500_000, dtype=torch.float32))
+        assert "does not match the state" in caplog.text and "w: copy float32 [10]" in \
+            caplog.text
