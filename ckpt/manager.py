@@ -302,6 +302,16 @@ class CheckpointManager:
             from_memory = self.memory.load(state, durable)
             if from_memory is not None:
                 return from_memory
+            try:
+                report = self._load_durable(state, step, strict)
+            except CheckpointNotFound:  # a fresh start: every copy in memory is another run's
+                self.memory.resume_from(None)
+                raise
+            self.memory.resume_from(report.step)  # newer copies in memory are another run's
+            return report
+        return self._load_durable(state, step, strict)
+
+    def _load_durable(self, state: Any, step: int | None, strict: bool) -> LoadReport:
         group = agree.resolve_group(self.process_group, self.rank, self.world_size)
         exchange = agree.group_exchange(group) if group is not None else agree.alone
         failed: set[int] = set()

@@ -21,6 +21,7 @@ import io
 import logging
 import os
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -184,8 +185,6 @@ class MemoryTier:
         meta = pack_meta({"entries": entries, "sums": sums}, blob)
         slot.ensure(HEADER + size + len(meta))
         slot.view(HEADER + size, len(meta))[:] = meta
-        import zlib
-
         head = SlotHeader(step=step, rank=self.rank, world_size=self.world_size,
                           data_size=size, meta_size=len(meta), meta_crc32=zlib.crc32(meta),
                           created=time.time())
@@ -317,11 +316,13 @@ class MemoryTier:
             try:
                 report = self._load_from(step, source, state)
                 outcome = Outcome(self.rank, step, OK)
-            except (SlotDamaged, PeerError, OSError, CheckpointError, ValueError) as exc:
-                report, outcome = None, Outcome(self.rank, step, DAMAGED, str(exc), source)
+            except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange
+                report, outcome = None, Outcome(self.rank, step, DAMAGED,
+                                                f"{type(exc).__name__}: {exc}", source)
             outcomes = exchange(outcome)
             if outcomes is None:
                 assert report is not None
+                self.resume_from(step)
                 return report
             for o in outcomes:
                 if o.status != OK:
@@ -332,6 +333,22 @@ class MemoryTier:
                 failed.add((step, source))
             use_peers = bool(self._nodes() or self.config.peer)  # the same step, elsewhere
         return None
+
+    def resume_from(self, step: int | None) -> None:
+        """The job goes on from ``step`` (loaded from either tier): copies of newer steps
+        belong to the abandoned run and are dropped, so that no rank ever pairs one of them
+        with another rank's copy of the new run; the next save keeps ``step``'s copy."""
+        self._settle()
+        self._newest = None
+        for slot in self.slots:
+            try:
+                head = slot.header()
+            except SlotDamaged:
+                head = None
+            if head is not None and step is not None and head.step == step:
+                self._newest = slot
+            elif head is not None and (step is None or head.step > step):
+                slot.invalidate()
 
     def _available(self, failed: set[tuple[int, str]], use_peers: bool) -> dict[int, str]:
         """``{step: where}`` of the copies this rank could load; "local" is preferred."""
