@@ -114,10 +114,11 @@ class _Handler(socketserver.BaseRequestHandler):
             except (SlotDamaged, ConnectionError, OSError, ValueError, KeyError) as exc:
                 log.warning("memory peer %s: %s from %s failed: %s", self.server.address,
                             msg.get("op"), self.client_address[0], exc)
-                try:
+                try:  # then close: after a failed op the stream's position is unknown
                     send_msg(sock, {"ok": False, "error": str(exc)})
                 except OSError:
-                    return
+                    pass
+                return
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -137,6 +138,11 @@ class _Server(socketserver.ThreadingTCPServer):
             with lock:
                 held = newest(slots)
                 target = slots[1] if held and held[0][1] is slots[0] else slots[0]
+                st = os.statvfs(self.ranks.directory)
+                room = st.f_bavail * st.f_frsize + target.size
+                if head.total > room:  # refused before a byte is taken
+                    raise ValueError(f"a copy of rank {head.rank} step {head.step} needs "
+                                     f"{head.total} bytes; {self.ranks.directory} has {room}")
                 receive_copy(sock, target, head)
             send_msg(sock, {"ok": True})
         elif op == "list":
@@ -204,7 +210,11 @@ class PeerClient:
             send_msg(self.sock, {"op": "put", "header": head.to_json()})
             self.sock.sendall(slot.view(HEADER, head.data_size + head.meta_size))
         except OSError as exc:
-            raise PeerError(f"memory peer {self.address}: {exc}") from None
+            try:  # a refusal says why before the peer closes
+                reply = recv_msg(self.sock)
+            except (ConnectionError, OSError, ValueError):
+                reply = {"error": str(exc)}
+            raise PeerError(f"memory peer {self.address}: {reply.get('error')}") from None
         self._reply()
 
     def listing(self, rank: int, world_size: int) -> list[int]:

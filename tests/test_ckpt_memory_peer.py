@@ -99,3 +99,45 @@ def test_peer_lost_mid_copy_then_node_replaced(tmp_path: Path, peers: list[Peer]
     assert (got[0]["loaded"], got[0]["source"], got[0]["problems"]) == (3, "local", [])
     assert (got[1]["loaded"], got[1]["source"], got[1]["problems"]) == \
         (3, f"peer:{a.address}", [])
+
+
+def test_peer_refuses_a_damaged_or_oversized_copy(tmp_path: Path) -> None:
+    """The server checks every block before it commits, and room before it takes a byte."""
+    import os
+
+    import torch
+
+    from ckpt.memory import MemoryConfig, MemoryTier
+    from ckpt.memory_peer import PeerClient, PeerError, PeerServer
+    from ckpt.memory_slot import HEADER
+
+    (tmp_path / "peer").mkdir()
+    (tmp_path / "me").mkdir()
+    server = PeerServer(str(tmp_path / "peer")).start()
+    try:
+        tier = MemoryTier(MemoryConfig(str(tmp_path / "me")), rank=0, world_size=1)
+        tier.save(5, {"w": torch.arange(400_000, dtype=torch.float32)})
+        tier.wait()
+        head, slot = newest(tier.slots)[0]
+        slot.map[HEADER + 12345] ^= 0x01  # damaged after its checksums were taken
+        with PeerClient(server.address) as client, pytest.raises(PeerError,
+                                                                 match="fails its checksum"):
+            client.push(slot, head)
+        assert held(tmp_path / "peer", 0) == []  # nothing committed
+        small = tmp_path / "small"
+        small.mkdir()
+        if os.geteuid() == 0:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+                           check=True)
+            tiny = PeerServer(str(small)).start()
+            try:
+                with PeerClient(tiny.address) as client, pytest.raises(PeerError,
+                                                                       match="needs"):
+                    client.push(slot, head)
+            finally:
+                tiny.close()
+                if subprocess.run(["umount", str(small)]).returncode:
+                    subprocess.run(["umount", "-l", str(small)], check=True)
+        tier.close()
+    finally:
+        server.close()
