@@ -225,13 +225,15 @@ class Bench:
                                                          " (STATE MISMATCH)"),
                          "0 steps lost" if where != "durable" else "-",
                          verdict(same and prints_ok and (lost == 0 or where == "durable"))])
-        local = max(r["copy_s"] for r in loads["local"])
+        local = max(r["copy_best_s"] for r in loads["local"])
+        first = max(r["copy_s"] for r in loads["local"])
         call = max(r["load_s"] for r in loads["local"])
         peer = max(r["load_s"] for r in loads["peer"])
         dur = max(r["load_s"] for r in loads["durable"])
         rows += [["local load (copy + checksums) / memcpy of the state", f"{local / memcpy:.2f}x",
-                  f"memcpy {memcpy:.3f} s; whole load call {call:.3f} s (agreement, the "
-                  "durable tier's listing)", f"<= {TARGET_LOCAL}x",
+                  f"memcpy {memcpy:.3f} s (both best of 3); the first load {first:.3f} s, "
+                  f"the whole load call {call:.3f} s (agreement, the durable tier's listing)",
+                  f"<= {TARGET_LOCAL}x",
                   verdict(local / memcpy <= TARGET_LOCAL)],
                  ["durable load / peer load (both timed in the load call)",
                   f"{dur / peer:.1f}x", f"durable {dur:.2f} s, peer {peer:.3f} s",

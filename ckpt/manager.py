@@ -28,7 +28,7 @@ from . import agree
 from .agree import DAMAGED, ERROR, NONE, OK, Outcome
 from .cache import StepCache, open_cache
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointSaveError
-from .layout import MANIFEST, data_name, step_dir
+from .layout import MANIFEST, data_name, parse_step, step_dir
 from .loader import (
     CheckpointView,
     LoadReport,
@@ -292,14 +292,9 @@ class CheckpointManager:
                          strict: bool = True) -> LoadReport:
         """``load``, returning what it did: bytes, seconds, keys, and the steps skipped."""
         if self.memory is not None and step is None:
-            # the memory tier first: the newest step every rank holds in memory, when it is
-            # at least as new as the durable tier's (every rank decides the same)
-            try:
-                durable = self.latest()
-            except CheckpointError as exc:  # the store is down: memory is all there is
-                log.warning("memory tier: the durable tier cannot be listed (%s)", exc)
-                durable = None
-            from_memory = self.memory.load(state, durable)
+            # the memory tier first: the newest step every rank holds in memory, unless the
+            # durable tier has a newer commit (every rank decides the same)
+            from_memory = self.memory.load(state, self._durable_newer)
             if from_memory is not None:
                 return from_memory
             try:
@@ -310,6 +305,26 @@ class CheckpointManager:
             self.memory.resume_from(report.step)  # newer copies in memory are another run's
             return report
         return self._load_durable(state, step, strict)
+
+    def _durable_newer(self, step: int) -> int | None:
+        """The newest committed durable step newer than ``step``, or None: one listing, and a
+        manifest check only for newer steps (none, normally): off the in-place restart's
+        critical path, unlike ``latest()``, which reads every rank's index."""
+        try:
+            self.fs.invalidate_cache(self.root)
+            try:
+                entries = self.fs.ls(self.root, detail=True)
+            except FileNotFoundError:
+                return None
+            newer = sorted((s for e in entries if e["type"] == "directory"
+                            and (s := parse_step(e["name"])) is not None and s > step),
+                           reverse=True)
+            return next((s for s in newer
+                         if self.fs.exists(f"{step_dir(self.root, s)}/{MANIFEST}")), None)
+        except (OSError, StripedIOError, CheckpointError) as exc:  # memory is all there is
+            log.warning("memory tier: the durable tier under %s cannot be listed (%s)",
+                        self.url, exc)
+            return None
 
     def _load_durable(self, state: Any, step: int | None, strict: bool) -> LoadReport:
         group = agree.resolve_group(self.process_group, self.rank, self.world_size)

@@ -22,6 +22,7 @@ import logging
 import os
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +115,10 @@ class MemoryTier:
         self.local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.slots = [SlotFile(p) for p in slot_paths(config.directory, f"rank-{rank}")]
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-memory-r{rank}")
+        # pushes to the peer run on their own thread, so a push overlaps the next step's
+        # copy; a slot is overwritten only once its own push is done
+        self._pusher = ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-memory-push-r{rank}")
+        self._pushing: dict[int, Future[None]] = {}
         self._pending: Future[None] | None = None
         self._newest: SlotFile | None = None
         self._budget_checked = 0
@@ -127,8 +132,9 @@ class MemoryTier:
     def save(self, step: int, state: Any) -> float:
         """Copy ``state`` into the free buffer; returns the seconds the caller waited.
 
-        The checksums, the commit and the push to the peer run on a background thread; a
-        save waits for the previous one's commit (and its push) before it starts."""
+        The checksums and the commit run on a background thread, the push to the peer on
+        another; a save waits for the previous one's commit, and for the push of the slot it
+        overwrites, before it starts."""
         started = time.perf_counter()
         self._settle()
         if self._peers is None:
@@ -144,6 +150,9 @@ class MemoryTier:
         if size > self._budget_checked and not self._check_budget(size):
             return 0.0
         slot = self.slots[1] if self._newest is self.slots[0] else self.slots[0]
+        pushing = self._pushing.pop(id(slot), None)
+        if pushing is not None:
+            pushing.result()
         slot.ensure(HEADER + size + 4096)
         slot.invalidate()
         data = torch.frombuffer(slot.map, dtype=torch.uint8, count=size, offset=HEADER) \
@@ -192,7 +201,7 @@ class MemoryTier:
         self._newest = slot
         peer = self._neighbour()
         if peer:
-            self._push(peer, slot, head)
+            self._pushing[id(slot)] = self._pusher.submit(self._push, peer, slot, head)
 
     def _push(self, peer: str, slot: SlotFile, head: SlotHeader) -> None:
         started = time.perf_counter()
@@ -218,14 +227,17 @@ class MemoryTier:
             pending.result()
 
     def wait(self) -> None:
-        """Wait until the last save is committed (and pushed to the peer)."""
+        """Wait until the last save is committed and pushed to the peer."""
         self._settle()
+        for future in list(self._pushing.values()):
+            future.result()
 
     def close(self) -> None:
         try:
-            self._settle()
+            self.wait()
         finally:
             self._executor.shutdown(wait=True)
+            self._pusher.shutdown(wait=True)
             if self._client is not None:
                 self._client.close()
             for slot in self.slots:  # the files stay: the agent owns them
@@ -286,10 +298,13 @@ class MemoryTier:
         return nodes[(nodes.index(self.config.server) + 1) % len(nodes)]
 
     # -- loading ---------------------------------------------------------------------------
-    def load(self, state: Any, durable_step: int | None = None) -> LoadReport | None:
+    def load(self, state: Any,
+             durable_newer: Callable[[int], int | None] | None = None) -> LoadReport | None:
         """Load the newest step every rank holds in memory into ``state``, all ranks the same;
-        ``None`` when there is none at least as new as ``durable_step`` (every rank then
-        returns ``None``, and the caller loads the durable tier)."""
+        ``None`` when there is none, or when ``durable_newer(step)`` (the durable tier's newest
+        commit after ``step``, asked once per rank) names a newer one on some rank: every rank
+        then returns ``None``, and the caller loads the durable tier."""
+        started = time.perf_counter()
         self._settle()
         group = agree.resolve_group(self.process_group, self.rank, self.world_size)
         exchange = agree.group_exchange(group) if group is not None else agree.alone
@@ -297,21 +312,26 @@ class MemoryTier:
             self._peers = self._exchange_servers()
         failed: set[tuple[int, str]] = set()
         use_peers = False
+        checked_durable: set[int] = set()
         for _ in range(16):
             mine = self._available(failed, use_peers)
-            views = _gather(group, self.world_size, (sorted(mine), durable_step))
-            common = set.intersection(*(set(steps) for steps, _ in views))
-            floor = max((d for _, d in views if d is not None), default=None)
-            candidates = [s for s in common if floor is None or s >= floor]
-            if not candidates:
+            views = _gather(group, self.world_size, sorted(mine))
+            common = set.intersection(*(set(steps) for steps in views))
+            if not common:
                 if not use_peers and (self._nodes() or self.config.peer):
                     use_peers = True
                     continue
-                log.info("memory tier: no step in memory on every rank%s; the durable tier "
-                         "loads", f" at least as new as durable step {floor}" if floor is not
-                         None else "")
+                log.info("memory tier: no step in memory on every rank; the durable tier loads")
                 return None
-            step = max(candidates)
+            step = max(common)
+            if durable_newer is not None and step not in checked_durable:
+                checked_durable.add(step)
+                newer = [d for d in _gather(group, self.world_size, durable_newer(step))
+                         if d is not None]
+                if newer:
+                    log.info("memory tier: the durable tier's step %d is newer than step %d in "
+                             "memory; the durable tier loads", max(newer), step)
+                    return None
             source = mine[step]
             try:
                 report = self._load_from(step, source, state)
@@ -323,6 +343,7 @@ class MemoryTier:
             if outcomes is None:
                 assert report is not None
                 self.resume_from(step)
+                report.phases["load_call_s"] = time.perf_counter() - started  # type: ignore
                 return report
             for o in outcomes:
                 if o.status != OK:
@@ -374,16 +395,21 @@ class MemoryTier:
 
     def _load_from(self, step: int, source: str, state: Any) -> LoadReport:
         started = time.perf_counter()
+        fetch_s = 0.0
         if source.startswith("peer:"):
             slot = self.slots[1] if self._newest is self.slots[0] else self.slots[0]
             with PeerClient(source[5:], timeout_s=self.config.peer_timeout_s) as client:
                 client.fetch(self.rank, step, slot)
             self._newest = slot
+            fetch_s = time.perf_counter() - started
         for head, slot in newest(self.slots):
             if head.step == step:
+                copied = time.perf_counter()
                 report = load_slot(slot, head, state, trust_objects=self.trust_objects)
                 report.seconds = time.perf_counter() - started
                 report.source = source  # type: ignore[attr-defined]
+                report.phases = {"fetch_s": fetch_s,  # type: ignore[attr-defined]
+                                 "copy_s": time.perf_counter() - copied}
                 return report
         raise SlotDamaged(f"rank {self.rank}: step {step} is no longer in {self.config.directory}")
 

@@ -31,6 +31,7 @@ HEADER = 4096
 BLOCK = 1 << 20
 VERSION = 1
 _PREFIX = struct.Struct("<8sII")  # magic, json length, json crc32
+_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class SlotDamaged(Exception):
@@ -99,7 +100,8 @@ class SlotFile:
     def _remap(self) -> None:
         size = os.fstat(self.fd).st_size
         if size != self.size or self.map is None:
-            self.map = mmap.mmap(self.fd, size) if size else None
+            # populated: the pages are mapped in one call, not faulted in one by one
+            self.map = mmap.mmap(self.fd, size, flags=_FLAGS) if size else None
             self.size = size
 
     def ensure(self, total: int) -> None:
