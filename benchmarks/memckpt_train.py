@@ -58,7 +58,8 @@ def manager(spec: dict[str, Any], rank: int, world: int, memory: bool) -> Checkp
     if memory:
         node = spec["nodes"][rank]
         config = MemoryConfig(node["dir"], server=node["server"],
-                              durable_every=spec["interval"])
+                              durable_every=spec["interval"],
+                              check_durable=False)  # as bootseer run's own directory
     return CheckpointManager(spec["durable"], rank=rank, world_size=world,
                              storage_options=spec["storage_options"], memory=config)
 

@@ -294,7 +294,8 @@ class CheckpointManager:
         if self.memory is not None and step is None:
             # the memory tier first: the newest step every rank holds in memory, unless the
             # durable tier has a newer commit (every rank decides the same)
-            from_memory = self.memory.load(state, self._durable_newer)
+            from_memory = self.memory.load(
+                state, self._durable_newer if self.memory.config.check_durable else None)
             if from_memory is not None:
                 return from_memory
             try:

@@ -55,6 +55,7 @@ log = logging.getLogger("ckpt")
 
 DIR_ENV, SERVER_ENV, DURABLE_EVERY_ENV = ("BOOTSEER_MEMCKPT_DIR", "BOOTSEER_MEMCKPT_SERVER",
                                           "BOOTSEER_MEMCKPT_DURABLE_EVERY")
+FRESH_ENV = "BOOTSEER_MEMCKPT_FRESH"  # "1": the directory was made empty for this run
 
 
 @dataclass
@@ -65,13 +66,17 @@ class MemoryConfig:
     under /dev/shm). ``server``: this node's peer server (``HOST:PORT``), which the ranks
     exchange to find their neighbour; ``peer``: a fixed peer instead. ``durable_every``:
     ``CheckpointManager.save`` also writes the durable tier every that many steps (``None``:
-    every save, as without the memory tier)."""
+    every save, as without the memory tier). ``check_durable``: before loading from memory,
+    ask the durable tier for a newer commit (one listing); ``False`` when the directory holds
+    this run's copies only (``bootseer run``'s own directory), where memory is never older
+    than the durable tier, so an in-place restart reads nothing over the network."""
 
     directory: str
     server: str = ""
     peer: str = ""
     durable_every: int | None = None
     peer_timeout_s: float = 30.0
+    check_durable: bool = True
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> MemoryConfig | None:
@@ -81,7 +86,8 @@ class MemoryConfig:
             return None
         every = env.get(DURABLE_EVERY_ENV, "")
         return cls(env[DIR_ENV], server=env.get(SERVER_ENV, ""),
-                   durable_every=int(every) if every else None)
+                   durable_every=int(every) if every else None,
+                   check_durable=env.get(FRESH_ENV) != "1")
 
 
 class MemoryTierTooLarge(CheckpointError):
@@ -308,14 +314,19 @@ class MemoryTier:
         self._settle()
         group = agree.resolve_group(self.process_group, self.rank, self.world_size)
         exchange = agree.group_exchange(group) if group is not None else agree.alone
+        spent: dict[str, float] = {}  # seconds by part of the call, for the report
+        mark = time.perf_counter()
         if self._peers is None:
             self._peers = self._exchange_servers()
+        spent["servers_s"] = time.perf_counter() - mark
         failed: set[tuple[int, str]] = set()
         use_peers = False
         checked_durable: set[int] = set()
         for _ in range(16):
+            mark = time.perf_counter()
             mine = self._available(failed, use_peers)
             views = _gather(group, self.world_size, sorted(mine))
+            spent["list_s"] = spent.get("list_s", 0.0) + time.perf_counter() - mark
             common = set.intersection(*(set(steps) for steps in views))
             if not common:
                 if not use_peers and (self._nodes() or self.config.peer):
@@ -326,8 +337,10 @@ class MemoryTier:
             step = max(common)
             if durable_newer is not None and step not in checked_durable:
                 checked_durable.add(step)
+                mark = time.perf_counter()
                 newer = [d for d in _gather(group, self.world_size, durable_newer(step))
                          if d is not None]
+                spent["durable_s"] = spent.get("durable_s", 0.0) + time.perf_counter() - mark
                 if newer:
                     log.info("memory tier: the durable tier's step %d is newer than step %d in "
                              "memory; the durable tier loads", max(newer), step)
@@ -343,6 +356,7 @@ class MemoryTier:
             if outcomes is None:
                 assert report is not None
                 self.resume_from(step)
+                report.phases.update(spent)  # type: ignore[attr-defined]
                 report.phases["load_call_s"] = time.perf_counter() - started  # type: ignore
                 return report
             for o in outcomes:

@@ -23,7 +23,7 @@ class NodeMemory:
 
     def __init__(self, directory: str = "", listen: str = "", durable_every: int = 0,
                  log: Any = None) -> None:
-        from ckpt.memory import DIR_ENV, DURABLE_EVERY_ENV, SERVER_ENV
+        from ckpt.memory import DIR_ENV, DURABLE_EVERY_ENV, FRESH_ENV, SERVER_ENV
         from ckpt.memory_peer import PeerServer
 
         self._made = not directory
@@ -43,6 +43,8 @@ class NodeMemory:
             os.makedirs(peers, mode=0o700, exist_ok=True)
             self.server = PeerServer(peers, host, int(port)).start()
         self.env = {DIR_ENV: self.directory}
+        if self._made:  # only this run's copies: memory is never older than the durable tier
+            self.env[FRESH_ENV] = "1"
         if self.server is not None:
             self.env[SERVER_ENV] = self.server.address
         if durable_every:
