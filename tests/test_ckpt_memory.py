@@ -161,3 +161,29 @@ def test_state_that_does_not_fit_turns_the_tier_off_naming_sizes(
         assert torch.equal(state["w"], torch.arange(500_000, dtype=torch.float32))
         assert "does not match the state" in caplog.text and "w: copy float32 [10]" in \
             caplog.text
+
+
+def test_a_newer_durable_commit_wins_over_older_copies_in_memory(tmp_path: Path) -> None:
+    """A kept directory may hold copies older than the durable tier's newest commit: the
+    durable step loads; the job's next copy in memory then wins again."""
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt.memory import MemoryConfig
+
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    url = f"file://{tmp_path}/durable"
+    with CheckpointManager(url, memory=MemoryConfig(str(shm), durable_every=100)) as mgr:
+        mgr.save(5, {"w": torch.full((1000,), 5.0)})  # memory only
+    with CheckpointManager(url, memory=False) as mgr:
+        mgr.save(7, {"w": torch.full((1000,), 7.0)}, block=True)
+    with CheckpointManager(url, memory=MemoryConfig(str(shm))) as mgr:
+        state = {"w": torch.zeros(1000)}
+        assert mgr.load(state) == 7 and torch.equal(state["w"], torch.full((1000,), 7.0))
+        mgr.save(8, {"w": torch.full((1000,), 8.0)})
+    with CheckpointManager(url, memory=MemoryConfig(str(shm))) as mgr:
+        state = {"w": torch.zeros(1000)}
+        report = mgr.load_with_report(state)
+        assert (report.step, report.source) == (8, "local")  # type: ignore[attr-defined]
+        assert torch.equal(state["w"], torch.full((1000,), 8.0))
