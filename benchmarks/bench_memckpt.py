@@ -55,7 +55,7 @@ from ckpt.memory_peer import PeerServer  # noqa: E402
 
 WORKER = Path(__file__).with_name("memckpt_train.py")
 FULL = {"d": 2048, "layers": 4, "batch": 8, "steps": 24, "interval": 10}
-QUICK = {"d": 256, "layers": 2, "batch": 16, "steps": 12, "interval": 5}
+QUICK = {"d": 256, "layers": 2, "batch": 16, "steps": 4, "interval": 2}
 S3_LINK = ShaperSettings.from_mb(latency_ms=1.0, per_conn_mbps=10.0, total_mbps=100.0)
 SHM_PREFIX = "bootseer-memckpt-bench-"
 TARGET_LOCAL, TARGET_PEER = 1.2, 5.0

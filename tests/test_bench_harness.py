@@ -45,6 +45,7 @@ TOOLS: dict[str, tuple[str, ...]] = {
                    "runc", "containerd-shim-runc-v2"),
     "fuse": ("rsync", "dd"),
     "restart": (),
+    "memckpt": (),
 }
 NEEDS_FUSE = ("striped", "prefetch", "containerd", "fuse", "restart")
 HOST_BASE = ("prefetch", "containerd")  # their image base: a copy of Debian's python3.11
@@ -91,6 +92,10 @@ FIGURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
                           for stat in ("median", "p90")}
     | {"floor start s": r["floor_start_s"]["median"],
        "takeovers succeeded": r["takeovers"]["succeeded"]},
+    "memckpt": lambda r: {f"{where} load s": r["load"][where][0]["load_s"]
+                          for where in ("local", "peer", "durable")}
+    | {"memcpy s": r["load"]["local"][0]["memcpy_s"],
+       "loaded step": r["load"]["local"][0]["step"]},
     "e2e": lambda r: {f"{m} to first step s": r["runs"][m]["total"] for m in ("bootseer", "inplace")}
     | {"bootseer loaded step": r["runs"]["bootseer"]["loaded_step"]},
 }
