@@ -108,7 +108,10 @@ class Bench:
             "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()},
             "config": self.cfg, "errors": self.errors}
 
-    def _launch(self, phase: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    def _launch(self, phase: str, spec: dict[str, Any],
+                names: list[str] | None = None) -> Any:
+        """Run one job of 2 ranks; the results it wrote under ``names`` (default: the
+        phase's), each a list by rank."""
         spec = {**self.cfg, **spec, "phase": phase, "out_dir": str(self.out)}
         port = _free_port()
         started = time.time()
@@ -120,16 +123,18 @@ class Bench:
             procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)],
                                           env=env))
         codes = [p.wait(1800) for p in procs]
-        out = []
-        for rank in range(2):
-            path = self.out / f"{phase}-{rank}.json"
-            if not path.exists():
-                raise RuntimeError(f"phase {phase}: rank {rank} exited {codes[rank]} without "
-                                   "results")
-            r = json.loads(path.read_text())
-            r["started"] = started
-            out.append(r)
-        return out
+        got: dict[str, list[dict[str, Any]]] = {}
+        for name in names or [phase]:
+            got[name] = []
+            for rank in range(2):
+                path = self.out / f"{name}-{rank}.json"
+                if not path.exists():
+                    raise RuntimeError(f"{name}: rank {rank} exited {codes[rank]} without "
+                                       "results")
+                r = json.loads(path.read_text())
+                r["started"] = started
+                got[name].append(r)
+        return got if names else got[phase]
 
     def run(self) -> None:
         work = work_dir("memckpt-run-", self.stack)
@@ -152,14 +157,14 @@ class Bench:
         base = {"storage_options": opts, "nodes": [n.spec() for n in nodes]}
         log(f"bench memckpt: {'quick' if self.quick else 'full'} run, {self.cfg}; S3 link "
             f"{S3_LINK.describe()}; memory in {shm}")
-        runs = {}
-        for variant in ("none", "durable", "memory-only", "memory"):
-            log(f"phase train-{variant}: {steps} steps"
-                + (f", SIGKILL in step {kill_at}" if variant == "memory" else ""))
-            runs[variant] = self._launch(f"train-{variant}", {
-                **base, "mode": "train", "variant": variant,
-                "durable": f"striped::s3://memckpt-bench/{variant}",
-                "kill_at": kill_at if variant == "memory" else None})
+        variants = ["none", "durable", "memory-only", "memory"]
+        log(f"phase train: {steps} steps of each of {', '.join(variants)} in one job, "
+            f"SIGKILL in step {kill_at} of the last")
+        got = self._launch("train", {**base, "mode": "train", "variants": variants,
+                                     "durable": "striped::s3://memckpt-bench",
+                                     "kill_at": kill_at},
+                           names=[f"train-{v}" for v in variants])
+        runs = {v: got[f"train-{v}"] for v in variants}
         self.R["train"] = runs
         loads = {}
         spec = {**base, "mode": "load", "durable": "striped::s3://memckpt-bench/memory"}

@@ -3,7 +3,7 @@
 A DDP MLP trained on gloo, its state (parameters and AdamW moments) saved through
 ``CheckpointManager``:
 
-* ``train``: ``variant`` none (no checkpoints), durable (async durable saves every
+* ``train``: each of ``variants`` in turn, in the same job: none (no checkpoints), durable (async durable saves every
   ``interval`` steps), memory-only (every step into memory and to the peer) or memory (that,
   and durable every ``interval``); per-step seconds; with ``kill_at`` every rank SIGKILLs itself in that step,
   after the optimizer step and before its save (the step in progress is lost);
@@ -62,6 +62,19 @@ def manager(spec: dict[str, Any], rank: int, world: int, memory: bool) -> Checkp
                               check_durable=False)  # as bootseer run's own directory
     return CheckpointManager(spec["durable"], rank=rank, world_size=world,
                              storage_options=spec["storage_options"], memory=config)
+
+
+def train_all(spec: dict[str, Any], rank: int, world: int) -> None:
+    """Every variant in turn, in this one job (the killed one last), each from a fresh
+    model; ``train-<variant>-<rank>.json`` each."""
+    for variant in spec["variants"]:
+        out: dict[str, Any] = {"rank": rank, "phase": f"train-{variant}"}
+        train({**spec, "variant": variant, "durable": f"{spec['durable']}/{variant}",
+               "kill_at": spec["kill_at"] if variant == "memory" else None,
+               "out": str(Path(spec["out_dir"]) / f"train-{variant}-{rank}.json")},
+              rank, world, out)
+        Path(spec["out_dir"], f"train-{variant}-{rank}.json").write_text(json.dumps(out))
+        dist.barrier()
 
 
 def train(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> None:
@@ -145,10 +158,12 @@ def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    spec["out"] = str(Path(spec["out_dir"]) / f"{spec['phase']}-{rank}.json")
-    out: dict[str, Any] = {"rank": rank, "phase": spec["phase"]}
-    (train if spec["mode"] == "train" else load)(spec, rank, world, out)
-    Path(spec["out"]).write_text(json.dumps(out))
+    if spec["mode"] == "train":
+        train_all(spec, rank, world)
+    else:
+        out: dict[str, Any] = {"rank": rank, "phase": spec["phase"]}
+        load(spec, rank, world, out)
+        Path(spec["out_dir"], f"{spec['phase']}-{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
     return 0
 
