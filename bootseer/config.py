@@ -184,6 +184,17 @@ _KEYS = [
           "else RANK"),
     _spec("ckpt", "connections", "count", 16, "--ckpt-connections",
           "parallel streams of the checkpoint prefetch"),
+    _spec("ckpt", "memory", "bool", False, "--ckpt-memory",
+          "keep every save of the job's CheckpointManager in this node's shared memory too, "
+          "and a copy on the next node (docs/ckpt.md, the memory tier)"),
+    _spec("ckpt", "memory_dir", "path", "", "--ckpt-memory-dir",
+          "the memory tier's directory (kept at exit); '' = a private one under /dev/shm, "
+          "removed when bootseer run ends"),
+    _spec("ckpt", "memory_listen", "str", "", "--ckpt-memory-listen",
+          "HOST:PORT where this node serves its peers' copies (HOST: the node's address the "
+          "other nodes reach); '' = no peer copies"),
+    _spec("ckpt", "durable_every", "int", 0, "--ckpt-durable-every",
+          "with the memory tier: write the durable tier every that many steps; 0 = every save"),
     _spec("image", "ref", "str", "", "--image-ref", "image reference (for warmup)"),
     _spec("image", "cache", "path", "", "--image-cache",
           "node-local block cache of images; '' = <state.dir>/images", under="images"),

@@ -52,6 +52,17 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("BOOTSEER_ATTEMPT", "hand-off",
              "bootseer run -> its command: the attempt number (0 first); CheckpointManager's "
              "attempt id"),
+    Variable("BOOTSEER_MEMCKPT_DIR", "hand-off",
+             "bootseer run -> its command: the memory tier's directory (ckpt.memory), which "
+             "CheckpointManager(memory=None) copies every save into"),
+    Variable("BOOTSEER_MEMCKPT_SERVER", "hand-off",
+             "bootseer run -> its command: HOST:PORT of this node's server of peer copies "
+             "(ckpt.memory_listen)"),
+    Variable("BOOTSEER_MEMCKPT_DURABLE_EVERY", "hand-off",
+             "bootseer run -> its command: ckpt.durable_every"),
+    Variable("BOOTSEER_MEMCKPT_FRESH", "hand-off",
+             "bootseer run -> its command: '1' when the memory tier's directory was made for "
+             "this run (no check of the durable tier before an in-memory load)"),
     Variable("BOOTSEER_ROOTFS", "hand-off",
              "bootseer image record --no-chroot -> the recorded command: the image's mount"),
     Variable("BOOTSEER_PREFIX", "hand-off",

@@ -28,7 +28,7 @@ from . import agree
 from .agree import DAMAGED, ERROR, NONE, OK, Outcome
 from .cache import StepCache, open_cache
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointSaveError
-from .layout import MANIFEST, data_name, step_dir
+from .layout import MANIFEST, data_name, parse_step, step_dir
 from .loader import (
     CheckpointView,
     LoadReport,
@@ -118,7 +118,7 @@ class CheckpointManager:
                  commit_timeout_s: float = 1800.0, trust_objects: bool = False,
                  attempt: str | None = None,
                  cache_dir: str | os.PathLike | bool | None = None,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, memory: Any = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if keep is not None and keep < 1:
@@ -147,6 +147,9 @@ class CheckpointManager:
         # this manager's world; False, none; or a ProcessGroup. Resolved at each load.
         self.process_group = process_group
         self._view: CheckpointView | None = None  # the last commit read: latest() -> load
+        # The memory tier (ckpt.memory, docs/ckpt.md): a MemoryConfig; None: the one `bootseer
+        # run` hands down (BOOTSEER_MEMCKPT_DIR), if any; False: none.
+        self.memory = _memory_tier(memory, rank, world_size, process_group, trust_objects)
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, block: bool = False) -> SaveHandle:
@@ -155,7 +158,18 @@ class CheckpointManager:
         Raises the previous save's failure, if any, before starting. ``block=True`` waits
         until this rank's shard is durable (and, on rank 0, committed) and returns the
         finished handle (``handle.wait()`` gives its result at once).
+
+        With the memory tier, every save is first copied into the node's memory; the durable
+        tier is written only every ``durable_every`` steps (the handle of a memory-only save
+        is finished, with ``committed=False`` and no bytes written).
         """
+        if self.memory is not None:
+            stall = self.memory.save(step, state)
+            every = self.memory.config.durable_every
+            if every and step % every:
+                done: Future[SaveResult] = Future()
+                done.set_result(SaveResult(step, self.rank, 0, stall, 0.0, False))
+                return SaveHandle(step, done, stall)
         return self._save(step, state, block=block)
 
     def _save(self, step: int, state: Any, *, block: bool, key_style: str = "") -> SaveHandle:
@@ -204,6 +218,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
+            if self.memory is not None:
+                self.memory.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -275,6 +291,43 @@ class CheckpointManager:
     def load_with_report(self, state: Any, step: int | None = None, *,
                          strict: bool = True) -> LoadReport:
         """``load``, returning what it did: bytes, seconds, keys, and the steps skipped."""
+        if self.memory is not None and step is None:
+            # the memory tier first: the newest step every rank holds in memory, unless the
+            # durable tier has a newer commit (every rank decides the same)
+            from_memory = self.memory.load(
+                state, self._durable_newer if self.memory.config.check_durable else None)
+            if from_memory is not None:
+                return from_memory
+            try:
+                report = self._load_durable(state, step, strict)
+            except CheckpointNotFound:  # a fresh start: every copy in memory is another run's
+                self.memory.resume_from(None)
+                raise
+            self.memory.resume_from(report.step)  # newer copies in memory are another run's
+            return report
+        return self._load_durable(state, step, strict)
+
+    def _durable_newer(self, step: int) -> int | None:
+        """The newest committed durable step newer than ``step``, or None: one listing, and a
+        manifest check only for newer steps (none, normally): off the in-place restart's
+        critical path, unlike ``latest()``, which reads every rank's index."""
+        try:
+            self.fs.invalidate_cache(self.root)
+            try:
+                entries = self.fs.ls(self.root, detail=True)
+            except FileNotFoundError:
+                return None
+            newer = sorted((s for e in entries if e["type"] == "directory"
+                            and (s := parse_step(e["name"])) is not None and s > step),
+                           reverse=True)
+            return next((s for s in newer
+                         if self.fs.exists(f"{step_dir(self.root, s)}/{MANIFEST}")), None)
+        except (OSError, StripedIOError, CheckpointError) as exc:  # memory is all there is
+            log.warning("memory tier: the durable tier under %s cannot be listed (%s)",
+                        self.url, exc)
+            return None
+
+    def _load_durable(self, state: Any, step: int | None, strict: bool) -> LoadReport:
         group = agree.resolve_group(self.process_group, self.rank, self.world_size)
         exchange = agree.group_exchange(group) if group is not None else agree.alone
         failed: set[int] = set()
@@ -424,6 +477,19 @@ class CheckpointManager:
             objects += len(idx.object_keys)
             object_files += 1
         return VerifyReport(step, not problems, checked, problems, objects, object_files)
+
+
+def _memory_tier(memory: Any, rank: int, world_size: int, group: Any,
+                 trust_objects: bool) -> Any:
+    if memory is False:
+        return None
+    from .memory import MemoryConfig, MemoryTier
+
+    config = MemoryConfig.from_env() if memory is None else memory
+    if config is None:
+        return None
+    return MemoryTier(config, rank=rank, world_size=world_size, process_group=group,
+                      trust_objects=trust_objects)
 
 
 def _first_path(outcomes: list[Outcome]) -> str | None:

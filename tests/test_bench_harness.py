@@ -46,6 +46,8 @@ TOOLS: dict[str, tuple[str, ...]] = {
     "fuse": ("rsync", "dd"),
     "restart": (),
     "update": (),
+
+    "memckpt": (),
 }
 NEEDS_FUSE = ("striped", "prefetch", "containerd", "fuse", "restart")
 HOST_BASE = ("prefetch", "containerd")  # their image base: a copy of Debian's python3.11
@@ -95,6 +97,11 @@ FIGURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "update": lambda r: {"in-place downtime s": r["inplace_s"]["median"],
                          "peer downtime s": r["peer_s"]["median"],
                          "floor s": r["floor_s"]["median"]},
+
+    "memckpt": lambda r: {f"{where} load s": r["load"][where][0]["load_s"]
+                          for where in ("local", "peer", "durable")}
+    | {"memcpy s": r["load"]["local"][0]["memcpy_s"],
+       "loaded step": r["load"]["local"][0]["step"]},
     "e2e": lambda r: {f"{m} to first step s": r["runs"][m]["total"] for m in ("bootseer", "inplace")}
     | {"bootseer loaded step": r["runs"]["bootseer"]["loaded_step"]},
 }

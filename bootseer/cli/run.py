@@ -84,6 +84,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                 log=lambda line: print(f"bootseer: {line}", file=sys.stderr,
                                                        flush=True))
 
+    memory = _node_memory(cfg, base_env)
     supervisor = Supervisor(
         command, env=base_env, trace=trace, node=node, dump_dir=trace.dir,
         ready_file=cfg.run.ready_file or None, before_attempt=before_attempt,
@@ -96,8 +97,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     except CliError as exc:  # a startup phase failed: the job does not start
         _exit_if_lingering(f"bootseer: error: {exc}", 2)
         raise
+    finally:
+        if memory is not None:
+            memory.close()
     _exit_if_lingering(None, code)
     return code
+
+
+def _node_memory(cfg: argparse.Namespace, env: dict[str, str]) -> object | None:
+    """The memory tier's directory and peer server, owned by this agent (ckpt.memory)."""
+    if not cfg.ckpt.memory:
+        return None
+    from ..robust.memtier import NodeMemory
+
+    try:
+        memory = NodeMemory(cfg.ckpt.memory_dir, cfg.ckpt.memory_listen,
+                            cfg.ckpt.durable_every, log=lambda m: print(
+                                f"bootseer: {m}", file=sys.stderr, flush=True))
+    except (OSError, ValueError) as exc:
+        raise CliError(f"memory tier (ckpt.memory): {exc}") from None
+    env.update(memory.env)
+    return memory
 
 
 def _controller_link(cfg: argparse.Namespace, node: str) -> object | None:

@@ -1,0 +1,172 @@
+"""One rank of the memory-tier benchmark's job (``bench_memckpt.py`` starts two).
+
+A DDP MLP trained on gloo, its state (parameters and AdamW moments) saved through
+``CheckpointManager``:
+
+* ``train``: each of ``variants`` in turn, in the same job: none (no checkpoints), durable (async durable saves every
+  ``interval`` steps), memory-only (every step into memory and to the peer) or memory (that,
+  and durable every ``interval``); per-step seconds; with ``kill_at`` every rank SIGKILLs itself in that step,
+  after the optimizer step and before its save (the step in progress is lost);
+* ``load``: a restarted rank loads the newest state (memory tier first) and reports the
+  seconds to load, the step, where from, and one memcpy of the same state (the floor).
+
+``python memckpt_train.py SPEC_JSON`` with RANK, WORLD_SIZE, MASTER_ADDR/PORT set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ckpt import CheckpointManager, CheckpointNotFound, init_optimizer_state  # noqa: E402
+from ckpt.memory import MemoryConfig, load_slot  # noqa: E402
+from ckpt.memory_slot import newest  # noqa: E402
+
+
+def build(spec: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(spec["layers"]):
+        layers += [torch.nn.Linear(spec["d"], spec["d"]), torch.nn.ReLU()]
+    model = DistributedDataParallel(torch.nn.Sequential(*layers))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": model.module.state_dict(), "optim": opt.state_dict()}
+
+
+def fingerprint(model: torch.nn.Module) -> float:
+    """A cheap signature of the parameters (one small tensor's sum): equal after a load."""
+    last = list(model.module.parameters())[-1]
+    return float(last.detach().double().sum())
+
+
+def manager(spec: dict[str, Any], rank: int, world: int, memory: bool) -> CheckpointManager:
+    config: Any = False
+    if memory:
+        node = spec["nodes"][rank]
+        config = MemoryConfig(node["dir"], server=node["server"],
+                              durable_every=spec["interval"],
+                              check_durable=False)  # as bootseer run's own directory
+    return CheckpointManager(spec["durable"], rank=rank, world_size=world,
+                             storage_options=spec["storage_options"], memory=config)
+
+
+def train_all(spec: dict[str, Any], rank: int, world: int) -> None:
+    """Every variant in turn, in this one job (the killed one last), each from a fresh
+    model; ``train-<variant>-<rank>.json`` each."""
+    for variant in spec["variants"]:
+        out: dict[str, Any] = {"rank": rank, "phase": f"train-{variant}"}
+        train({**spec, "variant": variant, "durable": f"{spec['durable']}/{variant}",
+               "kill_at": spec["kill_at"] if variant == "memory" else None,
+               "out": str(Path(spec["out_dir"]) / f"train-{variant}-{rank}.json")},
+              rank, world, out)
+        Path(spec["out_dir"], f"train-{variant}-{rank}.json").write_text(json.dumps(out))
+        dist.barrier()
+
+
+def train(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> None:
+    model, opt = build(spec)
+    variant = spec["variant"]
+    memory = variant.startswith("memory")
+    mgr = manager(spec, rank, world, memory) if variant != "none" else None
+    if variant == "memory-only":  # durable only at step 0 (the memory tier's cost alone)
+        mgr.memory.config.durable_every = 1 << 30
+    out.update(step_s=[], stall_s=[], saved=[], prints={})
+    path = Path(spec["out"])
+    for step in range(spec["steps"]):
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(step * 100 + rank)
+        x = torch.randn(spec["batch"], spec["d"], generator=g)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == spec.get("kill_at"):
+            path.write_text(json.dumps(out))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mgr is not None and (memory or step % spec["interval"] == 0):
+            handle = mgr.save(step, state_of(model, opt))
+            out["stall_s"].append(handle.stage_s)
+            out["saved"].append(step)
+        out["step_s"].append(time.perf_counter() - t0)
+        out["prints"][str(step)] = fingerprint(model)
+    if mgr is not None:
+        mgr.close()
+
+
+def load(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> None:
+    model, opt = build(spec)
+    init_optimizer_state(opt)
+    state = state_of(model, opt)
+    mgr = manager(spec, rank, world, True)
+    dist.barrier()
+    t0 = time.perf_counter()
+    try:
+        report = mgr.load_with_report(state)
+    except CheckpointNotFound:
+        out.update(step=None)
+        return
+    out.update(load_s=time.perf_counter() - t0, loaded_at=time.time(), step=report.step,
+               copy_s=report.seconds, phases=getattr(report, "phases", {}),
+               source=getattr(report, "source", "durable"), print=fingerprint(model))
+    tensors = [t for t in _tensors(state)]
+    out["state_bytes"] = sum(t.numel() * t.element_size() for t in tensors)
+    copies = [torch.empty_like(t) for t in tensors]
+    floor = []
+    for _ in range(3):  # one memcpy of the state into preallocated memory
+        t1 = time.perf_counter()
+        for dst, src in zip(copies, tensors, strict=True):
+            dst.copy_(src)
+        floor.append(time.perf_counter() - t1)
+    out["memcpy_s"] = min(floor)
+    if out["source"] == "local":  # the same copy + checks again, best of 3, beside the floor
+        runs = []
+        for _ in range(3):
+            head, slot = next((h, s) for h, s in newest(mgr.memory.slots) if h.step == out["step"])
+            t1 = time.perf_counter()
+            load_slot(slot, head, state)
+            runs.append(time.perf_counter() - t1)
+        out["copy_best_s"] = min(runs)
+    mgr.close()
+
+
+def _tensors(node: Any) -> list[torch.Tensor]:
+    if isinstance(node, torch.Tensor):
+        return [node]
+    if isinstance(node, dict):
+        return [t for v in node.values() for t in _tensors(v)]
+    if isinstance(node, list | tuple):
+        return [t for v in node for t in _tensors(v)]
+    return []
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if spec["mode"] == "train":
+        train_all(spec, rank, world)
+    else:
+        out: dict[str, Any] = {"rank": rank, "phase": spec["phase"]}
+        load(spec, rank, world, out)
+        Path(spec["out_dir"], f"{spec['phase']}-{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

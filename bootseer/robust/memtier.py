@@ -1,0 +1,65 @@
+"""The node agent's side of the memory tier: it owns the memory the copies live in.
+
+``bootseer run`` with ``ckpt.memory`` makes a private directory in shared memory (0700, under
+/dev/shm unless ``ckpt.memory_dir`` names one), serves the peers' copies from it when
+``ckpt.memory_listen`` is set (``ckpt.memory_peer.PeerServer``, a thread of the agent), and
+hands both to the job (``BOOTSEER_MEMCKPT_DIR``, ``BOOTSEER_MEMCKPT_SERVER``). The trainer
+writes its copies there; they outlive the trainer's crash or SIGKILL, because the agent, not
+the trainer, holds the directory, and are removed when the run ends.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+SHM = "/dev/shm"
+
+
+class NodeMemory:
+    """The directory and the peer server of one ``bootseer run``; :meth:`close` ends both."""
+
+    def __init__(self, directory: str = "", listen: str = "", durable_every: int = 0,
+                 log: Any = None) -> None:
+        from ckpt.memory import DIR_ENV, DURABLE_EVERY_ENV, FRESH_ENV, SERVER_ENV
+        from ckpt.memory_peer import PeerServer
+
+        self._made = not directory
+        if directory:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            self.directory = directory
+        else:
+            self.directory = tempfile.mkdtemp(prefix="bootseer-memckpt-",
+                                              dir=SHM if os.path.isdir(SHM) else None)
+        self.server = None
+        if listen:
+            host, _, port = listen.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"ckpt.memory_listen {listen!r} is not HOST:PORT (the "
+                                 f"address other nodes reach this one at)")
+            peers = os.path.join(self.directory, "peers")
+            os.makedirs(peers, mode=0o700, exist_ok=True)
+            self.server = PeerServer(peers, host, int(port)).start()
+        self.env = {DIR_ENV: self.directory}
+        if self._made:  # only this run's copies: memory is never older than the durable tier
+            self.env[FRESH_ENV] = "1"
+        if self.server is not None:
+            self.env[SERVER_ENV] = self.server.address
+        if durable_every:
+            self.env[DURABLE_EVERY_ENV] = str(durable_every)
+        if log is not None:
+            st = os.statvfs(self.directory)
+            log(f"memory tier: copies in {self.directory} ({st.f_bavail * st.f_frsize / 2**30:.1f}"
+                f" GiB free; each rank needs 4x its state: 2 own copies, 2 of a peer's)"
+                + (f", peers served at {self.server.address}" if self.server else ""))
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        base = os.path.basename(self.directory)
+        if self._made and base.startswith("bootseer-memckpt-") and \
+                os.path.dirname(self.directory) in (SHM, tempfile.gettempdir()):
+            shutil.rmtree(self.directory, ignore_errors=True)

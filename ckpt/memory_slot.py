@@ -1,0 +1,206 @@
+"""One in-memory checkpoint copy: a file in shared memory, with its header written last.
+
+Layout of a slot file (docs/ckpt.md, "The memory tier")::
+
+    [0, 4096)          header: MAGIC (8 bytes, written last: the commit flag), the length and
+                       CRC-32 of a JSON header (step, rank, world size, sizes, meta CRC-32)
+    [4096, +data)      the rank's tensors, raw, each at a 64-byte aligned offset
+    [.., +meta)        meta: JSON (each tensor's key, dtype, shape, box, offset; the block
+                       sums of the data) followed by the pickled non-tensor objects
+
+A copy in progress has no MAGIC (it is cleared before the first byte is written), so a
+reader never takes a torn copy. The data is checked in blocks of ``BLOCK`` bytes by a 64-bit
+word sum (``block_sums``): one pass at memory speed, catching any flipped bit, byte or word;
+the meta (small) by CRC-32.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"BSMEMCK1"
+HEADER = 4096
+BLOCK = 1 << 20
+VERSION = 1
+_PREFIX = struct.Struct("<8sII")  # magic, json length, json crc32
+_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+class SlotDamaged(Exception):
+    """A copy that must not be loaded; the message names the file and what is wrong."""
+
+
+def pad8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def block_sums(data: memoryview | np.ndarray, block: int = BLOCK) -> list[int]:
+    """Sum of the little-endian 64-bit words of each ``block`` bytes (mod 2**64).
+
+    ``data`` is a multiple of 8 bytes long. Any change of one word changes its block's sum."""
+    words = np.frombuffer(data, dtype="<u8")
+    per = block // 8
+    return [int(words[i : i + per].sum(dtype=np.uint64)) for i in range(0, len(words), per)]
+
+
+@dataclass
+class SlotHeader:
+    """What the JSON header says; ``total`` is the file's size."""
+
+    step: int
+    rank: int
+    world_size: int
+    data_size: int  # bytes of tensor data (a multiple of 8)
+    meta_size: int
+    meta_crc32: int
+    created: float
+    job: str = ""
+
+    @property
+    def total(self) -> int:
+        return HEADER + self.data_size + self.meta_size
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": VERSION, **self.__dict__}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], where: str) -> SlotHeader:
+        if raw.get("version") != VERSION:
+            raise SlotDamaged(f"{where}: header version {raw.get('version')!r}, this reader "
+                              f"knows {VERSION}")
+        try:
+            head = cls(**{k: raw[k] for k in cls.__dataclass_fields__})
+        except (KeyError, TypeError) as exc:
+            raise SlotDamaged(f"{where}: header lacks {exc}") from None
+        ints = (head.step, head.rank, head.world_size, head.data_size, head.meta_size,
+                head.meta_crc32)
+        if not all(isinstance(x, int) and x >= 0 for x in ints) or head.data_size % 8:
+            raise SlotDamaged(f"{where}: header holds a negative or misaligned size: {raw}")
+        return head
+
+
+class SlotFile:
+    """One slot file, mapped shared; grown (never shrunk) to the size a copy needs."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.map: mmap.mmap | None = None
+        self.size = 0
+        self._remap()
+
+    def _remap(self) -> None:
+        size = os.fstat(self.fd).st_size
+        if size != self.size or self.map is None:
+            # populated: the pages are mapped in one call, not faulted in one by one
+            self.map = mmap.mmap(self.fd, size, flags=_FLAGS) if size else None
+            self.size = size
+
+    def ensure(self, total: int) -> None:
+        """Room for ``total`` bytes; the old copy is gone once this grows the file."""
+        if self.size < total:
+            self.invalidate()
+            os.ftruncate(self.fd, total)
+            self.map = None
+            self._remap()
+
+    def view(self, start: int, length: int) -> memoryview:
+        assert self.map is not None and start + length <= self.size
+        return memoryview(self.map)[start : start + length]
+
+    def invalidate(self) -> None:
+        """Clear the commit flag: from here on the copy is in progress."""
+        if self.map is not None and self.size >= HEADER:
+            self.map[0:8] = b"\0" * 8
+
+    def commit(self, head: SlotHeader) -> None:
+        """Write the JSON header, then MAGIC last."""
+        assert self.map is not None
+        body = json.dumps(head.to_json(), sort_keys=True).encode()
+        if len(body) > HEADER - _PREFIX.size:
+            raise ValueError(f"slot header of {len(body)} bytes does not fit {HEADER}")
+        self.map[_PREFIX.size : _PREFIX.size + len(body)] = body
+        self.map[8 : _PREFIX.size] = struct.pack("<II", len(body), zlib.crc32(body))
+        self.map[0:8] = MAGIC
+
+    def header(self) -> SlotHeader | None:
+        """The committed copy's header; ``None`` when none is committed (empty or torn).
+
+        Raises :class:`SlotDamaged` for a committed header that does not check."""
+        self._remap()
+        if self.map is None or self.size < HEADER:
+            return None
+        magic, length, crc = _PREFIX.unpack_from(self.map, 0)
+        if magic != MAGIC:
+            return None
+        body = bytes(self.map[_PREFIX.size : _PREFIX.size + min(length, HEADER)])
+        if length > HEADER - _PREFIX.size or zlib.crc32(body) != crc:
+            raise SlotDamaged(f"{self.path}: header fails its CRC-32")
+        head = SlotHeader.from_json(json.loads(body), self.path)
+        if head.total > self.size:
+            raise SlotDamaged(f"{self.path}: header says {head.total} bytes, the file holds "
+                              f"{self.size}")
+        return head
+
+    def meta(self, head: SlotHeader) -> tuple[dict[str, Any], bytes]:
+        """The checked meta: (JSON, objects blob)."""
+        raw = self.view(HEADER + head.data_size, head.meta_size)
+        if zlib.crc32(raw) != head.meta_crc32:
+            raise SlotDamaged(f"{self.path}: step {head.step}: meta fails its CRC-32")
+        (length,) = struct.unpack_from("<I", raw, 0)
+        if 4 + length > len(raw):
+            raise SlotDamaged(f"{self.path}: meta length {length} exceeds {len(raw)} bytes")
+        meta = json.loads(bytes(raw[4 : 4 + length]))
+        blocks = (head.data_size + BLOCK - 1) // BLOCK
+        if len(meta.get("sums", ())) != blocks:
+            raise SlotDamaged(f"{self.path}: step {head.step}: {len(meta.get('sums', ()))} "
+                              f"block sums for {blocks} blocks")
+        return meta, bytes(raw[4 + length :])
+
+    def check_data(self, head: SlotHeader, sums: list[int]) -> None:
+        """Every block of the data against its sum (the whole copy, e.g. on receipt)."""
+        got = block_sums(self.view(HEADER, head.data_size))
+        for i, (a, b) in enumerate(zip(got, sums, strict=True)):
+            if a != b:
+                raise SlotDamaged(f"{self.path}: step {head.step}: data block {i} (bytes "
+                                  f"{i * BLOCK}..) fails its checksum")
+
+    def close(self) -> None:
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:  # a view is still exported: the mapping goes with it
+                pass
+            self.map = None
+        os.close(self.fd)
+
+
+def pack_meta(meta: dict[str, Any], blob: bytes) -> bytes:
+    body = json.dumps(meta, separators=(",", ":")).encode()
+    return struct.pack("<I", len(body)) + body + blob
+
+
+def slot_paths(directory: str, name: str) -> tuple[str, str]:
+    """The two files of a double buffer."""
+    return (os.path.join(directory, f"{name}.0"), os.path.join(directory, f"{name}.1"))
+
+
+def newest(slots: list[SlotFile]) -> list[tuple[SlotHeader, SlotFile]]:
+    """Committed copies whose header checks, newest first (damaged headers are skipped)."""
+    found = []
+    for slot in slots:
+        try:
+            head = slot.header()
+        except (SlotDamaged, ValueError):
+            continue
+        if head is not None:
+            found.append((head, slot))
+    return sorted(found, key=lambda x: -x[0].step)

@@ -1,0 +1,189 @@
+"""The memory tier on one node: owned by ``bootseer run``, it outlives a SIGKILLed trainer.
+
+Two ranks on gloo (``memckpt_worker.py``) save every step into the node's memory through
+``CheckpointManager`` (the durable tier every 100 steps: only step 0). Rank 1 SIGKILLs itself
+half-way through copying step 3; ``bootseer run`` restarts the job, which loads step 2 (the
+newest step complete on both ranks, never the torn copy) from memory, bit for bit, and
+trains on. A byte flipped in rank 1's newest copy is then refused, and both ranks fall back
+to the step before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt.memory_slot import HEADER, SlotFile, newest
+
+WORKER = str(Path(__file__).resolve().parent / "memckpt_worker.py")
+ROOT = Path(__file__).resolve().parent.parent
+NUMEL = 300_000  # floats per rank: data spans several checksum blocks
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BOOTSEER_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra or {})
+    return env
+
+
+def results(path: Path) -> dict[int, dict]:
+    out = {}
+    for f in sorted(path.glob("rank-*.json")):
+        r = json.loads(f.read_text())
+        out[r["rank"]] = r
+    return out
+
+
+@pytest.fixture(scope="module")
+def killed_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``bootseer run`` over the job; attempt 0 loses rank 1 mid-copy of step 3."""
+    base = tmp_path_factory.mktemp("memckpt")
+    memdir, res = base / "shm", base / "results"
+    res.mkdir()
+    spec = {"world": 2, "numel": NUMEL, "steps": 5, "results": str(res),
+            "durable": f"file://{base}/durable", "durable_every": 100, "die_at": [1, 3]}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bootseer", "run", "--trace-dir", str(base / "trace"),
+         "--backoff", "0", "--max-restarts", "1", "--ckpt-memory", "--ckpt-memory-dir",
+         str(memdir), "--", sys.executable, WORKER, "launch", json.dumps(spec)],
+        env=worker_env({"BOOTSEER_NODE": "testnode"}), capture_output=True, text=True,
+        timeout=600)
+    return {"proc": proc, "memdir": memdir, "results": res, "spec": spec, "base": base}
+
+
+def test_sigkill_mid_copy_restart_loads_previous_complete_step(killed_job: dict) -> None:
+    proc = killed_job["proc"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "attempt 1" in proc.stderr  # the agent restarted the job after the SIGKILL
+    got = results(killed_job["results"])
+    assert sorted(got) == [0, 1]
+    for rank, r in got.items():
+        # step 2: the newest complete on both ranks (rank 1's step 3 was torn; the durable
+        # tier holds only step 0), from this node's memory, every byte as it was saved
+        assert (r["loaded"], r["source"], r["problems"]) == (2, "local", []), (rank, r)
+        assert r["last"] == 4
+    mode = stat.S_IMODE(os.stat(killed_job["memdir"]).st_mode)
+    assert mode == 0o700
+    for rank in (0, 1):  # the newest two steps of the restarted run, committed
+        slots = [SlotFile(str(killed_job["memdir"] / f"rank-{rank}.{k}")) for k in (0, 1)]
+        assert sorted(h.step for h, _ in newest(slots)) == [3, 4]
+        for s in slots:
+            assert stat.S_IMODE(os.fstat(s.fd).st_mode) == 0o600
+            s.close()
+
+
+def test_flipped_byte_in_memory_copy_is_refused(killed_job: dict) -> None:
+    memdir, spec = killed_job["memdir"], dict(killed_job["spec"])
+    slots = [SlotFile(str(memdir / f"rank-1.{k}")) for k in (0, 1)]
+    head, slot = newest(slots)[0]
+    assert head.step == 4
+    slot.map[HEADER + head.data_size // 2] ^= 0x10  # one bit, in the middle of the data
+    for s in slots:
+        s.close()
+    res = killed_job["base"] / "results-flip"
+    res.mkdir()
+    spec.update(results=str(res), die_at=None, steps=5)
+    proc = subprocess.run([sys.executable, WORKER, "launch", json.dumps(spec)],
+                          env=worker_env({"BOOTSEER_MEMCKPT_DIR": str(memdir)}),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = results(res)
+    for rank, r in got.items():
+        assert (r["loaded"], r["source"], r["problems"]) == (3, "local", []), (rank, r)
+    # every rank says which rank refused which step, and why
+    assert "step 4 from local cannot be loaded by rank 1" in proc.stderr
+    assert "fails its checksum" in proc.stderr
+
+
+def test_agent_owns_and_removes_its_memory(tmp_path: Path) -> None:
+    """Without ckpt.memory_dir: a private directory in /dev/shm, gone when the run ends."""
+    probe = ("import os,stat,sys; d=os.environ['BOOTSEER_MEMCKPT_DIR']; "
+             "print('DIR', d, oct(stat.S_IMODE(os.stat(d).st_mode)))")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bootseer", "run", "--trace-dir", str(tmp_path / "trace"),
+         "--ckpt-memory", "--", sys.executable, "-c", probe],
+        env=worker_env({"BOOTSEER_NODE": "testnode"}), capture_output=True, text=True,
+        timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("DIR "))
+    _, directory, mode = line.split()
+    assert directory.startswith("/dev/shm/bootseer-memckpt-") and mode == "0o700"
+    assert not os.path.exists(directory)
+    assert "memory tier: copies in" in proc.stderr
+
+
+def test_state_that_does_not_fit_turns_the_tier_off_naming_sizes(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A 4 MiB tmpfs cannot hold 4x a 2 MB state: said at the first save, the durable tier
+    goes on; a state whose shapes differ from the memory copy loads from the durable tier."""
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt.memory import MemoryConfig
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(small)],
+                   check=True)
+    try:
+        mgr = CheckpointManager(f"file://{tmp_path}/durable", memory=MemoryConfig(str(small)))
+        state = {"w": torch.arange(500_000, dtype=torch.float32)}
+        with caplog.at_level("ERROR", logger="ckpt"):
+            handle = mgr.save(0, state)
+        assert handle.wait().committed  # the durable tier took the save
+        assert not mgr.memory.enabled
+        assert "memory tier: off" in caplog.text and "1.9 MiB" in caplog.text
+        assert str(small) in caplog.text and "MiB free" in caplog.text
+        mgr.close()
+    finally:
+        if subprocess.run(["umount", str(small)]).returncode:
+            subprocess.run(["umount", "-l", str(small)], check=True)
+
+    roomy = tmp_path / "roomy"
+    roomy.mkdir(mode=0o700)
+    with CheckpointManager(f"file://{tmp_path}/durable", memory=MemoryConfig(
+            str(roomy), durable_every=100)) as mgr:
+        mgr.save(1, {"w": torch.full((10,), 1.0)})  # memory only: a different shape
+    with CheckpointManager(f"file://{tmp_path}/durable",
+                           memory=MemoryConfig(str(roomy))) as mgr:
+        state = {"w": torch.zeros(500_000)}
+        with caplog.at_level("WARNING", logger="ckpt"):
+            assert mgr.load(state) == 0  # the durable step 0, all of it
+        assert torch.equal(state["w"], torch.arange(500_000, dtype=torch.float32))
+        assert "does not match the state" in caplog.text and "w: copy float32 [10]" in \
+            caplog.text
+
+
+def test_a_newer_durable_commit_wins_over_older_copies_in_memory(tmp_path: Path) -> None:
+    """A kept directory may hold copies older than the durable tier's newest commit: the
+    durable step loads; the job's next copy in memory then wins again."""
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt.memory import MemoryConfig
+
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    url = f"file://{tmp_path}/durable"
+    with CheckpointManager(url, memory=MemoryConfig(str(shm), durable_every=100)) as mgr:
+        mgr.save(5, {"w": torch.full((1000,), 5.0)})  # memory only
+    with CheckpointManager(url, memory=False) as mgr:
+        mgr.save(7, {"w": torch.full((1000,), 7.0)}, block=True)
+    with CheckpointManager(url, memory=MemoryConfig(str(shm))) as mgr:
+        state = {"w": torch.zeros(1000)}
+        assert mgr.load(state) == 7 and torch.equal(state["w"], torch.full((1000,), 7.0))
+        mgr.save(8, {"w": torch.full((1000,), 8.0)})
+    with CheckpointManager(url, memory=MemoryConfig(str(shm))) as mgr:
+        state = {"w": torch.zeros(1000)}
+        report = mgr.load_with_report(state)
+        assert (report.step, report.source) == (8, "local")  # type: ignore[attr-defined]
+        assert torch.equal(state["w"], torch.full((1000,), 8.0))

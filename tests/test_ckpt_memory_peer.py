@@ -1,0 +1,143 @@
+"""The memory tier across two nodes on loopback: copies on the neighbour, a node replaced.
+
+Two agents' peer servers (``ckpt.memory_peer``, one process each) and two ranks on gloo,
+one per "node" (its own memory directory). Each rank's copy goes to the other node. Node B's
+server is SIGKILLed half-way through receiving rank 0's step 2: training goes on, and what B
+holds for rank 0 is its last complete copy (step 1), never the torn one. Node B is then lost
+and replaced by an empty one: the restarted job loads step 3 on both ranks, rank 1 from node
+A's memory (its peer copy), rank 0 from its own; nothing beyond the step in progress is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_ckpt_memory import NUMEL, WORKER, results, worker_env
+
+from ckpt.memory_slot import SlotFile, newest
+
+
+class Peer:
+    """One node agent's server of peer copies, in a process of its own."""
+
+    def __init__(self, directory: Path, die_at_put: int = 0) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.proc = subprocess.Popen([sys.executable, WORKER, "peer", str(directory),
+                                      str(die_at_put)], env=worker_env(),
+                                     stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("listening on "), line
+        self.address = line.split()[-1]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+@pytest.fixture
+def peers() -> Iterator[list[Peer]]:
+    started: list[Peer] = []
+    yield started
+    for p in started:
+        p.close()
+
+
+def held(directory: Path, rank: int) -> list[int]:
+    slots = [SlotFile(str(directory / f"peer-rank-{rank}.{k}")) for k in (0, 1)]
+    try:
+        return sorted(h.step for h, _ in newest(slots))
+    finally:
+        for s in slots:
+            s.close()
+
+
+def run_job(spec: dict, nodes: list[dict], res: Path) -> subprocess.CompletedProcess[str]:
+    res.mkdir()
+    spec = {**spec, "nodes": nodes, "results": str(res)}
+    return subprocess.run([sys.executable, WORKER, "launch", json.dumps(spec)],
+                          env=worker_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_peer_lost_mid_copy_then_node_replaced(tmp_path: Path, peers: list[Peer]) -> None:
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    a_dir.mkdir()
+    b_dir.mkdir()
+    peers.append(Peer(a_dir / "peers"))
+    peers.append(Peer(b_dir / "peers", die_at_put=3))  # rank 0's step 2: steps 0, 1, 2
+    a, b = peers
+    spec = {"world": 2, "numel": NUMEL, "steps": 4, "durable": f"file://{tmp_path}/durable",
+            "durable_every": 100}
+    first = run_job(spec, [{"dir": str(a_dir), "server": a.address},
+                           {"dir": str(b_dir), "server": b.address}], tmp_path / "r1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    got = results(tmp_path / "r1")
+    # rank 0 trained to the end although its peer died under it, and said so
+    assert got[0]["last"] == 3 and got[0]["push"]["ok"] is False
+    assert f"could not copy step 2 to its peer {b.address}" in first.stderr
+    assert got[1]["push"] == {**got[1]["push"], "ok": True, "step": 3, "peer": a.address}
+    assert b.proc.wait(30) == -9
+    # the torn step 2 went into the buffer of step 0: step 1, the newest complete, is whole
+    assert held(b_dir / "peers", 0) == [1]
+    assert held(a_dir / "peers", 1) == [2, 3]
+
+    # node B is lost with its memory; an empty node takes its place
+    c_dir = tmp_path / "c"
+    c_dir.mkdir()
+    peers.append(Peer(c_dir / "peers"))
+    c = peers[-1]
+    second = run_job(spec, [{"dir": str(a_dir), "server": a.address},
+                            {"dir": str(c_dir), "server": c.address}], tmp_path / "r2")
+    assert second.returncode == 0, second.stderr[-3000:]
+    got = results(tmp_path / "r2")
+    assert (got[0]["loaded"], got[0]["source"], got[0]["problems"]) == (3, "local", [])
+    assert (got[1]["loaded"], got[1]["source"], got[1]["problems"]) == \
+        (3, f"peer:{a.address}", [])
+
+
+def test_peer_refuses_a_damaged_or_oversized_copy(tmp_path: Path) -> None:
+    """The server checks every block before it commits, and room before it takes a byte."""
+    import os
+
+    import torch
+
+    from ckpt.memory import MemoryConfig, MemoryTier
+    from ckpt.memory_peer import PeerClient, PeerError, PeerServer
+    from ckpt.memory_slot import HEADER
+
+    (tmp_path / "peer").mkdir()
+    (tmp_path / "me").mkdir()
+    server = PeerServer(str(tmp_path / "peer")).start()
+    try:
+        tier = MemoryTier(MemoryConfig(str(tmp_path / "me")), rank=0, world_size=1)
+        tier.save(5, {"w": torch.arange(400_000, dtype=torch.float32)})
+        tier.wait()
+        head, slot = newest(tier.slots)[0]
+        slot.map[HEADER + 12345] ^= 0x01  # damaged after its checksums were taken
+        with PeerClient(server.address) as client, pytest.raises(PeerError,
+                                                                 match="fails its checksum"):
+            client.push(slot, head)
+        assert held(tmp_path / "peer", 0) == []  # nothing committed
+        small = tmp_path / "small"
+        small.mkdir()
+        if os.geteuid() == 0:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+                           check=True)
+            tiny = PeerServer(str(small)).start()
+            try:
+                with PeerClient(tiny.address) as client, pytest.raises(PeerError,
+                                                                       match="needs"):
+                    client.push(slot, head)
+            finally:
+                tiny.close()
+                if subprocess.run(["umount", str(small)]).returncode:
+                    subprocess.run(["umount", "-l", str(small)], check=True)
+        tier.close()
+    finally:
+        server.close()
