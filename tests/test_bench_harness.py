@@ -46,7 +46,6 @@ TOOLS: dict[str, tuple[str, ...]] = {
     "fuse": ("rsync", "dd"),
     "restart": (),
     "update": (),
-
     "memckpt": (),
 }
 NEEDS_FUSE = ("striped", "prefetch", "containerd", "fuse", "restart")
@@ -97,7 +96,6 @@ FIGURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "update": lambda r: {"in-place downtime s": r["inplace_s"]["median"],
                          "peer downtime s": r["peer_s"]["median"],
                          "floor s": r["floor_s"]["median"]},
-
     "memckpt": lambda r: {f"{where} load s": r["load"][where][0]["load_s"]
                           for where in ("local", "peer", "durable")}
     | {"memcpy s": r["load"]["local"][0]["memcpy_s"],
