@@ -302,6 +302,14 @@ class CheckpointManager:
                 report = self._load_durable(state, step, strict)
             except CheckpointNotFound:  # a fresh start: every copy in memory is another run's
                 self.memory.resume_from(None)
+                if self.memory.damaged:  # a failed copy may have written part of the state
+                    raise CheckpointError(
+                        "memory tier: every copy in memory failed while loading and the "
+                        f"durable tier under {self.url} has no checkpoint; the state passed to "
+                        "load() may be partly overwritten: build the model and optimizer "
+                        "afresh before starting from step 0 (the damaged copies are dropped; "
+                        "a restart starts clean). Failed: " + "; ".join(self.memory.damaged[:4])
+                    ) from None
                 raise
             self.memory.resume_from(report.step)  # newer copies in memory are another run's
             return report

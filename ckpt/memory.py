@@ -133,6 +133,9 @@ class MemoryTier:
         self._client: PeerClient | None = None
         self._stream = None
         self.last_push: dict[str, Any] = {}
+        # copies that failed while being loaded, on any rank: the state may be partly
+        # overwritten by them, so "no checkpoint anywhere" must not become a fresh start
+        self.damaged: list[str] = []
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, step: int, state: Any) -> float:
@@ -350,8 +353,11 @@ class MemoryTier:
                 report = self._load_from(step, source, state)
                 outcome = Outcome(self.rank, step, OK)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange
+                written = PARTLY_WRITTEN if getattr(exc, "partial", False) else ""
                 report, outcome = None, Outcome(self.rank, step, DAMAGED,
-                                                f"{type(exc).__name__}: {exc}", source)
+                                                f"{written}{type(exc).__name__}: {exc}", source)
+                if source == "local" and isinstance(exc, SlotDamaged):
+                    self._drop_local(step)  # a restart must not meet it again
             outcomes = exchange(outcome)
             if outcomes is None:
                 assert report is not None
@@ -360,7 +366,9 @@ class MemoryTier:
                 report.phases["load_call_s"] = time.perf_counter() - started  # type: ignore
                 return report
             for o in outcomes:
-                if o.status != OK:
+                if o.status != OK and o.message.startswith(PARTLY_WRITTEN):
+                    self.damaged.append(f"rank {o.rank} step {o.step} ({o.path or 'memory'}): "
+                                        f"{o.message}")
                     log.warning("memory tier: step %d from %s cannot be loaded by rank %d: %s; "
                                 "every rank tries again without it", o.step, o.path or
                                 "memory", o.rank, o.message)
@@ -368,6 +376,14 @@ class MemoryTier:
                 failed.add((step, source))
             use_peers = bool(self._nodes() or self.config.peer)  # the same step, elsewhere
         return None
+
+    def _drop_local(self, step: int) -> None:
+        """Clear the commit flag of this rank's local copy of ``step`` (it failed a check)."""
+        for head, slot in newest(self.slots):
+            if head.step == step:
+                slot.invalidate()
+                if self._newest is slot:
+                    self._newest = None
 
     def resume_from(self, step: int | None) -> None:
         """The job goes on from ``step`` (loaded from either tier): copies of newer steps
@@ -426,6 +442,9 @@ class MemoryTier:
                                  "copy_s": time.perf_counter() - copied}
                 return report
         raise SlotDamaged(f"rank {self.rank}: step {step} is no longer in {self.config.directory}")
+
+
+PARTLY_WRITTEN = "state partly overwritten: "  # an outcome's message: the copy had begun
 
 
 def _split(state: Any) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
@@ -508,8 +527,10 @@ def _copy_checked(src: np.ndarray, pieces: list[_Piece], sums: list[int], path: 
     for b, want in enumerate(sums):
         lo, hi = b * BLOCK, min((b + 1) * BLOCK, len(src))
         if int(words[lo // 8 : hi // 8].sum(dtype=np.uint64)) != want:
-            raise SlotDamaged(f"{path}: step {step}: data block {b} (bytes {lo}..{hi}) fails "
-                              f"its checksum")
+            damaged = SlotDamaged(f"{path}: step {step}: data block {b} (bytes {lo}..{hi}) "
+                                  f"fails its checksum")
+            damaged.partial = b > 0  # type: ignore[attr-defined] # blocks before it were copied
+            raise damaged
         while i < len(order) and order[i].at < hi:
             p = order[i]
             a, e = max(lo, p.at), min(hi, p.at + p.nbytes)

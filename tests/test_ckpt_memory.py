@@ -187,3 +187,39 @@ def test_a_newer_durable_commit_wins_over_older_copies_in_memory(tmp_path: Path)
         report = mgr.load_with_report(state)
         assert (report.step, report.source) == (8, "local")  # type: ignore[attr-defined]
         assert torch.equal(state["w"], torch.full((1000,), 8.0))
+
+
+def test_a_copy_damaged_mid_load_with_nothing_else_is_an_error_not_a_fresh_start(
+        tmp_path: Path) -> None:
+    """A block that fails its sum after earlier blocks were copied leaves the state partly
+    overwritten: with no other copy and no durable checkpoint, ``load`` must not say "no
+    checkpoint" (the caller would train on from step 0 with a torn state). It raises,
+    naming the copy, and drops it, so that the restart starts clean."""
+    import torch
+
+    from ckpt import CheckpointError, CheckpointManager, CheckpointNotFound
+    from ckpt.memory import MemoryConfig
+    from ckpt.memory_slot import BLOCK
+
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    url = f"file://{tmp_path}/durable"
+    saved = torch.arange(600_000, dtype=torch.float32)  # 2.4 MB: three checksum blocks
+    with CheckpointManager(url, memory=MemoryConfig(str(shm), durable_every=100)) as mgr:
+        mgr.save(5, {"w": saved})  # memory only
+    slots = [SlotFile(str(shm / f"rank-0.{k}")) for k in (0, 1)]
+    head, slot = newest(slots)[0]
+    assert head.step == 5
+    slot.map[HEADER + BLOCK + 12345] ^= 0x01  # block 1: block 0 is copied before the check
+    for s in slots:
+        s.close()
+    with CheckpointManager(url, memory=MemoryConfig(str(shm))) as mgr:
+        state = {"w": torch.zeros(600_000)}
+        with pytest.raises(CheckpointError, match="partly overwritten") as err:
+            mgr.load(state)
+        assert not isinstance(err.value, CheckpointNotFound)
+        assert "step 5" in str(err.value) and "fails its checksum" in str(err.value)
+        assert torch.equal(state["w"][:1000], saved[:1000])  # what made it an error
+    with CheckpointManager(url, memory=MemoryConfig(str(shm))) as mgr:  # the restart
+        with pytest.raises(CheckpointNotFound):
+            mgr.load({"w": torch.zeros(600_000)})
