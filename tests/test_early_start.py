@@ -197,3 +197,40 @@ def test_an_inplace_restart_fetches_only_the_commit_record_of_what_it_saved(
     assert again["detail"]["cached_already"] >= 2  # the index and the data file
     starts = {s["attempt"]: s for s in spans(trace) if s["phase"] == "command_start"}
     assert starts[1]["start"] >= again["start"] + again["detail"]["ready_s"] - 0.001
+
+
+def test_the_startup_returns_while_the_prefetch_still_copies_and_the_load_waits(
+        s3_server, s3_bucket, tmp_path: Path) -> None:
+    """``run_startup`` hands the command its variables once the copy is planned, not when it
+    ends (the store behind a slow link); the prefetch's span comes later, and the command's
+    load gets the saved tensors from the cache."""
+    from bootseer.startup import StartupPlan, run_startup
+    from bootseer.trace import TraceWriter
+
+    bucket, direct = s3_bucket
+    url, cache = f"s3://{bucket}/run", tmp_path / "cache"
+    save_both(url, 2, {"s3": direct, **SMALL})
+    shaper = Shaper("127.0.0.1", s3_server.port,
+                    ShaperSettings(per_conn_bps=200_000, total_bps=400_000)).start()
+    try:
+        options = {"s3": s3_server.storage_options(endpoint_url=f"http://{shaper.address}")}
+        trace = TraceWriter(tmp_path / "trace", node="n0")
+        plan = StartupPlan(ckpt_url=url, ckpt_cache_dir=str(cache), ranks=[1],
+                           ckpt_connections=2, storage_options=options)
+        env = run_startup(plan, trace=trace, say=lambda line: None)
+        data = cache / store_key(url) / "step-2" / data_name(1)
+        assert env == {CACHE_ENV: str(cache)}
+        assert not data.exists()  # 1 MB at 400 kB/s: still on its way
+        assert not [s for s in spans(trace.dir) if s["phase"] == "checkpoint_prefetch"]
+        load = Loader(url, 1, cache, options)  # the command's load
+        load.start()
+        report = load.result()
+        wait_for(lambda: [s for s in spans(trace.dir) if s["phase"] == "checkpoint_prefetch"],
+                 "the prefetch's span", timeout=GUARD)
+    finally:
+        shaper.stop()
+    assert_loaded(load.target, rank_state(2, 1))
+    assert report.cached_bytes >= N // 2 * 4 * 2 and report.cache_wait_s > 0
+    [span] = [s for s in spans(trace.dir) if s["phase"] == "checkpoint_prefetch"]
+    assert span["outcome"] == "ok" and span["detail"]["step"] == 2
+    assert 0 < span["detail"]["ready_s"] < span["end"] - span["start"]
