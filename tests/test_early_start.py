@@ -8,12 +8,14 @@ test_ckpt_cache.py; the prefetch runs in a thread, or in a process killed with S
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,23 @@ def save_both(url: str, step: int, options: dict | None = None,
         with CheckpointManager(url, rank=rank, world_size=2, storage_options=options,
                                cache_dir=cache) as mgr:
             mgr.save(step, rank_state(step, rank), block=True)
+
+
+@contextlib.contextmanager
+def slow_store(s3_server: Any, s3_bucket: tuple[str, dict], step: int,
+               per_conn_bps: float) -> Iterator[tuple[str, dict[str, Any], Shaper]]:
+    """Step ``step`` saved to a fresh bucket, then (url, storage options reaching it through
+    a shaping proxy at ``per_conn_bps`` per connection and twice that in all, the proxy)."""
+    bucket, direct = s3_bucket
+    url = f"s3://{bucket}/run"
+    save_both(url, step, {"s3": direct, **SMALL})
+    shaper = Shaper("127.0.0.1", s3_server.port,
+                    ShaperSettings(per_conn_bps=per_conn_bps, total_bps=2 * per_conn_bps)).start()
+    try:
+        yield url, {"s3": s3_server.storage_options(endpoint_url=f"http://{shaper.address}")}, \
+            shaper
+    finally:
+        shaper.stop()
 
 
 class Loader(threading.Thread):
@@ -132,14 +151,9 @@ def test_a_prefetch_killed_mid_file_makes_the_load_read_the_store(
         s3_server, s3_bucket, tmp_path: Path) -> None:
     """SIGKILL to the prefetch while its temporary data file is half written: the load that
     waits on it reads the store, never the partial file, and gets the saved tensors."""
-    bucket, direct = s3_bucket
-    url, cache = f"s3://{bucket}/run", tmp_path / "cache"
-    save_both(url, 6, {"s3": direct, **SMALL})
-    shaper = Shaper("127.0.0.1", s3_server.port,
-                    ShaperSettings(per_conn_bps=50_000, total_bps=100_000)).start()
-    try:
-        options = {"s3": s3_server.storage_options(endpoint_url=f"http://{shaper.address}"),
-                   "striped": {"retries": 0}}
+    cache = tmp_path / "cache"
+    with slow_store(s3_server, s3_bucket, 6, 50_000) as (url, options, shaper):
+        options["striped"] = {"retries": 0}
         step = cache / store_key(url) / "step-6"
         work = tmp_path / "prefetch-cwd"  # nothing beside it shadows a package
         work.mkdir()
@@ -164,8 +178,6 @@ def test_a_prefetch_killed_mid_file_makes_the_load_read_the_store(
             proc.wait(GUARD)
         shaper.update(ShaperSettings())  # the store at full speed again
         report = load.result()
-    finally:
-        shaper.stop()
     assert_loaded(load.target, rank_state(6, 1))
     assert not (step / data_name(1)).exists()  # never renamed into place
     # the partial file has the data file's full size: a size check alone would take it
@@ -207,13 +219,8 @@ def test_the_startup_returns_while_the_prefetch_still_copies_and_the_load_waits(
     from bootseer.startup import StartupPlan, run_startup
     from bootseer.trace import TraceWriter
 
-    bucket, direct = s3_bucket
-    url, cache = f"s3://{bucket}/run", tmp_path / "cache"
-    save_both(url, 2, {"s3": direct, **SMALL})
-    shaper = Shaper("127.0.0.1", s3_server.port,
-                    ShaperSettings(per_conn_bps=200_000, total_bps=400_000)).start()
-    try:
-        options = {"s3": s3_server.storage_options(endpoint_url=f"http://{shaper.address}")}
+    cache = tmp_path / "cache"
+    with slow_store(s3_server, s3_bucket, 2, 200_000) as (url, options, _):
         trace = TraceWriter(tmp_path / "trace", node="n0")
         plan = StartupPlan(ckpt_url=url, ckpt_cache_dir=str(cache), ranks=[1],
                            ckpt_connections=2, storage_options=options)
@@ -227,8 +234,6 @@ def test_the_startup_returns_while_the_prefetch_still_copies_and_the_load_waits(
         report = load.result()
         wait_for(lambda: [s for s in spans(trace.dir) if s["phase"] == "checkpoint_prefetch"],
                  "the prefetch's span", timeout=GUARD)
-    finally:
-        shaper.stop()
     assert_loaded(load.target, rank_state(2, 1))
     assert report.cached_bytes >= N // 2 * 4 * 2 and report.cache_wait_s > 0
     [span] = [s for s in spans(trace.dir) if s["phase"] == "checkpoint_prefetch"]
