@@ -80,12 +80,6 @@ def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
         attempt=attempt, containers=staged.containers, key_style=staged.key_style)
     index_blob = index.to_json()
     fs.pipe_file(own_index, index_blob)  # "my shard is durable"
-    if cache is not None:
-        cache.remember_source_quietly()
-        step_cache = cache.step(staged.step)
-        if step_cache.put_saved(rank, memoryview(staged.buffer.numpy()).cast("B"),
-                                staged.objects_blob, index_blob):
-            cache.drop_steps_before(_previous_step(cache, staged.step))
     written = staged.data_size + len(staged.objects_blob)
     committed = False
     if rank == 0:
@@ -93,6 +87,12 @@ def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
         committed = True
         if keep is not None:
             apply_retention(fs, root, keep, protected)
+    if cache is not None:  # after the commit: the local copy never delays it
+        cache.remember_source_quietly()
+        step_cache = cache.step(staged.step)
+        if step_cache.put_saved(rank, memoryview(staged.buffer.numpy()).cast("B"),
+                                staged.objects_blob, index_blob):
+            cache.drop_steps_before(_previous_step(cache, staged.step))
     return SaveResult(staged.step, rank, written, staged.stage_s,
                       time.perf_counter() - started, committed)
 
