@@ -28,8 +28,15 @@ the measured restart, on a fresh node (empty image store, empty caches, page cac
   to the node's disk while the image is pulled and the container starts; each rank waits for
   the copy, then ``torch.distributed.checkpoint.load`` with ``FileSystemReader``;
 * ``diy-warm``: the same with the image already on the node (pulled before the clock starts);
+* ``bootseer-warm``: bootseer's restart on a fresh node that ``bootseer warmup`` filled before
+  the clock starts (diy-warm's like-for-like peer): the lazy image pulled (its recorded hot
+  frames prefetched by the snapshotter), then ``bootseer warmup`` in a container of the image
+  restores the environment into the node's directory and caches the newest checkpoint's
+  shards; the page cache is dropped, then the clock starts with ``ctr run``;
 * info, ``bootseer in place``: the supervisor's own restart on the node of the first start
-  (environment verified, new checkpoint prefetched, image blocks cached), from the kill.
+  (environment verified, the checkpoint its ranks saved found in the node cache, image
+  blocks cached), from the kill; its all-local floor is the same restart less the
+  environment, the prefetch and the load's wait for it.
 
 ``diy`` and ``diy-warm`` share one first start (the job saves with DCP to S3, as the baseline).
 The clock runs from the restart (the pull; for ``in place`` the SIGKILL) to the first finished
@@ -103,18 +110,21 @@ LABELS = {
     "diy": "diy: deps baked in the image, full pull + rclone copy + DCP load from disk",
     "diy-warm": "diy-warm: the same, image already on the node",
     "bootseer": "bootseer: lazy image + env snapshot + ckpt prefetch",
+    "bootseer-warm": "bootseer-warm: the same on a node filled by `bootseer warmup`",
     "inplace": "bootseer in place: supervisor restart on the same node (info)",
 }
 # --methods, in the order they run: the slowest last, so a run cut short keeps the others
-METHODS = ("diy", "diy-warm", "bootseer", "baseline")
-ORDER = ("baseline", "diy", "diy-warm", "bootseer", "inplace")  # the report's rows
+METHODS = ("diy", "diy-warm", "bootseer", "bootseer-warm", "baseline")
+ORDER = ("baseline", "diy", "diy-warm", "bootseer", "bootseer-warm", "inplace")  # the rows
 DIY = ("diy", "diy-warm")
+BOOTSEER = ("bootseer", "bootseer-warm")
+ENV_ROOT = "/opt/bootseer-env"  # bootseer-warm: the node's environment directory, mounted
 RCLONE = e2e_diy.RcloneTuning()
 
 
 def family(method: str) -> str:
     """The method whose first start (and checkpoint prefix) ``method`` uses."""
-    return "diy" if method in DIY else method
+    return "diy" if method in DIY else "bootseer" if method in BOOTSEER else method
 
 
 def ckpt_root(method: str) -> str:
@@ -192,11 +202,21 @@ def log_tail(path: Path, lines: int = 40) -> str:
 def compare(runs: dict[str, Any]) -> dict[str, dict[str, float]]:
     """bootseer's restart against each other fresh-node restart that ran: speedup and the
     share of start-up time it removes (negative: bootseer was slower)."""
-    if "bootseer" not in runs:
-        return {}
-    ours = runs["bootseer"]["total"]
-    return {m: {"speedup": runs[m]["total"] / ours, "less": 1 - ours / runs[m]["total"]}
-            for m in ("baseline", "diy", "diy-warm") if m in runs}
+    pairs = [("bootseer", m) for m in ("baseline", "diy", "diy-warm")]
+    pairs.append(("bootseer-warm", "diy-warm"))  # the like-for-like pair
+    return {m if ours == "bootseer" else f"{ours} vs {m}": {
+                "speedup": runs[m]["total"] / runs[ours]["total"],
+                "less": 1 - runs[ours]["total"] / runs[m]["total"]}
+            for ours, m in pairs if ours in runs and m in runs}
+
+
+def all_local_floor(run: dict[str, Any]) -> float:
+    """An in-place restart with nothing to fetch: its own phases less the environment, the
+    prefetch and the load's wait for the prefetch (what a restart with everything already on
+    the node's disk pays: the container's restart, the launch, the load, the first step)."""
+    ph = run["phases"]
+    return (ph["container"] + ph["launch"] + ph["load"] + ph["step"]
+            - run.get("load_wait_s", 0.0))
 
 
 def deps_layer(work: Path, image_dir: Path, wheel_dir: Path) -> dict[str, Any]:
@@ -296,7 +316,7 @@ class Bench:
         self.gzip_ref = f"{registry_addr}/{repo}:gzip"
         log(f"pushed {self.gzip_ref} ({digest[:19]})")
         self.gzip_blobs = [self.registry.blob_path(la["digest"]) for la in layers]
-        if "bootseer" in self.methods:  # only bootseer's restart reads the converted image
+        if set(self.methods) & set(BOOTSEER):  # only bootseer reads the converted image
             log("converting to the bootseer layer format")
             conv = self._helper("convert", {"src": f"{self.registry.host}/{repo}:gzip",
                                             "dst": f"{self.registry.host}/{repo}:lazy",
@@ -418,7 +438,7 @@ class Bench:
         """The registry blobs of the image that ``method`` pulls."""
         if method in DIY:
             return self.diy_blobs
-        return self.lazy_blobs if method == "bootseer" else self.gzip_blobs
+        return self.lazy_blobs if method in BOOTSEER else self.gzip_blobs
 
     def go_cold(self, blobs: list[Path]) -> None:
         if not drop_caches():
@@ -442,12 +462,13 @@ class Bench:
                                f"{log_tail(Path(logf.name))}")
         return time.time() - t
 
-    def start(self, node: Node, method: str, results: Path, logf: Any, *, first: bool
-              ) -> subprocess.Popen:
-        """``ctr run`` the job; its results (events) go to ``results``."""
+    def start(self, node: Node, method: str, results: Path, logf: Any, *, first: bool,
+              warmup: bool = False) -> subprocess.Popen:
+        """``ctr run`` the job (``warmup``: ``bootseer warmup`` in the job's image); its
+        results (events) go to ``results``."""
         results.mkdir(parents=True, exist_ok=True)
         (results / "events.jsonl").touch()
-        train = ["--mode", "bootseer" if method == "bootseer" else "dcp", "--size", self.size,
+        train = ["--mode", "bootseer" if method in BOOTSEER else "dcp", "--size", self.size,
                  "--results", "/results", "--ckpt", f"s3://{ckpt_root(method)}"]
         if first:
             train += ["--save-every", str(self.args.save_every)]
@@ -460,19 +481,29 @@ class Bench:
         elif method in DIY:
             cmd = ["python3", "/app/train.py", "launch", "--results", "/results", "--", *train]
             ref, snapshotter = self.diy_ref, "overlayfs"
+        elif warmup:
+            cmd = ["python3", "-m", "bootseer", "warmup", "--config", "/job/bootseer.toml",
+                   "--node", node.dir.name]
+            ref, snapshotter = self.lazy_ref, "bootseer"
         else:
             cmd = ["python3", "-m", "bootseer", "run", "--config", "/job/bootseer.toml",
                    "--node", node.dir.name, "--", "python", "-m", "torch.distributed.run",
                    "--standalone", "--nproc-per-node=2", "/app/train.py", "train", *train]
             ref, snapshotter = self.lazy_ref, "bootseer"
+        trace = node.dir / "local" / ("warmup-trace" if warmup else "trace")
+        trace.mkdir(parents=True, exist_ok=True)
         mounts = [(self.job, "/job", "ro"), (results, "/results", "rw"),
                   (node.dir / "local" / "ckpt-cache", "/var/cache/bootseer/ckpt", "rw"),
-                  (node.dir / "local" / "trace", "/var/log/bootseer/trace", "rw"),
+                  (trace, "/var/log/bootseer/trace", "rw"),
                   (Path("/dev/shm"), "/dev/shm", "rw")]
         if method in DIY:  # where the copy tool puts the checkpoint
             mounts.append((node.dir / "local" / "ckpt-copy", "/ckpt-local", "rw"))
         env = {"BOOTSEER_STORAGE_OPTIONS": json.dumps(self.s3_options),
                "BOOTSEER_E2E_TAG": self.tag(results.name), "PYTHONUNBUFFERED": "1"}
+        if method == "bootseer-warm":  # the environment lives on the node, not in the rootfs
+            (node.dir / "local" / "env-root").mkdir(exist_ok=True)
+            mounts.append((node.dir / "local" / "env-root", ENV_ROOT, "rw"))
+            env["BOOTSEER_ENV_PREFIX"] = f"{ENV_ROOT}/env"
         argv = node.ctr("run", "--rm", "--net-host", "--snapshotter", snapshotter,
                         *[a for src, dst, mode in mounts for a in (
                             "--mount", f"type=bind,src={src},dst={dst},options=rbind:{mode}")],
@@ -507,7 +538,7 @@ class Bench:
             time.sleep(0.2)
 
     def committed(self, method: str) -> int | None:
-        if method != "bootseer":
+        if method not in BOOTSEER:
             import fsspec
 
             fs = fsspec.filesystem("s3", skip_instance_cache=True, **self.direct_options["s3"])
@@ -575,6 +606,24 @@ class Bench:
         self.retire(node)
         return out
 
+    def warm_node(self, node: Node, method: str, logf: Any) -> None:
+        """Fill a fresh node before the clock, as a pre-job step would: the lazy image
+        pulled (the snapshotter prefetches its recorded hot frames), then ``bootseer warmup``
+        (environment into the node's directory, the newest checkpoint's shards into the node
+        cache) in a container of the image, with the job's configuration."""
+        log(f"{method}: the node filled by `bootseer image pull` + `bootseer warmup` before "
+            "the clock starts")
+        t = time.time()
+        self.pull(node, method, logf)
+        results = self.work / "results" / f"{method}-warmup"
+        proc = self.start(node, method, results, logf, first=False, warmup=True)
+        rc = proc.wait(timeout=STEP_TIMEOUT_S)
+        if rc != 0:
+            raise RuntimeError(f"bootseer warmup exited {rc} (log {logf.name}):\n"
+                               f"{log_tail(Path(logf.name))}")
+        self.R.setdefault("warmup", {})[method] = {"seconds": time.time() - t}
+        log(f"  warmed in {time.time() - t:.1f} s")
+
     def wait_profile(self, node: Node) -> None:
         deadline = time.monotonic() + 60
         while "recorded " not in node.snapshotter_log():
@@ -585,7 +634,7 @@ class Bench:
 
     def restart(self, method: str) -> dict[str, Any]:
         """The measured restart on a fresh node."""
-        node = self.node(f"{method}-restart", () if method == "bootseer" else None)
+        node = self.node(f"{method}-restart", () if method in BOOTSEER else None)
         results = self.work / "results" / f"{method}-restart"
         logp = self.work / f"{method}-restart.log"
         copy = None
@@ -593,6 +642,8 @@ class Bench:
             if method == "diy-warm":  # the image is on the node before the clock starts
                 log(f"{method}: the image pulled before the clock starts")
                 self.pull(node, method, logf)
+            if method == "bootseer-warm":
+                self.warm_node(node, method, logf)
             log(f"{method}: restart on a fresh node (page cache dropped)")
             self.go_cold(self.blobs(method))
             t0 = time.time()
@@ -601,7 +652,8 @@ class Bench:
                     copy = e2e_diy.CopyJob(ckpt_root(method), node.dir / "local" / "ckpt-copy",
                                            self.rclone_env, self.work / f"{method}-rclone.log",
                                            RCLONE).start()
-                pull_s = 0.0 if method == "diy-warm" else self.pull(node, method, logf)
+                warm = method in ("diy-warm", "bootseer-warm")
+                pull_s = 0.0 if warm else self.pull(node, method, logf)
                 proc = self.start(node, method, results, logf, first=False)
                 rc = proc.wait(timeout=STEP_TIMEOUT_S)
             finally:
@@ -619,7 +671,7 @@ class Bench:
                 "step": st.get("step"), "bytes": st.get("bytes"), "seconds": st.get("seconds"),
                 "started_after_restart_s": st["started"] - t0,
                 "ended_after_restart_s": st["ended"] - t0}
-        if method == "bootseer":
+        if method in BOOTSEER:
             out["prefetch_log"] = [ln.split("INFO ", 1)[-1] for ln in
                                    node.snapshotter_log().splitlines() if "prefetching" in ln]
         self.retire(node)
@@ -630,7 +682,7 @@ class Bench:
                   trace_dir: Path, attempt: int) -> dict[str, Any]:
         ev = [e for e in self.events(results) if e["attempt"] == attempt]
         spans: list[Any] = []
-        if method in ("bootseer", "inplace"):
+        if method in (*BOOTSEER, "inplace"):
             from bootseer.trace import read_traces
 
             spans = [s for s in read_traces([trace_dir])[0] if s.attempt == attempt]
@@ -646,6 +698,8 @@ class Bench:
                 "load_bytes": sum(e.get("bytes", 0) for e in ev if e["event"] == "load_end"),
                 "load_cached_bytes": sum(e.get("cached_bytes", 0) for e in ev
                                          if e["event"] == "load_end"),
+                "load_wait_s": max([e.get("cache_wait_s", 0.0) for e in ev
+                                    if e["event"] == "load_end"] or [0.0]),
                 "verify_s": verify}
 
     def check_identical(self, method: str, first: Path, out: dict[str, Any]) -> None:
@@ -678,7 +732,7 @@ class Bench:
         if key not in self.R["runs"]:  # diy and diy-warm restart from the same one
             first = self.first_start(family(method))
             self.R["runs"][key] = first
-            if method == "bootseer":
+            if "inplace" in first:
                 self.check_identical("inplace", self.work / "results/bootseer-first",
                                      first["inplace"])
                 self.R["runs"]["inplace"] = first["inplace"]
@@ -767,10 +821,19 @@ class Bench:
                          f"{runs['baseline']['total']:.1f} s: {reduction:.0%} less startup "
                          f"(target >= {TARGET_REDUCTION:.0%}): **{verdict}**")
         self.R["vs"] = vs = compare(runs)
-        lines += [f"- bootseer vs {m}: {runs['bootseer']['total']:.1f} s vs "
-                  f"{runs[m]['total']:.1f} s, {v['speedup']:.2f}x ({v['less']:.0%} less)"
-                  for m, v in vs.items()]
-        for m in ("baseline", "diy", "diy-warm", "bootseer"):
+        for key, v in vs.items():
+            ours, m = key.split(" vs ") if " vs " in key else ("bootseer", key)
+            lines.append(f"- {ours} vs {m}: {runs[ours]['total']:.1f} s vs "
+                         f"{runs[m]['total']:.1f} s, {v['speedup']:.2f}x ({v['less']:.0%} less)")
+        if "inplace" in runs:
+            floor = all_local_floor(runs["inplace"])
+            runs["inplace"]["all_local_floor_s"] = floor
+            lines.append(f"- in place: {runs['inplace']['total']:.1f} s against its all-local "
+                         f"floor {floor:.1f} s ({runs['inplace']['total'] / floor:.2f}x; "
+                         "target <= 1.2x)" + (
+                             f"; diy-warm {runs['diy-warm']['total']:.1f} s"
+                             if "diy-warm" in runs else ""))
+        for m in ("baseline", "diy", "diy-warm", "bootseer", "bootseer-warm"):
             if m in runs:
                 lines.append(f"- {m}: {json.dumps(runs[m]['detail'])}; resumed at step "
                              f"{runs[m]['loaded_step']}; load average "

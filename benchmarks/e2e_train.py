@@ -199,7 +199,7 @@ class BootseerCheckpoints:
     def load(self, state: dict[str, Any]) -> dict[str, Any]:
         report = self.mgr.load_with_report(state)
         return {"step": report.step, "bytes": report.bytes_read,
-                "cached_bytes": report.cached_bytes}
+                "cached_bytes": report.cached_bytes, "cache_wait_s": report.cache_wait_s}
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         self.mgr.save(step, state)

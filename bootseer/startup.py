@@ -1,11 +1,18 @@
 """The startup phases of ``bootseer run``: the environment and the checkpoint prefetch.
 
-They are independent, so they run at the same time (two threads); the command starts when
-both are done, since it needs both: the environment's ``bin`` first on ``PATH`` and the
-checkpoint's shards in the node-local cache (``ckpt.cache_dir``, handed to the command as
-``BOOTSEER_CKPT_CACHE``, which ``CheckpointManager`` reads transparently). Each phase is a span
-of the startup trace (bytes, outcome, the attempt). On a restart the same phases run again and take the warm path: the
-environment is only verified, the cache already holds the checkpoint's files.
+They are independent, so they run at the same time (two threads). The command needs the
+environment (its ``bin`` first on ``PATH``) but not the whole checkpoint: it starts as soon as
+the environment is ready and the prefetch has *planned* its copy (the store listed, the step
+chosen, its manifest, indexes and objects cached, a temporary file for every data file still
+to come), while the data files keep arriving. ``CheckpointManager`` reads the node-local
+cache (``ckpt.cache_dir``, handed to the command as ``BOOTSEER_CKPT_CACHE``) and waits for
+each file it needs until the prefetch renames it into place, or reads the store when the
+prefetch gave it up; it never reads a partial file. So the command's own start (interpreter,
+imports, process group, model) overlaps the tail of the prefetch. Each phase is a span of the
+startup trace (bytes, outcome, the attempt; the prefetch's ``ready_s`` says when the command
+could start). On a restart the same phases run again and take the warm path: the environment
+is only verified, the cache already holds the checkpoint's files (a save writes its rank's
+files there too), and a prefetch still running from the previous attempt is waited for.
 
 Failures, and why they differ:
 
@@ -116,8 +123,13 @@ def environment_phase(plan: StartupPlan, base_env: Mapping[str, str]) -> PhaseRe
     return result
 
 
-def checkpoint_phase(plan: StartupPlan) -> PhaseResult:
-    """The newest committed checkpoint's files for this node's ranks into the local cache."""
+def checkpoint_phase(plan: StartupPlan,
+                     ready: Callable[[dict[str, str]], None] | None = None) -> PhaseResult:
+    """The newest committed checkpoint's files for this node's ranks into the local cache.
+
+    ``ready(env)`` is called once the command may start beside the copy (the store listed,
+    the step's metadata cached, the data files reserved); past that point a failure only
+    costs the cache, since the command's load reads the store for what is missing."""
     result = PhaseResult("checkpoint_prefetch")
     if not plan.ckpt_url:
         result.outcome, result.summary = "skipped", "skipped (no ckpt.url)"
@@ -129,11 +141,20 @@ def checkpoint_phase(plan: StartupPlan) -> PhaseResult:
     from ckpt.errors import CheckpointStoreUnavailable
 
     result.detail.update(url=plan.ckpt_url, ranks=list(plan.ranks))
+    started = time.time()
+
+    def planned(step: int | None) -> None:
+        result.detail["ready_s"] = round(time.time() - started, 3)
+        if ready is not None:
+            ready(_cache_handoff(plan))
+
     try:
         done = prefetch_latest(plan.ckpt_url, plan.ckpt_cache_dir, plan.ranks,
                                storage_options=plan.storage_options,
-                               connections=plan.ckpt_connections)
+                               connections=plan.ckpt_connections, on_planned=planned)
     except CheckpointStoreUnavailable as exc:
+        if "ready_s" in result.detail:  # the command runs already: only the cache is lost
+            return _prefetch_failed(plan, result, exc)
         if not plan.allow_fresh_start:
             raise StartupError(
                 f"checkpoint store {plan.ckpt_url} is unreachable, the job does not start "
@@ -146,12 +167,7 @@ def checkpoint_phase(plan: StartupPlan) -> PhaseResult:
         result.detail.update(reason="store unreachable, fresh start allowed", error=str(exc))
         return result
     except Exception as exc:  # noqa: BLE001 - the cache is an optimization: warn, go on
-        _say(f"warning: checkpoint prefetch from {plan.ckpt_url} failed, the job reads the "
-             f"store directly: {type(exc).__name__}: {exc}")
-        result.outcome, result.summary = "failed", f"failed ({type(exc).__name__})"
-        result.detail["error"] = f"{type(exc).__name__}: {exc}"
-        result.env = _cache_handoff(plan)
-        return result
+        return _prefetch_failed(plan, result, exc)
     result.bytes = done.bytes
     result.bytes_by_remote = remote_bytes(remote_of(plan.ckpt_url), done.bytes)
     result.detail.update(step=done.step, files=done.files, cached_already=done.cached_already)
@@ -161,6 +177,15 @@ def checkpoint_phase(plan: StartupPlan) -> PhaseResult:
         result.summary = (f"step {done.step} for ranks {_ranks(plan.ranks)}: {done.files} "
                           f"file(s), {human_bytes(done.bytes)} fetched, "
                           f"{done.cached_already} already cached")
+    result.env = _cache_handoff(plan)
+    return result
+
+
+def _prefetch_failed(plan: StartupPlan, result: PhaseResult, exc: Exception) -> PhaseResult:
+    _say(f"warning: checkpoint prefetch from {plan.ckpt_url} failed, the job reads the "
+         f"store directly: {type(exc).__name__}: {exc}")
+    result.outcome, result.summary = "failed", f"failed ({type(exc).__name__})"
+    result.detail["error"] = f"{type(exc).__name__}: {exc}"
     result.env = _cache_handoff(plan)
     return result
 
@@ -176,19 +201,39 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
+#: Phases still running after their command started (the prefetch's tail): the next
+#: attempt waits for them, so two copies of one file never run at once.
+_lingering: list[threading.Thread] = []
+
+
 def run_startup(plan: StartupPlan, *, trace: TraceWriter | None = None, attempt: int = 0,
                 base_env: Mapping[str, str] | None = None,
                 say: Callable[[str], None] = _say) -> dict[str, str]:
-    """Both phases at once, traced; the variables the command needs. Raises
-    :class:`StartupError` as soon as a phase fails that way (the other is abandoned: the
-    job does not start anyway)."""
+    """Both phases at once, traced; returns the variables the command needs as soon as the
+    environment is ready and the prefetch has planned its copy (the copy goes on in its
+    thread, and writes its span when it ends). Raises :class:`StartupError` as soon as a
+    phase fails that way before that point (the other is abandoned: the job does not
+    start anyway)."""
     base_env = os.environ if base_env is None else base_env
+    for thread in list(_lingering):
+        if thread.is_alive():
+            say("waiting for the previous attempt's checkpoint prefetch to end")
+            thread.join()
+        _lingering.remove(thread)
+    cond = threading.Condition()
+    ready: dict[str, dict[str, str]] = {}  # phase -> its variables, once the command may start
+    failed: list[BaseException] = []
+
+    def signal_ready(name: str, env: dict[str, str]) -> None:
+        with cond:
+            ready.setdefault(name, dict(env))
+            cond.notify_all()
+
     phases: list[tuple[str, Callable[[], PhaseResult]]] = [
         ("environment", lambda: environment_phase(plan, base_env)),
-        ("checkpoint_prefetch", lambda: checkpoint_phase(plan)),
+        ("checkpoint_prefetch",
+         lambda: checkpoint_phase(plan, lambda env: signal_ready("checkpoint_prefetch", env))),
     ]
-    done: list[PhaseResult] = []
-    cond = threading.Condition()
 
     def run(name: str, fn: Callable[[], PhaseResult]) -> None:
         start = time.time()
@@ -211,21 +256,24 @@ def run_startup(plan: StartupPlan, *, trace: TraceWriter | None = None, attempt:
                 result.error = exc
         finally:
             with cond:
-                done.append(result)
+                if result.error is not None and name not in ready:
+                    failed.append(result.error)
+                elif result.error is not None:  # after the command started: said, not fatal
+                    say(f"warning: {name} failed after the command started: {result.error}")
+                ready.setdefault(name, dict(result.env))
                 cond.notify_all()
 
-    for name, fn in phases:
-        threading.Thread(target=run, args=(name, fn), name=f"bootseer-{name}",
-                         daemon=True).start()
+    threads = [threading.Thread(target=run, args=(name, fn), name=f"bootseer-{name}",
+                                daemon=True) for name, fn in phases]
+    for thread in threads:
+        thread.start()
     with cond:
-        while True:
-            failed = [r for r in done if r.error is not None]
-            if failed:
-                raise failed[0].error  # type: ignore[misc]
-            if len(done) == len(phases):
-                break
+        while not failed and len(ready) < len(phases):
             cond.wait()
-    env: dict[str, str] = {}
-    for result in done:
-        env.update(result.env)
+        if failed:
+            raise failed[0]
+        env: dict[str, str] = {}
+        for name, _ in phases:
+            env.update(ready[name])
+    _lingering.extend(t for t in threads if t.is_alive())
     return env

@@ -17,6 +17,12 @@ every cached file is verified when it is read, as the manifest and indexes say: 
 its CRC-32 in the manifest, a data file by its size and every chunk's CRC-32, an objects file
 by its size and CRC-32. A file that fails is removed with a warning and read from the store.
 Files appear under their final names only complete and verified (written aside, renamed).
+A load that starts while a prefetch is still copying (``bootseer run`` starts the command as
+soon as the environment is ready) waits for each data file it needs while the prefetch's
+temporary file for it exists (its owner alive and writing), and reads the store when the
+prefetch gave up on it; it never reads a partial file. A save writes its rank's files into
+the cache too (``CheckpointManager(cache_writes=True)``, the default with a cache), so an
+in-place restart finds the shards this node saved already there.
 The cache is its owner's alone whatever the umask: directories 0700, files 0600 (a job that
 runs as another user than the prefetch has a cache of its own).
 """
@@ -127,6 +133,20 @@ class NodeCache:
         if not source.exists():
             _atomic_write(source, f"{self.url}\n".encode())
 
+    def remember_source_quietly(self) -> None:
+        """``remember_source`` for a save: the cache never fails a save."""
+        try:
+            self.remember_source()
+        except OSError as exc:
+            log.warning("checkpoint cache: cannot write %s (%s)", self.root, exc)
+
+    def drop_steps_before(self, step: int) -> None:
+        """Cached steps older than ``step`` (a save keeps the one before its own: the newest
+        committed step while its own is not committed yet)."""
+        for s in self.steps():
+            if s < step:
+                shutil.rmtree(self.root / f"step-{s}", ignore_errors=True)
+
     def drop_steps_except(self, keep: int) -> None:
         """Older cached steps are never read again once a newer one is cached."""
         for s in self.steps():
@@ -141,13 +161,46 @@ class StepCache:
     The counters say what the reads took from the cache (thread-safe: the loader reads
     files in parallel)."""
 
+    #: How long a load waits for a file whose prefetch makes no progress (its temporary
+    #: file not written to) before it reads the store instead.
+    STALL_S = 120.0
+
     def __init__(self, directory: Path, step: int) -> None:
         self.dir = directory
         self.step = step
         self.files = 0  # files read from the cache
         self.bytes = 0  # their bytes used
+        self.waited_s = 0.0  # time the reads waited for a prefetch still copying their file
         self.rejected: list[str] = []  # cached files found damaged (removed)
         self._lock = threading.Lock()
+
+    def await_file(self, name: str, poll: float = 0.02) -> bool:
+        """Wait while a live prefetch is copying ``name`` (its temporary file exists and is
+        being written); True when the complete file is in place, False when no prefetch
+        holds it (never started, failed, killed) or it stalled for ``STALL_S``."""
+        final = self.dir / name
+        started = time.monotonic()
+        progress, last_mtime = started, 0.0
+        try:
+            while not final.exists():
+                pending = [p for p in _temps_of(self.dir, name) if _alive(_temp_pid(p))]
+                if not pending:
+                    return final.exists()  # renamed in place between the two looks
+                mtime = max((_mtime(p) for p in pending), default=0.0)
+                now = time.monotonic()
+                if mtime != last_mtime:
+                    progress, last_mtime = now, mtime
+                elif now - progress > self.STALL_S:
+                    log.warning("checkpoint cache: the prefetch of %s made no progress for "
+                                "%.0f s; reading it from the store", final, self.STALL_S)
+                    return False
+                time.sleep(poll)
+            return True
+        finally:
+            waited = time.monotonic() - started
+            if waited > 0.001:
+                with self._lock:
+                    self.waited_s += waited
 
     # -- reading (the loader) -------------------------------------------------------------
     def matches(self, manifest_raw: bytes) -> bool:
@@ -200,7 +253,12 @@ class StepCache:
         try:
             f = open(path, "rb")  # noqa: SIM115 - closed below, after the mapping
         except FileNotFoundError:
-            return None
+            if not self.await_file(data_name(index.rank)):
+                return None  # no prefetch has it: the store
+            try:
+                f = open(path, "rb")  # noqa: SIM115
+            except FileNotFoundError:  # removed meanwhile (a newer step cached)
+                return None
         except OSError as exc:
             log.warning("checkpoint cache: cannot open %s (%s); reading from the store", path, exc)
             return None
@@ -279,8 +337,30 @@ class StepCache:
             return False
         return True
 
-    def put(self, name: str, data: bytes) -> None:
+    def put(self, name: str, data: bytes | memoryview) -> None:
         _atomic_write(self.dir / name, data)
+
+    # -- writing through (a save) -------------------------------------------------------------
+    def put_saved(self, rank: int, data: memoryview, objects: bytes, index: bytes) -> bool:
+        """A save's own files of ``rank``, written aside and renamed (the index last): an
+        in-place restart's prefetch finds them and only verifies them. The step has no
+        commit record here until a prefetch copies the store's (a load never reads a step
+        the store did not commit). A local failure (a full disk) is a warning: False."""
+        try:
+            make_dir(self.dir, tighten=True)
+            if len(data):
+                self.put(data_name(rank), data)
+            if objects:
+                self.put(objects_name(rank), objects)
+            self.put(index_name(rank), index)
+        except OSError as exc:
+            log.warning("checkpoint cache: cannot write step %d of rank %d into %s (%s); an "
+                        "in-place restart will fetch it from the store", self.step, rank,
+                        self.dir, exc)
+            for name in (data_name(rank), objects_name(rank), index_name(rank)):
+                (self.dir / name).unlink(missing_ok=True)
+            return False
+        return True
 
     def temp_path(self, name: str) -> Path:
         return self.dir / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
@@ -295,7 +375,31 @@ class StepCache:
                     pass
 
 
+def _temps_of(directory: Path, name: str) -> list[Path]:
+    """The temporary files being written for ``name`` (by prefetches or saves)."""
+    prefix = f".{name}.tmp-"
+    try:
+        return [directory / n for n in os.listdir(directory)
+                if n.startswith(prefix) and _TEMP_RE.match(n)]
+    except FileNotFoundError:
+        return []
+
+
+def _temp_pid(path: Path) -> int:
+    m = _TEMP_RE.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
 def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -315,7 +419,7 @@ def _read_or_none(path: Path) -> bytes | None:
         return None
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, data: bytes | memoryview) -> None:
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
     try:
         with os.fdopen(create_private(tmp), "wb") as f:
@@ -446,7 +550,8 @@ class _Tally:
 
 
 def prefetch_latest(url: str, cache_dir: str | os.PathLike, ranks: Sequence[int], *,
-                    storage_options: dict | None = None, connections: int = 16) -> PrefetchResult:
+                    storage_options: dict | None = None, connections: int = 16,
+                    on_planned: Callable[[int | None], None] | None = None) -> PrefetchResult:
     """Copy the newest committed checkpoint's files that ``ranks`` load into ``cache_dir``.
 
     Idempotent: files already cached and verified are kept. A step that turns out damaged
@@ -454,14 +559,21 @@ def prefetch_latest(url: str, cache_dir: str | os.PathLike, ranks: Sequence[int]
     does); uncommitted (torn) steps are never considered. Raises
     ``CheckpointStoreUnavailable`` when the store cannot be listed or read; returns
     ``step=None`` when it holds no committed checkpoint.
+
+    ``on_planned(step)`` is called once, as soon as a load may start beside the copy: the
+    store was listed, the step's manifest, indexes and objects are cached, and every data
+    file still to come has its temporary file, which a load waits on
+    (:meth:`StepCache.await_file`). ``bootseer run`` starts the command there.
     """
     started = time.perf_counter()
+    planned = _Once(on_planned)
     wanted = sorted({int(r) for r in ranks})
     if not wanted or wanted[0] < 0:
         raise ValueError(f"prefetch needs ranks >= 0, got {list(ranks)!r}")
     fs, root = url_to_fs(url, storage_options, concurrency=connections)
     done, _ = _store(url, "listing the checkpoints", committed_steps, fs, root)
     if not done:
+        planned(None)
         return PrefetchResult(None, 0, 0, time.perf_counter() - started, 0)
     node = NodeCache(cache_dir, url)
     try:
@@ -472,7 +584,7 @@ def prefetch_latest(url: str, cache_dir: str | os.PathLike, ranks: Sequence[int]
     for step in reversed(done):
         cache = node.step(step)
         try:
-            tally = _prefetch_step(fs, root, url, cache, wanted, connections)
+            tally = _prefetch_step(fs, root, url, cache, wanted, connections, planned)
         except (CheckpointCorrupt, StripeChecksumError, ManifestError, FileNotFoundError) as exc:
             log.warning("checkpoint step %d under %s cannot be prefetched (%s); trying the "
                         "previous committed checkpoint", step, node.url, exc)
@@ -491,13 +603,26 @@ def prefetch_latest(url: str, cache_dir: str | os.PathLike, ranks: Sequence[int]
                             "\n  ".join(failures), step=done[-1])
 
 
+class _Once:
+    """A callback called at most once (the first step planned; a fallback step is not)."""
+
+    def __init__(self, fn: Callable[[int | None], None] | None) -> None:
+        self.fn = fn
+
+    def __call__(self, step: int | None) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn(step)
+
+
 def _cache_error(where: Path, exc: OSError) -> OSError:
     return OSError(exc.errno or errno.EIO,
                    f"cannot write the checkpoint cache at {where}: {exc.strerror or exc}")
 
 
 def _prefetch_step(fs: StripedFileSystem, root: str, url: str, cache: StepCache,
-                   ranks: list[int], connections: int) -> _Tally:
+                   ranks: list[int], connections: int,
+                   planned: Callable[[int | None], None]) -> _Tally:
     directory = step_dir(root, cache.step)
     path = f"{directory}/{MANIFEST}"
     raw = _store(url, f"reading {path}", fs.cat_file, path)
@@ -546,17 +671,29 @@ def _prefetch_step(fs: StripedFileSystem, root: str, url: str, cache: StepCache,
         _local(cache.put, objects_name(rank), blob)
         tally.fetched(len(blob))
 
-    def data(idx: RankIndex) -> None:
-        if cache.data_ok(idx):
-            tally.cached()
-            return
-        where = f"{directory}/{data_name(idx.rank)}"
-        source = _store(url, f"opening {where}", fs._resolve, fs._norm(where), fs.options)
-        if source.size != idx.data_size:
-            raise CheckpointCorrupt(f"step {cache.step}: {where} holds {source.size} bytes, its "
-                                    f"index says {idx.data_size}", step=cache.step, path=where)
+    def reserve(idx: RankIndex) -> Path | None:
+        """The temporary file a load waits on while the data file is copied; None: the
+        final file is there already (verified in ``data``)."""
+        if (cache.dir / data_name(idx.rank)).exists():
+            return None
         tmp = cache.temp_path(data_name(idx.rank))
+        os.close(_local(create_private, tmp))
+        return tmp
+
+    def data(idx: RankIndex, tmp: Path | None) -> None:
         try:
+            if tmp is None:
+                if cache.data_ok(idx):
+                    tally.cached()
+                    return
+                tmp = cache.temp_path(data_name(idx.rank))
+                os.close(_local(create_private, tmp))
+            where = f"{directory}/{data_name(idx.rank)}"
+            source = _store(url, f"opening {where}", fs._resolve, fs._norm(where), fs.options)
+            if source.size != idx.data_size:
+                raise CheckpointCorrupt(f"step {cache.step}: {where} holds {source.size} bytes, "
+                                        f"its index says {idx.data_size}", step=cache.step,
+                                        path=where)
             _download(url, where, source, tmp, connections)
             problem = _local(_check_data_file, tmp, idx)
             if problem is not None:
@@ -564,15 +701,26 @@ def _prefetch_step(fs: StripedFileSystem, root: str, url: str, cache: StepCache,
                                         step=cache.step, path=where)
             _local(os.replace, tmp, cache.dir / data_name(idx.rank))
         finally:
-            tmp.unlink(missing_ok=True)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)  # a waiting load reads the store
         tally.fetched(idx.data_size)
 
     world = manifest.world_size
     with ThreadPoolExecutor(min(16, max(1, world)), thread_name_prefix="ckpt-prefetch") as pool:
         indexes = list(pool.map(index, range(world)))
         data_ranks, object_ranks = files_for_ranks(indexes, ranks)
-        work = [pool.submit(objects, r, indexes[r]) for r in sorted(object_ranks)]
-        work += [pool.submit(data, indexes[r]) for r in sorted(data_ranks)]
+        for future in [pool.submit(objects, r, indexes[r]) for r in sorted(object_ranks)]:
+            future.result()  # small, and a load reads them first: before the load may start
+        temps: dict[int, Path | None] = {}
+        try:
+            for r in sorted(data_ranks):
+                temps[r] = reserve(indexes[r])
+            planned(cache.step)
+            work = [pool.submit(data, indexes[r], temps.pop(r)) for r in sorted(data_ranks)]
+        finally:
+            for tmp in temps.values():  # not handed to a copy (an error above)
+                if tmp is not None:
+                    tmp.unlink(missing_ok=True)
         for future in work:
             future.result()
     return tally
@@ -589,7 +737,7 @@ def _local(fn: Callable[..., T], *args: Any) -> T:
 def _download(url: str, where: str, source: Any, tmp: Path, connections: int) -> None:
     """The store file into ``tmp``, stripes in parallel (each verified by striped_fs)."""
     try:
-        fd = create_private(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # made by ``reserve``
         os.ftruncate(fd, source.size)
     except OSError as exc:
         raise _CacheWriteError(exc) from exc

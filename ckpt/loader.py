@@ -60,6 +60,7 @@ class LoadReport:
     mismatched: list[str] = field(default_factory=list)
     cached_files: int = 0  # files read from the node-local cache (ckpt.cache), not the store
     cached_bytes: int = 0
+    cache_wait_s: float = 0.0  # waited for a prefetch still copying a needed file
     # newer committed steps skipped because some rank could not load them: "step N: rank R:
     # what was wrong (naming the file)"; every rank gets the same list
     skipped: list[str] = field(default_factory=list)
@@ -560,6 +561,7 @@ def _load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
             report.loaded.append(key)
     if view.cache is not None:
         report.cached_files, report.cached_bytes = view.cache.files, view.cache.bytes
+        report.cache_wait_s = view.cache.waited_s
     report.seconds = time.perf_counter() - started
     return report
 

@@ -118,6 +118,7 @@ class CheckpointManager:
                  commit_timeout_s: float = 1800.0, trust_objects: bool = False,
                  attempt: str | None = None,
                  cache_dir: str | os.PathLike | bool | None = None,
+                 cache_writes: bool = True,
                  process_group: Any = None, memory: Any = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
@@ -137,6 +138,9 @@ class CheckpointManager:
         self.trust_objects = trust_objects
         # Node-local cache filled by prefetch_latest (docs/ckpt.md); None: $BOOTSEER_CKPT_CACHE.
         self.cache = open_cache(cache_dir, url)
+        # Saves write this rank's files into that cache too: an in-place restart on this
+        # node then only verifies them (docs/ckpt.md#the-node-local-cache).
+        self.cache_writes = cache_writes
         self._pool = StagingPool()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-persist-r{rank}")
         self._pending: SaveHandle | None = None
@@ -193,7 +197,7 @@ class CheckpointManager:
         future = self._executor.submit(
             persist, self.fs, self.root, staged, rank=self.rank, world_size=self.world_size,
             commit_timeout_s=self.commit_timeout_s, keep=self.keep, protected=self._loading,
-            attempt=self.attempt)
+            attempt=self.attempt, cache=self.cache if self.cache_writes else None)
         handle = self._pending = SaveHandle(step, future, staged.stage_s)
         if block:
             self._flush()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from striped_fs import StripedFileSystem
 
+from .cache import NodeCache
 from .errors import CheckpointSaveError
 from .layout import (
     MANIFEST,
@@ -53,7 +54,11 @@ def chunk_crcs(staged: StagedSave) -> None:
 
 def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
             world_size: int, commit_timeout_s: float, keep: int | None,
-            protected: set[int], attempt: str = "") -> SaveResult:
+            protected: set[int], attempt: str = "",
+            cache: NodeCache | None = None) -> SaveResult:
+    """Write this rank's files, report them durable, commit on rank 0. With ``cache`` (the
+    node's checkpoint cache) the rank's files are also written there, so that an in-place
+    restart on this node does not fetch what it just saved."""
     started = time.perf_counter()
     directory = step_dir(root, staged.step)
     fs.makedirs(directory, exist_ok=True)
@@ -73,7 +78,8 @@ def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
         objects_size=len(staged.objects_blob),
         objects_crc32=zlib.crc32(staged.objects_blob) if staged.objects_blob else 0,
         attempt=attempt, containers=staged.containers, key_style=staged.key_style)
-    fs.pipe_file(own_index, index.to_json())  # "my shard is durable"
+    index_blob = index.to_json()
+    fs.pipe_file(own_index, index_blob)  # "my shard is durable"
     written = staged.data_size + len(staged.objects_blob)
     committed = False
     if rank == 0:
@@ -81,8 +87,20 @@ def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
         committed = True
         if keep is not None:
             apply_retention(fs, root, keep, protected)
+    if cache is not None:  # after the commit: the local copy never delays it
+        cache.remember_source_quietly()
+        step_cache = cache.step(staged.step)
+        if step_cache.put_saved(rank, memoryview(staged.buffer.numpy()).cast("B"),
+                                staged.objects_blob, index_blob):
+            cache.drop_steps_before(_previous_step(cache, staged.step))
     return SaveResult(staged.step, rank, written, staged.stage_s,
                       time.perf_counter() - started, committed)
+
+
+def _previous_step(cache: NodeCache, step: int) -> int:
+    """The newest cached step before ``step`` (kept: it may be the newest committed one)."""
+    older = [s for s in cache.steps() if s < step]
+    return older[-1] if older else step
 
 
 def withdraw(fs: StripedFileSystem, directory: str, own_index: str, step: int) -> dict[int, int]:

@@ -216,6 +216,23 @@ def main(argv: list[str]) -> int:
             "cache": os.environ.get("BOOTSEER_CKPT_CACHE"), "step": state["step"],
             "sum": float(state["w"].sum()), "cached_files": report.cached_files}))
         return 0
+    if scenario == "ckpt-save-crash-load":  # url, out-file: attempt 0 saves and dies,
+        import torch  # attempt 1 resumes (an in-place restart)
+
+        from ckpt import CheckpointManager
+
+        with CheckpointManager(args[0]) as mgr:  # the cache comes from $BOOTSEER_CKPT_CACHE
+            if os.environ.get("BOOTSEER_ATTEMPT") == "0":
+                mgr.save(3, {"w": torch.arange(250_000, dtype=torch.float32), "step": 3},
+                         block=True)
+                os._exit(1)  # a crash right after a commit
+            state = {"w": torch.zeros(250_000), "step": -1}
+            report = mgr.load_with_report(state)
+        Path(args[1]).write_text(json.dumps({
+            "step": state["step"], "equal": bool(torch.equal(
+                state["w"], torch.arange(250_000, dtype=torch.float32))),
+            "cached_files": report.cached_files, "cached_bytes": report.cached_bytes}))
+        return 0
     raise SystemExit(f"unknown scenario {scenario}")
 
 

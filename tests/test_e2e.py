@@ -38,6 +38,11 @@ def test_a_killed_rank_resumes_bit_identical_in_place_and_on_a_fresh_node(
     assert fresh["detail"]["checkpoint_prefetch"]["step"] == fresh["loaded_step"]
     assert fresh["detail"]["checkpoint_prefetch"]["bytes"] > 0
     assert fresh["load_cached_bytes"] > 0
+    # In place, the saves had written their files into the node cache too: the restart does
+    # not fetch the checkpoint again (only the commit record, unless a rank died before its
+    # local copy was written; test_early_start.py asserts the exact bytes).
+    assert inplace["detail"]["checkpoint_prefetch"]["bytes"] < \
+        fresh["detail"]["checkpoint_prefetch"]["bytes"]
     # The fresh node's snapshotter found the profile the first start recorded.
     assert fresh["prefetch_log"]
 

@@ -1,7 +1,8 @@
 """``bootseer run [config flags] -- CMD...``: the container entrypoint wrapper.
 
-The startup phases (environment, checkpoint prefetch) run concurrently, CMD starts when both
-are done and is supervised (signals forwarded, zombies reaped, exit code propagated,
+The startup phases (environment, checkpoint prefetch) run concurrently, CMD starts when the
+environment is ready and the prefetch has planned its copy (the load waits for each file it
+needs) and is supervised (signals forwarded, zombies reaped, exit code propagated,
 restarts after a crash or a hang), and every step goes to the startup trace. The parts:
 :mod:`bootseer.startup` (the phases), :mod:`bootseer.supervise` (the process), the client in
 :mod:`bootseer.client`; this module only turns the configuration into them.
@@ -29,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "run", help="the container entrypoint: startup phases, then CMD, supervised",
         usage="bootseer run [--config FILE] [configuration flags] -- CMD [ARGS...]",
         description="Prepare the environment and prefetch the latest checkpoint for this "
-                    "node's ranks (concurrently), then run CMD: signals forwarded, zombies "
+                    "node's ranks (concurrently), then run CMD as soon as the environment is "
+                    "ready (its load waits for the files still being copied): signals forwarded, zombies "
                     "reaped, its exit code returned, restarted after a crash or a hang, and "
                     "every phase in the startup trace.",
         epilog="example: bootseer run --config /etc/bootseer.toml -- torchrun "
