@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from bootseer.colltrace.analyze import Analyzer
+from bootseer.colltrace.flight import snapshot
 from bootseer.colltrace.reader import Watch, read_verdicts
 from bootseer.colltrace.ring import OP_CODE, Ring, read_ring, read_rings
 from bootseer.testing.colltrace_job import Trial
@@ -68,7 +69,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     base = tmp_path_factory.mktemp("colltrace")
     out: dict[str, dict] = {}
     clean = Trial("fsdp", str(base / "clean" / "rings"), world=2,
-                  extra=["--steps", "10", "--ckpt", str(base / "clean" / "ckpt")])
+                  extra=["--steps", "10", "--ckpt", str(base / "clean" / "ckpt")],
+                  env={"TORCH_FR_BUFFER_SIZE": "1000"})
     trials = {f: Trial(f, str(base / f / "rings"), world=3, rank=r, at=20)
               for f, r in FAULTS.items()}
     watches = {f: Watch(base / f / "rings", trace_dir=base / f / "trace",
@@ -141,6 +143,14 @@ def test_records_fsdp2_and_dcp_collectives(jobs: dict) -> None:
     assert {"gather", "scatter", "broadcast"} <= set(after), after
     # reduce_scatter on gloo has no future: its completion comes from the wrapped wait()
     assert all(o.t_done is not None and not o.failed for o in scatters)
+    # the Flight Recorder saw the same ops under the same sequence numbers (gloo's names:
+    # all_gather for all_gather_single, all_reduce for reduce_scatter), all completed
+    fr_file = next((job["dir"] / "rings").glob("fr-rank0-*.json"))
+    fr = snapshot(json.loads(fr_file.read_text()), 0)
+    fr_ops = [o for o in fr.ops if o.group == default[0]]
+    assert [o.seq for o in fr_ops] == [o.seq for o in by_rank[0]]
+    assert [o.numel for o in fr_ops if o.op == "all_gather"][:4] == [o.numel for o in gathers]
+    assert all(o.t_done is not None for o in fr_ops)
 
 
 def _first(jobs: dict, fault: str):

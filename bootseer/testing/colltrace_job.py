@@ -12,7 +12,8 @@ all_reduces (groups ``grp-a`` then ``grp-b``). At step ``--at`` rank ``--rank`` 
 * ``mismatch``: all_reduces 8 elements where the others reduce 4;
 * ``deadlock``: grp-b's all_reduce before grp-a's (the others: a, then b);
 * ``fsdp``: no fault: after the steps, one FSDP2 step of a tiny model and a DCP save to
-  ``--ckpt``;
+  ``--ckpt`` (and the Flight Recorder's buffer into the ring directory when
+  ``TORCH_FR_BUFFER_SIZE`` is set);
 * ``none``: no fault.
 
 Each rank prints ``injected <fault> rank <r> at <time>`` when it injects; the job runs
@@ -67,8 +68,11 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
     t = torch.ones(4)
     me = rank == args.rank
     times: list[float] = []
+    cpu0 = 0.0
     for step in range(args.steps):
         times.append(time.perf_counter())
+        if step == 5:
+            cpu0 = time.process_time()  # every thread of the process: gloo's too
         _compute(args.work_ms)
         if step == args.at and me:
             if args.fault == "sleep":
@@ -98,10 +102,15 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
         dist.all_reduce(t, group=b)
     if rank == 0 and len(times) > 6:
         steps = [b - a for a, b in zip(times[5:], times[6:], strict=False)]
+        cpu = (time.process_time() - cpu0) / (len(times) - 5)
         print(f"iter_ms {1000 * sorted(steps)[len(steps) // 2]:.4f} mean "
-              f"{1000 * sum(steps) / len(steps):.4f}", flush=True)
+              f"{1000 * sum(steps) / len(steps):.4f} cpu_ms {1000 * cpu:.4f}", flush=True)
     if args.fault == "fsdp":
         _fsdp(args, rank)
+        if os.environ.get("TORCH_FR_BUFFER_SIZE"):  # the Flight Recorder's view, beside
+            from bootseer.colltrace.flight import write_dump
+
+            write_dump(args.dir, rank)
     dist.destroy_process_group()
 
 
@@ -127,7 +136,7 @@ class Trial:
 
     def __init__(self, fault: str, directory: str, *, world: int = 3, rank: int = 1,
                  at: int = 20, port: int | None = None, work_ms: float = 20.0,
-                 extra: list[str] | None = None) -> None:
+                 extra: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         import subprocess
 
         self.fault, self.rank, self.directory = fault, rank, directory
@@ -136,7 +145,8 @@ class Trial:
                "--port", str(self.port), "--dir", directory, "--fault", fault, "--rank",
                str(rank), "--at", str(at), "--work-ms", str(work_ms), *(extra or [])]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
+                                     text=True, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
         self.injected: float | None = None
         self.output: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
