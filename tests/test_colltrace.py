@@ -71,7 +71,11 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     clean = Trial("fsdp", str(base / "clean" / "rings"), world=2,
                   extra=["--steps", "10", "--ckpt", str(base / "clean" / "ckpt")],
                   env={"TORCH_FR_BUFFER_SIZE": "1000"})
-    trials = {f: Trial(f, str(base / f / "rings"), world=3, rank=r, at=20)
+    # the sleeping rank's stack: its bootseer.client handler dumps into the trace dir
+    dumps = {"BOOTSEER_CONTROL_DIR": str(base / "sleep" / "control"),
+             "BOOTSEER_TRACE_DIR": str(base / "sleep" / "trace")}
+    trials = {f: Trial(f, str(base / f / "rings"), world=3, rank=r, at=20,
+                       env=dumps if f == "sleep" else None)
               for f, r in FAULTS.items()}
     watches = {f: Watch(base / f / "rings", trace_dir=base / f / "trace",
                         log=lambda line: None) for f in FAULTS}
@@ -167,6 +171,10 @@ def test_sleeping_rank_never_issued(jobs: dict) -> None:
     assert f.line.startswith("rank 2 (") and "never issued all_reduce #21 in group grp-a; " \
         "2 ranks wait in it since" in f.line
     assert sorted(f.evidence["waiting"]) == [0, 1]
+    # its stack, asked by SIGUSR1 and read from the robust dump: the sleep in rank_main
+    stack = f.evidence["stacks"]["2"]
+    assert "colltrace_job.py" in stack.splitlines()[0] and "rank_main" in stack.splitlines()[0]
+    assert "; stack: File " in f.line
     # written into the trace, with the grid of ranks x groups
     verdicts, grids = read_verdicts([jobs["sleep"]["dir"] / "trace"])
     assert verdicts[0]["line"] == f.line and verdicts[0]["ranks"] == [2]

@@ -58,6 +58,8 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
     import bootseer.colltrace as colltrace
 
     os.environ["RANK"] = str(rank)
+    if os.environ.get("BOOTSEER_CONTROL_DIR"):  # under bootseer run: the SIGUSR1 stack dump
+        import bootseer.client  # noqa: F401
     if args.trace:
         colltrace.enable(args.dir, capacity=args.capacity)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
