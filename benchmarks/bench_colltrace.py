@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import command_line, md_table, source_state  # noqa: E402
+from _common import command_line, md_table, sigterm_as_interrupt, source_state  # noqa: E402
 
 TARGET_OVERHEAD = 0.01
 TARGET_S = 15.0
@@ -243,4 +243,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_interrupt():  # a stopped run still removes its work directory
+        sys.exit(main())
