@@ -179,12 +179,13 @@ def test_sleeping_rank_never_issued(jobs: dict) -> None:
     verdicts, grids = read_verdicts([jobs["sleep"]["dir"] / "trace"])
     assert verdicts[0]["line"] == f.line and verdicts[0]["ranks"] == [2]
     assert grids[-1]["grid"]["grp-a"]["2"] == "root"
-    assert {grids[-1]["grid"]["grp-a"][r] for r in ("0", "1")} == {"stuck"}
+    assert {grids[-1]["grid"]["grp-a"][r] for r in ("0", "1")} <= {"stuck", "in_op"}
 
 
 def test_rank_killed_in_a_collective(jobs: dict) -> None:
     f = _first(jobs, "kill")
-    assert (f.kind, f.ranks, f.op, f.seq) == ("died", (1,), "all_reduce", 21)
+    assert (f.kind, f.ranks, f.op, f.seq) == ("died", (1,), "all_reduce", 21), (f.line,
+                                                                              f.evidence)
     assert "rank 1 (" in f.line and "died in all_reduce #21 in group grp-a" in f.line
     # the SIGKILLed rank's ring is still readable: its op issued, never completed
     ops = {s.rank: s.ops for s in read_rings(jobs["kill"]["dir"] / "rings")}
@@ -213,12 +214,12 @@ def test_slowed_rank_named(tmp_path: Path) -> None:
     trial = Trial("slow", str(tmp_path / "rings"), world=3, rank=1, at=60)
     watch = Watch(tmp_path / "rings", log=lambda line: None)
     try:
-        found = trial.watch(watch, WAIT_S, until=lambda f: f.kind == "slow")
+        found = trial.watch(watch, WAIT_S, until=lambda f: f.kind == "slow" and f.ranks)
     finally:
         trial.stop()
         watch.close()
     assert trial.injected is not None, "\n".join(trial.output)
-    slow = [f for f in found if f.kind == "slow"]
+    slow = [f for f in found if f.kind == "slow" and f.ranks]
     assert slow and slow[0].ranks == (1,), [f.line for f in found]
     assert slow[0].evidence["interval_s"] > 2 * slow[0].evidence["baseline_interval_s"] or \
         slow[0].evidence["bytes_per_s"] < slow[0].evidence["baseline_bytes_per_s"] / 2

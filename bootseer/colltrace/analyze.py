@@ -143,8 +143,10 @@ class Analyzer:
             new += self._mismatches(view, by_rank, now)
             new += self._stragglers(view, by_rank, now)
         new += self._stuck(views, by_rank, now)
-        for view in views.values():
-            new += self._slowdown(view, by_rank, now)
+        slow = [f for view in views.values() for f in self._slowdown(view, by_rank, now)]
+        if any(f.ranks for f in slow):  # a group slowed by a rank slows the groups after it:
+            slow = [f for f in slow if f.ranks]  # those issue together, the cause is named
+        new += slow
         for f in new:
             for r in f.ranks:
                 for g in ([f.group] if f.group in self.grid else []):
@@ -215,7 +217,12 @@ class Analyzer:
                 continue
             count = Counter(sigs.values())
             (major, n_major), *rest = count.most_common()
-            if rest and rest[0][1] == n_major:  # a tie: nobody is the odd one out
+            tie = bool(rest) and rest[0][1] == n_major
+            everyone = len(sigs) == len(view.members)
+            if not everyone and (tie or now - min(view.ops[r][seq].t_issue for r in sigs)
+                                 < 2 * self.straggler_s):
+                continue  # wait for the others: the one still to come may break the tie
+            if tie:  # everyone issued it and no side is the odd one out: all named
                 odd = tuple(sorted(sigs))
             else:
                 odd = tuple(sorted(r for r, s in sigs.items() if s != major))

@@ -11,10 +11,13 @@ the class once catches every group; a function-level patch would miss the caller
 redistribute, tensor parallelism, compiled graphs), which call the C++ process group without
 passing through Python.
 
-Completion: the work's future (``add_done_callback``, run by the backend's thread when the op
-finishes or fails). Works without a future (gloo's ``send``/``recv`` and
-``reduce_scatter_single``) are returned wrapped in a thin :class:`_TracedWork` whose
-``wait()`` records the completion.
+Completion: a synchronous op (``opts.asyncOp`` false: torch waits on it at once) and a work
+without a future (gloo's ``send``/``recv`` and ``reduce_scatter_single``) are returned wrapped
+in a thin :class:`_TracedWork` whose ``wait()`` records the completion on the caller's thread;
+an asynchronous op's completion comes from its future (``add_done_callback``, run by the
+backend's thread when the op finishes or fails), so an op that nobody waits on yet still
+shows as completed. Measured: a future's callback costs a GIL hand-off between threads per op
+(docs/benchmarks.md).
 
 Off (never enabled, or :func:`disable`) the class is untouched: no cost at all.
 """
@@ -153,7 +156,10 @@ class Recorder:
             if work is None:  # a blocking call (monitored_barrier): done on return
                 ring.complete(off, n, now())
                 return work
-            if p2p:
+            if p2p or getattr(args[-1] if args else None, "asyncOp", True) is False:
+                # p2p, or a synchronous op (torch waits on it at once, on this thread): the
+                # completion is recorded by wait(), with no hand-off of the GIL to the
+                # backend's thread that a future's callback would cost
                 return _traced_work(work, ring, off, n)
             try:
                 work.get_future().add_done_callback(partial(_done, ring, off, n))

@@ -7,8 +7,8 @@ all_reduces (groups ``grp-a`` then ``grp-b``). At step ``--at`` rank ``--rank`` 
 
 * ``sleep``: sleeps ``--hold`` seconds before grp-a's all_reduce (never issues it meanwhile);
 * ``slow``: from then on two threads spin beside the training thread (a CPU hog in its process);
-* ``kill``: issues grp-a's all_reduce and is SIGKILLed in it (the others issue theirs 1 s
-  later);
+* ``kill``: issues grp-a's all_reduce (asynchronously) and SIGKILLs itself while it is in
+  flight (the others issue theirs 1 s later);
 * ``mismatch``: all_reduces 8 elements where the others reduce 4;
 * ``deadlock``: grp-b's all_reduce before grp-a's (the others: a, then b);
 * ``fsdp``: no fault: after the steps, one FSDP2 step of a tiny model and a DCP save to
@@ -86,9 +86,10 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
                 for _ in range(2):
                     threading.Thread(target=_hog, daemon=True).start()
                 _say(args, rank)
-            elif args.fault == "kill":
-                threading.Timer(0.3, lambda: (_say(args, rank),
-                                              os.kill(os.getpid(), signal.SIGKILL))).start()
+            elif args.fault == "kill":  # the others are 1 s late: it cannot complete
+                dist.all_reduce(t, group=a, async_op=True)
+                _say(args, rank)
+                os.kill(os.getpid(), signal.SIGKILL)
             elif args.fault == "mismatch":
                 _say(args, rank)
                 dist.all_reduce(torch.ones(8), group=a)
