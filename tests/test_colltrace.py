@@ -261,3 +261,27 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_agent_hang_event_carries_the_tracer_verdict(jobs: dict, tmp_path: Path) -> None:
+    """The agent's hang event (heartbeats silent past the threshold) holds the verdict lines
+    of the rings it reads in the same watch loop: here the sleeping job's rings, kept after
+    the job (the sleeping rank's process is gone by now, which the line says)."""
+    import shutil
+    import time as clock
+
+    from bootseer.robust.agent import Agent
+    from bootseer.robust.detect import Beat, HangDetector
+
+    shutil.copytree(jobs["sleep"]["dir"] / "rings", tmp_path / "rings" / "attempt-0")
+    watch = Watch(tmp_path / "rings", log=lambda line: None)
+    agent = Agent(None, "node-h", hang=HangDetector(1.0), colltrace=watch,
+                  log=lambda line: None)
+    agent.start_attempt(0)
+    now = clock.time()
+    agent.observe(Beat(rank=0, step=20, time=now - 30))
+    event = agent.check_hang(now)
+    assert event is not None and event.kind == "hang"
+    lines = event.evidence["colltrace"]
+    assert any(line.startswith("rank 2 (") and "never issued all_reduce #21 in group grp-a"
+               in line for line in lines), lines
