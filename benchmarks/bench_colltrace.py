@@ -17,8 +17,8 @@
   rank), wrong (any verdict of the trial names another), within 15 s; verdicts naming no rank
   before it (a slowdown seen as "transport") are kept in the JSON. Targets: named within 15 s in >= 90% of trials,
   no wrong rank.
-* not run: one node's link slowed (tc) needs the cluster fixture (``--cluster``); reported
-  as not run.
+* with ``--cluster`` (root, tc): one node's link slowed under a 2-node x 2-rank torchrun job
+  on the cluster fixture (``--only-cluster``: that alone, into ``colltrace-link.json``).
 """
 
 from __future__ import annotations
@@ -176,6 +176,63 @@ def faults(work: Path, trials: int, timeout_s: float,
     return results
 
 
+def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
+    """One node's link slowed (tc) under a 2-node x 2-rank torchrun job on the cluster
+    fixture: the rings of both nodes in one directory (the nodes share the host's files), read
+    by one Watch; injection = the moment ``slow_link`` returns."""
+    from bootseer.colltrace.reader import Watch
+    from bootseer.colltrace.ring import read_rings
+    from bootseer.testing.cluster import Cluster, Link
+
+    rows = []
+    for i in range(trials):
+        rings = work / f"link-{i}"
+        rings.mkdir(parents=True)
+        with Cluster(2, link=Link(rate="200mbit"), services=("rendezvous",),
+                     workdir=work) as c:
+            job = ["-m", "bootseer.testing.colltrace_job", "--torchrun", "--dir", str(rings),
+                   "--numel", "262144", "--work-ms", "20", "--steps", "100000"]
+            procs = [n.popen(n.torchrun(job, nnodes=2, nproc_per_node=2, max_restarts=0),
+                             env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                     for n in c.nodes]
+            watch = Watch(rings, log=lambda line: None)
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:  # a baseline first: 80 ops in every group
+                snaps = read_rings(rings)
+                if len(snaps) == 4 and min(len(s.ops) for s in snaps) >= 170:
+                    break
+                time.sleep(1)
+            watch.poll(force=True)
+            c.slow_link(1, rate="20mbit")
+            injected = time.time()
+            found: list[Any] = []
+            end = time.monotonic() + timeout_s
+            while time.monotonic() < end and not found:
+                found += watch.poll(force=True)
+                time.sleep(0.25)
+            watch.close()
+            for proc in procs:
+                proc.kill()
+        node1 = {s.rank for s in read_rings(rings) if s.node == "node1"}
+        first = found[0] if found else None
+        row = {"verdict_s": None if first is None else round(first.time - injected, 3),
+               "kind": first.kind if first else None, "line": first.line if first else None,
+               "named": bool(first and first.ranks and set(first.ranks) <= node1),
+               "wrong": sorted({r for f in found for r in f.ranks} - node1),
+               "node1_ranks": sorted(node1)}
+        rows.append(row)
+        log(f"link trial {i}: {row['verdict_s']} s: {row['line']}")
+        shutil.rmtree(rings, ignore_errors=True)
+    times = [r["verdict_s"] for r in rows if r["verdict_s"] is not None]
+    return {"trials": rows, "p50_s": _pct(times, 50), "p90_s": _pct(times, 90),
+            "named": sum(r["named"] for r in rows), "n": len(rows),
+            "wrong": sum(bool(r["wrong"]) for r in rows),
+            "within_target": sum(1 for r in rows if r["named"] and r["verdict_s"] is not None
+                                 and r["verdict_s"] <= TARGET_S) / max(1, len(rows)),
+            "detected": sum(r["verdict_s"] is not None for r in rows)}
+
+
 def _pct(values: list[float], q: int) -> float | None:
     if not values:
         return None
@@ -205,30 +262,45 @@ def main(argv: list[str] | None = None) -> int:
                    help="a smoke run: 1 trial of sleep and kill, one short overhead pair")
     p.add_argument("--trials", type=int, default=None, help="trials per fault (default 10)")
     p.add_argument("--cluster", action="store_true",
-                   help="also the slowed-link fault on the cluster fixture (not built yet)")
+                   help="also the slowed-link fault on the cluster fixture (root, tc)")
+    p.add_argument("--only-cluster", action="store_true",
+                   help="only the slowed-link fault (its results: colltrace-link.json/.md)")
     args = p.parse_args(argv)
     trials = args.trials or (1 if args.quick else 10)
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-colltrace-"))
+    if args.only_cluster:
+        try:
+            link = cluster_link(work, trials, timeout_s=60.0)
+        finally:
+            if work.name.startswith("bench-colltrace-"):
+                shutil.rmtree(work, ignore_errors=True)
+        (results / "colltrace-link.json").write_text(json.dumps(
+            {"command": command_line("bench_colltrace.py"), "load": _load(), "link": link},
+            indent=2))
+        print(json.dumps({k: v for k, v in link.items() if k != "trials"}))
+        return 0
     load_before = _load()
     started = time.time()
     try:
         log(f"load {load_before}; micro cost per op")
         m = micro(work, repeats=3 if args.quick else 11, per_block=300 if args.quick else 2000)
         log(f"per op: {m['op_us_untraced']:.1f} us untraced, {m['op_us_traced']:.1f} us traced")
-        o = overhead(work, repeats=1 if args.quick else 4, steps=60 if args.quick else 300)
+        o = overhead(work, repeats=1 if args.quick else 3, steps=60 if args.quick else 150)
         log(f"overhead: {o['overhead'] * 100:+.2f}% ({o['iter_ms_off']:.3f} -> "
             f"{o['iter_ms_on']:.3f} ms per step)")
         f = faults(work, trials, timeout_s=60.0,
                    which=("sleep", "kill") if args.quick else FAULTS)
+        if args.cluster:
+            f["link"] = cluster_link(work, trials, timeout_s=60.0)
     finally:
         if work.name.startswith("bench-colltrace-"):
             shutil.rmtree(work, ignore_errors=True)
     doc = {"command": command_line("bench_colltrace.py"), "quick": args.quick,
            "load_before": load_before, "load_after": _load(),
            "seconds": round(time.time() - started, 1), "micro": m, "overhead": o, "faults": f,
-           "not_run": ["link slowed on one node (needs --cluster: not built)"],
+           "not_run": [] if args.cluster else ["link slowed on one node (needs --cluster)"],
            **source_state(["bootseer/colltrace", "bootseer/testing/colltrace_job.py"])}
     (results / "colltrace.json").write_text(json.dumps(doc, indent=2))
     rows = [[k, str(v["n"]), f"{v['named']}/{v['n']}", str(v["wrong"]),
@@ -250,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{o['ring_bytes']} bytes per rank (fixed by capacity)", "",
           *md_table(["fault", "trials", "named", "wrong", "p50 s", "p90 s",
                      f"named <= {TARGET_S:.0f} s"], rows),
-          "", "not run: " + "; ".join(doc["not_run"])]
+          "", "not run: " + ("; ".join(doc["not_run"]) or "-")]
     (results / "colltrace.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0

@@ -59,17 +59,21 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
 
     import bootseer.colltrace as colltrace
 
-    os.environ["RANK"] = str(rank)
+    os.environ.setdefault("RANK", str(rank))
     if os.environ.get("BOOTSEER_CONTROL_DIR"):  # under bootseer run: the SIGUSR1 stack dump
         import bootseer.client  # noqa: F401
     if args.trace:
         colltrace.enable(args.dir, capacity=args.capacity)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
-                            world_size=args.world)
+    if args.torchrun:  # torchrun's rendezvous gave RANK, WORLD_SIZE and the store
+        dist.init_process_group("gloo")
+        args.world = dist.get_world_size()
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+                                rank=rank, world_size=args.world)
     ranks = list(range(args.world))
     a = dist.new_group(ranks, group_desc="grp-a")
     b = dist.new_group(ranks, group_desc="grp-b")
-    t = torch.ones(4)
+    t = torch.ones(args.numel)
     me = rank == args.rank
     times: list[float] = []
     cpu0 = 0.0
@@ -201,7 +205,10 @@ def _free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=3)
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, default=0, help="the job's store (not with --torchrun)")
+    p.add_argument("--torchrun", action="store_true",
+                   help="one rank per process under torchrun (no fork, no --port)")
+    p.add_argument("--numel", type=int, default=4, help="elements per all_reduce")
     p.add_argument("--dir", required=True, help="ring directory")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--rank", type=int, default=1, help="the rank the fault is injected into")
@@ -213,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt", default="", help="fsdp: the DCP checkpoint directory")
     p.add_argument("--no-trace", dest="trace", action="store_false")
     args = p.parse_args(argv)
+    if args.torchrun:
+        rank_main(args, int(os.environ["RANK"]))
+        return 0
+    if not args.port:
+        p.error("--port is needed (or --torchrun)")
     import torch  # noqa: F401 - once, before the fork: every rank starts warm
     import torch.distributed  # noqa: F401
 
