@@ -8,7 +8,8 @@
   Python objects allocated per traced op (tracemalloc);
 * overhead: iteration time of a 3-rank gloo job (20 ms of Python compute, two all_reduces
   per step) with and without the tracer, alternated, several repeats (target <= 1%), and
-  rank 0's CPU time per step (less swayed by the machine's load than the wall time);
+  rank 0's CPU time per step; and inside one job, blocks of 10 steps traced and untraced in
+  turns (both halves see the same machine load: the figure a loaded machine can give);
 * ring memory: the ring file's size before and after the job (fixed by its capacity);
 * faults (``bootseer.testing.colltrace_job``, 3 ranks on loopback): a rank sleeps before a
   collective, a rank slowed by a CPU hog in its process, a rank SIGKILLed in a collective, a
@@ -128,6 +129,39 @@ def overhead(work: Path, repeats: int, steps: int) -> dict[str, Any]:
             "cpu_ms_off": coff, "cpu_ms_on": con, "cpu_overhead": (con - coff) / coff,
             "runs": runs, "cpu_runs": cpu, "ring_bytes": sorted(set(ring_sizes)),
             "steps": steps}
+
+
+def alternating(work: Path, repeats: int, steps: int, block: int) -> dict[str, Any]:
+    """The overhead inside one job: blocks of ``block`` steps traced and untraced in turns
+    (every rank switches at the same step), so both see the same machine load."""
+    rows = []
+    for i in range(repeats):
+        cmd = [sys.executable, "-m", "bootseer.testing.colltrace_job", "--world", "3",
+               "--port", str(_port()), "--dir", str(work / f"alt-{i}"), "--steps", str(steps),
+               "--alternate", str(block), "--no-trace"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            stdout, _ = proc.communicate(timeout=1200)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        line = next((ln for ln in stdout.splitlines() if ln.startswith("alt_ms")), None)
+        if proc.returncode != 0 or line is None:
+            raise RuntimeError(f"alternating job failed: {stdout[-1000:]}")
+        f = line.split()
+        rows.append({"on_ms": float(f[2]), "off_ms": float(f[4]), "cpu_on_ms": float(f[6]),
+                     "cpu_off_ms": float(f[8])})
+        log(f"alternating {i}: step {rows[-1]['off_ms']:.3f} -> {rows[-1]['on_ms']:.3f} ms, "
+            f"CPU {rows[-1]['cpu_off_ms']:.3f} -> {rows[-1]['cpu_on_ms']:.3f} ms")
+    on = statistics.median(r["on_ms"] for r in rows)
+    off = statistics.median(r["off_ms"] for r in rows)
+    con = statistics.median(r["cpu_on_ms"] for r in rows)
+    coff = statistics.median(r["cpu_off_ms"] for r in rows)
+    return {"runs": rows, "on_ms": on, "off_ms": off, "overhead": (on - off) / off,
+            "cpu_on_ms": con, "cpu_off_ms": coff, "cpu_overhead": (con - coff) / coff,
+            "steps": steps, "block": block}
 
 
 def faults(work: Path, trials: int, timeout_s: float,
@@ -288,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         m = micro(work, repeats=3 if args.quick else 11, per_block=300 if args.quick else 2000)
         log(f"per op: {m['op_us_untraced']:.1f} us untraced, {m['op_us_traced']:.1f} us traced")
         o = overhead(work, repeats=1 if args.quick else 3, steps=60 if args.quick else 150)
+        alt = alternating(work, repeats=1 if args.quick else 3, steps=60 if args.quick else 200,
+                          block=10)
+        log(f"alternating: {alt['overhead'] * 100:+.2f}% step, "
+            f"{alt['cpu_overhead'] * 100:+.2f}% CPU")
         log(f"overhead: {o['overhead'] * 100:+.2f}% ({o['iter_ms_off']:.3f} -> "
             f"{o['iter_ms_on']:.3f} ms per step)")
         f = faults(work, trials, timeout_s=60.0,
@@ -299,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     doc = {"command": command_line("bench_colltrace.py"), "quick": args.quick,
            "load_before": load_before, "load_after": _load(),
-           "seconds": round(time.time() - started, 1), "micro": m, "overhead": o, "faults": f,
+           "seconds": round(time.time() - started, 1), "micro": m, "overhead": o, "alternating": alt, "faults": f,
            "not_run": [] if args.cluster else ["link slowed on one node (needs --cluster)"],
            **source_state(["bootseer/colltrace", "bootseer/testing/colltrace_job.py"])}
     (results / "colltrace.json").write_text(json.dumps(doc, indent=2))
@@ -320,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
           f"time per step {o['cpu_ms_off']:.3f} ms -> {o['cpu_ms_on']:.3f} ms "
           f"({o['cpu_overhead'] * 100:+.2f}%); ring file "
           f"{o['ring_bytes']} bytes per rank (fixed by capacity)", "",
+          f"overhead inside one job (blocks of {alt['block']} steps traced and untraced in "
+          f"turns, {alt['steps']} steps, median of {len(alt['runs'])} jobs): step "
+          f"{alt['off_ms']:.3f} -> {alt['on_ms']:.3f} ms ({alt['overhead'] * 100:+.2f}%), "
+          f"rank 0's CPU {alt['cpu_off_ms']:.3f} -> {alt['cpu_on_ms']:.3f} ms "
+          f"({alt['cpu_overhead'] * 100:+.2f}%)", "",
           *md_table(["fault", "trials", "named", "wrong", "p50 s", "p90 s",
                      f"named <= {TARGET_S:.0f} s"], rows),
           "", "not run: " + ("; ".join(doc["not_run"]) or "-")]

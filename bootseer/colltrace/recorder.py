@@ -115,11 +115,16 @@ class Recorder:
             self._originals[method] = original
             setattr(ProcessGroup, method, self._wrap(original, OP_CODE[op], arg, method in _P2P))
 
-    def uninstall(self) -> None:
+    @property
+    def installed(self) -> bool:
+        return bool(self._originals)
+
+    def uninstall(self, *, close: bool = True) -> None:
+        """Give the methods back; ``close=False`` keeps the ring for a later :meth:`install`."""
         for method, original in self._originals.items():
             setattr(self._pg_class, method, original)
         self._originals.clear()
-        if self.ring is not None:
+        if close and self.ring is not None:
             self.ring.close()
 
     # -- the hot path ----------------------------------------------------------------------

@@ -77,10 +77,22 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
     me = rank == args.rank
     times: list[float] = []
     cpu0 = 0.0
+    if args.alternate:
+        from bootseer.colltrace.recorder import Recorder
+
+        alt = Recorder(args.dir, capacity=args.capacity)
+    per_mode: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     for step in range(args.steps):
         times.append(time.perf_counter())
         if step == 5:
             cpu0 = time.process_time()  # every thread of the process: gloo's too
+        if args.alternate:  # blocks of steps traced and not, in turns, on every rank at once
+            on = (step // args.alternate) % 2 == 0
+            if on and not alt.installed:
+                alt.install()
+            elif not on and alt.installed:
+                alt.uninstall(close=False)  # the same ring when it comes back
+            wall, cpu = time.perf_counter(), time.process_time()
         _compute(args.work_ms)
         if step == args.at and me:
             if args.fault == "sleep":
@@ -109,6 +121,14 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
         t.fill_(1.0)
         dist.all_reduce(t, group=a)
         dist.all_reduce(t, group=b)
+        if args.alternate and step >= 5:
+            per_mode[on].append((time.perf_counter() - wall, time.process_time() - cpu))
+    if rank == 0 and args.alternate:
+        med = {m: [1000 * sorted(x[i] for x in v)[len(v) // 2] for i in (0, 1)]
+               for m, v in per_mode.items() if v}
+        print(f"alt_ms on {med[True][0]:.4f} off {med[False][0]:.4f} cpu_on "
+              f"{med[True][1]:.4f} cpu_off {med[False][1]:.4f} steps "
+              f"{len(per_mode[True])} {len(per_mode[False])}", flush=True)
     if rank == 0 and len(times) > 6:
         steps = [b - a for a, b in zip(times[5:], times[6:], strict=False)]
         cpu = (time.process_time() - cpu0) / (len(times) - 5)
@@ -209,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torchrun", action="store_true",
                    help="one rank per process under torchrun (no fork, no --port)")
     p.add_argument("--numel", type=int, default=4, help="elements per all_reduce")
+    p.add_argument("--alternate", type=int, default=0,
+                   help="trace in blocks of N steps, in turns with N untraced (overhead)")
     p.add_argument("--dir", required=True, help="ring directory")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--rank", type=int, default=1, help="the rank the fault is injected into")
