@@ -126,7 +126,7 @@ class Analyzer:
         self.said: set[tuple[Any, ...]] = set()
         self.findings: list[Finding] = []
         self._baseline: dict[str, tuple[float, float]] = {}  # group -> (interval, bytes/s)
-        self._slow: set[str] = set()  # groups in a slow episode
+        self._slow: dict[str, bool] = {}  # group in a slow episode -> a rank was named
         self._mismatched: dict[str, int] = {}  # group -> the first mismatched sequence
         self.grid: dict[str, dict[int, str]] = {}  # group display -> rank -> state
 
@@ -143,7 +143,8 @@ class Analyzer:
             new += self._mismatches(view, by_rank, now)
             new += self._stragglers(view, by_rank, now)
         new += self._stuck(views, by_rank, now)
-        slow = [f for view in views.values() for f in self._slowdown(view, by_rank, now)]
+        slow = [f for view in views.values()
+                for f in self._slowdown(view, views, by_rank, now)]
         if any(f.ranks for f in slow):  # a group slowed by a rank slows the groups after it:
             slow = [f for f in slow if f.ranks]  # those issue together, the cause is named
         new += slow
@@ -372,13 +373,13 @@ class Analyzer:
             seq, line, now, {"sides": {f"{views[n].display}#{q}": {"waiting": w, "missing": m}
                                        for (n, q), (w, m) in sides.items()}}))
 
-    def _slowdown(self, view: GroupView, by_rank: dict[int, RingSnapshot],
-                  now: float) -> list[Finding]:
+    def _slowdown(self, view: GroupView, views: dict[str, GroupView],
+                  by_rank: dict[int, RingSnapshot], now: float) -> list[Finding]:
         """Interval doubled or throughput halved against the group's baseline; the rank that
-        issues last in most of the slow window's ops is named (a slowed rank), else none."""
-        complete = sorted(s for s in set.intersection(*(set(o) for o in view.ops.values()))
-                          if all(view.ops[r][s].t_done is not None for r in view.ops)) \
-            if view.ops and set(view.ops) >= set(view.members) else []
+        issues last in most of the slow window's ops, in this group or another group of its
+        members (ops right after a slowed rank's op issue together: the lag shows in the
+        first), is named (a slowed rank), else none."""
+        complete = _complete(view)
         if len(complete) < self.warmup_ops + self.baseline_ops:
             return []
         starts = {s: max(view.ops[r][s].t_issue for r in view.ops) for s in complete}
@@ -394,37 +395,66 @@ class Analyzer:
         slow = interval > 2 * interval0 or (tput0 > 0 and tput < tput0 / 2)
         if not slow:
             if interval < 1.5 * interval0:
-                self._slow.discard(view.name)
+                self._slow.pop(view.name, None)
             return []
-        if view.name in self._slow:
-            return []
-        self._slow.add(view.name)
-        last = Counter()
+        if self._slow.get(view.name):
+            return []  # said, with its rank, in this slow episode
+        members = set(view.members)
+        laggers = [(lag, rank, n, window, other) for other in views.values()
+                   if set(other.members) == members
+                   and (got := self._lagger(other)) is not None
+                   for rank, n, lag, window in [got]]
+        lag, rank, n, window, where = max(laggers, key=lambda x: x[0]) if laggers else (
+            0.0, -1, 0, 0, view)
+        # a rank is named only when the ops really come slower (the interval up by half at
+        # least), it issues last in most of a window and its lag explains at least half of
+        # the added time; a throughput drop with the interval kept is the transport's
+        named = (interval > 1.5 * interval0 and n >= 0.6 * window
+                 and lag > 0.5 * (interval - interval0))
+        ev = {"interval_s": round(interval, 4), "baseline_interval_s": round(interval0, 4),
+              "bytes_per_s": round(tput), "baseline_bytes_per_s": round(tput0),
+              "window_ops": len(recent), "lagging": {"rank": rank, "last_in": n,
+                                                     "of": window, "lag_s": round(lag, 4),
+                                                     "group": where.display}}
+        ratio = interval / interval0 if interval0 > 0 else float("inf")
+        op = next(iter(view.ops.values()))[recent[-1]].op
+        said = self._slow.get(view.name)
+        self._slow[view.name] = named
+        if said is not None and not named:
+            return []  # "transport" said already in this episode; a rank may still follow
+        if named:
+            line = (f"{self._where(rank, by_rank)} slows group {view.display}: it issues last "
+                    f"in {n} of the last {window} ops"
+                    + (f" of group {where.display}" if where is not view else "")
+                    + f", {lag * 1e3:.0f} ms after the others; op interval {ratio:.1f}x its "
+                    f"baseline")
+            return [Finding("slow", view.display, (rank,), op, recent[-1], line, now, ev)]
+        line = (f"group {view.display} slowed: op interval {ratio:.1f}x its baseline, ops "
+                f"issued together by all ranks: transport (link) or peer")
+        return [Finding("slow", view.display, (), op, recent[-1], line, now, ev)]
+
+    def _lagger(self, view: GroupView) -> tuple[int, int, float, int] | None:
+        """(rank, ops it issued last in, its median lag behind the next, window) over the
+        group's last complete ops; None before there are any."""
+        recent = _complete(view)[-self.window_ops:]
+        if len(recent) < 2 or len(view.ops) < 2:
+            return None
+        last: Counter[int] = Counter()
         lags: dict[int, list[float]] = defaultdict(list)
         for s in recent:
             times = sorted((view.ops[r][s].t_issue, r) for r in view.ops)
             last[times[-1][1]] += 1
             lags[times[-1][1]].append(times[-1][0] - times[-2][0])
         rank, n = last.most_common(1)[0]
-        lag = statistics.median(lags[rank])
-        # a rank is named only when the ops really come slower (the interval doubled) and its
-        # lag explains at least half of the added time; a throughput drop with the interval
-        # kept is the transport's
-        named = (interval > 2 * interval0 and n >= 0.6 * len(recent)
-                 and lag > 0.5 * (interval - interval0))
-        ev = {"interval_s": round(interval, 4), "baseline_interval_s": round(interval0, 4),
-              "bytes_per_s": round(tput), "baseline_bytes_per_s": round(tput0),
-              "last_issuer": {str(r): c for r, c in last.items()}, "window_ops": len(recent)}
-        ratio = interval / interval0 if interval0 > 0 else float("inf")
-        op = view.ops[rank][recent[-1]].op
-        if named:
-            line = (f"{self._where(rank, by_rank)} slows group {view.display}: it issues last "
-                    f"in {n} of the last {len(recent)} ops, {lag * 1e3:.0f} ms after the "
-                    f"others; op interval {ratio:.1f}x its baseline")
-            return [Finding("slow", view.display, (rank,), op, recent[-1], line, now, ev)]
-        line = (f"group {view.display} slowed: op interval {ratio:.1f}x its baseline, ops "
-                f"issued together by all ranks: transport (link) or peer")
-        return [Finding("slow", view.display, (), op, recent[-1], line, now, ev)]
+        return rank, n, statistics.median(lags[rank]), len(recent)
+
+
+def _complete(view: GroupView) -> list[int]:
+    """The sequence numbers every member issued and completed, in order."""
+    if not view.ops or not set(view.ops) >= set(view.members):
+        return []
+    return sorted(s for s in set.intersection(*(set(o) for o in view.ops.values()))
+                  if all(view.ops[r][s].t_done is not None for r in view.ops))
 
 
 def _rate(seqs: list[int], starts: dict[int, float], nbytes: dict[int, int]

@@ -6,7 +6,7 @@ member on loopback, tracing into ``RINGS``), and runs steps of a little Python c
 all_reduces (groups ``grp-a`` then ``grp-b``). At step ``--at`` rank ``--rank`` does:
 
 * ``sleep``: sleeps ``--hold`` seconds before grp-a's all_reduce (never issues it meanwhile);
-* ``slow``: from then on two threads spin beside the training thread (a CPU hog in its process);
+* ``slow``: from then on four threads spin beside the training thread (a CPU hog in its process);
 * ``kill``: issues grp-a's all_reduce (asynchronously) and SIGKILLs itself while it is in
   flight (the others issue theirs 1 s later);
 * ``mismatch``: all_reduces 8 elements where the others reduce 4;
@@ -99,7 +99,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
                 _say(args, rank)
                 time.sleep(args.hold)
             elif args.fault == "slow":
-                for _ in range(2):
+                for _ in range(4):
                     threading.Thread(target=_hog, daemon=True).start()
                 _say(args, rank)
             elif args.fault == "kill":  # the others are 1 s late: it cannot complete
