@@ -186,7 +186,7 @@ def faults(work: Path, trials: int, timeout_s: float,
                 trial.stop()
                 watch.close()
                 shutil.rmtree(rings, ignore_errors=True)
-            after = [f for f in found if trial.injected is not None]
+            after = found  # passes begun after the injection (earlier: trial.before)
             first = next((f for f in after if f.ranks), None)  # the first verdict naming a rank
             named = [r for f in found for r in f.ranks]
             row = {"rank": rank, "injected": trial.injected,
@@ -195,6 +195,7 @@ def faults(work: Path, trials: int, timeout_s: float,
                    "kind": first.kind if first else None, "line": first.line if first else None,
                    "named": bool(first and rank in first.ranks),
                    "wrong": sorted({r for r in named if r != rank}),
+                   "false_alarms_before": [f.line for f in trial.before],
                    "unnamed_before": [f.line for f in after[:after.index(first)]]
                    if first in after else [f.line for f in after]}
             rows.append(row)

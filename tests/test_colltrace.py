@@ -86,8 +86,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         pending = set(FAULTS)
         while pending and time.monotonic() < deadline:
             for f in sorted(pending):
+                injected = trials[f].injected is not None  # before the pass reads the rings
                 new = watches[f].poll(force=True)
-                (found if trials[f].injected is not None else before)[f].extend(new)
+                (found if injected else before)[f].extend(new)
                 if found[f] or (trials[f].proc.poll() is not None and
                                 trials[f].injected is None):
                     pending.discard(f)
@@ -219,6 +220,7 @@ def test_slowed_rank_named(tmp_path: Path) -> None:
         trial.stop()
         watch.close()
     assert trial.injected is not None, "\n".join(trial.output)
+    assert trial.before == [], [f.line for f in trial.before]  # no alarm before the fault
     slow = [f for f in found if f.kind == "slow" and f.ranks]
     assert slow and slow[0].ranks == (1,), [f.line for f in found]
     assert slow[0].evidence["interval_s"] > 2 * slow[0].evidence["baseline_interval_s"] or \

@@ -8,7 +8,7 @@ all_reduces (groups ``grp-a`` then ``grp-b``). At step ``--at`` rank ``--rank`` 
 * ``sleep``: sleeps ``--hold`` seconds before grp-a's all_reduce (never issues it meanwhile);
 * ``slow``: from then on four threads spin beside the training thread (a CPU hog in its process);
 * ``kill``: issues grp-a's all_reduce (asynchronously) and SIGKILLs itself while it is in
-  flight (the others issue theirs 1 s later);
+  flight (the others issue theirs once it is dead);
 * ``mismatch``: all_reduces 8 elements where the others reduce 4;
 * ``deadlock``: grp-b's all_reduce before grp-a's (the others: a, then b);
 * ``fsdp``: no fault: after the steps, one FSDP2 step of a tiny model and a DCP save to
@@ -47,6 +47,22 @@ def _hog() -> None:
     while True:
         for i in range(1000):
             x += i
+
+
+def _wait_dead(marker: str, timeout_s: float = 120.0) -> None:
+    """Until the rank that wrote ``marker`` (its pid) is dead: its op is in flight, alone."""
+    from bootseer.colltrace.analyze import pid_alive
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(marker) as f:
+                pid = int(f.read() or 0)
+        except (OSError, ValueError):
+            pid = 0
+        if pid and not pid_alive(pid):
+            return
+        time.sleep(0.01)
 
 
 def _say(args: argparse.Namespace, rank: int) -> None:
@@ -102,9 +118,11 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
                 for _ in range(4):
                     threading.Thread(target=_hog, daemon=True).start()
                 _say(args, rank)
-            elif args.fault == "kill":  # the others are 1 s late: it cannot complete
+            elif args.fault == "kill":  # the others issue theirs once it is dead
                 dist.all_reduce(t, group=a, async_op=True)
                 _say(args, rank)
+                with open(os.path.join(args.dir, ".killed"), "w") as f:
+                    f.write(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGKILL)
             elif args.fault == "mismatch":
                 _say(args, rank)
@@ -117,7 +135,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
                 dist.all_reduce(t, group=a)
                 continue
         elif step == args.at and args.fault == "kill":
-            time.sleep(1.0)
+            _wait_dead(os.path.join(args.dir, ".killed"))
         t.fill_(1.0)
         dist.all_reduce(t, group=a)
         dist.all_reduce(t, group=b)
@@ -177,6 +195,7 @@ class Trial:
                                      text=True, start_new_session=True,
                                      env={**os.environ, **(env or {})})
         self.injected: float | None = None
+        self.before: list[object] = []  # findings of passes before the injection: false alarms
         self.output: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -191,11 +210,14 @@ class Trial:
     def watch(self, watch: object, timeout_s: float, *, until: object = None,
               poll_s: float = 0.5) -> list[object]:
         """Poll ``watch`` (a :class:`bootseer.colltrace.reader.Watch`) until a finding after
-        the injection satisfies ``until`` (default: any), the job ends, or the timeout."""
+        the injection satisfies ``until`` (default: any), the job ends, or the timeout. The
+        findings of passes begun after the injection; earlier ones go to :attr:`before`."""
         found: list[object] = []
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            found += watch.poll(force=True)  # type: ignore[attr-defined]
+            injected = self.injected is not None  # before the pass: what it reads is after
+            new = watch.poll(force=True)  # type: ignore[attr-defined]
+            (found if injected else self.before).extend(new)
             if self.injected is not None and any(
                     until(f) if until else True for f in found):  # type: ignore[operator]
                 break
