@@ -322,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"load {load_before}; micro cost per op")
         m = micro(work, repeats=3 if args.quick else 11, per_block=300 if args.quick else 2000)
         log(f"per op: {m['op_us_untraced']:.1f} us untraced, {m['op_us_traced']:.1f} us traced")
-        o = overhead(work, repeats=1 if args.quick else 3, steps=60 if args.quick else 150)
-        alt = alternating(work, repeats=1 if args.quick else 3, steps=60 if args.quick else 200,
+        o = overhead(work, repeats=1 if args.quick else 3, steps=30 if args.quick else 150)
+        alt = alternating(work, repeats=1 if args.quick else 3, steps=40 if args.quick else 200,
                           block=10)
         log(f"alternating: {alt['overhead'] * 100:+.2f}% step, "
             f"{alt['cpu_overhead'] * 100:+.2f}% CPU")
