@@ -343,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
            **source_state(["bootseer/colltrace", "bootseer/testing/colltrace_job.py"])}
     (results / "colltrace.json").write_text(json.dumps(doc, indent=2))
     rows = [[k, str(v["n"]), f"{v['named']}/{v['n']}", str(v["wrong"]),
-             "-" if v["p50_s"] is None else f"{v['p50_s']:.2f}",
-             "-" if v["p90_s"] is None else f"{v['p90_s']:.2f}",
+             "-" if v["p50_s"] is None else f"{v['p50_s']:.2f} s",
+             "-" if v["p90_s"] is None else f"{v['p90_s']:.2f} s",
              f"{v['within_target'] * 100:.0f}%"] for k, v in f.items()]
     md = [f"# colltrace ({'quick' if args.quick else 'full'})", "",
           f"command: `{doc['command']}`; load {load_before} -> {doc['load_after']}", "",
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{alt['off_ms']:.3f} -> {alt['on_ms']:.3f} ms ({alt['overhead'] * 100:+.2f}%), "
           f"rank 0's CPU {alt['cpu_off_ms']:.3f} -> {alt['cpu_on_ms']:.3f} ms "
           f"({alt['cpu_overhead'] * 100:+.2f}%)", "",
-          *md_table(["fault", "trials", "named", "wrong", "p50 s", "p90 s",
+          *md_table(["fault", "trials", "named", "wrong", "p50", "p90",
                      f"named <= {TARGET_S:.0f} s"], rows),
           "", "not run: " + ("; ".join(doc["not_run"]) or "-")]
     (results / "colltrace.md").write_text("\n".join(md) + "\n")
