@@ -49,6 +49,13 @@ def _hog() -> None:
             x += i
 
 
+def _ring_dir(args: argparse.Namespace) -> str:
+    """The job's ring directory (``--dir``, else the one ``bootseer run`` hands over)."""
+    import bootseer.colltrace as colltrace
+
+    return args.dir or os.environ.get(colltrace.DIR_ENV) or str(colltrace.default_dir())
+
+
 def _wait_dead(marker: str, timeout_s: float = 120.0) -> None:
     """Until the rank that wrote ``marker`` (its pid) is dead: its op is in flight, alone."""
     from bootseer.colltrace.analyze import pid_alive
@@ -121,7 +128,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
             elif args.fault == "kill":  # the others issue theirs once it is dead
                 dist.all_reduce(t, group=a, async_op=True)
                 _say(args, rank)
-                with open(os.path.join(args.dir, ".killed"), "w") as f:
+                with open(os.path.join(_ring_dir(args), ".killed"), "w") as f:
                     f.write(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGKILL)
             elif args.fault == "mismatch":
@@ -135,7 +142,7 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
                 dist.all_reduce(t, group=a)
                 continue
         elif step == args.at and args.fault == "kill":
-            _wait_dead(os.path.join(args.dir, ".killed"))
+            _wait_dead(os.path.join(_ring_dir(args), ".killed"))
         t.fill_(1.0)
         dist.all_reduce(t, group=a)
         dist.all_reduce(t, group=b)
