@@ -103,7 +103,7 @@ def overhead(work: Path, repeats: int, steps: int) -> dict[str, Any]:
         for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
             rings = work / f"ovh-{i}-{mode}"
             cmd = [sys.executable, "-m", "bootseer.testing.colltrace_job", "--world", "3",
-                   "--port", str(_port()), "--dir", str(rings), "--steps", str(steps),
+                   "--dir", str(rings), "--steps", str(steps),
                    *(["--no-trace"] if mode == "off" else [])]
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True, start_new_session=True)
@@ -137,7 +137,7 @@ def alternating(work: Path, repeats: int, steps: int, block: int) -> dict[str, A
     rows = []
     for i in range(repeats):
         cmd = [sys.executable, "-m", "bootseer.testing.colltrace_job", "--world", "3",
-               "--port", str(_port()), "--dir", str(work / f"alt-{i}"), "--steps", str(steps),
+               "--dir", str(work / f"alt-{i}"), "--steps", str(steps),
                "--alternate", str(block), "--no-trace"]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)

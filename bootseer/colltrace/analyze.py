@@ -246,6 +246,8 @@ class Analyzer:
         found: list[Finding] = []
         seqs = sorted({s for ops in view.ops.values() for s in ops})[-64:]
         for seq in seqs:
+            if seq <= self.warmup_ops:
+                continue  # the first ops follow the group's creation: uneven by nature
             issued = {r: view.ops[r][seq].t_issue for r in view.members
                       if seq in view.ops.get(r, {})}
             if len(issued) < len(view.members):

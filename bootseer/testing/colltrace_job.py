@@ -1,7 +1,7 @@
 """A small gloo job with one injected collective fault, for the colltrace tests and benchmark.
 
-``python -m bootseer.testing.colltrace_job --world 3 --port 29500 --dir RINGS --fault sleep
---rank 1 --at 20`` imports torch once, forks ``world`` ranks (each its own process group
+``python -m bootseer.testing.colltrace_job --world 3 --dir RINGS --fault sleep --rank 1
+--at 20`` imports torch once, forks ``world`` ranks (each its own process group
 member on loopback, tracing into ``RINGS``), and runs steps of a little Python compute and two
 all_reduces (groups ``grp-a`` then ``grp-b``). At step ``--at`` rank ``--rank`` does:
 
@@ -91,8 +91,10 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
         dist.init_process_group("gloo")
         args.world = dist.get_world_size()
     else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
-                                rank=rank, world_size=args.world)
+        # a file store in the ring directory unless a port is given: no port to race for
+        init = (f"tcp://127.0.0.1:{args.port}" if args.port else
+                f"file://{os.path.abspath(os.path.join(_ring_dir(args), '.store'))}")
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=args.world)
     ranks = list(range(args.world))
     a = dist.new_group(ranks, group_desc="grp-a")
     b = dist.new_group(ranks, group_desc="grp-b")
@@ -194,9 +196,9 @@ class Trial:
         import subprocess
 
         self.fault, self.rank, self.directory = fault, rank, directory
-        self.port = port or _free_port()
+        self.port = port  # None: the job's file store (no port to race for)
         cmd = [sys.executable, "-m", "bootseer.testing.colltrace_job", "--world", str(world),
-               "--port", str(self.port), "--dir", directory, "--fault", fault, "--rank",
+               *(["--port", str(port)] if port else []), "--dir", directory, "--fault", fault, "--rank",
                str(rank), "--at", str(at), "--work-ms", str(work_ms), *(extra or [])]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True,
@@ -243,18 +245,11 @@ class Trial:
         self._reader.join(timeout=5)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=3)
-    p.add_argument("--port", type=int, default=0, help="the job's store (not with --torchrun)")
+    p.add_argument("--port", type=int, default=0,
+                   help="a TCP store on this port (default: a file store in the ring directory)")
     p.add_argument("--torchrun", action="store_true",
                    help="one rank per process under torchrun (no fork, no --port)")
     p.add_argument("--numel", type=int, default=4, help="elements per all_reduce")
@@ -274,8 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.torchrun:
         rank_main(args, int(os.environ["RANK"]))
         return 0
-    if not args.port:
-        p.error("--port is needed (or --torchrun)")
+    os.makedirs(_ring_dir(args), mode=0o700, exist_ok=True)  # the file store lives there
     import torch  # noqa: F401 - once, before the fork: every rank starts warm
     import torch.distributed  # noqa: F401
 
