@@ -27,6 +27,11 @@ that writes the Python stack of every thread to
 ``$BOOTSEER_TRACE_DIR/stacks-<node>-rank<r>-<pid>.txt``: the wrapper sends SIGUSR1 before it
 kills a hung child, so the hang leaves its stacks behind. A SIGUSR1 handler the program had
 already installed keeps running after the dump (``chain=True``).
+
+With ``BOOTSEER_COLLTRACE_ENABLED`` (``bootseer run`` with ``[colltrace] enabled``), importing
+this module (``import bootseer.client``, or the first ``ready()``/``heartbeat()``) also turns
+on the collective tracer (:func:`bootseer.colltrace.enable`); import it before the first
+collective to trace them all, or call ``bootseer.colltrace.enable()`` yourself.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ _dump_pid: int | None = None
 _image_told = False
 _clock = time.monotonic
 _first_nonfinite: dict[str, Any] | None = None  # the first NaN/Inf heartbeat of this process
+_colltrace_tried = False
 
 
 def _rank() -> int:
@@ -107,6 +113,17 @@ def _metric(value: Any) -> float | str | None:
     return number
 
 
+def _colltrace() -> None:
+    """The collective tracer, when ``bootseer run`` asks for it (once; never raises)."""
+    global _colltrace_tried
+    if _colltrace_tried or not os.environ.get("BOOTSEER_COLLTRACE_ENABLED"):
+        return
+    _colltrace_tried = True
+    from .colltrace import enable_from_env
+
+    enable_from_env()
+
+
 def ready() -> None:
     """The first training step is reached: the end of startup (and a heartbeat).
 
@@ -119,6 +136,7 @@ def ready() -> None:
             if os.path.exists(IMAGE_READY):
                 with open(IMAGE_READY, "rb") as f:
                     f.read()
+        _colltrace()
         control = os.environ.get(CONTROL_ENV)
         if not control:
             return
@@ -202,3 +220,4 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 if os.environ.get(CONTROL_ENV):
     install_stack_dump()
+_colltrace()

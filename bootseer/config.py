@@ -162,6 +162,21 @@ _KEYS = [
     _spec("controller", "wait_s", "float", 30.0, "--controller-wait",
           "seconds to wait for the controller's dump order, then for its verdict, before the "
           "node acts alone"),
+    _spec("colltrace", "enabled", "bool", False, "--colltrace",
+          "record every collective of the command's ranks into shared-memory rings and name "
+          "the rank and collective a hang or slowdown started from (docs/colltrace.md)"),
+    _spec("colltrace", "dir", "path", "", "--colltrace-dir",
+          "where the rings live (one directory per attempt under it); '' = "
+          "/dev/shm/bootseer-colltrace-<uid>/<node>"),
+    _spec("colltrace", "capacity", "count", 4096, "--colltrace-capacity",
+          "records kept per rank (80 bytes each)"),
+    _spec("colltrace", "stuck_s", "float", 0.0, "--colltrace-stuck",
+          "seconds an op may stay in progress before it counts as stuck; 0 = learned: 10 x "
+          "that op's median duration in its group, at least 2 s"),
+    _spec("colltrace", "straggler_s", "float", 1.0, "--colltrace-straggler",
+          "a rank starting an op this many seconds after all the others is a straggler"),
+    _spec("colltrace", "poll_s", "float", 1.0, "--colltrace-poll",
+          "seconds between two passes of the reader over the rings (at most 2)"),
     _spec("env", "spec", "list", [], "--env-spec",
           "requirement files / pyproject.toml / uv.lock of the environment (repeatable); "
           "empty = the environment phase is skipped"),

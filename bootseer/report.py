@@ -179,6 +179,8 @@ class Report:
     bytes_by_remote: dict[str, int] = field(default_factory=dict)
     # ETTR, incidents by cause, events and verdicts (bootseer/report_robust.py); {} if none
     robust: dict[str, Any] = field(default_factory=dict)
+    # collective tracer's grid and verdicts (bootseer/colltrace/report.py); {} if none
+    colltrace: dict[str, Any] = field(default_factory=dict)
 
     def phase(self, name: str) -> PhaseStats | None:
         return next((p for p in self.phases if p.phase == name), None)
@@ -214,6 +216,7 @@ class Report:
             "bytes_by_remote": {"total": dict(self.bytes_by_remote),
                                 "nodes": [asdict(n) for n in self.bytes_by_node]},
             "robust": self.robust,
+            **({"colltrace": self.colltrace} if self.colltrace else {}),  # when traced
         }
 
     @classmethod
@@ -242,6 +245,7 @@ class Report:
             bytes_by_node=[NodeBytes(**n) for n in remotes["nodes"]],
             bytes_by_remote=dict(remotes["total"]),
             robust=dict(doc.get("robust") or {}),
+            colltrace=dict(doc.get("colltrace") or {}),
         )
 
     def incident(self, attempt: int | None = None) -> Incident | None:
@@ -519,6 +523,9 @@ def load_report(paths: Sequence[str | os.PathLike]) -> Report:
     records, record_warnings = read_records(list(paths))
     report.warnings += record_warnings
     report.robust = robust_section(spans, records)
+    from .colltrace.report import colltrace_section
+
+    report.colltrace = colltrace_section(list(paths))
     return report
 
 
@@ -580,6 +587,10 @@ def table_rows(report: Report) -> dict[str, tuple[list[str], list[list[str]]]]:
         from .report_robust import robust_tables
 
         tables.update(robust_tables(report.robust))
+    if report.colltrace:
+        from .colltrace.report import colltrace_tables
+
+        tables.update(colltrace_tables(report.colltrace))
     restarted = [r for r in report.restarts if r.restarts]
     if restarted:
         tables[f"restarts ({report.total_restarts} in all)"] = (

@@ -47,6 +47,7 @@ TOOLS: dict[str, tuple[str, ...]] = {
     "restart": (),
     "update": (),
     "memckpt": (),
+    "colltrace": (),
 }
 NEEDS_FUSE = ("striped", "prefetch", "containerd", "fuse", "restart")
 HOST_BASE = ("prefetch", "containerd")  # their image base: a copy of Debian's python3.11
@@ -102,6 +103,11 @@ FIGURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
        "loaded step": r["load"]["local"][0]["step"]},
     "e2e": lambda r: {f"{m} to first step s": r["runs"][m]["total"] for m in ("bootseer", "inplace")}
     | {"bootseer loaded step": r["runs"]["bootseer"]["loaded_step"]},
+    "colltrace": lambda r: {"traced op us": r["micro"]["op_us_traced"],
+                            "traced step ms": r["overhead"]["iter_ms_on"],
+                            "ring bytes": r["overhead"]["ring_bytes"][0],
+                            "sleep verdict s": r["faults"]["sleep"]["p50_s"],
+                            "kill verdict s": r["faults"]["kill"]["p50_s"]},
 }
 
 

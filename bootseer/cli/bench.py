@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 SUITES = ("striped", "ckpt", "snapshot", "prefetch", "containerd", "fuse", "restart", "update",
-          "memckpt", "e2e")
+          "memckpt", "colltrace", "e2e")
 TAKES_BASE = ("prefetch", "containerd", "e2e")  # the suites that build an image from a base
 TAIL_LINES = 25
 STOP_GRACE_S = 300.0  # a suite's own clean-up after SIGTERM (unmounts, containerd tasks)

@@ -117,6 +117,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def print_report(report: Report, *, terminal: bool | None = None) -> None:
     """A rich table on a terminal, aligned plain text otherwise (pipes, logs, tests)."""
+    from ..colltrace.report import GRID_TITLE, STATE_STYLES
     from ..report import format_text, summary_line, table_rows
 
     if not (sys.stdout.isatty() if terminal is None else terminal):
@@ -134,6 +135,8 @@ def print_report(report: Report, *, terminal: bool | None = None) -> None:
                              else "right")
         for row in rows:
             style = "bold red" if title.startswith("stragglers") else None
+            if title == GRID_TITLE:  # each cell coloured by the rank's state in the group
+                row = [row[0], *(f"[{STATE_STYLES.get(c, 'default')}]{c}[/]" for c in row[1:])]
             table.add_row(*row, style=style)
         console.print(table)
     if not report.stragglers:

@@ -20,7 +20,7 @@ from .options import open_trace
 
 #: The keys `bootseer run` takes flags for (the file and the environment may set any key).
 RUN_KEYS = ("state", "run", "restart", "hang", "health", "controller", "env.spec", "env.prefix", "env.store",
-            "env.base_image", "env.uv", "ckpt", "storage")
+            "env.base_image", "env.uv", "ckpt", "storage", "colltrace")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,9 +66,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     trace = open_trace(cfg)
     base_env = dict(os.environ)
 
+    colltrace = _colltrace_watch(cfg, trace, node)
+
     def before_attempt(attempt: int) -> dict[str, str]:
         node_check(cfg, trace, node, attempt)
-        return run_startup(plan, trace=trace, attempt=attempt, base_env=base_env)
+        extra = run_startup(plan, trace=trace, attempt=attempt, base_env=base_env)
+        return {**extra, **colltrace.child_env(attempt)} if colltrace else extra
 
     hang = HangPolicy(cfg.hang.timeout_s, cfg.hang.dump_wait_s)
     detector = None
@@ -76,7 +79,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         detector = HangDetector(hang.timeout_s)
     elif cfg.hang.learn:
         detector = HangDetector(None, initial_s=hang.startup_s)
-    agent = Agent(trace, node, hang=detector, max_no_progress=cfg.restart.max_no_progress)
+    agent = Agent(trace, node, hang=detector, max_no_progress=cfg.restart.max_no_progress,
+                  colltrace=colltrace)
     remote = _controller_link(cfg, node)
     versions = None
     if remote is not None:  # what each attempt runs: the version pinned for its epoch
@@ -120,6 +124,23 @@ def _node_memory(cfg: argparse.Namespace, env: dict[str, str]) -> object | None:
         raise CliError(f"memory tier (ckpt.memory): {exc}") from None
     env.update(memory.env)
     return memory
+
+
+def _colltrace_watch(cfg: argparse.Namespace, trace: object, node: str) -> object | None:
+    """The reader of the ranks' collective rings ([colltrace] enabled), or None."""
+    ct = cfg.colltrace
+    if not ct.enabled:
+        return None
+    if not 0 < ct.poll_s <= 2:
+        raise CliError(f"[colltrace] poll_s = {ct.poll_s}: the reader must pass at least every "
+                       "2 s; give a value in (0, 2]")
+    from ..colltrace import default_dir
+    from ..colltrace.analyze import Analyzer
+    from ..colltrace.reader import Watch
+
+    return Watch(ct.dir or default_dir(node), trace_dir=trace.dir, node=node,  # type: ignore[attr-defined]
+                 poll_s=ct.poll_s,
+                 analyzer=Analyzer(stuck_s=ct.stuck_s, straggler_s=ct.straggler_s, node=node))
 
 
 def _controller_link(cfg: argparse.Namespace, node: str) -> object | None:

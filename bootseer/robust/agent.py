@@ -58,8 +58,9 @@ class Agent:
 
     def __init__(self, trace: TraceWriter | None, node: str, *,
                  hang: HangDetector | None = None, max_no_progress: int = 3,
-                 log: Callable[[str], None] = _say) -> None:
+                 log: Callable[[str], None] = _say, colltrace: Any = None) -> None:
         self.trace = trace
+        self.colltrace = colltrace  # a bootseer.colltrace.reader.Watch, or None
         self.node = node
         self._hang_template = hang
         self.max_no_progress = max_no_progress
@@ -83,6 +84,8 @@ class Agent:
             t.timeout_s, k=t.k, floor_s=t.floor_s, warmup_steps=t.warmup_steps,
             initial_s=t.initial_s)
         self._oom_before = oom_kills(self._cgroup) if self._cgroup else 0
+        if self.colltrace is not None:
+            self.colltrace.start(attempt)
 
     def observe(self, beat: Beat) -> Verdict | None:
         """A heartbeat; a verdict whose action needs the command killed now (a NaN), or None."""
@@ -109,11 +112,26 @@ class Agent:
         return self.metrics.observe(dataclasses.replace(beat, node=self.node))
 
     def check_hang(self, now: float) -> Event | None:
-        """The first rank silent past the threshold (the event is written by :meth:`judge`)."""
+        """The first rank silent past the threshold (the event is written by :meth:`judge`);
+        the collective rings are read here too (at most once per their poll interval)."""
+        if self.colltrace is not None:
+            self.colltrace.poll(now)
         if self.hang is None:
             return None
         events = self.hang.check(now)
-        return dataclasses.replace(events[0], node=self.node) if events else None
+        if not events:
+            return None
+        return dataclasses.replace(events[0], node=self.node, evidence=self._collective(
+            events[0].evidence))
+
+    def _collective(self, evidence: dict[str, Any], *, final: bool = False) -> dict[str, Any]:
+        """The evidence with the collective tracer's verdicts of this attempt, when it runs."""
+        if self.colltrace is None:
+            return evidence
+        if final:
+            self.colltrace.poll(force=True)
+        lines = self.colltrace.lines()
+        return {**evidence, "colltrace": lines} if lines else evidence
 
     def judge_crash(self, exit_code: int, lines: list[str]) -> Verdict:
         """The class of a crash from its exit code and last lines, and what to do."""
@@ -126,7 +144,10 @@ class Agent:
         evidence = got.evidence()
         evidence["lines"] = lines[-20:]  # the context a reader needs, not the whole tail
         evidence["matched"] = list(got.lines)
+        evidence = self._collective(evidence, final=True)  # a rank killed in a collective
         rank = got.detail.get("rank")  # under torchrun: its root-cause rank
+        if rank is None and self.colltrace is not None:  # else the tracer's first named rank
+            rank = next((f.ranks[0] for f in self.colltrace.analyzer.findings if f.ranks), None)
         return Event("crash", got.failure_class, node=self.node, rank=rank,
                      step=self.progress[-1],
                      time=time.time(), evidence=evidence)

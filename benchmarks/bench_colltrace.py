@@ -1,0 +1,377 @@
+"""Collective tracing: its overhead, and how fast and how right its verdicts are per fault.
+
+``python benchmarks/bench_colltrace.py --results DIR [--quick] [--trials N]`` or
+``bootseer bench colltrace``. Writes ``colltrace.json`` and ``colltrace.md``.
+
+* cost per op: a world-1 gloo group in one process, ``all_reduce`` of 4 floats, traced and
+  untraced in alternating blocks (the tracer's own cost, without any peer's wait), and the
+  Python objects allocated per traced op (tracemalloc);
+* overhead: iteration time of a 3-rank gloo job (20 ms of Python compute, two all_reduces
+  per step) with and without the tracer, alternated, several repeats (target <= 1%), and
+  rank 0's CPU time per step; and inside one job, blocks of 10 steps traced and untraced in
+  turns (both halves see the same machine load: the figure a loaded machine can give);
+* ring memory: the ring file's size before and after the job (fixed by its capacity);
+* faults (``bootseer.testing.colltrace_job``, 3 ranks on loopback): a rank sleeps before a
+  collective, a rank slowed by a CPU hog in its process, a rank SIGKILLed in a collective, a
+  mismatched collective, two groups deadlocked; the injected rank varies per trial. Per fault:
+  injection to the first verdict that names a rank (p50, p90), named (it names the injected
+  rank), wrong (any verdict of the trial names another), within 15 s; verdicts naming no rank
+  before it (a slowdown seen as "transport") are kept in the JSON. Targets: named within 15 s in >= 90% of trials,
+  no wrong rank.
+* with ``--cluster`` (root, tc): one node's link slowed under a 2-node x 2-rank torchrun job
+  on the cluster fixture (``--only-cluster``: that alone, into ``colltrace-link.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import command_line, md_table, sigterm_as_interrupt, source_state  # noqa: E402
+
+TARGET_OVERHEAD = 0.01
+TARGET_S = 15.0
+TARGET_NAMED = 0.90
+FAULTS = ("sleep", "slow", "kill", "mismatch", "deadlock")
+
+
+def log(msg: str) -> None:
+    print(f"[colltrace] {msg}", flush=True)
+
+
+_MICRO = r"""
+import os, sys, time, tracemalloc, torch, torch.distributed as dist
+import bootseer.colltrace as ct
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+t = torch.ones(4)
+n = %d
+def block():
+    t0 = time.perf_counter()
+    for _ in range(n):
+        dist.all_reduce(t)
+    return (time.perf_counter() - t0) / n
+for _ in range(200): dist.all_reduce(t)
+off, on = [], []
+for i in range(%d):
+    off.append(block())
+    ct.enable(sys.argv[1])
+    on.append(block())
+    ct.disable()
+ct.enable(sys.argv[1])
+for _ in range(100): dist.all_reduce(t)
+tracemalloc.start()
+s0 = tracemalloc.take_snapshot()
+for _ in range(1000): dist.all_reduce(t)
+s1 = tracemalloc.take_snapshot()
+grown = sum(st.size_diff for st in s1.compare_to(s0, "filename"))
+live = sum(st.count_diff for st in s1.compare_to(s0, "filename"))
+print("MICRO", sorted(off)[len(off)//2], sorted(on)[len(on)//2], grown / 1000, live / 1000)
+"""
+
+
+def micro(work: Path, repeats: int, per_block: int) -> dict[str, Any]:
+    port = _port()
+    out = subprocess.run([sys.executable, "-c", _MICRO % (port, per_block, repeats),
+                          str(work / "micro")], capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("MICRO")), None)
+    if line is None:
+        raise RuntimeError(f"micro benchmark failed: {out.stderr[-2000:]}")
+    _, off, on, grown, live = line.split()
+    return {"op_us_untraced": float(off) * 1e6, "op_us_traced": float(on) * 1e6,
+            "cost_us_per_op": (float(on) - float(off)) * 1e6,
+            "bytes_retained_per_op": float(grown), "objects_retained_per_op": float(live)}
+
+
+def overhead(work: Path, repeats: int, steps: int) -> dict[str, Any]:
+    runs: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
+    ring_sizes: list[int] = []
+    for i in range(repeats):
+        for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
+            rings = work / f"ovh-{i}-{mode}"
+            cmd = [sys.executable, "-m", "bootseer.testing.colltrace_job", "--world", "3",
+                   "--dir", str(rings), "--steps", str(steps),
+                   *(["--no-trace"] if mode == "off" else [])]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
+            try:
+                stdout, _ = proc.communicate(timeout=900)
+            finally:  # the ranks too, when we are interrupted
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            line = next((ln for ln in stdout.splitlines() if ln.startswith("iter_ms")), None)
+            if proc.returncode != 0 or line is None:
+                raise RuntimeError(f"overhead job failed: {stdout[-1000:]}")
+            runs[mode].append(float(line.split()[1]))
+            cpu[mode].append(float(line.split()[5]))
+            if mode == "on":
+                ring_sizes += [p.stat().st_size for p in rings.glob("*.ring")]
+            shutil.rmtree(rings, ignore_errors=True)
+            log(f"overhead repeat {i} {mode}: {runs[mode][-1]:.3f} ms per step, "
+                f"{cpu[mode][-1]:.3f} ms CPU of rank 0 per step")
+    off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
+    coff, con = statistics.median(cpu["off"]), statistics.median(cpu["on"])
+    return {"iter_ms_off": off, "iter_ms_on": on, "overhead": (on - off) / off,
+            "cpu_ms_off": coff, "cpu_ms_on": con, "cpu_overhead": (con - coff) / coff,
+            "runs": runs, "cpu_runs": cpu, "ring_bytes": sorted(set(ring_sizes)),
+            "steps": steps}
+
+
+def alternating(work: Path, repeats: int, steps: int, block: int) -> dict[str, Any]:
+    """The overhead inside one job: blocks of ``block`` steps traced and untraced in turns
+    (every rank switches at the same step), so both see the same machine load."""
+    rows = []
+    for i in range(repeats):
+        cmd = [sys.executable, "-m", "bootseer.testing.colltrace_job", "--world", "3",
+               "--dir", str(work / f"alt-{i}"), "--steps", str(steps),
+               "--alternate", str(block), "--no-trace"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            stdout, _ = proc.communicate(timeout=1200)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        line = next((ln for ln in stdout.splitlines() if ln.startswith("alt_ms")), None)
+        if proc.returncode != 0 or line is None:
+            raise RuntimeError(f"alternating job failed: {stdout[-1000:]}")
+        f = line.split()
+        rows.append({"on_ms": float(f[2]), "off_ms": float(f[4]), "cpu_on_ms": float(f[6]),
+                     "cpu_off_ms": float(f[8])})
+        log(f"alternating {i}: step {rows[-1]['off_ms']:.3f} -> {rows[-1]['on_ms']:.3f} ms, "
+            f"CPU {rows[-1]['cpu_off_ms']:.3f} -> {rows[-1]['cpu_on_ms']:.3f} ms")
+    on = statistics.median(r["on_ms"] for r in rows)
+    off = statistics.median(r["off_ms"] for r in rows)
+    con = statistics.median(r["cpu_on_ms"] for r in rows)
+    coff = statistics.median(r["cpu_off_ms"] for r in rows)
+    return {"runs": rows, "on_ms": on, "off_ms": off, "overhead": (on - off) / off,
+            "cpu_on_ms": con, "cpu_off_ms": coff, "cpu_overhead": (con - coff) / coff,
+            "steps": steps, "block": block}
+
+
+def faults(work: Path, trials: int, timeout_s: float,
+           which: tuple[str, ...] = FAULTS) -> dict[str, Any]:
+    from bootseer.colltrace.reader import Watch
+    from bootseer.testing.colltrace_job import Trial
+
+    results: dict[str, Any] = {}
+    for fault in which:
+        rows = []
+        for i in range(trials):
+            rank = i % 3
+            rings = work / f"{fault}-{i}"
+            trial = Trial(fault, str(rings), world=3, rank=rank,
+                          at=60 if fault == "slow" else 20)
+            watch = Watch(rings, log=lambda line: None)
+            found: list[Any] = []
+            try:
+                found = trial.watch(watch, timeout_s, poll_s=0.25,
+                                    until=lambda f: bool(f.ranks))
+            finally:
+                trial.stop()
+                watch.close()
+                shutil.rmtree(rings, ignore_errors=True)
+            after = found  # passes begun after the injection (earlier: trial.before)
+            first = next((f for f in after if f.ranks), None)  # the first verdict naming a rank
+            named = [r for f in found for r in f.ranks]
+            row = {"rank": rank, "injected": trial.injected,
+                   "verdict_s": None if first is None or trial.injected is None
+                   else round(first.time - trial.injected, 3),
+                   "kind": first.kind if first else None, "line": first.line if first else None,
+                   "named": bool(first and rank in first.ranks),
+                   "wrong": sorted({r for r in named if r != rank}),
+                   "false_alarms_before": [f.line for f in trial.before],
+                   "unnamed_before": [f.line for f in after[:after.index(first)]]
+                   if first in after else [f.line for f in after]}
+            rows.append(row)
+            log(f"{fault} trial {i} rank {rank}: {row['verdict_s']} s, {row['kind']}, "
+                f"named {row['named']}, wrong {row['wrong']}: {row['line']}")
+        times = [r["verdict_s"] for r in rows if r["verdict_s"] is not None and r["named"]]
+        ok = [r for r in rows if r["named"] and r["verdict_s"] is not None
+              and r["verdict_s"] <= TARGET_S]
+        results[fault] = {"trials": rows, "p50_s": _pct(times, 50), "p90_s": _pct(times, 90),
+                          "named": sum(r["named"] for r in rows), "n": len(rows),
+                          "wrong": sum(bool(r["wrong"]) for r in rows),
+                          "within_target": len(ok) / len(rows) if rows else 0.0}
+    return results
+
+
+def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
+    """One node's link slowed (tc) under a 2-node x 2-rank torchrun job on the cluster
+    fixture: the rings of both nodes in one directory (the nodes share the host's files), read
+    by one Watch; injection = the moment ``slow_link`` returns."""
+    from bootseer.colltrace.reader import Watch
+    from bootseer.colltrace.ring import read_rings
+    from bootseer.testing.cluster import Cluster, Link
+
+    rows = []
+    for i in range(trials):
+        rings = work / f"link-{i}"
+        rings.mkdir(parents=True)
+        with Cluster(2, link=Link(rate="200mbit"), services=("rendezvous",),
+                     workdir=work) as c:
+            job = ["-m", "bootseer.testing.colltrace_job", "--torchrun", "--dir", str(rings),
+                   "--numel", "262144", "--work-ms", "20", "--steps", "100000"]
+            procs = [n.popen(n.torchrun(job, nnodes=2, nproc_per_node=2, max_restarts=0),
+                             env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                     for n in c.nodes]
+            watch = Watch(rings, log=lambda line: None)
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:  # a baseline first: 80 ops in every group
+                snaps = read_rings(rings)
+                if len(snaps) == 4 and min(len(s.ops) for s in snaps) >= 170:
+                    break
+                time.sleep(1)
+            watch.poll(force=True)
+            c.slow_link(1, rate="20mbit")
+            injected = time.time()
+            found: list[Any] = []
+            end = time.monotonic() + timeout_s
+            while time.monotonic() < end and not found:
+                found += watch.poll(force=True)
+                time.sleep(0.25)
+            watch.close()
+            for proc in procs:
+                proc.kill()
+        node1 = {s.rank for s in read_rings(rings) if s.node == "node1"}
+        first = found[0] if found else None
+        row = {"verdict_s": None if first is None else round(first.time - injected, 3),
+               "kind": first.kind if first else None, "line": first.line if first else None,
+               "named": bool(first and first.ranks and set(first.ranks) <= node1),
+               "wrong": sorted({r for f in found for r in f.ranks} - node1),
+               "node1_ranks": sorted(node1)}
+        rows.append(row)
+        log(f"link trial {i}: {row['verdict_s']} s: {row['line']}")
+        shutil.rmtree(rings, ignore_errors=True)
+    times = [r["verdict_s"] for r in rows if r["verdict_s"] is not None]
+    return {"trials": rows, "p50_s": _pct(times, 50), "p90_s": _pct(times, 90),
+            "named": sum(r["named"] for r in rows), "n": len(rows),
+            "wrong": sum(bool(r["wrong"]) for r in rows),
+            "within_target": sum(1 for r in rows if r["named"] and r["verdict_s"] is not None
+                                 and r["verdict_s"] <= TARGET_S) / max(1, len(rows)),
+            "detected": sum(r["verdict_s"] is not None for r in rows)}
+
+
+def _pct(values: list[float], q: int) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_colltrace.py", description=__doc__.split("\n")[0])
+    p.add_argument("--results", default="bench-results")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: 1 trial of sleep and kill, one short overhead pair")
+    p.add_argument("--trials", type=int, default=None, help="trials per fault (default 10)")
+    p.add_argument("--cluster", action="store_true",
+                   help="also the slowed-link fault on the cluster fixture (root, tc)")
+    p.add_argument("--only-cluster", action="store_true",
+                   help="only the slowed-link fault (its results: colltrace-link.json/.md)")
+    args = p.parse_args(argv)
+    trials = args.trials or (1 if args.quick else 10)
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-colltrace-"))
+    if args.only_cluster:
+        try:
+            link = cluster_link(work, trials, timeout_s=60.0)
+        finally:
+            if work.name.startswith("bench-colltrace-"):
+                shutil.rmtree(work, ignore_errors=True)
+        (results / "colltrace-link.json").write_text(json.dumps(
+            {"command": command_line("bench_colltrace.py"), "load": _load(), "link": link},
+            indent=2))
+        print(json.dumps({k: v for k, v in link.items() if k != "trials"}))
+        return 0
+    load_before = _load()
+    started = time.time()
+    try:
+        log(f"load {load_before}; micro cost per op")
+        m = micro(work, repeats=3 if args.quick else 11, per_block=300 if args.quick else 2000)
+        log(f"per op: {m['op_us_untraced']:.1f} us untraced, {m['op_us_traced']:.1f} us traced")
+        o = overhead(work, repeats=1 if args.quick else 3, steps=30 if args.quick else 150)
+        alt = alternating(work, repeats=1 if args.quick else 3, steps=40 if args.quick else 200,
+                          block=10)
+        log(f"alternating: {alt['overhead'] * 100:+.2f}% step, "
+            f"{alt['cpu_overhead'] * 100:+.2f}% CPU")
+        log(f"overhead: {o['overhead'] * 100:+.2f}% ({o['iter_ms_off']:.3f} -> "
+            f"{o['iter_ms_on']:.3f} ms per step)")
+        f = faults(work, trials, timeout_s=60.0,
+                   which=("sleep", "kill") if args.quick else FAULTS)
+        if args.cluster:
+            f["link"] = cluster_link(work, trials, timeout_s=60.0)
+    finally:
+        if work.name.startswith("bench-colltrace-"):
+            shutil.rmtree(work, ignore_errors=True)
+    doc = {"command": command_line("bench_colltrace.py"), "quick": args.quick,
+           "load_before": load_before, "load_after": _load(),
+           "seconds": round(time.time() - started, 1), "micro": m, "overhead": o, "alternating": alt, "faults": f,
+           "not_run": [] if args.cluster else ["link slowed on one node (needs --cluster)"],
+           **source_state(["bootseer/colltrace", "bootseer/testing/colltrace_job.py"])}
+    (results / "colltrace.json").write_text(json.dumps(doc, indent=2))
+    rows = [[k, str(v["n"]), f"{v['named']}/{v['n']}", str(v["wrong"]),
+             "-" if v["p50_s"] is None else f"{v['p50_s']:.2f} s",
+             "-" if v["p90_s"] is None else f"{v['p90_s']:.2f} s",
+             f"{v['within_target'] * 100:.0f}%"] for k, v in f.items()]
+    md = [f"# colltrace ({'quick' if args.quick else 'full'})", "",
+          f"command: `{doc['command']}`; load {load_before} -> {doc['load_after']}", "",
+          f"cost per op (world-1 gloo all_reduce of 4 floats): {m['op_us_untraced']:.1f} us "
+          f"untraced, {m['op_us_traced']:.1f} us traced ({m['cost_us_per_op']:+.1f} us); "
+          f"retained per op: {m['bytes_retained_per_op']:.1f} bytes, "
+          f"{m['objects_retained_per_op']:.3f} objects",
+          "",
+          f"overhead (3 gloo ranks, 20 ms compute + 2 all_reduce per step, median step): "
+          f"{o['iter_ms_off']:.3f} ms untraced, {o['iter_ms_on']:.3f} ms traced: "
+          f"{o['overhead'] * 100:+.2f}% (target <= {TARGET_OVERHEAD * 100:.0f}%); rank 0's CPU "
+          f"time per step {o['cpu_ms_off']:.3f} ms -> {o['cpu_ms_on']:.3f} ms "
+          f"({o['cpu_overhead'] * 100:+.2f}%); ring file "
+          f"{o['ring_bytes']} bytes per rank (fixed by capacity)", "",
+          f"overhead inside one job (blocks of {alt['block']} steps traced and untraced in "
+          f"turns, {alt['steps']} steps, median of {len(alt['runs'])} jobs): step "
+          f"{alt['off_ms']:.3f} -> {alt['on_ms']:.3f} ms ({alt['overhead'] * 100:+.2f}%), "
+          f"rank 0's CPU {alt['cpu_off_ms']:.3f} -> {alt['cpu_on_ms']:.3f} ms "
+          f"({alt['cpu_overhead'] * 100:+.2f}%)", "",
+          *md_table(["fault", "trials", "named", "wrong", "p50", "p90",
+                     f"named <= {TARGET_S:.0f} s"], rows),
+          "", "not run: " + ("; ".join(doc["not_run"]) or "-")]
+    (results / "colltrace.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    with sigterm_as_interrupt():  # a stopped run still removes its work directory
+        sys.exit(main())

@@ -1,0 +1,504 @@
+"""Trigger and root cause from every rank's ring.
+
+The reader calls :meth:`Analyzer.analyze` with the rings' snapshots at least every 2 s. A
+pass does two things:
+
+* trigger: an op in progress on some rank for longer than T (``stuck_s``, or learned: ``k``
+  times the median duration of that op in that group, at least ``floor_s``); an op that
+  failed (a peer died); a group whose op interval doubled or whose throughput halved against
+  its own baseline (the median over its first ops after a warm-up);
+* root cause, per process group: the rank(s) with the least progress. A rank that never
+  issued the op everyone else waits in (attach its stack where the robust dump has one); a
+  rank whose process died in the op (it never completed, or its pid is gone); an op issued
+  everywhere and completed nowhere (transport or peer); a rank that starts more than
+  ``straggler_s`` after all the others (straggler). Across groups: a rank missing from one
+  group's op while it waits in another group's is followed to the group that blocks it; a
+  cycle of such waits is a deadlock. The same sequence number with a different op, dtype or
+  (where sizes must agree) element count is a mismatch, named as such.
+
+Each finding is new once (its key is remembered): the caller writes it and says its line.
+Why in the reader and not in the ranks: a hung rank cannot report itself, and only the
+reader sees every rank at once.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .ring import Op, RingSnapshot
+
+__all__ = ["Analyzer", "Finding", "GroupView", "pid_alive", "SIZED_OPS"]
+
+#: ops whose element count must be the same on every rank (others may differ: gather, a2a)
+SIZED_OPS = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single",
+             "reduce_scatter_single", "all_reduce_coalesced", "barrier", "monitored_barrier"}
+
+
+@dataclass
+class Finding:
+    """A verdict of the tracer: the kind, the root-cause rank(s), one line, the evidence."""
+
+    kind: str  # never_issued | died | transport | straggler | mismatch | deadlock | slow
+    group: str  # the group's display name
+    ranks: tuple[int, ...]
+    op: str
+    seq: int
+    line: str
+    time: float
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"kind": self.kind, "group": self.group, "ranks": list(self.ranks),
+                "op": self.op, "seq": self.seq, "line": self.line, "time": self.time,
+                "evidence": self.evidence}
+
+
+def pid_alive(pid: int) -> bool:
+    """A process of this pid namespace that still runs (a zombie counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+@dataclass
+class GroupView:
+    """One process group across the rings: every member's collective ops by sequence."""
+
+    name: str
+    display: str
+    members: list[int]
+    ops: dict[int, dict[int, Op]] = field(default_factory=dict)  # rank -> seq -> op
+
+    def last_issued(self, rank: int) -> int:
+        by_seq = self.ops.get(rank)
+        return max(by_seq) if by_seq else 0
+
+    def in_progress(self, rank: int) -> Op | None:
+        """The oldest op of ``rank`` in this group that has not completed."""
+        open_ops = [o for o in self.ops.get(rank, {}).values() if o.t_done is None]
+        return min(open_ops, key=lambda o: o.seq) if open_ops else None
+
+
+def _display(entry: dict[str, Any]) -> str:
+    desc = str(entry.get("desc") or "")
+    return desc if desc and desc != "undefined" else f"pg{entry.get('name')}"
+
+
+def group_views(snaps: Iterable[RingSnapshot]) -> dict[str, GroupView]:
+    """Per group (torch's name, the same on every rank): members and collective ops."""
+    views: dict[str, GroupView] = {}
+    for snap in snaps:
+        for name, entry in snap.groups.items():
+            view = views.setdefault(name, GroupView(name, _display(entry), []))
+            if entry.get("ranks") and not view.members:
+                view.members = [int(r) for r in entry["ranks"]]
+        for op in snap.ops:
+            if op.p2p:
+                continue
+            view = views.setdefault(op.group, GroupView(op.group, f"pg{op.group}", []))
+            view.ops.setdefault(snap.rank, {})[op.seq] = op
+    for view in views.values():
+        if not view.members:
+            view.members = sorted(view.ops)
+    return views
+
+
+class Analyzer:
+    """Stateful across passes: the learned baselines and the findings already said."""
+
+    def __init__(self, *, stuck_s: float = 0.0, floor_s: float = 2.0, k: float = 10.0,
+                 straggler_s: float = 1.0, warmup_ops: int = 5, baseline_ops: int = 30,
+                 window_ops: int = 12, alive: Callable[[RingSnapshot], bool | None] | None = None,
+                 node: str | None = None) -> None:
+        self.stuck_s, self.floor_s, self.k = stuck_s, floor_s, k
+        self.straggler_s = straggler_s
+        self.warmup_ops, self.baseline_ops, self.window_ops = warmup_ops, baseline_ops, window_ops
+        self.node = node or os.environ.get("BOOTSEER_NODE") or os.uname().nodename
+        self.alive = alive or self._same_node_alive
+        self.said: set[tuple[Any, ...]] = set()
+        self.findings: list[Finding] = []
+        self._baseline: dict[str, tuple[float, float]] = {}  # group -> (interval, bytes/s)
+        self._slow: dict[str, bool] = {}  # group in a slow episode -> a rank was named
+        self._mismatched: dict[str, int] = {}  # group -> the first mismatched sequence
+        self.grid: dict[str, dict[int, str]] = {}  # group display -> rank -> state
+
+    # -- one pass --------------------------------------------------------------------------
+    def analyze(self, snaps: list[RingSnapshot], now: float | None = None) -> list[Finding]:
+        """New findings from these snapshots (also kept in :attr:`findings`)."""
+        now = time.time() if now is None else now
+        by_rank = {s.rank: s for s in snaps}
+        views = group_views(snaps)
+        new: list[Finding] = []
+        self.grid = {}
+        for view in views.values():
+            self.grid[view.display] = self._states(view, by_rank, now)
+            new += self._mismatches(view, by_rank, now)
+            new += self._stragglers(view, by_rank, now)
+        new += self._stuck(views, by_rank, now)
+        slow = [f for view in views.values()
+                for f in self._slowdown(view, views, by_rank, now)]
+        if any(f.ranks for f in slow):  # a group slowed by a rank slows the groups after it:
+            slow = [f for f in slow if f.ranks]  # those issue together, the cause is named
+        new += slow
+        for f in new:
+            for r in f.ranks:
+                for g in ([f.group] if f.group in self.grid else []):
+                    self.grid[g][r] = "root"
+        self.findings += new
+        return new
+
+    def threshold(self, view: GroupView, op: str) -> tuple[float, str]:
+        """T for ``op`` in this group and where it comes from."""
+        if self.stuck_s > 0:
+            return self.stuck_s, "configured"
+        durations = [o.t_done - o.t_issue for ops in view.ops.values() for o in ops.values()
+                     if o.op == op and o.t_done is not None and not o.failed]
+        if len(durations) < 3:
+            return self.floor_s * 5, "initial"
+        return max(self.k * statistics.median(durations), self.floor_s), "learned"
+
+    # -- states for the grid ---------------------------------------------------------------
+    def _same_node_alive(self, snap: RingSnapshot) -> bool | None:
+        """Liveness of a ring's process when it runs on this node (else unknown)."""
+        if snap.node and snap.node != self.node:
+            return None
+        return pid_alive(snap.pid)
+
+    def _states(self, view: GroupView, by_rank: dict[int, RingSnapshot],
+                now: float) -> dict[int, str]:
+        top = max((view.last_issued(r) for r in view.members), default=0)
+        states: dict[int, str] = {}
+        for r in view.members:
+            snap = by_rank.get(r)
+            if snap is None:
+                states[r] = "unseen"
+                continue
+            o = view.in_progress(r)
+            last = view.ops.get(r, {}).get(view.last_issued(r))
+            if o is not None:
+                t, _ = self.threshold(view, o.op)
+                state = "stuck" if now - o.t_issue > t else "in_op"
+                if self.alive(snap) is False:
+                    state = "dead"
+            elif last is not None and last.failed:
+                state = "failed"
+            elif view.last_issued(r) < top:
+                state = "behind"
+            else:
+                state = "idle"
+            states[r] = state
+        return states
+
+    # -- findings --------------------------------------------------------------------------
+    def _new(self, key: tuple[Any, ...], finding: Finding) -> list[Finding]:
+        if key in self.said:
+            return []
+        self.said.add(key)
+        return [finding]
+
+    def _where(self, rank: int, by_rank: dict[int, RingSnapshot]) -> str:
+        snap = by_rank.get(rank)
+        return f"rank {rank} ({snap.node})" if snap is not None and snap.node else f"rank {rank}"
+
+    def _mismatches(self, view: GroupView, by_rank: dict[int, RingSnapshot],
+                    now: float) -> list[Finding]:
+        found: list[Finding] = []
+        seqs = sorted({s for ops in view.ops.values() for s in ops})[-64:]
+        for seq in seqs:
+            sigs = {r: _signature(ops[seq]) for r, ops in view.ops.items() if seq in ops}
+            if len(sigs) < 2 or len(set(sigs.values())) == 1:
+                continue
+            count = Counter(sigs.values())
+            (major, n_major), *rest = count.most_common()
+            tie = bool(rest) and rest[0][1] == n_major
+            everyone = len(sigs) == len(view.members)
+            if not everyone and (tie or now - min(view.ops[r][seq].t_issue for r in sigs)
+                                 < 2 * self.straggler_s):
+                continue  # wait for the others: the one still to come may break the tie
+            if tie:  # everyone issued it and no side is the odd one out: all named
+                odd = tuple(sorted(sigs))
+            else:
+                odd = tuple(sorted(r for r, s in sigs.items() if s != major))
+            desc = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}: {_sig_text(sig)}"
+                             for sig, rs in _by_value(sigs).items())
+            who = ", ".join(self._where(r, by_rank) for r in odd)
+            line = (f"mismatched collectives at #{seq} in group {view.display}: {who} "
+                    f"differ ({desc})")
+            self._mismatched.setdefault(view.name, seq)
+            found += self._new(("mismatch", view.name, seq), Finding(
+                "mismatch", view.display, odd, sigs[odd[0]][0], seq, line, now,
+                {"signatures": {str(r): _sig_text(s) for r, s in sigs.items()}}))
+            break  # the first mismatch is the cause; later sequence numbers follow from it
+        return found
+
+    def _stragglers(self, view: GroupView, by_rank: dict[int, RingSnapshot],
+                    now: float) -> list[Finding]:
+        if len(view.members) < 3:
+            return []  # with two ranks "the others" is one rank: a wait is not a straggler
+        found: list[Finding] = []
+        seqs = sorted({s for ops in view.ops.values() for s in ops})[-64:]
+        for seq in seqs:
+            if seq <= self.warmup_ops:
+                continue  # the first ops follow the group's creation: uneven by nature
+            issued = {r: view.ops[r][seq].t_issue for r in view.members
+                      if seq in view.ops.get(r, {})}
+            if len(issued) < len(view.members):
+                continue
+            order = sorted(issued, key=issued.get)
+            lag = issued[order[-1]] - issued[order[-2]]
+            if lag <= self.straggler_s:
+                continue
+            r = order[-1]
+            op = view.ops[r][seq].op
+            line = (f"{self._where(r, by_rank)} started {op} #{seq} in group {view.display} "
+                    f"{lag:.1f} s after the others (straggler)")
+            found += self._new(("straggler", view.name, seq), Finding(
+                "straggler", view.display, (r,), op, seq, line, now,
+                {"lag_s": round(lag, 3), "issued": {str(k): v for k, v in issued.items()}}))
+        return found
+
+    def _stuck(self, views: dict[str, GroupView], by_rank: dict[int, RingSnapshot],
+               now: float) -> list[Finding]:
+        """Stuck ops (past T, or failed) and their root cause, following waits across groups."""
+        stuck: dict[str, tuple[int, float, str]] = {}  # group -> (seq, since, threshold from)
+        for view in views.values():
+            for r in view.members:
+                o = view.in_progress(r)
+                if o is not None:
+                    t, src = self.threshold(view, o.op)
+                    if now - o.t_issue > t:
+                        old = stuck.get(view.name)
+                        if old is None or o.seq < old[0]:
+                            stuck[view.name] = (o.seq, min(o.t_issue, old[1]) if old else
+                                                o.t_issue, src)
+            failed = [o for ops in view.ops.values() for o in ops.values() if o.failed]
+            if failed and view.name not in stuck:
+                first = min(failed, key=lambda o: o.seq)
+                stuck[view.name] = (first.seq, first.t_issue, "failed")
+        if not stuck:
+            return []
+        # wait-for edges: a rank waiting in a stuck op -> the members that never issued it
+        waits: dict[int, set[int]] = defaultdict(set)
+        blocked_in: dict[int, tuple[str, int]] = {}
+        for name, (seq, _, _) in stuck.items():
+            view = views[name]
+            for r in view.members:
+                o = view.ops.get(r, {}).get(seq)
+                if o is not None and (o.t_done is None or o.failed):
+                    blocked_in[r] = (name, seq)
+                    waits[r] |= {m for m in view.members if view.last_issued(m) < seq}
+        found: list[Finding] = []
+        cycle = _cycle(waits)
+        if cycle:
+            return self._deadlock(cycle, waits, blocked_in, views, by_rank, now)
+        for name, (seq, since, src) in stuck.items():
+            view = views[name]
+            waiting = [r for r in view.members if seq in view.ops.get(r, {})
+                       and view.ops[r][seq].t_done is None]
+            missing = [m for m in view.members if view.last_issued(m) < seq]
+            if any(m in blocked_in and blocked_in[m][0] != name for m in missing):
+                continue  # the cause is the other group's: said there
+            if self._mismatched.get(name, seq + 1) <= seq:
+                continue  # a mismatch before it: said, and the cause of what follows
+            op = next(o.op for ops in view.ops.values() for s, o in ops.items() if s == seq)
+            held = now - since
+            if missing:
+                gone = [m for m in missing if m in by_rank and self.alive(by_rank[m]) is False]
+                why = {m: ("its process is gone" if m in gone else
+                           "no ring from it" if m not in by_rank else "busy outside collectives")
+                       for m in missing}
+                line = (f"{', '.join(self._where(m, by_rank) for m in missing)} never issued "
+                        f"{op} #{seq} in group {view.display}; {len(waiting)} rank"
+                        f"{'s' if len(waiting) != 1 else ''} wait in it since {held:.1f} s")
+                if gone:
+                    line += f" ({_ranks(gone)}: process gone)"
+                found += self._new(("never_issued", name, seq, tuple(missing)), Finding(
+                    "never_issued", view.display, tuple(missing), op, seq, line, now,
+                    {"waiting": waiting, "since": since, "held_s": round(held, 3),
+                     "threshold_from": src, "why": {str(k): v for k, v in why.items()},
+                     "pids": {str(m): by_rank[m].pid for m in missing if m in by_rank}}))
+                continue
+            issued = {r: view.ops[r][seq] for r in view.members}
+            never_done = [r for r, o in issued.items() if o.t_done is None]
+            failed = [r for r, o in issued.items() if o.failed]
+            dead = [r for r in never_done if r in by_rank and self.alive(by_rank[r]) is False]
+            culprits = dead or (never_done if failed and never_done else [])
+            if culprits:
+                line = (f"{', '.join(self._where(r, by_rank) for r in culprits)} died in {op} "
+                        f"#{seq} in group {view.display} (issued, never completed"
+                        f"{', process gone' if dead else ''}); {len(failed)} rank"
+                        f"{'s' if len(failed) != 1 else ''} failed in it")
+                found += self._new(("died", name, seq), Finding(
+                    "died", view.display, tuple(culprits), op, seq, line, now,
+                    {"failed": failed, "never_completed": never_done, "since": since,
+                     "pids": {str(r): by_rank[r].pid for r in culprits if r in by_rank}}))
+            elif len(never_done) == len(view.members):
+                line = (f"{op} #{seq} in group {view.display} issued by all {len(never_done)} "
+                        f"ranks, completed by none for {held:.1f} s: transport or peer")
+                found += self._new(("transport", name, seq), Finding(
+                    "transport", view.display, (), op, seq, line, now,
+                    {"since": since, "held_s": round(held, 3)}))
+        return found
+
+    def _deadlock(self, cycle: list[int], waits: dict[int, set[int]],
+                  blocked_in: dict[int, tuple[str, int]], views: dict[str, GroupView],
+                  by_rank: dict[int, RingSnapshot], now: float) -> list[Finding]:
+        """Ranks wait in each other's groups: each side's op, and who never issued it. The
+        named rank(s): the smallest side (the odd order), all of them on a tie."""
+        sides: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+        for r in cycle:
+            name, seq = blocked_in[r]
+            view = views[name]
+            waiting = sorted(m for m in view.members if blocked_in.get(m) == (name, seq))
+            missing = sorted(m for m in view.members if view.last_issued(m) < seq)
+            sides[(name, seq)] = (waiting, missing)
+        parts = []
+        for (name, seq), (waiting, missing) in sides.items():
+            op = views[name].ops[waiting[0]][seq].op
+            parts.append(f"{', '.join(self._where(r, by_rank) for r in waiting)} wait"
+                         f"{'s' if len(waiting) == 1 else ''} in {op} #{seq} of group "
+                         f"{views[name].display}, which {_ranks(missing)} never issued")
+        smallest = min(len(m) for _, m in sides.values())
+        named = sorted({r for _, m in sides.values() if len(m) == smallest for r in m})
+        (name, seq), (waiting, _) = next(iter(sides.items()))
+        line = "deadlock: " + "; ".join(parts)
+        return self._new(("deadlock", tuple(sorted(sides))), Finding(
+            "deadlock", views[name].display, tuple(named), views[name].ops[waiting[0]][seq].op,
+            seq, line, now, {"sides": {f"{views[n].display}#{q}": {"waiting": w, "missing": m}
+                                       for (n, q), (w, m) in sides.items()}}))
+
+    def _slowdown(self, view: GroupView, views: dict[str, GroupView],
+                  by_rank: dict[int, RingSnapshot], now: float) -> list[Finding]:
+        """Interval doubled or throughput halved against the group's baseline; the rank that
+        issues last in most of the slow window's ops, in this group or another group of its
+        members (ops right after a slowed rank's op issue together: the lag shows in the
+        first), is named (a slowed rank), else none."""
+        complete = _complete(view)
+        if len(complete) < self.warmup_ops + self.baseline_ops:
+            return []
+        starts = {s: max(view.ops[r][s].t_issue for r in view.ops) for s in complete}
+        nbytes = {s: max(view.ops[r][s].nbytes for r in view.ops) for s in complete}
+        if view.name not in self._baseline:
+            base = complete[self.warmup_ops:self.warmup_ops + self.baseline_ops]
+            self._baseline[view.name] = _rate(base, starts, nbytes)
+        interval0, tput0 = self._baseline[view.name]
+        recent = complete[-self.window_ops:]
+        if recent[0] <= complete[self.warmup_ops + self.baseline_ops - 1]:
+            return []
+        interval, tput = _rate(recent, starts, nbytes)
+        slow = interval > 2 * interval0 or (tput0 > 0 and tput < tput0 / 2)
+        if not slow:
+            if interval < 1.5 * interval0:
+                self._slow.pop(view.name, None)
+            return []
+        if self._slow.get(view.name):
+            return []  # said, with its rank, in this slow episode
+        members = set(view.members)
+        laggers = [(lag, rank, n, window, other) for other in views.values()
+                   if set(other.members) == members
+                   and (got := self._lagger(other)) is not None
+                   for rank, n, lag, window in [got]]
+        lag, rank, n, window, where = max(laggers, key=lambda x: x[0]) if laggers else (
+            0.0, -1, 0, 0, view)
+        # a rank is named only when the ops really come slower (the interval up by half at
+        # least), it issues last in most of a window and its lag explains at least half of
+        # the added time; a throughput drop with the interval kept is the transport's
+        named = (interval > 1.5 * interval0 and n >= 0.6 * window
+                 and lag > 0.5 * (interval - interval0))
+        ev = {"interval_s": round(interval, 4), "baseline_interval_s": round(interval0, 4),
+              "bytes_per_s": round(tput), "baseline_bytes_per_s": round(tput0),
+              "window_ops": len(recent), "lagging": {"rank": rank, "last_in": n,
+                                                     "of": window, "lag_s": round(lag, 4),
+                                                     "group": where.display}}
+        ratio = interval / interval0 if interval0 > 0 else float("inf")
+        op = next(iter(view.ops.values()))[recent[-1]].op
+        said = self._slow.get(view.name)
+        self._slow[view.name] = named
+        if said is not None and not named:
+            return []  # "transport" said already in this episode; a rank may still follow
+        if named:
+            line = (f"{self._where(rank, by_rank)} slows group {view.display}: it issues last "
+                    f"in {n} of the last {window} ops"
+                    + (f" of group {where.display}" if where is not view else "")
+                    + f", {lag * 1e3:.0f} ms after the others; op interval {ratio:.1f}x its "
+                    f"baseline")
+            return [Finding("slow", view.display, (rank,), op, recent[-1], line, now, ev)]
+        line = (f"group {view.display} slowed: op interval {ratio:.1f}x its baseline, ops "
+                f"issued together by all ranks: transport (link) or peer")
+        return [Finding("slow", view.display, (), op, recent[-1], line, now, ev)]
+
+    def _lagger(self, view: GroupView) -> tuple[int, int, float, int] | None:
+        """(rank, ops it issued last in, its median lag behind the next, window) over the
+        group's last complete ops; None before there are any."""
+        recent = _complete(view)[-self.window_ops:]
+        if len(recent) < 2 or len(view.ops) < 2:
+            return None
+        last: Counter[int] = Counter()
+        lags: dict[int, list[float]] = defaultdict(list)
+        for s in recent:
+            times = sorted((view.ops[r][s].t_issue, r) for r in view.ops)
+            last[times[-1][1]] += 1
+            lags[times[-1][1]].append(times[-1][0] - times[-2][0])
+        rank, n = last.most_common(1)[0]
+        return rank, n, statistics.median(lags[rank]), len(recent)
+
+
+def _complete(view: GroupView) -> list[int]:
+    """The sequence numbers every member issued and completed, in order."""
+    if not view.ops or not set(view.ops) >= set(view.members):
+        return []
+    return sorted(s for s in set.intersection(*(set(o) for o in view.ops.values()))
+                  if all(view.ops[r][s].t_done is not None for r in view.ops))
+
+
+def _rate(seqs: list[int], starts: dict[int, float], nbytes: dict[int, int]
+          ) -> tuple[float, float]:
+    gaps = [starts[b] - starts[a] for a, b in zip(seqs, seqs[1:], strict=False)]
+    span = starts[seqs[-1]] - starts[seqs[0]]
+    interval = statistics.median(gaps) if gaps else 0.0
+    return interval, (sum(nbytes[s] for s in seqs[1:]) / span if span > 0 else 0.0)
+
+
+def _signature(op: Op) -> tuple[str, str, int]:
+    return (op.op, op.dtype, op.numel if op.op in SIZED_OPS else -1)
+
+
+def _sig_text(sig: tuple[str, str, int]) -> str:
+    op, dtype, numel = sig
+    return f"{op} {dtype}" + (f" x{numel}" if numel >= 0 else "")
+
+
+def _by_value(sigs: dict[int, Any]) -> dict[Any, list[int]]:
+    out: dict[Any, list[int]] = defaultdict(list)
+    for r, s in sorted(sigs.items()):
+        out[s].append(r)
+    return out
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _cycle(waits: dict[int, set[int]]) -> list[int]:
+    """A cycle in the wait-for graph (ranks in order), or []."""
+    for start in sorted(waits):
+        path, seen = [start], {start}
+        node = start
+        while True:
+            nxt = sorted(n for n in waits.get(node, ()) if n in waits)
+            if not nxt:
+                break
+            node = nxt[0]
+            if node in seen:
+                return path[path.index(node):]
+            path.append(node)
+            seen.add(node)
+    return []

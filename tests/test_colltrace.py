@@ -1,0 +1,283 @@
+"""Collective tracing: the ring, the recorder on real gloo jobs (FSDP2 and DCP included), and
+one injected fault per class, each named with its rank by the reader's analysis.
+
+Every job is a real one: ``bootseer.testing.colltrace_job`` forks 2-3 gloo ranks on loopback
+(torch imported once), tiny tensors, a fault injected at a fixed step. No timing assertions:
+each waits generously for the verdict and asserts what it says and whom it names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bootseer.colltrace.analyze import Analyzer
+from bootseer.colltrace.flight import snapshot
+from bootseer.colltrace.reader import Watch, read_verdicts
+from bootseer.colltrace.ring import OP_CODE, Ring, read_ring, read_rings
+from bootseer.testing.colltrace_job import Trial
+
+WAIT_S = 90.0  # generous: a loaded 2-core machine
+
+
+def test_ring_wraps_keeps_the_newest_and_skips_a_torn_record(tmp_path: Path) -> None:
+    ring = Ring(tmp_path, rank=3, world=4, capacity=8, node="node-x")
+    ring.add_group(1, {"name": "0", "desc": "dp-1", "ranks": [0, 1, 2, 3], "rank": 3})
+    offs = {}
+    for n in range(20):
+        offs[n] = ring.write(n, 1, OP_CODE["all_reduce"], 0, 1, n + 1, 4 * n, 16 * n,
+                             1_000_000_000 * n, -1)
+    ring.complete(offs[18], 18, 18_500_000_000)
+    ring.complete(offs[19], 19, 19_250_000_000, failed=True)
+    ring.complete(offs[17], 9, 1)  # a late completion of the slot's older op: ignored
+    assert stat.S_IMODE(os.stat(ring.path).st_mode) == 0o600
+    snap = read_ring(ring.path)
+    assert (snap.rank, snap.world, snap.pid, snap.node, snap.head) == (3, 4, os.getpid(),
+                                                                       "node-x", 20)
+    assert snap.groups["0"]["desc"] == "dp-1" and snap.groups["0"]["ranks"] == [0, 1, 2, 3]
+    assert [o.n for o in snap.ops] == list(range(12, 20))  # the 8 newest
+    o18, o19 = snap.ops[-2], snap.ops[-1]
+    assert (o18.op, o18.seq, o18.numel, o18.nbytes, o18.dtype, o18.t_issue, o18.t_done,
+            o18.failed) == ("all_reduce", 19, 72, 288, "float32", 18.0, 18.5, False)
+    assert o19.failed and o19.t_done == 19.25
+    assert all(o.t_done is None for o in snap.ops[:-2])
+    # a record being written (begin set, commit not yet) is not read
+    import struct
+    with open(ring.path, "r+b") as f:
+        f.seek(offs[12])  # slot of op 12 claimed by op 20, body not committed
+        f.write(struct.pack("<Q", 21))
+    assert [o.n for o in read_ring(ring.path).ops] == list(range(13, 20))
+    ring.close()
+
+
+#: fault -> (the rank it is injected into, world); all run at once in one module fixture
+FAULTS = {"sleep": 2, "kill": 1, "mismatch": 0, "deadlock": 2}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The clean job (FSDP2 and DCP at its end) and one job per hang-type fault, started
+    together (their imports overlap), each watched until its first verdict after the
+    injection; then every job is SIGKILLed and its rings left for the tests to read."""
+    base = tmp_path_factory.mktemp("colltrace")
+    out: dict[str, dict] = {}
+    clean = Trial("fsdp", str(base / "clean" / "rings"), world=2,
+                  extra=["--steps", "10", "--ckpt", str(base / "clean" / "ckpt")],
+                  env={"TORCH_FR_BUFFER_SIZE": "1000"})
+    # the sleeping rank's stack: its bootseer.client handler dumps into the trace dir
+    dumps = {"BOOTSEER_CONTROL_DIR": str(base / "sleep" / "control"),
+             "BOOTSEER_TRACE_DIR": str(base / "sleep" / "trace")}
+    trials = {f: Trial(f, str(base / f / "rings"), world=3, rank=r, at=20,
+                       env=dumps if f == "sleep" else None)
+              for f, r in FAULTS.items()}
+    watches = {f: Watch(base / f / "rings", trace_dir=base / f / "trace",
+                        log=lambda line: None) for f in FAULTS}
+    found: dict[str, list] = {f: [] for f in FAULTS}
+    before: dict[str, list] = {f: [] for f in FAULTS}
+    try:
+        deadline = time.monotonic() + WAIT_S * 2
+        pending = set(FAULTS)
+        while pending and time.monotonic() < deadline:
+            for f in sorted(pending):
+                injected = trials[f].injected is not None  # before the pass reads the rings
+                new = watches[f].poll(force=True)
+                (found if injected else before)[f].extend(new)
+                if found[f] or (trials[f].proc.poll() is not None and
+                                trials[f].injected is None):
+                    pending.discard(f)
+            time.sleep(0.5)
+        clean_code = clean.proc.wait(timeout=WAIT_S * 2)
+    finally:
+        for trial in [clean, *trials.values()]:
+            trial.stop()
+        for watch in watches.values():
+            watch.close()
+    out["clean"] = {"code": clean_code, "output": clean.output, "dir": base / "clean"}
+    for f in FAULTS:
+        assert trials[f].injected is not None, "\n".join(trials[f].output)
+        out[f] = {"found": found[f], "before": before[f], "dir": base / f}
+    return out
+
+
+def test_records_every_op_with_sizes_and_completions_no_false_alarm(jobs: dict) -> None:
+    """A clean 2-rank job: per group, sequence numbers 1..n on every rank, 4 x float32,
+    completion after issue; the analysis of the finished rings finds nothing."""
+    job = jobs["clean"]
+    assert job["code"] == 0, "\n".join(job["output"])
+    snaps = read_rings(job["dir"] / "rings")
+    assert [s.rank for s in snaps] == [0, 1]
+    for s in snaps:
+        descs = {g["desc"]: name for name, g in s.groups.items()}
+        assert {"grp-a", "grp-b", "default_pg"} <= set(descs)
+        for desc in ("grp-a", "grp-b"):
+            ops = [o for o in s.ops if o.group == descs[desc]]
+            assert [o.seq for o in ops] == list(range(1, 11))
+            assert {(o.op, o.numel, o.nbytes, o.dtype) for o in ops} == {
+                ("all_reduce", 4, 16, "float32")}
+        assert all(o.t_done is not None and o.t_done >= o.t_issue and not o.failed
+                   for o in s.ops)
+    assert Analyzer().analyze(snaps) == []
+
+
+def test_records_fsdp2_and_dcp_collectives(jobs: dict) -> None:
+    job = jobs["clean"]
+    assert (job["dir"] / "ckpt" / ".metadata").exists()
+    snaps = read_rings(job["dir"] / "rings")
+    default = {s.rank: next(n for n, g in s.groups.items() if g["desc"] == "default_pg")
+               for s in snaps}
+    by_rank = {s.rank: [o for o in s.ops if o.group == default[s.rank]] for s in snaps}
+    sigs = {r: [(o.seq, o.op, o.dtype) for o in ops] for r, ops in by_rank.items()}
+    assert sigs[0] == sigs[1]  # the same ops in the same order on both ranks
+    names = [o.op for o in by_rank[0]]
+    # FSDP2: parameters all-gathered (forward, backward), gradients reduce-scattered
+    gathers = [o for o in by_rank[0] if o.op == "all_gather_single"]
+    scatters = [o for o in by_rank[0] if o.op == "reduce_scatter_single"]
+    assert gathers and scatters
+    # the first layer's parameters, 16*8 + 16 floats: each rank's shard is half of them
+    assert any(o.nbytes == 72 * 4 for o in gathers), sorted({o.nbytes for o in gathers})
+    assert any(o.nbytes == 144 * 4 for o in scatters), sorted({o.nbytes for o in scatters})
+    # DCP's save: plan exchange and commit as object collectives, after the last FSDP op
+    after = names[max(i for i, n in enumerate(names) if n == "reduce_scatter_single") + 1:]
+    assert {"gather", "scatter", "broadcast"} <= set(after), after
+    # reduce_scatter on gloo has no future: its completion comes from the wrapped wait()
+    assert all(o.t_done is not None and not o.failed for o in scatters)
+    # the Flight Recorder saw the same ops under the same sequence numbers (gloo's names:
+    # all_gather for all_gather_single, all_reduce for reduce_scatter), all completed
+    fr_file = next((job["dir"] / "rings").glob("fr-rank0-*.json"))
+    fr = snapshot(json.loads(fr_file.read_text()), 0)
+    fr_ops = [o for o in fr.ops if o.group == default[0]]
+    assert [o.seq for o in fr_ops] == [o.seq for o in by_rank[0]]
+    assert [o.numel for o in fr_ops if o.op == "all_gather"][:4] == [o.numel for o in gathers]
+    assert all(o.t_done is not None for o in fr_ops)
+
+
+def _first(jobs: dict, fault: str):
+    job = jobs[fault]
+    # before the fault: no rank named (a load spike may read as a slowdown naming nobody)
+    assert all(not f.ranks for f in job["before"]), [f.line for f in job["before"]]
+    assert job["found"], f"no verdict for {fault}"
+    return job["found"][0]
+
+
+def test_sleeping_rank_never_issued(jobs: dict) -> None:
+    f = _first(jobs, "sleep")
+    assert (f.kind, f.ranks, f.op, f.seq, f.group) == ("never_issued", (2,), "all_reduce", 21,
+                                                        "grp-a")
+    assert f.line.startswith("rank 2 (") and "never issued all_reduce #21 in group grp-a; " \
+        "2 ranks wait in it since" in f.line
+    assert sorted(f.evidence["waiting"]) == [0, 1]
+    # its stack, asked by SIGUSR1 and read from the robust dump: the sleep in rank_main
+    stack = f.evidence["stacks"]["2"]
+    assert "colltrace_job.py" in stack.splitlines()[0] and "rank_main" in stack.splitlines()[0]
+    assert "; stack: File " in f.line
+    # written into the trace, with the grid of ranks x groups
+    verdicts, grids = read_verdicts([jobs["sleep"]["dir"] / "trace"])
+    assert verdicts[0]["line"] == f.line and verdicts[0]["ranks"] == [2]
+    assert grids[-1]["grid"]["grp-a"]["2"] == "root"
+    assert {grids[-1]["grid"]["grp-a"][r] for r in ("0", "1")} <= {"stuck", "in_op"}
+
+
+def test_rank_killed_in_a_collective(jobs: dict) -> None:
+    f = _first(jobs, "kill")
+    assert (f.kind, f.ranks, f.op, f.seq) == ("died", (1,), "all_reduce", 21), (f.line,
+                                                                              f.evidence)
+    assert "rank 1 (" in f.line and "died in all_reduce #21 in group grp-a" in f.line
+    # the SIGKILLed rank's ring is still readable: its op issued, never completed
+    ops = {s.rank: s.ops for s in read_rings(jobs["kill"]["dir"] / "rings")}
+    a = next(n for s in read_rings(jobs["kill"]["dir"] / "rings") for n, g in s.groups.items()
+             if g["desc"] == "grp-a")
+    last = [o for o in ops[1] if o.seq == 21 and o.group == a]
+    assert len(last) == 1 and last[0].t_done is None and last[0].op == "all_reduce"
+
+
+def test_mismatched_collective_named(jobs: dict) -> None:
+    f = _first(jobs, "mismatch")
+    assert (f.kind, f.ranks, f.seq) == ("mismatch", (0,), 21)
+    assert "rank 0: all_reduce float32 x8" in f.line and "ranks 1, 2: all_reduce float32 x4" \
+        in f.line
+
+
+def test_two_groups_deadlock(jobs: dict) -> None:
+    f = _first(jobs, "deadlock")
+    assert (f.kind, f.ranks) == ("deadlock", (2,))
+    sides = f.evidence["sides"]
+    assert sides["grp-a#21"] == {"waiting": [0, 1], "missing": [2]}
+    assert sides["grp-b#21"] == {"waiting": [2], "missing": [0, 1]}
+
+
+def test_slowed_rank_named(tmp_path: Path) -> None:
+    trial = Trial("slow", str(tmp_path / "rings"), world=3, rank=1, at=60)
+    watch = Watch(tmp_path / "rings", log=lambda line: None)
+    try:
+        found = trial.watch(watch, WAIT_S, until=lambda f: f.kind == "slow" and f.ranks)
+    finally:
+        trial.stop()
+        watch.close()
+    assert trial.injected is not None, "\n".join(trial.output)
+    # before the fault: no rank named (a load spike may read as a slowdown naming nobody)
+    assert all(not f.ranks for f in trial.before), [f.line for f in trial.before]
+    slow = [f for f in found if f.kind == "slow" and f.ranks]
+    assert slow and slow[0].ranks == (1,), [f.line for f in found]
+    assert slow[0].evidence["interval_s"] > 2 * slow[0].evidence["baseline_interval_s"] or \
+        slow[0].evidence["bytes_per_s"] < slow[0].evidence["baseline_bytes_per_s"] / 2
+    assert all(x.ranks in ((1,), ()) for x in found)
+
+
+def test_bootseer_run_writes_the_verdict_of_a_killed_rank(tmp_path: Path) -> None:
+    """The agent hook: ``bootseer run --colltrace`` gives the job its ring directory, reads
+    the rings, and the crash's event carries the tracer's verdict; ``bootseer report``
+    shows it."""
+    trace, rings = tmp_path / "trace", tmp_path / "rings"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BOOTSEER_")}
+    cmd = [sys.executable, "-m", "bootseer", "run", "--trace-dir", str(trace),
+           "--state-dir", str(tmp_path / "state"), "--max-restarts", "0", "--colltrace",
+           "--colltrace-dir", str(rings), "--node", "node-t", "--min-free-disk", "0",
+           "--", sys.executable, "-m", "bootseer.testing.colltrace_job", "--world", "3",
+           "--dir", "", "--fault", "kill", "--rank", "2", "--at",
+           "15", "--steps", "200"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WAIT_S * 2)
+    assert out.returncode != 0
+    assert "colltrace: rank 2 (node-t) died in all_reduce #16 in group grp-a" in out.stderr, \
+        out.stderr[-3000:]
+    verdicts, _ = read_verdicts([trace])
+    assert verdicts and verdicts[0]["kind"] == "died" and verdicts[0]["ranks"] == [2]
+    docs = [json.loads(line) for p in trace.glob("*.jsonl") for line in p.read_text()
+            .splitlines()]
+    crash = [d for d in docs if d.get("record") == "event" and d["kind"] == "crash"]
+    assert crash and any("rank 2 (node-t) died" in x for x in crash[-1]["evidence"]["colltrace"])
+    assert crash[-1]["rank"] == 2  # gloo's error names no rank: the tracer's does
+    rep = subprocess.run([sys.executable, "-m", "bootseer", "report", str(trace)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    assert "collectives" in rep.stdout and "rank 2 (node-t) died in all_reduce #16" in rep.stdout
+
+
+def test_agent_hang_event_carries_the_tracer_verdict(jobs: dict, tmp_path: Path) -> None:
+    """The agent's hang event (heartbeats silent past the threshold) holds the verdict lines
+    of the rings it reads in the same watch loop: here the sleeping job's rings, kept after
+    the job (the sleeping rank's process is gone by now, which the line says)."""
+    import shutil
+    import time as clock
+
+    from bootseer.robust.agent import Agent
+    from bootseer.robust.detect import Beat, HangDetector
+
+    shutil.copytree(jobs["sleep"]["dir"] / "rings", tmp_path / "rings" / "attempt-0")
+    watch = Watch(tmp_path / "rings", log=lambda line: None)
+    agent = Agent(None, "node-h", hang=HangDetector(1.0), colltrace=watch,
+                  log=lambda line: None)
+    agent.start_attempt(0)
+    now = clock.time()
+    agent.observe(Beat(rank=0, step=20, time=now - 30))
+    event = agent.check_hang(now)
+    assert event is not None and event.kind == "hang"
+    lines = event.evidence["colltrace"]
+    assert any(line.startswith("rank 2 (") and "never issued all_reduce #21 in group grp-a"
+               in line for line in lines), lines
