@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -194,16 +195,18 @@ def main(argv: list[str] | None = None) -> int:
             faults = schedule(args.seed, args.minutes, args.interval, args.nodes, args.nproc)
             out = work / mode
             out.mkdir()
-            with Cluster(args.nodes, services=("s3", "rendezvous"), disk_size="64m",
-                         workdir=work) as cluster:
-                report[mode] = soak(cluster, out, mode, faults, args)
-                report[mode]["schedule"] = as_dicts(faults)
+            try:
+                with Cluster(args.nodes, services=("s3", "rendezvous"), disk_size="64m",
+                             workdir=work) as cluster:
+                    report[mode] = soak(cluster, out, mode, faults, args)
+                    report[mode]["schedule"] = as_dicts(faults)
+            finally:  # the logs and traces, for a reader of the results (also of a failure)
+                keep = Path(args.results) / f"robust-{mode}"
+                for sub in ("logs", "trace", "ctl"):
+                    with contextlib.suppress(OSError):
+                        shutil.copytree(out / sub, keep / sub, dirs_exist_ok=True)
             report["machine"]["load_after"] = os.getloadavg()
             write(Path(args.results), report, args.hang_timeout)
-            with contextlib.suppress(Exception):  # the logs, for a reader of the results
-                import shutil
-                shutil.copytree(out / "logs", Path(args.results) / f"robust-{mode}-logs",
-                                dirs_exist_ok=True)
     print("\n".join(json.dumps(report.get(m, {}).get("ettr_steps")) for m in modes))
     return 0
 

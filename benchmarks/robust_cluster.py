@@ -51,7 +51,7 @@ class SoakJob:
 
     def __init__(self, cluster: Cluster, out: Path, mode: str, *, nproc: int = 2,
                  hang_timeout_s: float = 10.0, pg_timeout_s: float = 60.0,
-                 peer_restarts: int = 1000, step_time_s: float = 0.3, save_every: int = 10,
+                 peer_restarts: int = 1000, step_time_s: float = 0.3, save_every: int = 20,
                  dump_wait_s: float = 10.0, log: Any = print) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
@@ -98,7 +98,7 @@ class SoakJob:
         self._readers.append(reader)
 
     def _job_argv(self, node: Node) -> list[str]:
-        opts = json.dumps(self.c.services.storage_options())
+        opts = json.dumps({"s3": self.c.services.storage_options()})
         argv = [str(JOB), "--out", str(self.out), "--ckpt", self.ckpt, "--storage-options", opts,
                 "--local-dir", str(node.dirs.work / "job"), "--step-time", str(self.step_time_s),
                 "--save-every", str(self.save_every), "--pg-timeout", str(self.pg_timeout_s)]

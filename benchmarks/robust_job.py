@@ -163,7 +163,7 @@ def train(args: argparse.Namespace) -> None:
             grads[0].fill_(float("nan"))
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
                                                            for g in grads])))
-        if args.nan_guard and not (math.isfinite(norm) and math.isfinite(float(loss))):
+        if args.nan_guard and not (math.isfinite(norm) and math.isfinite(float(loss.detach()))):
             raise FloatingPointError(f"non-finite gradient norm {norm} on rank {rank} at "
                                      f"step {step}")
         if kind == "collective_hang":
@@ -172,11 +172,13 @@ def train(args: argparse.Namespace) -> None:
             dist.all_reduce(g)
             g /= world
         opt.step()
-        (local / f"rank{rank}.last").write_text(json.dumps({"step": step}))  # ENOSPC when full
+        mark = local / f"rank{rank}.{step}"  # a new file each step: ENOSPC once the disk is full
+        mark.write_text(json.dumps({"step": step}))
+        (local / f"rank{rank}.{step - 1}").unlink(missing_ok=True)
         if step == start:
             bootseer.ready()
-        bootseer.heartbeat(step, loss=float(loss), grad_norm=norm)
-        append(steps_log, {"step": step, "time": time.time(), "loss": float(loss),
+        bootseer.heartbeat(step, loss=float(loss.detach()), grad_norm=norm)
+        append(steps_log, {"step": step, "time": time.time(), "loss": float(loss.detach()),
                            "pid": os.getpid(), "attempt": attempt})
         if (step + 1) % args.save_every == 0:
             mgr.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
