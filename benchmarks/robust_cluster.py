@@ -66,6 +66,7 @@ class SoakJob:
         self.agent_names: dict[int, str] = {}
         self.relaunches: list[dict[str, Any]] = []  # {"time", "node", "why", "as"}
         self.lost_at: dict[int, float] = {}
+        self.down: set[str] = set()  # services taken down (a replacement node meets them too)
         self._readers: list[threading.Thread] = []
         for sub in ("logs", "faults", "trace", "ctl"):
             (out / sub).mkdir(parents=True, exist_ok=True)
@@ -155,6 +156,8 @@ class SoakJob:
                 with contextlib.suppress(HostDead):
                     node.kill()
                 self.c.replace_node(i)
+                for service in self.down:
+                    self.c.service_down(service)
                 if self.mode == "bootseer" and why == "lost":
                     self._wait_for_verdict_after(self.lost_at.get(i, 0.0))
             else:
@@ -165,6 +168,11 @@ class SoakJob:
             done.append(f"{name} {why}: started {self.agent_names[i]}")
             self.log(f"operator: {done[-1]}")
         return done
+
+    def service_down(self, name: str, down: bool = True) -> None:
+        """A service down for every node, the ones that replace them included (or back)."""
+        (self.down.add if down else self.down.discard)(name)
+        self.c.service_down(name, down)
 
     def lose_node(self, i: int) -> None:
         """Node ``i`` is lost: every process on it killed at once (the operator replaces it)."""

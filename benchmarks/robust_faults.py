@@ -122,7 +122,7 @@ class Injector:
                 job.c.fill_disk(fault.node)
                 self._undo.append((now + DISK_HOLD_S, "free_disk", (fault.node, node)))
         elif fault.kind == "store_down":
-            job.c.service_down("s3")
+            job.service_down("s3")
             self._undo.append((now + STORE_DOWN_S, "store_up", None))
         fault.injected = info
         self.log(f"inject: {fault.describe()} {json.dumps(info)}")
@@ -136,7 +136,7 @@ class Injector:
             self._undo.remove(item)
             _, what, arg = item
             if what == "store_up":
-                self.job.c.service_down("s3", False)
+                self.job.service_down("s3", False)
                 self.log("operator: the checkpoint store is back")
             elif what == "free_disk":
                 index, node = arg

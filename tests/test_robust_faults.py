@@ -131,7 +131,7 @@ def test_the_checkpoint_store_down_is_a_storage_error_and_recovers(soak) -> None
         and e["time"] >= down_at and e.get("class") == "storage_error"], job)[0]
     assert crash["evidence"]["exception"] == "botocore.exceptions.EndpointConnectionError"
     assert "127.0.0.1:9000" in crash["evidence"]["matched"][0]  # the store's endpoint
-    job.c.service_down("s3", False)
+    job.service_down("s3", False)
     back = time.time()
     # recovered: the job steps on and commits a new checkpoint after the store came back
     _until("a checkpoint saved after the store came back", lambda: any(
