@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -44,9 +45,13 @@ HEALTHY_AFTER_S = 5.0  # a fault waits until the job stepped this long after the
 TARGETS = {"crash_detection_s": 2.0, "named_share": 0.95, "ettr": 0.90}
 
 
-def last_step_time(out: Path) -> float:
+def last_good_step_time(out: Path) -> float:
+    """When rank 0 last finished a step with a finite loss (a NaN's steps do not count as
+    recovered: after the all-reduce every rank trains on NaN until it is stopped)."""
     log0 = steps(out)
-    return log0[-1]["time"] if log0 else 0.0
+    if not log0 or not math.isfinite(log0[-1]["loss"]):
+        return 0.0
+    return log0[-1]["time"]
 
 
 def soak(cluster: Any, out: Path, mode: str, faults: list[Fault], args: argparse.Namespace
@@ -73,8 +78,9 @@ def soak(cluster: Any, out: Path, mode: str, faults: list[Fault], args: argparse
             job.tend()
             inj.tick()
             now = time.time()
-            healthy = last_step_time(out) > last_fault + HEALTHY_AFTER_S and \
-                now - last_step_time(out) < 5 and not inj.store_is_down()
+            last = last_good_step_time(out)
+            healthy = last > last_fault + HEALTHY_AFTER_S and now - last < 5 and \
+                not inj.store_is_down()
             if pending and now - t_start >= pending[0].at_s and healthy:
                 fault = pending.pop(0)
                 inj.inject(fault)
