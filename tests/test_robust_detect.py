@@ -71,6 +71,15 @@ def test_a_missed_nan_is_found_through_first_nonfinite():
     assert (nan.rank, nan.step, nan.evidence) == (1, 7, {"grad_norm": "inf"})
 
 
+def test_a_missed_nan_is_dated_at_its_first_step_even_when_the_beat_read_is_bad_too():
+    """Found by the soak: a NaN gradient at step 3 makes step 4's loss NaN; a reader that
+    polled past step 3 must still say 3."""
+    metrics = MetricDetector()
+    [nan] = metrics.observe(Beat(0, 4, 5.0, loss=float("nan"), grad_norm=float("nan"),
+                                 first_nonfinite={"step": 3, "grad_norm": "nan"}))
+    assert (nan.step, nan.evidence) == (3, {"grad_norm": "nan"})
+
+
 def test_a_5x_jump_over_the_recent_median():
     metrics = MetricDetector(factor=5.0, window=20, min_history=5)
     losses = [2.0, 2.1, 1.9, 2.0, 2.2, 9.9, 11.0]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 SUITES = ("striped", "ckpt", "snapshot", "prefetch", "containerd", "fuse", "restart", "update",
-          "memckpt", "colltrace", "e2e")
+          "memckpt", "colltrace", "e2e", "robust")
 TAKES_BASE = ("prefetch", "containerd", "e2e")  # the suites that build an image from a base
 TAIL_LINES = 25
 STOP_GRACE_S = 300.0  # a suite's own clean-up after SIGTERM (unmounts, containerd tasks)
@@ -52,6 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "bootseer (default all)")
     p.add_argument("--nodes", type=int, default=None,
                    help="e2e on N nodes of a cluster of network namespaces (writes e2e-nodes.*)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="robust: training minutes per mode (default 20; --quick 5)")
     p.set_defaults(func=run)
 
 
@@ -201,7 +203,9 @@ def run_suite(directory: Path, suite: str, args: argparse.Namespace,
             *(["--base", args.base] if args.base and suite in TAKES_BASE else []),
             *(["--methods", args.methods] if args.methods and suite == "e2e" else []),
             *(["--nodes", str(args.nodes)] if getattr(args, "nodes", None) and suite == "e2e"
-              else [])]
+              else []),
+            *(["--minutes", str(args.minutes)] if getattr(args, "minutes", None)
+              and suite == "robust" else [])]
     env = {**env, "BOOTSEER_BENCH_COMMAND": shlex.join(["bootseer", "bench", suite, *argv])}
     files = "e2e-nodes" if "--nodes" in argv else suite  # the results' names
     before = results_state(results, files)

@@ -162,8 +162,11 @@ class MetricDetector:
             first = beat.first_nonfinite or {}
             if bad or first:  # this beat, or an earlier one this reader missed
                 self._nonfinite_told.add(beat.rank)
-                step = beat.step if bad else first.get("step")
-                shown = bad or {m: first[m] for m in self.METRICS if m in first}
+                # the first one wins: a reader that missed it may see a later bad beat (a NaN
+                # gradient makes the next step's loss NaN too)
+                step = first.get("step", beat.step) if first else beat.step
+                shown = {m: first[m] for m in self.METRICS
+                         if (v := metric(first.get(m))) is not None and not math.isfinite(v)} or bad
                 events.append(Event("nonfinite", "nonfinite", node=beat.node, rank=beat.rank,
                                     step=step, time=beat.time, evidence=shown))
         for name, value in values.items():

@@ -267,3 +267,13 @@ class Cluster:
 
     def free_disk(self, index: int) -> None:
         self.nodes[index].free_disk()
+
+    def service_down(self, name: str, down: bool = True) -> None:
+        """Take a proxied service ("s3", "registry", "index") down for every node, or bring it
+        back: while down, open connections are reset and new ones refused at once, as by a
+        dying server; its data stays (the server itself keeps running)."""
+        for node in self.nodes:
+            proxy = node._proxy(name)
+            proxy.set_refuse(down)
+            if down:
+                proxy.drop_active()

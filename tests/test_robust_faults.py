@@ -1,0 +1,157 @@
+"""The short forms of the soak's fault classes (``bootseer bench robust``) that no other test
+injects: a hang in a dataloader worker, NaN in one rank's gradient, a full disk on a node, the
+checkpoint store down. One job (the soak's ``benchmarks/robust_job.py``, 2 nodes x 1 rank,
+``bootseer run --controller`` on each, ``bootseer controller``) runs on one cluster for the
+whole module; the tests inject into it in order (a hang; a NaN, then the store down while the
+job restarts from it; a full disk last), waiting for the job to step again only where the next
+test needs it: every restart costs tens of seconds on a loaded 2-core machine. docs/robust.md lists which test covers which class.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from robust_cluster import SoakJob, read_records  # noqa: E402
+from robust_faults import Fault, Injector, taken  # noqa: E402
+from robust_measure import node_events, steps  # noqa: E402
+
+pytestmark = pytest.mark.slow  # restarts of a 2-node job: minutes on a loaded 2-core machine
+
+WAIT_S = 300.0  # a shared 2-core machine: restarts import torch on both nodes at once
+# The hang threshold is above the seconds torchrun takes to exit after its rank failed (5 s
+# and more on a loaded machine): a shorter one lets the peer node's hang open the incident
+# first, and the crash is never classified (docs/robust.md, "The soak benchmark").
+
+
+@pytest.fixture(scope="module")
+def soak(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SoakJob, Injector]]:
+    from conftest import require_component
+
+    from bootseer.testing.cluster import Cluster
+    from bootseer.testing.servers import ComponentUnavailable
+
+    out = tmp_path_factory.mktemp("soak")
+    cluster = Cluster(2, services=("s3", "rendezvous"), disk_size="64m")
+    try:
+        cluster.start()
+    except ComponentUnavailable as exc:
+        require_component(str(exc))
+    job = SoakJob(cluster, out, "bootseer", nproc=1, hang_timeout_s=20.0, step_time_s=0.2,
+                  save_every=10, dump_wait_s=10.0, log=lambda _: None)
+    try:
+        job.start()
+        yield job, Injector(job, log=lambda _: None)
+    finally:
+        job.close()
+        cluster.close()
+
+
+def _until(what: str, ready: Callable[[], Any], job: SoakJob, timeout_s: float = WAIT_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (got := ready()):
+        if time.monotonic() > deadline:
+            logs = {p.name: p.read_text()[-2000:] for p in (job.out / "logs").glob("*.log")}
+            raise AssertionError(f"no {what} in {timeout_s:.0f} s: {logs}")
+        job.tend()
+        time.sleep(0.3)
+    return got
+
+
+def _stepping_after(job: SoakJob, since: float, n: int = 3) -> None:
+    """Rank 0 of a process started after ``since`` finished ``n`` steps (the job is back)."""
+    def back() -> bool:
+        fresh = {s["pid"] for s in read_records(job.out / "starts.jsonl") if s["time"] > since}
+        return len([s for s in steps(job.out) if s["pid"] in fresh]) >= n
+    _until(f"{n} steps of a process started after {since:.1f}", back, job)
+
+
+def _inject(inj: Injector, kind: str, *, rank: int | None = None,
+            node: int | None = None) -> Fault:
+    fault = Fault(f"t-{kind}", kind, 0.0, rank=rank, node=node)
+    inj.inject(fault)
+    return fault
+
+
+def _verdict_after(job: SoakJob, since: float, failure_class: str) -> dict[str, Any]:
+    return _until(f"{failure_class} verdict", lambda: [
+        v for v in job.verdicts() if v["time"] >= since and v["class"] == failure_class], job)[0]
+
+
+def test_a_dataloader_worker_hang_is_localized_to_its_rank(soak) -> None:
+    job, inj = soak
+    _stepping_after(job, 0.0)
+    fault = _inject(inj, "dataloader_hang", rank=1)
+    claimed = _until("claim", lambda: taken(job.out, fault), job)
+    verdict = _verdict_after(job, claimed["time"], "hang")
+    assert (verdict["class"], verdict["action"]) == ("hang", "replace_and_restart"), verdict
+    assert verdict["ranks"] == [1], verdict
+    assert verdict["nodes"] == [claimed["host"]]  # the hung rank's node, and no other
+    # the worker's dump names the frame it hangs in; rank 0's trainer waits in all_reduce
+    incident = verdict["evidence"]["incident"]
+    dumps = {p.name: p.read_text() for p in (job.out / "trace").glob(f"dump-*-i{incident}-*")}
+    assert any("rank1" in n and "hang_in_dataloader_worker" in t for n, t in dumps.items())
+    assert not any("rank0" in n and "hang_in_dataloader_worker" in t for n, t in dumps.items())
+    assert any("rank0" in n and "all_reduce" in t for n, t in dumps.items()), list(dumps)
+    _stepping_after(job, verdict["time"])  # the evicted node replaced, the job back
+    assert any(r["why"] == "evicted" for r in job.relaunches)
+
+
+def test_nan_in_one_ranks_gradient_is_detected_at_its_step(soak) -> None:
+    job, inj = soak
+    fault = _inject(inj, "nan", rank=0)
+    claimed = _until("claim", lambda: taken(job.out, fault), job)
+    nan = _until("nonfinite event", lambda: [
+        e for e in node_events(job.out) if e["kind"] == "nonfinite"
+        and e["time"] >= claimed["time"] - 1], job)[0]
+    assert nan["rank"] == 0 and nan["step"] == claimed["step"], (nan, claimed)
+    assert nan["evidence"] == {"grad_norm": "nan"}  # the loss of that step was still finite
+    local = [v for v in read_records(job.out / "trace" / f"{nan['node']}.jsonl", "verdict")
+             if v["class"] == "nonfinite"]
+    assert local and (local[-1]["action"], local[-1]["ranks"]) == ("restart_in_place", [0])
+    # not waited for: the store test that follows takes the store down while the job restarts
+
+
+def test_the_checkpoint_store_down_is_a_storage_error_and_recovers(soak) -> None:
+    job, inj = soak
+    before = max(s["step"] for s in steps(job.out))
+    fault = _inject(inj, "store_down")  # the restart after the NaN meets it (or a save does)
+    down_at = fault.injected["time"]
+    crash = _until("storage error", lambda: [
+        e for e in node_events(job.out) if e["kind"] == "crash"
+        and e["time"] >= down_at and e.get("class") == "storage_error"], job)[0]
+    assert crash["evidence"]["exception"] == "botocore.exceptions.EndpointConnectionError"
+    assert "127.0.0.1:9000" in crash["evidence"]["matched"][0]  # the store's endpoint
+    job.service_down("s3", False)
+    back = time.time()
+    # recovered: the job steps on and commits a new checkpoint after the store came back
+    _until("a checkpoint saved after the store came back", lambda: any(
+        s["step"] > before + 2 * job.save_every for s in steps(job.out)
+        if s["time"] > back), job)
+    verdicts = [v for v in job.verdicts() if v["time"] >= down_at]
+    assert all(v["nodes"] == [] for v in verdicts), verdicts  # nobody evicted for it
+    assert any(v["class"] == "storage_error" for v in verdicts), verdicts
+
+
+def test_a_full_disk_is_classified_and_its_node_named(soak) -> None:
+    job, inj = soak
+    fault = _inject(inj, "disk_full", node=0)  # the job steps: the store test waited for it
+    host, agent = fault.injected["host"], fault.injected["agent"]
+    crash = _until("disk_full crash", lambda: [
+        e for e in node_events(job.out) if e["kind"] == "crash"
+        and e["time"] >= fault.injected["time"] and e.get("class") == "disk_full"], job)[0]
+    assert crash["node"] == agent and crash["evidence"]["rule"] == "enospc"
+    verdict = _verdict_after(job, fault.injected["time"], "disk_full")
+    assert (verdict["class"], verdict["action"]) == ("disk_full", "replace_and_restart")
+    assert verdict["nodes"] == [agent], (verdict, host)
+    excluded = json.loads((job.out / "excluded.json").read_text())["nodes"]
+    assert excluded[agent]["class"] == "disk_full"
