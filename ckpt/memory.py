@@ -369,6 +369,7 @@ class MemoryTier:
                 if o.status != OK and o.message.startswith(PARTLY_WRITTEN):
                     self.damaged.append(f"rank {o.rank} step {o.step} ({o.path or 'memory'}): "
                                         f"{o.message}")
+                if o.status != OK:
                     log.warning("memory tier: step %d from %s cannot be loaded by rank %d: %s; "
                                 "every rank tries again without it", o.step, o.path or
                                 "memory", o.rank, o.message)
