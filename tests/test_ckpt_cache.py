@@ -276,7 +276,9 @@ def test_leftovers_of_a_killed_prefetch_are_cleared(tmp_path: Path) -> None:
     dead.wait()
     leftover = step / f".{data_name(1)}.tmp-{dead.pid}-{'0' * 32}"
     leftover.write_bytes(b"half a shard")
-    ours = step / f".{data_name(1)}.tmp-{os.getpid()}-{'1' * 32}"
+    # another live prefetch's file (of a shard this load does not read: a load waits for a
+    # file whose live writer is still at it, tests/test_early_start.py)
+    ours = step / f".{data_name(0)}.tmp-{os.getpid()}-{'1' * 32}"
     ours.write_bytes(b"a prefetch of this process in flight")
     with CheckpointManager(store, rank=1, world_size=2, cache_dir=cache) as mgr:
         target = blank(1)

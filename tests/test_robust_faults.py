@@ -106,21 +106,6 @@ def test_a_dataloader_worker_hang_is_localized_to_its_rank(soak) -> None:
     assert any(r["why"] == "evicted" for r in job.relaunches)
 
 
-def test_nan_in_one_ranks_gradient_is_detected_at_its_step(soak) -> None:
-    job, inj = soak
-    fault = _inject(inj, "nan", rank=0)
-    claimed = _until("claim", lambda: taken(job.out, fault), job)
-    nan = _until("nonfinite event", lambda: [
-        e for e in node_events(job.out) if e["kind"] == "nonfinite"
-        and e["time"] >= claimed["time"] - 1], job)[0]
-    assert nan["rank"] == 0 and nan["step"] == claimed["step"], (nan, claimed)
-    assert nan["evidence"] == {"grad_norm": "nan"}  # the loss of that step was still finite
-    local = [v for v in read_records(job.out / "trace" / f"{nan['node']}.jsonl", "verdict")
-             if v["class"] == "nonfinite"]
-    assert local and (local[-1]["action"], local[-1]["ranks"]) == ("restart_in_place", [0])
-    # not waited for: the store test that follows takes the store down while the job restarts
-
-
 def test_the_checkpoint_store_down_is_a_storage_error_and_recovers(soak) -> None:
     job, inj = soak
     before = max(s["step"] for s in steps(job.out))
@@ -155,3 +140,29 @@ def test_a_full_disk_is_classified_and_its_node_named(soak) -> None:
     assert verdict["nodes"] == [agent], (verdict, host)
     excluded = json.loads((job.out / "excluded.json").read_text())["nodes"]
     assert excluded[agent]["class"] == "disk_full"
+
+
+def test_nan_in_one_ranks_gradient_is_detected_at_its_step(soak) -> None:
+    job, inj = soak
+    fault = _inject(inj, "nan", rank=0)
+    claimed = _until("claim", lambda: taken(job.out, fault), job)
+    nan = _until("nonfinite event", lambda: [
+        e for e in node_events(job.out) if e["kind"] == "nonfinite"
+        and e["time"] >= claimed["time"] - 1], job)[0]
+    assert nan["rank"] == 0 and nan["step"] == claimed["step"], (nan, claimed)
+    assert nan["evidence"] == {"grad_norm": "nan"}  # the loss of that step was still finite
+    # under a controller the NaN is the controller's to decide: it stops the job, runs the
+    # stop-time checks on both nodes (collective self-test, bitwise alignment), and with no
+    # node failing them restarts in place, evicting nobody
+    verdict = _until("the controller's verdict on the NaN", lambda: [
+        v for v in job.verdicts() if v["class"] == "nonfinite"
+        and v["time"] >= nan["time"]], job)[0]
+    check = verdict["evidence"]["check"]
+    failed = {f["node"] for f in check["failed"]}
+    if verdict["action"] == "restart_in_place":
+        assert verdict["nodes"] == [] and not failed, verdict
+    else:  # an eviction only for a node that failed a check, and only that node
+        assert verdict["action"] == "replace_and_restart" and set(verdict["nodes"]) == failed, \
+            verdict
+    # last in the module: the soak found that a job restarted after a NaN under the controller
+    # can NaN again (docs/robust.md, known gaps); the tests before it need a job that steps
