@@ -40,7 +40,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import command_line, md_table, sigterm_as_interrupt, source_state  # noqa: E402
+from _common import (  # noqa: E402
+    cache_dir,
+    command_line,
+    md_table,
+    sigterm_as_interrupt,
+    source_state,
+)
 
 TARGET_OVERHEAD = 0.01
 TARGET_S = 15.0
@@ -304,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     trials = args.trials or (1 if args.quick else 10)
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench-colltrace-"))
+    cache = cache_dir()  # the suites' work directory (BOOTSEER_BENCH_CACHE): a file there fails
+    cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-colltrace-", dir=cache))
     if args.only_cluster:
         try:
             link = cluster_link(work, trials, timeout_s=60.0)
