@@ -275,6 +275,7 @@ class Supervisor:
         self._stopping: int | None = None
         self._child: subprocess.Popen[bytes] | None = None
         self._status: int | None = None
+        self._skip_rules: list[Any] = []  # ckpt.skip.SkipRule per NaN verdict, for restarts
 
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> int:
@@ -324,17 +325,33 @@ class Supervisor:
             return "restart"
         verdict = end.detail.get("verdict")
         if end.detail.get("remote"):
-            return self.remote.local_action(verdict)
+            return self.remote.local_action(self._skip_after(verdict))
         lines = self.tail.lines() if self.tail else []
         if verdict is None and self.remote is not None:  # the controller decides, if it can
             event = self.agent.crash_event(end.code, lines)
             verdict = self._remote_verdict(event, end.attempt)
             if verdict is not None:
-                return self.remote.local_action(verdict)
-            return self.agent.local_action(self.agent.judge(event))
+                return self.remote.local_action(self._skip_after(verdict))
+            return self.agent.local_action(self._skip_after(self.agent.judge(event)))
         if verdict is None:  # a crash: classified from its exit and last lines
             verdict = self.agent.judge_crash(end.code, lines)
-        return self.agent.local_action(verdict)
+        return self.agent.local_action(self._skip_after(verdict))
+
+    def _skip_after(self, verdict: Any) -> Any:
+        """After a NaN verdict, every later attempt passes over the checkpoints the failed
+        attempt saved from the NaN's step on (they hold the NaN: resuming from one NaNs again);
+        said once, and handed down as ``BOOTSEER_CKPT_SKIP`` (ckpt/skip.py)."""
+        from ckpt.skip import SkipRule
+
+        from .robust.policy import nonfinite_step
+
+        step = nonfinite_step(verdict) if verdict is not None else None
+        if step is not None:
+            self._skip_rules.append(SkipRule(step, time.time(), f"{verdict.failure_class} "
+                                             f"verdict after attempt {len(self.attempts) - 1}"))
+            self.log(f"checkpoints saved from step {step} on by the failed attempt hold the "
+                     "non-finite value: the restart resumes from an earlier one")
+        return verdict
 
     def _startup(self, attempt: int) -> Mapping[str, str]:
         """The hook in a thread, while the main thread keeps answering signals."""
@@ -410,6 +427,10 @@ class Supervisor:
             env["BOOTSEER_INCIDENT"] = str(self.remote.answered)
         if self.dump_dir is not None:
             env["BOOTSEER_TRACE_DIR"] = str(self.dump_dir)
+        if self._skip_rules:
+            from ckpt.skip import SKIP_ENV, to_env
+
+            env[SKIP_ENV] = to_env(self._skip_rules)
         return env
 
     def _clear_control(self) -> None:

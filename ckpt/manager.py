@@ -39,6 +39,7 @@ from .loader import (
     read_manifest,
 )
 from .persist import SaveResult, committed_steps, persist
+from .skip import poisoned, rules_from_env
 from .staging import StagingPool, stage
 
 log = logging.getLogger("ckpt")
@@ -154,6 +155,10 @@ class CheckpointManager:
         # The memory tier (ckpt.memory, docs/ckpt.md): a MemoryConfig; None: the one `bootseer
         # run` hands down (BOOTSEER_MEMCKPT_DIR), if any; False: none.
         self.memory = _memory_tier(memory, rank, world_size, process_group, trust_objects)
+        # Steps saved after a NaN by the attempt that hit it are not resumed from (ckpt/skip.py:
+        # `bootseer run` hands the rules down after a NaN verdict).
+        self.skip_rules = rules_from_env()
+        self._skip_said: set[int] = set()
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, block: bool = False) -> SaveHandle:
@@ -260,13 +265,30 @@ class CheckpointManager:
         done, _ = committed_steps(self.fs, self.root)
         for step in reversed(done):
             try:
-                self._open_view(step)
+                view = self._open_view(step)
             except (CheckpointCorrupt, StripedIOError, FileNotFoundError) as exc:
                 log.warning("checkpoint step %d under %s is committed but its commit is not "
                             "valid (%s); latest() passes over it", step, self.url, exc)
                 continue
+            if self._skipped(step, view.manifest.created):
+                continue
             return step
         return None
+
+    def _skipped(self, step: int, created: float | None = None) -> bool:
+        """Whether ``step`` was saved after a NaN by the attempt that hit it (said once)."""
+        if not self.skip_rules or step < min(r.from_step for r in self.skip_rules):
+            return False
+        if created is None:
+            try:
+                created = self._open_view(step).manifest.created
+            except (CheckpointCorrupt, StripedIOError, FileNotFoundError):
+                return False  # the load finds the damage and falls back on every rank
+        why = poisoned(self.skip_rules, step, created)
+        if why and step not in self._skip_said:
+            self._skip_said.add(step)
+            log.warning("checkpoint under %s: %s", self.url, why)
+        return why is not None
 
     def _open_view(self, step: int) -> CheckpointView:
         """Step ``step``'s manifest and indexes, read and checked; the last one is kept, so
@@ -333,7 +355,8 @@ class CheckpointManager:
                             and (s := parse_step(e["name"])) is not None and s > step),
                            reverse=True)
             return next((s for s in newer
-                         if self.fs.exists(f"{step_dir(self.root, s)}/{MANIFEST}")), None)
+                         if self.fs.exists(f"{step_dir(self.root, s)}/{MANIFEST}")
+                         and not self._skipped(s)), None)
         except (OSError, StripedIOError, CheckpointError) as exc:  # memory is all there is
             log.warning("memory tier: the durable tier under %s cannot be listed (%s)",
                         self.url, exc)
@@ -394,8 +417,8 @@ class CheckpointManager:
                 candidate = step if step not in failed else NONE
             else:
                 done, _ = committed_steps(self.fs, self.root)
-                candidate = max((s for s in done if (bound is None or s <= bound)
-                                 and s not in failed), default=NONE)
+                candidate = next((s for s in reversed(done) if (bound is None or s <= bound)
+                                  and s not in failed and not self._skipped(s)), NONE)
             if candidate == NONE:
                 return Outcome(self.rank, NONE, OK, "no committed step left to try"), None, None
             if held is not None and held.step == candidate:

@@ -49,6 +49,7 @@ from .memory_slot import (
     pad8,
     slot_paths,
 )
+from .skip import poisoned, rules_from_env
 from .tensors import PerRank, describe, is_tensor_leaf
 
 log = logging.getLogger("ckpt")
@@ -117,6 +118,7 @@ class MemoryTier:
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.process_group = process_group
+        self.skip_rules = rules_from_env()  # copies saved after a NaN (ckpt/skip.py)
         self.trust_objects = trust_objects
         self.local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.slots = [SlotFile(p) for p in slot_paths(config.directory, f"rank-{rank}")]
@@ -415,12 +417,14 @@ class MemoryTier:
                 except (PeerError, OSError) as exc:
                     log.info("memory tier: peer %s does not answer (%s)", addr, exc)
                     continue
-                for s in steps:
-                    if (s, f"peer:{addr}") not in failed:
+                for s in steps:  # a peer's listing has no times: a rule counts it as old
+                    if (s, f"peer:{addr}") not in failed and not poisoned(self.skip_rules, s,
+                                                                          None):
                         found.setdefault(s, f"peer:{addr}")
         for head, _slot in newest(self.slots):
             if (head.rank, head.world_size) == (self.rank, self.world_size) and \
-                    (head.step, "local") not in failed:
+                    (head.step, "local") not in failed and \
+                    not poisoned(self.skip_rules, head.step, head.created):
                 found[head.step] = "local"
         return found
 

@@ -195,6 +195,41 @@ def nan_once(counter: str, nan_at: str) -> None:
         sleep_before_all_reduce()
 
 
+def nan_then_checkpoint(ckpt_dir: str, out: str, nan_at: str, steps: str) -> None:
+    """A job that checkpoints every step after its heartbeat (blocking), and whose first
+    attempt's weights become NaN at ``nan_at`` and are saved before the agent's kill lands:
+    the poisoned checkpoint the soak's NaN loop resumed from. Each attempt appends
+    ``{"attempt", "resumed", "finite"}`` to ``out`` (finite: the loaded weights)."""
+    import json
+
+    import torch
+
+    import bootseer
+    from ckpt import CheckpointManager, CheckpointNotFound
+
+    attempt = int(os.environ.get("BOOTSEER_ATTEMPT", "0"))
+    weights = torch.zeros(4)
+    mgr = CheckpointManager(ckpt_dir)
+    state = {"w": weights, "step": -1}
+    try:
+        start = mgr.load(state) + 1
+    except CheckpointNotFound:
+        start = 0
+    with open(out, "a") as f:
+        f.write(json.dumps({"attempt": attempt, "resumed": start,
+                            "finite": bool(torch.isfinite(weights).all())}) + "\n")
+    bootseer.ready()
+    for step in range(start, int(steps)):
+        weights += 1.0
+        if attempt == 0 and step == int(nan_at):
+            weights.fill_(float("nan"))  # the optimizer step that took the NaN gradient
+        bootseer.heartbeat(step, loss=float(weights.sum()))
+        mgr.save(step, {"w": weights, "step": step}, block=True)
+        if attempt == 0 and step >= int(nan_at):
+            time.sleep(0.3)  # later steps, saved too, until the kill lands
+    mgr.close()
+
+
 def spike(steps: str, at: str) -> None:
     """Loss 1.0, then 10.0 at step ``at`` (a 10x jump); every beat written (no rate limit)
     and held long enough for the wrapper's 0.25 s poll to see each."""

@@ -88,6 +88,30 @@ def test_a_nan_kills_the_command_at_its_step_and_restarts(tmp_path):
     assert "killing the command at step 3 (attempt 0): nonfinite" in proc.stderr
 
 
+def test_a_restart_after_a_nan_skips_the_checkpoints_saved_after_it(tmp_path):
+    """The soak's NaN loop: the attempt that hit the NaN saved it (steps 3, 4, ...) before
+    the kill; resuming from the newest checkpoint NaNs again, forever. The restart passes
+    over them and resumes from step 2, and the job ends; the poisoned steps stay in the store
+    as evidence (fails on the code before ckpt/skip.py: every restart NaNs)."""
+    from ckpt import CheckpointManager
+
+    trace, out, store = tmp_path / "trace", tmp_path / "attempts.jsonl", tmp_path / "ckpt"
+    proc = run_wrapper(trace, "--max-restarts", "2",
+                       command=scenario_argv("nan-then-checkpoint", store, out, 3, 8))
+    assert proc.returncode == 0, proc.stderr
+    attempts = [json.loads(line) for line in out.read_text().splitlines()]
+    assert attempts[0] == {"attempt": 0, "resumed": 0, "finite": True}
+    assert attempts[1] == {"attempt": 1, "resumed": 3, "finite": True}, attempts  # step 2's
+    assert len(attempts) == 2
+    events, verdicts = records(trace)
+    assert [(e.kind, e.step) for e in events] == [("nonfinite", 3)]  # no second NaN
+    assert "checkpoints saved from step 3 on by the failed attempt" in proc.stderr
+    assert "was saved after a non-finite value at step 3" in proc.stderr  # said by the load
+    state = {"w": __import__("torch").zeros(4), "step": -1}
+    assert CheckpointManager(str(store)).load(state) == 7  # the new attempt's own saves
+    assert state["w"].tolist() == [8.0] * 4  # 3 steps before the NaN, 5 after the restart
+
+
 def test_a_loss_spike_is_an_event_and_the_job_goes_on(tmp_path):
     trace = tmp_path / "trace"
     proc = run_wrapper(trace, command=scenario_argv("spike", 8, 6))

@@ -213,3 +213,14 @@ class ExclusionList:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def nonfinite_step(verdict: Verdict) -> int | None:
+    """The first non-finite step a verdict is about (its event's, or any of its incident's
+    events'), or None: the restart after it must not resume from a checkpoint saved from that
+    step on by the attempt that hit it (``ckpt/skip.py``)."""
+    ev = verdict.evidence
+    docs = [ev.get("event"), ev.get("primary"), *(ev.get("events") or [])]
+    steps = [d["step"] for d in docs if isinstance(d, dict) and d.get("kind") == "nonfinite"
+             and isinstance(d.get("step"), int) and not isinstance(d.get("step"), bool)]
+    return min(steps, default=None)
