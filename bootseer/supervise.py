@@ -499,8 +499,11 @@ class Supervisor:
         if self.agent is not None:
             self.agent.start_attempt(attempt)
         self._status = None
+        # epoch: the controller's newest incident, the same on every node of this attempt
+        # (a replacement node's attempt 0 joins the survivors' attempt 5): ETTR's job attempt
+        epoch = {"epoch": self.remote.answered} if self.remote is not None else {}
         self._record("command_start", spawn_start, attempt=attempt, command=self.command[0],
-                     pid=pid)
+                     pid=pid, **epoch)
         self.log(f"started {self.command[0]} (pid {pid}, attempt {attempt})")
         try:
             return self._watch(attempt, started)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -128,3 +129,32 @@ def test_an_attempt_stopped_by_the_controller_takes_the_verdicts_class():
     incident, = compute_ettr(spans, [verdict], end=100.0).incidents
     assert (incident.reason, incident.failure_class, incident.start, incident.end) == (
         "controller", "fail_slow", 52.0, 60.0)
+
+
+def test_a_replacement_nodes_attempts_are_aligned_to_the_job_by_epoch():
+    """node-2 replaced node-1 after incident 1: its attempt 0 is the survivors' attempt 1 (the
+    soak's trace/step-log disagreement: node-2's late first step counted as attempt 0's)."""
+    def on(node, phase, start, end, attempt, rank=None, **detail):
+        return Span(node, rank, phase, float(start), float(end), attempt=attempt,
+                    detail=detail)
+
+    spans = [
+        on("node-0", "command_start", 0, 1, 0, epoch=0), on("node-1", "command_start", 0, 1, 0,
+                                                             epoch=0),
+        on("node-0", "first_step", 0, 10, 0, rank=0), on("node-1", "first_step", 0, 12, 0, rank=1),
+        # node-1 is lost at 100; node-0 restarts after the verdict with node-2, a fresh node
+        on("node-0", "restart", 110, 111, 1, reason="controller", exited_at=100.0),
+        on("node-0", "command_start", 111, 112, 1, epoch=1),
+        on("node-2", "environment", 90, 111, 0), on("node-2", "command_start", 111, 112, 0,
+                                                     epoch=1),
+        on("node-0", "first_step", 111, 120, 1, rank=0), on("node-2", "first_step", 111, 125, 0,
+                                                            rank=1),
+    ]
+    report = compute_ettr(spans, end=200.0)
+    assert report.productive == ((12.0, 100.0), (125.0, 200.0))
+    [lost] = report.incidents
+    assert (lost.start, lost.end, lost.split()["teardown"]) == (100.0, 125.0, 10.0)
+    # without epochs (a node alone, or an older trace) the numbers are the nodes' own
+    plain = [dataclasses.replace(s, detail={k: v for k, v in s.detail.items() if k != "epoch"})
+             for s in spans]
+    assert compute_ettr(plain, end=200.0).productive != report.productive

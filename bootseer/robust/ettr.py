@@ -32,6 +32,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -41,7 +42,8 @@ from typing import Any
 from ..trace import Span, read_traces
 from .events import Event, Verdict, read_records
 
-__all__ = ["STARTUP_PHASES", "EttrReport", "Incident", "compute_ettr", "read_ettr"]
+__all__ = ["STARTUP_PHASES", "EttrReport", "Incident", "compute_ettr", "job_attempts",
+           "read_ettr"]
 
 STARTUP_PHASES = ("environment", "checkpoint_prefetch", "image_prefetch", "command_start")
 
@@ -147,18 +149,43 @@ def _recomputation(event: Event | None) -> float | None:
     return max(0.0, (event.step - ckpt) * step_time)
 
 
+def job_attempts(spans: Iterable[Span]) -> list[Span]:
+    """The spans with each node's attempt number replaced by the job's.
+
+    Nodes count attempts on their own: a node that replaced a lost one starts at attempt 0
+    while the survivors are at attempt 5, and a node whose launcher failed once is one ahead
+    of the others. Under a controller, ``command_start`` carries the epoch (the newest
+    incident, the same on every node after a verdict); a node's spans of that attempt are
+    moved to the job attempt ``epoch * 1000 + k`` (``k``: the node's earlier attempts in the
+    same epoch, restarts it made alone). Spans of a node without epochs keep their numbers."""
+    spans = list(spans)
+    epoch_of: dict[tuple[str, int], int] = {}
+    for s in sorted((s for s in spans if s.phase == "command_start"
+                     and isinstance((s.detail or {}).get("epoch"), int)),
+                    key=lambda s: (s.node, s.attempt)):
+        epoch = int(s.detail["epoch"])
+        same = sum(1 for (node, _), key in epoch_of.items()
+                   if node == s.node and key // 1000 == epoch)
+        epoch_of.setdefault((s.node, s.attempt), epoch * 1000 + same)
+    if not epoch_of:
+        return spans
+    return [dataclasses.replace(s, attempt=epoch_of[(s.node, s.attempt)])
+            if (s.node, s.attempt) in epoch_of else s for s in spans]
+
+
 def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (), *,
                  start: float | None = None, end: float | None = None) -> EttrReport:
-    """The report of one job from its spans (every node's) and event records. ``end``: the
-    end of the job (default: the last time the trace holds); ``start``: its start (default:
-    the start of attempt 0)."""
-    spans = list(spans)
+    """The report of one job from its spans (every node's, attempts aligned by
+    :func:`job_attempts`) and event records. ``end``: the end of the job (default: the last
+    time the trace holds); ``start``: its start (default: the start of the first attempt)."""
+    spans = job_attempts(spans)
     by = defaultdict(list)
     for s in spans:
         by[(s.phase, s.attempt)].append(s)
     attempts = sorted({s.attempt for s in spans})
     if not attempts:
         raise ValueError("the trace holds no spans of bootseer run: nothing to measure")
+    following = dict(zip(attempts, attempts[1:], strict=False))  # attempt -> the next one
 
     def attempt_start(a: int) -> float:
         first = by.get(("first_step", a))
@@ -176,7 +203,7 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
     # the failure of each failed attempt: when productive time ended, and how it was seen
     failures: dict[int, dict[str, Any]] = {}
     for a in attempts:
-        restarts = by.get(("restart", a + 1))
+        restarts = by.get(("restart", following.get(a)))
         if not restarts:
             continue
         restart = min(restarts, key=lambda s: s.start)
@@ -211,7 +238,7 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
         if a not in failures:
             continue
         f = failures[a]
-        nxt = a + 1
+        nxt = following[a]
         restart: Span = f["restart"]
         r_next = ready(nxt)
         if r_next is None or nxt in failures and failures[nxt]["fail"] < r_next:
