@@ -88,3 +88,45 @@ def test_a_bad_fault_spec_is_refused_by_name():
                           env=env(), capture_output=True, text=True, timeout=GUARD)
     assert proc.returncode == 2
     assert "--nproc 1: a check between processes needs at least 2" in proc.stderr
+
+
+def test_ring_neighbours_are_measured_in_rounds_of_disjoint_pairs():
+    from bootseer.robust.check import ring_edges
+
+    assert ring_edges(1) == [] and ring_edges(2) == [[(0, 1)]]
+    for world in range(3, 10):
+        rounds = ring_edges(world)
+        edges = [pair for r in rounds for pair in r]
+        assert sorted(edges) == sorted((i, (i + 1) % world) for i in range(world))
+        for r in rounds:  # nobody in two pairs of one round
+            members = [rank for pair in r for rank in pair]
+            assert len(members) == len(set(members))
+        assert len(rounds) == (2 if world % 2 == 0 else 3)
+
+
+def test_the_node_whose_every_link_is_slow_is_named_and_noise_is_not():
+    from bootseer.robust.check import link_suspects
+
+    def result(rank, links):
+        return RankResult(rank, f"node{rank}", 0, "o", "g", 0.1, 1 << 20, links)
+
+    slow_1 = [result(0, {"0-1": 0.40, "3-0": 0.004}), result(1, {"0-1": 0.41, "1-2": 0.39}),
+              result(2, {"1-2": 0.38, "2-3": 0.005}), result(3, {"2-3": 0.004, "3-0": 0.003})]
+    report = CheckReport.from_results(slow_1)
+    assert report.link_suspects == (1,) and report.suspects == (1,) and not report.ok
+    assert report.links["0-1"] == 0.41  # the slower end's reading
+    assert "SLOW on every link of rank 1 (node node1)" in report.text()
+    [event] = [r for r in report.records() if isinstance(r, Event)]
+    assert (event.failure_class, event.node, event.evidence["check"]) == (
+        "slow_link", "node1", "link_bandwidth")
+    # one slow link alone (two ends to blame), all slow (the fabric), or within the noise
+    # floor: nobody is named
+    one = [result(0, {"0-1": 0.4, "2-0": 0.004}), result(1, {"0-1": 0.4, "1-2": 0.004}),
+           result(2, {"1-2": 0.004, "2-0": 0.004})]
+    assert link_suspects(one)[0] == ()
+    assert link_suspects([result(r, {"0-1": 0.4, "1-2": 0.4, "2-0": 0.4}) for r in range(3)]
+                         )[0] == ()
+    noise = [result(0, {"0-1": 0.02, "2-0": 0.001}), result(1, {"0-1": 0.02, "1-2": 0.02}),
+             result(2, {"1-2": 0.02, "2-0": 0.001})]
+    assert link_suspects(noise)[0] == ()
+    assert link_suspects(slow_1[:2])[0] == ()  # two ranks: one link, no culprit

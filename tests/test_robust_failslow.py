@@ -287,7 +287,11 @@ def test_a_slowed_rank_is_found_by_the_rounds_and_only_its_node_evicted(cluster_
 
 def test_a_nan_stops_the_job_and_the_checks_name_the_node_with_wrong_bits(
         cluster_factory, tmp_path: Path) -> None:
+    """node2 computes wrong bits and node1's link is slow (tc, 50 Mbit/s): the checks after
+    the NaN name both, each with the check it failed (node1 by its neighbour links: a
+    job-wide collective only shows that some link is slow)."""
     c, out, ctl = _job(cluster_factory, 3, tmp_path, "--failslow-interval", "0")
+    c.slow_link(1, rate="50mbit")
     script = ["--nan-rank", "0", "--nan-at", "6", "--step-time", "0.1", "--steps", "100000"]
     procs = {n.name: _agent(c, n, out, script, nnodes=3, max_restarts=0,
                             env={"BOOTSEER_CHECK_FAULT": "alignment:*"} if n.name == "node2"
@@ -296,14 +300,19 @@ def test_a_nan_stops_the_job_and_the_checks_name_the_node_with_wrong_bits(
                      procs, out, timeout_s=240)
     verdict = verdicts[0]
     assert (verdict["action"], verdict["class"]) == ("replace_and_restart", "nonfinite")
-    assert verdict["nodes"] == ["node2"], verdict
+    assert verdict["nodes"] == ["node1", "node2"], verdict
     ev = verdict["evidence"]
     primary = ev["primary"]
     assert (primary["node"], primary["rank"], primary["step"]) == ("node0", 0, 6)
     assert primary["evidence"] == {"loss": "nan"}
     check = ev["check"]
     assert sorted(check["nodes"]) == ["node0", "node1", "node2"] and check["missing"] == []
-    assert [(f["node"], f["check"]) for f in check["failed"]] == [("node2", "bitwise_alignment")]
+    assert [(f["node"], f["check"]) for f in check["failed"]] == [
+        ("node1", "link_bandwidth"), ("node2", "bitwise_alignment")]
+    links = check["failed"][0]["links"]  # node1 is rank 1 of the check: links 0-1 and 1-2
+    assert sorted(links) == ["0-1", "1-2"]
+    fast = check["results"]["node0"]["links"]["2-0"]
+    assert min(links.values()) > 4 * fast, (links, fast)
     hashes = {n: (r["output_hash"], r["grad_hash"]) for n, r in check["results"].items()}
     assert hashes["node0"] == hashes["node1"] == reference_step() != hashes["node2"]
     assert all(r["sum_errors"] == 0 for r in check["results"].values())
@@ -315,6 +324,6 @@ def test_a_nan_stops_the_job_and_the_checks_name_the_node_with_wrong_bits(
                 if v["evidence"].get("from") == "controller"]
         assert [v["action"] for v in mine] == ["replace_and_restart"], node
         assert "running the stop-time checks" in (out / f"{node}.log").read_text()
-    assert list(json.loads((out / "excluded.json").read_text())["nodes"]) == ["node2"]
+    assert list(json.loads((out / "excluded.json").read_text())["nodes"]) == ["node1", "node2"]
     ctl.send_signal(signal.SIGTERM)
     assert ctl.wait(timeout=30) == 0

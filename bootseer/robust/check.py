@@ -43,12 +43,16 @@ from typing import Any
 
 from .events import Event, Verdict
 
-__all__ = ["CHECK_FAULT", "CheckReport", "RankResult", "parse_faults", "reference_step",
-           "run_for_incident", "run_local", "run_rank"]
+__all__ = ["CHECK_FAULT", "CheckReport", "RankResult", "link_suspects", "parse_faults",
+           "reference_step", "ring_edges", "run_for_incident", "run_local", "run_rank"]
 
 #: Test hook: faults to inject (see the module docstring).
 CHECK_FAULT = "BOOTSEER_CHECK_FAULT"
 SUM_NUMEL = 1 << 16  # elements of the exact-sum test (int64)
+LINK_BYTES = 2 << 20  # the neighbour-link test's all_reduce
+LINK_RUNS = 3
+LINK_FACTOR = 4.0  # a link this many times slower than the fastest one is slow...
+LINK_FLOOR_S = 0.025  # ...and slower than this (scheduling noise on a loaded host stays below)
 
 
 ANY_RANK = -1  # ``*`` in a fault: every rank that reads it
@@ -82,6 +86,9 @@ class RankResult:
     grad_hash: str
     seconds: float  # one all_reduce of the bandwidth buffer (median of the runs)
     nbytes: int
+    # the neighbour links this rank measured: {"A-B": seconds} for ring neighbours A, B (an
+    # all_reduce of LINK_BYTES between the two alone, median of LINK_RUNS)
+    links: dict[str, float] = field(default_factory=dict)
 
 
 def reference_step(perturb: bool = False) -> tuple[str, str]:
@@ -125,6 +132,71 @@ def _exact_sum_test(rank: int, world: int, corrupt: bool) -> int:
     return int((t != expected).sum())
 
 
+def ring_edges(world: int) -> list[list[tuple[int, int]]]:
+    """The ring's neighbour pairs in rounds of disjoint pairs (every rank in at most one pair
+    per round, so a round's pairs run at once): 2 rounds, 3 when ``world`` is odd."""
+    if world < 2:
+        return []
+    if world == 2:
+        return [[(0, 1)]]
+    edges = [(i, (i + 1) % world) for i in range(world)]
+    rounds = [edges[0:world - world % 2:2], edges[1:world - world % 2:2]]
+    if world % 2:
+        rounds.append([edges[-1]])
+    return [r for r in rounds if r]
+
+
+def _neighbour_links(rank: int, world: int, nbytes: int = 0, runs: int = 0) -> dict[str, float]:
+    """All_reduce between each pair of ring neighbours alone: the seconds of the pairs this
+    rank is in. Why pairs: a job-wide collective runs at the pace of its slowest link, so it
+    shows that one is slow, never which; a node whose links to both neighbours are slow
+    while others are not is the one (:func:`link_suspects`)."""
+    import torch
+    import torch.distributed as dist
+
+    nbytes, runs = nbytes or LINK_BYTES, runs or LINK_RUNS
+    buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    mine: dict[str, float] = {}
+    for pairs in ring_edges(world):
+        groups = {pair: dist.new_group(list(pair)) for pair in pairs}  # every rank calls it
+        for pair, group in groups.items():
+            if rank not in pair:
+                continue
+            dist.all_reduce(buf, group=group)  # warm-up: the pair's connection
+            times = []
+            for _ in range(runs):
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                dist.all_reduce(buf, group=group)
+                times.append(time.perf_counter() - start)
+            mine[f"{pair[0]}-{pair[1]}"] = sorted(times)[len(times) // 2]
+        dist.barrier()  # the next round's pairs start together
+    return mine
+
+
+def link_suspects(results: list[RankResult], *, factor: float = LINK_FACTOR,
+                  floor_s: float = LINK_FLOOR_S) -> tuple[tuple[int, ...], dict[str, float]]:
+    """The ranks whose every neighbour link is slow (over ``factor`` x the fastest link and
+    over ``floor_s``) while some link is not, and every link's seconds (the slower of the two
+    ends' readings). Two ranks have one link: a slow one cannot be pinned on either."""
+    links: dict[str, float] = {}
+    for r in results:
+        for pair, seconds in (r.links or {}).items():
+            links[pair] = max(seconds, links.get(pair, 0.0))
+    if len(results) < 3 or not links:
+        return (), links
+    fastest = min(links.values())
+    slow = {pair for pair, t in links.items() if t > max(factor * fastest, floor_s)}
+    if not slow or len(slow) == len(links):
+        return (), links
+    suspects = []
+    for r in results:
+        own = [pair for pair in links if r.rank in map(int, pair.split("-"))]
+        if own and all(pair in slow for pair in own):
+            suspects.append(r.rank)
+    return tuple(sorted(suspects)), links
+
+
 def _bandwidth(nbytes: int, runs: int = 3) -> float:
     import torch
     import torch.distributed as dist
@@ -149,6 +221,8 @@ class CheckReport:
     alignment_suspects: tuple[int, ...] = ()
     alignment_majority: tuple[str, str] | None = None
     no_majority: bool = False
+    link_suspects: tuple[int, ...] = ()
+    links: dict[str, float] = field(default_factory=dict)  # "A-B" -> seconds
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -157,7 +231,8 @@ class CheckReport:
         votes = Counter((r.output_hash, r.grad_hash) for r in results)
         (top, n), *rest = votes.most_common()
         no_majority = bool(rest) and rest[0][1] == n
-        return cls(results,
+        slow, links = link_suspects(results)
+        return cls(results, link_suspects=slow, links=links,
                    sum_suspects=tuple(r.rank for r in results if r.sum_errors),
                    alignment_suspects=() if no_majority else tuple(
                        r.rank for r in results if (r.output_hash, r.grad_hash) != top),
@@ -165,7 +240,8 @@ class CheckReport:
 
     @property
     def suspects(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.sum_suspects) | set(self.alignment_suspects)))
+        return tuple(sorted(set(self.sum_suspects) | set(self.alignment_suspects)
+                            | set(self.link_suspects)))
 
     @property
     def ok(self) -> bool:
@@ -195,6 +271,12 @@ class CheckReport:
         mib = self.results[0].nbytes / 2**20
         lines.append(f"bandwidth: all_reduce of {mib:.1f} MiB in {seconds * 1e3:.2f} ms: "
                      f"algbw {alg / 1e9:.3f} GB/s, busbw {bus / 1e9:.3f} GB/s")
+        if self.links:
+            pairs = ", ".join(f"{pair} {t * 1e3:.1f} ms" for pair, t in sorted(self.links.items()))
+            lines.append(f"neighbour links: all_reduce of {LINK_BYTES / 2**20:.0f} MiB per pair: "
+                         f"{pairs}" + (f"; SLOW on every link of "
+                                       f"{self._named(self.link_suspects)}"
+                                       if self.link_suspects else ""))
         if self.no_majority:
             lines.append("alignment: no majority among the reference step's hashes: "
                          + "; ".join(f"rank {r.rank} {r.output_hash[:12]}" for r in self.results))
@@ -227,6 +309,11 @@ class CheckReport:
                                                     "gradients": by[rank].grad_hash,
                                                     "majority": list(self.alignment_majority
                                                                      or ())}))
+        for rank in self.link_suspects:
+            own = {p: t for p, t in self.links.items() if rank in map(int, p.split("-"))}
+            events.append(Event("health", "slow_link", node=by[rank].node, rank=rank,
+                                time=now, evidence={"check": "link_bandwidth", "links": own,
+                                                    "fastest_s": min(self.links.values())}))
         seconds, alg, bus = self.bandwidth()
         evidence = {"results": [asdict(r) for r in self.results], "bandwidth": {
             "seconds": seconds, "algbw_bytes_s": alg, "busbw_bytes_s": bus},
@@ -254,8 +341,9 @@ def run_rank(rank: int, world: int, *, init: str | None = "env://", nbytes: int 
     try:
         errors = _exact_sum_test(rank, world, _hit(faults, "sum", rank))
         seconds = _bandwidth(nbytes)
+        links = _neighbour_links(rank, world)
         out, grad = reference_step(perturb=_hit(faults, "alignment", rank))
-        mine = RankResult(rank, node, errors, out, grad, seconds, nbytes)
+        mine = RankResult(rank, node, errors, out, grad, seconds, nbytes, links)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, asdict(mine))
     finally:

@@ -517,13 +517,17 @@ def _check_evidence(results: dict[str, RankResult], nodes: list[str]) -> dict[st
     failed: list[dict[str, Any]] = []
     report = None
     if len(results) >= 2:
-        ordered = sorted(results.values(), key=lambda r: nodes.index(r.node))
+        # ranks are the order's positions (the check's own ranks, which name its links)
+        by = {nodes.index(r.node): r for r in results.values()}
         report = CheckReport.from_results([dataclasses.replace(r, rank=i)
-                                           for i, r in enumerate(ordered)])
-        by = {i: r for i, r in enumerate(ordered)}
+                                           for i, r in sorted(by.items())])
         for i in report.sum_suspects:
             failed.append({"node": by[i].node, "check": "all_reduce_sum",
                            "wrong_elements": by[i].sum_errors})
+        for i in report.link_suspects:
+            failed.append({"node": by[i].node, "check": "link_bandwidth",
+                           "links": {p: t for p, t in report.links.items()
+                                     if i in map(int, p.split("-"))}})
         for i in report.alignment_suspects:
             out, grad = report.alignment_majority or ("", "")
             failed.append({"node": by[i].node, "check": "bitwise_alignment",
