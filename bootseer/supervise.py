@@ -276,6 +276,7 @@ class Supervisor:
         self._child: subprocess.Popen[bytes] | None = None
         self._status: int | None = None
         self._skip_rules: list[Any] = []  # ckpt.skip.SkipRule per NaN verdict, for restarts
+        self._by_controller = ""  # the class of the controller's verdict on the last attempt
 
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> int:
@@ -324,18 +325,24 @@ class Supervisor:
         if self.agent is None:
             return "restart"
         verdict = end.detail.get("verdict")
+        self._by_controller = ""
         if end.detail.get("remote"):
-            return self.remote.local_action(self._skip_after(verdict))
+            return self.remote.local_action(self._skip_after(self._from_controller(verdict)))
         lines = self.tail.lines() if self.tail else []
         if verdict is None and self.remote is not None:  # the controller decides, if it can
             event = self.agent.crash_event(end.code, lines)
             verdict = self._remote_verdict(event, end.attempt)
             if verdict is not None:
-                return self.remote.local_action(self._skip_after(verdict))
+                return self.remote.local_action(self._skip_after(self._from_controller(verdict)))
             return self.agent.local_action(self._skip_after(self.agent.judge(event)))
         if verdict is None:  # a crash: classified from its exit and last lines
             verdict = self.agent.judge_crash(end.code, lines)
         return self.agent.local_action(self._skip_after(verdict))
+
+    def _from_controller(self, verdict: Any) -> Any:
+        """Notes that the controller decided (its class: the backoff depends on it)."""
+        self._by_controller = getattr(verdict, "failure_class", None) or "controller"
+        return verdict
 
     def _skip_after(self, verdict: Any) -> Any:
         """After a NaN verdict, every later attempt passes over the checkpoints the failed
@@ -393,6 +400,13 @@ class Supervisor:
         if previous.reason == "update":
             delay = 0.0
             self.log(f"restarting on the updated version (attempt {attempt})")
+        elif self._by_controller and self._by_controller != "storage_error":
+            # every node restarts on one decision: waiting adds nothing (the no-progress rule
+            # and max_restarts end loops); a store that is down needs the backoff's time
+            delay = 0.0
+            self.log(f"restarting on the controller's verdict after {previous.describe()} "
+                     f"(attempt {attempt}, restart {self._failures()}/"
+                     f"{self.restart.max_restarts})")
         else:
             delay = self.restart.delay(self._failures())
             self.log(f"command failed with {previous.describe()}; restart {self._failures()}/"

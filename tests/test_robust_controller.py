@@ -434,6 +434,10 @@ def test_a_crash_gets_its_class_and_the_job_restarts_everywhere(cluster_factory,
                 if v["evidence"].get("from") == "controller"]
         assert [(v["action"], v["evidence"]["local"]) for v in mine] == [
             ("restart_in_place", "restart")], node
+        # one decision restarts every node: no backoff on top of it (the agents run with 1 s)
+        lines = map(json.loads, (out / "trace" / f"{node}.jsonl").read_text().splitlines())
+        restarts = [d for d in lines if d.get("phase") == "restart"]
+        assert [d["detail"]["delay_s"] for d in restarts] == [0.0], (node, restarts)
     ctl.send_signal(signal.SIGTERM)
     assert ctl.wait(timeout=30) == 0
     assert os.path.exists(out / "ctl" / "controller.jsonl")
