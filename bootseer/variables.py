@@ -63,6 +63,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("BOOTSEER_MEMCKPT_FRESH", "hand-off",
              "bootseer run -> its command: '1' when the memory tier's directory was made for "
              "this run (no check of the durable tier before an in-memory load)"),
+    Variable("BOOTSEER_MEMCKPT_LAYOUT", "hand-off",
+             "bootseer run -> its command: ckpt.memory_layout, the job's parallel groups "
+             "(JSON) that choose the node keeping each rank's copy"),
     Variable("BOOTSEER_ROOTFS", "hand-off",
              "bootseer image record --no-chroot -> the recorded command: the image's mount"),
     Variable("BOOTSEER_PREFIX", "hand-off",

@@ -37,6 +37,7 @@ from .flatten import walk
 from .layout import align, dtype_name, dtype_of
 from .loader import LoadReport
 from .memory_peer import PeerClient, PeerError
+from .memory_place import choose_peer, nodes_in_order, parse_layout
 from .memory_slot import (
     BLOCK,
     HEADER,
@@ -55,6 +56,7 @@ log = logging.getLogger("ckpt")
 
 DIR_ENV, SERVER_ENV, DURABLE_EVERY_ENV = ("BOOTSEER_MEMCKPT_DIR", "BOOTSEER_MEMCKPT_SERVER",
                                           "BOOTSEER_MEMCKPT_DURABLE_EVERY")
+LAYOUT_ENV = "BOOTSEER_MEMCKPT_LAYOUT"  # the job's parallel groups (JSON): who keeps the copy
 FRESH_ENV = "BOOTSEER_MEMCKPT_FRESH"  # "1": the directory was made empty for this run
 
 
@@ -64,7 +66,10 @@ class MemoryConfig:
 
     ``directory``: the node agent's shared-memory directory (``bootseer run`` makes it 0700
     under /dev/shm). ``server``: this node's peer server (``HOST:PORT``), which the ranks
-    exchange to find their neighbour; ``peer``: a fixed peer instead. ``durable_every``:
+    exchange to find their peer; ``peer``: a fixed peer instead. ``layout``: the job's
+    parallel groups (``{"dp": [[0, 1], [2, 3]], ...}``, as ``bootseer controller --layout``):
+    each rank's copy goes to a node that shares none of its groups, else to the next node
+    (``memory_place``). ``durable_every``:
     ``CheckpointManager.save`` also writes the durable tier every that many steps (``None``:
     every save, as without the memory tier). ``check_durable``: before loading from memory,
     ask the durable tier for a newer commit (one listing); ``False`` when the directory holds
@@ -77,6 +82,7 @@ class MemoryConfig:
     durable_every: int | None = None
     peer_timeout_s: float = 30.0
     check_durable: bool = True
+    layout: dict[str, list[list[int]]] | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> MemoryConfig | None:
@@ -85,9 +91,13 @@ class MemoryConfig:
         if not env.get(DIR_ENV):
             return None
         every = env.get(DURABLE_EVERY_ENV, "")
+        try:
+            layout = parse_layout(env.get(LAYOUT_ENV, ""), where=LAYOUT_ENV)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
         return cls(env[DIR_ENV], server=env.get(SERVER_ENV, ""),
                    durable_every=int(every) if every else None,
-                   check_durable=env.get(FRESH_ENV) != "1")
+                   check_durable=env.get(FRESH_ENV) != "1", layout=layout)
 
 
 class MemoryTierTooLarge(CheckpointError):
@@ -114,6 +124,10 @@ class MemoryTier:
             raise CheckpointError(
                 f"memory tier directory {config.directory} does not exist: it is made by "
                 f"bootseer run (ckpt.memory); create it (mode 0700) or unset {DIR_ENV}")
+        try:
+            config.layout = parse_layout(config.layout, world_size, "the memory tier's layout")
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.process_group = process_group
@@ -129,7 +143,8 @@ class MemoryTier:
         self._newest: SlotFile | None = None
         self._budget_checked = 0
         self.enabled = True
-        self._peers: list[str] | None = None  # every node's server, in node order
+        self._peers: list[str] | None = None  # every rank's node server, by rank
+        self._peer: str | None = None  # the server keeping this rank's copy, once chosen
         self._client: PeerClient | None = None
         self._stream = None
         self.last_push: dict[str, Any] = {}
@@ -291,20 +306,18 @@ class MemoryTier:
 
     def _nodes(self) -> list[str]:
         """The distinct servers, in the order of their lowest rank: the nodes."""
-        order: list[str] = []
-        for addr in self._peers or []:
-            if addr and addr not in order:
-                order.append(addr)
-        return order
+        return nodes_in_order(self._peers or [])
 
     def _neighbour(self) -> str:
-        """The next node's server (the one peer outside this node: one parallel group)."""
+        """The server that keeps this rank's copy: a node outside the rank's parallel groups
+        (``config.layout``), else the next node (``memory_place.choose_peer``)."""
         if self.config.peer:
             return self.config.peer
-        nodes = self._nodes()
-        if self.config.server not in nodes or len(nodes) < 2:
-            return ""
-        return nodes[(nodes.index(self.config.server) + 1) % len(nodes)]
+        if self._peer is None:
+            self._peer = choose_peer(self.rank, self._peers or [], self.config.layout)
+            if self._peer:
+                log.info("memory tier: rank %d copies to %s", self.rank, self._peer)
+        return self._peer
 
     # -- loading ---------------------------------------------------------------------------
     def load(self, state: Any,

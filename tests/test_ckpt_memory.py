@@ -103,12 +103,15 @@ def test_flipped_byte_in_memory_copy_is_refused(killed_job: dict) -> None:
 
 
 def test_agent_owns_and_removes_its_memory(tmp_path: Path) -> None:
-    """Without ckpt.memory_dir: a private directory in /dev/shm, gone when the run ends."""
+    """Without ckpt.memory_dir: a private directory in /dev/shm, gone when the run ends; the
+    layout (ckpt.memory_layout) is handed to the job, a bad one refused before it starts."""
     probe = ("import os,stat,sys; d=os.environ['BOOTSEER_MEMCKPT_DIR']; "
-             "print('DIR', d, oct(stat.S_IMODE(os.stat(d).st_mode)))")
+             "print('DIR', d, oct(stat.S_IMODE(os.stat(d).st_mode))); "
+             "print('LAYOUT', os.environ['BOOTSEER_MEMCKPT_LAYOUT'])")
+    layout = '{"tp": [[0, 1]], "dp": [[0], [1]]}'
     proc = subprocess.run(
         [sys.executable, "-m", "bootseer", "run", "--trace-dir", str(tmp_path / "trace"),
-         "--ckpt-memory", "--", sys.executable, "-c", probe],
+         "--ckpt-memory", "--ckpt-memory-layout", layout, "--", sys.executable, "-c", probe],
         env=worker_env({"BOOTSEER_NODE": "testnode"}), capture_output=True, text=True,
         timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -117,6 +120,13 @@ def test_agent_owns_and_removes_its_memory(tmp_path: Path) -> None:
     assert directory.startswith("/dev/shm/bootseer-memckpt-") and mode == "0o700"
     assert not os.path.exists(directory)
     assert "memory tier: copies in" in proc.stderr
+    assert f"LAYOUT {layout}" in proc.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "bootseer", "run", "--trace-dir", str(tmp_path / "trace2"),
+         "--ckpt-memory", "--ckpt-memory-layout", '{"tp": 3}', "--", "true"],
+        env=worker_env({"BOOTSEER_NODE": "testnode"}), capture_output=True, text=True,
+        timeout=120)
+    assert bad.returncode == 2 and "ckpt.memory_layout: dimension 'tp'" in bad.stderr
 
 
 def test_state_that_does_not_fit_turns_the_tier_off_naming_sizes(

@@ -22,9 +22,12 @@ class NodeMemory:
     """The directory and the peer server of one ``bootseer run``; :meth:`close` ends both."""
 
     def __init__(self, directory: str = "", listen: str = "", durable_every: int = 0,
-                 log: Any = None) -> None:
-        from ckpt.memory import DIR_ENV, DURABLE_EVERY_ENV, FRESH_ENV, SERVER_ENV
+                 log: Any = None, layout: str = "") -> None:
+        from ckpt.memory import DIR_ENV, DURABLE_EVERY_ENV, FRESH_ENV, LAYOUT_ENV, SERVER_ENV
         from ckpt.memory_peer import PeerServer
+        from ckpt.memory_place import parse_layout
+
+        parse_layout(layout, where="ckpt.memory_layout")  # refused before anything is made
 
         self._made = not directory
         if directory:
@@ -49,6 +52,8 @@ class NodeMemory:
             self.env[SERVER_ENV] = self.server.address
         if durable_every:
             self.env[DURABLE_EVERY_ENV] = str(durable_every)
+        if layout:
+            self.env[LAYOUT_ENV] = layout
         if log is not None:
             st = os.statvfs(self.directory)
             log(f"memory tier: copies in {self.directory} ({st.f_bavail * st.f_frsize / 2**30:.1f}"
