@@ -437,11 +437,18 @@ class MemoryTier:
                 found[head.step] = "local"
         return found
 
+    def _fetch_slot(self) -> SlotFile:
+        """Where a copy fetched from a peer goes: an empty or dropped slot, else the one with
+        the older copy, so a local copy that may still be needed is overwritten last."""
+        held = {id(slot): head.step for head, slot in newest(self.slots)}
+        empty = [slot for slot in self.slots if id(slot) not in held]
+        return empty[0] if empty else min(self.slots, key=lambda slot: held[id(slot)])
+
     def _load_from(self, step: int, source: str, state: Any) -> LoadReport:
         started = time.perf_counter()
         fetch_s = 0.0
         if source.startswith("peer:"):
-            slot = self.slots[1] if self._newest is self.slots[0] else self.slots[0]
+            slot = self._fetch_slot()
             with PeerClient(source[5:], timeout_s=self.config.peer_timeout_s) as client:
                 client.fetch(self.rank, step, slot)
             self._newest = slot

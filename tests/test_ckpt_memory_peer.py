@@ -141,3 +141,62 @@ def test_peer_refuses_a_damaged_or_oversized_copy(tmp_path: Path) -> None:
         tier.close()
     finally:
         server.close()
+
+
+def test_damaged_local_copy_loads_the_same_step_from_the_peer(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The newest local copy has a flipped byte, the peer holds the same step whole: the
+    load takes that step from the peer (no step lost), bit for bit, and names the damaged
+    local file; the fetched copy replaces the damaged one, the older local copy stays."""
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt.memory import MemoryConfig
+    from ckpt.memory_peer import PeerServer
+    from ckpt.memory_slot import BLOCK, HEADER
+
+    (tmp_path / "peer").mkdir()
+    me = tmp_path / "me"
+    me.mkdir(mode=0o700)
+    url = f"file://{tmp_path}/durable"
+    server = PeerServer(str(tmp_path / "peer")).start()
+
+    def state_at(step: int) -> dict:
+        return {"w": torch.arange(600_000, dtype=torch.float32) * 0.5 + step,
+                "b": torch.full((9,), step, dtype=torch.bfloat16), "step": step}
+    try:
+        config = MemoryConfig(str(me), peer=server.address, durable_every=100)
+        with CheckpointManager(url, memory=config) as mgr:
+            mgr.save(3, state_at(3))
+            mgr.save(4, state_at(4))
+            mgr.memory.wait()  # committed and pushed
+            assert mgr.memory.last_push["step"] == 4 and mgr.memory.last_push["ok"]
+        assert held(tmp_path / "peer", 0) == [3, 4]
+        slots = [SlotFile(str(me / f"rank-0.{k}")) for k in (0, 1)]
+        head, damaged = newest(slots)[0]
+        assert head.step == 4
+        damaged.map[HEADER + BLOCK + 4321] ^= 0x04  # block 1: block 0 is copied first
+        damaged_path = damaged.path
+        for s in slots:
+            s.close()
+
+        state = {"w": torch.zeros(600_000), "b": torch.zeros(9, dtype=torch.bfloat16),
+                 "step": -1}
+        with CheckpointManager(url, memory=MemoryConfig(str(me), peer=server.address)) as mgr, \
+                caplog.at_level("WARNING", logger="ckpt"):
+            report = mgr.load_with_report(state)
+        assert (report.step, report.source) == (4, f"peer:{server.address}")  # type: ignore
+        want = state_at(4)
+        assert torch.equal(state["w"], want["w"]) and torch.equal(state["b"], want["b"])
+        assert state["step"] == 4
+        assert "step 4 from local cannot be loaded by rank 0" in caplog.text
+        assert damaged_path in caplog.text and "fails its checksum" in caplog.text
+        slots = [SlotFile(str(me / f"rank-0.{k}")) for k in (0, 1)]
+        try:  # step 4 fetched into the damaged slot; step 3, the older copy, kept
+            assert [(h.step, s.path) for h, s in newest(slots)] == \
+                [(4, damaged_path), (3, next(s.path for s in slots if s.path != damaged_path))]
+        finally:
+            for s in slots:
+                s.close()
+    finally:
+        server.close()
