@@ -24,6 +24,7 @@ import contextlib
 import datetime as _dt
 import json
 import os
+import secrets
 import shutil
 import socket
 import statistics
@@ -51,7 +52,7 @@ from _common import (  # noqa: E402
 
 from bootseer.testing.servers import MotoS3Server  # noqa: E402
 from bootseer.testing.shaper import ShaperProcess, ShaperSettings  # noqa: E402
-from ckpt.memory_peer import PeerServer  # noqa: E402
+from ckpt.memory_peer import TOKEN_ENV, PeerServer  # noqa: E402
 
 WORKER = Path(__file__).with_name("memckpt_train.py")
 FULL = {"d": 2048, "layers": 4, "batch": 8, "steps": 24, "interval": 10}
@@ -59,6 +60,7 @@ QUICK = {"d": 256, "layers": 2, "batch": 16, "steps": 4, "interval": 2}
 S3_LINK = ShaperSettings.from_mb(latency_ms=1.0, per_conn_mbps=10.0, total_mbps=100.0)
 SHM_PREFIX = "bootseer-memckpt-bench-"
 TARGET_LOCAL, TARGET_PEER = 1.2, 5.0
+TOKEN = secrets.token_hex(32)  # the job's secret for the peer port (ranks get it by env)
 
 
 def _free_port() -> int:
@@ -77,7 +79,7 @@ class Node:
     def start(self) -> None:
         self.dir = self.shm / self.name
         (self.dir / "peers").mkdir(parents=True, mode=0o700)
-        self.server = PeerServer(str(self.dir / "peers")).start()
+        self.server = PeerServer(str(self.dir / "peers"), token=TOKEN).start()
 
     def stop(self) -> None:
         if self.server is not None:
@@ -119,7 +121,7 @@ class Bench:
         for rank in range(2):
             env = {**code_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                    "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", TOKEN_ENV: TOKEN}
             procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)],
                                           env=env))
         codes = [p.wait(1800) for p in procs]

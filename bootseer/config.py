@@ -207,7 +207,8 @@ _KEYS = [
           "removed when bootseer run ends"),
     _spec("ckpt", "memory_listen", "str", "", "--ckpt-memory-listen",
           "HOST:PORT where this node serves its peers' copies (HOST: the node's address the "
-          "other nodes reach); '' = no peer copies"),
+          "other nodes reach; never a wildcard); needs the job's secret in "
+          "BOOTSEER_MEMCKPT_TOKEN; '' = no peer copies"),
     _spec("ckpt", "memory_layout", "str", "", "--ckpt-memory-layout",
           "the job's parallel groups as JSON, as bootseer controller --layout takes them "
           "('{\"dp\": [[0, 1], [2, 3]], \"tp\": [[0, 2], [1, 3]]}'): each rank's copy goes to "

@@ -73,6 +73,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("BOOTSEER_REGISTRY_USERNAME", "credential",
              "registry user for image commands and the snapshotter (else docker's config.json)"),
     Variable("BOOTSEER_REGISTRY_PASSWORD", "credential", "registry password", secret=True),
+    Variable("BOOTSEER_MEMCKPT_TOKEN", "credential",
+             "the job's secret that the memory tier's peer connections prove they hold "
+             "(HMAC challenge-response; the same on every node; bootseer run's command "
+             "inherits it)", secret=True),
     Variable("DOCKER_CONFIG", "credential",
              "directory of docker's config.json (registry credentials)"),
     Variable("FSSPEC_STRIPED_STRIPE_SIZE", "fsspec",

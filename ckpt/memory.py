@@ -24,7 +24,7 @@ import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,7 @@ from .errors import CheckpointError
 from .flatten import walk
 from .layout import align, dtype_name, dtype_of
 from .loader import LoadReport
-from .memory_peer import PeerClient, PeerError
+from .memory_peer import TOKEN_ENV, PeerClient, PeerError
 from .memory_place import choose_peer, nodes_in_order, parse_layout
 from .memory_slot import (
     BLOCK,
@@ -69,7 +69,8 @@ class MemoryConfig:
     exchange to find their peer; ``peer``: a fixed peer instead. ``layout``: the job's
     parallel groups (``{"dp": [[0, 1], [2, 3]], ...}``, as ``bootseer controller --layout``):
     each rank's copy goes to a node that shares none of its groups, else to the next node
-    (``memory_place``). ``durable_every``:
+    (``memory_place``). ``token``: the job's secret that peer connections prove they hold
+    (default: ``BOOTSEER_MEMCKPT_TOKEN``; never logged). ``durable_every``:
     ``CheckpointManager.save`` also writes the durable tier every that many steps (``None``:
     every save, as without the memory tier). ``check_durable``: before loading from memory,
     ask the durable tier for a newer commit (one listing); ``False`` when the directory holds
@@ -83,6 +84,7 @@ class MemoryConfig:
     peer_timeout_s: float = 30.0
     check_durable: bool = True
     layout: dict[str, list[list[int]]] | None = None
+    token: str = field(default_factory=lambda: os.environ.get(TOKEN_ENV, ""), repr=False)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> MemoryConfig | None:
@@ -231,7 +233,7 @@ class MemoryTier:
         started = time.perf_counter()
         try:
             if self._client is None or self._client.address != peer:
-                self._client = PeerClient(peer, timeout_s=self.config.peer_timeout_s)
+                self._client = self._connect(peer)
             self._client.push(slot, head)
             self.last_push = {"step": head.step, "peer": peer, "ok": True,
                               "seconds": time.perf_counter() - started}
@@ -244,6 +246,10 @@ class MemoryTier:
             if self._client is not None:
                 self._client.close()
                 self._client = None
+
+    def _connect(self, address: str) -> PeerClient:
+        return PeerClient(address, timeout_s=self.config.peer_timeout_s,
+                          token=self.config.token)
 
     def _settle(self) -> None:
         pending, self._pending = self._pending, None
@@ -423,7 +429,7 @@ class MemoryTier:
                 if addr == self.config.server:
                     continue
                 try:
-                    with PeerClient(addr, timeout_s=self.config.peer_timeout_s) as client:
+                    with self._connect(addr) as client:
                         steps = client.listing(self.rank, self.world_size)
                 except (PeerError, OSError) as exc:
                     log.info("memory tier: peer %s does not answer (%s)", addr, exc)
@@ -449,7 +455,7 @@ class MemoryTier:
         fetch_s = 0.0
         if source.startswith("peer:"):
             slot = self._fetch_slot()
-            with PeerClient(source[5:], timeout_s=self.config.peer_timeout_s) as client:
+            with self._connect(source[5:]) as client:
                 client.fetch(self.rank, step, slot)
             self._newest = slot
             fetch_s = time.perf_counter() - started

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import stat
 import subprocess
 import sys
@@ -24,11 +25,13 @@ from ckpt.memory_slot import HEADER, SlotFile, newest
 WORKER = str(Path(__file__).resolve().parent / "memckpt_worker.py")
 ROOT = Path(__file__).resolve().parent.parent
 NUMEL = 300_000  # floats per rank: data spans several checksum blocks
+TOKEN = secrets.token_hex(16)  # the job's secret for peer connections (never logged)
 
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BOOTSEER_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["BOOTSEER_MEMCKPT_TOKEN"] = TOKEN
     env.update(extra or {})
     return env
 
@@ -104,14 +107,22 @@ def test_flipped_byte_in_memory_copy_is_refused(killed_job: dict) -> None:
 
 def test_agent_owns_and_removes_its_memory(tmp_path: Path) -> None:
     """Without ckpt.memory_dir: a private directory in /dev/shm, gone when the run ends; the
-    layout (ckpt.memory_layout) is handed to the job, a bad one refused before it starts."""
+    layout (ckpt.memory_layout) is handed to the job, a bad one refused before it starts. The
+    agent's peer server answers the job's token (inherited by the job) and refuses another;
+    the token appears in no output and no trace; without a token the agent does not start."""
     probe = ("import os,stat,sys; d=os.environ['BOOTSEER_MEMCKPT_DIR']; "
              "print('DIR', d, oct(stat.S_IMODE(os.stat(d).st_mode))); "
-             "print('LAYOUT', os.environ['BOOTSEER_MEMCKPT_LAYOUT'])")
+             "print('LAYOUT', os.environ['BOOTSEER_MEMCKPT_LAYOUT'])\n"
+             "from ckpt.memory_peer import PeerClient, PeerError\n"
+             "addr = os.environ['BOOTSEER_MEMCKPT_SERVER']\n"
+             "with PeerClient(addr) as c: print('LIST', c.listing(0, 1))\n"
+             "try: PeerClient(addr, token='w' * 32)\n"
+             "except PeerError as e: print('REFUSED', e)")
     layout = '{"tp": [[0, 1]], "dp": [[0], [1]]}'
     proc = subprocess.run(
         [sys.executable, "-m", "bootseer", "run", "--trace-dir", str(tmp_path / "trace"),
-         "--ckpt-memory", "--ckpt-memory-layout", layout, "--", sys.executable, "-c", probe],
+         "--ckpt-memory", "--ckpt-memory-layout", layout, "--ckpt-memory-listen",
+         "127.0.0.1:0", "--", sys.executable, "-c", probe],
         env=worker_env({"BOOTSEER_NODE": "testnode"}), capture_output=True, text=True,
         timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -121,6 +132,19 @@ def test_agent_owns_and_removes_its_memory(tmp_path: Path) -> None:
     assert not os.path.exists(directory)
     assert "memory tier: copies in" in proc.stderr
     assert f"LAYOUT {layout}" in proc.stdout
+    assert "LIST []" in proc.stdout  # the job's token opens the agent's server
+    assert "REFUSED" in proc.stdout and "authentication failed" in proc.stdout
+    assert "refused a connection from 127.0.0.1" in proc.stderr
+    traced = "".join(f.read_text(errors="replace") for f in (tmp_path / "trace").rglob("*")
+                     if f.is_file())
+    assert traced and TOKEN not in proc.stdout + proc.stderr + traced
+    no_token = worker_env({"BOOTSEER_NODE": "testnode"})
+    del no_token["BOOTSEER_MEMCKPT_TOKEN"]
+    refused = subprocess.run(
+        [sys.executable, "-m", "bootseer", "run", "--trace-dir", str(tmp_path / "trace3"),
+         "--ckpt-memory", "--ckpt-memory-listen", "127.0.0.1:0", "--", "true"],
+        env=no_token, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "set BOOTSEER_MEMCKPT_TOKEN" in refused.stderr
     bad = subprocess.run(
         [sys.executable, "-m", "bootseer", "run", "--trace-dir", str(tmp_path / "trace2"),
          "--ckpt-memory", "--ckpt-memory-layout", '{"tp": 3}', "--", "true"],

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_ckpt_memory import results
+from test_ckpt_memory import TOKEN, results
 from test_ckpt_memory_peer import held, run_job
 
 from ckpt import CheckpointError
@@ -69,7 +69,7 @@ def test_copies_land_on_the_node_the_layout_chooses(tmp_path: Path) -> None:
     servers = []
     for d in dirs:
         (d / "peers").mkdir(parents=True)
-        servers.append(PeerServer(str(d / "peers")).start())
+        servers.append(PeerServer(str(d / "peers"), token=TOKEN).start())
     try:
         spec = {"world": 3, "numel": 1000, "steps": 2, "durable": f"file://{tmp_path}/durable",
                 "durable_every": 100, "layout": {"tp": [[0, 1], [2]]}}
