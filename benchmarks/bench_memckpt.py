@@ -8,6 +8,9 @@ link as ``bench_ckpt.py``). Printed and recorded (``DIR/memckpt.json``, ``DIR/me
 * time per training step without checkpoints, with ckpt's durable async save every
   ``interval`` steps, and with memory checkpoints every step (plus the durable save every
   ``interval``), the same job in the same run; the floor: one memcpy of the state;
+* the block checksum's speed (``checksums``): XXH3-64, which the tier uses, against the 64-bit
+  word sums it replaced and CRC-32, alone and fused with the load's copy block by block, over
+  a buffer of the state's size, against one memcpy (medians of interleaved repetitions);
 * the job SIGKILLed in a step, then restarted three ways: in place (each rank's own
   memory), rank 1's node replaced (its state from the peer's memory), both nodes' memory
   lost (the durable tier over the shaped S3 link): seconds to load, from process start to
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +71,42 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def checksum_speeds(nbytes: int, reps: int = 7) -> dict[str, float]:
+    """Seconds (median of ``reps``, methods interleaved) of one memcpy of ``nbytes`` and of
+    each block checksum over them, alone and fused with a block-by-block copy (the load)."""
+    import numpy as np
+
+    from ckpt.memory_slot import BLOCK, block_hash
+
+    nbytes = max(BLOCK, nbytes // BLOCK * BLOCK)
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    words, view = src.view("<u8"), memoryview(src)
+    sums = {"xxh3_64": lambda i: block_hash(view[i : i + BLOCK]),
+            "word sums": lambda i: int(words[i // 8 : (i + BLOCK) // 8].sum(dtype=np.uint64)),
+            "crc32": lambda i: zlib.crc32(view[i : i + BLOCK])}
+
+    def alone(f: Any) -> None:
+        for i in range(0, nbytes, BLOCK):
+            f(i)
+
+    def fused(f: Any) -> None:
+        for i in range(0, nbytes, BLOCK):
+            f(i)
+            dst[i : i + BLOCK] = src[i : i + BLOCK]
+    trials: dict[str, Any] = {"memcpy": lambda: np.copyto(dst, src)}
+    for name, f in sums.items():
+        trials[name] = lambda f=f: alone(f)
+        trials[f"{name} + copy"] = lambda f=f: fused(f)
+    times: dict[str, list[float]] = {k: [] for k in trials}
+    for _ in range(reps):
+        for name, run in trials.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    return {"bytes": nbytes, **{k: statistics.median(v) for k, v in times.items()}}
 
 
 class Node:
@@ -181,6 +221,8 @@ class Bench:
         loads["durable"] = self._launch("load-durable",
                                         {**spec, "nodes": [n.spec() for n in nodes]})
         self.R["load"] = loads
+        log("phase checksums: XXH3-64 against word sums and CRC-32, over the state's size")
+        self.R["checksums"] = checksum_speeds(loads["local"][0]["state_bytes"])
         self.R["kill_at"] = kill_at
         self.R["last_durable"] = max(s for s in range(kill_at) if s % interval == 0)
         self.R["machine"]["load_after"] = os.getloadavg()
@@ -247,6 +289,15 @@ class Bench:
                   f">= {TARGET_PEER}x", verdict(dur / peer >= TARGET_PEER)],
                  ["steps lost beyond the one in progress (memory)", "0" if lost_ok else ">0",
                   "-", "0", verdict(lost_ok)]]
+        c = self.R.get("checksums")
+        if c:
+            def speed(k: str) -> str:
+                return f"{c['bytes'] / c[k] / 1e9:.1f} GB/s ({c[k] / c['memcpy']:.2f}x memcpy)"
+            rows += [["block checksum XXH3-64 (used) alone / fused with the load's copy",
+                      f"{speed('xxh3_64')} / {speed('xxh3_64 + copy')}",
+                      f"word sums {speed('word sums')} / {speed('word sums + copy')}; CRC-32 "
+                      f"{speed('crc32')} / {speed('crc32 + copy')}",
+                      f"memcpy {c['bytes'] / c['memcpy'] / 1e9:.1f} GB/s", "info"]]
         return rows
 
     def report(self) -> None:

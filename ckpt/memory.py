@@ -44,6 +44,7 @@ from .memory_slot import (
     SlotDamaged,
     SlotFile,
     SlotHeader,
+    block_hash,
     block_sums,
     newest,
     pack_meta,
@@ -545,15 +546,15 @@ def load_slot(slot: SlotFile, head: SlotHeader, state: Any, *,
 
 def _copy_checked(src: np.ndarray, pieces: list[_Piece], sums: list[int], path: str,
                   step: int) -> None:
-    """Block by block: check the block's sum, then copy the parts of tensors it holds."""
+    """Block by block: check the block's hash, then copy the parts of tensors it holds (the
+    block is then in cache: the check costs little over the copy)."""
     flat = {id(p): _bytes_of(p.target) for p in pieces}
     later = [p for p in pieces if flat[id(p)] is None]
     order = sorted((p for p in pieces if flat[id(p)] is not None), key=lambda p: p.at)
     i = 0
-    words = src.view("<u8")
     for b, want in enumerate(sums):
         lo, hi = b * BLOCK, min((b + 1) * BLOCK, len(src))
-        if int(words[lo // 8 : hi // 8].sum(dtype=np.uint64)) != want:
+        if block_hash(src[lo:hi]) != want:
             damaged = SlotDamaged(f"{path}: step {step}: data block {b} (bytes {lo}..{hi}) "
                                   f"fails its checksum")
             damaged.partial = b > 0  # type: ignore[attr-defined] # blocks before it were copied

@@ -257,3 +257,52 @@ def test_a_copy_damaged_mid_load_with_nothing_else_is_an_error_not_a_fresh_start
     with CheckpointManager(url, memory=MemoryConfig(str(shm))) as mgr:  # the restart
         with pytest.raises(CheckpointNotFound):
             mgr.load({"w": torch.zeros(600_000)})
+
+
+def test_swapped_words_in_a_copy_are_refused(tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Two 8-byte words of the newest copy swapped (a word sum would not see it: the test
+    shows that): the load refuses that copy, naming it, and takes the step before; a peer
+    refuses the same copy on receipt."""
+    import numpy as np
+    import torch
+
+    from ckpt.memory import MemoryConfig, MemoryTier
+    from ckpt.memory_peer import PeerClient, PeerError, PeerServer
+
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    tier = MemoryTier(MemoryConfig(str(shm)), rank=0, world_size=1)
+    for step in (1, 2):
+        tier.save(step, {"w": torch.arange(300_000, dtype=torch.float64) + step})
+    tier.close()
+    slots = [SlotFile(str(shm / f"rank-0.{k}")) for k in (0, 1)]
+    head, slot = newest(slots)[0]
+    assert head.step == 2
+    words = np.frombuffer(slot.map, dtype="<u8", count=head.data_size // 8, offset=HEADER)
+    before = int(words[: 1 << 17].sum(dtype=np.uint64))  # block 0's 64-bit word sum
+    a, b = words[10].copy(), words[5000].copy()
+    assert a != b
+    words[10], words[5000] = b, a
+    assert int(words[: 1 << 17].sum(dtype=np.uint64)) == before  # what word sums missed
+    del words
+    (tmp_path / "peer").mkdir()
+    server = PeerServer(str(tmp_path / "peer"), token=TOKEN).start()
+    try:
+        with PeerClient(server.address, token=TOKEN) as client, \
+                pytest.raises(PeerError, match="data block 0 .* fails its checksum"):
+            client.push(slot, head)
+    finally:
+        server.close()
+    damaged = slot.path
+    for s in slots:
+        s.close()
+    state = {"w": torch.zeros(300_000, dtype=torch.float64)}
+    tier = MemoryTier(MemoryConfig(str(shm)), rank=0, world_size=1)
+    with caplog.at_level("WARNING", logger="ckpt"):
+        report = tier.load(state)
+    tier.close()
+    assert report is not None and report.step == 1
+    assert torch.equal(state["w"], torch.arange(300_000, dtype=torch.float64) + 1)
+    assert "step 2 from local cannot be loaded by rank 0" in caplog.text
+    assert f"{damaged}: step 2: data block 0" in caplog.text
