@@ -8,6 +8,10 @@ link as ``bench_ckpt.py``). Printed and recorded (``DIR/memckpt.json``, ``DIR/me
 * time per training step without checkpoints, with ckpt's durable async save every
   ``interval`` steps, and with memory checkpoints every step (plus the durable save every
   ``interval``), the same job in the same run; the floor: one memcpy of the state;
+* per-step overhead measured again with many interleaved repetitions (``overhead``): blocks of
+  ``block`` steps without checkpoints and with a memory checkpoint every step, in turns
+  (``rounds`` of each, the order alternating) within one job; medians of per-step times,
+  against one memcpy of the state timed between blocks (the floor), with the load average;
 * the block checksum's speed (``checksums``): XXH3-64, which the tier uses, against the 64-bit
   word sums it replaced and CRC-32, alone and fused with the load's copy block by block, over
   a buffer of the state's size, against one memcpy (medians of interleaved repetitions);
@@ -59,8 +63,10 @@ from bootseer.testing.shaper import ShaperProcess, ShaperSettings  # noqa: E402
 from ckpt.memory_peer import TOKEN_ENV, PeerServer  # noqa: E402
 
 WORKER = Path(__file__).with_name("memckpt_train.py")
-FULL = {"d": 2048, "layers": 4, "batch": 8, "steps": 24, "interval": 10}
-QUICK = {"d": 256, "layers": 2, "batch": 16, "steps": 4, "interval": 2}
+FULL = {"d": 2048, "layers": 4, "batch": 8, "steps": 24, "interval": 10, "rounds": 8,
+        "block": 5}
+QUICK = {"d": 256, "layers": 2, "batch": 16, "steps": 4, "interval": 2, "rounds": 2,
+         "block": 3}
 S3_LINK = ShaperSettings.from_mb(latency_ms=1.0, per_conn_mbps=10.0, total_mbps=100.0)
 SHM_PREFIX = "bootseer-memckpt-bench-"
 TARGET_LOCAL, TARGET_PEER = 1.2, 5.0
@@ -221,6 +227,15 @@ class Bench:
         loads["durable"] = self._launch("load-durable",
                                         {**spec, "nodes": [n.spec() for n in nodes]})
         self.R["load"] = loads
+        log(f"phase overhead: {self.cfg['rounds']} rounds of {self.cfg['block']} steps without "
+            "and with memory checkpoints, in turns, in one job")
+        nodes[0].replace()
+        nodes[1].replace()
+        self.R["overhead_load_before"] = os.getloadavg()
+        self.R["overhead"] = self._launch("overhead", {**base, "mode": "overhead",
+                                                       "nodes": [n.spec() for n in nodes],
+                                                       "durable": "striped::s3://memckpt-bench/oh"})
+        self.R["overhead_load_after"] = os.getloadavg()
         log("phase checksums: XXH3-64 against word sums and CRC-32, over the state's size")
         self.R["checksums"] = checksum_speeds(loads["local"][0]["state_bytes"])
         self.R["kill_at"] = kill_at
@@ -289,6 +304,20 @@ class Bench:
                   f">= {TARGET_PEER}x", verdict(dur / peer >= TARGET_PEER)],
                  ["steps lost beyond the one in progress (memory)", "0" if lost_ok else ">0",
                   "-", "0", verdict(lost_ok)]]
+        oh = self.R.get("overhead")
+        if oh:
+            med = {k: max(statistics.median(r["step_s"][k]) for r in oh)
+                   for k in ("none", "memory")}
+            floor = max(statistics.median(r["memcpy_s"]) for r in oh)
+            n = len(oh[0]["step_s"]["none"])
+            la = ", ".join(f"{x:.1f}" for x in self.R["overhead_load_before"])
+            rows += [["step, interleaved blocks: memory every step / none (medians)",
+                      f"{med['memory'] * 1e3:.1f} ms / {med['none'] * 1e3:.1f} ms "
+                      f"(+{(med['memory'] / med['none'] - 1) * 100:.1f}%)",
+                      f"{n} steps of each, {self.cfg['rounds']} blocks of {self.cfg['block']}; "
+                      f"load average {la} before",
+                      f"floor +{floor / med['none'] * 100:.1f}% (one memcpy, "
+                      f"{floor * 1e3:.1f} ms); GPU target <= 1%", "info (CPU)"]]
         c = self.R.get("checksums")
         if c:
             def speed(k: str) -> str:

@@ -7,6 +7,9 @@ A DDP MLP trained on gloo, its state (parameters and AdamW moments) saved throug
   ``interval`` steps), memory-only (every step into memory and to the peer) or memory (that,
   and durable every ``interval``); per-step seconds; with ``kill_at`` every rank SIGKILLs itself in that step,
   after the optimizer step and before its save (the step in progress is lost);
+* ``overhead``: one model, blocks of ``block`` steps without checkpoints and with a memory
+  checkpoint every step, in turns (``rounds`` of each, the order alternating), per-step
+  seconds of each kind, and one memcpy of the state (the floor), timed between blocks;
 * ``load``: a restarted rank loads the newest state (memory tier first) and reports the
   seconds to load, the step, where from, and one memcpy of the same state (the floor).
 
@@ -107,6 +110,57 @@ def train(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> N
         mgr.close()
 
 
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, spec: dict[str, Any],
+               step: int, rank: int) -> None:
+    g = torch.Generator().manual_seed(step * 100 + rank)
+    x = torch.randn(spec["batch"], spec["d"], generator=g)
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def memcpy_s(state: dict[str, Any], copies: list[torch.Tensor] | None = None) -> float:
+    """One copy of every tensor of ``state`` into preallocated tensors (the floor)."""
+    tensors = _tensors(state)
+    copies = copies or [torch.empty_like(t) for t in tensors]
+    t0 = time.perf_counter()
+    for dst, src in zip(copies, tensors, strict=True):
+        dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def overhead(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> None:
+    """Steps without and with a memory checkpoint, in interleaved blocks of one job."""
+    model, opt = build(spec)
+    init_optimizer_state(opt)
+    mgr = manager(spec, rank, world, True)
+    mgr.memory.config.durable_every = 1 << 30  # memory only (step 0 is not saved here)
+    state = state_of(model, opt)
+    copies = [torch.empty_like(t) for t in _tensors(state)]
+    times: dict[str, list[float]] = {"none": [], "memory": []}
+    floor: list[float] = []
+    step = 1
+    train_step(model, opt, spec, step, rank)  # warm-up: first touch, the servers' exchange
+    mgr.save(step, state_of(model, opt))
+    mgr.memory.wait()
+    for r in range(spec["rounds"]):
+        for kind in ("none", "memory") if r % 2 == 0 else ("memory", "none"):
+            for _ in range(spec["block"]):
+                step += 1
+                t0 = time.perf_counter()
+                train_step(model, opt, spec, step, rank)
+                if kind == "memory":
+                    mgr.save(step, state_of(model, opt))
+                times[kind].append(time.perf_counter() - t0)
+            mgr.memory.wait()  # the last copy's commit and push do not spill into the next block
+            dist.barrier()
+            floor.append(memcpy_s(state, copies))
+    mgr.close()
+    out.update(step_s=times, memcpy_s=floor, last_push=mgr.memory.last_push,
+               state_bytes=sum(t.numel() * t.element_size() for t in _tensors(state)))
+
+
 def load(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> None:
     model, opt = build(spec)
     init_optimizer_state(opt)
@@ -160,6 +214,10 @@ def main() -> int:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if spec["mode"] == "train":
         train_all(spec, rank, world)
+    elif spec["mode"] == "overhead":
+        out = {"rank": rank, "phase": spec["phase"]}
+        overhead(spec, rank, world, out)
+        Path(spec["out_dir"], f"{spec['phase']}-{rank}.json").write_text(json.dumps(out))
     else:
         out: dict[str, Any] = {"rank": rank, "phase": spec["phase"]}
         load(spec, rank, world, out)
