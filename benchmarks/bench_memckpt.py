@@ -8,14 +8,19 @@ link as ``bench_ckpt.py``). Printed and recorded (``DIR/memckpt.json``, ``DIR/me
 * time per training step without checkpoints, with ckpt's durable async save every
   ``interval`` steps, and with memory checkpoints every step (plus the durable save every
   ``interval``), the same job in the same run; the floor: one memcpy of the state;
-* per-step overhead measured again with many interleaved repetitions (``overhead``): blocks of
+* per-step overhead measured again with many interleaved repetitions (``overhead``, first in
+  the train job): blocks of
   ``block`` steps without checkpoints and with a memory checkpoint every step, in turns
   (``rounds`` of each, the order alternating) within one job; medians of per-step times,
   against one memcpy of the state timed between blocks (the floor), with the load average;
 * the block checksum's speed (``checksums``): XXH3-64, which the tier uses, against the 64-bit
   word sums it replaced and CRC-32, alone and fused with the load's copy block by block, over
   a buffer of the state's size, against one memcpy (medians of interleaved repetitions);
-* the job SIGKILLed in a step, then restarted three ways: in place (each rank's own
+* the same three recoveries on the cluster fixture (``memckpt_cluster.py``; full run only): two nodes as
+  network namespaces, real ``bootseer run --ckpt-memory`` agents with their peer servers on
+  the nodes' addresses, torchrun across the nodes, nodes replaced by empty ones;
+* the job SIGKILLed in a step, then restarted three ways (agents as threads of this harness,
+  on loopback): in place (each rank's own
   memory), rank 1's node replaced (its state from the peer's memory), both nodes' memory
   lost (the durable tier over the shaped S3 link): seconds to load, from process start to
   state loaded, and the steps lost beyond the one in progress; the loaded parameters are
@@ -208,12 +213,16 @@ class Bench:
         variants = ["none", "durable", "memory-only", "memory"]
         log(f"phase train: {steps} steps of each of {', '.join(variants)} in one job, "
             f"SIGKILL in step {kill_at} of the last")
+        log(f"  first the overhead: {self.cfg['rounds']} rounds of {self.cfg['block']} steps "
+            "without and with memory checkpoints, in turns")
+        self.R["overhead_load_before"] = os.getloadavg()
         got = self._launch("train", {**base, "mode": "train", "variants": variants,
                                      "durable": "striped::s3://memckpt-bench",
                                      "kill_at": kill_at},
-                           names=[f"train-{v}" for v in variants])
+                           names=["overhead"] + [f"train-{v}" for v in variants])
         runs = {v: got[f"train-{v}"] for v in variants}
         self.R["train"] = runs
+        self.R["overhead"] = got["overhead"]
         loads = {}
         spec = {**base, "mode": "load", "durable": "striped::s3://memckpt-bench/memory"}
         log("phase load-local: in-place restart, each rank's own memory")
@@ -227,15 +236,19 @@ class Bench:
         loads["durable"] = self._launch("load-durable",
                                         {**spec, "nodes": [n.spec() for n in nodes]})
         self.R["load"] = loads
-        log(f"phase overhead: {self.cfg['rounds']} rounds of {self.cfg['block']} steps without "
-            "and with memory checkpoints, in turns, in one job")
-        nodes[0].replace()
-        nodes[1].replace()
-        self.R["overhead_load_before"] = os.getloadavg()
-        self.R["overhead"] = self._launch("overhead", {**base, "mode": "overhead",
-                                                       "nodes": [n.spec() for n in nodes],
-                                                       "durable": "striped::s3://memckpt-bench/oh"})
-        self.R["overhead_load_after"] = os.getloadavg()
+        if self.quick:  # a smoke run: the cluster's four jobs cost minutes (CI runs it)
+            self.R["cluster"] = None
+        elif os.geteuid() == 0:
+            from memckpt_cluster import cluster_trials
+
+            log("phase cluster: the recoveries again on the cluster fixture")
+            self.R["cluster_load_before"] = os.getloadavg()
+            try:
+                self.R["cluster"] = cluster_trials(self.cfg, work / "cluster", log)
+            except Exception as exc:  # noqa: BLE001 - the loopback figures stand; say why
+                self.errors.append(f"cluster trials: {type(exc).__name__}: {exc}"[:4000])
+        else:
+            self.errors.append("cluster trials not run (needs root for the cluster fixture)")
         log("phase checksums: XXH3-64 against word sums and CRC-32, over the state's size")
         self.R["checksums"] = checksum_speeds(loads["local"][0]["state_bytes"])
         self.R["kill_at"] = kill_at
@@ -318,6 +331,10 @@ class Bench:
                       f"load average {la} before",
                       f"floor +{floor / med['none'] * 100:.1f}% (one memcpy, "
                       f"{floor * 1e3:.1f} ms); GPU target <= 1%", "info (CPU)"]]
+        if self.R.get("cluster"):
+            from memckpt_cluster import cluster_rows
+
+            rows += cluster_rows(self.R["cluster"], verdict, TARGET_PEER)
         c = self.R.get("checksums")
         if c:
             def speed(k: str) -> str:

@@ -7,7 +7,7 @@ A DDP MLP trained on gloo, its state (parameters and AdamW moments) saved throug
   ``interval`` steps), memory-only (every step into memory and to the peer) or memory (that,
   and durable every ``interval``); per-step seconds; with ``kill_at`` every rank SIGKILLs itself in that step,
   after the optimizer step and before its save (the step in progress is lost);
-* ``overhead``: one model, blocks of ``block`` steps without checkpoints and with a memory
+* ``train`` with ``rounds``, first: one model, blocks of ``block`` steps without checkpoints and with a memory
   checkpoint every step, in turns (``rounds`` of each, the order alternating), per-step
   seconds of each kind, and one memcpy of the state (the floor), timed between blocks;
 * ``load``: a restarted rank loads the newest state (memory tier first) and reports the
@@ -58,7 +58,11 @@ def fingerprint(model: torch.nn.Module) -> float:
 
 def manager(spec: dict[str, Any], rank: int, world: int, memory: bool) -> CheckpointManager:
     config: Any = False
-    if memory:
+    if memory and spec.get("from_env"):  # under bootseer run --ckpt-memory (the cluster)
+        config = MemoryConfig.from_env()
+        config.durable_every = spec["interval"]
+        config.check_durable = False  # the directory holds this job's copies only
+    elif memory:
         node = spec["nodes"][rank]
         config = MemoryConfig(node["dir"], server=node["server"],
                               durable_every=spec["interval"],
@@ -68,8 +72,14 @@ def manager(spec: dict[str, Any], rank: int, world: int, memory: bool) -> Checkp
 
 
 def train_all(spec: dict[str, Any], rank: int, world: int) -> None:
-    """Every variant in turn, in this one job (the killed one last), each from a fresh
-    model; ``train-<variant>-<rank>.json`` each."""
+    """With ``rounds``: the interleaved overhead first (``overhead-<rank>.json``, its copies
+    in a directory of their own); then every variant in turn, in this one job (the killed
+    one last), each from a fresh model; ``train-<variant>-<rank>.json`` each."""
+    if spec.get("rounds"):
+        out = {"rank": rank, "phase": "overhead"}
+        overhead(spec, rank, world, out)
+        Path(spec["out_dir"], f"overhead-{rank}.json").write_text(json.dumps(out))
+        dist.barrier()
     for variant in spec["variants"]:
         out: dict[str, Any] = {"rank": rank, "phase": f"train-{variant}"}
         train({**spec, "variant": variant, "durable": f"{spec['durable']}/{variant}",
@@ -134,6 +144,11 @@ def overhead(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -
     """Steps without and with a memory checkpoint, in interleaved blocks of one job."""
     model, opt = build(spec)
     init_optimizer_state(opt)
+    if not spec.get("from_env"):  # its own copies: the variants' recoveries never meet them
+        node = spec["nodes"][rank]
+        own = Path(node["dir"]) / "overhead"
+        own.mkdir(mode=0o700, exist_ok=True)
+        spec = {**spec, "nodes": {rank: {**node, "dir": str(own)}}}
     mgr = manager(spec, rank, world, True)
     mgr.memory.config.durable_every = 1 << 30  # memory only (step 0 is not saved here)
     state = state_of(model, opt)
@@ -214,10 +229,6 @@ def main() -> int:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if spec["mode"] == "train":
         train_all(spec, rank, world)
-    elif spec["mode"] == "overhead":
-        out = {"rank": rank, "phase": spec["phase"]}
-        overhead(spec, rank, world, out)
-        Path(spec["out_dir"], f"{spec['phase']}-{rank}.json").write_text(json.dumps(out))
     else:
         out: dict[str, Any] = {"rank": rank, "phase": spec["phase"]}
         load(spec, rank, world, out)

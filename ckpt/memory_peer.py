@@ -240,8 +240,7 @@ class _Server(socketserver.ThreadingTCPServer):
             head = SlotHeader.from_json(msg["header"], "put from the network")
             slots, lock = self.ranks.get(head.rank)
             with lock:
-                held = newest(slots)
-                target = slots[1] if held and held[0][1] is slots[0] else slots[0]
+                target = _target(slots, head.step)
                 st = os.statvfs(self.ranks.directory)
                 room = st.f_bavail * st.f_frsize + target.size
                 if head.total > room:  # refused before a byte is taken
@@ -266,6 +265,17 @@ class _Server(socketserver.ThreadingTCPServer):
                 sock.sendall(slot.view(HEADER, head.data_size + head.meta_size))
         else:
             raise ValueError(f"unknown op {op!r}")
+
+
+def _target(slots: list[SlotFile], step: int) -> SlotFile:
+    """The slot a copy of ``step`` goes into: one holding that step or a later one (a retry,
+    or the abandoned run's copy after the job went back to an older step), else the slot
+    not holding the newest copy. Either way the other slot keeps a complete copy."""
+    held = newest(slots)
+    stale = [slot for head, slot in held if head.step >= step]
+    if stale:
+        return stale[0]
+    return slots[1] if held and held[0][1] is slots[0] else slots[0]
 
 
 class PeerServer:

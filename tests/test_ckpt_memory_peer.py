@@ -269,3 +269,28 @@ def test_peer_port_refuses_connections_without_the_jobs_token(
         PeerClient(f"127.0.0.1:{fake.getsockname()[1]}", token=TOKEN)
     thread.join(30)
     fake.close()
+
+
+def test_peer_keeps_two_copies_of_a_job_that_went_back_to_an_older_step(
+        tmp_path: Path) -> None:
+    """After a restart from an older step (the durable tier's), the peer's copies of the
+    abandoned run's later steps are overwritten first: it again holds the new run's two
+    newest copies, not one of them beside a stale one."""
+    import torch
+
+    from ckpt.memory import MemoryConfig, MemoryTier
+    from ckpt.memory_peer import PeerServer
+
+    (tmp_path / "peer").mkdir()
+    server = PeerServer(str(tmp_path / "peer"), token=TOKEN).start()
+    try:
+        for run, steps in (("a", (21, 22)), ("b", (11, 12, 13))):
+            (tmp_path / run).mkdir()
+            tier = MemoryTier(MemoryConfig(str(tmp_path / run), peer=server.address,
+                                           token=TOKEN), rank=0, world_size=1)
+            for step in steps:
+                tier.save(step, {"w": torch.full((1000,), float(step))})
+            tier.close()
+        assert held(tmp_path / "peer", 0) == [12, 13]
+    finally:
+        server.close()
