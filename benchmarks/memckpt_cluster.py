@@ -90,7 +90,8 @@ def cluster_trials(cfg: dict[str, Any], work: Path, log: Callable[[str], None]) 
         log(f"cluster: 2 nodes, links {NODE_LINK}, disks {disk}; train {cfg['steps']} steps, "
             f"SIGKILL in step {kill_at}")
         train = _job(c, cfg, "train", {**base, "mode": "train", "variants": ["memory"],
-                                       "kill_at": kill_at}, out, token, log, "train-memory")
+                                       "kill_at": kill_at, "rounds": 0},  # no overhead here
+                     out, token, log, "train-memory")
         result["train"] = train
         result["prints"] = {str(r): train[str(r)]["prints"] for r in range(2)}
         spec = {**base, "mode": "load", "durable": f"{base['durable']}/memory"}  # train's
