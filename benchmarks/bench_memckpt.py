@@ -8,7 +8,19 @@ link as ``bench_ckpt.py``). Printed and recorded (``DIR/memckpt.json``, ``DIR/me
 * time per training step without checkpoints, with ckpt's durable async save every
   ``interval`` steps, and with memory checkpoints every step (plus the durable save every
   ``interval``), the same job in the same run; the floor: one memcpy of the state;
-* the job SIGKILLed in a step, then restarted three ways: in place (each rank's own
+* per-step overhead measured again with many interleaved repetitions (``overhead``, first in
+  the train job): blocks of
+  ``block`` steps without checkpoints and with a memory checkpoint every step, in turns
+  (``rounds`` of each, the order alternating) within one job; medians of per-step times,
+  against one memcpy of the state timed between blocks (the floor), with the load average;
+* the block checksum's speed (``checksums``): XXH3-64, which the tier uses, against the 64-bit
+  word sums it replaced and CRC-32, alone and fused with the load's copy block by block, over
+  a buffer of the state's size, against one memcpy (medians of interleaved repetitions);
+* the same three recoveries on the cluster fixture (``memckpt_cluster.py``; full run only): two nodes as
+  network namespaces, real ``bootseer run --ckpt-memory`` agents with their peer servers on
+  the nodes' addresses, torchrun across the nodes, nodes replaced by empty ones;
+* the job SIGKILLed in a step, then restarted three ways (agents as threads of this harness,
+  on loopback): in place (each rank's own
   memory), rank 1's node replaced (its state from the peer's memory), both nodes' memory
   lost (the durable tier over the shaped S3 link): seconds to load, from process start to
   state loaded, and the steps lost beyond the one in progress; the loaded parameters are
@@ -24,6 +36,7 @@ import contextlib
 import datetime as _dt
 import json
 import os
+import secrets
 import shutil
 import socket
 import statistics
@@ -31,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -51,20 +65,59 @@ from _common import (  # noqa: E402
 
 from bootseer.testing.servers import MotoS3Server  # noqa: E402
 from bootseer.testing.shaper import ShaperProcess, ShaperSettings  # noqa: E402
-from ckpt.memory_peer import PeerServer  # noqa: E402
+from ckpt.memory_peer import TOKEN_ENV, PeerServer  # noqa: E402
 
 WORKER = Path(__file__).with_name("memckpt_train.py")
-FULL = {"d": 2048, "layers": 4, "batch": 8, "steps": 24, "interval": 10}
-QUICK = {"d": 256, "layers": 2, "batch": 16, "steps": 4, "interval": 2}
+FULL = {"d": 2048, "layers": 4, "batch": 8, "steps": 24, "interval": 10, "rounds": 8,
+        "block": 5}
+QUICK = {"d": 256, "layers": 2, "batch": 16, "steps": 4, "interval": 2, "rounds": 2,
+         "block": 3}
 S3_LINK = ShaperSettings.from_mb(latency_ms=1.0, per_conn_mbps=10.0, total_mbps=100.0)
 SHM_PREFIX = "bootseer-memckpt-bench-"
 TARGET_LOCAL, TARGET_PEER = 1.2, 5.0
+TOKEN = secrets.token_hex(32)  # the job's secret for the peer port (ranks get it by env)
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def checksum_speeds(nbytes: int, reps: int = 7) -> dict[str, float]:
+    """Seconds (median of ``reps``, methods interleaved) of one memcpy of ``nbytes`` and of
+    each block checksum over them, alone and fused with a block-by-block copy (the load)."""
+    import numpy as np
+
+    from ckpt.memory_slot import BLOCK, block_hash
+
+    nbytes = max(BLOCK, nbytes // BLOCK * BLOCK)
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    words, view = src.view("<u8"), memoryview(src)
+    sums = {"xxh3_64": lambda i: block_hash(view[i : i + BLOCK]),
+            "word sums": lambda i: int(words[i // 8 : (i + BLOCK) // 8].sum(dtype=np.uint64)),
+            "crc32": lambda i: zlib.crc32(view[i : i + BLOCK])}
+
+    def alone(f: Any) -> None:
+        for i in range(0, nbytes, BLOCK):
+            f(i)
+
+    def fused(f: Any) -> None:
+        for i in range(0, nbytes, BLOCK):
+            f(i)
+            dst[i : i + BLOCK] = src[i : i + BLOCK]
+    trials: dict[str, Any] = {"memcpy": lambda: np.copyto(dst, src)}
+    for name, f in sums.items():
+        trials[name] = lambda f=f: alone(f)
+        trials[f"{name} + copy"] = lambda f=f: fused(f)
+    times: dict[str, list[float]] = {k: [] for k in trials}
+    for _ in range(reps):
+        for name, run in trials.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    return {"bytes": nbytes, **{k: statistics.median(v) for k, v in times.items()}}
 
 
 class Node:
@@ -77,7 +130,7 @@ class Node:
     def start(self) -> None:
         self.dir = self.shm / self.name
         (self.dir / "peers").mkdir(parents=True, mode=0o700)
-        self.server = PeerServer(str(self.dir / "peers")).start()
+        self.server = PeerServer(str(self.dir / "peers"), token=TOKEN).start()
 
     def stop(self) -> None:
         if self.server is not None:
@@ -119,7 +172,7 @@ class Bench:
         for rank in range(2):
             env = {**code_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                    "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", TOKEN_ENV: TOKEN}
             procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)],
                                           env=env))
         codes = [p.wait(1800) for p in procs]
@@ -160,12 +213,16 @@ class Bench:
         variants = ["none", "durable", "memory-only", "memory"]
         log(f"phase train: {steps} steps of each of {', '.join(variants)} in one job, "
             f"SIGKILL in step {kill_at} of the last")
+        log(f"  first the overhead: {self.cfg['rounds']} rounds of {self.cfg['block']} steps "
+            "without and with memory checkpoints, in turns")
+        self.R["overhead_load_before"] = os.getloadavg()
         got = self._launch("train", {**base, "mode": "train", "variants": variants,
                                      "durable": "striped::s3://memckpt-bench",
                                      "kill_at": kill_at},
-                           names=[f"train-{v}" for v in variants])
+                           names=["overhead"] + [f"train-{v}" for v in variants])
         runs = {v: got[f"train-{v}"] for v in variants}
         self.R["train"] = runs
+        self.R["overhead"] = got["overhead"]
         loads = {}
         spec = {**base, "mode": "load", "durable": "striped::s3://memckpt-bench/memory"}
         log("phase load-local: in-place restart, each rank's own memory")
@@ -179,6 +236,21 @@ class Bench:
         loads["durable"] = self._launch("load-durable",
                                         {**spec, "nodes": [n.spec() for n in nodes]})
         self.R["load"] = loads
+        if self.quick:  # a smoke run: the cluster's four jobs cost minutes (CI runs it)
+            self.R["cluster"] = None
+        elif os.geteuid() == 0:
+            from memckpt_cluster import cluster_trials
+
+            log("phase cluster: the recoveries again on the cluster fixture")
+            self.R["cluster_load_before"] = os.getloadavg()
+            try:
+                self.R["cluster"] = cluster_trials(self.cfg, work / "cluster", log)
+            except Exception as exc:  # noqa: BLE001 - the loopback figures stand; say why
+                self.errors.append(f"cluster trials: {type(exc).__name__}: {exc}"[:4000])
+        else:
+            self.errors.append("cluster trials not run (needs root for the cluster fixture)")
+        log("phase checksums: XXH3-64 against word sums and CRC-32, over the state's size")
+        self.R["checksums"] = checksum_speeds(loads["local"][0]["state_bytes"])
         self.R["kill_at"] = kill_at
         self.R["last_durable"] = max(s for s in range(kill_at) if s % interval == 0)
         self.R["machine"]["load_after"] = os.getloadavg()
@@ -245,6 +317,33 @@ class Bench:
                   f">= {TARGET_PEER}x", verdict(dur / peer >= TARGET_PEER)],
                  ["steps lost beyond the one in progress (memory)", "0" if lost_ok else ">0",
                   "-", "0", verdict(lost_ok)]]
+        oh = self.R.get("overhead")
+        if oh:
+            med = {k: max(statistics.median(r["step_s"][k]) for r in oh)
+                   for k in ("none", "memory")}
+            floor = max(statistics.median(r["memcpy_s"]) for r in oh)
+            n = len(oh[0]["step_s"]["none"])
+            la = ", ".join(f"{x:.1f}" for x in self.R["overhead_load_before"])
+            rows += [["step, interleaved blocks: memory every step / none (medians)",
+                      f"{med['memory'] * 1e3:.1f} ms / {med['none'] * 1e3:.1f} ms "
+                      f"(+{(med['memory'] / med['none'] - 1) * 100:.1f}%)",
+                      f"{n} steps of each, {self.cfg['rounds']} blocks of {self.cfg['block']}; "
+                      f"load average {la} before",
+                      f"floor +{floor / med['none'] * 100:.1f}% (one memcpy, "
+                      f"{floor * 1e3:.1f} ms); GPU target <= 1%", "info (CPU)"]]
+        if self.R.get("cluster"):
+            from memckpt_cluster import cluster_rows
+
+            rows += cluster_rows(self.R["cluster"], verdict, TARGET_PEER)
+        c = self.R.get("checksums")
+        if c:
+            def speed(k: str) -> str:
+                return f"{c['bytes'] / c[k] / 1e9:.1f} GB/s ({c[k] / c['memcpy']:.2f}x memcpy)"
+            rows += [["block checksum XXH3-64 (used) alone / fused with the load's copy",
+                      f"{speed('xxh3_64')} / {speed('xxh3_64 + copy')}",
+                      f"word sums {speed('word sums')} / {speed('word sums + copy')}; CRC-32 "
+                      f"{speed('crc32')} / {speed('crc32 + copy')}",
+                      f"memcpy {c['bytes'] / c['memcpy'] / 1e9:.1f} GB/s", "info"]]
         return rows
 
     def report(self) -> None:

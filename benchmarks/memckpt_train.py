@@ -7,6 +7,9 @@ A DDP MLP trained on gloo, its state (parameters and AdamW moments) saved throug
   ``interval`` steps), memory-only (every step into memory and to the peer) or memory (that,
   and durable every ``interval``); per-step seconds; with ``kill_at`` every rank SIGKILLs itself in that step,
   after the optimizer step and before its save (the step in progress is lost);
+* ``train`` with ``rounds``, first: one model, blocks of ``block`` steps without checkpoints and with a memory
+  checkpoint every step, in turns (``rounds`` of each, the order alternating), per-step
+  seconds of each kind, and one memcpy of the state (the floor), timed between blocks;
 * ``load``: a restarted rank loads the newest state (memory tier first) and reports the
   seconds to load, the step, where from, and one memcpy of the same state (the floor).
 
@@ -55,7 +58,11 @@ def fingerprint(model: torch.nn.Module) -> float:
 
 def manager(spec: dict[str, Any], rank: int, world: int, memory: bool) -> CheckpointManager:
     config: Any = False
-    if memory:
+    if memory and spec.get("from_env"):  # under bootseer run --ckpt-memory (the cluster)
+        config = MemoryConfig.from_env()
+        config.durable_every = spec["interval"]
+        config.check_durable = False  # the directory holds this job's copies only
+    elif memory:
         node = spec["nodes"][rank]
         config = MemoryConfig(node["dir"], server=node["server"],
                               durable_every=spec["interval"],
@@ -65,8 +72,14 @@ def manager(spec: dict[str, Any], rank: int, world: int, memory: bool) -> Checkp
 
 
 def train_all(spec: dict[str, Any], rank: int, world: int) -> None:
-    """Every variant in turn, in this one job (the killed one last), each from a fresh
-    model; ``train-<variant>-<rank>.json`` each."""
+    """With ``rounds``: the interleaved overhead first (``overhead-<rank>.json``, its copies
+    in a directory of their own); then every variant in turn, in this one job (the killed
+    one last), each from a fresh model; ``train-<variant>-<rank>.json`` each."""
+    if spec.get("rounds"):
+        out = {"rank": rank, "phase": "overhead"}
+        overhead(spec, rank, world, out)
+        Path(spec["out_dir"], f"overhead-{rank}.json").write_text(json.dumps(out))
+        dist.barrier()
     for variant in spec["variants"]:
         out: dict[str, Any] = {"rank": rank, "phase": f"train-{variant}"}
         train({**spec, "variant": variant, "durable": f"{spec['durable']}/{variant}",
@@ -105,6 +118,62 @@ def train(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> N
         out["prints"][str(step)] = fingerprint(model)
     if mgr is not None:
         mgr.close()
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, spec: dict[str, Any],
+               step: int, rank: int) -> None:
+    g = torch.Generator().manual_seed(step * 100 + rank)
+    x = torch.randn(spec["batch"], spec["d"], generator=g)
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def memcpy_s(state: dict[str, Any], copies: list[torch.Tensor] | None = None) -> float:
+    """One copy of every tensor of ``state`` into preallocated tensors (the floor)."""
+    tensors = _tensors(state)
+    copies = copies or [torch.empty_like(t) for t in tensors]
+    t0 = time.perf_counter()
+    for dst, src in zip(copies, tensors, strict=True):
+        dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def overhead(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> None:
+    """Steps without and with a memory checkpoint, in interleaved blocks of one job."""
+    model, opt = build(spec)
+    init_optimizer_state(opt)
+    if not spec.get("from_env"):  # its own copies: the variants' recoveries never meet them
+        node = spec["nodes"][rank]
+        own = Path(node["dir"]) / "overhead"
+        own.mkdir(mode=0o700, exist_ok=True)
+        spec = {**spec, "nodes": {rank: {**node, "dir": str(own)}}}
+    mgr = manager(spec, rank, world, True)
+    mgr.memory.config.durable_every = 1 << 30  # memory only (step 0 is not saved here)
+    state = state_of(model, opt)
+    copies = [torch.empty_like(t) for t in _tensors(state)]
+    times: dict[str, list[float]] = {"none": [], "memory": []}
+    floor: list[float] = []
+    step = 1
+    train_step(model, opt, spec, step, rank)  # warm-up: first touch, the servers' exchange
+    mgr.save(step, state_of(model, opt))
+    mgr.memory.wait()
+    for r in range(spec["rounds"]):
+        for kind in ("none", "memory") if r % 2 == 0 else ("memory", "none"):
+            for _ in range(spec["block"]):
+                step += 1
+                t0 = time.perf_counter()
+                train_step(model, opt, spec, step, rank)
+                if kind == "memory":
+                    mgr.save(step, state_of(model, opt))
+                times[kind].append(time.perf_counter() - t0)
+            mgr.memory.wait()  # the last copy's commit and push do not spill into the next block
+            dist.barrier()
+            floor.append(memcpy_s(state, copies))
+    mgr.close()
+    out.update(step_s=times, memcpy_s=floor, last_push=mgr.memory.last_push,
+               state_bytes=sum(t.numel() * t.element_size() for t in _tensors(state)))
 
 
 def load(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> None:

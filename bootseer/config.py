@@ -201,13 +201,18 @@ _KEYS = [
           "parallel streams of the checkpoint prefetch"),
     _spec("ckpt", "memory", "bool", False, "--ckpt-memory",
           "keep every save of the job's CheckpointManager in this node's shared memory too, "
-          "and a copy on the next node (docs/ckpt.md, the memory tier)"),
+          "and a copy on a peer node (docs/ckpt.md, the memory tier)"),
     _spec("ckpt", "memory_dir", "path", "", "--ckpt-memory-dir",
           "the memory tier's directory (kept at exit); '' = a private one under /dev/shm, "
           "removed when bootseer run ends"),
     _spec("ckpt", "memory_listen", "str", "", "--ckpt-memory-listen",
           "HOST:PORT where this node serves its peers' copies (HOST: the node's address the "
-          "other nodes reach); '' = no peer copies"),
+          "other nodes reach; never a wildcard); needs the job's secret in "
+          "BOOTSEER_MEMCKPT_TOKEN; '' = no peer copies"),
+    _spec("ckpt", "memory_layout", "str", "", "--ckpt-memory-layout",
+          "the job's parallel groups as JSON, as bootseer controller --layout takes them "
+          "('{\"dp\": [[0, 1], [2, 3]], \"tp\": [[0, 2], [1, 3]]}'): each rank's copy goes to "
+          "a node sharing none of its groups; '' = the next node"),
     _spec("ckpt", "durable_every", "int", 0, "--ckpt-durable-every",
           "with the memory tier: write the durable tier every that many steps; 0 = every save"),
     _spec("image", "ref", "str", "", "--image-ref", "image reference (for warmup)"),

@@ -63,6 +63,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("BOOTSEER_MEMCKPT_FRESH", "hand-off",
              "bootseer run -> its command: '1' when the memory tier's directory was made for "
              "this run (no check of the durable tier before an in-memory load)"),
+    Variable("BOOTSEER_MEMCKPT_LAYOUT", "hand-off",
+             "bootseer run -> its command: ckpt.memory_layout, the job's parallel groups "
+             "(JSON) that choose the node keeping each rank's copy"),
     Variable("BOOTSEER_ROOTFS", "hand-off",
              "bootseer image record --no-chroot -> the recorded command: the image's mount"),
     Variable("BOOTSEER_PREFIX", "hand-off",
@@ -70,6 +73,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("BOOTSEER_REGISTRY_USERNAME", "credential",
              "registry user for image commands and the snapshotter (else docker's config.json)"),
     Variable("BOOTSEER_REGISTRY_PASSWORD", "credential", "registry password", secret=True),
+    Variable("BOOTSEER_MEMCKPT_TOKEN", "credential",
+             "the job's secret that the memory tier's peer connections prove they hold "
+             "(HMAC challenge-response; the same on every node; bootseer run's command "
+             "inherits it)", secret=True),
     Variable("DOCKER_CONFIG", "credential",
              "directory of docker's config.json (registry credentials)"),
     Variable("FSSPEC_STRIPED_STRIPE_SIZE", "fsspec",

@@ -9,7 +9,8 @@
 (``memory_slot``), written alternately, so the newest complete copy is never the one being
 overwritten; the files live in a directory that ``bootseer run`` created and removes, so they
 survive the trainer's crash or SIGKILL. After each commit the copy is pushed to the
-neighbouring node's agent (``memory_peer``). A load takes, on every rank, the newest step
+agent of a node outside the rank's parallel groups, else the neighbouring node's
+(``memory_place``, ``memory_peer``; the connection proves the job's token). A load takes, on every rank, the newest step
 that every rank holds, from the nearest place: its own memory, else a peer's, else ``None``
 (the caller falls back to the durable tier); a copy that fails its checksums is refused and
 the ranks agree again without it (``agree``).
@@ -24,7 +25,7 @@ import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,13 +37,15 @@ from .errors import CheckpointError
 from .flatten import walk
 from .layout import align, dtype_name, dtype_of
 from .loader import LoadReport
-from .memory_peer import PeerClient, PeerError
+from .memory_peer import TOKEN_ENV, PeerClient, PeerError
+from .memory_place import choose_peer, nodes_in_order, parse_layout
 from .memory_slot import (
     BLOCK,
     HEADER,
     SlotDamaged,
     SlotFile,
     SlotHeader,
+    block_hash,
     block_sums,
     newest,
     pack_meta,
@@ -56,6 +59,7 @@ log = logging.getLogger("ckpt")
 
 DIR_ENV, SERVER_ENV, DURABLE_EVERY_ENV = ("BOOTSEER_MEMCKPT_DIR", "BOOTSEER_MEMCKPT_SERVER",
                                           "BOOTSEER_MEMCKPT_DURABLE_EVERY")
+LAYOUT_ENV = "BOOTSEER_MEMCKPT_LAYOUT"  # the job's parallel groups (JSON): who keeps the copy
 FRESH_ENV = "BOOTSEER_MEMCKPT_FRESH"  # "1": the directory was made empty for this run
 
 
@@ -65,7 +69,11 @@ class MemoryConfig:
 
     ``directory``: the node agent's shared-memory directory (``bootseer run`` makes it 0700
     under /dev/shm). ``server``: this node's peer server (``HOST:PORT``), which the ranks
-    exchange to find their neighbour; ``peer``: a fixed peer instead. ``durable_every``:
+    exchange to find their peer; ``peer``: a fixed peer instead. ``layout``: the job's
+    parallel groups (``{"dp": [[0, 1], [2, 3]], ...}``, as ``bootseer controller --layout``):
+    each rank's copy goes to a node that shares none of its groups, else to the next node
+    (``memory_place``). ``token``: the job's secret that peer connections prove they hold
+    (default: ``BOOTSEER_MEMCKPT_TOKEN``; never logged). ``durable_every``:
     ``CheckpointManager.save`` also writes the durable tier every that many steps (``None``:
     every save, as without the memory tier). ``check_durable``: before loading from memory,
     ask the durable tier for a newer commit (one listing); ``False`` when the directory holds
@@ -78,6 +86,8 @@ class MemoryConfig:
     durable_every: int | None = None
     peer_timeout_s: float = 30.0
     check_durable: bool = True
+    layout: dict[str, list[list[int]]] | None = None
+    token: str = field(default_factory=lambda: os.environ.get(TOKEN_ENV, ""), repr=False)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> MemoryConfig | None:
@@ -86,9 +96,13 @@ class MemoryConfig:
         if not env.get(DIR_ENV):
             return None
         every = env.get(DURABLE_EVERY_ENV, "")
+        try:
+            layout = parse_layout(env.get(LAYOUT_ENV, ""), where=LAYOUT_ENV)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
         return cls(env[DIR_ENV], server=env.get(SERVER_ENV, ""),
                    durable_every=int(every) if every else None,
-                   check_durable=env.get(FRESH_ENV) != "1")
+                   check_durable=env.get(FRESH_ENV) != "1", layout=layout)
 
 
 class MemoryTierTooLarge(CheckpointError):
@@ -115,6 +129,10 @@ class MemoryTier:
             raise CheckpointError(
                 f"memory tier directory {config.directory} does not exist: it is made by "
                 f"bootseer run (ckpt.memory); create it (mode 0700) or unset {DIR_ENV}")
+        try:
+            config.layout = parse_layout(config.layout, world_size, "the memory tier's layout")
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.process_group = process_group
@@ -131,7 +149,8 @@ class MemoryTier:
         self._newest: SlotFile | None = None
         self._budget_checked = 0
         self.enabled = True
-        self._peers: list[str] | None = None  # every node's server, in node order
+        self._peers: list[str] | None = None  # every rank's node server, by rank
+        self._peer: str | None = None  # the server keeping this rank's copy, once chosen
         self._client: PeerClient | None = None
         self._stream = None
         self.last_push: dict[str, Any] = {}
@@ -218,7 +237,7 @@ class MemoryTier:
         started = time.perf_counter()
         try:
             if self._client is None or self._client.address != peer:
-                self._client = PeerClient(peer, timeout_s=self.config.peer_timeout_s)
+                self._client = self._connect(peer)
             self._client.push(slot, head)
             self.last_push = {"step": head.step, "peer": peer, "ok": True,
                               "seconds": time.perf_counter() - started}
@@ -231,6 +250,10 @@ class MemoryTier:
             if self._client is not None:
                 self._client.close()
                 self._client = None
+
+    def _connect(self, address: str) -> PeerClient:
+        return PeerClient(address, timeout_s=self.config.peer_timeout_s,
+                          token=self.config.token)
 
     def _settle(self) -> None:
         pending, self._pending = self._pending, None
@@ -293,20 +316,18 @@ class MemoryTier:
 
     def _nodes(self) -> list[str]:
         """The distinct servers, in the order of their lowest rank: the nodes."""
-        order: list[str] = []
-        for addr in self._peers or []:
-            if addr and addr not in order:
-                order.append(addr)
-        return order
+        return nodes_in_order(self._peers or [])
 
     def _neighbour(self) -> str:
-        """The next node's server (the one peer outside this node: one parallel group)."""
+        """The server that keeps this rank's copy: a node outside the rank's parallel groups
+        (``config.layout``), else the next node (``memory_place.choose_peer``)."""
         if self.config.peer:
             return self.config.peer
-        nodes = self._nodes()
-        if self.config.server not in nodes or len(nodes) < 2:
-            return ""
-        return nodes[(nodes.index(self.config.server) + 1) % len(nodes)]
+        if self._peer is None:
+            self._peer = choose_peer(self.rank, self._peers or [], self.config.layout)
+            if self._peer:
+                log.info("memory tier: rank %d copies to %s", self.rank, self._peer)
+        return self._peer
 
     # -- loading ---------------------------------------------------------------------------
     def load(self, state: Any,
@@ -412,7 +433,7 @@ class MemoryTier:
                 if addr == self.config.server:
                     continue
                 try:
-                    with PeerClient(addr, timeout_s=self.config.peer_timeout_s) as client:
+                    with self._connect(addr) as client:
                         steps = client.listing(self.rank, self.world_size)
                 except (PeerError, OSError) as exc:
                     log.info("memory tier: peer %s does not answer (%s)", addr, exc)
@@ -428,12 +449,19 @@ class MemoryTier:
                 found[head.step] = "local"
         return found
 
+    def _fetch_slot(self) -> SlotFile:
+        """Where a copy fetched from a peer goes: an empty or dropped slot, else the one with
+        the older copy, so a local copy that may still be needed is overwritten last."""
+        held = {id(slot): head.step for head, slot in newest(self.slots)}
+        empty = [slot for slot in self.slots if id(slot) not in held]
+        return empty[0] if empty else min(self.slots, key=lambda slot: held[id(slot)])
+
     def _load_from(self, step: int, source: str, state: Any) -> LoadReport:
         started = time.perf_counter()
         fetch_s = 0.0
         if source.startswith("peer:"):
-            slot = self.slots[1] if self._newest is self.slots[0] else self.slots[0]
-            with PeerClient(source[5:], timeout_s=self.config.peer_timeout_s) as client:
+            slot = self._fetch_slot()
+            with self._connect(source[5:]) as client:
                 client.fetch(self.rank, step, slot)
             self._newest = slot
             fetch_s = time.perf_counter() - started
@@ -523,15 +551,15 @@ def load_slot(slot: SlotFile, head: SlotHeader, state: Any, *,
 
 def _copy_checked(src: np.ndarray, pieces: list[_Piece], sums: list[int], path: str,
                   step: int) -> None:
-    """Block by block: check the block's sum, then copy the parts of tensors it holds."""
+    """Block by block: check the block's hash, then copy the parts of tensors it holds (the
+    block is then in cache: the check costs little over the copy)."""
     flat = {id(p): _bytes_of(p.target) for p in pieces}
     later = [p for p in pieces if flat[id(p)] is None]
     order = sorted((p for p in pieces if flat[id(p)] is not None), key=lambda p: p.at)
     i = 0
-    words = src.view("<u8")
     for b, want in enumerate(sums):
         lo, hi = b * BLOCK, min((b + 1) * BLOCK, len(src))
-        if int(words[lo // 8 : hi // 8].sum(dtype=np.uint64)) != want:
+        if block_hash(src[lo:hi]) != want:
             damaged = SlotDamaged(f"{path}: step {step}: data block {b} (bytes {lo}..{hi}) "
                                   f"fails its checksum")
             damaged.partial = b > 0  # type: ignore[attr-defined] # blocks before it were copied

@@ -7,21 +7,36 @@ writes what it receives straight into a slot file of its own (``memory_slot``), 
 buffered per rank, and commits it only once every byte has arrived and checked, so a sender
 lost mid-copy leaves the previous copy whole.
 
+Every connection first proves that both ends hold the job's secret (``BOOTSEER_MEMCKPT_TOKEN``,
+the same on every node): an HMAC-SHA256 challenge-response both ways, the token never on the
+wire (``_authenticate``). Until it has, the server reads one small message and nothing else,
+and a failed proof closes the connection: a process that can reach the port but lacks the
+token can neither write into this node's memory nor read a copy. The server binds the job's
+network address (a wildcard address is refused).
+
 Messages: a 4-byte little-endian length and a JSON object, then, for ``put`` and ``get``, the
 copy's bytes after its header page (data and meta)::
+
+    server: {"hello": "bootseer-memckpt", "challenge": SN}
+    client: {"op": "auth", "nonce": CN, "mac": HMAC(token, "client" SN CN)}
+    server: {"ok": true, "mac": HMAC(token, "server" CN SN)} | {"ok": false, "error": ...}
 
     {"op": "put", "header": {...}}   + bytes  ->  {"ok": true} | {"ok": false, "error": ...}
     {"op": "list", "rank": R, "world_size": W}  ->  {"ok": true, "steps": [...]}
     {"op": "get", "rank": R, "step": S}  ->  {"ok": true, "header": {...}} + bytes
 
-Run a server alone (tests, benchmarks): ``python -m ckpt.memory_peer DIR [HOST:PORT]``.
+Run a server alone (tests, benchmarks): ``BOOTSEER_MEMCKPT_TOKEN=... python -m ckpt.memory_peer
+DIR [HOST:PORT]``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import socket
 import socketserver
 import struct
@@ -34,6 +49,10 @@ from .memory_slot import HEADER, SlotDamaged, SlotFile, SlotHeader, newest, slot
 log = logging.getLogger("ckpt")
 
 MAX_MESSAGE = 1 << 20
+MAX_HELLO = 1024  # what an unauthenticated peer may make the server read
+TOKEN_ENV = "BOOTSEER_MEMCKPT_TOKEN"  # the job's secret, the same on every node
+MIN_TOKEN = 16
+HANDSHAKE_S = 30.0
 _LEN = struct.Struct("<I")
 
 
@@ -55,15 +74,80 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def recv_msg(sock: socket.socket) -> dict[str, Any]:
+def recv_msg(sock: socket.socket, limit: int = MAX_MESSAGE) -> dict[str, Any]:
     head = bytearray(_LEN.size)
     recv_exact(sock, memoryview(head))
     (length,) = _LEN.unpack(head)
-    if length > MAX_MESSAGE:
-        raise ConnectionError(f"message of {length} bytes exceeds {MAX_MESSAGE}")
+    if length > limit:
+        raise ConnectionError(f"message of {length} bytes exceeds {limit}")
     body = bytearray(length)
     recv_exact(sock, memoryview(body))
     return json.loads(body)
+
+
+def check_token(token: str | bytes) -> bytes:
+    """The job's secret as bytes; one too short to resist guessing is refused (not shown)."""
+    raw = token.encode() if isinstance(token, str) else bytes(token)
+    if len(raw) < MIN_TOKEN:
+        raise ValueError(f"the memory tier's peer copies need the job's secret in {TOKEN_ENV} "
+                         f"(at least {MIN_TOKEN} characters, the same on every node of the job, "
+                         "e.g. from a Kubernetes Secret; make one with python -c 'import "
+                         "secrets; print(secrets.token_hex(32))'), "
+                         + ("which is not set" if not raw else "which is too short"))
+    return raw
+
+
+def _mac(token: bytes, who: bytes, first: bytes, second: bytes) -> str:
+    return hmac.new(token, b"bootseer-memckpt/1 " + who + first + second,
+                    hashlib.sha256).hexdigest()
+
+
+def _nonce(msg: dict[str, Any], key: str) -> bytes:
+    value = msg.get(key)
+    if not isinstance(value, str) or len(value) != 64:
+        raise ValueError(f"no {key} in the handshake")
+    return bytes.fromhex(value)
+
+
+class AuthError(ConnectionError):
+    """The other end did not prove it holds the job's secret."""
+
+
+def serve_handshake(sock: socket.socket, token: bytes) -> None:
+    """The server's side: challenge, check the client's proof, prove itself."""
+    challenge = secrets.token_bytes(32)
+    send_msg(sock, {"hello": "bootseer-memckpt", "challenge": challenge.hex()})
+    msg = recv_msg(sock, MAX_HELLO)
+    try:
+        if msg.get("op") != "auth":
+            raise ValueError("the first message is not auth")
+        nonce = _nonce(msg, "nonce")
+        ok = hmac.compare_digest(str(msg.get("mac", "")), _mac(token, b"client", challenge,
+                                                                nonce))
+    except ValueError as exc:
+        raise AuthError(f"a malformed handshake ({exc})") from None
+    if not ok:
+        raise AuthError("the client does not hold the job's token")
+    send_msg(sock, {"ok": True, "mac": _mac(token, b"server", nonce, challenge)})
+
+
+def client_handshake(sock: socket.socket, token: bytes, address: str) -> None:
+    """The client's side: answer the challenge, then check the server's proof."""
+    hello = recv_msg(sock, MAX_HELLO)
+    try:
+        challenge = _nonce(hello, "challenge")
+    except ValueError as exc:
+        raise PeerError(f"memory peer {address}: not a memory peer server ({exc})") from None
+    nonce = secrets.token_bytes(32)
+    send_msg(sock, {"op": "auth", "nonce": nonce.hex(),
+                    "mac": _mac(token, b"client", challenge, nonce)})
+    reply = recv_msg(sock, MAX_HELLO)
+    if not reply.get("ok"):
+        raise PeerError(f"memory peer {address}: refused: {reply.get('error')}")
+    if not hmac.compare_digest(str(reply.get("mac", "")), _mac(token, b"server", nonce,
+                                                              challenge)):
+        raise PeerError(f"memory peer {address}: the server does not hold the job's token "
+                        f"({TOKEN_ENV}): not this job's peer")
 
 
 def receive_copy(sock: socket.socket, slot: SlotFile, head: SlotHeader) -> None:
@@ -104,6 +188,21 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         sock: socket.socket = self.request
+        sock.settimeout(HANDSHAKE_S)  # an idle unauthenticated peer does not hold a thread
+        try:
+            serve_handshake(sock, self.server.token)
+        except AuthError as exc:
+            log.warning("memory peer %s: refused a connection from %s: %s (%s must be the "
+                        "same on every node)", self.server.address, self.client_address[0],
+                        exc, TOKEN_ENV)
+            try:
+                send_msg(sock, {"ok": False, "error": f"authentication failed: {exc}"})
+            except OSError:
+                pass
+            return
+        except (ConnectionError, OSError, ValueError):
+            return
+        sock.settimeout(None)
         while True:
             try:
                 msg = recv_msg(sock)
@@ -125,7 +224,12 @@ class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, directory: str, host: str, port: int) -> None:
+    def __init__(self, directory: str, host: str, port: int, token: bytes) -> None:
+        if host in ("", "0.0.0.0", "::", "[::]", "*"):
+            raise ValueError(f"memory peer server: {host or '(empty)'!r} binds every "
+                             "interface: give the node's address on the job's network (the "
+                             "one the other nodes reach it at)")
+        self.token = token
         self.ranks = _Ranks(directory)
         super().__init__((host, port), _Handler)
         self.address = f"{host}:{self.server_address[1]}"
@@ -136,8 +240,7 @@ class _Server(socketserver.ThreadingTCPServer):
             head = SlotHeader.from_json(msg["header"], "put from the network")
             slots, lock = self.ranks.get(head.rank)
             with lock:
-                held = newest(slots)
-                target = slots[1] if held and held[0][1] is slots[0] else slots[0]
+                target = _target(slots, head.step)
                 st = os.statvfs(self.ranks.directory)
                 room = st.f_bavail * st.f_frsize + target.size
                 if head.total > room:  # refused before a byte is taken
@@ -164,11 +267,27 @@ class _Server(socketserver.ThreadingTCPServer):
             raise ValueError(f"unknown op {op!r}")
 
 
-class PeerServer:
-    """The agent's server of its peers' copies, in a thread; copies live in ``directory``."""
+def _target(slots: list[SlotFile], step: int) -> SlotFile:
+    """The slot a copy of ``step`` goes into: one holding that step or a later one (a retry,
+    or the abandoned run's copy after the job went back to an older step), else the slot
+    not holding the newest copy. Either way the other slot keeps a complete copy."""
+    held = newest(slots)
+    stale = [slot for head, slot in held if head.step >= step]
+    if stale:
+        return stale[0]
+    return slots[1] if held and held[0][1] is slots[0] else slots[0]
 
-    def __init__(self, directory: str, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._server = _Server(directory, host, port)
+
+class PeerServer:
+    """The agent's server of its peers' copies, in a thread; copies live in ``directory``.
+
+    ``token``: the job's secret (``BOOTSEER_MEMCKPT_TOKEN``; default: that variable); every
+    connection must prove it holds it."""
+
+    def __init__(self, directory: str, host: str = "127.0.0.1", port: int = 0,
+                 token: str | bytes | None = None) -> None:
+        secret = check_token(os.environ.get(TOKEN_ENV, "") if token is None else token)
+        self._server = _Server(directory, host, port, secret)
         self.address = self._server.address
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="memckpt-peer", daemon=True)
@@ -184,16 +303,30 @@ class PeerServer:
 
 
 class PeerClient:
-    """One connection to a peer's server."""
+    """One authenticated connection to a peer's server (``token``: the job's secret;
+    default: ``BOOTSEER_MEMCKPT_TOKEN``)."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 30.0,
+                 token: str | bytes | None = None) -> None:
         self.address = address
         host, _, port = address.rpartition(":")
+        try:
+            secret = check_token(os.environ.get(TOKEN_ENV, "") if token is None else token)
+        except ValueError as exc:
+            raise PeerError(f"memory peer {address}: {exc}") from None
         try:
             self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         except OSError as exc:
             raise PeerError(f"memory peer {address}: cannot connect: {exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            client_handshake(self.sock, secret, address)
+        except (ConnectionError, OSError, ValueError) as exc:
+            self.sock.close()
+            raise PeerError(f"memory peer {address}: handshake failed: {exc}") from None
+        except PeerError:
+            self.sock.close()
+            raise
 
     def _reply(self) -> dict[str, Any]:
         try:
@@ -245,7 +378,8 @@ class PeerClient:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m ckpt.memory_peer DIR [HOST:PORT]``: serve until killed."""
+    """``python -m ckpt.memory_peer DIR [HOST:PORT]``: serve until killed (the job's secret
+    in ``BOOTSEER_MEMCKPT_TOKEN``)."""
     if not argv:
         print("usage: python -m ckpt.memory_peer DIR [HOST:PORT]", file=sys.stderr)
         return 2

@@ -97,7 +97,8 @@ def rank_main(spec: dict[str, Any]) -> int:
     node = spec.get("nodes", [{}] * world)[rank]
     memory = MemoryConfig.from_env()
     if node.get("dir"):
-        memory = MemoryConfig(node["dir"], server=node.get("server", ""))
+        memory = MemoryConfig(node["dir"], server=node.get("server", ""),
+                              layout=spec.get("layout"))
     if memory is not None:
         memory.durable_every = spec.get("durable_every") or None
     mgr = CheckpointManager(spec["durable"], rank=rank, world_size=world, memory=memory)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import stat
 import subprocess
 import sys
@@ -24,11 +25,13 @@ from ckpt.memory_slot import HEADER, SlotFile, newest
 WORKER = str(Path(__file__).resolve().parent / "memckpt_worker.py")
 ROOT = Path(__file__).resolve().parent.parent
 NUMEL = 300_000  # floats per rank: data spans several checksum blocks
+TOKEN = secrets.token_hex(16)  # the job's secret for peer connections (never logged)
 
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BOOTSEER_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["BOOTSEER_MEMCKPT_TOKEN"] = TOKEN
     env.update(extra or {})
     return env
 
@@ -102,13 +105,25 @@ def test_flipped_byte_in_memory_copy_is_refused(killed_job: dict) -> None:
     assert "fails its checksum" in proc.stderr
 
 
-def test_agent_owns_and_removes_its_memory(tmp_path: Path) -> None:
-    """Without ckpt.memory_dir: a private directory in /dev/shm, gone when the run ends."""
+def test_agent_owns_and_removes_its_memory(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ckpt.memory_dir: a private directory in /dev/shm, gone when the run ends; the
+    layout (ckpt.memory_layout) is handed to the job, a bad one refused before it starts. The
+    agent's peer server answers the job's token (inherited by the job) and refuses another;
+    the token appears in no output and no trace; without a token the agent does not start."""
     probe = ("import os,stat,sys; d=os.environ['BOOTSEER_MEMCKPT_DIR']; "
-             "print('DIR', d, oct(stat.S_IMODE(os.stat(d).st_mode)))")
+             "print('DIR', d, oct(stat.S_IMODE(os.stat(d).st_mode))); "
+             "print('LAYOUT', os.environ['BOOTSEER_MEMCKPT_LAYOUT'])\n"
+             "from ckpt.memory_peer import PeerClient, PeerError\n"
+             "addr = os.environ['BOOTSEER_MEMCKPT_SERVER']\n"
+             "with PeerClient(addr) as c: print('LIST', c.listing(0, 1))\n"
+             "try: PeerClient(addr, token='w' * 32)\n"
+             "except PeerError as e: print('REFUSED', e)")
+    layout = '{"tp": [[0, 1]], "dp": [[0], [1]]}'
     proc = subprocess.run(
         [sys.executable, "-m", "bootseer", "run", "--trace-dir", str(tmp_path / "trace"),
-         "--ckpt-memory", "--", sys.executable, "-c", probe],
+         "--ckpt-memory", "--ckpt-memory-layout", layout, "--ckpt-memory-listen",
+         "127.0.0.1:0", "--", sys.executable, "-c", probe],
         env=worker_env({"BOOTSEER_NODE": "testnode"}), capture_output=True, text=True,
         timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -117,6 +132,23 @@ def test_agent_owns_and_removes_its_memory(tmp_path: Path) -> None:
     assert directory.startswith("/dev/shm/bootseer-memckpt-") and mode == "0o700"
     assert not os.path.exists(directory)
     assert "memory tier: copies in" in proc.stderr
+    assert f"LAYOUT {layout}" in proc.stdout
+    assert "LIST []" in proc.stdout  # the job's token opens the agent's server
+    assert "REFUSED" in proc.stdout and "authentication failed" in proc.stdout
+    assert "refused a connection from 127.0.0.1" in proc.stderr
+    traced = "".join(f.read_text(errors="replace") for f in (tmp_path / "trace").rglob("*")
+                     if f.is_file())
+    assert traced and TOKEN not in proc.stdout + proc.stderr + traced
+    # refused before anything is made (bootseer run turns these into an error, exit 2)
+    from bootseer.robust.memtier import NodeMemory
+
+    kept = tmp_path / "kept"
+    with pytest.raises(ValueError, match="ckpt.memory_layout: dimension 'tp'"):
+        NodeMemory(str(kept), layout='{"tp": 3}')
+    monkeypatch.delenv("BOOTSEER_MEMCKPT_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="set BOOTSEER_MEMCKPT_TOKEN"):
+        NodeMemory(str(kept), listen="127.0.0.1:0")
+    assert not kept.exists()
 
 
 def test_state_that_does_not_fit_turns_the_tier_off_naming_sizes(
@@ -223,3 +255,52 @@ def test_a_copy_damaged_mid_load_with_nothing_else_is_an_error_not_a_fresh_start
     with CheckpointManager(url, memory=MemoryConfig(str(shm))) as mgr:  # the restart
         with pytest.raises(CheckpointNotFound):
             mgr.load({"w": torch.zeros(600_000)})
+
+
+def test_swapped_words_in_a_copy_are_refused(tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Two 8-byte words of the newest copy swapped (a word sum would not see it: the test
+    shows that): the load refuses that copy, naming it, and takes the step before; a peer
+    refuses the same copy on receipt."""
+    import numpy as np
+    import torch
+
+    from ckpt.memory import MemoryConfig, MemoryTier
+    from ckpt.memory_peer import PeerClient, PeerError, PeerServer
+
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    tier = MemoryTier(MemoryConfig(str(shm)), rank=0, world_size=1)
+    for step in (1, 2):
+        tier.save(step, {"w": torch.arange(300_000, dtype=torch.float64) + step})
+    tier.close()
+    slots = [SlotFile(str(shm / f"rank-0.{k}")) for k in (0, 1)]
+    head, slot = newest(slots)[0]
+    assert head.step == 2
+    words = np.frombuffer(slot.map, dtype="<u8", count=head.data_size // 8, offset=HEADER)
+    before = int(words[: 1 << 17].sum(dtype=np.uint64))  # block 0's 64-bit word sum
+    a, b = words[10].copy(), words[5000].copy()
+    assert a != b
+    words[10], words[5000] = b, a
+    assert int(words[: 1 << 17].sum(dtype=np.uint64)) == before  # what word sums missed
+    del words
+    (tmp_path / "peer").mkdir()
+    server = PeerServer(str(tmp_path / "peer"), token=TOKEN).start()
+    try:
+        with PeerClient(server.address, token=TOKEN) as client, \
+                pytest.raises(PeerError, match="data block 0 .* fails its checksum"):
+            client.push(slot, head)
+    finally:
+        server.close()
+    damaged = slot.path
+    for s in slots:
+        s.close()
+    state = {"w": torch.zeros(300_000, dtype=torch.float64)}
+    tier = MemoryTier(MemoryConfig(str(shm)), rank=0, world_size=1)
+    with caplog.at_level("WARNING", logger="ckpt"):
+        report = tier.load(state)
+    tier.close()
+    assert report is not None and report.step == 1
+    assert torch.equal(state["w"], torch.arange(300_000, dtype=torch.float64) + 1)
+    assert "step 2 from local cannot be loaded by rank 0" in caplog.text
+    assert f"{damaged}: step 2: data block 0" in caplog.text

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_ckpt_memory import NUMEL, WORKER, results, worker_env
+from test_ckpt_memory import NUMEL, TOKEN, WORKER, results, worker_env
 
 from ckpt.memory_slot import SlotFile, newest
 
@@ -113,14 +113,14 @@ def test_peer_refuses_a_damaged_or_oversized_copy(tmp_path: Path) -> None:
 
     (tmp_path / "peer").mkdir()
     (tmp_path / "me").mkdir()
-    server = PeerServer(str(tmp_path / "peer")).start()
+    server = PeerServer(str(tmp_path / "peer"), token=TOKEN).start()
     try:
         tier = MemoryTier(MemoryConfig(str(tmp_path / "me")), rank=0, world_size=1)
         tier.save(5, {"w": torch.arange(400_000, dtype=torch.float32)})
         tier.wait()
         head, slot = newest(tier.slots)[0]
         slot.map[HEADER + 12345] ^= 0x01  # damaged after its checksums were taken
-        with PeerClient(server.address) as client, pytest.raises(PeerError,
+        with PeerClient(server.address, token=TOKEN) as client, pytest.raises(PeerError,
                                                                  match="fails its checksum"):
             client.push(slot, head)
         assert held(tmp_path / "peer", 0) == []  # nothing committed
@@ -129,9 +129,9 @@ def test_peer_refuses_a_damaged_or_oversized_copy(tmp_path: Path) -> None:
         if os.geteuid() == 0:
             subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
                            check=True)
-            tiny = PeerServer(str(small)).start()
+            tiny = PeerServer(str(small), token=TOKEN).start()
             try:
-                with PeerClient(tiny.address) as client, pytest.raises(PeerError,
+                with PeerClient(tiny.address, token=TOKEN) as client, pytest.raises(PeerError,
                                                                        match="needs"):
                     client.push(slot, head)
             finally:
@@ -139,5 +139,158 @@ def test_peer_refuses_a_damaged_or_oversized_copy(tmp_path: Path) -> None:
                 if subprocess.run(["umount", str(small)]).returncode:
                     subprocess.run(["umount", "-l", str(small)], check=True)
         tier.close()
+    finally:
+        server.close()
+
+
+def test_damaged_local_copy_loads_the_same_step_from_the_peer(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The newest local copy has a flipped byte, the peer holds the same step whole: the
+    load takes that step from the peer (no step lost), bit for bit, and names the damaged
+    local file; the fetched copy replaces the damaged one, the older local copy stays."""
+    import torch
+
+    from ckpt import CheckpointManager
+    from ckpt.memory import MemoryConfig
+    from ckpt.memory_peer import PeerServer
+    from ckpt.memory_slot import BLOCK, HEADER
+
+    (tmp_path / "peer").mkdir()
+    me = tmp_path / "me"
+    me.mkdir(mode=0o700)
+    url = f"file://{tmp_path}/durable"
+    server = PeerServer(str(tmp_path / "peer"), token=TOKEN).start()
+
+    def state_at(step: int) -> dict:
+        return {"w": torch.arange(600_000, dtype=torch.float32) * 0.5 + step,
+                "b": torch.full((9,), step, dtype=torch.bfloat16), "step": step}
+    try:
+        config = MemoryConfig(str(me), peer=server.address, durable_every=100, token=TOKEN)
+        with CheckpointManager(url, memory=config) as mgr:
+            mgr.save(3, state_at(3))
+            mgr.save(4, state_at(4))
+            mgr.memory.wait()  # committed and pushed
+            assert mgr.memory.last_push["step"] == 4 and mgr.memory.last_push["ok"]
+        assert held(tmp_path / "peer", 0) == [3, 4]
+        slots = [SlotFile(str(me / f"rank-0.{k}")) for k in (0, 1)]
+        head, damaged = newest(slots)[0]
+        assert head.step == 4
+        damaged.map[HEADER + BLOCK + 4321] ^= 0x04  # block 1: block 0 is copied first
+        damaged_path = damaged.path
+        for s in slots:
+            s.close()
+
+        state = {"w": torch.zeros(600_000), "b": torch.zeros(9, dtype=torch.bfloat16),
+                 "step": -1}
+        with CheckpointManager(url, memory=MemoryConfig(str(me), peer=server.address,
+                                                   token=TOKEN)) as mgr, \
+                caplog.at_level("WARNING", logger="ckpt"):
+            report = mgr.load_with_report(state)
+        assert (report.step, report.source) == (4, f"peer:{server.address}")  # type: ignore
+        want = state_at(4)
+        assert torch.equal(state["w"], want["w"]) and torch.equal(state["b"], want["b"])
+        assert state["step"] == 4
+        assert "step 4 from local cannot be loaded by rank 0" in caplog.text
+        assert damaged_path in caplog.text and "fails its checksum" in caplog.text
+        slots = [SlotFile(str(me / f"rank-0.{k}")) for k in (0, 1)]
+        try:  # step 4 fetched into the damaged slot; step 3, the older copy, kept
+            assert [(h.step, s.path) for h, s in newest(slots)] == \
+                [(4, damaged_path), (3, next(s.path for s in slots if s.path != damaged_path))]
+        finally:
+            for s in slots:
+                s.close()
+    finally:
+        server.close()
+
+
+def test_peer_port_refuses_connections_without_the_jobs_token(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A push with a wrong token, no token, or a raw ``put`` that skips the handshake writes
+    nothing into the peer's memory; a server without the token is not trusted either; the
+    token appears in no log line; a wildcard bind is refused."""
+    import socket
+    import threading
+
+    import torch
+
+    from ckpt.memory import MemoryConfig, MemoryTier
+    from ckpt.memory_peer import PeerClient, PeerError, PeerServer, recv_msg, send_msg
+
+    peer_dir, me = tmp_path / "peer", tmp_path / "me"
+    peer_dir.mkdir()
+    me.mkdir()
+    wrong = "x" * 32
+    with pytest.raises(ValueError, match="binds every interface"):
+        PeerServer(str(peer_dir), "0.0.0.0", token=TOKEN)
+    server = PeerServer(str(peer_dir), token=TOKEN).start()
+    try:
+        with caplog.at_level("DEBUG"):
+            for token in (wrong, ""):
+                tier = MemoryTier(MemoryConfig(str(me), peer=server.address, token=token),
+                                  rank=0, world_size=1)
+                tier.save(1, {"w": torch.arange(1000, dtype=torch.float32)})
+                tier.wait()
+                assert tier.last_push["ok"] is False
+                assert ("authentication failed" if token else "BOOTSEER_MEMCKPT_TOKEN") in \
+                    tier.last_push["error"]
+                tier.close()
+            head, slot = newest([SlotFile(str(me / f"rank-0.{k}")) for k in (0, 1)])[0]
+            with socket.create_connection(("127.0.0.1", int(server.address.split(":")[1])),
+                                          timeout=30) as raw:  # no handshake: a bare put
+                assert "challenge" in recv_msg(raw)
+                send_msg(raw, {"op": "put", "header": head.to_json()})
+                try:
+                    raw.sendall(slot.view(4096, head.data_size + head.meta_size))
+                    reply = recv_msg(raw)
+                except (ConnectionError, OSError):
+                    reply = {"ok": False}
+                assert reply.get("ok") is False
+            slot.close()
+            assert list(peer_dir.iterdir()) == []  # nothing written into the peer's memory
+            with PeerClient(server.address, token=TOKEN) as client:  # the job's token works
+                assert client.listing(0, 1) == []
+        assert caplog.text.count("refused a connection from 127.0.0.1") == 2
+        assert TOKEN not in caplog.text and wrong not in caplog.text
+    finally:
+        server.close()
+
+    # a server that does not hold the token cannot pass for the job's peer
+    fake = socket.create_server(("127.0.0.1", 0))
+
+    def impostor() -> None:
+        conn, _ = fake.accept()
+        with conn:
+            send_msg(conn, {"hello": "bootseer-memckpt", "challenge": "00" * 32})
+            recv_msg(conn)
+            send_msg(conn, {"ok": True, "mac": "00" * 32})
+    thread = threading.Thread(target=impostor, daemon=True)
+    thread.start()
+    with pytest.raises(PeerError, match="does not hold the job's token"):
+        PeerClient(f"127.0.0.1:{fake.getsockname()[1]}", token=TOKEN)
+    thread.join(30)
+    fake.close()
+
+
+def test_peer_keeps_two_copies_of_a_job_that_went_back_to_an_older_step(
+        tmp_path: Path) -> None:
+    """After a restart from an older step (the durable tier's), the peer's copies of the
+    abandoned run's later steps are overwritten first: it again holds the new run's two
+    newest copies, not one of them beside a stale one."""
+    import torch
+
+    from ckpt.memory import MemoryConfig, MemoryTier
+    from ckpt.memory_peer import PeerServer
+
+    (tmp_path / "peer").mkdir()
+    server = PeerServer(str(tmp_path / "peer"), token=TOKEN).start()
+    try:
+        for run, steps in (("a", (21, 22)), ("b", (11, 12, 13))):
+            (tmp_path / run).mkdir()
+            tier = MemoryTier(MemoryConfig(str(tmp_path / run), peer=server.address,
+                                           token=TOKEN), rank=0, world_size=1)
+            for step in steps:
+                tier.save(step, {"w": torch.full((1000,), float(step))})
+            tier.close()
+        assert held(tmp_path / "peer", 0) == [12, 13]
     finally:
         server.close()

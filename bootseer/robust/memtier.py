@@ -3,7 +3,10 @@
 ``bootseer run`` with ``ckpt.memory`` makes a private directory in shared memory (0700, under
 /dev/shm unless ``ckpt.memory_dir`` names one), serves the peers' copies from it when
 ``ckpt.memory_listen`` is set (``ckpt.memory_peer.PeerServer``, a thread of the agent), and
-hands both to the job (``BOOTSEER_MEMCKPT_DIR``, ``BOOTSEER_MEMCKPT_SERVER``). The trainer
+hands both to the job (``BOOTSEER_MEMCKPT_DIR``, ``BOOTSEER_MEMCKPT_SERVER``). The server
+answers only connections that prove they hold the job's secret (``BOOTSEER_MEMCKPT_TOKEN``
+in the agent's environment, the same on every node; the job inherits it) and binds only the
+address ``ckpt.memory_listen`` names, never a wildcard. The trainer
 writes its copies there; they outlive the trainer's crash or SIGKILL, because the agent, not
 the trainer, holds the directory, and are removed when the run ends.
 """
@@ -22,10 +25,21 @@ class NodeMemory:
     """The directory and the peer server of one ``bootseer run``; :meth:`close` ends both."""
 
     def __init__(self, directory: str = "", listen: str = "", durable_every: int = 0,
-                 log: Any = None) -> None:
-        from ckpt.memory import DIR_ENV, DURABLE_EVERY_ENV, FRESH_ENV, SERVER_ENV
-        from ckpt.memory_peer import PeerServer
+                 log: Any = None, layout: str = "") -> None:
+        from ckpt.memory import DIR_ENV, DURABLE_EVERY_ENV, FRESH_ENV, LAYOUT_ENV, SERVER_ENV
+        from ckpt.memory_peer import TOKEN_ENV, PeerServer
+        from ckpt.memory_place import parse_layout
 
+        parse_layout(layout, where="ckpt.memory_layout")  # refused before anything is made
+        host, _, port = listen.rpartition(":")
+        if listen and (not host or not port.isdigit()):
+            raise ValueError(f"ckpt.memory_listen {listen!r} is not HOST:PORT (the "
+                             f"address other nodes reach this one at)")
+        if listen and not os.environ.get(TOKEN_ENV):
+            raise ValueError(f"ckpt.memory_listen serves this node's peer copies to the other "
+                             f"nodes: set {TOKEN_ENV} to the job's secret (the same on every "
+                             "node, e.g. from a Kubernetes Secret; python -c 'import secrets; "
+                             "print(secrets.token_hex(32))' makes one)")
         self._made = not directory
         if directory:
             os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -35,13 +49,13 @@ class NodeMemory:
                                               dir=SHM if os.path.isdir(SHM) else None)
         self.server = None
         if listen:
-            host, _, port = listen.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"ckpt.memory_listen {listen!r} is not HOST:PORT (the "
-                                 f"address other nodes reach this one at)")
             peers = os.path.join(self.directory, "peers")
             os.makedirs(peers, mode=0o700, exist_ok=True)
-            self.server = PeerServer(peers, host, int(port)).start()
+            try:
+                self.server = PeerServer(peers, host, int(port)).start()
+            except (OSError, ValueError):
+                self.close()  # the directory made for this run goes too
+                raise
         self.env = {DIR_ENV: self.directory}
         if self._made:  # only this run's copies: memory is never older than the durable tier
             self.env[FRESH_ENV] = "1"
@@ -49,6 +63,8 @@ class NodeMemory:
             self.env[SERVER_ENV] = self.server.address
         if durable_every:
             self.env[DURABLE_EVERY_ENV] = str(durable_every)
+        if layout:
+            self.env[LAYOUT_ENV] = layout
         if log is not None:
             st = os.statvfs(self.directory)
             log(f"memory tier: copies in {self.directory} ({st.f_bavail * st.f_frsize / 2**30:.1f}"
