@@ -192,7 +192,7 @@ def faults(work: Path, trials: int, timeout_s: float,
                 trial.stop()
                 watch.close()
                 shutil.rmtree(rings, ignore_errors=True)
-            after = found  # passes begun after the injection (earlier: trial.before)
+            after = found  # passes ended after the injection (earlier: trial.before)
             first = next((f for f in after if f.ranks), None)  # the first verdict naming a rank
             named = [r for f in found for r in f.ranks]
             row = {"rank": rank, "injected": trial.injected,

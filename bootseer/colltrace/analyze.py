@@ -285,30 +285,48 @@ class Analyzer:
                 stuck[view.name] = (first.seq, first.t_issue, "failed")
         if not stuck:
             return []
-        # wait-for edges: a rank waiting in a stuck op -> the members that never issued it
-        waits: dict[int, set[int]] = defaultdict(set)
-        blocked_in: dict[int, tuple[str, int]] = {}
-        for name, (seq, _, _) in stuck.items():
-            view = views[name]
+        # wait-for edges over every op in progress, stuck or not yet: a rank inside an op ->
+        # the members that never issued it. Why not only the stuck ops: the two sides of a
+        # deadlock pass T at different times, and a rank waiting in the other side's op is
+        # blocked, not the cause (it must not be called "never issued").
+        waits: dict[int, dict[int, tuple[str, int]]] = defaultdict(dict)
+        inside: dict[int, tuple[str, int]] = {}  # rank -> the oldest op it waits in
+        for view in views.values():
             for r in view.members:
-                o = view.ops.get(r, {}).get(seq)
-                if o is not None and (o.t_done is None or o.failed):
-                    blocked_in[r] = (name, seq)
-                    waits[r] |= {m for m in view.members if view.last_issued(m) < seq}
+                o = view.in_progress(r)
+                seq = o.seq if o is not None else None
+                if view.name in stuck and stuck[view.name][0] in view.ops.get(r, {}) and \
+                        view.ops[r][stuck[view.name][0]].failed:
+                    seq = stuck[view.name][0]  # failed in the stuck op: waited there
+                if seq is None:
+                    continue
+                t = view.ops[r][seq].t_issue
+                if r not in inside or t < views[inside[r][0]].ops[r][inside[r][1]].t_issue:
+                    inside[r] = (view.name, seq)
+                for m in view.members:
+                    if view.last_issued(m) < seq:
+                        waits[r].setdefault(m, (view.name, seq))
+        cycle = _cycle({r: set(e) for r, e in waits.items()})
+        if cycle and any(waits[a][b] == (name, stuck[name][0]) for a, b in
+                         zip(cycle, cycle[1:] + cycle[:1], strict=True)
+                         for name in stuck):
+            return self._deadlock(cycle, waits, views, by_rank, now)
         found: list[Finding] = []
-        cycle = _cycle(waits)
-        if cycle:
-            return self._deadlock(cycle, waits, blocked_in, views, by_rank, now)
         for name, (seq, since, src) in stuck.items():
             view = views[name]
             waiting = [r for r in view.members if seq in view.ops.get(r, {})
                        and view.ops[r][seq].t_done is None]
             missing = [m for m in view.members if view.last_issued(m) < seq]
-            if any(m in blocked_in and blocked_in[m][0] != name for m in missing):
-                continue  # the cause is the other group's: said there
             if self._mismatched.get(name, seq + 1) <= seq:
                 continue  # a mismatch before it: said, and the cause of what follows
             op = next(o.op for ops in view.ops.values() for s, o in ops.items() if s == seq)
+            # a missing rank inside another group's op is blocked there: the cause is said
+            # in that group once its op passes T; said here only with that context, and only
+            # if that op stays short of T for long (2 x this op's T)
+            elsewhere = {m: inside[m] for m in missing if m in inside and inside[m][0] != name}
+            if elsewhere and (any(g in stuck for g, _ in elsewhere.values())
+                              or now - since < 2 * self.threshold(view, op)[0]):
+                continue
             held = now - since
             if missing:
                 gone = [m for m in missing if m in by_rank and self.alive(by_rank[m]) is False]
@@ -320,6 +338,9 @@ class Analyzer:
                         f"{'s' if len(waiting) != 1 else ''} wait in it since {held:.1f} s")
                 if gone:
                     line += f" ({_ranks(gone)}: process gone)"
+                for m, (g, q) in elsewhere.items():
+                    why[m] = f"inside {views[g].ops[m][q].op} #{q} of group {views[g].display}"
+                    line += f" ({_ranks([m])}: {why[m]})"
                 found += self._new(("never_issued", name, seq, tuple(missing)), Finding(
                     "never_issued", view.display, tuple(missing), op, seq, line, now,
                     {"waiting": waiting, "since": since, "held_s": round(held, 3),
@@ -348,16 +369,17 @@ class Analyzer:
                     {"since": since, "held_s": round(held, 3)}))
         return found
 
-    def _deadlock(self, cycle: list[int], waits: dict[int, set[int]],
-                  blocked_in: dict[int, tuple[str, int]], views: dict[str, GroupView],
-                  by_rank: dict[int, RingSnapshot], now: float) -> list[Finding]:
+    def _deadlock(self, cycle: list[int], waits: dict[int, dict[int, tuple[str, int]]],
+                  views: dict[str, GroupView], by_rank: dict[int, RingSnapshot],
+                  now: float) -> list[Finding]:
         """Ranks wait in each other's groups: each side's op, and who never issued it. The
         named rank(s): the smallest side (the odd order), all of them on a tie."""
         sides: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
-        for r in cycle:
-            name, seq = blocked_in[r]
+        for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True):
+            name, seq = waits[a][b]
             view = views[name]
-            waiting = sorted(m for m in view.members if blocked_in.get(m) == (name, seq))
+            waiting = sorted(m for m in view.members if seq in view.ops.get(m, {})
+                             and (view.ops[m][seq].t_done is None or view.ops[m][seq].failed))
             missing = sorted(m for m in view.members if view.last_issued(m) < seq)
             sides[(name, seq)] = (waiting, missing)
         parts = []
