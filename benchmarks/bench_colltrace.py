@@ -13,11 +13,12 @@
 * ring memory: the ring file's size before and after the job (fixed by its capacity);
 * faults (``bootseer.testing.colltrace_job``, 3 ranks on loopback): a rank sleeps before a
   collective, a rank slowed by a CPU hog in its process, a rank SIGKILLed in a collective, a
-  mismatched collective, two groups deadlocked; the injected rank varies per trial. Per fault:
+  rank SIGSTOPped in a collective every rank issued (transport or peer), a mismatched
+  collective, two groups deadlocked; the injected rank varies per trial. Per fault:
   injection to the first verdict that names a rank (p50, p90), named (it names the injected
-  rank), wrong (any verdict of the trial names another), within 15 s; verdicts naming no rank
-  before it (a slowdown seen as "transport") are kept in the JSON. Targets: named within 15 s in >= 90% of trials,
-  no wrong rank.
+  rank), wrong (any verdict of the trial names another), within 15 s; verdicts naming no
+  rank before it (a slowdown seen as "transport") are kept in the JSON. Targets: named
+  within 15 s in >= 90% of trials, no wrong rank.
 * with ``--cluster`` (root, tc): one node's link slowed under a 2-node x 2-rank torchrun job
   on the cluster fixture (``--only-cluster``: that alone, into ``colltrace-link.json``).
 """
@@ -51,7 +52,7 @@ from _common import (  # noqa: E402
 TARGET_OVERHEAD = 0.01
 TARGET_S = 15.0
 TARGET_NAMED = 0.90
-FAULTS = ("sleep", "slow", "kill", "mismatch", "deadlock")
+FAULTS = ("sleep", "slow", "kill", "stop", "mismatch", "deadlock")
 
 
 def log(msg: str) -> None:

@@ -133,7 +133,7 @@ def test_a_verdict_read_before_the_injection_line_counts_after_it() -> None:
     assert split(passes, None) == ([early, late], [])  # never injected: all before
 
 #: fault -> (the rank it is injected into, world); all run at once in one module fixture
-FAULTS = {"sleep": 2, "kill": 1, "mismatch": 0, "deadlock": 2}
+FAULTS = {"sleep": 2, "kill": 1, "stop": 1, "mismatch": 0, "deadlock": 2}
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +265,21 @@ def test_rank_killed_in_a_collective(jobs: dict) -> None:
              if g["desc"] == "grp-a")
     last = [o for o in ops[1] if o.seq == 21 and o.group == a]
     assert len(last) == 1 and last[0].t_done is None and last[0].op == "all_reduce"
+
+
+def test_stopped_rank_named_as_the_likely_peer(jobs: dict) -> None:
+    """Issued everywhere, completed nowhere: rank 1 issued grp-a's all_reduce #21 and was
+    SIGSTOPped; ranks 0 and 2 issued theirs and wait. Its /proc state (T) names it, and
+    nobody else."""
+    f = _first(jobs, "stop")
+    assert (f.kind, f.ranks, f.op, f.seq, f.group) == ("transport", (1,), "all_reduce", 21,
+                                                        "grp-a"), (f.line, f.evidence)
+    assert "issued by all 3 ranks, completed by none" in f.line
+    assert "rank 1 (" in f.line and "is stopped (state T) while the others wait" in f.line
+    assert {r: p["state"] for r, p in f.evidence["proc"].items()}["1"] == "T"
+    assert all(p["state"] not in ("T", "t", "D") for r, p in f.evidence["proc"].items()
+               if r != "1")
+    assert all(x.ranks in ((1,), ()) for x in jobs["stop"]["found"])
 
 
 def test_mismatched_collective_named(jobs: dict) -> None:

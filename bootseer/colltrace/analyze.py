@@ -33,7 +33,7 @@ from typing import Any
 
 from .ring import Op, RingSnapshot
 
-__all__ = ["Analyzer", "Finding", "GroupView", "pid_alive", "SIZED_OPS"]
+__all__ = ["Analyzer", "Finding", "GroupView", "pid_alive", "proc_state", "SIZED_OPS"]
 
 #: ops whose element count must be the same on every rank (others may differ: gather, a2a)
 SIZED_OPS = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single",
@@ -59,13 +59,22 @@ class Finding:
                 "evidence": self.evidence}
 
 
-def pid_alive(pid: int) -> bool:
-    """A process of this pid namespace that still runs (a zombie counts as dead)."""
+def proc_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, CPU ticks used) of a process of this pid namespace, None when gone.
+    Why: a rank stopped (T), in uninterruptible sleep (D) or a zombie (Z) while its peers
+    wait is the likely peer of an op issued everywhere and completed nowhere."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[11]) + int(fields[12])  # state, utime + stime
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    """A process of this pid namespace that still runs (a zombie counts as dead)."""
+    st = proc_state(pid)
+    return st is not None and st[0] not in ("Z", "X")
 
 
 @dataclass
@@ -117,12 +126,15 @@ class Analyzer:
     def __init__(self, *, stuck_s: float = 0.0, floor_s: float = 2.0, k: float = 10.0,
                  straggler_s: float = 1.0, warmup_ops: int = 5, baseline_ops: int = 30,
                  window_ops: int = 12, alive: Callable[[RingSnapshot], bool | None] | None = None,
-                 node: str | None = None) -> None:
+                 node: str | None = None,
+                 state: Callable[[RingSnapshot], tuple[str, int] | None] | None = None
+                 ) -> None:
         self.stuck_s, self.floor_s, self.k = stuck_s, floor_s, k
         self.straggler_s = straggler_s
         self.warmup_ops, self.baseline_ops, self.window_ops = warmup_ops, baseline_ops, window_ops
         self.node = node or os.environ.get("BOOTSEER_NODE") or os.uname().nodename
         self.alive = alive or self._same_node_alive
+        self.state = state or self._same_node_state
         self.said: set[tuple[Any, ...]] = set()
         self.findings: list[Finding] = []
         self._baseline: dict[str, tuple[float, float]] = {}  # group -> (interval, bytes/s)
@@ -171,6 +183,12 @@ class Analyzer:
         if snap.node and snap.node != self.node:
             return None
         return pid_alive(snap.pid)
+
+    def _same_node_state(self, snap: RingSnapshot) -> tuple[str, int] | None:
+        """The process state of a ring's rank when it runs on this node (else unknown)."""
+        if snap.node and snap.node != self.node:
+            return None
+        return proc_state(snap.pid)
 
     def _states(self, view: GroupView, by_rank: dict[int, RingSnapshot],
                 now: float) -> dict[int, str]:
@@ -362,12 +380,35 @@ class Analyzer:
                     {"failed": failed, "never_completed": never_done, "since": since,
                      "pids": {str(r): by_rank[r].pid for r in culprits if r in by_rank}}))
             elif len(never_done) == len(view.members):
-                line = (f"{op} #{seq} in group {view.display} issued by all {len(never_done)} "
-                        f"ranks, completed by none for {held:.1f} s: transport or peer")
-                found += self._new(("transport", name, seq), Finding(
-                    "transport", view.display, (), op, seq, line, now,
-                    {"since": since, "held_s": round(held, 3)}))
+                found += self._transport(view, seq, op, since, never_done, by_rank, now)
         return found
+
+    def _transport(self, view: GroupView, seq: int, op: str, since: float,
+                   never_done: list[int], by_rank: dict[int, RingSnapshot],
+                   now: float) -> list[Finding]:
+        """Issued everywhere, completed nowhere: the transport or a peer. A rank whose process
+        is stopped (T, t) or in uninterruptible sleep (D) while the others are not is the
+        likely peer, named; else none (gloo shows no per-peer progress)."""
+        held = now - since
+        procs = {r: st for r in never_done if r in by_rank
+                 and (st := self.state(by_rank[r])) is not None}
+        frozen = sorted(r for r, (st, _) in procs.items() if st in ("T", "t", "D"))
+        if len(frozen) == len(never_done):
+            frozen = []  # all of them: nothing tells one apart
+        line = (f"{op} #{seq} in group {view.display} issued by all {len(never_done)} ranks, "
+                f"completed by none for {held:.1f} s: ")
+        if frozen:
+            line += ", ".join(f"{self._where(r, by_rank)} is "
+                              f"{_STATE_TEXT.get(procs[r][0], procs[r][0])} (state "
+                              f"{procs[r][0]}) while the others wait: the likely peer"
+                              for r in frozen)
+        else:
+            line += "transport or peer"
+        return self._new(("transport", view.name, seq, tuple(frozen)), Finding(
+            "transport", view.display, tuple(frozen), op, seq, line, now,
+            {"since": since, "held_s": round(held, 3),
+             "proc": {str(r): {"state": st, "cpu_ticks": cpu}
+                      for r, (st, cpu) in procs.items()}}))
 
     def _deadlock(self, cycle: list[int], waits: dict[int, dict[int, tuple[str, int]]],
                   views: dict[str, GroupView], by_rank: dict[int, RingSnapshot],
@@ -471,6 +512,9 @@ class Analyzer:
             lags[times[-1][1]].append(times[-1][0] - times[-2][0])
         rank, n = last.most_common(1)[0]
         return rank, n, statistics.median(lags[rank]), len(recent)
+
+
+_STATE_TEXT = {"T": "stopped", "t": "stopped by a tracer", "D": "in uninterruptible sleep"}
 
 
 def _complete(view: GroupView) -> list[int]:

@@ -9,6 +9,8 @@ all_reduces (groups ``grp-a`` then ``grp-b``). At step ``--at`` rank ``--rank`` 
 * ``slow``: from then on four threads spin beside the training thread (a CPU hog in its process);
 * ``kill``: issues grp-a's all_reduce (asynchronously) and SIGKILLs itself while it is in
   flight (the others issue theirs once it is dead);
+* ``stop``: issues grp-a's all_reduce (asynchronously) and SIGSTOPs itself (the others issue
+  theirs once it is stopped: issued everywhere, completed nowhere);
 * ``mismatch``: all_reduces 8 elements where the others reduce 4;
 * ``deadlock``: grp-b's all_reduce before grp-a's (the others: a, then b);
 * ``fsdp``: no fault: after the steps, one FSDP2 step of a tiny model and a DCP save to
@@ -29,7 +31,7 @@ import sys
 import threading
 import time
 
-FAULTS = ("none", "sleep", "slow", "kill", "mismatch", "deadlock", "fsdp")
+FAULTS = ("none", "sleep", "slow", "kill", "stop", "mismatch", "deadlock", "fsdp")
 
 
 def _compute(ms: float) -> None:
@@ -56,9 +58,10 @@ def _ring_dir(args: argparse.Namespace) -> str:
     return args.dir or os.environ.get(colltrace.DIR_ENV) or str(colltrace.default_dir())
 
 
-def _wait_dead(marker: str, timeout_s: float = 120.0) -> None:
-    """Until the rank that wrote ``marker`` (its pid) is dead: its op is in flight, alone."""
-    from bootseer.colltrace.analyze import pid_alive
+def _wait_marker(marker: str, states: tuple[str, ...], timeout_s: float = 120.0) -> None:
+    """Until the rank that wrote ``marker`` (its pid) is in one of ``states`` (its /proc
+    state letter; '' = gone): its op is in flight, alone."""
+    from bootseer.colltrace.analyze import proc_state
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -67,8 +70,10 @@ def _wait_dead(marker: str, timeout_s: float = 120.0) -> None:
                 pid = int(f.read() or 0)
         except (OSError, ValueError):
             pid = 0
-        if pid and not pid_alive(pid):
-            return
+        if pid:
+            st = proc_state(pid)
+            if (st[0] if st else "") in states:
+                return
         time.sleep(0.01)
 
 
@@ -127,12 +132,15 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
                 for _ in range(4):
                     threading.Thread(target=_hog, daemon=True).start()
                 _say(args, rank)
-            elif args.fault == "kill":  # the others issue theirs once it is dead
-                dist.all_reduce(t, group=a, async_op=True)
+            elif args.fault in ("kill", "stop"):  # the others issue theirs once it is
+                work = dist.all_reduce(t, group=a, async_op=True)  # dead or stopped
                 _say(args, rank)
-                with open(os.path.join(_ring_dir(args), ".killed"), "w") as f:
+                with open(os.path.join(_ring_dir(args), f".{args.fault}"), "w") as f:
                     f.write(str(os.getpid()))
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
+                work.wait()  # continued (SIGCONT): the op completes, the step goes on
+                dist.all_reduce(t, group=b)
+                continue
             elif args.fault == "mismatch":
                 _say(args, rank)
                 dist.all_reduce(torch.ones(8), group=a)
@@ -143,8 +151,9 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
                 dist.all_reduce(t, group=b)
                 dist.all_reduce(t, group=a)
                 continue
-        elif step == args.at and args.fault == "kill":
-            _wait_dead(os.path.join(_ring_dir(args), ".killed"))
+        elif step == args.at and args.fault in ("kill", "stop"):
+            _wait_marker(os.path.join(_ring_dir(args), f".{args.fault}"),
+                         ("", "Z", "X") if args.fault == "kill" else ("T", "t"))
         t.fill_(1.0)
         dist.all_reduce(t, group=a)
         dist.all_reduce(t, group=b)
