@@ -132,6 +132,34 @@ def test_a_verdict_read_before_the_injection_line_counts_after_it() -> None:
     assert split(passes, 100.0) == ([early], [late])
     assert split(passes, None) == ([early, late], [])  # never injected: all before
 
+
+def test_shipped_windows_give_the_verdict_across_nodes_within_their_bound() -> None:
+    """Each node ships only its own rank's window: rank 1 on node1 never issued grp-a #21
+    that ranks 0 (node0) and 2 (node2) wait in. The controller's analysis of the three
+    windows names rank 1 on node1; a window over its byte bound keeps fewer records per
+    group, the newest; a malformed rank entry is skipped, not fatal."""
+    from bootseer.colltrace.ship import analyze_windows, snapshots_of, window
+
+    members = {"grp-a": [0, 1, 2]}
+    plan = {r: {"grp-a": [*_history(), *([(100.0, None)] if r != 1 else [])]}
+            for r in range(3)}
+    docs = {}
+    for r in range(3):
+        snap = _snaps({r: plan[r]}, members, node="ignored")[0]
+        snap.pid = 2 ** 22 + 7  # no such process here: the shipped state is ''
+        docs[f"node{r}"] = window([snap], node=f"node{r}", limit=10 << 10)
+    docs["node1"]["ranks"][0]["state"] = "S"  # as node1 read it: asleep, alive
+    docs["node2"]["ranks"].append({"rank": "x"})
+    found, grid = analyze_windows(docs, now=103.0)
+    assert [(f.kind, f.ranks) for f in found] == [("never_issued", (1,))], found
+    assert found[0].line.startswith("rank 1 (node1) never issued all_reduce #21 in group "
+                                    "grp-a; 2 ranks wait in it since 3.0 s")
+    assert grid["grp-a"][1] == "root"
+    small = window(_snaps({0: plan[0]}, members)[:1], node="node0", limit=1500)
+    kept = snapshots_of(small, "node0")[0].ops
+    assert small["per_group"] < 21 and [o.seq for o in kept] == list(
+        range(22 - len(kept), 22))
+
 #: fault -> (the rank it is injected into, world); all run at once in one module fixture
 FAULTS = {"sleep": 2, "kill": 1, "stop": 1, "mismatch": 0, "deadlock": 2}
 
