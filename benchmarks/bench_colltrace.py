@@ -34,7 +34,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,11 +41,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import (  # noqa: E402
-    cache_dir,
     command_line,
     md_table,
     sigterm_as_interrupt,
     source_state,
+    work_dir,
 )
 
 TARGET_OVERHEAD = 0.01
@@ -311,40 +310,36 @@ def main(argv: list[str] | None = None) -> int:
     trials = args.trials or (1 if args.quick else 10)
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    cache = cache_dir()  # the suites' work directory (BOOTSEER_BENCH_CACHE): a file there fails
-    cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench-colltrace-", dir=cache))
-    if args.only_cluster:
-        try:
+    with contextlib.ExitStack() as stack:  # the run's own directory under the suites' cache
+        work = work_dir("bench-colltrace-", stack)  # (a file there: FileExistsError, exit 1)
+        if args.only_cluster:
             link = cluster_link(work, trials, timeout_s=60.0)
-        finally:
-            if work.name.startswith("bench-colltrace-"):
-                shutil.rmtree(work, ignore_errors=True)
-        (results / "colltrace-link.json").write_text(json.dumps(
-            {"command": command_line("bench_colltrace.py"), "load": _load(), "link": link},
-            indent=2))
-        print(json.dumps({k: v for k, v in link.items() if k != "trials"}))
-        return 0
+            (results / "colltrace-link.json").write_text(json.dumps(
+                {"command": command_line("bench_colltrace.py"), "load": _load(),
+                 "link": link}, indent=2))
+            print(json.dumps({k: v for k, v in link.items() if k != "trials"}))
+            return 0
+        return _full(args, work, results, trials)
+
+
+def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> int:
+    """Every measure but the slowed link alone: colltrace.json and colltrace.md."""
     load_before = _load()
     started = time.time()
-    try:
-        log(f"load {load_before}; micro cost per op")
-        m = micro(work, repeats=3 if args.quick else 11, per_block=300 if args.quick else 2000)
-        log(f"per op: {m['op_us_untraced']:.1f} us untraced, {m['op_us_traced']:.1f} us traced")
-        o = overhead(work, repeats=1 if args.quick else 3, steps=30 if args.quick else 150)
-        alt = alternating(work, repeats=1 if args.quick else 3, steps=40 if args.quick else 200,
-                          block=10)
-        log(f"alternating: {alt['overhead'] * 100:+.2f}% step, "
-            f"{alt['cpu_overhead'] * 100:+.2f}% CPU")
-        log(f"overhead: {o['overhead'] * 100:+.2f}% ({o['iter_ms_off']:.3f} -> "
-            f"{o['iter_ms_on']:.3f} ms per step)")
-        f = faults(work, trials, timeout_s=60.0,
-                   which=("sleep", "kill") if args.quick else FAULTS)
-        if args.cluster:
-            f["link"] = cluster_link(work, trials, timeout_s=60.0)
-    finally:
-        if work.name.startswith("bench-colltrace-"):
-            shutil.rmtree(work, ignore_errors=True)
+    log(f"load {load_before}; micro cost per op")
+    m = micro(work, repeats=3 if args.quick else 11, per_block=300 if args.quick else 2000)
+    log(f"per op: {m['op_us_untraced']:.1f} us untraced, {m['op_us_traced']:.1f} us traced")
+    o = overhead(work, repeats=1 if args.quick else 3, steps=30 if args.quick else 150)
+    alt = alternating(work, repeats=1 if args.quick else 3, steps=40 if args.quick else 200,
+                      block=10)
+    log(f"alternating: {alt['overhead'] * 100:+.2f}% step, "
+        f"{alt['cpu_overhead'] * 100:+.2f}% CPU")
+    log(f"overhead: {o['overhead'] * 100:+.2f}% ({o['iter_ms_off']:.3f} -> "
+        f"{o['iter_ms_on']:.3f} ms per step)")
+    f = faults(work, trials, timeout_s=60.0,
+               which=("sleep", "kill") if args.quick else FAULTS)
+    if args.cluster:
+        f["link"] = cluster_link(work, trials, timeout_s=60.0)
     doc = {"command": command_line("bench_colltrace.py"), "quick": args.quick,
            "load_before": load_before, "load_after": _load(),
            "seconds": round(time.time() - started, 1), "micro": m, "overhead": o, "alternating": alt, "faults": f,
