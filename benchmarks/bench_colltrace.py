@@ -220,10 +220,14 @@ def faults(work: Path, trials: int, timeout_s: float,
 def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
     """One node's link slowed (tc) under a 2-node x 2-rank torchrun job on the cluster
     fixture: the rings of both nodes in one directory (the nodes share the host's files), read
-    by one Watch; injection = the moment ``slow_link`` returns."""
+    by one Watch; injection = the moment ``slow_link`` returns. A first verdict naming no rank
+    (transport or link) is followed by the link probe (:mod:`bootseer.colltrace.probe`) on
+    each node against the job's store: the node it names, and when."""
+    from bootseer.colltrace.probe import slow_node
     from bootseer.colltrace.reader import Watch
     from bootseer.colltrace.ring import read_rings
     from bootseer.testing.cluster import Cluster, Link
+    from bootseer.testing.colltrace_job import probe_hosts
 
     rows = []
     for i in range(trials):
@@ -253,20 +257,33 @@ def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
                 found += watch.poll(force=True)
                 time.sleep(0.25)
             watch.close()
+            first = found[0] if found else None
+            probe, slow, probed = {}, None, None
+            if first is not None and not first.ranks:  # no rank: which node's link?
+                probe = probe_hosts(c.nodes, c.services.rendezvous_endpoint)
+                slow, probed = slow_node(probe), time.time()
             for proc in procs:
                 proc.kill()
         node1 = {s.rank for s in read_rings(rings) if s.node == "node1"}
-        first = found[0] if found else None
         row = {"verdict_s": None if first is None else round(first.time - injected, 3),
                "kind": first.kind if first else None, "line": first.line if first else None,
                "named": bool(first and first.ranks and set(first.ranks) <= node1),
                "wrong": sorted({r for f in found for r in f.ranks} - node1),
-               "node1_ranks": sorted(node1)}
+               "node1_ranks": sorted(node1), "probe": probe,
+               "link_node": slow[0] if slow else None, "link_why": slow[1] if slow else None,
+               "node_s": None if probed is None or not slow else round(probed - injected, 3),
+               "node_named": bool(slow and slow[0] == "node1"),
+               "node_wrong": bool(slow and slow[0] != "node1")}
         rows.append(row)
-        log(f"link trial {i}: {row['verdict_s']} s: {row['line']}")
+        log(f"link trial {i}: {row['verdict_s']} s: {row['line']}; probe: "
+            f"{row['link_node']} at {row['node_s']} s ({row['link_why']})")
         shutil.rmtree(rings, ignore_errors=True)
     times = [r["verdict_s"] for r in rows if r["verdict_s"] is not None]
+    node_times = [r["node_s"] for r in rows if r["node_named"]]
     return {"trials": rows, "p50_s": _pct(times, 50), "p90_s": _pct(times, 90),
+            "node_named": sum(r["node_named"] for r in rows),
+            "node_wrong": sum(r["node_wrong"] for r in rows),
+            "node_p50_s": _pct(node_times, 50), "node_p90_s": _pct(node_times, 90),
             "named": sum(r["named"] for r in rows), "n": len(rows),
             "wrong": sum(bool(r["wrong"]) for r in rows),
             "within_target": sum(1 for r in rows if r["named"] and r["verdict_s"] is not None

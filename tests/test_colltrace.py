@@ -22,7 +22,7 @@ from bootseer.colltrace.analyze import Analyzer
 from bootseer.colltrace.flight import snapshot
 from bootseer.colltrace.reader import Watch, read_verdicts
 from bootseer.colltrace.ring import OP_CODE, Op, Ring, RingSnapshot, read_ring, read_rings
-from bootseer.testing.colltrace_job import Trial, split
+from bootseer.testing.colltrace_job import Trial, probe_hosts, split
 
 WAIT_S = 90.0  # generous: a loaded 2-core machine
 
@@ -394,3 +394,18 @@ def test_agent_hang_event_carries_the_tracer_verdict(jobs: dict, tmp_path: Path)
     lines = event.evidence["colltrace"]
     assert any(line.startswith("rank 2 (") and "never issued all_reduce #21 in group grp-a"
                in line for line in lines), lines
+
+
+def test_slowed_link_node_named_by_the_store_probe(cluster_factory) -> None:
+    """One node's link slowed (tc, both ways) on the cluster: the probe run on each node
+    against the job's store on the controller host names that node, and only it."""
+    from bootseer.colltrace.probe import slow_node
+
+    c = cluster_factory(2, services=("rendezvous",))
+    c.slow_link(1, rate="8mbit")
+    measures = probe_hosts(c.nodes, c.services.rendezvous_endpoint)
+    assert sorted(measures) == ["node0", "node1"]
+    got = slow_node(measures)
+    assert got is not None and got[0] == "node1", measures
+    assert "Mbit/s to the store against" in got[1]
+    assert measures["node1"]["mbps"] < 8.5  # the shaped rate, measured (tc: 8 Mbit/s)

@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 FAULTS = ("none", "sleep", "slow", "kill", "stop", "mismatch", "deadlock", "fsdp")
 
@@ -271,6 +272,25 @@ class Trial:
             pass
         self.proc.wait(timeout=30)
         self._reader.join(timeout=5)
+
+
+def probe_hosts(hosts: list[Any], address: str, timeout_s: float = 180.0
+                ) -> dict[str, dict[str, Any]]:
+    """:func:`bootseer.colltrace.probe.measure` run on each cluster host at once (its own
+    network namespace, its own link), to the store at ``address``: host name -> measures."""
+    import json
+    import subprocess
+
+    procs = {h.name: h.popen([sys.executable, "-m", "bootseer.colltrace.probe", "--store",
+                              address, "--node", h.name], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for h in hosts}
+    out: dict[str, dict[str, Any]] = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"probe on {name} exited {proc.returncode}: {stderr[-1000:]}")
+        out[name] = json.loads(stdout)
+    return out
 
 
 def split(passes: list[tuple[float, list[object]]], injected: float | None
