@@ -260,8 +260,12 @@ def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
             first = found[0] if found else None
             probe, slow, probed = {}, None, None
             if first is not None and not first.ranks:  # no rank: which node's link?
+                t0 = time.time()
                 probe = probe_hosts(c.nodes, c.services.rendezvous_endpoint)
                 slow, probed = slow_node(probe), time.time()
+                log(f"probe: {probed - t0:.1f} s in all, of which connect and measure "
+                    + ", ".join(f"{n} {m['took_s']:.1f} s" for n, m in probe.items())
+                    + " (the rest: the probe process's start, torch's import)")
             for proc in procs:
                 proc.kill()
         node1 = {s.rank for s in read_rings(rings) if s.node == "node1"}

@@ -396,6 +396,25 @@ def test_agent_hang_event_carries_the_tracer_verdict(jobs: dict, tmp_path: Path)
                in line for line in lines), lines
 
 
+def test_probe_names_one_outlier_or_nobody() -> None:
+    """The rule alone: the one node 3 x below the others' median (throughput or round trip),
+    or the one whose probe failed while the others measured; nobody when none or several
+    stand out."""
+    from bootseer.colltrace.probe import slow_node
+
+    def m(mbps: float, rtt: float = 0.2) -> dict:
+        return {"mbps": mbps, "rtt_ms": rtt}
+
+    assert slow_node({"a": m(200), "b": m(190), "c": m(20)})[0] == "c"
+    assert slow_node({"a": m(200), "b": m(190), "c": m(180, rtt=40.0)})[0] == "c"
+    assert slow_node({"a": m(200), "b": m(150), "c": m(120)}) is None
+    assert slow_node({"a": m(200), "b": m(20), "c": m(20)}) is None  # two: not one link
+    got = slow_node({"a": m(200), "b": {"error": "connect timed out"}})
+    assert got == ("b", "could not measure its link to the store: connect timed out")
+    assert slow_node({"a": {"error": "x"}, "b": {"error": "y"}}) is None
+    assert slow_node({"a": m(1)}) is None
+
+
 def test_slowed_link_node_named_by_the_store_probe(cluster_factory) -> None:
     """One node's link slowed (tc, both ways) on the cluster: the probe run on each node
     against the job's store on the controller host names that node, and only it."""

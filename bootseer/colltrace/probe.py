@@ -34,6 +34,7 @@ def measure(address: str, *, node: str, payload: int = PAYLOAD, repeats: int = 3
     ``address`` (or through ``store``, an open client); its keys are removed after."""
     from ..robust import wire
 
+    began = time.perf_counter()
     store = store if store is not None else wire.connect(address, timeout_s)
     key = f"bootseer/probe/{node}"
     count = f"{key}/n"
@@ -65,14 +66,22 @@ def measure(address: str, *, node: str, payload: int = PAYLOAD, repeats: int = 3
     down = payload * 8 / statistics.median(downs) / 1e6
     return {"node": node, "rtt_ms": round(rtt * 1e3, 3), "up_mbps": round(up, 2),
             "down_mbps": round(down, 2), "mbps": round(min(up, down), 2),
-            "payload": payload, "time": time.time()}
+            "payload": payload, "time": time.time(),
+            "took_s": round(time.perf_counter() - began, 3)}  # connect and measure
 
 
 def slow_node(measures: dict[str, dict[str, Any]], *, factor: float = 3.0
               ) -> tuple[str, str] | None:
     """(node, why) for the one node whose link is ``factor`` x slower than the others'
-    median (throughput or round trip), else None (none, several, or fewer than 2 nodes)."""
+    median (throughput or round trip), or the one node whose probe failed (``error``) while
+    the others measured; else None (none, several, or fewer than 2 nodes)."""
     if len(measures) < 2:
+        return None
+    failed = [n for n, m in measures.items() if m.get("error")]
+    if failed:  # could not even reach the store (a saturated link drops the connect)
+        if len(failed) == 1 < len(measures):
+            why = measures[failed[0]]["error"]
+            return failed[0], f"could not measure its link to the store: {why}"
         return None
     slow = []
     for node, m in measures.items():
@@ -94,12 +103,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", required=True, help="HOST:PORT of the job's c10d store")
     p.add_argument("--node", required=True, help="this node's name (the probe's key)")
     p.add_argument("--payload", type=int, default=PAYLOAD, help="bytes per set/get")
+    p.add_argument("--timeout", type=float, default=20.0,
+                   help="seconds to connect and for each request (a node that cannot: named)")
     args = p.parse_args(argv)
+    began = time.perf_counter()
     try:
-        print(json.dumps(measure(args.store, node=args.node, payload=args.payload)))
-    except (RuntimeError, OSError, ValueError) as exc:
-        print(f"bootseer: probe: cannot measure the link to {args.store}: {exc}",
+        print(json.dumps(measure(args.store, node=args.node, payload=args.payload,
+                                 timeout_s=args.timeout)))
+    except (RuntimeError, OSError, ValueError) as exc:  # the result too: its link failed
+        why = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
+        print(f"bootseer: probe: cannot measure the link to {args.store}: {why}",
               file=sys.stderr)
+        print(json.dumps({"node": args.node, "error": why, "time": time.time(),
+                          "took_s": round(time.perf_counter() - began, 3)}))
         return 1
     return 0
 
