@@ -227,7 +227,7 @@ def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
     from bootseer.colltrace.reader import Watch
     from bootseer.colltrace.ring import read_rings
     from bootseer.testing.cluster import Cluster, Link
-    from bootseer.testing.colltrace_job import probe_hosts
+    from bootseer.testing.colltrace_job import Probes
 
     rows = []
     for i in range(trials):
@@ -242,6 +242,7 @@ def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                      for n in c.nodes]
             watch = Watch(rings, log=lambda line: None)
+            probes = Probes(c.nodes, c.services.rendezvous_endpoint)  # connected, waiting
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline:  # a baseline first: 80 ops in every group
                 snaps = read_rings(rings)
@@ -261,11 +262,13 @@ def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
             probe, slow, probed = {}, None, None
             if first is not None and not first.ranks:  # no rank: which node's link?
                 t0 = time.time()
-                probe = probe_hosts(c.nodes, c.services.rendezvous_endpoint)
+                probe = probes.measure()
                 slow, probed = slow_node(probe), time.time()
                 log(f"probe: {probed - t0:.1f} s in all, of which connect and measure "
-                    + ", ".join(f"{n} {m['took_s']:.1f} s" for n, m in probe.items())
-                    + " (the rest: the probe process's start, torch's import)")
+                    + ", ".join(f"{n} {m.get('took_s', 0):.1f} s (connect "
+                                f"{m.get('connect_s', 0):.1f} s)" for n, m in probe.items())
+                    + " (the rest: the order reaching the waiting probes, their output)")
+            probes.close()
             for proc in procs:
                 proc.kill()
         node1 = {s.rank for s in read_rings(rings) if s.node == "node1"}

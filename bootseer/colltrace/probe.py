@@ -32,10 +32,13 @@ def measure(address: str, *, node: str, payload: int = PAYLOAD, repeats: int = 3
             timeout_s: float = 60.0, store: Any = None) -> dict[str, Any]:
     """This host's round trip (ms) and throughput (Mbit/s, up and down) to the store at
     ``address`` (or through ``store``, an open client); its keys are removed after."""
+    import torch.distributed  # noqa: F401 - imported before the clock starts (seconds)
+
     from ..robust import wire
 
     began = time.perf_counter()
     store = store if store is not None else wire.connect(address, timeout_s)
+    connected = time.perf_counter()
     key = f"bootseer/probe/{node}"
     count = f"{key}/n"
     rtts, ups, downs = [], [], []
@@ -67,6 +70,7 @@ def measure(address: str, *, node: str, payload: int = PAYLOAD, repeats: int = 3
     return {"node": node, "rtt_ms": round(rtt * 1e3, 3), "up_mbps": round(up, 2),
             "down_mbps": round(down, 2), "mbps": round(min(up, down), 2),
             "payload": payload, "time": time.time(),
+            "connect_s": round(connected - began, 3),
             "took_s": round(time.perf_counter() - began, 3)}  # connect and measure
 
 
@@ -103,13 +107,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", required=True, help="HOST:PORT of the job's c10d store")
     p.add_argument("--node", required=True, help="this node's name (the probe's key)")
     p.add_argument("--payload", type=int, default=PAYLOAD, help="bytes per set/get")
+    p.add_argument("--on-stdin", action="store_true",
+                   help="connect, print 'ready', measure when a line comes on stdin")
     p.add_argument("--timeout", type=float, default=20.0,
                    help="seconds to connect and for each request (a node that cannot: named)")
     args = p.parse_args(argv)
     began = time.perf_counter()
     try:
+        store = None
+        if args.on_stdin:  # connected and waiting, as an agent holding its store link
+            from ..robust import wire
+
+            store = wire.connect(args.store, args.timeout)
+            print("ready", flush=True)
+            if not sys.stdin.readline():
+                return 0  # closed without an order: nothing to measure
+            began = time.perf_counter()
         print(json.dumps(measure(args.store, node=args.node, payload=args.payload,
-                                 timeout_s=args.timeout)))
+                                 timeout_s=args.timeout, store=store)))
     except (RuntimeError, OSError, ValueError) as exc:  # the result too: its link failed
         why = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
         print(f"bootseer: probe: cannot measure the link to {args.store}: {why}",

@@ -25,6 +25,7 @@ Each rank prints ``injected <fault> rank <r> at <time>`` when it injects; the jo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -274,26 +275,54 @@ class Trial:
         self._reader.join(timeout=5)
 
 
+class Probes:
+    """:mod:`bootseer.colltrace.probe` on each cluster host (its own network namespace, its
+    own link), started at once: torch imported and the store connected, as a node agent
+    holding its store link would be; :meth:`measure` has them all measure then."""
+
+    def __init__(self, hosts: list[Any], address: str) -> None:
+        import subprocess
+
+        self.procs = {h.name: h.popen([sys.executable, "-m", "bootseer.colltrace.probe",
+                                       "--store", address, "--node", h.name, "--on-stdin"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for h in hosts}
+
+    def measure(self, timeout_s: float = 180.0) -> dict[str, dict[str, Any]]:
+        """host name -> measures (``{"error": ...}`` for a host whose probe could not)."""
+        import json
+
+        for proc in self.procs.values():  # after its "ready" line: connected
+            assert proc.stdout is not None and proc.stdin is not None
+            proc.stdout.readline()
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+        out: dict[str, dict[str, Any]] = {}
+        for name, proc in self.procs.items():
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+            try:  # a probe that could not measure prints its error as its result
+                out[name] = json.loads(stdout.strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                raise RuntimeError(f"probe on {name} exited {proc.returncode}: "
+                                   f"{stderr[-1000:]}") from None
+        return out
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def probe_hosts(hosts: list[Any], address: str, timeout_s: float = 180.0
                 ) -> dict[str, dict[str, Any]]:
-    """:func:`bootseer.colltrace.probe.measure` run on each cluster host at once (its own
-    network namespace, its own link), to the store at ``address``: host name -> measures
-    (``{"error": ...}`` for a host whose probe could not measure)."""
-    import json
-    import subprocess
-
-    procs = {h.name: h.popen([sys.executable, "-m", "bootseer.colltrace.probe", "--store",
-                              address, "--node", h.name], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for h in hosts}
-    out: dict[str, dict[str, Any]] = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-        try:  # a probe that could not measure prints its error as its result
-            out[name] = json.loads(stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            raise RuntimeError(f"probe on {name} exited {proc.returncode}: "
-                               f"{stderr[-1000:]}") from None
-    return out
+    """:class:`Probes` started and measured at once: host name -> measures."""
+    probes = Probes(hosts, address)
+    try:
+        return probes.measure(timeout_s)
+    finally:
+        probes.close()
 
 
 def split(passes: list[tuple[float, list[object]]], injected: float | None
