@@ -294,16 +294,19 @@ class Probes:
 
         for proc in self.procs.values():  # after its "ready" line: connected
             assert proc.stdout is not None and proc.stdin is not None
-            proc.stdout.readline()
+            _readline(proc.stdout, timeout_s)
             with contextlib.suppress(BrokenPipeError):
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
         out: dict[str, dict[str, Any]] = {}
-        for name, proc in self.procs.items():
-            stdout, stderr = proc.communicate(timeout=timeout_s)
+        for name, proc in self.procs.items():  # its result line, not its exit (torch's
+            assert proc.stdout is not None      # teardown takes seconds under load)
+            line = _readline(proc.stdout, timeout_s)
             try:  # a probe that could not measure prints its error as its result
-                out[name] = json.loads(stdout.strip().splitlines()[-1])
-            except (ValueError, IndexError):
+                out[name] = json.loads(line)
+            except ValueError:
+                proc.kill()
+                _, stderr = proc.communicate(timeout=30)
                 raise RuntimeError(f"probe on {name} exited {proc.returncode}: "
                                    f"{stderr[-1000:]}") from None
         return out
@@ -313,6 +316,15 @@ class Probes:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def _readline(stream: Any, timeout_s: float) -> str:
+    """One line of a child's output within ``timeout_s`` ('' after it)."""
+    import selectors
+
+    with selectors.DefaultSelector() as sel:
+        sel.register(stream, selectors.EVENT_READ)
+        return stream.readline() if sel.select(timeout_s) else ""
 
 
 def probe_hosts(hosts: list[Any], address: str, timeout_s: float = 180.0
