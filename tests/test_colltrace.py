@@ -60,14 +60,14 @@ def test_ring_wraps_keeps_the_newest_and_skips_a_torn_record(tmp_path: Path) -> 
 def _snaps(plan: dict[int, dict[str, list[tuple[float, float | None]]]],
            members: dict[str, list[int]], node: str = "node-u") -> list[RingSnapshot]:
     """Hand-made rings: per rank, per group (its display name, also its torch name), the
-    (issue, done) times of that group's all_reduces #1.. in order."""
+    (issue, done[, failed]) times of that group's all_reduces #1.. in order."""
     snaps = []
     for rank, groups in sorted(plan.items()):
         ops, n = [], 0
         for g, times in groups.items():
-            for seq, (t0, t1) in enumerate(times, 1):
-                ops.append(Op(rank, n, g, "all_reduce", seq, 4, 16, "float32", t0, t1, False,
-                              False, -1))
+            for seq, (t0, t1, *failed) in enumerate(times, 1):
+                ops.append(Op(rank, n, g, "all_reduce", seq, 4, 16, "float32", t0, t1,
+                              bool(failed and failed[0]), False, -1))
                 n += 1
         snaps.append(RingSnapshot(f"rank{rank}.ring", rank, 3, 1000 + rank, node, 0.0, n,
                                   {g: {"name": g, "desc": g, "ranks": m}
@@ -98,6 +98,21 @@ def test_deadlock_found_when_only_one_side_passed_its_stuck_time() -> None:
         "issued" in found[0].line
     # later passes (both sides past T) say nothing new, and never 'never issued'
     assert an.analyze(_snaps(plan, members), now=130.0) == []
+
+
+def test_killed_rank_named_before_a_rank_that_has_not_reached_the_failed_op() -> None:
+    """The quick kill trial's wrong name, deterministic: rank 0 was SIGKILLed in grp-a #21
+    (issued t=100.0, never completed), rank 2's #21 failed at once (t=100.05), rank 1 has not
+    issued #21 yet (60 ms later: it is on its way, not late). The verdict is rank 0 died, not
+    'rank 1 never issued'; nor is rank 1 named after that, held past T."""
+    members = {"grp-a": [0, 1, 2]}
+    plan = {0: {"grp-a": [*_history(), (100.0, None)]}, 1: {"grp-a": _history()},
+            2: {"grp-a": [*_history(), (100.04, 100.05, True)]}}
+    an = Analyzer(alive=lambda snap: snap.rank != 0)
+    found = an.analyze(_snaps(plan, members), now=100.06)
+    assert [(f.kind, f.ranks) for f in found] == [("died", (0,))], [f.line for f in found]
+    assert found[0].line.startswith("rank 0 (node-u) died in all_reduce #21 in group grp-a")
+    assert an.analyze(_snaps(plan, members), now=110.0) == []
 
 
 def test_rank_inside_another_groups_op_is_not_called_never_issued() -> None:

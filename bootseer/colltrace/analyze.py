@@ -346,7 +346,11 @@ class Analyzer:
                               or now - since < 2 * self.threshold(view, op)[0]):
                 continue
             held = now - since
-            if missing:
+            # stuck only because the op failed (a member died in it) and not yet held past T:
+            # a member that has not issued it yet is not late; who died in it comes first,
+            # and once that is said, members arriving late to a failed op are not the cause
+            late = src != "failed" or held > self.threshold(view, op)[0]
+            if missing and late and ("died", name, seq) not in self.said:
                 gone = [m for m in missing if m in by_rank and self.alive(by_rank[m]) is False]
                 why = {m: ("its process is gone" if m in gone else
                            "no ring from it" if m not in by_rank else "busy outside collectives")
@@ -365,7 +369,7 @@ class Analyzer:
                      "threshold_from": src, "why": {str(k): v for k, v in why.items()},
                      "pids": {str(m): by_rank[m].pid for m in missing if m in by_rank}}))
                 continue
-            issued = {r: view.ops[r][seq] for r in view.members}
+            issued = {r: view.ops[r][seq] for r in view.members if seq in view.ops.get(r, {})}
             never_done = [r for r, o in issued.items() if o.t_done is None]
             failed = [r for r, o in issued.items() if o.failed]
             dead = [r for r in never_done if r in by_rank and self.alive(by_rank[r]) is False]
@@ -379,7 +383,7 @@ class Analyzer:
                     "died", view.display, tuple(culprits), op, seq, line, now,
                     {"failed": failed, "never_completed": never_done, "since": since,
                      "pids": {str(r): by_rank[r].pid for r in culprits if r in by_rank}}))
-            elif len(never_done) == len(view.members):
+            elif not missing and len(never_done) == len(view.members):
                 found += self._transport(view, seq, op, since, never_done, by_rank, now)
         return found
 
