@@ -13,11 +13,12 @@
 * ring memory: the ring file's size before and after the job (fixed by its capacity);
 * faults (``bootseer.testing.colltrace_job``, 3 ranks on loopback): a rank sleeps before a
   collective, a rank slowed by a CPU hog in its process, a rank SIGKILLed in a collective, a
-  mismatched collective, two groups deadlocked; the injected rank varies per trial. Per fault:
+  rank SIGSTOPped in a collective every rank issued (transport or peer), a mismatched
+  collective, two groups deadlocked; the injected rank varies per trial. Per fault:
   injection to the first verdict that names a rank (p50, p90), named (it names the injected
-  rank), wrong (any verdict of the trial names another), within 15 s; verdicts naming no rank
-  before it (a slowdown seen as "transport") are kept in the JSON. Targets: named within 15 s in >= 90% of trials,
-  no wrong rank.
+  rank), wrong (any verdict of the trial names another), within 15 s; verdicts naming no
+  rank before it (a slowdown seen as "transport") are kept in the JSON. Targets: named
+  within 15 s in >= 90% of trials, no wrong rank.
 * with ``--cluster`` (root, tc): one node's link slowed under a 2-node x 2-rank torchrun job
   on the cluster fixture (``--only-cluster``: that alone, into ``colltrace-link.json``).
 """
@@ -33,7 +34,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,17 +41,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import (  # noqa: E402
-    cache_dir,
     command_line,
     md_table,
     sigterm_as_interrupt,
     source_state,
+    work_dir,
 )
 
 TARGET_OVERHEAD = 0.01
 TARGET_S = 15.0
 TARGET_NAMED = 0.90
-FAULTS = ("sleep", "slow", "kill", "mismatch", "deadlock")
+FAULTS = ("sleep", "slow", "kill", "stop", "mismatch", "deadlock")
 
 
 def log(msg: str) -> None:
@@ -192,7 +192,7 @@ def faults(work: Path, trials: int, timeout_s: float,
                 trial.stop()
                 watch.close()
                 shutil.rmtree(rings, ignore_errors=True)
-            after = found  # passes begun after the injection (earlier: trial.before)
+            after = found  # passes ended after the injection (earlier: trial.before)
             first = next((f for f in after if f.ranks), None)  # the first verdict naming a rank
             named = [r for f in found for r in f.ranks]
             row = {"rank": rank, "injected": trial.injected,
@@ -220,10 +220,14 @@ def faults(work: Path, trials: int, timeout_s: float,
 def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
     """One node's link slowed (tc) under a 2-node x 2-rank torchrun job on the cluster
     fixture: the rings of both nodes in one directory (the nodes share the host's files), read
-    by one Watch; injection = the moment ``slow_link`` returns."""
+    by one Watch; injection = the moment ``slow_link`` returns. A first verdict naming no rank
+    (transport or link) is followed by the link probe (:mod:`bootseer.colltrace.probe`) on
+    each node against the job's store: the node it names, and when."""
+    from bootseer.colltrace.probe import slow_node
     from bootseer.colltrace.reader import Watch
     from bootseer.colltrace.ring import read_rings
     from bootseer.testing.cluster import Cluster, Link
+    from bootseer.testing.colltrace_job import Probes
 
     rows = []
     for i in range(trials):
@@ -238,6 +242,7 @@ def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                      for n in c.nodes]
             watch = Watch(rings, log=lambda line: None)
+            probes = Probes(c.nodes, c.services.rendezvous_endpoint)  # connected, waiting
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline:  # a baseline first: 80 ops in every group
                 snaps = read_rings(rings)
@@ -253,20 +258,39 @@ def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
                 found += watch.poll(force=True)
                 time.sleep(0.25)
             watch.close()
+            first = found[0] if found else None
+            probe, slow, probed = {}, None, None
+            if first is not None and not first.ranks:  # no rank: which node's link?
+                t0 = time.time()
+                probe = probes.measure()
+                slow, probed = slow_node(probe), time.time()
+                log(f"probe: {probed - t0:.1f} s in all, of which connect and measure "
+                    + ", ".join(f"{n} {m.get('took_s', 0):.1f} s (connect "
+                                f"{m.get('connect_s', 0):.1f} s)" for n, m in probe.items())
+                    + " (the rest: the order reaching the waiting probes, their output)")
+            probes.close()
             for proc in procs:
                 proc.kill()
         node1 = {s.rank for s in read_rings(rings) if s.node == "node1"}
-        first = found[0] if found else None
         row = {"verdict_s": None if first is None else round(first.time - injected, 3),
                "kind": first.kind if first else None, "line": first.line if first else None,
                "named": bool(first and first.ranks and set(first.ranks) <= node1),
                "wrong": sorted({r for f in found for r in f.ranks} - node1),
-               "node1_ranks": sorted(node1)}
+               "node1_ranks": sorted(node1), "probe": probe,
+               "link_node": slow[0] if slow else None, "link_why": slow[1] if slow else None,
+               "node_s": None if probed is None or not slow else round(probed - injected, 3),
+               "node_named": bool(slow and slow[0] == "node1"),
+               "node_wrong": bool(slow and slow[0] != "node1")}
         rows.append(row)
-        log(f"link trial {i}: {row['verdict_s']} s: {row['line']}")
+        log(f"link trial {i}: {row['verdict_s']} s: {row['line']}; probe: "
+            f"{row['link_node']} at {row['node_s']} s ({row['link_why']})")
         shutil.rmtree(rings, ignore_errors=True)
     times = [r["verdict_s"] for r in rows if r["verdict_s"] is not None]
+    node_times = [r["node_s"] for r in rows if r["node_named"]]
     return {"trials": rows, "p50_s": _pct(times, 50), "p90_s": _pct(times, 90),
+            "node_named": sum(r["node_named"] for r in rows),
+            "node_wrong": sum(r["node_wrong"] for r in rows),
+            "node_p50_s": _pct(node_times, 50), "node_p90_s": _pct(node_times, 90),
             "named": sum(r["named"] for r in rows), "n": len(rows),
             "wrong": sum(bool(r["wrong"]) for r in rows),
             "within_target": sum(1 for r in rows if r["named"] and r["verdict_s"] is not None
@@ -310,40 +334,36 @@ def main(argv: list[str] | None = None) -> int:
     trials = args.trials or (1 if args.quick else 10)
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    cache = cache_dir()  # the suites' work directory (BOOTSEER_BENCH_CACHE): a file there fails
-    cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench-colltrace-", dir=cache))
-    if args.only_cluster:
-        try:
+    with contextlib.ExitStack() as stack:  # the run's own directory under the suites' cache
+        work = work_dir("bench-colltrace-", stack)  # (a file there: FileExistsError, exit 1)
+        if args.only_cluster:
             link = cluster_link(work, trials, timeout_s=60.0)
-        finally:
-            if work.name.startswith("bench-colltrace-"):
-                shutil.rmtree(work, ignore_errors=True)
-        (results / "colltrace-link.json").write_text(json.dumps(
-            {"command": command_line("bench_colltrace.py"), "load": _load(), "link": link},
-            indent=2))
-        print(json.dumps({k: v for k, v in link.items() if k != "trials"}))
-        return 0
+            (results / "colltrace-link.json").write_text(json.dumps(
+                {"command": command_line("bench_colltrace.py"), "load": _load(),
+                 "link": link}, indent=2))
+            print(json.dumps({k: v for k, v in link.items() if k != "trials"}))
+            return 0
+        return _full(args, work, results, trials)
+
+
+def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> int:
+    """Every measure but the slowed link alone: colltrace.json and colltrace.md."""
     load_before = _load()
     started = time.time()
-    try:
-        log(f"load {load_before}; micro cost per op")
-        m = micro(work, repeats=3 if args.quick else 11, per_block=300 if args.quick else 2000)
-        log(f"per op: {m['op_us_untraced']:.1f} us untraced, {m['op_us_traced']:.1f} us traced")
-        o = overhead(work, repeats=1 if args.quick else 3, steps=30 if args.quick else 150)
-        alt = alternating(work, repeats=1 if args.quick else 3, steps=40 if args.quick else 200,
-                          block=10)
-        log(f"alternating: {alt['overhead'] * 100:+.2f}% step, "
-            f"{alt['cpu_overhead'] * 100:+.2f}% CPU")
-        log(f"overhead: {o['overhead'] * 100:+.2f}% ({o['iter_ms_off']:.3f} -> "
-            f"{o['iter_ms_on']:.3f} ms per step)")
-        f = faults(work, trials, timeout_s=60.0,
-                   which=("sleep", "kill") if args.quick else FAULTS)
-        if args.cluster:
-            f["link"] = cluster_link(work, trials, timeout_s=60.0)
-    finally:
-        if work.name.startswith("bench-colltrace-"):
-            shutil.rmtree(work, ignore_errors=True)
+    log(f"load {load_before}; micro cost per op")
+    m = micro(work, repeats=3 if args.quick else 11, per_block=300 if args.quick else 2000)
+    log(f"per op: {m['op_us_untraced']:.1f} us untraced, {m['op_us_traced']:.1f} us traced")
+    o = overhead(work, repeats=1 if args.quick else 3, steps=30 if args.quick else 150)
+    alt = alternating(work, repeats=1 if args.quick else 3, steps=40 if args.quick else 200,
+                      block=10)
+    log(f"alternating: {alt['overhead'] * 100:+.2f}% step, "
+        f"{alt['cpu_overhead'] * 100:+.2f}% CPU")
+    log(f"overhead: {o['overhead'] * 100:+.2f}% ({o['iter_ms_off']:.3f} -> "
+        f"{o['iter_ms_on']:.3f} ms per step)")
+    f = faults(work, trials, timeout_s=60.0,
+               which=("sleep", "kill") if args.quick else FAULTS)
+    if args.cluster:
+        f["link"] = cluster_link(work, trials, timeout_s=60.0)
     doc = {"command": command_line("bench_colltrace.py"), "quick": args.quick,
            "load_before": load_before, "load_after": _load(),
            "seconds": round(time.time() - started, 1), "micro": m, "overhead": o, "alternating": alt, "faults": f,

@@ -163,11 +163,7 @@ def run_quick_form(suite: str, cache: Path,
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("suite", [
-    pytest.param(s, marks=pytest.mark.xfail(strict=False, reason=(
-        "known flake under load: the quick form's single kill trial can end without a "
-        "verdict (docs/colltrace.md, known gaps)"))) if s == "colltrace" else s
-    for s in SUITES if s not in ("e2e", "robust")])
+@pytest.mark.parametrize("suite", [s for s in SUITES if s not in ("e2e", "robust")])
 def test_each_suite_quick_form_leaves_its_results_through_bootseer_bench(
         suite: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """e2e's quick form is checked the same way in test_e2e.py, beside the run it shares

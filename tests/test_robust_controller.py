@@ -299,8 +299,9 @@ def _controller(c, out: Path, *extra: str) -> subprocess.Popen:
 
 
 def _agent(c, node, out: Path, script: list[str], *, nnodes: int, hang_timeout: float = 0,
-           max_restarts: int = 1, env: dict[str, str] | None = None) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "bootseer", "run", "--controller",
+           max_restarts: int = 1, env: dict[str, str] | None = None,
+           run_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "bootseer", "run", *run_args, "--controller",
             f"{c.services.controller}:{PORT}", "--node", node.name, "--hang-timeout",
             str(hang_timeout),
             "--state-dir", str(out / f"state-{node.name}"), "--trace-dir", str(out / "trace"),
@@ -352,7 +353,11 @@ def test_a_hang_is_localized_across_nodes_before_anything_is_killed(cluster_fact
     c, out, ctl = _job(cluster_factory, 3, tmp_path)
     trigger = out / "hang-now"
     script = ["--hang-rank", "1", "--hang-when", str(trigger), "--step-time", "0.3"]
-    procs = {n.name: _agent(c, n, out, script, nnodes=3, hang_timeout=3, max_restarts=0)
+    # the collective tracer on, each node's rings in a directory of its own: only the windows
+    # the nodes ship through the store let the controller see all three ranks
+    procs = {n.name: _agent(c, n, out, script, nnodes=3, hang_timeout=3, max_restarts=0,
+                            run_args=("--colltrace", "--colltrace-dir",
+                                      str(out / f"rings-{n.name}")))
              for n in c.nodes}  # the restart after a verdict is the crash test's
     _wait("three running ranks", lambda: all((out / f"running-{r}").exists() for r in range(3)),
           procs, out)
@@ -379,6 +384,20 @@ def test_a_hang_is_localized_across_nodes_before_anything_is_killed(cluster_fact
     assert any("hang_before_all_reduce" in f for t in groups[(1,)]["stacks"] for f in t)
     assert any("all_reduce" in f for t in groups[(0, 2)]["stacks"] for f in t)
     assert json.loads((out / "excluded.json").read_text())["nodes"]["node1"]["class"] == "hang"
+    # the tracer's verdict over the three nodes' shipped ring windows: rank 1 on node1
+    # never issued the all_reduce ranks 0 and 2 wait in (each node's own rings hold one rank)
+    for rank, node in enumerate(("node0", "node1", "node2")):
+        assert [p.name.split("-")[0] for p in (out / f"rings-{node}").rglob("*.ring")] == [
+            f"rank{rank}"]
+    traced = ev["colltrace"]
+    assert sorted(traced["windows"]) == ["node0", "node1", "node2"]
+    first = traced["findings"][0]
+    assert (first["kind"], first["ranks"], first["op"]) == ("never_issued", [1], "all_reduce")
+    assert sorted(first["evidence"]["waiting"]) == [0, 2]
+    assert traced["lines"][0].startswith("rank 1 (node1) never issued all_reduce #")
+    from bootseer.colltrace.reader import read_verdicts
+
+    assert read_verdicts([out / "ctl"])[0][0]["line"] == traced["lines"][0]  # bootseer report
     # the dumps were taken from the live processes (py-spy of the ranks' pids), and each node
     # killed its command only after the verdict
     for rank, node in enumerate(("node0", "node1", "node2")):

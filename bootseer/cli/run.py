@@ -82,6 +82,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     agent = Agent(trace, node, hang=detector, max_no_progress=cfg.restart.max_no_progress,
                   colltrace=colltrace)
     remote = _controller_link(cfg, node)
+    if remote is not None and colltrace is not None:  # the rings' window to the controller
+        remote.colltrace = colltrace.window  # type: ignore[attr-defined]
     versions = None
     if remote is not None:  # what each attempt runs: the version pinned for its epoch
         from ..robust.update import NodeVersions

@@ -33,7 +33,7 @@ from typing import Any
 
 from .ring import Op, RingSnapshot
 
-__all__ = ["Analyzer", "Finding", "GroupView", "pid_alive", "SIZED_OPS"]
+__all__ = ["Analyzer", "Finding", "GroupView", "pid_alive", "proc_state", "SIZED_OPS"]
 
 #: ops whose element count must be the same on every rank (others may differ: gather, a2a)
 SIZED_OPS = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single",
@@ -59,13 +59,22 @@ class Finding:
                 "evidence": self.evidence}
 
 
-def pid_alive(pid: int) -> bool:
-    """A process of this pid namespace that still runs (a zombie counts as dead)."""
+def proc_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, CPU ticks used) of a process of this pid namespace, None when gone.
+    Why: a rank stopped (T), in uninterruptible sleep (D) or a zombie (Z) while its peers
+    wait is the likely peer of an op issued everywhere and completed nowhere."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[11]) + int(fields[12])  # state, utime + stime
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    """A process of this pid namespace that still runs (a zombie counts as dead)."""
+    st = proc_state(pid)
+    return st is not None and st[0] not in ("Z", "X")
 
 
 @dataclass
@@ -117,12 +126,15 @@ class Analyzer:
     def __init__(self, *, stuck_s: float = 0.0, floor_s: float = 2.0, k: float = 10.0,
                  straggler_s: float = 1.0, warmup_ops: int = 5, baseline_ops: int = 30,
                  window_ops: int = 12, alive: Callable[[RingSnapshot], bool | None] | None = None,
-                 node: str | None = None) -> None:
+                 node: str | None = None,
+                 state: Callable[[RingSnapshot], tuple[str, int] | None] | None = None
+                 ) -> None:
         self.stuck_s, self.floor_s, self.k = stuck_s, floor_s, k
         self.straggler_s = straggler_s
         self.warmup_ops, self.baseline_ops, self.window_ops = warmup_ops, baseline_ops, window_ops
         self.node = node or os.environ.get("BOOTSEER_NODE") or os.uname().nodename
         self.alive = alive or self._same_node_alive
+        self.state = state or self._same_node_state
         self.said: set[tuple[Any, ...]] = set()
         self.findings: list[Finding] = []
         self._baseline: dict[str, tuple[float, float]] = {}  # group -> (interval, bytes/s)
@@ -171,6 +183,12 @@ class Analyzer:
         if snap.node and snap.node != self.node:
             return None
         return pid_alive(snap.pid)
+
+    def _same_node_state(self, snap: RingSnapshot) -> tuple[str, int] | None:
+        """The process state of a ring's rank when it runs on this node (else unknown)."""
+        if snap.node and snap.node != self.node:
+            return None
+        return proc_state(snap.pid)
 
     def _states(self, view: GroupView, by_rank: dict[int, RingSnapshot],
                 now: float) -> dict[int, str]:
@@ -285,32 +303,54 @@ class Analyzer:
                 stuck[view.name] = (first.seq, first.t_issue, "failed")
         if not stuck:
             return []
-        # wait-for edges: a rank waiting in a stuck op -> the members that never issued it
-        waits: dict[int, set[int]] = defaultdict(set)
-        blocked_in: dict[int, tuple[str, int]] = {}
-        for name, (seq, _, _) in stuck.items():
-            view = views[name]
+        # wait-for edges over every op in progress, stuck or not yet: a rank inside an op ->
+        # the members that never issued it. Why not only the stuck ops: the two sides of a
+        # deadlock pass T at different times, and a rank waiting in the other side's op is
+        # blocked, not the cause (it must not be called "never issued").
+        waits: dict[int, dict[int, tuple[str, int]]] = defaultdict(dict)
+        inside: dict[int, tuple[str, int]] = {}  # rank -> the oldest op it waits in
+        for view in views.values():
             for r in view.members:
-                o = view.ops.get(r, {}).get(seq)
-                if o is not None and (o.t_done is None or o.failed):
-                    blocked_in[r] = (name, seq)
-                    waits[r] |= {m for m in view.members if view.last_issued(m) < seq}
+                o = view.in_progress(r)
+                seq = o.seq if o is not None else None
+                if view.name in stuck and stuck[view.name][0] in view.ops.get(r, {}) and \
+                        view.ops[r][stuck[view.name][0]].failed:
+                    seq = stuck[view.name][0]  # failed in the stuck op: waited there
+                if seq is None:
+                    continue
+                t = view.ops[r][seq].t_issue
+                if r not in inside or t < views[inside[r][0]].ops[r][inside[r][1]].t_issue:
+                    inside[r] = (view.name, seq)
+                for m in view.members:
+                    if view.last_issued(m) < seq:
+                        waits[r].setdefault(m, (view.name, seq))
+        cycle = _cycle({r: set(e) for r, e in waits.items()})
+        if cycle and any(waits[a][b] == (name, stuck[name][0]) for a, b in
+                         zip(cycle, cycle[1:] + cycle[:1], strict=True)
+                         for name in stuck):
+            return self._deadlock(cycle, waits, views, by_rank, now)
         found: list[Finding] = []
-        cycle = _cycle(waits)
-        if cycle:
-            return self._deadlock(cycle, waits, blocked_in, views, by_rank, now)
         for name, (seq, since, src) in stuck.items():
             view = views[name]
             waiting = [r for r in view.members if seq in view.ops.get(r, {})
                        and view.ops[r][seq].t_done is None]
             missing = [m for m in view.members if view.last_issued(m) < seq]
-            if any(m in blocked_in and blocked_in[m][0] != name for m in missing):
-                continue  # the cause is the other group's: said there
             if self._mismatched.get(name, seq + 1) <= seq:
                 continue  # a mismatch before it: said, and the cause of what follows
             op = next(o.op for ops in view.ops.values() for s, o in ops.items() if s == seq)
+            # a missing rank inside another group's op is blocked there: the cause is said
+            # in that group once its op passes T; said here only with that context, and only
+            # if that op stays short of T for long (2 x this op's T)
+            elsewhere = {m: inside[m] for m in missing if m in inside and inside[m][0] != name}
+            if elsewhere and (any(g in stuck for g, _ in elsewhere.values())
+                              or now - since < 2 * self.threshold(view, op)[0]):
+                continue
             held = now - since
-            if missing:
+            # stuck only because the op failed (a member died in it) and not yet held past T:
+            # a member that has not issued it yet is not late; who died in it comes first,
+            # and once that is said, members arriving late to a failed op are not the cause
+            late = src != "failed" or held > self.threshold(view, op)[0]
+            if missing and late and ("died", name, seq) not in self.said:
                 gone = [m for m in missing if m in by_rank and self.alive(by_rank[m]) is False]
                 why = {m: ("its process is gone" if m in gone else
                            "no ring from it" if m not in by_rank else "busy outside collectives")
@@ -320,13 +360,16 @@ class Analyzer:
                         f"{'s' if len(waiting) != 1 else ''} wait in it since {held:.1f} s")
                 if gone:
                     line += f" ({_ranks(gone)}: process gone)"
+                for m, (g, q) in elsewhere.items():
+                    why[m] = f"inside {views[g].ops[m][q].op} #{q} of group {views[g].display}"
+                    line += f" ({_ranks([m])}: {why[m]})"
                 found += self._new(("never_issued", name, seq, tuple(missing)), Finding(
                     "never_issued", view.display, tuple(missing), op, seq, line, now,
                     {"waiting": waiting, "since": since, "held_s": round(held, 3),
                      "threshold_from": src, "why": {str(k): v for k, v in why.items()},
                      "pids": {str(m): by_rank[m].pid for m in missing if m in by_rank}}))
                 continue
-            issued = {r: view.ops[r][seq] for r in view.members}
+            issued = {r: view.ops[r][seq] for r in view.members if seq in view.ops.get(r, {})}
             never_done = [r for r, o in issued.items() if o.t_done is None]
             failed = [r for r, o in issued.items() if o.failed]
             dead = [r for r in never_done if r in by_rank and self.alive(by_rank[r]) is False]
@@ -340,24 +383,48 @@ class Analyzer:
                     "died", view.display, tuple(culprits), op, seq, line, now,
                     {"failed": failed, "never_completed": never_done, "since": since,
                      "pids": {str(r): by_rank[r].pid for r in culprits if r in by_rank}}))
-            elif len(never_done) == len(view.members):
-                line = (f"{op} #{seq} in group {view.display} issued by all {len(never_done)} "
-                        f"ranks, completed by none for {held:.1f} s: transport or peer")
-                found += self._new(("transport", name, seq), Finding(
-                    "transport", view.display, (), op, seq, line, now,
-                    {"since": since, "held_s": round(held, 3)}))
+            elif not missing and len(never_done) == len(view.members):
+                found += self._transport(view, seq, op, since, never_done, by_rank, now)
         return found
 
-    def _deadlock(self, cycle: list[int], waits: dict[int, set[int]],
-                  blocked_in: dict[int, tuple[str, int]], views: dict[str, GroupView],
-                  by_rank: dict[int, RingSnapshot], now: float) -> list[Finding]:
+    def _transport(self, view: GroupView, seq: int, op: str, since: float,
+                   never_done: list[int], by_rank: dict[int, RingSnapshot],
+                   now: float) -> list[Finding]:
+        """Issued everywhere, completed nowhere: the transport or a peer. A rank whose process
+        is stopped (T, t) or in uninterruptible sleep (D) while the others are not is the
+        likely peer, named; else none (gloo shows no per-peer progress)."""
+        held = now - since
+        procs = {r: st for r in never_done if r in by_rank
+                 and (st := self.state(by_rank[r])) is not None}
+        frozen = sorted(r for r, (st, _) in procs.items() if st in ("T", "t", "D"))
+        if len(frozen) == len(never_done):
+            frozen = []  # all of them: nothing tells one apart
+        line = (f"{op} #{seq} in group {view.display} issued by all {len(never_done)} ranks, "
+                f"completed by none for {held:.1f} s: ")
+        if frozen:
+            line += ", ".join(f"{self._where(r, by_rank)} is "
+                              f"{_STATE_TEXT.get(procs[r][0], procs[r][0])} (state "
+                              f"{procs[r][0]}) while the others wait: the likely peer"
+                              for r in frozen)
+        else:
+            line += "transport or peer"
+        return self._new(("transport", view.name, seq, tuple(frozen)), Finding(
+            "transport", view.display, tuple(frozen), op, seq, line, now,
+            {"since": since, "held_s": round(held, 3),
+             "proc": {str(r): {"state": st, "cpu_ticks": cpu}
+                      for r, (st, cpu) in procs.items()}}))
+
+    def _deadlock(self, cycle: list[int], waits: dict[int, dict[int, tuple[str, int]]],
+                  views: dict[str, GroupView], by_rank: dict[int, RingSnapshot],
+                  now: float) -> list[Finding]:
         """Ranks wait in each other's groups: each side's op, and who never issued it. The
         named rank(s): the smallest side (the odd order), all of them on a tie."""
         sides: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
-        for r in cycle:
-            name, seq = blocked_in[r]
+        for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True):
+            name, seq = waits[a][b]
             view = views[name]
-            waiting = sorted(m for m in view.members if blocked_in.get(m) == (name, seq))
+            waiting = sorted(m for m in view.members if seq in view.ops.get(m, {})
+                             and (view.ops[m][seq].t_done is None or view.ops[m][seq].failed))
             missing = sorted(m for m in view.members if view.last_issued(m) < seq)
             sides[(name, seq)] = (waiting, missing)
         parts = []
@@ -449,6 +516,9 @@ class Analyzer:
             lags[times[-1][1]].append(times[-1][0] - times[-2][0])
         rank, n = last.most_common(1)[0]
         return rank, n, statistics.median(lags[rank]), len(recent)
+
+
+_STATE_TEXT = {"T": "stopped", "t": "stopped by a tracer", "D": "in uninterruptible sleep"}
 
 
 def _complete(view: GroupView) -> list[int]:

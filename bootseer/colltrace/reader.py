@@ -33,7 +33,7 @@ from typing import Any
 from .analyze import Analyzer, Finding
 from .ring import RingReader, RingSnapshot, newest_per_rank
 
-__all__ = ["Watch", "read_verdicts", "stack_of"]
+__all__ = ["Watch", "read_verdicts", "stack_of", "verdict_docs"]
 
 RECORD_FILE = "colltrace-{node}.ndjson"
 
@@ -126,11 +126,14 @@ class Watch:
                     f.line += f"; stack: {' <- '.join(first[:3])}"
             self.log(f.line)
         if found:
-            self._write([{"colltrace": "verdict", "node": self.node, "attempt": self.attempt,
-                          **f.to_doc()} for f in found]
-                        + [{"colltrace": "grid", "node": self.node, "attempt": self.attempt,
-                            "time": found[-1].time, "grid": _grid_doc(self.analyzer.grid)}])
+            self._write(verdict_docs(found, self.analyzer.grid, self.node, self.attempt))
         return found
+
+    def window(self) -> dict[str, Any]:
+        """This node's recent ring window for the controller (:mod:`.ship`)."""
+        from .ship import window
+
+        return window(self.snapshots(), node=self.node, attempt=self.attempt)
 
     def lines(self) -> list[str]:
         return [f.line for f in self.analyzer.findings]
@@ -145,6 +148,16 @@ class Watch:
                 f.write("".join(json.dumps(d, default=str) + "\n" for d in docs))
         except OSError as exc:  # a full trace disk must not cost the job
             self.log(f"warning: cannot write the colltrace record: {exc}")
+
+
+def verdict_docs(found: list[Finding], grid: dict[str, dict[int, str]], node: str,
+                 attempt: int) -> list[dict[str, Any]]:
+    """The records of a pass's findings and its grid, as ``colltrace-<node>.ndjson`` holds
+    them (:func:`read_verdicts` reads them back; ``bootseer report`` shows them)."""
+    return ([{"colltrace": "verdict", "node": node, "attempt": attempt, **f.to_doc()}
+             for f in found]
+            + [{"colltrace": "grid", "node": node, "attempt": attempt, "time": found[-1].time,
+                "grid": _grid_doc(grid)}])
 
 
 def _grid_doc(grid: dict[str, dict[int, str]]) -> dict[str, dict[str, str]]:

@@ -334,6 +334,7 @@ class Controller:
         events = [Event.from_doc(d) for d in opened["events"]]
         processes, dumps = _processes(answers)
         found = _break_tie(localize(processes, self.layout), processes, self.layout)
+        traced = self._colltrace([*answers, *missing], incident)
         primary = _primary(events)
         history = self.verdicts()
         pin = self._updated_pin(primary.time)
@@ -374,11 +375,46 @@ class Controller:
                                      "domain": found.domain, "reason": found.reason,
                                      **found.evidence},
                     "dumps": dumps, "missing_dumps": missing, "controller_pid": os.getpid()}
+        if traced:
+            evidence["colltrace"] = traced
         verdict = dataclasses.replace(verdict, time=self.clock(), evidence=evidence)
         why = (f"; the fail-slow rounds named {primary.evidence['group']}"
                if primary.kind == "fail_slow" and primary.evidence.get("group")
                else f"; {found.reason}")
+        if traced and traced["lines"]:
+            why += f"; colltrace: {traced['lines'][0]}"
         return self._finish(incident, verdict, why)
+
+    def _colltrace(self, nodes: list[str], incident: int) -> dict[str, Any] | None:
+        """The collective tracer's verdict over the ring windows the nodes shipped
+        (:mod:`bootseer.colltrace.ship`): the same analysis as a node's, across nodes; also
+        into ``colltrace-controller.ndjson`` beside the trace (``bootseer report``). None when
+        no node ships one."""
+        docs = {}
+        for node in nodes:
+            doc = self._read(self.keys.node(node, "colltrace"), node, wire.MAX_DUMP_BYTES)
+            if doc and doc.get("colltrace_window"):
+                docs[node] = doc
+        if not docs:
+            return None
+        from ..colltrace.reader import verdict_docs
+        from ..colltrace.ship import analyze_windows
+
+        found, grid = analyze_windows(docs, now=self.clock())
+        if found and self.trace_path is not None:
+            path = self.trace_path.parent / "colltrace-controller.ndjson"
+            try:
+                with open(path, "a", encoding="utf-8") as f:
+                    f.writelines(json.dumps(d, default=str) + "\n"
+                                 for d in verdict_docs(found, grid, "controller", incident))
+            except OSError as exc:
+                self._warn(f"cannot write {path}: {exc}")
+        return {"lines": [f.line for f in found], "findings": [f.to_doc() for f in found],
+                "windows": {n: {"time": d.get("time"), "attempt": d.get("attempt"),
+                                "ranks": sorted(r.get("rank") for r in d.get("ranks") or []
+                                                if isinstance(r, dict)
+                                                and isinstance(r.get("rank"), int))}
+                            for n, d in sorted(docs.items())}}
 
     def _finish(self, incident: int, verdict: Verdict, why: str = "") -> Verdict:
         """The verdict into the store (the agents act on it), the trace and the log."""

@@ -96,6 +96,11 @@ class ControllerLink:
         self._sampled = 0  # the newest fail-slow round this agent answered
         self._sampler: threading.Thread | None = None
         self.where = self.address or ""  # the store's address, for errors
+        # the node's collective ring window (bootseer.colltrace.reader.Watch.window), shipped
+        # under node/<n>/colltrace every colltrace_s and with each dump answer; None: off
+        self.colltrace: Callable[[], dict[str, Any]] | None = None
+        self.colltrace_s = 2.0
+        self._last_ship = float("-inf")
 
     @classmethod
     def connect(cls, address: str, node: str, *, job: str = "job",
@@ -128,6 +133,7 @@ class ControllerLink:
         for r, v in ranks.items():
             self._note_step(r, v.get("step"), v.get("time"))
         self._answer_sample(ranks)
+        self.ship_colltrace()
         now = self.clock()
         if now - self._last_beat < self.beat_s:
             return
@@ -137,6 +143,22 @@ class ControllerLink:
                    for r, v in sorted(ranks.items())[:256]}
         self.store.set(self.keys.node(self.node, "beat"), wire.encode(
             {"node": self.node, "time": time.time(), "attempt": attempt, "ranks": summary}))
+
+    def ship_colltrace(self, *, force: bool = False) -> bool:
+        """This node's collective ring window into the store (at most every ``colltrace_s``
+        unless ``force``), for the controller's verdict across nodes; a failure is dropped
+        (the next one tries again): the tracer must never cost the job."""
+        now = self.clock()
+        if self.colltrace is None or (not force and now - self._last_ship < self.colltrace_s):
+            return False
+        self._last_ship = now
+        try:
+            doc = self.colltrace()
+            self.store.set(self.keys.node(self.node, "colltrace"),
+                           wire.encode(doc, wire.MAX_DUMP_BYTES))
+        except (RuntimeError, OSError, ValueError, wire.WireError):
+            return False
+        return True
 
     def _note_step(self, rank: int, step: Any, when: Any) -> None:
         if not isinstance(step, int) or not isinstance(when, int | float):
@@ -211,8 +233,11 @@ class ControllerLink:
 
     def answer(self, incident: int, processes: list[dict[str, Any]],
                files: list[str] = ()) -> None:
-        """This node's dump for ``incident`` (texts cut to the limits of :mod:`.wire`)."""
+        """This node's dump for ``incident`` (texts cut to the limits of :mod:`.wire`), and
+        its collective ring window as it is now (before the dump: the controller may close
+        the incident as soon as the last dump is in)."""
         self.answered = max(self.answered, incident)
+        self.ship_colltrace(force=True)
         kept, size = [], 0
         for item in processes:
             item = {**item, "text": str(item.get("text", ""))[:wire.MAX_STACK_CHARS]}

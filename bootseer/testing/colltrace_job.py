@@ -9,6 +9,8 @@ all_reduces (groups ``grp-a`` then ``grp-b``). At step ``--at`` rank ``--rank`` 
 * ``slow``: from then on four threads spin beside the training thread (a CPU hog in its process);
 * ``kill``: issues grp-a's all_reduce (asynchronously) and SIGKILLs itself while it is in
   flight (the others issue theirs once it is dead);
+* ``stop``: issues grp-a's all_reduce (asynchronously) and SIGSTOPs itself (the others issue
+  theirs once it is stopped: issued everywhere, completed nowhere);
 * ``mismatch``: all_reduces 8 elements where the others reduce 4;
 * ``deadlock``: grp-b's all_reduce before grp-a's (the others: a, then b);
 * ``fsdp``: no fault: after the steps, one FSDP2 step of a tiny model and a DCP save to
@@ -23,13 +25,15 @@ Each rank prints ``injected <fault> rank <r> at <time>`` when it injects; the jo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from typing import Any
 
-FAULTS = ("none", "sleep", "slow", "kill", "mismatch", "deadlock", "fsdp")
+FAULTS = ("none", "sleep", "slow", "kill", "stop", "mismatch", "deadlock", "fsdp")
 
 
 def _compute(ms: float) -> None:
@@ -56,9 +60,10 @@ def _ring_dir(args: argparse.Namespace) -> str:
     return args.dir or os.environ.get(colltrace.DIR_ENV) or str(colltrace.default_dir())
 
 
-def _wait_dead(marker: str, timeout_s: float = 120.0) -> None:
-    """Until the rank that wrote ``marker`` (its pid) is dead: its op is in flight, alone."""
-    from bootseer.colltrace.analyze import pid_alive
+def _wait_marker(marker: str, states: tuple[str, ...], timeout_s: float = 120.0) -> None:
+    """Until the rank that wrote ``marker`` (its pid) is in one of ``states`` (its /proc
+    state letter; '' = gone): its op is in flight, alone."""
+    from bootseer.colltrace.analyze import proc_state
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -67,8 +72,10 @@ def _wait_dead(marker: str, timeout_s: float = 120.0) -> None:
                 pid = int(f.read() or 0)
         except (OSError, ValueError):
             pid = 0
-        if pid and not pid_alive(pid):
-            return
+        if pid:
+            st = proc_state(pid)
+            if (st[0] if st else "") in states:
+                return
         time.sleep(0.01)
 
 
@@ -127,12 +134,15 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
                 for _ in range(4):
                     threading.Thread(target=_hog, daemon=True).start()
                 _say(args, rank)
-            elif args.fault == "kill":  # the others issue theirs once it is dead
-                dist.all_reduce(t, group=a, async_op=True)
+            elif args.fault in ("kill", "stop"):  # the others issue theirs once it is
+                work = dist.all_reduce(t, group=a, async_op=True)  # dead or stopped
                 _say(args, rank)
-                with open(os.path.join(_ring_dir(args), ".killed"), "w") as f:
+                with open(os.path.join(_ring_dir(args), f".{args.fault}"), "w") as f:
                     f.write(str(os.getpid()))
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
+                work.wait()  # continued (SIGCONT): the op completes, the step goes on
+                dist.all_reduce(t, group=b)
+                continue
             elif args.fault == "mismatch":
                 _say(args, rank)
                 dist.all_reduce(torch.ones(8), group=a)
@@ -143,8 +153,9 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
                 dist.all_reduce(t, group=b)
                 dist.all_reduce(t, group=a)
                 continue
-        elif step == args.at and args.fault == "kill":
-            _wait_dead(os.path.join(_ring_dir(args), ".killed"))
+        elif step == args.at and args.fault in ("kill", "stop"):
+            _wait_marker(os.path.join(_ring_dir(args), f".{args.fault}"),
+                         ("", "Z", "X") if args.fault == "kill" else ("T", "t"))
         t.fill_(1.0)
         dist.all_reduce(t, group=a)
         dist.all_reduce(t, group=b)
@@ -204,7 +215,7 @@ class Trial:
                                      text=True, start_new_session=True,
                                      env={**os.environ, **(env or {})})
         self.injected: float | None = None
-        self.before: list[object] = []  # findings of passes before the injection: false alarms
+        self._passes: list[tuple[float, list[object]]] = []  # (pass ended, its findings)
         self.output: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -216,24 +227,43 @@ class Trial:
             if line.startswith("injected ") and self.injected is None:
                 self.injected = float(line.split(" at ")[1])
 
+    def record(self, findings: list[object]) -> None:
+        """Keep one pass's findings with the time the pass ended (see :func:`split`)."""
+        self._passes.append((time.time(), findings))
+
+    @property
+    def found(self) -> list[object]:
+        """Findings of passes that ended at or after the injection's stamp."""
+        return split(self._passes, self.injected)[1]
+
+    @property
+    def before(self) -> list[object]:
+        """Findings of passes that ended before the injection: false alarms."""
+        return split(self._passes, self.injected)[0]
+
+    def ended_clean(self) -> bool:
+        """The job ended and never injected (its output read to the end first)."""
+        if self.proc.poll() is None:
+            return False
+        self._reader.join(timeout=10)  # the injection's line may still be in the pipe
+        return self.injected is None
+
     def watch(self, watch: object, timeout_s: float, *, until: object = None,
               poll_s: float = 0.5) -> list[object]:
         """Poll ``watch`` (a :class:`bootseer.colltrace.reader.Watch`) until a finding after
         the injection satisfies ``until`` (default: any), the job ends, or the timeout. The
-        findings of passes begun after the injection; earlier ones go to :attr:`before`."""
-        found: list[object] = []
+        findings of passes that ended after the injection; earlier ones go to
+        :attr:`before`."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            injected = self.injected is not None  # before the pass: what it reads is after
-            new = watch.poll(force=True)  # type: ignore[attr-defined]
-            (found if injected else self.before).extend(new)
+            self.record(watch.poll(force=True))  # type: ignore[attr-defined]
             if self.injected is not None and any(
-                    until(f) if until else True for f in found):  # type: ignore[operator]
+                    until(f) if until else True for f in self.found):  # type: ignore[operator]
                 break
-            if self.proc.poll() is not None and self.injected is None:
+            if self.ended_clean():
                 break
             time.sleep(poll_s)
-        return found
+        return self.found
 
     def stop(self) -> None:
         """SIGKILL the job's process group (the launcher and its ranks), reap the launcher."""
@@ -243,6 +273,81 @@ class Trial:
             pass
         self.proc.wait(timeout=30)
         self._reader.join(timeout=5)
+
+
+class Probes:
+    """:mod:`bootseer.colltrace.probe` on each cluster host (its own network namespace, its
+    own link), started at once: torch imported and the store connected, as a node agent
+    holding its store link would be; :meth:`measure` has them all measure then."""
+
+    def __init__(self, hosts: list[Any], address: str) -> None:
+        import subprocess
+
+        self.procs = {h.name: h.popen([sys.executable, "-m", "bootseer.colltrace.probe",
+                                       "--store", address, "--node", h.name, "--on-stdin"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for h in hosts}
+
+    def measure(self, timeout_s: float = 180.0) -> dict[str, dict[str, Any]]:
+        """host name -> measures (``{"error": ...}`` for a host whose probe could not)."""
+        import json
+
+        for proc in self.procs.values():  # after its "ready" line: connected
+            assert proc.stdout is not None and proc.stdin is not None
+            _readline(proc.stdout, timeout_s)
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+        out: dict[str, dict[str, Any]] = {}
+        for name, proc in self.procs.items():  # its result line, not its exit (torch's
+            assert proc.stdout is not None      # teardown takes seconds under load)
+            line = _readline(proc.stdout, timeout_s)
+            try:  # a probe that could not measure prints its error as its result
+                out[name] = json.loads(line)
+            except ValueError:
+                proc.kill()
+                _, stderr = proc.communicate(timeout=30)
+                raise RuntimeError(f"probe on {name} exited {proc.returncode}: "
+                                   f"{stderr[-1000:]}") from None
+        return out
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _readline(stream: Any, timeout_s: float) -> str:
+    """One line of a child's output within ``timeout_s`` ('' after it)."""
+    import selectors
+
+    with selectors.DefaultSelector() as sel:
+        sel.register(stream, selectors.EVENT_READ)
+        return stream.readline() if sel.select(timeout_s) else ""
+
+
+def probe_hosts(hosts: list[Any], address: str, timeout_s: float = 180.0
+                ) -> dict[str, dict[str, Any]]:
+    """:class:`Probes` started and measured at once: host name -> measures."""
+    probes = Probes(hosts, address)
+    try:
+        return probes.measure(timeout_s)
+    finally:
+        probes.close()
+
+
+def split(passes: list[tuple[float, list[object]]], injected: float | None
+          ) -> tuple[list[object], list[object]]:
+    """(before, after) the injection's stamp, by when each pass ended. Why not by whether the
+    stamp had been read when the pass began: the stamp comes through a pipe and a thread, and
+    a killed rank's verdict is there 0.2 s after it, often before the line is read (the
+    quick benchmark's kill trial then filed its only verdict as a false alarm). A pass that
+    ended after the stamp may have read the fault: it counts after (a false alarm there
+    counts against the verdict, never for it)."""
+    before = [f for t, fs in passes if injected is None or t < injected for f in fs]
+    after = [f for t, fs in passes if injected is not None and t >= injected for f in fs]
+    return before, after
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,118 @@
+"""A node's recent ring window, shipped to the job's controller, and the verdict over all nodes.
+
+Why: the rings live in each node's shared memory, and a rank on one node waits for a rank on
+another; only the controller sees every node. Each node agent (``bootseer run --controller``
+with ``[colltrace] enabled``) writes a compact window of its ranks' rings into the job's c10d
+store (``node/<n>/colltrace``): the last :data:`PER_GROUP` collective records per rank and
+group, the group table, and each rank's process state read on its node (``/proc``: the
+controller cannot see another host's processes). The controller turns every node's window
+back into ring snapshots and runs the same :class:`~.analyze.Analyzer` over them.
+
+Bounded: a window over ``limit`` bytes keeps fewer records per group (halved until it fits).
+Times are each host's ``time.time()``: hosts must keep their clocks in step (NTP) for the
+held times to mean anything across nodes.
+
+Usage::
+
+    doc = window(watch.snapshots(), node="node-1")           # on the node
+    link.store.set(key, wire.encode(doc, wire.MAX_DUMP_BYTES))
+    found, grid = analyze_windows({"node-1": doc, "node-2": doc2})  # on the controller
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+from .analyze import Analyzer, Finding, proc_state
+from .ring import Op, RingSnapshot, newest_per_rank
+
+__all__ = ["PER_GROUP", "analyze_windows", "snapshots_of", "window"]
+
+PER_GROUP = 48  # records per rank and group: enough to learn T (3) and see a wait cycle
+VERSION = 1
+
+
+def _op_row(op: Op) -> list[Any]:
+    return [op.n, op.group, op.op, op.seq, op.numel, op.nbytes, op.dtype,
+            round(op.t_issue, 6), None if op.t_done is None else round(op.t_done, 6),
+            int(op.failed)]
+
+
+def window(snaps: list[RingSnapshot], *, node: str, per_group: int = PER_GROUP,
+           limit: int = 400 << 10, attempt: int = 0) -> dict[str, Any]:
+    """The compact window of this node's rings (JSON-ready), at most ``limit`` bytes."""
+    import json
+
+    states = {s.rank: proc_state(s.pid) for s in snaps}
+    keep = per_group
+    while True:
+        ranks = []
+        for s in snaps:
+            by_group: dict[str, list[Op]] = defaultdict(list)
+            for op in s.ops:
+                if not op.p2p:
+                    by_group[op.group].append(op)
+            rows = [_op_row(o) for ops in by_group.values() for o in ops[-keep:]]
+            st = states.get(s.rank)
+            ranks.append({"rank": s.rank, "world": s.world, "pid": s.pid, "head": s.head,
+                          "created": s.created, "state": st[0] if st else "",
+                          "cpu_ticks": st[1] if st else None,
+                          "groups": {g: e for g, e in s.groups.items() if g in by_group},
+                          "ops": sorted(rows)})
+        doc = {"colltrace_window": VERSION, "node": node, "attempt": attempt,
+               "time": time.time(), "per_group": keep, "ranks": ranks}
+        if keep <= 4 or len(json.dumps(doc)) <= limit:
+            return doc
+        keep //= 2
+
+
+def snapshots_of(doc: dict[str, Any], node: str) -> list[RingSnapshot]:
+    """Ring snapshots from a node's window; the node is the caller's (the key's), never the
+    record's word. Malformed entries are skipped."""
+    snaps = []
+    for r in doc.get("ranks") or []:
+        try:
+            rank = int(r["rank"])
+            ops = [Op(rank, int(n), str(g), str(name), int(seq), int(numel), int(nbytes),
+                      str(dtype), float(t0), None if t1 is None else float(t1), bool(failed),
+                      False, -1)
+                   for n, g, name, seq, numel, nbytes, dtype, t0, t1, failed in r["ops"]]
+            snaps.append(RingSnapshot(f"{node}/rank{rank}", rank, int(r["world"]),
+                                      int(r["pid"]), node, float(r.get("created") or 0),
+                                      int(r.get("head") or 0), dict(r.get("groups") or {}),
+                                      ops))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return snaps
+
+
+def analyze_windows(docs: dict[str, dict[str, Any]], *, now: float | None = None
+                    ) -> tuple[list[Finding], dict[str, dict[int, str]]]:
+    """The tracer's findings over every node's window (``docs``: node -> window), and the
+    grid of ranks x groups. A rank's liveness and state are what its own node read (a zombie
+    or a vanished pid: dead)."""
+    snaps: list[RingSnapshot] = []
+    states: dict[tuple[str, int], tuple[str, int] | None] = {}
+    for node, doc in sorted(docs.items()):
+        for snap in snapshots_of(doc, node):
+            snaps.append(snap)
+        for r in doc.get("ranks") or []:
+            if isinstance(r, dict) and isinstance(r.get("rank"), int):
+                st = str(r.get("state") or "")
+                ticks = r.get("cpu_ticks") if isinstance(r.get("cpu_ticks"), int) else 0
+                states[(node, r["rank"])] = (st, ticks) if st else None
+
+    def state(snap: RingSnapshot) -> tuple[str, int] | None:
+        return states.get((snap.node, snap.rank))
+
+    def alive(snap: RingSnapshot) -> bool | None:
+        if (snap.node, snap.rank) not in states:
+            return None
+        st = states[(snap.node, snap.rank)]
+        return st is not None and st[0] not in ("Z", "X")
+
+    analyzer = Analyzer(alive=alive, state=state, node="controller")
+    found = analyzer.analyze(newest_per_rank(snaps), now)  # a rank moved: its newest ring
+    return found, analyzer.grid
