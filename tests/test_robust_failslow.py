@@ -197,6 +197,70 @@ def test_a_round_reads_step_times_and_samples_from_the_nodes(store) -> None:
     assert event["evidence"]["step_times_s"] == {"0": 0.5, "1": 0.5, "2": 0.5}
 
 
+def test_a_link_the_tracer_suspects_is_probed_and_its_node_evicted(store) -> None:
+    """The rings the nodes ship show all_reduce #21 issued by every rank and completed by
+    none, nobody stopped ('transport', no rank to blame): the next round asks every node to
+    probe its own link to the store. n1 reaches the store through a shaping proxy (1 MB/s,
+    20 ms each way), n0 and n2 directly; the round after names n1's link, and the fail_slow
+    incident it opens evicts n1 alone."""
+    from test_colltrace import _history, _snaps
+
+    from bootseer.colltrace.ship import window
+    from bootseer.testing.shaper import Shaper, ShaperSettings
+
+    keys = wire.Keys()
+    now = [103.0]
+    said: list[str] = []
+    shaper = Shaper("127.0.0.1", store.port,
+                    ShaperSettings.from_mb(latency_ms=20, per_conn_mbps=1.0)).start()
+    try:
+        links = []
+        for i in range(3):
+            link = ControllerLink(store, f"n{i}", address=shaper.address if i == 1
+                                  else f"127.0.0.1:{store.port}")
+            link.register()
+            link.sample_tool = lambda pid: WAITING
+            snap = _snaps({i: {"grp-a": [*_history(), (100.0, None)]}}, {"grp-a": [0, 1, 2]},
+                          node=f"n{i}")[0]
+            snap.pid = 2 ** 22 + 7
+            doc = window([snap], node=f"n{i}", limit=10 << 10)
+            doc["ranks"][0]["state"] = "S"  # each waits, alive: no stopped peer
+            store.set(keys.node(f"n{i}", "colltrace"), wire.encode(doc, wire.MAX_DUMP_BYTES))
+            links.append(link)
+        ctl = Controller(store, failslow_interval_s=1.0, clock=lambda: now[0], log=said.append)
+        assert ctl.step() is None  # round 1: the suspicion, an order to probe
+        assert json.loads(store.get(keys.sample_request))["probe"] is True
+        assert any("every node probes its link" in line for line in said), said
+        base = time.time()
+        for i, link in enumerate(links):
+            link.beat(0, {i: {"step": 3, "time": base, "pid": 100 + i}})
+            assert link._sampler is not None
+            link._sampler.join(60)
+        now[0] += 1.0
+        assert ctl.step() is None  # round 2 reads the probes and opens the incident
+        opened = json.loads(store.get(keys.open))
+        [event] = opened["events"]
+        assert (event["kind"], event["node"]) == ("fail_slow", "n1")
+        ev = event["evidence"]
+        assert (ev["cause"], ev["group_nodes"]) == ("slow_link", ["n1"])
+        probes = ev["probes"]
+        assert sorted(probes) == ["n0", "n1", "n2"]
+        assert probes["n1"]["mbps"] < 10 < min(probes["n0"]["mbps"], probes["n2"]["mbps"])
+        assert "n1's link is slow" in "\n".join(said)
+        for link in links:
+            link.answer(1, [])
+        verdict = None
+        for _ in range(10):  # past the controller's settle time
+            now[0] += 1.0
+            if (verdict := ctl.step()) is not None:
+                break
+        assert verdict is not None, said
+        assert (verdict.action, verdict.failure_class, verdict.nodes) == (
+            "replace_and_restart", "fail_slow", ("n1",))
+    finally:
+        shaper.stop()
+
+
 def _solo(store, tmp_path: Path, argv: list[str], restarts: int):
     """One node's ``bootseer run`` machinery (agent, link, supervisor) in this process with
     the controller in a thread: the agent's side of a NaN or a jump under a controller."""

@@ -470,6 +470,7 @@ class Controller:
         doc = self._read(self.keys.failslow) or {}
         rounds = FailSlowRounds.from_doc(doc, layout=self.layout)
         asked = int(doc.get("asked", 0))
+        probes: dict[str, dict[str, Any]] = {}  # node -> its link probe (asked for them)
         step_times: dict[int, float] = {}
         nodes: dict[int, str] = {}
         samples: list[ProcessStacks] = []
@@ -487,6 +488,8 @@ class Controller:
                 answer = self._read(self.keys.sample(node, asked), node, wire.MAX_DUMP_BYTES)
                 processes, _ = _processes({node: answer} if answer else {})
                 samples += processes
+                if answer and isinstance(answer.get("probe"), dict):
+                    probes[node] = answer["probe"]
                 self.store.delete_key(self.keys.sample(node, asked))
         # only ranks in training (a step time known): at start-up a rank still loading while
         # others wait in init_process_group's barrier is not a straggler
@@ -498,12 +501,55 @@ class Controller:
             if flagged:
                 self.log(f"fail-slow round {rounds.count}: flagged " + ", ".join(
                     f"rank {r} ({'+'.join(w)})" for r, w in sorted(flagged.items())))
+        if event is None and doc.get("probe"):
+            event = self._slow_link(probes, nodes, now)
+        probe = event is None and self._link_suspected(excluded)
         asked = int(self.store.add(self.keys.sample_count, 1))  # never reused: an agent
         # answers each order once, across controller restarts and incidents
-        self.store.set(self.keys.failslow, wire.encode({**rounds.to_doc(), "asked": asked},
-                                                       wire.MAX_DUMP_BYTES))
-        self.store.set(self.keys.sample_request, wire.encode({"round": asked, "time": now}))
+        self.store.set(self.keys.failslow, wire.encode(
+            {**rounds.to_doc(), "asked": asked, "probe": probe}, wire.MAX_DUMP_BYTES))
+        self.store.set(self.keys.sample_request, wire.encode(
+            {"round": asked, "time": now, "probe": probe}))
         return event
+
+    def _link_suspected(self, excluded: set[str]) -> bool:
+        """The collective tracer, over the windows the nodes ship, sees the whole job slow
+        or stuck in flight with no rank to blame ("slow"/"transport" naming nobody): a link
+        is the suspect, and the next round asks every node to probe its own."""
+        docs = {}
+        for node in self.nodes():
+            if node not in excluded:
+                doc = self._read(self.keys.node(node, "colltrace"), node, wire.MAX_DUMP_BYTES)
+                if doc and doc.get("colltrace_window"):
+                    docs[node] = doc
+        if not docs:
+            return False
+        from ..colltrace.ship import analyze_windows
+
+        found, _ = analyze_windows(docs, now=self.clock())
+        suspect = [f for f in found if f.kind in ("slow", "transport") and not f.ranks]
+        if suspect:
+            self.log(f"fail-slow: {suspect[0].line}: every node probes its link next round")
+        return bool(suspect)
+
+    def _slow_link(self, probes: dict[str, dict[str, Any]], nodes: dict[int, str],
+                   now: float) -> Event | None:
+        """The node whose link the probes found slow (:func:`bootseer.colltrace.probe.
+        slow_node`), as a ``fail_slow`` event naming that node: the link is the group."""
+        from ..colltrace.probe import slow_node
+
+        named = slow_node(probes) if len(probes) >= 3 else None  # two: no majority
+        if named is None:
+            if probes:
+                self.log(f"fail-slow: link probes of {', '.join(sorted(probes))} name no node")
+            return None
+        node, why = named
+        self.log(f"fail-slow: {node}'s link is slow: {why}")
+        ranks = sorted(r for r, n in nodes.items() if n == node)
+        return Event("fail_slow", "fail_slow", node=node, time=now,
+                     evidence={"group": f"{node}'s link", "group_nodes": [node],
+                               "group_ranks": ranks, "cause": "slow_link", "why": why,
+                               "probes": probes})
 
     # -- the loop --------------------------------------------------------------------------
     def run(self, stop: threading.Event, interval_s: float = 0.25) -> None:

@@ -193,6 +193,7 @@ class ControllerLink:
             return
         self._sampled = round_
         pids = {r: int(v["pid"]) for r, v in ranks.items() if isinstance(v.get("pid"), int)}
+        probe = bool(order.get("probe")) and bool(self.address)
 
         def sample() -> None:
             processes = []
@@ -203,16 +204,30 @@ class ControllerLink:
                     continue
                 processes.append({"rank": rank, "pid": pid, "role": "main",
                                   "source": "py-spy", "text": text[:wire.MAX_STACK_CHARS]})
+            answer: dict[str, Any] = {"node": self.node, "round": round_, "time": time.time(),
+                                      "processes": processes}
+            if probe:  # the controller suspects a link: this node's own to the store
+                answer["probe"] = self.probe_link()
             try:
                 self.store.set(self.keys.sample(self.node, round_), wire.encode(
-                    {"node": self.node, "round": round_, "time": time.time(),
-                     "processes": processes}, wire.MAX_DUMP_BYTES))
+                    answer, wire.MAX_DUMP_BYTES))
             except (RuntimeError, OSError, wire.WireError):
                 pass  # the next round asks again
 
         self._sampler = threading.Thread(target=sample, name=f"bootseer-sample-{round_}",
                                          daemon=True)
         self._sampler.start()
+
+    def probe_link(self) -> dict[str, Any]:
+        """Round trip and throughput of this node's link to the job's store
+        (:mod:`bootseer.colltrace.probe`); a probe that fails says why (a saturated link may
+        not even connect, which names it too)."""
+        from ..colltrace.probe import measure
+
+        try:
+            return measure(str(self.address), node=self.node, timeout_s=30.0)
+        except Exception as exc:  # noqa: BLE001 - the failure is the measurement
+            return {"node": self.node, "error": f"{type(exc).__name__}: {exc}"[:300]}
 
     def dump_order(self, *, force: bool = False) -> dict[str, Any] | None:
         """An order to dump for an incident this node has not answered (polled at most every
