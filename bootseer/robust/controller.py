@@ -390,11 +390,7 @@ class Controller:
         (:mod:`bootseer.colltrace.ship`): the same analysis as a node's, across nodes; also
         into ``colltrace-controller.ndjson`` beside the trace (``bootseer report``). None when
         no node ships one."""
-        docs = {}
-        for node in nodes:
-            doc = self._read(self.keys.node(node, "colltrace"), node, wire.MAX_DUMP_BYTES)
-            if doc and doc.get("colltrace_window"):
-                docs[node] = doc
+        docs = self._windows(nodes)
         if not docs:
             return None
         from ..colltrace.reader import verdict_docs
@@ -415,6 +411,15 @@ class Controller:
                                                 if isinstance(r, dict)
                                                 and isinstance(r.get("rank"), int))}
                             for n, d in sorted(docs.items())}}
+
+    def _windows(self, nodes: list[str]) -> dict[str, dict[str, Any]]:
+        """The ring windows these nodes ship (:mod:`bootseer.colltrace.ship`), by node."""
+        docs = {}
+        for node in nodes:
+            doc = self._read(self.keys.node(node, "colltrace"), node, wire.MAX_DUMP_BYTES)
+            if doc and doc.get("colltrace_window"):
+                docs[node] = doc
+        return docs
 
     def _finish(self, incident: int, verdict: Verdict, why: str = "") -> Verdict:
         """The verdict into the store (the agents act on it), the trace and the log."""
@@ -516,12 +521,7 @@ class Controller:
         """The collective tracer, over the windows the nodes ship, sees the whole job slow
         or stuck in flight with no rank to blame ("slow"/"transport" naming nobody): a link
         is the suspect, and the next round asks every node to probe its own."""
-        docs = {}
-        for node in self.nodes():
-            if node not in excluded:
-                doc = self._read(self.keys.node(node, "colltrace"), node, wire.MAX_DUMP_BYTES)
-                if doc and doc.get("colltrace_window"):
-                    docs[node] = doc
+        docs = self._windows([n for n in self.nodes() if n not in excluded])
         if not docs:
             return False
         from ..colltrace.ship import analyze_windows
