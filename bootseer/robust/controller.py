@@ -47,6 +47,7 @@ from typing import Any
 
 from . import update, wire
 from .check import CheckReport, RankResult
+from .classify import SECONDARY  # crash classes that follow another rank's failure
 from .events import Event, Verdict, write_record
 from .failslow import COLLECTIVE_FILE, FailSlowRounds
 from .policy import ExclusionList, decide
@@ -57,8 +58,6 @@ __all__ = ["ACTIONABLE", "CHECKED", "SECONDARY", "Controller"]
 
 #: event kinds that open an incident (a health event ends a start and is recorded only)
 ACTIONABLE = ("crash", "hang", "nonfinite", "spike", "fail_slow")
-#: crash classes that follow another rank's failure: the root cause is elsewhere
-SECONDARY = ("gloo_error", "nccl_error")
 #: crash classes with no cause named: the stop-time checks run (unless a node was lost)
 CHECKED = ("unknown", "killed_by_signal")
 HISTORY = 50  # earlier verdicts read back for the repeat rules
