@@ -73,7 +73,7 @@ class Controller:
     def __init__(self, store: Any, *, job: str = "job", trace_path: str | os.PathLike | None
                  = None, exclusion: str | os.PathLike | None = None,
                  layout: Mapping[str, Sequence[Sequence[int]]] | None = None,
-                 dump_wait_s: float = 10.0, settle_s: float = 1.0,
+                 dump_wait_s: float = 10.0, settle_s: float = 1.0, crash_window_s: float = 3.0,
                  failslow_interval_s: float = 10.0, check_wait_s: float = 180.0,
                  update_recent_s: float = 3600.0,
                  log: Callable[[str], None] = _say, clock: Callable[[], float] = time.time
@@ -86,6 +86,7 @@ class Controller:
         self.layout = layout
         self.dump_wait_s = dump_wait_s
         self.settle_s = settle_s
+        self.crash_window_s = crash_window_s  # a hang waits this long for a crash causing it
         self.update_recent_s = update_recent_s  # a failure this soon after an update: its
         self.log = log
         self.clock = clock
@@ -277,6 +278,8 @@ class Controller:
         update_only = bool(opened.get("update")) and not opened["events"]  # nothing to settle
         if (waited < self.settle_s and not update_only) or (missing and
                                                             waited < self.dump_wait_s):
+            return None
+        if waited < self.crash_window_s and _hang_only(opened):  # a crash may explain it
             return None
         if not missing and not update_only and "answered_at" not in opened:
             # one more pass: an event a node published just before its answer is read first
@@ -502,6 +505,13 @@ def _break_tie(found: Localization, processes: list[ProcessStacks],
                         found.groups, why, found.evidence)
 
 
+def _hang_only(opened: dict[str, Any]) -> bool:
+    """An incident of hangs with no crash yet: a peer's crash that reaches the controller a
+    moment later is the root cause (its ranks stall in their collectives), not the hang."""
+    kinds = {e.get("kind") for e in opened["events"]}
+    return "hang" in kinds and "crash" not in kinds
+
+
 def _needs_checks(opened: dict[str, Any], missing: list[str]) -> bool:
     """A NaN, a jump or an unclear crash, with every node answering (no node lost)."""
     if missing or not opened["events"]:  # an update incident has no events: nothing to check
@@ -545,8 +555,10 @@ def _check_verdict(primary: Event, checked: dict[str, Any]) -> Verdict:
 
 
 def _primary(events: list[Event]) -> Event:
-    """The incident's cause among its events (see :func:`_rank_of_cause`)."""
-    return min(events, key=lambda e: (_rank_of_cause(e), e.time))
+    """The incident's cause among its events (see :func:`_rank_of_cause`); of a crash seen
+    at a rank's death and the launcher's refinement of it (same time), the refinement."""
+    return min(events, key=lambda e: (_rank_of_cause(e), e.time,
+                                      bool(e.evidence.get("provisional"))))
 
 
 def _rank_of_cause(event: Event) -> int:
