@@ -78,7 +78,7 @@ _first_nonfinite: dict[str, Any] | None = None  # the first NaN/Inf heartbeat of
 _colltrace_tried = False
 _status_pid: int | None = None  # the process that owns its rank's status record
 _status: dict[str, Any] = {}
-STATUS_LINES = 20  # traceback lines kept in the record (the classifier reads the last ones)
+STATUS_LINES = 100  # traceback lines kept in the record (a chained error is long)
 
 
 def _rank() -> int:

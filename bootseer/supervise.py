@@ -538,7 +538,8 @@ class Supervisor:
         timeout = self.hang.timeout_s
         poll = 0.25 if timeout <= 0 else min(0.25, timeout / 4)
         while True:
-            for sig in self._signals.wait(poll, self._ranks.fds() if self._ranks else ()):
+            wake = self._ranks.fds() if self._ranks and self._stopping is None else ()
+            for sig in self._signals.wait(poll, wake):
                 if self._on_signal(sig, pid):
                     return self._killed_now(attempt, pid)
             exited = self._reap()
@@ -660,15 +661,17 @@ class Supervisor:
 
     def _refine_early(self) -> None:
         """Under an order: a crash seen at a rank's death with no class of its own (gone
-        without a record, or a communication error) waits up to ``crash_grace_s`` for the
-        launcher's summary, so the controller gets the refined class with the dumps."""
+        without a record) waits up to ``crash_grace_s`` for the launcher's summary, so the
+        controller gets the refined class with the dumps; a communication error (another
+        node's failure, most likely) is refined only if the launcher already ended."""
         from .robust.classify import SECONDARY
 
         early = self._early
         if early is None or not (early.evidence.get("provisional")
                                  or early.failure_class in SECONDARY):
             return
-        if not self._wait_child(self.crash_grace_s):
+        wait = self.crash_grace_s if early.evidence.get("provisional") else 0.0
+        if not self._wait_child(wait):
             return
         if self.tail is not None:
             self.tail.drain(2.0)
