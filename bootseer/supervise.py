@@ -110,8 +110,9 @@ class HangPolicy:
 @dataclass
 class AttemptEnd:
     """How an attempt ended: ``reason`` is exited, signaled, hang, nonfinite (a NaN/Inf
-    heartbeat), stopped (a stop signal came), update (stopped for a version update) or
-    not-started (the command could not be executed)."""
+    heartbeat), stopped (a stop signal came), update (stopped for a version update),
+    crashed (killed: it still ran long after one of its ranks died) or not-started (the
+    command could not be executed)."""
 
     attempt: int
     code: int
@@ -126,6 +127,8 @@ class AttemptEnd:
             return "a NaN/Inf"
         if self.reason == "update":
             return "a restart for a version update"
+        if self.reason == "crashed":
+            return "a rank's crash (the command killed after it)"
         if self.code > 128 and self.reason in ("signaled", "stopped"):
             return f"signal {_signal_name(self.code - 128)}"
         return f"exit code {self.code}"

@@ -241,7 +241,7 @@ def test_without_py_spy_the_stacks_come_from_the_clients_faulthandler(store, tmp
     link.dump_tool = no_pyspy
     ctl_store = TCPStore("127.0.0.1", store.port, is_master=False,
                          timeout=datetime.timedelta(seconds=10))
-    ctl = Controller(ctl_store, trace_path=tmp_path / "ctl.jsonl", settle_s=0.2,
+    ctl = Controller(ctl_store, trace_path=tmp_path / "ctl.jsonl", settle_s=0.2, crash_window_s=0,
                      log=lambda _: None)
     stop = threading.Event()
     watcher = threading.Thread(target=ctl.run, args=(stop, 0.1), daemon=True)

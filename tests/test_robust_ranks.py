@@ -121,3 +121,46 @@ def test_a_watched_rank_that_exits_is_reported_once_with_its_status(tmp_path: Pa
     assert watch.poll() == [] and watch.fds() == []  # each once
     for proc in procs.values():
         proc.wait()
+
+
+_LINGER = """
+import threading, time
+import bootseer
+bootseer.heartbeat(1)
+threading.Thread(target=time.sleep, args=(120,), name="leftover").start()
+raise ValueError("bad batch")
+"""
+
+
+def test_a_rank_kept_alive_after_its_exception_is_a_crash_and_its_command_is_killed(
+        tmp_path: Path) -> None:
+    """A launcher (here a shell) whose rank raised but lives on (a leftover non-daemon
+    thread): no exit ever comes; the rank's record is the crash, at once, and the command is
+    killed ``crash_grace_s`` later rather than left to a hang threshold."""
+    from robust_helpers import scenario_env
+
+    from bootseer.robust.detect import HangDetector
+    from bootseer.supervise import HangPolicy, RestartPolicy, Supervisor
+    from bootseer.trace import TraceWriter
+
+    rank = tmp_path / "rank.py"
+    rank.write_text(_LINGER)
+    trace = TraceWriter(tmp_path / "trace", "solo")
+    logs: list[str] = []
+    agent = Agent(trace, "solo", hang=HangDetector(60.0), log=logs.append)
+    sup = Supervisor(["sh", "-c", f'RANK=4 "{sys.executable}" "{rank}"; echo never'],
+                     env=scenario_env(), trace=trace, restart=RestartPolicy(0),
+                     hang=HangPolicy(0.0), agent=agent, crash_grace_s=1.0, log=logs.append)
+    code = sup.run()
+    assert code == 128 + 9  # killed by the wrapper, with its leftover thread
+    assert sup.attempts[0].reason == "crashed"
+    got, _ = read_records([tmp_path / "trace"])
+    events = [r for r in got if isinstance(r, Event)]
+    assert len(events) == 1, events
+    event = events[0]
+    assert (event.failure_class, event.rank, event.evidence["exception"]) == (
+        "python_exception", 4, "ValueError")
+    assert event.evidence["detected_by"] == "rank_exception"
+    assert event.evidence["lines"][-1] == "ValueError: bad batch"
+    assert any("still runs 1s after rank 4 died: killing it" in line for line in logs), logs
+    assert any("verdict: crash python_exception (ValueError) rank 4" in line for line in logs)
