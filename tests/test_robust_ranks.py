@@ -26,15 +26,20 @@ def _torchrun(fault: str, out: Path) -> list[str]:
             "2", "--monitor-interval", "5", *scenario_argv("rank-fault", fault, out)[1:]]
 
 
+def _one_crash(trace: Path) -> Event:
+    """The trace's only event (a crash seen at the rank's death, not refined)."""
+    got, _ = read_records([trace])
+    events = [r for r in got if isinstance(r, Event)]
+    assert len(events) == 1, events
+    return events[0]
+
+
 def test_a_rank_killed_under_torchrun_is_seen_before_torchrun_ends(tmp_path: Path) -> None:
     trace = tmp_path / "trace"
     proc = run_wrapper(trace, "--max-restarts", "0", "--min-free-disk", "0",
                        "--min-free-memory", "0", command=_torchrun("sigkill", tmp_path))
     assert proc.returncode == 1, proc.stderr[-3000:]
-    got, _ = read_records([trace])
-    events = [r for r in got if isinstance(r, Event)]
-    assert len(events) == 1, events
-    event = events[0]
+    event = _one_crash(trace)
     # the rank's own death, with its wait status read from /proc while it was a zombie
     assert (event.failure_class, event.rank, event.evidence["signal"]) == (
         "killed_by_signal", 1, "SIGKILL")
@@ -154,10 +159,7 @@ def test_a_rank_kept_alive_after_its_exception_is_a_crash_and_its_command_is_kil
     code = sup.run()
     assert code == 128 + 9  # killed by the wrapper, with its leftover thread
     assert sup.attempts[0].reason == "crashed"
-    got, _ = read_records([tmp_path / "trace"])
-    events = [r for r in got if isinstance(r, Event)]
-    assert len(events) == 1, events
-    event = events[0]
+    event = _one_crash(tmp_path / "trace")
     assert (event.failure_class, event.rank, event.evidence["exception"]) == (
         "python_exception", 4, "ValueError")
     assert event.evidence["detected_by"] == "rank_exception"
