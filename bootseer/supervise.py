@@ -505,7 +505,7 @@ class Supervisor:
             self.tail.attach(r, target)
         if self.agent is not None:
             self.agent.start_attempt(attempt)
-            self._ranks = RankWatch(self.control_dir, skip_pids={pid})
+            self._ranks = RankWatch(self.control_dir, root=pid, skip_pids={pid})
         self._early = None
         self._status = None
         self._record("command_start", spawn_start, attempt=attempt, command=self.command[0],

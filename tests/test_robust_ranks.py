@@ -6,6 +6,7 @@ other workers down."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -104,14 +105,17 @@ def test_the_status_record_names_the_exception_or_a_normal_end(tmp_path: Path) -
 
 def test_a_watched_rank_that_exits_is_reported_once_with_its_status(tmp_path: Path) -> None:
     """Real processes that are not the watcher's children: exit 5 (a crash), exit 0 after a
-    normal end (none), a SIGKILL (a signal)."""
+    normal end (none), a SIGKILL (a signal); a record of a process outside the root is not
+    watched."""
     procs = {}
     for rank, code in ((0, "exit 5"), (1, "exit 0"), (2, "kill -9 $$")):
         procs[rank] = subprocess.Popen(["sh", "-c", f"read x; {code}"], stdin=subprocess.PIPE)
         (tmp_path / f"status-{rank}").write_text(json.dumps(
             {"pid": procs[rank].pid, "rank": rank, "state": "running"}))
-    watch = RankWatch(tmp_path)
-    assert watch.poll() == [] and len(watch.fds()) == 3
+    # a record of a process that is not below the root (an earlier attempt's orphaned rank)
+    (tmp_path / "status-9").write_text(json.dumps({"pid": 1, "rank": 9, "state": "exception"}))
+    watch = RankWatch(tmp_path, root=os.getpid())
+    assert watch.poll() == [] and len(watch.fds()) == 3  # pid 1 is nobody's rank here
     for proc in procs.values():
         proc.stdin.close()  # each one ends; none is reaped yet: zombies
     deadline = time.monotonic() + 30

@@ -13,11 +13,14 @@ before the process is gone, and counts as its end even when a leftover thread ke
 process alive.
 
 A normal end is not a crash: exit status 0, or the record's ``"exited"`` (the interpreter
-ran its ``atexit`` hooks) with no status known.
+ran its ``atexit`` hooks) with no status known. Only processes below ``root`` (the command the
+supervisor started) count: a rank of an earlier attempt that outlived its launcher (reparented
+to the supervisor, which is a subreaper) may still write its record into the control
+directory, and its death is not this attempt's crash.
 
 Usage::
 
-    watch = RankWatch(control_dir, skip_pids={child.pid})
+    watch = RankWatch(control_dir, root=child.pid, skip_pids={child.pid})
     select.select([signal_pipe, *watch.fds()], [], [], 0.25)
     for end in watch.poll():        # RankEnd(rank=1, pid=..., how="signal", status=9, ...)
         ...
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankEnd", "RankWatch", "zombie_status"]
+__all__ = ["RankEnd", "RankWatch", "descends", "zombie_status"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,23 @@ def zombie_status(pid: int) -> int | None:
         return None
 
 
+def descends(pid: int, root: int) -> bool:
+    """Whether ``root`` is an ancestor of ``pid`` (its ``/proc`` parents; a zombie keeps its
+    parent); False when that cannot be read."""
+    for _ in range(64):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            pid = int(stat[stat.rfind(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid == root:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
 def _record(path: Path) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text(encoding="utf-8") or "{}")
@@ -77,12 +97,14 @@ def _record(path: Path) -> dict[str, Any]:
 
 
 class RankWatch:
-    """The ranks of one attempt (see the module docstring). ``skip_pids``: processes whose
-    end the supervisor sees itself (the command it spawned, when the command is the rank)."""
+    """The ranks of one attempt (see the module docstring). ``root``: only processes below it
+    count (None: any); ``skip_pids``: processes whose end the supervisor sees itself (the
+    command it spawned, when the command is the rank)."""
 
-    def __init__(self, control_dir: str | os.PathLike, *,
+    def __init__(self, control_dir: str | os.PathLike, *, root: int | None = None,
                  skip_pids: Collection[int] = ()) -> None:
         self.control_dir = Path(control_dir)
+        self.root = root
         self.skip_pids = set(skip_pids)
         self._fds: dict[int, tuple[int, int]] = {}  # pid -> (pidfd, rank)
         self._done: set[int] = set()  # pids already reported or ended normally
@@ -111,8 +133,13 @@ class RankWatch:
             pid, rank = doc.get("pid"), doc.get("rank")
             if not isinstance(pid, int) or not isinstance(rank, int) or pid in self.skip_pids:
                 continue
+            if pid in self._done:
+                continue
+            if pid not in self._fds and self.root is not None and not descends(pid, self.root):
+                self._done.add(pid)  # an earlier attempt's rank, or a stranger's record
+                continue
             self._records[pid] = doc
-            if pid not in self._fds and pid not in self._done:
+            if pid not in self._fds:
                 try:
                     self._fds[pid] = (os.pidfd_open(pid), rank)
                 except OSError:  # already gone: its status (or its absence) says how
