@@ -186,6 +186,7 @@ class Agent:
                     "detected_by": f"rank_{end.how}", "pid": end.pid}
         if record.get("exception"):
             evidence["exception"] = record["exception"]
+            evidence["raised_at"] = record.get("time")  # the rank's clock; seen at ``time``
         return Event("crash", got.failure_class, node=self.node, rank=end.rank,
                      step=self.progress[-1] if self.progress else None, time=end.time,
                      evidence=evidence)

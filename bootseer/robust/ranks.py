@@ -42,7 +42,8 @@ __all__ = ["RankEnd", "RankWatch", "descends", "zombie_status"]
 
 @dataclass(frozen=True)
 class RankEnd:
-    """One rank's abnormal end. ``how``: ``"exception"`` (the record names it), ``"signal"``
+    """One rank's abnormal end, seen at ``time``. ``how``: ``"exception"`` (the record names
+    it; the rank's own time of it is the record's ``time``), ``"signal"``
     or ``"exit"`` (the wait status was read: ``status`` is the signal or the exit code),
     ``"vanished"`` (gone with no record of an end and no status)."""
 
@@ -176,10 +177,9 @@ class RankWatch:
 def _end(rank: int, pid: int, record: dict[str, Any], status: int | None, exited: bool,
          now: float) -> RankEnd | None:
     """How a rank ended, or None for a normal end."""
-    if record.get("state") == "exception":  # the rank's own word, at the time it wrote it
-        when = record.get("time")
-        return RankEnd(rank, pid, "exception", float(when) if isinstance(when, int | float)
-                       else now, None if status is None else _code(status), record)
+    if record.get("state") == "exception":  # the rank's own word (its time: "raised_at")
+        return RankEnd(rank, pid, "exception", now, None if status is None else _code(status),
+                       record)
     if status is not None:
         if os.WIFSIGNALED(status):
             return RankEnd(rank, pid, "signal", now, os.WTERMSIG(status), record)
