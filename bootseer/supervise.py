@@ -975,10 +975,23 @@ class Supervisor:
 
     # -- processes -------------------------------------------------------------------------
     def _signal_group(self, pid: int, sig: int) -> None:
-        try:
-            os.killpg(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """``sig`` to the command's process group; a SIGKILL or SIGTERM also to the groups of
+        its descendants, found first: torchrun starts each worker in a session of its own,
+        so a SIGKILL to torchrun's group alone would leave its ranks running, orphaned."""
+        from .robust.remote import descendants
+
+        groups = [pid]
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            for child in descendants(pid):
+                try:
+                    groups.append(os.getpgid(child))
+                except ProcessLookupError:
+                    continue
+        for group in dict.fromkeys(groups):
+            try:
+                os.killpg(group, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _reap(self) -> bool:
         """Reap every child that has exited; True once the command itself has."""

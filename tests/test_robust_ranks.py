@@ -133,8 +133,9 @@ def test_a_watched_rank_that_exits_is_reported_once_with_its_status(tmp_path: Pa
 
 
 _LINGER = """
-import threading, time
+import os, sys, threading, time
 import bootseer
+open(sys.argv[1], "w").write(str(os.getpid()))
 bootseer.heartbeat(1)
 threading.Thread(target=time.sleep, args=(120,), name="leftover").start()
 raise ValueError("bad batch")
@@ -145,7 +146,8 @@ def test_a_rank_kept_alive_after_its_exception_is_a_crash_and_its_command_is_kil
         tmp_path: Path) -> None:
     """A launcher (here a shell) whose rank raised but lives on (a leftover non-daemon
     thread): no exit ever comes; the rank's record is the crash, at once, and the command is
-    killed ``crash_grace_s`` later rather than left to a hang threshold."""
+    killed ``crash_grace_s`` later rather than left to a hang threshold. The rank runs in a
+    session of its own (as torchrun starts its workers): the kill reaches it all the same."""
     from robust_helpers import scenario_env
 
     from bootseer.robust.detect import HangDetector
@@ -157,7 +159,9 @@ def test_a_rank_kept_alive_after_its_exception_is_a_crash_and_its_command_is_kil
     trace = TraceWriter(tmp_path / "trace", "solo")
     logs: list[str] = []
     agent = Agent(trace, "solo", hang=HangDetector(60.0), log=logs.append)
-    sup = Supervisor(["sh", "-c", f'RANK=4 "{sys.executable}" "{rank}"; echo never'],
+    pid_file = tmp_path / "rank.pid"
+    sup = Supervisor(["sh", "-c", f'RANK=4 setsid "{sys.executable}" "{rank}" "{pid_file}"; '
+                                  "echo never"],
                      env=scenario_env(), trace=trace, restart=RestartPolicy(0),
                      hang=HangPolicy(0.0), agent=agent, crash_grace_s=1.0, log=logs.append)
     code = sup.run()
@@ -170,3 +174,8 @@ def test_a_rank_kept_alive_after_its_exception_is_a_crash_and_its_command_is_kil
     assert event.evidence["lines"][-1] == "ValueError: bad batch"
     assert any("still runs 1s after rank 4 died: killing it" in line for line in logs), logs
     assert any("verdict: crash python_exception (ValueError) rank 4" in line for line in logs)
+    left = int(pid_file.read_text())
+    deadline = time.monotonic() + 30
+    while zombie_status(left) is None and Path(f"/proc/{left}").exists():
+        assert time.monotonic() < deadline, f"rank {left} outlived its command"
+        time.sleep(0.1)
