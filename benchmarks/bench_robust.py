@@ -16,7 +16,7 @@ rank's group was named, nodes evicted, restart to first step, steps recomputed; 
 job's step log for both and from the agents' traces (``bootseer.robust.ettr``) for bootseer.
 
 ``python benchmarks/bench_robust.py --results DIR [--quick] [--minutes M] [--interval S]
-[--seed N]`` or ``bootseer bench robust [--quick] [--minutes M]``; writes ``DIR/robust.json``
+[--seed N] [--classes sigkill,exception]`` or ``bootseer bench robust [--quick] [--minutes M]``; writes ``DIR/robust.json``
 and ``DIR/robust.md``. Default 20 minutes per mode, a fault every 180 s on average; ``--quick``:
 5 minutes per mode, a fault every 30 s. Needs root (namespaces, cgroups, tmpfs).
 """
@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hang-timeout", type=float, default=10.0)
     parser.add_argument("--pg-timeout", type=float, default=60.0)
     parser.add_argument("--modes", default="bootseer,peer")
+    parser.add_argument("--classes", default=",".join(CLASSES),
+                        help=f"fault classes, comma-separated, of {', '.join(CLASSES)} "
+                             "(default all; sigkill,exception: the crash detection latency)")
     args = parser.parse_args(argv)
     args.minutes = args.minutes or (5.0 if args.quick else 20.0)
     args.interval = args.interval or (30.0 if args.quick else 180.0)
@@ -182,9 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if bad := [m for m in modes if m not in ("bootseer", "peer")]:
         parser.error(f"--modes {bad}: choose from bootseer, peer")
+    classes = tuple(c for c in args.classes.split(",") if c)
+    if not classes or (bad := [c for c in classes if c not in CLASSES]):
+        parser.error(f"--classes {args.classes!r}: choose from {', '.join(CLASSES)}")
     from bootseer.testing.cluster import Cluster
 
-    plan = schedule(args.seed, args.minutes, args.interval, args.nodes, args.nproc)
+    plan = schedule(args.seed, args.minutes, args.interval, args.nodes, args.nproc, classes)
     text = [f.describe() for f in plan]
     joined = "\n  ".join(text)
     log(f"fault schedule (seed {args.seed}):\n  {joined}")
@@ -192,13 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         "suite": "robust", "command": command_line("bench_robust.py"), "quick": args.quick,
         "minutes": args.minutes, "interval_s": args.interval, "seed": args.seed,
         "nodes": args.nodes, "nproc": args.nproc, "hang_timeout_s": args.hang_timeout,
-        "pg_timeout_s": args.pg_timeout, "targets": TARGETS, "schedule": as_dicts(plan),
+        "pg_timeout_s": args.pg_timeout, "classes": list(classes), "targets": TARGETS,
+        "schedule": as_dicts(plan),
         "schedule_text": text, "source": source_state(["benchmarks", "bootseer"]),
         "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}}
     with contextlib.ExitStack() as stack:
         work = work_dir("robust-run-", stack)
         for mode in modes:
-            faults = schedule(args.seed, args.minutes, args.interval, args.nodes, args.nproc)
+            faults = schedule(args.seed, args.minutes, args.interval, args.nodes, args.nproc,
+                              classes)
             out = work / mode
             out.mkdir()
             try:

@@ -22,6 +22,17 @@ once, and every later heartbeat of the process carries it as ``"first_nonfinite"
 reader that polls slower than the steps still sees it). JSON has no NaN: non-finite values
 are written as the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (:func:`bootseer.robust.events.metric` reads both forms back).
 
+The first ``ready()`` or ``heartbeat()`` of a rank's main process also writes its status record
+``status-<rank>`` (``{"state": "running", "pid", "rank", "time"}``) and hooks its end, so the
+wrapper watches the rank's process itself and sees a crash the moment it happens (not when
+the launcher exits, seconds later): an uncaught exception (``sys.excepthook``) rewrites the
+record as ``"state": "exception"`` with the exception's type, message and last traceback
+lines before the process dies; an exception that ends a thread
+(``threading.excepthook``) is kept in the record as ``"thread_exception"`` (the process may
+live on); a normal interpreter exit (``atexit``) writes ``"state": "exited"``. The previous
+hooks still run (the traceback is still printed). Forked or spawned children (DataLoader
+workers) never write their rank's record.
+
 Under the wrapper, importing this module also registers a SIGUSR1 handler (``faulthandler``)
 that writes the Python stack of every thread to
 ``$BOOTSEER_TRACE_DIR/stacks-<node>-rank<r>-<pid>.txt``: the wrapper sends SIGUSR1 before it
@@ -36,14 +47,17 @@ collective to trace them all, or call ``bootseer.colltrace.enable()`` yourself.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import math
 import os
 import signal
 import socket
+import sys
 import threading
 import time
+import traceback
 from typing import IO, Any
 
 __all__ = ["heartbeat", "install_stack_dump", "ready", "stack_file_name"]
@@ -62,6 +76,9 @@ _image_told = False
 _clock = time.monotonic
 _first_nonfinite: dict[str, Any] | None = None  # the first NaN/Inf heartbeat of this process
 _colltrace_tried = False
+_status_pid: int | None = None  # the process that owns its rank's status record
+_status: dict[str, Any] = {}
+STATUS_LINES = 100  # traceback lines kept in the record (a chained error is long)
 
 
 def _rank() -> int:
@@ -141,6 +158,7 @@ def ready() -> None:
         if not control:
             return
         install_stack_dump()
+        _install_status(control)
         doc = _doc(None)
         _write(os.path.join(control, f"ready-{_rank()}"), doc)
         extra = os.environ.get(READY_FILE_ENV)  # a configured file (a readiness probe's)
@@ -172,11 +190,74 @@ def heartbeat(step: int | None = None, loss: Any = None, grad_norm: Any = None) 
                 return
             _last_heartbeat = now
         install_stack_dump()
+        _install_status(control)
         doc = {**_doc(step), **metrics}
         if _first_nonfinite is not None:  # sticky: a reader polling slower still sees it
             doc["first_nonfinite"] = _first_nonfinite
         _write(os.path.join(control, f"heartbeat-{_rank()}"), doc)
     except Exception:  # noqa: BLE001 - see ready()
+        pass
+
+
+def _install_status(control: str) -> None:
+    """The rank's status record and the hooks that rewrite it at its end (once per process;
+    never in a forked child, whose parent owns the record)."""
+    global _status_pid
+    if _status_pid is not None:
+        return
+    _status_pid = os.getpid()
+    _status.update(_doc(None), state="running", path=os.path.join(control,
+                                                                   f"status-{_rank()}"))
+    _status.pop("step", None)
+    previous, previous_thread = sys.excepthook, threading.excepthook
+
+    def on_exception(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        _end_status("exception", kind, exc, tb)
+        previous(kind, exc, tb)
+
+    def on_thread_exception(args: Any) -> None:
+        if args.exc_type is not SystemExit:
+            _end_status("thread_exception", args.exc_type, args.exc_value,
+                        args.exc_traceback, thread=getattr(args.thread, "name", None))
+        previous_thread(args)
+
+    sys.excepthook = on_exception
+    threading.excepthook = on_thread_exception
+    atexit.register(_end_status, "exited")
+    _save_status()
+
+
+def _save_status() -> None:
+    try:
+        _write(_status["path"], {k: v for k, v in _status.items() if k != "path"})
+    except Exception:  # noqa: BLE001 - a record must never break training or its end
+        pass
+
+
+def _end_status(state: str, kind: type[BaseException] | None = None,
+                exc: BaseException | None = None, tb: Any = None, *,
+                thread: str | None = None) -> None:
+    """The record at the rank's end: what ended it, before the process is gone."""
+    if _status_pid != os.getpid():
+        return
+    try:
+        info: dict[str, Any] = {}
+        if kind is not None:
+            name = kind.__qualname__ if kind.__module__ in ("builtins", "__main__") else \
+                f"{kind.__module__}.{kind.__qualname__}"
+            text = "".join(traceback.format_exception(kind, exc, tb))
+            info = {"exception": name, "message": str(exc)[:500],
+                    "lines": text.splitlines()[-STATUS_LINES:], "time": time.time()}
+        if state == "thread_exception":
+            _status["thread_exception"] = {**info, "thread": thread}
+        elif state == "exception":
+            _status.update(info, state="exception")
+        elif _status.get("state") == "running":  # atexit after an exception keeps it
+            _status.update(state="exited", time=time.time())
+        else:
+            return
+        _save_status()
+    except Exception:  # noqa: BLE001 - see _save_status
         pass
 
 

@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from .robust.detect import Beat
+from .robust.ranks import RankWatch
 from .tee import OutputTail
 from .trace import Span, TraceWriter
 
@@ -109,8 +110,9 @@ class HangPolicy:
 @dataclass
 class AttemptEnd:
     """How an attempt ended: ``reason`` is exited, signaled, hang, nonfinite (a NaN/Inf
-    heartbeat), stopped (a stop signal came), update (stopped for a version update) or
-    not-started (the command could not be executed)."""
+    heartbeat), stopped (a stop signal came), update (stopped for a version update),
+    crashed (killed: it still ran long after one of its ranks died) or not-started (the
+    command could not be executed)."""
 
     attempt: int
     code: int
@@ -125,6 +127,8 @@ class AttemptEnd:
             return "a NaN/Inf"
         if self.reason == "update":
             return "a restart for a version update"
+        if self.reason == "crashed":
+            return "a rank's crash (the command killed after it)"
         if self.code > 128 and self.reason in ("signaled", "stopped"):
             return f"signal {_signal_name(self.code - 128)}"
         return f"exit code {self.code}"
@@ -207,13 +211,16 @@ class _Signals:
         except OSError:
             pass
 
-    def wait(self, timeout: float) -> list[int]:
-        """Signals that arrived, waiting up to ``timeout`` seconds for the first."""
+    def wait(self, timeout: float, wake: Sequence[int] = ()) -> list[int]:
+        """Signals that arrived, waiting up to ``timeout`` seconds for the first, or for one
+        of the ``wake`` descriptors to become readable (a rank's pidfd: it exited)."""
         try:
-            ready, _, _ = select.select([self.rfd], [], [], max(timeout, 0.0))
+            ready, _, _ = select.select([self.rfd, *wake], [], [], max(timeout, 0.0))
         except InterruptedError:  # pragma: no cover - PEP 475 retries
             ready = [self.rfd]
         if not ready:
+            return []
+        if self.rfd not in ready:
             return []
         try:
             data = os.read(self.rfd, 512)
@@ -248,7 +255,7 @@ class Supervisor:
                  before_attempt: Callable[[int], Mapping[str, str] | None] | None = None,
                  kill_grace_s: float = 5.0, agent: Any = None, tail_lines: int = 200,
                  remote: Any = None, remote_wait_s: float = 30.0, versions: Any = None,
-                 log: Callable[[str], None] = _stderr) -> None:
+                 crash_grace_s: float = 15.0, log: Callable[[str], None] = _stderr) -> None:
         if not command:
             raise ValueError("nothing to run: the command is empty")
         self.command = list(command)
@@ -270,7 +277,11 @@ class Supervisor:
         self.remote_wait_s = remote_wait_s
         self.versions = versions if self.remote is not None else None
         self.tail = OutputTail(tail_lines) if agent is not None and tail_lines > 0 else None
+        self.crash_grace_s = crash_grace_s  # a rank died: the launcher's time to end
         self.attempts: list[AttemptEnd] = []
+        self._ranks: RankWatch | None = None  # the ranks' own processes (with the agent)
+        self._early: Any = None  # this attempt's crash event, seen at a rank's death
+        self._early_at = 0.0
         self._signals: _Signals | None = None
         self._stopping: int | None = None
         self._child: subprocess.Popen[bytes] | None = None
@@ -329,6 +340,8 @@ class Supervisor:
         if end.detail.get("remote"):
             return self.remote.local_action(self._skip_after(self._from_controller(verdict)))
         lines = self.tail.lines() if self.tail else []
+        if verdict is None and self._early is not None:  # seen at the rank's death
+            return self._judge_early(end, lines)
         if verdict is None and self.remote is not None:  # the controller decides, if it can
             event = self.agent.crash_event(end.code, lines)
             verdict = self._remote_verdict(event, end.attempt)
@@ -359,6 +372,21 @@ class Supervisor:
             self.log(f"checkpoints saved from step {step} on by the failed attempt hold the "
                      "non-finite value: the restart resumes from an earlier one")
         return verdict
+
+    def _judge_early(self, end: AttemptEnd, lines: list[str]) -> str:
+        """A crash published when its rank died: the launcher's account refines its class
+        (same detection time), and the verdict is the controller's or the node's."""
+        better = self.agent.refine(self._early, end.code, lines)
+        if better is not None:
+            self._early = better
+            self.agent.write(better)
+            if self.remote is not None:
+                self.remote.publish(better)
+        if self.remote is not None:
+            verdict = self._remote_verdict(self._early, end.attempt, published=True)
+            if verdict is not None:
+                return self.remote.local_action(verdict)
+        return self.agent.local_action(self.agent.judge(self._early, written=True))
 
     def _startup(self, attempt: int) -> Mapping[str, str]:
         """The hook in a thread, while the main thread keeps answering signals."""
@@ -451,7 +479,7 @@ class Supervisor:
         """Signals of the previous attempt must not count for this one."""
         assert self.control_dir is not None and self.ready_file is not None
         for entry in os.scandir(self.control_dir):
-            if entry.name.startswith(("ready", "heartbeat", ".")):
+            if entry.name.startswith(("ready", "heartbeat", "status", ".")):
                 try:
                     os.unlink(entry.path)
                 except OSError:
@@ -512,6 +540,8 @@ class Supervisor:
             self.tail.attach(r, target)
         if self.agent is not None:
             self.agent.start_attempt(attempt)
+            self._ranks = RankWatch(self.control_dir, root=pid, skip_pids={pid})
+        self._early = None
         self._status = None
         # epoch: the controller's newest incident, the same on every node of this attempt
         # (a replacement node's attempt 0 joins the survivors' attempt 5): ETTR's job attempt
@@ -522,6 +552,9 @@ class Supervisor:
         try:
             return self._watch(attempt, started)
         finally:
+            if self._ranks is not None:
+                self._ranks.close()
+                self._ranks = None
             self._cleanup_group(pid)
             self._child.returncode = self._status if self._status is not None else -1
             self._child = None
@@ -546,7 +579,8 @@ class Supervisor:
         timeout = self.hang.timeout_s
         poll = 0.25 if timeout <= 0 else min(0.25, timeout / 4)
         while True:
-            for sig in self._signals.wait(poll):
+            wake = self._ranks.fds() if self._ranks and self._stopping is None else ()
+            for sig in self._signals.wait(poll, wake):
                 if self._on_signal(sig, pid):
                     return self._killed_now(attempt, pid)
             exited = self._reap()
@@ -563,6 +597,9 @@ class Supervisor:
                 self.log(f"command exited with {AttemptEnd(attempt, code, reason).describe()} "
                          f"(attempt {attempt})")
                 return AttemptEnd(attempt, code, reason, pid, {"exited_at": time.time()})
+            if self._ranks is not None and self._stopping is None and (
+                    end := self._rank_ends(attempt, pid)):
+                return end
             if self.agent is not None and (end := self._agent_watch(attempt, pid, watch,
                                                                     started)):
                 return end
@@ -571,7 +608,7 @@ class Supervisor:
                 if (order := self.remote.dump_order()) and (
                         end := self._on_order(attempt, pid, watch, order, started)):
                     return end
-            if timeout > 0 and self._stopping is None:
+            if timeout > 0 and self._stopping is None and self._early is None:
                 if watch.last_change is None:
                     silent, limit = time.monotonic() - spawned, max(timeout, self.hang.startup_s)
                 else:
@@ -627,10 +664,64 @@ class Supervisor:
                 code = exit_code(self._status) if self._status is not None else 137
                 return AttemptEnd(attempt, code, "nonfinite", pid,
                                   {"verdict": verdict, "exited_at": time.time()})
-        if self._stopping is None and (event := self.agent.check_hang(time.time())):
+        if self._stopping is None and self._early is None and (
+                event := self.agent.check_hang(time.time())):  # a crash explains a silence
             silent = float(event.evidence.get("silent_s", 0.0))
             return self._hang(attempt, pid, watch, silent, started, event=event)
         return None
+
+    def _rank_ends(self, attempt: int, pid: int) -> AttemptEnd | None:
+        """A rank that died while the command runs: the crash event at once (the trace, the
+        controller), classified from what the rank left; a primary failure seen after a
+        communication error is published too. The launcher then has ``crash_grace_s`` to
+        end (its summary refines the class); a command still running after that (a rank
+        kept alive by a leftover thread) is killed."""
+        from .robust.classify import SECONDARY
+
+        event = self.agent.rank_crash(self._ranks.poll())
+        first = self._early
+        if event is not None and (first is None or (first.failure_class in SECONDARY
+                                                    and event.failure_class not in SECONDARY)):
+            self._early, self._early_at = event, time.monotonic()
+            self.agent.write(event)
+            what = event.evidence.get("exception") or event.evidence.get("signal") or (
+                "gone without a record" if event.evidence.get("provisional") else "")
+            self.log(f"crash: rank {event.rank} (pid {event.evidence.get('pid')}) "
+                     f"{event.failure_class}" + (f" ({what})" if what else "") +
+                     f" while the command runs (attempt {attempt})")
+            if self.remote is not None:
+                self.remote.publish(event)
+        if self._early is None or time.monotonic() - self._early_at < self.crash_grace_s:
+            return None
+        self.log(f"the command still runs {self.crash_grace_s:g}s after rank "
+                 f"{self._early.rank} died: killing it")
+        self._signal_group(pid, signal.SIGKILL)
+        self._wait_child(5.0)
+        code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
+        return AttemptEnd(attempt, code, "crashed", pid, {"exited_at": time.time()})
+
+    def _refine_early(self) -> None:
+        """Under an order: a crash seen at a rank's death with no class of its own (gone
+        without a record) waits up to ``crash_grace_s`` for the launcher's summary, so the
+        controller gets the refined class with the dumps; a communication error (another
+        node's failure, most likely) is refined only if the launcher already ended."""
+        from .robust.classify import SECONDARY
+
+        early = self._early
+        if early is None or not (early.evidence.get("provisional")
+                                 or early.failure_class in SECONDARY):
+            return
+        wait = self.crash_grace_s if early.evidence.get("provisional") else 0.0
+        if not self._wait_child(wait):
+            return
+        if self.tail is not None:
+            self.tail.drain(2.0)
+        better = self.agent.refine(early, exit_code(self._status),
+                                   self.tail.lines() if self.tail else [])
+        if better is not None:
+            self._early = better
+            self.agent.write(better)
+            self.remote.publish(better)
 
     def _remote_metrics(self, attempt: int, pid: int, beat: Beat) -> AttemptEnd | None:
         """Under a controller a NaN/Inf or a jump goes to it. A NaN kills the command at once
@@ -771,6 +862,7 @@ class Supervisor:
                                       "node": self.node, "source": "faulthandler",
                                       "text": _last_dump(path)})
         files = self._keep_dumps(processes, incident)
+        self._refine_early()  # before the answer: the controller reads it with the dumps
         self.remote.answer(incident, processes, [p.name for p in files])
         dumped = time.time()
         killed_for_check: list[float] = []
@@ -921,10 +1013,23 @@ class Supervisor:
 
     # -- processes -------------------------------------------------------------------------
     def _signal_group(self, pid: int, sig: int) -> None:
-        try:
-            os.killpg(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """``sig`` to the command's process group; a SIGKILL or SIGTERM also to the groups of
+        its descendants, found first: torchrun starts each worker in a session of its own,
+        so a SIGKILL to torchrun's group alone would leave its ranks running, orphaned."""
+        from .robust.remote import descendants
+
+        groups = [pid]
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            for child in descendants(pid):
+                try:
+                    groups.append(os.getpgid(child))
+                except ProcessLookupError:
+                    continue
+        for group in dict.fromkeys(groups):
+            try:
+                os.killpg(group, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _reap(self) -> bool:
         """Reap every child that has exited; True once the command itself has."""

@@ -7,7 +7,9 @@ Faults, injected in the first attempt only (``BOOTSEER_ATTEMPT`` 0):
 * ``--hang-rank R --hang-when FILE``: once FILE exists, rank R stops before its all_reduce
   (in :func:`hang_before_all_reduce`, the frame a dump must name) while the others wait
   inside theirs;
-* ``--crash-rank R --crash-at S``: rank R raises ``ValueError`` at step S;
+* ``--crash-rank R --crash-at S``: rank R raises ``ValueError`` at step S (``--linger``:
+  while a leftover non-daemon thread keeps its process, and its gloo connections, alive, so
+  the other ranks wait inside their all_reduce instead of failing);
 * ``--slow-rank R --slow-s X``: rank R spends X more seconds in each step before its
   all_reduce (in :func:`slow_step`) while the others wait inside theirs (a fail-slow rank);
 * ``--nan-rank R --nan-at S``: rank R reports a NaN loss at step S.
@@ -21,6 +23,7 @@ import argparse
 import datetime
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -48,6 +51,7 @@ def main() -> None:
     parser.add_argument("--hang-when", default="")
     parser.add_argument("--crash-rank", type=int, default=-1)
     parser.add_argument("--crash-at", type=int, default=-1)
+    parser.add_argument("--linger", action="store_true")
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-s", type=float, default=0.0)
     parser.add_argument("--nan-rank", type=int, default=-1)
@@ -63,6 +67,8 @@ def main() -> None:
     while step < args.steps or (args.hang_when and first):
         grad = torch.full((8,), float(rank + step))
         if first and rank == args.crash_rank and step == args.crash_at:
+            if args.linger:
+                threading.Thread(target=time.sleep, args=(600,), name="leftover").start()
             raise ValueError(f"injected fault on rank {rank} at step {step}")
         if first and rank == args.hang_rank and os.path.exists(args.hang_when):
             hang_before_all_reduce()

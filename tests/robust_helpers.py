@@ -281,5 +281,35 @@ def supervise_learned(trace_dir: str, steps: str, step_s: str) -> None:
     sys.exit(sup.run())
 
 
+def rank_fault(fault: str, out: str) -> None:
+    """A rank under torchrun (gloo): an all_reduce, a heartbeat, then rank 1 fails with
+    ``fault`` (``sigkill``: kills itself; ``exception``: raises ValueError; ``linger``:
+    raises ValueError while a leftover non-daemon thread keeps its process alive) while the
+    others wait inside their next all_reduce. Each rank writes ``out/pid-<rank>``."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    import bootseer
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    bootseer.ready()
+    bootseer.heartbeat(0, loss=1.0)
+    Path(out, f"pid-{rank}").write_text(str(os.getpid()))
+    if rank == 1:
+        time.sleep(0.5)  # the others are inside their all_reduce
+        if fault == "sigkill":
+            os.kill(os.getpid(), 9)
+        if fault == "linger":
+            threading.Thread(target=time.sleep, args=(GUARD,), name="leftover").start()
+        raise ValueError(f"injected on rank {rank}")
+    dist.all_reduce(t)
+    time.sleep(GUARD)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1].replace("-", "_")](*sys.argv[2:])

@@ -29,6 +29,17 @@ def test_the_schedule_is_seeded_and_meets_every_class_before_a_repeat() -> None:
     assert all(90 <= g <= 270 for g in gaps) and a[-1].at_s < 60 * 60
     with pytest.raises(ValueError, match=r"unknown fault class\(es\) \['meteor'\]"):
         schedule(1, 5, 30, 4, 2, classes=("sigkill", "meteor"))
+    crashes = schedule(17, 10, 30, 4, 2, classes=("sigkill", "exception"))
+    assert {f.kind for f in crashes} == {"sigkill", "exception"}
+
+
+def test_bench_robust_refuses_an_unknown_class_before_starting_anything(capsys) -> None:
+    import bench_robust
+
+    with pytest.raises(SystemExit) as done:
+        bench_robust.main(["--classes", "sigkill,meteor"])
+    assert done.value.code == 2
+    assert "--classes 'sigkill,meteor': choose from sigkill, exception" in capsys.readouterr().err
 
 
 def _steps(out: Path, records: list[tuple[int, float, int]]) -> list[dict]:

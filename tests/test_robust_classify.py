@@ -187,20 +187,58 @@ def test_a_rule_with_a_bad_exit_condition_is_named():
         classify(1, [], rules=bad)
 
 
-def test_under_torchrun_the_ranks_exception_and_rank_are_named(tmp_path):
-    """torchrun ends with its own ChildFailedError traceback: the class and the exception
-    are the failed rank's, and its rank comes from torchrun's root-cause block."""
-    script = tmp_path / "job.py"
-    script.write_text("import os, time\n"
-                      "if os.environ['RANK'] == '1':\n"
-                      "    raise ValueError('injected')\n"
-                      "time.sleep(1)\n")
+def test_under_torchrun_the_ranks_exception_wins_over_its_mates_gloo_error(tmp_path):
+    """torchrun ends with its own ChildFailedError traceback, and rank 0, waiting inside
+    all_reduce, fails with gloo's "Connection closed by peer" once rank 1 raised: the class
+    and the exception are rank 1's (the gloo error is its consequence), whichever rank
+    torchrun observed first, and the rank comes from torchrun's summary."""
+    from robust_helpers import scenario_argv, scenario_env
+
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "--monitor-interval", "0.2", str(script)],
-                          capture_output=True, text=True, timeout=120)
+                           "--nproc-per-node", "2", "--monitor-interval", "2",
+                           *scenario_argv("rank-fault", "exception", tmp_path)[1:]],
+                          capture_output=True, text=True, timeout=120, env=scenario_env())
     lines = (done.stdout + done.stderr).splitlines()
     assert any("ChildFailedError" in line for line in lines)  # the launcher's own traceback
+    assert any(line.startswith("[rank0]:") and "gloo" in line for line in lines)  # the mate's
     got = classify(done.returncode, lines)
     assert (got.failure_class, got.detail["exception"], got.detail["rank"]) == (
         "python_exception", "ValueError", 1)
-    assert got.lines == ("ValueError: injected",)
+    assert got.lines == ("ValueError: injected on rank 1",)
+
+
+# torchrun's summary when it observed rank 0's gloo error first while rank 1 had been killed
+# (the order it gives when both are dead at its look: seen with rank-fault sigkill and
+# --monitor-interval 5). Assembled from one such run's lines, cut short.
+_GLOO_FIRST = """\
+[rank0]: Traceback (most recent call last):
+[rank0]:     work.wait()
+[rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] \
+Connection closed by peer [127.0.0.1]:25985. This is typically caused by a remote worker crashing.
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+Failures:
+[1]:
+  time      : 2026-11-24_05:09:41
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 31723)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 31723
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-24_05:09:41
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 31722)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_a_killed_rank_wins_over_the_gloo_error_torchrun_saw_first():
+    got = classify(1, _GLOO_FIRST.splitlines())
+    assert (got.failure_class, got.signal, got.detail["rank"], got.detail["secondary"]) == (
+        "killed_by_signal", "SIGKILL", 1, "gloo_error")

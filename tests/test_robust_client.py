@@ -16,6 +16,7 @@ from bootseer import client
 def control(tmp_path, monkeypatch):
     monkeypatch.setenv("BOOTSEER_CONTROL_DIR", str(tmp_path))
     monkeypatch.delenv("BOOTSEER_TRACE_DIR", raising=False)  # no SIGUSR1 hook in pytest
+    monkeypatch.setattr(client, "_status_pid", 0)  # nor exit hooks (the status record)
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setattr(client, "_last_heartbeat", float("-inf"))
     monkeypatch.setattr(client, "_first_nonfinite", None)

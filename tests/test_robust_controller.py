@@ -134,7 +134,7 @@ def test_two_ranks_a_tie_is_broken_by_who_waits_inside_a_collective(store) -> No
     for link in links:
         link.register()
         link.publish(Event("hang", "hang", node=link.node, rank=0, time=time.time()))
-    ctl = Controller(store, settle_s=0, log=lambda _: None)
+    ctl = Controller(store, settle_s=0, crash_window_s=0, log=lambda _: None)
     ctl.step()
     for rank, link in enumerate(links):
         link.answer(1, [{"rank": rank, "pid": 5 + rank, "role": "main", "source": "py-spy",
@@ -152,7 +152,7 @@ def test_two_ranks_both_inside_collectives_is_no_verdict_from_stacks(store) -> N
     for link in links:
         link.register()
     links[0].publish(Event("hang", "hang", node="n0", rank=0, time=time.time()))
-    ctl = Controller(store, settle_s=0, log=lambda _: None)
+    ctl = Controller(store, settle_s=0, crash_window_s=0, log=lambda _: None)
     ctl.step()
     other = _WAITING.replace("all_reduce (", "broadcast (")
     for rank, link in enumerate(links):
@@ -164,6 +164,39 @@ def test_two_ranks_both_inside_collectives_is_no_verdict_from_stacks(store) -> N
     assert "no verdict from stacks" in verdict.evidence["localization"]["reason"]
 
 
+def test_a_crash_just_after_a_hang_is_its_root_cause(store) -> None:
+    """node0's ranks wait in all_reduce for node1's rank, which raised: node0's hang
+    threshold fires first, and every dump is in before node1's crash arrives. Within the
+    crash window the crash is the cause: its class, its rank, nobody evicted."""
+    now = [200.0]
+    links = [ControllerLink(store, n) for n in ("n0", "n1")]
+    for link in links:
+        link.register()
+    links[0].publish(Event("hang", "hang", node="n0", rank=0, time=200.0))
+    ctl = Controller(store, settle_s=0, crash_window_s=3.0, clock=lambda: now[0],
+                     log=lambda _: None)
+    assert ctl.step() is None  # opened on the hang, the dump ordered
+    links[0].answer(1, [{"rank": 0, "pid": 5, "role": "main", "source": "py-spy",
+                         "text": _WAITING}])
+    links[1].answer(1, [])  # its rank is gone: nothing to dump
+    for t in (200.5, 201.0, 202.0):
+        now[0] = t
+        assert ctl.step() is None  # a hang alone waits out the window
+    links[1].publish(Event("crash", "python_exception", node="n1", rank=1, time=200.2,
+                           evidence={"exception": "ValueError"}))
+    now[0] = 202.5
+    assert ctl.step() is None  # the crash joins the incident
+    now[0] = 203.5
+    verdict = ctl.step()
+    assert verdict is not None
+    assert (verdict.action, verdict.failure_class, verdict.ranks, verdict.nodes) == (
+        "restart_in_place", "python_exception", (1,), ())
+    primary = verdict.evidence["primary"]
+    assert (primary["node"], primary["evidence"]["exception"]) == ("n1", "ValueError")
+    assert [e["kind"] for e in verdict.evidence["events"]] == ["hang", "crash"]
+    assert wire.get(store, wire.Keys().excluded) is None  # nobody evicted
+
+
 def test_an_evicted_node_cannot_register_again(store, tmp_path: Path) -> None:
     a, b, c = (ControllerLink(store, n) for n in ("n0", "n1", "n2"))
     for link in (a, b, c):
@@ -171,7 +204,7 @@ def test_an_evicted_node_cannot_register_again(store, tmp_path: Path) -> None:
     for link in (a, c):
         link.publish(Event("hang", "hang", node=link.node, rank=0, time=time.time()))
     ctl = Controller(store, exclusion=tmp_path / "excluded.json", settle_s=0,
-                     log=lambda _: None)
+                     crash_window_s=0, log=lambda _: None)
     ctl.step()
     sleeping = 'Thread 0x1 (idle): "MainThread"\n    hang_before_all_reduce (job.py:3)\n'
     waiting = 'Thread 0x1 (idle): "MainThread"\n    all_reduce (torch/distributed/c10d.py:9)\n'
@@ -208,7 +241,7 @@ def test_without_py_spy_the_stacks_come_from_the_clients_faulthandler(store, tmp
     link.dump_tool = no_pyspy
     ctl_store = TCPStore("127.0.0.1", store.port, is_master=False,
                          timeout=datetime.timedelta(seconds=10))
-    ctl = Controller(ctl_store, trace_path=tmp_path / "ctl.jsonl", settle_s=0.2,
+    ctl = Controller(ctl_store, trace_path=tmp_path / "ctl.jsonl", settle_s=0.2, crash_window_s=0,
                      log=lambda _: None)
     stop = threading.Event()
     watcher = threading.Thread(target=ctl.run, args=(stop, 0.1), daemon=True)
@@ -431,9 +464,15 @@ def _spans(out: Path, phase: str) -> list[dict[str, Any]]:
 
 def test_a_crash_gets_its_class_and_the_job_restarts_everywhere(cluster_factory,
                                                                tmp_path: Path) -> None:
+    """node1's rank raises ValueError while a leftover thread keeps its process alive: torchrun
+    sees nothing, node0's rank waits inside all_reduce until its hang threshold would fire
+    (before: a hang verdict, node1 evicted as the rank outside every collective). The crash,
+    seen from the rank's own record, is the verdict's cause. The threshold (8 s) stays above
+    the job's own end (gloo and torchrun teardown read as silence on a loaded machine)."""
     c, out, ctl = _job(cluster_factory, 2, tmp_path)
-    script = ["--crash-rank", "1", "--crash-at", "4", "--steps", "8", "--step-time", "0.1"]
-    procs = {n.name: _agent(c, n, out, script, nnodes=2) for n in c.nodes}
+    script = ["--crash-rank", "1", "--crash-at", "4", "--linger", "--steps", "8",
+              "--step-time", "0.1"]
+    procs = {n.name: _agent(c, n, out, script, nnodes=2, hang_timeout=8) for n in c.nodes}
     for name, proc in procs.items():
         assert proc.wait(timeout=180) == 0, (out / f"{name}.log").read_text()[-3000:]
     verdicts = _records(out / "ctl" / "controller.jsonl", "verdict")
@@ -442,7 +481,8 @@ def test_a_crash_gets_its_class_and_the_job_restarts_everywhere(cluster_factory,
     assert (verdict["action"], verdict["class"]) == ("restart_in_place", "python_exception")
     primary = verdict["evidence"]["primary"]
     assert primary["node"] == "node1" and primary["evidence"]["exception"] == "ValueError"
-    assert primary["rank"] == 1 and verdict["ranks"] == [1]  # torchrun named the rank
+    assert primary["rank"] == 1 and verdict["ranks"] == [1]  # the rank's record named it
+    assert primary["evidence"]["detected_by"] == "rank_exception"
     assert verdict["nodes"] == []  # restarted in place: nobody evicted
     assert not (out / "excluded.json").exists()
     # both nodes restarted on the verdict and finished the job in attempt 1

@@ -304,6 +304,7 @@ def test_client_is_a_no_op_outside_the_wrapper(tmp_path, monkeypatch):
 def test_heartbeats_are_rate_limited_and_atomic(tmp_path, monkeypatch):
     monkeypatch.setenv("BOOTSEER_CONTROL_DIR", str(tmp_path))
     monkeypatch.delenv("BOOTSEER_TRACE_DIR", raising=False)  # no SIGUSR1 hook in pytest
+    monkeypatch.setattr(client, "_status_pid", 0)  # nor exit hooks (the status record)
     monkeypatch.setenv("RANK", "5")
     monkeypatch.setattr(client, "_last_heartbeat", float("-inf"))
     clock = [1000.0]

@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="e2e on N nodes of a cluster of network namespaces (writes e2e-nodes.*)")
     p.add_argument("--minutes", type=float, default=None,
                    help="robust: training minutes per mode (default 20; --quick 5)")
+    p.add_argument("--classes", default=None,
+                   help="robust: fault classes, comma-separated (default all; "
+                        "sigkill,exception: crash detection alone)")
     p.set_defaults(func=run)
 
 
@@ -205,6 +208,8 @@ def run_suite(directory: Path, suite: str, args: argparse.Namespace,
             *(["--nodes", str(args.nodes)] if getattr(args, "nodes", None) and suite == "e2e"
               else []),
             *(["--minutes", str(args.minutes)] if getattr(args, "minutes", None)
+              and suite == "robust" else []),
+            *(["--classes", args.classes] if getattr(args, "classes", None)
               and suite == "robust" else [])]
     env = {**env, "BOOTSEER_BENCH_COMMAND": shlex.join(["bootseer", "bench", suite, *argv])}
     files = "e2e-nodes" if "--nodes" in argv else suite  # the results' names

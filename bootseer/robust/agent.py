@@ -24,6 +24,8 @@ Usage::
     for beat in beats: kill = agent.observe(beat)        # a NaN: a Verdict to act on at once
     events = agent.metric_events(beat)                   # under a controller: not judged here
     hang = agent.check_hang(time.time())                 # a hang Event, or None
+    early = agent.rank_crash(rank_watch.poll())          # a rank died: the event at once
+    better = agent.refine(early, exit_code, tail.lines())  # the launcher's summary, later
     verdict = agent.judge_crash(exit_code, tail.lines()) # after a crash
     agent.local_action(verdict)                          # "stop" | "restart" | "continue"
 """
@@ -37,10 +39,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..trace import TraceWriter
-from .classify import classify, memory_cgroup, oom_kills
+from .classify import SECONDARY, Classification, classify, memory_cgroup, oom_kills
 from .detect import Beat, HangDetector, MetricDetector
 from .events import Event, Verdict, write_record
 from .policy import decide
+from .ranks import RankEnd
 
 __all__ = ["Agent", "LOCAL_ACTIONS"]
 
@@ -152,9 +155,63 @@ class Agent:
                      step=self.progress[-1],
                      time=time.time(), evidence=evidence)
 
+    def rank_crash(self, ends: list[RankEnd]) -> Event | None:
+        """The crash event of ranks that just ended abnormally (:mod:`.ranks`), classified
+        from what the rank itself left (its exception record, its wait status): the primary
+        one of them (a communication error is a consequence: any other failure first), or
+        None when there is none. Its time is the moment the death was seen; a rank gone with
+        no record and no status is ``killed_by_signal``, marked ``provisional``."""
+        events = [self._rank_event(end) for end in ends]
+        if not events:
+            return None
+        return min(events, key=lambda e: (e.failure_class in SECONDARY, e.time))
+
+    def _rank_event(self, end: RankEnd) -> Event:
+        record = end.record
+        lines = [str(x) for x in record.get("lines") or []]
+        thread = record.get("thread_exception") or {}
+        if end.how == "vanished":
+            got = Classification("killed_by_signal", "vanished", None, None,
+                                 {"provisional": True})
+        else:
+            if end.how == "signal":
+                code = -int(end.status or 0)
+            else:
+                code = end.status if end.status not in (None, 0) else 1
+            if not lines and end.how == "exit":  # an exit after a thread's exception
+                lines = [str(x) for x in thread.get("lines") or []]
+            oom = bool(self._cgroup) and oom_kills(self._cgroup) > self._oom_before
+            got = classify(code, lines, oom_killed=oom)
+        evidence = {**got.evidence(), "lines": lines[-20:], "matched": list(got.lines),
+                    "detected_by": f"rank_{end.how}", "pid": end.pid}
+        if record.get("exception"):
+            evidence["exception"] = record["exception"]
+            evidence["raised_at"] = record.get("time")  # the rank's clock; seen at ``time``
+        return Event("crash", got.failure_class, node=self.node, rank=end.rank,
+                     step=self.progress[-1] if self.progress else None, time=end.time,
+                     evidence=evidence)
+
+    def refine(self, early: Event, exit_code: int, lines: list[str]) -> Event | None:
+        """``early`` (a rank's death, seen at once) refined by the launcher's own account
+        (its exit status and last lines, seconds later), or None when that adds nothing.
+        The detection time stays the first; a communication error never replaces a
+        primary failure; a provisional class gives way to anything the launcher names."""
+        later = self.crash_event(exit_code, lines)
+        provisional = bool(early.evidence.get("provisional"))
+        if not (provisional or early.failure_class in SECONDARY):
+            return None  # the rank's own record is the better witness
+        if later.failure_class == "unknown" or later.failure_class in SECONDARY:
+            return None
+        evidence = {**later.evidence, "detected_by": early.evidence.get("detected_by"),
+                    "refines": early.failure_class, "pid": early.evidence.get("pid")}
+        rank = early.rank if provisional else later.rank
+        return dataclasses.replace(later, rank=rank if rank is not None else early.rank,
+                                   time=early.time, evidence=evidence)
+
     # -- decisions -------------------------------------------------------------------------
-    def judge(self, event: Event) -> Verdict:
-        """The policy's verdict on ``event``; both written to the trace and said in a line."""
+    def judge(self, event: Event, *, written: bool = False) -> Verdict:
+        """The policy's verdict on ``event``; both written to the trace (the event unless
+        ``written`` already) and said in a line."""
         progress = self.progress if any(p is not None for p in self.progress) else ()
         verdict = decide(event, history=self.verdicts, progress=progress,
                          max_no_progress=self.max_no_progress)
@@ -162,7 +219,8 @@ class Agent:
         verdict = dataclasses.replace(verdict, evidence={**verdict.evidence, "local": local,
                                                          "attempt": self.attempt})
         self.verdicts.append(verdict)
-        self._write(event)
+        if not written:
+            self._write(event)
         self._write(verdict)
         where = f" rank {event.rank}" if event.rank is not None else ""
         at = f" at step {event.step}" if event.step is not None else ""

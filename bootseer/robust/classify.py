@@ -34,11 +34,15 @@ from typing import Any
 
 from ..supervise import _signal_name  # the wrapper's names for signals, shared
 
-__all__ = ["CLASSES", "RULES", "Classification", "Rule", "classify", "memory_cgroup",
+__all__ = ["CLASSES", "RULES", "SECONDARY", "Classification", "Rule", "classify", "memory_cgroup",
            "oom_kills", "tail_lines"]
 
 CLASSES = ("killed_by_signal", "python_exception", "cuda_error", "gpu_oom", "cpu_oom",
            "nccl_error", "gloo_error", "disk_full", "storage_error", "user_error", "unknown")
+
+#: crash classes that follow another rank's failure (a peer died first): never the root cause
+#: while another failure is in sight
+SECONDARY = ("gloo_error", "nccl_error")
 
 # the type of the last exception of a traceback: "pkg.mod.SomeError: message" at a line start
 _EXC = r"(?P<exception>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt))"
@@ -82,11 +86,14 @@ RULES: tuple[Rule, ...] = (
 )
 
 _PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
+_RANK_PREFIX = re.compile(r"^\[rank(?P<rank>\d+)\]:")  # torch's prefix on a rank's lines
 #: a launcher's own traceback that wraps a rank's failure (torchrun's): not the cause
 _LAUNCHER_ERROR = re.compile(
     r"^(?:torch\.distributed\.elastic\.multiprocessing\.errors\.)?ChildFailedError\b")
 #: torchrun's summary of the first failed rank: "  rank      : 1 (local_rank: 0)"
 _ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank")
+#: and its exit code, below: "  exitcode  : -9 (pid: 1234)" (-N: killed by signal N)
+_ROOT_CAUSE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(?P<code>-?\d+)")
 
 
 @dataclass(frozen=True)
@@ -142,13 +149,65 @@ def _last_match(pattern: re.Pattern[str], lines: Sequence[str]) -> tuple[int, re
 _COMPILED = {r.name: re.compile(r.pattern) for r in RULES if r.pattern}
 
 
+def _failures(clean: Sequence[str]) -> list[tuple[int, int | None]]:
+    """torchrun's summary: (rank, exit code) of every failed rank it lists, the root cause
+    (its first observed failure, printed last) last."""
+    found = []
+    for i, line in enumerate(clean):
+        if m := _ROOT_CAUSE_RANK.search(line):
+            code = next((int(e["code"]) for later in clean[i + 1:i + 4]
+                         if (e := _ROOT_CAUSE_EXIT.search(later))), None)
+            found.append((int(m["rank"]), code))
+    return found
+
+
 def classify(exit_code: int | None, lines: Sequence[str], *, oom_killed: bool = False,
              rules: Sequence[Rule] = RULES) -> Classification:
     """The class of a process that ended with ``exit_code`` (None: unknown) after printing
-    ``lines`` (its last ones); ``oom_killed``: the kernel's OOM killer hit its cgroup."""
-    clean = [_PREFIX.sub("", line.rstrip("\n")) for line in lines]
-    clean = [line for line in clean if not _LAUNCHER_ERROR.match(line)]
-    root = _last_match(_ROOT_CAUSE_RANK, clean)
+    ``lines`` (its last ones); ``oom_killed``: the kernel's OOM killer hit its cgroup.
+
+    Under torchrun, whose summary names the rank that failed first and its exit code: that
+    rank's exit code counts (``-9``: killed by SIGKILL, whatever torchrun itself exits with),
+    and of the lines torch prefixes with ``[rankN]:`` only that rank's are read. A
+    communication error (:data:`SECONDARY`: a peer's death seen from the other side) loses
+    to another rank's own failure in the same lines, whichever torchrun observed first."""
+    raw = [line.rstrip("\n") for line in lines if not _LAUNCHER_ERROR.match(
+        _PREFIX.sub("", line))]
+    owner = [int(m["rank"]) if (m := _RANK_PREFIX.match(line)) else None for line in raw]
+    clean = [_PREFIX.sub("", line) for line in raw]
+    failures = _failures(clean)
+    root, root_code = failures[-1] if failures else (None, None)
+    if root_code is not None and root_code < 0:  # the rank's own death, not the launcher's
+        exit_code = root_code
+    ranks = list(dict.fromkeys(r for r in owner if r is not None))
+
+    def of(rank: int | None) -> list[str]:
+        return [line for line, r in zip(clean, owner, strict=True) if r is None or r == rank]
+
+    got = _classify(exit_code, of(root) if root is not None and ranks else clean,
+                    oom_killed, rules)
+    if root is not None:
+        got.detail["rank"] = root
+    if got.failure_class in SECONDARY:  # a consequence: another rank's own failure wins
+        for rank in ranks:
+            if rank == root:
+                continue
+            other = _classify(exit_code if exit_code not in (None, 0) else 1, of(rank),
+                              oom_killed, rules)
+            if other.failure_class not in (*SECONDARY, "unknown", "killed_by_signal"):
+                other.detail.update(rank=rank, secondary=got.failure_class)
+                return other
+        for rank, code in failures:  # a rank killed by a signal torchrun did not send
+            if code is not None and code < 0 and -code != signal.SIGTERM and rank != root:
+                other = _classify(code, [], oom_killed, rules)
+                other.detail.update(rank=rank, secondary=got.failure_class)
+                return other
+    return got
+
+
+def _classify(exit_code: int | None, clean: Sequence[str], oom_killed: bool,
+              rules: Sequence[Rule]) -> Classification:
+    """The first row of ``rules`` that matches (lines already stripped of prefixes)."""
     signum = _signal_of(exit_code)
     sig = _signal_name(signum) if signum is not None else None
     for rule in rules:
@@ -169,8 +228,6 @@ def classify(exit_code: int | None, lines: Sequence[str], *, oom_killed: bool = 
             detail["exception"] = exc[1].group("exception")
         if "xid" in detail:
             detail["xid"] = int(detail["xid"])
-        if root is not None:  # under torchrun: the rank that failed first
-            detail["rank"] = int(root[1]["rank"])
         return Classification(rule.failure_class, rule.name, exit_code, sig, detail, matched)
     raise ValueError("the rule table has no fallback row")  # pragma: no cover - RULES has one
 

@@ -47,6 +47,7 @@ from typing import Any
 
 from . import update, wire
 from .check import CheckReport, RankResult
+from .classify import SECONDARY  # crash classes that follow another rank's failure
 from .events import Event, Verdict, write_record
 from .failslow import COLLECTIVE_FILE, FailSlowRounds
 from .policy import ExclusionList, decide
@@ -57,8 +58,6 @@ __all__ = ["ACTIONABLE", "CHECKED", "SECONDARY", "Controller"]
 
 #: event kinds that open an incident (a health event ends a start and is recorded only)
 ACTIONABLE = ("crash", "hang", "nonfinite", "spike", "fail_slow")
-#: crash classes that follow another rank's failure: the root cause is elsewhere
-SECONDARY = ("gloo_error", "nccl_error")
 #: crash classes with no cause named: the stop-time checks run (unless a node was lost)
 CHECKED = ("unknown", "killed_by_signal")
 HISTORY = 50  # earlier verdicts read back for the repeat rules
@@ -74,7 +73,7 @@ class Controller:
     def __init__(self, store: Any, *, job: str = "job", trace_path: str | os.PathLike | None
                  = None, exclusion: str | os.PathLike | None = None,
                  layout: Mapping[str, Sequence[Sequence[int]]] | None = None,
-                 dump_wait_s: float = 10.0, settle_s: float = 1.0,
+                 dump_wait_s: float = 10.0, settle_s: float = 1.0, crash_window_s: float = 3.0,
                  failslow_interval_s: float = 10.0, check_wait_s: float = 180.0,
                  update_recent_s: float = 3600.0,
                  log: Callable[[str], None] = _say, clock: Callable[[], float] = time.time
@@ -87,6 +86,7 @@ class Controller:
         self.layout = layout
         self.dump_wait_s = dump_wait_s
         self.settle_s = settle_s
+        self.crash_window_s = crash_window_s  # a hang waits this long for a crash causing it
         self.update_recent_s = update_recent_s  # a failure this soon after an update: its
         self.log = log
         self.clock = clock
@@ -278,6 +278,8 @@ class Controller:
         update_only = bool(opened.get("update")) and not opened["events"]  # nothing to settle
         if (waited < self.settle_s and not update_only) or (missing and
                                                             waited < self.dump_wait_s):
+            return None
+        if waited < self.crash_window_s and _hang_only(opened):  # a crash may explain it
             return None
         if not missing and not update_only and "answered_at" not in opened:
             # one more pass: an event a node published just before its answer is read first
@@ -585,6 +587,13 @@ def _break_tie(found: Localization, processes: list[ProcessStacks],
                         found.groups, why, found.evidence)
 
 
+def _hang_only(opened: dict[str, Any]) -> bool:
+    """An incident of hangs with no crash yet: a peer's crash that reaches the controller a
+    moment later is the root cause (its ranks stall in their collectives), not the hang."""
+    kinds = {e.get("kind") for e in opened["events"]}
+    return "hang" in kinds and "crash" not in kinds
+
+
 def _needs_checks(opened: dict[str, Any], missing: list[str]) -> bool:
     """A NaN, a jump or an unclear crash, with every node answering (no node lost)."""
     if missing or not opened["events"]:  # an update incident has no events: nothing to check
@@ -632,8 +641,10 @@ def _check_verdict(primary: Event, checked: dict[str, Any]) -> Verdict:
 
 
 def _primary(events: list[Event]) -> Event:
-    """The incident's cause among its events (see :func:`_rank_of_cause`)."""
-    return min(events, key=lambda e: (_rank_of_cause(e), e.time))
+    """The incident's cause among its events (see :func:`_rank_of_cause`); of a crash seen
+    at a rank's death and the launcher's refinement of it (same time), the refinement."""
+    return min(events, key=lambda e: (_rank_of_cause(e), e.time,
+                                      bool(e.evidence.get("provisional"))))
 
 
 def _rank_of_cause(event: Event) -> int:
