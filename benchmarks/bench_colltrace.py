@@ -111,16 +111,9 @@ def overhead(work: Path, repeats: int, steps: int) -> dict[str, Any]:
             cmd = [sys.executable, "-m", "bootseer.testing.colltrace_job", "--world", "3",
                    "--dir", str(rings), "--steps", str(steps),
                    *(["--no-trace"] if mode == "off" else [])]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, start_new_session=True)
-            try:
-                stdout, _ = proc.communicate(timeout=900)
-            finally:  # the ranks too, when we are interrupted
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            code, stdout = _run_job(cmd, 900)
             line = next((ln for ln in stdout.splitlines() if ln.startswith("iter_ms")), None)
-            if proc.returncode != 0 or line is None:
+            if code != 0 or line is None:
                 raise RuntimeError(f"overhead job failed: {stdout[-1000:]}")
             runs[mode].append(float(line.split()[1]))
             cpu[mode].append(float(line.split()[5]))
@@ -137,6 +130,20 @@ def overhead(work: Path, repeats: int, steps: int) -> dict[str, Any]:
             "steps": steps}
 
 
+def _run_job(cmd: list[str], timeout_s: float) -> tuple[int, str]:
+    """A job in a session of its own: (exit code, output); its ranks are killed with it,
+    also when we are interrupted."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return proc.returncode, stdout
+
+
 def alternating(work: Path, repeats: int, steps: int, block: int) -> dict[str, Any]:
     """The overhead inside one job: blocks of ``block`` steps traced and untraced in turns
     (every rank switches at the same step), so both see the same machine load."""
@@ -145,16 +152,9 @@ def alternating(work: Path, repeats: int, steps: int, block: int) -> dict[str, A
         cmd = [sys.executable, "-m", "bootseer.testing.colltrace_job", "--world", "3",
                "--dir", str(work / f"alt-{i}"), "--steps", str(steps),
                "--alternate", str(block), "--no-trace"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        try:
-            stdout, _ = proc.communicate(timeout=1200)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        code, stdout = _run_job(cmd, 1200)
         line = next((ln for ln in stdout.splitlines() if ln.startswith("alt_ms")), None)
-        if proc.returncode != 0 or line is None:
+        if code != 0 or line is None:
             raise RuntimeError(f"alternating job failed: {stdout[-1000:]}")
         f = line.split()
         rows.append({"on_ms": float(f[2]), "off_ms": float(f[4]), "cpu_on_ms": float(f[6]),

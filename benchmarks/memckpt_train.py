@@ -101,12 +101,7 @@ def train(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> N
     path = Path(spec["out"])
     for step in range(spec["steps"]):
         t0 = time.perf_counter()
-        g = torch.Generator().manual_seed(step * 100 + rank)
-        x = torch.randn(spec["batch"], spec["d"], generator=g)
-        loss = model(x).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        train_step(model, opt, spec, step, rank)
         if step == spec.get("kill_at"):
             path.write_text(json.dumps(out))
             os.kill(os.getpid(), signal.SIGKILL)
