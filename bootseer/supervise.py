@@ -376,17 +376,13 @@ class Supervisor:
     def _judge_early(self, end: AttemptEnd, lines: list[str]) -> str:
         """A crash published when its rank died: the launcher's account refines its class
         (same detection time), and the verdict is the controller's or the node's."""
-        better = self.agent.refine(self._early, end.code, lines)
-        if better is not None:
-            self._early = better
-            self.agent.write(better)
-            if self.remote is not None:
-                self.remote.publish(better)
+        self._take_refined(self.agent.refine(self._early, end.code, lines))
         if self.remote is not None:
             verdict = self._remote_verdict(self._early, end.attempt, published=True)
             if verdict is not None:
-                return self.remote.local_action(verdict)
-        return self.agent.local_action(self.agent.judge(self._early, written=True))
+                return self.remote.local_action(self._skip_after(self._from_controller(verdict)))
+        return self.agent.local_action(self._skip_after(self.agent.judge(self._early,
+                                                                         written=True)))
 
     def _startup(self, attempt: int) -> Mapping[str, str]:
         """The hook in a thread, while the main thread keeps answering signals."""
@@ -716,11 +712,17 @@ class Supervisor:
             return
         if self.tail is not None:
             self.tail.drain(2.0)
-        better = self.agent.refine(early, exit_code(self._status),
-                                   self.tail.lines() if self.tail else [])
-        if better is not None:
-            self._early = better
-            self.agent.write(better)
+        self._take_refined(self.agent.refine(early, exit_code(self._status),
+                                             self.tail.lines() if self.tail else []))
+
+    def _take_refined(self, better: Any) -> None:
+        """The early crash event refined by the launcher's account (same detection time):
+        kept, written to the trace and published (None: nothing better)."""
+        if better is None:
+            return
+        self._early = better
+        self.agent.write(better)
+        if self.remote is not None:
             self.remote.publish(better)
 
     def _remote_metrics(self, attempt: int, pid: int, beat: Beat) -> AttemptEnd | None:
