@@ -29,7 +29,10 @@ the launcher exits, seconds later): an uncaught exception (``sys.excepthook``) r
 record as ``"state": "exception"`` with the exception's type, message and last traceback
 lines before the process dies; an exception that ends a thread
 (``threading.excepthook``) is kept in the record as ``"thread_exception"`` (the process may
-live on); a normal interpreter exit (``atexit``) writes ``"state": "exited"``. The previous
+live on); a normal interpreter exit (``atexit``) writes ``"state": "exited"``. A rank that
+torchrun forks (``--run-path --start-method fork``: the workers start from the launcher's
+imported torch) ends through multiprocessing, which runs neither hook: its finalizer reads
+the exception in flight instead. The previous
 hooks still run (the traceback is still printed). Forked or spawned children (DataLoader
 workers) never write their rank's record.
 
@@ -51,6 +54,8 @@ import atexit
 import faulthandler
 import json
 import math
+import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import socket
@@ -224,7 +229,24 @@ def _install_status(control: str) -> None:
     sys.excepthook = on_exception
     threading.excepthook = on_thread_exception
     atexit.register(_end_status, "exited")
+    if multiprocessing.parent_process() is not None:
+        # a rank forked or spawned by torchrun (``--run-path --start-method fork``) ends
+        # through multiprocessing: its launcher catches the exception and calls sys.exit(1),
+        # so neither sys.excepthook nor atexit runs; its finalizers do
+        multiprocessing.util.Finalize(None, _end_as_a_process_child, exitpriority=100)
     _save_status()
+
+
+def _end_as_a_process_child() -> None:
+    """The record at the end of a multiprocessing child: the exception in flight (the
+    launcher's ``SystemExit(1)`` carries the rank's own as its context), else a normal end."""
+    exc = sys.exc_info()[1]
+    if isinstance(exc, SystemExit) and exc.code not in (0, None) and exc.__context__ is not None:
+        exc = exc.__context__
+    if exc is None or isinstance(exc, SystemExit):
+        _end_status("exited")
+    else:
+        _end_status("exception", type(exc), exc, exc.__traceback__)
 
 
 def _save_status() -> None:

@@ -21,10 +21,11 @@ from bootseer.robust.events import Event, read_records
 from bootseer.robust.ranks import RankWatch, zombie_status
 
 
-def _torchrun(fault: str, out: Path) -> list[str]:
+def _torchrun(fault: str, out: Path, *launch: str) -> list[str]:
     # torchrun looks at its workers every 5 s: the agent must not wait for it
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            "2", "--monitor-interval", "5", *scenario_argv("rank-fault", fault, out)[1:]]
+            "2", "--monitor-interval", "5", *launch,
+            *scenario_argv("rank-fault", fault, out)[1:]]
 
 
 def _one_crash(trace: Path) -> Event:
@@ -65,6 +66,29 @@ def test_a_rank_killed_under_torchrun_is_seen_before_torchrun_ends(tmp_path: Pat
         "killed_by_signal", 1, 123.0)  # the detection time stays the first
     assert better.evidence["signal"] == "SIGKILL" and better.evidence["refines"]
     assert agent.refine(event, 1, lines) is None  # the rank's own status was enough
+
+
+def test_a_forked_ranks_exception_is_seen_at_its_death_with_its_type(tmp_path: Path) -> None:
+    """torchrun ``--run-path --start-method fork`` (the ranks start from the launcher's
+    imported torch, seconds sooner): the rank's exception ends it through multiprocessing,
+    which runs neither ``sys.excepthook`` nor ``atexit``; its status record still names the
+    exception, so the crash is classed at the rank's death, not from torchrun's summary."""
+    trace = tmp_path / "trace"
+    proc = run_wrapper(trace, "--max-restarts", "0", "--min-free-disk", "0",
+                       "--min-free-memory", "0",
+                       command=_torchrun("exception", tmp_path, "--run-path", "--start-method",
+                                         "fork"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    event = _one_crash(trace)
+    assert (event.failure_class, event.rank, event.evidence["exception"]) == (
+        "python_exception", 1, "ValueError")
+    assert event.evidence["detected_by"] == "rank_exception"
+    assert event.evidence["lines"][-1] == "ValueError: injected on rank 1"
+    assert event.evidence["pid"] == int((tmp_path / "pid-1").read_text())
+    said = [line for line in proc.stderr.splitlines() if line.startswith("bootseer: ")]
+    crash = next(i for i, line in enumerate(said) if line.startswith("bootseer: crash: rank 1"))
+    exited = next(i for i, line in enumerate(said) if "command exited with" in line)
+    assert crash < exited, said  # published while torchrun still ran
 
 
 _RANK = """
