@@ -127,6 +127,10 @@ _KEYS = [
     _spec("run", "ready_file", "path", "", "--ready-file",
           "file the training process touches when ready; '' = automatic (the wrapper's "
           "control dir)"),
+    _spec("run", "preload", "str", "", "--preload",
+          "modules (comma-separated) a Python command's next attempt has imported before it "
+          "starts: an interpreter started ahead with them, once the running attempt has "
+          "stepped (`python -m MODULE` or `python SCRIPT` commands; docs/robust.md); '' = off"),
     _spec("run", "log_tail_lines", "int", 200, "--log-tail-lines",
           "last lines of the command's output kept to classify a crash (the output itself "
           "passes through unchanged); 0 = not teed, a crash is classified from its exit alone"),

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .prestart import Standby, python_command
 from .robust.detect import Beat
 from .robust.ranks import RankWatch
 from .tee import OutputTail
@@ -255,7 +256,8 @@ class Supervisor:
                  before_attempt: Callable[[int], Mapping[str, str] | None] | None = None,
                  kill_grace_s: float = 5.0, agent: Any = None, tail_lines: int = 200,
                  remote: Any = None, remote_wait_s: float = 30.0, versions: Any = None,
-                 crash_grace_s: float = 15.0, log: Callable[[str], None] = _stderr) -> None:
+                 crash_grace_s: float = 15.0, preload: Sequence[str] = (),
+                 log: Callable[[str], None] = _stderr) -> None:
         if not command:
             raise ValueError("nothing to run: the command is empty")
         self.command = list(command)
@@ -288,6 +290,14 @@ class Supervisor:
         self._status: int | None = None
         self._skip_rules: list[Any] = []  # ckpt.skip.SkipRule per NaN verdict, for restarts
         self._by_controller = ""  # the class of the controller's verdict on the last attempt
+        # --preload: the next attempt's interpreter, started ahead with these modules imported
+        self.preload = tuple(m for m in preload if m)
+        self._python = python_command(self.command) if self.preload else None
+        if self.preload and self._python is None:
+            self.log("--preload: the command is not `python -m MODULE ...` or `python SCRIPT "
+                     "...` (an `env NAME=VALUE` prefix allowed): it starts as usual")
+        self._standby: Standby | None = None
+        self._version_id: str | None = None  # the running attempt's code version
 
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> int:
@@ -306,6 +316,11 @@ class Supervisor:
             self.log(f"stopped by {stop} before the command ran again; exit code {code}")
             return code
         finally:
+            if self._standby is not None:
+                self._standby.stop()
+                self._standby = None
+            if self.remote is not None and self.preload:
+                self.remote.close()
             self._signals.close()
             self._signals = None
             if self._own_control:
@@ -463,6 +478,8 @@ class Supervisor:
         if self.remote is not None:  # the same on every node after a verdict: a restarted
             # launcher joins a fresh rendezvous (torchrun closes its own when it gives up)
             env["BOOTSEER_INCIDENT"] = str(self.remote.answered)
+            # torchrun's --rdzv-id from the environment, when the command does not name one
+            env.setdefault("PET_RDZV_ID", f"bootseer-{self.remote.answered}")
         if self.dump_dir is not None:
             env["BOOTSEER_TRACE_DIR"] = str(self.dump_dir)
         if self._skip_rules:
@@ -512,13 +529,11 @@ class Supervisor:
         if version is not None:
             env.update(version.env)
             env["BOOTSEER_VERSION"] = version.id
+        self._version_id = version.id if version is not None else None
         spawn_start = time.time()
         pipes = self._output_pipes()
         try:
-            self._child = subprocess.Popen(self.command, env=env, process_group=0,
-                                           cwd=version.workdir if version else None,
-                                           stdout=pipes[0][1] if pipes else None,
-                                           stderr=pipes[1][1] if pipes else None)
+            self._child = self._spawn(env, version.workdir if version else None, pipes)
         except OSError as exc:  # nothing ran: retrying would fail the same way
             for r, w in pipes:
                 os.close(r)
@@ -558,6 +573,38 @@ class Supervisor:
             if self.tail is not None:  # its last lines, before the crash is classified
                 self.tail.drain(2.0)
 
+    def _spawn(self, env: dict[str, str], cwd: str | None,
+               pipes: list[tuple[int, int]]) -> subprocess.Popen[bytes]:
+        """The attempt's command: the preloaded standby when one is waiting and can run it,
+        else a new process."""
+        standby, self._standby = self._standby, None
+        if standby is not None and self._python is not None:
+            proc, why = standby.take(self._python, env, cwd, [w for _, w in pipes],
+                                     version=self._version_id)
+            if proc is not None:
+                self.log(f"the command runs in the interpreter started ahead (pid {proc.pid}, "
+                         f"{', '.join(standby.modules)} imported)")
+                return proc
+            self.log(f"the interpreter started ahead is not used: {why}")
+        return subprocess.Popen(self.command, env=env, process_group=0, cwd=cwd,
+                                stdout=pipes[0][1] if pipes else None,
+                                stderr=pipes[1][1] if pipes else None)
+
+    def _prestart(self) -> None:
+        """Start the next attempt's interpreter (once the running one has stepped, so that
+        its imports do not slow this attempt's start)."""
+        if self.remote is not None and self.preload:
+            self.remote.prepare_check()
+        if self._python is None or self._standby is not None:
+            return
+        try:
+            self._standby = Standby.start(self._python.python, self.preload, self.env,
+                                          version=self._version_id)
+        except OSError as exc:
+            self.log(f"--preload: cannot start {self._python.python} ahead ({exc}); "
+                     "restarts start it as usual")
+            self._python = None
+
     def _output_pipes(self) -> list[tuple[int, int]]:
         """Pipes for the command's stdout and stderr when its output is teed, else none."""
         if self.tail is None:
@@ -586,6 +633,7 @@ class Supervisor:
                     first_ready = False
                     self.log(f"first step: rank {rank} ready {when - started:.1f}s after the "
                              f"start of attempt {attempt}")
+                    self._prestart()
             if exited:
                 code = exit_code(self._status)
                 reason = "stopped" if self._stopping is not None else (

@@ -40,7 +40,7 @@ out = Path(os.environ["UPDATE_OUT"])
 node, attempt = os.environ["BOOTSEER_NODE"], os.environ["BOOTSEER_ATTEMPT"]
 record = {"node": node, "attempt": int(attempt), "version": os.environ.get("BOOTSEER_VERSION"),
           "code": Path(__file__).resolve().parent.name, "flavour": os.environ.get("FLAVOUR"),
-          "incident": os.environ.get("BOOTSEER_INCIDENT")}
+          "incident": os.environ.get("BOOTSEER_INCIDENT"), "rdzv": os.environ.get("PET_RDZV_ID")}
 
 
 def put(name, text):  # atomic: the test polls these files
@@ -275,6 +275,9 @@ def test_every_attempt_runs_one_version_on_every_node_and_the_trace_says_which(l
         starts = _starts(life["out"], attempt)
         assert starts is not None and {r["version"] for r in starts.values()} == {version}
         assert len({r["incident"] for r in starts.values()}) == 1  # the same epoch
+        # and torchrun's rendezvous id of that epoch (PET_RDZV_ID), fresh after each verdict
+        assert {r["rdzv"] for r in starts.values()} == {
+            f"bootseer-{r['incident']}" for r in starts.values()}
     for node in NODES:
         updates = [e for e in _records(life["out"] / "trace" / f"{node}.jsonl", "event")
                    if e["kind"] == "update"]

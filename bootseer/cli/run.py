@@ -99,7 +99,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         restart=RestartPolicy(cfg.restart.max_restarts, cfg.restart.backoff_s,
                               cfg.restart.backoff_max_s),
         hang=hang, agent=agent, tail_lines=cfg.run.log_tail_lines, remote=remote,
-        remote_wait_s=cfg.controller.wait_s, versions=versions)
+        remote_wait_s=cfg.controller.wait_s, versions=versions,
+        preload=[m.strip() for m in cfg.run.preload.split(",")])
     try:
         code = supervisor.run()
     except CliError as exc:  # a startup phase failed: the job does not start

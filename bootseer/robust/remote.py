@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..prestart import Standby, python_command
 from . import wire
 from .events import Event, Verdict
 from .standby import ExcludedNode, check_admission
@@ -49,6 +50,10 @@ __all__ = ["STEP_WINDOW", "ControllerLink", "ExcludedNode", "descendants", "dump
            "pyspy_text"]
 
 STEP_WINDOW = 8  # heartbeats (at most one a second) a rank's step time is measured over
+
+
+#: what ``bootseer check`` imports before its first collective
+CHECK_PRELOAD = ("torch.distributed", "torch.nn", "bootseer.cli", "bootseer.robust.check")
 
 
 def _end(proc: subprocess.Popen[bytes] | None) -> None:
@@ -92,6 +97,7 @@ class ControllerLink:
         self.address = address or _address_of(store)
         self.check_timeout_s = check_timeout_s
         self.checked = 0  # the newest incident this agent ran the checks for
+        self._check_standby: Standby | None = None  # the checks' interpreter, started ahead
         self._steps: dict[int, deque[tuple[int, float]]] = {}
         self._sampled = 0  # the newest fail-slow round this agent answered
         self._sampler: threading.Thread | None = None
@@ -335,7 +341,33 @@ class ControllerLink:
                 "--job", self.job, "--incident", str(incident), "--node", self.node]
         print(f"bootseer: controller: incident {incident}: running the stop-time checks "
               f"with {len(order.get('nodes') or [])} node(s)", file=sys.stderr, flush=True)
+        standby, self._check_standby = self._check_standby, None
+        command = python_command(argv)
+        if standby is not None and command is not None:
+            proc, why = standby.take(command, os.environ, None, [])
+            if proc is not None:
+                return proc
+            print(f"bootseer: controller: the checks' interpreter started ahead is not used: "
+                  f"{why}", file=sys.stderr, flush=True)
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+
+    def prepare_check(self) -> None:
+        """Start the stop-time checks' interpreter ahead, torch imported (``--preload``):
+        an unclear crash's checks then start in a fraction of a second, not after every node
+        has imported torch at once."""
+        if self._check_standby is not None:
+            return
+        try:
+            self._check_standby = Standby.start(sys.executable, CHECK_PRELOAD, os.environ)
+        except OSError as exc:
+            print(f"bootseer: controller: cannot start the checks' interpreter ahead ({exc})",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Stop what this link started ahead."""
+        if self._check_standby is not None:
+            self._check_standby.stop()
+            self._check_standby = None
 
     def _check_failed(self, incident: int, code: int | None) -> None:
         """A check process that ended without its result: said to the controller, which then
