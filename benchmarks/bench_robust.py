@@ -58,7 +58,8 @@ def soak(cluster: Any, out: Path, mode: str, faults: list[Fault], args: argparse
          ) -> dict[str, Any]:
     """One mode's run on ``cluster``: start, inject on schedule, tend, measure."""
     job = SoakJob(cluster, out, mode, nproc=args.nproc, hang_timeout_s=args.hang_timeout,
-                  pg_timeout_s=args.pg_timeout, log=log)
+                  pg_timeout_s=args.pg_timeout, launch=args.launch, memory=args.memory,
+                  preload=args.preload, log=log)
     inj = Injector(job, log=log)
     job.start()
     log(f"{mode}: {args.nodes} nodes x {args.nproc} ranks started; waiting for the first step")
@@ -138,6 +139,9 @@ def write(results: Path, report: dict[str, Any], hang_timeout: float) -> None:
              f"- {report['nodes']} nodes x {report['nproc']} ranks, {report['minutes']} min per "
              f"mode, a fault every {report['interval_s']:g} s on average, seed {report['seed']}, "
              f"hang threshold {hang_timeout:g} s, collective timeout {report['pg_timeout_s']:g} s",
+             f"- workers started by `{report.get('launch', 'exec')}` in both modes; bootseer's "
+             f"memory tier {'on' if report.get('memory_tier') else 'off'}, --preload "
+             f"{'on' if report.get('preload') else 'off'}",
              f"- load average before {report['machine']['load_before']}, after "
              f"{report['machine'].get('load_after')} on {report['machine']['cpus']} CPUs", "",
              *md_table(head, class_rows(report, hang_timeout)), ""]
@@ -174,6 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hang-timeout", type=float, default=10.0)
     parser.add_argument("--pg-timeout", type=float, default=60.0)
     parser.add_argument("--modes", default="bootseer,peer")
+    parser.add_argument("--launch", choices=("fork", "exec"), default="fork",
+                        help="how torchrun starts the workers, in both modes: fork them from "
+                             "torchrun with torch imported (--run-path --start-method fork), "
+                             "or exec a fresh interpreter per rank (torchrun's default)")
+    parser.add_argument("--no-memory", dest="memory", action="store_false",
+                        help="bootseer without its memory tier (every save to S3 only)")
+    parser.add_argument("--no-preload", dest="preload", action="store_false",
+                        help="bootseer without --preload (each restart imports afresh)")
     parser.add_argument("--classes", default=",".join(CLASSES),
                         help=f"fault classes, comma-separated, of {', '.join(CLASSES)} "
                              "(default all; sigkill,exception: the crash detection latency)")
@@ -199,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "minutes": args.minutes, "interval_s": args.interval, "seed": args.seed,
         "nodes": args.nodes, "nproc": args.nproc, "hang_timeout_s": args.hang_timeout,
         "pg_timeout_s": args.pg_timeout, "classes": list(classes), "targets": TARGETS,
+        "launch": args.launch, "memory_tier": args.memory, "preload": args.preload,
         "schedule": as_dicts(plan),
         "schedule_text": text, "source": source_state(["benchmarks", "bootseer"]),
         "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shlex
+import secrets
 import subprocess
 import sys
 import threading
@@ -31,11 +31,21 @@ from typing import Any
 
 from bootseer.testing.cluster import Cluster, HostDead, Node
 from bootseer.testing.cluster_host import wait_for_line
+from ckpt.memory_peer import TOKEN_ENV
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "robust_job.py"
 STORE_PORT = 29400  # the cluster's c10d store (the "rendezvous" service)
 MODES = ("bootseer", "peer")
+MEMORY_PORT = 7070  # each node's memory-tier peer server, on its own address
+# how torchrun starts the workers, the same in both modes (the job's launch, not bootseer's):
+# "fork" forks them from torchrun with torch imported (8 ranks ready in ~1 s here, against
+# ~6 s for "exec", a fresh interpreter per rank importing torch on 2 cores)
+LAUNCHES = {"fork": ("--run-path", "--start-method", "fork"), "exec": ()}
+# what the job's start imports, in the interpreter bootseer starts ahead: torchrun itself,
+# torch._dynamo (AdamW's constructor imports it: seconds, sympy included) and the
+# checkpoint manager's store client
+PRELOAD = "torch.distributed.run,torch._dynamo,ckpt,s3fs"
 
 
 def _stamp_lines(stream: Any, path: Path) -> None:
@@ -52,7 +62,8 @@ class SoakJob:
     def __init__(self, cluster: Cluster, out: Path, mode: str, *, nproc: int = 2,
                  hang_timeout_s: float = 10.0, pg_timeout_s: float = 60.0,
                  peer_restarts: int = 1000, step_time_s: float = 0.3, save_every: int = 20,
-                 dump_wait_s: float = 10.0, log: Any = print) -> None:
+                 dump_wait_s: float = 10.0, launch: str = "fork", memory: bool = True,
+                 preload: bool = True, log: Any = print) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
         self.c, self.out, self.mode, self.nproc = cluster, out, mode, nproc
@@ -60,6 +71,15 @@ class SoakJob:
         self.peer_restarts, self.step_time_s, self.save_every = peer_restarts, step_time_s, \
             save_every
         self.dump_wait_s = dump_wait_s
+        if launch not in LAUNCHES:
+            raise ValueError(f"launch {launch!r}: choose one of {tuple(LAUNCHES)}")
+        self.launch_args = LAUNCHES[launch]
+        # bootseer's memory tier: a save every step into the node's memory and a peer's, the
+        # durable tier every save_every steps (the peer has no such tier: S3 every save_every)
+        self.memory = memory and mode == "bootseer"
+        self.token = secrets.token_hex(16)
+        # bootseer's interpreter started ahead with the job's heavy imports (--preload)
+        self.preload = PRELOAD if preload and mode == "bootseer" else ""
         self.log = log
         self.controller: subprocess.Popen | None = None
         self.launchers: dict[int, subprocess.Popen] = {}
@@ -102,7 +122,8 @@ class SoakJob:
         opts = json.dumps({"s3": self.c.services.storage_options()})
         argv = [str(JOB), "--out", str(self.out), "--ckpt", self.ckpt, "--storage-options", opts,
                 "--local-dir", str(node.dirs.work / "job"), "--step-time", str(self.step_time_s),
-                "--save-every", str(self.save_every), "--pg-timeout", str(self.pg_timeout_s)]
+                "--save-every", "1" if self.memory else str(self.save_every),
+                "--pg-timeout", str(self.pg_timeout_s)]
         return [*argv, "--nan-guard"] if self.mode == "peer" else argv
 
     def launch(self, i: int) -> None:
@@ -113,12 +134,12 @@ class SoakJob:
         if self.mode == "peer":
             argv = node.torchrun(self._job_argv(node), nnodes=f"{nodes}:{nodes}",
                                  nproc_per_node=self.nproc, rdzv_id="peer",
-                                 max_restarts=self.peer_restarts)
+                                 max_restarts=self.peer_restarts, launch=self.launch_args)
         else:
+            # no --rdzv-id: bootseer run hands torchrun a fresh one per verdict (PET_RDZV_ID)
             run = node.torchrun(self._job_argv(node), nnodes=f"{nodes}:{nodes}",
-                                nproc_per_node=self.nproc, rdzv_id="job-@INCIDENT@",
-                                max_restarts=0)
-            line = shlex.join(run).replace("@INCIDENT@", '"$BOOTSEER_INCIDENT"')
+                                nproc_per_node=self.nproc, rdzv_id=None, max_restarts=0,
+                                launch=self.launch_args)
             argv = [sys.executable, "-m", "bootseer", "run", "--controller",
                     f"{self.c.services.controller}:{STORE_PORT}", "--node", name,
                     "--hang-timeout", str(self.hang_timeout_s),
@@ -126,13 +147,24 @@ class SoakJob:
                     "--trace-dir", str(self.out / "trace"), "--min-free-disk", "0",
                     "--min-free-memory", "0", "--max-restarts", "1000",
                     "--max-no-progress", "0", "--backoff", "1", "--backoff-max", "4",
-                    "--", "sh", "-c", "exec " + line]
-        proc = node.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                    *self._memory_flags(node), *(["--preload", self.preload] if self.preload
+                                                 else []), "--", *run]
+        env = {TOKEN_ENV: self.token} if self.memory else None
+        proc = node.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         reader = threading.Thread(target=_stamp_lines, daemon=True,
                                   args=(proc.stdout, self.out / "logs" / f"{name}.log"))
         reader.start()
         self._readers.append(reader)
         self.launchers[i], self.agent_names[i] = proc, name
+
+    def _memory_flags(self, node: Node) -> list[str]:
+        if not self.memory:
+            return []
+        # the copies in the node's own directory (off its disk, removed with the node): a
+        # node killed by a fault or the teardown leaves nothing in the host's /dev/shm
+        return ["--ckpt-memory", "--ckpt-memory-dir", str(node.dirs.run / "memckpt"),
+                "--ckpt-memory-listen", f"{node.address}:{MEMORY_PORT}",
+                "--ckpt-durable-every", str(self.save_every)]
 
     # -- the operator ------------------------------------------------------------------------
 

@@ -132,7 +132,10 @@ def train(args: argparse.Namespace) -> None:
     local.mkdir(parents=True, exist_ok=True)
     (out / f"pid-{rank}").write_text(json.dumps({"pid": os.getpid(),
                                                  "host": socket.gethostname()}))
+    say = print if int(os.environ.get("LOCAL_RANK", "0")) == 0 else (lambda *_a, **_k: None)
+    say(f"job: rank {rank} (pid {os.getpid()}, attempt {attempt}) started", flush=True)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    say(f"job: rank {rank}: process group ready", flush=True)
     model, opt = build()
     mgr = CheckpointManager(args.ckpt, rank=rank, world_size=world, keep=2,
                             storage_options=json.loads(args.storage_options),
@@ -142,6 +145,7 @@ def train(args: argparse.Namespace) -> None:
         state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": -1}
         start = mgr.load(state) + 1
         opt.load_state_dict(state["optim"])
+    say(f"job: rank {rank}: resumes at step {start}", flush=True)
     append(out / "starts.jsonl", {"rank": rank, "pid": os.getpid(), "time": time.time(),
                                   "resume": start, "attempt": attempt})
     loader = DataLoader(Batches(rank, out), batch_size=None, num_workers=1, prefetch_factor=1,

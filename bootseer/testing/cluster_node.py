@@ -154,8 +154,8 @@ class Node(Host):
                          self.containerd.namespace, *args], check=check)
 
     def torchrun(self, script: Sequence[str], *, nnodes: str | int, nproc_per_node: int = 1,
-                 rdzv_id: str = "job", max_restarts: int = 3, rdzv_conf: dict[str, Any] | None
-                 = None, python: str = sys.executable) -> list[str]:
+                 rdzv_id: str | None = "job", max_restarts: int = 3, rdzv_conf: dict[str, Any] | None
+                 = None, python: str = sys.executable, launch: Sequence[str] = ()) -> list[str]:
         """The torchrun command line for this node: c10d rendezvous on the controller's store
         (``is_host=false``: no node hosts it), the node's address for the job's own store,
         ``--nnodes MIN:MAX``. A node lost is noticed in about 3 s (keep-alive 1 s x 3).
@@ -163,16 +163,20 @@ class Node(Host):
         ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torch's default the job's store is the
         rank-0 agent's, kept across rounds, and a node that joins after a restart waits
         forever for the ``MASTER_ADDR`` that agent wrote only in its first round (torch
-        2.13; pytorch/pytorch#135712 is the same family). Unshared, every round writes it."""
+        2.13; pytorch/pytorch#135712 is the same family). Unshared, every round writes it.
+        ``rdzv_id=None``: none on the command line (torchrun then reads ``PET_RDZV_ID``,
+        which ``bootseer run`` under a controller sets per epoch). ``launch``: torchrun's own options for starting the workers (``("--run-path",
+        "--start-method", "fork")``: forked from torchrun, torch already imported)."""
         conf = {"is_host": "false", "keep_alive_interval": 1, "keep_alive_max_attempt": 3,
                 "join_timeout": 600, **(rdzv_conf or {})}
         return ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", python, "-m",
                 "torch.distributed.run", "--nnodes", str(nnodes),
                 "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", self.services.rendezvous_endpoint, "--rdzv-id", rdzv_id,
+                "--rdzv-endpoint", self.services.rendezvous_endpoint,
+                *(["--rdzv-id", rdzv_id] if rdzv_id is not None else []),
                 "--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items()),
                 "--local-addr", self.address, "--max-restarts", str(max_restarts),
-                "--monitor-interval", "0.5", *script]
+                "--monitor-interval", "0.5", *launch, *script]
 
     # -- faults --------------------------------------------------------------------------
 
