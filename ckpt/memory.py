@@ -52,6 +52,7 @@ from .memory_slot import (
     pad8,
     slot_paths,
 )
+from .memory_verify import stamp_for
 from .skip import poisoned, rules_from_env
 from .tensors import PerRank, describe, is_tensor_leaf
 
@@ -468,7 +469,8 @@ class MemoryTier:
         for head, slot in newest(self.slots):
             if head.step == step:
                 copied = time.perf_counter()
-                report = load_slot(slot, head, state, trust_objects=self.trust_objects)
+                report = load_slot(slot, head, state, trust_objects=self.trust_objects,
+                                   use_stamp=source == "local")
                 report.seconds = time.perf_counter() - started
                 report.source = source  # type: ignore[attr-defined]
                 report.phases = {"fetch_s": fetch_s,  # type: ignore[attr-defined]
@@ -506,9 +508,11 @@ def _gather(group: Any, world_size: int, mine: Any) -> list[Any]:
 
 
 def load_slot(slot: SlotFile, head: SlotHeader, state: Any, *,
-              trust_objects: bool = False) -> LoadReport:
+              trust_objects: bool = False, use_stamp: bool = False) -> LoadReport:
     """Copy a committed slot into ``state`` in place, checking each data block's sum as it
-    goes (the block is then in cache for the copy). The state must hold the same keys,
+    goes (the block is then in cache for the copy). With ``use_stamp`` (a copy in this node's
+    own memory), a copy the node agent stamped good is copied without hashing and one it
+    stamped damaged is refused unread (``memory_verify``). The state must hold the same keys,
     dtypes and local shapes as the copy (the same rank of the same layout); otherwise it is
     refused and nothing is written. A block that fails its sum raises :class:`SlotDamaged`:
     the state is then partly overwritten, and the caller loads another copy."""
@@ -534,8 +538,16 @@ def load_slot(slot: SlotFile, head: SlotHeader, state: Any, *,
                               f"state: " + "; ".join(problems[:5]))
     src = np.frombuffer(slot.map, dtype=np.uint8, count=head.data_size, offset=HEADER) \
         if head.data_size else np.empty(0, dtype=np.uint8)
-    _copy_checked(src, pieces, meta["sums"], slot.path, head.step)
+    stamp = stamp_for(slot, head) if use_stamp else None
+    if stamp is not None and not stamp.get("ok"):
+        raise SlotDamaged(f"{slot.path}: step {head.step}: found damaged by the node agent's "
+                          f"check: {stamp.get('message')}")
+    if stamp is not None:
+        _copy_plain(src, pieces)
+    else:
+        _copy_checked(src, pieces, meta["sums"], slot.path, head.step)
     report = LoadReport(step=head.step, bytes_read=head.data_size)
+    report.verified = "agent" if stamp is not None else "hashed"  # type: ignore[attr-defined]
     report.loaded = [p.key for p in pieces]
     values = torch.load(io.BytesIO(blob), weights_only=not trust_objects) if blob else {}
     for key, value, container, where in walk(state):
@@ -576,6 +588,21 @@ def _copy_checked(src: np.ndarray, pieces: list[_Piece], sums: list[int], path: 
     whole = torch.from_numpy(src) if len(src) else None
     for p in later:  # not a plain CPU view (a GPU tensor, a strided one): after the checks
         if p.nbytes:
+            assert whole is not None
+            p.target.copy_(whole[p.at : p.at + p.nbytes].view(p.target.dtype)
+                           .view(p.target.shape))
+
+
+def _copy_plain(src: np.ndarray, pieces: list[_Piece]) -> None:
+    """One copy per tensor, no hashing: the node agent has checked this copy's blocks."""
+    whole = torch.from_numpy(src) if len(src) else None
+    for p in pieces:
+        if not p.nbytes:
+            continue
+        flat = _bytes_of(p.target)
+        if flat is not None:
+            flat[:] = src[p.at : p.at + p.nbytes]
+        else:
             assert whole is not None
             p.target.copy_(whole[p.at : p.at + p.nbytes].view(p.target.dtype)
                            .view(p.target.shape))
