@@ -345,6 +345,9 @@ class Bench:
                       f"load average {la} before",
                       f"floor +{floor / med['none'] * 100:.1f}% (one memcpy, "
                       f"{floor * 1e3:.1f} ms); GPU target <= 1%", "info (CPU)"]]
+        from memckpt_cluster import push_rows
+
+        rows += push_rows([{**r, "kill_at": kill_at} for r in runs["memory"]], "loopback")
         if self.R.get("cluster"):
             from memckpt_cluster import cluster_rows
 

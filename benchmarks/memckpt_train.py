@@ -103,6 +103,10 @@ def train(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> N
         t0 = time.perf_counter()
         train_step(model, opt, spec, step, rank)
         if step == spec.get("kill_at"):
+            if mgr is not None and mgr.memory is not None:  # what the peer held at the kill
+                out.update(killed_at=time.time(), pushes=list(mgr.memory.push_log),
+                           push_state=mgr.memory.push_state(),
+                           push_wait_s=mgr.memory.push_wait_s)
             path.write_text(json.dumps(out))
             os.kill(os.getpid(), signal.SIGKILL)
         if mgr is not None and (memory or step % spec["interval"] == 0):
@@ -110,6 +114,7 @@ def train(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> N
             out["stall_s"].append(handle.stage_s)
             out["saved"].append(step)
         out["step_s"].append(time.perf_counter() - t0)
+        out.setdefault("step_end", []).append(time.time())
         out["prints"][str(step)] = fingerprint(model)
     if mgr is not None:
         mgr.close()
