@@ -10,7 +10,8 @@ stamp next to the slot file (``<slot>.stamp``, JSON)::
 
 A stamp is bound to one copy: its step and a digest (XXH3-64) of the copy's header and of its
 meta, which holds the block-hash table (and the header the meta's CRC-32 and the commit time),
-so a stamp never applies to another copy or to one rewritten after the check. The trainer's
+so a stamp never applies to another copy or to one rewritten after the check; a slot's writer
+removes the stamp when it starts a new copy there (``SlotFile.invalidate``). The trainer's
 load of a copy stamped good is a plain copy (``ckpt.memory.load_slot``); a copy stamped
 damaged is refused without reading it, naming what the agent found; an unstamped one is hashed
 as before. The window this leaves: a byte flipped between the agent's check and the load is
@@ -21,17 +22,13 @@ from __future__ import annotations
 
 import glob
 import json
-import logging
 import os
 import time
 from dataclasses import dataclass
 
 import xxhash
 
-from .memory_slot import HEADER, SlotDamaged, SlotFile, SlotHeader, newest
-
-log = logging.getLogger("ckpt")
-SUFFIX = ".stamp"
+from .memory_slot import HEADER, STAMP_SUFFIX, SlotDamaged, SlotFile, SlotHeader, newest
 
 
 @dataclass
@@ -46,7 +43,7 @@ class Verdict:
 
 
 def stamp_path(slot_path: str) -> str:
-    return slot_path + SUFFIX
+    return slot_path + STAMP_SUFFIX
 
 
 def copy_digest(slot: SlotFile, head: SlotHeader) -> str:

@@ -104,6 +104,9 @@ def test_a_stamp_validates_only_the_copy_it_was_made_for(two_steps: Path) -> Non
     # step 2's copy rewritten after the check (a flipped byte, committed again): the old
     # stamp does not apply, the load hashes the copy, refuses it and takes step 1
     s2.invalidate()
+    assert not Path(stamp_path(s2.path)).exists()  # the writer removes the old verdict
+    # step 2's own stamp put back, as if the agent wrote it late: it must not apply either
+    Path(stamp_path(s2.path)).write_text(json.dumps({**forged, "step": 2}))
     s2.map[HEADER + 4242] ^= 0x80
     h2.created += 1.0
     s2.commit(h2)
