@@ -271,8 +271,7 @@ class MemoryTier:
             queued = self._queued[1] if self._queued is not None else None
         acked = [e["step"] for e in entries if e.get("ok")]
         running = [e for e in entries if "start" in e and "end" not in e]
-        return {"acked": max(acked) if acked else self.last_push.get("step") if
-                self.last_push.get("ok") else None,
+        return {"acked": max(acked) if acked else None,
                 "in_flight": running[-1] if running else None, "queued": queued}
 
     def _push(self, peer: str, slot: SlotFile, head: SlotHeader,
