@@ -66,6 +66,7 @@ from _common import (  # noqa: E402
 from bootseer.testing.servers import MotoS3Server  # noqa: E402
 from bootseer.testing.shaper import ShaperProcess, ShaperSettings  # noqa: E402
 from ckpt.memory_peer import TOKEN_ENV, PeerServer  # noqa: E402
+from ckpt.memory_verify import verify_copies  # noqa: E402
 
 WORKER = Path(__file__).with_name("memckpt_train.py")
 FULL = {"d": 2048, "layers": 4, "batch": 8, "steps": 24, "interval": 10, "rounds": 8,
@@ -226,6 +227,11 @@ class Bench:
         loads = {}
         spec = {**base, "mode": "load", "durable": "striped::s3://memckpt-bench/memory"}
         log("phase load-local: in-place restart, each rank's own memory")
+        # the agent's part (bootseer run does it beside the launch): check and stamp each
+        # rank's newest copy (ckpt.memory_verify)
+        checked = time.perf_counter()
+        self.R["agent_check"] = [vars(v) for n in nodes for v in verify_copies(str(n.dir))]
+        self.R["agent_check_s"] = time.perf_counter() - checked
         loads["local"] = self._launch("load-local", spec)
         log("phase load-peer: rank 1's node replaced (empty memory), its state from the peer")
         nodes[1].replace()
@@ -307,11 +313,19 @@ class Bench:
         call = max(r["load_s"] for r in loads["local"])
         peer = max(r["load_s"] for r in loads["peer"])
         dur = max(r["load_s"] for r in loads["durable"])
-        rows += [["local load (copy + checksums) / memcpy of the state", f"{local / memcpy:.2f}x",
-                  f"memcpy {memcpy:.3f} s (both best of 3); the first load {first:.3f} s, "
-                  f"the whole load call {call:.3f} s (agreement, the durable tier's listing)",
+        hashed = max(r.get("copy_hashed_best_s", 0.0) for r in loads["local"])
+        how = ",".join(sorted({str(r.get("verified")) for r in loads["local"]}))
+        rows += [["local load (copy; the copy stamped good by the agent's check) / memcpy of "
+                  "the state", f"{local / memcpy:.2f}x",
+                  f"memcpy {memcpy:.3f} s (both best of 3); the first load {first:.3f} s "
+                  f"({how}), the whole load call {call:.3f} s (agreement, the durable tier's "
+                  f"listing); the agent's check of both ranks' copies beside the launch "
+                  f"{self.R['agent_check_s']:.3f} s",
                   f"<= {TARGET_LOCAL}x",
                   verdict(local / memcpy <= TARGET_LOCAL)],
+                 ["local load, hashed by the trainer (no stamp) / memcpy",
+                  f"{hashed / memcpy:.2f}x", f"copy + XXH3-64 checks {hashed:.3f} s", "-",
+                  "info"],
                  ["durable load / peer load (both timed in the load call)",
                   f"{dur / peer:.1f}x", f"durable {dur:.2f} s, peer {peer:.3f} s",
                   f">= {TARGET_PEER}x", verdict(dur / peer >= TARGET_PEER)],
@@ -331,6 +345,9 @@ class Bench:
                       f"load average {la} before",
                       f"floor +{floor / med['none'] * 100:.1f}% (one memcpy, "
                       f"{floor * 1e3:.1f} ms); GPU target <= 1%", "info (CPU)"]]
+        from memckpt_cluster import push_rows
+
+        rows += push_rows([{**r, "kill_at": kill_at} for r in runs["memory"]], "loopback")
         if self.R.get("cluster"):
             from memckpt_cluster import cluster_rows
 

@@ -134,8 +134,41 @@ def cluster_rows(res: dict[str, Any], verdict: Callable[[bool], str],
                      f"step {step}, {lost} step(s) lost beyond the one in progress"
                      + ("" if same and exact else " (STATE MISMATCH)"),
                      "0 steps lost" if where != "durable" else "-", verdict(ok)])
+    rows += push_rows([{**res["train"][str(r)], "kill_at": kill_at} for r in range(2)],
+                      "cluster")
     ratio = loads["durable"] / loads["peer"]
     rows.append(["cluster: durable load / peer load", f"{ratio:.1f}x",
                  f"durable {loads['durable']:.2f} s, peer {loads['peer']:.3f} s; links: "
                  f"{res['link']}", f">= {target_peer}x", verdict(ratio >= target_peer)])
+    return rows
+
+
+def push_rows(ranks: list[dict[str, Any]], where: str) -> list[list[str]]:
+    """What each rank's peer held at the kill (``memckpt_train.py`` records its pushes): the
+    acked step, a push in flight, and push time against step time (the window in which a
+    lost node loses the newest step)."""
+    import statistics
+
+    rows = []
+    for r in ranks:
+        pushes = r.get("pushes") or []
+        if not pushes:
+            continue
+        kill, state = r["killed_at"], r["push_state"]
+        done = [p for p in pushes if "end" in p]
+        push_s = statistics.median(p["end"] - p["start"] for p in done) if done else 0.0
+        lag = statistics.median(p["end"] - p["committed"] for p in done) if done else 0.0
+        last = pushes[-1]
+        flight = state.get("in_flight")
+        margin = (f"step {last['step']}'s push ended {kill - last['end']:.3f} s before the kill"
+                  if "end" in last else f"step {last['step']}'s push in flight at the kill "
+                  f"(started {kill - last.get('start', kill):.3f} s before it)")
+        step_s = statistics.median(r["step_s"][1:]) if len(r["step_s"]) > 1 else 0.0
+        rows.append([f"{where}: rank {r['rank']}'s peer at the kill (in step {r['kill_at']})",
+                     f"acked step {state.get('acked')}; in flight: "
+                     f"{flight['step'] if flight else 'none'}",
+                     f"{margin}; push median {push_s:.3f} s (commit to acked {lag:.3f} s) on a "
+                     f"step of {step_s:.3f} s; the "
+                     f"training thread waited {r.get('push_wait_s', 0.0):.3f} s in all for "
+                     "pushes", "acked = the step before the kill", "info"])
     return rows

@@ -215,8 +215,13 @@ class CheckpointManager:
         return handle.wait()
 
     def wait(self) -> SaveResult | None:
-        """Wait for the save in flight; raise its failure naming the step."""
-        return self._flush()
+        """Wait for the save in flight, and for the memory tier's last copy to be committed
+        and pushed to its peer (bounded: ``MemoryConfig.push_wait_s``); raise a failure
+        naming the step (``ckpt.memory.MemoryPushError`` naming the peer)."""
+        result = self._flush()
+        if self.memory is not None:
+            self.memory.wait()
+        return result
 
     def close(self) -> None:
         """Flush the last save (raising its failure) and release the background thread."""

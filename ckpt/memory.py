@@ -21,10 +21,13 @@ from __future__ import annotations
 import io
 import logging
 import os
+import threading
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +55,7 @@ from .memory_slot import (
     pad8,
     slot_paths,
 )
+from .memory_verify import stamp_for
 from .skip import poisoned, rules_from_env
 from .tensors import PerRank, describe, is_tensor_leaf
 
@@ -86,6 +90,7 @@ class MemoryConfig:
     durable_every: int | None = None
     peer_timeout_s: float = 30.0
     check_durable: bool = True
+    push_wait_s: float = 120.0  # wait()'s bound on the last copy's push to the peer
     layout: dict[str, list[list[int]]] | None = None
     token: str = field(default_factory=lambda: os.environ.get(TOKEN_ENV, ""), repr=False)
 
@@ -103,6 +108,11 @@ class MemoryConfig:
         return cls(env[DIR_ENV], server=env.get(SERVER_ENV, ""),
                    durable_every=int(every) if every else None,
                    check_durable=env.get(FRESH_ENV) != "1", layout=layout)
+
+
+class MemoryPushError(CheckpointError):
+    """The copy to the peer failed or did not finish within ``push_wait_s``; the message names
+    the peer, the step and what to check. This node's own memory still holds the step."""
 
 
 class MemoryTierTooLarge(CheckpointError):
@@ -145,6 +155,13 @@ class MemoryTier:
         # copy; a slot is overwritten only once its own push is done
         self._pusher = ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-memory-push-r{rank}")
         self._pushing: dict[int, Future[None]] = {}
+        self._push_lock = threading.Lock()
+        self._queued: tuple[Future[None], dict[str, Any]] | None = None  # not yet started
+        # each push: step, committed/start/end (time.time()), ok, error; the
+        # evidence of what the peer held when a node is lost (bench memckpt's cluster trial)
+        self.push_log: deque[dict[str, Any]] = deque(maxlen=64)
+        self._push_error: dict[str, Any] | None = None  # the newest push's failure, unraised
+        self.push_wait_s = 0.0  # the training thread's waits for a push (it overwrites its slot)
         self._pending: Future[None] | None = None
         self._newest: SlotFile | None = None
         self._budget_checked = 0
@@ -181,8 +198,10 @@ class MemoryTier:
             return 0.0
         slot = self.slots[1] if self._newest is self.slots[0] else self.slots[0]
         pushing = self._pushing.pop(id(slot), None)
-        if pushing is not None:
+        if pushing is not None:  # its push reads this slot's bytes: they must not change
+            waited = time.perf_counter()  # under it (a push slower than a step: back-pressure)
             pushing.result()
+            self.push_wait_s += time.perf_counter() - waited
         slot.ensure(HEADER + size + 4096)
         slot.invalidate()
         data = torch.frombuffer(slot.map, dtype=torch.uint8, count=size, offset=HEADER) \
@@ -231,17 +250,49 @@ class MemoryTier:
         self._newest = slot
         peer = self._neighbour()
         if peer:
-            self._pushing[id(slot)] = self._pusher.submit(self._push, peer, slot, head)
+            self._queue_push(peer, slot, head)
 
-    def _push(self, peer: str, slot: SlotFile, head: SlotHeader) -> None:
+    def _queue_push(self, peer: str, slot: SlotFile, head: SlotHeader) -> None:
+        """One push runs at a time (one thread) and at most one waits behind it: the save of
+        step n+1 waits for the push of step n-1 (it overwrites that slot), so a newer copy
+        never finds an older one still waiting to start (docs/ckpt.md)."""
+        entry: dict[str, Any] = {"step": head.step, "peer": peer, "committed": time.time()}
+        with self._push_lock:
+            future = self._pusher.submit(self._push, peer, slot, head, entry)
+            self._queued = (future, entry)
+            self._pushing[id(slot)] = future
+            self.push_log.append(entry)
+
+    def push_state(self) -> dict[str, Any]:
+        """What the peer holds and what is on the way: ``acked`` (the newest step the peer
+        committed), ``in_flight`` and ``queued`` (their log entries, or ``None``)."""
+        with self._push_lock:
+            entries = list(self.push_log)
+            queued = self._queued[1] if self._queued is not None else None
+        acked = [e["step"] for e in entries if e.get("ok")]
+        running = [e for e in entries if "start" in e and "end" not in e]
+        return {"acked": max(acked) if acked else None,
+                "in_flight": running[-1] if running else None, "queued": queued}
+
+    def _push(self, peer: str, slot: SlotFile, head: SlotHeader,
+              entry: dict[str, Any] | None = None) -> None:
+        entry = {} if entry is None else entry
+        with self._push_lock:
+            if self._queued is not None and self._queued[1] is entry:
+                self._queued = None
+        entry["start"] = time.time()
         started = time.perf_counter()
         try:
             if self._client is None or self._client.address != peer:
                 self._client = self._connect(peer)
             self._client.push(slot, head)
+            entry.update(end=time.time(), ok=True)
+            self._push_error = None
             self.last_push = {"step": head.step, "peer": peer, "ok": True,
                               "seconds": time.perf_counter() - started}
         except (PeerError, OSError) as exc:
+            entry.update(end=time.time(), ok=False, error=str(exc))
+            self._push_error = {"step": head.step, "peer": peer, "error": str(exc)}
             if self.last_push.get("ok", True):
                 log.warning("memory tier: rank %d could not copy step %d to its peer %s (%s); "
                             "its own memory holds it, training goes on, the next step tries "
@@ -260,15 +311,39 @@ class MemoryTier:
         if pending is not None:
             pending.result()
 
-    def wait(self) -> None:
-        """Wait until the last save is committed and pushed to the peer."""
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Wait until the last save is committed and its push to the peer is done, at most
+        ``timeout_s`` (default ``config.push_wait_s``) for the push; a push that failed or
+        did not finish is raised here (:class:`MemoryPushError`, naming the peer): saves
+        only warn, so that training goes on while a peer is away."""
         self._settle()
-        for future in list(self._pushing.values()):
-            future.result()
+        bound = self.config.push_wait_s if timeout_s is None else timeout_s
+        with self._push_lock:
+            futures = [f for f in self._pushing.values() if not f.cancelled()]
+        _done, late = futures_wait(futures, timeout=bound)
+        if late:
+            running = self.push_state()["in_flight"] or {}
+            raise MemoryPushError(
+                f"memory tier: rank {self.rank}'s copy of step {running.get('step', '?')} to "
+                f"its peer {running.get('peer', self._peer)} has not finished after {bound:g} "
+                "s: the peer or the link is slow or hung. This node's memory holds the step; "
+                "a lost node would fall back to an older copy. Check that peer's agent "
+                "(bootseer run --ckpt-memory-listen) and the link, or raise "
+                "MemoryConfig.push_wait_s")
+        failed, self._push_error = self._push_error, None
+        if failed is not None:
+            raise MemoryPushError(
+                f"memory tier: rank {self.rank} could not copy step {failed['step']} to its "
+                f"peer {failed['peer']}: {failed['error']}. This node's memory holds the step; "
+                "a lost node would fall back to an older copy. Check that the peer's agent "
+                "runs (bootseer run --ckpt-memory-listen) with the job's token "
+                f"({TOKEN_ENV})")
 
     def close(self) -> None:
         try:
             self.wait()
+        except MemoryPushError as exc:  # logged when it happened; closing must not lose the
+            log.warning("%s", exc)      # node's copies over a peer that is away
         finally:
             self._executor.shutdown(wait=True)
             self._pusher.shutdown(wait=True)
@@ -468,7 +543,8 @@ class MemoryTier:
         for head, slot in newest(self.slots):
             if head.step == step:
                 copied = time.perf_counter()
-                report = load_slot(slot, head, state, trust_objects=self.trust_objects)
+                report = load_slot(slot, head, state, trust_objects=self.trust_objects,
+                                   use_stamp=source == "local")
                 report.seconds = time.perf_counter() - started
                 report.source = source  # type: ignore[attr-defined]
                 report.phases = {"fetch_s": fetch_s,  # type: ignore[attr-defined]
@@ -506,9 +582,11 @@ def _gather(group: Any, world_size: int, mine: Any) -> list[Any]:
 
 
 def load_slot(slot: SlotFile, head: SlotHeader, state: Any, *,
-              trust_objects: bool = False) -> LoadReport:
+              trust_objects: bool = False, use_stamp: bool = False) -> LoadReport:
     """Copy a committed slot into ``state`` in place, checking each data block's sum as it
-    goes (the block is then in cache for the copy). The state must hold the same keys,
+    goes (the block is then in cache for the copy). With ``use_stamp`` (a copy in this node's
+    own memory), a copy the node agent stamped good is copied without hashing and one it
+    stamped damaged is refused unread (``memory_verify``). The state must hold the same keys,
     dtypes and local shapes as the copy (the same rank of the same layout); otherwise it is
     refused and nothing is written. A block that fails its sum raises :class:`SlotDamaged`:
     the state is then partly overwritten, and the caller loads another copy."""
@@ -534,8 +612,16 @@ def load_slot(slot: SlotFile, head: SlotHeader, state: Any, *,
                               f"state: " + "; ".join(problems[:5]))
     src = np.frombuffer(slot.map, dtype=np.uint8, count=head.data_size, offset=HEADER) \
         if head.data_size else np.empty(0, dtype=np.uint8)
-    _copy_checked(src, pieces, meta["sums"], slot.path, head.step)
+    stamp = stamp_for(slot, head) if use_stamp else None
+    if stamp is not None and not stamp.get("ok"):
+        raise SlotDamaged(f"{slot.path}: step {head.step}: found damaged by the node agent's "
+                          f"check: {stamp.get('message')}")
+    if stamp is not None:
+        _copy_plain(src, pieces)
+    else:
+        _copy_checked(src, pieces, meta["sums"], slot.path, head.step)
     report = LoadReport(step=head.step, bytes_read=head.data_size)
+    report.verified = "agent" if stamp is not None else "hashed"  # type: ignore[attr-defined]
     report.loaded = [p.key for p in pieces]
     values = torch.load(io.BytesIO(blob), weights_only=not trust_objects) if blob else {}
     for key, value, container, where in walk(state):
@@ -576,6 +662,21 @@ def _copy_checked(src: np.ndarray, pieces: list[_Piece], sums: list[int], path: 
     whole = torch.from_numpy(src) if len(src) else None
     for p in later:  # not a plain CPU view (a GPU tensor, a strided one): after the checks
         if p.nbytes:
+            assert whole is not None
+            p.target.copy_(whole[p.at : p.at + p.nbytes].view(p.target.dtype)
+                           .view(p.target.shape))
+
+
+def _copy_plain(src: np.ndarray, pieces: list[_Piece]) -> None:
+    """One copy per tensor, no hashing: the node agent has checked this copy's blocks."""
+    whole = torch.from_numpy(src) if len(src) else None
+    for p in pieces:
+        if not p.nbytes:
+            continue
+        flat = _bytes_of(p.target)
+        if flat is not None:
+            flat[:] = src[p.at : p.at + p.nbytes]
+        else:
             assert whole is not None
             p.target.copy_(whole[p.at : p.at + p.nbytes].view(p.target.dtype)
                            .view(p.target.shape))

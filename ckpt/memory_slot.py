@@ -31,6 +31,7 @@ import xxhash
 MAGIC = b"BSMEMCK1"
 HEADER = 4096
 BLOCK = 1 << 20
+STAMP_SUFFIX = ".stamp"  # the node agent's verdict on a copy, beside its file (memory_verify)
 VERSION = 2  # 2: block sums are XXH3-64 (1: 64-bit word sums)
 _PREFIX = struct.Struct("<8sII")  # magic, json length, json crc32
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -122,9 +123,15 @@ class SlotFile:
         return memoryview(self.map)[start : start + length]
 
     def invalidate(self) -> None:
-        """Clear the commit flag: from here on the copy is in progress."""
+        """Clear the commit flag: from here on the copy is in progress. The node agent's
+        stamp of the old copy goes too (``memory_verify``; it is bound to that copy anyway,
+        but a copy received again alike must not meet a stale verdict)."""
         if self.map is not None and self.size >= HEADER:
             self.map[0:8] = b"\0" * 8
+        try:
+            os.unlink(self.path + STAMP_SUFFIX)
+        except FileNotFoundError:
+            pass
 
     def commit(self, head: SlotHeader) -> None:
         """Write the JSON header, then MAGIC last."""

@@ -110,6 +110,7 @@ def rank_main(spec: dict[str, Any]) -> int:
     try:
         report = mgr.load_with_report(state)
         result.update(loaded=report.step, source=getattr(report, "source", "durable"),
+                      verified=getattr(report, "verified", None),
                       load_s=time.perf_counter() - started,
                       problems=exact(state, report.step, rank, world, numel))
         start = report.step + 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import stat
 import subprocess
@@ -65,6 +66,9 @@ def test_sigkill_mid_copy_restart_loads_previous_complete_step(killed_job: dict)
     proc = killed_job["proc"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "attempt 1" in proc.stderr  # the agent restarted the job after the SIGKILL
+    # before the restart the agent checked each rank's newest copy beside the launch
+    # (ckpt.memory_verify): rank 1's is step 2, its step 3 torn
+    assert re.search(r"memory tier: rank-1\.[01] step 2: good", proc.stderr), proc.stderr[-3000:]
     got = results(killed_job["results"])
     assert sorted(got) == [0, 1]
     for rank, r in got.items():

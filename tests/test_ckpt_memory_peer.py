@@ -213,7 +213,7 @@ def test_peer_port_refuses_connections_without_the_jobs_token(
 
     import torch
 
-    from ckpt.memory import MemoryConfig, MemoryTier
+    from ckpt.memory import MemoryConfig, MemoryPushError, MemoryTier
     from ckpt.memory_peer import PeerClient, PeerError, PeerServer, recv_msg, send_msg
 
     peer_dir, me = tmp_path / "peer", tmp_path / "me"
@@ -229,7 +229,8 @@ def test_peer_port_refuses_connections_without_the_jobs_token(
                 tier = MemoryTier(MemoryConfig(str(me), peer=server.address, token=token),
                                   rank=0, world_size=1)
                 tier.save(1, {"w": torch.arange(1000, dtype=torch.float32)})
-                tier.wait()
+                with pytest.raises(MemoryPushError, match=server.address):
+                    tier.wait()  # a failed push is raised in the caller, naming the peer
                 assert tier.last_push["ok"] is False
                 assert ("authentication failed" if token else "BOOTSEER_MEMCKPT_TOKEN") in \
                     tier.last_push["error"]

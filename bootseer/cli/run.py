@@ -69,6 +69,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     colltrace = _colltrace_watch(cfg, trace, node)
 
     def before_attempt(attempt: int) -> dict[str, str]:
+        if memory is not None:  # the copies' check runs beside the launch (ckpt.memory_verify)
+            memory.check_copies()  # type: ignore[attr-defined]
         node_check(cfg, trace, node, attempt)
         extra = run_startup(plan, trace=trace, attempt=attempt, base_env=base_env)
         return {**extra, **colltrace.child_env(attempt)} if colltrace else extra

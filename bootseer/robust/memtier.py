@@ -8,7 +8,10 @@ answers only connections that prove they hold the job's secret (``BOOTSEER_MEMCK
 in the agent's environment, the same on every node; the job inherits it) and binds only the
 address ``ckpt.memory_listen`` names, never a wildcard. The trainer
 writes its copies there; they outlive the trainer's crash or SIGKILL, because the agent, not
-the trainer, holds the directory, and are removed when the run ends.
+the trainer, holds the directory, and are removed when the run ends. Each time the agent
+(re)starts the command it checks each rank's newest copy on a thread beside the launch
+(:meth:`NodeMemory.check_copies`, ``ckpt.memory_verify``), so that the trainer's load of a
+copy stamped good is a plain copy, and one stamped damaged is never loaded.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from typing import Any
 
 SHM = "/dev/shm"
@@ -41,6 +45,8 @@ class NodeMemory:
                              "node, e.g. from a Kubernetes Secret; python -c 'import secrets; "
                              "print(secrets.token_hex(32))' makes one)")
         self._made = not directory
+        self._log = log
+        self.checking: threading.Thread | None = None
         if directory:
             os.makedirs(directory, mode=0o700, exist_ok=True)
             self.directory = directory
@@ -71,7 +77,34 @@ class NodeMemory:
                 f" GiB free; each rank needs 4x its state: 2 own copies, 2 of a peer's)"
                 + (f", peers served at {self.server.address}" if self.server else ""))
 
+    def check_copies(self) -> threading.Thread:
+        """Verify and stamp every rank's newest copy on a thread (beside the launch); the
+        verdicts go to the log. Returns the thread (tests join it)."""
+        from ckpt.memory_verify import verify_copies
+
+        def run() -> None:
+            try:
+                verdicts = verify_copies(self.directory)
+            except Exception as exc:  # noqa: BLE001 - unstamped copies are hashed by the trainer
+                self._say(f"memory tier: the check of the copies failed ({exc}); the "
+                          "trainer checks them as it loads")
+                return
+            for v in verdicts:
+                self._say(f"memory tier: {os.path.basename(v.path)} step {v.step}: "
+                          f"{'good' if v.ok else 'DAMAGED'} ({v.seconds:.3f} s)"
+                          + (f": {v.message}" if v.message else ""))
+
+        self.checking = threading.Thread(target=run, name="memtier-check", daemon=True)
+        self.checking.start()
+        return self.checking
+
+    def _say(self, message: str) -> None:
+        if self._log is not None:
+            self._log(message)
+
     def close(self) -> None:
+        if self.checking is not None:
+            self.checking.join(timeout=60)
         if self.server is not None:
             self.server.close()
             self.server = None
