@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import random
@@ -386,16 +387,18 @@ def test_direct_io_writes_are_exact_and_fall_back_where_unsupported(where, tmp_p
 
     from striped_fs.backend import _local_write
 
-    base = tmp_path if where == "disk" else tempfile.mkdtemp(dir="/dev/shm")
-    aligned = mmap.mmap(-1, 3 * 4096)
-    aligned.write(payload(3 * 4096, 8))
-    cases = {"aligned": memoryview(aligned), "unaligned": memoryview(aligned)[1:4097],
-             "bytes": payload(5000, 9)}
-    for name, data in cases.items():
-        path = os.path.join(base, name)
-        _local_write(path, data, durable=True, direct=True)
-        with open(path, "rb") as f:
-            assert f.read() == bytes(data), name
+    with contextlib.ExitStack() as stack:
+        base = tmp_path if where == "disk" else stack.enter_context(
+            tempfile.TemporaryDirectory(dir="/dev/shm"))  # removed: /dev/shm is the host's
+        aligned = mmap.mmap(-1, 3 * 4096)
+        aligned.write(payload(3 * 4096, 8))
+        cases = {"aligned": memoryview(aligned), "unaligned": memoryview(aligned)[1:4097],
+                 "bytes": payload(5000, 9)}
+        for name, data in cases.items():
+            path = os.path.join(base, name)
+            _local_write(path, data, durable=True, direct=True)
+            with open(path, "rb") as f:
+                assert f.read() == bytes(data), name
 
 
 def test_read_into_fills_the_destination_and_checks_stripes(sfs):
