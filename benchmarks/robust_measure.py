@@ -11,7 +11,8 @@ Per fault (its window runs to the next fault's injection or the end of the run):
   ``fail_slow``) of any agent in the window; the peer, the first torchrun line that notices
   (:data:`PEER_NOTICE`);
 * ``named``: bootseer, whether the first verdict's ranks hold the injected rank or its nodes
-  (or, for a lost node, the nodes that never answered the dump) hold the injected node; the
+  (or, for a lost node, the nodes that never answered the dump) hold the injected node (for
+  the store down: the verdict's class is ``storage_error`` and it evicts nobody); the
   peer, whether the first worker torchrun reports failed is the injected rank (or on the
   injected node); ``evicted``: the nodes the window's verdicts evicted (torchrun evicts none);
 * ``restart_s``: from detection to the job's first step by a new process of rank 0;
@@ -122,6 +123,8 @@ def measure_fault(out: Path, mode: str, fault: Fault, end: float, hang_timeout_s
                               "nodes": v.get("nodes"), "ranks": v.get("ranks"),
                               "time": v.get("time")}
             row["named"] = bool(target_ranks & set(v.get("ranks") or [])) or host in hosts
+            if fault.kind == "store_down":  # the store is everyone's: its class, nobody evicted
+                row["named"] = v.get("class") == "storage_error" and not v.get("nodes")
             row["localized_s"] = v["time"] - t0
         elif fault.kind == "nan" and row.get("nan_step") is not None:
             nan = next(e for e in mine if e["kind"] == "nonfinite")
