@@ -208,10 +208,11 @@ def test_a_round_reads_step_times_and_samples_from_the_nodes(store) -> None:
 
 def test_a_link_the_tracer_suspects_is_probed_and_its_node_evicted(store) -> None:
     """The rings the nodes ship show all_reduce #21 issued by every rank and completed by
-    none, nobody stopped ('transport', no rank to blame): the next round asks every node to
-    probe its own link to the store. n1 reaches the store through a shaping proxy (1 MB/s,
-    20 ms each way), n0 and n2 directly; the round after names n1's link, and the fail_slow
-    incident it opens evicts n1 alone."""
+    none, nobody stopped ('transport', no rank to blame): the controller asks every node at
+    once to probe its own link to the store (an order of its own, not the next round's). n1
+    reaches the store through a shaping proxy (1 MB/s, 20 ms each way), n0 and n2 directly;
+    once every answer is in, n1's link is named, and the fail_slow incident it opens evicts
+    n1 alone."""
     from test_colltrace import _history, _snaps
 
     from bootseer.colltrace.ship import window
@@ -237,16 +238,21 @@ def test_a_link_the_tracer_suspects_is_probed_and_its_node_evicted(store) -> Non
             store.set(keys.node(f"n{i}", "colltrace"), wire.encode(doc, wire.MAX_DUMP_BYTES))
             links.append(link)
         ctl = Controller(store, failslow_interval_s=1.0, clock=lambda: now[0], log=said.append)
-        assert ctl.step() is None  # round 1: the suspicion, an order to probe
-        assert json.loads(store.get(keys.sample_request))["probe"] is True
-        assert any("every node probes its link" in line for line in said), said
+        assert ctl.step() is None  # the suspicion, an order to probe
+        order = json.loads(store.get(keys.link_request))
+        assert any("every node probes its link now" in line for line in said), said
         base = time.time()
-        for i, link in enumerate(links):
+        for i, link in enumerate(links[:2]):
             link.beat(0, {i: {"step": 3, "time": base, "pid": 100 + i}})
-            assert link._sampler is not None
-            link._sampler.join(60)
-        now[0] += 1.0
-        assert ctl.step() is None  # round 2 reads the probes and opens the incident
+            assert link._prober is not None
+            link._prober.join(60)
+        now[0] += 0.25
+        assert ctl.step() is None and not store.check([keys.open])  # n2's answer awaited
+        links[2].beat(0, {2: {"step": 3, "time": base, "pid": 102}})
+        links[2]._prober.join(60)
+        assert store.check([keys.link_probe("n2", order["id"])])
+        now[0] += 0.25
+        assert ctl.step() is None  # every answer in: the incident opens
         opened = json.loads(store.get(keys.open))
         [event] = opened["events"]
         assert (event["kind"], event["node"]) == ("fail_slow", "n1")

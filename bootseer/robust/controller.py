@@ -35,6 +35,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -61,6 +62,9 @@ ACTIONABLE = ("crash", "hang", "nonfinite", "spike", "fail_slow")
 #: crash classes with no cause named: the stop-time checks run (unless a node was lost)
 CHECKED = ("unknown", "killed_by_signal")
 HISTORY = 50  # earlier verdicts read back for the repeat rules
+LINK_CHECK_S = 2.0  # the tracer's windows are looked at this often for a slow link
+LINK_WAIT_S = 10.0  # a probe order's answers are awaited this long (a slow link answers last)
+LINK_QUIET_S = 30.0  # after probes that named no node, no new order for this long
 
 
 def _say(line: str) -> None:
@@ -95,6 +99,9 @@ class Controller:
         self.warnings: list[str] = []
         self._cursors: dict[str, int] = {}  # moved once the events are held (see _flush)
         self._last_round = float("-inf")
+        self._last_link = float("-inf")  # the tracer's windows last looked at for a link
+        self._link_asked: tuple[int, float] | None = None  # (probe order, when) in flight
+        self._link_quiet_until = float("-inf")  # after probes that named no node
 
     # -- what the store says -------------------------------------------------------------
     def nodes(self) -> list[str]:
@@ -183,7 +190,7 @@ class Controller:
                     self._write(event)
             if not actionable:
                 self._flush_cursors()
-                event = self._failslow_round(excluded)
+                event = self._failslow_round(excluded) or self._link_watch(excluded)
                 if event is None:
                     self._force_update()
                     return None
@@ -477,7 +484,6 @@ class Controller:
         doc = self._read(self.keys.failslow) or {}
         rounds = FailSlowRounds.from_doc(doc, layout=self.layout)
         asked = int(doc.get("asked", 0))
-        probes: dict[str, dict[str, Any]] = {}  # node -> its link probe (asked for them)
         step_times: dict[int, float] = {}
         nodes: dict[int, str] = {}
         samples: list[ProcessStacks] = []
@@ -495,8 +501,6 @@ class Controller:
                 answer = self._read(self.keys.sample(node, asked), node, wire.MAX_DUMP_BYTES)
                 processes, _ = _processes({node: answer} if answer else {})
                 samples += processes
-                if answer and isinstance(answer.get("probe"), dict):
-                    probes[node] = answer["probe"]
                 self.store.delete_key(self.keys.sample(node, asked))
         # only ranks in training (a step time known): at start-up a rank still loading while
         # others wait in init_process_group's barrier is not a straggler
@@ -508,16 +512,59 @@ class Controller:
             if flagged:
                 self.log(f"fail-slow round {rounds.count}: flagged " + ", ".join(
                     f"rank {r} ({'+'.join(w)})" for r, w in sorted(flagged.items())))
-        if event is None and doc.get("probe"):
-            event = self._slow_link(probes, nodes, now)
-        probe = event is None and self._link_suspected(excluded)
         asked = int(self.store.add(self.keys.sample_count, 1))  # never reused: an agent
         # answers each order once, across controller restarts and incidents
         self.store.set(self.keys.failslow, wire.encode(
-            {**rounds.to_doc(), "asked": asked, "probe": probe}, wire.MAX_DUMP_BYTES))
-        self.store.set(self.keys.sample_request, wire.encode(
-            {"round": asked, "time": now, "probe": probe}))
+            {**rounds.to_doc(), "asked": asked}, wire.MAX_DUMP_BYTES))
+        self.store.set(self.keys.sample_request, wire.encode({"round": asked, "time": now}))
         return event
+
+    def _link_watch(self, excluded: set[str]) -> Event | None:
+        """A slow link, between the rounds: every ``LINK_CHECK_S`` the tracer's windows are
+        analysed (:meth:`_link_suspected`); on a suspicion every node is asked at once to
+        probe its own link (an order of its own, not the next round's), and the answers are
+        read as they come, up to ``LINK_WAIT_S``. Held in memory: a controller restarted
+        meanwhile asks again on the next suspicion."""
+        if self.failslow_interval_s <= 0:
+            return None
+        now = self.clock()
+        if self._link_asked is not None:
+            ident, since = self._link_asked
+            live = [n for n in self.nodes() if n not in excluded]
+            probes: dict[str, dict[str, Any]] = {}
+            for node in live:
+                answer = self._read(self.keys.link_probe(node, ident), node)
+                if answer and isinstance(answer.get("probe"), dict):
+                    probes[node] = answer["probe"]
+            if len(probes) < len(live) and now - since < LINK_WAIT_S:
+                return None
+            self._link_asked = None
+            for node in live:
+                self.store.delete_key(self.keys.link_probe(node, ident))
+            event = self._slow_link(probes, self._rank_nodes(excluded), now)
+            if event is None:
+                self._link_quiet_until = now + LINK_QUIET_S
+            return event
+        if now - self._last_link < LINK_CHECK_S or now < self._link_quiet_until:
+            return None
+        self._last_link = now
+        if not self._link_suspected(excluded):
+            return None
+        ident = int(self.store.add(self.keys.sample_count, 1))  # shared with the rounds
+        self.store.set(self.keys.link_request, wire.encode({"id": ident, "time": time.time()}))
+        self._link_asked = (ident, now)
+        return None
+
+    def _rank_nodes(self, excluded: set[str]) -> dict[int, str]:
+        """Each training rank's node, from the nodes' fresh beats."""
+        found: dict[int, str] = {}
+        for node in self.nodes():
+            beat = self._read(self.keys.node(node, "beat"), node) if node not in excluded \
+                else None
+            for rank in ((beat or {}).get("ranks") or {}):
+                with contextlib.suppress(TypeError, ValueError):
+                    found[int(rank)] = node
+        return found
 
     def _link_suspected(self, excluded: set[str]) -> bool:
         """The collective tracer, over the windows the nodes ship, sees the whole job slow
@@ -531,7 +578,7 @@ class Controller:
         found, _ = analyze_windows(docs, now=self.clock())
         suspect = [f for f in found if f.kind in ("slow", "transport") and not f.ranks]
         if suspect:
-            self.log(f"fail-slow: {suspect[0].line}: every node probes its link next round")
+            self.log(f"fail-slow: {suspect[0].line}: every node probes its link now")
         return bool(suspect)
 
     def _slow_link(self, probes: dict[str, dict[str, Any]], nodes: dict[int, str],

@@ -29,6 +29,7 @@ Beside the incidents the link answers two orders of the controller on its own:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -52,6 +53,7 @@ __all__ = ["STEP_WINDOW", "ControllerLink", "ExcludedNode", "descendants", "dump
 STEP_WINDOW = 8  # heartbeats (at most one a second) a rank's step time is measured over
 
 
+LINK_ORDER_S = 30.0  # a link probe order older than this is not answered (its wait is over)
 #: what ``bootseer check`` imports before its first collective
 CHECK_PRELOAD = ("torch.distributed", "torch.nn", "bootseer.cli", "bootseer.robust.check")
 
@@ -101,6 +103,8 @@ class ControllerLink:
         self._steps: dict[int, deque[tuple[int, float]]] = {}
         self._sampled = 0  # the newest fail-slow round this agent answered
         self._sampler: threading.Thread | None = None
+        self._probed = 0  # the newest link probe order this agent answered
+        self._prober: threading.Thread | None = None
         self.where = self.address or ""  # the store's address, for errors
         # the node's collective ring window (bootseer.colltrace.reader.Watch.window), shipped
         # under node/<n>/colltrace every colltrace_s and with each dump answer; None: off
@@ -139,6 +143,7 @@ class ControllerLink:
         for r, v in ranks.items():
             self._note_step(r, v.get("step"), v.get("time"))
         self._answer_sample(ranks)
+        self._answer_link()
         self.ship_colltrace()
         now = self.clock()
         if now - self._last_beat < self.beat_s:
@@ -199,7 +204,6 @@ class ControllerLink:
             return
         self._sampled = round_
         pids = {r: int(v["pid"]) for r, v in ranks.items() if isinstance(v.get("pid"), int)}
-        probe = bool(order.get("probe")) and bool(self.address)
 
         def sample() -> None:
             processes = []
@@ -212,8 +216,6 @@ class ControllerLink:
                                   "source": "py-spy", "text": text[:wire.MAX_STACK_CHARS]})
             answer: dict[str, Any] = {"node": self.node, "round": round_, "time": time.time(),
                                       "processes": processes}
-            if probe:  # the controller suspects a link: this node's own to the store
-                answer["probe"] = self.probe_link()
             try:
                 self.store.set(self.keys.sample(self.node, round_), wire.encode(
                     answer, wire.MAX_DUMP_BYTES))
@@ -223,6 +225,34 @@ class ControllerLink:
         self._sampler = threading.Thread(target=sample, name=f"bootseer-sample-{round_}",
                                          daemon=True)
         self._sampler.start()
+
+    def _answer_link(self) -> None:
+        """The controller suspects a link: this node probes its own to the store, in a thread
+        (the watch loop goes on), once per order; an order older than the controller's wait
+        (``LINK_ORDER_S``) is not answered."""
+        if not self.address or (self._prober is not None and self._prober.is_alive()):
+            return
+        data = wire.get(self.store, self.keys.link_request)
+        try:
+            order = wire.decode(data, key=self.keys.link_request) if data else None
+            ident, asked_at = (int(order["id"]), float(order["time"])) if order else (0, 0.0)
+        except (wire.WireError, KeyError, TypeError, ValueError):
+            return
+        if ident <= self._probed:
+            return
+        self._probed = ident
+        if time.time() - asked_at > LINK_ORDER_S:
+            return
+
+        def probe() -> None:
+            answer = {"node": self.node, "id": ident, "time": time.time(),
+                      "probe": self.probe_link()}
+            with contextlib.suppress(RuntimeError, OSError, wire.WireError):
+                self.store.set(self.keys.link_probe(self.node, ident), wire.encode(answer))
+
+        self._prober = threading.Thread(target=probe, name=f"bootseer-probe-{ident}",
+                                        daemon=True)
+        self._prober.start()
 
     def probe_link(self) -> dict[str, Any]:
         """Round trip and throughput of this node's link to the job's store

@@ -77,6 +77,7 @@ class Keys:
         self.sample_request = self.prefix + "sample/request"
         self.sample_count = self.prefix + "sample/count"
         self.failslow = self.prefix + "ctl/failslow"
+        self.link_request = self.prefix + "link/request"
 
     def node(self, node: str, what: str) -> str:
         return f"{self.prefix}node/{node}/{what}"
@@ -95,6 +96,9 @@ class Keys:
 
     def sample(self, node: str, round_: int) -> str:
         return self.node(node, f"sample/{round_}")
+
+    def link_probe(self, node: str, ident: int) -> str:
+        return self.node(node, f"link/{ident}")
 
     def check_request(self, incident: int) -> str:
         return f"{self.prefix}check/{incident}"
