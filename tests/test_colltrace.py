@@ -137,6 +137,68 @@ def test_rank_inside_another_groups_op_is_not_called_never_issued() -> None:
 
 
 
+def _paced(computes: list[dict[int, float]], wire: list[float] | None = None
+           ) -> dict[int, dict[str, list[tuple[float, float | None]]]]:
+    """Ranks that each compute for their own time between ops (``computes[i][rank]`` before
+    op i+1), then issue; every op completes ``wire[i]`` (10 ms) after its last issue."""
+    plan: dict[int, dict[str, list[tuple[float, float | None]]]] = {
+        r: {"grp-a": []} for r in computes[0]}
+    done = 50.0
+    for i, comp in enumerate(computes):
+        issue = {r: done + c for r, c in comp.items()}
+        done = max(issue.values()) + (wire[i] if wire else 0.01)
+        for r, t in issue.items():
+            plan[r]["grp-a"].append((t, done))
+    return plan
+
+
+def _slow_verdicts(plan: dict[int, dict[str, list[tuple[float, float | None]]]]) -> list:
+    an = Analyzer(alive=lambda snap: True)
+    now = max(t1 for g in plan.values() for t0, t1 in g["grp-a"] if t1) + 0.01
+    return [f for f in an.analyze(_snaps(plan, {"grp-a": [0, 1, 2]}), now=now)
+            if f.kind == "slow"]
+
+
+def test_slowed_rank_named_past_a_rank_that_habitually_issues_late() -> None:
+    """Rank 2 always issues 100 ms after the others (its place in the pipeline); rank 0 is
+    then slowed (its compute 20 -> 300 ms): rank 0 is named, on its lag's growth."""
+    plan = _paced([{0: 0.02, 1: 0.02, 2: 0.12}] * 40 + [{0: 0.30, 1: 0.02, 2: 0.12}] * 15)
+    found = _slow_verdicts(plan)
+    assert [f.ranks for f in found] == [(0,)], [f.line for f in found]
+    lag = found[0].evidence["lagging"]
+    assert lag["rank"] == 0 and lag["baseline_lag_s"] == 0.0
+    assert abs(lag["growth_s"] - 0.28) < 1e-6 and lag["others_growth_s"] < 1e-6
+    assert "rank 0 (node-u) slows group grp-a: its lag behind the first issue grew from 0 ms " \
+        "(its baseline) to 280 ms" in found[0].line
+
+
+def test_slowed_rank_that_is_habitually_late_named_on_its_growth() -> None:
+    plan = _paced([{0: 0.02, 1: 0.02, 2: 0.12}] * 40 + [{0: 0.02, 1: 0.02, 2: 0.40}] * 15)
+    found = _slow_verdicts(plan)
+    assert [f.ranks for f in found] == [(2,)], [f.line for f in found]
+    lag = found[0].evidence["lagging"]
+    assert abs(lag["baseline_lag_s"] - 0.10) < 1e-6 and abs(lag["growth_s"] - 0.28) < 1e-6
+
+
+def test_all_ranks_slowed_together_names_nobody() -> None:
+    """Load on the machine: every rank's compute 20 -> 160 ms (rank 1 still 100 ms later than
+    the others, as always, and one rank in turn 10 ms later still). The interval doubled and
+    rank 1 issues last in every op, 100 ms after the others: the rule without a per-rank
+    baseline named it. Nobody is: "load on all ranks". An op's time on the wire growing
+    instead is the transport's."""
+    jitter = [{r: 0.01 * (i % 3 == r) for r in range(3)} for i in range(55)]
+    comp = [{0: 0.02, 1: 0.12, 2: 0.02}] * 40 + [{0: 0.16, 1: 0.26, 2: 0.16}] * 15
+    plan = _paced([{r: c[r] + j[r] for r in c} for c, j in zip(comp, jitter, strict=True)])
+    found = _slow_verdicts(plan)
+    assert [f.ranks for f in found] == [()], [f.line for f in found]
+    assert found[0].evidence["cause"] == "load"
+    assert found[0].line.endswith("no rank's lag grew past the others': load on all ranks")
+    wire = [0.01] * 40 + [0.30] * 15
+    found = _slow_verdicts(_paced([{0: 0.02, 1: 0.12, 2: 0.02}] * 55, wire))
+    assert [(f.ranks, f.evidence["cause"]) for f in found] == [((), "transport")]
+    assert found[0].line.endswith("ops issued together by all ranks: transport (link) or peer")
+
+
 def test_a_verdict_read_before_the_injection_line_counts_after_it() -> None:
     """The quick kill trial's flake, deterministic: the killed rank's verdict came from a
     pass that ended 0.2 s after the injection's stamp but before the stamp's line had been
