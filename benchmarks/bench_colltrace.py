@@ -19,6 +19,9 @@
   rank), wrong (any verdict of the trial names another), within 15 s; verdicts naming no
   rank before it (a slowdown seen as "transport") are kept in the JSON. Targets: named
   within 15 s in >= 90% of trials, no wrong rank.
+* ``--only sleep,slow,...``: those fault classes alone (into ``colltrace-only.json``/``.md``);
+  ``--background-load N``: N busy processes outside the job for the whole run (a loaded
+  machine: every rank slowed alike), stopped at the end; each trial's load average is kept;
 * with ``--cluster`` (root, tc): one node's link slowed under a 2-node x 2-rank torchrun job
   on the cluster fixture (``--only-cluster``: that alone, into ``colltrace-link.json``).
 """
@@ -202,6 +205,7 @@ def faults(work: Path, trials: int, timeout_s: float,
                    "named": bool(first and rank in first.ranks),
                    "wrong": sorted({r for r in named if r != rank}),
                    "false_alarms_before": [f.line for f in trial.before],
+                   "load": _load(),
                    "unnamed_before": [f.line for f in after[:after.index(first)]]
                    if first in after else [f.line for f in after]}
             rows.append(row)
@@ -213,6 +217,7 @@ def faults(work: Path, trials: int, timeout_s: float,
         results[fault] = {"trials": rows, "p50_s": _pct(times, 50), "p90_s": _pct(times, 90),
                           "named": sum(r["named"] for r in rows), "n": len(rows),
                           "wrong": sum(bool(r["wrong"]) for r in rows),
+                          "no_verdict": sum(r["verdict_s"] is None for r in rows),
                           "within_target": len(ok) / len(rows) if rows else 0.0}
     return results
 
@@ -298,6 +303,23 @@ def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
             "detected": sum(r["verdict_s"] is not None for r in rows)}
 
 
+@contextlib.contextmanager
+def background_load(n: int) -> Any:
+    """``n`` busy processes outside the job (a loaded machine), each killed by its pid at the
+    end, also when the run is interrupted."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                              stdin=subprocess.DEVNULL, start_new_session=True)
+             for _ in range(n)]
+    if procs:
+        log(f"background load: {n} busy processes {[p.pid for p in procs]}")
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def _pct(values: list[float], q: int) -> float | None:
     if not values:
         return None
@@ -330,12 +352,25 @@ def main(argv: list[str] | None = None) -> int:
                    help="also the slowed-link fault on the cluster fixture (root, tc)")
     p.add_argument("--only-cluster", action="store_true",
                    help="only the slowed-link fault (its results: colltrace-link.json/.md)")
+    p.add_argument("--only", default="",
+                   help=f"only these fault classes, comma-separated ({','.join(FAULTS)}): "
+                   "colltrace-only.json/.md")
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="N busy processes outside the job for the whole run")
     args = p.parse_args(argv)
+    only = tuple(f for f in args.only.split(",") if f)
+    if bad := [f for f in only if f not in FAULTS]:
+        p.error(f"--only: unknown fault class {', '.join(bad)}; known: {', '.join(FAULTS)}")
+    if args.background_load < 0:
+        p.error("--background-load: a number of processes, 0 or more")
     trials = args.trials or (1 if args.quick else 10)
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:  # the run's own directory under the suites' cache
         work = work_dir("bench-colltrace-", stack)  # (a file there: FileExistsError, exit 1)
+        stack.enter_context(background_load(args.background_load))
+        if only:
+            return _only(args, only, work, results, trials)
         if args.only_cluster:
             link = cluster_link(work, trials, timeout_s=60.0)
             (results / "colltrace-link.json").write_text(json.dumps(
@@ -344,6 +379,35 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({k: v for k, v in link.items() if k != "trials"}))
             return 0
         return _full(args, work, results, trials)
+
+
+def _only(args: argparse.Namespace, only: tuple[str, ...], work: Path, results: Path,
+          trials: int) -> int:
+    """Only the fault classes asked for: colltrace-only.json and colltrace-only.md."""
+    load_before = _load()
+    started = time.time()
+    f = faults(work, trials, timeout_s=60.0, which=only)
+    doc = {"command": command_line("bench_colltrace.py"), "load_before": load_before,
+           "load_after": _load(), "background_load": args.background_load,
+           "seconds": round(time.time() - started, 1), "faults": f,
+           **source_state(["bootseer/colltrace", "bootseer/testing/colltrace_job.py"])}
+    (results / "colltrace-only.json").write_text(json.dumps(doc, indent=2))
+    md = [f"# colltrace ({', '.join(only)})", "",
+          f"command: `{doc['command']}`; background load {args.background_load} busy "
+          f"processes; load {load_before} -> {doc['load_after']}", "",
+          *md_table(["fault", "trials", "named", "wrong", "no verdict", "p50", "p90",
+                     f"named <= {TARGET_S:.0f} s"], _fault_rows(f, no_verdict=True))]
+    (results / "colltrace-only.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+def _fault_rows(f: dict[str, Any], no_verdict: bool = False) -> list[list[str]]:
+    return [[k, str(v["n"]), f"{v['named']}/{v['n']}", str(v["wrong"]),
+             *([str(v.get("no_verdict", "-"))] if no_verdict else []),
+             "-" if v["p50_s"] is None else f"{v['p50_s']:.2f} s",
+             "-" if v["p90_s"] is None else f"{v['p90_s']:.2f} s",
+             f"{v['within_target'] * 100:.0f}%"] for k, v in f.items()]
 
 
 def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> int:
@@ -370,10 +434,7 @@ def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> i
            "not_run": [] if args.cluster else ["link slowed on one node (needs --cluster)"],
            **source_state(["bootseer/colltrace", "bootseer/testing/colltrace_job.py"])}
     (results / "colltrace.json").write_text(json.dumps(doc, indent=2))
-    rows = [[k, str(v["n"]), f"{v['named']}/{v['n']}", str(v["wrong"]),
-             "-" if v["p50_s"] is None else f"{v['p50_s']:.2f} s",
-             "-" if v["p90_s"] is None else f"{v['p90_s']:.2f} s",
-             f"{v['within_target'] * 100:.0f}%"] for k, v in f.items()]
+    rows = _fault_rows(f)
     md = [f"# colltrace ({'quick' if args.quick else 'full'})", "",
           f"command: `{doc['command']}`; load {load_before} -> {doc['load_after']}", "",
           f"cost per op (world-1 gloo all_reduce of 4 floats): {m['op_us_untraced']:.1f} us "
