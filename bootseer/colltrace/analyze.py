@@ -139,7 +139,7 @@ class Analyzer:
         self.findings: list[Finding] = []
         self._baseline: dict[str, tuple[float, float]] = {}  # group -> (interval, bytes/s)
         self._slow: dict[str, bool] = {}  # group in a slow episode -> a rank was named
-        self._lag_base: dict[str, dict[int, float]] = {}  # group -> rank -> baseline lag
+        self._candidate: dict[str, tuple[int, int]] = {}  # group -> (rank, seq first seen)
         self._wire_base: dict[str, float] = {}  # group -> an op's baseline time on the wire
         self._mismatched: dict[str, int] = {}  # group -> the first mismatched sequence
         self.grid: dict[str, dict[int, str]] = {}  # group display -> rank -> state
@@ -472,6 +472,7 @@ class Analyzer:
         if not slow:
             if interval < 1.5 * interval0:
                 self._slow.pop(view.name, None)
+            self._candidate.pop(view.name, None)
             return []
         if self._slow.get(view.name):
             return []  # said, with its rank, in this slow episode
@@ -487,8 +488,21 @@ class Analyzer:
         # by twice the most any other rank's grew: a rank that habitually issues late (its
         # place in the pipeline, a slower node) keeps its baseline lag; load on the machine
         # slows every rank alike. A throughput drop with the interval kept is the transport's
-        named = (g is not None and interval > 1.5 * interval0 and g.growth > 0.5 * added
-                 and g.growth > max(2 * g.others, self.min_growth_s))
+        passes = (g is not None and interval > 1.5 * interval0 and g.growth > 0.5 * added
+                  and g.growth > max(2 * g.others, self.min_growth_s))
+        # and only when the same rank passed in a window half a window earlier: a slowdown
+        # that starts on every rank (a hog takes a core of two) must not blame a lag that the
+        # machine gave another rank in the ops just before it
+        cand = self._candidate.get(view.name)
+        if not passes or g is None or cand is None or cand[0] != g.rank:
+            cand = (g.rank, recent[-1]) if passes and g is not None else None
+        if cand is None:
+            self._candidate.pop(view.name, None)
+        else:
+            self._candidate[view.name] = cand
+        named = cand is not None and recent[-1] - cand[1] >= self.window_ops // 2
+        if passes and not named:
+            return []  # a rank to confirm: nothing said yet
         ev = {"interval_s": round(interval, 4), "baseline_interval_s": round(interval0, 4),
               "bytes_per_s": round(tput), "baseline_bytes_per_s": round(tput0),
               "window_ops": len(recent),
@@ -500,6 +514,7 @@ class Analyzer:
         if said is not None and not named:
             return []  # said already in this episode (naming nobody); a rank may still follow
         if named and g is not None:
+            self._candidate.pop(view.name, None)
             line = (f"{self._where(g.rank, by_rank)} slows group {view.display}: its lag behind "
                     f"the first issue"
                     + (f" in group {where.display}" if where is not view else "")
@@ -522,20 +537,16 @@ class Analyzer:
 
     def _lag_growth(self, view: GroupView) -> LagGrowth | None:
         """Per rank, its lag behind the group's first issue of each op: the median over the
-        last ``window_ops`` complete ops against the median over its baseline ops (the same
-        ops as the group's interval baseline, after the warm-up); the rank whose lag grew
-        most, and the most any other rank's grew. None before the window is past the
-        baseline."""
+        last ``window_ops`` complete ops against the median over the ``baseline_ops`` before
+        them (its recent baseline, after the warm-up: a rank the machine made late before
+        the slowdown keeps that lag in its baseline); the rank whose lag grew most, and the
+        most any other rank's grew. None before the window is past the first baseline."""
         complete = _complete(view)
-        if len(complete) < self.warmup_ops + self.baseline_ops or len(view.ops) < 2:
+        if len(complete) < self.warmup_ops + self.baseline_ops + self.window_ops or \
+                len(view.ops) < 2:
             return None
-        if view.name not in self._lag_base:
-            self._lag_base[view.name] = _lags(
-                view, complete[self.warmup_ops:self.warmup_ops + self.baseline_ops])
-        base = self._lag_base[view.name]
         recent = complete[-self.window_ops:]
-        if recent[0] <= complete[self.warmup_ops + self.baseline_ops - 1]:
-            return None
+        base = _lags(view, complete[-self.window_ops - self.baseline_ops:-self.window_ops])
         now_lags = _lags(view, recent)
         growth = {r: now_lags[r] - base.get(r, 0.0) for r in now_lags}
         rank = max(growth, key=growth.__getitem__)
