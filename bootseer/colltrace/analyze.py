@@ -139,7 +139,7 @@ class Analyzer:
         self.findings: list[Finding] = []
         self._baseline: dict[str, tuple[float, float]] = {}  # group -> (interval, bytes/s)
         self._slow: dict[str, bool] = {}  # group in a slow episode -> a rank was named
-        self._candidate: dict[str, tuple[int, int]] = {}  # group -> (rank, seq first seen)
+        self._candidate: dict[str, LagGrowth] = {}  # slowed group -> the rank to confirm
         self._wire_base: dict[str, float] = {}  # group -> an op's baseline time on the wire
         self._mismatched: dict[str, int] = {}  # group -> the first mismatched sequence
         self.grid: dict[str, dict[int, str]] = {}  # group display -> rank -> state
@@ -490,17 +490,22 @@ class Analyzer:
         # slows every rank alike. A throughput drop with the interval kept is the transport's
         passes = (g is not None and interval > 1.5 * interval0 and g.growth > 0.5 * added
                   and g.growth > max(2 * g.others, self.min_growth_s))
-        # and only when the same rank passed in a window half a window earlier: a slowdown
-        # that starts on every rank (a hog takes a core of two) must not blame a lag that the
-        # machine gave another rank in the ops just before it
-        cand = self._candidate.get(view.name)
-        if not passes or g is None or cand is None or cand[0] != g.rank:
-            cand = (g.rank, recent[-1]) if passes and g is not None else None
-        if cand is None:
-            self._candidate.pop(view.name, None)
-        else:
-            self._candidate[view.name] = cand
-        named = cand is not None and recent[-1] - cand[1] >= self.window_ops // 2
+        # and only when the ops issued since it passed confirm it (its lag, against the same
+        # baseline, the largest and over twice the others'): a slowdown that starts on every
+        # rank (a hog takes a core of two) must not blame a lag that the machine gave another
+        # rank in the ops just before it
+        cand = self._candidate.pop(view.name, None)
+        named = False
+        if passes and g is not None:
+            if cand is None or cand.rank != g.rank or cand.group != g.group:
+                cand = g
+            else:
+                confirmed = self._confirmed(cand, views[cand.group])
+                named = confirmed is True
+                if confirmed is False:
+                    cand = g  # not borne out: what passes now is the one to confirm
+            if not named:
+                self._candidate[view.name] = cand
         if passes and not named:
             return []  # a rank to confirm: nothing said yet
         ev = {"interval_s": round(interval, 4), "baseline_interval_s": round(interval0, 4),
@@ -514,7 +519,6 @@ class Analyzer:
         if said is not None and not named:
             return []  # said already in this episode (naming nobody); a rank may still follow
         if named and g is not None:
-            self._candidate.pop(view.name, None)
             line = (f"{self._where(g.rank, by_rank)} slows group {view.display}: its lag behind "
                     f"the first issue"
                     + (f" in group {where.display}" if where is not view else "")
@@ -552,7 +556,19 @@ class Analyzer:
         rank = max(growth, key=growth.__getitem__)
         others = max((v for r, v in growth.items() if r != rank), default=0.0)
         return LagGrowth(rank, growth[rank], others, base.get(rank, 0.0), now_lags[rank],
-                         len(recent))
+                         len(recent), view.name, recent[-1], base)
+
+    def _confirmed(self, cand: LagGrowth, view: GroupView) -> bool | None:
+        """Whether the ops after ``cand``'s window bear it out (None: too few yet, a quarter
+        of a window): its lag over them against its baseline grew the most, past the floor
+        and past twice any other rank's growth."""
+        new = [s for s in _complete(view) if s > cand.last]
+        if len(new) < max(2, self.window_ops // 4):
+            return None
+        lags = _lags(view, new)
+        growth = {r: v - cand.base_all.get(r, 0.0) for r, v in lags.items()}
+        others = max((v for r, v in growth.items() if r != cand.rank), default=0.0)
+        return growth.get(cand.rank, 0.0) > max(2 * others, self.min_growth_s)
 
 
 @dataclass
@@ -566,6 +582,9 @@ class LagGrowth:
     base: float
     recent: float
     window: int
+    group: str = ""  # the group's torch name
+    last: int = 0  # the window's last sequence number
+    base_all: dict[int, float] = field(default_factory=dict)  # every rank's baseline lag
 
     @property
     def margin(self) -> float:
