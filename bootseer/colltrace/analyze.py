@@ -536,7 +536,7 @@ class Analyzer:
         else:
             ev["cause"] = "load"
             line = (f"group {view.display} slowed: op interval {ratio:.1f}x its baseline, no "
-                    f"rank's lag grew past the others': load on all ranks")
+                    f"rank's lag grew past the others': load on all ranks (or a link)")
         return [Finding("slow", view.display, (), op, recent[-1], line, now, ev)]
 
     def _lag_growth(self, view: GroupView) -> LagGrowth | None:
