@@ -22,8 +22,13 @@
 * ``--only sleep,slow,...``: those fault classes alone (into ``colltrace-only.json``/``.md``);
   ``--background-load N``: N busy processes outside the job for the whole run (a loaded
   machine: every rank slowed alike), stopped at the end; each trial's load average is kept;
-* with ``--cluster`` (root, tc): one node's link slowed under a 2-node x 2-rank torchrun job
-  on the cluster fixture (``--only-cluster``: that alone, into ``colltrace-link.json``).
+* with ``--cluster`` (root, tc): one node's link slowed on the cluster fixture
+  (``--only-cluster``: that alone, into ``colltrace-link.json``). ``--link-path controller``
+  (the default): ``bootseer controller`` and ``bootseer run --controller --colltrace`` on 3
+  nodes of one rank each; the controller's fail-slow rounds (every 10 s) suspect a link from
+  the shipped windows, order every agent to probe its own, and name the node: suspicion and
+  node named, from ``slow_link`` returning. ``--link-path command``: a 2-node x 2-rank
+  torchrun job read by one Watch, the store probe run per node after the first verdict.
 """
 
 from __future__ import annotations

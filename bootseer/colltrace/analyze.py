@@ -506,8 +506,7 @@ class Analyzer:
                     cand = g  # not borne out: what passes now is the one to confirm
             if not named:
                 self._candidate[view.name] = cand
-        if passes and not named:
-            return []  # a rank to confirm: nothing said yet
+        pending = passes and not named  # a rank to confirm: the slowdown is said, no rank
         ev = {"interval_s": round(interval, 4), "baseline_interval_s": round(interval0, 4),
               "bytes_per_s": round(tput), "baseline_bytes_per_s": round(tput0),
               "window_ops": len(recent),
@@ -529,7 +528,12 @@ class Analyzer:
             return [Finding("slow", view.display, (g.rank,), op, recent[-1], line, now, ev)]
         wire0, wire = self._wire_base[view.name], _wire(view, recent)
         ev["wire_s"], ev["baseline_wire_s"] = round(wire, 4), round(wire0, 4)
-        if wire - wire0 > 0.5 * max(added, 0.0) or interval <= 1.5 * interval0:
+        if pending and g is not None:  # (one pass of a fresh analyzer, as the controller's
+            ev["cause"] = "unconfirmed"  # is, never confirms: its suspicion is this line)
+            line = (f"group {view.display} slowed: op interval {ratio:.1f}x its baseline; "
+                    f"{self._where(g.rank, by_rank)}'s lag grew, not yet borne out by the "
+                    f"ops after it: no rank named yet")
+        elif wire - wire0 > 0.5 * max(added, 0.0) or interval <= 1.5 * interval0:
             ev["cause"] = "transport"
             line = (f"group {view.display} slowed: op interval {ratio:.1f}x its baseline, ops "
                     f"issued together by all ranks: transport (link) or peer")
