@@ -19,8 +19,16 @@
   rank), wrong (any verdict of the trial names another), within 15 s; verdicts naming no
   rank before it (a slowdown seen as "transport") are kept in the JSON. Targets: named
   within 15 s in >= 90% of trials, no wrong rank.
-* with ``--cluster`` (root, tc): one node's link slowed under a 2-node x 2-rank torchrun job
-  on the cluster fixture (``--only-cluster``: that alone, into ``colltrace-link.json``).
+* ``--only sleep,slow,...``: those fault classes alone (into ``colltrace-only.json``/``.md``);
+  ``--background-load N``: N busy processes outside the job for the whole run (a loaded
+  machine: every rank slowed alike), stopped at the end; each trial's load average is kept;
+* with ``--cluster`` (root, tc): one node's link slowed on the cluster fixture
+  (``--only-cluster``: that alone, into ``colltrace-link.json``). ``--link-path controller``
+  (the default): ``bootseer controller`` and ``bootseer run --controller --colltrace`` on 3
+  nodes of one rank each; the controller's fail-slow rounds (every 10 s) suspect a link from
+  the shipped windows, order every agent to probe its own, and name the node: suspicion and
+  node named, from ``slow_link`` returning. ``--link-path command``: a 2-node x 2-rank
+  torchrun job read by one Watch, the store probe run per node after the first verdict.
 """
 
 from __future__ import annotations
@@ -202,6 +210,7 @@ def faults(work: Path, trials: int, timeout_s: float,
                    "named": bool(first and rank in first.ranks),
                    "wrong": sorted({r for r in named if r != rank}),
                    "false_alarms_before": [f.line for f in trial.before],
+                   "load": _load(),
                    "unnamed_before": [f.line for f in after[:after.index(first)]]
                    if first in after else [f.line for f in after]}
             rows.append(row)
@@ -213,6 +222,7 @@ def faults(work: Path, trials: int, timeout_s: float,
         results[fault] = {"trials": rows, "p50_s": _pct(times, 50), "p90_s": _pct(times, 90),
                           "named": sum(r["named"] for r in rows), "n": len(rows),
                           "wrong": sum(bool(r["wrong"]) for r in rows),
+                          "no_verdict": sum(r["verdict_s"] is None for r in rows),
                           "within_target": len(ok) / len(rows) if rows else 0.0}
     return results
 
@@ -298,6 +308,140 @@ def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
             "detected": sum(r["verdict_s"] is not None for r in rows)}
 
 
+@contextlib.contextmanager
+def background_load(n: int) -> Any:
+    """``n`` busy processes outside the job (a loaded machine), each killed by its pid at the
+    end, also when the run is interrupted."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                              stdin=subprocess.DEVNULL, start_new_session=True)
+             for _ in range(n)]
+    if procs:
+        log(f"background load: {n} busy processes {[p.pid for p in procs]}")
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def controller_link(work: Path, trials: int, timeout_s: float, failslow_s: float = 10.0,
+                    log_to: Any = None) -> dict[str, Any]:
+    """One node's link slowed (tc) under the real path: ``bootseer controller`` on the
+    controller host and ``bootseer run --controller --colltrace`` on each of 3 nodes around a
+    1-rank-per-node torchrun job. The agents ship their ring windows; on the tracer's
+    suspicion (a slowdown or a stuck op naming no rank) a fail-slow round orders every agent
+    to probe its link, and the next round names the node. Injection = ``slow_link``
+    returning; the times are the controller's log lines' arrival."""
+    import shlex
+    import threading
+
+    from bootseer.testing.cluster import Cluster, Link
+    from bootseer.testing.cluster_host import wait_for_line
+
+    repo = str(Path(__file__).resolve().parents[1])
+    rows = []
+    for i in range(trials):
+        out = work / f"ctl-link-{i}"
+        out.mkdir(parents=True)
+        lines: list[tuple[float, str]] = []
+        with contextlib.ExitStack() as stack, Cluster(
+                3, link=Link(rate="200mbit"), services=("rendezvous",), workdir=work) as c:
+            ctl = c.services.popen(
+                [sys.executable, "-m", "bootseer", "controller", "--store",
+                 f"127.0.0.1:{c.services.rendezvous_endpoint.rsplit(':', 1)[1]}",
+                 "--trace-dir", str(out / "ctl"), "--exclusion", str(out / "excluded.json"),
+                 "--failslow-interval", str(failslow_s)],
+                env={"PYTHONPATH": repo}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            # its log lines on stderr, READY alone on stdout (a warning and READY in one read
+            # would leave READY in the buffer, unselected)
+            threading.Thread(target=_stamped, args=(ctl.stderr, lines), daemon=True).start()
+            wait_for_line(ctl, "READY", "the controller", 180)
+            agents = []
+            for n in c.nodes:
+                job = n.torchrun(["-m", "bootseer.testing.colltrace_job", "--torchrun",
+                                  "--dir", "@DIR@", "--numel", "262144", "--work-ms", "20",
+                                  "--steps", "100000"], nnodes=3, nproc_per_node=1,
+                                 max_restarts=0)
+                line = shlex.join(job).replace("@DIR@", '"$BOOTSEER_COLLTRACE_DIR"')
+                argv = [sys.executable, "-m", "bootseer", "run", "--controller",
+                        c.services.rendezvous_endpoint, "--node", n.name, "--colltrace",
+                        "--colltrace-dir", str(out / f"rings-{n.name}"),
+                        "--colltrace-poll", "0.5", "--state-dir", str(out / f"state-{n.name}"),
+                        "--trace-dir", str(out / f"trace-{n.name}"), "--min-free-disk", "0",
+                        "--min-free-memory", "0", "--max-restarts", "0", "--",
+                        "sh", "-c", "exec " + line]
+                agents.append(n.popen(argv, env={"PYTHONPATH": repo}, stdout=subprocess.DEVNULL,
+                                      stderr=stack.enter_context(
+                                          open(out / f"agent-{n.name}.err", "ab"))))
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:  # a baseline first: 80 ops in every group
+                counts = [max((len(s.ops) for d in (out / f"rings-{n.name}").glob("attempt-*")
+                               for s in read_rings_safe(d)), default=0) for n in c.nodes]
+                if min(counts) >= 170:
+                    break
+                time.sleep(1)
+            started = len(lines)
+            c.slow_link(1, rate="20mbit")
+            injected = time.time()
+            suspected = named_at = None
+            node = None
+            end = time.monotonic() + timeout_s
+            while time.monotonic() < end and node is None:
+                for t, ln in lines[started:]:
+                    if suspected is None and "every node probes its link" in ln:
+                        suspected = t
+                    if "'s link is slow" in ln:
+                        node, named_at = ln.split("fail-slow: ", 1)[1].split("'s link")[0], t
+                        break
+                time.sleep(0.25)
+            for proc in agents:
+                proc.terminate()
+            for proc in agents:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=30)
+            ctl.kill()
+        said = [ln for _, ln in lines[started:] if "fail-slow" in ln]
+        row = {"suspected_s": None if suspected is None else round(suspected - injected, 3),
+               "node": node, "node_s": None if named_at is None else
+               round(named_at - injected, 3), "node_named": node == "node1",
+               "node_wrong": node is not None and node != "node1", "lines": said[:12],
+               "controller_tail": [ln for _, ln in lines[-15:]],
+               "load": _load()}
+        rows.append(row)
+        (log_to or log)(f"controller link trial {i}: suspected at {row['suspected_s']} s, "
+                        f"node {node} at {row['node_s']} s; {said[:3]}")
+        shutil.rmtree(out, ignore_errors=True)
+    times = [r["node_s"] for r in rows if r["node_named"]]
+    return {"trials": rows, "n": len(rows), "node_named": sum(r["node_named"] for r in rows),
+            "node_wrong": sum(r["node_wrong"] for r in rows),
+            "no_verdict": sum(r["node"] is None for r in rows),
+            "node_p50_s": _pct(times, 50), "node_p90_s": _pct(times, 90),
+            "suspected_p50_s": _pct([r["suspected_s"] for r in rows
+                                     if r["suspected_s"] is not None], 50),
+            # the fault table's columns: the node named is the verdict here
+            "named": sum(r["node_named"] for r in rows),
+            "wrong": sum(r["node_wrong"] for r in rows),
+            "p50_s": _pct(times, 50), "p90_s": _pct(times, 90),
+            "within_target": sum(1 for t in times if t <= TARGET_S) / max(1, len(rows))}
+
+
+def _stamped(stream: Any, into: list[tuple[float, str]]) -> None:
+    """Each line of ``stream`` with its arrival time, into ``into``."""
+    for raw in iter(stream.readline, b""):
+        into.append((time.time(), raw.decode("utf-8", "replace").rstrip()))
+
+
+def read_rings_safe(directory: Path) -> list[Any]:
+    """The rings of ``directory``; none while it is being made."""
+    from bootseer.colltrace.ring import read_rings
+
+    try:
+        return read_rings(directory)
+    except (OSError, ValueError):
+        return []
+
+
 def _pct(values: list[float], q: int) -> float | None:
     if not values:
         return None
@@ -330,20 +474,67 @@ def main(argv: list[str] | None = None) -> int:
                    help="also the slowed-link fault on the cluster fixture (root, tc)")
     p.add_argument("--only-cluster", action="store_true",
                    help="only the slowed-link fault (its results: colltrace-link.json/.md)")
+    p.add_argument("--link-path", choices=("controller", "command"), default="controller",
+                   help="the slowed-link trial: the controller and its agents on the cluster "
+                   "(default), or the store probe run as a command per node")
+    p.add_argument("--only", default="",
+                   help=f"only these fault classes, comma-separated ({','.join(FAULTS)}): "
+                   "colltrace-only.json/.md")
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="N busy processes outside the job for the whole run")
     args = p.parse_args(argv)
+    only = tuple(f for f in args.only.split(",") if f)
+    if bad := [f for f in only if f not in FAULTS]:
+        p.error(f"--only: unknown fault class {', '.join(bad)}; known: {', '.join(FAULTS)}")
+    if args.background_load < 0:
+        p.error("--background-load: a number of processes, 0 or more")
     trials = args.trials or (1 if args.quick else 10)
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:  # the run's own directory under the suites' cache
         work = work_dir("bench-colltrace-", stack)  # (a file there: FileExistsError, exit 1)
+        stack.enter_context(background_load(args.background_load))
+        if only:
+            return _only(args, only, work, results, trials)
         if args.only_cluster:
-            link = cluster_link(work, trials, timeout_s=60.0)
+            link = (controller_link(work, trials, timeout_s=120.0)
+                    if args.link_path == "controller" else
+                    cluster_link(work, trials, timeout_s=60.0))
             (results / "colltrace-link.json").write_text(json.dumps(
                 {"command": command_line("bench_colltrace.py"), "load": _load(),
                  "link": link}, indent=2))
             print(json.dumps({k: v for k, v in link.items() if k != "trials"}))
             return 0
         return _full(args, work, results, trials)
+
+
+def _only(args: argparse.Namespace, only: tuple[str, ...], work: Path, results: Path,
+          trials: int) -> int:
+    """Only the fault classes asked for: colltrace-only.json and colltrace-only.md."""
+    load_before = _load()
+    started = time.time()
+    f = faults(work, trials, timeout_s=60.0, which=only)
+    doc = {"command": command_line("bench_colltrace.py"), "load_before": load_before,
+           "load_after": _load(), "background_load": args.background_load,
+           "seconds": round(time.time() - started, 1), "faults": f,
+           **source_state(["bootseer/colltrace", "bootseer/testing/colltrace_job.py"])}
+    (results / "colltrace-only.json").write_text(json.dumps(doc, indent=2))
+    md = [f"# colltrace ({', '.join(only)})", "",
+          f"command: `{doc['command']}`; background load {args.background_load} busy "
+          f"processes; load {load_before} -> {doc['load_after']}", "",
+          *md_table(["fault", "trials", "named", "wrong", "no verdict", "p50", "p90",
+                     f"named <= {TARGET_S:.0f} s"], _fault_rows(f, no_verdict=True))]
+    (results / "colltrace-only.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+def _fault_rows(f: dict[str, Any], no_verdict: bool = False) -> list[list[str]]:
+    return [[k, str(v["n"]), f"{v['named']}/{v['n']}", str(v["wrong"]),
+             *([str(v.get("no_verdict", "-"))] if no_verdict else []),
+             "-" if v["p50_s"] is None else f"{v['p50_s']:.2f} s",
+             "-" if v["p90_s"] is None else f"{v['p90_s']:.2f} s",
+             f"{v['within_target'] * 100:.0f}%"] for k, v in f.items()]
 
 
 def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> int:
@@ -363,17 +554,16 @@ def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> i
     f = faults(work, trials, timeout_s=60.0,
                which=("sleep", "kill") if args.quick else FAULTS)
     if args.cluster:
-        f["link"] = cluster_link(work, trials, timeout_s=60.0)
+        f["link"] = (controller_link(work, trials, timeout_s=120.0)
+                     if args.link_path == "controller" else
+                     cluster_link(work, trials, timeout_s=60.0))
     doc = {"command": command_line("bench_colltrace.py"), "quick": args.quick,
            "load_before": load_before, "load_after": _load(),
            "seconds": round(time.time() - started, 1), "micro": m, "overhead": o, "alternating": alt, "faults": f,
            "not_run": [] if args.cluster else ["link slowed on one node (needs --cluster)"],
            **source_state(["bootseer/colltrace", "bootseer/testing/colltrace_job.py"])}
     (results / "colltrace.json").write_text(json.dumps(doc, indent=2))
-    rows = [[k, str(v["n"]), f"{v['named']}/{v['n']}", str(v["wrong"]),
-             "-" if v["p50_s"] is None else f"{v['p50_s']:.2f} s",
-             "-" if v["p90_s"] is None else f"{v['p90_s']:.2f} s",
-             f"{v['within_target'] * 100:.0f}%"] for k, v in f.items()]
+    rows = _fault_rows(f)
     md = [f"# colltrace ({'quick' if args.quick else 'full'})", "",
           f"command: `{doc['command']}`; load {load_before} -> {doc['load_after']}", "",
           f"cost per op (world-1 gloo all_reduce of 4 floats): {m['op_us_untraced']:.1f} us "

@@ -137,6 +137,93 @@ def test_rank_inside_another_groups_op_is_not_called_never_issued() -> None:
 
 
 
+def _paced(computes: list[dict[int, float]], wire: list[float] | None = None
+           ) -> dict[int, dict[str, list[tuple[float, float | None]]]]:
+    """Ranks that each compute for their own time between ops (``computes[i][rank]`` before
+    op i+1), then issue; every op completes ``wire[i]`` (10 ms) after its last issue."""
+    plan: dict[int, dict[str, list[tuple[float, float | None]]]] = {
+        r: {"grp-a": []} for r in computes[0]}
+    done = 50.0
+    for i, comp in enumerate(computes):
+        issue = {r: done + c for r, c in comp.items()}
+        done = max(issue.values()) + (wire[i] if wire else 0.01)
+        for r, t in issue.items():
+            plan[r]["grp-a"].append((t, done))
+    return plan
+
+
+def _slow_verdicts(plan: dict[int, dict[str, list[tuple[float, float | None]]]]) -> list:
+    """The slow verdicts of a pass after each op from the 40th (the reader's polls)."""
+    an = Analyzer(alive=lambda snap: True)
+    found = []
+    for k in range(40, len(plan[0]["grp-a"]) + 1):
+        upto = {r: {"grp-a": g["grp-a"][:k]} for r, g in plan.items()}
+        now = max(t1 for g in upto.values() for t0, t1 in g["grp-a"] if t1) + 0.01
+        found += an.analyze(_snaps(upto, {"grp-a": [0, 1, 2]}), now=now)
+    return [f for f in found if f.kind == "slow"]
+
+
+def test_slowed_rank_named_past_a_rank_that_habitually_issues_late() -> None:
+    """Rank 2 always issues 100 ms after the others (its place in the pipeline); rank 0 is
+    then slowed (its compute 20 -> 300 ms): rank 0 is named, on its lag's growth."""
+    plan = _paced([{0: 0.02, 1: 0.02, 2: 0.12}] * 40 + [{0: 0.30, 1: 0.02, 2: 0.12}] * 25)
+    found = _slow_verdicts(plan)
+    # first the slowdown with rank 0 to confirm (no rank named), then rank 0 once borne out
+    assert [f.ranks for f in found] == [(), (0,)], [f.line for f in found]
+    assert found[0].evidence["cause"] == "unconfirmed" and "rank 0 (node-u)'s lag grew, not " \
+        "yet borne out" in found[0].line
+    # the controller's fresh analyzer per round (one pass) says the slowdown, naming nobody:
+    # its suspicion of a link, never silence while a rank waits to be confirmed
+    end = plan[0]["grp-a"][-1][1] + 0.01
+    once = Analyzer(alive=lambda snap: True).analyze(_snaps(plan, {"grp-a": [0, 1, 2]}), end)
+    assert [(f.kind, f.ranks) for f in once] == [("slow", ())], [f.line for f in once]
+    found = found[1:]
+    lag = found[0].evidence["lagging"]
+    assert lag["rank"] == 0 and lag["baseline_lag_s"] == 0.0
+    assert abs(lag["growth_s"] - 0.28) < 1e-6 and lag["others_growth_s"] < 1e-6
+    assert "rank 0 (node-u) slows group grp-a: its lag behind the first issue grew from 0 ms " \
+        "(its baseline) to 280 ms" in found[0].line
+
+
+def test_slowed_rank_that_is_habitually_late_named_on_its_growth() -> None:
+    plan = _paced([{0: 0.02, 1: 0.02, 2: 0.12}] * 40 + [{0: 0.02, 1: 0.02, 2: 0.40}] * 25)
+    found = [f for f in _slow_verdicts(plan) if f.ranks]
+    assert [f.ranks for f in found] == [(2,)], [f.line for f in found]
+    lag = found[0].evidence["lagging"]
+    assert abs(lag["baseline_lag_s"] - 0.10) < 1e-6 and abs(lag["growth_s"] - 0.28) < 1e-6
+
+
+def test_a_lag_the_machine_gave_another_rank_just_before_is_not_blamed() -> None:
+    """The benchmark's wrong names under load: rank 0 issues 40 ms late for 8 ops (the
+    machine), then rank 2 is hogged (600 ms) and the group's throughput halves at once, its
+    window still mostly rank 0's lag. Named only once the same rank passes again half a
+    window later: rank 2, never rank 0."""
+    plan = _paced([{0: 0.05, 1: 0.05, 2: 0.05}] * 40 + [{0: 0.09, 1: 0.05, 2: 0.05}] * 8
+                  + [{0: 0.09, 1: 0.05, 2: 0.60}] * 25)
+    found = _slow_verdicts(plan)
+    assert [f.ranks for f in found if f.ranks] == [(2,)], [f.line for f in found]
+
+
+def test_all_ranks_slowed_together_names_nobody() -> None:
+    """Load on the machine: every rank's compute 20 -> 160 ms (rank 1 still 100 ms later than
+    the others, as always, and one rank in turn 10 ms later still). The interval doubled and
+    rank 1 issues last in every op, 100 ms after the others: the rule without a per-rank
+    baseline named it. Nobody is: "load on all ranks". An op's time on the wire growing
+    instead is the transport's."""
+    jitter = [{r: 0.01 * (i % 3 == r) for r in range(3)} for i in range(65)]
+    comp = [{0: 0.02, 1: 0.12, 2: 0.02}] * 40 + [{0: 0.16, 1: 0.26, 2: 0.16}] * 25
+    plan = _paced([{r: c[r] + j[r] for r in c} for c, j in zip(comp, jitter, strict=True)])
+    found = _slow_verdicts(plan)
+    assert [f.ranks for f in found] == [()], [f.line for f in found]
+    assert found[0].evidence["cause"] == "load"
+    assert found[0].line.endswith("no rank's lag grew past the others': load on all ranks "
+                                  "(or a link)")
+    wire = [0.01] * 40 + [0.30] * 25
+    found = _slow_verdicts(_paced([{0: 0.02, 1: 0.12, 2: 0.02}] * 65, wire))
+    assert [(f.ranks, f.evidence["cause"]) for f in found] == [((), "transport")]
+    assert found[0].line.endswith("ops issued together by all ranks: transport (link) or peer")
+
+
 def test_a_verdict_read_before_the_injection_line_counts_after_it() -> None:
     """The quick kill trial's flake, deterministic: the killed rank's verdict came from a
     pass that ended 0.2 s after the injection's stamp but before the stamp's line had been

@@ -124,13 +124,13 @@ class Analyzer:
     """Stateful across passes: the learned baselines and the findings already said."""
 
     def __init__(self, *, stuck_s: float = 0.0, floor_s: float = 2.0, k: float = 10.0,
-                 straggler_s: float = 1.0, warmup_ops: int = 5, baseline_ops: int = 30,
+                 straggler_s: float = 1.0, min_growth_s: float = 0.005, warmup_ops: int = 5, baseline_ops: int = 30,
                  window_ops: int = 12, alive: Callable[[RingSnapshot], bool | None] | None = None,
                  node: str | None = None,
                  state: Callable[[RingSnapshot], tuple[str, int] | None] | None = None
                  ) -> None:
         self.stuck_s, self.floor_s, self.k = stuck_s, floor_s, k
-        self.straggler_s = straggler_s
+        self.straggler_s, self.min_growth_s = straggler_s, min_growth_s
         self.warmup_ops, self.baseline_ops, self.window_ops = warmup_ops, baseline_ops, window_ops
         self.node = node or os.environ.get("BOOTSEER_NODE") or os.uname().nodename
         self.alive = alive or self._same_node_alive
@@ -139,6 +139,8 @@ class Analyzer:
         self.findings: list[Finding] = []
         self._baseline: dict[str, tuple[float, float]] = {}  # group -> (interval, bytes/s)
         self._slow: dict[str, bool] = {}  # group in a slow episode -> a rank was named
+        self._candidate: dict[str, LagGrowth] = {}  # slowed group -> the rank to confirm
+        self._wire_base: dict[str, float] = {}  # group -> an op's baseline time on the wire
         self._mismatched: dict[str, int] = {}  # group -> the first mismatched sequence
         self.grid: dict[str, dict[int, str]] = {}  # group display -> rank -> state
 
@@ -444,10 +446,14 @@ class Analyzer:
 
     def _slowdown(self, view: GroupView, views: dict[str, GroupView],
                   by_rank: dict[int, RingSnapshot], now: float) -> list[Finding]:
-        """Interval doubled or throughput halved against the group's baseline; the rank that
-        issues last in most of the slow window's ops, in this group or another group of its
-        members (ops right after a slowed rank's op issue together: the lag shows in the
-        first), is named (a slowed rank), else none."""
+        """Interval doubled or throughput halved against the group's baseline. Named: the rank
+        whose lag behind each op's first issue grew past its own baseline lag and well past
+        the others' growth, in this group or another group of its members (ops right after a
+        slowed rank's op issue together: the lag shows in the first). Why per rank against
+        its own baseline: a rank that habitually issues late is not a straggler, and on a
+        loaded machine one rank's CPU hog slows every rank. Else none: "load on all ranks"
+        (the time between ops grew) or "transport (link) or peer" (an op's time once all
+        issued it grew, or throughput halved with the interval kept)."""
         complete = _complete(view)
         if len(complete) < self.warmup_ops + self.baseline_ops:
             return []
@@ -456,6 +462,7 @@ class Analyzer:
         if view.name not in self._baseline:
             base = complete[self.warmup_ops:self.warmup_ops + self.baseline_ops]
             self._baseline[view.name] = _rate(base, starts, nbytes)
+            self._wire_base[view.name] = _wire(view, base)
         interval0, tput0 = self._baseline[view.name]
         recent = complete[-self.window_ops:]
         if recent[0] <= complete[self.warmup_ops + self.baseline_ops - 1]:
@@ -465,57 +472,151 @@ class Analyzer:
         if not slow:
             if interval < 1.5 * interval0:
                 self._slow.pop(view.name, None)
+            self._candidate.pop(view.name, None)
             return []
         if self._slow.get(view.name):
             return []  # said, with its rank, in this slow episode
         members = set(view.members)
-        laggers = [(lag, rank, n, window, other) for other in views.values()
-                   if set(other.members) == members
-                   and (got := self._lagger(other)) is not None
-                   for rank, n, lag, window in [got]]
-        lag, rank, n, window, where = max(laggers, key=lambda x: x[0]) if laggers else (
-            0.0, -1, 0, 0, view)
+        growths = [(g, other) for other in views.values() if set(other.members) == members
+                   and (g := self._lag_growth(other)) is not None]
+        # the group where one rank's lag grew the most past the others' (ops right after a
+        # slowed rank's op issue together: its lag shows in the first group of the step)
+        g, where = max(growths, key=lambda x: x[0].margin) if growths else (None, view)
+        added = interval - interval0
         # a rank is named only when the ops really come slower (the interval up by half at
-        # least), it issues last in most of a window and its lag explains at least half of
-        # the added time; a throughput drop with the interval kept is the transport's
-        named = (interval > 1.5 * interval0 and n >= 0.6 * window
-                 and lag > 0.5 * (interval - interval0))
+        # least), its own lag grew past its baseline by at least half of the added time and
+        # by twice the most any other rank's grew: a rank that habitually issues late (its
+        # place in the pipeline, a slower node) keeps its baseline lag; load on the machine
+        # slows every rank alike. A throughput drop with the interval kept is the transport's
+        passes = (g is not None and interval > 1.5 * interval0 and g.growth > 0.5 * added
+                  and g.growth > max(2 * g.others, self.min_growth_s))
+        # and only when the ops issued since it passed confirm it (its lag, against the same
+        # baseline, the largest and over twice the others'): a slowdown that starts on every
+        # rank (a hog takes a core of two) must not blame a lag that the machine gave another
+        # rank in the ops just before it
+        cand = self._candidate.pop(view.name, None)
+        named = False
+        if passes and g is not None:
+            if cand is None or cand.rank != g.rank or cand.group != g.group:
+                cand = g
+            else:
+                confirmed = self._confirmed(cand, views[cand.group])
+                named = confirmed is True
+                if confirmed is False:
+                    cand = g  # not borne out: what passes now is the one to confirm
+            if not named:
+                self._candidate[view.name] = cand
+        pending = passes and not named  # a rank to confirm: the slowdown is said, no rank
         ev = {"interval_s": round(interval, 4), "baseline_interval_s": round(interval0, 4),
               "bytes_per_s": round(tput), "baseline_bytes_per_s": round(tput0),
-              "window_ops": len(recent), "lagging": {"rank": rank, "last_in": n,
-                                                     "of": window, "lag_s": round(lag, 4),
-                                                     "group": where.display}}
+              "window_ops": len(recent),
+              "lagging": {} if g is None else {**g.doc(), "group": where.display}}
         ratio = interval / interval0 if interval0 > 0 else float("inf")
         op = next(iter(view.ops.values()))[recent[-1]].op
         said = self._slow.get(view.name)
         self._slow[view.name] = named
         if said is not None and not named:
-            return []  # "transport" said already in this episode; a rank may still follow
-        if named:
-            line = (f"{self._where(rank, by_rank)} slows group {view.display}: it issues last "
-                    f"in {n} of the last {window} ops"
-                    + (f" of group {where.display}" if where is not view else "")
-                    + f", {lag * 1e3:.0f} ms after the others; op interval {ratio:.1f}x its "
+            return []  # said already in this episode (naming nobody); a rank may still follow
+        if named and g is not None:
+            line = (f"{self._where(g.rank, by_rank)} slows group {view.display}: its lag behind "
+                    f"the first issue"
+                    + (f" in group {where.display}" if where is not view else "")
+                    + f" grew from {g.base * 1e3:.0f} ms (its baseline) to "
+                    f"{g.recent * 1e3:.0f} ms over the last {g.window} ops, the others' by "
+                    f"{max(g.others, 0.0) * 1e3:.0f} ms at most; op interval {ratio:.1f}x its "
                     f"baseline")
-            return [Finding("slow", view.display, (rank,), op, recent[-1], line, now, ev)]
-        line = (f"group {view.display} slowed: op interval {ratio:.1f}x its baseline, ops "
-                f"issued together by all ranks: transport (link) or peer")
+            return [Finding("slow", view.display, (g.rank,), op, recent[-1], line, now, ev)]
+        wire0, wire = self._wire_base[view.name], _wire(view, recent)
+        ev["wire_s"], ev["baseline_wire_s"] = round(wire, 4), round(wire0, 4)
+        if pending and g is not None:  # (one pass of a fresh analyzer, as the controller's
+            ev["cause"] = "unconfirmed"  # is, never confirms: its suspicion is this line)
+            line = (f"group {view.display} slowed: op interval {ratio:.1f}x its baseline; "
+                    f"{self._where(g.rank, by_rank)}'s lag grew, not yet borne out by the "
+                    f"ops after it: no rank named yet")
+        elif wire - wire0 > 0.5 * max(added, 0.0) or interval <= 1.5 * interval0:
+            ev["cause"] = "transport"
+            line = (f"group {view.display} slowed: op interval {ratio:.1f}x its baseline, ops "
+                    f"issued together by all ranks: transport (link) or peer")
+        else:
+            ev["cause"] = "load"
+            line = (f"group {view.display} slowed: op interval {ratio:.1f}x its baseline, no "
+                    f"rank's lag grew past the others': load on all ranks (or a link)")
         return [Finding("slow", view.display, (), op, recent[-1], line, now, ev)]
 
-    def _lagger(self, view: GroupView) -> tuple[int, int, float, int] | None:
-        """(rank, ops it issued last in, its median lag behind the next, window) over the
-        group's last complete ops; None before there are any."""
-        recent = _complete(view)[-self.window_ops:]
-        if len(recent) < 2 or len(view.ops) < 2:
+    def _lag_growth(self, view: GroupView) -> LagGrowth | None:
+        """Per rank, its lag behind the group's first issue of each op: the median over the
+        last ``window_ops`` complete ops against the median over the ``baseline_ops`` before
+        them (its recent baseline, after the warm-up: a rank the machine made late before
+        the slowdown keeps that lag in its baseline); the rank whose lag grew most, and the
+        most any other rank's grew. None before the window is past the first baseline."""
+        complete = _complete(view)
+        if len(complete) < self.warmup_ops + self.baseline_ops + self.window_ops or \
+                len(view.ops) < 2:
             return None
-        last: Counter[int] = Counter()
-        lags: dict[int, list[float]] = defaultdict(list)
-        for s in recent:
-            times = sorted((view.ops[r][s].t_issue, r) for r in view.ops)
-            last[times[-1][1]] += 1
-            lags[times[-1][1]].append(times[-1][0] - times[-2][0])
-        rank, n = last.most_common(1)[0]
-        return rank, n, statistics.median(lags[rank]), len(recent)
+        recent = complete[-self.window_ops:]
+        base = _lags(view, complete[-self.window_ops - self.baseline_ops:-self.window_ops])
+        now_lags = _lags(view, recent)
+        growth = {r: now_lags[r] - base.get(r, 0.0) for r in now_lags}
+        rank = max(growth, key=growth.__getitem__)
+        others = max((v for r, v in growth.items() if r != rank), default=0.0)
+        return LagGrowth(rank, growth[rank], others, base.get(rank, 0.0), now_lags[rank],
+                         len(recent), view.name, recent[-1], base)
+
+    def _confirmed(self, cand: LagGrowth, view: GroupView) -> bool | None:
+        """Whether the ops after ``cand``'s window bear it out (None: too few yet, a quarter
+        of a window): its lag over them against its baseline grew the most, past the floor
+        and past twice any other rank's growth."""
+        new = [s for s in _complete(view) if s > cand.last]
+        if len(new) < max(2, self.window_ops // 4):
+            return None
+        lags = _lags(view, new)
+        growth = {r: v - cand.base_all.get(r, 0.0) for r, v in lags.items()}
+        others = max((v for r, v in growth.items() if r != cand.rank), default=0.0)
+        return growth.get(cand.rank, 0.0) > max(2 * others, self.min_growth_s)
+
+
+@dataclass
+class LagGrowth:
+    """One group's per-rank lag growth: the rank whose lag grew most, by how much, and the
+    most any other rank's lag grew (negative when theirs shrank)."""
+
+    rank: int
+    growth: float
+    others: float
+    base: float
+    recent: float
+    window: int
+    group: str = ""  # the group's torch name
+    last: int = 0  # the window's last sequence number
+    base_all: dict[int, float] = field(default_factory=dict)  # every rank's baseline lag
+
+    @property
+    def margin(self) -> float:
+        return self.growth - max(self.others, 0.0)
+
+    def doc(self) -> dict[str, Any]:
+        return {"rank": self.rank, "lag_s": round(self.recent, 4),
+                "baseline_lag_s": round(self.base, 4), "growth_s": round(self.growth, 4),
+                "others_growth_s": round(self.others, 4), "of": self.window}
+
+
+def _lags(view: GroupView, seqs: list[int]) -> dict[int, float]:
+    """Per rank, the median of its issue time after the group's first issue, over ``seqs``."""
+    lags: dict[int, list[float]] = defaultdict(list)
+    for s in seqs:
+        first = min(view.ops[r][s].t_issue for r in view.ops)
+        for r in view.ops:
+            lags[r].append(view.ops[r][s].t_issue - first)
+    return {r: statistics.median(v) for r, v in lags.items()}
+
+
+def _wire(view: GroupView, seqs: list[int]) -> float:
+    """The median time an op takes once its last rank issued it (the transport's part)."""
+    if not seqs:
+        return 0.0
+    return statistics.median(
+        statistics.median(view.ops[r][s].t_done for r in view.ops)  # type: ignore[type-var]
+        - max(view.ops[r][s].t_issue for r in view.ops) for s in seqs)
 
 
 _STATE_TEXT = {"T": "stopped", "t": "stopped by a tracer", "D": "in uninterruptible sleep"}

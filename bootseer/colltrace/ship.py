@@ -30,7 +30,8 @@ from .ring import Op, RingSnapshot, newest_per_rank
 
 __all__ = ["PER_GROUP", "analyze_windows", "snapshots_of", "window"]
 
-PER_GROUP = 48  # records per rank and group: enough to learn T (3) and see a wait cycle
+PER_GROUP = 96  # records per rank and group: T (3), a wait cycle, and the slowdown rule
+# (5 warm-up + 30 baseline + 12 window ops every rank completed, though nodes ship apart)
 VERSION = 1
 
 
