@@ -10,8 +10,10 @@ Faults, injected in the first attempt only (``BOOTSEER_ATTEMPT`` 0):
 * ``--crash-rank R --crash-at S``: rank R raises ``ValueError`` at step S (``--linger``:
   while a leftover non-daemon thread keeps its process, and its gloo connections, alive, so
   the other ranks wait inside their all_reduce instead of failing);
-* ``--slow-rank R --slow-s X``: rank R spends X more seconds in each step before its
-  all_reduce (in :func:`slow_step`) while the others wait inside theirs (a fail-slow rank);
+* ``--slow-rank R --slow-s X [--slow-after-s T]``: rank R spends X more seconds in each step
+  before its all_reduce (in :func:`slow_step`) while the others wait inside theirs (a
+  fail-slow rank), from T seconds after its first step on (a slowdown, against the job's
+  own step time until then);
 * ``--nan-rank R --nan-at S``: rank R reports a NaN loss at step S.
 
 Writes ``--out``/``running-R`` after its third step and ``done-R-A.json`` at the end.
@@ -54,6 +56,7 @@ def main() -> None:
     parser.add_argument("--linger", action="store_true")
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-s", type=float, default=0.0)
+    parser.add_argument("--slow-after-s", type=float, default=0.0)
     parser.add_argument("--nan-rank", type=int, default=-1)
     parser.add_argument("--nan-at", type=int, default=-1)
     args = parser.parse_args()
@@ -64,6 +67,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     weights = torch.zeros(8)
     step = 0
+    started = time.monotonic()
     while step < args.steps or (args.hang_when and first):
         grad = torch.full((8,), float(rank + step))
         if first and rank == args.crash_rank and step == args.crash_at:
@@ -72,7 +76,7 @@ def main() -> None:
             raise ValueError(f"injected fault on rank {rank} at step {step}")
         if first and rank == args.hang_rank and os.path.exists(args.hang_when):
             hang_before_all_reduce()
-        if first and rank == args.slow_rank:
+        if first and rank == args.slow_rank and time.monotonic() - started >= args.slow_after_s:
             slow_step(args.slow_s)
         dist.all_reduce(grad)
         weights -= 0.01 * grad

@@ -46,22 +46,46 @@ def _samples(outside: set[int], ranks: int = 4) -> list[ProcessStacks]:
 
 def test_the_rank_outside_the_collective_names_its_group_after_five_rounds() -> None:
     """A synchronous job: every rank has the same step time, the stacks name the straggler.
-    3 rounds in a row flag it, the group is named only once 5 rounds are in."""
-    even = {r: 1.0 for r in range(4)}
-    rounds = FailSlowRounds(layout={"dp": [[0, 1], [2, 3]], "pp": [[0, 2], [1, 3]]})
-    seen = [rounds.round(even, float(t), samples=_samples({3} if t != 1 else {0}))
-            for t in range(5)]
-    assert seen[:4] == [None] * 4  # rank 0 flagged once: rank 3 reaches 3 in a row at round 5
-    event = seen[4]
+    The job steps at 1.0 s for 3 rounds, then at 2.0 s (everyone waits for rank 3): rank 3
+    outside the collective in 3 of 5 rounds names its group."""
+    layout = {"dp": [[0, 1], [2, 3]], "pp": [[0, 2], [1, 3]]}
+    rounds = FailSlowRounds(layout=layout)
+    for t in range(3):  # the job's own pace, nobody outside
+        assert rounds.round(dict.fromkeys(range(4), 1.0), float(t), samples=_samples(set())) \
+            is None
+    slow = dict.fromkeys(range(4), 2.0)
+    seen = [rounds.round(slow, float(t), samples=_samples({3} if t != 4 else {0}))
+            for t in range(3, 7)]
+    assert seen[:3] == [None] * 3  # rank 3 flagged at 3 and 5, rank 0 at 4
+    event = seen[3]
     assert event is not None and (event.kind, event.failure_class) == ("fail_slow", "fail_slow")
     ev = event.evidence
     assert ev["slow_ranks"] == [3] and ev["most_flagged"] == [3]
-    assert ev["rounds_flagged"] == {"0": 1, "3": 4}
+    assert ev["rounds_flagged"] == {"0": 1, "3": 3}
     assert ev["group"] == "dp[1]" and ev["group_ranks"] == [2, 3] and ev["group_nodes"] == ["n1"]
     assert ev["rounds"][-1] == {"3": ["outside_collective"]}
+    assert rounds.job_times == [1.0, 1.0, 1.0]  # the slow rounds are not the baseline
     # a restarted controller carries on from the stored doc
-    again = FailSlowRounds.from_doc(json.loads(json.dumps(rounds.to_doc())))
-    assert again.runs == {3: 3} and again.history == rounds.history
+    again = FailSlowRounds.from_doc(json.loads(json.dumps(rounds.to_doc())), layout=layout)
+    assert again.runs == rounds.runs and again.history == rounds.history
+    assert again.job_times == rounds.job_times and again.slowed(slow)
+
+
+def test_a_healthy_rank_sampled_outside_the_collective_at_a_steady_pace_is_not_slow() -> None:
+    """The 20-minute soak's false eviction: with a save every step, one stack sample a round
+    finds 1 to 4 healthy ranks outside the collective now and then (here rank 1 in 4 of 5
+    rounds) while the job steps at its usual pace: nobody is slow. Once the job slows to
+    1.5x its pace, the same samples name rank 1."""
+    rounds = FailSlowRounds()
+    steady = dict.fromkeys(range(4), 0.3)
+    for t in range(12):
+        outside = {1, 2} if t % 5 else set()
+        assert rounds.round(steady, float(t), samples=_samples(outside)) is None, t
+        assert rounds.history[-1] == {}, t  # (the first 3 rounds learn the pace)
+    slowed = dict.fromkeys(range(4), 0.45)
+    seen = [rounds.round(slowed, float(t), samples=_samples({1})) for t in range(12, 15)]
+    assert seen[:2] == [None, None] and seen[2] is not None
+    assert seen[2].evidence["slow_ranks"] == [1]
 
 
 def test_a_slow_node_by_step_time_and_no_verdict_under_three_of_five_rounds() -> None:
@@ -179,31 +203,42 @@ def test_a_lost_node_is_no_unclear_crash_no_checks(store) -> None:
 
 def test_a_round_reads_step_times_and_samples_from_the_nodes(store) -> None:
     """The controller's side of a round: beats with step times, the sample order answered
-    by each node's link (its dump tool standing in for py-spy), the flags in the store."""
+    by each node's link (its dump tool standing in for py-spy), the flags in the store. The
+    job steps every 0.5 s for 4 rounds with every rank in the collective, then every 2 s with
+    n1's rank outside it (everyone waits for it): n1 is named once 3 slow rounds are in."""
     now = [0.0]
     links = [ControllerLink(store, f"n{i}") for i in range(3)]
+    slow = [False]
     for i, link in enumerate(links):
         link.register()
-        text = WORKING if i == 1 else WAITING
-        link.sample_tool = lambda pid, text=text: text
+        link.sample_tool = lambda pid, i=i: WORKING if i == 1 and slow[0] else WAITING
     ctl = Controller(store, failslow_interval_s=1.0, clock=lambda: now[0], log=lambda _: None)
-    base = time.time()
-    for t in range(6):
+    stamp = time.time()
+    for t in range(10):
         now[0] = float(t)
-        for i, link in enumerate(links):  # two heartbeats a round, 0.5 s apart
-            link._note_step(i, 2 * t, base + t)
+        slow[0] = t >= 4
+        dt = 2.0 if slow[0] else 0.5
+        for i, link in enumerate(links):  # two heartbeats a round, dt apart
+            link._note_step(i, 2 * t, stamp)
             link._last_beat = float("-inf")
-            link.beat(0, {i: {"step": 2 * t + 1, "time": base + t + 0.5, "pid": 100 + i}})
+            link.beat(0, {i: {"step": 2 * t + 1, "time": stamp + dt, "pid": 100 + i}})
             if link._sampler is not None:
                 link._sampler.join(10)
-        assert ctl.step() is None  # round 1 has no sample yet; round 5 opens the incident
+        stamp += 2 * dt
+        assert ctl.step() is None  # the incident opens in the round that names n1
+        if store.check([wire.Keys().open]):
+            break
     opened = json.loads(store.get(wire.Keys().open))
     event = opened["events"][0]
     assert (event["kind"], event["node"]) == ("fail_slow", "n1")
     assert event["evidence"]["group_nodes"] == ["n1"] and event["evidence"]["slow_ranks"] == [1]
-    assert event["evidence"]["rounds"] == [{}] + [{"1": ["outside_collective"]}] * 4
+    rounds = event["evidence"]["rounds"]
+    assert sum(r == {"1": ["outside_collective"]} for r in rounds) == 3
+    assert all(r in ({}, {"1": ["outside_collective"]}) for r in rounds)
     assert json.loads(store.get(wire.Keys().dump_request))["incident"] == 1
-    assert event["evidence"]["step_times_s"] == {"0": 0.5, "1": 0.5, "2": 0.5}
+    times = event["evidence"]["step_times_s"]
+    assert sorted(times) == ["0", "1", "2"] and len(set(times.values())) == 1
+    assert times["1"] > 0.75  # 1.5x the job's pace of 0.5 s
 
 
 def test_a_link_the_tracer_suspects_is_probed_and_its_node_evicted(store) -> None:
@@ -346,7 +381,9 @@ def test_a_nan_goes_to_the_controller_and_its_verdict_restarts(store, tmp_path: 
 def test_a_slowed_rank_is_found_by_the_rounds_and_only_its_node_evicted(cluster_factory,
                                                                         tmp_path: Path) -> None:
     c, out, ctl = _job(cluster_factory, 3, tmp_path, "--failslow-interval", "1")
-    script = ["--slow-rank", "1", "--slow-s", "0.4", "--step-time", "0.02", "--steps", "100000"]
+    # the job steps at its own pace for 6 s (the rounds learn it), then rank 1 slows down
+    script = ["--slow-rank", "1", "--slow-s", "0.4", "--slow-after-s", "6", "--step-time", "0.02",
+              "--steps", "100000"]
     procs = {n.name: _agent(c, n, out, script, nnodes=3, max_restarts=0) for n in c.nodes}
     verdicts = _wait("verdict", lambda: _records(out / "ctl" / "controller.jsonl", "verdict"),
                      procs, out, timeout_s=180)

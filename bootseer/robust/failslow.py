@@ -10,7 +10,13 @@ in a round when
 * its trainer is outside every collective while other ranks wait inside one, and it is not
   the majority: in a synchronous job every rank has the same step time (everyone waits for the
   slowest in the all-reduce), so the step time cannot name the straggler, but the stacks can,
-  as in ByteRobust's fail-slow aggregation.
+  as in ByteRobust's fail-slow aggregation. Only while the job is slow: its step time (the
+  median across ranks) at least ``factor`` x its own median over the last ``baseline``
+  (12) rounds at its usual pace (slow rounds are not added; until 3 rounds are in, never:
+  a straggler from the job's first step on is found by step times only). One sample per round finds a healthy rank
+  outside the collective now and then (saving its checkpoint, arriving last): the 20-minute
+  soak with every-step memory saves flagged 2 to 4 healthy ranks a round and evicted a node
+  at steady step times.
 
 A rank flagged in ``rounds`` (3) of the last ``window`` (5) rounds is slow (not necessarily in
 a row: one stack sample per round catches a straggler outside the collective most of the time,
@@ -68,7 +74,8 @@ class FailSlowRounds:
     """The rounds of one job, from one incident to the next (see the module docstring)."""
 
     def __init__(self, *, factor: float = 1.5, rounds: int = 3, window: int = 5,
-                 layout: Mapping[str, Sequence[Sequence[int]]] | None = None) -> None:
+                 layout: Mapping[str, Sequence[Sequence[int]]] | None = None,
+                 baseline: int = 12) -> None:
         if rounds < 1 or window < rounds:
             raise ValueError(f"fail-slow rounds={rounds}, window={window}: need 1 <= rounds "
                              "<= window")
@@ -77,12 +84,15 @@ class FailSlowRounds:
         self.history: list[dict[str, list[str]]] = []  # per round: rank -> why flagged
         self.runs: dict[int, int] = {}
         self.nodes: dict[int, str] = {}
+        self.baseline = baseline
+        self.job_times: list[float] = []  # the job's step time (median over ranks) per round
 
     # -- state in the store ------------------------------------------------------------------
     def to_doc(self) -> dict[str, Any]:
         return {"count": self.count, "history": self.history,
                 "runs": {str(r): n for r, n in self.runs.items()},
-                "nodes": {str(r): n for r, n in self.nodes.items()}}
+                "nodes": {str(r): n for r, n in self.nodes.items()},
+                "job_times": self.job_times}
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any], **kwargs: Any) -> FailSlowRounds:
@@ -91,12 +101,24 @@ class FailSlowRounds:
         rounds.history = [dict(h) for h in doc.get("history", [])][-rounds.window:]
         rounds.runs = {int(r): int(n) for r, n in doc.get("runs", {}).items()}
         rounds.nodes = {int(r): str(n) for r, n in doc.get("nodes", {}).items()}
+        rounds.job_times = [float(t) for t in doc.get("job_times", [])][-rounds.baseline:]
         return rounds
 
     # -- one round ---------------------------------------------------------------------------
+    def slowed(self, step_times: Mapping[int, float]) -> bool:
+        """Whether the job steps at least ``factor`` x slower than its own recent median
+        (False until 3 rounds are known: a restart's first rounds, busy with imports, are no
+        pace to judge by)."""
+        if len(self.job_times) < 3 or not step_times:
+            return False
+        return statistics.median(step_times.values()) >= self.factor * statistics.median(
+            self.job_times)
+
     def flags(self, step_times: Mapping[int, float], nodes: Mapping[int, str],
-              samples: Sequence[ProcessStacks] = ()) -> dict[int, list[str]]:
-        """This round's flagged ranks, each with the signals that flagged it."""
+              samples: Sequence[ProcessStacks] = (), *,
+              stacks: bool = True) -> dict[int, list[str]]:
+        """This round's flagged ranks, each with the signals that flagged it (``stacks``:
+        whether a rank outside the collective counts, i.e. the job is slow)."""
         why: dict[int, list[str]] = defaultdict(list)
         for rank in sorted(_slow_members(step_times, self.factor)):
             why[rank].append("step_time")
@@ -108,7 +130,7 @@ class FailSlowRounds:
         for node in _slow_members(node_times, self.factor):
             for rank in sorted(r for r, n in nodes.items() if n == node and r in step_times):
                 why[rank].append("node_step_time")
-        outside, inside = outside_collectives(samples)
+        outside, inside = outside_collectives(samples) if stacks else (set(), set())
         if outside and inside and len(outside) <= len(inside):
             for rank in sorted(outside):
                 why[rank].append("outside_collective")
@@ -121,7 +143,12 @@ class FailSlowRounds:
         nodes = dict(nodes or {})
         self.nodes.update(nodes)
         self.nodes.update({p.rank: p.node for p in samples if p.node})
-        flagged = self.flags(step_times, self.nodes, samples)
+        slowed = self.slowed(step_times)
+        flagged = self.flags(step_times, self.nodes, samples, stacks=slowed)
+        if step_times and (len(self.job_times) < 3 or not slowed):  # a slowdown is not the
+            # baseline: it stays the job's pace before it (a lasting one keeps the stacks on)
+            self.job_times = [*self.job_times, statistics.median(step_times.values())][
+                -self.baseline:]
         self.count += 1
         self.history = [*self.history, {str(r): w for r, w in flagged.items()}][-self.window:]
         self.runs = {r: self.runs.get(r, 0) + 1 for r in flagged}  # in a row, for the record
