@@ -152,6 +152,26 @@ def test_no_common_group_evicts_the_smallest_union_and_ties_give_no_verdict():
     assert "no dominant stack group among main" in tie.reason
 
 
+def test_ranks_started_ahead_or_afresh_have_one_signature():
+    """The soak's false eviction: a replacement node's ranks start from a fresh torchrun, the
+    survivors' from the interpreter `bootseer run --preload` started ahead (runpy and
+    bootseer/prestart.py below torchrun's frames); in one all_reduce they are one group."""
+    job = ("all_reduce (torch/distributed/distributed_c10d.py)", "train (robust_job.py)",
+           "<module> (torch/distributed/run.py)")
+    afresh = (*job, "_run_code (<frozen runpy>)", "_run_module_as_main (<frozen runpy>)")
+    ahead = (*job, "_run_code (<frozen runpy>)", "_run_module_code (<frozen runpy>)",
+             "run_module (<frozen runpy>)", "main (bootseer/prestart.py)",
+             "<module> (bootseer/prestart.py)", "_run_code (<frozen runpy>)",
+             "_run_module_as_main (<frozen runpy>)")
+    procs = [stacks(r, *(afresh if r >= 6 else ahead), node=f"n{r // 2}") for r in range(8)]
+    assert len({p.signature for p in procs}) == 1
+    found = localize(procs, {"dp": [list(range(8))]})
+    assert found.suspects == ()
+    stuck = [*procs[:7], stacks(7, "hang_before_all_reduce (robust_job.py)", *afresh[1:],
+                                node="n3")]
+    assert localize(stuck, {"dp": [list(range(8))]}).suspects == (7,)
+
+
 def test_roles_are_compared_among_themselves():
     """Eight idle dataloader workers must not make the four trainers look like outliers."""
     trainers = [stacks(r, "all_reduce (c10d.py)") for r in range(4)]

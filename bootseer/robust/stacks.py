@@ -3,7 +3,9 @@
 Dumps come from ``faulthandler`` (the client's SIGUSR1 files,
 ``stacks-<node>-rank<r>-<pid>.txt``) or from ``py-spy dump`` (text or ``--json``). Each is
 normalized, so the same place gives the same signature on every node: line numbers,
-addresses, thread ids, thread names and pids dropped, a file reduced to its path below
+addresses, thread ids, thread names and pids dropped, the frames of how the process was
+started dropped (runpy's, and those of an interpreter started ahead by ``bootseer run
+--preload``), a file reduced to its path below
 ``site-packages/`` (else its base name), a function to its last name (faulthandler prints
 ``wrapper`` where py-spy prints ``_exception_logger.<locals>.wrapper``). A process's
 signature is the sorted tuple of its threads' stacks. (A relative path, py-spy's short form,
@@ -52,6 +54,10 @@ _FAULTHANDLER_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line \d+ in (?P<n
 _PYSPY_THREAD = re.compile(r"^Thread (?P<id>0x[0-9A-Fa-f]+|\d+)")
 _PYSPY_FRAME = re.compile(r"^\s+(?P<name>\S.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
 _ADDRESS = re.compile(r"0x[0-9A-Fa-f]+")
+#: frames of how the process was started, not of where it is: runpy, and the interpreter
+#: `bootseer run --preload` started ahead (a restarted node's ranks have them, a fresh node's
+#: do not; the 20-minute soak evicted a fresh node as a stack outlier for this alone)
+_LAUNCH_FRAME = re.compile(r" \((<frozen runpy>|runpy\.py|prestart\.py|bootseer/prestart\.py)\)$")
 _STACK_FILE = re.compile(r"^stacks-(?P<node>.+)-rank(?P<rank>-?\d+)-(?P<pid>\d+)\.txt$")
 
 
@@ -128,7 +134,9 @@ class ProcessStacks:
 
     @property
     def signature(self) -> tuple[Thread, ...]:
-        return tuple(sorted(self.threads))
+        """The threads' stacks, sorted, without the launch's frames."""
+        return tuple(sorted(tuple(f for f in thread if not _LAUNCH_FRAME.search(f))
+                            for thread in self.threads))
 
     @classmethod
     def from_text(cls, text: str, *, rank: int, node: str | None = None,
