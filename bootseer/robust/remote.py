@@ -105,6 +105,7 @@ class ControllerLink:
         self._sampler: threading.Thread | None = None
         self._probed = 0  # the newest link probe order this agent answered
         self._prober: threading.Thread | None = None
+        self._last_link_poll = float("-inf")
         self.where = self.address or ""  # the store's address, for errors
         # the node's collective ring window (bootseer.colltrace.reader.Watch.window), shipped
         # under node/<n>/colltrace every colltrace_s and with each dump answer; None: off
@@ -232,6 +233,10 @@ class ControllerLink:
         (``LINK_ORDER_S``) is not answered."""
         if not self.address or (self._prober is not None and self._prober.is_alive()):
             return
+        now = self.clock()
+        if now - self._last_link_poll < self.poll_s:  # one store read per poll, not per loop
+            return
+        self._last_link_poll = now
         data = wire.get(self.store, self.keys.link_request)
         try:
             order = wire.decode(data, key=self.keys.link_request) if data else None
