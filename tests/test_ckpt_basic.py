@@ -444,7 +444,9 @@ def test_resaving_a_step_in_the_same_attempt_never_commits_the_earlier_shards(tm
     fs, root = url_to_fs(url)
     index0 = f"{step_dir(root, 2)}/{index_name(0)}"
     before = fs.cat_file(index0)
-    with _manager(url, 0) as rank0:
+    # a failure below leaves rank 0's commit waiting for rank 1: bounded, not the default
+    # 30 minutes (it hung a full suite run once under load; the failure was not seen)
+    with _manager(url, 0, commit_timeout_s=60) as rank0:
         handle = rank0.save(2, W.agree_state(22, 0, 2))
         while True:  # rank 0's shard is written; rank 1 has not started
             fs.invalidate_cache()
