@@ -178,7 +178,9 @@ def run_trials(server: ForkServer, url: str, options: dict[str, Any] | None, *, 
 def test_sigkill_during_save_local(fork_server: ForkServer, tmp_path: Path) -> None:
     outcomes = run_trials(fork_server, str(tmp_path / "ckpt"), None, trials=LOCAL_TRIALS,
                           mb=10, label="local", rng=random.Random(SEED))
-    assert outcomes["killed"] >= LOCAL_TRIALS // 3, outcomes  # kills landed mid-save
+    # kills landed mid-save (how many depends on the machine's speed: 4 of 24 under load in a
+    # full run, a third on a quiet one); every trial's content is checked above either way
+    assert outcomes["killed"] >= 3, outcomes
     assert outcomes["not committed"] > 0, outcomes
 
 
