@@ -26,6 +26,7 @@ from typing import Any
 
 from .robust.ettr import EttrReport, compute_ettr
 from .robust.events import Event, Verdict
+from .robust.stacks import is_native_frame
 from .trace import Span
 
 __all__ = ["CATEGORIES", "MAX_RECORD_ROWS", "ettr_chart_data", "robust_section",
@@ -149,7 +150,44 @@ def robust_tables(section: dict[str, Any]) -> dict[str, tuple[list[str], list[li
               r["class"], str(r.get("node") or (",".join(r.get("nodes") or []) or "-")),
               _rank(r), "-" if r.get("step") is None else str(r["step"]), _what(r)]
              for r in shown])
+        if groups := _group_rows(records):
+            tables["stack groups the verdicts decided on (top frame; native: py-spy --native)"] = (
+                ["incident", "verdict", "group", "role", "ranks", "nodes", "python",
+                 "native"], groups)
     return tables
+
+
+MAX_GROUP_VERDICTS = 10
+
+
+def _top(stacks: list[list[str]], *, native: bool) -> str:
+    """Where a group is: the top frame of its first thread that has one of the kind asked
+    (native: the innermost named frame of compiled code; Python: the innermost frame)."""
+    for thread in stacks:
+        for frame in thread:
+            if not native or (is_native_frame(frame) and not frame.startswith("? (")):
+                return frame[:70]
+    return "-"
+
+
+def _group_rows(records: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per stack group of the last verdicts that had dumps: the evidence the
+    controller decided on (which ranks were where, in Python and in compiled code)."""
+    rows = []
+    with_groups = [r for r in records if r["record"] == "verdict"
+                   and (r.get("evidence") or {}).get("localization", {}).get("groups")]
+    for r in with_groups[-MAX_GROUP_VERDICTS:]:
+        loc = r["evidence"]["localization"]
+        suspects = set(loc.get("suspects") or [])
+        for g in loc["groups"]:
+            state = "suspect" if suspects & set(g.get("ranks") or []) else "healthy"
+            native = (g.get("native") or {}).get("stacks") or []
+            rows.append([str(r["evidence"].get("incident", "-")), r["action"], state,
+                         g.get("role", "main"), ",".join(map(str, g.get("ranks") or [])),
+                         ",".join(g.get("nodes") or []) or "-",
+                         _top(g.get("stacks") or [], native=False),
+                         _top(native, native=True)])
+    return rows
 
 
 def _rank(record: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ from robust_helpers import scenario_argv
 from run_helpers import run_wrapper, wrapper_env
 
 from bootseer.report_chart import render_ettr
-from bootseer.report_robust import CATEGORIES, ettr_chart_data
+from bootseer.report_robust import CATEGORIES, ettr_chart_data, robust_tables
 from bootseer.robust.ettr import compute_ettr, read_ettr
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -105,3 +105,29 @@ def test_the_ettr_chart_is_drawn(tmp_path) -> None:
     path = render_ettr(ettr_chart_data(compute_ettr(SPANS, [CRASH], end=3700.0)),
                        tmp_path / "ettr.png")
     assert path.read_bytes()[:8] == PNG and path.stat().st_size > 10_000
+
+
+def test_the_report_shows_the_stack_groups_a_verdict_decided_on() -> None:
+    """The evidence, not only the reason: which ranks were where, in Python and in the
+    compiled code the native dump saw."""
+    healthy = {"role": "main", "ranks": [0, 1, 2], "nodes": ["n0", "n1"],
+               "stacks": [["all_reduce (torch/distributed/distributed_c10d.py)"]],
+               "native": {"rank": 0, "pid": 11, "stacks": [[
+                   "? (libc.so.6)", "pthread_cond_wait (libc.so.6)",
+                   "c10d::ProcessGroupGloo::AsyncWork::wait (libtorch_cpu.so)",
+                   "all_reduce (torch/distributed/distributed_c10d.py)"]]}}
+    stuck = {"role": "main", "ranks": [3], "nodes": ["n1"],
+             "stacks": [["sleep_before_all_reduce (job.py)"]]}
+    verdict = {"record": "verdict", "time": 10.0, "class": "hang", "nodes": ["n1"],
+               "ranks": [2, 3], "action": "replace_and_restart", "reason": "rank 3 outside",
+               "evidence": {"incident": 4, "localization": {"suspects": [3],
+                                                            "groups": [healthy, stuck]}}}
+    tables = robust_tables({"records": [verdict]})
+    (header, rows), = [v for k, v in tables.items() if k.startswith("stack groups")]
+    assert header[2] == "group" and header[-1] == "native"
+    assert rows == [
+        ["4", "replace_and_restart", "healthy", "main", "0,1,2", "n0,n1",
+         "all_reduce (torch/distributed/distributed_c10d.py)",
+         "pthread_cond_wait (libc.so.6)"],
+        ["4", "replace_and_restart", "suspect", "main", "3", "n1",
+         "sleep_before_all_reduce (job.py)", "-"]]

@@ -17,8 +17,10 @@ import pytest
 from robust_helpers import GUARD, scenario_argv, scenario_env
 
 from bootseer.robust.classify import classify, tail_lines
+from bootseer.robust.remote import dump_ranks
 from bootseer.robust.stacks import (
     ProcessStacks,
+    is_native_frame,
     localize,
     normalize_frame,
     parse_dump,
@@ -122,6 +124,28 @@ def test_pyspy_text_and_faulthandler_files_agree(stuck_job):
     assert all(by_rank[p.rank] == p.signature for p in from_text)
 
 
+def test_native_dumps_name_the_same_rank_and_show_where_in_compiled_code(stuck_job):
+    """The controller's incident dump: every rank's tree at once, with py-spy's native
+    frames. The signature is the Python one (the same groups as without them); the evidence
+    shows where each group waits inside compiled code."""
+    pids = stuck_job[0]
+    answered, failed = dump_ranks(pids, node="node-x")
+    assert failed == []
+    native = [ProcessStacks.from_text(p["text"], rank=p["rank"], node=NODES[p["rank"]],
+                                      pid=p["pid"], role=p["role"]) for p in answered]
+    python_only = [pyspy_dump(pid, rank=rank, node=NODES[rank]) for rank, pid in pids.items()]
+    by_rank = {p.rank: p.signature for p in python_only}
+    assert all(p.signature == by_rank[p.rank] for p in native if p.role == "main")
+    found = localize(native, LAYOUT)
+    assert (found.suspects, found.domain, found.domain_ranks) == ((LATE,), "dp[1]", (2, 3))
+    healthy, stuck = found.evidence["groups"][:2]
+    frames = {g["ranks"][0]: [f for t in g["native"]["stacks"] for f in t]
+              for g in (healthy, stuck)}
+    assert any(f.startswith("c10d::") for f in frames[healthy["ranks"][0]]), frames
+    assert any(is_native_frame(f) and "sleep" in f for f in frames[LATE]), frames[LATE]
+    assert all(len(f) < 400 for fs in frames.values() for f in fs)  # C++ symbols shortened
+
+
 def test_killing_the_stuck_rank_gives_its_peers_a_gloo_error(stuck_job):
     """Last in this module: the sleeper is killed; its peers' real error is classified."""
     _, _, procs, root = stuck_job
@@ -179,6 +203,28 @@ def test_roles_are_compared_among_themselves():
     stuck_worker = stacks(2, "read (shard.py)", role="worker")
     found = localize([*trainers, *workers, stuck_worker], {"dp": [[0, 1], [2, 3]]})
     assert (found.suspects, found.domain) == ((2,), "dp[1]")
+
+
+def test_native_frames_are_evidence_not_signature():
+    """Two healthy ranks waiting at different instructions inside gloo are one group."""
+    text = ("Thread 11 (idle): \"MainThread\"\n"
+            "    0x7f7f4e21de62 (libgomp.so.1)\n"
+            "    gloo::transport::tcp::UnboundBuffer::waitRecv(int*, std::chrono::duration<long,"
+            " std::ratio<1l, 1000l> >) (libtorch_cpu.so)\n"
+            "    all_reduce (torch/distributed/distributed_c10d.py:2950)\n"
+            "    train (job.py:12)\n"
+            "Thread 12 (idle): \"omp\"\n"
+            "    {} (libgomp.so.1)\n")
+    a = ProcessStacks.from_text(text.format("gomp_barrier_wait"), rank=0)
+    b = ProcessStacks.from_text(text.replace("waitRecv", "waitSend").format("gomp_team_start"),
+                                rank=1)
+    assert a.signature == b.signature == (("all_reduce (torch/distributed/distributed_c10d.py)",
+                                           "train (job.py)"),)
+    assert a.threads[0][1] == "gloo::transport::tcp::UnboundBuffer::waitRecv (libtorch_cpu.so)"
+    assert a.threads[0][0] == "? (libgomp.so.1)" and is_native_frame(a.threads[0][0])
+    assert not is_native_frame("<module> (<string>)")
+    found = localize([a, b], {"dp": [[0, 1]]})
+    assert found.suspects == () and found.evidence["groups"][0]["native"]["rank"] == 0
 
 
 def test_normalization_drops_lines_addresses_and_install_paths():

@@ -39,6 +39,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,7 @@ class ControllerLink:
         self._last_poll = float("-inf")
         self._last_beat = float("-inf")
         self.answered = 0  # the newest incident this agent dumped for
-        self.dump_tool: Callable[[int], str] = pyspy_text  # pid -> its stacks (text)
+        self.dump_tool: Callable[[int], str] = native_dump  # pid -> its stacks (text)
         self.sample_tool: Callable[[int], str] = lambda pid: pyspy_text(pid, nonblocking=True)
         self.job = job
         self.address = address or _address_of(store)
@@ -450,37 +451,56 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def pyspy_text(pid: int, timeout_s: float = 20.0, *, nonblocking: bool = False) -> str:
+def pyspy_text(pid: int, timeout_s: float = 20.0, *, nonblocking: bool = False,
+               native: bool = False) -> str:
     """``py-spy dump`` of a live process (text); RuntimeError when py-spy cannot.
-    ``nonblocking``: the process is not paused (a sample of a healthy job)."""
+    ``nonblocking``: the process is not paused (a sample of a healthy job). ``native``: with
+    the compiled frames (where inside gloo, NCCL or a C extension it waits); where py-spy
+    cannot unwind them (another platform, a stripped build) the Python frames alone."""
     exe = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
     if exe is None:
         raise RuntimeError("py-spy is not installed")
     argv = [exe, "dump", "--pid", str(pid), *(["--nonblocking"] if nonblocking else [])]
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"py-spy dump of pid {pid} took over {timeout_s} s") from None
-    if done.returncode != 0 or "Thread" not in done.stdout:
-        raise RuntimeError(f"py-spy dump of pid {pid}: {(done.stderr or done.stdout).strip()}")
-    return done.stdout
+    for extra in (["--native"], []) if native and not nonblocking else ([],):
+        try:
+            done = subprocess.run([*argv, *extra], capture_output=True, text=True,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"py-spy dump of pid {pid} took over {timeout_s} s") from None
+        if done.returncode == 0 and "Thread" in done.stdout:
+            return done.stdout
+    raise RuntimeError(f"py-spy dump of pid {pid}: {(done.stderr or done.stdout).strip()}")
+
+
+def native_dump(pid: int) -> str:
+    """The controller's incident dump: blocking, with native frames where py-spy can."""
+    return pyspy_text(pid, native=True)
 
 
 def dump_ranks(rank_pids: Mapping[int, int], *, node: str,
-               dump: Callable[[int], str] = pyspy_text) -> tuple[list[dict[str, Any]], list[int]]:
+               dump: Callable[[int], str] = native_dump
+               ) -> tuple[list[dict[str, Any]], list[int]]:
     """Stacks of each rank's whole process tree (the rank ``main``, its descendants
-    ``worker``), and the ranks whose main process could not be dumped this way."""
+    ``worker``), and the ranks whose main process could not be dumped this way. The
+    processes are dumped at once, each on its own thread: a native dump takes about 0.8 s
+    (py-spy loads the libraries' symbols), and a node's ranks and workers one after the
+    other would add seconds to every incident."""
+    trees = [(rank, i, p) for rank, pid in sorted(rank_pids.items())
+             for i, p in enumerate([pid, *descendants(pid)])]
+
+    def one(p: int) -> str | None:
+        try:
+            return dump(p)
+        except (RuntimeError, OSError):
+            return None
+
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(trees)))) as pool:
+        texts = list(pool.map(one, [p for _, _, p in trees]))
     processes: list[dict[str, Any]] = []
-    failed: list[int] = []
-    for rank, pid in sorted(rank_pids.items()):
-        for i, p in enumerate([pid, *descendants(pid)]):
-            try:
-                text = dump(p)
-            except (RuntimeError, OSError):
-                if i == 0:
-                    failed.append(rank)
-                    break
-                continue
+    failed = sorted({rank for (rank, i, _), text in zip(trees, texts, strict=True)
+                     if i == 0 and text is None})
+    for (rank, i, p), text in zip(trees, texts, strict=True):
+        if text is not None and rank not in failed:
             processes.append({"rank": rank, "pid": p, "role": "main" if i == 0 else "worker",
                               "node": node, "source": "py-spy", "text": text})
     return processes, failed

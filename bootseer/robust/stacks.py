@@ -9,7 +9,11 @@ started dropped (runpy's, and those of an interpreter started ahead by ``bootsee
 ``site-packages/`` (else its base name), a function to its last name (faulthandler prints
 ``wrapper`` where py-spy prints ``_exception_logger.<locals>.wrapper``). A process's
 signature is the sorted tuple of its threads' stacks. (A relative path, py-spy's short form,
-is kept as it is.)
+is kept as it is.) Native frames (``py-spy dump --native``: compiled code, a frame whose file is
+a shared object or the interpreter) are kept with the process and shown in the evidence, but
+are not part of the signature: where a healthy rank waits inside gloo or OpenMP differs from
+rank to rank at the instruction level, so they would split the healthy group; a thread with
+no Python frame left is dropped from the signature for the same reason.
 
 Processes of one role (``main``: the rank's trainer; others, e.g. ``worker``, compared among
 themselves) are grouped by signature; the largest group is healthy, every other group is a
@@ -42,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Localization", "ProcessStacks", "StackGroup", "group_stacks", "localize",
-           "normalize_frame", "parse_dump", "pyspy_dump", "read_stack_files"]
+           "is_native_frame", "normalize_frame", "parse_dump", "pyspy_dump", "read_stack_files"]
 
 Frame = str  # "function (file)"
 Thread = tuple[Frame, ...]  # most recent call first
@@ -58,7 +62,19 @@ _ADDRESS = re.compile(r"0x[0-9A-Fa-f]+")
 #: `bootseer run --preload` started ahead (a restarted node's ranks have them, a fresh node's
 #: do not; the 20-minute soak evicted a fresh node as a stack outlier for this alone)
 _LAUNCH_FRAME = re.compile(r" \((<frozen runpy>|runpy\.py|prestart\.py|bootseer/prestart\.py)\)$")
+_PYTHON_FILE = re.compile(r"(\.pyw?|^<[^>]*>)$")
+_TEMPLATE_ARGS = re.compile(r"<[^<>]*>")
+_PARAMETERS = re.compile(r"\((?!anonymous namespace\))[^()]*\)")
 _STACK_FILE = re.compile(r"^stacks-(?P<node>.+)-rank(?P<rank>-?\d+)-(?P<pid>\d+)\.txt$")
+
+
+def _short_native(name: str) -> str:
+    """A C++ symbol without its template arguments and parameter lists (evidence stays
+    readable: torch's dispatcher frames run to 700 characters)."""
+    for pattern in (_TEMPLATE_ARGS, _PARAMETERS):
+        while (shorter := pattern.sub("", name)) != name:
+            name = shorter
+    return name
 
 
 def normalize_frame(name: str, file: str) -> Frame:
@@ -71,8 +87,16 @@ def normalize_frame(name: str, file: str) -> Frame:
     else:
         if os.path.isabs(file):
             file = os.path.basename(file)
+    file = _ADDRESS.sub("", file)
     name = _ADDRESS.sub("", name).strip() or "?"
-    return f"{name.rsplit('.', 1)[-1]} ({_ADDRESS.sub('', file)})"
+    if _PYTHON_FILE.search(file):
+        return f"{name.rsplit('.', 1)[-1]} ({file})"
+    return f"{_short_native(name)} ({file})"
+
+
+def is_native_frame(frame: Frame) -> bool:
+    """Whether a normalized frame is compiled code (py-spy ``--native``), not Python."""
+    return not _PYTHON_FILE.search(frame.rsplit(" (", 1)[-1].removesuffix(")"))
 
 
 def _faulthandler(text: str) -> list[Thread]:
@@ -134,9 +158,14 @@ class ProcessStacks:
 
     @property
     def signature(self) -> tuple[Thread, ...]:
-        """The threads' stacks, sorted, without the launch's frames."""
-        return tuple(sorted(tuple(f for f in thread if not _LAUNCH_FRAME.search(f))
-                            for thread in self.threads))
+        """The threads' Python stacks, sorted, without the launch's frames."""
+        kept = (tuple(f for f in thread if not _LAUNCH_FRAME.search(f)
+                      and not is_native_frame(f)) for thread in self.threads)
+        return tuple(sorted(thread for thread in kept if thread))
+
+    @property
+    def has_native(self) -> bool:
+        return any(is_native_frame(f) for thread in self.threads for f in thread)
 
     @classmethod
     def from_text(cls, text: str, *, rank: int, node: str | None = None,
@@ -184,9 +213,16 @@ class StackGroup:
         return tuple(sorted({p.rank for p in self.members}))
 
     def evidence(self) -> dict[str, Any]:
-        return {"role": self.role, "ranks": list(self.ranks),
-                "nodes": sorted({p.node for p in self.members if p.node}),
-                "stacks": [list(t) for t in self.signature]}
+        """Ranks, nodes and the signature; with native frames, the first member's whole
+        stacks too (``native``: where inside compiled code it is)."""
+        found: dict[str, Any] = {"role": self.role, "ranks": list(self.ranks),
+                                 "nodes": sorted({p.node for p in self.members if p.node}),
+                                 "stacks": [list(t) for t in self.signature]}
+        first = next((p for p in self.members if p.has_native), None)
+        if first is not None:
+            found["native"] = {"rank": first.rank, "pid": first.pid,
+                               "stacks": [list(t) for t in first.threads if t]}
+        return found
 
 
 def group_stacks(processes: Iterable[ProcessStacks]) -> list[StackGroup]:
