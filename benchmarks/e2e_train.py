@@ -339,6 +339,8 @@ def train(args: argparse.Namespace) -> int:
             state = state_of(model, opt)
             store.save(step, state)
             event(results, "saved", step=step, digest=digest(state))
+    if client is not None:
+        client.finishing(stop)
     store.close()
     event(results, "done", step=stop)
     dist.destroy_process_group()

@@ -188,6 +188,7 @@ def train(args: argparse.Namespace) -> None:
             mgr.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
                             "step": step})
         time.sleep(args.step_time + (slow_s if time.time() < slow_until else 0.0))
+    bootseer.finishing()  # the final flush and teardown are not a hang
     mgr.close()
     dist.destroy_process_group()
 

@@ -6,9 +6,10 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# Training code calls ``bootseer.ready()`` and ``bootseer.heartbeat(step)``; they live in
+# Training code calls ``bootseer.ready()``, ``bootseer.heartbeat(step)`` and
+# ``bootseer.finishing()``; they live in
 # bootseer.client, imported on first use so that ``import bootseer`` stays cheap.
-_LAZY = {"ready", "heartbeat"}
+_LAZY = {"ready", "heartbeat", "finishing"}
 
 
 def __getattr__(name: str) -> Any:

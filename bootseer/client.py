@@ -10,6 +10,7 @@ makes progress::
         if step == start:
             bootseer.ready()          # startup ends here: the trace's first_step span
         bootseer.heartbeat(step, loss=loss, grad_norm=norm)  # at most one write a second
+    bootseer.finishing(step)          # the final save and teardown are not a hang
 
 Both write small files (atomic replace, JSON ``{"step", "time", "pid", "rank"}``, plus
 ``"loss"`` and ``"grad_norm"`` when given) into the control directory the wrapper gives the
@@ -65,7 +66,7 @@ import time
 import traceback
 from typing import IO, Any
 
-__all__ = ["heartbeat", "install_stack_dump", "ready", "stack_file_name"]
+__all__ = ["finishing", "heartbeat", "install_stack_dump", "ready", "stack_file_name"]
 
 CONTROL_ENV = "BOOTSEER_CONTROL_DIR"
 TRACE_ENV = "BOOTSEER_TRACE_DIR"
@@ -198,6 +199,27 @@ def heartbeat(step: int | None = None, loss: Any = None, grad_norm: Any = None) 
         _install_status(control)
         doc = {**_doc(step), **metrics}
         if _first_nonfinite is not None:  # sticky: a reader polling slower still sees it
+            doc["first_nonfinite"] = _first_nonfinite
+        _write(os.path.join(control, f"heartbeat-{_rank()}"), doc)
+    except Exception:  # noqa: BLE001 - see ready()
+        pass
+
+
+def finishing(step: int | None = None) -> None:
+    """The training loop is done: what follows (the final checkpoint, closing the process
+    group, the launcher's teardown) may take longer than any step, and the agent no longer
+    reads this rank's silence as a hang. Its end is still watched: a crash after this is a
+    crash. Written at once (no rate limit); never raises."""
+    global _last_heartbeat
+    control = os.environ.get(CONTROL_ENV)
+    if not control:
+        return
+    try:
+        _install_status(control)
+        with _lock:
+            _last_heartbeat = _clock()
+        doc = {**_doc(step), "finishing": True}
+        if _first_nonfinite is not None:
             doc["first_nonfinite"] = _first_nonfinite
         _write(os.path.join(control, f"heartbeat-{_rank()}"), doc)
     except Exception:  # noqa: BLE001 - see ready()

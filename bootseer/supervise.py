@@ -652,7 +652,8 @@ class Supervisor:
                 if (order := self.remote.dump_order()) and (
                         end := self._on_order(attempt, pid, watch, order, started)):
                     return end
-            if timeout > 0 and self._stopping is None and self._early is None:
+            if (timeout > 0 and self._stopping is None and self._early is None
+                    and not watch.all_finishing()):
                 if watch.last_change is None:
                     silent, limit = time.monotonic() - spawned, max(timeout, self.hang.startup_s)
                 else:
@@ -723,6 +724,8 @@ class Supervisor:
         from .robust.classify import SECONDARY
 
         event = self.agent.rank_crash(self._ranks.poll())
+        while self._ranks.ended_normally:
+            self.agent.finish_rank(self._ranks.ended_normally.pop())
         first = self._early
         if event is not None and (first is None or (first.failure_class in SECONDARY
                                                     and event.failure_class not in SECONDARY)):
@@ -1152,7 +1155,13 @@ class _Progress:
         self.last_change: float | None = None  # monotonic
         self.last_step: int | None = None
         self.ranks: dict[int, dict[str, Any]] = {}  # the newest heartbeat of each rank
+        self.finishing: set[int] = set()  # ranks that left their loop (client.finishing)
         self._beats: list[dict[str, Any]] = []
+
+    def all_finishing(self) -> bool:
+        """Every rank that beat said it left its training loop: the silence of its final
+        save and teardown is not a hang."""
+        return bool(self.ranks) and set(self.ranks) <= self.finishing
 
     def take_beats(self) -> list[dict[str, Any]]:
         """Heartbeat documents that changed since the last call (with their rank)."""
@@ -1195,6 +1204,8 @@ class _Progress:
                 if "time" in doc:
                     self._beats.append({**doc, "rank": rank})
                     self.ranks[rank] = doc
+                if doc.get("finishing") is True:
+                    self.finishing.add(rank)
             elif rank not in self.ready_ranks:
                 self.ready_ranks.add(rank)
                 when = doc.get("time")

@@ -88,6 +88,7 @@ def main() -> None:
             (out / f"running-{rank}").write_text(str(os.getpid()))
         time.sleep(args.step_time)
         step += 1
+    bootseer.finishing(step)
     (out / f"done-{rank}-{os.environ.get('BOOTSEER_ATTEMPT')}.json").write_text(json.dumps(
         {"steps": step, "weights": weights.tolist()}))
     dist.destroy_process_group()

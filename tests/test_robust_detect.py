@@ -43,6 +43,16 @@ def test_hang_threshold_is_learned_from_step_times_without_warmup():
     assert [e.rank for e in hangs.check(now=66.5)] == [0]
 
 
+def test_a_rank_that_is_finishing_or_ended_normally_is_never_a_hang():
+    hangs = HangDetector(timeout_s=5.0)
+    for rank in (0, 1, 2):
+        hangs.observe(Beat(rank=rank, step=10, time=100.0))
+    hangs.observe(Beat(rank=1, step=11, time=101.0, finishing=True))  # left its loop
+    hangs.finish(2)  # its process ended with status 0
+    assert [e.rank for e in hangs.check(200.0)] == [0]
+    assert Beat.from_doc({"rank": 3, "step": 4, "time": 1.0, "finishing": True}).finishing
+
+
 def test_hang_floor_and_configured_timeout():
     hangs = HangDetector(k=5.0, floor_s=30.0, warmup_steps=0)
     for step in range(5):

@@ -148,7 +148,8 @@ def test_a_watched_rank_that_exits_is_reported_once_with_its_status(tmp_path: Pa
         time.sleep(0.05)
     assert zombie_status(procs[0].pid) == 5 << 8
     ends = {e.rank: e for e in watch.poll()}
-    assert sorted(ends) == [0, 2]  # rank 1 ended normally
+    assert sorted(ends) == [0, 2]  # rank 1 ended normally: no crash, and no hang later
+    assert watch.ended_normally == [1]
     assert (ends[0].how, ends[0].status) == ("exit", 5)
     assert (ends[2].how, ends[2].status) == ("signal", 9)
     assert watch.poll() == [] and watch.fds() == []  # each once
@@ -203,3 +204,30 @@ def test_a_rank_kept_alive_after_its_exception_is_a_crash_and_its_command_is_kil
     while zombie_status(left) is None and Path(f"/proc/{left}").exists():
         assert time.monotonic() < deadline, f"rank {left} outlived its command"
         time.sleep(0.1)
+
+
+_FINAL_SAVE = """
+import time
+import bootseer
+for step in range(6):
+    bootseer.heartbeat(step)
+    time.sleep(0.3)
+bootseer.finishing(5)
+time.sleep(4)  # the final checkpoint and teardown: longer than the hang threshold
+"""
+
+
+def test_the_final_save_after_finishing_is_not_a_hang(tmp_path: Path) -> None:
+    """A job whose teardown outlasts the hang threshold (2.5 s here) ends normally once it
+    said ``finishing()``: no hang, no restart."""
+    script = tmp_path / "job" / "final_save.py"
+    script.parent.mkdir()
+    script.write_text(_FINAL_SAVE)
+    trace = tmp_path / "trace"
+    proc = run_wrapper(trace, "--max-restarts", "1", "--hang-timeout", "2.5",
+                       "--min-free-disk", "0", "--min-free-memory", "0",
+                       command=[sys.executable, str(script)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, _ = read_records([trace])
+    assert [r for r in got if isinstance(r, Event)] == []
+    assert "hang" not in proc.stderr

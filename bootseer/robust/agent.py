@@ -114,6 +114,11 @@ class Agent:
             self.hang.observe(beat)
         return self.metrics.observe(dataclasses.replace(beat, node=self.node))
 
+    def finish_rank(self, rank: int) -> None:
+        """A rank that ended normally or left its training loop is never a hang."""
+        if self.hang is not None:
+            self.hang.finish(rank)
+
     def check_hang(self, now: float) -> Event | None:
         """The first rank silent past the threshold (the event is written by :meth:`judge`);
         the collective rings are read here too (at most once per their poll interval)."""

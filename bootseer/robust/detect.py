@@ -51,6 +51,7 @@ class Beat:
     grad_norm: float | None = None
     node: str | None = None
     first_nonfinite: dict[str, Any] | None = None
+    finishing: bool = False  # the rank left its training loop (``client.finishing()``)
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any], node: str | None = None) -> Beat:
@@ -59,7 +60,8 @@ class Beat:
         return cls(rank=int(doc.get("rank", 0)), step=step if isinstance(step, int) else None,
                    time=float(doc["time"]), loss=metric(doc.get("loss")),
                    grad_norm=metric(doc.get("grad_norm")), node=node,
-                   first_nonfinite=dict(first) if isinstance(first, dict) else None)
+                   first_nonfinite=dict(first) if isinstance(first, dict) else None,
+                   finishing=doc.get("finishing") is True)
 
 
 def read_heartbeats(control_dir: str | os.PathLike, node: str | None = None) -> list[Beat]:
@@ -85,6 +87,7 @@ class _Rank:
     first_step: int | None = None
     reported: bool = False
     node: str | None = None
+    finished: bool = False  # said it is finishing, or its process ended normally
 
 
 class HangDetector:
@@ -105,6 +108,8 @@ class HangDetector:
         """Records progress; a hang is only found by :meth:`check`."""
         r = self._ranks[beat.rank]
         r.node = beat.node or r.node
+        if beat.finishing:
+            r.finished = True
         if beat.step is None or beat.step == r.step:
             if r.time is None:
                 r.time = beat.time  # a first report without a step (ready) starts the clock
@@ -116,6 +121,12 @@ class HangDetector:
             self._step_times.append((beat.time - r.time) / (beat.step - r.step))
         r.step, r.time, r.reported = beat.step, beat.time, False
         return []
+
+    def finish(self, rank: int) -> None:
+        """No hang from this rank any more in this attempt: it left its training loop (its
+        teardown and final save may take longer than any step) or its process ended
+        normally (the launcher's exit ends the attempt)."""
+        self._ranks[rank].finished = True
 
     def threshold(self) -> tuple[float, str]:
         """Seconds of silence that make a hang, and where the number came from."""
@@ -129,7 +140,7 @@ class HangDetector:
         threshold, source = self.threshold()
         events = []
         for rank, r in sorted(self._ranks.items()):
-            if r.time is None or r.reported or now - r.time < threshold:
+            if r.time is None or r.reported or r.finished or now - r.time < threshold:
                 continue
             r.reported = True
             events.append(Event("hang", "hang", node=r.node, rank=rank, step=r.step, time=now,

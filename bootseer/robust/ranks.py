@@ -111,6 +111,8 @@ class RankWatch:
         self._done: set[int] = set()  # pids already reported or ended normally
         self._seen: dict[str, tuple[int, int]] = {}  # record file -> (mtime_ns, size)
         self._records: dict[int, dict[str, Any]] = {}  # pid -> its newest record
+        self.ended_normally: list[int] = []  # ranks whose process ended normally (drained
+        # by the caller: the agent stops counting their silence as a hang)
 
     def fds(self) -> list[int]:
         """Descriptors that become readable when a watched rank exits."""
@@ -161,6 +163,8 @@ class RankWatch:
             end = _end(rank, pid, record, status, exited, now)
             if end is not None:
                 ends.append(end)
+            elif exited:
+                self.ended_normally.append(rank)
         return sorted(ends, key=lambda e: e.time)
 
     def _forget(self, pid: int) -> None:
