@@ -306,6 +306,14 @@ def test_a_node_whose_window_stopped_coming_is_unseen_not_never_issued() -> None
     docs = _windows(plan, {0: 106.0, 1: 105.9, 2: 106.0})  # shipped after T: not issued
     found, _ = analyze_windows(docs, now=106.0)
     assert [(f.kind, f.ranks) for f in found] == [("never_issued", (1,))], found
+    # the benchmark's other silent trial: node1's last window shows rank 1 inside #21 (which
+    # it then completed with the others); ranks 0 and 2 wait in #22. Rank 1's #21, in
+    # progress when last seen, is not stuck, and does not hide #22
+    plan = {r: {"grp-a": [*_history(), (99.5, None if r == 1 else 99.7),
+                          *([(100.0, None)] if r != 1 else [])]} for r in range(3)}
+    found, _ = analyze_windows(_windows(plan, {0: 106.0, 1: 99.6, 2: 106.0}), now=106.0)
+    assert [(f.kind, f.ranks, f.seq) for f in found] == [("unseen", (), 22)], found
+    assert link_suspects(found)[1] == {"node1": 6.4}
 
 
 #: fault -> (the rank it is injected into, world); all run at once in one module fixture

@@ -298,7 +298,10 @@ class Analyzer:
                 o = view.in_progress(r)
                 if o is not None:
                     t, src = self.threshold(view, o.op)
-                    if now - o.t_issue > t:
+                    # held as long as it was seen in progress: a window shipped before the op
+                    # could pass T (its node stopped shipping) does not make it stuck, and
+                    # must not hide the op the others are stuck in after it
+                    if min(now, self.seen_until.get(r, now)) - o.t_issue > t:
                         old = stuck.get(view.name)
                         if old is None or o.seq < old[0]:
                             stuck[view.name] = (o.seq, min(o.t_issue, old[1]) if old else
