@@ -25,10 +25,13 @@
 * with ``--cluster`` (root, tc): one node's link slowed on the cluster fixture
   (``--only-cluster``: that alone, into ``colltrace-link.json``). ``--link-path controller``
   (the default): ``bootseer controller`` and ``bootseer run --controller --colltrace`` on 3
-  nodes of one rank each; the controller's fail-slow rounds (every 10 s) suspect a link from
-  the shipped windows, order every agent to probe its own, and name the node: suspicion and
-  node named, from ``slow_link`` returning. ``--link-path command``: a 2-node x 2-rank
-  torchrun job read by one Watch, the store probe run per node after the first verdict.
+  nodes of one rank each; the controller (a look every 2 s) suspects a link from the shipped
+  windows, orders every agent to probe its own, and names the node: suspicion and node
+  named, from ``slow_link`` returning. Every window the store held, the agents' and the
+  controller's lines and node1's egress qdisc are kept per trial beside the results
+  (``ctl-link-<i>-*``; ``benchmarks/replay_link_windows.py`` replays the windows).
+  ``--link-path command``: a 2-node x 2-rank torchrun job read by one Watch, the store probe
+  run per node after the first verdict.
 """
 
 from __future__ import annotations
