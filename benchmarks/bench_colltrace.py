@@ -25,10 +25,13 @@
 * with ``--cluster`` (root, tc): one node's link slowed on the cluster fixture
   (``--only-cluster``: that alone, into ``colltrace-link.json``). ``--link-path controller``
   (the default): ``bootseer controller`` and ``bootseer run --controller --colltrace`` on 3
-  nodes of one rank each; the controller's fail-slow rounds (every 10 s) suspect a link from
-  the shipped windows, order every agent to probe its own, and name the node: suspicion and
-  node named, from ``slow_link`` returning. ``--link-path command``: a 2-node x 2-rank
-  torchrun job read by one Watch, the store probe run per node after the first verdict.
+  nodes of one rank each; the controller (a look every 2 s) suspects a link from the shipped
+  windows, orders every agent to probe its own, and names the node: suspicion and node
+  named, from ``slow_link`` returning. Every window the store held, the agents' and the
+  controller's lines and node1's egress qdisc are kept per trial beside the results
+  (``ctl-link-<i>-*``; ``benchmarks/replay_link_windows.py`` replays the windows).
+  ``--link-path command``: a 2-node x 2-rank torchrun job read by one Watch, the store probe
+  run per node after the first verdict.
 """
 
 from __future__ import annotations
@@ -325,8 +328,30 @@ def background_load(n: int) -> Any:
             proc.wait()
 
 
+#: on the services host: every node's shipped window, each time it changes, as the store
+#: holds it (what the controller reads every LINK_CHECK_S), one JSON line each, until killed
+_TAP = r"""
+import json, sys, time
+from bootseer.robust import wire
+store = wire.connect(sys.argv[1], 30.0)
+keys = wire.Keys("job")
+seen = {}
+with open(sys.argv[2], "a", encoding="utf-8") as out:
+    while True:
+        nodes = (wire.get(store, keys.nodes) or b"").decode().split()
+        for n in nodes:
+            data = wire.get(store, keys.node(n, "colltrace"))
+            if data is not None and data != seen.get(n):
+                seen[n] = data
+                out.write(json.dumps({"read": time.time(), "node": n,
+                                      "doc": json.loads(data)}) + "\n")
+                out.flush()
+        time.sleep(0.5)
+"""
+
+
 def controller_link(work: Path, trials: int, timeout_s: float, failslow_s: float = 10.0,
-                    log_to: Any = None) -> dict[str, Any]:
+                    log_to: Any = None, keep: Path | None = None) -> dict[str, Any]:
     """One node's link slowed (tc) under the real path: ``bootseer controller`` on the
     controller host and ``bootseer run --controller --colltrace`` on each of 3 nodes around a
     1-rank-per-node torchrun job. The agents ship their ring windows; on the tracer's
@@ -347,9 +372,10 @@ def controller_link(work: Path, trials: int, timeout_s: float, failslow_s: float
         lines: list[tuple[float, str]] = []
         with contextlib.ExitStack() as stack, Cluster(
                 3, link=Link(rate="200mbit"), services=("rendezvous",), workdir=work) as c:
+            port = c.services.rendezvous_endpoint.rsplit(":", 1)[1]
             ctl = c.services.popen(
                 [sys.executable, "-m", "bootseer", "controller", "--store",
-                 f"127.0.0.1:{c.services.rendezvous_endpoint.rsplit(':', 1)[1]}",
+                 f"127.0.0.1:{port}",
                  "--trace-dir", str(out / "ctl"), "--exclusion", str(out / "excluded.json"),
                  "--failslow-interval", str(failslow_s)],
                 env={"PYTHONPATH": repo}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -357,6 +383,14 @@ def controller_link(work: Path, trials: int, timeout_s: float, failslow_s: float
             # would leave READY in the buffer, unselected)
             threading.Thread(target=_stamped, args=(ctl.stderr, lines), daemon=True).start()
             wait_for_line(ctl, "READY", "the controller", 180)
+            windows = None
+            if keep is not None:  # the windows kept for an offline replay (replay_windows)
+                keep.mkdir(parents=True, exist_ok=True)
+                windows = keep / f"ctl-link-{i}-windows.ndjson"
+                windows.unlink(missing_ok=True)
+                c.services.popen([sys.executable, "-c", _TAP, f"127.0.0.1:{port}",
+                                  str(windows)], env={"PYTHONPATH": repo},
+                                 stdout=subprocess.DEVNULL)
             agents = []
             for n in c.nodes:
                 job = n.torchrun(["-m", "bootseer.testing.colltrace_job", "--torchrun",
@@ -395,6 +429,9 @@ def controller_link(work: Path, trials: int, timeout_s: float, failslow_s: float
                         node, named_at = ln.split("fail-slow: ", 1)[1].split("'s link")[0], t
                         break
                 time.sleep(0.25)
+            egress = subprocess.run(  # a tbf stuck on a packet over its burst sends nothing
+                ["tc", "-n", c.nodes[1].netns, "-s", "qdisc", "show", "dev", "eth0"],
+                capture_output=True, text=True, check=False).stdout
             for proc in agents:
                 proc.terminate()
             for proc in agents:
@@ -407,10 +444,19 @@ def controller_link(work: Path, trials: int, timeout_s: float, failslow_s: float
                round(named_at - injected, 3), "node_named": node == "node1",
                "node_wrong": node is not None and node != "node1", "lines": said[:12],
                "controller_tail": [ln for _, ln in lines[-15:]],
-               "load": _load()}
+               "load": _load(), "injected": injected, "node1_egress_tc": egress,
+               "windows": str(windows) if windows else None,
+               "node1_windows_after": None if windows is None else _shipped_after(
+                   windows, "node1", injected)}
         rows.append(row)
         (log_to or log)(f"controller link trial {i}: suspected at {row['suspected_s']} s, "
-                        f"node {node} at {row['node_s']} s; {said[:3]}")
+                        f"node {node} at {row['node_s']} s; node1's windows after the fault: "
+                        f"{row['node1_windows_after']}; {said[:3]}")
+        if keep is not None:  # the agents' own lines and the controller's, with the windows
+            for err in out.glob("agent-*.err"):
+                shutil.copyfile(err, keep / f"ctl-link-{i}-{err.name}")
+            (keep / f"ctl-link-{i}-controller.log").write_text(
+                "".join(f"{t:.3f} {ln}\n" for t, ln in lines))
         shutil.rmtree(out, ignore_errors=True)
     times = [r["node_s"] for r in rows if r["node_named"]]
     return {"trials": rows, "n": len(rows), "node_named": sum(r["node_named"] for r in rows),
@@ -424,6 +470,15 @@ def controller_link(work: Path, trials: int, timeout_s: float, failslow_s: float
             "wrong": sum(r["node_wrong"] for r in rows),
             "p50_s": _pct(times, 50), "p90_s": _pct(times, 90),
             "within_target": sum(1 for t in times if t <= TARGET_S) / max(1, len(rows))}
+
+
+def _shipped_after(path: Path, node: str, t: float) -> int:
+    """How many windows ``node`` shipped after ``t`` (0: its agent could not reach the store)."""
+    try:
+        rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    except (OSError, ValueError):
+        return 0
+    return sum(1 for r in rows if r["node"] == node and r["doc"].get("time", 0) > t)
 
 
 def _stamped(stream: Any, into: list[tuple[float, str]]) -> None:
@@ -497,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         if only:
             return _only(args, only, work, results, trials)
         if args.only_cluster:
-            link = (controller_link(work, trials, timeout_s=120.0)
+            link = (controller_link(work, trials, timeout_s=120.0, keep=results)
                     if args.link_path == "controller" else
                     cluster_link(work, trials, timeout_s=60.0))
             (results / "colltrace-link.json").write_text(json.dumps(

@@ -262,6 +262,60 @@ def test_shipped_windows_give_the_verdict_across_nodes_within_their_bound() -> N
     assert small["per_group"] < 21 and [o.seq for o in kept] == list(
         range(22 - len(kept), 22))
 
+def _windows(plan: dict[int, dict[str, list[tuple[float, float | None]]]],
+             shipped: dict[int, float], name: str = "node") -> dict[str, dict]:
+    """Node ``<name><r>`` ships rank r's window at ``shipped[r]`` (its clock), every rank
+    asleep and alive (state S)."""
+    from bootseer.colltrace.ship import window
+
+    docs = {}
+    for r, groups in plan.items():
+        node = f"{name}{r}"
+        snap = _snaps({r: groups}, {g: sorted(plan) for g in groups}, node=node)[0]
+        snap.pid = 2 ** 22 + 7
+        docs[node] = window([snap], node=node, limit=10 << 10)
+        docs[node]["time"] = shipped[r]
+        docs[node]["ranks"][0]["state"] = "S"
+    return docs
+
+
+def test_a_node_whose_window_stopped_coming_is_unseen_not_never_issued() -> None:
+    """The controller's silent link trials, deterministic: node1's link stops carrying
+    anything at t=99.6 (tc stuck), so its agent ships no window after that; ranks 0 and 2
+    issue grp-a #21 at t=100 and wait (rank 1 issued it too, unseen). The old analysis named
+    rank 1 "never issued" (a wrong claim, which the link path ignored: silence). Now:
+    "unseen", naming nobody, with node1 and its window's age, which makes the controller
+    suspect node1's link once the window is LINK_STALE_S old. A fresh window of node1 that
+    still lacks #21 names rank 1 as before."""
+    from bootseer.colltrace.ship import analyze_windows
+    from bootseer.robust.controller import LINK_STALE_S, link_suspects
+
+    plan = {r: {"grp-a": [*_history(), *([(100.0, None)] if r != 1 else [])]}
+            for r in range(3)}
+    docs = _windows(plan, {0: 106.0, 1: 99.6, 2: 106.0})
+    found, _ = analyze_windows(docs, now=106.0)
+    assert [(f.kind, f.ranks) for f in found] == [("unseen", ())], [f.line for f in found]
+    assert found[0].line == ("all_reduce #21 in group grp-a: 2 ranks wait in it since 6.0 s; "
+                             "no ring of rank 1 (node1) (last seen 6.4 s ago) read since "
+                             "before it: progress unknown (its node's link or agent)")
+    assert found[0].evidence["nodes"] == {"1": "node1"}
+    suspect, silent = link_suspects(found)
+    assert suspect == found and silent == {"node1": 6.4}
+    found, _ = analyze_windows(docs, now=99.6 + LINK_STALE_S - 0.5)  # not stale enough yet
+    assert [f.kind for f in found] == ["unseen"] and link_suspects(found) == ([], {})
+    docs = _windows(plan, {0: 106.0, 1: 105.9, 2: 106.0})  # shipped after T: not issued
+    found, _ = analyze_windows(docs, now=106.0)
+    assert [(f.kind, f.ranks) for f in found] == [("never_issued", (1,))], found
+    # the benchmark's other silent trial: node1's last window shows rank 1 inside #21 (which
+    # it then completed with the others); ranks 0 and 2 wait in #22. Rank 1's #21, in
+    # progress when last seen, is not stuck, and does not hide #22
+    plan = {r: {"grp-a": [*_history(), (99.5, None if r == 1 else 99.7),
+                          *([(100.0, None)] if r != 1 else [])]} for r in range(3)}
+    found, _ = analyze_windows(_windows(plan, {0: 106.0, 1: 99.6, 2: 106.0}), now=106.0)
+    assert [(f.kind, f.ranks, f.seq) for f in found] == [("unseen", (), 22)], found
+    assert link_suspects(found)[1] == {"node1": 6.4}
+
+
 #: fault -> (the rank it is injected into, world); all run at once in one module fixture
 FAULTS = {"sleep": 2, "kill": 1, "stop": 1, "mismatch": 0, "deadlock": 2}
 

@@ -248,9 +248,6 @@ def test_a_link_the_tracer_suspects_is_probed_and_its_node_evicted(store) -> Non
     reaches the store through a shaping proxy (1 MB/s, 20 ms each way), n0 and n2 directly;
     once every answer is in, n1's link is named, and the fail_slow incident it opens evicts
     n1 alone."""
-    from test_colltrace import _history, _snaps
-
-    from bootseer.colltrace.ship import window
     from bootseer.testing.shaper import Shaper, ShaperSettings
 
     keys = wire.Keys()
@@ -259,19 +256,7 @@ def test_a_link_the_tracer_suspects_is_probed_and_its_node_evicted(store) -> Non
     shaper = Shaper("127.0.0.1", store.port,
                     ShaperSettings.from_mb(latency_ms=20, per_conn_mbps=1.0)).start()
     try:
-        links = []
-        for i in range(3):
-            link = ControllerLink(store, f"n{i}", address=shaper.address if i == 1
-                                  else f"127.0.0.1:{store.port}")
-            link.register()
-            link.sample_tool = lambda pid: WAITING
-            snap = _snaps({i: {"grp-a": [*_history(), (100.0, None)]}}, {"grp-a": [0, 1, 2]},
-                          node=f"n{i}")[0]
-            snap.pid = 2 ** 22 + 7
-            doc = window([snap], node=f"n{i}", limit=10 << 10)
-            doc["ranks"][0]["state"] = "S"  # each waits, alive: no stopped peer
-            store.set(keys.node(f"n{i}", "colltrace"), wire.encode(doc, wire.MAX_DUMP_BYTES))
-            links.append(link)
+        links = _link_job(store, dict.fromkeys(range(3), 103.0), {1: shaper.address})
         ctl = Controller(store, failslow_interval_s=1.0, clock=lambda: now[0], log=said.append)
         assert ctl.step() is None  # the suspicion, an order to probe
         order = json.loads(store.get(keys.link_request))
@@ -309,6 +294,103 @@ def test_a_link_the_tracer_suspects_is_probed_and_its_node_evicted(store) -> Non
             "replace_and_restart", "fail_slow", ("n1",))
     finally:
         shaper.stop()
+
+
+def _link_job(store, shipped: dict[int, float], via: dict[int, str] | None = None,
+              wait: tuple[int, ...] = (0, 1, 2)) -> list[ControllerLink]:
+    """Nodes n0..n2 with a rank each, linked to the controller's store (node i through
+    ``via[i]``, a shaping proxy); each ships its window at ``shipped[i]``: 20 ops of grp-a,
+    and the ranks in ``wait`` issued #21 at t=100 and wait in it, alive."""
+    from test_colltrace import _history, _windows
+
+    plan = {r: {"grp-a": [*_history(), *([(100.0, None)] if r in wait else [])]}
+            for r in range(3)}
+    docs = _windows(plan, shipped, name="n")
+    links = []
+    for i in range(3):
+        link = ControllerLink(store, f"n{i}", address=(via or {}).get(
+            i, f"127.0.0.1:{store.port}"))
+        link.register()
+        link.sample_tool = lambda pid: WAITING
+        store.set(wire.Keys().node(f"n{i}", "colltrace"),
+                  wire.encode(docs[f"n{i}"], wire.MAX_DUMP_BYTES))
+        links.append(link)
+    return links
+
+
+def _probe(links: list[ControllerLink]) -> None:
+    """Each of ``links`` answers the probe order (its beat reads it; the probe's thread)."""
+    for i, link in enumerate(links):
+        link._last_link_poll = float("-inf")
+        link.beat(0, {i: {"step": 3, "time": time.time(), "pid": 100 + i}})
+        assert link._prober is not None
+        link._prober.join(60)
+
+
+def test_a_node_silent_since_the_slowdown_is_named_when_it_cannot_answer_its_probe(
+        store) -> None:
+    """node1's link carries nothing (the benchmark's tc link stuck): its agent shipped its
+    last window at t=99.6, before ranks 0 and 2 issued grp-a #21 (t=100), and answers no
+    probe order. Once its window is LINK_STALE_S old the controller suspects it and orders
+    the probes; n0 and n2 answer at once, n1 never: LINK_STALE_S after the order n1 is named
+    as a probe that failed, and the fail_slow incident evicts it alone. The old controller
+    read n1's window as "rank 1 never issued #21" and said nothing."""
+    from bootseer.robust.controller import LINK_STALE_S
+
+    keys = wire.Keys()
+    now = [102.5]
+    said: list[str] = []
+    n0, _, n2 = _link_job(store, {0: 102.5, 1: 99.6, 2: 102.5}, wait=(0, 2))
+    ctl = Controller(store, failslow_interval_s=1.0, clock=lambda: now[0], log=said.append)
+    assert ctl.step() is None and not store.check([keys.link_request])  # 2.9 s: not yet
+    now[0] = 99.6 + LINK_STALE_S + 0.1
+    assert ctl.step() is None
+    assert any("no ring of rank 1 (n1)" in ln and "every node probes its link now" in ln
+               for ln in said), said
+    _probe([n0, n2])
+    now[0] += LINK_STALE_S - 1.0
+    assert ctl.step() is None and not store.check([keys.open])  # n1's answer still awaited
+    now[0] += 1.01
+    assert ctl.step() is None
+    [event] = json.loads(store.get(keys.open))["events"]
+    assert (event["kind"], event["node"]) == ("fail_slow", "n1")
+    ev = event["evidence"]
+    assert (ev["cause"], ev["group_nodes"]) == ("slow_link", ["n1"])
+    assert sorted(ev["probes"]) == ["n0", "n1", "n2"]
+    assert ev["probes"]["n1"]["error"].startswith(f"no answer to the probe order in "
+                                                  f"{LINK_STALE_S:.1f} s")
+    assert min(ev["probes"]["n0"]["mbps"], ev["probes"]["n2"]["mbps"]) > 0
+    assert ev["why"].startswith("could not measure its link to the store: no answer")
+
+
+def test_probes_that_name_nobody_open_nothing_and_pause_the_orders(store) -> None:
+    """Every rank waits in #21 ('transport', no rank): the three nodes' probe answers are
+    alike (written as an agent writes them: measured figures on a loaded loopback vary
+    3x), so nobody is named and no incident opens; the windows still say the same, but
+    no new order comes for LINK_QUIET_S; after it, one does."""
+    from bootseer.robust.controller import LINK_QUIET_S
+
+    keys = wire.Keys()
+    now = [103.0]
+    said: list[str] = []
+    _link_job(store, dict.fromkeys(range(3), 103.0))
+    ctl = Controller(store, failslow_interval_s=1.0, clock=lambda: now[0], log=said.append)
+    assert ctl.step() is None
+    first = json.loads(store.get(keys.link_request))["id"]
+    for n in ("n0", "n1", "n2"):
+        store.set(keys.link_probe(n, first), wire.encode({"node": n, "id": first, "probe": {
+            "node": n, "rtt_ms": 0.2, "mbps": 300.0, "up_mbps": 300.0, "down_mbps": 310.0}}))
+    now[0] += 0.25
+    assert ctl.step() is None and not store.check([keys.open])
+    assert any("link probes of n0, n1, n2 name no node" in ln for ln in said), said
+    end = now[0] + LINK_QUIET_S
+    while now[0] + 5.0 < end:  # a look every 5 s (past LINK_CHECK_S): each one quiet
+        now[0] += 5.0
+        assert ctl.step() is None
+        assert json.loads(store.get(keys.link_request))["id"] == first
+    now[0] = end
+    assert ctl.step() is None and not store.check([keys.open])
+    assert json.loads(store.get(keys.link_request))["id"] > first
 
 
 def _solo(store, tmp_path: Path, argv: list[str], restarts: int):

@@ -45,6 +45,7 @@ class Finding:
     """A verdict of the tracer: the kind, the root-cause rank(s), one line, the evidence."""
 
     kind: str  # never_issued | died | transport | straggler | mismatch | deadlock | slow
+    #          | unseen (ranks wait on ranks whose ring was last read before the op)
     group: str  # the group's display name
     ranks: tuple[int, ...]
     op: str
@@ -143,6 +144,9 @@ class Analyzer:
         self._wire_base: dict[str, float] = {}  # group -> an op's baseline time on the wire
         self._mismatched: dict[str, int] = {}  # group -> the first mismatched sequence
         self.grid: dict[str, dict[int, str]] = {}  # group display -> rank -> state
+        # rank -> the time its ring was read (a shipped window's): what it did after that is
+        # unknown, so it is not "never issued" an op the others issued after (:mod:`.ship`)
+        self.seen_until: dict[int, float] = {}
 
     # -- one pass --------------------------------------------------------------------------
     def analyze(self, snaps: list[RingSnapshot], now: float | None = None) -> list[Finding]:
@@ -294,7 +298,10 @@ class Analyzer:
                 o = view.in_progress(r)
                 if o is not None:
                     t, src = self.threshold(view, o.op)
-                    if now - o.t_issue > t:
+                    # held as long as it was seen in progress: a window shipped before the op
+                    # could pass T (its node stopped shipping) does not make it stuck, and
+                    # must not hide the op the others are stuck in after it
+                    if min(now, self.seen_until.get(r, now)) - o.t_issue > t:
                         old = stuck.get(view.name)
                         if old is None or o.seq < old[0]:
                             stuck[view.name] = (o.seq, min(o.t_issue, old[1]) if old else
@@ -340,6 +347,15 @@ class Analyzer:
             if self._mismatched.get(name, seq + 1) <= seq:
                 continue  # a mismatch before it: said, and the cause of what follows
             op = next(o.op for ops in view.ops.values() for s, o in ops.items() if s == seq)
+            # a missing rank whose ring was last read before the op could pass T after its
+            # first issue (a window its node stopped shipping): its progress is unknown, not
+            # "never issued"; what is known is said, naming nobody
+            t_op = self.threshold(view, op)[0]
+            unseen = [m for m in missing if m in self.seen_until
+                      and self.seen_until[m] < since + t_op]
+            if unseen and now - since > t_op:
+                found += self._unseen(view, seq, op, since, waiting, unseen, by_rank, now)
+                continue
             # a missing rank inside another group's op is blocked there: the cause is said
             # in that group once its op passes T; said here only with that context, and only
             # if that op stays short of T for long (2 x this op's T)
@@ -388,6 +404,25 @@ class Analyzer:
             elif not missing and len(never_done) == len(view.members):
                 found += self._transport(view, seq, op, since, never_done, by_rank, now)
         return found
+
+    def _unseen(self, view: GroupView, seq: int, op: str, since: float, waiting: list[int],
+                unseen: list[int], by_rank: dict[int, RingSnapshot],
+                now: float) -> list[Finding]:
+        """Ranks wait in an op that others were last seen before: their window stopped
+        coming (their node's link, or its agent). Nobody is named: the controller's link
+        probe tells a slow link from a busy agent."""
+        held = now - since
+        nodes = {str(m): by_rank[m].node if m in by_rank else "" for m in unseen}
+        ages = {str(m): round(now - self.seen_until[m], 1) for m in unseen}
+        who = ", ".join(f"{self._where(m, by_rank)} (last seen {ages[str(m)]:.1f} s ago)"
+                        for m in unseen)
+        line = (f"{op} #{seq} in group {view.display}: {len(waiting)} rank"
+                f"{'s' if len(waiting) != 1 else ''} wait in it since {held:.1f} s; no ring "
+                f"of {who} read since before it: progress unknown (its node's link or agent)")
+        return self._new(("unseen", view.name, seq, tuple(unseen)), Finding(
+            "unseen", view.display, (), op, seq, line, now,
+            {"waiting": waiting, "since": since, "held_s": round(held, 3), "nodes": nodes,
+             "seen_ago_s": ages}))
 
     def _transport(self, view: GroupView, seq: int, op: str, since: float,
                    never_done: list[int], by_rank: dict[int, RingSnapshot],

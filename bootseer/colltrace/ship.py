@@ -89,18 +89,27 @@ def snapshots_of(doc: dict[str, Any], node: str) -> list[RingSnapshot]:
     return snaps
 
 
-def analyze_windows(docs: dict[str, dict[str, Any]], *, now: float | None = None
+def analyze_windows(docs: dict[str, dict[str, Any]], *, now: float | None = None,
+                    analyzer: Analyzer | None = None
                     ) -> tuple[list[Finding], dict[str, dict[int, str]]]:
     """The tracer's findings over every node's window (``docs``: node -> window), and the
     grid of ranks x groups. A rank's liveness and state are what its own node read (a zombie
-    or a vanished pid: dead)."""
+    or a vanished pid: dead). ``analyzer``: one kept across calls (its baselines learned
+    once, a candidate confirmed by later windows, a finding said once), as a node's Watch
+    keeps its own; none: a fresh one, which sees only what one look shows."""
     snaps: list[RingSnapshot] = []
     states: dict[tuple[str, int], tuple[str, int] | None] = {}
+    # a rank is known up to its window's shipping (its node's clock): a node that stopped
+    # shipping (its link, its agent) is not read as a rank that never issued the next op
+    seen_until: dict[int, float] = {}
     for node, doc in sorted(docs.items()):
         for snap in snapshots_of(doc, node):
             snaps.append(snap)
         for r in doc.get("ranks") or []:
             if isinstance(r, dict) and isinstance(r.get("rank"), int):
+                if isinstance(doc.get("time"), int | float):  # a rank moved: the newest's
+                    seen_until[r["rank"]] = max(float(doc["time"]),
+                                                seen_until.get(r["rank"], float("-inf")))
                 st = str(r.get("state") or "")
                 ticks = r.get("cpu_ticks") if isinstance(r.get("cpu_ticks"), int) else 0
                 states[(node, r["rank"])] = (st, ticks) if st else None
@@ -114,6 +123,9 @@ def analyze_windows(docs: dict[str, dict[str, Any]], *, now: float | None = None
         st = states[(snap.node, snap.rank)]
         return st is not None and st[0] not in ("Z", "X")
 
-    analyzer = Analyzer(alive=alive, state=state, node="controller")
+    if analyzer is None:
+        analyzer = Analyzer(node="controller")
+    analyzer.alive, analyzer.state = alive, state  # this call's windows say them
+    analyzer.seen_until = seen_until
     found = analyzer.analyze(newest_per_rank(snaps), now)  # a rank moved: its newest ring
     return found, analyzer.grid

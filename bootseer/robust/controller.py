@@ -55,7 +55,7 @@ from .policy import ExclusionList, decide
 from .stacks import Localization, ProcessStacks, _domain, localize
 from .standby import exclusion_record, publish_exclusions, read_exclusions
 
-__all__ = ["ACTIONABLE", "CHECKED", "SECONDARY", "Controller"]
+__all__ = ["ACTIONABLE", "CHECKED", "SECONDARY", "Controller", "link_suspects"]
 
 #: event kinds that open an incident (a health event ends a start and is recorded only)
 ACTIONABLE = ("crash", "hang", "nonfinite", "spike", "fail_slow")
@@ -65,6 +65,9 @@ HISTORY = 50  # earlier verdicts read back for the repeat rules
 LINK_CHECK_S = 2.0  # the tracer's windows are looked at this often for a slow link
 LINK_WAIT_S = 10.0  # a probe order's answers are awaited this long (a slow link answers last)
 LINK_QUIET_S = 30.0  # after probes that named no node, no new order for this long
+#: a node whose tracer window is this old while ranks wait on its rank(s) is suspect (its
+#: link may carry nothing), and its probe not answered this long after the order names it
+LINK_STALE_S = 5.0
 
 
 def _say(line: str) -> None:
@@ -102,6 +105,7 @@ class Controller:
         self._last_link = float("-inf")  # the tracer's windows last looked at for a link
         self._link_asked: tuple[int, float] | None = None  # (probe order, when) in flight
         self._link_quiet_until = float("-inf")  # after probes that named no node
+        self._link_silent: dict[str, float] = {}  # suspect node -> its window's age then
 
     # -- what the store says -------------------------------------------------------------
     def nodes(self) -> list[str]:
@@ -523,8 +527,10 @@ class Controller:
         """A slow link, between the rounds: every ``LINK_CHECK_S`` the tracer's windows are
         analysed (:meth:`_link_suspected`); on a suspicion every node is asked at once to
         probe its own link (an order of its own, not the next round's), and the answers are
-        read as they come, up to ``LINK_WAIT_S``. Held in memory: a controller restarted
-        meanwhile asks again on the next suspicion."""
+        read as they come, up to ``LINK_WAIT_S``; a node whose window had stopped coming and
+        that has not answered ``LINK_STALE_S`` after the order, every other node having
+        answered, counts as a probe that failed (it could not reach the store). Held in
+        memory: a controller restarted meanwhile asks again on the next suspicion."""
         if self.failslow_interval_s <= 0:
             return None
         now = self.clock()
@@ -536,11 +542,18 @@ class Controller:
                 answer = self._read(self.keys.link_probe(node, ident), node)
                 if answer and isinstance(answer.get("probe"), dict):
                     probes[node] = answer["probe"]
-            if len(probes) < len(live) and now - since < LINK_WAIT_S:
+            missing = [n for n in live if n not in probes]
+            silent = bool(missing) and all(n in self._link_silent for n in missing)
+            if missing and now - since < (LINK_STALE_S if silent else LINK_WAIT_S):
                 return None
             self._link_asked = None
             for node in live:
                 self.store.delete_key(self.keys.link_probe(node, ident))
+            for node in missing if silent else ():  # its window stopped, and now its answer
+                age = self._link_silent[node] + now - since
+                probes[node] = {"node": node, "error": (
+                    f"no answer to the probe order in {now - since:.1f} s, and no tracer "
+                    f"window from it for {age:.1f} s while ranks wait on its rank(s)")}
             event = self._slow_link(probes, self._rank_nodes(excluded), now)
             if event is None:
                 self._link_quiet_until = now + LINK_QUIET_S
@@ -568,15 +581,19 @@ class Controller:
 
     def _link_suspected(self, excluded: set[str]) -> bool:
         """The collective tracer, over the windows the nodes ship, sees the whole job slow
-        or stuck in flight with no rank to blame ("slow"/"transport" naming nobody): a link
-        is the suspect, and the next round asks every node to probe its own."""
+        or stuck in flight with no rank to blame ("slow"/"transport" naming nobody), or
+        ranks waiting on a rank whose node's window stopped coming ``LINK_STALE_S`` ago
+        ("unseen": a link that carries nothing stops its agent's shipping too): a link is
+        the suspect, and every node is asked to probe its own. Such a silent node that does
+        not answer the probe either, while the others do, is the one named
+        (:meth:`_link_watch`)."""
         docs = self._windows([n for n in self.nodes() if n not in excluded])
         if not docs:
             return False
         from ..colltrace.ship import analyze_windows
 
         found, _ = analyze_windows(docs, now=self.clock())
-        suspect = [f for f in found if f.kind in ("slow", "transport") and not f.ranks]
+        suspect, self._link_silent = link_suspects(found)
         if suspect:
             self.log(f"fail-slow: {suspect[0].line}: every node probes its link now")
         return bool(suspect)
@@ -606,6 +623,23 @@ class Controller:
         while not stop.is_set():
             self.step()
             stop.wait(interval_s)
+
+
+def link_suspects(found: Sequence[Any]) -> tuple[list[Any], dict[str, float]]:
+    """The tracer's findings that make a link the suspect (see
+    :meth:`Controller._link_suspected`), and the silent nodes among them: node -> how old its
+    window was (s). ``found``: :class:`bootseer.colltrace.analyze.Finding` s."""
+    suspect = [f for f in found if f.kind in ("slow", "transport") and not f.ranks]
+    silent: dict[str, float] = {}
+    for f in found:  # ranks wait on a rank whose node's window stopped coming
+        if f.kind != "unseen" or f.ranks:
+            continue
+        stale = {node: age for r, node in f.evidence["nodes"].items()
+                 if node and (age := f.evidence["seen_ago_s"][r]) >= LINK_STALE_S}
+        if stale:
+            silent.update(stale)
+            suspect.append(f)
+    return suspect, silent
 
 
 def _break_tie(found: Localization, processes: list[ProcessStacks],
