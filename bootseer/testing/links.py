@@ -18,7 +18,11 @@ __all__ = ["Link", "parse_rate", "qdisc_available", "shape", "tc_argv"]
 
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-MIN_BURST = 32 * 1024  # bytes; a burst smaller than a few packets starves TCP
+#: bytes. tbf never sends a packet larger than its burst, and a veth's GSO packets reach
+#: 64 KiB: with 32 KiB, slowing a busy link to 20 Mbit/s left its queue stuck on such a packet
+#: and the link dead instead of slow (4 of 10 link trials of bench_colltrace; reproduced
+#: with tc and one TCP stream: 0 bytes/s at 32 KiB, 19.1 Mbit/s at 128 KiB)
+MIN_BURST = 128 * 1024
 QUEUE_LATENCY_MS = 100  # tbf: how long a packet may wait before it is dropped
 
 
