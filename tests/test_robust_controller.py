@@ -116,6 +116,36 @@ def test_a_node_that_never_answers_is_waited_for_then_named_missing(store) -> No
     verdict = ctl.step()
     assert verdict is not None and verdict.evidence["missing_dumps"] == ["n2"]
     assert sorted(verdict.evidence["dumps"]) == ["n0", "n1"]
+    # the next incidents do not wait for the lost node (nor does a restarted controller)
+    def verdict_within(ctl: Controller, seconds: float):
+        for _ in range(int(seconds)):  # under the 10 s dump wait
+            now[0] += 1.0
+            if (got := ctl.step()) is not None:
+                return got
+        return None
+
+    restarted = Controller(store, dump_wait_s=10, clock=lambda: now[0], log=lambda _: None)
+    for incident, closing in ((2, ctl), (3, restarted)):
+        now[0] += 5.0  # a crash after the last verdict: a new incident
+        links[1].publish(Event("crash", "python_exception", node="n1", time=now[0]))
+        assert closing.step() is None
+        links[0].answer(incident, [])
+        links[1].answer(incident, [])
+        verdict = verdict_within(closing, 6)
+        assert verdict is not None and verdict.evidence["incident"] == incident
+        assert verdict.evidence["missing_dumps"] == []
+        assert verdict.evidence["not_waited_for"] == ["n2"]
+    # n2 is back (it beats): waited for again
+    links[2].beat(1, {})
+    now[0] += 5.0
+    links[0].publish(Event("crash", "python_exception", node="n0", time=now[0]))
+    assert restarted.step() is None
+    links[0].answer(4, [])
+    links[1].answer(4, [])
+    assert verdict_within(restarted, 6) is None  # n2 has not answered yet
+    links[2].answer(4, [])
+    verdict = verdict_within(restarted, 3)
+    assert verdict is not None and sorted(verdict.evidence["dumps"]) == ["n0", "n1", "n2"]
 
 
 _WAITING = ('Thread 7 (idle): "MainThread"\n'

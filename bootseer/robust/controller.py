@@ -106,6 +106,7 @@ class Controller:
         self._link_asked: tuple[int, float] | None = None  # (probe order, when) in flight
         self._link_quiet_until = float("-inf")  # after probes that named no node
         self._link_silent: dict[str, float] = {}  # suspect node -> its window's age then
+        self._gone: dict[str, float] | None = None  # node -> when it first missed a dump order
 
     # -- what the store says -------------------------------------------------------------
     def nodes(self) -> list[str]:
@@ -116,6 +117,32 @@ class Controller:
             if wire.valid_node(line) and line not in names:
                 names.append(line)
         return names
+
+    def gone(self) -> set[str]:
+        """Nodes that did not answer an earlier incident's dump order and have not beaten
+        since: lost, not slow. torch recovers from a lost node without a verdict, so it stays
+        registered, and every later incident waited the whole dump wait for it (10 s each, 4
+        times in a 20-minute soak). A node that beats again is waited for again. Seeded from
+        the last verdict's ``missing_dumps`` and ``not_waited_for``: a restarted controller
+        keeps no state."""
+        if self._gone is None:
+            pointer = self._read(self.keys.verdict_last)
+            last = self._read(self.keys.verdict(int(pointer["incident"]))) if pointer else None
+            evidence = (last or {}).get("evidence") or {}
+            when = float((last or {}).get("time") or 0.0)
+            self._gone = {n: when for n in [*(evidence.get("missing_dumps") or []),
+                                            *(evidence.get("not_waited_for") or [])]
+                          if isinstance(n, str) and wire.valid_node(n)}
+        for node, since in list(self._gone.items()):
+            beat = self._read(self.keys.node(node, "beat"), node)
+            try:
+                back = beat is not None and float(beat.get("time", 0.0)) > since
+            except (TypeError, ValueError):
+                back = False
+            if back:
+                del self._gone[node]
+                self.log(f"{node} beats again: waited for in the next incidents")
+        return set(self._gone)
 
     def excluded(self) -> list[str]:
         doc = self._read(self.keys.excluded)
@@ -282,7 +309,8 @@ class Controller:
         self._flush_cursors()
         incident = int(opened["incident"])
         waited = self.clock() - float(opened["time"])
-        expected = [n for n in self.nodes() if n not in excluded]
+        gone = self.gone()
+        expected = [n for n in self.nodes() if n not in excluded and n not in gone]
         answers = {n: self._read(self.keys.dump(n, incident), n, wire.MAX_DUMP_BYTES)
                    for n in expected}
         missing = [n for n, a in answers.items() if a is None]
@@ -302,6 +330,11 @@ class Controller:
             checked = self._checks(opened, [n for n in expected if n not in missing])
             if checked is None:
                 return None
+        for node in missing:  # not waited for again until it beats
+            assert self._gone is not None
+            self._gone.setdefault(node, float(opened["time"]))
+        if gone:
+            opened["not_waited_for"] = sorted(gone)
         return self._close(opened, {n: a for n, a in answers.items() if a}, missing, checked)
 
     # -- stop-time checks ------------------------------------------------------------------
@@ -387,7 +420,8 @@ class Controller:
                                      "suspect_nodes": list(found.suspect_nodes),
                                      "domain": found.domain, "reason": found.reason,
                                      **found.evidence},
-                    "dumps": dumps, "missing_dumps": missing, "controller_pid": os.getpid()}
+                    "dumps": dumps, "missing_dumps": missing, "controller_pid": os.getpid(),
+                    "not_waited_for": opened.get("not_waited_for", [])}
         if traced:
             evidence["colltrace"] = traced
         verdict = dataclasses.replace(verdict, time=self.clock(), evidence=evidence)
