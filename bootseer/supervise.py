@@ -82,6 +82,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 FORWARD_SIGNALS = (signal.SIGUSR2, signal.SIGWINCH)
 HANDLED = (*STOP_SIGNALS, *FORWARD_SIGNALS, signal.SIGUSR1, signal.SIGCHLD)
 PR_SET_CHILD_SUBREAPER = 36
+#: seconds the command's kill waits, after the verdict, for native dumps still being taken
+NATIVE_GRACE_S = 1.0
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
 
@@ -918,15 +920,20 @@ class Supervisor:
         self._refine_early()  # before the answer: the controller reads it with the dumps
         self.remote.answer(incident, processes, [p.name for p in files])
         dumped = time.time()
+        native = self._native_dumps(incident, {p["rank"]: p["pid"] for p in processes
+                                               if p["role"] == "main"
+                                               and p["source"] == "py-spy"})
         killed_for_check: list[float] = []
 
         def stop() -> None:  # the stop-time checks need the node: the command goes first
+            native.join(NATIVE_GRACE_S)
             self._signal_group(pid, signal.SIGKILL)
             self._wait_child(5.0)
             killed_for_check.append(time.time())
 
         verdict = self.remote.wait_verdict(incident, self.remote_wait_s, self._pause, stop)
         decided = time.time()
+        native.join(NATIVE_GRACE_S)
         self._signal_group(pid, signal.SIGKILL)
         self._wait_child(5.0)
         code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
@@ -976,15 +983,40 @@ class Supervisor:
         return AttemptEnd(attempt, code, "update", pid,
                           {"verdict": verdict, "remote": True, "exited_at": killed})
 
-    def _keep_dumps(self, processes: list[dict[str, Any]], incident: int) -> list[Path]:
+    def _native_dumps(self, incident: int, rank_pids: dict[int, int]) -> threading.Thread:
+        """The ranks' trees dumped again with native frames, on a thread, after the answer:
+        the controller decides on the Python stacks (0.1-0.6 s a node), and the native ones
+        (seconds on a loaded node) go into its evidence when they are in by its verdict. The
+        command is killed no later than ``NATIVE_GRACE_S`` after the verdict, finished or not."""
+        from .robust.remote import dump_ranks
+
+        def run() -> None:
+            if not rank_pids:
+                return
+            try:
+                processes, _ = dump_ranks(rank_pids, node=self.node,
+                                          dump=self.remote.native_tool)
+                processes = [p for p in processes if p["text"]]
+                self._keep_dumps(processes, incident, suffix="-native")
+                if processes:
+                    self.remote.answer_native(incident, processes)
+            except Exception as exc:  # noqa: BLE001 - evidence only: never the incident's end
+                self.log(f"warning: native dumps for incident {incident}: {exc}")
+
+        thread = threading.Thread(target=run, name="bootseer-native-dumps", daemon=True)
+        thread.start()
+        return thread
+
+    def _keep_dumps(self, processes: list[dict[str, Any]], incident: int,
+                    suffix: str = "") -> list[Path]:
         """Each dump also as a file in the trace directory (evidence that outlives the
-        store): ``dump-<node>-i<incident>-rank<r>-<pid>.txt``."""
+        store): ``dump-<node>-i<incident>-rank<r>-<pid><suffix>.txt``."""
         if self.dump_dir is None:
             return []
         kept = []
         for item in processes:
             path = self.dump_dir / (f"dump-{self.node}-i{incident}-rank{item['rank']}-"
-                                    f"{item['pid']}.txt")
+                                    f"{item['pid']}{suffix}.txt")
             try:
                 path.write_text(f"# {item['source']} {item['role']}\n{item['text']}")
                 kept.append(path)

@@ -169,12 +169,26 @@ def test_two_ranks_a_tie_is_broken_by_who_waits_inside_a_collective(store) -> No
     for rank, link in enumerate(links):
         link.answer(1, [{"rank": rank, "pid": 5 + rank, "role": "main", "source": "py-spy",
                          "text": _SLEEPING if rank == 1 else _WAITING}])
+    # n1's native dump (taken after its answer) arrives before the verdict; n0's does not
+    native = _SLEEPING.replace("    hang_before", "    clock_nanosleep (libc.so.6)\n"
+                               "    time_sleep (libpython3.11.so.1.0)\n    hang_before")
+    links[1].answer_native(1, [{"rank": 1, "pid": 6, "role": "main", "source": "py-spy",
+                                "text": native}])
     ctl.step()
     verdict = ctl.step()
     assert verdict is not None
     assert (verdict.action, verdict.nodes, verdict.ranks) == ("replace_and_restart", ("n1",),
                                                                (1,))
-    assert "waits inside a collective" in verdict.evidence["localization"]["reason"]
+    localization = verdict.evidence["localization"]
+    assert "waits inside a collective" in localization["reason"]
+    by_rank = {tuple(g["ranks"]): g for g in localization["groups"]}
+    assert by_rank[(1,)]["native"]["stacks"][0][:2] == ["clock_nanosleep (libc.so.6)",
+                                                       "time_sleep (libpython3.11.so.1.0)"]
+    assert "native" not in by_rank[(0,)]
+    assert by_rank[(1,)]["stacks"] == [["hang_before_all_reduce (controller_job.py)",
+                                        "main (controller_job.py)"]]  # grouped on Python
+    assert (verdict.evidence["dumps"]["n0"]["native"],
+            verdict.evidence["dumps"]["n1"]["native"]) == (False, True)
 
 
 def test_two_ranks_both_inside_collectives_is_no_verdict_from_stacks(store) -> None:
@@ -446,6 +460,12 @@ def test_a_hang_is_localized_across_nodes_before_anything_is_killed(cluster_fact
     assert set(groups) == {(0, 2), (1,)}
     assert any("hang_before_all_reduce" in f for t in groups[(1,)]["stacks"] for f in t)
     assert any("all_reduce" in f for t in groups[(0, 2)]["stacks"] for f in t)
+    # each node dumped again with native frames after its answer: in the evidence when they
+    # came before the verdict (on a quiet machine they do; never waited for)
+    assert all(isinstance(d["native"], bool) for d in ev["dumps"].values())
+    for group in groups.values():
+        if "native" in group:
+            assert any(".so" in f for t in group["native"]["stacks"] for f in t), group
     assert json.loads((out / "excluded.json").read_text())["nodes"]["node1"]["class"] == "hang"
     # the tracer's verdict over the three nodes' shipped ring windows: rank 1 on node1
     # never issued the all_reduce ranks 0 and 2 wait in (each node's own rings hold one rank)

@@ -17,7 +17,7 @@ import pytest
 from robust_helpers import GUARD, scenario_argv, scenario_env
 
 from bootseer.robust.classify import classify, tail_lines
-from bootseer.robust.remote import dump_ranks
+from bootseer.robust.remote import dump_ranks, native_dump
 from bootseer.robust.stacks import (
     ProcessStacks,
     is_native_frame,
@@ -125,11 +125,11 @@ def test_pyspy_text_and_faulthandler_files_agree(stuck_job):
 
 
 def test_native_dumps_name_the_same_rank_and_show_where_in_compiled_code(stuck_job):
-    """The controller's incident dump: every rank's tree at once, with py-spy's native
+    """The agents' second dump of an incident: every rank's tree at once, with py-spy's native
     frames. The signature is the Python one (the same groups as without them); the evidence
     shows where each group waits inside compiled code."""
     pids = stuck_job[0]
-    answered, failed = dump_ranks(pids, node="node-x")
+    answered, failed = dump_ranks(pids, node="node-x", dump=native_dump)
     assert failed == []
     native = [ProcessStacks.from_text(p["text"], rank=p["rank"], node=NODES[p["rank"]],
                                       pid=p["pid"], role=p["role"]) for p in answered]

@@ -380,6 +380,10 @@ class Controller:
         events = [Event.from_doc(d) for d in opened["events"]]
         processes, dumps = _processes(answers)
         found = _break_tie(localize(processes, self.layout), processes, self.layout)
+        natives = self._native_dumps(list(answers), incident)
+        _attach_native(found, natives)
+        for node in dumps:
+            dumps[node]["native"] = any(n == node for n, _ in natives)
         traced = self._colltrace([*answers, *missing], incident)
         primary = _primary(events)
         history = self.verdicts()
@@ -431,6 +435,17 @@ class Controller:
         if traced and traced["lines"]:
             why += f"; colltrace: {traced['lines'][0]}"
         return self._finish(incident, verdict, why)
+
+    def _native_dumps(self, nodes: list[str], incident: int
+                      ) -> dict[tuple[str, int], ProcessStacks]:
+        """The native dumps the nodes sent after their answers (``py-spy dump --native``),
+        by (node, pid); only those already in: the verdict never waits for them."""
+        found: dict[tuple[str, int], ProcessStacks] = {}
+        for node in nodes:
+            doc = self._read(self.keys.native_dump(node, incident), node, wire.MAX_DUMP_BYTES)
+            processes, _ = _processes({node: doc} if doc else {})
+            found.update({(node, p.pid): p for p in processes if p.pid is not None})
+        return found
 
     def _colltrace(self, nodes: list[str], incident: int) -> dict[str, Any] | None:
         """The collective tracer's verdict over the ring windows the nodes shipped
@@ -674,6 +689,18 @@ def link_suspects(found: Sequence[Any]) -> tuple[list[Any], dict[str, float]]:
             silent.update(stale)
             suspect.append(f)
     return suspect, silent
+
+
+def _attach_native(found: Localization, natives: dict[tuple[str, int], ProcessStacks]) -> None:
+    """Each stack group's evidence gets the native stacks of its first member that has them
+    (the groups themselves come from the Python dumps: a native dump is taken later, and a
+    process that moved on meanwhile must not change the verdict)."""
+    for group, evidence in zip(found.groups, found.evidence.get("groups", []), strict=False):
+        member = next((m for m in group.members if (m.node, m.pid) in natives), None)
+        if member is not None and member.node is not None and member.pid is not None:
+            threads = natives[(member.node, member.pid)].threads
+            evidence["native"] = {"rank": member.rank, "pid": member.pid, "node": member.node,
+                                  "stacks": [list(t) for t in threads if t]}
 
 
 def _break_tie(found: Localization, processes: list[ProcessStacks],

@@ -94,7 +94,9 @@ class ControllerLink:
         self._last_poll = float("-inf")
         self._last_beat = float("-inf")
         self.answered = 0  # the newest incident this agent dumped for
-        self.dump_tool: Callable[[int], str] = native_dump  # pid -> its stacks (text)
+        self.dump_tool: Callable[[int], str] = pyspy_text  # pid -> its stacks (text)
+        # the same processes again with native frames, after the answer (evidence only)
+        self.native_tool: Callable[[int], str] = native_dump
         self.sample_tool: Callable[[int], str] = lambda pid: pyspy_text(pid, nonblocking=True)
         self.job = job
         self.address = address or _address_of(store)
@@ -306,6 +308,21 @@ class ControllerLink:
             {"node": self.node, "incident": incident, "time": time.time(), "processes": kept,
              "files": list(files)[:64]}, wire.MAX_DUMP_BYTES))
 
+    def answer_native(self, incident: int, processes: list[dict[str, Any]]) -> None:
+        """The same processes dumped again with native frames (``py-spy dump --native``:
+        seconds on a loaded node, so after the answer the verdict waits for); the controller
+        adds them to its verdict's evidence when they are in by then."""
+        kept, size = [], 0
+        for item in processes:
+            item = {**item, "text": str(item.get("text", ""))[:wire.MAX_STACK_CHARS]}
+            size += len(item["text"]) + 200
+            if size > wire.MAX_DUMP_BYTES - 4096:
+                break
+            kept.append(item)
+        self.store.set(self.keys.native_dump(self.node, incident), wire.encode(
+            {"node": self.node, "incident": incident, "time": time.time(), "processes": kept},
+            wire.MAX_DUMP_BYTES))
+
     def verdict(self, incident: int) -> Verdict | None:
         data = wire.get(self.store, self.keys.verdict(incident))
         if data is None:
@@ -478,13 +495,13 @@ def native_dump(pid: int) -> str:
 
 
 def dump_ranks(rank_pids: Mapping[int, int], *, node: str,
-               dump: Callable[[int], str] = native_dump
+               dump: Callable[[int], str] = pyspy_text
                ) -> tuple[list[dict[str, Any]], list[int]]:
     """Stacks of each rank's whole process tree (the rank ``main``, its descendants
     ``worker``), and the ranks whose main process could not be dumped this way. The
-    processes are dumped at once, each on its own thread: a native dump takes about 0.8 s
-    (py-spy loads the libraries' symbols), and a node's ranks and workers one after the
-    other would add seconds to every incident."""
+    processes are dumped at once, each on its own thread: a native dump (``dump=
+    native_dump``) takes about 0.8 s on a quiet node (py-spy loads the libraries' symbols)
+    and 4-6 s at load 7 on 2 cores, and one after the other they would add up."""
     trees = [(rank, i, p) for rank, pid in sorted(rank_pids.items())
              for i, p in enumerate([pid, *descendants(pid)])]
 

@@ -88,6 +88,9 @@ class Keys:
     def dump(self, node: str, incident: int) -> str:
         return self.node(node, f"dump/{incident}")
 
+    def native_dump(self, node: str, incident: int) -> str:
+        return self.node(node, f"native/{incident}")
+
     def verdict(self, incident: int) -> str:
         return f"{self.prefix}verdict/{incident}"
 
