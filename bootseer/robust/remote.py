@@ -297,31 +297,18 @@ class ControllerLink:
         the incident as soon as the last dump is in)."""
         self.answered = max(self.answered, incident)
         self.ship_colltrace(force=True)
-        kept, size = [], 0
-        for item in processes:
-            item = {**item, "text": str(item.get("text", ""))[:wire.MAX_STACK_CHARS]}
-            size += len(item["text"]) + 200
-            if size > wire.MAX_DUMP_BYTES - 4096:
-                break
-            kept.append(item)
         self.store.set(self.keys.dump(self.node, incident), wire.encode(
-            {"node": self.node, "incident": incident, "time": time.time(), "processes": kept,
-             "files": list(files)[:64]}, wire.MAX_DUMP_BYTES))
+            {"node": self.node, "incident": incident, "time": time.time(),
+             "processes": _within_limits(processes), "files": list(files)[:64]},
+            wire.MAX_DUMP_BYTES))
 
     def answer_native(self, incident: int, processes: list[dict[str, Any]]) -> None:
         """The same processes dumped again with native frames (``py-spy dump --native``:
         seconds on a loaded node, so after the answer the verdict waits for); the controller
         adds them to its verdict's evidence when they are in by then."""
-        kept, size = [], 0
-        for item in processes:
-            item = {**item, "text": str(item.get("text", ""))[:wire.MAX_STACK_CHARS]}
-            size += len(item["text"]) + 200
-            if size > wire.MAX_DUMP_BYTES - 4096:
-                break
-            kept.append(item)
         self.store.set(self.keys.native_dump(self.node, incident), wire.encode(
-            {"node": self.node, "incident": incident, "time": time.time(), "processes": kept},
-            wire.MAX_DUMP_BYTES))
+            {"node": self.node, "incident": incident, "time": time.time(),
+             "processes": _within_limits(processes)}, wire.MAX_DUMP_BYTES))
 
     def verdict(self, incident: int) -> Verdict | None:
         data = wire.get(self.store, self.keys.verdict(incident))
@@ -466,6 +453,19 @@ def descendants(pid: int) -> list[int]:
             found += kids
             todo += kids
     return found
+
+
+def _within_limits(processes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Dumped processes cut to the wire's limits: each text to ``MAX_STACK_CHARS``, and as
+    many as fit in one record."""
+    kept, size = [], 0
+    for item in processes:
+        item = {**item, "text": str(item.get("text", ""))[:wire.MAX_STACK_CHARS]}
+        size += len(item["text"]) + 200
+        if size > wire.MAX_DUMP_BYTES - 4096:
+            break
+        kept.append(item)
+    return kept
 
 
 def pyspy_text(pid: int, timeout_s: float = 20.0, *, nonblocking: bool = False,
