@@ -417,7 +417,9 @@ class MemoryTier:
         if need_node > st.f_bavail * st.f_frsize + self.local_world_size * \
                 sum(s.size for s in self.slots):
             log.error("memory tier: off. rank %d's state is %.1f MiB; the node needs %.1f MiB "
-                      "(%d ranks x 2 copies of their own + 2 of a peer's) in %s, which has "
+                      "(%d ranks x 2 copies of their own + 2 of a peer's, assuming every rank "
+                      "of the node holds as much as this one: equal shards; LOCAL_WORLD_SIZE "
+                      "or MemoryTier(local_world_size=) sets the count) in %s, which has "
                       "%.1f MiB free: enlarge it (e.g. the pod's /dev/shm), or save fewer "
                       "ranks per node; the durable tier goes on", self.rank, size / 2**20,
                       need_node / 2**20, self.local_world_size, self.config.directory,

@@ -180,3 +180,25 @@ def test_replication_is_checked_and_handed_down(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="replication 'fast' is not one of async, sync"):
         MemoryTier(MemoryConfig(str(tmp_path / "mem"), replication="fast"), rank=0,
                    world_size=1)
+
+
+def test_a_state_the_node_cannot_hold_turns_the_tier_off_saying_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The start-up budget: a node whose ranks' copies do not fit says so, naming the sizes
+    and that it assumes equal shards, and the durable tier goes on alone."""
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    url = f"file://{tmp_path}/durable"
+    with CheckpointManager(url, memory=False) as mgr:  # the manager, its tier replaced
+        mgr.memory = MemoryTier(MemoryConfig(str(shm)), rank=0, world_size=1,
+                                local_world_size=1 << 40)  # more ranks than any disk holds
+        with caplog.at_level("ERROR", logger="ckpt"):
+            mgr.save(1, state_at(1))
+        assert mgr.wait().committed and mgr.memory.enabled is False
+    assert "memory tier: off. rank 0's state is 1.5 MiB" in caplog.text
+    assert "assuming every rank of the node holds as much as this one: equal shards" in \
+        caplog.text
+    assert list(shm.iterdir()) == [] or all(p.stat().st_size == 0 for p in shm.iterdir())
+    with CheckpointManager(url, memory=False) as mgr:
+        got = {"w": torch.zeros(400_000), "step": -1}
+        assert mgr.load(got) == 1 and torch.equal(got["w"], state_at(1)["w"])
