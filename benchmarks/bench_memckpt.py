@@ -216,7 +216,7 @@ class Bench:
         log(f"phase train: {steps} steps of each of {', '.join(variants)} in one job, "
             f"SIGKILL in step {kill_at} of the last")
         log(f"  first the overhead: {self.cfg['rounds']} rounds of {self.cfg['block']} steps "
-            "without and with memory checkpoints, in turns")
+            "without, with memory checkpoints and with them replicated sync, in turns")
         self.R["overhead_load_before"] = os.getloadavg()
         got = self._launch("train", {**base, "mode": "train", "variants": variants,
                                      "durable": "striped::s3://memckpt-bench",
