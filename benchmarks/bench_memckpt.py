@@ -10,7 +10,8 @@ link as ``bench_ckpt.py``). Printed and recorded (``DIR/memckpt.json``, ``DIR/me
   ``interval``), the same job in the same run; the floor: one memcpy of the state;
 * per-step overhead measured again with many interleaved repetitions (``overhead``, first in
   the train job): blocks of
-  ``block`` steps without checkpoints and with a memory checkpoint every step, in turns
+  ``block`` steps without checkpoints, with a memory checkpoint every step and with one
+  replicated synchronously (``replication="sync"``: save waits for the peer's ack), in turns
   (``rounds`` of each, the order alternating) within one job; medians of per-step times,
   against one memcpy of the state timed between blocks (the floor), with the load average;
 * the block checksum's speed (``checksums``): XXH3-64, which the tier uses, against the 64-bit
@@ -215,7 +216,7 @@ class Bench:
         log(f"phase train: {steps} steps of each of {', '.join(variants)} in one job, "
             f"SIGKILL in step {kill_at} of the last")
         log(f"  first the overhead: {self.cfg['rounds']} rounds of {self.cfg['block']} steps "
-            "without and with memory checkpoints, in turns")
+            "without, with memory checkpoints and with them replicated sync, in turns")
         self.R["overhead_load_before"] = os.getloadavg()
         got = self._launch("train", {**base, "mode": "train", "variants": variants,
                                      "durable": "striped::s3://memckpt-bench",
@@ -334,7 +335,7 @@ class Bench:
         oh = self.R.get("overhead")
         if oh:
             med = {k: max(statistics.median(r["step_s"][k]) for r in oh)
-                   for k in ("none", "memory")}
+                   for k in ("none", "memory", "sync") if k in oh[0]["step_s"]}
             floor = max(statistics.median(r["memcpy_s"]) for r in oh)
             n = len(oh[0]["step_s"]["none"])
             la = ", ".join(f"{x:.1f}" for x in self.R["overhead_load_before"])
@@ -345,6 +346,12 @@ class Bench:
                       f"load average {la} before",
                       f"floor +{floor / med['none'] * 100:.1f}% (one memcpy, "
                       f"{floor * 1e3:.1f} ms); GPU target <= 1%", "info (CPU)"]]
+            if "sync" in med:
+                rows += [["step, interleaved blocks: memory every step, replication sync / "
+                          "none (medians)", f"{med['sync'] * 1e3:.1f} ms / "
+                          f"{med['none'] * 1e3:.1f} ms ({(med['sync'] / med['none'] - 1) * 100:+.1f}%)",
+                          f"async in the same blocks: {(med['memory'] / med['none'] - 1) * 100:+.1f}%",
+                          "the push time on every step (the price of 0 steps lost)", "info (CPU)"]]
         from memckpt_cluster import push_rows
 
         rows += push_rows([{**r, "kill_at": kill_at} for r in runs["memory"]], "loopback")

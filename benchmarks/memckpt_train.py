@@ -7,8 +7,8 @@ A DDP MLP trained on gloo, its state (parameters and AdamW moments) saved throug
   ``interval`` steps), memory-only (every step into memory and to the peer) or memory (that,
   and durable every ``interval``); per-step seconds; with ``kill_at`` every rank SIGKILLs itself in that step,
   after the optimizer step and before its save (the step in progress is lost);
-* ``train`` with ``rounds``, first: one model, blocks of ``block`` steps without checkpoints and with a memory
-  checkpoint every step, in turns (``rounds`` of each, the order alternating), per-step
+* ``train`` with ``rounds``, first: one model, blocks of ``block`` steps without checkpoints, with a memory
+  checkpoint every step (async) and with one replicated synchronously (``sync``), in turns (``rounds`` of each, the order alternating), per-step
   seconds of each kind, and one memcpy of the state (the floor), timed between blocks;
 * ``load``: a restarted rank loads the newest state (memory tier first) and reports the
   seconds to load, the step, where from, and one memcpy of the same state (the floor).
@@ -153,19 +153,21 @@ def overhead(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -
     mgr.memory.config.durable_every = 1 << 30  # memory only (step 0 is not saved here)
     state = state_of(model, opt)
     copies = [torch.empty_like(t) for t in _tensors(state)]
-    times: dict[str, list[float]] = {"none": [], "memory": []}
+    times: dict[str, list[float]] = {"none": [], "memory": [], "sync": []}
     floor: list[float] = []
     step = 1
     train_step(model, opt, spec, step, rank)  # warm-up: first touch, the servers' exchange
     mgr.save(step, state_of(model, opt))
     mgr.memory.wait()
     for r in range(spec["rounds"]):
-        for kind in ("none", "memory") if r % 2 == 0 else ("memory", "none"):
+        kinds = ("none", "memory", "sync")
+        for kind in kinds[r % 3:] + kinds[: r % 3]:  # each kind first in turn
+            mgr.memory.sync = kind == "sync"  # replication "sync": save waits for the ack
             for _ in range(spec["block"]):
                 step += 1
                 t0 = time.perf_counter()
                 train_step(model, opt, spec, step, rank)
-                if kind == "memory":
+                if kind != "none":
                     mgr.save(step, state_of(model, opt))
                 times[kind].append(time.perf_counter() - t0)
             mgr.memory.wait()  # the last copy's commit and push do not spill into the next block

@@ -217,6 +217,10 @@ _KEYS = [
           "the job's parallel groups as JSON, as bootseer controller --layout takes them "
           "('{\"dp\": [[0, 1], [2, 3]], \"tp\": [[0, 2], [1, 3]]}'): each rank's copy goes to "
           "a node sharing none of its groups; '' = the next node"),
+    _spec("ckpt", "memory_replication", "str", "async", "--ckpt-memory-replication",
+          "the memory tier's copy to the peer: 'async' (overlaps the next step; a node lost "
+          "within a push loses that step) or 'sync' (save returns once the peer acked the "
+          "step: every step pays the push time)"),
     _spec("ckpt", "durable_every", "int", 0, "--ckpt-durable-every",
           "with the memory tier: write the durable tier every that many steps; 0 = every save"),
     _spec("image", "ref", "str", "", "--image-ref", "image reference (for warmup)"),

@@ -66,6 +66,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("BOOTSEER_MEMCKPT_LAYOUT", "hand-off",
              "bootseer run -> its command: ckpt.memory_layout, the job's parallel groups "
              "(JSON) that choose the node keeping each rank's copy"),
+    Variable("BOOTSEER_MEMCKPT_REPLICATION", "hand-off",
+             "bootseer run -> its command: ckpt.memory_replication ('sync': a save returns "
+             "once the peer acked the step)"),
     Variable("BOOTSEER_ROOTFS", "hand-off",
              "bootseer image record --no-chroot -> the recorded command: the image's mount"),
     Variable("BOOTSEER_PREFIX", "hand-off",

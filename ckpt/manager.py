@@ -170,16 +170,23 @@ class CheckpointManager:
 
         With the memory tier, every save is first copied into the node's memory; the durable
         tier is written only every ``durable_every`` steps (the handle of a memory-only save
-        is finished, with ``committed=False`` and no bytes written).
+        is finished, with ``committed=False`` and no bytes written). With
+        ``MemoryConfig.replication="sync"`` it returns once the peer acked the step (the
+        durable save, when due, already started), else raises
+        ``ckpt.memory.MemoryPushError`` naming the peer and the step.
         """
-        if self.memory is not None:
-            stall = self.memory.save(step, state)
-            every = self.memory.config.durable_every
-            if every and step % every:
-                done: Future[SaveResult] = Future()
-                done.set_result(SaveResult(step, self.rank, 0, stall, 0.0, False))
-                return SaveHandle(step, done, stall)
-        return self._save(step, state, block=block)
+        if self.memory is None:
+            return self._save(step, state, block=block)
+        stall = self.memory.save(step, state, acked=False)
+        every = self.memory.config.durable_every
+        handle = None if every and step % every else self._save(step, state, block=block)
+        if self.memory.sync:  # after the durable save started: a failed push loses nothing
+            stall += self.memory.wait_acked(step)
+        if handle is not None:
+            return handle
+        done: Future[SaveResult] = Future()
+        done.set_result(SaveResult(step, self.rank, 0, stall, 0.0, False))
+        return SaveHandle(step, done, stall)
 
     def _save(self, step: int, state: Any, *, block: bool, key_style: str = "") -> SaveHandle:
         """``save``; ``key_style="dcp"`` marks a checkpoint whose keys are DCP FQNs

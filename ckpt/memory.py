@@ -64,6 +64,8 @@ log = logging.getLogger("ckpt")
 DIR_ENV, SERVER_ENV, DURABLE_EVERY_ENV = ("BOOTSEER_MEMCKPT_DIR", "BOOTSEER_MEMCKPT_SERVER",
                                           "BOOTSEER_MEMCKPT_DURABLE_EVERY")
 LAYOUT_ENV = "BOOTSEER_MEMCKPT_LAYOUT"  # the job's parallel groups (JSON): who keeps the copy
+REPLICATION_ENV = "BOOTSEER_MEMCKPT_REPLICATION"  # "sync": save returns once the peer acked
+REPLICATIONS = ("async", "sync")
 FRESH_ENV = "BOOTSEER_MEMCKPT_FRESH"  # "1": the directory was made empty for this run
 
 
@@ -82,7 +84,11 @@ class MemoryConfig:
     every save, as without the memory tier). ``check_durable``: before loading from memory,
     ask the durable tier for a newer commit (one listing); ``False`` when the directory holds
     this run's copies only (``bootseer run``'s own directory), where memory is never older
-    than the durable tier, so an in-place restart reads nothing over the network."""
+    than the durable tier, so an in-place restart reads nothing over the network.
+    ``replication``: ``"async"`` (the push to the peer overlaps the next step: a node lost
+    within a push loses that step) or ``"sync"`` (``save`` returns only once the peer acked
+    the step, at most ``push_wait_s``, else raises :class:`MemoryPushError`: the training
+    thread pays the push time every step, and a lost node loses no step it moved past)."""
 
     directory: str
     server: str = ""
@@ -92,6 +98,7 @@ class MemoryConfig:
     check_durable: bool = True
     push_wait_s: float = 120.0  # wait()'s bound on the last copy's push to the peer
     layout: dict[str, list[list[int]]] | None = None
+    replication: str = "async"
     token: str = field(default_factory=lambda: os.environ.get(TOKEN_ENV, ""), repr=False)
 
     @classmethod
@@ -107,7 +114,8 @@ class MemoryConfig:
             raise CheckpointError(str(exc)) from None
         return cls(env[DIR_ENV], server=env.get(SERVER_ENV, ""),
                    durable_every=int(every) if every else None,
-                   check_durable=env.get(FRESH_ENV) != "1", layout=layout)
+                   check_durable=env.get(FRESH_ENV) != "1", layout=layout,
+                   replication=env.get(REPLICATION_ENV) or "async")
 
 
 class MemoryPushError(CheckpointError):
@@ -143,7 +151,16 @@ class MemoryTier:
             config.layout = parse_layout(config.layout, world_size, "the memory tier's layout")
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
+        if config.replication not in REPLICATIONS:
+            raise CheckpointError(
+                f"memory tier: replication {config.replication!r} is not one of "
+                f"{', '.join(REPLICATIONS)}: set MemoryConfig.replication (ckpt."
+                f"memory_replication, {REPLICATION_ENV}) to 'async' (the push overlaps the "
+                "next step) or 'sync' (save returns once the peer holds the step)")
         self.config = config
+        self.sync = config.replication == "sync"
+        self.sync_wait_s = 0.0  # the training thread's waits for the peer's ack (sync)
+        self._sync_alone_said = False
         self.rank, self.world_size = rank, world_size
         self.process_group = process_group
         self.skip_rules = rules_from_env()  # copies saved after a NaN (ckpt/skip.py)
@@ -157,6 +174,7 @@ class MemoryTier:
         self._pushing: dict[int, Future[None]] = {}
         self._push_lock = threading.Lock()
         self._queued: tuple[Future[None], dict[str, Any]] | None = None  # not yet started
+        self._last_job: tuple[int, Future[None], dict[str, Any]] | None = None  # newest push
         # each push: step, committed/start/end (time.time()), ok, error; the
         # evidence of what the peer held when a node is lost (bench memckpt's cluster trial)
         self.push_log: deque[dict[str, Any]] = deque(maxlen=64)
@@ -176,12 +194,13 @@ class MemoryTier:
         self.damaged: list[str] = []
 
     # -- saving ----------------------------------------------------------------------------
-    def save(self, step: int, state: Any) -> float:
+    def save(self, step: int, state: Any, *, acked: bool | None = None) -> float:
         """Copy ``state`` into the free buffer; returns the seconds the caller waited.
 
         The checksums and the commit run on a background thread, the push to the peer on
         another; a save waits for the previous one's commit, and for the push of the slot it
-        overwrites, before it starts."""
+        overwrites, before it starts. ``acked`` (default: ``replication == "sync"``): return
+        only once the peer acked this step (:meth:`wait_acked`)."""
         started = time.perf_counter()
         self._settle()
         if self._peers is None:
@@ -216,7 +235,53 @@ class MemoryTier:
         entries = [_entry(p) for p in placed]
         stall = time.perf_counter() - started
         self._pending = self._executor.submit(self._commit, slot, step, size, entries, blob)
+        if self.sync if acked is None else acked:
+            stall += self.wait_acked(step)
         return stall
+
+    def wait_acked(self, step: int, timeout_s: float | None = None) -> float:
+        """Wait until the peer acked ``step`` (its commit, then its push), at most
+        ``timeout_s`` (default ``config.push_wait_s``); returns the seconds waited. A push
+        that failed or did not finish raises :class:`MemoryPushError` naming the peer and the
+        step (replication ``"sync"``: the step the trainer moves past is on the peer)."""
+        started = time.perf_counter()
+        self._settle()
+        job = self._last_job
+        if not self.enabled or job is None or job[0] != step:
+            if self.enabled and not self._sync_alone_said:
+                self._sync_alone_said = True
+                log.warning("memory tier: rank %d saves with replication sync but has no peer "
+                            "(no ckpt.memory_listen on the nodes, MemoryConfig.server or "
+                            ".peer): its copies are in this node's memory only", self.rank)
+            return time.perf_counter() - started
+        _, future, entry = job
+        bound = self.config.push_wait_s if timeout_s is None else timeout_s
+        _done, late = futures_wait([future], timeout=bound)
+        waited = time.perf_counter() - started
+        self.sync_wait_s += waited
+        if late:
+            raise self._late(step, entry["peer"], bound)
+        if not entry.get("ok"):
+            if self._push_error is not None and self._push_error["step"] == step:
+                self._push_error = None  # raised here, not again by wait()
+            error = entry.get("error") or repr(future.exception())
+            raise self._failed(step, entry["peer"], error)
+        return waited
+
+    def _late(self, step: Any, peer: Any, bound: float) -> MemoryPushError:
+        return MemoryPushError(
+            f"memory tier: rank {self.rank}'s copy of step {step} to its peer {peer} has not "
+            f"finished after {bound:g} s: the peer or the link is slow or hung. This node's "
+            "memory holds the step; a lost node would fall back to an older copy. Check that "
+            "peer's agent (bootseer run --ckpt-memory-listen) and the link, or raise "
+            "MemoryConfig.push_wait_s")
+
+    def _failed(self, step: Any, peer: Any, error: str) -> MemoryPushError:
+        return MemoryPushError(
+            f"memory tier: rank {self.rank} could not copy step {step} to its peer {peer}: "
+            f"{error}. This node's memory holds the step; a lost node would fall back to an "
+            "older copy. Check that the peer's agent runs (bootseer run "
+            f"--ckpt-memory-listen) with the job's token ({TOKEN_ENV})")
 
     def _copy_in(self, placed: list[_Piece], data: torch.Tensor) -> None:
         """One copy of every tensor; CUDA tensors device-to-host on the tier's own stream
@@ -260,6 +325,7 @@ class MemoryTier:
         with self._push_lock:
             future = self._pusher.submit(self._push, peer, slot, head, entry)
             self._queued = (future, entry)
+            self._last_job = (head.step, future, entry)
             self._pushing[id(slot)] = future
             self.push_log.append(entry)
 
@@ -323,21 +389,10 @@ class MemoryTier:
         _done, late = futures_wait(futures, timeout=bound)
         if late:
             running = self.push_state()["in_flight"] or {}
-            raise MemoryPushError(
-                f"memory tier: rank {self.rank}'s copy of step {running.get('step', '?')} to "
-                f"its peer {running.get('peer', self._peer)} has not finished after {bound:g} "
-                "s: the peer or the link is slow or hung. This node's memory holds the step; "
-                "a lost node would fall back to an older copy. Check that peer's agent "
-                "(bootseer run --ckpt-memory-listen) and the link, or raise "
-                "MemoryConfig.push_wait_s")
+            raise self._late(running.get("step", "?"), running.get("peer", self._peer), bound)
         failed, self._push_error = self._push_error, None
         if failed is not None:
-            raise MemoryPushError(
-                f"memory tier: rank {self.rank} could not copy step {failed['step']} to its "
-                f"peer {failed['peer']}: {failed['error']}. This node's memory holds the step; "
-                "a lost node would fall back to an older copy. Check that the peer's agent "
-                "runs (bootseer run --ckpt-memory-listen) with the job's token "
-                f"({TOKEN_ENV})")
+            raise self._failed(failed["step"], failed["peer"], failed["error"])
 
     def close(self) -> None:
         try:
@@ -362,7 +417,9 @@ class MemoryTier:
         if need_node > st.f_bavail * st.f_frsize + self.local_world_size * \
                 sum(s.size for s in self.slots):
             log.error("memory tier: off. rank %d's state is %.1f MiB; the node needs %.1f MiB "
-                      "(%d ranks x 2 copies of their own + 2 of a peer's) in %s, which has "
+                      "(%d ranks x 2 copies of their own + 2 of a peer's, assuming every rank "
+                      "of the node holds as much as this one: equal shards; LOCAL_WORLD_SIZE "
+                      "or MemoryTier(local_world_size=) sets the count) in %s, which has "
                       "%.1f MiB free: enlarge it (e.g. the pod's /dev/shm), or save fewer "
                       "ranks per node; the durable tier goes on", self.rank, size / 2**20,
                       need_node / 2**20, self.local_world_size, self.config.directory,

@@ -11,7 +11,8 @@ is, trains to ``spec["steps"]`` (one all_reduce and one ``save`` a step) and wri
 SIGKILLs itself half-way through receiving its ``DIE_AT_PUT``-th copy (0: never).
 
 Faults are injected here, never in the library: ``spec["die_at"] = [rank, step]`` makes that
-rank SIGKILL itself half-way through copying that step into memory (first attempt only).
+rank SIGKILL itself half-way through copying that step into memory (first attempt only);
+``spec["kill_after_save"] = [rank, step]``: the moment that step's ``save`` returns.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def rank_main(spec: dict[str, Any]) -> int:
                               layout=spec.get("layout"))
     if memory is not None:
         memory.durable_every = spec.get("durable_every") or None
+        memory.peer = node.get("peer", memory.peer)  # a fixed peer (a one-rank job)
     mgr = CheckpointManager(spec["durable"], rank=rank, world_size=world, memory=memory)
     state = state_at(0, rank, world, numel)
     for t in (state["model"]["shard"].local, state["model"]["bias"], *state["opt"]["moments"]):
@@ -126,6 +128,8 @@ def rank_main(spec: dict[str, Any]) -> int:
         if die == [rank, step] and attempt == "0":
             die_mid_copy()
         mgr.save(step, state)
+        if spec.get("kill_after_save") == [rank, step]:  # the node lost as save returns
+            os.kill(os.getpid(), signal.SIGKILL)
         step_s.append(time.perf_counter() - t0)
     mgr.close()
     result.update(last=spec["steps"] - 1, push=mgr.memory.last_push if mgr.memory else {},

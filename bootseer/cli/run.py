@@ -123,7 +123,8 @@ def _node_memory(cfg: argparse.Namespace, env: dict[str, str]) -> object | None:
 
     try:
         memory = NodeMemory(cfg.ckpt.memory_dir, cfg.ckpt.memory_listen,
-                            cfg.ckpt.durable_every, layout=cfg.ckpt.memory_layout, log=lambda m: print(
+                            cfg.ckpt.durable_every, layout=cfg.ckpt.memory_layout,
+                            replication=cfg.ckpt.memory_replication, log=lambda m: print(
                                 f"bootseer: {m}", file=sys.stderr, flush=True))
     except (OSError, ValueError) as exc:
         raise CliError(f"memory tier (ckpt.memory): {exc}") from None

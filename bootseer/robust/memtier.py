@@ -29,12 +29,24 @@ class NodeMemory:
     """The directory and the peer server of one ``bootseer run``; :meth:`close` ends both."""
 
     def __init__(self, directory: str = "", listen: str = "", durable_every: int = 0,
-                 log: Any = None, layout: str = "") -> None:
-        from ckpt.memory import DIR_ENV, DURABLE_EVERY_ENV, FRESH_ENV, LAYOUT_ENV, SERVER_ENV
+                 log: Any = None, layout: str = "", replication: str = "async") -> None:
+        from ckpt.memory import (
+            DIR_ENV,
+            DURABLE_EVERY_ENV,
+            FRESH_ENV,
+            LAYOUT_ENV,
+            REPLICATION_ENV,
+            REPLICATIONS,
+            SERVER_ENV,
+        )
         from ckpt.memory_peer import TOKEN_ENV, PeerServer
         from ckpt.memory_place import parse_layout
 
         parse_layout(layout, where="ckpt.memory_layout")  # refused before anything is made
+        if replication not in REPLICATIONS:
+            raise ValueError(f"ckpt.memory_replication {replication!r} is not one of "
+                             f"{', '.join(REPLICATIONS)}: 'async' (the push overlaps the next "
+                             "step) or 'sync' (save returns once the peer holds the step)")
         host, _, port = listen.rpartition(":")
         if listen and (not host or not port.isdigit()):
             raise ValueError(f"ckpt.memory_listen {listen!r} is not HOST:PORT (the "
@@ -71,6 +83,8 @@ class NodeMemory:
             self.env[DURABLE_EVERY_ENV] = str(durable_every)
         if layout:
             self.env[LAYOUT_ENV] = layout
+        if replication != "async":
+            self.env[REPLICATION_ENV] = replication
         if log is not None:
             st = os.statvfs(self.directory)
             log(f"memory tier: copies in {self.directory} ({st.f_bavail * st.f_frsize / 2**30:.1f}"
