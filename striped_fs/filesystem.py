@@ -208,13 +208,19 @@ class StripedFileSystem(ChainedFileSystem):
                 probes[entry["name"]] = self.backend.read_object(
                     entry["name"], what="manifest", retry=RetryPolicy.from_options(self.options),
                     limit=MAX_MANIFEST_SIZE + 1)
+        gone = set()
         for i, entry in enumerate(shown):
             fut = probes.get(entry["name"])
             if fut is None:
                 continue
-            data = fut.result()
+            try:
+                data = fut.result()
+            except FileNotFoundError:  # removed after the listing (a writer cleaning up its
+                gone.add(i)            # stale files): not there, not an error of the listing
+                continue
             if data.startswith(MAGIC):
                 shown[i] = _logical(entry, Manifest.from_bytes(data, path=entry["name"]))
+        shown = [e for i, e in enumerate(shown) if i not in gone]
         return shown if detail else [e["name"] for e in shown]
 
     def exists(self, path: str, **kwargs: Any) -> bool:
