@@ -175,10 +175,27 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
     if args.fault == "fsdp":
         _fsdp(args, rank)
         if os.environ.get("TORCH_FR_BUFFER_SIZE"):  # the Flight Recorder's view, beside
-            from bootseer.colltrace.flight import write_dump
-
-            write_dump(args.dir, rank)
+            _write_settled_dump(args.dir, rank)
     dist.destroy_process_group()
+
+
+def _write_settled_dump(directory: str, rank: int) -> None:
+    """The Flight Recorder's dump once every entry it holds is marked completed (5 s at most).
+
+    gloo marks an entry completed from the work's own thread after the caller's ``wait()``
+    returned, so a dump taken right after the last collective can still show it running
+    (a full CI run caught one); the test compares the completed view.
+    """
+    from bootseer.colltrace.flight import dump, write_dump
+
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        doc = dump() or {}
+        if all(e.get("state") == "completed" or e.get("retired")
+               for e in doc.get("entries") or []):
+            break
+        time.sleep(0.05)
+    write_dump(directory, rank)
 
 
 def _fsdp(args: argparse.Namespace, rank: int) -> None:
