@@ -12,7 +12,8 @@ Per fault (its window runs to the next fault's injection or the end of the run):
   (:data:`PEER_NOTICE`);
 * ``named``: bootseer, whether the first verdict's ranks hold the injected rank or its nodes
   (or, for a lost node, the nodes that never answered the dump) hold the injected node (for
-  the store down: the verdict's class is ``storage_error`` and it evicts nobody); the
+  the store down: the verdict's class is ``storage_error`` and it evicts nobody, or, ridden
+  out behind the memory tier, no incident at all and no new process: ``trained_through``); the
   peer, whether the first worker torchrun reports failed is the injected rank (or on the
   injected node); ``evicted``: the nodes the window's verdicts evicted (torchrun evicts none);
 * ``restart_s``: from detection to the job's first step by a new process of rank 0;
@@ -126,6 +127,11 @@ def measure_fault(out: Path, mode: str, fault: Fault, end: float, hang_timeout_s
             if fault.kind == "store_down":  # the store is everyone's: its class, nobody evicted
                 row["named"] = v.get("class") == "storage_error" and not v.get("nodes")
             row["localized_s"] = v["time"] - t0
+        elif fault.kind == "store_down" and not mine:
+            # the memory tier rides the outage out (docs/ckpt.md): nothing to name, and the
+            # row says whether the job trained through it (no new process below)
+            row["named"] = True
+            row["note"] = "no incident: the durable saves failed behind the memory tier"
         elif fault.kind == "nan" and row.get("nan_step") is not None:
             nan = next(e for e in mine if e["kind"] == "nonfinite")
             row["named"] = nan.get("rank") in target_ranks  # handled on its node
@@ -158,6 +164,9 @@ def measure_fault(out: Path, mode: str, fault: Fault, end: float, hang_timeout_s
         done = max((s["step"] for s in log0 if s["time"] < after[0]["time"]), default=-1)
         row["resumed_step"] = after[0]["step"]
         row["recomputed"] = max(0, done - after[0]["step"] + 1)
+    elif fault.kind == "store_down" and mode == "bootseer" and detected is None:
+        row["trained_through"] = True
+        row["restart_s"], row["recomputed"] = 0.0, 0
     row["targets"] = targets(fault.kind, row, hang_timeout_s)
     return row
 

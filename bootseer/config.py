@@ -223,6 +223,10 @@ _KEYS = [
           "step: every step pays the push time)"),
     _spec("ckpt", "durable_every", "int", 0, "--ckpt-durable-every",
           "with the memory tier: write the durable tier every that many steps; 0 = every save"),
+    _spec("ckpt", "durable_outage_s", "float", 600.0, "--ckpt-durable-outage",
+          "with the memory tier: seconds durable saves may fail on a transient store error "
+          "(the store down or unreachable) while training goes on, memory holding every step; "
+          "then save raises. 0 = raise the first failure"),
     _spec("image", "ref", "str", "", "--image-ref", "image reference (for warmup)"),
     _spec("image", "cache", "path", "", "--image-cache",
           "node-local block cache of images; '' = <state.dir>/images", under="images"),

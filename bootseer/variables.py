@@ -60,6 +60,8 @@ VARIABLES: tuple[Variable, ...] = (
              "(ckpt.memory_listen)"),
     Variable("BOOTSEER_MEMCKPT_DURABLE_EVERY", "hand-off",
              "bootseer run -> its command: ckpt.durable_every"),
+    Variable("BOOTSEER_MEMCKPT_DURABLE_OUTAGE_S", "hand-off",
+             "bootseer run -> its command: ckpt.durable_outage_s"),
     Variable("BOOTSEER_MEMCKPT_FRESH", "hand-off",
              "bootseer run -> its command: '1' when the memory tier's directory was made for "
              "this run (no check of the durable tier before an in-memory load)"),

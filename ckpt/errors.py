@@ -43,6 +43,11 @@ class CheckpointSaveError(CheckpointError):
         self.step = step
 
 
+class CommitTimeout(CheckpointSaveError):
+    """Rank 0 waited ``commit_timeout_s`` for every rank's shard of a step and some never
+    came: their save failed or was skipped (a store outage), not this rank's."""
+
+
 class StateMismatchError(CheckpointError):
     """The state to load into does not match the checkpoint; lists every mismatch."""
 

@@ -38,6 +38,7 @@ from .loader import (
     load_into,
     read_manifest,
 )
+from .outage import DurableOutage
 from .persist import SaveResult, committed_steps, persist
 from .skip import poisoned, rules_from_env
 from .staging import StagingPool, stage
@@ -155,6 +156,8 @@ class CheckpointManager:
         # The memory tier (ckpt.memory, docs/ckpt.md): a MemoryConfig; None: the one `bootseer
         # run` hands down (BOOTSEER_MEMCKPT_DIR), if any; False: none.
         self.memory = _memory_tier(memory, rank, world_size, process_group, trust_objects)
+        self._outage = DurableOutage(
+            self.memory.config.durable_outage_s if self.memory is not None else 0.0, self.url)
         # Steps saved after a NaN by the attempt that hit it are not resumed from (ckpt/skip.py:
         # `bootseer run` hands the rules down after a NaN verdict).
         self.skip_rules = rules_from_env()
@@ -174,12 +177,18 @@ class CheckpointManager:
         ``MemoryConfig.replication="sync"`` it returns once the peer acked the step (the
         durable save, when due, already started), else raises
         ``ckpt.memory.MemoryPushError`` naming the peer and the step.
+
+        With the memory tier the durable tier is a backstop that must not stop training: a
+        durable save due while the previous one is still being written is skipped, and a
+        previous one that failed on a transient store error is logged, not raised, for up to
+        ``MemoryConfig.durable_outage_s`` (``ckpt.outage``).
         """
         if self.memory is None:
             return self._save(step, state, block=block)
         stall = self.memory.save(step, state, acked=False)
         every = self.memory.config.durable_every
-        handle = None if every and step % every else self._save(step, state, block=block)
+        handle = None if every and step % every else self._durable_behind_memory(
+            step, state, block)
         if self.memory.sync:  # after the durable save started: a failed push loses nothing
             stall += self.memory.wait_acked(step)
         if handle is not None:
@@ -187,6 +196,23 @@ class CheckpointManager:
         done: Future[SaveResult] = Future()
         done.set_result(SaveResult(step, self.rank, 0, stall, 0.0, False))
         return SaveHandle(step, done, stall)
+
+    def _durable_behind_memory(self, step: int, state: Any, block: bool) -> SaveHandle | None:
+        """A durable save under the memory tier (which holds ``step`` already), or None when
+        it is skipped: the previous one is still being written (a slow or unreachable store
+        stalls no step; ``block=True`` waits for it instead)."""
+        pending, outage = self._pending, self._outage
+        if pending is not None and not pending.done() and not block:
+            outage.skip(step, pending.step)
+            return None
+        try:
+            result = self._flush()
+        except CheckpointSaveError as exc:
+            outage.failed(exc, step)  # raises unless the outage is ridden out
+        else:
+            if result is not None:
+                outage.succeeded(result.step)
+        return self._save(step, state, block=block)
 
     def _save(self, step: int, state: Any, *, block: bool, key_style: str = "") -> SaveHandle:
         """``save``; ``key_style="dcp"`` marks a checkpoint whose keys are DCP FQNs

@@ -66,6 +66,7 @@ DIR_ENV, SERVER_ENV, DURABLE_EVERY_ENV = ("BOOTSEER_MEMCKPT_DIR", "BOOTSEER_MEMC
 LAYOUT_ENV = "BOOTSEER_MEMCKPT_LAYOUT"  # the job's parallel groups (JSON): who keeps the copy
 REPLICATION_ENV = "BOOTSEER_MEMCKPT_REPLICATION"  # "sync": save returns once the peer acked
 REPLICATIONS = ("async", "sync")
+DURABLE_OUTAGE_ENV = "BOOTSEER_MEMCKPT_DURABLE_OUTAGE_S"  # ckpt.durable_outage_s
 FRESH_ENV = "BOOTSEER_MEMCKPT_FRESH"  # "1": the directory was made empty for this run
 
 
@@ -88,7 +89,12 @@ class MemoryConfig:
     ``replication``: ``"async"`` (the push to the peer overlaps the next step: a node lost
     within a push loses that step) or ``"sync"`` (``save`` returns only once the peer acked
     the step, at most ``push_wait_s``, else raises :class:`MemoryPushError`: the training
-    thread pays the push time every step, and a lost node loses no step it moved past)."""
+    thread pays the push time every step, and a lost node loses no step it moved past).
+    ``durable_outage_s``: how long durable saves may fail on a transient store error
+    (connections refused or reset, timeouts, a commit missing a rank's shard) before ``save``
+    raises; until then each failure is logged and training goes on, because memory holds every
+    step (0: raise the first failure, as without the memory tier). ``close`` and ``wait``
+    always raise a failed last save."""
 
     directory: str
     server: str = ""
@@ -99,6 +105,7 @@ class MemoryConfig:
     push_wait_s: float = 120.0  # wait()'s bound on the last copy's push to the peer
     layout: dict[str, list[list[int]]] | None = None
     replication: str = "async"
+    durable_outage_s: float = 600.0
     token: str = field(default_factory=lambda: os.environ.get(TOKEN_ENV, ""), repr=False)
 
     @classmethod
@@ -108,6 +115,12 @@ class MemoryConfig:
         if not env.get(DIR_ENV):
             return None
         every = env.get(DURABLE_EVERY_ENV, "")
+        outage = env.get(DURABLE_OUTAGE_ENV, "")
+        try:
+            outage_s = float(outage) if outage else cls.durable_outage_s
+        except ValueError:
+            raise CheckpointError(f"{DURABLE_OUTAGE_ENV}={outage!r} is not a number of "
+                                  "seconds (ckpt.durable_outage_s)") from None
         try:
             layout = parse_layout(env.get(LAYOUT_ENV, ""), where=LAYOUT_ENV)
         except ValueError as exc:
@@ -115,7 +128,8 @@ class MemoryConfig:
         return cls(env[DIR_ENV], server=env.get(SERVER_ENV, ""),
                    durable_every=int(every) if every else None,
                    check_durable=env.get(FRESH_ENV) != "1", layout=layout,
-                   replication=env.get(REPLICATION_ENV) or "async")
+                   replication=env.get(REPLICATION_ENV) or "async",
+                   durable_outage_s=outage_s)
 
 
 class MemoryPushError(CheckpointError):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from striped_fs import StripedFileSystem
 
 from .cache import NodeCache
-from .errors import CheckpointSaveError
+from .errors import CheckpointSaveError, CommitTimeout
 from .layout import (
     MANIFEST,
     Manifest,
@@ -155,7 +155,7 @@ def commit(fs: StripedFileSystem, root: str, step: int, world_size: int,
         if not missing:
             break
         if time.monotonic() > deadline:
-            raise CheckpointSaveError(
+            raise CommitTimeout(
                 f"step {step}: rank(s) {missing} did not report a durable shard of this attempt "
                 f"within {timeout_s:.0f} s; the checkpoint was not committed", step=step)
         time.sleep(delay)

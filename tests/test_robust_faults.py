@@ -1,9 +1,9 @@
 """The short forms of the soak's fault classes (``bootseer bench robust``) that no other test
 injects: a hang in a dataloader worker, NaN in one rank's gradient, a full disk on a node, the
-checkpoint store down. One job (the soak's ``benchmarks/robust_job.py``, 2 nodes x 1 rank,
+checkpoint store down (ridden out behind the memory tier). One job (the soak's ``benchmarks/robust_job.py``, 2 nodes x 1 rank,
 ``bootseer run --controller`` on each, ``bootseer controller``) runs on one cluster for the
-whole module; the tests inject into it in order (a hang; a NaN, then the store down while the
-job restarts from it; a full disk last), waiting for the job to step again only where the next
+whole module; the tests inject into it in order (a hang; the store down while the job
+trains; a full disk last), waiting for the job to step again only where the next
 test needs it: every restart costs tens of seconds on a loaded 2-core machine. docs/robust.md lists which test covers which class.
 """
 
@@ -106,31 +106,34 @@ def test_a_dataloader_worker_hang_is_localized_to_its_rank(soak) -> None:
     assert any(r["why"] == "evicted" for r in job.relaunches)
 
 
-def test_the_checkpoint_store_down_is_a_storage_error_and_recovers(soak) -> None:
+def _logs(job: SoakJob) -> str:
+    return "".join(p.read_text(errors="replace") for p in (job.out / "logs").glob("node*.log"))
+
+
+def test_the_checkpoint_store_down_is_ridden_out_behind_the_memory_tier(soak) -> None:
     job, inj = soak
-    before = max(s["step"] for s in steps(job.out))
-    fault = _inject(inj, "store_down")  # a save meets it, or a restart's load
+    _stepping_after(job, 0.0)
+    fault = _inject(inj, "store_down")
     down_at = fault.injected["time"]
-    try:
-        crash = _until("storage error", lambda: [
-            e for e in node_events(job.out) if e["kind"] == "crash"
-            and e["time"] >= down_at and e.get("class") == "storage_error"], job)[0]
+    try:  # every node's S3 connections refused: durable saves fail, the memory tier holds
+        _until("a failed durable save ridden out", lambda: "training goes on" in _logs(job),
+               job)
+        _until("10 s of the store down", lambda: time.time() - down_at >= 10.0, job)
     finally:  # the store comes back whatever happened: the tests after this one need it
         job.service_down("s3", False)
-    # a save meets it (ckpt raises its save error, botocore's below it), or a restart's load
-    exception = crash["evidence"]["exception"]
-    assert exception in ("botocore.exceptions.EndpointConnectionError",
-                         "ckpt.errors.CheckpointSaveError"), crash
-    if exception.startswith("botocore"):
-        assert "127.0.0.1:9000" in crash["evidence"]["matched"][0]  # the store's endpoint
-    back = time.time()
-    # recovered: the job steps on and commits a new checkpoint after the store came back
-    _until("a checkpoint saved after the store came back", lambda: any(
-        s["step"] > before + 2 * job.save_every for s in steps(job.out)
-        if s["time"] > back), job)
-    verdicts = [v for v in job.verdicts() if v["time"] >= down_at]
-    assert all(v["nodes"] == [] for v in verdicts), verdicts  # nobody evicted for it
-    assert any(v["class"] == "storage_error" for v in verdicts), verdicts
+    up_at = time.time()
+    # the job trained through: the same rank-0 process stepped all along, nothing crashed,
+    # no incident was opened
+    during = [s for s in steps(job.out) if down_at <= s["time"] <= up_at]
+    before = [s for s in steps(job.out) if s["time"] < down_at]
+    assert len(during) >= 10, during  # 0.2 s steps: 50 in 10 s on a quiet machine
+    assert {s["pid"] for s in during} == {before[-1]["pid"]}, during
+    # once the store is back a durable save commits again, and says so
+    _until("a durable save after the store came back", lambda: "is back: step" in _logs(job),
+           job)
+    assert not [e for e in node_events(job.out) if e["time"] >= down_at], \
+        node_events(job.out)
+    assert not [v for v in job.verdicts() if v["time"] >= down_at], job.verdicts()
 
 
 def test_a_full_disk_is_classified_and_its_node_named(soak) -> None:

@@ -124,7 +124,8 @@ def _node_memory(cfg: argparse.Namespace, env: dict[str, str]) -> object | None:
     try:
         memory = NodeMemory(cfg.ckpt.memory_dir, cfg.ckpt.memory_listen,
                             cfg.ckpt.durable_every, layout=cfg.ckpt.memory_layout,
-                            replication=cfg.ckpt.memory_replication, log=lambda m: print(
+                            replication=cfg.ckpt.memory_replication,
+                            durable_outage_s=cfg.ckpt.durable_outage_s, log=lambda m: print(
                                 f"bootseer: {m}", file=sys.stderr, flush=True))
     except (OSError, ValueError) as exc:
         raise CliError(f"memory tier (ckpt.memory): {exc}") from None

@@ -29,10 +29,12 @@ class NodeMemory:
     """The directory and the peer server of one ``bootseer run``; :meth:`close` ends both."""
 
     def __init__(self, directory: str = "", listen: str = "", durable_every: int = 0,
-                 log: Any = None, layout: str = "", replication: str = "async") -> None:
+                 log: Any = None, layout: str = "", replication: str = "async",
+                 durable_outage_s: float = 600.0) -> None:  # MemoryConfig's default
         from ckpt.memory import (
             DIR_ENV,
             DURABLE_EVERY_ENV,
+            DURABLE_OUTAGE_ENV,
             FRESH_ENV,
             LAYOUT_ENV,
             REPLICATION_ENV,
@@ -81,6 +83,7 @@ class NodeMemory:
             self.env[SERVER_ENV] = self.server.address
         if durable_every:
             self.env[DURABLE_EVERY_ENV] = str(durable_every)
+        self.env[DURABLE_OUTAGE_ENV] = repr(float(durable_outage_s))
         if layout:
             self.env[LAYOUT_ENV] = layout
         if replication != "async":
