@@ -59,10 +59,12 @@ def soak(cluster: Any, out: Path, mode: str, faults: list[Fault], args: argparse
     """One mode's run on ``cluster``: start, inject on schedule, tend, measure."""
     job = SoakJob(cluster, out, mode, nproc=args.nproc, hang_timeout_s=args.hang_timeout,
                   pg_timeout_s=args.pg_timeout, launch=args.launch, memory=args.memory,
-                  preload=args.preload, log=log)
+                  preload=args.preload, spares=args.spares, log=log)
     inj = Injector(job, log=log)
     job.start()
-    log(f"{mode}: {args.nodes} nodes x {args.nproc} ranks started; waiting for the first step")
+    log(f"{mode}: {args.nodes} nodes x {args.nproc} ranks started"
+        + (f", {args.spares} warm spare(s) parked" if args.spares else "")
+        + "; waiting for the first step")
     deadline = time.monotonic() + FIRST_STEP_TIMEOUT_S
     while not steps(out):
         if time.monotonic() > deadline:
@@ -141,7 +143,9 @@ def write(results: Path, report: dict[str, Any], hang_timeout: float) -> None:
              f"hang threshold {hang_timeout:g} s, collective timeout {report['pg_timeout_s']:g} s",
              f"- workers started by `{report.get('launch', 'exec')}` in both modes; bootseer's "
              f"memory tier {'on' if report.get('memory_tier') else 'off'}, --preload "
-             f"{'on' if report.get('preload') else 'off'}",
+             f"{'on' if report.get('preload') else 'off'}; warm spares parked at the "
+             f"rendezvous: {report.get('spares', 0)} (in both modes; a lost or evicted node's "
+             "replacement starts as a spare)",
              f"- load average before {report['machine']['load_before']}, after "
              f"{report['machine'].get('load_after')} on {report['machine']['cpus']} CPUs", "",
              *md_table(head, class_rows(report, hang_timeout)), ""]
@@ -186,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="bootseer without its memory tier (every save to S3 only)")
     parser.add_argument("--no-preload", dest="preload", action="store_false",
                         help="bootseer without --preload (each restart imports afresh)")
+    parser.add_argument("--spares", type=int, default=0,
+                        help="warm spare nodes beside --nodes, parked at the rendezvous in both "
+                             "modes (bootseer run --standby; torchrun alone: the same launcher "
+                             "in torch's redundancy list); a replacement node starts as one")
     parser.add_argument("--classes", default=",".join(CLASSES),
                         help=f"fault classes, comma-separated, of {', '.join(CLASSES)} "
                              "(default all; sigkill,exception: the crash detection latency)")
@@ -212,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "nodes": args.nodes, "nproc": args.nproc, "hang_timeout_s": args.hang_timeout,
         "pg_timeout_s": args.pg_timeout, "classes": list(classes), "targets": TARGETS,
         "launch": args.launch, "memory_tier": args.memory, "preload": args.preload,
-        "schedule": as_dicts(plan),
+        "spares": args.spares, "schedule": as_dicts(plan),
         "schedule_text": text, "source": source_state(["benchmarks", "bootseer"]),
         "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}}
     with contextlib.ExitStack() as stack:
@@ -223,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             out = work / mode
             out.mkdir()
             try:
-                with Cluster(args.nodes, services=("s3", "rendezvous"), disk_size="64m",
+                with Cluster(args.nodes + args.spares, services=("s3", "rendezvous"),
+                             disk_size="64m",
                              workdir=work) as cluster:
                     report[mode] = soak(cluster, out, mode, faults, args)
                     report[mode]["schedule"] = as_dicts(faults)

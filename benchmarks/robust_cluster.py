@@ -63,7 +63,7 @@ class SoakJob:
                  hang_timeout_s: float = 10.0, pg_timeout_s: float = 60.0,
                  peer_restarts: int = 1000, step_time_s: float = 0.3, save_every: int = 20,
                  dump_wait_s: float = 10.0, launch: str = "fork", memory: bool = True,
-                 preload: bool = True, log: Any = print) -> None:
+                 preload: bool = True, spares: int = 0, log: Any = print) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
         self.c, self.out, self.mode, self.nproc = cluster, out, mode, nproc
@@ -81,6 +81,14 @@ class SoakJob:
         # bootseer's interpreter started ahead with the job's heavy imports (--preload)
         self.preload = PRELOAD if preload and mode == "bootseer" else ""
         self.log = log
+        # warm spares: the cluster's last `spares` nodes, parked at the rendezvous (bootseer
+        # run --standby; torchrun alone parks the same launcher in torch's redundancy list);
+        # a lost or evicted node's replacement is started as a spare too
+        if not 0 <= spares < len(cluster.nodes):
+            raise ValueError(f"spares={spares}: the cluster has {len(cluster.nodes)} nodes")
+        self.spares = spares
+        self.job_nodes = len(cluster.nodes) - spares
+        self.spare_ids = set(range(self.job_nodes, len(cluster.nodes)))
         self.controller: subprocess.Popen | None = None
         self.launchers: dict[int, subprocess.Popen] = {}
         self.agent_names: dict[int, str] = {}
@@ -93,7 +101,17 @@ class SoakJob:
 
     @property
     def world(self) -> int:
-        return len(self.c.nodes) * self.nproc
+        return self.job_nodes * self.nproc
+
+    def node_of_rank(self, rank: int) -> int:
+        """The index of the node whose newest process of ``rank`` runs there (the job's
+        ``pid-<rank>`` file), else the rank's node at the start."""
+        try:
+            host = json.loads((self.out / f"pid-{rank}").read_text())["host"]
+        except (OSError, ValueError, KeyError):
+            return rank // self.nproc
+        return next((i for i, n in enumerate(self.c.nodes) if n.name == host),
+                    rank // self.nproc)
 
     # -- starting ----------------------------------------------------------------------------
 
@@ -130,7 +148,8 @@ class SoakJob:
         """Start node ``i``'s launcher (the agent, or torchrun alone)."""
         node = self.c.nodes[i]
         name = node.name if node.generation == 1 else f"{node.name}-g{node.generation}"
-        nodes = len(self.c.nodes)
+        nodes = self.job_nodes
+        spare = ["--standby"] if i in self.spare_ids else []
         if self.mode == "peer":
             argv = node.torchrun(self._job_argv(node), nnodes=f"{nodes}:{nodes}",
                                  nproc_per_node=self.nproc, rdzv_id="peer",
@@ -147,7 +166,7 @@ class SoakJob:
                     "--trace-dir", str(self.out / "trace"), "--min-free-disk", "0",
                     "--min-free-memory", "0", "--max-restarts", "1000",
                     "--max-no-progress", "0", "--backoff", "1", "--backoff-max", "4",
-                    *self._memory_flags(node), *(["--preload", self.preload] if self.preload
+                    *spare, *self._memory_flags(node), *(["--preload", self.preload] if self.preload
                                                  else []), "--", *run]
         env = {TOKEN_ENV: self.token} if self.memory else None
         proc = node.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -192,6 +211,8 @@ class SoakJob:
                     self.c.service_down(service)
                 if self.mode == "bootseer" and why == "lost":
                     self._wait_for_verdict_after(self.lost_at.get(i, 0.0))
+                if self.spares:  # a spare took its place (or will): the new node is a spare
+                    self.spare_ids.add(i)
             else:
                 why = f"its launcher exited ({proc.returncode})"
             self.launch(i)

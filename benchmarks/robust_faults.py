@@ -113,14 +113,16 @@ class Injector:
             os.replace(tmp, job.out / "faults" / f"{fault.id}.json")
             info.update(rank=fault.rank)
         elif fault.kind in NODE_SIDE:
-            node = job.c.nodes[fault.node]
-            info.update(host=node.name, agent=job.agent_names[fault.node],
+            # the node running job node k's first rank now (a spare may have taken its place)
+            index = job.node_of_rank(fault.node * job.nproc) if job.spares else fault.node
+            node = job.c.nodes[index]
+            info.update(host=node.name, agent=job.agent_names[index],
                         ranks=ranks_on(job.out, node.name))
             if fault.kind == "node_lost":
-                job.lose_node(fault.node)
+                job.lose_node(index)
             else:
-                job.c.fill_disk(fault.node)
-                self._undo.append((now + DISK_HOLD_S, "free_disk", (fault.node, node)))
+                job.c.fill_disk(index)
+                self._undo.append((now + DISK_HOLD_S, "free_disk", (index, node)))
         elif fault.kind == "store_down":
             job.service_down("s3")
             self._undo.append((now + STORE_DOWN_S, "store_up", None))

@@ -131,6 +131,11 @@ _KEYS = [
           "modules (comma-separated) a Python command's next attempt has imported before it "
           "starts: an interpreter started ahead with them, once the running attempt has "
           "stepped (`python -m MODULE` or `python SCRIPT` commands; docs/robust.md); '' = off"),
+    _spec("run", "standby", "bool", False, "--standby",
+          "this node is a warm spare: its launcher may wait parked at the rendezvous without "
+          "a rank (no hang check until a rank reports; its restarts while parked are not "
+          "failures); after a verdict it rejoins behind the job's nodes unless the verdict "
+          "left the job a node short (docs/robust.md, \"Warm standby\")"),
     _spec("run", "log_tail_lines", "int", 200, "--log-tail-lines",
           "last lines of the command's output kept to classify a crash (the output itself "
           "passes through unchanged); 0 = not teed, a crash is classified from its exit alone"),

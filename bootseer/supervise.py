@@ -84,6 +84,8 @@ HANDLED = (*STOP_SIGNALS, *FORWARD_SIGNALS, signal.SIGUSR1, signal.SIGCHLD)
 PR_SET_CHILD_SUBREAPER = 36
 #: seconds the command's kill waits, after the verdict, for native dumps still being taken
 NATIVE_GRACE_S = 1.0
+# a parked spare's longest wait for the job's nodes to form the new round after a verdict
+SPARE_REJOIN_WAIT_S = 60.0
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
 
@@ -259,6 +261,7 @@ class Supervisor:
                  kill_grace_s: float = 5.0, agent: Any = None, tail_lines: int = 200,
                  remote: Any = None, remote_wait_s: float = 30.0, versions: Any = None,
                  crash_grace_s: float = 15.0, preload: Sequence[str] = (),
+                 standby: bool = False,
                  log: Callable[[str], None] = _stderr) -> None:
         if not command:
             raise ValueError("nothing to run: the command is empty")
@@ -300,6 +303,10 @@ class Supervisor:
                      "...` (an `env NAME=VALUE` prefix allowed): it starts as usual")
         self._standby: Standby | None = None
         self._version_id: str | None = None  # the running attempt's code version
+        # a warm spare node (docs/robust.md, "Warm standby"): its launcher may wait parked at
+        # the rendezvous for hours without a rank, which is neither a hang nor a failure
+        self.spare = standby
+        self._watching: _Progress | None = None  # the running attempt's ranks' signals
 
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> int:
@@ -333,7 +340,12 @@ class Supervisor:
         while True:
             started = time.time()
             extra = self._startup(attempt)
+            if self.spare and self.remote is not None and (
+                    not self.attempts or self.attempts[-1].detail.get("parked")):
+                self._spare_rejoin(self.attempts[-1] if self.attempts else None)
             end = self._attempt(attempt, started, extra)
+            if self.spare and self._watching is not None and self._watching.last_change is None:
+                end.detail["parked"] = True  # no rank of this node ever ran (a spare)
             self.attempts.append(end)
             if end.reason == "not-started" or self._stopping is not None or end.code == 0:
                 return end.code
@@ -354,6 +366,12 @@ class Supervisor:
             return "restart"
         verdict = end.detail.get("verdict")
         self._by_controller = ""
+        if end.detail.get("parked") and not end.detail.get("remote"):
+            # a spare's launcher that ended on its own ran no rank: not the job's failure, so
+            # not published (an incident would stop every node); restarted here, counted
+            self.log(f"standby: the parked launcher ended with {end.describe()}: restarting "
+                     "it on this node (the job is not involved)")
+            return "restart"
         if end.detail.get("remote"):
             return self.remote.local_action(self._skip_after(self._from_controller(verdict)))
         lines = self.tail.lines() if self.tail else []
@@ -434,8 +452,10 @@ class Supervisor:
                 raise StopRequested(sig)
 
     def _failures(self) -> int:
-        """Attempts that failed (a restart for a version update is none)."""
-        return sum(1 for a in self.attempts if a.reason != "update")
+        """Attempts that failed (a restart for a version update is none, nor a parked spare's
+        restart on a verdict)."""
+        return sum(1 for a in self.attempts if a.reason != "update" and not (
+            a.detail.get("parked") and a.detail.get("remote")))
 
     def _backoff(self, attempt: int, previous: AttemptEnd) -> None:
         if previous.reason == "update":
@@ -468,6 +488,40 @@ class Supervisor:
             detail["exited_at"] = previous.detail["exited_at"]
         self._record("restart", start, attempt=attempt, restart=attempt, delay_s=delay,
                      **detail)
+
+    def _spare_rejoin(self, previous: AttemptEnd | None) -> None:
+        """A spare's launcher goes to the job's rendezvous, at its start and after each
+        verdict it was parked through. A verdict that left the job a node short (one evicted,
+        or gone without answering its dump) is what a spare is for: it joins at once.
+        Otherwise it waits until the job's own nodes have formed the round (torch's
+        rendezvous state, in the controller's store) and parks behind them: arriving first,
+        it would take a node's place, and that node's in-memory checkpoints with it (at most
+        ``SPARE_REJOIN_WAIT_S``, then it joins: a job short of a node needs it)."""
+        verdict = previous.detail.get("verdict") if previous is not None else None
+        evidence = getattr(verdict, "evidence", None) or {}
+        short = [*getattr(verdict, "nodes", ()), *(evidence.get("missing_dumps") or ()),
+                 *(evidence.get("not_waited_for") or ())]
+        if short:
+            self.log(f"standby: the verdict left the job without {', '.join(short)}: "
+                     "joining the new rendezvous at once")
+            return
+        from .robust.standby import rendezvous_members
+
+        run_id = self.env.get("PET_RDZV_ID") or f"bootseer-{self.remote.answered}"
+        waited = time.monotonic()
+        deadline = waited + SPARE_REJOIN_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                members = rendezvous_members(self.remote.store, run_id)
+            except Exception:  # noqa: BLE001 - torch's store or state: wait, then join
+                members = None
+            if members is not None and members["complete"]:
+                self.log(f"standby: the job's nodes formed rendezvous {run_id} in "
+                         f"{time.monotonic() - waited:.1f}s: parking behind them")
+                return
+            self._stop_check(self._signals.wait(0.5))
+        self.log(f"standby: rendezvous {run_id} not complete after {SPARE_REJOIN_WAIT_S:.0f}s:"
+                 " joining it")
 
     # -- one attempt -----------------------------------------------------------------------
     def _child_env(self, attempt: int, extra: Mapping[str, str]) -> dict[str, str]:
@@ -618,7 +672,7 @@ class Supervisor:
         """Wait for the command, forwarding signals and watching for a hang."""
         assert self._child is not None
         pid = self._child.pid
-        watch = _Progress(self.control_dir, self.ready_file)
+        watch = self._watching = _Progress(self.control_dir, self.ready_file)
         spawned = time.monotonic()
         first_ready = True
         timeout = self.hang.timeout_s
@@ -655,7 +709,8 @@ class Supervisor:
                         end := self._on_order(attempt, pid, watch, order, started)):
                     return end
             if (timeout > 0 and self._stopping is None and self._early is None
-                    and not watch.all_finishing()):
+                    and not watch.all_finishing()
+                    and not (self.spare and watch.last_change is None)):  # parked
                 if watch.last_change is None:
                     silent, limit = time.monotonic() - spawned, max(timeout, self.hang.startup_s)
                 else:

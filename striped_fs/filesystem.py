@@ -251,7 +251,15 @@ class StripedFileSystem(ChainedFileSystem):
         self.target.mkdir(self._norm(path), create_parents=create_parents, **kwargs)
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        self.target.makedirs(self._norm(path), exist_ok=exist_ok)
+        """On an object store, directories under a bucket do not exist, so ``exist_ok``
+        makedirs of ``bucket/key`` does nothing. s3fs would check the bucket first and create
+        it when it cannot see it: right after an outage a pooled connection fails that check,
+        and the CreateBucket that follows fails a checkpoint save (the soak's store outage,
+        ``InvalidLocationConstraint``); a save never creates a bucket."""
+        path = self._norm(path)
+        if exist_ok and "/" in path.strip("/") and _object_store(self.target):
+            return
+        self.target.makedirs(path, exist_ok=exist_ok)
 
     def rmdir(self, path: str) -> None:
         self.target.rmdir(self._norm(path))
@@ -670,6 +678,12 @@ def _newest_mtime(fs: fsspec.AbstractFileSystem, path: str) -> float:
             stamp = stamp.timestamp()
         newest = max(newest, float(stamp or 0.0))
     return newest
+
+
+def _object_store(target: Any) -> bool:
+    """Whether ``target`` keeps objects under keys, with no directories (S3, GCS, Azure)."""
+    protocols = (target.protocol,) if isinstance(target.protocol, str) else target.protocol
+    return bool({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"} & set(protocols))
 
 
 def _target_defaults(protocol: str, options: dict[str, Any], opts: StripeOptions) -> dict[str, Any]:

@@ -40,6 +40,45 @@ def run_scenario(scenario: str, *args: object, env: dict[str, str] | None = None
     return proc.returncode, proc.stdout.splitlines()
 
 
+def run_solo(store, tmp_path: Path, argv: list[str], link, *, restarts: int = 0,
+             hang_s: float = 0.0, dump_wait_s: float = 5.0, agent_hang_s: float | None = None,
+             **controller: object):
+    """One node's ``bootseer run`` machinery (agent, ``link``, supervisor) in this process
+    with the controller (``controller`` its options) on a thread, writing ``ctl.jsonl`` and
+    ``trace/`` under ``tmp_path``: the agent's side of an incident. Returns (code, sup)."""
+    import datetime
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from bootseer.robust.agent import Agent
+    from bootseer.robust.controller import Controller
+    from bootseer.robust.detect import HangDetector
+    from bootseer.supervise import HangPolicy, RestartPolicy, Supervisor
+    from bootseer.trace import TraceWriter
+
+    ctl_store = TCPStore("127.0.0.1", store.port, is_master=False,
+                         timeout=datetime.timedelta(seconds=10))
+    ctl = Controller(ctl_store, trace_path=tmp_path / "ctl.jsonl", **{
+        "settle_s": 0.2, "log": lambda _: None, **controller})
+    stop = threading.Event()
+    watcher = threading.Thread(target=ctl.run, args=(stop, 0.1), daemon=True)
+    watcher.start()
+    trace = TraceWriter(tmp_path / "trace", link.node)
+    agent = Agent(trace, link.node, **({"hang": HangDetector(agent_hang_s)}
+                                       if agent_hang_s is not None else {}))
+    sup = Supervisor(argv, env=scenario_env(), trace=trace,
+                     restart=RestartPolicy(restarts, backoff_s=0.1),
+                     hang=HangPolicy(hang_s, dump_wait_s), agent=agent, remote=link,
+                     remote_wait_s=20)
+    try:
+        code = sup.run()
+    finally:
+        stop.set()
+        watcher.join(10)
+    return code, sup
+
+
 @pytest.fixture
 def tiny_disk():
     """A 256 KiB tmpfs mounted on a private directory, unmounted and removed afterwards."""

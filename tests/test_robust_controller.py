@@ -107,8 +107,9 @@ def test_a_node_that_never_answers_is_waited_for_then_named_missing(store) -> No
     links[0].publish(Event("crash", "killed_by_signal", node="n0", time=50.0))
     ctl = Controller(store, dump_wait_s=10, clock=lambda: now[0], log=lambda _: None)
     ctl.step()
+    assert links[2].dump_order(force=True)["incident"] == 1  # n2 saw the order (its ack)...
     links[0].answer(1, [])
-    links[1].answer(1, [])  # n2 was lost with its agent: it never answers
+    links[1].answer(1, [])  # ...and is lost before it answers
     for t in (52.0, 59.0):
         now[0] = t
         assert ctl.step() is None  # still waiting for n2
@@ -146,6 +147,35 @@ def test_a_node_that_never_answers_is_waited_for_then_named_missing(store) -> No
     links[2].answer(4, [])
     verdict = verdict_within(restarted, 3)
     assert verdict is not None and sorted(verdict.evidence["dumps"]) == ["n0", "n1", "n2"]
+
+
+def test_a_node_lost_with_its_agent_is_not_waited_for_past_the_ack_wait(store) -> None:
+    """No acknowledgement of the order and no beat since it was placed: the agent is gone
+    with its node (a live one acks within its 0.5 s poll, before dumping), so the dump wait
+    (10 s) is not spent on it; a node that beat since the order is waited for."""
+    from bootseer.robust.controller import ACK_WAIT_S
+
+    now = [50.0]
+    keys = wire.Keys("job")
+    links = [ControllerLink(store, n) for n in ("n0", "n1", "n2", "n3")]
+    for link in links:
+        link.register()
+    store.set(keys.node("n2", "beat"), wire.encode({"node": "n2", "time": 49.5}))  # before
+    links[0].publish(Event("crash", "gloo_error", node="n0", time=50.0))
+    ctl = Controller(store, dump_wait_s=10, clock=lambda: now[0], log=lambda _: None)
+    assert ctl.step() is None
+    links[0].answer(1, [])
+    links[1].answer(1, [])
+    store.set(keys.node("n3", "beat"), wire.encode({"node": "n3", "time": 51.0}))  # after
+    now[0] = 50.0 + ACK_WAIT_S - 0.1
+    assert ctl.step() is None  # within the ack wait: both still waited for
+    now[0] = 50.0 + ACK_WAIT_S + 0.1
+    assert ctl.step() is None  # n2 silent, but n3 beat since the order: still waiting
+    links[3].answer(1, [])
+    verdict = ctl.step() or ctl.step()  # (one more pass for late events)
+    assert verdict is not None, "closed once only the silent node is missing"
+    assert verdict.evidence["missing_dumps"] == ["n2"] and verdict.evidence["silent"] == ["n2"]
+    assert now[0] - 50.0 < 10.0  # well before the dump wait
 
 
 _WAITING = ('Thread 7 (idle): "MainThread"\n'
@@ -267,15 +297,7 @@ def test_an_evicted_node_cannot_register_again(store, tmp_path: Path) -> None:
 def test_without_py_spy_the_stacks_come_from_the_clients_faulthandler(store, tmp_path):
     """The whole agent path on one machine: a hang published, the order, py-spy failing, the
     client's SIGUSR1 file dumped instead, the verdict, and only then the kill."""
-    import threading
-
-    from robust_helpers import scenario_argv, scenario_env
-    from torch.distributed import TCPStore
-
-    from bootseer.robust.agent import Agent
-    from bootseer.robust.detect import HangDetector
-    from bootseer.supervise import HangPolicy, RestartPolicy, Supervisor
-    from bootseer.trace import TraceWriter
+    from robust_helpers import run_solo, scenario_argv
 
     def no_pyspy(pid: int) -> str:
         raise RuntimeError("py-spy is not installed")
@@ -283,23 +305,8 @@ def test_without_py_spy_the_stacks_come_from_the_clients_faulthandler(store, tmp
     link = ControllerLink(store, "solo")
     link.register()
     link.dump_tool = no_pyspy
-    ctl_store = TCPStore("127.0.0.1", store.port, is_master=False,
-                         timeout=datetime.timedelta(seconds=10))
-    ctl = Controller(ctl_store, trace_path=tmp_path / "ctl.jsonl", settle_s=0.2, crash_window_s=0,
-                     log=lambda _: None)
-    stop = threading.Event()
-    watcher = threading.Thread(target=ctl.run, args=(stop, 0.1), daemon=True)
-    watcher.start()
-    trace = TraceWriter(tmp_path / "trace", "solo")
-    agent = Agent(trace, "solo", hang=HangDetector(1.0))
-    sup = Supervisor(scenario_argv("steady-then-stall", 3, 0.1), env=scenario_env(),
-                     trace=trace, restart=RestartPolicy(0), hang=HangPolicy(0.0, 3.0),
-                     agent=agent, remote=link, remote_wait_s=20)
-    try:
-        code = sup.run()
-    finally:
-        stop.set()
-        watcher.join(10)
+    code, _ = run_solo(store, tmp_path, scenario_argv("steady-then-stall", 3, 0.1), link,
+                       dump_wait_s=3.0, agent_hang_s=1.0, crash_window_s=0)
     assert code == 128 + signal.SIGKILL  # killed after the verdict; no restarts allowed
     dumps = sorted((tmp_path / "trace").glob("dump-solo-i1-rank0-*.txt"))
     assert len(dumps) == 1
@@ -311,6 +318,39 @@ def test_without_py_spy_the_stacks_come_from_the_clients_faulthandler(store, tmp
     span = [s for s in map(json.loads, (tmp_path / "trace" / "solo.jsonl").read_text()
                            .splitlines()) if s.get("phase") == "hang"][0]["detail"]
     assert span["dumped_at"] <= span["decided_at"] <= span["killed_at"]
+
+
+def test_the_kill_waits_for_slow_native_dumps_only_a_grace(store, tmp_path):
+    """The native dumps (seconds a process under load) run beside the verdict: the command
+    is killed at most NATIVE_GRACE_S after the verdict, not when a 30 s native dump ends."""
+    import threading
+
+    from robust_helpers import run_solo, scenario_argv
+
+    from bootseer.supervise import NATIVE_GRACE_S
+
+    released = threading.Event()
+
+    def slow_native(pid: int) -> str:
+        released.wait(30.0)
+        return ""
+
+    link = ControllerLink(store, "solo")
+    link.register()
+    link.dump_tool = lambda pid: _SLEEPING  # a Python dump at once
+    link.native_tool = slow_native
+    try:
+        code, _ = run_solo(store, tmp_path, scenario_argv("steady-then-stall", 3, 0.1), link,
+                           dump_wait_s=3.0, agent_hang_s=1.0, crash_window_s=0)
+    finally:
+        released.set()
+    assert code == 128 + signal.SIGKILL
+    span = [s for s in map(json.loads, (tmp_path / "trace" / "solo.jsonl").read_text()
+                           .splitlines()) if s.get("phase") == "hang"][0]["detail"]
+    assert span["killed_at"] - span["decided_at"] < NATIVE_GRACE_S + 5.0  # not 30 s
+    assert not list((tmp_path / "trace").glob("dump-solo-i1-*-native.txt"))  # not in time
+    verdict = _records(tmp_path / "ctl.jsonl", "verdict")[0]
+    assert verdict["evidence"]["dumps"]["solo"]["native"] is False
 
 
 def _free_port() -> int:

@@ -7,7 +7,6 @@ bits)."""
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import signal
 import time
@@ -396,33 +395,11 @@ def test_probes_that_name_nobody_open_nothing_and_pause_the_orders(store) -> Non
 def _solo(store, tmp_path: Path, argv: list[str], restarts: int):
     """One node's ``bootseer run`` machinery (agent, link, supervisor) in this process with
     the controller in a thread: the agent's side of a NaN or a jump under a controller."""
-    import threading
-
-    from robust_helpers import scenario_env
-    from torch.distributed import TCPStore
-
-    from bootseer.robust.agent import Agent
-    from bootseer.supervise import HangPolicy, RestartPolicy, Supervisor
-    from bootseer.trace import TraceWriter
+    from robust_helpers import run_solo
 
     link = ControllerLink(store, "solo")
     link.register()
-    ctl_store = TCPStore("127.0.0.1", store.port, is_master=False,
-                         timeout=datetime.timedelta(seconds=10))
-    ctl = Controller(ctl_store, trace_path=tmp_path / "ctl.jsonl", settle_s=0.2,
-                     failslow_interval_s=0, log=lambda _: None)
-    stop = threading.Event()
-    watcher = threading.Thread(target=ctl.run, args=(stop, 0.1), daemon=True)
-    watcher.start()
-    trace = TraceWriter(tmp_path / "trace", "solo")
-    sup = Supervisor(argv, env=scenario_env(), trace=trace,
-                     restart=RestartPolicy(restarts, backoff_s=0.1), hang=HangPolicy(0.0),
-                     agent=Agent(trace, "solo"), remote=link, remote_wait_s=20)
-    try:
-        code = sup.run()
-    finally:
-        stop.set()
-        watcher.join(10)
+    code, sup = run_solo(store, tmp_path, argv, link, restarts=restarts, failslow_interval_s=0)
     return code, _records(tmp_path / "ctl.jsonl", "event"), \
         _records(tmp_path / "ctl.jsonl", "verdict"), sup
 

@@ -1,10 +1,13 @@
 """The short forms of the soak's fault classes (``bootseer bench robust``) that no other test
 injects: a hang in a dataloader worker, NaN in one rank's gradient, a full disk on a node, the
-checkpoint store down (ridden out behind the memory tier). One job (the soak's ``benchmarks/robust_job.py``, 2 nodes x 1 rank,
-``bootseer run --controller`` on each, ``bootseer controller``) runs on one cluster for the
-whole module; the tests inject into it in order (a hang; the store down while the job
-trains; a full disk last), waiting for the job to step again only where the next
-test needs it: every restart costs tens of seconds on a loaded 2-core machine. docs/robust.md lists which test covers which class.
+checkpoint store down (ridden out behind the memory tier); and a warm spare under the
+controller's verdicts. One job (the soak's ``benchmarks/robust_job.py``, 2 nodes x 1 rank,
+``bootseer run --controller`` on each, a third node parked at the rendezvous as a warm spare
+with ``--standby``, ``bootseer controller``) runs on one cluster for the whole module; the
+tests inject into it in order (a hang, which the spare takes over; the store down while the
+job trains; a full disk; the NaN last, after which the new spare parks again), waiting for the
+job to step again only where the next test needs it: every restart costs tens of seconds on a
+loaded 2-core machine. docs/robust.md lists which test covers which class.
 """
 
 from __future__ import annotations
@@ -41,13 +44,13 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SoakJob, In
     from bootseer.testing.servers import ComponentUnavailable
 
     out = tmp_path_factory.mktemp("soak")
-    cluster = Cluster(2, services=("s3", "rendezvous"), disk_size="64m")
+    cluster = Cluster(3, services=("s3", "rendezvous"), disk_size="64m")
     try:
         cluster.start()
     except ComponentUnavailable as exc:
         require_component(str(exc))
     job = SoakJob(cluster, out, "bootseer", nproc=1, hang_timeout_s=20.0, step_time_s=0.2,
-                  save_every=10, dump_wait_s=10.0, log=lambda _: None)
+                  save_every=10, dump_wait_s=10.0, spares=1, log=lambda _: None)
     try:
         job.start()
         yield job, Injector(job, log=lambda _: None)
@@ -104,10 +107,23 @@ def test_a_dataloader_worker_hang_is_localized_to_its_rank(soak) -> None:
     assert any("rank0" in n and "all_reduce" in t for n, t in dumps.items()), list(dumps)
     _stepping_after(job, verdict["time"])  # the evicted node replaced, the job back
     assert any(r["why"] == "evicted" for r in job.relaunches)
+    # the warm spare (node2, parked since the start) took the evicted node's place at once: it
+    # joined the new rendezvous without waiting (torch numbers the round's nodes afresh), and
+    # the evicted node's replacement started as a spare
+    spare = job.c.nodes[2].name
+    hosts = {json.loads((job.out / f"pid-{r}").read_text())["host"] for r in range(job.world)}
+    assert hosts == {job.c.nodes[0].name, spare}, hosts
+    assert "joining the new rendezvous at once" in _log(job, spare)
+    assert "hang" not in {e["kind"] for e in node_events(job.out) if e["node"] == spare}
+    assert {1, 2} <= job.spare_ids  # node1's replacement is the next spare
 
 
 def _logs(job: SoakJob) -> str:
     return "".join(p.read_text(errors="replace") for p in (job.out / "logs").glob("node*.log"))
+
+
+def _log(job: SoakJob, agent: str) -> str:
+    return (job.out / "logs" / f"{agent}.log").read_text(errors="replace")
 
 
 def test_the_checkpoint_store_down_is_ridden_out_behind_the_memory_tier(soak) -> None:
@@ -155,9 +171,13 @@ def test_nan_in_one_ranks_gradient_is_detected_at_its_step(soak) -> None:
     job, inj = soak
     fault = _inject(inj, "nan", rank=0)
     claimed = _until("claim", lambda: taken(job.out, fault), job)
-    nan = _until("nonfinite event", lambda: [
+    _until("nonfinite event", lambda: [
         e for e in node_events(job.out) if e["kind"] == "nonfinite"
-        and e["time"] >= claimed["time"] - 1], job)[0]
+        and e["time"] >= claimed["time"] - 1], job)
+    time.sleep(1.0)  # the other rank's NaN (its next step, after the all-reduce) may be read
+    seen = [e for e in node_events(job.out) if e["kind"] == "nonfinite"  # first by its agent
+            and e["time"] >= claimed["time"] - 1]
+    nan = min(seen, key=lambda e: (e["step"], e["time"]))  # the earliest step: its cause
     assert nan["rank"] == 0 and nan["step"] == claimed["step"], (nan, claimed)
     assert nan["evidence"] == {"grad_norm": "nan"}  # the loss of that step was still finite
     # under a controller the NaN is the controller's to decide: it stops the job, runs the
@@ -170,6 +190,19 @@ def test_nan_in_one_ranks_gradient_is_detected_at_its_step(soak) -> None:
     failed = {f["node"] for f in check["failed"]}
     if verdict["action"] == "restart_in_place":
         assert verdict["nodes"] == [] and not failed, verdict
+        # nobody gone: the parked spare (the full disk's node's replacement) waits for the
+        # job's nodes to form the new rendezvous and parks behind them, taking no rank
+        hosts = {json.loads((job.out / f"pid-{r}").read_text())["host"]
+                 for r in range(job.world)}
+        [parked] = [i for i, n in enumerate(job.c.nodes) if n.name not in hosts]
+        spare = job.agent_names[parked]
+        _until("the spare parked again", lambda: _log(job, spare).count(
+            "parking behind them") >= 2, job)  # at its start, and after this verdict
+        _until("every rank started again", lambda: {
+            s["rank"] for s in read_records(job.out / "starts.jsonl")
+            if s["time"] > verdict["time"]} == set(range(job.world)), job)
+        assert hosts == {json.loads((job.out / f"pid-{r}").read_text())["host"]
+                         for r in range(job.world)}  # nobody moved
     else:  # an eviction only for a node that failed a check, and only that node
         assert verdict["action"] == "replace_and_restart" and set(verdict["nodes"]) == failed, \
             verdict

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -434,3 +435,35 @@ def test_a_handed_over_cache_naming_another_directory_stops_the_start(tmp_path):
     assert f"ckpt.cache_dir = '{cache}' (flag --ckpt-cache-dir)" in proc.stderr
     assert "set BOOTSEER_CKPT_CACHE_DIR" in proc.stderr and "Traceback" not in proc.stderr
     assert not cache.exists() and not (tmp_path / "old-cache").exists()
+
+
+def test_a_parked_standby_is_no_hang_and_its_own_end_stays_on_its_node(tmp_path):
+    """A spare's launcher waits at the rendezvous with no rank for as long as the job runs:
+    past the startup allowance that is a hang for a job's node, not for a spare (``--standby``);
+    and a parked launcher that ends on its own is restarted on its node, counted, never
+    published (it ran no rank of the job)."""
+    from bootseer.supervise import HangPolicy
+
+    parked = [sys.executable, "-c", "import time; time.sleep(2.0)"]
+    hang = HangPolicy(timeout_s=0.5, dump_wait_s=0.5, startup_s=1.0)
+    said: list[str] = []
+    job_node = Supervisor(parked, hang=hang, restart=RestartPolicy(0), log=said.append)
+    assert job_node.run() != 0
+    assert any("hang" in line for line in said), said
+    spare = Supervisor(parked, hang=hang, restart=RestartPolicy(0), standby=True,
+                       log=said.append)
+    assert spare.run() == 0
+    assert spare.attempts[0].detail.get("parked") is True
+    failing = Supervisor([sys.executable, "-c", "raise SystemExit(3)"], hang=hang,
+                         restart=RestartPolicy(1, backoff_s=0.01), standby=True,
+                         agent=_agent(tmp_path), log=said.append)
+    assert failing.run() == 3
+    assert len(failing.attempts) == 2  # one restart allowed: the spare's own end counts
+    assert sum("the parked launcher ended with exit code 3" in line for line in said) == 2
+
+
+def _agent(tmp_path: Path):
+    from bootseer.robust.agent import Agent
+    from bootseer.trace import TraceWriter
+
+    return Agent(TraceWriter(tmp_path / "trace", "spare"), "spare")

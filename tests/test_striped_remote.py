@@ -53,6 +53,25 @@ def test_s3_roundtrip_uses_striped_layout(s3_striped):
     assert fs.ls(f"{bucket}/ckpt", detail=False) == [f"{bucket}/ckpt/model.bin"]
 
 
+def test_s3_makedirs_under_a_bucket_never_creates_the_bucket(s3_server, s3_striped):
+    """No directories exist under an S3 bucket: makedirs(bucket/key, exist_ok=True) does
+    nothing. s3fs would create the bucket whenever it cannot see it (right after a store
+    outage a pooled connection fails its check: the soak's checkpoint save then failed on
+    CreateBucket); a bucket that is really missing fails the write itself, by name."""
+    import botocore.exceptions
+
+    fs, bucket = s3_striped
+    fs.makedirs(f"{bucket}/run/step-00000001", exist_ok=True)
+    missing = f"{bucket}-missing"
+    fs.makedirs(f"{missing}/run/step-00000001", exist_ok=True)
+    with pytest.raises(botocore.exceptions.ClientError, match="NoSuchBucket|Not Found|404"):
+        s3_server.boto3_client().head_bucket(Bucket=missing)
+    with pytest.raises((FileNotFoundError, StripedIOError)):
+        fs.pipe_file(f"{missing}/run/step-00000001/data", b"x" * 10)
+    fs.pipe_file(f"{bucket}/run/step-00000001/data", b"y" * 10)
+    assert fs.cat_file(f"{bucket}/run/step-00000001/data") == b"y" * 10
+
+
 def test_s3_fsspec_url_chaining(s3_bucket):
     bucket, options = s3_bucket
     url = f"striped::s3://{bucket}/x/data.bin"

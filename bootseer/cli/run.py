@@ -102,7 +102,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                               cfg.restart.backoff_max_s),
         hang=hang, agent=agent, tail_lines=cfg.run.log_tail_lines, remote=remote,
         remote_wait_s=cfg.controller.wait_s, versions=versions,
-        preload=[m.strip() for m in cfg.run.preload.split(",")])
+        preload=[m.strip() for m in cfg.run.preload.split(",")], standby=cfg.run.standby)
     try:
         code = supervisor.run()
     except CliError as exc:  # a startup phase failed: the job does not start

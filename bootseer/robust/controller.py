@@ -52,7 +52,7 @@ from .classify import SECONDARY  # crash classes that follow another rank's fail
 from .events import Event, Verdict, write_record
 from .failslow import COLLECTIVE_FILE, FailSlowRounds
 from .policy import ExclusionList, decide
-from .stacks import Localization, ProcessStacks, _domain, localize
+from .stacks import Localization, ProcessStacks, _domain, localize, native_evidence
 from .standby import exclusion_record, publish_exclusions, read_exclusions
 
 __all__ = ["ACTIONABLE", "CHECKED", "SECONDARY", "Controller", "link_suspects"]
@@ -62,6 +62,9 @@ ACTIONABLE = ("crash", "hang", "nonfinite", "spike", "fail_slow")
 #: crash classes with no cause named: the stop-time checks run (unless a node was lost)
 CHECKED = ("unknown", "killed_by_signal")
 HISTORY = 50  # earlier verdicts read back for the repeat rules
+# a node that has neither acknowledged a dump order nor beaten this long after it is not
+# waited for (lost with its agent); one that acknowledged is waited for the whole dump wait
+ACK_WAIT_S = 3.0
 LINK_CHECK_S = 2.0  # the tracer's windows are looked at this often for a slow link
 LINK_WAIT_S = 10.0  # a probe order's answers are awaited this long (a slow link answers last)
 LINK_QUIET_S = 30.0  # after probes that named no node, no new order for this long
@@ -314,9 +317,10 @@ class Controller:
         answers = {n: self._read(self.keys.dump(n, incident), n, wire.MAX_DUMP_BYTES)
                    for n in expected}
         missing = [n for n, a in answers.items() if a is None]
+        silent = self._silent(missing, opened, waited)
         update_only = bool(opened.get("update")) and not opened["events"]  # nothing to settle
-        if (waited < self.settle_s and not update_only) or (missing and
-                                                            waited < self.dump_wait_s):
+        if (waited < self.settle_s and not update_only) or (
+                set(missing) - set(silent) and waited < self.dump_wait_s):
             return None
         if waited < self.crash_window_s and _hang_only(opened):  # a crash may explain it
             return None
@@ -335,7 +339,30 @@ class Controller:
             self._gone.setdefault(node, float(opened["time"]))
         if gone:
             opened["not_waited_for"] = sorted(gone)
+        if silent and waited < self.dump_wait_s:
+            opened["silent"] = sorted(silent)
         return self._close(opened, {n: a for n, a in answers.items() if a}, missing, checked)
+
+    def _silent(self, missing: list[str], opened: dict[str, Any], waited: float) -> list[str]:
+        """Missing nodes that, ``ACK_WAIT_S`` into the incident, have neither acknowledged the
+        order nor beaten since it was placed: lost with their agent (a live agent acks
+        within its poll, 0.5 s, before it dumps), so the dump wait is not spent on them (it
+        cost the soak's lost node 10 s before the survivors could restart)."""
+        if waited < ACK_WAIT_S or not missing:
+            return []
+        incident, since = int(opened["incident"]), float(opened["time"])
+        silent = []
+        for node in missing:
+            if self._read(self.keys.dump_ack(node, incident), node) is not None:
+                continue
+            beat = self._read(self.keys.node(node, "beat"), node) or {}
+            try:
+                alive = float(beat.get("time", 0.0)) > since
+            except (TypeError, ValueError):
+                alive = False
+            if not alive:
+                silent.append(node)
+        return silent
 
     # -- stop-time checks ------------------------------------------------------------------
     def _checks(self, opened: dict[str, Any], nodes: list[str]) -> dict[str, Any] | None:
@@ -425,7 +452,8 @@ class Controller:
                                      "domain": found.domain, "reason": found.reason,
                                      **found.evidence},
                     "dumps": dumps, "missing_dumps": missing, "controller_pid": os.getpid(),
-                    "not_waited_for": opened.get("not_waited_for", [])}
+                    "not_waited_for": opened.get("not_waited_for", []),
+                    "silent": opened.get("silent", [])}
         if traced:
             evidence["colltrace"] = traced
         verdict = dataclasses.replace(verdict, time=self.clock(), evidence=evidence)
@@ -698,9 +726,7 @@ def _attach_native(found: Localization, natives: dict[tuple[str, int], ProcessSt
     for group, evidence in zip(found.groups, found.evidence.get("groups", []), strict=False):
         member = next((m for m in group.members if (m.node, m.pid) in natives), None)
         if member is not None and member.node is not None and member.pid is not None:
-            threads = natives[(member.node, member.pid)].threads
-            evidence["native"] = {"rank": member.rank, "pid": member.pid, "node": member.node,
-                                  "stacks": [list(t) for t in threads if t]}
+            evidence["native"] = native_evidence(member, natives[(member.node, member.pid)].threads)
 
 
 def _break_tie(found: Localization, processes: list[ProcessStacks],

@@ -94,6 +94,7 @@ class ControllerLink:
         self._last_poll = float("-inf")
         self._last_beat = float("-inf")
         self.answered = 0  # the newest incident this agent dumped for
+        self._acked = 0  # the newest incident whose order this agent acknowledged
         self.dump_tool: Callable[[int], str] = pyspy_text  # pid -> its stacks (text)
         # the same processes again with native frames, after the answer (evidence only)
         self.native_tool: Callable[[int], str] = native_dump
@@ -288,7 +289,13 @@ class ControllerLink:
             incident = int(order["incident"])
         except (wire.WireError, KeyError, TypeError, ValueError):
             return None
-        return order if incident > self.answered else None
+        if incident <= self.answered:
+            return None
+        if incident > self._acked:  # at once, before the dumps: the controller then waits
+            self._acked = incident  # for this node's answer, however long it takes
+            self.store.set(self.keys.dump_ack(self.node, incident), wire.encode(
+                {"node": self.node, "incident": incident, "time": time.time()}))
+        return order
 
     def answer(self, incident: int, processes: list[dict[str, Any]],
                files: list[str] = ()) -> None:

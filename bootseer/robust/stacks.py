@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Localization", "ProcessStacks", "StackGroup", "group_stacks", "localize",
-           "is_native_frame", "normalize_frame", "parse_dump", "pyspy_dump", "read_stack_files"]
+           "is_native_frame", "native_evidence", "normalize_frame", "parse_dump", "pyspy_dump", "read_stack_files"]
 
 Frame = str  # "function (file)"
 Thread = tuple[Frame, ...]  # most recent call first
@@ -220,9 +220,19 @@ class StackGroup:
                                  "stacks": [list(t) for t in self.signature]}
         first = next((p for p in self.members if p.has_native), None)
         if first is not None:
-            found["native"] = {"rank": first.rank, "pid": first.pid,
-                               "stacks": [list(t) for t in first.threads if t]}
+            found["native"] = native_evidence(first)
         return found
+
+
+def native_evidence(member: ProcessStacks, threads: Iterable[Thread] | None = None
+                    ) -> dict[str, Any]:
+    """A stack group's ``native`` evidence: one member's whole stacks with native frames
+    (``threads``: from its separate native dump, else its own)."""
+    doc: dict[str, Any] = {"rank": member.rank, "pid": member.pid}
+    if member.node:
+        doc["node"] = member.node
+    doc["stacks"] = [list(t) for t in (member.threads if threads is None else threads) if t]
+    return doc
 
 
 def group_stacks(processes: Iterable[ProcessStacks]) -> list[StackGroup]:

@@ -88,6 +88,10 @@ class Keys:
     def dump(self, node: str, incident: int) -> str:
         return self.node(node, f"dump/{incident}")
 
+    def dump_ack(self, node: str, incident: int) -> str:
+        """The node saw the order (before it dumps): it is alive, wait for its answer."""
+        return self.node(node, f"ack/{incident}")
+
     def native_dump(self, node: str, incident: int) -> str:
         return self.node(node, f"native/{incident}")
 
