@@ -155,14 +155,18 @@ def _run_job(cmd: list[str], timeout_s: float) -> tuple[int, str]:
     return proc.returncode, stdout
 
 
-def alternating(work: Path, repeats: int, steps: int, block: int) -> dict[str, Any]:
+def alternating(work: Path, repeats: int, steps: int, block: int,
+                control: bool = False) -> dict[str, Any]:
     """The overhead inside one job: blocks of ``block`` steps traced and untraced in turns
-    (every rank switches at the same step), so both see the same machine load."""
+    (every rank switches at the same step), so both see the same machine load. ``control``:
+    the same jobs with the tracer never installed (A/A), whose spread is the method's noise:
+    one job's figure moves by about 1% with no tracer at all (2026-11-24)."""
     rows = []
     for i in range(repeats):
         cmd = [sys.executable, "-m", "bootseer.testing.colltrace_job", "--world", "3",
-               "--dir", str(work / f"alt-{i}"), "--steps", str(steps),
-               "--alternate", str(block), "--no-trace"]
+               "--dir", str(work / f"alt-{'c' if control else ''}{i}"), "--steps", str(steps),
+               "--alternate", str(block), "--no-trace",
+               *(["--alternate-control"] if control else [])]
         code, stdout = _run_job(cmd, 1200)
         line = next((ln for ln in stdout.splitlines() if ln.startswith("alt_ms")), None)
         if code != 0 or line is None:
@@ -170,13 +174,16 @@ def alternating(work: Path, repeats: int, steps: int, block: int) -> dict[str, A
         f = line.split()
         rows.append({"on_ms": float(f[2]), "off_ms": float(f[4]), "cpu_on_ms": float(f[6]),
                      "cpu_off_ms": float(f[8])})
-        log(f"alternating {i}: step {rows[-1]['off_ms']:.3f} -> {rows[-1]['on_ms']:.3f} ms, "
+        log(f"alternating{' (control)' if control else ''} {i}: step {rows[-1]['off_ms']:.3f} -> {rows[-1]['on_ms']:.3f} ms, "
             f"CPU {rows[-1]['cpu_off_ms']:.3f} -> {rows[-1]['cpu_on_ms']:.3f} ms")
     on = statistics.median(r["on_ms"] for r in rows)
     off = statistics.median(r["off_ms"] for r in rows)
     con = statistics.median(r["cpu_on_ms"] for r in rows)
     coff = statistics.median(r["cpu_off_ms"] for r in rows)
+    per_job = [(r["on_ms"] - r["off_ms"]) / r["off_ms"] for r in rows]
     return {"runs": rows, "on_ms": on, "off_ms": off, "overhead": (on - off) / off,
+            "per_job_median": statistics.median(per_job),
+            "per_job_sd": statistics.stdev(per_job) if len(per_job) > 1 else 0.0,
             "cpu_on_ms": con, "cpu_off_ms": coff, "cpu_overhead": (con - coff) / coff,
             "steps": steps, "block": block}
 
@@ -600,10 +607,13 @@ def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> i
     m = micro(work, repeats=3 if args.quick else 11, per_block=300 if args.quick else 2000)
     log(f"per op: {m['op_us_untraced']:.1f} us untraced, {m['op_us_traced']:.1f} us traced")
     o = overhead(work, repeats=1 if args.quick else 3, steps=30 if args.quick else 150)
-    alt = alternating(work, repeats=1 if args.quick else 3, steps=40 if args.quick else 200,
-                      block=10)
+    alt_args = {"repeats": 1 if args.quick else 6, "steps": 40 if args.quick else 400,
+                "block": 10}
+    alt = alternating(work, **alt_args)
+    ctl = alternating(work, **alt_args, control=True)
     log(f"alternating: {alt['overhead'] * 100:+.2f}% step, "
-        f"{alt['cpu_overhead'] * 100:+.2f}% CPU")
+        f"{alt['cpu_overhead'] * 100:+.2f}% CPU; the A/A control: "
+        f"{ctl['overhead'] * 100:+.2f}% step")
     log(f"overhead: {o['overhead'] * 100:+.2f}% ({o['iter_ms_off']:.3f} -> "
         f"{o['iter_ms_on']:.3f} ms per step)")
     f = faults(work, trials, timeout_s=60.0,
@@ -614,7 +624,7 @@ def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> i
                      cluster_link(work, trials, timeout_s=60.0))
     doc = {"command": command_line("bench_colltrace.py"), "quick": args.quick,
            "load_before": load_before, "load_after": _load(),
-           "seconds": round(time.time() - started, 1), "micro": m, "overhead": o, "alternating": alt, "faults": f,
+           "seconds": round(time.time() - started, 1), "micro": m, "overhead": o, "alternating": alt, "alternating_control": ctl, "faults": f,
            "not_run": [] if args.cluster else ["link slowed on one node (needs --cluster)"],
            **source_state(["bootseer/colltrace", "bootseer/testing/colltrace_job.py"])}
     (results / "colltrace.json").write_text(json.dumps(doc, indent=2))
@@ -636,7 +646,11 @@ def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> i
           f"turns, {alt['steps']} steps, median of {len(alt['runs'])} jobs): step "
           f"{alt['off_ms']:.3f} -> {alt['on_ms']:.3f} ms ({alt['overhead'] * 100:+.2f}%), "
           f"rank 0's CPU {alt['cpu_off_ms']:.3f} -> {alt['cpu_on_ms']:.3f} ms "
-          f"({alt['cpu_overhead'] * 100:+.2f}%)", "",
+          f"({alt['cpu_overhead'] * 100:+.2f}%); per job: median "
+          f"{alt['per_job_median'] * 100:+.2f}%, sd {alt['per_job_sd'] * 100:.2f}% "
+          f"(target <= {TARGET_OVERHEAD * 100:.0f}%); the same jobs with the tracer never "
+          f"installed (A/A control): {ctl['overhead'] * 100:+.2f}%, per job median "
+          f"{ctl['per_job_median'] * 100:+.2f}%, sd {ctl['per_job_sd'] * 100:.2f}%", "",
           *md_table(["fault", "trials", "named", "wrong", "p50", "p90",
                      f"named <= {TARGET_S:.0f} s"], rows),
           "", "not run: " + ("; ".join(doc["not_run"]) or "-")]

@@ -120,7 +120,9 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
             cpu0 = time.process_time()  # every thread of the process: gloo's too
         if args.alternate:  # blocks of steps traced and not, in turns, on every rank at once
             on = (step // args.alternate) % 2 == 0
-            if on and not alt.installed:
+            if args.alternate_control:
+                pass
+            elif on and not alt.installed:
                 alt.install()
             elif not on and alt.installed:
                 alt.uninstall(close=False)  # the same ring when it comes back
@@ -377,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--numel", type=int, default=4, help="elements per all_reduce")
     p.add_argument("--alternate", type=int, default=0,
                    help="trace in blocks of N steps, in turns with N untraced (overhead)")
+    p.add_argument("--alternate-control", action="store_true",
+                   help="with --alternate: the same blocks, the tracer never installed (an "
+                        "A/A control: the spread the alternation shows with no tracer)")
     p.add_argument("--dir", required=True, help="ring directory")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--rank", type=int, default=1, help="the rank the fault is injected into")
