@@ -179,9 +179,9 @@ class CheckpointManager:
         ``ckpt.memory.MemoryPushError`` naming the peer and the step.
 
         With the memory tier the durable tier is a backstop that must not stop training: a
-        durable save due while the previous one is still being written is skipped, and a
-        previous one that failed on a transient store error is logged, not raised, for up to
-        ``MemoryConfig.durable_outage_s`` (``ckpt.outage``).
+        previous durable save that failed on a transient store error is logged, not raised,
+        for up to ``MemoryConfig.durable_outage_s``, and while the store is failing a durable
+        save due while the previous one is still being written is skipped (``ckpt.outage``).
         """
         if self.memory is None:
             return self._save(step, state, block=block)
@@ -199,10 +199,12 @@ class CheckpointManager:
 
     def _durable_behind_memory(self, step: int, state: Any, block: bool) -> SaveHandle | None:
         """A durable save under the memory tier (which holds ``step`` already), or None when
-        it is skipped: the previous one is still being written (a slow or unreachable store
-        stalls no step; ``block=True`` waits for it instead)."""
+        it is skipped: the store is failing and the previous one is still being written (an
+        unreachable store stalls no step after its first failure; ``block=True`` waits). A
+        store that works keeps the durable cadence: the save waits for the previous one, as
+        without the memory tier."""
         pending, outage = self._pending, self._outage
-        if pending is not None and not pending.done() and not block:
+        if pending is not None and not pending.done() and not block and outage.failing:
             outage.skip(step, pending.step)
             return None
         try:

@@ -572,12 +572,14 @@ class MemoryTier:
                 slot.invalidate()
 
     def _available(self, failed: set[tuple[int, str]], use_peers: bool) -> dict[int, str]:
-        """``{step: where}`` of the copies this rank could load; "local" is preferred."""
+        """``{step: where}`` of the copies this rank could load; "local" is preferred. With
+        ``use_peers`` every node's server is asked, this node's own included: when a spare
+        takes an evicted node's place, torch numbers the nodes afresh and a rank can land on
+        the node that held its copy for the peer (the soak: 4-6 steps recomputed while its
+        own server was skipped)."""
         found: dict[int, str] = {}
         if use_peers:
             for addr in self._nodes() + ([self.config.peer] if self.config.peer else []):
-                if addr == self.config.server:
-                    continue
                 try:
                     with self._connect(addr) as client:
                         steps = client.listing(self.rank, self.world_size)

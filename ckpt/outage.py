@@ -51,6 +51,11 @@ class DurableOutage:
         self.failures = 0
         self.skipped = 0
 
+    @property
+    def failing(self) -> bool:
+        """A durable save failed and none has succeeded since: the store is out."""
+        return self.since is not None
+
     def succeeded(self, step: int) -> None:
         """A durable save committed (or, on a rank other than 0, wrote its shard)."""
         if self.since is not None:
@@ -81,7 +86,8 @@ class DurableOutage:
                     self.bound_s)
 
     def skip(self, step: int, persisting: int) -> None:
-        """A durable save due at ``step`` is not started: ``persisting`` still runs."""
+        """A durable save due at ``step`` is not started: the store is failing and
+        ``persisting`` still runs."""
         self.skipped += 1
-        log.info("durable save of step %d skipped: step %d is still being written (the "
-                 "memory tier holds step %d)", step, persisting, step)
+        log.info("durable save of step %d skipped: the store is failing and step %d is still "
+                 "being written (the memory tier holds step %d)", step, persisting, step)

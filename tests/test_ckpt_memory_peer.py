@@ -101,6 +101,36 @@ def test_peer_lost_mid_copy_then_node_replaced(tmp_path: Path, peers: list[Peer]
         (3, f"peer:{a.address}", [])
 
 
+def test_ranks_renumbered_onto_other_nodes_find_their_copies(tmp_path: Path,
+                                                              peers: list[Peer]) -> None:
+    """A spare takes an evicted node's place and torch numbers the nodes afresh (by
+    address): the ranks after the evicted node move one node down, onto the node that held
+    their copy for the peer, and the spare gets the last rank. Every rank still loads the
+    newest step, bit for bit: from its new node's own server, or from the node holding it."""
+    dirs = {name: tmp_path / name for name in "abcd"}
+    for d in dirs.values():
+        d.mkdir()
+        peers.append(Peer(d / "peers"))
+    a, b, c, d = peers
+    spec = {"world": 3, "numel": NUMEL, "steps": 4, "durable": f"file://{tmp_path}/durable",
+            "durable_every": 100}
+    first = run_job(spec, [{"dir": str(dirs["a"]), "server": a.address},
+                           {"dir": str(dirs["b"]), "server": b.address},
+                           {"dir": str(dirs["c"]), "server": c.address}], tmp_path / "r1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert held(dirs["c"] / "peers", 1)[-1] == 3  # rank 1's copy on the next node, c
+    # b evicted, the spare d last: rank 1 now runs on c, rank 2 on d
+    second = run_job(spec, [{"dir": str(dirs["a"]), "server": a.address},
+                            {"dir": str(dirs["c"]), "server": c.address},
+                            {"dir": str(dirs["d"]), "server": d.address}], tmp_path / "r2")
+    assert second.returncode == 0, second.stderr[-3000:]
+    got = results(tmp_path / "r2")
+    assert [(got[r]["loaded"], got[r]["problems"]) for r in range(3)] == [(3, [])] * 3
+    assert got[0]["source"] == "local"
+    assert got[1]["source"] == f"peer:{c.address}"  # its own node's server
+    assert got[2]["source"] == f"peer:{a.address}"  # rank 2's copy went to the next node, a
+
+
 def test_peer_refuses_a_damaged_or_oversized_copy(tmp_path: Path) -> None:
     """The server checks every block before it commits, and room before it takes a byte."""
     import os
