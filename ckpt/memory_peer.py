@@ -224,15 +224,20 @@ class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, directory: str, host: str, port: int, token: bytes) -> None:
+    def __init__(self, directory: str, host: str, port: int, token: bytes,
+                 own: str | None = None) -> None:
         if host in ("", "0.0.0.0", "::", "[::]", "*"):
             raise ValueError(f"memory peer server: {host or '(empty)'!r} binds every "
                              "interface: give the node's address on the job's network (the "
                              "one the other nodes reach it at)")
         self.token = token
         self.ranks = _Ranks(directory)
+        self.own = own
         super().__init__((host, port), _Handler)
         self.address = f"{host}:{self.server_address[1]}"
+
+    def _own(self, rank: int) -> list[SlotFile]:
+        return _own_slots(self.own, rank)
 
     def serve_one(self, sock: socket.socket, msg: dict[str, Any]) -> None:
         op = msg.get("op")
@@ -249,22 +254,44 @@ class _Server(socketserver.ThreadingTCPServer):
                 receive_copy(sock, target, head)
             send_msg(sock, {"ok": True})
         elif op == "list":
-            slots, lock = self.ranks.get(int(msg["rank"]))
-            with lock:
-                steps = [h.step for h, _ in newest(slots)
-                         if h.world_size == int(msg["world_size"])]
+            rank = int(msg["rank"])
+            slots, lock = self.ranks.get(rank)
+            own = self._own(rank)
+            try:
+                with lock:
+                    steps = sorted({h.step for h, _ in newest(slots + own)
+                                    if h.world_size == int(msg["world_size"])}, reverse=True)
+            finally:
+                for s in own:
+                    s.close()
             send_msg(sock, {"ok": True, "steps": steps})
         elif op == "get":
-            slots, lock = self.ranks.get(int(msg["rank"]))
-            with lock:
-                found = [(h, s) for h, s in newest(slots) if h.step == int(msg["step"])]
-                if not found:
-                    raise KeyError(f"rank {msg['rank']} step {msg['step']} is not held here")
-                head, slot = found[0]
-                send_msg(sock, {"ok": True, "header": head.to_json()})
-                sock.sendall(slot.view(HEADER, head.data_size + head.meta_size))
+            rank = int(msg["rank"])
+            slots, lock = self.ranks.get(rank)
+            own = self._own(rank)
+            try:
+                with lock:
+                    found = [(h, s) for h, s in newest(slots + own) if h.step == int(msg["step"])]
+                    if not found:
+                        raise KeyError(f"rank {rank} step {msg['step']} is not held here")
+                    head, slot = found[0]
+                    send_msg(sock, {"ok": True, "header": head.to_json()})
+                    sock.sendall(slot.view(HEADER, head.data_size + head.meta_size))
+            finally:
+                for s in own:
+                    s.close()
         else:
             raise ValueError(f"unknown op {op!r}")
+
+
+def _own_slots(directory: str | None, rank: int) -> list[SlotFile]:
+    """This node's own copies of ``rank`` (the ranks it ran), read-only and only those that
+    exist: when torch renumbers the nodes, a rank can move off the node holding its newest
+    copy (the soak lost 11 steps while only peer copies were served)."""
+    if not directory:
+        return []
+    return [SlotFile(p) for p in slot_paths(directory, f"rank-{rank}")
+            if os.path.isfile(p) and not os.path.islink(p)]
 
 
 def _target(slots: list[SlotFile], step: int) -> SlotFile:
@@ -279,15 +306,16 @@ def _target(slots: list[SlotFile], step: int) -> SlotFile:
 
 
 class PeerServer:
-    """The agent's server of its peers' copies, in a thread; copies live in ``directory``.
+    """The agent's server of its peers' copies, in a thread; copies live in ``directory``;
+    with ``own`` (the node's memory directory) also the node's own copies, read-only.
 
     ``token``: the job's secret (``BOOTSEER_MEMCKPT_TOKEN``; default: that variable); every
     connection must prove it holds it."""
 
     def __init__(self, directory: str, host: str = "127.0.0.1", port: int = 0,
-                 token: str | bytes | None = None) -> None:
+                 token: str | bytes | None = None, own: str | None = None) -> None:
         secret = check_token(os.environ.get(TOKEN_ENV, "") if token is None else token)
-        self._server = _Server(directory, host, port, secret)
+        self._server = _Server(directory, host, port, secret, own)
         self.address = self._server.address
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="memckpt-peer", daemon=True)
@@ -378,14 +406,14 @@ class PeerClient:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m ckpt.memory_peer DIR [HOST:PORT]``: serve until killed (the job's secret
-    in ``BOOTSEER_MEMCKPT_TOKEN``)."""
+    """``python -m ckpt.memory_peer DIR [HOST:PORT [OWN_DIR]]``: serve until killed (the
+    job's secret in ``BOOTSEER_MEMCKPT_TOKEN``); OWN_DIR: the node's own copies too."""
     if not argv:
-        print("usage: python -m ckpt.memory_peer DIR [HOST:PORT]", file=sys.stderr)
+        print("usage: python -m ckpt.memory_peer DIR [HOST:PORT [OWN_DIR]]", file=sys.stderr)
         return 2
     os.makedirs(argv[0], mode=0o700, exist_ok=True)
     host, _, port = (argv[1] if len(argv) > 1 else "127.0.0.1:0").rpartition(":")
-    server = PeerServer(argv[0], host, int(port))
+    server = PeerServer(argv[0], host, int(port), own=argv[2] if len(argv) > 2 else None)
     print(f"listening on {server.address}", flush=True)
     server._server.serve_forever()
     return 0

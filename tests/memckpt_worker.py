@@ -184,7 +184,9 @@ def peer(directory: str, die_at_put: int) -> int:
         os.kill(os.getpid(), signal.SIGKILL)
 
     memory_peer.receive_copy = receive
-    return memory_peer.main([directory])
+    # as bootseer run's server: the node's own copies (the directory above "peers") too
+    own = [os.path.dirname(directory)] if os.path.basename(directory) == "peers" else []
+    return memory_peer.main([directory, "127.0.0.1:0", *own])
 
 
 if __name__ == "__main__":

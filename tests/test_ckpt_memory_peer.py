@@ -131,6 +131,35 @@ def test_ranks_renumbered_onto_other_nodes_find_their_copies(tmp_path: Path,
     assert got[2]["source"] == f"peer:{a.address}"  # rank 2's copy went to the next node, a
 
 
+def test_ranks_renumbered_the_other_way_fetch_a_node_s_own_copy(tmp_path: Path,
+                                                                 peers: list[Peer]) -> None:
+    """The spare sorts before the nodes after a lost one: they move one node *up*, so a
+    rank's newest copy is in the memory of the node that ran it (its own copy, not a peer
+    copy), and its peer copy died with the lost node. Servers serve their node's own copies
+    too, read-only: every rank still loads the newest step (the soak lost 11 steps here)."""
+    dirs = {name: tmp_path / name for name in "abcd"}
+    for d in dirs.values():
+        d.mkdir()
+        peers.append(Peer(d / "peers"))
+    a, b, c, d = peers
+    spec = {"world": 3, "numel": NUMEL, "steps": 4, "durable": f"file://{tmp_path}/durable",
+            "durable_every": 100}
+    first = run_job(spec, [{"dir": str(dirs["a"]), "server": a.address},
+                           {"dir": str(dirs["b"]), "server": b.address},
+                           {"dir": str(dirs["c"]), "server": c.address}], tmp_path / "r1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    c.close()  # c lost with its memory; the spare d sorts between a and b
+    second = run_job(spec, [{"dir": str(dirs["a"]), "server": a.address},
+                            {"dir": str(dirs["d"]), "server": d.address},
+                            {"dir": str(dirs["b"]), "server": b.address}], tmp_path / "r2")
+    assert second.returncode == 0, second.stderr[-3000:]
+    got = results(tmp_path / "r2")
+    assert [(got[r]["loaded"], got[r]["problems"]) for r in range(3)] == [(3, [])] * 3
+    assert got[0]["source"] == "local"
+    assert got[1]["source"] == f"peer:{b.address}"  # b's own copy of rank 1, it ran it
+    assert got[2]["source"] == f"peer:{a.address}"  # rank 2's peer copy, on a
+
+
 def test_peer_refuses_a_damaged_or_oversized_copy(tmp_path: Path) -> None:
     """The server checks every block before it commits, and room before it takes a byte."""
     import os

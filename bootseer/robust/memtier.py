@@ -72,7 +72,7 @@ class NodeMemory:
             peers = os.path.join(self.directory, "peers")
             os.makedirs(peers, mode=0o700, exist_ok=True)
             try:
-                self.server = PeerServer(peers, host, int(port)).start()
+                self.server = PeerServer(peers, host, int(port), own=self.directory).start()
             except (OSError, ValueError):
                 self.close()  # the directory made for this run goes too
                 raise
