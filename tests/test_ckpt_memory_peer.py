@@ -101,23 +101,29 @@ def test_peer_lost_mid_copy_then_node_replaced(tmp_path: Path, peers: list[Peer]
         (3, f"peer:{a.address}", [])
 
 
+def _three_nodes_trained(tmp_path: Path, peers: list[Peer]) -> tuple[dict[str, Path], dict]:
+    """Nodes a, b, c (ranks 0, 1, 2) trained to step 3, and a spare d, each with its server:
+    each rank's copy in its node's memory and on the next node's (c's on a)."""
+    dirs = {name: tmp_path / name for name in "abcd"}
+    for d in dirs.values():
+        d.mkdir()
+        peers.append(Peer(d / "peers"))
+    spec = {"world": 3, "numel": NUMEL, "steps": 4, "durable": f"file://{tmp_path}/durable",
+            "durable_every": 100}
+    first = run_job(spec, [{"dir": str(dirs[n]), "server": p.address}
+                           for n, p in zip("abc", peers, strict=False)], tmp_path / "r1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    return dirs, spec
+
+
 def test_ranks_renumbered_onto_other_nodes_find_their_copies(tmp_path: Path,
                                                               peers: list[Peer]) -> None:
     """A spare takes an evicted node's place and torch numbers the nodes afresh (by
     address): the ranks after the evicted node move one node down, onto the node that held
     their copy for the peer, and the spare gets the last rank. Every rank still loads the
     newest step, bit for bit: from its new node's own server, or from the node holding it."""
-    dirs = {name: tmp_path / name for name in "abcd"}
-    for d in dirs.values():
-        d.mkdir()
-        peers.append(Peer(d / "peers"))
+    dirs, spec = _three_nodes_trained(tmp_path, peers)
     a, b, c, d = peers
-    spec = {"world": 3, "numel": NUMEL, "steps": 4, "durable": f"file://{tmp_path}/durable",
-            "durable_every": 100}
-    first = run_job(spec, [{"dir": str(dirs["a"]), "server": a.address},
-                           {"dir": str(dirs["b"]), "server": b.address},
-                           {"dir": str(dirs["c"]), "server": c.address}], tmp_path / "r1")
-    assert first.returncode == 0, first.stderr[-3000:]
     assert held(dirs["c"] / "peers", 1)[-1] == 3  # rank 1's copy on the next node, c
     # b evicted, the spare d last: rank 1 now runs on c, rank 2 on d
     second = run_job(spec, [{"dir": str(dirs["a"]), "server": a.address},
@@ -137,17 +143,8 @@ def test_ranks_renumbered_the_other_way_fetch_a_node_s_own_copy(tmp_path: Path,
     rank's newest copy is in the memory of the node that ran it (its own copy, not a peer
     copy), and its peer copy died with the lost node. Servers serve their node's own copies
     too, read-only: every rank still loads the newest step (the soak lost 11 steps here)."""
-    dirs = {name: tmp_path / name for name in "abcd"}
-    for d in dirs.values():
-        d.mkdir()
-        peers.append(Peer(d / "peers"))
+    dirs, spec = _three_nodes_trained(tmp_path, peers)
     a, b, c, d = peers
-    spec = {"world": 3, "numel": NUMEL, "steps": 4, "durable": f"file://{tmp_path}/durable",
-            "durable_every": 100}
-    first = run_job(spec, [{"dir": str(dirs["a"]), "server": a.address},
-                           {"dir": str(dirs["b"]), "server": b.address},
-                           {"dir": str(dirs["c"]), "server": c.address}], tmp_path / "r1")
-    assert first.returncode == 0, first.stderr[-3000:]
     c.close()  # c lost with its memory; the spare d sorts between a and b
     second = run_job(spec, [{"dir": str(dirs["a"]), "server": a.address},
                             {"dir": str(dirs["d"]), "server": d.address},
