@@ -499,8 +499,9 @@ class Supervisor:
         ``SPARE_REJOIN_WAIT_S``, then it joins: a job short of a node needs it)."""
         verdict = previous.detail.get("verdict") if previous is not None else None
         evidence = getattr(verdict, "evidence", None) or {}
-        short = [*getattr(verdict, "nodes", ()), *(evidence.get("missing_dumps") or ()),
-                 *(evidence.get("not_waited_for") or ())]
+        # evicted now, or lost now (no answer); not `not_waited_for`: nodes gone in an earlier
+        # incident, replaced since (run D's spare joined at once on every later verdict)
+        short = [*getattr(verdict, "nodes", ()), *(evidence.get("missing_dumps") or ())]
         if short:
             self.log(f"standby: the verdict left the job without {', '.join(short)}: "
                      "joining the new rendezvous at once")

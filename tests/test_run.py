@@ -467,3 +467,37 @@ def _agent(tmp_path: Path):
     from bootseer.trace import TraceWriter
 
     return Agent(TraceWriter(tmp_path / "trace", "spare"), "spare")
+
+
+def test_a_spare_joins_at_once_only_when_this_verdict_left_a_place(tmp_path, monkeypatch):
+    """Evicted or lost in this incident: the spare joins at once. Nodes gone in an earlier
+    incident (``not_waited_for``) were replaced since: the spare waits for the job's nodes
+    to form the round (here none ever does: it joins when the wait ends)."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    import bootseer.supervise as supervise
+    from bootseer.robust.events import Verdict
+    from bootseer.robust.remote import ControllerLink
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setattr(supervise, "SPARE_REJOIN_WAIT_S", 0.5)
+    said: list[str] = []
+    spare = Supervisor(["true"], standby=True, agent=_agent(tmp_path),
+                       remote=ControllerLink(store, "spare"), log=said.append)
+    spare._signals = supervise._Signals()
+    try:
+        for verdict, expect in (
+                (Verdict("replace_and_restart", "hang", nodes=("node1",)), "at once"),
+                (Verdict("restart_in_place", "gloo_error",
+                         evidence={"missing_dumps": ["node3"]}), "at once"),
+                (Verdict("restart_in_place", "python_exception",
+                         evidence={"not_waited_for": ["node3"]}), "not complete after"),
+                (Verdict("restart_in_place", "python_exception"), "not complete after")):
+            said.clear()
+            spare._spare_rejoin(AttemptEnd(1, 137, "verdict", detail={"verdict": verdict}))
+            assert any(expect in line for line in said), (verdict, said)
+    finally:
+        spare._signals.close()
