@@ -44,6 +44,16 @@ def _save_until(mgr: CheckpointManager, steps: range, done) -> int:
     raise AssertionError(f"{done} never held over steps {steps.start}..{steps.stop}")
 
 
+def _saved_once(s3_bucket: tuple[str, dict], memory: MemoryConfig | bool
+                ) -> tuple[CheckpointManager, dict]:
+    """A manager on the test's bucket (over striped::s3) that has made step 0 durable."""
+    bucket, options = s3_bucket
+    mgr = CheckpointManager(f"striped::s3://{bucket}/run", storage_options=_storage(options),
+                            memory=memory)
+    mgr.save(0, _state(0), block=True)
+    return mgr, options
+
+
 def test_a_store_outage_is_ridden_out_behind_the_memory_tier(
         tmp_path: Path, s3_server, s3_bucket, caplog: pytest.LogCaptureFixture) -> None:
     bucket, options = s3_bucket
@@ -112,11 +122,8 @@ def test_while_the_store_fails_a_save_in_flight_is_not_waited_for(
 
 def test_an_outage_past_its_bound_is_raised_naming_it(tmp_path: Path, s3_server,
                                                        s3_bucket) -> None:
-    bucket, options = s3_bucket
-    memory = MemoryConfig(_shm(tmp_path), durable_every=1, durable_outage_s=0.5)
-    mgr = CheckpointManager(f"striped::s3://{bucket}/run", storage_options=_storage(options),
-                            memory=memory)
-    mgr.save(0, _state(0), block=True)
+    mgr, options = _saved_once(s3_bucket, MemoryConfig(
+        _shm(tmp_path), durable_every=1, durable_outage_s=0.5))
     s3_server.stop()
     try:
         with pytest.raises(CheckpointSaveError, match="ckpt.durable_outage_s") as err:
@@ -144,11 +151,8 @@ def test_a_permanent_failure_is_raised_at_the_next_save(tmp_path: Path) -> None:
 
 def test_the_last_save_failing_is_raised_by_close_within_the_bound(
         tmp_path: Path, s3_server, s3_bucket) -> None:
-    bucket, options = s3_bucket
-    memory = MemoryConfig(_shm(tmp_path), durable_every=1, durable_outage_s=600)
-    mgr = CheckpointManager(f"striped::s3://{bucket}/run", storage_options=_storage(options),
-                            memory=memory)
-    mgr.save(0, _state(0), block=True)
+    mgr, _ = _saved_once(s3_bucket, MemoryConfig(
+        _shm(tmp_path), durable_every=1, durable_outage_s=600))
     s3_server.stop()
     try:
         mgr.save(1, _state(1))
@@ -160,10 +164,7 @@ def test_the_last_save_failing_is_raised_by_close_within_the_bound(
 
 def test_without_the_memory_tier_the_first_failure_is_raised(tmp_path: Path, s3_server,
                                                             s3_bucket) -> None:
-    bucket, options = s3_bucket
-    mgr = CheckpointManager(f"striped::s3://{bucket}/run", storage_options=_storage(options),
-                            memory=False)
-    mgr.save(0, _state(0), block=True)
+    mgr, _ = _saved_once(s3_bucket, False)
     s3_server.stop()
     try:
         handle = mgr.save(1, _state(1))
