@@ -24,10 +24,12 @@ demo: setup system
 	$(VENV)/bin/bootseer demo
 
 # Two workers, a test file each at a time (module fixtures are built once): most tests wait on
-# real servers, links and subprocesses, so CI's two cores take both. TEST_WORKERS=0: serial.
+# real servers, links and subprocesses, so CI's two cores take both (three: slower, and timing
+# faults). Files in conftest's order, the longest first (xdist's own order, most tests first,
+# started the 3-minute e2e file last). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
 test: setup system
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: setup system
 	$(VENV)/bin/bootseer bench $(BENCH_ARGS)

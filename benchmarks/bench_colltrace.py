@@ -32,6 +32,11 @@
   (``ctl-link-<i>-*``; ``benchmarks/replay_link_windows.py`` replays the windows).
   ``--link-path command``: a 2-node x 2-rank torchrun job read by one Watch, the store probe
   run per node after the first verdict.
+* with ``--cluster``, and alone with ``--only-cluster-overhead`` (``colltrace-overhead.json``):
+  the overhead on the cluster fixture, a 2-node x 2-rank torchrun job in blocks of 10 steps
+  traced and untraced in turns, ``--jobs`` jobs (default 10) beside as many A/A controls
+  (the tracer never installed); the figure is the difference of the two series' means with
+  its 95% interval, met when the interval's top is at most 1%.
 """
 
 from __future__ import annotations
@@ -318,6 +323,93 @@ def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
             "detected": sum(r["verdict_s"] is not None for r in rows)}
 
 
+def cluster_overhead(work: Path, jobs: int, steps: int, block: int,
+                     numel: int = 16384) -> dict[str, Any]:
+    """The tracer's cost on the cluster fixture: a 2-node x 2-rank gloo job under torchrun
+    (each node a network namespace, the ranks' traffic over the nodes' veth links), steps of
+    20 ms of compute and two all_reduces of ``numel`` floats, blocks of ``block`` steps traced
+    and untraced in turns (every rank switches at the same step). ``jobs`` jobs with the
+    tracer and as many A/A controls (the same alternation, the tracer never installed),
+    interleaved on one cluster; the figure is the difference of the two series' means, with
+    its 95% interval (the control's spread is the method's own noise)."""
+    from bootseer.testing.cluster import Cluster
+
+    rows: dict[str, list[dict[str, float]]] = {"tracer": [], "control": []}
+    order = [kind for i in range(jobs)
+             for kind in (("tracer", "control") if i % 2 == 0 else ("control", "tracer"))]
+    with Cluster(2, services=("rendezvous",), workdir=work) as c:
+        for i, kind in enumerate(order):
+            rings = work / f"ovh-cluster-{i}"
+            rings.mkdir(parents=True)
+            job = ["-m", "bootseer.testing.colltrace_job", "--torchrun", "--dir", str(rings),
+                   "--numel", str(numel), "--work-ms", "20", "--steps", str(steps),
+                   "--alternate", str(block), "--no-trace",
+                   *(["--alternate-control"] if kind == "control" else [])]
+            procs = [n.popen(n.torchrun(job, nnodes=2, nproc_per_node=2, max_restarts=0,
+                                        rdzv_id=f"ovh-{i}"),
+                             env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for n in c.nodes]
+            outputs = []
+            try:
+                for proc in procs:
+                    outputs.append(proc.communicate(timeout=900)[0])
+            finally:
+                for proc in procs:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
+            line = next((ln for out in outputs for ln in out.splitlines()
+                         if ln.startswith("alt_ms")), None)
+            if any(proc.returncode for proc in procs) or line is None:
+                raise RuntimeError(f"cluster overhead job {i} ({kind}) failed: "
+                                   + " | ".join(out[-1500:] for out in outputs))
+            f = line.split()
+            row = {"on_ms": float(f[2]), "off_ms": float(f[4]), "cpu_on_ms": float(f[6]),
+                   "cpu_off_ms": float(f[8])}
+            row["step"] = (row["on_ms"] - row["off_ms"]) / row["off_ms"]
+            row["cpu"] = (row["cpu_on_ms"] - row["cpu_off_ms"]) / row["cpu_off_ms"]
+            rows[kind].append(row)
+            shutil.rmtree(rings, ignore_errors=True)
+            log(f"cluster overhead job {i} ({kind}): step {row['off_ms']:.3f} -> "
+                f"{row['on_ms']:.3f} ms ({row['step'] * 100:+.2f}%), CPU "
+                f"{row['cpu'] * 100:+.2f}%; load {_load()}")
+    out: dict[str, Any] = {"jobs": rows, "steps": steps, "block": block, "numel": numel,
+                           "ranks": 4, "nodes": 2}
+    for metric in ("step", "cpu"):
+        t = [r[metric] for r in rows["tracer"]]
+        a = [r[metric] for r in rows["control"]]
+        diff = statistics.mean(t) - statistics.mean(a)
+        se = (statistics.variance(t) / len(t) + statistics.variance(a) / len(a)) ** 0.5 \
+            if len(t) > 1 and len(a) > 1 else float("nan")
+        out[metric] = {"tracer_mean": statistics.mean(t), "tracer_median": statistics.median(t),
+                       "tracer_sd": statistics.stdev(t) if len(t) > 1 else 0.0,
+                       "control_mean": statistics.mean(a),
+                       "control_median": statistics.median(a),
+                       "control_sd": statistics.stdev(a) if len(a) > 1 else 0.0,
+                       "overhead": diff, "ci95": [diff - 1.96 * se, diff + 1.96 * se]}
+    return out
+
+
+def _overhead_md(o: dict[str, Any]) -> list[str]:
+    rows = []
+    for metric, name in (("step", "step time (rank 0, median per mode)"),
+                         ("cpu", "rank 0's CPU time per step")):
+        m = o[metric]
+        rows.append([name, f"{m['tracer_mean'] * 100:+.2f}% (sd {m['tracer_sd'] * 100:.2f}%)",
+                     f"{m['control_mean'] * 100:+.2f}% (sd {m['control_sd'] * 100:.2f}%)",
+                     f"**{m['overhead'] * 100:+.2f}%** [{m['ci95'][0] * 100:+.2f}%, "
+                     f"{m['ci95'][1] * 100:+.2f}%]",
+                     f"<= {TARGET_OVERHEAD * 100:.0f}%: "
+                     + ("met" if m["ci95"][1] <= TARGET_OVERHEAD else "not shown")])
+    return [f"overhead on the cluster fixture ({o['nodes']} nodes x 2 ranks under torchrun, "
+            f"20 ms compute + 2 all_reduces of {o['numel']} floats per step, {o['steps']} "
+            f"steps in blocks of {o['block']}, {len(o['jobs']['tracer'])} jobs with the tracer "
+            f"and {len(o['jobs']['control'])} A/A controls, interleaved):", "",
+            *md_table(["measure", "tracer on vs off, mean of jobs", "A/A control, mean of "
+                       "jobs", "overhead: tracer - control [95%]", "target"], rows)]
+
+
 @contextlib.contextmanager
 def background_load(n: int) -> Any:
     """``n`` busy processes outside the job (a loaded machine), each killed by its pid at the
@@ -536,6 +628,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="also the slowed-link fault on the cluster fixture (root, tc)")
     p.add_argument("--only-cluster", action="store_true",
                    help="only the slowed-link fault (its results: colltrace-link.json/.md)")
+    p.add_argument("--only-cluster-overhead", action="store_true",
+                   help="only the tracer's overhead on the cluster fixture (root): "
+                   "colltrace-overhead.json/.md")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="cluster overhead: jobs with the tracer, and as many A/A controls "
+                   "(default 10; --quick 1)")
     p.add_argument("--link-path", choices=("controller", "command"), default="controller",
                    help="the slowed-link trial: the controller and its agents on the cluster "
                    "(default), or the store probe run as a command per node")
@@ -558,6 +656,20 @@ def main(argv: list[str] | None = None) -> int:
         stack.enter_context(background_load(args.background_load))
         if only:
             return _only(args, only, work, results, trials)
+        if args.only_cluster_overhead:
+            o = cluster_overhead(work, jobs=args.jobs or (1 if args.quick else 10),
+                                 steps=40 if args.quick else 400, block=10)
+            md = ["# colltrace overhead on the cluster fixture", "",
+                  f"command: `{command_line('bench_colltrace.py')}`; load {_load()}", "",
+                  *_overhead_md(o)]
+            (results / "colltrace-overhead.json").write_text(json.dumps(
+                {"command": command_line("bench_colltrace.py"), "load": _load(),
+                 "overhead": o, **source_state(["bootseer/colltrace",
+                                                "bootseer/testing/colltrace_job.py"])},
+                indent=2))
+            (results / "colltrace-overhead.md").write_text("\n".join(md) + "\n")
+            print("\n".join(md))
+            return 0
         if args.only_cluster:
             link = (controller_link(work, trials, timeout_s=120.0, keep=results)
                     if args.link_path == "controller" else
@@ -618,14 +730,18 @@ def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> i
         f"{o['iter_ms_on']:.3f} ms per step)")
     f = faults(work, trials, timeout_s=60.0,
                which=("sleep", "kill") if args.quick else FAULTS)
+    co = None
     if args.cluster:
+        co = cluster_overhead(work, jobs=args.jobs or (1 if args.quick else 10),
+                              steps=40 if args.quick else 400, block=10)
         f["link"] = (controller_link(work, trials, timeout_s=120.0)
                      if args.link_path == "controller" else
                      cluster_link(work, trials, timeout_s=60.0))
     doc = {"command": command_line("bench_colltrace.py"), "quick": args.quick,
            "load_before": load_before, "load_after": _load(),
-           "seconds": round(time.time() - started, 1), "micro": m, "overhead": o, "alternating": alt, "alternating_control": ctl, "faults": f,
-           "not_run": [] if args.cluster else ["link slowed on one node (needs --cluster)"],
+           "seconds": round(time.time() - started, 1), "micro": m, "overhead": o, "alternating": alt, "alternating_control": ctl, "cluster_overhead": co, "faults": f,
+           "not_run": [] if args.cluster else ["link slowed on one node and the overhead on "
+                                               "the cluster fixture (need --cluster)"],
            **source_state(["bootseer/colltrace", "bootseer/testing/colltrace_job.py"])}
     (results / "colltrace.json").write_text(json.dumps(doc, indent=2))
     rows = _fault_rows(f)
@@ -651,6 +767,7 @@ def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> i
           f"(target <= {TARGET_OVERHEAD * 100:.0f}%); the same jobs with the tracer never "
           f"installed (A/A control): {ctl['overhead'] * 100:+.2f}%, per job median "
           f"{ctl['per_job_median'] * 100:+.2f}%, sd {ctl['per_job_sd'] * 100:.2f}%", "",
+          *(_overhead_md(co) + [""] if co else []),
           *md_table(["fault", "trials", "named", "wrong", "p50", "p90",
                      f"named <= {TARGET_S:.0f} s"], rows),
           "", "not run: " + ("; ".join(doc["not_run"]) or "-")]

@@ -9,15 +9,19 @@ the class once catches every group; a function-level patch would miss the caller
 ``dist.all_reduce`` before the patch. Not caught: functional collectives
 (``torch.distributed._functional_collectives``, ``torch.ops._c10d_functional.*``: DTensor
 redistribute, tensor parallelism, compiled graphs), which call the C++ process group without
-passing through Python.
+passing through Python. DDP's reducer does too: :mod:`.ddp` gives each DDP module a hook that
+issues its gradient all_reduces from Python.
 
-Completion: a synchronous op (``opts.asyncOp`` false: torch waits on it at once) and a work
-without a future (gloo's ``send``/``recv`` and ``reduce_scatter_single``) are returned wrapped
-in a thin :class:`_TracedWork` whose ``wait()`` records the completion on the caller's thread;
-an asynchronous op's completion comes from its future (``add_done_callback``, run by the
+Completion: a synchronous op (``opts.asyncOp`` false) is waited on by the wrapper itself,
+on the caller's thread, which then records it: torch's own function waits on the work at once
+anyway (``dist.all_reduce``: ``work = group.allreduce(...); work.wait()``), so the op ends at
+the same moment and the second ``wait()`` returns at once; no object is made per op. A p2p op
+and a work without a future (gloo's ``send``/``recv`` and ``reduce_scatter_single``) are
+returned wrapped in a thin :class:`_TracedWork` whose ``wait()`` records the completion; an
+asynchronous op's completion comes from its future (``add_done_callback``, run by the
 backend's thread when the op finishes or fails), so an op that nobody waits on yet still
-shows as completed. Measured: a future's callback costs a GIL hand-off between threads per op
-(docs/benchmarks.md).
+shows as completed. Measured: a future's callback costs a GIL hand-off between threads per op,
+the wrapped work about 2 us (docs/benchmarks.md).
 
 Off (never enabled, or :func:`disable`) the class is untouched: no cost at all.
 """
@@ -34,6 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from . import ddp
 from .ring import DTYPE_CODE, FLAG_P2P, OP_CODE, Ring
 
 __all__ = ["Recorder", "PATCHED", "active"]
@@ -67,6 +72,8 @@ def active() -> Recorder | None:
 
 def _payload(x: Any, dtypes: dict[Any, int]) -> tuple[int, int, int]:
     """(elements, bytes, dtype code) of a tensor or a (nested) list of tensors."""
+    if type(x) is list and len(x) == 1:  # the common case: dist.* passes [tensor]
+        x = x[0]
     numel = getattr(x, "numel", None)
     if numel is not None:
         n = numel()
@@ -114,6 +121,7 @@ class Recorder:
                 continue
             self._originals[method] = original
             setattr(ProcessGroup, method, self._wrap(original, OP_CODE[op], arg, method in _P2P))
+        ddp.install()  # DDP's reducer calls the group from C++: its gradients via a hook
 
     @property
     def installed(self) -> bool:
@@ -121,6 +129,8 @@ class Recorder:
 
     def uninstall(self, *, close: bool = True) -> None:
         """Give the methods back; ``close=False`` keeps the ring for a later :meth:`install`."""
+        if self._originals:
+            ddp.uninstall()
         for method, original in self._originals.items():
             setattr(self._pg_class, method, original)
         self._originals.clear()
@@ -161,11 +171,19 @@ class Recorder:
             if work is None:  # a blocking call (monitored_barrier): done on return
                 ring.complete(off, n, now())
                 return work
-            if p2p or getattr(args[-1] if args else None, "asyncOp", True) is False:
-                # p2p, or a synchronous op (torch waits on it at once, on this thread): the
-                # completion is recorded by wait(), with no hand-off of the GIL to the
-                # backend's thread that a future's callback would cost
+            if p2p:  # isend/irecv: the caller waits when it wants; gloo's have no future
                 return _traced_work(work, ring, off, n)
+            if getattr(args[-1] if args else None, "asyncOp", True) is False:
+                # a synchronous op: torch waits on it at once, on this thread; waiting here
+                # first records the completion with no object per op and no hand-off of the
+                # GIL to the backend's thread that a future's callback would cost
+                try:
+                    work.wait()
+                except BaseException:
+                    ring.complete(off, n, now(), failed=True)
+                    raise
+                ring.complete(off, n, now())
+                return work
             try:
                 work.get_future().add_done_callback(partial(_done, ring, off, n))
             except RuntimeError:  # no future (gloo's reduce_scatter): completed at wait()
