@@ -324,8 +324,8 @@ def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
 
 
 def cluster_overhead(work: Path, jobs: int, steps: int, block: int,
-                     numel: int = 16384) -> dict[str, Any]:
-    """The tracer's cost on the cluster fixture: a 2-node x 2-rank gloo job under torchrun
+                     numel: int = 16384, nproc: int = 2) -> dict[str, Any]:
+    """The tracer's cost on the cluster fixture: a 2-node x ``nproc``-rank gloo job under torchrun
     (each node a network namespace, the ranks' traffic over the nodes' veth links), steps of
     20 ms of compute and two all_reduces of ``numel`` floats, blocks of ``block`` steps traced
     and untraced in turns (every rank switches at the same step). ``jobs`` jobs with the
@@ -345,7 +345,7 @@ def cluster_overhead(work: Path, jobs: int, steps: int, block: int,
                    "--numel", str(numel), "--work-ms", "20", "--steps", str(steps),
                    "--alternate", str(block), "--no-trace",
                    *(["--alternate-control"] if kind == "control" else [])]
-            procs = [n.popen(n.torchrun(job, nnodes=2, nproc_per_node=2, max_restarts=0,
+            procs = [n.popen(n.torchrun(job, nnodes=2, nproc_per_node=nproc, max_restarts=0,
                                         rdzv_id=f"ovh-{i}"),
                              env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])},
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -375,7 +375,7 @@ def cluster_overhead(work: Path, jobs: int, steps: int, block: int,
                 f"{row['on_ms']:.3f} ms ({row['step'] * 100:+.2f}%), CPU "
                 f"{row['cpu'] * 100:+.2f}%; load {_load()}")
     out: dict[str, Any] = {"jobs": rows, "steps": steps, "block": block, "numel": numel,
-                           "ranks": 4, "nodes": 2}
+                           "ranks": 2 * nproc, "nodes": 2, "nproc": nproc}
     for metric in ("step", "cpu"):
         t = [r[metric] for r in rows["tracer"]]
         a = [r[metric] for r in rows["control"]]
@@ -402,7 +402,8 @@ def _overhead_md(o: dict[str, Any]) -> list[str]:
                      f"{m['ci95'][1] * 100:+.2f}%]",
                      f"<= {TARGET_OVERHEAD * 100:.0f}%: "
                      + ("met" if m["ci95"][1] <= TARGET_OVERHEAD else "not shown")])
-    return [f"overhead on the cluster fixture ({o['nodes']} nodes x 2 ranks under torchrun, "
+    return [f"overhead on the cluster fixture ({o['nodes']} nodes x {o.get('nproc', 2)} "
+            f"ranks under torchrun, "
             f"20 ms compute + 2 all_reduces of {o['numel']} floats per step, {o['steps']} "
             f"steps in blocks of {o['block']}, {len(o['jobs']['tracer'])} jobs with the tracer "
             f"and {len(o['jobs']['control'])} A/A controls, interleaved):", "",
@@ -634,6 +635,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=None,
                    help="cluster overhead: jobs with the tracer, and as many A/A controls "
                    "(default 10; --quick 1)")
+    p.add_argument("--overhead-steps", type=int, default=None,
+                   help="cluster overhead: steps per job (default 400; --quick 40)")
+    p.add_argument("--overhead-block", type=int, default=10,
+                   help="cluster overhead: steps per block traced or not (default 10)")
+    p.add_argument("--overhead-nproc", type=int, default=2,
+                   help="cluster overhead: ranks per node (default 2)")
     p.add_argument("--link-path", choices=("controller", "command"), default="controller",
                    help="the slowed-link trial: the controller and its agents on the cluster "
                    "(default), or the store probe run as a command per node")
@@ -658,7 +665,8 @@ def main(argv: list[str] | None = None) -> int:
             return _only(args, only, work, results, trials)
         if args.only_cluster_overhead:
             o = cluster_overhead(work, jobs=args.jobs or (1 if args.quick else 10),
-                                 steps=40 if args.quick else 400, block=10)
+                                 steps=args.overhead_steps or (40 if args.quick else 400),
+                                 block=args.overhead_block, nproc=args.overhead_nproc)
             md = ["# colltrace overhead on the cluster fixture", "",
                   f"command: `{command_line('bench_colltrace.py')}`; load {_load()}", "",
                   *_overhead_md(o)]
@@ -733,7 +741,8 @@ def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> i
     co = None
     if args.cluster:
         co = cluster_overhead(work, jobs=args.jobs or (1 if args.quick else 10),
-                              steps=40 if args.quick else 400, block=10)
+                              steps=args.overhead_steps or (40 if args.quick else 400),
+                              block=args.overhead_block, nproc=args.overhead_nproc)
         f["link"] = (controller_link(work, trials, timeout_s=120.0)
                      if args.link_path == "controller" else
                      cluster_link(work, trials, timeout_s=60.0))

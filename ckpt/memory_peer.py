@@ -290,8 +290,13 @@ def _own_slots(directory: str | None, rank: int) -> list[SlotFile]:
     copy (the soak lost 11 steps while only peer copies were served)."""
     if not directory:
         return []
-    return [SlotFile(p) for p in slot_paths(directory, f"rank-{rank}")
-            if os.path.isfile(p) and not os.path.islink(p)]
+    slots = []
+    for path in slot_paths(directory, f"rank-{rank}"):
+        try:
+            slots.append(SlotFile(path, readonly=True))
+        except (FileNotFoundError, OSError):  # none yet, or a link (O_NOFOLLOW): not served
+            continue
+    return slots
 
 
 def _target(slots: list[SlotFile], step: int) -> SlotFile:

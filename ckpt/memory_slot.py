@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
@@ -96,9 +97,16 @@ class SlotHeader:
 class SlotFile:
     """One slot file, mapped shared; grown (never shrunk) to the size a copy needs."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, readonly: bool = False) -> None:
+        """``readonly``: an existing slot, mapped for reading only (a node's own copies served
+        to its peers): never created, never written (FileNotFoundError when it is gone)."""
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.readonly = readonly
+        flags = os.O_RDONLY if readonly else os.O_RDWR | os.O_CREAT
+        self.fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+            os.close(self.fd)
+            raise OSError(f"{path} is not a regular file: not a memory-checkpoint slot")
         self.map: mmap.mmap | None = None
         self.size = 0
         self._remap()
@@ -107,7 +115,8 @@ class SlotFile:
         size = os.fstat(self.fd).st_size
         if size != self.size or self.map is None:
             # populated: the pages are mapped in one call, not faulted in one by one
-            self.map = mmap.mmap(self.fd, size, flags=_FLAGS) if size else None
+            prot = mmap.PROT_READ if self.readonly else mmap.PROT_READ | mmap.PROT_WRITE
+            self.map = mmap.mmap(self.fd, size, flags=_FLAGS, prot=prot) if size else None
             self.size = size
 
     def ensure(self, total: int) -> None:

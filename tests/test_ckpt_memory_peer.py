@@ -351,3 +351,30 @@ def test_peer_keeps_two_copies_of_a_job_that_went_back_to_an_older_step(
         assert held(tmp_path / "peer", 0) == [12, 13]
     finally:
         server.close()
+
+
+def test_a_nodes_own_copies_are_opened_read_only_and_never_created(tmp_path: Path) -> None:
+    """The peer server's view of the node's own copies: what exists, mapped read-only; a
+    missing slot is not created (a race with the rank's own clean-up must not leave an empty
+    file), a link is not followed."""
+    from ckpt.memory_peer import _own_slots
+
+    me = tmp_path / "own"
+    me.mkdir()
+    slot = SlotFile(str(me / "rank-3.0"))
+    slot.ensure(8192)
+    slot.view(4096, 8)[:] = b"12345678"
+    slot.close()
+    (me / "rank-3.1").symlink_to(tmp_path / "elsewhere")
+    own = _own_slots(str(me), 3)
+    try:
+        assert [s.path for s in own] == [str(me / "rank-3.0")]
+        assert bytes(own[0].view(4096, 8)) == b"12345678"
+        with pytest.raises(TypeError):  # the map refuses writes
+            own[0].view(4096, 8)[:] = b"87654321"
+    finally:
+        for s in own:
+            s.close()
+    assert sorted(p.name for p in me.iterdir()) == ["rank-3.0", "rank-3.1"]
+    assert not (tmp_path / "elsewhere").exists()
+    assert _own_slots(str(me), 4) == [] and not any(me.glob("rank-4*"))
