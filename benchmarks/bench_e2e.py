@@ -287,11 +287,13 @@ class Bench:
         image_dir.mkdir(parents=True, exist_ok=True)
         base = bp.build_base(image_dir, self.args.base or ("host" if self.quick else "auto"))
         log(f"image base: {base['source']}, python {base.get('python')}")
+        level = 1 if self.quick else 6  # quick: the image is built afresh in every CI run
         layers = [e2e_image.layer_from_tree(image_dir / f"base-{base['source']}",
-                                            image_dir / "e2e", f"base-{base['source']}")]
+                                            image_dir / "e2e", f"base-{base['source']}",
+                                            level)]
         tree = self.work / "runtime-tree"
         runtime = e2e_image.build_runtime_tree(tree)
-        layers.append(e2e_image.layer_from_tree(tree, image_dir / "e2e", "runtime"))
+        layers.append(e2e_image.layer_from_tree(tree, image_dir / "e2e", "runtime", level))
         shutil.rmtree(tree)
         self.R["image"] = {"base": base, "layers": layers, **runtime}
         log("image layers: " + ", ".join(f"{la['name']} {la['tar_bytes'] / 1e6:.0f} MB tar, "

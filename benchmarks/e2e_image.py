@@ -148,8 +148,10 @@ def build_deps_tree(dest: Path, wheel_dir: Path, requirements: list[str]) -> dic
     return {"requirements": requirements, "site": f"/{rel}"}
 
 
-def layer_from_tree(tree: Path, cache: Path, name: str) -> dict[str, Any]:
-    """``tar --sort=name`` of ``tree`` (its sha256 is the diff ID), gzip -6 once per diff ID."""
+def layer_from_tree(tree: Path, cache: Path, name: str, level: int = 6) -> dict[str, Any]:
+    """``tar --sort=name`` of ``tree`` (its sha256 is the diff ID), gzip -6 (``docker
+    build``'s level) once per diff ID. ``level`` 1: a quick run's (CI builds the image afresh
+    each time; -1 packs the 0.6 GB about three times as fast), cached apart."""
     cache.mkdir(parents=True, exist_ok=True)
     tar_path = cache / f"{name}.tar.partial"
     run = subprocess.run(["tar", "-C", str(tree), "--numeric-owner", "--owner=0", "--group=0",
@@ -162,13 +164,14 @@ def layer_from_tree(tree: Path, cache: Path, name: str) -> dict[str, Any]:
         while block := f.read(8 * MiB):
             diff.update(block)
     diff_id = "sha256:" + diff.hexdigest()
-    meta_path = cache / f"{name}-{diff.hexdigest()[:16]}.json"
-    gz_path = cache / f"{name}-{diff.hexdigest()[:16]}.tar.gz"
+    tag = diff.hexdigest()[:16] + ("" if level == 6 else f"-gz{level}")
+    meta_path = cache / f"{name}-{tag}.json"
+    gz_path = cache / f"{name}-{tag}.tar.gz"
     if meta_path.exists() and gz_path.exists():
         tar_path.unlink()
         return json.loads(meta_path.read_text())
     with open(gz_path.with_suffix(".partial"), "wb") as out:
-        subprocess.run(["gzip", "-6", "-n", "-c", str(tar_path)], stdout=out, check=True)
+        subprocess.run(["gzip", f"-{level}", "-n", "-c", str(tar_path)], stdout=out, check=True)
     os.replace(gz_path.with_suffix(".partial"), gz_path)
     gz = hashlib.sha256()
     with open(gz_path, "rb") as f:

@@ -22,18 +22,18 @@ from bootseer.colltrace.ring import read_rings
 _JOB = r"""
 import os, sys, torch, torch.distributed as dist
 import bootseer.colltrace as colltrace
-out, mode, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+root = sys.argv[1]
 
 def counting_hook(state, bucket):  # the script's own: an all_reduce of the mean, counted
     state["calls"] += 1
     t = bucket.buffer().mul_(1.0 / dist.get_world_size())
     return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
 
-def rank_main(rank):
+def rank_main(rank, out, mode):
     if mode != "off":
         colltrace.enable(os.path.join(out, "rings"))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=3)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank,
+                            world_size=3)  # a file store: no port to race for
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
@@ -53,43 +53,45 @@ def rank_main(rank):
                     "calls": state["calls"]}, os.path.join(out, "rank0.pt"))
     dist.destroy_process_group()
 
-pids = []
-for rank in range(3):
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            rank_main(rank)
-        except BaseException as exc:
-            print(f"rank {rank}: {type(exc).__name__}: {exc}", flush=True)
-            code = 1
-        os._exit(code)
-    pids.append(pid)
-sys.exit(max(os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids))
+for mode in sys.argv[2:]:  # torch imported once, forked per job
+    out = os.path.join(root, mode)
+    os.makedirs(out)
+    pids = []
+    for rank in range(3):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                rank_main(rank, out, mode)
+            except BaseException as exc:
+                print(f"{mode} rank {rank}: {type(exc).__name__}: {exc}", flush=True)
+                code = 1
+            os._exit(code)
+        pids.append(pid)
+    if max(os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids):
+        sys.exit(1)
 """
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(tmp_path: Path, mode: str) -> tuple[dict, Path]:
-    out = tmp_path / mode
-    out.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    run = subprocess.run([sys.executable, "-c", _JOB, str(out), mode, str(_free_port())],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return torch.load(out / "rank0.pt"), out / "rings"
+MODES = ("off", "traced", "hook-first", "hook-late")
 
 
 @pytest.fixture(scope="module")
-def untraced(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _run(tmp_path_factory.mktemp("ddp-off"), "off")[0]
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every mode's job, one after the other in one process (torch imported once)."""
+    root = tmp_path_factory.mktemp("ddp")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run([sys.executable, "-c", _JOB, str(root), *MODES],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return root
+
+
+def _result(jobs: Path, mode: str) -> tuple[dict, Path]:
+    return torch.load(jobs / mode / "rank0.pt"), jobs / mode / "rings"
+
+
+@pytest.fixture(scope="module")
+def untraced(jobs: Path) -> dict:
+    return _result(jobs, "off")[0]
 
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -97,8 +99,8 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def test_ddp_gradients_are_recorded_and_training_is_bit_identical(
-        tmp_path: Path, untraced: dict) -> None:
-    traced, rings = _run(tmp_path, "traced")
+        jobs: Path, untraced: dict) -> None:
+    traced, rings = _result(jobs, "traced")
     assert _equal(traced["params"], untraced["params"])  # 1/3 multiplied, as DDP does it
     snaps = read_rings(rings)
     assert [s.rank for s in snaps] == [0, 1, 2]
@@ -115,11 +117,11 @@ def test_ddp_gradients_are_recorded_and_training_is_bit_identical(
 
 
 @pytest.mark.parametrize("mode", ["hook-first", "hook-late"])
-def test_a_scripts_own_hook_still_runs(tmp_path: Path, untraced: dict, mode: str) -> None:
+def test_a_scripts_own_hook_still_runs(jobs: Path, untraced: dict, mode: str) -> None:
     """First: the tracer leaves the module alone (the hook's dist.all_reduce is recorded
     anyway). Late (after the first forward, when the tracer's hook is in place): DDP would
     refuse a second hook; the tracer's runs the script's from then on."""
-    traced, rings = _run(tmp_path, mode)
+    traced, rings = _result(jobs, mode)
     steps_with_hook = 3 if mode == "hook-first" else 2
     assert traced["calls"] >= steps_with_hook  # a bucket or more in each of those steps
     assert _equal(traced["params"], untraced["params"])  # the hook computes the same mean

@@ -20,8 +20,8 @@ and a work without a future (gloo's ``send``/``recv`` and ``reduce_scatter_singl
 returned wrapped in a thin :class:`_TracedWork` whose ``wait()`` records the completion; an
 asynchronous op's completion comes from its future (``add_done_callback``, run by the
 backend's thread when the op finishes or fails), so an op that nobody waits on yet still
-shows as completed. Measured: a future's callback costs a GIL hand-off between threads per op,
-the wrapped work about 2 us (docs/benchmarks.md).
+shows as completed. Measured: a future's callback costs a GIL hand-off between threads per op
+(docs/benchmarks.md).
 
 Off (never enabled, or :func:`disable`) the class is untouched: no cost at all.
 """
