@@ -294,7 +294,7 @@ def _own_slots(directory: str | None, rank: int) -> list[SlotFile]:
     for path in slot_paths(directory, f"rank-{rank}"):
         try:
             slots.append(SlotFile(path, readonly=True))
-        except (FileNotFoundError, OSError):  # none yet, or a link (O_NOFOLLOW): not served
+        except OSError:  # none yet, a link (O_NOFOLLOW) or not a file: not served
             continue
     return slots
 
