@@ -1,6 +1,6 @@
 """DDP under the tracer: its gradient all_reduces are in the ring, the trained parameters are
 bit-identical to an untraced run, and a script's own communication hook still runs, whether
-registered before the first forward or after it.
+registered before the first forward or after it (a built-in one as torch's Python hook).
 
 Each case is a real job: 3 gloo ranks forked on loopback (a world that is not a power of two,
 where dividing instead of multiplying by 1/3 would change the last bits), a small model, 3 SGD
@@ -48,6 +48,8 @@ def rank_main(rank, out, mode):
         opt.step()
         if step == 0 and mode == "hook-late":
             ddp.register_comm_hook(state, counting_hook)
+        if step == 0 and mode == "builtin-late":
+            ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
     if rank == 0:
         torch.save({"params": [p.detach().clone() for p in model.parameters()],
                     "calls": state["calls"]}, os.path.join(out, "rank0.pt"))
@@ -71,7 +73,7 @@ for mode in sys.argv[2:]:  # torch imported once, forked per job
     if max(os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids):
         sys.exit(1)
 """
-MODES = ("off", "traced", "hook-first", "hook-late")
+MODES = ("off", "traced", "hook-first", "hook-late", "builtin-late")
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +131,14 @@ def test_a_scripts_own_hook_still_runs(jobs: Path, untraced: dict, mode: str) ->
     for snap in read_rings(rings):
         grads = [o for o in snap.ops if o.op == "all_reduce" and o.dtype == "float32"]
         assert sum(o.numel for o in grads) == 3 * params
+
+
+def test_a_builtin_hook_registered_late_runs_as_torchs_python_equivalent(jobs: Path) -> None:
+    """FP16_COMPRESS after the first forward: from the second step the gradients go out as
+    float16 (torch's fp16_compress_hook), every bucket of it recorded."""
+    _, rings = _result(jobs, "builtin-late")
+    params = 64 * 64 + 64 + 64 * 8 + 8
+    for snap in read_rings(rings):
+        grads = [o for o in snap.ops if o.op == "all_reduce"]
+        assert sum(o.numel for o in grads if o.dtype == "float32") == params  # step 1
+        assert sum(o.numel for o in grads if o.dtype == "float16") == 2 * params  # steps 2, 3
