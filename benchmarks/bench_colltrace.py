@@ -33,8 +33,9 @@
   ``--link-path command``: a 2-node x 2-rank torchrun job read by one Watch, the store probe
   run per node after the first verdict.
 * with ``--cluster``, and alone with ``--only-cluster-overhead`` (``colltrace-overhead.json``):
-  the overhead on the cluster fixture, a 2-node x 2-rank torchrun job in blocks of 10 steps
-  traced and untraced in turns, ``--jobs`` jobs (default 10) beside as many A/A controls
+  the overhead on the cluster fixture, a 2-node torchrun job (``--overhead-nproc`` ranks a
+  node, default 2) in blocks of ``--overhead-block`` steps (default 10) traced and untraced in
+  turns, ``--jobs`` jobs (default 10) beside as many A/A controls
   (the tracer never installed); the figure is the difference of the two series' means with
   its 95% interval, met when the interval's top is at most 1%.
 """
@@ -391,6 +392,13 @@ def cluster_overhead(work: Path, jobs: int, steps: int, block: int,
     return out
 
 
+def _cluster_overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """:func:`cluster_overhead` with the command line's jobs, steps, block and ranks."""
+    return cluster_overhead(work, jobs=args.jobs or (1 if args.quick else 10),
+                            steps=args.overhead_steps or (40 if args.quick else 400),
+                            block=args.overhead_block, nproc=args.overhead_nproc)
+
+
 def _overhead_md(o: dict[str, Any]) -> list[str]:
     rows = []
     for metric, name in (("step", "step time (rank 0, median per mode)"),
@@ -664,9 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         if only:
             return _only(args, only, work, results, trials)
         if args.only_cluster_overhead:
-            o = cluster_overhead(work, jobs=args.jobs or (1 if args.quick else 10),
-                                 steps=args.overhead_steps or (40 if args.quick else 400),
-                                 block=args.overhead_block, nproc=args.overhead_nproc)
+            o = _cluster_overhead(args, work)
             md = ["# colltrace overhead on the cluster fixture", "",
                   f"command: `{command_line('bench_colltrace.py')}`; load {_load()}", "",
                   *_overhead_md(o)]
@@ -740,9 +746,7 @@ def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> i
                which=("sleep", "kill") if args.quick else FAULTS)
     co = None
     if args.cluster:
-        co = cluster_overhead(work, jobs=args.jobs or (1 if args.quick else 10),
-                              steps=args.overhead_steps or (40 if args.quick else 400),
-                              block=args.overhead_block, nproc=args.overhead_nproc)
+        co = _cluster_overhead(args, work)
         f["link"] = (controller_link(work, trials, timeout_s=120.0)
                      if args.link_path == "controller" else
                      cluster_link(work, trials, timeout_s=60.0))

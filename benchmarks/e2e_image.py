@@ -151,7 +151,8 @@ def build_deps_tree(dest: Path, wheel_dir: Path, requirements: list[str]) -> dic
 def layer_from_tree(tree: Path, cache: Path, name: str, level: int = 6) -> dict[str, Any]:
     """``tar --sort=name`` of ``tree`` (its sha256 is the diff ID), gzip -6 (``docker
     build``'s level) once per diff ID. ``level`` 1: a quick run's (CI builds the image afresh
-    each time; -1 packs the 0.6 GB about three times as fast), cached apart."""
+    each time; -1 packed 763 MB of torch in 9.3 s against -6's 28.2 s, 234 MB against 204 MB),
+    cached apart."""
     cache.mkdir(parents=True, exist_ok=True)
     tar_path = cache / f"{name}.tar.partial"
     run = subprocess.run(["tar", "-C", str(tree), "--numeric-owner", "--owner=0", "--group=0",

@@ -71,8 +71,9 @@ def system() -> Callable[[str | None], None]:
 
 
 #: The longest test files (seconds summed in a CI run, 2026-11-24), run first: with
-#: ``--dist loadfile`` a file runs whole on one worker in collection order, and a long file
-#: started last keeps one worker busy while the other idles (27 s of the run's wall time).
+#: ``--dist loadfile --no-loadscope-reorder`` (the Makefile) a file runs whole on one worker in
+#: collection order, and a long file started last keeps one worker busy while the other idles
+#: (xdist's own order, most tests first, started the 173 s e2e file last: 1092 s, now 935 s).
 LONGEST_FIRST = ("test_bench_harness", "test_e2e", "test_striped_fsspec_suite",
                  "test_robust_failslow", "test_robust_standby", "test_robust_faults",
                  "test_ckpt_kill", "test_robust_controller", "test_fuse_posix", "test_cluster",

@@ -584,3 +584,23 @@ def test_slowed_link_node_named_by_the_store_probe(cluster_factory) -> None:
     assert got is not None and got[0] == "node1", measures
     assert "Mbit/s to the store against" in got[1]
     assert measures["node1"]["mbps"] < 8.5  # the shaped rate, measured (tc: 8 Mbit/s)
+
+
+def test_a_late_rank_in_a_groups_first_ops_is_not_a_straggler() -> None:
+    """The ranks' first steps pay their own start: a rank 1.5 s late at the group's 8th op is
+    not named (a suite run under load named one at its 6th); the same lag at the 12th is."""
+    from bootseer.colltrace.analyze import STRAGGLER_WARMUP_OPS
+
+    def plan(late_seq: int) -> dict[int, dict[str, list[tuple[float, float | None]]]]:
+        plan = {r: {"grp-a": [(50.0 + i, 50.01 + i) for i in range(20)]} for r in (0, 1)}
+        plan[2] = {"grp-a": [(50.0 + i + (1.5 if i + 1 == late_seq else 0.0), 50.01 + i
+                              + (1.5 if i + 1 == late_seq else 0.0)) for i in range(20)]}
+        return plan
+
+    members = {"grp-a": [0, 1, 2]}
+    assert STRAGGLER_WARMUP_OPS >= 8
+    quiet = Analyzer(alive=lambda snap: True).analyze(_snaps(plan(8), members), now=70.5)
+    assert not [f for f in quiet if f.kind == "straggler"], [f.line for f in quiet]
+    late = Analyzer(alive=lambda snap: True).analyze(_snaps(plan(12), members), now=70.5)
+    assert [(f.kind, f.ranks, f.seq) for f in late if f.kind == "straggler"] == \
+        [("straggler", (2,), 12)], [f.line for f in late]
