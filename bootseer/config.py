@@ -153,6 +153,14 @@ _KEYS = [
           "hang; 0 = hang detection off"),
     _spec("hang", "dump_wait_s", "float", 5.0, "--dump-wait",
           "seconds to wait for the stack dump of a hung process before SIGKILL"),
+    _spec("hang", "startup_s", "float", 600.0, "--startup-allowance",
+          "with timeout_s: the longest silence before the ranks' first heartbeat, and after "
+          "a rank's death the longest wait for its launcher (torchrun) to restart its ranks "
+          "or exit (a replacement node may take that long to join); the larger of this and "
+          "timeout_s counts"),
+    _spec("hang", "crash_grace_s", "float", 15.0, "--crash-grace",
+          "seconds a rank whose exception is recorded may live on (a thread keeps its "
+          "process) before that process alone is killed, so its launcher sees its end"),
     _spec("hang", "learn", "bool", False, "--hang-learn",
           "with timeout_s 0: a rank is hung after max(5 x its job's median step time, 30 s) "
           "without a new step (warm-up steps left out; 600 s before any step time is known)"),

@@ -288,7 +288,11 @@ class Supervisor:
         self.attempts: list[AttemptEnd] = []
         self._ranks: RankWatch | None = None  # the ranks' own processes (with the agent)
         self._early: Any = None  # this attempt's crash event, seen at a rank's death
-        self._early_at = 0.0
+        self._early_at = 0.0  # monotonic, of the first death of the incident
+        self._early_wall = 0.0  # the same, wall clock
+        self._early_boot = 0.0  # the same, seconds since boot (processes' start times)
+        self._lingering: dict[int, tuple[int, float]] = {}  # pid -> (rank, since): raised,
+        # still alive
         self._signals: _Signals | None = None
         self._stopping: int | None = None
         self._child: subprocess.Popen[bytes] | None = None
@@ -610,6 +614,7 @@ class Supervisor:
             self.agent.start_attempt(attempt)
             self._ranks = RankWatch(self.control_dir, root=pid, skip_pids={pid})
         self._early = None
+        self._lingering.clear()
         self._status = None
         # epoch: the controller's newest incident, the same on every node of this attempt
         # (a replacement node's attempt 0 joins the survivors' attempt 5): ETTR's job attempt
@@ -674,7 +679,7 @@ class Supervisor:
         assert self._child is not None
         pid = self._child.pid
         watch = self._watching = _Progress(self.control_dir, self.ready_file)
-        spawned = time.monotonic()
+        watch.began_wall = started
         first_ready = True
         timeout = self.hang.timeout_s
         poll = 0.25 if timeout <= 0 else min(0.25, timeout / 4)
@@ -685,7 +690,9 @@ class Supervisor:
                     return self._killed_now(attempt, pid)
             exited = self._reap()
             for rank, when in watch.scan():  # before an exit: a ready just before it counts
-                self._record("first_step", started, when, rank=rank, attempt=attempt, pid=pid)
+                launch = {"generation": watch.generation} if watch.generation else {}
+                self._record("first_step", watch.began_wall, when, rank=rank, attempt=attempt,
+                             pid=pid, **launch)
                 if first_ready:
                     first_ready = False
                     self.log(f"first step: rank {rank} ready {when - started:.1f}s after the "
@@ -698,9 +705,8 @@ class Supervisor:
                 self.log(f"command exited with {AttemptEnd(attempt, code, reason).describe()} "
                          f"(attempt {attempt})")
                 return AttemptEnd(attempt, code, reason, pid, {"exited_at": time.time()})
-            if self._ranks is not None and self._stopping is None and (
-                    end := self._rank_ends(attempt, pid)):
-                return end
+            if self._ranks is not None and self._stopping is None:
+                self._rank_ends(attempt, pid, watch)
             if self.agent is not None and (end := self._agent_watch(attempt, pid, watch,
                                                                     started)):
                 return end
@@ -709,15 +715,31 @@ class Supervisor:
                 if (order := self.remote.dump_order()) and (
                         end := self._on_order(attempt, pid, watch, order, started)):
                     return end
-            if (timeout > 0 and self._stopping is None and self._early is None
-                    and not watch.all_finishing()
-                    and not (self.spare and watch.last_change is None)):  # parked
-                if watch.last_change is None:
-                    silent, limit = time.monotonic() - spawned, max(timeout, self.hang.startup_s)
-                else:
-                    silent, limit = time.monotonic() - watch.last_change, timeout
-                if silent >= limit:
-                    return self._hang(attempt, pid, watch, silent, started)
+            if timeout > 0 and self._stopping is None and (
+                    end := self._silence(attempt, pid, watch, started)):
+                return end
+
+    def _silence(self, attempt: int, pid: int, watch: _Progress,
+                 started: float) -> AttemptEnd | None:
+        """A hang of the control directory's silence: ``timeout_s`` once the ranks reported,
+        the start allowance before; after a rank's death the launcher has the start
+        allowance, from the death, to restart its ranks or to exit."""
+        allowance = max(self.hang.timeout_s, self.hang.startup_s)
+        if self._early is not None:
+            silent = time.monotonic() - self._early_at
+            if silent < allowance:
+                return None
+            self.log(f"the launcher neither restarted its ranks nor exited {silent:.0f}s after "
+                     f"rank {self._early.rank} died (the start allowance): a hang")
+            self._early = None  # the launcher's hang is the incident now
+            return self._hang(attempt, pid, watch, silent, started, launcher=True)
+        if watch.all_finishing() or (self.spare and watch.last_change is None):  # parked
+            return None
+        if watch.last_change is None:
+            silent, limit = time.monotonic() - watch.began, allowance
+        else:
+            silent, limit = time.monotonic() - watch.last_change, self.hang.timeout_s
+        return self._hang(attempt, pid, watch, silent, started) if silent >= limit else None
 
     def _on_signal(self, sig: int, pid: int) -> bool:
         """Handle one signal; True when the command must be killed now (a second stop)."""
@@ -773,37 +795,85 @@ class Supervisor:
             return self._hang(attempt, pid, watch, silent, started, event=event)
         return None
 
-    def _rank_ends(self, attempt: int, pid: int) -> AttemptEnd | None:
+    def _rank_ends(self, attempt: int, pid: int, watch: _Progress) -> None:
         """A rank that died while the command runs: the crash event at once (the trace, the
         controller), classified from what the rank left; a primary failure seen after a
-        communication error is published too. The launcher then has ``crash_grace_s`` to
-        end (its summary refines the class); a command still running after that (a rank
-        kept alive by a leftover thread) is killed."""
+        communication error is published too.
+
+        The death is an incident to report, never on its own a reason to end the launcher:
+        torchrun may restart its workers (``--max-restarts``) and wait in the rendezvous for
+        a replacement node for as long as that node takes to come. The attempt ends when the
+        launcher ends it (its exit: its own verdict) or on the controller's verdict. What
+        bounds the wait: a rank whose exception is recorded while its process lives on (a
+        thread holds it) is killed alone after ``crash_grace_s``, so its launcher sees it
+        end; a launcher that neither restarts its ranks nor exits within the start
+        allowance is a hang (:meth:`_watch`). New rank processes after the death mean the
+        launcher restarted them: a ``relaunch`` span, and the detectors start afresh."""
         from .robust.classify import SECONDARY
 
-        event = self.agent.rank_crash(self._ranks.poll())
+        ends = self._ranks.poll()
+        event = self.agent.rank_crash(ends)
         while self._ranks.ended_normally:
             self.agent.finish_rank(self._ranks.ended_normally.pop())
+        for end in ends:
+            if end.how == "exception" and _alive(end.pid):
+                self._lingering.setdefault(end.pid, (end.rank, time.monotonic()))
         first = self._early
         if event is not None and (first is None or (first.failure_class in SECONDARY
                                                     and event.failure_class not in SECONDARY)):
-            self._early, self._early_at = event, time.monotonic()
+            if first is None:
+                self._early_at, self._early_wall = time.monotonic(), time.time()
+                self._early_boot = _since_boot()
+            self._early = event
             self.agent.write(event)
             what = event.evidence.get("exception") or event.evidence.get("signal") or (
                 "gone without a record" if event.evidence.get("provisional") else "")
             self.log(f"crash: rank {event.rank} (pid {event.evidence.get('pid')}) "
                      f"{event.failure_class}" + (f" ({what})" if what else "") +
-                     f" while the command runs (attempt {attempt})")
+                     f" while the command runs (attempt {attempt}); its launcher decides")
             if self.remote is not None:
                 self.remote.publish(event)
-        if self._early is None or time.monotonic() - self._early_at < self.crash_grace_s:
-            return None
-        self.log(f"the command still runs {self.crash_grace_s:g}s after rank "
-                 f"{self._early.rank} died: killing it")
-        self._signal_group(pid, signal.SIGKILL)
-        self._wait_child(5.0)
-        code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
-        return AttemptEnd(attempt, code, "crashed", pid, {"exited_at": time.time()})
+        self._kill_lingering()
+        newcomers, self._ranks.started = self._ranks.started, []
+        born = [t for _, p, _ in newcomers if (t := _started_at(p)) is not None]
+        if self._early is not None and (new := [t for t in born if t > self._early_boot]):
+            # the new ranks' start on the wall clock
+            self._relaunched(attempt, pid, watch, time.time() - (_since_boot() - min(new)))
+
+    def _kill_lingering(self) -> None:
+        """A rank that raised but whose process lives on past ``crash_grace_s`` gets SIGKILL,
+        alone: its launcher, which sees only processes, then sees it end and decides."""
+        now = time.monotonic()
+        for rank_pid, (rank, since) in list(self._lingering.items()):
+            if not _alive(rank_pid):
+                del self._lingering[rank_pid]
+            elif now - since >= self.crash_grace_s:
+                del self._lingering[rank_pid]
+                self.log(f"rank {rank} (pid {rank_pid}) raised {self.crash_grace_s:g}s ago and "
+                         "its process still runs (a thread keeps it): killing that process, "
+                         "so that its launcher sees its end")
+                try:
+                    os.kill(rank_pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def _relaunched(self, attempt: int, pid: int, watch: _Progress, began: float) -> None:
+        """The launcher started new ranks after a crash: the incident is over without a
+        restart of the command (a ``relaunch`` span from the death to the new ranks, the
+        unit of ETTR's accounting inside an attempt); hang and metric detection start afresh,
+        with the start allowance, and the new ranks' first steps are recorded."""
+        early = self._early
+        watch.relaunched(self._early_wall, began)
+        self.agent.relaunched()
+        now = min(began, time.time())
+        self.log(f"the launcher restarted its ranks {now - self._early_wall:.1f}s after rank "
+                 f"{early.rank}'s crash ({early.failure_class}): recovered without a restart "
+                 f"of the command (attempt {attempt}, launch {watch.generation})")
+        reason = "hang" if early.kind == "hang" else "crash"
+        self._record("relaunch", self._early_wall, now, attempt=attempt, reason=reason,
+                     exited_at=self._early_wall, generation=watch.generation, pid=pid,
+                     failed_rank=early.rank, failure_class=early.failure_class)
+        self._early = None
 
     def _refine_early(self) -> None:
         """Under an order: a crash seen at a rank's death with no class of its own (gone
@@ -858,11 +928,20 @@ class Supervisor:
 
     # -- hangs -----------------------------------------------------------------------------
     def _hang(self, attempt: int, pid: int, watch: _Progress, silent: float,
-              started: float, event: Any = None) -> AttemptEnd:
+              started: float, event: Any = None, *, launcher: bool = False
+              ) -> AttemptEnd | None:
+        """A hang: stacks dumped (the controller's order first, under one), then the ranks
+        killed. Under a launcher that started the ranks (torchrun) only the ranks are killed
+        and the launcher decides, as for a crash (it restarts them, or exits and this attempt
+        ends with the hang's verdict): None. ``launcher``: the launcher itself hangs (it
+        neither restarted its ranks nor exited): the command is killed."""
         before = "before its first heartbeat" if watch.last_change is None else (
             f"after step {watch.last_step}" if watch.last_step is not None else "after ready")
+        ranks = {} if launcher or self._ranks is None else self._ranks.live()
+        what = (f"ranks {', '.join(map(str, sorted(set(ranks.values()))))} (their launcher "
+                "then decides)") if ranks else "the command"
         self.log(f"hang: no heartbeat for {silent:.1f}s {before}; dumping stacks to "
-                 f"{self.dump_dir} and killing the command")
+                 f"{self.dump_dir} and killing {what}")
         hang_start = time.time() - silent
         detected = time.time()
         if self.remote is not None:  # the controller localizes across nodes first
@@ -875,9 +954,13 @@ class Supervisor:
                     detected=detected)):
                 return end
             self.log("the controller ordered no dump: the node acts alone")
-        sizes = self._request_dumps(pid, everyone=True)
+        # a signal to everyone only when everyone is killed next: SIGUSR1 ends a launcher
+        sizes = self._request_dumps(pid, everyone=not ranks)
         grown = self._wait_dumps(sizes)
         dumped = time.time()
+        if ranks:
+            return self._hung_ranks_killed(attempt, pid, watch, ranks, silent, hang_start,
+                                           detected, dumped, grown, event)
         self._signal_group(pid, signal.SIGKILL)
         self._wait_child(5.0)
         code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
@@ -896,6 +979,53 @@ class Supervisor:
                 **event.evidence, "stacks": sorted(p.name for p in grown)})
             detail["verdict"] = self.agent.judge(event)
         return AttemptEnd(attempt, code, "hang", pid, detail)
+
+    def _hung_ranks_killed(self, attempt: int, pid: int, watch: _Progress,
+                           ranks: dict[int, int], silent: float, hang_start: float,
+                           detected: float, dumped: float, grown: set[Path],
+                           event: Any) -> None:
+        """The hung ranks' processes get SIGKILL, the launcher lives: the hang becomes the
+        attempt's incident, ended by the launcher's restart of its ranks or by its exit."""
+        self._kill_processes(pid, ranks)
+        self._record("hang", hang_start, attempt=attempt, outcome="ranks_killed",
+                     timeout_s=self.hang.timeout_s, silent_s=round(silent, 3),
+                     last_step=watch.last_step, pid=pid, stacks=sorted(p.name for p in grown),
+                     detected_at=detected, dumped_at=dumped, ranks=sorted(set(ranks.values())),
+                     generation=watch.generation)
+        if grown:
+            self.log(f"stacks: {', '.join(str(p) for p in sorted(grown))}")
+        event = event or self._hang_event(watch, silent, detected)
+        event = dataclasses.replace(event, evidence={
+            **event.evidence, "stacks": sorted(p.name for p in grown), "killed": "ranks"})
+        if self.agent is not None:
+            self.agent.write(event)
+        self._early = event
+        self._early_at, self._early_wall = time.monotonic(), time.time()
+        self._early_boot = _since_boot()
+
+    def _kill_processes(self, pid: int, ranks: dict[int, int]) -> None:
+        """SIGKILL to each rank's process group (torchrun starts each worker in a session of
+        its own: its dataloader workers go with it), or to the rank and its descendants when
+        it shares the command's group (forked workers)."""
+        from .robust.remote import descendants
+
+        try:
+            own = os.getpgid(pid)
+        except ProcessLookupError:
+            own = pid
+        for rank_pid in ranks:
+            try:
+                group = os.getpgid(rank_pid)
+            except ProcessLookupError:
+                continue
+            try:
+                if group != own:
+                    os.killpg(group, signal.SIGKILL)
+                else:
+                    for target in (rank_pid, *descendants(rank_pid)):
+                        os.kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _hang_event(self, watch: _Progress, silent: float, detected: float) -> Any:
         """The hang event of the control directory's silence (a ready-only command)."""
@@ -1245,6 +1375,27 @@ class _Progress:
         self.ranks: dict[int, dict[str, Any]] = {}  # the newest heartbeat of each rank
         self.finishing: set[int] = set()  # ranks that left their loop (client.finishing)
         self._beats: list[dict[str, Any]] = []
+        self.began = time.monotonic()  # this launch of the ranks (the command's, or the
+        self.began_wall = time.time()  # launcher's restart of them)
+        self.generation = 0  # the launcher's restarts of its ranks in this attempt
+        self.not_before = 0.0  # files written before this wall time are a dead launch's
+
+    def relaunched(self, since: float, began: float) -> None:
+        """The launcher started new ranks: their progress starts from nothing (the start
+        allowance, their own first steps). ``since``: the death (wall clock); every file is
+        read again, and counts only when written after it (a new rank may have written its
+        ready before its launch was known)."""
+        self.seen.clear()
+        self.not_before = since
+        self.ready_ranks.clear()
+        self.last_change = None
+        self.last_step = None
+        self.ranks.clear()
+        self.finishing.clear()
+        self._beats.clear()
+        self.began = time.monotonic() - max(0.0, time.time() - began)
+        self.began_wall = began
+        self.generation += 1
 
     def all_finishing(self) -> bool:
         """Every rank that beat said it left its training loop: the silence of its final
@@ -1278,8 +1429,11 @@ class _Progress:
             if self.seen.get(path) == sig:
                 continue
             self.seen[path] = sig
-            self.last_change = time.monotonic()
             doc = _read_json(path)
+            when = doc.get("time")
+            if isinstance(when, int | float) and when < self.not_before:
+                continue  # a dead launch's rank wrote it (seen again after a relaunch)
+            self.last_change = time.monotonic()
             kind, _, rank_text = name.partition("-")
             try:
                 rank = int(rank_text) if rank_text else int(doc.get("rank", 0))
@@ -1300,6 +1454,22 @@ class _Progress:
                 new_ready.append((rank, float(when) if isinstance(when, int | float)
                                   else st.st_mtime))
         return new_ready
+
+
+def _since_boot() -> float:
+    """Seconds since boot, on the clock of ``/proc/<pid>/stat``'s start times."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def _started_at(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since boot (:func:`_since_boot`):
+    ``/proc/<pid>/stat``'s start time in clock ticks; None when unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rfind(b")") + 2:].split()[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _signal_name(number: int) -> str:

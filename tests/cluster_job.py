@@ -105,16 +105,39 @@ def reference(steps: int, world: int, width: int = 64, worlds: list[int] | None 
 
 
 def hold(mgr: Any, marker: Path, step: int) -> None:
-    """The last save durable, ``marker`` written, then all-reduces until a peer is lost (the
-    collective fails) or the agent restarts this worker (a node joined)."""
+    """The last save durable, ``marker`` written (the step and this process's pid), then
+    all-reduces until a peer is lost (the collective fails) or the agent restarts this worker
+    (a node joined)."""
     import torch.distributed as dist
 
     mgr.wait()
-    marker.write_text(str(step))
+    write_json(marker, {"step": step, "pid": os.getpid()})
     beat = torch.zeros(1)
     while True:
         dist.all_reduce(beat)
         time.sleep(0.1)
+
+
+def beat(step: int, first: bool) -> None:
+    """Progress for ``bootseer run`` (no-op without it): ready at the first step of a launch,
+    then heartbeats; the rank's pid is watched from the first."""
+    if os.environ.get("BOOTSEER_CONTROL_DIR"):
+        import bootseer
+
+        if first:
+            bootseer.ready()
+        bootseer.heartbeat(step)
+
+
+def hang_once(out: Path, rank: int, step: int) -> None:
+    """The rank stops making progress for good (a deadlock in the job's own code), the first
+    time only: its peers wait in their next collective."""
+    marker = out / f"hung-{rank}"
+    if marker.exists():
+        return
+    write_json(marker, {"step": step, "pid": os.getpid()})
+    while True:
+        time.sleep(1)
 
 
 def train(args: argparse.Namespace) -> None:
@@ -138,11 +161,17 @@ def train(args: argparse.Namespace) -> None:
         write_json(out / f"loaded-{rank}-{socket.gethostname()}-{attempt}-w{world}.json",
                    {"step": step, "digest": digest(model, opt), "world": world})
         start, loaded = step + 1, True
+    holds = [int(h) for h in filter(None, args.holds.split(","))]
     for step in range(start, args.steps):
+        beat(step, step == start)
         if step == args.hold_again_at and world == args.hold_again_world:
             hold(mgr, out / f"holding-w{world}-{rank}", step)
         if step == args.hold_at and not loaded:
             hold(mgr, out / f"holding-{rank}", step)  # the last save durable (committed)
+        if step in holds and not (out / f"holding-{step}-{rank}").exists():  # once each
+            hold(mgr, out / f"holding-{step}-{rank}", step)
+        if step == args.hang_at and rank == args.hang_rank:
+            hang_once(out, rank, step)
         for p, g in zip(model.parameters(), grads(model, step, rank), strict=True):
             dist.all_reduce(g)
             p.grad = g / world
@@ -171,6 +200,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64, help="the hidden layer's width")
     parser.add_argument("--hold-again-at", type=int, default=-1)
     parser.add_argument("--hold-again-world", type=int, default=0)
+    parser.add_argument("--holds", default="",
+                        help="STEP,...: hold before each of these steps, the first time "
+                             "only (``holding-S-R``)")
+    parser.add_argument("--hang-at", type=int, default=-1,
+                        help="rank --hang-rank stops for good before this step, once")
+    parser.add_argument("--hang-rank", type=int, default=1)
     parser.add_argument("--reference-worlds", default="",
                         help="WORLD:STEPS,...: the world size over the steps, in order")
     args = parser.parse_args()

@@ -55,3 +55,35 @@ def test_the_quick_form_leaves_its_results_through_bootseer_bench(e2e_bench: E2E
     """The harness's check of every suite (test_bench_harness.py), on the same run."""
     check_quick_results("e2e", e2e_bench.run, e2e_bench.results,
                         e2e_bench.results.parent / "cache")
+
+
+@pytest.mark.timeout(900)
+def test_the_multi_node_restart_resumes_bit_identical_as_the_benchmark_runs_it(
+        e2e_bench: E2ERun) -> None:
+    """``bootseer bench e2e --nodes 2 --quick --methods bootseer``, exactly the benchmark's
+    path (its image, job and ``bootseer run`` options: ``max_restarts = 0`` with torchrun
+    restarting its workers), a node lost and replaced by a fresh one. The survivor's agent
+    must leave the restart to torchrun: until 2026-12 it killed torchrun 15 s after its
+    rank's gloo error, in the middle of the rendezvous, and the restart failed every time.
+    Runs after the one-node form, on its cache (the image's rootfs and the torch wheels)."""
+    import subprocess
+    import sys
+
+    from e2e_helpers import ROOT
+
+    cache = e2e_bench.results.parent / "cache"
+    results = e2e_bench.results.parent / "nodes"
+    run = subprocess.run(
+        [sys.executable, "benchmarks/bench_e2e.py", "--nodes", "2", "--quick", "--methods",
+         "bootseer", "--results", str(results), "--cache", str(cache)],
+        capture_output=True, text=True, timeout=850, check=False, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-6000:]
+    report = json.loads((results / "e2e-nodes.json").read_text())
+    assert not report["errors"], report["errors"]
+    got = report["runs"]["bootseer"]
+    # every rank of both nodes resumed from the same committed step with the state it saved
+    assert got["bit_identical"] is True
+    assert got["identical"] == {"ok": True, "ranks": 4, "steps": [got["committed_step"]],
+                                "differ": []}
+    assert sorted(got["ranks"]) == ["node0/r0", "node0/r1", "node1/r2", "node1/r3"]
+    assert set(got["per_node"]) == {"node0", "node1"}

@@ -167,12 +167,14 @@ raise ValueError("bad batch")
 """
 
 
-def test_a_rank_kept_alive_after_its_exception_is_a_crash_and_its_command_is_killed(
+def test_a_rank_kept_alive_after_its_exception_is_a_crash_and_is_killed_alone(
         tmp_path: Path) -> None:
     """A launcher (here a shell) whose rank raised but lives on (a leftover non-daemon
-    thread): no exit ever comes; the rank's record is the crash, at once, and the command is
-    killed ``crash_grace_s`` later rather than left to a hang threshold. The rank runs in a
-    session of its own (as torchrun starts its workers): the kill reaches it all the same."""
+    thread): no exit ever comes; the rank's record is the crash, at once, and ``crash_grace_s``
+    later that rank's process alone is killed, so that its launcher sees it end and decides
+    (the shell passes the rank's status on; torchrun would restart its workers). The launcher
+    itself is never killed for a rank's death: that ended torchrun's own worker restart. The
+    rank runs in a session of its own (as torchrun starts its workers)."""
     from robust_helpers import scenario_env
 
     from bootseer.robust.detect import HangDetector
@@ -186,18 +188,21 @@ def test_a_rank_kept_alive_after_its_exception_is_a_crash_and_its_command_is_kil
     agent = Agent(trace, "solo", hang=HangDetector(60.0), log=logs.append)
     pid_file = tmp_path / "rank.pid"
     sup = Supervisor(["sh", "-c", f'RANK=4 setsid "{sys.executable}" "{rank}" "{pid_file}"; '
-                                  "echo never"],
+                                  'code=$?; echo "launcher: rank ended $code" >&2; exit $code'],
                      env=scenario_env(), trace=trace, restart=RestartPolicy(0),
                      hang=HangPolicy(0.0), agent=agent, crash_grace_s=1.0, log=logs.append)
     code = sup.run()
-    assert code == 128 + 9  # killed by the wrapper, with its leftover thread
-    assert sup.attempts[0].reason == "crashed"
+    assert code == 128 + 9  # the launcher's own exit: its rank was killed with SIGKILL
+    assert sup.attempts[0].reason == "exited"
     event = _one_crash(tmp_path / "trace")
     assert (event.failure_class, event.rank, event.evidence["exception"]) == (
         "python_exception", 4, "ValueError")
     assert event.evidence["detected_by"] == "rank_exception"
     assert event.evidence["lines"][-1] == "ValueError: bad batch"
-    assert any("still runs 1s after rank 4 died: killing it" in line for line in logs), logs
+    pid = int(pid_file.read_text())
+    assert any(f"rank 4 (pid {pid}) raised 1s ago and its process still runs" in line
+               for line in logs), logs
+    assert not any("killing it" in line for line in logs), logs
     assert any("verdict: crash python_exception (ValueError) rank 4" in line for line in logs)
     left = int(pid_file.read_text())
     deadline = time.monotonic() + 30

@@ -75,7 +75,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         extra = run_startup(plan, trace=trace, attempt=attempt, base_env=base_env)
         return {**extra, **colltrace.child_env(attempt)} if colltrace else extra
 
-    hang = HangPolicy(cfg.hang.timeout_s, cfg.hang.dump_wait_s)
+    hang = HangPolicy(cfg.hang.timeout_s, cfg.hang.dump_wait_s, cfg.hang.startup_s)
     detector = None
     if hang.timeout_s > 0:
         detector = HangDetector(hang.timeout_s)
@@ -102,6 +102,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                               cfg.restart.backoff_max_s),
         hang=hang, agent=agent, tail_lines=cfg.run.log_tail_lines, remote=remote,
         remote_wait_s=cfg.controller.wait_s, versions=versions,
+        crash_grace_s=cfg.hang.crash_grace_s,
         preload=[m.strip() for m in cfg.run.preload.split(",")], standby=cfg.run.standby)
     try:
         code = supervisor.run()

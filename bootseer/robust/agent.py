@@ -81,14 +81,25 @@ class Agent:
         """Fresh detectors: a NaN or a stall of the last attempt is not this one's."""
         self.attempt = attempt
         self.progress.append(None)
+        self._fresh_detectors()
+        self._oom_before = oom_kills(self._cgroup) if self._cgroup else 0
+        if self.colltrace is not None:
+            self.colltrace.start(attempt)
+
+    def relaunched(self) -> None:
+        """The launcher (torchrun) restarted its workers inside this attempt: fresh hang and
+        metric detectors and collective analysis for the new ranks (a silence or a ring of
+        the dead ones is not theirs), the attempt's progress kept."""
+        self._fresh_detectors()
+        if self.colltrace is not None:
+            self.colltrace.start(self.attempt)
+
+    def _fresh_detectors(self) -> None:
         self.metrics = MetricDetector()
         t = self._hang_template
         self.hang = None if t is None else HangDetector(
             t.timeout_s, k=t.k, floor_s=t.floor_s, warmup_steps=t.warmup_steps,
             initial_s=t.initial_s)
-        self._oom_before = oom_kills(self._cgroup) if self._cgroup else 0
-        if self.colltrace is not None:
-            self.colltrace.start(attempt)
 
     def observe(self, beat: Beat) -> Verdict | None:
         """A heartbeat; a verdict whose action needs the command killed now (a NaN), or None."""

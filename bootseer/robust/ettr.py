@@ -43,7 +43,7 @@ from ..trace import Span, read_traces
 from .events import Event, Verdict, read_records
 
 __all__ = ["STARTUP_PHASES", "EttrReport", "Incident", "compute_ettr", "job_attempts",
-           "read_ettr"]
+           "job_launches", "read_ettr"]
 
 STARTUP_PHASES = ("environment", "checkpoint_prefetch", "image_prefetch", "command_start")
 
@@ -64,6 +64,7 @@ class Incident:
     failed_attempt_s: float = 0.0
     other_s: float = 0.0
     recomputation_s: float | None = None
+    generation: int = 0  # the launch of the ranks that failed (the launcher's restarts)
 
     def split(self) -> dict[str, float]:
         """Seconds per part, in order; they add up to ``end - start``."""
@@ -116,7 +117,8 @@ class EttrReport:
     def to_dict(self) -> dict[str, Any]:
         return {"start": self.start, "end": self.end, "wall_s": self.wall_s,
                 "productive_s": self.productive_s, "ettr": self.ettr,
-                "incidents": [{"attempt": i.attempt, "reason": i.reason,
+                "incidents": [{"attempt": i.attempt, "generation": i.generation,
+                               "reason": i.reason,
                                "class": i.failure_class, "start": i.start, "end": i.end,
                                "split": i.split(), "recomputation_s": i.recomputation_s}
                               for i in self.incidents]}
@@ -173,12 +175,84 @@ def job_attempts(spans: Iterable[Span]) -> list[Span]:
             if (s.node, s.attempt) in epoch_of else s for s in spans]
 
 
+def job_launches(spans: Sequence[Span]) -> list[Span]:
+    """The spans keyed by (job attempt, job launch), ``relaunch`` spans renamed ``restart``.
+
+    A launcher that restarted its ranks inside an attempt (torchrun's own restart: the
+    agent's ``relaunch`` spans, and ``generation`` on the new ranks' spans) splits it into
+    launches, each accounted like an attempt. Nodes count launches on their own (a fresh node
+    starts at 0, and a replacement reuses the lost node's name: its spans are told apart by
+    the command's pid), so the job's launch ``k`` is the k-th group of relaunches that
+    overlap in time (one rendezvous round: every node restarts its workers on the same
+    failure, and none has its new ranks before the round completes), and a node's first
+    launch belongs to the newest group that began before it: a replacement node joins the
+    round of the loss it replaces."""
+    spans = list(spans)
+    relaunches = sorted((s for s in spans if s.phase == "relaunch"), key=lambda s: s.start)
+    groups: list[list[float]] = []  # [start, end] of each job launch's relaunches
+    for r in relaunches:
+        if groups and r.start <= groups[-1][1]:
+            groups[-1][1] = max(groups[-1][1], r.end)
+        else:
+            groups.append([r.start, r.end])
+
+    def group_of(when: float) -> int:  # the job launch a node's launch begun at `when` is in
+        return sum(1 for g in groups if g[0] <= when)
+
+    runs = _node_runs(spans)
+    begins: dict[tuple[Any, ...], float] = {}  # a node run's first launch: its start
+    for s, run in zip(spans, runs, strict=True):
+        if s.phase != "relaunch":
+            begins[run] = min(begins.get(run, s.start), s.start)
+    launch_of = {(run, _generation(s)): group_of(s.start)
+                 for s, run in zip(spans, runs, strict=True) if s.phase == "relaunch"}
+
+    def key(s: Span, run: tuple[Any, ...]) -> tuple[int, int]:
+        gen = _generation(s)
+        if gen:
+            return (s.attempt, launch_of.get((run, gen), 0))
+        return (s.attempt, group_of(begins.get(run, s.start)))
+
+    return [dataclasses.replace(s, phase="restart" if s.phase == "relaunch" else s.phase,
+                                attempt=key(s, run)) for s, run in zip(spans, runs, strict=True)]
+
+
+def _node_runs(spans: Sequence[Span]) -> list[tuple[Any, ...]]:
+    """Each span's run of ``bootseer run``'s command: (node, attempt, the command's pid).
+    A span without the pid (the startup phases, the backoff) is the next command start's of
+    its node and attempt (the last one's when none follows)."""
+    starts: dict[tuple[Any, int], list[tuple[float, Any]]] = defaultdict(list)
+    for s in spans:
+        if s.phase == "command_start":
+            starts[(s.node, s.attempt)].append((s.start, (s.detail or {}).get("pid")))
+    for found in starts.values():
+        found.sort(key=lambda x: x[0])
+    runs = []
+    for s in spans:
+        pid = (s.detail or {}).get("pid")
+        found = starts.get((s.node, s.attempt), [])
+        if pid is None or s.phase not in _WITH_COMMAND_PID:
+            later = [p for t, p in found if t >= s.start - 1e-3]
+            pid = later[0] if later else (found[-1][1] if found else None)
+        runs.append((s.node, s.attempt, pid))
+    return runs
+
+
+#: spans whose ``pid`` is the command's (the run they belong to)
+_WITH_COMMAND_PID = ("command_start", "first_step", "hang", "relaunch", "controller_stop")
+
+
+def _generation(span: Span) -> int:
+    gen = (span.detail or {}).get("generation")
+    return gen if isinstance(gen, int) and gen > 0 else 0
+
+
 def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (), *,
                  start: float | None = None, end: float | None = None) -> EttrReport:
     """The report of one job from its spans (every node's, attempts aligned by
     :func:`job_attempts`) and event records. ``end``: the end of the job (default: the last
     time the trace holds); ``start``: its start (default: the start of the first attempt)."""
-    spans = job_attempts(spans)
+    spans = job_launches(job_attempts(spans))
     by = defaultdict(list)
     for s in spans:
         by[(s.phase, s.attempt)].append(s)
@@ -189,8 +263,11 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
 
     def attempt_start(a: int) -> float:
         first = by.get(("first_step", a))
-        return min(s.start for s in first) if first else min(
-            s.start for s in spans if s.attempt == a and s.phase != "restart")
+        if first:
+            return min(s.start for s in first)
+        own = [s.start for s in spans if s.attempt == a and s.phase != "restart"]
+        # a launch that never stepped and left no other span: from its relaunch's end
+        return min(own) if own else max(s.end for s in by[("restart", a)])
 
     def ready(a: int) -> float | None:
         first = by.get(("first_step", a))
@@ -246,10 +323,14 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
             r_next = None
         else:
             inc_end = r_next
-        startup = {"restart": restart.seconds}
-        covered = f["detection"] + f["localization"] + f["teardown"] + restart.seconds
+        # a replacement node's start overlaps the others' restart (they wait for it in the
+        # rendezvous): the restart ends where the next attempt's first node began
+        waited = restart.seconds if r_next is None else max(
+            0.0, min(restart.seconds, attempt_start(nxt) - restart.start))
+        startup = {"restart": waited}
+        covered = f["detection"] + f["localization"] + f["teardown"] + waited
         if r_next is not None:
-            t0 = attempt_start(nxt)
+            t0 = max(attempt_start(nxt), restart.start)
             for phase in STARTUP_PHASES:
                 found = [s for s in by.get((phase, nxt), []) if t0 <= s.start <= r_next]
                 if found:
@@ -263,7 +344,7 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
         if recompute is not None and r_next is not None:
             recompute_before[nxt] = recompute
         incidents.append(Incident(
-            attempt=a, reason=f["reason"], failure_class=f["cls"], start=f["fail"],
+            attempt=a[0], generation=a[1], reason=f["reason"], failure_class=f["cls"], start=f["fail"],
             end=inc_end, detection_s=f["detection"], localization_s=f["localization"],
             teardown_s=f["teardown"], startup_s=startup, failed_attempt_s=failed,
             other_s=max(0.0, (inc_end - f["fail"]) - covered), recomputation_s=recompute))

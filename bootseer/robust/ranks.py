@@ -113,6 +113,8 @@ class RankWatch:
         self._records: dict[int, dict[str, Any]] = {}  # pid -> its newest record
         self.ended_normally: list[int] = []  # ranks whose process ended normally (drained
         # by the caller: the agent stops counting their silence as a hang)
+        self.started: list[tuple[int, int, float]] = []  # (rank, pid, time) of each rank
+        # process first seen (drained by the caller: a launcher that restarted its workers)
 
     def fds(self) -> list[int]:
         """Descriptors that become readable when a watched rank exits."""
@@ -143,6 +145,7 @@ class RankWatch:
                 continue
             self._records[pid] = doc
             if pid not in self._fds:
+                self.started.append((rank, pid, time.time()))
                 try:
                     self._fds[pid] = (os.pidfd_open(pid), rank)
                 except OSError:  # already gone: its status (or its absence) says how
@@ -172,6 +175,11 @@ class RankWatch:
         self._done.add(pid)
         if fd >= 0:
             os.close(fd)
+
+    def live(self) -> dict[int, int]:
+        """The watched rank processes still running: pid -> rank."""
+        return {pid: rank for pid, (fd, rank) in self._fds.items()
+                if fd >= 0 and not select.select([fd], [], [], 0)[0]}
 
     def close(self) -> None:
         for pid in list(self._fds):
