@@ -32,6 +32,7 @@ import pytest
 from cli_helpers import background_log, bootseer_cli, remove_background_log
 from containerd_helpers import SnapshotterProcess
 from lazy_view_helpers import (
+    PRE_1970,
     Member,
     Scan,
     build_layers,
@@ -80,12 +81,15 @@ class Node:
             proxy_snapshotters={"bootseer": self.snapshotter.address})
 
     @contextlib.contextmanager
-    def view(self, snapshotter: str, chain_id: str, target: Path) -> Iterator[Path]:
-        """A read-only view of snapshot ``chain_id`` mounted at ``target``, as containerd
-        mounts a container's root (the snapshotter's own mounts, mount(8) for each)."""
+    def view(self, snapshotter: str, chain_id: str, target: Path, namespace: str = ""
+             ) -> Iterator[Path]:
+        """A read-only view of snapshot ``chain_id`` (of ``namespace``, default containerd's)
+        mounted at ``target``, as containerd mounts a container's root (the snapshotter's
+        own mounts, mount(8) for each)."""
         target.mkdir()
         key = f"view-{target.name}"
-        with (ContainerdClient(self.containerd.address, self.containerd.namespace) as client,
+        with (ContainerdClient(self.containerd.address,
+                               namespace or self.containerd.namespace) as client,
               client.lease() as ctd):  # nothing is collected while the lease lives
             mounts = ctd.view_snapshot(snapshotter, key, chain_id)
             assert len(mounts) == 1, mounts
@@ -174,6 +178,37 @@ def test_lazy_layers_over_an_unpacked_base_equal_containerds_unpack(stack, priva
         paths = {p: v for p, v in lazy.paths.items() if not p.startswith(b".bootseer")}
         _assert_same(reference, Scan(paths, lazy.links))
         _tools_walk(target)
+
+
+def test_lazy_snapshots_written_out_for_an_unconverted_image_equal_containerds_unpack(
+        stack, registry, private_dir: Path) -> None:
+    """The converted image pulled first (every layer lazy), then its unconverted original in
+    another namespace (``bootseer image pull``'s default beside CRI's ``k8s.io``): every
+    chain ID is there, lazily. The snapshotter writes those snapshots out whole
+    (prefetch/containerd/materialize.py), and with the registry gone the original's tree
+    equals containerd's own unpack path by path."""
+    node, refs, reference, started = stack
+    assert pull_image(refs["lazy"], node.containerd.address,
+                      namespace=node.containerd.namespace).lazy_layers == 3
+    full = pull_image(refs["full"], node.containerd.address, namespace="gzip")
+    log = node.snapshotter.log_path.read_text()
+    assert log.count("written out whole") == 3, log
+    registry.stop()
+    with node.view("bootseer", full.chain_id, private_dir / "whole", "gzip") as target:
+        _assert_same(reference, scan(target, unpacked_after_ns=started))
+        _tools_walk(target)
+
+
+def test_the_snapshotters_fuse_replies_carry_times_before_1970() -> None:
+    """The snapshotter's FUSE replies packed times unsigned: a stat of a file dated before
+    1970 (an unpacked directory's, which a view shows for a parent it implies) failed with
+    struct.error, EIO in the container. A timespec's nanoseconds stay in [0, 10**9)."""
+    from prefetch.containerd import fuseproto
+
+    fields = fuseproto.ATTR.unpack(fuseproto.attr(
+        {"st_atime": 0, "st_mtime": -1_500_000_000, "st_ctime": PRE_1970}, 7))
+    assert fields[3:6] == (0, -2, PRE_1970 // 10**9)
+    assert fields[6:9] == (0, 500_000_000, PRE_1970 % 10**9)
 
 
 def _tools_walk(root: Path) -> None:
