@@ -8,6 +8,8 @@ RunPodSandbox, CreateContainer, StartContainer, ImageFsInfo).
   converted image lazy.
 - A registry mirror in containerd's hosts config: a snapshotter given the same config reads
   the mirror and serves converted layers lazily; one that is not falls back.
+- An unconverted image sharing its base with a converted one pulled before it starts with the
+  registry down (the snapshotter wrote the lazy base out whole during the pull).
 - In every case the pods start and the files their containers read are the image's bytes;
   ``ImageFsInfo`` names the snapshotter's root, which exists and has a capacity, and counts
   the bytes of lazy layers.

@@ -5,7 +5,10 @@ into containerd's overlayfs snapshotter (the default one, the one Kubernetes run
 with ``ctr images mount``. The same image, converted, is mounted lazily alone
 (``bootseer image mount``), and in a mixed stack under the bootseer snapshotter: an unconverted
 image sharing the base layer pulled first (unpacked by containerd), then the converted image,
-whose upper layers are lazy above that unpacked base (one FUSE view as an overlayfs lowerdir).
+whose upper layers are lazy above that unpacked base (one FUSE view as an overlayfs lowerdir);
+and, the other way round, the converted image pulled first and the unconverted one after it
+in another namespace, which makes the snapshotter write its lazy snapshots out whole (read
+with the registry stopped).
 Every path is compared: type, mode, owner, size, mtime (ns), link target (bytes), device
 numbers, xattrs, sha256 of the content, and which paths share an inode
 (tests/lazy_view_helpers.py builds the layers and does the comparison).
@@ -197,6 +200,34 @@ def test_lazy_snapshots_written_out_for_an_unconverted_image_equal_containerds_u
     with node.view("bootseer", full.chain_id, private_dir / "whole", "gzip") as target:
         _assert_same(reference, scan(target, unpacked_after_ns=started))
         _tools_walk(target)
+
+
+def test_a_whiteout_is_dropped_where_overlayfs_does_not_merge_the_directory(
+        tmp_path: Path) -> None:
+    """Layer 1 makes the unpacked layer's symlink ``s2d`` a directory, layer 2 deletes a file
+    in it: overlayfs does not merge the view's ``s2d`` with a symlink, so it listed the
+    whiteout left there (a name nobody can stat). Where the directory below is merged, or a
+    nearer unpacked layer's opaque directory or whiteout hides it, that is what counts."""
+    below = tmp_path / "unpacked"
+    (below / "etc").mkdir(parents=True)
+    (below / "etc/gone").write_bytes(b"deleted above\n")
+    (below / "opq").mkdir()
+    os.symlink("usr", below / "s2d")
+    nearer = tmp_path / "nearer"
+    (nearer / "opq").mkdir(parents=True)
+    os.setxattr(nearer / "opq", "trusted.overlay.opaque", b"y")
+    (below / "opq/sub").mkdir()
+    tree = merge_layers([[E("s2d", "dir"), E("s2d/inside.txt"), E("s2d/kept"),
+                          E("opq/sub/f")],
+                         [E("s2d/.wh.inside.txt"), E("etc/.wh.gone"), E("opq/sub/.wh.f")]],
+                        overlay=True, below=lower_dirs([str(nearer), str(below)]))
+    assert sorted(tree.lookup("s2d").children) == ["kept"]
+    assert sorted(tree.lookup("etc").children) == ["gone"]  # a whiteout: etc is merged
+    assert tree.lookup("etc/gone").mode() == stat.S_IFCHR
+    assert tree.lookup("opq/sub").children == {}  # the nearer opaque opq hides opq/sub
+    kept = merge_layers([[E("s2d", "dir"), E("s2d/x")], [E("s2d/.wh.x")]], overlay=True,
+                        below=lower_dirs([str(below)]), keep_whiteouts=True)
+    assert list(kept.lookup("s2d").children) == ["x"]  # one layer's own directory
 
 
 def test_the_snapshotters_fuse_replies_carry_times_before_1970() -> None:

@@ -13,7 +13,10 @@ Semantics follow containerd's own overlayfs snapshotter: an active snapshot with
 bind mount of its directory, with parents an overlay whose lowerdirs are the parents'
 directories, nearest first; a view of one parent is a read-only bind mount of it. A lazy
 snapshot (a converted layer, committed at Prepare time and reported ALREADY_EXISTS) has no
-directory: its lazy view stands for it and for the lazy parents below it.
+directory: its lazy view stands for it and for the lazy parents below it, until a normal pull
+comes to stand on it: then it is written out whole into ``snapshots/<id>/fs`` first
+(materialize.py; docs/containerd.md, "An unconverted image never reads the registry after its
+pull"), and every later mount on it uses that directory, while the views above it keep it.
 
 Modes, as containerd's own snapshotters after CVE-2021-41103, whatever the umask: the root,
 ``snapshots/``, each ``snapshots/<id>``, ``lazy/`` (and the lazy mount's own root) and
@@ -256,8 +259,8 @@ class Snapshotter:
         (materialize.py), so that nothing on it reads the registry again. Raises
         UNAVAILABLE (the registry cannot be read now: the pull fails, the kubelet tries it
         again) or FAILED_PRECONDITION (the layer is not the one its chain ID names)."""
-        if self.remote is None:
-            return
+        if self.remote is None or self.db.find(name) is None:
+            return  # a missing parent: the Prepare fails, naming it
         for snap in reversed(self.db.chain(name)):
             if not _complete(snap):
                 with self._materializing(snap.id):
