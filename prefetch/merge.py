@@ -323,30 +323,33 @@ class _Builder:
         deletes ``d/f``: containerd's own stack merges layer 3's ``d`` with layer 2's, the
         tree's ``d`` has nothing below it)."""
         assert self.below is not None
-        merged: dict[tuple[str, ...], bool] = {(): True}
+        below = self.below
+        merged: dict[tuple[str, ...], bool] = {(): True}  # asked of dirs holding whiteouts
 
-        def is_merged(path: tuple[str, ...], node: Node) -> bool:
-            known = merged.get(path)
-            if known is None:
-                known = merged[path] = (not node.opaque and is_merged(path[:-1], parents[path])
-                                        and self.below("/".join(path)) is not None)
-            return known
+        def is_merged(path: tuple[str, ...], nodes: list[Node]) -> bool:
+            """``nodes``: the directories from the root's child to ``path``'s."""
+            depth = len(path)
+            while path[:depth] not in merged:  # the nearest ancestor already decided
+                depth -= 1
+            for i in range(depth + 1, len(path) + 1):
+                merged[path[:i]] = (merged[path[:i - 1]] and not nodes[i - 1].opaque
+                                    and below("/".join(path[:i])) is not None)
+            return merged[path]
 
-        parents: dict[tuple[str, ...], Node] = {}
         dropped = 0
-        stack: list[tuple[tuple[str, ...], Node]] = [((), self.tree.root)]
+        stack: list[tuple[tuple[str, ...], list[Node]]] = [((), [])]
         while stack:
-            path, node = stack.pop()
+            path, nodes = stack.pop()
+            node = nodes[-1] if nodes else self.tree.root
             assert node.children is not None
             whiteouts = [n for n, c in node.children.items() if isinstance(c.entry, _Whiteout)]
-            if whiteouts and not is_merged(path, node):
+            if whiteouts and not is_merged(path, nodes):
                 for name in whiteouts:
                     del node.children[name]
                 dropped += len(whiteouts)
             for name, child in node.children.items():
                 if child.is_dir:
-                    parents[(*path, name)] = node
-                    stack.append(((*path, name), child))
+                    stack.append(((*path, name), [*nodes, child]))
         return dropped
 
 
