@@ -117,11 +117,12 @@ class FrameFetcher:
             worker.start()
 
     # -- the two entry points ---------------------------------------------------------------
-    def frame(self, blob: Blob, i: int) -> bytes:
+    def frame(self, blob: Blob, i: int, *, record: bool = True) -> bytes:
         """Frame ``i`` of ``blob``, decompressed and checked: what a read waits for (jumps the
-        queue)."""
+        queue). ``record=False``: not a program's read (a whole layer written to disk), so
+        neither counted nor reported to ``on_access`` (a profile records what starts read)."""
         key = (blob.digest, blob.index_digest, i)
-        first = key not in self._seen
+        first = record and key not in self._seen
         if first:
             self._seen.add(key)
             self.stats.frames_read += 1

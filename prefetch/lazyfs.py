@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .fetcher import Blob, FrameFetcher
-from .merge import LowerDir, MergedTree, Node, merge_layers
+from .merge import LowerDir, MergedTree, Node, merge_layers, unpack_time
 
 log = logging.getLogger(__name__)
 
@@ -108,15 +108,19 @@ class LazyImage:
 
     def __init__(self, layers: Sequence[Layer], fetcher: FrameFetcher, *,
                  overlay: bool = False,
-                 below: Callable[[str], LowerDir | None] | None = None) -> None:
+                 below: Callable[[str], LowerDir | None] | None = None,
+                 keep_whiteouts: bool = False) -> None:
         self.layers = list(layers)
         self.fetcher = fetcher
         self.tree: MergedTree = merge_layers((layer.entries for layer in self.layers),
-                                             overlay=overlay, below=below)
+                                             overlay=overlay, below=below,
+                                             keep_whiteouts=keep_whiteouts)
         for problem in self.tree.problems:  # left out of the view; the rest is served
             log.error("%s (containerd's own unpack refuses such a layer)", problem)
 
-    def read(self, node: Node, offset: int, size: int) -> bytes:
+    def read(self, node: Node, offset: int, size: int, *, record: bool = True) -> bytes:
+        """``size`` bytes of ``node``'s file from ``offset`` (``record``: see
+        :meth:`FrameFetcher.frame`)."""
         data_node = node.data
         entry = data_node.entry
         if entry is None or entry.type not in ("reg", "hardlink"):
@@ -126,16 +130,17 @@ class LazyImage:
             return b""
         self.layers[data_node.layer].require_header(self.fetcher, entry)
         if getattr(entry, "sparse", None):
-            return self._read_sparse(data_node, entry, offset, size)
-        return self._read_stream(data_node.layer, entry.offset + offset, size)
+            return self._read_sparse(data_node, entry, offset, size, record)
+        return self._read_stream(data_node.layer, entry.offset + offset, size, record)
 
-    def _read_stream(self, layer_index: int, start: int, size: int) -> bytes:
+    def _read_stream(self, layer_index: int, start: int, size: int, record: bool = True
+                     ) -> bytes:
         layer = self.layers[layer_index]
         end = start + size
         parts = []
         for i in layer.frames_for(start, end):
             frame = layer.blob.frames[i]
-            raw = self.fetcher.frame(layer.blob, i)
+            raw = self.fetcher.frame(layer.blob, i, record=record)
             lo = max(start, frame.u_offset) - frame.u_offset
             hi = min(end, frame.u_offset + frame.u_size) - frame.u_offset
             parts.append(raw[lo:hi])
@@ -144,14 +149,15 @@ class LazyImage:
             raise FuseOSError(errno.EIO)
         return data
 
-    def _read_sparse(self, node: Node, entry: Any, offset: int, size: int) -> bytes:
+    def _read_sparse(self, node: Node, entry: Any, offset: int, size: int, record: bool
+                     ) -> bytes:
         out = bytearray(size)  # holes read as zeros
         stored = entry.offset
         for ext_offset, length in entry.sparse:
             lo, hi = max(offset, ext_offset), min(offset + size, ext_offset + length)
             if lo < hi:
                 out[lo - offset:hi - offset] = self._read_stream(
-                    node.layer, stored + (lo - ext_offset), hi - lo)
+                    node.layer, stored + (lo - ext_offset), hi - lo, record)
             stored += length
         return bytes(out)
 
@@ -177,7 +183,7 @@ class LazyOperations(Operations):  # type: ignore[misc,valid-type]
         node = self._node(path)
         entry, meta = node.data.entry, node.meta
         # An implied directory has no time of its own (containerd's is the unpack's).
-        mtime = meta.mtime_ns if meta is not None else self.mounted_at
+        mtime = unpack_time(meta.mtime_ns) if meta is not None else self.mounted_at
         st: dict[str, Any] = {
             "st_mode": node.mode(), "st_ino": self.ino_base | node.ino,
             "st_nlink": node.data.nlink,

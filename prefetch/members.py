@@ -35,7 +35,7 @@ import struct
 import tarfile
 import zlib
 from collections.abc import Callable, Iterable
-from decimal import Decimal, InvalidOperation
+from decimal import ROUND_DOWN, Decimal, InvalidOperation
 from typing import Any
 
 from .safety import (
@@ -48,6 +48,7 @@ from .safety import (
 from .toc import (
     MAX_HEADER_CHAIN,
     MAX_ID,
+    MAX_MTIME_NS,
     RULE_COMPLETE,
     RULE_MATCH,
     TAR_BLOCK,
@@ -74,13 +75,15 @@ class ConvertError(ValueError):
 
 
 def _mtime_ns(info: tarfile.TarInfo) -> int:
+    """The member's mtime in ns as Go's archive/tar reads it (so containerd): a PAX time's
+    digits past the ninth are dropped (truncated toward zero, not rounded)."""
     text = info.pax_headers.get("mtime")
     if text is not None:
         try:
-            return int(Decimal(text).scaleb(9).to_integral_value())
+            return int(Decimal(text).scaleb(9).to_integral_value(rounding=ROUND_DOWN))
         except (InvalidOperation, ValueError):
             pass
-    return int(Decimal(str(info.mtime)).scaleb(9).to_integral_value())
+    return int(Decimal(str(info.mtime)).scaleb(9).to_integral_value(rounding=ROUND_DOWN))
 
 
 def tar_entry(info: tarfile.TarInfo, header_offset: int, end: int) -> TocEntry:
@@ -104,6 +107,10 @@ def tar_entry(info: tarfile.TarInfo, header_offset: int, end: int) -> TocEntry:
                         ("devminor", info.devminor)):
         if not 0 <= value <= MAX_ID:
             raise ConvertError(f"layer member {raw_name!r}: {what} {value} out of range")
+    mtime_ns = _mtime_ns(info)
+    if not -MAX_MTIME_NS <= mtime_ns <= MAX_MTIME_NS:
+        raise ConvertError(f"layer member {raw_name!r}: mtime {mtime_ns} ns is out of range "
+                           "(Go's archive/tar, and so containerd, refuses it too)")
     xattrs = {}
     for key, value in info.pax_headers.items():
         if key.startswith(XATTR_PREFIX) and len(key) > len(XATTR_PREFIX):
@@ -119,7 +126,7 @@ def tar_entry(info: tarfile.TarInfo, header_offset: int, end: int) -> TocEntry:
                            f"bytes of headers (at most {MAX_HEADER_CHAIN})")
     entry = TocEntry(
         name=name, type=kind, mode=info.mode & 0o7777, uid=info.uid, gid=info.gid,
-        uname=info.uname or "", gname=info.gname or "", size=size, mtime_ns=_mtime_ns(info),
+        uname=info.uname or "", gname=info.gname or "", size=size, mtime_ns=mtime_ns,
         link=link, devmajor=info.devmajor if kind in ("char", "block") else 0,
         devminor=info.devminor if kind in ("char", "block") else 0, xattrs=xattrs,
         offset=info.offset_data, header_offset=header_offset, sparse=sparse)

@@ -21,7 +21,12 @@ snapshotter (the one Kubernetes runs) applies them, each layer into its own dire
   image: an absolute target starts at the root, ``..`` stops there), for the member's own
   path and for a hardlink's target; a symlink of a lower layer is not (containerd creates
   the directory in the layer's own directory, which hides the link);
-* the image's root directory is containerd's (0755, root): a layer's ``./`` entry is ignored.
+* the image's root directory is containerd's (0755, root): a layer's ``./`` entry is ignored;
+* a time outside what a Go time of nanoseconds holds from 1970 on (before 1970-01-01, after
+  2262-04-11: 2**63 - 1 ns) is shown as 0, as containerd's unpack sets it (its archive
+  package's ``boundTime``) (:func:`unpack_time`);
+* in a tree meant for overlayfs (``overlay=True``), a whiteout is kept only in a directory
+  that overlayfs merges with the layers below (see :func:`merge_layers`).
 
 Nothing a layer holds breaks the whole tree: a member that cannot be applied (a hardlink to
 nothing, too many symlinks on a path) is left out and named in :attr:`MergedTree.problems`
@@ -115,6 +120,15 @@ class MergedTree:
             if node.children:
                 for name in sorted(node.children, reverse=True):
                     stack.append((f"{path}/{name}" if path else name, node.children[name]))
+
+
+MAX_UNPACK_TIME_NS = 2**63 - 1  # containerd's maxTime on 64-bit Linux: time.Unix(0, 1<<63-1)
+
+
+def unpack_time(ns: int) -> int:
+    """The time (ns) containerd's unpack gives a file whose header says ``ns``: one before
+    1970 or past 2262 becomes 0 (``boundTime`` in containerd's archive package)."""
+    return ns if 0 <= ns <= MAX_UNPACK_TIME_NS else 0
 
 
 def _parts(path: str) -> list[str]:
@@ -298,8 +312,50 @@ class _Builder:
         return target
 
 
+    def drop_unmerged_whiteouts(self) -> int:
+        """Remove the whiteouts of every directory overlayfs will not merge with a directory
+        below (returns how many). overlayfs filters whiteouts out of a listing only in a
+        merged directory; in any other it lists them as they are, names that cannot be
+        stat-ed (``ls -l``, ``find`` and ``cp -a`` fail). They hide nothing there: a
+        directory is merged only when it is not opaque, its parent is merged and a layer
+        below holds a directory at its path. Such whiteouts come from stacking several
+        layers into one tree (layer 2 makes layer 1's symlink ``d`` a directory, layer 3
+        deletes ``d/f``: containerd's own stack merges layer 3's ``d`` with layer 2's, the
+        tree's ``d`` has nothing below it)."""
+        assert self.below is not None
+        below = self.below
+        merged: dict[tuple[str, ...], bool] = {(): True}  # asked of dirs holding whiteouts
+
+        def is_merged(path: tuple[str, ...], nodes: list[Node]) -> bool:
+            """``nodes``: the directories from the root's child to ``path``'s."""
+            depth = len(path)
+            while path[:depth] not in merged:  # the nearest ancestor already decided
+                depth -= 1
+            for i in range(depth + 1, len(path) + 1):
+                merged[path[:i]] = (merged[path[:i - 1]] and not nodes[i - 1].opaque
+                                    and below("/".join(path[:i])) is not None)
+            return merged[path]
+
+        dropped = 0
+        stack: list[tuple[tuple[str, ...], list[Node]]] = [((), [])]
+        while stack:
+            path, nodes = stack.pop()
+            node = nodes[-1] if nodes else self.tree.root
+            assert node.children is not None
+            whiteouts = [n for n, c in node.children.items() if isinstance(c.entry, _Whiteout)]
+            if whiteouts and not is_merged(path, nodes):
+                for name in whiteouts:
+                    del node.children[name]
+                dropped += len(whiteouts)
+            for name, child in node.children.items():
+                if child.is_dir:
+                    stack.append(((*path, name), [*nodes, child]))
+        return dropped
+
+
 def merge_layers(layers: Iterable[Iterable[Any]], *, overlay: bool = False,
-                 below: Callable[[str], LowerDir | None] | None = None) -> MergedTree:
+                 below: Callable[[str], LowerDir | None] | None = None,
+                 keep_whiteouts: bool = False) -> MergedTree:
     """Stack TOC entries (``name``, ``type``, ``link``, ``mode``...) of layers, lowest
     first, into one tree (the rules: the module's docstring).
 
@@ -308,7 +364,10 @@ def merge_layers(layers: Iterable[Iterable[Any]], *, overlay: bool = False,
     stay visible the overlayfs way, a whiteout as a 0:0 character device and an opaque
     directory as a node with ``opaque`` set (presented as ``trusted.overlay.opaque=y``);
     ``below(path)`` says what directory those layers hold at a path the tree only implies
-    (overlayfs shows the upper directory's metadata)."""
+    (overlayfs shows the upper directory's metadata), and which directories overlayfs merges:
+    a whiteout in one it does not merge is dropped (:meth:`_Builder.drop_unmerged_whiteouts`)
+    unless ``keep_whiteouts`` (one layer's own directory, as containerd unpacks it, or
+    ``below`` not knowing every layer below)."""
     build = _Builder(overlay, below)
     for index, entries in enumerate(layers):
         entries = list(entries)
@@ -321,6 +380,8 @@ def merge_layers(layers: Iterable[Iterable[Any]], *, overlay: bool = False,
             parts = _parts(entry.name)
             if parts and not parts[-1].startswith(WHITEOUT):
                 build.member(entry, parts, index)
+    if build.below is not None and not keep_whiteouts:
+        build.drop_unmerged_whiteouts()
     return build.tree
 
 

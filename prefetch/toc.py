@@ -105,6 +105,9 @@ MAX_XATTRS = 1024  # per entry
 MAX_XATTR_BYTES = 1 << 20  # per entry, names and values together
 MAX_ID = 2**32 - 1  # uid, gid, devmajor, devminor
 MAX_INT = 2**63 - 1
+# mtimes in ns: whole seconds in Go's int64, as archive/tar (hence containerd) reads a header;
+# a time past 2262 (2**63 - 1 ns) is valid there, and shown by containerd's unpack as 1970.
+MAX_MTIME_NS = 2**63 * 10**9 - 1
 TAIL_GUESS = 256 << 10  # a first tail read of this size holds the whole index of most layers
 
 TYPES = ("reg", "dir", "symlink", "hardlink", "char", "block", "fifo")
@@ -373,8 +376,9 @@ class _TocChecker:
                 raise self.fail(f"{where}: {key} {value!r} is not an integer in [0, {hi}]")
             ints[key] = value
         mtime = doc.get("mtime", 0)
-        if not _is_int(mtime, -MAX_INT, MAX_INT):
-            raise self.fail(f"{where}: mtime {mtime!r} is not an integer")
+        if not _is_int(mtime, -MAX_MTIME_NS, MAX_MTIME_NS):
+            raise self.fail(f"{where}: mtime {mtime!r} is not an integer in "
+                            f"[-{MAX_MTIME_NS}, {MAX_MTIME_NS}]")
         names = {}
         for key in ("uname", "gname", "link"):
             value = doc.get(key, "")

@@ -7,16 +7,21 @@ Three layers, each a plain OCI tar layer:
   xattrs with binary values, character and block devices, fifos, a PAX 1.0 sparse file, long
   and odd names (spaces, a newline, bytes that are not UTF-8, leading dashes, 255-byte
   components, paths over 255 bytes), symlinks (absolute, relative, dangling, multi-byte and
-  non-UTF-8 targets), an mtime of 0 and nanosecond mtimes;
+  non-UTF-8 targets), an mtime of 0 and nanosecond mtimes, mtimes before 1970 and in 2400
+  (containerd's unpack shows any time outside [1970, 2262] as 0), a symlink ``s2d``;
 * layer 1, written header by header with Python's tarfile (PAX): a whiteout of a file, of a
   directory and of one name of a hardlink group, every file/dir/symlink/device/fifo type swap
   over layer 0, hardlinks within the layer (to a file, to a symlink, and through a symlinked
   directory), a member written through a symlinked directory, parents the layer does not list
   (new ones, and a 0700 one of layer 0 with an xattr),
-  a symlink whose header says 0755, a non-UTF-8 name, mtime 0, devices;
+  a symlink whose header says 0755, a non-UTF-8 name, mtime 0, devices, times before 1970
+  (with nanoseconds), in 2400 and with ten fractional digits, on files, a directory and a
+  hardlink's header; ``s2d`` made a directory holding ``inside.txt``;
 * layer 2, by GNU tar in its own format (``--format=gnu``): an opaque directory, a whiteout,
   GNU long names and long link targets, a file with holes (stored dense: containerd refuses
-  GNU's own sparse members), a file rewritten.
+  GNU's own sparse members), a file rewritten, and the whiteout of ``s2d/inside.txt`` (in a
+  mixed stack, layer 0 unpacked below, overlayfs does not merge ``s2d`` with layer 0's
+  symlink, so a whiteout left in the view's ``s2d`` would be listed).
 
 :func:`scan` records every path of a tree (type, mode, owner, size, mtime in ns, link target
 bytes, device numbers, xattrs, sha256 of the content, and which paths share an inode);
@@ -48,6 +53,8 @@ from prefetch.toc import LayerIndex
 from striped_fs.fuse import is_mounted, unmount, wait_mounted
 
 T0 = 1_700_000_000_123_456_789  # a nanosecond mtime
+PRE_1970 = -315_619_199_876_543_211  # 1960-01-01T00:00:00.123456789 (ext4 keeps it)
+Y2400 = 13_569_465_600_000_000_007  # 2400-01-01, past what a Go time.Time of ns holds
 BIG = hashlib.sha256(b"big").digest() * (3 << 15)  # 3 MiB: spans frames
 NON_UTF8 = b"\xff\xfe-latin1"
 LONG = "long-" * 30  # 150 bytes: past ustar's 100-byte name field
@@ -149,8 +156,13 @@ def _layer0(root: Path) -> bytes:
     times = _mkdir(root / "times")
     _write(times / "zero", b"mtime 0\n")
     _write(times / "y2100", b"mtime in 2100\n")
+    _write(times / "pre1970", b"mtime in 1960\n")
+    _write(times / "y2400", b"mtime in 2400\n")
+    _mkdir(times / "olddir")
+    os.symlink("usr", root / "s2d")  # layer 1 makes it a directory
     _times(root, {"times/zero": 0, "times/y2100": 4_102_444_800_000_000_001,
-                  "usr/lib/big.so": T0 + 1})
+                  "usr/lib/big.so": T0 + 1, "times/pre1970": PRE_1970, "times/y2400": Y2400,
+                  "times/olddir": PRE_1970 - 1, "s2d": PRE_1970})
     return _gnu_tar(root, "pax")
 
 
@@ -181,8 +193,9 @@ def tar(members: list[Member]) -> bytes:
             info.uid, info.gid, info.devmajor, info.devminor = m.uid, m.gid, *m.dev
             info.mtime = m.mtime_ns // 10**9
             info.pax_headers = dict(m.pax)
-            if m.mtime_ns % 10**9:  # tarfile would write a float: write the ns exactly
-                info.pax_headers["mtime"] = f"{m.mtime_ns // 10**9}.{m.mtime_ns % 10**9:09d}"
+            if m.mtime_ns % 10**9 and "mtime" not in m.pax:  # tarfile would write a float
+                sign, whole = "-" if m.mtime_ns < 0 else "", abs(m.mtime_ns)  # PAX: sign, digits
+                info.pax_headers["mtime"] = f"{sign}{whole // 10**9}.{whole % 10**9:09d}"
             if m.kind == tarfile.REGTYPE:
                 info.size = len(m.data)
             tf.addfile(info, io.BytesIO(m.data) if m.kind == tarfile.REGTYPE else None)
@@ -234,6 +247,20 @@ def _layer1() -> bytes:
             "SCHILY.xattr.user.text": "value", "SCHILY.xattr.user.bin": "\x00\udcff\x01"}),
         Member("new/-dash", data=b"-\n"),
         Member("home/user/.bashrc", data=b"set -o vi\n", uid=1000, gid=1000),  # parents unlisted
+        Member("old", D, mode=0o755, mtime_ns=-1),  # 1969-12-31T23:59:59.999999999
+        Member("old/neg-ns", data=b"-1.5 s\n", mtime_ns=-1_500_000_000),
+        Member("old/y2400", data=b"2400\n", mtime_ns=Y2400),
+        Member("old/max", data=b"the last ns Go holds\n", mtime_ns=(1 << 63) - 1),
+        Member("old/past-max", data=b"one ns later\n", mtime_ns=1 << 63),
+        Member("old/ten-digits", data=b"ten fractional digits\n",
+               pax={"mtime": "1700000000.1234567899"}),  # Go keeps nine, truncated
+        Member("old/neg-ten-digits", data=b"negative, ten digits\n",
+               pax={"mtime": "-0.0000000019"}),
+        Member("old/linked", data=b"its hardlink's header dates it\n"),
+        Member("old/hl-1960", L, link="old/linked", mtime_ns=PRE_1970),  # the inode's time
+        Member("s2d", D, mode=0o755),  # over layer 0's symlink
+        Member("s2d/inside.txt", data=b"deleted by layer 2\n"),
+        Member("s2d/kept.txt", data=b"kept\n"),
     ])
 
 
@@ -251,6 +278,7 @@ def _layer2(root: Path) -> bytes:
     etc = _mkdir(root / "etc")
     os.setxattr(etc, "user.dir", b"2")  # GNU format drops xattrs: the dir keeps none
     _write(etc / "hosts", b"127.0.0.1 localhost rewritten\n")
+    _write(_mkdir(root / "s2d") / ".wh.inside.txt", b"")
     gnu = _mkdir(root / "gnu")
     _write(gnu / ("g" * 180), b"a GNU long name\n")
     os.symlink("k" * 180, gnu / "long-target")

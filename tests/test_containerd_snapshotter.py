@@ -442,3 +442,42 @@ def test_an_unbound_or_swapped_converted_layer_is_never_served_lazily(images, no
         assert layer.digest in str(info.value) and RULE_BOUND in str(info.value)
         # nothing new (the earlier container's snapshot may still be going away meanwhile)
         assert {s.name for s in direct.list_snapshots("bootseer")} <= before
+
+
+def test_a_converted_image_lying_about_its_diff_ids_cannot_stand_in_for_an_unconverted_one(
+        images, node_factory, registry) -> None:
+    """A converted image whose config names the diff IDs of another image's layers (here its
+    base is another tar, holding ``/etc/image-id``): containerd never checks a lazy layer's
+    diff ID, so its snapshots took the chain IDs of the honest image's. Pulled first, they
+    stood in for the honest image's layers (its containers saw the liar's files). Now the
+    snapshotter writes a lazy snapshot out whole before an unconverted pull stands on it,
+    checking the tar's sha256 on the way: the honest pull fails, naming the layer, and
+    nothing of the liar's reaches it."""
+    import hashlib
+    import json
+
+    from prefetch.containerd.errors import FailedPreconditionError
+    from prefetch.mediatypes import OCI_MANIFEST
+
+    plain, _ = images
+    _, evil = push_images(registry.host, "app/evil", b"evil")
+    with SyncRegistry(registry.host) as reg:
+        honest_config = json.loads(reg.get_blob("app/run", reg.resolve_image(plain)
+                                                .parsed["config"]["digest"]))
+        manifest = reg.resolve_image(evil)
+        config = json.loads(reg.get_blob("app/evil", manifest.parsed["config"]["digest"]))
+        assert config["rootfs"]["diff_ids"][0] != honest_config["rootfs"]["diff_ids"][0]
+        config["rootfs"] = honest_config["rootfs"]
+        data = json.dumps(config).encode()
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        reg.put_blob("app/evil", data, digest)
+        doc = dict(manifest.parsed, config={**manifest.parsed["config"], "digest": digest,
+                                            "size": len(data)})
+        reg.put_manifest("app/evil", "liar", json.dumps(doc).encode(), OCI_MANIFEST)
+    node = node_factory()
+    assert node.pull(f"{registry.host}/app/evil:liar").lazy_layers == 3
+    with ContainerdClient(node.containerd.address, "honest") as other:
+        with pytest.raises(FailedPreconditionError, match="does not give its snapshot"):
+            pull_image(plain, node.containerd.address, namespace="honest", client=other)
+        assert other.list_images() == []
+    assert "written out whole" not in node.snapshotter.log()

@@ -8,6 +8,8 @@ RunPodSandbox, CreateContainer, StartContainer, ImageFsInfo).
   converted image lazy.
 - A registry mirror in containerd's hosts config: a snapshotter given the same config reads
   the mirror and serves converted layers lazily; one that is not falls back.
+- An unconverted image sharing its base with a converted one pulled before it starts with the
+  registry down (the snapshotter wrote the lazy base out whole during the pull).
 - In every case the pods start and the files their containers read are the image's bytes;
   ``ImageFsInfo`` names the snapshotter's root, which exists and has a capacity, and counts
   the bytes of lazy layers.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -228,3 +231,54 @@ def test_the_deploy_files_agree_with_what_cri_expects() -> None:
 
     args = build_parser().parse_args(["snapshotter"])
     assert config_from_args(args, env={}).snapshotter.root == root  # the command's default is the same layout
+
+
+def test_an_unconverted_image_on_a_lazy_base_starts_with_the_registry_down(
+        open_registry, cri_node_factory) -> None:
+    """A converted image and an unconverted one share their base layer (one chain ID). The
+    converted one pulled first makes that snapshot lazy; the unconverted one then stood on
+    it, and with the registry down its pods failed at CreateContainer (containerd reads the
+    image's ``/etc/passwd`` for its user: EIO) where a node of gzip images starts them. Now
+    the snapshotter writes the lazy base out whole before containerd unpacks the unconverted
+    image's own layer on it: after its pull that image reads nothing from the registry."""
+    import io
+    import tarfile
+
+    from containerd_helpers import TOOLS, add_programs
+    from test_prefetch_image import _push_gzip_image
+
+    from prefetch.image import convert_image
+
+    passwd = b"root:x:0:0:root:/:/bin/sh\napp:x:1000:1000:app:/:/bin/sh\n"
+
+    def layer(files: dict[str, bytes], tools: tuple[str, ...] = ()) -> bytes:
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            add_programs(tar, tools, ("etc",))
+            for name, data in files.items():
+                info = tarfile.TarInfo(name)
+                info.size, info.mode, info.mtime = len(data), 0o644, 1_700_000_000
+                tar.addfile(info, io.BytesIO(data))
+        return out.getvalue()
+
+    host = open_registry.host
+    base = layer({"etc/passwd": passwd, "etc/group": b"root:x:0:\napp:x:1000:\n"}, TOOLS)
+    _push_gzip_image(host, "team/conv", "v1", [base, layer({"etc/conv": b"converted\n"})])
+    convert_image(f"{host}/team/conv:v1", f"{host}/team/conv:lazy", frame_size=64 << 10)
+    plain = f"{host}/team/plain:v1"
+    _push_gzip_image(host, "team/plain", "v1", [base, layer({"etc/plain": b"plain\n"})],
+                     {"User": "app"})
+    node = cri_node_factory(open_registry.pause_image)
+    node.pull(open_registry.pause_image)  # RunPodSandbox needs it with the registry down
+    node.pull(f"{host}/team/conv:lazy")
+    assert _layers(node) == {"lazy": 2, "unpacked": 1}
+    node.pull(plain)
+    assert "written out whole" in node.snapshotter.log()
+    open_registry.stop()
+
+    out = node.run(plain, "cat /etc/plain; sha256sum /etc/passwd /bin/sh; cat /proc/self/status")
+    sh = Path(os.path.realpath(shutil.which("sh"))).read_bytes()
+    lines = out.splitlines()
+    assert lines[:3] == ["plain", f"{hashlib.sha256(passwd).hexdigest()}  /etc/passwd",
+                         f"{hashlib.sha256(sh).hexdigest()}  /bin/sh"], out
+    assert any(line.split()[:2] == ["Uid:", "1000"] for line in lines), out  # the image's user

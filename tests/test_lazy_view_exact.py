@@ -5,7 +5,10 @@ into containerd's overlayfs snapshotter (the default one, the one Kubernetes run
 with ``ctr images mount``. The same image, converted, is mounted lazily alone
 (``bootseer image mount``), and in a mixed stack under the bootseer snapshotter: an unconverted
 image sharing the base layer pulled first (unpacked by containerd), then the converted image,
-whose upper layers are lazy above that unpacked base (one FUSE view as an overlayfs lowerdir).
+whose upper layers are lazy above that unpacked base (one FUSE view as an overlayfs lowerdir);
+and, the other way round, the converted image pulled first and the unconverted one after it
+in another namespace, which makes the snapshotter write its lazy snapshots out whole (read
+with the registry stopped).
 Every path is compared: type, mode, owner, size, mtime (ns), link target (bytes), device
 numbers, xattrs, sha256 of the content, and which paths share an inode
 (tests/lazy_view_helpers.py builds the layers and does the comparison).
@@ -32,6 +35,7 @@ import pytest
 from cli_helpers import background_log, bootseer_cli, remove_background_log
 from containerd_helpers import SnapshotterProcess
 from lazy_view_helpers import (
+    PRE_1970,
     Member,
     Scan,
     build_layers,
@@ -80,12 +84,15 @@ class Node:
             proxy_snapshotters={"bootseer": self.snapshotter.address})
 
     @contextlib.contextmanager
-    def view(self, snapshotter: str, chain_id: str, target: Path) -> Iterator[Path]:
-        """A read-only view of snapshot ``chain_id`` mounted at ``target``, as containerd
-        mounts a container's root (the snapshotter's own mounts, mount(8) for each)."""
+    def view(self, snapshotter: str, chain_id: str, target: Path, namespace: str = ""
+             ) -> Iterator[Path]:
+        """A read-only view of snapshot ``chain_id`` (of ``namespace``, default containerd's)
+        mounted at ``target``, as containerd mounts a container's root (the snapshotter's
+        own mounts, mount(8) for each)."""
         target.mkdir()
         key = f"view-{target.name}"
-        with (ContainerdClient(self.containerd.address, self.containerd.namespace) as client,
+        with (ContainerdClient(self.containerd.address,
+                               namespace or self.containerd.namespace) as client,
               client.lease() as ctd):  # nothing is collected while the lease lives
             mounts = ctd.view_snapshot(snapshotter, key, chain_id)
             assert len(mounts) == 1, mounts
@@ -174,6 +181,65 @@ def test_lazy_layers_over_an_unpacked_base_equal_containerds_unpack(stack, priva
         paths = {p: v for p, v in lazy.paths.items() if not p.startswith(b".bootseer")}
         _assert_same(reference, Scan(paths, lazy.links))
         _tools_walk(target)
+
+
+def test_lazy_snapshots_written_out_for_an_unconverted_image_equal_containerds_unpack(
+        stack, registry, private_dir: Path) -> None:
+    """The converted image pulled first (every layer lazy), then its unconverted original in
+    another namespace (``bootseer image pull``'s default beside CRI's ``k8s.io``): every
+    chain ID is there, lazily. The snapshotter writes those snapshots out whole
+    (prefetch/containerd/materialize.py), and with the registry gone the original's tree
+    equals containerd's own unpack path by path."""
+    node, refs, reference, started = stack
+    assert pull_image(refs["lazy"], node.containerd.address,
+                      namespace=node.containerd.namespace).lazy_layers == 3
+    full = pull_image(refs["full"], node.containerd.address, namespace="gzip")
+    log = node.snapshotter.log_path.read_text()
+    assert log.count("written out whole") == 3, log
+    registry.stop()
+    with node.view("bootseer", full.chain_id, private_dir / "whole", "gzip") as target:
+        _assert_same(reference, scan(target, unpacked_after_ns=started))
+        _tools_walk(target)
+
+
+def test_a_whiteout_is_dropped_where_overlayfs_does_not_merge_the_directory(
+        tmp_path: Path) -> None:
+    """Layer 1 makes the unpacked layer's symlink ``s2d`` a directory, layer 2 deletes a file
+    in it: overlayfs does not merge the view's ``s2d`` with a symlink, so it listed the
+    whiteout left there (a name nobody can stat). Where the directory below is merged, or a
+    nearer unpacked layer's opaque directory or whiteout hides it, that is what counts."""
+    below = tmp_path / "unpacked"
+    (below / "etc").mkdir(parents=True)
+    (below / "etc/gone").write_bytes(b"deleted above\n")
+    (below / "opq").mkdir()
+    os.symlink("usr", below / "s2d")
+    nearer = tmp_path / "nearer"
+    (nearer / "opq").mkdir(parents=True)
+    os.setxattr(nearer / "opq", "trusted.overlay.opaque", b"y")
+    (below / "opq/sub").mkdir()
+    tree = merge_layers([[E("s2d", "dir"), E("s2d/inside.txt"), E("s2d/kept"),
+                          E("opq/sub/f")],
+                         [E("s2d/.wh.inside.txt"), E("etc/.wh.gone"), E("opq/sub/.wh.f")]],
+                        overlay=True, below=lower_dirs([str(nearer), str(below)]))
+    assert sorted(tree.lookup("s2d").children) == ["kept"]
+    assert sorted(tree.lookup("etc").children) == ["gone"]  # a whiteout: etc is merged
+    assert tree.lookup("etc/gone").mode() == stat.S_IFCHR
+    assert tree.lookup("opq/sub").children == {}  # the nearer opaque opq hides opq/sub
+    kept = merge_layers([[E("s2d", "dir"), E("s2d/x")], [E("s2d/.wh.x")]], overlay=True,
+                        below=lower_dirs([str(below)]), keep_whiteouts=True)
+    assert list(kept.lookup("s2d").children) == ["x"]  # one layer's own directory
+
+
+def test_the_snapshotters_fuse_replies_carry_times_before_1970() -> None:
+    """The snapshotter's FUSE replies packed times unsigned: a stat of a file dated before
+    1970 (an unpacked directory's, which a view shows for a parent it implies) failed with
+    struct.error, EIO in the container. A timespec's nanoseconds stay in [0, 10**9)."""
+    from prefetch.containerd import fuseproto
+
+    fields = fuseproto.ATTR.unpack(fuseproto.attr(
+        {"st_atime": 0, "st_mtime": -1_500_000_000, "st_ctime": PRE_1970}, 7))
+    assert fields[3:6] == (0, -2, PRE_1970 // 10**9)
+    assert fields[6:9] == (0, 500_000_000, PRE_1970 % 10**9)
 
 
 def _tools_walk(root: Path) -> None:

@@ -49,7 +49,9 @@ IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid 
 OUT_HEADER = struct.Struct("<IiQ")  # len error unique
 INIT_IN = struct.Struct("<IIII")  # major minor max_readahead flags (flags2 follows at 16)
 INIT_OUT = struct.Struct("<IIIIHHIIHHII24x")  # 64 bytes
-ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # fuse_attr, 88 bytes
+# fuse_attr, 88 bytes: ino size blocks atime mtime ctime (seconds: u64 in fuse.h, read by the
+# kernel as a signed time64_t, so packed signed: a time before 1970 is negative) their ns...
+ATTR = struct.Struct("<QQQqqqIIIIIIIIII")
 ENTRY_OUT = struct.Struct("<QQQQII")  # nodeid generation entry_valid attr_valid nsec nsec
 ATTR_OUT = struct.Struct("<QI4x")  # attr_valid attr_valid_nsec
 OPEN_OUT = struct.Struct("<QIi")  # fh open_flags backing_id
@@ -100,8 +102,8 @@ def notify_resend() -> bytes:
 
 
 def _split_ns(t: Any) -> tuple[int, int]:
-    t = int(t)
-    return t // 1_000_000_000, t % 1_000_000_000
+    """ns as a timespec: seconds (negative before 1970) and 0 <= ns < 10**9."""
+    return divmod(int(t), 1_000_000_000)
 
 
 def attr(st: dict[str, Any], nodeid: int) -> bytes:

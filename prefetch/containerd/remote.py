@@ -258,6 +258,20 @@ class RemoteLayers:
         self._start_image(image)
         return layer
 
+    def marked_converted(self, request: LayerRequest) -> bool | None:
+        """Whether the image the request names marks its layer converted (with an index
+        digest: what this snapshotter would serve lazily); None when that cannot be told
+        (the manifest cannot be read, or does not list the layer)."""
+        try:
+            image = self.image(request.image_ref, request.manifest_digest)
+        except (UnavailableError, InvalidArgumentError):
+            return None
+        desc = next((d for d in image.layers if isinstance(d, dict)
+                     and d.get("digest") == request.layer_digest), None)
+        if desc is None:
+            return None
+        return _index_digest(request.layer_digest, desc, image.manifest.digest) is not None
+
     def layer_from_source(self, source: dict[str, Any]) -> RemoteLayer:
         """A layer of an existing snapshot (after a restart), from its recorded source. The
         index digest is the one recorded at Prepare (from the digest-checked manifest); a
@@ -330,11 +344,12 @@ class RemoteLayers:
         return index
 
     def lazy_image(self, layers: Iterable[RemoteLayer], *, overlay: bool,
-                   below: Callable[[str], LowerDir | None] | None = None) -> LazyImage:
+                   below: Callable[[str], LowerDir | None] | None = None,
+                   keep_whiteouts: bool = False) -> LazyImage:
         """The merged tree of ``layers`` (lowest first), read through the shared fetcher
-        (``overlay``, ``below``: :func:`prefetch.merge.merge_layers`)."""
+        (``overlay``, ``below``, ``keep_whiteouts``: :func:`prefetch.merge.merge_layers`)."""
         return LazyImage([Layer(layer.index, layer.blob) for layer in layers], self.fetcher,
-                         overlay=overlay, below=below)
+                         overlay=overlay, below=below, keep_whiteouts=keep_whiteouts)
 
     def release(self, digest: str, index_digest: str | None = None) -> int:
         """Forget a layer no snapshot uses any more: its cached frames and index go (every

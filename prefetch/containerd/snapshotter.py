@@ -13,7 +13,10 @@ Semantics follow containerd's own overlayfs snapshotter: an active snapshot with
 bind mount of its directory, with parents an overlay whose lowerdirs are the parents'
 directories, nearest first; a view of one parent is a read-only bind mount of it. A lazy
 snapshot (a converted layer, committed at Prepare time and reported ALREADY_EXISTS) has no
-directory: its lazy view stands for it and for the lazy parents below it.
+directory: its lazy view stands for it and for the lazy parents below it, until a normal pull
+comes to stand on it: then it is written out whole into ``snapshots/<id>/fs`` first
+(materialize.py; docs/containerd.md, "An unconverted image never reads the registry after its
+pull"), and every later mount on it uses that directory, while the views above it keep it.
 
 Modes, as containerd's own snapshotters after CVE-2021-41103, whatever the umask: the root,
 ``snapshots/``, each ``snapshots/<id>``, ``lazy/`` (and the lazy mount's own root) and
@@ -33,10 +36,12 @@ the row commits and deleted after it is gone, so a crash can leave an orphan dir
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -46,9 +51,16 @@ from typing import Any
 from striped_fs.fuse import is_mounted
 from striped_fs.private import make_dir
 
+from ..registry import RegistryError
 from . import labels as lbl
-from .errors import AlreadyExistsError, InvalidArgumentError, UnavailableError
+from .errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from .filters import parse, snapshot_adaptor
+from .materialize import check_diff_id, write_tree
 from .metadata import Kind, MetadataStore, Snapshot
 from .remote import RemoteLayers
 from .views import ViewOperations, lower_dirs
@@ -66,7 +78,18 @@ class MountSpec:
 
 
 def _is_lazy(snap: Snapshot) -> bool:
+    """Served by a view (also once materialized: the views above it keep their layers)."""
     return bool(snap.source.get("remote"))
+
+
+def _materialized(snap: Snapshot) -> bool:
+    """A lazy snapshot also written out whole into ``snapshots/<id>/fs``."""
+    return bool(snap.source.get("materialized"))
+
+
+def _complete(snap: Snapshot) -> bool:
+    """Its directory holds its files: a normal snapshot, or a materialized lazy one."""
+    return not _is_lazy(snap) or _materialized(snap)
 
 
 class Snapshotter:
@@ -81,6 +104,8 @@ class Snapshotter:
             make_dir(self.lazy_dir, tighten=True)
         self.db = MetadataStore(self.root / "metadata.db")
         self.remote = remote
+        self._lock = threading.Lock()
+        self._mat_locks: dict[int, threading.Lock] = {}  # snapshot id -> one writer at once
         self.views = views or ViewOperations()
         self.views._on_ready = self._ready  # noqa: SLF001 - wired once, here
         for snap in self.db.list():  # restore: every lazy snapshot is served again
@@ -92,27 +117,27 @@ class Snapshotter:
         return self.root / "snapshots" / str(snap.id)
 
     def _layer_dir(self, snap: Snapshot) -> str:
-        if _is_lazy(snap):
-            return str(self.lazy_dir / str(snap.id))
-        return str(self._dir(snap) / "fs")
+        if _complete(snap):
+            return str(self._dir(snap) / "fs")
+        return str(self.lazy_dir / str(snap.id))
 
-    def _lowerdirs(self, parent: str) -> list[str]:
-        """The lowerdirs for a snapshot on ``parent``, nearest first; one lazy view stands for
-        a run of lazy snapshots."""
-        if not parent:
+    def _lowerdirs(self, name: str) -> list[str]:
+        """The lowerdirs of snapshot ``name`` and its parents, nearest first. One lazy view
+        stands for a run of lazy snapshots (materialized ones in it too: the view holds
+        them); a materialized snapshot that starts no run is its directory."""
+        if not name:
             return []
         dirs: list[str] = []
         in_lazy_run = False
-        for snap in self.db.chain(parent):
-            lazy = _is_lazy(snap)
-            if lazy and in_lazy_run:
+        for snap in self.db.chain(name):
+            if in_lazy_run and _is_lazy(snap):
                 continue
             dirs.append(self._layer_dir(snap))
-            in_lazy_run = lazy
+            in_lazy_run = not _complete(snap)
         return dirs
 
     def _mounts(self, snap: Snapshot) -> list[MountSpec]:
-        lowers = self._lowerdirs(snap.parent)
+        lowers = self._lowerdirs(snap.name if snap.kind == Kind.COMMITTED else snap.parent)
         base = self._dir(snap)
         if snap.kind == Kind.ACTIVE:
             if not lowers:
@@ -121,8 +146,6 @@ class Snapshotter:
                 "index=off", f"workdir={base / 'work'}", f"upperdir={base / 'fs'}",
                 "lowerdir=" + ":".join(lowers)))]
         if snap.kind == Kind.VIEW or snap.kind == Kind.COMMITTED:
-            if snap.kind == Kind.COMMITTED:
-                lowers = [self._layer_dir(snap), *lowers]
             if not lowers:
                 return [MountSpec("bind", str(base / "fs"), ("ro", "rbind"))]
             if len(lowers) == 1:
@@ -135,13 +158,21 @@ class Snapshotter:
                 ) -> list[MountSpec]:
         labels = dict(labels or {})
         request = lbl.layer_request(key, labels)
+        converted: bool | None = None  # whether the image marks this layer converted
         if request is not None and self.remote is not None:
             try:
                 self._serve_remotely(key, parent, labels, request)  # raises ALREADY_EXISTS
+                converted = False
             except UnavailableError as exc:  # containerd can read what this process cannot
                 log.warning("prepare %s: layer %s of %s cannot be served lazily (%s): "
                             "containerd downloads and unpacks it", key, request.layer_digest,
                             request.image_ref, exc)
+                converted = self.remote.marked_converted(request)
+        if lbl.SNAPSHOT_REF in labels and parent and converted is not True:
+            # containerd unpacks a layer of a normal pull on ``parent``: what it stands on
+            # must not need the registry after the pull either.
+            self._materialize_chain(parent, f"layer {labels[lbl.SNAPSHOT_REF]} is unpacked "
+                                            "on it")
         return self._create(key, parent, Kind.ACTIVE, labels)
 
     def view(self, key: str, parent: str = "", labels: dict[str, str] | None = None
@@ -165,9 +196,12 @@ class Snapshotter:
                         request: lbl.LayerRequest) -> None:
         target = request.chain_id
         existing = self.db.find(target)
-        if existing is not None:
-            raise AlreadyExistsError(f"target snapshot {target!r} already exists")
         assert self.remote is not None
+        if existing is not None:
+            if not _complete(existing) and self.remote.marked_converted(request) is not True:
+                self._materialize_chain(target, f"layer {request.layer_digest} of "
+                                                f"{request.image_ref} is not converted")
+            raise AlreadyExistsError(f"target snapshot {target!r} already exists")
         layer = self.remote.layer(request)  # the registry: outside any transaction
         if layer is None:
             log.info("prepare %s: layer %s is not in the bootseer format: normal unpack", key,
@@ -193,7 +227,8 @@ class Snapshotter:
         def build() -> Any:
             run = self._lazy_run(snap.name)
             layers = [remote.layer_from_source(s.source) for s in reversed(run.snapshots)]
-            return remote.lazy_image(layers, overlay=run.has_base, below=lower_dirs(run.below))
+            return remote.lazy_image(layers, overlay=run.has_base, below=lower_dirs(run.below),
+                                     keep_whiteouts=run.more_below)
 
         self.views.register(snap.id, build)
 
@@ -201,17 +236,80 @@ class Snapshotter:
     class _LazyRun:
         snapshots: list[Snapshot]  # top first
         has_base: bool  # a normal snapshot lies below: keep whiteouts for overlayfs
-        below: list[str]  # the normal snapshots' directories right below, nearest first
+        below: list[str]  # the complete snapshots' directories right below, nearest first
+        more_below: bool  # a lazy view lies below those: ``below`` does not see it
 
     def _lazy_run(self, name: str) -> Snapshotter._LazyRun:
+        """The lazy snapshots one view of ``name`` holds (every lazy one down to the first
+        that is not: materialized ones too, so a view never changes what it holds), and
+        what lies below them."""
         run: list[Snapshot] = []
         chain = self.db.chain(name)
         for i, snap in enumerate(chain):
             if not _is_lazy(snap):
-                below = itertools.takewhile(lambda s: not _is_lazy(s), chain[i:])
-                return self._LazyRun(run, True, [self._layer_dir(s) for s in below])
+                below = list(itertools.takewhile(_complete, chain[i:]))
+                return self._LazyRun(run, True, [self._layer_dir(s) for s in below],
+                                     len(below) < len(chain) - i)
             run.append(snap)
-        return self._LazyRun(run, False, [])
+        return self._LazyRun(run, False, [], False)
+
+    # -- materializing -----------------------------------------------------------------------
+    def _materialize_chain(self, name: str, why: str) -> None:
+        """Write out every lazy snapshot of ``name``'s chain not complete yet, lowest first
+        (materialize.py), so that nothing on it reads the registry again. Raises
+        UNAVAILABLE (the registry cannot be read now: the pull fails, the kubelet tries it
+        again) or FAILED_PRECONDITION (the layer is not the one its chain ID names)."""
+        if self.remote is None or self.db.find(name) is None:
+            return  # a missing parent: the Prepare fails, naming it
+        for snap in reversed(self.db.chain(name)):
+            if not _complete(snap):
+                with self._materializing(snap.id):
+                    current = self.db.find(snap.name)
+                    if current is not None and not _complete(current):
+                        self._materialize(current, why)
+
+    @contextlib.contextmanager
+    def _materializing(self, snap_id: int) -> Iterator[None]:
+        with self._lock:
+            lock = self._mat_locks.setdefault(snap_id, threading.Lock())
+        with lock:
+            yield
+
+    def _materialize(self, snap: Snapshot, why: str) -> None:
+        assert self.remote is not None
+        started = time.perf_counter()
+        base = self._dir(snap)
+        staging = base / f".fs-{time.time_ns()}"
+        below = [self._layer_dir(s) for s in self.db.chain(snap.name)[1:]]
+        try:
+            layer = self.remote.layer_from_source(snap.source)
+            image = self.remote.lazy_image([layer], overlay=True, below=lower_dirs(below),
+                                           keep_whiteouts=True)
+            if image.tree.problems:
+                raise FailedPreconditionError(
+                    f"layer {layer.digest} cannot be unpacked: " + "; ".join(
+                        image.tree.problems) + " (containerd's own unpack refuses it too)")
+            frames = check_diff_id(image, snap.name, snap.parent)
+            if base.exists():  # what an interrupted attempt left
+                shutil.rmtree(base)
+            make_dir(base)
+            make_dir(staging, 0o755)
+            done = write_tree(image, staging)
+            os.rename(staging, base / "fs")
+        except (OSError, RegistryError) as exc:
+            shutil.rmtree(base, ignore_errors=True)
+            raise UnavailableError(
+                f"lazy snapshot {snap.name} (layer {snap.source.get('digest')}) must be "
+                f"written out whole, as {why}, and cannot be now: {exc}") from None
+        except BaseException:
+            shutil.rmtree(base, ignore_errors=True)
+            raise
+        with self.db.transaction():
+            self.db.set_source(snap.name, {**snap.source, "materialized": True})
+        log.info("lazy snapshot %s (layer %s) written out whole into %s, as %s: %d files, "
+                 "%d bytes, %d frames in %.2f s", snap.name, snap.source.get("digest"),
+                 base / "fs", why, done.files, done.bytes_written, frames,
+                 time.perf_counter() - started)
 
     def mounts(self, key: str) -> list[MountSpec]:
         return self._mounts(self.db.get(key))
@@ -231,6 +329,7 @@ class Snapshotter:
             snap = self.db.remove(key)
         if _is_lazy(snap):
             self.views.unregister(snap.id)
+            self._delete_dir(snap.id)  # materialized
             digest, index = snap.source.get("digest"), snap.source.get("index")
             still_used = any(s.source.get("digest") == digest and s.source.get("index") == index
                              for s in self.db.list())

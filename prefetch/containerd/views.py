@@ -258,7 +258,10 @@ def lower_dirs(dirs: Sequence[str]) -> Callable[[str], LowerDir | None]:
     """``below`` for :func:`prefetch.merge.merge_layers` over normally unpacked layer
     directories (nearest first): what the first of them holding ``path`` has there, as
     containerd's unpack copies it to a parent it creates (mode, owner, mtime, xattrs but
-    ``trusted.*``); None where that is not a directory, or no layer holds the path.
+    ``trusted.*``); None where that is not a directory, or no layer holds the path, as
+    overlayfs stacks them (a whiteout or an opaque directory of a nearer layer hides the
+    farther ones): so also whether overlayfs merges a directory of a view above with one
+    below.
 
     The path comes from a layer index: it is walked one component at a time with
     ``O_NOFOLLOW`` under each directory, so a symlink in an unpacked layer never leads out
@@ -274,9 +277,17 @@ def lower_dirs(dirs: Sequence[str]) -> Callable[[str], LowerDir | None]:
     return below
 
 
+def _opaque(fd: int) -> bool:
+    try:
+        return os.getxattr(fd, "trusted.overlay.opaque") == b"y"
+    except OSError:
+        return False
+
+
 def _lower_dir(top: str, parts: list[bytes]) -> LowerDir | None | bool:
-    """The directory at ``parts`` under ``top``; None when something else is there; False
-    when nothing is (look further down)."""
+    """The directory at ``parts`` under ``top``; None when something else is there (a file,
+    a symlink, a whiteout) or an opaque directory of ``top`` hides the path; False when
+    nothing is (look further down)."""
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(top, flags)
@@ -286,8 +297,8 @@ def _lower_dir(top: str, parts: list[bytes]) -> LowerDir | None | bool:
         for part in parts:
             try:
                 nxt = os.open(part, flags, dir_fd=fd)
-            except FileNotFoundError:
-                return False
+            except FileNotFoundError:  # nothing here; an opaque directory hides the rest
+                return None if _opaque(fd) else False
             except OSError:  # a symlink, a file, a whiteout device: not a directory
                 return None
             os.close(fd)
