@@ -2,7 +2,7 @@
 gradients all-reduced by hand, AdamW, checkpoints through ``CheckpointManager`` to S3.
 
 Everything a test checks is written to ``--out`` (a directory every node can write):
-``saved-R-S.json`` (the state's digest when rank R saved step S), ``loaded-R-HOST-A-wW.json``
+``saved-R-S.json`` (the state's digest when rank R saved step S), ``loaded-R-HOST-A-wW-pPID.json``
 (what rank R on HOST loaded in attempt A, in a world of W ranks), ``holding-R`` (rank R waits at ``--hold-at``), ``final-R.json``,
 ``stepped-R-HOST-A-wW.json`` (when rank R on HOST finished its first step of attempt A). A
 membership change does not count as an attempt in torchrun: the world tells them apart.
@@ -158,7 +158,8 @@ def train(args: argparse.Namespace) -> None:
         state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": -1}
         step = mgr.load(state)
         opt.load_state_dict(state["optim"])
-        write_json(out / f"loaded-{rank}-{socket.gethostname()}-{attempt}-w{world}.json",
+        write_json(out / f"loaded-{rank}-{socket.gethostname()}-{attempt}-w{world}-p{os.getpid()}"
+                         ".json",
                    {"step": step, "digest": digest(model, opt), "world": world})
         start, loaded = step + 1, True
     holds = [int(h) for h in filter(None, args.holds.split(","))]

@@ -2,12 +2,15 @@
 killed, a node lost and replaced, and a rank hung, one after the other in one job on the
 cluster fixture (2 network-namespace nodes, one rank each, checkpoints to S3 over HTTP).
 
-``torchrun`` mode is the multi-node restart of ``bootseer bench e2e --nodes N``:
-``bootseer run --max-restarts 0 -- torchrun --max-restarts 5``. The agent must report each
-death at once and leave the restart to torchrun, which restarts its workers and waits in the
-rendezvous for the replacement node (until 2026-12 the agent killed torchrun 15 s after a
-rank's death, and the restart failed every time). A hang is the agent's to see (torchrun
-sees no hang): it dumps the stacks and kills the ranks, and torchrun restarts them.
+Both restart authorities of a job without a controller at once: ``bootseer run
+--max-restarts 1 -- torchrun --max-restarts 5``, the multi-node restart of ``bootseer bench e2e
+--nodes N``. The agent must report each death at once and leave the restart to torchrun,
+which restarts its workers and waits in the rendezvous for the replacement node (until
+2026-12 the agent killed torchrun 15 s after a rank's death, and the restart failed every
+time). A hang is the agent's to see (torchrun sees no hang): it dumps the stacks and kills
+the ranks, and torchrun restarts them. When the launcher itself dies (killed with its ranks,
+``bootseer run`` kept), ``bootseer run`` restarts it in place and it rejoins the rendezvous.
+The controller's restarts and the warm spare are test_robust_faults.py's (one soak job).
 
 Each resume is checked bit for bit: every rank loads the state it saved at the committed
 step, and the final state equals an uninterrupted run's.
@@ -29,8 +32,9 @@ import pytest
 from bootseer.testing.links import Link
 
 JOB = Path(__file__).resolve().parent / "cluster_job.py"
-STEPS = 26
-HOLDS = (10, 16)  # a rank killed at the first, the node lost at the second
+STEPS = 30
+HOLDS = (10, 16, 26)  # a rank killed at the first, the node lost at the second, node0's
+# launcher killed at the third (bootseer run restarts it in place)
 HANG_AT = 22  # rank 1 stops for good before step 22, once
 GRACE_S = 2.0  # --crash-grace: the old code killed torchrun this long after the death
 
@@ -77,7 +81,7 @@ def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_fac
 
     def launch(node) -> subprocess.Popen:
         argv = [sys.executable, "-m", "bootseer", "run", "--node", node.name,
-                "--max-restarts", "0", "--hang-timeout", "10", "--dump-wait", "2",
+                "--max-restarts", "1", "--backoff", "0.5", "--hang-timeout", "10", "--dump-wait", "2",
                 "--crash-grace", str(GRACE_S), "--trace-dir", str(trace),
                 "--state-dir", str(out / f"state-{node.name}-{node.generation}"),
                 "--min-free-disk", "0", "--min-free-memory", "0", "--",
@@ -108,7 +112,16 @@ def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_fac
     procs["node1"] = launch(c.replace_node(1))
 
     # 3. rank 1 hangs before step 22 (the fresh node's): both agents see the silence, dump
-    # and kill their ranks; the torchruns restart them, and the job runs to its end
+    # and kill their ranks; the torchruns restart them, and the job goes on to its third hold
+    # 4. node0's torchrun and rank get SIGKILL, its bootseer run stays: bootseer run restarts
+    # torchrun (its max_restarts), which rejoins the rendezvous; node1's torchrun restarts
+    # its worker; the job runs to its end
+    _wait("the third hold", lambda: all(p.exists() for p in holding(HOLDS[2])), procs, out,
+          timeout_s=240)
+    launcher = _children(procs["node0"].pid)
+    assert launcher, "no launcher under node0's bootseer run"
+    for pid in [*launcher, *(d for p in launcher for d in _descendants(p))]:
+        os.kill(pid, signal.SIGKILL)
     for name, proc in procs.items():
         code = proc.wait(timeout=240)
         assert code == 0, {p.name: p.read_text()[-3000:] for p in out.glob("*.log")}
@@ -117,7 +130,7 @@ def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_fac
     # every resume loaded what was saved at the committed step, on both ranks
     loaded = sorted(out.glob("loaded-*.json"))
     steps = sorted({_read(p)["step"] for p in loaded})
-    assert steps == [8, 14, 20], [p.name for p in loaded]
+    assert steps == [8, 14, 20, 23], [p.name for p in loaded]
     for path in loaded:
         rank, got = path.name.split("-")[1], _read(path)
         assert got["world"] == 2
@@ -127,13 +140,15 @@ def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_fac
     for rank in (0, 1):
         assert _read(out / f"final-{rank}.json") == {"digest": final, "world": 2}
 
-    # the survivor's agent never restarted or killed its command: torchrun restarted the
-    # workers three times (relaunch spans); each death was reported as it happened
+    # the survivor's agent restarted its command only when the launcher itself was killed:
+    # torchrun restarted the workers three times before (relaunch spans); each death was
+    # reported as it happened
     node0 = _records(trace, "node0")
     phases = [r.get("phase") for r in node0]
-    assert "restart" not in phases and phases.count("command_start") == 1
+    assert phases.count("restart") == 1 and phases.count("command_start") == 2
     relaunches = [r for r in node0 if r.get("phase") == "relaunch"]
-    assert [r["detail"]["generation"] for r in relaunches] == [1, 2, 3]
+    assert [(r["attempt"], r["detail"]["generation"]) for r in relaunches] == [
+        (0, 1), (0, 2), (0, 3)]
     crashes = [r for r in node0 if r.get("record") == "event" and r["kind"] == "crash"]
     assert len(crashes) >= 2  # its rank's gloo error after rank 1's kill, and after the loss
     # the hang: whichever agent saw the silence first dumped and killed its ranks only (the
@@ -145,13 +160,14 @@ def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_fac
                for r in node1)
     log0 = (out / f"node0.{c.nodes[0].generation}.log").read_text()
     assert "killing it" not in log0 and "no restarts left" not in log0
+    assert "restart 1/1" in log0  # the launcher's death: bootseer run's own restart
     # ETTR counts each launch torchrun restarted as its own incident, across both nodes (the
     # replacement's first launch joins the round of the loss), and each split adds up
     from bootseer.robust.ettr import read_ettr
 
     report = read_ettr([trace])
     assert [(i.attempt, i.generation, i.reason) for i in report.incidents] == [
-        (0, 0, "crash"), (0, 1, "crash"), (0, 2, "hang")], report.to_dict()
+        (0, 0, "crash"), (0, 1, "crash"), (0, 2, "hang"), (0, 3, "crash")], report.to_dict()
     for incident in report.incidents:
         assert sum(incident.split().values()) == pytest.approx(incident.end - incident.start)
         assert all(v >= -1e-6 for v in incident.split().values()), incident.split()
@@ -160,6 +176,22 @@ def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_fac
     signalled = [r for r in node1 if r.get("record") == "event" and r["kind"] == "crash"
                  and r["evidence"].get("detected_by") in ("rank_signal", "rank_vanished")]
     assert signalled and signalled[0]["time"] - killed_at < 5
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        kids += [int(k) for k in task.read_text().split()]
+    return kids
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for kid in _children(todo.pop()):
+            found.append(kid)
+            todo.append(kid)
+    return found
 
 
 def _died_after(trace: Path, node: str, when: float) -> bool:

@@ -180,23 +180,35 @@ def job_launches(spans: Sequence[Span]) -> list[Span]:
 
     A launcher that restarted its ranks inside an attempt (torchrun's own restart: the
     agent's ``relaunch`` spans, and ``generation`` on the new ranks' spans) splits it into
-    launches, each accounted like an attempt. Nodes count launches on their own (a fresh node
-    starts at 0, and a replacement reuses the lost node's name: its spans are told apart by
-    the command's pid), so the job's launch ``k`` is the k-th group of relaunches that
-    overlap in time (one rendezvous round: every node restarts its workers on the same
-    failure, and none has its new ranks before the round completes), and a node's first
-    launch belongs to the newest group that began before it: a replacement node joins the
-    round of the loss it replaces."""
+    launches, each accounted like an attempt. Nodes count launches and attempts on their own
+    (a fresh node starts at 0, a replacement reuses the lost node's name: its spans are told
+    apart by the command's pid). So the job's launches come from time: each restart of a node
+    (its ``relaunch``, and without a controller's epochs its ``restart`` too) runs from its
+    failure (``exited_at``) to its end, the restarts of one failure overlap (no node has its
+    new ranks before the rendezvous round that all of them join), and the job's launch ``k``
+    is the k-th group of overlapping restarts; a node's run belongs to the newest group that
+    began before it (a replacement node joins the round of the loss it replaces). Under a
+    controller the job attempt is the epoch's (:func:`job_attempts`), launches within it."""
     spans = list(spans)
-    relaunches = sorted((s for s in spans if s.phase == "relaunch"), key=lambda s: s.start)
-    groups: list[list[float]] = []  # [start, end] of each job launch's relaunches
-    for r in relaunches:
-        if groups and r.start <= groups[-1][1]:
-            groups[-1][1] = max(groups[-1][1], r.end)
+    epochs = any(isinstance((s.detail or {}).get("epoch"), int) for s in spans
+                 if s.phase == "command_start")
+    bounds = sorted((_failed_at(s), s.end, s.phase == "restart") for s in spans
+                    if s.phase == "relaunch" or (s.phase == "restart" and not epochs))
+    groups: list[list[Any]] = []  # [start, end, a command restarted] of each group
+    for lo, hi, restarted in bounds:
+        if groups and lo <= groups[-1][1]:
+            groups[-1][1] = max(groups[-1][1], hi)
+            groups[-1][2] = groups[-1][2] or restarted
         else:
-            groups.append([r.start, r.end])
+            groups.append([lo, hi, restarted])
+    # each group's (attempt, launch): a group where a command was restarted opens the next
+    # job attempt (without epochs), one of relaunches only the next launch within it
+    keys, attempt, launch = [(0, 0)], 0, 0
+    for g in groups:
+        attempt, launch = (attempt + 1, 0) if g[2] else (attempt, launch + 1)
+        keys.append((attempt, launch))
 
-    def group_of(when: float) -> int:  # the job launch a node's launch begun at `when` is in
+    def group_of(when: float) -> int:  # the group of a node's launch begun at `when`
         return sum(1 for g in groups if g[0] <= when)
 
     runs = _node_runs(spans)
@@ -204,17 +216,26 @@ def job_launches(spans: Sequence[Span]) -> list[Span]:
     for s, run in zip(spans, runs, strict=True):
         if s.phase != "relaunch":
             begins[run] = min(begins.get(run, s.start), s.start)
-    launch_of = {(run, _generation(s)): group_of(s.start)
+    launch_of = {(run, _generation(s)): group_of(_failed_at(s))
                  for s, run in zip(spans, runs, strict=True) if s.phase == "relaunch"}
 
     def key(s: Span, run: tuple[Any, ...]) -> tuple[int, int]:
         gen = _generation(s)
-        if gen:
-            return (s.attempt, launch_of.get((run, gen), 0))
-        return (s.attempt, group_of(begins.get(run, s.start)))
+        group = launch_of.get((run, gen), 0) if gen else group_of(begins.get(run, s.start))
+        if not epochs:
+            return keys[group]
+        # under epochs only relaunches are grouped: the launch within the epoch's attempt
+        within = [g for g in groups[:group] if g[0] >= begins.get(run, s.start)] if gen else []
+        return (s.attempt, len(within))
 
     return [dataclasses.replace(s, phase="restart" if s.phase == "relaunch" else s.phase,
                                 attempt=key(s, run)) for s, run in zip(spans, runs, strict=True)]
+
+
+def _failed_at(span: Span) -> float:
+    exited = (span.detail or {}).get("exited_at")
+    return float(exited) if isinstance(exited, int | float) and exited <= span.start else \
+        span.start
 
 
 def _node_runs(spans: Sequence[Span]) -> list[tuple[Any, ...]]:
@@ -297,6 +318,10 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
             # the last heartbeat can precede the attempt's ready mark (a step's beat written
             # just before it): productive time ends no earlier than it began
             fail = max(hang.start, ready(a) or hang.start)
+            # nodes' clocks of one hang: another node's restart may begin before this dump
+            # ended (its own threshold passed first); the parts stay in order
+            dumped = min(dumped, restart.start)
+            detected = min(max(detected, fail), dumped)
             info.update(fail=fail, detection=detected - fail,
                         localization=dumped - detected, teardown=restart.start - dumped,
                         cls=event.failure_class if event else "hang")
