@@ -122,7 +122,7 @@ def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_fac
     assert launcher, "no launcher under node0's bootseer run"
     for pid in [*launcher, *(d for p in launcher for d in _descendants(p))]:
         os.kill(pid, signal.SIGKILL)
-    for name, proc in procs.items():
+    for proc in procs.values():
         code = proc.wait(timeout=240)
         assert code == 0, {p.name: p.read_text()[-3000:] for p in out.glob("*.log")}
     assert (out / "hung-1").exists()
