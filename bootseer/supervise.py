@@ -72,6 +72,7 @@ from .robust.detect import Beat
 from .robust.ranks import RankWatch
 from .tee import OutputTail
 from .trace import Span, TraceWriter
+from .variables import INCIDENT_HANDOFF, VERSION_HANDOFF
 
 __all__ = [
     "AttemptEnd", "HangPolicy", "RestartPolicy", "StopRequested", "Supervisor",
@@ -538,7 +539,7 @@ class Supervisor:
         env["BOOTSEER_NODE"] = self.node
         if self.remote is not None:  # the same on every node after a verdict: a restarted
             # launcher joins a fresh rendezvous (torchrun closes its own when it gives up)
-            env["BOOTSEER_INCIDENT"] = str(self.remote.answered)
+            env[INCIDENT_HANDOFF] = str(self.remote.answered)
             # torchrun's --rdzv-id from the environment, when the command does not name one
             env.setdefault("PET_RDZV_ID", f"bootseer-{self.remote.answered}")
         if self.dump_dir is not None:
@@ -589,7 +590,7 @@ class Supervisor:
         env = self._child_env(attempt, extra)
         if version is not None:
             env.update(version.env)
-            env["BOOTSEER_VERSION"] = version.id
+            env[VERSION_HANDOFF] = version.id
         self._version_id = version.id if version is not None else None
         spawn_start = time.time()
         pipes = self._output_pipes()
