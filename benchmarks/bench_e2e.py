@@ -29,8 +29,8 @@ the measured restart, on a fresh node (empty image store, empty caches, page cac
   the copy, then ``torch.distributed.checkpoint.load`` with ``FileSystemReader``;
 * ``diy-warm``: the same with the image already on the node (pulled before the clock starts);
 * ``bootseer-warm``: bootseer's restart on a fresh node that ``bootseer warmup`` filled before
-  the clock starts (diy-warm's like-for-like peer): the lazy image pulled (its recorded hot
-  frames prefetched by the snapshotter), then ``bootseer warmup`` in a container of the image
+  the clock starts (diy-warm's like-for-like peer): the lazy image pulled and written out on
+  the node (``bootseer image pull --local``), then ``bootseer warmup`` in a container of the image
   restores the environment into the node's directory and caches the newest checkpoint's
   shards; the page cache is dropped, then the clock starts with ``ctr run``;
 * info, ``bootseer in place``: the supervisor's own restart on the node of the first start
@@ -448,14 +448,17 @@ class Bench:
         for blob in blobs:  # the registry's disk is not this node's
             bp.read_through(blob)
 
-    def pull(self, node: Node, method: str, logf: Any) -> float:
+    def pull(self, node: Node, method: str, logf: Any, *, local: bool = False) -> float:
+        """The method's image pull; ``local`` (bootseer's warm node): every lazy layer then
+        fetched whole and written out, as diy-warm's image is unpacked on its node."""
         if method == "baseline":
             argv = node.ctr("images", "pull", "--plain-http", self.gzip_ref)
         elif method in DIY:
             argv = node.ctr("images", "pull", "--plain-http", self.diy_ref)
         else:
             argv = [sys.executable, "-m", "bootseer", "image", "pull", self.lazy_ref, "--address",
-                    node.containerd.address, "--namespace", NAMESPACE]
+                    node.containerd.address, "--namespace", NAMESPACE,
+                    *(["--local"] if local else [])]
         t = time.time()
         r = subprocess.run(argv, stdout=logf, stderr=logf, env=bp.clean_env(),
                            timeout=STEP_TIMEOUT_S, check=False)
@@ -610,13 +613,14 @@ class Bench:
 
     def warm_node(self, node: Node, method: str, logf: Any) -> None:
         """Fill a fresh node before the clock, as a pre-job step would: the lazy image
-        pulled (the snapshotter prefetches its recorded hot frames), then ``bootseer warmup``
+        pulled and written out on the node (``bootseer image pull --local``: containers start
+        from local files, as diy-warm's do from its unpacked image), then ``bootseer warmup``
         (environment into the node's directory, the newest checkpoint's shards into the node
         cache) in a container of the image, with the job's configuration."""
         log(f"{method}: the node filled by `bootseer image pull` + `bootseer warmup` before "
             "the clock starts")
         t = time.time()
-        self.pull(node, method, logf)
+        self.pull(node, method, logf, local=True)
         results = self.work / "results" / f"{method}-warmup"
         proc = self.start(node, method, results, logf, first=False, warmup=True)
         rc = proc.wait(timeout=STEP_TIMEOUT_S)
