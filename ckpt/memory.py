@@ -10,7 +10,8 @@
 overwritten; the files live in a directory that ``bootseer run`` created and removes, so they
 survive the trainer's crash or SIGKILL. After each commit the copy is pushed to the
 agent of a node outside the rank's parallel groups, else the neighbouring node's
-(``memory_place``, ``memory_peer``; the connection proves the job's token). A load takes, on every rank, the newest step
+(``memory_place``, ``memory_peer``; the connection proves the job's token, and every message
+and copy on it carries a MAC under it). A load takes, on every rank, the newest step
 that every rank holds, from the nearest place: its own memory, else a peer's, else ``None``
 (the caller falls back to the durable tier); a copy that fails its checksums is refused and
 the ranks agree again without it (``agree``).
