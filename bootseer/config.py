@@ -204,6 +204,11 @@ _KEYS = [
           "snapshot store of environments (fsspec URL)"),
     _spec("env", "base_image", "str", "", "--env-base-image",
           "base image digest, an input of the environment's key; '' = none"),
+    _spec("env", "verify", "str", "beside", "--env-verify",
+          "on a node that holds the environment: 'beside' = the marker checked before the "
+          "command starts (O(1)), every file's type, size and mtime while it runs (a "
+          "mismatch stops the job and the next start restores); 'before' = every file "
+          "checked before the command starts"),
     _spec("env", "uv", "path", "", "--env-uv",
           "the uv binary of the default install; '' = the uv package's, else uv on PATH "
           "(else pip)"),

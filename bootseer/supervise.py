@@ -91,6 +91,7 @@ NATIVE_GRACE_S = 1.0
 SPARE_REJOIN_WAIT_S = 60.0
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
+EXIT_CHECK_FAILED = 2  # a startup check found the node unfit: as a startup error
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,9 @@ class HangPolicy:
 class AttemptEnd:
     """How an attempt ended: ``reason`` is exited, signaled, hang, nonfinite (a NaN/Inf
     heartbeat), stopped (a stop signal came), update (stopped for a version update),
-    crashed (killed: it still ran long after one of its ranks died) or not-started (the
-    command could not be executed)."""
+    crashed (killed: it still ran long after one of its ranks died), check-failed (a check
+    beside the command failed: the environment's files) or not-started (the command could
+    not be executed)."""
 
     attempt: int
     code: int
@@ -264,7 +266,7 @@ class Supervisor:
                  kill_grace_s: float = 5.0, agent: Any = None, tail_lines: int = 200,
                  remote: Any = None, remote_wait_s: float = 30.0, versions: Any = None,
                  crash_grace_s: float = 15.0, preload: Sequence[str] = (),
-                 standby: bool = False,
+                 standby: bool = False, checks: Callable[[], Any] | None = None,
                  log: Callable[[str], None] = _stderr) -> None:
         if not command:
             raise ValueError("nothing to run: the command is empty")
@@ -314,6 +316,9 @@ class Supervisor:
         # the rendezvous for hours without a rank, which is neither a hang nor a failure
         self.spare = standby
         self._watching: _Progress | None = None  # the running attempt's ranks' signals
+        # the warm start's checks beside the command: the first failure
+        # (bootseer.deferred.DeferredFailure), or None
+        self.checks = checks
 
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> int:
@@ -361,7 +366,8 @@ class Supervisor:
             if self.spare and self._watching is not None and self._watching.last_change is None:
                 end.detail["parked"] = True  # no rank of this node ever ran (a spare)
             self.attempts.append(end)
-            if end.reason == "not-started" or self._stopping is not None or end.code == 0:
+            if end.reason in ("not-started", "check-failed") or self._stopping is not None \
+                    or end.code == 0:
                 return end.code
             if self._judge(end) == "stop":
                 self.log(f"stopping after {end.describe()} (attempt {attempt}): the verdict "
@@ -715,6 +721,9 @@ class Supervisor:
                 self.log(f"command exited with {AttemptEnd(attempt, code, reason).describe()} "
                          f"(attempt {attempt})")
                 return AttemptEnd(attempt, code, reason, pid, {"exited_at": time.time()})
+            if self.checks is not None and self._stopping is None and (
+                    failed := self.checks()) is not None:
+                return self._check_failed(attempt, pid, failed)
             if self._ranks is not None and self._stopping is None:
                 self._rank_ends(attempt, pid, watch)
             if self.agent is not None and (end := self._agent_watch(attempt, pid, watch,
@@ -728,6 +737,18 @@ class Supervisor:
             if timeout > 0 and self._stopping is None and (
                     end := self._silence(attempt, pid, watch, started)):
                 return end
+
+    def _check_failed(self, attempt: int, pid: int, failed: Any) -> AttemptEnd:
+        """A check beside the command (the environment's files) failed: the command is
+        stopped before it trains on what the check found, and the job ends (exit 2)."""
+        self.log(f"error: {failed.describe()}: stopping the job; the next start restores "
+                 "the environment (bootseer env verify shows every file that differs)")
+        self._signal_group(pid, signal.SIGKILL)
+        self._wait_child(5.0)
+        self._record("check_failed", time.time(), attempt=attempt, outcome="failed",
+                     what=failed.what, reason=failed.reason, problems=list(failed.problems))
+        return AttemptEnd(attempt, EXIT_CHECK_FAILED, "check-failed", pid,
+                          {"exited_at": time.time()})
 
     def _silence(self, attempt: int, pid: int, watch: _Progress,
                  started: float) -> AttemptEnd | None:

@@ -24,7 +24,7 @@ SHM = "/dev/shm"
 
 #: The keys `bootseer run` takes flags for (the file and the environment may set any key).
 RUN_KEYS = ("state", "run", "restart", "hang", "health", "controller", "env.spec", "env.prefix", "env.store",
-            "env.base_image", "env.uv", "ckpt", "storage", "colltrace")
+            "env.base_image", "env.uv", "env.verify", "ckpt", "storage", "colltrace")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +49,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise CliError("nothing to run: bootseer run [options] -- CMD [ARGS...]")
     from ..config import check_ckpt_cache_handoff, parse_ranks
+    from ..deferred import DeferredChecks
     from ..robust.agent import Agent
     from ..robust.detect import HangDetector
     from ..startup import StartupPlan, run_startup
@@ -62,7 +63,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     ckpt, env = cfg.ckpt, cfg.env
     plan = StartupPlan(
         env_spec=list(env.spec), env_prefix=env.prefix, env_store=env.store,
-        env_base_image=env.base_image, env_uv=env.uv,
+        env_base_image=env.base_image, env_uv=env.uv, env_verify=env.verify,
         ckpt_url=ckpt.url, ckpt_cache_dir=ckpt.cache_dir,
         ranks=parse_ranks(ckpt.ranks, os.environ) if ckpt.url else [],
         ckpt_connections=ckpt.connections, allow_fresh_start=cfg.run.allow_fresh_start,
@@ -70,11 +71,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     trace = open_trace(cfg)
     base_env = dict(os.environ)
 
+    checks = DeferredChecks()  # the warm start's file checks, beside the command
+
     def before_attempt(attempt: int) -> dict[str, str]:
         if memory is not None:  # the copies' check runs beside the launch (ckpt.memory_verify)
             memory.check_copies()  # type: ignore[attr-defined]
         node_check(cfg, trace, node, attempt)
-        extra = run_startup(plan, trace=trace, attempt=attempt, base_env=base_env)
+        checks.reset()
+        extra = run_startup(plan, trace=trace, attempt=attempt, base_env=base_env,
+                            checks=checks)
         return {**extra, **colltrace.child_env(attempt)} if colltrace else extra
 
     hang = HangPolicy(cfg.hang.timeout_s, cfg.hang.dump_wait_s, cfg.hang.startup_s)
@@ -109,7 +114,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                               cfg.restart.backoff_max_s),
         hang=hang, agent=agent, tail_lines=cfg.run.log_tail_lines, remote=remote,
         remote_wait_s=cfg.controller.wait_s, versions=versions,
-        crash_grace_s=cfg.hang.crash_grace_s,
+        crash_grace_s=cfg.hang.crash_grace_s, checks=checks.failure,
         preload=[m.strip() for m in cfg.run.preload.split(",")], standby=cfg.run.standby)
     try:
         code = supervisor.run()
