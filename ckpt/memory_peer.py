@@ -44,7 +44,12 @@ import sys
 import threading
 from typing import Any
 
+from striped_fs.privdir import PrivateDir
+
 from .memory_slot import HEADER, SlotDamaged, SlotFile, SlotHeader, newest, slot_paths
+
+PEERS_WHAT = "the memory tier's directory of peer copies"
+OWN_WHAT = "the memory tier's directory (ckpt.memory_dir, BOOTSEER_MEMCKPT_DIR)"
 
 log = logging.getLogger("ckpt")
 
@@ -164,7 +169,9 @@ class _Ranks:
     """The replicas a server holds: two slot files per rank, one lock per rank."""
 
     def __init__(self, directory: str) -> None:
-        self.directory = directory
+        # made 0700 or checked (this user's, 0700, not a link); slots through its descriptor
+        self._dir = PrivateDir.open(directory, what=PEERS_WHAT)
+        self.directory = self._dir.path
         self._slots: dict[int, list[SlotFile]] = {}
         self._locks: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -172,7 +179,7 @@ class _Ranks:
     def get(self, rank: int) -> tuple[list[SlotFile], threading.Lock]:
         with self._guard:
             if rank not in self._slots:
-                self._slots[rank] = [SlotFile(p) for p in
+                self._slots[rank] = [SlotFile(p, dir_fd=self._dir.fd) for p in
                                      slot_paths(self.directory, f"peer-rank-{rank}")]
                 self._locks[rank] = threading.Lock()
             return self._slots[rank], self._locks[rank]
@@ -181,6 +188,7 @@ class _Ranks:
         for slots in self._slots.values():
             for s in slots:
                 s.close()
+        self._dir.close()
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -232,7 +240,11 @@ class _Server(socketserver.ThreadingTCPServer):
                              "one the other nodes reach it at)")
         self.token = token
         self.ranks = _Ranks(directory)
-        self.own = own
+        try:  # the node's own copies: read through its checked descriptor
+            self.own = PrivateDir.open(own, create=False, what=OWN_WHAT) if own else None
+        except BaseException:
+            self.ranks.close()
+            raise
         super().__init__((host, port), _Handler)
         self.address = f"{host}:{self.server_address[1]}"
 
@@ -284,17 +296,17 @@ class _Server(socketserver.ThreadingTCPServer):
             raise ValueError(f"unknown op {op!r}")
 
 
-def _own_slots(directory: str | None, rank: int) -> list[SlotFile]:
+def _own_slots(directory: PrivateDir | None, rank: int) -> list[SlotFile]:
     """This node's own copies of ``rank`` (the ranks it ran), read-only and only those that
     exist: when torch renumbers the nodes, a rank can move off the node holding its newest
     copy (the soak lost 11 steps while only peer copies were served)."""
-    if not directory:
+    if directory is None:
         return []
     slots = []
-    for path in slot_paths(directory, f"rank-{rank}"):
+    for path in slot_paths(directory.path, f"rank-{rank}"):
         try:
-            slots.append(SlotFile(path, readonly=True))
-        except OSError:  # none yet, a link (O_NOFOLLOW) or not a file: not served
+            slots.append(SlotFile(path, readonly=True, dir_fd=directory.fd))
+        except OSError:  # none yet, a link, another user's or not a file: not served
             continue
     return slots
 
@@ -333,6 +345,8 @@ class PeerServer:
         self._server.shutdown()
         self._server.server_close()
         self._server.ranks.close()
+        if self._server.own is not None:
+            self._server.own.close()
 
 
 class PeerClient:
@@ -416,7 +430,6 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m ckpt.memory_peer DIR [HOST:PORT [OWN_DIR]]", file=sys.stderr)
         return 2
-    os.makedirs(argv[0], mode=0o700, exist_ok=True)
     host, _, port = (argv[1] if len(argv) > 1 else "127.0.0.1:0").rpartition(":")
     server = PeerServer(argv[0], host, int(port), own=argv[2] if len(argv) > 2 else None)
     print(f"listening on {server.address}", flush=True)
