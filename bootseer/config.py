@@ -183,8 +183,9 @@ _KEYS = [
           "record every collective of the command's ranks into shared-memory rings and name "
           "the rank and collective a hang or slowdown started from (docs/colltrace.md)"),
     _spec("colltrace", "dir", "path", "", "--colltrace-dir",
-          "where the rings live (one directory per attempt under it); '' = "
-          "/dev/shm/bootseer-colltrace-<uid>/<node>"),
+          "where the rings live: each job's directory (0700, a name nobody can guess, one "
+          "directory per attempt inside) is made in it and kept; '' = in /dev/shm, removed "
+          "when bootseer run ends"),
     _spec("colltrace", "capacity", "count", 4096, "--colltrace-capacity",
           "records kept per rank (80 bytes each)"),
     _spec("colltrace", "stuck_s", "float", 0.0, "--colltrace-stuck",

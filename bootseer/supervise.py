@@ -67,6 +67,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from striped_fs.privdir import PrivateDir, open_append
+
 from .prestart import Standby, python_command
 from .robust.detect import Beat
 from .robust.ranks import RankWatch
@@ -322,10 +324,17 @@ class Supervisor:
     def run(self) -> int:
         self._signals = _Signals()
         become_subreaper()
+        # the ranks' status and ready files: a fresh directory (0700, a name nobody can
+        # guess), or a named one made 0700 or checked (this user's, 0700, not a link)
         if self.control_dir is None:
-            self.control_dir = Path(tempfile.mkdtemp(prefix="bootseer-control-"))
+            made = PrivateDir.new(tempfile.gettempdir(), "bootseer-control-",
+                                  what="the control directory")
         else:
-            self.control_dir.mkdir(parents=True, exist_ok=True)
+            made = PrivateDir.open(self.control_dir, what="the control directory "
+                                   "(BOOTSEER_CONTROL_DIR)")
+        made.close()
+        if self.control_dir is None:
+            self.control_dir = Path(made.path)
         if self.ready_file is None:
             self.ready_file = self.control_dir / "ready"
         try:
@@ -1226,7 +1235,9 @@ class Supervisor:
             path = self.dump_dir / (f"dump-{self.node}-i{incident}-rank{item['rank']}-"
                                     f"{item['pid']}{suffix}.txt")
             try:
-                path.write_text(f"# {item['source']} {item['role']}\n{item['text']}")
+                with open_append(self.dump_dir, path.name) as f:  # never through a link
+                    f.truncate(0)
+                    f.write(f"# {item['source']} {item['role']}\n{item['text']}")
                 kept.append(path)
             except OSError as exc:
                 self.log(f"warning: cannot keep the dump {path}: {exc}")

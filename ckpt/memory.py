@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from striped_fs.privdir import PrivateDir
+
 from . import agree
 from .agree import DAMAGED, OK, Outcome
 from .errors import CheckpointError
@@ -56,7 +58,7 @@ from .memory_slot import (
     pad8,
     slot_paths,
 )
-from .memory_verify import stamp_for
+from .memory_verify import MEMORY_DIR_WHAT, stamp_for
 from .skip import poisoned, rules_from_env
 from .tensors import PerRank, describe, is_tensor_leaf
 
@@ -158,10 +160,6 @@ class MemoryTier:
     def __init__(self, config: MemoryConfig, *, rank: int, world_size: int,
                  process_group: Any = None, trust_objects: bool = False,
                  local_world_size: int | None = None) -> None:
-        if not os.path.isdir(config.directory):
-            raise CheckpointError(
-                f"memory tier directory {config.directory} does not exist: it is made by "
-                f"bootseer run (ckpt.memory); create it (mode 0700) or unset {DIR_ENV}")
         try:
             config.layout = parse_layout(config.layout, world_size, "the memory tier's layout")
         except ValueError as exc:
@@ -172,6 +170,14 @@ class MemoryTier:
                 f"{', '.join(REPLICATIONS)}: set MemoryConfig.replication (ckpt."
                 f"memory_replication, {REPLICATION_ENV}) to 'async' (the push overlaps the "
                 "next step) or 'sync' (save returns once the peer holds the step)")
+        try:  # this user's own, 0700, not a link (striped_fs.privdir); its files by its fd
+            where = PrivateDir.open(config.directory, create=False, what=MEMORY_DIR_WHAT)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"memory tier directory {config.directory} does not exist: it is made by "
+                f"bootseer run (ckpt.memory); create it (mode 0700) or unset {DIR_ENV}") from None
+        except OSError as exc:
+            raise CheckpointError(f"memory tier: {exc}") from None
         self.config = config
         self.sync = config.replication == "sync"
         self.sync_wait_s = 0.0  # the training thread's waits for the peer's ack (sync)
@@ -181,7 +187,12 @@ class MemoryTier:
         self.skip_rules = rules_from_env()  # copies saved after a NaN (ckpt/skip.py)
         self.trust_objects = trust_objects
         self.local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        self.slots = [SlotFile(p) for p in slot_paths(config.directory, f"rank-{rank}")]
+        with where:
+            try:  # a slot that is a link or another user's file: refused, never mapped
+                self.slots = [SlotFile(p, dir_fd=where.fd)
+                              for p in slot_paths(config.directory, f"rank-{rank}")]
+            except OSError as exc:
+                raise CheckpointError(f"memory tier: {exc}") from None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-memory-r{rank}")
         # pushes to the peer run on their own thread, so a push overlaps the next step's
         # copy; a slot is overwritten only once its own push is done

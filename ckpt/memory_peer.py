@@ -49,6 +49,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from striped_fs.privdir import PrivateDir
+
 from .memory_slot import HEADER, SlotDamaged, SlotFile, SlotHeader, newest, slot_paths
 from .memory_wire import (
     MAX_HELLO,
@@ -74,6 +76,9 @@ from .memory_wire import (
 
 __all__ = ["MAX_HELLO", "MAX_MESSAGE", "PeerClient", "PeerError", "PeerServer", "check_token",
            "recv_exact", "recv_msg", "send_msg"]
+
+PEERS_WHAT = "the memory tier's directory of peer copies"
+OWN_WHAT = "the memory tier's directory (ckpt.memory_dir, BOOTSEER_MEMCKPT_DIR)"
 
 log = logging.getLogger("ckpt")
 
@@ -160,7 +165,9 @@ class _Ranks:
     """The replicas a server holds: two slot files per rank, one lock per rank."""
 
     def __init__(self, directory: str) -> None:
-        self.directory = directory
+        # made 0700 or checked (this user's, 0700, not a link); slots through its descriptor
+        self._dir = PrivateDir.open(directory, what=PEERS_WHAT)
+        self.directory = self._dir.path
         self._slots: dict[int, list[SlotFile]] = {}
         self._locks: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -168,18 +175,25 @@ class _Ranks:
     def held(self, rank: int) -> tuple[list[SlotFile], threading.Lock] | None:
         """The slots of a rank that has copies here (put by this server, or files from
         before it started); ``None`` when it has none: a list or get creates no file and
-        keeps nothing open (1,200 lists of new ranks had made 2,400 files and kept them open)."""
+        keeps nothing open (1,200 lists of new ranks had made 2,400 files, kept open)."""
         with self._guard:
             cached = rank in self._slots
-        if cached or any(os.path.lexists(p)
+        if cached or any(self._exists(os.path.basename(p))
                          for p in slot_paths(self.directory, f"peer-rank-{rank}")):
             return self.get(rank)
         return None
 
+    def _exists(self, name: str) -> bool:
+        try:  # through the directory's descriptor, a link not followed
+            os.stat(name, dir_fd=self._dir.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
     def get(self, rank: int) -> tuple[list[SlotFile], threading.Lock]:
         with self._guard:
             if rank not in self._slots:
-                self._slots[rank] = [SlotFile(p) for p in
+                self._slots[rank] = [SlotFile(p, dir_fd=self._dir.fd) for p in
                                      slot_paths(self.directory, f"peer-rank-{rank}")]
                 self._locks[rank] = threading.Lock()
             return self._slots[rank], self._locks[rank]
@@ -188,6 +202,7 @@ class _Ranks:
         for slots in self._slots.values():
             for s in slots:
                 s.close()
+        self._dir.close()
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -247,7 +262,11 @@ class _Server(socketserver.ThreadingTCPServer):
         self._busy_said = 0.0
         self.token = token
         self.ranks = _Ranks(directory)
-        self.own = own
+        try:  # the node's own copies: read through its checked descriptor
+            self.own = PrivateDir.open(own, create=False, what=OWN_WHAT) if own else None
+        except BaseException:
+            self.ranks.close()
+            raise
         super().__init__((host, port), _Handler)
         self.address = f"{host}:{self.server_address[1]}"
 
@@ -332,17 +351,17 @@ class _Server(socketserver.ThreadingTCPServer):
                 chan.send_bulk(slot.view(HEADER, head.data_size + head.meta_size))
 
 
-def _own_slots(directory: str | None, rank: int) -> list[SlotFile]:
+def _own_slots(directory: PrivateDir | None, rank: int) -> list[SlotFile]:
     """This node's own copies of ``rank`` (the ranks it ran), read-only and only those that
     exist: when torch renumbers the nodes, a rank can move off the node holding its newest
     copy (the soak lost 11 steps while only peer copies were served)."""
-    if not directory:
+    if directory is None:
         return []
     slots = []
-    for path in slot_paths(directory, f"rank-{rank}"):
+    for path in slot_paths(directory.path, f"rank-{rank}"):
         try:
-            slots.append(SlotFile(path, readonly=True))
-        except OSError:  # none yet, a link (O_NOFOLLOW) or not a file: not served
+            slots.append(SlotFile(path, readonly=True, dir_fd=directory.fd))
+        except OSError:  # none yet, a link, another user's or not a file: not served
             continue
     return slots
 
@@ -385,6 +404,8 @@ class PeerServer:
         self._server.shutdown()
         self._server.server_close()
         self._server.ranks.close()
+        if self._server.own is not None:
+            self._server.own.close()
 
 
 class PeerClient:
@@ -535,7 +556,6 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m ckpt.memory_peer DIR [HOST:PORT [OWN_DIR]]", file=sys.stderr)
         return 2
-    os.makedirs(argv[0], mode=0o700, exist_ok=True)
     host, _, port = (argv[1] if len(argv) > 1 else "127.0.0.1:0").rpartition(":")
     server = PeerServer(argv[0], host, int(port), own=argv[2] if len(argv) > 2 else None)
     print(f"listening on {server.address}", flush=True)

@@ -17,10 +17,10 @@ CRC-32.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
-import stat
 import struct
 import zlib
 from dataclasses import dataclass
@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 import xxhash
+
+from striped_fs.privdir import UnsafePath, owned_file
 
 MAGIC = b"BSMEMCK1"
 HEADER = 4096
@@ -99,18 +101,35 @@ class SlotHeader:
 
 
 class SlotFile:
-    """One slot file, mapped shared; grown (never shrunk) to the size a copy needs."""
+    """One slot file, mapped shared; grown (never shrunk) to the size a copy needs.
 
-    def __init__(self, path: str, *, readonly: bool = False) -> None:
+    Opened relative to its directory's descriptor (``dir_fd``: a directory that
+    ``striped_fs.privdir`` made or checked; else the path's own directory), never through a
+    link, and used only when it is a regular file of this process's user with one link: a
+    file another user planted or a hard link to someone else's file is refused
+    (:class:`~striped_fs.privdir.UnsafePath`) before a byte is read or written. The stamp
+    beside it goes through the same descriptor."""
+
+    def __init__(self, path: str, *, readonly: bool = False, dir_fd: int | None = None) -> None:
         """``readonly``: an existing slot, mapped for reading only (a node's own copies served
         to its peers): never created, never written (FileNotFoundError when it is gone)."""
         self.path = path
         self.readonly = readonly
+        self.name = os.path.basename(path)
+        self.dir_fd = os.dup(dir_fd) if dir_fd is not None else os.open(
+            os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         flags = os.O_RDONLY if readonly else os.O_RDWR | os.O_CREAT
-        self.fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
-            os.close(self.fd)
-            raise OSError(f"{path} is not a regular file: not a memory-checkpoint slot")
+        try:
+            fd = os.open(self.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                         0o600, dir_fd=self.dir_fd)
+            self.fd = owned_file(fd, f"memory-checkpoint slot {path}")
+            os.set_blocking(self.fd, True)
+        except OSError as exc:
+            os.close(self.dir_fd)
+            if getattr(exc, "errno", None) == errno.ELOOP:
+                raise UnsafePath(f"memory-checkpoint slot {path} is a link: never followed; "
+                                 "another user may have planted it: remove it") from None
+            raise
         self.map: mmap.mmap | None = None
         self.size = 0
         self._remap()
@@ -142,7 +161,7 @@ class SlotFile:
         if self.map is not None and self.size >= HEADER:
             self.map[0:8] = b"\0" * 8
         try:
-            os.unlink(self.path + STAMP_SUFFIX)
+            os.unlink(self.name + STAMP_SUFFIX, dir_fd=self.dir_fd)
         except FileNotFoundError:
             pass
 
@@ -213,6 +232,7 @@ class SlotFile:
                 pass
             self.map = None
         os.close(self.fd)
+        os.close(self.dir_fd)
 
 
 def pack_meta(meta: dict[str, Any], blob: bytes) -> bytes:

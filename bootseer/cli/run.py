@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 import threading
 
 from .errors import CliError
 from .options import open_trace
+
+SHM = "/dev/shm"
 
 #: The keys `bootseer run` takes flags for (the file and the environment may set any key).
 RUN_KEYS = ("state", "run", "restart", "hang", "health", "controller", "env.spec", "env.prefix", "env.store",
@@ -67,7 +71,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     trace = open_trace(cfg)
     base_env = dict(os.environ)
 
-    colltrace = _colltrace_watch(cfg, trace, node)
     checks = DeferredChecks()  # the warm start's file checks, beside the command
 
     def before_attempt(attempt: int) -> dict[str, str]:
@@ -85,11 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         detector = HangDetector(hang.timeout_s)
     elif cfg.hang.learn:
         detector = HangDetector(None, initial_s=hang.startup_s)
-    agent = Agent(trace, node, hang=detector, max_no_progress=cfg.restart.max_no_progress,
-                  colltrace=colltrace)
     remote = _controller_link(cfg, node)
-    if remote is not None and colltrace is not None:  # the rings' window to the controller
-        remote.colltrace = colltrace.window  # type: ignore[attr-defined]
     versions = None
     if remote is not None:  # what each attempt runs: the version pinned for its epoch
         from ..robust.update import NodeVersions
@@ -98,7 +97,16 @@ def cmd_run(args: argparse.Namespace) -> int:
                                 log=lambda line: print(f"bootseer: {line}", file=sys.stderr,
                                                        flush=True))
 
-    memory = _node_memory(cfg, base_env)
+    colltrace = _colltrace_watch(cfg, trace, node)
+    try:
+        memory = _node_memory(cfg, base_env)
+    except CliError:
+        _drop_rings(cfg, colltrace)
+        raise
+    agent = Agent(trace, node, hang=detector, max_no_progress=cfg.restart.max_no_progress,
+                  colltrace=colltrace)
+    if remote is not None and colltrace is not None:  # the rings' window to the controller
+        remote.colltrace = colltrace.window  # type: ignore[attr-defined]
     supervisor = Supervisor(
         command, env=base_env, trace=trace, node=node, dump_dir=trace.dir,
         ready_file=cfg.run.ready_file or None, before_attempt=before_attempt,
@@ -116,8 +124,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         if memory is not None:
             memory.close()
+        _drop_rings(cfg, colltrace)
     _exit_if_lingering(None, code)
     return code
+
+
+def _drop_rings(cfg: argparse.Namespace, colltrace: object | None) -> None:
+    """The job's ring directory goes with the run when it is in /dev/shm (not named)."""
+    if colltrace is not None and not cfg.colltrace.dir:
+        colltrace.close()  # type: ignore[attr-defined]
+        shutil.rmtree(colltrace.base, ignore_errors=True)  # type: ignore[attr-defined]
 
 
 def _node_memory(cfg: argparse.Namespace, env: dict[str, str]) -> object | None:
@@ -146,11 +162,22 @@ def _colltrace_watch(cfg: argparse.Namespace, trace: object, node: str) -> objec
     if not 0 < ct.poll_s <= 2:
         raise CliError(f"[colltrace] poll_s = {ct.poll_s}: the reader must pass at least every "
                        "2 s; give a value in (0, 2]")
-    from ..colltrace import default_dir
+    from striped_fs.privdir import PrivateDir
+
     from ..colltrace.analyze import Analyzer
     from ..colltrace.reader import Watch
 
-    return Watch(ct.dir or default_dir(node), trace_dir=trace.dir, node=node,  # type: ignore[attr-defined]
+    # the job's own directory, made here (0700, exclusively) with a name nobody can guess,
+    # in colltrace.dir (made 0700 or checked) or /dev/shm; the ranks get it from the
+    # environment (BOOTSEER_COLLTRACE_DIR, one directory per attempt inside)
+    parent = ct.dir or (SHM if os.path.isdir(SHM) else tempfile.gettempdir())
+    try:
+        job = PrivateDir.new(parent, "bootseer-colltrace-", what="colltrace.dir")
+    except OSError as exc:
+        raise CliError(f"[colltrace] cannot make the ring directory in {parent}: {exc}") \
+            from None
+    job.close()
+    return Watch(job.path, trace_dir=trace.dir, node=node,  # type: ignore[attr-defined]
                  poll_s=ct.poll_s,
                  analyzer=Analyzer(stuck_s=ct.stuck_s, straggler_s=ct.straggler_s, node=node))
 

@@ -23,6 +23,8 @@ import tempfile
 import threading
 from typing import Any
 
+from striped_fs.privdir import PrivateDir
+
 SHM = "/dev/shm"
 
 
@@ -62,16 +64,20 @@ class NodeMemory:
         self._made = not directory
         self._log = log
         self.checking: threading.Thread | None = None
+        # made 0700 here, or (a named one that exists) this user's own, 0700, not a link;
+        # unnamed: a fresh one with a name nobody can guess (striped_fs.privdir)
         if directory:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            self.directory = directory
+            where = PrivateDir.open(directory, what="ckpt.memory_dir")
         else:
-            self.directory = tempfile.mkdtemp(prefix="bootseer-memckpt-",
-                                              dir=SHM if os.path.isdir(SHM) else None)
+            where = PrivateDir.new(SHM if os.path.isdir(SHM) else tempfile.gettempdir(),
+                                   "bootseer-memckpt-", what="the memory tier's directory")
+        self.directory = where.path if not directory else directory
         self.server = None
+        with where:
+            if listen:
+                where.subdir("peers", what="the memory tier's directory of peer copies").close()
         if listen:
             peers = os.path.join(self.directory, "peers")
-            os.makedirs(peers, mode=0o700, exist_ok=True)
             try:
                 self.server = PeerServer(peers, host, int(port), own=self.directory).start()
             except (OSError, ValueError):
@@ -128,5 +134,6 @@ class NodeMemory:
             self.server = None
         base = os.path.basename(self.directory)
         if self._made and base.startswith("bootseer-memckpt-") and \
-                os.path.dirname(self.directory) in (SHM, tempfile.gettempdir()):
+                os.path.dirname(self.directory) in map(os.path.realpath,
+                                                       (SHM, tempfile.gettempdir())):
             shutil.rmtree(self.directory, ignore_errors=True)
