@@ -41,14 +41,14 @@ def state_at(step: int) -> dict:
 
 @pytest.fixture
 def server(tmp_path: Path):
-    (tmp_path / "peer").mkdir()
+    (tmp_path / "peer").mkdir(mode=0o700)
     srv = PeerServer(str(tmp_path / "peer"), token=TOKEN).start()
     yield srv
     srv.close()
 
 
 def _tier(directory: Path, peer: str) -> MemoryTier:
-    directory.mkdir(exist_ok=True)
+    directory.mkdir(mode=0o700, exist_ok=True)
     return MemoryTier(MemoryConfig(str(directory), peer=peer, token=TOKEN, peer_timeout_s=3),
                       rank=0, world_size=1)
 
@@ -175,7 +175,7 @@ def test_a_hello_dripped_byte_by_byte_is_cut_at_the_deadline(
     """A byte every 0.3 s never lets a per-recv timeout of 1 s expire (it stayed open past
     61 s with the 30 s bound); the bound is on the whole hello, then on the request too."""
     monkeypatch.setattr(memory_peer, "HANDSHAKE_S", 1.0)
-    (tmp_path / "peer").mkdir()
+    (tmp_path / "peer").mkdir(mode=0o700)
     srv = PeerServer(str(tmp_path / "peer"), token=TOKEN).start()
     port = int(srv.address.split(":")[1])
 
