@@ -54,6 +54,7 @@ from _common import (  # noqa: E402
     source_state,
     work_dir,
 )
+from gpu_check_colltrace import FR_ENV  # noqa: E402 - the standard library only at its top
 
 SUITE = "gpu_check"
 GROUPS = ("ckpt", "memory", "colltrace", "robust")
@@ -74,9 +75,7 @@ CHECKS = (
     Spec("ckpt", "ckpt", "gpu_check_ckpt.py", 200),
     Spec("memory", "memory", "gpu_check_ckpt.py", 150),
     Spec("nccl-ranks", "colltrace", "gpu_check_colltrace.py", 75, cuda_only=True),
-    Spec("colltrace-times", "colltrace", "gpu_check_colltrace.py", 75,
-         env={"TORCH_FR_BUFFER_SIZE": "4000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "4000",
-              "TORCH_NCCL_ENABLE_TIMING": "1"}),
+    Spec("colltrace-times", "colltrace", "gpu_check_colltrace.py", 75, env=FR_ENV),
     Spec("colltrace-overhead", "colltrace", "gpu_check_colltrace.py", 100),
     Spec("colltrace-hang", "colltrace", "gpu_check_colltrace.py", 100),
     Spec("alignment", "robust", "gpu_check_robust.py", 75,

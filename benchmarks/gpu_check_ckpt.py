@@ -199,8 +199,10 @@ def check_ckpt(chk: Check) -> None:
     import torch.distributed as dist
 
     dist.destroy_process_group()
-    _ckpt_rows(chk, total, stalls, durable, plain_s, dcp_runs, d2h, floor_s, pinned,
-               (ours_load, ours_equal, dcp_load, dcp_equal, h2d), where)
+    _ckpt_rows(chk, total, {"stalls": stalls, "stage_device": stage_device, "durable": durable,
+                            "plain": plain_s, "dcp": dcp_runs, "d2h": d2h, "floor_s": floor_s,
+                            "pinned": pinned, "where": where,
+                            "load": (ours_load, ours_equal, dcp_load, dcp_equal, h2d)})
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -209,10 +211,12 @@ def _steady(xs: list[float]) -> float:
     return med(xs[1:] or xs)
 
 
-def _ckpt_rows(chk: Check, total: int, stalls: list[float], durable: list[float],
-               plain_s: list[float], dcp_runs: list[dict[str, float]], d2h: dict[str, Any],
-               floor_s: float, pinned: bool, load: tuple[Any, ...], where: str) -> None:
+def _ckpt_rows(chk: Check, total: int, m: dict[str, Any]) -> None:
+    """The table's rows from the measurements ``m`` (see :func:`check_ckpt`)."""
     cuda = chk.cuda
+    stalls, stage_device, durable = m["stalls"], m["stage_device"], m["durable"]
+    plain_s, dcp_runs, d2h, floor_s = m["plain"], m["dcp"], m["d2h"], m["floor_s"]
+    pinned, where = m["pinned"], m["where"]
     stall = _steady(stalls)
     safe = _steady([r["safe_s"] for r in dcp_runs])
     ret = _steady([r["return_s"] for r in dcp_runs])
@@ -230,8 +234,10 @@ def _ckpt_rows(chk: Check, total: int, stalls: list[float], durable: list[float]
         floor_bw = total / min(dev)
         ours_bw = total / stall
         chk.figure("d2h_gb_s", {"ours": ours_bw / GB, "floor": floor_bw / GB})
-        chk.row("D2H bandwidth while staging", f"{ours_bw / GB:.1f} GB/s "
-                f"(pool pinned: {'yes' if pinned else 'NO'})", f".cpu() {total / plain / GB:.1f} GB/s",
+        staged = [g for g in stage_device[1:] if g] or [g for g in stage_device if g]
+        chk.row("D2H bandwidth while staging", f"{ours_bw / GB:.1f} GB/s (device time "
+                f"{total / med(staged) / GB:.1f} GB/s; pool pinned: {'yes' if pinned else 'NO'})",
+                f".cpu() {total / plain / GB:.1f} GB/s",
                 f">= 75% of the pinned copy floor {floor_bw / GB:.1f} GB/s (got "
                 f"{ours_bw / floor_bw:.0%})", verdict(pinned and ours_bw >= 0.75 * floor_bw))
     else:
@@ -240,7 +246,7 @@ def _ckpt_rows(chk: Check, total: int, stalls: list[float], durable: list[float]
     chk.row("save until durable", f"{_steady(durable):.2f} s",
             f"DCP async_save durable {_steady([r['durable_s'] for r in dcp_runs]):.2f} s",
             f"info (files on {where})", "info")
-    ours_load, ours_equal, dcp_load, dcp_equal, h2d = load
+    ours_load, ours_equal, dcp_load, dcp_equal, h2d = m["load"]
     floor_load = min(h2d["wall_s"])
     chk.row("load into device tensors" if cuda else "load into CPU tensors",
             f"{ours_load:.2f} s ({'bitwise equal' if ours_equal else 'NOT EQUAL'})",

@@ -30,8 +30,8 @@ from _gpu_check_common import Check, main, med, overhead_verdict, p90, verdict
 
 OVERHEAD_TARGET = 0.01
 HANG_RANKS, SKIPPER, HANG_AT = 3, 1, 12
-FR_ENV = {"TORCH_FR_BUFFER_SIZE": "4000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "4000",
-          "TORCH_NCCL_ENABLE_TIMING": "1"}
+#: the Flight Recorder on, with NCCL's start events (its durations): set before torch starts
+FR_ENV = {"TORCH_FR_BUFFER_SIZE": "4000", "TORCH_NCCL_ENABLE_TIMING": "1"}
 
 
 def init_pg(backend: str, rank: int, world: int, store: Path, timeout_s: float) -> None:
@@ -116,18 +116,22 @@ def check_nccl_ranks(chk: Check) -> None:
     procs = [_spawn("nccl-rank", r, 2, {"NCCL_DEBUG": "WARN"}, store=work / "store")
              for r in range(2)]
     readers = [Lines(p, f"nccl rank {r}") for r, p in enumerate(procs)]
-    deadline = time.monotonic() + float(chk.cfg.get("nccl_wait_s", 45))
+    wait_s = float(chk.cfg.get("nccl_wait_s", 45))
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):  # one refused: the other may wait
+            deadline = min(deadline, time.monotonic() + 10)  # for it in the init forever
         time.sleep(0.2)
-    hung = any(p.poll() is None for p in procs)
+    hung = [r for r, p in enumerate(procs) if p.poll() is None]
     _stop(procs)
     texts = [r.text() for r in readers]
     ok = not hung and all(f"NCCLRANK {r} ok 3.0" in t for r, t in enumerate(texts))
     said = [ln for t in texts for ln in t.splitlines()
             if "Duplicate GPU" in ln or ln.startswith("NCCLRANK")]
-    reason = next((ln for ln in said if "Duplicate GPU" in ln), said[0] if said else "")
-    outcome = ("allowed" if ok else f"hung for {chk.cfg.get('nccl_wait_s', 45)} s" if hung
-               else f"refused: {reason.strip()[:240]}")
+    reason = next((ln for ln in said if "Duplicate GPU" in ln),
+                  next((ln for ln in said if " error " in ln), ""))
+    outcome = ("allowed" if ok else f"refused: {reason.strip()[:240]}" if reason else
+               f"rank(s) {hung} hung for {wait_s:.0f} s" if hung else "failed: no answer")
     chk.figure("allowed", ok)
     chk.figure("outcome", outcome)
     chk.row("NCCL with two ranks on one GPU", outcome, "-",

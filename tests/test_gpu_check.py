@@ -126,16 +126,16 @@ def test_the_markdown_holds_the_json_rows_and_skip_lines(cpu_form) -> None:
 
 def test_a_hung_check_is_killed_at_its_deadline_and_the_next_one_runs(tmp_path: Path) -> None:
     results = tmp_path / "results"
-    run = gpu_check(results, "--parts", "health,alignment", "--timeout", "health=5",
-                    env={"GPU_CHECK_FAULT": "health:hang"})
+    run = gpu_check(results, "--parts", "colltrace-times,health", "--timeout",
+                    "colltrace-times=5", env={"GPU_CHECK_FAULT": "colltrace-times:hang"})
     assert run.returncode == 1, run.stdout[-4000:] + run.stderr[-2000:]
     report = json.loads((results / "gpu_check.json").read_text())
-    health, alignment = report["checks"]["health"], report["checks"]["alignment"]
-    assert health["status"] == "timeout" and "killed with its process group" in health["why"]
-    assert "GPU_CHECK_FAULT says hang" in "\n".join(health["output_tail"])
-    assert not Path(f"/proc/{health['pid']}").exists() or b"gpu_check_robust" not in \
-        Path(f"/proc/{health['pid']}/cmdline").read_bytes()
-    assert alignment["status"] == "ok" and alignment["result"]["figures"]["identical"] is True
-    assert report["errors"] == [f"health: {health['why']}"]
+    hung, after = report["checks"]["colltrace-times"], report["checks"]["health"]
+    assert hung["status"] == "timeout" and "killed with its process group" in hung["why"]
+    assert "GPU_CHECK_FAULT says hang" in "\n".join(hung["output_tail"])
+    assert not Path(f"/proc/{hung['pid']}").exists() or b"gpu_check_colltrace" not in \
+        Path(f"/proc/{hung['pid']}/cmdline").read_bytes()
+    assert after["status"] == "ok" and after["result"]["done"] is True
+    assert report["errors"] == [f"colltrace-times: {hung['why']}"]
     md = (results / "gpu_check.md").read_text()
-    assert "| health: the check" in md and "timed out after 5 s" in md
+    assert "| colltrace-times: the check" in md and "timed out after 5 s" in md
