@@ -215,8 +215,9 @@ def check_colltrace_times(chk: Check) -> None:
     time.sleep(1.5 if cuda else 0.2)  # the NCCL watchdog marks completions on its own pass
     snaps = read_rings(work / "rings")
     ring_ops = [o for s in snaps if s.rank == 0 for o in s.ops if o.op == "all_reduce"][-n:]
-    if len(ring_ops) != n:
-        raise RuntimeError(f"the ring holds {len(ring_ops)} of the {n} all_reduces traced")
+    if len(ring_ops) != n or any(o.t_done is None for o in ring_ops):
+        raise RuntimeError(f"the ring holds {len(ring_ops)} of the {n} all_reduces traced, "
+                           f"{sum(o.t_done is None for o in ring_ops)} without a completion")
     ours_fr = _fr_entries(flight.dump())
     nccl_fr = _fr_entries(_nccl_dump()) if cuda else []
     fr = (ours_fr or nccl_fr)[-n:]
