@@ -394,7 +394,8 @@ def check_colltrace_hang(chk: Check) -> None:
              f"{SKIPPER} skips grp-a's all_reduce at step {HANG_AT}")
     work = chk.work_dir(0)[0]
     rings = work / "rings"
-    rings.mkdir(parents=True, exist_ok=True)
+    rings.mkdir(mode=0o700, parents=True, exist_ok=True)
+    rings.chmod(0o700)  # the tracer takes only a directory of its own (striped_fs.privdir)
     procs = [_spawn("hang-rank", r, HANG_RANKS, backend=backend, store=work / "store",
                     rings=rings, at=HANG_AT, skipper=SKIPPER, steps=10**6,
                     cuda="1" if cuda else "0") for r in range(HANG_RANKS)]
