@@ -8,6 +8,7 @@ each waits generously for the verdict and asserts what it says and whom it names
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -187,6 +188,31 @@ def test_a_rank_whose_subgroup_peer_completed_but_went_on_is_not_stalled() -> No
     an = Analyzer(alive=lambda snap: True)
     found = an.analyze(_snaps(plan, members), now=102.5)
     assert all(f.kind != "stalled" for f in found), [f.line for f in found]
+
+
+
+def test_a_dead_ranks_ring_beside_a_relaunched_ranks_is_no_mismatch() -> None:
+    """After a launcher restarted its ranks, node1's rank 1 has not started again: its
+    newest ring is the dead process's (30 all_reduces of 4 floats), beside the new rank 0's
+    (its first ops: broadcasts of 8). Their sequence numbers belong to two runs; calling
+    that a mismatch would stop a healthy job (a mismatch now stops it). Rings born in one
+    run that differ are one."""
+    old = [Op(1, i, "0", "all_reduce", i + 1, 4, 16, "float32", 11.0 + i, 11.01 + i, False,
+              False, -1) for i in range(30)]
+    new = [Op(0, i, "0", "broadcast", i + 1, 8, 32, "float32", 61.0 + i, 61.01 + i, False,
+              False, -1) for i in range(3)]
+
+    def ring(rank: int, created: float, ops: list[Op]) -> RingSnapshot:
+        return RingSnapshot(f"rank{rank}.ring", rank, 2, 10 + rank, f"node{rank}", created,
+                            len(ops), {"0": {"name": "0", "desc": "default_pg",
+                                             "ranks": [0, 1]}}, ops)
+
+    assert Analyzer(alive=lambda s: True).analyze([ring(0, 60.0, new), ring(1, 10.0, old)],
+                                                  now=65.0) == []
+    found = Analyzer(alive=lambda s: True).analyze(
+        [ring(0, 10.0, [dataclasses.replace(o, t_issue=o.t_issue - 50, t_done=o.t_done - 50)
+                        for o in new]), ring(1, 10.0, old)], now=65.0)
+    assert [(f.kind, f.seq) for f in found] == [("mismatch", 1)], [f.line for f in found]
 
 
 

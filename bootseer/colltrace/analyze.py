@@ -248,6 +248,8 @@ class Analyzer:
             sigs = {r: _signature(ops[seq]) for r, ops in view.ops.items() if seq in ops}
             if len(sigs) < 2 or len(set(sigs.values())) == 1:
                 continue
+            if not _one_run(view, seq, list(sigs), by_rank):
+                continue  # a relaunched rank's new ring beside a dead one's: not one run
             count = Counter(sigs.values())
             (major, n_major), *rest = count.most_common()
             tie = bool(rest) and rest[0][1] == n_major
@@ -752,6 +754,23 @@ def _rate(seqs: list[int], starts: dict[int, float], nbytes: dict[int, int]
     span = starts[seqs[-1]] - starts[seqs[0]]
     interval = statistics.median(gaps) if gaps else 0.0
     return interval, (sum(nbytes[s] for s in seqs[1:]) / span if span > 0 else 0.0)
+
+
+#: clock skew allowed between hosts when ops are placed against another rank's ring's birth
+RUN_SKEW_S = 1.0
+
+
+def _one_run(view: GroupView, seq: int, ranks: list[int],
+             by_rank: dict[int, RingSnapshot]) -> bool:
+    """Whether these ranks' ops ``seq`` belong to one run of the group: each was issued
+    after every other one's ring was made. Why: after a launcher restarted its ranks, the
+    newest ring of a rank that has not started again is the dead process's, whose sequence
+    numbers are another run's (a mismatch there would stop a healthy job); its ops all
+    precede the new process's ring. Rings of unknown birth (0) are not judged."""
+    born = [c for r in ranks if r in by_rank and (c := by_rank[r].created) > 0]
+    if not born:
+        return True
+    return min(view.ops[r][seq].t_issue for r in ranks) >= max(born) - RUN_SKEW_S
 
 
 def _signature(op: Op) -> tuple[str, str, int]:
