@@ -756,6 +756,17 @@ def test_a_mismatched_collective_on_the_cluster_stops_with_the_tracers_evidence(
     assert ctl.wait(timeout=30) == 0
 
 
+def _beat_ranks(c, node: str) -> list[str]:
+    """The ranks of ``node``'s last heartbeat summary in the job's store."""
+    from torch.distributed import TCPStore
+
+    with c.services.entered():
+        store = TCPStore("127.0.0.1", PORT, is_master=False,
+                         timeout=datetime.timedelta(seconds=20))
+        raw = wire.get(store, wire.Keys("job").node(node, "beat"))
+    return sorted((json.loads(raw).get("ranks") or {}) if raw else [])
+
+
 def test_a_lost_node_on_the_cluster_is_named_and_replaced(cluster_factory,
                                                          tmp_path: Path) -> None:
     """node1 is lost (every process of it killed at once, its agent included): node0's rank
@@ -768,6 +779,10 @@ def test_a_lost_node_on_the_cluster_is_named_and_replaced(cluster_factory,
     procs = {n.name: _agent(c, n, out, script, nnodes=2, hang_timeout=20)
              for n in c.nodes}
     _wait("two running ranks", lambda: all((out / f"running-{r}").exists() for r in (0, 1)),
+          procs, out)
+    # node1's heartbeat summary names its rank (published at most once a second: a node
+    # lost before it is named without its ranks, unless its tracer window names them)
+    _wait("node1's rank in its heartbeat summary", lambda: _beat_ranks(c, "node1") == ["1"],
           procs, out)
     lost_at = time.time()
     c.kill_node(1)
