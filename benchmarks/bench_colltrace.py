@@ -258,7 +258,7 @@ def cluster_link(work: Path, trials: int, timeout_s: float) -> dict[str, Any]:
     rows = []
     for i in range(trials):
         rings = work / f"link-{i}"
-        rings.mkdir(parents=True)
+        rings.mkdir(parents=True, mode=0o700)
         with Cluster(2, link=Link(rate="200mbit"), services=("rendezvous",),
                      workdir=work) as c:
             job = ["-m", "bootseer.testing.colltrace_job", "--torchrun", "--dir", str(rings),
@@ -341,7 +341,7 @@ def cluster_overhead(work: Path, jobs: int, steps: int, block: int,
     with Cluster(2, services=("rendezvous",), workdir=work) as c:
         for i, kind in enumerate(order):
             rings = work / f"ovh-cluster-{i}"
-            rings.mkdir(parents=True)
+            rings.mkdir(parents=True, mode=0o700)
             job = ["-m", "bootseer.testing.colltrace_job", "--torchrun", "--dir", str(rings),
                    "--numel", str(numel), "--work-ms", "20", "--steps", str(steps),
                    "--alternate", str(block), "--no-trace",
@@ -518,7 +518,7 @@ def controller_link(work: Path, trials: int, timeout_s: float, failslow_s: float
                                           open(out / f"agent-{n.name}.err", "ab"))))
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline:  # a baseline first: 80 ops in every group
-                counts = [max((len(s.ops) for d in (out / f"rings-{n.name}").glob("attempt-*")
+                counts = [max((len(s.ops) for d in (out / f"rings-{n.name}").glob("*/attempt-*")
                                for s in read_rings_safe(d)), default=0) for n in c.nodes]
                 if min(counts) >= 170:
                     break

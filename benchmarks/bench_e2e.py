@@ -29,8 +29,8 @@ the measured restart, on a fresh node (empty image store, empty caches, page cac
   the copy, then ``torch.distributed.checkpoint.load`` with ``FileSystemReader``;
 * ``diy-warm``: the same with the image already on the node (pulled before the clock starts);
 * ``bootseer-warm``: bootseer's restart on a fresh node that ``bootseer warmup`` filled before
-  the clock starts (diy-warm's like-for-like peer): the lazy image pulled (its recorded hot
-  frames prefetched by the snapshotter), then ``bootseer warmup`` in a container of the image
+  the clock starts (diy-warm's like-for-like peer): the lazy image pulled and written out on
+  the node (``bootseer image pull --local``), then ``bootseer warmup`` in a container of the image
   restores the environment into the node's directory and caches the newest checkpoint's
   shards; the page cache is dropped, then the clock starts with ``ctr run``;
 * info, ``bootseer in place``: the supervisor's own restart on the node of the first start
@@ -111,25 +111,31 @@ LABELS = {
     "diy-warm": "diy-warm: the same, image already on the node",
     "bootseer": "bootseer: lazy image + env snapshot + ckpt prefetch",
     "bootseer-warm": "bootseer-warm: the same on a node filled by `bootseer warmup`",
+    "bootseer-baked": "bootseer-baked: deps baked in, lazy image with its profile + ckpt prefetch",
     "inplace": "bootseer in place: supervisor restart on the same node (info)",
 }
 # --methods, in the order they run: the slowest last, so a run cut short keeps the others
-METHODS = ("diy", "diy-warm", "bootseer", "bootseer-warm", "baseline")
-ORDER = ("baseline", "diy", "diy-warm", "bootseer", "bootseer-warm", "inplace")  # the rows
+METHODS = ("diy", "diy-warm", "bootseer", "bootseer-warm", "bootseer-baked", "baseline")
+ORDER = ("baseline", "diy", "diy-warm", "bootseer", "bootseer-warm", "bootseer-baked",
+         "inplace")  # the rows
 DIY = ("diy", "diy-warm")
-BOOTSEER = ("bootseer", "bootseer-warm")
+BAKED = ("bootseer-baked",)  # the diy image (torch baked in) converted: no environment phase
+BOOTSEER = ("bootseer", "bootseer-warm", "bootseer-baked")
 ENV_ROOT = "/opt/bootseer-env"  # bootseer-warm: the node's environment directory, mounted
 RCLONE = e2e_diy.RcloneTuning()
 
 
 def family(method: str) -> str:
     """The method whose first start (and checkpoint prefix) ``method`` uses."""
+    if method in BAKED:
+        return method
     return "diy" if method in DIY else "bootseer" if method in BOOTSEER else method
 
 
 def ckpt_root(method: str) -> str:
     """bucket/prefix of ``method``'s checkpoints."""
-    return {"baseline": "ckpt/dcp", "diy": "ckpt/diy"}.get(family(method), "ckpt/bootseer")
+    return {"baseline": "ckpt/dcp", "diy": "ckpt/diy",
+            "bootseer-baked": "ckpt/baked"}.get(family(method), "ckpt/bootseer")
 
 
 def phases_of(method: str, ev: list[dict[str, Any]], t0: float, pulled: float | None,
@@ -204,6 +210,7 @@ def compare(runs: dict[str, Any]) -> dict[str, dict[str, float]]:
     share of start-up time it removes (negative: bootseer was slower)."""
     pairs = [("bootseer", m) for m in ("baseline", "diy", "diy-warm")]
     pairs.append(("bootseer-warm", "diy-warm"))  # the like-for-like pair
+    pairs += [("bootseer-baked", "diy"), ("bootseer-baked", "bootseer")]  # same image / job
     return {m if ours == "bootseer" else f"{ours} vs {m}": {
                 "speedup": runs[m]["total"] / runs[ours]["total"],
                 "less": 1 - runs[ours]["total"] / runs[m]["total"]}
@@ -300,7 +307,7 @@ class Bench:
                                          f"{la['size'] / 1e6:.0f} MB gzip" for la in layers))
         wheels = download_wheels(self.cache / "wheels-e2e", [TORCH])
         diy_layers = None
-        if set(self.methods) & set(DIY):
+        if set(self.methods) & {*DIY, *BAKED}:
             diy_layers = [*layers, deps_layer(self.work, image_dir, wheels[0].parent)]
             self.R["image"]["diy_layers"] = diy_layers
 
@@ -318,7 +325,7 @@ class Bench:
         self.gzip_ref = f"{registry_addr}/{repo}:gzip"
         log(f"pushed {self.gzip_ref} ({digest[:19]})")
         self.gzip_blobs = [self.registry.blob_path(la["digest"]) for la in layers]
-        if set(self.methods) & set(BOOTSEER):  # only bootseer reads the converted image
+        if set(self.methods) & {"bootseer", "bootseer-warm"}:  # the converted image
             log("converting to the bootseer layer format")
             conv = self._helper("convert", {"src": f"{self.registry.host}/{repo}:gzip",
                                             "dst": f"{self.registry.host}/{repo}:lazy",
@@ -333,6 +340,14 @@ class Bench:
             self.diy_blobs = [self.registry.blob_path(la["digest"]) for la in diy_layers]
             log(f"pushed {self.diy_ref} (the dependencies baked in: "
                 f"{diy_layers[-1]['size'] / 1e6:.0f} MB gzip more)")
+        if set(self.methods) & set(BAKED):  # the diy image in bootseer's layer format
+            log("converting the image with the dependencies baked in")
+            conv = self._helper("convert", {"src": f"{self.registry.host}/{repo}:diy",
+                                            "dst": f"{self.registry.host}/{repo}:baked-lazy",
+                                            "workdir": str(self.work)})
+            self.R["conversion_baked"] = conv
+            self.baked_ref = f"{registry_addr}/{repo}:baked-lazy"
+            self.baked_blobs = [self.registry.blob_path(d) for d in conv["layer_digests"]]
         self.index = self.stack.enter_context(PackageIndex(wheels[0].parent))
         index_addr = shaped(self.index.port, "index")
         self.moto = MotoS3Server(in_process=False)
@@ -355,6 +370,11 @@ class Bench:
             '[env]\nspec = ["/job/requirements.txt"]\nprefix = "/opt/env"\n'
             'store = "s3://envs/e2e"\n\n'
             '[ckpt]\nurl = "s3://ckpt/bootseer"\ncache_dir = "/var/cache/bootseer/ckpt"\n'
+            'ranks = "0-1"\n')
+        (self.job / "bootseer-baked.toml").write_text(  # torch is in the image: no [env]
+            '[run]\ntrace_dir = "/var/log/bootseer/trace"\n\n'
+            '[restart]\nmax_restarts = 2\nbackoff_s = 1.0\n\n'
+            '[ckpt]\nurl = "s3://ckpt/baked"\ncache_dir = "/var/cache/bootseer/ckpt"\n'
             'ranks = "0-1"\n')
         log(f"registry {registry_addr}, index {index_addr}, S3 {s3_addr} (all shaped: "
             + "; ".join(f"{k} {ShaperSettings.from_mb(*v).describe()}" for k, v in LINKS.items())
@@ -440,6 +460,8 @@ class Bench:
         """The registry blobs of the image that ``method`` pulls."""
         if method in DIY:
             return self.diy_blobs
+        if method in BAKED:
+            return self.baked_blobs
         return self.lazy_blobs if method in BOOTSEER else self.gzip_blobs
 
     def go_cold(self, blobs: list[Path]) -> None:
@@ -448,14 +470,18 @@ class Bench:
         for blob in blobs:  # the registry's disk is not this node's
             bp.read_through(blob)
 
-    def pull(self, node: Node, method: str, logf: Any) -> float:
+    def pull(self, node: Node, method: str, logf: Any, *, local: bool = False) -> float:
+        """The method's image pull; ``local`` (bootseer's warm node): every lazy layer then
+        fetched whole and written out, as diy-warm's image is unpacked on its node."""
         if method == "baseline":
             argv = node.ctr("images", "pull", "--plain-http", self.gzip_ref)
         elif method in DIY:
             argv = node.ctr("images", "pull", "--plain-http", self.diy_ref)
         else:
-            argv = [sys.executable, "-m", "bootseer", "image", "pull", self.lazy_ref, "--address",
-                    node.containerd.address, "--namespace", NAMESPACE]
+            ref = self.baked_ref if method in BAKED else self.lazy_ref
+            argv = [sys.executable, "-m", "bootseer", "image", "pull", ref, "--address",
+                    node.containerd.address, "--namespace", NAMESPACE,
+                    *(["--local"] if local else [])]
         t = time.time()
         r = subprocess.run(argv, stdout=logf, stderr=logf, env=bp.clean_env(),
                            timeout=STEP_TIMEOUT_S, check=False)
@@ -488,10 +514,13 @@ class Bench:
                    "--node", node.dir.name]
             ref, snapshotter = self.lazy_ref, "bootseer"
         else:
-            cmd = ["python3", "-m", "bootseer", "run", "--config", "/job/bootseer.toml",
-                   "--node", node.dir.name, "--", "python", "-m", "torch.distributed.run",
-                   "--standalone", "--nproc-per-node=2", "/app/train.py", "train", *train]
-            ref, snapshotter = self.lazy_ref, "bootseer"
+            config = "bootseer-baked" if method in BAKED else "bootseer"
+            cmd = ["python3", "-m", "bootseer", "run", "--config", f"/job/{config}.toml",
+                   "--node", node.dir.name, "--", "python3" if method in BAKED else "python",
+                   "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   "/app/train.py", "train", *train]
+            ref = self.baked_ref if method in BAKED else self.lazy_ref
+            snapshotter = "bootseer"
         trace = node.dir / "local" / ("warmup-trace" if warmup else "trace")
         trace.mkdir(parents=True, exist_ok=True)
         mounts = [(self.job, "/job", "ro"), (results, "/results", "rw"),
@@ -547,8 +576,8 @@ class Bench:
             return dcp_latest(fs, ckpt_root(method))
         from ckpt import CheckpointManager
 
-        mgr = CheckpointManager("s3://ckpt/bootseer", storage_options=self.direct_options,
-                                cache_dir=False)
+        mgr = CheckpointManager(f"s3://{ckpt_root(method)}",
+                                storage_options=self.direct_options, cache_dir=False)
         try:
             return mgr.latest()
         finally:
@@ -567,7 +596,7 @@ class Bench:
     # -- the runs --------------------------------------------------------------------------------
     def first_start(self, method: str) -> dict[str, Any]:
         """Cold start on a fresh node; train, save, then SIGKILL rank 1 after a commit."""
-        args = ("--record-timeout", "1200") if method == "bootseer" else None
+        args = ("--record-timeout", "1200") if method in ("bootseer", *BAKED) else None
         node = self.node(f"{method}-first", args)
         results = self.work / "results" / f"{method}-first"
         logp = self.work / f"{method}-first.log"
@@ -594,13 +623,14 @@ class Bench:
             out["kill_t"] = time.time()
             os.kill(pid, signal.SIGKILL)
             log(f"  step {step} committed; SIGKILL to rank 1 (host pid {pid})")
-            if method == "bootseer":
+            if method in ("bootseer", *BAKED):
                 rc = proc.wait(timeout=STEP_TIMEOUT_S)
                 if rc != 0:
                     raise RuntimeError(f"bootseer run ended with {rc} after its restart "
                                        f"(log {logp})")
-                out["inplace"] = self.breakdown("inplace", results, out["kill_t"], None,
-                                                node.dir / "local" / "trace", attempt=1)
+                if method == "bootseer":
+                    out["inplace"] = self.breakdown("inplace", results, out["kill_t"], None,
+                                                    node.dir / "local" / "trace", attempt=1)
                 self.wait_profile(node)
             else:
                 proc.wait(timeout=STEP_TIMEOUT_S)
@@ -610,13 +640,14 @@ class Bench:
 
     def warm_node(self, node: Node, method: str, logf: Any) -> None:
         """Fill a fresh node before the clock, as a pre-job step would: the lazy image
-        pulled (the snapshotter prefetches its recorded hot frames), then ``bootseer warmup``
+        pulled and written out on the node (``bootseer image pull --local``: containers start
+        from local files, as diy-warm's do from its unpacked image), then ``bootseer warmup``
         (environment into the node's directory, the newest checkpoint's shards into the node
         cache) in a container of the image, with the job's configuration."""
         log(f"{method}: the node filled by `bootseer image pull` + `bootseer warmup` before "
             "the clock starts")
         t = time.time()
-        self.pull(node, method, logf)
+        self.pull(node, method, logf, local=True)
         results = self.work / "results" / f"{method}-warmup"
         proc = self.start(node, method, results, logf, first=False, warmup=True)
         rc = proc.wait(timeout=STEP_TIMEOUT_S)
@@ -835,15 +866,15 @@ class Bench:
                          "target <= 1.2x)" + (
                              f"; diy-warm {runs['diy-warm']['total']:.1f} s"
                              if "diy-warm" in runs else ""))
-        for m in ("baseline", "diy", "diy-warm", "bootseer", "bootseer-warm"):
+        for m in ("baseline", "diy", "diy-warm", "bootseer", "bootseer-warm", "bootseer-baked"):
             if m in runs:
                 lines.append(f"- {m}: {json.dumps(runs[m]['detail'])}; resumed at step "
                              f"{runs[m]['loaded_step']}; load average "
                              f"{runs[m].get('loadavg_1m_after', float('nan')):.1f} after it")
-        for key in ("bootseer-first", "baseline-first", "diy-first"):
+        for key in ("bootseer-first", "baseline-first", "diy-first", "bootseer-baked-first"):
             if key in runs:
-                lines.append(f"- info: {key.split('-')[0]} cold first start to the first step: "
-                             f"{runs[key]['cold_start_s']:.1f} s")
+                lines.append(f"- info: {key.rsplit('-first', 1)[0]} cold first start to the "
+                             f"first step: {runs[key]['cold_start_s']:.1f} s")
         lines += [f"- WARNING: {w}" for w in self.R["warnings"]]
         lines += [f"- ERROR: {e}" for e in self.errors]
         self.results_dir.mkdir(parents=True, exist_ok=True)

@@ -515,6 +515,15 @@ class MethodRun:
         load_before = os.getloadavg()[0]
         try:
             run = self.restart_in_place(lost_key) if self.in_place else self.replace(lost_key)
+            # the restart's bytes: from the loss to every rank's first step after it (the
+            # training after it reads and writes for its own saves: not the restart's)
+            ranks = 2 * b.nodes
+            self.wait_for("every rank's first step after the restart", lambda: len({
+                e["rank"] for e in self.events() if e["event"] == "first_step"
+                and e["t"] >= run.kill_t}) >= ranks,
+                [k for k in self.procs if k not in run.ended])
+            at_first_step = {n.name: {s: n.bytes_from(s) for s in ("registry", "s3", "index")}
+                             for n in c.nodes}
             for key, proc in self.procs.items():
                 if key in run.ended:
                     continue
@@ -530,8 +539,7 @@ class MethodRun:
             if not st.get("ok"):
                 raise RuntimeError(f"the rclone copy failed: {st.get('error')}")
             run.copy = (st["started"], st["ended"], int(st.get("bytes", 0)))
-        after = {n.name: {s: n.bytes_from(s) for s in ("registry", "s3", "index")}
-                 for n in c.nodes}
+        after = at_first_step
         before.update(self.warm_bytes)  # diy-warm: the pull before the clock is not counted
         run.bytes = {n: {s: after[n][s] - (0 if n in run.fresh_nodes and n not in
                                            self.warm_bytes else before[n][s])

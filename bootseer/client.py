@@ -77,6 +77,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 _lock = threading.Lock()
 _last_heartbeat = float("-inf")  # monotonic time of the last heartbeat written
 _dump_file: IO[str] | None = None  # kept open: faulthandler writes to its descriptor
+_dump_path: str | None = None  # its path
 _dump_pid: int | None = None
 _image_told = False
 _clock = time.monotonic
@@ -106,9 +107,22 @@ def stack_file_name(node: str, rank: int, pid: int) -> str:
 def _write(path: str, doc: dict[str, Any]) -> None:
     """Atomic replace, so the wrapper never reads half a file."""
     tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with os.fdopen(_create_new(tmp), "w", encoding="utf-8") as f:
         f.write(json.dumps(doc))
     os.replace(tmp, path)
+
+
+def _create_new(path: str) -> int:
+    """A new file 0600 at ``path`` (an earlier one of this name removed first), created
+    exclusively: never through a link planted there. The wrapper made the directories 0700
+    (or checked them); this keeps a write from ever following a link all the same, without
+    importing more than ``os`` into the training process."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   0o600)
 
 
 def _doc(step: Any) -> dict[str, Any]:
@@ -308,25 +322,25 @@ def _end_status(state: str, kind: type[BaseException] | None = None,
 def install_stack_dump() -> str | None:
     """Register the SIGUSR1 stack dump of this process (once per process; a forked child
     registers its own file). Returns the file, or None when not under the wrapper."""
-    global _dump_file, _dump_pid
+    global _dump_file, _dump_pid, _dump_path
     if _dump_pid == os.getpid():
-        return _dump_file.name if _dump_file is not None else None
+        return _dump_path if _dump_file is not None else None
     trace_dir = os.environ.get(TRACE_ENV)
     if not trace_dir or not os.environ.get(CONTROL_ENV):
         return None
     with _lock:
         if _dump_pid == os.getpid():
-            return _dump_file.name if _dump_file is not None else None
+            return _dump_path if _dump_file is not None else None
         _dump_pid = os.getpid()
         try:
             previous = signal.getsignal(signal.SIGUSR1)
             os.makedirs(trace_dir, exist_ok=True)
             path = os.path.join(trace_dir, stack_file_name(_node(), _rank(), os.getpid()))
-            f = open(path, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the process
+            f = os.fdopen(_create_new(path), "w", encoding="utf-8")  # lives with the process
             # chain only to a handler the program installed: chaining to SIG_DFL would kill it
             chain = callable(previous)
             faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=chain)
-            old, _dump_file = _dump_file, f
+            old, _dump_file, _dump_path = _dump_file, f, path
             if old is not None:
                 old.close()  # the parent's file, inherited by a fork
             return path

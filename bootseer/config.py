@@ -183,8 +183,9 @@ _KEYS = [
           "record every collective of the command's ranks into shared-memory rings and name "
           "the rank and collective a hang or slowdown started from (docs/colltrace.md)"),
     _spec("colltrace", "dir", "path", "", "--colltrace-dir",
-          "where the rings live (one directory per attempt under it); '' = "
-          "/dev/shm/bootseer-colltrace-<uid>/<node>"),
+          "where the rings live: each job's directory (0700, a name nobody can guess, one "
+          "directory per attempt inside) is made in it and kept; '' = in /dev/shm, removed "
+          "when bootseer run ends"),
     _spec("colltrace", "capacity", "count", 4096, "--colltrace-capacity",
           "records kept per rank (80 bytes each)"),
     _spec("colltrace", "stuck_s", "float", 0.0, "--colltrace-stuck",
@@ -203,6 +204,11 @@ _KEYS = [
           "snapshot store of environments (fsspec URL)"),
     _spec("env", "base_image", "str", "", "--env-base-image",
           "base image digest, an input of the environment's key; '' = none"),
+    _spec("env", "verify", "str", "beside", "--env-verify",
+          "on a node that holds the environment: 'beside' = the marker checked before the "
+          "command starts (O(1)), every file's type, size and mtime while it runs (a "
+          "mismatch stops the job and the next start restores); 'before' = every file "
+          "checked before the command starts"),
     _spec("env", "uv", "path", "", "--env-uv",
           "the uv binary of the default install; '' = the uv package's, else uv on PATH "
           "(else pip)"),

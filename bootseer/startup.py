@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cli.errors import CliError
+from .deferred import DeferredChecks, DeferredFailure
 from .progress import human_bytes
 from .trace import Span, TraceWriter, remote_bytes, remote_of
 from .variables import CKPT_CACHE_HANDOFF
@@ -57,6 +58,7 @@ class StartupPlan:
     env_store: str = ""
     env_base_image: str = ""
     env_uv: str = ""
+    env_verify: str = "beside"  # a held environment's files: checked beside the command
     ckpt_url: str = ""
     ckpt_cache_dir: str = ""
     ranks: list[int] = field(default_factory=lambda: [0])
@@ -83,8 +85,11 @@ def _say(line: str) -> None:
     print(f"bootseer: {line}", file=sys.stderr, flush=True)
 
 
-def environment_phase(plan: StartupPlan, base_env: Mapping[str, str]) -> PhaseResult:
-    """``snapshot.ensure``: verified, restored or built; the command runs inside it."""
+def environment_phase(plan: StartupPlan, base_env: Mapping[str, str],
+                      checks: DeferredChecks | None = None) -> PhaseResult:
+    """``snapshot.ensure``: verified, restored or built; the command runs inside it. With
+    ``checks`` and ``env_verify = "beside"`` a held environment is verified by its marker and
+    its files are checked beside the command (:mod:`bootseer.deferred`)."""
     result = PhaseResult("environment")
     if not plan.env_spec:
         result.outcome, result.summary = "skipped", "skipped (no env.spec)"
@@ -93,19 +98,26 @@ def environment_phase(plan: StartupPlan, base_env: Mapping[str, str]) -> PhaseRe
     if not plan.env_prefix:
         raise StartupError("environment: env.spec is set but env.prefix is not: say where "
                            "the environment lives (--env-prefix or env.prefix)")
+    if plan.env_verify not in ("beside", "before"):
+        raise StartupError(f"env.verify is {plan.env_verify!r}: use 'beside' (the files "
+                           "checked while the command runs) or 'before'")
     from snapshot import ensure
 
     prefix = os.path.abspath(plan.env_prefix)
+    beside = checks is not None and plan.env_verify == "beside"
     try:
         done = ensure(plan.env_spec, prefix=prefix, store=plan.env_store or None,
                       base_image=plan.env_base_image or None, uv=plan.env_uv or None,
-                      storage_options=plan.storage_options)
+                      storage_options=plan.storage_options, quick_verify=beside)
     except Exception as exc:
         raise StartupError(f"environment {prefix} from {', '.join(plan.env_spec)} could not be "
                            f"made, the job does not start: {type(exc).__name__}: {exc}"
                            ) from exc
     for warning in done.warnings:
         _say(f"warning: {warning}")
+    if not done.files_checked and checks is not None:
+        _check_beside(checks, prefix, done.key)
+        result.detail["files"] = "checked beside the command"
     moved = done.restore.bytes if done.restore is not None else 0
     result.bytes = moved
     result.detail.update(outcome=done.outcome, key=done.key, prefix=done.prefix)
@@ -202,13 +214,25 @@ def _ranks(ranks: list[int]) -> str:
 
 
 #: Phases still running after their command started (the prefetch's tail): the next
+def _check_beside(checks: DeferredChecks, prefix: str, key: str) -> None:
+    """Every file of the environment checked while the command runs; a mismatch marks the
+    environment damaged (the next start restores it) and the supervisor stops the job."""
+    from snapshot import mark_damaged, verify
+
+    def damaged(failure: DeferredFailure) -> None:
+        mark_damaged(prefix, failure.describe())
+
+    checks.start(f"environment {prefix}", lambda: verify(prefix, key), damaged)
+
+
 #: attempt waits for them, so two copies of one file never run at once.
 _lingering: list[threading.Thread] = []
 
 
 def run_startup(plan: StartupPlan, *, trace: TraceWriter | None = None, attempt: int = 0,
                 base_env: Mapping[str, str] | None = None,
-                say: Callable[[str], None] = _say) -> dict[str, str]:
+                say: Callable[[str], None] = _say,
+                checks: DeferredChecks | None = None) -> dict[str, str]:
     """Both phases at once, traced; returns the variables the command needs as soon as the
     environment is ready and the prefetch has planned its copy (the copy goes on in its
     thread, and writes its span when it ends). Raises :class:`StartupError` as soon as a
@@ -230,7 +254,7 @@ def run_startup(plan: StartupPlan, *, trace: TraceWriter | None = None, attempt:
             cond.notify_all()
 
     phases: list[tuple[str, Callable[[], PhaseResult]]] = [
-        ("environment", lambda: environment_phase(plan, base_env)),
+        ("environment", lambda: environment_phase(plan, base_env, checks)),
         ("checkpoint_prefetch",
          lambda: checkpoint_phase(plan, lambda env: signal_ready("checkpoint_prefetch", env))),
     ]

@@ -67,11 +67,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from striped_fs.privdir import PrivateDir, open_append
+
 from .prestart import Standby, python_command
 from .robust.detect import Beat
 from .robust.ranks import RankWatch
 from .tee import OutputTail
 from .trace import Span, TraceWriter
+from .variables import INCIDENT_HANDOFF, VERSION_HANDOFF
 
 __all__ = [
     "AttemptEnd", "HangPolicy", "RestartPolicy", "StopRequested", "Supervisor",
@@ -88,6 +91,7 @@ NATIVE_GRACE_S = 1.0
 SPARE_REJOIN_WAIT_S = 60.0
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
+EXIT_CHECK_FAILED = 2  # a startup check found the node unfit: as a startup error
 
 
 @dataclass(frozen=True)
@@ -116,8 +120,9 @@ class HangPolicy:
 class AttemptEnd:
     """How an attempt ended: ``reason`` is exited, signaled, hang, nonfinite (a NaN/Inf
     heartbeat), stopped (a stop signal came), update (stopped for a version update),
-    crashed (killed: it still ran long after one of its ranks died) or not-started (the
-    command could not be executed)."""
+    crashed (killed: it still ran long after one of its ranks died), check-failed (a check
+    beside the command failed: the environment's files) or not-started (the command could
+    not be executed)."""
 
     attempt: int
     code: int
@@ -261,7 +266,7 @@ class Supervisor:
                  kill_grace_s: float = 5.0, agent: Any = None, tail_lines: int = 200,
                  remote: Any = None, remote_wait_s: float = 30.0, versions: Any = None,
                  crash_grace_s: float = 15.0, preload: Sequence[str] = (),
-                 standby: bool = False,
+                 standby: bool = False, checks: Callable[[], Any] | None = None,
                  log: Callable[[str], None] = _stderr) -> None:
         if not command:
             raise ValueError("nothing to run: the command is empty")
@@ -311,15 +316,25 @@ class Supervisor:
         # the rendezvous for hours without a rank, which is neither a hang nor a failure
         self.spare = standby
         self._watching: _Progress | None = None  # the running attempt's ranks' signals
+        # the warm start's checks beside the command: the first failure
+        # (bootseer.deferred.DeferredFailure), or None
+        self.checks = checks
 
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> int:
         self._signals = _Signals()
         become_subreaper()
+        # the ranks' status and ready files: a fresh directory (0700, a name nobody can
+        # guess), or a named one made 0700 or checked (this user's, 0700, not a link)
         if self.control_dir is None:
-            self.control_dir = Path(tempfile.mkdtemp(prefix="bootseer-control-"))
+            made = PrivateDir.new(tempfile.gettempdir(), "bootseer-control-",
+                                  what="the control directory")
         else:
-            self.control_dir.mkdir(parents=True, exist_ok=True)
+            made = PrivateDir.open(self.control_dir, what="the control directory "
+                                   "(BOOTSEER_CONTROL_DIR)")
+        made.close()
+        if self.control_dir is None:
+            self.control_dir = Path(made.path)
         if self.ready_file is None:
             self.ready_file = self.control_dir / "ready"
         try:
@@ -351,7 +366,8 @@ class Supervisor:
             if self.spare and self._watching is not None and self._watching.last_change is None:
                 end.detail["parked"] = True  # no rank of this node ever ran (a spare)
             self.attempts.append(end)
-            if end.reason == "not-started" or self._stopping is not None or end.code == 0:
+            if end.reason in ("not-started", "check-failed") or self._stopping is not None \
+                    or end.code == 0:
                 return end.code
             if self._judge(end) == "stop":
                 self.log(f"stopping after {end.describe()} (attempt {attempt}): the verdict "
@@ -538,7 +554,7 @@ class Supervisor:
         env["BOOTSEER_NODE"] = self.node
         if self.remote is not None:  # the same on every node after a verdict: a restarted
             # launcher joins a fresh rendezvous (torchrun closes its own when it gives up)
-            env["BOOTSEER_INCIDENT"] = str(self.remote.answered)
+            env[INCIDENT_HANDOFF] = str(self.remote.answered)
             # torchrun's --rdzv-id from the environment, when the command does not name one
             env.setdefault("PET_RDZV_ID", f"bootseer-{self.remote.answered}")
         if self.dump_dir is not None:
@@ -589,7 +605,7 @@ class Supervisor:
         env = self._child_env(attempt, extra)
         if version is not None:
             env.update(version.env)
-            env["BOOTSEER_VERSION"] = version.id
+            env[VERSION_HANDOFF] = version.id
         self._version_id = version.id if version is not None else None
         spawn_start = time.time()
         pipes = self._output_pipes()
@@ -705,6 +721,9 @@ class Supervisor:
                 self.log(f"command exited with {AttemptEnd(attempt, code, reason).describe()} "
                          f"(attempt {attempt})")
                 return AttemptEnd(attempt, code, reason, pid, {"exited_at": time.time()})
+            if self.checks is not None and self._stopping is None and (
+                    failed := self.checks()) is not None:
+                return self._check_failed(attempt, pid, failed)
             if self._ranks is not None and self._stopping is None:
                 self._rank_ends(attempt, pid, watch)
             if self.agent is not None and (end := self._agent_watch(attempt, pid, watch,
@@ -718,6 +737,18 @@ class Supervisor:
             if timeout > 0 and self._stopping is None and (
                     end := self._silence(attempt, pid, watch, started)):
                 return end
+
+    def _check_failed(self, attempt: int, pid: int, failed: Any) -> AttemptEnd:
+        """A check beside the command (the environment's files) failed: the command is
+        stopped before it trains on what the check found, and the job ends (exit 2)."""
+        self.log(f"error: {failed.describe()}: stopping the job; the next start restores "
+                 "the environment (bootseer env verify shows every file that differs)")
+        self._signal_group(pid, signal.SIGKILL)
+        self._wait_child(5.0)
+        self._record("check_failed", time.time(), attempt=attempt, outcome="failed",
+                     what=failed.what, reason=failed.reason, problems=list(failed.problems))
+        return AttemptEnd(attempt, EXIT_CHECK_FAILED, "check-failed", pid,
+                          {"exited_at": time.time()})
 
     def _silence(self, attempt: int, pid: int, watch: _Progress,
                  started: float) -> AttemptEnd | None:
@@ -1211,7 +1242,9 @@ class Supervisor:
             path = self.dump_dir / (f"dump-{self.node}-i{incident}-rank{item['rank']}-"
                                     f"{item['pid']}{suffix}.txt")
             try:
-                path.write_text(f"# {item['source']} {item['role']}\n{item['text']}")
+                with open_append(self.dump_dir, path.name) as f:  # never through a link
+                    f.truncate(0)
+                    f.write(f"# {item['source']} {item['role']}\n{item['text']}")
                 kept.append(path)
             except OSError as exc:
                 self.log(f"warning: cannot keep the dump {path}: {exc}")

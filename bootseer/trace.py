@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from striped_fs.privdir import TRACE_WHAT, PrivateDir, open_append
 from striped_fs.redact import redact
 
 OUTCOMES = ("ok", "failed", "skipped", "killed")
@@ -118,7 +119,9 @@ class TraceWriter:
     def __init__(self, trace_dir: str | os.PathLike, node: str | None = None,
                  rank: int | None = None) -> None:
         self.dir = Path(trace_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # made 0700, or checked: this user's, written by nobody else, not a link (others
+        # may read a trace; nobody else may plant a link where the agent writes dumps)
+        PrivateDir.open(self.dir, what=TRACE_WHAT, readable=True).close()
         self.node = node or default_node()
         self.rank = rank
         name = self.node if rank is None else f"{self.node}-rank{rank}"
@@ -126,7 +129,7 @@ class TraceWriter:
         self._lock = threading.Lock()
 
     def write(self, span: Span) -> Span:
-        with self._lock, open(self.path, "a", encoding="utf-8") as f:
+        with self._lock, open_append(self.dir, self.path.name) as f:
             f.write(span.to_json() + "\n")
         return span
 

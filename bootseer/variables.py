@@ -17,11 +17,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckpt.skip import SKIP_ENV
+
 __all__ = ["Variable", "VARIABLES", "RESERVED_PREFIXES", "RETIRED", "CKPT_CACHE_HANDOFF",
-           "known_variable"]
+           "INCIDENT_HANDOFF", "VERSION_HANDOFF", "known_variable"]
 
 #: The variable `bootseer run` sets to ``ckpt.cache_dir`` for its command (read by ckpt.cache).
 CKPT_CACHE_HANDOFF = "BOOTSEER_CKPT_CACHE"
+#: The newest incident with a verdict, the same on every node (`bootseer run` under a
+#: controller -> its command: torchrun's ``--rdzv-id``).
+INCIDENT_HANDOFF = "BOOTSEER_INCIDENT"
+#: The code version this attempt runs (`bootseer run` under a controller -> its command).
+VERSION_HANDOFF = "BOOTSEER_VERSION"
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,15 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("BOOTSEER_MEMCKPT_REPLICATION", "hand-off",
              "bootseer run -> its command: ckpt.memory_replication ('sync': a save returns "
              "once the peer acked the step)"),
+    Variable(INCIDENT_HANDOFF, "hand-off",
+             "bootseer run (under a controller) -> its command: the newest incident with a "
+             "verdict, the same on every node (put it in torchrun's --rdzv-id)"),
+    Variable(VERSION_HANDOFF, "hand-off",
+             "bootseer run (under a controller) -> its command: the id of the code version "
+             "this attempt runs (bootseer controller publish)"),
+    Variable(SKIP_ENV, "hand-off",
+             "bootseer run -> its command: the checkpoints a restart after a NaN passes over "
+             "(ckpt.skip, read by CheckpointManager)"),
     Variable("BOOTSEER_ROOTFS", "hand-off",
              "bootseer image record --no-chroot -> the recorded command: the image's mount"),
     Variable("BOOTSEER_PREFIX", "hand-off",

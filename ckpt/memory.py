@@ -10,7 +10,8 @@
 overwritten; the files live in a directory that ``bootseer run`` created and removes, so they
 survive the trainer's crash or SIGKILL. After each commit the copy is pushed to the
 agent of a node outside the rank's parallel groups, else the neighbouring node's
-(``memory_place``, ``memory_peer``; the connection proves the job's token). A load takes, on every rank, the newest step
+(``memory_place``, ``memory_peer``; the connection proves the job's token, and every message
+and copy on it carries a MAC under it). A load takes, on every rank, the newest step
 that every rank holds, from the nearest place: its own memory, else a peer's, else ``None``
 (the caller falls back to the durable tier); a copy that fails its checksums is refused and
 the ranks agree again without it (``agree``).
@@ -34,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from striped_fs.privdir import PrivateDir
+
 from . import agree
 from .agree import DAMAGED, OK, Outcome
 from .errors import CheckpointError
@@ -55,7 +58,7 @@ from .memory_slot import (
     pad8,
     slot_paths,
 )
-from .memory_verify import stamp_for
+from .memory_verify import MEMORY_DIR_WHAT, stamp_for
 from .skip import poisoned, rules_from_env
 from .tensors import PerRank, describe, is_tensor_leaf
 
@@ -157,10 +160,6 @@ class MemoryTier:
     def __init__(self, config: MemoryConfig, *, rank: int, world_size: int,
                  process_group: Any = None, trust_objects: bool = False,
                  local_world_size: int | None = None) -> None:
-        if not os.path.isdir(config.directory):
-            raise CheckpointError(
-                f"memory tier directory {config.directory} does not exist: it is made by "
-                f"bootseer run (ckpt.memory); create it (mode 0700) or unset {DIR_ENV}")
         try:
             config.layout = parse_layout(config.layout, world_size, "the memory tier's layout")
         except ValueError as exc:
@@ -171,6 +170,14 @@ class MemoryTier:
                 f"{', '.join(REPLICATIONS)}: set MemoryConfig.replication (ckpt."
                 f"memory_replication, {REPLICATION_ENV}) to 'async' (the push overlaps the "
                 "next step) or 'sync' (save returns once the peer holds the step)")
+        try:  # this user's own, 0700, not a link (striped_fs.privdir); its files by its fd
+            where = PrivateDir.open(config.directory, create=False, what=MEMORY_DIR_WHAT)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"memory tier directory {config.directory} does not exist: it is made by "
+                f"bootseer run (ckpt.memory); create it (mode 0700) or unset {DIR_ENV}") from None
+        except OSError as exc:
+            raise CheckpointError(f"memory tier: {exc}") from None
         self.config = config
         self.sync = config.replication == "sync"
         self.sync_wait_s = 0.0  # the training thread's waits for the peer's ack (sync)
@@ -180,7 +187,12 @@ class MemoryTier:
         self.skip_rules = rules_from_env()  # copies saved after a NaN (ckpt/skip.py)
         self.trust_objects = trust_objects
         self.local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        self.slots = [SlotFile(p) for p in slot_paths(config.directory, f"rank-{rank}")]
+        with where:
+            try:  # a slot that is a link or another user's file: refused, never mapped
+                self.slots = [SlotFile(p, dir_fd=where.fd)
+                              for p in slot_paths(config.directory, f"rank-{rank}")]
+            except OSError as exc:
+                raise CheckpointError(f"memory tier: {exc}") from None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-memory-r{rank}")
         # pushes to the peer run on their own thread, so a push overlaps the next step's
         # copy; a slot is overwritten only once its own push is done
@@ -222,11 +234,7 @@ class MemoryTier:
         if not self.enabled:
             return 0.0
         leaves, objects = _split(state)
-        placed, size = [], 0
-        for key, tensor in leaves:
-            placed.append(_Piece(key, tensor, size, tensor.numel() * tensor.element_size()))
-            size = align(size + placed[-1].nbytes)
-        size = pad8(size)
+        placed, size = _place(leaves)
         if size > self._budget_checked and not self._check_budget(size):
             return 0.0
         slot = self.slots[1] if self._newest is self.slots[0] else self.slots[0]
@@ -609,8 +617,9 @@ class MemoryTier:
         fetch_s = 0.0
         if source.startswith("peer:"):
             slot = self._fetch_slot()
-            with self._connect(source[5:]) as client:
-                client.fetch(self.rank, step, slot)
+            _, size = _place(_split(state)[0])  # what this rank's copy must hold, before
+            with self._connect(source[5:]) as client:  # its slot grows for a peer's header
+                client.fetch(self.rank, step, slot, data_size=size, world_size=self.world_size)
             self._newest = slot
             fetch_s = time.perf_counter() - started
         for head, slot in newest(self.slots):
@@ -637,6 +646,16 @@ def _split(state: Any) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
         else:
             objects[key] = value.value if isinstance(value, PerRank) else value
     return leaves, objects
+
+
+def _place(leaves: list[tuple[str, torch.Tensor]]) -> tuple[list[_Piece], int]:
+    """Where each tensor's bytes go in a copy, and the data's size: a copy of this state
+    has exactly that many data bytes."""
+    placed, size = [], 0
+    for key, tensor in leaves:
+        placed.append(_Piece(key, tensor, size, tensor.numel() * tensor.element_size()))
+        size = align(size + placed[-1].nbytes)
+    return placed, pad8(size)
 
 
 def _entry(p: _Piece) -> dict[str, Any]:

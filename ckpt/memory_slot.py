@@ -17,10 +17,10 @@ CRC-32.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
-import stat
 import struct
 import zlib
 from dataclasses import dataclass
@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 import xxhash
+
+from striped_fs.privdir import UnsafePath, owned_file
 
 MAGIC = b"BSMEMCK1"
 HEADER = 4096
@@ -80,6 +82,8 @@ class SlotHeader:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], where: str) -> SlotHeader:
+        if type(raw) is not dict:
+            raise SlotDamaged(f"{where}: the header is a {type(raw).__name__}, not an object")
         if raw.get("version") != VERSION:
             raise SlotDamaged(f"{where}: header version {raw.get('version')!r}, this reader "
                               f"knows {VERSION}")
@@ -89,24 +93,43 @@ class SlotHeader:
             raise SlotDamaged(f"{where}: header lacks {exc}") from None
         ints = (head.step, head.rank, head.world_size, head.data_size, head.meta_size,
                 head.meta_crc32)
-        if not all(isinstance(x, int) and x >= 0 for x in ints) or head.data_size % 8:
-            raise SlotDamaged(f"{where}: header holds a negative or misaligned size: {raw}")
+        if not all(type(x) is int and x >= 0 for x in ints) or head.data_size % 8 or \
+                type(head.created) not in (int, float) or type(head.job) is not str:
+            raise SlotDamaged(f"{where}: header holds a negative, misaligned or mistyped "
+                              f"field: {str(raw)[:300]}")
         return head
 
 
 class SlotFile:
-    """One slot file, mapped shared; grown (never shrunk) to the size a copy needs."""
+    """One slot file, mapped shared; grown (never shrunk) to the size a copy needs.
 
-    def __init__(self, path: str, *, readonly: bool = False) -> None:
+    Opened relative to its directory's descriptor (``dir_fd``: a directory that
+    ``striped_fs.privdir`` made or checked; else the path's own directory), never through a
+    link, and used only when it is a regular file of this process's user with one link: a
+    file another user planted or a hard link to someone else's file is refused
+    (:class:`~striped_fs.privdir.UnsafePath`) before a byte is read or written. The stamp
+    beside it goes through the same descriptor."""
+
+    def __init__(self, path: str, *, readonly: bool = False, dir_fd: int | None = None) -> None:
         """``readonly``: an existing slot, mapped for reading only (a node's own copies served
         to its peers): never created, never written (FileNotFoundError when it is gone)."""
         self.path = path
         self.readonly = readonly
+        self.name = os.path.basename(path)
+        self.dir_fd = os.dup(dir_fd) if dir_fd is not None else os.open(
+            os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         flags = os.O_RDONLY if readonly else os.O_RDWR | os.O_CREAT
-        self.fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
-            os.close(self.fd)
-            raise OSError(f"{path} is not a regular file: not a memory-checkpoint slot")
+        try:
+            fd = os.open(self.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                         0o600, dir_fd=self.dir_fd)
+            self.fd = owned_file(fd, f"memory-checkpoint slot {path}")
+            os.set_blocking(self.fd, True)
+        except OSError as exc:
+            os.close(self.dir_fd)
+            if getattr(exc, "errno", None) == errno.ELOOP:
+                raise UnsafePath(f"memory-checkpoint slot {path} is a link: never followed; "
+                                 "another user may have planted it: remove it") from None
+            raise
         self.map: mmap.mmap | None = None
         self.size = 0
         self._remap()
@@ -138,7 +161,7 @@ class SlotFile:
         if self.map is not None and self.size >= HEADER:
             self.map[0:8] = b"\0" * 8
         try:
-            os.unlink(self.path + STAMP_SUFFIX)
+            os.unlink(self.name + STAMP_SUFFIX, dir_fd=self.dir_fd)
         except FileNotFoundError:
             pass
 
@@ -179,9 +202,16 @@ class SlotFile:
         (length,) = struct.unpack_from("<I", raw, 0)
         if 4 + length > len(raw):
             raise SlotDamaged(f"{self.path}: meta length {length} exceeds {len(raw)} bytes")
-        meta = json.loads(bytes(raw[4 : 4 + length]))
+        try:
+            meta = json.loads(bytes(raw[4 : 4 + length]))
+        except ValueError:
+            raise SlotDamaged(f"{self.path}: step {head.step}: meta is not JSON") from None
         blocks = (head.data_size + BLOCK - 1) // BLOCK
-        if len(meta.get("sums", ())) != blocks:
+        if type(meta) is not dict or type(meta.get("sums")) is not list or \
+                type(meta.get("entries")) is not list:
+            raise SlotDamaged(f"{self.path}: step {head.step}: meta is not an object with "
+                              "entries and sums")
+        if len(meta["sums"]) != blocks:
             raise SlotDamaged(f"{self.path}: step {head.step}: {len(meta.get('sums', ()))} "
                               f"block sums for {blocks} blocks")
         return meta, bytes(raw[4 + length :])
@@ -202,6 +232,7 @@ class SlotFile:
                 pass
             self.map = None
         os.close(self.fd)
+        os.close(self.dir_fd)
 
 
 def pack_meta(meta: dict[str, Any], blob: bytes) -> bytes:

@@ -20,15 +20,19 @@ not seen (as a flip in a tensor after any load is not).
 
 from __future__ import annotations
 
-import glob
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 
 import xxhash
 
+from striped_fs.privdir import PrivateDir, UnsafePath, open_owned
+
 from .memory_slot import HEADER, STAMP_SUFFIX, SlotDamaged, SlotFile, SlotHeader, newest
+
+MEMORY_DIR_WHAT = "the memory tier's directory (ckpt.memory_dir, BOOTSEER_MEMCKPT_DIR)"
 
 
 @dataclass
@@ -56,9 +60,12 @@ def copy_digest(slot: SlotFile, head: SlotHeader) -> str:
 
 def stamp_for(slot: SlotFile, head: SlotHeader) -> dict | None:
     """The agent's stamp of exactly this copy (``{"ok": bool, "message": ...}``), or ``None``
-    when there is none, it is unreadable, or it names another copy."""
+    when there is none, it is unreadable, not this user's regular file (a planted one is
+    never read), or it names another copy."""
     try:
-        with open(stamp_path(slot.path), encoding="utf-8") as f:
+        fd = open_owned(slot.name + STAMP_SUFFIX, dir_fd=slot.dir_fd,
+                        where=stamp_path(slot.path))
+        with os.fdopen(fd, encoding="utf-8") as f:
             stamp = json.load(f)
     except (OSError, ValueError):
         return None
@@ -69,10 +76,10 @@ def stamp_for(slot: SlotFile, head: SlotHeader) -> dict | None:
 
 
 def _write_stamp(slot: SlotFile, stamp: dict) -> None:
-    tmp = stamp_path(slot.path) + f".{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(stamp, f)
-    os.replace(tmp, stamp_path(slot.path))
+    """Through the slot's directory descriptor: a new file (O_EXCL, no link followed),
+    renamed over the old stamp."""
+    where = PrivateDir(os.path.dirname(slot.path), slot.dir_fd)
+    where.write_atomic(slot.name + STAMP_SUFFIX, json.dumps(stamp).encode())
 
 
 def verify_slot(slot: SlotFile, head: SlotHeader) -> Verdict:
@@ -103,16 +110,30 @@ def verify_slot(slot: SlotFile, head: SlotHeader) -> Verdict:
 
 def verify_copies(directory: str) -> list[Verdict]:
     """Verify and stamp the newest complete copy of every rank in ``directory`` (the agent's
-    own ranks: ``rank-N.0``/``.1``; the peers' copies are checked on receipt)."""
-    names = sorted({p[:-2] for p in glob.glob(os.path.join(directory, "rank-*.[01]"))})
+    own ranks: ``rank-N.0``/``.1``; the peers' copies are checked on receipt). The directory
+    must be this user's own (0700, not a link: ``striped_fs.privdir``); a slot that is not
+    this user's regular file is a verdict "refused", never read nor stamped."""
     verdicts = []
-    for base in names:
-        slots = [SlotFile(f"{base}.{k}") for k in (0, 1) if os.path.exists(f"{base}.{k}")]
-        try:
-            found = newest(slots)
-            if found:
-                verdicts.append(verify_slot(slot=found[0][1], head=found[0][0]))
-        finally:
-            for slot in slots:
-                slot.close()
+    with PrivateDir.open(directory, create=False, what=MEMORY_DIR_WHAT) as where:
+        present = set(where.names())
+        bases = sorted({n[:-2] for n in present if re.fullmatch(r"rank-\d+\.[01]", n)})
+        for base in bases:
+            slots = []
+            try:
+                for k in (0, 1):
+                    if f"{base}.{k}" in present:
+                        try:
+                            slots.append(SlotFile(where.where(f"{base}.{k}"), readonly=True,
+                                                  dir_fd=where.fd))
+                        except UnsafePath as exc:
+                            verdicts.append(Verdict(where.where(f"{base}.{k}"), -1, False,
+                                                    f"refused: {exc}"))
+                        except FileNotFoundError:
+                            continue
+                found = newest(slots)
+                if found:
+                    verdicts.append(verify_slot(slot=found[0][1], head=found[0][0]))
+            finally:
+                for slot in slots:
+                    slot.close()
     return verdicts

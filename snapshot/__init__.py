@@ -25,12 +25,12 @@ from .errors import (  # noqa: E402
     UnsafeMemberError,
 )
 from .key import EnvKey, compute_key  # noqa: E402
-from .restore import RestoreResult, VerifyResult, restore, verify  # noqa: E402
+from .restore import RestoreResult, VerifyResult, mark_damaged, restore, verify  # noqa: E402
 from .store import SnapshotStore  # noqa: E402
 
 __all__ = [
     "FORMAT_VERSION", "CorruptSnapshotError", "EnsureResult", "EnvKey", "InstallError",
     "PublishResult", "RelocationError", "RestoreResult", "SnapshotError", "SnapshotNotFound",
     "SnapshotStore", "StoreUnavailable", "UnsafeMemberError", "VerifyResult", "compute_key",
-    "create", "ensure", "ensure_capture", "publish", "restore", "verify",
+    "create", "ensure", "ensure_capture", "mark_damaged", "publish", "restore", "verify",
 ]

@@ -66,6 +66,7 @@ class EnsureResult:
     publish: PublishResult | None = None
     installer: str | None = None
     warnings: list[str] = field(default_factory=list)
+    files_checked: bool = True  # False: verified by its marker only (``quick_verify``)
 
 
 def open_store(store: str | SnapshotStore | None,
@@ -82,8 +83,10 @@ def ensure(spec_files: Sequence[str | os.PathLike] = (), *, prefix: str | os.Pat
            uv: str | os.PathLike | None = None, force: bool = False, replace: bool = False,
            storage_options: dict[str, Any] | None = None, lease_s: float = 60.0,
            wait_timeout_s: float = 3600.0, progress: Callback = DEFAULT_CALLBACK,
-           key: EnvKey | None = None) -> EnsureResult:
-    """Make ``prefix`` hold the environment the inputs describe; see the module docstring."""
+           key: EnvKey | None = None, quick_verify: bool = False) -> EnsureResult:
+    """Make ``prefix`` hold the environment the inputs describe; see the module docstring.
+    ``quick_verify``: an environment already there is verified by its marker alone (O(1));
+    the caller checks its files (``verify(prefix, key)``) beside the command."""
     start = time.perf_counter()
     prefix = Path(os.path.abspath(prefix))
     env_key = key or compute_key(spec_files, command, python=python, base_image=base_image,
@@ -92,11 +95,12 @@ def ensure(spec_files: Sequence[str | os.PathLike] = (), *, prefix: str | os.Pat
     # others wait here, then find the environment verified.
     with prefix_lock(prefix):
         clear_interrupted_install(prefix)
-        checked = verify(prefix, env_key.key)
+        checked = verify(prefix, env_key.key, quick=quick_verify)
         if checked.ok:
             log.info("environment %s at %s verified (%d entries in %.2fs)", env_key.key, prefix,
                      checked.checked, checked.seconds)
-            return EnsureResult(env_key.key, str(prefix), "verified", time.perf_counter() - start)
+            return EnsureResult(env_key.key, str(prefix), "verified", time.perf_counter() - start,
+                                files_checked=not quick_verify)
         warnings: list[str] = []
         snapshots = None
         try:

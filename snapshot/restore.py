@@ -57,7 +57,7 @@ from .manifest import (
 )
 from .relocate import PrefixRef, RelocationReport, binary_refusal, relocate, rewrite_path
 from .safety import Plan, plan_extraction
-from .state import read_state, write_state
+from .state import has_state, read_state, write_state
 from .store import SnapshotStore
 from .zframe import frame_size, inflate, inflate_into
 
@@ -288,6 +288,18 @@ def read_marker(prefix: str | os.PathLike) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def mark_damaged(prefix: str | os.PathLike, reason: str) -> bool:
+    """Mark the environment at ``prefix`` damaged (a check beside the command found files
+    changed): the next :func:`verify` fails, and the next ensure restores it again (the marker
+    stays: the prefix is still bootseer's to replace). False when it holds no marker."""
+    marker = read_marker(prefix)
+    if marker is None:
+        return False
+    marker["damaged"] = reason[:500]
+    write_state(prefix, {MARKER: json.dumps(marker, indent=1).encode()})
+    return True
+
+
 def check_replaceable(prefix: Path, replace: bool) -> None:
     """May a restore put an environment at ``prefix``? (Asked before any download, and again
     just before the move.)"""
@@ -367,9 +379,14 @@ def _verify_rows(root: Path, members: list[Member],
     return rows
 
 
-def verify(prefix: str | os.PathLike, key: str | None = None) -> VerifyResult:
+def verify(prefix: str | os.PathLike, key: str | None = None, *,
+           quick: bool = False) -> VerifyResult:
     """Check that ``prefix`` holds the intact environment of ``key`` (any key if None):
-    every member's type, and every file's size and mtime. Cheap: stats only, no reads."""
+    every member's type, and every file's size and mtime. Cheap: stats only, no reads.
+
+    ``quick``: the marker only (the key, the prefix it was written for, the verification
+    record present): O(1), for a start that runs the file-by-file check beside the command
+    (:class:`BackgroundVerify`)."""
     start = time.perf_counter()
     prefix = Path(prefix)
     marker = read_marker(prefix)
@@ -381,6 +398,15 @@ def verify(prefix: str | os.PathLike, key: str | None = None) -> VerifyResult:
     if marker.get("prefix") != str(prefix):
         return VerifyResult(False, f"was restored for {marker.get('prefix')}, not here",
                             key=marker.get("key"))
+    if marker.get("damaged"):
+        return VerifyResult(False, f"a check found it damaged ({marker['damaged']})",
+                            key=marker.get("key"))
+    if quick:
+        if not has_state(prefix, VERIFY_TOC):
+            return VerifyResult(False, "its verification record is missing",
+                                key=marker.get("key"))
+        return VerifyResult(True, "marker matches (files checked beside the command)",
+                            key=marker.get("key"), seconds=time.perf_counter() - start)
     try:
         data = read_state(prefix, VERIFY_TOC, MAX_TOC_RAW)
         if data is None:
@@ -516,5 +542,5 @@ def _syncfs(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["RelocationError", "RestoreResult", "VerifyResult", "restore", "verify",
+__all__ = ["RelocationError", "RestoreResult", "VerifyResult", "mark_damaged", "restore", "verify",
            "remove_stale_staging", "move_into_place", "read_marker", "spread_order"]

@@ -129,6 +129,17 @@ def read_state(root: str | os.PathLike, name: str, limit: int) -> bytes | None:
         return None
 
 
+def has_state(root: str | os.PathLike, name: str) -> bool:
+    """Whether ``root``'s state file ``name`` is there, a regular file reached through no
+    link (one ``fstat``: the O(1) part of a start's check)."""
+    try:
+        with contextlib.ExitStack() as stack:
+            state_fd = open_in(stack, STATE_DIR, DIR_FLAGS, open_in(stack, root, DIR_FLAGS))
+            return stat.S_ISREG(os.fstat(open_in(stack, name, _READ_FILE, state_fd)).st_mode)
+    except OSError:
+        return False
+
+
 def _read_at_most(fd: int, expected: int, limit: int) -> bytes | None:
     """The file's bytes (``expected`` of them, as fstat said), None past ``limit``."""
     pieces = []

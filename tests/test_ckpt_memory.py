@@ -50,7 +50,7 @@ def killed_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """``bootseer run`` over the job; attempt 0 loses rank 1 mid-copy of step 3."""
     base = tmp_path_factory.mktemp("memckpt")
     memdir, res = base / "shm", base / "results"
-    res.mkdir()
+    res.mkdir(mode=0o700)
     spec = {"world": 2, "numel": NUMEL, "steps": 5, "results": str(res),
             "durable": f"file://{base}/durable", "durable_every": 100, "die_at": [1, 3]}
     proc = subprocess.run(
@@ -95,7 +95,7 @@ def test_flipped_byte_in_memory_copy_is_refused(killed_job: dict) -> None:
     for s in slots:
         s.close()
     res = killed_job["base"] / "results-flip"
-    res.mkdir()
+    res.mkdir(mode=0o700)
     spec.update(results=str(res), die_at=None, steps=5)
     proc = subprocess.run([sys.executable, WORKER, "launch", json.dumps(spec)],
                           env=worker_env({"BOOTSEER_MEMCKPT_DIR": str(memdir)}),
@@ -167,7 +167,7 @@ def test_state_that_does_not_fit_turns_the_tier_off_naming_sizes(
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
     small = tmp_path / "small"
-    small.mkdir()
+    small.mkdir(mode=0o700)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(small)],
                    check=True)
     try:
@@ -288,7 +288,7 @@ def test_swapped_words_in_a_copy_are_refused(tmp_path: Path,
     words[10], words[5000] = b, a
     assert int(words[: 1 << 17].sum(dtype=np.uint64)) == before  # what word sums missed
     del words
-    (tmp_path / "peer").mkdir()
+    (tmp_path / "peer").mkdir(mode=0o700)
     server = PeerServer(str(tmp_path / "peer"), token=TOKEN).start()
     try:
         with PeerClient(server.address, token=TOKEN) as client, \

@@ -25,11 +25,12 @@ from ckpt.memory_slot import SlotFile, newest
 class Peer:
     """One node agent's server of peer copies, in a process of its own."""
 
-    def __init__(self, directory: Path, die_at_put: int = 0) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+    def __init__(self, directory: Path, die_at_put: int = 0, limits: tuple = ()) -> None:
+        """``limits``: (MAX_CONNECTIONS, HANDSHAKE_S) for this server."""
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.directory = directory
         self.proc = subprocess.Popen([sys.executable, WORKER, "peer", str(directory),
-                                      str(die_at_put)], env=worker_env(),
+                                      str(die_at_put), *map(str, limits)], env=worker_env(),
                                      stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("listening on "), line
@@ -59,7 +60,7 @@ def held(directory: Path, rank: int) -> list[int]:
 
 
 def run_job(spec: dict, nodes: list[dict], res: Path) -> subprocess.CompletedProcess[str]:
-    res.mkdir()
+    res.mkdir(mode=0o700)
     spec = {**spec, "nodes": nodes, "results": str(res)}
     return subprocess.run([sys.executable, WORKER, "launch", json.dumps(spec)],
                           env=worker_env(), capture_output=True, text=True, timeout=300)
@@ -67,8 +68,8 @@ def run_job(spec: dict, nodes: list[dict], res: Path) -> subprocess.CompletedPro
 
 def test_peer_lost_mid_copy_then_node_replaced(tmp_path: Path, peers: list[Peer]) -> None:
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
-    a_dir.mkdir()
-    b_dir.mkdir()
+    a_dir.mkdir(mode=0o700)
+    b_dir.mkdir(mode=0o700)
     peers.append(Peer(a_dir / "peers"))
     peers.append(Peer(b_dir / "peers", die_at_put=3))  # rank 0's step 2: steps 0, 1, 2
     a, b = peers
@@ -89,7 +90,7 @@ def test_peer_lost_mid_copy_then_node_replaced(tmp_path: Path, peers: list[Peer]
 
     # node B is lost with its memory; an empty node takes its place
     c_dir = tmp_path / "c"
-    c_dir.mkdir()
+    c_dir.mkdir(mode=0o700)
     peers.append(Peer(c_dir / "peers"))
     c = peers[-1]
     second = run_job(spec, [{"dir": str(a_dir), "server": a.address},
@@ -106,7 +107,7 @@ def _three_nodes_trained(tmp_path: Path, peers: list[Peer]) -> tuple[dict[str, P
     each rank's copy in its node's memory and on the next node's (c's on a)."""
     dirs = {name: tmp_path / name for name in "abcd"}
     for d in dirs.values():
-        d.mkdir()
+        d.mkdir(mode=0o700)
         peers.append(Peer(d / "peers"))
     spec = {"world": 3, "numel": NUMEL, "steps": 4, "durable": f"file://{tmp_path}/durable",
             "durable_every": 100}
@@ -167,8 +168,8 @@ def test_peer_refuses_a_damaged_or_oversized_copy(tmp_path: Path) -> None:
     from ckpt.memory_peer import PeerClient, PeerError, PeerServer
     from ckpt.memory_slot import HEADER
 
-    (tmp_path / "peer").mkdir()
-    (tmp_path / "me").mkdir()
+    (tmp_path / "peer").mkdir(mode=0o700)
+    (tmp_path / "me").mkdir(mode=0o700)
     server = PeerServer(str(tmp_path / "peer"), token=TOKEN).start()
     try:
         tier = MemoryTier(MemoryConfig(str(tmp_path / "me")), rank=0, world_size=1)
@@ -181,9 +182,10 @@ def test_peer_refuses_a_damaged_or_oversized_copy(tmp_path: Path) -> None:
             client.push(slot, head)
         assert held(tmp_path / "peer", 0) == []  # nothing committed
         small = tmp_path / "small"
-        small.mkdir()
+        small.mkdir(mode=0o700)
         if os.geteuid() == 0:
-            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs",
+                            str(small)],
                            check=True)
             tiny = PeerServer(str(small), token=TOKEN).start()
             try:
@@ -211,7 +213,7 @@ def test_damaged_local_copy_loads_the_same_step_from_the_peer(
     from ckpt.memory_peer import PeerServer
     from ckpt.memory_slot import BLOCK, HEADER
 
-    (tmp_path / "peer").mkdir()
+    (tmp_path / "peer").mkdir(mode=0o700)
     me = tmp_path / "me"
     me.mkdir(mode=0o700)
     url = f"file://{tmp_path}/durable"
@@ -273,8 +275,8 @@ def test_peer_port_refuses_connections_without_the_jobs_token(
     from ckpt.memory_peer import PeerClient, PeerError, PeerServer, recv_msg, send_msg
 
     peer_dir, me = tmp_path / "peer", tmp_path / "me"
-    peer_dir.mkdir()
-    me.mkdir()
+    peer_dir.mkdir(mode=0o700)
+    me.mkdir(mode=0o700)
     wrong = "x" * 32
     with pytest.raises(ValueError, match="binds every interface"):
         PeerServer(str(peer_dir), "0.0.0.0", token=TOKEN)
@@ -317,7 +319,7 @@ def test_peer_port_refuses_connections_without_the_jobs_token(
     def impostor() -> None:
         conn, _ = fake.accept()
         with conn:
-            send_msg(conn, {"hello": "bootseer-memckpt", "challenge": "00" * 32})
+            send_msg(conn, {"hello": "bootseer-memckpt", "version": 2, "challenge": "00" * 32})
             recv_msg(conn)
             send_msg(conn, {"ok": True, "mac": "00" * 32})
     thread = threading.Thread(target=impostor, daemon=True)
@@ -338,11 +340,11 @@ def test_peer_keeps_two_copies_of_a_job_that_went_back_to_an_older_step(
     from ckpt.memory import MemoryConfig, MemoryTier
     from ckpt.memory_peer import PeerServer
 
-    (tmp_path / "peer").mkdir()
+    (tmp_path / "peer").mkdir(mode=0o700)
     server = PeerServer(str(tmp_path / "peer"), token=TOKEN).start()
     try:
         for run, steps in (("a", (21, 22)), ("b", (11, 12, 13))):
-            (tmp_path / run).mkdir()
+            (tmp_path / run).mkdir(mode=0o700)
             tier = MemoryTier(MemoryConfig(str(tmp_path / run), peer=server.address,
                                            token=TOKEN), rank=0, world_size=1)
             for step in steps:
@@ -358,15 +360,16 @@ def test_a_nodes_own_copies_are_opened_read_only_and_never_created(tmp_path: Pat
     missing slot is not created (a race with the rank's own clean-up must not leave an empty
     file), a link is not followed."""
     from ckpt.memory_peer import _own_slots
+    from striped_fs.privdir import PrivateDir
 
     me = tmp_path / "own"
-    me.mkdir()
+    me.mkdir(mode=0o700)
     slot = SlotFile(str(me / "rank-3.0"))
     slot.ensure(8192)
     slot.view(4096, 8)[:] = b"12345678"
     slot.close()
     (me / "rank-3.1").symlink_to(tmp_path / "elsewhere")
-    own = _own_slots(str(me), 3)
+    own = _own_slots(PrivateDir.open(me, create=False), 3)
     try:
         assert [s.path for s in own] == [str(me / "rank-3.0")]
         assert bytes(own[0].view(4096, 8)) == b"12345678"
@@ -377,4 +380,5 @@ def test_a_nodes_own_copies_are_opened_read_only_and_never_created(tmp_path: Pat
             s.close()
     assert sorted(p.name for p in me.iterdir()) == ["rank-3.0", "rank-3.1"]
     assert not (tmp_path / "elsewhere").exists()
-    assert _own_slots(str(me), 4) == [] and not any(me.glob("rank-4*"))
+    assert _own_slots(PrivateDir.open(me, create=False), 4) == [] and \
+        not any(me.glob("rank-4*"))

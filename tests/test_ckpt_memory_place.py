@@ -68,8 +68,7 @@ def test_copies_land_on_the_node_the_layout_chooses(tmp_path: Path) -> None:
     dirs = [tmp_path / f"node-{i}" for i in range(3)]
     servers = []
     for d in dirs:
-        (d / "peers").mkdir(parents=True)
-        servers.append(PeerServer(str(d / "peers"), token=TOKEN).start())
+        servers.append(PeerServer(str(d / "peers"), token=TOKEN).start())  # both made 0700
     try:
         spec = {"world": 3, "numel": 1000, "steps": 2, "durable": f"file://{tmp_path}/durable",
                 "durable_every": 100, "layout": {"tp": [[0, 1], [2]]}}

@@ -39,7 +39,7 @@ def state_at(step: int) -> dict:
 def test_wait_returns_once_the_peer_holds_the_last_step(tmp_path: Path) -> None:
     shm, peer_dir = tmp_path / "shm", tmp_path / "peer"
     shm.mkdir(mode=0o700)
-    peer_dir.mkdir()
+    peer_dir.mkdir(mode=0o700)
     server = PeerServer(str(peer_dir), token=TOKEN).start()
     try:
         cfg = MemoryConfig(str(shm), peer=server.address, durable_every=100, token=TOKEN)
@@ -100,11 +100,11 @@ def test_sync_save_is_on_the_peer_when_the_node_is_lost_as_it_returns(tmp_path: 
     empty node loads exactly step 3 from the peer, bit for bit (async would have step 2
     there at best: its push of step 3 starts after the commit, on another thread)."""
     peer_dir, node = tmp_path / "peer", tmp_path / "node"
-    peer_dir.mkdir()
+    peer_dir.mkdir(mode=0o700)
     node.mkdir(mode=0o700)
     server = PeerServer(str(peer_dir), token=TOKEN).start()
     try:
-        (tmp_path / "res").mkdir()
+        (tmp_path / "res").mkdir(mode=0o700)
         url = f"file://{tmp_path}/durable"
         spec = {"world": 1, "numel": NUMEL, "steps": 6, "durable": url, "durable_every": 100,
                 "kill_after_save": [0, 3], "nodes": [{"peer": server.address}],

@@ -109,6 +109,38 @@ def test_a_converted_image_runs_lazily(images, node_factory) -> None:
     assert "3 layers lazy" in out
 
 
+def test_a_local_pull_writes_every_layer_out_and_containers_start_from_local_files(
+        images, node_factory, registry) -> None:
+    """``bootseer image pull --local`` (a warm standby): the lazy layers are fetched whole and
+    written out on the node, so a container's rootfs is overlayfs over local directories
+    (kernel speed, no FUSE lower), and it starts with the registry gone."""
+    _, lazy = images
+    node = node_factory()
+    out = bootseer_cli("image", "pull", lazy, "--local", "--address", node.containerd.address,
+                       "--namespace", node.containerd.namespace).stdout
+    assert "3 layers lazy" in out and "written out locally" in out, out
+    with SyncRegistry(registry.host) as reg:
+        doc = reg.resolve_image(lazy).parsed
+        config = reg.get_blob("app/run", doc["config"]["digest"])
+    import json
+
+    from prefetch.containerd.pull import chain_ids
+
+    top = chain_ids(json.loads(config)["rootfs"]["diff_ids"])[-1]
+    with ContainerdClient(node.snapshotter.address) as direct:
+        assert direct.stat_snapshot("bootseer", top).labels[lbl.LOCAL] == "done"
+        mounts = direct.view_snapshot("bootseer", "local-view", top)
+        lowers = [o.split("=", 1)[1] for m in mounts for o in m.options
+                  if o.startswith("lowerdir=")][0].split(":")
+        assert len(lowers) == 3 and all("/snapshots/" in d and d.endswith("/fs")
+                                        for d in lowers), mounts
+        assert not any(str(node.lazy_dir) in d for d in lowers)
+        direct.remove_snapshot("bootseer", "local-view")
+    assert "written out whole" in node.snapshotter.log()
+    registry.stop()
+    assert node.run(lazy) == expected_output()
+
+
 def test_an_unconverted_image_is_unpacked_the_normal_way(images, node_factory) -> None:
     plain, _ = images
     node = node_factory()

@@ -4,8 +4,9 @@ checkpoint store down (ridden out behind the memory tier); and a warm spare unde
 controller's verdicts. One job (the soak's ``benchmarks/robust_job.py``, 2 nodes x 1 rank,
 ``bootseer run --controller`` on each, a third node parked at the rendezvous as a warm spare
 with ``--standby``, ``bootseer controller``) runs on one cluster for the whole module; the
-tests inject into it in order (a hang, which the spare takes over; the store down while the
-job trains; a full disk; the NaN last, after which the new spare parks again), waiting for the
+tests inject into it in order (a hang, which the spare takes over; a rank killed, restarted in
+place with the spare parked; the store down while the job trains; a full disk; a node lost,
+which the next spare replaces at once; the NaN last, after which the new spare parks again), waiting for the
 job to step again only where the next test needs it: every restart costs tens of seconds on a
 loaded 2-core machine. docs/robust.md lists which test covers which class.
 """
@@ -118,6 +119,28 @@ def test_a_dataloader_worker_hang_is_localized_to_its_rank(soak) -> None:
     assert {1, 2} <= job.spare_ids  # node1's replacement is the next spare
 
 
+def test_a_killed_rank_restarts_in_place_and_the_spare_stays_parked(soak) -> None:
+    """A rank killed with SIGKILL under the controller: the death is seen at once, the
+    controller's verdict restarts the job in place (nobody is evicted for a kill from
+    outside), and the warm spare does not take a healthy node's place."""
+    job, inj = soak
+    _stepping_after(job, 0.0)
+    hosts = {json.loads((job.out / f"pid-{r}").read_text())["host"] for r in range(job.world)}
+    fault = _inject(inj, "sigkill", rank=1)
+    killed = fault.injected["time"]
+    crash = _until("the crash event", lambda: [
+        e for e in node_events(job.out) if e["kind"] == "crash" and e["time"] >= killed
+        and e.get("rank") == 1], job)[0]
+    assert crash["class"] == "killed_by_signal", crash
+    assert crash["time"] - killed < 2.0  # seen at the rank's death, not at torchrun's exit
+    verdict = _verdict_after(job, killed, "killed_by_signal")
+    assert (verdict["action"], verdict["nodes"]) == ("restart_in_place", []), verdict
+    _stepping_after(job, verdict["time"])
+    assert hosts == {json.loads((job.out / f"pid-{r}").read_text())["host"]
+                     for r in range(job.world)}  # the spare took nobody's place
+    assert not [r for r in job.relaunches if r["time"] >= killed and r["why"] == "evicted"]
+
+
 def _logs(job: SoakJob) -> str:
     return "".join(p.read_text(errors="replace") for p in (job.out / "logs").glob("node*.log"))
 
@@ -165,6 +188,28 @@ def test_a_full_disk_is_classified_and_its_node_named(soak) -> None:
     assert verdict["nodes"] == [agent], (verdict, host)
     excluded = json.loads((job.out / "excluded.json").read_text())["nodes"]
     assert excluded[agent]["class"] == "disk_full"
+
+
+def test_a_lost_node_is_replaced_by_the_warm_spare_at_once(soak) -> None:
+    """A job node lost under the controller (every process on it killed at once): the
+    survivor's rank dies of the gloo error, the controller's verdict is written without the
+    lost node's dumps, and the parked spare (the full disk's node's replacement) joins the
+    new rendezvous at once; the job trains again on the survivor and the spare."""
+    job, inj = soak
+    _stepping_after(job, max([v["time"] for v in job.verdicts()], default=0.0))
+    fault = _inject(inj, "node_lost", node=1)
+    lost_at, lost = fault.injected["time"], fault.injected["agent"]
+    verdict = _until("a verdict after the loss", lambda: [
+        v for v in job.verdicts() if v["time"] >= lost_at], job)[0]
+    assert lost in (verdict["evidence"].get("missing_dumps") or []) + verdict["nodes"], \
+        verdict
+    _stepping_after(job, verdict["time"])
+    hosts = {json.loads((job.out / f"pid-{r}").read_text())["host"] for r in range(job.world)}
+    assert fault.injected["host"] not in hosts or any(
+        r["why"] == "lost" for r in job.relaunches if r["time"] >= lost_at), hosts
+    spare_logs = [_log(job, job.agent_names[i]) for i in range(len(job.c.nodes))
+                  if job.c.nodes[i].name in hosts]
+    assert any("joining the new rendezvous at once" in text for text in spare_logs)
 
 
 def test_nan_in_one_ranks_gradient_is_detected_at_its_step(soak) -> None:

@@ -184,9 +184,11 @@ def _listening(port: int) -> bool:
 def _start_store(port: int, log_dir: Path | None) -> None:
     """The store in a session of its own: it outlives this controller (a restarted one
     finds the job's state in it)."""
-    if log_dir:
-        log_dir.mkdir(parents=True, exist_ok=True)
-    log = open(log_dir / "store.log", "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115
+    log = subprocess.DEVNULL
+    if log_dir:  # made 0700 or checked (this user's, nobody else writes it), no link followed
+        from striped_fs.privdir import open_append
+
+        log = open_append(log_dir, "store.log")
     proc = subprocess.Popen([sys.executable, "-m", "bootseer.robust.store_host", "--port",
                              str(port)], stdout=subprocess.PIPE, stderr=log, text=True,
                             start_new_session=True, stdin=subprocess.DEVNULL)

@@ -105,6 +105,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     pull.add_argument("--namespace", default="default", help="containerd namespace")
     pull.add_argument("--snapshotter", default="bootseer",
                       help="the proxy plugin's name in containerd's config (default bootseer)")
+    pull.add_argument("--local", action="store_true",
+                      help="then fetch every lazy layer whole and write it out on the node: "
+                           "containers start from local files at overlayfs's speed, without "
+                           "the registry (a warm standby)")
     _platform_arg(pull)
     pull.set_defaults(func=cmd_pull)
 
@@ -280,10 +284,13 @@ def cmd_pull(args: argparse.Namespace) -> int:
     from prefetch.containerd.pull import pull_image
 
     result = pull_image(args.ref, args.address, namespace=args.namespace,
-                        snapshotter=args.snapshotter, platform=args.cfg.image.platform)
+                        snapshotter=args.snapshotter, platform=args.cfg.image.platform,
+                        local=args.local)
     print(f"pulled {result.image} ({result.manifest[:19]}) in {result.seconds:.2f} s: "
           f"{result.lazy_layers} layers lazy, {result.unpacked_layers} unpacked "
           f"({human_bytes(result.bytes_downloaded)} downloaded), {result.present_layers} "
-          f"already present; run it with: ctr -n {args.namespace} run --snapshotter "
+          f"already present" + (f", written out locally in {result.phases['local']:.2f} s"
+                                 if "local" in result.phases else "") +
+          f"; run it with: ctr -n {args.namespace} run --snapshotter "
           f"{args.snapshotter} {result.image} ID CMD")
     return 0

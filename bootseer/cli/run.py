@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 import threading
 
 from .errors import CliError
 from .options import open_trace
 
+SHM = "/dev/shm"
+
 #: The keys `bootseer run` takes flags for (the file and the environment may set any key).
 RUN_KEYS = ("state", "run", "restart", "hang", "health", "controller", "env.spec", "env.prefix", "env.store",
-            "env.base_image", "env.uv", "ckpt", "storage", "colltrace")
+            "env.base_image", "env.uv", "env.verify", "ckpt", "storage", "colltrace")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +49,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise CliError("nothing to run: bootseer run [options] -- CMD [ARGS...]")
     from ..config import check_ckpt_cache_handoff, parse_ranks
+    from ..deferred import DeferredChecks
     from ..robust.agent import Agent
     from ..robust.detect import HangDetector
     from ..startup import StartupPlan, run_startup
@@ -58,7 +63,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     ckpt, env = cfg.ckpt, cfg.env
     plan = StartupPlan(
         env_spec=list(env.spec), env_prefix=env.prefix, env_store=env.store,
-        env_base_image=env.base_image, env_uv=env.uv,
+        env_base_image=env.base_image, env_uv=env.uv, env_verify=env.verify,
         ckpt_url=ckpt.url, ckpt_cache_dir=ckpt.cache_dir,
         ranks=parse_ranks(ckpt.ranks, os.environ) if ckpt.url else [],
         ckpt_connections=ckpt.connections, allow_fresh_start=cfg.run.allow_fresh_start,
@@ -66,13 +71,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     trace = open_trace(cfg)
     base_env = dict(os.environ)
 
-    colltrace = _colltrace_watch(cfg, trace, node)
+    checks = DeferredChecks()  # the warm start's file checks, beside the command
 
     def before_attempt(attempt: int) -> dict[str, str]:
         if memory is not None:  # the copies' check runs beside the launch (ckpt.memory_verify)
             memory.check_copies()  # type: ignore[attr-defined]
         node_check(cfg, trace, node, attempt)
-        extra = run_startup(plan, trace=trace, attempt=attempt, base_env=base_env)
+        checks.reset()
+        extra = run_startup(plan, trace=trace, attempt=attempt, base_env=base_env,
+                            checks=checks)
         return {**extra, **colltrace.child_env(attempt)} if colltrace else extra
 
     hang = HangPolicy(cfg.hang.timeout_s, cfg.hang.dump_wait_s, cfg.hang.startup_s)
@@ -81,11 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         detector = HangDetector(hang.timeout_s)
     elif cfg.hang.learn:
         detector = HangDetector(None, initial_s=hang.startup_s)
-    agent = Agent(trace, node, hang=detector, max_no_progress=cfg.restart.max_no_progress,
-                  colltrace=colltrace)
     remote = _controller_link(cfg, node)
-    if remote is not None and colltrace is not None:  # the rings' window to the controller
-        remote.colltrace = colltrace.window  # type: ignore[attr-defined]
     versions = None
     if remote is not None:  # what each attempt runs: the version pinned for its epoch
         from ..robust.update import NodeVersions
@@ -94,7 +97,16 @@ def cmd_run(args: argparse.Namespace) -> int:
                                 log=lambda line: print(f"bootseer: {line}", file=sys.stderr,
                                                        flush=True))
 
-    memory = _node_memory(cfg, base_env)
+    colltrace = _colltrace_watch(cfg, trace, node)
+    try:
+        memory = _node_memory(cfg, base_env)
+    except CliError:
+        _drop_rings(cfg, colltrace)
+        raise
+    agent = Agent(trace, node, hang=detector, max_no_progress=cfg.restart.max_no_progress,
+                  colltrace=colltrace)
+    if remote is not None and colltrace is not None:  # the rings' window to the controller
+        remote.colltrace = colltrace.window  # type: ignore[attr-defined]
     supervisor = Supervisor(
         command, env=base_env, trace=trace, node=node, dump_dir=trace.dir,
         ready_file=cfg.run.ready_file or None, before_attempt=before_attempt,
@@ -102,7 +114,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                               cfg.restart.backoff_max_s),
         hang=hang, agent=agent, tail_lines=cfg.run.log_tail_lines, remote=remote,
         remote_wait_s=cfg.controller.wait_s, versions=versions,
-        crash_grace_s=cfg.hang.crash_grace_s,
+        crash_grace_s=cfg.hang.crash_grace_s, checks=checks.failure,
         preload=[m.strip() for m in cfg.run.preload.split(",")], standby=cfg.run.standby)
     try:
         code = supervisor.run()
@@ -112,8 +124,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         if memory is not None:
             memory.close()
+        _drop_rings(cfg, colltrace)
     _exit_if_lingering(None, code)
     return code
+
+
+def _drop_rings(cfg: argparse.Namespace, colltrace: object | None) -> None:
+    """The job's ring directory goes with the run when it is in /dev/shm (not named)."""
+    if colltrace is not None and not cfg.colltrace.dir:
+        colltrace.close()  # type: ignore[attr-defined]
+        shutil.rmtree(colltrace.base, ignore_errors=True)  # type: ignore[attr-defined]
 
 
 def _node_memory(cfg: argparse.Namespace, env: dict[str, str]) -> object | None:
@@ -142,11 +162,22 @@ def _colltrace_watch(cfg: argparse.Namespace, trace: object, node: str) -> objec
     if not 0 < ct.poll_s <= 2:
         raise CliError(f"[colltrace] poll_s = {ct.poll_s}: the reader must pass at least every "
                        "2 s; give a value in (0, 2]")
-    from ..colltrace import default_dir
+    from striped_fs.privdir import PrivateDir
+
     from ..colltrace.analyze import Analyzer
     from ..colltrace.reader import Watch
 
-    return Watch(ct.dir or default_dir(node), trace_dir=trace.dir, node=node,  # type: ignore[attr-defined]
+    # the job's own directory, made here (0700, exclusively) with a name nobody can guess,
+    # in colltrace.dir (made 0700 or checked) or /dev/shm; the ranks get it from the
+    # environment (BOOTSEER_COLLTRACE_DIR, one directory per attempt inside)
+    parent = ct.dir or (SHM if os.path.isdir(SHM) else tempfile.gettempdir())
+    try:
+        job = PrivateDir.new(parent, "bootseer-colltrace-", what="colltrace.dir")
+    except OSError as exc:
+        raise CliError(f"[colltrace] cannot make the ring directory in {parent}: {exc}") \
+            from None
+    job.close()
+    return Watch(job.path, trace_dir=trace.dir, node=node,  # type: ignore[attr-defined]
                  poll_s=ct.poll_s,
                  analyzer=Analyzer(stuck_s=ct.stuck_s, straggler_s=ct.straggler_s, node=node))
 

@@ -25,11 +25,14 @@ _TRUE = {"1", "true", "yes", "on"}
 
 
 def default_dir(node: str | None = None) -> Path:
-    """Where rings go when nothing says: a private tmpfs directory per user and node."""
+    """Where rings go when nothing says and no ``bootseer run`` hands a directory down: a
+    tmpfs directory per user and node, made 0700 by the first rank, refused when another
+    user made it first (its name is predictable: ``bootseer run`` gives each job one that is
+    not, and so can ``BOOTSEER_COLLTRACE_DIR``)."""
     import socket
 
     node = node or os.environ.get("BOOTSEER_NODE") or socket.gethostname()
-    return Path("/dev/shm") / f"bootseer-colltrace-{os.getuid()}" / node
+    return Path("/dev/shm") / f"bootseer-colltrace-{os.geteuid()}" / node
 
 
 def enable(directory: str | os.PathLike | None = None, *, capacity: int | None = None) -> Path:
@@ -37,7 +40,9 @@ def enable(directory: str | os.PathLike | None = None, *, capacity: int | None =
 
     ``directory`` defaults to ``$BOOTSEER_COLLTRACE_DIR`` (set by ``bootseer run``), else
     :func:`default_dir`; ``capacity`` (records kept) to ``$BOOTSEER_COLLTRACE_CAPACITY`` or
-    4096. The ring file appears at the first collective (its rank is known then)."""
+    4096. The ring file appears at the first collective (its rank is known then). The
+    directory is made 0700, or must be this user's, 0700 and not a link: another user's is
+    refused here (:class:`striped_fs.privdir.UnsafePath`, naming what was found)."""
     from . import recorder
 
     with recorder._lock:
@@ -51,6 +56,13 @@ def enable(directory: str | os.PathLike | None = None, *, capacity: int | None =
             except ValueError:
                 raise ValueError(f"{CAPACITY_ENV}={text!r} is not a record count: set it to an "
                                  "integer >= 1 (or [colltrace] capacity)") from None
+        from striped_fs.privdir import PrivateDir
+
+        from .ring import RING_DIR_WHAT
+
+        # made 0700 or checked now (this user's, 0700, not a link), so that a refusal is
+        # said here, not at the first collective (where it would leave the job untraced)
+        PrivateDir.open(where, what=RING_DIR_WHAT).close()
         rec = recorder.Recorder(where, capacity=capacity)
         rec.install()
         recorder._active = rec

@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .ring import Op, RingSnapshot
+from striped_fs.privdir import PrivateDir
+
+from .ring import RING_DIR_WHAT, Op, RingSnapshot
 
 __all__ = ["dump", "snapshot", "write_dump"]
 
@@ -48,15 +50,15 @@ def dump() -> dict[str, Any] | None:
 
 
 def write_dump(directory: str | os.PathLike, rank: int) -> Path | None:
-    """The buffer as ``fr-rank<r>-<pid>.json`` in ``directory`` (atomic), or None."""
+    """The buffer as ``fr-rank<r>-<pid>.json`` in ``directory`` (atomic, through the
+    directory's descriptor: made 0700 or checked as the rings' is), or None."""
     doc = dump()
     if doc is None:
         return None
-    path = Path(directory) / f"fr-rank{rank}-{os.getpid()}.json"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, path)
-    return path
+    name = f"fr-rank{rank}-{os.getpid()}.json"
+    with PrivateDir.open(directory, what=RING_DIR_WHAT) as where:
+        where.write_atomic(name, json.dumps(doc).encode())
+        return Path(where.where(name))
 
 
 def snapshot(doc: dict[str, Any], rank: int, *, node: str = "", pid: int = 0) -> RingSnapshot:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -30,8 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from striped_fs.privdir import PrivateDir, UnsafePath, open_append
+
 from .analyze import Analyzer, Finding
-from .ring import RingReader, RingSnapshot, newest_per_rank
+from .ring import RING_DIR_WHAT, RingReader, RingSnapshot, newest_per_rank, ring_names
 
 __all__ = ["Watch", "read_verdicts", "stack_of", "verdict_docs"]
 
@@ -60,6 +61,7 @@ class Watch:
         self.attempt = 0
         self._readers: dict[str, RingReader] = {}
         self._last = float("-inf")
+        self._refused: str | None = None  # the refusal last logged (said once)
 
     # -- attempts --------------------------------------------------------------------------
     def child_env(self, attempt: int) -> dict[str, str]:
@@ -75,11 +77,16 @@ class Watch:
         a = self.analyzer
         self.analyzer = Analyzer(stuck_s=a.stuck_s, floor_s=a.floor_s, k=a.k,
                                  straggler_s=a.straggler_s, node=a.node)
-        if self.base.is_dir():
-            for old in self.base.iterdir():  # only our own attempt-N directories
-                if re.fullmatch(r"attempt-\d+", old.name) and old != self.directory \
-                        and old.is_dir() and not old.is_symlink():
-                    shutil.rmtree(old, ignore_errors=True)
+        # the attempt's directory is made here, 0700, before the command starts; older
+        # attempts' go (removed through the base's descriptor, links never followed)
+        try:
+            with PrivateDir.open(self.base, what=RING_DIR_WHAT) as base:
+                for old in base.names():
+                    if re.fullmatch(r"attempt-\d+", old) and old != self.directory.name:
+                        base.remove_tree(old)
+                base.subdir(self.directory.name).close()
+        except OSError as exc:  # the ranks' Ring refuses it too; the job runs untraced
+            self._refuse(exc)
         self._last = float("-inf")
 
     def close(self) -> None:
@@ -91,19 +98,37 @@ class Watch:
     def snapshots(self) -> list[RingSnapshot]:
         """The newest ring of every rank in the directory (mapped once, re-read each call)."""
         snaps = []
-        try:
-            paths = sorted(self.directory.glob("rank*.ring"))
-        except OSError:
+        try:  # checked on every pass: this user's, 0700, not a link (striped_fs.privdir)
+            where = PrivateDir.open(self.directory, create=False, what=RING_DIR_WHAT)
+        except FileNotFoundError:
             return []
-        for path in paths:
-            key = str(path)
+        except OSError as exc:
+            self._refuse(exc)
+            return []
+        with where:
             try:
-                reader = self._readers.get(key) or self._readers.setdefault(
-                    key, RingReader(path))
-                snaps.append(reader.read())
-            except (OSError, ValueError):
-                continue
+                names = ring_names(where)
+            except OSError:
+                return []
+            for name in names:
+                key = where.where(name)
+                try:
+                    reader = self._readers.get(key) or self._readers.setdefault(
+                        key, RingReader(key, dir_fd=where.fd))
+                    snaps.append(reader.read())
+                except UnsafePath as exc:  # not this user's regular file: never read
+                    self._refuse(exc)
+                except (OSError, ValueError):
+                    continue
         return newest_per_rank(snaps)
+
+    def _refuse(self, exc: OSError) -> None:
+        """A directory or ring another user could control: said once, never read."""
+        line = f"refused: {exc}" if isinstance(exc, UnsafePath) else f"cannot use the ring " \
+            f"directory {self.directory}: {exc}"
+        if line != self._refused:
+            self._refused = line
+            self.log(line)
 
     def poll(self, now: float | None = None, *, force: bool = False) -> list[Finding]:
         """One pass when ``poll_s`` has passed since the last (always with ``force``)."""
@@ -142,9 +167,8 @@ class Watch:
         if self.trace_dir is None:
             return
         try:
-            self.trace_dir.mkdir(parents=True, exist_ok=True)
             path = self.trace_dir / RECORD_FILE.format(node=self.node)
-            with open(path, "a", encoding="utf-8") as f:
+            with open_append(self.trace_dir, path.name) as f:
                 f.write("".join(json.dumps(d, default=str) + "\n" for d in docs))
         except OSError as exc:  # a full trace disk must not cost the job
             self.log(f"warning: cannot write the colltrace record: {exc}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -101,6 +102,7 @@ class Recorder:
         self.capacity = capacity
         self.node = node or os.environ.get("BOOTSEER_NODE") or socket.gethostname()
         self.ring: Ring | None = None
+        self.refused = ""  # why the ring could not be made (its directory refused): untraced
         self._numbers = itertools.count()
         self._groups: dict[Any, tuple[int, Any, list[int]]] = {}  # pg -> (id, seq counter, ranks)
         self._p2p: dict[tuple[int, int, int], Any] = {}  # (group, peer, send?) -> counter
@@ -159,8 +161,10 @@ class Recorder:
                     key, itertools.count(1))
                 if 0 <= peer < len(ranks):
                     peer = ranks[peer]
-            n = next(recorder._numbers)
             ring = recorder.ring
+            if ring is None:  # its directory was refused: untraced, never an error here
+                return original(pg, *args, **kwargs)
+            n = next(recorder._numbers)
             off = ring.write(n, gid, op, FLAG_P2P if p2p else 0, dtype, next(counter), numel,
                              nbytes, now(), peer)
             try:
@@ -201,13 +205,18 @@ class Recorder:
         with _lock:
             if pg in self._groups:
                 return self._groups[pg]
-            if self.ring is None:
+            if self.ring is None and not self.refused:
                 rank = dist.get_rank() if dist.is_initialized() else int(
                     os.environ.get("RANK", "0"))
                 world = dist.get_world_size() if dist.is_initialized() else int(
                     os.environ.get("WORLD_SIZE", "1"))
-                self.ring = Ring(self.directory, rank, world, capacity=self.capacity,
-                                 node=self.node)
+                try:
+                    self.ring = Ring(self.directory, rank, world, capacity=self.capacity,
+                                     node=self.node)
+                except (OSError, ValueError) as exc:  # a refused directory: no tracing,
+                    self.refused = str(exc)  # and the collective itself goes on
+                    print(f"bootseer: colltrace: not recording: {exc}", file=sys.stderr,
+                          flush=True)
             try:
                 ranks = list(dist.get_process_group_ranks(pg))
             except Exception:  # noqa: BLE001 - a group torch does not register (internal)
@@ -219,8 +228,9 @@ class Recorder:
                 grank = pg.rank()
             except Exception:  # noqa: BLE001
                 grank = -1
-            self.ring.add_group(gid, {"name": name, "desc": desc, "ranks": ranks,
-                                      "rank": grank})
+            if self.ring is not None:
+                self.ring.add_group(gid, {"name": name, "desc": desc, "ranks": ranks,
+                                          "rank": grank})
             entry = (gid, itertools.count(1), ranks)
             self._groups[pg] = entry
             return entry

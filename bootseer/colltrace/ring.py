@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from striped_fs.privdir import PrivateDir, open_owned
+
 __all__ = ["MAGIC", "OPS", "DTYPES", "Op", "Ring", "RingReader", "RingSnapshot", "ring_name",
-           "newest_per_rank", "read_ring", "read_rings"]
+           "ring_names", "newest_per_rank", "read_ring", "read_rings"]
 
 MAGIC = b"BSCTRING"
 VERSION = 1
@@ -66,18 +68,28 @@ def ring_name(rank: int, pid: int) -> str:
     return f"rank{rank}-{pid}.ring"
 
 
+RING_DIR_WHAT = "the collective-trace ring directory (BOOTSEER_COLLTRACE_DIR, colltrace.dir)"
+
+
 class Ring:
-    """The writer side: one per training process, created 0600 in ``directory``."""
+    """The writer side: one per training process, created 0600 in ``directory``, which is
+    made 0700 or must be this user's, 0700, not a link (``striped_fs.privdir``); the file is
+    created exclusively through the directory's descriptor, never through a link."""
 
     def __init__(self, directory: str | os.PathLike, rank: int, world: int, *,
                  capacity: int = 4096, node: str = "") -> None:
         if capacity < 1:
             raise ValueError(f"colltrace ring capacity must be >= 1, got {capacity}")
-        Path(directory).mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.path = Path(directory) / ring_name(rank, os.getpid())
+        self._dir = PrivateDir.open(directory, what=RING_DIR_WHAT)
+        name = ring_name(rank, os.getpid())
+        self.path = Path(self._dir.where(name))
         self.capacity = capacity
         size = HEADER_SIZE + GROUPS_SIZE + capacity * RECORD_SIZE
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            fd = self._dir.create(name, os.O_RDWR)
+        except FileExistsError:  # an earlier process of this pid's: ours (the directory is)
+            self._dir.unlink(name)
+            fd = self._dir.create(name, os.O_RDWR)
         try:
             os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -119,9 +131,10 @@ class Ring:
             pass
         if unlink:
             try:
-                self.path.unlink()
+                self._dir.unlink(self.path.name)
             except OSError:
                 pass
+        self._dir.close()
 
 
 @dataclass(frozen=True)
@@ -159,12 +172,21 @@ class RingSnapshot:
 
 
 class RingReader:
-    """Maps a ring read-only; :meth:`read` snapshots it (cheap enough every second)."""
+    """Maps a ring read-only; :meth:`read` snapshots it (cheap enough every second).
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    Only a regular file of this process's user (``uid``) is mapped, opened without following
+    a link (relative to ``dir_fd`` when given: the directory a :class:`PrivateDir` checked);
+    anything else is refused (:class:`striped_fs.privdir.UnsafePath`) before a byte is read."""
+
+    def __init__(self, path: str | os.PathLike, *, dir_fd: int | None = None,
+                 uid: int | None = None) -> None:
         self.path = str(path)
-        with open(self.path, "rb") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        fd = open_owned(os.path.basename(self.path) if dir_fd is not None else self.path,
+                        dir_fd=dir_fd, uid=uid, where=self.path)
+        try:
+            self._mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
         magic, version, rsize, cap, _, rank, world, pid, created, _, node = \
             _HEADER.unpack_from(self._mm, 0)
         if magic != MAGIC or version != VERSION or rsize != RECORD_SIZE:
@@ -230,14 +252,33 @@ def read_ring(path: str | os.PathLike) -> RingSnapshot:
         reader.close()
 
 
+def ring_names(directory: PrivateDir) -> list[str]:
+    """The ring files' names in a checked directory."""
+    return [n for n in directory.names() if n.startswith("rank") and n.endswith(".ring")]
+
+
 def read_rings(directory: str | os.PathLike) -> list[RingSnapshot]:
-    """The newest ring of every rank in ``directory``; unreadable files are skipped."""
+    """The newest ring of every rank in ``directory`` (none when it does not exist); files
+    that are unreadable, not rings, or not this user's are skipped. A directory that is not
+    this user's own (0700, not a link) is refused (:class:`~striped_fs.privdir.UnsafePath`):
+    its rings could be anyone's."""
+    try:
+        where = PrivateDir.open(directory, create=False, what=RING_DIR_WHAT)
+    except FileNotFoundError:
+        return []
     snaps = []
-    for path in sorted(Path(directory).glob("rank*.ring")):
-        try:
-            snaps.append(read_ring(path))
-        except (OSError, ValueError):
-            continue
+    with where:
+        for name in ring_names(where):
+            try:
+                reader = RingReader(where.where(name), dir_fd=where.fd)
+            except (OSError, ValueError):
+                continue
+            try:
+                snaps.append(reader.read())
+            except (OSError, ValueError):
+                pass
+            finally:
+                reader.close()
     return newest_per_rank(snaps)
 
 

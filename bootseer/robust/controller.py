@@ -46,6 +46,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from striped_fs.privdir import open_append
+
 from . import update, wire
 from .check import CheckReport, RankResult
 from .classify import SECONDARY  # crash classes that follow another rank's failure
@@ -551,7 +553,7 @@ class Controller:
         if found and self.trace_path is not None:
             path = self.trace_path.parent / "colltrace-controller.ndjson"
             try:
-                with open(path, "a", encoding="utf-8") as f:
+                with open_append(path.parent, path.name) as f:
                     f.writelines(json.dumps(d, default=str) + "\n"
                                  for d in verdict_docs(found, grid, "controller", incident))
             except OSError as exc:

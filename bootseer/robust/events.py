@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from striped_fs.privdir import open_append
+
 from ..trace import trace_lines
 
 __all__ = ["KINDS", "Event", "Verdict", "metric", "parse_record", "read_records", "write_record"]
@@ -125,8 +127,8 @@ def parse_record(line: str) -> Event | Verdict:
 
 def write_record(path: str | os.PathLike, record: Event | Verdict) -> None:
     """Append one record to a trace file (one line, flushed: a kill loses at most it)."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
+    path = Path(path)
+    with open_append(path.parent, path.name) as f:  # made 0700 or checked, no link followed
         f.write(record.to_json() + "\n")
 
 

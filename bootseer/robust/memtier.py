@@ -5,7 +5,8 @@
 ``ckpt.memory_listen`` is set (``ckpt.memory_peer.PeerServer``, a thread of the agent), and
 hands both to the job (``BOOTSEER_MEMCKPT_DIR``, ``BOOTSEER_MEMCKPT_SERVER``). The server
 answers only connections that prove they hold the job's secret (``BOOTSEER_MEMCKPT_TOKEN``
-in the agent's environment, the same on every node; the job inherits it) and binds only the
+in the agent's environment, the same on every node; the job inherits it), checks a MAC under
+it on every message and copy after that proof (``ckpt.memory_wire``), and binds only the
 address ``ckpt.memory_listen`` names, never a wildcard. The trainer
 writes its copies there; they outlive the trainer's crash or SIGKILL, because the agent, not
 the trainer, holds the directory, and are removed when the run ends. Each time the agent
@@ -21,6 +22,8 @@ import shutil
 import tempfile
 import threading
 from typing import Any
+
+from striped_fs.privdir import PrivateDir
 
 SHM = "/dev/shm"
 
@@ -61,16 +64,20 @@ class NodeMemory:
         self._made = not directory
         self._log = log
         self.checking: threading.Thread | None = None
+        # made 0700 here, or (a named one that exists) this user's own, 0700, not a link;
+        # unnamed: a fresh one with a name nobody can guess (striped_fs.privdir)
         if directory:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-            self.directory = directory
+            where = PrivateDir.open(directory, what="ckpt.memory_dir")
         else:
-            self.directory = tempfile.mkdtemp(prefix="bootseer-memckpt-",
-                                              dir=SHM if os.path.isdir(SHM) else None)
+            where = PrivateDir.new(SHM if os.path.isdir(SHM) else tempfile.gettempdir(),
+                                   "bootseer-memckpt-", what="the memory tier's directory")
+        self.directory = where.path if not directory else directory
         self.server = None
+        with where:
+            if listen:
+                where.subdir("peers", what="the memory tier's directory of peer copies").close()
         if listen:
             peers = os.path.join(self.directory, "peers")
-            os.makedirs(peers, mode=0o700, exist_ok=True)
             try:
                 self.server = PeerServer(peers, host, int(port), own=self.directory).start()
             except (OSError, ValueError):
@@ -127,5 +134,6 @@ class NodeMemory:
             self.server = None
         base = os.path.basename(self.directory)
         if self._made and base.startswith("bootseer-memckpt-") and \
-                os.path.dirname(self.directory) in (SHM, tempfile.gettempdir()):
+                os.path.dirname(self.directory) in map(os.path.realpath,
+                                                       (SHM, tempfile.gettempdir())):
             shutil.rmtree(self.directory, ignore_errors=True)

@@ -34,6 +34,8 @@ from pathlib import Path
 from time import time as _now
 from typing import Any
 
+from striped_fs.privdir import open_append
+
 from .events import Event, Verdict
 
 __all__ = ["ACTIONS", "TABLE", "ActionRule", "ExclusionList", "decide"]
@@ -181,8 +183,9 @@ class ExclusionList:
 
     @contextmanager
     def _locked(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_name(f".{self.path.name}.lock"), "a") as lock:
+        # the directory made 0700 or checked, the lock file never opened through a link
+        with open_append(self.path.parent, f".{self.path.name}.lock",
+                         what="the controller's exclusion list directory") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
 

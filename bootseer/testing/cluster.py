@@ -31,6 +31,7 @@ from types import TracebackType
 from typing import Self
 
 from .cgroup import Cgroup, KillMethod, cgroup2_root, groups_named
+from .cluster_cache import CacheHost
 from .cluster_host import Host, HostDead
 from .cluster_node import RUNC_ROOT, Node, NodeDirs
 from .cluster_services import ALL_SERVICES, PORTS, Services, check_services
@@ -46,6 +47,7 @@ __all__ = ["ALL_SERVICES", "MAX_NODES", "PORTS", "Cluster", "Host", "HostDead", 
 MAX_NODES = 8
 SUBNET = "198.18.0."  # RFC 2544's benchmarking range: private to the cluster's namespaces
 SERVICES_ADDRESS = SUBNET + "2"
+CACHE_ADDRESS = SUBNET + "3"  # the cache tier's host (Cluster(cache=True))
 FIRST_NODE = 10  # node i is SUBNET + (10 + i)
 _SIZE = re.compile(r"^\d+[kmg]?$", re.IGNORECASE)
 _TOOLS = ("ip", "tc", "nsenter", "unshare", "mount", "umount")
@@ -66,7 +68,7 @@ class Cluster:
                  containerd: bool = False, snapshotter: bool = False,
                  snapshotter_args: Sequence[str] = (), disk_size: str = "512m",
                  workdir: str | os.PathLike[str] | None = None,
-                 kill_method: KillMethod = "auto") -> None:
+                 kill_method: KillMethod = "auto", cache: bool = False) -> None:
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"a cluster has 1 to {MAX_NODES} nodes, not {nodes}")
         if not _SIZE.match(disk_size):
@@ -82,11 +84,13 @@ class Cluster:
         self.disk_size = disk_size
         self.workdir = None if workdir is None else Path(workdir)
         self.kill_method: KillMethod = kill_method
+        self.cache_tier = cache
         self.id = uuid.uuid4().hex[:8]
         self.prefix = f"bsc-{self.id}"  # every name this cluster gives starts with it
         self.dir: Path | None = None
         self.nodes: list[Node] = []
         self._services: Services | None = None
+        self._cache: CacheHost | None = None
         self._switch = Switch(f"{self.prefix}-switch")
         self._cgroup: Cgroup | None = None
         self._problems: list[str] = []
@@ -101,6 +105,13 @@ class Cluster:
         if self._services is None:
             raise RuntimeError("the cluster is not started: use it as a context manager")
         return self._services
+
+    @property
+    def cache(self) -> CacheHost:
+        """The cache tier's host (``Cluster(cache=True)``): ``origin_bytes(service)``."""
+        if self._cache is None:
+            raise RuntimeError("this cluster has no cache tier: Cluster(cache=True)")
+        return self._cache
 
     @property
     def tc_delays(self) -> bool:
@@ -132,6 +143,12 @@ class Cluster:
                 index_dir=self.dir / "services" / "index")
             self._services._create(self._switch, "svc", self.service_link)
             self._services._start()
+            if self.cache_tier:
+                self._cache = CacheHost(
+                    "cache", CACHE_ADDRESS, f"{self.prefix}-cache", self.dir / "cache",
+                    self._cgroup.child("cache"), self.kill_method, services=self._services)
+                self._cache._create(self._switch, "cache", self.service_link)
+                self._cache._start()
             self.nodes = [self._new_node(i, 1) for i in range(self.node_count)]
         except BaseException:
             self.close(raise_leaks=False)
@@ -155,7 +172,7 @@ class Cluster:
         node = Node(name, f"{SUBNET}{FIRST_NODE + index}", f"{self.prefix}-{name}",
                     self.dir / f"{name}.{generation}", self._cgroup.child(f"{name}.{generation}"),
                     self.kill_method, index=index, generation=generation,
-                    services=self._services, link=self.link)
+                    services=self._services, link=self.link, cache=self._cache)
         if index < len(self.nodes):
             self.nodes[index] = node
         else:
@@ -182,6 +199,8 @@ class Cluster:
         self._closed = True
         for node in self.nodes:
             self._problems += node.close(self._switch, f"n{node.index}")
+        if self._cache is not None:
+            self._problems += self._cache.close(self._switch, "cache")
         if self._services is not None:
             self._problems += self._services.close(self._switch, "svc")
         self._switch.delete()

@@ -39,6 +39,7 @@ __all__ = ["Node", "NodeDirs"]
 RUNC_ROOT = Path("/run/containerd/runc")  # runc's state, one directory per namespace
 SHIM_SOCKETS = Path("/run/containerd/s")  # containerd 1.6 shims' sockets, named by a hash
 FILL_NAME = ".bootseer-cluster-fill"
+CACHE_PORT_OFFSET = 1  # a node reaches the cache tier's service PORT at 127.0.0.1:PORT+1
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,13 @@ class Node(Host):
     was asked for them), ``link``, ``bytes_from(service)``."""
 
     def __init__(self, *args: Any, index: int, generation: int, services: Services,
-                 link: Link, **kwargs: Any) -> None:
+                 link: Link, cache: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.index = index
         self.generation = generation
         self.services = services
         self.link = link
+        self.cache = cache  # the cluster's cache tier (cluster_cache.CacheHost), or None
         self.dirs = NodeDirs(self.root, self.root / "disk", self.root / "disk" / "cache",
                              self.root / "disk" / "work", self.logs, self.root / "run")
         self.containerd: ContainerdServer | None = None
@@ -88,6 +90,10 @@ class Node(Host):
                 proxy = Shaper(self.services.address, PORTS[name], self._proxy_settings(),
                                LOOPBACK, PORTS[name])
                 self._proxies[name] = proxy.start()
+            for name in self.cache.names if self.cache is not None else ():
+                proxy = Shaper(self.cache.address, PORTS[name], self._proxy_settings(),
+                               LOOPBACK, CACHE_PORT_OFFSET + PORTS[name])
+                self._proxies[f"{name}-cache"] = proxy.start()
         if containerd or snapshotter:
             self._start_containerd(snapshotter, snapshotter_args, containerd_namespace)
 
@@ -123,9 +129,18 @@ class Node(Host):
 
     # -- what tests and benchmarks use ---------------------------------------------------
 
+    def cache_endpoint(self, service: str) -> str:
+        """``127.0.0.1:PORT`` at which this node reaches the cache tier's ``service``
+        ("registry" or "s3"; its bytes count as ``bytes_from(f"{service}-cache")``)."""
+        if self.cache is None or service not in self.cache.names:
+            raise ValueError(f"the cluster has no cache tier for {service!r}: "
+                             "Cluster(cache=True) with that service")
+        return f"{LOOPBACK}:{CACHE_PORT_OFFSET + PORTS[service]}"
+
     def bytes_from(self, service: str) -> int:
-        """Bytes this node received from ``service`` ("registry", "s3", "index") since it
-        started (response headers included)."""
+        """Bytes this node received from ``service`` ("registry", "s3", "index"; through the
+        cache tier: "registry-cache", "s3-cache") since it started (response headers
+        included)."""
         return self._proxy(service).bytes_down
 
     def bytes_to(self, service: str) -> int:

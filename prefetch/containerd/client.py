@@ -495,13 +495,14 @@ class ContainerdClient:
         return info_from_proto(resp.info)
 
     def update_snapshot_labels(self, snapshotter: str, key: str,
-                               labels: Mapping[str, str]) -> SnapshotInfo:
+                               labels: Mapping[str, str], *,
+                               timeout_s: float | None = None) -> SnapshotInfo:
         """Sets these labels, leaving others; a value of "" removes a label."""
         req = snapshots_pb2.UpdateSnapshotRequest(
             snapshotter=snapshotter, info=snapshots_pb2.Info(name=key, labels=labels),
             update_mask=label_mask(labels))
         resp = self._call(f"update snapshot labels {key} ({snapshotter})",
-                          self._snapshots.Update, req)
+                          self._snapshots.Update, req, timeout_s)
         return info_from_proto(resp.info)
 
     def list_snapshots(self, snapshotter: str, *filters: str) -> list[SnapshotInfo]:

@@ -22,6 +22,11 @@ LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
 IMAGE_LAYERS = "containerd.io/snapshot/cri.image-layers"
 # Set by bootseer on the snapshots it serves lazily (visible in `ctr snapshots info`).
 REMOTE = "containerd.io/snapshot/bootseer.remote"
+# Asked for on a committed snapshot (`bootseer image pull --local`, or `ctr snapshots label`):
+# every lazy layer of its chain fetched whole and written out on the node, so that containers
+# started on it read local files through overlayfs, at the kernel's speed. The Update that
+# sets it returns once they are written; the snapshot keeps the label ("done").
+LOCAL = "containerd.io/snapshot/bootseer.local"
 
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 

@@ -354,6 +354,18 @@ class Snapshotter:
 
     def update(self, name: str, labels: dict[str, str], fieldpaths: Sequence[str] = ()
                ) -> Snapshot:
+        """Labels set as containerd asks; :data:`labels.LOCAL` asked for on a committed
+        snapshot also writes out every lazy layer of its chain first (UNAVAILABLE when the
+        registry cannot be read now: nothing changes)."""
+        asked = labels.get(lbl.LOCAL) and (not fieldpaths or any(
+            f in (f"labels.{lbl.LOCAL}", "labels") for f in fieldpaths))
+        if asked:
+            snap = self.db.get(name)
+            if snap.kind != Kind.COMMITTED:
+                raise InvalidArgumentError(f"{lbl.LOCAL} names committed snapshots (an image's "
+                                           f"layers); {name!r} is {snap.kind}")
+            self._materialize_chain(name, f"asked for by the label {lbl.LOCAL}")
+            labels = {**labels, lbl.LOCAL: "done"}
         with self.db.transaction():
             return self.db.update(name, labels, fieldpaths)
 
