@@ -12,8 +12,9 @@ actually used are kept). The operator's part (replace a lost or evicted node, fr
 disk after a minute, restart an exited launcher) is the same in both runs.
 
 Per class and mode (``robust_measure``): detection latency p50/p90, whether the injected
-rank's group was named, nodes evicted, restart to first step, steps recomputed; ETTR from the
-job's step log for both and from the agents' traces (``bootseer.robust.ettr``) for bootseer.
+rank's group was named, nodes evicted, restart to first step, steps recomputed; ETTR by the
+project's one accounting (``bootseer.robust.ettr``): bootseer's from the agents' traces, as
+``bootseer report --end`` prints it, the peer's from its step log (no trace exists).
 
 ``python benchmarks/bench_robust.py --results DIR [--quick] [--minutes M] [--interval S]
 [--seed N] [--classes sigkill,exception]`` or ``bootseer bench robust [--quick] [--minutes M]``; writes ``DIR/robust.json``
@@ -149,20 +150,22 @@ def write(results: Path, report: dict[str, Any], hang_timeout: float) -> None:
              f"- load average before {report['machine']['load_before']}, after "
              f"{report['machine'].get('load_after')} on {report['machine']['cpus']} CPUs", "",
              *md_table(head, class_rows(report, hang_timeout)), ""]
-    erows = []
+    erows, commands = [], []
     for mode in ("bootseer", "peer"):
         r = report.get(mode)
         if not r:
             continue
-        e = r["ettr_steps"]
-        tr = r.get("ettr_trace", {})
-        erows.append([mode, "-" if e["ettr"] is None else f"{e['ettr']:.1%}",
-                      f"{e['productive_s']:.0f} / {e['wall_s']:.0f}",
-                      "-" if tr.get("ettr") is None else f"{tr['ettr']:.1%}",
-                      str(len([f for f in r["faults"] if f.get("fired")]))])
-    lines += ["ETTR (target >= 90% with a fault every 180 s, and above the peer's):", "",
-              *md_table(["mode", "ETTR (step log)", "productive / wall s",
-                         "ETTR (bootseer.robust.ettr on traces)", "faults fired"], erows), ""]
+        e = r["ettr"]
+        erows.append([mode, "-" if e.get("ettr") is None else f"{e['ettr']:.1%}",
+                      f"{e.get('productive_s', 0.0):.0f} / {e.get('wall_s', 0.0):.0f}",
+                      e["input"], str(len([f for f in r["faults"] if f.get("fired")]))])
+        if e.get("report_command"):
+            keep = Path(results) / f"robust-{mode}" / "trace"
+            commands.append(e["report_command"].rsplit(" ", 1)[0] + f" {keep}")
+    lines += ["ETTR (bootseer.robust.ettr, from the job's first step to the end of the run; "
+              "target >= 90% with a fault every 180 s, and above the peer's):", "",
+              *md_table(["mode", "ETTR", "productive / wall s", "from", "faults fired"], erows),
+              "", *(f"- the same figure: `{c}`" for c in commands), ""]
     lines += ["Schedule (offsets from the first step; actual offsets in robust.json):", "",
               "```", *report["schedule_text"], "```", ""]
     (results / "robust.md").write_text("\n".join(lines) + "\n")
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                         shutil.copytree(out / sub, keep / sub, dirs_exist_ok=True)
             report["machine"]["load_after"] = os.getloadavg()
             write(Path(args.results), report, args.hang_timeout)
-    print("\n".join(json.dumps(report.get(m, {}).get("ettr_steps")) for m in modes))
+    print("\n".join(json.dumps(report.get(m, {}).get("ettr")) for m in modes))
     return 0
 
 

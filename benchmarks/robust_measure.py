@@ -19,9 +19,12 @@ Per fault (its window runs to the next fault's injection or the end of the run):
 * ``restart_s``: from detection to the job's first step by a new process of rank 0;
 * ``recomputed``: the steps done before the failure that the restarted job did again.
 
-ETTR from the step log (rank 0): a step is productive when it advances the highest step ever
-finished, and its time is the gap since that process's previous step; wall time runs from the
-first step to the end of the run. Slow steps count as productive (slowly).
+ETTR: the project's one accounting (``bootseer.robust.ettr``, docs/robust.md "ETTR"), never
+derived here. bootseer's run: the agents' traces, as ``bootseer report --end END TRACE_DIR``
+prints it (the command is kept with the figure); the peer (torchrun alone, no trace): the
+same accounting on its step log (rank 0's steps, ``ettr_from_steps``). bootseer's step log
+through the same function is kept beside, as a check of the traces' estimates (recomputation,
+the partial step at a failure), not as a second ETTR.
 """
 
 from __future__ import annotations
@@ -190,22 +193,17 @@ def targets(kind: str, row: dict[str, Any], hang_timeout_s: float) -> dict[str, 
     return got
 
 
-def ettr_from_steps(log0: list[dict[str, Any]], end: float) -> dict[str, Any]:
-    """Productive time over wall time from rank 0's step log (module docstring)."""
+def ettr_of_steps(log0: list[dict[str, Any]], end: float) -> dict[str, Any]:
+    """``bootseer.robust.ettr.ettr_from_steps`` on rank 0's step log."""
+    from bootseer.robust.ettr import ettr_from_steps
+
     if not log0:
-        return {"ettr": None, "productive_s": 0.0, "wall_s": 0.0}
-    best, productive = -1, 0.0
-    prev: dict[int, float] = {}
-    for s in log0:
-        if s["time"] > end:
-            break
-        if s["step"] > best and s["pid"] in prev:
-            productive += s["time"] - prev[s["pid"]]
-        best = max(best, s["step"])
-        prev[s["pid"]] = s["time"]
-    wall = end - log0[0]["time"]
-    return {"ettr": productive / wall if wall > 0 else None, "productive_s": productive,
-            "wall_s": wall, "steps": best + 1}
+        return {"ettr": None, "productive_s": 0.0, "wall_s": 0.0, "input": "step log"}
+    report = ettr_from_steps(((s["time"], s["step"], s["pid"]) for s in log0), end=end)
+    return {"ettr": report.ettr if report.wall_s > 0 else None,
+            "productive_s": report.productive_s, "wall_s": report.wall_s,
+            "steps": max(s["step"] for s in log0 if s["time"] <= end) + 1,
+            "input": "step log"}
 
 
 def measure(out: Path, mode: str, faults: list[Fault], end: float,
@@ -220,23 +218,36 @@ def measure(out: Path, mode: str, faults: list[Fault], end: float,
         until = fired[i + 1].injected["time"] if i + 1 < len(fired) else end
         rows.append(measure_fault(out, mode, fault, until, hang_timeout_s, lines, events,
                                   verdicts, log0, pids))
-    result: dict[str, Any] = {"faults": rows, "classes": summarize(rows),
-                              "ettr_steps": ettr_from_steps(log0, end)}
+    result: dict[str, Any] = {"faults": rows, "classes": summarize(rows)}
     if mode == "bootseer":
-        result["ettr_trace"] = ettr_from_traces(out, log0[0]["time"] if log0 else None, end)
+        result["ettr"] = ettr_of_traces(out / "trace", end)
+        result["ettr_step_log_check"] = ettr_of_steps(log0, end)
+    else:
+        result["ettr"] = ettr_of_steps(log0, end)
     return result
 
 
-def ettr_from_traces(out: Path, start: float | None, end: float) -> dict[str, Any]:
-    """``bootseer.robust.ettr`` on the agents' traces (what ``bootseer report`` shows)."""
-    from bootseer.robust.ettr import read_ettr
+def ettr_of_traces(trace: Path, end: float) -> dict[str, Any]:
+    """``bootseer.robust.ettr`` on the agents' traces: what ``bootseer report --end END
+    TRACE`` prints (``report_command``, with the directory the results keep)."""
+    from bootseer.report_robust import robust_section
+    from bootseer.robust.events import read_records
+    from bootseer.trace import read_traces
 
+    command = f"bootseer report --end {end:.3f} {trace}"
     try:
-        report = read_ettr([out / "trace"], start=start, end=end)
+        spans, _ = read_traces([trace])
+        records, _ = read_records([trace])
+        ettr = robust_section(spans, records, end=end).get("ettr")
     except Exception as exc:  # noqa: BLE001 - reported, not fatal to the run's figures
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"ettr": report.ettr, "productive_s": report.productive_s, "wall_s": report.wall_s,
-            "incidents": len(report.incidents)}
+        return {"ettr": None, "error": f"{type(exc).__name__}: {exc}", "input": "traces",
+                "report_command": command}
+    if not ettr:
+        return {"ettr": None, "error": "no bootseer run in the traces", "input": "traces",
+                "report_command": command}
+    return {"ettr": ettr["ettr"], "productive_s": ettr["productive_s"],
+            "wall_s": ettr["wall_s"], "incidents": len(ettr["incidents"]), "input": "traces",
+            "report_command": command}
 
 
 def _pct(values: list[float], q: float) -> float | None:

@@ -494,8 +494,9 @@ def wall_segments(spans: Iterable[Span]) -> dict[str, float]:
     return dict(sorted(seg.items(), key=lambda kv: phase_key(kv[0])))
 
 
-def load_report(paths: Sequence[str | os.PathLike]) -> Report:
-    """Reads the trace files or directories and builds the report.
+def load_report(paths: Sequence[str | os.PathLike], *, end: float | None = None) -> Report:
+    """Reads the trace files or directories and builds the report (``end``: the job's end
+    for ETTR; default: the last time the traces hold).
 
     Raises FileNotFoundError for a missing path and :class:`ReportError` when no usable span
     was found (an empty directory, or only unreadable lines); both name the paths."""
@@ -522,7 +523,7 @@ def load_report(paths: Sequence[str | os.PathLike]) -> Report:
 
     records, record_warnings = read_records(list(paths))
     report.warnings += record_warnings
-    report.robust = robust_section(spans, records)
+    report.robust = robust_section(spans, records, end=end)
     from .colltrace.report import colltrace_section
 
     report.colltrace = colltrace_section(list(paths))

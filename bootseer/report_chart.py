@@ -183,7 +183,7 @@ def render_chart(report: Report, path: str | os.PathLike, *,
 #: colours of the ETTR chart's categories (report_robust.CATEGORIES)
 ETTR_COLORS = {"productive": "tab:green", "detection": "tab:red", "localization": "tab:orange",
                "teardown": "tab:purple", "startup": "tab:blue", "recomputation": "tab:brown",
-               "other": "lightgrey", "initial_startup": "tab:cyan"}
+               "other": "lightgrey"}
 
 
 def render_ettr(data: dict[str, Any], path: str | os.PathLike) -> Path:
@@ -213,7 +213,7 @@ def render_ettr(data: dict[str, Any], path: str | os.PathLike) -> Path:
         top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.3), fontsize=7)
         ys = list(range(len(incidents)))
         left = [0.0] * len(incidents)
-        for cat in (c for c in ETTR_COLORS if c not in ("productive", "initial_startup")):
+        for cat in (c for c in ETTR_COLORS if c != "productive"):
             widths = [i["seconds"].get(cat, 0.0) for i in incidents]
             mid.barh(ys, widths, left=left, color=ETTR_COLORS[cat], height=0.6,
                      gid=f"incident:{cat}")

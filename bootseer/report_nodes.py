@@ -12,7 +12,10 @@ up per incident and says which node, and which of its phases, decided that time.
   name starting over), and runs in start order join the job's current attempt unless their
   node is in it already, the job reached its first step before they started, or one of its
   nodes failed before they started; else they open the next job attempt. A job whose nodes
-  all restart together gets the per-node numbers back.
+  all restart together gets the per-node numbers back. A launcher's own restart of its ranks
+  inside an attempt (torchrun's: the agent's ``relaunch`` span, ``generation`` on the new
+  ranks' spans) is a start of its own, split off as ETTR splits it
+  (:func:`bootseer.robust.ettr.job_launches`): the report's incidents are ETTR's launches.
 * **Incident** ``k``: every node's spans of job attempt ``k``. It starts at the failure: the
   earliest ``failure`` event of job attempt ``k - 1`` (a point span, :data:`FAILURE_PHASE`),
   else the earliest ``restart`` span of job attempt ``k``, else (the cold start) the earliest
@@ -294,10 +297,27 @@ def job_attempts(spans: Sequence[Span]) -> tuple[list[int], list[dict[str, list[
     return of, members
 
 
+def _launches(spans: list[Span]) -> tuple[list[Span], list[int]]:
+    """The spans with a launcher's restarts of its ranks split off (ETTR's launches: each
+    relaunch a ``restart`` span, the attempt ``(attempt, launch)``), and each span's own
+    attempt number; the spans as they are when no launcher restarted its ranks."""
+    own = [s.attempt for s in spans]
+    if not any(s.phase == "relaunch" for s in spans):
+        return spans, own
+    from .robust.ettr import job_launches
+
+    return job_launches(spans), own
+
+
 def node_views(spans: Sequence[Span], skip_stragglers: Iterable[str] = ()) -> NodeViews:
     """Every node-level view of these (clean) spans; warmup spans count for bytes only."""
-    job = [s for s in spans if not s.detail.get("warmup")]
+    job, own = _launches([s for s in spans if not s.detail.get("warmup")])
     of, members = job_attempts(job)
+    if job and isinstance(job[0].attempt, tuple):  # the nodes' own numbers, as without
+        runs = [dict[str, set[int]]() for _ in members]
+        for s, a, mine in zip(job, of, own, strict=True):
+            runs[a].setdefault(s.node, set()).add(mine)
+        members = [{n: sorted(v) for n, v in m.items()} for m in runs]
     job = [s if s.attempt == a else replace(s, attempt=a) for s, a in zip(job, of, strict=True)]
     failures = [s for s in job if s.phase == FAILURE_PHASE]
     by_attempt: dict[int, list[Span]] = defaultdict(list)

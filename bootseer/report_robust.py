@@ -3,17 +3,19 @@ unproductive time split by cause, and the agent's events and verdicts.
 
 Why a separate module: :mod:`bootseer.report` is about startup phases; this reads the same
 traces through :mod:`bootseer.robust.ettr` and only hands tables (title -> header, rows) and
-a JSON-ready dict to it, so the report's own tables and JSON keep their shape.
+a JSON-ready dict to it, so the report's own tables and JSON keep their shape. The ETTR is the project's one accounting
+(:mod:`bootseer.robust.ettr`: from the job's first step to its end); the soak benchmark
+prints the same.
 
 The chart (``ettr.png``, :func:`bootseer.report_chart.render_ettr`) is drawn from
 ``section["chart"]`` (:func:`ettr_chart_data`), which ``report.json`` keeps: the job's wall
-time cut into segments (productive, each incident's parts, recomputation, the initial start-up)
-that add up to the wall time, each incident's split, and the ETTR series (cumulative and over
+time from its first step cut into segments (productive, each incident's parts,
+recomputation) that add up to the wall time, each incident's split, and the ETTR series (cumulative and over
 the sliding hour).
 
 Usage::
 
-    section = robust_section(spans, records)     # {} when the trace holds no run
+    section = robust_section(spans, records, end=None)  # {} when the trace holds no run
     for title, (header, rows) in robust_tables(section).items(): ...
     section["chart"]["segments"][0]              # {"start", "end", "category", "part", ...}
 """
@@ -37,18 +39,20 @@ SERIES_POINTS = 300  # points of the ETTR series in the chart
 _PARTS = ("detection", "localization", "teardown")
 #: the chart's categories of wall time, in drawing order
 CATEGORIES = ("productive", "detection", "localization", "teardown", "startup",
-              "recomputation", "other", "initial_startup")
+              "recomputation", "other")
 
 
-def robust_section(spans: Sequence[Span], records: Sequence[Event | Verdict]) -> dict[str, Any]:
+def robust_section(spans: Sequence[Span], records: Sequence[Event | Verdict], *,
+                   end: float | None = None) -> dict[str, Any]:
     """ETTR (cumulative and over the last hour) with its incidents, and the records, as JSON;
-    ``{}`` when the spans hold no ``bootseer run`` job (warmup alone, say)."""
+    ``{}`` when the spans hold no ``bootseer run`` job (warmup alone, say). ``end``: the
+    job's end (default: the last time the traces hold)."""
     run = [s for s in spans if not (s.detail or {}).get("warmup")]
     if not any(s.phase == "first_step" for s in run) and not records:
         return {}
     doc: dict[str, Any] = {"records": [json.loads(r.to_json()) for r in records]}
     try:
-        ettr = compute_ettr(run, records)
+        ettr = compute_ettr(run, records, end=end)
     except ValueError:  # records without spans: nothing to measure
         return doc
     doc["ettr"] = {**ettr.to_dict(), "last_hour": ettr.sliding(3600.0, 60.0)[-1][1]}
@@ -62,8 +66,8 @@ def _category(part: str) -> str:
 
 def ettr_chart_data(ettr: EttrReport, points: int = SERIES_POINTS) -> dict[str, Any]:
     """What the ETTR chart shows, as JSON: ``segments`` covering the job's wall time once
-    (productive time, each incident's parts in order, the recomputation after it, the
-    start-up before the first step as ``initial_startup``), ``incidents`` (each one's seconds
+    (productive time, each incident's parts in order, the recomputation after it, ``other``
+    for what no span covers), ``incidents`` (each one's seconds
     by category), ``series`` (time since the start, cumulative ETTR, ETTR of the sliding hour)
     and ``totals`` (seconds by category; they add up to ``wall_s``)."""
     segments: list[dict[str, Any]] = [
@@ -71,7 +75,7 @@ def ettr_chart_data(ettr: EttrReport, points: int = SERIES_POINTS) -> dict[str, 
          "incident": None} for a, b in ettr.productive]
     incidents = []
     for n, inc in enumerate(ettr.incidents):
-        t, by_category = inc.start, dict.fromkeys(CATEGORIES[1:-1], 0.0)
+        t, by_category = inc.start, dict.fromkeys(CATEGORIES[1:], 0.0)
         for part, seconds in inc.split().items():
             end = min(t + seconds, inc.end)
             if end > t:
@@ -91,12 +95,10 @@ def ettr_chart_data(ettr: EttrReport, points: int = SERIES_POINTS) -> dict[str, 
                           "seconds": by_category, "total_s": sum(by_category.values())})
     segments.sort(key=lambda g: g["start"])
     filled, t = [], ettr.start
-    for seg in segments:  # what no span covers: before the first step, or gaps
+    for seg in segments:  # what no span covers: gaps
         if seg["start"] > t:
-            first = not any(g["category"] == "productive" for g in filled)
-            filled.append({"start": t, "end": seg["start"],
-                           "category": "initial_startup" if first else "other",
-                           "part": "initial_startup" if first else "other", "incident": None})
+            filled.append({"start": t, "end": seg["start"], "category": "other",
+                           "part": "other", "incident": None})
         filled.append(seg)
         t = max(t, seg["end"])
     if ettr.end > t:

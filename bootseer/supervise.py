@@ -910,20 +910,27 @@ class Supervisor:
         """Under an order: a crash seen at a rank's death with no class of its own (gone
         without a record) waits up to ``crash_grace_s`` for the launcher's summary, so the
         controller gets the refined class with the dumps; a communication error (another
-        node's failure, most likely) is refined only if the launcher already ended."""
+        node's failure, most likely) is refined only if the launcher already ended; a rank
+        killed by a signal is refined from the lines so far (a rank that aborted said why
+        before it died: gloo's "collective mismatch"), with its own exit code while the
+        launcher runs."""
         from .robust.classify import SECONDARY
 
         early = self._early
-        if early is None or not (early.evidence.get("provisional")
-                                 or early.failure_class in SECONDARY):
+        if early is None:
             return
-        wait = self.crash_grace_s if early.evidence.get("provisional") else 0.0
-        if not self._wait_child(wait):
+        provisional = bool(early.evidence.get("provisional"))
+        signalled = early.failure_class == "killed_by_signal" and not provisional
+        if not (provisional or signalled or early.failure_class in SECONDARY):
             return
-        if self.tail is not None:
+        ended = self._wait_child(self.crash_grace_s if provisional else 0.0)
+        if not ended and not signalled:
+            return
+        if self.tail is not None and ended:
             self.tail.drain(2.0)
-        self._take_refined(self.agent.refine(early, exit_code(self._status),
-                                             self.tail.lines() if self.tail else []))
+        code = exit_code(self._status) if ended else early.evidence.get("exit_code")
+        self._take_refined(self.agent.refine(early, code, self.tail.lines() if self.tail
+                                             else []))
 
     def _take_refined(self, better: Any) -> None:
         """The early crash event refined by the launcher's account (same detection time):

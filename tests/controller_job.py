@@ -14,7 +14,9 @@ Faults, injected in the first attempt only (``BOOTSEER_ATTEMPT`` 0):
   before its all_reduce (in :func:`slow_step`) while the others wait inside theirs (a
   fail-slow rank), from T seconds after its first step on (a slowdown, against the job's
   own step time until then);
-* ``--nan-rank R --nan-at S``: rank R reports a NaN loss at step S.
+* ``--nan-rank R --nan-at S``: rank R reports a NaN loss at step S;
+* ``--mismatch-rank R --mismatch-at S``: rank R all_reduces 16 elements at step S where the
+  others reduce 8 (a code fault: gloo aborts a rank on it).
 
 Writes ``--out``/``running-R`` after its third step and ``done-R-A.json`` at the end.
 """
@@ -59,6 +61,8 @@ def main() -> None:
     parser.add_argument("--slow-after-s", type=float, default=0.0)
     parser.add_argument("--nan-rank", type=int, default=-1)
     parser.add_argument("--nan-at", type=int, default=-1)
+    parser.add_argument("--mismatch-rank", type=int, default=-1)
+    parser.add_argument("--mismatch-at", type=int, default=-1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -78,8 +82,10 @@ def main() -> None:
             hang_before_all_reduce()
         if first and rank == args.slow_rank and time.monotonic() - started >= args.slow_after_s:
             slow_step(args.slow_s)
+        if first and rank == args.mismatch_rank and step == args.mismatch_at:
+            grad = torch.ones(16)  # the others reduce 8
         dist.all_reduce(grad)
-        weights -= 0.01 * grad
+        weights -= 0.01 * grad[:8]
         if step == 0:
             bootseer.ready()
         nan = first and rank == args.nan_rank and step == args.nan_at

@@ -323,8 +323,10 @@ def supervise_learned(trace_dir: str, steps: str, step_s: str) -> None:
 def rank_fault(fault: str, out: str) -> None:
     """A rank under torchrun (gloo): an all_reduce, a heartbeat, then rank 1 fails with
     ``fault`` (``sigkill``: kills itself; ``exception``: raises ValueError; ``linger``:
-    raises ValueError while a leftover non-daemon thread keeps its process alive) while the
-    others wait inside their next all_reduce. Each rank writes ``out/pid-<rank>``."""
+    raises ValueError while a leftover non-daemon thread keeps its process alive;
+    ``mismatch``: all_reduces 8 elements where the others reduce 4, and gloo aborts a rank)
+    while the others wait inside their next all_reduce. Each rank writes
+    ``out/pid-<rank>``."""
     import threading
 
     import torch
@@ -345,6 +347,9 @@ def rank_fault(fault: str, out: str) -> None:
             os.kill(os.getpid(), 9)
         if fault == "linger":
             threading.Thread(target=time.sleep, args=(GUARD,), name="leftover").start()
+        if fault == "mismatch":
+            dist.all_reduce(torch.ones(8))
+            time.sleep(GUARD)
         raise ValueError(f"injected on rank {rank}")
     dist.all_reduce(t)
     time.sleep(GUARD)

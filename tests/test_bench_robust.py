@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from robust_faults import CLASSES, NODE_SIDE, Fault, schedule  # noqa: E402
-from robust_measure import ettr_from_steps, measure  # noqa: E402
+from robust_measure import ettr_of_steps, measure  # noqa: E402
 
 
 def test_the_schedule_is_seeded_and_meets_every_class_before_a_repeat() -> None:
@@ -54,10 +54,41 @@ def test_ettr_from_the_step_log_counts_only_new_steps(tmp_path: Path) -> None:
     # process has no gap, so it is not counted)
     log0 = _steps(tmp_path, [(s, 10.0 + s, 1) for s in range(6)] +
                   [(4 + i, 30.0 + i, 2) for i in range(4)])
-    got = ettr_from_steps(log0, end=35.0)
+    got = ettr_of_steps(log0, end=35.0)  # bootseer.robust.ettr.ettr_from_steps
     assert got["productive_s"] == pytest.approx(5.0 + 2.0)
     assert got["wall_s"] == pytest.approx(25.0)
     assert got["ettr"] == pytest.approx(7.0 / 25.0) and got["steps"] == 8
+
+
+def test_the_benchmarks_ettr_is_bootseer_reports(tmp_path: Path) -> None:
+    """One accounting: the soak's figure for bootseer's run is what ``bootseer report --end
+    END TRACE`` prints for its traces, and its result names that command. Before, the
+    benchmark read the traces from rank 0's first step while the report counted from the
+    first command's start (and had no --end): 90.4% against 88.4% for one soak run."""
+    import subprocess
+
+    from test_robust_ettr import CRASH, SPANS
+
+    from bootseer.robust.events import write_record
+
+    (tmp_path / "trace").mkdir()
+    trace = tmp_path / "trace" / "node-1.jsonl"
+    trace.write_text("".join(s.to_json() + "\n" for s in SPANS))
+    write_record(trace, CRASH)
+    _steps(tmp_path, [(s, 100.0 + s, 1) for s in range(900)])
+    got = measure(tmp_path, "bootseer", [], end=3700.0, hang_timeout_s=10)["ettr"]
+    assert got["ettr"] == pytest.approx(3370 / 3600) and got["input"] == "traces"
+    assert got["report_command"] == f"bootseer report --end 3700.000 {tmp_path / 'trace'}"
+    out = tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "bootseer", "report", "--end", "3700",
+                           str(tmp_path / "trace"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    printed = json.loads((out / "report.json").read_text())["robust"]["ettr"]
+    assert printed["ettr"] == pytest.approx(got["ettr"])
+    assert "93.6%" in done.stdout  # the ETTR table: 3370 of 3600 s
+    peer = measure(tmp_path, "peer", [], end=1100.0, hang_timeout_s=10)["ettr"]
+    assert (peer["input"], peer["wall_s"], peer["productive_s"]) == ("step log", 1000.0, 899.0)
 
 
 def test_the_peer_is_detected_when_torchrun_notices_and_named_by_the_failed_pid(tmp_path):

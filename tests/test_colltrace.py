@@ -8,6 +8,7 @@ each waits generously for the verdict and asserts what it says and whom it names
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -134,6 +135,84 @@ def test_rank_inside_another_groups_op_is_not_called_never_issued() -> None:
     found = an.analyze(_snaps(plan, members), now=110.5)
     assert [(f.kind, f.ranks, f.group) for f in found] == [("never_issued", (2,), "grp-a")]
     assert "(2:" not in found[0].line  # rank 2 is inside nothing
+
+
+
+def _stopped_in_subgroup(subgroup_op_s: float) -> dict[int, dict[str, list]]:
+    """Rank 1 stopped inside grp-s #21 (ranks 1 and 2; ops of ``subgroup_op_s``) at t=100;
+    rank 2's side completed (its data had all arrived) and it went on to world #21, where
+    rank 0 waits since t=100 too. Rank 1 issued nothing after."""
+    sub = [(50.0 + i, 50.0 + i + subgroup_op_s) for i in range(20)]
+    world = [(50.5 + i, 50.51 + i) for i in range(20)]
+    return {0: {"world": [*world, (100.0, None)]},
+            1: {"grp-s": [*sub, (100.0, None)], "world": world},
+            2: {"grp-s": [*sub, (100.0, 100.01)], "world": [*world, (100.02, None)]}}
+
+
+@pytest.mark.parametrize("subgroup_op_s", [0.01, 1.0])
+def test_a_rank_stopped_in_a_subgroup_op_its_peer_completed_is_named_there(
+        subgroup_op_s: float) -> None:
+    """The subgroup trials' missing and indirect verdicts, deterministic. Before: with the
+    subgroup's T (2 s) passed, grp-s counted as stuck and world deferred to it, but grp-s
+    held no culprit (nobody missing, not issued-everywhere-completed-nowhere): no verdict
+    ever (0.01 s ops); with slower subgroup ops (T 10 s) world named rank 1 by its next op
+    at 2 x world's T ("never issued all_reduce #21 in group world"). Now rank 1 is named in
+    grp-s #21 once held past the shorter T, whatever the peer finished."""
+    members = {"world": [0, 1, 2], "grp-s": [1, 2]}
+    plan = _stopped_in_subgroup(subgroup_op_s)
+    states = {0: ("S", 5), 1: ("T", 9), 2: ("S", 7)}
+    an = Analyzer(alive=lambda snap: True, state=lambda snap: states[snap.rank])
+    assert an.analyze(_snaps(plan, members), now=101.5) == []
+    found = an.analyze(_snaps(plan, members), now=102.5)
+    assert [(f.kind, f.ranks, f.group, f.op, f.seq) for f in found] == [
+        ("stalled", (1,), "grp-s", "all_reduce", 21)], [f.line for f in found]
+    line = found[0].line
+    assert line.startswith("rank 1 (node-u) still inside all_reduce #21 of group grp-s 2.5 s "
+                           "after rank 2 completed it, and issued nothing since"), line
+    assert "(1: stopped, state T)" in line and "2 ranks wait on it in all_reduce #21 of " \
+        "group world" in line
+    assert found[0].evidence["completed"] == [2]
+    assert found[0].evidence["blocks"] == {"group": "world", "seq": 21, "waiting": [0, 2]}
+    assert an.grid["grp-s"][1] == "root"
+    # said once; and never as 'never issued' of world's op, however long it lasts
+    assert an.analyze(_snaps(plan, members), now=130.0) == []
+    assert [f.kind for f in an.findings] == ["stalled"]
+
+
+def test_a_rank_whose_subgroup_peer_completed_but_went_on_is_not_stalled() -> None:
+    """The same rings, but rank 1 issued a later op (it is not inside grp-s #21 for good, its
+    completion is merely unrecorded, as an unwaited asynchronous op's): not named stalled."""
+    members = {"world": [0, 1, 2], "grp-s": [1, 2]}
+    plan = _stopped_in_subgroup(0.01)
+    plan[1]["world"] = [*plan[1]["world"], (100.5, None)]  # issued world #21 after it
+    an = Analyzer(alive=lambda snap: True)
+    found = an.analyze(_snaps(plan, members), now=102.5)
+    assert all(f.kind != "stalled" for f in found), [f.line for f in found]
+
+
+
+def test_a_dead_ranks_ring_beside_a_relaunched_ranks_is_no_mismatch() -> None:
+    """After a launcher restarted its ranks, node1's rank 1 has not started again: its
+    newest ring is the dead process's (30 all_reduces of 4 floats), beside the new rank 0's
+    (its first ops: broadcasts of 8). Their sequence numbers belong to two runs; calling
+    that a mismatch would stop a healthy job (a mismatch now stops it). Rings born in one
+    run that differ are one."""
+    old = [Op(1, i, "0", "all_reduce", i + 1, 4, 16, "float32", 11.0 + i, 11.01 + i, False,
+              False, -1) for i in range(30)]
+    new = [Op(0, i, "0", "broadcast", i + 1, 8, 32, "float32", 61.0 + i, 61.01 + i, False,
+              False, -1) for i in range(3)]
+
+    def ring(rank: int, created: float, ops: list[Op]) -> RingSnapshot:
+        return RingSnapshot(f"rank{rank}.ring", rank, 2, 10 + rank, f"node{rank}", created,
+                            len(ops), {"0": {"name": "0", "desc": "default_pg",
+                                             "ranks": [0, 1]}}, ops)
+
+    assert Analyzer(alive=lambda s: True).analyze([ring(0, 60.0, new), ring(1, 10.0, old)],
+                                                  now=65.0) == []
+    found = Analyzer(alive=lambda s: True).analyze(
+        [ring(0, 10.0, [dataclasses.replace(o, t_issue=o.t_issue - 50, t_done=o.t_done - 50)
+                        for o in new]), ring(1, 10.0, old)], now=65.0)
+    assert [(f.kind, f.seq) for f in found] == [("mismatch", 1)], [f.line for f in found]
 
 
 

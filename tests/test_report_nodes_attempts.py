@@ -97,3 +97,33 @@ def test_nodes_that_restart_together_keep_their_own_numbers(traces: Path) -> Non
         (1, {"a": [1], "b": [1], "c": [1]}, "failure"),
         (2, {"a": [2], "b": [2], "c": [2]}, "restart")]
     assert rep.incidents[1].start_at == T0 + 50
+
+
+def test_a_launchers_restart_of_its_ranks_is_an_incident_of_its_own(tmp_path: Path) -> None:
+    """torchrun restarted its workers inside attempt 0 (a rank killed at T0 + 50): the
+    agents wrote ``relaunch`` spans and the new ranks' first steps (``generation`` 1). The
+    report's incidents are ETTR's launches: the cold start ready at T0 + 10, the relaunch
+    from the death to T0 + 60. Before, both launches were one run of attempt 0: one
+    incident whose first step was the relaunch's (T0 + 60), the cold start's 10 s lost."""
+    from bootseer.robust.ettr import compute_ettr
+    from bootseer.trace import read_traces
+
+    for i, node in enumerate(("node0", "node1")):
+        w = TraceWriter(tmp_path / node, node=node)
+        pid = {"pid": 100 + i}
+        w.record("command_start", T0, T0 + 1.0, attempt=0, **pid)
+        TraceWriter(w.dir, node=node, rank=i).record("first_step", T0, T0 + 10.0, attempt=0,
+                                                     **pid)
+        w.record("relaunch", T0 + 50.0, T0 + 54.0 + i, attempt=0, reason="crash",
+                 exited_at=T0 + 50.0, generation=1, failed_rank=1, **pid)
+        TraceWriter(w.dir, node=node, rank=i).record("first_step", T0 + 54.0 + i, T0 + 60.0,
+                                                     attempt=0, generation=1, **pid)
+    cold, again = load_report([tmp_path]).incidents
+    assert (cold.kind, cold.first_step_at, cold.wall_s) == ("start", T0 + 10.0, 10.0)
+    assert (again.kind, again.start_at, again.start_from, again.first_step_at) == (
+        "restart", T0 + 50.0, "restart", T0 + 60.0)
+    assert again.node_attempts == {"node0": [0], "node1": [0]}  # the nodes' own attempt
+    assert sum(again.cost.values()) == pytest.approx(again.wall_s)
+    spans, _ = read_traces([tmp_path])
+    [incident] = compute_ettr(spans, end=T0 + 100.0).incidents  # the same launches
+    assert (incident.start, incident.end) == (again.start_at, again.first_step_at)

@@ -207,6 +207,25 @@ def test_under_torchrun_the_ranks_exception_wins_over_its_mates_gloo_error(tmp_p
     assert got.lines == ("ValueError: injected on rank 1",)
 
 
+def test_gloos_abort_on_a_mismatched_collective_is_a_code_fault(tmp_path):
+    """Rank 1 all_reduces 8 floats, rank 0 4: gloo aborts rank 0 (torchrun: exitcode -6)
+    with its enforce message ("... third_party/gloo/... Received data size doesn't match
+    expected size. Is there a distributed collective mismatch in your code?"), rank 1 fails
+    with the reset. Before, the gloo rule read it as gloo_error (a peer's death); it is
+    collective_mismatch, a code fault."""
+    from robust_helpers import scenario_argv, scenario_env
+
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "--monitor-interval", "1",
+                           *scenario_argv("rank-fault", "mismatch", tmp_path)[1:]],
+                          capture_output=True, text=True, timeout=120, env=scenario_env())
+    lines = (done.stdout + done.stderr).splitlines()
+    got = classify(done.returncode, lines)
+    assert (got.failure_class, got.rule, got.signal) == ("collective_mismatch",
+                                                         "collective_mismatch", "SIGABRT")
+    assert "third_party/gloo" in got.lines[0] and "collective mismatch" in got.lines[0]
+
+
 # torchrun's summary when it observed rank 0's gloo error first while rank 1 had been killed
 # (the order it gives when both are dead at its look: seen with rank-fault sigkill and
 # --monitor-interval 5). Assembled from one such run's lines, cut short.

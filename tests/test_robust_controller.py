@@ -178,6 +178,128 @@ def test_a_node_lost_with_its_agent_is_not_waited_for_past_the_ack_wait(store) -
     assert now[0] - 50.0 < 10.0  # well before the dump wait
 
 
+def _beat(store, node: str, when: float, ranks: list[int]) -> None:
+    store.set(wire.Keys("job").node(node, "beat"), wire.encode(
+        {"node": node, "time": when, "attempt": 0,
+         "ranks": {str(r): {"step": 40, "time": when, "pid": 100 + r} for r in ranks}}))
+
+
+def test_a_lost_node_is_the_verdicts_subject_not_the_survivor_that_saw_it_die(store,
+                                                                          tmp_path) -> None:
+    """The cluster soak's lost node, from the records its survivors left: n1 was killed
+    with its agent; the ranks of n0 and n2 failed with gloo's "Connection closed by peer"
+    (their agents' crash events), their agents answered the dump order, n1 neither
+    acknowledged it nor beat again. Before: class gloo_error ("a peer died: the cause is
+    elsewhere"), restart in place, naming rank 0 on n0, and n1 only in the silent and
+    missing lists. Now n1 is the subject: node_lost, its rank, replaced."""
+    now = [50.0]
+    links = {n: ControllerLink(store, n) for n in ("n0", "n1", "n2")}
+    for rank, (node, link) in enumerate(links.items()):
+        link.register()
+        _beat(store, node, 49.0, [rank])  # before the loss: each node's last summary
+    closed = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
+              "closed by peer [10.0.0.3]:40112")
+    for rank, node in ((0, "n0"), (2, "n2")):
+        links[node].publish(Event("crash", "gloo_error", node=node, rank=rank, time=50.0,
+                                  evidence={"rule": "gloo", "lines": [closed],
+                                            "detected_by": "rank_exception"}))
+    ctl = Controller(store, exclusion=tmp_path / "excluded.json", dump_wait_s=10,
+                     clock=lambda: now[0], log=lambda _: None)
+    assert ctl.step() is None
+    for node in ("n0", "n2"):
+        assert links[node].dump_order(force=True)["incident"] == 1
+        links[node].answer(1, [])
+        _beat(store, node, 50.5, [0 if node == "n0" else 2])
+    verdict = None
+    while verdict is None and now[0] < 60.0:
+        now[0] += 0.5
+        verdict = ctl.step()
+    assert verdict is not None
+    assert (verdict.action, verdict.failure_class, verdict.nodes, verdict.ranks) == (
+        "replace_and_restart", "node_lost", ("n1",), (1,))
+    ev = verdict.evidence
+    assert ev["lost"] == ["n1"] and ev["missing_dumps"] == ["n1"]
+    assert ev["primary"]["class"] == "node_lost" and ev["primary"]["node"] == "n1"
+    assert ev["primary"]["evidence"]["seen_as"]["class"] == "gloo_error"  # what n0 saw
+    assert ev["primary"]["evidence"]["ranks"] == {"n1": [1]}
+    assert list(json.loads((tmp_path / "excluded.json").read_text())["nodes"]) == ["n1"]
+    assert now[0] - 50.0 < 10.0  # not the whole dump wait (the ack wait)
+
+
+def test_a_node_that_acknowledged_but_is_slow_is_not_named_lost(store) -> None:
+    """Missing its dump at the dump wait, but it acknowledged the order: alive and slow, not
+    lost; the survivor's gloo error keeps its class."""
+    now = [50.0]
+    links = {n: ControllerLink(store, n) for n in ("n0", "n1")}
+    for link in links.values():
+        link.register()
+    links["n0"].publish(Event("crash", "gloo_error", node="n0", rank=0, time=50.0))
+    ctl = Controller(store, dump_wait_s=5, clock=lambda: now[0], log=lambda _: None)
+    assert ctl.step() is None
+    links["n0"].answer(1, [])
+    assert links["n1"].dump_order(force=True)["incident"] == 1  # its ack
+    verdict = None
+    while verdict is None and now[0] < 60.0:
+        now[0] += 0.5
+        verdict = ctl.step()
+    assert verdict is not None and verdict.evidence["missing_dumps"] == ["n1"]
+    assert (verdict.failure_class, verdict.evidence["lost"]) == ("gloo_error", [])
+
+
+def _mismatch_window(node: str, rank: int, numel: int) -> dict[str, Any]:
+    """A node's shipped window: its rank's 20 all_reduces of 4 floats, then #21 of
+    ``numel``, never completed (gloo aborted the process in it)."""
+    from bootseer.colltrace.ring import Op, RingSnapshot
+    from bootseer.colltrace.ship import window
+
+    ops = [Op(rank, i, "0", "all_reduce", i + 1, 4, 16, "float32", 50.0 + i, 50.01 + i,
+              False, False, -1) for i in range(20)]
+    ops.append(Op(rank, 20, "0", "all_reduce", 21, numel, 4 * numel, "float32", 100.0,
+                  None, False, False, -1))
+    snap = RingSnapshot(f"rank{rank}.ring", rank, 2, 2 ** 22 + rank, node, 40.0, 21,
+                        {"0": {"name": "0", "desc": "default_pg", "ranks": [0, 1]}}, ops)
+    return window([snap], node=node)
+
+
+def test_a_mismatched_collective_stops_the_job_as_a_code_fault(store) -> None:
+    """The cluster's size mismatch: gloo aborted rank 1 (SIGABRT, seen at its death:
+    killed_by_signal), rank 0 failed with gloo's reset; the windows the nodes shipped with
+    their answers show all_reduce #21 of 8 floats on rank 1 and 4 on rank 0. Before: the
+    stop-time checks were ordered (an unclear signal) and the job restarted in place, the
+    tracer's mismatch only in the evidence. Now: no checks, class collective_mismatch, the
+    job stops (a restart repeats it). Two ranks that differ: neither is the odd one out,
+    both are named."""
+    keys = wire.Keys("job")
+    now = [100.5]
+    links = {n: ControllerLink(store, n) for n in ("n0", "n1")}
+    for link in links.values():
+        link.register()
+    links["n1"].publish(Event("crash", "killed_by_signal", node="n1", rank=1, time=100.2,
+                              evidence={"rule": "signal", "signal": "SIGABRT",
+                                        "exit_code": -6, "detected_by": "rank_signal"}))
+    links["n0"].publish(Event("crash", "gloo_error", node="n0", rank=0, time=100.3))
+    ctl = Controller(store, clock=lambda: now[0], log=lambda _: None)
+    assert ctl.step() is None
+    for rank, (node, link) in enumerate(links.items()):
+        link.colltrace = lambda node=node, rank=rank: _mismatch_window(
+            node, rank, 8 if rank == 1 else 4)
+        link.answer(1, [])
+    verdict = None
+    while verdict is None and now[0] < 110.0:
+        now[0] += 0.5
+        verdict = ctl.step()
+    assert wire.get(store, keys.check_request(1)) is None  # no stop-time checks
+    assert verdict is not None
+    assert (verdict.action, verdict.failure_class, verdict.ranks, verdict.nodes) == (
+        "stop", "collective_mismatch", (0, 1), ())
+    primary = verdict.evidence["primary"]
+    assert (primary["node"], primary["rank"]) == ("n0", 0)
+    assert primary["evidence"]["signatures"] == {"0": "all_reduce float32 x4",
+                                                 "1": "all_reduce float32 x8"}
+    assert primary["evidence"]["seen_as"]["evidence"]["signal"] == "SIGABRT"
+    assert verdict.evidence["colltrace"]["findings"][0]["kind"] == "mismatch"
+
+
 _WAITING = ('Thread 7 (idle): "MainThread"\n'
             '    all_reduce (torch/distributed/distributed_c10d.py:3252)\n'
             '    _exception_logger.<locals>.wrapper (torch/distributed/c10d_logger.py:83)\n'
@@ -417,14 +539,15 @@ def _controller(c, out: Path, *extra: str) -> subprocess.Popen:
 
 def _agent(c, node, out: Path, script: list[str], *, nnodes: int, hang_timeout: float = 0,
            max_restarts: int = 1, env: dict[str, str] | None = None,
-           run_args: tuple[str, ...] = ()) -> subprocess.Popen:
+           run_args: tuple[str, ...] = (), name: str | None = None) -> subprocess.Popen:
+    name = name or node.name  # the agent's name (a replacement machine's is new)
     argv = [sys.executable, "-m", "bootseer", "run", *run_args, "--controller",
-            f"{c.services.controller}:{PORT}", "--node", node.name, "--hang-timeout",
+            f"{c.services.controller}:{PORT}", "--node", name, "--hang-timeout",
             str(hang_timeout),
-            "--state-dir", str(out / f"state-{node.name}"), "--trace-dir", str(out / "trace"),
+            "--state-dir", str(out / f"state-{name}"), "--trace-dir", str(out / "trace"),
             "--min-free-disk", "0", "--min-free-memory", "0", "--max-restarts", str(max_restarts),
             "--backoff", "0.5", "--", "sh", "-c", "exec " + _torchrun(node, out, script, nnodes)]
-    log = open(out / f"{node.name}.log", "w")  # noqa: SIM115
+    log = open(out / f"{name}.log", "w")  # noqa: SIM115
     with log:
         return node.popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -590,3 +713,97 @@ def test_a_crash_gets_its_class_and_the_job_restarts_everywhere(cluster_factory,
     ctl.send_signal(signal.SIGTERM)
     assert ctl.wait(timeout=30) == 0
     assert os.path.exists(out / "ctl" / "controller.jsonl")
+
+
+def test_a_mismatched_collective_on_the_cluster_stops_with_the_tracers_evidence(
+        cluster_factory, tmp_path: Path) -> None:
+    """Rank 1 all_reduces 16 floats at step 4 where rank 0 reduces 8: gloo aborts a rank
+    (SIGABRT) and the other fails with the reset. Before: classed killed_by_signal, the
+    stop-time checks run, restarted in place (the tracer's mismatch came in the evidence
+    only, and a restart repeats the fault). Now: a code fault, the job stops, no checks, no
+    restart, the mismatch's signatures in the verdict."""
+    c, out, ctl = _job(cluster_factory, 2, tmp_path)
+    script = ["--mismatch-rank", "1", "--mismatch-at", "4", "--steps", "8",
+              "--step-time", "0.1"]
+    procs = {n.name: _agent(c, n, out, script, nnodes=2, hang_timeout=8,
+                            run_args=("--colltrace", "--colltrace-dir",
+                                      str(out / f"rings-{n.name}")))
+             for n in c.nodes}
+    for name, proc in procs.items():  # stopped on the verdict, one restart left unused
+        assert proc.wait(timeout=180) != 0, (out / f"{name}.log").read_text()[-3000:]
+    verdicts = _records(out / "ctl" / "controller.jsonl", "verdict")
+    assert len(verdicts) == 1, verdicts
+    verdict = verdicts[0]
+    assert (verdict["action"], verdict["class"], verdict["nodes"]) == (
+        "stop", "collective_mismatch", []), verdict["reason"]
+    ev = verdict["evidence"]
+    assert "check" not in ev  # a code fault: no stop-time checks
+    primary = ev["primary"]
+    assert primary["evidence"]["signatures"] == {"0": "all_reduce float32 x8",
+                                                 "1": "all_reduce float32 x16"}
+    assert verdict["ranks"] == [0, 1]  # two ranks that differ: neither is the odd one
+    first = ev["colltrace"]["findings"][0]
+    assert (first["kind"], first["op"]) == ("mismatch", "all_reduce")
+    for node in ("node0", "node1"):
+        records = _records(out / "trace" / f"{node}.jsonl", "verdict")
+        assert [(v["action"], v["class"]) for v in records
+                if v["evidence"].get("from") == "controller"] == [
+            ("stop", "collective_mismatch")], node
+        lines = map(json.loads, (out / "trace" / f"{node}.jsonl").read_text().splitlines())
+        assert not [d for d in lines if d.get("phase") == "restart"], node  # no restart
+    assert not list(out.glob("done-*"))
+    ctl.send_signal(signal.SIGTERM)
+    assert ctl.wait(timeout=30) == 0
+
+
+def _beat_ranks(c, node: str) -> list[str]:
+    """The ranks of ``node``'s last heartbeat summary in the job's store."""
+    from torch.distributed import TCPStore
+
+    with c.services.entered():
+        store = TCPStore("127.0.0.1", PORT, is_master=False,
+                         timeout=datetime.timedelta(seconds=20))
+        raw = wire.get(store, wire.Keys("job").node(node, "beat"))
+    return sorted((json.loads(raw).get("ranks") or {}) if raw else [])
+
+
+def test_a_lost_node_on_the_cluster_is_named_and_replaced(cluster_factory,
+                                                         tmp_path: Path) -> None:
+    """node1 is lost (every process of it killed at once, its agent included): node0's rank
+    sees gloo's "Connection closed by peer". Before: the verdict was gloo_error on node0's
+    rank 0, restart in place, node1 only among the silent and missing dumps. Now node1 is
+    the subject, replaced: a fresh node (a new name: node1 is on the exclusion list) joins
+    node0's restart and the job ends."""
+    c, out, ctl = _job(cluster_factory, 2, tmp_path)
+    script = ["--steps", "40", "--step-time", "0.2"]
+    procs = {n.name: _agent(c, n, out, script, nnodes=2, hang_timeout=20)
+             for n in c.nodes}
+    _wait("two running ranks", lambda: all((out / f"running-{r}").exists() for r in (0, 1)),
+          procs, out)
+    # node1's heartbeat summary names its rank (published at most once a second: a node
+    # lost before it is named without its ranks, unless its tracer window names them)
+    _wait("node1's rank in its heartbeat summary", lambda: _beat_ranks(c, "node1") == ["1"],
+          procs, out)
+    lost_at = time.time()
+    c.kill_node(1)
+    assert procs.pop("node1").wait(timeout=10) == -signal.SIGKILL
+    verdicts = _wait("verdict", lambda: _records(out / "ctl" / "controller.jsonl", "verdict"),
+                     procs, out)
+    verdict = verdicts[0]
+    assert (verdict["action"], verdict["class"], verdict["nodes"], verdict["ranks"]) == (
+        "replace_and_restart", "node_lost", ["node1"], [1]), verdict["reason"]
+    ev = verdict["evidence"]
+    assert ev["lost"] == ["node1"] and ev["primary"]["node"] == "node1"
+    assert ev["primary"]["evidence"]["seen_as"]["node"] == "node0"  # who saw it die
+    assert verdict["time"] - lost_at < 15  # the ack wait, not the 15 s dump wait
+    assert json.loads((out / "excluded.json").read_text())["nodes"]["node1"]["class"] == \
+        "node_lost"
+    procs["node1b"] = _agent(c, c.replace_node(1), out, script, nnodes=2, hang_timeout=20,
+                             name="node1b")  # a new machine: node1 is excluded
+    for name, proc in procs.items():
+        assert proc.wait(timeout=240) == 0, (out / f"{name}.log").read_text()[-3000:]
+    # node0 in its second attempt, the new node in its first
+    assert [json.loads((out / f"done-{r}-{a}.json").read_text())["steps"]
+            for r, a in ((0, 1), (1, 0))] == [40, 40]
+    ctl.send_signal(signal.SIGTERM)
+    assert ctl.wait(timeout=30) == 0

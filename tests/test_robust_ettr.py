@@ -37,10 +37,11 @@ CRASH = Event("crash", "python_exception", node="node-1", rank=1, step=950, time
 
 def test_a_constructed_trace_gives_the_known_numbers():
     report = compute_ettr(SPANS, [CRASH], end=3700.0)
-    # productive: [100, 1000] + [1080 + 50 recomputed, 2000] + [2100, 3700]
+    # productive: [100, 1000] + [1080 + 50 recomputed, 2000] + [2100, 3700]; the window opens
+    # at the job's first step (100: both ranks past it), the cold start is the start-up's
     assert report.productive == ((100.0, 1000.0), (1130.0, 2000.0), (2100.0, 3700.0))
-    assert (report.wall_s, report.productive_s) == (3700.0, 3370.0)
-    assert report.ettr == pytest.approx(3370 / 3700)
+    assert (report.start, report.wall_s, report.productive_s) == (100.0, 3600.0, 3370.0)
+    assert report.ettr == pytest.approx(3370 / 3600)
     crash, hang = report.incidents
     assert (crash.attempt, crash.reason, crash.failure_class, crash.start, crash.end) == (
         0, "crash", "python_exception", 1000.0, 1080.0)
@@ -56,7 +57,7 @@ def test_a_constructed_trace_gives_the_known_numbers():
     assert hang.recomputation_s is None  # the trace does not say: unknown, not 0
     # the sliding hour: the last window is [100, 3700]; an early one holds the crash
     assert report.sliding(3600.0, 600.0)[-1] == (3700.0, pytest.approx(3370 / 3600))
-    assert report.window(0, 1200) == pytest.approx((900 + 70) / 1200)
+    assert report.window(0, 1200) == pytest.approx((900 + 70) / 1100)  # from the first step
 
 
 def test_an_attempt_that_fails_before_its_first_step():
@@ -111,8 +112,9 @@ def test_the_trace_of_a_real_bootseer_run(tmp_path):
     for incident in report.incidents:
         assert incident.end == readies[incident.attempt + 1]
         assert sum(incident.split().values()) == pytest.approx(incident.end - incident.start)
+    assert report.start == readies[0]  # the window opens at the job's first step
     assert report.productive_s + sum(i.end - i.start for i in report.incidents) == (
-        pytest.approx(report.wall_s - (readies[0] - report.start)))
+        pytest.approx(report.wall_s))
 
 
 def test_an_attempt_stopped_by_the_controller_takes_the_verdicts_class():
@@ -158,3 +160,39 @@ def test_a_replacement_nodes_attempts_are_aligned_to_the_job_by_epoch():
     plain = [dataclasses.replace(s, detail={k: v for k, v in s.detail.items() if k != "epoch"})
              for s in spans]
     assert compute_ettr(plain, end=200.0).productive != report.productive
+
+
+def test_the_window_opens_at_the_first_step_and_a_warmup_is_not_the_job():
+    """The cold start failing once (attempt 0 dies at 30 before any step, attempt 1 steps
+    from 50) and a warmup before it: neither is in the window, which runs from the job's
+    first step; given a start, the window opens there."""
+    spans = [span("environment", -100, -40, 0, warmup=True),
+             span("first_step", 0, 30, 0, rank=0, warmup=True),
+             span("command_start", 0, 1, 0),
+             span("restart", 31, 32, 1, reason="crash", exited_at=30.0),
+             span("first_step", 32, 50, 1, rank=0),
+             span("restart", 301, 302, 2, reason="crash", exited_at=300.0),
+             span("first_step", 302, 320, 2, rank=0)]
+    report = compute_ettr(spans, end=450.0)
+    assert (report.start, report.end, report.productive) == (50.0, 450.0, ((50.0, 300.0),
+                                                                          (320.0, 450.0)))
+    assert [(i.start, i.end) for i in report.incidents] == [(300.0, 320.0)]
+    assert report.ettr == pytest.approx(380 / 400)
+    assert compute_ettr(spans, end=450.0, start=0.0).wall_s == 450.0
+
+
+def test_a_step_log_gives_the_same_accounting_step_by_step():
+    """The same job as its rank 0's step log would tell it: steps 0..250 at 1 s from t=50
+    (pid 1), killed at 300; pid 2 resumes from the checkpoint of step 240: its first step
+    (241) at 320 ends its way back, 242..250 are redone (9 s), 251.. new until the end. The
+    window opens at the first step, as from the traces."""
+    from bootseer.robust.ettr import ettr_from_steps
+
+    log = [(50.0 + k, k, 1) for k in range(251)] + [(320.0 + j, 241 + j, 2)
+                                                   for j in range(131)]
+    report = ettr_from_steps(log, end=450.0)
+    assert (report.start, report.end) == (50.0, 450.0)
+    assert report.productive == ((50.0, 300.0), (329.0, 450.0))
+    assert report.ettr == pytest.approx((250 + 121) / 400)
+    with pytest.raises(ValueError, match="no step"):
+        ettr_from_steps([], end=1.0)

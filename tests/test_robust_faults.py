@@ -192,8 +192,8 @@ def test_a_full_disk_is_classified_and_its_node_named(soak) -> None:
 
 def test_a_lost_node_is_replaced_by_the_warm_spare_at_once(soak) -> None:
     """A job node lost under the controller (every process on it killed at once): the
-    survivor's rank dies of the gloo error, the controller's verdict is written without the
-    lost node's dumps, and the parked spare (the full disk's node's replacement) joins the
+    survivor's rank dies of the gloo error, the controller's verdict names the lost node
+    (node_lost, replaced) without its dumps, and the parked spare (the full disk's node's replacement) joins the
     new rendezvous at once; the job trains again on the survivor and the spare."""
     job, inj = soak
     _stepping_after(job, max([v["time"] for v in job.verdicts()], default=0.0))
@@ -201,8 +201,10 @@ def test_a_lost_node_is_replaced_by_the_warm_spare_at_once(soak) -> None:
     lost_at, lost = fault.injected["time"], fault.injected["agent"]
     verdict = _until("a verdict after the loss", lambda: [
         v for v in job.verdicts() if v["time"] >= lost_at], job)[0]
-    assert lost in (verdict["evidence"].get("missing_dumps") or []) + verdict["nodes"], \
-        verdict
+    # the lost node is the verdict's subject, not the survivor whose rank saw it die
+    assert (verdict["class"], verdict["action"], verdict["nodes"]) == (
+        "node_lost", "replace_and_restart", [lost]), verdict
+    assert verdict["evidence"]["lost"] == [lost]
     _stepping_after(job, verdict["time"])
     hosts = {json.loads((job.out / f"pid-{r}").read_text())["host"] for r in range(job.world)}
     assert fault.injected["host"] not in hosts or any(

@@ -68,6 +68,31 @@ def test_a_rank_killed_under_torchrun_is_seen_before_torchrun_ends(tmp_path: Pat
     assert agent.refine(event, 1, lines) is None  # the rank's own status was enough
 
 
+def test_a_mismatched_collective_stops_instead_of_a_restart_in_place(tmp_path: Path) -> None:
+    """Rank 1 all_reduces 8 floats where rank 0 reduces 4: gloo aborts rank 0 (SIGABRT, no
+    Python record), having said why ("Is there a distributed collective mismatch in your
+    code?"). Seen at the death: killed_by_signal; before, that was the class, and the agent
+    restarted the command in place (the code repeats the fault on every restart). Now the
+    lines refine it to collective_mismatch, and the verdict stops the job, restarts left
+    or not."""
+    trace = tmp_path / "trace"
+    proc = run_wrapper(trace, "--max-restarts", "2", "--backoff", "0.1", "--min-free-disk",
+                       "0", "--min-free-memory", "0", command=_torchrun("mismatch", tmp_path))
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    records, _ = read_records([trace])
+    events = [r for r in records if isinstance(r, Event)]
+    verdicts = [r for r in records if not isinstance(r, Event)]
+    assert events[0].failure_class == "killed_by_signal"  # at the death: SIGABRT
+    assert events[0].evidence["signal"] == "SIGABRT"
+    refined = [e for e in events if e.failure_class == "collective_mismatch"]
+    assert refined and refined[0].evidence["refines"] == "killed_by_signal"
+    assert refined[0].time == events[0].time  # detected at the death
+    assert any("collective mismatch" in line for line in refined[0].evidence["matched"])
+    assert [(v.action, v.failure_class) for v in verdicts] == [("stop",
+                                                                "collective_mismatch")]
+    assert "restart 1/2" not in proc.stderr  # one attempt: no blind restart
+
+
 def test_a_forked_ranks_exception_is_seen_at_its_death_with_its_type(tmp_path: Path) -> None:
     """torchrun ``--run-path --start-method fork`` (the ranks start from the launcher's
     imported torch, seconds sooner): the rank's exception ends it through multiprocessing,

@@ -42,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeline-png", dest="timeline_path", metavar="FILE",
                    help="the timeline's path (node x phase of the last incident; default "
                         "timeline.png next to report.png)")
+    p.add_argument("--end", type=float, metavar="EPOCH_S",
+                   help="the job's end for ETTR, in seconds since the epoch (default: the last "
+                        "time the traces hold; a job whose last attempt trained on to its "
+                        "end without an incident left no record there)")
     p.set_defaults(func=cmd_report)
 
 
@@ -56,7 +60,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from ..report import ReportError, load_report
 
     try:
-        report = load_report(args.trace_dirs)
+        report = load_report(args.trace_dirs, end=args.end)
     except (ReportError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None
     except OSError as exc:

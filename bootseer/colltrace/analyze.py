@@ -10,7 +10,9 @@ pass does two things:
 * root cause, per process group: the rank(s) with the least progress. A rank that never
   issued the op everyone else waits in (attach its stack where the robust dump has one); a
   rank whose process died in the op (it never completed, or its pid is gone); an op issued
-  everywhere and completed nowhere (transport or peer); a rank that starts more than
+  everywhere and completed nowhere (transport or peer); a rank still inside an op that a
+  peer completed, having issued nothing since (stalled: named in that group and op, also
+  when ranks of another group wait on it); a rank that starts more than
   ``straggler_s`` after all the others (straggler). Across groups: a rank missing from one
   group's op while it waits in another group's is followed to the group that blocks it; a
   cycle of such waits is a deadlock. The same sequence number with a different op, dtype or
@@ -44,8 +46,8 @@ SIZED_OPS = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_sing
 class Finding:
     """A verdict of the tracer: the kind, the root-cause rank(s), one line, the evidence."""
 
-    kind: str  # never_issued | died | transport | straggler | mismatch | deadlock | slow
-    #          | unseen (ranks wait on ranks whose ring was last read before the op)
+    kind: str  # never_issued | died | transport | stalled | straggler | mismatch | deadlock
+    #          | slow | unseen (ranks wait on ranks whose ring was last read before the op)
     group: str  # the group's display name
     ranks: tuple[int, ...]
     op: str
@@ -246,6 +248,8 @@ class Analyzer:
             sigs = {r: _signature(ops[seq]) for r, ops in view.ops.items() if seq in ops}
             if len(sigs) < 2 or len(set(sigs.values())) == 1:
                 continue
+            if not _one_run(view, seq, list(sigs), by_rank):
+                continue  # a relaunched rank's new ring beside a dead one's: not one run
             count = Counter(sigs.values())
             (major, n_major), *rest = count.most_common()
             tie = bool(rest) and rest[0][1] == n_major
@@ -366,6 +370,19 @@ class Analyzer:
             # in that group once its op passes T; said here only with that context, and only
             # if that op stays short of T for long (2 x this op's T)
             elsewhere = {m: inside[m] for m in missing if m in inside and inside[m][0] != name}
+            # one of them still inside an op its peers completed, having issued nothing
+            # since: stalled there, and named there (that group and op) once held past the
+            # shorter of the two ops' T, whether or not that op passed its own T yet
+            stalls = {m: h for m, (g, q) in elsewhere.items()
+                      if (h := self._stall_held(views[g], m, q, by_rank, now)) is not None}
+            if stalls:
+                for m, h in stalls.items():
+                    g, q = elsewhere[m]
+                    t_g = self.threshold(views[g], views[g].ops[m][q].op)[0]
+                    if h > min(t_op, t_g):
+                        found += self._stall(views[g], q, [m], h, by_rank, now,
+                                             blocked=(view, seq, waiting))
+                continue
             if elsewhere and (any(g in stuck for g, _ in elsewhere.values())
                               or now - since < 2 * self.threshold(view, op)[0]):
                 continue
@@ -398,6 +415,9 @@ class Analyzer:
             failed = [r for r, o in issued.items() if o.failed]
             dead = [r for r in never_done if r in by_rank and self.alive(by_rank[r]) is False]
             culprits = dead or (never_done if failed and never_done else [])
+            stalls = {r: h for r in never_done if not culprits
+                      and (h := self._stall_held(view, r, seq, by_rank, now)) is not None
+                      and h > t_op}
             if culprits:
                 line = (f"{', '.join(self._where(r, by_rank) for r in culprits)} died in {op} "
                         f"#{seq} in group {view.display} (issued, never completed"
@@ -407,9 +427,66 @@ class Analyzer:
                     "died", view.display, tuple(culprits), op, seq, line, now,
                     {"failed": failed, "never_completed": never_done, "since": since,
                      "pids": {str(r): by_rank[r].pid for r in culprits if r in by_rank}}))
+            elif stalls:
+                found += self._stall(view, seq, list(stalls), max(stalls.values()), by_rank,
+                                     now)
             elif not missing and len(never_done) == len(view.members):
                 found += self._transport(view, seq, op, since, never_done, by_rank, now)
         return found
+
+    def _stall_held(self, view: GroupView, rank: int, seq: int,
+                    by_rank: dict[int, RingSnapshot], now: float) -> float | None:
+        """How long ``rank`` has been inside op ``seq`` of this group since the last of its
+        peers that completed it did (as of its ring's last reading), when it has issued
+        nothing after it in any group; None when no peer completed it, or the rank went on.
+        Why: a gloo all_reduce of two ranks can complete on the peer whose data all arrived
+        while the other was stopped inside it; that peer then waits in its next op (another
+        group's), for a rank that is nowhere "never issued" and in no op issued everywhere
+        and completed nowhere (2 of 23 trials got no verdict before this)."""
+        mine = view.ops.get(rank, {}).get(seq)
+        snap = by_rank.get(rank)
+        if mine is None or mine.t_done is not None or snap is None:
+            return None
+        done = [o.t_done for m in view.members if m != rank
+                and (o := view.ops.get(m, {}).get(seq)) is not None
+                and o.t_done is not None and not o.failed]
+        if not done or any(o.t_issue > mine.t_issue for o in snap.ops if o is not mine):
+            return None
+        return min(now, self.seen_until.get(rank, now)) - max(done)
+
+    def _stall(self, view: GroupView, seq: int, ranks: list[int], held: float,
+               by_rank: dict[int, RingSnapshot], now: float,
+               blocked: tuple[GroupView, int, list[int]] | None = None) -> list[Finding]:
+        """Ranks still inside op ``seq`` of this group ``held`` seconds after their peers
+        completed it, having issued nothing since: the cause, named in this group and op
+        (with their process state where their node read it, and the op of another group
+        whose ranks wait on them, ``blocked``)."""
+        o = view.ops[ranks[0]][seq]
+        done = sorted(m for m in view.members if m not in ranks
+                      and (p := view.ops.get(m, {}).get(seq)) is not None
+                      and p.t_done is not None and not p.failed)
+        procs = {r: st for r in ranks if r in by_rank and (st := self.state(by_rank[r]))}
+        frozen = [r for r in ranks if r in procs and procs[r][0] in ("T", "t", "D")]
+        if frozen and len(frozen) < len(ranks):
+            ranks = frozen  # the others inside it with them are waiting, not frozen
+        line = (f"{', '.join(self._where(r, by_rank) for r in ranks)} still inside {o.op} "
+                f"#{seq} of group {view.display} {held:.1f} s after rank"
+                f"{'s' if len(done) != 1 else ''} {_ranks(done)} completed it, and issued "
+                "nothing since")
+        for r in ranks:
+            if r in procs and procs[r][0] in _STATE_TEXT:
+                line += f" ({r}: {_STATE_TEXT[procs[r][0]]}, state {procs[r][0]})"
+        ev: dict[str, Any] = {"completed": done, "held_s": round(held, 3),
+                              "proc": {str(r): {"state": st, "cpu_ticks": cpu}
+                                       for r, (st, cpu) in procs.items()}}
+        if blocked is not None:
+            other, other_seq, waiting = blocked
+            line += (f"; {len(waiting)} rank{'s' if len(waiting) != 1 else ''} wait on it in "
+                     f"{other.ops[waiting[0]][other_seq].op} #{other_seq} of group "
+                     f"{other.display}" if waiting else "")
+            ev["blocks"] = {"group": other.display, "seq": other_seq, "waiting": waiting}
+        return self._new(("stalled", view.name, seq, tuple(ranks)), Finding(
+            "stalled", view.display, tuple(ranks), o.op, seq, line, now, ev))
 
     def _unseen(self, view: GroupView, seq: int, op: str, since: float, waiting: list[int],
                 unseen: list[int], by_rank: dict[int, RingSnapshot],
@@ -677,6 +754,23 @@ def _rate(seqs: list[int], starts: dict[int, float], nbytes: dict[int, int]
     span = starts[seqs[-1]] - starts[seqs[0]]
     interval = statistics.median(gaps) if gaps else 0.0
     return interval, (sum(nbytes[s] for s in seqs[1:]) / span if span > 0 else 0.0)
+
+
+#: clock skew allowed between hosts when ops are placed against another rank's ring's birth
+RUN_SKEW_S = 1.0
+
+
+def _one_run(view: GroupView, seq: int, ranks: list[int],
+             by_rank: dict[int, RingSnapshot]) -> bool:
+    """Whether these ranks' ops ``seq`` belong to one run of the group: each was issued
+    after every other one's ring was made. Why: after a launcher restarted its ranks, the
+    newest ring of a rank that has not started again is the dead process's, whose sequence
+    numbers are another run's (a mismatch there would stop a healthy job); its ops all
+    precede the new process's ring. Rings of unknown birth (0) are not judged."""
+    born = [c for r in ranks if r in by_rank and (c := by_rank[r].created) > 0]
+    if not born:
+        return True
+    return min(view.ops[r][seq].t_issue for r in ranks) >= max(born) - RUN_SKEW_S
 
 
 def _signature(op: Op) -> tuple[str, str, int]:

@@ -56,6 +56,13 @@ def _say(line: str) -> None:
     print(f"bootseer: {line}", file=sys.stderr, flush=True)
 
 
+#: what a rank killed by a signal is refined to when its lines say why it aborted itself
+#: (gloo's abort on a mismatched collective, a device-side assert, the kernel's OOM kill)
+SIGNAL_CAUSES = ("collective_mismatch", "cuda_error", "gpu_oom", "cpu_oom")
+#: crash classes that name no cause of their own: the collective tracer's mismatch wins
+UNEXPLAINED = (*SECONDARY, "killed_by_signal", "unknown")
+
+
 class Agent:
     """Events and verdicts of one node's supervised command, across its attempts."""
 
@@ -156,7 +163,7 @@ class Agent:
         """The class of a crash from its exit code and last lines, and what to do."""
         return self.judge(self.crash_event(exit_code, lines))
 
-    def crash_event(self, exit_code: int, lines: list[str]) -> Event:
+    def crash_event(self, exit_code: int | None, lines: list[str]) -> Event:
         """The crash as an event (classified), for this node's policy or the controller's."""
         oom = bool(self._cgroup) and oom_kills(self._cgroup) > self._oom_before
         got = classify(exit_code, lines, oom_killed=oom)
@@ -165,9 +172,15 @@ class Agent:
         evidence["matched"] = list(got.lines)
         evidence = self._collective(evidence, final=True)  # a rank killed in a collective
         rank = got.detail.get("rank")  # under torchrun: its root-cause rank
+        cls = got.failure_class
+        mismatch = next((f for f in self.colltrace.analyzer.findings if f.kind == "mismatch"),
+                        None) if self.colltrace is not None else None
+        if mismatch is not None and cls in UNEXPLAINED:  # the tracer saw the cause
+            cls, rank = "collective_mismatch", mismatch.ranks[0]
+            evidence.update(rule="colltrace_mismatch", classified_as=got.failure_class)
         if rank is None and self.colltrace is not None:  # else the tracer's first named rank
             rank = next((f.ranks[0] for f in self.colltrace.analyzer.findings if f.ranks), None)
-        return Event("crash", got.failure_class, node=self.node, rank=rank,
+        return Event("crash", cls, node=self.node, rank=rank,
                      step=self.progress[-1],
                      time=time.time(), evidence=evidence)
 
@@ -207,20 +220,25 @@ class Agent:
                      step=self.progress[-1] if self.progress else None, time=end.time,
                      evidence=evidence)
 
-    def refine(self, early: Event, exit_code: int, lines: list[str]) -> Event | None:
+    def refine(self, early: Event, exit_code: int | None, lines: list[str]) -> Event | None:
         """``early`` (a rank's death, seen at once) refined by the launcher's own account
         (its exit status and last lines, seconds later), or None when that adds nothing.
         The detection time stays the first; a communication error never replaces a
-        primary failure; a provisional class gives way to anything the launcher names."""
+        primary failure; a provisional class gives way to anything the launcher names; a
+        rank killed by a signal gives way to what made it abort (:data:`SIGNAL_CAUSES`:
+        gloo's abort on a mismatched collective is a SIGABRT)."""
         later = self.crash_event(exit_code, lines)
         provisional = bool(early.evidence.get("provisional"))
-        if not (provisional or early.failure_class in SECONDARY):
+        signalled = early.failure_class == "killed_by_signal" and not provisional
+        if not (provisional or signalled or early.failure_class in SECONDARY):
             return None  # the rank's own record is the better witness
         if later.failure_class == "unknown" or later.failure_class in SECONDARY:
             return None
+        if signalled and later.failure_class not in SIGNAL_CAUSES:
+            return None  # its own wait status said as much
         evidence = {**later.evidence, "detected_by": early.evidence.get("detected_by"),
                     "refines": early.failure_class, "pid": early.evidence.get("pid")}
-        rank = early.rank if provisional else later.rank
+        rank = early.rank if provisional or signalled else later.rank
         return dataclasses.replace(later, rank=rank if rank is not None else early.rank,
                                    time=early.time, evidence=evidence)
 

@@ -38,7 +38,8 @@ __all__ = ["CLASSES", "RULES", "SECONDARY", "Classification", "Rule", "classify"
            "oom_kills", "tail_lines"]
 
 CLASSES = ("killed_by_signal", "python_exception", "cuda_error", "gpu_oom", "cpu_oom",
-           "nccl_error", "gloo_error", "disk_full", "storage_error", "user_error", "unknown")
+           "nccl_error", "gloo_error", "collective_mismatch", "disk_full", "storage_error",
+           "user_error", "unknown")
 
 #: crash classes that follow another rank's failure (a peer died first): never the root cause
 #: while another failure is in sight
@@ -70,6 +71,11 @@ RULES: tuple[Rule, ...] = (
     Rule("xid", "cuda_error", r"NVRM: Xid \([^)]*\): (?P<xid>\d+)"),
     Rule("cuda_error", "cuda_error",
          r"CUDA error: |CUBLAS_STATUS_\w+|CUDNN_STATUS_\w+|device-side assert triggered"),
+    # before the communication errors: gloo aborts the rank with its own words, and torch's
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL check raises with its own
+    Rule("collective_mismatch", "collective_mismatch",
+         r"Received data size doesn't match expected size|collective mismatch in your code"
+         r"|Detected mismatch between collectives on ranks"),
     Rule("nccl", "nccl_error",
          r"NCCL error|nccl\w*Error|ProcessGroupNCCL|Watchdog caught collective operation"),
     Rule("gloo", "gloo_error", r"third_party/gloo/|ProcessGroupGloo|[Gg]loo connect"),

@@ -332,7 +332,9 @@ class Controller:
             self.store.set(self.keys.open, wire.encode(opened, wire.MAX_DUMP_BYTES))
             return None
         checked = None
-        if _needs_checks(opened, missing) and len(expected) >= 2:
+        # a mismatched collective in the windows is a code fault: no checks, it stops
+        if _needs_checks(opened, missing) and len(expected) >= 2 and (
+                "check" in opened or not self._mismatches(expected)):
             checked = self._checks(opened, [n for n in expected if n not in missing])
             if checked is None:
                 return None
@@ -352,6 +354,12 @@ class Controller:
         cost the soak's lost node 10 s before the survivors could restart)."""
         if waited < ACK_WAIT_S or not missing:
             return []
+        return self._unheard(missing, opened)
+
+    def _unheard(self, missing: list[str], opened: dict[str, Any]) -> list[str]:
+        """The missing nodes that neither acknowledged this incident's dump order nor beat
+        since it was placed: lost (the node, or its agent), the verdict's subject when
+        what the others saw is their loss (:func:`_lost_explains`)."""
         incident, since = int(opened["incident"]), float(opened["time"])
         silent = []
         for node in missing:
@@ -365,6 +373,32 @@ class Controller:
             if not alive:
                 silent.append(node)
         return silent
+
+    def _ranks_of(self, nodes: Sequence[str], traced: dict[str, Any] | None
+                  ) -> dict[str, list[int]]:
+        """Each node's ranks, from its last heartbeat summary and its last tracer window
+        (a lost node's last words)."""
+        windows = (traced or {}).get("windows") or {}
+        found: dict[str, list[int]] = {}
+        for node in nodes:
+            beat = self._read(self.keys.node(node, "beat"), node) or {}
+            ranks = {int(r) for r in windows.get(node, {}).get("ranks") or []}
+            for rank in (beat.get("ranks") or {}) if isinstance(beat.get("ranks"), dict) else ():
+                with contextlib.suppress(TypeError, ValueError):
+                    ranks.add(int(rank))
+            found[node] = sorted(ranks)
+        return found
+
+    def _mismatches(self, nodes: list[str]) -> list[Any]:
+        """The tracer's mismatch findings over these nodes' windows (before the checks
+        are ordered: a code fault needs none)."""
+        docs = self._windows(nodes)
+        if not docs:
+            return []
+        from ..colltrace.ship import analyze_windows
+
+        found, _ = analyze_windows(docs, now=self.clock())
+        return [f for f in found if f.kind == "mismatch"]
 
     # -- stop-time checks ------------------------------------------------------------------
     def _checks(self, opened: dict[str, Any], nodes: list[str]) -> dict[str, Any] | None:
@@ -417,8 +451,35 @@ class Controller:
         primary = _primary(events)
         history = self.verdicts()
         pin = self._updated_pin(primary.time)
+        lost = self._unheard(missing, opened)
+        mismatch = next((f for f in (traced or {}).get("findings", [])
+                         if f["kind"] == "mismatch"), None)
         if checked and checked["failed"]:  # a node that fails a check is evicted
             verdict = _check_verdict(primary, checked)
+        elif mismatch is not None and primary.kind in ("crash", "hang"):
+            # mismatched collectives (gloo aborts a rank on them; the survivors see a peer's
+            # death): a code fault, whatever the crash looked like; every restart repeats it
+            of = {r: n for n, rs in self._ranks_of([*answers, *missing], traced).items()
+                  for r in rs}
+            ranks = [int(r) for r in mismatch["ranks"]]
+            primary = Event("crash", "collective_mismatch", node=of.get(ranks[0]),
+                            rank=ranks[0], step=primary.step, time=primary.time, evidence={
+                                "rule": "colltrace_mismatch", "colltrace": mismatch["line"],
+                                "signatures": mismatch["evidence"].get("signatures"),
+                                "seen_as": _doc(primary)})
+            verdict = decide(primary, suspect_ranks=ranks,
+                             suspect_nodes={of[r] for r in ranks if r in of}, history=history,
+                             recent_update=pin is not None)
+        elif lost and _lost_explains(primary):
+            # the survivors saw their peers die (a communication error, a signal) or wait for
+            # them (a hang): the lost node is the subject, never a survivor
+            ranks_of = self._ranks_of(lost, traced)
+            primary = Event("crash", "node_lost", node=lost[0], time=primary.time, evidence={
+                "rule": "no_answer", "lost": lost, "ranks": ranks_of,
+                "seen_as": _doc(primary)})
+            verdict = decide(primary, suspect_nodes=lost,
+                             suspect_ranks=[r for rs in ranks_of.values() for r in rs],
+                             history=history)
         elif primary.kind == "fail_slow" and primary.evidence.get("group_nodes"):
             ev = primary.evidence  # the rounds named the group
             verdict = decide(dataclasses.replace(primary, node=None, rank=None),
@@ -455,7 +516,7 @@ class Controller:
                                      **found.evidence},
                     "dumps": dumps, "missing_dumps": missing, "controller_pid": os.getpid(),
                     "not_waited_for": opened.get("not_waited_for", []),
-                    "silent": opened.get("silent", [])}
+                    "silent": opened.get("silent", []), "lost": lost}
         if traced:
             evidence["colltrace"] = traced
         verdict = dataclasses.replace(verdict, time=self.clock(), evidence=evidence)
@@ -814,7 +875,16 @@ def _primary(events: list[Event]) -> Event:
     """The incident's cause among its events (see :func:`_rank_of_cause`); of a crash seen
     at a rank's death and the launcher's refinement of it (same time), the refinement."""
     return min(events, key=lambda e: (_rank_of_cause(e), e.time,
-                                      bool(e.evidence.get("provisional"))))
+                                      bool(e.evidence.get("provisional")),
+                                      not e.evidence.get("refines")))
+
+
+def _lost_explains(primary: Event) -> bool:
+    """What the survivors see of a lost node: a hang (their ranks wait for its ranks), or
+    a crash that names no cause of its own (a peer's death seen from the other side, a
+    signal from their launcher tearing down, nothing)."""
+    return primary.kind == "hang" or (primary.kind == "crash" and primary.failure_class in (
+        *SECONDARY, "killed_by_signal", "unknown"))
 
 
 def _rank_of_cause(event: Event) -> int:

@@ -1,5 +1,20 @@
-"""ETTR (effective training time ratio) from the traces: productive time over wall time,
-cumulative and over a sliding hour, and for every incident where the unproductive time went.
+"""ETTR (effective training time ratio): productive time over wall time, cumulative and over
+a sliding hour, and for every incident where the unproductive time went. The one accounting
+of the project: ``bootseer report`` prints it, and the soak benchmark calls this module for
+its figures (docs/robust.md, "ETTR").
+
+The window: from the job's first step (every rank of its first launch past its first step)
+to the end of the job (``end``; by default the last time the traces hold: a job whose last
+launch trained on without an incident leaves no record at its end, so give it). Why from the
+first step: it is the one instant every input knows exactly (the traces, and a job's own
+step log where bootseer did not supervise it: :func:`ettr_from_steps`), and the cold start
+before it is the start-up report's, phase by phase; ETTR is what failures cost.
+
+Productive time, per launch: from its first step, after the steps it redid (the
+recomputation), to its last progress. From the traces that is the model below; from a
+step log (:func:`ettr_from_steps`) each step that advances the highest step ever finished
+counts the time since its process's previous step, which is the same model measured step by
+step (the redone steps are known exactly, not estimated from a checkpoint step).
 
 Read: the spans of :mod:`bootseer.trace` that ``bootseer run`` writes (``first_step`` per
 rank and attempt, the startup phases, ``hang`` with ``detected_at``/``dumped_at``,
@@ -42,8 +57,8 @@ from typing import Any
 from ..trace import Span, read_traces
 from .events import Event, Verdict, read_records
 
-__all__ = ["STARTUP_PHASES", "EttrReport", "Incident", "compute_ettr", "job_attempts",
-           "job_launches", "read_ettr"]
+__all__ = ["STARTUP_PHASES", "EttrReport", "Incident", "compute_ettr", "ettr_from_steps",
+           "job_attempts", "job_launches", "read_ettr"]
 
 STARTUP_PHASES = ("environment", "checkpoint_prefetch", "image_prefetch", "command_start")
 
@@ -271,9 +286,11 @@ def _generation(span: Span) -> int:
 def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (), *,
                  start: float | None = None, end: float | None = None) -> EttrReport:
     """The report of one job from its spans (every node's, attempts aligned by
-    :func:`job_attempts`) and event records. ``end``: the end of the job (default: the last
-    time the trace holds); ``start``: its start (default: the start of the first attempt)."""
-    spans = job_launches(job_attempts(spans))
+    :func:`job_attempts`; a warmup's are not the job's) and event records. ``end``: the end
+    of the job (default: the last time the trace holds); ``start``: where the window opens
+    (default: the job's first step, see the module docstring); an incident that ended
+    before it (the cold start failing) is left out."""
+    spans = job_launches(job_attempts(s for s in spans if not (s.detail or {}).get("warmup")))
     by = defaultdict(list)
     for s in spans:
         by[(s.phase, s.attempt)].append(s)
@@ -294,7 +311,9 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
         first = by.get(("first_step", a))
         return max(s.end for s in first) if first else None
 
-    job_start = attempt_start(attempts[0]) if start is None else start
+    first_ready = min((r for a in attempts if (r := ready(a)) is not None), default=None)
+    job_start = start if start is not None else (
+        first_ready if first_ready is not None else attempt_start(attempts[0]))
     job_end = end if end is not None else max(
         [s.end for s in spans] + [r.time for r in records])
 
@@ -348,6 +367,8 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
             r_next = None
         else:
             inc_end = r_next
+        if inc_end <= job_start:
+            continue  # the cold start failing, before the window: the start-up report's
         # a replacement node's start overlaps the others' restart (they wait for it in the
         # rendezvous): the restart ends where the next attempt's first node began
         waited = restart.seconds if r_next is None else max(
@@ -377,16 +398,47 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
         r = ready(a)
         if r is None:
             continue
-        stop = failures[a]["fail"] if a in failures else job_end
-        begin = min(r + recompute_before.get(a, 0.0), stop)
+        stop = min(failures[a]["fail"] if a in failures else job_end, job_end)
+        begin = max(min(r + recompute_before.get(a, 0.0), stop), job_start)
         if stop > begin:
             productive.append((begin, stop))
     return EttrReport(job_start, job_end, tuple(productive), tuple(incidents))
 
 
+def ettr_from_steps(steps: Iterable[tuple[float, int, Any]], *, end: float,
+                    start: float | None = None) -> EttrReport:
+    """The same accounting from a job's own step log, where no ``bootseer run`` trace exists
+    (the benchmark's torchrun-only peer) or to check the traces' estimate: ``steps`` are
+    (time the step finished, the step, the process that ran it), e.g. rank 0's. A step that
+    advances the highest step ever finished is productive for the time since its process's
+    previous step; a process's first step has no such time (its start is the launch's way
+    back, not training); a step redone after a restart is not productive. ``start``: where
+    the window opens (default: the first step); ``end``: the end of the job."""
+    ordered = sorted(steps, key=lambda s: s[0])
+    if not ordered:
+        raise ValueError("the step log holds no step: nothing to measure")
+    job_start = ordered[0][0] if start is None else start
+    best, prev, productive = -1, {}, []
+    for when, step, proc in ordered:
+        if when > end:
+            break
+        if step > best and proc in prev and when > max(prev[proc], job_start):
+            productive.append((max(prev[proc], job_start), when))
+        best = max(best, step)
+        prev[proc] = when
+    merged: list[tuple[float, float]] = []
+    for a, b in productive:  # consecutive steps of one process: one interval
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return EttrReport(job_start, end, tuple(merged), ())
+
+
 def read_ettr(paths: Sequence[str | os.PathLike], *, start: float | None = None,
               end: float | None = None) -> EttrReport:
-    """:func:`compute_ettr` over trace files or directories."""
+    """:func:`compute_ettr` over trace files or directories: what ``bootseer report
+    [--end END] PATHS`` prints."""
     spans, _ = read_traces(paths)
     records, _ = read_records(list(paths))
     return compute_ettr(spans, records, start=start, end=end)

@@ -63,6 +63,10 @@ TABLE: tuple[ActionRule, ...] = (
                escalate=(2, "replace_and_restart")),
     ActionRule("gloo_error", "restart_in_place", "a peer died: the cause is elsewhere",
                escalate=(3, "replace_and_restart")),
+    ActionRule("collective_mismatch", "stop", "ranks called mismatched collectives: a code "
+               "fault that every restart repeats", on_update="rollback"),
+    ActionRule("node_lost", "replace_and_restart", "the node stopped answering (no dump, no "
+               "acknowledgement, no heartbeat): its ranks are gone with it"),
     ActionRule("gpu_oom", "restart_in_place", "fragmentation or a rare batch",
                on_update="rollback", escalate=(2, "stop")),
     ActionRule("cpu_oom", "restart_in_place", "a leak or a rare batch", on_update="rollback",
