@@ -917,11 +917,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=None,
                         help="the scenario on N nodes of a cluster (bench_e2e_nodes.py)")
     parser.add_argument("--lose", type=int, default=None, help="with --nodes: the node lost")
+    parser.add_argument("--sweep", default=None,
+                        help="the --nodes scenario for each N of a list, e.g. 2,4,8 "
+                             "(bench_e2e_sweep.py: e2e-sweep.json, the scale model's input)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="with --nodes or --sweep: ranks per node (default 2; sweep 1)")
     args = parser.parse_args(argv)
+    if args.sweep is not None:
+        import bench_e2e_sweep
+
+        return bench_e2e_sweep.main(argv)
     if args.nodes is not None:
         import bench_e2e_nodes
 
         return bench_e2e_nodes.main(argv)
+    if args.ranks_per_node is not None:
+        parser.error("--ranks-per-node: only with --nodes or --sweep")
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
         parser.error(f"--methods: unknown {', '.join(sorted(unknown))} "
