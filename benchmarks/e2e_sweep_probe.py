@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -72,8 +73,7 @@ def read_at_once(c: Any, origin: str, spec: dict[str, Any], digest: str, size: i
                  ) -> dict[str, Any]:
     """Every node reads ``spec`` from ``origin`` at once; the aggregate rate and each node's
     time. A node that read other bytes, or fewer, is an error (not a rate)."""
-    work = c.dir / f"probe-{origin}"
-    work.mkdir()
+    work = Path(tempfile.mkdtemp(prefix=f"probe-{origin}-", dir=c.dir))
     go = work / "go"
     before = {n.name: n.bytes_from(origin) for n in c.nodes}
     env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}

@@ -51,14 +51,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
+import shlex
 import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import md_table  # noqa: E402
 
 SUITE = "startup-model"
 ORIGINS = ("registry", "s3", "index")
@@ -547,7 +552,8 @@ def model(sweep: Sweep, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "suite": SUITE, "quick": sweep.quick, "sweep": sweep.path, "counts": counts,
         "sweep_ranks_per_node": sweep.ranks_per_node,
-        "command": " ".join(["python", "benchmarks/startup_model.py", *args.argv]),
+        "command": os.environ.get("BOOTSEER_BENCH_COMMAND") or shlex.join(
+            ["python", "benchmarks/startup_model.py", *args.argv]),
         "parameters": {"gpus_per_node": args.gpus_per_node, "cpus_per_node": args.cpus_per_node,
                        "node_rate_Bps": base.node_rate, "origin_rates_Bps": base.origin_rates,
                        "cache_rate_Bps": None if not args.cache_rate else args.cache_rate * 1e6,
@@ -640,9 +646,6 @@ def _g(g: dict[str, Any], var: str = "x") -> str:
 
 
 def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _common import md_table
-
     return md_table(head, [[str(c) for c in r] for r in rows])
 
 
