@@ -1,5 +1,5 @@
-"""The node sweep (benchmarks/bench_e2e_sweep.py, ``bootseer bench e2e --sweep 2,4,8``): its
-arguments are refused by name before anything starts, a restart's spans become job-level
+"""The node sweep (benchmarks/bench_e2e_sweep.py, ``bootseer bench e2e --sweep 2,4,8``; its
+bad arguments are refused by name in test_bench_e2e_nodes.py): a restart's spans become job-level
 segments that add up to the job's time (with gloo's ``init_process_group`` split out of the
 launch), one N's results become the sweep's entry, the origins' probe reads real bytes from
 the cluster's registry, S3 and index, and ``bootseer bench`` passes ``--sweep`` on and runs
@@ -128,26 +128,6 @@ def test_one_n_s_results_become_the_sweep_s_entry(tmp_path: Path) -> None:
     assert len(re.findall(r"^\| 4 +" + row, text, re.M)) == 1
     assert re.search(r"^\| 2 +\| - +\| 100\.0 +\| - +\|$", text, re.M)  # s3's rate only
     assert "- N=2: /r/e2e-sweep-n2" in text
-
-
-@pytest.mark.parametrize(("args", "message"), [
-    (["--sweep", "2,16"], "--sweep '2,16': 16 nodes: each count must be 2 to 8"),
-    (["--sweep", "4"], "give two node counts or more"),
-    (["--sweep", "2,four"], "'four' is not a node count"),
-    (["--sweep", "2,4,2"], "a node count is given twice"),
-    (["--sweep", "2,4", "--methods", "baseline,warm"], "--methods: unknown warm"),
-    (["--sweep", "2,4", "--ranks-per-node", "0"], "--ranks-per-node 0: give 1 to 8"),
-    (["--sweep", "2,4", "--lose", "3"], "--lose 3: choose a node from 0 to 1"),
-    (["--sweep", "2,4", "--nodes", "4"], "--sweep and --nodes: give one"),
-    (["--ranks-per-node", "1"], "--ranks-per-node: only with --nodes or --sweep"),
-])
-def test_bad_arguments_are_refused_by_name(args: list[str], message: str, tmp_path: Path
-                                           ) -> None:
-    r = subprocess.run([sys.executable, str(BENCH / "bench_e2e.py"), "--results",
-                        str(tmp_path), *args], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert message in r.stderr
-    assert not list(tmp_path.iterdir())  # nothing started, nothing written
 
 
 def test_sweep_counts_and_rank_lists() -> None:
