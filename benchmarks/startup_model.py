@@ -10,7 +10,7 @@ lost node as a chain of job-level segments that add up to the job's time to its 
 each rank's share of them, every node's bytes from each origin, the origins' serve rates and
 the links. The model puts the time back together for any N:
 
-    T(N) = F + Q_pre(N) + R(N) + max_M(I) + P(M) + max_M(W) + Q_load(N) + S
+    T(N) = F + Q_pre(N) + R(N) + max_M(I) + P(M) + max_M(W [+ Q_load(N)]) + S
 
 * ``F``: the fresh node's path (loss to its torchrun start: replacement, pull, container,
   environment), O(1) per node: a lognormal whose median and spread are those measured; the
@@ -31,11 +31,12 @@ the links. The model puts the time back together for any N:
   fixture's own slope is its 2 shared cores more than its store); ``--growth fit`` extrapolates
   the fit instead.
 * ``I``, ``W``: each rank's ``import torch`` and its model build plus checkpoint load, O(1) per
-  rank: their median is fitted against the ranks per core (``a + b*x``: on the sweep's machine
-  every rank of every node shares its cores, so these stretch with N there; a real node has
-  its own, ``x = 1``), their spread is a lognormal fitted to the ranks' durations around each
-  run's median, and the job waits for the slowest of its M ranks: the max of M draws, drawn
-  exactly as ``F^-1(U^(1/M))``.
+  rank, in two populations: the fresh nodes' ranks and the survivors' (who read S3 in the
+  load, and wait in the queue ``Q_load``). Each median is fitted against the ranks per core
+  (``a + b*x``: on the sweep's machine every rank of every node shares its cores, so these
+  stretch with N there; a real node has its own, ``x = 1``); the spread is a lognormal fitted
+  to the ranks' durations around their run's median; the job waits for the slowest of its M
+  ranks: the max of M draws, drawn exactly as ``F^-1(U^(1/M))``.
 * ``S``: the first step itself (a collective), fitted against the ranks per core.
 
 ``p50`` and ``p99`` are over restarts (Monte Carlo, fixed seed, the same draws for every N).
@@ -223,8 +224,8 @@ class Measured:
 
     nodes: int
     segments: dict[str, float]
-    imports: list[float]  # each rank's import torch
-    loads: list[float]  # each rank's model build + checkpoint load
+    imports: dict[str, list[float]]  # each rank's import torch, by its node's role
+    loads: dict[str, list[float]]  # each rank's model build + checkpoint load, by role
     first_step_s: float
     max_s: float
     fresh_bytes: dict[str, float]
@@ -243,12 +244,23 @@ def measured(entry: dict[str, Any], nodes: int, where: str) -> Measured:
     for key in ("fresh_path_s", "rendezvous_s", "import_s", "process_group_init_s", "load_s",
                 "first_step_s"):
         _need(seg, key, where)
-    imports = list(_need(per_rank, "import_s", where).values())
-    loads = list(_need(per_rank, "load_s", where).values())
-    fresh = [v for v in entry["per_node"].values() if v.get("role") != "survivor"]
-    surv = [v for v in entry["per_node"].values() if v.get("role") == "survivor"]
-    if not fresh:
-        raise ModelError(f"{where}: no fresh (or restarted) node in per_node")
+    roles = {node: "survivor" if v.get("role") == "survivor" else "fresh"
+             for node, v in entry["per_node"].items()}
+
+    def by_role(values: dict[str, float]) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {"fresh": [], "survivor": []}
+        for key, v in values.items():
+            node = key.rsplit("/", 1)[0]
+            if node not in roles:
+                raise ModelError(f"{where}: rank {key} of no node in per_node")
+            out[roles[node]].append(float(v))
+        return out
+    imports = by_role(_need(per_rank, "import_s", where))
+    loads = by_role(_need(per_rank, "load_s", where))
+    fresh = [v for n, v in entry["per_node"].items() if roles[n] == "fresh"]
+    surv = [v for n, v in entry["per_node"].items() if roles[n] == "survivor"]
+    if not fresh or not imports["fresh"]:
+        raise ModelError(f"{where}: no fresh (or restarted) node with ranks in per_node")
 
     def mean_bytes(nodes_: list[dict[str, Any]]) -> dict[str, float]:
         return {o: statistics.fmean([v["bytes"].get(o, 0) for v in nodes_]) if nodes_ else 0.0
@@ -372,16 +384,48 @@ class Traffic:
 
 
 @dataclass
+class RankPhase:
+    """A per-rank time in two populations, the fresh node's ranks and the survivors' (the
+    fresh node's ranks read a cold disk, or their prefetched cache, where the survivors'
+    read S3): each median fitted against the ranks per core, one spread."""
+
+    fresh: Growth
+    survivor: Growth
+    sigma: float
+
+    def slowest(self, x: float, fresh_ranks: int, survivor_ranks: int, u_fresh: float,
+                u_survivor: float, survivor_extra: float = 0.0) -> float:
+        """The slowest rank of both populations (``survivor_extra``: the survivors' queue)."""
+        f = Lognormal(self.fresh(x), self.sigma).max_of(fresh_ranks, u_fresh)
+        if not survivor_ranks:
+            return f
+        return max(f, Lognormal(self.survivor(x), self.sigma).max_of(survivor_ranks,
+                                                                     u_survivor)
+                   + survivor_extra)
+
+
+def fit_rank_phase(runs: Sequence[tuple[float, dict[str, list[float]]]],
+                   min_sigma: float) -> RankPhase:
+    """From ``(ranks per core, {role: each rank's seconds})`` per run: the medians' growth per
+    population (the fresh one's where no survivor ran) and the spread of the ranks around
+    their run's and population's median (groups of two ranks or more)."""
+    fresh = fit_growth([(x, statistics.median(v["fresh"])) for x, v in runs if v["fresh"]],
+                       "lin")
+    pts = [(x, statistics.median(v["survivor"])) for x, v in runs if v["survivor"]]
+    survivor = fit_growth(pts, "lin") if pts else fresh
+    groups = [g for _, v in runs for g in (v["fresh"], v["survivor"]) if len(g) >= 2]
+    return RankPhase(fresh, survivor, log_spread(groups, min_sigma))
+
+
+@dataclass
 class Fitted:
     """One method calibrated on some node counts."""
 
     method: str
     counts: list[int]
     fresh: Lognormal
-    imports: Growth  # the per-rank median against ranks per core
-    import_sigma: float
-    loads: Growth
-    load_sigma: float
+    imports: RankPhase
+    loads: RankPhase  # the survivors' without their queue
     first_step: Growth
     rendezvous: Growth  # against N (agents)
     process_group: Growth  # against M (ranks)
@@ -407,31 +451,36 @@ class Fitted:
                                                 setting),
                 "process_group_init_s": self.store_term(self.process_group, ranks,
                                                         self.last_ranks, setting),
-                "import_median_s": self.imports(x), "load_median_s": self.loads(x),
+                "import_median_s": self.imports.survivor(x),
+                "import_fresh_median_s": self.imports.fresh(x),
+                "load_median_s": self.loads.survivor(x),
+                "load_fresh_median_s": self.loads.fresh(x),
                 "first_step_s": self.first_step(x), "fresh_median_s": self.fresh.median}
 
     def predict(self, setting: Setting, nodes: int, scenario: str = "restart",
-                draws: Sequence[tuple[float, float, float]] | None = None) -> dict[str, Any]:
+                draws: Sequence[Sequence[float]] | None = None) -> dict[str, Any]:
         """p50 and p99 of the job's time to its first step at ``nodes`` over restarts."""
         t = self.terms(setting, nodes, scenario)
-        ranks = nodes * setting.ranks_per_node
+        rpn, x = setting.ranks_per_node, setting.load(nodes)
         fresh = nodes if scenario == "cold" else 1
-        imp = Lognormal(t["import_median_s"], self.import_sigma)
-        ld = Lognormal(t["load_median_s"], self.load_sigma)
-        fixed = (t["queue_pre_s"] + t["queue_load_s"] + t["rendezvous_s"]
-                 + t["process_group_init_s"] + t["first_step_s"])
-        totals = sorted(self.fresh.max_of(fresh, uf) + imp.max_of(ranks, ui)
-                        + ld.max_of(ranks, ul) + fixed for uf, ui, ul in draws or uniforms())
-        return {"nodes": nodes, "ranks": ranks, "scenario": scenario,
+        fresh_ranks, survivor_ranks = fresh * rpn, (nodes - fresh) * rpn
+        fixed = (t["queue_pre_s"] + t["rendezvous_s"] + t["process_group_init_s"]
+                 + t["first_step_s"])
+        totals = sorted(
+            self.fresh.max_of(fresh, uf) + fixed
+            + self.imports.slowest(x, fresh_ranks, survivor_ranks, uif, uis)
+            + self.loads.slowest(x, fresh_ranks, survivor_ranks, ulf, uls, t["queue_load_s"])
+            for uf, uif, uis, ulf, uls in draws or uniforms())
+        return {"nodes": nodes, "ranks": nodes * rpn, "scenario": scenario,
                 "p50_s": quantile(totals, 0.50), "p99_s": quantile(totals, 0.99),
                 "terms": t}
 
 
-def uniforms(trials: int = TRIALS, seed: int = SEED) -> list[tuple[float, float, float]]:
-    """The same draws for every N and method: smooth curves, differences that are the
-    model's, not the dice's."""
+def uniforms(trials: int = TRIALS, seed: int = SEED) -> list[tuple[float, ...]]:
+    """The same draws for every N and method (the fresh path; import and load, fresh and
+    survivor ranks): smooth curves, differences that are the model's, not the dice's."""
     rng = random.Random(seed)
-    return [(rng.random(), rng.random(), rng.random()) for _ in range(trials)]
+    return [tuple(rng.random() for _ in range(5)) for _ in range(trials)]
 
 
 def quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -454,26 +503,22 @@ def calibrate(sweep: Sweep, method: str, counts: Sequence[int], form: str = "aut
                        for o in ORIGINS})
     setting = fixture_setting(sweep)
     r = sweep.ranks_per_node
-    fresh_vals, import_pts, load_pts, step_pts, rdzv_pts, pg_pts = [], [], [], [], [], []
-    import_groups, load_groups = [], []
+    fresh_vals, imports, loads, step_pts, rdzv_pts, pg_pts = [], [], [], [], [], []
     for m in runs:
-        pre, load = traffic.queues(setting, m.nodes, "restart")
+        pre, queue = traffic.queues(setting, m.nodes, "restart")
         x = setting.load(m.nodes)
         fresh_vals.append(max(1e-3, m.segments["fresh_path_s"] - pre))
-        import_pts.append((x, statistics.median(m.imports)))
-        loads = [max(1e-3, v - load) for v in m.loads]
-        load_pts.append((x, statistics.median(loads)))
+        imports.append((x, m.imports))
+        loads.append((x, {"fresh": m.loads["fresh"],
+                          "survivor": [max(1e-3, v - queue) for v in m.loads["survivor"]]}))
         step_pts.append((x, m.segments["first_step_s"]))
         rdzv_pts.append((m.nodes, m.segments["rendezvous_s"]))
         pg_pts.append((m.nodes * r, m.segments["process_group_init_s"]))
-        import_groups.append(m.imports)
-        load_groups.append(loads)
     return Fitted(
         method, list(counts),
         Lognormal(math.exp(statistics.fmean([math.log(v) for v in fresh_vals])),
                   log_spread([fresh_vals], min_sigma)),
-        fit_growth(import_pts, "lin"), log_spread(import_groups, min_sigma),
-        fit_growth(load_pts, "lin"), log_spread(load_groups, min_sigma),
+        fit_rank_phase(imports, min_sigma), fit_rank_phase(loads, min_sigma),
         fit_growth(step_pts, "lin"),
         fit_growth(rdzv_pts, form), fit_growth(pg_pts, form),
         max(counts), max(counts) * r, traffic)
@@ -607,12 +652,14 @@ def render(out: dict[str, Any]) -> list[str]:
                               f"{r['p50_s']:.1f} s", f"{r['p99_s']:.1f} s"]
                              for m, rows in out["in_sample"].items() for r in rows]), ""]
     lines += ["## fitted inputs", "", *_table(
-        ["method", "fresh path median (sigma)", "import median a + b*x (sigma)",
-         "build + load a + b*x (sigma)", "first step a + b*x", "rendezvous", "gloo init",
-         "fresh node MB (registry/S3/index)", "a survivor MB"],
+        ["method", "fresh path median (sigma)", "import: fresh / survivor ranks (sigma)",
+         "build + load: fresh / survivor ranks (sigma)", "first step", "rendezvous",
+         "gloo init", "fresh node MB (registry/S3/index)", "a survivor MB"],
         [[m, f"{f['fresh']['median']:.1f} s ({f['fresh']['sigma']:.2f})",
-          f"{_g(f['imports'])} ({f['import_sigma']:.2f})",
-          f"{_g(f['loads'])} ({f['load_sigma']:.2f})", _g(f["first_step"]),
+          f"{_g(f['imports']['fresh'])} / {_g(f['imports']['survivor'])} "
+          f"({f['imports']['sigma']:.2f})",
+          f"{_g(f['loads']['fresh'])} / {_g(f['loads']['survivor'])} "
+          f"({f['loads']['sigma']:.2f})", _g(f["first_step"]),
           _g(f["rendezvous"], "N"), _g(f["process_group"], "M"),
           "/".join(f"{f['traffic']['fresh'][o] / 1e6:.1f}" for o in ORIGINS),
           "/".join(f"{f['traffic']['survivor'][o] / 1e6:.1f}" for o in ORIGINS)]

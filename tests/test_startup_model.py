@@ -141,11 +141,15 @@ def test_calibrated_on_2_and_4_the_model_predicts_8_within_15_percent(tmp_path: 
     assert len(lines) == 3 and all("within 15%: pass" in line for line in lines)
     fitted = sm.calibrate(sweep, "bootseer", [2, 4, 8])  # the truth's terms come back
     assert (fitted.rendezvous.a, fitted.rendezvous.b) == (pytest.approx(4.0), pytest.approx(0.5))
-    # the ranks' medians (their jitter is within 3%)
-    assert fitted.imports(1.0) == pytest.approx(3.0, rel=0.03)
-    assert fitted.imports(4.0) == pytest.approx(12.0, rel=0.03)
+    # the ranks' medians (their jitter is within 3%), the fresh node's and the survivors'
+    for population in (fitted.imports.fresh, fitted.imports.survivor):
+        assert population(1.0) == pytest.approx(3.0, rel=0.03)
+        assert population(4.0) == pytest.approx(12.0, rel=0.03)
+    assert 0.05 <= fitted.imports.sigma < 0.1
     assert fitted.fresh.median == pytest.approx(30.0)
-    assert fitted.loads(4.0) == pytest.approx(6.0, rel=0.03)  # the queue at N=8 taken out
+    # the survivors' loads without their queue at N=8; the fresh node's (no queue) as measured
+    assert fitted.loads.survivor(4.0) == pytest.approx(6.0, rel=0.03)
+    assert fitted.loads.fresh(4.0) == pytest.approx(_truth(8)["load"], rel=0.03)
 
 
 def test_a_sweep_whose_largest_count_disagrees_fails_the_check(tmp_path: Path) -> None:
