@@ -160,6 +160,7 @@ def test_a_missing_milestone_is_named_with_its_node_and_rank() -> None:
     (["--sweep", "2,4", "--ranks-per-node", "0"], "--ranks-per-node 0: give 1 to 8"),
     (["--sweep", "2,4", "--lose", "3"], "--lose 3: choose a node from 0 to 1"),
     (["--sweep", "2,4", "--nodes", "4"], "--sweep and --nodes: give one"),
+    (["--sweep", "2,4", "--probe-mib", "-1"], "--probe-mib -1: give 0 (no probe) or more"),
     (["--ranks-per-node", "1"], "--ranks-per-node: only with --nodes or --sweep"),
 ])
 def test_bad_arguments_are_refused_by_name(args: list[str], message: str, tmp_path: Path
