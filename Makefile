@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system demo test bench lint protos clean
+.PHONY: setup system demo test bench gpu-check lint protos clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,14 @@ test: setup system
 
 bench: setup system
 	$(VENV)/bin/bootseer bench $(BENCH_ARGS)
+
+# The CUDA paths measured in one bounded run (docs/benchmarks.md, "GPU check"): needs a CUDA
+# build of torch, so no `setup` here (.venv's torch is the CPU build, and the GPU machine has no
+# network): GPU_PYTHON=python3 there. Without CUDA it runs its CPU form and exits 0.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/gpu_check.py --results bench-results $(GPU_CHECK_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

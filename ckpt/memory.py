@@ -10,7 +10,8 @@
 overwritten; the files live in a directory that ``bootseer run`` created and removes, so they
 survive the trainer's crash or SIGKILL. After each commit the copy is pushed to the
 agent of a node outside the rank's parallel groups, else the neighbouring node's
-(``memory_place``, ``memory_peer``; the connection proves the job's token). A load takes, on every rank, the newest step
+(``memory_place``, ``memory_peer``; the connection proves the job's token, and every message
+and copy on it carries a MAC under it). A load takes, on every rank, the newest step
 that every rank holds, from the nearest place: its own memory, else a peer's, else ``None``
 (the caller falls back to the durable tier); a copy that fails its checksums is refused and
 the ranks agree again without it (``agree``).
@@ -233,11 +234,7 @@ class MemoryTier:
         if not self.enabled:
             return 0.0
         leaves, objects = _split(state)
-        placed, size = [], 0
-        for key, tensor in leaves:
-            placed.append(_Piece(key, tensor, size, tensor.numel() * tensor.element_size()))
-            size = align(size + placed[-1].nbytes)
-        size = pad8(size)
+        placed, size = _place(leaves)
         if size > self._budget_checked and not self._check_budget(size):
             return 0.0
         slot = self.slots[1] if self._newest is self.slots[0] else self.slots[0]
@@ -620,8 +617,9 @@ class MemoryTier:
         fetch_s = 0.0
         if source.startswith("peer:"):
             slot = self._fetch_slot()
-            with self._connect(source[5:]) as client:
-                client.fetch(self.rank, step, slot)
+            _, size = _place(_split(state)[0])  # what this rank's copy must hold, before
+            with self._connect(source[5:]) as client:  # its slot grows for a peer's header
+                client.fetch(self.rank, step, slot, data_size=size, world_size=self.world_size)
             self._newest = slot
             fetch_s = time.perf_counter() - started
         for head, slot in newest(self.slots):
@@ -648,6 +646,16 @@ def _split(state: Any) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
         else:
             objects[key] = value.value if isinstance(value, PerRank) else value
     return leaves, objects
+
+
+def _place(leaves: list[tuple[str, torch.Tensor]]) -> tuple[list[_Piece], int]:
+    """Where each tensor's bytes go in a copy, and the data's size: a copy of this state
+    has exactly that many data bytes."""
+    placed, size = [], 0
+    for key, tensor in leaves:
+        placed.append(_Piece(key, tensor, size, tensor.numel() * tensor.element_size()))
+        size = align(size + placed[-1].nbytes)
+    return placed, pad8(size)
 
 
 def _entry(p: _Piece) -> dict[str, Any]:

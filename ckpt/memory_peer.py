@@ -9,18 +9,24 @@ lost mid-copy leaves the previous copy whole.
 
 Every connection first proves that both ends hold the job's secret (``BOOTSEER_MEMCKPT_TOKEN``,
 the same on every node): an HMAC-SHA256 challenge-response both ways, the token never on the
-wire (``_authenticate``). Until it has, the server reads one small message and nothing else,
-and a failed proof closes the connection: a process that can reach the port but lacks the
-token can neither write into this node's memory nor read a copy. The server binds the job's
+wire, which also derives the session's keys (``memory_wire``). After it every message and
+every chunk of a copy carries a MAC under those keys and a per-direction sequence number,
+checked before anything is acted on, allocated or committed, so a relay that passes the
+handshake through can change nothing after it. Until the proof the server reads one small
+message, and the hello and the request must both arrive within ``HANDSHAKE_S`` of the
+connection (a deadline, not a per-``recv`` timeout). Each connection carries one request and
+is closed after it, the server serves at most ``MAX_CONNECTIONS`` at once (others are told it
+is busy and try again), a ``list`` or ``get`` never creates a file, and every message is
+parsed by a typed spec: a bad one is refused with a log line. The server binds the job's
 network address (a wildcard address is refused).
 
-Messages: a 4-byte little-endian length and a JSON object, then, for ``put`` and ``get``, the
-copy's bytes after its header page (data and meta)::
+Messages (JSON objects; a copy's bytes follow ``put`` and the ``get`` reply, in tagged
+chunks)::
 
-    server: {"hello": "bootseer-memckpt", "challenge": SN}
+    server: {"hello": "bootseer-memckpt", "version": 2, "challenge": SN}
     client: {"op": "auth", "nonce": CN, "mac": HMAC(token, "client" SN CN)}
     server: {"ok": true, "mac": HMAC(token, "server" CN SN)} | {"ok": false, "error": ...}
-
+    ... then one of, each message tagged:
     {"op": "put", "header": {...}}   + bytes  ->  {"ok": true} | {"ok": false, "error": ...}
     {"op": "list", "rank": R, "world_size": W}  ->  {"ok": true, "steps": [...]}
     {"op": "get", "rank": R, "step": S}  ->  {"ok": true, "header": {...}} + bytes
@@ -31,63 +37,95 @@ DIR [HOST:PORT]``.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
+import contextlib
 import logging
 import os
-import secrets
+import random
 import socket
 import socketserver
-import struct
 import sys
 import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from striped_fs.privdir import PrivateDir
 
 from .memory_slot import HEADER, SlotDamaged, SlotFile, SlotHeader, newest, slot_paths
+from .memory_wire import (
+    MAX_HELLO,
+    MAX_MESSAGE,
+    AuthError,
+    BadMessage,
+    Busy,
+    Channel,
+    Const,
+    Deadline,
+    Int,
+    List,
+    Num,
+    Obj,
+    Str,
+    client_handshake,
+    kind_of,
+    recv_exact,
+    recv_msg,
+    send_msg,
+    serve_handshake,
+)
+
+__all__ = ["MAX_HELLO", "MAX_MESSAGE", "PeerClient", "PeerError", "PeerServer", "check_token",
+           "recv_exact", "recv_msg", "send_msg"]
 
 PEERS_WHAT = "the memory tier's directory of peer copies"
 OWN_WHAT = "the memory tier's directory (ckpt.memory_dir, BOOTSEER_MEMCKPT_DIR)"
 
 log = logging.getLogger("ckpt")
 
-MAX_MESSAGE = 1 << 20
-MAX_HELLO = 1024  # what an unauthenticated peer may make the server read
 TOKEN_ENV = "BOOTSEER_MEMCKPT_TOKEN"  # the job's secret, the same on every node
 MIN_TOKEN = 16
-HANDSHAKE_S = 30.0
-_LEN = struct.Struct("<I")
+HANDSHAKE_S = 30.0  # from the connection to its request, whole (the hello included)
+PROGRESS_S = 30.0  # a copy's bytes: at most this long without one arriving
+MAX_CONNECTIONS = 64  # served at once; more are told "busy" and retry
+MAX_WORLD = 1 << 20
+MAX_META = 256 << 20  # a copy's meta: its tensors' entries, block sums, pickled objects
+MAX_DATA = 1 << 48  # a hard cap before the room is asked; the room is the real bound
+FRESH_S = 5.0  # a client's first connection is used for its first request only this soon
+_HEADER = Obj({"version": Int(), "step": Int(), "rank": Int(hi=MAX_WORLD - 1),
+               "world_size": Int(1, MAX_WORLD), "data_size": Int(hi=MAX_DATA),
+               "meta_size": Int(4, MAX_META), "meta_crc32": Int(hi=(1 << 32) - 1),
+               "created": Num(), "job": Str()})
+_REQUESTS = {
+    "put": Obj({"op": Const("put"), "header": _HEADER}),
+    "list": Obj({"op": Const("list"), "rank": Int(hi=MAX_WORLD - 1),
+                 "world_size": Int(1, MAX_WORLD)}),
+    "get": Obj({"op": Const("get"), "rank": Int(hi=MAX_WORLD - 1), "step": Int()}),
+}
+_REFUSAL = Obj({"ok": Const(False), "error": Str(4096)})
+_PUT_OK = Obj({"ok": Const(True)})
+_LIST_OK = Obj({"ok": Const(True), "steps": List(Int(), 64)})
+_GET_OK = Obj({"ok": Const(True), "header": _HEADER})
 
 
 class PeerError(Exception):
     """The peer refused or failed a request; the message names the peer and why."""
 
 
-def send_msg(sock: socket.socket, obj: dict[str, Any]) -> None:
-    body = json.dumps(obj).encode()
-    sock.sendall(_LEN.pack(len(body)) + body)
-
-
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:], min(len(view) - got, 4 << 20))
-        if n == 0:
-            raise ConnectionError(f"connection closed after {got} of {len(view)} bytes")
-        got += n
-
-
-def recv_msg(sock: socket.socket, limit: int = MAX_MESSAGE) -> dict[str, Any]:
-    head = bytearray(_LEN.size)
-    recv_exact(sock, memoryview(head))
-    (length,) = _LEN.unpack(head)
-    if length > limit:
-        raise ConnectionError(f"message of {length} bytes exceeds {limit}")
-    body = bytearray(length)
-    recv_exact(sock, memoryview(body))
-    return json.loads(body)
+def parse_request(raw: Any) -> dict[str, Any]:
+    """A request checked by its op's spec (:class:`BadMessage` otherwise)."""
+    if type(raw) is not dict:
+        raise BadMessage(f"the request: a JSON {kind_of(raw)}, not an object")
+    op = raw.get("op")
+    spec = _REQUESTS.get(op) if type(op) is str else None
+    if spec is None:
+        raise BadMessage(f"the request: op {str(op)[:40]!r} is not one of "
+                         f"{', '.join(_REQUESTS)}")
+    req = spec(raw, f"the {op} request")
+    rank, world = (req["header"]["rank"], req["header"]["world_size"]) if op == "put" else \
+        (req["rank"], req.get("world_size", MAX_WORLD))
+    if rank >= world:
+        raise BadMessage(f"the {op} request: rank {rank} of a world of {world}")
+    return req
 
 
 def check_token(token: str | bytes) -> bytes:
@@ -102,67 +140,25 @@ def check_token(token: str | bytes) -> bytes:
     return raw
 
 
-def _mac(token: bytes, who: bytes, first: bytes, second: bytes) -> str:
-    return hmac.new(token, b"bootseer-memckpt/1 " + who + first + second,
-                    hashlib.sha256).hexdigest()
-
-
-def _nonce(msg: dict[str, Any], key: str) -> bytes:
-    value = msg.get(key)
-    if not isinstance(value, str) or len(value) != 64:
-        raise ValueError(f"no {key} in the handshake")
-    return bytes.fromhex(value)
-
-
-class AuthError(ConnectionError):
-    """The other end did not prove it holds the job's secret."""
-
-
-def serve_handshake(sock: socket.socket, token: bytes) -> None:
-    """The server's side: challenge, check the client's proof, prove itself."""
-    challenge = secrets.token_bytes(32)
-    send_msg(sock, {"hello": "bootseer-memckpt", "challenge": challenge.hex()})
-    msg = recv_msg(sock, MAX_HELLO)
-    try:
-        if msg.get("op") != "auth":
-            raise ValueError("the first message is not auth")
-        nonce = _nonce(msg, "nonce")
-        ok = hmac.compare_digest(str(msg.get("mac", "")), _mac(token, b"client", challenge,
-                                                                nonce))
-    except ValueError as exc:
-        raise AuthError(f"a malformed handshake ({exc})") from None
-    if not ok:
-        raise AuthError("the client does not hold the job's token")
-    send_msg(sock, {"ok": True, "mac": _mac(token, b"server", nonce, challenge)})
-
-
-def client_handshake(sock: socket.socket, token: bytes, address: str) -> None:
-    """The client's side: answer the challenge, then check the server's proof."""
-    hello = recv_msg(sock, MAX_HELLO)
-    try:
-        challenge = _nonce(hello, "challenge")
-    except ValueError as exc:
-        raise PeerError(f"memory peer {address}: not a memory peer server ({exc})") from None
-    nonce = secrets.token_bytes(32)
-    send_msg(sock, {"op": "auth", "nonce": nonce.hex(),
-                    "mac": _mac(token, b"client", challenge, nonce)})
-    reply = recv_msg(sock, MAX_HELLO)
-    if not reply.get("ok"):
-        raise PeerError(f"memory peer {address}: refused: {reply.get('error')}")
-    if not hmac.compare_digest(str(reply.get("mac", "")), _mac(token, b"server", nonce,
-                                                              challenge)):
-        raise PeerError(f"memory peer {address}: the server does not hold the job's token "
-                        f"({TOKEN_ENV}): not this job's peer")
-
-
-def receive_copy(sock: socket.socket, slot: SlotFile, head: SlotHeader) -> None:
-    """Receive a copy's bytes into ``slot``, check every byte, then commit it."""
+def receive_copy(chan: Channel, slot: SlotFile, head: SlotHeader) -> None:
+    """Receive a copy's bytes into ``slot``, each chunk's MAC checked as it arrives, check
+    every block, then commit it. ``head`` has been checked against what may be received."""
     slot.ensure(head.total)
     slot.invalidate()
-    recv_exact(sock, slot.view(HEADER, head.data_size + head.meta_size))
+    chan.recv_bulk(slot.view(HEADER, head.data_size + head.meta_size))
     meta, _ = slot.meta(head)
     slot.check_data(head, meta["sums"])
     slot.commit(head)
+
+
+def room_for(head: SlotHeader, slot: SlotFile, directory: str, where: str) -> None:
+    """Refuse a copy bigger than ``directory`` can take (its free space and what ``slot``
+    already holds), before a byte is allocated."""
+    st = os.statvfs(directory)
+    room = st.f_bavail * st.f_frsize + slot.size
+    if head.total > room:
+        raise ValueError(f"{where}: a copy of rank {head.rank} step {head.step} needs "
+                         f"{head.total} bytes; {directory} has {room}")
 
 
 class _Ranks:
@@ -175,6 +171,24 @@ class _Ranks:
         self._slots: dict[int, list[SlotFile]] = {}
         self._locks: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
+
+    def held(self, rank: int) -> tuple[list[SlotFile], threading.Lock] | None:
+        """The slots of a rank that has copies here (put by this server, or files from
+        before it started); ``None`` when it has none: a list or get creates no file and
+        keeps nothing open (1,200 lists of new ranks had made 2,400 files, kept open)."""
+        with self._guard:
+            cached = rank in self._slots
+        if cached or any(self._exists(os.path.basename(p))
+                         for p in slot_paths(self.directory, f"peer-rank-{rank}")):
+            return self.get(rank)
+        return None
+
+    def _exists(self, name: str) -> bool:
+        try:  # through the directory's descriptor, a link not followed
+            os.stat(name, dir_fd=self._dir.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
 
     def get(self, rank: int) -> tuple[list[SlotFile], threading.Lock]:
         with self._guard:
@@ -192,40 +206,42 @@ class _Ranks:
 
 
 class _Handler(socketserver.BaseRequestHandler):
+    """One connection: the handshake and one request, within ``handshake_s`` of the
+    connection; then the connection is closed (``socketserver`` closes it)."""
+
     server: _Server
 
     def handle(self) -> None:
         sock: socket.socket = self.request
-        sock.settimeout(HANDSHAKE_S)  # an idle unauthenticated peer does not hold a thread
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer, address = self.client_address[0], self.server.address
+        deadline = Deadline(self.server.handshake_s)  # the whole hello, not each recv
         try:
-            serve_handshake(sock, self.server.token)
+            chan = serve_handshake(sock, self.server.token, deadline)
         except AuthError as exc:
             log.warning("memory peer %s: refused a connection from %s: %s (%s must be the "
-                        "same on every node)", self.server.address, self.client_address[0],
-                        exc, TOKEN_ENV)
-            try:
+                        "same on every node)", address, peer, exc, TOKEN_ENV)
+            with contextlib.suppress(OSError):
                 send_msg(sock, {"ok": False, "error": f"authentication failed: {exc}"})
-            except OSError:
-                pass
             return
-        except (ConnectionError, OSError, ValueError):
+        except TimeoutError as exc:
+            log.warning("memory peer %s: closed a connection from %s: its handshake was %s",
+                        address, peer, exc)
             return
-        sock.settimeout(None)
-        while True:
-            try:
-                msg = recv_msg(sock)
-            except (ConnectionError, OSError, ValueError):
-                return
-            try:
-                self.server.serve_one(sock, msg)
-            except (SlotDamaged, ConnectionError, OSError, ValueError, KeyError) as exc:
-                log.warning("memory peer %s: %s from %s failed: %s", self.server.address,
-                            msg.get("op"), self.client_address[0], exc)
-                try:  # then close: after a failed op the stream's position is unknown
-                    send_msg(sock, {"ok": False, "error": str(exc)})
-                except OSError:
-                    pass
-                return
+        except (OSError, BadMessage) as exc:
+            log.info("memory peer %s: a connection from %s ended in the handshake: %s",
+                     address, peer, exc)
+            return
+        op = "request"
+        try:
+            req = parse_request(chan.recv(deadline=deadline))
+            op = req["op"]
+            sock.settimeout(self.server.progress_s)
+            self.server.serve_one(chan, req)
+        except (SlotDamaged, BadMessage, OSError, ValueError) as exc:
+            log.warning("memory peer %s: refused a %s from %s: %s", address, op, peer, exc)
+            with contextlib.suppress(OSError, ValueError):
+                chan.send({"ok": False, "error": str(exc)[:4000]})
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -233,11 +249,17 @@ class _Server(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
 
     def __init__(self, directory: str, host: str, port: int, token: bytes,
-                 own: str | None = None) -> None:
+                 own: str | None = None, max_connections: int | None = None,
+                 handshake_s: float | None = None) -> None:
         if host in ("", "0.0.0.0", "::", "[::]", "*"):
             raise ValueError(f"memory peer server: {host or '(empty)'!r} binds every "
                              "interface: give the node's address on the job's network (the "
                              "one the other nodes reach it at)")
+        self.handshake_s = HANDSHAKE_S if handshake_s is None else handshake_s
+        self.progress_s = PROGRESS_S
+        self.max_connections = MAX_CONNECTIONS if max_connections is None else max_connections
+        self._open = threading.BoundedSemaphore(self.max_connections)
+        self._busy_said = 0.0
         self.token = token
         self.ranks = _Ranks(directory)
         try:  # the node's own copies: read through its checked descriptor
@@ -248,52 +270,85 @@ class _Server(socketserver.ThreadingTCPServer):
         super().__init__((host, port), _Handler)
         self.address = f"{host}:{self.server_address[1]}"
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per connection, at most ``max_connections`` at once: beyond that the
+        connection is told "busy" (the client tries again) and closed at once."""
+        if not self._open.acquire(blocking=False):
+            self._refuse_busy(request, client_address)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._open.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._open.release()
+
+    def _refuse_busy(self, request: socket.socket, client_address: Any) -> None:
+        with contextlib.suppress(OSError):
+            request.setblocking(False)  # the accepting thread never waits on a client
+            send_msg(request, {"hello": "bootseer-memckpt", "busy": True})
+        self.shutdown_request(request)
+        now = time.monotonic()
+        if now - self._busy_said > 60:
+            self._busy_said = now
+            log.warning("memory peer %s: %d connections open, the most it serves at once: "
+                        "told %s to try again (said once a minute)", self.address,
+                        self.max_connections, client_address[0])
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """What a handler did not expect is a log line, never a traceback on stderr."""
+        exc = sys.exc_info()[1]
+        log.warning("memory peer %s: a connection from %s failed: %s: %s", self.address,
+                    client_address[0], type(exc).__name__, exc)
+
     def _own(self, rank: int) -> list[SlotFile]:
         return _own_slots(self.own, rank)
 
-    def serve_one(self, sock: socket.socket, msg: dict[str, Any]) -> None:
-        op = msg.get("op")
+    @contextlib.contextmanager
+    def _copies(self, rank: int) -> Iterator[list[SlotFile]]:
+        """Every slot holding ``rank``'s copies here (under its lock); files opened for the
+        request are closed after it."""
+        held = self.ranks.held(rank)
+        own = self._own(rank)
+        try:
+            if held is None:
+                yield own
+            else:
+                with held[1]:
+                    yield held[0] + own
+        finally:
+            for s in own:
+                s.close()
+
+    def serve_one(self, chan: Channel, req: dict[str, Any]) -> None:
+        """One request, parsed by its spec (``parse_request``)."""
+        op = req["op"]
         if op == "put":
-            head = SlotHeader.from_json(msg["header"], "put from the network")
+            head = SlotHeader.from_json(req["header"], "a put from the network")
             slots, lock = self.ranks.get(head.rank)
             with lock:
                 target = _target(slots, head.step)
-                st = os.statvfs(self.ranks.directory)
-                room = st.f_bavail * st.f_frsize + target.size
-                if head.total > room:  # refused before a byte is taken
-                    raise ValueError(f"a copy of rank {head.rank} step {head.step} needs "
-                                     f"{head.total} bytes; {self.ranks.directory} has {room}")
-                receive_copy(sock, target, head)
-            send_msg(sock, {"ok": True})
+                room_for(head, target, self.ranks.directory, "memory peer")  # before a byte
+                receive_copy(chan, target, head)
+            chan.send({"ok": True})
         elif op == "list":
-            rank = int(msg["rank"])
-            slots, lock = self.ranks.get(rank)
-            own = self._own(rank)
-            try:
-                with lock:
-                    steps = sorted({h.step for h, _ in newest(slots + own)
-                                    if h.world_size == int(msg["world_size"])}, reverse=True)
-            finally:
-                for s in own:
-                    s.close()
-            send_msg(sock, {"ok": True, "steps": steps})
-        elif op == "get":
-            rank = int(msg["rank"])
-            slots, lock = self.ranks.get(rank)
-            own = self._own(rank)
-            try:
-                with lock:
-                    found = [(h, s) for h, s in newest(slots + own) if h.step == int(msg["step"])]
-                    if not found:
-                        raise KeyError(f"rank {rank} step {msg['step']} is not held here")
-                    head, slot = found[0]
-                    send_msg(sock, {"ok": True, "header": head.to_json()})
-                    sock.sendall(slot.view(HEADER, head.data_size + head.meta_size))
-            finally:
-                for s in own:
-                    s.close()
+            with self._copies(req["rank"]) as slots:
+                steps = sorted({h.step for h, _ in newest(slots)
+                                if h.world_size == req["world_size"]}, reverse=True)
+            chan.send({"ok": True, "steps": steps[:64]})
         else:
-            raise ValueError(f"unknown op {op!r}")
+            with self._copies(req["rank"]) as slots:
+                found = [(h, s) for h, s in newest(slots) if h.step == req["step"]]
+                if not found:
+                    raise ValueError(f"rank {req['rank']} step {req['step']} is not held here")
+                head, slot = found[0]
+                chan.send({"ok": True, "header": head.to_json()})
+                chan.send_bulk(slot.view(HEADER, head.data_size + head.meta_size))
 
 
 def _own_slots(directory: PrivateDir | None, rank: int) -> list[SlotFile]:
@@ -327,12 +382,16 @@ class PeerServer:
     with ``own`` (the node's memory directory) also the node's own copies, read-only.
 
     ``token``: the job's secret (``BOOTSEER_MEMCKPT_TOKEN``; default: that variable); every
-    connection must prove it holds it."""
+    connection must prove it holds it. ``max_connections`` (default ``MAX_CONNECTIONS``):
+    served at once; ``handshake_s`` (default ``HANDSHAKE_S``): from a connection to its
+    request, whole."""
 
     def __init__(self, directory: str, host: str = "127.0.0.1", port: int = 0,
-                 token: str | bytes | None = None, own: str | None = None) -> None:
+                 token: str | bytes | None = None, own: str | None = None,
+                 max_connections: int | None = None, handshake_s: float | None = None) -> None:
         secret = check_token(os.environ.get(TOKEN_ENV, "") if token is None else token)
-        self._server = _Server(directory, host, port, secret, own)
+        self._server = _Server(directory, host, port, secret, own, max_connections,
+                               handshake_s)
         self.address = self._server.address
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="memckpt-peer", daemon=True)
@@ -350,72 +409,139 @@ class PeerServer:
 
 
 class PeerClient:
-    """One authenticated connection to a peer's server (``token``: the job's secret;
-    default: ``BOOTSEER_MEMCKPT_TOKEN``)."""
+    """Requests to a peer's server, each on a connection of its own that proves the job's
+    secret both ways (``token``; default: ``BOOTSEER_MEMCKPT_TOKEN``) and is closed after
+    it. The first connection is made here, so a server that is away or does not hold the
+    token is named at once; ``timeout_s`` bounds the handshake (whole) and each wait for
+    bytes after it."""
 
     def __init__(self, address: str, timeout_s: float = 30.0,
                  token: str | bytes | None = None) -> None:
         self.address = address
+        self.timeout_s = timeout_s
         host, _, port = address.rpartition(":")
         try:
-            secret = check_token(os.environ.get(TOKEN_ENV, "") if token is None else token)
+            self._secret = check_token(os.environ.get(TOKEN_ENV, "") if token is None
+                                       else token)
+            self._target = (host, int(port))
         except ValueError as exc:
             raise PeerError(f"memory peer {address}: {exc}") from None
-        try:
-            self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-        except OSError as exc:
-            raise PeerError(f"memory peer {address}: cannot connect: {exc}") from None
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            client_handshake(self.sock, secret, address)
-        except (ConnectionError, OSError, ValueError) as exc:
-            self.sock.close()
-            raise PeerError(f"memory peer {address}: handshake failed: {exc}") from None
-        except PeerError:
-            self.sock.close()
-            raise
+        self._fresh: tuple[Channel, float] | None = (self._connect(), time.monotonic())
 
-    def _reply(self) -> dict[str, Any]:
+    def _connect(self) -> Channel:
+        """A new authenticated session; a busy server is asked again (at most
+        ``timeout_s``)."""
+        deadline = Deadline(self.timeout_s)
+        pause = 0.02
+        while True:
+            try:
+                sock = socket.create_connection(
+                    self._target, timeout=max(0.01, deadline.at - time.monotonic()))
+            except OSError as exc:
+                raise PeerError(f"memory peer {self.address}: cannot connect: {exc}") from None
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                chan = client_handshake(sock, self._secret, deadline)
+                sock.settimeout(self.timeout_s)
+                return chan
+            except Busy:
+                sock.close()
+                left = deadline.at - time.monotonic()
+                if left <= 0:
+                    raise PeerError(f"memory peer {self.address}: busy (it serves at most "
+                                    f"its max_connections at once) for {self.timeout_s:g} s"
+                                    ) from None
+                time.sleep(min(left, pause * random.uniform(0.5, 1.5)))
+                pause = min(pause * 2, 1.0)
+            except AuthError as exc:
+                sock.close()
+                raise PeerError(f"memory peer {self.address}: {exc}" + (
+                    f" ({TOKEN_ENV}): not this job's peer" if "does not hold" in str(exc)
+                    else "")) from None
+            except (OSError, BadMessage) as exc:
+                sock.close()
+                raise PeerError(f"memory peer {self.address}: handshake failed: {exc}"
+                                ) from None
+
+    def _session(self) -> Channel:
+        fresh, self._fresh = self._fresh, None
+        if fresh is not None and time.monotonic() - fresh[1] < FRESH_S:
+            return fresh[0]
+        if fresh is not None:  # the server may have given up on it: a new one
+            fresh[0].close()
+        return self._connect()
+
+    def _reply(self, chan: Channel, spec: Obj) -> dict[str, Any]:
+        """The reply, its MAC and then its spec checked; a refusal raises, naming why."""
+        where = f"memory peer {self.address}"
         try:
-            reply = recv_msg(self.sock)
-        except (ConnectionError, OSError) as exc:
-            raise PeerError(f"memory peer {self.address}: {exc}") from None
-        if not reply.get("ok"):
-            raise PeerError(f"memory peer {self.address}: {reply.get('error')}")
-        return reply
+            raw = chan.recv()
+            if type(raw) is dict and raw.get("ok") is False:
+                raise PeerError(f"{where}: {_REFUSAL(raw, 'its refusal')['error']}")
+            return spec(raw, f"{where}'s reply")
+        except (OSError, BadMessage) as exc:
+            raise PeerError(f"{where}: {exc}") from None
 
     def push(self, slot: SlotFile, head: SlotHeader) -> None:
         """Send a committed copy; returns once the peer has checked and committed it."""
+        chan = self._session()
         try:
-            send_msg(self.sock, {"op": "put", "header": head.to_json()})
-            self.sock.sendall(slot.view(HEADER, head.data_size + head.meta_size))
-        except OSError as exc:
-            try:  # a refusal says why before the peer closes
-                reply = recv_msg(self.sock)
-            except (ConnectionError, OSError, ValueError):
-                reply = {"error": str(exc)}
-            raise PeerError(f"memory peer {self.address}: {reply.get('error')}") from None
-        self._reply()
+            try:
+                chan.send({"op": "put", "header": head.to_json()})
+                chan.send_bulk(slot.view(HEADER, head.data_size + head.meta_size))
+            except OSError as exc:
+                try:  # a refusal says why before the peer closes
+                    self._reply(chan, _PUT_OK)
+                except PeerError as refusal:
+                    raise refusal from None
+                raise PeerError(f"memory peer {self.address}: {exc}") from None
+            self._reply(chan, _PUT_OK)
+        finally:
+            chan.close()
 
     def listing(self, rank: int, world_size: int) -> list[int]:
-        send_msg(self.sock, {"op": "list", "rank": rank, "world_size": world_size})
-        return [int(s) for s in self._reply()["steps"]]
-
-    def fetch(self, rank: int, step: int, into: SlotFile) -> SlotHeader:
-        """The peer's copy of ``rank`` at ``step``, received into ``into`` and checked."""
-        send_msg(self.sock, {"op": "get", "rank": rank, "step": step})
-        head = SlotHeader.from_json(self._reply()["header"], f"memory peer {self.address}")
-        if (head.rank, head.step) != (rank, step):
-            raise PeerError(f"memory peer {self.address}: asked rank {rank} step {step}, got "
-                            f"rank {head.rank} step {head.step}")
+        chan = self._session()
         try:
-            receive_copy(self.sock, into, head)
-        except (ConnectionError, OSError) as exc:
-            raise PeerError(f"memory peer {self.address}: {exc}") from None
-        return head
+            chan.send({"op": "list", "rank": rank, "world_size": world_size})
+            return self._reply(chan, _LIST_OK)["steps"]
+        finally:
+            chan.close()
+
+    def fetch(self, rank: int, step: int, into: SlotFile, *, data_size: int | None = None,
+              world_size: int | None = None) -> SlotHeader:
+        """The peer's copy of ``rank`` at ``step``, received into ``into`` and checked. Its
+        header is checked before ``into`` is grown: the rank and step asked, ``world_size``
+        and ``data_size`` when given (the caller's state's geometry), a meta of at most
+        ``MAX_META`` bytes, and room in ``into``'s directory."""
+        where = f"memory peer {self.address}"
+        chan = self._session()
+        try:
+            chan.send({"op": "get", "rank": rank, "step": step})
+            raw = self._reply(chan, _GET_OK)["header"]
+            try:
+                head = SlotHeader.from_json(raw, where)
+                want = {"rank": rank, "step": step, "world_size": world_size,
+                        "data_size": data_size}
+                wrong = [f"{k} {getattr(head, k)} (asked {v})" for k, v in want.items()
+                         if v is not None and getattr(head, k) != v]
+                if wrong:
+                    raise PeerError(f"{where}: asked rank {rank} step {step}, its copy has "
+                                    + ", ".join(wrong) + ": refused before a byte is taken")
+                room_for(head, into, os.path.dirname(into.path) or ".", where)
+            except (SlotDamaged, ValueError) as exc:
+                raise PeerError(str(exc)) from None
+            try:
+                receive_copy(chan, into, head)
+            except OSError as exc:
+                raise PeerError(f"{where}: {exc}") from None
+            return head
+        finally:
+            chan.close()
 
     def close(self) -> None:
-        self.sock.close()
+        if self._fresh is not None:
+            self._fresh[0].close()
+            self._fresh = None
 
     def __enter__(self) -> PeerClient:
         return self

@@ -82,6 +82,8 @@ class SlotHeader:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], where: str) -> SlotHeader:
+        if type(raw) is not dict:
+            raise SlotDamaged(f"{where}: the header is a {type(raw).__name__}, not an object")
         if raw.get("version") != VERSION:
             raise SlotDamaged(f"{where}: header version {raw.get('version')!r}, this reader "
                               f"knows {VERSION}")
@@ -91,8 +93,10 @@ class SlotHeader:
             raise SlotDamaged(f"{where}: header lacks {exc}") from None
         ints = (head.step, head.rank, head.world_size, head.data_size, head.meta_size,
                 head.meta_crc32)
-        if not all(isinstance(x, int) and x >= 0 for x in ints) or head.data_size % 8:
-            raise SlotDamaged(f"{where}: header holds a negative or misaligned size: {raw}")
+        if not all(type(x) is int and x >= 0 for x in ints) or head.data_size % 8 or \
+                type(head.created) not in (int, float) or type(head.job) is not str:
+            raise SlotDamaged(f"{where}: header holds a negative, misaligned or mistyped "
+                              f"field: {str(raw)[:300]}")
         return head
 
 
@@ -198,9 +202,16 @@ class SlotFile:
         (length,) = struct.unpack_from("<I", raw, 0)
         if 4 + length > len(raw):
             raise SlotDamaged(f"{self.path}: meta length {length} exceeds {len(raw)} bytes")
-        meta = json.loads(bytes(raw[4 : 4 + length]))
+        try:
+            meta = json.loads(bytes(raw[4 : 4 + length]))
+        except ValueError:
+            raise SlotDamaged(f"{self.path}: step {head.step}: meta is not JSON") from None
         blocks = (head.data_size + BLOCK - 1) // BLOCK
-        if len(meta.get("sums", ())) != blocks:
+        if type(meta) is not dict or type(meta.get("sums")) is not list or \
+                type(meta.get("entries")) is not list:
+            raise SlotDamaged(f"{self.path}: step {head.step}: meta is not an object with "
+                              "entries and sums")
+        if len(meta["sums"]) != blocks:
             raise SlotDamaged(f"{self.path}: step {head.step}: {len(meta.get('sums', ()))} "
                               f"block sums for {blocks} blocks")
         return meta, bytes(raw[4 + length :])

@@ -7,8 +7,9 @@ SIGKILL when one fails (exit 1). Each rank loads (memory tier first, through
 is, trains to ``spec["steps"]`` (one all_reduce and one ``save`` a step) and writes
 ``<results>/rank-<r>.json``.
 
-``python memckpt_worker.py peer DIR DIE_AT_PUT``: a peer server (``ckpt.memory_peer``) that
-SIGKILLs itself half-way through receiving its ``DIE_AT_PUT``-th copy (0: never).
+``python memckpt_worker.py peer DIR DIE_AT_PUT [MAX_CONNECTIONS HANDSHAKE_S]``: a peer server
+(``ckpt.memory_peer``) that SIGKILLs itself half-way through receiving its ``DIE_AT_PUT``-th
+copy (0: never), serving at most MAX_CONNECTIONS at once with hellos bounded by HANDSHAKE_S.
 
 Faults are injected here, never in the library: ``spec["die_at"] = [rank, step]`` makes that
 rank SIGKILL itself half-way through copying that step into memory (first attempt only);
@@ -167,23 +168,26 @@ def launch(spec: dict[str, Any]) -> int:
     return code
 
 
-def peer(directory: str, die_at_put: int) -> int:
+def peer(directory: str, die_at_put: int, limits: list[str]) -> int:
+    """``limits``: the server's MAX_CONNECTIONS and HANDSHAKE_S, when given."""
     from ckpt import memory_peer
 
     original = memory_peer.receive_copy
     puts = [0]
 
-    def receive(sock: Any, slot: Any, head: Any) -> None:
+    def receive(chan: Any, slot: Any, head: Any) -> None:
         puts[0] += 1
         if puts[0] != die_at_put:
-            return original(sock, slot, head)
+            return original(chan, slot, head)
         slot.ensure(head.total)
         slot.invalidate()
         half = (head.data_size + head.meta_size) // 2
-        memory_peer.recv_exact(sock, slot.view(memory_peer.HEADER, half))
+        memory_peer.recv_exact(chan.sock, slot.view(memory_peer.HEADER, half))
         os.kill(os.getpid(), signal.SIGKILL)
 
     memory_peer.receive_copy = receive
+    if limits:
+        memory_peer.MAX_CONNECTIONS, memory_peer.HANDSHAKE_S = int(limits[0]), float(limits[1])
     # as bootseer run's server: the node's own copies (the directory above "peers") too
     own = [os.path.dirname(directory)] if os.path.basename(directory) == "peers" else []
     return memory_peer.main([directory, "127.0.0.1:0", *own])
@@ -192,6 +196,6 @@ def peer(directory: str, die_at_put: int) -> int:
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "peer":
-        sys.exit(peer(sys.argv[2], int(sys.argv[3])))
+        sys.exit(peer(sys.argv[2], int(sys.argv[3]), sys.argv[4:]))
     spec = json.loads(sys.argv[2])
     sys.exit(launch(spec) if mode == "launch" else rank_main(spec))

@@ -25,11 +25,12 @@ from ckpt.memory_slot import SlotFile, newest
 class Peer:
     """One node agent's server of peer copies, in a process of its own."""
 
-    def __init__(self, directory: Path, die_at_put: int = 0) -> None:
+    def __init__(self, directory: Path, die_at_put: int = 0, limits: tuple = ()) -> None:
+        """``limits``: (MAX_CONNECTIONS, HANDSHAKE_S) for this server."""
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.directory = directory
         self.proc = subprocess.Popen([sys.executable, WORKER, "peer", str(directory),
-                                      str(die_at_put)], env=worker_env(),
+                                      str(die_at_put), *map(str, limits)], env=worker_env(),
                                      stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("listening on "), line
@@ -318,7 +319,7 @@ def test_peer_port_refuses_connections_without_the_jobs_token(
     def impostor() -> None:
         conn, _ = fake.accept()
         with conn:
-            send_msg(conn, {"hello": "bootseer-memckpt", "challenge": "00" * 32})
+            send_msg(conn, {"hello": "bootseer-memckpt", "version": 2, "challenge": "00" * 32})
             recv_msg(conn)
             send_msg(conn, {"ok": True, "mac": "00" * 32})
     thread = threading.Thread(target=impostor, daemon=True)

@@ -91,12 +91,16 @@ class RankResult:
     links: dict[str, float] = field(default_factory=dict)
 
 
-def reference_step(perturb: bool = False) -> tuple[str, str]:
+def reference_step(perturb: bool = False, device: str = "cpu") -> tuple[str, str]:
     """One forward and backward step of a fixed small model on fixed input, deterministic
     and single-threaded; the sha256 of its output and of its gradients. ``perturb``: one
-    weight one ulp off (the test's stand-in for a unit computing wrong bits)."""
+    weight one ulp off (the test's stand-in for a unit computing wrong bits). ``device``:
+    where the step computes (``"cuda"``: the GPU is the unit under test; the inputs are made
+    on the CPU, so every device starts from the same bits)."""
     import torch
 
+    if device != "cpu":  # deterministic cuBLAS needs a fixed workspace (read at first use)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(20250917)
@@ -107,16 +111,16 @@ def reference_step(perturb: bool = False) -> tuple[str, str]:
     if perturb:
         flat = params[0].view(-1)
         flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
-    for p in params:
-        p.requires_grad_(True)
+    params = [p.to(device).requires_grad_(True) for p in params]
+    x, target = x.to(device), target.to(device)
     w1, b1, w2, b2 = params
     out = torch.tanh(x @ w1.T + b1) @ w2.T + b2
     loss = torch.nn.functional.mse_loss(out, target)
     loss.backward()
     grads = hashlib.sha256()
     for p in params:
-        grads.update(p.grad.numpy().tobytes())
-    return hashlib.sha256(out.detach().numpy().tobytes()).hexdigest(), grads.hexdigest()
+        grads.update(p.grad.cpu().numpy().tobytes())
+    return hashlib.sha256(out.detach().cpu().numpy().tobytes()).hexdigest(), grads.hexdigest()
 
 
 def _exact_sum_test(rank: int, world: int, corrupt: bool) -> int:

@@ -5,7 +5,8 @@
 ``ckpt.memory_listen`` is set (``ckpt.memory_peer.PeerServer``, a thread of the agent), and
 hands both to the job (``BOOTSEER_MEMCKPT_DIR``, ``BOOTSEER_MEMCKPT_SERVER``). The server
 answers only connections that prove they hold the job's secret (``BOOTSEER_MEMCKPT_TOKEN``
-in the agent's environment, the same on every node; the job inherits it) and binds only the
+in the agent's environment, the same on every node; the job inherits it), checks a MAC under
+it on every message and copy after that proof (``ckpt.memory_wire``), and binds only the
 address ``ckpt.memory_listen`` names, never a wildcard. The trainer
 writes its copies there; they outlive the trainer's crash or SIGKILL, because the agent, not
 the trainer, holds the directory, and are removed when the run ends. Each time the agent
