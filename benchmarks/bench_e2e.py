@@ -49,7 +49,9 @@ Target (reported, never asserted): bootseer's restart takes >= 70% less time tha
 ``python benchmarks/bench_e2e.py --results DIR [--quick] [--keep] [--methods ...]`` or
 ``bootseer bench e2e``;
 root, containerd, runc, FUSE and docker-registry needed. Writes ``DIR/e2e.json``,
-``DIR/e2e.md`` and ``DIR/e2e.png``.
+``DIR/e2e.md`` and ``DIR/e2e.png``. ``--nodes N``: the scenario on N nodes of a cluster
+(``bench_e2e_nodes.py``); ``--sweep 2,4,8``: that for each N, and what the startup model needs
+(``bench_e2e_sweep.py``).
 """
 
 from __future__ import annotations
@@ -903,6 +905,10 @@ class Bench:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--sweep" or a.startswith("--sweep=") for a in argv):  # its own options
+        import bench_e2e_sweep
+
+        return bench_e2e_sweep.main(argv)
     parser = argparse.ArgumentParser(prog="bench_e2e.py", description=__doc__.split("\n")[0])
     parser.add_argument("--results", default="bench-results")
     parser.add_argument("--quick", action="store_true", help="the small job (0.25 GB of state)")
@@ -917,11 +923,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=None,
                         help="the scenario on N nodes of a cluster (bench_e2e_nodes.py)")
     parser.add_argument("--lose", type=int, default=None, help="with --nodes: the node lost")
+    parser.add_argument("--sweep", default=None,
+                        help="the --nodes scenario for each N of a list, e.g. 2,4,8 "
+                             "(bench_e2e_sweep.py: e2e-sweep.json, the scale model's input)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="with --nodes or --sweep: ranks per node (default 2; sweep 1)")
     args = parser.parse_args(argv)
     if args.nodes is not None:
         import bench_e2e_nodes
 
         return bench_e2e_nodes.main(argv)
+    if args.ranks_per_node is not None:
+        parser.error("--ranks-per-node: only with --nodes or --sweep")
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
         parser.error(f"--methods: unknown {', '.join(sorted(unknown))} "

@@ -71,6 +71,7 @@ import e2e_diy  # noqa: E402
 import e2e_image  # noqa: E402
 from _common import command_line, download_wheels, log, md_table, mem_total, run_bench  # noqa: E402
 from e2e_nodes_spans import (  # noqa: E402
+    SERVICES,
     NodeRun,
     check_identical,
     harness_spans,
@@ -100,6 +101,13 @@ LABELS = {
     "diy-inplace": "diy in place: the container restarted on the same node",
 }
 RCLONE = e2e_diy.RcloneTuning()
+MAX_RANKS_PER_NODE = 8
+
+
+def rank_list(node: int, per_node: int) -> str:
+    """The ranks node ``node`` serves (``ckpt.ranks``): ``"2-3"``, or ``"5"`` for one rank."""
+    first = node * per_node
+    return str(first) if per_node == 1 else f"{first}-{first + per_node - 1}"
 
 
 def family(method: str) -> str:
@@ -112,8 +120,36 @@ def in_place(method: str) -> bool:
     return method == "inplace" or method.endswith("-inplace")
 
 
-class NodesBench:
+class ResultFiles:
+    """``report()`` and ``write_files()`` of a bench whose results are ``R``, written as
+    ``DIR/<suite>.json`` and, rendered, ``DIR/<suite>.md``."""
+
+    suite: str
+    results_dir: Path
+    R: dict[str, Any]
+
+    def render(self) -> list[str]:
+        raise NotImplementedError
+
+    def report(self) -> None:
+        lines = self.render()
+        self.R["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+        self.R["done"] = True
+        print("\n".join(lines))
+        self.results_dir.mkdir(parents=True, exist_ok=True)
+        (self.results_dir / f"{self.suite}.md").write_text("\n".join(lines) + "\n")
+        self.write_files()
+
+    def write_files(self) -> None:
+        self.results_dir.mkdir(parents=True, exist_ok=True)
+        (self.results_dir / f"{self.suite}.json").write_text(
+            json.dumps(self.R, indent=2, default=str) + "\n")
+
+
+class NodesBench(ResultFiles):
     """One cluster per method; the results in ``R`` (``e2e-nodes.json``)."""
+
+    suite = SUITE
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -124,6 +160,12 @@ class NodesBench:
         if not 2 <= self.nodes <= 8:
             raise ValueError(f"--nodes {self.nodes}: the scenario needs 2 to 8 nodes (a node "
                              "is lost and the others wait for its replacement)")
+        per_node = getattr(args, "ranks_per_node", None)
+        self.ranks_per_node = 2 if per_node is None else int(per_node)
+        if not 1 <= self.ranks_per_node <= MAX_RANKS_PER_NODE:
+            raise ValueError(f"--ranks-per-node {self.ranks_per_node}: give 1 to "
+                             f"{MAX_RANKS_PER_NODE} (every rank of every node shares this "
+                             "machine's cores)")
         self.lose = self.nodes - 1 if args.lose is None else int(args.lose)
         if not 0 <= self.lose < self.nodes:
             raise ValueError(f"--lose {self.lose}: choose a node from 0 to {self.nodes - 1}")
@@ -135,7 +177,8 @@ class NodesBench:
         self.stack = contextlib.ExitStack()
         self.errors: list[str] = []
         self.R: dict[str, Any] = {
-            "suite": SUITE, "quick": self.quick, "nodes": self.nodes, "ranks_per_node": 2,
+            "suite": SUITE, "quick": self.quick, "nodes": self.nodes,
+            "ranks_per_node": self.ranks_per_node,
             "lost_node": f"node{self.lose}", "model": self.model,
             "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "command": command_line("bench_e2e.py"),
@@ -192,20 +235,8 @@ class NodesBench:
             run = MethodRun(self, c, method)
             return run.execute()
 
-    # -- the report ------------------------------------------------------------------------------
-    def report(self) -> None:
-        lines = render(self.R)
-        self.R["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-        self.R["done"] = True
-        print("\n".join(lines))
-        self.results_dir.mkdir(parents=True, exist_ok=True)
-        (self.results_dir / f"{SUITE}.md").write_text("\n".join(lines) + "\n")
-        self.write_files()
-
-    def write_files(self) -> None:
-        self.results_dir.mkdir(parents=True, exist_ok=True)
-        (self.results_dir / f"{SUITE}.json").write_text(
-            json.dumps(self.R, indent=2, default=str) + "\n")
+    def render(self) -> list[str]:
+        return render(self.R)
 
 
 def render(R: dict[str, Any]) -> list[str]:  # noqa: N803 - the results, as in e2e-nodes.json
@@ -217,7 +248,8 @@ def render(R: dict[str, Any]) -> list[str]:  # noqa: N803 - the results, as in e
              f"{R['machine']['ram_bytes'] / 2**30:.1f} GiB RAM, "
              f"{R['machine']['containerd']}; every node, its containerd and its ranks "
              "share these CPUs",
-             f"- job: FSDP2 over gloo, {R['nodes']} nodes x 2 ranks, model "
+             f"- job: FSDP2 over gloo, {R['nodes']} nodes x "
+             f"{R.get('ranks_per_node', 2)} ranks, model "
              f"`{R['model']}` ({state_text(R['model'])}); {R['lost_node']} lost "
              "(SIGKILL to all its processes) after a commit, replaced by a fresh node; "
              "in place: its job processes killed, the same node restarts them",
@@ -352,7 +384,7 @@ class MethodRun:
                 '[env]\nspec = ["/job/requirements.txt"]\nprefix = "/opt/env"\n'
                 'store = "s3://envs/e2e"\n\n'
                 '[ckpt]\nurl = "s3://ckpt/bootseer"\ncache_dir = "/var/cache/bootseer/ckpt"\n'
-                f'ranks = "{2 * i}-{2 * i + 1}"\n')
+                f'ranks = "{rank_list(i, self.b.ranks_per_node)}"\n')
 
     # -- nodes ---------------------------------------------------------------------------------------
     def pull(self, node: Any) -> tuple[float, float]:
@@ -388,7 +420,8 @@ class MethodRun:
         trace.mkdir()
         cache = node.dirs.cache / "ckpt"
         cache.mkdir(exist_ok=True)
-        opts = node.torchrun([], nnodes=f"{self.b.nodes}:{self.b.nodes}", nproc_per_node=2,
+        opts = node.torchrun([], nnodes=f"{self.b.nodes}:{self.b.nodes}",
+                             nproc_per_node=self.b.ranks_per_node,
                              rdzv_id=f"e2e-{self.method}", python="python")
         opts = opts[opts.index("torch.distributed.run") + 1:]  # torchrun's own options
         train = ["--mode", "bootseer" if self.bootseer else "dcp", "--size", self.b.model,
@@ -482,6 +515,20 @@ class MethodRun:
                 return True
         return False
 
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Every node's bytes from each origin and, where the cluster has a cache tier,
+        through it (``registry-cache``, ``s3-cache``: the sweep's per-node cache field)."""
+        names = [*SERVICES, *(f"{s}-cache" for s in self.cache_names())]
+        return {n.name: {s: n.bytes_from(s) for s in names} for n in self.c.nodes}
+
+    def cache_names(self) -> tuple[str, ...]:
+        return tuple(self.c.cache.names) if getattr(self.c, "cache_tier", False) else ()
+
+    def cache_origin(self) -> dict[str, int] | None:
+        """What the cache tier fetched from the origins so far (None: no cache tier)."""
+        names = self.cache_names()
+        return {s: self.c.cache.origin_bytes(s) for s in names} if names else None
+
     def recorded(self) -> bool:
         return any("recorded " in (n.logs / "snapshotter.log").read_text(errors="replace")
                    for n in self.c.nodes if (n.logs / "snapshotter.log").exists())
@@ -509,21 +556,19 @@ class MethodRun:
             e["event"] == "step" and e["step"] > last for e in self.events()), first_keys)
         if self.method == "bootseer":  # the fresh node's pull prefetches the profile
             self.wait_for("a recorded image profile", self.recorded, first_keys)
-        before = {n.name: {s: n.bytes_from(s) for s in ("registry", "s3", "index")}
-                  for n in c.nodes}
+        before, origin_before = self.counters(), self.cache_origin()
         lost_key = first_keys[b.lose]
         load_before = os.getloadavg()[0]
         try:
             run = self.restart_in_place(lost_key) if self.in_place else self.replace(lost_key)
             # the restart's bytes: from the loss to every rank's first step after it (the
             # training after it reads and writes for its own saves: not the restart's)
-            ranks = 2 * b.nodes
+            ranks = b.ranks_per_node * b.nodes
             self.wait_for("every rank's first step after the restart", lambda: len({
                 e["rank"] for e in self.events() if e["event"] == "first_step"
                 and e["t"] >= run.kill_t}) >= ranks,
                 [k for k in self.procs if k not in run.ended])
-            at_first_step = {n.name: {s: n.bytes_from(s) for s in ("registry", "s3", "index")}
-                             for n in c.nodes}
+            at_first_step, origin_after = self.counters(), self.cache_origin()
             for key, proc in self.procs.items():
                 if key in run.ended:
                     continue
@@ -545,6 +590,8 @@ class MethodRun:
                                            self.warm_bytes else before[n][s])
                          for s in v} for n, v in after.items()}
         out = self.results_for(run, cold_s, step)
+        out["cache"] = None if origin_after is None or origin_before is None else {
+            "origin_bytes": {k: v - origin_before[k] for k, v in origin_after.items()}}
         out["loadavg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
         if self.copy is not None:
             st = self.copy.status
@@ -568,8 +615,7 @@ class MethodRun:
         pulled: tuple[float, float] | None = None
         if self.method == "diy-warm":
             self.pull(fresh)
-            self.warm_bytes[fresh.name] = {s: fresh.bytes_from(s)
-                                           for s in ("registry", "s3", "index")}
+            self.warm_bytes[fresh.name] = self.counters()[fresh.name]
             log(f"  diy-warm: the image pulled onto the fresh node before the clock "
                 f"({time.time() - kill_t:.1f} s after the loss)")
             kill_t = time.time()  # the clock: the fresh node, image on it, joins the job
@@ -668,6 +714,35 @@ def helper(name: str, params: dict[str, Any]) -> int:
     return 0
 
 
+def add_scenario_arguments(parser: argparse.ArgumentParser, *, methods: str,
+                           ranks_per_node: int) -> None:
+    """The options of the scenario, shared by ``--nodes`` and ``--sweep``."""
+    parser.add_argument("--lose", type=int, default=None, help="the node lost (default the last)")
+    parser.add_argument("--results", default="bench-results")
+    parser.add_argument("--quick", action="store_true", help="the tiny model")
+    parser.add_argument("--save-every", type=int, default=3)
+    parser.add_argument("--base", choices=("auto", "debootstrap", "host"), default=None)
+    parser.add_argument("--cache", default=None, help="default ~/.cache/bootseer-bench")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--methods", default=methods, help=f"default {methods}")
+    parser.add_argument("--ranks-per-node", type=int, default=ranks_per_node,
+                        help=f"torchrun's --nproc-per-node on every node (default "
+                             f"{ranks_per_node})")
+
+
+def run_checked(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                make: Any) -> int:
+    """The methods checked, the bench made (a ValueError is the user's: exit 2), run."""
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown:
+        parser.error(f"--methods: unknown {', '.join(sorted(unknown))} (of {', '.join(METHODS)})")
+    try:
+        bench = make(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return run_bench(bench, done_key="done")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--helper"]:
@@ -678,23 +753,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_e2e.py --nodes N",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, required=True)
-    parser.add_argument("--lose", type=int, default=None, help="the node lost (default the last)")
-    parser.add_argument("--results", default="bench-results")
-    parser.add_argument("--quick", action="store_true", help="the tiny model")
-    parser.add_argument("--save-every", type=int, default=3)
-    parser.add_argument("--base", choices=("auto", "debootstrap", "host"), default=None)
-    parser.add_argument("--cache", default=None, help="default ~/.cache/bootseer-bench")
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument("--methods", default=",".join(METHODS))
-    args = parser.parse_args(argv)
-    unknown = set(args.methods.split(",")) - set(METHODS)
-    if unknown:
-        parser.error(f"--methods: unknown {', '.join(sorted(unknown))} (of {', '.join(METHODS)})")
-    try:
-        bench = NodesBench(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    return run_bench(bench, done_key="done")
+    add_scenario_arguments(parser, methods=",".join(METHODS), ranks_per_node=2)
+    return run_checked(parser, parser.parse_args(argv), NodesBench)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from bootseer.trace import Span, read_traces
 # the breakdown's order (the report orders its own phases; these are the harness's)
 PHASE_ORDER = ["node_replace", "restart", "image_pull", "checkpoint_copy", "container_start",
                "environment", "checkpoint_prefetch", "command_start", "rendezvous", "launch",
-               "checkpoint_load", "first_step"]
+               "process_group_init", "model_build", "checkpoint_load", "first_step"]
 RUN_PHASES = ("environment", "checkpoint_prefetch", "command_start")  # from bootseer run's trace
 SERVICES = ("registry", "s3", "index")
 
@@ -119,13 +119,30 @@ def harness_spans(run: NodeRun, events: list[dict[str, Any]]) -> list[Span]:
             loading = r.t("load_start")
             if "copy_ready" in r.events:  # diy: the rank waited for the copy before loading
                 loading = r.t("copy_ready") - float(r.events["copy_ready"].get("waited", 0.0))
-            spans += [Span(node, r.rank, "launch", r.t("process_start"), loading,
-                           attempt=attempt, detail={"what": "import torch, init, model"}),
-                      Span(node, r.rank, "checkpoint_load", r.t("load_start"), r.t("load_end"),
+            spans += _worker_start(r, loading, attempt)
+            spans += [Span(node, r.rank, "checkpoint_load", r.t("load_start"), r.t("load_end"),
                            attempt=attempt, bytes=int(r.events["load_end"].get("bytes", 0))),
                       Span(node, r.rank, "first_step", r.t("load_end"), r.ready_t,
                            attempt=attempt)]
     return spans
+
+
+def _worker_start(r: RankRun, loading: float, attempt: int) -> list[Span]:
+    """A restarted worker from its start to its load (or its wait for diy's copy): ``launch``
+    (the interpreter and ``import torch``), ``process_group_init`` (``init_process_group``:
+    the job's store and gloo's connections to every rank) and ``model_build`` (model, FSDP,
+    optimizer, the checkpoint store), or one ``launch`` when the job logged no
+    ``pg_init_*`` milestones (an image built before them)."""
+    node, start = r.node, r.t("process_start")
+    if "pg_init_start" not in r.events or "pg_init_end" not in r.events:
+        return [Span(node, r.rank, "launch", start, loading, attempt=attempt,
+                     detail={"what": "import torch, init, model"})]
+    return [Span(node, r.rank, "launch", start, r.t("pg_init_start"), attempt=attempt,
+                 detail={"what": "the interpreter, import torch"}),
+            Span(node, r.rank, "process_group_init", r.t("pg_init_start"), r.t("pg_init_end"),
+                 attempt=attempt, detail={"what": "init_process_group('gloo')"}),
+            Span(node, r.rank, "model_build", r.t("pg_init_end"), loading, attempt=attempt,
+                 detail={"what": "model, FSDP, optimizer, checkpoint store"})]
 
 
 def _lost_node(spans: list[Span], run: NodeRun, events: list[dict[str, Any]]) -> float:
@@ -203,7 +220,8 @@ def node_phases(spans: list[Span], node: str, origin: float) -> dict[str, float]
     return split_by_phase(positioned_segments(row, origin, until=ready[rank]))
 
 
-AFTER_RENDEZVOUS = ("rendezvous", "launch", "checkpoint_load", "first_step", "untraced")
+AFTER_RENDEZVOUS = ("rendezvous", "launch", "process_group_init", "model_build",
+                    "checkpoint_load", "first_step", "untraced")
 
 
 def paced_by(per_node: dict[str, dict[str, Any]]) -> tuple[str, str]:
@@ -215,6 +233,78 @@ def paced_by(per_node: dict[str, dict[str, Any]]) -> tuple[str, str]:
     before = sorted(((p, s) for p, s in per_node[node]["phases"].items()
                      if p not in AFTER_RENDEZVOUS and s >= 0.05), key=lambda kv: -kv[1])
     return node, ", ".join(f"{p} {s:.1f} s" for p, s in before[:3])
+
+
+def role(run: NodeRun, node: str) -> str:
+    """``fresh`` (the replacement of the lost node), ``in_place`` (the lost node, its processes
+    restarted on it) or ``survivor`` (its workers restarted by its torchrun agent)."""
+    if node != run.lost:
+        return "survivor"
+    return "in_place" if run.in_place else "fresh"
+
+
+def restart_segments(run: NodeRun, spans: list[Span]) -> dict[str, Any]:
+    """The loss to the last rank's first step as a chain of job-level segments that add up to
+    it (the scale model's inputs, ``startup_model.py``), and each rank's own share:
+
+    * ``fresh_path_s``: the loss to the lost node's torchrun start (its replacement, pull,
+      container, environment: the path the others wait for);
+    * ``rendezvous_s``: that torchrun start to the last worker's start (torchrun's own start,
+      the c10d round on the controller's store, the workers spawned);
+    * ``import_s``: to the last rank's ``init_process_group`` call (the interpreter, ``import
+      torch``);
+    * ``process_group_init_s``: to the last rank's return from it (the job's store, gloo's
+      connections);
+    * ``load_s``: to the last rank's end of its checkpoint load (model, FSDP, optimizer, the
+      store opened, the load; diy's fresh ranks: their wait for the copy too);
+    * ``first_step_s``: to the last rank's first step (a collective: every rank finishes it
+      together; the digest after the load left out, as in the totals).
+
+    ``import_s``, ``process_group_init_s``, ``load_s`` and ``first_step_s`` are None (and
+    ``workers_s``, the four together, is given alone) when the job logged no ``pg_init_*``
+    milestones."""
+    lost = [s for s in spans if s.node == run.lost and s.rank is None
+            and s.phase == "rendezvous"]
+    if not lost:
+        raise ValueError(f"{run.lost}: no rendezvous span (torchrun never started?)")
+    launched = lost[0].start
+    starts: dict[str, float] = {}
+    pg: dict[str, tuple[float, float]] = {}
+    loaded: dict[str, float] = {}
+    ready: dict[str, float] = {}
+    for s in spans:
+        if s.rank is None:
+            continue
+        key = f"{s.node}/r{s.rank}"
+        if s.phase == "launch":
+            starts[key] = min(starts.get(key, s.start), s.start)
+        elif s.phase == "process_group_init":
+            pg[key] = (s.start, s.end)
+        elif s.phase == "checkpoint_load":
+            loaded[key] = s.end
+        elif s.phase == "first_step":
+            ready[key] = s.end
+    if not ready or set(starts) != set(ready):
+        raise ValueError(f"ranks with a start but no first step, or the reverse: "
+                         f"{sorted(set(starts) ^ set(ready))}")
+    last_start, last_ready = max(starts.values()), max(ready.values())
+    out: dict[str, Any] = {"fresh_path_s": launched - run.kill_t,
+                           "rendezvous_s": last_start - launched,
+                           "workers_s": last_ready - last_start,
+                           "import_s": None, "process_group_init_s": None, "load_s": None,
+                           "first_step_s": None, "ranks": len(ready), "per_rank": {}}
+    if set(pg) == set(ready) == set(loaded):
+        pg_start = max(a for a, _ in pg.values())
+        pg_end = max(b for _, b in pg.values())
+        last_loaded = max(loaded.values())
+        out.update(import_s=pg_start - last_start, process_group_init_s=pg_end - pg_start,
+                   load_s=last_loaded - pg_end, first_step_s=last_ready - last_loaded)
+        keys = sorted(pg)
+        out["per_rank"] = {"import_s": {k: pg[k][0] - starts[k] for k in keys},
+                           "process_group_init_s": {k: pg[k][1] - pg[k][0] for k in keys},
+                           "load_s": {k: loaded[k] - pg[k][1] for k in keys},
+                           "first_step_s": {k: ready[k] - loaded[k] for k in keys}}
+    return out
 
 
 def summarize(report: dict[str, Any], run: NodeRun, totals: dict[str, float],
@@ -231,14 +321,17 @@ def summarize(report: dict[str, Any], run: NodeRun, totals: dict[str, float],
     per_node = {}
     for line in incident["timeline"]:
         per_node[line["node"]] = {"first_step_s": line["first_step_s"],
+                                  "role": role(run, line["node"]),
                                   "phases": node_phases(spans, line["node"], run.kill_t),
                                   "bytes": run.bytes.get(line["node"], {})}
     total = {s: sum(b.get(s, 0) for b in run.bytes.values()) for s in SERVICES}
     pace, pace_why = paced_by(per_node)
     return {"summary": {"p50_s": percentile(values, 50), "p90_s": percentile(values, 90),
+                        "p99_s": percentile(values, 99),
                         "max_s": max(values), "job_back_s": incident["wall_s"],
                         "straggler": straggler, "why": why, "paced_by": pace,
                         "paced_why": pace_why,
                         "node_stragglers": report["node_stragglers"]},
             "ranks": totals, "per_node": per_node, "cost": dict(cost),
+            "segments": restart_segments(run, spans),
             "bytes_total": total, "bytes_per_node": run.bytes}

@@ -14,7 +14,8 @@ Two subcommands:
   bootseer``) or through ``torch.distributed.checkpoint.async_save`` on s3fs (``--mode dcp``).
 
 Every milestone is one JSON line in ``RESULTS/events.jsonl`` (wall clock, the host's clock too):
-``process_start``, ``model_built``, ``copy_ready`` (how long the rank waited for the local
+``process_start``, ``pg_init_start``/``pg_init_end`` (``init_process_group``: the job's
+store and gloo's connections, after ``import torch``), ``model_built``, ``copy_ready`` (how long the rank waited for the local
 copy), ``load_start``/``load_end``, ``verified`` (the sha256 of the
 rank's state right after a load: the harness compares it with the one written at the save of
 that step), ``first_step``, ``step``, ``saved`` (digest of the state saved), ``done``.
@@ -300,7 +301,9 @@ def train(args: argparse.Namespace) -> int:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     torch.set_num_threads(1)
+    event(results, "pg_init_start")  # the job's store and gloo's full mesh: the scale model's
     dist.init_process_group("gloo")
+    event(results, "pg_init_end")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = SIZES[args.size]
     model, opt = build(cfg)

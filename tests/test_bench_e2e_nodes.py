@@ -151,6 +151,17 @@ def test_a_missing_milestone_is_named_with_its_node_and_rank() -> None:
     (["--nodes", "1"], "--nodes 1: the scenario needs 2 to 8 nodes"),
     (["--nodes", "4", "--lose", "4"], "--lose 4: choose a node from 0 to 3"),
     (["--nodes", "4", "--methods", "diy,warm"], "--methods: unknown warm"),
+    # the sweep (bench_e2e_sweep.py)
+    (["--sweep", "2,16"], "--sweep '2,16': 16 nodes: each count must be 2 to 8"),
+    (["--sweep", "4"], "give two node counts or more"),
+    (["--sweep", "2,four"], "'four' is not a node count"),
+    (["--sweep", "2,4,2"], "a node count is given twice"),
+    (["--sweep", "2,4", "--methods", "baseline,warm"], "--methods: unknown warm"),
+    (["--sweep", "2,4", "--ranks-per-node", "0"], "--ranks-per-node 0: give 1 to 8"),
+    (["--sweep", "2,4", "--lose", "3"], "--lose 3: choose a node from 0 to 1"),
+    (["--sweep", "2,4", "--nodes", "4"], "--sweep and --nodes: give one"),
+    (["--sweep", "2,4", "--probe-mib", "-1"], "--probe-mib -1: give 0 (no probe) or more"),
+    (["--ranks-per-node", "1"], "--ranks-per-node: only with --nodes or --sweep"),
 ])
 def test_bad_arguments_are_refused_by_name(args: list[str], message: str, tmp_path: Path
                                            ) -> None:

@@ -28,6 +28,9 @@ from typing import IO, Any
 
 SUITES = ("striped", "ckpt", "snapshot", "prefetch", "containerd", "fuse", "restart", "update",
           "memckpt", "colltrace", "e2e", "robust")
+# run only when named: the startup model reads a sweep's results (``e2e --sweep``) in --results
+NAMED_ONLY = ("model",)
+RESULT_FILES = {"model": "startup-model"}  # a suite whose results are named otherwise
 TAKES_BASE = ("prefetch", "containerd", "e2e")  # the suites that build an image from a base
 TAIL_LINES = 25
 STOP_GRACE_S = 300.0  # a suite's own clean-up after SIGTERM (unmounts, containerd tasks)
@@ -35,8 +38,9 @@ STOP_GRACE_S = 300.0  # a suite's own clean-up after SIGTERM (unmounts, containe
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run benchmarks (results: docs/benchmarks.md)")
-    p.add_argument("suites", nargs="*", choices=[*SUITES, []], default=[],
-                   help=f"which suites (default all: {', '.join(SUITES)})")
+    p.add_argument("suites", nargs="*", choices=[*SUITES, *NAMED_ONLY, []], default=[],
+                   help=f"which suites (default all: {', '.join(SUITES)}; model only when "
+                        "named: the startup model of DIR/e2e-sweep.json)")
     p.add_argument("--quick", action="store_true",
                    help="small sizes, for a smoke run (marked quick in the results)")
     p.add_argument("--results", default="bench-results",
@@ -52,6 +56,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "bootseer (default all)")
     p.add_argument("--nodes", type=int, default=None,
                    help="e2e on N nodes of a cluster of network namespaces (writes e2e-nodes.*)")
+    p.add_argument("--sweep", default=None,
+                   help="e2e on each node count of a list, e.g. 2,4,8 (writes e2e-sweep.*, "
+                        "the input of `bootseer bench model`)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="e2e with --nodes or --sweep: ranks per node (default 2; sweep 1)")
     p.add_argument("--minutes", type=float, default=None,
                    help="robust: training minutes per mode (default 20; --quick 5)")
     p.add_argument("--classes", default=None,
@@ -196,6 +205,10 @@ class Outcome:
     suite: str
     why: str | None
     tail: list[str] = field(default_factory=list)
+    files: str = ""  # the results' names (``<files>.md``): the suite's own unless told
+
+    def __post_init__(self) -> None:
+        self.files = self.files or self.suite
 
 
 def run_suite(directory: Path, suite: str, args: argparse.Namespace,
@@ -207,12 +220,17 @@ def run_suite(directory: Path, suite: str, args: argparse.Namespace,
             *(["--methods", args.methods] if args.methods and suite == "e2e" else []),
             *(["--nodes", str(args.nodes)] if getattr(args, "nodes", None) and suite == "e2e"
               else []),
+            *(["--sweep", args.sweep] if getattr(args, "sweep", None) and suite == "e2e"
+              else []),
+            *(["--ranks-per-node", str(args.ranks_per_node)]
+              if getattr(args, "ranks_per_node", None) is not None and suite == "e2e" else []),
             *(["--minutes", str(args.minutes)] if getattr(args, "minutes", None)
               and suite == "robust" else []),
             *(["--classes", args.classes] if getattr(args, "classes", None)
               and suite == "robust" else [])]
     env = {**env, "BOOTSEER_BENCH_COMMAND": shlex.join(["bootseer", "bench", suite, *argv])}
-    files = "e2e-nodes" if "--nodes" in argv else suite  # the results' names
+    files = ("e2e-sweep" if "--sweep" in argv else "e2e-nodes" if "--nodes" in argv
+             else RESULT_FILES.get(suite, suite))  # the results' names
     before = results_state(results, files)
     print(f"bootseer bench: {suite} ({shlex.join(['python', f'benchmarks/bench_{suite}.py', *argv])})",
           flush=True)
@@ -224,7 +242,7 @@ def run_suite(directory: Path, suite: str, args: argparse.Namespace,
     else:
         missing = missing_results(results, files, before)
         why = f"exit 0, but {missing}" if missing else None
-    return Outcome(suite, why, child.tail), child.interrupted
+    return Outcome(suite, why, child.tail, files), child.interrupted
 
 
 def run(args: argparse.Namespace) -> int:
@@ -268,8 +286,8 @@ def write_summary(results: Path, outcomes: list[Outcome], not_run: list[str]) ->
     parts = ["# bootseer bench results", ""]
     for o in outcomes:
         if o.why is None:
-            parts.append((results / f"{o.suite}.md").read_text())
-            chart = results / f"{o.suite}.png"
+            parts.append((results / f"{o.files}.md").read_text())
+            chart = results / f"{o.files}.png"
             if chart.exists():
                 parts.append(f"![{o.suite}]({chart.name})\n")
             continue
