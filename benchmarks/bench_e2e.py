@@ -928,13 +928,16 @@ def main(argv: list[str] | None = None) -> int:
                              "(bench_e2e_sweep.py: e2e-sweep.json, the scale model's input)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="with --nodes or --sweep: ranks per node (default 2; sweep 1)")
+    parser.add_argument("--cache-tier", action="store_true",
+                        help="with --nodes or --sweep: the nodes read through the cluster's "
+                             "cache tier, the origin as the fallback")
     args = parser.parse_args(argv)
     if args.nodes is not None:
         import bench_e2e_nodes
 
         return bench_e2e_nodes.main(argv)
-    if args.ranks_per_node is not None:
-        parser.error("--ranks-per-node: only with --nodes or --sweep")
+    if args.ranks_per_node is not None or args.cache_tier:
+        parser.error("--ranks-per-node and --cache-tier: only with --nodes or --sweep")
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
         parser.error(f"--methods: unknown {', '.join(sorted(unknown))} "

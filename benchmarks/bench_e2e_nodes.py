@@ -222,14 +222,35 @@ class NodesBench(ResultFiles):
                 self.errors.append(f"{method}: {type(exc).__name__}: {exc}")
                 log(f"{method} failed: {exc}")
 
+    def hosts_dir(self) -> Path:
+        """containerd's registry hosts directory of every node (``--cache-tier``): the cache
+        tier as the registry's mirror (each node reaches it at 127.0.0.1:5001), the registry
+        itself after it, as containerd tries them."""
+        from bootseer.testing.cluster_node import CACHE_PORT_OFFSET
+        from bootseer.testing.cluster_services import PORTS
+
+        root = self.work / "hosts.d"
+        origin = f"127.0.0.1:{PORTS['registry']}"
+        mirror = f"127.0.0.1:{PORTS['registry'] + CACHE_PORT_OFFSET}"
+        (root / origin).mkdir(parents=True, exist_ok=True)
+        (root / origin / "hosts.toml").write_text(
+            f'server = "http://{origin}"\n\n[host."http://{mirror}"]\n'
+            '  capabilities = ["pull", "resolve"]\n')
+        return root
+
     def run_method(self, method: str) -> dict[str, Any]:
         from bootseer.testing.cluster import Cluster, Link
 
         bootseer = family(method) == "bootseer"
+        tier = bool(getattr(self.args, "cache_tier", False))
+        args: tuple[str, ...] = ("--record-timeout", "1200")
+        if tier:
+            args += ("--registry-config-path", str(self.hosts_dir()))
         cluster = Cluster(self.nodes, link=Link(rate=NODE_LINK[0], delay_ms=NODE_LINK[1]),
                           service_link=Link(rate=SERVICE_LINK), containerd=True,
-                          snapshotter=bootseer, snapshotter_args=("--record-timeout", "1200"),
-                          disk_size="6g" if not bootseer else "3g", workdir=self.work)
+                          snapshotter=bootseer, snapshotter_args=args,
+                          disk_size="6g" if not bootseer else "3g", workdir=self.work,
+                          cache=tier)
         log(f"{method}: starting {self.nodes} nodes")
         with cluster as c:
             run = MethodRun(self, c, method)
@@ -394,9 +415,11 @@ class MethodRun:
                       node.containerd.address, "--namespace", node.containerd.namespace],
                      timeout=STEP_TIMEOUT_S)
         else:
+            tier = (["--hosts-dir", str(self.b.hosts_dir())]
+                    if getattr(self.b.args, "cache_tier", False) else [])
             node.run(["ctr", "--address", node.containerd.address, "--namespace",
-                      node.containerd.namespace, "images", "pull", "--plain-http", self.ref],
-                     timeout=STEP_TIMEOUT_S)
+                      node.containerd.namespace, "images", "pull", "--plain-http", *tier,
+                      self.ref], timeout=STEP_TIMEOUT_S)
         return t, time.time()
 
     def copy_dir(self, node: Any) -> Path:
@@ -724,6 +747,11 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, *, methods: str,
     parser.add_argument("--base", choices=("auto", "debootstrap", "host"), default=None)
     parser.add_argument("--cache", default=None, help="default ~/.cache/bootseer-bench")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--cache-tier", action="store_true",
+                        help="nodes read the registry and S3 through the cluster's cache tier "
+                             "(nginx proxy_cache + slice): containerd and the snapshotter list "
+                             "it as a mirror in hosts.toml, bootseer's stripes come from it "
+                             "(striped's mirror), the origin as the fallback")
     parser.add_argument("--methods", default=methods, help=f"default {methods}")
     parser.add_argument("--ranks-per-node", type=int, default=ranks_per_node,
                         help=f"torchrun's --nproc-per-node on every node (default "
