@@ -936,8 +936,10 @@ def main(argv: list[str] | None = None) -> int:
         import bench_e2e_nodes
 
         return bench_e2e_nodes.main(argv)
-    if args.ranks_per_node is not None or args.cache_tier:
-        parser.error("--ranks-per-node and --cache-tier: only with --nodes or --sweep")
+    for given, flag in ((args.ranks_per_node is not None, "--ranks-per-node"),
+                        (args.cache_tier, "--cache-tier")):
+        if given:
+            parser.error(f"{flag}: only with --nodes or --sweep")
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
         parser.error(f"--methods: unknown {', '.join(sorted(unknown))} "

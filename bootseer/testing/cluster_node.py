@@ -106,7 +106,9 @@ class Node(Host):
         proxies = {}
         self.containerd = ContainerdServer(self.dirs.disk / "containerd", namespace)
         if snapshotter:
-            self.snapshotter_address = str(self.dirs.run / "snapshotter.sock")
+            # containerd's own short socket directory: a unix socket path has at most 107
+            # bytes, and the node's run directory may sit under a deep tmp_path.
+            self.snapshotter_address = os.path.join(self.containerd.sock_dir, "snapshotter.sock")
             proxies["bootseer"] = self.snapshotter_address
             log_path = self.logs / "snapshotter.log"
             with open(log_path, "ab") as log:
