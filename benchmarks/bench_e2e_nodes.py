@@ -685,6 +685,7 @@ class MethodRun:
         report = json.loads((report_dir / "report.json").read_text())
         out = summarize(report, run, rank_totals(run, events), spans)
         out["identical"] = check_identical(events, run.kill_t)
+        out["loads"] = restart_loads(events, run.kill_t)
         out["bit_identical"] = out["identical"]["ok"]
         if not out["bit_identical"]:
             self.b.errors.append(f"{self.method}: resumed state differs: {out['identical']}")
@@ -695,6 +696,18 @@ class MethodRun:
             f"{s['max_s']:.1f} s; critical path {s['straggler']} ({s['why']}); paced by "
             f"{s['paced_by']} ({s['paced_why']})")
         return out
+
+
+def restart_loads(events: list[dict[str, Any]], kill_t: float) -> dict[str, dict[str, Any]]:
+    """Per rank, what its load after the loss read (``load_end``: the step, bytes from the
+    store, bytes from the node's checkpoint cache): whether a survivor read its own state
+    twice shows here (issue 29, survivors read nothing twice)."""
+    loads: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e.get("event") == "load_end" and e.get("t", 0) >= kill_t:
+            loads[f"r{e.get('rank')}"] = {k: e.get(k) for k in
+                                          ("step", "bytes", "cached_bytes", "cache_wait_s")}
+    return loads
 
 
 def tail(path: Path, lines: int = 30) -> str:
