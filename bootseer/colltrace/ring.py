@@ -314,8 +314,9 @@ def _say(line: str) -> None:
 
 
 class Refusals:
-    """What the reader skipped, said once: per file, a line is said again only when what is
-    wrong with it changes (a ring refused every pass is one line, not one a second)."""
+    """What the reader skipped, said once: per file and kind of refusal (not a usable ring,
+    another user's, unreadable, malformed entries of a kind), until the file reads whole
+    again (a ring refused every pass is one line, not one a second)."""
 
     def __init__(self, log: Callable[[str], None] = _say) -> None:
         self.log = log
@@ -359,7 +360,7 @@ def scan_rings(where: PrivateDir, refusals: Refusals,
             refusals.say(key, f"refused: {exc}")
             continue
         except RingInvalid as exc:
-            refusals.say(key, str(exc), exc.reason)
+            refusals.say(key, str(exc), "invalid")  # once, until it reads whole again
             _drop(readers, key, reader)
             continue
         except OSError as exc:
