@@ -18,6 +18,10 @@ reader keeps a record only when both equal the op number it expects in that slot
 completion is written later (by whichever thread completes the work) as ``t_done`` then
 ``done``; ``done`` equal to the op number (bit 62 set: failed) makes ``t_done`` valid. A slot
 reused for a newer op carries a newer op number, so a stale completion never matches.
+
+The reader trusts none of it: every field goes through :mod:`.validate` before use (a bad
+header refuses the ring, a bad record or group line is skipped), and the directory scan
+(:func:`scan_rings`) says a refused ring once and goes on: no ring file can end the agent.
 """
 
 from __future__ import annotations
