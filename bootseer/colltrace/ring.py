@@ -59,6 +59,11 @@ _GROUPS_LEN_OFFSET = struct.calcsize("<8sIIQQiiiq")
 _BODY = struct.Struct("<QHHHHQQQqi")  # begin, group, op, flags, dtype, seq, numel, nbytes, t_issue, peer
 _COMMIT = struct.Struct("<Q")
 _DONE = struct.Struct("<qQ")  # t_done, done
+#: a record as the reader unpacks it: body, 4 bytes of padding, commit, t_done, done; and
+#: the parts of it the seqlock's first and third copies are read for
+_RECORD = struct.Struct("<QHHHHQQQqi4xQqQ")
+_RECORD_COMMIT = struct.Struct("<56xQ16x")
+_RECORD_BEGIN_DONE = struct.Struct("<Q56xq8x")  # begin, t_done
 RECORD_SIZE = 80
 _COMMIT_OFFSET = 56
 _DONE_OFFSET = 64
@@ -252,6 +257,13 @@ class RingReader:
             self._groups[doc["id"]] = doc
         self._groups_read = glen
 
+    def _group_name(self, gid: int) -> str:
+        group = self._groups.get(gid)
+        if group is None:  # a group added since the last read of the table
+            self._read_groups()
+            group = self._groups.get(gid, {"name": f"?{gid}"})
+        return group["name"]
+
     def read(self) -> RingSnapshot:
         self._check_size()
         (head,) = struct.unpack_from("<Q", self._mm, _HEAD_OFFSET)
@@ -260,31 +272,20 @@ class RingReader:
         snap = RingSnapshot(self.path, self.rank, self.world, self.pid, self.node, self.created,
                             head, {g["name"]: g for g in self._groups.values()})
         skips = validate.Skips(self._group_skips.reasons.copy())
-        mm = self._mm
-        base = HEADER_SIZE + GROUPS_SIZE
         cap = self.capacity
-        # one slot past head too: a thread may have claimed a later number first
-        for n in range(max(0, head - cap), head + 1):
-            off = base + (n % cap) * RECORD_SIZE
-            (commit,) = _COMMIT.unpack_from(mm, off + _COMMIT_OFFSET)
-            body = _BODY.unpack_from(mm, off)
-            (again,) = _COMMIT.unpack_from(mm, off)  # begin, re-read after the body
-            if not commit == body[0] == again == n + 1:
-                continue  # being written, or overwritten since
-            t_done, done = _DONE.unpack_from(mm, off + _DONE_OFFSET)
-            rec = validate.record(body, t_done, done, n, self.header, n_ops=len(OPS),
-                                  n_dtypes=len(DTYPES), p2p_flag=FLAG_P2P, failed_bit=FAILED)
-            if isinstance(rec, str):
-                skips.add(rec)
-                continue
-            group = self._groups.get(rec.group)
-            if group is None:
-                self._read_groups()
-                group = self._groups.get(rec.group, {"name": f"?{rec.group}"})
-            snap.ops.append(Op(self.rank, n, group["name"], OPS[rec.op], rec.seq, rec.numel,
-                               rec.nbytes, DTYPES[rec.dtype], rec.t_issue_ns / 1e9,
-                               None if rec.t_done_ns is None else rec.t_done_ns / 1e9,
-                               rec.failed, bool(rec.flags & FLAG_P2P), rec.peer))
+        # the per-record seqlock, batched: three successive copies of the slots read (the
+        # commit marker from the first, the body from the second, the begin marker again
+        # from the third: the order a reader of one record keeps), unpacked in C
+        lo = max(0, head - cap)  # one slot past head too: a thread may have claimed it
+        slots = min(cap, head + 1)
+        start = HEADER_SIZE + GROUPS_SIZE
+        end = start + slots * RECORD_SIZE
+        mm = self._mm
+        first = [c for (c,) in _RECORD_COMMIT.iter_unpack(mm[start:end])]
+        body = list(_RECORD.iter_unpack(mm[start:end]))
+        last = list(_RECORD_BEGIN_DONE.iter_unpack(mm[start:end]))
+        snap.ops = validate.records(first, body, last, lo, head, cap, self.header, skips,
+                                    self._group_name, Op, OPS, DTYPES, FLAG_P2P, FAILED)
         self.skips = snap.skips = skips
         return snap
 

@@ -25,13 +25,14 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["GROUP_KEYS", "MAX_CAPACITY", "MAX_COUNT", "MAX_GROUP_LINE", "MAX_NAME",
-           "MAX_OP_NUMBER", "MAX_TIME_NS", "MAX_WORLD", "Header", "RecordFields", "RingInvalid",
+           "MAX_OP_NUMBER", "MAX_TIME_NS", "MAX_WORLD", "Header", "RingInvalid",
            "Skips", "finite_time", "group_entry", "group_line", "groups_len", "head", "header",
-           "record", "window_op", "window_rank"]
+           "records", "window_op", "window_rank"]
 
 #: records a ring may hold: 4 Mi x 80 bytes = 320 MiB (the writer refuses more, too)
 MAX_CAPACITY = 1 << 22
@@ -201,48 +202,61 @@ def group_line(line: bytes, world: int) -> dict[str, Any] | str:
     return group_entry(doc, world)
 
 
-@dataclass(frozen=True)
-class RecordFields:
-    """A committed record's fields, checked (names as in :class:`~.ring.Op`)."""
+def records(first: list[int], body: list[tuple[int, ...]], last: list[tuple[int, int]],
+            lo: int, head: int, cap: int, hdr: Header, skips: Skips,
+            group_name: Callable[[int], str], make: Callable[..., Any], ops: tuple[str, ...],
+            dtypes: tuple[str, ...], p2p_flag: int, failed_bit: int) -> list[Any]:
+    """The records of op numbers ``lo`` .. ``head`` that are committed and pass their
+    checks, made by ``make`` (:class:`~.ring.Op`: rank, n, group name, op name, seq, numel,
+    nbytes, dtype name, issue time, completion time or None, failed, p2p, peer), oldest
+    first; each one that fails is counted in ``skips``.
 
-    group: int
-    op: int
-    flags: int
-    dtype: int
-    seq: int
-    numel: int
-    nbytes: int
-    t_issue_ns: int
-    peer: int
-    t_done_ns: int | None  # None: not completed
-    failed: bool
-
-
-def record(body: tuple[int, ...], t_done: int, done: int, n: int, hdr: Header, *,
-           n_ops: int, n_dtypes: int, p2p_flag: int, failed_bit: int) -> RecordFields | str:
-    """A committed record of op number ``n`` (its markers already matched), or the reason it
-    is refused."""
-    _, gid, op, flags, dtype, seq, numel, nbytes, t_issue, peer = body
-    if not 1 <= op < n_ops:
-        return "unknown op code"
-    if dtype >= n_dtypes:
-        return "unknown dtype code"
-    if flags & ~p2p_flag:
-        return "unknown flags"
-    if not 1 <= seq <= MAX_COUNT:
-        return "sequence number out of range"
-    if numel > MAX_COUNT or nbytes > MAX_COUNT:
-        return "element or byte count out of range"
-    if not 0 <= t_issue < MAX_TIME_NS:
-        return "issue time out of range"
-    p2p = bool(flags & p2p_flag)
-    if (p2p and not -1 <= peer < hdr.world) or (not p2p and peer != -1):
-        return "peer out of range"
-    finished = (done & ~failed_bit) == n + 1
-    if finished and not 0 <= t_done < MAX_TIME_NS:
-        return "completion time out of range"
-    return RecordFields(gid, op, flags, dtype, seq, numel, nbytes, t_issue, peer,
-                        t_done if finished else None, finished and bool(done & failed_bit))
+    From three successive copies of the slots: ``first`` each slot's commit marker, ``body``
+    its fields (begin, group, op, flags, dtype, seq, numel, nbytes, t_issue, peer, commit,
+    t_done, done), ``last`` its begin marker and completion time. A record counts when the
+    first copy's commit marker and the second's and third's begin markers all equal
+    ``n + 1``: written completely before the first copy, not overwritten before the third
+    (the seqlock's order, batched). Its completion counts when the second copy's done marker
+    matches, with the third's completion time (written before that marker). One function
+    for every record with the bounds as locals: it runs over 4096 records a second per
+    rank."""
+    out: list[Any] = []
+    rank, world, max_t, max_c = hdr.rank, hdr.world, MAX_TIME_NS, MAX_COUNT
+    n_ops, n_dtypes, not_flags, not_failed = len(ops), len(dtypes), ~p2p_flag, ~failed_bit
+    slots = len(body)
+    for n in range(lo, head + 1):
+        i = n % cap
+        want = n + 1
+        if i >= slots or first[i] != want:
+            continue  # being written, or overwritten since
+        b = body[i]
+        begin, t_done = last[i]
+        if b[0] != want or begin != want:
+            continue
+        _, gid, op, flags, dtype, seq, numel, nbytes, t_issue, peer, _, _, done = b
+        finished = (done & not_failed) == want
+        if not 1 <= op < n_ops:
+            skips.add("unknown op code")
+        elif dtype >= n_dtypes:
+            skips.add("unknown dtype code")
+        elif flags & not_flags:
+            skips.add("unknown flags")
+        elif not 1 <= seq <= max_c:
+            skips.add("sequence number out of range")
+        elif numel > max_c or nbytes > max_c:
+            skips.add("element or byte count out of range")
+        elif not 0 <= t_issue < max_t:
+            skips.add("issue time out of range")
+        elif peer != -1 and not (flags & p2p_flag and 0 <= peer < world):
+            skips.add("peer out of range")
+        elif finished and not 0 <= t_done < max_t:
+            skips.add("completion time out of range")
+        else:
+            out.append(make(rank, n, group_name(gid), ops[op], seq, numel, nbytes,
+                            dtypes[dtype], t_issue / 1e9, t_done / 1e9 if finished else None,
+                            finished and bool(done & failed_bit), bool(flags & p2p_flag),
+                            peer))
+    return out
 
 
 def finite_time(value: Any) -> float | None:
