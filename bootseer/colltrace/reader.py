@@ -32,7 +32,7 @@ from typing import Any
 from striped_fs.privdir import PrivateDir, UnsafePath, open_append
 
 from .analyze import Analyzer, Finding
-from .ring import RING_DIR_WHAT, RingReader, RingSnapshot, newest_per_rank, ring_names
+from .ring import RING_DIR_WHAT, Refusals, RingReader, RingSnapshot, newest_per_rank, scan_rings
 
 __all__ = ["Watch", "read_verdicts", "stack_of", "verdict_docs"]
 
@@ -62,6 +62,8 @@ class Watch:
         self._readers: dict[str, RingReader] = {}
         self._last = float("-inf")
         self._refused: str | None = None  # the refusal last logged (said once)
+        # a ring skipped (malformed, another user's, a link): said once per file and reason
+        self.refusals = Refusals(lambda line: self.log(line))
 
     # -- attempts --------------------------------------------------------------------------
     def child_env(self, attempt: int) -> dict[str, str]:
@@ -96,8 +98,8 @@ class Watch:
 
     # -- reading ---------------------------------------------------------------------------
     def snapshots(self) -> list[RingSnapshot]:
-        """The newest ring of every rank in the directory (mapped once, re-read each call)."""
-        snaps = []
+        """The newest ring of every rank in the directory (mapped once, re-read each call);
+        a ring that fails its checks (:mod:`.validate`) is said once and skipped."""
         try:  # checked on every pass: this user's, 0700, not a link (striped_fs.privdir)
             where = PrivateDir.open(self.directory, create=False, what=RING_DIR_WHAT)
         except FileNotFoundError:
@@ -106,21 +108,7 @@ class Watch:
             self._refuse(exc)
             return []
         with where:
-            try:
-                names = ring_names(where)
-            except OSError:
-                return []
-            for name in names:
-                key = where.where(name)
-                try:
-                    reader = self._readers.get(key) or self._readers.setdefault(
-                        key, RingReader(key, dir_fd=where.fd))
-                    snaps.append(reader.read())
-                except UnsafePath as exc:  # not this user's regular file: never read
-                    self._refuse(exc)
-                except (OSError, ValueError):
-                    continue
-        return newest_per_rank(snaps)
+            return newest_per_rank(scan_rings(where, self.refusals, self._readers))
 
     def _refuse(self, exc: OSError) -> None:
         """A directory or ring another user could control: said once, never read."""
@@ -139,7 +127,15 @@ class Watch:
         snaps = self.snapshots()
         if not snaps:
             return []
-        found = self.analyzer.analyze(snaps, now)
+        try:
+            found = self.analyzer.analyze(snaps, now)
+        except Exception as exc:  # noqa: BLE001 - the rings are checked (.validate); a
+            # combination of their values the analysis did not foresee costs this pass, never
+            # the agent or the job
+            self.refusals.say("#analysis", f"warning: the analysis failed on these rings "
+                              f"({type(exc).__name__}: {exc}): this pass skipped",
+                              type(exc).__name__)
+            return []
         by_rank = {s.rank: s for s in snaps}
         for f in found:
             if f.kind == "never_issued" and self.trace_dir is not None:
@@ -158,7 +154,14 @@ class Watch:
         """This node's recent ring window for the controller (:mod:`.ship`)."""
         from .ship import window
 
-        return window(self.snapshots(), node=self.node, attempt=self.attempt)
+        snaps = self.snapshots()
+        try:
+            return window(snaps, node=self.node, attempt=self.attempt)
+        except Exception as exc:  # noqa: BLE001 - as in poll: never the agent's end
+            self.refusals.say("#window", f"warning: cannot make the ring window "
+                              f"({type(exc).__name__}: {exc}): none shipped this pass",
+                              type(exc).__name__)
+            return window([], node=self.node, attempt=self.attempt)
 
     def lines(self) -> list[str]:
         return [f.line for f in self.analyzer.findings]
@@ -191,6 +194,8 @@ def _grid_doc(grid: dict[str, dict[int, str]]) -> dict[str, dict[str, str]]:
 def stack_of(snap: RingSnapshot, dump_dir: Path, wait_s: float) -> str:
     """The Python stack of a ring's process, from the robust dump: ask it (SIGUSR1) when
     its dump file exists (the handler is installed), read what it adds; '' when none."""
+    if snap.pid <= 1 or "/" in snap.node or snap.node in (".", ".."):
+        return ""  # never signal a process group or init, never a path outside dump_dir
     path = dump_dir / f"stacks-{snap.node}-rank{snap.rank}-{snap.pid}.txt"
     try:
         before = path.stat().st_size

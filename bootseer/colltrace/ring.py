@@ -18,6 +18,10 @@ reader keeps a record only when both equal the op number it expects in that slot
 completion is written later (by whichever thread completes the work) as ``t_done`` then
 ``done``; ``done`` equal to the op number (bit 62 set: failed) makes ``t_done`` valid. A slot
 reused for a newer op carries a newer op number, so a stale completion never matches.
+
+The reader trusts none of it: every field goes through :mod:`.validate` before use (a bad
+header refuses the ring, a bad record or group line is skipped), and the directory scan
+(:func:`scan_rings`) says a refused ring once and goes on: no ring file can end the agent.
 """
 
 from __future__ import annotations
@@ -25,16 +29,25 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import secrets
 import struct
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from striped_fs.privdir import PrivateDir, open_owned
+from striped_fs.privdir import PrivateDir, UnsafePath, open_owned
 
-__all__ = ["MAGIC", "OPS", "DTYPES", "Op", "Ring", "RingReader", "RingSnapshot", "ring_name",
-           "ring_names", "newest_per_rank", "read_ring", "read_rings"]
+from . import validate
+
+__all__ = ["MAGIC", "OPS", "DTYPES", "Op", "Refusals", "Ring", "RingInvalid", "RingReader",
+           "RingSnapshot", "ring_name", "ring_names", "newest_per_rank", "read_ring", "read_rings",
+           "scan_rings"]
+
+RingInvalid = validate.RingInvalid
 
 MAGIC = b"BSCTRING"
 VERSION = 1
@@ -46,6 +59,11 @@ _GROUPS_LEN_OFFSET = struct.calcsize("<8sIIQQiiiq")
 _BODY = struct.Struct("<QHHHHQQQqi")  # begin, group, op, flags, dtype, seq, numel, nbytes, t_issue, peer
 _COMMIT = struct.Struct("<Q")
 _DONE = struct.Struct("<qQ")  # t_done, done
+#: a record as the reader unpacks it: body, 4 bytes of padding, commit, t_done, done; and
+#: the parts of it the seqlock's first and third copies are read for
+_RECORD = struct.Struct("<QHHHHQQQqi4xQqQ")
+_RECORD_COMMIT = struct.Struct("<56xQ16x")
+_RECORD_BEGIN_DONE = struct.Struct("<Q56xq8x")  # begin, t_done
 RECORD_SIZE = 80
 _COMMIT_OFFSET = 56
 _DONE_OFFSET = 64
@@ -62,6 +80,10 @@ OP_CODE = {name: i for i, name in enumerate(OPS)}
 DTYPES = ("?", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
           "uint8", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2")
 DTYPE_CODE = {name: i for i, name in enumerate(DTYPES)}
+#: the format's constants, as :mod:`.validate` checks them (one definition: here)
+_LAYOUT = SimpleNamespace(MAGIC=MAGIC, VERSION=VERSION, HEADER_SIZE=HEADER_SIZE,
+                          GROUPS_SIZE=GROUPS_SIZE, RECORD_SIZE=RECORD_SIZE,
+                          HEADER_STRUCT=_HEADER)
 
 
 def ring_name(rank: int, pid: int) -> str:
@@ -78,25 +100,31 @@ class Ring:
 
     def __init__(self, directory: str | os.PathLike, rank: int, world: int, *,
                  capacity: int = 4096, node: str = "") -> None:
-        if capacity < 1:
-            raise ValueError(f"colltrace ring capacity must be >= 1, got {capacity}")
+        if not 1 <= capacity <= validate.MAX_CAPACITY:
+            raise ValueError(f"colltrace ring capacity must be in [1, {validate.MAX_CAPACITY}]"
+                             f", got {capacity} (colltrace.capacity, "
+                             "BOOTSEER_COLLTRACE_CAPACITY)")
         self._dir = PrivateDir.open(directory, what=RING_DIR_WHAT)
         name = ring_name(rank, os.getpid())
         self.path = Path(self._dir.where(name))
         self.capacity = capacity
         size = HEADER_SIZE + GROUPS_SIZE + capacity * RECORD_SIZE
-        try:
-            fd = self._dir.create(name, os.O_RDWR)
-        except FileExistsError:  # an earlier process of this pid's: ours (the directory is)
-            self._dir.unlink(name)
-            fd = self._dir.create(name, os.O_RDWR)
+        # made under a hidden name and renamed into place once sized and its header written:
+        # a reader never sees a ring half made (it would refuse it, and say so)
+        tmp = f".{name}.{secrets.token_hex(4)}.tmp"
+        fd = self._dir.create(tmp, os.O_RDWR)
         try:
             os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            _HEADER.pack_into(self._mm, 0, MAGIC, VERSION, RECORD_SIZE, capacity, 0, rank,
+                              world, os.getpid(), time.time_ns(), 0, node.encode()[:64])
+            # an earlier process's file of this pid is replaced (the directory is ours)
+            os.replace(tmp, name, src_dir_fd=self._dir.fd, dst_dir_fd=self._dir.fd)
+        except BaseException:
+            self._dir.unlink(tmp)
+            raise
         finally:
             os.close(fd)
-        _HEADER.pack_into(self._mm, 0, MAGIC, VERSION, RECORD_SIZE, capacity, 0, rank, world,
-                          os.getpid(), time.time_ns(), 0, node.encode()[:64])
         self._groups_len = 0
 
     def add_group(self, gid: int, doc: dict[str, Any]) -> None:
@@ -169,6 +197,8 @@ class RingSnapshot:
     head: int
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # torch name -> entry
     ops: list[Op] = field(default_factory=list)  # oldest first
+    # the records and group lines this read skipped as malformed (:mod:`.validate`)
+    skips: validate.Skips = field(default_factory=validate.Skips, compare=False)
 
 
 class RingReader:
@@ -176,7 +206,12 @@ class RingReader:
 
     Only a regular file of this process's user (``uid``) is mapped, opened without following
     a link (relative to ``dir_fd`` when given: the directory a :class:`PrivateDir` checked);
-    anything else is refused (:class:`striped_fs.privdir.UnsafePath`) before a byte is read."""
+    anything else is refused (:class:`striped_fs.privdir.UnsafePath`) before a byte is read.
+    Every byte read is checked by :mod:`.validate` first: a header that fails refuses the
+    ring (:class:`~.validate.RingInvalid`, a ``ValueError``, naming the file and the field);
+    a record or group line that fails is skipped and counted in :attr:`skips`. The file is
+    mapped at the exact size its header's capacity gives, and its size is checked again on
+    every read: a file cut shorter meanwhile is refused, never read past its end (SIGBUS)."""
 
     def __init__(self, path: str | os.PathLike, *, dir_fd: int | None = None,
                  uid: int | None = None) -> None:
@@ -184,67 +219,89 @@ class RingReader:
         fd = open_owned(os.path.basename(self.path) if dir_fd is not None else self.path,
                         dir_fd=dir_fd, uid=uid, where=self.path)
         try:
-            self._mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
+            size = os.fstat(fd).st_size
+            hdr = validate.header(os.pread(fd, _HEADER.size, 0), size, self.path,
+                                  layout=_LAYOUT)
+            self._mm = mmap.mmap(fd, hdr.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except BaseException:
             os.close(fd)
-        magic, version, rsize, cap, _, rank, world, pid, created, _, node = \
-            _HEADER.unpack_from(self._mm, 0)
-        if magic != MAGIC or version != VERSION or rsize != RECORD_SIZE:
-            self._mm.close()
-            raise ValueError(f"{self.path} is not a colltrace ring of version {VERSION} "
-                             f"(magic {magic!r}, version {version}): remove it")
-        self.capacity, self.rank, self.world, self.pid = cap, rank, world, pid
-        self.created = created / 1e9
-        self.node = node.rstrip(b"\0").decode(errors="replace")
+            raise
+        self._fd = fd  # kept: the size is checked on each read (fstat)
+        self.header = hdr
+        self.capacity, self.rank, self.world, self.pid = hdr.capacity, hdr.rank, hdr.world, \
+            hdr.pid
+        self.created = hdr.created_ns / 1e9
+        self.node = hdr.node
+        self.skips = validate.Skips()
         self._groups: dict[int, dict[str, Any]] = {}
         self._groups_read = 0
+        self._group_skips = validate.Skips()
+
+    def _check_size(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size < self.header.size:
+            raise validate.RingInvalid(self.path, f"cut to {size} bytes while mapped "
+                                                  f"({self.header.size} expected)")
 
     def _read_groups(self) -> None:
         (glen,) = struct.unpack_from("<I", self._mm, _GROUPS_LEN_OFFSET)
+        glen = validate.groups_len(glen, self.path, GROUPS_SIZE)
         if glen <= self._groups_read:
             return
         chunk = bytes(self._mm[HEADER_SIZE + self._groups_read:HEADER_SIZE + glen])
         for line in chunk.splitlines():
-            try:
-                doc = json.loads(line)
-                self._groups[int(doc["id"])] = doc
-            except (ValueError, KeyError, TypeError):
+            doc = validate.group_line(line, self.world)
+            if isinstance(doc, str):
+                self._group_skips.add(doc)
                 continue
+            self._groups[doc["id"]] = doc
         self._groups_read = glen
 
+    def _group_name(self, gid: int) -> str:
+        group = self._groups.get(gid)
+        if group is None:  # a group added since the last read of the table
+            self._read_groups()
+            group = self._groups.get(gid, {"name": f"?{gid}"})
+        return group["name"]
+
     def read(self) -> RingSnapshot:
+        self._check_size()
         (head,) = struct.unpack_from("<Q", self._mm, _HEAD_OFFSET)
+        head = validate.head(head, self.path)
         self._read_groups()
         snap = RingSnapshot(self.path, self.rank, self.world, self.pid, self.node, self.created,
                             head, {g["name"]: g for g in self._groups.values()})
+        skips = validate.Skips(self._group_skips.reasons.copy())
+        cap = self.capacity
+        # the per-record seqlock, batched: three successive copies of the slots read (the
+        # commit marker from the first, the body from the second, the begin marker again
+        # from the third: the order a reader of one record keeps), unpacked in C
+        lo = max(0, head - cap)  # one slot past head too: a thread may have claimed it
+        slots = min(cap, head + 1)
+        start = HEADER_SIZE + GROUPS_SIZE
+        end = start + slots * RECORD_SIZE
         mm = self._mm
-        base = HEADER_SIZE + GROUPS_SIZE
-        # one slot past head too: a thread may have claimed a later number first
-        for n in range(max(0, head - self.capacity), head + 1):
-            off = base + (n % self.capacity) * RECORD_SIZE
-            (commit,) = _COMMIT.unpack_from(mm, off + _COMMIT_OFFSET)
-            body = _BODY.unpack_from(mm, off)
-            (again,) = _COMMIT.unpack_from(mm, off)  # begin, re-read after the body
-            if not commit == body[0] == again == n + 1:
-                continue  # being written, or overwritten since
-            t_done, done = _DONE.unpack_from(mm, off + _DONE_OFFSET)
-            _, gid, op, flags, dtype, seq, numel, nbytes, t_issue, peer = body
-            group = self._groups.get(gid)
-            if group is None:
-                self._read_groups()
-                group = self._groups.get(gid, {"name": f"?{gid}"})
-            finished = (done & ~FAILED) == n + 1
-            snap.ops.append(Op(self.rank, n, group["name"], OPS[op] if op < len(OPS) else "?",
-                               seq, numel, nbytes, DTYPES[dtype] if dtype < len(DTYPES) else "?",
-                               t_issue / 1e9, t_done / 1e9 if finished else None,
-                               finished and bool(done & FAILED), bool(flags & FLAG_P2P), peer))
+        first = [c for (c,) in _RECORD_COMMIT.iter_unpack(mm[start:end])]
+        body = list(_RECORD.iter_unpack(mm[start:end]))
+        last = list(_RECORD_BEGIN_DONE.iter_unpack(mm[start:end]))
+        snap.ops = validate.records(first, body, last, lo, head, cap, self.header, skips,
+                                    self._group_name, Op, OPS, DTYPES, FLAG_P2P, FAILED)
+        self.skips = snap.skips = skips
         return snap
 
     def close(self) -> None:
-        self._mm.close()
+        try:
+            self._mm.close()
+        finally:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 def read_ring(path: str | os.PathLike) -> RingSnapshot:
+    """One ring file's snapshot; a ring that fails its checks raises :class:`RingInvalid`
+    (a ``ValueError`` naming the file and the field), another user's or a link
+    :class:`~striped_fs.privdir.UnsafePath`."""
     reader = RingReader(path)
     try:
         return reader.read()
@@ -257,29 +314,99 @@ def ring_names(directory: PrivateDir) -> list[str]:
     return [n for n in directory.names() if n.startswith("rank") and n.endswith(".ring")]
 
 
-def read_rings(directory: str | os.PathLike) -> list[RingSnapshot]:
+def _say(line: str) -> None:
+    print(f"bootseer: colltrace: {line}", file=sys.stderr, flush=True)
+
+
+class Refusals:
+    """What the reader skipped, said once: per file and kind of refusal (not a usable ring,
+    another user's, unreadable, malformed entries of a kind), until the file reads whole
+    again (a ring refused every pass is one line, not one a second)."""
+
+    def __init__(self, log: Callable[[str], None] = _say) -> None:
+        self.log = log
+        self._said: dict[str, Any] = {}
+
+    def say(self, key: str, line: str, sig: Any = None) -> None:
+        sig = line if sig is None else sig
+        if self._said.get(key) != sig:
+            self._said[key] = sig
+            self.log(line)
+
+    def clear(self, key: str) -> None:
+        self._said.pop(key, None)
+
+
+def scan_rings(where: PrivateDir, refusals: Refusals,
+               readers: dict[str, RingReader] | None = None) -> list[RingSnapshot]:
+    """Every ring file's snapshot in a checked directory (all of them: see
+    :func:`newest_per_rank`), each read on its own. A file that is not a usable ring (its
+    checks, another user's, a link, unreadable) is said once through ``refusals`` and
+    skipped; so is anything unexpected while reading one: no ring can end the caller.
+    ``readers``: mapped readers kept across calls (path -> reader), else each is closed."""
+    snaps = []
+    try:
+        names = ring_names(where)
+    except OSError as exc:
+        refusals.say(where.path, f"cannot list the ring directory {where.path}: {exc}")
+        return []
+    for name in names:
+        key = where.where(name)
+        reader = readers.get(key) if readers is not None else None
+        try:
+            if reader is None:
+                reader = RingReader(key, dir_fd=where.fd)
+                if readers is not None:
+                    readers[key] = reader
+            snap = reader.read()
+        except FileNotFoundError:  # gone between the listing and the open
+            continue
+        except UnsafePath as exc:  # not this user's regular file: never read
+            refusals.say(key, f"refused: {exc}")
+            continue
+        except RingInvalid as exc:
+            refusals.say(key, str(exc), "invalid")  # once, until it reads whole again
+            _drop(readers, key, reader)
+            continue
+        except OSError as exc:
+            refusals.say(key, f"cannot read the ring {key}: {exc}: skipped")
+            _drop(readers, key, reader)
+            continue
+        except Exception as exc:  # noqa: BLE001 - a reader's bug must not end the agent
+            refusals.say(key, f"{key}: unreadable ring ({type(exc).__name__}: {exc}): "
+                              "skipped", type(exc).__name__)
+            _drop(readers, key, reader)
+            continue
+        finally:
+            if readers is None and reader is not None:
+                reader.close()
+        refusals.clear(key)
+        if snap.skips:
+            refusals.say(key + "#skips", f"{key}: {snap.skips.line()}",
+                         frozenset(snap.skips.reasons))
+        snaps.append(snap)
+    return snaps
+
+
+def _drop(readers: dict[str, RingReader] | None, key: str, reader: RingReader | None) -> None:
+    """A reader whose ring failed: closed and forgotten (the file is opened afresh next
+    pass: a rank may have rewritten it)."""
+    if readers is not None and readers.pop(key, None) is not None and reader is not None:
+        reader.close()
+
+
+def read_rings(directory: str | os.PathLike, *,
+               log: Callable[[str], None] = _say) -> list[RingSnapshot]:
     """The newest ring of every rank in ``directory`` (none when it does not exist); files
-    that are unreadable, not rings, or not this user's are skipped. A directory that is not
-    this user's own (0700, not a link) is refused (:class:`~striped_fs.privdir.UnsafePath`):
-    its rings could be anyone's."""
+    that are unreadable, not rings, malformed (:mod:`.validate`) or not this user's are said
+    through ``log`` and skipped. A directory that is not this user's own (0700, not a link)
+    is refused (:class:`~striped_fs.privdir.UnsafePath`): its rings could be anyone's."""
     try:
         where = PrivateDir.open(directory, create=False, what=RING_DIR_WHAT)
     except FileNotFoundError:
         return []
-    snaps = []
     with where:
-        for name in ring_names(where):
-            try:
-                reader = RingReader(where.where(name), dir_fd=where.fd)
-            except (OSError, ValueError):
-                continue
-            try:
-                snaps.append(reader.read())
-            except (OSError, ValueError):
-                pass
-            finally:
-                reader.close()
-    return newest_per_rank(snaps)
+        return newest_per_rank(scan_rings(where, Refusals(log)))
 
 
 def newest_per_rank(snaps: list[RingSnapshot]) -> list[RingSnapshot]:

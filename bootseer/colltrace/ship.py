@@ -21,12 +21,14 @@ Usage::
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import defaultdict
 from typing import Any
 
+from . import validate
 from .analyze import Analyzer, Finding, proc_state
-from .ring import Op, RingSnapshot, newest_per_rank
+from .ring import DTYPES, OPS, Op, RingSnapshot, newest_per_rank
 
 __all__ = ["PER_GROUP", "analyze_windows", "snapshots_of", "window"]
 
@@ -71,21 +73,26 @@ def window(snaps: list[RingSnapshot], *, node: str, per_group: int = PER_GROUP,
 
 def snapshots_of(doc: dict[str, Any], node: str) -> list[RingSnapshot]:
     """Ring snapshots from a node's window; the node is the caller's (the key's), never the
-    record's word. Malformed entries are skipped."""
+    record's word. Every entry is checked as a ring's are (:mod:`.validate`: bounded counts,
+    finite times, known op and dtype names, ranks within the world): a malformed rank entry
+    is skipped, a malformed op row too (the rest of its rank kept)."""
     snaps = []
-    for r in doc.get("ranks") or []:
-        try:
-            rank = int(r["rank"])
-            ops = [Op(rank, int(n), str(g), str(name), int(seq), int(numel), int(nbytes),
-                      str(dtype), float(t0), None if t1 is None else float(t1), bool(failed),
-                      False, -1)
-                   for n, g, name, seq, numel, nbytes, dtype, t0, t1, failed in r["ops"]]
-            snaps.append(RingSnapshot(f"{node}/rank{rank}", rank, int(r["world"]),
-                                      int(r["pid"]), node, float(r.get("created") or 0),
-                                      int(r.get("head") or 0), dict(r.get("groups") or {}),
-                                      ops))
-        except (KeyError, TypeError, ValueError):
+    ranks = doc.get("ranks") if isinstance(doc, dict) else None
+    for r in ranks if isinstance(ranks, list) else []:
+        got = validate.window_rank(r)
+        if isinstance(got, str):
             continue
+        rank, world, pid, created, head, groups = got
+        ops = []
+        for row in r["ops"]:
+            op = validate.window_op(row, ops=OPS, dtypes=DTYPES)
+            if isinstance(op, str):
+                continue
+            n, g, name, seq, numel, nbytes, dtype, t0, t1, failed = op
+            ops.append(Op(rank, n, g, name, seq, numel, nbytes, dtype, t0, t1, failed, False,
+                          -1))
+        snaps.append(RingSnapshot(f"{node}/rank{rank}", rank, world, pid, node, created, head,
+                                  groups, ops))
     return snaps
 
 
@@ -103,15 +110,21 @@ def analyze_windows(docs: dict[str, dict[str, Any]], *, now: float | None = None
     # shipping (its link, its agent) is not read as a rank that never issued the next op
     seen_until: dict[int, float] = {}
     for node, doc in sorted(docs.items()):
-        for snap in snapshots_of(doc, node):
-            snaps.append(snap)
-        for r in doc.get("ranks") or []:
-            if isinstance(r, dict) and isinstance(r.get("rank"), int):
-                if isinstance(doc.get("time"), int | float):  # a rank moved: the newest's
-                    seen_until[r["rank"]] = max(float(doc["time"]),
-                                                seen_until.get(r["rank"], float("-inf")))
-                st = str(r.get("state") or "")
-                ticks = r.get("cpu_ticks") if isinstance(r.get("cpu_ticks"), int) else 0
+        if not isinstance(doc, dict):
+            continue
+        got = snapshots_of(doc, node)
+        snaps += got
+        shipped = validate.finite_time(doc.get("time"))
+        kept = {s.rank for s in got}
+        for r in doc.get("ranks") if isinstance(doc.get("ranks"), list) else []:
+            if isinstance(r, dict) and r.get("rank") in kept:
+                if shipped is not None:  # a rank moved: the newest's
+                    seen_until[r["rank"]] = max(shipped, seen_until.get(r["rank"],
+                                                                        float("-inf")))
+                st = r.get("state")
+                st = st if isinstance(st, str) and len(st) == 1 else ""
+                ticks = r.get("cpu_ticks")
+                ticks = ticks if isinstance(ticks, int) and not isinstance(ticks, bool) else 0
                 states[(node, r["rank"])] = (st, ticks) if st else None
 
     def state(snap: RingSnapshot) -> tuple[str, int] | None:
@@ -127,5 +140,12 @@ def analyze_windows(docs: dict[str, dict[str, Any]], *, now: float | None = None
         analyzer = Analyzer(node="controller")
     analyzer.alive, analyzer.state = alive, state  # this call's windows say them
     analyzer.seen_until = seen_until
-    found = analyzer.analyze(newest_per_rank(snaps), now)  # a rank moved: its newest ring
+    try:
+        found = analyzer.analyze(newest_per_rank(snaps), now)  # a rank moved: its newest ring
+    except Exception as exc:  # noqa: BLE001 - the windows are checked (.validate); values
+        # the analysis did not foresee cost this verdict's colltrace part, never the caller
+        print(f"bootseer: colltrace: warning: the analysis of the shipped windows failed "
+              f"({type(exc).__name__}: {exc}): no colltrace verdict this time",
+              file=sys.stderr, flush=True)
+        return [], {}
     return found, analyzer.grid

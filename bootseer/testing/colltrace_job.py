@@ -19,7 +19,8 @@ all_reduces (groups ``grp-a`` then ``grp-b``). At step ``--at`` rank ``--rank`` 
 * ``none``: no fault.
 
 Each rank prints ``injected <fault> rank <r> at <time>`` when it injects; the job runs
-``--steps`` steps (then exits 0) unless a fault stops it.
+``--steps`` steps (then exits 0) unless a fault stops it, or until the file ``--until`` names
+exists (every rank stops after the same step).
 """
 
 from __future__ import annotations
@@ -158,11 +159,16 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
         elif step == args.at and args.fault in ("kill", "stop"):
             _wait_marker(os.path.join(_ring_dir(args), f".{args.fault}"),
                          ("", "Z", "X") if args.fault == "kill" else ("T", "t"))
-        t.fill_(1.0)
+        # --until: rank 0 adds 1 to grp-a's sum once the file exists; every rank reads the
+        # sum and stops after the same step (the op pattern unchanged)
+        t.fill_(2.0 if args.until and rank == 0 and os.path.exists(args.until) else 1.0)
         dist.all_reduce(t, group=a)
+        stop = bool(args.until) and float(t[0]) > args.world
         dist.all_reduce(t, group=b)
         if args.alternate and step >= 5:
             per_mode[on].append((time.perf_counter() - wall, time.process_time() - cpu))
+        if stop:
+            break
     if rank == 0 and args.alternate:
         med = {m: [1000 * sorted(x[i] for x in v)[len(v) // 2] for i in (0, 1)]
                for m, v in per_mode.items() if v}
@@ -387,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=1, help="the rank the fault is injected into")
     p.add_argument("--at", type=int, default=20, help="the step of the fault")
     p.add_argument("--steps", type=int, default=100000)
+    p.add_argument("--until", default="",
+                   help="stop (exit 0) after the step in which this file exists")
     p.add_argument("--work-ms", type=float, default=20.0)
     p.add_argument("--hold", type=float, default=600.0)
     p.add_argument("--capacity", type=int, default=4096)
