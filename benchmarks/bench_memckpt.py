@@ -131,7 +131,10 @@ class Node:
 
     def start(self) -> None:
         self.dir = self.shm / self.name
-        (self.dir / "peers").mkdir(parents=True, mode=0o700)
+        # Both 0700: the node's directory is its memory tier's (privdir refuses a wider one);
+        # mkdir(parents=True, mode=) would give the mode to the leaf alone.
+        self.dir.mkdir(mode=0o700)
+        (self.dir / "peers").mkdir(mode=0o700)
         self.server = PeerServer(str(self.dir / "peers"), token=TOKEN).start()
 
     def stop(self) -> None:

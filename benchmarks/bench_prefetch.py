@@ -225,16 +225,21 @@ def mount_child(spec_path: str) -> int:
     lazy_read = image.lazy.read
     fetch_frame = fetcher.frame
 
-    def counted_read(node: Any, offset: int, size: int) -> bytes:
-        data = lazy_read(node, offset, size)
-        with lock:
-            reads.append((node.ino, offset, len(data)))
+    # The wrappers take the wrapped methods' ``record`` keyword (a layer written out to disk
+    # reads with record=False): without it every FUSE read failed with EINVAL, so exec in the
+    # mount failed (chroot exited 126). Only a program's reads (record=True) are counted.
+    def counted_read(node: Any, offset: int, size: int, *, record: bool = True) -> bytes:
+        data = lazy_read(node, offset, size, record=record)
+        if record:
+            with lock:
+                reads.append((node.ino, offset, len(data)))
         return data
 
-    def counted_frame(blob: Any, i: int) -> bytes:
-        with lock:
-            frames_seen.add((blob.digest, i))
-        return fetch_frame(blob, i)
+    def counted_frame(blob: Any, i: int, *, record: bool = True) -> bytes:
+        if record:
+            with lock:
+                frames_seen.add((blob.digest, i))
+        return fetch_frame(blob, i, record=record)
 
     image.lazy.read = counted_read  # type: ignore[method-assign]
     fetcher.frame = counted_frame  # type: ignore[method-assign]
