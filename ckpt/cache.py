@@ -209,7 +209,7 @@ class StepCache:
         try:
             cached = (self.dir / MANIFEST).read_bytes()
         except FileNotFoundError:
-            return False
+            return self._adopt(manifest_raw)
         except OSError as exc:
             log.warning("checkpoint cache: cannot read %s (%s); reading from the store",
                         self.dir / MANIFEST, exc)
@@ -220,6 +220,24 @@ class StepCache:
                     "was rewritten); removing it", self.dir, self.step)
         shutil.rmtree(self.dir, ignore_errors=True)
         return False
+
+    def _adopt(self, manifest_raw: bytes) -> bool:
+        """A step this node's save wrote through (``put_saved``) that no prefetch has seen:
+        the store's commit record, just read, becomes the cached one. Safe because nothing
+        here is trusted on its own: every cached file is verified against this record when
+        it is read (an index by its CRC-32 in it, data and objects by their index), so a
+        file of another attempt of the step is removed and read from the store. This is
+        what lets survivors of a restart that torchrun runs (no prefetch between) load their
+        own shards from the node (issue 29: survivors read nothing twice)."""
+        if not self.dir.is_dir() or not any(self.dir.glob("rank-*.index.json")):
+            return False
+        try:
+            _atomic_write(self.dir / MANIFEST, manifest_raw)
+        except OSError as exc:
+            log.warning("checkpoint cache: cannot record the commit of step %d in %s (%s); "
+                        "reading from the store", self.step, self.dir, exc)
+            return False
+        return True
 
     def index(self, rank: int, crc32: int) -> bytes | None:
         """Rank ``rank``'s index when cached and matching the manifest's checksum."""
@@ -344,8 +362,8 @@ class StepCache:
     def put_saved(self, rank: int, data: memoryview, objects: bytes, index: bytes) -> bool:
         """A save's own files of ``rank``, written aside and renamed (the index last): an
         in-place restart's prefetch finds them and only verifies them. The step has no
-        commit record here until a prefetch copies the store's (a load never reads a step
-        the store did not commit). A local failure (a full disk) is a warning: False."""
+        commit record here until a prefetch copies the store's, or a load adopts the one
+        it read from the store (a load never reads a step the store did not commit). A local failure (a full disk) is a warning: False."""
         try:
             make_dir(self.dir, tighten=True)
             if len(data):

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +174,46 @@ def test_load_reads_the_cache_and_nothing_of_the_store_for_cached_files(
     assert_loaded(target, rank_state(5, 1))
     assert report.cached_files == 4  # both indexes, rank 1's data and objects
     assert report.cached_bytes >= N // 2 * 4 * 2
+
+
+def test_a_survivor_loads_what_its_save_wrote_through_without_a_prefetch(
+        tmp_path: Path) -> None:
+    """A restart that torchrun runs has no prefetch between the save and the load: the
+    shards this node's save wrote into the cache must serve the load (issue 29, survivors
+    read nothing twice), verified against the store's commit record, which the cache
+    adopts; a file of another attempt of the step is refused and read from the store."""
+    store, cache = str(tmp_path / "store"), tmp_path / "cache"
+    def save(rank: int) -> None:  # a rank writes its cache copy after the commit: both at once
+        with CheckpointManager(store, rank=rank, world_size=2, storage_options=SMALL,
+                               cache_dir=cache) as mgr:
+            mgr.save(5, rank_state(5, rank), block=True)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(save, (1, 0)))
+    step = cache / store_key(store) / "step-5"
+    assert not (step / MANIFEST).exists()  # written through, never prefetched
+    with CheckpointManager(store, rank=1, world_size=2, cache_dir=False) as plain:
+        plain.fs.rm_file(f"{step_dir(plain.root, 5)}/{data_name(1)}")  # only the node has it
+    with CheckpointManager(store, rank=1, world_size=2, cache_dir=cache) as mgr:
+        target = blank(1)
+        report = mgr.load_with_report(target)
+    assert report.step == 5
+    assert_loaded(target, rank_state(5, 1))
+    assert report.cached_bytes >= N // 2 * 4 * 2  # both shards of rank 1 from the node
+    assert (step / MANIFEST).exists()  # the store's commit record, adopted
+
+    # rank 0's cached index from another attempt of step 5: refused, the store's used
+    other = tmp_path / "other"
+    save_both(str(other), 5, seed=6, options=SMALL)
+    (step / MANIFEST).unlink()
+    with CheckpointManager(str(other), rank=0, world_size=2, cache_dir=False) as plain:
+        foreign = plain.fs.cat_file(f"{step_dir(plain.root, 5)}/{index_name(0)}")
+    (step / index_name(0)).write_bytes(foreign)
+    with CheckpointManager(store, rank=0, world_size=2, cache_dir=cache) as mgr:
+        target = blank(0)
+        mgr.load(target)
+    assert_loaded(target, rank_state(5, 0))
+    assert not (step / index_name(0)).exists() or (step / index_name(0)).read_bytes() != foreign
 
 
 def test_a_damaged_cached_file_is_removed_and_the_store_used(tmp_path: Path, caplog) -> None:
