@@ -463,7 +463,12 @@ def execute(view: CheckpointView, jobs: list[Job], concurrency: int,
 def _all_or_nothing(futures: list[Future[int]], cancel: CancelToken) -> int:
     """The sum of the files' results, or the first real failure (not a ``ReadCancelled``)
     raised once every file's reads are cancelled and finished."""
-    done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    try:
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    except BaseException:  # interrupted (KeyboardInterrupt): the reads stop before it goes on
+        cancel.cancel()
+        wait(futures)
+        raise
     if pending or any(f.exception() is not None for f in done):
         cancel.cancel()
         wait(futures)
