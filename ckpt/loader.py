@@ -17,14 +17,15 @@ import time
 import zlib
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from striped_fs import StripedFileSystem, StripedIOError
-from striped_fs.reader import fetch_piece_set
+from striped_fs.cancel import CancelToken, ReadCancelled
+from striped_fs.reader import StripedSource, fetch_piece_set
 
 from .errors import CheckpointCorrupt, StateMismatchError
 from .flatten import dcp_slots, walk
@@ -364,17 +365,24 @@ def plan(target: Target, chunks: list[StoredChunk], itemsize: int) -> list[Job]:
 
 
 def data_source(view: CheckpointView, rank: int) -> tuple[str, Any]:
-    """Rank ``rank``'s data file in the store, whose size must be what its index says."""
+    """Rank ``rank``'s data file in the store, checked before any byte of it is read: its
+    size must be what its index says, and a striped file's manifest must describe the
+    stripe objects that are there (``StripedSource.check_objects``: stripe count, stripe
+    size, size against the objects' lengths)."""
     path = f"{view.dir}/{data_name(rank)}"
     try:
         source = view.fs._resolve(view.fs._norm(path), view.fs.options)
+        if source.size != view.indexes[rank].data_size:
+            raise CheckpointCorrupt(f"step {view.step}: {path} holds {source.size} bytes, its "
+                                    f"index says {view.indexes[rank].data_size}",
+                                    step=view.step, path=path)
+        if isinstance(source, StripedSource):
+            source.check_objects()
     except FileNotFoundError:
         raise CheckpointCorrupt(f"step {view.step}: {path} is missing", step=view.step,
                                 path=path) from None
-    if source.size != view.indexes[rank].data_size:
-        raise CheckpointCorrupt(f"step {view.step}: {path} holds {source.size} bytes, its "
-                                f"index says {view.indexes[rank].data_size}",
-                                step=view.step, path=path)
+    except StripedIOError as exc:  # a manifest refused, a listing that failed
+        raise CheckpointCorrupt(f"step {view.step}: {exc}", step=view.step, path=path) from exc
     return path, source
 
 
@@ -382,20 +390,26 @@ def execute(view: CheckpointView, jobs: list[Job], concurrency: int,
             reads: Reads | None = None) -> int:
     """Fetch the pieces the jobs touch, file by file in parallel; returns bytes fetched.
 
-    A piece that cannot be read or fails its checksum is a ``CheckpointCorrupt`` naming the
-    data file (and, in its message, the stripe). ``reads`` records what was read."""
+    Every data file to read from the store is checked first (``data_source``: size, stripe
+    geometry), before any read starts. A piece that cannot be read or fails its checksum is
+    a ``CheckpointCorrupt`` naming the data file (and, in its message, the stripe). All or
+    nothing: the first failure cancels every other read of the load, and this raises only
+    once each one has finished, retries included; no read it started runs, or writes into
+    a job's buffer, after it returns or raises. ``reads`` records what was read."""
     by_rank: dict[int, list[Job]] = defaultdict(list)
     for job in jobs:
         by_rank[job.rank].append(job)
+    cancel = CancelToken()  # shared by every file's reads: one failure stops them all
 
-    def one_file(rank: int) -> int:
+    def one_file(rank: int, checked: tuple[str, Any] | None) -> int:
+        cancel.check()
         if view.cache is not None:
             copied = view.cache.read_data(view.indexes[rank], by_rank[rank])
             if copied is not None:
                 if reads is not None:
                     reads.pieces[rank] = None
                 return copied
-        path, source = data_source(view, rank)
+        path, source = checked if checked is not None else data_source(view, rank)
         size = source.piece_size
         per_piece: dict[int, list[Job]] = defaultdict(list)
         for job in by_rank[rank]:
@@ -430,23 +444,46 @@ def execute(view: CheckpointView, jobs: list[Job], concurrency: int,
                 if job.filled == job.end - job.start and job.finish is not None:
                     job.finish()
 
-        _fetch(view, path, source, sorted(per_piece), concurrency, sink, direct, landed)
+        _fetch(view, path, source, sorted(per_piece), concurrency, sink, direct, landed, cancel)
         if reads is not None:
             reads.pieces[rank] = set(per_piece)
         return fetched
 
     if not by_rank:
         return 0
-    with ThreadPoolExecutor(min(len(by_rank), 4), thread_name_prefix="ckpt-load") as pool:
-        return sum(pool.map(one_file, sorted(by_rank)))
+    ranks = sorted(by_rank)
+    with ThreadPoolExecutor(min(len(ranks), 4), thread_name_prefix="ckpt-load") as pool:
+        # Without a node cache every file comes from the store: all of them are checked
+        # before the first read (with one, a file is checked when the cache cannot serve it).
+        checked = dict(zip(ranks, pool.map(lambda r: data_source(view, r), ranks), strict=True)) \
+            if view.cache is None else {}
+        return _all_or_nothing([pool.submit(one_file, r, checked.get(r)) for r in ranks], cancel)
+
+
+def _all_or_nothing(futures: list[Future[int]], cancel: CancelToken) -> int:
+    """The sum of the files' results, or the first real failure (not a ``ReadCancelled``)
+    raised once every file's reads are cancelled and finished."""
+    try:
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    except BaseException:  # interrupted (KeyboardInterrupt): the reads stop before it goes on
+        cancel.cancel()
+        wait(futures)
+        raise
+    if pending or any(f.exception() is not None for f in done):
+        cancel.cancel()
+        wait(futures)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        raise next((e for e in errors if not isinstance(e, ReadCancelled)), errors[0])
+    return sum(f.result() for f in futures)
 
 
 def _fetch(view: CheckpointView, path: str, source: Any, pieces: list[int], concurrency: int,
            sink: Callable[[int, bytes], None], into: Callable[[int], memoryview | None] | None = None,
-           landed: Callable[[int], None] | None = None) -> None:
+           landed: Callable[[int], None] | None = None, cancel: CancelToken | None = None) -> None:
     """``fetch_piece_set`` whose failures name the step and the data file."""
     try:
-        fetch_piece_set(source, pieces, concurrency, sink, into=into, landed=landed)
+        fetch_piece_set(source, pieces, concurrency, sink, into=into, landed=landed,
+                        cancel=cancel)
     except (FileNotFoundError, StripedIOError) as exc:
         raise CheckpointCorrupt(f"step {view.step}: {path}: {exc}", step=view.step,
                                 path=path) from exc

@@ -8,6 +8,7 @@ HTTP) run natively on their own event loop. Either way the caller gets a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
 import logging
@@ -24,6 +25,7 @@ from typing import Any
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
+from .cancel import CancelToken, ReadCancelled
 from .config import StripeOptions
 from .errors import ShortReadError, StripeChecksumError, StripedIOError
 
@@ -106,11 +108,14 @@ class Backend:
         self._max_workers = max_workers
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._busy = 0  # operations submitted and not finished (see ``busy``)
 
     # -- public operations -------------------------------------------------------------
     def read_range(self, path: str, start: int, end: int, *, what: str, retry: RetryPolicy,
-                   validate: Validator | None = None, stripe: int | None = None) -> Future[bytes]:
-        """Bytes ``[start, end)`` of ``path``; a short answer is retried like a dropped stream."""
+                   validate: Validator | None = None, stripe: int | None = None,
+                   cancel: CancelToken | None = None) -> Future[bytes]:
+        """Bytes ``[start, end)`` of ``path``; a short answer is retried like a dropped stream.
+        ``cancel`` (every read here): stops the retries once the set of reads is abandoned."""
         want = end - start
 
         def check(data: bytes) -> None:
@@ -122,18 +127,18 @@ class Backend:
         return self._submit(
             what, stripe, path, retry, check,
             lambda: self.fs.cat_file(path, start=start, end=end),
-            lambda: self.fs._cat_file(path, start=start, end=end),
+            lambda: self.fs._cat_file(path, start=start, end=end), cancel,
         )
 
     def read_object(self, path: str, *, what: str, retry: RetryPolicy,
                     validate: Validator | None = None, stripe: int | None = None,
-                    limit: int | None = None) -> Future[bytes]:
+                    limit: int | None = None, cancel: CancelToken | None = None) -> Future[bytes]:
         """The whole object ``path``, or at most its first ``limit`` bytes when given (so that
         an object larger than expected is never read, or allocated, whole)."""
         if limit is None:
             return self._submit(what, stripe, path, retry, validate,
                                 lambda: self.fs.cat_file(path),
-                                lambda: self.fs._cat_file(path))
+                                lambda: self.fs._cat_file(path), cancel)
 
         def bounded() -> bytes:
             try:
@@ -147,48 +152,68 @@ class Backend:
             except OSError as exc:
                 return _empty_if_unsatisfiable(exc)
 
-        return self._submit(what, stripe, path, retry, validate, bounded, bounded_async)
+        return self._submit(what, stripe, path, retry, validate, bounded, bounded_async, cancel)
 
     def read_into(self, path: str, view: memoryview, start: int = 0, *, what: str,
                   retry: RetryPolicy, validate: Callable[[memoryview], None] | None = None,
-                  stripe: int | None = None) -> Future[None]:
+                  stripe: int | None = None, cancel: CancelToken | None = None) -> Future[None]:
         """Read ``len(view)`` bytes of ``path`` from ``start`` into ``view`` (no new buffer).
 
         Local files are read with ``preadv`` straight into the destination; other targets
-        fetch the range and copy it in.
+        fetch the range and copy it in. With ``cancel``, no byte lands in ``view`` once the
+        token is cancelled (``CancelToken.cancel`` waits for a write under way).
         """
         want = view.nbytes
+        guard = cancel.writing if cancel is not None else contextlib.nullcontext
 
         def local() -> None:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 got = 0
-                while got < want:
-                    n = os.preadv(fd, [view[got:]], start + got)
-                    if n == 0:
-                        raise ShortReadError(f"got {got} of {want} bytes")
-                    got += n
+                with guard():
+                    while got < want:
+                        n = os.preadv(fd, [view[got:]], start + got)
+                        if n == 0:
+                            raise ShortReadError(f"got {got} of {want} bytes")
+                        got += n
             finally:
                 os.close(fd)
 
         def place(data: bytes) -> None:
             if len(data) != want:
                 raise ShortReadError(f"got {len(data)} of {want} bytes")
-            view[:] = data
+            with guard():
+                view[:] = data
 
         def check(_: Any) -> None:
             if validate is not None:
                 validate(view)
 
         if self.is_local:
-            return self._submit(what, stripe, path, retry, check, local, None)
+            return self._submit(what, stripe, path, retry, check, local, None, cancel)
 
         async def remote() -> None:
             place(await self.fs._cat_file(path, start=start, end=start + want))
 
         return self._submit(what, stripe, path, retry, check,
                             lambda: place(self.fs.cat_file(path, start=start, end=start + want)),
-                            remote)
+                            remote, cancel)
+
+    def object_sizes(self, directory: str, *, what: str, retry: RetryPolicy) -> dict[str, int | None]:
+        """The objects directly under ``directory`` by name, with the sizes the target lists
+        (``None`` where it lists none); empty when there is no such directory. One listing
+        (one LIST request on S3), never a read of an object."""
+
+        def listing() -> dict[str, int | None]:
+            self.fs.invalidate_cache(directory)  # s3fs caches listings; this one must be now
+            try:
+                entries = self.fs.ls(directory, detail=True)
+            except FileNotFoundError:
+                return {}
+            return {e["name"].rstrip("/").rpartition("/")[2]: e.get("size")
+                    for e in entries if e.get("type") == "file"}
+
+        return self._submit(what, None, directory, retry, None, listing, None).result()
 
     def write_object(self, path: str, data: bytes | memoryview, *, what: str, retry: RetryPolicy,
                      durable: bool = True, stripe: int | None = None,
@@ -228,15 +253,34 @@ class Backend:
                 self._pool.shutdown(wait=False, cancel_futures=True)
                 self._pool = None
 
+    @property
+    def busy(self) -> int:
+        """Operations submitted and not finished: queued, running, or sleeping between
+        retries (a cancelled one that never ran is finished). What a caller that abandoned a
+        set of reads checks to know none of them is still going (tests, diagnostics)."""
+        with self._lock:
+            return self._busy
+
+    def _count(self, delta: int) -> None:
+        with self._lock:
+            self._busy += delta
+
     # -- machinery ---------------------------------------------------------------------
     def _submit(self, what: str, stripe: int | None, path: str, retry: RetryPolicy, validate: Validator | None,
                 sync_call: Callable[[], Any], async_call: Callable[[], Awaitable[Any]] | None,
-                ) -> Future:
+                cancel: CancelToken | None = None) -> Future:
         if self.is_async and async_call is not None:
-            coro = self._run_async(what, stripe, path, retry, validate, async_call)
+            coro = self._run_async(what, stripe, path, retry, validate, async_call, cancel)
             return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
-        return self._executor().submit(self._run_sync, what, stripe, path, retry, validate,
-                                       sync_call)
+        self._count(1)
+        try:
+            fut = self._executor().submit(self._run_sync, what, stripe, path, retry, validate,
+                                          sync_call, cancel)
+        except BaseException:
+            self._count(-1)
+            raise
+        fut.add_done_callback(lambda _: self._count(-1))
+        return fut
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -245,36 +289,53 @@ class Backend:
             return self._pool
 
     def _run_sync(self, what: str, stripe: int | None, path: str, retry: RetryPolicy, validate: Validator | None,
-                  call: Callable[[], Any]) -> Any:
+                  call: Callable[[], Any], cancel: CancelToken | None = None) -> Any:
         attempt = 0
         while True:
+            if cancel is not None:
+                cancel.check()  # abandoned while queued or between attempts: no new request
             try:
                 result = call()
                 if validate is not None:
                     validate(result)
                 return result
+            except ReadCancelled:
+                raise
             except Exception as exc:  # noqa: BLE001 - classified below
                 if not retry.should_retry(exc, attempt):
                     raise _final_error(exc, what, path, attempt + 1, stripe) from exc
                 _log_retry(what, path, exc, attempt)
-                time.sleep(retry.delay(attempt))
+                if cancel is not None:
+                    cancel.sleep(retry.delay(attempt))
+                else:
+                    time.sleep(retry.delay(attempt))
                 attempt += 1
 
     async def _run_async(self, what: str, stripe: int | None, path: str, retry: RetryPolicy,
-                         validate: Validator | None, call: Callable[[], Awaitable[Any]]) -> Any:
-        attempt = 0
-        while True:
-            try:
-                result = await call()
-                if validate is not None:
-                    validate(result)
-                return result
-            except Exception as exc:  # noqa: BLE001 - classified below
-                if not retry.should_retry(exc, attempt):
-                    raise _final_error(exc, what, path, attempt + 1, stripe) from exc
-                _log_retry(what, path, exc, attempt)
-                await asyncio.sleep(retry.delay(attempt))
-                attempt += 1
+                         validate: Validator | None, call: Callable[[], Awaitable[Any]],
+                         cancel: CancelToken | None = None) -> Any:
+        # Counted from when it runs: a cancelled future stops the task before it starts.
+        self._count(1)
+        try:
+            attempt = 0
+            while True:
+                if cancel is not None:
+                    cancel.check()
+                try:
+                    result = await call()
+                    if validate is not None:
+                        validate(result)
+                    return result
+                except ReadCancelled:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - classified below
+                    if not retry.should_retry(exc, attempt):
+                        raise _final_error(exc, what, path, attempt + 1, stripe) from exc
+                    _log_retry(what, path, exc, attempt)
+                    await asyncio.sleep(retry.delay(attempt))
+                    attempt += 1
+        finally:
+            self._count(-1)
 
 
 def _empty_if_unsatisfiable(exc: OSError) -> bytes:

@@ -24,7 +24,14 @@ class StripeChecksumError(StripedIOError):
 
 
 class ManifestError(StripedIOError):
-    """A striped file's manifest is malformed or inconsistent with its declared sizes."""
+    """A striped file's manifest is malformed or inconsistent with its declared sizes, or
+    with the stripe objects the target holds; ``field``, when known, names the manifest's
+    field that does not hold (``stripe_size``, ``size``, ``stripes``, ``version``)."""
+
+    def __init__(self, message: str, *, path: str, stripe: int | None = None,
+                 field: str | None = None) -> None:
+        super().__init__(message, path=path, stripe=stripe)
+        self.field = field
 
 
 class ShortReadError(ConnectionError):

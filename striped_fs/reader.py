@@ -15,8 +15,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from .backend import Backend, RetryPolicy
-from .errors import StripeChecksumError
-from .layout import Manifest, checksum, stripe_path
+from .cancel import CancelToken
+from .errors import ManifestError, StripeChecksumError
+from .layout import Manifest, checksum, stripe_path, version_dir
 
 
 def _done(value: bytes) -> Future[bytes]:
@@ -40,21 +41,30 @@ class Source:
         start = index * self.piece_size
         return start, min(start + self.piece_size, self.size)
 
-    def fetch(self, index: int, lo: int = 0, hi: int | None = None) -> tuple[int, Future[bytes]]:
+    def fetch(self, index: int, lo: int = 0, hi: int | None = None,
+              cancel: CancelToken | None = None) -> tuple[int, Future[bytes]]:
         """Start fetching piece ``index`` (at least its part inside ``[lo, hi)``).
 
         Returns the logical offset of the first byte the future will hold, and the future.
+        ``cancel``: stops the fetch (and its retries) once its set of reads is abandoned.
         """
         raise NotImplementedError
 
-    def fetch_into(self, index: int, view: memoryview) -> Future[None]:
-        """Read the whole piece ``index`` into ``view`` (exactly its length), verified."""
-        start, fut = self.fetch(index)
+    def fetch_into(self, index: int, view: memoryview,
+                   cancel: CancelToken | None = None) -> Future[None]:
+        """Read the whole piece ``index`` into ``view`` (exactly its length), verified; with
+        ``cancel``, nothing lands in ``view`` once it is cancelled."""
+        start, fut = self.fetch(index, cancel=cancel)
         out: Future[None] = Future()
 
         def done(f: Future[bytes]) -> None:
             try:
-                view[:] = f.result()
+                data = f.result()
+                if cancel is None:
+                    view[:] = data
+                else:
+                    with cancel.writing():
+                        view[:] = data
                 out.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 out.set_exception(exc)
@@ -78,7 +88,8 @@ class InlineSource(Source):
         self.size = len(self.data)
         self.piece_size = max(1, self.size)
 
-    def fetch(self, index: int, lo: int = 0, hi: int | None = None) -> tuple[int, Future[bytes]]:
+    def fetch(self, index: int, lo: int = 0, hi: int | None = None,
+              cancel: CancelToken | None = None) -> tuple[int, Future[bytes]]:
         return 0, _done(self.data)
 
 
@@ -92,17 +103,19 @@ class PlainSource(Source):
     piece_size: int
     retry: RetryPolicy
 
-    def fetch(self, index: int, lo: int = 0, hi: int | None = None) -> tuple[int, Future[bytes]]:
+    def fetch(self, index: int, lo: int = 0, hi: int | None = None,
+              cancel: CancelToken | None = None) -> tuple[int, Future[bytes]]:
         start, end = self.piece_range(index)
         start, end = max(start, lo), min(end, self.size if hi is None else hi)
         fut = self.backend.read_range(self.path, start, end, retry=self.retry, stripe=index,
-                                      what=f"stripe {index} (bytes {start}-{end})")
+                                      what=f"stripe {index} (bytes {start}-{end})", cancel=cancel)
         return start, fut
 
-    def fetch_into(self, index: int, view: memoryview) -> Future[None]:
+    def fetch_into(self, index: int, view: memoryview,
+                   cancel: CancelToken | None = None) -> Future[None]:
         start, end = self.piece_range(index)
         return self.backend.read_into(self.path, view, start, retry=self.retry, stripe=index,
-                                      what=f"stripe {index} (bytes {start}-{end})")
+                                      what=f"stripe {index} (bytes {start}-{end})", cancel=cancel)
 
 
 @dataclass
@@ -122,19 +135,58 @@ class StripedSource(Source):
     def striped(self) -> bool:
         return True
 
-    def fetch(self, index: int, lo: int = 0, hi: int | None = None) -> tuple[int, Future[bytes]]:
+    def fetch(self, index: int, lo: int = 0, hi: int | None = None,
+              cancel: CancelToken | None = None) -> tuple[int, Future[bytes]]:
         start, end = self.piece_range(index)
         # At most one byte more than the manifest declares is read: enough to tell a stripe
         # object that is too long, never a whole object of whatever size someone put there.
         fut = self.backend.read_object(self._object(index), what=f"stripe {index} of {self.path}",
                                        retry=self.retry, validate=self._verifier(index),
-                                       stripe=index, limit=end - start + 1)
+                                       stripe=index, limit=end - start + 1, cancel=cancel)
         return start, fut
 
-    def fetch_into(self, index: int, view: memoryview) -> Future[None]:
+    def fetch_into(self, index: int, view: memoryview,
+                   cancel: CancelToken | None = None) -> Future[None]:
         return self.backend.read_into(self._object(index), view, retry=self.retry,
                                       validate=self._verifier(index), stripe=index,
-                                      what=f"stripe {index} of {self.path}")
+                                      what=f"stripe {index} of {self.path}", cancel=cancel)
+
+    def check_objects(self) -> None:
+        """The manifest's geometry against the stripe objects the target holds, before any
+        read: one listing of this version's stripes directory. Every stripe the manifest
+        lists must be there, no other, each exactly as long as ``size`` and ``stripe_size``
+        make it. A manifest edited or damaged into other numbers that still agree with each
+        other (``stripe_size`` 65536 -> 65535, ``size`` shortened within its last stripe)
+        is refused here, naming the file and the field, instead of being found stripe by
+        stripe after reads have started (a direct read has landed by then). Skipped on an
+        HTTP target, whose listings are pages, not the store's objects."""
+        if _lists_pages(self.backend):
+            return
+        m = self.manifest
+        directory = version_dir(self.path, m.version)
+        held = self.backend.object_sizes(directory, what=f"stripes of {self.path}",
+                                         retry=self.retry)
+        count = m.stripe_count
+        missing = [i for i in range(count) if f"{i:08d}" not in held]
+        if missing:
+            field = "version" if len(missing) == count else "stripes"
+            raise _geometry(self.path, field, f"lists {count} stripe(s) of version {m.version} "
+                            f"but {len(missing)} of their objects are missing from {directory} "
+                            f"(first: stripe {missing[0]})")
+        extra = sorted(n for n in held if n.isdigit() and len(n) == 8 and int(n) >= count)
+        if extra:
+            raise _geometry(self.path, "stripes", f"lists {count} stripe(s) but {directory} "
+                            f"holds {len(extra)} more stripe object(s) (first: {extra[0]})")
+        for index in range(count):
+            size = held[f"{index:08d}"]
+            lo, hi = self.piece_range(index)
+            if size is None or size == hi - lo:
+                continue
+            field = "size" if index == count - 1 else "stripe_size"
+            declared = f"size {m.size}" if field == "size" else f"stripe_size {m.stripe_size}"
+            raise _geometry(self.path, field, f"its {declared} makes stripe {index} "
+                            f"{hi - lo} bytes long, but its object {self._object(index)} holds "
+                            f"{size} bytes", stripe=index)
 
     def _object(self, index: int) -> str:
         return stripe_path(self.path, self.manifest.version, index)
@@ -158,6 +210,17 @@ class StripedSource(Source):
                     f"manifest says {expected_crc:08x}", path=self.path, stripe=index)
 
         return verify
+
+
+def _geometry(path: str, field: str, what: str, stripe: int | None = None) -> ManifestError:
+    return ManifestError(f"{path}: striped manifest does not match its stripe objects "
+                         f"(field {field!r}): {what}", path=path, stripe=stripe, field=field)
+
+
+def _lists_pages(backend: Backend) -> bool:
+    protocols = backend.fs.protocol
+    protocols = (protocols,) if isinstance(protocols, str) else protocols
+    return bool({"http", "https"} & set(protocols))
 
 
 class StripedReader(io.BufferedIOBase):
@@ -317,26 +380,33 @@ def fetch_piece_set(source: Source, indices: Iterable[int], concurrency: int,
                     sink: Callable[[int, bytes], None], start: int = 0,
                     end: int | None = None,
                     into: Callable[[int], memoryview | None] | None = None,
-                    landed: Callable[[int], None] | None = None) -> None:
+                    landed: Callable[[int], None] | None = None,
+                    cancel: CancelToken | None = None) -> None:
     """Fetch the pieces ``indices`` (clipped to ``[start, end)``), ``concurrency`` at a time.
 
     A piece for which ``into(index)`` returns a view is read straight into it (no buffer in
     between) and reported through ``landed(index)``; the others go to ``sink(offset, data)``.
-    Callbacks run in the calling thread. The first failure cancels the rest and is raised.
+    Callbacks run in the calling thread. The first failure is raised once every other fetch
+    is cancelled and finished (retries included): when this returns or raises, nothing it
+    started is still running or can still write into a view. ``cancel``, shared by several
+    calls (one load reading many files), is cancelled by the first failure of any of them,
+    and a call whose token another cancelled raises ``ReadCancelled``.
     """
     end = source.size if end is None else end
     todo = iter(indices)
     inflight: dict[Future, tuple[int, int | None]] = {}
+    token = CancelToken() if cancel is None else cancel
 
     def launch() -> bool:
+        token.check()
         index = next(todo, None)
         if index is None:
             return False
         view = into(index) if into is not None else None
         if view is not None:
-            inflight[source.fetch_into(index, view)] = (index, None)
+            inflight[source.fetch_into(index, view, cancel=token)] = (index, None)
         else:
-            data_start, fut = source.fetch(index, start, end)
+            data_start, fut = source.fetch(index, start, end, cancel=token)
             inflight[fut] = (index, data_start)
         return True
 
@@ -353,12 +423,22 @@ def fetch_piece_set(source: Source, indices: Iterable[int], concurrency: int,
                         landed(index)
                 else:
                     lo, hi = max(start, data_start), min(end, data_start + len(result))
+                    token.check()
                     sink(lo, result if (lo, hi) == (data_start, data_start + len(result))
                          else memoryview(result)[lo - data_start : hi - data_start])
                 launch()
-    finally:
-        for fut in inflight:
-            fut.cancel()
+    except BaseException:
+        _abandon(token, inflight)
+        raise
+
+
+def _abandon(token: CancelToken, inflight: dict[Future, tuple[int, int | None]]) -> None:
+    """Stop every fetch still in flight and wait until each has finished: a fetch running
+    or sleeping between retries would otherwise go on (and a direct one write into memory
+    the caller has taken back)."""
+    token.cancel()  # no write starts from here on; those under way have ended
+    running = [fut for fut in inflight if not fut.cancel()]
+    wait(running)  # their outcomes are dropped: the first failure is what is raised
 
 
 def read_range(source: Source, start: int, end: int, concurrency: int) -> bytes:
