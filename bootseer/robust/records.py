@@ -35,7 +35,7 @@ class RecordError(ValueError):
     """A record that is not what its kind promises."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # so that a kind's first argument is positional
 class Spec:
     null: bool = False
     need: bool = False
