@@ -19,7 +19,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -576,3 +575,152 @@ def test_fuzzed_records_never_raise_out_of_their_reader(store, capsys, kind: str
             _consume(store, kind, key, link, ctl)  # may act, must not raise
     assert refused >= 90
     capsys.readouterr()
+
+
+# -- live: bootseer controller and bootseer run, attacked through their store -----------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _until(what: str, check: Callable[[], Any], procs: list[subprocess.Popen],
+           timeout_s: float = 120.0) -> Any:
+    """Polls ``check`` until it is truthy; fails naming ``what`` when a process exits first
+    or it does not come (a bound on a hang, not a timed assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (got := check()):
+            return got
+        for proc in procs:
+            assert proc.poll() is None, f"{proc.args[:4]} exited with {proc.returncode} " \
+                                        f"while waiting for {what}"
+        time.sleep(0.2)
+    raise AssertionError(f"no {what} after {timeout_s:.0f} s")
+
+
+COMMAND = """import json, os, sys, time
+out = sys.argv[1]
+with open(os.path.join(out, f"attempt-{os.environ['BOOTSEER_ATTEMPT']}.json"), "w") as f:
+    json.dump(dict(os.environ), f)
+time.sleep(600)
+"""
+
+
+def test_live_forged_publish_and_poisoned_dumps_are_ignored_then_a_genuine_incident_is_handled(
+        tmp_path) -> None:
+    """The defects of issue 27 on the real processes: a publish with ``BASH_ENV`` from a
+    process without the secret (by the CLI and by hand), a dump order with incident ``1e999``
+    (unsealed and sealed), and a node's dump answer with ``"files": 7``. The controller and
+    ``bootseer run`` stay up, the command never runs on the forged version, and a crash
+    incident and then a genuine urgent publish are both handled."""
+    from torch.distributed import TCPStore
+
+    from bootseer.testing.cluster_host import wait_for_line
+
+    port, out = _free_port(), tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "cmd.py").write_text(COMMAND)
+    evil = tmp_path / "evil.sh"
+    evil.write_text(f"touch {tmp_path}/pwned\n")
+    env = scenario_env()
+    ctl = subprocess.Popen(
+        [sys.executable, "-m", "bootseer", "controller", "--port", str(port), "--trace-dir",
+         str(tmp_path / "ctl"), "--dump-wait", "3", "--failslow-interval", "0"],
+        stdout=subprocess.PIPE, stderr=open(tmp_path / "ctl.log", "w"),  # noqa: SIM115
+        text=True, env=env)
+    run = None
+    store_pid = None
+    try:
+        started = wait_for_line(ctl, "READY", "the controller", 60)
+        assert "READY controller" in started
+        client = TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=datetime.timedelta(seconds=10))
+        run = subprocess.Popen(
+            [sys.executable, "-m", "bootseer", "run", "--controller", f"127.0.0.1:{port}",
+             "--node", "n0", "--state-dir", str(tmp_path / "state"), "--trace-dir",
+             str(tmp_path / "trace"), "--min-free-disk", "0", "--min-free-memory", "0",
+             "--max-restarts", "5", "--backoff", "0.2", "--controller-wait", "10", "--",
+             sys.executable, str(tmp_path / "cmd.py"), str(out)],
+            stderr=open(tmp_path / "run.log", "w"), env=env)  # noqa: SIM115
+        procs = [ctl, run]
+        _until("attempt 0", lambda: (out / "attempt-0.json").exists(), procs)
+
+        # 1. a publish with BASH_ENV, by the CLI without the secret: refused, nothing written
+        no_secret = {k: v for k, v in env.items() if k != seal.SECRET_ENV}
+        cli = subprocess.run(
+            [sys.executable, "-m", "bootseer", "controller", "publish", "--store",
+             f"127.0.0.1:{port}", "--id", "v9", "--urgent", "--env", f"BASH_ENV={evil}"],
+            capture_output=True, text=True, env=no_secret, timeout=120)
+        assert cli.returncode == 2 and "BOOTSEER_JOB_SECRET" in cli.stderr
+        assert wire.get(client, K.version_current) is None
+        # ... and by hand, byte by byte, as a holder of the port would
+        client.set(K.version("v9"), b'{"id":"v9","workdir":null,"env":{"BASH_ENV":"'
+                   + str(evil).encode() + b'"},"time":1.0}')
+        client.set(K.version_current,
+                   b'{"id":"v9","previous":"base","seq":99,"time":1.0,"urgent":true}')
+        # 2. a dump order with incident 1e999: unsealed, then sealed (a writer's bug)
+        client.set(K.dump_request, b'{"incident":1e999,"time":1.0,"reason":"forged"}')
+        _until("the agent's warning", lambda: "warning: bootseer/job/dump/request: not a "
+               "sealed record" in (tmp_path / "run.log").read_text(), procs)
+        _until("the controller's warning", lambda: "bootseer/job/version/current: not a "
+               "published record" in (tmp_path / "ctl.log").read_text(), procs)
+        client.set(K.dump_request, S(K.dump_request, b'{"incident":1e999,"time":1.0}'))
+        assert int(client.add(K.incident, 0)) == 0  # the forged publish opened nothing
+
+        # 3. incident 1: node n1 (the test, holding the secret) crashes; its dump answer is
+        # poisoned ("files": 7), after acknowledging the order (so it is waited for)
+        n1 = ControllerLink(client, "n1")
+        n1.register()
+        client.set(K.dump_ack("n1", 1), S(K.dump_ack("n1", 1),
+                                          b'{"node":"n1","incident":1,"time":1.0}'))
+        client.set(K.dump("n1", 1), S(K.dump("n1", 1), (
+            b'{"node":"n1","incident":1,"time":1.0,"processes":[],"files":7}')))
+        n1.publish(Event("crash", "python_exception", node="n1", rank=1, time=time.time()))
+        first = _until("the verdict of incident 1", lambda: wire.read(client, K.verdict(1)),
+                       procs)
+        assert (first["action"], first["class"]) == ("restart_in_place", "python_exception")
+        assert first["evidence"]["missing_dumps"] == ["n1"] and "n0" in first["evidence"]["dumps"]
+        restarted = json.loads(_until("attempt 1", lambda: (out / "attempt-1.json").exists()
+                                      and (out / "attempt-1.json").read_text(), procs))
+        assert restarted["BOOTSEER_VERSION"] == "base" and "BASH_ENV" not in restarted
+        assert seal.SECRET_ENV not in restarted  # the command never gets the secret
+
+        # 4. a genuine urgent publish: incident 2, the node restarts on it
+        ok = subprocess.run(
+            [sys.executable, "-m", "bootseer", "controller", "publish", "--store",
+             f"127.0.0.1:{port}", "--id", "v2", "--urgent", "--env", "FOO=bar"],
+            capture_output=True, text=True, env=env, timeout=120)
+        assert ok.returncode == 0, ok.stderr
+        second = _until("the verdict of incident 2", lambda: wire.read(client, K.verdict(2)),
+                        procs)
+        assert (second["class"], second["evidence"]["update"]) == ("update", {"version": "v2"})
+        updated = json.loads(_until("attempt 2", lambda: (out / "attempt-2.json").exists()
+                                    and (out / "attempt-2.json").read_text(), procs))
+        assert (updated["BOOTSEER_VERSION"], updated["FOO"]) == ("v2", "bar")
+        assert "BASH_ENV" not in updated and not (tmp_path / "pwned").exists()
+        assert ctl.poll() is None and run.poll() is None  # both stayed up throughout
+        log = (tmp_path / "ctl.log").read_text()
+        assert "bootseer/job/node/n1/dump/1" in log and os.environ[seal.SECRET_ENV] not in log
+        assert os.environ[seal.SECRET_ENV] not in (tmp_path / "run.log").read_text()
+        store_pid = int(log.split("store started on port")[1].split("(pid ")[1].split(")")[0])
+    finally:
+        for proc in (run, ctl):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        if store_pid is None:
+            text = (tmp_path / "ctl.log").read_text()
+            if "store started on port" in text:
+                store_pid = int(text.split("store started on port")[1].split("(pid ")[1]
+                                .split(")")[0])
+        if store_pid is not None:
+            os.kill(store_pid, signal.SIGTERM)
