@@ -673,7 +673,8 @@ class Controller:
                     f"rank {r} ({'+'.join(w)})" for r, w in sorted(flagged.items())))
         asked = int(self.store.add(self.keys.sample_count, 1))  # never reused: an agent
         # answers each order once, across controller restarts and incidents
-        wire.put(self.store, self.keys.failslow, {**rounds.to_doc(), "asked": asked}, wire.MAX_DUMP_BYTES)
+        wire.put(self.store, self.keys.failslow, {**rounds.to_doc(), "asked": asked},
+                 wire.MAX_DUMP_BYTES)
         wire.put(self.store, self.keys.sample_request, {"round": asked, "time": now})
         return event
 

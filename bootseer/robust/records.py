@@ -120,7 +120,7 @@ class List(Spec):
 class Map(Spec):
     value: Spec = field(default_factory=Any)
     max_items: int = 4096
-    key_len: int = 64
+    key_len: int = 256
 
     def check(self, value: _Any, path: str) -> None:
         if not isinstance(value, dict):
@@ -166,7 +166,8 @@ _PROCESS = Obj({"rank": Int(hi=1 << 20, need=True), "pid": Int(hi=1 << 31, null=
 _PROCESSES = List(_PROCESS, max_items=4096, need=True)
 _EVENT = Obj({"kind": Str(max_len=32, need=True), "class": Str(max_len=128, need=True),
               "node": Str(max_len=63, null=True), "rank": Int(hi=1 << 20, null=True),
-              "step": Int(null=True), "time": _T, "evidence": Map(null=True)})
+              "step": Int(lo=-MAX_INT, null=True), "time": Num(lo=-1e11, hi=1e11),
+              "evidence": Map(null=True)})
 _NODES = List(_NODE_NAME, max_items=4096)
 _CHECK_ORDER = Obj({"incident": _ID, "nodes": List(_NODE_NAME, max_items=4096, need=True),
                     "time": _T})
@@ -176,9 +177,9 @@ KINDS: dict[str, Obj] = {
     "info": Obj({"node": _NODE_NAME, "pid": Int(hi=1 << 31), "time": _T}),
     "beat": Obj({"node": _NODE_NAME, "time": Num(lo=0.0, hi=1e11, need=True),
                  "attempt": Int(hi=1 << 20),
-                 "ranks": Map(Obj({"step": Int(null=True), "time": Num(null=True),
+                 "ranks": Map(Obj({"step": Num(null=True), "time": Num(null=True),
                                    "pid": Int(hi=1 << 31, null=True),
-                                   "step_time_s": Num(lo=0.0, null=True)}), max_items=256)}),
+                                   "step_time_s": Num(null=True)}), max_items=256)}),
     "event": _EVENT,
     "dump_order": Obj({"incident": Int(lo=1, need=True), "time": _T,
                        "reason": Str(max_len=2048), "update": Str(max_len=63, node=True)}),

@@ -145,7 +145,8 @@ class ControllerLink:
                                                file=sys.stderr, flush=True))
         if self.node not in (wire.get(self.store, self.keys.nodes) or b"").decode().split():
             self.store.append(self.keys.nodes, f"{self.node}\n")
-        wire.put(self.store, self.keys.node(self.node, "info"), {"node": self.node, "pid": os.getpid(), "time": time.time()})
+        wire.put(self.store, self.keys.node(self.node, "info"),
+                 {"node": self.node, "pid": os.getpid(), "time": time.time()})
         last = self._read(self.keys.verdict_last)
         self.answered = int(last["incident"]) if last else 0
 
@@ -173,7 +174,8 @@ class ControllerLink:
         summary = {str(r): {**{k: v.get(k) for k in ("step", "time", "pid")},
                             "step_time_s": self.step_time(r)}
                    for r, v in sorted(ranks.items())[:256]}
-        wire.put(self.store, self.keys.node(self.node, "beat"), {"node": self.node, "time": time.time(), "attempt": attempt, "ranks": summary})
+        wire.put(self.store, self.keys.node(self.node, "beat"),
+                 {"node": self.node, "time": time.time(), "attempt": attempt, "ranks": summary})
 
     def ship_colltrace(self, *, force: bool = False) -> bool:
         """This node's collective ring window into the store (at most every ``colltrace_s``
@@ -185,8 +187,8 @@ class ControllerLink:
         self._last_ship = now
         try:
             doc = self.colltrace()
-            wire.put(self.store, self.keys.node(self.node, "colltrace"),
-                           doc, wire.MAX_DUMP_BYTES)
+            wire.put(self.store, self.keys.node(self.node, "colltrace"), doc,
+                     wire.MAX_DUMP_BYTES)
         except (RuntimeError, OSError, ValueError, wire.WireError):
             return False
         return True
@@ -233,7 +235,8 @@ class ControllerLink:
             answer: dict[str, Any] = {"node": self.node, "round": round_, "time": time.time(),
                                       "processes": processes}
             try:
-                wire.put(self.store, self.keys.sample(self.node, round_), answer, wire.MAX_DUMP_BYTES)
+                wire.put(self.store, self.keys.sample(self.node, round_), answer,
+                         wire.MAX_DUMP_BYTES)
             except (RuntimeError, OSError, wire.WireError):
                 pass  # the next round asks again
 
@@ -295,7 +298,8 @@ class ControllerLink:
             return None
         if incident > self._acked:  # at once, before the dumps: the controller then waits
             self._acked = incident  # for this node's answer, however long it takes
-            wire.put(self.store, self.keys.dump_ack(self.node, incident), {"node": self.node, "incident": incident, "time": time.time()})
+            wire.put(self.store, self.keys.dump_ack(self.node, incident),
+                     {"node": self.node, "incident": incident, "time": time.time()})
         return order
 
     def answer(self, incident: int, processes: list[dict[str, Any]],
@@ -305,16 +309,18 @@ class ControllerLink:
         the incident as soon as the last dump is in)."""
         self.answered = max(self.answered, incident)
         self.ship_colltrace(force=True)
-        wire.put(self.store, self.keys.dump(self.node, incident), {"node": self.node, "incident": incident, "time": time.time(),
-             "processes": _within_limits(processes), "files": list(files)[:64]},
+        wire.put(self.store, self.keys.dump(self.node, incident), {
+            "node": self.node, "incident": incident, "time": time.time(),
+            "processes": _within_limits(processes), "files": list(files)[:64]},
             wire.MAX_DUMP_BYTES)
 
     def answer_native(self, incident: int, processes: list[dict[str, Any]]) -> None:
         """The same processes dumped again with native frames (``py-spy dump --native``:
         seconds on a loaded node, so after the answer the verdict waits for); the controller
         adds them to its verdict's evidence when they are in by then."""
-        wire.put(self.store, self.keys.native_dump(self.node, incident), {"node": self.node, "incident": incident, "time": time.time(),
-             "processes": _within_limits(processes)}, wire.MAX_DUMP_BYTES)
+        wire.put(self.store, self.keys.native_dump(self.node, incident), {
+            "node": self.node, "incident": incident, "time": time.time(),
+            "processes": _within_limits(processes)}, wire.MAX_DUMP_BYTES)
 
     def verdict(self, incident: int) -> Verdict | None:
         doc = self._read(self.keys.verdict(incident))
@@ -410,14 +416,16 @@ class ControllerLink:
         if wire.get(self.store, self.keys.check_result(self.node, incident)) is not None:
             return
         why = "timed out" if code is None else f"exited with {code} without a result"
-        wire.put(self.store, self.keys.check_result(self.node, incident), {"node": self.node, "incident": incident, "time": time.time(),
-             "error": f"bootseer check on {self.node} {why}"})
+        wire.put(self.store, self.keys.check_result(self.node, incident), {
+            "node": self.node, "incident": incident, "time": time.time(),
+            "error": f"bootseer check on {self.node} {why}"})
 
     def answer_check(self, incident: int, result: Mapping[str, Any]) -> None:
         """This node's check result (a :class:`.check.RankResult` as a dict) for the
         controller."""
-        wire.put(self.store, self.keys.check_result(self.node, incident), {"node": self.node, "incident": incident, "time": time.time(),
-             "result": dict(result)})
+        wire.put(self.store, self.keys.check_result(self.node, incident), {
+            "node": self.node, "incident": incident, "time": time.time(),
+            "result": dict(result)})
 
     def local_action(self, verdict: Verdict) -> str:
         """``stop`` when the verdict stops the job or evicts this node, else ``restart``
