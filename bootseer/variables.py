@@ -100,7 +100,7 @@ VARIABLES: tuple[Variable, ...] = (
              "inherits it)", secret=True),
     Variable("BOOTSEER_JOB_SECRET", "credential",
              "the job's secret every record in the controller's store is sealed with "
-             "(HMAC-SHA256): the same on bootseer controller, every bootseer run "
+             "(HMAC-SHA256): the same on bootseer controller, every bootseer run (and warmup) "
              "--controller and bootseer controller publish; without it they refuse to start "
              "(bootseer run's command does not inherit it)", secret=True),
     Variable("DOCKER_CONFIG", "credential",
