@@ -105,7 +105,7 @@ def test_without_a_secret_the_controller_the_agent_and_publish_refuse_to_start(
                   "--urgent", "--env", f"BASH_ENV={tmp_path}/evil.sh"],
                  ["run", "--controller", f"127.0.0.1:{store.port}", "--node", "n0",
                   "--state-dir", str(tmp_path / "s"), "--trace-dir", str(tmp_path / "t"),
-                  "--", "true"]):
+                  "--min-free-disk", "0", "--min-free-memory", "0", "--", "true"]):
         done = subprocess.run([sys.executable, "-m", "bootseer", *argv], capture_output=True,
                               text=True, env=env, timeout=120)
         assert done.returncode == 2, (argv, done.stderr)
@@ -630,7 +630,7 @@ def test_live_forged_publish_and_poisoned_dumps_are_ignored_then_a_genuine_incid
     env = scenario_env()
     ctl = subprocess.Popen(
         [sys.executable, "-m", "bootseer", "controller", "--port", str(port), "--trace-dir",
-         str(tmp_path / "ctl"), "--dump-wait", "3", "--failslow-interval", "0"],
+         str(tmp_path / "ctl"), "--dump-wait", "10", "--failslow-interval", "0"],
         stdout=subprocess.PIPE, stderr=open(tmp_path / "ctl.log", "w"),  # noqa: SIM115
         text=True, env=env)
     run = None
