@@ -96,6 +96,7 @@ class Controller:
         self.job = job
         self.keys = wire.Keys(job)
         self._registered: set[str] = set()  # nodes whose sealed info record was read
+        self._refused: set[str] = set()  # keys whose refused record was said once
         self._failing: tuple[int | None, int] = (None, 0)  # (open incident, passes failed)
         self.trace_path = Path(trace_path) if trace_path else None
         self.exclusion = ExclusionList(exclusion) if exclusion else None
@@ -178,13 +179,18 @@ class Controller:
 
     def _read(self, key: str, node: str | None = None,
               limit: int = wire.MAX_RECORD_BYTES) -> dict[str, Any] | None:
+        """The record under ``key``, sealed and valid (:func:`.wire.decode`); else None and
+        a warning naming the key, once per key (a flood of bad records is not a flood of
+        lines)."""
         data = wire.get(self.store, key)
         if data is None:
             return None
         try:
             return wire.decode(data, key=key, node=node, limit=limit)
         except wire.WireError as exc:
-            self._warn(str(exc))
+            if key not in self._refused and len(self._refused) < 100_000:
+                self._refused.add(key)
+                self._warn(str(exc)[:500])
             return None
 
     def _warn(self, message: str) -> None:
