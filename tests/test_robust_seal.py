@@ -113,7 +113,7 @@ def test_without_a_secret_the_controller_the_agent_and_publish_refuse_to_start(
     assert wire.get(store, K.version_current) is None and wire.get(store, K.nodes) is None
 
 
-# -- 35 crafted records, each read by its real reader ---------------------------------------
+# -- 36 crafted records, each read by its real reader ---------------------------------------
 
 
 @dataclass(frozen=True)
