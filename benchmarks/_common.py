@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+# The job's secret the controller's store records are sealed with (bootseer.robust.seal): a
+# random one per benchmark run unless given; every child (controller, agents) inherits it.
+os.environ.setdefault("BOOTSEER_JOB_SECRET", secrets.token_hex(32))
 
 ROOT = Path(__file__).resolve().parents[1]
 _T0 = time.monotonic()

@@ -452,7 +452,8 @@ with open(sys.argv[2], "a", encoding="utf-8") as out:
             if data is not None and data != seen.get(n):
                 seen[n] = data
                 out.write(json.dumps({"read": time.time(), "node": n,
-                                      "doc": json.loads(data)}) + "\n")
+                                      "doc": wire.decode(data, key=keys.node(n, "colltrace"),
+                                                         limit=wire.MAX_DUMP_BYTES)}) + "\n")
                 out.flush()
         time.sleep(0.5)
 """

@@ -548,6 +548,7 @@ class Supervisor:
     def _child_env(self, attempt: int, extra: Mapping[str, str]) -> dict[str, str]:
         env = dict(self.env)
         env.update(extra)
+        env.pop("BOOTSEER_JOB_SECRET", None)  # the agent's: the command needs it not
         env["BOOTSEER_CONTROL_DIR"] = str(self.control_dir)
         env["BOOTSEER_READY_FILE"] = str(self.ready_file)
         env["BOOTSEER_ATTEMPT"] = str(attempt)

@@ -98,6 +98,11 @@ VARIABLES: tuple[Variable, ...] = (
              "the job's secret that the memory tier's peer connections prove they hold "
              "(HMAC challenge-response; the same on every node; bootseer run's command "
              "inherits it)", secret=True),
+    Variable("BOOTSEER_JOB_SECRET", "credential",
+             "the job's secret every record in the controller's store is sealed with "
+             "(HMAC-SHA256): the same on bootseer controller, every bootseer run (and warmup) "
+             "--controller and bootseer controller publish; without it they refuse to start "
+             "(bootseer run's command does not inherit it)", secret=True),
     Variable("DOCKER_CONFIG", "credential",
              "directory of docker's config.json (registry credentials)"),
     Variable("FSSPEC_STRIPED_STRIPE_SIZE", "fsspec",

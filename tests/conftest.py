@@ -21,6 +21,9 @@ os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
 os.environ.pop("AWS_PROFILE", None)
 os.environ.pop("AWS_ENDPOINT_URL", None)
 os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+# The job's secret that the controller's store records are sealed with (bootseer.robust.seal):
+# every process a test starts inherits it; tests of a missing or wrong secret set their own.
+os.environ.setdefault("BOOTSEER_JOB_SECRET", "test-job-secret-0123456789abcdef")
 # Loopback traffic never goes through an HTTP proxy configured in the environment.
 for _var in ("NO_PROXY", "no_proxy"):
     _hosts = [h for h in os.environ.get(_var, "").split(",") if h]

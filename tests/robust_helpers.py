@@ -27,6 +27,8 @@ def scenario_argv(scenario: str, *args: object) -> list[str]:
 def scenario_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BOOTSEER_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    if "BOOTSEER_JOB_SECRET" in os.environ:  # conftest's: the store's records are sealed
+        env["BOOTSEER_JOB_SECRET"] = os.environ["BOOTSEER_JOB_SECRET"]
     env.update(extra or {})
     return env
 

@@ -31,6 +31,8 @@ def wrapper_env(extra: dict[str, str] | None = None) -> dict[str, str]:
                          "GROUP_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["BOOTSEER_NODE"] = "testnode"
+    if "BOOTSEER_JOB_SECRET" in os.environ:  # conftest's: the store's records are sealed
+        env["BOOTSEER_JOB_SECRET"] = os.environ["BOOTSEER_JOB_SECRET"]
     env.update(extra or {})
     return env
 

@@ -22,6 +22,7 @@ from bootseer.robust import wire
 from bootseer.robust.controller import Controller
 from bootseer.robust.events import Event
 from bootseer.robust.remote import ControllerLink, ExcludedNode
+from bootseer.robust.seal import seal
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "controller_job.py"
@@ -48,11 +49,12 @@ def test_a_node_cannot_speak_for_another_and_bad_records_are_skipped(store) -> N
     b.register()
     # node-b writes, under its own key, a hang that claims to be node-a's
     forged = Event("hang", "hang", node="node-a", rank=0, time=time.time()).to_json()
-    store.set(keys.event("node-b", 1), forged)
+    store.set(keys.event("node-b", 1), seal(keys.event("node-b", 1), forged.encode()))
     store.add(keys.node("node-b", "events"), 1)
-    store.set(keys.event("node-b", 2), b"[\"a list\"]")
+    store.set(keys.event("node-b", 2), seal(keys.event("node-b", 2), b"[\"a list\"]"))
     store.add(keys.node("node-b", "events"), 1)
-    store.set(keys.event("node-b", 3), b"x" * (wire.MAX_RECORD_BYTES + 1))
+    store.set(keys.event("node-b", 3), seal(keys.event("node-b", 3),
+                                            b"x" * (wire.MAX_RECORD_BYTES + 1)))
     store.add(keys.node("node-b", "events"), 1)
     logs: list[str] = []
     ctl = Controller(store, log=logs.append)
@@ -65,7 +67,7 @@ def test_a_node_cannot_speak_for_another_and_bad_records_are_skipped(store) -> N
     # publish() puts the node's own name in, whatever the event said
     b.publish(Event("crash", "python_exception", node="node-a", time=time.time()))
     ctl.step()
-    opened = json.loads(store.get(keys.open))
+    opened = wire.read(store, keys.open)
     assert [e["node"] for e in opened["events"]] == ["node-b"]
     with pytest.raises(ValueError, match="node name 'a/b'"):
         ControllerLink(store, "a/b")
@@ -160,13 +162,13 @@ def test_a_node_lost_with_its_agent_is_not_waited_for_past_the_ack_wait(store) -
     links = [ControllerLink(store, n) for n in ("n0", "n1", "n2", "n3")]
     for link in links:
         link.register()
-    store.set(keys.node("n2", "beat"), wire.encode({"node": "n2", "time": 49.5}))  # before
+    wire.put(store, keys.node("n2", "beat"), {"node": "n2", "time": 49.5})  # before
     links[0].publish(Event("crash", "gloo_error", node="n0", time=50.0))
     ctl = Controller(store, dump_wait_s=10, clock=lambda: now[0], log=lambda _: None)
     assert ctl.step() is None
     links[0].answer(1, [])
     links[1].answer(1, [])
-    store.set(keys.node("n3", "beat"), wire.encode({"node": "n3", "time": 51.0}))  # after
+    wire.put(store, keys.node("n3", "beat"), {"node": "n3", "time": 51.0})  # after
     now[0] = 50.0 + ACK_WAIT_S - 0.1
     assert ctl.step() is None  # within the ack wait: both still waited for
     now[0] = 50.0 + ACK_WAIT_S + 0.1
@@ -179,9 +181,8 @@ def test_a_node_lost_with_its_agent_is_not_waited_for_past_the_ack_wait(store) -
 
 
 def _beat(store, node: str, when: float, ranks: list[int]) -> None:
-    store.set(wire.Keys("job").node(node, "beat"), wire.encode(
-        {"node": node, "time": when, "attempt": 0,
-         "ranks": {str(r): {"step": 40, "time": when, "pid": 100 + r} for r in ranks}}))
+    wire.put(store, wire.Keys("job").node(node, "beat"), {"node": node, "time": when, "attempt": 0,
+         "ranks": {str(r): {"step": 40, "time": when, "pid": 100 + r} for r in ranks}})
 
 
 def test_a_lost_node_is_the_verdicts_subject_not_the_survivor_that_saw_it_die(store,
@@ -763,8 +764,8 @@ def _beat_ranks(c, node: str) -> list[str]:
     with c.services.entered():
         store = TCPStore("127.0.0.1", PORT, is_master=False,
                          timeout=datetime.timedelta(seconds=20))
-        raw = wire.get(store, wire.Keys("job").node(node, "beat"))
-    return sorted((json.loads(raw).get("ranks") or {}) if raw else [])
+        beat = wire.read(store, wire.Keys("job").node(node, "beat"))
+    return sorted((beat.get("ranks") or {}) if beat else [])
 
 
 def test_a_lost_node_on_the_cluster_is_named_and_replaced(cluster_factory,

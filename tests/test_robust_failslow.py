@@ -227,14 +227,14 @@ def test_a_round_reads_step_times_and_samples_from_the_nodes(store) -> None:
         assert ctl.step() is None  # the incident opens in the round that names n1
         if store.check([wire.Keys().open]):
             break
-    opened = json.loads(store.get(wire.Keys().open))
+    opened = wire.read(store, wire.Keys().open)
     event = opened["events"][0]
     assert (event["kind"], event["node"]) == ("fail_slow", "n1")
     assert event["evidence"]["group_nodes"] == ["n1"] and event["evidence"]["slow_ranks"] == [1]
     rounds = event["evidence"]["rounds"]
     assert sum(r == {"1": ["outside_collective"]} for r in rounds) == 3
     assert all(r in ({}, {"1": ["outside_collective"]}) for r in rounds)
-    assert json.loads(store.get(wire.Keys().dump_request))["incident"] == 1
+    assert wire.read(store, wire.Keys().dump_request)["incident"] == 1
     times = event["evidence"]["step_times_s"]
     assert sorted(times) == ["0", "1", "2"] and len(set(times.values())) == 1
     assert times["1"] > 0.75  # 1.5x the job's pace of 0.5 s
@@ -258,7 +258,7 @@ def test_a_link_the_tracer_suspects_is_probed_and_its_node_evicted(store) -> Non
         links = _link_job(store, dict.fromkeys(range(3), 103.0), {1: shaper.address})
         ctl = Controller(store, failslow_interval_s=1.0, clock=lambda: now[0], log=said.append)
         assert ctl.step() is None  # the suspicion, an order to probe
-        order = json.loads(store.get(keys.link_request))
+        order = wire.read(store, keys.link_request)
         assert any("every node probes its link now" in line for line in said), said
         base = time.time()
         for i, link in enumerate(links[:2]):
@@ -272,7 +272,7 @@ def test_a_link_the_tracer_suspects_is_probed_and_its_node_evicted(store) -> Non
         assert store.check([keys.link_probe("n2", order["id"])])
         now[0] += 0.25
         assert ctl.step() is None  # every answer in: the incident opens
-        opened = json.loads(store.get(keys.open))
+        opened = wire.read(store, keys.open)
         [event] = opened["events"]
         assert (event["kind"], event["node"]) == ("fail_slow", "n1")
         ev = event["evidence"]
@@ -311,8 +311,8 @@ def _link_job(store, shipped: dict[int, float], via: dict[int, str] | None = Non
             i, f"127.0.0.1:{store.port}"))
         link.register()
         link.sample_tool = lambda pid: WAITING
-        store.set(wire.Keys().node(f"n{i}", "colltrace"),
-                  wire.encode(docs[f"n{i}"], wire.MAX_DUMP_BYTES))
+        wire.put(store, wire.Keys().node(f"n{i}", "colltrace"),
+                  docs[f"n{i}"], wire.MAX_DUMP_BYTES)
         links.append(link)
     return links
 
@@ -351,7 +351,7 @@ def test_a_node_silent_since_the_slowdown_is_named_when_it_cannot_answer_its_pro
     assert ctl.step() is None and not store.check([keys.open])  # n1's answer still awaited
     now[0] += 1.01
     assert ctl.step() is None
-    [event] = json.loads(store.get(keys.open))["events"]
+    [event] = wire.read(store, keys.open)["events"]
     assert (event["kind"], event["node"]) == ("fail_slow", "n1")
     ev = event["evidence"]
     assert (ev["cause"], ev["group_nodes"]) == ("slow_link", ["n1"])
@@ -375,10 +375,10 @@ def test_probes_that_name_nobody_open_nothing_and_pause_the_orders(store) -> Non
     _link_job(store, dict.fromkeys(range(3), 103.0))
     ctl = Controller(store, failslow_interval_s=1.0, clock=lambda: now[0], log=said.append)
     assert ctl.step() is None
-    first = json.loads(store.get(keys.link_request))["id"]
+    first = wire.read(store, keys.link_request)["id"]
     for n in ("n0", "n1", "n2"):
-        store.set(keys.link_probe(n, first), wire.encode({"node": n, "id": first, "probe": {
-            "node": n, "rtt_ms": 0.2, "mbps": 300.0, "up_mbps": 300.0, "down_mbps": 310.0}}))
+        wire.put(store, keys.link_probe(n, first), {"node": n, "id": first, "probe": {
+            "node": n, "rtt_ms": 0.2, "mbps": 300.0, "up_mbps": 300.0, "down_mbps": 310.0}})
     now[0] += 0.25
     assert ctl.step() is None and not store.check([keys.open])
     assert any("link probes of n0, n1, n2 name no node" in ln for ln in said), said
@@ -386,10 +386,10 @@ def test_probes_that_name_nobody_open_nothing_and_pause_the_orders(store) -> Non
     while now[0] + 5.0 < end:  # a look every 5 s (past LINK_CHECK_S): each one quiet
         now[0] += 5.0
         assert ctl.step() is None
-        assert json.loads(store.get(keys.link_request))["id"] == first
+        assert wire.read(store, keys.link_request)["id"] == first
     now[0] = end
     assert ctl.step() is None and not store.check([keys.open])
-    assert json.loads(store.get(keys.link_request))["id"] > first
+    assert wire.read(store, keys.link_request)["id"] > first
 
 
 def _solo(store, tmp_path: Path, argv: list[str], restarts: int):

@@ -25,6 +25,7 @@ from bootseer.robust import update, wire
 from bootseer.robust.controller import Controller
 from bootseer.robust.events import Event
 from bootseer.robust.remote import ControllerLink
+from bootseer.robust.seal import seal
 
 NODES = ("node0", "node1")
 JOB = "upd"
@@ -317,7 +318,8 @@ def test_malformed_and_unknown_versions_are_refused_naming_them(store, tmp_path)
     update.publish(store, "refusals", update.Version("v2", str(tmp_path), {"A": "1"}))
     with pytest.raises(update.VersionError, match="'v2' is already published with other"):
         update.publish(store, "refusals", update.Version("v2", str(tmp_path), {"A": "2"}))
-    store.set(keys.version("v3"), json.dumps({"id": "v3", "cmd": ["rm", "-rf"]}))
+    store.set(keys.version("v3"), seal(keys.version("v3"), json.dumps(
+        {"id": "v3", "cmd": ["rm", "-rf"]}).encode()))
     with pytest.raises(update.VersionError, match=r"version at .*version/v3: unknown field"):
         update.get_version(store, keys, "v3")
     assert update.current(store, keys).id == "v2"  # what was published before is intact
@@ -330,14 +332,16 @@ def test_a_damaged_current_record_keeps_the_running_version(store, tmp_path) -> 
     versions = update.NodeVersions(store, "n0", job="damaged", log=said.append)
     version, pin = versions.resolve(0)
     assert (version.id, pin.previous, pin.updated) == ("v2", "base", True)
-    store.set(keys.version_current, b"{not json")
+    store.set(keys.version_current, seal(keys.version_current, b"{not json"))
     version, pin = versions.resolve(1)  # the next epoch: refused, v2 kept
     assert (version.id, pin.updated, pin.epoch) == ("v2", False, 1)
     assert any("bootseer/damaged/version/current: not a published record" in s for s in said)
     # a version whose code is not on this node: bootseer run refuses to start it
-    store.set(wire.Keys("gone").version("v2"), json.dumps(
-        {"id": "v2", "workdir": str(tmp_path / "missing"), "env": {}}))
-    store.set(wire.Keys("gone").version_current, json.dumps({"id": "v2", "seq": 1}))
+    gone = wire.Keys("gone")
+    store.set(gone.version("v2"), seal(gone.version("v2"), json.dumps(
+        {"id": "v2", "workdir": str(tmp_path / "missing"), "env": {}}).encode()))
+    store.set(gone.version_current, seal(gone.version_current,
+                                         json.dumps({"id": "v2", "seq": 1}).encode()))
     run = _bootseer("run", "--controller", f"127.0.0.1:{store.port}", "--job", "gone",
                     "--node", "n1", "--state-dir", str(tmp_path / "state"), "--trace-dir",
                     str(tmp_path / "trace"), "--min-free-disk", "0", "--min-free-memory", "0",

@@ -85,9 +85,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from ..robust import update, wire
+    from ..robust import seal, update, wire
 
     try:
+        seal.require_secret("bootseer controller publish")
         wire.Keys(args.job)
         wire.parse_address(args.store)
         if args.workdir is not None or args.env:
@@ -127,9 +128,13 @@ def _connect(address: str) -> object:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
-    from ..robust import wire
+    from ..robust import seal, wire
     from ..robust.controller import Controller
 
+    try:
+        seal.require_secret("bootseer controller")
+    except seal.SealError as exc:
+        raise CliError(str(exc)) from None
     layout = None
     if args.layout:
         try:

@@ -187,7 +187,12 @@ def _controller_link(cfg: argparse.Namespace, node: str) -> object | None:
     if not cfg.controller.address:
         return None
     from ..robust.remote import ControllerLink, ExcludedNode
+    from ..robust.seal import SealError, require_secret
 
+    try:
+        require_secret("bootseer run --controller")
+    except SealError as exc:
+        raise CliError(str(exc)) from None
     try:
         link = ControllerLink.connect(cfg.controller.address, node, job=cfg.controller.job,
                                       timeout_s=cfg.controller.wait_s)

@@ -146,14 +146,20 @@ def _admitted(cfg: Any) -> None:
     """A standby evicted from the job must not be warmed, nor join: refused by name."""
     if not cfg.controller.address:
         return
-    from ..robust import wire
+    from ..robust import seal, wire
     from ..robust.standby import ExcludedNode, check_admission
     from ..trace import default_node
 
     node = cfg.run.node or default_node()
+    try:  # the list is sealed: without the job's secret it cannot be read
+        seal.require_secret("bootseer warmup --controller")
+    except seal.SealError as exc:
+        raise CliError(str(exc)) from None
     try:
         store = wire.connect(cfg.controller.address, cfg.controller.wait_s)
-        check_admission(store, node, job=cfg.controller.job, where=cfg.controller.address)
+        check_admission(store, node, job=cfg.controller.job, where=cfg.controller.address,
+                        log=lambda line: print(f"warmup: {line}", file=sys.stderr,
+                                               flush=True))
     except ExcludedNode as exc:
         raise CliError(str(exc)) from None
     except (ValueError, RuntimeError, OSError) as exc:  # TCPStore raises these

@@ -48,7 +48,7 @@ from typing import Any
 
 from striped_fs.privdir import open_append
 
-from . import update, wire
+from . import seal, update, wire
 from .check import CheckReport, RankResult
 from .classify import SECONDARY  # crash classes that follow another rank's failure
 from .events import Event, Verdict, write_record
@@ -64,6 +64,7 @@ ACTIONABLE = ("crash", "hang", "nonfinite", "spike", "fail_slow")
 #: crash classes with no cause named: the stop-time checks run (unless a node was lost)
 CHECKED = ("unknown", "killed_by_signal")
 HISTORY = 50  # earlier verdicts read back for the repeat rules
+MAX_FAILED_PASSES = 3  # an incident whose passes raise this often in a row is closed
 # a node that has neither acknowledged a dump order nor beaten this long after it is not
 # waited for (lost with its agent); one that acknowledged is waited for the whole dump wait
 ACK_WAIT_S = 3.0
@@ -90,9 +91,13 @@ class Controller:
                  update_recent_s: float = 3600.0,
                  log: Callable[[str], None] = _say, clock: Callable[[], float] = time.time
                  ) -> None:
+        seal.require_secret("bootseer controller")  # nothing is trusted nor written without it
         self.store = store
         self.job = job
         self.keys = wire.Keys(job)
+        self._registered: set[str] = set()  # nodes whose sealed info record was read
+        self._refused: set[str] = set()  # keys whose refused record was said once
+        self._failing: tuple[int | None, int] = (None, 0)  # (open incident, passes failed)
         self.trace_path = Path(trace_path) if trace_path else None
         self.exclusion = ExclusionList(exclusion) if exclusion else None
         self.layout = layout
@@ -115,13 +120,21 @@ class Controller:
 
     # -- what the store says -------------------------------------------------------------
     def nodes(self) -> list[str]:
-        """Registered nodes, in order of registration (names that are not valid skipped)."""
+        """Registered nodes, in order of registration: names that are not valid skipped, and
+        names without a sealed ``info`` record (the list is appended to, so it cannot be
+        sealed; a forged name must not be waited for, nor named lost in a verdict)."""
         raw = wire.get(self.store, self.keys.nodes) or b""
         names: list[str] = []
         for line in raw.decode(errors="replace").splitlines()[:wire.MAX_NODES]:
-            if wire.valid_node(line) and line not in names:
+            if wire.valid_node(line) and line not in names and self._known(line):
                 names.append(line)
         return names
+
+    def _known(self, node: str) -> bool:
+        if node not in self._registered and \
+                self._read(self.keys.node(node, "info"), node) is not None:
+            self._registered.add(node)
+        return node in self._registered
 
     def gone(self) -> set[str]:
         """Nodes that did not answer an earlier incident's dump order and have not beaten
@@ -166,13 +179,18 @@ class Controller:
 
     def _read(self, key: str, node: str | None = None,
               limit: int = wire.MAX_RECORD_BYTES) -> dict[str, Any] | None:
+        """The record under ``key``, sealed and valid (:func:`.wire.decode`); else None and
+        a warning naming the key, once per key (a flood of bad records is not a flood of
+        lines)."""
         data = wire.get(self.store, key)
         if data is None:
             return None
         try:
             return wire.decode(data, key=key, node=node, limit=limit)
         except wire.WireError as exc:
-            self._warn(str(exc))
+            if key not in self._refused and len(self._refused) < 100_000:
+                self._refused.add(key)
+                self._warn(str(exc)[:500])
             return None
 
     def _warn(self, message: str) -> None:
@@ -234,7 +252,7 @@ class Controller:
             opened = self._open(actionable)
         elif fresh:
             opened["events"] += [_doc(e) for e in fresh]
-            self.store.set(self.keys.open, wire.encode(opened, wire.MAX_DUMP_BYTES))
+            wire.put(self.store, self.keys.open, opened, wire.MAX_DUMP_BYTES)
         return self._maybe_close(opened, excluded)
 
     def _flush_cursors(self) -> None:
@@ -254,7 +272,7 @@ class Controller:
             f" rank {first.rank}" if first.rank is not None else "")
         opened = {"incident": incident, "time": now, "reason": reason,
                   "events": [_doc(e) for e in events]}
-        self.store.set(self.keys.open, wire.encode(opened, wire.MAX_DUMP_BYTES))
+        wire.put(self.store, self.keys.open, opened, wire.MAX_DUMP_BYTES)
         self._flush_cursors()
         self._order(opened)
         self.log(f"incident {incident}: {reason}; every node ordered to dump its stacks")
@@ -265,7 +283,7 @@ class Controller:
     def _order(self, opened: dict[str, Any]) -> None:
         """``dump/request`` for an open incident (an update's says so: nothing to dump)."""
         order = {k: opened[k] for k in ("incident", "time", "reason", "update") if k in opened}
-        self.store.set(self.keys.dump_request, wire.encode(order))
+        wire.put(self.store, self.keys.dump_request, order)
 
     # -- versions (:mod:`.update`) ------------------------------------------------------------
     def _epoch(self) -> int:
@@ -282,6 +300,10 @@ class Controller:
             self._warn(str(exc))
             return
         why = published.due(self.clock()) if published else None
+        if why is not None and pin is not None and published.seq < pin.seq:
+            self._warn(f"{self.keys.version_current}: publication {published.seq} is older "
+                       f"than the running one ({pin.seq}): a replayed record, not applied")
+            return
         if why is None or published.forced is not None or pin is None or pin.id == published.id:
             return  # lazy, already ordered, nodes (re)starting, or applied
         incident = int(self.store.add(self.keys.incident, 1))
@@ -292,7 +314,7 @@ class Controller:
         reason = f"version {published.id} {when}: every node restarts on it (from {pin.id})"
         opened = {"incident": incident, "time": self.clock(), "reason": reason, "events": [],
                   "update": published.id}
-        self.store.set(self.keys.open, wire.encode(opened, wire.MAX_DUMP_BYTES))
+        wire.put(self.store, self.keys.open, opened, wire.MAX_DUMP_BYTES)
         self._order(opened)
         self.log(f"incident {incident}: {reason}")
 
@@ -329,7 +351,7 @@ class Controller:
         if not missing and not update_only and "answered_at" not in opened:
             # one more pass: an event a node published just before its answer is read first
             opened["answered_at"] = self.clock()
-            self.store.set(self.keys.open, wire.encode(opened, wire.MAX_DUMP_BYTES))
+            wire.put(self.store, self.keys.open, opened, wire.MAX_DUMP_BYTES)
             return None
         checked = None
         # a mismatched collective in the windows is a code fault: no checks, it stops
@@ -406,9 +428,9 @@ class Controller:
         incident = int(opened["incident"])
         if "check" not in opened:
             order = {"incident": incident, "nodes": nodes, "time": self.clock()}
-            self.store.set(self.keys.check_request(incident), wire.encode(order))
+            wire.put(self.store, self.keys.check_request(incident), order)
             opened["check"] = order
-            self.store.set(self.keys.open, wire.encode(opened, wire.MAX_DUMP_BYTES))
+            wire.put(self.store, self.keys.open, opened, wire.MAX_DUMP_BYTES)
             self.log(f"incident {incident}: stop-time checks ordered on "
                      f"{', '.join(nodes)} (collective self-test, bitwise alignment)")
             return None
@@ -576,12 +598,11 @@ class Controller:
 
     def _finish(self, incident: int, verdict: Verdict, why: str = "") -> Verdict:
         """The verdict into the store (the agents act on it), the trace and the log."""
-        data = wire.encode(_verdict_doc(verdict), wire.MAX_DUMP_BYTES)
-        self.store.set(self.keys.verdict(incident), data)
+        wire.put(self.store, self.keys.verdict(incident), _verdict_doc(verdict),
+                 wire.MAX_DUMP_BYTES)
         if verdict.action == "replace_and_restart" and verdict.nodes:
             self._exclude(verdict)
-        self.store.set(self.keys.verdict_last, wire.encode(
-            {"incident": incident, "time": verdict.time}))
+        wire.put(self.store, self.keys.verdict_last, {"incident": incident, "time": verdict.time})
         self.store.delete_key(self.keys.open)
         self.store.delete_key(self.keys.failslow)  # the rounds start afresh after an incident
         self._write(verdict)
@@ -597,9 +618,9 @@ class Controller:
                                failure_class=verdict.failure_class)
             publish_exclusions(self.store, self.exclusion, self.job)
             return
-        doc = read_exclusions(self.store, self.job)
+        doc = read_exclusions(self.store, self.job, self.log)
         reasons = {**doc.get("reasons", {}), **dict.fromkeys(verdict.nodes, verdict.reason)}
-        self.store.set(self.keys.excluded, exclusion_record(
+        wire.put(self.store, self.keys.excluded, exclusion_record(
             [*doc["nodes"], *verdict.nodes], reasons=reasons, source=doc.get("list")))
 
     def publish_exclusions(self) -> list[str]:
@@ -658,9 +679,9 @@ class Controller:
                     f"rank {r} ({'+'.join(w)})" for r, w in sorted(flagged.items())))
         asked = int(self.store.add(self.keys.sample_count, 1))  # never reused: an agent
         # answers each order once, across controller restarts and incidents
-        self.store.set(self.keys.failslow, wire.encode(
-            {**rounds.to_doc(), "asked": asked}, wire.MAX_DUMP_BYTES))
-        self.store.set(self.keys.sample_request, wire.encode({"round": asked, "time": now}))
+        wire.put(self.store, self.keys.failslow, {**rounds.to_doc(), "asked": asked},
+                 wire.MAX_DUMP_BYTES)
+        wire.put(self.store, self.keys.sample_request, {"round": asked, "time": now})
         return event
 
     def _link_watch(self, excluded: set[str]) -> Event | None:
@@ -704,7 +725,7 @@ class Controller:
         if not self._link_suspected(excluded):
             return None
         ident = int(self.store.add(self.keys.sample_count, 1))  # shared with the rounds
-        self.store.set(self.keys.link_request, wire.encode({"id": ident, "time": time.time()}))
+        wire.put(self.store, self.keys.link_request, {"id": ident, "time": time.time()})
         self._link_asked = (ident, now)
         return None
 
@@ -759,10 +780,53 @@ class Controller:
 
     # -- the loop --------------------------------------------------------------------------
     def run(self, stop: threading.Event, interval_s: float = 0.25) -> None:
-        """:meth:`step` every ``interval_s`` until ``stop`` is set."""
+        """:meth:`safe_step` every ``interval_s`` until ``stop`` is set."""
         while not stop.is_set():
-            self.step()
+            self.safe_step()
             stop.wait(interval_s)
+
+    def safe_step(self, give_up_after: int = MAX_FAILED_PASSES) -> Verdict | None:
+        """:meth:`step`, never fatal: an exception is logged (once per message) and the
+        controller goes on; an open incident whose passes failed ``give_up_after`` times in
+        a row is closed with a ``restart_in_place`` verdict saying why, so the nodes waiting
+        for it are answered and a poisoned incident does not block the later ones (a
+        restarted controller would only die on it again)."""
+        try:
+            verdict = self.step()
+        except Exception as exc:  # noqa: BLE001 - the controller must stay up
+            return self._failed_pass(exc, give_up_after)
+        self._failing = (None, 0)
+        return verdict
+
+    def _failed_pass(self, exc: Exception, give_up_after: int) -> Verdict | None:
+        what = f"{type(exc).__name__}: {str(exc)[:300]}"
+        try:
+            opened = self._read(self.keys.open)
+            incident = int(opened["incident"]) if opened else None
+        except Exception as again:  # noqa: BLE001 - the store itself may be unreachable
+            self._warn(f"a pass failed ({what}), and reading the store too "
+                       f"({type(again).__name__}: {str(again)[:200]})")
+            return None
+        count = self._failing[1] + 1 if self._failing[0] == incident else 1
+        self._failing = (incident, count)
+        self._warn("a pass failed" + (f" on incident {incident}" if incident else "")
+                   + f": {what}")
+        if incident is None or count < give_up_after:
+            return None
+        self._failing = (None, 0)
+        reason = (f"the controller could not localize incident {incident} ({what}) in "
+                  f"{count} passes: restart in place")
+        try:
+            return self._finish(incident, Verdict(
+                "restart_in_place", "unknown", reason=reason, time=self.clock(),
+                evidence={"incident": incident, "reason": str(opened.get("reason", "")),
+                          "rule": "controller_error", "error": what,
+                          "events": opened.get("events", []), "missing_dumps": [],
+                          "not_waited_for": [], "controller_pid": os.getpid()}))
+        except Exception as again:  # noqa: BLE001
+            self._warn(f"incident {incident}: cannot write its verdict "
+                       f"({type(again).__name__}: {str(again)[:200]})")
+            return None
 
 
 def link_suspects(found: Sequence[Any]) -> tuple[list[Any], dict[str, float]]:

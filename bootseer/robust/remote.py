@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..prestart import Standby, python_command
-from . import wire
+from . import seal, wire
 from .events import Event, Verdict
 from .standby import ExcludedNode, check_admission
 
@@ -85,6 +85,8 @@ class ControllerLink:
         if not wire.valid_node(node):
             raise ValueError(f"node name {node!r} cannot be a controller key: use 1-63 "
                              "letters, digits, '.', '_' or '-' (--node)")
+        seal.require_secret("bootseer run --controller")  # no record is trusted without it
+        self._warned: set[str] = set()  # keys whose refused record was said once
         self.store = store
         self.node = node
         self.keys = wire.Keys(job)
@@ -117,6 +119,19 @@ class ControllerLink:
         self.colltrace_s = 2.0
         self._last_ship = float("-inf")
 
+    def _read(self, key: str) -> dict[str, Any] | None:
+        """The record under ``key`` when it is sealed under the job's secret and valid
+        (:func:`.wire.read`); else None, and a warning naming the key (once per key): a
+        forged or damaged order is never acted on, and the agent goes on."""
+        try:
+            return wire.read(self.store, key, limit=wire.MAX_DUMP_BYTES)
+        except wire.WireError as exc:
+            if key not in self._warned:
+                self._warned.add(key)
+                print(f"bootseer: controller: warning: {str(exc)[:400]}", file=sys.stderr,
+                      flush=True)
+            return None
+
     @classmethod
     def connect(cls, address: str, node: str, *, job: str = "job",
                 timeout_s: float = 30.0) -> ControllerLink:
@@ -125,20 +140,22 @@ class ControllerLink:
     def register(self) -> None:
         """Join the job's node list; refused when the controller evicted this node."""
         check_admission(self.store, self.node, job=self.keys.prefix.split("/")[1],
-                        where=self.where)
+                        where=self.where,
+                        log=lambda line: print(f"bootseer: controller: {line}",
+                                               file=sys.stderr, flush=True))
         if self.node not in (wire.get(self.store, self.keys.nodes) or b"").decode().split():
             self.store.append(self.keys.nodes, f"{self.node}\n")
-        self.store.set(self.keys.node(self.node, "info"), wire.encode(
-            {"node": self.node, "pid": os.getpid(), "time": time.time()}))
-        last = wire.get(self.store, self.keys.verdict_last)
-        self.answered = int(json.loads(last)["incident"]) if last else 0
+        wire.put(self.store, self.keys.node(self.node, "info"),
+                 {"node": self.node, "pid": os.getpid(), "time": time.time()})
+        last = self._read(self.keys.verdict_last)
+        self.answered = int(last["incident"]) if last else 0
 
     def publish(self, event: Event) -> int:
         """Write an event under this node's keys; its sequence number."""
         doc = json.loads(event.to_json())
         doc["node"] = self.node  # a node speaks for itself only
         i = int(self.store.add(self.keys.node(self.node, "events"), 0)) + 1
-        self.store.set(self.keys.event(self.node, i), wire.encode(doc))
+        wire.put(self.store, self.keys.event(self.node, i), doc)
         self.store.add(self.keys.node(self.node, "events"), 1)
         return i
 
@@ -157,8 +174,8 @@ class ControllerLink:
         summary = {str(r): {**{k: v.get(k) for k in ("step", "time", "pid")},
                             "step_time_s": self.step_time(r)}
                    for r, v in sorted(ranks.items())[:256]}
-        self.store.set(self.keys.node(self.node, "beat"), wire.encode(
-            {"node": self.node, "time": time.time(), "attempt": attempt, "ranks": summary}))
+        wire.put(self.store, self.keys.node(self.node, "beat"),
+                 {"node": self.node, "time": time.time(), "attempt": attempt, "ranks": summary})
 
     def ship_colltrace(self, *, force: bool = False) -> bool:
         """This node's collective ring window into the store (at most every ``colltrace_s``
@@ -170,8 +187,8 @@ class ControllerLink:
         self._last_ship = now
         try:
             doc = self.colltrace()
-            self.store.set(self.keys.node(self.node, "colltrace"),
-                           wire.encode(doc, wire.MAX_DUMP_BYTES))
+            wire.put(self.store, self.keys.node(self.node, "colltrace"), doc,
+                     wire.MAX_DUMP_BYTES)
         except (RuntimeError, OSError, ValueError, wire.WireError):
             return False
         return True
@@ -199,12 +216,8 @@ class ControllerLink:
         on), answered under this node's key."""
         if self._sampler is not None and self._sampler.is_alive():
             return
-        data = wire.get(self.store, self.keys.sample_request)
-        try:
-            order = wire.decode(data, key=self.keys.sample_request) if data else None
-            round_ = int(order["round"]) if order else 0
-        except (wire.WireError, KeyError, TypeError, ValueError):
-            return
+        order = self._read(self.keys.sample_request)
+        round_ = int(order["round"]) if order else 0
         if round_ <= self._sampled:
             return
         self._sampled = round_
@@ -222,8 +235,8 @@ class ControllerLink:
             answer: dict[str, Any] = {"node": self.node, "round": round_, "time": time.time(),
                                       "processes": processes}
             try:
-                self.store.set(self.keys.sample(self.node, round_), wire.encode(
-                    answer, wire.MAX_DUMP_BYTES))
+                wire.put(self.store, self.keys.sample(self.node, round_), answer,
+                         wire.MAX_DUMP_BYTES)
             except (RuntimeError, OSError, wire.WireError):
                 pass  # the next round asks again
 
@@ -241,12 +254,8 @@ class ControllerLink:
         if now - self._last_link_poll < self.poll_s:  # one store read per poll, not per loop
             return
         self._last_link_poll = now
-        data = wire.get(self.store, self.keys.link_request)
-        try:
-            order = wire.decode(data, key=self.keys.link_request) if data else None
-            ident, asked_at = (int(order["id"]), float(order["time"])) if order else (0, 0.0)
-        except (wire.WireError, KeyError, TypeError, ValueError):
-            return
+        order = self._read(self.keys.link_request)
+        ident, asked_at = (int(order["id"]), float(order["time"])) if order else (0, 0.0)
         if ident <= self._probed:
             return
         self._probed = ident
@@ -257,7 +266,7 @@ class ControllerLink:
             answer = {"node": self.node, "id": ident, "time": time.time(),
                       "probe": self.probe_link()}
             with contextlib.suppress(RuntimeError, OSError, wire.WireError):
-                self.store.set(self.keys.link_probe(self.node, ident), wire.encode(answer))
+                wire.put(self.store, self.keys.link_probe(self.node, ident), answer)
 
         self._prober = threading.Thread(target=probe, name=f"bootseer-probe-{ident}",
                                         daemon=True)
@@ -281,20 +290,16 @@ class ControllerLink:
         if not force and now - self._last_poll < self.poll_s:
             return None
         self._last_poll = now
-        data = wire.get(self.store, self.keys.dump_request)
-        if data is None:
+        order = self._read(self.keys.dump_request)
+        if order is None:
             return None
-        try:
-            order = wire.decode(data, key=self.keys.dump_request)
-            incident = int(order["incident"])
-        except (wire.WireError, KeyError, TypeError, ValueError):
-            return None
+        incident = int(order["incident"])
         if incident <= self.answered:
             return None
         if incident > self._acked:  # at once, before the dumps: the controller then waits
             self._acked = incident  # for this node's answer, however long it takes
-            self.store.set(self.keys.dump_ack(self.node, incident), wire.encode(
-                {"node": self.node, "incident": incident, "time": time.time()}))
+            wire.put(self.store, self.keys.dump_ack(self.node, incident),
+                     {"node": self.node, "incident": incident, "time": time.time()})
         return order
 
     def answer(self, incident: int, processes: list[dict[str, Any]],
@@ -304,28 +309,22 @@ class ControllerLink:
         the incident as soon as the last dump is in)."""
         self.answered = max(self.answered, incident)
         self.ship_colltrace(force=True)
-        self.store.set(self.keys.dump(self.node, incident), wire.encode(
-            {"node": self.node, "incident": incident, "time": time.time(),
-             "processes": _within_limits(processes), "files": list(files)[:64]},
-            wire.MAX_DUMP_BYTES))
+        wire.put(self.store, self.keys.dump(self.node, incident), {
+            "node": self.node, "incident": incident, "time": time.time(),
+            "processes": _within_limits(processes), "files": list(files)[:64]},
+            wire.MAX_DUMP_BYTES)
 
     def answer_native(self, incident: int, processes: list[dict[str, Any]]) -> None:
         """The same processes dumped again with native frames (``py-spy dump --native``:
         seconds on a loaded node, so after the answer the verdict waits for); the controller
         adds them to its verdict's evidence when they are in by then."""
-        self.store.set(self.keys.native_dump(self.node, incident), wire.encode(
-            {"node": self.node, "incident": incident, "time": time.time(),
-             "processes": _within_limits(processes)}, wire.MAX_DUMP_BYTES))
+        wire.put(self.store, self.keys.native_dump(self.node, incident), {
+            "node": self.node, "incident": incident, "time": time.time(),
+            "processes": _within_limits(processes)}, wire.MAX_DUMP_BYTES)
 
     def verdict(self, incident: int) -> Verdict | None:
-        data = wire.get(self.store, self.keys.verdict(incident))
-        if data is None:
-            return None
-        try:
-            return Verdict.from_doc(wire.decode(data, key=self.keys.verdict(incident),
-                                                limit=wire.MAX_DUMP_BYTES))
-        except (wire.WireError, KeyError, TypeError, ValueError):
-            return None
+        doc = self._read(self.keys.verdict(incident))
+        return Verdict.from_doc(doc) if doc is not None else None
 
     def wait_verdict(self, incident: int, timeout_s: float,
                      pause: Callable[[float], bool] | None = None,
@@ -369,12 +368,7 @@ class ControllerLink:
         once."""
         if incident <= self.checked:
             return None
-        key = self.keys.check_request(incident)
-        data = wire.get(self.store, key)
-        try:
-            order = wire.decode(data, key=key) if data else None
-        except wire.WireError:
-            return None
+        order = self._read(self.keys.check_request(incident))
         if not order or self.node not in (order.get("nodes") or []):
             return None
         return order
@@ -422,16 +416,16 @@ class ControllerLink:
         if wire.get(self.store, self.keys.check_result(self.node, incident)) is not None:
             return
         why = "timed out" if code is None else f"exited with {code} without a result"
-        self.store.set(self.keys.check_result(self.node, incident), wire.encode(
-            {"node": self.node, "incident": incident, "time": time.time(),
-             "error": f"bootseer check on {self.node} {why}"}))
+        wire.put(self.store, self.keys.check_result(self.node, incident), {
+            "node": self.node, "incident": incident, "time": time.time(),
+            "error": f"bootseer check on {self.node} {why}"})
 
     def answer_check(self, incident: int, result: Mapping[str, Any]) -> None:
         """This node's check result (a :class:`.check.RankResult` as a dict) for the
         controller."""
-        self.store.set(self.keys.check_result(self.node, incident), wire.encode(
-            {"node": self.node, "incident": incident, "time": time.time(),
-             "result": dict(result)}))
+        wire.put(self.store, self.keys.check_result(self.node, incident), {
+            "node": self.node, "incident": incident, "time": time.time(),
+            "result": dict(result)})
 
     def local_action(self, verdict: Verdict) -> str:
         """``stop`` when the verdict stops the job or evicts this node, else ``restart``

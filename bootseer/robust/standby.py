@@ -28,10 +28,9 @@ Usage::
 
 from __future__ import annotations
 
-import json
 import math
 import pickle
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import wire
@@ -46,29 +45,31 @@ class ExcludedNode(RuntimeError):
 
 
 def exclusion_record(nodes: Iterable[str], *, reasons: dict[str, str] | None = None,
-                     source: str | None = None) -> bytes:
-    """The store's ``excluded`` value: the nodes, why each went there, and the file they came
-    from (so a refused node's error can name the list)."""
+                     source: str | None = None) -> dict[str, Any]:
+    """The store's ``excluded`` record (sealed by :func:`.wire.put`): the nodes, why each
+    went there, and the file they came from (so a refused node's error can name the list)."""
     doc: dict[str, Any] = {"nodes": sorted(set(nodes))}
     if reasons:
         doc["reasons"] = {n: str(r)[:200] for n, r in sorted(reasons.items())
                           if n in doc["nodes"]}
     if source:
         doc["list"] = source
-    return wire.encode(doc)
+    return doc
 
 
-def read_exclusions(store: Any, job: str = "job") -> dict[str, Any]:
-    """The store's ``excluded`` document (``{"nodes": []}`` when nobody was evicted)."""
-    raw = wire.get(store, wire.Keys(job).excluded)
-    if raw is None:
-        return {"nodes": []}
+def read_exclusions(store: Any, job: str = "job",
+                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The store's ``excluded`` document (``{"nodes": []}`` when nobody was evicted, or when
+    the record is not sealed under the job's secret or not valid: said through ``log``; a
+    forged list must not keep a node out any more than it may put one in)."""
+    key = wire.Keys(job).excluded
     try:
-        doc = json.loads(raw)
-    except ValueError:
+        doc = wire.read(store, key)
+    except wire.WireError as exc:
+        if log is not None:
+            log(f"warning: {exc}")
         return {"nodes": []}
-    return doc if isinstance(doc, dict) and isinstance(doc.get("nodes"), list) \
-        else {"nodes": []}
+    return doc if doc is not None else {"nodes": []}
 
 
 def publish_exclusions(store: Any, exclusion: ExclusionList, job: str = "job") -> list[str]:
@@ -77,17 +78,18 @@ def publish_exclusions(store: Any, exclusion: ExclusionList, job: str = "job") -
     of the job, or by an operator, is refused too, and one removed from the file after a
     repair is admitted again. Returns the nodes now excluded."""
     listed = exclusion.nodes()
-    store.set(wire.Keys(job).excluded, exclusion_record(
+    wire.put(store, wire.Keys(job).excluded, exclusion_record(
         listed, reasons={n: str(e.get("reason", "")) for n, e in listed.items()},
         source=str(exclusion.path)))
     return sorted(listed)
 
 
-def check_admission(store: Any, node: str, *, job: str = "job", where: str = "") -> None:
+def check_admission(store: Any, node: str, *, job: str = "job", where: str = "",
+                    log: Callable[[str], None] | None = None) -> None:
     """Raise :class:`ExcludedNode` when ``node`` is on job ``job``'s exclusion list; the
     message names the node, the list (the store key, its address and the controller's file)
     and the reason, and says what to do."""
-    doc = read_exclusions(store, job)
+    doc = read_exclusions(store, job, log)
     if node not in doc["nodes"]:
         return
     key = wire.Keys(job).excluded

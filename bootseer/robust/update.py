@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import wire
+from . import seal, wire
 
 __all__ = ["BASE", "NodeVersions", "Pin", "Published", "Version", "VersionError", "current",
            "describe", "get_version", "known_versions", "mark_forced", "parse_env", "pin_epoch",
@@ -148,8 +148,9 @@ class Pin:
     time: float = 0.0
 
 
-def _doc(obj: Any) -> bytes:
-    return wire.encode(dataclasses.asdict(obj))
+def _doc(key: str, obj: Any) -> bytes:
+    """``obj`` sealed for ``key`` (:mod:`.seal`)."""
+    return wire.sealed(key, dataclasses.asdict(obj))
 
 
 def _read(store: Any, key: str, cls: type, fields: tuple[str, ...]) -> Any:
@@ -211,6 +212,7 @@ def publish(store: Any, job: str, version: Version | str, *, urgent: bool = Fals
     id already stored must have the same content: versions are immutable); a plain id
     publishes a version stored before (a rollback by hand). Returns ``version/current``."""
     keys = wire.Keys(job)
+    seal.require_secret("bootseer controller publish")  # nodes refuse an unsealed version
     now = time.time() if now is None else now
     if window_s is not None and not window_s >= 0:
         raise VersionError(f"window {window_s!r}: seconds, 0 or more")
@@ -226,7 +228,7 @@ def publish(store: Any, job: str, version: Version | str, *, urgent: bool = Fals
                                f"content (workdir {stored.workdir!r}, env "
                                f"{sorted(stored.env)}): versions are immutable, use a new id")
         if stored is None:
-            store.set(keys.version(version.id), wire.encode(version.to_doc()))
+            wire.put(store, keys.version(version.id), version.to_doc())
             store.append(keys.prefix + "versions", f"{version.id}\n")
         version_id = version.id
     else:
@@ -240,9 +242,11 @@ def publish(store: Any, job: str, version: Version | str, *, urgent: bool = Fals
     except VersionError:
         pinned = None
     previous = pinned.id if pinned else (before.id if before else BASE.id)
-    doc = Published(version_id, previous=previous, seq=(before.seq if before else 0) + 1,
-                    time=now, urgent=urgent, window_s=window_s)
-    store.set(keys.version_current, _doc(doc))
+    # above the running pin's too: a publication with a lower number is a replay (pin_epoch)
+    seq = max(before.seq if before else 0, pinned.seq if pinned else 0) + 1
+    doc = Published(version_id, previous=previous, seq=seq, time=now, urgent=urgent,
+                    window_s=window_s)
+    store.set(keys.version_current, _doc(keys.version_current, doc))
     return doc
 
 
@@ -252,8 +256,13 @@ def pin_epoch(store: Any, keys: wire.Keys, epoch: int, node: str,
     ``version/current``. A damaged ``version/current`` is refused (said through ``log``)
     and the running version pinned instead: nothing changes, nothing is lost."""
     key = keys.version_at(epoch)
-    if (got := running(store, keys, epoch)) is not None:
-        return got
+    expected: str | bytes = ""
+    try:
+        if (got := running(store, keys, epoch)) is not None:
+            return got
+    except VersionError as exc:  # forged or damaged (not sealed): this node pins it again
+        log(f"warning: {exc}; pinned again from {keys.version_current}")
+        expected = wire.get(store, key) or ""
     try:
         before = running(store, keys)
     except VersionError as exc:
@@ -261,6 +270,10 @@ def pin_epoch(store: Any, keys: wire.Keys, epoch: int, node: str,
         before = None
     try:
         published = current(store, keys)
+        if published is not None and before is not None and published.seq < before.seq:
+            raise VersionError(f"{keys.version_current}: publication {published.seq} is older "
+                               f"than the running one ({before.seq}): a replayed record, "
+                               "refused")
         if published is not None:
             get_version(store, keys, published.id)  # it must exist before anyone runs it
     except VersionError as exc:
@@ -275,10 +288,12 @@ def pin_epoch(store: Any, keys: wire.Keys, epoch: int, node: str,
     pin = Pin(run_id, epoch, previous=old if changed else (before.previous if before else None),
               updated=changed, cause=cause, seq=published.seq if published else 0, node=node,
               time=time.time())
-    store.compare_set(key, "", _doc(pin).decode())
+    store.compare_set(key, expected, _doc(key, pin).decode())
     won = running(store, keys, epoch)
+    if won is None:
+        raise VersionError(f"{key}: not set after the compare-and-set: the store lost it")
     if won == pin:
-        store.set(keys.version_running, _doc(pin))
+        store.set(keys.version_running, _doc(keys.version_running, pin))
     return won
 
 
@@ -289,14 +304,14 @@ def roll_back(store: Any, keys: wire.Keys, pin: Pin, incident: int,
     doc = Published(pin.previous or BASE.id, previous=None, seq=(before.seq if before else 0) + 1,
                     time=time.time() if now is None else now, cause="rollback", bad=pin.id,
                     forced=incident)
-    store.set(keys.version_current, _doc(doc))
+    store.set(keys.version_current, _doc(keys.version_current, doc))
     return doc
 
 
 def mark_forced(store: Any, keys: wire.Keys, published: Published, incident: int) -> bool:
     """Record that update incident ``incident`` applies ``published``, unless it changed."""
     old = wire.get(store, keys.version_current)
-    new = _doc(dataclasses.replace(published, forced=incident))
+    new = _doc(keys.version_current, dataclasses.replace(published, forced=incident))
     return old is not None and store.compare_set(keys.version_current, old, new) == new
 
 

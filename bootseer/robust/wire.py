@@ -33,17 +33,28 @@ key                            writer    value
 ``version/at/<E>``             agents    the version every node runs after incident E (first wins)
 ``version/running``            agents    the newest ``version/at/<E>``
 =============================  ========  ============================================
+
+Every value but the counters (``add``) and the name lists (``append``: ``nodes``,
+``versions``) is sealed (:mod:`.seal`: HMAC-SHA256 under the job's secret, bound to its key)
+and checked by its kind's validator (:mod:`.records`) before it is used: :func:`put` writes,
+:func:`read` and :func:`decode` read; a record that fails either is a :class:`WireError`
+naming the key, which every reader logs once and skips.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
+from . import records, seal
+
 __all__ = ["MAX_DUMP_BYTES", "MAX_RECORD_BYTES", "MAX_STACK_CHARS", "Keys", "WireError",
-           "connect", "decode", "encode", "parse_address", "valid_node"]
+           "connect", "decode", "encode", "parse_address", "put", "read", "sealed",
+           "valid_node"]
 
 MAX_RECORD_BYTES = 64 << 10  # an event, a beat, a verdict
 MAX_STACK_CHARS = 32 << 10   # one process's dump text
@@ -135,22 +146,105 @@ def encode(doc: dict[str, Any], limit: int = MAX_RECORD_BYTES) -> bytes:
     return data
 
 
+_NODE_KINDS = {"info": "info", "beat": "beat", "colltrace": "colltrace"}
+_NODE_NUMBERED = {"event": ("event", None), "dump": ("dump", "incident"),
+                  "ack": ("dump_ack", "incident"), "native": ("native_dump", "incident"),
+                  "sample": ("sample", "round"), "link": ("link_probe", "id"),
+                  "check": ("check_result", "incident")}
+_FIXED = {"dump/request": "dump_order", "verdict/last": "verdict_last", "ctl/open": "open",
+          "ctl/failslow": "failslow", "excluded": "excluded", "sample/request": "sample_order",
+          "link/request": "link_order", "version/current": "published",
+          "version/running": "pin"}
+
+
+def kind_of(key: str) -> tuple[str | None, dict[str, Any]]:
+    """The record kind a key holds (:mod:`.records`) and the values its name fixes (the
+    node, the incident, round or probe number, the version id): a record must say the same.
+    ``(None, {})`` for a key bootseer does not know."""
+    parts = key.split("/", 2)
+    if len(parts) < 3 or parts[0] != "bootseer":
+        return None, {}
+    rest = parts[2]
+    if rest in _FIXED:
+        return _FIXED[rest], {}
+    bits = rest.split("/")
+    if bits[0] == "node" and len(bits) == 3 and bits[2] in _NODE_KINDS:
+        return _NODE_KINDS[bits[2]], {"node": bits[1]}
+    if bits[0] == "node" and len(bits) == 4 and bits[2] in _NODE_NUMBERED \
+            and bits[3].isdigit():
+        kind, field = _NODE_NUMBERED[bits[2]]
+        return kind, {"node": bits[1], **({field: int(bits[3])} if field else {})}
+    if len(bits) == 2 and bits[1].isdigit() and bits[0] in ("verdict", "check"):
+        return ("verdict", {"evidence.incident": int(bits[1])}) if bits[0] == "verdict" \
+            else ("check_order", {"incident": int(bits[1])})
+    if bits[0] == "version" and len(bits) == 3 and bits[1] == "at" and bits[2].isdigit():
+        return "pin", {"epoch": int(bits[2])}
+    if bits[0] == "version" and len(bits) == 2:
+        return "version", {"id": bits[1]}
+    return None, {}
+
+
+def sealed(key: str, doc: dict[str, Any], limit: int = MAX_RECORD_BYTES) -> bytes:
+    """``doc`` as the sealed value of ``key`` (:mod:`.seal`)."""
+    return seal.seal(key, encode(doc, limit))
+
+
+def put(store: Any, key: str, doc: dict[str, Any], limit: int = MAX_RECORD_BYTES) -> None:
+    """Write ``doc`` sealed under ``key``."""
+    store.set(key, sealed(key, doc, limit))
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:20]!r} is not finite")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
+
+
 def decode(data: bytes, *, key: str, node: str | None = None,
-           limit: int = MAX_RECORD_BYTES) -> dict[str, Any]:
-    """One value read back: a JSON object of at most ``limit`` bytes and, for a node's key,
-    naming that node (a node may only speak for itself)."""
-    if len(data) > limit:
+           limit: int = MAX_RECORD_BYTES, kind: str | None = None,
+           expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One value read back: sealed for ``key`` under the job's secret, a JSON object of at
+    most ``limit`` bytes with finite numbers only, for a node's key naming that node (a node
+    may only speak for itself), and a valid record of its key's kind (:func:`kind_of`, or
+    ``kind``) with the values its key fixes (and ``expect``). :class:`WireError` naming the
+    key otherwise."""
+    if len(data) > limit + seal.OVERHEAD:
         raise WireError(f"{key}: {len(data)} bytes, over the limit of {limit}")
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise WireError(f"{key}: not JSON ({exc})") from None
+        body = seal.open_sealed(key, bytes(data))
+    except seal.SealError as exc:
+        raise WireError(str(exc)) from None
+    try:
+        doc = json.loads(body, parse_float=_finite, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise WireError(f"{key}: not JSON ({str(exc)[:200]})") from None
     if not isinstance(doc, dict):
         raise WireError(f"{key}: not a JSON object")
     if node is not None and doc.get("node") != node:
-        raise WireError(f"{key}: the record names node {doc.get('node')!r}, not {node!r} "
-                        "whose key holds it: refused")
+        raise WireError(f"{key}: the record names node {str(doc.get('node'))[:63]!r}, not "
+                        f"{node!r} whose key holds it: refused")
+    inferred, fixed = kind_of(key)
+    kind = kind or inferred
+    if kind is not None:
+        try:
+            records.check(kind, doc, key, {**fixed, **(expect or {})})
+        except records.RecordError as exc:
+            raise WireError(f"not a {kind} record: {exc}") from None
     return doc
+
+
+def read(store: Any, key: str, *, node: str | None = None, limit: int = MAX_RECORD_BYTES,
+         kind: str | None = None, expect: Mapping[str, Any] | None = None
+         ) -> dict[str, Any] | None:
+    """The record under ``key`` (see :func:`decode`), None when the key is not set."""
+    data = get(store, key)
+    return None if data is None else decode(data, key=key, node=node, limit=limit, kind=kind,
+                                            expect=expect)
 
 
 def parse_address(text: str) -> tuple[str, int]:
