@@ -15,7 +15,7 @@ held times to mean anything across nodes.
 Usage::
 
     doc = window(watch.snapshots(), node="node-1")           # on the node
-    link.store.set(key, wire.encode(doc, wire.MAX_DUMP_BYTES))
+    wire.put(link.store, key, doc, wire.MAX_DUMP_BYTES)      # sealed under the job secret
     found, grid = analyze_windows({"node-1": doc, "node-2": doc2})  # on the controller
 """
 
