@@ -584,6 +584,10 @@ class MethodRun:
         load_before = os.getloadavg()[0]
         try:
             run = self.restart_in_place(lost_key) if self.in_place else self.replace(lost_key)
+            # the newest step committed at the loss (saves went on while the profile was
+            # awaited; none commits without the lost node's ranks, and the restarted job
+            # is seconds from its first save): what every rank must resume from
+            step = self.committed() or step
             # the restart's bytes: from the loss to every rank's first step after it (the
             # training after it reads and writes for its own saves: not the restart's)
             ranks = b.ranks_per_node * b.nodes

@@ -103,9 +103,9 @@ def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_fac
     # torchrun restarts its worker and waits in the rendezvous; a fresh node1 joins later
     _wait("the second hold", lambda: all(p.exists() for p in holding(HOLDS[1])), procs, out)
     time.sleep(max(0.0, killed_at + GRACE_S + 1 - time.time()))
+    lost_at = time.time()  # before the kill: the survivor's rank may die before wait() returns
     c.kill_node(1)
     assert procs["node1"].wait(timeout=10) == -signal.SIGKILL
-    lost_at = time.time()
     _wait("the survivor's worker gone", lambda: _died_after(trace, "node0", lost_at),
           {"node0": procs["node0"]}, out)
     time.sleep(GRACE_S + 1)  # the old agent killed torchrun here: no replacement yet
