@@ -365,3 +365,17 @@ def cluster_factory():
 
 
 _SYSTEM_FIXTURES |= {"cluster_factory"}
+
+
+@pytest.fixture()
+def tcp_store() -> Iterator[Any]:
+    """A real c10d TCPStore of this test's own on a free loopback port (the store the robust
+    agents, the controller and their records go through)."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                 timeout=datetime.timedelta(seconds=10))
+    yield s
+    del s

@@ -33,13 +33,8 @@ PORT = 29400  # the cluster's c10d store (the fixture's "rendezvous" service)
 
 
 @pytest.fixture()
-def store():
-    from torch.distributed import TCPStore
-
-    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                 timeout=datetime.timedelta(seconds=10))
-    yield s
-    del s
+def store(tcp_store):
+    return tcp_store
 
 
 def test_a_node_cannot_speak_for_another_and_bad_records_are_skipped(store) -> None:

@@ -36,13 +36,8 @@ K = wire.Keys("job")
 
 
 @pytest.fixture()
-def store():
-    from torch.distributed import TCPStore
-
-    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                 timeout=datetime.timedelta(seconds=10))
-    yield s
-    del s
+def store(tcp_store):
+    return tcp_store
 
 
 def S(key: str, body: bytes, secret: bytes | None = None) -> bytes:  # noqa: N802
