@@ -332,7 +332,10 @@ class Backend:
                     if not retry.should_retry(exc, attempt):
                         raise _final_error(exc, what, path, attempt + 1, stripe) from exc
                     _log_retry(what, path, exc, attempt)
-                    await asyncio.sleep(retry.delay(attempt))
+                    if cancel is not None:
+                        await cancel.sleep_async(retry.delay(attempt))
+                    else:
+                        await asyncio.sleep(retry.delay(attempt))
                     attempt += 1
         finally:
             self._count(-1)

@@ -14,7 +14,9 @@ write into a destination is under way, and none can start after it.
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -46,6 +48,15 @@ class CancelToken:
         """A retry's backoff that ends at once, raising, when the set is abandoned."""
         if self._event.wait(seconds):
             self.check()
+
+    async def sleep_async(self, seconds: float) -> None:
+        """``sleep`` for a read on an event loop (s3fs): ends, raising, within 50 ms of a
+        cancel, so a join after ``cancel()`` never waits out a whole backoff."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self.check()
+            await asyncio.sleep(min(left, 0.05))
+        self.check()
 
     @contextmanager
     def writing(self) -> Iterator[None]:

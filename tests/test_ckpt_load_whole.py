@@ -350,3 +350,17 @@ def test_the_damaged_shard_resume_on_gloo_ranks_never_aborts(tmp_path: Path, wor
                 assert r["problems"] == [], (run, action["tag"], rank, r["problems"])
                 assert any("step 3 " in w and f"by rank {last}:" in w and data_name(last) in w
                            for w in r["warnings"]), (run, action["tag"], rank, r["warnings"])
+
+
+def test_a_backoff_on_the_event_loop_ends_when_its_reads_are_abandoned() -> None:
+    """s3fs reads retry on an event loop: their backoff must end at the cancel too, or the
+    load's join after a failure waits out every abandoned read's delay (up to seconds)."""
+    import asyncio
+
+    from striped_fs.cancel import CancelToken, ReadCancelled
+
+    token = CancelToken()
+    threading.Timer(0.2, token.cancel).start()
+    with pytest.raises(ReadCancelled):
+        asyncio.run(token.sleep_async(600.0))  # the test's own timeout ends it otherwise
+    asyncio.run(CancelToken().sleep_async(0.01))  # not cancelled: an ordinary sleep
