@@ -34,26 +34,40 @@ def md_table(head: list[str], rows: list[list[str]]) -> list[str]:
 
     def line(cells: list[str]) -> str:
         return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-    return [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-            *[line(r) for r in rows]]
+
+    return [
+        line(head),
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+        *[line(r) for r in rows],
+    ]
 
 
 def command_line(script: str) -> str:
     """How this run was started: the ``bootseer bench ...`` command that ran this suite (the
     harness says so in ``BOOTSEER_BENCH_COMMAND``), else ``python benchmarks/<script> ...``."""
     return os.environ.get("BOOTSEER_BENCH_COMMAND") or " ".join(
-        ["python", f"benchmarks/{script}", *sys.argv[1:]])
+        ["python", f"benchmarks/{script}", *sys.argv[1:]]
+    )
 
 
 def source_state(paths: list[str]) -> dict[str, Any]:
     """The commit measured, and whether the measured code had local changes (read-only git)."""
     state: dict[str, Any] = {}
     with contextlib.suppress(Exception):
-        state["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-                                         capture_output=True, text=True, timeout=10,
-                                         check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", *paths],
-                               capture_output=True, text=True, timeout=10, check=True).stdout
+        state["commit"] = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", *paths],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
         state["local_changes"] = [line[3:] for line in dirty.splitlines()]
     return state
 
@@ -62,6 +76,7 @@ def source_state(paths: list[str]) -> dict[str, Any]:
 def sigterm_as_interrupt() -> Iterator[None]:
     def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
+
     try:
         previous = signal.signal(signal.SIGTERM, handler)
     except ValueError:  # not the main thread
@@ -86,13 +101,18 @@ def reexec(script: str, argv: list[str]) -> int:
     (imports would be warm). ``bootseer bench`` starts each suite fresh, so only an in-process
     caller gets here; a fresh interpreter that still has them loaded is an error, not a loop."""
     if os.environ.get("BOOTSEER_BENCH_REEXEC") == script:
-        log(f"{script}: the measured tools' libraries are loaded even in a fresh interpreter "
-            "(an import at module level?); refusing to measure warm imports")
+        log(
+            f"{script}: the measured tools' libraries are loaded even in a fresh interpreter "
+            "(an import at module level?); refusing to measure warm imports"
+        )
         return 2
-    log(f"re-running {Path(script).name} in a fresh interpreter (this one has the measured "
-        "tools' libraries loaded)")
-    proc = subprocess.Popen([sys.executable, script, *argv],
-                            env={**os.environ, "BOOTSEER_BENCH_REEXEC": script})
+    log(
+        f"re-running {Path(script).name} in a fresh interpreter (this one has the measured "
+        "tools' libraries loaded)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, script, *argv], env={**os.environ, "BOOTSEER_BENCH_REEXEC": script}
+    )
     try:
         return proc.wait()
     except KeyboardInterrupt:  # the child cleans up on SIGTERM as on Ctrl-C
@@ -114,8 +134,12 @@ def drop_caches() -> bool:
 
 def fs_type(path: Path) -> str:
     with contextlib.suppress(Exception):
-        out = subprocess.run(["findmnt", "-n", "-o", "FSTYPE,SOURCE", "--target", str(path)],
-                             capture_output=True, text=True, check=True).stdout.split()
+        out = subprocess.run(
+            ["findmnt", "-n", "-o", "FSTYPE,SOURCE", "--target", str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         return " on ".join(out) if out else "?"
     return "?"
 
@@ -123,8 +147,9 @@ def fs_type(path: Path) -> str:
 def final_table(report: dict[str, Any], rows: list[list[str]]) -> list[str]:
     """The suite's table of figures (metric, bootseer, peer, limit, verdict): kept in
     ``report["final_table"]``, printed, and returned as markdown lines."""
-    report["final_table"] = [dict(zip(["metric", "bootseer", "peer", "limit", "verdict"], r,
-                                      strict=True)) for r in rows]
+    report["final_table"] = [
+        dict(zip(["metric", "bootseer", "peer", "limit", "verdict"], r, strict=True)) for r in rows
+    ]
     table = md_table(["metric", "bootseer", "peer", "limit/target", "pass/fail"], rows)
     print("", flush=True)
     for line in table:
@@ -141,8 +166,9 @@ def write_report_json(results_dir: Path, suite: str, report: dict[str, Any]) -> 
     (results_dir / f"{suite}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
-def repeat_args(prog: str, doc: str, suite: str, full: int, quick: int,
-                argv: list[str] | None) -> Any:
+def repeat_args(
+    prog: str, doc: str, suite: str, full: int, quick: int, argv: list[str] | None
+) -> Any:
     """The command line of a suite that repeats rounds: ``--results``, ``--quick``,
     ``--repeat`` (at least 1; resolved to ``full`` or ``quick`` when not given)."""
     import argparse
@@ -169,8 +195,7 @@ def load_text(machine: dict[str, Any]) -> str:
 def cache_dir() -> Path:
     """The suites' cache and work directory: ``BOOTSEER_BENCH_CACHE``, else
     ``~/.cache/bootseer-bench``."""
-    return Path(os.environ.get("BOOTSEER_BENCH_CACHE")
-                or Path.home() / ".cache" / "bootseer-bench")
+    return Path(os.environ.get("BOOTSEER_BENCH_CACHE") or Path.home() / ".cache" / "bootseer-bench")
 
 
 def work_dir(prefix: str, stack: contextlib.ExitStack) -> Path:
@@ -184,6 +209,7 @@ def work_dir(prefix: str, stack: contextlib.ExitStack) -> Path:
     def remove() -> None:
         if work.parent == cache and work.name.startswith(prefix):  # the directory made here
             shutil.rmtree(work, ignore_errors=True)
+
     stack.callback(remove)
     return work
 
@@ -210,20 +236,34 @@ def mem_total() -> int:
     return 0
 
 
-def run_checked(argv: list[str], *, env: dict[str, str] | None = None, what: str,
-                cwd: str | None = None, timeout: float = 3600) -> subprocess.CompletedProcess:
+def run_checked(
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    what: str,
+    cwd: str | None = None,
+    timeout: float = 3600,
+) -> subprocess.CompletedProcess:
     """A set-up command (not timed); its own session, killed with its children on Ctrl-C."""
-    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
         kill_group(proc)
         raise
     if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed (exit {proc.returncode}): "
-                           f"{(err or out).strip()[-3000:]}")
+        raise RuntimeError(
+            f"{what} failed (exit {proc.returncode}): {(err or out).strip()[-3000:]}"
+        )
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
@@ -235,8 +275,7 @@ def version_of(argv: list[str]) -> str:
     return "not found"
 
 
-def run_bench(bench: Any, *, done_key: str, report_inside: bool = True,
-              log_fn: Any = None) -> int:
+def run_bench(bench: Any, *, done_key: str, report_inside: bool = True, log_fn: Any = None) -> int:
     """Run a benchmark object (``stack``, ``run()``, ``report()``, ``errors``, ``R``,
     ``write_files()``): Ctrl-C and SIGTERM stop everything it started, a crash is recorded,
     and partial results are written. Exit status: 130 interrupted, 1 on errors, else 0.
@@ -285,11 +324,25 @@ def download_wheels(wheel_dir: Path, requirements: list[str]) -> list[Path]:
     wheel_dir.mkdir(parents=True, exist_ok=True)
     log(f"downloading wheels once: pip download {' '.join(requirements)} -d {wheel_dir}")
     before = set(wheel_dir.glob("*.whl"))
-    out = run_checked([sys.executable, "-m", "pip", "download", *requirements, "-d",
-                       str(wheel_dir), "--only-binary", ":all:", "--disable-pip-version-check"],
-                      what="pip download")
-    saved = {m.group(1).strip() for m in re.finditer(
-        r"(?:Saved|File was already downloaded) (.+)", out.stdout)}
+    out = run_checked(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            *requirements,
+            "-d",
+            str(wheel_dir),
+            "--only-binary",
+            ":all:",
+            "--disable-pip-version-check",
+        ],
+        what="pip download",
+    )
+    saved = {
+        m.group(1).strip()
+        for m in re.finditer(r"(?:Saved|File was already downloaded) (.+)", out.stdout)
+    }
     files = sorted({Path(s).resolve() for s in saved} | (set(wheel_dir.glob("*.whl")) - before))
     files = [f for f in files if f.suffix == ".whl" and f.parent == wheel_dir.resolve()]
     if not files:

@@ -72,8 +72,15 @@ class Check:
             torch.cuda.set_device(0)
         else:  # the CPU form: small sizes on a shared machine, one thread each is steadier
             torch.set_num_threads(1)
-        self.doc: dict[str, Any] = {"check": name, "device": self.describe(), "figures": {},
-                                    "rows": [], "skips": [], "notes": [], "done": False}
+        self.doc: dict[str, Any] = {
+            "check": name,
+            "device": self.describe(),
+            "figures": {},
+            "rows": [],
+            "skips": [],
+            "notes": [],
+            "done": False,
+        }
         self.save()
 
     def describe(self) -> str:
@@ -166,17 +173,26 @@ def probe() -> dict[str, Any]:
 
     import torch
 
-    doc: dict[str, Any] = {"python": platform.python_version(), "executable": sys.executable,
-                           "torch": torch.__version__, "cuda_build": torch.version.cuda,
-                           "cuda": torch.cuda.is_available(), "cpus": os.cpu_count(),
-                           "nvidia_smi": shutil.which("nvidia-smi"),
-                           "py_spy": shutil.which("py-spy") or shutil.which(
-                               "py-spy", path=os.path.dirname(sys.executable))}
+    doc: dict[str, Any] = {
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "cuda": torch.cuda.is_available(),
+        "cpus": os.cpu_count(),
+        "nvidia_smi": shutil.which("nvidia-smi"),
+        "py_spy": shutil.which("py-spy")
+        or shutil.which("py-spy", path=os.path.dirname(sys.executable)),
+    }
     if doc["cuda"]:
         props = torch.cuda.get_device_properties(0)
-        doc.update(device=props.name, device_count=torch.cuda.device_count(),
-                   capability=f"{props.major}.{props.minor}",
-                   memory_bytes=props.total_memory, multiprocessors=props.multi_processor_count)
+        doc.update(
+            device=props.name,
+            device_count=torch.cuda.device_count(),
+            capability=f"{props.major}.{props.minor}",
+            memory_bytes=props.total_memory,
+            multiprocessors=props.multi_processor_count,
+        )
         with contextlib.suppress(Exception):
             doc["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     with contextlib.suppress(Exception):
@@ -187,8 +203,10 @@ def probe() -> dict[str, Any]:
     return doc
 
 
-def main(checks: dict[str, Callable[[Check], None]],
-         roles: dict[str, Callable[[argparse.Namespace], int]] | None = None) -> int:
+def main(
+    checks: dict[str, Callable[[Check], None]],
+    roles: dict[str, Callable[[argparse.Namespace], int]] | None = None,
+) -> int:
     """A check (``--check``) or a helper process of one (``--role``)."""
     ap = argparse.ArgumentParser(description="one check of benchmarks/gpu_check.py")
     ap.add_argument("--check", choices=sorted(checks))

@@ -43,11 +43,17 @@ def main(argv: list[str]) -> int:
     url, stripe_size, concurrency, chunk = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     baseline = _maxrss_bytes()
     baseline_hwm = _status_bytes("VmHWM")
-    print(json.dumps({"event": "baseline", "baseline_rss": baseline,
-                      "baseline_vmhwm": baseline_hwm}), flush=True)
-    fs = StripedFileSystem(target_protocol="http", target_options={"skip_instance_cache": True},
-                           stripe_size=stripe_size, concurrency=concurrency,
-                           skip_instance_cache=True)
+    print(
+        json.dumps({"event": "baseline", "baseline_rss": baseline, "baseline_vmhwm": baseline_hwm}),
+        flush=True,
+    )
+    fs = StripedFileSystem(
+        target_protocol="http",
+        target_options={"skip_instance_cache": True},
+        stripe_size=stripe_size,
+        concurrency=concurrency,
+        skip_instance_cache=True,
+    )
     crc = 0
     nbytes = 0
     try:
@@ -63,19 +69,24 @@ def main(argv: list[str]) -> int:
         seconds = time.perf_counter() - start
     finally:
         fs.close()
-    print(json.dumps({
-        "event": "done",
-        "baseline_rss": baseline,
-        "peak_rss": _maxrss_bytes(),
-        "baseline_vmhwm": baseline_hwm,
-        "peak_vmhwm": _status_bytes("VmHWM"),
-        "bytes": nbytes,
-        "crc32": crc,
-        "seconds": seconds,
-        "stripe_size": fs.options.stripe_size,
-        "concurrency": fs.options.concurrency,
-        "window": fs.options.window,
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "done",
+                "baseline_rss": baseline,
+                "peak_rss": _maxrss_bytes(),
+                "baseline_vmhwm": baseline_hwm,
+                "peak_vmhwm": _status_bytes("VmHWM"),
+                "bytes": nbytes,
+                "crc32": crc,
+                "seconds": seconds,
+                "stripe_size": fs.options.stripe_size,
+                "concurrency": fs.options.concurrency,
+                "window": fs.options.window,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

@@ -74,8 +74,10 @@ def launch(phase: str, world: int, cfg: dict[str, Any], out: Path) -> list[dict[
     for attempt in range(1, PORT_TRIES + 1):
         codes, errors = run_ranks(phase, world, cfg_path, out, free_port())
         if not any(codes):
-            return [json.loads((Path(cfg["out"]) / f"{phase}-{r}.json").read_text())
-                    for r in range(world)]
+            return [
+                json.loads((Path(cfg["out"]) / f"{phase}-{r}.json").read_text())
+                for r in range(world)
+            ]
         taken = "EADDRINUSE" in errors[0]
         if not (taken and attempt < PORT_TRIES):
             why = "its rendezvous port was taken each time" if taken else "see the output above"
@@ -84,19 +86,33 @@ def launch(phase: str, world: int, cfg: dict[str, Any], out: Path) -> list[dict[
     raise AssertionError("unreachable")
 
 
-def run_ranks(phase: str, world: int, cfg_path: Path, out: Path,
-              port: int) -> tuple[list[int | None], list[str]]:
+def run_ranks(
+    phase: str, world: int, cfg_path: Path, out: Path, port: int
+) -> tuple[list[int | None], list[str]]:
     """The ranks' exit codes (None: stopped because another failed) and their stderr, which is
     also copied to ours."""
     procs, logs = [], []
     for rank in range(world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "PYTHONWARNINGS": "ignore",
+            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world)),
+        }
         logs.append(out / f"{phase}-{rank}.stderr")
         with open(logs[-1], "wb") as err:
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), "--phase", phase, "--cfg", str(cfg_path)],
-                                          env=env, stderr=err))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), "--phase", phase, "--cfg", str(cfg_path)],
+                    env=env,
+                    stderr=err,
+                )
+            )
     try:
         while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
             time.sleep(0.2)
@@ -130,7 +146,9 @@ def dd_floors(work: Path, nbytes: int) -> dict[str, float]:
     for _ in range(2):
         subprocess.run(["cat", str(src)], stdout=subprocess.DEVNULL, check=True)  # source cached
         t = time.perf_counter()
-        subprocess.run(["dd", f"if={src}", f"of={dst}", "bs=8M", "conv=fsync", "status=none"], check=True)
+        subprocess.run(
+            ["dd", f"if={src}", f"of={dst}", "bs=8M", "conv=fsync", "status=none"], check=True
+        )
         writes.append(time.perf_counter() - t)
         drop_caches()
         t = time.perf_counter()
@@ -158,15 +176,21 @@ def main() -> int:
     work.mkdir(parents=True)
     started = time.time()
     cfg = {**(QUICK if args.quick else FULL), "dir": str(work), "out": str(work / "out")}
-    r: dict[str, Any] = {"suite": "ckpt", "quick": bool(args.quick),
-                         "command": command_line("bench_ckpt.py"), "config": cfg,
-                         "machine": {"cpus": os.cpu_count()}}
+    r: dict[str, Any] = {
+        "suite": "ckpt",
+        "quick": bool(args.quick),
+        "command": command_line("bench_ckpt.py"),
+        "config": cfg,
+        "machine": {"cpus": os.cpu_count()},
+    }
     try:
         log("phase local (2 ranks): 10 bootseer saves, DCP save, DCP async_save x2 kinds, loads")
         local = launch("local", 2, cfg, work)
         total = sum(x["state_bytes_rank"] for x in local)
         r["state_bytes"] = total
-        log(f"  state: {total / MB:.0f} MB in all, {local[0]['state_bytes_rank'] / MB:.0f} MB per rank")
+        log(
+            f"  state: {total / MB:.0f} MB in all, {local[0]['state_bytes_rank'] / MB:.0f} MB per rank"
+        )
         log("phase reshard (4 ranks load the 2-rank checkpoints)")
         reshard = launch("reshard", 4, cfg, work)
         log("floors: dd write+fsync and cold read of the same bytes")
@@ -174,10 +198,16 @@ def main() -> int:
         log("phase train (2 ranks): loops without saves, with bootseer, DCP async_save, DCP save")
         train = launch("train", 2, cfg, work)
         log(f"phase s3 (2 ranks) through the shaper ({S3_LINK.describe()})")
-        with MotoS3Server(in_process=False) as server, ShaperProcess("127.0.0.1", server.port, S3_LINK) as shaper:
+        with (
+            MotoS3Server(in_process=False) as server,
+            ShaperProcess("127.0.0.1", server.port, S3_LINK) as shaper,
+        ):
             server.create_bucket("ckpt-bench")
-            s3cfg = {**cfg, "bucket": "ckpt-bench",
-                     "s3": server.storage_options(endpoint_url=f"http://{shaper.address}")}
+            s3cfg = {
+                **cfg,
+                "bucket": "ckpt-bench",
+                "s3": server.storage_options(endpoint_url=f"http://{shaper.address}"),
+            }
             s3 = launch("s3", 2, s3cfg, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -188,10 +218,16 @@ def main() -> int:
     floor_copy = med(steady(worst(local, "copy_floor_runs")))
     dcp_async = {}
     for kind in ("thread", "process"):
-        runs = [max(x[f"dcp_async_{kind}"][i][k] for x in local) for i in range(3) for k in ("return",)]
+        runs = [
+            max(x[f"dcp_async_{kind}"][i][k] for x in local) for i in range(3) for k in ("return",)
+        ]
         safe = [max(x[f"dcp_async_{kind}"][i]["safe"] for x in local) for i in range(3)]
         durable = [max(x[f"dcp_async_{kind}"][i]["durable"] for x in local) for i in range(3)]
-        dcp_async[kind] = {"return": med(steady(runs)), "safe": med(steady(safe)), "durable": med(steady(durable))}
+        dcp_async[kind] = {
+            "return": med(steady(runs)),
+            "safe": med(steady(safe)),
+            "durable": med(steady(durable)),
+        }
     best_kind = min(dcp_async, key=lambda k: dcp_async[k]["safe"])
     durable_ours = med(steady(worst(local, "ours_durable")))
     dcp_save = min(local[0]["dcp_save"])
@@ -208,48 +244,113 @@ def main() -> int:
     r.update(floors=floors, dcp_async=dcp_async, local=local, reshard=reshard, train=train, s3=s3)
 
     def row(metric, ours, peer, limit, ok):
-        return (metric, ours, peer, limit, "PASS" if ok is True else "FAIL" if ok is False else "info")
+        return (
+            metric,
+            ours,
+            peer,
+            limit,
+            "PASS" if ok is True else "FAIL" if ok is False else "info",
+        )
 
     rows = [
-        row("stall until safe to mutate (per save)", f"{stall:.3f} s", f"DCP async_save ({best_kind}) {dcp_async[best_kind]['safe']:.3f} s",
-            f"<= 1.3x copy floor {floor_copy:.3f} s (got {stall / floor_copy:.2f}x)", stall <= 1.3 * floor_copy),
-        row("stall until save returns", f"{stall:.3f} s", f"DCP async_save ({best_kind}) {dcp_async[best_kind]['return']:.3f} s",
-            "info (bootseer returns when staging is done)", None),
-        row("training-loop overhead per save", f"{over['ours']:.2f} s",
+        row(
+            "stall until safe to mutate (per save)",
+            f"{stall:.3f} s",
+            f"DCP async_save ({best_kind}) {dcp_async[best_kind]['safe']:.3f} s",
+            f"<= 1.3x copy floor {floor_copy:.3f} s (got {stall / floor_copy:.2f}x)",
+            stall <= 1.3 * floor_copy,
+        ),
+        row(
+            "stall until save returns",
+            f"{stall:.3f} s",
+            f"DCP async_save ({best_kind}) {dcp_async[best_kind]['return']:.3f} s",
+            "info (bootseer returns when staging is done)",
+            None,
+        ),
+        row(
+            "training-loop overhead per save",
+            f"{over['ours']:.2f} s",
             f"DCP async_save {over['dcp_async']:.2f} s; DCP save {over['dcp_save']:.2f} s",
-            f"<= 0.5x DCP async_save (got {over['ours'] / max(over['dcp_async'], 1e-9):.2f}x)", over["ours"] <= 0.5 * over["dcp_async"]),
-        row("save until durable, local disk", f"{durable_ours:.2f} s", f"DCP save {dcp_save:.2f} s",
+            f"<= 0.5x DCP async_save (got {over['ours'] / max(over['dcp_async'], 1e-9):.2f}x)",
+            over["ours"] <= 0.5 * over["dcp_async"],
+        ),
+        row(
+            "save until durable, local disk",
+            f"{durable_ours:.2f} s",
+            f"DCP save {dcp_save:.2f} s",
             f"<= 1.25x dd floor {floors['write']:.2f} s (got {durable_ours / floors['write']:.2f}x); >= 1.5x faster than DCP (got {dcp_save / durable_ours:.2f}x)",
-            durable_ours <= 1.25 * floors["write"] and dcp_save >= 1.5 * durable_ours),
-        row("load, page cache dropped", f"{load_ours:.2f} s", f"DCP load {load_dcp:.2f} s",
+            durable_ours <= 1.25 * floors["write"] and dcp_save >= 1.5 * durable_ours,
+        ),
+        row(
+            "load, page cache dropped",
+            f"{load_ours:.2f} s",
+            f"DCP load {load_dcp:.2f} s",
             f"<= 1.25x floor {floor_read:.2f} s (got {load_ours / floor_read:.2f}x); >= 1.5x faster than DCP (got {load_dcp / load_ours:.2f}x)",
-            load_ours <= 1.25 * floor_read and load_dcp >= 1.5 * load_ours),
-        row("resharded load 2 -> 4 ranks", f"{med(reshard[0]['ours_reshard_load']):.2f} s",
-            f"DCP {med(reshard[0]['dcp_reshard_load']):.2f} s", "info", None),
-        row(f"S3 behind shaper: save ({s3_bytes / MB:.0f} MB)", f"{s3r['s3_ours_save']:.1f} s", f"DCP FsspecWriter/s3fs {s3r['s3_dcp_save']:.1f} s",
-            f">= 5x faster (got {s3r['s3_dcp_save'] / s3r['s3_ours_save']:.1f}x)", s3r["s3_dcp_save"] >= 5 * s3r["s3_ours_save"]),
-        row(f"S3 behind shaper: load ({s3_bytes / MB:.0f} MB)", f"{s3r['s3_ours_load']:.1f} s", f"DCP FsspecReader/s3fs {s3r['s3_dcp_load']:.1f} s",
-            f">= 5x faster (got {s3r['s3_dcp_load'] / s3r['s3_ours_load']:.1f}x)", s3r["s3_dcp_load"] >= 5 * s3r["s3_ours_load"]),
-        row("RSS of a rank after 10 saves", f"{rss_max:.0f} MiB", f"state {local[0]['state_bytes_rank'] / 2**20:.0f} MiB per rank, {total / 2**20:.0f} MiB in all",
-            f"<= 1.2x state + 300 MiB = {rss_limit:.0f} MiB", rss_max <= rss_limit),
+            load_ours <= 1.25 * floor_read and load_dcp >= 1.5 * load_ours,
+        ),
+        row(
+            "resharded load 2 -> 4 ranks",
+            f"{med(reshard[0]['ours_reshard_load']):.2f} s",
+            f"DCP {med(reshard[0]['dcp_reshard_load']):.2f} s",
+            "info",
+            None,
+        ),
+        row(
+            f"S3 behind shaper: save ({s3_bytes / MB:.0f} MB)",
+            f"{s3r['s3_ours_save']:.1f} s",
+            f"DCP FsspecWriter/s3fs {s3r['s3_dcp_save']:.1f} s",
+            f">= 5x faster (got {s3r['s3_dcp_save'] / s3r['s3_ours_save']:.1f}x)",
+            s3r["s3_dcp_save"] >= 5 * s3r["s3_ours_save"],
+        ),
+        row(
+            f"S3 behind shaper: load ({s3_bytes / MB:.0f} MB)",
+            f"{s3r['s3_ours_load']:.1f} s",
+            f"DCP FsspecReader/s3fs {s3r['s3_dcp_load']:.1f} s",
+            f">= 5x faster (got {s3r['s3_dcp_load'] / s3r['s3_ours_load']:.1f}x)",
+            s3r["s3_dcp_load"] >= 5 * s3r["s3_ours_load"],
+        ),
+        row(
+            "RSS of a rank after 10 saves",
+            f"{rss_max:.0f} MiB",
+            f"state {local[0]['state_bytes_rank'] / 2**20:.0f} MiB per rank, {total / 2**20:.0f} MiB in all",
+            f"<= 1.2x state + 300 MiB = {rss_limit:.0f} MiB",
+            rss_max <= rss_limit,
+        ),
     ]
     head = ("metric", "bootseer", "peer", "floor / target", "result")
     widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(5)]
-    lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(x, widths, strict=True)) + " |" for x in [head, *rows]]
+    lines = [
+        "| " + " | ".join(str(c).ljust(w) for c, w in zip(x, widths, strict=True)) + " |"
+        for x in [head, *rows]
+    ]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    md = "\n".join([
-        f"# ckpt benchmark{' (quick)' if args.quick else ''}", "",
-        f"- command: `{r['command']}` ({time.time() - started:.0f} s)",
-        f"- state: {total / MB:.0f} MB over 2 ranks (FSDP-style halves of a {cfg['layers'] * 2}-layer d={cfg['d']} transformer + AdamW); training step {t['step_s']:.2f} s",
-        "- stall and copy floor: medians of saves 2-10, each floor copy measured right before its save on both ranks",
-        f"- training loop: {cfg['train_steps']} steps, a save every {cfg['save_every']}, methods interleaved x{cfg.get('train_reps', 3)}; loop medians: "
-        + ", ".join(f"{m} {med(t[f'train_{m}']):.1f} s" for m in ("none", "ours", "dcp_async", "dcp_save")),
-        "- DCP async_save: DefaultStager (shared memory, cached, async staging); kinds: " + ", ".join(f"{k}: return {v['return']:.3f} s / safe {v['safe']:.3f} s / durable {v['durable']:.2f} s" for k, v in dcp_async.items()),
-        f"- write floor: dd of the same byte count with fsync, runs {[round(x, 2) for x in floors['write_runs']]} s (best taken)",
-        f"- read floor: `cat` of this checkpoint's data files (the same bytes), sequential, page cache dropped, next to each load: runs {[round(x, 2) for x in local[0]['floor_read_runs']]} s; "
-        f"dd of a fresh file of the same size: {[round(x, 2) for x in floors['read_runs']]} s (for reference)",
-        f"- loads (3 interleaved runs, page cache dropped before each): bootseer {[round(x, 2) for x in local[0]['ours_load']]} s, DCP {[round(x, 2) for x in local[0]['dcp_load']]} s",
-        f"- S3 link: {S3_LINK.describe()}", "", *lines, ""])
+    md = "\n".join(
+        [
+            f"# ckpt benchmark{' (quick)' if args.quick else ''}",
+            "",
+            f"- command: `{r['command']}` ({time.time() - started:.0f} s)",
+            f"- state: {total / MB:.0f} MB over 2 ranks (FSDP-style halves of a {cfg['layers'] * 2}-layer d={cfg['d']} transformer + AdamW); training step {t['step_s']:.2f} s",
+            "- stall and copy floor: medians of saves 2-10, each floor copy measured right before its save on both ranks",
+            f"- training loop: {cfg['train_steps']} steps, a save every {cfg['save_every']}, methods interleaved x{cfg.get('train_reps', 3)}; loop medians: "
+            + ", ".join(
+                f"{m} {med(t[f'train_{m}']):.1f} s"
+                for m in ("none", "ours", "dcp_async", "dcp_save")
+            ),
+            "- DCP async_save: DefaultStager (shared memory, cached, async staging); kinds: "
+            + ", ".join(
+                f"{k}: return {v['return']:.3f} s / safe {v['safe']:.3f} s / durable {v['durable']:.2f} s"
+                for k, v in dcp_async.items()
+            ),
+            f"- write floor: dd of the same byte count with fsync, runs {[round(x, 2) for x in floors['write_runs']]} s (best taken)",
+            f"- read floor: `cat` of this checkpoint's data files (the same bytes), sequential, page cache dropped, next to each load: runs {[round(x, 2) for x in local[0]['floor_read_runs']]} s; "
+            f"dd of a fresh file of the same size: {[round(x, 2) for x in floors['read_runs']]} s (for reference)",
+            f"- loads (3 interleaved runs, page cache dropped before each): bootseer {[round(x, 2) for x in local[0]['ours_load']]} s, DCP {[round(x, 2) for x in local[0]['dcp_load']]} s",
+            f"- S3 link: {S3_LINK.describe()}",
+            "",
+            *lines,
+            "",
+        ]
+    )
     print(md)
     (results / "ckpt.md").write_text(md)
     (results / "ckpt.json").write_text(json.dumps(r, indent=1, default=str))

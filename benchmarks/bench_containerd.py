@@ -78,19 +78,33 @@ class Node:
             self.address = os.path.join(self.sock_dir, "sn.sock")
             self.sn_log = open(self.dir / "snapshotter.log", "ab")  # noqa: SIM115
             self.snapshotter = subprocess.Popen(
-                [sys.executable, "-m", "bootseer", "snapshotter", "--root",
-                 str(self.dir / "snapshotter"), "--address", self.address, *snapshotter_args],
-                stdout=self.sn_log, stderr=self.sn_log, start_new_session=True,
-                env=bp.clean_env())
+                [
+                    sys.executable,
+                    "-m",
+                    "bootseer",
+                    "snapshotter",
+                    "--root",
+                    str(self.dir / "snapshotter"),
+                    "--address",
+                    self.address,
+                    *snapshotter_args,
+                ],
+                stdout=self.sn_log,
+                stderr=self.sn_log,
+                start_new_session=True,
+                env=bp.clean_env(),
+            )
             deadline = time.monotonic() + 60
             while not os.path.exists(self.address):
                 if self.snapshotter.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the snapshotter did not start (log "
-                                       f"{self.dir / 'snapshotter.log'})")
+                    raise RuntimeError(
+                        f"the snapshotter did not start (log {self.dir / 'snapshotter.log'})"
+                    )
                 time.sleep(0.05)
             proxies["bootseer"] = self.address
-        self.containerd = ContainerdServer(self.dir / "containerd", NAMESPACE,
-                                           proxy_snapshotters=proxies).start()
+        self.containerd = ContainerdServer(
+            self.dir / "containerd", NAMESPACE, proxy_snapshotters=proxies
+        ).start()
 
     def ctr(self, *args: str) -> list[str]:
         return ["ctr", "--address", self.containerd.address, "--namespace", NAMESPACE, *args]
@@ -120,8 +134,10 @@ class Bench(bp.Bench):
         self.R["suite"] = SUITE
         self.R["command"] = command_line("bench_containerd.py")
         self.R["runs"] = {m: [] for m in (*METHODS, "record")}
-        self.R["targets"] = {"profile_vs_floor_max": VS_FLOOR,
-                             "default_over_profile_min": VS_DEFAULT}
+        self.R["targets"] = {
+            "profile_vs_floor_max": VS_FLOOR,
+            "default_over_profile_min": VS_DEFAULT,
+        }
         self.nodes: list[Node] = []
         bp.LABELS.update(LABELS)  # measure() logs the method's label
 
@@ -151,23 +167,48 @@ class Bench(bp.Bench):
         self.nodes.remove(node)
 
     # -- one start ----------------------------------------------------------------------------
-    def start(self, node: Node, pull: list[str] | None, ref: str, snapshotter: str,
-              tag: str, code: str | None = None) -> dict[str, Any]:
+    def start(
+        self,
+        node: Node,
+        pull: list[str] | None,
+        ref: str,
+        snapshotter: str,
+        tag: str,
+        code: str | None = None,
+    ) -> dict[str, Any]:
         """Pull (when ``pull``), then ``ctr run``; seconds to the first output line."""
         logp = self.work / f"{tag}.log"
         out: dict[str, Any] = {}
         with open(logp, "ab") as logf:
             t0 = time.perf_counter()
             if pull is not None:
-                r = subprocess.run(pull, stdout=logf, stderr=logf, timeout=STEP_TIMEOUT_S,
-                                   env=bp.clean_env(), check=False)
+                r = subprocess.run(
+                    pull,
+                    stdout=logf,
+                    stderr=logf,
+                    timeout=STEP_TIMEOUT_S,
+                    env=bp.clean_env(),
+                    check=False,
+                )
                 if r.returncode != 0:
                     raise RuntimeError(f"pull exited {r.returncode} (log {logp})")
                 out["pull"] = time.perf_counter() - t0
             run = subprocess.Popen(
-                node.ctr("run", "--rm", "--snapshotter", snapshotter, ref, f"{tag}-c",
-                         "/usr/bin/python3", "-c", code or self.command),
-                stdout=subprocess.PIPE, stderr=logf, text=True)
+                node.ctr(
+                    "run",
+                    "--rm",
+                    "--snapshotter",
+                    snapshotter,
+                    ref,
+                    f"{tag}-c",
+                    "/usr/bin/python3",
+                    "-c",
+                    code or self.command,
+                ),
+                stdout=subprocess.PIPE,
+                stderr=logf,
+                text=True,
+            )
             assert run.stdout is not None
             first = run.stdout.readline()
             out["total"] = time.perf_counter() - t0
@@ -177,20 +218,41 @@ class Bench(bp.Bench):
         if FIRST_LINE not in first or rc != 0:
             raise RuntimeError(f"the container printed {first!r} and exited {rc} (log {logp})")
         out["run"] = out["total"] - out.get("pull", 0.0)
-        log(f"  {out['total']:.2f} s" + (f" (pull {out['pull']:.2f} s, run to first line "
-                                         f"{out['run']:.2f} s)" if "pull" in out else ""))
+        log(
+            f"  {out['total']:.2f} s"
+            + (
+                f" (pull {out['pull']:.2f} s, run to first line {out['run']:.2f} s)"
+                if "pull" in out
+                else ""
+            )
+        )
         return out
 
     def bootseer_pull(self, node: Node, ref: str) -> list[str]:
-        return [sys.executable, "-m", "bootseer", "image", "pull", ref, "--address",
-                node.containerd.address, "--namespace", NAMESPACE]
+        return [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "image",
+            "pull",
+            ref,
+            "--address",
+            node.containerd.address,
+            "--namespace",
+            NAMESPACE,
+        ]
 
     # -- methods ------------------------------------------------------------------------------
     def default(self, rnd: int) -> dict[str, Any]:
         node = self.node(f"default-r{rnd}")
         self.go_cold([self.gzip_blob])
-        out = self.start(node, node.ctr("images", "pull", "--plain-http", self.gzip_ref),
-                         self.gzip_ref, "overlayfs", f"default-r{rnd}")
+        out = self.start(
+            node,
+            node.ctr("images", "pull", "--plain-http", self.gzip_ref),
+            self.gzip_ref,
+            "overlayfs",
+            f"default-r{rnd}",
+        )
         self.default_node = node  # the floor runs on it
         return out
 
@@ -206,23 +268,34 @@ class Bench(bp.Bench):
             self.default_node = None
 
     def lazy(self, rnd: int, method: str = "lazy") -> dict[str, Any]:
-        args = {"lazy": ("--no-prefetch", "--no-push-profiles"),
-                "record": ("--record-timeout", "600"), "profile": ()}[method]
+        args = {
+            "lazy": ("--no-prefetch", "--no-push-profiles"),
+            "record": ("--record-timeout", "600"),
+            "profile": (),
+        }[method]
         node = self.node(f"{method}-r{rnd}", args)
         try:
             self.go_cold(self.lazy_blobs)
             code = self.command
             if method == "record":
                 code += "; open('/.bootseer/ready').read()"
-            out = self.start(node, self.bootseer_pull(node, self.lazy_ref), self.lazy_ref,
-                             "bootseer", f"{method}-r{rnd}", code)
+            out = self.start(
+                node,
+                self.bootseer_pull(node, self.lazy_ref),
+                self.lazy_ref,
+                "bootseer",
+                f"{method}-r{rnd}",
+                code,
+            )
             text = node.snapshotter_log()
             if method == "record":
                 t0 = time.perf_counter()
                 while "recorded " not in node.snapshotter_log():
                     if time.perf_counter() - t0 > 60:
-                        raise RuntimeError("no profile was recorded (snapshotter log "
-                                           f"{node.dir / 'snapshotter.log'})")
+                        raise RuntimeError(
+                            "no profile was recorded (snapshotter log "
+                            f"{node.dir / 'snapshotter.log'})"
+                        )
                     time.sleep(0.2)
                 time.sleep(2.0)  # the push follows the local copy
                 text = node.snapshotter_log()
@@ -245,8 +318,7 @@ class Bench(bp.Bench):
             self.measure("floor", rnd, self.floor)
             self.measure("lazy", rnd, self.lazy)
             if not recorded:
-                recorded = self.measure("record", rnd, lambda r: self.lazy(r, "record")) \
-                    is not None
+                recorded = self.measure("record", rnd, lambda r: self.lazy(r, "record")) is not None
             if recorded:
                 self.measure("profile", rnd, lambda r: self.lazy(r, "profile"))
             else:
@@ -265,20 +337,37 @@ class Bench(bp.Bench):
 
         rows = []
         ratio = p / fl if p and fl else None
-        rows.append([LABELS["profile"] + " vs floor", t(p), f"floor {t(fl)}",
-                     "n/a" if ratio is None else f"{ratio:.2f}x of floor", f"<= {VS_FLOOR:g}x",
-                     verdict(None if ratio is None else ratio <= VS_FLOOR)])
+        rows.append(
+            [
+                LABELS["profile"] + " vs floor",
+                t(p),
+                f"floor {t(fl)}",
+                "n/a" if ratio is None else f"{ratio:.2f}x of floor",
+                f"<= {VS_FLOOR:g}x",
+                verdict(None if ratio is None else ratio <= VS_FLOOR),
+            ]
+        )
         ratio = de / p if p and de else None
-        rows.append([LABELS["profile"] + " vs containerd default", t(p), f"default {t(de)}",
-                     "n/a" if ratio is None else f"{ratio:.1f}x faster", f">= {VS_DEFAULT:g}x",
-                     verdict(None if ratio is None else ratio >= VS_DEFAULT)])
+        rows.append(
+            [
+                LABELS["profile"] + " vs containerd default",
+                t(p),
+                f"default {t(de)}",
+                "n/a" if ratio is None else f"{ratio:.1f}x faster",
+                f">= {VS_DEFAULT:g}x",
+                verdict(None if ratio is None else ratio >= VS_DEFAULT),
+            ]
+        )
         for method in ("default", "lazy", "record", "profile", "floor"):
             ok = [r for r in self.R["runs"][method] if not r.get("error")]
             if not ok:
                 continue
             r0 = ok[-1]
-            detail = (f"pull {r0['pull']:.2f} s, then run to first line {r0['run']:.2f} s"
-                      if "pull" in r0 else "")
+            detail = (
+                f"pull {r0['pull']:.2f} s, then run to first line {r0['run']:.2f} s"
+                if "pull" in r0
+                else ""
+            )
             if r0.get("prefetch"):
                 detail += f"; {r0['prefetch']}"
             if r0.get("recorded"):
@@ -286,8 +375,9 @@ class Bench(bp.Bench):
             value = self.median(method) if method != "record" else r0["total"]
             rows.append([LABELS[method], t(value), detail, "", "", "info"])
         if la is not None and p:
-            rows.append(["lazy without profile / with profile", f"{la / p:.2f}x", "", "", "",
-                         "info"])
+            rows.append(
+                ["lazy without profile / with profile", f"{la / p:.2f}x", "", "", "", "info"]
+            )
         return rows
 
     def report(self) -> None:
@@ -296,18 +386,23 @@ class Bench(bp.Bench):
         self.R["table"] = table
         self.R["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         img = self.R.get("image", {})
-        lines = [f"# containerd benchmark ({'quick' if self.quick else 'full'} run)", "",
-                 f"- command: `{self.R['command']}`",
-                 f"- machine: {self.R['machine']['cpus']} CPUs, "
-                 f"{self.R['machine']['ram_bytes'] / 2**30:.1f} GiB RAM, "
-                 f"{self.R['machine'].get('containerd', '')}",
-                 f"- image: {img.get('what')}, one gzip layer "
-                 f"{img.get('gzip_bytes', 0) / 1e6:.0f} MB, {img.get('bytes', 0) / 1e6:.0f} MB "
-                 "in files",
-                 f"- link: registry behind the shaper, {bp.LINK.describe()}",
-                 f"- {'cold node: page cache dropped before each method' if self.cold else 'WARM'}",
-                 f"- startup: pull start to the first line of `python3 -c \"{self.command}\"` "
-                 "in the container", "", *table]
+        lines = [
+            f"# containerd benchmark ({'quick' if self.quick else 'full'} run)",
+            "",
+            f"- command: `{self.R['command']}`",
+            f"- machine: {self.R['machine']['cpus']} CPUs, "
+            f"{self.R['machine']['ram_bytes'] / 2**30:.1f} GiB RAM, "
+            f"{self.R['machine'].get('containerd', '')}",
+            f"- image: {img.get('what')}, one gzip layer "
+            f"{img.get('gzip_bytes', 0) / 1e6:.0f} MB, {img.get('bytes', 0) / 1e6:.0f} MB "
+            "in files",
+            f"- link: registry behind the shaper, {bp.LINK.describe()}",
+            f"- {'cold node: page cache dropped before each method' if self.cold else 'WARM'}",
+            f'- startup: pull start to the first line of `python3 -c "{self.command}"` '
+            "in the container",
+            "",
+            *table,
+        ]
         lines += [f"- WARNING: {w}" for w in self.R["warnings"]]
         lines += [f"- ERROR: {e}" for e in self.errors]
         print("\n".join(lines))
@@ -318,7 +413,8 @@ class Bench(bp.Bench):
     def write_files(self, table: list[str] | None = None) -> None:
         self.results_dir.mkdir(parents=True, exist_ok=True)
         (self.results_dir / f"{SUITE}.json").write_text(
-            json.dumps(self.R, indent=2, default=str) + "\n")
+            json.dumps(self.R, indent=2, default=str) + "\n"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,8 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         return bp.helper_main(argv[1], argv[2])
     if any(name in sys.modules for name in bp._MAPPED_BY_TOOLS):
         return reexec(__file__, argv)
-    parser = argparse.ArgumentParser(prog="bench_containerd.py",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="bench_containerd.py", description=__doc__.split("\n")[0])
     parser.add_argument("--results", default="bench-results")
     parser.add_argument("--quick", action="store_true", help="numpy only (no torch)")
     parser.add_argument("--repeat", type=int, default=1)

@@ -118,8 +118,15 @@ LABELS = {
 }
 # --methods, in the order they run: the slowest last, so a run cut short keeps the others
 METHODS = ("diy", "diy-warm", "bootseer", "bootseer-warm", "bootseer-baked", "baseline")
-ORDER = ("baseline", "diy", "diy-warm", "bootseer", "bootseer-warm", "bootseer-baked",
-         "inplace")  # the rows
+ORDER = (
+    "baseline",
+    "diy",
+    "diy-warm",
+    "bootseer",
+    "bootseer-warm",
+    "bootseer-baked",
+    "inplace",
+)  # the rows
 DIY = ("diy", "diy-warm")
 BAKED = ("bootseer-baked",)  # the diy image (torch baked in) converted: no environment phase
 BOOTSEER = ("bootseer", "bootseer-warm", "bootseer-baked")
@@ -136,15 +143,18 @@ def family(method: str) -> str:
 
 def ckpt_root(method: str) -> str:
     """bucket/prefix of ``method``'s checkpoints."""
-    return {"baseline": "ckpt/dcp", "diy": "ckpt/diy",
-            "bootseer-baked": "ckpt/baked"}.get(family(method), "ckpt/bootseer")
+    return {"baseline": "ckpt/dcp", "diy": "ckpt/diy", "bootseer-baked": "ckpt/baked"}.get(
+        family(method), "ckpt/bootseer"
+    )
 
 
-def phases_of(method: str, ev: list[dict[str, Any]], t0: float, pulled: float | None,
-              spans: list[Any]) -> tuple[dict[str, float], float, dict[str, Any]]:
+def phases_of(
+    method: str, ev: list[dict[str, Any]], t0: float, pulled: float | None, spans: list[Any]
+) -> tuple[dict[str, float], float, dict[str, Any]]:
     """(phases, first step's time, detail) of one restart from its milestones ``ev`` (one
     attempt) and, for bootseer, ``bootseer run``'s trace ``spans``; every phase ends where the
     next begins, so they add up to the total."""
+
     def last(name: str) -> dict[str, Any]:
         found = [e for e in ev if e["event"] == name]
         if not found:
@@ -155,8 +165,9 @@ def phases_of(method: str, ev: list[dict[str, Any]], t0: float, pulled: float | 
     if method in ("baseline", *DIY):
         entry, env_end = last("entry")["t"], last("env_ready")["t"]
         cmd = last("command_start")["t"]
-        detail: dict[str, Any] = {"environment": {"installer": last("env_ready")["installer"],
-                                                  "seconds": env_end - entry}}
+        detail: dict[str, Any] = {
+            "environment": {"installer": last("env_ready")["installer"], "seconds": env_end - entry}
+        }
         if method in DIY:  # the job's wait for the copy: from the last rank ready to load
             ready = max(e["t"] - e["waited"] for e in ev if e["event"] == "copy_ready")
             waited = max(0.0, last("load_start")["t"] - max(ready, cmd))
@@ -166,11 +177,18 @@ def phases_of(method: str, ev: list[dict[str, Any]], t0: float, pulled: float | 
         env_end = phase["environment"].end
         cmd = phase["command_start"].end
         pre = phase["checkpoint_prefetch"]
-        detail = {"environment": {"outcome": phase["environment"].detail.get("outcome"),
-                                  "seconds": phase["environment"].seconds,
-                                  "bytes": phase["environment"].bytes},
-                  "checkpoint_prefetch": {"seconds": pre.seconds, "bytes": pre.bytes,
-                                          "step": pre.detail.get("step")}}
+        detail = {
+            "environment": {
+                "outcome": phase["environment"].detail.get("outcome"),
+                "seconds": phase["environment"].seconds,
+                "bytes": phase["environment"].bytes,
+            },
+            "checkpoint_prefetch": {
+                "seconds": pre.seconds,
+                "bytes": pre.bytes,
+                "step": pre.detail.get("step"),
+            },
+        }
     verify = max(e["seconds"] for e in ev if e["event"] == "verified")
     load_start, load_end = last("load_start")["t"], last("load_end")["t"]
     first = last("first_step")["t"] - verify
@@ -201,8 +219,11 @@ def log_tail(path: Path, lines: int = 40) -> str:
         text = path.read_text(errors="replace").splitlines()
     except OSError as exc:
         return f"(unreadable: {exc})"
-    raised = [ln for ln in text  # torchrun prefixes a rank's lines with "[rankN]:"
-              if re.match(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Interrupt)\b: ", ln)]
+    raised = [
+        ln
+        for ln in text  # torchrun prefixes a rank's lines with "[rankN]:"
+        if re.match(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Interrupt)\b: ", ln)
+    ]
     head = ["exceptions raised in the job:", *raised[-10:], "..."] if raised else []
     return "\n".join(head + text[-lines:])
 
@@ -213,10 +234,14 @@ def compare(runs: dict[str, Any]) -> dict[str, dict[str, float]]:
     pairs = [("bootseer", m) for m in ("baseline", "diy", "diy-warm")]
     pairs.append(("bootseer-warm", "diy-warm"))  # the like-for-like pair
     pairs += [("bootseer-baked", "diy"), ("bootseer-baked", "bootseer")]  # same image / job
-    return {m if ours == "bootseer" else f"{ours} vs {m}": {
-                "speedup": runs[m]["total"] / runs[ours]["total"],
-                "less": 1 - runs[ours]["total"] / runs[m]["total"]}
-            for ours, m in pairs if ours in runs and m in runs}
+    return {
+        m if ours == "bootseer" else f"{ours} vs {m}": {
+            "speedup": runs[m]["total"] / runs[ours]["total"],
+            "less": 1 - runs[ours]["total"] / runs[m]["total"],
+        }
+        for ours, m in pairs
+        if ours in runs and m in runs
+    }
 
 
 def all_local_floor(run: dict[str, Any]) -> float:
@@ -224,16 +249,18 @@ def all_local_floor(run: dict[str, Any]) -> float:
     prefetch and the load's wait for the prefetch (what a restart with everything already on
     the node's disk pays: the container's restart, the launch, the load, the first step)."""
     ph = run["phases"]
-    return (ph["container"] + ph["launch"] + ph["load"] + ph["step"]
-            - run.get("load_wait_s", 0.0))
+    return ph["container"] + ph["launch"] + ph["load"] + ph["step"] - run.get("load_wait_s", 0.0)
 
 
 def deps_layer(work: Path, image_dir: Path, wheel_dir: Path) -> dict[str, Any]:
     """The diy image's third layer (torch and its dependencies installed), built once per
     set of wheels (``work`` holds the tree while it is packed): the tree is large, so its
     layer is cached by what goes into it. Shared by the one-node and the multi-node scenario."""
-    key = hashlib.sha256(json.dumps([TORCH, platform.python_version(), sorted(
-        p.name for p in wheel_dir.glob("*.whl"))]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps(
+            [TORCH, platform.python_version(), sorted(p.name for p in wheel_dir.glob("*.whl"))]
+        ).encode()
+    ).hexdigest()[:16]
     ref = image_dir / "e2e" / f"deps-for-{key}.json"
     with contextlib.suppress(OSError, ValueError):
         meta = json.loads(ref.read_text())
@@ -254,8 +281,15 @@ class Bench:
         self.quick = bool(args.quick)
         self.methods = [m for m in METHODS if m in args.methods.split(",")]
         self.size = "quick" if self.quick else "full"
-        self.cache = Path(args.cache or os.environ.get("BOOTSEER_BENCH_CACHE")
-                          or Path.home() / ".cache" / "bootseer-bench").expanduser().resolve()
+        self.cache = (
+            Path(
+                args.cache
+                or os.environ.get("BOOTSEER_BENCH_CACHE")
+                or Path.home() / ".cache" / "bootseer-bench"
+            )
+            .expanduser()
+            .resolve()
+        )
         self.work = self.cache / "e2e-run"
         self.results_dir = Path(args.results).resolve()
         self.stack = contextlib.ExitStack()
@@ -264,24 +298,40 @@ class Bench:
         self.cold = True
         self.run_id = uuid.uuid4().hex[:8]  # in the jobs' tags: concurrent runs never meet
         self.R: dict[str, Any] = {
-            "suite": SUITE, "quick": self.quick,
+            "suite": SUITE,
+            "quick": self.quick,
             "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "command": command_line("bench_e2e.py"),
-            "machine": {"cpus": os.cpu_count(), "ram_bytes": mem_total(),
-                        "platform": platform.platform(), "python": platform.python_version(),
-                        "containerd": bp.version_of(["containerd", "--version"])},
-            "links": {k: {"latency_ms": v[0], "per_conn_mb_s": v[1], "total_mb_s": v[2]}
-                      for k, v in LINKS.items()},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "ram_bytes": mem_total(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "containerd": bp.version_of(["containerd", "--version"]),
+            },
+            "links": {
+                k: {"latency_ms": v[0], "per_conn_mb_s": v[1], "total_mb_s": v[2]}
+                for k, v in LINKS.items()
+            },
             "target": {"reduction_min": TARGET_REDUCTION},
-            "runs": {}, "warnings": [], "errors": self.errors,
+            "runs": {},
+            "warnings": [],
+            "errors": self.errors,
         }
 
     # -- set-up ----------------------------------------------------------------------------------
     def setup(self) -> None:
         if os.geteuid() != 0:
             raise RuntimeError("needs root: containerd, runc, FUSE mounts and drop_caches")
-        for tool in ("containerd", "ctr", "runc", "containerd-shim-runc-v2", "fusermount",
-                     "tar", "gzip"):
+        for tool in (
+            "containerd",
+            "ctr",
+            "runc",
+            "containerd-shim-runc-v2",
+            "fusermount",
+            "tar",
+            "gzip",
+        ):
             if shutil.which(tool) is None:
                 raise RuntimeError(f"{tool} is not installed (see .ci/run for the packages)")
         from bootseer.testing.pypi import PackageIndex
@@ -297,16 +347,26 @@ class Bench:
         base = bp.build_base(image_dir, self.args.base or ("host" if self.quick else "auto"))
         log(f"image base: {base['source']}, python {base.get('python')}")
         level = 1 if self.quick else 6  # quick: the image is built afresh in every CI run
-        layers = [e2e_image.layer_from_tree(image_dir / f"base-{base['source']}",
-                                            image_dir / "e2e", f"base-{base['source']}",
-                                            level)]
+        layers = [
+            e2e_image.layer_from_tree(
+                image_dir / f"base-{base['source']}",
+                image_dir / "e2e",
+                f"base-{base['source']}",
+                level,
+            )
+        ]
         tree = self.work / "runtime-tree"
         runtime = e2e_image.build_runtime_tree(tree)
         layers.append(e2e_image.layer_from_tree(tree, image_dir / "e2e", "runtime", level))
         shutil.rmtree(tree)
         self.R["image"] = {"base": base, "layers": layers, **runtime}
-        log("image layers: " + ", ".join(f"{la['name']} {la['tar_bytes'] / 1e6:.0f} MB tar, "
-                                         f"{la['size'] / 1e6:.0f} MB gzip" for la in layers))
+        log(
+            "image layers: "
+            + ", ".join(
+                f"{la['name']} {la['tar_bytes'] / 1e6:.0f} MB tar, {la['size'] / 1e6:.0f} MB gzip"
+                for la in layers
+            )
+        )
         wheels = download_wheels(self.cache / "wheels-e2e", [TORCH])
         diy_layers = None
         if set(self.methods) & {*DIY, *BAKED}:
@@ -315,38 +375,53 @@ class Bench:
 
         def shaped(port: int, link: str) -> str:
             proxy = self.stack.enter_context(
-                ShaperProcess("127.0.0.1", port, ShaperSettings.from_mb(*LINKS[link])))
+                ShaperProcess("127.0.0.1", port, ShaperSettings.from_mb(*LINKS[link]))
+            )
             return proxy.address
 
         self.registry = RegistryServer(self.work / "registry").start()
         self.stack.callback(self.registry.close)
         registry_addr = shaped(self.registry.port, "registry")
         repo = f"e2e/train-{self.size}"
-        digest = e2e_image.push_image(self.registry.host, repo, "gzip", layers,
-                                      e2e_image.image_config(layers))
+        digest = e2e_image.push_image(
+            self.registry.host, repo, "gzip", layers, e2e_image.image_config(layers)
+        )
         self.gzip_ref = f"{registry_addr}/{repo}:gzip"
         log(f"pushed {self.gzip_ref} ({digest[:19]})")
         self.gzip_blobs = [self.registry.blob_path(la["digest"]) for la in layers]
         if set(self.methods) & {"bootseer", "bootseer-warm"}:  # the converted image
             log("converting to the bootseer layer format")
-            conv = self._helper("convert", {"src": f"{self.registry.host}/{repo}:gzip",
-                                            "dst": f"{self.registry.host}/{repo}:lazy",
-                                            "workdir": str(self.work)})
+            conv = self._helper(
+                "convert",
+                {
+                    "src": f"{self.registry.host}/{repo}:gzip",
+                    "dst": f"{self.registry.host}/{repo}:lazy",
+                    "workdir": str(self.work),
+                },
+            )
             self.R["conversion"] = conv
             self.lazy_ref = f"{registry_addr}/{repo}:lazy"
             self.lazy_blobs = [self.registry.blob_path(d) for d in conv["layer_digests"]]
         if diy_layers:
-            e2e_image.push_image(self.registry.host, repo, "diy", diy_layers,
-                                 e2e_image.image_config(diy_layers))
+            e2e_image.push_image(
+                self.registry.host, repo, "diy", diy_layers, e2e_image.image_config(diy_layers)
+            )
             self.diy_ref = f"{registry_addr}/{repo}:diy"
             self.diy_blobs = [self.registry.blob_path(la["digest"]) for la in diy_layers]
-            log(f"pushed {self.diy_ref} (the dependencies baked in: "
-                f"{diy_layers[-1]['size'] / 1e6:.0f} MB gzip more)")
+            log(
+                f"pushed {self.diy_ref} (the dependencies baked in: "
+                f"{diy_layers[-1]['size'] / 1e6:.0f} MB gzip more)"
+            )
         if set(self.methods) & set(BAKED):  # the diy image in bootseer's layer format
             log("converting the image with the dependencies baked in")
-            conv = self._helper("convert", {"src": f"{self.registry.host}/{repo}:diy",
-                                            "dst": f"{self.registry.host}/{repo}:baked-lazy",
-                                            "workdir": str(self.work)})
+            conv = self._helper(
+                "convert",
+                {
+                    "src": f"{self.registry.host}/{repo}:diy",
+                    "dst": f"{self.registry.host}/{repo}:baked-lazy",
+                    "workdir": str(self.work),
+                },
+            )
             self.R["conversion_baked"] = conv
             self.baked_ref = f"{registry_addr}/{repo}:baked-lazy"
             self.baked_blobs = [self.registry.blob_path(d) for d in conv["layer_digests"]]
@@ -365,27 +440,35 @@ class Bench:
         self.job = self.work / "job"
         self.job.mkdir()
         (self.job / "requirements.txt").write_text(
-            f"--index-url http://{index_addr}/simple/\n{TORCH}\n")
+            f"--index-url http://{index_addr}/simple/\n{TORCH}\n"
+        )
         (self.job / "bootseer.toml").write_text(
             '[run]\ntrace_dir = "/var/log/bootseer/trace"\n\n'
-            '[restart]\nmax_restarts = 2\nbackoff_s = 1.0\n\n'
+            "[restart]\nmax_restarts = 2\nbackoff_s = 1.0\n\n"
             '[env]\nspec = ["/job/requirements.txt"]\nprefix = "/opt/env"\n'
             'store = "s3://envs/e2e"\n\n'
             '[ckpt]\nurl = "s3://ckpt/bootseer"\ncache_dir = "/var/cache/bootseer/ckpt"\n'
-            'ranks = "0-1"\n')
+            'ranks = "0-1"\n'
+        )
         (self.job / "bootseer-baked.toml").write_text(  # torch is in the image: no [env]
             '[run]\ntrace_dir = "/var/log/bootseer/trace"\n\n'
-            '[restart]\nmax_restarts = 2\nbackoff_s = 1.0\n\n'
+            "[restart]\nmax_restarts = 2\nbackoff_s = 1.0\n\n"
             '[ckpt]\nurl = "s3://ckpt/baked"\ncache_dir = "/var/cache/bootseer/ckpt"\n'
-            'ranks = "0-1"\n')
-        log(f"registry {registry_addr}, index {index_addr}, S3 {s3_addr} (all shaped: "
+            'ranks = "0-1"\n'
+        )
+        log(
+            f"registry {registry_addr}, index {index_addr}, S3 {s3_addr} (all shaped: "
             + "; ".join(f"{k} {ShaperSettings.from_mb(*v).describe()}" for k, v in LINKS.items())
-            + ")")
+            + ")"
+        )
 
     def _helper(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
-        out = bp.run_checked([sys.executable, str(Path(bp.__file__)), "--helper", name,
-                              json.dumps(params)], env=bp.clean_env(), what=f"helper {name}",
-                             timeout=3600)
+        out = bp.run_checked(
+            [sys.executable, str(Path(bp.__file__)), "--helper", name, json.dumps(params)],
+            env=bp.clean_env(),
+            what=f"helper {name}",
+            timeout=3600,
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def cleanup(self) -> None:
@@ -409,18 +492,28 @@ class Bench:
         """Stop the node's container (every process in it), then its daemons. containerd's
         shims outlive containerd by design, so the container goes first."""
         cid = container_id(node)
-        subprocess.run(node.ctr("tasks", "kill", "--all", "-s", "SIGKILL", cid),
-                       capture_output=True, check=False, timeout=60)
+        subprocess.run(
+            node.ctr("tasks", "kill", "--all", "-s", "SIGKILL", cid),
+            capture_output=True,
+            check=False,
+            timeout=60,
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            listed = subprocess.run(node.ctr("tasks", "ls", "-q"), capture_output=True,
-                                    text=True, check=False, timeout=60).stdout.split()
+            listed = subprocess.run(
+                node.ctr("tasks", "ls", "-q"),
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=60,
+            ).stdout.split()
             if cid not in listed:
                 break
             time.sleep(0.2)
         for what in ("tasks", "containers"):
-            subprocess.run(node.ctr(what, "delete", cid), capture_output=True, check=False,
-                           timeout=60)
+            subprocess.run(
+                node.ctr(what, "delete", cid), capture_output=True, check=False, timeout=60
+            )
         self.kill_tagged(self.tag(node.dir.name))
         address = node.containerd.address
         node.close()
@@ -481,72 +574,151 @@ class Bench:
             argv = node.ctr("images", "pull", "--plain-http", self.diy_ref)
         else:
             ref = self.baked_ref if method in BAKED else self.lazy_ref
-            argv = [sys.executable, "-m", "bootseer", "image", "pull", ref, "--address",
-                    node.containerd.address, "--namespace", NAMESPACE,
-                    *(["--local"] if local else [])]
+            argv = [
+                sys.executable,
+                "-m",
+                "bootseer",
+                "image",
+                "pull",
+                ref,
+                "--address",
+                node.containerd.address,
+                "--namespace",
+                NAMESPACE,
+                *(["--local"] if local else []),
+            ]
         t = time.time()
-        r = subprocess.run(argv, stdout=logf, stderr=logf, env=bp.clean_env(),
-                           timeout=STEP_TIMEOUT_S, check=False)
+        r = subprocess.run(
+            argv, stdout=logf, stderr=logf, env=bp.clean_env(), timeout=STEP_TIMEOUT_S, check=False
+        )
         if r.returncode != 0:
-            raise RuntimeError(f"{argv[0]} pull exited {r.returncode} (log {logf.name}):\n"
-                               f"{log_tail(Path(logf.name))}")
+            raise RuntimeError(
+                f"{argv[0]} pull exited {r.returncode} (log {logf.name}):\n"
+                f"{log_tail(Path(logf.name))}"
+            )
         return time.time() - t
 
-    def start(self, node: Node, method: str, results: Path, logf: Any, *, first: bool,
-              warmup: bool = False) -> subprocess.Popen:
+    def start(
+        self,
+        node: Node,
+        method: str,
+        results: Path,
+        logf: Any,
+        *,
+        first: bool,
+        warmup: bool = False,
+    ) -> subprocess.Popen:
         """``ctr run`` the job (``warmup``: ``bootseer warmup`` in the job's image); its
         results (events) go to ``results``."""
         results.mkdir(parents=True, exist_ok=True)
         (results / "events.jsonl").touch()
-        train = ["--mode", "bootseer" if method in BOOTSEER else "dcp", "--size", self.size,
-                 "--results", "/results", "--ckpt", f"s3://{ckpt_root(method)}"]
+        train = [
+            "--mode",
+            "bootseer" if method in BOOTSEER else "dcp",
+            "--size",
+            self.size,
+            "--results",
+            "/results",
+            "--ckpt",
+            f"s3://{ckpt_root(method)}",
+        ]
         if first:
             train += ["--save-every", str(self.args.save_every)]
         elif method in DIY:
             train += ["--local-copy", "/ckpt-local"]
         if method == "baseline":
-            cmd = ["python3", "/app/train.py", "launch", "--requirements",
-                   "/job/requirements.txt", "--results", "/results", "--", *train]
+            cmd = [
+                "python3",
+                "/app/train.py",
+                "launch",
+                "--requirements",
+                "/job/requirements.txt",
+                "--results",
+                "/results",
+                "--",
+                *train,
+            ]
             ref, snapshotter = self.gzip_ref, "overlayfs"
         elif method in DIY:
             cmd = ["python3", "/app/train.py", "launch", "--results", "/results", "--", *train]
             ref, snapshotter = self.diy_ref, "overlayfs"
         elif warmup:
-            cmd = ["python3", "-m", "bootseer", "warmup", "--config", "/job/bootseer.toml",
-                   "--node", node.dir.name]
+            cmd = [
+                "python3",
+                "-m",
+                "bootseer",
+                "warmup",
+                "--config",
+                "/job/bootseer.toml",
+                "--node",
+                node.dir.name,
+            ]
             ref, snapshotter = self.lazy_ref, "bootseer"
         else:
             config = "bootseer-baked" if method in BAKED else "bootseer"
-            cmd = ["python3", "-m", "bootseer", "run", "--config", f"/job/{config}.toml",
-                   "--node", node.dir.name, "--", "python3" if method in BAKED else "python",
-                   "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   "/app/train.py", "train", *train]
+            cmd = [
+                "python3",
+                "-m",
+                "bootseer",
+                "run",
+                "--config",
+                f"/job/{config}.toml",
+                "--node",
+                node.dir.name,
+                "--",
+                "python3" if method in BAKED else "python",
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                "/app/train.py",
+                "train",
+                *train,
+            ]
             ref = self.baked_ref if method in BAKED else self.lazy_ref
             snapshotter = "bootseer"
         trace = node.dir / "local" / ("warmup-trace" if warmup else "trace")
         trace.mkdir(parents=True, exist_ok=True)
-        mounts = [(self.job, "/job", "ro"), (results, "/results", "rw"),
-                  (node.dir / "local" / "ckpt-cache", "/var/cache/bootseer/ckpt", "rw"),
-                  (trace, "/var/log/bootseer/trace", "rw"),
-                  (Path("/dev/shm"), "/dev/shm", "rw")]
+        mounts = [
+            (self.job, "/job", "ro"),
+            (results, "/results", "rw"),
+            (node.dir / "local" / "ckpt-cache", "/var/cache/bootseer/ckpt", "rw"),
+            (trace, "/var/log/bootseer/trace", "rw"),
+            (Path("/dev/shm"), "/dev/shm", "rw"),
+        ]
         if method in DIY:  # where the copy tool puts the checkpoint
             mounts.append((node.dir / "local" / "ckpt-copy", "/ckpt-local", "rw"))
-        env = {"BOOTSEER_STORAGE_OPTIONS": json.dumps(self.s3_options),
-               "BOOTSEER_E2E_TAG": self.tag(results.name), "PYTHONUNBUFFERED": "1"}
+        env = {
+            "BOOTSEER_STORAGE_OPTIONS": json.dumps(self.s3_options),
+            "BOOTSEER_E2E_TAG": self.tag(results.name),
+            "PYTHONUNBUFFERED": "1",
+        }
         if method == "bootseer-warm":  # the environment lives on the node, not in the rootfs
             (node.dir / "local" / "env-root").mkdir(exist_ok=True)
             mounts.append((node.dir / "local" / "env-root", ENV_ROOT, "rw"))
             env["BOOTSEER_ENV_PREFIX"] = f"{ENV_ROOT}/env"
-        argv = node.ctr("run", "--rm", "--net-host", "--snapshotter", snapshotter,
-                        *[a for src, dst, mode in mounts for a in (
-                            "--mount", f"type=bind,src={src},dst={dst},options=rbind:{mode}")],
-                        *[a for k, v in env.items() for a in ("--env", f"{k}={v}")],
-                        ref, container_id(node), *cmd)
+        argv = node.ctr(
+            "run",
+            "--rm",
+            "--net-host",
+            "--snapshotter",
+            snapshotter,
+            *[
+                a
+                for src, dst, mode in mounts
+                for a in ("--mount", f"type=bind,src={src},dst={dst},options=rbind:{mode}")
+            ],
+            *[a for k, v in env.items() for a in ("--env", f"{k}={v}")],
+            ref,
+            container_id(node),
+            *cmd,
+        )
         shown = redact_argv(argv)  # credentials are never logged
         logf.write(f"$ {' '.join(shown)}\n".encode())
         logf.flush()
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                env=bp.clean_env())
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=bp.clean_env()
+        )
 
     # -- watching the job ------------------------------------------------------------------------
     @staticmethod
@@ -556,16 +728,24 @@ class Bench:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
-    def wait_for(self, what: str, proc: subprocess.Popen, logp: Path, check: Any,
-                 timeout: float = STEP_TIMEOUT_S) -> Any:
+    def wait_for(
+        self,
+        what: str,
+        proc: subprocess.Popen,
+        logp: Path,
+        check: Any,
+        timeout: float = STEP_TIMEOUT_S,
+    ) -> Any:
         deadline = time.monotonic() + timeout
         while True:
             value = check()
             if value:
                 return value
             if proc.poll() is not None:
-                raise RuntimeError(f"the job ended (exit {proc.returncode}) before {what} "
-                                   f"(log {logp}):\n{log_tail(logp)}")
+                raise RuntimeError(
+                    f"the job ended (exit {proc.returncode}) before {what} "
+                    f"(log {logp}):\n{log_tail(logp)}"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out waiting for {what} (log {logp}):\n{log_tail(logp)}")
             time.sleep(0.2)
@@ -578,8 +758,9 @@ class Bench:
             return dcp_latest(fs, ckpt_root(method))
         from ckpt import CheckpointManager
 
-        mgr = CheckpointManager(f"s3://{ckpt_root(method)}",
-                                storage_options=self.direct_options, cache_dir=False)
+        mgr = CheckpointManager(
+            f"s3://{ckpt_root(method)}", storage_options=self.direct_options, cache_dir=False
+        )
         try:
             return mgr.latest()
         finally:
@@ -590,8 +771,11 @@ class Bench:
         for pid, environ in self.tagged(tag):
             with contextlib.suppress(OSError):
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if (f"RANK={rank}".encode() in environ and b"train.py" in cmdline
-                        and b"torch.distributed.run" not in cmdline):
+                if (
+                    f"RANK={rank}".encode() in environ
+                    and b"train.py" in cmdline
+                    and b"torch.distributed.run" not in cmdline
+                ):
                     return pid
         return None
 
@@ -608,16 +792,29 @@ class Bench:
             t0 = time.time()
             self.pull(node, method, logf)
             proc = self.start(node, method, results, logf, first=True)
-            first = self.wait_for("the first step", proc, logp, lambda: [
-                e for e in self.events(results) if e["event"] == "first_step"])
+            first = self.wait_for(
+                "the first step",
+                proc,
+                logp,
+                lambda: [e for e in self.events(results) if e["event"] == "first_step"],
+            )
             out["cold_start_s"] = first[0]["t"] - t0
-            log(f"  first step {out['cold_start_s']:.1f} s after the pull began (cold start: "
-                "environment built, nothing cached)")
-            step = self.wait_for("a committed checkpoint", proc, logp,
-                                 lambda: self.committed(method))
+            log(
+                f"  first step {out['cold_start_s']:.1f} s after the pull began (cold start: "
+                "environment built, nothing cached)"
+            )
+            step = self.wait_for(
+                "a committed checkpoint", proc, logp, lambda: self.committed(method)
+            )
             last = max(e["step"] for e in self.events(results) if e["event"] == "step")
-            self.wait_for("a step after the commit", proc, logp, lambda: any(
-                e["event"] == "step" and e["step"] > last for e in self.events(results)))
+            self.wait_for(
+                "a step after the commit",
+                proc,
+                logp,
+                lambda: any(
+                    e["event"] == "step" and e["step"] > last for e in self.events(results)
+                ),
+            )
             pid = self.rank_pid(self.tag(results.name), 1)
             if pid is None:
                 raise RuntimeError("rank 1's process was not found")
@@ -628,11 +825,18 @@ class Bench:
             if method in ("bootseer", *BAKED):
                 rc = proc.wait(timeout=STEP_TIMEOUT_S)
                 if rc != 0:
-                    raise RuntimeError(f"bootseer run ended with {rc} after its restart "
-                                       f"(log {logp})")
+                    raise RuntimeError(
+                        f"bootseer run ended with {rc} after its restart (log {logp})"
+                    )
                 if method == "bootseer":
-                    out["inplace"] = self.breakdown("inplace", results, out["kill_t"], None,
-                                                    node.dir / "local" / "trace", attempt=1)
+                    out["inplace"] = self.breakdown(
+                        "inplace",
+                        results,
+                        out["kill_t"],
+                        None,
+                        node.dir / "local" / "trace",
+                        attempt=1,
+                    )
                 self.wait_profile(node)
             else:
                 proc.wait(timeout=STEP_TIMEOUT_S)
@@ -646,16 +850,19 @@ class Bench:
         from local files, as diy-warm's do from its unpacked image), then ``bootseer warmup``
         (environment into the node's directory, the newest checkpoint's shards into the node
         cache) in a container of the image, with the job's configuration."""
-        log(f"{method}: the node filled by `bootseer image pull` + `bootseer warmup` before "
-            "the clock starts")
+        log(
+            f"{method}: the node filled by `bootseer image pull` + `bootseer warmup` before "
+            "the clock starts"
+        )
         t = time.time()
         self.pull(node, method, logf, local=True)
         results = self.work / "results" / f"{method}-warmup"
         proc = self.start(node, method, results, logf, first=False, warmup=True)
         rc = proc.wait(timeout=STEP_TIMEOUT_S)
         if rc != 0:
-            raise RuntimeError(f"bootseer warmup exited {rc} (log {logf.name}):\n"
-                               f"{log_tail(Path(logf.name))}")
+            raise RuntimeError(
+                f"bootseer warmup exited {rc} (log {logf.name}):\n{log_tail(Path(logf.name))}"
+            )
         self.R.setdefault("warmup", {})[method] = {"seconds": time.time() - t}
         log(f"  warmed in {time.time() - t:.1f} s")
 
@@ -684,9 +891,13 @@ class Bench:
             t0 = time.time()
             try:
                 if method in DIY:  # the copy starts with the restart, beside pull and start
-                    copy = e2e_diy.CopyJob(ckpt_root(method), node.dir / "local" / "ckpt-copy",
-                                           self.rclone_env, self.work / f"{method}-rclone.log",
-                                           RCLONE).start()
+                    copy = e2e_diy.CopyJob(
+                        ckpt_root(method),
+                        node.dir / "local" / "ckpt-copy",
+                        self.rclone_env,
+                        self.work / f"{method}-rclone.log",
+                        RCLONE,
+                    ).start()
                 warm = method in ("diy-warm", "bootseer-warm")
                 pull_s = 0.0 if warm else self.pull(node, method, logf)
                 proc = self.start(node, method, results, logf, first=False)
@@ -696,25 +907,41 @@ class Bench:
                     copy.stop()
         if rc != 0:
             raise RuntimeError(f"the restarted job exited {rc} (log {logp}):\n{log_tail(logp)}")
-        out = self.breakdown(method, results, t0, t0 + pull_s, node.dir / "local" / "trace",
-                             attempt=0)
+        out = self.breakdown(
+            method, results, t0, t0 + pull_s, node.dir / "local" / "trace", attempt=0
+        )
         out["loadavg_1m_after"] = os.getloadavg()[0]  # a shared machine's noise, on record
         if copy is not None:
             st = copy.status
             out["detail"]["checkpoint_copy"] = {
-                "tool": "rclone", "argv": st.get("argv"), "ok": st.get("ok"),
-                "step": st.get("step"), "bytes": st.get("bytes"), "seconds": st.get("seconds"),
+                "tool": "rclone",
+                "argv": st.get("argv"),
+                "ok": st.get("ok"),
+                "step": st.get("step"),
+                "bytes": st.get("bytes"),
+                "seconds": st.get("seconds"),
                 "started_after_restart_s": st["started"] - t0,
-                "ended_after_restart_s": st["ended"] - t0}
+                "ended_after_restart_s": st["ended"] - t0,
+            }
         if method in BOOTSEER:
-            out["prefetch_log"] = [ln.split("INFO ", 1)[-1] for ln in
-                                   node.snapshotter_log().splitlines() if "prefetching" in ln]
+            out["prefetch_log"] = [
+                ln.split("INFO ", 1)[-1]
+                for ln in node.snapshotter_log().splitlines()
+                if "prefetching" in ln
+            ]
         self.retire(node)
         return out
 
     # -- the breakdown ---------------------------------------------------------------------------
-    def breakdown(self, method: str, results: Path, t0: float, pulled: float | None,
-                  trace_dir: Path, attempt: int) -> dict[str, Any]:
+    def breakdown(
+        self,
+        method: str,
+        results: Path,
+        t0: float,
+        pulled: float | None,
+        trace_dir: Path,
+        attempt: int,
+    ) -> dict[str, Any]:
         ev = [e for e in self.events(results) if e["attempt"] == attempt]
         spans: list[Any] = []
         if method in (*BOOTSEER, "inplace"):
@@ -727,27 +954,40 @@ class Bench:
             raise RuntimeError(f"{exc} in {results}") from None
         verify = max(e["seconds"] for e in ev if e["event"] == "verified")
         loaded = {e["rank"]: e for e in ev if e["event"] == "verified"}
-        return {"total": first - t0, "phases": phases, "detail": detail,
-                "loaded_step": loaded[0]["step"],
-                "loaded_digests": {str(r): e["digest"] for r, e in loaded.items()},
-                "load_bytes": sum(e.get("bytes", 0) for e in ev if e["event"] == "load_end"),
-                "load_cached_bytes": sum(e.get("cached_bytes", 0) for e in ev
-                                         if e["event"] == "load_end"),
-                "load_wait_s": max([e.get("cache_wait_s", 0.0) for e in ev
-                                    if e["event"] == "load_end"] or [0.0]),
-                "verify_s": verify}
+        return {
+            "total": first - t0,
+            "phases": phases,
+            "detail": detail,
+            "loaded_step": loaded[0]["step"],
+            "loaded_digests": {str(r): e["digest"] for r, e in loaded.items()},
+            "load_bytes": sum(e.get("bytes", 0) for e in ev if e["event"] == "load_end"),
+            "load_cached_bytes": sum(
+                e.get("cached_bytes", 0) for e in ev if e["event"] == "load_end"
+            ),
+            "load_wait_s": max(
+                [e.get("cache_wait_s", 0.0) for e in ev if e["event"] == "load_end"] or [0.0]
+            ),
+            "verify_s": verify,
+        }
 
     def check_identical(self, method: str, first: Path, out: dict[str, Any]) -> None:
         """The resumed state equals the saved one, byte for byte, on every rank."""
-        saved = {(e["step"], str(e["rank"])): e["digest"] for e in self.events(first)
-                 if e["event"] == "saved"}
+        saved = {
+            (e["step"], str(e["rank"])): e["digest"]
+            for e in self.events(first)
+            if e["event"] == "saved"
+        }
         step = out["loaded_step"]
-        ok = all(saved.get((step, r)) == d for r, d in out["loaded_digests"].items()) \
+        ok = (
+            all(saved.get((step, r)) == d for r, d in out["loaded_digests"].items())
             and len(out["loaded_digests"]) == 2
+        )
         out["bit_identical"] = ok
         if not ok:
-            self.errors.append(f"{method}: the state loaded at step {step} differs from the one "
-                               "saved (sha256 per rank)")
+            self.errors.append(
+                f"{method}: the state loaded at step {step} differs from the one "
+                "saved (sha256 per rank)"
+            )
 
     def run(self) -> None:
         self.setup()
@@ -768,14 +1008,17 @@ class Bench:
             first = self.first_start(family(method))
             self.R["runs"][key] = first
             if "inplace" in first:
-                self.check_identical("inplace", self.work / "results/bootseer-first",
-                                     first["inplace"])
+                self.check_identical(
+                    "inplace", self.work / "results/bootseer-first", first["inplace"]
+                )
                 self.R["runs"]["inplace"] = first["inplace"]
         out = self.restart(method)
         self.check_identical(method, self.work / "results" / key, out)
         self.R["runs"][method] = out
-        log(f"  {method}: {out['total']:.1f} s to the first step; " + ", ".join(
-            f"{k} {v:.1f}" for k, v in out["phases"].items() if v > 0.05))
+        log(
+            f"  {method}: {out['total']:.1f} s to the first step; "
+            + ", ".join(f"{k} {v:.1f}" for k, v in out["phases"].items() if v > 0.05)
+        )
 
     # -- the report ------------------------------------------------------------------------------
     def rows(self) -> list[list[str]]:
@@ -785,9 +1028,14 @@ class Bench:
             r = runs.get(m)
             if not r:
                 continue
-            rows.append([LABELS[m], f"{r['total']:.1f} s",
-                         *[f"{r['phases'][k]:.1f}" for k, _, _ in PHASES],
-                         "yes" if r.get("bit_identical") else "NO"])
+            rows.append(
+                [
+                    LABELS[m],
+                    f"{r['total']:.1f} s",
+                    *[f"{r['phases'][k]:.1f}" for k, _, _ in PHASES],
+                    "yes" if r.get("bit_identical") else "NO",
+                ]
+            )
         return rows
 
     def verdict(self) -> tuple[float | None, str]:
@@ -818,15 +1066,24 @@ class Bench:
         ax.invert_yaxis()
         ax.set_xlabel("seconds from the restart to the first training step")
         ax.set_title(f"bootseer end-to-end restart ({self.size} scenario)")
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(names) < 3 else -0.25),
-                  ncol=4, fontsize=8, frameon=False)
+        ax.legend(
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.35 if len(names) < 3 else -0.25),
+            ncol=4,
+            fontsize=8,
+            frameon=False,
+        )
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
 
     def report(self) -> None:
-        head = ["restart (fresh node unless noted)", "to first step",
-                *[label for _, label, _ in PHASES], "state bit-identical"]
+        head = [
+            "restart (fresh node unless noted)",
+            "to first step",
+            *[label for _, label, _ in PHASES],
+            "state bit-identical",
+        ]
         table = md_table(head, self.rows())
         reduction, verdict = self.verdict()
         self.R["reduction"] = reduction
@@ -835,48 +1092,69 @@ class Bench:
         self.R["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
         img = self.R.get("image", {})
         runs = self.R["runs"]
-        lines = [f"# end-to-end restart benchmark ({self.size} scenario)", "",
-                 f"- command: `{self.R['command']}`",
-                 f"- machine: {self.R['machine']['cpus']} CPUs, "
-                 f"{self.R['machine']['ram_bytes'] / 2**30:.1f} GiB RAM, "
-                 f"{self.R['machine']['containerd']}",
-                 "- image: " + ", ".join(f"{la['name']} {la['size'] / 1e6:.0f} MB gzip"
-                                         for la in img.get("layers", []))
-                 + "".join(f"; diy image: + {la['name']} {la['size'] / 1e6:.0f} MB gzip"
-                           for la in img.get("diy_layers", [])[len(img.get("layers", [])):]),
-                 f"- job: FSDP2 over gloo, 2 ranks, state {self.state_text()}, saved "
-                 f"asynchronously every {self.args.save_every} steps; rank 1 killed with SIGKILL "
-                 "after a commit",
-                 "- links: " + "; ".join(f"{k} {v[0]:g} ms, {v[1]:g} MB/s per connection, "
-                                         f"{v[2]:g} MB/s in all" for k, v in LINKS.items()),
-                 f"- {'page cache dropped before each restart' if self.cold else 'WARM'}", "",
-                 *table, ""]
+        lines = [
+            f"# end-to-end restart benchmark ({self.size} scenario)",
+            "",
+            f"- command: `{self.R['command']}`",
+            f"- machine: {self.R['machine']['cpus']} CPUs, "
+            f"{self.R['machine']['ram_bytes'] / 2**30:.1f} GiB RAM, "
+            f"{self.R['machine']['containerd']}",
+            "- image: "
+            + ", ".join(
+                f"{la['name']} {la['size'] / 1e6:.0f} MB gzip" for la in img.get("layers", [])
+            )
+            + "".join(
+                f"; diy image: + {la['name']} {la['size'] / 1e6:.0f} MB gzip"
+                for la in img.get("diy_layers", [])[len(img.get("layers", [])) :]
+            ),
+            f"- job: FSDP2 over gloo, 2 ranks, state {self.state_text()}, saved "
+            f"asynchronously every {self.args.save_every} steps; rank 1 killed with SIGKILL "
+            "after a commit",
+            "- links: "
+            + "; ".join(
+                f"{k} {v[0]:g} ms, {v[1]:g} MB/s per connection, {v[2]:g} MB/s in all"
+                for k, v in LINKS.items()
+            ),
+            f"- {'page cache dropped before each restart' if self.cold else 'WARM'}",
+            "",
+            *table,
+            "",
+        ]
         if reduction is not None:
-            lines.append(f"bootseer: {runs['bootseer']['total']:.1f} s vs baseline "
-                         f"{runs['baseline']['total']:.1f} s: {reduction:.0%} less startup "
-                         f"(target >= {TARGET_REDUCTION:.0%}): **{verdict}**")
+            lines.append(
+                f"bootseer: {runs['bootseer']['total']:.1f} s vs baseline "
+                f"{runs['baseline']['total']:.1f} s: {reduction:.0%} less startup "
+                f"(target >= {TARGET_REDUCTION:.0%}): **{verdict}**"
+            )
         self.R["vs"] = vs = compare(runs)
         for key, v in vs.items():
             ours, m = key.split(" vs ") if " vs " in key else ("bootseer", key)
-            lines.append(f"- {ours} vs {m}: {runs[ours]['total']:.1f} s vs "
-                         f"{runs[m]['total']:.1f} s, {v['speedup']:.2f}x ({v['less']:.0%} less)")
+            lines.append(
+                f"- {ours} vs {m}: {runs[ours]['total']:.1f} s vs "
+                f"{runs[m]['total']:.1f} s, {v['speedup']:.2f}x ({v['less']:.0%} less)"
+            )
         if "inplace" in runs:
             floor = all_local_floor(runs["inplace"])
             runs["inplace"]["all_local_floor_s"] = floor
-            lines.append(f"- in place: {runs['inplace']['total']:.1f} s against its all-local "
-                         f"floor {floor:.1f} s ({runs['inplace']['total'] / floor:.2f}x; "
-                         "target <= 1.2x)" + (
-                             f"; diy-warm {runs['diy-warm']['total']:.1f} s"
-                             if "diy-warm" in runs else ""))
+            lines.append(
+                f"- in place: {runs['inplace']['total']:.1f} s against its all-local "
+                f"floor {floor:.1f} s ({runs['inplace']['total'] / floor:.2f}x; "
+                "target <= 1.2x)"
+                + (f"; diy-warm {runs['diy-warm']['total']:.1f} s" if "diy-warm" in runs else "")
+            )
         for m in ("baseline", "diy", "diy-warm", "bootseer", "bootseer-warm", "bootseer-baked"):
             if m in runs:
-                lines.append(f"- {m}: {json.dumps(runs[m]['detail'])}; resumed at step "
-                             f"{runs[m]['loaded_step']}; load average "
-                             f"{runs[m].get('loadavg_1m_after', float('nan')):.1f} after it")
+                lines.append(
+                    f"- {m}: {json.dumps(runs[m]['detail'])}; resumed at step "
+                    f"{runs[m]['loaded_step']}; load average "
+                    f"{runs[m].get('loadavg_1m_after', float('nan')):.1f} after it"
+                )
         for key in ("bootseer-first", "baseline-first", "diy-first", "bootseer-baked-first"):
             if key in runs:
-                lines.append(f"- info: {key.rsplit('-first', 1)[0]} cold first start to the "
-                             f"first step: {runs[key]['cold_start_s']:.1f} s")
+                lines.append(
+                    f"- info: {key.rsplit('-first', 1)[0]} cold first start to the "
+                    f"first step: {runs[key]['cold_start_s']:.1f} s"
+                )
         lines += [f"- WARNING: {w}" for w in self.R["warnings"]]
         lines += [f"- ERROR: {e}" for e in self.errors]
         self.results_dir.mkdir(parents=True, exist_ok=True)
@@ -900,7 +1178,8 @@ class Bench:
     def write_files(self) -> None:
         self.results_dir.mkdir(parents=True, exist_ok=True)
         (self.results_dir / f"{SUITE}.json").write_text(
-            json.dumps(self.R, indent=2, default=str) + "\n")
+            json.dumps(self.R, indent=2, default=str) + "\n"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -913,37 +1192,61 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default="bench-results")
     parser.add_argument("--quick", action="store_true", help="the small job (0.25 GB of state)")
     parser.add_argument("--save-every", type=int, default=3)
-    parser.add_argument("--base", choices=("auto", "debootstrap", "host"), default=None,
-                        help="image base (default: host for --quick, else auto)")
+    parser.add_argument(
+        "--base",
+        choices=("auto", "debootstrap", "host"),
+        default=None,
+        help="image base (default: host for --quick, else auto)",
+    )
     parser.add_argument("--cache", default=None, help="default ~/.cache/bootseer-bench")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"comma-separated, of {', '.join(METHODS)} (default all; with "
-                             "--nodes: bench_e2e_nodes.METHODS, in-place ones included)")
-    parser.add_argument("--nodes", type=int, default=None,
-                        help="the scenario on N nodes of a cluster (bench_e2e_nodes.py)")
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated, of {', '.join(METHODS)} (default all; with "
+        "--nodes: bench_e2e_nodes.METHODS, in-place ones included)",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="the scenario on N nodes of a cluster (bench_e2e_nodes.py)",
+    )
     parser.add_argument("--lose", type=int, default=None, help="with --nodes: the node lost")
-    parser.add_argument("--sweep", default=None,
-                        help="the --nodes scenario for each N of a list, e.g. 2,4,8 "
-                             "(bench_e2e_sweep.py: e2e-sweep.json, the scale model's input)")
-    parser.add_argument("--ranks-per-node", type=int, default=None,
-                        help="with --nodes or --sweep: ranks per node (default 2; sweep 1)")
-    parser.add_argument("--cache-tier", action="store_true",
-                        help="with --nodes or --sweep: the nodes read through the cluster's "
-                             "cache tier, the origin as the fallback")
+    parser.add_argument(
+        "--sweep",
+        default=None,
+        help="the --nodes scenario for each N of a list, e.g. 2,4,8 "
+        "(bench_e2e_sweep.py: e2e-sweep.json, the scale model's input)",
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="with --nodes or --sweep: ranks per node (default 2; sweep 1)",
+    )
+    parser.add_argument(
+        "--cache-tier",
+        action="store_true",
+        help="with --nodes or --sweep: the nodes read through the cluster's "
+        "cache tier, the origin as the fallback",
+    )
     args = parser.parse_args(argv)
     if args.nodes is not None:
         import bench_e2e_nodes
 
         return bench_e2e_nodes.main(argv)
-    for given, flag in ((args.ranks_per_node is not None, "--ranks-per-node"),
-                        (args.cache_tier, "--cache-tier")):
+    for given, flag in (
+        (args.ranks_per_node is not None, "--ranks-per-node"),
+        (args.cache_tier, "--cache-tier"),
+    ):
         if given:
             parser.error(f"{flag}: only with --nodes or --sweep")
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
-        parser.error(f"--methods: unknown {', '.join(sorted(unknown))} "
-                     f"(choose from {', '.join(METHODS)})")
+        parser.error(
+            f"--methods: unknown {', '.join(sorted(unknown))} (choose from {', '.join(METHODS)})"
+        )
     bench = Bench(args)
     return run_bench(bench, done_key="verdict")
 

@@ -87,10 +87,16 @@ SERVICE_LINK = "1280mbit"  # the services host's link, shared by every node: 160
 STEP_TIMEOUT_S = 1500.0
 # --methods, in the order they run (the slowest last, so a run cut short keeps the others);
 # the in-place rows of the two baselines last of all
-METHODS = ("diy", "diy-warm", "bootseer", "inplace", "baseline", "diy-inplace",
-           "baseline-inplace")
-ORDER = ("baseline", "diy", "diy-warm", "bootseer", "baseline-inplace", "diy-inplace",
-         "inplace")  # the report's rows
+METHODS = ("diy", "diy-warm", "bootseer", "inplace", "baseline", "diy-inplace", "baseline-inplace")
+ORDER = (
+    "baseline",
+    "diy",
+    "diy-warm",
+    "bootseer",
+    "baseline-inplace",
+    "diy-inplace",
+    "inplace",
+)  # the report's rows
 LABELS = {
     "baseline": "baseline: full pull + `pip install` + DCP over s3fs",
     "diy": "diy: deps baked in the image, full pull + rclone copy + DCP from disk",
@@ -143,7 +149,8 @@ class ResultFiles:
     def write_files(self) -> None:
         self.results_dir.mkdir(parents=True, exist_ok=True)
         (self.results_dir / f"{self.suite}.json").write_text(
-            json.dumps(self.R, indent=2, default=str) + "\n")
+            json.dumps(self.R, indent=2, default=str) + "\n"
+        )
 
 
 class NodesBench(ResultFiles):
@@ -158,36 +165,58 @@ class NodesBench(ResultFiles):
         self.model = MODEL[self.size]
         self.nodes = int(args.nodes)
         if not 2 <= self.nodes <= 8:
-            raise ValueError(f"--nodes {self.nodes}: the scenario needs 2 to 8 nodes (a node "
-                             "is lost and the others wait for its replacement)")
+            raise ValueError(
+                f"--nodes {self.nodes}: the scenario needs 2 to 8 nodes (a node "
+                "is lost and the others wait for its replacement)"
+            )
         per_node = getattr(args, "ranks_per_node", None)
         self.ranks_per_node = 2 if per_node is None else int(per_node)
         if not 1 <= self.ranks_per_node <= MAX_RANKS_PER_NODE:
-            raise ValueError(f"--ranks-per-node {self.ranks_per_node}: give 1 to "
-                             f"{MAX_RANKS_PER_NODE} (every rank of every node shares this "
-                             "machine's cores)")
+            raise ValueError(
+                f"--ranks-per-node {self.ranks_per_node}: give 1 to "
+                f"{MAX_RANKS_PER_NODE} (every rank of every node shares this "
+                "machine's cores)"
+            )
         self.lose = self.nodes - 1 if args.lose is None else int(args.lose)
         if not 0 <= self.lose < self.nodes:
             raise ValueError(f"--lose {self.lose}: choose a node from 0 to {self.nodes - 1}")
-        self.cache = Path(args.cache or os.environ.get("BOOTSEER_BENCH_CACHE")
-                          or Path.home() / ".cache" / "bootseer-bench").expanduser().resolve()
+        self.cache = (
+            Path(
+                args.cache
+                or os.environ.get("BOOTSEER_BENCH_CACHE")
+                or Path.home() / ".cache" / "bootseer-bench"
+            )
+            .expanduser()
+            .resolve()
+        )
         self.work = self.cache / f"e2e-nodes-run-{uuid.uuid4().hex[:8]}"  # private to this run
         self.results_dir = Path(args.results).resolve()
         self.methods = [m for m in METHODS if m in args.methods.split(",")]
         self.stack = contextlib.ExitStack()
         self.errors: list[str] = []
         self.R: dict[str, Any] = {
-            "suite": SUITE, "quick": self.quick, "nodes": self.nodes,
+            "suite": SUITE,
+            "quick": self.quick,
+            "nodes": self.nodes,
             "ranks_per_node": self.ranks_per_node,
-            "lost_node": f"node{self.lose}", "model": self.model,
+            "lost_node": f"node{self.lose}",
+            "model": self.model,
             "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "command": command_line("bench_e2e.py"),
-            "machine": {"cpus": os.cpu_count(), "ram_bytes": mem_total(),
-                        "platform": platform.platform(), "python": platform.python_version(),
-                        "containerd": bp.version_of(["containerd", "--version"])},
-            "links": {"node": {"rate": NODE_LINK[0], "delay_ms": NODE_LINK[1]},
-                      "services": {"rate": SERVICE_LINK}},
-            "runs": {}, "warnings": [], "errors": self.errors,
+            "machine": {
+                "cpus": os.cpu_count(),
+                "ram_bytes": mem_total(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "containerd": bp.version_of(["containerd", "--version"]),
+            },
+            "links": {
+                "node": {"rate": NODE_LINK[0], "delay_ms": NODE_LINK[1]},
+                "services": {"rate": SERVICE_LINK},
+            },
+            "runs": {},
+            "warnings": [],
+            "errors": self.errors,
         }
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -197,13 +226,16 @@ class NodesBench(ResultFiles):
         self.work.mkdir(parents=True)
         self.stack.callback(self.cleanup)
         self.R["image"] = e2e_image.training_layers(
-            self.cache, self.work, self.args.base or ("host" if self.quick else "auto"))
+            self.cache, self.work, self.args.base or ("host" if self.quick else "auto")
+        )
         self.layers = self.R["image"]["layers"]
         self.wheels = download_wheels(self.cache / "wheels-e2e", [TORCH])
         self.diy_layers = None
         if any(family(m) == "diy" for m in self.methods):  # torch baked in: a third layer
-            self.diy_layers = [*self.layers, bench_e2e.deps_layer(
-                self.work, self.cache / "image", self.wheels[0].parent)]
+            self.diy_layers = [
+                *self.layers,
+                bench_e2e.deps_layer(self.work, self.cache / "image", self.wheels[0].parent),
+            ]
             self.R["image"]["diy_layers"] = self.diy_layers
 
     def cleanup(self) -> None:
@@ -235,7 +267,8 @@ class NodesBench(ResultFiles):
         (root / origin).mkdir(parents=True, exist_ok=True)
         (root / origin / "hosts.toml").write_text(
             f'server = "http://{origin}"\n\n[host."http://{mirror}"]\n'
-            '  capabilities = ["pull", "resolve"]\n')
+            '  capabilities = ["pull", "resolve"]\n'
+        )
         return root
 
     def run_method(self, method: str) -> dict[str, Any]:
@@ -246,11 +279,17 @@ class NodesBench(ResultFiles):
         args: tuple[str, ...] = ("--record-timeout", "1200")
         if tier:
             args += ("--registry-config-path", str(self.hosts_dir()))
-        cluster = Cluster(self.nodes, link=Link(rate=NODE_LINK[0], delay_ms=NODE_LINK[1]),
-                          service_link=Link(rate=SERVICE_LINK), containerd=True,
-                          snapshotter=bootseer, snapshotter_args=args,
-                          disk_size="6g" if not bootseer else "3g", workdir=self.work,
-                          cache=tier)
+        cluster = Cluster(
+            self.nodes,
+            link=Link(rate=NODE_LINK[0], delay_ms=NODE_LINK[1]),
+            service_link=Link(rate=SERVICE_LINK),
+            containerd=True,
+            snapshotter=bootseer,
+            snapshotter_args=args,
+            disk_size="6g" if not bootseer else "3g",
+            workdir=self.work,
+            cache=tier,
+        )
         log(f"{method}: starting {self.nodes} nodes")
         with cluster as c:
             run = MethodRun(self, c, method)
@@ -263,64 +302,102 @@ class NodesBench(ResultFiles):
 def render(R: dict[str, Any]) -> list[str]:  # noqa: N803 - the results, as in e2e-nodes.json
     """The markdown report of a run's results (``--render FILE`` redoes it from the JSON)."""
     runs, size = R["runs"], "quick" if R["quick"] else "full"
-    lines = [f"# end-to-end restart on {R['nodes']} nodes ({size} scenario)", "",
-             f"- command: `{R['command']}`",
-             f"- machine: {R['machine']['cpus']} CPUs, "
-             f"{R['machine']['ram_bytes'] / 2**30:.1f} GiB RAM, "
-             f"{R['machine']['containerd']}; every node, its containerd and its ranks "
-             "share these CPUs",
-             f"- job: FSDP2 over gloo, {R['nodes']} nodes x "
-             f"{R.get('ranks_per_node', 2)} ranks, model "
-             f"`{R['model']}` ({state_text(R['model'])}); {R['lost_node']} lost "
-             "(SIGKILL to all its processes) after a commit, replaced by a fresh node; "
-             "in place: its job processes killed, the same node restarts them",
-             f"- links: each node {NODE_LINK[0]} ({NODE_LINK[1]:g} ms to the services), "
-             f"the services host {SERVICE_LINK} shared", ""]
-    head = ["method", "p50 (ranks)", "p90", "max (job back)", "critical path ends on",
-            "its split", "paced by (waited for)", "its phases before the rendezvous",
-            "registry MB", "S3 MB", "index MB", "bit-identical", "load avg (1 min)"]
+    lines = [
+        f"# end-to-end restart on {R['nodes']} nodes ({size} scenario)",
+        "",
+        f"- command: `{R['command']}`",
+        f"- machine: {R['machine']['cpus']} CPUs, "
+        f"{R['machine']['ram_bytes'] / 2**30:.1f} GiB RAM, "
+        f"{R['machine']['containerd']}; every node, its containerd and its ranks "
+        "share these CPUs",
+        f"- job: FSDP2 over gloo, {R['nodes']} nodes x "
+        f"{R.get('ranks_per_node', 2)} ranks, model "
+        f"`{R['model']}` ({state_text(R['model'])}); {R['lost_node']} lost "
+        "(SIGKILL to all its processes) after a commit, replaced by a fresh node; "
+        "in place: its job processes killed, the same node restarts them",
+        f"- links: each node {NODE_LINK[0]} ({NODE_LINK[1]:g} ms to the services), "
+        f"the services host {SERVICE_LINK} shared",
+        "",
+    ]
+    head = [
+        "method",
+        "p50 (ranks)",
+        "p90",
+        "max (job back)",
+        "critical path ends on",
+        "its split",
+        "paced by (waited for)",
+        "its phases before the rendezvous",
+        "registry MB",
+        "S3 MB",
+        "index MB",
+        "bit-identical",
+        "load avg (1 min)",
+    ]
     rows = []
     for m in [m for m in ORDER if m in runs]:
         r, s = runs[m], runs[m]["summary"]
         load = r.get("loadavg_1m", {})
-        rows.append([LABELS[m], f"{s['p50_s']:.1f} s", f"{s['p90_s']:.1f} s",
-                     f"{s['max_s']:.1f} s", s["straggler"], s["why"], s["paced_by"],
-                     s["paced_why"], *[f"{r['bytes_total'].get(k, 0) / 1e6:.1f}"
-                                       for k in ("registry", "s3", "index")],
-                     "yes" if r["bit_identical"] else "NO",
-                     f"{load.get('before', float('nan')):.1f} / "
-                     f"{load.get('after', float('nan')):.1f}"])
+        rows.append(
+            [
+                LABELS[m],
+                f"{s['p50_s']:.1f} s",
+                f"{s['p90_s']:.1f} s",
+                f"{s['max_s']:.1f} s",
+                s["straggler"],
+                s["why"],
+                s["paced_by"],
+                s["paced_why"],
+                *[f"{r['bytes_total'].get(k, 0) / 1e6:.1f}" for k in ("registry", "s3", "index")],
+                "yes" if r["bit_identical"] else "NO",
+                f"{load.get('before', float('nan')):.1f} / {load.get('after', float('nan')):.1f}",
+            ]
+        )
     lines += md_table(head, rows) + [""]
     if "bootseer" in runs and "baseline" in runs:
         b, o = runs["baseline"]["summary"]["max_s"], runs["bootseer"]["summary"]["max_s"]
         R["reduction"] = 1 - o / b
-    R["vs"] = vs = bench_e2e.compare(
-        {m: {"total": r["summary"]["max_s"]} for m, r in runs.items()})
-    lines += [f"- bootseer vs {m}: job back {runs['bootseer']['summary']['max_s']:.1f} s vs "
-              f"{runs[m]['summary']['max_s']:.1f} s after the loss, {v['speedup']:.2f}x "
-              + (f"({v['less']:.0%} less)" if v["less"] >= 0
-                 else f"(bootseer {-v['less']:.0%} slower)") for m, v in vs.items()]
+    R["vs"] = vs = bench_e2e.compare({m: {"total": r["summary"]["max_s"]} for m, r in runs.items()})
+    lines += [
+        f"- bootseer vs {m}: job back {runs['bootseer']['summary']['max_s']:.1f} s vs "
+        f"{runs[m]['summary']['max_s']:.1f} s after the loss, {v['speedup']:.2f}x "
+        + (f"({v['less']:.0%} less)" if v["less"] >= 0 else f"(bootseer {-v['less']:.0%} slower)")
+        for m, v in vs.items()
+    ]
     if "inplace" in runs:
-        lines += [f"- in place (the node kept): bootseer {runs['inplace']['summary']['max_s']:.1f} s"
-                  + "".join(f", {m.split('-')[0]} {runs[m]['summary']['max_s']:.1f} s"
-                            for m in ("baseline-inplace", "diy-inplace") if m in runs)]
-    lines += [f"- {m}: rclone copied step {r['checkpoint_copy']['step']}, "
-              f"{(r['checkpoint_copy']['bytes'] or 0) / 1e6:.1f} MB in "
-              f"{r['checkpoint_copy']['seconds']:.1f} s, from "
-              f"{r['checkpoint_copy']['started_after_loss_s']:.1f} s to "
-              f"{r['checkpoint_copy']['ended_after_loss_s']:.1f} s after the loss"
-              for m, r in runs.items() if r.get("checkpoint_copy")]
+        lines += [
+            f"- in place (the node kept): bootseer {runs['inplace']['summary']['max_s']:.1f} s"
+            + "".join(
+                f", {m.split('-')[0]} {runs[m]['summary']['max_s']:.1f} s"
+                for m in ("baseline-inplace", "diy-inplace")
+                if m in runs
+            )
+        ]
+    lines += [
+        f"- {m}: rclone copied step {r['checkpoint_copy']['step']}, "
+        f"{(r['checkpoint_copy']['bytes'] or 0) / 1e6:.1f} MB in "
+        f"{r['checkpoint_copy']['seconds']:.1f} s, from "
+        f"{r['checkpoint_copy']['started_after_loss_s']:.1f} s to "
+        f"{r['checkpoint_copy']['ended_after_loss_s']:.1f} s after the loss"
+        for m, r in runs.items()
+        if r.get("checkpoint_copy")
+    ]
     lines.append("")
     for m, r in runs.items():
         lines += [f"## {m}: per node (seconds from the loss; the node's slowest rank)", ""]
-        phases = sorted({p for n in r["per_node"].values() for p in n["phases"]},
-                        key=phase_order)
-        lines += md_table(["node", "back at", *phases, "registry MB", "S3 MB", "index MB"],
-                          [[n, f"{v['first_step_s']:.1f}",
-                            *[f"{v['phases'].get(p, 0.0):.1f}" for p in phases],
-                            *[f"{v['bytes'].get(k, 0) / 1e6:.1f}"
-                              for k in ("registry", "s3", "index")]]
-                           for n, v in r["per_node"].items()])
+        phases = sorted({p for n in r["per_node"].values() for p in n["phases"]}, key=phase_order)
+        lines += md_table(
+            ["node", "back at", *phases, "registry MB", "S3 MB", "index MB"],
+            [
+                [
+                    n,
+                    f"{v['first_step_s']:.1f}",
+                    *[f"{v['phases'].get(p, 0.0):.1f}" for p in phases],
+                    *[f"{v['bytes'].get(k, 0) / 1e6:.1f}" for k in ("registry", "s3", "index")],
+                ]
+                for n, v in r["per_node"].items()
+            ],
+        )
         lines += ["", f"- bootseer report: {r['report_dir']}", ""]
     lines += [f"- WARNING: {w}" for w in R["warnings"]]
     lines += [f"- ERROR: {e}" for e in R["errors"]]
@@ -372,9 +449,11 @@ class MethodRun:
     def helper(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
         """A helper run on the services host (its loopback reaches the registry and S3
         directly, uncounted: set-up and checks are not a node's traffic)."""
-        out = self.c.services.run([sys.executable, str(Path(__file__).resolve()), "--helper",
-                                   name, json.dumps(params)], timeout=3600,
-                                  env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+        out = self.c.services.run(
+            [sys.executable, str(Path(__file__).resolve()), "--helper", name, json.dumps(params)],
+            timeout=3600,
+            env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def prepare(self) -> None:
@@ -384,42 +463,81 @@ class MethodRun:
         host = c.services.registry_host
         layers = self.b.diy_layers if self.diy else self.b.layers
         tag = "diy" if self.diy else "gzip"
-        self.helper("push", {"registry": host, "repo": self.repo, "tag": tag,
-                             "layers": layers, "config": e2e_image.image_config(layers)})
+        self.helper(
+            "push",
+            {
+                "registry": host,
+                "repo": self.repo,
+                "tag": tag,
+                "layers": layers,
+                "config": e2e_image.image_config(layers),
+            },
+        )
         self.ref = f"{host}/{self.repo}:{tag}"
         if self.bootseer:
-            self.b.R.setdefault("conversion", self.helper("convert", {
-                "src": self.ref, "dst": f"{host}/{self.repo}:lazy",
-                "workdir": str(self.work)}))
+            self.b.R.setdefault(
+                "conversion",
+                self.helper(
+                    "convert",
+                    {"src": self.ref, "dst": f"{host}/{self.repo}:lazy", "workdir": str(self.work)},
+                ),
+            )
             self.ref = f"{host}/{self.repo}:lazy"
         c.services.index_dir.mkdir(parents=True, exist_ok=True)  # torch for pip and uv
         for wheel in self.b.wheels:
             shutil.copy2(wheel, c.services.index_dir / wheel.name)
-        (self.job / "requirements.txt").write_text(f"--index-url {c.services.index_url}\n"
-                                                   f"{TORCH}\n")
+        (self.job / "requirements.txt").write_text(f"--index-url {c.services.index_url}\n{TORCH}\n")
         restarts = 1 if self.in_place else 0  # in place: bootseer run restarts torchrun
         for i in range(self.b.nodes):
             (self.job / f"bootseer-node{i}.toml").write_text(
                 '[run]\ntrace_dir = "/var/log/bootseer/trace"\n\n'
-                f'[restart]\nmax_restarts = {restarts}\nbackoff_s = 1.0\n\n'
+                f"[restart]\nmax_restarts = {restarts}\nbackoff_s = 1.0\n\n"
                 '[env]\nspec = ["/job/requirements.txt"]\nprefix = "/opt/env"\n'
                 'store = "s3://envs/e2e"\n\n'
                 '[ckpt]\nurl = "s3://ckpt/bootseer"\ncache_dir = "/var/cache/bootseer/ckpt"\n'
-                f'ranks = "{rank_list(i, self.b.ranks_per_node)}"\n')
+                f'ranks = "{rank_list(i, self.b.ranks_per_node)}"\n'
+            )
 
     # -- nodes ---------------------------------------------------------------------------------------
     def pull(self, node: Any) -> tuple[float, float]:
         t = time.time()
         if self.bootseer:
-            node.run([sys.executable, "-m", "bootseer", "image", "pull", self.ref, "--address",
-                      node.containerd.address, "--namespace", node.containerd.namespace],
-                     timeout=STEP_TIMEOUT_S)
+            node.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "bootseer",
+                    "image",
+                    "pull",
+                    self.ref,
+                    "--address",
+                    node.containerd.address,
+                    "--namespace",
+                    node.containerd.namespace,
+                ],
+                timeout=STEP_TIMEOUT_S,
+            )
         else:
-            tier = (["--hosts-dir", str(self.b.hosts_dir())]
-                    if getattr(self.b.args, "cache_tier", False) else [])
-            node.run(["ctr", "--address", node.containerd.address, "--namespace",
-                      node.containerd.namespace, "images", "pull", "--plain-http", *tier,
-                      self.ref], timeout=STEP_TIMEOUT_S)
+            tier = (
+                ["--hosts-dir", str(self.b.hosts_dir())]
+                if getattr(self.b.args, "cache_tier", False)
+                else []
+            )
+            node.run(
+                [
+                    "ctr",
+                    "--address",
+                    node.containerd.address,
+                    "--namespace",
+                    node.containerd.namespace,
+                    "images",
+                    "pull",
+                    "--plain-http",
+                    *tier,
+                    self.ref,
+                ],
+                timeout=STEP_TIMEOUT_S,
+            )
         return t, time.time()
 
     def copy_dir(self, node: Any) -> Path:
@@ -432,9 +550,13 @@ class MethodRun:
         """diy: ``rclone copy`` of the newest DCP checkpoint, run on ``node`` (through its
         link, its bytes counted), beside the pull and the container start."""
         self.copy = e2e_diy.CopyJob(
-            "ckpt/diy", self.copy_dir(node), e2e_diy.rclone_env(
-                self.c.services.storage_options()), self.work / f"{node.name}-rclone.log",
-            RCLONE, wrap=node.argv).start()
+            "ckpt/diy",
+            self.copy_dir(node),
+            e2e_diy.rclone_env(self.c.services.storage_options()),
+            self.work / f"{node.name}-rclone.log",
+            RCLONE,
+            wrap=node.argv,
+        ).start()
 
     def start(self, node: Any, first: bool, key: str | None = None) -> str:
         """``ctr run`` the job's container on ``node`` (in the background); its key."""
@@ -443,47 +565,102 @@ class MethodRun:
         trace.mkdir()
         cache = node.dirs.cache / "ckpt"
         cache.mkdir(exist_ok=True)
-        opts = node.torchrun([], nnodes=f"{self.b.nodes}:{self.b.nodes}",
-                             nproc_per_node=self.b.ranks_per_node,
-                             rdzv_id=f"e2e-{self.method}", python="python")
-        opts = opts[opts.index("torch.distributed.run") + 1:]  # torchrun's own options
-        train = ["--mode", "bootseer" if self.bootseer else "dcp", "--size", self.b.model,
-                 "--results", "/results", "--ckpt", f"s3://{bench_e2e.ckpt_root(self.family)}"]
+        opts = node.torchrun(
+            [],
+            nnodes=f"{self.b.nodes}:{self.b.nodes}",
+            nproc_per_node=self.b.ranks_per_node,
+            rdzv_id=f"e2e-{self.method}",
+            python="python",
+        )
+        opts = opts[opts.index("torch.distributed.run") + 1 :]  # torchrun's own options
+        train = [
+            "--mode",
+            "bootseer" if self.bootseer else "dcp",
+            "--size",
+            self.b.model,
+            "--results",
+            "/results",
+            "--ckpt",
+            f"s3://{bench_e2e.ckpt_root(self.family)}",
+        ]
         if first:
             train += ["--save-every", str(self.b.args.save_every)]
         elif self.diy:
             train += ["--local-copy", "/ckpt-local"]
-        env = {"BOOTSEER_STORAGE_OPTIONS": json.dumps({"s3": self.c.services.storage_options()}),
-               "BOOTSEER_E2E_TAG": f"{self.method}-{key}", "BOOTSEER_E2E_NODE": node.name,
-               "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "eth0",
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        env = {
+            "BOOTSEER_STORAGE_OPTIONS": json.dumps({"s3": self.c.services.storage_options()}),
+            "BOOTSEER_E2E_TAG": f"{self.method}-{key}",
+            "BOOTSEER_E2E_NODE": node.name,
+            "PYTHONUNBUFFERED": "1",
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        }
         if self.bootseer:
-            cmd = ["python3", "-m", "bootseer", "run", "--config",
-                   f"/job/bootseer-{node.name}.toml", "--node", node.name, "--", "python", "-m",
-                   "torch.distributed.run", *opts, "/app/train.py", "train", *train]
+            cmd = [
+                "python3",
+                "-m",
+                "bootseer",
+                "run",
+                "--config",
+                f"/job/bootseer-{node.name}.toml",
+                "--node",
+                node.name,
+                "--",
+                "python",
+                "-m",
+                "torch.distributed.run",
+                *opts,
+                "/app/train.py",
+                "train",
+                *train,
+            ]
             snapshotter = "bootseer"
         else:
             env["BOOTSEER_E2E_TORCHRUN"] = json.dumps(opts)
             pip = ["--requirements", "/job/requirements.txt"] if not self.diy else []
-            cmd = ["python3", "/app/train.py", "launch", *pip, "--results", "/results", "--",
-                   *train]
+            cmd = [
+                "python3",
+                "/app/train.py",
+                "launch",
+                *pip,
+                "--results",
+                "/results",
+                "--",
+                *train,
+            ]
             snapshotter = "overlayfs"
-        mounts = [(self.job, "/job", "ro"), (self.results, "/results", "rw"),
-                  (cache, "/var/cache/bootseer/ckpt", "rw"),
-                  (trace, "/var/log/bootseer/trace", "rw")]
+        mounts = [
+            (self.job, "/job", "ro"),
+            (self.results, "/results", "rw"),
+            (cache, "/var/cache/bootseer/ckpt", "rw"),
+            (trace, "/var/log/bootseer/trace", "rw"),
+        ]
         if self.diy:
             mounts.append((self.copy_dir(node), "/ckpt-local", "rw"))
-        argv = ["ctr", "--address", node.containerd.address, "--namespace",
-                node.containerd.namespace, "run", "--rm", "--net-host", "--snapshotter",
-                snapshotter,
-                *[a for src, dst, mode in mounts for a in (
-                    "--mount", f"type=bind,src={src},dst={dst},options=rbind:{mode}")],
-                *[a for k, v in env.items() for a in ("--env", f"{k}={v}")],
-                self.ref, f"job-{key.replace('.', '-')}", *cmd]
+        argv = [
+            "ctr",
+            "--address",
+            node.containerd.address,
+            "--namespace",
+            node.containerd.namespace,
+            "run",
+            "--rm",
+            "--net-host",
+            "--snapshotter",
+            snapshotter,
+            *[
+                a
+                for src, dst, mode in mounts
+                for a in ("--mount", f"type=bind,src={src},dst={dst},options=rbind:{mode}")
+            ],
+            *[a for k, v in env.items() for a in ("--env", f"{k}={v}")],
+            self.ref,
+            f"job-{key.replace('.', '-')}",
+            *cmd,
+        ]
         self.logs[key] = self.work / f"{key}.log"
         with open(self.logs[key], "ab") as logf:
-            self.procs[key] = node.popen(argv, stdin=subprocess.DEVNULL, stdout=logf,
-                                         stderr=logf)
+            self.procs[key] = node.popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf)
         return key
 
     def kill_in_place(self, key: str) -> int:
@@ -515,16 +692,22 @@ class MethodRun:
                 return value
             for key in keys:
                 if self.procs[key].poll() is not None:
-                    raise RuntimeError(f"{key}'s job ended (exit {self.procs[key].returncode}) "
-                                       f"before {what}:\n{tail(self.logs[key])}")
+                    raise RuntimeError(
+                        f"{key}'s job ended (exit {self.procs[key].returncode}) "
+                        f"before {what}:\n{tail(self.logs[key])}"
+                    )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out waiting for {what}")
             time.sleep(1.0)
 
     def committed(self) -> int | None:
-        return self.helper("committed", {"root": bench_e2e.ckpt_root(self.family),
-                                         "options": {"s3": self.c.services.storage_options()}}
-                           )["step"]
+        return self.helper(
+            "committed",
+            {
+                "root": bench_e2e.ckpt_root(self.family),
+                "options": {"s3": self.c.services.storage_options()},
+            },
+        )["step"]
 
     def env_built(self, key: str) -> bool:
         """The node's ``bootseer run`` made its environment (raises when it could not)."""
@@ -533,8 +716,9 @@ class MethodRun:
         for span in read_traces([self.traces / key])[0]:
             if span.phase == "environment":
                 if span.outcome != "ok":
-                    raise RuntimeError(f"{key}: the environment could not be made:\n"
-                                       f"{tail(self.logs[key])}")
+                    raise RuntimeError(
+                        f"{key}: the environment could not be made:\n{tail(self.logs[key])}"
+                    )
                 return True
         return False
 
@@ -553,8 +737,11 @@ class MethodRun:
         return {s: self.c.cache.origin_bytes(s) for s in names} if names else None
 
     def recorded(self) -> bool:
-        return any("recorded " in (n.logs / "snapshotter.log").read_text(errors="replace")
-                   for n in self.c.nodes if (n.logs / "snapshotter.log").exists())
+        return any(
+            "recorded " in (n.logs / "snapshotter.log").read_text(errors="replace")
+            for n in self.c.nodes
+            if (n.logs / "snapshotter.log").exists()
+        )
 
     # -- the scenario ------------------------------------------------------------------------------
     def execute(self) -> dict[str, Any]:
@@ -567,16 +754,23 @@ class MethodRun:
             self.pull(node)
             first_keys.append(self.start(node, first=True))
             if self.bootseer and i == 0:
-                self.wait_for("node0's environment", lambda: self.env_built(first_keys[0]),
-                              first_keys)
-        self.wait_for("the first step", lambda: [
-            e for e in self.events() if e["event"] == "first_step"], first_keys)
+                self.wait_for(
+                    "node0's environment", lambda: self.env_built(first_keys[0]), first_keys
+                )
+        self.wait_for(
+            "the first step",
+            lambda: [e for e in self.events() if e["event"] == "first_step"],
+            first_keys,
+        )
         cold_s = time.time() - t0
         log(f"  every node started; first step {cold_s:.1f} s after the first pull")
         step = self.wait_for("a committed checkpoint", self.committed, first_keys)
         last = max(e["step"] for e in self.events() if e["event"] == "step")
-        self.wait_for("a step after the commit", lambda: any(
-            e["event"] == "step" and e["step"] > last for e in self.events()), first_keys)
+        self.wait_for(
+            "a step after the commit",
+            lambda: any(e["event"] == "step" and e["step"] > last for e in self.events()),
+            first_keys,
+        )
         if self.method == "bootseer":  # the fresh node's pull prefetches the profile
             self.wait_for("a recorded image profile", self.recorded, first_keys)
         before, origin_before = self.counters(), self.cache_origin()
@@ -591,18 +785,29 @@ class MethodRun:
             # the restart's bytes: from the loss to every rank's first step after it (the
             # training after it reads and writes for its own saves: not the restart's)
             ranks = b.ranks_per_node * b.nodes
-            self.wait_for("every rank's first step after the restart", lambda: len({
-                e["rank"] for e in self.events() if e["event"] == "first_step"
-                and e["t"] >= run.kill_t}) >= ranks,
-                [k for k in self.procs if k not in run.ended])
+            self.wait_for(
+                "every rank's first step after the restart",
+                lambda: (
+                    len(
+                        {
+                            e["rank"]
+                            for e in self.events()
+                            if e["event"] == "first_step" and e["t"] >= run.kill_t
+                        }
+                    )
+                    >= ranks
+                ),
+                [k for k in self.procs if k not in run.ended],
+            )
             at_first_step, origin_after = self.counters(), self.cache_origin()
             for key, proc in self.procs.items():
                 if key in run.ended:
                     continue
                 rc = proc.wait(timeout=STEP_TIMEOUT_S)
                 if rc != 0:
-                    raise RuntimeError(f"{key}'s job exited {rc} after the restart:\n"
-                                       f"{tail(self.logs[key])}")
+                    raise RuntimeError(
+                        f"{key}'s job exited {rc} after the restart:\n{tail(self.logs[key])}"
+                    )
         finally:
             if self.copy is not None:
                 self.copy.stop()
@@ -613,20 +818,33 @@ class MethodRun:
             run.copy = (st["started"], st["ended"], int(st.get("bytes", 0)))
         after = at_first_step
         before.update(self.warm_bytes)  # diy-warm: the pull before the clock is not counted
-        run.bytes = {n: {s: after[n][s] - (0 if n in run.fresh_nodes and n not in
-                                           self.warm_bytes else before[n][s])
-                         for s in v} for n, v in after.items()}
+        run.bytes = {
+            n: {
+                s: after[n][s]
+                - (0 if n in run.fresh_nodes and n not in self.warm_bytes else before[n][s])
+                for s in v
+            }
+            for n, v in after.items()
+        }
         out = self.results_for(run, cold_s, step)
-        out["cache"] = None if origin_after is None or origin_before is None else {
-            "origin_bytes": {k: v - origin_before[k] for k, v in origin_after.items()}}
+        out["cache"] = (
+            None
+            if origin_after is None or origin_before is None
+            else {"origin_bytes": {k: v - origin_before[k] for k, v in origin_after.items()}}
+        )
         out["loadavg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
         if self.copy is not None:
             st = self.copy.status
             out["checkpoint_copy"] = {
-                "tool": "rclone", "argv": st.get("argv"), "ok": st.get("ok"),
-                "step": st.get("step"), "bytes": st.get("bytes"), "seconds": st.get("seconds"),
+                "tool": "rclone",
+                "argv": st.get("argv"),
+                "ok": st.get("ok"),
+                "step": st.get("step"),
+                "bytes": st.get("bytes"),
+                "seconds": st.get("seconds"),
                 "started_after_loss_s": st["started"] - run.kill_t,
-                "ended_after_loss_s": st["ended"] - run.kill_t}
+                "ended_after_loss_s": st["ended"] - run.kill_t,
+            }
         return out
 
     def replace(self, lost_key: str) -> NodeRun:
@@ -643,18 +861,26 @@ class MethodRun:
         if self.method == "diy-warm":
             self.pull(fresh)
             self.warm_bytes[fresh.name] = self.counters()[fresh.name]
-            log(f"  diy-warm: the image pulled onto the fresh node before the clock "
-                f"({time.time() - kill_t:.1f} s after the loss)")
+            log(
+                f"  diy-warm: the image pulled onto the fresh node before the clock "
+                f"({time.time() - kill_t:.1f} s after the loss)"
+            )
             kill_t = time.time()  # the clock: the fresh node, image on it, joins the job
         if self.diy:
             self.start_copy(fresh)  # beside the pull and the container start
         if self.method != "diy-warm":
             pulled = self.pull(fresh)
         fresh_key = self.start(fresh, first=False)
-        return NodeRun(method=self.method, kill_t=kill_t, replaced_t=replaced_t if pulled
-                       else None, lost=fresh.name, pull=pulled,
-                       trace_dir=self.traces / fresh_key if self.bootseer else None,
-                       ended={lost_key}, fresh_nodes={fresh.name})
+        return NodeRun(
+            method=self.method,
+            kill_t=kill_t,
+            replaced_t=replaced_t if pulled else None,
+            lost=fresh.name,
+            pull=pulled,
+            trace_dir=self.traces / fresh_key if self.bootseer else None,
+            ended={lost_key},
+            fresh_nodes={fresh.name},
+        )
 
     def restart_in_place(self, lost_key: str) -> NodeRun:
         """The lost node's job processes get SIGKILL; the node restarts them: ``bootseer
@@ -666,15 +892,30 @@ class MethodRun:
         killed = self.kill_in_place(lost_key)
         log(f"  node{self.b.lose}: SIGKILL to {killed} processes of the job, restarted in place")
         if self.bootseer:
-            return NodeRun(method=self.method, kill_t=kill_t, replaced_t=None, lost=node.name,
-                           pull=None, trace_dir=self.traces / lost_key, in_place=True)
+            return NodeRun(
+                method=self.method,
+                kill_t=kill_t,
+                replaced_t=None,
+                lost=node.name,
+                pull=None,
+                trace_dir=self.traces / lost_key,
+                in_place=True,
+            )
         self.procs[lost_key].wait(timeout=60)
         restart_t = time.time()
         if self.diy:
             self.start_copy(node)
         self.start(node, first=False, key=f"{lost_key}.r1")
-        return NodeRun(method=self.method, kill_t=kill_t, replaced_t=None, lost=node.name,
-                       pull=None, in_place=True, restart_t=restart_t, ended={lost_key})
+        return NodeRun(
+            method=self.method,
+            kill_t=kill_t,
+            replaced_t=None,
+            lost=node.name,
+            pull=None,
+            in_place=True,
+            restart_t=restart_t,
+            ended={lost_key},
+        )
 
     def results_for(self, run: NodeRun, cold_s: float, step: int) -> dict[str, Any]:
         events = self.events()
@@ -684,8 +925,12 @@ class MethodRun:
         report_dir.mkdir(parents=True)
         with open(report_dir / "harness.jsonl", "w") as f:
             f.writelines(s.to_json() + "\n" for s in spans)
-        subprocess.run([sys.executable, "-m", "bootseer", "report", str(report_dir)],
-                       check=True, capture_output=True, env=bp.clean_env())
+        subprocess.run(
+            [sys.executable, "-m", "bootseer", "report", str(report_dir)],
+            check=True,
+            capture_output=True,
+            env=bp.clean_env(),
+        )
         report = json.loads((report_dir / "report.json").read_text())
         out = summarize(report, run, rank_totals(run, events), spans)
         out["identical"] = check_identical(events, run.kill_t)
@@ -693,12 +938,18 @@ class MethodRun:
         out["bit_identical"] = out["identical"]["ok"]
         if not out["bit_identical"]:
             self.b.errors.append(f"{self.method}: resumed state differs: {out['identical']}")
-        out.update(cold_start_s=cold_s, committed_step=step, report_dir=str(report_dir),
-                   node_replace_s=None if run.replaced_t is None else run.replaced_t - run.kill_t)
+        out.update(
+            cold_start_s=cold_s,
+            committed_step=step,
+            report_dir=str(report_dir),
+            node_replace_s=None if run.replaced_t is None else run.replaced_t - run.kill_t,
+        )
         s = out["summary"]
-        log(f"  {self.method}: p50 {s['p50_s']:.1f} s, p90 {s['p90_s']:.1f} s, max "
+        log(
+            f"  {self.method}: p50 {s['p50_s']:.1f} s, p90 {s['p90_s']:.1f} s, max "
             f"{s['max_s']:.1f} s; critical path {s['straggler']} ({s['why']}); paced by "
-            f"{s['paced_by']} ({s['paced_why']})")
+            f"{s['paced_by']} ({s['paced_why']})"
+        )
         return out
 
 
@@ -709,8 +960,9 @@ def restart_loads(events: list[dict[str, Any]], kill_t: float) -> dict[str, dict
     loads: dict[str, dict[str, Any]] = {}
     for e in events:
         if e.get("event") == "load_end" and e.get("t", 0) >= kill_t:
-            loads[f"r{e.get('rank')}"] = {k: e.get(k) for k in
-                                          ("step", "bytes", "cached_bytes", "cache_wait_s")}
+            loads[f"r{e.get('rank')}"] = {
+                k: e.get(k) for k in ("step", "bytes", "cached_bytes", "cache_wait_s")
+            }
     return loads
 
 
@@ -724,15 +976,24 @@ def tail(path: Path, lines: int = 30) -> str:
 # -- helpers run on the services host ------------------------------------------------------------
 def helper(name: str, params: dict[str, Any]) -> int:
     if name == "push":
-        digest = e2e_image.push_image(params["registry"], params["repo"], params["tag"],
-                                      params["layers"], params["config"])
+        digest = e2e_image.push_image(
+            params["registry"], params["repo"], params["tag"], params["layers"], params["config"]
+        )
         print(json.dumps({"manifest": digest}))
     elif name == "convert":
         from prefetch.image import convert_image
 
         r = convert_image(params["src"], params["dst"], workdir=params["workdir"])
-        print(json.dumps({"digest": r.digest, "size_before": r.size_before,
-                          "size_after": r.size_after, "seconds": r.seconds}))
+        print(
+            json.dumps(
+                {
+                    "digest": r.digest,
+                    "size_before": r.size_before,
+                    "size_after": r.size_after,
+                    "seconds": r.seconds,
+                }
+            )
+        )
     elif name == "committed":
         if params["root"] != "ckpt/bootseer":  # DCP's (baseline, diy)
             import fsspec
@@ -743,8 +1004,9 @@ def helper(name: str, params: dict[str, Any]) -> int:
         else:
             from ckpt import CheckpointManager
 
-            mgr = CheckpointManager("s3://ckpt/bootseer", storage_options=params["options"],
-                                    cache_dir=False)
+            mgr = CheckpointManager(
+                "s3://ckpt/bootseer", storage_options=params["options"], cache_dir=False
+            )
             try:
                 print(json.dumps({"step": mgr.latest()}))
             finally:
@@ -754,8 +1016,9 @@ def helper(name: str, params: dict[str, Any]) -> int:
     return 0
 
 
-def add_scenario_arguments(parser: argparse.ArgumentParser, *, methods: str,
-                           ranks_per_node: int) -> None:
+def add_scenario_arguments(
+    parser: argparse.ArgumentParser, *, methods: str, ranks_per_node: int
+) -> None:
     """The options of the scenario, shared by ``--nodes`` and ``--sweep``."""
     parser.add_argument("--lose", type=int, default=None, help="the node lost (default the last)")
     parser.add_argument("--results", default="bench-results")
@@ -764,19 +1027,24 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, *, methods: str,
     parser.add_argument("--base", choices=("auto", "debootstrap", "host"), default=None)
     parser.add_argument("--cache", default=None, help="default ~/.cache/bootseer-bench")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    parser.add_argument("--cache-tier", action="store_true",
-                        help="nodes read the registry and S3 through the cluster's cache tier "
-                             "(nginx proxy_cache + slice): containerd and the snapshotter list "
-                             "it as a mirror in hosts.toml, bootseer's stripes come from it "
-                             "(striped's mirror), the origin as the fallback")
+    parser.add_argument(
+        "--cache-tier",
+        action="store_true",
+        help="nodes read the registry and S3 through the cluster's cache tier "
+        "(nginx proxy_cache + slice): containerd and the snapshotter list "
+        "it as a mirror in hosts.toml, bootseer's stripes come from it "
+        "(striped's mirror), the origin as the fallback",
+    )
     parser.add_argument("--methods", default=methods, help=f"default {methods}")
-    parser.add_argument("--ranks-per-node", type=int, default=ranks_per_node,
-                        help=f"torchrun's --nproc-per-node on every node (default "
-                             f"{ranks_per_node})")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=ranks_per_node,
+        help=f"torchrun's --nproc-per-node on every node (default {ranks_per_node})",
+    )
 
 
-def run_checked(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                make: Any) -> int:
+def run_checked(parser: argparse.ArgumentParser, args: argparse.Namespace, make: Any) -> int:
     """The methods checked, the bench made (a ValueError is the user's: exit 2), run."""
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
@@ -795,8 +1063,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--render"]:  # the report again, from a run's e2e-nodes.json
         print("\n".join(render(json.loads(Path(argv[1]).read_text()))))
         return 0
-    parser = argparse.ArgumentParser(prog="bench_e2e.py --nodes N",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="bench_e2e.py --nodes N", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--nodes", type=int, required=True)
     add_scenario_arguments(parser, methods=",".join(METHODS), ranks_per_node=2)
     return run_checked(parser, parser.parse_args(argv), NodesBench)

@@ -62,15 +62,18 @@ def _size(text: str) -> int:
     return int(text)
 
 
-def _run(*cmd: str, timeout: float = 1800, ok: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess[str]:
+def _run(
+    *cmd: str, timeout: float = 1800, ok: tuple[int, ...] = (0,)
+) -> subprocess.CompletedProcess[str]:
     r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, check=False)
     if r.returncode not in ok:
         raise RuntimeError(f"{' '.join(cmd[:3])}... exited {r.returncode}: {r.stderr[-2000:]}")
     return r
 
 
-def _timed(fn: Callable[[], Any], repeat: int, before: Callable[[int], Any] | None = None
-           ) -> tuple[float, list[float]]:
+def _timed(
+    fn: Callable[[], Any], repeat: int, before: Callable[[int], Any] | None = None
+) -> tuple[float, list[float]]:
     """Median and all wall times of ``fn`` (``before(i)`` runs untimed first)."""
     times = []
     for i in range(repeat):
@@ -83,8 +86,14 @@ def _timed(fn: Callable[[], Any], repeat: int, before: Callable[[int], Any] | No
 
 
 def measured_tree(cwd: Path) -> str:
-    r = subprocess.run([sys.executable, "-c", "import striped_fs; print(striped_fs.__file__)"],
-                       capture_output=True, text=True, env=code_env(), cwd=cwd, check=True)
+    r = subprocess.run(
+        [sys.executable, "-c", "import striped_fs; print(striped_fs.__file__)"],
+        capture_output=True,
+        text=True,
+        env=code_env(),
+        cwd=cwd,
+        check=True,
+    )
     return str(Path(r.stdout.strip()).parents[1])
 
 
@@ -94,10 +103,24 @@ def _mounted(url: str, mnt: Path, options: dict[str, Any], log_file: Path) -> It
 
     with open(log_file, "ab") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "bootseer", "fs", "mount", url, str(mnt), "--foreground",
-             "--storage-options", json.dumps(options)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=code_env(),
-            cwd=mnt.parent)
+            [
+                sys.executable,
+                "-m",
+                "bootseer",
+                "fs",
+                "mount",
+                url,
+                str(mnt),
+                "--foreground",
+                "--storage-options",
+                json.dumps(options),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=code_env(),
+            cwd=mnt.parent,
+        )
     try:
         wait_mounted(mnt, 60, proc)
         yield
@@ -131,8 +154,9 @@ def _same_tree(a: Path, b: Path) -> bool:
     return True
 
 
-def measure(args: argparse.Namespace, work: Path, src: Path, target: Path,
-            label: str) -> dict[str, Any]:
+def measure(
+    args: argparse.Namespace, work: Path, src: Path, target: Path, label: str
+) -> dict[str, Any]:
     """dd in/out, rsync of the tree ``src`` twice and touch+cat into ``target`` (a mount or a
     local directory)."""
     out: dict[str, Any] = {"target": label}
@@ -161,8 +185,9 @@ def measure(args: argparse.Namespace, work: Path, src: Path, target: Path,
     def rsync(dst: Path) -> None:  # 23 (some attributes not set): the old mount's failure
         codes.append(_run("rsync", "-a", f"{src}/", f"{dst}/", ok=(0, 23)).returncode)
 
-    t, _ = _timed(lambda: rsync(target / f"small{run['i']}"), args.repeat,
-                  before=lambda i: run.update(i=i))
+    t, _ = _timed(
+        lambda: rsync(target / f"small{run['i']}"), args.repeat, before=lambda i: run.update(i=i)
+    )
     out["rsync_first_s"] = round(t, 3)
     out["rsync_first_files_s"] = round(args.files / t, 1)
     last = target / f"small{run['i']}"
@@ -176,9 +201,15 @@ def measure(args: argparse.Namespace, work: Path, src: Path, target: Path,
     def touch_cat() -> None:  # failures are counted: the old mount lost about half
         tc = target / f"tc{run['i']}"
         tc.mkdir()
-        r = _run("sh", "-c", 'cd "$1" && i=0 f=0; while [ $i -lt "$2" ]; do { touch t$i && '
-                             'cat t$i; } 2>/dev/null || f=$((f+1)); i=$((i+1)); done; echo $f',
-                 "sh", str(tc), str(args.files))
+        r = _run(
+            "sh",
+            "-c",
+            'cd "$1" && i=0 f=0; while [ $i -lt "$2" ]; do { touch t$i && '
+            "cat t$i; } 2>/dev/null || f=$((f+1)); i=$((i+1)); done; echo $f",
+            "sh",
+            str(tc),
+            str(args.files),
+        )
         failures.append(int(r.stdout.split()[-1]))
 
     t, _ = _timed(touch_cat, args.repeat, before=lambda i: run.update(i=i))
@@ -203,8 +234,10 @@ class Bench:
         self.stores = [s for s in args.stores.split(",") if s]
         bad = [s for s in self.stores if s not in STORES]
         if bad or not self.stores:
-            raise SystemExit(f"bench_fuse.py: --stores {args.stores!r}: each must be one of "
-                             f"{', '.join(STORES)} (comma-separated)")
+            raise SystemExit(
+                f"bench_fuse.py: --stores {args.stores!r}: each must be one of "
+                f"{', '.join(STORES)} (comma-separated)"
+            )
         base = QUICK if self.quick else FULL
         self.size = args.size or base["size"]
         self.files = args.files or base["files"]
@@ -213,12 +246,22 @@ class Bench:
         self.stack = contextlib.ExitStack()
         self.errors: list[str] = []
         self.R: dict[str, Any] = {
-            "suite": "fuse", "quick": self.quick, "command": command_line("bench_fuse.py"),
+            "suite": "fuse",
+            "quick": self.quick,
+            "command": command_line("bench_fuse.py"),
             "source": source_state(["striped_fs", "bootseer/cli", "benchmarks/bench_fuse.py"]),
-            "pythonpath": os.environ.get("PYTHONPATH", ""), "machine": {"cpus": os.cpu_count()},
-            "config": {"stores": self.stores, "size": self.size, "files": self.files,
-                       "file_size": args.file_size, "repeat": self.repeat},
-            "stores": {}, "errors": self.errors}
+            "pythonpath": os.environ.get("PYTHONPATH", ""),
+            "machine": {"cpus": os.cpu_count()},
+            "config": {
+                "stores": self.stores,
+                "size": self.size,
+                "files": self.files,
+                "file_size": args.file_size,
+                "repeat": self.repeat,
+            },
+            "stores": {},
+            "errors": self.errors,
+        }
 
     def _files_for(self, store: str) -> int:
         if self.quick and store == "s3" and not self.args.files:
@@ -227,9 +270,11 @@ class Bench:
 
     def run(self) -> None:
         work = work_dir(WORK_PREFIX, self.stack)  # a file at the cache: FileExistsError, exit 1
-        log(f"bench fuse: {'quick' if self.quick else 'full'} run; dd {self.size // MiB} MiB, "
+        log(
+            f"bench fuse: {'quick' if self.quick else 'full'} run; dd {self.size // MiB} MiB, "
             f"{self.files} files of {self.args.file_size} B, repeat {self.repeat}; "
-            f"stores {', '.join(self.stores)}; work {work}")
+            f"stores {', '.join(self.stores)}; work {work}"
+        )
         (work / "big.bin").write_bytes(os.urandom(self.size))
         self.R["measured_tree"] = measured_tree(work)
         log(f"the mount runs the code in {self.R['measured_tree']}")
@@ -270,19 +315,41 @@ class Bench:
             m, p, n = r["mount"], r["local"], r["files"]
             tc_total = n * self.repeat
             out += [
-                [f"{store}: dd write into the mount, MB/s", f"{m['dd_write_mb_s']:.1f}",
-                 f"local {p['dd_write_mb_s']:.1f}", "-", "info"],
-                [f"{store}: dd read back, MB/s", f"{m['dd_read_mb_s']:.1f}",
-                 f"local {p['dd_read_mb_s']:.1f}", "bytes equal", "pass"],
-                [f"{store}: rsync -a of {n} files, first, s", f"{m['rsync_first_s']:.3f}",
-                 f"local {p['rsync_first_s']:.3f}", "rsync exits 0",
-                 verdict(all(c == 0 for c in m["rsync_exit_codes"]))],
-                [f"{store}: the same rsync again, unchanged tree, s", f"{m['rsync_again_s']:.3f}",
-                 f"local {p['rsync_again_s']:.3f}", f"< first ({m['rsync_first_s']:.3f} s)",
-                 verdict(m["rsync_again_s"] < m["rsync_first_s"])],
-                [f"{store}: touch f && cat f, ms per file", f"{m['touch_cat_ms']:.2f}",
-                 f"local {p['touch_cat_ms']:.2f}", f"0 of {tc_total} fail",
-                 verdict(m["touch_cat_failed"] == f"0 of {tc_total}")],
+                [
+                    f"{store}: dd write into the mount, MB/s",
+                    f"{m['dd_write_mb_s']:.1f}",
+                    f"local {p['dd_write_mb_s']:.1f}",
+                    "-",
+                    "info",
+                ],
+                [
+                    f"{store}: dd read back, MB/s",
+                    f"{m['dd_read_mb_s']:.1f}",
+                    f"local {p['dd_read_mb_s']:.1f}",
+                    "bytes equal",
+                    "pass",
+                ],
+                [
+                    f"{store}: rsync -a of {n} files, first, s",
+                    f"{m['rsync_first_s']:.3f}",
+                    f"local {p['rsync_first_s']:.3f}",
+                    "rsync exits 0",
+                    verdict(all(c == 0 for c in m["rsync_exit_codes"])),
+                ],
+                [
+                    f"{store}: the same rsync again, unchanged tree, s",
+                    f"{m['rsync_again_s']:.3f}",
+                    f"local {p['rsync_again_s']:.3f}",
+                    f"< first ({m['rsync_first_s']:.3f} s)",
+                    verdict(m["rsync_again_s"] < m["rsync_first_s"]),
+                ],
+                [
+                    f"{store}: touch f && cat f, ms per file",
+                    f"{m['touch_cat_ms']:.2f}",
+                    f"local {p['touch_cat_ms']:.2f}",
+                    f"0 of {tc_total} fail",
+                    verdict(m["touch_cat_failed"] == f"0 of {tc_total}"),
+                ],
             ]
         return out
 
@@ -290,23 +357,33 @@ class Bench:
         table = final_table(self.R, self.rows())
         if self.quick:
             self.R.setdefault("warnings", []).append(
-                "--quick: small sizes, one run each: a smoke test, not the figures")
+                "--quick: small sizes, one run each: a smoke test, not the figures"
+            )
         self.write_files(table)
 
     def write_files(self, table: list[str] | None = None) -> None:
         self.results_dir.mkdir(parents=True, exist_ok=True)
         self.R["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-        (self.results_dir / "fuse.json").write_text(json.dumps(self.R, indent=2, default=str) + "\n")
+        (self.results_dir / "fuse.json").write_text(
+            json.dumps(self.R, indent=2, default=str) + "\n"
+        )
         src = self.R["source"]
-        md = [f"# FUSE mount benchmark ({'quick' if self.quick else 'full'} run)", "",
-              f"- command: `{self.R['command']}` ({self.R['finished']})",
-              f"- code measured: {self.R.get('measured_tree', '?')}, commit "
-              f"{src.get('commit', '?')[:12]}"
-              + (f", local changes in {', '.join(src['local_changes'])}"
-                 if src.get("local_changes") else ""),
-              f"- dd: {self.size // MiB} MiB, bs=1M; rsync and touch+cat: files of "
-              f"{self.args.file_size} B; {self.repeat} run(s) each, medians; S3: moto, unshaped",
-              "", *(table or ["(no results: the run failed before its report)"])]
+        md = [
+            f"# FUSE mount benchmark ({'quick' if self.quick else 'full'} run)",
+            "",
+            f"- command: `{self.R['command']}` ({self.R['finished']})",
+            f"- code measured: {self.R.get('measured_tree', '?')}, commit "
+            f"{src.get('commit', '?')[:12]}"
+            + (
+                f", local changes in {', '.join(src['local_changes'])}"
+                if src.get("local_changes")
+                else ""
+            ),
+            f"- dd: {self.size // MiB} MiB, bs=1M; rsync and touch+cat: files of "
+            f"{self.args.file_size} B; {self.repeat} run(s) each, medians; S3: moto, unshaped",
+            "",
+            *(table or ["(no results: the run failed before its report)"]),
+        ]
         md += [f"- WARNING: {w}" for w in self.R.get("warnings", [])]
         md += [f"- ERROR: {e}" for e in self.errors]
         (self.results_dir / "fuse.md").write_text("\n".join(md) + "\n")
@@ -316,8 +393,11 @@ class Bench:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_fuse.py", description=__doc__.split("\n")[0])
     parser.add_argument("--results", default="bench-results", help="directory for fuse.json/.md")
-    parser.add_argument("--quick", action="store_true",
-                        help="16 MiB, 40 files (10 on S3), one run each: a smoke run")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="16 MiB, 40 files (10 on S3), one run each: a smoke run",
+    )
     parser.add_argument("--stores", default=",".join(STORES), help="file,s3 (both)")
     parser.add_argument("--size", type=_size, help="dd file size (256MiB; quick 16MiB)")
     parser.add_argument("--files", type=int, help="small files for rsync (300; quick 40)")

@@ -70,10 +70,8 @@ from ckpt.memory_peer import TOKEN_ENV, PeerServer  # noqa: E402
 from ckpt.memory_verify import verify_copies  # noqa: E402
 
 WORKER = Path(__file__).with_name("memckpt_train.py")
-FULL = {"d": 2048, "layers": 4, "batch": 8, "steps": 24, "interval": 10, "rounds": 8,
-        "block": 5}
-QUICK = {"d": 256, "layers": 2, "batch": 16, "steps": 4, "interval": 2, "rounds": 2,
-         "block": 3}
+FULL = {"d": 2048, "layers": 4, "batch": 8, "steps": 24, "interval": 10, "rounds": 8, "block": 5}
+QUICK = {"d": 256, "layers": 2, "batch": 16, "steps": 4, "interval": 2, "rounds": 2, "block": 3}
 S3_LINK = ShaperSettings.from_mb(latency_ms=1.0, per_conn_mbps=10.0, total_mbps=100.0)
 SHM_PREFIX = "bootseer-memckpt-bench-"
 TARGET_LOCAL, TARGET_PEER = 1.2, 5.0
@@ -97,9 +95,11 @@ def checksum_speeds(nbytes: int, reps: int = 7) -> dict[str, float]:
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
     words, view = src.view("<u8"), memoryview(src)
-    sums = {"xxh3_64": lambda i: block_hash(view[i : i + BLOCK]),
-            "word sums": lambda i: int(words[i // 8 : (i + BLOCK) // 8].sum(dtype=np.uint64)),
-            "crc32": lambda i: zlib.crc32(view[i : i + BLOCK])}
+    sums = {
+        "xxh3_64": lambda i: block_hash(view[i : i + BLOCK]),
+        "word sums": lambda i: int(words[i // 8 : (i + BLOCK) // 8].sum(dtype=np.uint64)),
+        "crc32": lambda i: zlib.crc32(view[i : i + BLOCK]),
+    }
 
     def alone(f: Any) -> None:
         for i in range(0, nbytes, BLOCK):
@@ -109,6 +109,7 @@ def checksum_speeds(nbytes: int, reps: int = 7) -> dict[str, float]:
         for i in range(0, nbytes, BLOCK):
             f(i)
             dst[i : i + BLOCK] = src[i : i + BLOCK]
+
     trials: dict[str, Any] = {"memcpy": lambda: np.copyto(dst, src)}
     for name, f in sums.items():
         trials[name] = lambda f=f: alone(f)
@@ -160,14 +161,18 @@ class Bench:
         self.stack = contextlib.ExitStack()
         self.errors: list[str] = []
         self.R: dict[str, Any] = {
-            "suite": "memckpt", "quick": self.quick, "command": command_line("bench_memckpt.py"),
-            "source": source_state(["ckpt", "benchmarks/bench_memckpt.py",
-                                    "benchmarks/memckpt_train.py"]),
+            "suite": "memckpt",
+            "quick": self.quick,
+            "command": command_line("bench_memckpt.py"),
+            "source": source_state(
+                ["ckpt", "benchmarks/bench_memckpt.py", "benchmarks/memckpt_train.py"]
+            ),
             "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()},
-            "config": self.cfg, "errors": self.errors}
+            "config": self.cfg,
+            "errors": self.errors,
+        }
 
-    def _launch(self, phase: str, spec: dict[str, Any],
-                names: list[str] | None = None) -> Any:
+    def _launch(self, phase: str, spec: dict[str, Any], names: list[str] | None = None) -> Any:
         """Run one job of 2 ranks; the results it wrote under ``names`` (default: the
         phase's), each a list by rank."""
         spec = {**self.cfg, **spec, "phase": phase, "out_dir": str(self.out)}
@@ -175,11 +180,18 @@ class Bench:
         started = time.time()
         procs = []
         for rank in range(2):
-            env = {**code_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
-                   "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", TOKEN_ENV: TOKEN}
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)],
-                                          env=env))
+            env = {
+                **code_env(),
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                TOKEN_ENV: TOKEN,
+            }
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=env))
         codes = [p.wait(1800) for p in procs]
         got: dict[str, list[dict[str, Any]]] = {}
         for name in names or [phase]:
@@ -187,8 +199,7 @@ class Bench:
             for rank in range(2):
                 path = self.out / f"{name}-{rank}.json"
                 if not path.exists():
-                    raise RuntimeError(f"{name}: rank {rank} exited {codes[rank]} without "
-                                       "results")
+                    raise RuntimeError(f"{name}: rank {rank} exited {codes[rank]} without results")
                 r = json.loads(path.read_text())
                 r["started"] = started
                 got[name].append(r)
@@ -202,6 +213,7 @@ class Bench:
         def remove_shm() -> None:
             if shm.parent == Path("/dev/shm") and shm.name.startswith(SHM_PREFIX):
                 shutil.rmtree(shm, ignore_errors=True)
+
         self.stack.callback(remove_shm)
         nodes = [Node(shm, "node-0"), Node(shm, "node-1")]
         for n in nodes:
@@ -213,18 +225,31 @@ class Bench:
         steps, interval = self.cfg["steps"], self.cfg["interval"]
         kill_at = steps - 1
         base = {"storage_options": opts, "nodes": [n.spec() for n in nodes]}
-        log(f"bench memckpt: {'quick' if self.quick else 'full'} run, {self.cfg}; S3 link "
-            f"{S3_LINK.describe()}; memory in {shm}")
+        log(
+            f"bench memckpt: {'quick' if self.quick else 'full'} run, {self.cfg}; S3 link "
+            f"{S3_LINK.describe()}; memory in {shm}"
+        )
         variants = ["none", "durable", "memory-only", "memory"]
-        log(f"phase train: {steps} steps of each of {', '.join(variants)} in one job, "
-            f"SIGKILL in step {kill_at} of the last")
-        log(f"  first the overhead: {self.cfg['rounds']} rounds of {self.cfg['block']} steps "
-            "without, with memory checkpoints and with them replicated sync, in turns")
+        log(
+            f"phase train: {steps} steps of each of {', '.join(variants)} in one job, "
+            f"SIGKILL in step {kill_at} of the last"
+        )
+        log(
+            f"  first the overhead: {self.cfg['rounds']} rounds of {self.cfg['block']} steps "
+            "without, with memory checkpoints and with them replicated sync, in turns"
+        )
         self.R["overhead_load_before"] = os.getloadavg()
-        got = self._launch("train", {**base, "mode": "train", "variants": variants,
-                                     "durable": "striped::s3://memckpt-bench",
-                                     "kill_at": kill_at},
-                           names=["overhead"] + [f"train-{v}" for v in variants])
+        got = self._launch(
+            "train",
+            {
+                **base,
+                "mode": "train",
+                "variants": variants,
+                "durable": "striped::s3://memckpt-bench",
+                "kill_at": kill_at,
+            },
+            names=["overhead"] + [f"train-{v}" for v in variants],
+        )
         runs = {v: got[f"train-{v}"] for v in variants}
         self.R["train"] = runs
         self.R["overhead"] = got["overhead"]
@@ -243,8 +268,9 @@ class Bench:
         log("phase load-durable: both nodes' memory lost, the durable tier over the S3 link")
         nodes[0].replace()
         nodes[1].replace()
-        loads["durable"] = self._launch("load-durable",
-                                        {**spec, "nodes": [n.spec() for n in nodes]})
+        loads["durable"] = self._launch(
+            "load-durable", {**spec, "nodes": [n.spec() for n in nodes]}
+        )
         self.R["load"] = loads
         if self.quick:  # a smoke run: the cluster's four jobs cost minutes (CI runs it)
             self.R["cluster"] = None
@@ -281,17 +307,33 @@ class Bench:
 
         def more(x: float) -> str:
             return f"{x * 1e3:.1f} ms (+{(x / none - 1) * 100:.1f}%)"
+
         rows = [
             ["state per rank", f"{state_mb:.0f} MB", "-", "-", "info"],
             ["step, no checkpoint", f"{none * 1e3:.1f} ms", "-", "-", "info"],
             [f"step, ckpt durable async save every {every}", "-", more(durable), "-", "info"],
-            ["step, memory every step (to the peer too)", more(alone), "-",
-             f"floor +{memcpy / none * 100:.1f}% (one memcpy, {memcpy * 1e3:.1f} ms); "
-             "GPU target <= 1%", "info (CPU)"],
-            [f"step, memory every step + durable every {every}", more(memory), more(durable),
-             "-", "info"],
-            ["training thread's stall per memory save", f"{stall * 1e3:.1f} ms", "-",
-             f"memcpy {memcpy * 1e3:.1f} ms", "info"],
+            [
+                "step, memory every step (to the peer too)",
+                more(alone),
+                "-",
+                f"floor +{memcpy / none * 100:.1f}% (one memcpy, {memcpy * 1e3:.1f} ms); "
+                "GPU target <= 1%",
+                "info (CPU)",
+            ],
+            [
+                f"step, memory every step + durable every {every}",
+                more(memory),
+                more(durable),
+                "-",
+                "info",
+            ],
+            [
+                "training thread's stall per memory save",
+                f"{stall * 1e3:.1f} ms",
+                "-",
+                f"memcpy {memcpy * 1e3:.1f} ms",
+                "info",
+            ],
         ]
         lost_ok = True
         for where in ("local", "peer", "durable"):
@@ -300,18 +342,24 @@ class Bench:
             total = max(r["loaded_at"] - r["started"] for r in rs)
             step = rs[0]["step"]
             same = all(r["step"] == step for r in rs)
-            prints_ok = all(abs(r["print"] - runs["memory"][r["rank"]]["prints"][str(step)])
-                            <= 0 for r in rs)
+            prints_ok = all(
+                abs(r["print"] - runs["memory"][r["rank"]]["prints"][str(step)]) <= 0 for r in rs
+            )
             lost = kill_at - 1 - step
             sources = ",".join(sorted({r["source"].split(":")[0] for r in rs}))
             if where != "durable":
                 lost_ok &= lost == 0
-            rows.append([f"recovery {where} ({sources}): load / restart to loaded",
-                         f"{load_s:.3f} s / {total:.2f} s", f"step {step}, {lost} step(s) lost "
-                         "beyond the one in progress" + ("" if same and prints_ok else
-                                                         " (STATE MISMATCH)"),
-                         "0 steps lost" if where != "durable" else "-",
-                         verdict(same and prints_ok and (lost == 0 or where == "durable"))])
+            rows.append(
+                [
+                    f"recovery {where} ({sources}): load / restart to loaded",
+                    f"{load_s:.3f} s / {total:.2f} s",
+                    f"step {step}, {lost} step(s) lost "
+                    "beyond the one in progress"
+                    + ("" if same and prints_ok else " (STATE MISMATCH)"),
+                    "0 steps lost" if where != "durable" else "-",
+                    verdict(same and prints_ok and (lost == 0 or where == "durable")),
+                ]
+            )
         local = max(r["copy_best_s"] for r in loads["local"])
         first = max(r["copy_s"] for r in loads["local"])
         call = max(r["load_s"] for r in loads["local"])
@@ -319,42 +367,74 @@ class Bench:
         dur = max(r["load_s"] for r in loads["durable"])
         hashed = max(r.get("copy_hashed_best_s", 0.0) for r in loads["local"])
         how = ",".join(sorted({str(r.get("verified")) for r in loads["local"]}))
-        rows += [["local load (copy; the copy stamped good by the agent's check) / memcpy of "
-                  "the state", f"{local / memcpy:.2f}x",
-                  f"memcpy {memcpy:.3f} s (both best of 3); the first load {first:.3f} s "
-                  f"({how}), the whole load call {call:.3f} s (agreement, the durable tier's "
-                  f"listing); the agent's check of both ranks' copies beside the launch "
-                  f"{self.R['agent_check_s']:.3f} s",
-                  f"<= {TARGET_LOCAL}x",
-                  verdict(local / memcpy <= TARGET_LOCAL)],
-                 ["local load, hashed by the trainer (no stamp) / memcpy",
-                  f"{hashed / memcpy:.2f}x", f"copy + XXH3-64 checks {hashed:.3f} s", "-",
-                  "info"],
-                 ["durable load / peer load (both timed in the load call)",
-                  f"{dur / peer:.1f}x", f"durable {dur:.2f} s, peer {peer:.3f} s",
-                  f">= {TARGET_PEER}x", verdict(dur / peer >= TARGET_PEER)],
-                 ["steps lost beyond the one in progress (memory)", "0" if lost_ok else ">0",
-                  "-", "0", verdict(lost_ok)]]
+        rows += [
+            [
+                "local load (copy; the copy stamped good by the agent's check) / memcpy of "
+                "the state",
+                f"{local / memcpy:.2f}x",
+                f"memcpy {memcpy:.3f} s (both best of 3); the first load {first:.3f} s "
+                f"({how}), the whole load call {call:.3f} s (agreement, the durable tier's "
+                f"listing); the agent's check of both ranks' copies beside the launch "
+                f"{self.R['agent_check_s']:.3f} s",
+                f"<= {TARGET_LOCAL}x",
+                verdict(local / memcpy <= TARGET_LOCAL),
+            ],
+            [
+                "local load, hashed by the trainer (no stamp) / memcpy",
+                f"{hashed / memcpy:.2f}x",
+                f"copy + XXH3-64 checks {hashed:.3f} s",
+                "-",
+                "info",
+            ],
+            [
+                "durable load / peer load (both timed in the load call)",
+                f"{dur / peer:.1f}x",
+                f"durable {dur:.2f} s, peer {peer:.3f} s",
+                f">= {TARGET_PEER}x",
+                verdict(dur / peer >= TARGET_PEER),
+            ],
+            [
+                "steps lost beyond the one in progress (memory)",
+                "0" if lost_ok else ">0",
+                "-",
+                "0",
+                verdict(lost_ok),
+            ],
+        ]
         oh = self.R.get("overhead")
         if oh:
-            med = {k: max(statistics.median(r["step_s"][k]) for r in oh)
-                   for k in ("none", "memory", "sync") if k in oh[0]["step_s"]}
+            med = {
+                k: max(statistics.median(r["step_s"][k]) for r in oh)
+                for k in ("none", "memory", "sync")
+                if k in oh[0]["step_s"]
+            }
             floor = max(statistics.median(r["memcpy_s"]) for r in oh)
             n = len(oh[0]["step_s"]["none"])
             la = ", ".join(f"{x:.1f}" for x in self.R["overhead_load_before"])
-            rows += [["step, interleaved blocks: memory every step / none (medians)",
-                      f"{med['memory'] * 1e3:.1f} ms / {med['none'] * 1e3:.1f} ms "
-                      f"(+{(med['memory'] / med['none'] - 1) * 100:.1f}%)",
-                      f"{n} steps of each, {self.cfg['rounds']} blocks of {self.cfg['block']}; "
-                      f"load average {la} before",
-                      f"floor +{floor / med['none'] * 100:.1f}% (one memcpy, "
-                      f"{floor * 1e3:.1f} ms); GPU target <= 1%", "info (CPU)"]]
+            rows += [
+                [
+                    "step, interleaved blocks: memory every step / none (medians)",
+                    f"{med['memory'] * 1e3:.1f} ms / {med['none'] * 1e3:.1f} ms "
+                    f"(+{(med['memory'] / med['none'] - 1) * 100:.1f}%)",
+                    f"{n} steps of each, {self.cfg['rounds']} blocks of {self.cfg['block']}; "
+                    f"load average {la} before",
+                    f"floor +{floor / med['none'] * 100:.1f}% (one memcpy, "
+                    f"{floor * 1e3:.1f} ms); GPU target <= 1%",
+                    "info (CPU)",
+                ]
+            ]
             if "sync" in med:
-                rows += [["step, interleaved blocks: memory every step, replication sync / "
-                          "none (medians)", f"{med['sync'] * 1e3:.1f} ms / "
-                          f"{med['none'] * 1e3:.1f} ms ({(med['sync'] / med['none'] - 1) * 100:+.1f}%)",
-                          f"async in the same blocks: {(med['memory'] / med['none'] - 1) * 100:+.1f}%",
-                          "the push time on every step (the price of 0 steps lost)", "info (CPU)"]]
+                rows += [
+                    [
+                        "step, interleaved blocks: memory every step, replication sync / "
+                        "none (medians)",
+                        f"{med['sync'] * 1e3:.1f} ms / "
+                        f"{med['none'] * 1e3:.1f} ms ({(med['sync'] / med['none'] - 1) * 100:+.1f}%)",
+                        f"async in the same blocks: {(med['memory'] / med['none'] - 1) * 100:+.1f}%",
+                        "the push time on every step (the price of 0 steps lost)",
+                        "info (CPU)",
+                    ]
+                ]
         from memckpt_cluster import push_rows
 
         rows += push_rows([{**r, "kill_at": kill_at} for r in runs["memory"]], "loopback")
@@ -364,13 +444,20 @@ class Bench:
             rows += cluster_rows(self.R["cluster"], verdict, TARGET_PEER)
         c = self.R.get("checksums")
         if c:
+
             def speed(k: str) -> str:
                 return f"{c['bytes'] / c[k] / 1e9:.1f} GB/s ({c[k] / c['memcpy']:.2f}x memcpy)"
-            rows += [["block checksum XXH3-64 (used) alone / fused with the load's copy",
-                      f"{speed('xxh3_64')} / {speed('xxh3_64 + copy')}",
-                      f"word sums {speed('word sums')} / {speed('word sums + copy')}; CRC-32 "
-                      f"{speed('crc32')} / {speed('crc32 + copy')}",
-                      f"memcpy {c['bytes'] / c['memcpy'] / 1e9:.1f} GB/s", "info"]]
+
+            rows += [
+                [
+                    "block checksum XXH3-64 (used) alone / fused with the load's copy",
+                    f"{speed('xxh3_64')} / {speed('xxh3_64 + copy')}",
+                    f"word sums {speed('word sums')} / {speed('word sums + copy')}; CRC-32 "
+                    f"{speed('crc32')} / {speed('crc32 + copy')}",
+                    f"memcpy {c['bytes'] / c['memcpy'] / 1e9:.1f} GB/s",
+                    "info",
+                ]
+            ]
         return rows
 
     def report(self) -> None:
@@ -381,16 +468,21 @@ class Bench:
         self.results_dir.mkdir(parents=True, exist_ok=True)
         self.R["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
         (self.results_dir / "memckpt.json").write_text(
-            json.dumps(self.R, indent=2, default=str) + "\n")
+            json.dumps(self.R, indent=2, default=str) + "\n"
+        )
         m = self.R["machine"]
         load = ", ".join(f"{x:.2f}" for x in m["load_before"])
         if "load_after" in m:
             load += f" before, {', '.join(f'{x:.2f}' for x in m['load_after'])} after"
-        md = [f"# Memory-tier benchmark ({'quick' if self.quick else 'full'} run)", "",
-              f"- command: `{self.R['command']}` ({self.R['finished']})",
-              f"- config {self.cfg}; S3 link {S3_LINK.describe()}",
-              f"- load average (1, 5, 15 min) {load} on {m['cpus']} CPUs", "",
-              *(table or ["(no results: the run failed before its report)"])]
+        md = [
+            f"# Memory-tier benchmark ({'quick' if self.quick else 'full'} run)",
+            "",
+            f"- command: `{self.R['command']}` ({self.R['finished']})",
+            f"- config {self.cfg}; S3 link {S3_LINK.describe()}",
+            f"- load average (1, 5, 15 min) {load} on {m['cpus']} CPUs",
+            "",
+            *(table or ["(no results: the run failed before its report)"]),
+        ]
         md += [f"- ERROR: {e}" for e in self.errors]
         (self.results_dir / "memckpt.md").write_text("\n".join(md) + "\n")
         log(f"wrote {self.results_dir / 'memckpt.json'} and {self.results_dir / 'memckpt.md'}")

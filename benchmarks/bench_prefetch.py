@@ -124,15 +124,30 @@ SUITE_NAME = "bookworm"
 PYVER = "3.11"  # bookworm's python3; the cp311 wheels must match
 SITE = f"usr/local/lib/python{PYVER}/dist-packages"  # on Debian python3's sys.path
 VARIANTS = {
-    "full": {"packages": ["torch==2.13.0", "numpy"], "code": "import torch; torch.ones(1)",
-             "what": "torch 2.13.0 CPU + numpy"},
-    "quick": {"packages": ["numpy"], "code": "import numpy; numpy.ones(1)",
-              "what": "numpy only (--quick)"},
+    "full": {
+        "packages": ["torch==2.13.0", "numpy"],
+        "code": "import torch; torch.ones(1)",
+        "what": "torch 2.13.0 CPU + numpy",
+    },
+    "quick": {
+        "packages": ["numpy"],
+        "code": "import numpy; numpy.ones(1)",
+        "what": "numpy only (--quick)",
+    },
 }
-HOST_SEEDS = ("python3.11", "libpython3.11-stdlib", "base-files", "libstdc++6", "libgcc-s1",
-              "libc-bin")
-CHROOT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-              "HOME": "/root", "LANG": "C.UTF-8"}
+HOST_SEEDS = (
+    "python3.11",
+    "libpython3.11-stdlib",
+    "base-files",
+    "libstdc++6",
+    "libgcc-s1",
+    "libc-bin",
+)
+CHROOT_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+}
 METHODS = ("full", "lazy", "profile", "floor")
 LABELS = {
     "full": "full pull: curl (1 stream) | tar -xzf, then import",
@@ -184,8 +199,11 @@ def mount_child(spec_path: str) -> int:
     signal.signal(signal.SIGTERM, on_term)  # outside the FUSE loop (which has libfuse's own)
     import logging
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     from prefetch.image import TOC_OFFSET_ANNOTATION, load_profile, open_image, save_profile
     from prefetch.lazyfs import mount
     from prefetch.profile import plan_prefetch, profile_summary
@@ -193,8 +211,9 @@ def mount_child(spec_path: str) -> int:
     from striped_fs.fuse import wait_mounted
 
     info: dict[str, Any] = {"t_imports": time.monotonic() - t_start}
-    image = open_image(spec["ref"], spec["cache"], record=spec["record"],
-                       connections=spec["connections"])
+    image = open_image(
+        spec["ref"], spec["cache"], record=spec["record"], connections=spec["connections"]
+    )
     info["t_open"] = time.monotonic() - t_start
     toc = 0
     for desc in image.manifest.layers:
@@ -212,9 +231,14 @@ def mount_child(spec_path: str) -> int:
         else:
             plan, full = plan_prefetch(profile, image.blobs)
             queued = fetcher.prefetch(plan)
-            info["profile"] = {**profile_summary(profile, image.blobs), "recorded": profile.recorded,
-                               "plan_frames": len(plan), "full": full, "queued": queued,
-                               "plan_bytes": sum(b.frames[i].c_size for b, i in plan)}
+            info["profile"] = {
+                **profile_summary(profile, image.blobs),
+                "recorded": profile.recorded,
+                "plan_frames": len(plan),
+                "full": full,
+                "queued": queued,
+                "plan_bytes": sum(b.frames[i].c_size for b, i in plan),
+            }
         info["t_prefetch_queued"] = time.monotonic() - t_start
 
     # Instrumentation (no prefetch change): what FUSE reads returned, which frames were read.
@@ -261,9 +285,12 @@ def mount_child(spec_path: str) -> int:
                 t0 = time.monotonic()
                 profile = image.lazy.recorder.stop()
                 digest = save_profile(image, profile)
-                saved = {"digest": digest, "recorded": profile.recorded,
-                         "seconds_to_save": time.monotonic() - t0,
-                         **profile_summary(profile, image.blobs)}
+                saved = {
+                    "digest": digest,
+                    "recorded": profile.recorded,
+                    "seconds_to_save": time.monotonic() - t0,
+                    **profile_summary(profile, image.blobs),
+                }
                 info["saved"] = saved
                 print("SAVED " + json.dumps(saved), flush=True)
 
@@ -278,12 +305,16 @@ def mount_child(spec_path: str) -> int:
     with lock:
         seen = sorted(frames_seen)
         info.update(
-            error=error, stats=stats, fuse_reads=len(reads),
-            read_bytes=sum(n for _, _, n in reads), read_unique_bytes=_union_bytes(reads),
+            error=error,
+            stats=stats,
+            fuse_reads=len(reads),
+            read_bytes=sum(n for _, _, n in reads),
+            read_unique_bytes=_union_bytes(reads),
             frames_read=len(seen),
             frames_read_c_bytes=sum(blobs[d].frames[i].c_size for d, i in seen),
             frames_read_u_bytes=sum(blobs[d].frames[i].u_size for d, i in seen),
-            cache_bytes=fetcher.cache.size)
+            cache_bytes=fetcher.cache.size,
+        )
     info["t_end"] = time.monotonic() - t_start
     Path(spec["out"]).write_text(json.dumps(info))
     with contextlib.suppress(Exception):
@@ -301,8 +332,9 @@ def helper_main(name: str, arg: str) -> int:
 
         t0 = time.perf_counter()
         layer = {"path": params["layer"], "digest": params["digest"], "size": params["size"]}
-        digest = push_image(params["registry"], params["repo"], params["tag"], [layer],
-                            params["config"])
+        digest = push_image(
+            params["registry"], params["repo"], params["tag"], [layer], params["config"]
+        )
         print(json.dumps({"manifest": digest, "seconds": time.perf_counter() - t0}))
         return 0
     if name == "convert":
@@ -314,10 +346,16 @@ def helper_main(name: str, arg: str) -> int:
         r = convert_image(params["src"], params["dst"], workdir=params["workdir"])
         with SyncRegistry(Reference.parse(params["dst"]).registry) as reg:
             converted = reg.resolve_image(Reference.parse(params["dst"]))
-        out = {"digest": r.digest, "layers": r.layers, "size_before": r.size_before,
-               "layer_digests": [d.digest for d in converted.layers],
-               "size_after": r.size_after, "converted": r.converted, "seconds": r.seconds,
-               "wall_s": time.perf_counter() - t0}
+        out = {
+            "digest": r.digest,
+            "layers": r.layers,
+            "size_before": r.size_before,
+            "layer_digests": [d.digest for d in converted.layers],
+            "size_after": r.size_after,
+            "converted": r.converted,
+            "seconds": r.seconds,
+            "wall_s": time.perf_counter() - t0,
+        }
         with contextlib.suppress(Exception):
             from prefetch.layer import DEFAULT_FRAME_SIZE, DEFAULT_LEVEL
 
@@ -333,9 +371,13 @@ def helper_main(name: str, arg: str) -> int:
 def clean_env() -> dict[str, str]:
     """This environment without proxy settings (loopback must stay loopback), without
     ``PYTHON*`` variables, with this checkout on PYTHONPATH (for the helpers and the child)."""
-    env = {k: v for k, v in os.environ.items()
-           if "proxy" not in k.lower() and not k.startswith(("PYTHON", "PIP_"))
-           and k not in ("VIRTUAL_ENV", "CONDA_PREFIX")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if "proxy" not in k.lower()
+        and not k.startswith(("PYTHON", "PIP_"))
+        and k not in ("VIRTUAL_ENV", "CONDA_PREFIX")
+    }
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
     env["PYTHONPATH"] = str(_ROOT)
     return env
@@ -414,8 +456,7 @@ def mirror_reachable() -> bool:
             return resp.status == 200
     # A configured HTTP proxy is what debootstrap/apt would use too.
     with contextlib.suppress(Exception):
-        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"),
-                                    timeout=15) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=15) as resp:
             return resp.status == 200
     return False
 
@@ -425,26 +466,44 @@ def ensure_debootstrap() -> bool:
         return True
     log("debootstrap is not installed: apt-get install -y debootstrap")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    r = subprocess.run(["apt-get", "install", "-y", "debootstrap"], env=env,
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        ["apt-get", "install", "-y", "debootstrap"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode != 0:
         subprocess.run(["apt-get", "update"], env=env, capture_output=True, check=False)
-        r = subprocess.run(["apt-get", "install", "-y", "debootstrap"], env=env,
-                           capture_output=True, text=True, check=False)
+        r = subprocess.run(
+            ["apt-get", "install", "-y", "debootstrap"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     return r.returncode == 0 and shutil.which("debootstrap") is not None
 
 
 def _chroot_python(root: Path, code: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(["chroot", str(root), "/usr/bin/python3", "-c", code], env=CHROOT_ENV,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        ["chroot", str(root), "/usr/bin/python3", "-c", code],
+        env=CHROOT_ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def _host_closure(seeds: tuple[str, ...]) -> list[str]:
     """Installed packages needed by ``seeds`` (Depends + Pre-Depends, first installed
     alternative), by dpkg-query."""
+
     def installed(name: str) -> bool:
-        r = subprocess.run(["dpkg-query", "-W", "-f=${Status}", name], capture_output=True,
-                           text=True, check=False)
+        r = subprocess.run(
+            ["dpkg-query", "-W", "-f=${Status}", name], capture_output=True, text=True, check=False
+        )
         return r.returncode == 0 and r.stdout.endswith(" installed")
 
     todo, done = list(seeds), set()
@@ -453,8 +512,12 @@ def _host_closure(seeds: tuple[str, ...]) -> list[str]:
         if pkg in done or not installed(pkg):
             continue
         done.add(pkg)
-        r = subprocess.run(["dpkg-query", "-W", "-f=${Depends}, ${Pre-Depends}", pkg],
-                           capture_output=True, text=True, check=False)
+        r = subprocess.run(
+            ["dpkg-query", "-W", "-f=${Depends}, ${Pre-Depends}", pkg],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         for group in r.stdout.split(","):
             for alt in group.split("|"):
                 name = alt.strip().split(" ")[0].split(":")[0]
@@ -475,8 +538,9 @@ def build_host_rootfs(dest: Path) -> dict[str, Any]:
         os.symlink(f"usr/{top}", dest / top)
     copied = 0
     for pkg in packages:
-        listing = subprocess.run(["dpkg-query", "-L", pkg], capture_output=True, text=True,
-                                 check=False).stdout.splitlines()
+        listing = subprocess.run(
+            ["dpkg-query", "-L", pkg], capture_output=True, text=True, check=False
+        ).stdout.splitlines()
         for path in listing:
             if not path.startswith("/") or os.path.isdir(path) and not os.path.islink(path):
                 continue
@@ -504,8 +568,20 @@ def build_host_rootfs(dest: Path) -> dict[str, Any]:
     if (dest / "usr/sbin/ldconfig").exists():
         subprocess.run(["chroot", str(dest), "/usr/sbin/ldconfig"], check=False)
     os.symlink(f"python{PYVER}", dest / "usr/bin/python3")
-    r = subprocess.run(["chroot", str(dest), "/usr/bin/python3", "-m", "compileall", "-q",
-                        f"/usr/lib/python{PYVER}"], capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [
+            "chroot",
+            str(dest),
+            "/usr/bin/python3",
+            "-m",
+            "compileall",
+            "-q",
+            f"/usr/lib/python{PYVER}",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode not in (0, 1):  # 1: a test module that does not compile; harmless
         raise RuntimeError(f"compileall in the host rootfs failed: {r.stderr[-2000:]}")
     return {"source": "host", "packages": packages, "files_copied": copied}
@@ -513,7 +589,7 @@ def build_host_rootfs(dest: Path) -> dict[str, Any]:
 
 def build_base(image_dir: Path, base: str) -> dict[str, Any]:
     """The base rootfs (Debian minbase + python3), built once; ``base``: auto|debootstrap|host."""
-    for source in (("debootstrap", "host") if base == "auto" else (base,)):
+    for source in ("debootstrap", "host") if base == "auto" else (base,):
         meta_path = image_dir / f"base-{source}.json"
         if meta_path.exists() and (image_dir / f"base-{source}" / "usr/bin/python3").exists():
             return json.loads(meta_path.read_text())
@@ -540,22 +616,32 @@ def build_base(image_dir: Path, base: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     if source == "debootstrap":
         log(f"debootstrap --variant=minbase {SUITE_NAME} {tmp} {DEBIAN_MIRROR} (once)")
-        run_checked(["debootstrap", "--variant=minbase", SUITE_NAME, str(tmp), DEBIAN_MIRROR],
-                    what="debootstrap", timeout=3600)
+        run_checked(
+            ["debootstrap", "--variant=minbase", SUITE_NAME, str(tmp), DEBIAN_MIRROR],
+            what="debootstrap",
+            timeout=3600,
+        )
         log("apt-get install python3 in the chroot")
         apt_env = {**CHROOT_ENV, "DEBIAN_FRONTEND": "noninteractive"}
         for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
             if k in os.environ:
                 apt_env[k] = os.environ[k]
-        run_checked(["chroot", str(tmp), "apt-get", "install", "-y", "--no-install-recommends",
-                     "python3"], env=apt_env, what="apt-get install python3 (chroot)")
+        run_checked(
+            ["chroot", str(tmp), "apt-get", "install", "-y", "--no-install-recommends", "python3"],
+            env=apt_env,
+            what="apt-get install python3 (chroot)",
+        )
         run_checked(["chroot", str(tmp), "apt-get", "clean"], env=apt_env, what="apt-get clean")
         lists = tmp / "var/lib/apt/lists"
         for p in lists.glob("*"):
             if p.is_file():
                 p.unlink()
-        meta: dict[str, Any] = {"source": "debootstrap", "mirror": DEBIAN_MIRROR,
-                                "suite": SUITE_NAME, "variant": "minbase"}
+        meta: dict[str, Any] = {
+            "source": "debootstrap",
+            "mirror": DEBIAN_MIRROR,
+            "suite": SUITE_NAME,
+            "variant": "minbase",
+        }
     else:
         log("building a minimal rootfs from this host's python3.11 and its Debian packages")
         meta = build_host_rootfs(tmp)
@@ -574,8 +660,16 @@ def build_base(image_dir: Path, base: str) -> dict[str, Any]:
 
 
 def wheel_dirs(cache: Path) -> list[Path]:
-    return [d for d in (cache / "image" / "wheels", cache / "wheels", cache / "wheels-quick",
-                        Path("/opt/wheels")) if d.is_dir()]
+    return [
+        d
+        for d in (
+            cache / "image" / "wheels",
+            cache / "wheels",
+            cache / "wheels-quick",
+            Path("/opt/wheels"),
+        )
+        if d.is_dir()
+    ]
 
 
 def pip_install_target(cache: Path, target: Path, packages: list[str]) -> str:
@@ -585,9 +679,23 @@ def pip_install_target(cache: Path, target: Path, packages: list[str]) -> str:
 
     def install() -> subprocess.CompletedProcess:
         links = [a for d in wheel_dirs(cache) for a in ("--find-links", str(d))]
-        return subprocess.run([*base, "install", "--no-index", *links, "--no-warn-script-location",
-                               "--target", str(target), *packages], env=clean_env(),
-                              capture_output=True, text=True, check=False)
+        return subprocess.run(
+            [
+                *base,
+                "install",
+                "--no-index",
+                *links,
+                "--no-warn-script-location",
+                "--target",
+                str(target),
+                *packages,
+            ],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
     r = install()
     if r.returncode == 0:
         return "local wheels"
@@ -595,8 +703,11 @@ def pip_install_target(cache: Path, target: Path, packages: list[str]) -> str:
     dest = cache / "image" / "wheels"
     dest.mkdir(parents=True, exist_ok=True)
     links = ["--find-links", "/opt/wheels"] if Path("/opt/wheels").is_dir() else []
-    run_checked([*base, "download", "--only-binary=:all:", "--dest", str(dest), *links,
-                 *packages], env=clean_env(), what="pip download")
+    run_checked(
+        [*base, "download", "--only-binary=:all:", "--dest", str(dest), *links, *packages],
+        env=clean_env(),
+        what="pip download",
+    )
     shutil.rmtree(target, ignore_errors=True)
     r = install()
     if r.returncode != 0:
@@ -604,8 +715,9 @@ def pip_install_target(cache: Path, target: Path, packages: list[str]) -> str:
     return "pip download + local wheels"
 
 
-def build_variant(image_dir: Path, cache: Path, name: str, base_meta: dict[str, Any]
-                  ) -> dict[str, Any]:
+def build_variant(
+    image_dir: Path, cache: Path, name: str, base_meta: dict[str, Any]
+) -> dict[str, Any]:
     """The variant's rootfs (base + packages), its gzip layer and its facts, built once."""
     source = base_meta["source"]
     vdir = image_dir / f"{name}-{source}"
@@ -625,13 +737,15 @@ def build_variant(image_dir: Path, cache: Path, name: str, base_meta: dict[str, 
     wheels_from = pip_install_target(cache, rootfs / SITE, variant["packages"])
     r = _chroot_python(rootfs, variant["code"])
     if r.returncode != 0:
-        raise RuntimeError(f"chroot {rootfs} python3 -c {variant['code']!r} failed: "
-                           f"{r.stderr.strip()[-3000:]}")
+        raise RuntimeError(
+            f"chroot {rootfs} python3 -c {variant['code']!r} failed: {r.stderr.strip()[-3000:]}"
+        )
     entries, nbytes = tree_stats(rootfs)
-    log(f"  rootfs: {entries} entries, {nbytes / MB:.0f} MB; tar | gzip -6 (single-threaded, "
-        "once)")
-    tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "--sort=name", "-cf",
-                            "-", "."], stdout=subprocess.PIPE)
+    log(f"  rootfs: {entries} entries, {nbytes / MB:.0f} MB; tar | gzip -6 (single-threaded, once)")
+    tar = subprocess.Popen(
+        ["tar", "-C", str(rootfs), "--numeric-owner", "--sort=name", "-cf", "-", "."],
+        stdout=subprocess.PIPE,
+    )
     partial = vdir / "layer.tar.gz.partial"
     diff, tar_bytes = hashlib.sha256(), 0
     with open(partial, "wb") as out:
@@ -646,11 +760,19 @@ def build_variant(image_dir: Path, cache: Path, name: str, base_meta: dict[str, 
             raise RuntimeError(f"tar ({tar.returncode}) | gzip ({gz.returncode}) failed")
     os.replace(partial, layer)
     meta = {
-        "variant": name, "what": variant["what"], "code": variant["code"],
-        "packages": variant["packages"], "wheels": wheels_from, "base": base_meta,
-        "entries": entries, "bytes": nbytes, "tar_bytes": tar_bytes,
-        "diff_id": "sha256:" + diff.hexdigest(), "gzip_bytes": layer.stat().st_size,
-        "gzip_digest": "sha256:" + sha256_file(layer), "seconds": time.perf_counter() - t0,
+        "variant": name,
+        "what": variant["what"],
+        "code": variant["code"],
+        "packages": variant["packages"],
+        "wheels": wheels_from,
+        "base": base_meta,
+        "entries": entries,
+        "bytes": nbytes,
+        "tar_bytes": tar_bytes,
+        "diff_id": "sha256:" + diff.hexdigest(),
+        "gzip_bytes": layer.stat().st_size,
+        "gzip_digest": "sha256:" + sha256_file(layer),
+        "seconds": time.perf_counter() - t0,
         "built": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
@@ -666,8 +788,15 @@ class Bench:
         self.quick = bool(args.quick)
         self.variant = "quick" if self.quick else "full"
         self.repeat = max(1, args.repeat)
-        self.cache = Path(args.cache or os.environ.get("BOOTSEER_BENCH_CACHE")
-                          or Path.home() / ".cache" / "bootseer-bench").expanduser().resolve()
+        self.cache = (
+            Path(
+                args.cache
+                or os.environ.get("BOOTSEER_BENCH_CACHE")
+                or Path.home() / ".cache" / "bootseer-bench"
+            )
+            .expanduser()
+            .resolve()
+        )
         self.image_dir = self.cache / "image"
         self.work = self.cache / "prefetch-run"
         self.results_dir = Path(args.results)
@@ -684,26 +813,39 @@ class Bench:
             "repeat": self.repeat,
             "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
             "machine": {
-                "cpus": os.cpu_count(), "ram_bytes": mem_total(),
-                "platform": platform.platform(), "python": platform.python_version(),
-                "tar": version_of(["tar", "--version"]), "gzip": version_of(["gzip", "--version"]),
+                "cpus": os.cpu_count(),
+                "ram_bytes": mem_total(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "tar": version_of(["tar", "--version"]),
+                "gzip": version_of(["gzip", "--version"]),
                 "curl": version_of(["curl", "--version"]),
                 "registry": version_of(["docker-registry", "--version"]),
             },
-            "link": {"latency_ms": LINK.latency_s * 1e3, "per_conn_mb_s": 10.0,
-                     "total_mb_s": 160.0, "describe": LINK.describe(),
-                     "connections": CONNECTIONS},
-            "targets": {"profile_vs_floor_max": VS_FLOOR, "full_over_profile_min": VS_FULL,
-                        "lazy_over_profile_min": VS_LAZY, "bytes_vs_read_max": BYTES_VS_READ},
+            "link": {
+                "latency_ms": LINK.latency_s * 1e3,
+                "per_conn_mb_s": 10.0,
+                "total_mb_s": 160.0,
+                "describe": LINK.describe(),
+                "connections": CONNECTIONS,
+            },
+            "targets": {
+                "profile_vs_floor_max": VS_FLOOR,
+                "full_over_profile_min": VS_FULL,
+                "lazy_over_profile_min": VS_LAZY,
+                "bytes_vs_read_max": BYTES_VS_READ,
+            },
             "runs": {m: [] for m in (*METHODS, "record", "warm")},
-            "warnings": [], "errors": self.errors,
+            "warnings": [],
+            "errors": self.errors,
         }
 
     # -- setup ----------------------------------------------------------------------------
     def setup(self) -> None:
         if os.geteuid() != 0:
-            raise RuntimeError("needs root: debootstrap, chroot, drop_caches and a FUSE mount "
-                               "with device nodes")
+            raise RuntimeError(
+                "needs root: debootstrap, chroot, drop_caches and a FUSE mount with device nodes"
+            )
         for tool in ("curl", "tar", "gzip", "chroot", "fusermount"):
             if shutil.which(tool) is None:
                 raise RuntimeError(f"{tool} is not installed")
@@ -713,56 +855,90 @@ class Bench:
         self.stack.callback(self.cleanup)
         self.R["machine"]["work_fs"] = fs_type(self.work)
         base = build_base(self.image_dir, self.args.base)
-        log(f"base rootfs: {base['source']}"
-            + (f" ({base.get('mirror')} {base.get('suite')}, {base.get('variant')})"
-               if base["source"] == "debootstrap" else " (copied from this host's packages)")
-            + f", python {base.get('python')}")
+        log(
+            f"base rootfs: {base['source']}"
+            + (
+                f" ({base.get('mirror')} {base.get('suite')}, {base.get('variant')})"
+                if base["source"] == "debootstrap"
+                else " (copied from this host's packages)"
+            )
+            + f", python {base.get('python')}"
+        )
         self.image = build_variant(self.image_dir, self.cache, self.variant, base)
         self.code = self.image["code"]
         self.R["image"] = self.image
-        log(f"image: {self.image['what']}, {self.image['entries']} entries, "
+        log(
+            f"image: {self.image['what']}, {self.image['entries']} entries, "
             f"{self.image['bytes'] / MB:.0f} MB in files, tar {self.image['tar_bytes'] / MB:.0f} MB, "
-            f"gzip layer {self.image['gzip_bytes'] / MB:.0f} MB")
+            f"gzip layer {self.image['gzip_bytes'] / MB:.0f} MB"
+        )
 
         self.registry = RegistryServer(self.image_dir / "registry").start()
         self.stack.callback(self.registry.close)
         self.shaper = ShaperProcess("127.0.0.1", self.registry.port, LINK).start()
         self.stack.callback(self.shaper.stop)
-        log(f"registry {self.registry.host} (storage {self.registry.storage_dir}); "
-            f"shaper {self.shaper.address}: {LINK.describe()}")
+        log(
+            f"registry {self.registry.host} (storage {self.registry.storage_dir}); "
+            f"shaper {self.shaper.address}: {LINK.describe()}"
+        )
         self.repo = f"bench/{self.variant}-{base['source']}"
-        config = {"architecture": "amd64", "os": "linux",
-                  "config": {"Env": [f"PATH={CHROOT_ENV['PATH']}"], "Cmd": ["/usr/bin/python3"]},
-                  "rootfs": {"type": "layers", "diff_ids": [self.image["diff_id"]]}}
-        pushed = self.helper("push", {"registry": self.registry.host, "repo": self.repo,
-                                      "tag": "gzip", "layer": str(self.image_dir / f"{self.variant}-{base['source']}" / "layer.tar.gz"),
-                                      "digest": self.image["gzip_digest"],
-                                      "size": self.image["gzip_bytes"], "config": config})
+        config = {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Env": [f"PATH={CHROOT_ENV['PATH']}"], "Cmd": ["/usr/bin/python3"]},
+            "rootfs": {"type": "layers", "diff_ids": [self.image["diff_id"]]},
+        }
+        pushed = self.helper(
+            "push",
+            {
+                "registry": self.registry.host,
+                "repo": self.repo,
+                "tag": "gzip",
+                "layer": str(self.image_dir / f"{self.variant}-{base['source']}" / "layer.tar.gz"),
+                "digest": self.image["gzip_digest"],
+                "size": self.image["gzip_bytes"],
+                "config": config,
+            },
+        )
         self.R["image"]["manifest"] = pushed["manifest"]
-        log(f"gzip image {self.registry.host}/{self.repo}:gzip ({pushed['manifest'][:19]}; "
-            f"push/check {pushed['seconds']:.1f} s)")
+        log(
+            f"gzip image {self.registry.host}/{self.repo}:gzip ({pushed['manifest'][:19]}; "
+            f"push/check {pushed['seconds']:.1f} s)"
+        )
 
         # Conversion: every run, into a fresh repository (the figure is this run's); unshaped.
         dst_repo = f"{self.repo}-lazy-{self.run_id}"
         log(f"convert_image -> {dst_repo}:lazy (unshaped registry) ...")
-        conv = self.helper("convert", {"src": f"{self.registry.host}/{self.repo}:gzip",
-                                       "dst": f"{self.registry.host}/{dst_repo}:lazy",
-                                       "workdir": str(self.work)}, timeout=3600)
+        conv = self.helper(
+            "convert",
+            {
+                "src": f"{self.registry.host}/{self.repo}:gzip",
+                "dst": f"{self.registry.host}/{dst_repo}:lazy",
+                "workdir": str(self.work),
+            },
+            timeout=3600,
+        )
         conv["mb_s"] = self.image["tar_bytes"] / MB / conv["seconds"]
         self.R["conversion"] = conv
-        log(f"  {conv['seconds']:.1f} s: {self.image['tar_bytes'] / MB:.0f} MB tar "
+        log(
+            f"  {conv['seconds']:.1f} s: {self.image['tar_bytes'] / MB:.0f} MB tar "
             f"({conv['size_before'] / MB:.0f} MB gzip) -> {conv['size_after'] / MB:.0f} MB "
-            f"seekable zstd, {conv['mb_s']:.0f} MB/s of uncompressed tar")
+            f"seekable zstd, {conv['mb_s']:.0f} MB/s of uncompressed tar"
+        )
         self.lazy_ref = f"{self.shaper.address}/{dst_repo}:lazy"
-        self.gzip_url = (f"http://{self.shaper.address}/v2/{self.repo}/blobs/"
-                         f"{self.image['gzip_digest']}")
+        self.gzip_url = (
+            f"http://{self.shaper.address}/v2/{self.repo}/blobs/{self.image['gzip_digest']}"
+        )
         self.gzip_blob = self.registry.blob_path(self.image["gzip_digest"])
         self.lazy_blobs = [self.registry.blob_path(d) for d in conv["layer_digests"]]
 
     def helper(self, name: str, params: dict[str, Any], timeout: float = 3600) -> dict[str, Any]:
-        out = run_checked([sys.executable, str(Path(__file__).resolve()), "--helper", name,
-                           json.dumps(params)], env=clean_env(), what=f"helper {name}",
-                          timeout=timeout)
+        out = run_checked(
+            [sys.executable, str(Path(__file__).resolve()), "--helper", name, json.dumps(params)],
+            env=clean_env(),
+            what=f"helper {name}",
+            timeout=timeout,
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def cleanup(self) -> None:
@@ -785,9 +961,15 @@ class Bench:
         logf.write(f"\n$ chroot {root} /usr/bin/python3 -c {self.code!r}\n".encode())
         logf.flush()
         try:
-            return subprocess.run(["chroot", str(root), "/usr/bin/python3", "-c", self.code],
-                                  env=CHROOT_ENV, stdin=subprocess.DEVNULL, stdout=logf,
-                                  stderr=logf, timeout=timeout, check=False).returncode
+            return subprocess.run(
+                ["chroot", str(root), "/usr/bin/python3", "-c", self.code],
+                env=CHROOT_ENV,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                timeout=timeout,
+                check=False,
+            ).returncode
         except subprocess.TimeoutExpired:
             return None
 
@@ -818,10 +1000,17 @@ class Bench:
         self.go_cold([self.gzip_blob])
         with open(logp, "ab") as logf:
             t0 = time.perf_counter()
-            curl = subprocess.Popen(["curl", "-sS", "-f", "--noproxy", "*", self.gzip_url],
-                                    stdout=subprocess.PIPE, stderr=logf, env=clean_env())
-            tar = subprocess.Popen(["tar", "-xzf", "-", "-C", str(dest), "--numeric-owner"],
-                                   stdin=curl.stdout, stderr=logf)
+            curl = subprocess.Popen(
+                ["curl", "-sS", "-f", "--noproxy", "*", self.gzip_url],
+                stdout=subprocess.PIPE,
+                stderr=logf,
+                env=clean_env(),
+            )
+            tar = subprocess.Popen(
+                ["tar", "-xzf", "-", "-C", str(dest), "--numeric-owner"],
+                stdin=curl.stdout,
+                stderr=logf,
+            )
             assert curl.stdout is not None
             curl.stdout.close()
             try:
@@ -840,10 +1029,17 @@ class Bench:
         if rc != 0:
             raise RuntimeError(f"import exited {rc} (log {logp})")
         self.last_rootfs = dest
-        r = {"total": total, "download_done": t_download, "extract_done": t_extract,
-             "import": total - t_extract, "gzip_bytes": self.image["gzip_bytes"]}
-        log(f"  {total:.2f} s (download done {t_download:.2f}, extract done {t_extract:.2f}, "
-            f"import {total - t_extract:.2f})")
+        r = {
+            "total": total,
+            "download_done": t_download,
+            "extract_done": t_extract,
+            "import": total - t_extract,
+            "gzip_bytes": self.image["gzip_bytes"],
+        }
+        log(
+            f"  {total:.2f} s (download done {t_download:.2f}, extract done {t_extract:.2f}, "
+            f"import {total - t_extract:.2f})"
+        )
         return r
 
     def floor(self, rnd: int) -> dict[str, Any]:
@@ -861,8 +1057,15 @@ class Bench:
         log(f"  {total:.2f} s")
         return {"total": total}
 
-    def lazy_start(self, name: str, rnd: int, *, record: bool = False,
-                   profile: bool = False, cache: Path | None = None) -> dict[str, Any]:
+    def lazy_start(
+        self,
+        name: str,
+        rnd: int,
+        *,
+        record: bool = False,
+        profile: bool = False,
+        cache: Path | None = None,
+    ) -> dict[str, Any]:
         tag = f"{name}-r{rnd}"
         mnt = self.work / f"{tag}-mnt"
         mnt.mkdir()
@@ -870,24 +1073,36 @@ class Bench:
             cache = self.work / f"{tag}-cache"
             cache.mkdir()
         out, logp = self.work / f"{tag}.json", self.work / f"{tag}.log"
-        spec = {"ref": self.lazy_ref, "cache": str(cache), "mnt": str(mnt), "record": record,
-                "profile": profile, "connections": CONNECTIONS, "out": str(out)}
+        spec = {
+            "ref": self.lazy_ref,
+            "cache": str(cache),
+            "mnt": str(mnt),
+            "record": record,
+            "profile": profile,
+            "connections": CONNECTIONS,
+            "out": str(out),
+        }
         spec_path = self.work / f"{tag}.spec.json"
         spec_path.write_text(json.dumps(spec))
         self.go_cold(self.lazy_blobs)
         lines: queue.Queue[str | None] = queue.Queue()
         with open(logp, "ab") as logf:
             t0 = time.perf_counter()
-            child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()),
-                                      "--mount-child", str(spec_path)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf,
-                                     env=clean_env(), start_new_session=True)
+            child = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--mount-child", str(spec_path)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=logf,
+                env=clean_env(),
+                start_new_session=True,
+            )
 
             def pump() -> None:
                 assert child.stdout is not None
                 for raw in child.stdout:
                     lines.put(raw.decode(errors="replace").rstrip("\n"))
                 lines.put(None)
+
             threading.Thread(target=pump, daemon=True).start()
             try:
                 self._expect(lines, "READY", READY_TIMEOUT_S, logp)
@@ -921,22 +1136,34 @@ class Bench:
         if info.get("error"):
             raise RuntimeError(f"mount child: {info['error']} (log {logp})")
         st = info["stats"]
-        r = {"total": total, "ready": t_ready, "import": total - t_ready, "child": info,
-             "bytes_fetched": st["bytes_fetched"], "requests": st["requests"],
-             "read_unique_bytes": info["read_unique_bytes"], "saved": saved}
+        r = {
+            "total": total,
+            "ready": t_ready,
+            "import": total - t_ready,
+            "child": info,
+            "bytes_fetched": st["bytes_fetched"],
+            "requests": st["requests"],
+            "read_unique_bytes": info["read_unique_bytes"],
+            "saved": saved,
+        }
         extra = ""
         if profile:
             p = info.get("profile")
             if p is None:
-                raise RuntimeError(f"the profile start found no profile: "
-                                   f"{info.get('profile_error')}")
-            extra = (f"; profile {p['frames']} frames, {p['hot_bytes'] / MB:.1f} MB "
-                     f"({100 * p['coverage']:.0f}% of the image), full={p['full']}")
-        log(f"  {total:.2f} s (ready {t_ready:.2f}, import {total - t_ready:.2f}); fetched "
+                raise RuntimeError(
+                    f"the profile start found no profile: {info.get('profile_error')}"
+                )
+            extra = (
+                f"; profile {p['frames']} frames, {p['hot_bytes'] / MB:.1f} MB "
+                f"({100 * p['coverage']:.0f}% of the image), full={p['full']}"
+            )
+        log(
+            f"  {total:.2f} s (ready {t_ready:.2f}, import {total - t_ready:.2f}); fetched "
             f"{st['bytes_fetched'] / MB:.1f} MB in {st['requests']} requests, "
             f"{info['frames_read']} frames read ({st['cache_hits']} from cache), readers waited "
             f"{st['seconds_waiting']:.2f} s; FUSE returned {info['read_bytes'] / MB:.1f} MB "
-            f"({info['read_unique_bytes'] / MB:.1f} MB unique){extra}")
+            f"({info['read_unique_bytes'] / MB:.1f} MB unique){extra}"
+        )
         return r
 
     def _expect(self, lines: queue.Queue, prefix: str, timeout: float, logp: Path) -> str:
@@ -944,8 +1171,9 @@ class Bench:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(f"mount child: no {prefix.strip()} after {timeout:.0f} s "
-                                   f"(log {logp})")
+                raise RuntimeError(
+                    f"mount child: no {prefix.strip()} after {timeout:.0f} s (log {logp})"
+                )
             try:
                 line = lines.get(timeout=left)
             except queue.Empty:
@@ -964,29 +1192,36 @@ class Bench:
         if self.R["loadavg_at_start"][0] > 1.0:
             self.R["warnings"].append(
                 f"load average {self.R['loadavg_at_start'][0]:.2f} at the start: other processes "
-                "were busy; timings may be high")
+                "were busy; timings may be high"
+            )
         recorded = None
         for rnd in range(self.repeat):
             self.measure("full", rnd, self.full_pull)
             self.measure("lazy", rnd, lambda r: self.lazy_start("lazy", r))
             if recorded is None:
-                rec = self.measure("record", rnd, lambda r: self.lazy_start("record", r,
-                                                                            record=True))
+                rec = self.measure(
+                    "record", rnd, lambda r: self.lazy_start("record", r, record=True)
+                )
                 recorded = rec["saved"] if rec else None
             if recorded is not None:
-                res = self.measure("profile", rnd, lambda r: self.lazy_start("profile", r,
-                                                                             profile=True))
+                res = self.measure(
+                    "profile", rnd, lambda r: self.lazy_start("profile", r, profile=True)
+                )
                 if res and abs(res["child"]["profile"]["recorded"] - recorded["recorded"]) > 1e-3:
-                    self.R["warnings"].append("the profile start loaded another profile than "
-                                              "the one this run recorded")
+                    self.R["warnings"].append(
+                        "the profile start loaded another profile than the one this run recorded"
+                    )
             else:
                 self.errors.append("profile: skipped, no profile was recorded")
             if self.R["runs"]["profile"] and not self.R["runs"]["profile"][-1].get("error"):
                 # Info: the same start with every frame it reads already in the block cache
                 # (the profile start's cache), page cache dropped: what FUSE, the cache and
                 # decompression cost without any network.
-                self.measure("warm", rnd, lambda r: self.lazy_start(
-                    "warm", r, cache=self.work / f"profile-r{r}-cache"))
+                self.measure(
+                    "warm",
+                    rnd,
+                    lambda r: self.lazy_start("warm", r, cache=self.work / f"profile-r{r}-cache"),
+                )
             self.measure("floor", rnd, self.floor)
         if not self.cold:
             self.R["warnings"].append("the page cache could not be dropped: WARM figures")
@@ -1012,81 +1247,138 @@ class Bench:
             return f" (median of {', '.join(f'{x:.2f}' for x in runs)})" if len(runs) > 1 else ""
 
         ratio = p / fl if p and fl else None
-        rows.append([LABELS["profile"] + " vs floor", t(p) + runs_text("profile"),
-                     f"floor {t(fl)}{runs_text('floor')}",
-                     "n/a" if ratio is None else f"{ratio:.2f}x of floor",
-                     f"<= {VS_FLOOR:g}x floor", verdict(None if ratio is None else
-                                                         ratio <= VS_FLOOR)])
+        rows.append(
+            [
+                LABELS["profile"] + " vs floor",
+                t(p) + runs_text("profile"),
+                f"floor {t(fl)}{runs_text('floor')}",
+                "n/a" if ratio is None else f"{ratio:.2f}x of floor",
+                f"<= {VS_FLOOR:g}x floor",
+                verdict(None if ratio is None else ratio <= VS_FLOOR),
+            ]
+        )
         ratio = fu / p if p and fu else None
-        rows.append([LABELS["profile"] + " vs full pull", t(p), f"full pull {t(fu)}"
-                     + runs_text("full"), "n/a" if ratio is None else f"{ratio:.1f}x faster",
-                     f">= {VS_FULL:g}x faster", verdict(None if ratio is None else
-                                                         ratio >= VS_FULL)])
+        rows.append(
+            [
+                LABELS["profile"] + " vs full pull",
+                t(p),
+                f"full pull {t(fu)}" + runs_text("full"),
+                "n/a" if ratio is None else f"{ratio:.1f}x faster",
+                f">= {VS_FULL:g}x faster",
+                verdict(None if ratio is None else ratio >= VS_FULL),
+            ]
+        )
         ratio = la / p if p and la else None
-        rows.append([LABELS["profile"] + " vs without profile", t(p),
-                     f"without profile {t(la)}{runs_text('lazy')}",
-                     "n/a" if ratio is None else f"{ratio:.1f}x faster",
-                     f">= {VS_LAZY:g}x faster", verdict(None if ratio is None else
-                                                         ratio >= VS_LAZY)])
-        fetched, read = self.median("profile", "bytes_fetched"), self.median("lazy",
-                                                                           "read_unique_bytes")
+        rows.append(
+            [
+                LABELS["profile"] + " vs without profile",
+                t(p),
+                f"without profile {t(la)}{runs_text('lazy')}",
+                "n/a" if ratio is None else f"{ratio:.1f}x faster",
+                f">= {VS_LAZY:g}x faster",
+                verdict(None if ratio is None else ratio >= VS_LAZY),
+            ]
+        )
+        fetched, read = (
+            self.median("profile", "bytes_fetched"),
+            self.median("lazy", "read_unique_bytes"),
+        )
         ratio = fetched / read if fetched is not None and read else None
-        rows.append(["bytes fetched with profile (frames, compressed) vs bytes startup read",
-                     _mb(fetched), f"startup read {_mb(read)} (unique FUSE read bytes, "
-                                   "lazy start without profile)",
-                     "n/a" if ratio is None else f"{ratio:.2f}x",
-                     f"<= {BYTES_VS_READ:g}x", verdict(None if ratio is None else
-                                                        ratio <= BYTES_VS_READ)])
+        rows.append(
+            [
+                "bytes fetched with profile (frames, compressed) vs bytes startup read",
+                _mb(fetched),
+                f"startup read {_mb(read)} (unique FUSE read bytes, lazy start without profile)",
+                "n/a" if ratio is None else f"{ratio:.2f}x",
+                f"<= {BYTES_VS_READ:g}x",
+                verdict(None if ratio is None else ratio <= BYTES_VS_READ),
+            ]
+        )
         # info rows
         full = [r for r in self.R["runs"]["full"] if not r.get("error")]
         if full:
             f0 = full[-1]
-            rows.append([LABELS["full"], t(fu), f"download done {f0['download_done']:.2f} s, "
-                         f"extract done {f0['extract_done']:.2f} s, import {f0['import']:.2f} s "
-                         f"({_mb(f0['gzip_bytes'])} gzip)", "", "", "info"])
+            rows.append(
+                [
+                    LABELS["full"],
+                    t(fu),
+                    f"download done {f0['download_done']:.2f} s, "
+                    f"extract done {f0['extract_done']:.2f} s, import {f0['import']:.2f} s "
+                    f"({_mb(f0['gzip_bytes'])} gzip)",
+                    "",
+                    "",
+                    "info",
+                ]
+            )
         for method in ("lazy", "profile", "record", "warm"):
             ok = [r for r in self.R["runs"][method] if not r.get("error")]
             if not ok:
                 continue
             r0, c = ok[-1], ok[-1]["child"]
             st = c["stats"]
-            phases = (f"child: imports {c['t_imports']:.2f}, open_image {c['t_open'] - c['t_imports']:.2f}"
-                      + (f", profile {c['t_profile_loaded'] - c['t_open']:.2f}"
-                         if "t_profile_loaded" in c else "")
-                      + f", mounted at {c.get('t_ready', 0):.2f} s")
-            detail = (f"ready {r0['ready']:.2f} s ({phases}) + import {r0['import']:.2f} s; fetched "
-                      f"{_mb(st['bytes_fetched'])} in {st['requests']} requests (+ TOC "
-                      f"{_mb(c['toc_bytes'])}); {c['frames_read']} frames read "
-                      f"({_mb(c['frames_read_c_bytes'])} compressed, "
-                      f"{_mb(c['frames_read_u_bytes'])} raw), {st['cache_hits']} from cache; "
-                      f"readers waited {st['seconds_waiting']:.2f} s; FUSE returned "
-                      f"{_mb(c['read_bytes'])} ({_mb(c['read_unique_bytes'])} unique)")
+            phases = (
+                f"child: imports {c['t_imports']:.2f}, open_image {c['t_open'] - c['t_imports']:.2f}"
+                + (
+                    f", profile {c['t_profile_loaded'] - c['t_open']:.2f}"
+                    if "t_profile_loaded" in c
+                    else ""
+                )
+                + f", mounted at {c.get('t_ready', 0):.2f} s"
+            )
+            detail = (
+                f"ready {r0['ready']:.2f} s ({phases}) + import {r0['import']:.2f} s; fetched "
+                f"{_mb(st['bytes_fetched'])} in {st['requests']} requests (+ TOC "
+                f"{_mb(c['toc_bytes'])}); {c['frames_read']} frames read "
+                f"({_mb(c['frames_read_c_bytes'])} compressed, "
+                f"{_mb(c['frames_read_u_bytes'])} raw), {st['cache_hits']} from cache; "
+                f"readers waited {st['seconds_waiting']:.2f} s; FUSE returned "
+                f"{_mb(c['read_bytes'])} ({_mb(c['read_unique_bytes'])} unique)"
+            )
             if method == "profile" and c.get("profile"):
                 pr = c["profile"]
-                detail += (f"; plan {pr['plan_frames']} frames {_mb(pr['plan_bytes'])}, "
-                           f"full={pr['full']}, {st['prefetched']} prefetched, "
-                           f"{st['prefetched_unused']} unused")
+                detail += (
+                    f"; plan {pr['plan_frames']} frames {_mb(pr['plan_bytes'])}, "
+                    f"full={pr['full']}, {st['prefetched']} prefetched, "
+                    f"{st['prefetched_unused']} unused"
+                )
             if method == "record" and r0.get("saved"):
                 s = r0["saved"]
-                detail += (f"; profile {s['frames']} frames, {_mb(s['hot_bytes'])} "
-                           f"({100 * s['coverage']:.0f}% of {_mb(s['image_bytes'])}), stored in "
-                           f"{s['seconds_to_save']:.2f} s")
+                detail += (
+                    f"; profile {s['frames']} frames, {_mb(s['hot_bytes'])} "
+                    f"({100 * s['coverage']:.0f}% of {_mb(s['image_bytes'])}), stored in "
+                    f"{s['seconds_to_save']:.2f} s"
+                )
             warm = self.median("warm") if method == "warm" else None
             ratio_text = f"{warm / fl:.2f}x of floor" if warm and fl else ""
             if len(ok) > 1:
                 detail = "last round: " + detail
-            rows.append([LABELS[method], t(r0["total"]) if method == "record" else
-                         t(self.median(method)), detail, ratio_text, "", "info"])
+            rows.append(
+                [
+                    LABELS[method],
+                    t(r0["total"]) if method == "record" else t(self.median(method)),
+                    detail,
+                    ratio_text,
+                    "",
+                    "info",
+                ]
+            )
         if fl is not None:
             rows.append([LABELS["floor"], t(fl), "", "", "", "info"])
         conv = self.R.get("conversion")
         if conv:
-            rows.append(["conversion throughput (convert_image, unshaped registry)",
-                         f"{conv['mb_s']:.0f} MB/s",
-                         f"{conv['seconds']:.1f} s for {_mb(self.image['tar_bytes'])} tar: "
-                         f"{_mb(conv['size_before'])} gzip -> {_mb(conv['size_after'])} seekable "
-                         f"zstd (level {conv.get('level', '?')}, frames "
-                         f"{conv.get('frame_size', 0) // 1024} KiB)", "", "", "info"])
+            rows.append(
+                [
+                    "conversion throughput (convert_image, unshaped registry)",
+                    f"{conv['mb_s']:.0f} MB/s",
+                    f"{conv['seconds']:.1f} s for {_mb(self.image['tar_bytes'])} tar: "
+                    f"{_mb(conv['size_before'])} gzip -> {_mb(conv['size_after'])} seekable "
+                    f"zstd (level {conv.get('level', '?')}, frames "
+                    f"{conv.get('frame_size', 0) // 1024} KiB)",
+                    "",
+                    "",
+                    "info",
+                ]
+            )
         return rows
 
     def report(self) -> None:
@@ -1095,32 +1387,50 @@ class Bench:
         table = md_table(head, rows)
         self.R["table"] = [dict(zip(head, r, strict=True)) for r in rows]
         cpus = os.cpu_count() or 1
-        busy = [f"{m} ({r['loadavg_before']:.1f})" for m, runs in self.R["runs"].items()
-                for r in runs if r.get("loadavg_before", 0) > cpus + 1]
+        busy = [
+            f"{m} ({r['loadavg_before']:.1f})"
+            for m, runs in self.R["runs"].items()
+            for r in runs
+            if r.get("loadavg_before", 0) > cpus + 1
+        ]
         if busy:
-            self.R["warnings"].append(f"load average above {cpus + 1} ({cpus} CPUs) before: "
-                                      f"{', '.join(busy)}; those figures may be high")
+            self.R["warnings"].append(
+                f"load average above {cpus + 1} ({cpus} CPUs) before: "
+                f"{', '.join(busy)}; those figures may be high"
+            )
         if self.quick:
-            self.R["warnings"].append("--quick: numpy only (no torch); a smoke run, not the "
-                                      "figures")
+            self.R["warnings"].append(
+                "--quick: numpy only (no torch); a smoke run, not the figures"
+            )
         self.R["load_end"] = [round(x, 2) for x in os.getloadavg()]
         print("")
         m, img = self.R["machine"], self.R.get("image", {})
-        log(f"== results ({'cold node: page cache dropped before each method' if self.cold else 'WARM'}; "
-            f"{m['cpus']} CPUs, {m['ram_bytes'] / 2**30:.1f} GiB RAM)")
+        log(
+            f"== results ({'cold node: page cache dropped before each method' if self.cold else 'WARM'}; "
+            f"{m['cpus']} CPUs, {m['ram_bytes'] / 2**30:.1f} GiB RAM)"
+        )
         if img:
             base = img["base"]
-            print(f"image: {img['what']}, base {base['source']}"
-                  + (f" (debootstrap --variant=minbase {base.get('suite')})"
-                     if base["source"] == "debootstrap" else " (host packages)")
-                  + f", python {base.get('python')}; {img['entries']} entries, "
-                  f"{img['bytes'] / MB:.0f} MB in files; one gzip layer {img['gzip_bytes'] / MB:.0f} MB")
-        print(f"link: registry behind the shaper, {LINK.describe()}; startup = "
-              f"`chroot ROOT python3 -c \"{self.R.get('image', {}).get('code', '?')}\"` exits 0")
+            print(
+                f"image: {img['what']}, base {base['source']}"
+                + (
+                    f" (debootstrap --variant=minbase {base.get('suite')})"
+                    if base["source"] == "debootstrap"
+                    else " (host packages)"
+                )
+                + f", python {base.get('python')}; {img['entries']} entries, "
+                f"{img['bytes'] / MB:.0f} MB in files; one gzip layer {img['gzip_bytes'] / MB:.0f} MB"
+            )
+        print(
+            f"link: registry behind the shaper, {LINK.describe()}; startup = "
+            f'`chroot ROOT python3 -c "{self.R.get("image", {}).get("code", "?")}"` exits 0'
+        )
         for line in table:
             print(line)
-        print(f"load average: before the run {self.R['loadavg_at_start'][0]:.2f}, after "
-              f"{self.R['load_end'][0]:.2f}")
+        print(
+            f"load average: before the run {self.R['loadavg_at_start'][0]:.2f}, after "
+            f"{self.R['load_end'][0]:.2f}"
+        )
         for w in self.R["warnings"]:
             print(f"WARNING: {w}")
         for e in self.errors:
@@ -1133,35 +1443,46 @@ class Bench:
         self.R["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
         self.R["elapsed_s"] = time.monotonic() - _T0
         (self.results_dir / f"{SUITE}.json").write_text(
-            json.dumps(self.R, indent=2, default=str) + "\n")
+            json.dumps(self.R, indent=2, default=str) + "\n"
+        )
         if table is None:
             log(f"wrote {self.results_dir / f'{SUITE}.json'} (partial)")
             return
         m, img = self.R["machine"], self.R.get("image", {})
         base = img.get("base", {})
-        md = [f"# prefetch benchmark ({'quick' if self.quick else 'full'} run)", "",
-              f"- command: `{self.R['command']}` (run time {self.R['elapsed_s']:.0f} s, "
-              f"{self.R['finished']})",
-              f"- machine: {m['cpus']} CPUs, {m['ram_bytes'] / 2**30:.1f} GiB RAM, "
-              f"{m['platform']}, Python {m['python']}, {m['tar']}, {m['gzip']}, "
-              f"{m['curl'].split(' (')[0]}, docker-registry {m['registry']}; work dir on "
-              f"{m.get('work_fs')}",
-              f"- source: commit {self.R['source'].get('commit', '?')[:12]}"
-              + (f", local changes in {', '.join(self.R['source']['local_changes'])}"
-                 if self.R["source"].get("local_changes") else ""),
-              f"- load average: {self.R['loadavg_at_start'][0]:.2f} at start, "
-              f"{self.R.get('load_end', ['?'])[0]} at end",
-              f"- {'cold node: `sync; echo 3 > /proc/sys/vm/drop_caches` before each method (the registry blob re-read into the page cache)' if self.cold else 'WARM: the page cache could not be dropped'}",
-              f"- image: {img.get('what')}; base "
-              + (f"`debootstrap --variant=minbase {base.get('suite')}` + apt python3"
-                 if base.get("source") == "debootstrap" else "copied from the host's Debian "
-                 "packages") + f" (python {base.get('python')}); {img.get('entries')} entries, "
-              f"{img.get('bytes', 0) / MB:.0f} MB in files, tar {img.get('tar_bytes', 0) / MB:.0f} MB, "
-              f"one gzip layer {img.get('gzip_bytes', 0) / MB:.0f} MB",
-              f"- startup: `chroot ROOT python3 -c \"{img.get('code')}\"` exits 0",
-              f"- link: the registry behind the shaping proxy, {LINK.describe()}; "
-              f"{CONNECTIONS} connections for lazy reads, one stream (curl) for the full pull",
-              "", *table]
+        md = [
+            f"# prefetch benchmark ({'quick' if self.quick else 'full'} run)",
+            "",
+            f"- command: `{self.R['command']}` (run time {self.R['elapsed_s']:.0f} s, "
+            f"{self.R['finished']})",
+            f"- machine: {m['cpus']} CPUs, {m['ram_bytes'] / 2**30:.1f} GiB RAM, "
+            f"{m['platform']}, Python {m['python']}, {m['tar']}, {m['gzip']}, "
+            f"{m['curl'].split(' (')[0]}, docker-registry {m['registry']}; work dir on "
+            f"{m.get('work_fs')}",
+            f"- source: commit {self.R['source'].get('commit', '?')[:12]}"
+            + (
+                f", local changes in {', '.join(self.R['source']['local_changes'])}"
+                if self.R["source"].get("local_changes")
+                else ""
+            ),
+            f"- load average: {self.R['loadavg_at_start'][0]:.2f} at start, "
+            f"{self.R.get('load_end', ['?'])[0]} at end",
+            f"- {'cold node: `sync; echo 3 > /proc/sys/vm/drop_caches` before each method (the registry blob re-read into the page cache)' if self.cold else 'WARM: the page cache could not be dropped'}",
+            f"- image: {img.get('what')}; base "
+            + (
+                f"`debootstrap --variant=minbase {base.get('suite')}` + apt python3"
+                if base.get("source") == "debootstrap"
+                else "copied from the host's Debian packages"
+            )
+            + f" (python {base.get('python')}); {img.get('entries')} entries, "
+            f"{img.get('bytes', 0) / MB:.0f} MB in files, tar {img.get('tar_bytes', 0) / MB:.0f} MB, "
+            f"one gzip layer {img.get('gzip_bytes', 0) / MB:.0f} MB",
+            f'- startup: `chroot ROOT python3 -c "{img.get("code")}"` exits 0',
+            f"- link: the registry behind the shaping proxy, {LINK.describe()}; "
+            f"{CONNECTIONS} connections for lazy reads, one stream (curl) for the full pull",
+            "",
+            *table,
+        ]
         if self.R["warnings"]:
             md += ["", *[f"- WARNING: {w}" for w in self.R["warnings"]]]
         if self.errors:
@@ -1172,8 +1493,18 @@ class Bench:
 
 # C extensions the mount child loads. A process that has them mapped keeps their pages in the
 # page cache through drop_caches: `bootseer bench` runs this script in a fresh interpreter.
-_MAPPED_BY_TOOLS = ("aiohttp", "yarl", "multidict", "frozenlist", "propcache", "zstandard",
-                    "fuse", "numpy", "torch", "prefetch.fetcher")
+_MAPPED_BY_TOOLS = (
+    "aiohttp",
+    "yarl",
+    "multidict",
+    "frozenlist",
+    "propcache",
+    "zstandard",
+    "fuse",
+    "numpy",
+    "torch",
+    "prefetch.fetcher",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1185,23 +1516,43 @@ def main(argv: list[str] | None = None) -> int:
     if any(name in sys.modules for name in _MAPPED_BY_TOOLS):
         return reexec(__file__, argv)
     parser = argparse.ArgumentParser(prog="bench_prefetch.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--results", default="bench-results", help="directory for prefetch.json/.md")
-    parser.add_argument("--quick", action="store_true",
-                        help="numpy only (no torch): a smoke run of about a minute once built")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="rounds of the four methods (one profile recorded); medians reported")
-    parser.add_argument("--cache", help="cache dir (default ~/.cache/bootseer-bench, env "
-                                        "BOOTSEER_BENCH_CACHE); the image is built under CACHE/image")
-    parser.add_argument("--base", choices=("auto", "debootstrap", "host"), default="auto",
-                        help="base rootfs: debootstrap (default when deb.debian.org answers) or a "
-                             "copy of this host's Debian python3.11 packages")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep CACHE/prefetch-run (trees, caches, logs) for inspection")
+    parser.add_argument(
+        "--results", default="bench-results", help="directory for prefetch.json/.md"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="numpy only (no torch): a smoke run of about a minute once built",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of the four methods (one profile recorded); medians reported",
+    )
+    parser.add_argument(
+        "--cache",
+        help="cache dir (default ~/.cache/bootseer-bench, env "
+        "BOOTSEER_BENCH_CACHE); the image is built under CACHE/image",
+    )
+    parser.add_argument(
+        "--base",
+        choices=("auto", "debootstrap", "host"),
+        default="auto",
+        help="base rootfs: debootstrap (default when deb.debian.org answers) or a "
+        "copy of this host's Debian python3.11 packages",
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep CACHE/prefetch-run (trees, caches, logs) for inspection",
+    )
     args = parser.parse_args(argv)
     bench = Bench(args)
     code = run_bench(bench, done_key="finished")
     log(f"done in {time.monotonic() - _T0:.0f} s")
     return code
+
 
 if __name__ == "__main__":
     sys.exit(main())

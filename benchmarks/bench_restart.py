@@ -70,8 +70,13 @@ def _serving(address: str, deadline: float) -> bool:
     with grpc.insecure_channel(f"unix://{address}") as channel:
         stub = snapshots_pb2_grpc.SnapshotsStub(channel)
         try:
-            list(stub.List(snapshots_pb2.ListSnapshotsRequest(snapshotter="bootseer"),
-                           timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True))
+            list(
+                stub.List(
+                    snapshots_pb2.ListSnapshotsRequest(snapshotter="bootseer"),
+                    timeout=max(0.1, deadline - time.monotonic()),
+                    wait_for_ready=True,
+                )
+            )
         except grpc.RpcError:
             return False
     return True
@@ -94,19 +99,38 @@ class Node:
         started = time.monotonic()
         with open(log_file, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bootseer", "snapshotter", "--root", str(self.root),
-                 "--address", self.address, "--no-push-profiles", "--no-prefetch"],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=code_env(),
-                cwd=self.base, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "bootseer",
+                    "snapshotter",
+                    "--root",
+                    str(self.root),
+                    "--address",
+                    self.address,
+                    "--no-push-profiles",
+                    "--no-prefetch",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=code_env(),
+                cwd=self.base,
+                start_new_session=True,
+            )
         deadline = started + START_TIMEOUT_S
         while not os.path.exists(self.address):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the snapshotter on {self.root} did not start "
-                                   f"(exit {self.proc.poll()}):\n{log_file.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"the snapshotter on {self.root} did not start "
+                    f"(exit {self.proc.poll()}):\n{log_file.read_text()[-3000:]}"
+                )
             time.sleep(0.005)
         if not _serving(self.address, deadline):
-            raise RuntimeError(f"the snapshotter on {self.root} does not answer gRPC List "
-                               f"within {START_TIMEOUT_S:.0f} s:\n{log_file.read_text()[-3000:]}")
+            raise RuntimeError(
+                f"the snapshotter on {self.root} does not answer gRPC List "
+                f"within {START_TIMEOUT_S:.0f} s:\n{log_file.read_text()[-3000:]}"
+            )
         return time.monotonic() - started
 
     def took_over(self) -> bool:
@@ -124,6 +148,7 @@ class Node:
         self.proc.wait(timeout=60)
         if os.path.exists(self.address):  # a killed process leaves its socket behind
             os.unlink(self.address)
+
         def read() -> None:
             names = sorted(os.listdir(lazy))  # waits for a server; the clock is read after
             seen.append((time.monotonic(), names))
@@ -133,10 +158,15 @@ class Node:
         start_s = self.start()
         reader.join(timeout=START_TIMEOUT_S)
         if not seen:
-            raise RuntimeError(f"the reader of {lazy} never got an answer:\n"
-                               f"{self.logs[-1].read_text()[-3000:]}")
-        return {"gap_s": round(seen[0][0] - stopped, 4), "start_s": round(start_s, 4),
-                "took_over": self.took_over(), "listing_equal": seen[0][1] == before}
+            raise RuntimeError(
+                f"the reader of {lazy} never got an answer:\n{self.logs[-1].read_text()[-3000:]}"
+            )
+        return {
+            "gap_s": round(seen[0][0] - stopped, 4),
+            "start_s": round(start_s, 4),
+            "took_over": self.took_over(),
+            "listing_equal": seen[0][1] == before,
+        }
 
     def stop(self) -> None:
         """Stop the snapshotter and unmount the lazy mount (its holder then exits, idle)."""
@@ -154,8 +184,10 @@ class Node:
         holder = str(self.base / "run" / "fuse-holder.sock")  # started by the first snapshotter
         left = _processes_with(holder, wait_s=30.0)
         if left:
-            raise RuntimeError(f"the FUSE holder of {self.root} (pids {left}) did not exit "
-                               "after the unmount: kill them and report a bug")
+            raise RuntimeError(
+                f"the FUSE holder of {self.root} (pids {left}) did not exit "
+                "after the unmount: kill them and report a bug"
+            )
 
 
 def _secs(stats: dict[str, Any]) -> str:
@@ -179,10 +211,10 @@ def _processes_with(text: str, *, wait_s: float) -> list[int]:
 
 def _stats(values: list[float]) -> dict[str, Any]:
     """Median and p90 (inclusive; the value itself for one sample) of ``values``."""
-    p90 = (statistics.quantiles(values, n=10, method="inclusive")[8] if len(values) > 1
-           else values[0])
-    return {"median": round(statistics.median(values), 4), "p90": round(p90, 4),
-            "all": values}
+    p90 = (
+        statistics.quantiles(values, n=10, method="inclusive")[8] if len(values) > 1 else values[0]
+    )
+    return {"median": round(statistics.median(values), 4), "p90": round(p90, 4), "all": values}
 
 
 class Bench:
@@ -195,17 +227,25 @@ class Bench:
         self.stack = contextlib.ExitStack()
         self.errors: list[str] = []
         self.R: dict[str, Any] = {
-            "suite": "restart", "quick": self.quick, "command": command_line("bench_restart.py"),
-            "source": source_state(["prefetch/containerd", "bootseer/cli",
-                                    "benchmarks/bench_restart.py"]),
+            "suite": "restart",
+            "quick": self.quick,
+            "command": command_line("bench_restart.py"),
+            "source": source_state(
+                ["prefetch/containerd", "bootseer/cli", "benchmarks/bench_restart.py"]
+            ),
             "pythonpath": os.environ.get("PYTHONPATH", ""),
             "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()},
-            "config": {"repeat": self.repeat}, "signals": {}, "errors": self.errors}
+            "config": {"repeat": self.repeat},
+            "signals": {},
+            "errors": self.errors,
+        }
 
     def run(self) -> None:
         work = work_dir(WORK_PREFIX, self.stack)  # a file at the cache: FileExistsError, exit 1
-        log(f"bench restart: {'quick' if self.quick else 'full'} run; {self.repeat} repeat(s) "
-            f"of each signal; work {work}")
+        log(
+            f"bench restart: {'quick' if self.quick else 'full'} run; {self.repeat} repeat(s) "
+            f"of each signal; work {work}"
+        )
         floor: list[float] = []
         for i in range(self.repeat):  # a fresh empty root each time: mount anew, new holder
             bare = Node(work / f"floor-{i}")
@@ -229,11 +269,14 @@ class Bench:
             self.R["signals"][name] = {
                 "gap_s": _stats([r["gap_s"] for r in rs]),
                 "start_s": _stats([r["start_s"] for r in rs]),
-                "rounds": rs}
+                "rounds": rs,
+            }
         every = [r for rs in rounds.values() for r in rs]
-        self.R["takeovers"] = {"rounds": len(every),
-                               "succeeded": sum(r["took_over"] for r in every),
-                               "listing_equal": sum(r["listing_equal"] for r in every)}
+        self.R["takeovers"] = {
+            "rounds": len(every),
+            "succeeded": sum(r["took_over"] for r in every),
+            "listing_equal": sum(r["listing_equal"] for r in every),
+        }
         self.R["machine"]["load_after"] = os.getloadavg()
 
     def rows(self) -> list[list[str]]:
@@ -242,50 +285,72 @@ class Bench:
         out: list[list[str]] = []
         for name, r in self.R["signals"].items():
             gap, start = r["gap_s"], r["start_s"]
-            out += [[f"{name}: reader waited (signal to listing)", _secs(gap), peer, "-",
-                     "info"],
-                    [f"{name}: new process serving gRPC after", _secs(start), peer, "-",
-                     "info"]]
+            out += [
+                [f"{name}: reader waited (signal to listing)", _secs(gap), peer, "-", "info"],
+                [f"{name}: new process serving gRPC after", _secs(start), peer, "-", "info"],
+            ]
         t = self.R["takeovers"]
-        out += [["takeovers of the held connection", f"{t['succeeded']} of {t['rounds']}", "-",
-                 "every one", verdict(t["succeeded"] == t["rounds"])],
-                ["reader's listing equals the one before the stop",
-                 f"{t['listing_equal']} of {t['rounds']}", "-", "every one",
-                 verdict(t["listing_equal"] == t["rounds"])]]
+        out += [
+            [
+                "takeovers of the held connection",
+                f"{t['succeeded']} of {t['rounds']}",
+                "-",
+                "every one",
+                verdict(t["succeeded"] == t["rounds"]),
+            ],
+            [
+                "reader's listing equals the one before the stop",
+                f"{t['listing_equal']} of {t['rounds']}",
+                "-",
+                "every one",
+                verdict(t["listing_equal"] == t["rounds"]),
+            ],
+        ]
         return out
 
     def report(self) -> None:
         table = final_table(self.R, self.rows())
         t = self.R["takeovers"]
         if t["succeeded"] != t["rounds"] or t["listing_equal"] != t["rounds"]:
-            self.errors.append(f"{t['rounds'] - t['succeeded']} takeover(s) failed and "
-                               f"{t['rounds'] - t['listing_equal']} listing(s) differed: see "
-                               "the rounds in restart.json and the snapshotter logs")
+            self.errors.append(
+                f"{t['rounds'] - t['succeeded']} takeover(s) failed and "
+                f"{t['rounds'] - t['listing_equal']} listing(s) differed: see "
+                "the rounds in restart.json and the snapshotter logs"
+            )
         if self.quick:
             self.R.setdefault("warnings", []).append(
-                f"--quick: {self.repeat} repeats: a smoke test, not the figures")
+                f"--quick: {self.repeat} repeats: a smoke test, not the figures"
+            )
         self.write_files(table)
 
     def write_files(self, table: list[str] | None = None) -> None:
         self.results_dir.mkdir(parents=True, exist_ok=True)
         self.R["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
         (self.results_dir / "restart.json").write_text(
-            json.dumps(self.R, indent=2, default=str) + "\n")
+            json.dumps(self.R, indent=2, default=str) + "\n"
+        )
         src, m = self.R["source"], self.R["machine"]
         load = ", ".join(f"{x:.2f}" for x in m["load_before"])
         if "load_after" in m:
             load += f" before, {', '.join(f'{x:.2f}' for x in m['load_after'])} after"
-        md = [f"# Snapshotter restart benchmark ({'quick' if self.quick else 'full'} run)", "",
-              f"- command: `{self.R['command']}` ({self.R['finished']})",
-              f"- commit {src.get('commit', '?')[:12]}"
-              + (f", local changes in {', '.join(src['local_changes'])}"
-                 if src.get("local_changes") else ""),
-              f"- {self.repeat} round(s) per signal, medians and p90; load average (1, 5, 15 "
-              f"min) {load} on {m['cpus']} CPUs",
-              "- peer: none comparable (containerd's own snapshotters keep no FUSE connection); "
-              "the floor is a bare `bootseer snapshotter` on an empty root, to its first gRPC "
-              "answer, in the same run",
-              "", *(table or ["(no results: the run failed before its report)"])]
+        md = [
+            f"# Snapshotter restart benchmark ({'quick' if self.quick else 'full'} run)",
+            "",
+            f"- command: `{self.R['command']}` ({self.R['finished']})",
+            f"- commit {src.get('commit', '?')[:12]}"
+            + (
+                f", local changes in {', '.join(src['local_changes'])}"
+                if src.get("local_changes")
+                else ""
+            ),
+            f"- {self.repeat} round(s) per signal, medians and p90; load average (1, 5, 15 "
+            f"min) {load} on {m['cpus']} CPUs",
+            "- peer: none comparable (containerd's own snapshotters keep no FUSE connection); "
+            "the floor is a bare `bootseer snapshotter` on an empty root, to its first gRPC "
+            "answer, in the same run",
+            "",
+            *(table or ["(no results: the run failed before its report)"]),
+        ]
         if "first_start_s" in self.R:
             md.append(f"\nFirst start of the node (mounts anew): {self.R['first_start_s']:.3f} s.")
         md += [f"- WARNING: {w}" for w in self.R.get("warnings", [])]
@@ -295,13 +360,12 @@ class Bench:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench_restart.py",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--results", default="bench-results",
-                        help="directory for restart.json/.md")
+    parser = argparse.ArgumentParser(prog="bench_restart.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--results", default="bench-results", help="directory for restart.json/.md")
     parser.add_argument("--quick", action="store_true", help="2 repeats: a smoke run")
-    parser.add_argument("--repeat", type=int, help=f"rounds per signal ({FULL_REPEAT}; quick "
-                                                   f"{QUICK_REPEAT})")
+    parser.add_argument(
+        "--repeat", type=int, help=f"rounds per signal ({FULL_REPEAT}; quick {QUICK_REPEAT})"
+    )
     args = parser.parse_args(argv)
     if args.repeat is not None and args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: give at least 1 round per signal")

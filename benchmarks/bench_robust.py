@@ -55,17 +55,30 @@ def last_good_step_time(out: Path) -> float:
     return log0[-1]["time"]
 
 
-def soak(cluster: Any, out: Path, mode: str, faults: list[Fault], args: argparse.Namespace
-         ) -> dict[str, Any]:
+def soak(
+    cluster: Any, out: Path, mode: str, faults: list[Fault], args: argparse.Namespace
+) -> dict[str, Any]:
     """One mode's run on ``cluster``: start, inject on schedule, tend, measure."""
-    job = SoakJob(cluster, out, mode, nproc=args.nproc, hang_timeout_s=args.hang_timeout,
-                  pg_timeout_s=args.pg_timeout, launch=args.launch, memory=args.memory,
-                  preload=args.preload, spares=args.spares, log=log)
+    job = SoakJob(
+        cluster,
+        out,
+        mode,
+        nproc=args.nproc,
+        hang_timeout_s=args.hang_timeout,
+        pg_timeout_s=args.pg_timeout,
+        launch=args.launch,
+        memory=args.memory,
+        preload=args.preload,
+        spares=args.spares,
+        log=log,
+    )
     inj = Injector(job, log=log)
     job.start()
-    log(f"{mode}: {args.nodes} nodes x {args.nproc} ranks started"
+    log(
+        f"{mode}: {args.nodes} nodes x {args.nproc} ranks started"
         + (f", {args.spares} warm spare(s) parked" if args.spares else "")
-        + "; waiting for the first step")
+        + "; waiting for the first step"
+    )
     deadline = time.monotonic() + FIRST_STEP_TIMEOUT_S
     while not steps(out):
         if time.monotonic() > deadline:
@@ -83,17 +96,20 @@ def soak(cluster: Any, out: Path, mode: str, faults: list[Fault], args: argparse
             inj.tick()
             now = time.time()
             last = last_good_step_time(out)
-            healthy = last > last_fault + HEALTHY_AFTER_S and now - last < 5 and \
-                not inj.store_is_down()
+            healthy = (
+                last > last_fault + HEALTHY_AFTER_S and now - last < 5 and not inj.store_is_down()
+            )
             if pending and now - t_start >= pending[0].at_s and healthy:
                 fault = pending.pop(0)
                 inj.inject(fault)
                 fault.injected["offset_s"] = round(fault.injected["time"] - t_start, 1)
                 last_fault = fault.injected["time"]
             if now >= next_report:
-                log(f"{mode}: +{now - t_start:.0f} s of {args.minutes * 60:.0f} s, step "
+                log(
+                    f"{mode}: +{now - t_start:.0f} s of {args.minutes * 60:.0f} s, step "
                     f"{(steps(out) or [{'step': -1}])[-1]['step']}, {len(faults) - len(pending)}"
-                    f" fault(s) injected")
+                    f" fault(s) injected"
+                )
                 next_report = now + 30
             time.sleep(0.5)
     finally:
@@ -112,9 +128,13 @@ def _s(x: Any) -> str:
 
 def class_rows(report: dict[str, Any], hang_timeout: float) -> list[list[str]]:
     rows = []
-    target = {"sigkill": "<= 2 s", "exception": "<= 2 s", "collective_hang":
-              f"<= {hang_timeout + 5:g} s", "dataloader_hang": f"<= {hang_timeout + 5:g} s",
-              "nan": "at its step"}
+    target = {
+        "sigkill": "<= 2 s",
+        "exception": "<= 2 s",
+        "collective_hang": f"<= {hang_timeout + 5:g} s",
+        "dataloader_hang": f"<= {hang_timeout + 5:g} s",
+        "nan": "at its step",
+    }
     for kind in CLASSES:
         cells = [kind, target.get(kind, "-")]
         for mode in ("bootseer", "peer"):
@@ -122,11 +142,13 @@ def class_rows(report: dict[str, Any], hang_timeout: float) -> list[list[str]]:
             if not c:
                 cells += ["-", "-", "-", "-"]
                 continue
-            cells += [f"{_s(c['detection_p50_s'])} / {_s(c['detection_p90_s'])} "
-                      f"({c['detected']}/{c['fired']})",
-                      f"{c['named']}/{c['fired']}, {c['evicted_nodes']} evicted",
-                      _s(c["restart_p50_s"]),
-                      "-" if c["recomputed_p50"] is None else str(c["recomputed_p50"])]
+            cells += [
+                f"{_s(c['detection_p50_s'])} / {_s(c['detection_p90_s'])} "
+                f"({c['detected']}/{c['fired']})",
+                f"{c['named']}/{c['fired']}, {c['evicted_nodes']} evicted",
+                _s(c["restart_p50_s"]),
+                "-" if c["recomputed_p50"] is None else str(c["recomputed_p50"]),
+            ]
         rows.append(cells)
     return rows
 
@@ -134,40 +156,71 @@ def class_rows(report: dict[str, Any], hang_timeout: float) -> list[list[str]]:
 def write(results: Path, report: dict[str, Any], hang_timeout: float) -> None:
     results.mkdir(parents=True, exist_ok=True)
     dump(results / "robust.json", report)
-    head = ["class", "detection target", "bootseer detect p50/p90 s", "bootseer named",
-            "bootseer restart s", "bootseer recomputed", "peer detect p50/p90 s", "peer named",
-            "peer restart s", "peer recomputed"]
-    lines = ["# robust: training soak, bootseer against plain torchrun", "",
-             f"- command: `{report['command']}`",
-             f"- {report['nodes']} nodes x {report['nproc']} ranks, {report['minutes']} min per "
-             f"mode, a fault every {report['interval_s']:g} s on average, seed {report['seed']}, "
-             f"hang threshold {hang_timeout:g} s, collective timeout {report['pg_timeout_s']:g} s",
-             f"- workers started by `{report.get('launch', 'exec')}` in both modes; bootseer's "
-             f"memory tier {'on' if report.get('memory_tier') else 'off'}, --preload "
-             f"{'on' if report.get('preload') else 'off'}; warm spares parked at the "
-             f"rendezvous: {report.get('spares', 0)} (in both modes; a lost or evicted node's "
-             "replacement starts as a spare)",
-             f"- load average before {report['machine']['load_before']}, after "
-             f"{report['machine'].get('load_after')} on {report['machine']['cpus']} CPUs", "",
-             *md_table(head, class_rows(report, hang_timeout)), ""]
+    head = [
+        "class",
+        "detection target",
+        "bootseer detect p50/p90 s",
+        "bootseer named",
+        "bootseer restart s",
+        "bootseer recomputed",
+        "peer detect p50/p90 s",
+        "peer named",
+        "peer restart s",
+        "peer recomputed",
+    ]
+    lines = [
+        "# robust: training soak, bootseer against plain torchrun",
+        "",
+        f"- command: `{report['command']}`",
+        f"- {report['nodes']} nodes x {report['nproc']} ranks, {report['minutes']} min per "
+        f"mode, a fault every {report['interval_s']:g} s on average, seed {report['seed']}, "
+        f"hang threshold {hang_timeout:g} s, collective timeout {report['pg_timeout_s']:g} s",
+        f"- workers started by `{report.get('launch', 'exec')}` in both modes; bootseer's "
+        f"memory tier {'on' if report.get('memory_tier') else 'off'}, --preload "
+        f"{'on' if report.get('preload') else 'off'}; warm spares parked at the "
+        f"rendezvous: {report.get('spares', 0)} (in both modes; a lost or evicted node's "
+        "replacement starts as a spare)",
+        f"- load average before {report['machine']['load_before']}, after "
+        f"{report['machine'].get('load_after')} on {report['machine']['cpus']} CPUs",
+        "",
+        *md_table(head, class_rows(report, hang_timeout)),
+        "",
+    ]
     erows, commands = [], []
     for mode in ("bootseer", "peer"):
         r = report.get(mode)
         if not r:
             continue
         e = r["ettr"]
-        erows.append([mode, "-" if e.get("ettr") is None else f"{e['ettr']:.1%}",
-                      f"{e.get('productive_s', 0.0):.0f} / {e.get('wall_s', 0.0):.0f}",
-                      e["input"], str(len([f for f in r["faults"] if f.get("fired")]))])
+        erows.append(
+            [
+                mode,
+                "-" if e.get("ettr") is None else f"{e['ettr']:.1%}",
+                f"{e.get('productive_s', 0.0):.0f} / {e.get('wall_s', 0.0):.0f}",
+                e["input"],
+                str(len([f for f in r["faults"] if f.get("fired")])),
+            ]
+        )
         if e.get("report_command"):
             keep = Path(results) / f"robust-{mode}" / "trace"
             commands.append(e["report_command"].rsplit(" ", 1)[0] + f" {keep}")
-    lines += ["ETTR (bootseer.robust.ettr, from the job's first step to the end of the run; "
-              "target >= 90% with a fault every 180 s, and above the peer's):", "",
-              *md_table(["mode", "ETTR", "productive / wall s", "from", "faults fired"], erows),
-              "", *(f"- the same figure: `{c}`" for c in commands), ""]
-    lines += ["Schedule (offsets from the first step; actual offsets in robust.json):", "",
-              "```", *report["schedule_text"], "```", ""]
+    lines += [
+        "ETTR (bootseer.robust.ettr, from the job's first step to the end of the run; "
+        "target >= 90% with a fault every 180 s, and above the peer's):",
+        "",
+        *md_table(["mode", "ETTR", "productive / wall s", "from", "faults fired"], erows),
+        "",
+        *(f"- the same figure: `{c}`" for c in commands),
+        "",
+    ]
+    lines += [
+        "Schedule (offsets from the first step; actual offsets in robust.json):",
+        "",
+        "```",
+        *report["schedule_text"],
+        "```",
+        "",
+    ]
     (results / "robust.md").write_text("\n".join(lines) + "\n")
     log(f"wrote {results / 'robust.json'} and {results / 'robust.md'}")
 
@@ -177,29 +230,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default="bench-results")
     parser.add_argument("--quick", action="store_true", help="5 minutes, a fault every 30 s")
     parser.add_argument("--minutes", type=float, help="training minutes per mode (20; quick 5)")
-    parser.add_argument("--interval", type=float, help="mean seconds between faults (180; "
-                                                       "quick 30)")
+    parser.add_argument(
+        "--interval", type=float, help="mean seconds between faults (180; quick 30)"
+    )
     parser.add_argument("--seed", type=int, default=17)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--hang-timeout", type=float, default=10.0)
     parser.add_argument("--pg-timeout", type=float, default=60.0)
     parser.add_argument("--modes", default="bootseer,peer")
-    parser.add_argument("--launch", choices=("fork", "exec"), default="fork",
-                        help="how torchrun starts the workers, in both modes: fork them from "
-                             "torchrun with torch imported (--run-path --start-method fork), "
-                             "or exec a fresh interpreter per rank (torchrun's default)")
-    parser.add_argument("--no-memory", dest="memory", action="store_false",
-                        help="bootseer without its memory tier (every save to S3 only)")
-    parser.add_argument("--no-preload", dest="preload", action="store_false",
-                        help="bootseer without --preload (each restart imports afresh)")
-    parser.add_argument("--spares", type=int, default=0,
-                        help="warm spare nodes beside --nodes, parked at the rendezvous in both "
-                             "modes (bootseer run --standby; torchrun alone: the same launcher "
-                             "in torch's redundancy list); a replacement node starts as one")
-    parser.add_argument("--classes", default=",".join(CLASSES),
-                        help=f"fault classes, comma-separated, of {', '.join(CLASSES)} "
-                             "(default all; sigkill,exception: the crash detection latency)")
+    parser.add_argument(
+        "--launch",
+        choices=("fork", "exec"),
+        default="fork",
+        help="how torchrun starts the workers, in both modes: fork them from "
+        "torchrun with torch imported (--run-path --start-method fork), "
+        "or exec a fresh interpreter per rank (torchrun's default)",
+    )
+    parser.add_argument(
+        "--no-memory",
+        dest="memory",
+        action="store_false",
+        help="bootseer without its memory tier (every save to S3 only)",
+    )
+    parser.add_argument(
+        "--no-preload",
+        dest="preload",
+        action="store_false",
+        help="bootseer without --preload (each restart imports afresh)",
+    )
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="warm spare nodes beside --nodes, parked at the rendezvous in both "
+        "modes (bootseer run --standby; torchrun alone: the same launcher "
+        "in torch's redundancy list); a replacement node starts as one",
+    )
+    parser.add_argument(
+        "--classes",
+        default=",".join(CLASSES),
+        help=f"fault classes, comma-separated, of {', '.join(CLASSES)} "
+        "(default all; sigkill,exception: the crash detection latency)",
+    )
     args = parser.parse_args(argv)
     args.minutes = args.minutes or (5.0 if args.quick else 20.0)
     args.interval = args.interval or (30.0 if args.quick else 180.0)
@@ -218,25 +291,42 @@ def main(argv: list[str] | None = None) -> int:
     joined = "\n  ".join(text)
     log(f"fault schedule (seed {args.seed}):\n  {joined}")
     report: dict[str, Any] = {
-        "suite": "robust", "command": command_line("bench_robust.py"), "quick": args.quick,
-        "minutes": args.minutes, "interval_s": args.interval, "seed": args.seed,
-        "nodes": args.nodes, "nproc": args.nproc, "hang_timeout_s": args.hang_timeout,
-        "pg_timeout_s": args.pg_timeout, "classes": list(classes), "targets": TARGETS,
-        "launch": args.launch, "memory_tier": args.memory, "preload": args.preload,
-        "spares": args.spares, "schedule": as_dicts(plan),
-        "schedule_text": text, "source": source_state(["benchmarks", "bootseer"]),
-        "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}}
+        "suite": "robust",
+        "command": command_line("bench_robust.py"),
+        "quick": args.quick,
+        "minutes": args.minutes,
+        "interval_s": args.interval,
+        "seed": args.seed,
+        "nodes": args.nodes,
+        "nproc": args.nproc,
+        "hang_timeout_s": args.hang_timeout,
+        "pg_timeout_s": args.pg_timeout,
+        "classes": list(classes),
+        "targets": TARGETS,
+        "launch": args.launch,
+        "memory_tier": args.memory,
+        "preload": args.preload,
+        "spares": args.spares,
+        "schedule": as_dicts(plan),
+        "schedule_text": text,
+        "source": source_state(["benchmarks", "bootseer"]),
+        "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()},
+    }
     with contextlib.ExitStack() as stack:
         work = work_dir("robust-run-", stack)
         for mode in modes:
-            faults = schedule(args.seed, args.minutes, args.interval, args.nodes, args.nproc,
-                              classes)
+            faults = schedule(
+                args.seed, args.minutes, args.interval, args.nodes, args.nproc, classes
+            )
             out = work / mode
             out.mkdir()
             try:
-                with Cluster(args.nodes + args.spares, services=("s3", "rendezvous"),
-                             disk_size="64m",
-                             workdir=work) as cluster:
+                with Cluster(
+                    args.nodes + args.spares,
+                    services=("s3", "rendezvous"),
+                    disk_size="64m",
+                    workdir=work,
+                ) as cluster:
                     report[mode] = soak(cluster, out, mode, faults, args)
                     report[mode]["schedule"] = as_dicts(faults)
             finally:  # the logs and traces, for a reader of the results (also of a failure)

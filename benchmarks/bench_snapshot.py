@@ -147,8 +147,14 @@ def child_main(spec_path: str) -> int:
     with open(spec["log"], "ab") as out:
         for step in spec["steps"]:
             if step.get("untimed"):  # preparation that is not part of the figure
-                subprocess.run(step["argv"], env=step["env"], stdin=subprocess.DEVNULL,
-                               stdout=out, stderr=out, check=False)
+                subprocess.run(
+                    step["argv"],
+                    env=step["env"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    check=False,
+                )
     start = time.perf_counter()
     with open(spec["log"], "ab") as out:
         for step in [s for s in spec["steps"] if not s.get("untimed")]:
@@ -156,10 +162,16 @@ def child_main(spec_path: str) -> int:
             out.flush()
             t0 = time.perf_counter()
             try:
-                rc = subprocess.run(step["argv"], env=step["env"], cwd=step.get("cwd"),
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                    timeout=spec.get("timeout", STEP_TIMEOUT_S),
-                                    check=False).returncode
+                rc = subprocess.run(
+                    step["argv"],
+                    env=step["env"],
+                    cwd=step.get("cwd"),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    timeout=spec.get("timeout", STEP_TIMEOUT_S),
+                    check=False,
+                ).returncode
             except subprocess.TimeoutExpired:
                 rc = None
             seconds = time.perf_counter() - t0
@@ -168,8 +180,7 @@ def child_main(spec_path: str) -> int:
                 failed = f"step {step['name']} " + ("timed out" if rc is None else f"exited {rc}")
                 break
     total = time.perf_counter() - start
-    Path(spec["result"]).write_text(json.dumps({"total": total, "steps": steps,
-                                                "error": failed}))
+    Path(spec["result"]).write_text(json.dumps({"total": total, "steps": steps, "error": failed}))
     if failed and "timed out" in failed:  # leftovers of a pipeline: our own process group
         os.killpg(os.getpgrp(), signal.SIGKILL)
     return 0
@@ -195,19 +206,38 @@ def helper_main(name: str, arg: str) -> int:
         store = SnapshotStore(params["store"], {"s3": opts})
         result = publish(store, env_key, Path(params["prefix"]), installer=params["installer"])
         manifest = store.require_manifest(env_key.key)
-        print(json.dumps({"key": env_key.key, "published": result.published,
-                          "compressed_bytes": manifest.compressed_size,
-                          "files": manifest.files, "bytes": manifest.bytes,
-                          "chunks": len(manifest.chunks), "seconds": result.seconds}))
+        print(
+            json.dumps(
+                {
+                    "key": env_key.key,
+                    "published": result.published,
+                    "compressed_bytes": manifest.compressed_size,
+                    "files": manifest.files,
+                    "bytes": manifest.bytes,
+                    "chunks": len(manifest.chunks),
+                    "seconds": result.seconds,
+                }
+            )
+        )
         return 0
     if name == "manifest":
         from snapshot.store import SnapshotStore
 
         store = SnapshotStore(params["store"], params.get("storage_options") or None)
         m = store.require_manifest(params["key"])
-        print(json.dumps({"key": m.key, "compressed_bytes": m.compressed_size, "files": m.files,
-                          "bytes": m.bytes, "chunks": len(m.chunks), "installer": m.installer,
-                          "toc_bytes": m.toc.get("size")}))
+        print(
+            json.dumps(
+                {
+                    "key": m.key,
+                    "compressed_bytes": m.compressed_size,
+                    "files": m.files,
+                    "bytes": m.bytes,
+                    "chunks": len(m.chunks),
+                    "installer": m.installer,
+                    "toc_bytes": m.toc.get("size"),
+                }
+            )
+        )
         return 0
     raise SystemExit(f"unknown helper {name}")
 
@@ -220,9 +250,13 @@ def node_env() -> dict[str, str]:
     must stay loopback) and without ``PYTHON*`` variables (a developer's
     PYTHONDONTWRITEBYTECODE would stop the first import from writing the bytecode uv leaves
     to it; PYTHONPATH would add a directory to every import's search)."""
-    env = {k: v for k, v in os.environ.items()
-           if "proxy" not in k.lower() and not k.startswith("PYTHON")
-           and k not in ("VIRTUAL_ENV", "CONDA_PREFIX")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if "proxy" not in k.lower()
+        and not k.startswith("PYTHON")
+        and k not in ("VIRTUAL_ENV", "CONDA_PREFIX")
+    }
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
     env["AWS_EC2_METADATA_DISABLED"] = "true"
     return env
@@ -277,8 +311,15 @@ def _source_state() -> dict[str, Any]:
 class Setting:
     """Where one setting's installs and restores come from."""
 
-    def __init__(self, name: str, index_url: str, store: str, peers: dict[str, str],
-                 storage_options: dict[str, Any] | None, requirements: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        index_url: str,
+        store: str,
+        peers: dict[str, str],
+        storage_options: dict[str, Any] | None,
+        requirements: Path,
+    ) -> None:
         self.name = name
         self.index_url = index_url
         self.store = store  # bootseer's store URL (a directory, or s3://...)
@@ -293,9 +334,11 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.quick = bool(args.quick)
-        self.settings_wanted = [s.strip() for s in
-                                (args.settings or ("local" if self.quick else "local,shaped")
-                                 ).split(",") if s.strip()]
+        self.settings_wanted = [
+            s.strip()
+            for s in (args.settings or ("local" if self.quick else "local,shaped")).split(",")
+            if s.strip()
+        ]
         for s in self.settings_wanted:
             if s not in ("local", "shaped"):
                 raise SystemExit(f"--settings: unknown setting {s!r} (local, shaped)")
@@ -304,8 +347,15 @@ class Bench:
             if s not in ALL_METHODS:
                 raise SystemExit(f"--skip: unknown method {s!r} ({', '.join(ALL_METHODS)})")
         self.repeat = max(1, int(args.repeat))
-        self.cache = Path(args.cache or os.environ.get("BOOTSEER_BENCH_CACHE")
-                          or Path.home() / ".cache" / "bootseer-bench").expanduser().resolve()
+        self.cache = (
+            Path(
+                args.cache
+                or os.environ.get("BOOTSEER_BENCH_CACHE")
+                or Path.home() / ".cache" / "bootseer-bench"
+            )
+            .expanduser()
+            .resolve()
+        )
         self.work = self.cache / "snapshot-run"
         self.results_dir = Path(args.results)
         self.stack = contextlib.ExitStack()
@@ -329,12 +379,20 @@ class Bench:
             "settings_run": self.settings_wanted,
             "skipped": sorted(self.skip),
             "import": self.import_code,
-            "links": {name: {"latency_ms": lat, "per_conn_mb_s": per, "total_mb_s": tot,
-                             "describe": _describe(name)}
-                      for name, (lat, per, tot) in LINK_MB.items()},
-            "targets": {**{f"{k}_over_bootseer": v for k, v in TARGETS.items()},
-                        "verify_max_s": VERIFY_LIMIT_S,
-                        "snapshot_bytes": "<= venv-pack .tar.gz"},
+            "links": {
+                name: {
+                    "latency_ms": lat,
+                    "per_conn_mb_s": per,
+                    "total_mb_s": tot,
+                    "describe": _describe(name),
+                }
+                for name, (lat, per, tot) in LINK_MB.items()
+            },
+            "targets": {
+                **{f"{k}_over_bootseer": v for k, v in TARGETS.items()},
+                "verify_max_s": VERIFY_LIMIT_S,
+                "snapshot_bytes": "<= venv-pack .tar.gz",
+            },
             "machine": self.machine(),
             "settings": {},
             "warnings": [],
@@ -349,7 +407,9 @@ class Bench:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "uv": version_of([self.uv, "--version"]) if self.uv else "not found",
-            "venv_pack": version_of([self.venv_pack, "--version"]) if self.venv_pack else "not found",
+            "venv_pack": version_of([self.venv_pack, "--version"])
+            if self.venv_pack
+            else "not found",
             "zstd": f"zstd {zstd.group(1)}" if zstd else "zstd ?",
             "tar": version_of(["tar", "--version"]),
         }
@@ -380,8 +440,10 @@ class Bench:
 
     def check_space(self, ref_bytes: int, wheel_bytes: int) -> None:
         methods = [m for m in ALL_METHODS if m not in self.skip and m != "import"]
-        per_round = {s: sum(1 for m in methods if s == "local" or m not in INFO_METHODS)
-                     for s in self.settings_wanted}
+        per_round = {
+            s: sum(1 for m in methods if s == "local" or m not in INFO_METHODS)
+            for s in self.settings_wanted
+        }
         tree = int(ref_bytes * 1.15) + 64 * MiB
         caches = 2 * wheel_bytes + tree  # pip's cache; uv's cache (unzipped, hard-linked)
         need_round = {s: n * tree + caches for s, n in per_round.items()}
@@ -392,12 +454,16 @@ class Bench:
         if need_all + margin <= free:
             return
         if max(need_round.values()) + margin > free:
-            raise RuntimeError(f"not enough disk under {self.work}: {free / GB:.1f} GB free, one "
-                               f"round needs about {max(need_round.values()) / GB:.1f} GB")
+            raise RuntimeError(
+                f"not enough disk under {self.work}: {free / GB:.1f} GB free, one "
+                f"round needs about {max(need_round.values()) / GB:.1f} GB"
+            )
         self.clean_between_rounds = True
-        self.warn(f"{free / GB:.1f} GB free, all rounds need about {need_all / GB:.1f} GB: trees "
-                  f"are deleted after each round, followed by sync and a {SETTLE_AFTER_DELETE_S} s "
-                  "pause (ext4 avoids recently freed inodes for 60 s)")
+        self.warn(
+            f"{free / GB:.1f} GB free, all rounds need about {need_all / GB:.1f} GB: trees "
+            f"are deleted after each round, followed by sync and a {SETTLE_AFTER_DELETE_S} s "
+            "pause (ext4 avoids recently freed inodes for 60 s)"
+        )
 
     def run(self) -> None:
         from bootseer.testing.pypi import PackageIndex, installer_env
@@ -405,16 +471,22 @@ class Bench:
         cpus = os.cpu_count() or 1
         load = os.getloadavg()
         self.R["loadavg_at_start"] = [round(x, 2) for x in load]
-        log(f"bench snapshot: {'quick' if self.quick else 'full'} run; settings "
+        log(
+            f"bench snapshot: {'quick' if self.quick else 'full'} run; settings "
             f"{','.join(self.settings_wanted)}; repeat {self.repeat}; {cpus} CPUs, "
-            f"{mem_total() / 2**30:.1f} GiB RAM; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+            f"{mem_total() / 2**30:.1f} GiB RAM; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+        )
         if load[0] > 0.5:
-            self.warn(f"machine busy before the run (1-min load average {load[0]:.2f} > 0.5 on "
-                      f"{cpus} CPUs): other processes compete for CPU and disk; times may be high")
+            self.warn(
+                f"machine busy before the run (1-min load average {load[0]:.2f} > 0.5 on "
+                f"{cpus} CPUs): other processes compete for CPU and disk; times may be high"
+            )
         if os.geteuid() != 0:
             self.cold = False
-            self.warn("not root: cannot drop the page cache; every method runs WARM (the figures "
-                      "are not cold-node figures)")
+            self.warn(
+                "not root: cannot drop the page cache; every method runs WARM (the figures "
+                "are not cold-node figures)"
+            )
         if self.uv is None:
             self.warn("uv not found: the uv method will fail and bootseer builds with pip")
 
@@ -439,38 +511,74 @@ class Bench:
         log(f"index: {index.url} (in this process, unshaped)")
 
         # -- the reference environment -----------------------------------------------------
-        local = Setting("local", index.url, str(self.work / "store" / "envs"),
-                        {"venv-pack": str(self.work / "store" / "peers" / "env.tar.gz"),
-                         "tar-zstd": str(self.work / "store" / "peers" / "env.tar.zst")},
-                        None, self.work / "local" / "requirements.txt")
+        local = Setting(
+            "local",
+            index.url,
+            str(self.work / "store" / "envs"),
+            {
+                "venv-pack": str(self.work / "store" / "peers" / "env.tar.gz"),
+                "tar-zstd": str(self.work / "store" / "peers" / "env.tar.zst"),
+            },
+            None,
+            self.work / "local" / "requirements.txt",
+        )
         local.requirements.parent.mkdir(parents=True)
         local.requirements.write_text(self.requirements_text(index.url, wheels))
         self.ref = self.work / "build" / "venv"
         log(f"building the reference environment with `bootseer env create` at {self.ref}")
         t0 = time.perf_counter()
         env = installer_env(self.work / "build" / "cache", base=clean_env())
-        out = run_checked([*self.bootseer, "env", "create", "--spec", str(local.requirements),
-                           "--prefix", str(self.ref), "--store", local.store, "--json"],
-                          env=env, what="bootseer env create")
+        out = run_checked(
+            [
+                *self.bootseer,
+                "env",
+                "create",
+                "--spec",
+                str(local.requirements),
+                "--prefix",
+                str(self.ref),
+                "--store",
+                local.store,
+                "--json",
+            ],
+            env=env,
+            what="bootseer env create",
+        )
         created = json.loads(out.stdout)
         local.key = created["key"]
         build_s = time.perf_counter() - t0
-        manifest = json.loads(run_checked(
-            [sys.executable, __file__, "--helper", "manifest",
-             json.dumps({"store": local.store, "key": local.key})],
-            env=clean_env(), what="reading the manifest").stdout)
+        manifest = json.loads(
+            run_checked(
+                [
+                    sys.executable,
+                    __file__,
+                    "--helper",
+                    "manifest",
+                    json.dumps({"store": local.store, "key": local.key}),
+                ],
+                env=clean_env(),
+                what="reading the manifest",
+            ).stdout
+        )
         local.snapshot = manifest
         ref_files, ref_bytes = tree_bytes(self.ref)
-        self.R["reference"] = {"prefix": str(self.ref), "key": local.key,
-                               "installer": manifest.get("installer"), "build_s": build_s,
-                               "files": ref_files, "bytes": ref_bytes,
-                               "snapshot_files": manifest["files"],
-                               "snapshot_bytes": manifest["bytes"],
-                               "snapshot_compressed_bytes": manifest["compressed_bytes"],
-                               "snapshot_chunks": manifest["chunks"]}
-        log(f"  built in {build_s:.0f} s with {manifest.get('installer')}: {ref_files} files, "
+        self.R["reference"] = {
+            "prefix": str(self.ref),
+            "key": local.key,
+            "installer": manifest.get("installer"),
+            "build_s": build_s,
+            "files": ref_files,
+            "bytes": ref_bytes,
+            "snapshot_files": manifest["files"],
+            "snapshot_bytes": manifest["bytes"],
+            "snapshot_compressed_bytes": manifest["compressed_bytes"],
+            "snapshot_chunks": manifest["chunks"],
+        }
+        log(
+            f"  built in {build_s:.0f} s with {manifest.get('installer')}: {ref_files} files, "
             f"{ref_bytes / MB:.0f} MB; snapshot {manifest['compressed_bytes'] / MB:.1f} MB in "
-            f"{manifest['chunks']} chunks; key {local.key}")
+            f"{manifest['chunks']} chunks; key {local.key}"
+        )
         self.check_space(ref_bytes, wheel_bytes)
 
         # -- the peers' archives of the same tree ------------------------------------------
@@ -482,20 +590,45 @@ class Bench:
         else:
             log("packing the same tree with venv-pack (.tar.gz, its default level 4)")
             t0 = time.perf_counter()
-            run_checked([self.venv_pack, "-p", str(self.ref), "-o", local.peers["venv-pack"],
-                         "--exclude", ".bootseer/*", "-q"], env=clean_env(), what="venv-pack")
+            run_checked(
+                [
+                    self.venv_pack,
+                    "-p",
+                    str(self.ref),
+                    "-o",
+                    local.peers["venv-pack"],
+                    "--exclude",
+                    ".bootseer/*",
+                    "-q",
+                ],
+                env=clean_env(),
+                what="venv-pack",
+            )
             self.R["archives"]["venv-pack"] = {
                 "bytes": os.path.getsize(local.peers["venv-pack"]),
                 "pack_s": time.perf_counter() - t0,
-                "command": "venv-pack -p PREFIX -o env.tar.gz --exclude '.bootseer/*'"}
+                "command": "venv-pack -p PREFIX -o env.tar.gz --exclude '.bootseer/*'",
+            }
         log("packing the same tree with tar | zstd -T0 -3")
         t0 = time.perf_counter()
-        run_checked(["bash", "-c", 'set -o pipefail; tar -C "$1" --exclude=./.bootseer -cf - . '
-                     '| zstd -T0 -3 -q -o "$2"', "bash", str(self.ref), local.peers["tar-zstd"]],
-                    env=clean_env(), what="tar | zstd")
+        run_checked(
+            [
+                "bash",
+                "-c",
+                'set -o pipefail; tar -C "$1" --exclude=./.bootseer -cf - . '
+                '| zstd -T0 -3 -q -o "$2"',
+                "bash",
+                str(self.ref),
+                local.peers["tar-zstd"],
+            ],
+            env=clean_env(),
+            what="tar | zstd",
+        )
         self.R["archives"]["tar-zstd"] = {
-            "bytes": os.path.getsize(local.peers["tar-zstd"]), "pack_s": time.perf_counter() - t0,
-            "command": "tar -C PREFIX --exclude=./.bootseer -cf - . | zstd -T0 -3"}
+            "bytes": os.path.getsize(local.peers["tar-zstd"]),
+            "pack_s": time.perf_counter() - t0,
+            "command": "tar -C PREFIX --exclude=./.bootseer -cf - . | zstd -T0 -3",
+        }
         for name, a in self.R["archives"].items():
             log(f"  {name}: {a['bytes'] / MB:.1f} MB in {a['pack_s']:.0f} s")
 
@@ -522,24 +655,40 @@ class Bench:
         moto.create_bucket(BUCKET)
         s3_proxy = self.stack.enter_context(ShaperProcess("127.0.0.1", moto.port, s3_link))
         url = f"http://{index_proxy.address}/simple/"
-        shaped = Setting("shaped", url, S3_STORE,
-                         {"venv-pack": f"{S3_PEERS}/env.tar.gz",
-                          "tar-zstd": f"{S3_PEERS}/env.tar.zst"},
-                         moto.storage_options(endpoint_url=f"http://{s3_proxy.address}"),
-                         self.work / "shaped" / "requirements.txt")
+        shaped = Setting(
+            "shaped",
+            url,
+            S3_STORE,
+            {"venv-pack": f"{S3_PEERS}/env.tar.gz", "tar-zstd": f"{S3_PEERS}/env.tar.zst"},
+            moto.storage_options(endpoint_url=f"http://{s3_proxy.address}"),
+            self.work / "shaped" / "requirements.txt",
+        )
         shaped.requirements.parent.mkdir(parents=True)
         shaped.requirements.write_text(self.requirements_text(url, wheels))
-        log(f"  index {url} behind the shaper ({_describe('index')}); S3 {S3_STORE} on moto "
-            f"{moto.endpoint_url} behind the shaper {s3_proxy.address} ({_describe('s3')})")
+        log(
+            f"  index {url} behind the shaper ({_describe('index')}); S3 {S3_STORE} on moto "
+            f"{moto.endpoint_url} behind the shaper {s3_proxy.address} ({_describe('s3')})"
+        )
         # Uploads go straight to moto (set-up, not measured); the key is the shaped spec's.
         log("publishing the reference tree and the peers' archives into S3 (unshaped, set-up)")
-        uploads = [[local.peers[m], shaped.peers[m]] for m in ("venv-pack", "tar-zstd")
-                   if os.path.exists(local.peers[m])]
-        params = {"storage_options": moto.storage_options(), "uploads": uploads,
-                  "spec": str(shaped.requirements), "store": S3_STORE, "prefix": str(self.ref),
-                  "installer": self.R["reference"].get("installer") or ""}
-        out = run_checked([sys.executable, __file__, "--helper", "publish-s3", json.dumps(params)],
-                          env=clean_env(), what="publishing into S3")
+        uploads = [
+            [local.peers[m], shaped.peers[m]]
+            for m in ("venv-pack", "tar-zstd")
+            if os.path.exists(local.peers[m])
+        ]
+        params = {
+            "storage_options": moto.storage_options(),
+            "uploads": uploads,
+            "spec": str(shaped.requirements),
+            "store": S3_STORE,
+            "prefix": str(self.ref),
+            "installer": self.R["reference"].get("installer") or "",
+        }
+        out = run_checked(
+            [sys.executable, __file__, "--helper", "publish-s3", json.dumps(params)],
+            env=clean_env(),
+            what="publishing into S3",
+        )
         info = json.loads(out.stdout.strip().splitlines()[-1])
         shaped.key = info["key"]
         shaped.snapshot = info
@@ -567,63 +716,131 @@ class Bench:
                 script = f'mkdir -p "$1" && tar {tar_flags} "$2" -C "$1"'
                 argv = ["bash", "-c", script, "bash", str(target), archive]
             else:  # one s3fs stream into tar's stdin
-                script = (f'set -o pipefail; mkdir -p "$1" && "$3" -c "$4" "$2" "$5" '
-                          f'| tar {tar_flags} - -C "$1"')
-                argv = ["bash", "-c", script, "bash", str(target), archive, self.python,
-                        FETCH_CODE, s3_opts]
+                script = (
+                    f'set -o pipefail; mkdir -p "$1" && "$3" -c "$4" "$2" "$5" '
+                    f'| tar {tar_flags} - -C "$1"'
+                )
+                argv = [
+                    "bash",
+                    "-c",
+                    script,
+                    "bash",
+                    str(target),
+                    archive,
+                    self.python,
+                    FETCH_CODE,
+                    s3_opts,
+                ]
             return {"name": "fetch+extract", "argv": argv, "env": base}
 
         if method == "pip":
             env = installer_env(run_dir / "pip-cache", base=base)
-            return [{"name": "venv", "argv": [self.base_python, "-m", "venv", str(target)], "env": env},
-                    {"name": "install", "argv": [str(target / "bin" / "pip"), "install",
-                                                 "--progress-bar", "off", "-r", str(s.requirements)],
-                     "env": env},
-                    importing]
+            return [
+                {"name": "venv", "argv": [self.base_python, "-m", "venv", str(target)], "env": env},
+                {
+                    "name": "install",
+                    "argv": [
+                        str(target / "bin" / "pip"),
+                        "install",
+                        "--progress-bar",
+                        "off",
+                        "-r",
+                        str(s.requirements),
+                    ],
+                    "env": env,
+                },
+                importing,
+            ]
         if method == "uv":
             if self.uv is None:
                 raise RuntimeError("uv not found")
             env = installer_env(run_dir / "uv-cache", base=base)
-            return [{"name": "venv", "argv": [self.uv, "venv", "--quiet", str(target),
-                                              "--python", self.base_python], "env": env},
-                    {"name": "install", "argv": [self.uv, "pip", "install", "--python", py,
-                                                 "-r", str(s.requirements)], "env": env},
-                    {**importing, "name": "first import"}]
+            return [
+                {
+                    "name": "venv",
+                    "argv": [self.uv, "venv", "--quiet", str(target), "--python", self.base_python],
+                    "env": env,
+                },
+                {
+                    "name": "install",
+                    "argv": [self.uv, "pip", "install", "--python", py, "-r", str(s.requirements)],
+                    "env": env,
+                },
+                {**importing, "name": "first import"},
+            ]
         if method == "venv-pack":
             # venv-pack's documented unpack: extract, then `source bin/activate` (its activate
             # script finds the prefix from its own location; there is no conda-unpack).
-            return [fetch_extract(s.peers["venv-pack"], "-xzf"),
-                    {"name": "activate+import",
-                     "argv": ["bash", "-c", '. "$1/bin/activate" && exec python -c "$2"', "bash",
-                              str(target), self.import_code], "env": base}]
+            return [
+                fetch_extract(s.peers["venv-pack"], "-xzf"),
+                {
+                    "name": "activate+import",
+                    "argv": [
+                        "bash",
+                        "-c",
+                        '. "$1/bin/activate" && exec python -c "$2"',
+                        "bash",
+                        str(target),
+                        self.import_code,
+                    ],
+                    "env": base,
+                },
+            ]
         if method == "tar-zstd":
-            return [fetch_extract(s.peers["tar-zstd"], "-I 'zstd -T0' -xf"),
-                    importing]
+            return [fetch_extract(s.peers["tar-zstd"], "-I 'zstd -T0' -xf"), importing]
         if method == "bootseer":
-            argv = [*self.bootseer, "env", "restore", s.key, "--prefix", str(target),
-                    "--store", s.store]
+            argv = [
+                *self.bootseer,
+                "env",
+                "restore",
+                s.key,
+                "--prefix",
+                str(target),
+                "--store",
+                s.store,
+            ]
             if s3_opts is not None:
                 argv += ["--storage-options", json.dumps({"s3": s.storage_options})]
             return [{"name": "restore", "argv": argv, "env": tools}, importing]
         if method == "cp":
-            return [{"name": "cp -a", "argv": ["cp", "-a", str(self.ref), str(target)], "env": base},
-                    importing]
+            return [
+                {"name": "cp -a", "argv": ["cp", "-a", str(self.ref), str(target)], "env": base},
+                importing,
+            ]
         if method == "floor":
             # What no restore can beat on this machine: writing the tree's bytes into fresh
             # page cache (one file, no per-file cost), then an import whose files are cached.
             ref_py = str(self.ref / "bin" / "python")
             count = -(-int(self.R["reference"]["bytes"]) // (8 * MiB))
-            return [{"name": "warm the import", "argv": [ref_py, "-c", self.import_code],
-                     "env": base, "untimed": True},
-                    {"name": "page-cache write", "argv": ["dd", "if=/dev/zero",
-                                                          f"of={run_dir / 'floor.bin'}", "bs=8M",
-                                                          f"count={count}", "status=none"],
-                     "env": base},
-                    {"name": "import (warm)", "argv": [ref_py, "-c", self.import_code],
-                     "env": base}]
+            return [
+                {
+                    "name": "warm the import",
+                    "argv": [ref_py, "-c", self.import_code],
+                    "env": base,
+                    "untimed": True,
+                },
+                {
+                    "name": "page-cache write",
+                    "argv": [
+                        "dd",
+                        "if=/dev/zero",
+                        f"of={run_dir / 'floor.bin'}",
+                        "bs=8M",
+                        f"count={count}",
+                        "status=none",
+                    ],
+                    "env": base,
+                },
+                {"name": "import (warm)", "argv": [ref_py, "-c", self.import_code], "env": base},
+            ]
         if method == "import":
-            return [{"name": "import", "argv": [str(self.ref / "bin" / "python"), "-c",
-                                                self.import_code], "env": base}]
+            return [
+                {
+                    "name": "import",
+                    "argv": [str(self.ref / "bin" / "python"), "-c", self.import_code],
+                    "env": base,
+                }
+            ]
         raise ValueError(method)
 
     def measure(self, s: Setting, method: str, rnd: int) -> dict[str, Any]:
@@ -632,21 +849,31 @@ class Bench:
         logs = self.work / "logs"
         logs.mkdir(exist_ok=True)
         log_path = logs / f"{s.name}-{method}-r{rnd}.log"
-        spec = {"steps": self.steps(method, s, run_dir), "log": str(log_path),
-                "result": str(run_dir / "result.json"), "timeout": STEP_TIMEOUT_S}
+        spec = {
+            "steps": self.steps(method, s, run_dir),
+            "log": str(log_path),
+            "result": str(run_dir / "result.json"),
+            "timeout": STEP_TIMEOUT_S,
+        }
         spec_path = run_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         load = os.getloadavg()[0]
-        proc = subprocess.Popen([sys.executable, __file__, "--measure-child", str(spec_path)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                env=clean_env(), start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--measure-child", str(spec_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=clean_env(),
+            start_new_session=True,
+        )
         assert proc.stdin is not None and proc.stdout is not None
         try:
             if proc.stdout.readline().strip() != b"READY":
                 raise RuntimeError(f"measuring child did not start (exit {proc.wait()})")
             if self.cold and not drop_caches():
                 self.cold = False
-                self.warn("could not write /proc/sys/vm/drop_caches: the remaining methods run WARM")
+                self.warn(
+                    "could not write /proc/sys/vm/drop_caches: the remaining methods run WARM"
+                )
             if s.name == "shaped":
                 # The index is another machine: its files are in its memory, not cold on ours.
                 for wheel in self.wheel_dir.glob("*.whl"):
@@ -665,8 +892,12 @@ class Bench:
         if not result_path.exists():
             raise RuntimeError(f"measuring child exited {rc} without a result")
         result = json.loads(result_path.read_text())
-        result.update(cold=self.cold, loadavg_1m_before=round(load, 2), log=str(log_path),
-                      target=str(run_dir / "venv"))
+        result.update(
+            cold=self.cold,
+            loadavg_1m_before=round(load, 2),
+            log=str(log_path),
+            target=str(run_dir / "venv"),
+        )
         if result.get("error"):
             with contextlib.suppress(OSError):
                 result["log_tail"] = log_path.read_text(errors="replace")[-3000:]
@@ -677,14 +908,25 @@ class Bench:
         if s.name == "local":
             methods += [m for m in INFO_METHODS if m not in self.skip]
         R = self.R["settings"][s.name] = {
-            "index_url": s.index_url, "store": s.store, "key": s.key,
-            "peers": s.peers, "requirements": s.requirements.read_text(),
-            "link": None if s.name == "local" else {"index": _describe("index"),
-                                                     "s3": _describe("s3")},
-            "runs": {m: [] for m in methods}, "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+            "index_url": s.index_url,
+            "store": s.store,
+            "key": s.key,
+            "peers": s.peers,
+            "requirements": s.requirements.read_text(),
+            "link": None
+            if s.name == "local"
+            else {"index": _describe("index"), "s3": _describe("s3")},
+            "runs": {m: [] for m in methods},
+            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
         }
-        log(f"== setting {s.name}: index {s.index_url}, store {s.store}"
-            + ("" if s.name == "local" else f"; links: index {_describe('index')}, S3 {_describe('s3')}"))
+        log(
+            f"== setting {s.name}: index {s.index_url}, store {s.store}"
+            + (
+                ""
+                if s.name == "local"
+                else f"; links: index {_describe('index')}, S3 {_describe('s3')}"
+            )
+        )
         for rnd in range(self.repeat):
             for method in methods:
                 what = f"{s.name} r{rnd + 1}/{self.repeat}: {LABELS[method]}"
@@ -703,7 +945,9 @@ class Bench:
                     if result.get("log_tail"):
                         print(result["log_tail"][-1500:], flush=True)
                 else:
-                    split = " + ".join(f"{st['name']} {st['seconds']:.2f}" for st in result["steps"])
+                    split = " + ".join(
+                        f"{st['name']} {st['seconds']:.2f}" for st in result["steps"]
+                    )
                     log(f"  {result['total']:.2f} s ({split}){'' if result['cold'] else ' WARM'}")
             if self.clean_between_rounds and rnd + 1 < self.repeat:
                 log(f"deleting round {rnd + 1}'s trees, sync, {SETTLE_AFTER_DELETE_S} s pause")
@@ -712,8 +956,10 @@ class Bench:
                 subprocess.run(["sync"], check=False)
                 time.sleep(SETTLE_AFTER_DELETE_S)
         R["verify"] = self.verify(s) if "bootseer" in methods else None
-        R["sizes"] = {"bootseer": s.snapshot.get("compressed_bytes"),
-                      **{k: v["bytes"] for k, v in self.R["archives"].items()}}
+        R["sizes"] = {
+            "bootseer": s.snapshot.get("compressed_bytes"),
+            **{k: v["bytes"] for k, v in self.R["archives"].items()},
+        }
         R["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
 
     def verify(self, s: Setting) -> dict[str, Any]:
@@ -722,17 +968,30 @@ class Bench:
         if not runs:
             return {"error": "no successful restore to verify"}
         target = runs[-1]["target"]
-        argv = [*self.bootseer, "env", "ensure", "--spec", str(s.requirements), "--prefix", target,
-                "--store", s.store, "--json"]
+        argv = [
+            *self.bootseer,
+            "env",
+            "ensure",
+            "--spec",
+            str(s.requirements),
+            "--prefix",
+            target,
+            "--store",
+            s.store,
+            "--json",
+        ]
         if s.storage_options:
             argv += ["--storage-options", json.dumps({"s3": s.storage_options})]
-        log(f"{s.name}: warm verification, `bootseer env ensure` on {target} "
-            f"(1 warm-up + {VERIFY_RUNS} timed runs)")
+        log(
+            f"{s.name}: warm verification, `bootseer env ensure` on {target} "
+            f"(1 warm-up + {VERIFY_RUNS} timed runs)"
+        )
         times, outcomes, failures = [], [], []
         for i in range(VERIFY_RUNS + 1):
             t0 = time.perf_counter()
-            proc = subprocess.run(argv, env=clean_env(), capture_output=True, text=True,
-                                  timeout=600, check=False)
+            proc = subprocess.run(
+                argv, env=clean_env(), capture_output=True, text=True, timeout=600, check=False
+            )
             seconds = time.perf_counter() - t0
             outcome = "no JSON"
             with contextlib.suppress(ValueError, KeyError, TypeError):
@@ -744,16 +1003,23 @@ class Bench:
             if i:
                 times.append(seconds)
                 outcomes.append(outcome)
-        result = {"runs_s": times, "median_s": statistics.median(times), "outcomes": outcomes,
-                  "command": " ".join(["bootseer", *argv[3:]]), "failures": failures}
+        result = {
+            "runs_s": times,
+            "median_s": statistics.median(times),
+            "outcomes": outcomes,
+            "command": " ".join(["bootseer", *argv[3:]]),
+            "failures": failures,
+        }
         ok = all(o == "verified" for o in outcomes)
         if not ok:
             result["error"] = f"outcomes {outcomes} (want verified)"
             self.errors.append(f"{s.name}.verify: {result['error']}")
         for failure in failures:
             log(f"  {failure}")
-        log(f"  {result['median_s']:.2f} s median ({', '.join(f'{t:.2f}' for t in times)}); "
-            f"outcomes {sorted(set(outcomes))}")
+        log(
+            f"  {result['median_s']:.2f} s median ({', '.join(f'{t:.2f}' for t in times)}); "
+            f"outcomes {sorted(set(outcomes))}"
+        )
         return result
 
     # -- report ------------------------------------------------------------------------------
@@ -762,10 +1028,14 @@ class Bench:
         if not ok or len(ok) != len(runs):
             return None
         names = [st["name"] for st in ok[0]["steps"]]
-        return {"total": statistics.median(r["total"] for r in ok),
-                "split": [(n, statistics.median(r["steps"][i]["seconds"] for r in ok))
-                          for i, n in enumerate(names)],
-                "runs": [r["total"] for r in ok]}
+        return {
+            "total": statistics.median(r["total"] for r in ok),
+            "split": [
+                (n, statistics.median(r["steps"][i]["seconds"] for r in ok))
+                for i, n in enumerate(names)
+            ],
+            "runs": [r["total"] for r in ok],
+        }
 
     def setting_rows(self, name: str) -> list[list[str]]:
         R = self.R["settings"][name]
@@ -799,31 +1069,62 @@ class Bench:
             verdict = "n/a" if ratio is None else ("PASS" if ratio >= target else "MISS")
             if runs.get(m) and peer is None or runs.get("bootseer") and ours is None:
                 verdict = "ERROR"
-            rows.append([LABELS[m], total_text(m), split_text(m),
-                         "n/a" if ratio is None else f"{ratio:.1f}x",
-                         f">= {target:g}x faster than {m}", verdict])
+            rows.append(
+                [
+                    LABELS[m],
+                    total_text(m),
+                    split_text(m),
+                    "n/a" if ratio is None else f"{ratio:.1f}x",
+                    f">= {target:g}x faster than {m}",
+                    verdict,
+                ]
+            )
         v = R.get("verify")
         if v is not None:
             if "median_s" in v:
-                rows.append(["warm verification: bootseer env ensure (whole CLI)",
-                             f"{v['median_s']:.2f} s",
-                             f"median of {', '.join(f'{t:.2f}' for t in v['runs_s'])}; outcome "
-                             f"{'/'.join(sorted(set(v['outcomes'])))}", "",
-                             f"<= {VERIFY_LIMIT_S:g} s",
-                             "ERROR" if v.get("error") else
-                             ("PASS" if v["median_s"] <= VERIFY_LIMIT_S else "MISS")])
+                rows.append(
+                    [
+                        "warm verification: bootseer env ensure (whole CLI)",
+                        f"{v['median_s']:.2f} s",
+                        f"median of {', '.join(f'{t:.2f}' for t in v['runs_s'])}; outcome "
+                        f"{'/'.join(sorted(set(v['outcomes'])))}",
+                        "",
+                        f"<= {VERIFY_LIMIT_S:g} s",
+                        "ERROR"
+                        if v.get("error")
+                        else ("PASS" if v["median_s"] <= VERIFY_LIMIT_S else "MISS"),
+                    ]
+                )
             else:
-                rows.append(["warm verification", "error", v.get("error", ""), "",
-                             f"<= {VERIFY_LIMIT_S:g} s", "ERROR"])
+                rows.append(
+                    [
+                        "warm verification",
+                        "error",
+                        v.get("error", ""),
+                        "",
+                        f"<= {VERIFY_LIMIT_S:g} s",
+                        "ERROR",
+                    ]
+                )
         sizes = R["sizes"]
         snap, vp, tz = sizes.get("bootseer"), sizes.get("venv-pack"), sizes.get("tar-zstd")
         if snap:
-            peers = "; ".join(f"{label} {b / MB:.1f} MB" for label, b in
-                              (("venv-pack .tar.gz", vp), (".tar.zst", tz)) if b)
+            peers = "; ".join(
+                f"{label} {b / MB:.1f} MB"
+                for label, b in (("venv-pack .tar.gz", vp), (".tar.zst", tz))
+                if b
+            )
             rel = f"{snap / vp:.2f}x of venv-pack" if vp else "n/a"
-            rows.append(["snapshot size (chunks + TOC)", f"{snap / MB:.1f} MB", peers, rel,
-                         "<= venv-pack .tar.gz", "n/a" if not vp else
-                         ("PASS" if snap <= vp else "MISS")])
+            rows.append(
+                [
+                    "snapshot size (chunks + TOC)",
+                    f"{snap / MB:.1f} MB",
+                    peers,
+                    rel,
+                    "<= venv-pack .tar.gz",
+                    "n/a" if not vp else ("PASS" if snap <= vp else "MISS"),
+                ]
+            )
         for m in INFO_METHODS:
             if m in runs:
                 s = sums.get(m)
@@ -832,8 +1133,14 @@ class Bench:
         return rows
 
     def report(self) -> None:
-        head = ["method", "total to working import", "split (s)", "peer / bootseer", "target",
-                "result"]
+        head = [
+            "method",
+            "total to working import",
+            "split (s)",
+            "peer / bootseer",
+            "target",
+            "result",
+        ]
         tables: dict[str, list[str]] = {}
         for name in self.R["settings"]:
             rows = self.setting_rows(name)
@@ -841,29 +1148,45 @@ class Bench:
             self.R["settings"][name]["table"] = [dict(zip(head, r, strict=True)) for r in rows]
         print("")
         m = self.R["machine"]
-        log(f"== results ({'cold node: page cache dropped before each method' if self.cold else 'WARM: page cache NOT dropped'}; "
-            f"{m['cpus']} CPUs, {m['ram_bytes'] / 2**30:.1f} GiB RAM, {m.get('work_fs')} at {self.work})")
+        log(
+            f"== results ({'cold node: page cache dropped before each method' if self.cold else 'WARM: page cache NOT dropped'}; "
+            f"{m['cpus']} CPUs, {m['ram_bytes'] / 2**30:.1f} GiB RAM, {m.get('work_fs')} at {self.work})"
+        )
         ref = self.R.get("reference", {})
         if ref:
-            print(f"environment: {ref['files']} files, {ref['bytes'] / MB:.0f} MB installed "
-                  f"({'numpy only: --quick' if self.quick else 'torch 2.13.0 CPU + numpy + deps'}), "
-                  f"built with {ref.get('installer')}")
+            print(
+                f"environment: {ref['files']} files, {ref['bytes'] / MB:.0f} MB installed "
+                f"({'numpy only: --quick' if self.quick else 'torch 2.13.0 CPU + numpy + deps'}), "
+                f"built with {ref.get('installer')}"
+            )
         for name, table in tables.items():
             S = self.R["settings"][name]
             print("")
-            print(f"setting {name}: " + ("index and store local, unshaped" if name == "local" else
-                                         f"index behind the shaper ({_describe('index')}); S3 "
-                                         f"(moto) behind the shaper ({_describe('s3')})"))
+            print(
+                f"setting {name}: "
+                + (
+                    "index and store local, unshaped"
+                    if name == "local"
+                    else f"index behind the shaper ({_describe('index')}); S3 "
+                    f"(moto) behind the shaper ({_describe('s3')})"
+                )
+            )
             for line in table:
                 print(line)
-            print(f"load average at start/end of the setting: {S['loadavg_at_start'][0]:.2f} / "
-                  f"{S['loadavg_at_end'][0]:.2f}")
+            print(
+                f"load average at start/end of the setting: {S['loadavg_at_start'][0]:.2f} / "
+                f"{S['loadavg_at_end'][0]:.2f}"
+            )
         self.R["load_end"] = [round(x, 2) for x in os.getloadavg()]
         print("")
-        print(f"load average: before the run {self.R['loadavg_at_start'][0]:.2f}, after "
-              f"{self.R['load_end'][0]:.2f}")
+        print(
+            f"load average: before the run {self.R['loadavg_at_start'][0]:.2f}, after "
+            f"{self.R['load_end'][0]:.2f}"
+        )
         if self.quick:
-            self.R["warnings"].append("--quick: numpy only (no torch); a smoke run, not the figures")
+            self.R["warnings"].append(
+                "--quick: numpy only (no torch); a smoke run, not the figures"
+            )
         for w in self.R["warnings"]:
             print(f"WARNING: {w}")
         for e in self.errors:
@@ -876,28 +1199,35 @@ class Bench:
         self.R["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
         self.R["elapsed_s"] = time.monotonic() - _T0
         (self.results_dir / "snapshot.json").write_text(
-            json.dumps(self.R, indent=2, default=str) + "\n")
+            json.dumps(self.R, indent=2, default=str) + "\n"
+        )
         if tables is None:
             log(f"wrote {self.results_dir / 'snapshot.json'} (partial)")
             return
         m, ref = self.R["machine"], self.R.get("reference", {})
-        md = [f"# snapshot benchmark ({'quick' if self.quick else 'full'} run)", "",
-              f"- command: `{self.R['command']}` (run time {self.R['elapsed_s']:.0f} s, "
-              f"{self.R['finished']})",
-              f"- machine: {m['cpus']} CPUs, {m['ram_bytes'] / 2**30:.1f} GiB RAM, "
-              f"{m['platform']}, Python {m['python']}, {m['uv']}, "
-              f"{m['venv_pack']}, pip {m.get('pip_in_new_venv', '?')} (in new venvs), "
-              f"{m['zstd']}, {m['tar']}; work dir on {m.get('work_fs')}",
-              f"- source: commit {self.R['source'].get('commit', '?')[:12]}"
-              + (f", local changes in {', '.join(self.R['source']['local_changes'])}"
-                 if self.R["source"].get("local_changes") else ""),
-              f"- load average: {self.R['loadavg_at_start'][0]:.2f} at start, "
-              f"{self.R.get('load_end', ['?'])[0]} at end",
-              f"- {'cold node: `sync; echo 3 > /proc/sys/vm/drop_caches` before each method' if self.cold else 'WARM: the page cache could not be dropped'}",
-              f"- environment: `{self.import_code}`; {ref.get('files', '?')} files, "
-              f"{ref.get('bytes', 0) / MB:.0f} MB installed, built with `bootseer env create` "
-              f"({ref.get('installer')}); wheels {sum(w['bytes'] for w in self.R.get('wheels', [])) / MB:.0f} MB",
-              f"- links (shaped setting): index {_describe('index')}; S3 {_describe('s3')}"]
+        md = [
+            f"# snapshot benchmark ({'quick' if self.quick else 'full'} run)",
+            "",
+            f"- command: `{self.R['command']}` (run time {self.R['elapsed_s']:.0f} s, "
+            f"{self.R['finished']})",
+            f"- machine: {m['cpus']} CPUs, {m['ram_bytes'] / 2**30:.1f} GiB RAM, "
+            f"{m['platform']}, Python {m['python']}, {m['uv']}, "
+            f"{m['venv_pack']}, pip {m.get('pip_in_new_venv', '?')} (in new venvs), "
+            f"{m['zstd']}, {m['tar']}; work dir on {m.get('work_fs')}",
+            f"- source: commit {self.R['source'].get('commit', '?')[:12]}"
+            + (
+                f", local changes in {', '.join(self.R['source']['local_changes'])}"
+                if self.R["source"].get("local_changes")
+                else ""
+            ),
+            f"- load average: {self.R['loadavg_at_start'][0]:.2f} at start, "
+            f"{self.R.get('load_end', ['?'])[0]} at end",
+            f"- {'cold node: `sync; echo 3 > /proc/sys/vm/drop_caches` before each method' if self.cold else 'WARM: the page cache could not be dropped'}",
+            f"- environment: `{self.import_code}`; {ref.get('files', '?')} files, "
+            f"{ref.get('bytes', 0) / MB:.0f} MB installed, built with `bootseer env create` "
+            f"({ref.get('installer')}); wheels {sum(w['bytes'] for w in self.R.get('wheels', [])) / MB:.0f} MB",
+            f"- links (shaped setting): index {_describe('index')}; S3 {_describe('s3')}",
+        ]
         for name, table in tables.items():
             md += ["", f"## {name}", "", *table]
         if self.R["warnings"]:
@@ -917,8 +1247,17 @@ def _describe(link: str) -> str:
 # mapped keeps their pages in the page cache through drop_caches, which would warm the cold
 # start of the very commands measured: `bootseer bench` (which imports bootseer's CLI) runs
 # this script in a fresh interpreter instead.
-_MAPPED_BY_TOOLS = ("aiohttp", "yarl", "multidict", "frozenlist", "propcache", "zstandard",
-                    "s3fs", "numpy", "torch")
+_MAPPED_BY_TOOLS = (
+    "aiohttp",
+    "yarl",
+    "multidict",
+    "frozenlist",
+    "propcache",
+    "zstandard",
+    "s3fs",
+    "numpy",
+    "torch",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -930,23 +1269,39 @@ def main(argv: list[str] | None = None) -> int:
     if any(name in sys.modules for name in _MAPPED_BY_TOOLS):
         return reexec(__file__, argv)
     parser = argparse.ArgumentParser(prog="bench_snapshot.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--results", default="bench-results", help="directory for snapshot.json/.md")
-    parser.add_argument("--quick", action="store_true",
-                        help="numpy only (no torch), local setting unless --settings says otherwise")
-    parser.add_argument("--settings", help="comma list of local, shaped (default both; "
-                                           "--quick: local)")
+    parser.add_argument(
+        "--results", default="bench-results", help="directory for snapshot.json/.md"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="numpy only (no torch), local setting unless --settings says otherwise",
+    )
+    parser.add_argument(
+        "--settings", help="comma list of local, shaped (default both; --quick: local)"
+    )
     parser.add_argument("--skip", help=f"comma list of methods to skip ({', '.join(ALL_METHODS)})")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="runs of each method per setting, interleaved; the median is reported")
-    parser.add_argument("--cache", help="wheel cache and work dir (default ~/.cache/bootseer-bench, "
-                                        "env BOOTSEER_BENCH_CACHE)")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep CACHE/snapshot-run (trees, stores, logs) for inspection")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each method per setting, interleaved; the median is reported",
+    )
+    parser.add_argument(
+        "--cache",
+        help="wheel cache and work dir (default ~/.cache/bootseer-bench, env BOOTSEER_BENCH_CACHE)",
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep CACHE/snapshot-run (trees, stores, logs) for inspection",
+    )
     args = parser.parse_args(argv)
     bench = Bench(args)
     code = run_bench(bench, done_key="finished")
     log(f"done in {time.monotonic() - _T0:.0f} s")
     return code
+
 
 if __name__ == "__main__":
     sys.exit(main())

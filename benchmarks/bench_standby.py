@@ -82,31 +82,70 @@ def scenario(method: str, width: int, rate: str, work: Path) -> dict[str, Any]:
     with Cluster(nodes, link=Link(rate=rate), services=("s3", "rendezvous")) as c:
         c.services.create_bucket("bench")
         opts = json.dumps({"s3": c.services.storage_options()})
-        script = [str(JOB), "--ckpt", "s3://bench/run", "--out", str(out), "--storage-options",
-                  opts, "--steps", "12", "--save-every", "3", "--hold-at", "9", "--width",
-                  str(width)]
+        script = [
+            str(JOB),
+            "--ckpt",
+            "s3://bench/run",
+            "--out",
+            str(out),
+            "--storage-options",
+            opts,
+            "--steps",
+            "12",
+            "--save-every",
+            "3",
+            "--hold-at",
+            "9",
+            "--width",
+            str(width),
+        ]
 
         def launch(node: Any, argv: list[str]) -> subprocess.Popen:
             with open(out / f"{node.name}.{node.generation}.log", "w") as f:
                 return node.popen(argv, stdout=f, stderr=subprocess.STDOUT)
 
         def bootseer_run(node: Any, ranks: str) -> list[str]:
-            return ["--node", node.name, "--state-dir", str(node.dirs.work / "state"),
-                    "--trace-dir", str(out / "trace"), "--ckpt-url", "s3://bench/run",
-                    "--storage-options", opts, "--ranks", ranks, "--min-free-disk", "1MiB",
-                    "--min-free-memory", "1MiB"]
+            return [
+                "--node",
+                node.name,
+                "--state-dir",
+                str(node.dirs.work / "state"),
+                "--trace-dir",
+                str(out / "trace"),
+                "--ckpt-url",
+                "s3://bench/run",
+                "--storage-options",
+                opts,
+                "--ranks",
+                ranks,
+                "--min-free-disk",
+                "1MiB",
+                "--min-free-memory",
+                "1MiB",
+            ]
 
         def job(node: Any, ranks: str) -> list[str]:
-            return [*BOOTSEER, "run", *bootseer_run(node, ranks), "--hang-timeout", "0", "--",
-                    *node.torchrun(script, nnodes="2:2", rdzv_id="bench",
-                                  rdzv_conf=PATIENT)]
+            return [
+                *BOOTSEER,
+                "run",
+                *bootseer_run(node, ranks),
+                "--hang-timeout",
+                "0",
+                "--",
+                *node.torchrun(script, nnodes="2:2", rdzv_id="bench", rdzv_conf=PATIENT),
+            ]
 
-        procs = {n.name: launch(n, n.torchrun(script, nnodes="2:2", rdzv_id="bench",
-                                              rdzv_conf=PATIENT))
-                 for n in c.nodes[:2]}
+        procs = {
+            n.name: launch(n, n.torchrun(script, nnodes="2:2", rdzv_id="bench", rdzv_conf=PATIENT))
+            for n in c.nodes[:2]
+        }
         try:
-            _wait("both ranks holding", lambda: all((out / f"holding-{r}").exists()
-                                                    for r in (0, 1)), procs, 600)
+            _wait(
+                "both ranks holding",
+                lambda: all((out / f"holding-{r}").exists() for r in (0, 1)),
+                procs,
+                600,
+            )
             result: dict[str, Any] = {"method": method}
             if method == "standby":
                 spare = c.nodes[2]
@@ -141,8 +180,9 @@ def scenario(method: str, width: int, rate: str, work: Path) -> dict[str, Any]:
     result["first_step_after_loss_s"] = after
     # the load done (each rank's record of it): what came before is the rendezvous, the new
     # worker processes and init_process_group; after it, one training step
-    result["loaded_after_loss_s"] = {p.name: p.stat().st_mtime - lost_at
-                                     for p in out.glob("loaded-*.json")}
+    result["loaded_after_loss_s"] = {
+        p.name: p.stat().st_mtime - lost_at for p in out.glob("loaded-*.json")
+    }
     loss_to_step = max(after.values())
     if method == "cold":
         loss_to_step -= result["node_creation_s"]
@@ -154,37 +194,68 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="bench-results")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--width", type=int, default=None,
-                        help="hidden width: ~252 bytes of state per unit per rank "
-                             "(default 200000, ~50 MB; --quick 20000)")
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help="hidden width: ~252 bytes of state per unit per rank "
+        "(default 200000, ~50 MB; --quick 20000)",
+    )
     parser.add_argument("--rate", default="200mbit", help="each node's link (tc rate)")
     args = parser.parse_args()
     width = args.width or (20_000 if args.quick else 200_000)
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     work = results / f"standby-work-{os.getpid()}"
-    report: dict[str, Any] = {"command": command_line("bench_standby.py"), "width": width,
-                              "rate": args.rate, "quick": args.quick,
-                              "load_before": os.getloadavg()}
+    report: dict[str, Any] = {
+        "command": command_line("bench_standby.py"),
+        "width": width,
+        "rate": args.rate,
+        "quick": args.quick,
+        "load_before": os.getloadavg(),
+    }
     for method in ("standby", "cold"):
         log(f"standby: {method} ...")
         report[method] = scenario(method, width, args.rate, work)
-        log(f"standby: {method}: loss -> first step on every rank "
-            f"{report[method]['loss_to_first_step_s']:.2f} s")
+        log(
+            f"standby: {method}: loss -> first step on every rank "
+            f"{report[method]['loss_to_first_step_s']:.2f} s"
+        )
     report["load_after"] = os.getloadavg()
     warm, cold = report["standby"]["loss_to_first_step_s"], report["cold"]["loss_to_first_step_s"]
-    rows = [["loss -> first step, every rank (s)", f"{warm:.2f} (warm standby)",
-             f"{cold:.2f} (cold node)", "standby < cold", verdict(warm < cold)],
-            ["new node's S3 bytes after the loss", str(report["standby"]
-                                                        ["new_node_s3_bytes_after_loss"]),
-             str(report["cold"]["new_node_s3_bytes_after_loss"]), "-", "-"]]
+    rows = [
+        [
+            "loss -> first step, every rank (s)",
+            f"{warm:.2f} (warm standby)",
+            f"{cold:.2f} (cold node)",
+            "standby < cold",
+            verdict(warm < cold),
+        ],
+        [
+            "new node's S3 bytes after the loss",
+            str(report["standby"]["new_node_s3_bytes_after_loss"]),
+            str(report["cold"]["new_node_s3_bytes_after_loss"]),
+            "-",
+            "-",
+        ],
+    ]
     table = final_table(report, rows)
     (results / "standby.json").write_text(json.dumps(report, indent=1))
-    (results / "standby.md").write_text("\n".join(
-        [f"# standby ({'quick' if args.quick else 'full'}), width {width}, {args.rate}", "",
-         *table, "", *md_table(["load before", "load after"],
-                               [[str(report["load_before"]), str(report["load_after"])]])])
-        + "\n")
+    (results / "standby.md").write_text(
+        "\n".join(
+            [
+                f"# standby ({'quick' if args.quick else 'full'}), width {width}, {args.rate}",
+                "",
+                *table,
+                "",
+                *md_table(
+                    ["load before", "load after"],
+                    [[str(report["load_before"]), str(report["load_after"])]],
+                ),
+            ]
+        )
+        + "\n"
+    )
     import shutil
 
     if work.name.startswith("standby-work-"):  # only the directory made above

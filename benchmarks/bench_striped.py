@@ -178,8 +178,11 @@ def ensure_data(cache: Path, size: int) -> DataFile:
         with contextlib.suppress(FileNotFoundError):
             partial.unlink()
     st = path.stat()
-    meta_path.write_text(json.dumps({"size": size, "mtime_ns": st.st_mtime_ns,
-                                     "sha256": sha.hexdigest(), "crc32": crc}))
+    meta_path.write_text(
+        json.dumps(
+            {"size": size, "mtime_ns": st.st_mtime_ns, "sha256": sha.hexdigest(), "crc32": crc}
+        )
+    )
     return DataFile(path, size, sha.hexdigest(), crc)
 
 
@@ -196,10 +199,14 @@ def check_file(path: str | Path, df: DataFile) -> tuple[bool, str]:
     if size != df.size:
         return False, f"size {size} != {df.size}"
     digest = sha256_file(path)
-    return (digest == df.sha256), f"sha256 {digest[:16]}{'' if digest == df.sha256 else ' MISMATCH'}"
+    return (
+        digest == df.sha256
+    ), f"sha256 {digest[:16]}{'' if digest == df.sha256 else ' MISMATCH'}"
 
 
-def check_ranges(path: str | Path, df: DataFile, count: int = 8, length: int = MiB) -> tuple[bool, str]:
+def check_ranges(
+    path: str | Path, df: DataFile, count: int = 8, length: int = MiB
+) -> tuple[bool, str]:
     """Size plus ``count`` ranges (first, last, evenly spread) compared byte for byte."""
     size = os.path.getsize(path)
     if size != df.size:
@@ -225,30 +232,51 @@ def stream(f: Any, chunk: int = CHUNK) -> tuple[int, int]:
         nbytes += len(data)
 
 
-def stream_result(nbytes: int, crc: int, seconds: float, df: DataFile, **extra: Any) -> dict[str, Any]:
+def stream_result(
+    nbytes: int, crc: int, seconds: float, df: DataFile, **extra: Any
+) -> dict[str, Any]:
     ok = nbytes == df.size and crc == df.crc32
-    return {"bytes": nbytes, "seconds": seconds, "mb_s": mbps(nbytes, seconds), "verified": ok,
-            "check": f"size + crc32 of the stream{'' if ok else ' MISMATCH'}", **extra}
+    return {
+        "bytes": nbytes,
+        "seconds": seconds,
+        "mb_s": mbps(nbytes, seconds),
+        "verified": ok,
+        "check": f"size + crc32 of the stream{'' if ok else ' MISMATCH'}",
+        **extra,
+    }
 
 
 def file_result(local: Path, seconds: float, df: DataFile, **extra: Any) -> dict[str, Any]:
     ok, how = check_file(local, df)
-    return {"bytes": df.size, "seconds": seconds, "mb_s": mbps(df.size, seconds),
-            "verified": ok, "check": how, **extra}
+    return {
+        "bytes": df.size,
+        "seconds": seconds,
+        "mb_s": mbps(df.size, seconds),
+        "verified": ok,
+        "check": how,
+        **extra,
+    }
 
 
 # -- clients -----------------------------------------------------------------------------------
 
 
 def striped_http(**opts: Any) -> StripedFileSystem:
-    return StripedFileSystem(target_protocol="http", target_options={"skip_instance_cache": True},
-                             skip_instance_cache=True, **opts)
+    return StripedFileSystem(
+        target_protocol="http",
+        target_options={"skip_instance_cache": True},
+        skip_instance_cache=True,
+        **opts,
+    )
 
 
 def striped_s3(storage_options: dict[str, Any], **opts: Any) -> StripedFileSystem:
-    return StripedFileSystem(target_protocol="s3",
-                             target_options={**storage_options, "skip_instance_cache": True},
-                             skip_instance_cache=True, **opts)
+    return StripedFileSystem(
+        target_protocol="s3",
+        target_options={**storage_options, "skip_instance_cache": True},
+        skip_instance_cache=True,
+        **opts,
+    )
 
 
 def plain_s3(storage_options: dict[str, Any], **kw: Any) -> s3fs.S3FileSystem:
@@ -266,8 +294,9 @@ def rclone_version() -> str:
     exe = shutil.which("rclone")
     if exe is None:
         return "not installed"
-    out = subprocess.run([exe, "version"], capture_output=True, text=True, timeout=30,
-                         env=clean_env(), check=False).stdout
+    out = subprocess.run(
+        [exe, "version"], capture_output=True, text=True, timeout=30, env=clean_env(), check=False
+    ).stdout
     return out.splitlines()[0] if out else "unknown"
 
 
@@ -279,8 +308,21 @@ def run_rclone(args: list[str], env_extra: dict[str, str] | None = None) -> tupl
     # No AWS_* (AWS_CA_BUNDLE breaks rclone's plain-HTTP client) and no RCLONE_* from outside.
     env = {k: v for k, v in clean_env().items() if not k.startswith(("AWS_", "RCLONE_"))}
     env.update(env_extra or {})
-    cmd = [exe, "--config", "/dev/null", "--bind", "127.0.0.1", "--retries", "1",
-           "--low-level-retries", "2", "--stats", "0", "-v", *args]
+    cmd = [
+        exe,
+        "--config",
+        "/dev/null",
+        "--bind",
+        "127.0.0.1",
+        "--retries",
+        "1",
+        "--low-level-retries",
+        "2",
+        "--stats",
+        "0",
+        "-v",
+        *args,
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
     seconds = time.perf_counter() - start
@@ -318,22 +360,35 @@ class Bench:
                 "s3fs": s3fs.__version__,
                 "rclone": rclone_version(),
             },
-            "sizes": {"main": self.main_size, "moto_ceiling": self.moto_ceiling_size,
-                      "sweep": None if self.quick else self.sweep_size, "rss": self.rss_size},
+            "sizes": {
+                "main": self.main_size,
+                "moto_ceiling": self.moto_ceiling_size,
+                "sweep": None if self.quick else self.sweep_size,
+                "rss": self.rss_size,
+            },
             "links": {"http": _settings_dict(HTTP_LINK), "s3": _settings_dict(S3_LINK)},
             "defaults": {"stripe_size": DEFAULT_STRIPE_SIZE, "concurrency": DEFAULT_CONCURRENCY},
-            "ceiling": {}, "http": {}, "s3": {}, "sweep": {}, "rss": {}, "warnings": [],
+            "ceiling": {},
+            "http": {},
+            "s3": {},
+            "sweep": {},
+            "rss": {},
+            "warnings": [],
             "errors": self.errors,
         }
         with contextlib.suppress(Exception):
             import moto
+
             self.R["machine"]["moto"] = moto.__version__
         with contextlib.suppress(Exception):
             self.R["machine"]["nginx"] = subprocess.run(
-                ["nginx", "-v"], capture_output=True, text=True, check=False).stderr.strip()
+                ["nginx", "-v"], capture_output=True, text=True, check=False
+            ).stderr.strip()
 
     # -- plumbing ---------------------------------------------------------------------------
-    def measure(self, section: str, key: str, what: str, fn: Callable[[], dict[str, Any]]) -> dict | None:
+    def measure(
+        self, section: str, key: str, what: str, fn: Callable[[], dict[str, Any]]
+    ) -> dict | None:
         """Run one measurement; record it (or its error) under ``R[section][key]``."""
         log(f"{what} ...")
         try:
@@ -353,10 +408,14 @@ class Bench:
         self.R[section][key] = result
         extra = ""
         if "verified" in result:
-            extra = f"  [{'ok' if result['verified'] else 'DATA MISMATCH'}: {result.get('check', '')}]"
+            extra = (
+                f"  [{'ok' if result['verified'] else 'DATA MISMATCH'}: {result.get('check', '')}]"
+            )
         if "mb_s" in result:
-            log(f"  {what}: {result['mb_s']:.1f} MB/s ({human_or_bytes(result['bytes'])} in "
-                f"{result['seconds']:.2f} s){extra}")
+            log(
+                f"  {what}: {result['mb_s']:.1f} MB/s ({human_or_bytes(result['bytes'])} in "
+                f"{result['seconds']:.2f} s){extra}"
+            )
         return result
 
     def warn(self, msg: str) -> None:
@@ -371,14 +430,18 @@ class Bench:
 
     # -- run --------------------------------------------------------------------------------
     def run(self) -> None:
-        log(f"bench striped: {'quick' if self.quick else 'full'} run, file {human(self.main_size)}, "
-            f"{os.cpu_count()} CPUs, python {platform.python_version()}")
+        log(
+            f"bench striped: {'quick' if self.quick else 'full'} run, file {human(self.main_size)}, "
+            f"{os.cpu_count()} CPUs, python {platform.python_version()}"
+        )
         load = os.getloadavg()
         self.R["loadavg_at_start"] = [round(x, 2) for x in load]
         if load[0] > 0.5 * (os.cpu_count() or 1):
-            self.warn(f"machine busy before the run (load average {load[0]:.2f} on {os.cpu_count()} "
-                      "CPUs): other processes compete with server, proxy and client; the unshaped "
-                      "ceiling is the first figure to drop")
+            self.warn(
+                f"machine busy before the run (load average {load[0]:.2f} on {os.cpu_count()} "
+                "CPUs): other processes compete with server, proxy and client; the unshaped "
+                "ceiling is the first figure to drop"
+            )
         cache = cache_dir()
         self.R["cache_dir"] = str(cache)
         self.main = ensure_data(cache, self.main_size)
@@ -424,18 +487,25 @@ class Bench:
                     finally:
                         fs.close()
                 best = max(runs, key=lambda r: r["mb_s"])
-                return {**best, "verified": all(r["verified"] for r in runs),
-                        "runs_mb_s": [r["mb_s"] for r in runs]}
+                return {
+                    **best,
+                    "verified": all(r["verified"] for r in runs),
+                    "runs_mb_s": [r["mb_s"] for r in runs],
+                }
 
-            self.measure("ceiling", "nginx_striped_read",
-                         f"ceiling (best of 2): striped read of {human(df.size)} from nginx via unshaped proxy",
-                         nginx_read)
+            self.measure(
+                "ceiling",
+                "nginx_striped_read",
+                f"ceiling (best of 2): striped read of {human(df.size)} from nginx via unshaped proxy",
+                nginx_read,
+            )
 
         mf = self.moto_file
         with ShaperProcess("127.0.0.1", self.moto.port, ShaperSettings()) as proxy:
             opts = self.moto.storage_options(endpoint_url=f"http://{proxy.address}")
-            self._s3_write_read("ceiling", "moto_striped", opts, mf, label="ceiling (best of 2)",
-                                repeat=2)
+            self._s3_write_read(
+                "ceiling", "moto_striped", opts, mf, label="ceiling (best of 2)", repeat=2
+            )
 
     # -- 2. links ---------------------------------------------------------------------------
     def step_links(self) -> None:
@@ -443,24 +513,34 @@ class Bench:
         log(f"  HTTP/nginx: {HTTP_LINK.describe()}")
         log(f"  S3/moto:    {S3_LINK.describe()}")
         c = self.R["ceiling"]
-        pairs = [("nginx striped read", c.get("nginx_striped_read", {}).get("mb_s"), HTTP_LINK),
-                 ("moto striped write", c.get("moto_striped_write", {}).get("mb_s"), S3_LINK),
-                 ("moto striped read", c.get("moto_striped_read", {}).get("mb_s"), S3_LINK)]
+        pairs = [
+            ("nginx striped read", c.get("nginx_striped_read", {}).get("mb_s"), HTTP_LINK),
+            ("moto striped write", c.get("moto_striped_write", {}).get("mb_s"), S3_LINK),
+            ("moto striped read", c.get("moto_striped_read", {}).get("mb_s"), S3_LINK),
+        ]
         for what, ceiling, link in pairs:
             cap = link.total_bps / MB
             if ceiling is None:
-                self.warn(f"{what}: no ceiling measured; cannot tell whether {cap:g} MB/s is below it")
+                self.warn(
+                    f"{what}: no ceiling measured; cannot tell whether {cap:g} MB/s is below it"
+                )
             elif ceiling < CEILING_MARGIN * cap:
-                self.warn(f"{what}: unshaped ceiling {ceiling:.0f} MB/s is below {CEILING_MARGIN}x "
-                          f"the {cap:g} MB/s cap: the CPU may bind, not the link; figures against "
-                          "the cap understate striping")
+                self.warn(
+                    f"{what}: unshaped ceiling {ceiling:.0f} MB/s is below {CEILING_MARGIN}x "
+                    f"the {cap:g} MB/s cap: the CPU may bind, not the link; figures against "
+                    "the cap understate striping"
+                )
             else:
-                log(f"  {what}: ceiling {ceiling:.0f} MB/s >= {CEILING_MARGIN}x cap {cap:g} MB/s: ok")
+                log(
+                    f"  {what}: ceiling {ceiling:.0f} MB/s >= {CEILING_MARGIN}x cap {cap:g} MB/s: ok"
+                )
 
     # -- 3. HTTP ranged reads ---------------------------------------------------------------
     def step_http(self) -> None:
         df = self.main
-        log(f"== 3. ranged reads of {human(df.size)} from nginx behind the shaper ({HTTP_LINK.describe()})")
+        log(
+            f"== 3. ranged reads of {human(df.size)} from nginx behind the shaper ({HTTP_LINK.describe()})"
+        )
         proxy = self.stack.enter_context(ShaperProcess("127.0.0.1", self.nginx.port, HTTP_LINK))
         base = f"http://{proxy.address}"
         url = f"{base}/{df.name}"
@@ -470,8 +550,13 @@ class Bench:
             t0 = time.perf_counter()
             with fs.open(url, "rb", block_size=CHUNK) as f:
                 n, crc = stream(f)
-            return stream_result(n, crc, time.perf_counter() - t0, df,
-                                 how=f"fsspec http open(block_size={human(CHUNK)}), read({human(CHUNK)})")
+            return stream_result(
+                n,
+                crc,
+                time.perf_counter() - t0,
+                df,
+                how=f"fsspec http open(block_size={human(CHUNK)}), read({human(CHUNK)})",
+            )
 
         def striped() -> dict[str, Any]:
             fs = striped_http()
@@ -479,10 +564,15 @@ class Bench:
                 t0 = time.perf_counter()
                 with fs.open(url, "rb") as f:
                     n, crc = stream(f)
-                return stream_result(n, crc, time.perf_counter() - t0, df,
-                                     stripe_size=fs.options.stripe_size,
-                                     concurrency=fs.options.concurrency,
-                                     how=f"striped::http fs.open, read({human(CHUNK)})")
+                return stream_result(
+                    n,
+                    crc,
+                    time.perf_counter() - t0,
+                    df,
+                    stripe_size=fs.options.stripe_size,
+                    concurrency=fs.options.concurrency,
+                    how=f"striped::http fs.open, read({human(CHUNK)})",
+                )
             finally:
                 fs.close()
 
@@ -490,21 +580,39 @@ class Bench:
             dest = self.scratch / "rclone-http"
             dest.mkdir()
             try:
-                seconds, out = run_rclone([
-                    "copy", "--http-url", base, f":http:{df.name}", str(dest),
-                    "--multi-thread-streams", str(RCLONE_STREAMS), "--multi-thread-cutoff", "1M",
-                ])
-                return file_result(dest / df.name, seconds, df, multi_thread="Multi-thread" in out,
-                                   how=f"rclone copy :http: --multi-thread-streams {RCLONE_STREAMS} "
-                                       "into tmpfs (process start included)")
+                seconds, out = run_rclone(
+                    [
+                        "copy",
+                        "--http-url",
+                        base,
+                        f":http:{df.name}",
+                        str(dest),
+                        "--multi-thread-streams",
+                        str(RCLONE_STREAMS),
+                        "--multi-thread-cutoff",
+                        "1M",
+                    ]
+                )
+                return file_result(
+                    dest / df.name,
+                    seconds,
+                    df,
+                    multi_thread="Multi-thread" in out,
+                    how=f"rclone copy :http: --multi-thread-streams {RCLONE_STREAMS} "
+                    "into tmpfs (process start included)",
+                )
             finally:
                 shutil.rmtree(dest, ignore_errors=True)
 
         self.measure("http", "single_stream", "HTTP (a) fsspec single stream", single)
         self.measure("http", "striped", "HTTP (b) striped::http fs.open streaming read", striped)
         self.measure("http", "rclone", f"HTTP (c) rclone copy, {RCLONE_STREAMS} streams", rclone)
-        self.measure("http", "fuse", "HTTP (d) FUSE mount of striped::http, cat > /dev/null",
-                     lambda: self._fuse_cat(base, df))
+        self.measure(
+            "http",
+            "fuse",
+            "HTTP (d) FUSE mount of striped::http, cat > /dev/null",
+            lambda: self._fuse_cat(base, df),
+        )
 
     def _fuse_cat(self, base: str, df: DataFile) -> dict[str, Any]:
         from striped_fs import fuse
@@ -532,9 +640,13 @@ class Bench:
             while True:
                 with contextlib.suppress(Exception):
                     if fuse.is_mounted(mnt):
-                        subprocess.run([sys.executable, "-m", "bootseer", "fs", "umount", str(mnt)],
-                                       capture_output=True, timeout=60, env=clean_env(),
-                                       check=False)
+                        subprocess.run(
+                            [sys.executable, "-m", "bootseer", "fs", "umount", str(mnt)],
+                            capture_output=True,
+                            timeout=60,
+                            env=clean_env(),
+                            check=False,
+                        )
                     if fuse.is_mounted(mnt):
                         fuse.unmount(mnt, lazy=True)
                 procs |= mount_processes()
@@ -551,8 +663,10 @@ class Bench:
                 if (gone or not mnt.exists()) and not alive:
                     break
                 if time.monotonic() > deadline:
-                    log(f"WARNING: could not fully clean up the FUSE mount at {mnt} "
-                        f"(processes {alive}); remove it with: bootseer fs umount {mnt}")
+                    log(
+                        f"WARNING: could not fully clean up the FUSE mount at {mnt} "
+                        f"(processes {alive}); remove it with: bootseer fs umount {mnt}"
+                    )
                     break
                 time.sleep(0.2)
             # The background mount logs to TMPDIR/bootseer-fs-mount-*/<mountpoint name>.log, a
@@ -565,28 +679,56 @@ class Bench:
         with contextlib.ExitStack() as local:
             local.callback(cleanup)
             proc = subprocess.run(
-                [sys.executable, "-m", "bootseer", "fs", "mount", f"striped::{base}", str(mnt),
-                 "--read-only"],
-                capture_output=True, text=True, timeout=120, env=clean_env(), check=False)
+                [
+                    sys.executable,
+                    "-m",
+                    "bootseer",
+                    "fs",
+                    "mount",
+                    f"striped::{base}",
+                    str(mnt),
+                    "--read-only",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=clean_env(),
+                check=False,
+            )
             m = re.search(r"\(pid (\d+)", proc.stdout)
             if m:
                 pid.append(int(m.group(1)))
             if proc.returncode != 0:
-                raise RuntimeError(f"bootseer fs mount exited {proc.returncode}: "
-                                   f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
+                raise RuntimeError(
+                    f"bootseer fs mount exited {proc.returncode}: "
+                    f"{(proc.stderr or proc.stdout).strip()[-2000:]}"
+                )
             path = mnt / df.name
             t0 = time.perf_counter()
             subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
             seconds = time.perf_counter() - t0
             ok, how = check_ranges(path, df)
-            return {"bytes": df.size, "seconds": seconds, "mb_s": mbps(df.size, seconds),
-                    "verified": ok, "check": how,
-                    "how": "bootseer fs mount striped::http://... --read-only; cat FILE > /dev/null "
-                           "(mount outside the timing)"}
+            return {
+                "bytes": df.size,
+                "seconds": seconds,
+                "mb_s": mbps(df.size, seconds),
+                "verified": ok,
+                "check": how,
+                "how": "bootseer fs mount striped::http://... --read-only; cat FILE > /dev/null "
+                "(mount outside the timing)",
+            }
 
     # -- 4. S3 ------------------------------------------------------------------------------
-    def _s3_write_read(self, section: str, prefix: str, opts: dict[str, Any], df: DataFile,
-                       label: str, repeat: int = 1, **stripe_opts: Any) -> None:
+    def _s3_write_read(
+        self,
+        section: str,
+        prefix: str,
+        opts: dict[str, Any],
+        df: DataFile,
+        label: str,
+        repeat: int = 1,
+        **stripe_opts: Any,
+    ) -> None:
         """Striped put_file then get_file (to tmpfs) of ``df``; removes the object after.
 
         ``repeat`` > 1 keeps the best of that many runs of each (the ceiling: a first run on
@@ -595,14 +737,20 @@ class Bench:
         key = f"{BUCKET}/{prefix}-{human(df.size)}.bin"
         local = self.scratch / f"{prefix}.get"
         try:
+
             def write_once() -> dict[str, Any]:
                 fs.target.ls(BUCKET)  # client set-up (botocore session, first request) untimed
                 t0 = time.perf_counter()
                 fs.put_file(str(df.path), key)
                 seconds = time.perf_counter() - t0
-                return {"bytes": df.size, "seconds": seconds, "mb_s": mbps(df.size, seconds),
-                        "stripe_size": fs.options.stripe_size, "concurrency": fs.options.concurrency,
-                        "how": "striped put_file from the local file"}
+                return {
+                    "bytes": df.size,
+                    "seconds": seconds,
+                    "mb_s": mbps(df.size, seconds),
+                    "stripe_size": fs.options.stripe_size,
+                    "concurrency": fs.options.concurrency,
+                    "how": "striped put_file from the local file",
+                }
 
             def read_once() -> dict[str, Any]:
                 t0 = time.perf_counter()
@@ -620,12 +768,23 @@ class Bench:
                     if any("verified" in r for r in runs):
                         out["verified"] = all(r.get("verified", True) for r in runs)
                     return out
+
                 return run
 
             write, read = best(write_once), best(read_once)
 
-            if self.measure(section, f"{prefix}_write", f"{label}: striped write of {human(df.size)} to moto", write):
-                self.measure(section, f"{prefix}_read", f"{label}: striped read of {human(df.size)} from moto", read)
+            if self.measure(
+                section,
+                f"{prefix}_write",
+                f"{label}: striped write of {human(df.size)} to moto",
+                write,
+            ):
+                self.measure(
+                    section,
+                    f"{prefix}_read",
+                    f"{label}: striped read of {human(df.size)} from moto",
+                    read,
+                )
         finally:
             with contextlib.suppress(Exception):
                 local.unlink()
@@ -635,7 +794,9 @@ class Bench:
 
     def step_s3(self) -> None:
         df = self.main
-        log(f"== 4. striped layout on moto S3 behind the shaper ({S3_LINK.describe()}), {human(df.size)}")
+        log(
+            f"== 4. striped layout on moto S3 behind the shaper ({S3_LINK.describe()}), {human(df.size)}"
+        )
         proxy = self.stack.enter_context(ShaperProcess("127.0.0.1", self.moto.port, S3_LINK))
         endpoint = f"http://{proxy.address}"
         opts = self.moto.storage_options(endpoint_url=endpoint)
@@ -646,19 +807,26 @@ class Bench:
             key = f"{BUCKET}/{name}-{human(df.size)}.bin"
             local = self.scratch / f"{name}.get"
             try:
+
                 def put() -> dict[str, Any]:
                     fs.ls(BUCKET)  # client set-up untimed, as for the striped client
                     t0 = time.perf_counter()
                     fs.put_file(str(df.path), key, **kw)
                     seconds = time.perf_counter() - t0
-                    return {"bytes": df.size, "seconds": seconds, "mb_s": mbps(df.size, seconds),
-                            "how": f"s3fs put_file {kw or '(defaults)'}"}
+                    return {
+                        "bytes": df.size,
+                        "seconds": seconds,
+                        "mb_s": mbps(df.size, seconds),
+                        "how": f"s3fs put_file {kw or '(defaults)'}",
+                    }
 
                 def get() -> dict[str, Any]:
                     t0 = time.perf_counter()
                     fs.get_file(key, str(local), **kw)
                     seconds = time.perf_counter() - t0
-                    return file_result(local, seconds, df, how=f"s3fs get_file {kw or '(defaults)'} into tmpfs")
+                    return file_result(
+                        local, seconds, df, how=f"s3fs get_file {kw or '(defaults)'} into tmpfs"
+                    )
 
                 if self.measure("s3", f"{name}_write", f"S3: {label} put_file", put):
                     self.measure("s3", f"{name}_read", f"S3: {label} get_file", get)
@@ -686,31 +854,66 @@ class Bench:
         local = self.scratch / "rclone-s3.get"
 
         def rclone_up() -> dict[str, Any]:
-            seconds, _ = run_rclone([
-                "copyto", str(df.path), remote, "--s3-upload-concurrency", str(RCLONE_STREAMS),
-                "--s3-chunk-size", RCLONE_CHUNK, "--s3-upload-cutoff", RCLONE_CHUNK,
-                "--s3-no-check-bucket", "--s3-disable-checksum",
-                # rclone HEADs the new object with ?versionId=null (moto's CompleteMultipartUpload
-                # says x-amz-version-id: null) and moto answers 400: skip that check.
-                "--s3-no-head",
-            ], env)
-            return {"bytes": df.size, "seconds": seconds, "mb_s": mbps(df.size, seconds),
-                    "how": f"rclone copyto, --s3-upload-concurrency {RCLONE_STREAMS} "
-                           f"--s3-chunk-size {RCLONE_CHUNK} (process start included)"}
+            seconds, _ = run_rclone(
+                [
+                    "copyto",
+                    str(df.path),
+                    remote,
+                    "--s3-upload-concurrency",
+                    str(RCLONE_STREAMS),
+                    "--s3-chunk-size",
+                    RCLONE_CHUNK,
+                    "--s3-upload-cutoff",
+                    RCLONE_CHUNK,
+                    "--s3-no-check-bucket",
+                    "--s3-disable-checksum",
+                    # rclone HEADs the new object with ?versionId=null (moto's CompleteMultipartUpload
+                    # says x-amz-version-id: null) and moto answers 400: skip that check.
+                    "--s3-no-head",
+                ],
+                env,
+            )
+            return {
+                "bytes": df.size,
+                "seconds": seconds,
+                "mb_s": mbps(df.size, seconds),
+                "how": f"rclone copyto, --s3-upload-concurrency {RCLONE_STREAMS} "
+                f"--s3-chunk-size {RCLONE_CHUNK} (process start included)",
+            }
 
         def rclone_down() -> dict[str, Any]:
-            seconds, out = run_rclone([
-                "copyto", remote, str(local), "--multi-thread-streams", str(RCLONE_STREAMS),
-                "--multi-thread-cutoff", "1M",
-            ], env)
-            return file_result(local, seconds, df, multi_thread="Multi-thread" in out,
-                               how=f"rclone copyto --multi-thread-streams {RCLONE_STREAMS} into "
-                                   "tmpfs (ranged GETs of one object: moto re-reads the whole "
-                                   "object for each)")
+            seconds, out = run_rclone(
+                [
+                    "copyto",
+                    remote,
+                    str(local),
+                    "--multi-thread-streams",
+                    str(RCLONE_STREAMS),
+                    "--multi-thread-cutoff",
+                    "1M",
+                ],
+                env,
+            )
+            return file_result(
+                local,
+                seconds,
+                df,
+                multi_thread="Multi-thread" in out,
+                how=f"rclone copyto --multi-thread-streams {RCLONE_STREAMS} into "
+                "tmpfs (ranged GETs of one object: moto re-reads the whole "
+                "object for each)",
+            )
 
         try:
-            if self.measure("s3", "rclone_write", f"S3: rclone upload, {RCLONE_STREAMS} streams", rclone_up):
-                self.measure("s3", "rclone_read", f"S3: rclone download, {RCLONE_STREAMS} streams", rclone_down)
+            if self.measure(
+                "s3", "rclone_write", f"S3: rclone upload, {RCLONE_STREAMS} streams", rclone_up
+            ):
+                self.measure(
+                    "s3",
+                    "rclone_read",
+                    f"S3: rclone download, {RCLONE_STREAMS} streams",
+                    rclone_down,
+                )
         finally:
             with contextlib.suppress(Exception):
                 local.unlink()
@@ -722,41 +925,66 @@ class Bench:
         df = self.sweep_file
         assert df is not None
         log(f"== 5. sweep: striped read over the shaped HTTP link, {human(df.size)} each")
-        http_proxy = self.stack.enter_context(ShaperProcess("127.0.0.1", self.nginx.port, HTTP_LINK))
+        http_proxy = self.stack.enter_context(
+            ShaperProcess("127.0.0.1", self.nginx.port, HTTP_LINK)
+        )
         url = f"http://{http_proxy.address}/{df.name}"
         reads: dict[str, Any] = {}
         for stripe in SWEEP_READ_STRIPES:
             for conc in SWEEP_READ_CONCURRENCY:
+
                 def one(stripe: int = stripe, conc: int = conc) -> dict[str, Any]:
                     fs = striped_http(stripe_size=stripe, concurrency=conc)
                     try:
                         t0 = time.perf_counter()
                         with fs.open(url, "rb") as f:
                             n, crc = stream(f)
-                        return stream_result(n, crc, time.perf_counter() - t0, df,
-                                             stripe_size=stripe, concurrency=conc)
+                        return stream_result(
+                            n,
+                            crc,
+                            time.perf_counter() - t0,
+                            df,
+                            stripe_size=stripe,
+                            concurrency=conc,
+                        )
                     finally:
                         fs.close()
 
                 key = f"read_{human(stripe)}_c{conc}"
-                reads[key] = self.measure("sweep", key, f"sweep read stripe {human(stripe)} x {conc}", one)
-        log(f"== 5. sweep: striped write to shaped moto, concurrency {SWEEP_WRITE_CONCURRENCY}, {human(df.size)} each")
+                reads[key] = self.measure(
+                    "sweep", key, f"sweep read stripe {human(stripe)} x {conc}", one
+                )
+        log(
+            f"== 5. sweep: striped write to shaped moto, concurrency {SWEEP_WRITE_CONCURRENCY}, {human(df.size)} each"
+        )
         s3_proxy = self.stack.enter_context(ShaperProcess("127.0.0.1", self.moto.port, S3_LINK))
         opts = self.moto.storage_options(endpoint_url=f"http://{s3_proxy.address}")
         for stripe in SWEEP_WRITE_STRIPES:
             fs = striped_s3(opts, stripe_size=stripe, concurrency=SWEEP_WRITE_CONCURRENCY)
             key = f"{BUCKET}/sweep-{human(stripe)}.bin"
             try:
-                def put(fs: StripedFileSystem = fs, key: str = key, stripe: int = stripe) -> dict[str, Any]:
+
+                def put(
+                    fs: StripedFileSystem = fs, key: str = key, stripe: int = stripe
+                ) -> dict[str, Any]:
                     fs.target.ls(BUCKET)  # client set-up untimed
                     t0 = time.perf_counter()
                     fs.put_file(str(df.path), key)
                     seconds = time.perf_counter() - t0
-                    return {"bytes": df.size, "seconds": seconds, "mb_s": mbps(df.size, seconds),
-                            "stripe_size": stripe, "concurrency": SWEEP_WRITE_CONCURRENCY}
+                    return {
+                        "bytes": df.size,
+                        "seconds": seconds,
+                        "mb_s": mbps(df.size, seconds),
+                        "stripe_size": stripe,
+                        "concurrency": SWEEP_WRITE_CONCURRENCY,
+                    }
 
-                self.measure("sweep", f"write_{human(stripe)}_c{SWEEP_WRITE_CONCURRENCY}",
-                             f"sweep write stripe {human(stripe)} x {SWEEP_WRITE_CONCURRENCY}", put)
+                self.measure(
+                    "sweep",
+                    f"write_{human(stripe)}_c{SWEEP_WRITE_CONCURRENCY}",
+                    f"sweep write stripe {human(stripe)} x {SWEEP_WRITE_CONCURRENCY}",
+                    put,
+                )
             finally:
                 with contextlib.suppress(Exception):
                     fs.rm(key)
@@ -767,16 +995,27 @@ class Bench:
     # -- 6. RSS -----------------------------------------------------------------------------
     def step_rss(self) -> None:
         df = self.rss_file
-        log(f"== 6. peak RSS: child process streams {human(df.size)} through striped::http from "
-            "nginx, unshaped")
+        log(
+            f"== 6. peak RSS: child process streams {human(df.size)} through striped::http from "
+            "nginx, unshaped"
+        )
 
         def child() -> dict[str, Any]:
             url = f"{self.nginx.url}/{df.name}"
             # A shell that forks the child (the trailing command stops it from exec'ing it): with
             # a direct vfork+exec, ru_maxrss would start at this process's own peak RSS.
-            cmd = ["/bin/sh", "-c", '"$@"; exit $?', "sh", sys.executable,
-                   str(Path(__file__).with_name("_rss_child.py")), url,
-                   str(DEFAULT_STRIPE_SIZE), str(DEFAULT_CONCURRENCY), str(CHUNK)]
+            cmd = [
+                "/bin/sh",
+                "-c",
+                '"$@"; exit $?',
+                "sh",
+                sys.executable,
+                str(Path(__file__).with_name("_rss_child.py")),
+                url,
+                str(DEFAULT_STRIPE_SIZE),
+                str(DEFAULT_CONCURRENCY),
+                str(CHUNK),
+            ]
             env = clean_env()
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
             for name in ("BOOTSEER_STRIPE_SIZE", "BOOTSEER_STRIPE_CONCURRENCY"):
@@ -784,16 +1023,24 @@ class Bench:
             err_path = self.scratch / "rss-child.stderr"
             with open(err_path, "wb") as err_file:
                 # Own process group (the shell and the child): stopped together on Ctrl-C.
-                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_file, text=True,
-                                        env=env, start_new_session=True)
+                proc = subprocess.Popen(
+                    cmd,
+                    stdout=subprocess.PIPE,
+                    stderr=err_file,
+                    text=True,
+                    env=env,
+                    start_new_session=True,
+                )
             try:
                 done = None
                 assert proc.stdout is not None
                 for line in proc.stdout:
                     event = json.loads(line)
                     if event["event"] == "baseline":
-                        log(f"  child baseline RSS after imports: {event['baseline_rss'] / MiB:.1f} MiB "
-                            f"(ru_maxrss; VmHWM {(event['baseline_vmhwm'] or 0) / MiB:.1f} MiB)")
+                        log(
+                            f"  child baseline RSS after imports: {event['baseline_rss'] / MiB:.1f} MiB "
+                            f"(ru_maxrss; VmHWM {(event['baseline_vmhwm'] or 0) / MiB:.1f} MiB)"
+                        )
                     elif event["event"] == "done":
                         done = event
                 code = proc.wait(timeout=60)
@@ -810,20 +1057,30 @@ class Bench:
                 raise RuntimeError(f"RSS child exited {code}: {err.strip()[-2000:]}")
             limit = RSS_BASE + done["concurrency"] * done["stripe_size"]
             ok = done["bytes"] == df.size and done["crc32"] == df.crc32
-            return {"bytes": done["bytes"], "seconds": done["seconds"],
-                    "mb_s": mbps(done["bytes"], done["seconds"]),
-                    "baseline_rss": done["baseline_rss"], "peak_rss": done["peak_rss"],
-                    "baseline_vmhwm": done.get("baseline_vmhwm"), "peak_vmhwm": done.get("peak_vmhwm"),
-                    "limit": limit, "stripe_size": done["stripe_size"],
-                    "concurrency": done["concurrency"], "window": done["window"],
-                    "verified": ok, "check": f"size + crc32 of the stream{'' if ok else ' MISMATCH'}"}
+            return {
+                "bytes": done["bytes"],
+                "seconds": done["seconds"],
+                "mb_s": mbps(done["bytes"], done["seconds"]),
+                "baseline_rss": done["baseline_rss"],
+                "peak_rss": done["peak_rss"],
+                "baseline_vmhwm": done.get("baseline_vmhwm"),
+                "peak_vmhwm": done.get("peak_vmhwm"),
+                "limit": limit,
+                "stripe_size": done["stripe_size"],
+                "concurrency": done["concurrency"],
+                "window": done["window"],
+                "verified": ok,
+                "check": f"size + crc32 of the stream{'' if ok else ' MISMATCH'}",
+            }
 
         r = self.measure("rss", "stream", f"RSS: stream {human(df.size)} in a child", child)
         if r:
-            log(f"  peak RSS {r['peak_rss'] / MiB:.1f} MiB (VmHWM {(r['peak_vmhwm'] or 0) / MiB:.1f} MiB; "
+            log(
+                f"  peak RSS {r['peak_rss'] / MiB:.1f} MiB (VmHWM {(r['peak_vmhwm'] or 0) / MiB:.1f} MiB; "
                 f"baseline {r['baseline_rss'] / MiB:.1f} MiB, "
                 f"limit {r['limit'] / MiB:.0f} MiB = 150 MiB + {r['concurrency']} x "
-                f"{human(r['stripe_size'])})")
+                f"{human(r['stripe_size'])})"
+            )
 
     # -- 7. report --------------------------------------------------------------------------
     def final_rows(self) -> list[list[str]]:
@@ -854,91 +1111,186 @@ class Bench:
                 return "n/a"
             return "PASS" if ok else "FAIL"
 
-        def vs_peer(metric: str, ours: dict | None, peer: dict | None, peer_label: str,
-                    factor: float | None) -> None:
+        def vs_peer(
+            metric: str, ours: dict | None, peer: dict | None, peer_label: str, factor: float | None
+        ) -> None:
             a, b = rate(ours), rate(peer)
             ratio = a / b if a is not None and b else None
             ratio_text = f"{ratio:.1f}x" if ratio is not None else "n/a"
             if factor is None:
-                rows.append([metric, fmt(ours), fmt(peer, f"{peer_label} "),
-                             f"info (ratio {ratio_text})", "info" if not bad(ours, peer) else "FAIL (data)"])
+                rows.append(
+                    [
+                        metric,
+                        fmt(ours),
+                        fmt(peer, f"{peer_label} "),
+                        f"info (ratio {ratio_text})",
+                        "info" if not bad(ours, peer) else "FAIL (data)",
+                    ]
+                )
             else:
-                rows.append([metric, fmt(ours), fmt(peer, f"{peer_label} "),
-                             f">= {factor:g}x peer (got {ratio_text})",
-                             verdict(None if ratio is None else ratio >= factor, ours, peer)])
+                rows.append(
+                    [
+                        metric,
+                        fmt(ours),
+                        fmt(peer, f"{peer_label} "),
+                        f">= {factor:g}x peer (got {ratio_text})",
+                        verdict(None if ratio is None else ratio >= factor, ours, peer),
+                    ]
+                )
 
-        def vs_cap(metric: str, ours: dict | None, link: ShaperSettings, share: float | None) -> None:
+        def vs_cap(
+            metric: str, ours: dict | None, link: ShaperSettings, share: float | None
+        ) -> None:
             a = rate(ours)
             cap = link.total_bps / MB
             pct = f"{100 * a / cap:.0f}%" if a is not None else "n/a"
             if share is None:
-                rows.append([metric, fmt(ours), f"link cap {cap:g} MB/s", f"info ({pct} of cap)",
-                             "info" if not bad(ours) else "FAIL (data)"])
+                rows.append(
+                    [
+                        metric,
+                        fmt(ours),
+                        f"link cap {cap:g} MB/s",
+                        f"info ({pct} of cap)",
+                        "info" if not bad(ours) else "FAIL (data)",
+                    ]
+                )
             else:
-                rows.append([metric, fmt(ours), f"link cap {cap:g} MB/s",
-                             f">= {share * 100:.0f}% of cap = {share * cap:g} MB/s (got {pct})",
-                             verdict(None if a is None else a >= share * cap, ours)])
+                rows.append(
+                    [
+                        metric,
+                        fmt(ours),
+                        f"link cap {cap:g} MB/s",
+                        f">= {share * 100:.0f}% of cap = {share * cap:g} MB/s (got {pct})",
+                        verdict(None if a is None else a >= share * cap, ours),
+                    ]
+                )
 
         hs = http.get("striped")
-        vs_peer("HTTP read: striped vs single stream", hs, http.get("single_stream"),
-                "fsspec 1 stream", READ_VS_SINGLE)
+        vs_peer(
+            "HTTP read: striped vs single stream",
+            hs,
+            http.get("single_stream"),
+            "fsspec 1 stream",
+            READ_VS_SINGLE,
+        )
         vs_cap("HTTP read: striped vs link", hs, HTTP_LINK, READ_VS_CAP)
-        vs_peer("HTTP read: striped vs rclone", hs, http.get("rclone"),
-                f"rclone {RCLONE_STREAMS} streams", None)
-        vs_peer("HTTP read: FUSE cat vs striped fsspec", http.get("fuse"), hs,
-                "striped fsspec", None)
+        vs_peer(
+            "HTTP read: striped vs rclone",
+            hs,
+            http.get("rclone"),
+            f"rclone {RCLONE_STREAMS} streams",
+            None,
+        )
+        vs_peer(
+            "HTTP read: FUSE cat vs striped fsspec", http.get("fuse"), hs, "striped fsspec", None
+        )
         # FUSE target is a share of the striped read, not a multiple: rewrite the last row.
         f_rate, s_rate = rate(http.get("fuse")), rate(hs)
         share = f_rate / s_rate if f_rate is not None and s_rate else None
-        rows[-1][3] = f">= {FUSE_VS_STRIPED * 100:.0f}% of striped fsspec (got " + \
-            (f"{share * 100:.0f}%)" if share is not None else "n/a)")
-        rows[-1][4] = verdict(None if share is None else share >= FUSE_VS_STRIPED, http.get("fuse"), hs)
+        rows[-1][3] = f">= {FUSE_VS_STRIPED * 100:.0f}% of striped fsspec (got " + (
+            f"{share * 100:.0f}%)" if share is not None else "n/a)"
+        )
+        rows[-1][4] = verdict(
+            None if share is None else share >= FUSE_VS_STRIPED, http.get("fuse"), hs
+        )
 
         sw, sr = s3.get("striped_write"), s3.get("striped_read")
-        vs_peer("S3 write: striped vs s3fs single stream", sw, s3.get("s3fs_single_write"),
-                "s3fs 1 stream", WRITE_VS_SINGLE)
+        vs_peer(
+            "S3 write: striped vs s3fs single stream",
+            sw,
+            s3.get("s3fs_single_write"),
+            "s3fs 1 stream",
+            WRITE_VS_SINGLE,
+        )
         vs_cap("S3 write: striped vs link", sw, S3_LINK, None)
-        vs_peer("S3 write: striped vs s3fs defaults", sw, s3.get("s3fs_default_write"),
-                "s3fs max_concurrency=10", None)
-        vs_peer("S3 write: striped vs rclone", sw, s3.get("rclone_write"),
-                f"rclone {RCLONE_STREAMS} streams", None)
-        vs_peer("S3 read: striped vs s3fs single stream", sr, s3.get("s3fs_single_read"),
-                "s3fs 1 stream", READ_VS_SINGLE)
+        vs_peer(
+            "S3 write: striped vs s3fs defaults",
+            sw,
+            s3.get("s3fs_default_write"),
+            "s3fs max_concurrency=10",
+            None,
+        )
+        vs_peer(
+            "S3 write: striped vs rclone",
+            sw,
+            s3.get("rclone_write"),
+            f"rclone {RCLONE_STREAMS} streams",
+            None,
+        )
+        vs_peer(
+            "S3 read: striped vs s3fs single stream",
+            sr,
+            s3.get("s3fs_single_read"),
+            "s3fs 1 stream",
+            READ_VS_SINGLE,
+        )
         vs_cap("S3 read: striped vs link", sr, S3_LINK, READ_VS_CAP)
-        vs_peer("S3 read: striped vs s3fs defaults", sr, s3.get("s3fs_default_read"),
-                "s3fs max_concurrency=10", None)
-        vs_peer("S3 read: striped vs rclone", sr, s3.get("rclone_read"),
-                f"rclone {RCLONE_STREAMS} streams", None)
+        vs_peer(
+            "S3 read: striped vs s3fs defaults",
+            sr,
+            s3.get("s3fs_default_read"),
+            "s3fs max_concurrency=10",
+            None,
+        )
+        vs_peer(
+            "S3 read: striped vs rclone",
+            sr,
+            s3.get("rclone_read"),
+            f"rclone {RCLONE_STREAMS} streams",
+            None,
+        )
 
         rss = self.R["rss"].get("stream")
         if rss and "peak_rss" in rss:
-            rows.append([f"peak RSS streaming {human(rss['bytes'])} (striped::http, unshaped)",
-                         f"{rss['peak_rss'] / MiB:.1f} MiB (VmHWM {(rss.get('peak_vmhwm') or 0) / MiB:.1f})",
-                         f"baseline after imports {rss['baseline_rss'] / MiB:.1f} MiB",
-                         f"<= 150 MiB + {rss['concurrency']} x {human(rss['stripe_size'])} = "
-                         f"{rss['limit'] / MiB:.0f} MiB",
-                         verdict(rss["peak_rss"] <= rss["limit"], rss)])
+            rows.append(
+                [
+                    f"peak RSS streaming {human(rss['bytes'])} (striped::http, unshaped)",
+                    f"{rss['peak_rss'] / MiB:.1f} MiB (VmHWM {(rss.get('peak_vmhwm') or 0) / MiB:.1f})",
+                    f"baseline after imports {rss['baseline_rss'] / MiB:.1f} MiB",
+                    f"<= 150 MiB + {rss['concurrency']} x {human(rss['stripe_size'])} = "
+                    f"{rss['limit'] / MiB:.0f} MiB",
+                    verdict(rss["peak_rss"] <= rss["limit"], rss),
+                ]
+            )
         else:
-            rows.append([f"peak RSS streaming {human(self.rss_size)}", "error" if rss else "n/a",
-                         "", "<= 150 MiB + N x stripe", "n/a"])
+            rows.append(
+                [
+                    f"peak RSS streaming {human(self.rss_size)}",
+                    "error" if rss else "n/a",
+                    "",
+                    "<= 150 MiB + N x stripe",
+                    "n/a",
+                ]
+            )
 
-        for key, metric, link in (("nginx_striped_read", "ceiling: striped read, nginx, unshaped proxy", HTTP_LINK),
-                                  ("moto_striped_write", "ceiling: striped write, moto, unshaped proxy", S3_LINK),
-                                  ("moto_striped_read", "ceiling: striped read, moto, unshaped proxy", S3_LINK)):
+        for key, metric, link in (
+            ("nginx_striped_read", "ceiling: striped read, nginx, unshaped proxy", HTTP_LINK),
+            ("moto_striped_write", "ceiling: striped write, moto, unshaped proxy", S3_LINK),
+            ("moto_striped_read", "ceiling: striped read, moto, unshaped proxy", S3_LINK),
+        ):
             r = ceil.get(key)
             cap = link.total_bps / MB
             ok = rate(r) is not None and rate(r) >= CEILING_MARGIN * cap
-            rows.append([metric, fmt(r), f"shaped cap {cap:g} MB/s",
-                         f"info (>= {CEILING_MARGIN}x cap wanted)",
-                         "FAIL (data)" if bad(r) else ("info" if ok else "info: CPU may bind")])
+            rows.append(
+                [
+                    metric,
+                    fmt(r),
+                    f"shaped cap {cap:g} MB/s",
+                    f"info (>= {CEILING_MARGIN}x cap wanted)",
+                    "FAIL (data)" if bad(r) else ("info" if ok else "info: CPU may bind"),
+                ]
+            )
         return rows
 
     def sweep_tables(self) -> list[str]:
         sweep = self.R["sweep"]
         if not sweep:
             return []
-        lines = [f"Sweep: striped read over the shaped HTTP link ({HTTP_LINK.describe()}), "
-                 f"{human(self.sweep_size)}, MB/s", ""]
+        lines = [
+            f"Sweep: striped read over the shaped HTTP link ({HTTP_LINK.describe()}), "
+            f"{human(self.sweep_size)}, MB/s",
+            "",
+        ]
         head = ["stripe \\ concurrency", *[str(c) for c in SWEEP_READ_CONCURRENCY]]
         body = []
         for stripe in SWEEP_READ_STRIPES:
@@ -948,19 +1300,27 @@ class Bench:
                 cells.append(_cell(r))
             body.append(cells)
         lines += md_table(head, body)
-        lines += ["", f"Sweep: striped write to the shaped moto link ({S3_LINK.describe()}), "
-                      f"concurrency {SWEEP_WRITE_CONCURRENCY}, {human(self.sweep_size)}, MB/s", ""]
+        lines += [
+            "",
+            f"Sweep: striped write to the shaped moto link ({S3_LINK.describe()}), "
+            f"concurrency {SWEEP_WRITE_CONCURRENCY}, {human(self.sweep_size)}, MB/s",
+            "",
+        ]
         head = ["stripe", "write MB/s"]
-        body = [[human(s), _cell(sweep.get(f"write_{human(s)}_c{SWEEP_WRITE_CONCURRENCY}"))]
-                for s in SWEEP_WRITE_STRIPES]
+        body = [
+            [human(s), _cell(sweep.get(f"write_{human(s)}_c{SWEEP_WRITE_CONCURRENCY}"))]
+            for s in SWEEP_WRITE_STRIPES
+        ]
         lines += md_table(head, body)
         return lines
 
     def report(self) -> None:
         rows = self.final_rows()
         table = md_table(["metric", "bootseer", "peer", "limit/target", "pass/fail"], rows)
-        self.R["final_table"] = [dict(zip(["metric", "bootseer", "peer", "target", "verdict"], r, strict=True))
-                                 for r in rows]
+        self.R["final_table"] = [
+            dict(zip(["metric", "bootseer", "peer", "target", "verdict"], r, strict=True))
+            for r in rows
+        ]
         print("", flush=True)
         log("== 7. results")
         for line in table:
@@ -971,20 +1331,24 @@ class Bench:
             for line in sweep:
                 print(line)
         cpus = os.cpu_count() or 1
-        busy = [f"{sec}.{key} ({r['loadavg_1m']:.1f})"
-                for sec in ("ceiling", "http", "s3", "sweep", "rss")
-                for key, r in self.R[sec].items()
-                if isinstance(r, dict) and r.get("loadavg_1m", 0) > cpus + 1]
+        busy = [
+            f"{sec}.{key} ({r['loadavg_1m']:.1f})"
+            for sec in ("ceiling", "http", "s3", "sweep", "rss")
+            for key, r in self.R[sec].items()
+            if isinstance(r, dict) and r.get("loadavg_1m", 0) > cpus + 1
+        ]
         if busy:
             # This run's own server, proxy and client account for about one CPU's worth of load.
             self.R["warnings"].append(
                 f"load average above {cpus + 1} ({cpus} CPUs) at the end of: {', '.join(busy)}: "
-                "other processes were competing for CPU; those figures may be low")
+                "other processes were competing for CPU; those figures may be low"
+            )
         if self.quick:
             self.R["warnings"].append(
                 f"--quick: a {human(self.main_size)} file is {self.main_size // DEFAULT_STRIPE_SIZE} "
                 "stripes, too few to fill 16 streams or to amortise start-up; the verdicts are a "
-                "smoke test, not the figures (run without --quick for those)")
+                "smoke test, not the figures (run without --quick for those)"
+            )
         if self.R["warnings"]:
             print("")
             for w in self.R["warnings"]:
@@ -996,7 +1360,9 @@ class Bench:
         self.results_dir.mkdir(parents=True, exist_ok=True)
         self.R["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
         self.R["elapsed_s"] = time.monotonic() - _T0
-        (self.results_dir / "striped.json").write_text(json.dumps(self.R, indent=2, default=str) + "\n")
+        (self.results_dir / "striped.json").write_text(
+            json.dumps(self.R, indent=2, default=str) + "\n"
+        )
         if table is None:
             return
         m = self.R["machine"]
@@ -1007,8 +1373,11 @@ class Bench:
             f"- machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, fsspec {m['fsspec']}, "
             f"s3fs {m['s3fs']}, moto {m.get('moto', '?')}, {m.get('nginx', 'nginx ?')}, {m['rclone']}",
             f"- source: commit {self.R['source'].get('commit', '?')[:12]}"
-            + (f", local changes in {', '.join(self.R['source']['local_changes'])}"
-               if self.R["source"].get("local_changes") else ""),
+            + (
+                f", local changes in {', '.join(self.R['source']['local_changes'])}"
+                if self.R["source"].get("local_changes")
+                else ""
+            ),
             f"- load average at start: {' '.join(str(x) for x in self.R.get('loadavg_at_start', []))}",
             f"- file: {human(self.main_size)} random bytes; RSS file {human(self.rss_size)}",
             f"- HTTP link (nginx behind the shaping proxy): {HTTP_LINK.describe()}",
@@ -1031,10 +1400,12 @@ class Bench:
 
 
 def _settings_dict(s: ShaperSettings) -> dict[str, Any]:
-    return {"latency_ms": s.latency_s * 1e3,
-            "per_conn_mb_s": None if s.per_conn_bps is None else s.per_conn_bps / MB,
-            "total_mb_s": None if s.total_bps is None else s.total_bps / MB,
-            "describe": s.describe()}
+    return {
+        "latency_ms": s.latency_s * 1e3,
+        "per_conn_mb_s": None if s.per_conn_bps is None else s.per_conn_bps / MB,
+        "total_mb_s": None if s.total_bps is None else s.total_bps / MB,
+        "describe": s.describe(),
+    }
 
 
 def _cell(r: dict | None) -> str:
@@ -1058,19 +1429,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_striped.py", description=__doc__.split("\n")[0])
     parser.add_argument("--results", default="bench-results", help="directory for striped.json/.md")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"sizes / {QUICK_DIVISOR}, no sweep: a smoke run of under 2 minutes")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"sizes / {QUICK_DIVISOR}, no sweep: a smoke run of under 2 minutes",
+    )
     parser.add_argument("--size", help="size of the main test file, e.g. 512MiB (default 1GiB)")
     args = parser.parse_args(argv)
     bench = Bench(args)
     code = run_bench(bench, done_key="final_table", report_inside=False, log_fn=log)
     log(f"done in {time.monotonic() - _T0:.0f} s")
     return code
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -62,7 +62,7 @@ JOB = "bench"
 FULL_REPEAT, QUICK_REPEAT = 5, 1
 WAIT_S = 180.0
 WORK_PREFIX = "update-run-"
-LOOP = '''import os, time
+LOOP = """import os, time
 from pathlib import Path
 import bootseer
 out, node = Path(os.environ["BENCH_OUT"]), os.environ.get("BOOTSEER_NODE", "floor")
@@ -85,7 +85,7 @@ while True:
         break
     time.sleep(0.1)
     step += 1
-'''
+"""
 
 
 def _free_port() -> int:
@@ -95,8 +95,11 @@ def _free_port() -> int:
 
 
 def _summary(values: list[float]) -> dict[str, Any]:
-    return {"median": round(statistics.median(values), 3), "max": round(max(values), 3),
-            "all": [round(v, 3) for v in values]}
+    return {
+        "median": round(statistics.median(values), 3),
+        "max": round(max(values), 3),
+        "all": [round(v, 3) for v in values],
+    }
 
 
 class Bench:
@@ -109,19 +112,30 @@ class Bench:
         self.stack = contextlib.ExitStack()
         self.errors: list[str] = []
         self.R: dict[str, Any] = {
-            "suite": "update", "quick": self.quick, "command": command_line("bench_update.py"),
-            "source": source_state(["bootseer/robust", "bootseer/supervise.py",
-                                    "benchmarks/bench_update.py"]),
+            "suite": "update",
+            "quick": self.quick,
+            "command": command_line("bench_update.py"),
+            "source": source_state(
+                ["bootseer/robust", "bootseer/supervise.py", "benchmarks/bench_update.py"]
+            ),
             "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()},
-            "config": {"repeat": self.repeat, "nodes": len(NODES)}, "errors": self.errors}
+            "config": {"repeat": self.repeat, "nodes": len(NODES)},
+            "errors": self.errors,
+        }
 
     # -- processes ---------------------------------------------------------------------------
     def _start(self, argv: list[str], name: str, cwd: Path | None = None) -> subprocess.Popen:
         log_file = open(self.work / f"{name}.log", "a")  # noqa: SIM115
         with log_file:
-            proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log_file,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**code_env(), "BENCH_OUT": str(self.out)})
+            proc = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**code_env(), "BENCH_OUT": str(self.out)},
+            )
         self.procs.append(proc)
         return proc
 
@@ -139,11 +153,35 @@ class Bench:
 
     def _agents(self, code: Path, controller: str | None) -> list[subprocess.Popen]:
         link = ["--controller", controller, "--job", JOB] if controller else []
-        return [self._start([sys.executable, "-m", "bootseer", "run", *link, "--node", node,
-                             "--state-dir", str(self.work / f"state-{node}"), "--trace-dir",
-                             str(self.work / "trace"), "--min-free-disk", "0",
-                             "--min-free-memory", "0", "--max-restarts", "0", "--",
-                             sys.executable, "train.py"], node, cwd=code) for node in NODES]
+        return [
+            self._start(
+                [
+                    sys.executable,
+                    "-m",
+                    "bootseer",
+                    "run",
+                    *link,
+                    "--node",
+                    node,
+                    "--state-dir",
+                    str(self.work / f"state-{node}"),
+                    "--trace-dir",
+                    str(self.work / "trace"),
+                    "--min-free-disk",
+                    "0",
+                    "--min-free-memory",
+                    "0",
+                    "--max-restarts",
+                    "0",
+                    "--",
+                    sys.executable,
+                    "train.py",
+                ],
+                node,
+                cwd=code,
+            )
+            for node in NODES
+        ]
 
     def _code(self, version: str) -> Path:
         path = self.work / "code" / version
@@ -162,8 +200,10 @@ class Bench:
         deadline = time.monotonic() + WAIT_S
         while not all(f.exists() and f.stat().st_size for f in files):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"version {version} did not reach every node in {WAIT_S:.0f}"
-                                   f" s: see the logs in {self.work}")
+                raise RuntimeError(
+                    f"version {version} did not reach every node in {WAIT_S:.0f}"
+                    f" s: see the logs in {self.work}"
+                )
             time.sleep(0.02)
         return max(float(f.read_text()) for f in files) - since
 
@@ -173,22 +213,41 @@ class Bench:
         self.out = self.work / "out"
         self.out.mkdir()
         self.stack.callback(self._stop_all)
-        log(f"bench update: {'quick' if self.quick else 'full'} run; {self.repeat} round(s); "
-            f"work {self.work}")
+        log(
+            f"bench update: {'quick' if self.quick else 'full'} run; {self.repeat} round(s); "
+            f"work {self.work}"
+        )
         floor = []
         for i in range(self.repeat):
             code = self._code(f"floor{i}")
             t0 = time.time()
-            subprocess.run([sys.executable, "train.py"], cwd=code, check=True,
-                           env={**code_env(), "BENCH_OUT": str(self.out), "BENCH_ONE_STEP": "1"})
+            subprocess.run(
+                [sys.executable, "train.py"],
+                cwd=code,
+                check=True,
+                env={**code_env(), "BENCH_OUT": str(self.out), "BENCH_ONE_STEP": "1"},
+            )
             floor.append(float((self.out / f"first-floor-floor{i}").read_text()) - t0)
         self.R["floor_s"] = _summary(floor)
         log(f"floor: the script alone to its first step: {self.R['floor_s']}")
 
         port = _free_port()
         address = f"127.0.0.1:{port}"
-        ctl = self._start([sys.executable, "-m", "bootseer", "controller", "--port", str(port),
-                           "--job", JOB, "--trace-dir", str(self.work / "ctl")], "controller")
+        ctl = self._start(
+            [
+                sys.executable,
+                "-m",
+                "bootseer",
+                "controller",
+                "--port",
+                str(port),
+                "--job",
+                JOB,
+                "--trace-dir",
+                str(self.work / "ctl"),
+            ],
+            "controller",
+        )
         self.stack.callback(self._stop_store)
         self._agents(self._code("v0"), address)
         self._first_steps("v0", 0.0)
@@ -197,15 +256,35 @@ class Bench:
             code = self._code(f"v{i}")
             time.sleep(1.0)  # running steadily before the operator acts
             t0 = time.time()
-            subprocess.run([sys.executable, "-m", "bootseer", "controller", "publish", "--store",
-                            address, "--job", JOB, "--id", f"v{i}", "--workdir", str(code),
-                            "--urgent"], check=True, env=code_env(), capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "bootseer",
+                    "controller",
+                    "publish",
+                    "--store",
+                    address,
+                    "--job",
+                    JOB,
+                    "--id",
+                    f"v{i}",
+                    "--workdir",
+                    str(code),
+                    "--urgent",
+                ],
+                check=True,
+                env=code_env(),
+                capture_output=True,
+            )
             published.append(time.time() - t0)
             reach.append(self._first_steps(f"v{i}", t0))
             inplace.append(self._downtime(f"v{i - 1}", f"v{i}"))
-            log(f"in place, round {i}: down {inplace[-1]:.3f} s; every node on v{i} "
+            log(
+                f"in place, round {i}: down {inplace[-1]:.3f} s; every node on v{i} "
                 f"{reach[-1]:.3f} s after the publish command started (it ran "
-                f"{published[-1]:.3f} s)")
+                f"{published[-1]:.3f} s)"
+            )
         self.R["inplace_s"] = _summary(inplace)
         self.R["publish_to_every_node_s"] = _summary(reach)
         self.R["publish_command_s"] = _summary(published)
@@ -241,31 +320,54 @@ class Bench:
 
         def s(x: dict[str, Any]) -> str:
             return f"{x['median']:.2f} s (max {x['max']:.2f})"
-        return [["urgent update: the job's downtime (old code's last step to the new code's "
-                 "first on every node)", s(ins), f"restart every bootseer run: {s(peer)}",
-                 f"floor: script alone {s(floor)}", verdict(ins["median"] < peer["median"])],
-                ["urgent update: from the publish command to every node's first step",
-                 s(self.R["publish_to_every_node_s"]), "-", "-", "info"],
-                ["of it: the publish command itself (python, torch's TCPStore client)",
-                 s(self.R["publish_command_s"]), "-", "-", "info"]]
+
+        return [
+            [
+                "urgent update: the job's downtime (old code's last step to the new code's "
+                "first on every node)",
+                s(ins),
+                f"restart every bootseer run: {s(peer)}",
+                f"floor: script alone {s(floor)}",
+                verdict(ins["median"] < peer["median"]),
+            ],
+            [
+                "urgent update: from the publish command to every node's first step",
+                s(self.R["publish_to_every_node_s"]),
+                "-",
+                "-",
+                "info",
+            ],
+            [
+                "of it: the publish command itself (python, torch's TCPStore client)",
+                s(self.R["publish_command_s"]),
+                "-",
+                "-",
+                "info",
+            ],
+        ]
 
     def report(self) -> None:
         table = final_table(self.R, self.rows())
         if self.quick:
             self.R.setdefault("warnings", []).append(
-                f"--quick: {self.repeat} rounds: a smoke test, not the figures")
+                f"--quick: {self.repeat} rounds: a smoke test, not the figures"
+            )
         self.write_files(table)
 
     def write_files(self, table: list[str] | None = None) -> None:
         write_report_json(self.results_dir, "update", self.R)
         m = self.R["machine"]
         load = load_text(m)
-        md = [f"# Hot update benchmark ({'quick' if self.quick else 'full'} run)", "",
-              f"- command: `{self.R['command']}` ({self.R['finished']})",
-              f"- commit {self.R['source'].get('commit', '?')[:12]}",
-              f"- {self.repeat} round(s), {len(NODES)} nodes on loopback; load average (1, 5, "
-              f"15 min) {load} on {m['cpus']} CPUs",
-              "", *(table or ["(no results: the run failed before its report)"])]
+        md = [
+            f"# Hot update benchmark ({'quick' if self.quick else 'full'} run)",
+            "",
+            f"- command: `{self.R['command']}` ({self.R['finished']})",
+            f"- commit {self.R['source'].get('commit', '?')[:12]}",
+            f"- {self.repeat} round(s), {len(NODES)} nodes on loopback; load average (1, 5, "
+            f"15 min) {load} on {m['cpus']} CPUs",
+            "",
+            *(table or ["(no results: the run failed before its report)"]),
+        ]
         md += [f"- WARNING: {w}" for w in self.R.get("warnings", [])]
         md += [f"- ERROR: {e}" for e in self.errors]
         (self.results_dir / "update.md").write_text("\n".join(md) + "\n")

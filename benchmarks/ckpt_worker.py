@@ -38,9 +38,11 @@ class Model(torch.nn.Module):
         super().__init__()
         self.emb = torch.nn.Embedding(vocab, d)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.TransformerEncoderLayer(d, max(1, d // 64), 4 * d, dropout=0.0,
-                                             batch_first=True, norm_first=True)
-            for _ in range(layers))
+            torch.nn.TransformerEncoderLayer(
+                d, max(1, d // 64), 4 * d, dropout=0.0, batch_first=True, norm_first=True
+            )
+            for _ in range(layers)
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.emb(tokens)
@@ -66,7 +68,9 @@ def train_step(model: Model, opt: torch.optim.Optimizer, cfg: dict[str, Any]) ->
     opt.zero_grad(set_to_none=False)
 
 
-def tensors(model: Model, opt: torch.optim.Optimizer, params_only: bool = False) -> dict[str, torch.Tensor]:
+def tensors(
+    model: Model, opt: torch.optim.Optimizer, params_only: bool = False
+) -> dict[str, torch.Tensor]:
     out = {f"model/{n}": p.detach().view(-1) for n, p in model.named_parameters()}
     if not params_only:
         names = {p: n for n, p in model.named_parameters()}
@@ -77,13 +81,16 @@ def tensors(model: Model, opt: torch.optim.Optimizer, params_only: bool = False)
 
 
 def ours_state(flat: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, Any]:
-    return {"t": {k: FlatShard(v, rank * v.numel(), world * v.numel()) for k, v in flat.items()},
-            "step": 0}
+    return {
+        "t": {k: FlatShard(v, rank * v.numel(), world * v.numel()) for k, v in flat.items()},
+        "step": 0,
+    }
 
 
 def dcp_state(flat: dict[str, torch.Tensor], mesh) -> dict[str, Any]:
-    return {"t": {k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False)
-                  for k, v in flat.items()}}
+    return {
+        "t": {k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False) for k, v in flat.items()}
+    }
 
 
 def drop_caches(rank: int) -> None:
@@ -127,8 +134,14 @@ def copy_into(flat: dict[str, torch.Tensor], buf: torch.Tensor) -> None:
 def dcp_async(state, url: str, kind: str, stager):
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    return dcp.async_save(state, storage_writer=FsspecWriter(url, sync_files=False) if url.startswith("s3") else dcp.FileSystemWriter(url),
-                          async_checkpointer_type=AsyncCheckpointerType[kind], async_stager=stager)
+    return dcp.async_save(
+        state,
+        storage_writer=FsspecWriter(url, sync_files=False)
+        if url.startswith("s3")
+        else dcp.FileSystemWriter(url),
+        async_checkpointer_type=AsyncCheckpointerType[kind],
+        async_stager=stager,
+    )
 
 
 def make_stager():
@@ -136,9 +149,14 @@ def make_stager():
 
     # DCP at its best on CPU: cached shared-memory staging buffers, staging off the
     # training thread (pinned memory only matters with CUDA).
-    return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                        use_shared_memory=True, use_async_staging=True,
-                                        use_non_blocking_copy=torch.cuda.is_available()))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=torch.cuda.is_available(),
+            use_shared_memory=True,
+            use_async_staging=True,
+            use_non_blocking_copy=torch.cuda.is_available(),
+        )
+    )
 
 
 def phase_local(cfg, rank, world, out) -> None:
@@ -172,8 +190,15 @@ def phase_local(cfg, rank, world, out) -> None:
     mgr.close()
     # -- DCP save (synchronous) -------------------------------------------------------------------
     mesh = init_device_mesh("cpu", (world,))
-    out["dcp_save"] = [synced(lambda i=i: dcp.save(dcp_state(flat, mesh), storage_writer=dcp.FileSystemWriter(str(root / f"dcp-sync-{i}"))))
-                       for i in range(2)]
+    out["dcp_save"] = [
+        synced(
+            lambda i=i: dcp.save(
+                dcp_state(flat, mesh),
+                storage_writer=dcp.FileSystemWriter(str(root / f"dcp-sync-{i}")),
+            )
+        )
+        for i in range(2)
+    ]
     # -- DCP async_save, thread and process checkpointers ----------------------------------------
     for kind in ("THREAD", "PROCESS"):
         stager = make_stager()
@@ -201,11 +226,22 @@ def phase_local(cfg, rank, world, out) -> None:
         # the floor: the same bytes (this checkpoint's data files) read sequentially, cold
         drop_caches(rank)
         if rank == 0:
-            floor_reads.append(timed(lambda: subprocess.run(["cat", *stripes], stdout=subprocess.DEVNULL, check=True)))
+            floor_reads.append(
+                timed(
+                    lambda: subprocess.run(["cat", *stripes], stdout=subprocess.DEVNULL, check=True)
+                )
+            )
         drop_caches(rank)
         loads_ours.append(synced(lambda: ours_mgr.load(target)))
         drop_caches(rank)
-        loads_dcp.append(synced(lambda: dcp.load(dcp_state(flat, mesh), storage_reader=dcp.FileSystemReader(str(root / "dcp-sync-1")))))
+        loads_dcp.append(
+            synced(
+                lambda: dcp.load(
+                    dcp_state(flat, mesh),
+                    storage_reader=dcp.FileSystemReader(str(root / "dcp-sync-1")),
+                )
+            )
+        )
     out["ours_load"], out["dcp_load"], out["floor_read_runs"] = loads_ours, loads_dcp, floor_reads
     ours_mgr.close()
     if rank == 0:
@@ -220,14 +256,28 @@ def phase_reshard(cfg, rank, world, out) -> None:
     local = {k: torch.empty(n // world) for k, n in numels.items()}
     mesh = init_device_mesh("cpu", (world,))
     mgr = CheckpointManager(str(root / "ours"), rank=rank, world_size=world)
-    ours = {"t": {k: FlatShard(v, rank * v.numel(), numels[k]) for k, v in local.items()}, "step": 0}
+    ours = {
+        "t": {k: FlatShard(v, rank * v.numel(), numels[k]) for k, v in local.items()},
+        "step": 0,
+    }
     runs_ours, runs_dcp = [], []
     for _ in range(2):
         drop_caches(rank)
         runs_ours.append(synced(lambda: mgr.load(ours)))
         drop_caches(rank)
-        runs_dcp.append(synced(lambda: dcp.load({"t": {k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False) for k, v in local.items()}},
-                                                 storage_reader=dcp.FileSystemReader(str(root / "dcp-sync-1")))))
+        runs_dcp.append(
+            synced(
+                lambda: dcp.load(
+                    {
+                        "t": {
+                            k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False)
+                            for k, v in local.items()
+                        }
+                    },
+                    storage_reader=dcp.FileSystemReader(str(root / "dcp-sync-1")),
+                )
+            )
+        )
     out["ours_reshard_load"], out["dcp_reshard_load"] = runs_ours, runs_dcp
     mgr.close()
 
@@ -255,10 +305,15 @@ def phase_train(cfg, rank, world, out) -> None:
                 elif method == "dcp_async":
                     for p in pending:
                         p.result()
-                    resp = dcp_async(dcp_state(flat, mesh), str(root / f"train-dcp-{step}"), kind, stager)
+                    resp = dcp_async(
+                        dcp_state(flat, mesh), str(root / f"train-dcp-{step}"), kind, stager
+                    )
                     pending = [getattr(resp, "upload_completion", resp)]
                 else:
-                    dcp.save(dcp_state(flat, mesh), storage_writer=dcp.FileSystemWriter(str(root / f"train-dcps-{step}")))
+                    dcp.save(
+                        dcp_state(flat, mesh),
+                        storage_writer=dcp.FileSystemWriter(str(root / f"train-dcps-{step}")),
+                    )
         if method == "ours":
             mgr.wait()
         for p in pending:
@@ -282,15 +337,22 @@ def phase_s3(cfg, rank, world, out) -> None:
     out["s3_bytes_rank"] = sum(v.numel() * v.element_size() for v in flat.values())
     mesh = init_device_mesh("cpu", (world,))
     opts = cfg["s3"]
-    mgr = CheckpointManager(f"s3://{cfg['bucket']}/ours", rank=rank, world_size=world,
-                            storage_options={"s3": opts})
+    mgr = CheckpointManager(
+        f"s3://{cfg['bucket']}/ours", rank=rank, world_size=world, storage_options={"s3": opts}
+    )
     out["s3_ours_save"] = synced(lambda: mgr.save(1, ours_state(flat, rank, world), block=True))
     target = ours_state(flat, rank, world)
     out["s3_ours_load"] = synced(lambda: mgr.load(target))
     mgr.close()
     url = f"s3://{cfg['bucket']}/dcp"
-    out["s3_dcp_save"] = synced(lambda: dcp.save(dcp_state(flat, mesh), storage_writer=FsspecWriter(url, sync_files=False, **opts)))
-    out["s3_dcp_load"] = synced(lambda: dcp.load(dcp_state(flat, mesh), storage_reader=FsspecReader(url, **opts)))
+    out["s3_dcp_save"] = synced(
+        lambda: dcp.save(
+            dcp_state(flat, mesh), storage_writer=FsspecWriter(url, sync_files=False, **opts)
+        )
+    )
+    out["s3_dcp_load"] = synced(
+        lambda: dcp.load(dcp_state(flat, mesh), storage_reader=FsspecReader(url, **opts))
+    )
 
 
 PHASES = {"local": phase_local, "reshard": phase_reshard, "train": phase_train, "s3": phase_s3}

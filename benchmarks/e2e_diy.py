@@ -40,14 +40,22 @@ REMOTE = "e2e"  # the rclone remote's name, defined by RCLONE_CONFIG_E2E_* varia
 class RcloneTuning:
     """rclone's knobs for a many-connection download of a few large files."""
 
-    transfers: int = 4          # files at once (DCP: one file per rank, + .metadata)
-    streams: int = 8            # ranged GETs per file: 2 ranks x 8 = 16 connections
-    cutoff: str = "32M"         # files above this are split (default 250M: quick's are not)
+    transfers: int = 4  # files at once (DCP: one file per rank, + .metadata)
+    streams: int = 8  # ranged GETs per file: 2 ranks x 8 = 16 connections
+    cutoff: str = "32M"  # files above this are split (default 250M: quick's are not)
     checkers: int = 8
 
     def flags(self) -> list[str]:
-        return ["--transfers", str(self.transfers), "--multi-thread-streams", str(self.streams),
-                "--multi-thread-cutoff", self.cutoff, "--checkers", str(self.checkers)]
+        return [
+            "--transfers",
+            str(self.transfers),
+            "--multi-thread-streams",
+            str(self.streams),
+            "--multi-thread-cutoff",
+            self.cutoff,
+            "--checkers",
+            str(self.checkers),
+        ]
 
 
 def rclone_env(storage_options: dict[str, Any]) -> dict[str, str]:
@@ -56,29 +64,42 @@ def rclone_env(storage_options: dict[str, Any]) -> dict[str, str]:
     kwargs = storage_options.get("client_kwargs", {})
     endpoint = kwargs.get("endpoint_url")
     if not endpoint:
-        raise ValueError("rclone_env: storage options without client_kwargs.endpoint_url; "
-                         "pass the S3 endpoint the job uses")
+        raise ValueError(
+            "rclone_env: storage options without client_kwargs.endpoint_url; "
+            "pass the S3 endpoint the job uses"
+        )
     prefix = f"RCLONE_CONFIG_{REMOTE.upper()}_"
-    return {prefix + "TYPE": "s3", prefix + "PROVIDER": "Other",
-            prefix + "ENDPOINT": endpoint, prefix + "REGION": kwargs.get("region_name", "us-east-1"),
-            prefix + "ACCESS_KEY_ID": storage_options.get("key", ""),
-            prefix + "SECRET_ACCESS_KEY": storage_options.get("secret", ""),
-            prefix + "FORCE_PATH_STYLE": "true"}
+    return {
+        prefix + "TYPE": "s3",
+        prefix + "PROVIDER": "Other",
+        prefix + "ENDPOINT": endpoint,
+        prefix + "REGION": kwargs.get("region_name", "us-east-1"),
+        prefix + "ACCESS_KEY_ID": storage_options.get("key", ""),
+        prefix + "SECRET_ACCESS_KEY": storage_options.get("secret", ""),
+        prefix + "FORCE_PATH_STYLE": "true",
+    }
 
 
 def process_env(remote: dict[str, str]) -> dict[str, str]:
     """rclone's environment: this one plus the remote, without proxy settings (loopback stays
     loopback) and without ``AWS_CA_BUNDLE``, which rclone refuses for a plain-HTTP endpoint
     ("failed to load custom CA bundle")."""
-    env = {k: v for k, v in os.environ.items()
-           if "proxy" not in k.lower() and k != "AWS_CA_BUNDLE"}
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and k != "AWS_CA_BUNDLE"}
     return {**env, **remote}
 
 
 def list_argv(root: str) -> list[str]:
     """List the committed DCP steps under ``root`` (bucket/prefix): one ListObjects walk."""
-    return ["rclone", "lsf", "-R", "--files-only", "--fast-list", "--include", "/step-*/.metadata",
-            f"{REMOTE}:{root.strip('/')}"]
+    return [
+        "rclone",
+        "lsf",
+        "-R",
+        "--files-only",
+        "--fast-list",
+        "--include",
+        "/step-*/.metadata",
+        f"{REMOTE}:{root.strip('/')}",
+    ]
 
 
 def newest_step(listing: str) -> int | None:
@@ -91,8 +112,17 @@ def newest_step(listing: str) -> int | None:
 def copy_argv(root: str, step: int, dest: Path, tuning: RcloneTuning) -> list[str]:
     """``rclone copy`` of one step directory into ``dest/step-NNNNNNNN``."""
     name = f"step-{step:08d}"
-    return ["rclone", "copy", f"{REMOTE}:{root.strip('/')}/{name}", str(dest / name),
-            *tuning.flags(), "--no-traverse", "--stats", "0", "-v"]
+    return [
+        "rclone",
+        "copy",
+        f"{REMOTE}:{root.strip('/')}/{name}",
+        str(dest / name),
+        *tuning.flags(),
+        "--no-traverse",
+        "--stats",
+        "0",
+        "-v",
+    ]
 
 
 def write_status(dest: Path, status: dict[str, Any]) -> None:
@@ -144,12 +174,14 @@ class CopyJob:
             logf.write("$ " + " ".join(argv) + "\n")
             logf.flush()
             run = argv if self.wrap is None else self.wrap(argv)
-            self.proc = subprocess.Popen(run, stdout=subprocess.PIPE, stderr=logf, text=True,
-                                         env=process_env(self.env))
+            self.proc = subprocess.Popen(
+                run, stdout=subprocess.PIPE, stderr=logf, text=True, env=process_env(self.env)
+            )
             out, _ = self.proc.communicate()
         if self.proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv[:2])} exited {self.proc.returncode} "
-                               f"(log {self.log})")
+            raise RuntimeError(
+                f"{' '.join(argv[:2])} exited {self.proc.returncode} (log {self.log})"
+            )
         return out
 
     def _run(self) -> None:
@@ -184,10 +216,12 @@ def tune(mb: int, out: Path) -> list[dict[str, Any]]:
     from bootseer.testing.servers import MotoS3Server
     from bootseer.testing.shaper import ShaperProcess, ShaperSettings
 
-    candidates = [("rclone defaults (4 streams, cutoff 250M)", RcloneTuning(streams=4, cutoff="250M")),
-                  ("4 streams, cutoff 32M", RcloneTuning(streams=4)),
-                  ("8 streams, cutoff 32M (chosen)", RcloneTuning()),
-                  ("16 streams, cutoff 32M", RcloneTuning(streams=16))]
+    candidates = [
+        ("rclone defaults (4 streams, cutoff 250M)", RcloneTuning(streams=4, cutoff="250M")),
+        ("4 streams, cutoff 32M", RcloneTuning(streams=4)),
+        ("8 streams, cutoff 32M (chosen)", RcloneTuning()),
+        ("16 streams, cutoff 32M", RcloneTuning(streams=16)),
+    ]
     rows = []
     work = Path(tempfile.mkdtemp(prefix="rclone-tune-"))
     server = MotoS3Server(in_process=False)
@@ -196,8 +230,9 @@ def tune(mb: int, out: Path) -> list[dict[str, Any]]:
         server.create_bucket("ckpt")
         client = server.boto3_client()
         for rank in range(2):
-            client.put_object(Bucket="ckpt", Key=f"t/step-00000001/__{rank}_0.distcp",
-                              Body=os.urandom(mb << 20))
+            client.put_object(
+                Bucket="ckpt", Key=f"t/step-00000001/__{rank}_0.distcp", Body=os.urandom(mb << 20)
+            )
         client.put_object(Bucket="ckpt", Key="t/step-00000001/.metadata", Body=b"m")
         with ShaperProcess("127.0.0.1", server.port, ShaperSettings.from_mb(*LINKS["s3"])) as proxy:
             env = rclone_env(server.storage_options(endpoint_url=f"http://{proxy.address}"))
@@ -208,15 +243,23 @@ def tune(mb: int, out: Path) -> list[dict[str, Any]]:
                 status = job.start().join(600)
                 if not status.get("ok"):
                     raise RuntimeError(f"{name}: {status.get('error')}")
-                rows.append({"tuning": name, "flags": tuning.flags(), "seconds": status["seconds"],
-                             "mb_s": status["bytes"] / 1e6 / status["seconds"]})
+                rows.append(
+                    {
+                        "tuning": name,
+                        "flags": tuning.flags(),
+                        "seconds": status["seconds"],
+                        "mb_s": status["bytes"] / 1e6 / status["seconds"],
+                    }
+                )
                 print(f"{name}: {status['seconds']:.1f} s, {rows[-1]['mb_s']:.0f} MB/s", flush=True)
                 _shutil.rmtree(dest)
     finally:
         server.close()
         _shutil.rmtree(work, ignore_errors=True)
-    out.write_text(json.dumps({"mb_per_file": mb, "files": 2, "link": LINKS["s3"],
-                               "rows": rows}, indent=2) + "\n")
+    out.write_text(
+        json.dumps({"mb_per_file": mb, "files": 2, "link": LINKS["s3"], "rows": rows}, indent=2)
+        + "\n"
+    )
     return rows
 
 

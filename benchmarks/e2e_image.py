@@ -67,7 +67,9 @@ def runtime_distributions() -> list[md.Distribution]:
         try:
             dist = md.distribution(name)
         except md.PackageNotFoundError as exc:
-            raise RuntimeError(f"{name} is not installed in {sys.prefix}: run `make setup`") from exc
+            raise RuntimeError(
+                f"{name} is not installed in {sys.prefix}: run `make setup`"
+            ) from exc
         seen[name] = dist
         for text in dist.requires or []:
             req = Requirement(text)
@@ -102,17 +104,20 @@ def build_runtime_tree(dest: Path) -> dict[str, Any]:
                 continue
             _copy_file(src, site / rel)
     for pkg in PROJECT_PACKAGES:
-        shutil.copytree(ROOT / pkg, site / pkg,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "testing"))
+        shutil.copytree(
+            ROOT / pkg, site / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "testing")
+        )
     # bootseer.testing is not part of the runtime, but bootseer.cli imports nothing from it.
     version = re.search(r'__version__ = "([^"]+)"', (ROOT / "bootseer/__init__.py").read_text())
     info = site / f"bootseer-{version.group(1) if version else '0'}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: bootseer\nVersion: "
-                                   f"{version.group(1) if version else '0'}\n")
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: bootseer\nVersion: {version.group(1) if version else '0'}\n"
+    )
     (info / "entry_points.txt").write_text(
         "[console_scripts]\nbootseer = bootseer.cli:main\n\n"
-        "[fsspec.specs]\nstriped = striped_fs.filesystem:StripedFileSystem\n")
+        "[fsspec.specs]\nstriped = striped_fs.filesystem:StripedFileSystem\n"
+    )
     (info / "RECORD").write_text("")
     app = dest / "app"
     app.mkdir()
@@ -124,8 +129,13 @@ def build_runtime_tree(dest: Path) -> dict[str, Any]:
 def compile_tree(tree: Path, ddir: str) -> None:
     """Bytecode now (as an image build does), not in every container's first start.
     unchecked-hash: valid whatever the files' mtimes (the layer's tar sets them all alike)."""
-    compileall.compile_dir(str(tree), quiet=2, ddir=ddir, workers=os.cpu_count() or 1,
-                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    compileall.compile_dir(
+        str(tree),
+        quiet=2,
+        ddir=ddir,
+        workers=os.cpu_count() or 1,
+        invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
+    )
 
 
 def build_deps_tree(dest: Path, wheel_dir: Path, requirements: list[str]) -> dict[str, Any]:
@@ -136,13 +146,31 @@ def build_deps_tree(dest: Path, wheel_dir: Path, requirements: list[str]) -> dic
     rel = f"usr/local/lib/python{pyver}/dist-packages"
     site = dest / rel
     site.mkdir(parents=True)
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--find-links",
-                        str(wheel_dir), "--no-compile", "--disable-pip-version-check", "-q",
-                        "--target", str(site), *requirements],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-index",
+            "--find-links",
+            str(wheel_dir),
+            "--no-compile",
+            "--disable-pip-version-check",
+            "-q",
+            "--target",
+            str(site),
+            *requirements,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode != 0:
-        raise RuntimeError(f"pip install --target {site} {' '.join(requirements)} failed "
-                           f"(wheels from {wheel_dir}): {r.stderr[-2000:]}")
+        raise RuntimeError(
+            f"pip install --target {site} {' '.join(requirements)} failed "
+            f"(wheels from {wheel_dir}): {r.stderr[-2000:]}"
+        )
     shutil.rmtree(site / "bin", ignore_errors=True)  # console scripts with this host's shebang
     compile_tree(site, f"/{rel}")
     return {"requirements": requirements, "site": f"/{rel}"}
@@ -155,9 +183,24 @@ def layer_from_tree(tree: Path, cache: Path, name: str, level: int = 6) -> dict[
     cached apart."""
     cache.mkdir(parents=True, exist_ok=True)
     tar_path = cache / f"{name}.tar.partial"
-    run = subprocess.run(["tar", "-C", str(tree), "--numeric-owner", "--owner=0", "--group=0",
-                          "--sort=name", "--mtime=@1700000000", "-cf", str(tar_path), "."],
-                         capture_output=True, text=True, check=False)
+    run = subprocess.run(
+        [
+            "tar",
+            "-C",
+            str(tree),
+            "--numeric-owner",
+            "--owner=0",
+            "--group=0",
+            "--sort=name",
+            "--mtime=@1700000000",
+            "-cf",
+            str(tar_path),
+            ".",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if run.returncode != 0:
         raise RuntimeError(f"tar of {tree} failed: {run.stderr[-2000:]}")
     diff = hashlib.sha256()
@@ -178,9 +221,14 @@ def layer_from_tree(tree: Path, cache: Path, name: str, level: int = 6) -> dict[
     with open(gz_path, "rb") as f:
         while block := f.read(8 * MiB):
             gz.update(block)
-    meta = {"name": name, "diff_id": diff_id, "tar_bytes": tar_path.stat().st_size,
-            "path": str(gz_path), "digest": "sha256:" + gz.hexdigest(),
-            "size": gz_path.stat().st_size}
+    meta = {
+        "name": name,
+        "diff_id": diff_id,
+        "tar_bytes": tar_path.stat().st_size,
+        "path": str(gz_path),
+        "digest": "sha256:" + gz.hexdigest(),
+        "size": gz_path.stat().st_size,
+    }
     tar_path.unlink()
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     return meta
@@ -188,14 +236,21 @@ def layer_from_tree(tree: Path, cache: Path, name: str, level: int = 6) -> dict[
 
 def image_config(layers: list[dict[str, Any]]) -> dict[str, Any]:
     """The training image's OCI config."""
-    return {"architecture": "amd64", "os": "linux",
-            "config": {"Env": [f"{k}={v}" for k, v in IMAGE_ENV.items()],
-                       "Cmd": ["/usr/bin/python3"], "WorkingDir": "/app"},
-            "rootfs": {"type": "layers", "diff_ids": [layer["diff_id"] for layer in layers]}}
+    return {
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {
+            "Env": [f"{k}={v}" for k, v in IMAGE_ENV.items()],
+            "Cmd": ["/usr/bin/python3"],
+            "WorkingDir": "/app",
+        },
+        "rootfs": {"type": "layers", "diff_ids": [layer["diff_id"] for layer in layers]},
+    }
 
 
-def push_image(registry: str, repo: str, tag: str, layers: list[dict[str, Any]],
-               config: dict[str, Any]) -> str:
+def push_image(
+    registry: str, repo: str, tag: str, layers: list[dict[str, Any]], config: dict[str, Any]
+) -> str:
     """Push gzip layers (``path``, ``digest``, ``size``), the OCI config and the manifest;
     returns the manifest digest."""
     from prefetch.mediatypes import OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST
@@ -212,12 +267,18 @@ def push_image(registry: str, repo: str, tag: str, layers: list[dict[str, Any]],
         for layer in layers:
             reg.put_blob(repo, chunks(layer["path"]), layer["digest"])
         reg.put_blob(repo, blob, config_digest)
-        manifest = json.dumps({
-            "schemaVersion": 2, "mediaType": OCI_MANIFEST,
-            "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(blob)},
-            "layers": [{"mediaType": OCI_LAYER_GZIP, "digest": layer["digest"],
-                        "size": layer["size"]} for layer in layers]},
-            separators=(",", ":")).encode()
+        manifest = json.dumps(
+            {
+                "schemaVersion": 2,
+                "mediaType": OCI_MANIFEST,
+                "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(blob)},
+                "layers": [
+                    {"mediaType": OCI_LAYER_GZIP, "digest": layer["digest"], "size": layer["size"]}
+                    for layer in layers
+                ],
+            },
+            separators=(",", ":"),
+        ).encode()
         return reg.put_manifest(repo, tag, manifest, OCI_MANIFEST)
 
 
@@ -230,8 +291,11 @@ def training_layers(cache: Path, work: Path, base_choice: str) -> dict[str, Any]
     image_dir = cache / "image"
     image_dir.mkdir(parents=True, exist_ok=True)
     base = bp.build_base(image_dir, base_choice)
-    layers = [layer_from_tree(image_dir / f"base-{base['source']}", image_dir / "e2e",
-                              f"base-{base['source']}")]
+    layers = [
+        layer_from_tree(
+            image_dir / f"base-{base['source']}", image_dir / "e2e", f"base-{base['source']}"
+        )
+    ]
     tree = work / "runtime-tree"
     runtime = build_runtime_tree(tree)
     layers.append(layer_from_tree(tree, image_dir / "e2e", "runtime"))

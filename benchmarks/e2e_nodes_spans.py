@@ -24,9 +24,22 @@ from bootseer.report_nodes import positioned_segments, split_by_phase
 from bootseer.trace import Span, read_traces
 
 # the breakdown's order (the report orders its own phases; these are the harness's)
-PHASE_ORDER = ["node_replace", "restart", "image_pull", "checkpoint_copy", "container_start",
-               "environment", "checkpoint_prefetch", "command_start", "rendezvous", "launch",
-               "process_group_init", "model_build", "checkpoint_load", "first_step"]
+PHASE_ORDER = [
+    "node_replace",
+    "restart",
+    "image_pull",
+    "checkpoint_copy",
+    "container_start",
+    "environment",
+    "checkpoint_prefetch",
+    "command_start",
+    "rendezvous",
+    "launch",
+    "process_group_init",
+    "model_build",
+    "checkpoint_load",
+    "first_step",
+]
 RUN_PHASES = ("environment", "checkpoint_prefetch", "command_start")  # from bootseer run's trace
 SERVICES = ("registry", "s3", "index")
 
@@ -61,8 +74,10 @@ class RankRun:
 
     def t(self, name: str) -> float:
         if name not in self.events:
-            raise ValueError(f"{self.node} rank {self.rank}: no '{name}' milestone after the "
-                             "loss (see the job's events.jsonl)")
+            raise ValueError(
+                f"{self.node} rank {self.rank}: no '{name}' milestone after the "
+                "loss (see the job's events.jsonl)"
+            )
         return float(self.events[name]["t"])
 
     @property
@@ -79,8 +94,11 @@ def restarted_ranks(events: list[dict[str, Any]], kill_t: float) -> list[RankRun
             starts[(e.get("node", ""), e["pid"])] = e
     runs: dict[tuple[str, int], RankRun] = {}
     for (node, pid), start in sorted(starts.items(), key=lambda kv: kv[1]["t"]):
-        mine = {e["event"]: e for e in events
-                if e.get("node", "") == node and e["pid"] == pid and e["t"] >= start["t"]}
+        mine = {
+            e["event"]: e
+            for e in events
+            if e.get("node", "") == node and e["pid"] == pid and e["t"] >= start["t"]
+        }
         rank = int(mine.get("verified", mine.get("first_step", start))["rank"])
         runs[(node, rank)] = RankRun(node, rank, mine)  # a later worker of a rank wins
     return sorted(runs.values(), key=lambda r: r.rank)
@@ -89,9 +107,21 @@ def restarted_ranks(events: list[dict[str, Any]], kill_t: float) -> list[RankRun
 def harness_spans(run: NodeRun, events: list[dict[str, Any]]) -> list[Span]:
     """The restart as spans (each node's own attempt number, :meth:`NodeRun.attempt`), plus
     the loss as a ``failure`` point of the lost node's attempt 0."""
-    spans = [Span(run.lost, None, "failure", run.kill_t, run.kill_t, attempt=0,
-                  detail={"what": "SIGKILL to the node's job processes, restarted in place"
-                          if run.in_place else "node lost: SIGKILL to every process"})]
+    spans = [
+        Span(
+            run.lost,
+            None,
+            "failure",
+            run.kill_t,
+            run.kill_t,
+            attempt=0,
+            detail={
+                "what": "SIGKILL to the node's job processes, restarted in place"
+                if run.in_place
+                else "node lost: SIGKILL to every process"
+            },
+        )
+    ]
     ranks = restarted_ranks(events, run.kill_t)
     nodes = sorted({r.node for r in ranks} | {run.lost})
     after = [e for e in events if e["t"] > run.kill_t]
@@ -103,13 +133,28 @@ def harness_spans(run: NodeRun, events: list[dict[str, Any]]) -> list[Span]:
         own: list[Span] = []
         if node == run.lost:
             launched = _lost_node(own, run, [e for e in after if e.get("node") == node])
-            own.append(Span(node, None, "rendezvous", launched,
-                            min(r.t("process_start") for r in mine), attempt=attempt))
+            own.append(
+                Span(
+                    node,
+                    None,
+                    "rendezvous",
+                    launched,
+                    min(r.t("process_start") for r in mine),
+                    attempt=attempt,
+                )
+            )
         else:
-            own.append(Span(node, None, "rendezvous", run.kill_t,
-                            min(r.t("process_start") for r in mine), attempt=attempt,
-                            detail={"why": "workers failed; waiting for the lost node in the "
-                                           "rendezvous"}))
+            own.append(
+                Span(
+                    node,
+                    None,
+                    "rendezvous",
+                    run.kill_t,
+                    min(r.t("process_start") for r in mine),
+                    attempt=attempt,
+                    detail={"why": "workers failed; waiting for the lost node in the rendezvous"},
+                )
+            )
         remotes = {k: v for k, v in run.bytes.get(node, {}).items() if v}
         if remotes:  # the fixture's counters: the node's bytes over the whole restart
             first = min((s for s in own if s.rank is None), key=lambda s: s.start)
@@ -120,10 +165,18 @@ def harness_spans(run: NodeRun, events: list[dict[str, Any]]) -> list[Span]:
             if "copy_ready" in r.events:  # diy: the rank waited for the copy before loading
                 loading = r.t("copy_ready") - float(r.events["copy_ready"].get("waited", 0.0))
             spans += _worker_start(r, loading, attempt)
-            spans += [Span(node, r.rank, "checkpoint_load", r.t("load_start"), r.t("load_end"),
-                           attempt=attempt, bytes=int(r.events["load_end"].get("bytes", 0))),
-                      Span(node, r.rank, "first_step", r.t("load_end"), r.ready_t,
-                           attempt=attempt)]
+            spans += [
+                Span(
+                    node,
+                    r.rank,
+                    "checkpoint_load",
+                    r.t("load_start"),
+                    r.t("load_end"),
+                    attempt=attempt,
+                    bytes=int(r.events["load_end"].get("bytes", 0)),
+                ),
+                Span(node, r.rank, "first_step", r.t("load_end"), r.ready_t, attempt=attempt),
+            ]
     return spans
 
 
@@ -135,14 +188,46 @@ def _worker_start(r: RankRun, loading: float, attempt: int) -> list[Span]:
     ``pg_init_*`` milestones (an image built before them)."""
     node, start = r.node, r.t("process_start")
     if "pg_init_start" not in r.events or "pg_init_end" not in r.events:
-        return [Span(node, r.rank, "launch", start, loading, attempt=attempt,
-                     detail={"what": "import torch, init, model"})]
-    return [Span(node, r.rank, "launch", start, r.t("pg_init_start"), attempt=attempt,
-                 detail={"what": "the interpreter, import torch"}),
-            Span(node, r.rank, "process_group_init", r.t("pg_init_start"), r.t("pg_init_end"),
-                 attempt=attempt, detail={"what": "init_process_group('gloo')"}),
-            Span(node, r.rank, "model_build", r.t("pg_init_end"), loading, attempt=attempt,
-                 detail={"what": "model, FSDP, optimizer, checkpoint store"})]
+        return [
+            Span(
+                node,
+                r.rank,
+                "launch",
+                start,
+                loading,
+                attempt=attempt,
+                detail={"what": "import torch, init, model"},
+            )
+        ]
+    return [
+        Span(
+            node,
+            r.rank,
+            "launch",
+            start,
+            r.t("pg_init_start"),
+            attempt=attempt,
+            detail={"what": "the interpreter, import torch"},
+        ),
+        Span(
+            node,
+            r.rank,
+            "process_group_init",
+            r.t("pg_init_start"),
+            r.t("pg_init_end"),
+            attempt=attempt,
+            detail={"what": "init_process_group('gloo')"},
+        ),
+        Span(
+            node,
+            r.rank,
+            "model_build",
+            r.t("pg_init_end"),
+            loading,
+            attempt=attempt,
+            detail={"what": "model, FSDP, optimizer, checkpoint store"},
+        ),
+    ]
 
 
 def _lost_node(spans: list[Span], run: NodeRun, events: list[dict[str, Any]]) -> float:
@@ -151,61 +236,114 @@ def _lost_node(spans: list[Span], run: NodeRun, events: list[dict[str, Any]]) ->
     entrypoint's milestones, and diy's copy."""
     node, attempt = run.lost, run.attempt(run.lost)
     if run.replaced_t is not None:
-        spans.append(Span(node, None, "node_replace", run.kill_t, run.replaced_t,
-                          attempt=attempt,
-                          detail={"what": "the fixture provisions a fresh, empty node"}))
+        spans.append(
+            Span(
+                node,
+                None,
+                "node_replace",
+                run.kill_t,
+                run.replaced_t,
+                attempt=attempt,
+                detail={"what": "the fixture provisions a fresh, empty node"},
+            )
+        )
     if run.pull is not None:
         spans.append(Span(node, None, "image_pull", run.pull[0], run.pull[1], attempt=attempt))
     if run.copy is not None:
-        spans.append(Span(node, None, "checkpoint_copy", run.copy[0], run.copy[1],
-                          attempt=attempt, bytes=run.copy[2], detail={"tool": "rclone"}))
+        spans.append(
+            Span(
+                node,
+                None,
+                "checkpoint_copy",
+                run.copy[0],
+                run.copy[1],
+                attempt=attempt,
+                bytes=run.copy[2],
+                detail={"tool": "rclone"},
+            )
+        )
     if run.in_place and run.restart_t is not None:
-        spans.append(Span(node, None, "restart", run.kill_t, run.restart_t, attempt=attempt,
-                          detail={"what": "the container ended; run again on the node"}))
+        spans.append(
+            Span(
+                node,
+                None,
+                "restart",
+                run.kill_t,
+                run.restart_t,
+                attempt=attempt,
+                detail={"what": "the container ended; run again on the node"},
+            )
+        )
     begun = run.restart_t if run.in_place else (run.pull[1] if run.pull else run.kill_t)
     if run.trace_dir is not None:  # bootseer run's own spans, with its own attempt numbers
         found, _ = read_traces([run.trace_dir])
         want = ("restart", *RUN_PHASES) if run.in_place else RUN_PHASES
-        own = [replace(s, bytes_by_remote={}) for s in found
-               if s.rank is None and s.phase in want and s.attempt == attempt]
+        own = [
+            replace(s, bytes_by_remote={})
+            for s in found
+            if s.rank is None and s.phase in want and s.attempt == attempt
+        ]
         if not own or not any(s.phase == "command_start" for s in own):
-            raise ValueError(f"{node}: no bootseer run spans of attempt {attempt} in "
-                             f"{run.trace_dir}")
+            raise ValueError(
+                f"{node}: no bootseer run spans of attempt {attempt} in {run.trace_dir}"
+            )
         if not run.in_place:
-            spans.append(Span(node, None, "container_start", begun,
-                              min(s.start for s in own), attempt=attempt))
+            spans.append(
+                Span(
+                    node, None, "container_start", begun, min(s.start for s in own), attempt=attempt
+                )
+            )
         spans.extend(own)
         return max(s.end for s in own if s.phase == "command_start")
     by = {e["event"]: e for e in events}
     for name in ("entry", "env_ready", "command_start"):
         if name not in by:
             raise ValueError(f"{node}: no '{name}' milestone after the loss")
-    spans += [Span(node, None, "container_start", begun, by["entry"]["t"], attempt=attempt),
-              Span(node, None, "environment", by["entry"]["t"], by["env_ready"]["t"],
-                   attempt=attempt, detail={"installer": by["env_ready"].get("installer")}),
-              Span(node, None, "command_start", by["env_ready"]["t"], by["command_start"]["t"],
-                   attempt=attempt)]
+    spans += [
+        Span(node, None, "container_start", begun, by["entry"]["t"], attempt=attempt),
+        Span(
+            node,
+            None,
+            "environment",
+            by["entry"]["t"],
+            by["env_ready"]["t"],
+            attempt=attempt,
+            detail={"installer": by["env_ready"].get("installer")},
+        ),
+        Span(
+            node,
+            None,
+            "command_start",
+            by["env_ready"]["t"],
+            by["command_start"]["t"],
+            attempt=attempt,
+        ),
+    ]
     return float(by["command_start"]["t"])
 
 
 def rank_totals(run: NodeRun, events: list[dict[str, Any]]) -> dict[str, float]:
     """Seconds from the loss to each rank's first step (``NODE/rRANK``)."""
-    return {f"{r.node}/r{r.rank}": r.ready_t - run.kill_t
-            for r in restarted_ranks(events, run.kill_t)}
+    return {
+        f"{r.node}/r{r.rank}": r.ready_t - run.kill_t for r in restarted_ranks(events, run.kill_t)
+    }
 
 
 def check_identical(events: list[dict[str, Any]], kill_t: float) -> dict[str, Any]:
     """Every restarted rank loaded the state that rank saved at that step, byte for byte
     (sha256 of its shard of every tensor)."""
-    saved = {(e["step"], e["rank"]): e["digest"] for e in events
-             if e["event"] == "saved" and e["t"] < kill_t}
+    saved = {
+        (e["step"], e["rank"]): e["digest"]
+        for e in events
+        if e["event"] == "saved" and e["t"] < kill_t
+    }
     ranks = restarted_ranks(events, kill_t)
     loaded = [(r.node, r.rank, r.events.get("verified")) for r in ranks]
-    bad = [f"{n}/r{k}" for n, k, v in loaded
-           if v is None or saved.get((v["step"], k)) != v["digest"]]
+    bad = [
+        f"{n}/r{k}" for n, k, v in loaded if v is None or saved.get((v["step"], k)) != v["digest"]
+    ]
     steps = sorted({v["step"] for _, _, v in loaded if v is not None})
-    return {"ok": bool(loaded) and not bad, "ranks": len(loaded), "steps": steps,
-            "differ": bad}
+    return {"ok": bool(loaded) and not bad, "ranks": len(loaded), "steps": steps, "differ": bad}
 
 
 def node_phases(spans: list[Span], node: str, origin: float) -> dict[str, float]:
@@ -220,8 +358,15 @@ def node_phases(spans: list[Span], node: str, origin: float) -> dict[str, float]
     return split_by_phase(positioned_segments(row, origin, until=ready[rank]))
 
 
-AFTER_RENDEZVOUS = ("rendezvous", "launch", "process_group_init", "model_build",
-                    "checkpoint_load", "first_step", "untraced")
+AFTER_RENDEZVOUS = (
+    "rendezvous",
+    "launch",
+    "process_group_init",
+    "model_build",
+    "checkpoint_load",
+    "first_step",
+    "untraced",
+)
 
 
 def paced_by(per_node: dict[str, dict[str, Any]]) -> tuple[str, str]:
@@ -230,8 +375,14 @@ def paced_by(per_node: dict[str, dict[str, Any]]) -> tuple[str, str]:
     path ends on any rank; the node that set the pace is the one that waited least in the
     rendezvous (it arrived last)."""
     node = min(per_node, key=lambda n: per_node[n]["phases"].get("rendezvous", 0.0))
-    before = sorted(((p, s) for p, s in per_node[node]["phases"].items()
-                     if p not in AFTER_RENDEZVOUS and s >= 0.05), key=lambda kv: -kv[1])
+    before = sorted(
+        (
+            (p, s)
+            for p, s in per_node[node]["phases"].items()
+            if p not in AFTER_RENDEZVOUS and s >= 0.05
+        ),
+        key=lambda kv: -kv[1],
+    )
     return node, ", ".join(f"{p} {s:.1f} s" for p, s in before[:3])
 
 
@@ -263,8 +414,7 @@ def restart_segments(run: NodeRun, spans: list[Span]) -> dict[str, Any]:
     ``import_s``, ``process_group_init_s``, ``load_s`` and ``first_step_s`` are None (and
     ``workers_s``, the four together, is given alone) when the job logged no ``pg_init_*``
     milestones."""
-    lost = [s for s in spans if s.node == run.lost and s.rank is None
-            and s.phase == "rendezvous"]
+    lost = [s for s in spans if s.node == run.lost and s.rank is None and s.phase == "rendezvous"]
     if not lost:
         raise ValueError(f"{run.lost}: no rendezvous span (torchrun never started?)")
     launched = lost[0].start
@@ -285,30 +435,45 @@ def restart_segments(run: NodeRun, spans: list[Span]) -> dict[str, Any]:
         elif s.phase == "first_step":
             ready[key] = s.end
     if not ready or set(starts) != set(ready):
-        raise ValueError(f"ranks with a start but no first step, or the reverse: "
-                         f"{sorted(set(starts) ^ set(ready))}")
+        raise ValueError(
+            f"ranks with a start but no first step, or the reverse: "
+            f"{sorted(set(starts) ^ set(ready))}"
+        )
     last_start, last_ready = max(starts.values()), max(ready.values())
-    out: dict[str, Any] = {"fresh_path_s": launched - run.kill_t,
-                           "rendezvous_s": last_start - launched,
-                           "workers_s": last_ready - last_start,
-                           "import_s": None, "process_group_init_s": None, "load_s": None,
-                           "first_step_s": None, "ranks": len(ready), "per_rank": {}}
+    out: dict[str, Any] = {
+        "fresh_path_s": launched - run.kill_t,
+        "rendezvous_s": last_start - launched,
+        "workers_s": last_ready - last_start,
+        "import_s": None,
+        "process_group_init_s": None,
+        "load_s": None,
+        "first_step_s": None,
+        "ranks": len(ready),
+        "per_rank": {},
+    }
     if set(pg) == set(ready) == set(loaded):
         pg_start = max(a for a, _ in pg.values())
         pg_end = max(b for _, b in pg.values())
         last_loaded = max(loaded.values())
-        out.update(import_s=pg_start - last_start, process_group_init_s=pg_end - pg_start,
-                   load_s=last_loaded - pg_end, first_step_s=last_ready - last_loaded)
+        out.update(
+            import_s=pg_start - last_start,
+            process_group_init_s=pg_end - pg_start,
+            load_s=last_loaded - pg_end,
+            first_step_s=last_ready - last_loaded,
+        )
         keys = sorted(pg)
-        out["per_rank"] = {"import_s": {k: pg[k][0] - starts[k] for k in keys},
-                           "process_group_init_s": {k: pg[k][1] - pg[k][0] for k in keys},
-                           "load_s": {k: loaded[k] - pg[k][1] for k in keys},
-                           "first_step_s": {k: ready[k] - loaded[k] for k in keys}}
+        out["per_rank"] = {
+            "import_s": {k: pg[k][0] - starts[k] for k in keys},
+            "process_group_init_s": {k: pg[k][1] - pg[k][0] for k in keys},
+            "load_s": {k: loaded[k] - pg[k][1] for k in keys},
+            "first_step_s": {k: ready[k] - loaded[k] for k in keys},
+        }
     return out
 
 
-def summarize(report: dict[str, Any], run: NodeRun, totals: dict[str, float],
-              spans: list[Span]) -> dict[str, Any]:
+def summarize(
+    report: dict[str, Any], run: NodeRun, totals: dict[str, float], spans: list[Span]
+) -> dict[str, Any]:
     """p50/p90/max over ranks, the straggler and why (the report's critical path), the per-node
     breakdown (along each node's slowest rank) and bytes (the fixture's counters)."""
     incident = next((i for i in report["incidents"] if i["attempt"] == 1), None)
@@ -320,18 +485,31 @@ def summarize(report: dict[str, Any], run: NodeRun, totals: dict[str, float],
     why = ", ".join(f"{p} {s:.1f} s" for p, s in cost[:3] if s >= 0.05)
     per_node = {}
     for line in incident["timeline"]:
-        per_node[line["node"]] = {"first_step_s": line["first_step_s"],
-                                  "role": role(run, line["node"]),
-                                  "phases": node_phases(spans, line["node"], run.kill_t),
-                                  "bytes": run.bytes.get(line["node"], {})}
+        per_node[line["node"]] = {
+            "first_step_s": line["first_step_s"],
+            "role": role(run, line["node"]),
+            "phases": node_phases(spans, line["node"], run.kill_t),
+            "bytes": run.bytes.get(line["node"], {}),
+        }
     total = {s: sum(b.get(s, 0) for b in run.bytes.values()) for s in SERVICES}
     pace, pace_why = paced_by(per_node)
-    return {"summary": {"p50_s": percentile(values, 50), "p90_s": percentile(values, 90),
-                        "p99_s": percentile(values, 99),
-                        "max_s": max(values), "job_back_s": incident["wall_s"],
-                        "straggler": straggler, "why": why, "paced_by": pace,
-                        "paced_why": pace_why,
-                        "node_stragglers": report["node_stragglers"]},
-            "ranks": totals, "per_node": per_node, "cost": dict(cost),
-            "segments": restart_segments(run, spans),
-            "bytes_total": total, "bytes_per_node": run.bytes}
+    return {
+        "summary": {
+            "p50_s": percentile(values, 50),
+            "p90_s": percentile(values, 90),
+            "p99_s": percentile(values, 99),
+            "max_s": max(values),
+            "job_back_s": incident["wall_s"],
+            "straggler": straggler,
+            "why": why,
+            "paced_by": pace,
+            "paced_why": pace_why,
+            "node_stragglers": report["node_stragglers"],
+        },
+        "ranks": totals,
+        "per_node": per_node,
+        "cost": dict(cost),
+        "segments": restart_segments(run, spans),
+        "bytes_total": total,
+        "bytes_per_node": run.bytes,
+    }

@@ -34,22 +34,27 @@ READ_TIMEOUT_S = 900.0
 CHUNK = 1 << 20
 
 
-def measure(nodes: int, size: int, workdir: Path, *, node_link: Any = None,
-            service_link: Any = None) -> dict[str, dict[str, Any]]:
+def measure(
+    nodes: int, size: int, workdir: Path, *, node_link: Any = None, service_link: Any = None
+) -> dict[str, dict[str, Any]]:
     """Each origin's aggregate serve rate to ``nodes`` nodes reading ``size`` bytes each at
     once, on a cluster of its own (no containerd: only the links and the services)."""
     from bootseer.testing.cluster import Cluster
 
-    with Cluster(nodes, link=node_link, service_link=service_link,
-                 services=("registry", "s3", "index"), workdir=workdir) as c:
+    with Cluster(
+        nodes,
+        link=node_link,
+        service_link=service_link,
+        services=("registry", "s3", "index"),
+        workdir=workdir,
+    ) as c:
         payload = c.dir / "probe.bin"
         with open(payload, "wb") as f:
             for _ in range(0, size, CHUNK):
                 f.write(os.urandom(min(CHUNK, size - f.tell())))
         digest = hashlib.sha256(payload.read_bytes()).hexdigest()
         where = stage(c, payload, digest)
-        return {origin: read_at_once(c, origin, where[origin], digest, size)
-                for origin in ORIGINS}
+        return {origin: read_at_once(c, origin, where[origin], digest, size) for origin in ORIGINS}
 
 
 def stage(c: Any, payload: Path, digest: str) -> dict[str, dict[str, Any]]:
@@ -57,35 +62,52 @@ def stage(c: Any, payload: Path, digest: str) -> dict[str, dict[str, Any]]:
     c.services.create_bucket(BUCKET)
     env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     opts = c.services.storage_options()
-    for args in (["--put-s3", json.dumps(opts), str(payload)],
-                 ["--put-blob", c.services.registry_host, str(payload), digest]):
-        c.services.run([sys.executable, str(Path(__file__).resolve()), *args], env=env,
-                       timeout=600)
+    for args in (
+        ["--put-s3", json.dumps(opts), str(payload)],
+        ["--put-blob", c.services.registry_host, str(payload), digest],
+    ):
+        c.services.run([sys.executable, str(Path(__file__).resolve()), *args], env=env, timeout=600)
     index_copy = c.services.index_dir / INDEX_FILE
     index_copy.write_bytes(payload.read_bytes())
-    return {"registry": {"url": f"{c.services.registry_url}/v2/{REPO}/blobs/sha256:{digest}"},
-            "s3": {"path": f"{BUCKET}/probe.bin", "options": opts},
-            "index": {"url": f"{c.services.index_url.removesuffix('/simple/')}/files/"
-                             f"{INDEX_FILE}"}}
+    return {
+        "registry": {"url": f"{c.services.registry_url}/v2/{REPO}/blobs/sha256:{digest}"},
+        "s3": {"path": f"{BUCKET}/probe.bin", "options": opts},
+        "index": {"url": f"{c.services.index_url.removesuffix('/simple/')}/files/{INDEX_FILE}"},
+    }
 
 
-def read_at_once(c: Any, origin: str, spec: dict[str, Any], digest: str, size: int
-                 ) -> dict[str, Any]:
+def read_at_once(
+    c: Any, origin: str, spec: dict[str, Any], digest: str, size: int
+) -> dict[str, Any]:
     """Every node reads ``spec`` from ``origin`` at once; the aggregate rate and each node's
     time. A node that read other bytes, or fewer, is an error (not a rate)."""
     work = Path(tempfile.mkdtemp(prefix=f"probe-{origin}-", dir=c.dir))
     go = work / "go"
     before = {n.name: n.bytes_from(origin) for n in c.nodes}
     env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    procs = {n.name: n.popen([sys.executable, str(Path(__file__).resolve()), "--get", origin,
-                              json.dumps(spec), str(work / n.name), str(go)], env=env)
-             for n in c.nodes}
+    procs = {
+        n.name: n.popen(
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--get",
+                origin,
+                json.dumps(spec),
+                str(work / n.name),
+                str(go),
+            ],
+            env=env,
+        )
+        for n in c.nodes
+    }
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not all((work / f"{name}.ready").exists() for name in procs):
         for name, proc in procs.items():
             if proc.poll() is not None and not (work / f"{name}.ready").exists():
-                raise RuntimeError(f"probe {origin}: the reader on {name} exited "
-                                   f"{proc.returncode} before it was ready")
+                raise RuntimeError(
+                    f"probe {origin}: the reader on {name} exited "
+                    f"{proc.returncode} before it was ready"
+                )
         if time.monotonic() > deadline:
             raise RuntimeError(f"probe {origin}: readers not ready in {READY_TIMEOUT_S:.0f} s")
         time.sleep(0.02)
@@ -94,18 +116,26 @@ def read_at_once(c: Any, origin: str, spec: dict[str, Any], digest: str, size: i
         if proc.wait(timeout=READ_TIMEOUT_S) != 0:
             raise RuntimeError(f"probe {origin}: the reader on {name} exited {proc.returncode}")
     got = {name: json.loads((work / f"{name}.json").read_text()) for name in procs}
-    bad = [f"{name} ({g['bytes']} bytes, sha256 {g['sha256'][:12]})" for name, g in got.items()
-           if g["bytes"] != size or g["sha256"] != digest]
+    bad = [
+        f"{name} ({g['bytes']} bytes, sha256 {g['sha256'][:12]})"
+        for name, g in got.items()
+        if g["bytes"] != size or g["sha256"] != digest
+    ]
     if bad:
-        raise RuntimeError(f"probe {origin}: read other bytes than the {size} put there: "
-                           f"{', '.join(bad)}")
+        raise RuntimeError(
+            f"probe {origin}: read other bytes than the {size} put there: {', '.join(bad)}"
+        )
     start = min(g["start"] for g in got.values())
     end = max(g["end"] for g in got.values())
     counted = {n.name: n.bytes_from(origin) - before[n.name] for n in c.nodes}
-    return {"nodes": len(got), "bytes_per_node": size, "seconds": end - start,
-            "rate_Bps": len(got) * size / (end - start),
-            "node_seconds": {name: g["end"] - g["start"] for name, g in sorted(got.items())},
-            "counted_bytes": counted}
+    return {
+        "nodes": len(got),
+        "bytes_per_node": size,
+        "seconds": end - start,
+        "rate_Bps": len(got) * size / (end - start),
+        "node_seconds": {name: g["end"] - g["start"] for name, g in sorted(got.items())},
+        "counted_bytes": counted,
+    }
 
 
 # -- on the services host and on the nodes -------------------------------------------------------
@@ -132,6 +162,7 @@ def _reader(origin: str, spec: dict[str, Any]) -> Any:
 
         def read_s3() -> Any:
             yield fs.cat_file(spec["path"])  # one GET, as a striped stripe or a layer is
+
         return read_s3
     import urllib.request
 
@@ -139,6 +170,7 @@ def _reader(origin: str, spec: dict[str, Any]) -> Any:
         with urllib.request.urlopen(spec["url"], timeout=READ_TIMEOUT_S) as r:
             while block := r.read(CHUNK):
                 yield block
+
     return read_http
 
 
@@ -154,8 +186,7 @@ def _get(origin: str, spec: dict[str, Any], out: str, go: str) -> None:
         n += len(block)
     end = time.time()
     tmp = Path(f"{out}.json.tmp")
-    tmp.write_text(json.dumps({"start": start, "end": end, "bytes": n,
-                               "sha256": h.hexdigest()}))
+    tmp.write_text(json.dumps({"start": start, "end": end, "bytes": n, "sha256": h.hexdigest()}))
     tmp.rename(f"{out}.json")
 
 
@@ -167,8 +198,10 @@ def main(argv: list[str]) -> int:
     elif argv[:1] == ["--get"]:
         _get(argv[1], json.loads(argv[2]), argv[3], argv[4])
     else:
-        raise SystemExit("usage: e2e_sweep_probe.py --put-s3 OPTS FILE | --put-blob REGISTRY "
-                         "FILE DIGEST | --get ORIGIN SPEC OUT GO")
+        raise SystemExit(
+            "usage: e2e_sweep_probe.py --put-s3 OPTS FILE | --put-blob REGISTRY "
+            "FILE DIGEST | --get ORIGIN SPEC OUT GO"
+        )
     return 0
 
 

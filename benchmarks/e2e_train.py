@@ -44,12 +44,20 @@ SIZES = {
 
 def event(results: str, name: str, **detail: Any) -> None:
     """Append one milestone (O_APPEND: lines of concurrent ranks never interleave)."""
-    line = json.dumps({"event": name, "t": time.time(), "pid": os.getpid(),
-                       "rank": int(os.environ.get("RANK", "-1")),
-                       "attempt": int(os.environ.get("BOOTSEER_ATTEMPT", "0")),
-                       "node": os.environ.get("BOOTSEER_E2E_NODE", ""), **detail})
-    fd = os.open(os.path.join(results, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-                 0o644)
+    line = json.dumps(
+        {
+            "event": name,
+            "t": time.time(),
+            "pid": os.getpid(),
+            "rank": int(os.environ.get("RANK", "-1")),
+            "attempt": int(os.environ.get("BOOTSEER_ATTEMPT", "0")),
+            "node": os.environ.get("BOOTSEER_E2E_NODE", ""),
+            **detail,
+        }
+    )
+    fd = os.open(
+        os.path.join(results, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644
+    )
     try:
         os.write(fd, (line + "\n").encode())
     finally:
@@ -63,17 +71,40 @@ def launch(args: argparse.Namespace, rest: list[str]) -> int:
     event(args.results, "entry")
     t = time.time()
     if args.requirements:
-        pip = [sys.executable, "-m", "pip", "install", "--no-cache-dir",
-               "--disable-pip-version-check", "--break-system-packages",
-               "--root-user-action=ignore", "-q", "-r", args.requirements]
+        pip = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            "--break-system-packages",
+            "--root-user-action=ignore",
+            "-q",
+            "-r",
+            args.requirements,
+        ]
         subprocess.run(pip, check=True)
-    event(args.results, "env_ready", seconds=time.time() - t,
-          installer="pip" if args.requirements else "baked into the image")
+    event(
+        args.results,
+        "env_ready",
+        seconds=time.time() - t,
+        installer="pip" if args.requirements else "baked into the image",
+    )
     # BOOTSEER_E2E_TORCHRUN (a JSON list): torchrun's options for a job across nodes
     options = json.loads(os.environ.get("BOOTSEER_E2E_TORCHRUN") or "null") or [
-        "--standalone", f"--nproc-per-node={args.nproc}"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", *options,
-                os.path.abspath(__file__), "train", *rest]
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+    ]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *options,
+        os.path.abspath(__file__),
+        "train",
+        *rest,
+    ]
     event(args.results, "command_start")
     os.execv(sys.executable, torchrun)
     return 0  # not reached
@@ -92,9 +123,16 @@ def build(cfg: dict[str, int]) -> tuple[Any, Any]:
             self.emb = torch.nn.Embedding(cfg["vocab"], cfg["d"])
             torch.nn.init.normal_(self.emb.weight, std=0.02)  # tied head: small logits
             self.blocks = torch.nn.ModuleList(
-                torch.nn.TransformerEncoderLayer(cfg["d"], cfg["d"] // 64, 4 * cfg["d"],
-                                                 dropout=0.0, batch_first=True, norm_first=True)
-                for _ in range(cfg["layers"]))
+                torch.nn.TransformerEncoderLayer(
+                    cfg["d"],
+                    cfg["d"] // 64,
+                    4 * cfg["d"],
+                    dropout=0.0,
+                    batch_first=True,
+                    norm_first=True,
+                )
+                for _ in range(cfg["layers"])
+            )
 
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
             x = self.emb(tokens)
@@ -134,8 +172,9 @@ def train_step(model: Any, opt: Any, cfg: dict[str, int], step: int, rank: int) 
     gen = torch.Generator().manual_seed(step * 1000 + rank)
     tokens = torch.randint(0, cfg["vocab"], (1, cfg["seq"] + 1), generator=gen)
     logits = model(tokens[:, :-1])
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg["vocab"]),
-                                             tokens[:, 1:].reshape(-1))
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, cfg["vocab"]), tokens[:, 1:].reshape(-1)
+    )
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -165,8 +204,11 @@ def digest(state: dict[str, Any]) -> str:
         elif isinstance(value, torch.Tensor):
             local = value.to_local() if isinstance(value, DTensor) else value
             h.update(prefix.encode())
-            h.update(local.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                     if local.numel() else b"")
+            h.update(
+                local.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                if local.numel()
+                else b""
+            )
         else:
             h.update(f"{prefix}={value!r}".encode())
 
@@ -199,8 +241,12 @@ class BootseerCheckpoints:
 
     def load(self, state: dict[str, Any]) -> dict[str, Any]:
         report = self.mgr.load_with_report(state)
-        return {"step": report.step, "bytes": report.bytes_read,
-                "cached_bytes": report.cached_bytes, "cache_wait_s": report.cache_wait_s}
+        return {
+            "step": report.step,
+            "bytes": report.bytes_read,
+            "cached_bytes": report.cached_bytes,
+            "cache_wait_s": report.cache_wait_s,
+        }
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         self.mgr.save(step, state)
@@ -220,15 +266,19 @@ def wait_for_copy(directory: str, timeout: float, poll: float = 0.05) -> dict[st
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the checkpoint copy into {directory} did not finish within "
-                               f"{timeout:.0f} s (no {COPY_STATUS}): check the copy tool's log")
+            raise TimeoutError(
+                f"the checkpoint copy into {directory} did not finish within "
+                f"{timeout:.0f} s (no {COPY_STATUS}): check the copy tool's log"
+            )
         time.sleep(poll)
     with open(path) as f:
         status = json.load(f)
     if not status.get("ok"):
-        raise RuntimeError(f"the checkpoint copy into {directory} failed: "
-                           f"{status.get('error', 'no reason given')}; the job cannot resume "
-                           "from it (rerun the copy, or load from the store)")
+        raise RuntimeError(
+            f"the checkpoint copy into {directory} failed: "
+            f"{status.get('error', 'no reason given')}; the job cannot resume "
+            "from it (rerun the copy, or load from the store)"
+        )
     return status
 
 
@@ -238,8 +288,9 @@ class DcpCheckpoints:
     load reads a local copy of the newest step instead (``FileSystemReader``), once the copy
     tool says it is complete."""
 
-    def __init__(self, url: str, rank: int, world: int, local: str | None = None,
-                 results: str | None = None) -> None:
+    def __init__(
+        self, url: str, rank: int, world: int, local: str | None = None, results: str | None = None
+    ) -> None:
         import fsspec
         import torch.distributed as dist
 
@@ -271,11 +322,17 @@ class DcpCheckpoints:
 
         step = self.latest()
         if self.local is not None:
-            dcp.load(state, storage_reader=dcp.FileSystemReader(
-                os.path.join(self.local, f"step-{step:08d}")), process_group=self.group)
+            dcp.load(
+                state,
+                storage_reader=dcp.FileSystemReader(os.path.join(self.local, f"step-{step:08d}")),
+                process_group=self.group,
+            )
             return {"step": step}
-        dcp.load(state, storage_reader=FsspecReader(f"{self.url}/step-{step:08d}",
-                                                    **self.options), process_group=self.group)
+        dcp.load(
+            state,
+            storage_reader=FsspecReader(f"{self.url}/step-{step:08d}", **self.options),
+            process_group=self.group,
+        )
         return {"step": step}
 
     def save(self, step: int, state: dict[str, Any]) -> None:
@@ -284,9 +341,13 @@ class DcpCheckpoints:
 
         if self.pending is not None:
             self.pending.result()
-        self.pending = dcp.async_save(state, storage_writer=FsspecWriter(
-            f"{self.url}/step-{step:08d}", sync_files=False, **self.options),
-            process_group=self.group)
+        self.pending = dcp.async_save(
+            state,
+            storage_writer=FsspecWriter(
+                f"{self.url}/step-{step:08d}", sync_files=False, **self.options
+            ),
+            process_group=self.group,
+        )
 
     def close(self) -> None:
         if self.pending is not None:
@@ -318,12 +379,16 @@ def train(args: argparse.Namespace) -> int:
         state = state_of(model, opt)
         event(results, "load_start")
         info = store.load(state)
-        set_state_dict(model, opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         event(results, "load_end", **info)
         t = time.time()
-        event(results, "verified", step=info["step"], digest=digest(state_of(model, opt)),
-              seconds=time.time() - t)
+        event(
+            results,
+            "verified",
+            step=info["step"],
+            digest=digest(state_of(model, opt)),
+            seconds=time.time() - t,
+        )
         start = info["step"]
     stop = start + args.steps_after_resume if start else args.steps
     client = None
@@ -355,8 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="e2e_train.py")
     sub = p.add_subparsers(dest="cmd", required=True)
     lp = sub.add_parser("launch")
-    lp.add_argument("--requirements", default=None,
-                    help="pip install these first (absent: the dependencies are in the image)")
+    lp.add_argument(
+        "--requirements",
+        default=None,
+        help="pip install these first (absent: the dependencies are in the image)",
+    )
     lp.add_argument("--nproc", type=int, default=2)
     lp.add_argument("--results", required=True)
     tp = sub.add_parser("train")
@@ -366,13 +434,16 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_argument("--steps", type=int, default=1000)
     tp.add_argument("--save-every", type=int, default=0)
     tp.add_argument("--steps-after-resume", type=int, default=2)
-    tp.add_argument("--local-copy", default=None,
-                    help="load (DCP) from this local copy, once the copy tool finished it")
+    tp.add_argument(
+        "--local-copy",
+        default=None,
+        help="load (DCP) from this local copy, once the copy tool finished it",
+    )
     tp.add_argument("--results", required=True)
     if argv[:1] == ["launch"]:
         split = argv.index("--") if "--" in argv else len(argv)
         args = p.parse_args(argv[:split])
-        return launch(args, argv[split + 1:])
+        return launch(args, argv[split + 1 :])
     return train(p.parse_args(argv))
 
 

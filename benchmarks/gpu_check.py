@@ -78,8 +78,9 @@ CHECKS = (
     Spec("colltrace-times", "colltrace", "gpu_check_colltrace.py", 75, env=FR_ENV),
     Spec("colltrace-overhead", "colltrace", "gpu_check_colltrace.py", 100),
     Spec("colltrace-hang", "colltrace", "gpu_check_colltrace.py", 100),
-    Spec("alignment", "robust", "gpu_check_robust.py", 75,
-         env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+    Spec(
+        "alignment", "robust", "gpu_check_robust.py", 75, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    ),
     Spec("health", "robust", "gpu_check_robust.py", 45),
     Spec("stack", "robust", "gpu_check_robust.py", 75),
 )
@@ -89,23 +90,42 @@ BY_NAME = {s.name: s for s in CHECKS}
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
     ap.add_argument("--results", default="bench-results", help=f"for {SUITE}.json/.md")
-    ap.add_argument("--parts", default="",
-                    help=f"comma-separated groups ({', '.join(GROUPS)}) or checks "
-                         f"({', '.join(BY_NAME)}); default all")
-    ap.add_argument("--budget-s", type=float, default=480.0,
-                    help="the whole run's bound in seconds (default 480: 8 minutes)")
-    ap.add_argument("--state-gb", type=float, default=None,
-                    help="ckpt's state on the device in GB (default 4; CPU form 0.032)")
-    ap.add_argument("--timeout", action="append", default=[], metavar="CHECK=SECONDS",
-                    help="one check's own timeout instead of its default")
-    ap.add_argument("--cpu", action="store_true",
-                    help="the CPU form even where a GPU is (what the tests run)")
+    ap.add_argument(
+        "--parts",
+        default="",
+        help=f"comma-separated groups ({', '.join(GROUPS)}) or checks "
+        f"({', '.join(BY_NAME)}); default all",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=480.0,
+        help="the whole run's bound in seconds (default 480: 8 minutes)",
+    )
+    ap.add_argument(
+        "--state-gb",
+        type=float,
+        default=None,
+        help="ckpt's state on the device in GB (default 4; CPU form 0.032)",
+    )
+    ap.add_argument(
+        "--timeout",
+        action="append",
+        default=[],
+        metavar="CHECK=SECONDS",
+        help="one check's own timeout instead of its default",
+    )
+    ap.add_argument(
+        "--cpu", action="store_true", help="the CPU form even where a GPU is (what the tests run)"
+    )
     args = ap.parse_args(argv)
     wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
     bad = [p for p in wanted if p not in GROUPS and p not in BY_NAME]
     if bad:
-        ap.error(f"--parts {','.join(bad)}: not a group ({', '.join(GROUPS)}) or a check "
-                 f"({', '.join(BY_NAME)})")
+        ap.error(
+            f"--parts {','.join(bad)}: not a group ({', '.join(GROUPS)}) or a check "
+            f"({', '.join(BY_NAME)})"
+        )
     args.selected = [s for s in CHECKS if not wanted or s.group in wanted or s.name in wanted]
     args.timeouts = {}
     for item in args.timeout:
@@ -146,9 +166,14 @@ class Runner:
         if args.cpu:
             self.env["CUDA_VISIBLE_DEVICES"] = ""
         self.report: dict[str, Any] = {
-            "suite": SUITE, "command": command_line("gpu_check.py"),
+            "suite": SUITE,
+            "command": command_line("gpu_check.py"),
             **source_state(["benchmarks", "ckpt", "bootseer/colltrace", "bootseer/robust"]),
-            "budget_s": args.budget_s, "checks": {}, "skipped": [], "errors": []}
+            "budget_s": args.budget_s,
+            "checks": {},
+            "skipped": [],
+            "errors": [],
+        }
         self.child: subprocess.Popen | None = None
 
     @staticmethod
@@ -167,12 +192,18 @@ class Runner:
         return self.deadline - time.monotonic()
 
     def probe(self) -> dict[str, Any]:
-        out = subprocess.run([sys.executable, str(HERE / "_gpu_check_common.py"), "--probe"],
-                             capture_output=True, text=True, env=self.env, check=False,
-                             timeout=max(30.0, min(120.0, self.left())))
+        out = subprocess.run(
+            [sys.executable, str(HERE / "_gpu_check_common.py"), "--probe"],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            check=False,
+            timeout=max(30.0, min(120.0, self.left())),
+        )
         if out.returncode != 0:
-            raise RuntimeError(f"the probe of this interpreter's torch failed: "
-                               f"{out.stderr.strip()[-2000:]}")
+            raise RuntimeError(
+                f"the probe of this interpreter's torch failed: {out.stderr.strip()[-2000:]}"
+            )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def run(self) -> int:
@@ -181,18 +212,27 @@ class Runner:
         listed = [] if self.args.cpu else gpus_listed()
         self.report["nvidia_smi_lists"] = listed
         if listed and not cuda:
-            log(f"gpu_check: nvidia-smi lists {len(listed)} GPU(s) but {env['executable']}'s "
+            log(
+                f"gpu_check: nvidia-smi lists {len(listed)} GPU(s) but {env['executable']}'s "
                 f"torch {env['torch']} has no CUDA: run it with a CUDA build of torch (on the "
                 "GPU machine its own python3: make gpu-check GPU_PYTHON=python3), or pass "
-                "--cpu for the CPU form")
+                "--cpu for the CPU form"
+            )
             self.report["errors"].append("torch without CUDA on a machine with a GPU")
             return 2
         self.report["form"] = "cuda" if cuda else "cpu"
-        log(f"gpu_check: {'CUDA on ' + env.get('device', '?') if cuda else 'CPU form (no CUDA)'}"
+        log(
+            f"gpu_check: {'CUDA on ' + env.get('device', '?') if cuda else 'CPU form (no CUDA)'}"
             f"; torch {env['torch']}; budget {self.args.budget_s:.0f} s; checks "
-            f"{', '.join(s.name for s in self.args.selected)}")
-        cfg: dict[str, Any] = {"work": str(self.work), "shm": self.shm, "cpu": self.args.cpu,
-                               "state_gb": self.args.state_gb, "env": env}
+            f"{', '.join(s.name for s in self.args.selected)}"
+        )
+        cfg: dict[str, Any] = {
+            "work": str(self.work),
+            "shm": self.shm,
+            "cpu": self.args.cpu,
+            "state_gb": self.args.state_gb,
+            "env": env,
+        }
         for spec in self.args.selected:
             self.one(spec, cfg, cuda)
             if spec.name == "nccl-ranks":
@@ -212,21 +252,34 @@ class Runner:
             return
         left = self.left()
         if left < MIN_LEFT_S:
-            self.skip(spec, f"the budget is spent ({left:.0f} s of {self.args.budget_s:.0f} s "
-                            "left)")
+            self.skip(
+                spec, f"the budget is spent ({left:.0f} s of {self.args.budget_s:.0f} s left)"
+            )
             return
         timeout = min(self.args.timeouts.get(spec.name, spec.timeout_s), left)
         cfg_path = self.work / f"{spec.name}.cfg.json"
         out_path = self.work / f"{spec.name}.json"
         cfg_path.write_text(json.dumps(cfg))
         log(f"gpu_check: {spec.name} (timeout {timeout:.0f} s)")
-        argv = [sys.executable, str(HERE / spec.script), "--check", spec.name,
-                "--cfg", str(cfg_path), "--out", str(out_path)]
+        argv = [
+            sys.executable,
+            str(HERE / spec.script),
+            "--check",
+            spec.name,
+            "--cfg",
+            str(cfg_path),
+            "--out",
+            str(out_path),
+        ]
         started = time.monotonic()
-        proc = self.child = subprocess.Popen(argv, stdout=subprocess.PIPE,
-                                             stderr=subprocess.STDOUT, text=True,
-                                             env={**self.env, **spec.env},
-                                             start_new_session=True)
+        proc = self.child = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**self.env, **spec.env},
+            start_new_session=True,
+        )
         tail: list[str] = []
         reader = threading.Thread(target=_relay, args=(proc, spec.name, tail), daemon=True)
         reader.start()
@@ -240,17 +293,23 @@ class Runner:
             self.child = None
         reader.join(timeout=10)
         seconds = time.monotonic() - started
-        entry: dict[str, Any] = {"status": status, "seconds": round(seconds, 1),
-                                 "timeout_s": round(timeout, 1), "pid": proc.pid}
+        entry: dict[str, Any] = {
+            "status": status,
+            "seconds": round(seconds, 1),
+            "timeout_s": round(timeout, 1),
+            "pid": proc.pid,
+        }
         with contextlib.suppress(OSError, ValueError):
             entry["result"] = json.loads(out_path.read_text())
         result = entry.get("result") or {}
         if status == "ok" and (proc.returncode != 0 or not result.get("done")):
             status = entry["status"] = "failed"
         if status != "ok":
-            why = (f"timed out after {timeout:.0f} s (killed with its process group)"
-                   if status == "timeout" else
-                   f"exit {proc.returncode}: {result.get('error') or 'no result'}")
+            why = (
+                f"timed out after {timeout:.0f} s (killed with its process group)"
+                if status == "timeout"
+                else f"exit {proc.returncode}: {result.get('error') or 'no result'}"
+            )
             entry["why"] = why
             entry["output_tail"] = tail[-40:]
             self.report["errors"].append(f"{spec.name}: {why}")
@@ -283,22 +342,44 @@ class Runner:
     def markdown(self, table: list[str], skips: list[str], notes: list[str]) -> list[str]:
         rep, env = self.report, self.report.get("env") or {}
         form = rep.get("form", "?")
-        title = (f"# GPU check: {env.get('device', '?')}" if form == "cuda" else
-                 "# GPU check (CPU form: no CUDA device; not the GPU figures)")
-        checks = md_table(["check", "status", "seconds", "timeout"],
-                          [[n, e["status"], str(e.get("seconds", "-")),
-                            str(e.get("timeout_s", "-"))] for n, e in rep["checks"].items()])
-        lines = [title, "",
-                 f"- command: `{rep['command']}` ({rep['seconds']:.0f} s of a "
-                 f"{rep['budget_s']:.0f} s budget)",
-                 f"- commit: {rep.get('commit', '?')}"
-                 + (f" (local changes: {', '.join(rep['local_changes'])})"
-                    if rep.get("local_changes") else ""),
-                 f"- torch {env.get('torch', '?')} (CUDA {env.get('cuda_build') or '-'}, NCCL "
-                 f"{env.get('nccl', '-')}), Python {env.get('python', '?')}, {env.get('cpus')} "
-                 f"CPUs" + (f"; {env.get('device')} ({env.get('memory_bytes', 0) / 2**30:.0f} GiB, "
-                            f"capability {env.get('capability')})" if form == "cuda" else ""),
-                 "", *checks, "", *table, ""]
+        title = (
+            f"# GPU check: {env.get('device', '?')}"
+            if form == "cuda"
+            else "# GPU check (CPU form: no CUDA device; not the GPU figures)"
+        )
+        checks = md_table(
+            ["check", "status", "seconds", "timeout"],
+            [
+                [n, e["status"], str(e.get("seconds", "-")), str(e.get("timeout_s", "-"))]
+                for n, e in rep["checks"].items()
+            ],
+        )
+        lines = [
+            title,
+            "",
+            f"- command: `{rep['command']}` ({rep['seconds']:.0f} s of a "
+            f"{rep['budget_s']:.0f} s budget)",
+            f"- commit: {rep.get('commit', '?')}"
+            + (
+                f" (local changes: {', '.join(rep['local_changes'])})"
+                if rep.get("local_changes")
+                else ""
+            ),
+            f"- torch {env.get('torch', '?')} (CUDA {env.get('cuda_build') or '-'}, NCCL "
+            f"{env.get('nccl', '-')}), Python {env.get('python', '?')}, {env.get('cpus')} "
+            f"CPUs"
+            + (
+                f"; {env.get('device')} ({env.get('memory_bytes', 0) / 2**30:.0f} GiB, "
+                f"capability {env.get('capability')})"
+                if form == "cuda"
+                else ""
+            ),
+            "",
+            *checks,
+            "",
+            *table,
+            "",
+        ]
         if skips:
             lines += ["Skipped:", "", *[f"- {s}" for s in skips], ""]
         if notes:

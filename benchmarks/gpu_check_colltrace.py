@@ -41,17 +41,38 @@ def init_pg(backend: str, rank: int, world: int, store: Path, timeout_s: float) 
     extra: dict[str, Any] = {}
     if backend == "nccl":  # eager: the communicator is made here, its errors raised here
         extra["device_id"] = torch.device("cuda", 0)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s), **extra)
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+        **extra,
+    )
 
 
-def _spawn(role: str, rank: int, world: int, env: dict[str, str] | None = None,
-           **kv: Any) -> subprocess.Popen:
+def _spawn(
+    role: str, rank: int, world: int, env: dict[str, str] | None = None, **kv: Any
+) -> subprocess.Popen:
     """A helper process of this check (same process group: the harness's deadline kills it)."""
-    argv = [sys.executable, __file__, "--role", role, "--rank", str(rank), "--world", str(world),
-            *[x for k, v in kv.items() for x in ("--arg", f"{k}={v}")]]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
+    argv = [
+        sys.executable,
+        __file__,
+        "--role",
+        role,
+        "--rank",
+        str(rank),
+        "--world",
+        str(world),
+        *[x for k, v in kv.items() for x in ("--arg", f"{k}={v}")],
+    ]
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 class Lines:
@@ -84,6 +105,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 # -- nccl-ranks -------------------------------------------------------------------------------
 
+
 def role_nccl_rank(args: Any) -> int:
     import torch
     import torch.distributed as dist
@@ -113,8 +135,9 @@ def check_nccl_ranks(chk: Check) -> None:
     work.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(Exception):
         chk.figure("nccl", ".".join(map(str, torch.cuda.nccl.version())))
-    procs = [_spawn("nccl-rank", r, 2, {"NCCL_DEBUG": "WARN"}, store=work / "store")
-             for r in range(2)]
+    procs = [
+        _spawn("nccl-rank", r, 2, {"NCCL_DEBUG": "WARN"}, store=work / "store") for r in range(2)
+    ]
     readers = [Lines(p, f"nccl rank {r}") for r, p in enumerate(procs)]
     wait_s = float(chk.cfg.get("nccl_wait_s", 45))
     deadline = time.monotonic() + wait_s
@@ -126,26 +149,48 @@ def check_nccl_ranks(chk: Check) -> None:
     _stop(procs)
     texts = [r.text() for r in readers]
     ok = not hung and all(f"NCCLRANK {r} ok 3.0" in t for r, t in enumerate(texts))
-    said = [ln for t in texts for ln in t.splitlines()
-            if "Duplicate GPU" in ln or ln.startswith("NCCLRANK")]
-    reason = next((ln for ln in said if "Duplicate GPU" in ln),
-                  next((ln for ln in said if " error " in ln), ""))
-    outcome = ("allowed" if ok else f"refused: {reason.strip()[:240]}" if reason else
-               f"rank(s) {hung} hung for {wait_s:.0f} s" if hung else "failed: no answer")
+    said = [
+        ln
+        for t in texts
+        for ln in t.splitlines()
+        if "Duplicate GPU" in ln or ln.startswith("NCCLRANK")
+    ]
+    reason = next(
+        (ln for ln in said if "Duplicate GPU" in ln),
+        next((ln for ln in said if " error " in ln), ""),
+    )
+    outcome = (
+        "allowed"
+        if ok
+        else f"refused: {reason.strip()[:240]}"
+        if reason
+        else f"rank(s) {hung} hung for {wait_s:.0f} s"
+        if hung
+        else "failed: no answer"
+    )
     chk.figure("allowed", ok)
     chk.figure("outcome", outcome)
-    chk.row("NCCL with two ranks on one GPU", outcome, "-",
-            "info: decides the hang check's backend (refused: gloo over CUDA tensors)", "info")
+    chk.row(
+        "NCCL with two ranks on one GPU",
+        outcome,
+        "-",
+        "info: decides the hang check's backend (refused: gloo over CUDA tensors)",
+        "info",
+    )
 
 
 # -- colltrace-times --------------------------------------------------------------------------
 
+
 def _fr_entries(doc: dict[str, Any] | None) -> list[dict[str, Any]]:
     if not doc:
         return []
-    return [e for e in doc.get("entries") or []
-            if "all_reduce" in str(e.get("profiling_name")) or
-            "allreduce" in str(e.get("profiling_name"))]
+    return [
+        e
+        for e in doc.get("entries") or []
+        if "all_reduce" in str(e.get("profiling_name"))
+        or "allreduce" in str(e.get("profiling_name"))
+    ]
 
 
 def _nccl_dump() -> dict[str, Any] | None:
@@ -216,60 +261,95 @@ def check_colltrace_times(chk: Check) -> None:
     snaps = read_rings(work / "rings")
     ring_ops = [o for s in snaps if s.rank == 0 for o in s.ops if o.op == "all_reduce"][-n:]
     if len(ring_ops) != n or any(o.t_done is None for o in ring_ops):
-        raise RuntimeError(f"the ring holds {len(ring_ops)} of the {n} all_reduces traced, "
-                           f"{sum(o.t_done is None for o in ring_ops)} without a completion")
+        raise RuntimeError(
+            f"the ring holds {len(ring_ops)} of the {n} all_reduces traced, "
+            f"{sum(o.t_done is None for o in ring_ops)} without a completion"
+        )
     ours_fr = _fr_entries(flight.dump())
     nccl_fr = _fr_entries(_nccl_dump()) if cuda else []
     fr = (ours_fr or nccl_fr)[-n:]
-    ring_vs = [(o.t_done * 1e9 - (r["gpu_done"] if cuda else r["t_return"])) / 1e6
-               for o, r in zip(ring_ops, recs, strict=True)]
+    ring_vs = [
+        (o.t_done * 1e9 - (r["gpu_done"] if cuda else r["t_return"])) / 1e6
+        for o, r in zip(ring_ops, recs, strict=True)
+    ]
     issue_us = [(o.t_issue * 1e9 - r["t_call"]) / 1e3 for o, r in zip(ring_ops, recs, strict=True)]
-    fr_done = [(int(e["time_discovered_completed_ns"]) - (r["gpu_done"] if cuda else
-                                                          r["t_return"])) / 1e6
-               for e, r in zip(fr, recs[-len(fr):], strict=False)
-               if int(e.get("time_discovered_completed_ns") or 0)]
+    fr_done = [
+        (int(e["time_discovered_completed_ns"]) - (r["gpu_done"] if cuda else r["t_return"])) / 1e6
+        for e, r in zip(fr, recs[-len(fr) :], strict=False)
+        if int(e.get("time_discovered_completed_ns") or 0)
+    ]
     fr_dur = [float(e["duration_ms"]) for e in fr if e.get("duration_ms") is not None]
     chk.figure("ops", n)
     chk.figure("ring_minus_gpu_ms" if cuda else "ring_minus_return_ms", ring_vs)
     chk.figure("ring_issue_minus_call_us", issue_us)
     chk.figure("fr_minus_gpu_ms" if cuda else "fr_minus_return_ms", fr_done)
-    chk.figure("flight_recorder", {"bootseer_flight_dump": len(ours_fr),
-                                   "dump_nccl_trace_json": len(nccl_fr),
-                                   "durations_ms": fr_dur,
-                                   "states": sorted({str(e.get("state")) for e in fr})})
+    chk.figure(
+        "flight_recorder",
+        {
+            "bootseer_flight_dump": len(ours_fr),
+            "dump_nccl_trace_json": len(nccl_fr),
+            "durations_ms": fr_dur,
+            "states": sorted({str(e.get("state")) for e in fr}),
+        },
+    )
     parsed = flight.snapshot({"entries": fr}, 0) if fr else None
     chk.figure("flight_snapshot_ops", len(parsed.ops) if parsed else 0)
     dist.destroy_process_group()
     colltrace.disable()
-    fr_text = (f"Flight Recorder - GPU {med(fr_done):+.2f} ms (p90 {p90(fr_done):+.2f})"
-               if fr_done else "Flight Recorder: no completion times")
+    fr_text = (
+        f"Flight Recorder - GPU {med(fr_done):+.2f} ms (p90 {p90(fr_done):+.2f})"
+        if fr_done
+        else "Flight Recorder: no completion times"
+    )
     if cuda:
         ready = [(r["gpu_ready"] - r["t_return"]) / 1e6 for r in recs]
         chk.figure("queued_ahead_ms", ready)
-        chk.row("ring's completion time vs the GPU's (CUDA events), all_reduce 16 MB",
-                f"ring - GPU {med(ring_vs):+.2f} ms (p90 {p90(ring_vs):+.2f})", fr_text,
-                f"the ring's completion not before the GPU's by over 1 ms ({busy} matmuls, "
-                f"{med(ready):.1f} ms, queued ahead of each op)", verdict(med(ring_vs) >= -1.0))
+        chk.row(
+            "ring's completion time vs the GPU's (CUDA events), all_reduce 16 MB",
+            f"ring - GPU {med(ring_vs):+.2f} ms (p90 {p90(ring_vs):+.2f})",
+            fr_text,
+            f"the ring's completion not before the GPU's by over 1 ms ({busy} matmuls, "
+            f"{med(ready):.1f} ms, queued ahead of each op)",
+            verdict(med(ring_vs) >= -1.0),
+        )
         events = [r["event_op_ms"] for r in recs]
-        chk.row("op duration: Flight Recorder (NCCL's events) vs CUDA events around it",
-                f"{med(fr_dur):.3f} ms" if fr_dur else "no duration_ms",
-                f"events {med(events):.3f} ms", "info", "info")
-        chk.row("NCCL's Flight Recorder through bootseer.colltrace.flight.dump()",
-                f"{len(ours_fr)} all_reduce entries",
-                f"torch _dump_nccl_trace_json: {len(nccl_fr)} entries",
-                f"the {n} ops traced (and more: warm-up)", verdict(len(ours_fr) >= n))
+        chk.row(
+            "op duration: Flight Recorder (NCCL's events) vs CUDA events around it",
+            f"{med(fr_dur):.3f} ms" if fr_dur else "no duration_ms",
+            f"events {med(events):.3f} ms",
+            "info",
+            "info",
+        )
+        chk.row(
+            "NCCL's Flight Recorder through bootseer.colltrace.flight.dump()",
+            f"{len(ours_fr)} all_reduce entries",
+            f"torch _dump_nccl_trace_json: {len(nccl_fr)} entries",
+            f"the {n} ops traced (and more: warm-up)",
+            verdict(len(ours_fr) >= n),
+        )
     else:
-        chk.row("ring's completion time vs the call's return (gloo, CPU)",
-                f"ring - return {med(ring_vs) * 1e3:+.1f} us (p90 {p90(ring_vs) * 1e3:+.1f})",
-                fr_text, "info (gloo completes on the calling thread)", "info")
-        chk.row("Flight Recorder through bootseer.colltrace.flight.dump() (gloo)",
-                f"{len(ours_fr)} all_reduce entries", f"{n} traced", f">= {n}",
-                verdict(len(ours_fr) >= n))
-        chk.skip("CUDA event times and NCCL's Flight Recorder need CUDA: the CPU form compared "
-                 "the ring with the call's return on gloo")
+        chk.row(
+            "ring's completion time vs the call's return (gloo, CPU)",
+            f"ring - return {med(ring_vs) * 1e3:+.1f} us (p90 {p90(ring_vs) * 1e3:+.1f})",
+            fr_text,
+            "info (gloo completes on the calling thread)",
+            "info",
+        )
+        chk.row(
+            "Flight Recorder through bootseer.colltrace.flight.dump() (gloo)",
+            f"{len(ours_fr)} all_reduce entries",
+            f"{n} traced",
+            f">= {n}",
+            verdict(len(ours_fr) >= n),
+        )
+        chk.skip(
+            "CUDA event times and NCCL's Flight Recorder need CUDA: the CPU form compared "
+            "the ring with the call's return on gloo"
+        )
 
 
 # -- colltrace-overhead -----------------------------------------------------------------------
+
 
 def check_colltrace_overhead(chk: Check) -> None:
     import torch
@@ -307,8 +387,9 @@ def check_colltrace_overhead(chk: Check) -> None:
     rounds, block = (8, 10) if cuda else (2, 5)
     times: dict[str, list[float]] = {"traced": [], "untraced": [], "control": []}
     for r in range(rounds):
-        order = ["untraced", "traced", "control"] if r % 2 == 0 else \
-            ["control", "traced", "untraced"]
+        order = (
+            ["untraced", "traced", "control"] if r % 2 == 0 else ["control", "traced", "untraced"]
+        )
         for label in order:
             if label == "traced":
                 rec.install()
@@ -320,18 +401,22 @@ def check_colltrace_overhead(chk: Check) -> None:
     dist.destroy_process_group()
     base, on, ctl = med(times["untraced"]), med(times["traced"]), med(times["control"])
     over, control = on / base - 1, ctl / base - 1
-    chk.figure("overhead", {"overhead": over, "control": control,
-                            "cost_us_per_op": (on - base) / 2 * 1e6})
-    chk.row(f"tracer per-step overhead ({'NCCL' if cuda else 'gloo'}, 2 all_reduces a step)",
-            f"{over:+.2%} (step {on * 1e3:.2f} ms)",
-            f"untraced {base * 1e3:.2f} ms; A/A control {control:+.2%}",
-            f"<= {OVERHEAD_TARGET:.0%} ({rounds * block} steps each way, blocks of {block} in "
-            f"turns)", overhead_verdict(over, control, OVERHEAD_TARGET))
+    chk.figure(
+        "overhead", {"overhead": over, "control": control, "cost_us_per_op": (on - base) / 2 * 1e6}
+    )
+    chk.row(
+        f"tracer per-step overhead ({'NCCL' if cuda else 'gloo'}, 2 all_reduces a step)",
+        f"{over:+.2%} (step {on * 1e3:.2f} ms)",
+        f"untraced {base * 1e3:.2f} ms; A/A control {control:+.2%}",
+        f"<= {OVERHEAD_TARGET:.0%} ({rounds * block} steps each way, blocks of {block} in turns)",
+        overhead_verdict(over, control, OVERHEAD_TARGET),
+    )
     if not cuda:
         chk.skip("the tracer on NCCL needs CUDA: the CPU form traced gloo")
 
 
 # -- colltrace-hang ---------------------------------------------------------------------------
+
 
 def role_hang_rank(args: Any) -> int:
     """One rank of the hang: steps of matmuls and one all_reduce in group grp-a; rank
@@ -390,15 +475,29 @@ def check_colltrace_hang(chk: Check) -> None:
     if backend == "nccl" and not cuda:
         backend = "gloo"
     chk.figure("backend", backend)
-    chk.note(f"{HANG_RANKS} ranks on {'one GPU' if cuda else 'CPU'} over {backend}; rank "
-             f"{SKIPPER} skips grp-a's all_reduce at step {HANG_AT}")
+    chk.note(
+        f"{HANG_RANKS} ranks on {'one GPU' if cuda else 'CPU'} over {backend}; rank "
+        f"{SKIPPER} skips grp-a's all_reduce at step {HANG_AT}"
+    )
     work = chk.work_dir(0)[0]
     rings = work / "rings"
     rings.mkdir(mode=0o700, parents=True, exist_ok=True)
     rings.chmod(0o700)  # the tracer takes only a directory of its own (striped_fs.privdir)
-    procs = [_spawn("hang-rank", r, HANG_RANKS, backend=backend, store=work / "store",
-                    rings=rings, at=HANG_AT, skipper=SKIPPER, steps=10**6,
-                    cuda="1" if cuda else "0") for r in range(HANG_RANKS)]
+    procs = [
+        _spawn(
+            "hang-rank",
+            r,
+            HANG_RANKS,
+            backend=backend,
+            store=work / "store",
+            rings=rings,
+            at=HANG_AT,
+            skipper=SKIPPER,
+            steps=10**6,
+            cuda="1" if cuda else "0",
+        )
+        for r in range(HANG_RANKS)
+    ]
     readers = [Lines(p, f"rank {r}") for r, p in enumerate(procs)]
     watch = Watch(rings, poll_s=0.25, log=lambda line: print(f"  [reader] {line}", flush=True))
     seen: list[tuple[float, Any]] = []
@@ -407,20 +506,34 @@ def check_colltrace_hang(chk: Check) -> None:
     try:
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in procs):
-                raise RuntimeError("a rank of the hang job exited: "
-                                   + "; ".join(r.lines[-1] if r.lines else "" for r in readers))
+                raise RuntimeError(
+                    "a rank of the hang job exited: "
+                    + "; ".join(r.lines[-1] if r.lines else "" for r in readers)
+                )
             seen += [(time.time(), f) for f in watch.poll(force=True)]
-            injected = injected or next((float(ln.split(" at ")[1]) for r in readers
-                                         for ln in list(r.lines)
-                                         if ln.startswith("injected ")), None)
+            injected = injected or next(
+                (
+                    float(ln.split(" at ")[1])
+                    for r in readers
+                    for ln in list(r.lines)
+                    if ln.startswith("injected ")
+                ),
+                None,
+            )
             if injected and any(t >= injected and f.ranks for t, f in seen):
                 break
             time.sleep(0.25)
     finally:
         _stop(procs)
         watch.close()
-    where = sorted({ln.split(" on ")[1].split(" tensors")[0] for r in readers
-                    for ln in r.lines if "collectives on " in ln and " tensors" in ln})
+    where = sorted(
+        {
+            ln.split(" on ")[1].split(" tensors")[0]
+            for r in readers
+            for ln in r.lines
+            if "collectives on " in ln and " tensors" in ln
+        }
+    )
     chk.figure("tensors_on", where)
     chk.figure("injected", injected)
     chk.figure("findings", [{"seen": t, **f.to_doc()} for t, f in seen])
@@ -428,29 +541,46 @@ def check_colltrace_hang(chk: Check) -> None:
     first = after[0][1] if after else None
     wrong = [f.line for _, f in seen if f.ranks and SKIPPER not in f.ranks]
     expected_seq = HANG_AT + 1  # one grp-a all_reduce a step, from #1 at step 0
-    named = bool(first and first.ranks == (SKIPPER,) and first.op == "all_reduce"
-                 and first.group == "grp-a" and first.seq == expected_seq)
+    named = bool(
+        first
+        and first.ranks == (SKIPPER,)
+        and first.op == "all_reduce"
+        and first.group == "grp-a"
+        and first.seq == expected_seq
+    )
     chk.figure("named", named)
     chk.figure("wrong", wrong)
     took = after[0][0] - injected if after and injected else None
     chk.figure("seconds_to_verdict", took)
     on = f"{backend} over {', '.join(where) or '?'} tensors"
-    chk.row(f"hang: one of {HANG_RANKS} ranks skips an all_reduce ({on})",
-            f"'{first.line}' after {took:.1f} s" if first and took is not None else
-            "no verdict naming a rank",
-            f"wrong verdicts: {len(wrong)}",
-            f"names rank {SKIPPER}, all_reduce #{expected_seq} in grp-a; none names another",
-            verdict(named and not wrong))
+    chk.row(
+        f"hang: one of {HANG_RANKS} ranks skips an all_reduce ({on})",
+        f"'{first.line}' after {took:.1f} s"
+        if first and took is not None
+        else "no verdict naming a rank",
+        f"wrong verdicts: {len(wrong)}",
+        f"names rank {SKIPPER}, all_reduce #{expected_seq} in grp-a; none names another",
+        verdict(named and not wrong),
+    )
     if cuda and backend != "nccl":
-        chk.note("NCCL takes one rank per GPU (nccl-ranks): this hang ran on gloo over CUDA "
-                 "tensors; on NCCL a rank's all_reduce returns at launch (colltrace-times), so "
-                 "there the waiting ranks sit in their next synchronize, not in the op")
+        chk.note(
+            "NCCL takes one rank per GPU (nccl-ranks): this hang ran on gloo over CUDA "
+            "tensors; on NCCL a rank's all_reduce returns at launch (colltrace-times), so "
+            "there the waiting ranks sit in their next synchronize, not in the op"
+        )
     if not cuda:
         chk.skip("the hang on CUDA tensors needs CUDA: the CPU form ran it on CPU tensors")
 
 
 if __name__ == "__main__":
-    sys.exit(main({"nccl-ranks": check_nccl_ranks, "colltrace-times": check_colltrace_times,
-                   "colltrace-overhead": check_colltrace_overhead,
-                   "colltrace-hang": check_colltrace_hang},
-                  {"nccl-rank": role_nccl_rank, "hang-rank": role_hang_rank}))
+    sys.exit(
+        main(
+            {
+                "nccl-ranks": check_nccl_ranks,
+                "colltrace-times": check_colltrace_times,
+                "colltrace-overhead": check_colltrace_overhead,
+                "colltrace-hang": check_colltrace_hang,
+            },
+            {"nccl-rank": role_nccl_rank, "hang-rank": role_hang_rank},
+        )
+    )

@@ -23,8 +23,11 @@ from _gpu_check_common import Check, MiB, main, verdict
 
 #: where a rank waiting on its GPU sits in compiled code: the CUDA runtime or driver, or
 #: torch's CUDA library
-CUDA_FRAME = re.compile(r"libcuda|libcudart|libtorch_cuda|libc10_cuda|cudaDeviceSynchronize|"
-                        r"cudaStreamSynchronize|cuda[A-Z]\w*Synchronize", re.I)
+CUDA_FRAME = re.compile(
+    r"libcuda|libcudart|libtorch_cuda|libc10_cuda|cudaDeviceSynchronize|"
+    r"cudaStreamSynchronize|cuda[A-Z]\w*Synchronize",
+    re.I,
+)
 
 
 def _device_name(chk: Check) -> str:
@@ -32,6 +35,7 @@ def _device_name(chk: Check) -> str:
 
 
 # -- alignment --------------------------------------------------------------------------------
+
 
 def role_align(args: Any) -> int:
     """The reference step in a process of its own (another rank, on the same device)."""
@@ -49,16 +53,25 @@ def check_alignment(chk: Check) -> None:
     first = reference_step(device=dev)
     took = time.perf_counter() - t
     second = reference_step(device=dev)
-    other = subprocess.run([sys.executable, __file__, "--role", "align", "--arg", f"device={dev}"],
-                           capture_output=True, text=True, timeout=120, check=False)
+    other = subprocess.run(
+        [sys.executable, __file__, "--role", "align", "--arg", f"device={dev}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     line = next((ln for ln in other.stdout.splitlines() if ln.startswith("ALIGN ")), None)
     if line is None:
         raise RuntimeError(f"the reference step in another process failed: {other.stderr[-2000:]}")
     another = tuple(json.loads(line[6:]))
     perturbed = reference_step(perturb=True, device=dev)
     runs = {"run 1": first, "run 2": second, "another process": another, "perturbed": perturbed}
-    report = CheckReport.from_results([RankResult(i, name, 0, out, grad, 0.0, 0)
-                                       for i, (name, (out, grad)) in enumerate(runs.items())])
+    report = CheckReport.from_results(
+        [
+            RankResult(i, name, 0, out, grad, 0.0, 0)
+            for i, (name, (out, grad)) in enumerate(runs.items())
+        ]
+    )
     identical = first == second == another
     caught = report.alignment_suspects == (3,)
     chk.figure("hashes", {k: list(v) for k, v in runs.items()})
@@ -71,17 +84,21 @@ def check_alignment(chk: Check) -> None:
         cpu = reference_step(device="cpu")
         chk.figure("cuda_equals_cpu", cpu == first)
         cpu_note = f"; CPU's bits {'the same' if cpu == first else 'differ (expected)'}"
-    chk.row(f"bitwise alignment on {chk.describe()}",
-            f"2 runs + another process {'identical' if identical else 'DIFFER'} "
-            f"(output {first[0][:12]}){cpu_note}",
-            f"one weight 1 ulp off: {'named (rank 3)' if caught else 'NOT named'} "
-            f"{report.alignment_suspects}",
-            "identical, and the perturbed run the only suspect", verdict(identical and caught))
+    chk.row(
+        f"bitwise alignment on {chk.describe()}",
+        f"2 runs + another process {'identical' if identical else 'DIFFER'} "
+        f"(output {first[0][:12]}){cpu_note}",
+        f"one weight 1 ulp off: {'named (rank 3)' if caught else 'NOT named'} "
+        f"{report.alignment_suspects}",
+        "identical, and the perturbed run the only suspect",
+        verdict(identical and caught),
+    )
     if not chk.cuda:
         chk.skip("the alignment step on CUDA needs CUDA: the CPU form ran it on CPU")
 
 
 # -- health -----------------------------------------------------------------------------------
+
 
 def check_health(chk: Check) -> None:
     from bootseer.robust.health import check_gpu
@@ -104,21 +121,33 @@ def check_health(chk: Check) -> None:
         import torch
 
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        mib = [torch.cuda.get_device_properties(i).total_memory // MiB
-               for i in range(torch.cuda.device_count())]
+        mib = [
+            torch.cuda.get_device_properties(i).total_memory // MiB
+            for i in range(torch.cuda.device_count())
+        ]
         peer = f"torch: {len(names)} x {names[0]}, {mib[0]} MiB"
-        same = (len(names) == len(parsed) and names == smi_names
-                and all(abs(a - b) <= 0.05 * b for a, b in zip(mib, smi_mib, strict=True)))
+        same = (
+            len(names) == len(parsed)
+            and names == smi_names
+            and all(abs(a - b) <= 0.05 * b for a, b in zip(mib, smi_mib, strict=True))
+        )
         chk.figure("torch", {"names": names, "mib": mib})
-    ours = (f"{res.message}: {len(parsed)} x {smi_names[0] if smi_names else '?'}, "
-            f"{smi_mib[0] if smi_mib else '?'} MiB, ECC {ecc[0] if ecc else '?'}; "
-            f"{took:.2f} s")
-    chk.row("health check's nvidia-smi parse", ours, peer,
-            "ok, and the same GPUs, names and memory (within 5%) as torch",
-            verdict(bool(res.ok) and same))
+    ours = (
+        f"{res.message}: {len(parsed)} x {smi_names[0] if smi_names else '?'}, "
+        f"{smi_mib[0] if smi_mib else '?'} MiB, ECC {ecc[0] if ecc else '?'}; "
+        f"{took:.2f} s"
+    )
+    chk.row(
+        "health check's nvidia-smi parse",
+        ours,
+        peer,
+        "ok, and the same GPUs, names and memory (within 5%) as torch",
+        verdict(bool(res.ok) and same),
+    )
 
 
 # -- stack ------------------------------------------------------------------------------------
+
 
 def role_stack_target(args: Any) -> int:
     """A rank inside a CUDA kernel (its thread waits in the synchronize), or in a matmul."""
@@ -158,8 +187,11 @@ def check_stack(chk: Check) -> None:
         chk.skip("py-spy is not installed (carry its wheel: docs/benchmarks.md, GPU check)")
         return
     dev = _device_name(chk)
-    proc = subprocess.Popen([sys.executable, __file__, "--role", "stack-target",
-                             "--arg", f"device={dev}"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--role", "stack-target", "--arg", f"device={dev}"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         ready = proc.stdout.readline()
@@ -181,8 +213,14 @@ def check_stack(chk: Check) -> None:
             thread = next((th for th in stacks.threads if any(loop in f for f in th)), ())
             native = [f for f in thread if is_native_frame(f)]
             hits = [f for f in native if want.search(f)] if want else native
-            tries.append({"seconds": took, "native": native[:12], "hits": hits[:4],
-                          "python": [f for f in thread if not is_native_frame(f)][:6]})
+            tries.append(
+                {
+                    "seconds": took,
+                    "native": native[:12],
+                    "hits": hits[:4],
+                    "python": [f for f in thread if not is_native_frame(f)][:6],
+                }
+            )
             if hits:
                 break
             time.sleep(0.3)
@@ -192,17 +230,25 @@ def check_stack(chk: Check) -> None:
     chk.figure("dumps", tries)
     last = tries[-1]
     hit = (last.get("hits") or [""])[0]
-    chk.row(f"native frame of a rank {'inside a CUDA kernel' if chk.cuda else 'in a matmul'} "
-            "(py-spy --native via dump_ranks)",
-            f"'{hit}'" if hit else f"none ({len(last.get('native') or [])} native frames)",
-            f"Python frames: {' <- '.join(last.get('python') or []) or '-'}",
-            "a frame of the CUDA runtime or driver under the loop" if chk.cuda else
-            "a compiled frame under the loop", verdict(bool(hit)))
+    chk.row(
+        f"native frame of a rank {'inside a CUDA kernel' if chk.cuda else 'in a matmul'} "
+        "(py-spy --native via dump_ranks)",
+        f"'{hit}'" if hit else f"none ({len(last.get('native') or [])} native frames)",
+        f"Python frames: {' <- '.join(last.get('python') or []) or '-'}",
+        "a frame of the CUDA runtime or driver under the loop"
+        if chk.cuda
+        else "a compiled frame under the loop",
+        verdict(bool(hit)),
+    )
     chk.figure("dump_s", last.get("seconds"))
     if not chk.cuda:
         chk.skip("a rank inside a CUDA kernel needs CUDA: the CPU form dumped one in a matmul")
 
 
 if __name__ == "__main__":
-    sys.exit(main({"alignment": check_alignment, "health": check_health, "stack": check_stack},
-                  {"align": role_align, "stack-target": role_stack_target}))
+    sys.exit(
+        main(
+            {"alignment": check_alignment, "health": check_health, "stack": check_stack},
+            {"align": role_align, "stack-target": role_stack_target},
+        )
+    )

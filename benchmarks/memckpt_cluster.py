@@ -38,8 +38,16 @@ PEER_PORT, MASTER_PORT = 7070, 29517
 NODE_LINK, SERVICE_LINK = None, "800mbit"
 
 
-def _job(c: Any, cfg: dict[str, Any], phase: str, spec: dict[str, Any], out: Path,
-         token: str, log: Callable[[str], None], name: str = "") -> dict[str, Any]:
+def _job(
+    c: Any,
+    cfg: dict[str, Any],
+    phase: str,
+    spec: dict[str, Any],
+    out: Path,
+    token: str,
+    log: Callable[[str], None],
+    name: str = "",
+) -> dict[str, Any]:
     """One job on every node under its agent; the ranks' results (``{name}-{r}.json``,
     written by ``memckpt_train.py``; ``name`` defaults to the phase)."""
     from ckpt.memory_peer import TOKEN_ENV
@@ -48,19 +56,52 @@ def _job(c: Any, cfg: dict[str, Any], phase: str, spec: dict[str, Any], out: Pat
     started = time.time()
     procs = []
     for i, n in enumerate(c.nodes):
-        argv = [sys.executable, "-m", "bootseer", "run", "--trace-dir",
-                str(n.dirs.logs / f"trace-{phase}"), "--max-restarts", "0", "--backoff", "0",
-                "--ckpt-memory", "--ckpt-memory-dir", str(n.dirs.disk / "memckpt"),
-                "--ckpt-memory-listen", f"{n.address}:{PEER_PORT}",
-                "--ckpt-durable-every", str(cfg["interval"]), "--",
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(c.nodes)),
-                "--node-rank", str(i), "--nproc-per-node", "1",
-                "--master-addr", c.nodes[0].address, "--master-port", str(MASTER_PORT),
-                "--max-restarts", "0", str(WORKER), json.dumps(full)]
+        argv = [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "run",
+            "--trace-dir",
+            str(n.dirs.logs / f"trace-{phase}"),
+            "--max-restarts",
+            "0",
+            "--backoff",
+            "0",
+            "--ckpt-memory",
+            "--ckpt-memory-dir",
+            str(n.dirs.disk / "memckpt"),
+            "--ckpt-memory-listen",
+            f"{n.address}:{PEER_PORT}",
+            "--ckpt-durable-every",
+            str(cfg["interval"]),
+            "--",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(len(c.nodes)),
+            "--node-rank",
+            str(i),
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            c.nodes[0].address,
+            "--master-port",
+            str(MASTER_PORT),
+            "--max-restarts",
+            "0",
+            str(WORKER),
+            json.dumps(full),
+        ]
         with open(n.dirs.logs / f"{phase}.log", "wb") as f:
-            procs.append(n.popen(argv, env={TOKEN_ENV: token, "PYTHONPATH": str(ROOT),
-                                            "OMP_NUM_THREADS": "1"},
-                                 stdout=f, stderr=subprocess.STDOUT))
+            procs.append(
+                n.popen(
+                    argv,
+                    env={TOKEN_ENV: token, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     codes = [p.wait(1800) for p in procs]
     log(f"  {phase}: agents exited {codes}")
     got: dict[str, Any] = {"codes": codes, "started": started}
@@ -68,8 +109,10 @@ def _job(c: Any, cfg: dict[str, Any], phase: str, spec: dict[str, Any], out: Pat
         path = out / f"{name or phase}-{rank}.json"
         if not path.exists():
             tail = (c.nodes[rank].dirs.logs / f"{phase}.log").read_text(errors="replace")
-            raise RuntimeError(f"cluster {phase}: rank {rank} wrote no results; node "
-                               f"{rank}'s agent log ends:\n{tail[-3000:]}")
+            raise RuntimeError(
+                f"cluster {phase}: rank {rank} wrote no results; node "
+                f"{rank}'s agent log ends:\n{tail[-3000:]}"
+            )
         got[str(rank)] = json.loads(path.read_text())
     return got
 
@@ -83,19 +126,44 @@ def cluster_trials(cfg: dict[str, Any], work: Path, log: Callable[[str], None]) 
     out = work / "cluster-out"
     out.mkdir(parents=True)
     token = secrets.token_hex(32)
-    result: dict[str, Any] = {"link": f"nodes {NODE_LINK or 'unshaped (veth)'}, S3 host "
-                                      f"{SERVICE_LINK}", "disk": disk}
-    with Cluster(2, link=Link(rate=NODE_LINK), service_link=Link(rate=SERVICE_LINK),
-                 services=("s3", "rendezvous"), disk_size=disk, workdir=work) as c:
+    result: dict[str, Any] = {
+        "link": f"nodes {NODE_LINK or 'unshaped (veth)'}, S3 host {SERVICE_LINK}",
+        "disk": disk,
+    }
+    with Cluster(
+        2,
+        link=Link(rate=NODE_LINK),
+        service_link=Link(rate=SERVICE_LINK),
+        services=("s3", "rendezvous"),
+        disk_size=disk,
+        workdir=work,
+    ) as c:
         c.services.create_bucket("memckpt")
-        base = {"storage_options": {"s3": c.services.storage_options()},
-                "durable": "striped::s3://memckpt/run"}
+        base = {
+            "storage_options": {"s3": c.services.storage_options()},
+            "durable": "striped::s3://memckpt/run",
+        }
         kill_at = cfg["steps"] - 1
-        log(f"cluster: 2 nodes, links {result['link']}, disks {disk}; train {cfg['steps']} steps, "
-            f"SIGKILL in step {kill_at}")
-        train = _job(c, cfg, "train", {**base, "mode": "train", "variants": ["memory"],
-                                       "kill_at": kill_at, "rounds": 0},  # no overhead here
-                     out, token, log, "train-memory")
+        log(
+            f"cluster: 2 nodes, links {result['link']}, disks {disk}; train {cfg['steps']} steps, "
+            f"SIGKILL in step {kill_at}"
+        )
+        train = _job(
+            c,
+            cfg,
+            "train",
+            {
+                **base,
+                "mode": "train",
+                "variants": ["memory"],
+                "kill_at": kill_at,
+                "rounds": 0,
+            },  # no overhead here
+            out,
+            token,
+            log,
+            "train-memory",
+        )
         result["train"] = train
         result["prints"] = {str(r): train[str(r)]["prints"] for r in range(2)}
         spec = {**base, "mode": "load", "durable": f"{base['durable']}/memory"}  # train's
@@ -112,8 +180,9 @@ def cluster_trials(cfg: dict[str, Any], work: Path, log: Callable[[str], None]) 
     return result
 
 
-def cluster_rows(res: dict[str, Any], verdict: Callable[[bool], str],
-                 target_peer: float) -> list[list[str]]:
+def cluster_rows(
+    res: dict[str, Any], verdict: Callable[[bool], str], target_peer: float
+) -> list[list[str]]:
     """The table rows of the cluster trials."""
     rows = []
     kill_at = res["kill_at"]
@@ -129,17 +198,28 @@ def cluster_rows(res: dict[str, Any], verdict: Callable[[bool], str],
         sources = ",".join(r["source"].split(":")[0] for r in ranks)
         loads[where] = load_s
         ok = same and exact and (lost == 0 or where == "durable")
-        rows.append([f"cluster: recovery {where} (ranks 0,1 from {sources}): load / agents' "
-                     "start to loaded", f"{load_s:.3f} s / {total:.2f} s",
-                     f"step {step}, {lost} step(s) lost beyond the one in progress"
-                     + ("" if same and exact else " (STATE MISMATCH)"),
-                     "0 steps lost" if where != "durable" else "-", verdict(ok)])
-    rows += push_rows([{**res["train"][str(r)], "kill_at": kill_at} for r in range(2)],
-                      "cluster")
+        rows.append(
+            [
+                f"cluster: recovery {where} (ranks 0,1 from {sources}): load / agents' "
+                "start to loaded",
+                f"{load_s:.3f} s / {total:.2f} s",
+                f"step {step}, {lost} step(s) lost beyond the one in progress"
+                + ("" if same and exact else " (STATE MISMATCH)"),
+                "0 steps lost" if where != "durable" else "-",
+                verdict(ok),
+            ]
+        )
+    rows += push_rows([{**res["train"][str(r)], "kill_at": kill_at} for r in range(2)], "cluster")
     ratio = loads["durable"] / loads["peer"]
-    rows.append(["cluster: durable load / peer load", f"{ratio:.1f}x",
-                 f"durable {loads['durable']:.2f} s, peer {loads['peer']:.3f} s; links: "
-                 f"{res['link']}", f">= {target_peer}x", verdict(ratio >= target_peer)])
+    rows.append(
+        [
+            "cluster: durable load / peer load",
+            f"{ratio:.1f}x",
+            f"durable {loads['durable']:.2f} s, peer {loads['peer']:.3f} s; links: {res['link']}",
+            f">= {target_peer}x",
+            verdict(ratio >= target_peer),
+        ]
+    )
     return rows
 
 
@@ -160,15 +240,24 @@ def push_rows(ranks: list[dict[str, Any]], where: str) -> list[list[str]]:
         lag = statistics.median(p["end"] - p["committed"] for p in done) if done else 0.0
         last = pushes[-1]
         flight = state.get("in_flight")
-        margin = (f"step {last['step']}'s push ended {kill - last['end']:.3f} s before the kill"
-                  if "end" in last else f"step {last['step']}'s push in flight at the kill "
-                  f"(started {kill - last.get('start', kill):.3f} s before it)")
+        margin = (
+            f"step {last['step']}'s push ended {kill - last['end']:.3f} s before the kill"
+            if "end" in last
+            else f"step {last['step']}'s push in flight at the kill "
+            f"(started {kill - last.get('start', kill):.3f} s before it)"
+        )
         step_s = statistics.median(r["step_s"][1:]) if len(r["step_s"]) > 1 else 0.0
-        rows.append([f"{where}: rank {r['rank']}'s peer at the kill (in step {r['kill_at']})",
-                     f"acked step {state.get('acked')}; in flight: "
-                     f"{flight['step'] if flight else 'none'}",
-                     f"{margin}; push median {push_s:.3f} s (commit to acked {lag:.3f} s) on a "
-                     f"step of {step_s:.3f} s; the "
-                     f"training thread waited {r.get('push_wait_s', 0.0):.3f} s in all for "
-                     "pushes", "acked = the step before the kill", "info"])
+        rows.append(
+            [
+                f"{where}: rank {r['rank']}'s peer at the kill (in step {r['kill_at']})",
+                f"acked step {state.get('acked')}; in flight: "
+                f"{flight['step'] if flight else 'none'}",
+                f"{margin}; push median {push_s:.3f} s (commit to acked {lag:.3f} s) on a "
+                f"step of {step_s:.3f} s; the "
+                f"training thread waited {r.get('push_wait_s', 0.0):.3f} s in all for "
+                "pushes",
+                "acked = the step before the kill",
+                "info",
+            ]
+        )
     return rows

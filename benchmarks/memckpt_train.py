@@ -64,11 +64,16 @@ def manager(spec: dict[str, Any], rank: int, world: int, memory: bool) -> Checkp
         config.check_durable = False  # the directory holds this job's copies only
     elif memory:
         node = spec["nodes"][rank]
-        config = MemoryConfig(node["dir"], server=node["server"],
-                              durable_every=spec["interval"],
-                              check_durable=False)  # as bootseer run's own directory
-    return CheckpointManager(spec["durable"], rank=rank, world_size=world,
-                             storage_options=spec["storage_options"], memory=config)
+        config = MemoryConfig(
+            node["dir"], server=node["server"], durable_every=spec["interval"], check_durable=False
+        )  # as bootseer run's own directory
+    return CheckpointManager(
+        spec["durable"],
+        rank=rank,
+        world_size=world,
+        storage_options=spec["storage_options"],
+        memory=config,
+    )
 
 
 def train_all(spec: dict[str, Any], rank: int, world: int) -> None:
@@ -82,10 +87,18 @@ def train_all(spec: dict[str, Any], rank: int, world: int) -> None:
         dist.barrier()
     for variant in spec["variants"]:
         out: dict[str, Any] = {"rank": rank, "phase": f"train-{variant}"}
-        train({**spec, "variant": variant, "durable": f"{spec['durable']}/{variant}",
-               "kill_at": spec["kill_at"] if variant == "memory" else None,
-               "out": str(Path(spec["out_dir"]) / f"train-{variant}-{rank}.json")},
-              rank, world, out)
+        train(
+            {
+                **spec,
+                "variant": variant,
+                "durable": f"{spec['durable']}/{variant}",
+                "kill_at": spec["kill_at"] if variant == "memory" else None,
+                "out": str(Path(spec["out_dir"]) / f"train-{variant}-{rank}.json"),
+            },
+            rank,
+            world,
+            out,
+        )
         Path(spec["out_dir"], f"train-{variant}-{rank}.json").write_text(json.dumps(out))
         dist.barrier()
 
@@ -104,9 +117,12 @@ def train(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> N
         train_step(model, opt, spec, step, rank)
         if step == spec.get("kill_at"):
             if mgr is not None and mgr.memory is not None:  # what the peer held at the kill
-                out.update(killed_at=time.time(), pushes=list(mgr.memory.push_log),
-                           push_state=mgr.memory.push_state(),
-                           push_wait_s=mgr.memory.push_wait_s)
+                out.update(
+                    killed_at=time.time(),
+                    pushes=list(mgr.memory.push_log),
+                    push_state=mgr.memory.push_state(),
+                    push_wait_s=mgr.memory.push_wait_s,
+                )
             path.write_text(json.dumps(out))
             os.kill(os.getpid(), signal.SIGKILL)
         if mgr is not None and (memory or step % spec["interval"] == 0):
@@ -120,8 +136,9 @@ def train(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> N
         mgr.close()
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, spec: dict[str, Any],
-               step: int, rank: int) -> None:
+def train_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, spec: dict[str, Any], step: int, rank: int
+) -> None:
     g = torch.Generator().manual_seed(step * 100 + rank)
     x = torch.randn(spec["batch"], spec["d"], generator=g)
     loss = model(x).square().mean()
@@ -161,7 +178,7 @@ def overhead(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -
     mgr.memory.wait()
     for r in range(spec["rounds"]):
         kinds = ("none", "memory", "sync")
-        for kind in kinds[r % 3:] + kinds[: r % 3]:  # each kind first in turn
+        for kind in kinds[r % 3 :] + kinds[: r % 3]:  # each kind first in turn
             mgr.memory.sync = kind == "sync"  # replication "sync": save waits for the ack
             for _ in range(spec["block"]):
                 step += 1
@@ -174,8 +191,12 @@ def overhead(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -
             dist.barrier()
             floor.append(memcpy_s(state, copies))
     mgr.close()
-    out.update(step_s=times, memcpy_s=floor, last_push=mgr.memory.last_push,
-               state_bytes=sum(t.numel() * t.element_size() for t in _tensors(state)))
+    out.update(
+        step_s=times,
+        memcpy_s=floor,
+        last_push=mgr.memory.last_push,
+        state_bytes=sum(t.numel() * t.element_size() for t in _tensors(state)),
+    )
 
 
 def load(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> None:
@@ -190,9 +211,15 @@ def load(spec: dict[str, Any], rank: int, world: int, out: dict[str, Any]) -> No
     except CheckpointNotFound:
         out.update(step=None)
         return
-    out.update(load_s=time.perf_counter() - t0, loaded_at=time.time(), step=report.step,
-               copy_s=report.seconds, phases=getattr(report, "phases", {}),
-               source=getattr(report, "source", "durable"), print=fingerprint(model))
+    out.update(
+        load_s=time.perf_counter() - t0,
+        loaded_at=time.time(),
+        step=report.step,
+        copy_s=report.seconds,
+        phases=getattr(report, "phases", {}),
+        source=getattr(report, "source", "durable"),
+        print=fingerprint(model),
+    )
     tensors = [t for t in _tensors(state)]
     out["state_bytes"] = sum(t.numel() * t.element_size() for t in tensors)
     copies = [torch.empty_like(t) for t in tensors]

@@ -52,15 +52,23 @@ def main(argv: list[str] | None = None) -> int:
     index = LayerIndex.from_blob(lambda s, e: blob[s:e], len(blob))
     frames = index.frames
     n, entries = len(frames), len(index.entries)
-    print(f"layer: {result.tar_size / 1e6:.0f} MB tar, {n} frames, {entries} members "
-          f"({entries / n:.1f} per frame), converted in {time.perf_counter() - started:.1f} s")
-    comps = [blob[f.c_offset:f.c_end] for f in frames]
+    print(
+        f"layer: {result.tar_size / 1e6:.0f} MB tar, {n} frames, {entries} members "
+        f"({entries / n:.1f} per frame), converted in {time.perf_counter() - started:.1f} s"
+    )
+    comps = [blob[f.c_offset : f.c_end] for f in frames]
     dctx = zstandard.ZstdDecompressor()
-    old = best(lambda: [dctx.decompress(c, max_output_size=f.u_size)
-                        for c, f in zip(comps, frames, strict=True)], args.rounds)
+    old = best(
+        lambda: [
+            dctx.decompress(c, max_output_size=f.u_size) for c, f in zip(comps, frames, strict=True)
+        ],
+        args.rounds,
+    )
     walk = best(lambda: [zstd_frame(c) for c in comps], args.rounds)
-    new = best(lambda: [decompress_bounded(c, f.u_size)
-                        for c, f in zip(comps, frames, strict=True)], args.rounds)
+    new = best(
+        lambda: [decompress_bounded(c, f.u_size) for c, f in zip(comps, frames, strict=True)],
+        args.rounds,
+    )
     raws = [decompress_bounded(c, f.u_size) for c, f in zip(comps, frames, strict=True)]
 
     def verify_all() -> None:
@@ -76,12 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         members._quick_match = quick
     ms = 1e3 / n
-    print(f"decompress per frame: before {old * ms:.3f} ms, now {new * ms:.3f} ms "
-          f"(of which the frame walk {walk * ms:.4f} ms)")
-    print(f"TOC-vs-tar check per frame: {check * ms:.3f} ms ({check / old:.1%} of decompression;"
-          f" {check / entries * 1e6:.1f} us per member)")
-    print(f"the same through tarfile only: {slow * ms:.3f} ms per frame "
-          f"({slow / entries * 1e6:.1f} us per member)")
+    print(
+        f"decompress per frame: before {old * ms:.3f} ms, now {new * ms:.3f} ms "
+        f"(of which the frame walk {walk * ms:.4f} ms)"
+    )
+    print(
+        f"TOC-vs-tar check per frame: {check * ms:.3f} ms ({check / old:.1%} of decompression;"
+        f" {check / entries * 1e6:.1f} us per member)"
+    )
+    print(
+        f"the same through tarfile only: {slow * ms:.3f} ms per frame "
+        f"({slow / entries * 1e6:.1f} us per member)"
+    )
     return 0
 
 

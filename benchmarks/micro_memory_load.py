@@ -61,10 +61,10 @@ def main() -> None:
 
     def memcpy() -> None:
         for i, view in enumerate(views):
-            view[:] = src[i * quarter:(i + 1) * quarter]
+            view[:] = src[i * quarter : (i + 1) * quarter]
 
     def hash_blocks(lo: int = 0, hi: int = n) -> list[int]:
-        return [block_hash(src[b:min(b + BLOCK, hi)]) for b in range(lo, hi, BLOCK)]
+        return [block_hash(src[b : min(b + BLOCK, hi)]) for b in range(lo, hi, BLOCK)]
 
     pool = ThreadPoolExecutor(2)
     half = n // 2 // BLOCK * BLOCK
@@ -77,12 +77,15 @@ def main() -> None:
         hash_blocks()
         copying.result()
 
-    figures = {"memcpy": timed(memcpy, args.rounds),
-               "checked load (_copy_checked)": timed(
-                   lambda: _copy_checked(src, pieces, sums, "bench", 0), args.rounds),
-               "XXH3-64 of every block, 1 thread": timed(hash_blocks, args.rounds),
-               "XXH3-64 of every block, 2 threads": timed(hash_two_threads, args.rounds),
-               "memcpy in a thread beside the hash": timed(copy_beside_hash, args.rounds)}
+    figures = {
+        "memcpy": timed(memcpy, args.rounds),
+        "checked load (_copy_checked)": timed(
+            lambda: _copy_checked(src, pieces, sums, "bench", 0), args.rounds
+        ),
+        "XXH3-64 of every block, 1 thread": timed(hash_blocks, args.rounds),
+        "XXH3-64 of every block, 2 threads": timed(hash_two_threads, args.rounds),
+        "memcpy in a thread beside the hash": timed(copy_beside_hash, args.rounds),
+    }
     shm = tempfile.mkdtemp(prefix="micro-memload-", dir="/dev/shm")
     try:
         tier = MemoryTier(MemoryConfig(shm), rank=0, world_size=1)
@@ -92,11 +95,14 @@ def main() -> None:
         slots = [SlotFile(f"{shm}/rank-0.{k}") for k in (0, 1)]
         head, slot = newest(slots)[0]
         figures["load_slot, hashed (no stamp)"] = timed(
-            lambda: load_slot(slot, head, state, use_stamp=True), args.rounds)
+            lambda: load_slot(slot, head, state, use_stamp=True), args.rounds
+        )
         figures["agent's check of the copy (off the trainer's path)"] = timed(
-            lambda: verify_copies(shm), args.rounds)
+            lambda: verify_copies(shm), args.rounds
+        )
         figures["load_slot, stamped good by the agent"] = timed(
-            lambda: load_slot(slot, head, state, use_stamp=True), args.rounds)
+            lambda: load_slot(slot, head, state, use_stamp=True), args.rounds
+        )
         assert load_slot(slot, head, state, use_stamp=True).verified == "agent"
         for s in slots:
             s.close()
@@ -106,8 +112,10 @@ def main() -> None:
     unit = figures["memcpy"][0]
     print(f"state {n / 2**20:.0f} MiB in 4 tensors, {args.rounds} rounds")
     for name, (best, median) in figures.items():
-        print(f"{name}: best {best * 1e3:.1f} ms, median {median * 1e3:.1f} ms "
-              f"({best / unit:.2f}x a memcpy)")
+        print(
+            f"{name}: best {best * 1e3:.1f} ms, median {median * 1e3:.1f} ms "
+            f"({best / unit:.2f}x a memcpy)"
+        )
 
 
 if __name__ == "__main__":

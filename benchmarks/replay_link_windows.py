@@ -50,24 +50,30 @@ def groups_state(docs: dict[str, dict[str, Any]], an: Any) -> dict[str, dict[str
     for view in group_views(snaps).values():
         complete = _complete(view)
         row: dict[str, Any] = {
-            "complete": len(complete), "last_complete": complete[-1] if complete else None,
-            "newest": {str(r): max(ops) for r, ops in view.ops.items()}}
+            "complete": len(complete),
+            "last_complete": complete[-1] if complete else None,
+            "newest": {str(r): max(ops) for r, ops in view.ops.items()},
+        }
         if len(complete) >= an.warmup_ops + an.baseline_ops:
             starts = {s: max(view.ops[r][s].t_issue for r in view.ops) for s in complete}
             nbytes = {s: max(view.ops[r][s].nbytes for r in view.ops) for s in complete}
             base = an._baseline.get(view.name) or _rate(
-                complete[an.warmup_ops:an.warmup_ops + an.baseline_ops], starts, nbytes)
-            interval, tput = _rate(complete[-an.window_ops:], starts, nbytes)
-            row.update(interval_ratio=round(interval / base[0], 2) if base[0] else None,
-                       tput_ratio=round(tput / base[1], 2) if base[1] else None,
-                       baseline_from=complete[an.warmup_ops],
-                       recent_from=complete[-an.window_ops])
+                complete[an.warmup_ops : an.warmup_ops + an.baseline_ops], starts, nbytes
+            )
+            interval, tput = _rate(complete[-an.window_ops :], starts, nbytes)
+            row.update(
+                interval_ratio=round(interval / base[0], 2) if base[0] else None,
+                tput_ratio=round(tput / base[1], 2) if base[1] else None,
+                baseline_from=complete[an.warmup_ops],
+                recent_from=complete[-an.window_ops],
+            )
         out[view.display] = row
     return out
 
 
-def replay(rows: list[dict[str, Any]], injected: float, *, every: float = 2.0,
-           end_s: float = 120.0) -> dict[str, Any]:
+def replay(
+    rows: list[dict[str, Any]], injected: float, *, every: float = 2.0, end_s: float = 120.0
+) -> dict[str, Any]:
     """Both ways over the kept windows: per look the state and the findings; first
     suspicion after the fault (the controller's rule, :func:`~bootseer.robust.controller.
     link_suspects`), per way."""
@@ -83,10 +89,13 @@ def replay(rows: list[dict[str, Any]], injected: float, *, every: float = 2.0,
         if len(docs) >= 2:
             fresh, _ = analyze_windows(docs, now=t)
             kept_found, _ = analyze_windows(docs, now=t, analyzer=kept)
-            look = {"t": round(t - injected, 1),
-                    "shipped_ago": {n: round(t - d["time"], 1) for n, d in docs.items()},
-                    "groups": groups_state(docs, Analyzer()),
-                    "fresh": [f.line for f in fresh], "kept": [f.line for f in kept_found]}
+            look = {
+                "t": round(t - injected, 1),
+                "shipped_ago": {n: round(t - d["time"], 1) for n, d in docs.items()},
+                "groups": groups_state(docs, Analyzer()),
+                "fresh": [f.line for f in fresh],
+                "kept": [f.line for f in kept_found],
+            }
             looks.append(look)
             for way, found in (("fresh", fresh), ("kept", kept_found)):
                 if first[way] is None and t >= injected and link_suspects(found)[0]:
@@ -108,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trial {i}: no windows kept")
             continue
         got = replay(load(Path(path)), trial["injected"], every=args.every)
-        print(f"trial {i}: the controller suspected at {trial['suspected_s']} s; replayed: "
-              f"fresh analysis per look {got['first_suspicion_s']['fresh']} s, kept across "
-              f"looks {got['first_suspicion_s']['kept']} s")
+        print(
+            f"trial {i}: the controller suspected at {trial['suspected_s']} s; replayed: "
+            f"fresh analysis per look {got['first_suspicion_s']['fresh']} s, kept across "
+            f"looks {got['first_suspicion_s']['kept']} s"
+        )
         for look in got["looks"] if args.looks else []:
             print(f"  {look['t']:+6.1f} s shipped_ago={look['shipped_ago']}")
             for g, st in look["groups"].items():
@@ -120,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"      {way}: {line}")
         ago = [max(look["shipped_ago"].values()) for look in got["looks"]]
         if ago:
-            print(f"  oldest window at a look: median {statistics.median(ago):.1f} s, "
-                  f"max {max(ago):.1f} s")
+            print(
+                f"  oldest window at a look: median {statistics.median(ago):.1f} s, "
+                f"max {max(ago):.1f} s"
+            )
     return 0
 
 

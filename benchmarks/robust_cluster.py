@@ -59,17 +59,34 @@ class SoakJob:
     """The job on ``cluster`` (started, with the "s3" and "rendezvous" services): ``start()``,
     then ``tend()`` now and then (restarts what exited), ``close()``."""
 
-    def __init__(self, cluster: Cluster, out: Path, mode: str, *, nproc: int = 2,
-                 hang_timeout_s: float = 10.0, pg_timeout_s: float = 60.0,
-                 peer_restarts: int = 1000, step_time_s: float = 0.3, save_every: int = 20,
-                 dump_wait_s: float = 10.0, launch: str = "fork", memory: bool = True,
-                 preload: bool = True, spares: int = 0, log: Any = print) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        out: Path,
+        mode: str,
+        *,
+        nproc: int = 2,
+        hang_timeout_s: float = 10.0,
+        pg_timeout_s: float = 60.0,
+        peer_restarts: int = 1000,
+        step_time_s: float = 0.3,
+        save_every: int = 20,
+        dump_wait_s: float = 10.0,
+        launch: str = "fork",
+        memory: bool = True,
+        preload: bool = True,
+        spares: int = 0,
+        log: Any = print,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: choose one of {MODES}")
         self.c, self.out, self.mode, self.nproc = cluster, out, mode, nproc
         self.hang_timeout_s, self.pg_timeout_s = hang_timeout_s, pg_timeout_s
-        self.peer_restarts, self.step_time_s, self.save_every = peer_restarts, step_time_s, \
-            save_every
+        self.peer_restarts, self.step_time_s, self.save_every = (
+            peer_restarts,
+            step_time_s,
+            save_every,
+        )
         self.dump_wait_s = dump_wait_s
         if launch not in LAUNCHES:
             raise ValueError(f"launch {launch!r}: choose one of {tuple(LAUNCHES)}")
@@ -110,8 +127,7 @@ class SoakJob:
             host = json.loads((self.out / f"pid-{rank}").read_text())["host"]
         except (OSError, ValueError, KeyError):
             return rank // self.nproc
-        return next((i for i, n in enumerate(self.c.nodes) if n.name == host),
-                    rank // self.nproc)
+        return next((i for i, n in enumerate(self.c.nodes) if n.name == host), rank // self.nproc)
 
     # -- starting ----------------------------------------------------------------------------
 
@@ -124,24 +140,50 @@ class SoakJob:
             self.launch(i)
 
     def _start_controller(self) -> None:
-        argv = [sys.executable, "-m", "bootseer", "controller", "--store",
-                f"127.0.0.1:{STORE_PORT}", "--trace-dir", str(self.out / "ctl"),
-                "--exclusion", str(self.out / "excluded.json"),
-                "--dump-wait", str(self.dump_wait_s)]
+        argv = [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "controller",
+            "--store",
+            f"127.0.0.1:{STORE_PORT}",
+            "--trace-dir",
+            str(self.out / "ctl"),
+            "--exclusion",
+            str(self.out / "excluded.json"),
+            "--dump-wait",
+            str(self.dump_wait_s),
+        ]
         with open(self.out / "logs" / "controller.err", "ab") as err:
             self.controller = self.c.services.popen(argv, stdout=subprocess.PIPE, stderr=err)
         wait_for_line(self.controller, "READY", "the controller", 120)
-        reader = threading.Thread(target=_stamp_lines, daemon=True, args=(
-            self.controller.stdout, self.out / "logs" / "controller.log"))
+        reader = threading.Thread(
+            target=_stamp_lines,
+            daemon=True,
+            args=(self.controller.stdout, self.out / "logs" / "controller.log"),
+        )
         reader.start()
         self._readers.append(reader)
 
     def _job_argv(self, node: Node) -> list[str]:
         opts = json.dumps({"s3": self.c.services.storage_options()})
-        argv = [str(JOB), "--out", str(self.out), "--ckpt", self.ckpt, "--storage-options", opts,
-                "--local-dir", str(node.dirs.work / "job"), "--step-time", str(self.step_time_s),
-                "--save-every", "1" if self.memory else str(self.save_every),
-                "--pg-timeout", str(self.pg_timeout_s)]
+        argv = [
+            str(JOB),
+            "--out",
+            str(self.out),
+            "--ckpt",
+            self.ckpt,
+            "--storage-options",
+            opts,
+            "--local-dir",
+            str(node.dirs.work / "job"),
+            "--step-time",
+            str(self.step_time_s),
+            "--save-every",
+            "1" if self.memory else str(self.save_every),
+            "--pg-timeout",
+            str(self.pg_timeout_s),
+        ]
         return [*argv, "--nan-guard"] if self.mode == "peer" else argv
 
     def launch(self, i: int) -> None:
@@ -151,27 +193,62 @@ class SoakJob:
         nodes = self.job_nodes
         spare = ["--standby"] if i in self.spare_ids else []
         if self.mode == "peer":
-            argv = node.torchrun(self._job_argv(node), nnodes=f"{nodes}:{nodes}",
-                                 nproc_per_node=self.nproc, rdzv_id="peer",
-                                 max_restarts=self.peer_restarts, launch=self.launch_args)
+            argv = node.torchrun(
+                self._job_argv(node),
+                nnodes=f"{nodes}:{nodes}",
+                nproc_per_node=self.nproc,
+                rdzv_id="peer",
+                max_restarts=self.peer_restarts,
+                launch=self.launch_args,
+            )
         else:
             # no --rdzv-id: bootseer run hands torchrun a fresh one per verdict (PET_RDZV_ID)
-            run = node.torchrun(self._job_argv(node), nnodes=f"{nodes}:{nodes}",
-                                nproc_per_node=self.nproc, rdzv_id=None, max_restarts=0,
-                                launch=self.launch_args)
-            argv = [sys.executable, "-m", "bootseer", "run", "--controller",
-                    f"{self.c.services.controller}:{STORE_PORT}", "--node", name,
-                    "--hang-timeout", str(self.hang_timeout_s),
-                    "--state-dir", str(self.out / f"state-{name}"),
-                    "--trace-dir", str(self.out / "trace"), "--min-free-disk", "0",
-                    "--min-free-memory", "0", "--max-restarts", "1000",
-                    "--max-no-progress", "0", "--backoff", "1", "--backoff-max", "4",
-                    *spare, *self._memory_flags(node), *(["--preload", self.preload] if self.preload
-                                                 else []), "--", *run]
+            run = node.torchrun(
+                self._job_argv(node),
+                nnodes=f"{nodes}:{nodes}",
+                nproc_per_node=self.nproc,
+                rdzv_id=None,
+                max_restarts=0,
+                launch=self.launch_args,
+            )
+            argv = [
+                sys.executable,
+                "-m",
+                "bootseer",
+                "run",
+                "--controller",
+                f"{self.c.services.controller}:{STORE_PORT}",
+                "--node",
+                name,
+                "--hang-timeout",
+                str(self.hang_timeout_s),
+                "--state-dir",
+                str(self.out / f"state-{name}"),
+                "--trace-dir",
+                str(self.out / "trace"),
+                "--min-free-disk",
+                "0",
+                "--min-free-memory",
+                "0",
+                "--max-restarts",
+                "1000",
+                "--max-no-progress",
+                "0",
+                "--backoff",
+                "1",
+                "--backoff-max",
+                "4",
+                *spare,
+                *self._memory_flags(node),
+                *(["--preload", self.preload] if self.preload else []),
+                "--",
+                *run,
+            ]
         env = {TOKEN_ENV: self.token} if self.memory else None
         proc = node.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        reader = threading.Thread(target=_stamp_lines, daemon=True,
-                                  args=(proc.stdout, self.out / "logs" / f"{name}.log"))
+        reader = threading.Thread(
+            target=_stamp_lines, daemon=True, args=(proc.stdout, self.out / "logs" / f"{name}.log")
+        )
         reader.start()
         self._readers.append(reader)
         self.launchers[i], self.agent_names[i] = proc, name
@@ -181,9 +258,15 @@ class SoakJob:
             return []
         # the copies in the node's own directory (off its disk, removed with the node): a
         # node killed by a fault or the teardown leaves nothing in the host's /dev/shm
-        return ["--ckpt-memory", "--ckpt-memory-dir", str(node.dirs.run / "memckpt"),
-                "--ckpt-memory-listen", f"{node.address}:{MEMORY_PORT}",
-                "--ckpt-durable-every", str(self.save_every)]
+        return [
+            "--ckpt-memory",
+            "--ckpt-memory-dir",
+            str(node.dirs.run / "memckpt"),
+            "--ckpt-memory-listen",
+            f"{node.address}:{MEMORY_PORT}",
+            "--ckpt-durable-every",
+            str(self.save_every),
+        ]
 
     # -- the operator ------------------------------------------------------------------------
 
@@ -216,8 +299,9 @@ class SoakJob:
             else:
                 why = f"its launcher exited ({proc.returncode})"
             self.launch(i)
-            self.relaunches.append({"time": time.time(), "node": name, "why": why,
-                                    "as": self.agent_names[i]})
+            self.relaunches.append(
+                {"time": time.time(), "node": name, "why": why, "as": self.agent_names[i]}
+            )
             done.append(f"{name} {why}: started {self.agent_names[i]}")
             self.log(f"operator: {done[-1]}")
         return done

@@ -24,8 +24,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-CLASSES = ("sigkill", "exception", "collective_hang", "dataloader_hang", "nan", "slow",
-           "node_lost", "disk_full", "store_down")
+CLASSES = (
+    "sigkill",
+    "exception",
+    "collective_hang",
+    "dataloader_hang",
+    "nan",
+    "slow",
+    "node_lost",
+    "disk_full",
+    "store_down",
+)
 JOB_SIDE = ("exception", "collective_hang", "dataloader_hang", "nan", "slow")
 NODE_SIDE = ("node_lost", "disk_full")
 STORE_DOWN_S = 30.0
@@ -46,13 +55,22 @@ class Fault:
     injected: dict[str, Any] = field(default_factory=dict)  # filled when injected
 
     def describe(self) -> str:
-        where = f"rank {self.rank}" if self.rank is not None else (
-            f"node{self.node}" if self.node is not None else "every node")
+        where = (
+            f"rank {self.rank}"
+            if self.rank is not None
+            else (f"node{self.node}" if self.node is not None else "every node")
+        )
         return f"{self.id} {self.kind:<16} at +{self.at_s:6.1f} s on {where}"
 
 
-def schedule(seed: int, minutes: float, interval_s: float, nodes: int, nproc: int,
-             classes: tuple[str, ...] = CLASSES) -> list[Fault]:
+def schedule(
+    seed: int,
+    minutes: float,
+    interval_s: float,
+    nodes: int,
+    nproc: int,
+    classes: tuple[str, ...] = CLASSES,
+) -> list[Fault]:
     """Faults at random offsets (``interval_s`` x uniform(0.5, 1.5) apart, the first after one
     interval's half) on random ranks or nodes, over ``minutes``; the classes come in a seeded
     shuffled order, each once before any repeats."""
@@ -106,8 +124,13 @@ class Injector:
             os.kill(rec["pid"], signal.SIGKILL)
             info.update(pid=rec["pid"], host=rec["host"], rank=fault.rank)
         elif fault.kind in JOB_SIDE:
-            spec = {"id": fault.id, "kind": fault.kind, "rank": fault.rank,
-                    "seconds": SLOW_S, "slow_s": SLOW_EXTRA_S}
+            spec = {
+                "id": fault.id,
+                "kind": fault.kind,
+                "rank": fault.rank,
+                "seconds": SLOW_S,
+                "slow_s": SLOW_EXTRA_S,
+            }
             tmp = job.out / "faults" / f".{fault.id}.tmp"
             tmp.write_text(json.dumps(spec))
             os.replace(tmp, job.out / "faults" / f"{fault.id}.json")
@@ -116,8 +139,9 @@ class Injector:
             # the node running job node k's first rank now (a spare may have taken its place)
             index = job.node_of_rank(fault.node * job.nproc) if job.spares else fault.node
             node = job.c.nodes[index]
-            info.update(host=node.name, agent=job.agent_names[index],
-                        ranks=ranks_on(job.out, node.name))
+            info.update(
+                host=node.name, agent=job.agent_names[index], ranks=ranks_on(job.out, node.name)
+            )
             if fault.kind == "node_lost":
                 job.lose_node(index)
             else:

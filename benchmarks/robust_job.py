@@ -73,8 +73,14 @@ def claim(out: Path, rank: int, kinds: tuple[str, ...], step: int) -> dict[str, 
             fd = os.open(faults / f"{fault['id']}.taken", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         except FileExistsError:
             continue
-        taken = {"time": time.time(), "step": step, "rank": rank, "pid": os.getpid(),
-                 "host": socket.gethostname(), "attempt": os.environ.get("BOOTSEER_ATTEMPT")}
+        taken = {
+            "time": time.time(),
+            "step": step,
+            "rank": rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "attempt": os.environ.get("BOOTSEER_ATTEMPT"),
+        }
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(taken))
         return fault
@@ -130,26 +136,43 @@ def train(args: argparse.Namespace) -> None:
     out = Path(args.out)
     local = Path(args.local_dir)
     local.mkdir(parents=True, exist_ok=True)
-    (out / f"pid-{rank}").write_text(json.dumps({"pid": os.getpid(),
-                                                 "host": socket.gethostname()}))
+    (out / f"pid-{rank}").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     say = print if int(os.environ.get("LOCAL_RANK", "0")) == 0 else (lambda *_a, **_k: None)
     say(f"job: rank {rank} (pid {os.getpid()}, attempt {attempt}) started", flush=True)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
     say(f"job: rank {rank}: process group ready", flush=True)
     model, opt = build()
-    mgr = CheckpointManager(args.ckpt, rank=rank, world_size=world, keep=2,
-                            storage_options=json.loads(args.storage_options),
-                            commit_timeout_s=60)
+    mgr = CheckpointManager(
+        args.ckpt,
+        rank=rank,
+        world_size=world,
+        keep=2,
+        storage_options=json.loads(args.storage_options),
+        commit_timeout_s=60,
+    )
     start = 0
     if mgr.latest() is not None:
         state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": -1}
         start = mgr.load(state) + 1
         opt.load_state_dict(state["optim"])
     say(f"job: rank {rank}: resumes at step {start}", flush=True)
-    append(out / "starts.jsonl", {"rank": rank, "pid": os.getpid(), "time": time.time(),
-                                  "resume": start, "attempt": attempt})
-    loader = DataLoader(Batches(rank, out), batch_size=None, num_workers=1, prefetch_factor=1,
-                        sampler=range(start, args.steps))
+    append(
+        out / "starts.jsonl",
+        {
+            "rank": rank,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "resume": start,
+            "attempt": attempt,
+        },
+    )
+    loader = DataLoader(
+        Batches(rank, out),
+        batch_size=None,
+        num_workers=1,
+        prefetch_factor=1,
+        sampler=range(start, args.steps),
+    )
     slow_until, slow_s = 0.0, 0.0
     steps_log = out / f"steps-{rank}.jsonl"
     for step, x, y in loader:
@@ -165,11 +188,13 @@ def train(args: argparse.Namespace) -> None:
         grads = [p.grad for p in model.parameters()]
         if kind == "nan":
             grads[0].fill_(float("nan"))
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
-                                                           for g in grads])))
+        norm = float(
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        )
         if args.nan_guard and not (math.isfinite(norm) and math.isfinite(float(loss.detach()))):
-            raise FloatingPointError(f"non-finite gradient norm {norm} on rank {rank} at "
-                                     f"step {step}")
+            raise FloatingPointError(
+                f"non-finite gradient norm {norm} on rank {rank} at step {step}"
+            )
         if kind == "collective_hang":
             hang_before_all_reduce()
         for g in grads:
@@ -182,11 +207,18 @@ def train(args: argparse.Namespace) -> None:
         if step == start:
             bootseer.ready()
         bootseer.heartbeat(step, loss=float(loss.detach()), grad_norm=norm)
-        append(steps_log, {"step": step, "time": time.time(), "loss": float(loss.detach()),
-                           "pid": os.getpid(), "attempt": attempt})
+        append(
+            steps_log,
+            {
+                "step": step,
+                "time": time.time(),
+                "loss": float(loss.detach()),
+                "pid": os.getpid(),
+                "attempt": attempt,
+            },
+        )
         if (step + 1) % args.save_every == 0:
-            mgr.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
-                            "step": step})
+            mgr.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
         time.sleep(args.step_time + (slow_s if time.time() < slow_until else 0.0))
     bootseer.finishing()  # the final flush and teardown are not a hang
     mgr.close()

@@ -38,11 +38,15 @@ from robust_cluster import read_records
 from robust_faults import JOB_SIDE, NODE_SIDE, Fault, taken
 
 DETECTING = ("crash", "hang", "nonfinite", "health", "fail_slow")
-PEER_NOTICE = re.compile(r"failed \(exitcode|Worker group (?:FAILED|UNHEALTHY)|will restart "
-                         r"worker group|Rendezvous'ing worker group|RendezvousClosedError|"
-                         r"Closing signal|closing signal")
-PEER_FAILED = re.compile(r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<local>\d+) "
-                         r"\(pid: (?P<pid>\d+)\)")
+PEER_NOTICE = re.compile(
+    r"failed \(exitcode|Worker group (?:FAILED|UNHEALTHY)|will restart "
+    r"worker group|Rendezvous'ing worker group|RendezvousClosedError|"
+    r"Closing signal|closing signal"
+)
+PEER_FAILED = re.compile(
+    r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<local>\d+) "
+    r"\(pid: (?P<pid>\d+)\)"
+)
 CRASHES = ("sigkill", "exception")
 HANGS = ("collective_hang", "dataloader_hang")
 
@@ -90,29 +94,48 @@ def fired_at(out: Path, fault: Fault) -> tuple[float | None, int | None]:
     return fault.injected.get("time"), None
 
 
-def measure_fault(out: Path, mode: str, fault: Fault, end: float, hang_timeout_s: float,
-                  lines: list[tuple[float, str, str]], events: list[dict[str, Any]],
-                  verdicts: list[dict[str, Any]], log0: list[dict[str, Any]],
-                  pids: dict[int, int]) -> dict[str, Any]:
+def measure_fault(
+    out: Path,
+    mode: str,
+    fault: Fault,
+    end: float,
+    hang_timeout_s: float,
+    lines: list[tuple[float, str, str]],
+    events: list[dict[str, Any]],
+    verdicts: list[dict[str, Any]],
+    log0: list[dict[str, Any]],
+    pids: dict[int, int],
+) -> dict[str, Any]:
     t0, step = fired_at(out, fault)
-    row: dict[str, Any] = {"id": fault.id, "class": fault.kind, "rank": fault.rank,
-                           "node": fault.injected.get("host"), "fired": t0, "fired_step": step}
+    row: dict[str, Any] = {
+        "id": fault.id,
+        "class": fault.kind,
+        "rank": fault.rank,
+        "node": fault.injected.get("host"),
+        "fired": t0,
+        "fired_step": step,
+    }
     if t0 is None:
         row["note"] = "never claimed (the rank did not step before the window closed)"
         return row
     host = fault.injected.get("host") or (taken(out, fault) or {}).get("host")
     row["node"] = host
-    target_ranks = {fault.rank} if fault.rank is not None else set(
-        fault.injected.get("ranks") or [])
+    target_ranks = (
+        {fault.rank} if fault.rank is not None else set(fault.injected.get("ranks") or [])
+    )
     detected = None
     if mode == "bootseer":
         mine = [e for e in events if t0 - 1.0 <= (e.get("time") or 0) < end]
         if mine:
             first = mine[0]
             detected = first["time"]
-            row["event"] = {"kind": first["kind"], "class": first.get("class"),
-                            "rank": first.get("rank"), "node": first.get("node"),
-                            "step": first.get("step")}
+            row["event"] = {
+                "kind": first["kind"],
+                "class": first.get("class"),
+                "rank": first.get("rank"),
+                "node": first.get("node"),
+                "step": first.get("step"),
+            }
             if fault.kind == "nan":
                 nan = [e for e in mine if e["kind"] == "nonfinite"]
                 row["nan_step"] = nan[0].get("step") if nan else None
@@ -123,9 +146,13 @@ def measure_fault(out: Path, mode: str, fault: Fault, end: float, hang_timeout_s
             hosts = {_host(n) for n in v.get("nodes", [])}
             if fault.kind == "node_lost":
                 hosts |= {_host(n) for n in ev.get("missing_dumps", [])}
-            row["verdict"] = {"action": v.get("action"), "class": v.get("class"),
-                              "nodes": v.get("nodes"), "ranks": v.get("ranks"),
-                              "time": v.get("time")}
+            row["verdict"] = {
+                "action": v.get("action"),
+                "class": v.get("class"),
+                "nodes": v.get("nodes"),
+                "ranks": v.get("ranks"),
+                "time": v.get("time"),
+            }
             row["named"] = bool(target_ranks & set(v.get("ranks") or [])) or host in hosts
             if fault.kind == "store_down":  # the store is everyone's: its class, nobody evicted
                 row["named"] = v.get("class") == "storage_error" and not v.get("nodes")
@@ -150,8 +177,7 @@ def measure_fault(out: Path, mode: str, fault: Fault, end: float, hang_timeout_s
             who, m = failed[0]
             rank = pids.get(int(m["pid"]))
             row["peer_failed"] = {"launcher": who, "rank": rank, "exitcode": int(m["code"])}
-            row["named"] = rank in target_ranks or (fault.kind in NODE_SIDE
-                                                    and _host(who) == host)
+            row["named"] = rank in target_ranks or (fault.kind in NODE_SIDE and _host(who) == host)
         else:
             row["named"] = False
         row["evicted"] = []
@@ -159,8 +185,9 @@ def measure_fault(out: Path, mode: str, fault: Fault, end: float, hang_timeout_s
     row["detection_s"] = None if detected is None else max(0.0, detected - t0)
     before = [s for s in log0 if s["time"] < t0]
     old_pid = before[-1]["pid"] if before else None
-    after = [s for s in log0 if s["time"] >= (detected or t0) and s["time"] < end
-             and s["pid"] != old_pid]
+    after = [
+        s for s in log0 if s["time"] >= (detected or t0) and s["time"] < end and s["pid"] != old_pid
+    ]
     if after:
         row["first_step_time"] = after[0]["time"]
         row["restart_s"] = after[0]["time"] - (detected or t0)
@@ -181,11 +208,11 @@ def targets(kind: str, row: dict[str, Any], hang_timeout_s: float) -> dict[str, 
     if kind in CRASHES:
         got["detected_within_2s"] = d is not None and d <= 2.0
     if kind in HANGS:
-        got[f"detected_within_{hang_timeout_s + 5:g}s"] = d is not None and \
-            d <= hang_timeout_s + 5
+        got[f"detected_within_{hang_timeout_s + 5:g}s"] = d is not None and d <= hang_timeout_s + 5
     if kind == "nan":
-        got["nan_at_its_step"] = row.get("nan_step") is not None and \
-            row.get("nan_step") == row.get("fired_step")
+        got["nan_at_its_step"] = row.get("nan_step") is not None and row.get("nan_step") == row.get(
+            "fired_step"
+        )
     if kind != "slow":
         host = row.get("node")
         got["named"] = bool(row.get("named"))
@@ -200,14 +227,18 @@ def ettr_of_steps(log0: list[dict[str, Any]], end: float) -> dict[str, Any]:
     if not log0:
         return {"ettr": None, "productive_s": 0.0, "wall_s": 0.0, "input": "step log"}
     report = ettr_from_steps(((s["time"], s["step"], s["pid"]) for s in log0), end=end)
-    return {"ettr": report.ettr if report.wall_s > 0 else None,
-            "productive_s": report.productive_s, "wall_s": report.wall_s,
-            "steps": max(s["step"] for s in log0 if s["time"] <= end) + 1,
-            "input": "step log"}
+    return {
+        "ettr": report.ettr if report.wall_s > 0 else None,
+        "productive_s": report.productive_s,
+        "wall_s": report.wall_s,
+        "steps": max(s["step"] for s in log0 if s["time"] <= end) + 1,
+        "input": "step log",
+    }
 
 
-def measure(out: Path, mode: str, faults: list[Fault], end: float,
-            hang_timeout_s: float) -> dict[str, Any]:
+def measure(
+    out: Path, mode: str, faults: list[Fault], end: float, hang_timeout_s: float
+) -> dict[str, Any]:
     """Every fault's row, the per-class summary and ETTR of one mode's run."""
     lines, events = log_lines(out), node_events(out)
     verdicts = read_records(out / "ctl" / "controller.jsonl", "verdict")
@@ -216,8 +247,11 @@ def measure(out: Path, mode: str, faults: list[Fault], end: float,
     rows = []
     for i, fault in enumerate(fired):
         until = fired[i + 1].injected["time"] if i + 1 < len(fired) else end
-        rows.append(measure_fault(out, mode, fault, until, hang_timeout_s, lines, events,
-                                  verdicts, log0, pids))
+        rows.append(
+            measure_fault(
+                out, mode, fault, until, hang_timeout_s, lines, events, verdicts, log0, pids
+            )
+        )
     result: dict[str, Any] = {"faults": rows, "classes": summarize(rows)}
     if mode == "bootseer":
         result["ettr"] = ettr_of_traces(out / "trace", end)
@@ -240,14 +274,27 @@ def ettr_of_traces(trace: Path, end: float) -> dict[str, Any]:
         records, _ = read_records([trace])
         ettr = robust_section(spans, records, end=end).get("ettr")
     except Exception as exc:  # noqa: BLE001 - reported, not fatal to the run's figures
-        return {"ettr": None, "error": f"{type(exc).__name__}: {exc}", "input": "traces",
-                "report_command": command}
+        return {
+            "ettr": None,
+            "error": f"{type(exc).__name__}: {exc}",
+            "input": "traces",
+            "report_command": command,
+        }
     if not ettr:
-        return {"ettr": None, "error": "no bootseer run in the traces", "input": "traces",
-                "report_command": command}
-    return {"ettr": ettr["ettr"], "productive_s": ettr["productive_s"],
-            "wall_s": ettr["wall_s"], "incidents": len(ettr["incidents"]), "input": "traces",
-            "report_command": command}
+        return {
+            "ettr": None,
+            "error": "no bootseer run in the traces",
+            "input": "traces",
+            "report_command": command,
+        }
+    return {
+        "ettr": ettr["ettr"],
+        "productive_s": ettr["productive_s"],
+        "wall_s": ettr["wall_s"],
+        "incidents": len(ettr["incidents"]),
+        "input": "traces",
+        "report_command": command,
+    }
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -270,14 +317,20 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         restart = [r["restart_s"] for r in fired if r.get("restart_s") is not None]
         rec = [r["recomputed"] for r in fired if r.get("recomputed") is not None]
         out[kind] = {
-            "trials": len(rs), "fired": len(fired), "detected": len(det),
-            "detection_p50_s": _pct(det, 0.5), "detection_p90_s": _pct(det, 0.9),
+            "trials": len(rs),
+            "fired": len(fired),
+            "detected": len(det),
+            "detection_p50_s": _pct(det, 0.5),
+            "detection_p90_s": _pct(det, 0.9),
             "named": sum(bool(r.get("named")) for r in fired),
             "evicted_nodes": sum(len(r.get("evicted", [])) for r in fired),
-            "restart_p50_s": _pct(restart, 0.5), "recomputed_p50": _pct(rec, 0.5),
-            "targets_met": {k: sum(bool(r["targets"].get(k)) for r in fired)
-                            for k in (fired[0]["targets"] if fired and "targets" in fired[0]
-                                      else {})}}
+            "restart_p50_s": _pct(restart, 0.5),
+            "recomputed_p50": _pct(rec, 0.5),
+            "targets_met": {
+                k: sum(bool(r["targets"].get(k)) for r in fired)
+                for k in (fired[0]["targets"] if fired and "targets" in fired[0] else {})
+            },
+        }
     return out
 
 

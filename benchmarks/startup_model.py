@@ -79,31 +79,42 @@ MIN_SIGMA = 0.05
 PUBLISHED: dict[str, dict[str, Any]] = {
     "bootseer_characterization": {
         "what": "median job startup overhead against job scale, production LLM jobs before "
-                "Bootseer",
+        "Bootseer",
         "source": "Li et al., BootSeer: Analyzing and Mitigating Initialization Bottlenecks in "
-                  "Large-Scale LLM Training, arXiv:2507.12619 (ByteDance, 2025), "
-                  "characterization of startup overhead against job scale",
+        "Large-Scale LLM Training, arXiv:2507.12619 (ByteDance, 2025), "
+        "characterization of startup overhead against job scale",
         "note": "approximate: about 45 s at 1-10 GPUs, growing to about 500 s beyond 3,000 GPUs",
-        "points": [{"gpus_from": 1, "gpus_to": 10, "seconds": 45.0},
-                   {"gpus_from": 3000, "gpus_to": None, "seconds": 500.0}]},
+        "points": [
+            {"gpus_from": 1, "gpus_to": 10, "seconds": 45.0},
+            {"gpus_from": 3000, "gpus_to": None, "seconds": 500.0},
+        ],
+    },
     "megascale_initialization": {
         "what": "training-job initialization after MegaScale's optimizations (at most)",
         "source": "Jiang et al., MegaScale: Scaling Large Language Model Training to More Than "
-                  "10,000 GPUs, NSDI '24, section 3.5 (initialization)",
-        "points": [{"gpus": 2048, "seconds_at_most": 5.0},
-                   {"gpus": 10000, "seconds_at_most": 30.0, "beyond": True}]},
+        "10,000 GPUs, NSDI '24, section 3.5 (initialization)",
+        "points": [
+            {"gpus": 2048, "seconds_at_most": 5.0},
+            {"gpus": 10000, "seconds_at_most": 30.0, "beyond": True},
+        ],
+    },
     "tcpstore_libuv": {
         "what": "TCPStore initialization with the libuv backend (PyTorch 2.4's default)",
         "source": "PyTorch tutorial 'Introduction to Libuv TCPStore Backend' "
-                  "(pytorch/tutorials, intermediate_source/TCPStore_libuv_backend.rst)",
-        "points": [{"ranks": 98304, "seconds": 100.0}]},
+        "(pytorch/tutorials, intermediate_source/TCPStore_libuv_backend.rst)",
+        "points": [{"ranks": 98304, "seconds": 100.0}],
+    },
     "gloo_init": {
         "what": "ProcessGroupGloo init with the store's batched gets (before: without)",
         "source": "pytorch/gloo pull request #408 (2025): '2k job ~18 s, 4k ~25 s, 8k ~85 s' "
-                  "(before: 2k ~82 s, 4k ~393 s)",
-        "points": [{"ranks": 2048, "seconds": 18.0}, {"ranks": 4096, "seconds": 25.0},
-                   {"ranks": 8192, "seconds": 85.0}],
-        "before": [{"ranks": 2048, "seconds": 82.0}, {"ranks": 4096, "seconds": 393.0}]},
+        "(before: 2k ~82 s, 4k ~393 s)",
+        "points": [
+            {"ranks": 2048, "seconds": 18.0},
+            {"ranks": 4096, "seconds": 25.0},
+            {"ranks": 8192, "seconds": 85.0},
+        ],
+        "before": [{"ranks": 2048, "seconds": 82.0}, {"ranks": 4096, "seconds": 393.0}],
+    },
 }
 ANCHOR = PUBLISHED["tcpstore_libuv"]["points"][0]
 ANCHOR_S_PER_CLIENT = ANCHOR["seconds"] / ANCHOR["ranks"]
@@ -175,15 +186,24 @@ def log_spread(groups: Sequence[Sequence[float]], floor: float = MIN_SIGMA) -> f
     return max(floor, statistics.stdev(logs)) if len(logs) >= 2 else floor
 
 
-def queue_delay(demand: float, node_bytes: float, origin_rate: float, node_rate: float,
-                cache_rate: float | None = None, misses: float | None = None) -> float:
+def queue_delay(
+    demand: float,
+    node_bytes: float,
+    origin_rate: float,
+    node_rate: float,
+    cache_rate: float | None = None,
+    misses: float | None = None,
+) -> float:
     """Seconds a node waits beyond its own transfer when ``demand`` bytes in all share an
     origin (aggregate ``origin_rate``, B/s), or a cache tier of ``cache_rate`` in front of it
     that sends the origin ``misses`` bytes."""
     if demand <= 0:
         return 0.0
-    served = demand / origin_rate if cache_rate is None else max(
-        demand / cache_rate, (demand if misses is None else misses) / origin_rate)
+    served = (
+        demand / origin_rate
+        if cache_rate is None
+        else max(demand / cache_rate, (demand if misses is None else misses) / origin_rate)
+    )
     return max(0.0, served - node_bytes / node_rate)
 
 
@@ -234,18 +254,28 @@ class Measured:
 
 def _need(entry: dict[str, Any], key: str, where: str) -> Any:
     if key not in entry or entry[key] is None:
-        raise ModelError(f"{where}: no {key!r} in the sweep (a sweep from before the "
-                         "process-group milestones?): rerun `bench_e2e.py --sweep`")
+        raise ModelError(
+            f"{where}: no {key!r} in the sweep (a sweep from before the "
+            "process-group milestones?): rerun `bench_e2e.py --sweep`"
+        )
     return entry[key]
 
 
 def measured(entry: dict[str, Any], nodes: int, where: str) -> Measured:
     seg, per_rank = _need(entry, "segments", where), _need(entry, "per_rank", where)
-    for key in ("fresh_path_s", "rendezvous_s", "import_s", "process_group_init_s", "load_s",
-                "first_step_s"):
+    for key in (
+        "fresh_path_s",
+        "rendezvous_s",
+        "import_s",
+        "process_group_init_s",
+        "load_s",
+        "first_step_s",
+    ):
         _need(seg, key, where)
-    roles = {node: "survivor" if v.get("role") == "survivor" else "fresh"
-             for node, v in entry["per_node"].items()}
+    roles = {
+        node: "survivor" if v.get("role") == "survivor" else "fresh"
+        for node, v in entry["per_node"].items()
+    }
 
     def by_role(values: dict[str, float]) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {"fresh": [], "survivor": []}
@@ -255,6 +285,7 @@ def measured(entry: dict[str, Any], nodes: int, where: str) -> Measured:
                 raise ModelError(f"{where}: rank {key} of no node in per_node")
             out[roles[node]].append(float(v))
         return out
+
     imports = by_role(_need(per_rank, "import_s", where))
     loads = by_role(_need(per_rank, "load_s", where))
     fresh = [v for n, v in entry["per_node"].items() if roles[n] == "fresh"]
@@ -263,11 +294,21 @@ def measured(entry: dict[str, Any], nodes: int, where: str) -> Measured:
         raise ModelError(f"{where}: no fresh (or restarted) node with ranks in per_node")
 
     def mean_bytes(nodes_: list[dict[str, Any]]) -> dict[str, float]:
-        return {o: statistics.fmean([v["bytes"].get(o, 0) for v in nodes_]) if nodes_ else 0.0
-                for o in ORIGINS}
-    return Measured(nodes, {k: float(v) for k, v in seg.items() if isinstance(v, int | float)},
-                    imports, loads, float(seg["first_step_s"]), float(entry["ttfs"]["max_s"]),
-                    mean_bytes(fresh), mean_bytes(surv))
+        return {
+            o: statistics.fmean([v["bytes"].get(o, 0) for v in nodes_]) if nodes_ else 0.0
+            for o in ORIGINS
+        }
+
+    return Measured(
+        nodes,
+        {k: float(v) for k, v in seg.items() if isinstance(v, int | float)},
+        imports,
+        loads,
+        float(seg["first_step_s"]),
+        float(entry["ttfs"]["max_s"]),
+        mean_bytes(fresh),
+        mean_bytes(surv),
+    )
 
 
 @dataclass
@@ -292,40 +333,58 @@ def read_sweep(path: str | Path) -> Sweep:
     try:
         R = json.loads(Path(path).read_text())  # noqa: N806 - as the sweep names it
     except FileNotFoundError:
-        raise ModelError(f"{path}: no such sweep; run `python benchmarks/bench_e2e.py --sweep "
-                         "2,4,8 --results DIR` first (DIR/e2e-sweep.json)") from None
+        raise ModelError(
+            f"{path}: no such sweep; run `python benchmarks/bench_e2e.py --sweep "
+            "2,4,8 --results DIR` first (DIR/e2e-sweep.json)"
+        ) from None
     except (OSError, ValueError) as exc:
         raise ModelError(f"{path}: not a sweep's JSON ({exc})") from None
     if not isinstance(R, dict) or R.get("suite") != "e2e-sweep":
-        raise ModelError(f"{path}: not an e2e-sweep.json (its suite is "
-                         f"{R.get('suite') if isinstance(R, dict) else type(R).__name__!r})")
+        raise ModelError(
+            f"{path}: not an e2e-sweep.json (its suite is "
+            f"{R.get('suite') if isinstance(R, dict) else type(R).__name__!r})"
+        )
     warnings: list[str] = []
     try:
         node_rate = parse_rate(R["links"]["node"]["rate"])
         service_rate = parse_rate(R["links"]["services"]["rate"])
         rates = {}
         for origin in ORIGINS:
-            seen = [r[origin]["rate_Bps"] for r in (R.get("serve_rates") or {}).values()
-                    if origin in r]
+            seen = [
+                r[origin]["rate_Bps"] for r in (R.get("serve_rates") or {}).values() if origin in r
+            ]
             if seen:
                 rates[origin] = max(seen)  # the most the origin served to any N at once
             else:
                 rates[origin] = service_rate
-                warnings.append(f"no measured serve rate of {origin}: the services link's "
-                                f"{R['links']['services']['rate']} taken instead")
+                warnings.append(
+                    f"no measured serve rate of {origin}: the services link's "
+                    f"{R['links']['services']['rate']} taken instead"
+                )
         runs: dict[str, dict[int, Measured]] = {}
         for n_text, by_n in R["runs"].items():
             for method, entry in by_n["methods"].items():
                 n = int(n_text)
                 runs.setdefault(method, {})[n] = measured(entry, n, f"{path}: {method} at N={n}")
-        sweep = Sweep(str(path), bool(R.get("quick")), int(R["ranks_per_node"]),
-                      int(R["machine"]["cpus"]), node_rate, rates, runs, warnings)
+        sweep = Sweep(
+            str(path),
+            bool(R.get("quick")),
+            int(R["ranks_per_node"]),
+            int(R["machine"]["cpus"]),
+            node_rate,
+            rates,
+            runs,
+            warnings,
+        )
     except (KeyError, TypeError, AttributeError) as exc:
-        raise ModelError(f"{path}: the sweep lacks {exc} (rerun the sweep with this tree)"
-                         ) from None
+        raise ModelError(
+            f"{path}: the sweep lacks {exc} (rerun the sweep with this tree)"
+        ) from None
     if len(sweep.counts) < 2:
-        raise ModelError(f"{path}: the sweep measured {sweep.counts or 'no'} node count(s); "
-                         "the model needs two or more (three to validate)")
+        raise ModelError(
+            f"{path}: the sweep measured {sweep.counts or 'no'} node count(s); "
+            "the model needs two or more (three to validate)"
+        )
     return sweep
 
 
@@ -346,8 +405,13 @@ class Setting:
 
 def fixture_setting(sweep: Sweep) -> Setting:
     r, cpus = sweep.ranks_per_node, sweep.cpus
-    return Setting("the sweep's machine", r, lambda n: max(1.0, n * r / cpus),
-                   sweep.node_rate, dict(sweep.origin_rates))
+    return Setting(
+        "the sweep's machine",
+        r,
+        lambda n: max(1.0, n * r / cpus),
+        sweep.node_rate,
+        dict(sweep.origin_rates),
+    )
 
 
 @dataclass
@@ -378,8 +442,7 @@ class Traffic:
             misses = fresh * (b - shared) + (shared if scenario == "cold" else 0.0)
             pre += queue_delay(fresh * b, b, rate, setting.node_rate, cache, misses)
             demand = (nodes - fresh) * self.survivor[o]
-            load += queue_delay(demand, self.survivor[o], rate, setting.node_rate, cache,
-                                demand)
+            load += queue_delay(demand, self.survivor[o], rate, setting.node_rate, cache, demand)
         return pre, load
 
 
@@ -393,24 +456,33 @@ class RankPhase:
     survivor: Growth
     sigma: float
 
-    def slowest(self, x: float, fresh_ranks: int, survivor_ranks: int, u_fresh: float,
-                u_survivor: float, survivor_extra: float = 0.0) -> float:
+    def slowest(
+        self,
+        x: float,
+        fresh_ranks: int,
+        survivor_ranks: int,
+        u_fresh: float,
+        u_survivor: float,
+        survivor_extra: float = 0.0,
+    ) -> float:
         """The slowest rank of both populations (``survivor_extra``: the survivors' queue)."""
         f = Lognormal(self.fresh(x), self.sigma).max_of(fresh_ranks, u_fresh)
         if not survivor_ranks:
             return f
-        return max(f, Lognormal(self.survivor(x), self.sigma).max_of(survivor_ranks,
-                                                                     u_survivor)
-                   + survivor_extra)
+        return max(
+            f,
+            Lognormal(self.survivor(x), self.sigma).max_of(survivor_ranks, u_survivor)
+            + survivor_extra,
+        )
 
 
-def fit_rank_phase(runs: Sequence[tuple[float, dict[str, list[float]]]],
-                   min_sigma: float) -> RankPhase:
+def fit_rank_phase(
+    runs: Sequence[tuple[float, dict[str, list[float]]]], min_sigma: float
+) -> RankPhase:
     """From ``(ranks per core, {role: each rank's seconds})`` per run: the medians' growth per
     population (the fresh one's where no survivor ran) and the spread of the ranks around
     their run's and population's median (groups of two ranks or more)."""
-    fresh = fit_growth([(x, statistics.median(v["fresh"])) for x, v in runs if v["fresh"]],
-                       "lin")
+    fresh = fit_growth([(x, statistics.median(v["fresh"])) for x, v in runs if v["fresh"]], "lin")
     pts = [(x, statistics.median(v["survivor"])) for x, v in runs if v["survivor"]]
     survivor = fit_growth(pts, "lin") if pts else fresh
     groups = [g for _, v in runs for g in (v["fresh"], v["survivor"]) if len(g) >= 2]
@@ -446,34 +518,49 @@ class Fitted:
         ranks = nodes * setting.ranks_per_node
         x = setting.load(nodes)
         pre, load = self.queues(setting, nodes, scenario)
-        return {"queue_pre_s": pre, "queue_load_s": load,
-                "rendezvous_s": self.store_term(self.rendezvous, nodes, self.last_nodes,
-                                                setting),
-                "process_group_init_s": self.store_term(self.process_group, ranks,
-                                                        self.last_ranks, setting),
-                "import_median_s": self.imports.survivor(x),
-                "import_fresh_median_s": self.imports.fresh(x),
-                "load_median_s": self.loads.survivor(x),
-                "load_fresh_median_s": self.loads.fresh(x),
-                "first_step_s": self.first_step(x), "fresh_median_s": self.fresh.median}
+        return {
+            "queue_pre_s": pre,
+            "queue_load_s": load,
+            "rendezvous_s": self.store_term(self.rendezvous, nodes, self.last_nodes, setting),
+            "process_group_init_s": self.store_term(
+                self.process_group, ranks, self.last_ranks, setting
+            ),
+            "import_median_s": self.imports.survivor(x),
+            "import_fresh_median_s": self.imports.fresh(x),
+            "load_median_s": self.loads.survivor(x),
+            "load_fresh_median_s": self.loads.fresh(x),
+            "first_step_s": self.first_step(x),
+            "fresh_median_s": self.fresh.median,
+        }
 
-    def predict(self, setting: Setting, nodes: int, scenario: str = "restart",
-                draws: Sequence[Sequence[float]] | None = None) -> dict[str, Any]:
+    def predict(
+        self,
+        setting: Setting,
+        nodes: int,
+        scenario: str = "restart",
+        draws: Sequence[Sequence[float]] | None = None,
+    ) -> dict[str, Any]:
         """p50 and p99 of the job's time to its first step at ``nodes`` over restarts."""
         t = self.terms(setting, nodes, scenario)
         rpn, x = setting.ranks_per_node, setting.load(nodes)
         fresh = nodes if scenario == "cold" else 1
         fresh_ranks, survivor_ranks = fresh * rpn, (nodes - fresh) * rpn
-        fixed = (t["queue_pre_s"] + t["rendezvous_s"] + t["process_group_init_s"]
-                 + t["first_step_s"])
+        fixed = t["queue_pre_s"] + t["rendezvous_s"] + t["process_group_init_s"] + t["first_step_s"]
         totals = sorted(
-            self.fresh.max_of(fresh, uf) + fixed
+            self.fresh.max_of(fresh, uf)
+            + fixed
             + self.imports.slowest(x, fresh_ranks, survivor_ranks, uif, uis)
             + self.loads.slowest(x, fresh_ranks, survivor_ranks, ulf, uls, t["queue_load_s"])
-            for uf, uif, uis, ulf, uls in draws or uniforms())
-        return {"nodes": nodes, "ranks": nodes * rpn, "scenario": scenario,
-                "p50_s": quantile(totals, 0.50), "p99_s": quantile(totals, 0.99),
-                "terms": t}
+            for uf, uif, uis, ulf, uls in draws or uniforms()
+        )
+        return {
+            "nodes": nodes,
+            "ranks": nodes * rpn,
+            "scenario": scenario,
+            "p50_s": quantile(totals, 0.50),
+            "p99_s": quantile(totals, 0.99),
+            "terms": t,
+        }
 
 
 def uniforms(trials: int = TRIALS, seed: int = SEED) -> list[tuple[float, ...]]:
@@ -490,17 +577,23 @@ def quantile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def calibrate(sweep: Sweep, method: str, counts: Sequence[int], form: str = "auto",
-              min_sigma: float = MIN_SIGMA) -> Fitted:
+def calibrate(
+    sweep: Sweep,
+    method: str,
+    counts: Sequence[int],
+    form: str = "auto",
+    min_sigma: float = MIN_SIGMA,
+) -> Fitted:
     """``method`` fitted on the sweep's ``counts`` (queues taken out of what they hold)."""
     by_n = sweep.runs[method]
     missing = [n for n in counts if n not in by_n]
     if missing:
         raise ModelError(f"{method}: the sweep has no run at N={missing}")
     runs = [by_n[n] for n in counts]
-    traffic = Traffic({o: statistics.fmean([m.fresh_bytes[o] for m in runs]) for o in ORIGINS},
-                      {o: statistics.fmean([m.survivor_bytes[o] for m in runs])
-                       for o in ORIGINS})
+    traffic = Traffic(
+        {o: statistics.fmean([m.fresh_bytes[o] for m in runs]) for o in ORIGINS},
+        {o: statistics.fmean([m.survivor_bytes[o] for m in runs]) for o in ORIGINS},
+    )
     setting = fixture_setting(sweep)
     r = sweep.ranks_per_node
     fresh_vals, imports, loads, step_pts, rdzv_pts, pg_pts = [], [], [], [], [], []
@@ -509,34 +602,57 @@ def calibrate(sweep: Sweep, method: str, counts: Sequence[int], form: str = "aut
         x = setting.load(m.nodes)
         fresh_vals.append(max(1e-3, m.segments["fresh_path_s"] - pre))
         imports.append((x, m.imports))
-        loads.append((x, {"fresh": m.loads["fresh"],
-                          "survivor": [max(1e-3, v - queue) for v in m.loads["survivor"]]}))
+        loads.append(
+            (
+                x,
+                {
+                    "fresh": m.loads["fresh"],
+                    "survivor": [max(1e-3, v - queue) for v in m.loads["survivor"]],
+                },
+            )
+        )
         step_pts.append((x, m.segments["first_step_s"]))
         rdzv_pts.append((m.nodes, m.segments["rendezvous_s"]))
         pg_pts.append((m.nodes * r, m.segments["process_group_init_s"]))
     return Fitted(
-        method, list(counts),
-        Lognormal(math.exp(statistics.fmean([math.log(v) for v in fresh_vals])),
-                  log_spread([fresh_vals], min_sigma)),
-        fit_rank_phase(imports, min_sigma), fit_rank_phase(loads, min_sigma),
+        method,
+        list(counts),
+        Lognormal(
+            math.exp(statistics.fmean([math.log(v) for v in fresh_vals])),
+            log_spread([fresh_vals], min_sigma),
+        ),
+        fit_rank_phase(imports, min_sigma),
+        fit_rank_phase(loads, min_sigma),
         fit_growth(step_pts, "lin"),
-        fit_growth(rdzv_pts, form), fit_growth(pg_pts, form),
-        max(counts), max(counts) * r, traffic)
+        fit_growth(rdzv_pts, form),
+        fit_growth(pg_pts, form),
+        max(counts),
+        max(counts) * r,
+        traffic,
+    )
 
 
-def validate(sweep: Sweep, form: str = "auto", tolerance: float = TOLERANCE,
-             min_sigma: float = MIN_SIGMA) -> dict[str, Any]:
+def validate(
+    sweep: Sweep, form: str = "auto", tolerance: float = TOLERANCE, min_sigma: float = MIN_SIGMA
+) -> dict[str, Any]:
     """Calibrated on every count but the largest, predict the largest on the sweep's machine:
     per method the p50 against the measured max over the ranks, within ``tolerance``."""
     counts = sweep.counts
     if len(counts) < 3:
-        return {"ok": None, "why": f"the sweep has {len(counts)} node counts: validation "
-                                   "needs three (calibrate on two, predict the third)",
-                "methods": {}}
+        return {
+            "ok": None,
+            "why": f"the sweep has {len(counts)} node counts: validation "
+            "needs three (calibrate on two, predict the third)",
+            "methods": {},
+        }
     calib, target = counts[:-1], counts[-1]
     setting, draws = fixture_setting(sweep), uniforms()
-    out: dict[str, Any] = {"calibrated_on": calib, "predicted": target, "tolerance": tolerance,
-                           "methods": {}}
+    out: dict[str, Any] = {
+        "calibrated_on": calib,
+        "predicted": target,
+        "tolerance": tolerance,
+        "methods": {},
+    }
     for method, by_n in sorted(sweep.runs.items()):
         if target not in by_n or any(n not in by_n for n in calib):
             continue
@@ -544,9 +660,13 @@ def validate(sweep: Sweep, form: str = "auto", tolerance: float = TOLERANCE,
         p = fitted.predict(setting, target, "restart", draws)
         meas = by_n[target].max_s
         err = (p["p50_s"] - meas) / meas
-        out["methods"][method] = {"predicted_p50_s": p["p50_s"], "predicted_p99_s": p["p99_s"],
-                                  "measured_max_s": meas, "error": err,
-                                  "ok": abs(err) <= tolerance}
+        out["methods"][method] = {
+            "predicted_p50_s": p["p50_s"],
+            "predicted_p99_s": p["p99_s"],
+            "measured_max_s": meas,
+            "error": err,
+            "ok": abs(err) <= tolerance,
+        }
     out["ok"] = bool(out["methods"]) and all(v["ok"] for v in out["methods"].values())
     return out
 
@@ -556,11 +676,14 @@ def check_lines(v: dict[str, Any]) -> list[str]:
     if v["ok"] is None:
         return [f"validation: not done: {v['why']}"]
     calib = " and ".join(map(str, v["calibrated_on"]))
-    return [f"validation: {m}: calibrated on N = {calib}, predicted {r['predicted_p50_s']:.1f} s "
-            f"(p50; p99 {r['predicted_p99_s']:.1f} s) at N = {v['predicted']}, measured "
-            f"{r['measured_max_s']:.1f} s: {r['error']:+.1%} "
-            f"({'within' if r['ok'] else 'OUTSIDE'} {v['tolerance']:.0%}: "
-            f"{'pass' if r['ok'] else 'FAIL'})" for m, r in v["methods"].items()]
+    return [
+        f"validation: {m}: calibrated on N = {calib}, predicted {r['predicted_p50_s']:.1f} s "
+        f"(p50; p99 {r['predicted_p99_s']:.1f} s) at N = {v['predicted']}, measured "
+        f"{r['measured_max_s']:.1f} s: {r['error']:+.1%} "
+        f"({'within' if r['ok'] else 'OUTSIDE'} {v['tolerance']:.0%}: "
+        f"{'pass' if r['ok'] else 'FAIL'})"
+        for m, r in v["methods"].items()
+    ]
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -570,13 +693,19 @@ def cluster_setting(sweep: Sweep, args: argparse.Namespace) -> Setting:
     for item in args.origin_rate or []:
         origin, _, mbs = item.partition("=")
         if origin not in ORIGINS or not re.fullmatch(r"[\d.]+", mbs):
-            raise ModelError(f"--origin-rate {item!r}: give ORIGIN=MB/s, ORIGIN one of "
-                             f"{', '.join(ORIGINS)}")
+            raise ModelError(
+                f"--origin-rate {item!r}: give ORIGIN=MB/s, ORIGIN one of {', '.join(ORIGINS)}"
+            )
         rates[origin] = float(mbs) * 1e6
-    return Setting(f"a cluster of nodes with {g} ranks each", g,
-                   (lambda n: 1.0) if not cpus else (lambda n: max(1.0, g / cpus)),
-                   args.node_rate * 1e6 if args.node_rate else sweep.node_rate, rates,
-                   None, args.growth)
+    return Setting(
+        f"a cluster of nodes with {g} ranks each",
+        g,
+        (lambda n: 1.0) if not cpus else (lambda n: max(1.0, g / cpus)),
+        args.node_rate * 1e6 if args.node_rate else sweep.node_rate,
+        rates,
+        None,
+        args.growth,
+    )
 
 
 def model(sweep: Sweep, args: argparse.Namespace) -> dict[str, Any]:
@@ -590,38 +719,73 @@ def model(sweep: Sweep, args: argparse.Namespace) -> dict[str, Any]:
     base = cluster_setting(sweep, args)
     variants = {"no_cache": base}
     if args.cache_rate:
-        variants["cache"] = Setting(base.name + ", a cache tier", base.ranks_per_node,
-                                    base.load, base.node_rate, base.origin_rates,
-                                    args.cache_rate * 1e6, base.growth)
+        variants["cache"] = Setting(
+            base.name + ", a cache tier",
+            base.ranks_per_node,
+            base.load,
+            base.node_rate,
+            base.origin_rates,
+            args.cache_rate * 1e6,
+            base.growth,
+        )
     fitted = {m: calibrate(sweep, m, counts, args.form, args.min_sigma) for m in methods}
     out: dict[str, Any] = {
-        "suite": SUITE, "quick": sweep.quick, "sweep": sweep.path, "counts": counts,
+        "suite": SUITE,
+        "quick": sweep.quick,
+        "sweep": sweep.path,
+        "counts": counts,
         "sweep_ranks_per_node": sweep.ranks_per_node,
-        "command": os.environ.get("BOOTSEER_BENCH_COMMAND") or shlex.join(
-            ["python", "benchmarks/startup_model.py", *args.argv]),
-        "parameters": {"gpus_per_node": args.gpus_per_node, "cpus_per_node": args.cpus_per_node,
-                       "node_rate_Bps": base.node_rate, "origin_rates_Bps": base.origin_rates,
-                       "cache_rate_Bps": None if not args.cache_rate else args.cache_rate * 1e6,
-                       "growth": args.growth, "form": args.form, "trials": args.trials,
-                       "min_sigma": args.min_sigma, "anchor_s_per_client": ANCHOR_S_PER_CLIENT},
+        "command": os.environ.get("BOOTSEER_BENCH_COMMAND")
+        or shlex.join(["python", "benchmarks/startup_model.py", *args.argv]),
+        "parameters": {
+            "gpus_per_node": args.gpus_per_node,
+            "cpus_per_node": args.cpus_per_node,
+            "node_rate_Bps": base.node_rate,
+            "origin_rates_Bps": base.origin_rates,
+            "cache_rate_Bps": None if not args.cache_rate else args.cache_rate * 1e6,
+            "growth": args.growth,
+            "form": args.form,
+            "trials": args.trials,
+            "min_sigma": args.min_sigma,
+            "anchor_s_per_client": ANCHOR_S_PER_CLIENT,
+        },
         "fitted": {m: _fitted_dict(f) for m, f in fitted.items()},
         "validation": validate(sweep, args.form, TOLERANCE, args.min_sigma),
-        "in_sample": {m: [{"nodes": n, "measured_max_s": sweep.runs[m][n].max_s,
-                           **_short(f.predict(fixture, n, "restart", draws))}
-                          for n in counts] for m, f in fitted.items()},
-        "predictions": {scenario: {variant: {m: [_short(f.predict(s, n, scenario, draws))
-                                                 for n in args.node_list]
-                                             for m, f in fitted.items()}
-                                   for variant, s in variants.items()}
-                        for scenario in ("restart", "cold")},
-        "published": PUBLISHED, "warnings": sweep.warnings,
+        "in_sample": {
+            m: [
+                {
+                    "nodes": n,
+                    "measured_max_s": sweep.runs[m][n].max_s,
+                    **_short(f.predict(fixture, n, "restart", draws)),
+                }
+                for n in counts
+            ]
+            for m, f in fitted.items()
+        },
+        "predictions": {
+            scenario: {
+                variant: {
+                    m: [_short(f.predict(s, n, scenario, draws)) for n in args.node_list]
+                    for m, f in fitted.items()
+                }
+                for variant, s in variants.items()
+            }
+            for scenario in ("restart", "cold")
+        },
+        "published": PUBLISHED,
+        "warnings": sweep.warnings,
     }
     return out
 
 
 def _short(p: dict[str, Any]) -> dict[str, Any]:
-    return {"nodes": p["nodes"], "ranks": p["ranks"], "p50_s": p["p50_s"], "p99_s": p["p99_s"],
-            "terms": p["terms"]}
+    return {
+        "nodes": p["nodes"],
+        "ranks": p["ranks"],
+        "p50_s": p["p50_s"],
+        "p99_s": p["p99_s"],
+        "terms": p["terms"],
+    }
 
 
 def _fitted_dict(f: Fitted) -> dict[str, Any]:
@@ -633,58 +797,119 @@ def _fitted_dict(f: Fitted) -> dict[str, Any]:
 def render(out: dict[str, Any]) -> list[str]:
     size = "quick" if out["quick"] else "full"
     p = out["parameters"]
-    lines = [f"# startup model to {max(r['nodes'] for r in _rows(out))} nodes, from the node "
-             f"sweep ({size} scenario)", "",
-             f"- command: `{out['command']}`", f"- sweep: {out['sweep']} (N = "
-             f"{', '.join(map(str, out['counts']))})",
-             f"- predicted cluster: {p['gpus_per_node']} ranks per node, "
-             + ("each rank on a core of its own" if not p["cpus_per_node"]
-                else f"{p['cpus_per_node']} cores per node")
-             + f"; node link {p['node_rate_Bps'] / 1e6:.0f} MB/s; origins "
-             + ", ".join(f"{o} {r / 1e6:.0f} MB/s" for o, r in p["origin_rates_Bps"].items())
-             + ("; no cache tier" if not p["cache_rate_Bps"]
-                else f"; cache tier {p['cache_rate_Bps'] / 1e6:.0f} MB/s (the `cache` rows)")
-             + f"; store growth beyond the sweep: {p['growth']}", ""]
+    lines = [
+        f"# startup model to {max(r['nodes'] for r in _rows(out))} nodes, from the node "
+        f"sweep ({size} scenario)",
+        "",
+        f"- command: `{out['command']}`",
+        f"- sweep: {out['sweep']} (N = {', '.join(map(str, out['counts']))})",
+        f"- predicted cluster: {p['gpus_per_node']} ranks per node, "
+        + (
+            "each rank on a core of its own"
+            if not p["cpus_per_node"]
+            else f"{p['cpus_per_node']} cores per node"
+        )
+        + f"; node link {p['node_rate_Bps'] / 1e6:.0f} MB/s; origins "
+        + ", ".join(f"{o} {r / 1e6:.0f} MB/s" for o, r in p["origin_rates_Bps"].items())
+        + (
+            "; no cache tier"
+            if not p["cache_rate_Bps"]
+            else f"; cache tier {p['cache_rate_Bps'] / 1e6:.0f} MB/s (the `cache` rows)"
+        )
+        + f"; store growth beyond the sweep: {p['growth']}",
+        "",
+    ]
     lines += ["## validation", "", *[f"- {line}" for line in check_lines(out["validation"])], ""]
     head = ["method", "N", "measured max", "model p50", "model p99"]
-    lines += ["## the fit on every count, on the sweep's machine", "",
-              *_table(head, [[m, r["nodes"], f"{r['measured_max_s']:.1f} s",
-                              f"{r['p50_s']:.1f} s", f"{r['p99_s']:.1f} s"]
-                             for m, rows in out["in_sample"].items() for r in rows]), ""]
-    lines += ["## fitted inputs", "", *_table(
-        ["method", "fresh path median (sigma)", "import: fresh / survivor ranks (sigma)",
-         "build + load: fresh / survivor ranks (sigma)", "first step", "rendezvous",
-         "gloo init", "fresh node MB (registry/S3/index)", "a survivor MB"],
-        [[m, f"{f['fresh']['median']:.1f} s ({f['fresh']['sigma']:.2f})",
-          f"{_g(f['imports']['fresh'])} / {_g(f['imports']['survivor'])} "
-          f"({f['imports']['sigma']:.2f})",
-          f"{_g(f['loads']['fresh'])} / {_g(f['loads']['survivor'])} "
-          f"({f['loads']['sigma']:.2f})", _g(f["first_step"]),
-          _g(f["rendezvous"], "N"), _g(f["process_group"], "M"),
-          "/".join(f"{f['traffic']['fresh'][o] / 1e6:.1f}" for o in ORIGINS),
-          "/".join(f"{f['traffic']['survivor'][o] / 1e6:.1f}" for o in ORIGINS)]
-         for m, f in out["fitted"].items()]), ""]
-    for scenario, what in (("restart", "a node lost and replaced (the sweep's scenario)"),
-                           ("cold", "every node fresh (a job's cold start)")):
+    lines += [
+        "## the fit on every count, on the sweep's machine",
+        "",
+        *_table(
+            head,
+            [
+                [
+                    m,
+                    r["nodes"],
+                    f"{r['measured_max_s']:.1f} s",
+                    f"{r['p50_s']:.1f} s",
+                    f"{r['p99_s']:.1f} s",
+                ]
+                for m, rows in out["in_sample"].items()
+                for r in rows
+            ],
+        ),
+        "",
+    ]
+    lines += [
+        "## fitted inputs",
+        "",
+        *_table(
+            [
+                "method",
+                "fresh path median (sigma)",
+                "import: fresh / survivor ranks (sigma)",
+                "build + load: fresh / survivor ranks (sigma)",
+                "first step",
+                "rendezvous",
+                "gloo init",
+                "fresh node MB (registry/S3/index)",
+                "a survivor MB",
+            ],
+            [
+                [
+                    m,
+                    f"{f['fresh']['median']:.1f} s ({f['fresh']['sigma']:.2f})",
+                    f"{_g(f['imports']['fresh'])} / {_g(f['imports']['survivor'])} "
+                    f"({f['imports']['sigma']:.2f})",
+                    f"{_g(f['loads']['fresh'])} / {_g(f['loads']['survivor'])} "
+                    f"({f['loads']['sigma']:.2f})",
+                    _g(f["first_step"]),
+                    _g(f["rendezvous"], "N"),
+                    _g(f["process_group"], "M"),
+                    "/".join(f"{f['traffic']['fresh'][o] / 1e6:.1f}" for o in ORIGINS),
+                    "/".join(f"{f['traffic']['survivor'][o] / 1e6:.1f}" for o in ORIGINS),
+                ]
+                for m, f in out["fitted"].items()
+            ],
+        ),
+        "",
+    ]
+    for scenario, what in (
+        ("restart", "a node lost and replaced (the sweep's scenario)"),
+        ("cold", "every node fresh (a job's cold start)"),
+    ):
         lines += [f"## predicted: {what}", ""]
         for variant, by_m in out["predictions"][scenario].items():
             methods = list(by_m)
-            rows = [[r["nodes"], r["ranks"], *[f"{by_m[m][i]['p50_s']:.0f} / "
-                                               f"{by_m[m][i]['p99_s']:.0f}" for m in methods]]
-                    for i, r in enumerate(by_m[methods[0]])]
-            lines += [f"{variant.replace('_', ' ')}: p50 / p99 seconds", "",
-                      *_table(["nodes", "ranks", *methods], rows), ""]
-    lines += ["## published figures the model is drawn beside", "",
-              *[f"- {k}: {v['what']}; {v['source']}"
-                + (f" ({v['note']})" if v.get("note") else "")
-                for k, v in out["published"].items()], ""]
+            rows = [
+                [
+                    r["nodes"],
+                    r["ranks"],
+                    *[f"{by_m[m][i]['p50_s']:.0f} / {by_m[m][i]['p99_s']:.0f}" for m in methods],
+                ]
+                for i, r in enumerate(by_m[methods[0]])
+            ]
+            lines += [
+                f"{variant.replace('_', ' ')}: p50 / p99 seconds",
+                "",
+                *_table(["nodes", "ranks", *methods], rows),
+                "",
+            ]
+    lines += [
+        "## published figures the model is drawn beside",
+        "",
+        *[
+            f"- {k}: {v['what']}; {v['source']}" + (f" ({v['note']})" if v.get("note") else "")
+            for k, v in out["published"].items()
+        ],
+        "",
+    ]
     lines += [f"- WARNING: {w}" for w in out.get("warnings", [])]
     return lines
 
 
 def _rows(out: dict[str, Any]) -> list[dict[str, Any]]:
-    return [r for v in out["predictions"]["restart"].values() for rows in v.values()
-            for r in rows]
+    return [r for v in out["predictions"]["restart"].values() for rows in v.values() for r in rows]
 
 
 def _g(g: dict[str, Any], var: str = "x") -> str:
@@ -706,39 +931,79 @@ def plot(out: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(14, 6.5), sharey=True)
     colors = {"baseline": "tab:red", "diy": "tab:orange", "bootseer": "tab:blue"}
     pub = out["published"]
-    for ax, scenario, title in ((axes[0], "restart", "a node lost and replaced"),
-                                (axes[1], "cold", "every node fresh (cold start)")):
+    for ax, scenario, title in (
+        (axes[0], "restart", "a node lost and replaced"),
+        (axes[1], "cold", "every node fresh (cold start)"),
+    ):
         for variant, by_m in out["predictions"][scenario].items():
             style = "-" if variant == "no_cache" else ":"
             for m, rows in by_m.items():
                 xs = [r["ranks"] for r in rows]
                 c = colors.get(m, None)
-                ax.plot(xs, [r["p50_s"] for r in rows], style, color=c, marker="o", ms=3,
-                        label=f"{m} p50" + ("" if variant == "no_cache" else " (cache tier)"))
-                ax.plot(xs, [r["p99_s"] for r in rows], style, color=c, lw=0.8, alpha=0.6,
-                        label=f"{m} p99" + ("" if variant == "no_cache" else " (cache tier)"))
+                ax.plot(
+                    xs,
+                    [r["p50_s"] for r in rows],
+                    style,
+                    color=c,
+                    marker="o",
+                    ms=3,
+                    label=f"{m} p50" + ("" if variant == "no_cache" else " (cache tier)"),
+                )
+                ax.plot(
+                    xs,
+                    [r["p99_s"] for r in rows],
+                    style,
+                    color=c,
+                    lw=0.8,
+                    alpha=0.6,
+                    label=f"{m} p99" + ("" if variant == "no_cache" else " (cache tier)"),
+                )
         any_rows = next(iter(out["predictions"][scenario]["no_cache"].values()))
         xs = [r["ranks"] for r in any_rows]
-        ax.plot(xs, [r["terms"]["rendezvous_s"] + r["terms"]["process_group_init_s"]
-                     for r in any_rows], "--", color="grey",
-                label="model: rendezvous + process-group init")
+        ax.plot(
+            xs,
+            [r["terms"]["rendezvous_s"] + r["terms"]["process_group_init_s"] for r in any_rows],
+            "--",
+            color="grey",
+            label="model: rendezvous + process-group init",
+        )
         for pt in pub["bootseer_characterization"]["points"]:
             hi = pt["gpus_to"] or max(xs + [pt["gpus_from"] * 4])
             ax.plot([pt["gpus_from"], hi], [pt["seconds"]] * 2, color="black", lw=3, alpha=0.5)
-        ax.plot([], [], color="black", lw=3, alpha=0.5,
-                label="Bootseer characterization (median startup)")
+        ax.plot(
+            [],
+            [],
+            color="black",
+            lw=3,
+            alpha=0.5,
+            label="Bootseer characterization (median startup)",
+        )
         for pt in pub["megascale_initialization"]["points"]:
             ax.plot(pt["gpus"], pt["seconds_at_most"], "v", color="green", ms=9)
         ax.plot([], [], "v", color="green", label="MegaScale initialization (at most)")
-        ax.plot([p["ranks"] for p in pub["gloo_init"]["points"]],
-                [p["seconds"] for p in pub["gloo_init"]["points"]], "s", color="purple",
-                label="gloo PG init (gloo#408)")
-        ax.plot(ANCHOR["ranks"], ANCHOR["seconds"], "*", color="brown", ms=11,
-                label="TCPStore libuv init")
+        ax.plot(
+            [p["ranks"] for p in pub["gloo_init"]["points"]],
+            [p["seconds"] for p in pub["gloo_init"]["points"]],
+            "s",
+            color="purple",
+            label="gloo PG init (gloo#408)",
+        )
+        ax.plot(
+            ANCHOR["ranks"],
+            ANCHOR["seconds"],
+            "*",
+            color="brown",
+            ms=11,
+            label="TCPStore libuv init",
+        )
         for m, rows in out["in_sample"].items():
-            ax.plot([r["nodes"] * out["sweep_ranks_per_node"] for r in rows],
-                    [r["measured_max_s"] for r in rows], "x",
-                    color=colors.get(m), ms=8)
+            ax.plot(
+                [r["nodes"] * out["sweep_ranks_per_node"] for r in rows],
+                [r["measured_max_s"] for r in rows],
+                "x",
+                color=colors.get(m),
+                ms=8,
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("GPUs (ranks)")
@@ -757,28 +1022,59 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="startup_model.py", description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", required=True, help="e2e-sweep.json (bench_e2e.py --sweep)")
-    parser.add_argument("--results", default=None, help="where startup-model.* go "
-                                                        "(default: beside the sweep)")
+    parser.add_argument(
+        "--results", default=None, help="where startup-model.* go (default: beside the sweep)"
+    )
     parser.add_argument("--nodes", default="2..4096", help="2..4096 (powers of two) or 2,16,128")
-    parser.add_argument("--gpus-per-node", type=int, default=8,
-                        help="ranks per node of the predicted cluster (default 8)")
-    parser.add_argument("--cpus-per-node", type=int, default=None,
-                        help="its cores (default: a core per rank at least)")
-    parser.add_argument("--node-rate", type=float, default=None,
-                        help="a node's link, MB/s (default the sweep's)")
-    parser.add_argument("--origin-rate", action="append", default=None, metavar="ORIGIN=MB/s",
-                        help="an origin's aggregate rate (default: the sweep's probe)")
-    parser.add_argument("--cache-rate", type=float, default=None,
-                        help="a cache tier's aggregate rate, MB/s (default: none; given, the "
-                             "predictions come with and without it)")
-    parser.add_argument("--growth", choices=("anchor", "fit"), default="anchor",
-                        help="the store terms beyond the sweep (default anchor: the measured "
-                             "level + TCPStore's published per-client cost)")
-    parser.add_argument("--form", choices=("auto", "lin", "log"), default="auto",
-                        help="a + b*N or a + b*log N for the rendezvous and the gloo init")
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="ranks per node of the predicted cluster (default 8)",
+    )
+    parser.add_argument(
+        "--cpus-per-node",
+        type=int,
+        default=None,
+        help="its cores (default: a core per rank at least)",
+    )
+    parser.add_argument(
+        "--node-rate", type=float, default=None, help="a node's link, MB/s (default the sweep's)"
+    )
+    parser.add_argument(
+        "--origin-rate",
+        action="append",
+        default=None,
+        metavar="ORIGIN=MB/s",
+        help="an origin's aggregate rate (default: the sweep's probe)",
+    )
+    parser.add_argument(
+        "--cache-rate",
+        type=float,
+        default=None,
+        help="a cache tier's aggregate rate, MB/s (default: none; given, the "
+        "predictions come with and without it)",
+    )
+    parser.add_argument(
+        "--growth",
+        choices=("anchor", "fit"),
+        default="anchor",
+        help="the store terms beyond the sweep (default anchor: the measured "
+        "level + TCPStore's published per-client cost)",
+    )
+    parser.add_argument(
+        "--form",
+        choices=("auto", "lin", "log"),
+        default="auto",
+        help="a + b*N or a + b*log N for the rendezvous and the gloo init",
+    )
     parser.add_argument("--trials", type=int, default=TRIALS)
-    parser.add_argument("--min-sigma", type=float, default=MIN_SIGMA,
-                        help=f"the least spread of a lognormal (default {MIN_SIGMA})")
+    parser.add_argument(
+        "--min-sigma",
+        type=float,
+        default=MIN_SIGMA,
+        help=f"the least spread of a lognormal (default {MIN_SIGMA})",
+    )
     parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # the harness's
     parser.add_argument("--no-plot", action="store_true", help="no PNG")
     args = parser.parse_args(argv)
@@ -787,8 +1083,9 @@ def main(argv: list[str] | None = None) -> int:
         args.node_list = parse_nodes(args.nodes)
         for name in ("gpus_per_node", "trials"):
             if getattr(args, name) < 1:
-                raise ModelError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 "
-                                 "or more")
+                raise ModelError(
+                    f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more"
+                )
         if args.cache_rate is not None and args.cache_rate <= 0:
             raise ModelError(f"--cache-rate {args.cache_rate}: give a rate in MB/s above 0")
         sweep = read_sweep(args.sweep)

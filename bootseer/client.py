@@ -121,8 +121,7 @@ def _create_new(path: str) -> int:
         os.unlink(path)
     except FileNotFoundError:
         pass
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                   0o600)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
 def _doc(step: Any) -> dict[str, Any]:
@@ -197,8 +196,11 @@ def heartbeat(step: int | None = None, loss: Any = None, grad_norm: Any = None) 
         return
     try:
         now = _clock()
-        metrics = {k: m for k, v in (("loss", loss), ("grad_norm", grad_norm))
-                   if (m := _metric(v)) is not None}
+        metrics = {
+            k: m
+            for k, v in (("loss", loss), ("grad_norm", grad_norm))
+            if (m := _metric(v)) is not None
+        }
         urgent = any(isinstance(m, str) for m in metrics.values())
         global _first_nonfinite
         if urgent and _first_nonfinite is None:
@@ -247,8 +249,7 @@ def _install_status(control: str) -> None:
     if _status_pid is not None:
         return
     _status_pid = os.getpid()
-    _status.update(_doc(None), state="running", path=os.path.join(control,
-                                                                   f"status-{_rank()}"))
+    _status.update(_doc(None), state="running", path=os.path.join(control, f"status-{_rank()}"))
     _status.pop("step", None)
     previous, previous_thread = sys.excepthook, threading.excepthook
 
@@ -258,8 +259,13 @@ def _install_status(control: str) -> None:
 
     def on_thread_exception(args: Any) -> None:
         if args.exc_type is not SystemExit:
-            _end_status("thread_exception", args.exc_type, args.exc_value,
-                        args.exc_traceback, thread=getattr(args.thread, "name", None))
+            _end_status(
+                "thread_exception",
+                args.exc_type,
+                args.exc_value,
+                args.exc_traceback,
+                thread=getattr(args.thread, "name", None),
+            )
         previous_thread(args)
 
     sys.excepthook = on_exception
@@ -292,20 +298,32 @@ def _save_status() -> None:
         pass
 
 
-def _end_status(state: str, kind: type[BaseException] | None = None,
-                exc: BaseException | None = None, tb: Any = None, *,
-                thread: str | None = None) -> None:
+def _end_status(
+    state: str,
+    kind: type[BaseException] | None = None,
+    exc: BaseException | None = None,
+    tb: Any = None,
+    *,
+    thread: str | None = None,
+) -> None:
     """The record at the rank's end: what ended it, before the process is gone."""
     if _status_pid != os.getpid():
         return
     try:
         info: dict[str, Any] = {}
         if kind is not None:
-            name = kind.__qualname__ if kind.__module__ in ("builtins", "__main__") else \
-                f"{kind.__module__}.{kind.__qualname__}"
+            name = (
+                kind.__qualname__
+                if kind.__module__ in ("builtins", "__main__")
+                else f"{kind.__module__}.{kind.__qualname__}"
+            )
             text = "".join(traceback.format_exception(kind, exc, tb))
-            info = {"exception": name, "message": str(exc)[:500],
-                    "lines": text.splitlines()[-STATUS_LINES:], "time": time.time()}
+            info = {
+                "exception": name,
+                "message": str(exc)[:500],
+                "lines": text.splitlines()[-STATUS_LINES:],
+                "time": time.time(),
+            }
         if state == "thread_exception":
             _status["thread_exception"] = {**info, "thread": thread}
         elif state == "exception":

@@ -53,10 +53,15 @@ class DeferredChecks:
         self._failed: DeferredFailure | None = None
         self._threads: list[threading.Thread] = []
 
-    def start(self, what: str, check: Callable[[], Any],
-              on_failure: Callable[[DeferredFailure], None] | None = None) -> None:
+    def start(
+        self,
+        what: str,
+        check: Callable[[], Any],
+        on_failure: Callable[[DeferredFailure], None] | None = None,
+    ) -> None:
         """Run ``check`` (returning an object with ``ok``, ``reason``, ``problems``) on a
         thread; ``on_failure`` runs there when it fails (e.g. remove the marker)."""
+
         def run() -> None:
             try:  # this thread only: the command and the supervisor keep their priority
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
@@ -64,8 +69,13 @@ class DeferredChecks:
                 pass
             try:
                 result = check()
-                failed = None if result.ok else DeferredFailure(
-                    what, result.reason, tuple(getattr(result, "problems", ()) or ()))
+                failed = (
+                    None
+                    if result.ok
+                    else DeferredFailure(
+                        what, result.reason, tuple(getattr(result, "problems", ()) or ())
+                    )
+                )
             except Exception as exc:  # noqa: BLE001 - a check that cannot run has failed
                 failed = DeferredFailure(what, f"the check itself failed: {exc}")
             if failed is None:

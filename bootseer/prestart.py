@@ -84,21 +84,36 @@ class Standby:
     command); :meth:`take` hands it an attempt and returns its ``Popen``, or None when it
     cannot run it (then start the command as usual)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, python: str,
-                 modules: tuple[str, ...], version: str | None) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        sock: socket.socket,
+        python: str,
+        modules: tuple[str, ...],
+        version: str | None,
+    ) -> None:
         self.proc, self.sock, self.python = proc, sock, python
         self.modules, self.version = modules, version
         self.ready = False
 
     @classmethod
-    def start(cls, python: str, modules: Sequence[str], env: Mapping[str, str], *,
-              version: str | None = None) -> Standby:
+    def start(
+        cls,
+        python: str,
+        modules: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        version: str | None = None,
+    ) -> Standby:
         ours, theirs = socket.socketpair()
         try:
             proc = subprocess.Popen(
                 [python, "-m", "bootseer.prestart", str(theirs.fileno()), *modules],
-                env=dict(env), pass_fds=(theirs.fileno(),), process_group=0,
-                stdin=subprocess.DEVNULL)
+                env=dict(env),
+                pass_fds=(theirs.fileno(),),
+                process_group=0,
+                stdin=subprocess.DEVNULL,
+            )
         except BaseException:
             ours.close()
             raise
@@ -126,9 +141,16 @@ class Standby:
         self.ready = True
         return None
 
-    def take(self, command: PythonCommand, env: Mapping[str, str], cwd: str | None,
-             outputs: Sequence[int], *, version: str | None = None,
-             timeout: float = 120.0) -> tuple[subprocess.Popen[bytes] | None, str]:
+    def take(
+        self,
+        command: PythonCommand,
+        env: Mapping[str, str],
+        cwd: str | None,
+        outputs: Sequence[int],
+        *,
+        version: str | None = None,
+        timeout: float = 120.0,
+    ) -> tuple[subprocess.Popen[bytes] | None, str]:
         """Hand it the attempt: ``(its Popen, "")``, or ``(None, why not)`` (it is then
         stopped). ``outputs``: the write ends of the attempt's stdout and stderr pipes, or
         none (it keeps the agent's)."""
@@ -140,9 +162,13 @@ class Standby:
         else:
             why = self._wait_ready(timeout) or ""
         if not why:
-            request = {"env": {**env, **dict(command.env)}, "cwd": cwd or os.getcwd(),
-                       "module": command.module, "script": command.script,
-                       "args": list(command.args)}
+            request = {
+                "env": {**env, **dict(command.env)},
+                "cwd": cwd or os.getcwd(),
+                "module": command.module,
+                "script": command.script,
+                "args": list(command.args),
+            }
             data = json.dumps(request).encode() + b"\n"
             try:
                 self.sock.settimeout(timeout)

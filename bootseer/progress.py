@@ -26,8 +26,14 @@ def human_bytes(n: float) -> str:
 class ByteProgress(Callback):
     """Bytes moved for one labelled task; ``with ByteProgress("cp x"): ...``."""
 
-    def __init__(self, label: str, total: int | None = None, *, interval_s: float = 5.0,
-                 force_terminal: bool | None = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        total: int | None = None,
+        *,
+        interval_s: float = 5.0,
+        force_terminal: bool | None = None,
+    ) -> None:
         super().__init__(size=total)
         self.label = label
         self.interval_s = interval_s
@@ -48,14 +54,24 @@ class ByteProgress(Callback):
                 TransferSpeedColumn,
             )
 
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                 TransferSpeedColumn(), TimeRemainingColumn(), transient=False)
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                transient=False,
+            )
             self._bar.start()
             self._task = self._bar.add_task(self.label, total=self.size)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if self._bar is not None:
             self._bar.stop()
         elif exc_type is None:
@@ -82,5 +98,13 @@ class ByteProgress(Callback):
         of = f" of {human_bytes(self.size)}" if self.size else ""
         pct = f" ({100 * self.value / self.size:.0f}%)" if self.size else ""
         state = "done" if final else "progress"
-        log.info("%s: %s %s%s%s, %s/s, %.1f s", self.label, state, human_bytes(self.value), of,
-                 pct, human_bytes(rate), self.elapsed_s)
+        log.info(
+            "%s: %s %s%s%s, %s/s, %.1f s",
+            self.label,
+            state,
+            human_bytes(self.value),
+            of,
+            pct,
+            human_bytes(rate),
+            self.elapsed_s,
+        )

@@ -72,8 +72,15 @@ from .trace import Span, read_traces
 REPORT_VERSION = 3
 # v1 lacks the node-level views (they read back empty); v2 the incidents' node_attempts
 READABLE_VERSIONS = (1, 2, 3)
-PHASE_ORDER = ("restart", "environment", "checkpoint_prefetch", "image_prefetch",
-               "command_start", "first_step", "hang")
+PHASE_ORDER = (
+    "restart",
+    "environment",
+    "checkpoint_prefetch",
+    "image_prefetch",
+    "command_start",
+    "first_step",
+    "hang",
+)
 # Their length is set by policy (backoff, hang timeout), not by a slow node.
 NOT_STRAGGLER_PHASES = frozenset({"restart", "hang", FAILURE_PHASE})
 MAD_K = 3.0
@@ -131,6 +138,7 @@ class AttemptOutcome:
 class WorkerRestarts:
     """One row's attempts (its node's rank-less spans included); ``restarts``: the last
     attempt number."""
+
     node: str
     rank: int | None
     restarts: int
@@ -150,6 +158,7 @@ class WorkerFirstStep:
 @dataclass
 class WorkerPhases:
     """One bar of the chart: a node/rank's last attempt (node-level spans of the node included)."""
+
     node: str
     rank: int | None
     attempt: int
@@ -213,8 +222,10 @@ class Report:
             "last_attempt": [asdict(w) for w in self.last_attempt],
             "incidents": [asdict(i) for i in self.incidents],
             "node_stragglers": [asdict(s) for s in self.node_stragglers],
-            "bytes_by_remote": {"total": dict(self.bytes_by_remote),
-                                "nodes": [asdict(n) for n in self.bytes_by_node]},
+            "bytes_by_remote": {
+                "total": dict(self.bytes_by_remote),
+                "nodes": [asdict(n) for n in self.bytes_by_node],
+            },
             "robust": self.robust,
             **({"colltrace": self.colltrace} if self.colltrace else {}),  # when traced
         }
@@ -223,19 +234,25 @@ class Report:
     def from_dict(cls, doc: dict[str, Any]) -> Report:
         """Reads this version's JSON and every earlier one (:data:`READABLE_VERSIONS`)."""
         if doc.get("version") not in READABLE_VERSIONS:
-            raise ValueError(f"report version {doc.get('version')!r} is not one of "
-                             f"{READABLE_VERSIONS}: a newer bootseer wrote it; read it with "
-                             "that version")
+            raise ValueError(
+                f"report version {doc.get('version')!r} is not one of "
+                f"{READABLE_VERSIONS}: a newer bootseer wrote it; read it with "
+                "that version"
+            )
         ttfs = doc["time_to_first_step"]
         remotes = doc.get("bytes_by_remote") or {"total": {}, "nodes": []}
         return cls(
-            sources=list(doc["sources"]), warnings=list(doc["warnings"]), spans=doc["spans"],
-            nodes=doc["nodes"], workers=doc["workers"],
+            sources=list(doc["sources"]),
+            warnings=list(doc["warnings"]),
+            spans=doc["spans"],
+            nodes=doc["nodes"],
+            workers=doc["workers"],
             phases=[PhaseStats(**p) for p in doc["phases"]],
             stragglers=[Straggler(**s) for s in doc["stragglers"]],
-            restarts=[WorkerRestarts(**{**r, "attempts": [AttemptOutcome(**a)
-                                                          for a in r["attempts"]]})
-                      for r in doc["restarts"]],
+            restarts=[
+                WorkerRestarts(**{**r, "attempts": [AttemptOutcome(**a) for a in r["attempts"]]})
+                for r in doc["restarts"]
+            ],
             first_step=[WorkerFirstStep(**w) for w in ttfs["workers"]],
             first_step_first=Stats(**ttfs["first_attempt"]) if ttfs["first_attempt"] else None,
             first_step_last=Stats(**ttfs["last_attempt"]) if ttfs["last_attempt"] else None,
@@ -258,14 +275,20 @@ class Report:
 
 
 def _incident_from_dict(doc: dict[str, Any]) -> Incident:
-    return Incident(**{**doc,
-                       "critical_path": [Segment(**s) for s in doc["critical_path"]],
-                       "timeline": [NodeTimeline(**{**t, "segments": [Segment(**s) for s in
-                                                                       t["segments"]]})
-                                    for t in doc["timeline"]]})
+    return Incident(
+        **{
+            **doc,
+            "critical_path": [Segment(**s) for s in doc["critical_path"]],
+            "timeline": [
+                NodeTimeline(**{**t, "segments": [Segment(**s) for s in t["segments"]]})
+                for t in doc["timeline"]
+            ],
+        }
+    )
 
 
 # -- statistics --------------------------------------------------------------------------------
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
@@ -298,8 +321,13 @@ def straggler_threshold(values: Sequence[float]) -> tuple[float, float, float]:
 def stats(values: Sequence[float]) -> Stats | None:
     if not values:
         return None
-    return Stats(count=len(values), p50=percentile(values, 50), p90=percentile(values, 90),
-                 max=max(values), mean=sum(values) / len(values))
+    return Stats(
+        count=len(values),
+        p50=percentile(values, 50),
+        p90=percentile(values, 90),
+        max=max(values),
+        mean=sum(values) / len(values),
+    )
 
 
 # -- grouping ----------------------------------------------------------------------------------
@@ -337,8 +365,9 @@ def worker_spans(spans: Iterable[Span]) -> dict[tuple[str, Any], list[Span]]:
             ranked[(s.node, s.rank)].append(s)
     rows = {key: own + node_level.get(key[0], []) for key, own in ranked.items()}
     ranked_nodes = {node for node, _ in ranked}
-    rows.update({(node, None): group for node, group in node_level.items()
-                 if node not in ranked_nodes})
+    rows.update(
+        {(node, None): group for node, group in node_level.items() if node not in ranked_nodes}
+    )
     return {key: rows[key] for key in sorted(rows, key=lambda k: worker_key(*k))}
 
 
@@ -347,8 +376,10 @@ def _clean(spans: Iterable[Span], warnings: list[str]) -> list[Span]:
     kept = []
     for s in spans:
         if not (math.isfinite(s.start) and math.isfinite(s.end)) or s.end < s.start:
-            warnings.append(f"span {s.phase} of {worker_label(s.node, s.rank)} attempt "
-                            f"{s.attempt} skipped (start {s.start}, end {s.end})")
+            warnings.append(
+                f"span {s.phase} of {worker_label(s.node, s.rank)} attempt "
+                f"{s.attempt} skipped (start {s.start}, end {s.end})"
+            )
             continue
         kept.append(s)
     return kept
@@ -366,10 +397,18 @@ def _phase_stats(spans: list[Span]) -> list[PhaseStats]:
         outcomes: dict[str, int] = defaultdict(int)
         for s in group:
             outcomes[s.outcome] += 1
-        out.append(PhaseStats(phase=phase, count=len(ok), p50=st.p50 if st else None,
-                              p90=st.p90 if st else None, max=st.max if st else None,
-                              mean=st.mean if st else None, bytes=sum(s.bytes for s in ok),
-                              outcomes=dict(sorted(outcomes.items()))))
+        out.append(
+            PhaseStats(
+                phase=phase,
+                count=len(ok),
+                p50=st.p50 if st else None,
+                p90=st.p90 if st else None,
+                max=st.max if st else None,
+                mean=st.mean if st else None,
+                bytes=sum(s.bytes for s in ok),
+                outcomes=dict(sorted(outcomes.items())),
+            )
+        )
     return out
 
 
@@ -387,10 +426,21 @@ def find_stragglers(spans: Iterable[Span]) -> list[Straggler]:
         m, d, threshold = straggler_threshold([s.seconds for s in group])
         for s in group:
             if s.seconds > threshold:
-                found.append(Straggler(phase=phase, node=s.node, rank=s.rank, attempt=attempt,
-                                       seconds=s.seconds, median=m, mad=d, threshold=threshold))
-    found.sort(key=lambda x: (phase_key(x.phase), x.attempt, -x.seconds,
-                              worker_key(x.node, x.rank)))
+                found.append(
+                    Straggler(
+                        phase=phase,
+                        node=s.node,
+                        rank=s.rank,
+                        attempt=attempt,
+                        seconds=s.seconds,
+                        median=m,
+                        mad=d,
+                        threshold=threshold,
+                    )
+                )
+    found.sort(
+        key=lambda x: (phase_key(x.phase), x.attempt, -x.seconds, worker_key(x.node, x.rank))
+    )
     return found
 
 
@@ -410,9 +460,14 @@ def _attempt_outcome(spans: list[Span], has_later: bool) -> str:
     if any(s.outcome != "ok" for s in first_step):
         return "crash"  # the command ended before bootseer.ready()
     for bad in ("failed", "killed"):
-        phases = sorted({s.phase for s in spans if s.outcome == bad
-                         and s.phase not in ("restart", FAILURE_PHASE)},
-                        key=phase_key)
+        phases = sorted(
+            {
+                s.phase
+                for s in spans
+                if s.outcome == bad and s.phase not in ("restart", FAILURE_PHASE)
+            },
+            key=phase_key,
+        )
         if phases:
             return f"{bad}:{phases[0]}"
     return "crash" if has_later else "incomplete"
@@ -424,8 +479,9 @@ def _latest(spans: Iterable[Span], phase: str, ok_only: bool = True) -> Span | N
     return max(found, key=lambda s: s.end) if found else None
 
 
-def build_report(spans: Sequence[Span], warnings: Sequence[str] = (),
-                 sources: Sequence[str] = ()) -> Report:
+def build_report(
+    spans: Sequence[Span], warnings: Sequence[str] = (), sources: Sequence[str] = ()
+) -> Report:
     """The whole analysis; ``warnings`` (from :func:`read_traces`) are carried into it."""
     warns = list(warnings)
     spans = _clean(spans, warns)
@@ -449,22 +505,39 @@ def build_report(spans: Sequence[Span], warnings: Sequence[str] = (),
         if with_step:
             lo, hi = with_step[0], with_step[-1]
             first, last = _latest(attempts[lo], "first_step"), _latest(attempts[hi], "first_step")
-            first_step.append(WorkerFirstStep(node, rank, lo, first.seconds if first else None,
-                                              hi, last.seconds if last else None))
+            first_step.append(
+                WorkerFirstStep(
+                    node,
+                    rank,
+                    lo,
+                    first.seconds if first else None,
+                    hi,
+                    last.seconds if last else None,
+                )
+            )
 
     views = node_views(spans, NOT_STRAGGLER_PHASES)
     return Report(
-        sources=[str(p) for p in sources], warnings=warns, spans=len(spans),
-        nodes=len({n for n, _ in workers}), workers=len(workers),
-        phases=_phase_stats(spans), stragglers=find_stragglers(spans),
-        restarts=restarts, first_step=first_step,
-        first_step_first=stats([w.first_attempt_s for w in first_step
-                                if w.first_attempt_s is not None]),
-        first_step_last=stats([w.last_attempt_s for w in first_step
-                               if w.last_attempt_s is not None]),
+        sources=[str(p) for p in sources],
+        warnings=warns,
+        spans=len(spans),
+        nodes=len({n for n, _ in workers}),
+        workers=len(workers),
+        phases=_phase_stats(spans),
+        stragglers=find_stragglers(spans),
+        restarts=restarts,
+        first_step=first_step,
+        first_step_first=stats(
+            [w.first_attempt_s for w in first_step if w.first_attempt_s is not None]
+        ),
+        first_step_last=stats(
+            [w.last_attempt_s for w in first_step if w.last_attempt_s is not None]
+        ),
         last_attempt=_last_attempts(by_worker),
-        incidents=views.incidents, node_stragglers=views.node_stragglers,
-        bytes_by_node=views.bytes_by_node, bytes_by_remote=views.bytes_by_remote,
+        incidents=views.incidents,
+        node_stragglers=views.node_stragglers,
+        bytes_by_node=views.bytes_by_node,
+        bytes_by_remote=views.bytes_by_remote,
     )
 
 
@@ -478,9 +551,16 @@ def _last_attempts(by_worker: dict[tuple[str, Any], list[Span]]) -> list[WorkerP
         for s in spans:
             phases[s.phase] += s.seconds
         step = _latest(spans, "first_step")
-        out.append(WorkerPhases(node, rank, attempt,
-                                dict(sorted(phases.items(), key=lambda kv: phase_key(kv[0]))),
-                                step.seconds if step else None, wall_segments(spans)))
+        out.append(
+            WorkerPhases(
+                node,
+                rank,
+                attempt,
+                dict(sorted(phases.items(), key=lambda kv: phase_key(kv[0]))),
+                step.seconds if step else None,
+                wall_segments(spans),
+            )
+        )
     return out
 
 
@@ -508,16 +588,19 @@ def load_report(paths: Sequence[str | os.PathLike], *, end: float | None = None)
     spans, warnings = read_traces(paths)
     names = ", ".join(str(p) for p in paths)
     if not spans:
-        files = [f for p in map(Path, paths)
-                 for f in (sorted(p.rglob("*.jsonl")) if p.is_dir() else [p])]
+        files = [
+            f for p in map(Path, paths) for f in (sorted(p.rglob("*.jsonl")) if p.is_dir() else [p])
+        ]
         if not files:
             raise ReportError(f"no trace files (*.jsonl) under {names}")
         why = f" ({len(warnings)} unreadable lines, first: {warnings[0]})" if warnings else ""
         raise ReportError(f"no trace spans in {names}{why}")
     report = build_report(spans, warnings, [str(p) for p in paths])
     if not report.spans:
-        raise ReportError(f"no usable trace spans in {names} (first problem: "
-                          f"{report.warnings[0] if report.warnings else 'none'})")
+        raise ReportError(
+            f"no usable trace spans in {names} (first problem: "
+            f"{report.warnings[0] if report.warnings else 'none'})"
+        )
     from .report_robust import robust_section
     from .robust.events import read_records
 
@@ -532,6 +615,7 @@ def load_report(paths: Sequence[str | os.PathLike], *, end: float | None = None)
 
 # -- plain text --------------------------------------------------------------------------------
 
+
 def fmt_s(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -544,46 +628,107 @@ def table_rows(report: Report) -> dict[str, tuple[list[str], list[list[str]]]]:
     tables: dict[str, tuple[list[str], list[list[str]]]] = {}
     tables["phases (seconds, ok spans over all nodes, ranks and attempts)"] = (
         ["phase", "n", "p50", "p90", "max", "bytes", "not ok"],
-        [[p.phase, str(p.count), fmt_s(p.p50), fmt_s(p.p90), fmt_s(p.max),
-          human_bytes(p.bytes) if p.bytes else "-",
-          ", ".join(f"{k} {v}" for k, v in p.outcomes.items() if k != "ok") or "-"]
-         for p in report.phases])
+        [
+            [
+                p.phase,
+                str(p.count),
+                fmt_s(p.p50),
+                fmt_s(p.p90),
+                fmt_s(p.max),
+                human_bytes(p.bytes) if p.bytes else "-",
+                ", ".join(f"{k} {v}" for k, v in p.outcomes.items() if k != "ok") or "-",
+            ]
+            for p in report.phases
+        ],
+    )
     tables["time to first step (seconds, per node/rank)"] = (
         ["attempt", "n", "p50", "p90", "max"],
-        [[name, *([str(st.count), fmt_s(st.p50), fmt_s(st.p90), fmt_s(st.max)] if st
-                  else ["0", "-", "-", "-"])]
-         for name, st in (("first", report.first_step_first), ("last", report.first_step_last))])
+        [
+            [
+                name,
+                *(
+                    [str(st.count), fmt_s(st.p50), fmt_s(st.p90), fmt_s(st.max)]
+                    if st
+                    else ["0", "-", "-", "-"]
+                ),
+            ]
+            for name, st in (("first", report.first_step_first), ("last", report.first_step_last))
+        ],
+    )
     if report.stragglers:
         tables[f"stragglers (> median + {MAD_K:g} MAD)"] = (
             ["phase", "node", "rank", "attempt", "seconds", "median", "threshold"],
-            [[s.phase, s.node, "-" if s.rank is None else str(s.rank), str(s.attempt),
-              fmt_s(s.seconds), fmt_s(s.median), fmt_s(s.threshold)]
-             for s in report.stragglers])
+            [
+                [
+                    s.phase,
+                    s.node,
+                    "-" if s.rank is None else str(s.rank),
+                    str(s.attempt),
+                    fmt_s(s.seconds),
+                    fmt_s(s.median),
+                    fmt_s(s.threshold),
+                ]
+                for s in report.stragglers
+            ],
+        )
     if report.node_stragglers:
         tables[f"straggling nodes (a node's time in a phase > median + {MAD_K:g} MAD)"] = (
             ["phase", "node", "attempt", "seconds", "median", "threshold"],
-            [[s.phase, s.node, str(s.attempt), fmt_s(s.seconds), fmt_s(s.median),
-              fmt_s(s.threshold)] for s in report.node_stragglers])
+            [
+                [
+                    s.phase,
+                    s.node,
+                    str(s.attempt),
+                    fmt_s(s.seconds),
+                    fmt_s(s.median),
+                    fmt_s(s.threshold),
+                ]
+                for s in report.node_stragglers
+            ],
+        )
     if report.incidents:
         tables["incidents: failure (or start) to the job's first step, along the critical path"] = (
             ["attempt", "kind", "wall", "critical node", "ready", "cost by phase (seconds)"],
-            [[str(i.attempt), i.kind, fmt_s(i.wall_s),
-              "-" if i.critical_node is None else worker_label(i.critical_node, i.critical_rank),
-              f"{i.ready_nodes}/{i.nodes}",
-              ", ".join(f"{k} {v:.2f}" for k, v in sorted(i.cost.items(),
-                                                          key=lambda kv: phase_key(kv[0])))
-              or "-"] for i in report.incidents])
+            [
+                [
+                    str(i.attempt),
+                    i.kind,
+                    fmt_s(i.wall_s),
+                    "-"
+                    if i.critical_node is None
+                    else worker_label(i.critical_node, i.critical_rank),
+                    f"{i.ready_nodes}/{i.nodes}",
+                    ", ".join(
+                        f"{k} {v:.2f}"
+                        for k, v in sorted(i.cost.items(), key=lambda kv: phase_key(kv[0]))
+                    )
+                    or "-",
+                ]
+                for i in report.incidents
+            ],
+        )
     if report.bytes_by_remote:
         remotes = sorted(report.bytes_by_remote)
         heavy = sorted(report.bytes_by_node, key=lambda n: -n.total)[:MAX_BYTE_ROWS]
-        shown = "" if len(heavy) == len(report.bytes_by_node) else (
-            f", the {len(heavy)} heaviest of {len(report.bytes_by_node)} nodes")
+        shown = (
+            ""
+            if len(heavy) == len(report.bytes_by_node)
+            else (f", the {len(heavy)} heaviest of {len(report.bytes_by_node)} nodes")
+        )
         tables[f"bytes received per remote (every attempt and warmup{shown})"] = (
             ["node", *remotes, "total"],
-            [[n.node, *(human_bytes(n.remotes.get(r, 0)) for r in remotes), human_bytes(n.total)]
-             for n in sorted(heavy, key=lambda n: worker_key(n.node, None))]
-            + [["all nodes", *(human_bytes(report.bytes_by_remote[r]) for r in remotes),
-                human_bytes(sum(report.bytes_by_remote.values()))]])
+            [
+                [n.node, *(human_bytes(n.remotes.get(r, 0)) for r in remotes), human_bytes(n.total)]
+                for n in sorted(heavy, key=lambda n: worker_key(n.node, None))
+            ]
+            + [
+                [
+                    "all nodes",
+                    *(human_bytes(report.bytes_by_remote[r]) for r in remotes),
+                    human_bytes(sum(report.bytes_by_remote.values())),
+                ]
+            ],
+        )
     if report.robust:
         from .report_robust import robust_tables
 
@@ -596,16 +741,27 @@ def table_rows(report: Report) -> dict[str, tuple[list[str], list[list[str]]]]:
     if restarted:
         tables[f"restarts ({report.total_restarts} in all)"] = (
             ["node", "rank", "restarts", "attempts"],
-            [[r.node, "-" if r.rank is None else str(r.rank), str(r.restarts),
-              ", ".join(f"{a.attempt}: {a.outcome}" + (f" ({a.reason})" if a.reason else "")
-                        for a in r.attempts)]
-             for r in restarted])
+            [
+                [
+                    r.node,
+                    "-" if r.rank is None else str(r.rank),
+                    str(r.restarts),
+                    ", ".join(
+                        f"{a.attempt}: {a.outcome}" + (f" ({a.reason})" if a.reason else "")
+                        for a in r.attempts
+                    ),
+                ]
+                for r in restarted
+            ],
+        )
     return tables
 
 
 def summary_line(report: Report) -> str:
-    return (f"{report.spans} spans from {report.nodes} nodes ({report.workers} node/rank "
-            f"traces); {len(report.stragglers)} stragglers; {report.total_restarts} restarts")
+    return (
+        f"{report.spans} spans from {report.nodes} nodes ({report.workers} node/rank "
+        f"traces); {len(report.stragglers)} stragglers; {report.total_restarts} restarts"
+    )
 
 
 def format_text(report: Report) -> str:
@@ -615,8 +771,7 @@ def format_text(report: Report) -> str:
         widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=False)]
         lines += ["", title]
         for row in (header, *rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
-                         .rstrip())
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     if not report.stragglers:
         lines += ["", "no stragglers"]
     return "\n".join(lines)

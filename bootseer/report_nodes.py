@@ -50,6 +50,7 @@ UNTRACED = "untraced"
 @dataclass
 class Segment:
     """A stretch of wall time given to one phase; seconds since the incident's start."""
+
     phase: str
     start: float
     end: float
@@ -65,6 +66,7 @@ class NodeTimeline:
 @dataclass
 class Incident:
     """One start or restart of the job, from the failure to its first step."""
+
     attempt: int  # the job attempt (:func:`job_attempts`), not a node's own number
     kind: str  # "start" (attempt 0) or "restart"
     start_at: float  # epoch seconds of the failure (or the start)
@@ -108,9 +110,12 @@ class NodeViews:
     bytes_by_remote: dict[str, int] = field(default_factory=dict)  # the job's totals
 
 
-def positioned_segments(spans: Iterable[Span], origin: float | None = None,
-                        until: float | None = None, gap: str | None = UNTRACED
-                        ) -> list[Segment]:
+def positioned_segments(
+    spans: Iterable[Span],
+    origin: float | None = None,
+    until: float | None = None,
+    gap: str | None = UNTRACED,
+) -> list[Segment]:
     """The wall time from ``origin`` (default: the first start) to the last end (at most
     ``until``) as segments in time order: each stretch goes to the phase that ends it (the one
     the time was waiting for), a stretch where no span ran to ``gap`` (left out when None).
@@ -182,18 +187,47 @@ def _incident(attempt: int, spans: list[Span], failures: list[Span]) -> Incident
         # a node is ready when every rank that started a first step reached it
         done = ends.get(node, [])
         node_ready = max(done) if done and len(done) == len(ranks[node]) else None
-        timeline.append(NodeTimeline(node, positioned_segments(by_node[node], start_at, gap=None),
-                                     None if node_ready is None else node_ready - start_at))
+        timeline.append(
+            NodeTimeline(
+                node,
+                positioned_segments(by_node[node], start_at, gap=None),
+                None if node_ready is None else node_ready - start_at,
+            )
+        )
     if not ready:
-        return Incident(attempt, "start" if attempt == 0 else "restart", start_at, start_from,
-                        None, None, len(by_node), 0, None, None, [], {}, timeline)
+        return Incident(
+            attempt,
+            "start" if attempt == 0 else "restart",
+            start_at,
+            start_from,
+            None,
+            None,
+            len(by_node),
+            0,
+            None,
+            None,
+            [],
+            {},
+            timeline,
+        )
     (node, rank), first_step_at = max(ready.items(), key=lambda kv: kv[1])
     row = [s for s in by_node[node] if s.rank is None or s.rank == rank]
     path = positioned_segments(row, start_at, until=first_step_at)
-    return Incident(attempt, "start" if attempt == 0 else "restart", start_at, start_from,
-                    first_step_at, first_step_at - start_at, len(by_node),
-                    sum(t.first_step_s is not None for t in timeline), node, rank, path,
-                    split_by_phase(path), timeline)
+    return Incident(
+        attempt,
+        "start" if attempt == 0 else "restart",
+        start_at,
+        start_from,
+        first_step_at,
+        first_step_at - start_at,
+        len(by_node),
+        sum(t.first_step_s is not None for t in timeline),
+        node,
+        rank,
+        path,
+        split_by_phase(path),
+        timeline,
+    )
 
 
 def find_node_stragglers(spans: Iterable[Span], skip: Iterable[str] = ()) -> list[NodeStraggler]:
@@ -215,8 +249,11 @@ def find_node_stragglers(spans: Iterable[Span], skip: Iterable[str] = ()) -> lis
         if len(per_node) < 3:
             continue
         m, d, threshold = straggler_threshold(list(per_node.values()))
-        found += [NodeStraggler(phase, node, attempt, sec, m, d, threshold)
-                  for node, sec in per_node.items() if sec > threshold]
+        found += [
+            NodeStraggler(phase, node, attempt, sec, m, d, threshold)
+            for node, sec in per_node.items()
+            if sec > threshold
+        ]
     found.sort(key=lambda x: (phase_key(x.phase), x.attempt, -x.seconds, worker_key(x.node, None)))
     return found
 
@@ -231,14 +268,17 @@ def remote_totals(spans: Iterable[Span]) -> tuple[list[NodeBytes], dict[str, int
         for remote, n in s.bytes_by_remote.items():
             per_node[s.node][remote] += n
             total[remote] += n
-    nodes = [NodeBytes(node, dict(sorted(r.items())), sum(r.values()))
-             for node, r in sorted(per_node.items(), key=lambda kv: worker_key(kv[0], None))]
+    nodes = [
+        NodeBytes(node, dict(sorted(r.items())), sum(r.values()))
+        for node, r in sorted(per_node.items(), key=lambda kv: worker_key(kv[0], None))
+    ]
     return nodes, dict(sorted(total.items()))
 
 
 @dataclass
 class _Run:
     """One node's spans of one of its attempts (a replacement's restart split off)."""
+
     node: str
     attempt: int
     part: int  # 0, or 1+ after a failure point of the same node and attempt
@@ -249,8 +289,11 @@ class _Run:
         mine = [spans[i] for i in self.spans]
         failed = [s.start for s in mine if s.phase == FAILURE_PHASE]
         ready = [s.end for s in mine if s.phase == "first_step" and s.outcome == "ok"]
-        return (min(s.start for s in mine), min(failed) if failed else None,
-                max(ready) if ready else None)
+        return (
+            min(s.start for s in mine),
+            min(failed) if failed else None,
+            max(ready) if ready else None,
+        )
 
 
 def _runs(spans: Sequence[Span]) -> list[_Run]:
@@ -262,8 +305,11 @@ def _runs(spans: Sequence[Span]) -> list[_Run]:
         failed = sorted(spans[i].start for i in idx if spans[i].phase == FAILURE_PHASE)
         for i in idx:  # a failure point closes its run; what starts at or after it is new
             s = spans[i]
-            part = sum(f < s.start for f in failed) if s.phase == FAILURE_PHASE else sum(
-                f <= s.start for f in failed)
+            part = (
+                sum(f < s.start for f in failed)
+                if s.phase == FAILURE_PHASE
+                else sum(f <= s.start for f in failed)
+            )
             runs.setdefault((node, attempt, part), _Run(node, attempt, part)).spans.append(i)
     return list(runs.values())
 
@@ -283,8 +329,12 @@ def job_attempts(spans: Sequence[Span]) -> tuple[list[int], list[dict[str, list[
     for r in runs:
         start, fail, done = bounds[id(r)]
         current = members[-1] if members else None
-        if (current is None or r.node in current or (ready is not None and start >= ready)
-                or (failed is not None and start >= failed)):
+        if (
+            current is None
+            or r.node in current
+            or (ready is not None and start >= ready)
+            or (failed is not None and start >= failed)
+        ):
             current, ready, failed = {}, None, None
             members.append(current)
         current[r.node] = sorted({*current.get(r.node, []), r.attempt})
@@ -326,7 +376,11 @@ def node_views(spans: Sequence[Span], skip_stragglers: Iterable[str] = ()) -> No
             by_attempt[s.attempt].append(s)
     nodes, total = remote_totals(spans)
     return NodeViews(
-        incidents=[replace(_incident(a, by_attempt[a], failures), node_attempts=members[a])
-                   for a in sorted(by_attempt)],
+        incidents=[
+            replace(_incident(a, by_attempt[a], failures), node_attempts=members[a])
+            for a in sorted(by_attempt)
+        ],
         node_stragglers=find_node_stragglers(job, {*skip_stragglers, FAILURE_PHASE}),
-        bytes_by_node=nodes, bytes_by_remote=total)
+        bytes_by_node=nodes,
+        bytes_by_remote=total,
+    )

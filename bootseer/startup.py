@@ -85,8 +85,9 @@ def _say(line: str) -> None:
     print(f"bootseer: {line}", file=sys.stderr, flush=True)
 
 
-def environment_phase(plan: StartupPlan, base_env: Mapping[str, str],
-                      checks: DeferredChecks | None = None) -> PhaseResult:
+def environment_phase(
+    plan: StartupPlan, base_env: Mapping[str, str], checks: DeferredChecks | None = None
+) -> PhaseResult:
     """``snapshot.ensure``: verified, restored or built; the command runs inside it. With
     ``checks`` and ``env_verify = "beside"`` a held environment is verified by its marker and
     its files are checked beside the command (:mod:`bootseer.deferred`)."""
@@ -96,23 +97,34 @@ def environment_phase(plan: StartupPlan, base_env: Mapping[str, str],
         result.detail["reason"] = "no env.spec"
         return result
     if not plan.env_prefix:
-        raise StartupError("environment: env.spec is set but env.prefix is not: say where "
-                           "the environment lives (--env-prefix or env.prefix)")
+        raise StartupError(
+            "environment: env.spec is set but env.prefix is not: say where "
+            "the environment lives (--env-prefix or env.prefix)"
+        )
     if plan.env_verify not in ("beside", "before"):
-        raise StartupError(f"env.verify is {plan.env_verify!r}: use 'beside' (the files "
-                           "checked while the command runs) or 'before'")
+        raise StartupError(
+            f"env.verify is {plan.env_verify!r}: use 'beside' (the files "
+            "checked while the command runs) or 'before'"
+        )
     from snapshot import ensure
 
     prefix = os.path.abspath(plan.env_prefix)
     beside = checks is not None and plan.env_verify == "beside"
     try:
-        done = ensure(plan.env_spec, prefix=prefix, store=plan.env_store or None,
-                      base_image=plan.env_base_image or None, uv=plan.env_uv or None,
-                      storage_options=plan.storage_options, quick_verify=beside)
+        done = ensure(
+            plan.env_spec,
+            prefix=prefix,
+            store=plan.env_store or None,
+            base_image=plan.env_base_image or None,
+            uv=plan.env_uv or None,
+            storage_options=plan.storage_options,
+            quick_verify=beside,
+        )
     except Exception as exc:
-        raise StartupError(f"environment {prefix} from {', '.join(plan.env_spec)} could not be "
-                           f"made, the job does not start: {type(exc).__name__}: {exc}"
-                           ) from exc
+        raise StartupError(
+            f"environment {prefix} from {', '.join(plan.env_spec)} could not be "
+            f"made, the job does not start: {type(exc).__name__}: {exc}"
+        ) from exc
     for warning in done.warnings:
         _say(f"warning: {warning}")
     if not done.files_checked and checks is not None:
@@ -124,19 +136,23 @@ def environment_phase(plan: StartupPlan, base_env: Mapping[str, str],
     if done.restore is not None:
         result.detail["fetched_bytes"] = done.restore.compressed_bytes
         if plan.env_store:
-            result.bytes_by_remote = remote_bytes(remote_of(plan.env_store),
-                                                  done.restore.compressed_bytes)
+            result.bytes_by_remote = remote_bytes(
+                remote_of(plan.env_store), done.restore.compressed_bytes
+            )
     if done.warnings:
         result.detail["warnings"] = list(done.warnings)
     result.summary = f"{done.outcome} {prefix}" + (f" ({human_bytes(moved)})" if moved else "")
     path = base_env.get("PATH", os.defpath)
-    result.env = {"PATH": f"{prefix}/bin{os.pathsep}{path}" if path else f"{prefix}/bin",
-                  "VIRTUAL_ENV": prefix}
+    result.env = {
+        "PATH": f"{prefix}/bin{os.pathsep}{path}" if path else f"{prefix}/bin",
+        "VIRTUAL_ENV": prefix,
+    }
     return result
 
 
-def checkpoint_phase(plan: StartupPlan,
-                     ready: Callable[[dict[str, str]], None] | None = None) -> PhaseResult:
+def checkpoint_phase(
+    plan: StartupPlan, ready: Callable[[dict[str, str]], None] | None = None
+) -> PhaseResult:
     """The newest committed checkpoint's files for this node's ranks into the local cache.
 
     ``ready(env)`` is called once the command may start beside the copy (the store listed,
@@ -161,9 +177,14 @@ def checkpoint_phase(plan: StartupPlan,
             ready(_cache_handoff(plan))
 
     try:
-        done = prefetch_latest(plan.ckpt_url, plan.ckpt_cache_dir, plan.ranks,
-                               storage_options=plan.storage_options,
-                               connections=plan.ckpt_connections, on_planned=planned)
+        done = prefetch_latest(
+            plan.ckpt_url,
+            plan.ckpt_cache_dir,
+            plan.ranks,
+            storage_options=plan.storage_options,
+            connections=plan.ckpt_connections,
+            on_planned=planned,
+        )
     except CheckpointStoreUnavailable as exc:
         if "ready_s" in result.detail:  # the command runs already: only the cache is lost
             return _prefetch_failed(plan, result, exc)
@@ -172,9 +193,12 @@ def checkpoint_phase(plan: StartupPlan,
                 f"checkpoint store {plan.ckpt_url} is unreachable, the job does not start "
                 f"(it would start fresh and overwrite the run's checkpoints): {exc}. Fix the "
                 f"store or its credentials, or pass --allow-fresh-start (run.allow_fresh_start)"
-                f" to start without a checkpoint") from exc
-        _say(f"warning: checkpoint store {plan.ckpt_url} is unreachable; starting fresh "
-             f"(--allow-fresh-start): {exc}")
+                f" to start without a checkpoint"
+            ) from exc
+        _say(
+            f"warning: checkpoint store {plan.ckpt_url} is unreachable; starting fresh "
+            f"(--allow-fresh-start): {exc}"
+        )
         result.outcome, result.summary = "skipped", "skipped: store unreachable, fresh start"
         result.detail.update(reason="store unreachable, fresh start allowed", error=str(exc))
         return result
@@ -186,16 +210,20 @@ def checkpoint_phase(plan: StartupPlan,
     if done.step is None:
         result.summary = "no committed checkpoint yet (a fresh run)"
     else:
-        result.summary = (f"step {done.step} for ranks {_ranks(plan.ranks)}: {done.files} "
-                          f"file(s), {human_bytes(done.bytes)} fetched, "
-                          f"{done.cached_already} already cached")
+        result.summary = (
+            f"step {done.step} for ranks {_ranks(plan.ranks)}: {done.files} "
+            f"file(s), {human_bytes(done.bytes)} fetched, "
+            f"{done.cached_already} already cached"
+        )
     result.env = _cache_handoff(plan)
     return result
 
 
 def _prefetch_failed(plan: StartupPlan, result: PhaseResult, exc: Exception) -> PhaseResult:
-    _say(f"warning: checkpoint prefetch from {plan.ckpt_url} failed, the job reads the "
-         f"store directly: {type(exc).__name__}: {exc}")
+    _say(
+        f"warning: checkpoint prefetch from {plan.ckpt_url} failed, the job reads the "
+        f"store directly: {type(exc).__name__}: {exc}"
+    )
     result.outcome, result.summary = "failed", f"failed ({type(exc).__name__})"
     result.detail["error"] = f"{type(exc).__name__}: {exc}"
     result.env = _cache_handoff(plan)
@@ -229,10 +257,15 @@ def _check_beside(checks: DeferredChecks, prefix: str, key: str) -> None:
 _lingering: list[threading.Thread] = []
 
 
-def run_startup(plan: StartupPlan, *, trace: TraceWriter | None = None, attempt: int = 0,
-                base_env: Mapping[str, str] | None = None,
-                say: Callable[[str], None] = _say,
-                checks: DeferredChecks | None = None) -> dict[str, str]:
+def run_startup(
+    plan: StartupPlan,
+    *,
+    trace: TraceWriter | None = None,
+    attempt: int = 0,
+    base_env: Mapping[str, str] | None = None,
+    say: Callable[[str], None] = _say,
+    checks: DeferredChecks | None = None,
+) -> dict[str, str]:
     """Both phases at once, traced; returns the variables the command needs as soon as the
     environment is ready and the prefetch has planned its copy (the copy goes on in its
     thread, and writes its span when it ends). Raises :class:`StartupError` as soon as a
@@ -255,8 +288,10 @@ def run_startup(plan: StartupPlan, *, trace: TraceWriter | None = None, attempt:
 
     phases: list[tuple[str, Callable[[], PhaseResult]]] = [
         ("environment", lambda: environment_phase(plan, base_env, checks)),
-        ("checkpoint_prefetch",
-         lambda: checkpoint_phase(plan, lambda env: signal_ready("checkpoint_prefetch", env))),
+        (
+            "checkpoint_prefetch",
+            lambda: checkpoint_phase(plan, lambda env: signal_ready("checkpoint_prefetch", env)),
+        ),
     ]
 
     def run(name: str, fn: Callable[[], PhaseResult]) -> None:
@@ -264,14 +299,26 @@ def run_startup(plan: StartupPlan, *, trace: TraceWriter | None = None, attempt:
         try:
             result = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            result = PhaseResult(name, outcome="failed", error=exc,
-                                 detail={"error": f"{type(exc).__name__}: {exc}"})
+            result = PhaseResult(
+                name, outcome="failed", error=exc, detail={"error": f"{type(exc).__name__}: {exc}"}
+            )
         end = time.time()
         try:
             if trace is not None:  # detail may hold its own "outcome" (ensure's)
-                trace.write(Span(trace.node, trace.rank, name, start, end, result.bytes,
-                                 result.outcome, attempt, result.detail,
-                                 result.bytes_by_remote))
+                trace.write(
+                    Span(
+                        trace.node,
+                        trace.rank,
+                        name,
+                        start,
+                        end,
+                        result.bytes,
+                        result.outcome,
+                        attempt,
+                        result.detail,
+                        result.bytes_by_remote,
+                    )
+                )
             quiet = attempt > 0 and result.outcome == "skipped" and "error" not in result.detail
             if result.error is None and not quiet:  # an unconfigured phase is said once
                 say(f"{name}: {result.summary} in {end - start:.2f}s")
@@ -287,8 +334,10 @@ def run_startup(plan: StartupPlan, *, trace: TraceWriter | None = None, attempt:
                 ready.setdefault(name, dict(result.env))
                 cond.notify_all()
 
-    threads = [threading.Thread(target=run, args=(name, fn), name=f"bootseer-{name}",
-                                daemon=True) for name, fn in phases]
+    threads = [
+        threading.Thread(target=run, args=(name, fn), name=f"bootseer-{name}", daemon=True)
+        for name, fn in phases
+    ]
     for thread in threads:
         thread.start()
     with cond:

@@ -77,8 +77,13 @@ from .trace import Span, TraceWriter
 from .variables import INCIDENT_HANDOFF, VERSION_HANDOFF
 
 __all__ = [
-    "AttemptEnd", "HangPolicy", "RestartPolicy", "StopRequested", "Supervisor",
-    "become_subreaper", "exit_code",
+    "AttemptEnd",
+    "HangPolicy",
+    "RestartPolicy",
+    "StopRequested",
+    "Supervisor",
+    "become_subreaper",
+    "exit_code",
 ]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -192,7 +197,7 @@ def group_pids(pgid: int) -> set[int]:
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(b")") + 2:].split()
+        fields = stat[stat.rfind(b")") + 2 :].split()
         # fields[0] is the state, [1] the parent, [2] the process group
         if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
             found.add(int(name))
@@ -256,18 +261,31 @@ class Supervisor:
     first_step, hang and restart spans (the hook writes its own). Stack dumps go to
     ``dump_dir`` (the trace directory)."""
 
-    def __init__(self, command: Sequence[str], *, env: Mapping[str, str] | None = None,
-                 restart: RestartPolicy = RestartPolicy(), hang: HangPolicy = HangPolicy(),
-                 trace: TraceWriter | None = None, node: str | None = None,
-                 dump_dir: str | os.PathLike | None = None,
-                 control_dir: str | os.PathLike | None = None,
-                 ready_file: str | os.PathLike | None = None,
-                 before_attempt: Callable[[int], Mapping[str, str] | None] | None = None,
-                 kill_grace_s: float = 5.0, agent: Any = None, tail_lines: int = 200,
-                 remote: Any = None, remote_wait_s: float = 30.0, versions: Any = None,
-                 crash_grace_s: float = 15.0, preload: Sequence[str] = (),
-                 standby: bool = False, checks: Callable[[], Any] | None = None,
-                 log: Callable[[str], None] = _stderr) -> None:
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        restart: RestartPolicy = RestartPolicy(),
+        hang: HangPolicy = HangPolicy(),
+        trace: TraceWriter | None = None,
+        node: str | None = None,
+        dump_dir: str | os.PathLike | None = None,
+        control_dir: str | os.PathLike | None = None,
+        ready_file: str | os.PathLike | None = None,
+        before_attempt: Callable[[int], Mapping[str, str] | None] | None = None,
+        kill_grace_s: float = 5.0,
+        agent: Any = None,
+        tail_lines: int = 200,
+        remote: Any = None,
+        remote_wait_s: float = 30.0,
+        versions: Any = None,
+        crash_grace_s: float = 15.0,
+        preload: Sequence[str] = (),
+        standby: bool = False,
+        checks: Callable[[], Any] | None = None,
+        log: Callable[[str], None] = _stderr,
+    ) -> None:
         if not command:
             raise ValueError("nothing to run: the command is empty")
         self.command = list(command)
@@ -308,8 +326,10 @@ class Supervisor:
         self.preload = tuple(m for m in preload if m)
         self._python = python_command(self.command) if self.preload else None
         if self.preload and self._python is None:
-            self.log("--preload: the command is not `python -m MODULE ...` or `python SCRIPT "
-                     "...` (an `env NAME=VALUE` prefix allowed): it starts as usual")
+            self.log(
+                "--preload: the command is not `python -m MODULE ...` or `python SCRIPT "
+                "...` (an `env NAME=VALUE` prefix allowed): it starts as usual"
+            )
         self._standby: Standby | None = None
         self._version_id: str | None = None  # the running attempt's code version
         # a warm spare node (docs/robust.md, "Warm standby"): its launcher may wait parked at
@@ -327,11 +347,13 @@ class Supervisor:
         # the ranks' status and ready files: a fresh directory (0700, a name nobody can
         # guess), or a named one made 0700 or checked (this user's, 0700, not a link)
         if self.control_dir is None:
-            made = PrivateDir.new(tempfile.gettempdir(), "bootseer-control-",
-                                  what="the control directory")
+            made = PrivateDir.new(
+                tempfile.gettempdir(), "bootseer-control-", what="the control directory"
+            )
         else:
-            made = PrivateDir.open(self.control_dir, what="the control directory "
-                                   "(BOOTSEER_CONTROL_DIR)")
+            made = PrivateDir.open(
+                self.control_dir, what="the control directory (BOOTSEER_CONTROL_DIR)"
+            )
         made.close()
         if self.control_dir is None:
             self.control_dir = Path(made.path)
@@ -359,23 +381,33 @@ class Supervisor:
         while True:
             started = time.time()
             extra = self._startup(attempt)
-            if self.spare and self.remote is not None and (
-                    not self.attempts or self.attempts[-1].detail.get("parked")):
+            if (
+                self.spare
+                and self.remote is not None
+                and (not self.attempts or self.attempts[-1].detail.get("parked"))
+            ):
                 self._spare_rejoin(self.attempts[-1] if self.attempts else None)
             end = self._attempt(attempt, started, extra)
             if self.spare and self._watching is not None and self._watching.last_change is None:
                 end.detail["parked"] = True  # no rank of this node ever ran (a spare)
             self.attempts.append(end)
-            if end.reason in ("not-started", "check-failed") or self._stopping is not None \
-                    or end.code == 0:
+            if (
+                end.reason in ("not-started", "check-failed")
+                or self._stopping is not None
+                or end.code == 0
+            ):
                 return end.code
             if self._judge(end) == "stop":
-                self.log(f"stopping after {end.describe()} (attempt {attempt}): the verdict "
-                         f"is not to restart")
+                self.log(
+                    f"stopping after {end.describe()} (attempt {attempt}): the verdict "
+                    f"is not to restart"
+                )
                 return end.code
             if end.reason != "update" and self._failures() > self.restart.max_restarts:
-                self.log(f"command failed with {end.describe()}; no restarts left "
-                         f"({self.restart.max_restarts} allowed)")
+                self.log(
+                    f"command failed with {end.describe()}; no restarts left "
+                    f"({self.restart.max_restarts} allowed)"
+                )
                 return end.code
             attempt += 1
             self._backoff(attempt, end)
@@ -389,8 +421,10 @@ class Supervisor:
         if end.detail.get("parked") and not end.detail.get("remote"):
             # a spare's launcher that ended on its own ran no rank: not the job's failure, so
             # not published (an incident would stop every node); restarted here, counted
-            self.log(f"standby: the parked launcher ended with {end.describe()}: restarting "
-                     "it on this node (the job is not involved)")
+            self.log(
+                f"standby: the parked launcher ended with {end.describe()}: restarting "
+                "it on this node (the job is not involved)"
+            )
             return "restart"
         if end.detail.get("remote"):
             return self.remote.local_action(self._skip_after(self._from_controller(verdict)))
@@ -422,10 +456,17 @@ class Supervisor:
 
         step = nonfinite_step(verdict) if verdict is not None else None
         if step is not None:
-            self._skip_rules.append(SkipRule(step, time.time(), f"{verdict.failure_class} "
-                                             f"verdict after attempt {len(self.attempts) - 1}"))
-            self.log(f"checkpoints saved from step {step} on by the failed attempt hold the "
-                     "non-finite value: the restart resumes from an earlier one")
+            self._skip_rules.append(
+                SkipRule(
+                    step,
+                    time.time(),
+                    f"{verdict.failure_class} verdict after attempt {len(self.attempts) - 1}",
+                )
+            )
+            self.log(
+                f"checkpoints saved from step {step} on by the failed attempt hold the "
+                "non-finite value: the restart resumes from an earlier one"
+            )
         return verdict
 
     def _judge_early(self, end: AttemptEnd, lines: list[str]) -> str:
@@ -436,8 +477,9 @@ class Supervisor:
             verdict = self._remote_verdict(self._early, end.attempt, published=True)
             if verdict is not None:
                 return self.remote.local_action(self._skip_after(self._from_controller(verdict)))
-        return self.agent.local_action(self._skip_after(self.agent.judge(self._early,
-                                                                         written=True)))
+        return self.agent.local_action(
+            self._skip_after(self.agent.judge(self._early, written=True))
+        )
 
     def _startup(self, attempt: int) -> Mapping[str, str]:
         """The hook in a thread, while the main thread keeps answering signals."""
@@ -457,8 +499,7 @@ class Supervisor:
                 finished.set()
                 signals.wake()
 
-        thread = threading.Thread(target=target, name=f"bootseer-startup-{attempt}",
-                                  daemon=True)
+        thread = threading.Thread(target=target, name=f"bootseer-startup-{attempt}", daemon=True)
         thread.start()
         while not finished.is_set():
             self._stop_check(self._signals.wait(1.0))
@@ -474,8 +515,11 @@ class Supervisor:
     def _failures(self) -> int:
         """Attempts that failed (a restart for a version update is none, nor a parked spare's
         restart on a verdict)."""
-        return sum(1 for a in self.attempts if a.reason != "update" and not (
-            a.detail.get("parked") and a.detail.get("remote")))
+        return sum(
+            1
+            for a in self.attempts
+            if a.reason != "update" and not (a.detail.get("parked") and a.detail.get("remote"))
+        )
 
     def _backoff(self, attempt: int, previous: AttemptEnd) -> None:
         if previous.reason == "update":
@@ -485,29 +529,31 @@ class Supervisor:
             # every node restarts on one decision: waiting adds nothing (the no-progress rule
             # and max_restarts end loops); a store that is down needs the backoff's time
             delay = 0.0
-            self.log(f"restarting on the controller's verdict after {previous.describe()} "
-                     f"(attempt {attempt}, restart {self._failures()}/"
-                     f"{self.restart.max_restarts})")
+            self.log(
+                f"restarting on the controller's verdict after {previous.describe()} "
+                f"(attempt {attempt}, restart {self._failures()}/"
+                f"{self.restart.max_restarts})"
+            )
         else:
             delay = self.restart.delay(self._failures())
-            self.log(f"command failed with {previous.describe()}; restart {self._failures()}/"
-                     f"{self.restart.max_restarts} in {delay:.1f}s")
+            self.log(
+                f"command failed with {previous.describe()}; restart {self._failures()}/"
+                f"{self.restart.max_restarts} in {delay:.1f}s"
+            )
         start = time.time()
         deadline = time.monotonic() + delay
         while (left := deadline - time.monotonic()) > 0:
             self._stop_check(self._signals.wait(left))
         self._reap()
-        reason = previous.reason if previous.reason in ("hang", "nonfinite", "update") else \
-            "crash"
+        reason = previous.reason if previous.reason in ("hang", "nonfinite", "update") else "crash"
         if previous.reason == "verdict":  # stopped on the controller's order (a slow node, a
-            reason = "controller"         # jump, a hang elsewhere), not a crash of its own
+            reason = "controller"  # jump, a hang elsewhere), not a crash of its own
         detail: dict[str, Any] = {"reason": reason, "exit_code": previous.code}
         if previous.code > 128 and previous.reason in ("signaled", "hang"):
             detail["signal"] = _signal_name(previous.code - 128)
         if "exited_at" in previous.detail:  # the end of the attempt, before its teardown
             detail["exited_at"] = previous.detail["exited_at"]
-        self._record("restart", start, attempt=attempt, restart=attempt, delay_s=delay,
-                     **detail)
+        self._record("restart", start, attempt=attempt, restart=attempt, delay_s=delay, **detail)
 
     def _spare_rejoin(self, previous: AttemptEnd | None) -> None:
         """A spare's launcher goes to the job's rendezvous, at its start and after each
@@ -523,8 +569,10 @@ class Supervisor:
         # incident, replaced since (run D's spare joined at once on every later verdict)
         short = [*getattr(verdict, "nodes", ()), *(evidence.get("missing_dumps") or ())]
         if short:
-            self.log(f"standby: the verdict left the job without {', '.join(short)}: "
-                     "joining the new rendezvous at once")
+            self.log(
+                f"standby: the verdict left the job without {', '.join(short)}: "
+                "joining the new rendezvous at once"
+            )
             return
         from .robust.standby import rendezvous_members
 
@@ -537,12 +585,16 @@ class Supervisor:
             except Exception:  # noqa: BLE001 - torch's store or state: wait, then join
                 members = None
             if members is not None and members["complete"]:
-                self.log(f"standby: the job's nodes formed rendezvous {run_id} in "
-                         f"{time.monotonic() - waited:.1f}s: parking behind them")
+                self.log(
+                    f"standby: the job's nodes formed rendezvous {run_id} in "
+                    f"{time.monotonic() - waited:.1f}s: parking behind them"
+                )
                 return
             self._stop_check(self._signals.wait(0.5))
-        self.log(f"standby: rendezvous {run_id} not complete after {SPARE_REJOIN_WAIT_S:.0f}s:"
-                 " joining it")
+        self.log(
+            f"standby: rendezvous {run_id} not complete after {SPARE_REJOIN_WAIT_S:.0f}s:"
+            " joining it"
+        )
 
     # -- one attempt -----------------------------------------------------------------------
     def _child_env(self, attempt: int, extra: Mapping[str, str]) -> dict[str, str]:
@@ -592,12 +644,25 @@ class Supervisor:
         line = describe(pin, version)
         self.log(f"attempt {attempt} runs {line}")
         if self.agent is not None:
-            self.agent.write(Event("update", "version", node=self.node, time=time.time(),
-                                   evidence={"message": line, "version": pin.id,
-                                             "previous": pin.previous, "updated": pin.updated,
-                                             "cause": pin.cause, "epoch": pin.epoch,
-                                             "attempt": attempt, "workdir": version.workdir,
-                                             "env": sorted(version.env)}))
+            self.agent.write(
+                Event(
+                    "update",
+                    "version",
+                    node=self.node,
+                    time=time.time(),
+                    evidence={
+                        "message": line,
+                        "version": pin.id,
+                        "previous": pin.previous,
+                        "updated": pin.updated,
+                        "cause": pin.cause,
+                        "epoch": pin.epoch,
+                        "attempt": attempt,
+                        "workdir": version.workdir,
+                        "env": sorted(version.env),
+                    },
+                )
+            )
         return version
 
     def _attempt(self, attempt: int, started: float, extra: Mapping[str, str]) -> AttemptEnd:
@@ -620,8 +685,14 @@ class Supervisor:
             why = "command not found" if found else f"cannot execute ({exc.strerror or exc})"
             self.log(f"{why}: {self.command[0]}")
             code = EXIT_NOT_FOUND if found else EXIT_NOT_EXECUTABLE
-            self._record("command_start", spawn_start, attempt=attempt, outcome="failed",
-                         command=self.command[0], error=why)
+            self._record(
+                "command_start",
+                spawn_start,
+                attempt=attempt,
+                outcome="failed",
+                command=self.command[0],
+                error=why,
+            )
             return AttemptEnd(attempt, code, "not-started")
         pid = self._child.pid
         for (r, w), target in zip(pipes, (1, 2), strict=False):
@@ -636,8 +707,9 @@ class Supervisor:
         # epoch: the controller's newest incident, the same on every node of this attempt
         # (a replacement node's attempt 0 joins the survivors' attempt 5): ETTR's job attempt
         epoch = {"epoch": self.remote.answered} if self.remote is not None else {}
-        self._record("command_start", spawn_start, attempt=attempt, command=self.command[0],
-                     pid=pid, **epoch)
+        self._record(
+            "command_start", spawn_start, attempt=attempt, command=self.command[0], pid=pid, **epoch
+        )
         self.log(f"started {self.command[0]} (pid {pid}, attempt {attempt})")
         try:
             return self._watch(attempt, started)
@@ -652,22 +724,31 @@ class Supervisor:
             if self.tail is not None:  # its last lines, before the crash is classified
                 self.tail.drain(2.0)
 
-    def _spawn(self, env: dict[str, str], cwd: str | None,
-               pipes: list[tuple[int, int]]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, env: dict[str, str], cwd: str | None, pipes: list[tuple[int, int]]
+    ) -> subprocess.Popen[bytes]:
         """The attempt's command: the preloaded standby when one is waiting and can run it,
         else a new process."""
         standby, self._standby = self._standby, None
         if standby is not None and self._python is not None:
-            proc, why = standby.take(self._python, env, cwd, [w for _, w in pipes],
-                                     version=self._version_id)
+            proc, why = standby.take(
+                self._python, env, cwd, [w for _, w in pipes], version=self._version_id
+            )
             if proc is not None:
-                self.log(f"the command runs in the interpreter started ahead (pid {proc.pid}, "
-                         f"{', '.join(standby.modules)} imported)")
+                self.log(
+                    f"the command runs in the interpreter started ahead (pid {proc.pid}, "
+                    f"{', '.join(standby.modules)} imported)"
+                )
                 return proc
             self.log(f"the interpreter started ahead is not used: {why}")
-        return subprocess.Popen(self.command, env=env, process_group=0, cwd=cwd,
-                                stdout=pipes[0][1] if pipes else None,
-                                stderr=pipes[1][1] if pipes else None)
+        return subprocess.Popen(
+            self.command,
+            env=env,
+            process_group=0,
+            cwd=cwd,
+            stdout=pipes[0][1] if pipes else None,
+            stderr=pipes[1][1] if pipes else None,
+        )
 
     def _prestart(self) -> None:
         """Start the next attempt's interpreter (once the running one has stepped, so that
@@ -677,11 +758,14 @@ class Supervisor:
         if self._python is None or self._standby is not None:
             return
         try:
-            self._standby = Standby.start(self._python.python, self.preload, self.env,
-                                          version=self._version_id)
+            self._standby = Standby.start(
+                self._python.python, self.preload, self.env, version=self._version_id
+            )
         except OSError as exc:
-            self.log(f"--preload: cannot start {self._python.python} ahead ({exc}); "
-                     "restarts start it as usual")
+            self.log(
+                f"--preload: cannot start {self._python.python} ahead ({exc}); "
+                "restarts start it as usual"
+            )
             self._python = None
 
     def _output_pipes(self) -> list[tuple[int, int]]:
@@ -708,51 +792,82 @@ class Supervisor:
             exited = self._reap()
             for rank, when in watch.scan():  # before an exit: a ready just before it counts
                 launch = {"generation": watch.generation} if watch.generation else {}
-                self._record("first_step", watch.began_wall, when, rank=rank, attempt=attempt,
-                             pid=pid, **launch)
+                self._record(
+                    "first_step",
+                    watch.began_wall,
+                    when,
+                    rank=rank,
+                    attempt=attempt,
+                    pid=pid,
+                    **launch,
+                )
                 if first_ready:
                     first_ready = False
-                    self.log(f"first step: rank {rank} ready {when - started:.1f}s after the "
-                             f"start of attempt {attempt}")
+                    self.log(
+                        f"first step: rank {rank} ready {when - started:.1f}s after the "
+                        f"start of attempt {attempt}"
+                    )
                     self._prestart()
             if exited:
                 code = exit_code(self._status)
-                reason = "stopped" if self._stopping is not None else (
-                    "signaled" if os.WIFSIGNALED(self._status) else "exited")
-                self.log(f"command exited with {AttemptEnd(attempt, code, reason).describe()} "
-                         f"(attempt {attempt})")
+                reason = (
+                    "stopped"
+                    if self._stopping is not None
+                    else ("signaled" if os.WIFSIGNALED(self._status) else "exited")
+                )
+                self.log(
+                    f"command exited with {AttemptEnd(attempt, code, reason).describe()} "
+                    f"(attempt {attempt})"
+                )
                 return AttemptEnd(attempt, code, reason, pid, {"exited_at": time.time()})
-            if self.checks is not None and self._stopping is None and (
-                    failed := self.checks()) is not None:
+            if (
+                self.checks is not None
+                and self._stopping is None
+                and (failed := self.checks()) is not None
+            ):
                 return self._check_failed(attempt, pid, failed)
             if self._ranks is not None and self._stopping is None:
                 self._rank_ends(attempt, pid, watch)
-            if self.agent is not None and (end := self._agent_watch(attempt, pid, watch,
-                                                                    started)):
+            if self.agent is not None and (end := self._agent_watch(attempt, pid, watch, started)):
                 return end
             if self.remote is not None and self._stopping is None:
                 self.remote.beat(attempt, watch.ranks)
                 if (order := self.remote.dump_order()) and (
-                        end := self._on_order(attempt, pid, watch, order, started)):
+                    end := self._on_order(attempt, pid, watch, order, started)
+                ):
                     return end
-            if timeout > 0 and self._stopping is None and (
-                    end := self._silence(attempt, pid, watch, started)):
+            if (
+                timeout > 0
+                and self._stopping is None
+                and (end := self._silence(attempt, pid, watch, started))
+            ):
                 return end
 
     def _check_failed(self, attempt: int, pid: int, failed: Any) -> AttemptEnd:
         """A check beside the command (the environment's files) failed: the command is
         stopped before it trains on what the check found, and the job ends (exit 2)."""
-        self.log(f"error: {failed.describe()}: stopping the job; the next start restores "
-                 "the environment (bootseer env verify shows every file that differs)")
+        self.log(
+            f"error: {failed.describe()}: stopping the job; the next start restores "
+            "the environment (bootseer env verify shows every file that differs)"
+        )
         self._signal_group(pid, signal.SIGKILL)
         self._wait_child(5.0)
-        self._record("check_failed", time.time(), attempt=attempt, outcome="failed",
-                     what=failed.what, reason=failed.reason, problems=list(failed.problems))
-        return AttemptEnd(attempt, EXIT_CHECK_FAILED, "check-failed", pid,
-                          {"exited_at": time.time()})
+        self._record(
+            "check_failed",
+            time.time(),
+            attempt=attempt,
+            outcome="failed",
+            what=failed.what,
+            reason=failed.reason,
+            problems=list(failed.problems),
+        )
+        return AttemptEnd(
+            attempt, EXIT_CHECK_FAILED, "check-failed", pid, {"exited_at": time.time()}
+        )
 
-    def _silence(self, attempt: int, pid: int, watch: _Progress,
-                 started: float) -> AttemptEnd | None:
+    def _silence(
+        self, attempt: int, pid: int, watch: _Progress, started: float
+    ) -> AttemptEnd | None:
         """A hang of the control directory's silence: ``timeout_s`` once the ranks reported,
         the start allowance before; after a rank's death the launcher has the start
         allowance, from the death, to restart its ranks or to exit."""
@@ -761,8 +876,10 @@ class Supervisor:
             silent = time.monotonic() - self._early_at
             if silent < allowance:
                 return None
-            self.log(f"the launcher neither restarted its ranks nor exited {silent:.0f}s after "
-                     f"rank {self._early.rank} died (the start allowance): a hang")
+            self.log(
+                f"the launcher neither restarted its ranks nor exited {silent:.0f}s after "
+                f"rank {self._early.rank} died (the start allowance): a hang"
+            )
             self._early = None  # the launcher's hang is the incident now
             return self._hang(attempt, pid, watch, silent, started, launcher=True)
         if watch.all_finishing() or (self.spare and watch.last_change is None):  # parked
@@ -787,8 +904,9 @@ class Supervisor:
             self._signal_group(pid, sig)
         elif sig == signal.SIGUSR1:
             files = self._request_dumps(pid, everyone=False)
-            self.log(f"SIGUSR1: stack dump requested from {len(files)} process(es) into "
-                     f"{self.dump_dir}")
+            self.log(
+                f"SIGUSR1: stack dump requested from {len(files)} process(es) into {self.dump_dir}"
+            )
         else:
             self._signal_group(pid, sig)
         return False
@@ -799,8 +917,9 @@ class Supervisor:
         code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
         return AttemptEnd(attempt, code, "stopped", pid)
 
-    def _agent_watch(self, attempt: int, pid: int, watch: _Progress,
-                     started: float) -> AttemptEnd | None:
+    def _agent_watch(
+        self, attempt: int, pid: int, watch: _Progress, started: float
+    ) -> AttemptEnd | None:
         """Heartbeats through the agent's detectors: a NaN/Inf kills the command now, a rank
         silent past the threshold is a hang."""
         for doc in watch.take_beats():
@@ -814,15 +933,21 @@ class Supervisor:
                 continue
             verdict = self.agent.observe(beat)
             if verdict is not None and self._stopping is None:
-                self.log(f"killing the command at step {beat.step} (attempt {attempt}): "
-                         f"{verdict.failure_class}")
+                self.log(
+                    f"killing the command at step {beat.step} (attempt {attempt}): "
+                    f"{verdict.failure_class}"
+                )
                 self._signal_group(pid, signal.SIGKILL)
                 self._wait_child(5.0)
                 code = exit_code(self._status) if self._status is not None else 137
-                return AttemptEnd(attempt, code, "nonfinite", pid,
-                                  {"verdict": verdict, "exited_at": time.time()})
-        if self._stopping is None and self._early is None and (
-                event := self.agent.check_hang(time.time())):  # a crash explains a silence
+                return AttemptEnd(
+                    attempt, code, "nonfinite", pid, {"verdict": verdict, "exited_at": time.time()}
+                )
+        if (
+            self._stopping is None
+            and self._early is None
+            and (event := self.agent.check_hang(time.time()))
+        ):  # a crash explains a silence
             silent = float(event.evidence.get("silent_s", 0.0))
             return self._hang(attempt, pid, watch, silent, started, event=event)
         return None
@@ -851,18 +976,26 @@ class Supervisor:
             if end.how == "exception" and _alive(end.pid):
                 self._lingering.setdefault(end.pid, (end.rank, time.monotonic()))
         first = self._early
-        if event is not None and (first is None or (first.failure_class in SECONDARY
-                                                    and event.failure_class not in SECONDARY)):
+        if event is not None and (
+            first is None
+            or (first.failure_class in SECONDARY and event.failure_class not in SECONDARY)
+        ):
             if first is None:
                 self._early_at, self._early_wall = time.monotonic(), time.time()
                 self._early_boot = _since_boot()
             self._early = event
             self.agent.write(event)
-            what = event.evidence.get("exception") or event.evidence.get("signal") or (
-                "gone without a record" if event.evidence.get("provisional") else "")
-            self.log(f"crash: rank {event.rank} (pid {event.evidence.get('pid')}) "
-                     f"{event.failure_class}" + (f" ({what})" if what else "") +
-                     f" while the command runs (attempt {attempt}); its launcher decides")
+            what = (
+                event.evidence.get("exception")
+                or event.evidence.get("signal")
+                or ("gone without a record" if event.evidence.get("provisional") else "")
+            )
+            self.log(
+                f"crash: rank {event.rank} (pid {event.evidence.get('pid')}) "
+                f"{event.failure_class}"
+                + (f" ({what})" if what else "")
+                + f" while the command runs (attempt {attempt}); its launcher decides"
+            )
             if self.remote is not None:
                 self.remote.publish(event)
         self._kill_lingering()
@@ -881,9 +1014,11 @@ class Supervisor:
                 del self._lingering[rank_pid]
             elif now - since >= self.crash_grace_s:
                 del self._lingering[rank_pid]
-                self.log(f"rank {rank} (pid {rank_pid}) raised {self.crash_grace_s:g}s ago and "
-                         "its process still runs (a thread keeps it): killing that process, "
-                         "so that its launcher sees its end")
+                self.log(
+                    f"rank {rank} (pid {rank_pid}) raised {self.crash_grace_s:g}s ago and "
+                    "its process still runs (a thread keeps it): killing that process, "
+                    "so that its launcher sees its end"
+                )
                 try:
                     os.kill(rank_pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
@@ -898,13 +1033,24 @@ class Supervisor:
         watch.relaunched(self._early_wall, began)
         self.agent.relaunched()
         now = min(began, time.time())
-        self.log(f"the launcher restarted its ranks {now - self._early_wall:.1f}s after rank "
-                 f"{early.rank}'s crash ({early.failure_class}): recovered without a restart "
-                 f"of the command (attempt {attempt}, launch {watch.generation})")
+        self.log(
+            f"the launcher restarted its ranks {now - self._early_wall:.1f}s after rank "
+            f"{early.rank}'s crash ({early.failure_class}): recovered without a restart "
+            f"of the command (attempt {attempt}, launch {watch.generation})"
+        )
         reason = "hang" if early.kind == "hang" else "crash"
-        self._record("relaunch", self._early_wall, now, attempt=attempt, reason=reason,
-                     exited_at=self._early_wall, generation=watch.generation, pid=pid,
-                     failed_rank=early.rank, failure_class=early.failure_class)
+        self._record(
+            "relaunch",
+            self._early_wall,
+            now,
+            attempt=attempt,
+            reason=reason,
+            exited_at=self._early_wall,
+            generation=watch.generation,
+            pid=pid,
+            failed_rank=early.rank,
+            failure_class=early.failure_class,
+        )
         self._early = None
 
     def _refine_early(self) -> None:
@@ -930,8 +1076,7 @@ class Supervisor:
         if self.tail is not None and ended:
             self.tail.drain(2.0)
         code = exit_code(self._status) if ended else early.evidence.get("exit_code")
-        self._take_refined(self.agent.refine(early, code, self.tail.lines() if self.tail
-                                             else []))
+        self._take_refined(self.agent.refine(early, code, self.tail.lines() if self.tail else []))
 
     def _take_refined(self, better: Any) -> None:
         """The early crash event refined by the launcher's account (same detection time):
@@ -951,36 +1096,67 @@ class Supervisor:
             self.remote.publish(event)
             if event.kind != "nonfinite" or self._stopping is not None:
                 continue
-            self.log(f"killing the command at step {beat.step} (attempt {attempt}): "
-                     f"{event.failure_class}; the controller decides")
+            self.log(
+                f"killing the command at step {beat.step} (attempt {attempt}): "
+                f"{event.failure_class}; the controller decides"
+            )
             self._signal_group(pid, signal.SIGKILL)
             self._wait_child(5.0)
             code = exit_code(self._status) if self._status is not None else 137
             exited = time.time()
             verdict = self._remote_verdict(event, attempt, published=True)
             if verdict is None:
-                return AttemptEnd(attempt, code, "nonfinite", pid,
-                                  {"verdict": self.agent.judge(event), "exited_at": exited})
-            return AttemptEnd(attempt, code, "nonfinite", pid,
-                              {"verdict": verdict, "remote": True, "exited_at": exited})
+                return AttemptEnd(
+                    attempt,
+                    code,
+                    "nonfinite",
+                    pid,
+                    {"verdict": self.agent.judge(event), "exited_at": exited},
+                )
+            return AttemptEnd(
+                attempt,
+                code,
+                "nonfinite",
+                pid,
+                {"verdict": verdict, "remote": True, "exited_at": exited},
+            )
         return None
 
     # -- hangs -----------------------------------------------------------------------------
-    def _hang(self, attempt: int, pid: int, watch: _Progress, silent: float,
-              started: float, event: Any = None, *, launcher: bool = False
-              ) -> AttemptEnd | None:
+    def _hang(
+        self,
+        attempt: int,
+        pid: int,
+        watch: _Progress,
+        silent: float,
+        started: float,
+        event: Any = None,
+        *,
+        launcher: bool = False,
+    ) -> AttemptEnd | None:
         """A hang: stacks dumped (the controller's order first, under one), then the ranks
         killed. Under a launcher that started the ranks (torchrun) only the ranks are killed
         and the launcher decides, as for a crash (it restarts them, or exits and this attempt
         ends with the hang's verdict): None. ``launcher``: the launcher itself hangs (it
         neither restarted its ranks nor exited): the command is killed."""
-        before = "before its first heartbeat" if watch.last_change is None else (
-            f"after step {watch.last_step}" if watch.last_step is not None else "after ready")
+        before = (
+            "before its first heartbeat"
+            if watch.last_change is None
+            else (f"after step {watch.last_step}" if watch.last_step is not None else "after ready")
+        )
         ranks = {} if launcher or self._ranks is None else self._ranks.live()
-        what = (f"ranks {', '.join(map(str, sorted(set(ranks.values()))))} (their launcher "
-                "then decides)") if ranks else "the command"
-        self.log(f"hang: no heartbeat for {silent:.1f}s {before}; dumping stacks to "
-                 f"{self.dump_dir} and killing {what}")
+        what = (
+            (
+                f"ranks {', '.join(map(str, sorted(set(ranks.values()))))} (their launcher "
+                "then decides)"
+            )
+            if ranks
+            else "the command"
+        )
+        self.log(
+            f"hang: no heartbeat for {silent:.1f}s {before}; dumping stacks to "
+            f"{self.dump_dir} and killing {what}"
+        )
         hang_start = time.time() - silent
         detected = time.time()
         if self.remote is not None:  # the controller localizes across nodes first
@@ -988,9 +1164,18 @@ class Supervisor:
             self.remote.publish(event)
             self.agent.write(event)
             order = self._wait_order()
-            if order is not None and (end := self._on_order(
-                    attempt, pid, watch, order, started, event=event, since=hang_start,
-                    detected=detected)):
+            if order is not None and (
+                end := self._on_order(
+                    attempt,
+                    pid,
+                    watch,
+                    order,
+                    started,
+                    event=event,
+                    since=hang_start,
+                    detected=detected,
+                )
+            ):
                 return end
             self.log("the controller ordered no dump: the node acts alone")
         # a signal to everyone only when everyone is killed next: SIGUSR1 ends a launcher
@@ -998,15 +1183,25 @@ class Supervisor:
         grown = self._wait_dumps(sizes)
         dumped = time.time()
         if ranks:
-            return self._hung_ranks_killed(attempt, pid, watch, ranks, silent, hang_start,
-                                           detected, dumped, grown, event)
+            return self._hung_ranks_killed(
+                attempt, pid, watch, ranks, silent, hang_start, detected, dumped, grown, event
+            )
         self._signal_group(pid, signal.SIGKILL)
         self._wait_child(5.0)
         code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
-        self._record("hang", hang_start, attempt=attempt, outcome="killed",
-                     timeout_s=self.hang.timeout_s, silent_s=round(silent, 3),
-                     last_step=watch.last_step, pid=pid, stacks=sorted(p.name for p in grown),
-                     detected_at=detected, dumped_at=dumped)
+        self._record(
+            "hang",
+            hang_start,
+            attempt=attempt,
+            outcome="killed",
+            timeout_s=self.hang.timeout_s,
+            silent_s=round(silent, 3),
+            last_step=watch.last_step,
+            pid=pid,
+            stacks=sorted(p.name for p in grown),
+            detected_at=detected,
+            dumped_at=dumped,
+        )
         if grown:
             self.log(f"stacks: {', '.join(str(p) for p in sorted(grown))}")
         else:
@@ -1014,28 +1209,50 @@ class Supervisor:
         detail: dict[str, Any] = {"stacks": sorted(map(str, grown)), "exited_at": time.time()}
         if self.agent is not None:
             event = event or self._hang_event(watch, silent, detected)
-            event = dataclasses.replace(event, evidence={
-                **event.evidence, "stacks": sorted(p.name for p in grown)})
+            event = dataclasses.replace(
+                event, evidence={**event.evidence, "stacks": sorted(p.name for p in grown)}
+            )
             detail["verdict"] = self.agent.judge(event)
         return AttemptEnd(attempt, code, "hang", pid, detail)
 
-    def _hung_ranks_killed(self, attempt: int, pid: int, watch: _Progress,
-                           ranks: dict[int, int], silent: float, hang_start: float,
-                           detected: float, dumped: float, grown: set[Path],
-                           event: Any) -> None:
+    def _hung_ranks_killed(
+        self,
+        attempt: int,
+        pid: int,
+        watch: _Progress,
+        ranks: dict[int, int],
+        silent: float,
+        hang_start: float,
+        detected: float,
+        dumped: float,
+        grown: set[Path],
+        event: Any,
+    ) -> None:
         """The hung ranks' processes get SIGKILL, the launcher lives: the hang becomes the
         attempt's incident, ended by the launcher's restart of its ranks or by its exit."""
         self._kill_processes(pid, ranks)
-        self._record("hang", hang_start, attempt=attempt, outcome="ranks_killed",
-                     timeout_s=self.hang.timeout_s, silent_s=round(silent, 3),
-                     last_step=watch.last_step, pid=pid, stacks=sorted(p.name for p in grown),
-                     detected_at=detected, dumped_at=dumped, ranks=sorted(set(ranks.values())),
-                     generation=watch.generation)
+        self._record(
+            "hang",
+            hang_start,
+            attempt=attempt,
+            outcome="ranks_killed",
+            timeout_s=self.hang.timeout_s,
+            silent_s=round(silent, 3),
+            last_step=watch.last_step,
+            pid=pid,
+            stacks=sorted(p.name for p in grown),
+            detected_at=detected,
+            dumped_at=dumped,
+            ranks=sorted(set(ranks.values())),
+            generation=watch.generation,
+        )
         if grown:
             self.log(f"stacks: {', '.join(str(p) for p in sorted(grown))}")
         event = event or self._hang_event(watch, silent, detected)
-        event = dataclasses.replace(event, evidence={
-            **event.evidence, "stacks": sorted(p.name for p in grown), "killed": "ranks"})
+        event = dataclasses.replace(
+            event,
+            evidence={**event.evidence, "stacks": sorted(p.name for p in grown), "killed": "ranks"},
+        )
         if self.agent is not None:
             self.agent.write(event)
         self._early = event
@@ -1070,10 +1287,19 @@ class Supervisor:
         """The hang event of the control directory's silence (a ready-only command)."""
         from .robust.events import Event
 
-        return Event("hang", "hang", node=self.node, step=watch.last_step, time=detected,
-                     evidence={"silent_s": round(silent, 3), "last_step": watch.last_step,
-                               "threshold_s": self.hang.timeout_s,
-                               "threshold_from": "configured"})
+        return Event(
+            "hang",
+            "hang",
+            node=self.node,
+            step=watch.last_step,
+            time=detected,
+            evidence={
+                "silent_s": round(silent, 3),
+                "last_step": watch.last_step,
+                "threshold_s": self.hang.timeout_s,
+                "threshold_from": "configured",
+            },
+        )
 
     # -- the controller: dump everywhere, wait for the verdict, then stop ------------------
     def _wait_order(self) -> dict[str, Any] | None:
@@ -1097,27 +1323,44 @@ class Supervisor:
             self.log("no order from the controller: the node decides alone")
             return None
         self.remote.answer(int(order["incident"]), [])
-        verdict = self.remote.wait_verdict(int(order["incident"]), self.remote_wait_s,
-                                           self._pause)
+        verdict = self.remote.wait_verdict(int(order["incident"]), self.remote_wait_s, self._pause)
         if verdict is not None:
             self._note_verdict(verdict, attempt)
         return verdict
 
     def _note_verdict(self, verdict: Any, attempt: int) -> None:
         local = self.remote.local_action(verdict)
-        verdict = dataclasses.replace(verdict, evidence={
-            "incident": verdict.evidence.get("incident"), "local": local, "attempt": attempt,
-            "from": "controller"})
+        verdict = dataclasses.replace(
+            verdict,
+            evidence={
+                "incident": verdict.evidence.get("incident"),
+                "local": local,
+                "attempt": attempt,
+                "from": "controller",
+            },
+        )
         self.agent.write(verdict)
         evicted = self.node in verdict.nodes and verdict.action == "replace_and_restart"
-        self.log(f"controller verdict: {verdict.action} ({verdict.failure_class})"
-                 + (f" ranks {', '.join(map(str, verdict.ranks))}" if verdict.ranks else "")
-                 + (f" nodes {', '.join(verdict.nodes)}" if verdict.nodes else "")
-                 + f" -> here: {local}" + (" (this node is evicted)" if evicted else ""))
+        self.log(
+            f"controller verdict: {verdict.action} ({verdict.failure_class})"
+            + (f" ranks {', '.join(map(str, verdict.ranks))}" if verdict.ranks else "")
+            + (f" nodes {', '.join(verdict.nodes)}" if verdict.nodes else "")
+            + f" -> here: {local}"
+            + (" (this node is evicted)" if evicted else "")
+        )
 
-    def _on_order(self, attempt: int, pid: int, watch: _Progress, order: dict[str, Any],
-                  started: float, *, event: Any = None, since: float | None = None,
-                  detected: float | None = None) -> AttemptEnd | None:
+    def _on_order(
+        self,
+        attempt: int,
+        pid: int,
+        watch: _Progress,
+        order: dict[str, Any],
+        started: float,
+        *,
+        event: Any = None,
+        since: float | None = None,
+        detected: float | None = None,
+    ) -> AttemptEnd | None:
         """Dump every process of this node's ranks (py-spy; else SIGUSR1 stack files), hand
         them to the controller, wait for its verdict, and only then kill the command."""
         from .robust.remote import dump_ranks
@@ -1128,8 +1371,9 @@ class Supervisor:
         incident = int(order["incident"])
         detected = detected or time.time()
         self.log(f"controller: incident {incident} ({order.get('reason')}): dumping stacks")
-        rank_pids = {r: int(v["pid"]) for r, v in watch.ranks.items()
-                     if isinstance(v.get("pid"), int)}
+        rank_pids = {
+            r: int(v["pid"]) for r, v in watch.ranks.items() if isinstance(v.get("pid"), int)
+        }
         processes, failed = dump_ranks(rank_pids, node=self.node, dump=self.remote.dump_tool)
         if failed or not rank_pids:  # the client's faulthandler files instead (only the
             # processes that registered one: SIGUSR1 kills the others, and no verdict yet)
@@ -1138,16 +1382,28 @@ class Supervisor:
                 stem = path.stem.rsplit("-", 2)
                 rank = int(stem[1].removeprefix("rank")) if len(stem) == 3 else -1
                 if rank in failed or not rank_pids:
-                    processes.append({"rank": rank, "pid": int(stem[-1]), "role": "main",
-                                      "node": self.node, "source": "faulthandler",
-                                      "text": _last_dump(path)})
+                    processes.append(
+                        {
+                            "rank": rank,
+                            "pid": int(stem[-1]),
+                            "role": "main",
+                            "node": self.node,
+                            "source": "faulthandler",
+                            "text": _last_dump(path),
+                        }
+                    )
         files = self._keep_dumps(processes, incident)
         self._refine_early()  # before the answer: the controller reads it with the dumps
         self.remote.answer(incident, processes, [p.name for p in files])
         dumped = time.time()
-        native = self._native_dumps(incident, {p["rank"]: p["pid"] for p in processes
-                                               if p["role"] == "main"
-                                               and p["source"] == "py-spy"})
+        native = self._native_dumps(
+            incident,
+            {
+                p["rank"]: p["pid"]
+                for p in processes
+                if p["role"] == "main" and p["source"] == "py-spy"
+            },
+        )
         killed_for_check: list[float] = []
 
         def stop() -> None:  # the stop-time checks need the node: the command goes first
@@ -1164,23 +1420,37 @@ class Supervisor:
         code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
         killed = killed_for_check[0] if killed_for_check else time.time()
         hang = (verdict.failure_class if verdict else (event.kind if event else "")) == "hang"
-        self._record("hang" if hang else "controller_stop", since or detected, attempt=attempt,
-                     outcome="killed", incident=incident, last_step=watch.last_step, pid=pid,
-                     stacks=[p.name for p in files], detected_at=detected, dumped_at=dumped,
-                     decided_at=decided, killed_at=killed)
+        self._record(
+            "hang" if hang else "controller_stop",
+            since or detected,
+            attempt=attempt,
+            outcome="killed",
+            incident=incident,
+            last_step=watch.last_step,
+            pid=pid,
+            stacks=[p.name for p in files],
+            detected_at=detected,
+            dumped_at=dumped,
+            decided_at=decided,
+            killed_at=killed,
+        )
         detail: dict[str, Any] = {"stacks": [str(p) for p in files], "exited_at": killed}
         if verdict is None:  # no verdict in time: the node's own policy
-            self.log(f"no verdict for incident {incident} in {self.remote_wait_s:.0f}s: the "
-                     "node decides alone")
-            detail["verdict"] = self.agent.judge(event or self._hang_event(
-                watch, time.time() - (since or detected), detected))
+            self.log(
+                f"no verdict for incident {incident} in {self.remote_wait_s:.0f}s: the "
+                "node decides alone"
+            )
+            detail["verdict"] = self.agent.judge(
+                event or self._hang_event(watch, time.time() - (since or detected), detected)
+            )
         else:
             self._note_verdict(verdict, attempt)
             detail.update(verdict=verdict, remote=True)
         return AttemptEnd(attempt, code, "hang" if hang else "verdict", pid, detail)
 
-    def _on_update(self, attempt: int, pid: int, watch: _Progress,
-                   order: dict[str, Any]) -> AttemptEnd | None:
+    def _on_update(
+        self, attempt: int, pid: int, watch: _Progress, order: dict[str, Any]
+    ) -> AttemptEnd | None:
         """An update incident: nothing to dump; after its verdict the command is stopped at
         a step boundary (its next heartbeat, at most ``remote_wait_s`` away) and restarted
         on the new version. No verdict: it runs on, on the version it has (never mixed)."""
@@ -1201,12 +1471,24 @@ class Supervisor:
         self._wait_child(5.0)
         code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
         killed = time.time()
-        self._record("controller_stop", decided, killed, attempt=attempt, outcome="killed",
-                     incident=incident, update=order["update"], last_step=watch.last_step,
-                     step_before=step, pid=pid, decided_at=decided, killed_at=killed)
+        self._record(
+            "controller_stop",
+            decided,
+            killed,
+            attempt=attempt,
+            outcome="killed",
+            incident=incident,
+            update=order["update"],
+            last_step=watch.last_step,
+            step_before=step,
+            pid=pid,
+            decided_at=decided,
+            killed_at=killed,
+        )
         self._note_verdict(verdict, attempt)
-        return AttemptEnd(attempt, code, "update", pid,
-                          {"verdict": verdict, "remote": True, "exited_at": killed})
+        return AttemptEnd(
+            attempt, code, "update", pid, {"verdict": verdict, "remote": True, "exited_at": killed}
+        )
 
     def _native_dumps(self, incident: int, rank_pids: dict[int, int]) -> threading.Thread:
         """The ranks' trees dumped again with native frames, on a thread, after the answer:
@@ -1219,8 +1501,7 @@ class Supervisor:
             if not rank_pids:
                 return
             try:
-                processes, _ = dump_ranks(rank_pids, node=self.node,
-                                          dump=self.remote.native_tool)
+                processes, _ = dump_ranks(rank_pids, node=self.node, dump=self.remote.native_tool)
                 processes = [p for p in processes if p["text"]]
                 self._keep_dumps(processes, incident, suffix="-native")
                 if processes:
@@ -1232,16 +1513,18 @@ class Supervisor:
         thread.start()
         return thread
 
-    def _keep_dumps(self, processes: list[dict[str, Any]], incident: int,
-                    suffix: str = "") -> list[Path]:
+    def _keep_dumps(
+        self, processes: list[dict[str, Any]], incident: int, suffix: str = ""
+    ) -> list[Path]:
         """Each dump also as a file in the trace directory (evidence that outlives the
         store): ``dump-<node>-i<incident>-rank<r>-<pid><suffix>.txt``."""
         if self.dump_dir is None:
             return []
         kept = []
         for item in processes:
-            path = self.dump_dir / (f"dump-{self.node}-i{incident}-rank{item['rank']}-"
-                                    f"{item['pid']}{suffix}.txt")
+            path = self.dump_dir / (
+                f"dump-{self.node}-i{incident}-rank{item['rank']}-{item['pid']}{suffix}.txt"
+            )
             try:
                 with open_append(self.dump_dir, path.name) as f:  # never through a link
                     f.truncate(0)
@@ -1309,15 +1592,32 @@ class Supervisor:
             except (OSError, ValueError):
                 pass
 
-    def _record(self, phase: str, start: float, end: float | None = None, *,
-                rank: int | None = None, attempt: int = 0, outcome: str = "ok",
-                **detail: Any) -> None:
+    def _record(
+        self,
+        phase: str,
+        start: float,
+        end: float | None = None,
+        *,
+        rank: int | None = None,
+        attempt: int = 0,
+        outcome: str = "ok",
+        **detail: Any,
+    ) -> None:
         """A span of the node's trace (``rank`` for first_step). A trace that cannot be
         written is warned about, never a reason to lose the job."""
         if self.trace is None:
             return
-        span = Span(self.trace.node, rank, phase, start, time.time() if end is None else end,
-                    0, outcome, attempt, detail)
+        span = Span(
+            self.trace.node,
+            rank,
+            phase,
+            start,
+            time.time() if end is None else end,
+            0,
+            outcome,
+            attempt,
+            detail,
+        )
         try:
             self.trace.write(span)
         except OSError as exc:
@@ -1454,8 +1754,9 @@ class _Progress:
         if self.control_dir is not None:
             try:
                 with os.scandir(self.control_dir) as it:
-                    entries = [(e.name, e.path) for e in it
-                               if e.name.startswith(("ready-", "heartbeat-"))]
+                    entries = [
+                        (e.name, e.path) for e in it if e.name.startswith(("ready-", "heartbeat-"))
+                    ]
             except OSError:
                 pass
         if self.ready_file is not None:
@@ -1492,8 +1793,9 @@ class _Progress:
             elif rank not in self.ready_ranks:
                 self.ready_ranks.add(rank)
                 when = doc.get("time")
-                new_ready.append((rank, float(when) if isinstance(when, int | float)
-                                  else st.st_mtime))
+                new_ready.append(
+                    (rank, float(when) if isinstance(when, int | float) else st.st_mtime)
+                )
         return new_ready
 
 
@@ -1508,7 +1810,7 @@ def _started_at(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        return int(stat[stat.rfind(b")") + 2:].split()[19]) / os.sysconf("SC_CLK_TCK")
+        return int(stat[stat.rfind(b")") + 2 :].split()[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
 
@@ -1537,7 +1839,7 @@ def _last_dump(path: Path, limit: int = 32 << 10) -> str:
         return text
     tail = text[-limit:]
     starts = [i for i in (tail.find("\nThread 0x"), tail.find("\nCurrent thread 0x")) if i >= 0]
-    return tail[min(starts) + 1:] if starts else tail
+    return tail[min(starts) + 1 :] if starts else tail
 
 
 def _size(path: Path) -> int:

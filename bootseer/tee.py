@@ -45,8 +45,12 @@ class OutputTail:
         with self._lock:
             kept: deque[str] = deque(maxlen=self.max_lines)
             self._streams.append(kept)
-        thread = threading.Thread(target=self._copy, args=(source_fd, target_fd, kept),
-                                  name=f"bootseer-tee-{target_fd}", daemon=True)
+        thread = threading.Thread(
+            target=self._copy,
+            args=(source_fd, target_fd, kept),
+            name=f"bootseer-tee-{target_fd}",
+            daemon=True,
+        )
         thread.start()
         self._threads.append(thread)
 
@@ -105,7 +109,7 @@ def _write_all(fd: int, data: bytes) -> bool:
     view = memoryview(data)
     while view:
         try:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         except InterruptedError:  # pragma: no cover - PEP 475 retries
             continue
         except OSError:

@@ -66,8 +66,7 @@ def checked_remote_bytes(value: Any) -> dict[str, int]:
         raise ValueError(f"bytes_by_remote must be an object of remote -> bytes, got {value!r}")
     out: dict[str, int] = {}
     for name, n in value.items():
-        if (not isinstance(name, str) or isinstance(n, bool) or not isinstance(n, int)
-                or n < 0):
+        if not isinstance(name, str) or isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"bytes_by_remote: {name!r}: expected an integer >= 0, got {n!r}")
         out[name] = n
     return out
@@ -101,11 +100,18 @@ class Span:
         missing = [k for k in ("node", "phase", "start", "end") if k not in doc]
         if missing:
             raise ValueError(f"trace line lacks {', '.join(missing)}")
-        return cls(node=str(doc["node"]), rank=doc.get("rank"), phase=str(doc["phase"]),
-                   start=float(doc["start"]), end=float(doc["end"]),
-                   bytes=int(doc.get("bytes", 0)), outcome=str(doc.get("outcome", "ok")),
-                   attempt=int(doc.get("attempt", 0)), detail=dict(doc.get("detail") or {}),
-                   bytes_by_remote=checked_remote_bytes(doc.get("bytes_by_remote")))
+        return cls(
+            node=str(doc["node"]),
+            rank=doc.get("rank"),
+            phase=str(doc["phase"]),
+            start=float(doc["start"]),
+            end=float(doc["end"]),
+            bytes=int(doc.get("bytes", 0)),
+            outcome=str(doc.get("outcome", "ok")),
+            attempt=int(doc.get("attempt", 0)),
+            detail=dict(doc.get("detail") or {}),
+            bytes_by_remote=checked_remote_bytes(doc.get("bytes_by_remote")),
+        )
 
 
 def default_node() -> str:
@@ -116,8 +122,9 @@ class TraceWriter:
     """Appends spans to ``<dir>/<node>[-rank<r>].jsonl`` (thread-safe; each line is flushed,
     so a killed process loses at most the span it was in)."""
 
-    def __init__(self, trace_dir: str | os.PathLike, node: str | None = None,
-                 rank: int | None = None) -> None:
+    def __init__(
+        self, trace_dir: str | os.PathLike, node: str | None = None, rank: int | None = None
+    ) -> None:
         self.dir = Path(trace_dir)
         # made 0700, or checked: this user's, written by nobody else, not a link (others
         # may read a trace; nobody else may plant a link where the agent writes dumps)
@@ -133,12 +140,32 @@ class TraceWriter:
             f.write(span.to_json() + "\n")
         return span
 
-    def record(self, phase: str, start: float, end: float | None = None, *, attempt: int = 0,
-               bytes: int = 0, outcome: str = "ok",
-               bytes_by_remote: dict[str, int] | None = None, **detail: Any) -> Span:
-        return self.write(Span(self.node, self.rank, phase, start,
-                               time.time() if end is None else end, bytes, outcome, attempt,
-                               detail, checked_remote_bytes(bytes_by_remote)))
+    def record(
+        self,
+        phase: str,
+        start: float,
+        end: float | None = None,
+        *,
+        attempt: int = 0,
+        bytes: int = 0,
+        outcome: str = "ok",
+        bytes_by_remote: dict[str, int] | None = None,
+        **detail: Any,
+    ) -> Span:
+        return self.write(
+            Span(
+                self.node,
+                self.rank,
+                phase,
+                start,
+                time.time() if end is None else end,
+                bytes,
+                outcome,
+                attempt,
+                detail,
+                checked_remote_bytes(bytes_by_remote),
+            )
+        )
 
     @contextmanager
     def span(self, phase: str, *, attempt: int = 0, **detail: Any) -> Iterator[dict[str, Any]]:
@@ -157,8 +184,15 @@ class TraceWriter:
             outcome = info.pop("outcome", "ok")
             nbytes = int(info.pop("bytes", 0))
             remotes = info.pop("bytes_by_remote", None)
-            self.record(phase, start, attempt=attempt, bytes=nbytes, outcome=outcome,
-                        bytes_by_remote=remotes, **info)
+            self.record(
+                phase,
+                start,
+                attempt=attempt,
+                bytes=nbytes,
+                outcome=outcome,
+                bytes_by_remote=remotes,
+                **info,
+            )
 
 
 def trace_lines(paths: Iterable[str | os.PathLike]) -> Iterator[tuple[Path, int, str]]:

@@ -30,8 +30,11 @@ from typing import Any
 from .progress import human_bytes
 from .trace import REMOTE_REGISTRY, TraceWriter, remote_bytes, remote_of
 
-PHASES = {"image": "image_prefetch", "environment": "environment",
-          "checkpoint": "checkpoint_prefetch"}
+PHASES = {
+    "image": "image_prefetch",
+    "environment": "environment",
+    "checkpoint": "checkpoint_prefetch",
+}
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
@@ -84,8 +87,15 @@ def format_ranks(ranks: Sequence[int]) -> str:
 
 # -- the parts -----------------------------------------------------------------------------------
 
-def warm_image(ref: str, cache_dir: str | os.PathLike, *, platform: str = "linux/amd64",
-               connections: int = 16, everything: bool = False) -> PartResult:
+
+def warm_image(
+    ref: str,
+    cache_dir: str | os.PathLike,
+    *,
+    platform: str = "linux/amd64",
+    connections: int = 16,
+    everything: bool = False,
+) -> PartResult:
     """Hot frames of a converted image into the block cache (``bootseer image prefetch``)."""
     from prefetch.image import load_profile, open_image
     from prefetch.profile import plan_prefetch, profile_summary
@@ -97,40 +107,61 @@ def warm_image(ref: str, cache_dir: str | os.PathLike, *, platform: str = "linux
             plan = [(b, i) for b in image.blobs for i in range(len(b.frames))]
             scope = "every frame of the image"
         elif profile is None:
-            return PartResult("image", ref, outcome="no hot-block profile stored for the image: "
-                              "nothing to prefetch (record one with `bootseer image record`, "
-                              "or pass --image-all)", detail={"profile": False})
+            return PartResult(
+                "image",
+                ref,
+                outcome="no hot-block profile stored for the image: "
+                "nothing to prefetch (record one with `bootseer image record`, "
+                "or pass --image-all)",
+                detail={"profile": False},
+            )
         else:
             plan, full = plan_prefetch(profile, image.blobs)
             coverage = profile_summary(profile, image.blobs)["coverage"]
-            scope = (f"the profile's hot frames ({coverage:.0%} of the image"
-                     f"{', then the rest' if full else ''})")
+            scope = (
+                f"the profile's hot frames ({coverage:.0%} of the image"
+                f"{', then the rest' if full else ''})"
+            )
         fetcher = image.lazy.fetcher
         queued = fetcher.prefetch(plan)
         if not fetcher.wait_idle():
             raise WarmupError("the image prefetch did not finish")
         stats = fetcher.report()
         if stats.failures:
-            raise WarmupError(f"{stats.failures} range request(s) to the registry failed "
-                              f"({stats.prefetched} of {queued} frame(s) fetched); see the log")
+            raise WarmupError(
+                f"{stats.failures} range request(s) to the registry failed "
+                f"({stats.prefetched} of {queued} frame(s) fetched); see the log"
+            )
         if queued == 0:
             outcome = f"all {len(plan)} frame(s) of {scope} already cached"
         else:
-            outcome = (f"prefetched {stats.prefetched} frame(s) of {scope} "
-                       f"({len(plan) - queued} already cached) into {cache_dir}")
-        return PartResult("image", ref, bytes=stats.bytes_fetched, outcome=outcome,
-                          warm_already=queued == 0, bytes_by_remote=remote_bytes(
-                              REMOTE_REGISTRY, stats.bytes_fetched),
-                          detail={"frames": len(plan), "fetched": stats.prefetched,
-                                  "requests": stats.requests})
+            outcome = (
+                f"prefetched {stats.prefetched} frame(s) of {scope} "
+                f"({len(plan) - queued} already cached) into {cache_dir}"
+            )
+        return PartResult(
+            "image",
+            ref,
+            bytes=stats.bytes_fetched,
+            outcome=outcome,
+            warm_already=queued == 0,
+            bytes_by_remote=remote_bytes(REMOTE_REGISTRY, stats.bytes_fetched),
+            detail={"frames": len(plan), "fetched": stats.prefetched, "requests": stats.requests},
+        )
     finally:
         image.close()
 
 
-def warm_environment(spec_files: Sequence[str | os.PathLike], prefix: str | os.PathLike,
-                     store: str | None, *, command: Sequence[str] | None = None,
-                     extras: Mapping[str, str] | None = None, base_image: str | None = None,
-                     storage_options: dict[str, Any] | None = None) -> PartResult:
+def warm_environment(
+    spec_files: Sequence[str | os.PathLike],
+    prefix: str | os.PathLike,
+    store: str | None,
+    *,
+    command: Sequence[str] | None = None,
+    extras: Mapping[str, str] | None = None,
+    base_image: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> PartResult:
     """Verify or restore the environment at ``prefix``: ``ensure`` without its build step."""
     from snapshot.ensure import clear_interrupted_install, prefix_lock
     from snapshot.key import compute_key
@@ -144,53 +175,91 @@ def warm_environment(spec_files: Sequence[str | os.PathLike], prefix: str | os.P
         clear_interrupted_install(where)
         checked = verify(where, key)
         if checked.ok:
-            return PartResult("environment", str(where), warm_already=True,
-                              outcome=f"environment {key} verified ({checked.checked} entries): "
-                                      "already in place", detail={"key": key,
-                                                                  "action": "verified"})
+            return PartResult(
+                "environment",
+                str(where),
+                warm_already=True,
+                outcome=f"environment {key} verified ({checked.checked} entries): already in place",
+                detail={"key": key, "action": "verified"},
+            )
         if not store:
-            raise WarmupError(f"{where} does not hold environment {key} ({checked.reason}) and "
-                              "no snapshot store was given (--env-store or BOOTSEER_ENV_STORE)")
+            raise WarmupError(
+                f"{where} does not hold environment {key} ({checked.reason}) and "
+                "no snapshot store was given (--env-store or BOOTSEER_ENV_STORE)"
+            )
         snapshots = SnapshotStore(store, storage_options)
         if snapshots.read_manifest(key) is None:
             raise WarmupError(
                 f"the store {store} holds no snapshot of environment {key}: warmup restores, it "
-                "does not install (the job's `bootseer env ensure` builds and publishes it once)")
+                "does not install (the job's `bootseer env ensure` builds and publishes it once)"
+            )
         result = restore(snapshots, key, where)
-    return PartResult("environment", str(where), bytes=result.compressed_bytes,
-                      bytes_by_remote=remote_bytes(remote_of(store), result.compressed_bytes),
-                      outcome=f"restored environment {key}: {result.files} files, "
-                              f"{human_bytes(result.bytes)}",
-                      detail={"key": key, "action": "restored", "files": result.files,
-                              "unpacked_bytes": result.bytes})
+    return PartResult(
+        "environment",
+        str(where),
+        bytes=result.compressed_bytes,
+        bytes_by_remote=remote_bytes(remote_of(store), result.compressed_bytes),
+        outcome=f"restored environment {key}: {result.files} files, {human_bytes(result.bytes)}",
+        detail={
+            "key": key,
+            "action": "restored",
+            "files": result.files,
+            "unpacked_bytes": result.bytes,
+        },
+    )
 
 
-def warm_checkpoint(url: str, cache_dir: str | os.PathLike, ranks: Sequence[int], *,
-                    storage_options: dict[str, Any] | None = None,
-                    connections: int = 16) -> PartResult:
+def warm_checkpoint(
+    url: str,
+    cache_dir: str | os.PathLike,
+    ranks: Sequence[int],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    connections: int = 16,
+) -> PartResult:
     """The newest committed checkpoint's shards for ``ranks`` into the node-local cache."""
     from ckpt import prefetch_latest
 
-    result = prefetch_latest(url, cache_dir, ranks, storage_options=storage_options,
-                             connections=connections)
-    detail = {"step": result.step, "files": result.files,
-              "cached_already": result.cached_already, "ranks": format_ranks(ranks)}
+    result = prefetch_latest(
+        url, cache_dir, ranks, storage_options=storage_options, connections=connections
+    )
+    detail = {
+        "step": result.step,
+        "files": result.files,
+        "cached_already": result.cached_already,
+        "ranks": format_ranks(ranks),
+    }
     if result.step is None:
-        return PartResult("checkpoint", url, outcome="no committed checkpoint yet: nothing to "
-                          "prefetch", detail=detail)
+        return PartResult(
+            "checkpoint",
+            url,
+            outcome="no committed checkpoint yet: nothing to prefetch",
+            detail=detail,
+        )
     if result.files == 0:
-        return PartResult("checkpoint", url, warm_already=True, detail=detail,
-                          outcome=f"step {result.step} already cached for ranks "
-                                  f"{format_ranks(ranks)} ({result.cached_already} file(s) "
-                                  "verified)")
-    return PartResult("checkpoint", url, bytes=result.bytes, detail=detail,
-                      bytes_by_remote=remote_bytes(remote_of(url), result.bytes),
-                      outcome=f"cached step {result.step} for ranks {format_ranks(ranks)}: "
-                              f"{result.files} file(s) ({result.cached_already} already there) "
-                              f"into {result.path}")
+        return PartResult(
+            "checkpoint",
+            url,
+            warm_already=True,
+            detail=detail,
+            outcome=f"step {result.step} already cached for ranks "
+            f"{format_ranks(ranks)} ({result.cached_already} file(s) "
+            "verified)",
+        )
+    return PartResult(
+        "checkpoint",
+        url,
+        bytes=result.bytes,
+        detail=detail,
+        bytes_by_remote=remote_bytes(remote_of(url), result.bytes),
+        outcome=f"cached step {result.step} for ranks {format_ranks(ranks)}: "
+        f"{result.files} file(s) ({result.cached_already} already there) "
+        f"into {result.path}",
+    )
 
 
 # -- running them --------------------------------------------------------------------------------
+
 
 def run_parts(parts: Sequence[Part], trace: TraceWriter | None = None) -> list[PartResult]:
     """Run every part at once; a failure is recorded in its result, never raised. Each part
@@ -201,17 +270,29 @@ def run_parts(parts: Sequence[Part], trace: TraceWriter | None = None) -> list[P
         try:
             result = part.run()
         except Exception as exc:  # noqa: BLE001 - reported with the part, the others go on
-            result = PartResult(part.name, part.what, ok=False,
-                                error=f"{type(exc).__name__}: {exc}")
+            result = PartResult(
+                part.name, part.what, ok=False, error=f"{type(exc).__name__}: {exc}"
+            )
         result.seconds = time.perf_counter() - started
         if trace is not None:
-            detail = {k: v for k, v in result.detail.items()
-                      if k not in ("attempt", "bytes", "outcome", "what", "result")}
-            trace.record(result.phase, wall, wall + result.seconds, bytes=result.bytes,
-                         outcome="ok" if result.ok else "failed",
-                         bytes_by_remote=result.bytes_by_remote, warmup=True, what=result.what,
-                         result=result.outcome if result.ok else result.error,
-                         warm_already=result.warm_already, **detail)
+            detail = {
+                k: v
+                for k, v in result.detail.items()
+                if k not in ("attempt", "bytes", "outcome", "what", "result")
+            }
+            trace.record(
+                result.phase,
+                wall,
+                wall + result.seconds,
+                bytes=result.bytes,
+                outcome="ok" if result.ok else "failed",
+                bytes_by_remote=result.bytes_by_remote,
+                warmup=True,
+                what=result.what,
+                result=result.outcome if result.ok else result.error,
+                warm_already=result.warm_already,
+                **detail,
+            )
         return result
 
     if not parts:
@@ -226,6 +307,8 @@ def summary_lines(results: Sequence[PartResult]) -> list[str]:
     for r in results:
         status = "ok" if r.ok else "FAILED"
         text = r.outcome if r.ok else f"error: {r.error}"
-        lines.append(f"{r.part:<11} {status:<6} {human_bytes(r.bytes):>10} {r.seconds:7.2f}s  "
-                     f"{r.what}: {text}")
+        lines.append(
+            f"{r.part:<11} {status:<6} {human_bytes(r.bytes):>10} {r.seconds:7.2f}s  "
+            f"{r.what}: {text}"
+        )
     return lines

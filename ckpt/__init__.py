@@ -22,9 +22,15 @@ from .errors import (
 )
 
 _LAZY = {
-    "LoadReport": "loader", "CheckpointInfo": "manager", "CheckpointManager": "manager",
-    "SaveHandle": "manager", "VerifyReport": "manager", "init_optimizer_state": "optim",
-    "SaveResult": "persist", "FlatShard": "tensors", "PerRank": "tensors",
+    "LoadReport": "loader",
+    "CheckpointInfo": "manager",
+    "CheckpointManager": "manager",
+    "SaveHandle": "manager",
+    "VerifyReport": "manager",
+    "init_optimizer_state": "optim",
+    "SaveResult": "persist",
+    "FlatShard": "tensors",
+    "PerRank": "tensors",
 }
 
 if TYPE_CHECKING:
@@ -42,6 +48,7 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
+
 
 __all__ = [
     "CheckpointCorrupt",

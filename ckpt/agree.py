@@ -62,9 +62,11 @@ def resolve_group(group: Any, rank: int, world_size: int) -> Any:
             return None
         return dist.group.WORLD
     if dist.get_world_size(group) != world_size or dist.get_rank(group) != rank:
-        raise ValueError(f"process_group has rank {dist.get_rank(group)} of "
-                         f"{dist.get_world_size(group)}; the manager is rank {rank} of "
-                         f"{world_size}: pass the group of the ranks that load together")
+        raise ValueError(
+            f"process_group has rank {dist.get_rank(group)} of "
+            f"{dist.get_world_size(group)}; the manager is rank {rank} of "
+            f"{world_size}: pass the group of the ranks that load together"
+        )
     return group
 
 
@@ -96,8 +98,9 @@ def group_exchange(group: Any) -> Exchange:
     device = _device(group)
 
     def exchange(outcome: Outcome) -> list[Outcome] | None:
-        summary = torch.tensor([outcome.step, -outcome.step, outcome.status],
-                               dtype=torch.int64, device=device)
+        summary = torch.tensor(
+            [outcome.step, -outcome.step, outcome.status], dtype=torch.int64, device=device
+        )
         dist.all_reduce(summary, op=dist.ReduceOp.MIN, group=group)
         low, minus_high, status = (int(x) for x in summary.tolist())
         if low == -minus_high and low >= 0 and status == OK:
@@ -133,8 +136,17 @@ def alone(outcome: Outcome) -> list[Outcome] | None:
 
 def warn(outcome: Outcome, url: str, alone: bool) -> str:
     """Log, on every rank, why a step is skipped; returns the line for ``LoadReport.skipped``."""
-    who = f"rank {outcome.rank}" if not alone else \
-        f"rank {outcome.rank} (checking every rank's files: no process group)"
-    log.warning("checkpoint step %d under %s cannot be loaded by %s: %s; every rank falls back "
-                "to an older committed step", outcome.step, url, who, outcome.message)
+    who = (
+        f"rank {outcome.rank}"
+        if not alone
+        else f"rank {outcome.rank} (checking every rank's files: no process group)"
+    )
+    log.warning(
+        "checkpoint step %d under %s cannot be loaded by %s: %s; every rank falls back "
+        "to an older committed step",
+        outcome.step,
+        url,
+        who,
+        outcome.message,
+    )
     return f"step {outcome.step}: rank {outcome.rank}: {outcome.message}"

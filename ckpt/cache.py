@@ -191,8 +191,12 @@ class StepCache:
                 if mtime != last_mtime:
                     progress, last_mtime = now, mtime
                 elif now - progress > self.STALL_S:
-                    log.warning("checkpoint cache: the prefetch of %s made no progress for "
-                                "%.0f s; reading it from the store", final, self.STALL_S)
+                    log.warning(
+                        "checkpoint cache: the prefetch of %s made no progress for "
+                        "%.0f s; reading it from the store",
+                        final,
+                        self.STALL_S,
+                    )
                     return False
                 time.sleep(poll)
             return True
@@ -211,13 +215,20 @@ class StepCache:
         except FileNotFoundError:
             return self._adopt(manifest_raw)
         except OSError as exc:
-            log.warning("checkpoint cache: cannot read %s (%s); reading from the store",
-                        self.dir / MANIFEST, exc)
+            log.warning(
+                "checkpoint cache: cannot read %s (%s); reading from the store",
+                self.dir / MANIFEST,
+                exc,
+            )
             return False
         if cached == manifest_raw:
             return True
-        log.warning("checkpoint cache: %s holds another step %d than the store's (the store "
-                    "was rewritten); removing it", self.dir, self.step)
+        log.warning(
+            "checkpoint cache: %s holds another step %d than the store's (the store "
+            "was rewritten); removing it",
+            self.dir,
+            self.step,
+        )
         shutil.rmtree(self.dir, ignore_errors=True)
         return False
 
@@ -234,8 +245,13 @@ class StepCache:
         try:
             _atomic_write(self.dir / MANIFEST, manifest_raw)
         except OSError as exc:
-            log.warning("checkpoint cache: cannot record the commit of step %d in %s (%s); "
-                        "reading from the store", self.step, self.dir, exc)
+            log.warning(
+                "checkpoint cache: cannot record the commit of step %d in %s (%s); "
+                "reading from the store",
+                self.step,
+                self.dir,
+                exc,
+            )
             return False
         return True
 
@@ -304,8 +320,9 @@ class StepCache:
                     finally:
                         view.release()
             except (OSError, ValueError) as exc:
-                log.warning("checkpoint cache: cannot read %s (%s); reading from the store",
-                            path, exc)
+                log.warning(
+                    "checkpoint cache: cannot read %s (%s); reading from the store", path, exc
+                )
                 return None
         self._count(copied)
         return copied
@@ -334,8 +351,11 @@ class StepCache:
         if cached == manifest_raw:
             return True
         if cached is not None:
-            log.warning("checkpoint cache: %s holds another step %d than the store's; "
-                        "replacing it", self.dir, self.step)
+            log.warning(
+                "checkpoint cache: %s holds another step %d than the store's; replacing it",
+                self.dir,
+                self.step,
+            )
             shutil.rmtree(self.dir, ignore_errors=True)
             make_dir(self.dir)
         _atomic_write(self.dir / MANIFEST, manifest_raw)
@@ -372,9 +392,14 @@ class StepCache:
                 self.put(objects_name(rank), objects)
             self.put(index_name(rank), index)
         except OSError as exc:
-            log.warning("checkpoint cache: cannot write step %d of rank %d into %s (%s); an "
-                        "in-place restart will fetch it from the store", self.step, rank,
-                        self.dir, exc)
+            log.warning(
+                "checkpoint cache: cannot write step %d of rank %d into %s (%s); an "
+                "in-place restart will fetch it from the store",
+                self.step,
+                rank,
+                self.dir,
+                exc,
+            )
             for name in (data_name(rank), objects_name(rank), index_name(rank)):
                 (self.dir / name).unlink(missing_ok=True)
             return False
@@ -397,8 +422,11 @@ def _temps_of(directory: Path, name: str) -> list[Path]:
     """The temporary files being written for ``name`` (by prefetches or saves)."""
     prefix = f".{name}.tmp-"
     try:
-        return [directory / n for n in os.listdir(directory)
-                if n.startswith(prefix) and _TEMP_RE.match(n)]
+        return [
+            directory / n
+            for n in os.listdir(directory)
+            if n.startswith(prefix) and _TEMP_RE.match(n)
+        ]
     except FileNotFoundError:
         return []
 
@@ -475,7 +503,10 @@ def _check_data_file(path: Path, index: RankIndex) -> str | None:
 
 # -- which files a node's ranks read ------------------------------------------------------------
 
-def files_for_ranks(indexes: Sequence[RankIndex], ranks: Iterable[int]) -> tuple[set[int], set[int]]:
+
+def files_for_ranks(
+    indexes: Sequence[RankIndex], ranks: Iterable[int]
+) -> tuple[set[int], set[int]]:
     """(ranks whose data file, ranks whose objects file) the given ranks' load reads, for a
     load at the saved world size.
 
@@ -507,11 +538,14 @@ def files_for_ranks(indexes: Sequence[RankIndex], ranks: Iterable[int]) -> tuple
         for key in idx.tensor_keys:
             if key not in own:
                 data |= writers.get(key, set())
-    return ({r for r in data if indexes[r].data_size},
-            {r for r in objects if indexes[r].objects_size})
+    return (
+        {r for r in data if indexes[r].data_size},
+        {r for r in objects if indexes[r].objects_size},
+    )
 
 
 # -- prefetch -----------------------------------------------------------------------------------
+
 
 class _CacheWriteError(Exception):
     """A local write into the cache failed (a full disk): never a store error."""
@@ -521,8 +555,18 @@ class _CacheWriteError(Exception):
         self.error = error
 
 
-_STORE_CLIENTS = {"botocore", "aiobotocore", "aiohttp", "s3fs", "urllib3", "requests",
-                  "pyarrow", "fsspec", "gcsfs", "adlfs"}
+_STORE_CLIENTS = {
+    "botocore",
+    "aiobotocore",
+    "aiohttp",
+    "s3fs",
+    "urllib3",
+    "requests",
+    "pyarrow",
+    "fsspec",
+    "gcsfs",
+    "adlfs",
+}
 
 
 def _is_store_error(exc: BaseException) -> bool:
@@ -537,14 +581,19 @@ def _store(url: str, what: str, fn: Callable[..., T], *args: Any) -> T:
     A missing file or damaged bytes stay what they are: the caller falls back a step."""
     try:
         return fn(*args)
-    except (FileNotFoundError, StripeChecksumError, ManifestError, CheckpointError,
-            _CacheWriteError):
+    except (
+        FileNotFoundError,
+        StripeChecksumError,
+        ManifestError,
+        CheckpointError,
+        _CacheWriteError,
+    ):
         raise
     except Exception as exc:
         if _is_store_error(exc):
             raise CheckpointStoreUnavailable(
-                f"checkpoint store {url} unavailable ({what}): {type(exc).__name__}: {exc}",
-                url=url) from exc
+                f"checkpoint store {url} unavailable ({what}): {type(exc).__name__}: {exc}", url=url
+            ) from exc
         raise
 
 
@@ -567,9 +616,15 @@ class _Tally:
             self.already += 1
 
 
-def prefetch_latest(url: str, cache_dir: str | os.PathLike, ranks: Sequence[int], *,
-                    storage_options: dict | None = None, connections: int = 16,
-                    on_planned: Callable[[int | None], None] | None = None) -> PrefetchResult:
+def prefetch_latest(
+    url: str,
+    cache_dir: str | os.PathLike,
+    ranks: Sequence[int],
+    *,
+    storage_options: dict | None = None,
+    connections: int = 16,
+    on_planned: Callable[[int | None], None] | None = None,
+) -> PrefetchResult:
     """Copy the newest committed checkpoint's files that ``ranks`` load into ``cache_dir``.
 
     Idempotent: files already cached and verified are kept. A step that turns out damaged
@@ -604,21 +659,37 @@ def prefetch_latest(url: str, cache_dir: str | os.PathLike, ranks: Sequence[int]
         try:
             tally = _prefetch_step(fs, root, url, cache, wanted, connections, planned)
         except (CheckpointCorrupt, StripeChecksumError, ManifestError, FileNotFoundError) as exc:
-            log.warning("checkpoint step %d under %s cannot be prefetched (%s); trying the "
-                        "previous committed checkpoint", step, node.url, exc)
+            log.warning(
+                "checkpoint step %d under %s cannot be prefetched (%s); trying the "
+                "previous committed checkpoint",
+                step,
+                node.url,
+                exc,
+            )
             failures.append(f"step {step}: {exc}")
             continue
         except _CacheWriteError as exc:
             raise _cache_error(cache.dir, exc.error) from exc.error
         node.drop_steps_except(step)
         seconds = time.perf_counter() - started
-        log.info("checkpoint step %d of %s cached for ranks %s: %d file(s), %.1f MiB in %.2f s "
-                 "(%d already cached)", step, node.url, wanted, tally.files, tally.bytes / 2**20,
-                 seconds, tally.already)
-        return PrefetchResult(step, tally.files, tally.bytes, seconds, tally.already,
-                              str(cache.dir))
-    raise CheckpointCorrupt(f"no committed checkpoint under {url} could be prefetched:\n  " +
-                            "\n  ".join(failures), step=done[-1])
+        log.info(
+            "checkpoint step %d of %s cached for ranks %s: %d file(s), %.1f MiB in %.2f s "
+            "(%d already cached)",
+            step,
+            node.url,
+            wanted,
+            tally.files,
+            tally.bytes / 2**20,
+            seconds,
+            tally.already,
+        )
+        return PrefetchResult(
+            step, tally.files, tally.bytes, seconds, tally.already, str(cache.dir)
+        )
+    raise CheckpointCorrupt(
+        f"no committed checkpoint under {url} could be prefetched:\n  " + "\n  ".join(failures),
+        step=done[-1],
+    )
 
 
 class _Once:
@@ -634,20 +705,31 @@ class _Once:
 
 
 def _cache_error(where: Path, exc: OSError) -> OSError:
-    return OSError(exc.errno or errno.EIO,
-                   f"cannot write the checkpoint cache at {where}: {exc.strerror or exc}")
+    return OSError(
+        exc.errno or errno.EIO,
+        f"cannot write the checkpoint cache at {where}: {exc.strerror or exc}",
+    )
 
 
-def _prefetch_step(fs: StripedFileSystem, root: str, url: str, cache: StepCache,
-                   ranks: list[int], connections: int,
-                   planned: Callable[[int | None], None]) -> _Tally:
+def _prefetch_step(
+    fs: StripedFileSystem,
+    root: str,
+    url: str,
+    cache: StepCache,
+    ranks: list[int],
+    connections: int,
+    planned: Callable[[int | None], None],
+) -> _Tally:
     directory = step_dir(root, cache.step)
     path = f"{directory}/{MANIFEST}"
     raw = _store(url, f"reading {path}", fs.cat_file, path)
     manifest = _parse(Manifest.from_json, raw, cache.step, path)
     if manifest.step_problem(cache.step):
-        raise CheckpointCorrupt(f"step {cache.step}: {path} {manifest.step_problem(cache.step)}",
-                                step=cache.step, path=path)
+        raise CheckpointCorrupt(
+            f"step {cache.step}: {path} {manifest.step_problem(cache.step)}",
+            step=cache.step,
+            path=path,
+        )
     tally = _Tally()
     try:
         if cache.prepare(raw):
@@ -666,15 +748,19 @@ def _prefetch_step(fs: StripedFileSystem, root: str, url: str, cache: StepCache,
         else:
             blob = _store(url, f"reading {where}", fs.cat_file, where)
             if zlib.crc32(blob) != crc:
-                raise CheckpointCorrupt(f"step {cache.step}: {where} does not match the "
-                                        "manifest's checksum", step=cache.step, path=where)
+                raise CheckpointCorrupt(
+                    f"step {cache.step}: {where} does not match the manifest's checksum",
+                    step=cache.step,
+                    path=where,
+                )
             _local(cache.put, index_name(rank), blob)
             tally.fetched(len(blob))
         parsed = _parse(RankIndex.from_json, blob, cache.step, where)
         problem = index_disagreement(parsed, rank, manifest)
         if problem:
-            raise CheckpointCorrupt(f"step {cache.step}: {where}: {problem}", step=cache.step,
-                                    path=where)
+            raise CheckpointCorrupt(
+                f"step {cache.step}: {where}: {problem}", step=cache.step, path=where
+            )
         return parsed
 
     def objects(rank: int, idx: RankIndex) -> None:
@@ -684,8 +770,9 @@ def _prefetch_step(fs: StripedFileSystem, root: str, url: str, cache: StepCache,
         where = f"{directory}/{objects_name(rank)}"
         blob = _store(url, f"reading {where}", fs.cat_file, where)
         if len(blob) != idx.objects_size or zlib.crc32(blob) != idx.objects_crc32:
-            raise CheckpointCorrupt(f"step {cache.step}: {where} does not match its index",
-                                    step=cache.step, path=where)
+            raise CheckpointCorrupt(
+                f"step {cache.step}: {where} does not match its index", step=cache.step, path=where
+            )
         _local(cache.put, objects_name(rank), blob)
         tally.fetched(len(blob))
 
@@ -709,14 +796,18 @@ def _prefetch_step(fs: StripedFileSystem, root: str, url: str, cache: StepCache,
             where = f"{directory}/{data_name(idx.rank)}"
             source = _store(url, f"opening {where}", fs._resolve, fs._norm(where), fs.options)
             if source.size != idx.data_size:
-                raise CheckpointCorrupt(f"step {cache.step}: {where} holds {source.size} bytes, "
-                                        f"its index says {idx.data_size}", step=cache.step,
-                                        path=where)
+                raise CheckpointCorrupt(
+                    f"step {cache.step}: {where} holds {source.size} bytes, "
+                    f"its index says {idx.data_size}",
+                    step=cache.step,
+                    path=where,
+                )
             _download(url, where, source, tmp, connections)
             problem = _local(_check_data_file, tmp, idx)
             if problem is not None:
-                raise CheckpointCorrupt(f"step {cache.step}: {where} {problem}",
-                                        step=cache.step, path=where)
+                raise CheckpointCorrupt(
+                    f"step {cache.step}: {where} {problem}", step=cache.step, path=where
+                )
             _local(os.replace, tmp, cache.dir / data_name(idx.rank))
         finally:
             if tmp is not None:

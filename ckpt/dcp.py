@@ -87,11 +87,17 @@ class ConversionResult:
     seconds: float
 
 
-def dcp_to_bootseer(dcp_url: str, ckpt_url: str, step: int,
-                    storage_options: dict[str, Any] | None = None, *,
-                    overwrite: bool = False, stripe_size: int | str | None = None,
-                    concurrency: int | None = None,
-                    trust_objects: bool = False) -> ConversionResult:
+def dcp_to_bootseer(
+    dcp_url: str,
+    ckpt_url: str,
+    step: int,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    overwrite: bool = False,
+    stripe_size: int | str | None = None,
+    concurrency: int | None = None,
+    trust_objects: bool = False,
+) -> ConversionResult:
     """Convert the DCP checkpoint at ``dcp_url`` into step ``step`` of ours under ``ckpt_url``.
 
     The whole state is held in memory (every tensor at its global size). DCP FQNs become the
@@ -115,7 +121,9 @@ def dcp_to_bootseer(dcp_url: str, ckpt_url: str, step: int,
     try:
         metadata = reader.read_metadata()
     except (FileNotFoundError, IsADirectoryError):
-        raise CheckpointNotFound(f"no DCP checkpoint at {dcp_url} (no {DCP_METADATA} file)") from None
+        raise CheckpointNotFound(
+            f"no DCP checkpoint at {dcp_url} (no {DCP_METADATA} file)"
+        ) from None
 
     state: dict[str, Any] = {}
     tensor_bytes = n_objects = 0
@@ -125,46 +133,73 @@ def dcp_to_bootseer(dcp_url: str, ckpt_url: str, step: int,
             try:
                 dtype_name(dtype)
             except ValueError:
-                raise ValueError(f"{dcp_url}: tensor {fqn!r} has dtype {dtype}, which bootseer "
-                                 "checkpoints do not support") from None
+                raise ValueError(
+                    f"{dcp_url}: tensor {fqn!r} has dtype {dtype}, which bootseer "
+                    "checkpoints do not support"
+                ) from None
             state[fqn] = torch.empty(tuple(meta.size), dtype=dtype)
             tensor_bytes += state[fqn].numel() * state[fqn].element_size()
         elif isinstance(meta, BytesStorageMetadata):
             state[fqn] = None  # placeholder: DCP puts the unpickled object here
             n_objects += 1
         else:  # pragma: no cover - DCP has no other kind today
-            raise ValueError(f"{dcp_url}: entry {fqn!r} has unknown DCP metadata {type(meta).__name__}")
+            raise ValueError(
+                f"{dcp_url}: entry {fqn!r} has unknown DCP metadata {type(meta).__name__}"
+            )
     n_tensors = len(state) - n_objects
 
-    with CheckpointManager(ckpt_url, rank=0, world_size=1, storage_options=storage_options,
-                           stripe_size=stripe_size, concurrency=concurrency) as mgr:
+    with CheckpointManager(
+        ckpt_url,
+        rank=0,
+        world_size=1,
+        storage_options=storage_options,
+        stripe_size=stripe_size,
+        concurrency=concurrency,
+    ) as mgr:
         directory = step_dir(mgr.root, step)
         if mgr.fs.exists(directory):
             if not overwrite:
                 committed = mgr.fs.exists(f"{directory}/{MANIFEST}")
                 raise FileExistsError(
                     f"step {step} already exists under {ckpt_url}"
-                    f"{'' if committed else ' (incomplete)'}; choose another step or overwrite")
+                    f"{'' if committed else ' (incomplete)'}; choose another step or overwrite"
+                )
             if mgr.fs.exists(f"{directory}/{MANIFEST}"):
                 mgr.fs.rm_file(f"{directory}/{MANIFEST}")  # invisible first, then the bytes
             mgr.fs.rm(directory, recursive=True)
-        log.info("reading DCP checkpoint %s: %d tensors (%.1f MiB), %d objects", dcp_url,
-                 n_tensors, tensor_bytes / 2**20, n_objects)
+        log.info(
+            "reading DCP checkpoint %s: %d tensors (%.1f MiB), %d objects",
+            dcp_url,
+            n_tensors,
+            tensor_bytes / 2**20,
+            n_objects,
+        )
         loading = time.perf_counter()
         with _quiet_dcp(), _dcp_errors(f"reading DCP checkpoint {dcp_url}"):
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
-        log.info("read %s in %.2f s; writing step %d under %s", dcp_url,
-                 time.perf_counter() - loading, step, ckpt_url)
+        log.info(
+            "read %s in %.2f s; writing step %d under %s",
+            dcp_url,
+            time.perf_counter() - loading,
+            step,
+            ckpt_url,
+        )
         mgr._save(step, state, block=True, key_style="dcp")  # load() then flattens like DCP
     seconds = time.perf_counter() - started
     log.info("converted %s -> %s step %d in %.2f s", dcp_url, ckpt_url, step, seconds)
     return ConversionResult(dcp_url, ckpt_url, step, n_tensors, n_objects, tensor_bytes, seconds)
 
 
-def bootseer_to_dcp(ckpt_url: str, dcp_url: str, step: int | None = None,
-                    storage_options: dict[str, Any] | None = None, *,
-                    overwrite: bool = False, trust_objects: bool = False,
-                    thread_count: int = 1) -> ConversionResult:
+def bootseer_to_dcp(
+    ckpt_url: str,
+    dcp_url: str,
+    step: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    overwrite: bool = False,
+    trust_objects: bool = False,
+    thread_count: int = 1,
+) -> ConversionResult:
     """Write step ``step`` (default: the newest committed) of ours as a DCP checkpoint.
 
     The whole state is held in memory (:meth:`CheckpointManager.load_full`: every tensor as
@@ -177,17 +212,23 @@ def bootseer_to_dcp(ckpt_url: str, dcp_url: str, step: int | None = None,
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     started = time.perf_counter()
-    with CheckpointManager(ckpt_url, storage_options=storage_options,
-                           trust_objects=trust_objects) as mgr:
+    with CheckpointManager(
+        ckpt_url, storage_options=storage_options, trust_objects=trust_objects
+    ) as mgr:
         if step is None:
             step = mgr.latest()
             if step is None:
                 raise CheckpointNotFound(f"no committed checkpoint under {ckpt_url}")
-        writer = FsspecWriter(dcp_url, overwrite=True, thread_count=thread_count,
-                              **fsspec_kwargs(dcp_url, storage_options))
+        writer = FsspecWriter(
+            dcp_url,
+            overwrite=True,
+            thread_count=thread_count,
+            **fsspec_kwargs(dcp_url, storage_options),
+        )
         if writer.fs.exists(writer.fs.concat_path(writer.path, DCP_METADATA)) and not overwrite:
-            raise FileExistsError(f"{dcp_url} already holds a DCP checkpoint; choose another "
-                                  "destination or overwrite")
+            raise FileExistsError(
+                f"{dcp_url} already holds a DCP checkpoint; choose another destination or overwrite"
+            )
         log.info("reading step %d of %s", step, ckpt_url)
         loading = time.perf_counter()
         state = mgr.load_full(step)
@@ -200,9 +241,15 @@ def bootseer_to_dcp(ckpt_url: str, dcp_url: str, step: int | None = None,
             tensor_bytes += leaf.numel() * leaf.element_size()
         else:
             n_objects += 1
-    log.info("read step %d (%d tensors, %.1f MiB, %d objects) in %.2f s; writing DCP "
-             "checkpoint %s", step, n_tensors, tensor_bytes / 2**20, n_objects,
-             time.perf_counter() - loading, dcp_url)
+    log.info(
+        "read step %d (%d tensors, %.1f MiB, %d objects) in %.2f s; writing DCP checkpoint %s",
+        step,
+        n_tensors,
+        tensor_bytes / 2**20,
+        n_objects,
+        time.perf_counter() - loading,
+        dcp_url,
+    )
     with _quiet_dcp(), _dcp_errors(f"writing DCP checkpoint {dcp_url}"):
         dcp.save(state, storage_writer=writer, no_dist=True)
     seconds = time.perf_counter() - started
@@ -212,15 +259,24 @@ def bootseer_to_dcp(ckpt_url: str, dcp_url: str, step: int | None = None,
 
 # -- reading a DCP checkpoint that is not trusted ---------------------------------------------
 
-_RULE = ("rule: a DCP checkpoint's pickles are deserialized only as DCP metadata and torch's "
-         "weights-only allow-list without trust_objects=True, bootseer's --trust-objects; pass "
-         "it only for a checkpoint you trust")
+_RULE = (
+    "rule: a DCP checkpoint's pickles are deserialized only as DCP metadata and torch's "
+    "weights-only allow-list without trust_objects=True, bootseer's --trust-objects; pass "
+    "it only for a checkpoint you trust"
+)
 # What DCP's own metadata pickle is made of (torch 2.x): its dataclasses, torch sizes, dtypes,
 # layouts and memory formats. Constructing any of them runs no code of the checkpoint's.
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "StorageMeta", "MetadataIndex"},
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "StorageMeta",
+        "MetadataIndex",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
@@ -241,8 +297,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _METADATA_GLOBALS.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None),
-                                            torch.dtype | torch.layout | torch.memory_format):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format
+        ):
             return getattr(torch, name)
         raise _Refused(f"global {module}.{name} is not DCP metadata")
 
@@ -262,11 +319,13 @@ def _untrusted_reader() -> type:
                 except _Refused as exc:
                     raise ConversionError(f"{path}: {exc} ({_RULE})") from None
                 except Exception as exc:  # noqa: BLE001 - a malformed pickle: EOF, memo, lookups
-                    raise ConversionError(f"{path}: not DCP metadata ({type(exc).__name__}: "
-                                          f"{exc})") from None
+                    raise ConversionError(
+                        f"{path}: not DCP metadata ({type(exc).__name__}: {exc})"
+                    ) from None
             if not isinstance(metadata, Metadata):
-                raise ConversionError(f"{path}: holds a {type(metadata).__name__}, not DCP "
-                                      "metadata")
+                raise ConversionError(
+                    f"{path}: holds a {type(metadata).__name__}, not DCP metadata"
+                )
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -293,7 +352,9 @@ def _untrusted_planner() -> type:
             except pickle.UnpicklingError as exc:
                 storage = getattr(self.reader, "storage_data", {}).get(read_item.storage_index)
                 where = f"{self.url}/{storage.relative_path}" if storage else self.url
-                raise ConversionError(f"{where}: entry {fqn!r}: {unpickling_refusal(exc)} ({_RULE})") from None
+                raise ConversionError(
+                    f"{where}: entry {fqn!r}: {unpickling_refusal(exc)} ({_RULE})"
+                ) from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], obj)
             else:
@@ -308,8 +369,7 @@ def fsspec_kwargs(url: str, storage_options: dict[str, Any] | None) -> dict[str,
     ``{"striped": ..., "s3": ...}``), the bare options of its one protocol otherwise."""
     options = storage_options or {}
     if "::" in url:
-        protocols = [part.split("://", 1)[0] if "://" in part else part
-                     for part in url.split("::")]
+        protocols = [part.split("://", 1)[0] if "://" in part else part for part in url.split("::")]
         return {p: options[p] for p in protocols if p in options}
     protocol = url.split("://", 1)[0] if "://" in url else "file"
     return dict(options.get(protocol, {}))

@@ -57,4 +57,5 @@ class StateMismatchError(CheckpointError):
         lines = "\n  ".join(problems)
         super().__init__(
             f"checkpoint step {step} does not match the state to load ({len(problems)} "
-            f"problem(s)); pass strict=False to load what matches:\n  {lines}")
+            f"problem(s)); pass strict=False to load what matches:\n  {lines}"
+        )

@@ -37,7 +37,9 @@ def walk(state: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[str, Any, A
     elif isinstance(state, list):
         items = enumerate(state)
     else:
-        raise TypeError(f"checkpoint state must be a dict or list at the top, got {type(state).__name__}")
+        raise TypeError(
+            f"checkpoint state must be a dict or list at the top, got {type(state).__name__}"
+        )
     for slot, value in items:
         path = (*prefix, slot)
         if isinstance(value, dict | list) and value:
@@ -101,16 +103,22 @@ def unflatten(flat: dict[str, Any], kinds: dict[str, str] | None = None) -> Any:
 
 
 def _rebuild(level: _Level, path: str, kinds: dict[str, str]) -> Any:
-    items = {part: _rebuild(value, f"{path}/{part}" if path else part, kinds)
-             if isinstance(value, _Level) else value for part, value in level.items()}
+    items = {
+        part: _rebuild(value, f"{path}/{part}" if path else part, kinds)
+        if isinstance(value, _Level)
+        else value
+        for part, value in level.items()
+    }
     names = {part: _unescape(part) for part in items}
     kind = kinds.get(path)
     where = f"level {_unescape(path)!r}" if path else "the top level"
     if kind == LIST:
         order = sorted(items, key=lambda p: int(names[p]) if names[p].isdigit() else -1)
         if [names[p] for p in order] != [str(i) for i in range(len(items))]:
-            raise ValueError(f"{where} is recorded as a list but its keys are "
-                             f"{sorted(names.values())[:5]} (rule: a list holds items 0..n-1)")
+            raise ValueError(
+                f"{where} is recorded as a list but its keys are "
+                f"{sorted(names.values())[:5]} (rule: a list holds items 0..n-1)"
+            )
         return [items[p] for p in order]
     if kind == INT_KEYS:
         out: dict[Any, Any] = {}
@@ -121,8 +129,10 @@ def _rebuild(level: _Level, path: str, kinds: dict[str, str]) -> Any:
             except ValueError:
                 number = None
             if number is None or str(number) != name:
-                raise ValueError(f"{where} is recorded as keyed by integers but holds key "
-                                 f"{name!r} (rule: integer keys)")
+                raise ValueError(
+                    f"{where} is recorded as keyed by integers but holds key "
+                    f"{name!r} (rule: integer keys)"
+                )
             out[number] = value
         return out
     return {names[p]: v for p, v in items.items()}
@@ -141,6 +151,7 @@ def _listify(node: Any) -> Any:
 
 
 # -- DCP's keys ------------------------------------------------------------------------------
+
 
 def flatten_like_dcp(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(flat, mapping)``: ``state`` keyed by DCP FQNs, the same tensor objects as leaves.
@@ -164,8 +175,10 @@ def dcp_slots(state: Any) -> dict[str, tuple[Any, Any]]:
     so a value loaded under its FQN is put back in place (integer dict keys included,
     which DCP's paths spell as strings)."""
     if not isinstance(state, Mapping):
-        raise TypeError("a checkpoint converted from DCP loads into a dict (DCP's state is "
-                        f"keyed by names), got {type(state).__name__}")
+        raise TypeError(
+            "a checkpoint converted from DCP loads into a dict (DCP's state is "
+            f"keyed by names), got {type(state).__name__}"
+        )
     _, mapping = flatten_like_dcp(state)  # type: ignore[arg-type]
     slots = {}
     for fqn, path in mapping.items():

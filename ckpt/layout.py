@@ -51,9 +51,20 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 # The dtypes a checkpoint may hold, with their element sizes. Names, not torch objects: the
 # layout is read by processes that never import torch (the node-local cache's prefetch).
 ELEMENT_SIZES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 
 
@@ -151,10 +162,13 @@ class RankIndex:
             if not isinstance(body, dict):
                 raise ValueError(f"a JSON {type(body).__name__}, expected an object")
             if body.get("format") not in INDEX_FORMATS:
-                raise ValueError(f"format {body.get('format')!r}, expected one of "
-                                 f"{list(INDEX_FORMATS)} (a newer bootseer wrote it?)")
-            if not isinstance(body.get("chunks"), list) or \
-                    not all(isinstance(c, dict) for c in body["chunks"]):
+                raise ValueError(
+                    f"format {body.get('format')!r}, expected one of "
+                    f"{list(INDEX_FORMATS)} (a newer bootseer wrote it?)"
+                )
+            if not isinstance(body.get("chunks"), list) or not all(
+                isinstance(c, dict) for c in body["chunks"]
+            ):
                 raise ValueError("chunks must be a list of objects")
             body["chunks"] = [ChunkRecord(**c) for c in body["chunks"]]
             index = cls(**body)
@@ -177,10 +191,13 @@ class RankIndex:
         if not isinstance(self.attempt, str):
             raise ValueError(f"{path}: attempt must be a string")
         if self.key_style not in KEY_STYLES:
-            raise ValueError(f"{path}: key_style {self.key_style!r} (rule: one of {list(KEY_STYLES)})")
+            raise ValueError(
+                f"{path}: key_style {self.key_style!r} (rule: one of {list(KEY_STYLES)})"
+            )
         if self.containers is not None and not (
-                isinstance(self.containers, dict) and all(
-                    isinstance(k, str) and v in CONTAINER_KINDS for k, v in self.containers.items())):
+            isinstance(self.containers, dict)
+            and all(isinstance(k, str) and v in CONTAINER_KINDS for k, v in self.containers.items())
+        ):
             raise ValueError(f"{path}: containers must map keys to one of {list(CONTAINER_KINDS)}")
         _time(path, self.created)
         for c in self.chunks:
@@ -190,9 +207,11 @@ class RankIndex:
         end, previous = 0, None
         for c in sorted((c for c in self.chunks if c.nbytes), key=lambda c: c.byte_offset):
             if c.byte_offset < end:
-                raise ValueError(f"{path}: chunk {c.key!r} at bytes {c.byte_offset}+{c.nbytes} "
-                                 f"overlaps chunk {previous!r} (rule: chunks occupy disjoint "
-                                 "byte ranges of the data file)")
+                raise ValueError(
+                    f"{path}: chunk {c.key!r} at bytes {c.byte_offset}+{c.nbytes} "
+                    f"overlaps chunk {previous!r} (rule: chunks occupy disjoint "
+                    "byte ranges of the data file)"
+                )
             end, previous = c.byte_offset + c.nbytes, c.key
 
 
@@ -205,8 +224,9 @@ def _int(path: str, what: str, value: Any, lo: int = 0, hi: int = MAX_BYTES) -> 
 def _time(path: str, value: Any) -> None:
     """A ``created`` time that tools can print (a number of seconds up to year 9999)."""
     if type(value) not in (int, float) or not 0 <= value <= MAX_TIME:
-        raise ValueError(f"{path}: created is {value!r} (rule: seconds since the epoch in "
-                         f"[0, {MAX_TIME}])")
+        raise ValueError(
+            f"{path}: created is {value!r} (rule: seconds since the epoch in [0, {MAX_TIME}])"
+        )
 
 
 def numel(shape: Sequence[int]) -> int:
@@ -225,15 +245,32 @@ def _check_chunk(path: str, c: ChunkRecord, data_size: int) -> None:
     that fails any of them is explained, rule by rule, by ``_explain_chunk``."""
     elem = ELEMENT_SIZES.get(c.dtype) if type(c.dtype) is str else None
     g, o, n = c.global_shape, c.offsets, c.shape
-    if (elem is not None and type(c.key) is str and c.kind in KINDS and type(g) is list
-            and type(o) is list and type(n) is list and len(g) == len(o) == len(n) <= MAX_NDIM
-            and type(c.byte_offset) is int and type(c.nbytes) is int and type(c.crc32) is int
-            and 0 <= c.byte_offset and 0 <= c.nbytes and c.byte_offset + c.nbytes <= data_size
-            and 0 <= c.crc32 <= _U32):
+    if (
+        elem is not None
+        and type(c.key) is str
+        and c.kind in KINDS
+        and type(g) is list
+        and type(o) is list
+        and type(n) is list
+        and len(g) == len(o) == len(n) <= MAX_NDIM
+        and type(c.byte_offset) is int
+        and type(c.nbytes) is int
+        and type(c.crc32) is int
+        and 0 <= c.byte_offset
+        and 0 <= c.nbytes
+        and c.byte_offset + c.nbytes <= data_size
+        and 0 <= c.crc32 <= _U32
+    ):
         total = count = elem
         for gd, od, nd in zip(g, o, n, strict=True):
-            if type(gd) is not int or type(od) is not int or type(nd) is not int or \
-                    od < 0 or nd < 0 or od + nd > gd:
+            if (
+                type(gd) is not int
+                or type(od) is not int
+                or type(nd) is not int
+                or od < 0
+                or nd < 0
+                or od + nd > gd
+            ):
                 break
             total *= gd
             count *= nd
@@ -256,30 +293,40 @@ def _explain_chunk(path: str, c: ChunkRecord, data_size: int) -> None:
     if not all(isinstance(d, list) and all(type(x) is int for x in d) for d in dims):
         raise ValueError(f"{where}: global_shape, offsets and shape must be lists of integers")
     if not len(c.global_shape) == len(c.offsets) == len(c.shape) <= MAX_NDIM:
-        raise ValueError(f"{where}: global shape {c.global_shape}, offsets {c.offsets} and shape "
-                         f"{c.shape} (rule: the same number of dimensions, at most {MAX_NDIM})")
+        raise ValueError(
+            f"{where}: global shape {c.global_shape}, offsets {c.offsets} and shape "
+            f"{c.shape} (rule: the same number of dimensions, at most {MAX_NDIM})"
+        )
     for g, o, n in zip(c.global_shape, c.offsets, c.shape, strict=True):
         if g < 0 or o < 0 or n < 0 or o + n > g:
-            raise ValueError(f"{where}: offsets {c.offsets} and shape {c.shape} (rule: a "
-                             f"chunk lies inside its global shape {c.global_shape})")
+            raise ValueError(
+                f"{where}: offsets {c.offsets} and shape {c.shape} (rule: a "
+                f"chunk lies inside its global shape {c.global_shape})"
+            )
     elem = ELEMENT_SIZES[c.dtype]
     if numel(c.global_shape) * elem > MAX_BYTES:
-        raise ValueError(f"{where}: global shape {c.global_shape} of {c.dtype} (rule: at most "
-                         f"{MAX_BYTES} bytes)")
+        raise ValueError(
+            f"{where}: global shape {c.global_shape} of {c.dtype} (rule: at most {MAX_BYTES} bytes)"
+        )
     _int(where, "byte_offset", c.byte_offset)
     _int(where, "nbytes", c.nbytes)
     _int(where, "crc32", c.crc32, 0, _U32)
     if c.byte_offset + c.nbytes > data_size:
-        raise ValueError(f"{where}: bytes {c.byte_offset}+{c.nbytes} (rule: inside the data "
-                         f"file, whose index says {data_size} bytes)")
+        raise ValueError(
+            f"{where}: bytes {c.byte_offset}+{c.nbytes} (rule: inside the data "
+            f"file, whose index says {data_size} bytes)"
+        )
     if numel(c.shape) * elem != c.nbytes:
-        raise ValueError(f"{where}: {c.nbytes} bytes for shape {c.shape} of {c.dtype} (rule: "
-                         f"nbytes = elements x {elem})")
+        raise ValueError(
+            f"{where}: {c.nbytes} bytes for shape {c.shape} of {c.dtype} (rule: "
+            f"nbytes = elements x {elem})"
+        )
     raise AssertionError(f"{where}: _check_chunk and _explain_chunk disagree")  # pragma: no cover
 
 
-def tiling_problem(global_shape: Sequence[int],
-                   boxes: Iterable[tuple[Sequence[int], Sequence[int]]]) -> str | None:
+def tiling_problem(
+    global_shape: Sequence[int], boxes: Iterable[tuple[Sequence[int], Sequence[int]]]
+) -> str | None:
     """None when the chunks (offsets, shape), each inside ``global_shape``, cover every
     element of the tensor exactly once (identical boxes are replicas and count once);
     otherwise what is wrong, naming the region: the first uncovered one, or an overlap.
@@ -306,23 +353,29 @@ def tiling_problem(global_shape: Sequence[int],
             if end == global_shape[0]:
                 return None
     distinct = sorted(unique)
-    cuts = [sorted({0, g, *(o[d] for o, _ in distinct), *(o[d] + s[d] for o, s in distinct)})
-            for d, g in enumerate(global_shape)]
+    cuts = [
+        sorted({0, g, *(o[d] for o, _ in distinct), *(o[d] + s[d] for o, s in distinct)})
+        for d, g in enumerate(global_shape)
+    ]
     at = [{x: i for i, x in enumerate(c)} for c in cuts]
     spans = [[(at[d][o[d]], at[d][o[d] + s[d]]) for d in range(len(cuts))] for o, s in distinct]
     total = numel([len(c) - 1 for c in cuts])
 
     def region(cell: tuple[int, ...]) -> str:
-        return (f"offsets {[cuts[d][i] for d, i in enumerate(cell)]} shape "
-                f"{[cuts[d][i + 1] - cuts[d][i] for d, i in enumerate(cell)]}")
+        return (
+            f"offsets {[cuts[d][i] for d, i in enumerate(cell)]} shape "
+            f"{[cuts[d][i + 1] - cuts[d][i] for d, i in enumerate(cell)]}"
+        )
 
     single = all(hi - lo == 1 for span in spans for lo, hi in span)
     if single:  # a grid: a cell is one box, so distinct boxes never share one
         seen = {tuple(lo for lo, _ in span) for span in spans}
     else:
         if sum(numel([hi - lo for lo, hi in span]) for span in spans) > MAX_TILING_CELLS:
-            return (f"its {len(distinct)} chunks form a layout too fragmented to check (rule: "
-                    f"at most {MAX_TILING_CELLS} cells)")
+            return (
+                f"its {len(distinct)} chunks form a layout too fragmented to check (rule: "
+                f"at most {MAX_TILING_CELLS} cells)"
+            )
         seen = set()
         for span in spans:
             for cell in itertools.product(*(range(lo, hi) for lo, hi in span)):
@@ -333,8 +386,10 @@ def tiling_problem(global_shape: Sequence[int],
         return None
     for cell in itertools.product(*(range(len(c) - 1) for c in cuts)):
         if cell not in seen:  # found within len(seen) + 1 steps
-            return (f"no chunk stores the elements at {region(cell)} (rule: the chunks cover "
-                    "the whole tensor)")
+            return (
+                f"no chunk stores the elements at {region(cell)} (rule: the chunks cover "
+                "the whole tensor)"
+            )
     return None  # pragma: no cover - len(seen) < total means a cell is missing
 
 
@@ -375,12 +430,19 @@ class Manifest:
         world = _int(path, "world_size", self.world_size, 1, MAX_WORLD_SIZE)
         if not isinstance(self.ranks, list) or len(self.ranks) != world:
             count = len(self.ranks) if isinstance(self.ranks, list) else self.ranks
-            raise ValueError(f"{path}: world_size {world} but {count} rank(s) listed (rule: "
-                             "world_size equals the number of ranks listed)")
+            raise ValueError(
+                f"{path}: world_size {world} but {count} rank(s) listed (rule: "
+                "world_size equals the number of ranks listed)"
+            )
         for entry in self.ranks:
-            if not isinstance(entry, dict) or not {"rank", "data_size", "index_crc32"} <= entry.keys():
-                raise ValueError(f"{path}: rank entry {entry!r} (rule: an object with rank, "
-                                 "data_size and index_crc32)")
+            if (
+                not isinstance(entry, dict)
+                or not {"rank", "data_size", "index_crc32"} <= entry.keys()
+            ):
+                raise ValueError(
+                    f"{path}: rank entry {entry!r} (rule: an object with rank, "
+                    "data_size and index_crc32)"
+                )
             _int(path, "a rank", entry["rank"], 0, world - 1)
             _int(path, f"data_size of rank {entry['rank']}", entry["data_size"])
             _int(path, f"index_crc32 of rank {entry['rank']}", entry["index_crc32"], 0, _U32)
@@ -388,8 +450,10 @@ class Manifest:
         if len(set(listed)) != world:
             twice = sorted(r for r, n in Counter(listed).items() if n > 1)
             missing = sorted(set(range(world)) - set(listed))
-            raise ValueError(f"{path}: rank(s) {twice} listed twice, {missing} missing (rule: "
-                             f"ranks 0..{world - 1} each listed once)")
+            raise ValueError(
+                f"{path}: rank(s) {twice} listed twice, {missing} missing (rule: "
+                f"ranks 0..{world - 1} each listed once)"
+            )
         self.ranks = sorted(self.ranks, key=lambda e: e["rank"])
 
     def step_problem(self, step: int) -> str | None:
@@ -404,13 +468,17 @@ def index_disagreement(index: RankIndex, rank: int, manifest: Manifest) -> str |
     if index.rank != rank:
         return f"rank {index.rank} (rule: rank-R's index is rank R's)"
     if index.world_size != manifest.world_size:
-        return (f"world_size {index.world_size}, the manifest's is {manifest.world_size} "
-                "(rule: one world size)")
+        return (
+            f"world_size {index.world_size}, the manifest's is {manifest.world_size} "
+            "(rule: one world size)"
+        )
     if index.step != manifest.step:
         return f"step {index.step}, the manifest's is {manifest.step} (rule: one step)"
     if index.data_size != manifest.ranks[rank]["data_size"]:
-        return (f"data_size {index.data_size}, the manifest's is "
-                f"{manifest.ranks[rank]['data_size']} (rule: one data size)")
+        return (
+            f"data_size {index.data_size}, the manifest's is "
+            f"{manifest.ranks[rank]['data_size']} (rule: one data size)"
+        )
     return None
 
 
@@ -421,8 +489,9 @@ def committed_steps(fs: StripedFileSystem, root: str) -> tuple[list[int], list[i
         entries = fs.ls(root, detail=True)
     except FileNotFoundError:
         return [], []
-    steps = sorted(s for e in entries if e["type"] == "directory"
-                   and (s := parse_step(e["name"])) is not None)
+    steps = sorted(
+        s for e in entries if e["type"] == "directory" and (s := parse_step(e["name"])) is not None
+    )
     done, torn = [], []
     for s in steps:
         (done if fs.exists(f"{step_dir(root, s)}/{MANIFEST}") else torn).append(s)

@@ -88,8 +88,14 @@ class Reads:
 class CheckpointView:
     """A committed checkpoint's manifest and indexes, read and cross-checked."""
 
-    def __init__(self, fs: StripedFileSystem, root: str, step: int,
-                 cache: StepCache | None = None, manifest_raw: bytes | None = None) -> None:
+    def __init__(
+        self,
+        fs: StripedFileSystem,
+        root: str,
+        step: int,
+        cache: StepCache | None = None,
+        manifest_raw: bytes | None = None,
+    ) -> None:
         self.fs, self.root, self.step = fs, root, step
         self.dir = step_dir(root, step)
         raw = read_manifest(fs, root, step) if manifest_raw is None else manifest_raw
@@ -97,8 +103,11 @@ class CheckpointView:
         self.manifest = _parse(Manifest.from_json, raw, step, f"{self.dir}/{MANIFEST}")
         problem = self.manifest.step_problem(step)
         if problem:
-            raise CheckpointCorrupt(f"step {step}: {self.dir}/{MANIFEST} {problem}", step=step,
-                                    path=f"{self.dir}/{MANIFEST}")
+            raise CheckpointCorrupt(
+                f"step {step}: {self.dir}/{MANIFEST} {problem}",
+                step=step,
+                path=f"{self.dir}/{MANIFEST}",
+            )
         # The manifest always comes from the store; the cache serves only while it matches.
         self.cache = cache if cache is not None and cache.matches(raw) else None
         with ThreadPoolExecutor(8) as pool:
@@ -108,8 +117,11 @@ class CheckpointView:
             path = f"{self.dir}/{index_name(rank)}"
             expected = self.manifest.ranks[rank]["index_crc32"]
             if zlib.crc32(blob) != expected:
-                raise CheckpointCorrupt(f"step {step}: {path} does not match the manifest's "
-                                        "checksum", step=step, path=path)
+                raise CheckpointCorrupt(
+                    f"step {step}: {path} does not match the manifest's checksum",
+                    step=step,
+                    path=path,
+                )
             index = _parse(RankIndex.from_json, blob, step, path)
             problem = index_disagreement(index, rank, self.manifest)
             if problem:
@@ -119,8 +131,16 @@ class CheckpointView:
         meta: dict[str, tuple[str, str, tuple[int, ...], int]] = {}
         for idx in self.indexes:
             for c in idx.chunks:
-                grouped[c.key].append(StoredChunk(c.key, idx.rank, Box(tuple(c.offsets), tuple(c.shape)),
-                                                  c.byte_offset, c.nbytes, c.dtype))
+                grouped[c.key].append(
+                    StoredChunk(
+                        c.key,
+                        idx.rank,
+                        Box(tuple(c.offsets), tuple(c.shape)),
+                        c.byte_offset,
+                        c.nbytes,
+                        c.dtype,
+                    )
+                )
                 shape = tuple(c.global_shape)
                 first = meta.setdefault(c.key, (c.kind, c.dtype, shape, idx.rank))
                 if first[1] != c.dtype or first[2] != shape:
@@ -128,19 +148,30 @@ class CheckpointView:
                     raise CheckpointCorrupt(
                         f"step {step}: {path}: chunk {c.key!r} is {c.dtype} {c.global_shape}, rank "
                         f"{first[3]}'s is {first[1]} {list(first[2])} (rule: every chunk of a "
-                        "tensor has one dtype and global shape)", step=step, path=path)
+                        "tensor has one dtype and global shape)",
+                        step=step,
+                        path=path,
+                    )
         for key, chunks in grouped.items():
             problem = tiling_problem(meta[key][2], [(c.box.offsets, c.box.shape) for c in chunks])
             if problem:
-                raise CheckpointCorrupt(f"step {step}: tensor {key!r} in {self.dir}: {problem}",
-                                        step=step, path=self.dir)
-        self.keys = {k: KeyInfo(meta[k][0], meta[k][1], meta[k][2], ChunkIndex(v, meta[k][2]))
-                     for k, v in grouped.items()}
+                raise CheckpointCorrupt(
+                    f"step {step}: tensor {key!r} in {self.dir}: {problem}",
+                    step=step,
+                    path=self.dir,
+                )
+        self.keys = {
+            k: KeyInfo(meta[k][0], meta[k][1], meta[k][2], ChunkIndex(v, meta[k][2]))
+            for k, v in grouped.items()
+        }
         styles = {idx.key_style for idx in self.indexes}
         if len(styles) > 1:
-            raise CheckpointCorrupt(f"step {step}: the indexes of {self.dir} disagree on their "
-                                    f"key style {sorted(styles)} (rule: one key style)",
-                                    step=step, path=self.dir)
+            raise CheckpointCorrupt(
+                f"step {step}: the indexes of {self.dir} disagree on their "
+                f"key style {sorted(styles)} (rule: one key style)",
+                step=step,
+                path=self.dir,
+            )
         self.key_style = styles.pop() if styles else ""
 
     def with_cache(self, cache: StepCache | None) -> CheckpointView:
@@ -159,8 +190,9 @@ class CheckpointView:
         try:
             return self.fs.cat_file(path)
         except FileNotFoundError:
-            raise CheckpointCorrupt(f"step {self.step}: {path} is missing", step=self.step,
-                                    path=path) from None
+            raise CheckpointCorrupt(
+                f"step {self.step}: {path} is missing", step=self.step, path=path
+            ) from None
 
     def objects_blob(self, rank: int) -> bytes:
         """Rank ``rank``'s objects file, checked against its index (size, CRC-32) and never
@@ -174,11 +206,13 @@ class CheckpointView:
             try:
                 blob = self.fs.cat_file(path)
             except FileNotFoundError:
-                raise CheckpointCorrupt(f"step {self.step}: {path} is missing", step=self.step,
-                                        path=path) from None
+                raise CheckpointCorrupt(
+                    f"step {self.step}: {path} is missing", step=self.step, path=path
+                ) from None
         if len(blob) != idx.objects_size or zlib.crc32(blob) != idx.objects_crc32:
-            raise CheckpointCorrupt(f"step {self.step}: {path} does not match its index",
-                                    step=self.step, path=path)
+            raise CheckpointCorrupt(
+                f"step {self.step}: {path} does not match its index", step=self.step, path=path
+            )
         return blob
 
     def objects(self, rank: int, trust_objects: bool) -> dict[str, Any]:
@@ -194,23 +228,33 @@ class CheckpointView:
             values = torch.load(io.BytesIO(blob), weights_only=not trust_objects)
         except pickle.UnpicklingError as exc:
             if trust_objects:
-                raise CheckpointCorrupt(f"step {self.step}: {path} cannot be unpickled ({exc})",
-                                        step=self.step, path=path) from None
+                raise CheckpointCorrupt(
+                    f"step {self.step}: {path} cannot be unpickled ({exc})",
+                    step=self.step,
+                    path=path,
+                ) from None
             raise CheckpointCorrupt(
                 f"step {self.step}: {path}: {unpickling_refusal(exc)} (rule: objects outside torch's "
                 "weights-only allow-list are not deserialized without trust_objects=True, "
                 "bootseer's --trust-objects; pass it only for a checkpoint you trust)",
-                step=self.step, path=path) from None
+                step=self.step,
+                path=path,
+            ) from None
         except Exception as exc:  # noqa: BLE001 - a damaged blob: zip, EOF, storage errors
-            raise CheckpointCorrupt(f"step {self.step}: {path} cannot be read "
-                                    f"({type(exc).__name__}: {exc})", step=self.step,
-                                    path=path) from None
+            raise CheckpointCorrupt(
+                f"step {self.step}: {path} cannot be read ({type(exc).__name__}: {exc})",
+                step=self.step,
+                path=path,
+            ) from None
         declared = self.indexes[rank].object_keys
         if not isinstance(values, dict) or set(values) != set(declared):
             found = sorted(map(str, values)) if isinstance(values, dict) else type(values).__name__
-            raise CheckpointCorrupt(f"step {self.step}: {path} holds {found}, its index lists "
-                                    f"{declared} (rule: the objects its index lists)",
-                                    step=self.step, path=path)
+            raise CheckpointCorrupt(
+                f"step {self.step}: {path} holds {found}, its index lists "
+                f"{declared} (rule: the objects its index lists)",
+                step=self.step,
+                path=path,
+            )
         return values
 
 
@@ -220,15 +264,19 @@ def read_manifest(fs: StripedFileSystem, root: str, step: int) -> bytes:
     try:
         return fs.cat_file(path)
     except FileNotFoundError:
-        raise CheckpointCorrupt(f"step {step} is not committed (no {MANIFEST})", step=step,
-                                path=path) from None
+        raise CheckpointCorrupt(
+            f"step {step} is not committed (no {MANIFEST})", step=step, path=path
+        ) from None
 
 
 def unpickling_refusal(exc: pickle.UnpicklingError) -> str:
     """The line of torch's weights-only refusal that names the global, not its advice."""
     advice = ("Weights only load failed", "Check the documentation", "Please file an issue")
-    lines = [line.strip() for line in str(exc).splitlines()
-             if line.strip() and not line.strip().startswith(advice)]
+    lines = [
+        line.strip()
+        for line in str(exc).splitlines()
+        if line.strip() and not line.strip().startswith(advice)
+    ]
     return lines[0] if lines else "refused by torch's weights-only unpickler"
 
 
@@ -240,6 +288,7 @@ def _parse(fn: Callable[..., Any], raw: bytes, step: int, path: str) -> Any:
 
 
 # -- targets -----------------------------------------------------------------------------
+
 
 @dataclass
 class Target:
@@ -254,23 +303,41 @@ class Target:
 
 def _target(key: str, leaf: TensorLeaf, info: KeyInfo | None) -> Target:
     local = leaf.local
-    work = local if (local.is_contiguous() and local.device.type == "cpu") else \
-        torch.empty(local.shape, dtype=local.dtype)
+    work = (
+        local
+        if (local.is_contiguous() and local.device.type == "cpu")
+        else torch.empty(local.shape, dtype=local.dtype)
+    )
     done = None if work is local else (lambda: local.copy_(work))
     box, flat_view = leaf.box, False
     # A plain tensor loads from flat shards of the same numel, and a FlatShard from a
     # single full copy of an N-D tensor: both are the same bytes in row-major order.
     if info is not None and info.global_shape != leaf.global_shape:
         numel = _prod(leaf.global_shape)
-        if numel == _prod(info.global_shape) and len(info.global_shape) == 1 and leaf.kind == "tensor":
+        if (
+            numel == _prod(info.global_shape)
+            and len(info.global_shape) == 1
+            and leaf.kind == "tensor"
+        ):
             work, box, flat_view = work.view(-1), Box((0,), (numel,)), True
         elif leaf.kind == "flat" and numel == _prod(info.global_shape):
             full = Box((0,) * len(info.global_shape), info.global_shape)
             if info.index.overlapping(full) and all(c.box == full for c in info.index.chunks):
                 # a 1-D reading of the stored tensor, for this target only (the view is shared)
-                info = KeyInfo(info.kind, info.dtype, (numel,), ChunkIndex(
-                    [StoredChunk(c.key, c.rank, Box((0,), (numel,)), c.byte_offset, c.nbytes,
-                                 c.dtype) for c in info.index.chunks], (numel,)))
+                info = KeyInfo(
+                    info.kind,
+                    info.dtype,
+                    (numel,),
+                    ChunkIndex(
+                        [
+                            StoredChunk(
+                                c.key, c.rank, Box((0,), (numel,)), c.byte_offset, c.nbytes, c.dtype
+                            )
+                            for c in info.index.chunks
+                        ],
+                        (numel,),
+                    ),
+                )
                 flat_view = True
     return Target(key, leaf, work, box, done, flat_view, info)
 
@@ -294,6 +361,7 @@ def collect(state: Any) -> tuple[dict[str, TensorLeaf], dict[str, tuple[Any, Any
 
 
 # -- copy jobs ---------------------------------------------------------------------------
+
 
 @dataclass
 class Job:
@@ -334,8 +402,14 @@ def plan(target: Target, chunks: list[StoredChunk], itemsize: int) -> list[Job]:
         if in_chunk and in_target:
             start = c.byte_offset + in_chunk[0] * itemsize
             at = in_target[0] * itemsize
-            jobs.append(Job(c.rank, start, start + inter.numel * itemsize,
-                            _bytes_of(target.tensor)[at : at + inter.numel * itemsize]))
+            jobs.append(
+                Job(
+                    c.rank,
+                    start,
+                    start + inter.numel * itemsize,
+                    _bytes_of(target.tensor)[at : at + inter.numel * itemsize],
+                )
+            )
             continue
         # Not contiguous somewhere: read whole leading rows of the chunk (or the exact run)
         # into a temporary and copy the sub-box with torch.
@@ -347,7 +421,10 @@ def plan(target: Target, chunks: list[StoredChunk], itemsize: int) -> list[Job]:
             first = inter.offsets[0] - c.box.offsets[0]
             start, count = first * row, inter.shape[0] * row
             src_shape = (inter.shape[0], *c.box.shape[1:])
-            narrow_from = (0, *(i - o for i, o in zip(inter.offsets[1:], c.box.offsets[1:], strict=True)))
+            narrow_from = (
+                0,
+                *(i - o for i, o in zip(inter.offsets[1:], c.box.offsets[1:], strict=True)),
+            )
         temp = bytearray(count * itemsize)
         dst = target.tensor
         for d, (i, o) in enumerate(zip(inter.offsets, target.box.offsets, strict=True)):
@@ -373,21 +450,26 @@ def data_source(view: CheckpointView, rank: int) -> tuple[str, Any]:
     try:
         source = view.fs._resolve(view.fs._norm(path), view.fs.options)
         if source.size != view.indexes[rank].data_size:
-            raise CheckpointCorrupt(f"step {view.step}: {path} holds {source.size} bytes, its "
-                                    f"index says {view.indexes[rank].data_size}",
-                                    step=view.step, path=path)
+            raise CheckpointCorrupt(
+                f"step {view.step}: {path} holds {source.size} bytes, its "
+                f"index says {view.indexes[rank].data_size}",
+                step=view.step,
+                path=path,
+            )
         if isinstance(source, StripedSource):
             source.check_objects()
     except FileNotFoundError:
-        raise CheckpointCorrupt(f"step {view.step}: {path} is missing", step=view.step,
-                                path=path) from None
+        raise CheckpointCorrupt(
+            f"step {view.step}: {path} is missing", step=view.step, path=path
+        ) from None
     except StripedIOError as exc:  # a manifest refused, a listing that failed
         raise CheckpointCorrupt(f"step {view.step}: {exc}", step=view.step, path=path) from exc
     return path, source
 
 
-def execute(view: CheckpointView, jobs: list[Job], concurrency: int,
-            reads: Reads | None = None) -> int:
+def execute(
+    view: CheckpointView, jobs: list[Job], concurrency: int, reads: Reads | None = None
+) -> int:
     """Fetch the pieces the jobs touch, file by file in parallel; returns bytes fetched.
 
     Every data file to read from the store is checked first (``data_source``: size, stripe
@@ -421,7 +503,12 @@ def execute(view: CheckpointView, jobs: list[Job], concurrency: int,
             """A piece inside one job that lands in the target as is: read straight into it."""
             jobs = per_piece[p]
             lo, hi = source.piece_range(p)
-            if len(jobs) == 1 and jobs[0].finish is None and jobs[0].start <= lo and hi <= jobs[0].end:
+            if (
+                len(jobs) == 1
+                and jobs[0].finish is None
+                and jobs[0].start <= lo
+                and hi <= jobs[0].end
+            ):
                 return jobs[0].buffer[lo - jobs[0].start : hi - jobs[0].start]
             return None
 
@@ -439,7 +526,9 @@ def execute(view: CheckpointView, jobs: list[Job], concurrency: int,
                 lo, hi = max(job.start, offset), min(job.end, end)
                 if lo >= hi:
                     continue
-                job.buffer[lo - job.start : hi - job.start] = memoryview(data)[lo - offset : hi - offset]
+                job.buffer[lo - job.start : hi - job.start] = memoryview(data)[
+                    lo - offset : hi - offset
+                ]
                 job.filled += hi - lo
                 if job.filled == job.end - job.start and job.finish is not None:
                     job.finish()
@@ -455,8 +544,11 @@ def execute(view: CheckpointView, jobs: list[Job], concurrency: int,
     with ThreadPoolExecutor(min(len(ranks), 4), thread_name_prefix="ckpt-load") as pool:
         # Without a node cache every file comes from the store: all of them are checked
         # before the first read (with one, a file is checked when the cache cannot serve it).
-        checked = dict(zip(ranks, pool.map(lambda r: data_source(view, r), ranks), strict=True)) \
-            if view.cache is None else {}
+        checked = (
+            dict(zip(ranks, pool.map(lambda r: data_source(view, r), ranks), strict=True))
+            if view.cache is None
+            else {}
+        )
         return _all_or_nothing([pool.submit(one_file, r, checked.get(r)) for r in ranks], cancel)
 
 
@@ -477,16 +569,24 @@ def _all_or_nothing(futures: list[Future[int]], cancel: CancelToken) -> int:
     return sum(f.result() for f in futures)
 
 
-def _fetch(view: CheckpointView, path: str, source: Any, pieces: list[int], concurrency: int,
-           sink: Callable[[int, bytes], None], into: Callable[[int], memoryview | None] | None = None,
-           landed: Callable[[int], None] | None = None, cancel: CancelToken | None = None) -> None:
+def _fetch(
+    view: CheckpointView,
+    path: str,
+    source: Any,
+    pieces: list[int],
+    concurrency: int,
+    sink: Callable[[int, bytes], None],
+    into: Callable[[int], memoryview | None] | None = None,
+    landed: Callable[[int], None] | None = None,
+    cancel: CancelToken | None = None,
+) -> None:
     """``fetch_piece_set`` whose failures name the step and the data file."""
     try:
-        fetch_piece_set(source, pieces, concurrency, sink, into=into, landed=landed,
-                        cancel=cancel)
+        fetch_piece_set(source, pieces, concurrency, sink, into=into, landed=landed, cancel=cancel)
     except (FileNotFoundError, StripedIOError) as exc:
-        raise CheckpointCorrupt(f"step {view.step}: {path}: {exc}", step=view.step,
-                                path=path) from exc
+        raise CheckpointCorrupt(
+            f"step {view.step}: {path}: {exc}", step=view.step, path=path
+        ) from exc
 
 
 def check_unread(view: CheckpointView, reads: Reads, concurrency: int) -> int:
@@ -510,36 +610,71 @@ def check_unread(view: CheckpointView, reads: Reads, concurrency: int) -> int:
         elif idx.data_size and (view.cache is None or view.cache.read_data(idx, []) is None):
             path, source = data_source(view, rank)
             done = reads.pieces.get(rank) or set()
-            _fetch(view, path, source, [p for p in range(source.piece_count) if p not in done],
-                   concurrency, discard)
+            _fetch(
+                view,
+                path,
+                source,
+                [p for p in range(source.piece_count) if p not in done],
+                concurrency,
+                discard,
+            )
         if idx.objects_size and rank not in reads.objects:
             checked += len(view.objects_blob(rank))
     return checked
 
 
-def load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
-              concurrency: int, trust_objects: bool = False,
-              reads: Reads | None = None) -> LoadReport:
+def load_into(
+    view: CheckpointView,
+    state: Any,
+    *,
+    rank: int,
+    strict: bool,
+    concurrency: int,
+    trust_objects: bool = False,
+    reads: Reads | None = None,
+) -> LoadReport:
     """Load ``view`` into ``state`` in place. A checkpoint converted from DCP (keys are DCP
     FQNs) is loaded through DCP's flattening of ``state``, values put back where they were."""
     if view.key_style != "dcp":
-        return _load_into(view, state, rank=rank, strict=strict, concurrency=concurrency,
-                          trust_objects=trust_objects, reads=reads)
+        return _load_into(
+            view,
+            state,
+            rank=rank,
+            strict=strict,
+            concurrency=concurrency,
+            trust_objects=trust_objects,
+            reads=reads,
+        )
     try:
         slots = dcp_slots(state)
     except TypeError as exc:
         raise StateMismatchError(view.step, [str(exc)]) from None
     flat = {fqn: container[slot] for fqn, (container, slot) in slots.items()}
-    report = _load_into(view, flat, rank=rank, strict=strict, concurrency=concurrency,
-                        trust_objects=trust_objects, reads=reads)
+    report = _load_into(
+        view,
+        flat,
+        rank=rank,
+        strict=strict,
+        concurrency=concurrency,
+        trust_objects=trust_objects,
+        reads=reads,
+    )
     for fqn, (container, slot) in slots.items():
         if flat[fqn] is not container[slot]:
             container[slot] = flat[fqn]  # an object replaced by the load
     return report
 
 
-def _load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
-               concurrency: int, trust_objects: bool, reads: Reads | None) -> LoadReport:
+def _load_into(
+    view: CheckpointView,
+    state: Any,
+    *,
+    rank: int,
+    strict: bool,
+    concurrency: int,
+    trust_objects: bool,
+    reads: Reads | None,
+) -> LoadReport:
     started = time.perf_counter()
     report = LoadReport(view.step)
     tensors, objects = collect(state)
@@ -587,8 +722,12 @@ def _load_into(view: CheckpointView, state: Any, *, rank: int, strict: bool,
         report.loaded.append(t.key)
     if wanted:
         if saved_objects_rank != rank:
-            log.warning("step %d was saved by %d ranks: rank %d takes rank 0's objects",
-                        view.step, view.manifest.world_size, rank)
+            log.warning(
+                "step %d was saved by %d ranks: rank %d takes rank 0's objects",
+                view.step,
+                view.manifest.world_size,
+                rank,
+            )
         for key in wanted:
             container, slot, old = objects[key]
             if isinstance(old, PerRank):
@@ -610,12 +749,15 @@ def _mismatch(key: str, leaf: TensorLeaf, target: Target) -> str | None:
     if saved != leaf.dtype:
         return f"dtype of {key}: checkpoint {saved}, state {leaf.dtype}"
     if info.global_shape != leaf.global_shape and not target.flat_view:
-        return (f"shape of {key}: checkpoint {list(info.global_shape)}, "
-                f"state {list(leaf.global_shape)}")
+        return (
+            f"shape of {key}: checkpoint {list(info.global_shape)}, state {list(leaf.global_shape)}"
+        )
     covered = info.index.covered(target.box)
     if covered != target.box.numel:
-        return (f"incomplete {key}: the checkpoint stores {covered} of the "
-                f"{target.box.numel} elements this rank needs")
+        return (
+            f"incomplete {key}: the checkpoint stores {covered} of the "
+            f"{target.box.numel} elements this rank needs"
+        )
     return None
 
 
@@ -646,12 +788,18 @@ def full_state(view: CheckpointView, *, rank: int = 0, trust_objects: bool = Fal
     objects = view.objects(owner, trust_objects)
     clash = sorted(set(objects) & set(flat))
     if clash:
-        raise CheckpointCorrupt(f"step {view.step}: {clash[:5]} are both tensors and objects "
-                                "(rule: one value per key)", step=view.step, path=view.dir)
+        raise CheckpointCorrupt(
+            f"step {view.step}: {clash[:5]} are both tensors and objects (rule: one value per key)",
+            step=view.step,
+            path=view.dir,
+        )
     flat.update(objects)
     try:
         return unflatten(flat, view.indexes[owner].containers)
     except ValueError as exc:
         path = f"{view.dir}/{index_name(owner)}"
-        raise CheckpointCorrupt(f"step {view.step}: the keys of {view.dir} do not nest as "
-                                f"{path} says ({exc})", step=view.step, path=path) from None
+        raise CheckpointCorrupt(
+            f"step {view.step}: the keys of {view.dir} do not nest as {path} says ({exc})",
+            step=view.step,
+            path=path,
+        ) from None

@@ -1,12 +1,12 @@
 """``CheckpointManager``: save asynchronously, commit atomically, load with resharding.
 
-    mgr = CheckpointManager("striped::s3://bucket/run1", rank=rank, world_size=world, keep=3)
-    step = mgr.load(state) if mgr.latest() is not None else 0   # every rank: the same step
-    for step in range(step, steps):
-        train_step()
-        if step % 100 == 0:
-            mgr.save(step, state)        # returns after staging; persists in the background
-    mgr.close()                          # flushes the last save, raises if it failed
+mgr = CheckpointManager("striped::s3://bucket/run1", rank=rank, world_size=world, keep=3)
+step = mgr.load(state) if mgr.latest() is not None else 0   # every rank: the same step
+for step in range(step, steps):
+    train_step()
+    if step % 100 == 0:
+        mgr.save(step, state)        # returns after staging; persists in the background
+mgr.close()                          # flushes the last save, raises if it failed
 """
 
 from __future__ import annotations
@@ -55,8 +55,10 @@ def default_attempt() -> str:
     if os.environ.get("BOOTSEER_ATTEMPT"):
         return os.environ["BOOTSEER_ATTEMPT"]
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        return (f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:"
-                f"{os.environ['TORCHELASTIC_RESTART_COUNT']}")
+        return (
+            f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:"
+            f"{os.environ['TORCHELASTIC_RESTART_COUNT']}"
+        )
     return ""
 
 
@@ -80,8 +82,9 @@ class SaveHandle:
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised with the step named
             self.reported = True
-            raise CheckpointSaveError(f"checkpoint step {self.step} failed: {exc}",
-                                      step=self.step) from exc
+            raise CheckpointSaveError(
+                f"checkpoint step {self.step} failed: {exc}", step=self.step
+            ) from exc
 
 
 @dataclass
@@ -114,14 +117,24 @@ class CheckpointManager:
     group when it is this manager's world; ``False``: none).
     """
 
-    def __init__(self, url: str, *, rank: int = 0, world_size: int = 1, keep: int | None = None,
-                 storage_options: dict[str, Any] | None = None,
-                 stripe_size: int | str | None = None, concurrency: int | None = None,
-                 commit_timeout_s: float = 1800.0, trust_objects: bool = False,
-                 attempt: str | None = None,
-                 cache_dir: str | os.PathLike | bool | None = None,
-                 cache_writes: bool = True,
-                 process_group: Any = None, memory: Any = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        keep: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        stripe_size: int | str | None = None,
+        concurrency: int | None = None,
+        commit_timeout_s: float = 1800.0,
+        trust_objects: bool = False,
+        attempt: str | None = None,
+        cache_dir: str | os.PathLike | bool | None = None,
+        cache_writes: bool = True,
+        process_group: Any = None,
+        memory: Any = None,
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if keep is not None and keep < 1:
@@ -129,8 +142,9 @@ class CheckpointManager:
         self.url = redact(url)  # for messages: never the credentials
         self.rank, self.world_size, self.keep = rank, world_size, keep
         self.fs: StripedFileSystem
-        self.fs, self.root = url_to_fs(url, storage_options, stripe_size=stripe_size,
-                                       concurrency=concurrency)
+        self.fs, self.root = url_to_fs(
+            url, storage_options, stripe_size=stripe_size, concurrency=concurrency
+        )
         self.commit_timeout_s = commit_timeout_s
         self.attempt = default_attempt() if attempt is None else attempt
         # An attempt from the environment is each node's own count: agreed over the process
@@ -157,7 +171,8 @@ class CheckpointManager:
         # run` hands down (BOOTSEER_MEMCKPT_DIR), if any; False: none.
         self.memory = _memory_tier(memory, rank, world_size, process_group, trust_objects)
         self._outage = DurableOutage(
-            self.memory.config.durable_outage_s if self.memory is not None else 0.0, self.url)
+            self.memory.config.durable_outage_s if self.memory is not None else 0.0, self.url
+        )
         # Steps saved after a NaN by the attempt that hit it are not resumed from (ckpt/skip.py:
         # `bootseer run` hands the rules down after a NaN verdict).
         self.skip_rules = rules_from_env()
@@ -187,8 +202,7 @@ class CheckpointManager:
             return self._save(step, state, block=block)
         stall = self.memory.save(step, state, acked=False)
         every = self.memory.config.durable_every
-        handle = None if every and step % every else self._durable_behind_memory(
-            step, state, block)
+        handle = None if every and step % every else self._durable_behind_memory(step, state, block)
         if self.memory.sync:  # after the durable save started: a failed push loses nothing
             stall += self.memory.wait_acked(step)
         if handle is not None:
@@ -224,20 +238,40 @@ class CheckpointManager:
             previous, waited = self._pending.step, time.perf_counter()
             log.info("save(step=%d) waits for step %d, still persisting", step, previous)
             self._flush()
-            log.info("save(step=%d) waited %.2f s for step %d", step,
-                     time.perf_counter() - waited, previous)
+            log.info(
+                "save(step=%d) waited %.2f s for step %d",
+                step,
+                time.perf_counter() - waited,
+                previous,
+            )
         else:
             self._flush()
         if not self._attempt_agreed:
-            self.attempt = agree.agree_attempt(self.attempt, self.process_group, self.rank,
-                                               self.world_size)
+            self.attempt = agree.agree_attempt(
+                self.attempt, self.process_group, self.rank, self.world_size
+            )
             self._attempt_agreed = True
-        staged = stage(step, state, rank=self.rank, world_size=self.world_size, pool=self._pool,
-                       key_style=key_style)
+        staged = stage(
+            step,
+            state,
+            rank=self.rank,
+            world_size=self.world_size,
+            pool=self._pool,
+            key_style=key_style,
+        )
         future = self._executor.submit(
-            persist, self.fs, self.root, staged, rank=self.rank, world_size=self.world_size,
-            commit_timeout_s=self.commit_timeout_s, keep=self.keep, protected=self._loading,
-            attempt=self.attempt, cache=self.cache if self.cache_writes else None)
+            persist,
+            self.fs,
+            self.root,
+            staged,
+            rank=self.rank,
+            world_size=self.world_size,
+            commit_timeout_s=self.commit_timeout_s,
+            keep=self.keep,
+            protected=self._loading,
+            attempt=self.attempt,
+            cache=self.cache if self.cache_writes else None,
+        )
         handle = self._pending = SaveHandle(step, future, staged.stage_s)
         if block:
             self._flush()
@@ -307,8 +341,13 @@ class CheckpointManager:
             try:
                 view = self._open_view(step)
             except (CheckpointCorrupt, StripedIOError, FileNotFoundError) as exc:
-                log.warning("checkpoint step %d under %s is committed but its commit is not "
-                            "valid (%s); latest() passes over it", step, self.url, exc)
+                log.warning(
+                    "checkpoint step %d under %s is committed but its commit is not "
+                    "valid (%s); latest() passes over it",
+                    step,
+                    self.url,
+                    exc,
+                )
                 continue
             if self._skipped(step, view.manifest.created):
                 continue
@@ -354,14 +393,16 @@ class CheckpointManager:
         """
         return self.load_with_report(state, step, strict=strict).step
 
-    def load_with_report(self, state: Any, step: int | None = None, *,
-                         strict: bool = True) -> LoadReport:
+    def load_with_report(
+        self, state: Any, step: int | None = None, *, strict: bool = True
+    ) -> LoadReport:
         """``load``, returning what it did: bytes, seconds, keys, and the steps skipped."""
         if self.memory is not None and step is None:
             # the memory tier first: the newest step every rank holds in memory, unless the
             # durable tier has a newer commit (every rank decides the same)
             from_memory = self.memory.load(
-                state, self._durable_newer if self.memory.config.check_durable else None)
+                state, self._durable_newer if self.memory.config.check_durable else None
+            )
             if from_memory is not None:
                 return from_memory
             try:
@@ -391,15 +432,29 @@ class CheckpointManager:
                 entries = self.fs.ls(self.root, detail=True)
             except FileNotFoundError:
                 return None
-            newer = sorted((s for e in entries if e["type"] == "directory"
-                            and (s := parse_step(e["name"])) is not None and s > step),
-                           reverse=True)
-            return next((s for s in newer
-                         if self.fs.exists(f"{step_dir(self.root, s)}/{MANIFEST}")
-                         and not self._skipped(s)), None)
+            newer = sorted(
+                (
+                    s
+                    for e in entries
+                    if e["type"] == "directory"
+                    and (s := parse_step(e["name"])) is not None
+                    and s > step
+                ),
+                reverse=True,
+            )
+            return next(
+                (
+                    s
+                    for s in newer
+                    if self.fs.exists(f"{step_dir(self.root, s)}/{MANIFEST}")
+                    and not self._skipped(s)
+                ),
+                None,
+            )
         except (OSError, StripedIOError, CheckpointError) as exc:  # memory is all there is
-            log.warning("memory tier: the durable tier under %s cannot be listed (%s)",
-                        self.url, exc)
+            log.warning(
+                "memory tier: the durable tier under %s cannot be listed (%s)", self.url, exc
+            )
             return None
 
     def _load_durable(self, state: Any, step: int | None, strict: bool) -> LoadReport:
@@ -410,8 +465,9 @@ class CheckpointManager:
         held: LoadReport | None = None  # what this rank's state holds, loaded whole
         bound = step
         while True:
-            outcome, report, error = self._try(state, step, bound, failed, held, strict,
-                                               check_all=group is None)
+            outcome, report, error = self._try(
+                state, step, bound, failed, held, strict, check_all=group is None
+            )
             outcomes = exchange(outcome)
             if outcomes is None:
                 assert report is not None
@@ -422,8 +478,10 @@ class CheckpointManager:
                 if outcome.status == ERROR and error is not None:
                     raise error
                 first = errors[0]
-                raise CheckpointError(f"loading checkpoint step {first.step} under {self.url} "
-                                      f"failed on rank {first.rank}: {first.message}")
+                raise CheckpointError(
+                    f"loading checkpoint step {first.step} under {self.url} "
+                    f"failed on rank {first.rank}: {first.message}"
+                )
             held = report if outcome.status == OK else None
             for o in outcomes:
                 if o.status == DAMAGED:
@@ -433,22 +491,34 @@ class CheckpointManager:
                 held = None
             low = min(o.step for o in outcomes)
             if step is not None and failed:
-                raise CheckpointCorrupt(f"checkpoint step {step} under {self.url} cannot be "
-                                        "loaded by every rank:\n  " + "\n  ".join(skipped),
-                                        step=step, path=_first_path(outcomes))
+                raise CheckpointCorrupt(
+                    f"checkpoint step {step} under {self.url} cannot be "
+                    "loaded by every rank:\n  " + "\n  ".join(skipped),
+                    step=step,
+                    path=_first_path(outcomes),
+                )
             if low == NONE:
                 if not skipped and all(o.step == NONE for o in outcomes):
                     raise CheckpointNotFound(f"no committed checkpoint under {self.url}")
-                raise CheckpointCorrupt(f"no committed checkpoint under {self.url} could be "
-                                        "loaded by every rank:\n  " + "\n  ".join(
-                                            skipped or _none_left(outcomes)),
-                                        step=max(failed, default=NONE),
-                                        path=_first_path(outcomes))
+                raise CheckpointCorrupt(
+                    f"no committed checkpoint under {self.url} could be "
+                    "loaded by every rank:\n  " + "\n  ".join(skipped or _none_left(outcomes)),
+                    step=max(failed, default=NONE),
+                    path=_first_path(outcomes),
+                )
             bound = low  # every rank next tries the newest step not newer than this one
 
-    def _try(self, state: Any, step: int | None, bound: int | None, failed: set[int],
-             held: LoadReport | None, strict: bool, *,
-             check_all: bool) -> tuple[Outcome, LoadReport | None, BaseException | None]:
+    def _try(
+        self,
+        state: Any,
+        step: int | None,
+        bound: int | None,
+        failed: set[int],
+        held: LoadReport | None,
+        strict: bool,
+        *,
+        check_all: bool,
+    ) -> tuple[Outcome, LoadReport | None, BaseException | None]:
         """One round on this rank: pick the newest candidate step, load it. Never raises:
         every outcome, errors included, goes to the exchange."""
         candidate = NONE
@@ -457,8 +527,16 @@ class CheckpointManager:
                 candidate = step if step not in failed else NONE
             else:
                 done, _ = committed_steps(self.fs, self.root)
-                candidate = next((s for s in reversed(done) if (bound is None or s <= bound)
-                                  and s not in failed and not self._skipped(s)), NONE)
+                candidate = next(
+                    (
+                        s
+                        for s in reversed(done)
+                        if (bound is None or s <= bound)
+                        and s not in failed
+                        and not self._skipped(s)
+                    ),
+                    NONE,
+                )
             if candidate == NONE:
                 return Outcome(self.rank, NONE, OK, "no committed step left to try"), None, None
             if held is not None and held.step == candidate:
@@ -473,15 +551,23 @@ class CheckpointManager:
             return Outcome(self.rank, candidate, ERROR, f"{type(exc).__name__}: {exc}"), None, exc
         return Outcome(self.rank, candidate, OK), report, None
 
-    def _load_step(self, state: Any, step: int, strict: bool, check_all: bool = False) -> LoadReport:
+    def _load_step(
+        self, state: Any, step: int, strict: bool, check_all: bool = False
+    ) -> LoadReport:
         with self._lock:
             self._loading.add(step)
         try:
             view = self._open_view(step)
             reads = Reads()
-            report = load_into(view, state, rank=self.rank, strict=strict,
-                               concurrency=self.fs.options.concurrency,
-                               trust_objects=self.trust_objects, reads=reads)
+            report = load_into(
+                view,
+                state,
+                rank=self.rank,
+                strict=strict,
+                concurrency=self.fs.options.concurrency,
+                trust_objects=self.trust_objects,
+                reads=reads,
+            )
             if check_all:
                 check_unread(view, reads, self.fs.options.concurrency)
             return report
@@ -554,8 +640,7 @@ class CheckpointManager:
         return VerifyReport(step, not problems, checked, problems, objects, object_files)
 
 
-def _memory_tier(memory: Any, rank: int, world_size: int, group: Any,
-                 trust_objects: bool) -> Any:
+def _memory_tier(memory: Any, rank: int, world_size: int, group: Any, trust_objects: bool) -> Any:
     if memory is False:
         return None
     from .memory import MemoryConfig, MemoryTier
@@ -563,8 +648,9 @@ def _memory_tier(memory: Any, rank: int, world_size: int, group: Any,
     config = MemoryConfig.from_env() if memory is None else memory
     if config is None:
         return None
-    return MemoryTier(config, rank=rank, world_size=world_size, process_group=group,
-                      trust_objects=trust_objects)
+    return MemoryTier(
+        config, rank=rank, world_size=world_size, process_group=group, trust_objects=trust_objects
+    )
 
 
 def _first_path(outcomes: list[Outcome]) -> str | None:

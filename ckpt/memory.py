@@ -64,8 +64,11 @@ from .tensors import PerRank, describe, is_tensor_leaf
 
 log = logging.getLogger("ckpt")
 
-DIR_ENV, SERVER_ENV, DURABLE_EVERY_ENV = ("BOOTSEER_MEMCKPT_DIR", "BOOTSEER_MEMCKPT_SERVER",
-                                          "BOOTSEER_MEMCKPT_DURABLE_EVERY")
+DIR_ENV, SERVER_ENV, DURABLE_EVERY_ENV = (
+    "BOOTSEER_MEMCKPT_DIR",
+    "BOOTSEER_MEMCKPT_SERVER",
+    "BOOTSEER_MEMCKPT_DURABLE_EVERY",
+)
 LAYOUT_ENV = "BOOTSEER_MEMCKPT_LAYOUT"  # the job's parallel groups (JSON): who keeps the copy
 REPLICATION_ENV = "BOOTSEER_MEMCKPT_REPLICATION"  # "sync": save returns once the peer acked
 REPLICATIONS = ("async", "sync")
@@ -122,17 +125,23 @@ class MemoryConfig:
         try:
             outage_s = float(outage) if outage else cls.durable_outage_s
         except ValueError:
-            raise CheckpointError(f"{DURABLE_OUTAGE_ENV}={outage!r} is not a number of "
-                                  "seconds (ckpt.durable_outage_s)") from None
+            raise CheckpointError(
+                f"{DURABLE_OUTAGE_ENV}={outage!r} is not a number of "
+                "seconds (ckpt.durable_outage_s)"
+            ) from None
         try:
             layout = parse_layout(env.get(LAYOUT_ENV, ""), where=LAYOUT_ENV)
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
-        return cls(env[DIR_ENV], server=env.get(SERVER_ENV, ""),
-                   durable_every=int(every) if every else None,
-                   check_durable=env.get(FRESH_ENV) != "1", layout=layout,
-                   replication=env.get(REPLICATION_ENV) or "async",
-                   durable_outage_s=outage_s)
+        return cls(
+            env[DIR_ENV],
+            server=env.get(SERVER_ENV, ""),
+            durable_every=int(every) if every else None,
+            check_durable=env.get(FRESH_ENV) != "1",
+            layout=layout,
+            replication=env.get(REPLICATION_ENV) or "async",
+            durable_outage_s=outage_s,
+        )
 
 
 class MemoryPushError(CheckpointError):
@@ -157,9 +166,16 @@ class _Piece:
 class MemoryTier:
     """One rank's in-memory copies (docs/ckpt.md, "The memory tier")."""
 
-    def __init__(self, config: MemoryConfig, *, rank: int, world_size: int,
-                 process_group: Any = None, trust_objects: bool = False,
-                 local_world_size: int | None = None) -> None:
+    def __init__(
+        self,
+        config: MemoryConfig,
+        *,
+        rank: int,
+        world_size: int,
+        process_group: Any = None,
+        trust_objects: bool = False,
+        local_world_size: int | None = None,
+    ) -> None:
         try:
             config.layout = parse_layout(config.layout, world_size, "the memory tier's layout")
         except ValueError as exc:
@@ -169,13 +185,15 @@ class MemoryTier:
                 f"memory tier: replication {config.replication!r} is not one of "
                 f"{', '.join(REPLICATIONS)}: set MemoryConfig.replication (ckpt."
                 f"memory_replication, {REPLICATION_ENV}) to 'async' (the push overlaps the "
-                "next step) or 'sync' (save returns once the peer holds the step)")
+                "next step) or 'sync' (save returns once the peer holds the step)"
+            )
         try:  # this user's own, 0700, not a link (striped_fs.privdir); its files by its fd
             where = PrivateDir.open(config.directory, create=False, what=MEMORY_DIR_WHAT)
         except FileNotFoundError:
             raise CheckpointError(
                 f"memory tier directory {config.directory} does not exist: it is made by "
-                f"bootseer run (ckpt.memory); create it (mode 0700) or unset {DIR_ENV}") from None
+                f"bootseer run (ckpt.memory); create it (mode 0700) or unset {DIR_ENV}"
+            ) from None
         except OSError as exc:
             raise CheckpointError(f"memory tier: {exc}") from None
         self.config = config
@@ -189,8 +207,10 @@ class MemoryTier:
         self.local_world_size = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         with where:
             try:  # a slot that is a link or another user's file: refused, never mapped
-                self.slots = [SlotFile(p, dir_fd=where.fd)
-                              for p in slot_paths(config.directory, f"rank-{rank}")]
+                self.slots = [
+                    SlotFile(p, dir_fd=where.fd)
+                    for p in slot_paths(config.directory, f"rank-{rank}")
+                ]
             except OSError as exc:
                 raise CheckpointError(f"memory tier: {exc}") from None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ckpt-memory-r{rank}")
@@ -245,8 +265,11 @@ class MemoryTier:
             self.push_wait_s += time.perf_counter() - waited
         slot.ensure(HEADER + size + 4096)
         slot.invalidate()
-        data = torch.frombuffer(slot.map, dtype=torch.uint8, count=size, offset=HEADER) \
-            if size else torch.empty(0, dtype=torch.uint8)
+        data = (
+            torch.frombuffer(slot.map, dtype=torch.uint8, count=size, offset=HEADER)
+            if size
+            else torch.empty(0, dtype=torch.uint8)
+        )
         self._copy_in(placed, data)
         del data
         blob = b""
@@ -272,9 +295,12 @@ class MemoryTier:
         if not self.enabled or job is None or job[0] != step:
             if self.enabled and not self._sync_alone_said:
                 self._sync_alone_said = True
-                log.warning("memory tier: rank %d saves with replication sync but has no peer "
-                            "(no ckpt.memory_listen on the nodes, MemoryConfig.server or "
-                            ".peer): its copies are in this node's memory only", self.rank)
+                log.warning(
+                    "memory tier: rank %d saves with replication sync but has no peer "
+                    "(no ckpt.memory_listen on the nodes, MemoryConfig.server or "
+                    ".peer): its copies are in this node's memory only",
+                    self.rank,
+                )
             return time.perf_counter() - started
         _, future, entry = job
         bound = self.config.push_wait_s if timeout_s is None else timeout_s
@@ -296,14 +322,16 @@ class MemoryTier:
             f"finished after {bound:g} s: the peer or the link is slow or hung. This node's "
             "memory holds the step; a lost node would fall back to an older copy. Check that "
             "peer's agent (bootseer run --ckpt-memory-listen) and the link, or raise "
-            "MemoryConfig.push_wait_s")
+            "MemoryConfig.push_wait_s"
+        )
 
     def _failed(self, step: Any, peer: Any, error: str) -> MemoryPushError:
         return MemoryPushError(
             f"memory tier: rank {self.rank} could not copy step {step} to its peer {peer}: "
             f"{error}. This node's memory holds the step; a lost node would fall back to an "
             "older copy. Check that the peer's agent runs (bootseer run "
-            f"--ckpt-memory-listen) with the job's token ({TOKEN_ENV})")
+            f"--ckpt-memory-listen) with the job's token ({TOKEN_ENV})"
+        )
 
     def _copy_in(self, placed: list[_Piece], data: torch.Tensor) -> None:
         """One copy of every tensor; CUDA tensors device-to-host on the tier's own stream
@@ -324,15 +352,22 @@ class MemoryTier:
                     dst.view(p.target.shape).copy_(p.target, non_blocking=True)
             self._stream.synchronize()
 
-    def _commit(self, slot: SlotFile, step: int, size: int, entries: list[dict[str, Any]],
-                blob: bytes) -> None:
+    def _commit(
+        self, slot: SlotFile, step: int, size: int, entries: list[dict[str, Any]], blob: bytes
+    ) -> None:
         sums = block_sums(slot.view(HEADER, size)) if size else []
         meta = pack_meta({"entries": entries, "sums": sums}, blob)
         slot.ensure(HEADER + size + len(meta))
         slot.view(HEADER + size, len(meta))[:] = meta
-        head = SlotHeader(step=step, rank=self.rank, world_size=self.world_size,
-                          data_size=size, meta_size=len(meta), meta_crc32=zlib.crc32(meta),
-                          created=time.time())
+        head = SlotHeader(
+            step=step,
+            rank=self.rank,
+            world_size=self.world_size,
+            data_size=size,
+            meta_size=len(meta),
+            meta_crc32=zlib.crc32(meta),
+            created=time.time(),
+        )
         slot.commit(head)
         self._newest = slot
         peer = self._neighbour()
@@ -359,11 +394,15 @@ class MemoryTier:
             queued = self._queued[1] if self._queued is not None else None
         acked = [e["step"] for e in entries if e.get("ok")]
         running = [e for e in entries if "start" in e and "end" not in e]
-        return {"acked": max(acked) if acked else None,
-                "in_flight": running[-1] if running else None, "queued": queued}
+        return {
+            "acked": max(acked) if acked else None,
+            "in_flight": running[-1] if running else None,
+            "queued": queued,
+        }
 
-    def _push(self, peer: str, slot: SlotFile, head: SlotHeader,
-              entry: dict[str, Any] | None = None) -> None:
+    def _push(
+        self, peer: str, slot: SlotFile, head: SlotHeader, entry: dict[str, Any] | None = None
+    ) -> None:
         entry = {} if entry is None else entry
         with self._push_lock:
             if self._queued is not None and self._queued[1] is entry:
@@ -376,23 +415,32 @@ class MemoryTier:
             self._client.push(slot, head)
             entry.update(end=time.time(), ok=True)
             self._push_error = None
-            self.last_push = {"step": head.step, "peer": peer, "ok": True,
-                              "seconds": time.perf_counter() - started}
+            self.last_push = {
+                "step": head.step,
+                "peer": peer,
+                "ok": True,
+                "seconds": time.perf_counter() - started,
+            }
         except (PeerError, OSError) as exc:
             entry.update(end=time.time(), ok=False, error=str(exc))
             self._push_error = {"step": head.step, "peer": peer, "error": str(exc)}
             if self.last_push.get("ok", True):
-                log.warning("memory tier: rank %d could not copy step %d to its peer %s (%s); "
-                            "its own memory holds it, training goes on, the next step tries "
-                            "again", self.rank, head.step, peer, exc)
+                log.warning(
+                    "memory tier: rank %d could not copy step %d to its peer %s (%s); "
+                    "its own memory holds it, training goes on, the next step tries "
+                    "again",
+                    self.rank,
+                    head.step,
+                    peer,
+                    exc,
+                )
             self.last_push = {"step": head.step, "peer": peer, "ok": False, "error": str(exc)}
             if self._client is not None:
                 self._client.close()
                 self._client = None
 
     def _connect(self, address: str) -> PeerClient:
-        return PeerClient(address, timeout_s=self.config.peer_timeout_s,
-                          token=self.config.token)
+        return PeerClient(address, timeout_s=self.config.peer_timeout_s, token=self.config.token)
 
     def _settle(self) -> None:
         pending, self._pending = self._pending, None
@@ -420,7 +468,7 @@ class MemoryTier:
         try:
             self.wait()
         except MemoryPushError as exc:  # logged when it happened; closing must not lose the
-            log.warning("%s", exc)      # node's copies over a peer that is away
+            log.warning("%s", exc)  # node's copies over a peer that is away
         finally:
             self._executor.shutdown(wait=True)
             self._pusher.shutdown(wait=True)
@@ -436,22 +484,34 @@ class MemoryTier:
         free = st.f_bavail * st.f_frsize + sum(s.size for s in self.slots)
         need_rank = 4 * (HEADER + size)
         need_node = need_rank * self.local_world_size
-        if need_node > st.f_bavail * st.f_frsize + self.local_world_size * \
-                sum(s.size for s in self.slots):
-            log.error("memory tier: off. rank %d's state is %.1f MiB; the node needs %.1f MiB "
-                      "(%d ranks x 2 copies of their own + 2 of a peer's, assuming every rank "
-                      "of the node holds as much as this one: equal shards; LOCAL_WORLD_SIZE "
-                      "or MemoryTier(local_world_size=) sets the count) in %s, which has "
-                      "%.1f MiB free: enlarge it (e.g. the pod's /dev/shm), or save fewer "
-                      "ranks per node; the durable tier goes on", self.rank, size / 2**20,
-                      need_node / 2**20, self.local_world_size, self.config.directory,
-                      free / 2**20)
+        if need_node > st.f_bavail * st.f_frsize + self.local_world_size * sum(
+            s.size for s in self.slots
+        ):
+            log.error(
+                "memory tier: off. rank %d's state is %.1f MiB; the node needs %.1f MiB "
+                "(%d ranks x 2 copies of their own + 2 of a peer's, assuming every rank "
+                "of the node holds as much as this one: equal shards; LOCAL_WORLD_SIZE "
+                "or MemoryTier(local_world_size=) sets the count) in %s, which has "
+                "%.1f MiB free: enlarge it (e.g. the pod's /dev/shm), or save fewer "
+                "ranks per node; the durable tier goes on",
+                self.rank,
+                size / 2**20,
+                need_node / 2**20,
+                self.local_world_size,
+                self.config.directory,
+                free / 2**20,
+            )
             self.enabled = False
             return False
         if not self._budget_checked:
-            log.info("memory tier: rank %d state %.1f MiB; this rank holds %.1f MiB (2 copies "
-                     "+ 2 of a peer's) in %s", self.rank, size / 2**20, need_rank / 2**20,
-                     self.config.directory)
+            log.info(
+                "memory tier: rank %d state %.1f MiB; this rank holds %.1f MiB (2 copies "
+                "+ 2 of a peer's) in %s",
+                self.rank,
+                size / 2**20,
+                need_rank / 2**20,
+                self.config.directory,
+            )
         self._budget_checked = size
         return True
 
@@ -484,8 +544,9 @@ class MemoryTier:
         return self._peer
 
     # -- loading ---------------------------------------------------------------------------
-    def load(self, state: Any,
-             durable_newer: Callable[[int], int | None] | None = None) -> LoadReport | None:
+    def load(
+        self, state: Any, durable_newer: Callable[[int], int | None] | None = None
+    ) -> LoadReport | None:
         """Load the newest step every rank holds in memory into ``state``, all ranks the same;
         ``None`` when there is none, or when ``durable_newer(step)`` (the durable tier's newest
         commit after ``step``, asked once per rank) names a newer one on some rank: every rank
@@ -518,12 +579,17 @@ class MemoryTier:
             if durable_newer is not None and step not in checked_durable:
                 checked_durable.add(step)
                 mark = time.perf_counter()
-                newer = [d for d in _gather(group, self.world_size, durable_newer(step))
-                         if d is not None]
+                newer = [
+                    d for d in _gather(group, self.world_size, durable_newer(step)) if d is not None
+                ]
                 spent["durable_s"] = spent.get("durable_s", 0.0) + time.perf_counter() - mark
                 if newer:
-                    log.info("memory tier: the durable tier's step %d is newer than step %d in "
-                             "memory; the durable tier loads", max(newer), step)
+                    log.info(
+                        "memory tier: the durable tier's step %d is newer than step %d in "
+                        "memory; the durable tier loads",
+                        max(newer),
+                        step,
+                    )
                     return None
             source = mine[step]
             try:
@@ -531,8 +597,12 @@ class MemoryTier:
                 outcome = Outcome(self.rank, step, OK)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the exchange
                 written = PARTLY_WRITTEN if getattr(exc, "partial", False) else ""
-                report, outcome = None, Outcome(self.rank, step, DAMAGED,
-                                                f"{written}{type(exc).__name__}: {exc}", source)
+                report, outcome = (
+                    None,
+                    Outcome(
+                        self.rank, step, DAMAGED, f"{written}{type(exc).__name__}: {exc}", source
+                    ),
+                )
                 if source == "local" and isinstance(exc, SlotDamaged):
                     self._drop_local(step)  # a restart must not meet it again
             outcomes = exchange(outcome)
@@ -544,12 +614,18 @@ class MemoryTier:
                 return report
             for o in outcomes:
                 if o.status != OK and o.message.startswith(PARTLY_WRITTEN):
-                    self.damaged.append(f"rank {o.rank} step {o.step} ({o.path or 'memory'}): "
-                                        f"{o.message}")
+                    self.damaged.append(
+                        f"rank {o.rank} step {o.step} ({o.path or 'memory'}): {o.message}"
+                    )
                 if o.status != OK:
-                    log.warning("memory tier: step %d from %s cannot be loaded by rank %d: %s; "
-                                "every rank tries again without it", o.step, o.path or
-                                "memory", o.rank, o.message)
+                    log.warning(
+                        "memory tier: step %d from %s cannot be loaded by rank %d: %s; "
+                        "every rank tries again without it",
+                        o.step,
+                        o.path or "memory",
+                        o.rank,
+                        o.message,
+                    )
             if outcome.status != OK:
                 failed.add((step, source))
             use_peers = bool(self._nodes() or self.config.peer)  # the same step, elsewhere
@@ -595,13 +671,14 @@ class MemoryTier:
                     log.info("memory tier: peer %s does not answer (%s)", addr, exc)
                     continue
                 for s in steps:  # a peer's listing has no times: a rule counts it as old
-                    if (s, f"peer:{addr}") not in failed and not poisoned(self.skip_rules, s,
-                                                                          None):
+                    if (s, f"peer:{addr}") not in failed and not poisoned(self.skip_rules, s, None):
                         found.setdefault(s, f"peer:{addr}")
         for head, _slot in newest(self.slots):
-            if (head.rank, head.world_size) == (self.rank, self.world_size) and \
-                    (head.step, "local") not in failed and \
-                    not poisoned(self.skip_rules, head.step, head.created):
+            if (
+                (head.rank, head.world_size) == (self.rank, self.world_size)
+                and (head.step, "local") not in failed
+                and not poisoned(self.skip_rules, head.step, head.created)
+            ):
                 found[head.step] = "local"
         return found
 
@@ -625,12 +702,15 @@ class MemoryTier:
         for head, slot in newest(self.slots):
             if head.step == step:
                 copied = time.perf_counter()
-                report = load_slot(slot, head, state, trust_objects=self.trust_objects,
-                                   use_stamp=source == "local")
+                report = load_slot(
+                    slot, head, state, trust_objects=self.trust_objects, use_stamp=source == "local"
+                )
                 report.seconds = time.perf_counter() - started
                 report.source = source  # type: ignore[attr-defined]
-                report.phases = {"fetch_s": fetch_s,  # type: ignore[attr-defined]
-                                 "copy_s": time.perf_counter() - copied}
+                report.phases = {
+                    "fetch_s": fetch_s,  # type: ignore[attr-defined]
+                    "copy_s": time.perf_counter() - copied,
+                }
                 return report
         raise SlotDamaged(f"rank {self.rank}: step {step} is no longer in {self.config.directory}")
 
@@ -659,8 +739,13 @@ def _place(leaves: list[tuple[str, torch.Tensor]]) -> tuple[list[_Piece], int]:
 
 
 def _entry(p: _Piece) -> dict[str, Any]:
-    return {"key": p.key, "dtype": dtype_name(p.target.dtype), "shape": list(p.target.shape),
-            "at": p.at, "nbytes": p.nbytes}
+    return {
+        "key": p.key,
+        "dtype": dtype_name(p.target.dtype),
+        "shape": list(p.target.shape),
+        "at": p.at,
+        "nbytes": p.nbytes,
+    }
 
 
 def _gather(group: Any, world_size: int, mine: Any) -> list[Any]:
@@ -673,8 +758,14 @@ def _gather(group: Any, world_size: int, mine: Any) -> list[Any]:
     return got
 
 
-def load_slot(slot: SlotFile, head: SlotHeader, state: Any, *,
-              trust_objects: bool = False, use_stamp: bool = False) -> LoadReport:
+def load_slot(
+    slot: SlotFile,
+    head: SlotHeader,
+    state: Any,
+    *,
+    trust_objects: bool = False,
+    use_stamp: bool = False,
+) -> LoadReport:
     """Copy a committed slot into ``state`` in place, checking each data block's sum as it
     goes (the block is then in cache for the copy). With ``use_stamp`` (a copy in this node's
     own memory), a copy the node agent stamped good is copied without hashing and one it
@@ -692,22 +783,30 @@ def load_slot(slot: SlotFile, head: SlotHeader, state: Any, *,
         if e is None:
             problems.append(f"{key}: not in the memory copy")
         elif dtype_of(e["dtype"]) != tensor.dtype or list(tensor.shape) != e["shape"]:
-            problems.append(f"{key}: copy {e['dtype']} {e['shape']}, state "
-                            f"{tensor.dtype} {list(tensor.shape)}")
+            problems.append(
+                f"{key}: copy {e['dtype']} {e['shape']}, state {tensor.dtype} {list(tensor.shape)}"
+            )
         elif e["at"] + e["nbytes"] > head.data_size:
             problems.append(f"{key}: bytes {e['at']}+{e['nbytes']} beyond the data")
         else:
             pieces.append(_Piece(key, tensor, e["at"], e["nbytes"]))
     problems += [f"{k}: in the memory copy, not in the state" for k in entries]
     if problems:
-        raise CheckpointError(f"memory copy {slot.path} (step {head.step}) does not match the "
-                              f"state: " + "; ".join(problems[:5]))
-    src = np.frombuffer(slot.map, dtype=np.uint8, count=head.data_size, offset=HEADER) \
-        if head.data_size else np.empty(0, dtype=np.uint8)
+        raise CheckpointError(
+            f"memory copy {slot.path} (step {head.step}) does not match the "
+            f"state: " + "; ".join(problems[:5])
+        )
+    src = (
+        np.frombuffer(slot.map, dtype=np.uint8, count=head.data_size, offset=HEADER)
+        if head.data_size
+        else np.empty(0, dtype=np.uint8)
+    )
     stamp = stamp_for(slot, head) if use_stamp else None
     if stamp is not None and not stamp.get("ok"):
-        raise SlotDamaged(f"{slot.path}: step {head.step}: found damaged by the node agent's "
-                          f"check: {stamp.get('message')}")
+        raise SlotDamaged(
+            f"{slot.path}: step {head.step}: found damaged by the node agent's "
+            f"check: {stamp.get('message')}"
+        )
     if stamp is not None:
         _copy_plain(src, pieces)
     else:
@@ -727,8 +826,9 @@ def load_slot(slot: SlotFile, head: SlotHeader, state: Any, *,
     return report
 
 
-def _copy_checked(src: np.ndarray, pieces: list[_Piece], sums: list[int], path: str,
-                  step: int) -> None:
+def _copy_checked(
+    src: np.ndarray, pieces: list[_Piece], sums: list[int], path: str, step: int
+) -> None:
     """Block by block: check the block's hash, then copy the parts of tensors it holds (the
     block is then in cache: the check costs little over the copy)."""
     flat = {id(p): _bytes_of(p.target) for p in pieces}
@@ -738,8 +838,9 @@ def _copy_checked(src: np.ndarray, pieces: list[_Piece], sums: list[int], path: 
     for b, want in enumerate(sums):
         lo, hi = b * BLOCK, min((b + 1) * BLOCK, len(src))
         if block_hash(src[lo:hi]) != want:
-            damaged = SlotDamaged(f"{path}: step {step}: data block {b} (bytes {lo}..{hi}) "
-                                  f"fails its checksum")
+            damaged = SlotDamaged(
+                f"{path}: step {step}: data block {b} (bytes {lo}..{hi}) fails its checksum"
+            )
             damaged.partial = b > 0  # type: ignore[attr-defined] # blocks before it were copied
             raise damaged
         while i < len(order) and order[i].at < hi:
@@ -755,8 +856,7 @@ def _copy_checked(src: np.ndarray, pieces: list[_Piece], sums: list[int], path: 
     for p in later:  # not a plain CPU view (a GPU tensor, a strided one): after the checks
         if p.nbytes:
             assert whole is not None
-            p.target.copy_(whole[p.at : p.at + p.nbytes].view(p.target.dtype)
-                           .view(p.target.shape))
+            p.target.copy_(whole[p.at : p.at + p.nbytes].view(p.target.dtype).view(p.target.shape))
 
 
 def _copy_plain(src: np.ndarray, pieces: list[_Piece]) -> None:
@@ -770,8 +870,7 @@ def _copy_plain(src: np.ndarray, pieces: list[_Piece]) -> None:
             flat[:] = src[p.at : p.at + p.nbytes]
         else:
             assert whole is not None
-            p.target.copy_(whole[p.at : p.at + p.nbytes].view(p.target.dtype)
-                           .view(p.target.shape))
+            p.target.copy_(whole[p.at : p.at + p.nbytes].view(p.target.dtype).view(p.target.shape))
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray | None:

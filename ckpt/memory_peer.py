@@ -74,8 +74,17 @@ from .memory_wire import (
     serve_handshake,
 )
 
-__all__ = ["MAX_HELLO", "MAX_MESSAGE", "PeerClient", "PeerError", "PeerServer", "check_token",
-           "recv_exact", "recv_msg", "send_msg"]
+__all__ = [
+    "MAX_HELLO",
+    "MAX_MESSAGE",
+    "PeerClient",
+    "PeerError",
+    "PeerServer",
+    "check_token",
+    "recv_exact",
+    "recv_msg",
+    "send_msg",
+]
 
 PEERS_WHAT = "the memory tier's directory of peer copies"
 OWN_WHAT = "the memory tier's directory (ckpt.memory_dir, BOOTSEER_MEMCKPT_DIR)"
@@ -91,14 +100,24 @@ MAX_WORLD = 1 << 20
 MAX_META = 256 << 20  # a copy's meta: its tensors' entries, block sums, pickled objects
 MAX_DATA = 1 << 48  # a hard cap before the room is asked; the room is the real bound
 FRESH_S = 5.0  # a client's first connection is used for its first request only this soon
-_HEADER = Obj({"version": Int(), "step": Int(), "rank": Int(hi=MAX_WORLD - 1),
-               "world_size": Int(1, MAX_WORLD), "data_size": Int(hi=MAX_DATA),
-               "meta_size": Int(4, MAX_META), "meta_crc32": Int(hi=(1 << 32) - 1),
-               "created": Num(), "job": Str()})
+_HEADER = Obj(
+    {
+        "version": Int(),
+        "step": Int(),
+        "rank": Int(hi=MAX_WORLD - 1),
+        "world_size": Int(1, MAX_WORLD),
+        "data_size": Int(hi=MAX_DATA),
+        "meta_size": Int(4, MAX_META),
+        "meta_crc32": Int(hi=(1 << 32) - 1),
+        "created": Num(),
+        "job": Str(),
+    }
+)
 _REQUESTS = {
     "put": Obj({"op": Const("put"), "header": _HEADER}),
-    "list": Obj({"op": Const("list"), "rank": Int(hi=MAX_WORLD - 1),
-                 "world_size": Int(1, MAX_WORLD)}),
+    "list": Obj(
+        {"op": Const("list"), "rank": Int(hi=MAX_WORLD - 1), "world_size": Int(1, MAX_WORLD)}
+    ),
     "get": Obj({"op": Const("get"), "rank": Int(hi=MAX_WORLD - 1), "step": Int()}),
 }
 _REFUSAL = Obj({"ok": Const(False), "error": Str(4096)})
@@ -118,11 +137,13 @@ def parse_request(raw: Any) -> dict[str, Any]:
     op = raw.get("op")
     spec = _REQUESTS.get(op) if type(op) is str else None
     if spec is None:
-        raise BadMessage(f"the request: op {str(op)[:40]!r} is not one of "
-                         f"{', '.join(_REQUESTS)}")
+        raise BadMessage(f"the request: op {str(op)[:40]!r} is not one of {', '.join(_REQUESTS)}")
     req = spec(raw, f"the {op} request")
-    rank, world = (req["header"]["rank"], req["header"]["world_size"]) if op == "put" else \
-        (req["rank"], req.get("world_size", MAX_WORLD))
+    rank, world = (
+        (req["header"]["rank"], req["header"]["world_size"])
+        if op == "put"
+        else (req["rank"], req.get("world_size", MAX_WORLD))
+    )
     if rank >= world:
         raise BadMessage(f"the {op} request: rank {rank} of a world of {world}")
     return req
@@ -132,11 +153,13 @@ def check_token(token: str | bytes) -> bytes:
     """The job's secret as bytes; one too short to resist guessing is refused (not shown)."""
     raw = token.encode() if isinstance(token, str) else bytes(token)
     if len(raw) < MIN_TOKEN:
-        raise ValueError(f"the memory tier's peer copies need the job's secret in {TOKEN_ENV} "
-                         f"(at least {MIN_TOKEN} characters, the same on every node of the job, "
-                         "e.g. from a Kubernetes Secret; make one with python -c 'import "
-                         "secrets; print(secrets.token_hex(32))'), "
-                         + ("which is not set" if not raw else "which is too short"))
+        raise ValueError(
+            f"the memory tier's peer copies need the job's secret in {TOKEN_ENV} "
+            f"(at least {MIN_TOKEN} characters, the same on every node of the job, "
+            "e.g. from a Kubernetes Secret; make one with python -c 'import "
+            "secrets; print(secrets.token_hex(32))'), "
+            + ("which is not set" if not raw else "which is too short")
+        )
     return raw
 
 
@@ -157,8 +180,10 @@ def room_for(head: SlotHeader, slot: SlotFile, directory: str, where: str) -> No
     st = os.statvfs(directory)
     room = st.f_bavail * st.f_frsize + slot.size
     if head.total > room:
-        raise ValueError(f"{where}: a copy of rank {head.rank} step {head.step} needs "
-                         f"{head.total} bytes; {directory} has {room}")
+        raise ValueError(
+            f"{where}: a copy of rank {head.rank} step {head.step} needs "
+            f"{head.total} bytes; {directory} has {room}"
+        )
 
 
 class _Ranks:
@@ -178,8 +203,10 @@ class _Ranks:
         keeps nothing open (1,200 lists of new ranks had made 2,400 files, kept open)."""
         with self._guard:
             cached = rank in self._slots
-        if cached or any(self._exists(os.path.basename(p))
-                         for p in slot_paths(self.directory, f"peer-rank-{rank}")):
+        if cached or any(
+            self._exists(os.path.basename(p))
+            for p in slot_paths(self.directory, f"peer-rank-{rank}")
+        ):
             return self.get(rank)
         return None
 
@@ -193,8 +220,10 @@ class _Ranks:
     def get(self, rank: int) -> tuple[list[SlotFile], threading.Lock]:
         with self._guard:
             if rank not in self._slots:
-                self._slots[rank] = [SlotFile(p, dir_fd=self._dir.fd) for p in
-                                     slot_paths(self.directory, f"peer-rank-{rank}")]
+                self._slots[rank] = [
+                    SlotFile(p, dir_fd=self._dir.fd)
+                    for p in slot_paths(self.directory, f"peer-rank-{rank}")
+                ]
                 self._locks[rank] = threading.Lock()
             return self._slots[rank], self._locks[rank]
 
@@ -219,18 +248,32 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             chan = serve_handshake(sock, self.server.token, deadline)
         except AuthError as exc:
-            log.warning("memory peer %s: refused a connection from %s: %s (%s must be the "
-                        "same on every node)", address, peer, exc, TOKEN_ENV)
+            log.warning(
+                "memory peer %s: refused a connection from %s: %s (%s must be the "
+                "same on every node)",
+                address,
+                peer,
+                exc,
+                TOKEN_ENV,
+            )
             with contextlib.suppress(OSError):
                 send_msg(sock, {"ok": False, "error": f"authentication failed: {exc}"})
             return
         except TimeoutError as exc:
-            log.warning("memory peer %s: closed a connection from %s: its handshake was %s",
-                        address, peer, exc)
+            log.warning(
+                "memory peer %s: closed a connection from %s: its handshake was %s",
+                address,
+                peer,
+                exc,
+            )
             return
         except (OSError, BadMessage) as exc:
-            log.info("memory peer %s: a connection from %s ended in the handshake: %s",
-                     address, peer, exc)
+            log.info(
+                "memory peer %s: a connection from %s ended in the handshake: %s",
+                address,
+                peer,
+                exc,
+            )
             return
         op = "request"
         try:
@@ -248,13 +291,22 @@ class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, directory: str, host: str, port: int, token: bytes,
-                 own: str | None = None, max_connections: int | None = None,
-                 handshake_s: float | None = None) -> None:
+    def __init__(
+        self,
+        directory: str,
+        host: str,
+        port: int,
+        token: bytes,
+        own: str | None = None,
+        max_connections: int | None = None,
+        handshake_s: float | None = None,
+    ) -> None:
         if host in ("", "0.0.0.0", "::", "[::]", "*"):
-            raise ValueError(f"memory peer server: {host or '(empty)'!r} binds every "
-                             "interface: give the node's address on the job's network (the "
-                             "one the other nodes reach it at)")
+            raise ValueError(
+                f"memory peer server: {host or '(empty)'!r} binds every "
+                "interface: give the node's address on the job's network (the "
+                "one the other nodes reach it at)"
+            )
         self.handshake_s = HANDSHAKE_S if handshake_s is None else handshake_s
         self.progress_s = PROGRESS_S
         self.max_connections = MAX_CONNECTIONS if max_connections is None else max_connections
@@ -296,15 +348,24 @@ class _Server(socketserver.ThreadingTCPServer):
         now = time.monotonic()
         if now - self._busy_said > 60:
             self._busy_said = now
-            log.warning("memory peer %s: %d connections open, the most it serves at once: "
-                        "told %s to try again (said once a minute)", self.address,
-                        self.max_connections, client_address[0])
+            log.warning(
+                "memory peer %s: %d connections open, the most it serves at once: "
+                "told %s to try again (said once a minute)",
+                self.address,
+                self.max_connections,
+                client_address[0],
+            )
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """What a handler did not expect is a log line, never a traceback on stderr."""
         exc = sys.exc_info()[1]
-        log.warning("memory peer %s: a connection from %s failed: %s: %s", self.address,
-                    client_address[0], type(exc).__name__, exc)
+        log.warning(
+            "memory peer %s: a connection from %s failed: %s: %s",
+            self.address,
+            client_address[0],
+            type(exc).__name__,
+            exc,
+        )
 
     def _own(self, rank: int) -> list[SlotFile]:
         return _own_slots(self.own, rank)
@@ -338,8 +399,10 @@ class _Server(socketserver.ThreadingTCPServer):
             chan.send({"ok": True})
         elif op == "list":
             with self._copies(req["rank"]) as slots:
-                steps = sorted({h.step for h, _ in newest(slots)
-                                if h.world_size == req["world_size"]}, reverse=True)
+                steps = sorted(
+                    {h.step for h, _ in newest(slots) if h.world_size == req["world_size"]},
+                    reverse=True,
+                )
             chan.send({"ok": True, "steps": steps[:64]})
         else:
             with self._copies(req["rank"]) as slots:
@@ -386,15 +449,22 @@ class PeerServer:
     served at once; ``handshake_s`` (default ``HANDSHAKE_S``): from a connection to its
     request, whole."""
 
-    def __init__(self, directory: str, host: str = "127.0.0.1", port: int = 0,
-                 token: str | bytes | None = None, own: str | None = None,
-                 max_connections: int | None = None, handshake_s: float | None = None) -> None:
+    def __init__(
+        self,
+        directory: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | bytes | None = None,
+        own: str | None = None,
+        max_connections: int | None = None,
+        handshake_s: float | None = None,
+    ) -> None:
         secret = check_token(os.environ.get(TOKEN_ENV, "") if token is None else token)
-        self._server = _Server(directory, host, port, secret, own, max_connections,
-                               handshake_s)
+        self._server = _Server(directory, host, port, secret, own, max_connections, handshake_s)
         self.address = self._server.address
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        name="memckpt-peer", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="memckpt-peer", daemon=True
+        )
 
     def start(self) -> PeerServer:
         self._thread.start()
@@ -415,14 +485,14 @@ class PeerClient:
     token is named at once; ``timeout_s`` bounds the handshake (whole) and each wait for
     bytes after it."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0,
-                 token: str | bytes | None = None) -> None:
+    def __init__(
+        self, address: str, timeout_s: float = 30.0, token: str | bytes | None = None
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         host, _, port = address.rpartition(":")
         try:
-            self._secret = check_token(os.environ.get(TOKEN_ENV, "") if token is None
-                                       else token)
+            self._secret = check_token(os.environ.get(TOKEN_ENV, "") if token is None else token)
             self._target = (host, int(port))
         except ValueError as exc:
             raise PeerError(f"memory peer {address}: {exc}") from None
@@ -436,7 +506,8 @@ class PeerClient:
         while True:
             try:
                 sock = socket.create_connection(
-                    self._target, timeout=max(0.01, deadline.at - time.monotonic()))
+                    self._target, timeout=max(0.01, deadline.at - time.monotonic())
+                )
             except OSError as exc:
                 raise PeerError(f"memory peer {self.address}: cannot connect: {exc}") from None
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -448,20 +519,25 @@ class PeerClient:
                 sock.close()
                 left = deadline.at - time.monotonic()
                 if left <= 0:
-                    raise PeerError(f"memory peer {self.address}: busy (it serves at most "
-                                    f"its max_connections at once) for {self.timeout_s:g} s"
-                                    ) from None
+                    raise PeerError(
+                        f"memory peer {self.address}: busy (it serves at most "
+                        f"its max_connections at once) for {self.timeout_s:g} s"
+                    ) from None
                 time.sleep(min(left, pause * random.uniform(0.5, 1.5)))
                 pause = min(pause * 2, 1.0)
             except AuthError as exc:
                 sock.close()
-                raise PeerError(f"memory peer {self.address}: {exc}" + (
-                    f" ({TOKEN_ENV}): not this job's peer" if "does not hold" in str(exc)
-                    else "")) from None
+                raise PeerError(
+                    f"memory peer {self.address}: {exc}"
+                    + (
+                        f" ({TOKEN_ENV}): not this job's peer"
+                        if "does not hold" in str(exc)
+                        else ""
+                    )
+                ) from None
             except (OSError, BadMessage) as exc:
                 sock.close()
-                raise PeerError(f"memory peer {self.address}: handshake failed: {exc}"
-                                ) from None
+                raise PeerError(f"memory peer {self.address}: handshake failed: {exc}") from None
 
     def _session(self) -> Channel:
         fresh, self._fresh = self._fresh, None
@@ -507,8 +583,15 @@ class PeerClient:
         finally:
             chan.close()
 
-    def fetch(self, rank: int, step: int, into: SlotFile, *, data_size: int | None = None,
-              world_size: int | None = None) -> SlotHeader:
+    def fetch(
+        self,
+        rank: int,
+        step: int,
+        into: SlotFile,
+        *,
+        data_size: int | None = None,
+        world_size: int | None = None,
+    ) -> SlotHeader:
         """The peer's copy of ``rank`` at ``step``, received into ``into`` and checked. Its
         header is checked before ``into`` is grown: the rank and step asked, ``world_size``
         and ``data_size`` when given (the caller's state's geometry), a meta of at most
@@ -520,13 +603,23 @@ class PeerClient:
             raw = self._reply(chan, _GET_OK)["header"]
             try:
                 head = SlotHeader.from_json(raw, where)
-                want = {"rank": rank, "step": step, "world_size": world_size,
-                        "data_size": data_size}
-                wrong = [f"{k} {getattr(head, k)} (asked {v})" for k, v in want.items()
-                         if v is not None and getattr(head, k) != v]
+                want = {
+                    "rank": rank,
+                    "step": step,
+                    "world_size": world_size,
+                    "data_size": data_size,
+                }
+                wrong = [
+                    f"{k} {getattr(head, k)} (asked {v})"
+                    for k, v in want.items()
+                    if v is not None and getattr(head, k) != v
+                ]
                 if wrong:
-                    raise PeerError(f"{where}: asked rank {rank} step {step}, its copy has "
-                                    + ", ".join(wrong) + ": refused before a byte is taken")
+                    raise PeerError(
+                        f"{where}: asked rank {rank} step {step}, its copy has "
+                        + ", ".join(wrong)
+                        + ": refused before a byte is taken"
+                    )
                 room_for(head, into, os.path.dirname(into.path) or ".", where)
             except (SlotDamaged, ValueError) as exc:
                 raise PeerError(str(exc)) from None

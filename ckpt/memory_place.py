@@ -25,8 +25,9 @@ from typing import Any
 Layout = Mapping[str, Sequence[Sequence[int]]]
 
 
-def parse_layout(raw: Any, world_size: int | None = None, where: str = "the layout"
-                 ) -> dict[str, list[list[int]]] | None:
+def parse_layout(
+    raw: Any, world_size: int | None = None, where: str = "the layout"
+) -> dict[str, list[list[int]]] | None:
     """A checked layout from JSON text or a mapping (``""``/``None``: none); a layout that
     is not groups of ranks below ``world_size`` raises ``ValueError`` naming ``where``."""
     if raw in (None, "", {}):
@@ -36,23 +37,29 @@ def parse_layout(raw: Any, world_size: int | None = None, where: str = "the layo
         try:
             raw = json.loads(raw)
         except ValueError as exc:
-            raise ValueError(f"{where} {raw!r} is not JSON ({exc}): give the job's parallel "
-                             f"groups as a JSON object,{example}") from None
+            raise ValueError(
+                f"{where} {raw!r} is not JSON ({exc}): give the job's parallel "
+                f"groups as a JSON object,{example}"
+            ) from None
     if not isinstance(raw, Mapping):
         raise ValueError(f"{where} is not a JSON object of parallel groups:{example}")
     out: dict[str, list[list[int]]] = {}
     for dim, groups in raw.items():
         if not isinstance(groups, list) or not all(
-                isinstance(g, list) and all(isinstance(r, int) and not isinstance(r, bool)
-                                            for r in g) for g in groups):
-            raise ValueError(f"{where}: dimension {dim!r} is not a list of lists of ranks:"
-                             f"{example}")
+            isinstance(g, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in g)
+            for g in groups
+        ):
+            raise ValueError(
+                f"{where}: dimension {dim!r} is not a list of lists of ranks:{example}"
+            )
         for g in groups:
             bad = [r for r in g if r < 0 or (world_size is not None and r >= world_size)]
             if bad:
-                raise ValueError(f"{where}: dimension {dim!r} names rank(s) {bad}, outside "
-                                 f"0..{'' if world_size is None else world_size - 1} (the "
-                                 f"job's world size {world_size}): give the job's own layout")
+                raise ValueError(
+                    f"{where}: dimension {dim!r} names rank(s) {bad}, outside "
+                    f"0..{'' if world_size is None else world_size - 1} (the "
+                    f"job's world size {world_size}): give the job's own layout"
+                )
         out[str(dim)] = [list(g) for g in groups]
     return out
 

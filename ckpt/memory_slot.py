@@ -85,18 +85,30 @@ class SlotHeader:
         if type(raw) is not dict:
             raise SlotDamaged(f"{where}: the header is a {type(raw).__name__}, not an object")
         if raw.get("version") != VERSION:
-            raise SlotDamaged(f"{where}: header version {raw.get('version')!r}, this reader "
-                              f"knows {VERSION}")
+            raise SlotDamaged(
+                f"{where}: header version {raw.get('version')!r}, this reader knows {VERSION}"
+            )
         try:
             head = cls(**{k: raw[k] for k in cls.__dataclass_fields__})
         except (KeyError, TypeError) as exc:
             raise SlotDamaged(f"{where}: header lacks {exc}") from None
-        ints = (head.step, head.rank, head.world_size, head.data_size, head.meta_size,
-                head.meta_crc32)
-        if not all(type(x) is int and x >= 0 for x in ints) or head.data_size % 8 or \
-                type(head.created) not in (int, float) or type(head.job) is not str:
-            raise SlotDamaged(f"{where}: header holds a negative, misaligned or mistyped "
-                              f"field: {str(raw)[:300]}")
+        ints = (
+            head.step,
+            head.rank,
+            head.world_size,
+            head.data_size,
+            head.meta_size,
+            head.meta_crc32,
+        )
+        if (
+            not all(type(x) is int and x >= 0 for x in ints)
+            or head.data_size % 8
+            or type(head.created) not in (int, float)
+            or type(head.job) is not str
+        ):
+            raise SlotDamaged(
+                f"{where}: header holds a negative, misaligned or mistyped field: {str(raw)[:300]}"
+            )
         return head
 
 
@@ -116,19 +128,28 @@ class SlotFile:
         self.path = path
         self.readonly = readonly
         self.name = os.path.basename(path)
-        self.dir_fd = os.dup(dir_fd) if dir_fd is not None else os.open(
-            os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.dir_fd = (
+            os.dup(dir_fd)
+            if dir_fd is not None
+            else os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        )
         flags = os.O_RDONLY if readonly else os.O_RDWR | os.O_CREAT
         try:
-            fd = os.open(self.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                         0o600, dir_fd=self.dir_fd)
+            fd = os.open(
+                self.name,
+                flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                0o600,
+                dir_fd=self.dir_fd,
+            )
             self.fd = owned_file(fd, f"memory-checkpoint slot {path}")
             os.set_blocking(self.fd, True)
         except OSError as exc:
             os.close(self.dir_fd)
             if getattr(exc, "errno", None) == errno.ELOOP:
-                raise UnsafePath(f"memory-checkpoint slot {path} is a link: never followed; "
-                                 "another user may have planted it: remove it") from None
+                raise UnsafePath(
+                    f"memory-checkpoint slot {path} is a link: never followed; "
+                    "another user may have planted it: remove it"
+                ) from None
             raise
         self.map: mmap.mmap | None = None
         self.size = 0
@@ -190,8 +211,9 @@ class SlotFile:
             raise SlotDamaged(f"{self.path}: header fails its CRC-32")
         head = SlotHeader.from_json(json.loads(body), self.path)
         if head.total > self.size:
-            raise SlotDamaged(f"{self.path}: header says {head.total} bytes, the file holds "
-                              f"{self.size}")
+            raise SlotDamaged(
+                f"{self.path}: header says {head.total} bytes, the file holds {self.size}"
+            )
         return head
 
     def meta(self, head: SlotHeader) -> tuple[dict[str, Any], bytes]:
@@ -207,13 +229,19 @@ class SlotFile:
         except ValueError:
             raise SlotDamaged(f"{self.path}: step {head.step}: meta is not JSON") from None
         blocks = (head.data_size + BLOCK - 1) // BLOCK
-        if type(meta) is not dict or type(meta.get("sums")) is not list or \
-                type(meta.get("entries")) is not list:
-            raise SlotDamaged(f"{self.path}: step {head.step}: meta is not an object with "
-                              "entries and sums")
+        if (
+            type(meta) is not dict
+            or type(meta.get("sums")) is not list
+            or type(meta.get("entries")) is not list
+        ):
+            raise SlotDamaged(
+                f"{self.path}: step {head.step}: meta is not an object with entries and sums"
+            )
         if len(meta["sums"]) != blocks:
-            raise SlotDamaged(f"{self.path}: step {head.step}: {len(meta.get('sums', ()))} "
-                              f"block sums for {blocks} blocks")
+            raise SlotDamaged(
+                f"{self.path}: step {head.step}: {len(meta.get('sums', ()))} "
+                f"block sums for {blocks} blocks"
+            )
         return meta, bytes(raw[4 + length :])
 
     def check_data(self, head: SlotHeader, sums: list[int]) -> None:
@@ -221,8 +249,10 @@ class SlotFile:
         got = block_sums(self.view(HEADER, head.data_size))
         for i, (a, b) in enumerate(zip(got, sums, strict=True)):
             if a != b:
-                raise SlotDamaged(f"{self.path}: step {head.step}: data block {i} (bytes "
-                                  f"{i * BLOCK}..) fails its checksum")
+                raise SlotDamaged(
+                    f"{self.path}: step {head.step}: data block {i} (bytes "
+                    f"{i * BLOCK}..) fails its checksum"
+                )
 
     def close(self) -> None:
         if self.map is not None:

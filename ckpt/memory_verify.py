@@ -63,14 +63,16 @@ def stamp_for(slot: SlotFile, head: SlotHeader) -> dict | None:
     when there is none, it is unreadable, not this user's regular file (a planted one is
     never read), or it names another copy."""
     try:
-        fd = open_owned(slot.name + STAMP_SUFFIX, dir_fd=slot.dir_fd,
-                        where=stamp_path(slot.path))
+        fd = open_owned(slot.name + STAMP_SUFFIX, dir_fd=slot.dir_fd, where=stamp_path(slot.path))
         with os.fdopen(fd, encoding="utf-8") as f:
             stamp = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(stamp, dict) or stamp.get("step") != head.step or \
-            stamp.get("digest") != copy_digest(slot, head):
+    if (
+        not isinstance(stamp, dict)
+        or stamp.get("step") != head.step
+        or stamp.get("digest") != copy_digest(slot, head)
+    ):
         return None
     return stamp
 
@@ -95,14 +97,15 @@ def verify_slot(slot: SlotFile, head: SlotHeader) -> Verdict:
         ok, message = False, str(exc)
     try:
         again = slot.header()
-        same = again is not None and again.step == head.step and \
-            copy_digest(slot, again) == digest
+        same = again is not None and again.step == head.step and copy_digest(slot, again) == digest
     except (SlotDamaged, ValueError):
         same = False
     verdict = Verdict(slot.path, head.step, ok, message, time.perf_counter() - started)
     if same:
-        _write_stamp(slot, {"step": head.step, "digest": digest, "ok": ok, "message": message,
-                            "at": time.time()})
+        _write_stamp(
+            slot,
+            {"step": head.step, "digest": digest, "ok": ok, "message": message, "at": time.time()},
+        )
     else:
         verdict.message = "rewritten while checked: not stamped"
     return verdict
@@ -123,11 +126,13 @@ def verify_copies(directory: str) -> list[Verdict]:
                 for k in (0, 1):
                     if f"{base}.{k}" in present:
                         try:
-                            slots.append(SlotFile(where.where(f"{base}.{k}"), readonly=True,
-                                                  dir_fd=where.fd))
+                            slots.append(
+                                SlotFile(where.where(f"{base}.{k}"), readonly=True, dir_fd=where.fd)
+                            )
                         except UnsafePath as exc:
-                            verdicts.append(Verdict(where.where(f"{base}.{k}"), -1, False,
-                                                    f"refused: {exc}"))
+                            verdicts.append(
+                                Verdict(where.where(f"{base}.{k}"), -1, False, f"refused: {exc}")
+                            )
                         except FileNotFoundError:
                             continue
                 found = newest(slots)

@@ -71,8 +71,15 @@ def _show(value: Any) -> str:
 
 def kind_of(value: Any) -> str:
     """What a JSON value is, in JSON's words (an array, a string, ...)."""
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 @dataclass(frozen=True)
@@ -84,8 +91,7 @@ class Int:
 
     def __call__(self, value: Any, where: str) -> int:
         if type(value) is not int or not self.lo <= value <= self.hi:
-            raise BadMessage(f"{where}: {_show(value)} is not an integer in [{self.lo}, "
-                             f"{self.hi}]")
+            raise BadMessage(f"{where}: {_show(value)} is not an integer in [{self.lo}, {self.hi}]")
         return value
 
 
@@ -107,8 +113,9 @@ class Str:
 
     def __call__(self, value: Any, where: str) -> str:
         if type(value) is not str or len(value) > self.max_len:
-            raise BadMessage(f"{where}: {_show(value)} is not a string of at most "
-                             f"{self.max_len} characters")
+            raise BadMessage(
+                f"{where}: {_show(value)} is not a string of at most {self.max_len} characters"
+            )
         return value
 
 
@@ -148,8 +155,9 @@ class List:
 
     def __call__(self, value: Any, where: str) -> list[Any]:
         if type(value) is not list or len(value) > self.max_len:
-            raise BadMessage(f"{where}: a JSON {kind_of(value)}, not an array of at most "
-                             f"{self.max_len} items")
+            raise BadMessage(
+                f"{where}: a JSON {kind_of(value)}, not an array of at most {self.max_len} items"
+            )
         return [self.item(v, f"{where}[{i}]") for i, v in enumerate(value)]
 
 
@@ -166,9 +174,13 @@ class Obj:
         missing = sorted(set(self.fields) - value.keys())
         extra = sorted(value.keys() - self.fields.keys() - self.optional.keys())
         if missing or extra:
-            raise BadMessage(f"{where}: " + "; ".join(
-                ([f"lacks {', '.join(missing)}"] if missing else [])
-                + ([f"has unknown keys {_show(extra)}"] if extra else [])))
+            raise BadMessage(
+                f"{where}: "
+                + "; ".join(
+                    ([f"lacks {', '.join(missing)}"] if missing else [])
+                    + ([f"has unknown keys {_show(extra)}"] if extra else [])
+                )
+            )
         specs = {**self.fields, **self.optional}
         return {k: specs[k](v, f"{where}.{k}") for k, v in value.items()}
 
@@ -234,8 +246,9 @@ def _decode(body: bytes | bytearray) -> Any:
         raise BadMessage("a message that is not JSON") from None
 
 
-def _recv_body(sock: socket.socket, limit: int, deadline: Deadline | None,
-               extra: int = 0) -> tuple[bytes, bytearray]:
+def _recv_body(
+    sock: socket.socket, limit: int, deadline: Deadline | None, extra: int = 0
+) -> tuple[bytes, bytearray]:
     head = bytearray(_LEN.size)
     recv_exact(sock, memoryview(head), deadline)
     (length,) = _LEN.unpack(head)
@@ -252,8 +265,9 @@ def send_msg(sock: socket.socket, obj: Any) -> None:
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
-def recv_msg(sock: socket.socket, limit: int = MAX_MESSAGE,
-             deadline: Deadline | None = None) -> dict[str, Any]:
+def recv_msg(
+    sock: socket.socket, limit: int = MAX_MESSAGE, deadline: Deadline | None = None
+) -> dict[str, Any]:
     """A plain frame's JSON object (anything else is a :class:`BadMessage`)."""
     _, body = _recv_body(sock, limit, deadline)
     value = _decode(body)
@@ -287,8 +301,10 @@ class Channel:
         try:
             self._in.decrypt(_nonce(seq, kind), tag, data)
         except InvalidTag:
-            raise WireError(f"{what} {seq} fails its MAC: changed, replayed, reordered or "
-                            "reflected on the way, or not from this job's peer") from None
+            raise WireError(
+                f"{what} {seq} fails its MAC: changed, replayed, reordered or "
+                "reflected on the way, or not from this job's peer"
+            ) from None
 
     def send(self, obj: Any) -> None:
         body = _encode(obj)
@@ -325,17 +341,21 @@ class Channel:
 
 # -- the handshake ----------------------------------------------------------------------------
 def _mac(token: bytes, who: bytes, first: bytes, second: bytes) -> str:
-    return hmac.new(token, f"{HELLO}/{VERSION} ".encode() + who + first + second,
-                    hashlib.sha256).hexdigest()
+    return hmac.new(
+        token, f"{HELLO}/{VERSION} ".encode() + who + first + second, hashlib.sha256
+    ).hexdigest()
 
 
 def session_keys(token: bytes, challenge: bytes, nonce: bytes) -> tuple[bytes, bytes]:
     """(client to server, server to client): fresh for every connection (both sides' nonces),
     one per direction, so that a frame reflected back is refused."""
-    prk = hmac.new(token, f"{HELLO}/{VERSION} session ".encode() + challenge + nonce,
-                   hashlib.sha256).digest()
-    return (hmac.new(prk, b"client to server", hashlib.sha256).digest(),
-            hmac.new(prk, b"server to client", hashlib.sha256).digest())
+    prk = hmac.new(
+        token, f"{HELLO}/{VERSION} session ".encode() + challenge + nonce, hashlib.sha256
+    ).digest()
+    return (
+        hmac.new(prk, b"client to server", hashlib.sha256).digest(),
+        hmac.new(prk, b"server to client", hashlib.sha256).digest(),
+    )
 
 
 _AUTH = Obj({"op": Const("auth"), "nonce": Hex(32), "mac": Hex(32)})
@@ -368,13 +388,16 @@ def client_handshake(sock: socket.socket, token: bytes, deadline: Deadline) -> C
     if raw.get("busy") is True:
         raise Busy("the server is busy")
     if raw.get("hello") == HELLO and raw.get("version") != VERSION:
-        raise BadMessage(f"it speaks protocol version {_show(raw.get('version'))}, this "
-                         f"client {VERSION}: run the same bootseer on every node")
+        raise BadMessage(
+            f"it speaks protocol version {_show(raw.get('version'))}, this "
+            f"client {VERSION}: run the same bootseer on every node"
+        )
     hello = _HELLO(raw, "its hello")
     challenge = hello["challenge"]
     nonce = secrets.token_bytes(32)
-    send_msg(sock, {"op": "auth", "nonce": nonce.hex(),
-                    "mac": _mac(token, b"client", challenge, nonce)})
+    send_msg(
+        sock, {"op": "auth", "nonce": nonce.hex(), "mac": _mac(token, b"client", challenge, nonce)}
+    )
     reply = recv_msg(sock, MAX_HELLO, deadline)
     if reply.get("ok") is False:
         raise AuthError(f"refused: {_REFUSED(reply, 'its refusal')['error']}")

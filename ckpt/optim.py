@@ -14,7 +14,9 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     saved_lrs = [group["lr"] for group in optimizer.param_groups]
     saved_grads = {}
     for group in optimizer.param_groups:
-        group["lr"] = 0.0 if not isinstance(group["lr"], torch.Tensor) else torch.zeros_like(group["lr"])
+        group["lr"] = (
+            0.0 if not isinstance(group["lr"], torch.Tensor) else torch.zeros_like(group["lr"])
+        )
         for p in group["params"]:
             if p.requires_grad and p not in optimizer.state:
                 saved_grads[p] = p.grad

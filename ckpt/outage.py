@@ -41,8 +41,9 @@ def transient_save_failure(exc: BaseException) -> bool:
 class DurableOutage:
     """The current run of failed durable saves of one rank: since when, from which step."""
 
-    def __init__(self, bound_s: float, url: str,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, bound_s: float, url: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.bound_s = bound_s
         self.url = url
         self.clock = clock
@@ -59,9 +60,15 @@ class DurableOutage:
     def succeeded(self, step: int) -> None:
         """A durable save committed (or, on a rank other than 0, wrote its shard)."""
         if self.since is not None:
-            log.warning("checkpoint store %s is back: step %d is durable after %d failed and "
-                        "%d skipped durable save(s) over %.0f s", self.url, step, self.failures,
-                        self.skipped, self.clock() - self.since)
+            log.warning(
+                "checkpoint store %s is back: step %d is durable after %d failed and "
+                "%d skipped durable save(s) over %.0f s",
+                self.url,
+                step,
+                self.failures,
+                self.skipped,
+                self.clock() - self.since,
+            )
         self.since, self.first_step, self.failures, self.skipped = None, None, 0, 0
 
     def failed(self, exc: CheckpointSaveError, newest_in_memory: int) -> None:
@@ -79,15 +86,27 @@ class DurableOutage:
                 f"{lasted:.0f} s since step {self.first_step} (the bound is "
                 f"ckpt.durable_outage_s={self.bound_s:g} s); the last: {exc}. The memory "
                 f"tier holds step {newest_in_memory}: bring the store back and restart, or "
-                "raise the bound", step=exc.step) from exc
-        log.warning("durable save of step %d failed (%s); training goes on, the memory tier "
-                    "holds step %d; raised if the store still fails %g s after the first "
-                    "failure (ckpt.durable_outage_s)", exc.step, exc, newest_in_memory,
-                    self.bound_s)
+                "raise the bound",
+                step=exc.step,
+            ) from exc
+        log.warning(
+            "durable save of step %d failed (%s); training goes on, the memory tier "
+            "holds step %d; raised if the store still fails %g s after the first "
+            "failure (ckpt.durable_outage_s)",
+            exc.step,
+            exc,
+            newest_in_memory,
+            self.bound_s,
+        )
 
     def skip(self, step: int, persisting: int) -> None:
         """A durable save due at ``step`` is not started: the store is failing and
         ``persisting`` still runs."""
         self.skipped += 1
-        log.info("durable save of step %d skipped: the store is failing and step %d is still "
-                 "being written (the memory tier holds step %d)", step, persisting, step)
+        log.info(
+            "durable save of step %d skipped: the store is failing and step %d is still "
+            "being written (the memory tier holds step %d)",
+            step,
+            persisting,
+            step,
+        )

@@ -52,10 +52,19 @@ def chunk_crcs(staged: StagedSave) -> None:
         chunk.crc32 = zlib.crc32(view[chunk.byte_offset : chunk.byte_offset + chunk.nbytes])
 
 
-def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
-            world_size: int, commit_timeout_s: float, keep: int | None,
-            protected: set[int], attempt: str = "",
-            cache: NodeCache | None = None) -> SaveResult:
+def persist(
+    fs: StripedFileSystem,
+    root: str,
+    staged: StagedSave,
+    *,
+    rank: int,
+    world_size: int,
+    commit_timeout_s: float,
+    keep: int | None,
+    protected: set[int],
+    attempt: str = "",
+    cache: NodeCache | None = None,
+) -> SaveResult:
     """Write this rank's files, report them durable, commit on rank 0. With ``cache`` (the
     node's checkpoint cache) the rank's files are also written there, so that an in-place
     restart on this node does not fetch what it just saved."""
@@ -72,12 +81,20 @@ def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
     if staged.objects_blob:
         fs.pipe_file(f"{directory}/{objects_name(rank)}", staged.objects_blob)
     index = RankIndex(
-        step=staged.step, rank=rank, world_size=world_size, data_size=staged.data_size,
-        chunks=staged.chunks, tensor_keys=staged.tensor_keys,
-        replicated_keys=staged.replicated_keys, object_keys=staged.object_keys,
+        step=staged.step,
+        rank=rank,
+        world_size=world_size,
+        data_size=staged.data_size,
+        chunks=staged.chunks,
+        tensor_keys=staged.tensor_keys,
+        replicated_keys=staged.replicated_keys,
+        object_keys=staged.object_keys,
         objects_size=len(staged.objects_blob),
         objects_crc32=zlib.crc32(staged.objects_blob) if staged.objects_blob else 0,
-        attempt=attempt, containers=staged.containers, key_style=staged.key_style)
+        attempt=attempt,
+        containers=staged.containers,
+        key_style=staged.key_style,
+    )
     index_blob = index.to_json()
     fs.pipe_file(own_index, index_blob)  # "my shard is durable"
     written = staged.data_size + len(staged.objects_blob)
@@ -90,11 +107,13 @@ def persist(fs: StripedFileSystem, root: str, staged: StagedSave, *, rank: int,
     if cache is not None:  # after the commit: the local copy never delays it
         cache.remember_source_quietly()
         step_cache = cache.step(staged.step)
-        if step_cache.put_saved(rank, memoryview(staged.buffer.numpy()).cast("B"),
-                                staged.objects_blob, index_blob):
+        if step_cache.put_saved(
+            rank, memoryview(staged.buffer.numpy()).cast("B"), staged.objects_blob, index_blob
+        ):
             cache.drop_steps_before(_previous_step(cache, staged.step))
-    return SaveResult(staged.step, rank, written, staged.stage_s,
-                      time.perf_counter() - started, committed)
+    return SaveResult(
+        staged.step, rank, written, staged.stage_s, time.perf_counter() - started, committed
+    )
 
 
 def _previous_step(cache: NodeCache, step: int) -> int:
@@ -121,16 +140,22 @@ def withdraw(fs: StripedFileSystem, directory: str, own_index: str, step: int) -
         fs.rm_file(path)
     except FileNotFoundError:
         pass  # another rank withdrew it first
-    log.info("step %d is saved again: its earlier commit is withdrawn until this one commits",
-             step)
+    log.info("step %d is saved again: its earlier commit is withdrawn until this one commits", step)
     try:
         return {e["rank"]: e["index_crc32"] for e in Manifest.from_json(raw, path=path).ranks}
     except ValueError:
         return {}
 
 
-def commit(fs: StripedFileSystem, root: str, step: int, world_size: int,
-           timeout_s: float, attempt: str = "", stale: dict[int, int] | None = None) -> Manifest:
+def commit(
+    fs: StripedFileSystem,
+    root: str,
+    step: int,
+    world_size: int,
+    timeout_s: float,
+    attempt: str = "",
+    stale: dict[int, int] | None = None,
+) -> Manifest:
     """Wait for every rank's index of this attempt, cross-check them, write the manifest.
 
     An index written by another attempt (a killed run that reached this step before), or
@@ -148,8 +173,11 @@ def commit(fs: StripedFileSystem, root: str, step: int, world_size: int,
         for r in range(world_size):
             if r not in found and index_name(r) in names:
                 index = _read_index(fs, directory, r, step)
-                if index is not None and index[0].attempt == attempt and \
-                        zlib.crc32(index[1]) != stale.get(r):
+                if (
+                    index is not None
+                    and index[0].attempt == attempt
+                    and zlib.crc32(index[1]) != stale.get(r)
+                ):
                     found[r] = index
         missing = [r for r in range(world_size) if r not in found]
         if not missing:
@@ -157,7 +185,9 @@ def commit(fs: StripedFileSystem, root: str, step: int, world_size: int,
         if time.monotonic() > deadline:
             raise CommitTimeout(
                 f"step {step}: rank(s) {missing} did not report a durable shard of this attempt "
-                f"within {timeout_s:.0f} s; the checkpoint was not committed", step=step)
+                f"within {timeout_s:.0f} s; the checkpoint was not committed",
+                step=step,
+            )
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
     indexes = [found[r][0] for r in range(world_size)]
@@ -165,19 +195,28 @@ def commit(fs: StripedFileSystem, root: str, step: int, world_size: int,
     if problems:
         raise CheckpointSaveError(f"step {step}: not committed: " + "; ".join(problems), step=step)
     manifest = Manifest(
-        step=step, world_size=world_size,
-        ranks=[{"rank": r, "data_size": found[r][0].data_size, "index_crc32": zlib.crc32(found[r][1])}
-               for r in range(world_size)],
+        step=step,
+        world_size=world_size,
+        ranks=[
+            {"rank": r, "data_size": found[r][0].data_size, "index_crc32": zlib.crc32(found[r][1])}
+            for r in range(world_size)
+        ],
         total_bytes=sum(i.data_size + i.objects_size for i in indexes),
-        tensor_count=len({c.key for i in indexes for c in i.chunks}))
+        tensor_count=len({c.key for i in indexes for c in i.chunks}),
+    )
     fs.pipe_file(f"{directory}/{MANIFEST}", manifest.to_json())
-    log.info("checkpoint step %d committed: %d ranks, %.1f MiB", step, world_size,
-             manifest.total_bytes / 2**20)
+    log.info(
+        "checkpoint step %d committed: %d ranks, %.1f MiB",
+        step,
+        world_size,
+        manifest.total_bytes / 2**20,
+    )
     return manifest
 
 
-def _read_index(fs: StripedFileSystem, directory: str, rank: int,
-                step: int) -> tuple[RankIndex, bytes] | None:
+def _read_index(
+    fs: StripedFileSystem, directory: str, rank: int, step: int
+) -> tuple[RankIndex, bytes] | None:
     """An index being replaced may vanish between listing and reading: then not yet."""
     path = f"{directory}/{index_name(rank)}"
     try:
@@ -200,8 +239,10 @@ def check_indexes(indexes: list[RankIndex], step: int, world_size: int) -> list[
     every = set().union(*held) if held else set()
     for i, keys in zip(indexes, held, strict=True):
         for key in sorted(every - keys)[:5]:
-            problems.append(f"rank {i.rank} does not hold replicated tensor {key!r} (plain "
-                            "tensors must exist on every rank; wrap per-rank values in PerRank)")
+            problems.append(
+                f"rank {i.rank} does not hold replicated tensor {key!r} (plain "
+                "tensors must exist on every rank; wrap per-rank values in PerRank)"
+            )
     for key in sorted(every - written)[:5]:
         problems.append(f"no rank wrote replicated tensor {key!r}")
     problems += _coverage_problems(indexes)
@@ -218,8 +259,10 @@ def _coverage_problems(indexes: list[RankIndex]) -> list[str]:
         for c in i.chunks:
             boxes.setdefault(c.key, []).append((c.offsets, c.shape))
             if shapes.setdefault(c.key, (c.dtype, c.global_shape)) != (c.dtype, c.global_shape):
-                problems.append(f"rank {i.rank} wrote {c.key!r} as {c.dtype} {c.global_shape}, "
-                                f"another rank as {shapes[c.key][0]} {shapes[c.key][1]}")
+                problems.append(
+                    f"rank {i.rank} wrote {c.key!r} as {c.dtype} {c.global_shape}, "
+                    f"another rank as {shapes[c.key][0]} {shapes[c.key][1]}"
+                )
                 disagree.add(c.key)
     for key, found in boxes.items():
         problem = None if key in disagree else tiling_problem(shapes[key][1], found)

@@ -49,9 +49,12 @@ def poisoned(rules: Sequence[SkipRule], step: int, created: float | None) -> str
     """Why ``step`` (created at ``created``) is not to be resumed from, or None."""
     for rule in rules:
         if rule.matches(step, created):
-            return (f"step {step} was saved after a non-finite value at step {rule.from_step}"
-                    + (f" ({rule.why})" if rule.why else "") + "; the restart resumes from an "
-                    "earlier checkpoint")
+            return (
+                f"step {step} was saved after a non-finite value at step {rule.from_step}"
+                + (f" ({rule.why})" if rule.why else "")
+                + "; the restart resumes from an "
+                "earlier checkpoint"
+            )
     return None
 
 
@@ -67,8 +70,10 @@ def rules_from_env(env: Mapping[str, str] | None = None) -> list[SkipRule]:
         return []
     try:
         docs = json.loads(raw)
-        rules = [SkipRule(int(d["from_step"]), float(d["before"]), str(d.get("why", ""))[:200])
-                 for d in docs[:MAX_RULES]]
+        rules = [
+            SkipRule(int(d["from_step"]), float(d["before"]), str(d.get("why", ""))[:200])
+            for d in docs[:MAX_RULES]
+        ]
     except (ValueError, TypeError, KeyError) as exc:
         log.warning("%s is not a list of {from_step, before, why} (%s); ignored", SKIP_ENV, exc)
         return []

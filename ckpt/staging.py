@@ -84,8 +84,9 @@ def assign_replicated_writers(leaves: list[TensorLeaf], world_size: int) -> dict
     return owner
 
 
-def stage(step: int, state: Any, *, rank: int, world_size: int, pool: StagingPool,
-          key_style: str = "") -> StagedSave:
+def stage(
+    step: int, state: Any, *, rank: int, world_size: int, pool: StagingPool, key_style: str = ""
+) -> StagedSave:
     """Describe, lay out and copy the state. Returns when the state may be mutated."""
     started = time.perf_counter()
     leaves: list[TensorLeaf] = []
@@ -111,10 +112,19 @@ def stage(step: int, state: Any, *, rank: int, world_size: int, pool: StagingPoo
         if src.numel():
             dst = buffer[at : at + leaf.nbytes].view(src.dtype).view(src.shape)
             dst.copy_(src, non_blocking=pin)
-        chunks.append(ChunkRecord(
-            key=leaf.key, kind=leaf.kind, dtype=dtype_name(src.dtype),
-            global_shape=list(leaf.global_shape), offsets=list(leaf.box.offsets),
-            shape=list(leaf.box.shape), byte_offset=at, nbytes=leaf.nbytes, crc32=0))
+        chunks.append(
+            ChunkRecord(
+                key=leaf.key,
+                kind=leaf.kind,
+                dtype=dtype_name(src.dtype),
+                global_shape=list(leaf.global_shape),
+                offsets=list(leaf.box.offsets),
+                shape=list(leaf.box.shape),
+                byte_offset=at,
+                nbytes=leaf.nbytes,
+                crc32=0,
+            )
+        )
     if pin:
         torch.cuda.synchronize()
     blob = b""
@@ -123,8 +133,15 @@ def stage(step: int, state: Any, *, rank: int, world_size: int, pool: StagingPoo
         torch.save(objects, out)  # pickled now: later mutation of the objects cannot leak in
         blob = out.getvalue()
     return StagedSave(
-        step=step, buffer=buffer, chunks=chunks, tensor_keys=[x.key for x in leaves],
+        step=step,
+        buffer=buffer,
+        chunks=chunks,
+        tensor_keys=[x.key for x in leaves],
         replicated_keys=sorted(x.key for x in leaves if x.replicated),
-        objects_blob=blob, object_keys=sorted(objects), stage_s=time.perf_counter() - started,
-        total_state_bytes=sum(x.nbytes for x in leaves), containers=container_kinds(state),
-        key_style=key_style)
+        objects_blob=blob,
+        object_keys=sorted(objects),
+        stage_s=time.perf_counter() - started,
+        total_state_bytes=sum(x.nbytes for x in leaves),
+        containers=container_kinds(state),
+        key_style=key_style,
+    )

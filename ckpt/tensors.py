@@ -30,8 +30,10 @@ class FlatShard:
         if self.local.dim() != 1:
             raise ValueError(f"FlatShard.local must be 1-D, got shape {tuple(self.local.shape)}")
         if not 0 <= self.offset <= self.offset + self.local.numel() <= self.numel:
-            raise ValueError(f"FlatShard [{self.offset}, {self.offset + self.local.numel()}) "
-                             f"is outside a flat parameter of {self.numel} elements")
+            raise ValueError(
+                f"FlatShard [{self.offset}, {self.offset + self.local.numel()}) "
+                f"is outside a flat parameter of {self.numel} elements"
+            )
 
 
 @dataclass
@@ -56,8 +58,10 @@ class Box:
 
     def intersect(self, other: Box) -> Box | None:
         lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
-        hi = tuple(min(a + s, b + t) for a, s, b, t in
-                   zip(self.offsets, self.shape, other.offsets, other.shape, strict=True))
+        hi = tuple(
+            min(a + s, b + t)
+            for a, s, b, t in zip(self.offsets, self.shape, other.offsets, other.shape, strict=True)
+        )
         if any(h <= low for low, h in zip(lo, hi, strict=True)) and self.shape:
             return None
         return Box(lo, tuple(h - low for low, h in zip(lo, hi, strict=True)))
@@ -100,13 +104,21 @@ def describe(key: str, value: Any) -> TensorLeaf:
     """Global view of one leaf. Raises for placements that cannot be checkpointed."""
     if isinstance(value, FlatShard):
         n = value.local.numel()
-        return TensorLeaf(key, "flat", value.local, (value.numel,), Box((value.offset,), (n,)),
-                          replicated=False, writes=True)
+        return TensorLeaf(
+            key,
+            "flat",
+            value.local,
+            (value.numel,),
+            Box((value.offset,), (n,)),
+            replicated=False,
+            writes=True,
+        )
     if _is_dtensor(value):
         return _describe_dtensor(key, value)
     shape = tuple(value.shape)
-    return TensorLeaf(key, "tensor", value, shape, Box((0,) * len(shape), shape),
-                      replicated=True, writes=True)
+    return TensorLeaf(
+        key, "tensor", value, shape, Box((0,) * len(shape), shape), replicated=True, writes=True
+    )
 
 
 def _describe_dtensor(key: str, value: Any) -> TensorLeaf:
@@ -116,12 +128,20 @@ def _describe_dtensor(key: str, value: Any) -> TensorLeaf:
     mesh, placements = value.device_mesh, value.placements
     for p in placements:
         if not isinstance(p, Shard | Replicate):
-            raise ValueError(f"{key}: DTensor placement {p} cannot be checkpointed; "
-                             "redistribute to Shard/Replicate first")
+            raise ValueError(
+                f"{key}: DTensor placement {p} cannot be checkpointed; "
+                "redistribute to Shard/Replicate first"
+            )
     local_shape, offsets = compute_local_shape_and_global_offset(value.shape, mesh, placements)
     coordinate = mesh.get_coordinate() or []
     replicated_dims = [i for i, p in enumerate(placements) if isinstance(p, Replicate)]
     writes = all(coordinate[i] == 0 for i in replicated_dims) if coordinate else True
-    return TensorLeaf(key, "dtensor", value.to_local(), tuple(value.shape),
-                      Box(tuple(offsets), tuple(local_shape)),
-                      replicated=bool(replicated_dims), writes=writes)
+    return TensorLeaf(
+        key,
+        "dtensor",
+        value.to_local(),
+        tuple(value.shape),
+        Box(tuple(offsets), tuple(local_shape)),
+        replicated=bool(replicated_dims),
+        writes=writes,
+    )

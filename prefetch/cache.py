@@ -95,8 +95,9 @@ class BlockCache:
             self.misses += 1
             return None
         if hashlib.sha256(data).hexdigest() != digest:
-            log.warning("block cache: frame %s is damaged on disk; dropped, will refetch",
-                        digest[:16])
+            log.warning(
+                "block cache: frame %s is damaged on disk; dropped, will refetch", digest[:16]
+            )
             self.dropped_corrupt += 1
             self._path(digest).unlink(missing_ok=True)
             self._forget(digest)

@@ -90,10 +90,18 @@ class _Item:
 class FrameFetcher:
     """Serves decompressed frames from memory, the block cache, or the registry."""
 
-    def __init__(self, read_range: ReadRange, cache: BlockCache, *,
-                 memory: FrameMemory | None = None, connections: int = 16,
-                 merge_cap: int = 4 << 20, retries: int = 4, backoff_s: float = 0.2,
-                 on_access: Callable[[Blob, int, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        read_range: ReadRange,
+        cache: BlockCache,
+        *,
+        memory: FrameMemory | None = None,
+        connections: int = 16,
+        merge_cap: int = 4 << 20,
+        retries: int = 4,
+        backoff_s: float = 0.2,
+        on_access: Callable[[Blob, int, float], None] | None = None,
+    ) -> None:
         self.read_range = read_range
         self.cache = cache
         self.memory = memory or FrameMemory()
@@ -111,8 +119,10 @@ class FrameFetcher:
         self._prefetched: set[tuple[str, str, int]] = set()
         self._closed = False
         self._started = time.monotonic()
-        self._workers = [threading.Thread(target=self._work, name=f"prefetch-{i}", daemon=True)
-                         for i in range(connections)]
+        self._workers = [
+            threading.Thread(target=self._work, name=f"prefetch-{i}", daemon=True)
+            for i in range(connections)
+        ]
         for worker in self._workers:
             worker.start()
 
@@ -248,10 +258,16 @@ class FrameFetcher:
                 pieces = self._fetch_run(blob, [i for _, i in run], frames)
             except Exception as exc:  # noqa: BLE001 - handed to every waiter
                 self.stats.failures += 1
-                log.error("prefetch: frames %d-%d of layer %s failed: %s", run[0][1],
-                          run[-1][1], blob.digest[:19], exc)
-                error = OSError(errno.EIO, f"layer {blob.digest}: frames {run[0][1]}-"
-                                           f"{run[-1][1]}: {exc}")
+                log.error(
+                    "prefetch: frames %d-%d of layer %s failed: %s",
+                    run[0][1],
+                    run[-1][1],
+                    blob.digest[:19],
+                    exc,
+                )
+                error = OSError(
+                    errno.EIO, f"layer {blob.digest}: frames {run[0][1]}-{run[-1][1]}: {exc}"
+                )
                 self._finish(run, None, error)
                 continue
             self._finish(run, pieces, None)
@@ -264,14 +280,17 @@ class FrameFetcher:
         while True:
             try:
                 self.stats.requests += 1
-                data = (blob.source(start, end) if blob.source is not None
-                        else self.read_range(blob.digest, start, end))
+                data = (
+                    blob.source(start, end)
+                    if blob.source is not None
+                    else self.read_range(blob.digest, start, end)
+                )
                 if len(data) != end - start:
                     raise ConnectionError(f"short range: {len(data)} of {end - start} bytes")
                 pieces = []
                 for i, info in zip(indices, frames, strict=True):
                     at = info.c_offset - start
-                    piece = data[at:at + info.c_size]
+                    piece = data[at : at + info.c_size]
                     if _sha256(piece) != info.sha256:
                         raise _Corrupt(f"frame {i} does not match its sha256")
                     pieces.append(piece)
@@ -287,14 +306,21 @@ class FrameFetcher:
                 if attempt >= self.retries:
                     raise
                 self.stats.retries += 1
-                delay = min(5.0, self.backoff_s * 2 ** attempt)
-                log.warning("layer %s: range %d-%d: %s; retrying in %.1fs", blob.digest[:19],
-                            start, end, exc, delay)
+                delay = min(5.0, self.backoff_s * 2**attempt)
+                log.warning(
+                    "layer %s: range %d-%d: %s; retrying in %.1fs",
+                    blob.digest[:19],
+                    start,
+                    end,
+                    exc,
+                    delay,
+                )
                 time.sleep(delay)
                 attempt += 1
 
-    def _finish(self, run: list[tuple[Blob, int]], pieces: list[bytes] | None,
-                error: BaseException | None) -> None:
+    def _finish(
+        self, run: list[tuple[Blob, int]], pieces: list[bytes] | None, error: BaseException | None
+    ) -> None:
         for n, (blob, i) in enumerate(run):
             if pieces is not None:
                 self.cache.put(blob.frames[i].sha256, pieces[n])

@@ -69,8 +69,14 @@ async def _file_chunks(path: str, size: int = 8 << 20) -> AsyncIterator[bytes]:
             yield chunk
 
 
-def convert_image(src: str, dst: str, *, platform: str = "linux/amd64",
-                  workdir: str | None = None, **convert_options: Any) -> ConvertImageResult:
+def convert_image(
+    src: str,
+    dst: str,
+    *,
+    platform: str = "linux/amd64",
+    workdir: str | None = None,
+    **convert_options: Any,
+) -> ConvertImageResult:
     """Convert image ``src`` into ``dst`` (see the module docstring)."""
     import time
 
@@ -84,8 +90,16 @@ def convert_image(src: str, dst: str, *, platform: str = "linux/amd64",
         if existing is not None:
             log.info("%s already holds the conversion of %s", dst, manifest.digest)
             after = sum(d.size for d in existing.layers)
-            return ConvertImageResult(src, dst, existing.digest, len(existing.layers),
-                                      before, after, False, time.perf_counter() - started)
+            return ConvertImageResult(
+                src,
+                dst,
+                existing.digest,
+                len(existing.layers),
+                before,
+                after,
+                False,
+                time.perf_counter() - started,
+            )
         config = manifest.config
         config_bytes = src_reg.get_blob(src_ref.repository, config.digest)
         dst_reg.put_blob(dst_ref.repository, config_bytes, config.digest)
@@ -101,29 +115,50 @@ def convert_image(src: str, dst: str, *, platform: str = "linux/amd64",
                         f.write(chunk)
                 out_path = os.path.join(tmp, "layer.out")
                 with open(raw_path, "rb") as blob_in, open(out_path, "wb") as out:
-                    result = convert_layer_blob(blob_in, layer.media_type, out,
-                                                **convert_options)
+                    result = convert_layer_blob(blob_in, layer.media_type, out, **convert_options)
                 dst_reg.put_blob(dst_ref.repository, _file_chunks(out_path), result.digest)
-            log.info("layer %d/%d %s: %d -> %d bytes, %d frames", n + 1,
-                     len(manifest.layers), layer.digest[:19], layer.size, result.size,
-                     result.frames)
-            layers.append({"mediaType": OCI_LAYER_ZSTD, "digest": result.digest,
-                           "size": result.size,
-                           "annotations": {FORMAT_ANNOTATION: FORMAT_VALUE,
-                                           TOC_OFFSET_ANNOTATION: str(result.toc_offset),
-                                           INDEX_ANNOTATION: result.index_digest}})
-        new = {"schemaVersion": 2, "mediaType": OCI_MANIFEST,
-               "config": {"mediaType": config.media_type, "digest": config.digest,
-                          "size": config.size},
-               "layers": layers,
-               "annotations": {**(doc.get("annotations") or {}),
-                               FORMAT_ANNOTATION: FORMAT_VALUE,
-                               SOURCE_ANNOTATION: manifest.digest}}
+            log.info(
+                "layer %d/%d %s: %d -> %d bytes, %d frames",
+                n + 1,
+                len(manifest.layers),
+                layer.digest[:19],
+                layer.size,
+                result.size,
+                result.frames,
+            )
+            layers.append(
+                {
+                    "mediaType": OCI_LAYER_ZSTD,
+                    "digest": result.digest,
+                    "size": result.size,
+                    "annotations": {
+                        FORMAT_ANNOTATION: FORMAT_VALUE,
+                        TOC_OFFSET_ANNOTATION: str(result.toc_offset),
+                        INDEX_ANNOTATION: result.index_digest,
+                    },
+                }
+            )
+        new = {
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST,
+            "config": {
+                "mediaType": config.media_type,
+                "digest": config.digest,
+                "size": config.size,
+            },
+            "layers": layers,
+            "annotations": {
+                **(doc.get("annotations") or {}),
+                FORMAT_ANNOTATION: FORMAT_VALUE,
+                SOURCE_ANNOTATION: manifest.digest,
+            },
+        }
         data = json.dumps(new, separators=(",", ":")).encode()
         digest = dst_reg.put_manifest(dst_ref.repository, dst_ref.ref, data, OCI_MANIFEST)
         after = sum(int(layer["size"]) for layer in layers)
-    return ConvertImageResult(src, dst, digest, len(layers), before, after, True,
-                              time.perf_counter() - started)
+    return ConvertImageResult(
+        src, dst, digest, len(layers), before, after, True, time.perf_counter() - started
+    )
 
 
 def _existing_conversion(reg: SyncRegistry, ref: Reference, source_digest: str) -> Any:
@@ -154,9 +189,16 @@ class OpenImage:
         self.registry.close()
 
 
-def open_image(reference: str, cache_dir: str | os.PathLike, *, platform: str = "linux/amd64",
-               connections: int = 16, cache_bytes: int = 16 << 30, record: bool = False,
-               registry_options: dict[str, Any] | None = None) -> OpenImage:
+def open_image(
+    reference: str,
+    cache_dir: str | os.PathLike,
+    *,
+    platform: str = "linux/amd64",
+    connections: int = 16,
+    cache_bytes: int = 16 << 30,
+    record: bool = False,
+    registry_options: dict[str, Any] | None = None,
+) -> OpenImage:
     """Resolve a converted image and build its lazy tree from the layers' TOCs."""
     ref = Reference.parse(reference)
     reg = _registry(ref, **(registry_options or {}))
@@ -166,21 +208,27 @@ def open_image(reference: str, cache_dir: str | os.PathLike, *, platform: str = 
         layers: list[Layer] = []
         blobs: list[Blob] = []
         for i, desc in enumerate(manifest.layers):
+
             def read_range(start: int, end: int, digest: str = desc.digest) -> bytes:
                 return reg.get_blob_range(repo, digest, start, end)
 
             index_digest = bound_index_digest(desc.digest, desc.annotations)
-            index = LayerIndex.from_blob(read_range, desc.size, desc.digest,
-                                         index_digest=index_digest)
+            index = LayerIndex.from_blob(
+                read_range, desc.size, desc.digest, index_digest=index_digest
+            )
             blob = Blob(desc.digest, index.frames, i, index_digest)
             blobs.append(blob)
             layers.append(Layer(index, blob))
         recorder = Recorder(manifest.digest) if record else None
         # retries=0: the registry client already retries connection errors and 5xx with
         # backoff (one retry layer); the fetcher still refetches a corrupted frame once.
-        fetcher = FrameFetcher(lambda digest, s, e: reg.get_blob_range(repo, digest, s, e),
-                               BlockCache(cache_dir, cache_bytes), connections=connections,
-                               on_access=recorder, retries=0)
+        fetcher = FrameFetcher(
+            lambda digest, s, e: reg.get_blob_range(repo, digest, s, e),
+            BlockCache(cache_dir, cache_bytes),
+            connections=connections,
+            on_access=recorder,
+            retries=0,
+        )
         lazy = LazyImage(layers, fetcher)
         lazy.recorder = recorder  # type: ignore[attr-defined]
     except BaseException:
@@ -200,9 +248,13 @@ class VerifyImageResult:
     seconds: float
 
 
-def verify_image(reference: str, *, platform: str = "linux/amd64",
-                 workdir: str | None = None,
-                 registry_options: dict[str, Any] | None = None) -> VerifyImageResult:
+def verify_image(
+    reference: str,
+    *,
+    platform: str = "linux/amd64",
+    workdir: str | None = None,
+    registry_options: dict[str, Any] | None = None,
+) -> VerifyImageResult:
     """Check, once, everything a lazy mount checks only for the frames it reads: every layer
     is downloaded (its digest checked), its index checked against the manifest's digest, every
     frame checked to be one zstd frame of its declared size, and every TOC entry against its
@@ -219,23 +271,30 @@ def verify_image(reference: str, *, platform: str = "linux/amd64",
         for desc in manifest.layers:
             index_digest = bound_index_digest(desc.digest, desc.annotations)
             with tempfile.TemporaryFile(dir=workdir, prefix="bootseer-verify-") as f:
-                for chunk in reg.iter_blob(ref.repository, desc.digest,
-                                           expected_size=desc.size):
+                for chunk in reg.iter_blob(ref.repository, desc.digest, expected_size=desc.size):
                     f.write(chunk)  # the stream checks the digest before its last chunk
                 f.flush()
 
                 def read_range(start: int, end: int, fd: int = f.fileno()) -> bytes:
                     return os.pread(fd, end - start, start)
 
-                index = LayerIndex.from_blob(read_range, desc.size, desc.digest,
-                                             index_digest=index_digest)
+                index = LayerIndex.from_blob(
+                    read_range, desc.size, desc.digest, index_digest=index_digest
+                )
                 for i in range(len(index.frames)):
                     index.fetch_and_verify(read_range, i)
             frames += len(index.frames)
             members += len(index.entries)
             total += desc.size
-    return VerifyImageResult(reference, manifest.digest, len(manifest.layers), frames, members,
-                             total, time.perf_counter() - started)
+    return VerifyImageResult(
+        reference,
+        manifest.digest,
+        len(manifest.layers),
+        frames,
+        members,
+        total,
+        time.perf_counter() - started,
+    )
 
 
 def bound_index_digest(layer: str, annotations: Mapping[str, Any] | None) -> str:
@@ -244,12 +303,14 @@ def bound_index_digest(layer: str, annotations: Mapping[str, Any] | None) -> str
     a well-formed index digest :class:`UnboundIndexError` (its index is never trusted)."""
     annotations = annotations or {}
     if annotations.get(FORMAT_ANNOTATION) != FORMAT_VALUE:
-        raise NotConvertedError(layer, f"its descriptor has no {FORMAT_ANNOTATION}: "
-                                       f"{FORMAT_VALUE} annotation")
+        raise NotConvertedError(
+            layer, f"its descriptor has no {FORMAT_ANNOTATION}: {FORMAT_VALUE} annotation"
+        )
     value = annotations.get(INDEX_ANNOTATION)
     if value is None:
-        raise UnboundIndexError(layer, f"the manifest marks it {FORMAT_VALUE} but records no "
-                                       f"{INDEX_ANNOTATION}")
+        raise UnboundIndexError(
+            layer, f"the manifest marks it {FORMAT_VALUE} but records no {INDEX_ANNOTATION}"
+        )
     if not isinstance(value, str) or not _DIGEST.match(value):
         raise UnboundIndexError(layer, f"{INDEX_ANNOTATION} {value!r} is not a sha256 digest")
     return value
@@ -274,8 +335,13 @@ def find_profile(reg: SyncRegistry, repo: str, manifest: Any) -> Profile | None:
             blob = artifact.layers[0]
             profile = Profile.from_bytes(reg.get_blob(repo, blob.digest))
         except (ProfileError, IndexError, Exception) as exc:  # noqa: BLE001
-            log.warning("ignoring profile %s of %s@%s: %s", desc.digest[:19], repo,
-                        manifest.digest[:19], exc)
+            log.warning(
+                "ignoring profile %s of %s@%s: %s",
+                desc.digest[:19],
+                repo,
+                manifest.digest[:19],
+                exc,
+            )
             continue
         if profile.image == manifest.digest:
             return profile
@@ -290,8 +356,12 @@ def save_profile(image: OpenImage, profile: Profile) -> str:
 def store_profile(reg: SyncRegistry, repo: str, manifest: Any, profile: Profile) -> str:
     """Push ``profile`` as an artifact whose subject is ``manifest``; returns its digest."""
     desc = reg.put_referrer(
-        repo, manifest, ARTIFACT_TYPE, [(PROFILE_MEDIA_TYPE, profile.to_bytes())],
-        annotations={"io.bootseer.profile.frames": str(len(profile.frames))})
+        repo,
+        manifest,
+        ARTIFACT_TYPE,
+        [(PROFILE_MEDIA_TYPE, profile.to_bytes())],
+        annotations={"io.bootseer.profile.frames": str(len(profile.frames))},
+    )
     return desc.digest
 
 

@@ -96,10 +96,23 @@ from .toc import (
 )
 
 __all__ = [
-    "DEFAULT_FRAME_SIZE", "DEFAULT_LEVEL", "MEDIA_TYPE_TAR", "MEDIA_TYPE_TAR_GZIP",
-    "MEDIA_TYPE_TAR_ZSTD", "ConvertError", "ConvertResult", "FrameVerificationError",
-    "LayerFormatError", "LayerIndex", "MalformedLayerError", "NotConvertedError", "TocEntry",
-    "UnsafeLayerError", "UnsafeMemberError", "convert_layer", "convert_layer_blob",
+    "DEFAULT_FRAME_SIZE",
+    "DEFAULT_LEVEL",
+    "MEDIA_TYPE_TAR",
+    "MEDIA_TYPE_TAR_GZIP",
+    "MEDIA_TYPE_TAR_ZSTD",
+    "ConvertError",
+    "ConvertResult",
+    "FrameVerificationError",
+    "LayerFormatError",
+    "LayerIndex",
+    "MalformedLayerError",
+    "NotConvertedError",
+    "TocEntry",
+    "UnsafeLayerError",
+    "UnsafeMemberError",
+    "convert_layer",
+    "convert_layer_blob",
     "open_layer_stream",
 ]
 
@@ -125,7 +138,6 @@ _TAR_TYPES = {
     "application/vnd.oci.image.layer.nondistributable.v1.tar",
     "application/vnd.docker.image.rootfs.diff.tar",
 }
-
 
 
 @dataclass(frozen=True)
@@ -169,7 +181,7 @@ class _Prefixed(io.RawIOBase):
 
     def readinto(self, b: Any) -> int:
         data = self.read(len(b))
-        b[:len(data)] = data
+        b[: len(data)] = data
         return len(data)
 
 
@@ -191,7 +203,8 @@ def open_layer_stream(fileobj: IO[bytes], media_type: str | None = None) -> IO[b
         if head[:2] == b"\x1f\x8b":
             media_type = MEDIA_TYPE_TAR_GZIP
         elif head == b"\x28\xb5\x2f\xfd" or (
-                len(head) == 4 and head[0] & 0xF0 == 0x50 and head[1:] == b"\x2a\x4d\x18"):
+            len(head) == 4 and head[0] & 0xF0 == 0x50 and head[1:] == b"\x2a\x4d\x18"
+        ):
             media_type = MEDIA_TYPE_TAR_ZSTD
         else:
             media_type = MEDIA_TYPE_TAR
@@ -199,7 +212,8 @@ def open_layer_stream(fileobj: IO[bytes], media_type: str | None = None) -> IO[b
         return gzip.GzipFile(fileobj=fileobj, mode="rb")  # type: ignore[return-value]
     if media_type in _ZSTD_TYPES:
         return zstandard.ZstdDecompressor().stream_reader(  # type: ignore[return-value]
-            fileobj, read_across_frames=True, closefd=False)
+            fileobj, read_across_frames=True, closefd=False
+        )
     if media_type in _TAR_TYPES:
         return fileobj
     raise ConvertError(f"unsupported layer media type {media_type!r}")
@@ -217,7 +231,8 @@ class _FrameWriter:
         self.level = level
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bootseer-zstd")
         self.pending: collections.deque[tuple[int, int, Future[tuple[bytes, str]]]] = (
-            collections.deque())
+            collections.deque()
+        )
         self.max_pending = 2 * workers
         self.local = threading.local()
         self.frames: list[Frame] = []
@@ -227,8 +242,9 @@ class _FrameWriter:
     def _compress(self, data: bytes) -> tuple[bytes, str]:
         cctx = getattr(self.local, "cctx", None)
         if cctx is None:
-            cctx = zstandard.ZstdCompressor(level=self.level, write_content_size=True,
-                                            write_checksum=True)
+            cctx = zstandard.ZstdCompressor(
+                level=self.level, write_content_size=True, write_checksum=True
+            )
             self.local.cctx = cctx
         compressed = cctx.compress(data)
         return compressed, hashlib.sha256(compressed).hexdigest()
@@ -242,8 +258,9 @@ class _FrameWriter:
         u_offset, u_size, future = self.pending.popleft()
         compressed, sha = future.result()
         checksum = int.from_bytes(compressed[-4:], "little")  # the frame's XXH64 low 32 bits
-        self.frames.append(Frame(len(self.frames), self.size, len(compressed), u_offset, u_size,
-                                 sha, checksum))
+        self.frames.append(
+            Frame(len(self.frames), self.size, len(compressed), u_offset, u_size, sha, checksum)
+        )
         self.write(compressed)
 
     def drain(self) -> None:
@@ -353,13 +370,18 @@ class _Tee(io.RawIOBase):
 
     def readinto(self, b: Any) -> int:
         data = self.read(len(b))
-        b[:len(data)] = data
+        b[: len(data)] = data
         return len(data)
 
 
-def convert_layer(tar_stream: IO[bytes], out: IO[bytes], *,
-                  frame_size: int = DEFAULT_FRAME_SIZE, level: int = DEFAULT_LEVEL,
-                  workers: int | None = None) -> ConvertResult:
+def convert_layer(
+    tar_stream: IO[bytes],
+    out: IO[bytes],
+    *,
+    frame_size: int = DEFAULT_FRAME_SIZE,
+    level: int = DEFAULT_LEVEL,
+    workers: int | None = None,
+) -> ConvertResult:
     """Write the seekable blob for the uncompressed tar read from ``tar_stream`` to ``out``.
 
     Streams both ways (``out`` is only written, in order). Raises :class:`UnsafeMemberError`
@@ -368,8 +390,10 @@ def convert_layer(tar_stream: IO[bytes], out: IO[bytes], *,
     partial blob after an error; the caller discards it.
     """
     if frame_size % PAGE or not MIN_FRAME_SIZE <= frame_size <= MAX_FRAME_SIZE:
-        raise ValueError(f"frame_size must be a multiple of {PAGE} in [{MIN_FRAME_SIZE}, "
-                         f"{MAX_FRAME_SIZE}], not {frame_size}")
+        raise ValueError(
+            f"frame_size must be a multiple of {PAGE} in [{MIN_FRAME_SIZE}, "
+            f"{MAX_FRAME_SIZE}], not {frame_size}"
+        )
     workers = workers or min(32, os.cpu_count() or 1)
     writer = _FrameWriter(out, level, workers)
     try:
@@ -383,8 +407,14 @@ def convert_layer(tar_stream: IO[bytes], out: IO[bytes], *,
         writer.drain()
         diff_id = "sha256:" + tee.sha.hexdigest()
         toc_offset = writer.size
-        doc = toc_document(tar_size=tee.total, diff_id=diff_id, frames=writer.frames,
-                           entries=entries, frame_size=frame_size, level=level)
+        doc = toc_document(
+            tar_size=tee.total,
+            diff_id=diff_id,
+            frames=writer.frames,
+            entries=entries,
+            frame_size=frame_size,
+            level=level,
+        )
         toc_frame = encode_toc_frame(doc, level)
         writer.write(toc_frame)
         table_offset = writer.size
@@ -395,14 +425,22 @@ def convert_layer(tar_stream: IO[bytes], out: IO[bytes], *,
         index_digest = "sha256:" + hashlib.sha256(toc_frame + seek_table).hexdigest()
     finally:
         writer.close()
-    return ConvertResult(digest="sha256:" + writer.sha.hexdigest(), size=writer.size,
-                         diff_id=diff_id, tar_size=tee.total, frames=len(writer.frames),
-                         entries=len(entries), toc_offset=toc_offset, table_offset=table_offset,
-                         index_digest=index_digest)
+    return ConvertResult(
+        digest="sha256:" + writer.sha.hexdigest(),
+        size=writer.size,
+        diff_id=diff_id,
+        tar_size=tee.total,
+        frames=len(writer.frames),
+        entries=len(entries),
+        toc_offset=toc_offset,
+        table_offset=table_offset,
+        index_digest=index_digest,
+    )
 
 
-def convert_layer_blob(blob: IO[bytes], media_type: str | None, out: IO[bytes],
-                       **options: Any) -> ConvertResult:
+def convert_layer_blob(
+    blob: IO[bytes], media_type: str | None, out: IO[bytes], **options: Any
+) -> ConvertResult:
     """:func:`convert_layer` of a registry blob (gzip, zstd or plain tar, see
     :func:`open_layer_stream`)."""
     return convert_layer(open_layer_stream(blob, media_type), out, **options)
@@ -447,7 +485,7 @@ def _check_end(tee: _Tee, cutter: _Cutter, pos: int) -> None:
     if tee.total == pos:
         return  # ends exactly after the last member (no end-of-archive blocks): accepted
     lo = pos - cutter.start
-    block = bytes(cutter.buf[lo:lo + BLOCK]) if lo >= 0 else b""
+    block = bytes(cutter.buf[lo : lo + BLOCK]) if lo >= 0 else b""
     if len(block) < BLOCK:
         raise ConvertError(f"tar stream truncated at byte {pos} (a partial header block)")
     if block.count(0) != BLOCK:

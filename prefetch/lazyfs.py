@@ -48,8 +48,8 @@ def _find_codec(name: str) -> codecs.CodecInfo | None:
     return codecs.CodecInfo(
         name=FS_ENCODING,
         encode=lambda text, errors="strict": codecs.utf_8_encode(text, "surrogateescape"),
-        decode=lambda data, errors="strict": codecs.utf_8_decode(data, "surrogateescape",
-                                                                 True))
+        decode=lambda data, errors="strict": codecs.utf_8_decode(data, "surrogateescape", True),
+    )
 
 
 codecs.register(_find_codec)
@@ -58,6 +58,7 @@ codecs.register(_find_codec)
 def _name_bytes(name: str) -> bytes:
     """A TOC name or link target as the bytes the file system shows."""
     return name.encode("utf-8", "surrogateescape")
+
 
 try:  # fusepy needs libfuse2 at import time
     import fuse as _fusepy
@@ -106,15 +107,23 @@ class Layer:
 class LazyImage:
     """The merged tree of an image's layers, and reads through a frame fetcher."""
 
-    def __init__(self, layers: Sequence[Layer], fetcher: FrameFetcher, *,
-                 overlay: bool = False,
-                 below: Callable[[str], LowerDir | None] | None = None,
-                 keep_whiteouts: bool = False) -> None:
+    def __init__(
+        self,
+        layers: Sequence[Layer],
+        fetcher: FrameFetcher,
+        *,
+        overlay: bool = False,
+        below: Callable[[str], LowerDir | None] | None = None,
+        keep_whiteouts: bool = False,
+    ) -> None:
         self.layers = list(layers)
         self.fetcher = fetcher
-        self.tree: MergedTree = merge_layers((layer.entries for layer in self.layers),
-                                             overlay=overlay, below=below,
-                                             keep_whiteouts=keep_whiteouts)
+        self.tree: MergedTree = merge_layers(
+            (layer.entries for layer in self.layers),
+            overlay=overlay,
+            below=below,
+            keep_whiteouts=keep_whiteouts,
+        )
         for problem in self.tree.problems:  # left out of the view; the rest is served
             log.error("%s (containerd's own unpack refuses such a layer)", problem)
 
@@ -133,8 +142,7 @@ class LazyImage:
             return self._read_sparse(data_node, entry, offset, size, record)
         return self._read_stream(data_node.layer, entry.offset + offset, size, record)
 
-    def _read_stream(self, layer_index: int, start: int, size: int, record: bool = True
-                     ) -> bytes:
+    def _read_stream(self, layer_index: int, start: int, size: int, record: bool = True) -> bytes:
         layer = self.layers[layer_index]
         end = start + size
         parts = []
@@ -149,15 +157,15 @@ class LazyImage:
             raise FuseOSError(errno.EIO)
         return data
 
-    def _read_sparse(self, node: Node, entry: Any, offset: int, size: int, record: bool
-                     ) -> bytes:
+    def _read_sparse(self, node: Node, entry: Any, offset: int, size: int, record: bool) -> bytes:
         out = bytearray(size)  # holes read as zeros
         stored = entry.offset
         for ext_offset, length in entry.sparse:
             lo, hi = max(offset, ext_offset), min(offset + size, ext_offset + length)
             if lo < hi:
-                out[lo - offset:hi - offset] = self._read_stream(
-                    node.layer, stored + (lo - ext_offset), hi - lo, record)
+                out[lo - offset : hi - offset] = self._read_stream(
+                    node.layer, stored + (lo - ext_offset), hi - lo, record
+                )
             stored += length
         return bytes(out)
 
@@ -185,18 +193,20 @@ class LazyOperations(Operations):  # type: ignore[misc,valid-type]
         # An implied directory has no time of its own (containerd's is the unpack's).
         mtime = unpack_time(meta.mtime_ns) if meta is not None else self.mounted_at
         st: dict[str, Any] = {
-            "st_mode": node.mode(), "st_ino": self.ino_base | node.ino,
+            "st_mode": node.mode(),
+            "st_ino": self.ino_base | node.ino,
             "st_nlink": node.data.nlink,
             "st_uid": meta.uid if meta is not None else 0,
             "st_gid": meta.gid if meta is not None else 0,
-            "st_atime": mtime, "st_mtime": mtime, "st_ctime": mtime,
+            "st_atime": mtime,
+            "st_mtime": mtime,
+            "st_ctime": mtime,
         }
         if node.is_dir:
             st["st_nlink"] = 2 + sum(1 for c in node.children.values() if c.is_dir)
             st["st_size"] = 4096
         elif entry is not None:
-            st["st_size"] = (len(_name_bytes(entry.link)) if entry.type == "symlink"
-                             else entry.size)
+            st["st_size"] = len(_name_bytes(entry.link)) if entry.type == "symlink" else entry.size
             if entry.type in ("char", "block"):
                 st["st_rdev"] = os.makedev(entry.devmajor, entry.devminor)
         st["st_blocks"] = (st.get("st_size", 0) + 511) // 512
@@ -208,9 +218,14 @@ class LazyOperations(Operations):  # type: ignore[misc,valid-type]
         if not node.is_dir:
             raise FuseOSError(errno.ENOTDIR)
         base = self.ino_base
-        return [(".", None, 0), ("..", None, 0),
-                *((name, {"st_mode": child.mode(), "st_ino": base | child.ino}, 0)
-                  for name, child in sorted(node.children.items()))]
+        return [
+            (".", None, 0),
+            ("..", None, 0),
+            *(
+                (name, {"st_mode": child.mode(), "st_ino": base | child.ino}, 0)
+                for name, child in sorted(node.children.items())
+            ),
+        ]
 
     def readlink(self, path: str) -> str:
         entry = self._node(path).data.entry  # a hardlink to a symlink is that symlink
@@ -256,13 +271,26 @@ class LazyOperations(Operations):  # type: ignore[misc,valid-type]
         return 0
 
     def statfs(self, path: str) -> dict[str, int]:
-        return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": 0, "f_bfree": 0,
-                "f_bavail": 0, "f_files": len(self.image.tree.inodes), "f_ffree": 0,
-                "f_namemax": 255}
+        return {
+            "f_bsize": 4096,
+            "f_frsize": 4096,
+            "f_blocks": 0,
+            "f_bfree": 0,
+            "f_bavail": 0,
+            "f_files": len(self.image.tree.inodes),
+            "f_ffree": 0,
+            "f_namemax": 255,
+        }
 
 
-def mount(image: LazyImage, mountpoint: str, *, foreground: bool = True,
-          allow_other: bool = False, dev_suid: bool = False) -> None:
+def mount(
+    image: LazyImage,
+    mountpoint: str,
+    *,
+    foreground: bool = True,
+    allow_other: bool = False,
+    dev_suid: bool = False,
+) -> None:
     """Serve ``image`` at ``mountpoint`` until unmounted (SIGINT/SIGTERM unmount cleanly).
     Only the mounting user reaches it unless ``allow_other``; ``dev_suid`` (a chroot that
     must run the image's setuid programs) lifts ``nodev,nosuid``."""
@@ -272,17 +300,24 @@ def mount(image: LazyImage, mountpoint: str, *, foreground: bool = True,
         raise MountError(f"FUSE is unavailable: {_FUSE_IMPORT_ERROR}")
     if not os.path.isdir(mountpoint):
         raise MountError(f"mountpoint {mountpoint!r} is not a directory")
-    options: dict[str, Any] = {"foreground": foreground, "nothreads": False, "ro": True,
-                               "encoding": FS_ENCODING,
-                               "fsname": "bootseer-image", "subtype": "bootseer",
-                               "use_ino": True,  # hardlinks share an inode number
-                               "max_read": 1 << 20,
-                               # the kernel enforces the image's modes and owners
-                               "default_permissions": True,
-                               # The image never changes under the mount: the kernel may keep
-                               # file pages across opens and cache lookups and attributes.
-                               "kernel_cache": True, "entry_timeout": 3600.0,
-                               "attr_timeout": 3600.0, "negative_timeout": 3600.0}
+    options: dict[str, Any] = {
+        "foreground": foreground,
+        "nothreads": False,
+        "ro": True,
+        "encoding": FS_ENCODING,
+        "fsname": "bootseer-image",
+        "subtype": "bootseer",
+        "use_ino": True,  # hardlinks share an inode number
+        "max_read": 1 << 20,
+        # the kernel enforces the image's modes and owners
+        "default_permissions": True,
+        # The image never changes under the mount: the kernel may keep
+        # file pages across opens and cache lookups and attributes.
+        "kernel_cache": True,
+        "entry_timeout": 3600.0,
+        "attr_timeout": 3600.0,
+        "negative_timeout": 3600.0,
+    }
     if dev_suid:  # libfuse mounts nodev,nosuid unless told otherwise
         options.update(dev=True, suid=True)
     else:

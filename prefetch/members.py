@@ -59,9 +59,15 @@ from .toc import (
 ENCODING, ERRORS = "utf-8", "surrogateescape"  # how the converter opens every tar stream
 
 TYPES = {
-    tarfile.REGTYPE: "reg", tarfile.AREGTYPE: "reg", tarfile.CONTTYPE: "reg",
-    tarfile.GNUTYPE_SPARSE: "reg", tarfile.DIRTYPE: "dir", tarfile.SYMTYPE: "symlink",
-    tarfile.LNKTYPE: "hardlink", tarfile.CHRTYPE: "char", tarfile.BLKTYPE: "block",
+    tarfile.REGTYPE: "reg",
+    tarfile.AREGTYPE: "reg",
+    tarfile.CONTTYPE: "reg",
+    tarfile.GNUTYPE_SPARSE: "reg",
+    tarfile.DIRTYPE: "dir",
+    tarfile.SYMTYPE: "symlink",
+    tarfile.LNKTYPE: "hardlink",
+    tarfile.CHRTYPE: "char",
+    tarfile.BLKTYPE: "block",
     tarfile.FIFOTYPE: "fifo",
 }
 XATTR_PREFIX = "SCHILY.xattr."
@@ -93,8 +99,7 @@ def tar_entry(info: tarfile.TarInfo, header_offset: int, end: int) -> TocEntry:
     raw_name = info.name
     kind = TYPES.get(info.type)
     if kind is None:
-        raise ConvertError(f"layer member {raw_name!r}: unsupported tar member type "
-                           f"{info.type!r}")
+        raise ConvertError(f"layer member {raw_name!r}: unsupported tar member type {info.type!r}")
     name = normalize_member_path(raw_name)
     if name == ROOT and kind != "dir":
         raise UnsafeMemberError(raw_name, f"the root is a {kind} member, not a directory")
@@ -103,18 +108,24 @@ def tar_entry(info: tarfile.TarInfo, header_offset: int, end: int) -> TocEntry:
         link = normalize_hardlink_target(raw_name, info.linkname)
     elif kind == "symlink":
         link = check_symlink_target(raw_name, info.linkname)
-    for what, value in (("uid", info.uid), ("gid", info.gid), ("devmajor", info.devmajor),
-                        ("devminor", info.devminor)):
+    for what, value in (
+        ("uid", info.uid),
+        ("gid", info.gid),
+        ("devmajor", info.devmajor),
+        ("devminor", info.devminor),
+    ):
         if not 0 <= value <= MAX_ID:
             raise ConvertError(f"layer member {raw_name!r}: {what} {value} out of range")
     mtime_ns = _mtime_ns(info)
     if not -MAX_MTIME_NS <= mtime_ns <= MAX_MTIME_NS:
-        raise ConvertError(f"layer member {raw_name!r}: mtime {mtime_ns} ns is out of range "
-                           "(Go's archive/tar, and so containerd, refuses it too)")
+        raise ConvertError(
+            f"layer member {raw_name!r}: mtime {mtime_ns} ns is out of range "
+            "(Go's archive/tar, and so containerd, refuses it too)"
+        )
     xattrs = {}
     for key, value in info.pax_headers.items():
         if key.startswith(XATTR_PREFIX) and len(key) > len(XATTR_PREFIX):
-            xattrs[key[len(XATTR_PREFIX):]] = value.encode(ENCODING, ERRORS)
+            xattrs[key[len(XATTR_PREFIX) :]] = value.encode(ENCODING, ERRORS)
     sparse = None
     size = 0
     if kind == "reg":
@@ -122,27 +133,44 @@ def tar_entry(info: tarfile.TarInfo, header_offset: int, end: int) -> TocEntry:
         if info.sparse is not None:
             sparse = tuple((int(o), int(n)) for o, n in info.sparse)
     if info.offset_data - header_offset > MAX_HEADER_CHAIN:
-        raise ConvertError(f"layer member {raw_name!r}: {info.offset_data - header_offset} "
-                           f"bytes of headers (at most {MAX_HEADER_CHAIN})")
+        raise ConvertError(
+            f"layer member {raw_name!r}: {info.offset_data - header_offset} "
+            f"bytes of headers (at most {MAX_HEADER_CHAIN})"
+        )
     entry = TocEntry(
-        name=name, type=kind, mode=info.mode & 0o7777, uid=info.uid, gid=info.gid,
-        uname=info.uname or "", gname=info.gname or "", size=size, mtime_ns=mtime_ns,
-        link=link, devmajor=info.devmajor if kind in ("char", "block") else 0,
-        devminor=info.devminor if kind in ("char", "block") else 0, xattrs=xattrs,
-        offset=info.offset_data, header_offset=header_offset, sparse=sparse)
+        name=name,
+        type=kind,
+        mode=info.mode & 0o7777,
+        uid=info.uid,
+        gid=info.gid,
+        uname=info.uname or "",
+        gname=info.gname or "",
+        size=size,
+        mtime_ns=mtime_ns,
+        link=link,
+        devmajor=info.devmajor if kind in ("char", "block") else 0,
+        devminor=info.devminor if kind in ("char", "block") else 0,
+        xattrs=xattrs,
+        offset=info.offset_data,
+        header_offset=header_offset,
+        sparse=sparse,
+    )
     if entry.data_end > end:
-        raise ConvertError(f"layer member {raw_name!r}: its data ({entry.stored_size} bytes "
-                           f"from byte {entry.offset}) runs past the member's end ({end})")
+        raise ConvertError(
+            f"layer member {raw_name!r}: its data ({entry.stored_size} bytes "
+            f"from byte {entry.offset}) runs past the member's end ({end})"
+        )
     return entry
 
 
 def global_header_problem(pax_headers: dict[str, str]) -> str | None:
     """What is wrong with the global PAX headers read so far, or None (see the module)."""
-    bad = sorted(k for k in pax_headers
-                 if k in _MEMBER_KEYS or k.startswith(_MEMBER_PREFIXES))
+    bad = sorted(k for k in pax_headers if k in _MEMBER_KEYS or k.startswith(_MEMBER_PREFIXES))
     if bad:
-        return (f"a global pax header sets {', '.join(bad)} for every later member (not "
-                "supported: each member must be readable on its own)")
+        return (
+            f"a global pax header sets {', '.join(bad)} for every later member (not "
+            "supported: each member must be readable on its own)"
+        )
     return None
 
 
@@ -174,8 +202,9 @@ class _HeaderStream:
         return self.pos
 
 
-def read_member(read: Callable[[int, int], bytes], start: int,
-                limit: int) -> tuple[tarfile.TarInfo, int]:
+def read_member(
+    read: Callable[[int, int], bytes], start: int, limit: int
+) -> tuple[tarfile.TarInfo, int]:
     """The member whose header chain starts at tar offset ``start`` (reading no byte at or
     past ``limit``) and the offset where the next member's headers start. Raises
     ``tarfile.HeaderError`` (and ValueError) for what does not parse."""
@@ -189,8 +218,17 @@ def read_member(read: Callable[[int, int], bytes], start: int,
 
 # --- the fast path --------------------------------------------------------------------------------
 
-_QUICK_TYPES = {b"0": "reg", b"\0": "reg", b"7": "reg", b"1": "hardlink", b"2": "symlink",
-                b"3": "char", b"4": "block", b"5": "dir", b"6": "fifo"}
+_QUICK_TYPES = {
+    b"0": "reg",
+    b"\0": "reg",
+    b"7": "reg",
+    b"1": "hardlink",
+    b"2": "symlink",
+    b"3": "char",
+    b"4": "block",
+    b"5": "dir",
+    b"6": "fifo",
+}
 # name mode uid gid size mtime chksum type linkname magic+version uname gname major minor prefix
 _USTAR = struct.Struct("100s8s8s8s12s12s8s1s100s8s32s32s8s8s155s")
 
@@ -221,17 +259,37 @@ def _quick_match(block: bytes, entry: TocEntry) -> bool:
     and :func:`tar_entry` read as exactly ``entry``; False: let tarfile decide. Fields are
     compared as bytes where the TOC's form is the header's (names are utf-8 with surrogate
     escapes, a bijection), and normalized only when they differ."""
-    (name, mode, uid, gid, size, mtime, chksum, kind_byte, link, _, uname, gname, major,
-     minor, prefix) = _USTAR.unpack_from(block)
+    (
+        name,
+        mode,
+        uid,
+        gid,
+        size,
+        mtime,
+        chksum,
+        kind_byte,
+        link,
+        _,
+        uname,
+        gname,
+        major,
+        minor,
+        prefix,
+    ) = _USTAR.unpack_from(block)
     kind = _QUICK_TYPES.get(kind_byte)
     if kind != entry.type or entry.sparse is not None or entry.xattrs:
         return False
     try:
         if _octal(chksum) != _byte_sum(block) - sum(chksum) + 256:
             return False  # a signed checksum, or a bad one: tarfile decides
-        if (_octal(mode) & 0o7777 != entry.mode or _octal(uid) != entry.uid
-                or _octal(gid) != entry.gid or _octal(mtime) * 1_000_000_000 != entry.mtime_ns
-                or _nul(uname) != _text(entry.uname) or _nul(gname) != _text(entry.gname)):
+        if (
+            _octal(mode) & 0o7777 != entry.mode
+            or _octal(uid) != entry.uid
+            or _octal(gid) != entry.gid
+            or _octal(mtime) * 1_000_000_000 != entry.mtime_ns
+            or _nul(uname) != _text(entry.uname)
+            or _nul(gname) != _text(entry.gname)
+        ):
             return False
         devices = _octal(major), _octal(minor)  # tarfile reads every number field
         size_value = _octal(size)
@@ -244,8 +302,11 @@ def _quick_match(block: bytes, entry: TocEntry) -> bool:
         if prefix:
             name = prefix + b"/" + name
         expected = _text(entry.name)  # normalized (the TOC check insists), so "./" + it is too
-        if (name != expected and name != b"./" + expected
-                and normalize_member_path(name.decode(ENCODING, ERRORS)) != entry.name):
+        if (
+            name != expected
+            and name != b"./" + expected
+            and normalize_member_path(name.decode(ENCODING, ERRORS)) != entry.name
+        ):
             return False
         if kind == "reg":
             return size_value == entry.size
@@ -253,8 +314,13 @@ def _quick_match(block: bytes, entry: TocEntry) -> bool:
             return _nul(link) == _text(entry.link)
         if kind == "hardlink":
             target, expected = _nul(link), _text(entry.link)
-            return target in (expected, b"./" + expected) or normalize_hardlink_target(
-                name.decode(ENCODING, ERRORS), target.decode(ENCODING, ERRORS)) == entry.link
+            return (
+                target in (expected, b"./" + expected)
+                or normalize_hardlink_target(
+                    name.decode(ENCODING, ERRORS), target.decode(ENCODING, ERRORS)
+                )
+                == entry.link
+            )
         if kind in ("char", "block"):
             return devices == (entry.devmajor, entry.devminor)
         return True
@@ -264,8 +330,24 @@ def _quick_match(block: bytes, entry: TocEntry) -> bool:
 
 # --- verification ---------------------------------------------------------------------------------
 
-_FIELDS = ("name", "type", "size", "link", "offset", "mode", "uid", "gid", "uname", "gname",
-           "mtime_ns", "devmajor", "devminor", "xattrs", "sparse", "header_offset")
+_FIELDS = (
+    "name",
+    "type",
+    "size",
+    "link",
+    "offset",
+    "mode",
+    "uid",
+    "gid",
+    "uname",
+    "gname",
+    "mtime_ns",
+    "devmajor",
+    "devminor",
+    "xattrs",
+    "sparse",
+    "header_offset",
+)
 
 
 def _mismatch(index: Any, entry: TocEntry, rule: str, what: str) -> TocMismatchError:
@@ -278,20 +360,26 @@ def _check_entry(index: Any, entry: TocEntry, tar: Any) -> int:
     if entry.offset == h + TAR_BLOCK:
         block = tar.block(h)
         if block is not None and _quick_match(block, entry):
-            return entry.offset + (-(-entry.size // TAR_BLOCK) * TAR_BLOCK
-                                   if entry.type == "reg" else 0)
+            return entry.offset + (
+                -(-entry.size // TAR_BLOCK) * TAR_BLOCK if entry.type == "reg" else 0
+            )
     limit = min(entry.offset, h + MAX_HEADER_CHAIN, index.tar_size)
     try:
         info, end = read_member(tar.read, h, limit)
         actual = tar_entry(info, h, end)
     except (tarfile.TarError, ValueError, UnsafeMemberError) as exc:
-        raise _mismatch(index, entry, RULE_MATCH, f"the tar header at byte {h} does not "
-                                                  f"describe it ({exc})") from None
+        raise _mismatch(
+            index, entry, RULE_MATCH, f"the tar header at byte {h} does not describe it ({exc})"
+        ) from None
     if actual != entry:
-        diffs = [f"{f} is {getattr(entry, f)!r} in the TOC, {getattr(actual, f)!r} in the tar"
-                 for f in _FIELDS if getattr(entry, f) != getattr(actual, f)]
-        raise _mismatch(index, entry, RULE_MATCH, f"the tar header at byte {h} differs: "
-                                                  + "; ".join(diffs))
+        diffs = [
+            f"{f} is {getattr(entry, f)!r} in the TOC, {getattr(actual, f)!r} in the tar"
+            for f in _FIELDS
+            if getattr(entry, f) != getattr(actual, f)
+        ]
+        raise _mismatch(
+            index, entry, RULE_MATCH, f"the tar header at byte {h} differs: " + "; ".join(diffs)
+        )
     return end
 
 
@@ -303,9 +391,13 @@ def _check_trailer(index: Any, entry: TocEntry | None, end: int, tar: Any) -> No
     if len(block) == TAR_BLOCK and block.count(0) == TAR_BLOCK:
         return
     member = entry or TocEntry(name="(before the first member)", type="dir")
-    raise _mismatch(index, member, RULE_COMPLETE,
-                    f"the tar stream holds more after byte {end} than an end-of-archive block "
-                    f"(a member the TOC leaves out, or a truncated stream)")
+    raise _mismatch(
+        index,
+        member,
+        RULE_COMPLETE,
+        f"the tar stream holds more after byte {end} than an end-of-archive block "
+        f"(a member the TOC leaves out, or a truncated stream)",
+    )
 
 
 def verify_entries(index: Any, positions: Iterable[int], tar: Any) -> None:
@@ -323,7 +415,11 @@ def verify_entries(index: Any, positions: Iterable[int], tar: Any) -> None:
         if k == last:
             _check_trailer(index, entry, end, tar)
         elif end != entries[k + 1].header_offset:
-            raise _mismatch(index, entry, RULE_COMPLETE,
-                            f"its member ends at byte {end}, the next TOC entry "
-                            f"({entries[k + 1].name!r}) starts at {entries[k + 1].header_offset}"
-                            " (a member left out, or an entry invented)")
+            raise _mismatch(
+                index,
+                entry,
+                RULE_COMPLETE,
+                f"its member ends at byte {end}, the next TOC entry "
+                f"({entries[k + 1].name!r}) starts at {entries[k + 1].header_offset}"
+                " (a member left out, or an entry invented)",
+            )

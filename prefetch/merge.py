@@ -44,9 +44,15 @@ WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
 MAX_LINKS = 255  # symlinks followed on one path before giving up (containerd's fs.RootPath)
 
-_TYPE_BITS = {"reg": stat.S_IFREG, "hardlink": stat.S_IFREG, "dir": stat.S_IFDIR,
-              "symlink": stat.S_IFLNK, "char": stat.S_IFCHR, "block": stat.S_IFBLK,
-              "fifo": stat.S_IFIFO}
+_TYPE_BITS = {
+    "reg": stat.S_IFREG,
+    "hardlink": stat.S_IFREG,
+    "dir": stat.S_IFDIR,
+    "symlink": stat.S_IFLNK,
+    "char": stat.S_IFCHR,
+    "block": stat.S_IFBLK,
+    "fifo": stat.S_IFIFO,
+}
 
 
 @dataclass(eq=False)
@@ -241,8 +247,9 @@ class _Builder:
             names.append(part)
         return stack[-1]
 
-    def implied_dir(self, parent: Node, name: str, path: list[str], layer: int, *,
-                    replaced: Node | None) -> Node:
+    def implied_dir(
+        self, parent: Node, name: str, path: list[str], layer: int, *, replaced: Node | None
+    ) -> Node:
         """A directory a layer needs but does not list. In an overlay tree, one over a
         whiteout hides what lies below (opaque); one over nothing takes the metadata of the
         directory below, as containerd does when it creates it in the layer's directory."""
@@ -265,7 +272,7 @@ class _Builder:
             parent.children.clear()
             parent.opaque = parent.opaque or self.overlay
             return
-        name = parts[-1][len(WHITEOUT):]
+        name = parts[-1][len(WHITEOUT) :]
         parent.children.pop(name, None)
         if self.overlay:
             self.add(Node(name, _Whiteout(name), layer, next(self.counter)), parent)
@@ -282,13 +289,22 @@ class _Builder:
             if existing is not None and existing.is_dir:
                 existing.entry, existing.layer = entry, layer
                 return
-            node = Node(name, entry, layer, next(self.counter), children={},
-                        opaque=existing is not None and isinstance(existing.entry, _Whiteout))
+            node = Node(
+                name,
+                entry,
+                layer,
+                next(self.counter),
+                children={},
+                opaque=existing is not None and isinstance(existing.entry, _Whiteout),
+            )
         elif entry.type == "hardlink":
             target = self.hardlink_target(entry.link, layer)
             if target is None:
-                self.problem(layer, entry, f"hardlink to {entry.link!r}: no such file in this "
-                                           "or a lower layer")
+                self.problem(
+                    layer,
+                    entry,
+                    f"hardlink to {entry.link!r}: no such file in this or a lower layer",
+                )
                 return
             data = target.data
             data.nlink += 1
@@ -311,7 +327,6 @@ class _Builder:
             return None
         return target
 
-
     def drop_unmerged_whiteouts(self) -> int:
         """Remove the whiteouts of every directory overlayfs will not merge with a directory
         below (returns how many). overlayfs filters whiteouts out of a listing only in a
@@ -332,8 +347,11 @@ class _Builder:
             while path[:depth] not in merged:  # the nearest ancestor already decided
                 depth -= 1
             for i in range(depth + 1, len(path) + 1):
-                merged[path[:i]] = (merged[path[:i - 1]] and not nodes[i - 1].opaque
-                                    and below("/".join(path[:i])) is not None)
+                merged[path[:i]] = (
+                    merged[path[: i - 1]]
+                    and not nodes[i - 1].opaque
+                    and below("/".join(path[:i])) is not None
+                )
             return merged[path]
 
         dropped = 0
@@ -353,9 +371,13 @@ class _Builder:
         return dropped
 
 
-def merge_layers(layers: Iterable[Iterable[Any]], *, overlay: bool = False,
-                 below: Callable[[str], LowerDir | None] | None = None,
-                 keep_whiteouts: bool = False) -> MergedTree:
+def merge_layers(
+    layers: Iterable[Iterable[Any]],
+    *,
+    overlay: bool = False,
+    below: Callable[[str], LowerDir | None] | None = None,
+    keep_whiteouts: bool = False,
+) -> MergedTree:
     """Stack TOC entries (``name``, ``type``, ``link``, ``mode``...) of layers, lowest
     first, into one tree (the rules: the module's docstring).
 

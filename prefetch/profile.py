@@ -39,10 +39,16 @@ class Profile:
     duration_s: float = 0.0
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": FORMAT, "image": self.image, "recorded": self.recorded,
-                           "duration_s": self.duration_s,
-                           "frames": [[d, i, round(t, 4)] for d, i, t in self.frames]},
-                          separators=(",", ":")).encode()
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "image": self.image,
+                "recorded": self.recorded,
+                "duration_s": self.duration_s,
+                "frames": [[d, i, round(t, 4)] for d, i, t in self.frames],
+            },
+            separators=(",", ":"),
+        ).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Profile:
@@ -57,13 +63,22 @@ class Profile:
             raise ProfileError("profile frames missing or too many")
         parsed = []
         for row in frames:
-            if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)
-                    and isinstance(row[1], int) and row[1] >= 0
-                    and isinstance(row[2], int | float)):
+            if not (
+                isinstance(row, list)
+                and len(row) == 3
+                and isinstance(row[0], str)
+                and isinstance(row[1], int)
+                and row[1] >= 0
+                and isinstance(row[2], int | float)
+            ):
                 raise ProfileError(f"malformed profile entry {str(row)[:100]}")
             parsed.append((row[0], row[1], float(row[2])))
-        return cls(str(doc.get("image", "")), parsed, float(doc.get("recorded", 0.0)),
-                   float(doc.get("duration_s", 0.0)))
+        return cls(
+            str(doc.get("image", "")),
+            parsed,
+            float(doc.get("recorded", 0.0)),
+            float(doc.get("duration_s", 0.0)),
+        )
 
 
 class Recorder:
@@ -88,12 +103,14 @@ class Recorder:
     def stop(self) -> Profile:
         with self._lock:
             self._stopped = True
-            return Profile(self.image, list(self._frames), time.time(),
-                           time.monotonic() - self._started)
+            return Profile(
+                self.image, list(self._frames), time.time(), time.monotonic() - self._started
+            )
 
 
-def plan_prefetch(profile: Profile, blobs: Sequence[Blob], *,
-                  full_fetch_ratio: float = 0.8) -> tuple[list[tuple[Blob, int]], bool]:
+def plan_prefetch(
+    profile: Profile, blobs: Sequence[Blob], *, full_fetch_ratio: float = 0.8
+) -> tuple[list[tuple[Blob, int]], bool]:
     """(work list, full) for the fetcher: the profile's frames in first-access order, then, if
     they cover at least ``full_fetch_ratio`` of the image's compressed bytes, every other frame
     in blob order. Frames of layers the image no longer has are skipped."""
@@ -112,15 +129,22 @@ def plan_prefetch(profile: Profile, blobs: Sequence[Blob], *,
     full = total > 0 and covered >= full_fetch_ratio * total
     if full:
         for blob in blobs:
-            plan.extend((blob, i) for i in range(len(blob.frames))
-                        if (blob.digest, i) not in seen)
+            plan.extend((blob, i) for i in range(len(blob.frames)) if (blob.digest, i) not in seen)
     return plan, full
 
 
 def profile_summary(profile: Profile, blobs: Sequence[Blob]) -> dict[str, Any]:
     total = sum(f.c_size for b in blobs for f in b.frames)
     by_digest = {b.digest: b for b in blobs}
-    hot = sum(by_digest[d].frames[i].c_size for d, i, _ in profile.frames
-              if d in by_digest and 0 <= i < len(by_digest[d].frames))
-    return {"frames": len(profile.frames), "hot_bytes": hot, "image_bytes": total,
-            "coverage": hot / total if total else 0.0, "duration_s": profile.duration_s}
+    hot = sum(
+        by_digest[d].frames[i].c_size
+        for d, i, _ in profile.frames
+        if d in by_digest and 0 <= i < len(by_digest[d].frames)
+    )
+    return {
+        "frames": len(profile.frames),
+        "hot_bytes": hot,
+        "image_bytes": total,
+        "coverage": hot / total if total else 0.0,
+        "duration_s": profile.duration_s,
+    }

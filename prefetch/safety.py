@@ -103,7 +103,8 @@ def normalize_hardlink_target(member: str, target: str) -> str:
         path = normalize_member_path(target)
     except UnsafeMemberError as exc:
         raise UnsafeMemberError(
-            member, f"hardlink target {target!r} lies outside the root ({exc.rule})") from None
+            member, f"hardlink target {target!r} lies outside the root ({exc.rule})"
+        ) from None
     if path == ROOT:
         raise UnsafeMemberError(member, "hardlink to the root directory")
     return path
@@ -115,7 +116,8 @@ def check_hardlink_target(member: str, target: str) -> str:
         return check_member_path(target, allow_root=False)
     except UnsafeMemberError as exc:
         raise UnsafeMemberError(
-            member, f"hardlink target {target!r} lies outside the root ({exc.rule})") from None
+            member, f"hardlink target {target!r} lies outside the root ({exc.rule})"
+        ) from None
 
 
 def check_symlink_target(member: str, target: str) -> str:

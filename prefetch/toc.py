@@ -116,8 +116,7 @@ CONVERT_HINT = "convert the image with `bootseer image convert SRC DST`"
 # The digest of the layer's index bytes (TOC frame + seek table), on each layer descriptor of a
 # converted manifest: what binds the index read from a blob's tail to the manifest's digest.
 INDEX_ANNOTATION = "io.bootseer.layer.index.digest"
-RULE_BOUND = (f"a converted layer's index must match the {INDEX_ANNOTATION} its manifest "
-              "records")
+RULE_BOUND = f"a converted layer's index must match the {INDEX_ANNOTATION} its manifest records"
 RULE_MATCH = "a TOC entry must match the tar header it points at"
 RULE_COMPLETE = "the TOC must list every member of the tar stream, in order"
 
@@ -135,8 +134,9 @@ class NotConvertedError(LayerFormatError):
 
     def __init__(self, digest: str | None, why: str) -> None:
         name = digest or "(unknown digest)"
-        super().__init__(f"layer {name} is not in bootseer's seekable format ({why}): "
-                         f"{CONVERT_HINT}")
+        super().__init__(
+            f"layer {name} is not in bootseer's seekable format ({why}): {CONVERT_HINT}"
+        )
         self.digest = digest
         self.why = why
 
@@ -146,8 +146,9 @@ class MalformedLayerError(LayerFormatError):
 
     def __init__(self, digest: str | None, what: str) -> None:
         name = digest or "(unknown digest)"
-        super().__init__(f"layer {name} has a malformed bootseer index: {what}; "
-                         f"{CONVERT_HINT} again")
+        super().__init__(
+            f"layer {name} has a malformed bootseer index: {what}; {CONVERT_HINT} again"
+        )
         self.digest = digest
         self.what = what
 
@@ -158,8 +159,9 @@ class UnsafeLayerError(MalformedLayerError, UnsafeMemberError):
     def __init__(self, digest: str | None, member: str, rule: str) -> None:
         what = f"refused member {member!r}: {rule}"
         name = digest or "(unknown digest)"
-        Exception.__init__(self, f"layer {name} has a malformed bootseer index: {what}; "
-                                 f"{CONVERT_HINT} again")
+        Exception.__init__(
+            self, f"layer {name} has a malformed bootseer index: {what}; {CONVERT_HINT} again"
+        )
         self.digest = digest
         self.what = what
         self.member = member
@@ -172,8 +174,9 @@ class UnboundIndexError(LayerFormatError):
 
     def __init__(self, digest: str | None, what: str) -> None:
         name = digest or "(unknown digest)"
-        super().__init__(f"layer {name}: refused: {what} (rule: {RULE_BOUND}); {CONVERT_HINT}"
-                         " again")
+        super().__init__(
+            f"layer {name}: refused: {what} (rule: {RULE_BOUND}); {CONVERT_HINT} again"
+        )
         self.digest = digest
         self.what = what
         self.rule = RULE_BOUND
@@ -270,8 +273,13 @@ class TocEntry:
         return self.offset + self.stored_size
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"name": self.name, "type": self.type, "mode": self.mode,
-                               "uid": self.uid, "gid": self.gid}
+        doc: dict[str, Any] = {
+            "name": self.name,
+            "type": self.type,
+            "mode": self.mode,
+            "uid": self.uid,
+            "gid": self.gid,
+        }
         if self.uname:
             doc["uname"] = self.uname
         if self.gname:
@@ -284,8 +292,7 @@ class TocEntry:
             doc["devmajor"] = self.devmajor
             doc["devminor"] = self.devminor
         if self.xattrs:
-            doc["xattrs"] = {k: base64.b64encode(v).decode("ascii")
-                             for k, v in self.xattrs.items()}
+            doc["xattrs"] = {k: base64.b64encode(v).decode("ascii") for k, v in self.xattrs.items()}
         doc["offset"] = self.offset
         doc["header"] = self.header_offset
         if self.sparse is not None:
@@ -317,8 +324,15 @@ def encode_seek_table(entries: Sequence[tuple[int, int, int]]) -> bytes:
     return skippable_frame(SEEK_TABLE_MAGIC, body + footer)
 
 
-def toc_document(*, tar_size: int, diff_id: str, frames: Iterable[Frame],
-                 entries: Iterable[TocEntry], frame_size: int, level: int) -> dict[str, Any]:
+def toc_document(
+    *,
+    tar_size: int,
+    diff_id: str,
+    frames: Iterable[Frame],
+    entries: Iterable[TocEntry],
+    frame_size: int,
+    level: int,
+) -> dict[str, Any]:
     return {
         "format": TOC_FORMAT,
         "version": FORMAT_VERSION,
@@ -367,18 +381,25 @@ class _TocChecker:
         if name == ROOT and kind != "dir":
             raise self.fail(f"{where}: the root is not a directory")
         ints = {}
-        for key, hi, default in (("mode", 0o7777, None), ("uid", MAX_ID, 0), ("gid", MAX_ID, 0),
-                                 ("size", MAX_INT, None), ("offset", tar_size, None),
-                                 ("header", tar_size, None), ("devmajor", MAX_ID, 0),
-                                 ("devminor", MAX_ID, 0)):
+        for key, hi, default in (
+            ("mode", 0o7777, None),
+            ("uid", MAX_ID, 0),
+            ("gid", MAX_ID, 0),
+            ("size", MAX_INT, None),
+            ("offset", tar_size, None),
+            ("header", tar_size, None),
+            ("devmajor", MAX_ID, 0),
+            ("devminor", MAX_ID, 0),
+        ):
             value = doc.get(key, default)
             if not _is_int(value, 0, hi):
                 raise self.fail(f"{where}: {key} {value!r} is not an integer in [0, {hi}]")
             ints[key] = value
         mtime = doc.get("mtime", 0)
         if not _is_int(mtime, -MAX_MTIME_NS, MAX_MTIME_NS):
-            raise self.fail(f"{where}: mtime {mtime!r} is not an integer in "
-                            f"[-{MAX_MTIME_NS}, {MAX_MTIME_NS}]")
+            raise self.fail(
+                f"{where}: mtime {mtime!r} is not an integer in [-{MAX_MTIME_NS}, {MAX_MTIME_NS}]"
+            )
         names = {}
         for key in ("uname", "gname", "link"):
             value = doc.get(key, "")
@@ -401,17 +422,34 @@ class _TocChecker:
             raise self.fail(f"{where}: a {kind} entry has device numbers")
         xattrs = self.xattrs(where, doc.get("xattrs", {}))
         sparse = self.sparse(where, doc.get("sparse"), kind, ints["size"])
-        entry = TocEntry(name=name, type=kind, mode=ints["mode"], uid=ints["uid"],
-                         gid=ints["gid"], uname=names["uname"], gname=names["gname"],
-                         size=ints["size"], mtime_ns=mtime, link=link,
-                         devmajor=ints["devmajor"], devminor=ints["devminor"], xattrs=xattrs,
-                         offset=ints["offset"], header_offset=ints["header"], sparse=sparse)
+        entry = TocEntry(
+            name=name,
+            type=kind,
+            mode=ints["mode"],
+            uid=ints["uid"],
+            gid=ints["gid"],
+            uname=names["uname"],
+            gname=names["gname"],
+            size=ints["size"],
+            mtime_ns=mtime,
+            link=link,
+            devmajor=ints["devmajor"],
+            devminor=ints["devminor"],
+            xattrs=xattrs,
+            offset=ints["offset"],
+            header_offset=ints["header"],
+            sparse=sparse,
+        )
         if not entry.header_offset < entry.offset <= entry.header_offset + MAX_HEADER_CHAIN:
-            raise self.fail(f"{where}: data offset {entry.offset} does not follow its header "
-                            f"{entry.header_offset} (1 to {MAX_HEADER_CHAIN} bytes of headers)")
+            raise self.fail(
+                f"{where}: data offset {entry.offset} does not follow its header "
+                f"{entry.header_offset} (1 to {MAX_HEADER_CHAIN} bytes of headers)"
+            )
         if entry.data_end > tar_size:
-            raise self.fail(f"{where}: data [{entry.offset}, {entry.data_end}) lies beyond the "
-                            f"tar stream ({tar_size} bytes)")
+            raise self.fail(
+                f"{where}: data [{entry.offset}, {entry.data_end}) lies beyond the "
+                f"tar stream ({tar_size} bytes)"
+            )
         return entry
 
     def xattrs(self, where: str, doc: Any) -> dict[str, bytes]:
@@ -431,8 +469,9 @@ class _TocChecker:
                 raise self.fail(f"{where}: xattr {key!r} is not base64") from None
         return out
 
-    def sparse(self, where: str, doc: Any, kind: str,
-               size: int) -> tuple[tuple[int, int], ...] | None:
+    def sparse(
+        self, where: str, doc: Any, kind: str, size: int
+    ) -> tuple[tuple[int, int], ...] | None:
         if doc is None:
             return None
         if kind != "reg" or not isinstance(doc, list):
@@ -440,11 +479,17 @@ class _TocChecker:
         out = []
         end = 0
         for item in doc:
-            if (not isinstance(item, list) or len(item) != 2
-                    or not all(_is_int(x) for x in item) or item[0] < end
-                    or item[0] + item[1] > size):
-                raise self.fail(f"{where}: sparse extent {item!r} is out of order or beyond "
-                                f"the file size {size}")
+            if (
+                not isinstance(item, list)
+                or len(item) != 2
+                or not all(_is_int(x) for x in item)
+                or item[0] < end
+                or item[0] + item[1] > size
+            ):
+                raise self.fail(
+                    f"{where}: sparse extent {item!r} is out of order or beyond "
+                    f"the file size {size}"
+                )
             end = item[0] + item[1]
             out.append((item[0], item[1]))
         return tuple(out)
@@ -466,9 +511,20 @@ class LayerIndex:
     reader (:meth:`from_blob`). All ranges are half-open ``(start, end)`` byte offsets.
     """
 
-    def __init__(self, *, digest: str | None, blob_size: int, tar_size: int, diff_id: str,
-                 frames: list[Frame], entries: list[TocEntry], toc_offset: int,
-                 table_offset: int, frame_size: int, level: int) -> None:
+    def __init__(
+        self,
+        *,
+        digest: str | None,
+        blob_size: int,
+        tar_size: int,
+        diff_id: str,
+        frames: list[Frame],
+        entries: list[TocEntry],
+        toc_offset: int,
+        table_offset: int,
+        frame_size: int,
+        level: int,
+    ) -> None:
         self.digest = digest
         self.blob_size = blob_size
         self.tar_size = tar_size
@@ -490,8 +546,9 @@ class LayerIndex:
     # -- building ---------------------------------------------------------------------------
 
     @classmethod
-    def parse_tail(cls, tail: bytes, blob_size: int, digest: str | None = None
-                   ) -> list[tuple[int, int]]:
+    def parse_tail(
+        cls, tail: bytes, blob_size: int, digest: str | None = None
+    ) -> list[tuple[int, int]]:
         """The ranges, beyond ``tail`` (the blob's last ``len(tail)`` bytes), still needed to
         build the index; empty when ``tail`` is enough for :meth:`from_tail`.
 
@@ -502,28 +559,46 @@ class LayerIndex:
         return need
 
     @classmethod
-    def from_tail(cls, tail: bytes, blob_size: int, digest: str | None = None, *,
-                  index_digest: str | None = None) -> LayerIndex:
+    def from_tail(
+        cls,
+        tail: bytes,
+        blob_size: int,
+        digest: str | None = None,
+        *,
+        index_digest: str | None = None,
+    ) -> LayerIndex:
         """The index from a tail that :meth:`parse_tail` found sufficient.
 
         With ``index_digest`` (the manifest's :data:`INDEX_ANNOTATION`), the index bytes must
         hash to it, checked before the TOC is decoded (:class:`UnboundIndexError`)."""
         index = cls._parse(tail, blob_size, digest, build=True, index_digest=index_digest)
         if isinstance(index, list):
-            raise ValueError(f"the tail ({len(tail)} bytes) does not hold the whole index; "
-                             f"fetch {index} first")
+            raise ValueError(
+                f"the tail ({len(tail)} bytes) does not hold the whole index; fetch {index} first"
+            )
         return index
 
     @classmethod
-    def from_blob(cls, read_range: Callable[[int, int], bytes], blob_size: int,
-                  digest: str | None = None, *, index_digest: str | None = None) -> LayerIndex:
+    def from_blob(
+        cls,
+        read_range: Callable[[int, int], bytes],
+        blob_size: int,
+        digest: str | None = None,
+        *,
+        index_digest: str | None = None,
+    ) -> LayerIndex:
         """The index of a blob read through ``read_range(start, end)`` (half-open)."""
-        return cls.from_tail(cls.fetch_tail(read_range, blob_size, digest), blob_size, digest,
-                             index_digest=index_digest)
+        return cls.from_tail(
+            cls.fetch_tail(read_range, blob_size, digest),
+            blob_size,
+            digest,
+            index_digest=index_digest,
+        )
 
     @classmethod
-    def fetch_tail(cls, read_range: Callable[[int, int], bytes], blob_size: int,
-                   digest: str | None = None) -> bytes:
+    def fetch_tail(
+        cls, read_range: Callable[[int, int], bytes], blob_size: int, digest: str | None = None
+    ) -> bytes:
         """The shortest tail of the blob that holds its whole index (what a node keeps to
         build the index again without the registry: :meth:`from_tail`)."""
         if not _is_int(blob_size):
@@ -539,8 +614,15 @@ class LayerIndex:
         raise MalformedLayerError(digest, "the index could not be located")  # pragma: no cover
 
     @classmethod
-    def _parse(cls, tail: bytes, blob_size: int, digest: str | None, *, build: bool,
-               index_digest: str | None = None) -> LayerIndex | list[tuple[int, int]]:
+    def _parse(
+        cls,
+        tail: bytes,
+        blob_size: int,
+        digest: str | None,
+        *,
+        build: bool,
+        index_digest: str | None = None,
+    ) -> LayerIndex | list[tuple[int, int]]:
         if not _is_int(blob_size) or len(tail) > blob_size:
             raise ValueError(f"tail of {len(tail)} bytes for a blob of {blob_size!r} bytes")
         held = blob_size - len(tail)  # the tail holds [held, blob_size)
@@ -557,13 +639,15 @@ class LayerIndex:
         if not build:
             return []
         if index_digest is not None:
-            got = "sha256:" + hashlib.sha256(tail[table.toc_offset - held:]).hexdigest()
+            got = "sha256:" + hashlib.sha256(tail[table.toc_offset - held :]).hexdigest()
             if got != index_digest:
                 raise UnboundIndexError(
-                    digest, f"its index (TOC and seek table, bytes {table.toc_offset}-"
-                            f"{blob_size}) has digest {got}, the manifest records "
-                            f"{index_digest}")
-        toc_bytes = tail[table.toc_offset - held:table.table_offset - held]
+                    digest,
+                    f"its index (TOC and seek table, bytes {table.toc_offset}-"
+                    f"{blob_size}) has digest {got}, the manifest records "
+                    f"{index_digest}",
+                )
+        toc_bytes = tail[table.toc_offset - held : table.table_offset - held]
         tar_size = sum(d for _, d, _ in table.sizes[:-1])
         doc = _decode_toc_frame(toc_bytes, digest, tar_size=tar_size)
         index = cls._from_document(doc, table, blob_size, digest)
@@ -571,26 +655,32 @@ class LayerIndex:
         return index
 
     @staticmethod
-    def _seek_table(tail: bytes, blob_size: int, digest: str | None
-                    ) -> _Table | list[tuple[int, int]]:
+    def _seek_table(
+        tail: bytes, blob_size: int, digest: str | None
+    ) -> _Table | list[tuple[int, int]]:
         held = blob_size - len(tail)
         count, descriptor, magic = SEEK_FOOTER.unpack_from(tail, len(tail) - SEEK_FOOTER.size)
         if magic != SEEKABLE_MAGIC:
             raise NotConvertedError(digest, "no zstd seek table at the end of the blob")
         if descriptor & RESERVED_BITS:
-            raise MalformedLayerError(digest, f"seek table descriptor {descriptor:#04x} sets "
-                                              "reserved bits")
+            raise MalformedLayerError(
+                digest, f"seek table descriptor {descriptor:#04x} sets reserved bits"
+            )
         if count == 0:
             raise NotConvertedError(digest, "the seek table lists no frames")
         if count > MAX_FRAMES:
-            raise MalformedLayerError(digest, f"seek table declares {count} frames, more than "
-                                              f"the format's limit of {MAX_FRAMES}")
+            raise MalformedLayerError(
+                digest,
+                f"seek table declares {count} frames, more than the format's limit of {MAX_FRAMES}",
+            )
         entry = SEEK_ENTRY if descriptor & CHECKSUM_FLAG else SEEK_ENTRY_NO_CHECKSUM
         table_size = SKIPPABLE_HEADER.size + count * entry.size + SEEK_FOOTER.size
         if table_size > blob_size:
             raise MalformedLayerError(
-                digest, f"seek table declares {count} frames ({table_size} bytes of table), "
-                        f"more than the {blob_size}-byte blob can hold")
+                digest,
+                f"seek table declares {count} frames ({table_size} bytes of table), "
+                f"more than the {blob_size}-byte blob can hold",
+            )
         table_offset = blob_size - table_size
         if table_offset < held:
             return [(table_offset, held)]
@@ -598,8 +688,10 @@ class LayerIndex:
         magic, frame_size = SKIPPABLE_HEADER.unpack_from(tail, base)
         if magic != SEEK_TABLE_MAGIC or frame_size != table_size - SKIPPABLE_HEADER.size:
             raise MalformedLayerError(
-                digest, f"seek table footer declares {count} frames but no {table_size}-byte "
-                        f"seek table frame precedes it (frame count beyond the table)")
+                digest,
+                f"seek table footer declares {count} frames but no {table_size}-byte "
+                f"seek table frame precedes it (frame count beyond the table)",
+            )
         sizes: list[tuple[int, int, int]] = []
         pos = base + SKIPPABLE_HEADER.size
         total = 0
@@ -611,26 +703,33 @@ class LayerIndex:
             total += c
         if total != table_offset:
             raise MalformedLayerError(
-                digest, f"the seek table's frames cover {total} bytes but the seek table starts "
-                        f"at byte {table_offset} (frames overlap or leave gaps)")
+                digest,
+                f"the seek table's frames cover {total} bytes but the seek table starts "
+                f"at byte {table_offset} (frames overlap or leave gaps)",
+            )
         toc_c, toc_d, _ = sizes[-1]
         if toc_d != 0:
             raise NotConvertedError(digest, "a zstd seekable blob without a bootseer TOC frame")
         if not SKIPPABLE_HEADER.size + TOC_HEADER.size < toc_c <= MAX_TOC_FRAME:
-            raise MalformedLayerError(digest, f"TOC frame of {toc_c} bytes (allowed: "
-                                              f"{SKIPPABLE_HEADER.size + TOC_HEADER.size + 1} to "
-                                              f"{MAX_TOC_FRAME})")
+            raise MalformedLayerError(
+                digest,
+                f"TOC frame of {toc_c} bytes (allowed: "
+                f"{SKIPPABLE_HEADER.size + TOC_HEADER.size + 1} to "
+                f"{MAX_TOC_FRAME})",
+            )
         return _Table(sizes=sizes, table_offset=table_offset, toc_offset=table_offset - toc_c)
 
     @classmethod
-    def _from_document(cls, doc: Any, table: _Table, blob_size: int,
-                       digest: str | None) -> LayerIndex:
+    def _from_document(
+        cls, doc: Any, table: _Table, blob_size: int, digest: str | None
+    ) -> LayerIndex:
         check = _TocChecker(digest)
         if not isinstance(doc, dict) or doc.get("format") != TOC_FORMAT:
             raise check.fail("the TOC is not a bootseer layer TOC document")
         if doc.get("version") != FORMAT_VERSION:
-            raise check.fail(f"TOC version {doc.get('version')!r}, this bootseer reads "
-                             f"{FORMAT_VERSION}")
+            raise check.fail(
+                f"TOC version {doc.get('version')!r}, this bootseer reads {FORMAT_VERSION}"
+            )
         tar_size = doc.get("tar_size")
         if not _is_int(tar_size):
             raise check.fail(f"tar_size {tar_size!r} is not a non-negative integer")
@@ -644,25 +743,40 @@ class LayerIndex:
         if not isinstance(raw_entries, list):
             raise check.fail("the TOC has no entries list")
         if len(raw_entries) > tar_size // TAR_BLOCK:
-            raise check.fail(f"the TOC declares {len(raw_entries)} entries, more than the "
-                             f"{tar_size // TAR_BLOCK} headers of {TAR_BLOCK} bytes a "
-                             f"{tar_size}-byte tar stream can hold")
+            raise check.fail(
+                f"the TOC declares {len(raw_entries)} entries, more than the "
+                f"{tar_size // TAR_BLOCK} headers of {TAR_BLOCK} bytes a "
+                f"{tar_size}-byte tar stream can hold"
+            )
         entries = []
         previous_end = 0
         for i, raw in enumerate(raw_entries):
             entry = check.entry(i, raw, tar_size)
             if i == 0 and entry.header_offset != 0:
-                raise check.fail(f"TOC entry 0 ({entry.name!r}) starts at "
-                                 f"{entry.header_offset}, not at the tar stream's first byte "
-                                 "(members left out)")
+                raise check.fail(
+                    f"TOC entry 0 ({entry.name!r}) starts at "
+                    f"{entry.header_offset}, not at the tar stream's first byte "
+                    "(members left out)"
+                )
             if entry.header_offset < previous_end:
-                raise check.fail(f"TOC entry {i} ({entry.name!r}) starts at {entry.header_offset}"
-                                 f", inside the previous member (ends at {previous_end})")
+                raise check.fail(
+                    f"TOC entry {i} ({entry.name!r}) starts at {entry.header_offset}"
+                    f", inside the previous member (ends at {previous_end})"
+                )
             previous_end = entry.data_end
             entries.append(entry)
-        return cls(digest=digest, blob_size=blob_size, tar_size=tar_size, diff_id=diff_id,
-                   frames=frames, entries=entries, toc_offset=table.toc_offset,
-                   table_offset=table.table_offset, frame_size=frame_size, level=level)
+        return cls(
+            digest=digest,
+            blob_size=blob_size,
+            tar_size=tar_size,
+            diff_id=diff_id,
+            frames=frames,
+            entries=entries,
+            toc_offset=table.toc_offset,
+            table_offset=table.table_offset,
+            frame_size=frame_size,
+            level=level,
+        )
 
     @staticmethod
     def _frames(check: _TocChecker, doc: Any, table: _Table, tar_size: int) -> list[Frame]:
@@ -674,17 +788,26 @@ class LayerIndex:
         c_off = u_off = 0
         for i, ((c, d, checksum), item) in enumerate(zip(data_sizes, doc, strict=True)):
             if not 0 < d <= MAX_FRAME_RAW:
-                raise check.fail(f"frame {i} declares {d} uncompressed bytes (allowed: 1 to "
-                                 f"{MAX_FRAME_RAW})")
+                raise check.fail(
+                    f"frame {i} declares {d} uncompressed bytes (allowed: 1 to {MAX_FRAME_RAW})"
+                )
             if not 0 < c <= _compress_bound(d):
-                raise check.fail(f"frame {i} declares {c} compressed bytes for {d} bytes of "
-                                 "content, more than zstd can produce")
-            if (not isinstance(item, list) or len(item) != 5
-                    or item[:4] != [c_off, c, u_off, d]
-                    or not isinstance(item[4], str) or len(item[4]) != 64):
-                raise check.fail(f"frame {i}: the TOC says {item!r}, the seek table "
-                                 f"[{c_off}, {c}, {u_off}, {d}, <sha256>] (overlapping or "
-                                 "misplaced frames)")
+                raise check.fail(
+                    f"frame {i} declares {c} compressed bytes for {d} bytes of "
+                    "content, more than zstd can produce"
+                )
+            if (
+                not isinstance(item, list)
+                or len(item) != 5
+                or item[:4] != [c_off, c, u_off, d]
+                or not isinstance(item[4], str)
+                or len(item[4]) != 64
+            ):
+                raise check.fail(
+                    f"frame {i}: the TOC says {item!r}, the seek table "
+                    f"[{c_off}, {c}, {u_off}, {d}, <sha256>] (overlapping or "
+                    "misplaced frames)"
+                )
             try:
                 bytes.fromhex(item[4])
             except ValueError:
@@ -693,11 +816,13 @@ class LayerIndex:
             c_off += c
             u_off += d
         if u_off != tar_size:
-            raise check.fail(f"the frames hold {u_off} bytes of tar stream, the TOC says "
-                             f"{tar_size}")
+            raise check.fail(
+                f"the frames hold {u_off} bytes of tar stream, the TOC says {tar_size}"
+            )
         if c_off != table.toc_offset:
-            raise check.fail(f"the data frames end at {c_off}, the TOC frame starts at "
-                             f"{table.toc_offset}")
+            raise check.fail(
+                f"the data frames end at {c_off}, the TOC frame starts at {table.toc_offset}"
+            )
         return frames
 
     # -- queries ------------------------------------------------------------------------------
@@ -729,14 +854,22 @@ class LayerIndex:
         frame declaring the seek table's content size) before anything is decompressed."""
         frame = self.frames[i]
         if len(data) != frame.c_size:
-            raise FrameVerificationError(self.digest, i, f"got {len(data)} bytes, expected "
-                                                         f"{frame.c_size} (blob bytes "
-                                                         f"{frame.c_offset}-{frame.c_end})")
+            raise FrameVerificationError(
+                self.digest,
+                i,
+                f"got {len(data)} bytes, expected "
+                f"{frame.c_size} (blob bytes "
+                f"{frame.c_offset}-{frame.c_end})",
+            )
         got = hashlib.sha256(data).hexdigest()
         if got != frame.sha256:
-            raise FrameVerificationError(self.digest, i, f"sha256 {got}, expected {frame.sha256}"
-                                                         f" (blob bytes {frame.c_offset}-"
-                                                         f"{frame.c_end})")
+            raise FrameVerificationError(
+                self.digest,
+                i,
+                f"sha256 {got}, expected {frame.sha256}"
+                f" (blob bytes {frame.c_offset}-"
+                f"{frame.c_end})",
+            )
         try:
             return decompress_bounded(data, frame.u_size)
         except ValueError as exc:
@@ -775,18 +908,21 @@ class LayerIndex:
         holds it when it was not)."""
         if self.tar_size == 0:
             return
-        self.fetch_and_verify(read_range, self.frame_of(min(entry.header_offset,
-                                                               self.tar_size - 1)))
+        self.fetch_and_verify(
+            read_range, self.frame_of(min(entry.header_offset, self.tar_size - 1))
+        )
 
     def fetch_and_verify(self, read_range: Callable[[int, int], bytes], i: int) -> None:
         """Frame ``i`` fetched, decompressed and its entries checked (:meth:`verify_frame`),
         unless that was done already."""
         if i not in self.verified:
-            self.verify_frame(i, self._load_frame(read_range, i),
-                              lambda j: self._load_frame(read_range, j))
+            self.verify_frame(
+                i, self._load_frame(read_range, i), lambda j: self._load_frame(read_range, j)
+            )
 
-    def read_raw(self, read_range: Callable[[int, int], bytes], raw_start: int,
-                 raw_end: int) -> bytes:
+    def read_raw(
+        self, read_range: Callable[[int, int], bytes], raw_start: int, raw_end: int
+    ) -> bytes:
         """Tar bytes ``[raw_start, raw_end)``, fetching exactly the frames that hold them in
         one coalesced ``read_range`` call (each frame verified, :meth:`verify_frame`)."""
         frames = self.frames_for(raw_start, raw_end)
@@ -798,15 +934,21 @@ class LayerIndex:
         for i in frames:
             frame = self.frames[i]
             content = self.decompress_frame(
-                i, blob[frame.c_offset - first.c_offset:frame.c_end - first.c_offset])
+                i, blob[frame.c_offset - first.c_offset : frame.c_end - first.c_offset]
+            )
             self.verify_frame(i, content, lambda j: self._load_frame(read_range, j))
             lo = max(raw_start, frame.u_offset) - frame.u_offset
             hi = min(raw_end, frame.u_end) - frame.u_offset
             parts.append(content[lo:hi])
         return b"".join(parts)
 
-    def read(self, entry: TocEntry | str, read_range: Callable[[int, int], bytes],
-             offset: int = 0, size: int | None = None) -> bytes:
+    def read(
+        self,
+        entry: TocEntry | str,
+        read_range: Callable[[int, int], bytes],
+        offset: int = 0,
+        size: int | None = None,
+    ) -> bytes:
         """Bytes ``[offset, offset + size)`` of a regular file (or of a hardlink's target in this
         layer), fetching only the frames that hold them."""
         if isinstance(entry, str):
@@ -817,8 +959,9 @@ class LayerIndex:
         if entry.type == "hardlink":
             target = self.lookup(entry.link)
             if target is None:
-                raise FileNotFoundError(f"{entry.name}: hardlink target {entry.link!r} is not in "
-                                        "this layer")
+                raise FileNotFoundError(
+                    f"{entry.name}: hardlink target {entry.link!r} is not in this layer"
+                )
             entry = target
         if entry.type != "reg":
             raise IsADirectoryError(f"{entry.name} is a {entry.type}, not a regular file")
@@ -834,8 +977,9 @@ class LayerIndex:
         for ext_off, ext_len in entry.sparse:
             lo, hi = max(offset, ext_off), min(end, ext_off + ext_len)
             if lo < hi:
-                out[lo - offset:hi - offset] = self.read_raw(
-                    read_range, stored + lo - ext_off, stored + hi - ext_off)
+                out[lo - offset : hi - offset] = self.read_raw(
+                    read_range, stored + lo - ext_off, stored + hi - ext_off
+                )
             stored += ext_len
         return bytes(out)
 
@@ -861,34 +1005,47 @@ def _decode_toc_frame(frame: bytes, digest: str | None, *, tar_size: int | None 
     if magic != TOC_FRAME_MAGIC:
         raise NotConvertedError(digest, "the frame before the seek table is not a bootseer TOC")
     if size != len(frame) - SKIPPABLE_HEADER.size:
-        raise MalformedLayerError(digest, f"TOC frame declares {size} bytes, the seek table "
-                                          f"{len(frame) - SKIPPABLE_HEADER.size}")
+        raise MalformedLayerError(
+            digest,
+            f"TOC frame declares {size} bytes, the seek table {len(frame) - SKIPPABLE_HEADER.size}",
+        )
     name, version, json_size, sha = TOC_HEADER.unpack_from(frame, SKIPPABLE_HEADER.size)
     if name != FORMAT_NAME:
         raise NotConvertedError(digest, "the frame before the seek table is not a bootseer TOC")
     if version != FORMAT_VERSION:
-        raise MalformedLayerError(digest, f"format version {version}, this bootseer reads "
-                                          f"{FORMAT_VERSION}")
+        raise MalformedLayerError(
+            digest, f"format version {version}, this bootseer reads {FORMAT_VERSION}"
+        )
     if json_size > MAX_TOC_JSON:
-        raise MalformedLayerError(digest, f"TOC declares {json_size} bytes, more than the "
-                                          f"{MAX_TOC_JSON} allowed")
-    compressed = frame[SKIPPABLE_HEADER.size + TOC_HEADER.size:]
+        raise MalformedLayerError(
+            digest, f"TOC declares {json_size} bytes, more than the {MAX_TOC_JSON} allowed"
+        )
+    compressed = frame[SKIPPABLE_HEADER.size + TOC_HEADER.size :]
     if json_size > MAX_TOC_RATIO * len(compressed) + TOC_JSON_SLACK:
-        raise MalformedLayerError(digest, f"TOC declares {json_size} bytes of JSON from "
-                                          f"{len(compressed)} compressed bytes (more than "
-                                          f"{MAX_TOC_RATIO}x + {TOC_JSON_SLACK})")
+        raise MalformedLayerError(
+            digest,
+            f"TOC declares {json_size} bytes of JSON from "
+            f"{len(compressed)} compressed bytes (more than "
+            f"{MAX_TOC_RATIO}x + {TOC_JSON_SLACK})",
+        )
     if tar_size is not None and json_size > TOC_JSON_PER_TAR_BYTE * tar_size + TOC_JSON_SLACK:
-        raise MalformedLayerError(digest, f"TOC declares {json_size} bytes of JSON for a "
-                                          f"{tar_size}-byte tar stream (more than "
-                                          f"{TOC_JSON_PER_TAR_BYTE}x + {TOC_JSON_SLACK})")
+        raise MalformedLayerError(
+            digest,
+            f"TOC declares {json_size} bytes of JSON for a "
+            f"{tar_size}-byte tar stream (more than "
+            f"{TOC_JSON_PER_TAR_BYTE}x + {TOC_JSON_SLACK})",
+        )
     doc = _bounded_decompress(compressed, json_size, digest)
     if hashlib.sha256(doc).digest() != sha:
         raise MalformedLayerError(digest, "TOC checksum mismatch")
     values = doc.count(b"{") + doc.count(b"[") + doc.count(b",")  # an upper bound
     if values > MAX_TOC_VALUES_PER_BYTE * len(compressed) + 4096:
-        raise MalformedLayerError(digest, f"TOC of {len(compressed)} compressed bytes declares "
-                                          f"{values} JSON values (more than "
-                                          f"{MAX_TOC_VALUES_PER_BYTE} per byte)")
+        raise MalformedLayerError(
+            digest,
+            f"TOC of {len(compressed)} compressed bytes declares "
+            f"{values} JSON values (more than "
+            f"{MAX_TOC_VALUES_PER_BYTE} per byte)",
+        )
     try:
         return json.loads(doc)
     except (ValueError, RecursionError) as exc:
@@ -912,7 +1069,8 @@ def _bounded_decompress(data: bytes, expected: int, digest: str | None) -> bytes
     if len(out) != expected:
         more = "more than " if len(out) > expected else ""
         raise MalformedLayerError(
-            digest, f"TOC decompresses to {more}{len(out)} bytes, its header says {expected}")
+            digest, f"TOC decompresses to {more}{len(out)} bytes, its header says {expected}"
+        )
     return bytes(out)
 
 
@@ -941,12 +1099,12 @@ def zstd_frame(data: bytes) -> tuple[int | None, int]:
         raise ValueError("truncated zstd frame header")
     content = None
     if fcs:
-        content = int.from_bytes(data[pos:pos + fcs], "little") + (256 if fcs == 2 else 0)
+        content = int.from_bytes(data[pos : pos + fcs], "little") + (256 if fcs == 2 else 0)
     pos += fcs
     while True:
         if pos + 3 > n:
             raise ValueError("truncated zstd frame (a block header is missing)")
-        header = int.from_bytes(data[pos:pos + 3], "little")
+        header = int.from_bytes(data[pos : pos + 3], "little")
         kind = (header >> 1) & 3
         if kind == 3:
             raise ValueError("a zstd block of the reserved type")
@@ -966,11 +1124,13 @@ def decompress_bounded(data: bytes, expected: int) -> bytes:
     checked first), and a frame producing more or less is an error (ValueError)."""
     content, size = zstd_frame(data)
     if size != len(data):
-        raise ValueError(f"{len(data)} bytes hold a {size}-byte zstd frame and more (one zstd "
-                         "frame expected)")
+        raise ValueError(
+            f"{len(data)} bytes hold a {size}-byte zstd frame and more (one zstd frame expected)"
+        )
     if content != expected:
-        raise ValueError(f"the zstd frame declares {content} bytes of content, the seek table "
-                         f"{expected}")
+        raise ValueError(
+            f"the zstd frame declares {content} bytes of content, the seek table {expected}"
+        )
     dctx = getattr(_dctx, "dctx", None)
     if dctx is None:
         dctx = _dctx.dctx = zstandard.ZstdDecompressor()
@@ -987,8 +1147,9 @@ class _FrameBytes:
     """Tar-stream bytes around one frame being verified: that frame from its content, the
     others (a header running on into the next frame, the end-of-archive block) loaded."""
 
-    def __init__(self, index: LayerIndex, i: int, content: bytes,
-                 load: Callable[[int], bytes]) -> None:
+    def __init__(
+        self, index: LayerIndex, i: int, content: bytes, load: Callable[[int], bytes]
+    ) -> None:
         self.index = index
         self.frames = {i: content}
         self.load = load
@@ -999,7 +1160,7 @@ class _FrameBytes:
         f = self.first
         if f.u_offset <= start and start + TAR_BLOCK <= f.u_end:
             lo = start - f.u_offset
-            return self.frames[f.index][lo:lo + TAR_BLOCK]
+            return self.frames[f.index][lo : lo + TAR_BLOCK]
         return None
 
     def read(self, start: int, end: int) -> bytes:
@@ -1012,6 +1173,7 @@ class _FrameBytes:
             if content is None:
                 content = self.frames[j] = self.load(j)
             f = self.index.frames[j]
-            parts.append(content[max(start, f.u_offset) - f.u_offset:min(end, f.u_end)
-                                 - f.u_offset])
+            parts.append(
+                content[max(start, f.u_offset) - f.u_offset : min(end, f.u_end) - f.u_offset]
+            )
         return b"".join(parts)

@@ -52,13 +52,14 @@ from .store import SnapshotStore
 log = logging.getLogger(__name__)
 
 
-
 def normalize_roots(paths: Sequence[str], state_dir: str | os.PathLike) -> list[str]:
     roots = sorted({os.path.normpath(os.path.abspath(p)) for p in paths})
     for root in roots:
         if root == "/":
-            raise SnapshotError("--capture / is not allowed: name the directories the setup "
-                                "command changes (e.g. /usr/local, /opt/tool)")
+            raise SnapshotError(
+                "--capture / is not allowed: name the directories the setup "
+                "command changes (e.g. /usr/local, /opt/tool)"
+            )
         for other in roots:
             if other != root and other.startswith(root + "/"):
                 raise SnapshotError(f"capture paths {root} and {other} overlap; name one")
@@ -77,10 +78,12 @@ def check_state_dir(roots: Sequence[str], state_dir: str | os.PathLike) -> None:
     real = os.path.realpath(state)
     for root in roots:
         if _overlap(root, state) or _overlap(os.path.realpath(root), real):
-            raise SnapshotError(f"capture path {root} and bootseer's state directory {state} "
-                                f"overlap; a snapshot could replace the state. Choose "
-                                f"another state directory (state.dir: BOOTSEER_STATE_DIR, "
-                                f"--state-dir), or capture other paths")
+            raise SnapshotError(
+                f"capture path {root} and bootseer's state directory {state} "
+                f"overlap; a snapshot could replace the state. Choose "
+                f"another state directory (state.dir: BOOTSEER_STATE_DIR, "
+                f"--state-dir), or capture other paths"
+            )
 
 
 # -- recording -------------------------------------------------------------------------------
@@ -95,8 +98,15 @@ def scan(root: str) -> dict[str, Signature]:
         return found
 
     def sig(st: os.stat_result, link: str = "") -> Signature:
-        return (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns,
-                st.st_ctime_ns, st.st_ino, link)
+        return (
+            stat.S_IFMT(st.st_mode),
+            stat.S_IMODE(st.st_mode),
+            st.st_size,
+            st.st_mtime_ns,
+            st.st_ctime_ns,
+            st.st_ino,
+            link,
+        )
 
     st = os.lstat(root)
     if not stat.S_ISDIR(st.st_mode):
@@ -122,18 +132,24 @@ def diff(before: dict[str, Signature], after: dict[str, Signature]) -> Changes:
     changed = sorted(p for p, s in after.items() if before.get(p) != s)
     deleted = sorted(p for p in before if p not in after)
     # A deleted directory's children are implied.
-    pruned = [p for p in deleted
-              if not any(p.startswith(d + "/") for d in deleted if d != p)]
+    pruned = [p for p in deleted if not any(p.startswith(d + "/") for d in deleted if d != p)]
     return Changes(changed, pruned)
 
 
 # -- entry point -----------------------------------------------------------------------------
 
-def ensure_capture(paths: Sequence[str], command: Sequence[str], *,
-                   store: str | SnapshotStore | None, state_dir: str | os.PathLike,
-                   storage_options: dict[str, Any] | None = None, key: EnvKey | None = None,
-                   rebuild: bool = False, progress: Callback = DEFAULT_CALLBACK
-                   ) -> EnsureResult:
+
+def ensure_capture(
+    paths: Sequence[str],
+    command: Sequence[str],
+    *,
+    store: str | SnapshotStore | None,
+    state_dir: str | os.PathLike,
+    storage_options: dict[str, Any] | None = None,
+    key: EnvKey | None = None,
+    rebuild: bool = False,
+    progress: Callback = DEFAULT_CALLBACK,
+) -> EnsureResult:
     """Hit: replay the captured changes (or only verify them). Miss: run ``command``,
     capture what it changed under ``paths``, publish. What was replayed or captured here is
     recorded under ``state_dir`` (the warm path's verification)."""
@@ -165,8 +181,12 @@ def ensure_capture(paths: Sequence[str], command: Sequence[str], *,
     for root in roots:
         after.update(scan(root))
     changes = diff(before, after)
-    log.info("setup changed %d and deleted %d entries under %s", len(changes.changed),
-             len(changes.deleted), shown)
+    log.info(
+        "setup changed %d and deleted %d entries under %s",
+        len(changes.changed),
+        len(changes.deleted),
+        shown,
+    )
     outcome = "installed-locally"
     if snapshots is not None:
         try:
@@ -175,10 +195,14 @@ def ensure_capture(paths: Sequence[str], command: Sequence[str], *,
         except (SnapshotError, OSError) as exc:
             warnings.append(f"captured the setup but could not publish it: {exc}")
             log.warning("%s", warnings[-1])
-    _record(state_dir, env_key.key, roots,
-            [Member(p, _kind(after[p]), 0, 0) for p in changes.changed], changes.deleted)
-    return EnsureResult(env_key.key, shown, outcome, time.perf_counter() - start,
-                        warnings=warnings)
+    _record(
+        state_dir,
+        env_key.key,
+        roots,
+        [Member(p, _kind(after[p]), 0, 0) for p in changes.changed],
+        changes.deleted,
+    )
+    return EnsureResult(env_key.key, shown, outcome, time.perf_counter() - start, warnings=warnings)
 
 
 def _kind(sig: Signature) -> str:
@@ -186,13 +210,22 @@ def _kind(sig: Signature) -> str:
     return DIR if fmt == stat.S_IFDIR else SYMLINK if fmt == stat.S_IFLNK else FILE
 
 
-def _publish_capture(snapshots: SnapshotStore, env_key: EnvKey, roots: list[str],
-                     changes: Changes) -> None:
-    publish_tree(snapshots, env_key, Path("/"), kind="capture", installer="capture",
-                 paths=changes.changed, capture={"roots": roots, "deleted": changes.deleted})
+def _publish_capture(
+    snapshots: SnapshotStore, env_key: EnvKey, roots: list[str], changes: Changes
+) -> None:
+    publish_tree(
+        snapshots,
+        env_key,
+        Path("/"),
+        kind="capture",
+        installer="capture",
+        paths=changes.changed,
+        capture={"roots": roots, "deleted": changes.deleted},
+    )
 
 
 # -- replay ----------------------------------------------------------------------------------
+
 
 def _root_of(path: str, roots: list[str]) -> str | None:
     absolute = "/" + path
@@ -202,12 +235,20 @@ def _root_of(path: str, roots: list[str]) -> str | None:
     return None
 
 
-def replay(snapshots: SnapshotStore, manifest: Manifest, roots: list[str], *,
-           state_dir: str | os.PathLike, progress: Callback = DEFAULT_CALLBACK) -> None:
+def replay(
+    snapshots: SnapshotStore,
+    manifest: Manifest,
+    roots: list[str],
+    *,
+    state_dir: str | os.PathLike,
+    progress: Callback = DEFAULT_CALLBACK,
+) -> None:
     """Apply a capture snapshot under ``roots`` (the caller's; see the module docstring)."""
     if manifest.kind != "capture":
-        raise SnapshotError(f"snapshot {manifest.key} is an environment for "
-                            f"{manifest.prefix}, not a capture; use --prefix")
+        raise SnapshotError(
+            f"snapshot {manifest.key} is an environment for "
+            f"{manifest.prefix}, not a capture; use --prefix"
+        )
     declared = manifest.capture.get("roots")
     if declared != roots:
         raise SnapshotError(f"snapshot {manifest.key} captured {declared}, not {roots}")
@@ -228,24 +269,31 @@ def replay(snapshots: SnapshotStore, manifest: Manifest, roots: list[str], *,
         if root is None:
             if member.kind == DIR and any(r.startswith("/" + member.path + "/") for r in roots):
                 continue  # an ancestor of a root: exists on the host, left as it is
-            raise UnsafeMemberError(member.path, "member outside the capture paths "
-                                                 f"{', '.join(roots)}")
-        rel = member.path[len(root):].lstrip("/") if "/" + member.path != root else ""
+            raise UnsafeMemberError(
+                member.path, f"member outside the capture paths {', '.join(roots)}"
+            )
+        rel = member.path[len(root) :].lstrip("/") if "/" + member.path != root else ""
         if rel:
             link = member.link
             if member.kind == HARDLINK:
                 if _root_of(link, [root]) is None:
                     raise UnsafeMemberError(member.path, "hardlink to another capture root")
-                link = link[len(root):].lstrip("/")
-            per_root[root].append(Member(rel, member.kind, member.mode, member.mtime_ns,
-                                         member.size, member.offset, link))
+                link = link[len(root) :].lstrip("/")
+            per_root[root].append(
+                Member(
+                    rel, member.kind, member.mode, member.mtime_ns, member.size, member.offset, link
+                )
+            )
     staged: list[tuple[str, Path, Plan]] = []
     try:
         extractors = []
         for root, root_members in per_root.items():
             Path(root).mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{Path(root).name}.bootseer-capture-",
-                                            dir=Path(root).parent))
+            staging = Path(
+                tempfile.mkdtemp(
+                    prefix=f".{Path(root).name}.bootseer-capture-", dir=Path(root).parent
+                )
+            )
             plan = plan_extraction(root_members, manifest.stream_size, reserve_state=False)
             extractor = Extractor(staging, plan, manifest.chunks)
             extractor.prepare()
@@ -284,8 +332,9 @@ class _Fanout:
             extractor.feed(index, raw)
 
 
-def _open_dir(root_fd: int, root: str | Path, rel: str, *, create: bool,
-              member: str | None = None) -> int:
+def _open_dir(
+    root_fd: int, root: str | Path, rel: str, *, create: bool, member: str | None = None
+) -> int:
     """A descriptor of ``root/rel``, never following a symlink on the way: one is refused
     (:class:`UnsafeMemberError` naming ``member``, else ``root/rel``)."""
     fd = os.dup(root_fd)
@@ -304,9 +353,11 @@ def _open_dir(root_fd: int, root: str | Path, rel: str, *, create: bool,
             os.close(fd)
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                 raise
-            raise UnsafeMemberError(member or f"{root}/{rel}",
-                                    f"{done} is a symlink or not a directory on this host; a "
-                                    f"symlink there is never followed") from None
+            raise UnsafeMemberError(
+                member or f"{root}/{rel}",
+                f"{done} is a symlink or not a directory on this host; a "
+                f"symlink there is never followed",
+            ) from None
         os.close(fd)
         fd = nxt
     return fd
@@ -329,8 +380,10 @@ def _check_apply(root: Path, plan: Plan) -> None:
             except FileNotFoundError:
                 return  # created by the replay
             if not stat.S_ISDIR(st.st_mode):
-                raise SnapshotError(f"cannot replay into {root / sub}: it is not a directory "
-                                    f"on this host; a symlink there is never followed")
+                raise SnapshotError(
+                    f"cannot replay into {root / sub}: it is not a directory "
+                    f"on this host; a symlink there is never followed"
+                )
 
     for member in plan.dirs:
         dirs_on_the_way(member.path)
@@ -340,8 +393,9 @@ def _check_apply(root: Path, plan: Plan) -> None:
             dirs_on_the_way(parent)
         try:
             if stat.S_ISDIR(os.lstat(root / member.path).st_mode):
-                raise SnapshotError(f"cannot replay {root / member.path}: a directory is in "
-                                    f"the way of a file")
+                raise SnapshotError(
+                    f"cannot replay {root / member.path}: a directory is in the way of a file"
+                )
         except FileNotFoundError:
             pass
 
@@ -362,8 +416,10 @@ def _apply(staging: Path, root: Path, plan: Plan) -> None:
                 try:
                     st = os.lstat(name, dir_fd=dst_fd)
                     if stat.S_ISDIR(st.st_mode):
-                        raise SnapshotError(f"cannot replay {root}/{member.path}: a directory "
-                                            f"is in the way of a file")
+                        raise SnapshotError(
+                            f"cannot replay {root}/{member.path}: a directory "
+                            f"is in the way of a file"
+                        )
                 except FileNotFoundError:
                     pass
                 os.rename(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
@@ -389,7 +445,7 @@ def _deletion_parent(path: str, roots: list[str]) -> Iterator[tuple[int, str] | 
     to delete in it; None when a directory on the way is absent (nothing to delete)."""
     root = _root_of(path, roots)
     assert root is not None  # replay() refused deletions outside the roots
-    parent, _, name = ("/" + path)[len(root) + 1:].rpartition("/")
+    parent, _, name = ("/" + path)[len(root) + 1 :].rpartition("/")
     with contextlib.ExitStack() as stack:
         root_fd = open_in(stack, root, DIR_FLAGS)
         try:
@@ -421,8 +477,14 @@ def _delete(path: str, roots: list[str]) -> None:
 
 # -- local record (the warm path) --------------------------------------------------------------
 
-def _record(state_dir: str | os.PathLike, key: str, roots: list[str], members: list[Member],
-            deleted: list[str]) -> None:
+
+def _record(
+    state_dir: str | os.PathLike,
+    key: str,
+    roots: list[str],
+    members: list[Member],
+    deleted: list[str],
+) -> None:
     rows = []
     for m in members:
         try:
@@ -430,8 +492,13 @@ def _record(state_dir: str | os.PathLike, key: str, roots: list[str], members: l
         except FileNotFoundError:
             continue
         rows.append([m.path, stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns])
-    record = {"key": key, "roots": roots, "entries": rows, "deleted": deleted,
-              "written": time.time()}
+    record = {
+        "key": key,
+        "roots": roots,
+        "entries": rows,
+        "deleted": deleted,
+        "written": time.time(),
+    }
     _write_record(state_dir, f"{key}.json", json.dumps(record).encode())
 
 
@@ -447,9 +514,11 @@ def _write_record(state_dir: str | os.PathLike, name: str, data: bytes) -> None:
         try:
             fd = open_in(stack, "captures", DIR_FLAGS, state_fd)
         except OSError as exc:
-            raise SnapshotError(f"{directory}/captures is a symlink or not a directory "
-                                f"({exc.strerror}); the capture record is never written "
-                                f"through one") from None
+            raise SnapshotError(
+                f"{directory}/captures is a symlink or not a directory "
+                f"({exc.strerror}); the capture record is never written "
+                f"through one"
+            ) from None
         os.fchmod(fd, 0o700)  # private whatever the umask, also on nodes set up before
         replace_file(fd, name, data, 0o600)
 

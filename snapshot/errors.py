@@ -21,8 +21,7 @@ class CorruptSnapshotError(SnapshotError):
     """A snapshot's manifest or one of its objects failed verification; ``chunk`` names the
     object (a chunk or the TOC) and ``rule`` the check it failed, when there is one."""
 
-    def __init__(self, message: str, *, chunk: str | None = None,
-                 rule: str | None = None) -> None:
+    def __init__(self, message: str, *, chunk: str | None = None, rule: str | None = None) -> None:
         super().__init__(message)
         self.chunk = chunk
         self.rule = rule
@@ -52,7 +51,8 @@ class InstallError(SnapshotError):
         shown = " ".join(command)
         super().__init__(
             f"install command failed with exit code {returncode}: {shown}\n"
-            f"--- last lines of its output ---\n{output_tail.rstrip()}")
+            f"--- last lines of its output ---\n{output_tail.rstrip()}"
+        )
         self.command = command
         self.returncode = returncode
         self.output_tail = output_tail

@@ -137,8 +137,9 @@ class Extractor:
         self.bytes_written = 0
         offsets = [c.offset for c in chunks]
         for member in plan.files:
-            spans = list(iter_chunk_spans(chunks, member.offset, member.offset + member.size,
-                                          offsets))
+            spans = list(
+                iter_chunk_spans(chunks, member.offset, member.offset + member.size, offsets)
+            )
             if len(spans) > 1:
                 self._spanning[member.path] = member
                 self._remaining[member.path] = len(spans)
@@ -183,13 +184,24 @@ class Extractor:
             for member in self.plan.symlinks:
                 with self._parent(member.path) as (parent_fd, name):
                     os.symlink(member.link, name, dir_fd=parent_fd)
-                    os.utime(name, ns=(member.mtime_ns, member.mtime_ns), dir_fd=parent_fd,
-                             follow_symlinks=False)
+                    os.utime(
+                        name,
+                        ns=(member.mtime_ns, member.mtime_ns),
+                        dir_fd=parent_fd,
+                        follow_symlinks=False,
+                    )
             for member in self.plan.hardlinks:
-                with self._parent(member.link) as (src_fd, src_name), \
-                        self._parent(member.path) as (dst_fd, dst_name):
-                    os.link(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd,
-                            follow_symlinks=False)
+                with (
+                    self._parent(member.link) as (src_fd, src_name),
+                    self._parent(member.path) as (dst_fd, dst_name),
+                ):
+                    os.link(
+                        src_name,
+                        dst_name,
+                        src_dir_fd=src_fd,
+                        dst_dir_fd=dst_fd,
+                        follow_symlinks=False,
+                    )
             assert self._dirs is not None
             for member in sorted(self.plan.dirs, key=lambda m: m.path.count("/"), reverse=True):
                 with self._dirs.open(member.path) as fd:
@@ -210,8 +222,7 @@ class Extractor:
         last component of ``path``."""
         parent, _, name = path.rpartition("/")
         if self._dirs is None or parent not in self._dirs.known:
-            raise UnsafeMemberError(path, f"parent {parent!r} is not a directory of the "
-                                          f"snapshot")
+            raise UnsafeMemberError(path, f"parent {parent!r} is not a directory of the snapshot")
         with self._dirs.open(parent) as fd:
             yield fd, name
 

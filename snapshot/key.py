@@ -109,8 +109,11 @@ def _compact(value: Any) -> str:
 
 def _describe_python(ident: Mapping[str, Any]) -> str:
     head = f"{ident.get('implementation', '?')} {ident.get('version', '?')}"
-    rest = [f"{k}={_compact(v) if v not in (None, '') else '-'}"
-            for k, v in ident.items() if k not in ("implementation", "version")]
+    rest = [
+        f"{k}={_compact(v) if v not in (None, '') else '-'}"
+        for k, v in ident.items()
+        if k not in ("implementation", "version")
+    ]
     return " ".join([head, *rest])
 
 
@@ -156,7 +159,8 @@ def _describe_spec_body(spec: Mapping[str, Any], indent: str) -> list[str]:
 
 _NAME_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
 _MARKER_TOKEN_RE = re.compile(
-    r"'[^']*'|\"[^\"]*\"|===|==|!=|<=|>=|~=|<|>|\(|\)|[A-Za-z0-9_.\-*+!]+|\S")
+    r"'[^']*'|\"[^\"]*\"|===|==|!=|<=|>=|~=|<|>|\(|\)|[A-Za-z0-9_.\-*+!]+|\S"
+)
 _ARCHIVE_SUFFIXES = (".whl", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".zip")
 
 
@@ -194,11 +198,15 @@ def normalize_requirement(req: str) -> str:
     req = req.strip()
     m = _NAME_RE.match(req)
     head = re.split(r"[\s\[;<>=!~(@]", req, maxsplit=1)[0]
-    if (m is None or m.end() != len(head) or any(c in head for c in "/\\:")
-            or head.lower().endswith(_ARCHIVE_SUFFIXES)):
+    if (
+        m is None
+        or m.end() != len(head)
+        or any(c in head for c in "/\\:")
+        or head.lower().endswith(_ARCHIVE_SUFFIXES)
+    ):
         return re.sub(r"\s+", " ", req)
     name = _canonical_name(m.group(0))
-    rest = req[m.end():].lstrip()
+    rest = req[m.end() :].lstrip()
     extras = ""
     if rest.startswith("["):
         close = rest.find("]")
@@ -206,13 +214,13 @@ def normalize_requirement(req: str) -> str:
             return re.sub(r"\s+", " ", req)
         names = sorted({_canonical_name(e.strip()) for e in rest[1:close].split(",") if e.strip()})
         extras = f"[{','.join(names)}]" if names else ""
-        rest = rest[close + 1:].lstrip()
+        rest = rest[close + 1 :].lstrip()
     marker = ""
     if rest.startswith("@"):
         url_part = rest[1:].strip()
         mm = re.search(r"\s;", url_part)
         if mm:
-            url_part, marker = url_part[:mm.start()], url_part[mm.end():]
+            url_part, marker = url_part[: mm.start()], url_part[mm.end() :]
         body = f" @ {url_part.strip()}"
     else:
         spec, sep, marker = rest.partition(";")
@@ -294,8 +302,12 @@ def _split_requirement_options(line: str) -> tuple[str, list[str]]:
     j = i
     while j < len(tokens):
         tok = tokens[j]
-        if "=" in tok or not tok.startswith("--") or j + 1 >= len(tokens) \
-                or tokens[j + 1].startswith("-"):
+        if (
+            "=" in tok
+            or not tok.startswith("--")
+            or j + 1 >= len(tokens)
+            or tokens[j + 1].startswith("-")
+        ):
             opts.append(tok)
             j += 1
         else:
@@ -334,8 +346,9 @@ def _normalize_requirements(path: Path, stack: tuple[str, ...]) -> dict[str, Any
     }
 
 
-def _follow_include(parent: Path, option: str, value: str,
-                    stack: tuple[str, ...]) -> dict[str, Any]:
+def _follow_include(
+    parent: Path, option: str, value: str, stack: tuple[str, ...]
+) -> dict[str, Any]:
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value):
         # pip can fetch a URL; we cannot fingerprint its content, so record the URL itself.
         return {"option": option, "path": value, "kind": "url"}
@@ -343,7 +356,8 @@ def _follow_include(parent: Path, option: str, value: str,
     if not target.is_file():
         raise SpecFileError(
             f"{parent}: {option} {value}: included file {target} does not exist; "
-            f"fix the path (it is relative to {parent.parent}) or create the file")
+            f"fix the path (it is relative to {parent.parent}) or create the file"
+        )
     if os.path.realpath(target) in stack:
         return {"option": option, "path": target.name, "kind": "requirements", "cycle": True}
     return {"option": option, **_normalize_requirements(target, stack)}
@@ -360,7 +374,8 @@ def _read_bytes(path: Path) -> bytes:
     except FileNotFoundError:
         raise SpecFileError(
             f"spec file {path} does not exist: pass the path of an existing requirements, "
-            f"uv.lock or pyproject.toml file") from None
+            f"uv.lock or pyproject.toml file"
+        ) from None
     except IsADirectoryError:
         raise SpecFileError(f"spec file {path} is a directory: pass a file inside it") from None
     except OSError as e:
@@ -373,7 +388,8 @@ def _read_text(path: Path) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise SpecFileError(
-            f"spec file {path} is not UTF-8 text ({e}); re-encode it as UTF-8") from None
+            f"spec file {path} is not UTF-8 text ({e}); re-encode it as UTF-8"
+        ) from None
 
 
 def _load_toml(path: Path) -> dict[str, Any]:
@@ -384,8 +400,7 @@ def _load_toml(path: Path) -> dict[str, Any]:
 
 
 def _canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      default=str)
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
 
 
 def _sha256(data: bytes) -> str:
@@ -398,8 +413,11 @@ def _spec_kind(path: Path) -> str:
         return "uv.lock"
     if name == "pyproject.toml":
         return "pyproject"
-    if (path.suffix.lower() in (".txt", ".in", ".pip")
-            or "requirements" in name or "constraints" in name):
+    if (
+        path.suffix.lower() in (".txt", ".in", ".pip")
+        or "requirements" in name
+        or "constraints" in name
+    ):
         return "requirements"
     return "file"
 
@@ -429,8 +447,14 @@ def _req_list(value: Any, where: str, path: Path) -> list[str]:
     return sorted({normalize_requirement(v) for v in value})
 
 
-_UV_KEYS = ("sources", "index", "constraint-dependencies", "override-dependencies",
-            "dev-dependencies", "default-groups")
+_UV_KEYS = (
+    "sources",
+    "index",
+    "constraint-dependencies",
+    "override-dependencies",
+    "dev-dependencies",
+    "default-groups",
+)
 
 
 def _normalize_pyproject(path: Path) -> dict[str, Any]:
@@ -460,12 +484,12 @@ def _normalize_pyproject(path: Path) -> dict[str, Any]:
         "kind": "pyproject",
         "name": _canonical_name(name) if isinstance(name, str) else None,
         "version": project.get("version"),
-        "requires_python": (_normalize_specifiers(requires_python)
-                            if isinstance(requires_python, str) else None),
+        "requires_python": (
+            _normalize_specifiers(requires_python) if isinstance(requires_python, str) else None
+        ),
         "dependencies": _req_list(project.get("dependencies"), "project.dependencies", path),
         "optional_dependencies": {
-            _canonical_name(g): _req_list(optional[g], f"project.optional-dependencies.{g}",
-                                          path)
+            _canonical_name(g): _req_list(optional[g], f"project.optional-dependencies.{g}", path)
             for g in sorted(optional, key=_canonical_name)
         },
         "dependency_groups": groups,
@@ -528,24 +552,30 @@ def _identity_here() -> tuple[tuple[str, Any], ...]:
 
 @functools.lru_cache(maxsize=16)
 def _query_interpreter(python: str) -> tuple[tuple[str, Any], ...]:
-    code = (_IDENTITY_SCRIPT
-            + "\nimport json, sys\nsys.stdout.write(json.dumps(_bootseer_identity()))\n")
+    code = (
+        _IDENTITY_SCRIPT
+        + "\nimport json, sys\nsys.stdout.write(json.dumps(_bootseer_identity()))\n"
+    )
     try:
-        proc = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True,
-                              timeout=60, check=False)
+        proc = subprocess.run(
+            [python, "-I", "-c", code], capture_output=True, text=True, timeout=60, check=False
+        )
     except (OSError, subprocess.SubprocessError) as e:
         raise SnapshotError(
             f"cannot run the interpreter {python!r} to identify it ({e}); "
-            f"pass the path of a working Python") from e
+            f"pass the path of a working Python"
+        ) from e
     if proc.returncode != 0:
         raise SnapshotError(
             f"the interpreter {python!r} failed (exit code {proc.returncode}) while reporting "
-            f"its version and ABI: {proc.stderr.strip()[-2000:]}")
+            f"its version and ABI: {proc.stderr.strip()[-2000:]}"
+        )
     try:
         data = json.loads(proc.stdout)
     except json.JSONDecodeError:
         raise SnapshotError(
-            f"the interpreter {python!r} printed no identity: {proc.stdout[-500:]!r}") from None
+            f"the interpreter {python!r} printed no identity: {proc.stdout[-500:]!r}"
+        ) from None
     return tuple(data.items())
 
 
@@ -559,8 +589,11 @@ def python_identity(python: str | None = None) -> dict[str, Any]:
     if python is None:
         return dict(_identity_here())
     resolved = python if os.sep in python else (shutil.which(python) or python)
-    if os.path.exists(resolved) and sys.executable and (
-            os.path.realpath(resolved) == os.path.realpath(sys.executable)):
+    if (
+        os.path.exists(resolved)
+        and sys.executable
+        and (os.path.realpath(resolved) == os.path.realpath(sys.executable))
+    ):
         return dict(_identity_here())
     return dict(_query_interpreter(resolved))
 
@@ -588,11 +621,11 @@ def parse_extras(items: Sequence[str]) -> dict[str, str]:
         if not _EXTRA_NAME_RE.match(name):
             raise ValueError(
                 f"extra key input {item!r}: the name {name!r} must be letters, digits, "
-                f"'_', '.' or '-' (e.g. cuda=12.4)")
+                f"'_', '.' or '-' (e.g. cuda=12.4)"
+            )
         value = value.strip()
         if name in out and out[name] != value:
-            raise ValueError(
-                f"extra key input {item!r}: {name!r} already given as {out[name]!r}")
+            raise ValueError(f"extra key input {item!r}: {name!r} already given as {out[name]!r}")
         out[name] = value
     return out
 
@@ -615,8 +648,10 @@ def compute_key(
     ``capture`` are the paths a capture-mode snapshot records, made absolute and sorted.
     """
     if isinstance(install_command, str | bytes):
-        raise TypeError("install_command must be a list of arguments, not a string; "
-                        "use shlex.split() on a command line")
+        raise TypeError(
+            "install_command must be a list of arguments, not a string; "
+            "use shlex.split() on a command line"
+        )
     if isinstance(spec_files, str | bytes | os.PathLike):
         spec_files = [spec_files]  # type: ignore[list-item]
     if isinstance(capture, str | bytes):
@@ -625,14 +660,17 @@ def compute_key(
     extras_in = dict(extras or {})
     for k, v in extras_in.items():
         if not isinstance(k, str) or not isinstance(v, str) or not _EXTRA_NAME_RE.match(k):
-            raise ValueError(f"extra key input {k!r}={v!r}: name and value must be strings, "
-                             f"the name letters, digits, '_', '.' or '-'")
+            raise ValueError(
+                f"extra key input {k!r}={v!r}: name and value must be strings, "
+                f"the name letters, digits, '_', '.' or '-'"
+            )
     inputs: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "python": python_identity(python),
         "spec": [normalize_spec_file(p) for p in spec_files],
-        "install_command": "default" if install_command is None else [str(a) for a in
-                                                                      install_command],
+        "install_command": "default"
+        if install_command is None
+        else [str(a) for a in install_command],
         "base_image": base_image,
         "extras": {k: extras_in[k] for k in sorted(extras_in)},
         "capture": sorted({os.path.abspath(os.fspath(p)) for p in capture}),

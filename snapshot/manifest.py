@@ -75,9 +75,15 @@ class Member:
             path, kind, mode, mtime_ns, size, offset, link = row
         except (TypeError, ValueError):
             raise CorruptSnapshotError(f"malformed TOC entry {str(row)[:200]!r}") from None
-        if not (isinstance(path, str) and kind in KINDS and isinstance(link, str)
-                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                        for v in (mode, mtime_ns, size, offset))):
+        if not (
+            isinstance(path, str)
+            and kind in KINDS
+            and isinstance(link, str)
+            and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for v in (mode, mtime_ns, size, offset)
+            )
+        ):
             raise CorruptSnapshotError(f"malformed TOC entry {str(row)[:200]!r}")
         return cls(path, kind, mode, mtime_ns, size, offset, link)
 
@@ -137,18 +143,22 @@ class Manifest:
     @classmethod
     def from_json(cls, data: Any, *, where: str) -> Manifest:
         """Parse and check an untrusted manifest: names, sizes, offsets and digests."""
+
         def bad(why: str) -> CorruptSnapshotError:
             return CorruptSnapshotError(f"{where}: invalid snapshot manifest: {why}")
 
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise bad("not a bootseer snapshot manifest")
         if data.get("format_version") != FORMAT_VERSION:
-            raise bad(f"format version {data.get('format_version')!r}; this bootseer reads "
-                      f"version {FORMAT_VERSION} (upgrade bootseer, or rebuild the snapshot)")
+            raise bad(
+                f"format version {data.get('format_version')!r}; this bootseer reads "
+                f"version {FORMAT_VERSION} (upgrade bootseer, or rebuild the snapshot)"
+            )
         try:
             chunks = [Chunk(**c) for c in data["chunks"]]
-            manifest = cls(**{k: v for k, v in data.items()
-                              if k not in ("format", "chunks")}, chunks=chunks)
+            manifest = cls(
+                **{k: v for k, v in data.items() if k not in ("format", "chunks")}, chunks=chunks
+            )
         except (KeyError, TypeError) as exc:
             raise bad(f"missing or unexpected field ({exc})") from None
         if manifest.kind not in ("prefix", "capture"):
@@ -165,16 +175,23 @@ class Manifest:
             if chunk.offset != expected:
                 raise bad(f"chunk {chunk.name} starts at {chunk.offset}, expected {expected}")
             if chunk.raw_size > MAX_CHUNK_RAW or chunk.size > MAX_CHUNK_SIZE:
-                raise bad(f"chunk {chunk.name} declares {chunk.raw_size} bytes, "
-                          f"{chunk.size} compressed (limits {MAX_CHUNK_RAW}, {MAX_CHUNK_SIZE})")
+                raise bad(
+                    f"chunk {chunk.name} declares {chunk.raw_size} bytes, "
+                    f"{chunk.size} compressed (limits {MAX_CHUNK_RAW}, {MAX_CHUNK_SIZE})"
+                )
             expected += chunk.raw_size
         if manifest.stream_size != expected:
             raise bad(f"stream size {manifest.stream_size} != sum of chunks {expected}")
         toc = manifest.toc
-        if not (isinstance(toc, dict) and isinstance(toc.get("name"), str)
-                and _TOC_NAME.match(toc["name"]) and isinstance(toc.get("sha256"), str)
-                and _SHA256.match(toc["sha256"]) and _is_size(toc.get("raw_size"), MAX_TOC_RAW)
-                and _is_size(toc.get("size"), MAX_TOC_SIZE)):
+        if not (
+            isinstance(toc, dict)
+            and isinstance(toc.get("name"), str)
+            and _TOC_NAME.match(toc["name"])
+            and isinstance(toc.get("sha256"), str)
+            and _SHA256.match(toc["sha256"])
+            and _is_size(toc.get("raw_size"), MAX_TOC_RAW)
+            and _is_size(toc.get("size"), MAX_TOC_SIZE)
+        ):
             raise bad("the TOC reference is invalid")
         if not isinstance(manifest.prefix, str) or not manifest.prefix.startswith("/"):
             raise bad(f"prefix {manifest.prefix!r} is not an absolute path")
@@ -199,8 +216,9 @@ def decode_toc(raw: bytes, *, where: str) -> list[Member]:
     return [Member.from_row(row) for row in rows]
 
 
-def iter_chunk_spans(chunks: list[Chunk], start: int, end: int,
-                     offsets: list[int] | None = None) -> Iterator[tuple[int, int, int]]:
+def iter_chunk_spans(
+    chunks: list[Chunk], start: int, end: int, offsets: list[int] | None = None
+) -> Iterator[tuple[int, int, int]]:
     """(chunk index, start in chunk, end in chunk) pieces covering stream bytes [start, end);
     ``offsets`` (the chunks' start offsets) saves rebuilding them on every call."""
     if offsets is None:

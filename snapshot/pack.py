@@ -72,7 +72,8 @@ def walk(root: Path, exclude: frozenset[str] = frozenset({STATE_DIR})) -> Iterat
                 raise SnapshotError(
                     f"cannot snapshot {child}: {name!r} is the same name as bootseer's state "
                     f"directory {STATE_DIR!r} on some filesystems, and a restore refuses it; "
-                    f"remove it from the prefix")
+                    f"remove it from the prefix"
+                )
             st = os.lstat(child)
             mode = st.st_mode
             if stat.S_ISDIR(mode):
@@ -89,11 +90,17 @@ def walk(root: Path, exclude: frozenset[str] = frozenset({STATE_DIR})) -> Iterat
                         seen_inodes[ident] = child_rel
                     yield _Entry(child_rel, child, st, FILE)
             else:
-                what = ("socket" if stat.S_ISSOCK(mode) else "FIFO" if stat.S_ISFIFO(mode)
-                        else "device node")
+                what = (
+                    "socket"
+                    if stat.S_ISSOCK(mode)
+                    else "FIFO"
+                    if stat.S_ISFIFO(mode)
+                    else "device node"
+                )
                 raise SnapshotError(
                     f"cannot snapshot {child}: it is a {what}, which a dependency snapshot may "
-                    f"not hold; remove it from the prefix (or from the capture paths)")
+                    f"not hold; remove it from the prefix (or from the capture paths)"
+                )
 
     yield from visit("", str(root))
 
@@ -105,8 +112,12 @@ def _header(entry: _Entry, size: int) -> bytes:
     info.uid = info.gid = 0
     info.uname = info.gname = ""
     info.size = size
-    info.type = {FILE: tarfile.REGTYPE, DIR: tarfile.DIRTYPE, SYMLINK: tarfile.SYMTYPE,
-                 HARDLINK: tarfile.LNKTYPE}[entry.kind]
+    info.type = {
+        FILE: tarfile.REGTYPE,
+        DIR: tarfile.DIRTYPE,
+        SYMLINK: tarfile.SYMTYPE,
+        HARDLINK: tarfile.LNKTYPE,
+    }[entry.kind]
     info.linkname = entry.link
     return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
 
@@ -114,8 +125,15 @@ def _header(entry: _Entry, size: int) -> bytes:
 class _Chunker:
     """Accumulates the tar stream; hands full chunks to the compressor pool."""
 
-    def __init__(self, chunk_size: int, level: int, workers: int, sink: ChunkSink,
-                 publisher: str, on_chunk: Callable[[int, int], None] | None) -> None:
+    def __init__(
+        self,
+        chunk_size: int,
+        level: int,
+        workers: int,
+        sink: ChunkSink,
+        publisher: str,
+        on_chunk: Callable[[int, int], None] | None,
+    ) -> None:
         self.chunk_size = chunk_size
         self.sink = sink
         self.publisher = publisher
@@ -166,11 +184,13 @@ class _Chunker:
             comp = getattr(self._local, "comp", None)
             if comp is None:
                 comp = self._local.comp = zstandard.ZstdCompressor(
-                    level=self._level, write_content_size=True, write_checksum=True)
+                    level=self._level, write_content_size=True, write_checksum=True
+                )
             data = comp.compress(raw)
             name = f"{self.publisher}/{index:06d}.tar.zst"
-            self.chunks[index] = Chunk(name, offset, len(raw), len(data),
-                                       hashlib.sha256(data).hexdigest())
+            self.chunks[index] = Chunk(
+                name, offset, len(raw), len(data), hashlib.sha256(data).hexdigest()
+            )
             done = self.sink(name, data)
             if done is not None:
                 done.result()
@@ -201,11 +221,18 @@ class _Chunker:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def pack_tree(root: str | os.PathLike, sink: ChunkSink, *, publisher: str,
-              prefix: str | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-              level: int = DEFAULT_LEVEL, workers: int | None = None,
-              paths: list[str] | None = None,
-              on_chunk: Callable[[int, int], None] | None = None) -> PackResult:
+def pack_tree(
+    root: str | os.PathLike,
+    sink: ChunkSink,
+    *,
+    publisher: str,
+    prefix: str | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    level: int = DEFAULT_LEVEL,
+    workers: int | None = None,
+    paths: list[str] | None = None,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> PackResult:
     """Pack ``root`` (or only the relative ``paths`` under it, for a capture) into chunks.
 
     ``sink(name, data)`` stores one compressed chunk (it may return a future, waited for before
@@ -213,8 +240,10 @@ def pack_tree(root: str | os.PathLike, sink: ChunkSink, *, publisher: str,
     file so that restores elsewhere know what to rewrite.
     """
     if not 0 < chunk_size <= MAX_CHUNK_RAW:
-        raise ValueError(f"chunk_size {chunk_size} is outside 1..{MAX_CHUNK_RAW} bytes "
-                         f"(restores refuse larger chunks)")
+        raise ValueError(
+            f"chunk_size {chunk_size} is outside 1..{MAX_CHUNK_RAW} bytes "
+            f"(restores refuse larger chunks)"
+        )
     root = Path(root)
     workers = workers or max(2, os.cpu_count() or 2)
     chunker = _Chunker(chunk_size, level, workers, sink, publisher, on_chunk)
@@ -231,8 +260,17 @@ def pack_tree(root: str | os.PathLike, sink: ChunkSink, *, publisher: str,
             if chunker.buf and len(header) + padded > chunker.room():
                 chunker.cut()
             chunker.add(header)
-            members.append(Member(entry.path, entry.kind, stat.S_IMODE(entry.st.st_mode),
-                                  entry.st.st_mtime_ns, size, chunker.position, entry.link))
+            members.append(
+                Member(
+                    entry.path,
+                    entry.kind,
+                    stat.S_IMODE(entry.st.st_mode),
+                    entry.st.st_mtime_ns,
+                    size,
+                    chunker.position,
+                    entry.link,
+                )
+            )
             if entry.kind == FILE:
                 kind = _copy_file(entry, size, chunker, needle)
                 if kind is not None:
@@ -260,8 +298,10 @@ def _copy_file(entry: _Entry, size: int, chunker: _Chunker, needle: bytes | None
         while got < size:
             piece = os.read(fd, min(READ_PIECE, size - got))
             if not piece:
-                raise SnapshotError(f"{entry.abspath} shrank while packing (was {size} bytes); "
-                                    f"do not change the prefix while a snapshot is taken")
+                raise SnapshotError(
+                    f"{entry.abspath} shrank while packing (was {size} bytes); "
+                    f"do not change the prefix while a snapshot is taken"
+                )
             chunker.add(piece)
             if needle is not None:
                 kind = classify_reference(entry.path, tail + piece, needle)
@@ -269,7 +309,7 @@ def _copy_file(entry: _Entry, size: int, chunker: _Chunker, needle: bytes | None
                     kinds.add(kind)
                 elif b"\0" in piece:
                     kinds.add("nul")
-                tail = piece[-len(needle):]
+                tail = piece[-len(needle) :]
             got += len(piece)
     finally:
         os.close(fd)

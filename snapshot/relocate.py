@@ -118,7 +118,8 @@ class PrefixRef:
         if kind not in KINDS:
             raise CorruptSnapshotError(
                 f"prefix reference {path!r} has unknown kind {kind!r} "
-                f"(expected one of {sorted(KINDS)})")
+                f"(expected one of {sorted(KINDS)})"
+            )
         return cls(path=path, kind=kind)
 
 
@@ -148,14 +149,18 @@ class RelocationReport:
         return bool(self.rewritten or self.pyc_invalidated)
 
     def summary(self) -> str:
-        text = (f"relocated {self.old_prefix} -> {self.new_prefix}: "
-                f"{len(self.rewritten)} file(s) rewritten, "
-                f"{len(self.shebangs_converted)} shebang(s) converted")
+        text = (
+            f"relocated {self.old_prefix} -> {self.new_prefix}: "
+            f"{len(self.rewritten)} file(s) rewritten, "
+            f"{len(self.shebangs_converted)} shebang(s) converted"
+        )
         if self.pyc_invalidated:
             text += f", {len(self.pyc_invalidated)} stale pyc removed"
         if self.skipped_binary:
-            text += (f", {len(self.skipped_binary)} binary file(s) left unchanged "
-                     f"(still mention {self.old_prefix})")
+            text += (
+                f", {len(self.skipped_binary)} binary file(s) left unchanged "
+                f"(still mention {self.old_prefix})"
+            )
         return text
 
 
@@ -163,12 +168,19 @@ class RelocationReport:
 # Finding references
 # --------------------------------------------------------------------------------------------
 
+
 def _check_prefix(prefix: str | bytes, what: str) -> bytes:
     raw = os.fsencode(prefix)
-    if (not raw.startswith(b"/") or raw == b"/" or b"\0" in raw
-            or posixpath.normpath(raw) != raw or raw.startswith(b"//")):
+    if (
+        not raw.startswith(b"/")
+        or raw == b"/"
+        or b"\0" in raw
+        or posixpath.normpath(raw) != raw
+        or raw.startswith(b"//")
+    ):
         raise ValueError(
-            f"{what} must be a normalized absolute path other than '/', got {prefix!r}")
+            f"{what} must be a normalized absolute path other than '/', got {prefix!r}"
+        )
     return raw
 
 
@@ -282,8 +294,9 @@ def _replace_refs(data: bytes, old: bytes, new: bytes) -> bytes:
 def rewrite_path(value: str, old_prefix: str, new_prefix: str) -> str:
     """Rewrite the references to ``old_prefix`` in one string (a symlink target, say)."""
     raw = os.fsencode(value)
-    out = _replace_refs(raw, _check_prefix(old_prefix, "old prefix"),
-                        _check_prefix(new_prefix, "new prefix"))
+    out = _replace_refs(
+        raw, _check_prefix(old_prefix, "old prefix"), _check_prefix(new_prefix, "new prefix")
+    )
     return value if out is raw else os.fsdecode(out)
 
 
@@ -303,8 +316,15 @@ def _build_shebang(executable: bytes, post_interp: bytes) -> bytes:
         executable = b'"' + executable + b'"'
     if b" " not in executable and len(executable) + len(post_interp) + 3 <= MAX_SHEBANG_LENGTH:
         return b"#!" + executable + post_interp + b"\n"
-    return (_TRAMPOLINE_HEAD + b"'''exec' " + executable + post_interp + b' "$0" "$@"\n'
-            + _TRAMPOLINE_TAIL + b"\n")
+    return (
+        _TRAMPOLINE_HEAD
+        + b"'''exec' "
+        + executable
+        + post_interp
+        + b' "$0" "$@"\n'
+        + _TRAMPOLINE_TAIL
+        + b"\n"
+    )
 
 
 def _python_header(data: bytes) -> tuple[bytes, bytes, int, bool] | None:
@@ -336,22 +356,29 @@ def _rewrite_text(data: bytes, old: bytes, new: bytes) -> tuple[bytes, bool, boo
     if header is not None:
         exe, args, end, was_trampoline = header
         basename = exe.rpartition(b"/")[2]
-        if (basename.startswith(b"python") and exe.startswith(old)
-                and exe[len(old):len(old) + 1] in (b"", b"/")):
-            new_header = _build_shebang(new + exe[len(old):], _replace_refs(args, old, new))
+        if (
+            basename.startswith(b"python")
+            and exe.startswith(old)
+            and exe[len(old) : len(old) + 1] in (b"", b"/")
+        ):
+            new_header = _build_shebang(new + exe[len(old) :], _replace_refs(args, old, new))
             rest = _replace_refs(data[end:], old, new)
             converted = new_header.startswith(_TRAMPOLINE_HEAD) != was_trampoline
             return new_header + rest, converted, False
     out = _replace_refs(data, old, new)
     first = out.split(b"\n", 1)[0]
-    too_long = (out.startswith(b"#!") and len(first) + 1 > MAX_SHEBANG_LENGTH
-                and first != data.split(b"\n", 1)[0])
+    too_long = (
+        out.startswith(b"#!")
+        and len(first) + 1 > MAX_SHEBANG_LENGTH
+        and first != data.split(b"\n", 1)[0]
+    )
     return out, False, too_long
 
 
 # --------------------------------------------------------------------------------------------
 # Restore-time rewrite
 # --------------------------------------------------------------------------------------------
+
 
 def _check_ref_path(path: str) -> None:
     if "\0" in path:
@@ -378,11 +405,13 @@ def _open_parent(root_fd: int, path: str) -> int:
             except FileNotFoundError:
                 raise CorruptSnapshotError(
                     f"manifest lists prefix reference {path!r} but the restored tree has no "
-                    f"directory {part!r} on its way") from None
+                    f"directory {part!r} on its way"
+                ) from None
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise UnsafeMemberError(
-                        path, f"component {part!r} is a symlink or not a directory") from None
+                        path, f"component {part!r} is a symlink or not a directory"
+                    ) from None
                 raise
             os.close(fd)
             fd = child
@@ -397,8 +426,8 @@ def _lstat_regular(dir_fd: int, name: str, path: str) -> os.stat_result:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         raise CorruptSnapshotError(
-            f"manifest lists prefix reference {path!r} but the restored tree has no such "
-            f"file") from None
+            f"manifest lists prefix reference {path!r} but the restored tree has no such file"
+        ) from None
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeMemberError(path, "prefix reference is a symlink (never written through)")
     if not stat.S_ISREG(st.st_mode):
@@ -416,11 +445,10 @@ def _read_all(fd: int) -> bytes:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
-def _rewrite_file(dir_fd: int, name: str, path: str, data: bytes,
-                  st: os.stat_result) -> None:
+def _rewrite_file(dir_fd: int, name: str, path: str, data: bytes, st: os.stat_result) -> None:
     if st.st_nlink > 1:
         # Hard-linked: write in place so that every name sees the new content.
         fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
@@ -432,8 +460,12 @@ def _rewrite_file(dir_fd: int, name: str, path: str, data: bytes,
             os.close(fd)
         return
     tmp = f".relocate-{os.getpid()}-{os.urandom(4).hex()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600, dir_fd=dir_fd)
+    fd = os.open(
+        tmp,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o600,
+        dir_fd=dir_fd,
+    )
     try:
         try:
             _write_all(fd, data)
@@ -488,11 +520,13 @@ def binary_refusal(binaries: list[str], old: str, new: str) -> RelocationError:
         f"binary file(s) embed that path, which cannot be rewritten:\n  {shown}\n"
         f"Restore to {old}, rebuild the snapshot at {new}, or pass --force to restore to "
         f"{new} anyway with those files unchanged (they will still refer to {old}).",
-        paths=list(binaries))
+        paths=list(binaries),
+    )
 
 
-def relocate(root: Path, old_prefix: str, new_prefix: str, refs: Iterable[PrefixRef],
-             *, force: bool = False) -> RelocationReport:
+def relocate(
+    root: Path, old_prefix: str, new_prefix: str, refs: Iterable[PrefixRef], *, force: bool = False
+) -> RelocationReport:
     """Rewrite the references to ``old_prefix`` in the tree at ``root`` to ``new_prefix``.
 
     ``root`` is the extracted tree (typically a staging directory later renamed to
@@ -520,7 +554,8 @@ def relocate(root: Path, old_prefix: str, new_prefix: str, refs: Iterable[Prefix
     if bad:
         raise SnapshotError(
             f"cannot restore to {new_prefix!r}: a prefix containing {bad!r} cannot be written "
-            f"safely into activate scripts and shebangs; choose another path")
+            f"safely into activate scripts and shebangs; choose another path"
+        )
 
     parsed = [PrefixRef.from_json(r) for r in refs]
     for ref in parsed:
@@ -554,8 +589,11 @@ def relocate(root: Path, old_prefix: str, new_prefix: str, refs: Iterable[Prefix
                 touched = False
                 for path in paths:
                     name = posixpath.basename(path)
-                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                                 dir_fd=dir_fd)
+                    fd = os.open(
+                        name,
+                        os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                        dir_fd=dir_fd,
+                    )
                     try:
                         st = os.fstat(fd)
                         if not stat.S_ISREG(st.st_mode):
@@ -570,7 +608,8 @@ def relocate(root: Path, old_prefix: str, new_prefix: str, refs: Iterable[Prefix
                     if b"\0" in data:
                         raise CorruptSnapshotError(
                             f"prefix reference {path!r} is listed as text but holds NUL bytes: "
-                            f"the manifest does not match the snapshot")
+                            f"the manifest does not match the snapshot"
+                        )
                     out, converted, too_long = _rewrite_text(data, old, new)
                     if out == data:
                         report.unchanged.append(path)

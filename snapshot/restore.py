@@ -99,24 +99,41 @@ class VerifyResult:
 
 # -- pipeline ----------------------------------------------------------------------------------
 
+
 def fetch_toc(store: SnapshotStore, manifest: Manifest) -> list[Member]:
     name = manifest.toc["name"]
     data = store.fetch(manifest.key, name, size=manifest.toc["size"]).result()
-    if len(data) != manifest.toc["size"] or (hashlib.sha256(data).hexdigest()
-                                             != manifest.toc["sha256"]):
-        raise CorruptSnapshotError(f"snapshot {manifest.key}: TOC {name} does not match its "
-                                   f"sha256 or size; the snapshot is damaged: remove it with "
-                                   f"`bootseer env rm` and rebuild", chunk=name)
-    raw = inflate(data, f"TOC {name} of snapshot {manifest.key}",
-                  declared=manifest.toc["raw_size"], limit=MAX_TOC_RAW, chunk=name)
+    if len(data) != manifest.toc["size"] or (
+        hashlib.sha256(data).hexdigest() != manifest.toc["sha256"]
+    ):
+        raise CorruptSnapshotError(
+            f"snapshot {manifest.key}: TOC {name} does not match its "
+            f"sha256 or size; the snapshot is damaged: remove it with "
+            f"`bootseer env rm` and rebuild",
+            chunk=name,
+        )
+    raw = inflate(
+        data,
+        f"TOC {name} of snapshot {manifest.key}",
+        declared=manifest.toc["raw_size"],
+        limit=MAX_TOC_RAW,
+        chunk=name,
+    )
     return decode_toc(raw, where=f"snapshot {manifest.key} TOC")
 
 
 class _ChunkPipeline:
     """Fetch chunks ahead (bounded), and let ``workers`` threads extract them as they land."""
 
-    def __init__(self, store: SnapshotStore, manifest: Manifest, extractor: Extractor,
-                 workers: int, window: int, progress: Callback) -> None:
+    def __init__(
+        self,
+        store: SnapshotStore,
+        manifest: Manifest,
+        extractor: Extractor,
+        workers: int,
+        window: int,
+        progress: Callback,
+    ) -> None:
         self.store = store
         self.manifest = manifest
         self.extractor = extractor
@@ -139,8 +156,10 @@ class _ChunkPipeline:
 
     def run(self) -> None:
         self.start_fetching()
-        threads = [threading.Thread(target=self._work, name=f"snapshot-restore-{i}",
-                                    daemon=True) for i in range(self.workers)]
+        threads = [
+            threading.Thread(target=self._work, name=f"snapshot-restore-{i}", daemon=True)
+            for i in range(self.workers)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -183,10 +202,12 @@ class _ChunkPipeline:
             raise CorruptSnapshotError(
                 f"{what} is corrupt (sha256 or size differs from the manifest); the prefix was "
                 f"not changed. Remove the snapshot (`bootseer env rm`) and rebuild it",
-                chunk=chunk.name)
+                chunk=chunk.name,
+            )
         # Checked before the buffer grows: the frame header, the manifest, the bytes.
-        size = frame_size(data, what, declared=chunk.raw_size, limit=MAX_CHUNK_RAW,
-                          chunk=chunk.name)
+        size = frame_size(
+            data, what, declared=chunk.raw_size, limit=MAX_CHUNK_RAW, chunk=chunk.name
+        )
         raw = self._buffer(size)
         inflate_into(self._decompressor(), data, raw, what, chunk=chunk.name)
         self.extractor.feed(index, raw)
@@ -219,11 +240,13 @@ def spread_order(count: int, lanes: int) -> list[int]:
 
 # -- the prefix --------------------------------------------------------------------------------
 
+
 def _staging_dir(prefix: Path) -> Path:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(prefix)
-    return Path(tempfile.mkdtemp(prefix=f".{prefix.name}{STAGING_TAG}{os.getpid()}-",
-                                 dir=prefix.parent))
+    return Path(
+        tempfile.mkdtemp(prefix=f".{prefix.name}{STAGING_TAG}{os.getpid()}-", dir=prefix.parent)
+    )
 
 
 def remove_stale_staging(prefix: Path) -> list[Path]:
@@ -237,7 +260,7 @@ def remove_stale_staging(prefix: Path) -> list[Path]:
     for name in names:
         if not name.startswith(tag):
             continue
-        pid_text = name[len(tag):].split("-", 1)[0]
+        pid_text = name[len(tag) :].split("-", 1)[0]
         if pid_text.isdigit() and _alive(int(pid_text)) and int(pid_text) != os.getpid():
             continue
         path = prefix.parent / name
@@ -306,12 +329,14 @@ def check_replaceable(prefix: Path, replace: bool) -> None:
     if not os.path.lexists(prefix):
         return
     if prefix.is_symlink() or not prefix.is_dir():
-        raise SnapshotError(f"{prefix} exists and is not a directory; remove it or choose "
-                            f"another prefix")
+        raise SnapshotError(
+            f"{prefix} exists and is not a directory; remove it or choose another prefix"
+        )
     if any(prefix.iterdir()) and read_marker(prefix) is None and not replace:
         raise SnapshotError(
             f"{prefix} exists and was not made by bootseer; pass --replace to swap it out "
-            f"(it is deleted), or choose another prefix")
+            f"(it is deleted), or choose another prefix"
+        )
 
 
 def move_into_place(staging: Path, prefix: Path, *, replace: bool = False) -> None:
@@ -325,9 +350,11 @@ def move_into_place(staging: Path, prefix: Path, *, replace: bool = False) -> No
         swapped = _exchange(staging, prefix)
     except OSError as exc:
         if exc.errno in (errno.EBUSY, errno.EXDEV):
-            raise SnapshotError(f"cannot move the environment into {prefix}: it is a mount "
-                                f"point ({exc.strerror}); restore to a path inside the mounted "
-                                f"volume instead") from exc
+            raise SnapshotError(
+                f"cannot move the environment into {prefix}: it is a mount "
+                f"point ({exc.strerror}); restore to a path inside the mounted "
+                f"volume instead"
+            ) from exc
         raise
     if not swapped:  # no renameat2: two renames, with a moment in which the prefix is absent
         old = staging.with_name(staging.name + "-old")
@@ -337,9 +364,18 @@ def move_into_place(staging: Path, prefix: Path, *, replace: bool = False) -> No
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def write_marker(root: Path, key: str, prefix: Path, members: list[Member], *,
-                 built_at: str, store_url: str | None, published: bool,
-                 publisher: str = "", changed: RelocationReport | None | bool = True) -> None:
+def write_marker(
+    root: Path,
+    key: str,
+    prefix: Path,
+    members: list[Member],
+    *,
+    built_at: str,
+    store_url: str | None,
+    published: bool,
+    publisher: str = "",
+    changed: RelocationReport | None | bool = True,
+) -> None:
     """Record what ``root`` holds, and the TOC to verify it against on the next start.
 
     ``changed=True``: stat every file (a tree bootseer did not write); otherwise the members'
@@ -347,16 +383,28 @@ def write_marker(root: Path, key: str, prefix: Path, members: list[Member], *,
     State is written through descriptors, never through a link (:mod:`snapshot.state`).
     """
     rows = _verify_rows(root, members, changed)
-    marker = {"key": key, "prefix": str(prefix), "built_at": built_at, "publisher": publisher,
-              "store": redact(store_url) if store_url else None, "published": published,
-              "written": time.time(), "entries": len(rows)}
-    write_state(root, {
-        VERIFY_TOC: zstandard.ZstdCompressor(level=3).compress(json.dumps(rows).encode()),
-        MARKER: json.dumps(marker, indent=1).encode()})
+    marker = {
+        "key": key,
+        "prefix": str(prefix),
+        "built_at": built_at,
+        "publisher": publisher,
+        "store": redact(store_url) if store_url else None,
+        "published": published,
+        "written": time.time(),
+        "entries": len(rows),
+    }
+    write_state(
+        root,
+        {
+            VERIFY_TOC: zstandard.ZstdCompressor(level=3).compress(json.dumps(rows).encode()),
+            MARKER: json.dumps(marker, indent=1).encode(),
+        },
+    )
 
 
-def _verify_rows(root: Path, members: list[Member],
-                 changed: RelocationReport | None | bool) -> list[list[Any]]:
+def _verify_rows(
+    root: Path, members: list[Member], changed: RelocationReport | None | bool
+) -> list[list[Any]]:
     """``[path, kind, size, mtime_ns]`` of every member, as :func:`verify` will compare."""
     restat: set[str] = set()
     removed: set[str] = set()
@@ -379,8 +427,9 @@ def _verify_rows(root: Path, members: list[Member],
     return rows
 
 
-def verify(prefix: str | os.PathLike, key: str | None = None, *,
-           quick: bool = False) -> VerifyResult:
+def verify(
+    prefix: str | os.PathLike, key: str | None = None, *, quick: bool = False
+) -> VerifyResult:
     """Check that ``prefix`` holds the intact environment of ``key`` (any key if None):
     every member's type, and every file's size and mtime. Cheap: stats only, no reads.
 
@@ -393,31 +442,37 @@ def verify(prefix: str | os.PathLike, key: str | None = None, *,
     if marker is None:
         return VerifyResult(False, "no bootseer environment there")
     if key is not None and marker.get("key") != key:
-        return VerifyResult(False, f"holds another environment ({marker.get('key')})",
-                            key=marker.get("key"))
+        return VerifyResult(
+            False, f"holds another environment ({marker.get('key')})", key=marker.get("key")
+        )
     if marker.get("prefix") != str(prefix):
-        return VerifyResult(False, f"was restored for {marker.get('prefix')}, not here",
-                            key=marker.get("key"))
+        return VerifyResult(
+            False, f"was restored for {marker.get('prefix')}, not here", key=marker.get("key")
+        )
     if marker.get("damaged"):
-        return VerifyResult(False, f"a check found it damaged ({marker['damaged']})",
-                            key=marker.get("key"))
+        return VerifyResult(
+            False, f"a check found it damaged ({marker['damaged']})", key=marker.get("key")
+        )
     if quick:
         if not has_state(prefix, VERIFY_TOC):
-            return VerifyResult(False, "its verification record is missing",
-                                key=marker.get("key"))
-        return VerifyResult(True, "marker matches (files checked beside the command)",
-                            key=marker.get("key"), seconds=time.perf_counter() - start)
+            return VerifyResult(False, "its verification record is missing", key=marker.get("key"))
+        return VerifyResult(
+            True,
+            "marker matches (files checked beside the command)",
+            key=marker.get("key"),
+            seconds=time.perf_counter() - start,
+        )
     try:
         data = read_state(prefix, VERIFY_TOC, MAX_TOC_RAW)
         if data is None:
             raise OSError("missing, not a regular file, or reached through a link")
         rows = json.loads(inflate(data, "verification TOC", declared=None, limit=MAX_TOC_RAW))
     except (OSError, ValueError, CorruptSnapshotError) as exc:
-        return VerifyResult(False, f"its verification record is unreadable ({exc})",
-                            key=marker.get("key"))
+        return VerifyResult(
+            False, f"its verification record is unreadable ({exc})", key=marker.get("key")
+        )
     problems: list[str] = []
-    want = {FILE: stat.S_ISREG, HARDLINK: stat.S_ISREG, DIR: stat.S_ISDIR,
-            SYMLINK: stat.S_ISLNK}
+    want = {FILE: stat.S_ISREG, HARDLINK: stat.S_ISREG, DIR: stat.S_ISDIR, SYMLINK: stat.S_ISLNK}
     base = str(prefix) + "/"
     for path, kind, size, mtime_ns in rows:
         try:
@@ -433,20 +488,33 @@ def verify(prefix: str | os.PathLike, key: str | None = None, *,
             break
     elapsed = time.perf_counter() - start
     if problems:
-        return VerifyResult(False, f"{len(problems)}+ file(s) missing or changed",
-                            key=marker.get("key"), checked=len(rows), problems=problems,
-                            seconds=elapsed)
-    return VerifyResult(True, "intact", key=marker.get("key"), checked=len(rows),
-                        seconds=elapsed)
+        return VerifyResult(
+            False,
+            f"{len(problems)}+ file(s) missing or changed",
+            key=marker.get("key"),
+            checked=len(rows),
+            problems=problems,
+            seconds=elapsed,
+        )
+    return VerifyResult(True, "intact", key=marker.get("key"), checked=len(rows), seconds=elapsed)
 
 
 # -- entry point -----------------------------------------------------------------------------
 
-def restore(store: SnapshotStore, key: str, prefix: str | os.PathLike, *,
-            force: bool = False, replace: bool = False, workers: int | None = None,
-            window: int | None = None, fsync: bool = False,
-            progress: Callback = DEFAULT_CALLBACK,
-            before_move: Callable[[Path], None] | None = None) -> RestoreResult:
+
+def restore(
+    store: SnapshotStore,
+    key: str,
+    prefix: str | os.PathLike,
+    *,
+    force: bool = False,
+    replace: bool = False,
+    workers: int | None = None,
+    window: int | None = None,
+    fsync: bool = False,
+    progress: Callback = DEFAULT_CALLBACK,
+    before_move: Callable[[Path], None] | None = None,
+) -> RestoreResult:
     """Restore snapshot ``key`` from ``store`` to ``prefix`` (see the module docstring).
 
     ``force`` restores to another prefix even when binaries embed the old one;
@@ -465,8 +533,10 @@ def restore(store: SnapshotStore, key: str, prefix: str | os.PathLike, *,
     prefix = Path(os.path.abspath(prefix))
     manifest = store.require_manifest(key)
     if manifest.kind != "prefix":
-        raise SnapshotError(f"snapshot {key} is a capture of {manifest.capture.get('roots')}; "
-                            f"replay it with `bootseer env ensure --capture ...`")
+        raise SnapshotError(
+            f"snapshot {key} is a capture of {manifest.capture.get('roots')}; "
+            f"replay it with `bootseer env ensure --capture ...`"
+        )
     check_replaceable(prefix, replace)
     refs = [PrefixRef.from_json(r) for r in manifest.prefix_refs]
     relocating = manifest.prefix != str(prefix)
@@ -502,9 +572,17 @@ def restore(store: SnapshotStore, key: str, prefix: str | os.PathLike, *,
             report = relocate(staging, manifest.prefix, str(prefix), refs, force=force)
             log.info("%s", report.summary())
             phase("relocate")
-        write_marker(staging, key, prefix, members, built_at=manifest.prefix,
-                     store_url=store.url, published=True, publisher=manifest.publisher,
-                     changed=report)
+        write_marker(
+            staging,
+            key,
+            prefix,
+            members,
+            built_at=manifest.prefix,
+            store_url=store.url,
+            published=True,
+            publisher=manifest.publisher,
+            changed=report,
+        )
         # mkdtemp made the staging directory 0700; the prefix gets the mode mkdir gives.
         os.chmod(staging, 0o777 & ~_umask())
         phase("marker")
@@ -519,15 +597,26 @@ def restore(store: SnapshotStore, key: str, prefix: str | os.PathLike, *,
         shutil.rmtree(staging, ignore_errors=True)
         raise
     log.debug("restore phases: %s", ", ".join(f"{k} {v:.3f}s" for k, v in phases.items()))
-    return RestoreResult(key, str(prefix), manifest.files, manifest.bytes,
-                         manifest.compressed_size, len(manifest.chunks),
-                         time.perf_counter() - start, report, plan.stripped, phases)
+    return RestoreResult(
+        key,
+        str(prefix),
+        manifest.files,
+        manifest.bytes,
+        manifest.compressed_size,
+        len(manifest.chunks),
+        time.perf_counter() - start,
+        report,
+        plan.stripped,
+        phases,
+    )
 
 
 def _relocate_links(plan: Plan, old: str, new: str) -> Plan:
     """Symlinks that point into the old prefix point into the new one."""
-    links = [Member(m.path, m.kind, m.mode, m.mtime_ns, m.size, m.offset,
-                    rewrite_path(m.link, old, new)) for m in plan.symlinks]
+    links = [
+        Member(m.path, m.kind, m.mode, m.mtime_ns, m.size, m.offset, rewrite_path(m.link, old, new))
+        for m in plan.symlinks
+    ]
     return Plan(plan.dirs, plan.files, links, plan.hardlinks, plan.stripped)
 
 
@@ -542,5 +631,15 @@ def _syncfs(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["RelocationError", "RestoreResult", "VerifyResult", "mark_damaged", "restore", "verify",
-           "remove_stale_staging", "move_into_place", "read_marker", "spread_order"]
+__all__ = [
+    "RelocationError",
+    "RestoreResult",
+    "VerifyResult",
+    "mark_damaged",
+    "restore",
+    "verify",
+    "remove_stale_staging",
+    "move_into_place",
+    "read_marker",
+    "spread_order",
+]

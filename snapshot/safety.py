@@ -66,8 +66,9 @@ def check_path(path: str) -> str:
         raise UnsafeMemberError(path, "'..' in member path")
     if any(p in ("", ".") for p in parts):
         raise UnsafeMemberError(path, "member path is not normalized (empty or '.' component)")
-    if len(path) > MAX_PATH or any(len(p.encode("utf-8", "surrogateescape")) > MAX_NAME
-                                   for p in parts):
+    if len(path) > MAX_PATH or any(
+        len(p.encode("utf-8", "surrogateescape")) > MAX_NAME for p in parts
+    ):
         raise UnsafeMemberError(path, "member path too long")
     return path
 
@@ -88,13 +89,15 @@ def check_reserved(path: str) -> None:
     top = path.partition("/")[0]
     if is_reserved(top):
         same = "" if top == STATE_DIR else f" ({top!r} is that name on some filesystems)"
-        raise UnsafeMemberError(path, f"reserved: {STATE_DIR!r} holds bootseer's own state "
-                                      f"(marker, verification TOC){same}; a snapshot may not "
-                                      f"hold it")
+        raise UnsafeMemberError(
+            path,
+            f"reserved: {STATE_DIR!r} holds bootseer's own state "
+            f"(marker, verification TOC){same}; a snapshot may not "
+            f"hold it",
+        )
 
 
-def plan_extraction(members: list[Member], stream_size: int, *,
-                    reserve_state: bool = True) -> Plan:
+def plan_extraction(members: list[Member], stream_size: int, *, reserve_state: bool = True) -> Plan:
     """Check every member against the rules; nothing is written until this returns.
     ``reserve_state``: the tree is a prefix, which gets bootseer's state directory."""
     plan = Plan()
@@ -105,7 +108,8 @@ def plan_extraction(members: list[Member], stream_size: int, *,
             check_reserved(path)
         if member.kind in DEVICE_KINDS:
             raise UnsafeMemberError(
-                path, f"{DEVICE_KINDS[member.kind]} not allowed in a dependency snapshot")
+                path, f"{DEVICE_KINDS[member.kind]} not allowed in a dependency snapshot"
+            )
         if path in kinds:
             raise UnsafeMemberError(path, "duplicate member (a later one would replace it)")
         parent = path.rpartition("/")[0]
@@ -115,20 +119,24 @@ def plan_extraction(members: list[Member], stream_size: int, *,
                 raise UnsafeMemberError(path, f"member under the symlink {parent!r}")
             if parent_kind != DIR:
                 raise UnsafeMemberError(
-                    path, f"parent directory {parent!r} is not an earlier directory member")
+                    path, f"parent directory {parent!r} is not an earlier directory member"
+                )
         mode = member.mode & PERMISSION_BITS
         if member.mode & ~PERMISSION_BITS:
             raise UnsafeMemberError(path, f"mode {member.mode:o} has non-permission bits")
         if mode & PRIVILEGE_BITS and member.kind != SYMLINK:
             plan.stripped.append(path)
             mode &= ~PRIVILEGE_BITS
-            member = Member(path, member.kind, mode, member.mtime_ns, member.size,
-                            member.offset, member.link)
+            member = Member(
+                path, member.kind, mode, member.mtime_ns, member.size, member.offset, member.link
+            )
         if member.kind == FILE:
             if member.offset + member.size > stream_size:
                 raise UnsafeMemberError(
-                    path, f"data [{member.offset}, {member.offset + member.size}) lies beyond "
-                          f"the tar stream ({stream_size} bytes)")
+                    path,
+                    f"data [{member.offset}, {member.offset + member.size}) lies beyond "
+                    f"the tar stream ({stream_size} bytes)",
+                )
             plan.files.append(member)
         elif member.kind == DIR:
             plan.dirs.append(member)
@@ -146,12 +154,16 @@ def plan_extraction(members: list[Member], stream_size: int, *,
                 ) from None
             if kinds.get(target) != FILE:
                 raise UnsafeMemberError(
-                    path, f"hardlink target {target!r} is not an earlier regular file member")
+                    path, f"hardlink target {target!r} is not an earlier regular file member"
+                )
             plan.hardlinks.append(member)
         else:  # pragma: no cover - Member.from_row admits only known kinds
             raise UnsafeMemberError(path, f"unknown member kind {member.kind!r}")
         kinds[path] = member.kind
     if plan.stripped:
-        log.warning("stripped setuid/setgid bits from %d member(s) of the snapshot, e.g. %s",
-                    len(plan.stripped), plan.stripped[0])
+        log.warning(
+            "stripped setuid/setgid bits from %d member(s) of the snapshot, e.g. %s",
+            len(plan.stripped),
+            plan.stripped[0],
+        )
     return plan

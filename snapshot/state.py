@@ -24,13 +24,20 @@ from .safety import STATE_DIR
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-PLANTED_RULE = (f"reserved: {STATE_DIR!r} holds bootseer's own state; a symlink or a "
-                f"non-directory is there (a snapshot member, or made by the install), and state "
-                f"is never written through it")
+PLANTED_RULE = (
+    f"reserved: {STATE_DIR!r} holds bootseer's own state; a symlink or a "
+    f"non-directory is there (a snapshot member, or made by the install), and state "
+    f"is never written through it"
+)
 
 
-def open_in(stack: contextlib.ExitStack, path: str | os.PathLike, flags: int,
-            dir_fd: int | None = None, mode: int = 0o777) -> int:
+def open_in(
+    stack: contextlib.ExitStack,
+    path: str | os.PathLike,
+    flags: int,
+    dir_fd: int | None = None,
+    mode: int = 0o777,
+) -> int:
     """``os.open``, closed when ``stack`` closes."""
     fd = os.open(path, flags, mode, dir_fd=dir_fd)
     stack.callback(os.close, fd)
@@ -44,7 +51,7 @@ def write_new(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
@@ -68,8 +75,10 @@ def _open_root(stack: contextlib.ExitStack, root: str | os.PathLike) -> int:
         return open_in(stack, root, DIR_FLAGS)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise SnapshotError(f"{root} is a symlink or not a directory; bootseer's state is "
-                                f"never written through one") from None
+            raise SnapshotError(
+                f"{root} is a symlink or not a directory; bootseer's state is "
+                f"never written through one"
+            ) from None
         raise
 
 

@@ -43,8 +43,9 @@ _PUBLISHER = re.compile(r"^[0-9a-f]{32}$")
 
 def check_key(key: str) -> str:
     if not isinstance(key, str) or not _KEY.match(key):
-        raise SnapshotError(f"{key!r} is not a snapshot key (hex, as printed by `bootseer env "
-                            f"key`)")
+        raise SnapshotError(
+            f"{key!r} is not a snapshot key (hex, as printed by `bootseer env key`)"
+        )
     return key
 
 
@@ -65,8 +66,14 @@ class Lease:
 class SnapshotStore:
     """Snapshots under ``url`` (``/shared/envs``, ``s3://bucket/envs``, ``hdfs://nn/envs``)."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
-                 concurrency: int = 16, retries: int | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        concurrency: int = 16,
+        retries: int | None = None,
+    ) -> None:
         self.url = redact(url)  # for messages and markers: never the credentials
         overrides: dict[str, Any] = {"concurrency": concurrency}
         if retries is not None:
@@ -93,20 +100,24 @@ class SnapshotStore:
         store cannot be asked."""
         path = self.path(key, MANIFEST_NAME)
         try:
-            raw = self.backend.read_object(path, what=f"snapshot manifest {key}",
-                                           retry=self.retry).result()
+            raw = self.backend.read_object(
+                path, what=f"snapshot manifest {key}", retry=self.retry
+            ).result()
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise StoreUnavailable(f"snapshot store {self.url} unreachable while reading "
-                                   f"{path}: {exc}") from exc
+            raise StoreUnavailable(
+                f"snapshot store {self.url} unreachable while reading {path}: {exc}"
+            ) from exc
         return Manifest.from_bytes(raw, where=f"{self.url}/{key}/{MANIFEST_NAME}")
 
     def require_manifest(self, key: str) -> Manifest:
         manifest = self.read_manifest(key)
         if manifest is None:
-            raise SnapshotNotFound(f"no snapshot {key} in {self.url}; build it with `bootseer "
-                                   f"env ensure` or `bootseer env create`")
+            raise SnapshotNotFound(
+                f"no snapshot {key} in {self.url}; build it with `bootseer "
+                f"env ensure` or `bootseer env create`"
+            )
         if manifest.key != key:
             raise SnapshotError(f"{self.url}/{key}: manifest names key {manifest.key}")
         return manifest
@@ -125,8 +136,9 @@ class SnapshotStore:
         path = self.path(key, name)
         if self.backend.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-        return self.backend.write_object(path, data, what=f"snapshot {key} {name}",
-                                         retry=self.retry, durable=True)
+        return self.backend.write_object(
+            path, data, what=f"snapshot {key} {name}", retry=self.retry, durable=True
+        )
 
     def commit(self, manifest: Manifest) -> bool:
         """Create ``<key>/manifest.json`` unless it exists: True if this publisher won."""
@@ -143,9 +155,9 @@ class SnapshotStore:
         if self.backend.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-            self.backend.write_object(tmp, data, what=f"snapshot {os.path.basename(path)}",
-                                      retry=self.retry,
-                                      durable=True).result()
+            self.backend.write_object(
+                tmp, data, what=f"snapshot {os.path.basename(path)}", retry=self.retry, durable=True
+            ).result()
             try:
                 os.link(tmp, path)  # fails with EEXIST: the atomic create-if-absent
             finally:
@@ -162,15 +174,15 @@ class SnapshotStore:
             except OSError as exc:
                 if isinstance(exc, FileExistsError) or exc.errno == errno.EINVAL:
                     raise FileExistsError(path) from exc
-                raise StoreUnavailable(f"snapshot store {self.url}: cannot write {path}: "
-                                       f"{exc}") from exc
+                raise StoreUnavailable(
+                    f"snapshot store {self.url}: cannot write {path}: {exc}"
+                ) from exc
             return
         # Other filesystems have no create-if-absent: check, write, and read back (a
         # concurrent publisher may still overwrite; the survivor is still one whole snapshot).
         if self.target.exists(path):
             raise FileExistsError(path)
-        self.backend.write_object(path, data, what="snapshot manifest",
-                                  retry=self.retry).result()
+        self.backend.write_object(path, data, what="snapshot manifest", retry=self.retry).result()
 
     def discard_publisher(self, key: str, publisher: str) -> None:
         """Remove one publisher's chunks (a lost race, a failed pack)."""
@@ -187,8 +199,13 @@ class SnapshotStore:
     # -- the lease of whoever is building a key ---------------------------------------------
     def try_lease(self, key: str, publisher: str) -> bool:
         now = time.time()
-        lease = {"publisher": publisher, "host": socket.gethostname(), "pid": os.getpid(),
-                 "started": now, "heartbeat": now}
+        lease = {
+            "publisher": publisher,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": now,
+            "heartbeat": now,
+        }
         try:
             self._create_exclusive(self.path(key, LOCK_NAME), json.dumps(lease).encode())
         except FileExistsError:
@@ -196,16 +213,26 @@ class SnapshotStore:
         return True
 
     def renew_lease(self, key: str, publisher: str, started: float) -> None:
-        lease = {"publisher": publisher, "host": socket.gethostname(), "pid": os.getpid(),
-                 "started": started, "heartbeat": time.time()}
+        lease = {
+            "publisher": publisher,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": started,
+            "heartbeat": time.time(),
+        }
         self.put(key, LOCK_NAME, json.dumps(lease).encode()).result()
 
     def read_lease(self, key: str) -> Lease | None:
         try:
             raw = self.target.cat_file(self.path(key, LOCK_NAME))
             data = json.loads(raw)
-            return Lease(str(data["publisher"]), str(data["host"]), int(data["pid"]),
-                         float(data["started"]), float(data["heartbeat"]))
+            return Lease(
+                str(data["publisher"]),
+                str(data["host"]),
+                int(data["pid"]),
+                float(data["started"]),
+                float(data["heartbeat"]),
+            )
         except FileNotFoundError:
             return None
         except (ValueError, KeyError, TypeError):

@@ -24,8 +24,9 @@ def _corrupt(what: str, chunk: str | None, rule: str) -> CorruptSnapshotError:
     return CorruptSnapshotError(f"{what}: {rule}", chunk=chunk, rule=rule)
 
 
-def frame_size(data: bytes, what: str, *, declared: int | None, limit: int,
-               chunk: str | None = None) -> int:
+def frame_size(
+    data: bytes, what: str, *, declared: int | None, limit: int, chunk: str | None = None
+) -> int:
     """The content size of the zstd frame ``data``, checked (see the module docstring)
     against ``declared`` (the manifest's, when there is one), ``limit`` and ``len(data)``."""
     try:
@@ -35,18 +36,29 @@ def frame_size(data: bytes, what: str, *, declared: int | None, limit: int,
     if size < 0:
         raise _corrupt(what, chunk, "the zstd frame declares no content size in its header")
     if declared is not None and size != declared:
-        raise _corrupt(what, chunk, f"frame declares {size} bytes in its header, the manifest "
-                                    f"{declared}")
+        raise _corrupt(
+            what, chunk, f"frame declares {size} bytes in its header, the manifest {declared}"
+        )
     if size > limit:
         raise _corrupt(what, chunk, f"frame declares {size} bytes, more than the limit {limit}")
     if size > len(data) * MAX_RATIO:
-        raise _corrupt(what, chunk, f"{size} bytes declared from {len(data)} compressed bytes: "
-                                    f"more than zstd can expand (at most {MAX_RATIO}:1)")
+        raise _corrupt(
+            what,
+            chunk,
+            f"{size} bytes declared from {len(data)} compressed bytes: "
+            f"more than zstd can expand (at most {MAX_RATIO}:1)",
+        )
     return size
 
 
-def inflate_into(decomp: zstandard.ZstdDecompressor, data: bytes, out: memoryview, what: str,
-                 *, chunk: str | None = None) -> None:
+def inflate_into(
+    decomp: zstandard.ZstdDecompressor,
+    data: bytes,
+    out: memoryview,
+    what: str,
+    *,
+    chunk: str | None = None,
+) -> None:
     """Decompress ``data`` into ``out``, which it must fill exactly: a stream that ends short
     or goes on (in this frame or a next one) is refused, and nothing beyond ``out`` is kept."""
     want = len(out)
@@ -60,16 +72,19 @@ def inflate_into(decomp: zstandard.ZstdDecompressor, data: bytes, out: memoryvie
             got += n
         more = reader.read(1)
     except zstandard.ZstdError as exc:
-        raise _corrupt(what, chunk, f"does not decompress to exactly its declared {want} bytes "
-                                    f"(zstd: {exc})") from None
+        raise _corrupt(
+            what, chunk, f"does not decompress to exactly its declared {want} bytes (zstd: {exc})"
+        ) from None
     if got != want or more:
         detail = "more follows" if more else f"it ends after {got}"
-        raise _corrupt(what, chunk, f"does not decompress to exactly its declared {want} bytes "
-                                    f"({detail})")
+        raise _corrupt(
+            what, chunk, f"does not decompress to exactly its declared {want} bytes ({detail})"
+        )
 
 
-def inflate(data: bytes, what: str, *, declared: int | None, limit: int,
-            chunk: str | None = None) -> bytearray:
+def inflate(
+    data: bytes, what: str, *, declared: int | None, limit: int, chunk: str | None = None
+) -> bytearray:
     """``data`` decompressed, into a buffer allocated only once its size passed the checks."""
     out = bytearray(frame_size(data, what, declared=declared, limit=limit, chunk=chunk))
     inflate_into(zstandard.ZstdDecompressor(), data, memoryview(out), what, chunk=chunk)

@@ -32,11 +32,24 @@ from .errors import ShortReadError, StripeChecksumError, StripedIOError
 log = logging.getLogger("striped_fs")
 
 _TRANSIENT_ERRNOS = {
-    errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT,
-    errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN, errno.EIO, errno.EBUSY,
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ECONNABORTED,
+    errno.EPIPE,
+    errno.ETIMEDOUT,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.EAGAIN,
+    errno.EIO,
+    errno.EBUSY,
 }
-_PERMANENT_OSERRORS = (FileNotFoundError, PermissionError, IsADirectoryError,
-                       NotADirectoryError, FileExistsError)
+_PERMANENT_OSERRORS = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    FileExistsError,
+)
 
 
 def _third_party_transient() -> tuple[type[BaseException], ...]:
@@ -111,9 +124,18 @@ class Backend:
         self._busy = 0  # operations submitted and not finished (see ``busy``)
 
     # -- public operations -------------------------------------------------------------
-    def read_range(self, path: str, start: int, end: int, *, what: str, retry: RetryPolicy,
-                   validate: Validator | None = None, stripe: int | None = None,
-                   cancel: CancelToken | None = None) -> Future[bytes]:
+    def read_range(
+        self,
+        path: str,
+        start: int,
+        end: int,
+        *,
+        what: str,
+        retry: RetryPolicy,
+        validate: Validator | None = None,
+        stripe: int | None = None,
+        cancel: CancelToken | None = None,
+    ) -> Future[bytes]:
         """Bytes ``[start, end)`` of ``path``; a short answer is retried like a dropped stream.
         ``cancel`` (every read here): stops the retries once the set of reads is abandoned."""
         want = end - start
@@ -125,20 +147,40 @@ class Backend:
                 validate(data)
 
         return self._submit(
-            what, stripe, path, retry, check,
+            what,
+            stripe,
+            path,
+            retry,
+            check,
             lambda: self.fs.cat_file(path, start=start, end=end),
-            lambda: self.fs._cat_file(path, start=start, end=end), cancel,
+            lambda: self.fs._cat_file(path, start=start, end=end),
+            cancel,
         )
 
-    def read_object(self, path: str, *, what: str, retry: RetryPolicy,
-                    validate: Validator | None = None, stripe: int | None = None,
-                    limit: int | None = None, cancel: CancelToken | None = None) -> Future[bytes]:
+    def read_object(
+        self,
+        path: str,
+        *,
+        what: str,
+        retry: RetryPolicy,
+        validate: Validator | None = None,
+        stripe: int | None = None,
+        limit: int | None = None,
+        cancel: CancelToken | None = None,
+    ) -> Future[bytes]:
         """The whole object ``path``, or at most its first ``limit`` bytes when given (so that
         an object larger than expected is never read, or allocated, whole)."""
         if limit is None:
-            return self._submit(what, stripe, path, retry, validate,
-                                lambda: self.fs.cat_file(path),
-                                lambda: self.fs._cat_file(path), cancel)
+            return self._submit(
+                what,
+                stripe,
+                path,
+                retry,
+                validate,
+                lambda: self.fs.cat_file(path),
+                lambda: self.fs._cat_file(path),
+                cancel,
+            )
 
         def bounded() -> bytes:
             try:
@@ -154,9 +196,18 @@ class Backend:
 
         return self._submit(what, stripe, path, retry, validate, bounded, bounded_async, cancel)
 
-    def read_into(self, path: str, view: memoryview, start: int = 0, *, what: str,
-                  retry: RetryPolicy, validate: Callable[[memoryview], None] | None = None,
-                  stripe: int | None = None, cancel: CancelToken | None = None) -> Future[None]:
+    def read_into(
+        self,
+        path: str,
+        view: memoryview,
+        start: int = 0,
+        *,
+        what: str,
+        retry: RetryPolicy,
+        validate: Callable[[memoryview], None] | None = None,
+        stripe: int | None = None,
+        cancel: CancelToken | None = None,
+    ) -> Future[None]:
         """Read ``len(view)`` bytes of ``path`` from ``start`` into ``view`` (no new buffer).
 
         Local files are read with ``preadv`` straight into the destination; other targets
@@ -195,11 +246,20 @@ class Backend:
         async def remote() -> None:
             place(await self.fs._cat_file(path, start=start, end=start + want))
 
-        return self._submit(what, stripe, path, retry, check,
-                            lambda: place(self.fs.cat_file(path, start=start, end=start + want)),
-                            remote, cancel)
+        return self._submit(
+            what,
+            stripe,
+            path,
+            retry,
+            check,
+            lambda: place(self.fs.cat_file(path, start=start, end=start + want)),
+            remote,
+            cancel,
+        )
 
-    def object_sizes(self, directory: str, *, what: str, retry: RetryPolicy) -> dict[str, int | None]:
+    def object_sizes(
+        self, directory: str, *, what: str, retry: RetryPolicy
+    ) -> dict[str, int | None]:
         """The objects directly under ``directory`` by name, with the sizes the target lists
         (``None`` where it lists none); empty when there is no such directory. One listing
         (one LIST request on S3), never a read of an object."""
@@ -210,14 +270,25 @@ class Backend:
                 entries = self.fs.ls(directory, detail=True)
             except FileNotFoundError:
                 return {}
-            return {e["name"].rstrip("/").rpartition("/")[2]: e.get("size")
-                    for e in entries if e.get("type") == "file"}
+            return {
+                e["name"].rstrip("/").rpartition("/")[2]: e.get("size")
+                for e in entries
+                if e.get("type") == "file"
+            }
 
         return self._submit(what, None, directory, retry, None, listing, None).result()
 
-    def write_object(self, path: str, data: bytes | memoryview, *, what: str, retry: RetryPolicy,
-                     durable: bool = True, stripe: int | None = None,
-                     exclusive: bool = False) -> Future[None]:
+    def write_object(
+        self,
+        path: str,
+        data: bytes | memoryview,
+        *,
+        what: str,
+        retry: RetryPolicy,
+        durable: bool = True,
+        stripe: int | None = None,
+        exclusive: bool = False,
+    ) -> Future[None]:
         """Store ``data`` as the whole object ``path`` (fsync'd on local disk when durable).
 
         ``exclusive``: fail with ``FileExistsError`` if ``path`` exists, decided by the store
@@ -225,15 +296,36 @@ class Backend:
         caller links a written file into place instead.
         """
         if self.is_local:
-            return self._submit(what, stripe, path, retry, None,
-                                lambda: _local_write(path, data, durable, self.direct_io), None)
+            return self._submit(
+                what,
+                stripe,
+                path,
+                retry,
+                None,
+                lambda: _local_write(path, data, durable, self.direct_io),
+                None,
+            )
         mode = {"mode": "create"} if exclusive else {}
-        return self._submit(what, stripe, path, retry, None,
-                            lambda: self.fs.pipe_file(path, data, **mode),
-                            lambda: self.fs._pipe_file(path, data, **mode))
+        return self._submit(
+            what,
+            stripe,
+            path,
+            retry,
+            None,
+            lambda: self.fs.pipe_file(path, data, **mode),
+            lambda: self.fs._pipe_file(path, data, **mode),
+        )
 
-    def copy_object(self, src: str, dst: str, *, what: str, retry: RetryPolicy,
-                    durable: bool = True, link: bool = False) -> Future[None]:
+    def copy_object(
+        self,
+        src: str,
+        dst: str,
+        *,
+        what: str,
+        retry: RetryPolicy,
+        durable: bool = True,
+        link: bool = False,
+    ) -> Future[None]:
         """Copy the object ``src`` to ``dst`` on the target (server-side on object stores).
 
         On local disk ``link`` makes ``dst`` a hard link (no bytes copied; for immutable
@@ -241,11 +333,18 @@ class Backend:
         and fsync'd when durable.
         """
         if self.is_local:
-            return self._submit(what, None, dst, retry, None,
-                                lambda: _local_copy(src, dst, durable, link), None)
-        return self._submit(what, None, dst, retry, None,
-                            lambda: self.fs.cp_file(src, dst),
-                            lambda: self.fs._cp_file(src, dst))
+            return self._submit(
+                what, None, dst, retry, None, lambda: _local_copy(src, dst, durable, link), None
+            )
+        return self._submit(
+            what,
+            None,
+            dst,
+            retry,
+            None,
+            lambda: self.fs.cp_file(src, dst),
+            lambda: self.fs._cp_file(src, dst),
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -266,16 +365,25 @@ class Backend:
             self._busy += delta
 
     # -- machinery ---------------------------------------------------------------------
-    def _submit(self, what: str, stripe: int | None, path: str, retry: RetryPolicy, validate: Validator | None,
-                sync_call: Callable[[], Any], async_call: Callable[[], Awaitable[Any]] | None,
-                cancel: CancelToken | None = None) -> Future:
+    def _submit(
+        self,
+        what: str,
+        stripe: int | None,
+        path: str,
+        retry: RetryPolicy,
+        validate: Validator | None,
+        sync_call: Callable[[], Any],
+        async_call: Callable[[], Awaitable[Any]] | None,
+        cancel: CancelToken | None = None,
+    ) -> Future:
         if self.is_async and async_call is not None:
             coro = self._run_async(what, stripe, path, retry, validate, async_call, cancel)
             return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
         self._count(1)
         try:
-            fut = self._executor().submit(self._run_sync, what, stripe, path, retry, validate,
-                                          sync_call, cancel)
+            fut = self._executor().submit(
+                self._run_sync, what, stripe, path, retry, validate, sync_call, cancel
+            )
         except BaseException:
             self._count(-1)
             raise
@@ -288,8 +396,16 @@ class Backend:
                 self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="striped-io")
             return self._pool
 
-    def _run_sync(self, what: str, stripe: int | None, path: str, retry: RetryPolicy, validate: Validator | None,
-                  call: Callable[[], Any], cancel: CancelToken | None = None) -> Any:
+    def _run_sync(
+        self,
+        what: str,
+        stripe: int | None,
+        path: str,
+        retry: RetryPolicy,
+        validate: Validator | None,
+        call: Callable[[], Any],
+        cancel: CancelToken | None = None,
+    ) -> Any:
         attempt = 0
         while True:
             if cancel is not None:
@@ -311,9 +427,16 @@ class Backend:
                     time.sleep(retry.delay(attempt))
                 attempt += 1
 
-    async def _run_async(self, what: str, stripe: int | None, path: str, retry: RetryPolicy,
-                         validate: Validator | None, call: Callable[[], Awaitable[Any]],
-                         cancel: CancelToken | None = None) -> Any:
+    async def _run_async(
+        self,
+        what: str,
+        stripe: int | None,
+        path: str,
+        retry: RetryPolicy,
+        validate: Validator | None,
+        call: Callable[[], Awaitable[Any]],
+        cancel: CancelToken | None = None,
+    ) -> Any:
         # Counted from when it runs: a cancelled future stops the task before it starts.
         self._count(1)
         try:
@@ -350,12 +473,14 @@ def _empty_if_unsatisfiable(exc: OSError) -> bytes:
 
 
 def _log_retry(what: str, path: str, exc: BaseException, attempt: int) -> None:
-    log.warning("%s (%s): %s: %s; retrying (attempt %d)", what, path,
-                type(exc).__name__, exc, attempt + 2)
+    log.warning(
+        "%s (%s): %s: %s; retrying (attempt %d)", what, path, type(exc).__name__, exc, attempt + 2
+    )
 
 
-def _final_error(exc: BaseException, what: str, path: str, attempts: int,
-                 stripe: int | None) -> BaseException:
+def _final_error(
+    exc: BaseException, what: str, path: str, attempts: int, stripe: int | None
+) -> BaseException:
     """Name the file and the stripe; keep the original as ``__cause__``."""
     if isinstance(exc, StripedIOError):
         return exc
@@ -365,7 +490,8 @@ def _final_error(exc: BaseException, what: str, path: str, attempts: int,
         return type(exc)(exc.errno, f"{what}: {path}: {exc.strerror or exc}", path)
     return StripedIOError(
         f"{what} ({path}) failed after {attempts} attempt(s): {type(exc).__name__}: {exc}",
-        path=path, stripe=stripe,
+        path=path,
+        stripe=stripe,
     )
 
 
@@ -387,8 +513,13 @@ def _local_write(path: str, data: bytes | memoryview, durable: bool, direct: boo
     measured 0.08 s instead of 0.3-1.5 s of kernel time per GiB here."""
     view = memoryview(data).cast("B")
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-    use_direct = (direct and _O_DIRECT and view.nbytes and view.nbytes % PAGE == 0
-                  and (_address(view) or 1) % PAGE == 0)
+    use_direct = (
+        direct
+        and _O_DIRECT
+        and view.nbytes
+        and view.nbytes % PAGE == 0
+        and (_address(view) or 1) % PAGE == 0
+    )
     if use_direct:
         try:
             fd = os.open(path, flags | _O_DIRECT, 0o644)
@@ -399,7 +530,7 @@ def _local_write(path: str, data: bytes | memoryview, durable: bool, direct: boo
     try:
         try:
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         except OSError as exc:
             if not use_direct or exc.errno != errno.EINVAL:
                 raise
@@ -407,7 +538,7 @@ def _local_write(path: str, data: bytes | memoryview, durable: bool, direct: boo
             fd = os.open(path, flags, 0o644)  # refused at write time: buffered, from the start
             view = memoryview(data).cast("B")
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         if durable:
             os.fsync(fd)
     finally:

@@ -101,17 +101,18 @@ class StripeOptions:
         constructor options, below storage options and per-call arguments."""
         for name, option in RETIRED_ENV.items():
             if os.environ.get(name):
-                raise OptionError(f"environment variable {name} is no longer read: set "
-                                  f"FSSPEC_STRIPED_{option.upper()} (fsspec's default for "
-                                  f"striped://), or the storage option striped="
-                                  f"{{{option!r}: ...}}")
+                raise OptionError(
+                    f"environment variable {name} is no longer read: set "
+                    f"FSSPEC_STRIPED_{option.upper()} (fsspec's default for "
+                    f"striped://), or the storage option striped="
+                    f"{{{option!r}: ...}}"
+                )
         return cls(**_coerce({k: v for k, v in options.items() if v is not None}))
 
 
 #: Variables earlier versions read -> the option they set. A leftover one is refused rather than
 #: silently ignored.
-RETIRED_ENV = {"BOOTSEER_STRIPE_SIZE": "stripe_size",
-               "BOOTSEER_STRIPE_CONCURRENCY": "concurrency"}
+RETIRED_ENV = {"BOOTSEER_STRIPE_SIZE": "stripe_size", "BOOTSEER_STRIPE_CONCURRENCY": "concurrency"}
 
 
 OPTION_NAMES = frozenset(f.name for f in fields(StripeOptions))
@@ -135,7 +136,9 @@ def _coerce(values: dict[str, Any]) -> dict[str, Any]:
             elif key in ("backoff_s", "backoff_cap_s"):
                 out[key] = float(value)
             elif key in ("fsync", "direct_io"):
-                out[key] = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+                out[key] = (
+                    value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+                )
         except (TypeError, ValueError) as exc:
             if isinstance(exc, OptionError):
                 raise

@@ -28,8 +28,9 @@ class ManifestError(StripedIOError):
     with the stripe objects the target holds; ``field``, when known, names the manifest's
     field that does not hold (``stripe_size``, ``size``, ``stripes``, ``version``)."""
 
-    def __init__(self, message: str, *, path: str, stripe: int | None = None,
-                 field: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, path: str, stripe: int | None = None, field: str | None = None
+    ) -> None:
         super().__init__(message, path=path, stripe=stripe)
         self.field = field
 

@@ -58,8 +58,14 @@ from .writer import StripedWriter
 log = logging.getLogger("striped_fs")
 
 # Options fsspec itself consumes when it builds and caches filesystem instances.
-_FSSPEC_OPTIONS = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time",
-                   "max_paths", "asynchronous", "loop"}
+_FSSPEC_OPTIONS = {
+    "skip_instance_cache",
+    "use_listings_cache",
+    "listings_expiry_time",
+    "max_paths",
+    "asynchronous",
+    "loop",
+}
 _READ_MODES = {"rb"}
 _WRITE_MODES = {"wb", "xb"}
 
@@ -76,23 +82,30 @@ class StripedFileSystem(ChainedFileSystem):
     protocol = "striped"
     root_marker = ""
 
-    def __init__(self, target_protocol: str | None = None, target_options: dict | None = None,
-                 fs: fsspec.AbstractFileSystem | None = None, fo: str | None = None,
-                 **options: Any) -> None:
+    def __init__(
+        self,
+        target_protocol: str | None = None,
+        target_options: dict | None = None,
+        fs: fsspec.AbstractFileSystem | None = None,
+        fo: str | None = None,
+        **options: Any,
+    ) -> None:
         unknown = set(options) - OPTION_NAMES - _FSSPEC_OPTIONS
         if unknown:
             raise OptionError(
                 f"unknown striped_fs option(s) {', '.join(sorted(unknown))}; known options: "
-                f"{', '.join(sorted(OPTION_NAMES))}")
+                f"{', '.join(sorted(OPTION_NAMES))}"
+            )
         stripe_opts = {k: v for k, v in options.items() if k in OPTION_NAMES}
         super().__init__(**{k: v for k, v in options.items() if k in _FSSPEC_OPTIONS})
         self.options = StripeOptions.resolve(**stripe_opts)
         if fs is None:
             if target_protocol is None:
                 target_protocol = (split_protocol(fo)[0] if fo else None) or "file"
-            fs = fsspec.filesystem(target_protocol,
-                                   **_target_defaults(target_protocol, target_options or {},
-                                                      self.options))
+            fs = fsspec.filesystem(
+                target_protocol,
+                **_target_defaults(target_protocol, target_options or {}, self.options),
+            )
         self.target = fs
         self.backend = Backend(fs, max_workers=max(64, self.options.concurrency))
         self.backend.direct_io = self.options.direct_io
@@ -105,7 +118,7 @@ class StripedFileSystem(ChainedFileSystem):
         path = fsspec.utils.stringify_path(path)
         for prefix in ("striped::", "striped://"):
             if path.startswith(prefix):
-                path = path[len(prefix):]
+                path = path[len(prefix) :]
         return path
 
     def _norm(self, path: str) -> str:
@@ -119,15 +132,18 @@ class StripedFileSystem(ChainedFileSystem):
         if unknown:
             raise OptionError(
                 f"unknown striped_fs option(s) {', '.join(sorted(unknown))}; known options: "
-                f"{', '.join(sorted(OPTION_NAMES))}")
+                f"{', '.join(sorted(OPTION_NAMES))}"
+            )
         return self.options.updated(**overrides) if overrides else self.options
 
     # -- resolving a path to a source ----------------------------------------------------
     def _probe(self, path: str, size: int | None) -> tuple[Manifest | None, bytes | None]:
         """Is ``path`` a striped manifest? Returns (manifest, whole bytes of a small file)."""
         if size is None:
-            raise OSError(f"{path}: the target did not report a size; striped reads need one "
-                          "(an HTTP server must send Content-Length)")
+            raise OSError(
+                f"{path}: the target did not report a size; striped reads need one "
+                "(an HTTP server must send Content-Length)"
+            )
         if size <= SMALL_FILE_PROBE:
             data = self.target.cat_file(path)
             if data.startswith(MAGIC):
@@ -163,11 +179,13 @@ class StripedFileSystem(ChainedFileSystem):
         """
         retry = RetryPolicy.from_options(self.options)
         try:
-            data = self.backend.read_object(path, what=f"manifest of {path}", retry=retry,
-                                            limit=SMALL_FILE_PROBE).result()
+            data = self.backend.read_object(
+                path, what=f"manifest of {path}", retry=retry, limit=SMALL_FILE_PROBE
+            ).result()
             if data.startswith(MAGIC) and len(data) >= SMALL_FILE_PROBE:
-                data = self.backend.read_object(path, what=f"manifest of {path}", retry=retry,
-                                                limit=MAX_MANIFEST_SIZE + 1).result()
+                data = self.backend.read_object(
+                    path, what=f"manifest of {path}", retry=retry, limit=MAX_MANIFEST_SIZE + 1
+                ).result()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
         if not data.startswith(MAGIC):
@@ -192,8 +210,11 @@ class StripedFileSystem(ChainedFileSystem):
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list:
         path = self._norm(path)
         entries = self.target.ls(path, detail=True, **kwargs)
-        if len(entries) == 1 and entries[0]["type"] == "file" \
-                and self._norm(entries[0]["name"]).rstrip("/") == path.rstrip("/"):
+        if (
+            len(entries) == 1
+            and entries[0]["type"] == "file"
+            and self._norm(entries[0]["name"]).rstrip("/") == path.rstrip("/")
+        ):
             info = self.info(path)  # ``path`` is a file: what it holds, not its manifest
             return [info] if detail else [info["name"]]
         names = {split_path(e["name"].rstrip("/"))[1] for e in entries}
@@ -204,10 +225,17 @@ class StripedFileSystem(ChainedFileSystem):
                 continue
             shown.append(entry)
             size = entry.get("size") or 0
-            if entry["type"] == "file" and f".{name}.stripes" in names and size <= MAX_MANIFEST_SIZE:
+            if (
+                entry["type"] == "file"
+                and f".{name}.stripes" in names
+                and size <= MAX_MANIFEST_SIZE
+            ):
                 probes[entry["name"]] = self.backend.read_object(
-                    entry["name"], what="manifest", retry=RetryPolicy.from_options(self.options),
-                    limit=MAX_MANIFEST_SIZE + 1)
+                    entry["name"],
+                    what="manifest",
+                    retry=RetryPolicy.from_options(self.options),
+                    limit=MAX_MANIFEST_SIZE + 1,
+                )
         gone = set()
         for i, entry in enumerate(shown):
             fut = probes.get(entry["name"])
@@ -216,7 +244,7 @@ class StripedFileSystem(ChainedFileSystem):
             try:
                 data = fut.result()
             except FileNotFoundError:  # removed after the listing (a writer cleaning up its
-                gone.add(i)            # stale files): not there, not an error of the listing
+                gone.add(i)  # stale files): not there, not an error of the listing
                 continue
             if data.startswith(MAGIC):
                 shown[i] = _logical(entry, Manifest.from_bytes(data, path=entry["name"]))
@@ -265,8 +293,15 @@ class StripedFileSystem(ChainedFileSystem):
         self.target.rmdir(self._norm(path))
 
     # -- reading -----------------------------------------------------------------------
-    def _open(self, path: str, mode: str = "rb", block_size: int | None = None,
-              autocommit: bool = True, cache_options: dict | None = None, **kwargs: Any):
+    def _open(
+        self,
+        path: str,
+        mode: str = "rb",
+        block_size: int | None = None,
+        autocommit: bool = True,
+        cache_options: dict | None = None,
+        **kwargs: Any,
+    ):
         path = self._norm(path)
         opts = self._opts(kwargs)
         if mode in _READ_MODES:
@@ -275,25 +310,27 @@ class StripedFileSystem(ChainedFileSystem):
             if _read_only(self.target):
                 raise PermissionError(
                     f"cannot write {path}: the {self.target.protocol} target is read-only "
-                    "for striped_fs (write to file://, s3:// or hdfs:// instead)")
+                    "for striped_fs (write to file://, s3:// or hdfs:// instead)"
+                )
             exclusive = mode == "xb"
             if exclusive and self.target.exists(path):
                 raise _exists_error(path)  # early; the commit decides again, atomically
             return self._writer(path, opts, exclusive=exclusive, autocommit=autocommit)
         raise ValueError(
             f"striped_fs cannot open {path} in mode {mode!r}: striped files are read with 'rb' "
-            "and written whole with 'wb' (no append or update in place)")
+            "and written whole with 'wb' (no append or update in place)"
+        )
 
-    def cat_file(self, path: str, start: int | None = None, end: int | None = None,
-                 **kwargs: Any) -> bytes:
+    def cat_file(
+        self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
+    ) -> bytes:
         path = self._norm(path)
         opts = self._opts(kwargs)
         source = self._resolve(path, opts)
         start, end = _clip(start, end, source.size)
         return read_range(source, start, end, opts.concurrency)
 
-    def get_file(self, rpath: str, lpath: Any, callback=None, outfile=None,
-                 **kwargs: Any) -> None:
+    def get_file(self, rpath: str, lpath: Any, callback=None, outfile=None, **kwargs: Any) -> None:
         """Copy one file out: to a local path (parents created, positioned writes as stripes
         arrive) or into a file object (``lpath`` or ``outfile``, written in order)."""
         rpath = self._norm(rpath)
@@ -318,21 +355,27 @@ class StripedFileSystem(ChainedFileSystem):
         download(source, lpath, opts.concurrency, progress)
 
     # -- writing -----------------------------------------------------------------------
-    def _writer(self, path: str, opts: StripeOptions, *, exclusive: bool = False,
-                autocommit: bool = True) -> StripedWriter:
-        return StripedWriter(path, self.backend, opts,
-                             commit=lambda p, m: self._commit(p, m, opts, exclusive=exclusive),
-                             prepare=self._prepare_version, discard_version=self._remove_version,
-                             autocommit=autocommit)
+    def _writer(
+        self, path: str, opts: StripeOptions, *, exclusive: bool = False, autocommit: bool = True
+    ) -> StripedWriter:
+        return StripedWriter(
+            path,
+            self.backend,
+            opts,
+            commit=lambda p, m: self._commit(p, m, opts, exclusive=exclusive),
+            prepare=self._prepare_version,
+            discard_version=self._remove_version,
+            autocommit=autocommit,
+        )
 
-    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite",
-                  **kwargs: Any) -> None:
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
         """Write ``value`` as the whole file; ``mode="create"`` refuses an existing one."""
         with self.open(path, _write_mode(mode, path), **kwargs) as f:
             f.write(value)
 
-    def put_file(self, lpath: str, rpath: str, callback=None, mode: str = "overwrite",
-                 **kwargs: Any) -> None:
+    def put_file(
+        self, lpath: str, rpath: str, callback=None, mode: str = "overwrite", **kwargs: Any
+    ) -> None:
         """Upload a local file, striped; ``mode="create"`` refuses an existing one."""
         rpath = self._norm(rpath)
         write_mode = _write_mode(mode, rpath)
@@ -353,8 +396,9 @@ class StripedFileSystem(ChainedFileSystem):
         if self.backend.is_local:
             os.makedirs(version_dir(path, version), exist_ok=True)
 
-    def _commit(self, path: str, manifest: Manifest, opts: StripeOptions, *,
-                exclusive: bool = False) -> None:
+    def _commit(
+        self, path: str, manifest: Manifest, opts: StripeOptions, *, exclusive: bool = False
+    ) -> None:
         """Make ``manifest`` the file at ``path`` in one atomic step, then drop the old version.
 
         ``exclusive``: only if nothing is at ``path``, decided in that same step where the
@@ -365,19 +409,31 @@ class StripedFileSystem(ChainedFileSystem):
         if manifest.stripe_count == 0:
             # An empty file has no stripes; a marker keeps its hidden directory listable, which
             # is how listings know which small files to probe for a manifest.
-            self.backend.write_object(stripe_path(path, manifest.version, 0), b"", retry=retry,
-                                      durable=opts.fsync, what=f"marker of {path}").result()
+            self.backend.write_object(
+                stripe_path(path, manifest.version, 0),
+                b"",
+                retry=retry,
+                durable=opts.fsync,
+                what=f"marker of {path}",
+            ).result()
         self._atomic_put(path, manifest.to_bytes(), opts, retry, exclusive)
         if previous is not None and previous.version != manifest.version:
             self._remove_version(path, previous.version)
 
-    def _atomic_put(self, path: str, data: bytes, opts: StripeOptions, retry: RetryPolicy,
-                    exclusive: bool = False) -> None:
+    def _atomic_put(
+        self,
+        path: str,
+        data: bytes,
+        opts: StripeOptions,
+        retry: RetryPolicy,
+        exclusive: bool = False,
+    ) -> None:
         if self.backend.is_local:
             parent, name = split_path(path)
             tmp = f"{parent}/.{name}.commit-{uuid.uuid4().hex}"
-            self.backend.write_object(tmp, data, retry=retry, durable=opts.fsync,
-                                      what=f"manifest of {path}").result()
+            self.backend.write_object(
+                tmp, data, retry=retry, durable=opts.fsync, what=f"manifest of {path}"
+            ).result()
             try:
                 if exclusive:
                     os.link(tmp, path)  # fails if anything is at path: atomic create
@@ -393,8 +449,9 @@ class StripedFileSystem(ChainedFileSystem):
             # Object stores replace a key atomically (or create it only if absent, with
             # If-None-Match); memory assigns a dict entry.
             try:
-                self.backend.write_object(path, data, retry=retry, exclusive=exclusive,
-                                          what=f"manifest of {path}").result()
+                self.backend.write_object(
+                    path, data, retry=retry, exclusive=exclusive, what=f"manifest of {path}"
+                ).result()
             except FileExistsError:
                 raise _exists_error(path) from None
         else:
@@ -420,16 +477,21 @@ class StripedFileSystem(ChainedFileSystem):
             except OSError:
                 pass  # other versions (a concurrent writer's) still there
 
-    def _copy_striped(self, src: str, manifest: Manifest, dst: str, *, link: bool,
-                      mtime_ns: int | None = None) -> None:
+    def _copy_striped(
+        self, src: str, manifest: Manifest, dst: str, *, link: bool, mtime_ns: int | None = None
+    ) -> None:
         """A new version of ``dst`` holding ``src``'s stripes, committed (or, inside a
         transaction, deferred). Stripes go ``concurrency`` at a time, each retried like any
         stripe: server-side copies on S3, hard links on local disk when ``link``. ``mtime_ns``:
         the time the new manifest records (a move keeps the source's)."""
         opts, retry = self.options, RetryPolicy.from_options(self.options)
-        copy = Manifest(size=manifest.size, stripe_size=manifest.stripe_size,
-                        version=uuid.uuid4().hex, checksums=manifest.checksums,
-                        mtime_ns=mtime_ns)
+        copy = Manifest(
+            size=manifest.size,
+            stripe_size=manifest.stripe_size,
+            version=uuid.uuid4().hex,
+            checksums=manifest.checksums,
+            mtime_ns=mtime_ns,
+        )
         pending: set[Future[None]] = set()
         try:
             self._prepare_version(dst, copy.version)
@@ -438,11 +500,16 @@ class StripedFileSystem(ChainedFileSystem):
                     done, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for fut in done:
                         fut.result()
-                pending.add(self.backend.copy_object(
-                    stripe_path(src, manifest.version, index),
-                    stripe_path(dst, copy.version, index),
-                    what=f"stripe {index} of {src} to {dst}", retry=retry, durable=opts.fsync,
-                    link=link))
+                pending.add(
+                    self.backend.copy_object(
+                        stripe_path(src, manifest.version, index),
+                        stripe_path(dst, copy.version, index),
+                        what=f"stripe {index} of {src} to {dst}",
+                        retry=retry,
+                        durable=opts.fsync,
+                        link=link,
+                    )
+                )
             for fut in wait(pending).done:
                 fut.result()
             if self.backend.is_local and opts.fsync and manifest.stripe_count:
@@ -471,7 +538,8 @@ class StripedFileSystem(ChainedFileSystem):
             raise NotImplementedError(
                 f"striped_fs: {operation} inside a transaction cannot wait for its end (only "
                 "file writes and copies of striped files are deferred); call it after the "
-                "transaction")
+                "transaction"
+            )
 
     # -- removing, moving, copying -------------------------------------------------------
     def rm_file(self, path: str) -> None:
@@ -484,8 +552,9 @@ class StripedFileSystem(ChainedFileSystem):
     def _rm(self, path: str) -> None:
         self.rm_file(path)
 
-    def rm(self, path: str | list[str], recursive: bool = False,
-           maxdepth: int | None = None) -> None:
+    def rm(
+        self, path: str | list[str], recursive: bool = False, maxdepth: int | None = None
+    ) -> None:
         """Remove files or (with ``recursive``) directories; see :mod:`striped_fs.tree` for
         which paths a glob names."""
         self._not_in_transaction("rm")
@@ -496,8 +565,9 @@ class StripedFileSystem(ChainedFileSystem):
                 continue
             if self.target.isdir(p):
                 if not recursive:
-                    raise IsADirectoryError(errno.EISDIR, "is a directory: pass recursive=True "
-                                            "to remove it", p)
+                    raise IsADirectoryError(
+                        errno.EISDIR, "is a directory: pass recursive=True to remove it", p
+                    )
                 if maxdepth is None:
                     tree.remove_literal(self.target, p)
                 else:
@@ -509,8 +579,14 @@ class StripedFileSystem(ChainedFileSystem):
                 self.rm_file(p)
         self.invalidate_cache()
 
-    def mv(self, path1: str | list[str], path2: str | list[str], recursive: bool = False,
-           maxdepth: int | None = None, **kwargs: Any) -> None:
+    def mv(
+        self,
+        path1: str | list[str],
+        path2: str | list[str],
+        recursive: bool = False,
+        maxdepth: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Move files, globs, lists and directories (a directory moves whole, ``recursive``
         or not); each destination is committed before its source is removed."""
         self._not_in_transaction("mv")
@@ -523,8 +599,9 @@ class StripedFileSystem(ChainedFileSystem):
 
     def _move_tree(self, src: str, dst: str, maxdepth: int | None) -> None:
         if self.target.isfile(dst):
-            raise NotADirectoryError(errno.ENOTDIR, f"cannot move the directory {src} over "
-                                     "a file", dst)
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"cannot move the directory {src} over a file", dst
+            )
         if self.backend.is_local and maxdepth is None and not os.path.lexists(dst):
             tree.local_parent(dst)
             os.rename(src, dst)  # the whole tree, manifests and stripes, in one atomic step
@@ -534,7 +611,7 @@ class StripedFileSystem(ChainedFileSystem):
             return
         found = self.find(src, maxdepth=maxdepth, withdirs=True, detail=True)
         for name, info in sorted(found.items()):
-            moved = dst + name[len(src):]
+            moved = dst + name[len(src) :]
             if info["type"] == "directory":
                 self.makedirs(moved, exist_ok=True)
             else:
@@ -584,8 +661,12 @@ class StripedFileSystem(ChainedFileSystem):
         self._copy_striped(src, manifest, dst, link=False)
 
     # -- housekeeping ------------------------------------------------------------------
-    def gc(self, path: str, older_than_s: float = 3600.0,
-           on_remove: Callable[[str], None] | None = None) -> int:
+    def gc(
+        self,
+        path: str,
+        older_than_s: float = 3600.0,
+        on_remove: Callable[[str], None] | None = None,
+    ) -> int:
         """Remove stripe versions no manifest references (killed or failed writers).
 
         Only versions untouched for ``older_than_s`` go, so a writer still uploading is
@@ -597,7 +678,7 @@ class StripedFileSystem(ChainedFileSystem):
             for name in dirs:
                 if not is_stripes_dir_name(name):
                     continue
-                owner = f"{dirpath}/{name[1:-len('.stripes')]}"
+                owner = f"{dirpath}/{name[1 : -len('.stripes')]}"
                 current = self._manifest_or_none(owner)
                 for version_path in self.target.ls(f"{dirpath}/{name}", detail=False):
                     version = split_path(version_path.rstrip("/"))[1]
@@ -640,14 +721,20 @@ class _DeferredCommit:
 def _write_mode(mode: str, path: str) -> str:
     """fsspec's ``mode`` of ``pipe_file``/``put_file`` as an ``open`` mode."""
     if mode not in ("overwrite", "create"):
-        raise ValueError(f"{path}: mode {mode!r} is not 'overwrite' (replace the file) or "
-                         "'create' (refuse an existing one)")
+        raise ValueError(
+            f"{path}: mode {mode!r} is not 'overwrite' (replace the file) or "
+            "'create' (refuse an existing one)"
+        )
     return "xb" if mode == "create" else "wb"
 
 
 def _exists_error(path: str) -> FileExistsError:
-    return FileExistsError(errno.EEXIST, "already exists (exclusive creation: mode 'xb' / "
-                           "mode='create'; use 'wb' / mode='overwrite' to replace it)", path)
+    return FileExistsError(
+        errno.EEXIST,
+        "already exists (exclusive creation: mode 'xb' / "
+        "mode='create'; use 'wb' / mode='overwrite' to replace it)",
+        path,
+    )
 
 
 def _read_only(fs: fsspec.AbstractFileSystem) -> bool:
@@ -656,8 +743,14 @@ def _read_only(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 def _logical(info: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
-    out = {**info, "size": manifest.size, "striped": True, "stripes": manifest.stripe_count,
-           "stripe_size": manifest.stripe_size, "version": manifest.version}
+    out = {
+        **info,
+        "size": manifest.size,
+        "striped": True,
+        "stripes": manifest.stripe_count,
+        "stripe_size": manifest.stripe_size,
+        "version": manifest.version,
+    }
     if manifest.mtime_ns is not None:
         out["mtime_ns"] = manifest.mtime_ns
         out["mtime"] = manifest.mtime_ns / 1e9

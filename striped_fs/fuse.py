@@ -181,8 +181,19 @@ class _ReadHandle:
 
 
 class _WriteHandle:
-    __slots__ = ("path", "full", "f", "lock", "pos", "failed", "done", "unlinked", "mtime_ns",
-                 "mtime_set", "empty_ok")
+    __slots__ = (
+        "path",
+        "full",
+        "f",
+        "lock",
+        "pos",
+        "failed",
+        "done",
+        "unlinked",
+        "mtime_ns",
+        "mtime_set",
+        "empty_ok",
+    )
 
     def __init__(self, path: str, full: str, f: Any, empty_ok: bool) -> None:
         self.path = path
@@ -239,8 +250,9 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
         self._settled = threading.Condition(self._lock)  # notified when a pending write ends
         protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         backend = getattr(fs, "backend", None)  # striped_fs: the target's, local or not
-        self._local = ("file" in protocol or "local" in protocol
-                       or getattr(backend, "is_local", False) is True)
+        self._local = (
+            "file" in protocol or "local" in protocol or getattr(backend, "is_local", False) is True
+        )
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -338,8 +350,12 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
             "st_blksize": IO_SIZE,
         }
         if info.get("type") == "directory":
-            return {"st_mode": stat.S_IFDIR | (0o555 if self.read_only else 0o755), "st_nlink": 2,
-                    "st_size": 0, **common}
+            return {
+                "st_mode": stat.S_IFDIR | (0o555 if self.read_only else 0o755),
+                "st_nlink": 2,
+                "st_size": 0,
+                **common,
+            }
         size = int(info.get("size") or 0)
         return {
             "st_mode": stat.S_IFREG | (0o444 if self.read_only else 0o644),
@@ -398,8 +414,11 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
             self._remember(self._full(prefix + base), entry, gen)
             out.append((base, self._stat(entry), 0))
         with self._lock:
-            extra = [p for p in (*self._writing, *self._virtual_dirs)
-                     if p.rsplit("/", 1)[0] + "/" == prefix]
+            extra = [
+                p
+                for p in (*self._writing, *self._virtual_dirs)
+                if p.rsplit("/", 1)[0] + "/" == prefix
+            ]
         for p in extra:
             base = p.rsplit("/", 1)[-1]
             if base not in seen:
@@ -419,15 +438,34 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
         if self._local:
             try:
                 st = os.statvfs(self.root or "/")
-                return {k: getattr(st, k) for k in (
-                    "f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
-                    "f_ffree", "f_favail", "f_namemax")}
+                return {
+                    k: getattr(st, k)
+                    for k in (
+                        "f_bsize",
+                        "f_frsize",
+                        "f_blocks",
+                        "f_bfree",
+                        "f_bavail",
+                        "f_files",
+                        "f_ffree",
+                        "f_favail",
+                        "f_namemax",
+                    )
+                }
             except OSError:
                 pass
         blocks = 1 << 33  # 1 PiB of 128 KiB blocks: remote stores have no meaningful limit
-        return {"f_bsize": IO_SIZE, "f_frsize": IO_SIZE, "f_blocks": blocks, "f_bfree": blocks,
-                "f_bavail": blocks, "f_files": 1 << 32, "f_ffree": 1 << 32, "f_favail": 1 << 32,
-                "f_namemax": 255}
+        return {
+            "f_bsize": IO_SIZE,
+            "f_frsize": IO_SIZE,
+            "f_blocks": blocks,
+            "f_bfree": blocks,
+            "f_bavail": blocks,
+            "f_files": 1 << 32,
+            "f_ffree": 1 << 32,
+            "f_favail": 1 << 32,
+            "f_namemax": 255,
+        }
 
     def chmod(self, path: str, mode: int) -> int:
         """Accepted and ignored: fsspec stores carry no permission bits."""
@@ -530,8 +568,9 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
             children = None
         with self._lock:
             virtual = path in self._virtual_dirs
-            has_virtual_children = any(p.startswith(path.rstrip("/") + "/")
-                                       for p in (*self._virtual_dirs, *self._writing))
+            has_virtual_children = any(
+                p.startswith(path.rstrip("/") + "/") for p in (*self._virtual_dirs, *self._writing)
+            )
         own = self.fs._strip_protocol(full).rstrip("/")
         if children is not None:
             children = [c for c in children if self.fs._strip_protocol(c).rstrip("/") != own]
@@ -576,7 +615,8 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
         """
         with self._settled:
             return self._settled.wait_for(
-                lambda: not any(p in self._writing for p in paths), timeout=timeout)
+                lambda: not any(p in self._writing for p in paths), timeout=timeout
+            )
 
     def rename(self, old: str, new: str) -> int:
         """POSIX rename on top of fs.mv: an existing empty target directory is replaced."""
@@ -595,8 +635,11 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
                     if not src_dir:
                         raise _fuse_error(errno.EISDIR)
                     own = self.fs._strip_protocol(dst).rstrip("/")
-                    if [c for c in self.fs.ls(dst, detail=False)
-                            if self.fs._strip_protocol(c).rstrip("/") != own]:
+                    if [
+                        c
+                        for c in self.fs.ls(dst, detail=False)
+                        if self.fs._strip_protocol(c).rstrip("/") != own
+                    ]:
                         raise _fuse_error(errno.ENOTEMPTY)
                     self.fs.rmdir(dst)
                 elif src_dir:
@@ -651,7 +694,10 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
         if size and not flags & os.O_TRUNC:
             log.warning(
                 "open %s for writing without O_TRUNC refused: files here are written once, "
-                "sequentially (existing size %d)", path, size)
+                "sequentially (existing size %d)",
+                path,
+                size,
+            )
             raise _fuse_error(errno.EOPNOTSUPP)
         return self._start_write(path, empty_ok=not size)
 
@@ -705,14 +751,22 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
             if h.done and not h.failed and h.pos == 0 and not h.unlinked:
                 self._restart(h)  # dd: committed empty at the first close of a dup
             if h.done or h.failed:
-                log.warning("write to %s refused: %s", h.path,
-                            f"an earlier error ({h.failed})" if h.failed
-                            else "the handle was already committed by close()")
+                log.warning(
+                    "write to %s refused: %s",
+                    h.path,
+                    f"an earlier error ({h.failed})"
+                    if h.failed
+                    else "the handle was already committed by close()",
+                )
                 raise _fuse_error(errno.EIO)
             if offset < h.pos:
                 h.failed = f"non-sequential write at offset {offset} (written so far: {h.pos})"
-                log.warning("write to %s refused: %s; files here are written once, "
-                            "sequentially; the file will not be committed", h.path, h.failed)
+                log.warning(
+                    "write to %s refused: %s; files here are written once, "
+                    "sequentially; the file will not be committed",
+                    h.path,
+                    h.failed,
+                )
                 raise _fuse_error(errno.EOPNOTSUPP)
             if offset > h.pos:
                 self._zero_fill(h, offset)
@@ -755,8 +809,12 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
                         raise
                     h.pos = 0
                     return 0
-                log.warning("truncate of %s to %d refused while writing it (%d written)",
-                            path, length, h.pos)
+                log.warning(
+                    "truncate of %s to %d refused while writing it (%d written)",
+                    path,
+                    length,
+                    h.pos,
+                )
                 raise _fuse_error(errno.EOPNOTSUPP)
         size = self.getattr(path).get("st_size", 0)
         if length == size:
@@ -767,8 +825,12 @@ class FsspecOperations(_Operations):  # type: ignore[misc,valid-type]
                 pass
             self._invalidate()
             return 0
-        log.warning("truncate of %s from %d to %d refused: files here are written once, "
-                    "sequentially", path, size, length)
+        log.warning(
+            "truncate of %s from %d to %d refused: files here are written once, sequentially",
+            path,
+            size,
+            length,
+        )
         raise _fuse_error(errno.EOPNOTSUPP)
 
     def _commit(self, h: _WriteHandle) -> None:
@@ -978,8 +1040,10 @@ def run_fuse(ops: Any, mountpoint: str, options: dict[str, Any]) -> None:
     try:
         _fusepy.FUSE(ops, mountpoint, **options)
     except RuntimeError as e:
-        raise MountError(f"libfuse failed to mount or serve {mountpoint!r} (code {e}); "
-                         "libfuse's own message is on stderr") from None
+        raise MountError(
+            f"libfuse failed to mount or serve {mountpoint!r} (code {e}); "
+            "libfuse's own message is on stderr"
+        ) from None
     finally:
         restore_sigpipe()
         for sig, handler in saved.items():
@@ -989,8 +1053,11 @@ def run_fuse(ops: Any, mountpoint: str, options: dict[str, Any]) -> None:
 def serve(fs: Any, root: str, mountpoint: str, **kw: Any) -> int:
     """Entry point for a child process: log to stderr, mount in the foreground, return 0."""
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.basicConfig(
+            level=logging.INFO,
+            stream=sys.stderr,
+            format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        )
     install_log_redaction()
     kw.setdefault("foreground", True)
     mount(fs, root, mountpoint, **kw)
@@ -1009,8 +1076,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true", help="libfuse request trace on stderr")
     args = parser.parse_args(argv)
     fs, root = fsspec.core.url_to_fs(args.url)
-    return serve(fs, root, args.mountpoint, read_only=args.read_only,
-                 allow_other=args.allow_other, debug=args.debug)
+    return serve(
+        fs,
+        root,
+        args.mountpoint,
+        read_only=args.read_only,
+        allow_other=args.allow_other,
+        debug=args.debug,
+    )
 
 
 # -- helpers for a parent process ----------------------------------------------------------------
@@ -1022,8 +1095,8 @@ def _unescape_mountinfo(field: str) -> str:
         return field
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
+        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
             i += 4
         else:
             out.append(field[i])
@@ -1090,7 +1163,8 @@ def wait_mounted(
             if proc is not None and proc.poll() is not None:
                 raise MountError(
                     f"mount process for {os.fspath(path)!r} exited with code {proc.returncode} "
-                    f"before the mount appeared; its stderr:\n{_child_stderr(proc)}")
+                    f"before the mount appeared; its stderr:\n{_child_stderr(proc)}"
+                )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise MountTimeout(f"{os.fspath(path)!r} not mounted after {timeout:.1f}s")

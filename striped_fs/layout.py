@@ -136,19 +136,23 @@ class Manifest:
         if not data.startswith(MAGIC):
             raise ManifestError(f"{path}: not a striped manifest", path=path)
         if len(data) > MAX_MANIFEST_SIZE:
-            raise _refused(path, f"the manifest is {len(data)} bytes, over the "
-                                 f"{MAX_MANIFEST_SIZE}-byte limit")
+            raise _refused(
+                path, f"the manifest is {len(data)} bytes, over the {MAX_MANIFEST_SIZE}-byte limit"
+            )
         try:
-            body = json.loads(data[len(MAGIC):], object_pairs_hook=_no_duplicates)
+            body = json.loads(data[len(MAGIC) :], object_pairs_hook=_no_duplicates)
         except (ValueError, RecursionError) as exc:
             raise ManifestError(f"{path}: malformed striped manifest ({exc})", path=path) from exc
         if not isinstance(body, dict):
-            raise ManifestError(f"{path}: malformed striped manifest (not a JSON object)",
-                                path=path)
+            raise ManifestError(
+                f"{path}: malformed striped manifest (not a JSON object)", path=path
+            )
         missing = [k for k in _V1_FIELDS if k not in body and k != "created"]
         if missing:
-            raise ManifestError(f"{path}: malformed striped manifest (missing field(s) "
-                                f"{', '.join(missing)})", path=path)
+            raise ManifestError(
+                f"{path}: malformed striped manifest (missing field(s) {', '.join(missing)})",
+                path=path,
+            )
         fmt, algo = body["format"], body["checksum"]
         if type(fmt) is not int or fmt not in FORMATS or algo != CHECKSUM_ALGO:
             raise ManifestError(
@@ -163,41 +167,70 @@ class Manifest:
         if unknown:
             # Stripe names, offsets and lengths are derived, never read from the manifest: a
             # field this reader does not know could only be meant to change what it reads.
-            raise _refused(path, f"unknown field(s) {', '.join(map(repr, unknown))} (format "
-                                 f"{fmt} has exactly: {', '.join(_FIELDS[fmt])})")
+            raise _refused(
+                path,
+                f"unknown field(s) {', '.join(map(repr, unknown))} (format "
+                f"{fmt} has exactly: {', '.join(_FIELDS[fmt])})",
+            )
         size, stripe_size, version = body["size"], body["stripe_size"], body["version"]
         sums, created = body["stripes"], body.get("created", 0.0)
         mtime_ns = body.get("mtime_ns")
         if not _is_int(size) or not 0 <= size <= MAX_FILE_SIZE:
             raise _refused(path, f"size {size!r} must be an integer from 0 to {MAX_FILE_SIZE}")
         if not _is_int(stripe_size) or not 1 <= stripe_size <= MAX_STRIPE_SIZE:
-            raise _refused(path, f"stripe_size {stripe_size!r} must be an integer from 1 to "
-                                 f"{MAX_STRIPE_SIZE}")
+            raise _refused(
+                path, f"stripe_size {stripe_size!r} must be an integer from 1 to {MAX_STRIPE_SIZE}"
+            )
         if not isinstance(version, str) or not _VERSION_RE.fullmatch(version):
-            raise _refused(path, f"version {version!r} must be 32 lowercase hex digits (it "
-                                 "names the directory of this file's stripes)")
+            raise _refused(
+                path,
+                f"version {version!r} must be 32 lowercase hex digits (it "
+                "names the directory of this file's stripes)",
+            )
         if not isinstance(sums, list):
             raise _refused(path, f"stripes must be a list of checksums, not {type(sums).__name__}")
         expected = -(-size // stripe_size)
         if expected > MAX_STRIPES:
-            raise _refused(path, f"declares {size} bytes in {stripe_size}-byte stripes, "
-                                 f"{expected} stripes: over the limit of {MAX_STRIPES}")
+            raise _refused(
+                path,
+                f"declares {size} bytes in {stripe_size}-byte stripes, "
+                f"{expected} stripes: over the limit of {MAX_STRIPES}",
+            )
         if len(sums) != expected:
-            raise _refused(path, f"declares {size} bytes in {stripe_size}-byte stripes "
-                                 f"({expected} stripes) but lists {len(sums)} checksums")
-        bad = next((i for i, c in enumerate(sums) if not _is_int(c) or not 0 <= c <= 0xFFFFFFFF),
-                   None)
+            raise _refused(
+                path,
+                f"declares {size} bytes in {stripe_size}-byte stripes "
+                f"({expected} stripes) but lists {len(sums)} checksums",
+            )
+        bad = next(
+            (i for i, c in enumerate(sums) if not _is_int(c) or not 0 <= c <= 0xFFFFFFFF), None
+        )
         if bad is not None:
-            raise _refused(path, f"checksum of stripe {bad} ({sums[bad]!r}) must be a crc32, "
-                                 "an integer from 0 to 4294967295")
-        if not isinstance(created, int | float) or isinstance(created, bool) \
-                or not math.isfinite(created):
+            raise _refused(
+                path,
+                f"checksum of stripe {bad} ({sums[bad]!r}) must be a crc32, "
+                "an integer from 0 to 4294967295",
+            )
+        if (
+            not isinstance(created, int | float)
+            or isinstance(created, bool)
+            or not math.isfinite(created)
+        ):
             raise _refused(path, f"created {created!r} must be a finite number (seconds)")
         if fmt == 2 and (not _is_int(mtime_ns) or not MIN_MTIME_NS <= mtime_ns <= MAX_MTIME_NS):
-            raise _refused(path, f"mtime_ns {mtime_ns!r} must be an integer (nanoseconds since "
-                                 f"the epoch) from {MIN_MTIME_NS} to {MAX_MTIME_NS}")
-        return cls(size=size, stripe_size=stripe_size, version=version, checksums=sums,
-                   created=float(created), mtime_ns=mtime_ns)
+            raise _refused(
+                path,
+                f"mtime_ns {mtime_ns!r} must be an integer (nanoseconds since "
+                f"the epoch) from {MIN_MTIME_NS} to {MAX_MTIME_NS}",
+            )
+        return cls(
+            size=size,
+            stripe_size=stripe_size,
+            version=version,
+            checksums=sums,
+            created=float(created),
+            mtime_ns=mtime_ns,
+        )
 
 
 _V1_FIELDS = ("format", "size", "stripe_size", "version", "checksum", "stripes", "created")

@@ -38,8 +38,7 @@ log = logging.getLogger("striped_fs")
 
 #: How many times a manifest replaced under us is read again before giving up.
 ATTEMPTS = 5
-_MTIME_KEYS = ("mtime", "LastModified", "last_modified", "modified", "updated", "created",
-               "ctime")
+_MTIME_KEYS = ("mtime", "LastModified", "last_modified", "modified", "updated", "created", "ctime")
 
 
 def mtime_ns_of(info: dict[str, Any]) -> int | None:
@@ -56,8 +55,7 @@ def mtime_ns_of(info: dict[str, Any]) -> int | None:
             if isinstance(val, _dt.datetime):
                 return int(val.timestamp() * 1e9)
             if isinstance(val, str):
-                return int(_dt.datetime.fromisoformat(val.replace("Z", "+00:00")).timestamp()
-                           * 1e9)
+                return int(_dt.datetime.fromisoformat(val.replace("Z", "+00:00")).timestamp() * 1e9)
             return int(float(val) * 1e9)
         except (TypeError, ValueError, OverflowError):
             continue
@@ -68,7 +66,10 @@ def set_mtime(fs: StripedFileSystem, path: str, mtime_ns: int) -> None:
     """Set the mtime of ``path`` (normalized, on ``fs``'s target); see the module docstring."""
     for attempt in range(ATTEMPTS):
         token, info = _token(fs, path)
-        if info["type"] == "directory" or (manifest := fs._probe(path, info.get("size"))[0]) is None:
+        if (
+            info["type"] == "directory"
+            or (manifest := fs._probe(path, info.get("size"))[0]) is None
+        ):
             _set_plain(fs, path, info, mtime_ns)
             return
         if manifest.mtime_ns == mtime_ns:
@@ -76,10 +77,19 @@ def set_mtime(fs: StripedFileSystem, path: str, mtime_ns: int) -> None:
         data = dataclasses.replace(manifest, mtime_ns=mtime_ns).to_bytes()
         if _replace_if_unchanged(fs, path, data, token, manifest):
             return
-        log.info("%s: its manifest was replaced while its mtime was being set; reading it again "
-                 "(attempt %d of %d)", path, attempt + 2, ATTEMPTS)
-    raise OSError(errno.EBUSY, f"{path}: replaced by other writers {ATTEMPTS} times while its "
-                               "mtime was being set; nothing was changed: try again", path)
+        log.info(
+            "%s: its manifest was replaced while its mtime was being set; reading it again "
+            "(attempt %d of %d)",
+            path,
+            attempt + 2,
+            ATTEMPTS,
+        )
+    raise OSError(
+        errno.EBUSY,
+        f"{path}: replaced by other writers {ATTEMPTS} times while its "
+        "mtime was being set; nothing was changed: try again",
+        path,
+    )
 
 
 def _set_plain(fs: StripedFileSystem, path: str, info: dict[str, Any], mtime_ns: int) -> None:
@@ -88,12 +98,19 @@ def _set_plain(fs: StripedFileSystem, path: str, info: dict[str, Any], mtime_ns:
         return
     protocol = fs.target.protocol if isinstance(fs.target.protocol, str) else fs.target.protocol[0]
     if info["type"] == "directory":
-        raise OSError(errno.EOPNOTSUPP, f"{path} is a directory on {protocol}://, which keeps "
-                                        "no directory times (a prefix); nothing was changed", path)
-    raise OSError(errno.EOPNOTSUPP,
-                  f"{path} is a plain (not striped) object on {protocol}://: its time cannot be "
-                  "set without rewriting it; copy it again through striped_fs (`bootseer fs cp`, "
-                  "or through the mount) to make it a striped file whose time can be set", path)
+        raise OSError(
+            errno.EOPNOTSUPP,
+            f"{path} is a directory on {protocol}://, which keeps "
+            "no directory times (a prefix); nothing was changed",
+            path,
+        )
+    raise OSError(
+        errno.EOPNOTSUPP,
+        f"{path} is a plain (not striped) object on {protocol}://: its time cannot be "
+        "set without rewriting it; copy it again through striped_fs (`bootseer fs cp`, "
+        "or through the mount) to make it a striped file whose time can be set",
+        path,
+    )
 
 
 def _token(fs: StripedFileSystem, path: str) -> tuple[Any, dict[str, Any]]:
@@ -108,8 +125,9 @@ def _token(fs: StripedFileSystem, path: str) -> tuple[Any, dict[str, Any]]:
     return info.get("ETag"), info
 
 
-def _replace_if_unchanged(fs: StripedFileSystem, path: str, data: bytes, token: Any,
-                          manifest: Manifest) -> bool:
+def _replace_if_unchanged(
+    fs: StripedFileSystem, path: str, data: bytes, token: Any, manifest: Manifest
+) -> bool:
     """Put ``data`` at ``path`` unless the object there is no longer the one ``token`` names;
     False when it was replaced (nothing written)."""
     opts = fs.options
@@ -117,8 +135,9 @@ def _replace_if_unchanged(fs: StripedFileSystem, path: str, data: bytes, token: 
     if fs.backend.is_local:
         parent, name = split_path(path)
         tmp = f"{parent}/.{name}.commit-{uuid.uuid4().hex}"
-        fs.backend.write_object(tmp, data, retry=retry, durable=opts.fsync,
-                                what=f"manifest of {path}").result()
+        fs.backend.write_object(
+            tmp, data, retry=retry, durable=opts.fsync, what=f"manifest of {path}"
+        ).result()
         try:
             st = os.stat(path, follow_symlinks=False)
             if (st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns, st.st_size) != token:

@@ -24,8 +24,9 @@ PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
 
 
-def make_dir(path: str | os.PathLike[str], mode: int = PRIVATE_DIR, *,
-             tighten: bool = False) -> Path:
+def make_dir(
+    path: str | os.PathLike[str], mode: int = PRIVATE_DIR, *, tighten: bool = False
+) -> Path:
     """``path`` as a directory with ``mode`` when this call creates it (missing parents:
     0700), whatever the umask; an existing one is left as it is unless ``tighten``."""
     path = Path(path)
@@ -51,5 +52,6 @@ def create_private(path: str | os.PathLike[str], flags: int = os.O_WRONLY) -> in
     """A new file at ``path``, mode 0600 (less if the umask says so, never more), created
     exclusively: an existing file or a symlink planted there is an error, never followed.
     Returns its descriptor."""
-    return os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                   PRIVATE_FILE)
+    return os.open(
+        path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE
+    )

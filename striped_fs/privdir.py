@@ -39,9 +39,11 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_LINKS = 40
 TRACE_WHAT = "the trace directory (run.trace_dir, BOOTSEER_TRACE_DIR)"
-_WHAT_TO_DO = ("another user may have made it to plant links or forged files there: remove "
-               "it (or, if it is yours and meant to be, chmod 700 it), or name another "
-               "directory")
+_WHAT_TO_DO = (
+    "another user may have made it to plant links or forged files there: remove "
+    "it (or, if it is yours and meant to be, chmod 700 it), or name another "
+    "directory"
+)
 
 
 class UnsafePath(PermissionError):
@@ -71,13 +73,15 @@ def _check_ancestor(st: os.stat_result, path: str, what: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(errno.ENOTDIR, f"{_label(what)}not a directory", path)
     if st.st_uid not in (0, os.geteuid()):
-        raise UnsafePath(f"{_label(what)}{path} is {_found(st)}: a directory on the way to "
-                         f"bootseer's own must belong to root or to {_owner(os.geteuid())}; "
-                         + _WHAT_TO_DO)
+        raise UnsafePath(
+            f"{_label(what)}{path} is {_found(st)}: a directory on the way to "
+            f"bootseer's own must belong to root or to {_owner(os.geteuid())}; " + _WHAT_TO_DO
+        )
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise UnsafePath(f"{_label(what)}{path} is {_found(st)}: writable by other users "
-                         "without the sticky bit, so they could swap what is in it; "
-                         + _WHAT_TO_DO)
+        raise UnsafePath(
+            f"{_label(what)}{path} is {_found(st)}: writable by other users "
+            "without the sticky bit, so they could swap what is in it; " + _WHAT_TO_DO
+        )
 
 
 def _check_own(st: os.stat_result, path: str, what: str, readable: bool) -> None:
@@ -87,9 +91,11 @@ def _check_own(st: os.stat_result, path: str, what: str, readable: bool) -> None
     wider = st.st_mode & (0o022 if readable else 0o077)
     if st.st_uid != os.geteuid() or wider:
         limit = "0755" if readable else "0700"
-        raise UnsafePath(f"{_label(what)}{path} is {_found(st)}: bootseer writes only into "
-                         f"a directory of its own (owner {_owner(os.geteuid())}, mode "
-                         f"{limit} or less, not a link); " + _WHAT_TO_DO)
+        raise UnsafePath(
+            f"{_label(what)}{path} is {_found(st)}: bootseer writes only into "
+            f"a directory of its own (owner {_owner(os.geteuid())}, mode "
+            f"{limit} or less, not a link); " + _WHAT_TO_DO
+        )
 
 
 def _made(name: str, parent_fd: int) -> None:
@@ -113,8 +119,9 @@ def _walk(path: str | os.PathLike[str], *, create: bool, what: str) -> tuple[int
                 nfd = os.open(name, _PATH_FLAGS, dir_fd=fd)
             except FileNotFoundError:
                 if not create:
-                    raise FileNotFoundError(errno.ENOENT, f"{_label(what)}no such directory",
-                                            here) from None
+                    raise FileNotFoundError(
+                        errno.ENOENT, f"{_label(what)}no such directory", here
+                    ) from None
                 try:
                     os.mkdir(name, 0o700, dir_fd=fd)
                     _made(name, fd)
@@ -128,9 +135,10 @@ def _walk(path: str | os.PathLike[str], *, create: bool, what: str) -> tuple[int
             if stat.S_ISLNK(st.st_mode):
                 os.close(nfd)
                 if st.st_uid not in (0, os.geteuid()):
-                    raise UnsafePath(f"{_label(what)}{here} is a link {_found(st)}: only a "
-                                     f"link of root or {_owner(os.geteuid())} is followed; "
-                                     + _WHAT_TO_DO)
+                    raise UnsafePath(
+                        f"{_label(what)}{here} is a link {_found(st)}: only a "
+                        f"link of root or {_owner(os.geteuid())} is followed; " + _WHAT_TO_DO
+                    )
                 links += 1
                 if links > _MAX_LINKS:
                     raise OSError(errno.ELOOP, f"{_label(what)}too many links", os.fspath(path))
@@ -168,13 +176,21 @@ def owned_file(fd: int, where: str, *, uid: int | None = None) -> int:
         return fd
     os.close(fd)
     kind = "a regular file" if stat.S_ISREG(st.st_mode) else "not a regular file"
-    raise UnsafePath(f"{where} is {kind} {_found(st)} with {st.st_nlink} link(s): bootseer "
-                     f"reads and writes only regular files of {_owner(want)} with one link "
-                     "here; another user may have planted it: remove it")
+    raise UnsafePath(
+        f"{where} is {kind} {_found(st)} with {st.st_nlink} link(s): bootseer "
+        f"reads and writes only regular files of {_owner(want)} with one link "
+        "here; another user may have planted it: remove it"
+    )
 
 
-def open_owned(name: str | os.PathLike[str], flags: int = os.O_RDONLY, *,
-               dir_fd: int | None = None, uid: int | None = None, where: str = "") -> int:
+def open_owned(
+    name: str | os.PathLike[str],
+    flags: int = os.O_RDONLY,
+    *,
+    dir_fd: int | None = None,
+    uid: int | None = None,
+    where: str = "",
+) -> int:
     """Open an existing file without following a link (relative to ``dir_fd`` when given)
     and return its descriptor only when :func:`owned_file` holds. ``O_TRUNC`` is applied
     after the check, never to someone else's file."""
@@ -184,8 +200,10 @@ def open_owned(name: str | os.PathLike[str], flags: int = os.O_RDONLY, *,
         fd = os.open(name, flags, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise UnsafePath(f"{where or os.fspath(name)} is a link: bootseer never follows "
-                             "one here; another user may have planted it: remove it") from None
+            raise UnsafePath(
+                f"{where or os.fspath(name)} is a link: bootseer never follows "
+                "one here; another user may have planted it: remove it"
+            ) from None
         raise
     fd = owned_file(fd, where or os.fspath(name), uid=uid)
     os.set_blocking(fd, True)
@@ -203,8 +221,14 @@ class PrivateDir:
 
     # -- getting one -------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, create: bool = True, what: str = "",
-             readable: bool = False) -> PrivateDir:
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        create: bool = True,
+        what: str = "",
+        readable: bool = False,
+    ) -> PrivateDir:
         """``path``, made 0700 (with any missing parent) when absent and ``create``, else
         checked: this user's, no wider than 0700 (0755 with ``readable``), not a link."""
         path = os.path.abspath(os.fspath(path))
@@ -213,8 +237,15 @@ class PrivateDir:
             raise UnsafePath(f"{_label(what)}{path}: the root directory is not bootseer's own")
         pfd, real, _ = _walk(parent, create=create, what=what)
         try:
-            return cls._child(pfd, os.path.join(real, name), name, create=create, what=what,
-                              readable=readable, shown=path)
+            return cls._child(
+                pfd,
+                os.path.join(real, name),
+                name,
+                create=create,
+                what=what,
+                readable=readable,
+                shown=path,
+            )
         finally:
             os.close(pfd)
 
@@ -240,8 +271,9 @@ class PrivateDir:
             os.close(pfd)
 
     @classmethod
-    def _child(cls, pfd: int, path: str, name: str, *, create: bool, what: str,
-               readable: bool, shown: str) -> PrivateDir:
+    def _child(
+        cls, pfd: int, path: str, name: str, *, create: bool, what: str, readable: bool, shown: str
+    ) -> PrivateDir:
         made = False
         if create:
             try:
@@ -253,16 +285,19 @@ class PrivateDir:
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
         except FileNotFoundError:
-            raise FileNotFoundError(errno.ENOENT, f"{_label(what)}no such directory",
-                                    shown) from None
+            raise FileNotFoundError(
+                errno.ENOENT, f"{_label(what)}no such directory", shown
+            ) from None
         except OSError as exc:
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                 raise
             st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
             kind = "a link" if stat.S_ISLNK(st.st_mode) else "not a directory"
-            raise UnsafePath(f"{_label(what)}{shown} is {kind} ({_found(st)}): bootseer "
-                             "writes only into a directory of its own, never through a "
-                             "link; " + _WHAT_TO_DO) from None
+            raise UnsafePath(
+                f"{_label(what)}{shown} is {kind} ({_found(st)}): bootseer "
+                "writes only into a directory of its own, never through a "
+                "link; " + _WHAT_TO_DO
+            ) from None
         try:
             _check_own(os.fstat(fd), shown, what, readable)
         except BaseException:
@@ -272,9 +307,15 @@ class PrivateDir:
 
     def subdir(self, name: str, *, create: bool = True, what: str = "") -> PrivateDir:
         """A directory in this one, made 0700 or checked as :meth:`open` does."""
-        return self._child(self.fd, os.path.join(self.path, _name(name)), name,
-                           create=create, what=what, readable=False,
-                           shown=os.path.join(self.path, name))
+        return self._child(
+            self.fd,
+            os.path.join(self.path, _name(name)),
+            name,
+            create=create,
+            what=what,
+            readable=False,
+            shown=os.path.join(self.path, name),
+        )
 
     # -- files in it -------------------------------------------------------------------------
     def where(self, name: str) -> str:
@@ -282,11 +323,14 @@ class PrivateDir:
 
     def create(self, name: str, flags: int = os.O_WRONLY, mode: int = 0o600) -> int:
         """A new file, exclusively (an existing name, a planted link: an error), 0600."""
-        return os.open(_name(name), flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
-                       os.O_CLOEXEC, mode, dir_fd=self.fd)
+        return os.open(
+            _name(name),
+            flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            mode,
+            dir_fd=self.fd,
+        )
 
-    def open_owned(self, name: str, flags: int = os.O_RDONLY, *,
-                   uid: int | None = None) -> int:
+    def open_owned(self, name: str, flags: int = os.O_RDONLY, *, uid: int | None = None) -> int:
         """An existing regular file of ``uid`` (default: this user) in this directory."""
         return open_owned(_name(name), flags, dir_fd=self.fd, uid=uid, where=self.where(name))
 
@@ -350,8 +394,7 @@ class PrivateDir:
         return f"PrivateDir({self.path!r})"
 
 
-def open_append(directory: str | os.PathLike[str], name: str, *,
-                what: str = TRACE_WHAT) -> IO[str]:
+def open_append(directory: str | os.PathLike[str], name: str, *, what: str = TRACE_WHAT) -> IO[str]:
     """``name`` in ``directory`` opened for appending text: the directory made 0700 or
     checked as a readable one (this user's, written by nobody else: a trace others may read),
     the file this user's regular file or a new one, never through a link."""

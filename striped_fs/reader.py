@@ -41,8 +41,9 @@ class Source:
         start = index * self.piece_size
         return start, min(start + self.piece_size, self.size)
 
-    def fetch(self, index: int, lo: int = 0, hi: int | None = None,
-              cancel: CancelToken | None = None) -> tuple[int, Future[bytes]]:
+    def fetch(
+        self, index: int, lo: int = 0, hi: int | None = None, cancel: CancelToken | None = None
+    ) -> tuple[int, Future[bytes]]:
         """Start fetching piece ``index`` (at least its part inside ``[lo, hi)``).
 
         Returns the logical offset of the first byte the future will hold, and the future.
@@ -50,8 +51,9 @@ class Source:
         """
         raise NotImplementedError
 
-    def fetch_into(self, index: int, view: memoryview,
-                   cancel: CancelToken | None = None) -> Future[None]:
+    def fetch_into(
+        self, index: int, view: memoryview, cancel: CancelToken | None = None
+    ) -> Future[None]:
         """Read the whole piece ``index`` into ``view`` (exactly its length), verified; with
         ``cancel``, nothing lands in ``view`` once it is cancelled."""
         start, fut = self.fetch(index, cancel=cancel)
@@ -88,8 +90,9 @@ class InlineSource(Source):
         self.size = len(self.data)
         self.piece_size = max(1, self.size)
 
-    def fetch(self, index: int, lo: int = 0, hi: int | None = None,
-              cancel: CancelToken | None = None) -> tuple[int, Future[bytes]]:
+    def fetch(
+        self, index: int, lo: int = 0, hi: int | None = None, cancel: CancelToken | None = None
+    ) -> tuple[int, Future[bytes]]:
         return 0, _done(self.data)
 
 
@@ -103,19 +106,35 @@ class PlainSource(Source):
     piece_size: int
     retry: RetryPolicy
 
-    def fetch(self, index: int, lo: int = 0, hi: int | None = None,
-              cancel: CancelToken | None = None) -> tuple[int, Future[bytes]]:
+    def fetch(
+        self, index: int, lo: int = 0, hi: int | None = None, cancel: CancelToken | None = None
+    ) -> tuple[int, Future[bytes]]:
         start, end = self.piece_range(index)
         start, end = max(start, lo), min(end, self.size if hi is None else hi)
-        fut = self.backend.read_range(self.path, start, end, retry=self.retry, stripe=index,
-                                      what=f"stripe {index} (bytes {start}-{end})", cancel=cancel)
+        fut = self.backend.read_range(
+            self.path,
+            start,
+            end,
+            retry=self.retry,
+            stripe=index,
+            what=f"stripe {index} (bytes {start}-{end})",
+            cancel=cancel,
+        )
         return start, fut
 
-    def fetch_into(self, index: int, view: memoryview,
-                   cancel: CancelToken | None = None) -> Future[None]:
+    def fetch_into(
+        self, index: int, view: memoryview, cancel: CancelToken | None = None
+    ) -> Future[None]:
         start, end = self.piece_range(index)
-        return self.backend.read_into(self.path, view, start, retry=self.retry, stripe=index,
-                                      what=f"stripe {index} (bytes {start}-{end})", cancel=cancel)
+        return self.backend.read_into(
+            self.path,
+            view,
+            start,
+            retry=self.retry,
+            stripe=index,
+            what=f"stripe {index} (bytes {start}-{end})",
+            cancel=cancel,
+        )
 
 
 @dataclass
@@ -135,21 +154,35 @@ class StripedSource(Source):
     def striped(self) -> bool:
         return True
 
-    def fetch(self, index: int, lo: int = 0, hi: int | None = None,
-              cancel: CancelToken | None = None) -> tuple[int, Future[bytes]]:
+    def fetch(
+        self, index: int, lo: int = 0, hi: int | None = None, cancel: CancelToken | None = None
+    ) -> tuple[int, Future[bytes]]:
         start, end = self.piece_range(index)
         # At most one byte more than the manifest declares is read: enough to tell a stripe
         # object that is too long, never a whole object of whatever size someone put there.
-        fut = self.backend.read_object(self._object(index), what=f"stripe {index} of {self.path}",
-                                       retry=self.retry, validate=self._verifier(index),
-                                       stripe=index, limit=end - start + 1, cancel=cancel)
+        fut = self.backend.read_object(
+            self._object(index),
+            what=f"stripe {index} of {self.path}",
+            retry=self.retry,
+            validate=self._verifier(index),
+            stripe=index,
+            limit=end - start + 1,
+            cancel=cancel,
+        )
         return start, fut
 
-    def fetch_into(self, index: int, view: memoryview,
-                   cancel: CancelToken | None = None) -> Future[None]:
-        return self.backend.read_into(self._object(index), view, retry=self.retry,
-                                      validate=self._verifier(index), stripe=index,
-                                      what=f"stripe {index} of {self.path}", cancel=cancel)
+    def fetch_into(
+        self, index: int, view: memoryview, cancel: CancelToken | None = None
+    ) -> Future[None]:
+        return self.backend.read_into(
+            self._object(index),
+            view,
+            retry=self.retry,
+            validate=self._verifier(index),
+            stripe=index,
+            what=f"stripe {index} of {self.path}",
+            cancel=cancel,
+        )
 
     def check_objects(self) -> None:
         """The manifest's geometry against the stripe objects the target holds, before any
@@ -164,19 +197,28 @@ class StripedSource(Source):
             return
         m = self.manifest
         directory = version_dir(self.path, m.version)
-        held = self.backend.object_sizes(directory, what=f"stripes of {self.path}",
-                                         retry=self.retry)
+        held = self.backend.object_sizes(
+            directory, what=f"stripes of {self.path}", retry=self.retry
+        )
         count = m.stripe_count
         missing = [i for i in range(count) if f"{i:08d}" not in held]
         if missing:
             field = "version" if len(missing) == count else "stripes"
-            raise _geometry(self.path, field, f"lists {count} stripe(s) of version {m.version} "
-                            f"but {len(missing)} of their objects are missing from {directory} "
-                            f"(first: stripe {missing[0]})")
+            raise _geometry(
+                self.path,
+                field,
+                f"lists {count} stripe(s) of version {m.version} "
+                f"but {len(missing)} of their objects are missing from {directory} "
+                f"(first: stripe {missing[0]})",
+            )
         extra = sorted(n for n in held if n.isdigit() and len(n) == 8 and int(n) >= count)
         if extra:
-            raise _geometry(self.path, "stripes", f"lists {count} stripe(s) but {directory} "
-                            f"holds {len(extra)} more stripe object(s) (first: {extra[0]})")
+            raise _geometry(
+                self.path,
+                "stripes",
+                f"lists {count} stripe(s) but {directory} "
+                f"holds {len(extra)} more stripe object(s) (first: {extra[0]})",
+            )
         for index in range(count):
             size = held[f"{index:08d}"]
             lo, hi = self.piece_range(index)
@@ -184,9 +226,14 @@ class StripedSource(Source):
                 continue
             field = "size" if index == count - 1 else "stripe_size"
             declared = f"size {m.size}" if field == "size" else f"stripe_size {m.stripe_size}"
-            raise _geometry(self.path, field, f"its {declared} makes stripe {index} "
-                            f"{hi - lo} bytes long, but its object {self._object(index)} holds "
-                            f"{size} bytes", stripe=index)
+            raise _geometry(
+                self.path,
+                field,
+                f"its {declared} makes stripe {index} "
+                f"{hi - lo} bytes long, but its object {self._object(index)} holds "
+                f"{size} bytes",
+                stripe=index,
+            )
 
     def _object(self, index: int) -> str:
         return stripe_path(self.path, self.manifest.version, index)
@@ -202,19 +249,29 @@ class StripedSource(Source):
                 held = f"{len(data)}" if len(data) < expected_len else f"more than {expected_len}"
                 raise StripeChecksumError(
                     f"stripe {index} of {self.path} ({obj}) holds {held} bytes, "
-                    f"manifest says {expected_len}", path=self.path, stripe=index)
+                    f"manifest says {expected_len}",
+                    path=self.path,
+                    stripe=index,
+                )
             got = checksum(data)
             if got != expected_crc:
                 raise StripeChecksumError(
                     f"stripe {index} of {self.path} ({obj}) is corrupt: crc32 {got:08x}, "
-                    f"manifest says {expected_crc:08x}", path=self.path, stripe=index)
+                    f"manifest says {expected_crc:08x}",
+                    path=self.path,
+                    stripe=index,
+                )
 
         return verify
 
 
 def _geometry(path: str, field: str, what: str, stripe: int | None = None) -> ManifestError:
-    return ManifestError(f"{path}: striped manifest does not match its stripe objects "
-                         f"(field {field!r}): {what}", path=path, stripe=stripe, field=field)
+    return ManifestError(
+        f"{path}: striped manifest does not match its stripe objects (field {field!r}): {what}",
+        path=path,
+        stripe=stripe,
+        field=field,
+    )
 
 
 def _lists_pages(backend: Backend) -> bool:
@@ -271,8 +328,11 @@ class StripedReader(io.BufferedIOBase):
 
     def read1(self, n: int = -1) -> bytes:
         self._check_open()
-        start, end = self.source.piece_range(self._pos // self.source.piece_size) \
-            if self._pos < self.size else (self._pos, self._pos)
+        start, end = (
+            self.source.piece_range(self._pos // self.source.piece_size)
+            if self._pos < self.size
+            else (self._pos, self._pos)
+        )
         avail = end - self._pos
         return self.read(avail if n is None or n < 0 else min(n, avail))
 
@@ -342,7 +402,9 @@ class StripedReader(io.BufferedIOBase):
             self._last_piece = first
         upto = min(self.source.piece_count - 1, max(last, first + self._ramp - 1))
         keep_from = first - 1  # an out-of-order request may still want the previous piece
-        for index in [i for i in self._pieces if i < keep_from or i > max(upto, first + self._window)]:
+        for index in [
+            i for i in self._pieces if i < keep_from or i > max(upto, first + self._window)
+        ]:
             self._pieces.pop(index)[1].cancel()
         for index in range(first, upto + 1):
             if index not in self._pieces:
@@ -362,8 +424,9 @@ class StripedReader(io.BufferedIOBase):
         return f"<StripedReader {self.name!r} {kind} size={self.size}>"
 
 
-def fetch_pieces(source: Source, start: int, end: int, concurrency: int,
-                 sink: Callable[[int, bytes], None]) -> None:
+def fetch_pieces(
+    source: Source, start: int, end: int, concurrency: int, sink: Callable[[int, bytes], None]
+) -> None:
     """Fetch ``[start, end)`` with at most ``concurrency`` pieces in flight.
 
     ``sink(offset, data)`` receives each piece as it completes (any order), clipped to the
@@ -376,12 +439,17 @@ def fetch_pieces(source: Source, start: int, end: int, concurrency: int,
     fetch_piece_set(source, range(first, last + 1), concurrency, sink, start, end)
 
 
-def fetch_piece_set(source: Source, indices: Iterable[int], concurrency: int,
-                    sink: Callable[[int, bytes], None], start: int = 0,
-                    end: int | None = None,
-                    into: Callable[[int], memoryview | None] | None = None,
-                    landed: Callable[[int], None] | None = None,
-                    cancel: CancelToken | None = None) -> None:
+def fetch_piece_set(
+    source: Source,
+    indices: Iterable[int],
+    concurrency: int,
+    sink: Callable[[int, bytes], None],
+    start: int = 0,
+    end: int | None = None,
+    into: Callable[[int], memoryview | None] | None = None,
+    landed: Callable[[int], None] | None = None,
+    cancel: CancelToken | None = None,
+) -> None:
     """Fetch the pieces ``indices`` (clipped to ``[start, end)``), ``concurrency`` at a time.
 
     A piece for which ``into(index)`` returns a view is read straight into it (no buffer in
@@ -424,8 +492,12 @@ def fetch_piece_set(source: Source, indices: Iterable[int], concurrency: int,
                 else:
                     lo, hi = max(start, data_start), min(end, data_start + len(result))
                     token.check()
-                    sink(lo, result if (lo, hi) == (data_start, data_start + len(result))
-                         else memoryview(result)[lo - data_start : hi - data_start])
+                    sink(
+                        lo,
+                        result
+                        if (lo, hi) == (data_start, data_start + len(result))
+                        else memoryview(result)[lo - data_start : hi - data_start],
+                    )
                 launch()
     except BaseException:
         _abandon(token, inflight)
@@ -463,11 +535,13 @@ def read_range(source: Source, start: int, end: int, concurrency: int) -> bytes:
     return b"".join(pieces[offset] for offset in sorted(pieces))
 
 
-def download(source: Source, local_path: str, concurrency: int,
-             progress: Callable[[int], None] | None = None) -> None:
+def download(
+    source: Source, local_path: str, concurrency: int, progress: Callable[[int], None] | None = None
+) -> None:
     """Write a source into a local file with positioned writes as pieces arrive."""
     fd = os.open(local_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
+
         def sink(offset: int, data: bytes) -> None:
             view = memoryview(data)
             while view:

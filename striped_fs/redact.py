@@ -42,23 +42,55 @@ from urllib.parse import unquote
 REDACTED = "***"
 
 # Option and field names whose values are credentials wherever they appear (case-insensitive).
-SECRET_NAMES = frozenset({
-    "secret", "password", "passwd", "token", "access_token", "refresh_token", "session_token",
-    "security_token", "aws_secret_access_key", "aws_access_key_id", "aws_session_token",
-    "aws_security_token", "secret_access_key", "access_key_id", "secret_key", "access_key",
-    "client_secret", "account_key", "sas_token", "api_key", "private_key", "credentials",
-    "authorization", "proxy-authorization", "x-amz-security-token", "x-amz-signature",
-    "x-amz-credential", "bootseer_registry_password",
-})
+SECRET_NAMES = frozenset(
+    {
+        "secret",
+        "password",
+        "passwd",
+        "token",
+        "access_token",
+        "refresh_token",
+        "session_token",
+        "security_token",
+        "aws_secret_access_key",
+        "aws_access_key_id",
+        "aws_session_token",
+        "aws_security_token",
+        "secret_access_key",
+        "access_key_id",
+        "secret_key",
+        "access_key",
+        "client_secret",
+        "account_key",
+        "sas_token",
+        "api_key",
+        "private_key",
+        "credentials",
+        "authorization",
+        "proxy-authorization",
+        "x-amz-security-token",
+        "x-amz-signature",
+        "x-amz-credential",
+        "bootseer_registry_password",
+    }
+)
 # Storage options also carry the access key id as ``key`` (s3fs) or ``username``: only there is
 # that generic name a credential (elsewhere "key" is, say, a snapshot key).
 OPTION_SECRET_NAMES = SECRET_NAMES | {"key", "username"}
 # Environment variables whose values are credentials, besides any name containing SECRET,
 # PASSWORD, TOKEN or a *_KEY of an access/secret/api/private key.
-SECRET_ENV = frozenset({"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                        "AWS_SECURITY_TOKEN", "BOOTSEER_REGISTRY_PASSWORD"})
+SECRET_ENV = frozenset(
+    {
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_SECURITY_TOKEN",
+        "BOOTSEER_REGISTRY_PASSWORD",
+    }
+)
 _SECRET_ENV_RE = re.compile(
-    r"(^|_)(SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIALS?)(_|$)|(ACCESS|SECRET|API|PRIVATE)_KEY")
+    r"(^|_)(SECRET|PASSWORD|PASSWD|TOKEN|CREDENTIALS?)(_|$)|(ACCESS|SECRET|API|PRIVATE)_KEY"
+)
 # Schemes whose user name alone is a credential (the access key id).
 _KEY_SCHEMES = {"s3", "s3a", "s3n", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"}
 MIN_SECRET_LEN = 8  # shorter values are hidden by name or position only, not verbatim
@@ -67,14 +99,17 @@ _names = "|".join(sorted((re.escape(n) for n in SECRET_NAMES), key=len, reverse=
 _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*)://([^\s/@'\"<>]+)@")
 # On object stores a bucket holds no ":", so "s3://KEY:SEC/RET@bucket" is a secret with a bare /
 _KEY_URL_USERINFO = re.compile(
-    rf"(?i)\b({'|'.join(sorted(_KEY_SCHEMES))})://([^\s/@'\"<>:]*:[^\s@'\"<>]*)@")
+    rf"(?i)\b({'|'.join(sorted(_KEY_SCHEMES))})://([^\s/@'\"<>:]*:[^\s@'\"<>]*)@"
+)
 # "name": "value", 'name': b'value', name='value', name: "value"
 _QUOTED = re.compile(rf"""(?ix)(?<![\w-])(['"]?)({_names})\1(\s*[:=]\s*b?)(['"])(.*?)\4""")
 # name=value (kwargs, query strings, env dumps): up to a separator
 _ASSIGNED = re.compile(rf"""(?ix)(?<![\w-])({_names})=(?!['"])([^\s&,;'")}}\]]+)""")
 # Name: value (HTTP headers, botocore's canonical requests): to the end of the line
-_HEADER = re.compile(r"(?im)^(\s*(?:authorization|proxy-authorization|x-amz-security-token)"
-                     r"\s*:[ \t]*)(?!['\"])(\S.*)$")
+_HEADER = re.compile(
+    r"(?im)^(\s*(?:authorization|proxy-authorization|x-amz-security-token)"
+    r"\s*:[ \t]*)(?!['\"])(\S.*)$"
+)
 _AWS_KEY_ID = re.compile(r"\b(?:AKIA|ASIA|AIDA|AROA|AIPA|ANPA|ANVA|AGPA|ABIA|ACCA)[A-Z0-9]{16}\b")
 _CREDENTIAL = re.compile(r"(?i)\b(Credential=)([^/\s,'\"&]+)")
 _SIGNATURE = re.compile(r"(?i)\b(Signature[=:]\s*)([0-9a-f]{16,})")
@@ -103,15 +138,20 @@ def register_secret(*values: Any) -> None:
         while len(_known) > _MAX_KNOWN:
             _known.popitem(last=False)
         if added:
-            _pattern = re.compile("|".join(
-                re.escape(s) for s in sorted(_known, key=len, reverse=True)))
+            _pattern = re.compile(
+                "|".join(re.escape(s) for s in sorted(_known, key=len, reverse=True))
+            )
 
 
 def register_options(options: Any) -> None:
     """Register the credentials held in fsspec storage options (any nesting)."""
     if isinstance(options, Mapping):
         for name, value in options.items():
-            if isinstance(name, str) and name.lower() in OPTION_SECRET_NAMES and isinstance(value, str):
+            if (
+                isinstance(name, str)
+                and name.lower() in OPTION_SECRET_NAMES
+                and isinstance(value, str)
+            ):
                 register_secret(value)
             else:
                 register_options(value)
@@ -168,9 +208,13 @@ def _quoted(match: re.Match[str]) -> str:
     value = match[5]
     # An AWS signature header keeps its shape (scope, signed headers) for debugging: only the
     # key id and the signature go. Any other credential value goes whole.
-    shown = (_SIGNATURE.sub(lambda m: f"{m[1]}{REDACTED}", _CREDENTIAL.sub(
-        lambda m: f"{m[1]}{REDACTED}", value)) if value.startswith("AWS4-HMAC-SHA256 ")
-        else REDACTED)
+    shown = (
+        _SIGNATURE.sub(
+            lambda m: f"{m[1]}{REDACTED}", _CREDENTIAL.sub(lambda m: f"{m[1]}{REDACTED}", value)
+        )
+        if value.startswith("AWS4-HMAC-SHA256 ")
+        else REDACTED
+    )
     return f"{match[1]}{match[2]}{match[1]}{match[3]}{match[4]}{shown}{match[4]}"
 
 
@@ -202,8 +246,10 @@ def redact(value: Any) -> Any:
     if isinstance(value, str):
         return redact_text(value)
     if isinstance(value, Mapping):
-        return {k: _hidden(v) if isinstance(k, str) and k.lower() in SECRET_NAMES else redact(v)
-                for k, v in value.items()}
+        return {
+            k: _hidden(v) if isinstance(k, str) and k.lower() in SECRET_NAMES else redact(v)
+            for k, v in value.items()
+        }
     if isinstance(value, list | tuple):
         return type(value)(redact(v) for v in value)
     return value
@@ -213,8 +259,12 @@ def redact_options(options: Any) -> Any:
     """Storage options as they may be shown: every credential (``key``, ``secret``,
     ``token``, ``client_kwargs.aws_secret_access_key``, ...) hidden, the rest kept."""
     if isinstance(options, Mapping):
-        return {k: _hidden(v) if isinstance(k, str) and k.lower() in OPTION_SECRET_NAMES
-                else redact_options(v) for k, v in options.items()}
+        return {
+            k: _hidden(v)
+            if isinstance(k, str) and k.lower() in OPTION_SECRET_NAMES
+            else redact_options(v)
+            for k, v in options.items()
+        }
     if isinstance(options, list | tuple):
         return type(options)(redact_options(v) for v in options)
     return redact(options)

@@ -35,8 +35,10 @@ def sources(fs: StripedFileSystem, path: str | list[str]) -> tuple[list[str], bo
     for given in path if isinstance(path, list) else [path]:
         p = fs._norm(given)
         if is_stripes_dir_name(split_path(p.rstrip("/"))[1]):
-            raise ValueError(f"{p}: names ending in .stripes and starting with a dot hold a "
-                             "striped file's stripes; remove or move the file itself")
+            raise ValueError(
+                f"{p}: names ending in .stripes and starting with a dot hold a "
+                "striped file's stripes; remove or move the file itself"
+            )
         if fs.target.exists(p):
             matches = [p]
         elif has_magic(p):
@@ -50,27 +52,41 @@ def sources(fs: StripedFileSystem, path: str | list[str]) -> tuple[list[str], bo
     return out, expanded
 
 
-def move_pairs(fs: StripedFileSystem, path1: str | list[str],
-               path2: str | list[str]) -> list[tuple[str, str]]:
+def move_pairs(
+    fs: StripedFileSystem, path1: str | list[str], path2: str | list[str]
+) -> list[tuple[str, str]]:
     """(source, destination) for every path ``mv(path1, path2)`` moves, checked up front."""
     if isinstance(path2, list):
         if not isinstance(path1, list) or len(path1) != len(path2):
-            raise ValueError("mv: a list of destinations needs a list of sources of the same "
-                             f"length ({len(path2)} destinations given)")
+            raise ValueError(
+                "mv: a list of destinations needs a list of sources of the same "
+                f"length ({len(path2)} destinations given)"
+            )
         srcs = [sources(fs, p) for p in path1]
         if any(expanded for _, expanded in srcs):
-            raise ValueError("mv: with a list of destinations, each source must be one "
-                             "existing path, not a pattern")
+            raise ValueError(
+                "mv: with a list of destinations, each source must be one "
+                "existing path, not a pattern"
+            )
         pairs = [(found[0], fs._norm(d)) for (found, _), d in zip(srcs, path2, strict=True)]
         for _, dst in pairs:
             if fs.target.isdir(dst):
-                raise IsADirectoryError(errno.EISDIR, "destination is a directory; give the "
-                                        "file's full path, or one directory for all", dst)
+                raise IsADirectoryError(
+                    errno.EISDIR,
+                    "destination is a directory; give the "
+                    "file's full path, or one directory for all",
+                    dst,
+                )
     else:
         srcs, expanded = sources(fs, path1)
         dst = fs._norm(path2).rstrip("/")
-        into = (isinstance(path1, list) or expanded or len(srcs) > 1
-                or path2.endswith("/") or fs.target.isdir(dst))
+        into = (
+            isinstance(path1, list)
+            or expanded
+            or len(srcs) > 1
+            or path2.endswith("/")
+            or fs.target.isdir(dst)
+        )
         pairs = [(s, f"{dst}/{split_path(s.rstrip('/'))[1]}" if into else dst) for s in srcs]
     _check_pairs(fs, pairs)
     return [(s, d) for s, d in pairs if s != d]
@@ -80,8 +96,10 @@ def _check_pairs(fs: StripedFileSystem, pairs: list[tuple[str, str]]) -> None:
     seen: dict[str, str] = {}
     for src, dst in pairs:
         if dst in seen:
-            raise ValueError(f"mv: {seen[dst]} and {src} would both move to {dst}; "
-                             "move them one at a time to different names")
+            raise ValueError(
+                f"mv: {seen[dst]} and {src} would both move to {dst}; "
+                "move them one at a time to different names"
+            )
         seen[dst] = src
         if dst.startswith(src.rstrip("/") + "/") and fs.target.isdir(src):
             raise ValueError(f"mv: cannot move the directory {src} into itself ({dst})")

@@ -30,28 +30,32 @@ def to_striped_url(url: str) -> str:
     return f"striped::{url}"
 
 
-def url_to_fs(url: str, storage_options: dict[str, Any] | None = None,
-              **stripe_options: Any) -> tuple[StripedFileSystem, str]:
+def url_to_fs(
+    url: str, storage_options: dict[str, Any] | None = None, **stripe_options: Any
+) -> tuple[StripedFileSystem, str]:
     """A :class:`StripedFileSystem` and the path inside it for ``url``.
 
     ``storage_options`` are fsspec's, keyed by protocol (``{"s3": {"endpoint_url": ...}}``);
     ``stripe_options`` (``stripe_size``, ``concurrency``...) configure the striping.
     """
     striped = to_striped_url(url)
-    target = striped[len("striped::"):]
+    target = striped[len("striped::") :]
     protocol = target.split("://", 1)[0] if "://" in target else "file"
     if protocol not in KNOWN_TARGETS and protocol not in fsspec.available_protocols():
         raise OptionError(
             f"{redact(url)}: unknown protocol {protocol!r}; use a path or one of "
-            f"{', '.join(sorted(KNOWN_TARGETS))} (e.g. striped::s3://bucket/key)")
+            f"{', '.join(sorted(KNOWN_TARGETS))} (e.g. striped::s3://bucket/key)"
+        )
     options = storage_options or {}
     register_options(options)
     register_url(url)
     if protocol in _KEY_IN_URL:
         target, options = _credentials_from_url(url, target, protocol, options)
         striped = f"striped::{target}"
-    striped_kw = {**options.get("striped", {}),
-                  **{k: v for k, v in stripe_options.items() if v is not None}}
+    striped_kw = {
+        **options.get("striped", {}),
+        **{k: v for k, v in stripe_options.items() if v is not None},
+    }
     # Options for protocols this URL does not use (s3 options while copying a local file)
     # are dropped: fsspec would hand them to the outermost filesystem.
     kwargs = {protocol: options[protocol]} if protocol in options else {}
@@ -61,14 +65,16 @@ def url_to_fs(url: str, storage_options: dict[str, Any] | None = None,
     return fs, path
 
 
-def split_credentials(url: str, storage_options: dict[str, Any] | None = None,
-                      ) -> tuple[str, dict[str, Any]]:
+def split_credentials(
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+) -> tuple[str, dict[str, Any]]:
     """``s3://KEY:SECRET@bucket/k`` -> (``s3://bucket/k``, storage options with the key and
     secret under ``s3``); any other URL comes back as it is. For handing a URL to another
     process without its credentials on the command line."""
     options = dict(storage_options or {})
     prefix = "striped::" if url.startswith("striped::") else ""
-    target = url[len(prefix):]
+    target = url[len(prefix) :]
     protocol = target.split("://", 1)[0] if "://" in target else "file"
     if protocol not in _KEY_IN_URL:
         return url, options
@@ -76,8 +82,9 @@ def split_credentials(url: str, storage_options: dict[str, Any] | None = None,
     return prefix + target, options
 
 
-def _credentials_from_url(url: str, target: str, protocol: str,
-                          options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def _credentials_from_url(
+    url: str, target: str, protocol: str, options: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
     """``s3://KEY:SECRET@bucket/k`` -> (``s3://bucket/k``, options with ``key``/``secret``).
 
     The key and secret are percent-decoded (a secret holding ``/`` or ``@`` must be written
@@ -94,7 +101,8 @@ def _credentials_from_url(url: str, target: str, protocol: str,
     if clash:
         raise OptionError(
             f"{redact(url)}: credentials are given both in the URL and in the {protocol} "
-            f"storage options ({', '.join(clash)}); give them in one place")
+            f"storage options ({', '.join(clash)}); give them in one place"
+        )
     creds = {"key": key, **({"secret": secret} if secret else {})}
-    bare = f"{match['scheme']}://{target[match.end():]}"
+    bare = f"{match['scheme']}://{target[match.end() :]}"
     return bare, {**options, protocol: {**given, **creds}}

@@ -37,11 +37,16 @@ class StripedWriter(io.BufferedIOBase):
     only uploads; :meth:`commit` or :meth:`discard` decides.
     """
 
-    def __init__(self, path: str, backend: Backend, options: StripeOptions,
-                 commit: Callable[[str, Manifest], None],
-                 prepare: Callable[[str, str], None] | None = None,
-                 discard_version: Callable[[str, str], None] | None = None,
-                 autocommit: bool = True) -> None:
+    def __init__(
+        self,
+        path: str,
+        backend: Backend,
+        options: StripeOptions,
+        commit: Callable[[str, Manifest], None],
+        prepare: Callable[[str, str], None] | None = None,
+        discard_version: Callable[[str, str], None] | None = None,
+        autocommit: bool = True,
+    ) -> None:
         super().__init__()
         self.name = path
         self.path = path
@@ -130,8 +135,11 @@ class StripedWriter(io.BufferedIOBase):
             if self._state == "open":
                 in_flight = sys.exc_info()[1]
                 if in_flight is not None and in_flight is not self._exc_at_open:
-                    log.info("%s closed while %s propagates: discarded, nothing committed",
-                             self.path, type(in_flight).__name__)
+                    log.info(
+                        "%s closed while %s propagates: discarded, nothing committed",
+                        self.path,
+                        type(in_flight).__name__,
+                    )
                     self._abort()
                 else:
                     self._finish(commit=self._autocommit)
@@ -157,9 +165,13 @@ class StripedWriter(io.BufferedIOBase):
                     self._upload(bytes(self._buf))
                     self._buf.clear()
                 self._drain(0)
-                self._manifest = Manifest(size=self._size, stripe_size=self._opts.stripe_size,
-                                          version=self.version, checksums=self._checksums,
-                                          mtime_ns=self.mtime_ns)
+                self._manifest = Manifest(
+                    size=self._size,
+                    stripe_size=self._opts.stripe_size,
+                    version=self.version,
+                    checksums=self._checksums,
+                    mtime_ns=self.mtime_ns,
+                )
                 self._state = "uploaded"
             if commit and self._manifest is not None:
                 self._commit(self.path, self._manifest)
@@ -185,8 +197,9 @@ class StripedWriter(io.BufferedIOBase):
         # io's finalizer would call close() and commit a half-written file; only an
         # explicit close() commits, so an abandoned writer is discarded instead.
         if getattr(self, "_state", None) in ("open", "uploaded"):
-            log.warning("striped file %s was never closed: discarding it, nothing committed",
-                        self.path)
+            log.warning(
+                "striped file %s was never closed: discarding it, nothing committed", self.path
+            )
             self.discard()
 
     # -- internals ---------------------------------------------------------------------
@@ -196,11 +209,17 @@ class StripedWriter(io.BufferedIOBase):
         if index >= MAX_STRIPES:  # readers refuse such a manifest: fail now, not after upload
             raise ValueError(
                 f"{self.path}: more than {MAX_STRIPES} stripes of {self._opts.stripe_size} "
-                "bytes; write it with a larger stripe_size")
+                "bytes; write it with a larger stripe_size"
+            )
         self._checksums.append(checksum(data))
         fut = self._backend.write_object(
-            stripe_path(self.path, self.version, index), data, retry=self._retry,
-            durable=self._opts.fsync, stripe=index, what=f"stripe {index} of {self.path}")
+            stripe_path(self.path, self.version, index),
+            data,
+            retry=self._retry,
+            durable=self._opts.fsync,
+            stripe=index,
+            what=f"stripe {index} of {self.path}",
+        )
         self._inflight[fut] = index
 
     def _drain(self, limit: int) -> None:
@@ -223,8 +242,12 @@ class StripedWriter(io.BufferedIOBase):
             try:
                 self._discard_version(self.path, self.version)
             except Exception as exc:  # noqa: BLE001 - cleanup is best effort, the cause is raised
-                log.warning("could not remove stripes of abandoned write %s (%s): %s",
-                            self.path, self.version, exc)
+                log.warning(
+                    "could not remove stripes of abandoned write %s (%s): %s",
+                    self.path,
+                    self.version,
+                    exc,
+                )
 
     def __repr__(self) -> str:
         return f"<StripedWriter {self.path!r} {self._state} {self._size} bytes>"

@@ -70,15 +70,25 @@ def get_in(state: dict, key: str) -> Any:
 def describe_mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
     if got.dtype != want.dtype or got.shape != want.shape:
         return f"got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
-    diff = (got.reshape(-1).view(torch.uint8) != want.reshape(-1).view(torch.uint8))
+    diff = got.reshape(-1).view(torch.uint8) != want.reshape(-1).view(torch.uint8)
     return f"{int(diff.sum())} differing bytes of {diff.numel()}"
 
 
 # -- the distributed state -------------------------------------------------------------------
 
-PLAIN_KEYS = ("model/embed", "model/l0.w", "model/l0.b", "model/l1.w", "model/l2.w",
-              "model/l3.w", "model/pos", "model/mask", "model/scale", "model/count",
-              "model/empty")
+PLAIN_KEYS = (
+    "model/embed",
+    "model/l0.w",
+    "model/l0.b",
+    "model/l1.w",
+    "model/l2.w",
+    "model/l3.w",
+    "model/pos",
+    "model/mask",
+    "model/scale",
+    "model/count",
+    "model/empty",
+)
 ROW_KEY = "dt/row"  # Shard(0) on every 1-D mesh: the partial-read measurement uses it
 ROW_SHAPE = (2048, 256)  # 2 MiB of float32
 FLAT_SHAPES = {"flat/p0": (37, 53), "flat/p1": (300,)}
@@ -143,12 +153,19 @@ def dtensor_specs(world: int) -> dict[str, tuple[tuple[int, ...], list[Any]] | N
 
 
 def meta_objects(seed: int) -> dict[str, Any]:
-    return {"step": seed * 10 + 3, "epoch": seed % 7,
-            "sched": {"lr": 1e-4 * (1 + seed % 5), "betas": [0.9, 0.999], "name": f"cos-{seed}"}}
+    return {
+        "step": seed * 10 + 3,
+        "epoch": seed % 7,
+        "sched": {"lr": 1e-4 * (1 + seed % 5), "betas": [0.9, 0.999], "name": f"cos-{seed}"},
+    }
 
 
 def per_rank_value(seed: int, rank: int) -> dict[str, Any]:
-    return {"rank": rank, "seed": seed, "rng": torch.arange(6, dtype=torch.int64) * (rank + 1) + seed}
+    return {
+        "rank": rank,
+        "seed": seed,
+        "rng": torch.arange(6, dtype=torch.int64) * (rank + 1) + seed,
+    }
 
 
 class Meshes:
@@ -178,8 +195,9 @@ def build_state(meshes: Meshes, rank: int, seed: int) -> dict[str, Any]:
     for key, full in global_tensors(seed).items():
         if key in FLAT_SHAPES:
             lo, hi = FLAT_BOUNDS[key][world][rank : rank + 2]
-            leaf: Any = FlatShard(full.reshape(-1)[lo:hi].clone(), lo, full.numel(),
-                                  FLAT_SHAPES[key])
+            leaf: Any = FlatShard(
+                full.reshape(-1)[lo:hi].clone(), lo, full.numel(), FLAT_SHAPES[key]
+            )
         elif specs.get(key) is not None:
             shape, placements = specs[key]  # type: ignore[misc]
             leaf = distribute_tensor(full, meshes.get(shape), placements, src_data_rank=None)
@@ -211,8 +229,9 @@ def scribble(state: dict[str, Any]) -> None:
     visit(state)
 
 
-def check_state(state: dict[str, Any], rank: int, seed: int, saved_world: int,
-                skip: tuple[str, ...] = ()) -> list[str]:
+def check_state(
+    state: dict[str, Any], rank: int, seed: int, saved_world: int, skip: tuple[str, ...] = ()
+) -> list[str]:
     """Every tensor equals its expected global slice bit for bit; objects and PerRank back."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -228,8 +247,9 @@ def check_state(state: dict[str, Any], rank: int, seed: int, saved_world: int,
             want = full.reshape(-1)[leaf.offset : leaf.offset + got.numel()]
         elif isinstance(leaf, DTensor):
             got = leaf.to_local()
-            want = distribute_tensor(full, leaf.device_mesh, leaf.placements,
-                                     src_data_rank=None).to_local()
+            want = distribute_tensor(
+                full, leaf.device_mesh, leaf.placements, src_data_rank=None
+            ).to_local()
         else:
             got, want = leaf, full
         if not bit_equal(got, want):
@@ -239,9 +259,14 @@ def check_state(state: dict[str, Any], rank: int, seed: int, saved_world: int,
     per = state["rng"]
     owner = rank if rank < saved_world else 0  # ranks the save did not have get rank 0's
     want_per = per_rank_value(seed, owner)
-    if not isinstance(per, PerRank) or per.value.keys() != want_per.keys() or any(
+    if (
+        not isinstance(per, PerRank)
+        or per.value.keys() != want_per.keys()
+        or any(
             not (bit_equal(per.value[k], v) if isinstance(v, torch.Tensor) else per.value[k] == v)
-            for k, v in want_per.items()):
+            for k, v in want_per.items()
+        )
+    ):
         problems.append(f"PerRank on rank {rank}: {per!r}, expected {want_per!r}")
     return problems
 
@@ -252,9 +277,14 @@ def check_state(state: dict[str, Any], rank: int, seed: int, saved_world: int,
 def _manager(action: dict[str, Any], rank: int, world: int) -> Any:
     from ckpt import CheckpointManager
 
-    return CheckpointManager(action["url"], rank=rank, world_size=world,
-                             storage_options=action.get("storage_options"),
-                             stripe_size=STRIPE, concurrency=CONCURRENCY)
+    return CheckpointManager(
+        action["url"],
+        rank=rank,
+        world_size=world,
+        storage_options=action.get("storage_options"),
+        stripe_size=STRIPE,
+        concurrency=CONCURRENCY,
+    )
 
 
 def act_save(meshes: Meshes, rank: int, action: dict[str, Any]) -> dict[str, Any]:
@@ -279,8 +309,9 @@ def act_load(meshes: Meshes, rank: int, action: dict[str, Any]) -> dict[str, Any
         mgr.close()
     problems = check_state(target, rank, action["seed"], action["saved_world"])
     if report.step != action["step"] or latest != action["step"]:
-        problems.append(f"rank {rank}: loaded step {report.step}, latest {latest}, "
-                        f"expected {action['step']}")
+        problems.append(
+            f"rank {rank}: loaded step {report.step}, latest {latest}, expected {action['step']}"
+        )
     return {"problems": problems, "bytes_read": report.bytes_read, "loaded": len(report.loaded)}
 
 
@@ -304,10 +335,15 @@ def act_partial_read(meshes: Meshes, rank: int, action: dict[str, Any]) -> dict[
     lo, hi = int(mine[0]), int(mine[-1]) + 1
     per_src = rows // saved_world
     sources = sum(1 for r in range(saved_world) if r * per_src < hi and lo < (r + 1) * per_src)
-    return {"bytes_read": report.bytes_read, "slice_bytes": local.numel() * local.element_size(),
-            "whole_bytes": want.numel() * want.element_size(), "source_chunks": sources,
-            "equal": bit_equal(local, want[lo:hi]), "loaded": report.loaded,
-            "unexpected": len(report.unexpected)}
+    return {
+        "bytes_read": report.bytes_read,
+        "slice_bytes": local.numel() * local.element_size(),
+        "whole_bytes": want.numel() * want.element_size(),
+        "source_chunks": sources,
+        "equal": bit_equal(local, want[lo:hi]),
+        "loaded": report.loaded,
+        "unexpected": len(report.unexpected),
+    }
 
 
 def act_mismatch(meshes: Meshes, rank: int, action: dict[str, Any]) -> dict[str, Any]:
@@ -333,14 +369,19 @@ def act_mismatch(meshes: Meshes, rank: int, action: dict[str, Any]) -> dict[str,
         report = mgr.load_with_report(state, strict=False)
     finally:
         mgr.close()
-    problems = check_state(state, rank, action["seed"], action["saved_world"],
-                           skip=("model/embed", "model/count"))
+    problems = check_state(
+        state, rank, action["seed"], action["saved_world"], skip=("model/embed", "model/count")
+    )
     if not torch.equal(state["model"]["embed"], torch.full((500, 128), 3.0)):
         problems.append("model/embed (shape mismatch) was written by a non-strict load")
     if not torch.equal(state["model"]["new_head"], torch.full((4, 4), 5.0)):
         problems.append("model/new_head (not in the checkpoint) was changed")
-    out.update(problems=problems, missing=report.missing, unexpected=report.unexpected,
-               mismatched=report.mismatched)
+    out.update(
+        problems=problems,
+        missing=report.missing,
+        unexpected=report.unexpected,
+        mismatched=report.mismatched,
+    )
     return out
 
 
@@ -366,20 +407,29 @@ def agree_state(step: int, rank: int, world: int) -> dict[str, Any]:
 
     full = agree_global(step)
     lo, hi = agree_bounds(world, rank)
-    return {"w": FlatShard(full["w"][lo:hi].clone(), lo, AGREE_N), "bias": full["bias"].clone(),
-            "rng": PerRank(torch.full((4,), step * 100 + rank)), "step": step}
+    return {
+        "w": FlatShard(full["w"][lo:hi].clone(), lo, AGREE_N),
+        "bias": full["bias"].clone(),
+        "rng": PerRank(torch.full((4,), step * 100 + rank)),
+        "step": step,
+    }
 
 
 def agree_blank(rank: int, world: int) -> dict[str, Any]:
     from ckpt import FlatShard, PerRank
 
     lo, hi = agree_bounds(world, rank)
-    return {"w": FlatShard(torch.zeros(hi - lo), lo, AGREE_N), "bias": torch.zeros(300),
-            "rng": PerRank(None), "step": None}
+    return {
+        "w": FlatShard(torch.zeros(hi - lo), lo, AGREE_N),
+        "bias": torch.zeros(300),
+        "rng": PerRank(None),
+        "step": None,
+    }
 
 
-def agree_problems(state: dict[str, Any], step: int, rank: int, world: int,
-                   saved_world: int) -> list[str]:
+def agree_problems(
+    state: dict[str, Any], step: int, rank: int, world: int, saved_world: int
+) -> list[str]:
     """How ``state`` differs from ``step``'s values for this rank (bit for bit)."""
     want = agree_state(step, rank, world)
     problems = []
@@ -388,8 +438,9 @@ def agree_problems(state: dict[str, Any], step: int, rank: int, world: int,
     if not bit_equal(state["bias"], want["bias"]):
         problems.append(f"bias on rank {rank} is not step {step}'s")
     owner = rank if rank < saved_world else 0
-    if state["step"] != step or not bit_equal(state["rng"].value,
-                                              torch.full((4,), step * 100 + owner)):
+    if state["step"] != step or not bit_equal(
+        state["rng"].value, torch.full((4,), step * 100 + owner)
+    ):
         problems.append(f"objects on rank {rank}: step {state['step']}, rng {state['rng'].value}")
     return problems
 
@@ -401,13 +452,21 @@ def save_agree_steps(url: str, world: int, steps: list[int]) -> None:
 
     for step in steps:
         for rank in reversed(range(world)):
-            with CheckpointManager(url, rank=rank, world_size=world, stripe_size=STRIPE,
-                                   cache_dir=False) as mgr:
+            with CheckpointManager(
+                url, rank=rank, world_size=world, stripe_size=STRIPE, cache_dir=False
+            ) as mgr:
                 mgr.save(step, agree_state(step, rank, world), block=True)
 
 
-def flip_chunk_byte(url: str, step: int, rank: int, key: str | None = None, *,
-                    at: str = "middle", kind: str | None = None) -> str:
+def flip_chunk_byte(
+    url: str,
+    step: int,
+    rank: int,
+    key: str | None = None,
+    *,
+    at: str = "middle",
+    kind: str | None = None,
+) -> str:
     """Flip one byte inside a chunk of rank ``rank``'s data file of ``step`` (in its stripe,
     so the stripe fails its checksum); the chunk is ``key``'s, else the largest of ``kind``,
     else the first. Returns the data file's path."""
@@ -419,9 +478,14 @@ def flip_chunk_byte(url: str, step: int, rank: int, key: str | None = None, *,
     fs, root = url_to_fs(url)
     directory = step_dir(root, step)
     index = RankIndex.from_json(fs.cat_file(f"{directory}/{index_name(rank)}"), path="index")
-    chunks = [c for c in index.chunks if c.nbytes and (key is None or c.key == key)
-              and (kind is None or c.kind == kind)]
-    chunk = max(chunks, key=lambda c: c.nbytes) if kind else min(chunks, key=lambda c: c.byte_offset)
+    chunks = [
+        c
+        for c in index.chunks
+        if c.nbytes and (key is None or c.key == key) and (kind is None or c.kind == kind)
+    ]
+    chunk = (
+        max(chunks, key=lambda c: c.nbytes) if kind else min(chunks, key=lambda c: c.byte_offset)
+    )
     offset = chunk.byte_offset + (chunk.nbytes // 2 if at == "middle" else chunk.nbytes - 100)
     path = f"{directory}/{data_name(rank)}"
     manifest = StripeManifest.from_bytes(fs.target.cat_file(path), path=path)
@@ -461,9 +525,11 @@ class CollectiveCount:
 
     def __enter__(self) -> CollectiveCount:
         for name, fn in self.saved.items():
+
             def counted(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
                 self.calls[_name] += 1
                 return _fn(*args, **kwargs)
+
             setattr(self.dist, name, counted)
         return self
 
@@ -482,15 +548,23 @@ def act_agree_load(meshes: Meshes, rank: int, action: dict[str, Any]) -> dict[st
     if rank in action.get("extra_key_on", ()):
         state["not_in_checkpoint"] = torch.zeros(3)
     url = action.get("urls", {}).get(str(rank), action["url"])  # a rank may see another copy
-    mgr = CheckpointManager(url, rank=rank, world_size=world, stripe_size=STRIPE,
-                            concurrency=CONCURRENCY, cache_dir=False)
+    mgr = CheckpointManager(
+        url,
+        rank=rank,
+        world_size=world,
+        stripe_size=STRIPE,
+        concurrency=CONCURRENCY,
+        cache_dir=False,
+    )
     out: dict[str, Any] = {}
     with Captured() as captured, CollectiveCount() as count:
         try:
             report = mgr.load_with_report(state, action.get("step"))
-            out.update(step=report.step, skipped=getattr(report, "skipped", None),
-                       problems=agree_problems(state, report.step, rank, world,
-                                               action["saved_world"]))
+            out.update(
+                step=report.step,
+                skipped=getattr(report, "skipped", None),
+                problems=agree_problems(state, report.step, rank, world, action["saved_world"]),
+            )
         except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
             out.update(raised=type(exc).__name__, message=str(exc))
         finally:
@@ -511,8 +585,9 @@ def act_fsdp2(meshes: Meshes, rank: int, action: dict[str, Any]) -> dict[str, An
 
     def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                                    torch.nn.Linear(256, 64))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)
+        )
         for layer in (model[0], model[2]):
             fully_shard(layer)
         fully_shard(model)
@@ -529,7 +604,9 @@ def act_fsdp2(meshes: Meshes, rank: int, action: dict[str, Any]) -> dict[str, An
         for name, p in model.named_parameters():  # full_tensor: a collective, same order
             out[name] = p.full_tensor().clone()
             for k, v in sorted(opt.state[p].items()):
-                out[f"{name}/{k}"] = v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+                out[f"{name}/{k}"] = (
+                    v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+                )
         return out
 
     mgr = _manager(action, rank, meshes.world)
@@ -551,28 +628,45 @@ def act_fsdp2(meshes: Meshes, rank: int, action: dict[str, Any]) -> dict[str, An
     with Captured() as captured:
         step = mgr.load(state)
     mgr.close()
-    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     got = gathered(fresh, fresh_opt)
-    return {"step": step, "warnings": captured.lines,
-            "differ_from_step1": sorted(k for k in saved[1] if not bit_equal(got[k], saved[1][k])),
-            "keys": len(got), "differs_from_step2": any(not bit_equal(got[k], saved[2][k])
-                                                        for k in saved[2])}
+    return {
+        "step": step,
+        "warnings": captured.lines,
+        "differ_from_step1": sorted(k for k in saved[1] if not bit_equal(got[k], saved[1][k])),
+        "keys": len(got),
+        "differs_from_step2": any(not bit_equal(got[k], saved[2][k]) for k in saved[2]),
+    }
 
 
-ACTIONS = {"save": act_save, "load": act_load, "partial_read": act_partial_read,
-           "mismatch": act_mismatch, "agree_load": act_agree_load, "fsdp2": act_fsdp2}
+ACTIONS = {
+    "save": act_save,
+    "load": act_load,
+    "partial_read": act_partial_read,
+    "mismatch": act_mismatch,
+    "agree_load": act_agree_load,
+    "fsdp2": act_fsdp2,
+}
 
 
-def rank_main(rank: int, world: int, port: int, actions: list[dict[str, Any]],
-              out_dir: str) -> None:
+def rank_main(
+    rank: int, world: int, port: int, actions: list[dict[str, Any]], out_dir: str
+) -> None:
     """Entry point of one spawned rank (``start_processes`` passes the rank first)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        GLOO_SOCKET_IFNAME="lo",
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     results: dict[str, Any] = {}
     try:
         meshes = Meshes(world)
@@ -592,15 +686,21 @@ def rank_main(rank: int, world: int, port: int, actions: list[dict[str, Any]],
         dist.destroy_process_group()
 
 
-def run_group(world: int, actions: list[dict[str, Any]], out_dir: str | os.PathLike[str]
-              ) -> dict[str, dict[int, dict[str, Any]]]:
+def run_group(
+    world: int, actions: list[dict[str, Any]], out_dir: str | os.PathLike[str]
+) -> dict[str, dict[int, dict[str, Any]]]:
     """Run ``actions`` on ``world`` spawned gloo ranks; ``{tag: {rank: result}}``."""
     import torch.multiprocessing as mp
 
     out_dir = str(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    mp.start_processes(rank_main, args=(world, free_port(), actions, out_dir), nprocs=world,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        rank_main,
+        args=(world, free_port(), actions, out_dir),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
     results: dict[str, dict[int, dict[str, Any]]] = {}
     for rank in range(world):
         for tag, payload in json.loads(Path(out_dir, f"rank-{rank}.json").read_text()).items():
@@ -640,8 +740,11 @@ def kill_expected(seed: int, mb: float) -> dict[str, Any]:
     """The whole content of a kill-trial checkpoint, as rank 0 of one process loads it."""
     model: dict[str, Any] = dict(kill_replicated(seed))
     model["flat"] = torch.cat([kill_piece(seed, r, mb) for r in range(KILL_WORLD)])
-    return {"model": model, "meta": {"step": seed, "tag": f"seed-{seed}"},
-            "rng": per_rank_value(seed, 0)}
+    return {
+        "model": model,
+        "meta": {"step": seed, "tag": f"seed-{seed}"},
+        "rng": per_rank_value(seed, 0),
+    }
 
 
 def kill_state(seed: int, rank: int, mb: float) -> dict[str, Any]:
@@ -651,8 +754,11 @@ def kill_state(seed: int, rank: int, mb: float) -> dict[str, Any]:
     offset, numel = bounds[rank], bounds[-1]
     model: dict[str, Any] = dict(kill_replicated(seed))
     model["flat"] = FlatShard(kill_piece(seed, rank, mb), offset, numel)
-    return {"model": model, "meta": {"step": seed, "tag": f"seed-{seed}"},
-            "rng": PerRank(per_rank_value(seed, rank))}
+    return {
+        "model": model,
+        "meta": {"step": seed, "tag": f"seed-{seed}"},
+        "rng": PerRank(per_rank_value(seed, rank)),
+    }
 
 
 def kill_rank_main(cfg: dict[str, Any], rank: int) -> int:
@@ -661,10 +767,16 @@ def kill_rank_main(cfg: dict[str, Any], rank: int) -> int:
     from ckpt import CheckpointManager, CheckpointSaveError
 
     state = kill_state(cfg["seed"], rank, cfg["mb"])
-    mgr = CheckpointManager(cfg["url"], rank=rank, world_size=KILL_WORLD,
-                            storage_options=cfg.get("storage_options"), keep=cfg.get("keep"),
-                            stripe_size=cfg["stripe"], concurrency=CONCURRENCY,
-                            commit_timeout_s=cfg["commit_timeout_s"])
+    mgr = CheckpointManager(
+        cfg["url"],
+        rank=rank,
+        world_size=KILL_WORLD,
+        storage_options=cfg.get("storage_options"),
+        keep=cfg.get("keep"),
+        stripe_size=cfg["stripe"],
+        concurrency=CONCURRENCY,
+        commit_timeout_s=cfg["commit_timeout_s"],
+    )
     mgr.save(cfg["step"], state)
     try:
         result = mgr.wait()

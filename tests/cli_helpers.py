@@ -11,15 +11,23 @@ import tempfile
 from pathlib import Path
 
 
-def bootseer_cli(*args: str, env: dict | None = None, check: bool = True,
-                 timeout: float = 120, umask: int = -1) -> subprocess.CompletedProcess:
+def bootseer_cli(
+    *args: str, env: dict | None = None, check: bool = True, timeout: float = 120, umask: int = -1
+) -> subprocess.CompletedProcess:
     """``python -m bootseer ARGS`` (under ``umask`` when given); with ``check`` a non-zero
     exit fails with its stderr."""
-    proc = subprocess.run([sys.executable, "-m", "bootseer", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})},
-                          umask=umask)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bootseer", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        umask=umask,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"bootseer {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+        raise AssertionError(
+            f"bootseer {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}"
+        )
     return proc
 
 
@@ -38,6 +46,7 @@ def remove_background_log(log: Path, kind: str) -> None:
     """Remove the private directory of a background mount's log, and nothing else: never a
     directory that is not that mount's own (an older version logged straight into /tmp)."""
     directory = log.parent
-    if (directory.parent == Path(tempfile.gettempdir())
-            and directory.name.startswith(f"bootseer-{kind}-mount-")):
+    if directory.parent == Path(tempfile.gettempdir()) and directory.name.startswith(
+        f"bootseer-{kind}-mount-"
+    ):
         shutil.rmtree(directory, ignore_errors=True)

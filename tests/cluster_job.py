@@ -150,17 +150,22 @@ def train(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     out = Path(args.out)
     model, opt = build(width=args.width)
-    mgr = CheckpointManager(args.ckpt, rank=rank, world_size=world,
-                            storage_options=json.loads(args.storage_options),
-                            commit_timeout_s=60)
+    mgr = CheckpointManager(
+        args.ckpt,
+        rank=rank,
+        world_size=world,
+        storage_options=json.loads(args.storage_options),
+        commit_timeout_s=60,
+    )
     start, loaded = 0, False
     if mgr.latest() is not None:
         state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": -1}
         step = mgr.load(state)
         opt.load_state_dict(state["optim"])
-        write_json(out / f"loaded-{rank}-{socket.gethostname()}-{attempt}-w{world}-p{os.getpid()}"
-                         ".json",
-                   {"step": step, "digest": digest(model, opt), "world": world})
+        write_json(
+            out / f"loaded-{rank}-{socket.gethostname()}-{attempt}-w{world}-p{os.getpid()}.json",
+            {"step": step, "digest": digest(model, opt), "world": world},
+        )
         start, loaded = step + 1, True
     holds = [int(h) for h in filter(None, args.holds.split(","))]
     for step in range(start, args.steps):
@@ -178,12 +183,13 @@ def train(args: argparse.Namespace) -> None:
             p.grad = g / world
         opt.step()
         if step == start:
-            write_json(out / f"stepped-{rank}-{socket.gethostname()}-{attempt}-w{world}.json",
-                       {"step": step, "time": time.time(), "world": world})
+            write_json(
+                out / f"stepped-{rank}-{socket.gethostname()}-{attempt}-w{world}.json",
+                {"step": step, "time": time.time(), "world": world},
+            )
         if (step + 1) % args.save_every == 0:
             write_json(out / f"saved-{rank}-{step}.json", {"digest": digest(model, opt)})
-            mgr.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
-                            "step": step})
+            mgr.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
     mgr.close()
     write_json(out / f"final-{rank}.json", {"digest": digest(model, opt), "world": world})
     dist.destroy_process_group()
@@ -201,20 +207,33 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64, help="the hidden layer's width")
     parser.add_argument("--hold-again-at", type=int, default=-1)
     parser.add_argument("--hold-again-world", type=int, default=0)
-    parser.add_argument("--holds", default="",
-                        help="STEP,...: hold before each of these steps, the first time "
-                             "only (``holding-S-R``)")
-    parser.add_argument("--hang-at", type=int, default=-1,
-                        help="rank --hang-rank stops for good before this step, once")
+    parser.add_argument(
+        "--holds",
+        default="",
+        help="STEP,...: hold before each of these steps, the first time only (``holding-S-R``)",
+    )
+    parser.add_argument(
+        "--hang-at",
+        type=int,
+        default=-1,
+        help="rank --hang-rank stops for good before this step, once",
+    )
     parser.add_argument("--hang-rank", type=int, default=1)
-    parser.add_argument("--reference-worlds", default="",
-                        help="WORLD:STEPS,...: the world size over the steps, in order")
+    parser.add_argument(
+        "--reference-worlds",
+        default="",
+        help="WORLD:STEPS,...: the world size over the steps, in order",
+    )
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1)  # a test that sees a hang asks for the stacks
     torch.set_num_threads(1)
     if args.reference:
-        worlds = [int(w) for part in filter(None, args.reference_worlds.split(","))
-                  for w, n in [part.split(":")] for _ in range(int(n))]
+        worlds = [
+            int(w)
+            for part in filter(None, args.reference_worlds.split(","))
+            for w, n in [part.split(":")]
+            for _ in range(int(n))
+        ]
         print(reference(len(worlds) if worlds else args.steps, 2, args.width, worlds or None))
     else:
         train(args)

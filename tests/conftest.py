@@ -77,10 +77,20 @@ def system() -> Callable[[str | None], None]:
 #: ``--dist loadfile --no-loadscope-reorder`` (the Makefile) a file runs whole on one worker in
 #: collection order, and a long file started last keeps one worker busy while the other idles
 #: (xdist's own order, most tests first, started the 173 s e2e file last: 1092 s, now 935 s).
-LONGEST_FIRST = ("test_bench_harness", "test_e2e", "test_striped_fsspec_suite",
-                 "test_robust_failslow", "test_robust_standby", "test_robust_faults",
-                 "test_ckpt_kill", "test_robust_controller", "test_fuse_posix", "test_cluster",
-                 "test_ckpt_dist", "test_cri")
+LONGEST_FIRST = (
+    "test_bench_harness",
+    "test_e2e",
+    "test_striped_fsspec_suite",
+    "test_robust_failslow",
+    "test_robust_standby",
+    "test_robust_faults",
+    "test_ckpt_kill",
+    "test_robust_controller",
+    "test_fuse_posix",
+    "test_cluster",
+    "test_ckpt_dist",
+    "test_cri",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -375,7 +385,12 @@ def tcp_store() -> Iterator[Any]:
 
     from torch.distributed import TCPStore
 
-    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                 timeout=datetime.timedelta(seconds=10))
+    s = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=10),
+    )
     yield s
     del s

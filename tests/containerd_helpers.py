@@ -24,8 +24,15 @@ BIG = os.urandom(3 << 20)  # spans several frames of the converted layer
 HELLO = b"hello from layer two\n"
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes | None = None, *, mode: int = 0o644,
-         kind: bytes = tarfile.REGTYPE, link: str = "") -> None:
+def _add(
+    tar: tarfile.TarFile,
+    name: str,
+    data: bytes | None = None,
+    *,
+    mode: int = 0o644,
+    kind: bytes = tarfile.REGTYPE,
+    link: str = "",
+) -> None:
     info = tarfile.TarInfo(name)
     info.type, info.mode, info.mtime, info.linkname = kind, mode, 1_700_000_000, link
     if data is not None:
@@ -43,8 +50,7 @@ def _libraries(binary: str) -> set[str]:
     return libs
 
 
-def add_programs(tar: tarfile.TarFile, tools: tuple[str, ...], dirs: tuple[str, ...] = ()
-                 ) -> None:
+def add_programs(tar: tarfile.TarFile, tools: tuple[str, ...], dirs: tuple[str, ...] = ()) -> None:
     """The host's ``tools`` as ``bin/<tool>`` with the shared libraries they load, their
     directories (0755) and ``dirs`` too."""
     files: dict[str, bytes] = {}
@@ -56,8 +62,9 @@ def add_programs(tar: tarfile.TarFile, tools: tuple[str, ...], dirs: tuple[str, 
         for lib in _libraries(real):
             files[lib.lstrip("/")] = Path(os.path.realpath(lib)).read_bytes()
     leaves = {str(Path(name).parent) for name in files} | set(dirs)
-    parents = {"/".join(Path(d).parts[:i]) for d in leaves
-               for i in range(1, len(Path(d).parts) + 1)}
+    parents = {
+        "/".join(Path(d).parts[:i]) for d in leaves for i in range(1, len(Path(d).parts) + 1)
+    }
     for d in sorted(parents):
         _add(tar, d, kind=tarfile.DIRTYPE, mode=0o755)
     for name in sorted(files):
@@ -91,16 +98,19 @@ def runnable_layers(salt: bytes = b"") -> list[bytes]:
 
 
 # What the test command prints inside the container, for the image above.
-SCRIPT = ("cat /app/hello.txt /app/link; ls /data/old; "
-          "test -e /etc/removed.txt && echo still-there || echo removed; "
-          "sha256sum /app/big.bin")
+SCRIPT = (
+    "cat /app/hello.txt /app/link; ls /data/old; "
+    "test -e /etc/removed.txt && echo still-there || echo removed; "
+    "sha256sum /app/big.bin"
+)
 
 
 def expected_output() -> str:
     import hashlib
 
-    return (HELLO.decode() * 2 + "b\nremoved\n"
-            + f"{hashlib.sha256(BIG).hexdigest()}  /app/big.bin\n")
+    return (
+        HELLO.decode() * 2 + "b\nremoved\n" + f"{hashlib.sha256(BIG).hexdigest()}  /app/big.bin\n"
+    )
 
 
 def push_images(host: str, repo: str = "app/run", salt: bytes = b"") -> tuple[str, str]:
@@ -118,8 +128,7 @@ def holder_pid(address: str) -> int:
     """The pid of the FUSE holder listening at ``address`` (its socket's peer credentials)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.connect(address)
-        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                        12))
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     return pid
 
 
@@ -141,10 +150,23 @@ class SnapshotterProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bootseer", "snapshotter", "--root",
-                 str(self.root), "--address", self.address, *self.extra],
-                stdout=log, stderr=log, start_new_session=True, umask=self.umask,
-                env={**os.environ, **(self.env or {})})
+                [
+                    sys.executable,
+                    "-m",
+                    "bootseer",
+                    "snapshotter",
+                    "--root",
+                    str(self.root),
+                    "--address",
+                    self.address,
+                    *self.extra,
+                ],
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                umask=self.umask,
+                env={**os.environ, **(self.env or {})},
+            )
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(self.address):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -95,8 +95,9 @@ def main() -> None:
         time.sleep(args.step_time)
         step += 1
     bootseer.finishing(step)
-    (out / f"done-{rank}-{os.environ.get('BOOTSEER_ATTEMPT')}.json").write_text(json.dumps(
-        {"steps": step, "weights": weights.tolist()}))
+    (out / f"done-{rank}-{os.environ.get('BOOTSEER_ATTEMPT')}.json").write_text(
+        json.dumps({"steps": step, "weights": weights.tolist()})
+    )
     dist.destroy_process_group()
 
 

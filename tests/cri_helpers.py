@@ -42,8 +42,9 @@ def push_pause_image(host: str) -> str:
     layer = io.BytesIO()
     with tarfile.open(fileobj=layer, mode="w", format=tarfile.PAX_FORMAT) as tar:
         add_programs(tar, ("sleep",))
-    _push_gzip_image(host, "pause", "1", [layer.getvalue()],
-                     {"Entrypoint": ["/bin/sleep", "infinity"]})
+    _push_gzip_image(
+        host, "pause", "1", [layer.getvalue()], {"Entrypoint": ["/bin/sleep", "infinity"]}
+    )
     return f"{host}/pause:1"
 
 
@@ -68,8 +69,10 @@ def write_hosts_toml(config_path: Path, registry: str, server: str, mirrors: lis
     pulls and tag resolution, then ``server``."""
     path = config_path / registry / "hosts.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f'server = "{server}"\n' + "".join(
-        f'[host."{url}"]\n  capabilities = ["pull", "resolve"]\n' for url in mirrors))
+    path.write_text(
+        f'server = "{server}"\n'
+        + "".join(f'[host."{url}"]\n  capabilities = ["pull", "resolve"]\n' for url in mirrors)
+    )
     return path
 
 
@@ -86,23 +89,37 @@ class CRINode:
     """One node (see the module docstring). ``snapshotter_args`` go to ``bootseer
     snapshotter``, ``snapshotter_env`` to its environment (node-level registry credentials)."""
 
-    def __init__(self, root: Path, sandbox_image: str, *, registry_config_path: str = "",
-                 snapshotter_args: tuple[str, ...] = (),
-                 snapshotter_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        sandbox_image: str,
+        *,
+        registry_config_path: str = "",
+        snapshotter_args: tuple[str, ...] = (),
+        snapshotter_env: dict[str, str] | None = None,
+    ) -> None:
         self.root = root
         self.logs = root / "pod-logs"
         self.logs.mkdir(parents=True)
         self.sock_dir = tempfile.mkdtemp(prefix="bscri-")
         address = os.path.join(self.sock_dir, "sn.sock")
-        options = CRIOptions(sandbox_image=sandbox_image, snapshotter=SNAPSHOTTER,
-                             registry_config_path=registry_config_path)
-        self.containerd = ContainerdServer(root / "containerd", cri=options,
-                                           proxy_snapshotters={SNAPSHOTTER: address})
+        options = CRIOptions(
+            sandbox_image=sandbox_image,
+            snapshotter=SNAPSHOTTER,
+            registry_config_path=registry_config_path,
+        )
+        self.containerd = ContainerdServer(
+            root / "containerd", cri=options, proxy_snapshotters={SNAPSHOTTER: address}
+        )
         # The snapshotter first (under containerd's root): CRI calls it as soon as it starts,
         # and a proxy plugin that failed to dial waits out gRPC's reconnect backoff.
         self.snapshotter = SnapshotterProcess(
-            self.containerd.snapshotter_root(SNAPSHOTTER), address, root / "snapshotter.log",
-            snapshotter_args, env=snapshotter_env)
+            self.containerd.snapshotter_root(SNAPSHOTTER),
+            address,
+            root / "snapshotter.log",
+            snapshotter_args,
+            env=snapshotter_env,
+        )
         self.cri = CRIClient(self.containerd.address)
         try:
             self.snapshotter.start()
@@ -135,8 +152,9 @@ class CRINode:
         name = f"pod{self._pods}"
         pod = host_network_pod(name, log_directory=str(self.logs / name))
         sandbox = self.cri.run_pod_sandbox(pod)
-        cid = self.cri.create_container(sandbox, pod, container_config(
-            "main", image, command, "main.log"))
+        cid = self.cri.create_container(
+            sandbox, pod, container_config("main", image, command, "main.log")
+        )
         self.cri.start_container(cid)
         return PodContainer(sandbox, cid, self.logs / name / "main.log")
 

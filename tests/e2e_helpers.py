@@ -27,8 +27,12 @@ def missing_component() -> str | None:
     for tool in ("containerd", "ctr", "runc", "containerd-shim-runc-v2", "docker-registry"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (apt: containerd runc docker-registry)"
-    dpkg = subprocess.run(["dpkg-query", "-W", "-f=${Status}", "python3.11"],
-                          capture_output=True, text=True, check=False)
+    dpkg = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Status}", "python3.11"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if not dpkg.stdout.endswith(" installed"):
         return "the image base is copied from Debian's python3.11 package, not installed here"
     return fuse_available()
@@ -47,7 +51,22 @@ def run_e2e_bench(work: Path) -> E2ERun:
     under ``work``."""
     results = work / "results"
     run = subprocess.run(
-        [sys.executable, "-m", "bootseer", "bench", "e2e", *E2E_ARGS, "--results", str(results),
-         "--cache", str(work / "cache")],
-        capture_output=True, text=True, timeout=1150, check=False, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "bench",
+            "e2e",
+            *E2E_ARGS,
+            "--results",
+            str(results),
+            "--cache",
+            str(work / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1150,
+        check=False,
+        cwd=ROOT,
+    )
     return E2ERun(run, results)

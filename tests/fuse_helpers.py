@@ -42,8 +42,9 @@ def need_fuse(reason: str | None) -> None:
     if reason is None:
         return
     if os.environ.get("BOOTSEER_REQUIRE_SYSTEM") == "1":
-        pytest.fail(f"FUSE required (BOOTSEER_REQUIRE_SYSTEM=1) but unavailable: {reason}",
-                    pytrace=False)
+        pytest.fail(
+            f"FUSE required (BOOTSEER_REQUIRE_SYSTEM=1) but unavailable: {reason}", pytrace=False
+        )
     pytest.skip(reason)
 
 
@@ -84,11 +85,16 @@ def stop_mount(m: Mount) -> None:
             m.proc.wait(timeout=10)
     finally:
         if is_mounted(m.path):
-            subprocess.run(["fusermount", "-u", "-z", str(m.path)], capture_output=True,
-                           timeout=10, check=False)
+            subprocess.run(
+                ["fusermount", "-u", "-z", str(m.path)],
+                capture_output=True,
+                timeout=10,
+                check=False,
+            )
         if is_mounted(m.path):
-            subprocess.run(["umount", "-l", str(m.path)], capture_output=True, timeout=10,
-                           check=False)
+            subprocess.run(
+                ["umount", "-l", str(m.path)], capture_output=True, timeout=10, check=False
+            )
         if m.proc.stderr is not None:
             m.proc.stderr.close()
 

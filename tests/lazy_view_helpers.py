@@ -61,15 +61,29 @@ LONG = "long-" * 30  # 150 bytes: past ustar's 100-byte name field
 
 
 def _gnu_tar(root: Path, fmt: str) -> bytes:
-    args = ["tar", f"--format={fmt}", "--numeric-owner", "--sort=name", "-C", str(root), "-cf",
-            "-", "."]
+    args = [
+        "tar",
+        f"--format={fmt}",
+        "--numeric-owner",
+        "--sort=name",
+        "-C",
+        str(root),
+        "-cf",
+        "-",
+        ".",
+    ]
     if fmt == "pax":  # containerd refuses GNU's own sparse members (type S): PAX ones only
         args[1:1] = ["--xattrs", "--xattrs-include=user.*", "--sparse"]
     return subprocess.run(args, check=True, capture_output=True).stdout
 
 
-def _write(path: Path | bytes, data: bytes, mode: int = 0o644, uid: int = 0, gid: int = 0,
-           ) -> None:
+def _write(
+    path: Path | bytes,
+    data: bytes,
+    mode: int = 0o644,
+    uid: int = 0,
+    gid: int = 0,
+) -> None:
     with open(path, "wb") as f:
         f.write(data)
     os.chown(path, uid, gid)
@@ -125,8 +139,9 @@ def _layer0(root: Path) -> bytes:
     _write(_mkdir(etc / "dir-to-link") / "child", b"gone, a symlink replaces the dir\n")
     os.mknod(etc / "dev-to-file", 0o600 | stat.S_IFCHR, os.makedev(1, 5))
     _write(etc / "file-to-fifo", b"becomes a fifo\n")
-    _write(_mkdir(root / "home/user", 0o700, 1000, 1000) / ".profile", b"PS1=$\n", 0o600,
-           1000, 1000)
+    _write(
+        _mkdir(root / "home/user", 0o700, 1000, 1000) / ".profile", b"PS1=$\n", 0o600, 1000, 1000
+    )
     os.setxattr(root / "home/user", "user.home", b"kept")
     os.chown(root / "home", 0, 0)
     _mkdir(root / "tmp", 0o1777)
@@ -142,16 +157,20 @@ def _layer0(root: Path) -> bytes:
     _write(cache / "a", b"a\n")
     _write(_mkdir(cache / "sub") / "c", b"c\n")
     names = _mkdir(root / "names")
-    for name in ("with space", "new\nline", "-leading-dash", "--", "é名前", ".hidden",
-                 "x" * 255):
+    for name in ("with space", "new\nline", "-leading-dash", "--", "é名前", ".hidden", "x" * 255):
         _write(names / name, name.encode() + b"\n")
     _write(os.path.join(bytes(names), NON_UTF8), b"latin-1 name\n")
     deep = _mkdir(names / ("d" * 100) / ("e" * 100))
     _write(deep / ("f" * 100), b"a path of over 300 bytes\n")
     links = _mkdir(root / "links")
-    for name, target in (("abs", b"/etc/hosts"), ("rel", b"../etc/hosts"),
-                         ("utf8", "ターゲット/ファイル".encode()), ("nonutf8", b"\xff\xfe"),
-                         ("dangling", b"nowhere"), ("long", b"t" * 200)):
+    for name, target in (
+        ("abs", b"/etc/hosts"),
+        ("rel", b"../etc/hosts"),
+        ("utf8", "ターゲット/ファイル".encode()),
+        ("nonutf8", b"\xff\xfe"),
+        ("dangling", b"nowhere"),
+        ("long", b"t" * 200),
+    ):
         os.symlink(target, os.path.join(bytes(links), name.encode()))
     times = _mkdir(root / "times")
     _write(times / "zero", b"mtime 0\n")
@@ -160,9 +179,18 @@ def _layer0(root: Path) -> bytes:
     _write(times / "y2400", b"mtime in 2400\n")
     _mkdir(times / "olddir")
     os.symlink("usr", root / "s2d")  # layer 1 makes it a directory
-    _times(root, {"times/zero": 0, "times/y2100": 4_102_444_800_000_000_001,
-                  "usr/lib/big.so": T0 + 1, "times/pre1970": PRE_1970, "times/y2400": Y2400,
-                  "times/olddir": PRE_1970 - 1, "s2d": PRE_1970})
+    _times(
+        root,
+        {
+            "times/zero": 0,
+            "times/y2100": 4_102_444_800_000_000_001,
+            "usr/lib/big.so": T0 + 1,
+            "times/pre1970": PRE_1970,
+            "times/y2400": Y2400,
+            "times/olddir": PRE_1970 - 1,
+            "s2d": PRE_1970,
+        },
+    )
     return _gnu_tar(root, "pax")
 
 
@@ -185,8 +213,9 @@ class Member:
 def tar(members: list[Member]) -> bytes:
     """A PAX tar stream of ``members``, in order (names may hold surrogate escapes)."""
     out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT, encoding="utf-8",
-                      errors="surrogateescape") as tf:
+    with tarfile.open(
+        fileobj=out, mode="w", format=tarfile.PAX_FORMAT, encoding="utf-8", errors="surrogateescape"
+    ) as tf:
         for m in members:
             info = tarfile.TarInfo(m.name)
             info.type, info.mode, info.linkname = m.kind, m.mode, m.link
@@ -206,62 +235,80 @@ def _layer1() -> bytes:
     D, S, L = tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE
     C, B, F = tarfile.CHRTYPE, tarfile.BLKTYPE, tarfile.FIFOTYPE
     bad = NON_UTF8.decode("utf-8", "surrogateescape")
-    return tar([
-        Member("etc", D, mode=0o755, pax={"SCHILY.xattr.user.dir": "2"}),
-        Member("etc/.wh.removed.txt"),
-        Member("etc/dir-to-file", data=b"was a directory\n"),
-        Member("etc/file-to-dir", D, mode=0o750),
-        Member("etc/file-to-dir/child", data=b"child\n"),
-        Member("etc/file-to-link", S, mode=0o755, link="hosts"),
-        Member("etc/link-to-file", data=b"was a symlink\n"),
-        Member("etc/link-to-dir", D, mode=0o755),
-        Member("etc/link-to-dir/child", data=b"child\n"),
-        Member("etc/dir-to-link", S, mode=0o777, link="../usr"),
-        Member("etc/dev-to-file", data=b"was a device\n", mode=0o600),
-        Member("etc/file-to-fifo", F, mode=0o644),
-        Member("var/.wh.log"),
-        Member("usr/bin/.wh.tool-hl2"),
-        Member("new", D, mode=0o750, uid=1000, gid=1000),
-        Member("new/a", data=b"hardlinked in its layer\n", mode=0o640, uid=1000),
-        Member("new/a-hl", L, link="new/a", mode=0o600, uid=1000, pax={
-            "SCHILY.xattr.user.link": "added by the hardlink's header"}),
-        Member("new/a-hl2", L, link="./new/a", mode=0o604, uid=1001, gid=1001,
-                mtime_ns=T0 + 7),  # the last header naming the inode decides
-        Member("new/sym", S, link="a"),
-        Member("new/sym-hl", L, link="new/sym"),  # a hardlink to a symlink
-        Member("new/real", D),
-        Member("new/real/x", data=b"x\n"),
-        Member("new/sd", S, link="real"),
-        Member("new/via-sd", L, link="new/sd/x"),  # a hardlink through a symlinked dir
-        Member("new/sd/y", data=b"written through a symlinked dir\n"),
-        Member("new/zero-mtime", data=b"mtime 0\n", mtime_ns=0),
-        Member("new/zero-dir", D, mtime_ns=0),
-        Member(f"new/{bad}", data=b"a name that is not UTF-8\n"),
-        Member("new/utf8-link", S, link="ターゲット"),  # 15 bytes, 5 characters
-        Member(f"new/{LONG}", data=b"a long name\n"),
-        Member("new/long-link", S, link="/" + LONG * 2),
-        Member("new/implied/deeper/file", data=b"parents not listed\n"),
-        Member("new/tty", C, mode=0o620, gid=5, dev=(4, 64)),
-        Member("new/sda1", B, mode=0o660, gid=6, dev=(8, 1)),
-        Member("new/xattrs", data=b"xattrs\n", pax={
-            "SCHILY.xattr.user.text": "value", "SCHILY.xattr.user.bin": "\x00\udcff\x01"}),
-        Member("new/-dash", data=b"-\n"),
-        Member("home/user/.bashrc", data=b"set -o vi\n", uid=1000, gid=1000),  # parents unlisted
-        Member("old", D, mode=0o755, mtime_ns=-1),  # 1969-12-31T23:59:59.999999999
-        Member("old/neg-ns", data=b"-1.5 s\n", mtime_ns=-1_500_000_000),
-        Member("old/y2400", data=b"2400\n", mtime_ns=Y2400),
-        Member("old/max", data=b"the last ns Go holds\n", mtime_ns=(1 << 63) - 1),
-        Member("old/past-max", data=b"one ns later\n", mtime_ns=1 << 63),
-        Member("old/ten-digits", data=b"ten fractional digits\n",
-               pax={"mtime": "1700000000.1234567899"}),  # Go keeps nine, truncated
-        Member("old/neg-ten-digits", data=b"negative, ten digits\n",
-               pax={"mtime": "-0.0000000019"}),
-        Member("old/linked", data=b"its hardlink's header dates it\n"),
-        Member("old/hl-1960", L, link="old/linked", mtime_ns=PRE_1970),  # the inode's time
-        Member("s2d", D, mode=0o755),  # over layer 0's symlink
-        Member("s2d/inside.txt", data=b"deleted by layer 2\n"),
-        Member("s2d/kept.txt", data=b"kept\n"),
-    ])
+    return tar(
+        [
+            Member("etc", D, mode=0o755, pax={"SCHILY.xattr.user.dir": "2"}),
+            Member("etc/.wh.removed.txt"),
+            Member("etc/dir-to-file", data=b"was a directory\n"),
+            Member("etc/file-to-dir", D, mode=0o750),
+            Member("etc/file-to-dir/child", data=b"child\n"),
+            Member("etc/file-to-link", S, mode=0o755, link="hosts"),
+            Member("etc/link-to-file", data=b"was a symlink\n"),
+            Member("etc/link-to-dir", D, mode=0o755),
+            Member("etc/link-to-dir/child", data=b"child\n"),
+            Member("etc/dir-to-link", S, mode=0o777, link="../usr"),
+            Member("etc/dev-to-file", data=b"was a device\n", mode=0o600),
+            Member("etc/file-to-fifo", F, mode=0o644),
+            Member("var/.wh.log"),
+            Member("usr/bin/.wh.tool-hl2"),
+            Member("new", D, mode=0o750, uid=1000, gid=1000),
+            Member("new/a", data=b"hardlinked in its layer\n", mode=0o640, uid=1000),
+            Member(
+                "new/a-hl",
+                L,
+                link="new/a",
+                mode=0o600,
+                uid=1000,
+                pax={"SCHILY.xattr.user.link": "added by the hardlink's header"},
+            ),
+            Member(
+                "new/a-hl2", L, link="./new/a", mode=0o604, uid=1001, gid=1001, mtime_ns=T0 + 7
+            ),  # the last header naming the inode decides
+            Member("new/sym", S, link="a"),
+            Member("new/sym-hl", L, link="new/sym"),  # a hardlink to a symlink
+            Member("new/real", D),
+            Member("new/real/x", data=b"x\n"),
+            Member("new/sd", S, link="real"),
+            Member("new/via-sd", L, link="new/sd/x"),  # a hardlink through a symlinked dir
+            Member("new/sd/y", data=b"written through a symlinked dir\n"),
+            Member("new/zero-mtime", data=b"mtime 0\n", mtime_ns=0),
+            Member("new/zero-dir", D, mtime_ns=0),
+            Member(f"new/{bad}", data=b"a name that is not UTF-8\n"),
+            Member("new/utf8-link", S, link="ターゲット"),  # 15 bytes, 5 characters
+            Member(f"new/{LONG}", data=b"a long name\n"),
+            Member("new/long-link", S, link="/" + LONG * 2),
+            Member("new/implied/deeper/file", data=b"parents not listed\n"),
+            Member("new/tty", C, mode=0o620, gid=5, dev=(4, 64)),
+            Member("new/sda1", B, mode=0o660, gid=6, dev=(8, 1)),
+            Member(
+                "new/xattrs",
+                data=b"xattrs\n",
+                pax={"SCHILY.xattr.user.text": "value", "SCHILY.xattr.user.bin": "\x00\udcff\x01"},
+            ),
+            Member("new/-dash", data=b"-\n"),
+            Member(
+                "home/user/.bashrc", data=b"set -o vi\n", uid=1000, gid=1000
+            ),  # parents unlisted
+            Member("old", D, mode=0o755, mtime_ns=-1),  # 1969-12-31T23:59:59.999999999
+            Member("old/neg-ns", data=b"-1.5 s\n", mtime_ns=-1_500_000_000),
+            Member("old/y2400", data=b"2400\n", mtime_ns=Y2400),
+            Member("old/max", data=b"the last ns Go holds\n", mtime_ns=(1 << 63) - 1),
+            Member("old/past-max", data=b"one ns later\n", mtime_ns=1 << 63),
+            Member(
+                "old/ten-digits",
+                data=b"ten fractional digits\n",
+                pax={"mtime": "1700000000.1234567899"},
+            ),  # Go keeps nine, truncated
+            Member(
+                "old/neg-ten-digits", data=b"negative, ten digits\n", pax={"mtime": "-0.0000000019"}
+            ),
+            Member("old/linked", data=b"its hardlink's header dates it\n"),
+            Member("old/hl-1960", L, link="old/linked", mtime_ns=PRE_1970),  # the inode's time
+            Member("s2d", D, mode=0o755),  # over layer 0's symlink
+            Member("s2d/inside.txt", data=b"deleted by layer 2\n"),
+            Member("s2d/kept.txt", data=b"kept\n"),
+        ]
+    )
 
 
 def _layer2(root: Path) -> bytes:
@@ -335,9 +382,13 @@ def scan(root: Path, *, unpacked_after_ns: int) -> Scan:
             st = os.lstat(path)
             kind = stat.S_IFMT(st.st_mode)
             info: dict[str, object] = {
-                "type": stat.filemode(kind)[0], "mode": oct(stat.S_IMODE(st.st_mode)),
-                "uid": st.st_uid, "gid": st.st_gid, "mtime": st.st_mtime_ns,
-                "xattrs": _xattrs(path)}
+                "type": stat.filemode(kind)[0],
+                "mode": oct(stat.S_IMODE(st.st_mode)),
+                "uid": st.st_uid,
+                "gid": st.st_gid,
+                "mtime": st.st_mtime_ns,
+                "xattrs": _xattrs(path),
+            }
             if stat.S_ISDIR(st.st_mode):
                 if st.st_mtime_ns >= unpacked_after_ns:
                     info["mtime"] = "unpack time"
@@ -370,16 +421,23 @@ def differences(reference: Scan, other: Scan) -> list[str]:
             if ref.get(key) != got.get(key):
                 out.append(f"{path!r} {key}: reference {ref.get(key)!r}, lazy {got.get(key)!r}")
     if reference.links != other.links:
-        out.append(f"hardlink groups: reference {sorted(map(sorted, reference.links))}, "
-                   f"lazy {sorted(map(sorted, other.links))}")
+        out.append(
+            f"hardlink groups: reference {sorted(map(sorted, reference.links))}, "
+            f"lazy {sorted(map(sorted, other.links))}"
+        )
     return out
 
 
 # --- small images served in this process ------------------------------------------------------
 
 
-def lazy_image(tars: list[bytes], cache_dir: Path, *, overlay: bool = False,
-               below: Callable[[str], LowerDir | None] | None = None) -> LazyImage:
+def lazy_image(
+    tars: list[bytes],
+    cache_dir: Path,
+    *,
+    overlay: bool = False,
+    below: Callable[[str], LowerDir | None] | None = None,
+) -> LazyImage:
     """``tars`` (lowest first) converted and served lazily from memory."""
     blobs: dict[str, bytes] = {}
     layers = []
@@ -389,8 +447,12 @@ def lazy_image(tars: list[bytes], cache_dir: Path, *, overlay: bool = False,
         blob = blobs[result.digest] = out.getvalue()
         index = LayerIndex.from_blob(lambda s, e, b=blob: b[s:e], len(blob), result.digest)
         layers.append(Layer(index, Blob(result.digest, index.frames, i)))
-    fetcher = FrameFetcher(lambda digest, start, end: blobs[digest][start:end],
-                           BlockCache(cache_dir), connections=2, retries=0)
+    fetcher = FrameFetcher(
+        lambda digest, start, end: blobs[digest][start:end],
+        BlockCache(cache_dir),
+        connections=2,
+        retries=0,
+    )
     return LazyImage(layers, fetcher, overlay=overlay, below=below)
 
 

@@ -35,8 +35,10 @@ def state_at(step: int, rank: int, world: int, numel: int) -> dict[str, Any]:
     full = torch.arange(numel * world, dtype=torch.float32) * 1e-3 + step
     n = numel
     return {
-        "model": {"shard": FlatShard(full[rank * n : (rank + 1) * n].clone(), rank * n, n * world),
-                  "bias": torch.full((7,), float(step), dtype=torch.bfloat16)},
+        "model": {
+            "shard": FlatShard(full[rank * n : (rank + 1) * n].clone(), rank * n, n * world),
+            "bias": torch.full((7,), float(step), dtype=torch.bfloat16),
+        },
         "opt": {"step": step, "moments": [torch.full((3, 5), step * 0.5), torch.tensor(step)]},
         "rng": PerRank({"rank": rank, "step": step}),
     }
@@ -65,8 +67,7 @@ def exact(state: dict[str, Any], step: int, rank: int, world: int, numel: int) -
         bad.append("model/bias")
     if state["opt"]["step"] != step:
         bad.append("opt/step")
-    for i, (a, b) in enumerate(zip(state["opt"]["moments"], want["opt"]["moments"],
-                                   strict=True)):
+    for i, (a, b) in enumerate(zip(state["opt"]["moments"], want["opt"]["moments"], strict=True)):
         if not torch.equal(a, b):
             bad.append(f"opt/moments/{i}")
     if state["rng"].value != want["rng"].value:
@@ -99,8 +100,7 @@ def rank_main(spec: dict[str, Any]) -> int:
     node = spec.get("nodes", [{}] * world)[rank]
     memory = MemoryConfig.from_env()
     if node.get("dir"):
-        memory = MemoryConfig(node["dir"], server=node.get("server", ""),
-                              layout=spec.get("layout"))
+        memory = MemoryConfig(node["dir"], server=node.get("server", ""), layout=spec.get("layout"))
     if memory is not None:
         memory.durable_every = spec.get("durable_every") or None
         memory.peer = node.get("peer", memory.peer)  # a fixed peer (a one-rank job)
@@ -112,10 +112,13 @@ def rank_main(spec: dict[str, Any]) -> int:
     started = time.perf_counter()
     try:
         report = mgr.load_with_report(state)
-        result.update(loaded=report.step, source=getattr(report, "source", "durable"),
-                      verified=getattr(report, "verified", None),
-                      load_s=time.perf_counter() - started,
-                      problems=exact(state, report.step, rank, world, numel))
+        result.update(
+            loaded=report.step,
+            source=getattr(report, "source", "durable"),
+            verified=getattr(report, "verified", None),
+            load_s=time.perf_counter() - started,
+            problems=exact(state, report.step, rank, world, numel),
+        )
         start = report.step + 1
     except CheckpointNotFound:
         start = 0
@@ -133,8 +136,9 @@ def rank_main(spec: dict[str, Any]) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         step_s.append(time.perf_counter() - t0)
     mgr.close()
-    result.update(last=spec["steps"] - 1, push=mgr.memory.last_push if mgr.memory else {},
-                  step_s=step_s)
+    result.update(
+        last=spec["steps"] - 1, push=mgr.memory.last_push if mgr.memory else {}, step_s=step_s
+    )
     with open(os.path.join(spec["results"], f"rank-{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -149,11 +153,18 @@ def launch(spec: dict[str, Any]) -> int:
         port = s.getsockname()[1]
     procs = []
     for rank in range(spec["world"]):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(spec["world"]),
-               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(spec["world"]),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, __file__, "rank", json.dumps(spec)],
-                                      env=env))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(spec["world"]),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(spec["world"]),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen([sys.executable, __file__, "rank", json.dumps(spec)], env=env)
+        )
     code = 0
     while procs:
         for p in list(procs):

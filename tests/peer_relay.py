@@ -95,8 +95,9 @@ class Relay:
     """``on_request`` / ``on_reply``: given each :class:`Piece`, the bytes to forward
     (default: what arrived). ``requests`` / ``replies``: every piece seen, in order."""
 
-    def __init__(self, target: str, on_request: Hook | None = None,
-                 on_reply: Hook | None = None) -> None:
+    def __init__(
+        self, target: str, on_request: Hook | None = None, on_reply: Hook | None = None
+    ) -> None:
         host, _, port = target.rpartition(":")
         self.target = (host, int(port))
         self.on_request = on_request or (lambda p: p.raw)
@@ -117,12 +118,21 @@ class Relay:
                 return
             server = socket.create_connection(self.target)
             conn, self._conns = self._conns, self._conns + 1
-            for args in ((client, server, conn, 1, self.requests, self.on_request),
-                         (server, client, conn, 2, self.replies, self.on_reply)):
+            for args in (
+                (client, server, conn, 1, self.requests, self.on_request),
+                (server, client, conn, 2, self.replies, self.on_reply),
+            ):
                 threading.Thread(target=self._pump, args=args, daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, conn: int, plain: int,
-              seen: list[Piece], hook: Hook) -> None:
+    def _pump(
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        conn: int,
+        plain: int,
+        seen: list[Piece],
+        hook: Hook,
+    ) -> None:
         try:
             for _ in range(plain):  # the handshake, passed through
                 head = read_exact(src, 4)

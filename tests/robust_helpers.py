@@ -33,18 +33,34 @@ def scenario_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_scenario(scenario: str, *args: object, env: dict[str, str] | None = None,
-                 preexec_fn=None) -> tuple[int, list[str]]:
+def run_scenario(
+    scenario: str, *args: object, env: dict[str, str] | None = None, preexec_fn=None
+) -> tuple[int, list[str]]:
     """(return code as Popen gives it, stdout+stderr lines)."""
-    proc = subprocess.run(scenario_argv(scenario, *args), env=scenario_env(env),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=GUARD, preexec_fn=preexec_fn)
+    proc = subprocess.run(
+        scenario_argv(scenario, *args),
+        env=scenario_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=GUARD,
+        preexec_fn=preexec_fn,
+    )
     return proc.returncode, proc.stdout.splitlines()
 
 
-def run_solo(store, tmp_path: Path, argv: list[str], link, *, restarts: int = 0,
-             hang_s: float = 0.0, dump_wait_s: float = 5.0, agent_hang_s: float | None = None,
-             **controller: object):
+def run_solo(
+    store,
+    tmp_path: Path,
+    argv: list[str],
+    link,
+    *,
+    restarts: int = 0,
+    hang_s: float = 0.0,
+    dump_wait_s: float = 5.0,
+    agent_hang_s: float | None = None,
+    **controller: object,
+):
     """One node's ``bootseer run`` machinery (agent, ``link``, supervisor) in this process
     with the controller (``controller`` its options) on a thread, writing ``ctl.jsonl`` and
     ``trace/`` under ``tmp_path``: the agent's side of an incident. Returns (code, sup)."""
@@ -59,20 +75,33 @@ def run_solo(store, tmp_path: Path, argv: list[str], link, *, restarts: int = 0,
     from bootseer.supervise import HangPolicy, RestartPolicy, Supervisor
     from bootseer.trace import TraceWriter
 
-    ctl_store = TCPStore("127.0.0.1", store.port, is_master=False,
-                         timeout=datetime.timedelta(seconds=10))
-    ctl = Controller(ctl_store, trace_path=tmp_path / "ctl.jsonl", **{
-        "settle_s": 0.2, "log": lambda _: None, **controller})
+    ctl_store = TCPStore(
+        "127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10)
+    )
+    ctl = Controller(
+        ctl_store,
+        trace_path=tmp_path / "ctl.jsonl",
+        **{"settle_s": 0.2, "log": lambda _: None, **controller},
+    )
     stop = threading.Event()
     watcher = threading.Thread(target=ctl.run, args=(stop, 0.1), daemon=True)
     watcher.start()
     trace = TraceWriter(tmp_path / "trace", link.node)
-    agent = Agent(trace, link.node, **({"hang": HangDetector(agent_hang_s)}
-                                       if agent_hang_s is not None else {}))
-    sup = Supervisor(argv, env=scenario_env(), trace=trace,
-                     restart=RestartPolicy(restarts, backoff_s=0.1),
-                     hang=HangPolicy(hang_s, dump_wait_s), agent=agent, remote=link,
-                     remote_wait_s=20)
+    agent = Agent(
+        trace,
+        link.node,
+        **({"hang": HangDetector(agent_hang_s)} if agent_hang_s is not None else {}),
+    )
+    sup = Supervisor(
+        argv,
+        env=scenario_env(),
+        trace=trace,
+        restart=RestartPolicy(restarts, backoff_s=0.1),
+        hang=HangPolicy(hang_s, dump_wait_s),
+        agent=agent,
+        remote=link,
+        remote_wait_s=20,
+    )
     try:
         code = sup.run()
     finally:
@@ -87,8 +116,11 @@ def tiny_disk():
     from conftest import require_component
 
     path = Path(tempfile.mkdtemp(prefix="bootseer-test-enospc-"))
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         path.rmdir()
         require_component(f"cannot mount a tmpfs: {done.stderr.strip()}")
@@ -101,6 +133,7 @@ def tiny_disk():
 
 
 # -- the scenarios (the child side) ------------------------------------------------------------
+
 
 def exception() -> None:
     print("step 1")
@@ -140,10 +173,16 @@ def s3_put(endpoint: str, bucket: str) -> None:
     import boto3
     from botocore.config import Config
 
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                      aws_access_key_id="testing", aws_secret_access_key="testing",
-                      config=Config(retries={"max_attempts": 1, "mode": "standard"},
-                                    connect_timeout=2, read_timeout=2))
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        config=Config(
+            retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=2, read_timeout=2
+        ),
+    )
     s3.put_object(Bucket=bucket, Key="ckpt/step-10/shard-0", Body=b"x" * 1024)
 
 
@@ -155,8 +194,9 @@ def gloo_one_late(rank: str, world: str, port: str, late: str, ready_dir: str) -
 
     import bootseer.client  # noqa: F401 - under BOOTSEER_CONTROL_DIR: the SIGUSR1 dump
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank),
-                            world_size=int(world))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=int(world)
+    )
     t = torch.ones(4)
     dist.all_reduce(t)
     Path(ready_dir, rank).write_text(str(os.getpid()))
@@ -257,8 +297,16 @@ def nan_then_checkpoint(ckpt_dir: str, out: str, nan_at: str, steps: str) -> Non
     except CheckpointNotFound:
         start = 0
     with open(out, "a") as f:
-        f.write(json.dumps({"attempt": attempt, "resumed": start,
-                            "finite": bool(torch.isfinite(weights).all())}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "attempt": attempt,
+                    "resumed": start,
+                    "finite": bool(torch.isfinite(weights).all()),
+                }
+            )
+            + "\n"
+        )
     bootseer.ready()
     for step in range(start, int(steps)):
         weights += 1.0
@@ -316,9 +364,13 @@ def supervise_learned(trace_dir: str, steps: str, step_s: str) -> None:
 
     trace = TraceWriter(trace_dir, "learnnode")
     agent = Agent(trace, "learnnode", hang=HangDetector(None, k=2.0, floor_s=0.5))
-    sup = Supervisor(scenario_argv("steady-then-stall", steps, step_s), trace=trace,
-                     restart=RestartPolicy(0), hang=HangPolicy(0.0, dump_wait_s=2.0),
-                     agent=agent)
+    sup = Supervisor(
+        scenario_argv("steady-then-stall", steps, step_s),
+        trace=trace,
+        restart=RestartPolicy(0),
+        hang=HangPolicy(0.0, dump_wait_s=2.0),
+        agent=agent,
+    )
     sys.exit(sup.run())
 
 

@@ -22,13 +22,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # -- the test side -----------------------------------------------------------------------------
 
+
 def wrapper_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The wrapper's environment: no BOOTSEER_* configuration and no launcher variables of
     the developer's shell."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("BOOTSEER_")
-           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                         "GROUP_RANK")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("BOOTSEER_")
+        and k
+        not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
+    }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["BOOTSEER_NODE"] = "testnode"
     if "BOOTSEER_JOB_SECRET" in os.environ:  # conftest's: the store's records are sealed
@@ -38,8 +42,19 @@ def wrapper_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def wrapper_argv(trace_dir: Path, *flags: str, command: list[str]) -> list[str]:
-    return [sys.executable, "-m", "bootseer", "run", "--trace-dir", str(trace_dir),
-            "--backoff", "0", *flags, "--", *command]
+    return [
+        sys.executable,
+        "-m",
+        "bootseer",
+        "run",
+        "--trace-dir",
+        str(trace_dir),
+        "--backoff",
+        "0",
+        *flags,
+        "--",
+        *command,
+    ]
 
 
 def child(scenario: str, *args: Any) -> list[str]:
@@ -47,19 +62,32 @@ def child(scenario: str, *args: Any) -> list[str]:
     return [sys.executable, HELPERS, scenario, *map(str, args)]
 
 
-def start_wrapper(trace_dir: Path, *flags: str, command: list[str],
-                  env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(wrapper_argv(trace_dir, *flags, command=command),
-                            env=wrapper_env(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def start_wrapper(
+    trace_dir: Path, *flags: str, command: list[str], env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        wrapper_argv(trace_dir, *flags, command=command),
+        env=wrapper_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
-def run_wrapper(trace_dir: Path, *flags: str, command: list[str],
-                env: dict[str, str] | None = None,
-                timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(wrapper_argv(trace_dir, *flags, command=command),
-                          env=wrapper_env(env), capture_output=True, text=True,
-                          timeout=timeout)
+def run_wrapper(
+    trace_dir: Path,
+    *flags: str,
+    command: list[str],
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        wrapper_argv(trace_dir, *flags, command=command),
+        env=wrapper_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
@@ -88,8 +116,12 @@ def spans(trace_dir: Path) -> list[dict[str, Any]]:
     """The spans of a trace directory (the agent's event and verdict records left out)."""
     out: list[dict[str, Any]] = []
     for path in sorted(trace_dir.glob("*.jsonl")):
-        out += [doc for line in path.read_text().splitlines() if line.strip()
-                if "record" not in (doc := json.loads(line))]
+        out += [
+            doc
+            for line in path.read_text().splitlines()
+            if line.strip()
+            if "record" not in (doc := json.loads(line))
+        ]
     return out
 
 
@@ -105,13 +137,14 @@ def zombies_of(parent: int) -> list[int]:
             text = stat.read_text()
         except OSError:
             continue
-        fields = text[text.rfind(")") + 2:].split()
+        fields = text[text.rfind(")") + 2 :].split()
         if fields[0] == "Z" and int(fields[1]) == parent:
             found.append(int(stat.parent.name))
     return found
 
 
 # -- the command side --------------------------------------------------------------------------
+
 
 def _counter(path: str) -> int:
     """How many times this has run before (a file counter across attempts)."""
@@ -166,8 +199,7 @@ def main(argv: list[str]) -> int:
             if grandchild == 0:
                 while os.getppid() == parent:  # until the middle one is gone: reparented
                     time.sleep(0.01)
-                Path(args[0]).write_text(json.dumps({"pid": os.getpid(),
-                                                     "ppid": os.getppid()}))
+                Path(args[0]).write_text(json.dumps({"pid": os.getpid(), "ppid": os.getppid()}))
                 os._exit(0)
             os._exit(0)
         os.waitpid(middle, 0)
@@ -214,9 +246,16 @@ def main(argv: list[str]) -> int:
         state = {"w": torch.zeros(1000), "step": -1}
         with CheckpointManager(args[0]) as mgr:  # the cache comes from $BOOTSEER_CKPT_CACHE
             report = mgr.load_with_report(state)
-        Path(args[1]).write_text(json.dumps({
-            "cache": os.environ.get("BOOTSEER_CKPT_CACHE"), "step": state["step"],
-            "sum": float(state["w"].sum()), "cached_files": report.cached_files}))
+        Path(args[1]).write_text(
+            json.dumps(
+                {
+                    "cache": os.environ.get("BOOTSEER_CKPT_CACHE"),
+                    "step": state["step"],
+                    "sum": float(state["w"].sum()),
+                    "cached_files": report.cached_files,
+                }
+            )
+        )
         return 0
     if scenario == "ckpt-save-crash-load":  # url, out-file: attempt 0 saves and dies,
         import torch  # attempt 1 resumes (an in-place restart)
@@ -225,15 +264,24 @@ def main(argv: list[str]) -> int:
 
         with CheckpointManager(args[0]) as mgr:  # the cache comes from $BOOTSEER_CKPT_CACHE
             if os.environ.get("BOOTSEER_ATTEMPT") == "0":
-                mgr.save(3, {"w": torch.arange(250_000, dtype=torch.float32), "step": 3},
-                         block=True)
+                mgr.save(
+                    3, {"w": torch.arange(250_000, dtype=torch.float32), "step": 3}, block=True
+                )
                 os._exit(1)  # a crash right after a commit
             state = {"w": torch.zeros(250_000), "step": -1}
             report = mgr.load_with_report(state)
-        Path(args[1]).write_text(json.dumps({
-            "step": state["step"], "equal": bool(torch.equal(
-                state["w"], torch.arange(250_000, dtype=torch.float32))),
-            "cached_files": report.cached_files, "cached_bytes": report.cached_bytes}))
+        Path(args[1]).write_text(
+            json.dumps(
+                {
+                    "step": state["step"],
+                    "equal": bool(
+                        torch.equal(state["w"], torch.arange(250_000, dtype=torch.float32))
+                    ),
+                    "cached_files": report.cached_files,
+                    "cached_bytes": report.cached_bytes,
+                }
+            )
+        )
         return 0
     raise SystemExit(f"unknown scenario {scenario}")
 

@@ -38,14 +38,22 @@ CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 # -- the process environment of an install ---------------------------------------------------
 
-def use_test_index(monkeypatch: pytest.MonkeyPatch,
-                   cache_dir: str | os.PathLike | None = None) -> dict[str, str]:
+
+def use_test_index(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: str | os.PathLike | None = None
+) -> dict[str, str]:
     """Make ``os.environ`` the :func:`installer_env` (pip and uv see only the test index) for
     in-process ``ensure`` calls, whose install subprocesses inherit it; also drops the
     bootseer variables that would change a key or a store. Returns the environment."""
     env = installer_env(cache_dir)
-    for name in ("BOOTSEER_ENV_BASE_IMAGE", "BOOTSEER_ENV_STORE", "BOOTSEER_STORAGE_OPTIONS",
-                 "BOOTSEER_ENV_UV", "VIRTUAL_ENV", "PYTHONPATH"):
+    for name in (
+        "BOOTSEER_ENV_BASE_IMAGE",
+        "BOOTSEER_ENV_STORE",
+        "BOOTSEER_STORAGE_OPTIONS",
+        "BOOTSEER_ENV_UV",
+        "VIRTUAL_ENV",
+        "PYTHONPATH",
+    ):
         env.pop(name, None)
     for name in list(os.environ):
         if name not in env:
@@ -76,13 +84,16 @@ def uv_venv_command(requirements: Path, *then: str) -> list[str]:
     """A custom install command: a uv venv with ``requirements`` at {prefix}, then the shell
     commands ``then`` (in the same ``sh -c``)."""
     uv = uv_bin()
-    steps = [f"{uv} venv -q --python {PY} {{prefix}}",
-             f"{uv} pip install -q --python {{prefix}}/bin/python --compile-bytecode "
-             f"-r {requirements}", *then]
+    steps = [
+        f"{uv} venv -q --python {PY} {{prefix}}",
+        f"{uv} pip install -q --python {{prefix}}/bin/python --compile-bytecode -r {requirements}",
+        *then,
+    ]
     return ["sh", "-c", " && ".join(steps)]
 
 
 # -- stores ----------------------------------------------------------------------------------
+
 
 @dataclass
 class StoreUnderTest:
@@ -109,7 +120,7 @@ class StoreUnderTest:
             found = store.target.find(store.root)
         except FileNotFoundError:
             return []
-        return sorted(p[len(store.root) + 1:] for p in found)
+        return sorted(p[len(store.root) + 1 :] for p in found)
 
     def read(self, name: str) -> bytes:
         store = self.open()
@@ -124,8 +135,9 @@ class StoreUnderTest:
         out: dict[str, dict[str, Any]] = {}
         for obj in self.objects():
             parts = obj.split("/")
-            entry = out.setdefault(parts[0], {"manifest": False, "lock": False,
-                                              "publishers": {}, "other": []})
+            entry = out.setdefault(
+                parts[0], {"manifest": False, "lock": False, "publishers": {}, "other": []}
+            )
             if parts[1:] == [MANIFEST_NAME]:
                 entry["manifest"] = True
             elif parts[1:] == ["lock.json"]:
@@ -152,26 +164,35 @@ def assert_one_snapshot(store: StoreUnderTest, key: str) -> list[str]:
     entry = layout[key]
     assert entry["manifest"] and not entry["lock"] and not entry["other"], entry
     assert len(entry["publishers"]) == 1, entry
-    (publisher, names), = entry["publishers"].items()
+    ((publisher, names),) = entry["publishers"].items()
     manifest = store.open().require_manifest(key)
     assert manifest.publisher == publisher
-    assert sorted(names) == sorted([c.name.split("/")[1] for c in manifest.chunks]
-                                   + ["toc.json.zst"])
+    assert sorted(names) == sorted(
+        [c.name.split("/")[1] for c in manifest.chunks] + ["toc.json.zst"]
+    )
     return [c.name for c in manifest.chunks]
 
 
 # -- environments ----------------------------------------------------------------------------
 
-def run_in(prefix: Path, *argv: str | os.PathLike, env: dict[str, str] | None = None,
-           check: bool = True) -> subprocess.CompletedProcess:
+
+def run_in(
+    prefix: Path, *argv: str | os.PathLike, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     """Run a program of the environment (``bin/NAME`` or an absolute path) with a clean
     environment."""
     first = Path(argv[0]) if os.path.isabs(argv[0]) else prefix / "bin" / argv[0]
-    proc = subprocess.run([str(first), *map(str, argv[1:])], capture_output=True, text=True,
-                          env={**CLEAN_ENV, **(env or {})}, timeout=60)
+    proc = subprocess.run(
+        [str(first), *map(str, argv[1:])],
+        capture_output=True,
+        text=True,
+        env={**CLEAN_ENV, **(env or {})},
+        timeout=60,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"{argv} in {prefix} failed ({proc.returncode}):\n"
-                             f"{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"{argv} in {prefix} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
@@ -182,8 +203,12 @@ def assert_env_works(prefix: Path, *, alpha: str = "2.0") -> None:
     assert out.strip() == TINYDATA_DIGEST
 
 
-def ensure_env(prefix: Path, store: StoreUnderTest | SnapshotStore | None,
-               requirements: Sequence[str | os.PathLike] = (), **kwargs: Any) -> EnsureResult:
+def ensure_env(
+    prefix: Path,
+    store: StoreUnderTest | SnapshotStore | None,
+    requirements: Sequence[str | os.PathLike] = (),
+    **kwargs: Any,
+) -> EnsureResult:
     """``ensure`` with a store of a test (the caller set the index environment)."""
     if isinstance(store, StoreUnderTest):
         kwargs.setdefault("storage_options", store.storage_options or None)
@@ -199,13 +224,17 @@ def staging_dirs(prefix: Path) -> list[Path]:
 def leftovers(prefix: Path) -> list[str]:
     """Anything bootseer left beside ``prefix``: staging directories, an environment moved
     aside, an install marker (not the node-local lock file, which stays by design)."""
-    return sorted(p.name for p in prefix.parent.iterdir()
-                  if p.name.startswith(f".{prefix.name}.bootseer")
-                  and p.name != f".{prefix.name}.bootseer-lock")
+    return sorted(
+        p.name
+        for p in prefix.parent.iterdir()
+        if p.name.startswith(f".{prefix.name}.bootseer")
+        and p.name != f".{prefix.name}.bootseer-lock"
+    )
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
-             interval: float = 0.005) -> Any:
+def wait_for(
+    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.005
+) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -216,6 +245,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
 
 
 # -- trees -----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -247,13 +277,24 @@ def scan(root: Path, *, exclude: Iterable[str] = (STATE_DIR,)) -> dict[str, Entr
                 out[child] = Entry("d", stat.S_IMODE(st.st_mode), st.st_mtime_ns, inode=ident)
                 visit(child)
             elif stat.S_ISLNK(st.st_mode):
-                out[child] = Entry("l", stat.S_IMODE(st.st_mode), st.st_mtime_ns,
-                                   link=os.readlink(path), inode=ident)
+                out[child] = Entry(
+                    "l",
+                    stat.S_IMODE(st.st_mode),
+                    st.st_mtime_ns,
+                    link=os.readlink(path),
+                    inode=ident,
+                )
             elif stat.S_ISREG(st.st_mode):
                 data = path.read_bytes()
-                out[child] = Entry("f", stat.S_IMODE(st.st_mode), st.st_mtime_ns, len(data),
-                                   hashlib.sha256(data).hexdigest(), inode=ident,
-                                   nlink=st.st_nlink)
+                out[child] = Entry(
+                    "f",
+                    stat.S_IMODE(st.st_mode),
+                    st.st_mtime_ns,
+                    len(data),
+                    hashlib.sha256(data).hexdigest(),
+                    inode=ident,
+                    nlink=st.st_nlink,
+                )
             else:
                 out[child] = Entry("?", stat.S_IMODE(st.st_mode), st.st_mtime_ns, inode=ident)
 
@@ -270,10 +311,16 @@ def hardlink_groups(tree: dict[str, Entry]) -> set[frozenset[str]]:
     return {frozenset(g) for g in groups.values() if len(g) > 1}
 
 
-def tree_differences(src: dict[str, Entry], dst: dict[str, Entry], *,
-                     content_differs: Iterable[str] = (), check_modes: bool = True,
-                     mtime_resolution_ns: int = 1, check_link_mtimes: bool = True,
-                     check_dir_mtimes: bool = True) -> list[str]:
+def tree_differences(
+    src: dict[str, Entry],
+    dst: dict[str, Entry],
+    *,
+    content_differs: Iterable[str] = (),
+    check_modes: bool = True,
+    mtime_resolution_ns: int = 1,
+    check_link_mtimes: bool = True,
+    check_dir_mtimes: bool = True,
+) -> list[str]:
     """What differs between two scanned trees: paths, kinds, contents (except the paths in
     ``content_differs``), modes, mtimes (compared at ``mtime_resolution_ns``), link targets
     and hardlink identity. An empty list means the same tree."""
@@ -288,31 +335,47 @@ def tree_differences(src: dict[str, Entry], dst: dict[str, Entry], *,
         if a.kind != b.kind:
             problems.append(f"{path}: kind {a.kind} != {b.kind}")
             continue
-        if a.kind == "f" and path not in skip_content and (a.size, a.digest) != (b.size,
-                                                                                 b.digest):
+        if a.kind == "f" and path not in skip_content and (a.size, a.digest) != (b.size, b.digest):
             problems.append(f"{path}: content differs")
         if a.kind == "l" and a.link != b.link:
             problems.append(f"{path}: link {a.link!r} != {b.link!r}")
         if check_modes and a.kind != "l" and a.mode != b.mode:
             problems.append(f"{path}: mode {a.mode:o} != {b.mode:o}")
-        if ((a.kind == "f" or (a.kind == "l" and check_link_mtimes)
-             or (a.kind == "d" and check_dir_mtimes))
-                and a.mtime_ns // mtime_resolution_ns != b.mtime_ns // mtime_resolution_ns):
+        if (
+            a.kind == "f"
+            or (a.kind == "l" and check_link_mtimes)
+            or (a.kind == "d" and check_dir_mtimes)
+        ) and a.mtime_ns // mtime_resolution_ns != b.mtime_ns // mtime_resolution_ns:
             problems.append(f"{path}: mtime {a.mtime_ns} != {b.mtime_ns}")
     if hardlink_groups(src) != hardlink_groups(dst):
-        problems.append(f"hardlinks {sorted(map(sorted, hardlink_groups(src)))} != "
-                        f"{sorted(map(sorted, hardlink_groups(dst)))}")
+        problems.append(
+            f"hardlinks {sorted(map(sorted, hardlink_groups(src)))} != "
+            f"{sorted(map(sorted, hardlink_groups(dst)))}"
+        )
     return problems
 
 
 # -- crafted snapshots -----------------------------------------------------------------------
 
 MTIME_NS = 1_600_000_000_123_456_789
-_TAR_TYPES = {"f": tarfile.REGTYPE, "d": tarfile.DIRTYPE, "l": tarfile.SYMTYPE,
-              "h": tarfile.LNKTYPE, "c": tarfile.CHRTYPE, "b": tarfile.BLKTYPE,
-              "p": tarfile.FIFOTYPE}
-_DEFAULT_MODES = {"f": 0o644, "d": 0o755, "l": 0o777, "h": 0o644, "c": 0o666, "b": 0o660,
-                  "p": 0o644}
+_TAR_TYPES = {
+    "f": tarfile.REGTYPE,
+    "d": tarfile.DIRTYPE,
+    "l": tarfile.SYMTYPE,
+    "h": tarfile.LNKTYPE,
+    "c": tarfile.CHRTYPE,
+    "b": tarfile.BLKTYPE,
+    "p": tarfile.FIFOTYPE,
+}
+_DEFAULT_MODES = {
+    "f": 0o644,
+    "d": 0o755,
+    "l": 0o777,
+    "h": 0o644,
+    "c": 0o666,
+    "b": 0o660,
+    "p": 0o644,
+}
 
 
 def tar_stream(entries: Sequence[tuple]) -> tuple[list[Member], bytes]:
@@ -334,19 +397,35 @@ def tar_stream(entries: Sequence[tuple]) -> tuple[list[Member], bytes]:
         if kind in ("l", "h"):
             info.linkname = payload
         stream += info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
-        members.append(Member(path, kind, mode, MTIME_NS, len(data), len(stream),
-                              payload if kind in ("l", "h") else ""))
+        members.append(
+            Member(
+                path,
+                kind,
+                mode,
+                MTIME_NS,
+                len(data),
+                len(stream),
+                payload if kind in ("l", "h") else "",
+            )
+        )
         stream += data + b"\0" * (-len(data) % tarfile.BLOCKSIZE)
     stream += b"\0" * (2 * tarfile.BLOCKSIZE)
     return members, bytes(stream)
 
 
-def publish_crafted(store: SnapshotStore, members: Sequence[Member], stream: bytes, *,
-                    prefix: str | os.PathLike, key: str | None = None,
-                    chunk_size: int | None = None,
-                    tamper: Callable[[dict[str, Any]], None] | None = None,
-                    compress: Callable[[bytes], bytes] | None = None,
-                    kind: str = "prefix", capture: dict[str, Any] | None = None) -> Manifest:
+def publish_crafted(
+    store: SnapshotStore,
+    members: Sequence[Member],
+    stream: bytes,
+    *,
+    prefix: str | os.PathLike,
+    key: str | None = None,
+    chunk_size: int | None = None,
+    tamper: Callable[[dict[str, Any]], None] | None = None,
+    compress: Callable[[bytes], bytes] | None = None,
+    kind: str = "prefix",
+    capture: dict[str, Any] | None = None,
+) -> Manifest:
     """Publish a hand-made snapshot (``members`` as the TOC, ``stream`` cut into zstd chunks
     of ``chunk_size`` bytes, default one) the way a publisher would, hostile or not.
     ``compress(raw)`` makes each chunk object (default: real zstd; :func:`zstd_frame` for a
@@ -359,7 +438,7 @@ def publish_crafted(store: SnapshotStore, members: Sequence[Member], stream: byt
     comp = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=True)
     chunks = []
     for i, start in enumerate(range(0, len(stream), size)):
-        raw = stream[start:start + size]
+        raw = stream[start : start + size]
         data = (compress or comp.compress)(raw)
         name = f"{publisher}/{i:06d}.tar.zst"
         store.put(key, name, data).result()
@@ -369,12 +448,24 @@ def publish_crafted(store: SnapshotStore, members: Sequence[Member], stream: byt
     toc_name = f"{publisher}/toc.json.zst"
     store.put(key, toc_name, toc).result()
     manifest = Manifest(
-        key=key, kind=kind, prefix=os.fspath(prefix), chunks=chunks,
-        toc={"name": toc_name, "sha256": hashlib.sha256(toc).hexdigest(), "size": len(toc),
-             "raw_size": len(toc_raw)},
-        stream_size=len(stream), files=sum(m.kind == "f" for m in members),
-        bytes=sum(m.size for m in members if m.kind == "f"), publisher=publisher,
-        created=time.time(), host="crafted", capture=capture or {})
+        key=key,
+        kind=kind,
+        prefix=os.fspath(prefix),
+        chunks=chunks,
+        toc={
+            "name": toc_name,
+            "sha256": hashlib.sha256(toc).hexdigest(),
+            "size": len(toc),
+            "raw_size": len(toc_raw),
+        },
+        stream_size=len(stream),
+        files=sum(m.kind == "f" for m in members),
+        bytes=sum(m.size for m in members if m.kind == "f"),
+        publisher=publisher,
+        created=time.time(),
+        host="crafted",
+        capture=capture or {},
+    )
     if tamper is None:
         assert store.commit(manifest)
     else:
@@ -395,8 +486,9 @@ def decompress_chunks(store: SnapshotStore, manifest: Manifest) -> bytes:
     return bytes(data)
 
 
-def replace_object(store: SnapshotStore, manifest: dict[str, Any], ref: dict[str, Any],
-                   data: bytes) -> None:
+def replace_object(
+    store: SnapshotStore, manifest: dict[str, Any], ref: dict[str, Any], data: bytes
+) -> None:
     """Inside a ``tamper``: make the object ``ref`` names (a chunk or the TOC entry of
     ``manifest``) hold ``data``, with the size and sha256 that let it pass the checksum
     layer."""
@@ -435,9 +527,9 @@ def _zstd_blocks(raw: bytes) -> Iterator[bytes]:
     """``raw`` as raw blocks, its runs of one byte as RLE blocks (4 bytes per 128 KiB)."""
     pos = 0
     for run in [*_RUN.finditer(raw), None]:
-        literal = raw[pos:run.start() if run else len(raw)]
+        literal = raw[pos : run.start() if run else len(raw)]
         for i in range(0, len(literal), ZSTD_BLOCK_MAX):
-            piece = literal[i:i + ZSTD_BLOCK_MAX]
+            piece = literal[i : i + ZSTD_BLOCK_MAX]
             yield _zstd_block(0, len(piece), piece)
         if run is not None:
             yield from _rle_blocks(run.group(1), run.end() - run.start())
@@ -451,8 +543,7 @@ def _rle_blocks(byte: bytes, count: int) -> Iterator[bytes]:
         count -= size
 
 
-def zstd_frame(raw: bytes, *, content_size: int | None | str = "true",
-               inflate: int = 0) -> bytes:
+def zstd_frame(raw: bytes, *, content_size: int | None | str = "true", inflate: int = 0) -> bytes:
     """A zstd frame written byte by byte: ``raw``, then ``inflate`` more zero bytes (RLE
     blocks: 512 MiB cost 16 KiB, a decompression bomb), under a header that declares
     ``content_size``: the true size of the bytes before the bomb (``"true"``), any number,
@@ -462,6 +553,9 @@ def zstd_frame(raw: bytes, *, content_size: int | None | str = "true",
     blocks[-1] = bytes([last[0] | 1]) + last[1:]
     if content_size == "true":
         content_size = len(raw)
-    header = ZSTD_MAGIC + (bytes([0x00, 7 << 3]) if content_size is None else
-                           bytes([0xC0, 7 << 3]) + int(content_size).to_bytes(8, "little"))
+    header = ZSTD_MAGIC + (
+        bytes([0x00, 7 << 3])
+        if content_size is None
+        else bytes([0xC0, 7 << 3]) + int(content_size).to_bytes(8, "little")
+    )
     return header + b"".join(blocks)

@@ -41,8 +41,17 @@ TOOLS: dict[str, tuple[str, ...]] = {
     "ckpt": (),
     "snapshot": ("zstd", "tar"),
     "prefetch": ("docker-registry", "curl", "tar", "gzip", "chroot"),
-    "containerd": ("docker-registry", "curl", "tar", "gzip", "chroot", "containerd", "ctr",
-                   "runc", "containerd-shim-runc-v2"),
+    "containerd": (
+        "docker-registry",
+        "curl",
+        "tar",
+        "gzip",
+        "chroot",
+        "containerd",
+        "ctr",
+        "runc",
+        "containerd-shim-runc-v2",
+    ),
     "fuse": ("rsync", "dd"),
     "restart": (),
     "update": (),
@@ -60,8 +69,12 @@ def missing_for(suite: str) -> str | None:
         if shutil.which(tool) is None:
             return f"{tool} is not installed (scripts/system-packages installs it)"
     if suite in HOST_BASE:
-        dpkg = subprocess.run(["dpkg-query", "-W", "-f=${Status}", "python3.11"],
-                              capture_output=True, text=True, check=False)
+        dpkg = subprocess.run(
+            ["dpkg-query", "-W", "-f=${Status}", "python3.11"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if not dpkg.stdout.endswith(" installed"):
             return "--base host copies Debian's python3.11 package, which is not installed"
     return fuse_available() if suite in NEEDS_FUSE else None
@@ -72,42 +85,64 @@ def _runs(runs: dict[str, list[dict[str, Any]]], *methods: str) -> dict[str, Any
 
 
 FIGURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "striped": lambda r: {"http striped MB/s": r["http"]["striped"]["mb_s"],
-                          "http single MB/s": r["http"]["single_stream"]["mb_s"],
-                          "s3 striped write MB/s": r["s3"]["striped_write"]["mb_s"],
-                          "s3 striped read MB/s": r["s3"]["striped_read"]["mb_s"],
-                          "peak RSS": r["rss"]["stream"]["peak_rss"]},
-    "ckpt": lambda r: {"state bytes": r["state_bytes"], "dd write s": r["floors"]["write"],
-                       "bootseer load s": r["local"][0]["ours_load"][0],
-                       "DCP load s": r["local"][0]["dcp_load"][0],
-                       "s3 bootseer save s": r["s3"][0]["s3_ours_save"]},
-    "snapshot": lambda r: _runs(r["settings"]["local"]["runs"],
-                                *r["settings"]["local"]["runs"]),
+    "striped": lambda r: {
+        "http striped MB/s": r["http"]["striped"]["mb_s"],
+        "http single MB/s": r["http"]["single_stream"]["mb_s"],
+        "s3 striped write MB/s": r["s3"]["striped_write"]["mb_s"],
+        "s3 striped read MB/s": r["s3"]["striped_read"]["mb_s"],
+        "peak RSS": r["rss"]["stream"]["peak_rss"],
+    },
+    "ckpt": lambda r: {
+        "state bytes": r["state_bytes"],
+        "dd write s": r["floors"]["write"],
+        "bootseer load s": r["local"][0]["ours_load"][0],
+        "DCP load s": r["local"][0]["dcp_load"][0],
+        "s3 bootseer save s": r["s3"][0]["s3_ours_save"],
+    },
+    "snapshot": lambda r: _runs(r["settings"]["local"]["runs"], *r["settings"]["local"]["runs"]),
     "prefetch": lambda r: _runs(r["runs"], "full", "lazy", "profile", "floor"),
     "containerd": lambda r: _runs(r["runs"], "default", "lazy", "profile", "floor"),
-    "fuse": lambda r: {f"{store} {side} {k}": r["stores"][store][side][k]
-                       for store in ("file", "s3") for side in ("mount", "local")
-                       for k in ("dd_write_mb_s", "dd_read_mb_s", "rsync_first_s",
-                                 "touch_cat_ms")},
-    "restart": lambda r: {f"{sig} {what} {stat}": r["signals"][sig][what][stat]
-                          for sig in ("SIGTERM", "SIGKILL") for what in ("gap_s", "start_s")
-                          for stat in ("median", "p90")}
-    | {"floor start s": r["floor_start_s"]["median"],
-       "takeovers succeeded": r["takeovers"]["succeeded"]},
-    "update": lambda r: {"in-place downtime s": r["inplace_s"]["median"],
-                         "peer downtime s": r["peer_s"]["median"],
-                         "floor s": r["floor_s"]["median"]},
-    "memckpt": lambda r: {f"{where} load s": r["load"][where][0]["load_s"]
-                          for where in ("local", "peer", "durable")}
-    | {"memcpy s": r["load"]["local"][0]["memcpy_s"],
-       "loaded step": r["load"]["local"][0]["step"]},
-    "e2e": lambda r: {f"{m} to first step s": r["runs"][m]["total"] for m in ("bootseer", "inplace")}
-    | {"bootseer loaded step": r["runs"]["bootseer"]["loaded_step"]},
-    "colltrace": lambda r: {"traced op us": r["micro"]["op_us_traced"],
-                            "traced step ms": r["overhead"]["iter_ms_on"],
-                            "ring bytes": r["overhead"]["ring_bytes"][0],
-                            "sleep verdict s": r["faults"]["sleep"]["p50_s"],
-                            "kill verdict s": r["faults"]["kill"]["p50_s"]},
+    "fuse": lambda r: {
+        f"{store} {side} {k}": r["stores"][store][side][k]
+        for store in ("file", "s3")
+        for side in ("mount", "local")
+        for k in ("dd_write_mb_s", "dd_read_mb_s", "rsync_first_s", "touch_cat_ms")
+    },
+    "restart": lambda r: (
+        {
+            f"{sig} {what} {stat}": r["signals"][sig][what][stat]
+            for sig in ("SIGTERM", "SIGKILL")
+            for what in ("gap_s", "start_s")
+            for stat in ("median", "p90")
+        }
+        | {
+            "floor start s": r["floor_start_s"]["median"],
+            "takeovers succeeded": r["takeovers"]["succeeded"],
+        }
+    ),
+    "update": lambda r: {
+        "in-place downtime s": r["inplace_s"]["median"],
+        "peer downtime s": r["peer_s"]["median"],
+        "floor s": r["floor_s"]["median"],
+    },
+    "memckpt": lambda r: (
+        {f"{where} load s": r["load"][where][0]["load_s"] for where in ("local", "peer", "durable")}
+        | {
+            "memcpy s": r["load"]["local"][0]["memcpy_s"],
+            "loaded step": r["load"]["local"][0]["step"],
+        }
+    ),
+    "e2e": lambda r: (
+        {f"{m} to first step s": r["runs"][m]["total"] for m in ("bootseer", "inplace")}
+        | {"bootseer loaded step": r["runs"]["bootseer"]["loaded_step"]}
+    ),
+    "colltrace": lambda r: {
+        "traced op us": r["micro"]["op_us_traced"],
+        "traced step ms": r["overhead"]["iter_ms_on"],
+        "ring bytes": r["overhead"]["ring_bytes"][0],
+        "sleep verdict s": r["faults"]["sleep"]["p50_s"],
+        "kill verdict s": r["faults"]["kill"]["p50_s"],
+    },
 }
 
 
@@ -149,23 +184,40 @@ def parent_of(pid: int) -> int | None:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:  # gone meanwhile
         return None
-    return int(stat[stat.rfind(b")") + 2:].split()[1])
+    return int(stat[stat.rfind(b")") + 2 :].split()[1])
 
 
-def run_quick_form(suite: str, cache: Path,
-                   work: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+def run_quick_form(
+    suite: str, cache: Path, work: Path
+) -> tuple[subprocess.CompletedProcess[str], Path]:
     """``bootseer bench SUITE --quick``: its exit and output, and its results directory."""
     results = work / "results"
-    run = subprocess.run([*BENCH, suite, "--quick", "--base", "host", "--results", str(results),
-                          "--cache", str(cache)],
-                         capture_output=True, text=True, timeout=1150, check=False, cwd=ROOT)
+    run = subprocess.run(
+        [
+            *BENCH,
+            suite,
+            "--quick",
+            "--base",
+            "host",
+            "--results",
+            str(results),
+            "--cache",
+            str(cache),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1150,
+        check=False,
+        cwd=ROOT,
+    )
     return run, results
 
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("suite", [s for s in SUITES if s not in ("e2e", "robust")])
 def test_each_suite_quick_form_leaves_its_results_through_bootseer_bench(
-        suite: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    suite: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """e2e's quick form is checked the same way in test_e2e.py, beside the run it shares
     (conftest's e2e_bench), so that parallel test workers never run that job twice. robust's
     quick form trains 5 minutes per mode (15 with restarts on this machine): its short forms
@@ -176,8 +228,9 @@ def test_each_suite_quick_form_leaves_its_results_through_bootseer_bench(
     check_quick_results(suite, run, results, cache)
 
 
-def check_quick_results(suite: str, run: subprocess.CompletedProcess[str], results: Path,
-                        cache: Path) -> None:
+def check_quick_results(
+    suite: str, run: subprocess.CompletedProcess[str], results: Path, cache: Path
+) -> None:
     """What every suite's quick form run through ``bootseer bench`` must leave behind."""
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert "1 of 1 suites wrote their results" in run.stdout
@@ -187,8 +240,11 @@ def check_quick_results(suite: str, run: subprocess.CompletedProcess[str], resul
     assert report["command"].startswith(f"bootseer bench {suite} --results {results} --quick")
     assert not report.get("errors")
     figures = FIGURES[suite](report)
-    bad = {k: v for k, v in figures.items()
-           if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0}
+    bad = {
+        k: v
+        for k, v in figures.items()
+        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0
+    }
     assert figures and not bad, f"{suite}: figures missing or not positive: {bad or figures}"
 
     if suite == "fuse":  # every rsync exited 0 and every touch+cat read its file back
@@ -198,10 +254,14 @@ def check_quick_results(suite: str, run: subprocess.CompletedProcess[str], resul
             assert store["mount"]["touch_cat_failed"] == f"0 of {runs}"
     if suite == "restart":  # every restart took the held connection over, nothing left behind
         rounds = 2 * report["config"]["repeat"]  # SIGTERM and SIGKILL each
-        assert report["takeovers"] == {"rounds": rounds, "succeeded": rounds,
-                                       "listing_equal": rounds}
-        assert all(len(s["rounds"]) == report["config"]["repeat"]
-                   for s in report["signals"].values())
+        assert report["takeovers"] == {
+            "rounds": rounds,
+            "succeeded": rounds,
+            "listing_equal": rounds,
+        }
+        assert all(
+            len(s["rounds"]) == report["config"]["repeat"] for s in report["signals"].values()
+        )
         assert not processes_mentioning(str(cache))  # snapshotters and their FUSE holders
 
     md = (results / f"{suite}.md").read_text()
@@ -218,9 +278,15 @@ def test_a_failed_suite_is_reported_and_the_others_still_run(tmp_path: Path) -> 
     not_a_dir = tmp_path / "cache-is-a-file"
     not_a_dir.write_text("not a directory\n")
     results = tmp_path / "results"
-    run = subprocess.run([*BENCH, "--quick", "--results", str(results)],
-                         env={**os.environ, "BOOTSEER_BENCH_CACHE": str(not_a_dir)},
-                         capture_output=True, text=True, timeout=600, check=False, cwd=ROOT)
+    run = subprocess.run(
+        [*BENCH, "--quick", "--results", str(results)],
+        env={**os.environ, "BOOTSEER_BENCH_CACHE": str(not_a_dir)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=ROOT,
+    )
 
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     summary = (results / "summary.md").read_text()
@@ -236,10 +302,23 @@ def test_a_failed_suite_is_reported_and_the_others_still_run(tmp_path: Path) -> 
 def test_sigterm_stops_the_running_suite_and_its_process_group(tmp_path: Path) -> None:
     need(missing_for("striped"))
     results = tmp_path / "results"
-    proc = subprocess.Popen([*BENCH, "striped", "ckpt", "--quick", "--results", str(results),
-                             "--cache", str(tmp_path / "cache")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            *BENCH,
+            "striped",
+            "ckpt",
+            "--quick",
+            "--results",
+            str(results),
+            "--cache",
+            str(tmp_path / "cache"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     pgid = None
     try:
         lines = []
@@ -249,8 +328,11 @@ def test_sigterm_stops_the_running_suite_and_its_process_group(tmp_path: Path) -
             if "== 1. unshaped ceiling" in line:
                 break
         # the suite: the harness's child (its forked helpers share its command line)
-        suite = [pid for pid in processes_mentioning(f"bench_striped.py --results {results}")
-                 if parent_of(pid) == proc.pid]
+        suite = [
+            pid
+            for pid in processes_mentioning(f"bench_striped.py --results {results}")
+            if parent_of(pid) == proc.pid
+        ]
         assert len(suite) == 1, "".join(lines)
         pgid = os.getpgid(suite[0])
         assert pgid == suite[0] != os.getpgid(proc.pid)  # in a session of its own
@@ -297,15 +379,24 @@ def test_results_count_only_when_this_run_wrote_them(tmp_path: Path) -> None:
     assert "is not valid JSON" in missing_results(tmp_path, "snapshot", {})
 
 
-@pytest.mark.parametrize("script", ["bench_snapshot.py", "bench_prefetch.py",
-                                    "bench_containerd.py"])
+@pytest.mark.parametrize(
+    "script", ["bench_snapshot.py", "bench_prefetch.py", "bench_containerd.py"]
+)
 def test_a_suite_called_with_measured_libraries_loaded_reruns_itself(script: str) -> None:
     """Its ``main()`` in a process that has imported what it measures re-executes the same
     script in a fresh interpreter (it once started ``_common.py`` instead: no results, exit 0)."""
-    code = (f"import sys, runpy, numpy; sys.argv = [{script!r}, '--help']; "
-            f"runpy.run_path('benchmarks/{script}', run_name='__main__')")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=False, cwd=ROOT)
+    code = (
+        f"import sys, runpy, numpy; sys.argv = [{script!r}, '--help']; "
+        f"runpy.run_path('benchmarks/{script}', run_name='__main__')"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"re-running {script} in a fresh interpreter" in run.stdout
     assert f"usage: {script}" in run.stdout  # the script's own parser answered
@@ -313,7 +404,8 @@ def test_a_suite_called_with_measured_libraries_loaded_reruns_itself(script: str
 
 @pytest.mark.timeout(300)
 def test_ckpt_ranks_stop_when_their_rendezvous_port_is_taken(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The port bench_ckpt picked was taken before rank 0 bound it (another process on a busy
     CI machine): rank 0 fails with EADDRINUSE, and the other ranks used to wait for it for
     torch's 30-minute rendezvous timeout. Now they are stopped and the phase is tried again on
@@ -337,7 +429,8 @@ def test_ckpt_ranks_stop_when_their_rendezvous_port_is_taken(
 
 @pytest.mark.timeout(300)
 def test_restart_suite_fails_when_a_takeover_fails(
-        tmp_path: Path, bench_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, bench_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A successor that did not take the held connection over (injected: the second one's log
     is read as not saying so) fails the run: exit 1, the error and a FAIL row in its results,
     and still nothing left running or mounted."""
@@ -361,8 +454,10 @@ def test_restart_suite_fails_when_a_takeover_fails(
     assert calls == [True, True]  # one SIGTERM and one SIGKILL round, both real takeovers
     report = json.loads((tmp_path / "results" / "restart.json").read_text())
     assert report["takeovers"] == {"rounds": 2, "succeeded": 1, "listing_equal": 2}
-    assert [r["took_over"] for s in report["signals"].values() for r in s["rounds"]] == [True,
-                                                                                        False]
+    assert [r["took_over"] for s in report["signals"].values() for r in s["rounds"]] == [
+        True,
+        False,
+    ]
     assert report["errors"] and "1 takeover(s) failed" in report["errors"][0]
     md = (tmp_path / "results" / "restart.md").read_text()
     assert re.search(r"^\| takeovers of the held connection +\| 1 of 2 .*\| FAIL", md, re.M), md

@@ -20,9 +20,10 @@ from robust_measure import ettr_of_steps, measure  # noqa: E402
 def test_the_schedule_is_seeded_and_meets_every_class_before_a_repeat() -> None:
     a = schedule(17, 60, 180, 4, 2)
     assert [(f.kind, f.at_s, f.rank, f.node) for f in a] == [
-        (f.kind, f.at_s, f.rank, f.node) for f in schedule(17, 60, 180, 4, 2)]
+        (f.kind, f.at_s, f.rank, f.node) for f in schedule(17, 60, 180, 4, 2)
+    ]
     assert [f.kind for f in a] != [f.kind for f in schedule(18, 60, 180, 4, 2)]
-    assert sorted(f.kind for f in a[:len(CLASSES)]) == sorted(CLASSES)
+    assert sorted(f.kind for f in a[: len(CLASSES)]) == sorted(CLASSES)
     assert all(0 <= f.rank < 8 for f in a if f.rank is not None)
     assert all(f.node is not None and f.rank is None for f in a if f.kind in NODE_SIDE)
     gaps = [b.at_s - x.at_s for x, b in zip(a, a[1:], strict=False)]
@@ -52,8 +53,9 @@ def test_ettr_from_the_step_log_counts_only_new_steps(tmp_path: Path) -> None:
     # pid 1 steps 0..5 at 1 s each (t 10..15); killed; pid 2 resumes at step 4 at t 30 and
     # steps to 7 at t 33: steps 4 and 5 are recomputed, 6 and 7 new (the first step of a
     # process has no gap, so it is not counted)
-    log0 = _steps(tmp_path, [(s, 10.0 + s, 1) for s in range(6)] +
-                  [(4 + i, 30.0 + i, 2) for i in range(4)])
+    log0 = _steps(
+        tmp_path, [(s, 10.0 + s, 1) for s in range(6)] + [(4 + i, 30.0 + i, 2) for i in range(4)]
+    )
     got = ettr_of_steps(log0, end=35.0)  # bootseer.robust.ettr.ettr_from_steps
     assert got["productive_s"] == pytest.approx(5.0 + 2.0)
     assert got["wall_s"] == pytest.approx(25.0)
@@ -80,9 +82,22 @@ def test_the_benchmarks_ettr_is_bootseer_reports(tmp_path: Path) -> None:
     assert got["ettr"] == pytest.approx(3370 / 3600) and got["input"] == "traces"
     assert got["report_command"] == f"bootseer report --end 3700.000 {tmp_path / 'trace'}"
     out = tmp_path / "report"
-    done = subprocess.run([sys.executable, "-m", "bootseer", "report", "--end", "3700",
-                           str(tmp_path / "trace"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "report",
+            "--end",
+            "3700",
+            str(tmp_path / "trace"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     printed = json.loads((out / "report.json").read_text())["robust"]["ettr"]
     assert printed["ettr"] == pytest.approx(got["ettr"])
@@ -94,24 +109,36 @@ def test_the_benchmarks_ettr_is_bootseer_reports(tmp_path: Path) -> None:
 def test_the_peer_is_detected_when_torchrun_notices_and_named_by_the_failed_pid(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "faults").mkdir()
-    _steps(tmp_path, [(s, 100.0 + s, 11) for s in range(5)] +
-           [(3 + i, 140.0 + i, 21) for i in range(3)])
+    _steps(
+        tmp_path,
+        [(s, 100.0 + s, 11) for s in range(5)] + [(3 + i, 140.0 + i, 21) for i in range(3)],
+    )
     (tmp_path / "starts.jsonl").write_text(
-        "".join(json.dumps({"rank": r, "pid": p, "time": 90.0}) + "\n"
-                for r, p in ((0, 11), (3, 13), (0, 21))))
+        "".join(
+            json.dumps({"rank": r, "pid": p, "time": 90.0}) + "\n"
+            for r, p in ((0, 11), (3, 13), (0, 21))
+        )
+    )
     (tmp_path / "logs" / "node1.log").write_text(
         "103.000 [rank3]: step 3\n"
         "104.750 E1124 torch/distributed/elastic/multiprocessing/api.py:1003] failed "
-        "(exitcode: -9) local_rank: 1 (pid: 13) of binary: python\n")
+        "(exitcode: -9) local_rank: 1 (pid: 13) of binary: python\n"
+    )
     fault = Fault("f01", "sigkill", 3.0, rank=3)
     fault.injected = {"time": 104.2, "kind": "sigkill", "host": "node1", "rank": 3}
     got = measure(tmp_path, "peer", [fault], end=200.0, hang_timeout_s=10)
     row = got["faults"][0]
     assert row["detection_s"] == pytest.approx(0.55)
-    assert row["named"] is True and row["peer_failed"] == {"launcher": "node1", "rank": 3,
-                                                            "exitcode": -9}
+    assert row["named"] is True and row["peer_failed"] == {
+        "launcher": "node1",
+        "rank": 3,
+        "exitcode": -9,
+    }
     assert row["evicted"] == [] and row["restart_s"] == pytest.approx(140.0 - 104.75)
     assert row["resumed_step"] == 3 and row["recomputed"] == 2  # steps 3 and 4 again
-    assert row["targets"] == {"detected_within_2s": True, "named": True,
-                              "evicted_only_its_group": True}
+    assert row["targets"] == {
+        "detected_within_2s": True,
+        "named": True,
+        "evicted_only_its_group": True,
+    }
     assert got["classes"]["sigkill"]["detection_p50_s"] == pytest.approx(0.55)

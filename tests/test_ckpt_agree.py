@@ -57,32 +57,48 @@ def scenarios(world: int) -> list[Scenario]:
     last = world - 1
     out = [Scenario("clean", world, [], 3)]
     for r in range(world):  # a flipped byte in rank r's own shard: only rank r reads it
-        out.append(Scenario(f"data-rank{r}", world, [("data", 3, r)], 2,
-                            [(3, r, data_name(r))]))
+        out.append(Scenario(f"data-rank{r}", world, [("data", 3, r)], 2, [(3, r, data_name(r))]))
     out += [
         # "bias" is replicated, written once (by rank 0) and read by every rank
-        Scenario("shared-tensor", world, [("bias", 3, 0)], 2,
-                 [(3, r, data_name(0)) for r in range(world)]),
-        Scenario("index", world, [("index", 3, last)], 2,
-                 [(3, r, index_name(last)) for r in range(world)]),
-        Scenario("missing-objects", world, [("objects", 3, last)], 2,
-                 [(3, last, objects_name(last))]),
-        Scenario("missing-data", world, [("rm-data", 3, last)], 2,
-                 [(3, last, data_name(last))]),
+        Scenario(
+            "shared-tensor",
+            world,
+            [("bias", 3, 0)],
+            2,
+            [(3, r, data_name(0)) for r in range(world)],
+        ),
+        Scenario(
+            "index",
+            world,
+            [("index", 3, last)],
+            2,
+            [(3, r, index_name(last)) for r in range(world)],
+        ),
+        Scenario(
+            "missing-objects", world, [("objects", 3, last)], 2, [(3, last, objects_name(last))]
+        ),
+        Scenario("missing-data", world, [("rm-data", 3, last)], 2, [(3, last, data_name(last))]),
         # a commit landing between the ranks' listings: the ranks settle on the older step,
         # nothing damaged, nothing warned
         Scenario("listed-differently", world, [], 2, behind=last),
-        Scenario("two-steps", world, [("data", 3, 0), ("data", 2, last)], 1,
-                 [(3, 0, data_name(0)), (2, last, data_name(last))]),
-        Scenario("explicit-step", world, [("data", 3, last)], None,
-                 [(3, last, data_name(last))], step=3),
+        Scenario(
+            "two-steps",
+            world,
+            [("data", 3, 0), ("data", 2, last)],
+            1,
+            [(3, 0, data_name(0)), (2, last, data_name(last))],
+        ),
+        Scenario(
+            "explicit-step", world, [("data", 3, last)], None, [(3, last, data_name(last))], step=3
+        ),
         Scenario("one-rank-raises", world, [], None, extra_key_on=(last,)),
         # the error wins over damage found in the same round: rank 0 raises rank W-1's error
         Scenario("raises-beside-damage", world, [("data", 3, 0)], None, extra_key_on=(last,)),
     ]
     if world == 3:  # resharding: loader 2 reads the end of saved rank 1's shard, nobody else
-        out.append(Scenario("reshard-2to3", 3, [("data-end", 3, 1)], 2,
-                            [(3, 2, data_name(1))], saved=2))
+        out.append(
+            Scenario("reshard-2to3", 3, [("data-end", 3, 1)], 2, [(3, 2, data_name(1))], saved=2)
+        )
     return out
 
 
@@ -127,9 +143,17 @@ def loads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict[
                 shutil.copytree(url, f"{url}-behind")
                 os.unlink(f"{url}-behind/step-3/{MANIFEST}")
                 urls[str(s.behind)] = f"{url}-behind"
-            actions.append({"op": "agree_load", "tag": s.key, "url": url, "step": s.step,
-                            "saved_world": s.saved, "extra_key_on": list(s.extra_key_on),
-                            "urls": urls})
+            actions.append(
+                {
+                    "op": "agree_load",
+                    "tag": s.key,
+                    "url": url,
+                    "step": s.step,
+                    "saved_world": s.saved,
+                    "extra_key_on": list(s.extra_key_on),
+                    "urls": urls,
+                }
+            )
         if world == 2:
             actions.append({"op": "fsdp2", "tag": "fsdp2", "url": str(base / "fsdp2")})
         started = time.perf_counter()
@@ -151,8 +175,9 @@ def _assert_warned(results: dict[int, dict], failing: list[tuple[int, int, str]]
     and the file."""
     for rank, r in sorted(results.items()):
         for step, who, name in failing:
-            assert any(f"step {step} " in w and f"by rank {who}:" in w and name in w
-                       for w in r["warnings"]), (rank, step, who, name, r["warnings"])
+            assert any(
+                f"step {step} " in w and f"by rank {who}:" in w and name in w for w in r["warnings"]
+            ), (rank, step, who, name, r["warnings"])
 
 
 @pytest.mark.parametrize("s", [s for s in ALL if s.expect is not None], ids=lambda s: s.key)
@@ -165,8 +190,9 @@ def test_every_rank_loads_the_newest_step_every_rank_can_load(loads, s: Scenario
     _assert_warned(results, s.failing)
     skipped = [r["skipped"] for r in results.values()]
     assert all(x == skipped[0] for x in skipped), skipped  # the same account on every rank
-    assert sorted((int(x.split()[1].rstrip(":")), int(x.split()[3].rstrip(":")))
-                  for x in skipped[0]) == sorted((st, who) for st, who, _ in s.failing)
+    assert sorted(
+        (int(x.split()[1].rstrip(":")), int(x.split()[3].rstrip(":"))) for x in skipped[0]
+    ) == sorted((st, who) for st, who, _ in s.failing)
     calls = [r["collectives"] for r in results.values()]
     assert all(c == calls[0] for c in calls), calls  # every rank ran the same collectives
     if s.behind is not None:  # one more round, in which the rank that held step 2 kept it
@@ -179,18 +205,22 @@ def test_every_rank_loads_the_newest_step_every_rank_can_load(loads, s: Scenario
 def test_an_explicit_step_some_rank_cannot_load_raises_on_every_rank(loads, world: int) -> None:
     s = next(x for x in ALL if x.world == world and x.name == "explicit-step")
     results = _ranks(loads, s.key, world)
-    (step, who, name), = s.failing
+    ((step, who, name),) = s.failing
     for rank, r in sorted(results.items()):
         assert r.get("raised") == "CheckpointCorrupt", (rank, r)
-        assert f"step {step}" in r["message"] and f"rank {who}" in r["message"] and \
-            name in r["message"], r["message"]
+        assert (
+            f"step {step}" in r["message"]
+            and f"rank {who}" in r["message"]
+            and name in r["message"]
+        ), r["message"]
     _assert_warned(results, s.failing)
 
 
 @pytest.mark.parametrize("name", ["one-rank-raises", "raises-beside-damage"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_rank_that_raises_makes_every_rank_raise_without_a_hang(loads, world: int,
-                                                                   name: str) -> None:
+def test_a_rank_that_raises_makes_every_rank_raise_without_a_hang(
+    loads, world: int, name: str
+) -> None:
     """Rank W-1's state has a key the checkpoint lacks: it raises its StateMismatchError,
     every other rank a CheckpointError naming it (also rank 0, whose own file is damaged);
     none waits in a collective for ever (the group returned)."""
@@ -222,33 +252,41 @@ def test_fsdp2_two_ranks_one_flipped_byte_all_resume_from_the_previous_step(load
 @pytest.mark.parametrize("damaged", [0, 1])
 @pytest.mark.parametrize("loader", [0, 1])
 def test_ranks_without_a_process_group_take_the_step_whose_files_all_verify(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, damaged: int, loader: int) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damaged: int, loader: int
+) -> None:
     """Two ranks that cannot talk: rank ``loader`` skips step 2 even when the damaged file
     is the other rank's, so both take step 1."""
     url = str(tmp_path / "store")
     W.save_agree_steps(url, 2, [1, 2])
     W.flip_chunk_byte(url, 2, damaged, "w")
     state = W.agree_blank(loader, 2)
-    with CheckpointManager(url, rank=loader, world_size=2, cache_dir=False) as mgr, \
-            caplog.at_level(logging.WARNING, logger="ckpt"):
+    with (
+        CheckpointManager(url, rank=loader, world_size=2, cache_dir=False) as mgr,
+        caplog.at_level(logging.WARNING, logger="ckpt"),
+    ):
         report = mgr.load_with_report(state)
     assert report.step == 1
     assert W.agree_problems(state, 1, loader, 2, 2) == []
     assert len(report.skipped) == 1 and data_name(damaged) in report.skipped[0]
-    assert any("step 2 " in r.message and f"rank {loader}" in r.message
-               and data_name(damaged) in r.message for r in caplog.records), caplog.text
+    assert any(
+        "step 2 " in r.message and f"rank {loader}" in r.message and data_name(damaged) in r.message
+        for r in caplog.records
+    ), caplog.text
 
 
 def test_one_process_loading_a_multi_rank_checkpoint_takes_the_step_all_files_verify(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """World size 1 over a 2-rank checkpoint whose rank 1 objects file of step 2 is gone:
     step 1, as the 2-rank job would take."""
     url = str(tmp_path / "store")
     W.save_agree_steps(url, 2, [1, 2])
     damage(url, "objects", 2, 1)
     state = W.agree_blank(0, 1)
-    with CheckpointManager(url, cache_dir=False) as mgr, \
-            caplog.at_level(logging.WARNING, logger="ckpt"):
+    with (
+        CheckpointManager(url, cache_dir=False) as mgr,
+        caplog.at_level(logging.WARNING, logger="ckpt"),
+    ):
         assert mgr.latest() == 2  # its commit is valid; the damage is in a file's bytes
         assert mgr.load(state) == 1
     assert W.agree_problems(state, 1, 0, 1, 2) == []
@@ -262,14 +300,19 @@ def test_a_process_group_of_another_world_is_a_clear_error(tmp_path: Path) -> No
 
     url = str(tmp_path / "store")
     W.save_agree_steps(url, 2, [1])
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
     try:
-        with CheckpointManager(url, rank=0, world_size=2, cache_dir=False,
-                               process_group=dist.group.WORLD) as mgr:
+        with CheckpointManager(
+            url, rank=0, world_size=2, cache_dir=False, process_group=dist.group.WORLD
+        ) as mgr:
             state = W.agree_blank(0, 2)
-            with pytest.raises(ValueError, match=r"process_group has rank 0 of 1; the manager "
-                               r"is rank 0 of 2: pass the group of the ranks that load together"):
+            with pytest.raises(
+                ValueError,
+                match=r"process_group has rank 0 of 1; the manager "
+                r"is rank 0 of 2: pass the group of the ranks that load together",
+            ):
                 mgr.load(state)
             assert state["step"] is None  # nothing loaded
         with CheckpointManager(url, rank=0, world_size=2, cache_dir=False) as mgr:

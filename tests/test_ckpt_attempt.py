@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bootseer.testing.servers import free_port
 
-WORKER = r'''
+WORKER = r"""
 import json, os, sys
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ mgr.close()
 dist.destroy_process_group()
 with open(sys.argv[2], "w") as f:
     json.dump(out, f)
-'''
+"""
 
 
 def _run_job(tmp: Path, ckpt: str, restart_counts: list[str], name: str) -> list[dict]:
@@ -46,12 +46,24 @@ def _run_job(tmp: Path, ckpt: str, restart_counts: list[str], name: str) -> list
     for rank, count in enumerate(restart_counts):
         out = tmp / f"{name}-{rank}.json"
         outs.append(out)
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(len(restart_counts)),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": count}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(len(restart_counts)),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_RUN_ID": "job",
+            "TORCHELASTIC_RESTART_COUNT": count,
+        }
         env.pop("BOOTSEER_ATTEMPT", None)
-        procs.append(subprocess.Popen([sys.executable, str(script), ckpt, str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), ckpt, str(out)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     for proc in procs:
         output, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, output.decode(errors="replace")[-3000:]

@@ -63,6 +63,7 @@ def make_state(seed: int) -> dict:
 
 def blank_like(state: dict) -> dict:
     """A state of the same structure with different values, to load into."""
+
     def blank(x):
         if isinstance(x, torch.Tensor):
             return torch.zeros_like(x) if x.dtype != torch.bool else torch.zeros_like(x)
@@ -73,6 +74,7 @@ def blank_like(state: dict) -> dict:
         if isinstance(x, PerRank):
             return PerRank(None)
         return None
+
     return blank(state)
 
 
@@ -218,17 +220,31 @@ def test_damaged_index_makes_load_fall_back(tmp_path):
 
 
 def test_mismatches_are_listed_in_one_error_and_non_strict_loads_the_rest(tmp_path):
-    state = {"a": torch.randn(4, 4), "b": torch.randn(3), "c": torch.ones(2, dtype=torch.int32),
-             "gone": torch.randn(2), "n": 5}
+    state = {
+        "a": torch.randn(4, 4),
+        "b": torch.randn(3),
+        "c": torch.ones(2, dtype=torch.int32),
+        "gone": torch.randn(2),
+        "n": 5,
+    }
     with CheckpointManager(str(tmp_path)) as mgr:
         mgr.save(1, state, block=True)
-        target = {"a": torch.zeros(4, 4), "b": torch.zeros(4), "c": torch.zeros(2),
-                  "new": torch.zeros(1), "n": 0}
+        target = {
+            "a": torch.zeros(4, 4),
+            "b": torch.zeros(4),
+            "c": torch.zeros(2),
+            "new": torch.zeros(1),
+            "n": 0,
+        }
         with pytest.raises(StateMismatchError) as err:
             mgr.load(target)
         text = str(err.value)
-        for needle in ("shape of b", "dtype of c", "missing from checkpoint: new",
-                       "unexpected in checkpoint (not in state): gone"):
+        for needle in (
+            "shape of b",
+            "dtype of c",
+            "missing from checkpoint: new",
+            "unexpected in checkpoint (not in state): gone",
+        ):
             assert needle in text
         assert torch.count_nonzero(target["a"]) == 0  # a strict failure loads nothing
         report = mgr.load_with_report(target, strict=False)
@@ -256,7 +272,9 @@ def test_optimizer_state_can_be_loaded_into_a_fresh_optimizer(tmp_path):
     state = make_state(4)
     with CheckpointManager(str(tmp_path)) as mgr:
         mgr.save(4, {"optim": state["optim"]}, block=True)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         before = [p.clone() for p in model.parameters()]
         init_optimizer_state(opt)
@@ -280,8 +298,11 @@ def test_chunk_index_matches_brute_force():
     rng = random.Random(0)
     shape = (37, 23)
     rows, cols = [0, 5, 11, 20, 37], [0, 9, 23]
-    chunks = [StoredChunk("k", 0, Box((r0, c0), (r1 - r0, c1 - c0)), 0, 0, "float32")
-              for r0, r1 in zip(rows, rows[1:], strict=False) for c0, c1 in zip(cols, cols[1:], strict=False)]
+    chunks = [
+        StoredChunk("k", 0, Box((r0, c0), (r1 - r0, c1 - c0)), 0, 0, "float32")
+        for r0, r1 in zip(rows, rows[1:], strict=False)
+        for c0, c1 in zip(cols, cols[1:], strict=False)
+    ]
     index = ChunkIndex(chunks, shape)
     assert index.is_grid
     for _ in range(300):
@@ -290,8 +311,10 @@ def test_chunk_index_matches_brute_force():
         brute = {c.box for c in chunks if c.box.intersect(box) is not None}
         assert {c.box for c in index.overlapping(box)} == brute
         assert index.covered(box) == box.numel
-    skewed = [StoredChunk("k", 0, Box((0,), (10,)), 0, 0, "f"),
-              StoredChunk("k", 1, Box((5,), (10,)), 0, 0, "f")]
+    skewed = [
+        StoredChunk("k", 0, Box((0,), (10,)), 0, 0, "f"),
+        StoredChunk("k", 1, Box((5,), (10,)), 0, 0, "f"),
+    ]
     odd = ChunkIndex(skewed, (15,))
     assert not odd.is_grid
     assert len(odd.overlapping(Box((6,), (1,)))) == 2
@@ -323,8 +346,9 @@ def test_chunk_lookup_is_not_quadratic():
 def small_tmpfs(tmp_path, system):
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if res.returncode != 0:
         system(f"cannot mount a small tmpfs for the full-disk test: {res.stderr.strip()}")
     yield mnt
@@ -349,8 +373,10 @@ def test_full_disk_is_a_clear_error_and_the_previous_checkpoint_survives(small_t
 
 def test_storage_going_away_mid_save_reaches_the_caller(s3_server, s3_bucket):
     bucket, options = s3_bucket
-    storage = {"s3": options, "striped": {"stripe_size": "256KiB", "retries": 2,
-                                          "backoff_s": 0.05, "concurrency": 2}}
+    storage = {
+        "s3": options,
+        "striped": {"stripe_size": "256KiB", "retries": 2, "backoff_s": 0.05, "concurrency": 2},
+    }
     state = {"w": torch.randn(2_000_000)}  # 8 MB in 32 stripes
     with CheckpointManager(f"s3://{bucket}/run", storage_options=storage) as mgr:
         mgr.save(1, state, block=True)
@@ -375,7 +401,10 @@ def test_bad_arguments_get_clear_errors(tmp_path):
         CheckpointManager(str(tmp_path), rank=2, world_size=2)
     with pytest.raises(ValueError, match="keep"):
         CheckpointManager(str(tmp_path), keep=0)
-    with CheckpointManager(str(tmp_path)) as mgr, pytest.raises(FileNotFoundError, match="no committed"):
+    with (
+        CheckpointManager(str(tmp_path)) as mgr,
+        pytest.raises(FileNotFoundError, match="no committed"),
+    ):
         mgr.load({"w": torch.zeros(1)})
     with CheckpointManager(str(tmp_path)) as mgr, pytest.raises(TypeError, match="dict or list"):
         mgr.save(1, torch.zeros(1))
@@ -406,8 +435,9 @@ def test_a_blocking_save_returns_its_finished_handle(tmp_path):
 
 
 def _manager(url: str, rank: int, world: int = 2, **kwargs) -> CheckpointManager:
-    return CheckpointManager(url, rank=rank, world_size=world, stripe_size=W.STRIPE,
-                             cache_dir=False, **kwargs)
+    return CheckpointManager(
+        url, rank=rank, world_size=world, stripe_size=W.STRIPE, cache_dir=False, **kwargs
+    )
 
 
 def _load(url: str, rank: int, world: int = 2, step: int | None = None) -> tuple[int, dict]:
@@ -540,8 +570,14 @@ def test_load_full_optimizer_state_goes_into_load_state_dict_and_training_contin
 
 def test_load_full_rebuilds_lists_and_dict_keys_as_saved(tmp_path):
     t = torch.arange(3.0)
-    state = {"by_int": {0: t, 1: t + 1}, "by_digits": {"0": t + 2, "1": t + 3},
-             "gaps": {0: t, 5: t}, "seq": [t, {"x": t}], "empty": [], "top": {"a/b": 1, "%": 2}}
+    state = {
+        "by_int": {0: t, 1: t + 1},
+        "by_digits": {"0": t + 2, "1": t + 3},
+        "gaps": {0: t, 5: t},
+        "seq": [t, {"x": t}],
+        "empty": [],
+        "top": {"a/b": 1, "%": 2},
+    }
     with CheckpointManager(str(tmp_path)) as mgr:
         mgr.save(1, state, block=True)
         full = mgr.load_full()

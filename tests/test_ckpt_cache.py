@@ -51,8 +51,8 @@ def rank_state(seed: int, rank: int, *, replicated: bool = False) -> dict[str, A
     bias = torch.randn(17, generator=g)
     half = N // 2
     state: dict[str, Any] = {
-        "w": FlatShard(flat[rank * half:(rank + 1) * half].clone(), rank * half, N),
-        "m": FlatShard((flat * 2)[rank * half:(rank + 1) * half].clone(), rank * half, N),
+        "w": FlatShard(flat[rank * half : (rank + 1) * half].clone(), rank * half, N),
+        "m": FlatShard((flat * 2)[rank * half : (rank + 1) * half].clone(), rank * half, N),
         "rng": PerRank(torch.full((3,), seed * 10 + rank)),
         "step": seed,
     }
@@ -63,9 +63,12 @@ def rank_state(seed: int, rank: int, *, replicated: bool = False) -> dict[str, A
 
 def blank(rank: int, *, replicated: bool = False) -> dict[str, Any]:
     half = N // 2
-    state: dict[str, Any] = {"w": FlatShard(torch.zeros(half), rank * half, N),
-                             "m": FlatShard(torch.zeros(half), rank * half, N),
-                             "rng": PerRank(None), "step": None}
+    state: dict[str, Any] = {
+        "w": FlatShard(torch.zeros(half), rank * half, N),
+        "m": FlatShard(torch.zeros(half), rank * half, N),
+        "rng": PerRank(None),
+        "step": None,
+    }
     if replicated:
         state["bias"] = torch.zeros(17)
     return state
@@ -80,13 +83,21 @@ def assert_loaded(got: dict[str, Any], want: dict[str, Any]) -> None:
         assert torch.equal(got["bias"], want["bias"])
 
 
-def save_both(url: str, step: int, seed: int, options: dict | None = None, *,
-              replicated: bool = False, commit: bool = True) -> None:
+def save_both(
+    url: str,
+    step: int,
+    seed: int,
+    options: dict | None = None,
+    *,
+    replicated: bool = False,
+    commit: bool = True,
+) -> None:
     """Ranks 1 then 0 save ``step``; without ``commit`` only rank 1 does (a torn step)."""
     order = (1, 0) if commit else (1,)
     for rank in order:
-        with CheckpointManager(url, rank=rank, world_size=2, storage_options=options,
-                               cache_dir=False) as mgr:
+        with CheckpointManager(
+            url, rank=rank, world_size=2, storage_options=options, cache_dir=False
+        ) as mgr:
             mgr.save(step, rank_state(seed, rank, replicated=replicated), block=True)
 
 
@@ -139,9 +150,15 @@ def test_prefetch_runs_where_torch_is_not_installed(tmp_path: Path) -> None:
         "import bootseer.startup\n"
         "from ckpt import prefetch_latest\n"
         f"r = prefetch_latest({store!r}, {str(cache)!r}, [0, 1])\n"
-        "print(json.dumps([r.step, r.files]))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=False, cwd=Path(__file__).resolve().parents[1])
+        "print(json.dumps([r.step, r.files]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == [3, 7]
     want = metadata() + [data_name(r) for r in (0, 1)] + [objects_name(r) for r in (0, 1)]
@@ -153,11 +170,13 @@ def test_a_replicated_tensor_brings_the_file_of_the_rank_that_wrote_it(tmp_path:
     save_both(store, 1, seed=1, replicated=True)  # "bias" is written once, by rank 0
     prefetch_latest(store, cache, [1])
     assert cached_files(cache) == step_files(
-        store, 1, metadata() + [data_name(0), data_name(1), objects_name(1)])
+        store, 1, metadata() + [data_name(0), data_name(1), objects_name(1)]
+    )
 
 
 def test_load_reads_the_cache_and_nothing_of_the_store_for_cached_files(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store, cache = str(tmp_path / "store"), tmp_path / "cache"
     save_both(store, 5, seed=5, options=SMALL)
     prefetch_latest(store, cache, [1])
@@ -176,16 +195,17 @@ def test_load_reads_the_cache_and_nothing_of_the_store_for_cached_files(
     assert report.cached_bytes >= N // 2 * 4 * 2
 
 
-def test_a_survivor_loads_what_its_save_wrote_through_without_a_prefetch(
-        tmp_path: Path) -> None:
+def test_a_survivor_loads_what_its_save_wrote_through_without_a_prefetch(tmp_path: Path) -> None:
     """A restart that torchrun runs has no prefetch between the save and the load: the
     shards this node's save wrote into the cache must serve the load (issue 29, survivors
     read nothing twice), verified against the store's commit record, which the cache
     adopts; a file of another attempt of the step is refused and read from the store."""
     store, cache = str(tmp_path / "store"), tmp_path / "cache"
+
     def save(rank: int) -> None:  # a rank writes its cache copy after the commit: both at once
-        with CheckpointManager(store, rank=rank, world_size=2, storage_options=SMALL,
-                               cache_dir=cache) as mgr:
+        with CheckpointManager(
+            store, rank=rank, world_size=2, storage_options=SMALL, cache_dir=cache
+        ) as mgr:
             mgr.save(5, rank_state(5, rank), block=True)
 
     with ThreadPoolExecutor(2) as pool:
@@ -232,8 +252,11 @@ def test_a_damaged_cached_file_is_removed_and_the_store_used(tmp_path: Path, cap
     assert report.step == 5  # the same step, not a fallback: the store's copy is intact
     assert_loaded(target, rank_state(5, 1))
     assert report.cached_files == 2  # index 1 and objects 1; the damaged two came from the store
-    assert re.search(rf"{re.escape(str(step / data_name(1)))} tensor [wm] fails its checksum; "
-                     "removed", caplog.text)
+    assert re.search(
+        rf"{re.escape(str(step / data_name(1)))} tensor [wm] fails its checksum; "
+        "removed",
+        caplog.text,
+    )
     assert f"{step / index_name(0)} does not match the manifest's checksum; removed" in caplog.text
     assert not (step / data_name(1)).exists() and not (step / index_name(0)).exists()
 
@@ -303,8 +326,10 @@ def test_an_empty_or_absent_store_has_no_step(tmp_path: Path) -> None:
     for store in (tmp_path / "empty", tmp_path / "absent"):
         result = prefetch_latest(str(store), tmp_path / "cache", [0])
         assert (result.step, result.files, result.cached_already) == (None, 0, 0)
-    with CheckpointManager(str(tmp_path / "empty"), cache_dir=tmp_path / "cache") as mgr, \
-            pytest.raises(CheckpointNotFound):
+    with (
+        CheckpointManager(str(tmp_path / "empty"), cache_dir=tmp_path / "cache") as mgr,
+        pytest.raises(CheckpointNotFound),
+    ):
         mgr.load({"w": torch.zeros(1)})
 
 
@@ -369,8 +394,9 @@ def test_s3_prefetch_then_load_without_the_shards_in_the_store(s3_bucket, tmp_pa
     result = prefetch_latest(url, cache, [0], storage_options=storage, connections=4)
     assert (result.step, result.files) == (7, 5)
     assert cached_files(cache) == step_files(url, 7, metadata() + [data_name(0), objects_name(0)])
-    with CheckpointManager(url, rank=0, world_size=2, storage_options=storage,
-                           cache_dir=cache) as mgr:
+    with CheckpointManager(
+        url, rank=0, world_size=2, storage_options=storage, cache_dir=cache
+    ) as mgr:
         mgr.fs.rm_file(f"{step_dir(mgr.root, 7)}/{data_name(0)}")  # stripes and manifest
         mgr.fs.rm_file(f"{step_dir(mgr.root, 7)}/{objects_name(0)}")
         target = blank(0)
@@ -383,9 +409,15 @@ def test_s3_prefetch_then_load_without_the_shards_in_the_store(s3_bucket, tmp_pa
 
 def test_an_unreachable_store_is_its_own_error_and_quick(tmp_path: Path) -> None:
     port = free_port()  # nothing listens there
-    storage = {"s3": {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing",
-                      "secret": "testing", "client_kwargs": {"region_name": "us-east-1"}},
-               "striped": {"retries": 1, "backoff_s": 0.01}}
+    storage = {
+        "s3": {
+            "endpoint_url": f"http://127.0.0.1:{port}",
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"region_name": "us-east-1"},
+        },
+        "striped": {"retries": 1, "backoff_s": 0.01},
+    }
     url = "s3://bucket/run"
     started = time.monotonic()
     with pytest.raises(CheckpointStoreUnavailable) as err:

@@ -24,11 +24,11 @@ import ckpt
 from ckpt.dcp import bootseer_to_dcp, dcp_to_bootseer, flatten_like_dcp, unflatten_like_dcp
 from striped_fs.urls import url_to_fs
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:torch.distributed is disabled:UserWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 # -- a small model + optimizer state ------------------------------------------------------------
+
 
 def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
@@ -45,8 +45,12 @@ def _trained_state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, d
     state = {
         "model": model.state_dict(),
         "optim": opt.state_dict(),
-        "extra": {"epoch": seed, "tag": f"run-{seed}", "half": torch.randn(7).bfloat16(),
-                  "ids": torch.arange(6, dtype=torch.int64).view(2, 3) * (seed + 1)},
+        "extra": {
+            "epoch": seed,
+            "tag": f"run-{seed}",
+            "half": torch.randn(7).bfloat16(),
+            "ids": torch.arange(6, dtype=torch.int64).view(2, 3) * (seed + 1),
+        },
     }
     return model, opt, state
 
@@ -61,8 +65,10 @@ def _assert_same(a: Any, b: Any, path: str = "") -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), path
         assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.bool and a.dim() else a,
-                           b.view(torch.uint8) if b.dtype != torch.bool and b.dim() else b), path
+        assert torch.equal(
+            a.view(torch.uint8) if a.dtype != torch.bool and a.dim() else a,
+            b.view(torch.uint8) if b.dtype != torch.bool and b.dim() else b,
+        ), path
     elif isinstance(a, dict):
         assert isinstance(b, dict) and set(map(str, a)) == set(map(str, b)), path
         by_str = {str(k): v for k, v in b.items()}
@@ -85,12 +91,17 @@ def _assert_striped(url: str, names: list[str], storage_options: dict | None = N
 
 # -- (a) DCP users keep their API ---------------------------------------------------------------
 
+
 def test_dcp_roundtrip_on_striped_local_dir(tmp_path):
     url = f"striped::file://{tmp_path}/dcp"
     _, _, state = _trained_state(0)
     dcp.save(state, storage_writer=FsspecWriter(url))
     assert sorted(os.listdir(tmp_path / "dcp")) == [
-        "..metadata.stripes", ".__0_0.distcp.stripes", ".metadata", "__0_0.distcp"]
+        "..metadata.stripes",
+        ".__0_0.distcp.stripes",
+        ".metadata",
+        "__0_0.distcp",
+    ]
     _assert_striped(url, [".metadata", "__0_0.distcp"])
 
     model, opt, target = _trained_state(1)
@@ -172,11 +183,24 @@ def _free_port() -> int:
 
 def test_dcp_two_gloo_processes_on_striped(tmp_path):
     url = f"striped::file://{tmp_path}/dcp2"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, url], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "2",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, url],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outputs = []
     for p in procs:
         try:
@@ -204,6 +228,7 @@ def test_dcp_two_gloo_processes_on_striped(tmp_path):
 
 
 # -- (b) conversion both ways -------------------------------------------------------------------
+
 
 def test_convert_dcp_to_ours_to_dcp_is_bit_exact(tmp_path):
     _, _, state = _trained_state(0)
@@ -237,7 +262,8 @@ def test_convert_dcp_to_ours_to_dcp_is_bit_exact(tmp_path):
     back = f"striped::file://{tmp_path}/dcp-back"
     result = bootseer_to_dcp(ours, back)
     assert result.step == 40 and result.tensors == len(
-        [m for m in src_meta.state_dict_metadata.values() if hasattr(m, "chunks")])
+        [m for m in src_meta.state_dict_metadata.values() if hasattr(m, "chunks")]
+    )
     _assert_striped(back, [".metadata", "__0_0.distcp"])
     back_meta = FsspecReader(back).read_metadata()
     assert set(back_meta.state_dict_metadata) == set(src_meta.state_dict_metadata)
@@ -278,8 +304,7 @@ def test_convert_ours_saved_nested_to_dcp_loads_into_the_same_structure(tmp_path
     target = _fresh_state()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(target, storage_reader=dcp.FileSystemReader(f"{tmp_path}/plain-dcp"),
-                 no_dist=True)
+        dcp.load(target, storage_reader=dcp.FileSystemReader(f"{tmp_path}/plain-dcp"), no_dist=True)
     _assert_same(state, target)
 
 
@@ -304,15 +329,17 @@ def test_convert_refuses_to_overwrite_and_names_missing_sources(tmp_path):
 def test_convert_reports_a_corrupt_dcp_stripe_by_name(tmp_path):
     _, _, state = _trained_state(0)
     src = f"striped::file://{tmp_path}/dcp"
-    dcp.save(state, storage_writer=FsspecWriter(src, striped={"stripe_size": "4KiB"}),
-             no_dist=True)
+    dcp.save(state, storage_writer=FsspecWriter(src, striped={"stripe_size": "4KiB"}), no_dist=True)
     stripes = tmp_path / "dcp" / ".__0_0.distcp.stripes"
     (version,) = os.listdir(stripes)
     victim = stripes / version / "00000000"
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with pytest.raises(ckpt.CheckpointError, match=r"reading DCP checkpoint .* failed: "
-                       r"StripeChecksumError: stripe 0 of .*__0_0\.distcp .* is corrupt"):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"reading DCP checkpoint .* failed: "
+        r"StripeChecksumError: stripe 0 of .*__0_0\.distcp .* is corrupt",
+    ):
         dcp_to_bootseer(src, f"{tmp_path}/ours", step=1)
     assert ckpt.CheckpointManager(f"{tmp_path}/ours").latest() is None  # nothing committed

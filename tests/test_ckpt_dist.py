@@ -67,7 +67,9 @@ class Dist:
         assert got is not None, f"{key} did not run"
         assert sorted(got) == list(range(ranks)), f"{key}: results from ranks {sorted(got)}"
         errors = {r: v["error"] for r, v in got.items() if "error" in v}
-        assert not errors, f"{key} raised:\n" + "\n".join(f"rank {r}: {e}" for r, e in errors.items())
+        assert not errors, f"{key} raised:\n" + "\n".join(
+            f"rank {r}: {e}" for r, e in errors.items()
+        )
         return got
 
 
@@ -76,10 +78,17 @@ def _actions(world: int, plan: list[tuple[str, int]], dist: Dist) -> list[dict[s
     for backend in dist.targets:
         for op, saved in plan:
             url, options = dist.url(backend, saved)
-            actions.append({
-                "op": op, "tag": tag(op, backend, saved, None if op == "save" else world),
-                "url": url, "storage_options": options, "step": SAVE_STEPS[saved],
-                "seed": seed_of(backend, saved), "saved_world": saved})
+            actions.append(
+                {
+                    "op": op,
+                    "tag": tag(op, backend, saved, None if op == "save" else world),
+                    "url": url,
+                    "storage_options": options,
+                    "step": SAVE_STEPS[saved],
+                    "seed": seed_of(backend, saved),
+                    "saved_world": saved,
+                }
+            )
     return actions
 
 
@@ -126,8 +135,9 @@ def dist(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("saved", "loaded"), PAIRS, ids=[f"{a}to{b}" for a, b in PAIRS])
-def test_save_at_w_load_at_other_w_is_bit_exact(dist: Dist, backend: str, saved: int,
-                                                loaded: int) -> None:
+def test_save_at_w_load_at_other_w_is_bit_exact(
+    dist: Dist, backend: str, saved: int, loaded: int
+) -> None:
     dist.need(backend)
     saves = dist.result(tag("save", backend, saved), saved)
     assert saves[0]["committed"], "rank 0 did not commit"
@@ -142,7 +152,9 @@ def test_save_at_w_load_at_other_w_is_bit_exact(dist: Dist, backend: str, saved:
 
 def _boxes_disjoint(a: tuple[list[int], list[int]], b: tuple[list[int], list[int]]) -> bool:
     (ao, ashape), (bo, bshape) = a, b
-    return any(x + xs <= y or y + ys <= x for x, xs, y, ys in zip(ao, ashape, bo, bshape, strict=True))
+    return any(
+        x + xs <= y or y + ys <= x for x, xs, y, ys in zip(ao, ashape, bo, bshape, strict=True)
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -153,8 +165,10 @@ def test_replicas_written_once_and_ranks_balanced(dist: Dist, backend: str, worl
     url, options = dist.url(backend, world)
     fs, root = url_to_fs(url, options)
     directory = step_dir(root, SAVE_STEPS[world])
-    indexes = [RankIndex.from_json(fs.cat_file(f"{directory}/{index_name(r)}"), path=str(r))
-               for r in range(world)]
+    indexes = [
+        RankIndex.from_json(fs.cat_file(f"{directory}/{index_name(r)}"), path=str(r))
+        for r in range(world)
+    ]
     assert [i.rank for i in indexes] == list(range(world))
     full = W.global_tensors(seed_of(backend, world))
     specs = W.dtensor_specs(world)
@@ -166,7 +180,9 @@ def test_replicas_written_once_and_ranks_balanced(dist: Dist, backend: str, worl
         writers[key] = [r for r, _ in chunks]
         for _, c in chunks:
             assert dtype_of(c.dtype) == tensor.dtype
-            assert c.global_shape == ([tensor.numel()] if key in W.FLAT_SHAPES else list(tensor.shape))
+            assert c.global_shape == (
+                [tensor.numel()] if key in W.FLAT_SHAPES else list(tensor.shape)
+            )
         # no chunk stored twice, and together they are the whole tensor
         boxes = [(c.offsets, c.shape) for _, c in chunks if all(c.shape)]
         for a in range(len(boxes)):
@@ -200,8 +216,9 @@ def test_replicas_written_once_and_ranks_balanced(dist: Dist, backend: str, worl
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("saved", "loaded"), PARTIAL, ids=[f"{a}to{b}" for a, b in PARTIAL])
-def test_each_rank_fetches_only_its_slice(dist: Dist, backend: str, saved: int,
-                                          loaded: int) -> None:
+def test_each_rank_fetches_only_its_slice(
+    dist: Dist, backend: str, saved: int, loaded: int
+) -> None:
     dist.need(backend)
     reads = dist.result(tag("partial_read", backend, saved, loaded), loaded)
     for rank, r in sorted(reads.items()):
@@ -211,16 +228,19 @@ def test_each_rank_fetches_only_its_slice(dist: Dist, backend: str, saved: int,
         bound = r["slice_bytes"] + 2 * W.STRIPE * r["source_chunks"]
         assert r["bytes_read"] <= bound, (rank, r)
         assert r["bytes_read"] < 0.7 * r["whole_bytes"], (rank, r)
-        print(f"{backend} {saved}->{loaded} rank {rank}: read {r['bytes_read']} bytes for a "
-              f"{r['slice_bytes']}-byte slice of {r['whole_bytes']}")
+        print(
+            f"{backend} {saved}->{loaded} rank {rank}: read {r['bytes_read']} bytes for a "
+            f"{r['slice_bytes']}-byte slice of {r['whole_bytes']}"
+        )
 
 
 # -- mismatches -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_mismatch_lists_every_problem_and_non_strict_loads_the_rest(dist: Dist,
-                                                                   backend: str) -> None:
+def test_mismatch_lists_every_problem_and_non_strict_loads_the_rest(
+    dist: Dist, backend: str
+) -> None:
     dist.need(backend)
     results = dist.result(tag("mismatch", backend, 4, 2), 2)
     for rank, r in sorted(results.items()):
@@ -230,8 +250,10 @@ def test_mismatch_lists_every_problem_and_non_strict_loads_the_rest(dist: Dist,
         assert err["step"] == SAVE_STEPS[4]
         assert len(problems) == 3, problems
         assert any("missing" in p and "model/new_head" in p for p in problems), problems
-        assert any("shape of model/embed" in p and "[512, 128]" in p and "[500, 128]" in p
-                   for p in problems), problems
+        assert any(
+            "shape of model/embed" in p and "[512, 128]" in p and "[500, 128]" in p
+            for p in problems
+        ), problems
         assert any("unexpected" in p and "model/count" in p for p in problems), problems
         assert r["missing"] == ["model/new_head"]
         assert r["mismatched"] == ["model/embed"]

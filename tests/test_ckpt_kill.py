@@ -39,9 +39,13 @@ class ForkServer:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(W.__file__)), "fork-server"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self._log, text=True,
-            cwd=Path(W.__file__).resolve().parent.parent)
+            [sys.executable, str(Path(W.__file__)), "fork-server"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            cwd=Path(W.__file__).resolve().parent.parent,
+        )
         if self._line() != "READY":
             raise RuntimeError(f"fork server did not start:\n{self.log()}")
 
@@ -94,8 +98,11 @@ def blank(expected: dict[str, Any]) -> dict[str, Any]:
     """A state shaped like ``expected`` holding other values, to load into."""
     model = {}
     for k, t in expected["model"].items():
-        model[k] = torch.full_like(t, float("nan")) if t.is_floating_point() else \
-            torch.full_like(t, True if t.dtype == torch.bool else -1)
+        model[k] = (
+            torch.full_like(t, float("nan"))
+            if t.is_floating_point()
+            else torch.full_like(t, True if t.dtype == torch.bool else -1)
+        )
     return {"model": model, "meta": {"step": -1, "tag": ""}, "rng": PerRank(None)}
 
 
@@ -114,27 +121,44 @@ def check_content(mgr: CheckpointManager, step: int, seed: int, mb: float) -> No
     assert report.ok, f"step {step} fails verification: {report.problems}"
 
 
-def run_trials(server: ForkServer, url: str, options: dict[str, Any] | None, *, trials: int,
-               mb: float, label: str, rng: random.Random) -> dict[str, int]:
+def run_trials(
+    server: ForkServer,
+    url: str,
+    options: dict[str, Any] | None,
+    *,
+    trials: int,
+    mb: float,
+    label: str,
+    rng: random.Random,
+) -> dict[str, int]:
     """Step 1 and CALIBRATION more steps saved whole (their durations set the kill window),
     then ``trials`` saves with SIGKILLs, each followed by the checks."""
     reader = CheckpointManager(url, storage_options=options, stripe_size=W.STRIPE)
-    base = {"url": url, "storage_options": options, "stripe": W.STRIPE, "mb": mb,
-            "keep": KEEP, "world": W.KILL_WORLD}
+    base = {
+        "url": url,
+        "storage_options": options,
+        "stripe": W.STRIPE,
+        "mb": mb,
+        "keep": KEEP,
+        "world": W.KILL_WORLD,
+    }
     seeds: dict[int, int] = {}
     durations = []
     for step in range(1, 2 + CALIBRATION):  # trials 0..CALIBRATION-1 kill nobody
         seeds[step] = rng.randrange(1 << 30)
-        codes, elapsed = server.run({**base, "step": step, "seed": seeds[step],
-                                     "commit_timeout_s": 60}, {})
+        codes, elapsed = server.run(
+            {**base, "step": step, "seed": seeds[step], "commit_timeout_s": 60}, {}
+        )
         assert codes == [0, 0], f"[{label}] save of step {step} failed ({codes}):\n{server.log()}"
         assert reader.latest() == step
         check_content(reader, step, seeds[step], mb)
         durations.append(elapsed)
     typical = sorted(durations)[len(durations) // 2]
     commit_timeout = max(1.5, 2.0 * typical)
-    print(f"[{label}] whole saves took {', '.join(f'{d:.2f}' for d in durations)} s; kill "
-          f"delays in [0, {typical:.2f}] s; commit timeout {commit_timeout:.1f} s")
+    print(
+        f"[{label}] whole saves took {', '.join(f'{d:.2f}' for d in durations)} s; kill "
+        f"delays in [0, {typical:.2f}] s; commit timeout {commit_timeout:.1f} s"
+    )
 
     outcomes = {"committed": 0, "not committed": 0, "killed": 0}
     for trial in range(CALIBRATION, CALIBRATION + trials):
@@ -147,13 +171,16 @@ def run_trials(server: ForkServer, url: str, options: dict[str, Any] | None, *, 
         kills = {r: typical * rng.uniform(low, 1.0) for r in victims}
         previous = reader.latest()
         started = time.monotonic()
-        codes, elapsed = server.run({**base, "step": step, "seed": seeds[step],
-                                     "commit_timeout_s": commit_timeout}, kills)
+        codes, elapsed = server.run(
+            {**base, "step": step, "seed": seeds[step], "commit_timeout_s": commit_timeout}, kills
+        )
         latest = reader.latest()
-        print(f"[{label}] trial {trial:2d} step {step:2d}: SIGKILL "
-              + ", ".join(f"rank {r} at {d * 1000:4.0f} ms" for r, d in sorted(kills.items()))
-              + f" -> exit codes {codes}, latest {latest} (ranks ran {elapsed:.2f} s, trial "
-              f"{time.monotonic() - started:.2f} s)")
+        print(
+            f"[{label}] trial {trial:2d} step {step:2d}: SIGKILL "
+            + ", ".join(f"rank {r} at {d * 1000:4.0f} ms" for r, d in sorted(kills.items()))
+            + f" -> exit codes {codes}, latest {latest} (ranks ran {elapsed:.2f} s, trial "
+            f"{time.monotonic() - started:.2f} s)"
+        )
         context = f"[{label}] step {step}, codes {codes}, latest {latest}\n{server.log()}"
         assert codes[0] in (0, 3, -signal.SIGKILL), context
         assert codes[1] in (0, -signal.SIGKILL), context
@@ -176,19 +203,34 @@ def run_trials(server: ForkServer, url: str, options: dict[str, Any] | None, *, 
 
 
 def test_sigkill_during_save_local(fork_server: ForkServer, tmp_path: Path) -> None:
-    outcomes = run_trials(fork_server, str(tmp_path / "ckpt"), None, trials=LOCAL_TRIALS,
-                          mb=10, label="local", rng=random.Random(SEED))
+    outcomes = run_trials(
+        fork_server,
+        str(tmp_path / "ckpt"),
+        None,
+        trials=LOCAL_TRIALS,
+        mb=10,
+        label="local",
+        rng=random.Random(SEED),
+    )
     # kills landed mid-save (how many depends on the machine's speed: 4 of 24 under load in a
     # full run, a third on a quiet one); every trial's content is checked above either way
     assert outcomes["killed"] >= 3, outcomes
     assert outcomes["not committed"] > 0, outcomes
 
 
-def test_sigkill_during_save_s3(fork_server: ForkServer,
-                                s3_bucket: tuple[str, dict[str, Any]]) -> None:
+def test_sigkill_during_save_s3(
+    fork_server: ForkServer, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
     bucket, options = s3_bucket
-    outcomes = run_trials(fork_server, f"s3://{bucket}/ckpt", {"s3": options},
-                          trials=S3_TRIALS, mb=2, label="s3", rng=random.Random(SEED + 1))
+    outcomes = run_trials(
+        fork_server,
+        f"s3://{bucket}/ckpt",
+        {"s3": options},
+        trials=S3_TRIALS,
+        mb=2,
+        label="s3",
+        rng=random.Random(SEED + 1),
+    )
     assert outcomes["killed"] > 0, outcomes
 
 
@@ -201,8 +243,10 @@ def test_resaving_a_killed_step_does_not_commit_its_stale_shards(tmp_path: Path)
     def state(rank: int, value: float) -> dict[str, Any]:
         return {"p": FlatShard(torch.full((4,), value), 4 * rank, 8)}
 
-    first = [CheckpointManager(root, rank=r, world_size=2, commit_timeout_s=1.0, attempt="A")
-             for r in range(2)]
+    first = [
+        CheckpointManager(root, rank=r, world_size=2, commit_timeout_s=1.0, attempt="A")
+        for r in range(2)
+    ]
     for r in (1, 0):
         first[r].save(1, state(r, 1.0))
         first[r].wait()
@@ -211,8 +255,10 @@ def test_resaving_a_killed_step_does_not_commit_its_stale_shards(tmp_path: Path)
     for mgr in first:
         mgr.close()
     # the job restarts: a new attempt id, as a launcher gives every rank of the new run
-    ranks = [CheckpointManager(root, rank=r, world_size=2, commit_timeout_s=1.0, attempt="B")
-             for r in range(2)]
+    ranks = [
+        CheckpointManager(root, rank=r, world_size=2, commit_timeout_s=1.0, attempt="B")
+        for r in range(2)
+    ]
     assert ranks[0].latest() == 1
     ranks[0].save(2, state(0, 21.0))  # attempt B, rank 0 alone so far
     try:
@@ -228,8 +274,10 @@ def test_resaving_a_killed_step_does_not_commit_its_stale_shards(tmp_path: Path)
     reader.load(loaded, step=latest)
     assert latest == 1, f"step 2 committed without rank 1's new shard: {loaded['p'].tolist()}"
     # rank 1 of attempt B arrives: its stale index is replaced and step 2 commits whole
-    ranks = [CheckpointManager(root, rank=r, world_size=2, commit_timeout_s=10.0, attempt="B")
-             for r in range(2)]
+    ranks = [
+        CheckpointManager(root, rank=r, world_size=2, commit_timeout_s=10.0, attempt="B")
+        for r in range(2)
+    ]
     ranks[0].save(2, state(0, 21.0))
     ranks[1].save(2, state(1, 22.0), block=True)
     ranks[0].wait()

@@ -48,8 +48,12 @@ def model_state(step: int, *, extra: bool = False) -> dict[str, Any]:
     """The issue's shape: 8 model tensors (about 1.4 MB, 22 stripes of 64 KiB) and a step;
     ``extra`` adds a tensor that only this step holds."""
     g = torch.Generator().manual_seed(step)
-    state: dict[str, Any] = {"model": {f"layer{i}.weight": torch.randn(40_000 + 1000 * i, generator=g)
-                                       for i in range(8)}, "step": step}
+    state: dict[str, Any] = {
+        "model": {
+            f"layer{i}.weight": torch.randn(40_000 + 1000 * i, generator=g) for i in range(8)
+        },
+        "step": step,
+    }
     if extra:
         state["only_newest"] = torch.randn(5000, generator=g)
     return state
@@ -59,8 +63,12 @@ def small_state(step: int) -> dict[str, Any]:
     """Three tensors of three dtypes (three stripes) and an object: what the fuzz loads
     about two thousand times."""
     g = torch.Generator().manual_seed(step)
-    return {"a": torch.randn(20_000, generator=g), "b": torch.randn(13, 1000, generator=g),
-            "c": torch.randint(0, 1 << 40, (3000,), generator=g), "step": step}
+    return {
+        "a": torch.randn(20_000, generator=g),
+        "b": torch.randn(13, 1000, generator=g),
+        "c": torch.randint(0, 1 << 40, (3000,), generator=g),
+        "step": step,
+    }
 
 
 def blank_of(state: dict[str, Any], fill: float = 7.0) -> dict[str, Any]:
@@ -112,8 +120,9 @@ def on_disk(url: str, step: int, name: str) -> tuple[Path, list[Path]]:
     fs, root = url_to_fs(url)
     path = f"{step_dir(root, step)}/{name}"
     manifest = StripeManifest.from_bytes(fs.target.cat_file(path), path=path)
-    return Path(path), [Path(stripe_path(path, manifest.version, i))
-                        for i in range(manifest.stripe_count)]
+    return Path(path), [
+        Path(stripe_path(path, manifest.version, i)) for i in range(manifest.stripe_count)
+    ]
 
 
 def flip(path: Path, offset: int, mask: int = 0x01) -> bytes:
@@ -142,21 +151,29 @@ def fuzz_targets(url: str) -> list[tuple[str, Path, list[int]]]:
     targets = []
     for name in (MANIFEST, index_name(0)):
         manifest, (stripe,) = on_disk(url, 2, name)
-        targets.append((f"striped manifest of {name}", manifest,
-                        list(range(manifest.stat().st_size))))
+        targets.append(
+            (f"striped manifest of {name}", manifest, list(range(manifest.stat().st_size)))
+        )
         targets.append((f"{name}", stripe, list(range(stripe.stat().st_size))))
     manifest, stripes = on_disk(url, 2, data_name(0))
     assert len(stripes) == 3
-    targets.append((f"striped manifest of {data_name(0)}", manifest,
-                    list(range(manifest.stat().st_size))))
+    targets.append(
+        (f"striped manifest of {data_name(0)}", manifest, list(range(manifest.stat().st_size)))
+    )
     size = stripes[0].stat().st_size
-    targets.append((f"stripe 0 of {data_name(0)}", stripes[0],
-                    sorted({0, 1, size - 1, *range(7, size, size // 45)})))
+    targets.append(
+        (
+            f"stripe 0 of {data_name(0)}",
+            stripes[0],
+            sorted({0, 1, size - 1, *range(7, size, size // 45)}),
+        )
+    )
     return targets
 
 
 def test_a_flipped_byte_in_the_newest_step_loads_it_or_the_previous_one_whole(
-        fuzz_store: str) -> None:
+    fuzz_store: str,
+) -> None:
     """Each flip: the load returns step 2 (a byte nothing depends on, such as a digit of
     ``created``) or step 1, and the state is that step's bit for bit, with nothing of the
     load still running when it returns."""
@@ -169,8 +186,9 @@ def test_a_flipped_byte_in_the_newest_step_loads_it_or_the_previous_one_whole(
                 original = flip(path, offset)
                 try:
                     state = blank_of(small_state(0))
-                    with CheckpointManager(fuzz_store, stripe_size=STRIPE, cache_dir=False,
-                                           storage_options=FAST_RETRY) as mgr:
+                    with CheckpointManager(
+                        fuzz_store, stripe_size=STRIPE, cache_dir=False, storage_options=FAST_RETRY
+                    ) as mgr:
                         try:
                             step = mgr.load(state)
                         except Exception as exc:  # noqa: BLE001 - collected, then asserted
@@ -179,8 +197,10 @@ def test_a_flipped_byte_in_the_newest_step_loads_it_or_the_previous_one_whole(
                         left = nothing_still_reading(mgr)
                     wrong = differences(state, small_state(step)) if step in (1, 2) else ["step"]
                     if wrong or left:
-                        failures.append(f"{what} byte {offset}: step {step}, wrong {wrong}, "
-                                        f"still running {left}")
+                        failures.append(
+                            f"{what} byte {offset}: step {step}, wrong {wrong}, "
+                            f"still running {left}"
+                        )
                     outcomes[step] = outcomes.get(step, 0) + 1
                 finally:
                     path.write_bytes(original)
@@ -209,7 +229,8 @@ def edit_data_manifest(url: str, step: int, old: bytes, new: bytes) -> str:
 
 @pytest.mark.parametrize("digits", ["64536", "65535", "65537"])
 def test_a_stripe_size_digit_edit_is_refused_before_any_read(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, digits: str) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, digits: str
+) -> None:
     """The issue's reproduction: the load falls back to step 1, every tensor step 1's at
     the return and still a second later, nothing of step 2 running; step 2 was refused from
     its manifest and the listing of its stripes alone: the tensor only step 2 holds (not in
@@ -220,26 +241,37 @@ def test_a_stripe_size_digit_edit_is_refused_before_any_read(
     save_steps(extra, {1: model_state(1), 2: model_state(2, extra=True)})
     edited = {}
     for url in (plain, extra):
-        size = StripeManifest.from_bytes(on_disk(url, 2, data_name(0))[0].read_bytes(),
-                                         path="data").size
+        size = StripeManifest.from_bytes(
+            on_disk(url, 2, data_name(0))[0].read_bytes(), path="data"
+        ).size
         # the same stripe count either way: the manifest parses, the objects refuse it
         assert -(-size // int(digits)) == -(-size // STRIPE)
-        edited[url] = edit_data_manifest(url, 2, b'"stripe_size":65536',
-                                         f'"stripe_size":{digits}'.encode())
+        edited[url] = edit_data_manifest(
+            url, 2, b'"stripe_size":65536', f'"stripe_size":{digits}'.encode()
+        )
 
     state = blank_of(model_state(0))
-    with CheckpointManager(plain, stripe_size=STRIPE, cache_dir=False) as mgr, \
-            caplog.at_level(logging.WARNING):
+    with (
+        CheckpointManager(plain, stripe_size=STRIPE, cache_dir=False) as mgr,
+        caplog.at_level(logging.WARNING),
+    ):
         assert mgr.load(state) == 1
         assert nothing_still_reading(mgr) == []
         assert differences(state, model_state(1)) == []
     time.sleep(1.0)  # what the defect did after the return (a retry's backoff is ~0.1 s)
     assert differences(state, model_state(1)) == []
     warned = [r.getMessage() for r in caplog.records if r.name == "ckpt"]
-    assert any("step 2" in w and data_name(0) in w and "'stripe_size'" in w
-               and f"stripe_size {digits}" in w for w in warned), warned
+    assert any(
+        "step 2" in w
+        and data_name(0) in w
+        and "'stripe_size'" in w
+        and f"stripe_size {digits}" in w
+        for w in warned
+    ), warned
     # refused before reading: no stripe of step 2's data file was fetched, so none retried
-    assert not [r for r in caplog.records if r.name == "striped_fs" and "retrying" in r.getMessage()]
+    assert not [
+        r for r in caplog.records if r.name == "striped_fs" and "retrying" in r.getMessage()
+    ]
     assert edited[plain] in "\n".join(warned)
 
     state = blank_of(model_state(0, extra=True))
@@ -252,7 +284,8 @@ def test_a_stripe_size_digit_edit_is_refused_before_any_read(
 
 
 def test_a_stripe_size_digit_edit_on_s3_is_refused_before_any_read(
-        s3_bucket: tuple[str, dict[str, Any]], caplog: pytest.LogCaptureFixture) -> None:
+    s3_bucket: tuple[str, dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
     """The same on S3 (moto): the stripe objects' sizes come from one LIST of the version's
     prefix."""
     bucket, options = s3_bucket
@@ -263,17 +296,21 @@ def test_a_stripe_size_digit_edit_on_s3_is_refused_before_any_read(
     raw = fs.target.cat_file(path)
     fs.target.pipe_file(path, raw.replace(b'"stripe_size":65536', b'"stripe_size":65535'))
     state = blank_of(model_state(0))
-    with CheckpointManager(url, storage_options=storage, cache_dir=False) as mgr, \
-            caplog.at_level(logging.WARNING):
+    with (
+        CheckpointManager(url, storage_options=storage, cache_dir=False) as mgr,
+        caplog.at_level(logging.WARNING),
+    ):
         assert mgr.load(state) == 1
         assert nothing_still_reading(mgr) == []
     assert differences(state, model_state(1)) == []
-    assert any("'stripe_size'" in r.getMessage() and data_name(0) in r.getMessage()
-               for r in caplog.records if r.name == "ckpt"), caplog.text
+    assert any(
+        "'stripe_size'" in r.getMessage() and data_name(0) in r.getMessage()
+        for r in caplog.records
+        if r.name == "ckpt"
+    ), caplog.text
 
 
-def test_a_manifest_that_does_not_match_its_stripe_objects_names_the_field(
-        tmp_path: Path) -> None:
+def test_a_manifest_that_does_not_match_its_stripe_objects_names_the_field(tmp_path: Path) -> None:
     """``StripedSource.check_objects`` on crafted manifests of one striped file (3.5
     stripes): each disagreement with the objects is a ManifestError naming the file and the
     field; the true manifest passes."""
@@ -291,8 +328,12 @@ def test_a_manifest_that_does_not_match_its_stripe_objects_names_the_field(
         return err.value
 
     def variant(**fields: Any) -> StripeManifest:
-        base = {"size": true.size, "stripe_size": true.stripe_size, "version": true.version,
-                "checksums": true.checksums}
+        base = {
+            "size": true.size,
+            "stripe_size": true.stripe_size,
+            "version": true.version,
+            "checksums": true.checksums,
+        }
         return StripeManifest(**{**base, **fields})
 
     err = refused(variant(stripe_size=STRIPE - 1))
@@ -336,9 +377,19 @@ def test_the_damaged_shard_resume_on_gloo_ranks_never_aborts(tmp_path: Path, wor
     path = f"{step_dir(root, 3)}/{data_name(last)}"
     raw = fs.target.cat_file(path)
     fs.target.pipe_file(path, raw.replace(b'"stripe_size":65536', b'"stripe_size":65535'))
-    actions = [{"op": "agree_load", "tag": f"{name}-{i}", "url": url, "step": None,
-                "saved_world": world, "extra_key_on": [], "urls": {}}
-               for i in range(2) for name, url in (("flipped", flipped), ("edited", edited))]
+    actions = [
+        {
+            "op": "agree_load",
+            "tag": f"{name}-{i}",
+            "url": url,
+            "step": None,
+            "saved_world": world,
+            "extra_key_on": [],
+            "urls": {},
+        }
+        for i in range(2)
+        for name, url in (("flipped", flipped), ("edited", edited))
+    ]
     for run in range(RUNS):
         results = W.run_group(world, actions, tmp_path / f"run-{run}")  # raises on a signal
         for action in actions:
@@ -348,8 +399,10 @@ def test_the_damaged_shard_resume_on_gloo_ranks_never_aborts(tmp_path: Path, wor
                 assert "error" not in r, (run, action["tag"], rank, r["error"])
                 assert r.get("step") == 2, (run, action["tag"], rank, r)
                 assert r["problems"] == [], (run, action["tag"], rank, r["problems"])
-                assert any("step 3 " in w and f"by rank {last}:" in w and data_name(last) in w
-                           for w in r["warnings"]), (run, action["tag"], rank, r["warnings"])
+                assert any(
+                    "step 3 " in w and f"by rank {last}:" in w and data_name(last) in w
+                    for w in r["warnings"]
+                ), (run, action["tag"], rank, r["warnings"])
 
 
 def test_a_backoff_on_the_event_loop_ends_when_its_reads_are_abandoned() -> None:

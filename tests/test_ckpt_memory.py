@@ -51,14 +51,41 @@ def killed_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("memckpt")
     memdir, res = base / "shm", base / "results"
     res.mkdir(mode=0o700)
-    spec = {"world": 2, "numel": NUMEL, "steps": 5, "results": str(res),
-            "durable": f"file://{base}/durable", "durable_every": 100, "die_at": [1, 3]}
+    spec = {
+        "world": 2,
+        "numel": NUMEL,
+        "steps": 5,
+        "results": str(res),
+        "durable": f"file://{base}/durable",
+        "durable_every": 100,
+        "die_at": [1, 3],
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "bootseer", "run", "--trace-dir", str(base / "trace"),
-         "--backoff", "0", "--max-restarts", "1", "--ckpt-memory", "--ckpt-memory-dir",
-         str(memdir), "--", sys.executable, WORKER, "launch", json.dumps(spec)],
-        env=worker_env({"BOOTSEER_NODE": "testnode"}), capture_output=True, text=True,
-        timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "run",
+            "--trace-dir",
+            str(base / "trace"),
+            "--backoff",
+            "0",
+            "--max-restarts",
+            "1",
+            "--ckpt-memory",
+            "--ckpt-memory-dir",
+            str(memdir),
+            "--",
+            sys.executable,
+            WORKER,
+            "launch",
+            json.dumps(spec),
+        ],
+        env=worker_env({"BOOTSEER_NODE": "testnode"}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return {"proc": proc, "memdir": memdir, "results": res, "spec": spec, "base": base}
 
 
@@ -97,9 +124,13 @@ def test_flipped_byte_in_memory_copy_is_refused(killed_job: dict) -> None:
     res = killed_job["base"] / "results-flip"
     res.mkdir(mode=0o700)
     spec.update(results=str(res), die_at=None, steps=5)
-    proc = subprocess.run([sys.executable, WORKER, "launch", json.dumps(spec)],
-                          env=worker_env({"BOOTSEER_MEMCKPT_DIR": str(memdir)}),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, WORKER, "launch", json.dumps(spec)],
+        env=worker_env({"BOOTSEER_MEMCKPT_DIR": str(memdir)}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = results(res)
     for rank, r in got.items():
@@ -109,27 +140,45 @@ def test_flipped_byte_in_memory_copy_is_refused(killed_job: dict) -> None:
     assert "fails its checksum" in proc.stderr
 
 
-def test_agent_owns_and_removes_its_memory(tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_agent_owns_and_removes_its_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without ckpt.memory_dir: a private directory in /dev/shm, gone when the run ends; the
     layout (ckpt.memory_layout) is handed to the job, a bad one refused before it starts. The
     agent's peer server answers the job's token (inherited by the job) and refuses another;
     the token appears in no output and no trace; without a token the agent does not start."""
-    probe = ("import os,stat,sys; d=os.environ['BOOTSEER_MEMCKPT_DIR']; "
-             "print('DIR', d, oct(stat.S_IMODE(os.stat(d).st_mode))); "
-             "print('LAYOUT', os.environ['BOOTSEER_MEMCKPT_LAYOUT'])\n"
-             "from ckpt.memory_peer import PeerClient, PeerError\n"
-             "addr = os.environ['BOOTSEER_MEMCKPT_SERVER']\n"
-             "with PeerClient(addr) as c: print('LIST', c.listing(0, 1))\n"
-             "try: PeerClient(addr, token='w' * 32)\n"
-             "except PeerError as e: print('REFUSED', e)")
+    probe = (
+        "import os,stat,sys; d=os.environ['BOOTSEER_MEMCKPT_DIR']; "
+        "print('DIR', d, oct(stat.S_IMODE(os.stat(d).st_mode))); "
+        "print('LAYOUT', os.environ['BOOTSEER_MEMCKPT_LAYOUT'])\n"
+        "from ckpt.memory_peer import PeerClient, PeerError\n"
+        "addr = os.environ['BOOTSEER_MEMCKPT_SERVER']\n"
+        "with PeerClient(addr) as c: print('LIST', c.listing(0, 1))\n"
+        "try: PeerClient(addr, token='w' * 32)\n"
+        "except PeerError as e: print('REFUSED', e)"
+    )
     layout = '{"tp": [[0, 1]], "dp": [[0], [1]]}'
     proc = subprocess.run(
-        [sys.executable, "-m", "bootseer", "run", "--trace-dir", str(tmp_path / "trace"),
-         "--ckpt-memory", "--ckpt-memory-layout", layout, "--ckpt-memory-listen",
-         "127.0.0.1:0", "--", sys.executable, "-c", probe],
-        env=worker_env({"BOOTSEER_NODE": "testnode"}), capture_output=True, text=True,
-        timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "run",
+            "--trace-dir",
+            str(tmp_path / "trace"),
+            "--ckpt-memory",
+            "--ckpt-memory-layout",
+            layout,
+            "--ckpt-memory-listen",
+            "127.0.0.1:0",
+            "--",
+            sys.executable,
+            "-c",
+            probe,
+        ],
+        env=worker_env({"BOOTSEER_NODE": "testnode"}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.startswith("DIR "))
     _, directory, mode = line.split()
@@ -140,8 +189,9 @@ def test_agent_owns_and_removes_its_memory(tmp_path: Path,
     assert "LIST []" in proc.stdout  # the job's token opens the agent's server
     assert "REFUSED" in proc.stdout and "authentication failed" in proc.stdout
     assert "refused a connection from 127.0.0.1" in proc.stderr
-    traced = "".join(f.read_text(errors="replace") for f in (tmp_path / "trace").rglob("*")
-                     if f.is_file())
+    traced = "".join(
+        f.read_text(errors="replace") for f in (tmp_path / "trace").rglob("*") if f.is_file()
+    )
     assert traced and TOKEN not in proc.stdout + proc.stderr + traced
     # refused before anything is made (bootseer run turns these into an error, exit 2)
     from bootseer.robust.memtier import NodeMemory
@@ -156,7 +206,8 @@ def test_agent_owns_and_removes_its_memory(tmp_path: Path,
 
 
 def test_state_that_does_not_fit_turns_the_tier_off_naming_sizes(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A 4 MiB tmpfs cannot hold 4x a 2 MB state: said at the first save, the durable tier
     goes on; a state whose shapes differ from the memory copy loads from the durable tier."""
     import torch
@@ -168,8 +219,9 @@ def test_state_that_does_not_fit_turns_the_tier_off_naming_sizes(
         pytest.skip("mounting a small tmpfs needs root")
     small = tmp_path / "small"
     small.mkdir(mode=0o700)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(small)],
-                   check=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(small)], check=True
+    )
     try:
         mgr = CheckpointManager(f"file://{tmp_path}/durable", memory=MemoryConfig(str(small)))
         state = {"w": torch.arange(500_000, dtype=torch.float32)}
@@ -186,17 +238,16 @@ def test_state_that_does_not_fit_turns_the_tier_off_naming_sizes(
 
     roomy = tmp_path / "roomy"
     roomy.mkdir(mode=0o700)
-    with CheckpointManager(f"file://{tmp_path}/durable", memory=MemoryConfig(
-            str(roomy), durable_every=100)) as mgr:
+    with CheckpointManager(
+        f"file://{tmp_path}/durable", memory=MemoryConfig(str(roomy), durable_every=100)
+    ) as mgr:
         mgr.save(1, {"w": torch.full((10,), 1.0)})  # memory only: a different shape
-    with CheckpointManager(f"file://{tmp_path}/durable",
-                           memory=MemoryConfig(str(roomy))) as mgr:
+    with CheckpointManager(f"file://{tmp_path}/durable", memory=MemoryConfig(str(roomy))) as mgr:
         state = {"w": torch.zeros(500_000)}
         with caplog.at_level("WARNING", logger="ckpt"):
             assert mgr.load(state) == 0  # the durable step 0, all of it
         assert torch.equal(state["w"], torch.arange(500_000, dtype=torch.float32))
-        assert "does not match the state" in caplog.text and "w: copy float32 [10]" in \
-            caplog.text
+        assert "does not match the state" in caplog.text and "w: copy float32 [10]" in caplog.text
 
 
 def test_a_newer_durable_commit_wins_over_older_copies_in_memory(tmp_path: Path) -> None:
@@ -226,7 +277,8 @@ def test_a_newer_durable_commit_wins_over_older_copies_in_memory(tmp_path: Path)
 
 
 def test_a_copy_damaged_mid_load_with_nothing_else_is_an_error_not_a_fresh_start(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """A block that fails its sum after earlier blocks were copied leaves the state partly
     overwritten: with no other copy and no durable checkpoint, ``load`` must not say "no
     checkpoint" (the caller would train on from step 0 with a torn state). It raises,
@@ -261,8 +313,9 @@ def test_a_copy_damaged_mid_load_with_nothing_else_is_an_error_not_a_fresh_start
             mgr.load({"w": torch.zeros(600_000)})
 
 
-def test_swapped_words_in_a_copy_are_refused(tmp_path: Path,
-                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_swapped_words_in_a_copy_are_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Two 8-byte words of the newest copy swapped (a word sum would not see it: the test
     shows that): the load refuses that copy, naming it, and takes the step before; a peer
     refuses the same copy on receipt."""
@@ -291,8 +344,10 @@ def test_swapped_words_in_a_copy_are_refused(tmp_path: Path,
     (tmp_path / "peer").mkdir(mode=0o700)
     server = PeerServer(str(tmp_path / "peer"), token=TOKEN).start()
     try:
-        with PeerClient(server.address, token=TOKEN) as client, \
-                pytest.raises(PeerError, match="data block 0 .* fails its checksum"):
+        with (
+            PeerClient(server.address, token=TOKEN) as client,
+            pytest.raises(PeerError, match="data block 0 .* fails its checksum"),
+        ):
             client.push(slot, head)
     finally:
         server.close()

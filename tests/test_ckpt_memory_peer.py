@@ -29,9 +29,12 @@ class Peer:
         """``limits``: (MAX_CONNECTIONS, HANDSHAKE_S) for this server."""
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.directory = directory
-        self.proc = subprocess.Popen([sys.executable, WORKER, "peer", str(directory),
-                                      str(die_at_put), *map(str, limits)], env=worker_env(),
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, WORKER, "peer", str(directory), str(die_at_put), *map(str, limits)],
+            env=worker_env(),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("listening on "), line
         self.address = line.split()[-1]
@@ -62,8 +65,13 @@ def held(directory: Path, rank: int) -> list[int]:
 def run_job(spec: dict, nodes: list[dict], res: Path) -> subprocess.CompletedProcess[str]:
     res.mkdir(mode=0o700)
     spec = {**spec, "nodes": nodes, "results": str(res)}
-    return subprocess.run([sys.executable, WORKER, "launch", json.dumps(spec)],
-                          env=worker_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, WORKER, "launch", json.dumps(spec)],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_peer_lost_mid_copy_then_node_replaced(tmp_path: Path, peers: list[Peer]) -> None:
@@ -73,10 +81,18 @@ def test_peer_lost_mid_copy_then_node_replaced(tmp_path: Path, peers: list[Peer]
     peers.append(Peer(a_dir / "peers"))
     peers.append(Peer(b_dir / "peers", die_at_put=3))  # rank 0's step 2: steps 0, 1, 2
     a, b = peers
-    spec = {"world": 2, "numel": NUMEL, "steps": 4, "durable": f"file://{tmp_path}/durable",
-            "durable_every": 100}
-    first = run_job(spec, [{"dir": str(a_dir), "server": a.address},
-                           {"dir": str(b_dir), "server": b.address}], tmp_path / "r1")
+    spec = {
+        "world": 2,
+        "numel": NUMEL,
+        "steps": 4,
+        "durable": f"file://{tmp_path}/durable",
+        "durable_every": 100,
+    }
+    first = run_job(
+        spec,
+        [{"dir": str(a_dir), "server": a.address}, {"dir": str(b_dir), "server": b.address}],
+        tmp_path / "r1",
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     got = results(tmp_path / "r1")
     # rank 0 trained to the end although its peer died under it, and said so
@@ -93,13 +109,15 @@ def test_peer_lost_mid_copy_then_node_replaced(tmp_path: Path, peers: list[Peer]
     c_dir.mkdir(mode=0o700)
     peers.append(Peer(c_dir / "peers"))
     c = peers[-1]
-    second = run_job(spec, [{"dir": str(a_dir), "server": a.address},
-                            {"dir": str(c_dir), "server": c.address}], tmp_path / "r2")
+    second = run_job(
+        spec,
+        [{"dir": str(a_dir), "server": a.address}, {"dir": str(c_dir), "server": c.address}],
+        tmp_path / "r2",
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     got = results(tmp_path / "r2")
     assert (got[0]["loaded"], got[0]["source"], got[0]["problems"]) == (3, "local", [])
-    assert (got[1]["loaded"], got[1]["source"], got[1]["problems"]) == \
-        (3, f"peer:{a.address}", [])
+    assert (got[1]["loaded"], got[1]["source"], got[1]["problems"]) == (3, f"peer:{a.address}", [])
 
 
 def _three_nodes_trained(tmp_path: Path, peers: list[Peer]) -> tuple[dict[str, Path], dict]:
@@ -109,16 +127,25 @@ def _three_nodes_trained(tmp_path: Path, peers: list[Peer]) -> tuple[dict[str, P
     for d in dirs.values():
         d.mkdir(mode=0o700)
         peers.append(Peer(d / "peers"))
-    spec = {"world": 3, "numel": NUMEL, "steps": 4, "durable": f"file://{tmp_path}/durable",
-            "durable_every": 100}
-    first = run_job(spec, [{"dir": str(dirs[n]), "server": p.address}
-                           for n, p in zip("abc", peers, strict=False)], tmp_path / "r1")
+    spec = {
+        "world": 3,
+        "numel": NUMEL,
+        "steps": 4,
+        "durable": f"file://{tmp_path}/durable",
+        "durable_every": 100,
+    }
+    first = run_job(
+        spec,
+        [{"dir": str(dirs[n]), "server": p.address} for n, p in zip("abc", peers, strict=False)],
+        tmp_path / "r1",
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     return dirs, spec
 
 
-def test_ranks_renumbered_onto_other_nodes_find_their_copies(tmp_path: Path,
-                                                              peers: list[Peer]) -> None:
+def test_ranks_renumbered_onto_other_nodes_find_their_copies(
+    tmp_path: Path, peers: list[Peer]
+) -> None:
     """A spare takes an evicted node's place and torch numbers the nodes afresh (by
     address): the ranks after the evicted node move one node down, onto the node that held
     their copy for the peer, and the spare gets the last rank. Every rank still loads the
@@ -127,9 +154,15 @@ def test_ranks_renumbered_onto_other_nodes_find_their_copies(tmp_path: Path,
     a, b, c, d = peers
     assert held(dirs["c"] / "peers", 1)[-1] == 3  # rank 1's copy on the next node, c
     # b evicted, the spare d last: rank 1 now runs on c, rank 2 on d
-    second = run_job(spec, [{"dir": str(dirs["a"]), "server": a.address},
-                            {"dir": str(dirs["c"]), "server": c.address},
-                            {"dir": str(dirs["d"]), "server": d.address}], tmp_path / "r2")
+    second = run_job(
+        spec,
+        [
+            {"dir": str(dirs["a"]), "server": a.address},
+            {"dir": str(dirs["c"]), "server": c.address},
+            {"dir": str(dirs["d"]), "server": d.address},
+        ],
+        tmp_path / "r2",
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     got = results(tmp_path / "r2")
     assert [(got[r]["loaded"], got[r]["problems"]) for r in range(3)] == [(3, [])] * 3
@@ -138,8 +171,9 @@ def test_ranks_renumbered_onto_other_nodes_find_their_copies(tmp_path: Path,
     assert got[2]["source"] == f"peer:{a.address}"  # rank 2's copy went to the next node, a
 
 
-def test_ranks_renumbered_the_other_way_fetch_a_node_s_own_copy(tmp_path: Path,
-                                                                 peers: list[Peer]) -> None:
+def test_ranks_renumbered_the_other_way_fetch_a_node_s_own_copy(
+    tmp_path: Path, peers: list[Peer]
+) -> None:
     """The spare sorts before the nodes after a lost one: they move one node *up*, so a
     rank's newest copy is in the memory of the node that ran it (its own copy, not a peer
     copy), and its peer copy died with the lost node. Servers serve their node's own copies
@@ -147,9 +181,15 @@ def test_ranks_renumbered_the_other_way_fetch_a_node_s_own_copy(tmp_path: Path,
     dirs, spec = _three_nodes_trained(tmp_path, peers)
     a, b, c, d = peers
     c.close()  # c lost with its memory; the spare d sorts between a and b
-    second = run_job(spec, [{"dir": str(dirs["a"]), "server": a.address},
-                            {"dir": str(dirs["d"]), "server": d.address},
-                            {"dir": str(dirs["b"]), "server": b.address}], tmp_path / "r2")
+    second = run_job(
+        spec,
+        [
+            {"dir": str(dirs["a"]), "server": a.address},
+            {"dir": str(dirs["d"]), "server": d.address},
+            {"dir": str(dirs["b"]), "server": b.address},
+        ],
+        tmp_path / "r2",
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     got = results(tmp_path / "r2")
     assert [(got[r]["loaded"], got[r]["problems"]) for r in range(3)] == [(3, [])] * 3
@@ -177,20 +217,24 @@ def test_peer_refuses_a_damaged_or_oversized_copy(tmp_path: Path) -> None:
         tier.wait()
         head, slot = newest(tier.slots)[0]
         slot.map[HEADER + 12345] ^= 0x01  # damaged after its checksums were taken
-        with PeerClient(server.address, token=TOKEN) as client, pytest.raises(PeerError,
-                                                                 match="fails its checksum"):
+        with (
+            PeerClient(server.address, token=TOKEN) as client,
+            pytest.raises(PeerError, match="fails its checksum"),
+        ):
             client.push(slot, head)
         assert held(tmp_path / "peer", 0) == []  # nothing committed
         small = tmp_path / "small"
         small.mkdir(mode=0o700)
         if os.geteuid() == 0:
-            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs",
-                            str(small)],
-                           check=True)
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(small)], check=True
+            )
             tiny = PeerServer(str(small), token=TOKEN).start()
             try:
-                with PeerClient(tiny.address, token=TOKEN) as client, pytest.raises(PeerError,
-                                                                       match="needs"):
+                with (
+                    PeerClient(tiny.address, token=TOKEN) as client,
+                    pytest.raises(PeerError, match="needs"),
+                ):
                     client.push(slot, head)
             finally:
                 tiny.close()
@@ -202,7 +246,8 @@ def test_peer_refuses_a_damaged_or_oversized_copy(tmp_path: Path) -> None:
 
 
 def test_damaged_local_copy_loads_the_same_step_from_the_peer(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The newest local copy has a flipped byte, the peer holds the same step whole: the
     load takes that step from the peer (no step lost), bit for bit, and names the damaged
     local file; the fetched copy replaces the damaged one, the older local copy stays."""
@@ -220,8 +265,12 @@ def test_damaged_local_copy_loads_the_same_step_from_the_peer(
     server = PeerServer(str(tmp_path / "peer"), token=TOKEN).start()
 
     def state_at(step: int) -> dict:
-        return {"w": torch.arange(600_000, dtype=torch.float32) * 0.5 + step,
-                "b": torch.full((9,), step, dtype=torch.bfloat16), "step": step}
+        return {
+            "w": torch.arange(600_000, dtype=torch.float32) * 0.5 + step,
+            "b": torch.full((9,), step, dtype=torch.bfloat16),
+            "step": step,
+        }
+
     try:
         config = MemoryConfig(str(me), peer=server.address, durable_every=100, token=TOKEN)
         with CheckpointManager(url, memory=config) as mgr:
@@ -238,11 +287,13 @@ def test_damaged_local_copy_loads_the_same_step_from_the_peer(
         for s in slots:
             s.close()
 
-        state = {"w": torch.zeros(600_000), "b": torch.zeros(9, dtype=torch.bfloat16),
-                 "step": -1}
-        with CheckpointManager(url, memory=MemoryConfig(str(me), peer=server.address,
-                                                   token=TOKEN)) as mgr, \
-                caplog.at_level("WARNING", logger="ckpt"):
+        state = {"w": torch.zeros(600_000), "b": torch.zeros(9, dtype=torch.bfloat16), "step": -1}
+        with (
+            CheckpointManager(
+                url, memory=MemoryConfig(str(me), peer=server.address, token=TOKEN)
+            ) as mgr,
+            caplog.at_level("WARNING", logger="ckpt"),
+        ):
             report = mgr.load_with_report(state)
         assert (report.step, report.source) == (4, f"peer:{server.address}")  # type: ignore
         want = state_at(4)
@@ -252,8 +303,10 @@ def test_damaged_local_copy_loads_the_same_step_from_the_peer(
         assert damaged_path in caplog.text and "fails its checksum" in caplog.text
         slots = [SlotFile(str(me / f"rank-0.{k}")) for k in (0, 1)]
         try:  # step 4 fetched into the damaged slot; step 3, the older copy, kept
-            assert [(h.step, s.path) for h, s in newest(slots)] == \
-                [(4, damaged_path), (3, next(s.path for s in slots if s.path != damaged_path))]
+            assert [(h.step, s.path) for h, s in newest(slots)] == [
+                (4, damaged_path),
+                (3, next(s.path for s in slots if s.path != damaged_path)),
+            ]
         finally:
             for s in slots:
                 s.close()
@@ -262,7 +315,8 @@ def test_damaged_local_copy_loads_the_same_step_from_the_peer(
 
 
 def test_peer_port_refuses_connections_without_the_jobs_token(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A push with a wrong token, no token, or a raw ``put`` that skips the handshake writes
     nothing into the peer's memory; a server without the token is not trusted either; the
     token appears in no log line; a wildcard bind is refused."""
@@ -284,18 +338,21 @@ def test_peer_port_refuses_connections_without_the_jobs_token(
     try:
         with caplog.at_level("DEBUG"):
             for token in (wrong, ""):
-                tier = MemoryTier(MemoryConfig(str(me), peer=server.address, token=token),
-                                  rank=0, world_size=1)
+                tier = MemoryTier(
+                    MemoryConfig(str(me), peer=server.address, token=token), rank=0, world_size=1
+                )
                 tier.save(1, {"w": torch.arange(1000, dtype=torch.float32)})
                 with pytest.raises(MemoryPushError, match=server.address):
                     tier.wait()  # a failed push is raised in the caller, naming the peer
                 assert tier.last_push["ok"] is False
-                assert ("authentication failed" if token else "BOOTSEER_MEMCKPT_TOKEN") in \
-                    tier.last_push["error"]
+                assert (
+                    "authentication failed" if token else "BOOTSEER_MEMCKPT_TOKEN"
+                ) in tier.last_push["error"]
                 tier.close()
             head, slot = newest([SlotFile(str(me / f"rank-0.{k}")) for k in (0, 1)])[0]
-            with socket.create_connection(("127.0.0.1", int(server.address.split(":")[1])),
-                                          timeout=30) as raw:  # no handshake: a bare put
+            with socket.create_connection(
+                ("127.0.0.1", int(server.address.split(":")[1])), timeout=30
+            ) as raw:  # no handshake: a bare put
                 assert "challenge" in recv_msg(raw)
                 send_msg(raw, {"op": "put", "header": head.to_json()})
                 try:
@@ -322,6 +379,7 @@ def test_peer_port_refuses_connections_without_the_jobs_token(
             send_msg(conn, {"hello": "bootseer-memckpt", "version": 2, "challenge": "00" * 32})
             recv_msg(conn)
             send_msg(conn, {"ok": True, "mac": "00" * 32})
+
     thread = threading.Thread(target=impostor, daemon=True)
     thread.start()
     with pytest.raises(PeerError, match="does not hold the job's token"):
@@ -330,8 +388,7 @@ def test_peer_port_refuses_connections_without_the_jobs_token(
     fake.close()
 
 
-def test_peer_keeps_two_copies_of_a_job_that_went_back_to_an_older_step(
-        tmp_path: Path) -> None:
+def test_peer_keeps_two_copies_of_a_job_that_went_back_to_an_older_step(tmp_path: Path) -> None:
     """After a restart from an older step (the durable tier's), the peer's copies of the
     abandoned run's later steps are overwritten first: it again holds the new run's two
     newest copies, not one of them beside a stale one."""
@@ -345,8 +402,11 @@ def test_peer_keeps_two_copies_of_a_job_that_went_back_to_an_older_step(
     try:
         for run, steps in (("a", (21, 22)), ("b", (11, 12, 13))):
             (tmp_path / run).mkdir(mode=0o700)
-            tier = MemoryTier(MemoryConfig(str(tmp_path / run), peer=server.address,
-                                           token=TOKEN), rank=0, world_size=1)
+            tier = MemoryTier(
+                MemoryConfig(str(tmp_path / run), peer=server.address, token=TOKEN),
+                rank=0,
+                world_size=1,
+            )
             for step in steps:
                 tier.save(step, {"w": torch.full((1000,), float(step))})
             tier.close()
@@ -380,5 +440,4 @@ def test_a_nodes_own_copies_are_opened_read_only_and_never_created(tmp_path: Pat
             s.close()
     assert sorted(p.name for p in me.iterdir()) == ["rank-3.0", "rank-3.1"]
     assert not (tmp_path / "elsewhere").exists()
-    assert _own_slots(PrivateDir.open(me, create=False), 4) == [] and \
-        not any(me.glob("rank-4*"))
+    assert _own_slots(PrivateDir.open(me, create=False), 4) == [] and not any(me.glob("rank-4*"))

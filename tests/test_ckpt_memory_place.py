@@ -35,10 +35,21 @@ def test_dp_by_tp_copies_leave_every_group() -> None:
 
 def test_pipeline_and_data_parallel_skip_the_stage_neighbours() -> None:
     """pp stages on consecutive nodes: the next node is the next stage, so it is skipped."""
-    layout = {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
-              "pp": [[0, 2], [1, 3], [4, 6], [5, 7]], "dp": [[0, 4], [1, 5], [2, 6], [3, 7]]}
-    assert [choose_peer(r, EIGHT, layout) for r in range(8)] == \
-        ["d:1", "d:1", "c:1", "c:1", "b:1", "b:1", "a:1", "a:1"]
+    layout = {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    }
+    assert [choose_peer(r, EIGHT, layout) for r in range(8)] == [
+        "d:1",
+        "d:1",
+        "c:1",
+        "c:1",
+        "b:1",
+        "b:1",
+        "a:1",
+        "a:1",
+    ]
 
 
 def test_one_group_or_no_other_node_falls_back_to_the_neighbour() -> None:
@@ -55,11 +66,11 @@ def test_a_bad_layout_is_refused_naming_it(tmp_path: Path) -> None:
         parse_layout({"dp": [[0, 4]]}, 4)
     with pytest.raises(CheckpointError, match=LAYOUT_ENV):
         MemoryConfig.from_env({DIR_ENV: str(tmp_path), LAYOUT_ENV: '{"tp": [0, 1]}'})
-    assert MemoryConfig.from_env({DIR_ENV: str(tmp_path), LAYOUT_ENV: '{"tp": [[0, 1]]}'}
-                                 ).layout == {"tp": [[0, 1]]}
+    assert MemoryConfig.from_env(
+        {DIR_ENV: str(tmp_path), LAYOUT_ENV: '{"tp": [[0, 1]]}'}
+    ).layout == {"tp": [[0, 1]]}
     with pytest.raises(CheckpointError, match="outside"):
-        MemoryTier(MemoryConfig(str(tmp_path), layout={"tp": [[0, 5]]}), rank=0,
-                   world_size=2)
+        MemoryTier(MemoryConfig(str(tmp_path), layout={"tp": [[0, 5]]}), rank=0, world_size=2)
 
 
 def test_copies_land_on_the_node_the_layout_chooses(tmp_path: Path) -> None:
@@ -70,14 +81,26 @@ def test_copies_land_on_the_node_the_layout_chooses(tmp_path: Path) -> None:
     for d in dirs:
         servers.append(PeerServer(str(d / "peers"), token=TOKEN).start())  # both made 0700
     try:
-        spec = {"world": 3, "numel": 1000, "steps": 2, "durable": f"file://{tmp_path}/durable",
-                "durable_every": 100, "layout": {"tp": [[0, 1], [2]]}}
-        job = run_job(spec, [{"dir": str(d), "server": s.address}
-                             for d, s in zip(dirs, servers, strict=True)], tmp_path / "res")
+        spec = {
+            "world": 3,
+            "numel": 1000,
+            "steps": 2,
+            "durable": f"file://{tmp_path}/durable",
+            "durable_every": 100,
+            "layout": {"tp": [[0, 1], [2]]},
+        }
+        job = run_job(
+            spec,
+            [{"dir": str(d), "server": s.address} for d, s in zip(dirs, servers, strict=True)],
+            tmp_path / "res",
+        )
         assert job.returncode == 0, job.stderr[-3000:]
         got = results(tmp_path / "res")
-        assert [got[r]["push"]["peer"] for r in range(3)] == \
-            [servers[2].address, servers[2].address, servers[0].address]
+        assert [got[r]["push"]["peer"] for r in range(3)] == [
+            servers[2].address,
+            servers[2].address,
+            servers[0].address,
+        ]
         assert all(got[r]["push"]["ok"] for r in range(3))
         peers = [d / "peers" for d in dirs]
         assert held(peers[2], 0) == held(peers[2], 1) == [0, 1]

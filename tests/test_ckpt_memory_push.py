@@ -75,16 +75,20 @@ def test_wait_raises_a_hung_then_failed_push_naming_the_peer(tmp_path: Path) -> 
     hung.listen(4)  # never accepted: the handshake gets no challenge
     address = f"127.0.0.1:{hung.getsockname()[1]}"
     try:
-        cfg = MemoryConfig(str(shm), peer=address, durable_every=100, token=TOKEN,
-                           peer_timeout_s=2.0)
+        cfg = MemoryConfig(
+            str(shm), peer=address, durable_every=100, token=TOKEN, peer_timeout_s=2.0
+        )
         url = f"file://{tmp_path}/durable"
         with CheckpointManager(url, memory=cfg) as mgr:
             mgr.save(1, state_at(1))
-            with pytest.raises(MemoryPushError, match=f"step 1 to its peer {address} has not "
-                               "finished after 0.2 s"):
+            with pytest.raises(
+                MemoryPushError, match=f"step 1 to its peer {address} has not finished after 0.2 s"
+            ):
                 mgr.memory.wait(timeout_s=0.2)
-            with pytest.raises(MemoryPushError, match=f"could not copy step 1 to its peer "
-                               f"{address}: .*handshake failed"):
+            with pytest.raises(
+                MemoryPushError,
+                match=f"could not copy step 1 to its peer {address}: .*handshake failed",
+            ):
                 mgr.wait()
             mgr.wait()  # raised once
         with CheckpointManager(url, memory=MemoryConfig(str(shm))) as mgr:
@@ -106,19 +110,31 @@ def test_sync_save_is_on_the_peer_when_the_node_is_lost_as_it_returns(tmp_path: 
     try:
         (tmp_path / "res").mkdir(mode=0o700)
         url = f"file://{tmp_path}/durable"
-        spec = {"world": 1, "numel": NUMEL, "steps": 6, "durable": url, "durable_every": 100,
-                "kill_after_save": [0, 3], "nodes": [{"peer": server.address}],
-                "results": str(tmp_path / "res")}
-        job = subprocess.run([sys.executable, WORKER, "launch", json.dumps(spec)],
-                             env=worker_env({DIR_ENV: str(node), REPLICATION_ENV: "sync"}),
-                             capture_output=True, text=True, timeout=300)
+        spec = {
+            "world": 1,
+            "numel": NUMEL,
+            "steps": 6,
+            "durable": url,
+            "durable_every": 100,
+            "kill_after_save": [0, 3],
+            "nodes": [{"peer": server.address}],
+            "results": str(tmp_path / "res"),
+        }
+        job = subprocess.run(
+            [sys.executable, WORKER, "launch", json.dumps(spec)],
+            env=worker_env({DIR_ENV: str(node), REPLICATION_ENV: "sync"}),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert job.returncode == 1 and not list((tmp_path / "res").iterdir()), job.stderr[-3000:]
         shutil.rmtree(node)  # the node is lost with its memory; an empty one replaces it
         new = tmp_path / "new"
         new.mkdir(mode=0o700)
         state = state_of_worker(0, 0, 1, NUMEL)
-        with CheckpointManager(url, memory=MemoryConfig(str(new), peer=server.address,
-                                                        token=TOKEN)) as mgr:
+        with CheckpointManager(
+            url, memory=MemoryConfig(str(new), peer=server.address, token=TOKEN)
+        ) as mgr:
             report = mgr.load_with_report(state)
         assert (report.step, report.source) == (3, f"peer:{server.address}")  # type: ignore
         assert exact(state, 3, 0, 1, NUMEL) == []
@@ -141,20 +157,28 @@ def test_sync_save_raises_naming_a_peer_that_does_not_answer(tmp_path: Path) -> 
         refused = f"127.0.0.1:{s.getsockname()[1]}"  # closed: nobody listens there
     url = f"file://{tmp_path}/durable"
     try:
-        cfg = MemoryConfig(str(shm), peer=address, durable_every=100, token=TOKEN,
-                           peer_timeout_s=5.0, push_wait_s=0.5, replication="sync")
+        cfg = MemoryConfig(
+            str(shm),
+            peer=address,
+            durable_every=100,
+            token=TOKEN,
+            peer_timeout_s=5.0,
+            push_wait_s=0.5,
+            replication="sync",
+        )
         with CheckpointManager(url, memory=cfg) as mgr:
-            with pytest.raises(MemoryPushError, match=f"step 1 to its peer {address} has not "
-                               "finished after 0.5 s"):
+            with pytest.raises(
+                MemoryPushError, match=f"step 1 to its peer {address} has not finished after 0.5 s"
+            ):
                 mgr.save(1, state_at(1))
             hung.close()  # the push in flight fails now, and close() only logs it
     finally:
         hung.close()
-    cfg = MemoryConfig(str(shm), peer=refused, durable_every=1, token=TOKEN,
-                       replication="sync")
+    cfg = MemoryConfig(str(shm), peer=refused, durable_every=1, token=TOKEN, replication="sync")
     with CheckpointManager(url, memory=cfg) as mgr:
-        with pytest.raises(MemoryPushError, match=f"could not copy step 2 to its peer "
-                           f"{refused}: .*refused"):
+        with pytest.raises(
+            MemoryPushError, match=f"could not copy step 2 to its peer {refused}: .*refused"
+        ):
             mgr.save(2, state_at(2))
         assert mgr.wait().committed  # the durable save of step 2 went on; raised once
     with CheckpointManager(url, memory=MemoryConfig(str(shm))) as mgr:
@@ -168,8 +192,9 @@ def test_replication_is_checked_and_handed_down(tmp_path: Path) -> None:
     that is neither mode is refused naming the key, before anything is made."""
     from bootseer.robust.memtier import NodeMemory
 
-    with pytest.raises(ValueError, match="ckpt.memory_replication 'fast' is not one of async, "
-                       "sync"):
+    with pytest.raises(
+        ValueError, match="ckpt.memory_replication 'fast' is not one of async, sync"
+    ):
         NodeMemory(str(tmp_path / "never"), replication="fast")
     assert not (tmp_path / "never").exists()
     agent = NodeMemory(str(tmp_path / "mem"), replication="sync")
@@ -178,26 +203,26 @@ def test_replication_is_checked_and_handed_down(tmp_path: Path) -> None:
     finally:
         agent.close()
     with pytest.raises(CheckpointError, match="replication 'fast' is not one of async, sync"):
-        MemoryTier(MemoryConfig(str(tmp_path / "mem"), replication="fast"), rank=0,
-                   world_size=1)
+        MemoryTier(MemoryConfig(str(tmp_path / "mem"), replication="fast"), rank=0, world_size=1)
 
 
 def test_a_state_the_node_cannot_hold_turns_the_tier_off_saying_why(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The start-up budget: a node whose ranks' copies do not fit says so, naming the sizes
     and that it assumes equal shards, and the durable tier goes on alone."""
     shm = tmp_path / "shm"
     shm.mkdir(mode=0o700)
     url = f"file://{tmp_path}/durable"
     with CheckpointManager(url, memory=False) as mgr:  # the manager, its tier replaced
-        mgr.memory = MemoryTier(MemoryConfig(str(shm)), rank=0, world_size=1,
-                                local_world_size=1 << 40)  # more ranks than any disk holds
+        mgr.memory = MemoryTier(
+            MemoryConfig(str(shm)), rank=0, world_size=1, local_world_size=1 << 40
+        )  # more ranks than any disk holds
         with caplog.at_level("ERROR", logger="ckpt"):
             mgr.save(1, state_at(1))
         assert mgr.wait().committed and mgr.memory.enabled is False
     assert "memory tier: off. rank 0's state is 1.5 MiB" in caplog.text
-    assert "assuming every rank of the node holds as much as this one: equal shards" in \
-        caplog.text
+    assert "assuming every rank of the node holds as much as this one: equal shards" in caplog.text
     assert list(shm.iterdir()) == [] or all(p.stat().st_size == 0 for p in shm.iterdir())
     with CheckpointManager(url, memory=False) as mgr:
         got = {"w": torch.zeros(400_000), "step": -1}

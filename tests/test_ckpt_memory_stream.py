@@ -49,8 +49,9 @@ def server(tmp_path: Path):
 
 def _tier(directory: Path, peer: str) -> MemoryTier:
     directory.mkdir(mode=0o700, exist_ok=True)
-    return MemoryTier(MemoryConfig(str(directory), peer=peer, token=TOKEN, peer_timeout_s=3),
-                      rank=0, world_size=1)
+    return MemoryTier(
+        MemoryConfig(str(directory), peer=peer, token=TOKEN, peer_timeout_s=3), rank=0, world_size=1
+    )
 
 
 def _wait_for(caplog: pytest.LogCaptureFixture, text: str) -> bool:
@@ -63,17 +64,19 @@ def _wait_for(caplog: pytest.LogCaptureFixture, text: str) -> bool:
 
 
 def test_a_relay_that_rewrites_a_put_commits_nothing(
-        tmp_path: Path, server: PeerServer, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, server: PeerServer, caplog: pytest.LogCaptureFixture
+) -> None:
     """The relay swaps the copy's tensor for its own, with block sums, meta and CRC made to
     match (what checksums alone let through: the server committed it and a fresh rank loaded
     it). Now the put fails its MAC: nothing is committed, the fresh rank finds nothing."""
+
     def rewrite(p: Piece) -> bytes:
         if p.msg.get("op") != "put":
             return p.raw
         head = dict(p.msg["header"])
         data = bytearray(p.payload[: head["data_size"]])
         np.frombuffer(data, dtype=np.float32)[:] = 666.0
-        meta = p.payload[head["data_size"]:]
+        meta = p.payload[head["data_size"] :]
         (n,) = struct.unpack_from("<I", meta)
         doc = json.loads(meta[4 : 4 + n])
         doc["sums"] = block_sums(bytes(data))
@@ -99,7 +102,8 @@ def test_a_relay_that_rewrites_a_put_commits_nothing(
 
 
 def test_a_relay_that_grows_a_get_reply_grows_no_slot(
-        tmp_path: Path, server: PeerServer, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, server: PeerServer, caplog: pytest.LogCaptureFixture
+) -> None:
     """The relay rewrites the reply's header to a 3 GiB copy (it grew the fetching rank's
     slot file in shared memory to 3.2 GB for a 16 KiB state). Now the reply fails its MAC
     before the slot is touched, and the rank falls back to the durable tier (``None``)."""
@@ -128,7 +132,8 @@ def test_a_relay_that_grows_a_get_reply_grows_no_slot(
 
 
 def test_a_relay_that_replays_an_earlier_put_gets_no_ack(
-        tmp_path: Path, server: PeerServer, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, server: PeerServer, caplog: pytest.LogCaptureFixture
+) -> None:
     """The relay replays step 5's put (header and copy, as they crossed) in place of step
     6's: the server committed step 5 again and acked, so the rank believed step 6 was on the
     peer. Now the replay fails its MAC (another session's key and sequence): step 6's push
@@ -155,10 +160,11 @@ def test_a_relay_that_replays_an_earlier_put_gets_no_ack(
 
 
 def test_a_relay_that_sends_a_json_array_gets_a_log_line_not_a_traceback(
-        server: PeerServer, caplog: pytest.LogCaptureFixture,
-        capfd: pytest.CaptureFixture[str]) -> None:
-    relay = Relay(server.address,
-                  on_request=lambda p: p.emit([1, 2]) if p.msg.get("op") == "list" else p.raw)
+    server: PeerServer, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    relay = Relay(
+        server.address, on_request=lambda p: p.emit([1, 2]) if p.msg.get("op") == "list" else p.raw
+    )
     with caplog.at_level("WARNING", logger="ckpt"):
         with PeerClient(relay.address, token=TOKEN) as client, pytest.raises(PeerError):
             client.listing(0, 1)
@@ -170,8 +176,8 @@ def test_a_relay_that_sends_a_json_array_gets_a_log_line_not_a_traceback(
 
 
 def test_a_hello_dripped_byte_by_byte_is_cut_at_the_deadline(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A byte every 0.3 s never lets a per-recv timeout of 1 s expire (it stayed open past
     61 s with the 30 s bound); the bound is on the whole hello, then on the request too."""
     monkeypatch.setattr(memory_peer, "HANDSHAKE_S", 1.0)
@@ -252,14 +258,20 @@ def test_the_server_serves_a_bounded_number_of_connections(tmp_path: Path) -> No
 
 
 def test_a_token_holders_malformed_requests_are_refused_with_a_log_line(
-        tmp_path: Path, server: PeerServer, caplog: pytest.LogCaptureFixture,
-        capfd: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path,
+    server: PeerServer,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     from ckpt.memory_wire import Deadline, client_handshake
 
-    good = SlotHeader(step=1, rank=0, world_size=1, data_size=8, meta_size=40, meta_crc32=0,
-                      created=1.0).to_json()
+    good = SlotHeader(
+        step=1, rank=0, world_size=1, data_size=8, meta_size=40, meta_crc32=0, created=1.0
+    ).to_json()
     bad = [  # what the refusal must say, the message
-        ("a JSON array", [1, 2]), ("a JSON string", "list"), ("a JSON null", None),
+        ("a JSON array", [1, 2]),
+        ("a JSON string", "list"),
+        ("a JSON null", None),
         ("lacks rank", {"op": "list"}),
         ("rank", {"op": "list", "rank": "0", "world_size": 1}),
         ("rank", {"op": "list", "rank": True, "world_size": 1}),
@@ -302,8 +314,9 @@ def test_malformed_replies_are_refused_before_the_slot_grows(tmp_path: Path) -> 
     copy: each is a PeerError naming it, and the rank's slot file is never grown."""
     from ckpt.memory_wire import Deadline, serve_handshake
 
-    head = SlotHeader(step=3, rank=0, world_size=1, data_size=N * 4, meta_size=100,
-                      meta_crc32=0, created=1.0).to_json()
+    head = SlotHeader(
+        step=3, rank=0, world_size=1, data_size=N * 4, meta_size=100, meta_crc32=0, created=1.0
+    ).to_json()
     replies = [
         ("list", [1], "not an object"),
         ("list", {"ok": True, "steps": ["1"]}, "steps[0]"),
@@ -324,6 +337,7 @@ def test_malformed_replies_are_refused_before_the_slot_grows(tmp_path: Path) -> 
                 chan = serve_handshake(conn, TOKEN.encode(), Deadline(30))
                 chan.recv()
                 chan.send(reply)
+
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     address = f"127.0.0.1:{listener.getsockname()[1]}"
@@ -371,6 +385,7 @@ def test_frames_changed_replayed_reordered_or_reflected_fail_their_mac() -> None
                 wire.sendall(data)
             except OSError:  # the receiver stopped at the bad frame
                 pass
+
         threading.Thread(target=send, daemon=True).start()
 
     def frame(obj: dict) -> int:
@@ -383,8 +398,11 @@ def test_frames_changed_replayed_reordered_or_reflected_fail_their_mac() -> None
     deliver(b_wire, f1 + f2)
     assert srv.recv() == m1 and srv.recv() == m2  # as sent: accepted
 
-    cases = {"flipped": [f1[:10] + bytes([f1[10] ^ 1]) + f1[11:]], "replayed": [f1, f1],
-             "reordered": [f2, f1]}
+    cases = {
+        "flipped": [f1[:10] + bytes([f1[10] ^ 1]) + f1[11:]],
+        "replayed": [f1, f1],
+        "reordered": [f2, f1],
+    }
     for name, frames in cases.items():
         _, _, srv, b_wire = pair()
         deliver(b_wire, b"".join(frames))
@@ -402,10 +420,10 @@ def test_frames_changed_replayed_reordered_or_reflected_fail_their_mac() -> None
     wire = sent(client, a_wire, lambda: client.send_bulk(memoryview(data)), len(data) + 3 * TAG)
     one = CHUNK + TAG
     for _name, bad, where in (
-            ("as sent", wire, None),
-            ("flipped", wire[: 2 * one + 5] + bytes([wire[2 * one + 5] ^ 4]) +
-             wire[2 * one + 6 :], 2),
-            ("swapped", wire[one : 2 * one] + wire[:one] + wire[2 * one :], 0)):
+        ("as sent", wire, None),
+        ("flipped", wire[: 2 * one + 5] + bytes([wire[2 * one + 5] ^ 4]) + wire[2 * one + 6 :], 2),
+        ("swapped", wire[one : 2 * one] + wire[:one] + wire[2 * one :], 0),
+    ):
         _, _, srv, b_wire = pair()
         deliver(b_wire, bad)
         got = bytearray(len(data))

@@ -25,8 +25,11 @@ NUMEL = 700_000  # float32: 2.8 MB, three checksum blocks
 
 def state_at(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(NUMEL, generator=g), "b": torch.randn(3, 5, generator=g).double(),
-            "step": step}
+    return {
+        "w": torch.randn(NUMEL, generator=g),
+        "b": torch.randn(3, 5, generator=g).double(),
+        "step": step,
+    }
 
 
 def zeros() -> dict:
@@ -73,7 +76,8 @@ def test_a_stamped_copy_loads_bit_exact_without_hashing(two_steps: Path) -> None
 
 
 def test_a_byte_the_agent_finds_flipped_is_never_loaded(
-        two_steps: Path, caplog: pytest.LogCaptureFixture) -> None:
+    two_steps: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     slots = slots_of(two_steps)
     head, slot = newest(slots)[0]
     slot.map[HEADER + BLOCK + 777] ^= 0x04  # block 1 of step 2
@@ -87,8 +91,9 @@ def test_a_byte_the_agent_finds_flipped_is_never_loaded(
     assert (report.step, report.source) == (1, "local")  # the step before, never step 2
     assert_equal(state, 1)
     assert "step 2 from local cannot be loaded by rank 0" in caplog.text
-    assert "found damaged by the node agent's check" in caplog.text and "data block 1" in \
-        caplog.text
+    assert (
+        "found damaged by the node agent's check" in caplog.text and "data block 1" in caplog.text
+    )
 
 
 def test_a_stamp_validates_only_the_copy_it_was_made_for(two_steps: Path) -> None:

@@ -44,18 +44,21 @@ def _save_until(mgr: CheckpointManager, steps: range, done) -> int:
     raise AssertionError(f"{done} never held over steps {steps.start}..{steps.stop}")
 
 
-def _saved_once(s3_bucket: tuple[str, dict], memory: MemoryConfig | bool
-                ) -> tuple[CheckpointManager, dict]:
+def _saved_once(
+    s3_bucket: tuple[str, dict], memory: MemoryConfig | bool
+) -> tuple[CheckpointManager, dict]:
     """A manager on the test's bucket (over striped::s3) that has made step 0 durable."""
     bucket, options = s3_bucket
-    mgr = CheckpointManager(f"striped::s3://{bucket}/run", storage_options=_storage(options),
-                            memory=memory)
+    mgr = CheckpointManager(
+        f"striped::s3://{bucket}/run", storage_options=_storage(options), memory=memory
+    )
     mgr.save(0, _state(0), block=True)
     return mgr, options
 
 
 def test_a_store_outage_is_ridden_out_behind_the_memory_tier(
-        tmp_path: Path, s3_server, s3_bucket, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, s3_server, s3_bucket, caplog: pytest.LogCaptureFixture
+) -> None:
     bucket, options = s3_bucket
     url = f"striped::s3://{bucket}/run"
     shm = _shm(tmp_path)
@@ -71,8 +74,7 @@ def test_a_store_outage_is_ridden_out_behind_the_memory_tier(
         finally:
             s3_server.start()
         # the store is back: the next durable save commits, and says how long it was out
-        last = _save_until(mgr, range(last + 1, last + 400),
-                           lambda: "is back" in caplog.text)
+        last = _save_until(mgr, range(last + 1, last + 400), lambda: "is back" in caplog.text)
         mgr.wait()
         durable = mgr.latest()
         assert durable is not None and durable > 2
@@ -80,8 +82,7 @@ def test_a_store_outage_is_ridden_out_behind_the_memory_tier(
     assert fails and all(r.levelno == logging.WARNING for r in fails)
     # a restart resumes from the newest step in memory, bit for bit; the durable tier holds
     # one committed after the outage
-    with CheckpointManager(url, storage_options=_storage(options),
-                           memory=MemoryConfig(shm)) as mgr:
+    with CheckpointManager(url, storage_options=_storage(options), memory=MemoryConfig(shm)) as mgr:
         target = _state(-1)
         assert mgr.load(target) == last
         assert all(torch.equal(target[k], v) for k, v in _state(last).items())
@@ -92,7 +93,8 @@ def test_a_store_outage_is_ridden_out_behind_the_memory_tier(
 
 
 def test_while_the_store_fails_a_save_in_flight_is_not_waited_for(
-        tmp_path: Path, s3_server, s3_bucket, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, s3_server, s3_bucket, caplog: pytest.LogCaptureFixture
+) -> None:
     """A working store keeps the durable cadence (a due save waits for the previous one);
     once a durable save failed, one still in flight (the store hanging, 1 s each way here) is
     skipped: the training thread never waits on a failing store."""
@@ -103,8 +105,9 @@ def test_while_the_store_fails_a_save_in_flight_is_not_waited_for(
     with Shaper("127.0.0.1", s3_server.port, ShaperSettings()) as shaper:
         options = s3_server.storage_options(endpoint_url=f"http://{shaper.address}")
         memory = MemoryConfig(_shm(tmp_path), durable_every=1, durable_outage_s=120)
-        with CheckpointManager(f"striped::s3://{bucket}/run", storage_options=_storage(options),
-                               memory=memory) as mgr:
+        with CheckpointManager(
+            f"striped::s3://{bucket}/run", storage_options=_storage(options), memory=memory
+        ) as mgr:
             for step in range(3):  # the store works: every save durable, none skipped
                 mgr.save(step, _state(step))
             mgr.wait()
@@ -114,16 +117,19 @@ def test_while_the_store_fails_a_save_in_flight_is_not_waited_for(
             last = _save_until(mgr, range(3, 400), lambda: "training goes on" in caplog.text)
             shaper.set_refuse(False)
             shaper.update(ShaperSettings(latency_s=1.0))  # up again, but each request slow
-            last = _save_until(mgr, range(last + 1, last + 400),
-                               lambda: "skipped: the store is failing" in caplog.text)
+            last = _save_until(
+                mgr,
+                range(last + 1, last + 400),
+                lambda: "skipped: the store is failing" in caplog.text,
+            )
             shaper.update(ShaperSettings())
             _save_until(mgr, range(last + 1, last + 400), lambda: "is back" in caplog.text)
 
 
-def test_an_outage_past_its_bound_is_raised_naming_it(tmp_path: Path, s3_server,
-                                                       s3_bucket) -> None:
-    mgr, options = _saved_once(s3_bucket, MemoryConfig(
-        _shm(tmp_path), durable_every=1, durable_outage_s=0.5))
+def test_an_outage_past_its_bound_is_raised_naming_it(tmp_path: Path, s3_server, s3_bucket) -> None:
+    mgr, options = _saved_once(
+        s3_bucket, MemoryConfig(_shm(tmp_path), durable_every=1, durable_outage_s=0.5)
+    )
     s3_server.stop()
     try:
         with pytest.raises(CheckpointSaveError, match="ckpt.durable_outage_s") as err:
@@ -150,9 +156,11 @@ def test_a_permanent_failure_is_raised_at_the_next_save(tmp_path: Path) -> None:
 
 
 def test_the_last_save_failing_is_raised_by_close_within_the_bound(
-        tmp_path: Path, s3_server, s3_bucket) -> None:
-    mgr, _ = _saved_once(s3_bucket, MemoryConfig(
-        _shm(tmp_path), durable_every=1, durable_outage_s=600))
+    tmp_path: Path, s3_server, s3_bucket
+) -> None:
+    mgr, _ = _saved_once(
+        s3_bucket, MemoryConfig(_shm(tmp_path), durable_every=1, durable_outage_s=600)
+    )
     s3_server.stop()
     try:
         mgr.save(1, _state(1))
@@ -162,8 +170,9 @@ def test_the_last_save_failing_is_raised_by_close_within_the_bound(
         s3_server.start()
 
 
-def test_without_the_memory_tier_the_first_failure_is_raised(tmp_path: Path, s3_server,
-                                                            s3_bucket) -> None:
+def test_without_the_memory_tier_the_first_failure_is_raised(
+    tmp_path: Path, s3_server, s3_bucket
+) -> None:
     mgr, _ = _saved_once(s3_bucket, False)
     s3_server.stop()
     try:

@@ -28,7 +28,8 @@ def test_rules_round_trip_and_a_malformed_value_is_ignored(caplog) -> None:
 
 @pytest.mark.parametrize("tier", ["durable", "memory"])
 def test_steps_from_the_nan_on_are_passed_over_until_saved_again(
-        tier: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     url = f"file://{tmp_path}/durable"
     (shm := tmp_path / "shm").mkdir(mode=0o700)
     memory = MemoryConfig(str(shm), durable_every=100) if tier == "memory" else False
@@ -39,8 +40,11 @@ def test_steps_from_the_nan_on_are_passed_over_until_saved_again(
 
     with manager() as mgr:
         for step in range(6):  # memory: the durable tier holds step 0 only
-            mgr.save(step, {"w": torch.full((64,), float(step) if step < nan else float("nan"))},
-                     block=True)
+            mgr.save(
+                step,
+                {"w": torch.full((64,), float(step) if step < nan else float("nan"))},
+                block=True,
+            )
     monkeypatch.setenv(SKIP_ENV, to_env([SkipRule(nan, time.time(), "test")]))
     state = {"w": torch.zeros(64)}
     with manager() as mgr:

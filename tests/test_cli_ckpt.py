@@ -19,8 +19,6 @@ from ckpt import CheckpointManager, FlatShard, PerRank
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-
-
 def bootseer_inprocess(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """The same entry point in this process (no torch import per call): (code, out, err)."""
     with pytest.raises(SystemExit) as exited:
@@ -32,20 +30,31 @@ def bootseer_inprocess(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[
 def _state(rank: int, step: int) -> dict:
     g = torch.Generator().manual_seed(step)
     return {
-        "model": {"w": torch.randn(64, 32, generator=g),  # 8 KiB: several 4 KiB stripes
-                  "b": torch.arange(7).to(torch.bfloat16)},
+        "model": {
+            "w": torch.randn(64, 32, generator=g),  # 8 KiB: several 4 KiB stripes
+            "b": torch.arange(7).to(torch.bfloat16),
+        },
         "flat": FlatShard(torch.arange(6, dtype=torch.int64) + 6 * rank, 6 * rank, 12),
         "epoch": step,
         "rng": PerRank(rank),
     }
 
 
-def save_two_ranks(url: str, step: int, *, ranks: tuple[int, ...] = (0, 1),
-                   storage_options: dict | None = None) -> None:
+def save_two_ranks(
+    url: str, step: int, *, ranks: tuple[int, ...] = (0, 1), storage_options: dict | None = None
+) -> None:
     """A 2-rank save from one process; leaving rank 0 out leaves the step uncommitted."""
-    managers = [CheckpointManager(url, rank=r, world_size=2, stripe_size="4KiB",
-                                  storage_options=storage_options, commit_timeout_s=30)
-                for r in ranks]
+    managers = [
+        CheckpointManager(
+            url,
+            rank=r,
+            world_size=2,
+            stripe_size="4KiB",
+            storage_options=storage_options,
+            commit_timeout_s=30,
+        )
+        for r in ranks
+    ]
     for mgr, rank in zip(managers, ranks, strict=True):
         mgr.save(step, _state(rank, step))  # rank 0 commits once rank 1's shard is durable
     for mgr in reversed(managers):
@@ -141,17 +150,26 @@ def test_convert_dcp_to_bootseer_and_back_via_cli(tmp_path, capsys):
     assert code == 0 and [(r["step"], r["world_size"]) for r in json.loads(listing)] == [(5, 1)]
     code, inspected, _ = bootseer_inprocess(capsys, "ckpt", "inspect", ours, "--json")
     assert {t["key"] for t in json.loads(inspected)["tensors"]} == {
-        "model.weight", "model.bias", "optim.state.0.momentum_buffer",
-        "optim.state.1.momentum_buffer"}
+        "model.weight",
+        "model.bias",
+        "optim.state.0.momentum_buffer",
+        "optim.state.1.momentum_buffer",
+    }
 
     out = tmp_path / "dcp-out"  # a plain path: standard DCP files
     back = bootseer_cli("ckpt", "convert", ours, str(out), "--from", "bootseer")
     assert "(step 5)" in back.stdout and sorted(os.listdir(out)) == [".metadata", "__0_0.distcp"]
-    target = {"model": torch.nn.Linear(16, 8).state_dict(),
-              "optim": {"state": {0: {"momentum_buffer": torch.zeros(8, 16)},
-                                  1: {"momentum_buffer": torch.zeros(8)}},
-                        "param_groups": [{}]},
-              "epoch": 0}
+    target = {
+        "model": torch.nn.Linear(16, 8).state_dict(),
+        "optim": {
+            "state": {
+                0: {"momentum_buffer": torch.zeros(8, 16)},
+                1: {"momentum_buffer": torch.zeros(8)},
+            },
+            "param_groups": [{}],
+        },
+        "epoch": 0,
+    }
     target["optim"]["param_groups"] = [dict(state["optim"]["param_groups"][0], lr=0.0)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -159,14 +177,19 @@ def test_convert_dcp_to_bootseer_and_back_via_cli(tmp_path, capsys):
     for k, v in state["model"].items():
         assert torch.equal(target["model"][k], v)
     for i in (0, 1):
-        assert torch.equal(target["optim"]["state"][i]["momentum_buffer"],
-                           state["optim"]["state"][i]["momentum_buffer"])
+        assert torch.equal(
+            target["optim"]["state"][i]["momentum_buffer"],
+            state["optim"]["state"][i]["momentum_buffer"],
+        )
     assert target["optim"]["param_groups"][0]["lr"] == 0.5 and target["epoch"] == 7
 
-    code, _, err = bootseer_inprocess(capsys, "ckpt", "convert", ours, str(out), "--from", "bootseer")
+    code, _, err = bootseer_inprocess(
+        capsys, "ckpt", "convert", ours, str(out), "--from", "bootseer"
+    )
     assert code == 2 and f"{out} already holds a DCP checkpoint" in err and "--overwrite" in err
-    code, _, _ = bootseer_inprocess(capsys, "ckpt", "convert", ours, str(out), "--from",
-                                    "bootseer", "--overwrite")
+    code, _, _ = bootseer_inprocess(
+        capsys, "ckpt", "convert", ours, str(out), "--from", "bootseer", "--overwrite"
+    )
     assert code == 0
 
 
@@ -177,8 +200,9 @@ def test_ls_and_verify_on_s3_with_storage_options(s3_bucket):
     env = {"BOOTSEER_STORAGE_OPTIONS": json.dumps({"s3": options})}
     listing = json.loads(bootseer_cli("ckpt", "ls", url, "--json", env=env).stdout)
     assert [(r["step"], r["world_size"], r["tensors"]) for r in listing] == [(4, 2, 3)]
-    verified = bootseer_cli("ckpt", "verify", f"striped::{url}", "--storage-options",
-                            json.dumps({"s3": options}))
+    verified = bootseer_cli(
+        "ckpt", "verify", f"striped::{url}", "--storage-options", json.dumps({"s3": options})
+    )
     assert "step 4: ok" in verified.stdout
 
 
@@ -197,21 +221,33 @@ def test_bad_input_in_a_real_process_has_no_traceback(tmp_path):
         (["ckpt", "ls", "{empty}"], "no checkpoints under {empty}"),
         (["ckpt", "verify", "{empty}"], "no checkpoints under {empty}"),
         (["ckpt", "inspect", "{empty}"], "no checkpoints under {empty}"),
-        (["ckpt", "convert", "{empty}", "{tmp}/x", "--from", "bootseer"],
-         "no checkpoints under {empty}"),
-        (["ckpt", "convert", "{empty}", "{tmp}/x", "--from", "dcp"],
-         "no DCP checkpoint at {empty} (no .metadata file)"),
-        (["ckpt", "verify", "{run}", "--step", "99"],
-         "step 99 does not exist under {run}; committed steps: 10, 20"),
-        (["ckpt", "inspect", "{run}", "--step", "30"],
-         "step 30 is incomplete (no MANIFEST.json) under {run}"),
-        (["ckpt", "convert", "{run}", "{tmp}/x", "--from", "bootseer", "--step", "7"],
-         "step 7 does not exist under {run}"),
+        (
+            ["ckpt", "convert", "{empty}", "{tmp}/x", "--from", "bootseer"],
+            "no checkpoints under {empty}",
+        ),
+        (
+            ["ckpt", "convert", "{empty}", "{tmp}/x", "--from", "dcp"],
+            "no DCP checkpoint at {empty} (no .metadata file)",
+        ),
+        (
+            ["ckpt", "verify", "{run}", "--step", "99"],
+            "step 99 does not exist under {run}; committed steps: 10, 20",
+        ),
+        (
+            ["ckpt", "inspect", "{run}", "--step", "30"],
+            "step 30 is incomplete (no MANIFEST.json) under {run}",
+        ),
+        (
+            ["ckpt", "convert", "{run}", "{tmp}/x", "--from", "bootseer", "--step", "7"],
+            "step 7 does not exist under {run}",
+        ),
         (["ckpt", "convert", "{run}", "{tmp}/x", "--from", "onnx"], "invalid choice: 'onnx'"),
         (["ckpt", "convert", "{run}", "{tmp}/x"], "the following arguments are required: --from"),
-        (["ckpt", "convert", "{run}", "{run}", "--from", "dcp"],
-         "no DCP checkpoint at {run}"),
-        (["ckpt", "ls", "{run}", "--storage-options", "{{nope"], "storage.options in flag --storage-options: not valid JSON"),
+        (["ckpt", "convert", "{run}", "{run}", "--from", "dcp"], "no DCP checkpoint at {run}"),
+        (
+            ["ckpt", "ls", "{run}", "--storage-options", "{{nope"],
+            "storage.options in flag --storage-options: not valid JSON",
+        ),
         (["ckpt", "ls", "nosuch://bucket/run"], "unknown protocol 'nosuch'"),
         (["ckpt", "verify", "{run}/step-30"], "no checkpoints under {run}/step-30"),
     ],

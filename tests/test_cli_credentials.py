@@ -27,8 +27,17 @@ OPT_TOKEN = "optSessionTokenNeverShown987654"
 ENV_KEY = "AKIAENVCREDTEST00003"
 ENV_SECRET = "envSecretNeverShown0123456789abcdefghKL"
 ENV_TOKEN = "envSessionTokenNeverShown123456"
-SECRETS = [URL_KEY, URL_SECRET, URL_SECRET.replace("/", "%2F"), OPT_KEY, OPT_SECRET, OPT_TOKEN,
-           ENV_KEY, ENV_SECRET, ENV_TOKEN]
+SECRETS = [
+    URL_KEY,
+    URL_SECRET,
+    URL_SECRET.replace("/", "%2F"),
+    OPT_KEY,
+    OPT_SECRET,
+    OPT_TOKEN,
+    ENV_KEY,
+    ENV_SECRET,
+    ENV_TOKEN,
+]
 
 
 def _url(bucket: str, path: str) -> str:
@@ -41,10 +50,14 @@ def store(s3_bucket, tmp_path):
     credentials (a session token too) in the AWS_* variables."""
     bucket, options = s3_bucket
     endpoint = options["client_kwargs"]["endpoint_url"]
-    env = {"AWS_ACCESS_KEY_ID": ENV_KEY, "AWS_SECRET_ACCESS_KEY": ENV_SECRET,
-           "AWS_SESSION_TOKEN": ENV_TOKEN, "AWS_SECURITY_TOKEN": ENV_TOKEN,
-           "BOOTSEER_STORAGE_OPTIONS": json.dumps({"s3": {"endpoint_url": endpoint}}),
-           "TMPDIR": str(tmp_path / "tmp")}
+    env = {
+        "AWS_ACCESS_KEY_ID": ENV_KEY,
+        "AWS_SECRET_ACCESS_KEY": ENV_SECRET,
+        "AWS_SESSION_TOKEN": ENV_TOKEN,
+        "AWS_SECURITY_TOKEN": ENV_TOKEN,
+        "BOOTSEER_STORAGE_OPTIONS": json.dumps({"s3": {"endpoint_url": endpoint}}),
+        "TMPDIR": str(tmp_path / "tmp"),
+    }
     (tmp_path / "tmp").mkdir()
     return bucket, env
 
@@ -54,12 +67,16 @@ def assert_clean(proc, *paths: Path) -> str:
     output (stdout + stderr)."""
     output = proc.stdout + proc.stderr
     for secret in SECRETS:
-        assert secret not in output, f"{secret[:4]}... shown by bootseer {redact_argv(proc.args[3:])}"
+        assert secret not in output, (
+            f"{secret[:4]}... shown by bootseer {redact_argv(proc.args[3:])}"
+        )
     for root in paths:
         for path in [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]:
             data = path.read_bytes()
             for secret in SECRETS:
-                assert secret.encode() not in data, f"a credential ({secret[:4]}...) written to {path}"
+                assert secret.encode() not in data, (
+                    f"a credential ({secret[:4]}...) written to {path}"
+                )
     return output
 
 
@@ -68,17 +85,24 @@ def test_fs_commands_with_credentials_in_url_options_and_environment(store, tmp_
     src = tmp_path / "in.bin"
     src.write_bytes(os.urandom(300_000))
     # succeeds: key and secret from the URL (a '/' in the secret, percent-encoded)
-    up = bootseer_cli("-vv", "fs", "cp", str(src), _url(bucket, "d/x.bin"), "--stripe-size",
-                      "64KiB", env=env)
+    up = bootseer_cli(
+        "-vv", "fs", "cp", str(src), _url(bucket, "d/x.bin"), "--stripe-size", "64KiB", env=env
+    )
     out = assert_clean(up)
     assert "copied" in up.stdout
     assert "Authorization" in out and "Credential=***/" in out  # -vv debug output kept, scrubbed
     # succeeds: credentials (and a session token) in the storage options
-    options = {"s3": {"endpoint_url": json.loads(env["BOOTSEER_STORAGE_OPTIONS"])["s3"]
-                      ["endpoint_url"], "key": OPT_KEY, "secret": OPT_SECRET,
-                      "token": OPT_TOKEN}}
-    ls = bootseer_cli("-vv", "fs", "ls", f"s3://{bucket}/d", "--storage-options",
-                      json.dumps(options), env=env)
+    options = {
+        "s3": {
+            "endpoint_url": json.loads(env["BOOTSEER_STORAGE_OPTIONS"])["s3"]["endpoint_url"],
+            "key": OPT_KEY,
+            "secret": OPT_SECRET,
+            "token": OPT_TOKEN,
+        }
+    }
+    ls = bootseer_cli(
+        "-vv", "fs", "ls", f"s3://{bucket}/d", "--storage-options", json.dumps(options), env=env
+    )
     assert_clean(ls)
     assert f"{bucket}/d/x.bin" in ls.stdout and "X-Amz-Security-Token" in ls.stderr
     # succeeds: credentials from the environment only
@@ -93,11 +117,20 @@ def test_fs_commands_with_credentials_in_url_options_and_environment(store, tmp_
     assert f"bootseer: error: s3://***@{missing}/d/x.bin: " in bad.stderr
     assert "check the bucket and the path" in bad.stderr
     # fails: the same credentials given twice
-    twice = bootseer_cli("fs", "stat", _url(bucket, "d/x.bin"), "--storage-options",
-                         json.dumps(options), env=env, check=False)
+    twice = bootseer_cli(
+        "fs",
+        "stat",
+        _url(bucket, "d/x.bin"),
+        "--storage-options",
+        json.dumps(options),
+        env=env,
+        check=False,
+    )
     assert_clean(twice)
-    assert twice.returncode == 2 and "given both in the URL and in the s3 storage options" \
-        in twice.stderr
+    assert (
+        twice.returncode == 2
+        and "given both in the URL and in the s3 storage options" in twice.stderr
+    )
 
 
 def test_ckpt_env_config_warmup_and_run_never_show_credentials(store, tmp_path):
@@ -117,14 +150,42 @@ def test_ckpt_env_config_warmup_and_run_never_show_credentials(store, tmp_path):
     assert f'"s3://***@{bucket}/ckpt"' in outputs[2].stdout
     # warmup and run write traces and a cache: files, searched as well
     trace, cache = tmp_path / "trace", tmp_path / "cache"
-    warm = bootseer_cli("-vv", "warmup", "--ckpt-url", ckpt_url, "--ckpt-cache-dir", str(cache),
-                        "--ranks", "0", "--trace-dir", str(trace), env=env, check=False)
+    warm = bootseer_cli(
+        "-vv",
+        "warmup",
+        "--ckpt-url",
+        ckpt_url,
+        "--ckpt-cache-dir",
+        str(cache),
+        "--ranks",
+        "0",
+        "--trace-dir",
+        str(trace),
+        env=env,
+        check=False,
+    )
     assert_clean(warm, trace)
     assert f"s3://***@{bucket}/ckpt" in warm.stdout
-    dead = {**env, "BOOTSEER_STORAGE_OPTIONS": json.dumps(
-        {"s3": {"endpoint_url": "http://127.0.0.1:9"}, "striped": {"retries": 0}})}
-    run = bootseer_cli("-vv", "run", "--ckpt-url", ckpt_url, "--ckpt-cache-dir", str(cache),
-                       "--trace-dir", str(trace), "--", "true", env=dead, check=False)
+    dead = {
+        **env,
+        "BOOTSEER_STORAGE_OPTIONS": json.dumps(
+            {"s3": {"endpoint_url": "http://127.0.0.1:9"}, "striped": {"retries": 0}}
+        ),
+    }
+    run = bootseer_cli(
+        "-vv",
+        "run",
+        "--ckpt-url",
+        ckpt_url,
+        "--ckpt-cache-dir",
+        str(cache),
+        "--trace-dir",
+        str(trace),
+        "--",
+        "true",
+        env=dead,
+        check=False,
+    )
     out = assert_clean(run, trace, Path(env["TMPDIR"]))
     if cache.exists():
         assert_clean(run, cache)
@@ -138,15 +199,20 @@ def test_credentials_in_a_config_file_are_never_shown(store, tmp_path):
     bucket, env = store
     endpoint = json.loads(env.pop("BOOTSEER_STORAGE_OPTIONS"))["s3"]["endpoint_url"]
     config = tmp_path / "bootseer.toml"
-    config.write_text(f'[storage.options.s3]\nendpoint_url = "{endpoint}"\nkey = "{OPT_KEY}"\n'
-                      f'secret = "{OPT_SECRET}"\ntoken = "{OPT_TOKEN}"\n')
+    config.write_text(
+        f'[storage.options.s3]\nendpoint_url = "{endpoint}"\nkey = "{OPT_KEY}"\n'
+        f'secret = "{OPT_SECRET}"\ntoken = "{OPT_TOKEN}"\n'
+    )
     src = tmp_path / "in.bin"
     src.write_bytes(os.urandom(1000))
-    up = bootseer_cli("-vv", "fs", "cp", str(src), f"s3://{bucket}/c/x.bin", "--config",
-                      str(config), env=env)
+    up = bootseer_cli(
+        "-vv", "fs", "cp", str(src), f"s3://{bucket}/c/x.bin", "--config", str(config), env=env
+    )
     assert "X-Amz-Security-Token" in assert_clean(up)  # the file's token was used, and hidden
-    shows = [bootseer_cli("config", "show", *flags, env={**env, "BOOTSEER_CONFIG": str(config)})
-             for flags in ([], ["--json"])]
+    shows = [
+        bootseer_cli("config", "show", *flags, env={**env, "BOOTSEER_CONFIG": str(config)})
+        for flags in ([], ["--json"])
+    ]
     for proc in shows:
         assert_clean(proc)
     options = json.loads(shows[1].stdout)["settings"]["storage"]["options"]
@@ -164,8 +230,9 @@ def test_background_mount_keeps_credentials_off_its_command_line_and_log(store, 
     bucket, env = store
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    up = bootseer_cli("-vv", "fs", "mount", _url(bucket, ""), str(mnt), "--read-only", env=env,
-                      check=False)
+    up = bootseer_cli(
+        "-vv", "fs", "mount", _url(bucket, ""), str(mnt), "--read-only", env=env, check=False
+    )
     try:
         assert up.returncode == 0, up.stderr
         assert_clean(up)

@@ -65,8 +65,12 @@ def test_ensure_verify_ls_gc_rm(tmp_path, cli_env, package_index):
     ensure = ["env", "ensure", "--spec", str(req), "--prefix", str(prefix), "--store", store.url]
 
     proc = bootseer_cli(*ensure, env=cli_env)
-    match = re.search(rf"^env ([0-9a-f]+): built at {re.escape(str(prefix))} in [0-9.]+s "
-                      rf"\(installed with uv[^)]*\) \(published\)$", proc.stderr, re.M)
+    match = re.search(
+        rf"^env ([0-9a-f]+): built at {re.escape(str(prefix))} in [0-9.]+s "
+        rf"\(installed with uv[^)]*\) \(published\)$",
+        proc.stderr,
+        re.M,
+    )
     assert match, proc.stderr
     key = match.group(1)
     assert key == compute_key([req]).key
@@ -122,8 +126,9 @@ def test_ensure_verify_ls_gc_rm(tmp_path, cli_env, package_index):
 
     # rm, then nothing is left and a second rm is an error.
     assert bootseer_cli("env", "rm", key, "--store", store.url).stdout == f"removed {key}\n"
-    assert bootseer_cli("env", "ls", "--store", store.url).stdout == \
-        f"no snapshots in {store.url}\n"
+    assert (
+        bootseer_cli("env", "ls", "--store", store.url).stdout == f"no snapshots in {store.url}\n"
+    )
     assert store.objects() == []
     again = bootseer_cli("env", "rm", key, "--store", store.url, check=False)
     assert again.returncode == 2 and f"bootseer: error: no snapshot {key}" in again.stderr
@@ -136,56 +141,93 @@ def test_ensure_with_a_custom_command_and_the_store_from_the_environment(tmp_pat
     env = {**cli_env, "BOOTSEER_ENV_STORE": str(store)}
     prefix = tmp_path / "venv"
     command = ["sh", "-c", 'mkdir -p {prefix}/bin && echo "$BOOTSEER_PREFIX" > {prefix}/where']
-    proc = bootseer_cli("env", "ensure", "--prefix", str(prefix), "--json", "--", *command,
-                        env=env)
+    proc = bootseer_cli("env", "ensure", "--prefix", str(prefix), "--json", "--", *command, env=env)
     result = json.loads(proc.stdout)
     assert result["outcome"] == "built" and result["installer"] == "custom"
     assert (prefix / "where").read_text() == f"{prefix}\n"
     assert result["key"] == compute_key([], command).key
     other = tmp_path / "other"
-    proc = bootseer_cli("env", "ensure", "--prefix", str(other), "--json", "--", *command,
-                        env=env)
+    proc = bootseer_cli("env", "ensure", "--prefix", str(other), "--json", "--", *command, env=env)
     assert json.loads(proc.stdout)["outcome"] == "restored"
     assert (other / "where").read_text() == f"{other}\n"  # a text reference, relocated
 
 
 def test_unreachable_store_warns_and_installs_locally(tmp_path, cli_env, package_index):
     req = write_requirements(tmp_path, package_index, "tinybeta", "tinydata")
-    options = {"s3": {"key": "testing", "secret": "testing",
-                      "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}",
-                                        "region_name": "us-east-1"}},
-               "striped": {"retries": 0}}
+    options = {
+        "s3": {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {
+                "endpoint_url": f"http://127.0.0.1:{free_port()}",
+                "region_name": "us-east-1",
+            },
+        },
+        "striped": {"retries": 0},
+    }
     prefix = tmp_path / "venv"
-    proc = bootseer_cli("env", "ensure", "--spec", str(req), "--prefix", str(prefix),
-                        "--store", "s3://bootseer-unreachable/envs",
-                        "--storage-options", json.dumps(options), env=cli_env)
+    proc = bootseer_cli(
+        "env",
+        "ensure",
+        "--spec",
+        str(req),
+        "--prefix",
+        str(prefix),
+        "--store",
+        "s3://bootseer-unreachable/envs",
+        "--storage-options",
+        json.dumps(options),
+        env=cli_env,
+    )
     assert "bootseer: warning: snapshot store unreachable, installing locally" in proc.stderr
     assert "failed after 1 attempt(s)" in proc.stderr  # the "striped" retries reach the store
     assert f": installed-locally at {prefix}" in proc.stderr
     assert_env_works(prefix)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["env", "ls"], "no snapshot store: pass --store URL or set BOOTSEER_ENV_STORE"),
-    (["env", "gc", "--older-than", "1d"], "no snapshot store"),
-    (["env", "ensure", "--capture", "/opt/x", "--prefix", "{tmp}/p", "--", "true"],
-     "--capture and --prefix exclude each other"),
-    (["env", "ensure", "--prefix", "{tmp}/p", "--store", "{tmp}/s"], "nothing to install"),
-    (["env", "ensure", "--store", "{tmp}/s", "--", "true"], "--prefix is required"),
-    (["env", "gc", "--store", "{tmp}/s", "--older-than", "soon"], "--older-than 'soon'"),
-    (["env", "gc", "--store", "{tmp}/s", "--older-than", "-5"], "--older-than '-5'"),
-    (["env", "ensure", "--spec", "{tmp}/missing.txt", "--prefix", "{tmp}/p", "--store",
-      "{tmp}/s"], "{tmp}/missing.txt"),
-    (["env", "key", "--spec", "{tmp}/missing.txt"], "{tmp}/missing.txt"),
-    (["env", "key", "--extra", "cuda"], "must look like NAME=VALUE"),
-    (["env", "restore", "not-a-key", "--prefix", "{tmp}/p", "--store", "{tmp}/s"],
-     "'not-a-key' is not a snapshot key"),
-    (["env", "restore", "0123456789abcdef", "--prefix", "{tmp}/p", "--store", "{tmp}/s"],
-     "no snapshot 0123456789abcdef in {tmp}/s"),
-    (["env", "ls", "--store", "{tmp}/s", "--storage-options", "{not json"],
-     "storage.options in flag --storage-options: not valid JSON"),
-    (["env", "ls", "--store", "nosuch://bucket/envs"], "unknown protocol 'nosuch'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["env", "ls"], "no snapshot store: pass --store URL or set BOOTSEER_ENV_STORE"),
+        (["env", "gc", "--older-than", "1d"], "no snapshot store"),
+        (
+            ["env", "ensure", "--capture", "/opt/x", "--prefix", "{tmp}/p", "--", "true"],
+            "--capture and --prefix exclude each other",
+        ),
+        (["env", "ensure", "--prefix", "{tmp}/p", "--store", "{tmp}/s"], "nothing to install"),
+        (["env", "ensure", "--store", "{tmp}/s", "--", "true"], "--prefix is required"),
+        (["env", "gc", "--store", "{tmp}/s", "--older-than", "soon"], "--older-than 'soon'"),
+        (["env", "gc", "--store", "{tmp}/s", "--older-than", "-5"], "--older-than '-5'"),
+        (
+            [
+                "env",
+                "ensure",
+                "--spec",
+                "{tmp}/missing.txt",
+                "--prefix",
+                "{tmp}/p",
+                "--store",
+                "{tmp}/s",
+            ],
+            "{tmp}/missing.txt",
+        ),
+        (["env", "key", "--spec", "{tmp}/missing.txt"], "{tmp}/missing.txt"),
+        (["env", "key", "--extra", "cuda"], "must look like NAME=VALUE"),
+        (
+            ["env", "restore", "not-a-key", "--prefix", "{tmp}/p", "--store", "{tmp}/s"],
+            "'not-a-key' is not a snapshot key",
+        ),
+        (
+            ["env", "restore", "0123456789abcdef", "--prefix", "{tmp}/p", "--store", "{tmp}/s"],
+            "no snapshot 0123456789abcdef in {tmp}/s",
+        ),
+        (
+            ["env", "ls", "--store", "{tmp}/s", "--storage-options", "{not json"],
+            "storage.options in flag --storage-options: not valid JSON",
+        ),
+        (["env", "ls", "--store", "nosuch://bucket/envs"], "unknown protocol 'nosuch'"),
+    ],
+)
 def test_errors_are_one_line_and_exit_2(args, message, tmp_path, cli_env):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     proc = bootseer_cli(*args, check=False, env=cli_env)
@@ -201,16 +243,28 @@ def test_ls_gc_rm_on_s3(tmp_path, cli_env, request):
     store = make_store("s3", tmp_path, request)
     prefix = tmp_path / "venv"
     command = ["sh", "-c", "mkdir -p {prefix}/bin && echo hi > {prefix}/bin/hi"]
-    result = json.loads(bootseer_cli("env", "ensure", "--prefix", str(prefix), "--json",
-                                     *store.cli_args(), "--", *command, env=cli_env).stdout)
+    result = json.loads(
+        bootseer_cli(
+            "env",
+            "ensure",
+            "--prefix",
+            str(prefix),
+            "--json",
+            *store.cli_args(),
+            "--",
+            *command,
+            env=cli_env,
+        ).stdout
+    )
     key = result["key"]
     (entry,) = json.loads(bootseer_cli("env", "ls", "--json", *store.cli_args()).stdout)
     assert (entry["key"], entry["files"], entry["prefix"]) == (key, 1, str(prefix))
     # A publisher killed before its commit left chunks under a key with no manifest.
     orphan_key, publisher = "ab" * 20, uuid.uuid4().hex
     store.write(f"{orphan_key}/{publisher}/000000.tar.zst", b"orphan")
-    assert [e["key"] for e in json.loads(
-        bootseer_cli("env", "ls", "--json", *store.cli_args()).stdout)] == [key]
+    assert [
+        e["key"] for e in json.loads(bootseer_cli("env", "ls", "--json", *store.cli_args()).stdout)
+    ] == [key]
 
     swept = bootseer_cli("env", "gc", "--older-than", "1h", *store.cli_args())
     assert swept.stdout == "" and "removed 0 item(s)" in swept.stderr  # all too young

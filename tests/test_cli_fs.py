@@ -21,7 +21,9 @@ def test_cp_stat_ls_roundtrip_through_s3(tmp_path, s3_bucket):
     data = random.Random(3).randbytes(3 * 1024 * 1024 + 7)
     src.write_bytes(data)
     env = {"BOOTSEER_STORAGE_OPTIONS": json.dumps({"s3": options})}
-    up = bootseer_cli("fs", "cp", str(src), f"s3://{bucket}/d/x.bin", "--stripe-size", "1MiB", env=env)
+    up = bootseer_cli(
+        "fs", "cp", str(src), f"s3://{bucket}/d/x.bin", "--stripe-size", "1MiB", env=env
+    )
     assert "copied 3.0 MiB" in up.stdout
     stat = json.loads(bootseer_cli("fs", "stat", f"s3://{bucket}/d/x.bin", env=env).stdout)
     assert stat["size"] == len(data) and stat["striped"] is True and stat["stripes"] == 4
@@ -52,7 +54,10 @@ def test_cp_local_paths_and_logs_progress_when_not_a_terminal(tmp_path):
         (["fs", "stat", "/definitely/not/here"], "/definitely/not/here"),
         (["fs", "cp", "a", "b", "--stripe-size", "huge"], "stripe_size"),
         (["fs", "cp", "a", "b", "--concurrency", "0"], "concurrency"),
-        (["fs", "stat", "x", "--storage-options", "{not json"], "storage.options in flag --storage-options: not valid JSON"),
+        (
+            ["fs", "stat", "x", "--storage-options", "{not json"],
+            "storage.options in flag --storage-options: not valid JSON",
+        ),
         (["fs", "mount", "x", "/definitely/not/a/dir"], "is not a directory"),
     ],
 )

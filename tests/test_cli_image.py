@@ -45,8 +45,18 @@ def test_convert_twice_and_unconverted_images(image, tmp_path: Path) -> None:
 def test_record_then_prefetch_then_a_prefetched_mount(image, tmp_path: Path, fuse) -> None:
     _, ref = image
     script = 'cat "$BOOTSEER_ROOTFS/etc/passwd" "$BOOTSEER_ROOTFS/lib/big.so" > /dev/null'
-    out = bootseer_cli("image", "record", ref, "--cache", str(tmp_path / "rec"),
-                       "--no-chroot", "--", "sh", "-c", script).stdout
+    out = bootseer_cli(
+        "image",
+        "record",
+        ref,
+        "--cache",
+        str(tmp_path / "rec"),
+        "--no-chroot",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ).stdout
     assert out.startswith("recorded") and "stored with" in out
 
     warm = bootseer_cli("image", "prefetch", ref, "--cache", str(tmp_path / "node")).stdout
@@ -55,8 +65,9 @@ def test_record_then_prefetch_then_a_prefetched_mount(image, tmp_path: Path, fus
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     stats = tmp_path / "stats.json"
-    bootseer_cli("image", "mount", ref, str(mnt), "--cache", str(tmp_path / "node"),
-                 "--stats", str(stats))
+    bootseer_cli(
+        "image", "mount", ref, str(mnt), "--cache", str(tmp_path / "node"), "--stats", str(stats)
+    )
     try:
         assert (mnt / "lib/big.so").read_bytes() == BIG
     finally:
@@ -72,9 +83,22 @@ def test_sigterm_unmounts_cleanly(image, tmp_path: Path, fuse) -> None:
     _, ref = image
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "bootseer", "image", "mount", ref, str(mnt),
-                             "--foreground", "--cache", str(tmp_path / "c")],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "image",
+            "mount",
+            ref,
+            str(mnt),
+            "--foreground",
+            "--cache",
+            str(tmp_path / "c"),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_mounted(mnt, 20, proc=proc)
         assert (mnt / "opt/x/c").read_bytes() == b"c"
@@ -120,9 +144,9 @@ def test_registry_down_mid_prefetch_then_back(registry, tmp_path: Path, fuse) ->
             image.close()
 
 
-def test_a_corrupted_frame_in_the_registry_is_eio_never_wrong_bytes(image, registry,
-                                                                      tmp_path: Path,
-                                                                      fuse) -> None:
+def test_a_corrupted_frame_in_the_registry_is_eio_never_wrong_bytes(
+    image, registry, tmp_path: Path, fuse
+) -> None:
     _, ref = image
     with SyncRegistry(registry.host) as reg:
         manifest = reg.resolve_image(ref)
@@ -146,14 +170,18 @@ def test_a_corrupted_frame_in_the_registry_is_eio_never_wrong_bytes(image, regis
 def test_a_layer_with_a_dotdot_member_is_refused_at_convert(registry) -> None:
     evil = _tar([_info("etc", b"5", mode=0o755), _info("etc/../../escape", data=b"x")])
     _push_gzip_image(registry.host, "app/evil", "v1", [evil])
-    proc = bootseer_cli("image", "convert", f"{registry.host}/app/evil:v1",
-                        f"{registry.host}/app/evil:lazy", check=False)
+    proc = bootseer_cli(
+        "image",
+        "convert",
+        f"{registry.host}/app/evil:v1",
+        f"{registry.host}/app/evil:lazy",
+        check=False,
+    )
     assert proc.returncode == 2 and "etc/../../escape" in proc.stderr and ".." in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
-def test_a_plain_containerd_pull_unpacks_the_converted_image(image, registry,
-                                                             containerd) -> None:
+def test_a_plain_containerd_pull_unpacks_the_converted_image(image, registry, containerd) -> None:
     """The converted image is still an ordinary image: containerd pulls it from the registry
     over HTTP, decompresses every seekable layer with its own zstd reader (skippable frames
     and all), checks the diff_ids against the unchanged config, and unpacks it."""

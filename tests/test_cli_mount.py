@@ -45,14 +45,16 @@ def mountpoint(tmp_path):
 
 def test_background_mount_of_s3_shows_striped_files(tmp_path, mountpoint, s3_bucket):
     bucket, options = s3_bucket
-    fs = StripedFileSystem(target_protocol="s3", target_options=options, stripe_size=STRIPE,
-                           skip_instance_cache=True)
+    fs = StripedFileSystem(
+        target_protocol="s3", target_options=options, stripe_size=STRIPE, skip_instance_cache=True
+    )
     data = random.Random(1).randbytes(10 * STRIPE + 77)
     fs.pipe_file(f"{bucket}/ckpt/model.bin", data)
     fs.target.pipe_file(f"{bucket}/ckpt/plain.txt", b"plain object\n")
     env = {"BOOTSEER_STORAGE_OPTIONS": json.dumps({"s3": options})}
-    up = run_cli("fs", "mount", f"s3://{bucket}/ckpt", str(mountpoint), "--stripe-size",
-                 str(STRIPE), env=env)
+    up = run_cli(
+        "fs", "mount", f"s3://{bucket}/ckpt", str(mountpoint), "--stripe-size", str(STRIPE), env=env
+    )
     assert up.returncode == 0, up.stderr
     assert "mounted" in up.stdout and is_mounted(mountpoint)
     assert sorted(os.listdir(mountpoint)) == ["model.bin", "plain.txt"]  # no hidden stripes
@@ -60,8 +62,11 @@ def test_background_mount_of_s3_shows_striped_files(tmp_path, mountpoint, s3_buc
     # cp out, dd out in large blocks, Python random access
     subprocess.run(["cp", str(mountpoint / "model.bin"), str(tmp_path / "copy.bin")], check=True)
     assert (tmp_path / "copy.bin").read_bytes() == data
-    dd = subprocess.run(["dd", f"if={mountpoint / 'model.bin'}", f"of={tmp_path / 'dd.bin'}",
-                         "bs=4M"], capture_output=True, check=True)
+    dd = subprocess.run(
+        ["dd", f"if={mountpoint / 'model.bin'}", f"of={tmp_path / 'dd.bin'}", "bs=4M"],
+        capture_output=True,
+        check=True,
+    )
     assert (tmp_path / "dd.bin").read_bytes() == data, dd.stderr
     with open(mountpoint / "model.bin", "rb") as f:
         f.seek(3 * STRIPE - 5)
@@ -86,9 +91,20 @@ def test_foreground_mount_unmounts_on_signal(tmp_path, mountpoint, sig):
     fs = StripedFileSystem(target_protocol="file", stripe_size=STRIPE, skip_instance_cache=True)
     data = random.Random(2).randbytes(4 * STRIPE)
     fs.pipe_file(f"{store}/a.bin", data)
-    proc = subprocess.Popen([sys.executable, "-m", "bootseer", "fs", "mount", str(store),
-                             str(mountpoint), "--foreground", "--read-only"],
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "fs",
+            "mount",
+            str(store),
+            str(mountpoint),
+            "--foreground",
+            "--read-only",
+        ],
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_mounted(mountpoint, timeout=30, proc=proc)
         assert (mountpoint / "a.bin").read_bytes() == data
@@ -110,8 +126,7 @@ def test_mount_of_missing_url_is_a_clear_error(tmp_path, mountpoint):
     assert not is_mounted(mountpoint)
 
 
-def test_the_background_log_is_private_and_follows_no_planted_link(tmp_path, mountpoint,
-                                                                   capsys):
+def test_the_background_log_is_private_and_follows_no_planted_link(tmp_path, mountpoint, capsys):
     """The log used to be /tmp/bootseer-<kind>-<mountpoint's name>-<pid>.log, opened for
     appending as whoever mounted (root): a user who planted a symlink there had the mount
     write into a file of their choosing. Now: a new 0700 directory, a 0600 file created
@@ -122,13 +137,21 @@ def test_the_background_log_is_private_and_follows_no_planted_link(tmp_path, mou
     (store / "f").write_bytes(b"through the mount\n")
     planted = Path(tempfile.gettempdir()) / f"bootseer-fs-{mountpoint.name}-{os.getpid()}.log"
     planted.symlink_to(canary.victim)  # at the old name: this process's pid, as the CLI's
-    argv = [sys.executable, "-m", "bootseer", "-v", "fs", "mount", str(store), str(mountpoint),
-            "--foreground"]
+    argv = [
+        sys.executable,
+        "-m",
+        "bootseer",
+        "-v",
+        "fs",
+        "mount",
+        str(store),
+        str(mountpoint),
+        "--foreground",
+    ]
     log = None
     try:
         with umask(0):
-            start_background_mount(argv, str(mountpoint), timeout=30, what=str(store),
-                                   kind="fs")
+            start_background_mount(argv, str(mountpoint), timeout=30, what=str(store), kind="fs")
         log = background_log(capsys.readouterr().out, "fs")
         assert (mountpoint / "f").read_bytes() == b"through the mount\n"
         st = os.lstat(log)
@@ -152,8 +175,9 @@ def test_allow_other_lets_others_read_but_never_write(tmp_path, s3_bucket):
     refused by the kernel (default_permissions), and the store is unchanged."""
     need_setpriv()
     bucket, options = s3_bucket
-    fs = StripedFileSystem(target_protocol="s3", target_options=options, stripe_size=STRIPE,
-                           skip_instance_cache=True)
+    fs = StripedFileSystem(
+        target_protocol="s3", target_options=options, stripe_size=STRIPE, skip_instance_cache=True
+    )
     fs.pipe_file(f"{bucket}/ckpt/model.bin", b"weights")
     shared = Path(tempfile.mkdtemp(prefix="bootseer-shared-"))
     shared.chmod(0o755)
@@ -167,14 +191,18 @@ def test_allow_other_lets_others_read_but_never_write(tmp_path, s3_bucket):
         log = background_log(up.stdout, "fs")
         read = as_nobody("cat", str(mnt / "model.bin"))
         assert (read.returncode, read.stdout) == (0, "weights")
-        for argv in (["sh", "-c", f"echo x > {mnt}/new.bin"],
-                     ["sh", "-c", f"echo x >> {mnt}/model.bin"],
-                     ["mv", str(mnt / "model.bin"), str(mnt / "moved.bin")],
-                     ["rm", "-f", str(mnt / "model.bin")], ["mkdir", str(mnt / "d")]):
+        for argv in (
+            ["sh", "-c", f"echo x > {mnt}/new.bin"],
+            ["sh", "-c", f"echo x >> {mnt}/model.bin"],
+            ["mv", str(mnt / "model.bin"), str(mnt / "moved.bin")],
+            ["rm", "-f", str(mnt / "model.bin")],
+            ["mkdir", str(mnt / "d")],
+        ):
             denied = as_nobody(*argv)
             assert denied.returncode != 0 and "Permission denied" in denied.stderr, argv
         assert [p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/ckpt", detail=False)] == [
-            "model.bin"]
+            "model.bin"
+        ]
         assert fs.cat_file(f"{bucket}/ckpt/model.bin") == b"weights"
     finally:
         if is_mounted(mnt):

@@ -27,8 +27,9 @@ JOB = HERE / "cluster_job.py"
 
 
 def _qdisc(netns: str, dev: str) -> str:
-    return subprocess.run(["tc", "-n", netns, "qdisc", "show", "dev", dev], capture_output=True,
-                          text=True, check=True).stdout
+    return subprocess.run(
+        ["tc", "-n", netns, "qdisc", "show", "dev", dev], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def _python(code: str) -> list[str]:
@@ -72,26 +73,36 @@ def test_nodes_have_addresses_hostnames_and_shaped_links(cluster_factory) -> Non
     assert socket.gethostname() == own_hostname  # the machine's own name is untouched
 
     # node2 serves its host name on its address; node0 and node1 reach it over the bridge
-    server = c.nodes[2].popen(_python(
-        "import socket\n"
-        f"s = socket.create_server(('{c.nodes[2].address}', 7000))\n"
-        "print('READY', flush=True)\n"
-        "for _ in range(2):\n"
-        "    conn, peer = s.accept()\n"
-        "    conn.sendall(f'{socket.gethostname()} saw {peer[0]}'.encode()); conn.close()\n"),
-        stdout=subprocess.PIPE, text=True)
+    server = c.nodes[2].popen(
+        _python(
+            "import socket\n"
+            f"s = socket.create_server(('{c.nodes[2].address}', 7000))\n"
+            "print('READY', flush=True)\n"
+            "for _ in range(2):\n"
+            "    conn, peer = s.accept()\n"
+            "    conn.sendall(f'{socket.gethostname()} saw {peer[0]}'.encode()); conn.close()\n"
+        ),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert server.stdout is not None and server.stdout.readline().strip() == "READY"
     for node in c.nodes[:2]:
-        got = node.run(_python(
-            f"import socket; s = socket.create_connection(('{c.nodes[2].address}', 7000), 10)\n"
-            "print(s.recv(100).decode())")).stdout.strip()
+        got = node.run(
+            _python(
+                f"import socket; s = socket.create_connection(('{c.nodes[2].address}', 7000), 10)\n"
+                "print(s.recv(100).decode())"
+            )
+        ).stdout.strip()
         assert got == f"node2 saw {node.address}"
     assert server.wait(timeout=30) == 0
     # the controller's c10d store answers on its address from a node
-    c.nodes[0].run(_python(
-        "import datetime; from torch.distributed import TCPStore\n"
-        f"s = TCPStore('{c.services.controller}', 29400, is_master=False,"
-        " timeout=datetime.timedelta(seconds=20)); s.set('k', 'v'); assert s.get('k') == b'v'"))
+    c.nodes[0].run(
+        _python(
+            "import datetime; from torch.distributed import TCPStore\n"
+            f"s = TCPStore('{c.services.controller}', 29400, is_master=False,"
+            " timeout=datetime.timedelta(seconds=20)); s.set('k', 'v'); assert s.get('k') == b'v'"
+        )
+    )
 
     # both ends of every link carry the rate; tc delays only where the kernel has netem
     for i, node in enumerate(c.nodes):
@@ -120,11 +131,18 @@ def test_bytes_from_services_are_counted_per_node(cluster_factory) -> None:
         _push_gzip_image(c.services.registry_host, "app/run", "v1", runnable_layers(b""))
     assert [n.bytes_from("s3") for n in c.nodes] == [0, 0]
 
-    got = c.nodes[0].run(_python(
-        "import hashlib, boto3\n"
-        f"s3 = boto3.client('s3', endpoint_url='{c.services.s3_endpoint}')\n"
-        "print(hashlib.sha256(s3.get_object(Bucket='data', Key='blob')['Body'].read())"
-        ".hexdigest())")).stdout.strip()
+    got = (
+        c.nodes[0]
+        .run(
+            _python(
+                "import hashlib, boto3\n"
+                f"s3 = boto3.client('s3', endpoint_url='{c.services.s3_endpoint}')\n"
+                "print(hashlib.sha256(s3.get_object(Bucket='data', Key='blob')['Body'].read())"
+                ".hexdigest())"
+            )
+        )
+        .stdout.strip()
+    )
     assert got == hashlib.sha256(blob).hexdigest()
     assert len(blob) <= c.nodes[0].bytes_from("s3") < len(blob) + (64 << 10)
     assert c.nodes[1].bytes_from("s3") == 0
@@ -132,9 +150,21 @@ def test_bytes_from_services_are_counted_per_node(cluster_factory) -> None:
 
     # the package index: real pip on node0 downloads a wheel, bytes equal
     wheels = {p.name: p for p in build_test_wheels(c.services.index_dir)}
-    c.nodes[0].run([sys.executable, "-m", "pip", "download", "--no-deps", "--index-url",
-                    c.services.index_url, "-d", str(c.nodes[0].dirs.work), "tinyalpha==2.0"],
-                   env=installer_env())
+    c.nodes[0].run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--index-url",
+            c.services.index_url,
+            "-d",
+            str(c.nodes[0].dirs.work),
+            "tinyalpha==2.0",
+        ],
+        env=installer_env(),
+    )
     (got_wheel,) = c.nodes[0].dirs.work.iterdir()
     assert got_wheel.read_bytes() == wheels[got_wheel.name].read_bytes()
     assert c.nodes[0].bytes_from("index") >= got_wheel.stat().st_size
@@ -150,8 +180,10 @@ def test_bytes_from_services_are_counted_per_node(cluster_factory) -> None:
     assert listed == [ref]
     assert c.nodes[0].ctr("images", "ls", "-q").stdout.split() == []  # containerd per node
     # node1's layers were unpacked by node1's own bootseer snapshotter, node0's has none
-    snapshots = [n.ctr("snapshots", "--snapshotter", "bootseer", "ls").stdout.splitlines()[1:]
-                 for n in c.nodes]
+    snapshots = [
+        n.ctr("snapshots", "--snapshotter", "bootseer", "ls").stdout.splitlines()[1:]
+        for n in c.nodes
+    ]
     assert snapshots[0] == [] and len(snapshots[1]) == len(runnable_layers(b""))
     assert c.nodes[1].snapshotter is not None
     assert c.nodes[1].snapshotter.pid in c.nodes[1].cgroup.pids()
@@ -163,8 +195,9 @@ def test_kill_replace_and_fill_a_node(cluster_factory, kill_method: str) -> None
     before 5.14)."""
     c = cluster_factory(2, services=("s3",), kill_method=kill_method)
     # node1 runs a process tree that keeps forking; node0 runs one process
-    tree = c.nodes[1].popen(["/bin/sh", "-c", "sleep 600 & sleep 600 & while :; do sleep 0.05;"
-                             " done"])
+    tree = c.nodes[1].popen(
+        ["/bin/sh", "-c", "sleep 600 & sleep 600 & while :; do sleep 0.05; done"]
+    )
     other = c.nodes[0].popen(["sleep", "600"])
     (c.nodes[1].dirs.cache / "layer").write_bytes(b"x" * 1000)
     first_dirs = c.nodes[1].dirs
@@ -201,10 +234,15 @@ def test_kill_replace_and_fill_a_node(cluster_factory, kill_method: str) -> None
     assert (c.nodes[0].dirs.cache / "f").stat().st_size == 65536
 
     # an unplugged cable: connections to node0 time out (nobody is told), then work again
-    listener = c.nodes[0].popen(_python(
-        f"import socket; s = socket.create_server(('{c.nodes[0].address}', 7001))\n"
-        "print('READY', flush=True)\n"
-        "while True: s.accept()[0].close()"), stdout=subprocess.PIPE, text=True)
+    listener = c.nodes[0].popen(
+        _python(
+            f"import socket; s = socket.create_server(('{c.nodes[0].address}', 7001))\n"
+            "print('READY', flush=True)\n"
+            "while True: s.accept()[0].close()"
+        ),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert listener.stdout is not None and listener.stdout.readline().strip() == "READY"
     connect = _python(f"import socket; socket.create_connection(('{c.nodes[0].address}', 7001), 2)")
     c.disconnect(0)
@@ -243,8 +281,9 @@ def test_teardown_leaves_nothing_after_a_killed_node_and_an_exception() -> None:
 def _container_cgroups(prefix: str) -> list[Path]:
     """Cgroup directories of a cluster's containers, in every hierarchy (runc puts a
     container at /CONTAINERD-NAMESPACE/ID: the namespace is named after the node)."""
-    return sorted(Path("/sys/fs/cgroup").glob(f"*/{prefix}-*")) + \
-        sorted(Path("/sys/fs/cgroup").glob(f"{prefix}-*"))
+    return sorted(Path("/sys/fs/cgroup").glob(f"*/{prefix}-*")) + sorted(
+        Path("/sys/fs/cgroup").glob(f"{prefix}-*")
+    )
 
 
 def test_a_lost_node_loses_its_containers(cluster_factory) -> None:
@@ -311,8 +350,9 @@ def test_a_killed_owners_cluster_is_swept_by_the_next() -> None:
     from bootseer.testing.cluster_host import wait_for_line
     from bootseer.testing.cluster_sweep import RECORDS, sweep_stale
 
-    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:  # the nodes' processes inherit its stdout: an exit does not end the pipe
         line = wait_for_line(owner, "bsc-", "the owner's cluster", 240).split()
     except RuntimeError as exc:
@@ -360,15 +400,28 @@ def test_training_survives_a_lost_node_bit_identically(cluster_factory, tmp_path
     c.services.create_bucket("ckpt")
     out = tmp_path / "out"  # every node writes its results here (mounts are shared)
     out.mkdir()
-    script = [str(JOB), "--ckpt", "s3://ckpt/run", "--out", str(out), "--storage-options",
-              json.dumps({"s3": c.services.storage_options()}), "--steps", "14",
-              "--save-every", "3", "--hold-at", "9"]
+    script = [
+        str(JOB),
+        "--ckpt",
+        "s3://ckpt/run",
+        "--out",
+        str(out),
+        "--storage-options",
+        json.dumps({"s3": c.services.storage_options()}),
+        "--steps",
+        "14",
+        "--save-every",
+        "3",
+        "--hold-at",
+        "9",
+    ]
 
     def launch(node) -> subprocess.Popen:
         log = open(out / f"{node.name}.{node.generation}.log", "w")  # noqa: SIM115
         with log:
-            return node.popen(node.torchrun(script, nnodes="2:2"), stdout=log,
-                              stderr=subprocess.STDOUT)
+            return node.popen(
+                node.torchrun(script, nnodes="2:2"), stdout=log, stderr=subprocess.STDOUT
+            )
 
     procs = {n.name: launch(n) for n in c.nodes}
     try:
@@ -391,10 +444,15 @@ def test_training_survives_a_lost_node_bit_identically(cluster_factory, tmp_path
         rank = name.split("-")[1]
         assert got["step"] == 8 and got["world"] == 2
         assert got["digest"] == _read(out / f"saved-{rank}-8.json")["digest"]
+
     # training went on to the end, and every state is the uninterrupted run's, bit for bit
     def reference(steps: int) -> str:
-        return subprocess.run([sys.executable, str(JOB), "--reference", "--steps", str(steps)],
-                              capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            [sys.executable, str(JOB), "--reference", "--steps", str(steps)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
 
     assert _read(out / "saved-0-8.json")["digest"] == reference(9)
     final = reference(14)

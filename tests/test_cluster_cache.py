@@ -80,9 +80,12 @@ def _put_object(c: Cluster, bucket: str, key: str, data: bytes) -> None:
 
 def _boto(c: Cluster) -> dict:
     opts = c.services.storage_options()
-    return {"endpoint_url": opts["client_kwargs"]["endpoint_url"],
-            "aws_access_key_id": opts["key"], "aws_secret_access_key": opts["secret"],
-            "region_name": "us-east-1"}
+    return {
+        "endpoint_url": opts["client_kwargs"]["endpoint_url"],
+        "aws_access_key_id": opts["key"],
+        "aws_secret_access_key": opts["secret"],
+        "region_name": "us-east-1",
+    }
 
 
 def test_an_object_read_by_every_node_leaves_the_origin_once(cluster: Cluster) -> None:
@@ -105,13 +108,17 @@ def test_an_object_read_by_every_node_leaves_the_origin_once(cluster: Cluster) -
 def test_range_reads_are_served_from_slices_exactly(cluster: Cluster) -> None:
     c = cluster
     _put_object(c, "ranges", "obj", BLOB)
-    ranges = [(0, 99), (1 << 20, (1 << 20) + 4095), ((1 << 20) - 10, (1 << 20) + 10),
-              (len(BLOB) - 500, len(BLOB) - 1)]
+    ranges = [
+        (0, 99),
+        (1 << 20, (1 << 20) + 4095),
+        ((1 << 20) - 10, (1 << 20) + 10),
+        (len(BLOB) - 500, len(BLOB) - 1),
+    ]
     before = c.cache.origin_bytes("s3")
     got = _fetch(c.nodes[0], f"s3://{c.nodes[0].cache_endpoint('s3')}/ranges/obj", ranges)
     for (lo, hi), part in zip(ranges, got["parts"], strict=True):
         assert part["status"] == 206
-        assert part["sha"] == hashlib.sha256(BLOB[lo:hi + 1]).hexdigest(), (lo, hi)
+        assert part["sha"] == hashlib.sha256(BLOB[lo : hi + 1]).hexdigest(), (lo, hi)
     # only the slices those ranges touch came from the origin (0, 1 and the last), not the
     # whole object
     assert c.cache.origin_bytes("s3") - before < len(BLOB)
@@ -186,14 +193,13 @@ def test_the_origin_stays_reachable_when_the_tier_is_lost(tmp_path: Path) -> Non
     try:
         _put_object(c, "lost", "obj", b"x" * 1000)
         node = c.nodes[0]
-        assert _fetch(node, f"s3://{node.cache_endpoint('s3')}/lost/obj")["parts"][0][
-            "len"] == 1000
+        assert _fetch(node, f"s3://{node.cache_endpoint('s3')}/lost/obj")["parts"][0]["len"] == 1000
         c.cache.kill()
         script = f"""
 import json
 import boto3
 from botocore.config import Config
-cached = boto3.client("s3", endpoint_url="http://{node.cache_endpoint('s3')}",
+cached = boto3.client("s3", endpoint_url="http://{node.cache_endpoint("s3")}",
                       region_name="us-east-1", config=Config(retries={{"max_attempts": 1}},
                                                              connect_timeout=5, read_timeout=5))
 try:

@@ -81,8 +81,13 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every mode's job, one after the other in one process (torch imported once)."""
     root = tmp_path_factory.mktemp("ddp")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    run = subprocess.run([sys.executable, "-c", _JOB, str(root), *MODES],
-                         capture_output=True, text=True, timeout=600, env=env)
+    run = subprocess.run(
+        [sys.executable, "-c", _JOB, str(root), *MODES],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return root
 
@@ -101,7 +106,8 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def test_ddp_gradients_are_recorded_and_training_is_bit_identical(
-        jobs: Path, untraced: dict) -> None:
+    jobs: Path, untraced: dict
+) -> None:
     traced, rings = _result(jobs, "traced")
     assert _equal(traced["params"], untraced["params"])  # 1/3 multiplied, as DDP does it
     snaps = read_rings(rings)
@@ -111,11 +117,14 @@ def test_ddp_gradients_are_recorded_and_training_is_bit_identical(
         grads = [o for o in snap.ops if o.op == "all_reduce" and o.dtype == "float32"]
         # every step's buckets together hold every parameter's gradient once
         assert sum(o.numel for o in grads) == 3 * params, [(o.seq, o.numel) for o in grads]
-        assert all(o.t_done is not None and o.t_done >= o.t_issue and not o.failed
-                   for o in grads)
+        assert all(o.t_done is not None and o.t_done >= o.t_issue and not o.failed for o in grads)
     # every rank issued the same sequence in the same group
-    assert len({tuple((o.group, o.seq, o.numel) for o in s.ops if o.op == "all_reduce")
-                for s in snaps}) == 1
+    assert (
+        len(
+            {tuple((o.group, o.seq, o.numel) for o in s.ops if o.op == "all_reduce") for s in snaps}
+        )
+        == 1
+    )
 
 
 @pytest.mark.parametrize("mode", ["hook-first", "hook-late"])

@@ -96,8 +96,12 @@ def test_unreachable_socket_is_unavailable(tmp_path: Path) -> None:
 
 def test_generated_code_is_current() -> None:
     pytest.importorskip("grpc_tools")
-    proc = subprocess.run([sys.executable, "-m", "prefetch.containerd.api.generate", "--check"],
-                          cwd=REPO_ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "prefetch.containerd.api.generate", "--check"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -120,8 +124,9 @@ def test_generate_check_names_drifted_missing_and_stale_files(tmp_path: Path, mo
     ]
     assert generate.main(["--check"]) == 1
     assert generate.main([]) == 0  # regenerates in place (the stale file stays for review)
-    assert generate.check() == ["stale (no .proto generates it): "
-                                "prefetch/containerd/api/types/old_pb2.py"]
+    assert generate.check() == [
+        "stale (no .proto generates it): prefetch/containerd/api/types/old_pb2.py"
+    ]
 
 
 def _embedded_descriptors(binary: str) -> dict[str, descriptor_pb2.FileDescriptorProto]:
@@ -132,7 +137,9 @@ def _embedded_descriptors(binary: str) -> dict[str, descriptor_pb2.FileDescripto
     start = data.find(b"\x1f\x8b\x08")
     while start >= 0:
         try:
-            raw = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(data[start:start + (4 << 20)])
+            raw = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(
+                data[start : start + (4 << 20)]
+            )
             fd = descriptor_pb2.FileDescriptorProto.FromString(raw)
             if "containerd/api/" in fd.name or fd.package == "runtime.v1":  # + CRI's
                 found[f"{fd.package}/{fd.name.rsplit('/', 1)[-1]}"] = fd
@@ -190,21 +197,31 @@ def test_protos_match_installed_containerd(system) -> None:
             for f in ref_msg.field:
                 o = our_fields.pop(f.number, None)
                 assert o is not None, f"{name} lacks field {f.number} ({f.name})"
-                assert (o.name, o.type, o.label, o.type_name) == \
-                    (f.name, f.type, f.label, f.type_name), f"{name}.{f.name}"
+                assert (o.name, o.type, o.label, o.type_name) == (
+                    f.name,
+                    f.type,
+                    f.label,
+                    f.type_name,
+                ), f"{name}.{f.name}"
             assert {(name, n) for n in our_fields} <= NEWER_FIELDS, f"{name}: extra fields"
             assert our_msgs[name].options.map_entry == ref_msg.options.map_entry
         for ref_enum in ref.enum_type:
             our_enum = next(e for e in ours.enum_type if e.name == ref_enum.name)
-            assert [(v.name, v.number) for v in our_enum.value] == \
-                [(v.name, v.number) for v in ref_enum.value]
+            assert [(v.name, v.number) for v in our_enum.value] == [
+                (v.name, v.number) for v in ref_enum.value
+            ]
         for ref_svc in ref.service:
-            our_methods = {m.name: m for m in
-                           next(s for s in ours.service if s.name == ref_svc.name).method}
+            our_methods = {
+                m.name: m for m in next(s for s in ours.service if s.name == ref_svc.name).method
+            }
             for m in ref_svc.method:
                 o = our_methods[m.name]
-                assert (o.input_type, o.output_type, o.client_streaming, o.server_streaming) == \
-                    (m.input_type, m.output_type, m.client_streaming, m.server_streaming)
+                assert (o.input_type, o.output_type, o.client_streaming, o.server_streaming) == (
+                    m.input_type,
+                    m.output_type,
+                    m.client_streaming,
+                    m.server_streaming,
+                )
             assert set(our_methods) == {m.name for m in ref_svc.method}
         checked += 1
     assert checked == len(OUR_MODULES)
@@ -236,15 +253,21 @@ def test_cri_proto_is_a_wire_compatible_subset_of_installed_containerds(system) 
         for f in msg.field:
             r = ref_fields.get(f.number)
             assert r is not None, f"{name}.{f.name}: containerd has no field {f.number}"
-            assert (f.name, f.type, f.label, f.type_name) == \
-                (r.name, r.type, r.label, r.type_name), f"{name}.{f.name}"
+            assert (f.name, f.type, f.label, f.type_name) == (
+                r.name,
+                r.type,
+                r.label,
+                r.type_name,
+            ), f"{name}.{f.name}"
     for enum in ours.enum_type:
         ref_enum = next(e for e in theirs.enum_type if e.name == enum.name)
-        assert {(v.name, v.number) for v in enum.value} <= \
-            {(v.name, v.number) for v in ref_enum.value}, enum.name
+        assert {(v.name, v.number) for v in enum.value} <= {
+            (v.name, v.number) for v in ref_enum.value
+        }, enum.name
     for svc in ours.service:
-        ref_methods = {m.name: m for m in next(s for s in theirs.service
-                                               if s.name == svc.name).method}
+        ref_methods = {
+            m.name: m for m in next(s for s in theirs.service if s.name == svc.name).method
+        }
         for m in svc.method:
             r = ref_methods[m.name]
             assert (m.input_type, m.output_type) == (r.input_type, r.output_type), m.name
@@ -272,16 +295,19 @@ def test_content_write_read_dedup_delete(client: ContainerdClient) -> None:
     with client.lease() as c:
         data = os.urandom(2 * CHUNK_SIZE + 12345)  # three Write messages and a commit
         digest = _digest(data)
-        assert c.write_content(data, digest=digest, size=len(data),
-                                labels={"a": "1"}) is True
+        assert c.write_content(data, digest=digest, size=len(data), labels={"a": "1"}) is True
         _collect_garbage(client)
         assert c.read_content(digest) == data
         assert c.read_content(digest, offset=10, size=100) == data[10:110]
         got_digest, size, labels = c.content_info(digest)
         assert (got_digest, size, labels) == (digest, len(data), {"a": "1"})
         # The same blob again, from an iterable: nothing written, labels merged.
-        assert c.write_content(iter([data[:5], data[5:]]), digest=digest, size=len(data),
-                               labels={"b": "2"}) is False
+        assert (
+            c.write_content(
+                iter([data[:5], data[5:]]), digest=digest, size=len(data), labels={"b": "2"}
+            )
+            is False
+        )
         assert c.content_info(digest).labels == {"a": "1", "b": "2"}
         c.update_content_labels(digest, {"a": ""})  # "" removes
         assert c.content_info(digest).labels == {"b": "2"}
@@ -399,8 +425,9 @@ def test_snapshots_through_overlayfs(client: ContainerdClient) -> None:
         assert size > 0 and inodes >= 1
 
         assert [i.name for i in c.list_snapshots(SNAPSHOTTER, "name==layer-1")] == ["layer-1"]
-        assert [i.name for i in c.list_snapshots(SNAPSHOTTER, 'labels."bootseer.test"==yes')] \
-            == ["layer-1"]
+        assert [i.name for i in c.list_snapshots(SNAPSHOTTER, 'labels."bootseer.test"==yes')] == [
+            "layer-1"
+        ]
         assert c.list_snapshots(SNAPSHOTTER, "name==absent") == []
         updated = c.update_snapshot_labels(SNAPSHOTTER, "layer-1", {"extra": "1"})
         assert updated.labels == {"bootseer.test": "yes", "extra": "1"}

@@ -24,8 +24,11 @@ class Info:
 
 INFOS = [
     Info("base", labels={"containerd.io/snapshot.ref": "sha256:0", "team": "ml"}),
-    Info(PARENT.replace("3", "4"), parent="base",
-         labels={"containerd.io/snapshot.ref": REF, "a.b": "dotted"}),
+    Info(
+        PARENT.replace("3", "4"),
+        parent="base",
+        labels={"containerd.io/snapshot.ref": REF, "a.b": "dotted"},
+    ),
     Info("layer2", parent=PARENT, labels={"containerd.io/snapshot.ref": REF, "team": ""}),
     Info("work", parent="layer2", kind=Kind.ACTIVE, labels={"note": 'say "hi"\n'}),
     Info("ro", parent="layer2", kind="view"),
@@ -67,13 +70,12 @@ def test_regex_search():
     assert names("name~=/^(base|work)$/") == ["base", "work"]  # "|" inside /.../ is regex
     assert names("name~=|^r.$|") == ["ro"]
     assert names(r"parent~=/default\/3/") == ["layer2"]
-    assert names('labels."containerd.io/snapshot.ref"~="^sha256:1"') == [
-        INFOS[1].name, "layer2"]
+    assert names('labels."containerd.io/snapshot.ref"~="^sha256:1"') == [INFOS[1].name, "layer2"]
 
 
 def test_and_within_a_string_or_across_strings():
-    assert names("kind==committed,parent!=\"\"") == [INFOS[1].name, "layer2"]
-    assert names("kind==committed,parent!=\"\",labels.team") == ["layer2"]
+    assert names('kind==committed,parent!=""') == [INFOS[1].name, "layer2"]
+    assert names('kind==committed,parent!="",labels.team') == ["layer2"]
     assert names("name==base", "name==ro") == ["base", "ro"]
     assert names("name==base,kind==view", "name==ro") == ["ro"]
 
@@ -97,7 +99,7 @@ def test_label_keys_with_dots_and_slashes():
 def test_the_filter_containerd_sends_a_proxy_snapshotter():
     text = f'labels."containerd.io/snapshot.ref"=={REF},parent=="{PARENT}"'
     assert names(text) == ["layer2"]
-    (sel_ref, sel_parent), = parse([text]).alternatives
+    ((sel_ref, sel_parent),) = parse([text]).alternatives
     assert sel_ref == Selector(("labels", "containerd.io/snapshot.ref"), "==", REF)
     assert sel_parent == Selector(("parent",), "==", PARENT)
     # the same, unquoted: a bare value may hold ":" and "/"
@@ -108,7 +110,9 @@ def test_bare_values_and_whitespace():
     sel = parse(["name==a:b/c@d-e_f.g+h=i~j!"]).alternatives[0][0]
     assert sel.value == "a:b/c@d-e_f.g+h=i~j!"
     assert parse(["  name == x , kind==view  "]).alternatives[0] == (
-        Selector(("name",), "==", "x"), Selector(("kind",), "==", "view"))
+        Selector(("name",), "==", "x"),
+        Selector(("kind",), "==", "view"),
+    )
     assert parse(["some-field_1"]).alternatives[0] == (Selector(("some-field_1",)),)
 
 
@@ -120,30 +124,33 @@ def test_adaptor_kind_forms():
     assert snapshot_adaptor(Info("x"))(["labels"]) == ("", False)
 
 
-@pytest.mark.parametrize("text, pos, message", [
-    ('name=="abc', 6, "quoted literal not terminated"),
-    ('labels."a\nb"==x', 7, "quoted literal not terminated"),
-    ("name==", 6, "expected a value"),
-    ("name==,kind==view", 6, "expected a value"),
-    ("name=x", 4, "unsupported operator '='"),
-    ("name===x", 4, "unsupported operator '==='"),
-    ("name<x", 4, "expected an operator"),
-    ("labels.containerd.io/key==v", 20, "expected an operator"),
-    ("name==a b", 8, "unexpected input 'b'"),
-    ("name==a,", 8, "expected a field"),
-    (",name==a", 0, "expected a field"),
-    ("labels.==x", 7, "expected a field"),
-    ('name=="\\q"', 7, "illegal escape sequence \\q"),
-    ('name=="\\xZZ"', 7, "illegal escape \\x"),
-    ('name=="\\400"', 7, "illegal octal escape"),
-    ('name=="\\/"', 7, "illegal escape sequence \\/"),
-    ("name==/x/", 6, "quotes only a ~= regular expression"),
-    ("/name/==x", 0, "quotes only a ~= regular expression"),
-    ("name~=[", 6, "bad regular expression"),
-    ("name~=/\\d/", 7, "illegal escape sequence \\d"),  # as in containerd: write \\d
-    ("name==.x", 6, "expected a value"),
-    ("name==x\x00", 7, "unexpected input"),
-])
+@pytest.mark.parametrize(
+    "text, pos, message",
+    [
+        ('name=="abc', 6, "quoted literal not terminated"),
+        ('labels."a\nb"==x', 7, "quoted literal not terminated"),
+        ("name==", 6, "expected a value"),
+        ("name==,kind==view", 6, "expected a value"),
+        ("name=x", 4, "unsupported operator '='"),
+        ("name===x", 4, "unsupported operator '==='"),
+        ("name<x", 4, "expected an operator"),
+        ("labels.containerd.io/key==v", 20, "expected an operator"),
+        ("name==a b", 8, "unexpected input 'b'"),
+        ("name==a,", 8, "expected a field"),
+        (",name==a", 0, "expected a field"),
+        ("labels.==x", 7, "expected a field"),
+        ('name=="\\q"', 7, "illegal escape sequence \\q"),
+        ('name=="\\xZZ"', 7, "illegal escape \\x"),
+        ('name=="\\400"', 7, "illegal octal escape"),
+        ('name=="\\/"', 7, "illegal escape sequence \\/"),
+        ("name==/x/", 6, "quotes only a ~= regular expression"),
+        ("/name/==x", 0, "quotes only a ~= regular expression"),
+        ("name~=[", 6, "bad regular expression"),
+        ("name~=/\\d/", 7, "illegal escape sequence \\d"),  # as in containerd: write \\d
+        ("name==.x", 6, "expected a value"),
+        ("name==x\x00", 7, "unexpected input"),
+    ],
+)
 def test_syntax_errors_name_the_string_and_position(text, pos, message):
     with pytest.raises(InvalidArgumentError) as err:
         parse(["name==ok", text])

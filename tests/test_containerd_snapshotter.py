@@ -34,10 +34,15 @@ class Node:
     def __init__(self, root: Path, containerd_factory, *extra: str) -> None:
         self.sock_dir = tempfile.mkdtemp(prefix="bsn-")
         self.root = root
-        self.snapshotter = SnapshotterProcess(root / "snapshotter", os.path.join(
-            self.sock_dir, "sn.sock"), root / "snapshotter.log", extra).start()
+        self.snapshotter = SnapshotterProcess(
+            root / "snapshotter",
+            os.path.join(self.sock_dir, "sn.sock"),
+            root / "snapshotter.log",
+            extra,
+        ).start()
         self.containerd = containerd_factory(
-            proxy_snapshotters={"bootseer": self.snapshotter.address})
+            proxy_snapshotters={"bootseer": self.snapshotter.address}
+        )
         self._runs = 0
 
     @property
@@ -56,8 +61,18 @@ class Node:
         deadline = time.monotonic() + 15
         while True:
             self._runs += 1
-            proc = self.containerd.ctr("run", "--rm", "--snapshotter", "bootseer", ref,
-                                       f"c{self._runs}", "/bin/sh", "-c", script, check=False)
+            proc = self.containerd.ctr(
+                "run",
+                "--rm",
+                "--snapshotter",
+                "bootseer",
+                ref,
+                f"c{self._runs}",
+                "/bin/sh",
+                "-c",
+                script,
+                check=False,
+            )
             # containerd redials a restarted snapshotter after its gRPC backoff; until then
             # a call fails fast with UNAVAILABLE (as with any proxy plugin)
             if "unavailable" not in proc.stderr or time.monotonic() > deadline:
@@ -104,20 +119,36 @@ def test_a_converted_image_runs_lazily(images, node_factory) -> None:
     assert listing.count("Committed") == 3
     assert is_mounted(node.lazy_dir)
     # the CLI does the same; a second pull finds every layer present
-    out = bootseer_cli("image", "pull", lazy, "--address", node.containerd.address,
-                       "--namespace", node.containerd.namespace).stdout
+    out = bootseer_cli(
+        "image",
+        "pull",
+        lazy,
+        "--address",
+        node.containerd.address,
+        "--namespace",
+        node.containerd.namespace,
+    ).stdout
     assert "3 layers lazy" in out
 
 
 def test_a_local_pull_writes_every_layer_out_and_containers_start_from_local_files(
-        images, node_factory, registry) -> None:
+    images, node_factory, registry
+) -> None:
     """``bootseer image pull --local`` (a warm standby): the lazy layers are fetched whole and
     written out on the node, so a container's rootfs is overlayfs over local directories
     (kernel speed, no FUSE lower), and it starts with the registry gone."""
     _, lazy = images
     node = node_factory()
-    out = bootseer_cli("image", "pull", lazy, "--local", "--address", node.containerd.address,
-                       "--namespace", node.containerd.namespace).stdout
+    out = bootseer_cli(
+        "image",
+        "pull",
+        lazy,
+        "--local",
+        "--address",
+        node.containerd.address,
+        "--namespace",
+        node.containerd.namespace,
+    ).stdout
     assert "3 layers lazy" in out and "written out locally" in out, out
     with SyncRegistry(registry.host) as reg:
         doc = reg.resolve_image(lazy).parsed
@@ -130,10 +161,12 @@ def test_a_local_pull_writes_every_layer_out_and_containers_start_from_local_fil
     with ContainerdClient(node.snapshotter.address) as direct:
         assert direct.stat_snapshot("bootseer", top).labels[lbl.LOCAL] == "done"
         mounts = direct.view_snapshot("bootseer", "local-view", top)
-        lowers = [o.split("=", 1)[1] for m in mounts for o in m.options
-                  if o.startswith("lowerdir=")][0].split(":")
-        assert len(lowers) == 3 and all("/snapshots/" in d and d.endswith("/fs")
-                                        for d in lowers), mounts
+        lowers = [
+            o.split("=", 1)[1] for m in mounts for o in m.options if o.startswith("lowerdir=")
+        ][0].split(":")
+        assert len(lowers) == 3 and all("/snapshots/" in d and d.endswith("/fs") for d in lowers), (
+            mounts
+        )
         assert not any(str(node.lazy_dir) in d for d in lowers)
         direct.remove_snapshot("bootseer", "local-view")
     assert "written out whole" in node.snapshotter.log()
@@ -151,8 +184,9 @@ def test_an_unconverted_image_is_unpacked_the_normal_way(images, node_factory) -
     listing = node.containerd.ctr("snapshots", "--snapshotter", "bootseer", "ls").stdout
     assert listing.count("Committed") == 3
     unpacked = [d / "fs" for d in (node.root / "snapshotter" / "snapshots").iterdir()]
-    assert any((d / "app/big.bin").is_file() and (d / "app/big.bin").read_bytes() == BIG
-               for d in unpacked)  # the top layer, unpacked into its own directory
+    assert any(
+        (d / "app/big.bin").is_file() and (d / "app/big.bin").read_bytes() == BIG for d in unpacked
+    )  # the top layer, unpacked into its own directory
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill-9"])
@@ -181,8 +215,12 @@ def test_removing_the_image_cleans_mounts_and_cache(images, node_factory) -> Non
     while time.monotonic() < deadline and os.listdir(node.lazy_dir):
         time.sleep(0.2)
     assert os.listdir(node.lazy_dir) == []  # no lazy view is served any more
-    assert node.containerd.ctr("snapshots", "--snapshotter", "bootseer", "ls").stdout \
-        .strip().count("\n") == 0  # header only
+    assert (
+        node.containerd.ctr("snapshots", "--snapshotter", "bootseer", "ls")
+        .stdout.strip()
+        .count("\n")
+        == 0
+    )  # header only
     assert _files(cache) == []
     assert os.listdir(node.root / "snapshotter" / "remote" / "indexes") == []
     assert not orphan.exists()  # containerd's GC ends with Cleanup, which removes orphans
@@ -192,23 +230,27 @@ def _files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()]
 
 
-def test_malformed_or_missing_labels_are_refused_and_create_nothing(images, node_factory
-                                                                    ) -> None:
+def test_malformed_or_missing_labels_are_refused_and_create_nothing(images, node_factory) -> None:
     _, lazy = images
     node = node_factory()
     chain = "sha256:" + "1" * 64
     with SyncRegistry(lazy.split("/")[0]) as reg:
         manifest = reg.resolve_image(lazy)
     layer = manifest.parsed["layers"][0]["digest"]
-    good = {lbl.SNAPSHOT_REF: chain, lbl.IMAGE_REF: lazy, lbl.LAYER_DIGEST: layer,
-            lbl.MANIFEST_DIGEST: manifest.digest}
+    good = {
+        lbl.SNAPSHOT_REF: chain,
+        lbl.IMAGE_REF: lazy,
+        lbl.LAYER_DIGEST: layer,
+        lbl.MANIFEST_DIGEST: manifest.digest,
+    }
     cases = {
         "not-a-digest": ({**good, lbl.LAYER_DIGEST: "sha256:xyz"}, "is not a sha256 digest"),
-        "no-image-ref": ({k: v for k, v in good.items() if k != lbl.IMAGE_REF},
-                         "cri.image-ref is missing"),
+        "no-image-ref": (
+            {k: v for k, v in good.items() if k != lbl.IMAGE_REF},
+            "cri.image-ref is missing",
+        ),
         "bad-chain": ({**good, lbl.SNAPSHOT_REF: "latest"}, "is not a sha256 digest"),
-        "foreign-layer": ({**good, lbl.LAYER_DIGEST: "sha256:" + "2" * 64},
-                          "is not a layer of"),
+        "foreign-layer": ({**good, lbl.LAYER_DIGEST: "sha256:" + "2" * 64}, "is not a layer of"),
         "bad-reference": ({**good, lbl.IMAGE_REF: "UPPER/case::x"}, "image reference"),
     }
     # Straight at the snapshotter's socket (what containerd's proxy sends) ...
@@ -229,7 +271,8 @@ def test_malformed_or_missing_labels_are_refused_and_create_nothing(images, node
 
 
 def test_the_first_start_records_a_profile_and_a_fresh_node_prefetches_it(
-        images, node_factory, registry) -> None:
+    images, node_factory, registry
+) -> None:
     _, lazy = images
     first = node_factory("--record-timeout", "60")
     first.pull(lazy)
@@ -238,8 +281,9 @@ def test_the_first_start_records_a_profile_and_a_fresh_node_prefetches_it(
     with SyncRegistry(registry.host) as reg:
         manifest = reg.resolve_image(lazy)
         deadline = time.monotonic() + 20
-        while not (found := reg.get_referrers("app/run", manifest.digest,
-                                              artifact_type=ARTIFACT_TYPE)):
+        while not (
+            found := reg.get_referrers("app/run", manifest.digest, artifact_type=ARTIFACT_TYPE)
+        ):
             assert time.monotonic() < deadline, first.snapshotter.log()
             time.sleep(0.2)
     assert len(found) == 1
@@ -263,8 +307,9 @@ def test_without_a_profile_a_pull_fetches_no_frame(images, node_factory) -> None
     assert _files(node.root / "snapshotter" / "remote" / "cache") == []
 
 
-def test_an_unreachable_registry_falls_back_to_a_normal_unpack(images, node_factory,
-                                                               registry) -> None:
+def test_an_unreachable_registry_falls_back_to_a_normal_unpack(
+    images, node_factory, registry
+) -> None:
     """A snapshotter that cannot read the registry (down, a mirror it does not know, a 401)
     must not fail the pull: Prepare answers with an ordinary active snapshot, which containerd
     fills the normal way, and the log says why; a second layer of the same image does not
@@ -274,9 +319,15 @@ def test_an_unreachable_registry_falls_back_to_a_normal_unpack(images, node_fact
     with SyncRegistry(registry.host) as reg:
         manifest = reg.resolve_image(lazy)
     layers = manifest.parsed["layers"]
-    labels = [{lbl.SNAPSHOT_REF: "sha256:" + str(i) * 64, lbl.IMAGE_REF: lazy,
-               lbl.LAYER_DIGEST: layer["digest"], lbl.MANIFEST_DIGEST: manifest.digest}
-              for i, layer in enumerate(layers[:2], start=3)]
+    labels = [
+        {
+            lbl.SNAPSHOT_REF: "sha256:" + str(i) * 64,
+            lbl.IMAGE_REF: lazy,
+            lbl.LAYER_DIGEST: layer["digest"],
+            lbl.MANIFEST_DIGEST: manifest.digest,
+        }
+        for i, layer in enumerate(layers[:2], start=3)
+    ]
     registry.stop()
     with ContainerdClient(node.snapshotter.address) as direct:
         mounts = direct.prepare_snapshot("bootseer", "k", "", labels[0])
@@ -286,41 +337,45 @@ def test_an_unreachable_registry_falls_back_to_a_normal_unpack(images, node_fact
         with open(os.path.join(mounts[0].source, "unpacked"), "wb") as f:
             f.write(b"by containerd")
         direct.commit_snapshot("bootseer", labels[0][lbl.SNAPSHOT_REF], "k")
-        second = direct.prepare_snapshot("bootseer", "k2", labels[0][lbl.SNAPSHOT_REF],
-                                         labels[1])
+        second = direct.prepare_snapshot("bootseer", "k2", labels[0][lbl.SNAPSHOT_REF], labels[1])
         assert [m.type for m in second] == ["overlay"]
         assert {s.name: s.kind for s in direct.list_snapshots("bootseer")} == {
-            labels[0][lbl.SNAPSHOT_REF]: "committed", "k2": "active"}
+            labels[0][lbl.SNAPSHOT_REF]: "committed",
+            "k2": "active",
+        }
     log = node.snapshotter.log()
     for layer in layers[:2]:
-        assert (f"layer {layer['digest']} of {lazy} cannot be served lazily" in log), log
+        assert f"layer {layer['digest']} of {lazy} cannot be served lazily" in log, log
     assert "containerd downloads and unpacks it" in log
     assert log.count("cannot read the manifest") == 2
     assert "not tried again for" in log  # the second layer did not retry the registry
 
 
-def test_the_deploy_snippet_registers_the_snapshotter(tmp_path: Path, containerd_factory
-                                                      ) -> None:
+def test_the_deploy_snippet_registers_the_snapshotter(tmp_path: Path, containerd_factory) -> None:
     import tomllib
 
     repo = Path(__file__).resolve().parents[1]
     config = tomllib.loads((repo / "deploy/containerd/config.toml").read_text())
     cri = config["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
     assert cri == {"snapshotter": "bootseer", "disable_snapshot_annotations": False}
-    (name, plugin), = config["proxy_plugins"].items()
+    ((name, plugin),) = config["proxy_plugins"].items()
     assert plugin["type"] == "snapshot"
     unit = (repo / "deploy/systemd/bootseer-snapshotter.service").read_text()
     assert plugin["address"] in unit  # the unit serves the socket the snippet names
     assert "UMask=0077" in unit.splitlines()
     sock_dir = tempfile.mkdtemp(prefix="bsn-")
     try:
-        sn = SnapshotterProcess(tmp_path / "sn", os.path.join(sock_dir, "sn.sock"),
-                                tmp_path / "sn.log").start()
+        sn = SnapshotterProcess(
+            tmp_path / "sn", os.path.join(sock_dir, "sn.sock"), tmp_path / "sn.log"
+        ).start()
         try:
             ctd = containerd_factory(proxy_snapshotters={name: sn.address})
             plugins = ctd.ctr("plugins", "ls").stdout
-            assert any(line.split()[:2] == ["io.containerd.snapshotter.v1", name]
-                       and line.split()[-1] == "ok" for line in plugins.splitlines())
+            assert any(
+                line.split()[:2] == ["io.containerd.snapshotter.v1", name]
+                and line.split()[-1] == "ok"
+                for line in plugins.splitlines()
+            )
             with ContainerdClient(ctd.address, ctd.namespace) as client:
                 mounts = client.prepare_snapshot(name, "plain", "")
                 assert mounts[0].type == "bind"  # a plain snapshot, served by bootseer
@@ -330,12 +385,12 @@ def test_the_deploy_snippet_registers_the_snapshotter(tmp_path: Path, containerd
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
-def test_lazy_layers_above_an_unpacked_one_keep_its_deletions(images, node_factory,
-                                                              registry) -> None:
+def test_lazy_layers_above_an_unpacked_one_keep_its_deletions(
+    images, node_factory, registry
+) -> None:
     """A mixed image: the base layer in gzip (unpacked into a directory), the upper two
     converted (one lazy view above it). The view must show layer two's whiteout and opaque
     directory the overlayfs way, or the deleted lower files would reappear."""
-
 
     plain, lazy = images
     with SyncRegistry(registry.host) as reg:
@@ -364,8 +419,9 @@ def _pulls_and_runs(node: Node, ref: str, *, lazy: int, unpacked: int) -> None:
     assert node.run(ref) == expected_output()
 
 
-def test_a_layer_claiming_the_format_without_an_index_is_refused(images, node_factory,
-                                                                 registry) -> None:
+def test_a_layer_claiming_the_format_without_an_index_is_refused(
+    images, node_factory, registry
+) -> None:
     import json
 
     from prefetch.containerd.errors import FailedPreconditionError
@@ -379,8 +435,12 @@ def test_a_layer_claiming_the_format_without_an_index_is_refused(images, node_fa
         doc["layers"] = [liar, *conv.parsed["layers"][1:]]
         digest = reg.put_manifest("app/run", "liar", json.dumps(doc).encode(), OCI_MANIFEST)
     node = node_factory()
-    labels = {lbl.SNAPSHOT_REF: "sha256:" + "4" * 64, lbl.IMAGE_REF: f"{registry.host}/app/run:liar",
-              lbl.LAYER_DIGEST: liar["digest"], lbl.MANIFEST_DIGEST: digest}
+    labels = {
+        lbl.SNAPSHOT_REF: "sha256:" + "4" * 64,
+        lbl.IMAGE_REF: f"{registry.host}/app/run:liar",
+        lbl.LAYER_DIGEST: liar["digest"],
+        lbl.MANIFEST_DIGEST: digest,
+    }
     with ContainerdClient(node.snapshotter.address) as direct:
         with pytest.raises(FailedPreconditionError, match="convert the image again"):
             direct.prepare_snapshot("bootseer", "k", "", labels)
@@ -393,8 +453,9 @@ def test_every_rpc_of_the_snapshots_api(tmp_path: Path) -> None:
     from prefetch.containerd.errors import AlreadyExistsError, FailedPreconditionError
 
     sock_dir = tempfile.mkdtemp(prefix="bsn-")
-    sn = SnapshotterProcess(tmp_path / "sn", os.path.join(sock_dir, "sn.sock"),
-                            tmp_path / "sn.log").start()
+    sn = SnapshotterProcess(
+        tmp_path / "sn", os.path.join(sock_dir, "sn.sock"), tmp_path / "sn.log"
+    ).start()
     try:
         with ContainerdClient(sn.address) as c:
             base = c.prepare_snapshot("bootseer", "a", "", {"team": "ml"})
@@ -437,8 +498,9 @@ def test_every_rpc_of_the_snapshots_api(tmp_path: Path) -> None:
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
-def test_an_unbound_or_swapped_converted_layer_is_never_served_lazily(images, node_factory,
-                                                                     registry) -> None:
+def test_an_unbound_or_swapped_converted_layer_is_never_served_lazily(
+    images, node_factory, registry
+) -> None:
     """Trust boundaries through containerd: a converted image whose manifest records no index
     digests is unpacked the normal way (containerd checks every blob's digest) and runs; a
     layer blob swapped in the registry's storage (same digest path, same size, another
@@ -465,8 +527,12 @@ def test_an_unbound_or_swapped_converted_layer_is_never_served_lazily(images, no
     tar = tar_of([("app", None), ("app/big.bin", b"EVIL")])
     crafted = padded_blob(tar, honest_entries(tar), layer.size)
     registry.blob_path(layer.digest).write_bytes(crafted.blob)
-    labels = {lbl.SNAPSHOT_REF: "sha256:" + "5" * 64, lbl.IMAGE_REF: lazy,
-              lbl.LAYER_DIGEST: layer.digest, lbl.MANIFEST_DIGEST: conv.digest}
+    labels = {
+        lbl.SNAPSHOT_REF: "sha256:" + "5" * 64,
+        lbl.IMAGE_REF: lazy,
+        lbl.LAYER_DIGEST: layer.digest,
+        lbl.MANIFEST_DIGEST: conv.digest,
+    }
     with ContainerdClient(node.snapshotter.address) as direct:
         before = {s.name for s in direct.list_snapshots("bootseer")}
         with pytest.raises(FailedPreconditionError) as info:
@@ -477,7 +543,8 @@ def test_an_unbound_or_swapped_converted_layer_is_never_served_lazily(images, no
 
 
 def test_a_converted_image_lying_about_its_diff_ids_cannot_stand_in_for_an_unconverted_one(
-        images, node_factory, registry) -> None:
+    images, node_factory, registry
+) -> None:
     """A converted image whose config names the diff IDs of another image's layers (here its
     base is another tar, holding ``/etc/image-id``): containerd never checks a lazy layer's
     diff ID, so its snapshots took the chain IDs of the honest image's. Pulled first, they
@@ -494,8 +561,9 @@ def test_a_converted_image_lying_about_its_diff_ids_cannot_stand_in_for_an_uncon
     plain, _ = images
     _, evil = push_images(registry.host, "app/evil", b"evil")
     with SyncRegistry(registry.host) as reg:
-        honest_config = json.loads(reg.get_blob("app/run", reg.resolve_image(plain)
-                                                .parsed["config"]["digest"]))
+        honest_config = json.loads(
+            reg.get_blob("app/run", reg.resolve_image(plain).parsed["config"]["digest"])
+        )
         manifest = reg.resolve_image(evil)
         config = json.loads(reg.get_blob("app/evil", manifest.parsed["config"]["digest"]))
         assert config["rootfs"]["diff_ids"][0] != honest_config["rootfs"]["diff_ids"][0]
@@ -503,8 +571,10 @@ def test_a_converted_image_lying_about_its_diff_ids_cannot_stand_in_for_an_uncon
         data = json.dumps(config).encode()
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         reg.put_blob("app/evil", data, digest)
-        doc = dict(manifest.parsed, config={**manifest.parsed["config"], "digest": digest,
-                                            "size": len(data)})
+        doc = dict(
+            manifest.parsed,
+            config={**manifest.parsed["config"], "digest": digest, "size": len(data)},
+        )
         reg.put_manifest("app/evil", "liar", json.dumps(doc).encode(), OCI_MANIFEST)
     node = node_factory()
     assert node.pull(f"{registry.host}/app/evil:liar").lazy_layers == 3

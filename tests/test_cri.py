@@ -69,16 +69,23 @@ def open_registry(registry_factory):
     return registry
 
 
-@pytest.mark.parametrize("node_credentials", [None, PASSWORD, WRONG_PASSWORD],
-                         ids=["pull-secret-only", "node-credentials", "wrong-node-credentials"])
-def test_pulls_with_a_pull_secret(registry_factory, open_registry, cri_node_factory,
-                                  node_credentials) -> None:
+@pytest.mark.parametrize(
+    "node_credentials",
+    [None, PASSWORD, WRONG_PASSWORD],
+    ids=["pull-secret-only", "node-credentials", "wrong-node-credentials"],
+)
+def test_pulls_with_a_pull_secret(
+    registry_factory, open_registry, cri_node_factory, node_credentials
+) -> None:
     secured = registry_factory(htpasswd=(USER, PASSWORD))
     with registry_login(USER, PASSWORD):
         _, converted = push_images(secured.host, "team/conv", b"conv")
         plain, _ = push_images(secured.host, "team/plain", b"plain")
-    env = ({"BOOTSEER_REGISTRY_USERNAME": USER, "BOOTSEER_REGISTRY_PASSWORD": node_credentials}
-           if node_credentials else None)
+    env = (
+        {"BOOTSEER_REGISTRY_USERNAME": USER, "BOOTSEER_REGISTRY_PASSWORD": node_credentials}
+        if node_credentials
+        else None
+    )
     node = cri_node_factory(open_registry.pause_image, snapshotter_env=env)
 
     with pytest.raises(ContainerdError, match="(?i)401|unauthorized"):
@@ -102,8 +109,14 @@ def test_pulls_with_a_pull_secret(registry_factory, open_registry, cri_node_fact
         assert secret not in node.containerd.log_path.read_text()
     # What CRI tells a snapshotter about a layer: no credentials, so a pull secret cannot
     # reach it (containerd 1.6; docs/containerd.md#credentials)
-    cri_labels = {lbl.SNAPSHOT_REF, lbl.IMAGE_REF, lbl.MANIFEST_DIGEST, lbl.LAYER_DIGEST,
-                  lbl.IMAGE_LAYERS, lbl.REMOTE}
+    cri_labels = {
+        lbl.SNAPSHOT_REF,
+        lbl.IMAGE_REF,
+        lbl.MANIFEST_DIGEST,
+        lbl.LAYER_DIGEST,
+        lbl.IMAGE_LAYERS,
+        lbl.REMOTE,
+    }
     for snap in node.snapshots():
         if snap.kind == "committed":
             assert set(snap.labels) <= cri_labels, snap.labels
@@ -111,8 +124,9 @@ def test_pulls_with_a_pull_secret(registry_factory, open_registry, cri_node_fact
 
 
 @pytest.mark.parametrize("follows_hosts", [True, False], ids=["hosts-config", "no-hosts-config"])
-def test_pulls_through_a_mirror(tmp_path: Path, open_registry, cri_node_factory,
-                                follows_hosts: bool) -> None:
+def test_pulls_through_a_mirror(
+    tmp_path: Path, open_registry, cri_node_factory, follows_hosts: bool
+) -> None:
     """The image names a registry the node cannot reach; containerd's hosts.toml sends its
     pulls to a mirror that holds the same repositories."""
     mirror = open_registry
@@ -122,8 +136,9 @@ def test_pulls_through_a_mirror(tmp_path: Path, open_registry, cri_node_factory,
     config_path = tmp_path / "certs.d"
     write_hosts_toml(config_path, origin, f"http://{origin}", [mirror.url])
     args = ("--registry-config-path", str(config_path)) if follows_hosts else ()
-    node = cri_node_factory(mirror.pause_image, registry_config_path=str(config_path),
-                            snapshotter_args=args)
+    node = cri_node_factory(
+        mirror.pause_image, registry_config_path=str(config_path), snapshotter_args=args
+    )
     converted, plain = f"{origin}/team/conv:lazy", f"{origin}/team/plain:v1"
 
     node.pull(converted)
@@ -146,7 +161,8 @@ def test_pulls_through_a_mirror(tmp_path: Path, open_registry, cri_node_factory,
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill-9"])
 def test_a_running_pod_keeps_reading_its_lazy_image_across_a_snapshotter_restart(
-        open_registry, cri_node_factory, sig: signal.Signals) -> None:
+    open_registry, cri_node_factory, sig: signal.Signals
+) -> None:
     """The kubelet's path: a pod started through CRI on a lazily pulled image keeps running,
     and files it never read before come right, after the snapshotter is stopped (or killed)
     and started again under it (docs/containerd.md, "Restarts and upgrades")."""
@@ -162,15 +178,19 @@ def test_a_running_pod_keeps_reading_its_lazy_image_across_a_snapshotter_restart
 
     node.restart_snapshotter(sig)
     deadline = time.monotonic() + 30
-    while node.snapshotter.log_path.read_text(errors="replace").count(
-            "lazy mount taken over") <= before:
+    while (
+        node.snapshotter.log_path.read_text(errors="replace").count("lazy mount taken over")
+        <= before
+    ):
         assert time.monotonic() < deadline, node.snapshotter.log()
         time.sleep(0.1)
 
     assert node.cri.container_status(running.container_id).state == "running"
     result = node.exec(running, ["/bin/sh", "-c", CHECK])  # every file, most never read
     assert (result.exit_code, result.stdout.decode()) == (0, _expected(b"conv")), (
-        result, node.snapshotter.log())
+        result,
+        node.snapshotter.log(),
+    )
     log = node.snapshotter.log()
     assert "ENOTCONN" not in log and "Transport endpoint" not in log
     # a pull after the restart is served by the new process
@@ -208,12 +228,15 @@ def test_the_deploy_files_agree_with_what_cri_expects() -> None:
 
     repo = Path(__file__).resolve().parents[1]
     config = tomllib.loads((repo / "deploy/containerd/config.toml").read_text())
-    (name, plugin), = config["proxy_plugins"].items()
+    ((name, plugin),) = config["proxy_plugins"].items()
     cri = config["plugins"]["io.containerd.grpc.v1.cri"]
     assert cri["containerd"]["snapshotter"] == name
     root = f"{config.get('root', '/var/lib/containerd')}/io.containerd.snapshotter.v1.{name}"
-    wanted = {"--root": root, "--address": plugin["address"],
-              "--registry-config-path": cri["registry"]["config_path"]}
+    wanted = {
+        "--root": root,
+        "--address": plugin["address"],
+        "--registry-config-path": cri["registry"]["config_path"],
+    }
 
     unit = (repo / "deploy/systemd/bootseer-snapshotter.service").read_text()
     exec_start = unit.replace("\\\n", " ").split("ExecStart=", 1)[1].splitlines()[0]
@@ -230,11 +253,14 @@ def test_the_deploy_files_agree_with_what_cri_expects() -> None:
     assert host_paths[mounts[hosts_dir]["name"]] == hosts_dir
 
     args = build_parser().parse_args(["snapshotter"])
-    assert config_from_args(args, env={}).snapshotter.root == root  # the command's default is the same layout
+    assert (
+        config_from_args(args, env={}).snapshotter.root == root
+    )  # the command's default is the same layout
 
 
 def test_an_unconverted_image_on_a_lazy_base_starts_with_the_registry_down(
-        open_registry, cri_node_factory) -> None:
+    open_registry, cri_node_factory
+) -> None:
     """A converted image and an unconverted one share their base layer (one chain ID). The
     converted one pulled first makes that snapshot lazy; the unconverted one then stood on
     it, and with the registry down its pods failed at CreateContainer (containerd reads the
@@ -266,8 +292,9 @@ def test_an_unconverted_image_on_a_lazy_base_starts_with_the_registry_down(
     _push_gzip_image(host, "team/conv", "v1", [base, layer({"etc/conv": b"converted\n"})])
     convert_image(f"{host}/team/conv:v1", f"{host}/team/conv:lazy", frame_size=64 << 10)
     plain = f"{host}/team/plain:v1"
-    _push_gzip_image(host, "team/plain", "v1", [base, layer({"etc/plain": b"plain\n"})],
-                     {"User": "app"})
+    _push_gzip_image(
+        host, "team/plain", "v1", [base, layer({"etc/plain": b"plain\n"})], {"User": "app"}
+    )
     node = cri_node_factory(open_registry.pause_image)
     node.pull(open_registry.pause_image)  # RunPodSandbox needs it with the registry down
     node.pull(f"{host}/team/conv:lazy")
@@ -279,6 +306,9 @@ def test_an_unconverted_image_on_a_lazy_base_starts_with_the_registry_down(
     out = node.run(plain, "cat /etc/plain; sha256sum /etc/passwd /bin/sh; cat /proc/self/status")
     sh = Path(os.path.realpath(shutil.which("sh"))).read_bytes()
     lines = out.splitlines()
-    assert lines[:3] == ["plain", f"{hashlib.sha256(passwd).hexdigest()}  /etc/passwd",
-                         f"{hashlib.sha256(sh).hexdigest()}  /bin/sh"], out
+    assert lines[:3] == [
+        "plain",
+        f"{hashlib.sha256(passwd).hexdigest()}  /etc/passwd",
+        f"{hashlib.sha256(sh).hexdigest()}  /bin/sh",
+    ], out
     assert any(line.split()[:2] == ["Uid:", "1000"] for line in lines), out  # the image's user

@@ -22,8 +22,12 @@ REPLICATED_JOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 # (apiVersion, kind) -> dotted paths that must be present (the API's required fields, and the
 # ones a workload cannot do without).
 KINDS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("apps/v1", "DaemonSet"): ("metadata.name", "spec.selector.matchLabels",
-                               "spec.template.metadata.labels", "spec.template.spec.containers"),
+    ("apps/v1", "DaemonSet"): (
+        "metadata.name",
+        "spec.selector.matchLabels",
+        "spec.template.metadata.labels",
+        "spec.template.spec.containers",
+    ),
     ("jobset.x-k8s.io/v1alpha2", "JobSet"): ("metadata.name", "spec.replicatedJobs"),
     ("v1", "Service"): ("metadata.name", "spec.selector", "spec.ports"),
 }
@@ -31,8 +35,12 @@ JOB_REQUIRED = ("template.spec.containers", "template.spec.restartPolicy")
 
 
 def documents() -> list[tuple[Path, dict[str, Any]]]:
-    docs = [(path, doc) for path in sorted(DEPLOY.glob("*.yaml"))
-            for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    docs = [
+        (path, doc)
+        for path in sorted(DEPLOY.glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc is not None
+    ]
     assert docs, f"no manifests under {DEPLOY}"
     return docs
 
@@ -57,7 +65,9 @@ def pod_specs() -> list[tuple[str, dict[str, Any]]]:
             out.append((f"{path.name}: {doc['metadata']['name']}", doc["spec"]["template"]["spec"]))
         if doc["kind"] == "JobSet":
             for rj in doc["spec"]["replicatedJobs"]:
-                out.append((f"{path.name}: {rj['name']}", rj["template"]["spec"]["template"]["spec"]))
+                out.append(
+                    (f"{path.name}: {rj['name']}", rj["template"]["spec"]["template"]["spec"])
+                )
     return out
 
 
@@ -80,7 +90,7 @@ def bootseer_config(c: dict[str, Any], monkeypatch: pytest.MonkeyPatch):
     assert command[0] == "bootseer", command
     argv, tail = command[1:], None
     if "--" in argv:  # as bootseer's main splits off the command to run
-        argv, tail = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+        argv, tail = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     args = build_parser().parse_args(argv)
     if tail is not None:
         assert args.takes_command, f"{command[:2]} takes no command after --"
@@ -89,8 +99,12 @@ def bootseer_config(c: dict[str, Any], monkeypatch: pytest.MonkeyPatch):
 
 
 def bootseer_containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    return [(where, spec, c) for where, spec in pod_specs() for c in containers(spec)
-            if c["command"][0] == "bootseer"]
+    return [
+        (where, spec, c)
+        for where, spec in pod_specs()
+        for c in containers(spec)
+        if c["command"][0] == "bootseer"
+    ]
 
 
 def test_every_document_is_a_known_kind_with_its_required_fields() -> None:
@@ -107,7 +121,9 @@ def test_every_document_is_a_known_kind_with_its_required_fields() -> None:
                 for field in JOB_REQUIRED:  # the batch/v1 Job template inside
                     dig(rj["template"]["spec"], field)
                 assert rj["template"]["spec"]["template"]["spec"]["restartPolicy"] in (
-                    "Never", "OnFailure")  # a Job's pods may not restart Always
+                    "Never",
+                    "OnFailure",
+                )  # a Job's pods may not restart Always
         if doc["kind"] == "DaemonSet":
             labels = doc["spec"]["template"]["metadata"]["labels"]
             assert doc["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -126,10 +142,12 @@ def test_containers_have_images_commands_and_declared_volumes() -> None:
 
 
 def test_bootseer_variables_are_known_and_their_values_valid(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     keys = {spec.env for section in SCHEMA.values() for spec in section.values()}
-    keys |= {alias for section in SCHEMA.values() for spec in section.values()
-             for alias in spec.aliases}
+    keys |= {
+        alias for section in SCHEMA.values() for spec in section.values() for alias in spec.aliases
+    }
     named = 0
     for where, _, c in bootseer_containers():
         for name in container_env(c):
@@ -150,16 +168,14 @@ def test_a_bad_variable_in_a_manifest_would_be_caught(monkeypatch: pytest.Monkey
 def host_paths(spec: dict[str, Any], c: dict[str, Any]) -> dict[str, str]:
     """Container mount path -> hostPath, for the hostPath volumes the container mounts."""
     vols = {v["name"]: v["hostPath"]["path"] for v in spec.get("volumes", []) if "hostPath" in v}
-    return {m["mountPath"]: vols[m["name"]] for m in c.get("volumeMounts", [])
-            if m["name"] in vols}
+    return {m["mountPath"]: vols[m["name"]] for m in c.get("volumeMounts", []) if m["name"] in vols}
 
 
 def on_host_path(path: str, mounts: dict[str, str]) -> bool:
     return any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts)
 
 
-def test_snapshotter_paths_are_the_configuration_defaults(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_snapshotter_paths_are_the_configuration_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     [(where, spec, c)] = [x for x in bootseer_containers() if x[2]["command"][1] == "snapshotter"]
     _, cfg = bootseer_config(c, monkeypatch)
     mounts = host_paths(spec, c)
@@ -189,8 +205,10 @@ def test_worker_state_lies_on_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
         _, cfg = bootseer_config(c, monkeypatch)
         assert cfg.get("state.dir") == default_state_dir({})
         mounts = host_paths(spec, c)
-        paths = {k: cfg.get(k) for k in ("state.dir", "run.trace_dir", "ckpt.cache_dir",
-                                         "env.prefix", "image.cache")}
+        paths = {
+            k: cfg.get(k)
+            for k in ("state.dir", "run.trace_dir", "ckpt.cache_dir", "env.prefix", "image.cache")
+        }
         for key, path in paths.items():
             assert on_host_path(path, mounts), f"{where}: {key} {path} is not on a hostPath"
         seen[c["command"][1]] = paths
@@ -203,7 +221,8 @@ def test_worker_state_lies_on_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_torchrun_meets_the_controller_through_the_headless_service(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT
     from torch.distributed.run import get_args_parser
 
@@ -222,14 +241,20 @@ def test_torchrun_meets_the_controller_through_the_headless_service(
 
     assert service["spec"]["clusterIP"] == "None"  # headless: DNS names the pod itself
     assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [
-        (DEFAULT_PORT, DEFAULT_PORT)]
+        (DEFAULT_PORT, DEFAULT_PORT)
+    ]
     # the selector picks the one replicated job whose container serves that port
     selector = service["spec"]["selector"]
     assert selector[JOBSET_LABEL] == jobset["metadata"]["name"]
-    serving = [rj for rj in jobset["spec"]["replicatedJobs"]
-               if any(p["containerPort"] == DEFAULT_PORT
-                      for c in rj["template"]["spec"]["template"]["spec"]["containers"]
-                      for p in c.get("ports", []))]
+    serving = [
+        rj
+        for rj in jobset["spec"]["replicatedJobs"]
+        if any(
+            p["containerPort"] == DEFAULT_PORT
+            for c in rj["template"]["spec"]["template"]["spec"]["containers"]
+            for p in c.get("ports", [])
+        )
+    ]
     assert [rj["name"] for rj in serving] == [selector[REPLICATED_JOB_LABEL]]
     [rj] = serving
     assert rj["replicas"] == 1 and rj["template"]["spec"]["parallelism"] == 1
@@ -250,11 +275,18 @@ def test_the_jobset_restarts_as_its_notes_say() -> None:
     [warmup] = pod["initContainers"]
     assert warmup["command"][:2] == ["bootseer", "warmup"]
     [train] = pod["containers"]
-    after = train["command"][train["command"].index("--") + 1:]
+    after = train["command"][train["command"].index("--") + 1 :]
     assert after[0] == "torchrun"
     assert after[after.index("--max-restarts") + 1] == "0"  # bootseer run restarts
     notes = (DEPLOY / "README.md").read_text()
-    for word in ("JobSet", "/dev/fuse", "privileged", "Secret", "hostPath", "bootseer.io/pool",
-                 "maxRestarts"):
+    for word in (
+        "JobSet",
+        "/dev/fuse",
+        "privileged",
+        "Secret",
+        "hostPath",
+        "bootseer.io/pool",
+        "maxRestarts",
+    ):
         assert word in notes
     assert shlex.join(after)  # a plain argv, no shell

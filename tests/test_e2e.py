@@ -16,7 +16,8 @@ from test_bench_harness import check_quick_results
 
 @pytest.mark.timeout(1200)
 def test_a_killed_rank_resumes_bit_identical_in_place_and_on_a_fresh_node(
-        e2e_bench: E2ERun) -> None:
+    e2e_bench: E2ERun,
+) -> None:
     run, results = e2e_bench.run, e2e_bench.results
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-6000:]
     report = json.loads((results / "e2e.json").read_text())
@@ -41,8 +42,10 @@ def test_a_killed_rank_resumes_bit_identical_in_place_and_on_a_fresh_node(
     # In place, the saves had written their files into the node cache too: the restart does
     # not fetch the checkpoint again (only the commit record, unless a rank died before its
     # local copy was written; test_early_start.py asserts the exact bytes).
-    assert inplace["detail"]["checkpoint_prefetch"]["bytes"] < \
-        fresh["detail"]["checkpoint_prefetch"]["bytes"]
+    assert (
+        inplace["detail"]["checkpoint_prefetch"]["bytes"]
+        < fresh["detail"]["checkpoint_prefetch"]["bytes"]
+    )
     # The fresh node's snapshotter found the profile the first start recorded.
     assert fresh["prefetch_log"]
 
@@ -53,13 +56,13 @@ def test_a_killed_rank_resumes_bit_identical_in_place_and_on_a_fresh_node(
 @pytest.mark.timeout(1200)
 def test_the_quick_form_leaves_its_results_through_bootseer_bench(e2e_bench: E2ERun) -> None:
     """The harness's check of every suite (test_bench_harness.py), on the same run."""
-    check_quick_results("e2e", e2e_bench.run, e2e_bench.results,
-                        e2e_bench.results.parent / "cache")
+    check_quick_results("e2e", e2e_bench.run, e2e_bench.results, e2e_bench.results.parent / "cache")
 
 
 @pytest.mark.timeout(900)
 def test_the_multi_node_restart_resumes_bit_identical_as_the_benchmark_runs_it(
-        e2e_bench: E2ERun) -> None:
+    e2e_bench: E2ERun,
+) -> None:
     """``bootseer bench e2e --nodes 2 --quick --methods bootseer``, exactly the benchmark's
     path (its image, job and ``bootseer run`` options: ``max_restarts = 0`` with torchrun
     restarting its workers), a node lost and replaced by a fresh one. The survivor's agent
@@ -74,16 +77,36 @@ def test_the_multi_node_restart_resumes_bit_identical_as_the_benchmark_runs_it(
     cache = e2e_bench.results.parent / "cache"
     results = e2e_bench.results.parent / "nodes"
     run = subprocess.run(
-        [sys.executable, "benchmarks/bench_e2e.py", "--nodes", "2", "--quick", "--methods",
-         "bootseer", "--results", str(results), "--cache", str(cache)],
-        capture_output=True, text=True, timeout=850, check=False, cwd=ROOT)
+        [
+            sys.executable,
+            "benchmarks/bench_e2e.py",
+            "--nodes",
+            "2",
+            "--quick",
+            "--methods",
+            "bootseer",
+            "--results",
+            str(results),
+            "--cache",
+            str(cache),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=850,
+        check=False,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-6000:]
     report = json.loads((results / "e2e-nodes.json").read_text())
     assert not report["errors"], report["errors"]
     got = report["runs"]["bootseer"]
     # every rank of both nodes resumed from the same committed step with the state it saved
     assert got["bit_identical"] is True
-    assert got["identical"] == {"ok": True, "ranks": 4, "steps": [got["committed_step"]],
-                                "differ": []}
+    assert got["identical"] == {
+        "ok": True,
+        "ranks": 4,
+        "steps": [got["committed_step"]],
+        "differ": [],
+    }
     assert sorted(got["ranks"]) == ["node0/r0", "node0/r1", "node1/r2", "node1/r3"]
     assert set(got["per_node"]) == {"node0", "node1"}

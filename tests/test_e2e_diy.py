@@ -20,23 +20,27 @@ import bench_e2e  # noqa: E402
 import e2e_diy  # noqa: E402
 import e2e_train  # noqa: E402
 
-needs_rclone = pytest.mark.skipif(shutil.which("rclone") is None,
-                                  reason="rclone is not installed (apt: rclone)")
+needs_rclone = pytest.mark.skipif(
+    shutil.which("rclone") is None, reason="rclone is not installed (apt: rclone)"
+)
 
 
-def put_checkpoint(client: Any, bucket: str, root: str, step: int, *, committed: bool,
-                   data: dict[str, bytes]) -> None:
+def put_checkpoint(
+    client: Any, bucket: str, root: str, step: int, *, committed: bool, data: dict[str, bytes]
+) -> None:
     """A DCP-shaped step directory: data files, and ``.metadata`` (written last) if committed."""
     for name, blob in data.items():
         client.put_object(Bucket=bucket, Key=f"{root}/step-{step:08d}/{name}", Body=blob)
     if committed:
-        client.put_object(Bucket=bucket, Key=f"{root}/step-{step:08d}/.metadata",
-                          Body=f"meta {step}".encode())
+        client.put_object(
+            Bucket=bucket, Key=f"{root}/step-{step:08d}/.metadata", Body=f"meta {step}".encode()
+        )
 
 
 @needs_rclone
 def test_copy_takes_the_newest_committed_step_byte_for_byte(
-        s3_server: Any, s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    s3_server: Any, s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
     """A newer step without ``.metadata`` (a save in flight when the rank died) is skipped;
     the newest committed one arrives whole, split into ranged GETs (files above the lowered
     cutoff), and the ranks' wait returns its step."""
@@ -48,8 +52,13 @@ def test_copy_takes_the_newest_committed_step_byte_for_byte(
     put_checkpoint(client, bucket, "ckpt/diy", 9, committed=False, data={"__0_0.distcp": b"x"})
     dest = tmp_path / "copy"
     dest.mkdir()
-    job = e2e_diy.CopyJob(f"{bucket}/ckpt/diy", dest, e2e_diy.rclone_env(options),
-                          tmp_path / "rclone.log", e2e_diy.RcloneTuning(cutoff="1M", streams=4))
+    job = e2e_diy.CopyJob(
+        f"{bucket}/ckpt/diy",
+        dest,
+        e2e_diy.rclone_env(options),
+        tmp_path / "rclone.log",
+        e2e_diy.RcloneTuning(cutoff="1M", streams=4),
+    )
     status = job.start().join(120)
     assert status["ok"], (status, (tmp_path / "rclone.log").read_text())
     assert status["step"] == 6
@@ -62,16 +71,28 @@ def test_copy_takes_the_newest_committed_step_byte_for_byte(
 
 @needs_rclone
 def test_no_committed_checkpoint_fails_the_ranks_instead_of_a_fresh_start(
-        s3_server: Any, s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    s3_server: Any, s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
     """Only an uncommitted step: the copy ends with an error in its status file, and a rank
     waiting for it raises, naming the copy, rather than training from step 0."""
     bucket, options = s3_bucket
-    put_checkpoint(s3_server.boto3_client(), bucket, "ckpt/diy", 4, committed=False,
-                   data={"__0_0.distcp": b"partial"})
+    put_checkpoint(
+        s3_server.boto3_client(),
+        bucket,
+        "ckpt/diy",
+        4,
+        committed=False,
+        data={"__0_0.distcp": b"partial"},
+    )
     dest = tmp_path / "copy"
     dest.mkdir()
-    status = e2e_diy.CopyJob(f"{bucket}/ckpt/diy", dest, e2e_diy.rclone_env(options),
-                             tmp_path / "rclone.log").start().join(120)
+    status = (
+        e2e_diy.CopyJob(
+            f"{bucket}/ckpt/diy", dest, e2e_diy.rclone_env(options), tmp_path / "rclone.log"
+        )
+        .start()
+        .join(120)
+    )
     assert not status["ok"]
     assert "no committed checkpoint" in status["error"]
     assert not (dest / "step-00000004").exists()
@@ -80,8 +101,9 @@ def test_no_committed_checkpoint_fails_the_ranks_instead_of_a_fresh_start(
 
 
 @needs_rclone
-def test_an_unreachable_store_is_reported_to_the_ranks(s3_server_factory: Any,
-                                                       tmp_path: Path) -> None:
+def test_an_unreachable_store_is_reported_to_the_ranks(
+    s3_server_factory: Any, tmp_path: Path
+) -> None:
     """The S3 server dies before the copy: rclone fails, the status says so with the log's
     path, and the ranks raise instead of waiting for ever."""
     server = s3_server_factory(in_process=False)
@@ -93,7 +115,9 @@ def test_an_unreachable_store_is_reported_to_the_ranks(s3_server_factory: Any,
     env = {**e2e_diy.rclone_env(options), "RCLONE_RETRIES": "1", "RCLONE_LOW_LEVEL_RETRIES": "1"}
     status = e2e_diy.CopyJob("gone/ckpt/diy", dest, env, tmp_path / "rclone.log").start().join(120)
     assert not status["ok"]
-    assert "rclone lsf exited" in status["error"] and str(tmp_path / "rclone.log") in status["error"]
+    assert (
+        "rclone lsf exited" in status["error"] and str(tmp_path / "rclone.log") in status["error"]
+    )
     with pytest.raises(RuntimeError, match="rclone lsf exited"):
         e2e_train.wait_for_copy(str(dest), timeout=5)
 
@@ -105,8 +129,11 @@ def test_wait_for_copy_without_a_status_file_stops_with_a_clear_error(tmp_path: 
 
 def test_the_rclone_command_lines() -> None:
     """The tuning reaches the command line; the credentials go in the environment, never argv."""
-    options = {"key": "AKID", "secret": "s3cr3t",
-               "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "r1"}}
+    options = {
+        "key": "AKID",
+        "secret": "s3cr3t",
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "r1"},
+    }
     env = e2e_diy.rclone_env(options)
     assert env["RCLONE_CONFIG_E2E_ENDPOINT"] == "http://127.0.0.1:9"
     assert env["RCLONE_CONFIG_E2E_SECRET_ACCESS_KEY"] == "s3cr3t"
@@ -122,8 +149,10 @@ def test_the_rclone_command_lines() -> None:
 
 
 def test_newest_step_counts_only_committed_steps() -> None:
-    listing = "step-00000003/.metadata\nstep-00000010/.metadata\nstep-00000012/__0_0.distcp\n" \
-              "x/step-00000099/.metadata\n"
+    listing = (
+        "step-00000003/.metadata\nstep-00000010/.metadata\nstep-00000012/__0_0.distcp\n"
+        "x/step-00000099/.metadata\n"
+    )
     assert e2e_diy.newest_step(listing) == 10
     assert e2e_diy.newest_step("") is None
 
@@ -132,23 +161,33 @@ def diy_events(copy_done: float) -> list[dict[str, Any]]:
     """A diy restart's milestones (t0 = 100): the container's launcher at 130, torchrun at
     130.1, the ranks ready to load at 135 and 136, the copy done at ``copy_done``."""
     ev: list[dict[str, Any]] = [
-        {"event": "entry", "t": 130.0, "rank": -1}, {"event": "env_ready", "t": 130.05,
-                                                     "rank": -1, "installer": "baked"},
-        {"event": "command_start", "t": 130.1, "rank": -1}]
+        {"event": "entry", "t": 130.0, "rank": -1},
+        {"event": "env_ready", "t": 130.05, "rank": -1, "installer": "baked"},
+        {"event": "command_start", "t": 130.1, "rank": -1},
+    ]
     for rank, ready in ((0, 135.0), (1, 136.0)):
         go = max(ready, copy_done) + 0.01
-        ev += [{"event": "copy_ready", "t": go, "waited": go - ready, "rank": rank},
-               {"event": "load_start", "t": go, "rank": rank},
-               {"event": "load_end", "t": go + 2.0, "rank": rank},
-               {"event": "verified", "t": go + 2.3, "seconds": 0.3, "rank": rank, "step": 6,
-                "digest": f"d{rank}"},
-               {"event": "first_step", "t": go + 6.3, "rank": rank}]
+        ev += [
+            {"event": "copy_ready", "t": go, "waited": go - ready, "rank": rank},
+            {"event": "load_start", "t": go, "rank": rank},
+            {"event": "load_end", "t": go + 2.0, "rank": rank},
+            {
+                "event": "verified",
+                "t": go + 2.3,
+                "seconds": 0.3,
+                "rank": rank,
+                "step": 6,
+                "digest": f"d{rank}",
+            },
+            {"event": "first_step", "t": go + 6.3, "rank": rank},
+        ]
     return [{**e, "attempt": 0} for e in ev]
 
 
 @pytest.mark.parametrize(("copy_done", "wait"), [(150.0, 14.01), (120.0, 0.01)])
-def test_the_diy_breakdown_puts_the_wait_for_the_copy_in_its_own_phase(copy_done: float,
-                                                                       wait: float) -> None:
+def test_the_diy_breakdown_puts_the_wait_for_the_copy_in_its_own_phase(
+    copy_done: float, wait: float
+) -> None:
     """The job's wait for the copy is from the last rank ready to load to the load; the
     phases add up to the total, and the copy that ended in time costs (almost) nothing."""
     phases, first, detail = bench_e2e.phases_of("diy", diy_events(copy_done), 100.0, 129.0, [])
@@ -185,9 +224,15 @@ def test_a_failed_jobs_message_names_the_ranks_exception(tmp_path: Path) -> None
     """torchrun's summary at the end of a log names no exception; the message shows the
     rank's own one first, whatever the log's length."""
     log = tmp_path / "job.log"
-    log.write_text("Traceback (most recent call last):\n  File x\n"
-                   "[rank1]: RuntimeError: the checkpoint copy into /ckpt-local failed: boom\n"
-                   + "torchrun summary line\n" * 100)
+    log.write_text(
+        "Traceback (most recent call last):\n  File x\n"
+        "[rank1]: RuntimeError: the checkpoint copy into /ckpt-local failed: boom\n"
+        + "torchrun summary line\n"
+        * 100
+    )
     text = bench_e2e.log_tail(log)
-    assert text.splitlines()[1] == "[rank1]: RuntimeError: the checkpoint copy into /ckpt-local failed: boom"
+    assert (
+        text.splitlines()[1]
+        == "[rank1]: RuntimeError: the checkpoint copy into /ckpt-local failed: boom"
+    )
     assert text.endswith("torchrun summary line")

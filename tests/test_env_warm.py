@@ -20,8 +20,14 @@ def _env(tmp_path: Path) -> tuple[list[str], Path]:
     req = tmp_path / "requirements.txt"
     req.write_text("")
     prefix = tmp_path / "venv"
-    return ["--env-spec", str(req), "--env-prefix", str(prefix),
-            "--env-store", str(tmp_path / "store")], prefix
+    return [
+        "--env-spec",
+        str(req),
+        "--env-prefix",
+        str(prefix),
+        "--env-store",
+        str(tmp_path / "store"),
+    ], prefix
 
 
 def _environment_spans(trace: Path) -> list[dict]:
@@ -45,7 +51,8 @@ def test_the_marker_alone_is_checked_before_and_every_file_beside(tmp_path: Path
 
 
 def test_a_file_changed_on_the_node_stops_the_job_and_the_next_start_restores(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     flags, prefix = _env(tmp_path)
     trace = tmp_path / "trace"
     assert run_wrapper(trace, *flags, command=child("exit", 0)).returncode == 0
@@ -55,8 +62,9 @@ def test_a_file_changed_on_the_node_stops_the_job_and_the_next_start_restores(
     assert verify(prefix, quick=True).ok and not verify(prefix).ok
     # the command would run for a minute: the check beside it stops it long before
     started = time.monotonic()
-    stopped = run_wrapper(trace, *flags, command=[*child("exit", 0)[:1], "-c",
-                                                  "import time; time.sleep(60)"])
+    stopped = run_wrapper(
+        trace, *flags, command=[*child("exit", 0)[:1], "-c", "import time; time.sleep(60)"]
+    )
     assert stopped.returncode == 2, stopped.stderr
     assert time.monotonic() - started < 50
     assert "pyvenv.cfg: changed" in stopped.stderr

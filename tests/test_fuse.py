@@ -110,12 +110,18 @@ def fuse_probe(tmp_path_factory: pytest.TempPathFactory) -> str | None:
 
 
 def _start(backing: Path, mountpoint: Path, kind: str, mode: str) -> Mount:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", RUNNER, kind, str(backing), str(mountpoint), mode],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        env=env, cwd=REPO)
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+    )
     return Mount(backing, mountpoint, proc)
 
 
@@ -162,7 +168,7 @@ def test_ops_write_then_read_back(kind: str, tmp_path: Path) -> None:
     fs.makedirs(root, exist_ok=True)
     ops = FsspecOperations(fs, root)
     data = random.Random(1).randbytes(3 * MiB + 123)
-    chunks = [data[i:i + 131072] for i in range(0, len(data), 131072)]
+    chunks = [data[i : i + 131072] for i in range(0, len(data), 131072)]
 
     fh = ops("create", "/f.bin", 0o644)
     ops("write", "/f.bin", chunks[0], 0, fh)
@@ -186,7 +192,7 @@ def test_ops_write_then_read_back(kind: str, tmp_path: Path) -> None:
     for _ in range(200):
         off = rng.randrange(len(data))
         size = rng.choice([1, 4096, 131072])
-        assert ops("read", "/f.bin", size, off, fh) == data[off:off + size]
+        assert ops("read", "/f.bin", size, off, fh) == data[off : off + size]
     assert ops("read", "/f.bin", 4096, len(data), fh) == b""
     ops("release", "/f.bin", fh)
 
@@ -323,8 +329,11 @@ UTIME_NOW, UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2
 @pytest.mark.parametrize("kind", ["local", "striped"])
 def test_ops_utimens_sets_the_mtime(kind: str, tmp_path: Path) -> None:
     """utimens was accepted and ignored, so rsync re-sent every file on every run."""
-    fs: Any = LocalFileSystem() if kind == "local" else StripedFileSystem(
-        target_protocol="file", skip_instance_cache=True)
+    fs: Any = (
+        LocalFileSystem()
+        if kind == "local"
+        else StripedFileSystem(target_protocol="file", skip_instance_cache=True)
+    )
     ops = FsspecOperations(fs, str(tmp_path))
     _write_file(ops, "/a", [b"committed"])
     ops("utimens", "/a", (OLD_NS, OLD_NS))
@@ -471,9 +480,16 @@ def test_ops_read_only_refuses_every_mutation(tmp_path: Path) -> None:
     assert ops("read", "/f", 10, 0, fh) == b"data"
     ops("release", "/f", fh)
     calls: list[tuple[Any, ...]] = [
-        ("create", "/g", 0o644), ("open", "/f", os.O_WRONLY | os.O_TRUNC), ("unlink", "/f"),
-        ("rename", "/f", "/g"), ("mkdir", "/d", 0o755), ("rmdir", "/d"), ("truncate", "/f", 0),
-        ("write", "/f", b"x", 0, 1), ("chmod", "/f", 0o600), ("utimens", "/f", None),
+        ("create", "/g", 0o644),
+        ("open", "/f", os.O_WRONLY | os.O_TRUNC),
+        ("unlink", "/f"),
+        ("rename", "/f", "/g"),
+        ("mkdir", "/d", 0o755),
+        ("rmdir", "/d"),
+        ("truncate", "/f", 0),
+        ("write", "/f", b"x", 0, 1),
+        ("chmod", "/f", 0o600),
+        ("utimens", "/f", None),
     ]
     for call in calls:
         with pytest.raises(FuseOSError) as exc:
@@ -513,8 +529,9 @@ class _Raising(MemoryFileSystem):
         (ValueError("bad"), errno.EIO),
     ],
 )
-def test_ops_exceptions_become_errnos(exc: BaseException, code: int,
-                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_ops_exceptions_become_errnos(
+    exc: BaseException, code: int, caplog: pytest.LogCaptureFixture
+) -> None:
     fs = _Raising()
     fs.exc = exc
     ops = FsspecOperations(fs, "/err")
@@ -561,8 +578,10 @@ def test_is_mounted_and_wait_helpers(tmp_path: Path) -> None:
     unmount(tmp_path)  # not mounted: nothing to do
     with pytest.raises(MountTimeout):
         wait_mounted(tmp_path, 0.3)
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stderr.write('boom: no fuse'); "
-                             "sys.exit(3)"], stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stderr.write('boom: no fuse'); sys.exit(3)"],
+        stderr=subprocess.PIPE,
+    )
     try:
         with pytest.raises(MountError) as exc:
             wait_mounted(tmp_path, 30, proc)
@@ -627,7 +646,7 @@ def test_dd_and_python_reads(mounts: Callable[..., Mount], tmp_path: Path) -> No
                 size = rng.choice([1, 512, 4096, 65536, 300_000, MiB])
                 f.seek(off)
                 got = f.read(size)
-                assert got == data[off:off + size], (off, size)
+                assert got == data[off : off + size], (off, size)
 
     def large_reads() -> None:
         with open(m.path / "big.bin", "rb", buffering=0) as f:
@@ -640,9 +659,12 @@ def test_dd_and_python_reads(mounts: Callable[..., Mount], tmp_path: Path) -> No
     bounded(m, large_reads)
 
     # Reads on several handles at once (the FUSE loop is multi-threaded).
-    procs = [subprocess.Popen(["dd", f"if={m.path / name}", "of=/dev/null", "bs=1M"],
-                              stderr=subprocess.DEVNULL)
-             for name in ("big.bin", "dd.bin", "big.bin", "dd.bin")]
+    procs = [
+        subprocess.Popen(
+            ["dd", f"if={m.path / name}", "of=/dev/null", "bs=1M"], stderr=subprocess.DEVNULL
+        )
+        for name in ("big.bin", "dd.bin", "big.bin", "dd.bin")
+    ]
     try:
         assert [p.wait(timeout=IO_TIMEOUT) for p in procs] == [0, 0, 0, 0]
     finally:
@@ -688,7 +710,9 @@ def test_directory_operations_reach_the_backing_store(mounts: Callable[..., Moun
 
 
 def test_memory_backed_mount(mounts: Callable[..., Mount], tmp_path: Path) -> None:
-    m = mounts(kind="memory")  # the child's MemoryFileSystem starts empty: fill it through the mount
+    m = mounts(
+        kind="memory"
+    )  # the child's MemoryFileSystem starts empty: fill it through the mount
     src = tmp_path / "m.bin"
     data = _random_file(src, 3 * MiB + 1, seed=6)
     assert run("mkdir", str(m.path / "dir")).returncode == 0
@@ -776,7 +800,11 @@ def test_module_entry_point(fuse_probe: str | None, tmp_path: Path) -> None:
     (back / "f").write_bytes(b"via url")
     proc = subprocess.Popen(
         [sys.executable, "-m", "striped_fs.fuse", f"file://{back}", str(mnt), "--read-only"],
-        cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     m = Mount(back, mnt, proc)
     try:
         wait_mounted(mnt, MOUNT_TIMEOUT, proc)

@@ -57,19 +57,39 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
         fs = StripedFileSystem(target_protocol="file", skip_instance_cache=True)
         return Store(str(back), {}, fs, str(back))
     bucket, s3_options = request.getfixturevalue("s3_bucket")
-    fs = StripedFileSystem(target_protocol="s3", target_options=s3_options,
-                           skip_instance_cache=True)
+    fs = StripedFileSystem(
+        target_protocol="s3", target_options=s3_options, skip_instance_cache=True
+    )
     return Store(f"s3://{bucket}", {"s3": s3_options}, fs, bucket)
 
 
 def _serve(store: Store, mnt: Path, log: Path) -> Mount:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     with open(log, "ab") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "bootseer", "fs", "mount", store.url, str(mnt), "--foreground",
-             "--stripe-size", "1MiB", "--storage-options", json.dumps(store.options)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=REPO)
+            [
+                sys.executable,
+                "-m",
+                "bootseer",
+                "fs",
+                "mount",
+                store.url,
+                str(mnt),
+                "--foreground",
+                "--stripe-size",
+                "1MiB",
+                "--storage-options",
+                json.dumps(store.options),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=env,
+            cwd=REPO,
+        )
     m = Mount(Path(store.root), mnt, proc)
     try:
         wait_mounted(mnt, MOUNT_TIMEOUT, proc)
@@ -102,8 +122,13 @@ def mount(fuse: None, store: Store, tmp_path: Path) -> Iterator[Any]:
 
 
 def _sh(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["sh", "-c", script, "sh", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        ["sh", "-c", script, "sh", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 # -- a file written and closed is there --------------------------------------------------------
@@ -139,8 +164,9 @@ def test_a_closed_file_is_there_at_once(mount: Any, store: Store) -> None:
     assert r.returncode == 0 and r.stdout.strip().endswith("failures: 0"), r.stdout + r.stderr
     moved = range(0, rounds, every)
     names = sorted(e["name"].rsplit("/", 1)[-1] for e in store.fs.ls(store.root))
-    assert names == sorted([f"{p}{i}" for i in range(rounds) for p in "te"]
-                           + [f"m{i}" for i in moved])
+    assert names == sorted(
+        [f"{p}{i}" for i in range(rounds) for p in "te"] + [f"m{i}" for i in moved]
+    )
     for i in range(rounds):
         assert store.fs.cat_file(store.path(f"t{i}")) == b""
         assert store.fs.cat_file(store.path(f"e{i}")) == f"hi{i}\n".encode()
@@ -170,8 +196,11 @@ def test_mtimes_set_through_the_mount_are_kept(mount: Any, store: Store, tmp_pat
     bounded(m, lambda: os.utime(m.path / "w.bin", ns=(OLD_NS, OLD_NS + 1)))
     assert os.stat(m.path / "w.bin").st_mtime_ns == OLD_NS + 1
     after = store.manifest("w.bin")
-    assert (after.version, after.checksums, after.mtime_ns) == (before.version,
-                                                                before.checksums, OLD_NS + 1)
+    assert (after.version, after.checksums, after.mtime_ns) == (
+        before.version,
+        before.checksums,
+        OLD_NS + 1,
+    )
     assert sorted(store.fs.target.find(stripes_dir(store.path("w.bin")))) == stripes
     assert [store.fs.target.cat_file(p) for p in stripes] == stripe_bytes
     assert store.fs.cat_file(store.path("w.bin")) == data
@@ -247,8 +276,9 @@ def _rsync(src: Path, dst: Path, *extra: str) -> subprocess.CompletedProcess[str
     return run("rsync", "-a", *extra, f"{src}/", f"{dst}/", timeout=600)
 
 
-def test_rsync_twice_transfers_nothing_the_second_time(mount: Any, store: Store,
-                                                      tmp_path: Path) -> None:
+def test_rsync_twice_transfers_nothing_the_second_time(
+    mount: Any, store: Store, tmp_path: Path
+) -> None:
     """``rsync -a`` into the mount exited 23 (times could not be set on a file that was not
     there yet) and re-sent everything on every run (mtimes were not kept). Now: exit 0,
     bytes and mtimes equal; an unchanged tree transfers no file; a touched file alone is

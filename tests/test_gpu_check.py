@@ -23,23 +23,46 @@ from conftest import need
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-RUN_ON_CPU = ("ckpt", "memory", "colltrace-times", "colltrace-overhead", "colltrace-hang",
-              "alignment", "health", "stack")
+RUN_ON_CPU = (
+    "ckpt",
+    "memory",
+    "colltrace-times",
+    "colltrace-overhead",
+    "colltrace-hang",
+    "alignment",
+    "health",
+    "stack",
+)
 #: the checks whose CUDA measurement the CPU form replaces, each said in one line
-SAYS_SKIP = ("ckpt", "memory", "colltrace-times", "colltrace-overhead", "colltrace-hang",
-             "alignment", "stack")
+SAYS_SKIP = (
+    "ckpt",
+    "memory",
+    "colltrace-times",
+    "colltrace-overhead",
+    "colltrace-hang",
+    "alignment",
+    "stack",
+)
 
 
-def gpu_check(results: Path, *args: str, env: dict[str, str] | None = None
-              ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), "--results", str(results), "--cpu",
-                           *args], capture_output=True, text=True, timeout=280, check=False,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+def gpu_check(
+    results: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--results", str(results), "--cpu", *args],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
 
 
 @pytest.fixture(scope="module")
-def cpu_form(tmp_path_factory: pytest.TempPathFactory
-             ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], str]:
+def cpu_form(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], str]:
     results = tmp_path_factory.mktemp("gpu-check") / "results"
     run = gpu_check(results)
     report = json.loads((results / "gpu_check.json").read_text())
@@ -55,7 +78,9 @@ def test_every_check_runs_on_cpu_and_each_cuda_part_is_skipped_in_one_line(cpu_f
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert report["form"] == "cpu" and report["errors"] == []
     assert {n: e["status"] for n, e in report["checks"].items()} == {
-        **dict.fromkeys(RUN_ON_CPU, "ok"), "nccl-ranks": "skipped"}
+        **dict.fromkeys(RUN_ON_CPU, "ok"),
+        "nccl-ranks": "skipped",
+    }
     assert all(report["checks"][n]["result"]["done"] for n in RUN_ON_CPU)
     lines = run.stdout.splitlines()
     assert "skip: nccl-ranks: needs CUDA (this machine has none)" in lines
@@ -67,12 +92,16 @@ def test_every_check_runs_on_cpu_and_each_cuda_part_is_skipped_in_one_line(cpu_f
 def test_the_content_verdicts_pass_and_every_row_has_its_peer_or_floor(cpu_form) -> None:
     _, report, _ = cpu_form
     rows = {r["metric"]: r for r in report["final_table"]}
-    assert all(r["peer"] and r["limit"] and r["verdict"] in ("pass", "FAIL", "info", "noise")
-               for r in rows.values()), rows
-    for metric in ("ckpt: load into CPU tensors",
-                   "memory: load from the memory tier into CPU tensors",
-                   "colltrace-times: Flight Recorder through bootseer.colltrace.flight.dump() "
-                   "(gloo)", "alignment: bitwise alignment on cpu"):
+    assert all(
+        r["peer"] and r["limit"] and r["verdict"] in ("pass", "FAIL", "info", "noise")
+        for r in rows.values()
+    ), rows
+    for metric in (
+        "ckpt: load into CPU tensors",
+        "memory: load from the memory tier into CPU tensors",
+        "colltrace-times: Flight Recorder through bootseer.colltrace.flight.dump() (gloo)",
+        "alignment: bitwise alignment on cpu",
+    ):
         assert rows[metric]["verdict"] == "pass", rows[metric]
     load = figures(report, "ckpt")["load"]
     assert load["ours_equal"] is True and load["dcp_equal"] is True
@@ -90,8 +119,12 @@ def test_the_rank_that_skipped_the_all_reduce_is_named_with_its_op(cpu_form) -> 
     hang = figures(report, "colltrace-hang")
     assert hang["named"] is True and hang["wrong"] == [] and hang["backend"] == "gloo"
     first = next(f for f in hang["findings"] if f["ranks"] and f["seen"] >= hang["injected"])
-    assert (first["ranks"], first["op"], first["group"], first["seq"]) == \
-        ([1], "all_reduce", "grp-a", 13)
+    assert (first["ranks"], first["op"], first["group"], first["seq"]) == (
+        [1],
+        "all_reduce",
+        "grp-a",
+        13,
+    )
     metric = next(m for m in (r["metric"] for r in report["final_table"]) if "hang:" in m)
     assert next(r for r in report["final_table"] if r["metric"] == metric)["verdict"] == "pass"
 
@@ -126,15 +159,23 @@ def test_the_markdown_holds_the_json_rows_and_skip_lines(cpu_form) -> None:
 
 def test_a_hung_check_is_killed_at_its_deadline_and_the_next_one_runs(tmp_path: Path) -> None:
     results = tmp_path / "results"
-    run = gpu_check(results, "--parts", "colltrace-times,health", "--timeout",
-                    "colltrace-times=5", env={"GPU_CHECK_FAULT": "colltrace-times:hang"})
+    run = gpu_check(
+        results,
+        "--parts",
+        "colltrace-times,health",
+        "--timeout",
+        "colltrace-times=5",
+        env={"GPU_CHECK_FAULT": "colltrace-times:hang"},
+    )
     assert run.returncode == 1, run.stdout[-4000:] + run.stderr[-2000:]
     report = json.loads((results / "gpu_check.json").read_text())
     hung, after = report["checks"]["colltrace-times"], report["checks"]["health"]
     assert hung["status"] == "timeout" and "killed with its process group" in hung["why"]
     assert "GPU_CHECK_FAULT says hang" in "\n".join(hung["output_tail"])
-    assert not Path(f"/proc/{hung['pid']}").exists() or b"gpu_check_colltrace" not in \
-        Path(f"/proc/{hung['pid']}/cmdline").read_bytes()
+    assert (
+        not Path(f"/proc/{hung['pid']}").exists()
+        or b"gpu_check_colltrace" not in Path(f"/proc/{hung['pid']}/cmdline").read_bytes()
+    )
     assert after["status"] == "ok" and after["result"]["done"] is True
     assert report["errors"] == [f"colltrace-times: {hung['why']}"]
     md = (results / "gpu_check.md").read_text()

@@ -57,14 +57,16 @@ class Layer:
             if log is not None:
                 log.append((start, end))
             return self.blob[start:end]
+
         return read_range
 
     def index(self) -> LayerIndex:
         return LayerIndex.from_blob(self.reader(), len(self.blob), self.digest)
 
 
-def _add(tf: tarfile.TarFile, name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"",
-         **attrs: Any) -> None:
+def _add(
+    tf: tarfile.TarFile, name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", **attrs: Any
+) -> None:
     info = tarfile.TarInfo(name)
     info.type = kind
     info.size = len(data) if kind in (tarfile.REGTYPE, tarfile.AREGTYPE) else 0
@@ -112,8 +114,11 @@ def build_tar(fmt: int = tarfile.PAX_FORMAT, seed: int = 7) -> tuple[bytes, dict
         contents[long_name] = b"long name\n"
         if fmt == tarfile.PAX_FORMAT:
             capable = "usr/bin/ping"
-            pax = {"SCHILY.xattr.security.capability": CAP.decode("utf-8", "surrogateescape"),
-                   "SCHILY.xattr.user.comment": "héllo", "mtime": "1700000000.123456789"}
+            pax = {
+                "SCHILY.xattr.security.capability": CAP.decode("utf-8", "surrogateescape"),
+                "SCHILY.xattr.user.comment": "héllo",
+                "mtime": "1700000000.123456789",
+            }
             _add(tf, capable, data=b"\x7fELF ping", mode=0o4755, pax_headers=pax)
             contents[capable] = b"\x7fELF ping"
         _add(tf, "etc/.wh.removed.conf", data=b"")
@@ -158,8 +163,9 @@ def zstd_binary() -> str:
 def test_blob_decompresses_to_the_original_tar_byte_for_byte(layer: Layer) -> None:
     reader = zstandard.ZstdDecompressor().stream_reader(layer.blob, read_across_frames=True)
     assert reader.read() == layer.tar
-    cli = subprocess.run([zstd_binary(), "-d", "-c"], input=layer.blob, capture_output=True,
-                         check=True)
+    cli = subprocess.run(
+        [zstd_binary(), "-d", "-c"], input=layer.blob, capture_output=True, check=True
+    )
     assert cli.stdout == layer.tar
     assert layer.diff_id == "sha256:" + hashlib.sha256(layer.tar).hexdigest()
     assert layer.digest == "sha256:" + hashlib.sha256(layer.blob).hexdigest()
@@ -167,8 +173,14 @@ def test_blob_decompresses_to_the_original_tar_byte_for_byte(layer: Layer) -> No
 
 def test_zstd_d_piped_to_tar_t_lists_every_member(layer: Layer, tmp_path: Any) -> None:
     (tmp_path / "layer.tar.zst").write_bytes(layer.blob)
-    listing = subprocess.run(f"{zstd_binary()} -d -c layer.tar.zst | tar tf -", shell=True,
-                             cwd=tmp_path, capture_output=True, text=True, check=True)
+    listing = subprocess.run(
+        f"{zstd_binary()} -d -c layer.tar.zst | tar tf -",
+        shell=True,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     listed = [line.rstrip("/") for line in listing.stdout.splitlines()]
     assert listed == [m.name.rstrip("/") for m in layer.members]
     assert len(listed) == len(layer.members) > 160
@@ -178,25 +190,30 @@ def test_conversion_is_deterministic_and_blob_reconverts_to_itself(layer: Layer)
     again, _ = convert(layer.tar, workers=1)
     assert again == layer.blob  # the same image converts to the same digest, any worker count
     out = io.BytesIO()
-    result = convert_layer_blob(io.BytesIO(layer.blob), MEDIA_TYPE_TAR_ZSTD, out,
-                                frame_size=FRAME)
+    result = convert_layer_blob(io.BytesIO(layer.blob), MEDIA_TYPE_TAR_ZSTD, out, frame_size=FRAME)
     assert out.getvalue() == layer.blob and result.diff_id == layer.diff_id
 
 
-@pytest.mark.parametrize("packing, media_type", [
-    ("gzip", MEDIA_TYPE_TAR_GZIP),
-    ("gzip", "application/vnd.docker.image.rootfs.diff.tar.gzip"),
-    ("zstd", MEDIA_TYPE_TAR_ZSTD),
-    ("tar", MEDIA_TYPE_TAR),
-    ("gzip", None),
-    ("zstd", None),
-    ("tar", None),
-])
-def test_open_layer_stream_reads_any_registry_layer(layer: Layer, packing: str,
-                                                    media_type: str | None) -> None:
-    blob = {"gzip": lambda: gzip.compress(layer.tar, 6),
-            "zstd": lambda: zstandard.ZstdCompressor(level=3).compress(layer.tar),
-            "tar": lambda: layer.tar}[packing]()
+@pytest.mark.parametrize(
+    "packing, media_type",
+    [
+        ("gzip", MEDIA_TYPE_TAR_GZIP),
+        ("gzip", "application/vnd.docker.image.rootfs.diff.tar.gzip"),
+        ("zstd", MEDIA_TYPE_TAR_ZSTD),
+        ("tar", MEDIA_TYPE_TAR),
+        ("gzip", None),
+        ("zstd", None),
+        ("tar", None),
+    ],
+)
+def test_open_layer_stream_reads_any_registry_layer(
+    layer: Layer, packing: str, media_type: str | None
+) -> None:
+    blob = {
+        "gzip": lambda: gzip.compress(layer.tar, 6),
+        "zstd": lambda: zstandard.ZstdCompressor(level=3).compress(layer.tar),
+        "tar": lambda: layer.tar,
+    }[packing]()
     assert open_layer_stream(io.BytesIO(blob), media_type).read() == layer.tar
 
 
@@ -217,7 +234,7 @@ def test_index_from_the_tail_finds_every_entry_with_its_offsets(layer: Layer) ->
     while need := LayerIndex.parse_tail(tail, size, layer.digest):
         assert len(need) == 1 and need[0][1] == size - len(tail)
         asked.append(need[0][0])
-        tail = layer.blob[need[0][0]:]
+        tail = layer.blob[need[0][0] :]
     index = LayerIndex.from_tail(tail, size, layer.digest)
     assert asked == [index.table_offset, index.toc_offset]  # the seek table, then the TOC
     assert index.tar_size == len(layer.tar) and index.diff_id == layer.diff_id
@@ -235,7 +252,7 @@ def test_index_from_the_tail_finds_every_entry_with_its_offsets(layer: Layer) ->
         assert entry.uname == member.uname == "root"
         if member.isreg():
             assert entry.type == "reg" and entry.size == member.size
-            assert layer.tar[entry.offset:entry.data_end] == layer.contents[entry.name]
+            assert layer.tar[entry.offset : entry.data_end] == layer.contents[entry.name]
     by_name = {e.name: e for e in index.entries}
     assert by_name["."].type == "dir"
     assert by_name["usr/bin/python3"].type == "symlink"
@@ -273,8 +290,9 @@ def test_reading_any_file_through_frames_gives_its_bytes(layer: Layer) -> None:
     assert index.read("usr/bin/hard", read_range) == layer.contents["usr/lib/python3/mod002.py"]
     big = layer.contents["usr/lib/libbig.so"]
     for offset, size in ((0, 10), (65_530, 20), (300_001, 99_999), (len(big) - 5, 100)):
-        assert index.read("usr/lib/libbig.so", read_range, offset, size) == \
-            big[offset:offset + size]
+        assert (
+            index.read("usr/lib/libbig.so", read_range, offset, size) == big[offset : offset + size]
+        )
     with pytest.raises(IsADirectoryError):
         index.read("usr", read_range)
 
@@ -303,10 +321,24 @@ def test_frame_cutting_holds_its_invariants_on_random_layers(seed: int) -> None:
     contents = {}
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
         for i in range(rng.randrange(1, 40)):
-            n = rng.choice([0, 10, 511, 512, FRAME - 512, FRAME, FRAME + 1, 2 * FRAME,
-                            rng.randrange(5 * FRAME)])
-            pax = {"SCHILY.xattr.user.big": "x" * rng.choice([1000, 3 * FRAME])} \
-                if rng.random() < 0.15 else {}  # a giant pax header is cut like data
+            n = rng.choice(
+                [
+                    0,
+                    10,
+                    511,
+                    512,
+                    FRAME - 512,
+                    FRAME,
+                    FRAME + 1,
+                    2 * FRAME,
+                    rng.randrange(5 * FRAME),
+                ]
+            )
+            pax = (
+                {"SCHILY.xattr.user.big": "x" * rng.choice([1000, 3 * FRAME])}
+                if rng.random() < 0.15
+                else {}
+            )  # a giant pax header is cut like data
             contents[f"f{i}"] = rng.randbytes(n)
             _add(tf, f"f{i}", data=contents[f"f{i}"], pax_headers=pax)
     tar = buf.getvalue()
@@ -318,8 +350,9 @@ def test_frame_cutting_holds_its_invariants_on_random_layers(seed: int) -> None:
     for entry in index.entries:
         assert index.read(entry, lambda s, e: blob[s:e]) == contents[entry.name]
         if entry.data_end - entry.header_offset <= target:
-            span = index.frames_for(entry.header_offset, max(entry.data_end,
-                                                             entry.header_offset + 1))
+            span = index.frames_for(
+                entry.header_offset, max(entry.data_end, entry.header_offset + 1)
+            )
             assert len(span) == 1, entry.name
 
 
@@ -329,9 +362,13 @@ PAGE = 4096
 def _pages_split(index: LayerIndex) -> list[str]:
     """Members with a frame boundary inside a 4 KiB page of their data."""
     starts = [f.u_offset for f in index.frames[1:]]
-    return [f"{e.name}: boundary at data byte {b - e.offset}" for e in index.entries
-            if e.type == "reg" and not e.sparse
-            for b in starts if e.offset < b < e.offset + e.size and (b - e.offset) % PAGE]
+    return [
+        f"{e.name}: boundary at data byte {b - e.offset}"
+        for e in index.entries
+        if e.type == "reg" and not e.sparse
+        for b in starts
+        if e.offset < b < e.offset + e.size and (b - e.offset) % PAGE
+    ]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -344,10 +381,19 @@ def test_no_frame_boundary_falls_inside_a_page_of_a_file(seed: int) -> None:
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
         _add(tf, "first", data=rng.randbytes(FRAME - 3000))  # the next one starts a frame
         for i in range(30):
-            n = rng.choice([FRAME - 100, FRAME - 511, FRAME - 1, FRAME, FRAME + 100,
-                            2 * FRAME - 700, 3 * FRAME + 5, rng.randrange(1, 4 * FRAME)])
-            pax = {"SCHILY.xattr.user.x": "y" * rng.randrange(600)} if rng.random() < 0.5 \
-                else {}
+            n = rng.choice(
+                [
+                    FRAME - 100,
+                    FRAME - 511,
+                    FRAME - 1,
+                    FRAME,
+                    FRAME + 100,
+                    2 * FRAME - 700,
+                    3 * FRAME + 5,
+                    rng.randrange(1, 4 * FRAME),
+                ]
+            )
+            pax = {"SCHILY.xattr.user.x": "y" * rng.randrange(600)} if rng.random() < 0.5 else {}
             _add(tf, f"f{i}", data=rng.randbytes(n), pax_headers=pax)
     blob, _ = convert(buf.getvalue(), frame_size=FRAME)
     index = LayerIndex.from_blob(lambda s, e: blob[s:e], len(blob))
@@ -362,7 +408,7 @@ def test_random_access_fetches_only_the_frames_it_needs(layer: Layer) -> None:
     log: list[tuple[int, int]] = []
     offset = 5 * FRAME + 1000  # inside the file's 6th frame
     data = index.read(big, layer.reader(log), offset, 4096)
-    assert data == layer.contents["usr/lib/libbig.so"][offset:offset + 4096]
+    assert data == layer.contents["usr/lib/libbig.so"][offset : offset + 4096]
     needed = index.frames_for(big.offset + offset, big.offset + offset + 4096)
     assert len(needed) == 1
     frame = index.frames[needed[0]]
@@ -387,7 +433,7 @@ def test_a_corrupted_frame_is_named(layer: Layer) -> None:
     blob = bytearray(layer.blob)
     blob[frame.c_offset + frame.c_size // 2] ^= 0x40
     with pytest.raises(FrameVerificationError, match="frame 2 failed verification: sha256") as e:
-        index.decompress_frame(2, bytes(blob[frame.c_offset:frame.c_end]))
+        index.decompress_frame(2, bytes(blob[frame.c_offset : frame.c_end]))
     assert e.value.frame == 2 and layer.digest in str(e.value)
     with pytest.raises(FrameVerificationError, match="frame 2 .*got 3 bytes"):
         index.decompress_frame(2, b"abc")
@@ -403,15 +449,19 @@ def test_a_corrupted_frame_is_named(layer: Layer) -> None:
 def seekable_without_toc(tar: bytes) -> bytes:
     """A plain zstd seekable-format file (frames + seek table, no bootseer TOC)."""
     cctx = zstandard.ZstdCompressor(level=1, write_checksum=True)
-    frames = [cctx.compress(tar[i:i + FRAME]) for i in range(0, len(tar), FRAME)]
+    frames = [cctx.compress(tar[i : i + FRAME]) for i in range(0, len(tar), FRAME)]
     table = tocmod.encode_seek_table(
-        [(len(f), len(tar[i * FRAME:(i + 1) * FRAME]), int.from_bytes(f[-4:], "little"))
-         for i, f in enumerate(frames)])
+        [
+            (len(f), len(tar[i * FRAME : (i + 1) * FRAME]), int.from_bytes(f[-4:], "little"))
+            for i, f in enumerate(frames)
+        ]
+    )
     return b"".join(frames) + table
 
 
-@pytest.mark.parametrize("kind", ["truncated", "gzip", "zstd", "seekable-no-toc", "tiny",
-                                  "empty", "tar"])
+@pytest.mark.parametrize(
+    "kind", ["truncated", "gzip", "zstd", "seekable-no-toc", "tiny", "empty", "tar"]
+)
 def test_unconverted_layers_say_to_convert_the_image(layer: Layer, kind: str) -> None:
     blob = {
         "truncated": lambda: layer.blob[:-1000],
@@ -433,14 +483,18 @@ def test_unconverted_layers_say_to_convert_the_image(layer: Layer, kind: str) ->
 # --- crafted blobs -----------------------------------------------------------------------------
 
 
-def rebuild(layer: Layer, *, doc: Callable[[dict], None] | None = None,
-            sizes: Callable[[list[list[int]]], None] | None = None,
-            toc_frame: Callable[[bytes], bytes] | None = None,
-            table: Callable[[bytes], bytes] | None = None) -> bytes:
+def rebuild(
+    layer: Layer,
+    *,
+    doc: Callable[[dict], None] | None = None,
+    sizes: Callable[[list[list[int]]], None] | None = None,
+    toc_frame: Callable[[bytes], bytes] | None = None,
+    table: Callable[[bytes], bytes] | None = None,
+) -> bytes:
     """The layer's blob with its TOC document, seek-table sizes or raw frames altered."""
     index = layer.index()
-    data = layer.blob[:index.toc_offset]
-    document = tocmod._decode_toc_frame(layer.blob[index.toc_offset:index.table_offset], None)
+    data = layer.blob[: index.toc_offset]
+    document = tocmod._decode_toc_frame(layer.blob[index.toc_offset : index.table_offset], None)
     if doc is not None:
         doc(document)
     frame = tocmod.encode_toc_frame(document, 3)
@@ -459,12 +513,14 @@ def rebuild(layer: Layer, *, doc: Callable[[dict], None] | None = None,
 def entry_named(name: str) -> Callable[[dict], dict]:
     def find(document: dict) -> dict:
         return next(e for e in document["entries"] if e["name"] == name)
+
     return find
 
 
 def _set(path: Callable[[dict], dict], key: str, value: Any) -> Callable[[dict], None]:
     def mutate(document: dict) -> None:
         path(document)[key] = value
+
     return mutate
 
 
@@ -555,14 +611,18 @@ def test_crafted_index_is_refused_before_use(layer: Layer, case: str) -> None:
     assert HINT in str(e.value)
 
 
-@pytest.mark.parametrize("field, value, member, rule", [
-    ("name", "../x", "../x", "'..' in member path"),
-    ("name", "usr/../../x", "usr/../../x", "'..' in member path"),
-    ("name", "/etc/passwd", "/etc/passwd", "absolute member path"),
-    ("name", "usr/./x", "usr/./x", "not normalized"),
-])
-def test_crafted_toc_member_paths_are_refused(layer: Layer, field: str, value: str,
-                                              member: str, rule: str) -> None:
+@pytest.mark.parametrize(
+    "field, value, member, rule",
+    [
+        ("name", "../x", "../x", "'..' in member path"),
+        ("name", "usr/../../x", "usr/../../x", "'..' in member path"),
+        ("name", "/etc/passwd", "/etc/passwd", "absolute member path"),
+        ("name", "usr/./x", "usr/./x", "not normalized"),
+    ],
+)
+def test_crafted_toc_member_paths_are_refused(
+    layer: Layer, field: str, value: str, member: str, rule: str
+) -> None:
     blob = rebuild(layer, doc=_set(CONF, field, value))
     with pytest.raises(UnsafeLayerError) as e:
         LayerIndex.from_blob(lambda s, e: blob[s:e], len(blob))
@@ -598,17 +658,27 @@ def tar_of(*members: tuple[str, bytes, str]) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("members, member, rule", [
-    ([("../evil", tarfile.REGTYPE, "")], "../evil", "'..' in member path"),
-    ([("a/../../evil", tarfile.DIRTYPE, "")], "a/../../evil", "'..' in member path"),
-    ([("/etc/cron.d/evil", tarfile.REGTYPE, "")], "/etc/cron.d/evil", "absolute member path"),
-    ([("passwd", tarfile.LNKTYPE, "../../etc/passwd")], "passwd",
-     "hardlink target '../../etc/passwd' lies outside the root"),
-    ([("shadow", tarfile.LNKTYPE, "/etc/shadow")], "shadow",
-     "hardlink target '/etc/shadow' lies outside the root"),
-])
-def test_convert_refuses_a_layer_that_breaks_the_rules(members: list, member: str,
-                                                       rule: str) -> None:
+@pytest.mark.parametrize(
+    "members, member, rule",
+    [
+        ([("../evil", tarfile.REGTYPE, "")], "../evil", "'..' in member path"),
+        ([("a/../../evil", tarfile.DIRTYPE, "")], "a/../../evil", "'..' in member path"),
+        ([("/etc/cron.d/evil", tarfile.REGTYPE, "")], "/etc/cron.d/evil", "absolute member path"),
+        (
+            [("passwd", tarfile.LNKTYPE, "../../etc/passwd")],
+            "passwd",
+            "hardlink target '../../etc/passwd' lies outside the root",
+        ),
+        (
+            [("shadow", tarfile.LNKTYPE, "/etc/shadow")],
+            "shadow",
+            "hardlink target '/etc/shadow' lies outside the root",
+        ),
+    ],
+)
+def test_convert_refuses_a_layer_that_breaks_the_rules(
+    members: list, member: str, rule: str
+) -> None:
     with pytest.raises(UnsafeMemberError) as e:
         convert(tar_of(*members))
     assert e.value.member == member and rule in str(e.value)
@@ -616,11 +686,17 @@ def test_convert_refuses_a_layer_that_breaks_the_rules(members: list, member: st
 
 
 def test_convert_keeps_absolute_and_escaping_symlinks() -> None:
-    blob, _ = convert(tar_of(("python", tarfile.SYMTYPE, "/usr/bin/python3.11"),
-                             ("up", tarfile.SYMTYPE, "../../../etc")))
+    blob, _ = convert(
+        tar_of(
+            ("python", tarfile.SYMTYPE, "/usr/bin/python3.11"),
+            ("up", tarfile.SYMTYPE, "../../../etc"),
+        )
+    )
     index = LayerIndex.from_blob(lambda s, e: blob[s:e], len(blob))
     assert [(e.name, e.link) for e in index.entries[1:]] == [
-        ("python", "/usr/bin/python3.11"), ("up", "../../../etc")]
+        ("python", "/usr/bin/python3.11"),
+        ("up", "../../../etc"),
+    ]
 
 
 def test_convert_refuses_corrupt_and_truncated_tars(layer: Layer) -> None:
@@ -632,9 +708,9 @@ def test_convert_refuses_corrupt_and_truncated_tars(layer: Layer) -> None:
     with pytest.raises(ConvertError, match=f"invalid header at byte {conf.header_offset}"):
         convert(bytes(corrupt))
     with pytest.raises(ConvertError, match="truncated|unexpected end"):
-        convert(layer.tar[:conf.offset + 100])
+        convert(layer.tar[: conf.offset + 100])
     with pytest.raises(ConvertError, match="partial header"):
-        convert(layer.tar[:conf.header_offset + 200])
+        convert(layer.tar[: conf.header_offset + 200])
     with pytest.raises(ConvertError, match="not a tar stream"):
         convert(b"this is not a tar stream" * 40)
 
@@ -657,8 +733,10 @@ def test_gnu_format_long_names_and_links() -> None:
 
 
 def test_sparse_files_read_back(tmp_path: Any) -> None:
-    if subprocess.run(["tar", "--version"], capture_output=True, text=True).stdout.find(
-            "GNU tar") < 0:
+    if (
+        subprocess.run(["tar", "--version"], capture_output=True, text=True).stdout.find("GNU tar")
+        < 0
+    ):
         pytest.skip("needs GNU tar to write sparse members")
     payload = b""
     with open(tmp_path / "sparse", "wb") as f:
@@ -668,15 +746,19 @@ def test_sparse_files_read_back(tmp_path: Any) -> None:
         f.truncate(1_500_000)
     payload = (tmp_path / "sparse").read_bytes()
     for fmt in ("gnu", "pax"):
-        tar = subprocess.run(["tar", "-c", "-S", f"--format={fmt}", "-C", str(tmp_path),
-                              "sparse"], capture_output=True, check=True).stdout
+        tar = subprocess.run(
+            ["tar", "-c", "-S", f"--format={fmt}", "-C", str(tmp_path), "sparse"],
+            capture_output=True,
+            check=True,
+        ).stdout
         blob, _ = convert(tar)
         index = LayerIndex.from_blob(lambda s, e, b=blob: b[s:e], len(blob))
         entry = index.lookup("sparse")
         assert entry is not None and entry.sparse and entry.size == len(payload)
         assert index.read(entry, lambda s, e, b=blob: b[s:e]) == payload, fmt
-        assert index.read(entry, lambda s, e, b=blob: b[s:e], 299_990, 30) == \
-            payload[299_990:300_020]
+        assert (
+            index.read(entry, lambda s, e, b=blob: b[s:e], 299_990, 30) == payload[299_990:300_020]
+        )
 
 
 def test_safety_normalizes_spellings() -> None:
@@ -690,7 +772,7 @@ def test_safety_normalizes_spellings() -> None:
 
 def test_toc_is_json_with_the_documented_fields(layer: Layer) -> None:
     index = layer.index()
-    frame = layer.blob[index.toc_offset:index.table_offset]
+    frame = layer.blob[index.toc_offset : index.table_offset]
     magic, size = struct.unpack_from("<II", frame)
     assert magic == 0x184D2A5B and size == len(frame) - 8
     assert frame[8:24] == b"bootseer-layer\0\0"
@@ -699,13 +781,25 @@ def test_toc_is_json_with_the_documented_fields(layer: Layer) -> None:
     assert document["frame_size"] == FRAME and document["level"] == 9
     assert len(document["frames"][0]) == 5
     ping = entry_named("usr/bin/ping")(document)
-    assert set(ping) >= {"name", "type", "mode", "uid", "gid", "uname", "gname", "size",
-                         "mtime", "xattrs", "offset", "header"}
-    table = layer.blob[index.table_offset:]
+    assert set(ping) >= {
+        "name",
+        "type",
+        "mode",
+        "uid",
+        "gid",
+        "uname",
+        "gname",
+        "size",
+        "mtime",
+        "xattrs",
+        "offset",
+        "header",
+    }
+    table = layer.blob[index.table_offset :]
     assert struct.unpack_from("<I", table)[0] == 0x184D2A5E
     assert table[-4:] == struct.pack("<I", 0x8F92EAB1)
     assert table[-5] == 0x80  # Checksum_Flag
-    frame0 = layer.blob[:index.frames[0].c_end]
+    frame0 = layer.blob[: index.frames[0].c_end]
     checksum = struct.unpack_from("<I", table, 8 + 8)[0]
     assert checksum == struct.unpack("<I", frame0[-4:])[0]  # the frame's own XXH64 bits
 
@@ -715,32 +809,57 @@ def test_toc_is_json_with_the_documented_fields(layer: Layer) -> None:
 
 def _oci_archive(path: Any, layer: Layer) -> None:
     """An OCI image layout archive (what `ctr images import` reads) holding the layer."""
+
     def digest(data: bytes) -> str:
         return "sha256:" + hashlib.sha256(data).hexdigest()
-    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {},
-                         "rootfs": {"type": "layers", "diff_ids": [layer.diff_id]}}).encode()
-    manifest = json.dumps({
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
-                   "digest": digest(config), "size": len(config)},
-        "layers": [{"mediaType": MEDIA_TYPE_TAR_ZSTD, "digest": layer.digest,
-                    "size": len(layer.blob)}]}).encode()
-    index = json.dumps({"schemaVersion": 2, "manifests": [{
-        "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": digest(manifest),
-        "size": len(manifest),
-        "annotations": {"io.containerd.image.name": "docker.io/library/seekable:test"}}]})
+
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {},
+            "rootfs": {"type": "layers", "diff_ids": [layer.diff_id]},
+        }
+    ).encode()
+    manifest = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {
+                "mediaType": "application/vnd.oci.image.config.v1+json",
+                "digest": digest(config),
+                "size": len(config),
+            },
+            "layers": [
+                {"mediaType": MEDIA_TYPE_TAR_ZSTD, "digest": layer.digest, "size": len(layer.blob)}
+            ],
+        }
+    ).encode()
+    index = json.dumps(
+        {
+            "schemaVersion": 2,
+            "manifests": [
+                {
+                    "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                    "digest": digest(manifest),
+                    "size": len(manifest),
+                    "annotations": {"io.containerd.image.name": "docker.io/library/seekable:test"},
+                }
+            ],
+        }
+    )
     with tarfile.open(path, "w") as tf:
-        for name, data in (("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'),
-                           ("index.json", index.encode()),
-                           *((f"blobs/sha256/{digest(b)[7:]}", b)
-                             for b in (config, manifest, layer.blob))):
+        for name, data in (
+            ("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'),
+            ("index.json", index.encode()),
+            *((f"blobs/sha256/{digest(b)[7:]}", b) for b in (config, manifest, layer.blob)),
+        ):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
 
 
-def test_containerd_unpacks_the_converted_layer(layer: Layer, tmp_path: Any,
-                                                containerd) -> None:
+def test_containerd_unpacks_the_converted_layer(layer: Layer, tmp_path: Any, containerd) -> None:
     """`ctr images import` runs containerd's own unpacker (zstd decompression, diff_id check,
     apply), the same one a pull uses (a pull from the registry: tests/test_cli_image.py)."""
     _oci_archive(tmp_path / "image.tar", layer)

@@ -97,8 +97,13 @@ def listing(d: Path) -> dict[str, tuple[int, int, str]]:
     out = {}
     for p in sorted(d.rglob("*")):
         st = os.lstat(p)
-        what = os.readlink(p) if p.is_symlink() else \
-            p.read_bytes().hex()[:64] if p.is_file() else "dir"
+        what = (
+            os.readlink(p)
+            if p.is_symlink()
+            else p.read_bytes().hex()[:64]
+            if p.is_file()
+            else "dir"
+        )
         out[str(p.relative_to(d))] = (st.st_uid, stat.S_IMODE(st.st_mode), what)
     return out
 
@@ -123,15 +128,21 @@ dist.destroy_process_group()
 """
 
 
-def test_ring_directory_made_first_by_another_user_is_refused(shared: Path, victim: Path,
-                                                               tmp_path: Path) -> None:
+def test_ring_directory_made_first_by_another_user_is_refused(
+    shared: Path, victim: Path, tmp_path: Path
+) -> None:
     """``colltrace.enable()`` into a ring directory nobody made first, with
     ``rank0-<pid>.ring`` linked to root's file: refused, naming it; the training's
     collective still runs; root's file keeps its bytes (it became a 397 KB ring before)."""
     rings = shared / "bootseer-colltrace-0" / "node-x"
-    rank = subprocess.Popen([sys.executable, "-c", _RANK, str(rings), str(tmp_path / "pg")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env())
+    rank = subprocess.Popen(
+        [sys.executable, "-c", _RANK, str(rings), str(tmp_path / "pg")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(),
+    )
     attack(dirs=[str(rings)], links={str(rings / f"rank0-{rank.pid}.ring"): str(victim)})
     before = listing(shared)
     out, err = rank.communicate("go\n", timeout=180)
@@ -170,8 +181,9 @@ def _watch(directory: Path, said: list[str]):
     return Watch(directory, analyzer=Analyzer(alive=lambda snap: True), log=said.append)
 
 
-def test_forged_rings_in_another_users_directory_are_never_read(shared: Path,
-                                                                 tmp_path: Path) -> None:
+def test_forged_rings_in_another_users_directory_are_never_read(
+    shared: Path, tmp_path: Path
+) -> None:
     """The reader over a ring directory that nobody owns, holding forged rings: refused
     (once, naming it), no verdict; ``read_rings`` refuses it too. The same bytes in a
     directory of root's would name rank 1 (the control: the forgery is a working one); a
@@ -188,8 +200,10 @@ def test_forged_rings_in_another_users_directory_are_never_read(shared: Path,
     assert [(f.kind, f.ranks, f.seq) for f in found] == [("never_issued", (1,), 2)], said
     # the attacker's directory
     rings = shared / "rings"
-    attack(dirs=[str(rings)], files={str(rings / n): base64.b64encode(d).decode()
-                                     for n, d in forged.items()})
+    attack(
+        dirs=[str(rings)],
+        files={str(rings / n): base64.b64encode(d).decode() for n, d in forged.items()},
+    )
     said = []
     watch = _watch(rings, said)
     assert watch.poll(force=True) == [] and watch.poll(force=True) == []
@@ -209,33 +223,63 @@ def test_forged_rings_in_another_users_directory_are_never_read(shared: Path,
     assert any(f"{fake} is a regular file owned by uid 65534" in s for s in said), said
 
 
-def _bootseer_run(tmp_path: Path, *flags: str, probe: str = "pass"
-                  ) -> subprocess.CompletedProcess:
+def _bootseer_run(tmp_path: Path, *flags: str, probe: str = "pass") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "bootseer", "run", "--state-dir", str(tmp_path / "state"),
-         "--node", "node-x", "--min-free-disk", "0", "--min-free-memory", "0",
-         "--max-restarts", "0", *flags, "--", sys.executable, "-c", probe],
-        env=env(), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "run",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--node",
+            "node-x",
+            "--min-free-disk",
+            "0",
+            "--min-free-memory",
+            "0",
+            "--max-restarts",
+            "0",
+            *flags,
+            "--",
+            sys.executable,
+            "-c",
+            probe,
+        ],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("flag", ["--colltrace-dir", "--ckpt-memory-dir", "--trace-dir"])
-def test_bootseer_run_refuses_a_directory_another_user_made(flag: str, shared: Path,
-                                                            victim: Path,
-                                                            tmp_path: Path) -> None:
+def test_bootseer_run_refuses_a_directory_another_user_made(
+    flag: str, shared: Path, victim: Path, tmp_path: Path
+) -> None:
     """``bootseer run`` naming a ring parent, memory or trace directory that nobody made
     first (0777, links to root's file under every name root would write: rings, copies,
     stamps, the trace): exit 2 before the command runs, naming the path, owner and mode;
     nothing written there, root's file unchanged."""
     planted = shared / "job"
-    names = ["attempt-0", "rank-0.0", "rank-0.1", "rank-0.0.stamp", "peers",
-             "node-x.jsonl", "colltrace-node-x.ndjson"]
+    names = [
+        "attempt-0",
+        "rank-0.0",
+        "rank-0.1",
+        "rank-0.0.stamp",
+        "peers",
+        "node-x.jsonl",
+        "colltrace-node-x.ndjson",
+    ]
     attack(dirs=[str(planted)], links={str(planted / n): str(victim) for n in names})
     before = listing(shared)
-    extra = {"--colltrace-dir": ("--colltrace",), "--ckpt-memory-dir": ("--ckpt-memory",),
-             "--trace-dir": ()}[flag]
+    extra = {
+        "--colltrace-dir": ("--colltrace",),
+        "--ckpt-memory-dir": ("--ckpt-memory",),
+        "--trace-dir": (),
+    }[flag]
     trace = () if flag == "--trace-dir" else ("--trace-dir", str(tmp_path / "trace"))
-    proc = _bootseer_run(tmp_path, *extra, *trace, flag, str(planted),
-                         probe="print('RAN')")
+    proc = _bootseer_run(tmp_path, *extra, *trace, flag, str(planted), probe="print('RAN')")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "RAN" not in proc.stdout
     assert_refused(proc.stderr, planted)
@@ -248,20 +292,27 @@ def test_bootseer_run_gives_each_job_an_unguessable_ring_directory(tmp_path: Pat
     the same twice (it was /dev/shm/bootseer-colltrace-<uid>/<node>/attempt-N, which another
     user could make first), handed to the ranks, gone when the run ends."""
     need_setpriv()
-    probe = ("import os,stat; d=os.environ['BOOTSEER_COLLTRACE_DIR']; p=os.path.dirname(d); "
-             "print('DIR', d, oct(stat.S_IMODE(os.stat(p).st_mode)), os.stat(p).st_uid, "
-             "oct(stat.S_IMODE(os.stat(d).st_mode)))")
+    probe = (
+        "import os,stat; d=os.environ['BOOTSEER_COLLTRACE_DIR']; p=os.path.dirname(d); "
+        "print('DIR', d, oct(stat.S_IMODE(os.stat(p).st_mode)), os.stat(p).st_uid, "
+        "oct(stat.S_IMODE(os.stat(d).st_mode)))"
+    )
     seen = []
     for _ in range(2):
-        proc = _bootseer_run(tmp_path, "--colltrace", "--trace-dir", str(tmp_path / "trace"),
-                             probe=probe)
+        proc = _bootseer_run(
+            tmp_path, "--colltrace", "--trace-dir", str(tmp_path / "trace"), probe=probe
+        )
         assert proc.returncode == 0, proc.stderr
-        _, d, parent_mode, uid, mode = next(x for x in proc.stdout.splitlines()
-                                            if x.startswith("DIR ")).split()
+        _, d, parent_mode, uid, mode = next(
+            x for x in proc.stdout.splitlines() if x.startswith("DIR ")
+        ).split()
         assert (parent_mode, uid, mode) == ("0o700", str(os.geteuid()), "0o700")
         parent = Path(d).parent
-        assert parent.parent == Path("/dev/shm") and parent.name.startswith(
-            "bootseer-colltrace-") and Path(d).name == "attempt-0"
+        assert (
+            parent.parent == Path("/dev/shm")
+            and parent.name.startswith("bootseer-colltrace-")
+            and Path(d).name == "attempt-0"
+        )
         assert len(parent.name) >= len("bootseer-colltrace-") + 16
         assert not parent.exists()
         seen.append(parent)
@@ -269,6 +320,7 @@ def test_bootseer_run_gives_each_job_an_unguessable_ring_directory(tmp_path: Pat
 
 
 # -- the memory tier ---------------------------------------------------------------------
+
 
 def _crafted_copy(where: Path) -> dict[str, bytes]:
     """A real copy of step 50 holding chosen values (written as root in a directory of
@@ -286,7 +338,8 @@ def _crafted_copy(where: Path) -> dict[str, bytes]:
 
 
 def test_memory_copies_in_another_users_directory_are_never_loaded_nor_stamped(
-        shared: Path, victim: Path, tmp_path: Path) -> None:
+    shared: Path, victim: Path, tmp_path: Path
+) -> None:
     """A memory directory nobody made first, holding a crafted copy of step 50 (its own
     0666 files) and a link where the agent writes its stamp's temporary file: the trainer's
     tier and the agent's check refuse the directory, naming it; the state keeps its values,
@@ -301,8 +354,11 @@ def test_memory_copies_in_another_users_directory_are_never_loaded_nor_stamped(
     memdir = shared / "mem"
     links = {str(memdir / f"rank-0.{k}.stamp.{os.getpid()}.tmp"): str(victim) for k in (0, 1)}
     links[str(memdir / "rank-0.0.stamp")] = str(victim)
-    attack(dirs=[str(memdir)], links=links,
-           files={str(memdir / n): base64.b64encode(d).decode() for n, d in copy.items()})
+    attack(
+        dirs=[str(memdir)],
+        links=links,
+        files={str(memdir / n): base64.b64encode(d).decode() for n, d in copy.items()},
+    )
     before = listing(shared)
     try:  # the agent's check beside the launch
         verify_copies(str(memdir))
@@ -334,7 +390,8 @@ def test_memory_copies_in_another_users_directory_are_never_loaded_nor_stamped(
 
 
 def test_a_copy_or_stamp_of_another_user_in_roots_directory_is_never_used(
-        tmp_path: Path, victim: Path) -> None:
+    tmp_path: Path, victim: Path
+) -> None:
     """Inside a directory of root's: a slot file owned by another user (or a link) is never
     mapped, a stamp that is not root's regular file never read, and the agent's stamp goes
     through the directory's descriptor to a fresh file (a link at the old temporary name is
@@ -382,6 +439,7 @@ def test_a_copy_or_stamp_of_another_user_in_roots_directory_is_never_used(
 
 # -- the helper itself -----------------------------------------------------------------------
 
+
 def test_private_dir_rules(shared: Path, tmp_path: Path) -> None:
     """Made 0700 whatever the umask; an ancestor of nobody's, a non-sticky world-writable
     ancestor, a link of nobody's on the way, a link as the directory itself: refused, each
@@ -394,8 +452,10 @@ def test_private_dir_rules(shared: Path, tmp_path: Path) -> None:
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "a").st_mode) == 0o700
     assert stat.S_IMODE(os.stat(tmp_path / "a" / "b").st_mode) == 0o700
-    attack(dirs=[str(shared / "theirs"), str(shared / "theirs" / "inner")],
-           links={str(shared / "link"): str(tmp_path / "a")})
+    attack(
+        dirs=[str(shared / "theirs"), str(shared / "theirs" / "inner")],
+        links={str(shared / "link"): str(tmp_path / "a")},
+    )
     with pytest.raises(UnsafePath, match="a directory on the way to bootseer's own"):
         PrivateDir.open(shared / "theirs" / "mine")
     with pytest.raises(UnsafePath, match="is a link owned by uid 65534"):

@@ -57,8 +57,9 @@ def special_layer() -> bytes:
     with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
         add_programs(tar, ("id", "setpriv", "head"))
         _add(tar, "secret", SECRET, mode=0o600)
-        _add(tar, "bin/suid-id", Path(os.path.realpath(shutil.which("id"))).read_bytes(),
-             mode=0o4755)
+        _add(
+            tar, "bin/suid-id", Path(os.path.realpath(shutil.which("id"))).read_bytes(), mode=0o4755
+        )
         dev = tarfile.TarInfo("devnull")
         dev.type, dev.mode, dev.devmajor, dev.devminor = tarfile.CHRTYPE, 0o666, 1, 3
         tar.addfile(dev)
@@ -90,14 +91,12 @@ def assert_presented(root: Path) -> None:
     assert (root / "private/inner").read_bytes() == b"in a 0700 directory\n"
 
 
-def assert_nothing_reached(paths: list[Path], allowed: tuple[tuple[Path, str], ...] = ()
-                           ) -> None:
+def assert_nothing_reached(paths: list[Path], allowed: tuple[tuple[Path, str], ...] = ()) -> None:
     """nobody reaches none of ``paths`` but what is ``allowed`` (a directory's own lstat):
     every attempt is refused for want of permission (the paths exist: root listed them)."""
     found = probe(paths)
     assert not reached(found, allowed=allowed), found
-    refusals = {outcome for ops in found.values() for outcome in ops.values()
-                if outcome != "ok"}
+    refusals = {outcome for ops in found.values() for outcome in ops.values() if outcome != "ok"}
     assert refusals == {"EACCES"}, found
 
 
@@ -116,8 +115,12 @@ def mount_all(mounts: list, target: Path) -> None:
     """Mount what the snapshotter answered, as containerd would."""
     for m in mounts:
         kind = [] if m.type == "bind" else ["-t", m.type]
-        subprocess.run(["mount", *kind, "-o", ",".join(m.options), m.source, str(target)],
-                       check=True, capture_output=True, text=True)
+        subprocess.run(
+            ["mount", *kind, "-o", ",".join(m.options), m.source, str(target)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
 
 
 @pytest.fixture
@@ -156,16 +159,19 @@ def test_nobody_reaches_nothing_of_a_lazy_image_mount(open_dir: Path, registry) 
         assert files and {mode(p) for p in files} == {0o600}
         assert {mode(p) for p in [cache, *tree(cache)] if p.is_dir()} == {0o700}
         assert (mode(log.parent), mode(log)) == (0o700, 0o600)
-        assert_nothing_reached([mnt, *tree(mnt), cache, *tree(cache), log.parent, log],
-                               allowed=((cache, "lstat"), (log.parent, "lstat")))
+        assert_nothing_reached(
+            [mnt, *tree(mnt), cache, *tree(cache), log.parent, log],
+            allowed=((cache, "lstat"), (log.parent, "lstat")),
+        )
     finally:
         bootseer_cli("image", "umount", str(mnt))
         if log is not None:
             remove_background_log(log, "image")
 
 
-def test_nobody_reaches_nothing_of_the_snapshotter(open_dir: Path, tmp_path: Path, registry,
-                                                   containerd_factory) -> None:
+def test_nobody_reaches_nothing_of_the_snapshotter(
+    open_dir: Path, tmp_path: Path, registry, containerd_factory
+) -> None:
     ref = push_special_image(registry.host)
     run_dir = open_dir / "run"  # like /run: open; bootseer/ in it does not exist yet
     run_dir.mkdir()
@@ -201,8 +207,10 @@ def test_nobody_reaches_nothing_of_the_snapshotter(open_dir: Path, tmp_path: Pat
         _assert_modes(root, address)
         holder = Path(sn.holder_address)  # the FUSE holder's socket, beside the snapshotter's
         assert mode(holder) == 0o600
-        assert_nothing_reached([root, *tree(root), Path(address).parent, Path(address), holder],
-                               allowed=((root, "lstat"), (Path(address).parent, "lstat")))
+        assert_nothing_reached(
+            [root, *tree(root), Path(address).parent, Path(address), holder],
+            allowed=((root, "lstat"), (Path(address).parent, "lstat")),
+        )
     finally:
         for target in mounted:
             subprocess.run(["umount", "-l", str(target)], capture_output=True, check=False)
@@ -216,8 +224,17 @@ def _a_container_sees_the_image_as_it_says(ctd, ref: str) -> None:
     runs = iter(range(100))
 
     def ctr_run(*argv: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-        return ctd.ctr("run", "--rm", "--snapshotter", "bootseer", *flags, ref,
-                       f"priv{next(runs)}", *argv, check=False)
+        return ctd.ctr(
+            "run",
+            "--rm",
+            "--snapshotter",
+            "bootseer",
+            *flags,
+            ref,
+            f"priv{next(runs)}",
+            *argv,
+            check=False,
+        )
 
     suid = (*SETPRIV_NOBODY, "/bin/suid-id", "-u")
     assert ctr_run(*suid, flags=("--allow-new-privs",)).stdout.strip() == "0"
@@ -237,8 +254,9 @@ def _assert_modes(root: Path, address: str) -> None:
     snapshot's fs 0755, work 0711; files and the socket 0600."""
     assert mode(root) == mode(root / "snapshots") == mode(root / "lazy") == 0o700
     # a snapshot being removed (renamed to .removed-*, then deleted) may vanish under the walk
-    snapshot_dirs = [d for d in (root / "snapshots").iterdir()
-                     if not d.name.startswith(".removed-")]
+    snapshot_dirs = [
+        d for d in (root / "snapshots").iterdir() if not d.name.startswith(".removed-")
+    ]
     assert snapshot_dirs and {mode(d) for d in snapshot_dirs} == {0o700}
     assert {mode(d / "fs") for d in snapshot_dirs} == {0o755}
     # a container's writable snapshot has a work dir (ctr run --rm may have removed it by now)
@@ -262,8 +280,7 @@ def test_root_permission_under_umask_000(open_dir: Path, tmp_path: Path) -> None
     root = open_dir / "root"
     with umask(0):
         root.mkdir(0o777)
-    sn = SnapshotterProcess(root, str(open_dir / "sn.sock"), tmp_path / "sn.log",
-                            umask=0).start()
+    sn = SnapshotterProcess(root, str(open_dir / "sn.sock"), tmp_path / "sn.log", umask=0).start()
     labels = {"containerd.io/gc.root": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
         with ContainerdClient(sn.address) as client:
@@ -328,8 +345,17 @@ def test_an_older_nodes_open_directories_are_tightened_at_start(tmp_path: Path) 
         path.chmod(0o755 if path.is_dir() else 0o644)
     sn = Snapshotter(root, remote=RemoteLayers(root / "remote"))
     try:
-        for path in ("", "snapshots", "lazy", "remote", "remote/cache", "remote/cache/frames",
-                     "remote/indexes", "remote/manifests", "remote/profiles"):
+        for path in (
+            "",
+            "snapshots",
+            "lazy",
+            "remote",
+            "remote/cache",
+            "remote/cache/frames",
+            "remote/indexes",
+            "remote/manifests",
+            "remote/profiles",
+        ):
             assert mode(root / path) == 0o700, path
         assert mode(root / "metadata.db") == 0o600
     finally:

@@ -79,18 +79,34 @@ class E:
 
 
 def _paths(tree) -> dict[str, tuple[int, str]]:
-    return {p: (n.layer, n.data.entry.type if n.data.entry else "dir")
-            for p, n in tree.walk() if p}
+    return {p: (n.layer, n.data.entry.type if n.data.entry else "dir") for p, n in tree.walk() if p}
 
 
 def test_merge_whiteouts_opaque_and_replacement() -> None:
-    lower = [E("etc", "dir", mode=0o755), E("etc/passwd"), E("etc/hosts"),
-             E("opt", "dir", mode=0o755), E("opt/tool", "dir", mode=0o755),
-             E("opt/tool/a"), E("opt/tool/sub", "dir", mode=0o755), E("opt/tool/sub/b"),
-             E("lib", "dir"), E("lib/x.so"), E("data"), E("was-dir", "dir"), E("was-dir/f")]
-    upper = [E("etc/.wh.hosts"), E("opt/tool/.wh..wh..opq"), E("opt/tool/new"),
-             E("lib", "dir", mode=0o700), E("data", "symlink", link="/elsewhere"),
-             E("was-dir"), E("usr/bin/implied")]
+    lower = [
+        E("etc", "dir", mode=0o755),
+        E("etc/passwd"),
+        E("etc/hosts"),
+        E("opt", "dir", mode=0o755),
+        E("opt/tool", "dir", mode=0o755),
+        E("opt/tool/a"),
+        E("opt/tool/sub", "dir", mode=0o755),
+        E("opt/tool/sub/b"),
+        E("lib", "dir"),
+        E("lib/x.so"),
+        E("data"),
+        E("was-dir", "dir"),
+        E("was-dir/f"),
+    ]
+    upper = [
+        E("etc/.wh.hosts"),
+        E("opt/tool/.wh..wh..opq"),
+        E("opt/tool/new"),
+        E("lib", "dir", mode=0o700),
+        E("data", "symlink", link="/elsewhere"),
+        E("was-dir"),
+        E("usr/bin/implied"),
+    ]
     tree = merge_layers([lower, upper])
     paths = _paths(tree)
     assert "etc/hosts" not in paths and paths["etc/passwd"] == (0, "reg")
@@ -107,15 +123,15 @@ def test_merge_whiteouts_opaque_and_replacement() -> None:
 
 
 def test_merge_hardlinks_share_content_and_inode_across_layers() -> None:
-    tree = merge_layers([[E("a"), E("b", "hardlink", link="a")],
-                         [E("c", "hardlink", link="/a")]])
+    tree = merge_layers([[E("a"), E("b", "hardlink", link="a")], [E("c", "hardlink", link="/a")]])
     a, b, c = (tree.lookup(p) for p in ("a", "b", "c"))
     assert a.ino == b.ino == c.ino and a.nlink == 3
     assert c.data is a and c.data.layer == 0
     broken = merge_layers([[E("x", "hardlink", link="missing"), E("y")]])
     assert broken.lookup("x") is None and broken.lookup("y") is not None  # the rest stays
-    assert broken.problems == ["layer 0: member 'x' left out: hardlink to 'missing': no such "
-                               "file in this or a lower layer"]
+    assert broken.problems == [
+        "layer 0: member 'x' left out: hardlink to 'missing': no such file in this or a lower layer"
+    ]
 
 
 def test_merge_modes() -> None:

@@ -25,8 +25,9 @@ def _blob(n: int = 12, size: int = 64 << 10) -> tuple[Blob, bytes, list[bytes]]:
     for i in range(n):
         raw = hashlib.sha256(str(i).encode()).digest() * (size // 32)
         data = comp.compress(raw)
-        frames.append(Frame(i, len(out), len(data), raw_off, len(raw),
-                            hashlib.sha256(data).hexdigest()))
+        frames.append(
+            Frame(i, len(out), len(data), raw_off, len(raw), hashlib.sha256(data).hexdigest())
+        )
         out += data
         raws.append(raw)
         raw_off += len(raw)
@@ -84,8 +85,10 @@ def test_an_on_demand_read_jumps_the_queue(tmp_path: Path) -> None:
     reader.join(10)
     assert got == [raws[11]]
     # Frame 11 was fetched right after the frame the worker already held, before 1..10.
-    order = [blob.frames.index(next(f for f in blob.frames if f.c_offset == s))
-             for s, _ in server.requests]
+    order = [
+        blob.frames.index(next(f for f in blob.frames if f.c_offset == s))
+        for s, _ in server.requests
+    ]
     assert order.index(11) <= 1
     fetcher.close()
 
@@ -113,8 +116,7 @@ def test_a_dead_server_fails_after_bounded_retries(tmp_path: Path) -> None:
     blob, data, _ = _blob(n=2)
     server = Server(data)
     server.fail_next = 100
-    fetcher = FrameFetcher(server, BlockCache(tmp_path), connections=1, retries=3,
-                           backoff_s=0.01)
+    fetcher = FrameFetcher(server, BlockCache(tmp_path), connections=1, retries=3, backoff_s=0.01)
     with pytest.raises(OSError) as info:
         fetcher.frame(blob, 0)
     assert info.value.errno == errno.EIO and len(server.requests) == 4
@@ -123,8 +125,7 @@ def test_a_dead_server_fails_after_bounded_retries(tmp_path: Path) -> None:
     fetcher.close()
 
 
-def test_a_read_of_a_frame_in_flight_waits_for_it_instead_of_fetching_again(
-        tmp_path: Path) -> None:
+def test_a_read_of_a_frame_in_flight_waits_for_it_instead_of_fetching_again(tmp_path: Path) -> None:
     blob, data, raws = _blob(n=2)
     server = Server(data)
     fetcher = FrameFetcher(server, BlockCache(tmp_path), connections=1, merge_cap=1)

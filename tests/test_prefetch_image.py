@@ -22,8 +22,9 @@ from prefetch.toc import NotConvertedError
 from striped_fs.fuse import unmount, wait_mounted
 
 
-def _push_gzip_image(host: str, repo: str, tag: str, tars: list[bytes],
-                     run_config: dict | None = None) -> str:
+def _push_gzip_image(
+    host: str, repo: str, tag: str, tars: list[bytes], run_config: dict | None = None
+) -> str:
     layers, diff_ids = [], []
     with SyncRegistry(host) as reg:
         for raw in tars:
@@ -32,15 +33,24 @@ def _push_gzip_image(host: str, repo: str, tag: str, tars: list[bytes],
             reg.put_blob(repo, blob, digest)
             layers.append({"mediaType": OCI_LAYER_GZIP, "digest": digest, "size": len(blob)})
             diff_ids.append("sha256:" + hashlib.sha256(raw).hexdigest())
-        config = json.dumps({"architecture": "amd64", "os": "linux",
-                             "rootfs": {"type": "layers", "diff_ids": diff_ids},
-                             "config": run_config or {}}).encode()
+        config = json.dumps(
+            {
+                "architecture": "amd64",
+                "os": "linux",
+                "rootfs": {"type": "layers", "diff_ids": diff_ids},
+                "config": run_config or {},
+            }
+        ).encode()
         config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
         reg.put_blob(repo, config, config_digest)
-        manifest = json.dumps({"schemaVersion": 2, "mediaType": OCI_MANIFEST,
-                               "config": {"mediaType": OCI_CONFIG, "digest": config_digest,
-                                          "size": len(config)},
-                               "layers": layers}).encode()
+        manifest = json.dumps(
+            {
+                "schemaVersion": 2,
+                "mediaType": OCI_MANIFEST,
+                "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(config)},
+                "layers": layers,
+            }
+        ).encode()
         return reg.put_manifest(repo, tag, manifest, OCI_MANIFEST)
 
 

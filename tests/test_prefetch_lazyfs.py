@@ -34,8 +34,15 @@ def _tar(members: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
     return out.getvalue()
 
 
-def _info(name: str, kind: bytes = tarfile.REGTYPE, *, data: bytes = b"", mode: int = 0o644,
-          link: str = "", pax: dict[str, str] | None = None) -> tuple[tarfile.TarInfo, bytes]:
+def _info(
+    name: str,
+    kind: bytes = tarfile.REGTYPE,
+    *,
+    data: bytes = b"",
+    mode: int = 0o644,
+    link: str = "",
+    pax: dict[str, str] | None = None,
+) -> tuple[tarfile.TarInfo, bytes]:
     info = tarfile.TarInfo(name)
     info.type = kind
     info.mode = mode
@@ -56,8 +63,12 @@ LOWER = [
     _info("etc/alternatives", tarfile.SYMTYPE, link="/usr/bin/tool"),
     _info("usr", tarfile.DIRTYPE, mode=0o755),
     _info("usr/bin", tarfile.DIRTYPE, mode=0o755),
-    _info("usr/bin/tool", data=b"#!/bin/sh\necho tool\n", mode=0o755,
-          pax={"SCHILY.xattr.user.origin": "lower"}),
+    _info(
+        "usr/bin/tool",
+        data=b"#!/bin/sh\necho tool\n",
+        mode=0o755,
+        pax={"SCHILY.xattr.user.origin": "lower"},
+    ),
     _info("usr/bin/tool2", tarfile.LNKTYPE, link="usr/bin/tool"),
     _info("usr/bin/rel", tarfile.SYMTYPE, link="tool"),
     _info("lib", tarfile.DIRTYPE, mode=0o755),
@@ -163,11 +174,13 @@ def image(tmp_path: Path):
         result = convert_layer(io.BytesIO(raw), out, frame_size=256 << 10)
         registry.blobs[result.digest] = out.getvalue()
         blob_bytes = out.getvalue()
-        index = LayerIndex.from_blob(lambda s, e, b=blob_bytes: b[s:e], len(blob_bytes),
-                                     result.digest)
+        index = LayerIndex.from_blob(
+            lambda s, e, b=blob_bytes: b[s:e], len(blob_bytes), result.digest
+        )
         layers.append(Layer(index, Blob(result.digest, index.frames, i)))
-    fetcher = FrameFetcher(registry, BlockCache(tmp_path / "cache"), connections=4,
-                           retries=1, backoff_s=0.01)
+    fetcher = FrameFetcher(
+        registry, BlockCache(tmp_path / "cache"), connections=4, retries=1, backoff_s=0.01
+    )
     yield LazyImage(layers, fetcher), registry, tars
     fetcher.close()
 
@@ -215,7 +228,7 @@ def test_a_read_fetches_only_its_frames(mounted) -> None:
     mnt, lazy, registry, _ = mounted
     with open(mnt / "lib/big.so", "rb") as f:
         f.seek(2 << 20)
-        assert f.read(4096) == BIG[2 << 20:(2 << 20) + 4096]
+        assert f.read(4096) == BIG[2 << 20 : (2 << 20) + 4096]
     stats = lazy.fetcher.report()
     big = lazy.layers[0].index.lookup("lib/big.so")
     total = len(lazy.layers[0].index.frames)

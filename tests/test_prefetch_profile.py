@@ -31,16 +31,21 @@ def test_recorder_keeps_first_accesses_in_order_until_stopped() -> None:
 
 
 def test_malformed_profiles_are_refused() -> None:
-    for raw in (b"nope", b'{"format": "other"}',
-                b'{"format": "bootseer-profile/1", "frames": [["x", -1, 0]]}'):
+    for raw in (
+        b"nope",
+        b'{"format": "other"}',
+        b'{"format": "bootseer-profile/1", "frames": [["x", -1, 0]]}',
+    ):
         with pytest.raises(ProfileError):
             Profile.from_bytes(raw)
 
 
 def test_plan_follows_the_profile_and_goes_full_when_it_covers_most() -> None:
     a = _blob("sha256:" + "a" * 64, [10] * 10)
-    sparse = Profile("img", [(a.digest, 7, 0.0), (a.digest, 2, 0.1), ("sha256:gone", 0, 0.2),
-                             (a.digest, 99, 0.3)])
+    sparse = Profile(
+        "img",
+        [(a.digest, 7, 0.0), (a.digest, 2, 0.1), ("sha256:gone", 0, 0.2), (a.digest, 99, 0.3)],
+    )
     plan, full = plan_prefetch(sparse, [a])
     assert [i for _, i in plan] == [7, 2] and not full
     dense = Profile("img", [(a.digest, i, 0.0) for i in (9, 8, 7, 6, 5, 4, 3, 2)])

@@ -80,7 +80,6 @@ EVIL = b"EVIL payload the lazy mount must never show under another name\n"
 # --- helpers ---------------------------------------------------------------------------------
 
 
-
 @pytest.fixture(autouse=True)
 def canary(tmp_path: Path):
     """A canary tree beside the caches, mounts and node roots every test here puts under
@@ -88,6 +87,7 @@ def canary(tmp_path: Path):
     planted = Canary.plant(tmp_path / "canary")
     yield planted
     planted.assert_unchanged()
+
 
 class Server:
     """Blobs by digest, served by range (a registry in memory)."""
@@ -106,8 +106,9 @@ def lazy_image(tmp_path: Path, *crafted: Crafted) -> LazyImage:
     for i, c in enumerate(crafted):
         index = LayerIndex.from_blob(c.read, len(c.blob), c.digest, index_digest=c.index_digest)
         layers.append(Layer(index, Blob(c.digest, index.frames, i, c.index_digest)))
-    fetcher = FrameFetcher(Server(*crafted), BlockCache(tmp_path / "cache"), connections=2,
-                           retries=0)
+    fetcher = FrameFetcher(
+        Server(*crafted), BlockCache(tmp_path / "cache"), connections=2, retries=0
+    )
     return LazyImage(layers, fetcher)
 
 
@@ -143,8 +144,13 @@ def assert_refused(exc: BaseException, member: str, rule: str, *fragments: str) 
 
 # --- (d) the index must match the tar ----------------------------------------------------------
 
-LAYER = [("etc", None), ("etc/a.conf", BENIGN), ("etc/b.conf", EVIL),
-         ("etc/link", b"->a.conf"), ("etc/z", b"last member\n")]
+LAYER = [
+    ("etc", None),
+    ("etc/a.conf", BENIGN),
+    ("etc/b.conf", EVIL),
+    ("etc/link", b"->a.conf"),
+    ("etc/z", b"last member\n"),
+]
 
 
 def _point_a_at_b(entries: list[dict]) -> None:
@@ -179,30 +185,57 @@ def _retype(entries: list[dict]) -> None:
 def _drop(name: str):
     def mutate(entries: list[dict]) -> None:
         entries.remove(entry(entries, name))
+
     return mutate
 
 
 # case: (mutation, path read, member named, rule, what the message says)
 LIES = {
-    "name pointed at another member's bytes": (_point_a_at_b, "etc/a.conf", "etc/a.conf",
-                                               RULE_MATCH, "offset is"),
-    "a member renamed": (_rename_b, "etc/shadow", "etc/shadow", RULE_MATCH,
-                         "name is 'etc/shadow' in the TOC, 'etc/b.conf' in the tar"),
-    "a symlink retargeted": (_relink, "etc/a.conf", "etc/link", RULE_MATCH,
-                             "link is '/etc/shadow' in the TOC, 'a.conf' in the tar"),
+    "name pointed at another member's bytes": (
+        _point_a_at_b,
+        "etc/a.conf",
+        "etc/a.conf",
+        RULE_MATCH,
+        "offset is",
+    ),
+    "a member renamed": (
+        _rename_b,
+        "etc/shadow",
+        "etc/shadow",
+        RULE_MATCH,
+        "name is 'etc/shadow' in the TOC, 'etc/b.conf' in the tar",
+    ),
+    "a symlink retargeted": (
+        _relink,
+        "etc/a.conf",
+        "etc/link",
+        RULE_MATCH,
+        "link is '/etc/shadow' in the TOC, 'a.conf' in the tar",
+    ),
     "a setuid bit added": (_setuid, "etc/z", "etc/z", RULE_MATCH, "mode is 2541 in the TOC"),
     "a size grown": (_grow, "etc/a.conf", "etc/a.conf", RULE_MATCH, "size is"),
     "a type changed": (_retype, "etc/a.conf", "etc/b.conf", RULE_MATCH, "type is 'fifo'"),
-    "a member left out": (_drop("etc/b.conf"), "etc/a.conf", "etc/a.conf", RULE_COMPLETE,
-                          "the next TOC entry ('etc/link')"),
-    "the last member left out": (_drop("etc/z"), "etc/a.conf", "etc/link", RULE_COMPLETE,
-                                 "more after byte"),
+    "a member left out": (
+        _drop("etc/b.conf"),
+        "etc/a.conf",
+        "etc/a.conf",
+        RULE_COMPLETE,
+        "the next TOC entry ('etc/link')",
+    ),
+    "the last member left out": (
+        _drop("etc/z"),
+        "etc/a.conf",
+        "etc/link",
+        RULE_COMPLETE,
+        "more after byte",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(LIES))
 def test_a_toc_that_lies_about_the_tar_fails_the_read_naming_member_and_rule(
-        tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
     mutate, path, member, rule, what = LIES[case]
     tar = tar_of(LAYER)
     entries = honest_entries(tar)
@@ -213,8 +246,10 @@ def test_a_toc_that_lies_about_the_tar_fails_the_read_naming_member_and_rule(
     with pytest.raises(OSError) as info:
         read(lazy, path)
     assert_refused(info.value, member, rule, what, crafted.digest)
-    assert any(r.levelname == "ERROR" and repr(member) in r.getMessage() and rule in
-               r.getMessage() for r in caplog.records)  # logged, naming member and rule
+    assert any(
+        r.levelname == "ERROR" and repr(member) in r.getMessage() and rule in r.getMessage()
+        for r in caplog.records
+    )  # logged, naming member and rule
     with pytest.raises(OSError):  # every later read of the frame fails too: never bytes
         read(lazy, path)
     lazy.fetcher.close()
@@ -229,7 +264,8 @@ def test_an_honest_hand_made_layer_reads_back(tmp_path: Path) -> None:
 
 
 def test_the_mount_answers_eio_for_a_name_pointed_at_another_members_bytes(
-        tmp_path: Path, fuse) -> None:
+    tmp_path: Path, fuse
+) -> None:
     tar = tar_of(LAYER)
     entries = honest_entries(tar)
     _point_a_at_b(entries)
@@ -260,8 +296,7 @@ def test_a_header_in_one_frame_and_its_data_in_the_next(tmp_path: Path, lie: boo
     """Cut right after big.bin's header block (frames counted from 0): a read inside its data
     (frame 2) checks the header in frame 0 first. A long name's pax header is cut from its
     ustar block (frame 2 ends inside the header chain): checking it reads on into frame 3."""
-    tar = tar_of([("x", b"x" * 100), ("big.bin", BIG), (LONG, b"print('long')\n"),
-                  ("y", b"y")])
+    tar = tar_of([("x", b"x" * 100), ("big.bin", BIG), (LONG, b"print('long')\n"), ("y", b"y")])
     entries = honest_entries(tar)
     big, long = entry(entries, "big.bin"), entry(entries, LONG)
     assert long["offset"] - long["header"] > 512  # a pax header chain
@@ -287,8 +322,7 @@ def test_a_header_in_one_frame_and_its_data_in_the_next(tmp_path: Path, lie: boo
 def test_a_global_pax_header_that_sets_member_fields_is_refused(tmp_path: Path) -> None:
     def tar_with_global(pax: dict[str, str]) -> bytes:
         out = io.BytesIO()
-        with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT,
-                          pax_headers=pax) as tf:
+        with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT, pax_headers=pax) as tf:
             for name, data in (("a", b"a"), ("b", b"bb")):
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
@@ -333,11 +367,17 @@ def test_the_fast_header_check_never_accepts_what_tarfile_reads_differently() ->
     accepted = 0
     for n in range(20_000):
         e = rng.choice(plain)
-        block = bytearray(tar[e.header_offset:e.header_offset + 512])
+        block = bytearray(tar[e.header_offset : e.header_offset + 512])
         assert _quick_match(bytes(block), e)  # the real header passes the fast path
         for _ in range(rng.choice([1, 1, 2])):
-            at = rng.choice([rng.randrange(512), rng.randrange(100), rng.randrange(100, 160),
-                             rng.randrange(257, 500)])
+            at = rng.choice(
+                [
+                    rng.randrange(512),
+                    rng.randrange(100),
+                    rng.randrange(100, 160),
+                    rng.randrange(257, 500),
+                ]
+            )
             block[at] = rng.choice([0, 0x20, 0x2F, 0x30, 0x37, rng.randrange(256)])
         if n % 2:  # keep the checksum right half the time: the other fields then decide
             block[148:156] = b"        "
@@ -346,8 +386,8 @@ def test_the_fast_header_check_never_accepts_what_tarfile_reads_differently() ->
             continue
         accepted += 1
         h = e.header_offset
-        padded = bytes(block) + tar[h + 512:]
-        info, end = read_member(lambda s, t, p=padded, h=h: p[s - h:t - h], h, h + 512)
+        padded = bytes(block) + tar[h + 512 :]
+        info, end = read_member(lambda s, t, p=padded, h=h: p[s - h : t - h], h, h + 512)
         assert tar_entry(info, h, end) == e
     assert accepted > 500  # damage in ignored bytes (and equal rewrites) is accepted
 
@@ -381,21 +421,37 @@ print("peak_mb", peak // 1024, len(data))
 """
 
 
-@pytest.mark.parametrize("declared, blocks, shape, message", [
-    (2 << 20, 24576, "bomb", "Destination buffer is too small"),
-    (3 << 30, 24576, "bomb", "declares 3221225472 bytes of content, the seek table 2097152"),
-    ("none", 24576, "bomb", "declares None bytes of content"),
-    (2 << 20, 16, "trailing", "one zstd frame expected"),
-], ids=["declares-2MiB-inflates-3GiB", "declares-3GiB", "no-content-size", "two-frames"])
-def test_a_decompression_bomb_frame_fails_with_bounded_memory(tmp_path: Path, declared: Any,
-                                                              blocks: int, shape: str,
-                                                              message: str) -> None:
+@pytest.mark.parametrize(
+    "declared, blocks, shape, message",
+    [
+        (2 << 20, 24576, "bomb", "Destination buffer is too small"),
+        (3 << 30, 24576, "bomb", "declares 3221225472 bytes of content, the seek table 2097152"),
+        ("none", 24576, "bomb", "declares None bytes of content"),
+        (2 << 20, 16, "trailing", "one zstd frame expected"),
+    ],
+    ids=["declares-2MiB-inflates-3GiB", "declares-3GiB", "no-content-size", "two-frames"],
+)
+def test_a_decompression_bomb_frame_fails_with_bounded_memory(
+    tmp_path: Path, declared: Any, blocks: int, shape: str, message: str
+) -> None:
     """A 98 KB frame of RLE blocks that inflates to 3 GiB, the seek table saying 2 MiB: the
     read fails with EIO, and the process never holds more than a frame's worth."""
     tests = str(Path(__file__).parent)
-    proc = subprocess.run([sys.executable, "-c", BOMB_CHILD, str(declared), str(blocks), shape,
-                           tests, str(tmp_path / "cache")], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BOMB_CHILD,
+            str(declared),
+            str(blocks),
+            shape,
+            tests,
+            str(tmp_path / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("EIO") and message in lines[0], proc.stdout
@@ -426,12 +482,36 @@ def _toc_bomb(kind: str) -> bytes:
     tar = bytes(1024)  # an empty layer: one 1 KiB frame
     frame = zstd_frame(tar)
     row = [0, len(frame), 0, len(tar), hashlib.sha256(frame).hexdigest()]
-    one = json.dumps({"name": "f", "type": "reg", "mode": 420, "uid": 0, "gid": 0, "size": 0,
-                      "mtime": 0, "offset": 512, "header": 0}, separators=(",", ":")).encode()
+    one = json.dumps(
+        {
+            "name": "f",
+            "type": "reg",
+            "mode": 420,
+            "uid": 0,
+            "gid": 0,
+            "size": 0,
+            "mtime": 0,
+            "offset": 512,
+            "header": 0,
+        },
+        separators=(",", ":"),
+    ).encode()
     count = {"millions": 1_400_000, "values": 10_000, "headers": 40}[kind]
-    head = json.dumps({"format": "bootseer-layer-toc", "version": 1, "tar_size": len(tar),
-                       "diff_id": sha256(tar), "frame_size": 1 << 20, "level": 3,
-                       "frames": [row]}, separators=(",", ":")).encode()[:-1] + b',"entries":['
+    head = (
+        json.dumps(
+            {
+                "format": "bootseer-layer-toc",
+                "version": 1,
+                "tar_size": len(tar),
+                "diff_id": sha256(tar),
+                "frame_size": 1 << 20,
+                "level": 3,
+                "frames": [row],
+            },
+            separators=(",", ":"),
+        ).encode()[:-1]
+        + b',"entries":['
+    )
 
     def pieces():
         yield head
@@ -455,13 +535,17 @@ def _toc_bomb(kind: str) -> bytes:
     return frame + toc + table
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("millions", "bytes of JSON from"),
-    ("values", "JSON values (more than 32 per byte)"),
-    ("headers", "more than the 2 headers of 512 bytes a 1024-byte tar stream can hold"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("millions", "bytes of JSON from"),
+        ("values", "JSON values (more than 32 per byte)"),
+        ("headers", "more than the 2 headers of 512 bytes a 1024-byte tar stream can hold"),
+    ],
+)
 def test_a_tiny_toc_declaring_millions_of_entries_is_refused_before_allocation(
-        kind: str, message: str) -> None:
+    kind: str, message: str
+) -> None:
     blob = _toc_bomb(kind)
     assert len(blob) < 64 << 10  # the issue's attack: 1.4 M entries in an 11 KB blob
     tracemalloc.start()
@@ -492,8 +576,13 @@ def converted(registry) -> dict[str, Any]:
     with SyncRegistry(registry.host) as reg:
         manifest = reg.resolve_image(dst)
     layer = manifest.layers[0]
-    return {"ref": dst, "manifest": manifest, "digest": layer.digest, "size": layer.size,
-            "index": layer.annotations[INDEX_ANNOTATION]}
+    return {
+        "ref": dst,
+        "manifest": manifest,
+        "digest": layer.digest,
+        "size": layer.size,
+        "index": layer.annotations[INDEX_ANNOTATION],
+    }
 
 
 def same_size_attack(size: int) -> Crafted:
@@ -508,12 +597,12 @@ def remote_read(remote: RemoteLayers, layer: Any, path: str) -> bytes:
 
 
 def request(image: dict[str, Any], chain: str = "1") -> LayerRequest:
-    return LayerRequest("sha256:" + chain * 64, image["ref"], image["digest"],
-                        image["manifest"].digest)
+    return LayerRequest(
+        "sha256:" + chain * 64, image["ref"], image["digest"], image["manifest"].digest
+    )
 
 
-def test_the_index_carries_its_digest_and_the_mount_checks_it(converted, tmp_path: Path
-                                                              ) -> None:
+def test_the_index_carries_its_digest_and_the_mount_checks_it(converted, tmp_path: Path) -> None:
     image = open_image(converted["ref"], tmp_path / "cache")
     try:
         assert image.lazy.layers[0].index.index_digest == converted["index"]
@@ -523,8 +612,9 @@ def test_the_index_carries_its_digest_and_the_mount_checks_it(converted, tmp_pat
         image.close()
 
 
-def test_a_blob_swapped_in_the_registry_storage_is_refused(converted, registry,
-                                                           tmp_path: Path) -> None:
+def test_a_blob_swapped_in_the_registry_storage_is_refused(
+    converted, registry, tmp_path: Path
+) -> None:
     """(a) The registry's own file for the layer digest now holds another self-consistent
     layer of the same size: the manifest (and any signature on it) still verifies, the
     index does not."""
@@ -544,8 +634,9 @@ def test_a_blob_swapped_in_the_registry_storage_is_refused(converted, registry,
 
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    proc = bootseer_cli("image", "mount", converted["ref"], str(mnt), "--cache",
-                        str(tmp_path / "c2"), check=False)
+    proc = bootseer_cli(
+        "image", "mount", converted["ref"], str(mnt), "--cache", str(tmp_path / "c2"), check=False
+    )
     assert proc.returncode == 2 and converted["digest"] in proc.stderr
     assert RULE_BOUND in proc.stderr and "Traceback" not in proc.stderr
     assert not is_mounted(mnt)
@@ -568,7 +659,7 @@ def test_a_blob_swapped_in_the_registry_storage_is_refused(converted, registry,
         assert remote_read(restarted, layer, "etc/a.conf") == BENIGN  # frames cached
     finally:
         restarted.close()
-    cached.write_bytes(attack.blob[attack.toc_offset:])  # poison the node's index cache
+    cached.write_bytes(attack.blob[attack.toc_offset :])  # poison the node's index cache
     poisoned = RemoteLayers(tmp_path / "node", prefetch=False, push_profiles=False)
     try:
         with pytest.raises(FailedPreconditionError, match=RULE_BOUND):
@@ -577,19 +668,29 @@ def test_a_blob_swapped_in_the_registry_storage_is_refused(converted, registry,
         poisoned.close()
 
 
-def _push_manifest(host: str, repo: str, tag: str, layers: list[dict], config: Any,
-                   blobs: dict[str, bytes] | None = None) -> str:
+def _push_manifest(
+    host: str,
+    repo: str,
+    tag: str,
+    layers: list[dict],
+    config: Any,
+    blobs: dict[str, bytes] | None = None,
+) -> str:
     with SyncRegistry(host) as reg:
         for digest, data in (blobs or {}).items():
             reg.put_blob(repo, data, digest)
-        doc = {"schemaVersion": 2, "mediaType": OCI_MANIFEST,
-               "config": {"mediaType": OCI_CONFIG, "digest": config.digest,
-                          "size": config.size}, "layers": layers}
+        doc = {
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST,
+            "config": {"mediaType": OCI_CONFIG, "digest": config.digest, "size": config.size},
+            "layers": layers,
+        }
         return reg.put_manifest(repo, tag, json.dumps(doc).encode(), OCI_MANIFEST)
 
 
 def test_a_second_registry_cannot_poison_a_layer_of_the_same_digest(
-        converted, registry, registry_factory, tmp_path: Path) -> None:
+    converted, registry, registry_factory, tmp_path: Path
+) -> None:
     """(b) Registry two serves an image whose manifest names the same layer digest (with the
     attacker's index digest, self-consistent) and other bytes under it. Both images on one
     node, the attacker's first: the real image shows its own files, now and after a restart,
@@ -600,12 +701,23 @@ def test_a_second_registry_cannot_poison_a_layer_of_the_same_digest(
         config_bytes = reg.get_blob("team/app", converted["manifest"].config.digest)
         legit_blob = reg.get_blob("team/app", converted["digest"])
     config = converted["manifest"].config
-    layer = {"mediaType": OCI_LAYER_ZSTD, "digest": converted["digest"],
-             "size": converted["size"],
-             "annotations": {"io.bootseer.layer.format": "seekable-zstd/1",
-                             INDEX_ANNOTATION: attack.index_digest}}
-    manifest_b = _push_manifest(evil.host, "team/app", "lazy", [layer], config,
-                                {config.digest: config_bytes, converted["digest"]: legit_blob})
+    layer = {
+        "mediaType": OCI_LAYER_ZSTD,
+        "digest": converted["digest"],
+        "size": converted["size"],
+        "annotations": {
+            "io.bootseer.layer.format": "seekable-zstd/1",
+            INDEX_ANNOTATION: attack.index_digest,
+        },
+    }
+    manifest_b = _push_manifest(
+        evil.host,
+        "team/app",
+        "lazy",
+        [layer],
+        config,
+        {config.digest: config_bytes, converted["digest"]: legit_blob},
+    )
     evil.blob_path(converted["digest"]).write_bytes(attack.blob)  # other bytes, same digest
     ref_b = f"{evil.host}/team/app:lazy"
 
@@ -626,8 +738,9 @@ def test_a_second_registry_cannot_poison_a_layer_of_the_same_digest(
     node = tmp_path / "node"
     remote = RemoteLayers(node, prefetch=False, push_profiles=False)
     try:
-        layer_b = remote.layer(LayerRequest("sha256:" + "b" * 64, ref_b, converted["digest"],
-                                            manifest_b))
+        layer_b = remote.layer(
+            LayerRequest("sha256:" + "b" * 64, ref_b, converted["digest"], manifest_b)
+        )
         assert remote_read(remote, layer_b, "etc/a.conf") == EVIL
         layer_a = remote.layer(request(converted))
         assert layer_a is not layer_b and layer_a.index_digest == converted["index"]
@@ -637,23 +750,29 @@ def test_a_second_registry_cannot_poison_a_layer_of_the_same_digest(
     finally:
         remote.close()
     names = sorted(p.name for p in (node / "indexes").iterdir())
-    assert names == sorted(d.replace(":", "-") for d in (converted["index"],
-                                                          attack.index_digest))
+    assert names == sorted(d.replace(":", "-") for d in (converted["index"], attack.index_digest))
 
     # A third registry names the real index digest and serves the real index over damaged
     # frames: its own image fails (EIO), the real one, opened after it, does not.
     third = registry_factory()
-    manifest_c = _push_manifest(third.host, "team/app", "lazy",
-                                [{**layer, "annotations": converted["manifest"].parsed["layers"]
-                                  [0]["annotations"]}], config,
-                                {config.digest: config_bytes, converted["digest"]: legit_blob})
+    manifest_c = _push_manifest(
+        third.host,
+        "team/app",
+        "lazy",
+        [{**layer, "annotations": converted["manifest"].parsed["layers"][0]["annotations"]}],
+        config,
+        {config.digest: config_bytes, converted["digest"]: legit_blob},
+    )
     damaged = bytearray(legit_blob)
     damaged[100] ^= 0xFF  # inside the first data frame; the index is untouched
     third.blob_path(converted["digest"]).write_bytes(bytes(damaged))
     fresh = RemoteLayers(tmp_path / "node3", prefetch=False, push_profiles=False)
     try:
-        layer_c = fresh.layer(LayerRequest("sha256:" + "d" * 64, f"{third.host}/team/app:lazy",
-                                           converted["digest"], manifest_c))
+        layer_c = fresh.layer(
+            LayerRequest(
+                "sha256:" + "d" * 64, f"{third.host}/team/app:lazy", converted["digest"], manifest_c
+            )
+        )
         with pytest.raises(OSError) as info:
             remote_read(fresh, layer_c, "etc/a.conf")
         assert info.value.errno == errno.EIO
@@ -672,11 +791,12 @@ def test_a_second_registry_cannot_poison_a_layer_of_the_same_digest(
         restarted.close()
 
 
-@pytest.mark.parametrize("value", [None, "sha256:nothex", "sha256:" + "0" * 64],
-                         ids=["missing", "malformed", "wrong"])
-def test_a_converted_layer_without_a_bound_index_is_never_trusted(converted, registry,
-                                                                  tmp_path: Path,
-                                                                  value: str | None) -> None:
+@pytest.mark.parametrize(
+    "value", [None, "sha256:nothex", "sha256:" + "0" * 64], ids=["missing", "malformed", "wrong"]
+)
+def test_a_converted_layer_without_a_bound_index_is_never_trusted(
+    converted, registry, tmp_path: Path, value: str | None
+) -> None:
     """(c) A converted layer whose manifest records no (or a bad) index digest: `bootseer
     image mount` refuses it naming the layer and the rule; the snapshotter does not serve it
     lazily (containerd unpacks it the normal way, checking its digest) or refuses it."""
@@ -686,8 +806,9 @@ def test_a_converted_layer_without_a_bound_index_is_never_trusted(converted, reg
     if value is not None:
         annotations[INDEX_ANNOTATION] = value
     desc["annotations"] = annotations
-    digest = _push_manifest(registry.host, "team/app", "unbound", [desc],
-                            converted["manifest"].config)
+    digest = _push_manifest(
+        registry.host, "team/app", "unbound", [desc], converted["manifest"].config
+    )
     ref = f"{registry.host}/team/app:unbound"
     with pytest.raises(UnboundIndexError) as info:
         open_image(ref, tmp_path / "cache")
@@ -705,8 +826,9 @@ def test_a_converted_layer_without_a_bound_index_is_never_trusted(converted, reg
         remote.close()
 
 
-def test_an_image_copied_by_another_tool_stays_lazy(converted, registry, registry_factory,
-                                                    tmp_path: Path) -> None:
+def test_an_image_copied_by_another_tool_stays_lazy(
+    converted, registry, registry_factory, tmp_path: Path
+) -> None:
     """The lazy path needs only the manifest's annotations: a copy of the blobs and the
     manifest bytes into another registry (crane/skopeo style), or a manifest re-serialized
     with its annotations kept, mounts lazily with the right content."""
@@ -727,8 +849,7 @@ def test_an_image_copied_by_another_tool_stays_lazy(converted, registry, registr
             image.close()
 
 
-def test_convert_derives_the_toc_and_never_copies_a_supplied_one(registry, tmp_path: Path
-                                                                 ) -> None:
+def test_convert_derives_the_toc_and_never_copies_a_supplied_one(registry, tmp_path: Path) -> None:
     """A source image whose layer is already "converted", with a TOC pointing a.conf at
     b.conf's bytes (and even an index digest that matches it): the conversion derives the TOC
     from the tar, so the converted image shows a.conf as the tar holds it."""
@@ -762,18 +883,30 @@ def test_convert_derives_the_toc_and_never_copies_a_supplied_one(registry, tmp_p
 
 
 def _push_crafted(host: str, repo: str, crafted: Crafted) -> str:
-    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {},
-                         "rootfs": {"type": "layers", "diff_ids": [sha256(crafted.tar)]}}
-                        ).encode()
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {},
+            "rootfs": {"type": "layers", "diff_ids": [sha256(crafted.tar)]},
+        }
+    ).encode()
 
     class Config:
         digest, size = sha256(config), len(config)
 
-    layer = {"mediaType": OCI_LAYER_ZSTD, "digest": crafted.digest, "size": len(crafted.blob),
-             "annotations": {"io.bootseer.layer.format": "seekable-zstd/1",
-                             INDEX_ANNOTATION: crafted.index_digest}}
-    _push_manifest(host, repo, "v1", [layer], Config,
-                   {Config.digest: config, crafted.digest: crafted.blob})
+    layer = {
+        "mediaType": OCI_LAYER_ZSTD,
+        "digest": crafted.digest,
+        "size": len(crafted.blob),
+        "annotations": {
+            "io.bootseer.layer.format": "seekable-zstd/1",
+            INDEX_ANNOTATION: crafted.index_digest,
+        },
+    }
+    _push_manifest(
+        host, repo, "v1", [layer], Config, {Config.digest: config, crafted.digest: crafted.blob}
+    )
     return f"{host}/{repo}:v1"
 
 
@@ -784,9 +917,11 @@ def test_verify_checks_the_frames_a_lazy_start_never_reads(registry, tmp_path: P
     entries = honest_entries(tar)
     cut1, cut2 = entry(entries, "b")["header"], entry(entries, "c")["header"]
     hidden = tar_of([("etc/hidden", b"only a plain unpack shows this")])[:1024]
-    frames = [(zstd_frame(tar[:cut1]), cut1),
-              (zstd_frame(tar[cut1:cut2]) + zstd_frame(hidden), cut2 - cut1),
-              (zstd_frame(tar[cut2:]), len(tar) - cut2)]
+    frames = [
+        (zstd_frame(tar[:cut1]), cut1),
+        (zstd_frame(tar[cut1:cut2]) + zstd_frame(hidden), cut2 - cut1),
+        (zstd_frame(tar[cut2:]), len(tar) - cut2),
+    ]
     crafted = build_blob(tar, entries, frames=frames)
     assert "etc/hidden" in plain_unpack(crafted.blob)
     ref = _push_crafted(registry.host, "team/hidden", crafted)
@@ -798,8 +933,9 @@ def test_verify_checks_the_frames_a_lazy_start_never_reads(registry, tmp_path: P
         assert info.value.errno == errno.EIO and "one zstd frame expected" in str(info.value)
     finally:
         image.close()
-    with pytest.raises(FrameVerificationError, match="frame 1 failed verification: .*one zstd "
-                                                     "frame expected"):
+    with pytest.raises(
+        FrameVerificationError, match="frame 1 failed verification: .*one zstd frame expected"
+    ):
         verify_image(ref)
 
 

@@ -18,22 +18,30 @@ from bootseer.supervise import HangPolicy, RestartPolicy, Supervisor
 from bootseer.trace import TraceWriter
 
 
-@pytest.mark.parametrize(("command", "expected"), [
-    (["python3", "-m", "torch.distributed.run", "--nnodes", "2", "t.py"],
-     PythonCommand("python3", "torch.distributed.run", None, ("--nnodes", "2", "t.py"))),
-    (["/v/bin/python", "train.py", "--lr", "1"],
-     PythonCommand("/v/bin/python", None, "train.py", ("--lr", "1"))),
-    (["env", "A=1", "B=x=y", "python", "-m", "m"],
-     PythonCommand("python", "m", None, (), (("A", "1"), ("B", "x=y")))),
-    (["python", "-u", "train.py"], None),  # interpreter options: started as usual
-    (["python", "-c", "print(1)"], None),
-    (["python", "-m"], None),
-    (["sh", "-c", "python train.py"], None),
-    (["torchrun", "train.py"], None),
-    (["python"], None),
-])
-def test_which_commands_a_standby_runs(command: list[str], expected: PythonCommand | None
-                                       ) -> None:
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (
+            ["python3", "-m", "torch.distributed.run", "--nnodes", "2", "t.py"],
+            PythonCommand("python3", "torch.distributed.run", None, ("--nnodes", "2", "t.py")),
+        ),
+        (
+            ["/v/bin/python", "train.py", "--lr", "1"],
+            PythonCommand("/v/bin/python", None, "train.py", ("--lr", "1")),
+        ),
+        (
+            ["env", "A=1", "B=x=y", "python", "-m", "m"],
+            PythonCommand("python", "m", None, (), (("A", "1"), ("B", "x=y"))),
+        ),
+        (["python", "-u", "train.py"], None),  # interpreter options: started as usual
+        (["python", "-c", "print(1)"], None),
+        (["python", "-m"], None),
+        (["sh", "-c", "python train.py"], None),
+        (["torchrun", "train.py"], None),
+        (["python"], None),
+    ],
+)
+def test_which_commands_a_standby_runs(command: list[str], expected: PythonCommand | None) -> None:
     assert python_command(command) == expected
 
 
@@ -61,12 +69,18 @@ def _run(tmp_path: Path, preload: list[str]) -> tuple[Supervisor, list[str], lis
     trace = TraceWriter(tmp_path / "trace", "solo")
     logs: list[str] = []
     agent = Agent(trace, "solo", hang=HangDetector(60.0), log=logs.append)
-    sup = Supervisor(["env", "JOB_MARK=set", sys.executable, str(job), str(tmp_path), "x"],
-                     env=scenario_env(), trace=trace, restart=RestartPolicy(1, 0.0),
-                     hang=HangPolicy(0.0), agent=agent, preload=preload, log=logs.append)
+    sup = Supervisor(
+        ["env", "JOB_MARK=set", sys.executable, str(job), str(tmp_path), "x"],
+        env=scenario_env(),
+        trace=trace,
+        restart=RestartPolicy(1, 0.0),
+        hang=HangPolicy(0.0),
+        agent=agent,
+        preload=preload,
+        log=logs.append,
+    )
     assert sup.run() == 0, logs
-    return sup, logs, [json.loads((tmp_path / f"attempt-{a}.json").read_text())
-                       for a in (0, 1)]
+    return sup, logs, [json.loads((tmp_path / f"attempt-{a}.json").read_text()) for a in (0, 1)]
 
 
 def test_a_restart_runs_in_the_interpreter_started_ahead(tmp_path: Path) -> None:
@@ -74,8 +88,9 @@ def test_a_restart_runs_in_the_interpreter_started_ahead(tmp_path: Path) -> None
     assert not first["decimal_before"]  # a fresh interpreter: nothing preloaded
     assert second["decimal_before"]  # imported before the attempt began
     started = [line for line in logs if "runs in the interpreter started ahead" in line]
-    assert started == [f"the command runs in the interpreter started ahead (pid "
-                       f"{second['pid']}, decimal imported)"], logs
+    assert started == [
+        f"the command runs in the interpreter started ahead (pid {second['pid']}, decimal imported)"
+    ], logs
     # the attempt's own environment, arguments, directory and name, as `python job.py` has
     assert second["mark"] == "set" and second["name"] == "__main__"
     assert second["argv"] == [str(tmp_path / "job.py"), str(tmp_path), "x"]
@@ -88,5 +103,7 @@ def test_a_restart_runs_in_the_interpreter_started_ahead(tmp_path: Path) -> None
 def test_a_standby_that_cannot_import_is_not_used(tmp_path: Path) -> None:
     _, logs, (_, second) = _run(tmp_path, ["decimal", "no_such_module_bootseer"])
     assert not second["decimal_before"]  # started as usual
-    assert any("the interpreter started ahead is not used: exited before it was ready" in line
-               for line in logs), logs
+    assert any(
+        "the interpreter started ahead is not used: exited before it was ready" in line
+        for line in logs
+    ), logs

@@ -43,15 +43,17 @@ def _read(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
-def _wait(what: str, ready, procs: dict[str, subprocess.Popen], out: Path,
-          timeout_s: float = 180) -> Any:
+def _wait(
+    what: str, ready, procs: dict[str, subprocess.Popen], out: Path, timeout_s: float = 180
+) -> Any:
     deadline = time.monotonic() + timeout_s
     while not (got := ready()):
         ended = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
         if ended or time.monotonic() > deadline:
             logs = {p.name: p.read_text()[-2500:] for p in out.glob("*.log")}
-            raise AssertionError(f"no {what} ({'ended: ' + str(ended) if ended else 'timeout'})"
-                                 f": {logs}")
+            raise AssertionError(
+                f"no {what} ({'ended: ' + str(ended) if ended else 'timeout'}): {logs}"
+            )
         time.sleep(0.2)
     return got
 
@@ -62,30 +64,74 @@ def _records(trace: Path, node: str) -> list[dict[str, Any]]:
 
 
 def _reference(steps: int) -> str:
-    return subprocess.run([sys.executable, str(JOB), "--reference", "--steps", str(steps)],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, str(JOB), "--reference", "--steps", str(steps)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
 
 @pytest.mark.timeout(600)
-def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_factory,
-                                                                     tmp_path: Path) -> None:
+def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(
+    cluster_factory, tmp_path: Path
+) -> None:
     c = cluster_factory(2, link=Link(rate="1gbit"), services=("s3", "rendezvous"))
     c.services.create_bucket("ckpt")
     out, trace = tmp_path / "out", tmp_path / "trace"
     out.mkdir()
     trace.mkdir()
-    script = [str(JOB), "--ckpt", "s3://ckpt/run", "--out", str(out), "--storage-options",
-              json.dumps({"s3": c.services.storage_options()}), "--steps", str(STEPS),
-              "--save-every", "3", "--hold-at", "-1", "--holds", ",".join(map(str, HOLDS)),
-              "--hang-at", str(HANG_AT), "--hang-rank", "1"]
+    script = [
+        str(JOB),
+        "--ckpt",
+        "s3://ckpt/run",
+        "--out",
+        str(out),
+        "--storage-options",
+        json.dumps({"s3": c.services.storage_options()}),
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        "3",
+        "--hold-at",
+        "-1",
+        "--holds",
+        ",".join(map(str, HOLDS)),
+        "--hang-at",
+        str(HANG_AT),
+        "--hang-rank",
+        "1",
+    ]
 
     def launch(node) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "bootseer", "run", "--node", node.name,
-                "--max-restarts", "1", "--backoff", "0.5", "--hang-timeout", "10", "--dump-wait", "2",
-                "--crash-grace", str(GRACE_S), "--trace-dir", str(trace),
-                "--state-dir", str(out / f"state-{node.name}-{node.generation}"),
-                "--min-free-disk", "0", "--min-free-memory", "0", "--",
-                *node.torchrun(script, nnodes="2:2", max_restarts=5)]
+        argv = [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "run",
+            "--node",
+            node.name,
+            "--max-restarts",
+            "1",
+            "--backoff",
+            "0.5",
+            "--hang-timeout",
+            "10",
+            "--dump-wait",
+            "2",
+            "--crash-grace",
+            str(GRACE_S),
+            "--trace-dir",
+            str(trace),
+            "--state-dir",
+            str(out / f"state-{node.name}-{node.generation}"),
+            "--min-free-disk",
+            "0",
+            "--min-free-memory",
+            "0",
+            "--",
+            *node.torchrun(script, nnodes="2:2", max_restarts=5),
+        ]
         log = open(out / f"{node.name}.{node.generation}.log", "w")  # noqa: SIM115
         with log:
             return node.popen(argv, stdout=log, stderr=subprocess.STDOUT)
@@ -106,8 +152,12 @@ def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_fac
     lost_at = time.time()  # before the kill: the survivor's rank may die before wait() returns
     c.kill_node(1)
     assert procs["node1"].wait(timeout=10) == -signal.SIGKILL
-    _wait("the survivor's worker gone", lambda: _died_after(trace, "node0", lost_at),
-          {"node0": procs["node0"]}, out)
+    _wait(
+        "the survivor's worker gone",
+        lambda: _died_after(trace, "node0", lost_at),
+        {"node0": procs["node0"]},
+        out,
+    )
     time.sleep(GRACE_S + 1)  # the old agent killed torchrun here: no replacement yet
     procs["node1"] = launch(c.replace_node(1))
 
@@ -116,8 +166,13 @@ def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_fac
     # 4. node0's torchrun and rank get SIGKILL, its bootseer run stays: bootseer run restarts
     # torchrun (its max_restarts), which rejoins the rendezvous; node1's torchrun restarts
     # its worker; the job runs to its end
-    _wait("the third hold", lambda: all(p.exists() for p in holding(HOLDS[2])), procs, out,
-          timeout_s=240)
+    _wait(
+        "the third hold",
+        lambda: all(p.exists() for p in holding(HOLDS[2])),
+        procs,
+        out,
+        timeout_s=240,
+    )
     launcher = _children(procs["node0"].pid)
     assert launcher, "no launcher under node0's bootseer run"
     for pid in [*launcher, *(d for p in launcher for d in _descendants(p))]:
@@ -148,7 +203,10 @@ def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_fac
     assert phases.count("restart") == 1 and phases.count("command_start") == 2
     relaunches = [r for r in node0 if r.get("phase") == "relaunch"]
     assert [(r["attempt"], r["detail"]["generation"]) for r in relaunches] == [
-        (0, 1), (0, 2), (0, 3)]
+        (0, 1),
+        (0, 2),
+        (0, 3),
+    ]
     crashes = [r for r in node0 if r.get("record") == "event" and r["kind"] == "crash"]
     assert len(crashes) >= 2  # its rank's gloo error after rank 1's kill, and after the loss
     # the hang: whichever agent saw the silence first dumped and killed its ranks only (the
@@ -156,8 +214,10 @@ def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_fac
     node1 = _records(trace, "node1")
     hangs = [r for r in node0 + node1 if r.get("phase") == "hang"]
     assert hangs and all(r["outcome"] == "ranks_killed" for r in hangs), hangs
-    assert any(r.get("phase") == "relaunch" and r["start"] >= hangs[0]["detail"]["detected_at"]
-               for r in node1)
+    assert any(
+        r.get("phase") == "relaunch" and r["start"] >= hangs[0]["detail"]["detected_at"]
+        for r in node1
+    )
     log0 = (out / f"node0.{c.nodes[0].generation}.log").read_text()
     assert "killing it" not in log0 and "no restarts left" not in log0
     assert "restart 1/1" in log0  # the launcher's death: bootseer run's own restart
@@ -167,7 +227,11 @@ def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_fac
 
     report = read_ettr([trace])
     assert [(i.attempt, i.generation, i.reason) for i in report.incidents] == [
-        (0, 0, "crash"), (0, 1, "crash"), (0, 2, "hang"), (0, 3, "crash")], report.to_dict()
+        (0, 0, "crash"),
+        (0, 1, "crash"),
+        (0, 2, "hang"),
+        (0, 3, "crash"),
+    ], report.to_dict()
     for incident in report.incidents:
         assert sum(incident.split().values()) == pytest.approx(incident.end - incident.start)
         assert all(v >= -1e-6 for v in incident.split().values()), incident.split()
@@ -175,8 +239,13 @@ def test_torchrun_restarts_a_killed_rank_a_lost_node_and_a_hung_rank(cluster_fac
     # incident starts at the rank's last step record, written a moment after that beat
     assert report.incidents[2].detection_s >= 10 - 0.5
     # the killed rank's own node reported its signal at once
-    signalled = [r for r in node1 if r.get("record") == "event" and r["kind"] == "crash"
-                 and r["evidence"].get("detected_by") in ("rank_signal", "rank_vanished")]
+    signalled = [
+        r
+        for r in node1
+        if r.get("record") == "event"
+        and r["kind"] == "crash"
+        and r["evidence"].get("detected_by") in ("rank_signal", "rank_vanished")
+    ]
     assert signalled and signalled[0]["time"] - killed_at < 5
 
 
@@ -197,5 +266,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _died_after(trace: Path, node: str, when: float) -> bool:
-    return any(r.get("record") == "event" and r["kind"] == "crash" and r["time"] >= when
-               for r in _records(trace, node))
+    return any(
+        r.get("record") == "event" and r["kind"] == "crash" and r["time"] >= when
+        for r in _records(trace, node)
+    )

@@ -23,38 +23,57 @@ KEY_ID = "AKIAREDACTTEST000001"
 SECRET = "rEdAcTsEcReT/0123456789+abcdefghijklmnop"
 
 
-@pytest.mark.parametrize("text, shown", [
-    (f"s3://{KEY_ID}:{SECRET.replace('/', '%2F')}@bucket/ckpt", "s3://***@bucket/ckpt"),
-    (f"striped::s3://{KEY_ID}:{SECRET}@bucket/ckpt", "striped::s3://***@bucket/ckpt"),
-    (f"s3://{KEY_ID}@bucket/k", "s3://***@bucket/k"),  # on object stores the user is the key id
-    ("https://user:hunter2@index.example/simple", "https://***@index.example/simple"),
-    # kept: a user name without password elsewhere, image digests, '@' in paths
-    ("hdfs://alice@namenode:8020/ckpt", "hdfs://alice@namenode:8020/ckpt"),
-    ("oci://127.0.0.1:5000/repo@sha256:00ff", "oci://127.0.0.1:5000/repo@sha256:00ff"),
-    ("http://127.0.0.1:8080/v2/a@b", "http://127.0.0.1:8080/v2/a@b"),
-    # names of credentials, in every spelling logs use
-    ('{"secret": "abc", "token": null, "tokens": 3}', '{"secret": "***", "token": null, "tokens": 3}'),
-    ("S3FileSystem(key=x, secret=abc, token=def)", "S3FileSystem(key=x, secret=***, token=***)"),
-    ("AWS_SECRET_ACCESS_KEY=abc AWS_SESSION_TOKEN='def'",
-     "AWS_SECRET_ACCESS_KEY=*** AWS_SESSION_TOKEN='***'"),
-    ("?X-Amz-Credential=AK%2F1&X-Amz-Signature=00aa&X-Amz-Security-Token=tt&x=1",
-     "?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Security-Token=***&x=1"),
-    # botocore at -vv: the prepared request, the canonical request, the signature
-    ("headers={'Authorization': b'AWS4-HMAC-SHA256 Credential=" + KEY_ID + "/20260101/us-east-1/"
-     "s3/aws4_request, SignedHeaders=host;x-amz-date, Signature=" + "ab" * 32 + "', "
-     "'X-Amz-Security-Token': b'FwoGZXIvYXdzEJr', 'X-Amz-Date': b'20260101T000000Z'}",
-     "headers={'Authorization': b'AWS4-HMAC-SHA256 Credential=***/20260101/us-east-1/s3/"
-     "aws4_request, SignedHeaders=host;x-amz-date, Signature=***', "
-     "'X-Amz-Security-Token': b'***', 'X-Amz-Date': b'20260101T000000Z'}"),
-    ("{'Authorization': 'Basic dXNlcjpwYXNz'}", "{'Authorization': '***'}"),
-    ("host:127.0.0.1\nx-amz-security-token:FwoGZXIvYXdz\nx-amz-date:2026",
-     "host:127.0.0.1\nx-amz-security-token:***\nx-amz-date:2026"),
-    ("Authorization: Bearer eyJhbGciOi", "Authorization: ***"),
-    ("Signature:\n" + "0f" * 32, "Signature:\n***"),
-    (f"InvalidAccessKeyId for {KEY_ID}", "InvalidAccessKeyId for ***"),
-    # a generic "key" is not a credential outside storage options (snapshot keys, JSON)
-    ('{"key": "3f2a9c", "kind": "venv"}', '{"key": "3f2a9c", "kind": "venv"}'),
-])
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        (f"s3://{KEY_ID}:{SECRET.replace('/', '%2F')}@bucket/ckpt", "s3://***@bucket/ckpt"),
+        (f"striped::s3://{KEY_ID}:{SECRET}@bucket/ckpt", "striped::s3://***@bucket/ckpt"),
+        (f"s3://{KEY_ID}@bucket/k", "s3://***@bucket/k"),  # on object stores the user is the key id
+        ("https://user:hunter2@index.example/simple", "https://***@index.example/simple"),
+        # kept: a user name without password elsewhere, image digests, '@' in paths
+        ("hdfs://alice@namenode:8020/ckpt", "hdfs://alice@namenode:8020/ckpt"),
+        ("oci://127.0.0.1:5000/repo@sha256:00ff", "oci://127.0.0.1:5000/repo@sha256:00ff"),
+        ("http://127.0.0.1:8080/v2/a@b", "http://127.0.0.1:8080/v2/a@b"),
+        # names of credentials, in every spelling logs use
+        (
+            '{"secret": "abc", "token": null, "tokens": 3}',
+            '{"secret": "***", "token": null, "tokens": 3}',
+        ),
+        (
+            "S3FileSystem(key=x, secret=abc, token=def)",
+            "S3FileSystem(key=x, secret=***, token=***)",
+        ),
+        (
+            "AWS_SECRET_ACCESS_KEY=abc AWS_SESSION_TOKEN='def'",
+            "AWS_SECRET_ACCESS_KEY=*** AWS_SESSION_TOKEN='***'",
+        ),
+        (
+            "?X-Amz-Credential=AK%2F1&X-Amz-Signature=00aa&X-Amz-Security-Token=tt&x=1",
+            "?X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Security-Token=***&x=1",
+        ),
+        # botocore at -vv: the prepared request, the canonical request, the signature
+        (
+            "headers={'Authorization': b'AWS4-HMAC-SHA256 Credential="
+            + KEY_ID
+            + "/20260101/us-east-1/"
+            "s3/aws4_request, SignedHeaders=host;x-amz-date, Signature=" + "ab" * 32 + "', "
+            "'X-Amz-Security-Token': b'FwoGZXIvYXdzEJr', 'X-Amz-Date': b'20260101T000000Z'}",
+            "headers={'Authorization': b'AWS4-HMAC-SHA256 Credential=***/20260101/us-east-1/s3/"
+            "aws4_request, SignedHeaders=host;x-amz-date, Signature=***', "
+            "'X-Amz-Security-Token': b'***', 'X-Amz-Date': b'20260101T000000Z'}",
+        ),
+        ("{'Authorization': 'Basic dXNlcjpwYXNz'}", "{'Authorization': '***'}"),
+        (
+            "host:127.0.0.1\nx-amz-security-token:FwoGZXIvYXdz\nx-amz-date:2026",
+            "host:127.0.0.1\nx-amz-security-token:***\nx-amz-date:2026",
+        ),
+        ("Authorization: Bearer eyJhbGciOi", "Authorization: ***"),
+        ("Signature:\n" + "0f" * 32, "Signature:\n***"),
+        (f"InvalidAccessKeyId for {KEY_ID}", "InvalidAccessKeyId for ***"),
+        # a generic "key" is not a credential outside storage options (snapshot keys, JSON)
+        ('{"key": "3f2a9c", "kind": "venv"}', '{"key": "3f2a9c", "kind": "venv"}'),
+    ],
+)
 def test_redact_text(text, shown):
     assert redact(text) == shown
 
@@ -66,27 +85,62 @@ def test_every_credential_name_passes_the_quick_check():
 
 
 def test_redact_structures_and_options():
-    span = {"detail": {"url": f"s3://{KEY_ID}:x@b/c", "password": "pw", "key": "3f2a"},
-            "list": ("ok", "secret=abc")}
-    assert redact(span) == {"detail": {"url": "s3://***@b/c", "password": "***", "key": "3f2a"},
-                            "list": ("ok", "secret=***")}
-    options = {"s3": {"key": KEY_ID, "secret": SECRET, "endpoint_url": "http://127.0.0.1:9",
-                      "client_kwargs": {"aws_secret_access_key": SECRET,
-                                        "aws_session_token": "tok", "region_name": "us-east-1"},
-                      "username": "u", "password": "p", "anon": False}}
-    assert redact_options(options) == {"s3": {
-        "key": "***", "secret": "***", "endpoint_url": "http://127.0.0.1:9",
-        "client_kwargs": {"aws_secret_access_key": "***", "aws_session_token": "***",
-                          "region_name": "us-east-1"},
-        "username": "***", "password": "***", "anon": False}}
+    span = {
+        "detail": {"url": f"s3://{KEY_ID}:x@b/c", "password": "pw", "key": "3f2a"},
+        "list": ("ok", "secret=abc"),
+    }
+    assert redact(span) == {
+        "detail": {"url": "s3://***@b/c", "password": "***", "key": "3f2a"},
+        "list": ("ok", "secret=***"),
+    }
+    options = {
+        "s3": {
+            "key": KEY_ID,
+            "secret": SECRET,
+            "endpoint_url": "http://127.0.0.1:9",
+            "client_kwargs": {
+                "aws_secret_access_key": SECRET,
+                "aws_session_token": "tok",
+                "region_name": "us-east-1",
+            },
+            "username": "u",
+            "password": "p",
+            "anon": False,
+        }
+    }
+    assert redact_options(options) == {
+        "s3": {
+            "key": "***",
+            "secret": "***",
+            "endpoint_url": "http://127.0.0.1:9",
+            "client_kwargs": {
+                "aws_secret_access_key": "***",
+                "aws_session_token": "***",
+                "region_name": "us-east-1",
+            },
+            "username": "***",
+            "password": "***",
+            "anon": False,
+        }
+    }
 
 
 def test_redact_argv_for_logged_command_lines():
     options = json.dumps({"s3": {"key": KEY_ID, "secret": SECRET, "endpoint_url": "http://e"}})
-    argv = ["ctr", "run", "--env", f"BOOTSEER_STORAGE_OPTIONS={options}", "--env",
-            f"AWS_SECRET_ACCESS_KEY={SECRET}", "--env", "PYTHONUNBUFFERED=1",
-            "--storage-options", options, f"--storage-options={options}",
-            f"s3://{KEY_ID}:{SECRET}@b/c"]
+    argv = [
+        "ctr",
+        "run",
+        "--env",
+        f"BOOTSEER_STORAGE_OPTIONS={options}",
+        "--env",
+        f"AWS_SECRET_ACCESS_KEY={SECRET}",
+        "--env",
+        "PYTHONUNBUFFERED=1",
+        "--storage-options",
+        options,
+        f"--storage-options={options}",
+        f"s3://{KEY_ID}:{SECRET}@b/c",
+    ]
     shown = " ".join(redact_argv(argv))
     assert KEY_ID not in shown and SECRET not in shown
     assert "PYTHONUNBUFFERED=1" in shown and '"endpoint_url": "http://e"' in shown
@@ -94,14 +148,21 @@ def test_redact_argv_for_logged_command_lines():
 
 
 def test_environment_credentials_are_registered_and_scrubbed_verbatim():
-    env = {"AWS_ACCESS_KEY_ID": "AKIAENVREGISTERED001", "AWS_SECRET_ACCESS_KEY": "envSecret123",
-           "HF_TOKEN": "hf_registeredtoken", "BOOTSEER_REGISTRY_PASSWORD": "registryPw99",
-           "TOKENIZERS_PARALLELISM": "false", "MY_URL": "https://bob:bobsPassword1@host/x",
-           "BOOTSEER_STORAGE_OPTIONS": json.dumps({"s3": {"key": "optKeyRegistered"}})}
+    env = {
+        "AWS_ACCESS_KEY_ID": "AKIAENVREGISTERED001",
+        "AWS_SECRET_ACCESS_KEY": "envSecret123",
+        "HF_TOKEN": "hf_registeredtoken",
+        "BOOTSEER_REGISTRY_PASSWORD": "registryPw99",
+        "TOKENIZERS_PARALLELISM": "false",
+        "MY_URL": "https://bob:bobsPassword1@host/x",
+        "BOOTSEER_STORAGE_OPTIONS": json.dumps({"s3": {"key": "optKeyRegistered"}}),
+    }
     assert not is_secret_env("TOKENIZERS_PARALLELISM") and is_secret_env("HF_TOKEN")
     register_environ(env)
-    text = ("AKIAENVREGISTERED001 envSecret123 hf_registeredtoken registryPw99 bobsPassword1 "
-            "optKeyRegistered false")
+    text = (
+        "AKIAENVREGISTERED001 envSecret123 hf_registeredtoken registryPw99 bobsPassword1 "
+        "optKeyRegistered false"
+    )
     assert redact(text) == "*** *** *** *** *** *** false"
 
 
@@ -154,10 +215,15 @@ def test_url_credentials_become_storage_options(s3_bucket):
     fs.pipe_file(path, b"through the URL's credentials")
     assert fs.cat_file(path) == b"through the URL's credentials"
     assert split_credentials(f"striped::{url}", {"s3": endpoint}) == (
-        f"striped::s3://{bucket}/dir/f.bin", {"s3": {**endpoint, "key": KEY_ID, "secret": SECRET}})
+        f"striped::s3://{bucket}/dir/f.bin",
+        {"s3": {**endpoint, "key": KEY_ID, "secret": SECRET}},
+    )
     assert split_credentials("/local/path", None) == ("/local/path", {})
-    with pytest.raises(OptionError, match=r"s3://\*\*\*@.*given both in the URL and in the s3 "
-                                          r"storage options \(key, secret\)") as err:
+    with pytest.raises(
+        OptionError,
+        match=r"s3://\*\*\*@.*given both in the URL and in the s3 "
+        r"storage options \(key, secret\)",
+    ) as err:
         url_to_fs(url, {"s3": options})
     assert KEY_ID not in str(err.value) and SECRET not in str(err.value)
 
@@ -169,10 +235,13 @@ def test_library_errors_and_traces_never_show_credentials(tmp_path):
     from striped_fs import StripedIOError
 
     url = f"s3://{KEY_ID}:{SECRET}@bucket/x"
-    errors = [CheckpointNotFound(f"no committed checkpoint under {url}"),
-              CheckpointStoreUnavailable(f"store {url} down", url=url),
-              SnapshotNotFound(f"no snapshot in {url}"), StoreUnavailable(f"{url} unreachable"),
-              StripedIOError(f"{url}: failed", path="bucket/x")]
+    errors = [
+        CheckpointNotFound(f"no committed checkpoint under {url}"),
+        CheckpointStoreUnavailable(f"store {url} down", url=url),
+        SnapshotNotFound(f"no snapshot in {url}"),
+        StoreUnavailable(f"{url} unreachable"),
+        StripedIOError(f"{url}: failed", path="bucket/x"),
+    ]
     for exc in errors:
         shown = f"{exc} {exc!r} {getattr(exc, 'url', '')}"
         assert KEY_ID not in shown and SECRET not in shown and "s3://***@bucket/x" in shown

@@ -102,11 +102,21 @@ def test_the_slow_rank_is_the_only_straggler(report: Report) -> None:
 
 
 def test_both_ranks_of_a_slow_node_are_named(tmp_path: Path) -> None:
-    spans = [Span(f"node-{n}", r, "checkpoint_prefetch", T0,
-                  T0 + (15.0 if n == 3 else 3.0 + 0.01 * n + 0.001 * r))
-             for n in range(NODES) for r in range(RANKS)]
-    assert {(s.node, s.rank) for s in build_report(spans).stragglers} == {("node-3", 0),
-                                                                        ("node-3", 1)}
+    spans = [
+        Span(
+            f"node-{n}",
+            r,
+            "checkpoint_prefetch",
+            T0,
+            T0 + (15.0 if n == 3 else 3.0 + 0.01 * n + 0.001 * r),
+        )
+        for n in range(NODES)
+        for r in range(RANKS)
+    ]
+    assert {(s.node, s.rank) for s in build_report(spans).stragglers} == {
+        ("node-3", 0),
+        ("node-3", 1),
+    }
 
 
 def test_identical_durations_do_not_flag_noise() -> None:
@@ -122,8 +132,9 @@ def test_identical_durations_do_not_flag_noise() -> None:
 def test_restart_backoff_hang_and_warm_restarts_are_not_compared_with_cold_starts() -> None:
     cold = [Span(f"n{i}", 0, "environment", T0, T0 + 20.0 + 0.1 * i) for i in range(6)]
     warm = [Span(f"n{i}", 0, "environment", T0, T0 + 0.5, attempt=1) for i in range(3)]
-    backoff = [Span(f"n{i}", 0, "restart", T0, T0 + (60.0 if i == 0 else 1.0), attempt=1)
-               for i in range(6)]
+    backoff = [
+        Span(f"n{i}", 0, "restart", T0, T0 + (60.0 if i == 0 else 1.0), attempt=1) for i in range(6)
+    ]
     assert build_report(cold + warm + backoff).stragglers == []
 
 
@@ -138,8 +149,14 @@ def test_phase_statistics_by_hand(report: Report) -> None:
     assert ck.bytes == 16 * 2_000_000_000
     hang = report.phase("hang")
     assert hang.count == 0 and hang.p50 is None and hang.outcomes == {"failed": 2}
-    assert [p.phase for p in report.phases] == ["restart", "environment", "checkpoint_prefetch",
-                                                "command_start", "first_step", "hang"]
+    assert [p.phase for p in report.phases] == [
+        "restart",
+        "environment",
+        "checkpoint_prefetch",
+        "command_start",
+        "first_step",
+        "hang",
+    ]
 
 
 def test_restarts_and_time_to_first_step(report: Report) -> None:
@@ -166,66 +183,90 @@ def test_restarts_and_time_to_first_step(report: Report) -> None:
 
 
 def test_crash_before_ready_and_failed_phase_outcomes() -> None:
-    spans = [Span("a", 0, "environment", T0, T0 + 1),
-             Span("a", 0, "first_step", T0, T0 + 5, outcome="failed"),
-             Span("a", 0, "restart", T0 + 5, T0 + 6, attempt=1, detail={"exit_code": 1}),
-             Span("a", 0, "environment", T0 + 6, T0 + 7, attempt=1, outcome="failed"),
-             Span("a", 0, "restart", T0 + 7, T0 + 9, attempt=2),
-             Span("a", 0, "environment", T0 + 9, T0 + 10, attempt=2)]
+    spans = [
+        Span("a", 0, "environment", T0, T0 + 1),
+        Span("a", 0, "first_step", T0, T0 + 5, outcome="failed"),
+        Span("a", 0, "restart", T0 + 5, T0 + 6, attempt=1, detail={"exit_code": 1}),
+        Span("a", 0, "environment", T0 + 6, T0 + 7, attempt=1, outcome="failed"),
+        Span("a", 0, "restart", T0 + 7, T0 + 9, attempt=2),
+        Span("a", 0, "environment", T0 + 9, T0 + 10, attempt=2),
+    ]
     (r,) = build_report(spans).restarts
     assert r.restarts == 2
     assert [(a.outcome, a.reason) for a in r.attempts] == [
-        ("crash", "exit_code=1"), ("failed:environment", None), ("incomplete", None)]
+        ("crash", "exit_code=1"),
+        ("failed:environment", None),
+        ("incomplete", None),
+    ]
 
 
 def test_wall_segments_add_up_to_time_to_first_step(report: Report) -> None:
     # environment and checkpoint prefetch overlap: counted once; the stack ends at ready
-    spans = [Span("a", 0, "environment", 0, 2), Span("a", 0, "checkpoint_prefetch", 0, 3),
-             Span("a", 0, "command_start", 3, 3.1), Span("a", 0, "first_step", 0, 7.1)]
+    spans = [
+        Span("a", 0, "environment", 0, 2),
+        Span("a", 0, "checkpoint_prefetch", 0, 3),
+        Span("a", 0, "command_start", 3, 3.1),
+        Span("a", 0, "first_step", 0, 7.1),
+    ]
     seg = wall_segments(spans)
-    assert seg == pytest.approx({"environment": 2, "checkpoint_prefetch": 1,
-                                 "command_start": 0.1, "first_step": 4})
-    assert wall_segments([Span("a", 0, "restart", 0, 1), Span("a", 0, "environment", 3, 4)]) \
-        == pytest.approx({"restart": 1, "environment": 1, "untraced": 2})
+    assert seg == pytest.approx(
+        {"environment": 2, "checkpoint_prefetch": 1, "command_start": 0.1, "first_step": 4}
+    )
+    assert wall_segments(
+        [Span("a", 0, "restart", 0, 1), Span("a", 0, "environment", 3, 4)]
+    ) == pytest.approx({"restart": 1, "environment": 1, "untraced": 2})
     for row in report.last_attempt:
         assert sum(row.wall.values()) == pytest.approx(
-            row.first_step_s + row.phases.get("restart", 0.0))
+            row.first_step_s + row.phases.get("restart", 0.0)
+        )
 
 
 def test_node_level_spans_join_their_ranks_bars() -> None:
-    spans = [Span("n1", None, "environment", T0, T0 + 2),
-             Span("n1", 0, "first_step", T0, T0 + 5), Span("n1", 1, "first_step", T0, T0 + 6),
-             Span("n2", None, "environment", T0, T0 + 3)]
+    spans = [
+        Span("n1", None, "environment", T0, T0 + 2),
+        Span("n1", 0, "first_step", T0, T0 + 5),
+        Span("n1", 1, "first_step", T0, T0 + 6),
+        Span("n2", None, "environment", T0, T0 + 3),
+    ]
     rows = build_report(spans).last_attempt
     assert [(r.node, r.rank, sorted(r.phases)) for r in rows] == [
-        ("n1", 0, ["environment", "first_step"]), ("n1", 1, ["environment", "first_step"]),
-        ("n2", None, ["environment"])]
+        ("n1", 0, ["environment", "first_step"]),
+        ("n1", 1, ["environment", "first_step"]),
+        ("n2", None, ["environment"]),
+    ]
 
 
 def test_node_level_spans_decide_each_ranks_attempts() -> None:
     """As ``bootseer run`` writes them: everything but first_step once per node (rank null)."""
-    spans = [Span("n1", None, "command_start", T0, T0 + 0.1),
-             Span("n1", 0, "first_step", T0, T0 + 2), Span("n1", 1, "first_step", T0, T0 + 3),
-             Span("n1", None, "hang", T0 + 4, T0 + 9, outcome="killed"),
-             Span("n1", None, "restart", T0 + 9, T0 + 10, attempt=1, detail={"reason": "hang"}),
-             Span("n1", None, "command_start", T0 + 10, T0 + 10.1, attempt=1),
-             Span("n1", 0, "first_step", T0 + 9, T0 + 12, attempt=1),
-             Span("n1", 1, "first_step", T0 + 9, T0 + 13, attempt=1),
-             Span("n2", None, "command_start", T0, T0 + 0.1),  # crashed before any ready
-             Span("n2", None, "restart", T0 + 1, T0 + 2, attempt=1, detail={"exit_code": 3}),
-             Span("n2", None, "command_start", T0 + 2, T0 + 2.1, attempt=1)]
+    spans = [
+        Span("n1", None, "command_start", T0, T0 + 0.1),
+        Span("n1", 0, "first_step", T0, T0 + 2),
+        Span("n1", 1, "first_step", T0, T0 + 3),
+        Span("n1", None, "hang", T0 + 4, T0 + 9, outcome="killed"),
+        Span("n1", None, "restart", T0 + 9, T0 + 10, attempt=1, detail={"reason": "hang"}),
+        Span("n1", None, "command_start", T0 + 10, T0 + 10.1, attempt=1),
+        Span("n1", 0, "first_step", T0 + 9, T0 + 12, attempt=1),
+        Span("n1", 1, "first_step", T0 + 9, T0 + 13, attempt=1),
+        Span("n2", None, "command_start", T0, T0 + 0.1),  # crashed before any ready
+        Span("n2", None, "restart", T0 + 1, T0 + 2, attempt=1, detail={"exit_code": 3}),
+        Span("n2", None, "command_start", T0 + 2, T0 + 2.1, attempt=1),
+    ]
     rep = build_report(spans)
     assert (rep.nodes, rep.workers) == (2, 3)
-    assert [(r.node, r.rank, r.restarts, [(a.attempt, a.outcome, a.reason) for a in r.attempts])
-            for r in rep.restarts] == [
+    assert [
+        (r.node, r.rank, r.restarts, [(a.attempt, a.outcome, a.reason) for a in r.attempts])
+        for r in rep.restarts
+    ] == [
         ("n1", 0, 1, [(0, "hang", "reason=hang"), (1, "ready", None)]),
         ("n1", 1, 1, [(0, "hang", "reason=hang"), (1, "ready", None)]),
-        ("n2", None, 1, [(0, "crash", "exit_code=3"), (1, "incomplete", None)])]
+        ("n2", None, 1, [(0, "crash", "exit_code=3"), (1, "incomplete", None)]),
+    ]
     assert rep.total_restarts == 2  # once per node
     assert [(r.node, r.rank, r.attempt, sorted(r.phases)) for r in rep.last_attempt] == [
         ("n1", 0, 1, ["command_start", "first_step", "restart"]),
         ("n1", 1, 1, ["command_start", "first_step", "restart"]),
-        ("n2", None, 1, ["command_start", "restart"])]
+        ("n2", None, 1, ["command_start", "restart"]),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -233,8 +274,16 @@ def hang_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real ``bootseer run`` trace: the command is ready, heartbeats, hangs on attempt 0 and
     succeeds on attempt 1."""
     tmp = tmp_path_factory.mktemp("hang")
-    proc = run_wrapper(tmp / "trace", "--hang-timeout", "1", "--dump-wait", "1",
-                       "--max-restarts", "2", command=child("hang-once", tmp / "count"))
+    proc = run_wrapper(
+        tmp / "trace",
+        "--hang-timeout",
+        "1",
+        "--dump-wait",
+        "1",
+        "--max-restarts",
+        "2",
+        command=child("hang-once", tmp / "count"),
+    )
     assert proc.returncode == 0, proc.stderr
     return tmp / "trace"
 
@@ -259,14 +308,17 @@ def test_a_real_hang_then_restart(hang_trace: Path) -> None:
 
 def test_a_real_crash_then_restart(tmp_path: Path) -> None:
     trace = tmp_path / "trace"
-    proc = run_wrapper(trace, "--max-restarts", "2", command=child("crash-once",
-                                                                   tmp_path / "count"))
+    proc = run_wrapper(
+        trace, "--max-restarts", "2", command=child("crash-once", tmp_path / "count")
+    )
     assert proc.returncode == 0, proc.stderr
     rep = load_report([trace])
     assert (rep.nodes, rep.workers, rep.total_restarts) == (1, 1, 1)
     [r] = rep.restarts
     assert [(a.attempt, a.outcome, a.reason) for a in r.attempts] == [
-        (0, "crash", "reason=crash, exit_code=5"), (1, "ready", None)]
+        (0, "crash", "reason=crash, exit_code=5"),
+        (1, "ready", None),
+    ]
 
 
 def test_cli_on_a_real_hang_trace(hang_trace: Path, tmp_path: Path) -> None:
@@ -280,20 +332,55 @@ def test_cli_on_a_real_hang_trace(hang_trace: Path, tmp_path: Path) -> None:
 
 def test_json_round_trips_with_the_documented_keys(report: Report) -> None:
     doc = json.loads(json.dumps(report.to_dict()))
-    assert set(doc) == {"version", "sources", "warnings", "spans", "nodes", "workers", "phases",
-                        "stragglers", "restarts", "time_to_first_step", "last_attempt",
-                        "incidents", "node_stragglers", "bytes_by_remote", "robust"}  # v2:
+    assert set(doc) == {
+        "version",
+        "sources",
+        "warnings",
+        "spans",
+        "nodes",
+        "workers",
+        "phases",
+        "stragglers",
+        "restarts",
+        "time_to_first_step",
+        "last_attempt",
+        "incidents",
+        "node_stragglers",
+        "bytes_by_remote",
+        "robust",
+    }  # v2:
     # see test_report_nodes.py for those three, test_report_robust.py for "robust"
-    assert set(doc["phases"][0]) == {"phase", "count", "p50", "p90", "max", "mean", "bytes",
-                                     "outcomes"}
-    assert set(doc["stragglers"][0]) == {"phase", "node", "rank", "attempt", "seconds",
-                                         "median", "mad", "threshold"}
+    assert set(doc["phases"][0]) == {
+        "phase",
+        "count",
+        "p50",
+        "p90",
+        "max",
+        "mean",
+        "bytes",
+        "outcomes",
+    }
+    assert set(doc["stragglers"][0]) == {
+        "phase",
+        "node",
+        "rank",
+        "attempt",
+        "seconds",
+        "median",
+        "mad",
+        "threshold",
+    }
     assert set(doc["restarts"][0]) == {"node", "rank", "restarts", "attempts"}
     assert set(doc["time_to_first_step"]) == {"first_attempt", "last_attempt", "workers"}
-    assert set(doc["time_to_first_step"]["last_attempt"]) == {"count", "p50", "p90", "max",
-                                                              "mean"}
-    assert set(doc["last_attempt"][0]) == {"node", "rank", "attempt", "phases", "first_step_s",
-                                           "wall"}
+    assert set(doc["time_to_first_step"]["last_attempt"]) == {"count", "p50", "p90", "max", "mean"}
+    assert set(doc["last_attempt"][0]) == {
+        "node",
+        "rank",
+        "attempt",
+        "phases",
+        "first_step_s",
+        "wall",
+    }
     assert Report.from_dict(doc) == report
     assert Report.from_dict(doc).to_dict() == doc
 
@@ -346,11 +433,16 @@ def test_cli_prints_the_table_and_writes_json_and_png(job: Path, tmp_path: Path)
     proc = bootseer_cli("report", str(job))
     out = proc.stdout
     assert "phases" in out and "p50" in out and "p90" in out and "time to first step" in out
-    straggler_lines = [line.split()[:4] for line in out.splitlines()
-                       if line.startswith("checkpoint_prefetch  node-5")]
+    straggler_lines = [
+        line.split()[:4]
+        for line in out.splitlines()
+        if line.startswith("checkpoint_prefetch  node-5")
+    ]
     # the span (rank 1, attempt 0), then the node (attempt 0) in the node-level table
-    assert straggler_lines == [["checkpoint_prefetch", "node-5", "1", "0"],
-                               ["checkpoint_prefetch", "node-5", "0", "16.50"]]
+    assert straggler_lines == [
+        ["checkpoint_prefetch", "node-5", "1", "0"],
+        ["checkpoint_prefetch", "node-5", "0", "16.50"],
+    ]
     assert "restarts (1 in all)" in out
     assert f"chart: {job / 'report.png'}" in out
     assert "skipped" in proc.stderr and "Traceback" not in proc.stderr
@@ -359,8 +451,9 @@ def test_cli_prints_the_table_and_writes_json_and_png(job: Path, tmp_path: Path)
     assert (job / "report.png").read_bytes()[:4] == b"\x89PNG"
 
     elsewhere = tmp_path / "out"
-    proc = bootseer_cli("report", str(job), "--out", str(elsewhere),
-                        "--png", str(tmp_path / "c.png"))
+    proc = bootseer_cli(
+        "report", str(job), "--out", str(elsewhere), "--png", str(tmp_path / "c.png")
+    )
     assert (elsewhere / "report.json").exists() and (tmp_path / "c.png").exists()
     assert f"chart: {tmp_path / 'c.png'}" in proc.stdout
 

@@ -41,16 +41,28 @@ def write_job(trace_dir: Path) -> None:
     for n in range(NODES):
         node = f"node-{n}"
         w = TraceWriter(trace_dir, node=node)  # node-level spans, as bootseer run writes them
-        w.record("image_prefetch", T0 - 60, T0 - 50, bytes=IMAGE_REGISTRY, warmup=True,
-                 bytes_by_remote={"registry": IMAGE_REGISTRY})
+        w.record(
+            "image_prefetch",
+            T0 - 60,
+            T0 - 50,
+            bytes=IMAGE_REGISTRY,
+            warmup=True,
+            bytes_by_remote={"registry": IMAGE_REGISTRY},
+        )
         for attempt, t in ((0, T0), (1, RESTART)):
             if attempt:
                 w.record("restart", t, t + 1.0, attempt=1, reason="crash")
                 t += 1.0
             env, ck = 1.0, ckpt_s(n, attempt)
             w.record("environment", t, t + env, attempt=attempt, bytes_by_remote={"s3": ENV_S3})
-            w.record("checkpoint_prefetch", t, t + ck, attempt=attempt,
-                     bytes=ckpt_bytes(n, attempt), bytes_by_remote={"s3": ckpt_bytes(n, attempt)})
+            w.record(
+                "checkpoint_prefetch",
+                t,
+                t + ck,
+                attempt=attempt,
+                bytes=ckpt_bytes(n, attempt),
+                bytes_by_remote={"s3": ckpt_bytes(n, attempt)},
+            )
             ready = t + max(env, ck)
             w.record("command_start", ready, ready + 0.1, attempt=attempt)
             for r in range(RANKS):
@@ -75,11 +87,20 @@ def test_the_restart_cost_is_the_slow_nodes_critical_path(report: Report) -> Non
     assert inc.first_step_at == pytest.approx(first_step_at)
     assert inc.wall_s == pytest.approx(first_step_at - FAIL)
     assert (inc.critical_node, inc.critical_rank, inc.nodes, inc.ready_nodes) == (
-        SLOW, 9, NODES, NODES)
+        SLOW,
+        9,
+        NODES,
+        NODES,
+    )
     got = [(s.phase, round(s.start, 6), round(s.end, 6)) for s in inc.critical_path]
-    assert got == [("untraced", 0.0, 0.5), ("restart", 0.5, 1.5), ("environment", 1.5, 2.5),
-                   ("checkpoint_prefetch", 2.5, 11.5), ("command_start", 11.5, 11.6),
-                   ("first_step", 11.6, 12.61)]
+    assert got == [
+        ("untraced", 0.0, 0.5),
+        ("restart", 0.5, 1.5),
+        ("environment", 1.5, 2.5),
+        ("checkpoint_prefetch", 2.5, 11.5),
+        ("command_start", 11.5, 11.6),
+        ("first_step", 11.6, 12.61),
+    ]
     assert sum(inc.cost.values()) == pytest.approx(inc.wall_s, abs=1e-9)
     assert inc.cost["checkpoint_prefetch"] == pytest.approx(9.0)
     # the cold start: from the first span, node-5 (slowest checkpoint by 1 ms) decides it
@@ -102,11 +123,16 @@ def test_the_timeline_keeps_every_nodes_phases_in_time_order(report: Report) -> 
 
 def test_a_gap_is_left_out_of_the_timeline_and_untraced_on_the_path() -> None:
     spans = [Span("n", None, "a", 10.0, 11.0), Span("n", None, "b", 12.0, 13.0)]
-    assert positioned_segments(spans, 9.0, gap=None) == [Segment("a", 1.0, 2.0),
-                                                           Segment("b", 3.0, 4.0)]
+    assert positioned_segments(spans, 9.0, gap=None) == [
+        Segment("a", 1.0, 2.0),
+        Segment("b", 3.0, 4.0),
+    ]
     assert positioned_segments(spans, 9.0, until=12.5) == [
-        Segment("untraced", 0.0, 1.0), Segment("a", 1.0, 2.0), Segment("untraced", 2.0, 3.0),
-        Segment("b", 3.0, 3.5)]
+        Segment("untraced", 0.0, 1.0),
+        Segment("a", 1.0, 2.0),
+        Segment("untraced", 2.0, 3.0),
+        Segment("b", 3.0, 3.5),
+    ]
 
 
 def test_straggling_nodes_by_phase(report: Report) -> None:
@@ -124,7 +150,8 @@ def test_bytes_from_each_remote_per_node_and_in_total(report: Report) -> None:
         assert row.total == IMAGE_REGISTRY + s3
     assert report.bytes_by_remote == {
         "registry": NODES * IMAGE_REGISTRY,
-        "s3": sum(2 * ENV_S3 + ckpt_bytes(n, 0) + ckpt_bytes(n, 1) for n in range(NODES))}
+        "s3": sum(2 * ENV_S3 + ckpt_bytes(n, 0) + ckpt_bytes(n, 1) for n in range(NODES)),
+    }
 
 
 def test_warmup_spans_are_in_no_incident(report: Report) -> None:
@@ -135,15 +162,26 @@ def test_warmup_spans_are_in_no_incident(report: Report) -> None:
 def test_a_bad_bytes_by_remote_line_is_a_warning_naming_it(tmp_path: Path) -> None:
     write_job(tmp_path)
     with open(tmp_path / "node-0.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps({"node": "node-0", "phase": "environment", "start": T0, "end": T0,
-                            "bytes_by_remote": {"s3": -1}}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "node": "node-0",
+                    "phase": "environment",
+                    "start": T0,
+                    "end": T0,
+                    "bytes_by_remote": {"s3": -1},
+                }
+            )
+            + "\n"
+        )
     rep = load_report([tmp_path])
     assert len(rep.warnings) == 1 and "bytes_by_remote" in rep.warnings[0]
     assert "node-0.jsonl" in rep.warnings[0]
 
 
 def test_the_timeline_chart_has_a_bar_per_node_and_marks_the_critical_path(
-        report: Report, tmp_path: Path) -> None:
+    report: Report, tmp_path: Path
+) -> None:
     import matplotlib.image
     import matplotlib.pyplot as plt
 
@@ -152,8 +190,9 @@ def test_the_timeline_chart_has_a_bar_per_node_and_marks_the_critical_path(
     try:
         [ax] = [a for a in fig.axes if a.get_yticklabels()]
         labels = [t.get_text() for t in ax.get_yticklabels()]
-        assert labels == [f"node-{n}" + (" (critical path)" if f"node-{n}" == SLOW else "")
-                          for n in range(NODES)]
+        assert labels == [
+            f"node-{n}" + (" (critical path)" if f"node-{n}" == SLOW else "") for n in range(NODES)
+        ]
         by_gid: dict[str, list] = {}
         for patch in ax.patches:
             by_gid.setdefault(patch.get_gid(), []).append(patch)
@@ -162,9 +201,11 @@ def test_the_timeline_chart_has_a_bar_per_node_and_marks_the_critical_path(
         assert len(by_gid["phase:checkpoint_prefetch"]) == NODES
         critical = by_gid["critical"]
         assert [(p.get_x(), p.get_x() + p.get_width()) for p in critical] == [
-            (s.start, s.end) for s in inc.critical_path]
-        assert {p.get_y() + p.get_height() / 2 for p in critical} == {labels.index(
-            f"{SLOW} (critical path)")}
+            (s.start, s.end) for s in inc.critical_path
+        ]
+        assert {p.get_y() + p.get_height() / 2 for p in critical} == {
+            labels.index(f"{SLOW} (critical path)")
+        }
         [line] = [ln for ln in ax.lines if ln.get_gid() == "first_step"]
         assert list(line.get_xdata()) == [inc.wall_s, inc.wall_s]
     finally:
@@ -182,10 +223,19 @@ def synthetic_job(nodes: int, slow: int) -> list[Span]:
     for n in range(nodes):
         node = f"node-{n}"
         ck = 30.0 if n == slow else 3.0 * (1 + (n % 7) / 700)
-        spans += [Span(node, None, "restart", 0.0, 1.0, attempt=1),
-                  Span(node, None, "checkpoint_prefetch", 1.0, 1.0 + ck, attempt=1,
-                       bytes_by_remote={"s3": 1000}),
-                  Span(node, n, "first_step", 1.0, 2.0 + ck, attempt=1)]
+        spans += [
+            Span(node, None, "restart", 0.0, 1.0, attempt=1),
+            Span(
+                node,
+                None,
+                "checkpoint_prefetch",
+                1.0,
+                1.0 + ck,
+                attempt=1,
+                bytes_by_remote={"s3": 1000},
+            ),
+            Span(node, n, "first_step", 1.0, 2.0 + ck, attempt=1),
+        ]
     return spans
 
 
@@ -199,7 +249,9 @@ def test_many_nodes(nodes: int, tmp_path: Path) -> None:
     assert (inc.nodes, inc.ready_nodes, inc.critical_node) == (nodes, nodes, f"node-{slow}")
     assert inc.wall_s == pytest.approx(32.0) and inc.cost["checkpoint_prefetch"] == 30.0
     assert {(s.phase, s.node) for s in rep.node_stragglers} == {
-        ("checkpoint_prefetch", f"node-{slow}"), ("first_step", f"node-{slow}")}
+        ("checkpoint_prefetch", f"node-{slow}"),
+        ("first_step", f"node-{slow}"),
+    }
     assert rep.bytes_by_remote == {"s3": 1000 * nodes} and len(rep.bytes_by_node) == nodes
     rows, total = timeline_rows(inc, max_bars=60)
     assert total == nodes and len(rows) == min(nodes, 60)
@@ -216,27 +268,48 @@ def test_json_v3_schema_is_pinned_and_round_trips(report: Report) -> None:
     assert doc["version"] == REPORT_VERSION == 3
     inc = doc["incidents"][1]
     assert {k: type(v).__name__ for k, v in inc.items()} == {
-        "attempt": "int", "kind": "str", "start_at": "float", "start_from": "str",
-        "first_step_at": "float", "wall_s": "float", "nodes": "int", "ready_nodes": "int",
-        "critical_node": "str", "critical_rank": "int", "critical_path": "list",
-        "cost": "dict", "timeline": "list", "node_attempts": "dict"}
+        "attempt": "int",
+        "kind": "str",
+        "start_at": "float",
+        "start_from": "str",
+        "first_step_at": "float",
+        "wall_s": "float",
+        "nodes": "int",
+        "ready_nodes": "int",
+        "critical_node": "str",
+        "critical_rank": "int",
+        "critical_path": "list",
+        "cost": "dict",
+        "timeline": "list",
+        "node_attempts": "dict",
+    }
     assert inc["node_attempts"] == {f"node-{n}": [1] for n in range(NODES)}
     assert set(inc["critical_path"][0]) == {"phase", "start", "end"}
     assert set(inc["timeline"][0]) == {"node", "segments", "first_step_s"}
     assert {k: type(v).__name__ for k, v in doc["node_stragglers"][0].items()} == {
-        "phase": "str", "node": "str", "attempt": "int", "seconds": "float",
-        "median": "float", "mad": "float", "threshold": "float"}
+        "phase": "str",
+        "node": "str",
+        "attempt": "int",
+        "seconds": "float",
+        "median": "float",
+        "mad": "float",
+        "threshold": "float",
+    }
     assert set(doc["bytes_by_remote"]) == {"total", "nodes"}
     assert {k: type(v).__name__ for k, v in doc["bytes_by_remote"]["nodes"][0].items()} == {
-        "node": "str", "remotes": "dict", "total": "int"}
+        "node": "str",
+        "remotes": "dict",
+        "total": "int",
+    }
     assert Report.from_dict(doc) == report
     assert Report.from_dict(doc).to_dict() == doc
 
 
 def test_a_v1_report_still_reads(report: Report) -> None:
     doc = report.to_dict()
-    v1 = {k: v for k, v in doc.items()
-          if k not in ("incidents", "node_stragglers", "bytes_by_remote")}
+    v1 = {
+        k: v for k, v in doc.items() if k not in ("incidents", "node_stragglers", "bytes_by_remote")
+    }
     v1["version"] = 1
     assert 1 in READABLE_VERSIONS
     old = Report.from_dict(v1)
@@ -263,9 +336,13 @@ def test_cli_prints_the_node_views_and_writes_the_timeline(tmp_path: Path) -> No
     assert "node-4/r9" in row and "checkpoint_prefetch 9.00" in row and "12.61" in row
     [total] = [line for line in out.splitlines() if line.startswith("all nodes")]
     s3 = sum(2 * ENV_S3 + ckpt_bytes(n, 0) + ckpt_bytes(n, 1) for n in range(NODES))
-    assert total.split() == ["all", "nodes", *human_bytes(NODES * IMAGE_REGISTRY).split(),
-                             *human_bytes(s3).split(),
-                             *human_bytes(NODES * IMAGE_REGISTRY + s3).split()]
+    assert total.split() == [
+        "all",
+        "nodes",
+        *human_bytes(NODES * IMAGE_REGISTRY).split(),
+        *human_bytes(s3).split(),
+        *human_bytes(NODES * IMAGE_REGISTRY + s3).split(),
+    ]
     assert (tmp_path / "o" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -273,13 +350,13 @@ def test_real_run_traces_have_their_incidents(tmp_path: Path) -> None:
     """``bootseer run`` crashes its command once and restarts it: two incidents, the second
     from the restart span to the first step, its cost adding up to its wall time."""
     trace = tmp_path / "trace"
-    proc = run_wrapper(trace, "--max-restarts", "2", command=child("crash-once",
-                                                                   tmp_path / "count"))
+    proc = run_wrapper(
+        trace, "--max-restarts", "2", command=child("crash-once", tmp_path / "count")
+    )
     assert proc.returncode == 0, proc.stderr
     rep = load_report([trace])
     cold, restart = rep.incidents
-    assert (cold.attempt, cold.ready_nodes, cold.wall_s, cold.critical_node) == (0, 0, None,
-                                                                                None)
+    assert (cold.attempt, cold.ready_nodes, cold.wall_s, cold.critical_node) == (0, 0, None, None)
     assert (restart.kind, restart.start_from, restart.ready_nodes) == ("restart", "restart", 1)
     assert (restart.critical_node, restart.critical_rank) == ("testnode", 0)
     assert restart.wall_s == pytest.approx(restart.first_step_at - restart.start_at)
@@ -291,8 +368,12 @@ def test_real_run_traces_have_their_incidents(tmp_path: Path) -> None:
 def test_spans_carry_bytes_by_remote_through_the_writer(tmp_path: Path) -> None:
     from bootseer.trace import read_traces, remote_of
 
-    assert [remote_of(u) for u in ("striped::s3://b/x", "s3://b", "/data/ckpt",
-                                   "hdfs://nn/x")] == ["s3", "s3", "file", "hdfs"]
+    assert [remote_of(u) for u in ("striped::s3://b/x", "s3://b", "/data/ckpt", "hdfs://nn/x")] == [
+        "s3",
+        "s3",
+        "file",
+        "hdfs",
+    ]
     w = TraceWriter(tmp_path, node="n")
     with w.span("checkpoint_prefetch") as info:
         info["bytes_by_remote"] = {"s3": 7}

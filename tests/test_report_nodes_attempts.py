@@ -17,8 +17,9 @@ LOSS = T0 + 100.0  # node3 is lost (SIGKILL to the node): its last event, a fail
 SURVIVORS = ("node0", "node1", "node2")
 
 
-def attempt(w: TraceWriter, node: str, rank0: int, n: int, t: float, env: float,
-            ready: float) -> None:
+def attempt(
+    w: TraceWriter, node: str, rank0: int, n: int, t: float, env: float, ready: float
+) -> None:
     """One ``bootseer run`` attempt: environment, checkpoint prefetch, torchrun, both ranks'
     first step (a collective: every rank of the job ends it at ``ready``)."""
     w.record("environment", t, t + env, attempt=n)
@@ -66,7 +67,9 @@ def test_a_replacement_s_first_attempt_is_the_survivors_second(traces: Path) -> 
     # the fresh node's phases are the restart's, placed from the loss; not the cold start's
     [node3] = [t for t in restart.timeline if t.node == "node3"]
     assert [(s.phase, s.start, s.end) for s in node3.segments][:2] == [
-        ("checkpoint_prefetch", 15.0, 15.5), ("environment", 15.5, 27.0)]
+        ("checkpoint_prefetch", 15.0, 15.5),
+        ("environment", 15.5, 27.0),
+    ]
     assert sum(restart.cost.values()) == pytest.approx(restart.wall_s)
 
 
@@ -88,14 +91,17 @@ def test_nodes_that_restart_together_keep_their_own_numbers(traces: Path) -> Non
         for n in range(3):
             t = T0 + 100.0 * n
             spans += [Span(node, None, "restart", t, t + 1, attempt=n)] if n else []
-            spans += [Span(node, None, "environment", t + 1, t + 2, attempt=n),
-                      Span(node, i, "first_step", t + 1, t + 10, attempt=n)]
+            spans += [
+                Span(node, None, "environment", t + 1, t + 2, attempt=n),
+                Span(node, i, "first_step", t + 1, t + 10, attempt=n),
+            ]
     spans.append(Span("b", None, "failure", T0 + 50, T0 + 50, attempt=0, outcome="failed"))
     rep = build_report(spans)
     assert [(i.attempt, i.node_attempts, i.start_from) for i in rep.incidents] == [
         (0, {"a": [0], "b": [0], "c": [0]}, "first_span"),
         (1, {"a": [1], "b": [1], "c": [1]}, "failure"),
-        (2, {"a": [2], "b": [2], "c": [2]}, "restart")]
+        (2, {"a": [2], "b": [2], "c": [2]}, "restart"),
+    ]
     assert rep.incidents[1].start_at == T0 + 50
 
 
@@ -112,16 +118,29 @@ def test_a_launchers_restart_of_its_ranks_is_an_incident_of_its_own(tmp_path: Pa
         w = TraceWriter(tmp_path / node, node=node)
         pid = {"pid": 100 + i}
         w.record("command_start", T0, T0 + 1.0, attempt=0, **pid)
-        TraceWriter(w.dir, node=node, rank=i).record("first_step", T0, T0 + 10.0, attempt=0,
-                                                     **pid)
-        w.record("relaunch", T0 + 50.0, T0 + 54.0 + i, attempt=0, reason="crash",
-                 exited_at=T0 + 50.0, generation=1, failed_rank=1, **pid)
-        TraceWriter(w.dir, node=node, rank=i).record("first_step", T0 + 54.0 + i, T0 + 60.0,
-                                                     attempt=0, generation=1, **pid)
+        TraceWriter(w.dir, node=node, rank=i).record("first_step", T0, T0 + 10.0, attempt=0, **pid)
+        w.record(
+            "relaunch",
+            T0 + 50.0,
+            T0 + 54.0 + i,
+            attempt=0,
+            reason="crash",
+            exited_at=T0 + 50.0,
+            generation=1,
+            failed_rank=1,
+            **pid,
+        )
+        TraceWriter(w.dir, node=node, rank=i).record(
+            "first_step", T0 + 54.0 + i, T0 + 60.0, attempt=0, generation=1, **pid
+        )
     cold, again = load_report([tmp_path]).incidents
     assert (cold.kind, cold.first_step_at, cold.wall_s) == ("start", T0 + 10.0, 10.0)
     assert (again.kind, again.start_at, again.start_from, again.first_step_at) == (
-        "restart", T0 + 50.0, "restart", T0 + 60.0)
+        "restart",
+        T0 + 50.0,
+        "restart",
+        T0 + 60.0,
+    )
     assert again.node_attempts == {"node0": [0], "node1": [0]}  # the nodes' own attempt
     assert sum(again.cost.values()) == pytest.approx(again.wall_s)
     spans, _ = read_traces([tmp_path])

@@ -35,11 +35,17 @@ def test_a_syntax_error_stops_after_one_attempt(tmp_path):
     assert starts(trace) == [0]  # no restart burnt
     [event], [verdict] = records(trace)
     assert (event.kind, event.failure_class, event.evidence["rule"]) == (
-        "crash", "user_error", "deterministic_exception")
+        "crash",
+        "user_error",
+        "deterministic_exception",
+    )
     assert event.evidence["exception"] == "SyntaxError"
     assert any("SyntaxError" in line for line in event.evidence["lines"])
     assert (verdict.action, verdict.failure_class, verdict.evidence["local"]) == (
-        "stop", "user_error", "stop")
+        "stop",
+        "user_error",
+        "stop",
+    )
     assert "verdict: crash user_error (SyntaxError)" in proc.stderr
     assert "-> stop" in proc.stderr
     assert "SyntaxError: " in proc.stderr  # the command's own output still came through
@@ -47,21 +53,29 @@ def test_a_syntax_error_stops_after_one_attempt(tmp_path):
 
 def test_a_sigkill_restarts_in_place(tmp_path):
     trace, counter = tmp_path / "trace", tmp_path / "count"
-    proc = run_wrapper(trace, "--max-restarts", "3",
-                       command=scenario_argv("sigkill-once", counter))
+    proc = run_wrapper(trace, "--max-restarts", "3", command=scenario_argv("sigkill-once", counter))
     assert proc.returncode == 0, proc.stderr
     assert starts(trace) == [0, 1]
     [event], [verdict] = records(trace)
     assert (event.failure_class, event.evidence["signal"], event.evidence["exit_code"]) == (
-        "killed_by_signal", "SIGKILL", 137)
+        "killed_by_signal",
+        "SIGKILL",
+        137,
+    )
     assert (verdict.action, verdict.evidence["local"]) == ("restart_in_place", "restart")
     assert proc.stdout == "step 1\n"  # the tee passed the command's output on
 
 
 def test_no_progress_across_restarts_stops(tmp_path):
     trace, counter = tmp_path / "trace", tmp_path / "count"
-    proc = run_wrapper(trace, "--max-restarts", "10", "--max-no-progress", "2",
-                       command=scenario_argv("steps-then-raise", counter, 5))
+    proc = run_wrapper(
+        trace,
+        "--max-restarts",
+        "10",
+        "--max-no-progress",
+        "2",
+        command=scenario_argv("steps-then-raise", counter, 5),
+    )
     assert proc.returncode == 1, proc.stderr
     assert counter.read_text() == "3"  # step 5 reached three times: 2 restarts, no progress
     events, verdicts = records(trace)
@@ -75,13 +89,16 @@ def test_no_progress_across_restarts_stops(tmp_path):
 
 def test_a_nan_kills_the_command_at_its_step_and_restarts(tmp_path):
     trace, counter = tmp_path / "trace", tmp_path / "count"
-    proc = run_wrapper(trace, "--max-restarts", "2",
-                       command=scenario_argv("nan-once", counter, 3))
+    proc = run_wrapper(trace, "--max-restarts", "2", command=scenario_argv("nan-once", counter, 3))
     assert proc.returncode == 0, proc.stderr
     assert counter.read_text() == "2"
     [event], [verdict] = records(trace)
     assert (event.kind, event.failure_class, event.step, event.evidence) == (
-        "nonfinite", "nonfinite", 3, {"loss": "nan"})
+        "nonfinite",
+        "nonfinite",
+        3,
+        {"loss": "nan"},
+    )
     assert (verdict.action, verdict.evidence["local"]) == ("restart_in_place", "restart")
     [restart] = [s for s in spans(trace) if s.get("phase") == "restart"]
     assert (restart["attempt"], restart["detail"]["reason"]) == (1, "nonfinite")
@@ -96,8 +113,9 @@ def test_a_restart_after_a_nan_skips_the_checkpoints_saved_after_it(tmp_path):
     from ckpt import CheckpointManager
 
     trace, out, store = tmp_path / "trace", tmp_path / "attempts.jsonl", tmp_path / "ckpt"
-    proc = run_wrapper(trace, "--max-restarts", "2",
-                       command=scenario_argv("nan-then-checkpoint", store, out, 3, 8))
+    proc = run_wrapper(
+        trace, "--max-restarts", "2", command=scenario_argv("nan-then-checkpoint", store, out, 3, 8)
+    )
     assert proc.returncode == 0, proc.stderr
     attempts = [json.loads(line) for line in out.read_text().splitlines()]
     assert attempts[0] == {"attempt": 0, "resumed": 0, "finite": True}
@@ -118,45 +136,83 @@ def test_a_loss_spike_is_an_event_and_the_job_goes_on(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert starts(trace) == [0]
     [event], [verdict] = records(trace)
-    assert (event.kind, event.step, event.evidence["metric"], event.evidence["value"],
-            event.evidence["median"]) == ("spike", 6, "loss", 10.0, 1.0)
+    assert (
+        event.kind,
+        event.step,
+        event.evidence["metric"],
+        event.evidence["value"],
+        event.evidence["median"],
+    ) == ("spike", 6, "loss", 10.0, 1.0)
     assert (verdict.action, verdict.evidence["local"]) == ("continue", "continue")
 
 
 def test_a_hang_writes_its_event_and_verdict(tmp_path):
     trace, counter = tmp_path / "trace", tmp_path / "count"
-    proc = run_wrapper(trace, "--hang-timeout", "1", "--max-restarts", "1",
-                       command=[sys.executable, str(Path(__file__).parent / "run_helpers.py"),
-                                "hang-once", str(counter)])
+    proc = run_wrapper(
+        trace,
+        "--hang-timeout",
+        "1",
+        "--max-restarts",
+        "1",
+        command=[
+            sys.executable,
+            str(Path(__file__).parent / "run_helpers.py"),
+            "hang-once",
+            str(counter),
+        ],
+    )
     assert proc.returncode == 0, proc.stderr
     [event], [verdict] = records(trace)
     assert (event.kind, event.rank, event.step, event.evidence["threshold_from"]) == (
-        "hang", 0, 1, "configured")
+        "hang",
+        0,
+        1,
+        "configured",
+    )
     assert event.evidence["stacks"]  # the dump of the hung process is named
     # the policy evicts a hung node; alone, the agent restarts it in place
     assert (verdict.action, verdict.nodes, verdict.evidence["local"]) == (
-        "replace_and_restart", ("testnode",), "restart")
+        "replace_and_restart",
+        ("testnode",),
+        "restart",
+    )
 
 
 def test_output_passes_unchanged_and_only_the_tail_is_kept(tmp_path):
     trace = tmp_path / "trace"
     proc = subprocess.run(
-        [sys.executable, "-m", "bootseer", "run", "--trace-dir", str(trace), "--backoff", "0",
-         "--max-restarts", "0", "--log-tail-lines", "50", "--",
-         *scenario_argv("output", 5000)],
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("BOOTSEER_")},
-             "BOOTSEER_NODE": "testnode",
-             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        capture_output=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "run",
+            "--trace-dir",
+            str(trace),
+            "--backoff",
+            "0",
+            "--max-restarts",
+            "0",
+            "--log-tail-lines",
+            "50",
+            "--",
+            *scenario_argv("output", 5000),
+        ],
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("BOOTSEER_")},
+            "BOOTSEER_NODE": "testnode",
+            "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+        },
+        capture_output=True,
+        timeout=120,
+    )
     expected = "".join(f"line {i}\n" for i in range(5000)) + "no newline at the end"
     assert proc.stdout.decode() == expected  # byte for byte
     [event], _ = records(trace)
-    assert (event.failure_class, event.evidence["exception"]) == ("python_exception",
-                                                                  "ValueError")
+    assert (event.failure_class, event.evidence["exception"]) == ("python_exception", "ValueError")
     # stdout's last lines first, stderr's last: the traceback ends the evidence (its last 20)
     lines = event.evidence["lines"]
     assert lines[-1] == "ValueError: the last words" and "line 0" not in lines
-    assert lines[:lines.index("no newline at the end")][-2:] == ["line 4998", "line 4999"]
+    assert lines[: lines.index("no newline at the end")][-2:] == ["line 4998", "line 4999"]
 
 
 def test_the_tail_is_bounded_per_stream_and_stderr_comes_last():
@@ -193,14 +249,21 @@ def test_verdicts_are_json_lines_in_the_nodes_trace(tmp_path):
 def test_a_learned_hang_threshold_catches_a_stall(tmp_path):
     """hang.timeout_s 0 with a learned threshold: steady 0.2 s steps, then silence."""
     trace = tmp_path / "trace"
-    proc = subprocess.run(scenario_argv("supervise-learned", trace, 8, 0.2),
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve()
-                                                              .parent.parent)},
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        scenario_argv("supervise-learned", trace, 8, 0.2),
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 128 + 9, proc.stderr  # killed as hung, no restart allowed
     [event], [verdict] = records(trace)
     assert (event.kind, event.rank, event.step, event.evidence["threshold_from"]) == (
-        "hang", 0, 7, "learned")
+        "hang",
+        0,
+        7,
+        "learned",
+    )
     # the threshold came from the steps: max(2 x median step time, 0.5 s)
     assert event.evidence["threshold_s"] >= 0.5
     assert verdict.failure_class == "hang"

@@ -19,19 +19,41 @@ GUARD = 240
 
 
 def env(**extra: str) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith("BOOTSEER_") and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                           "MASTER_PORT", "LOCAL_RANK")}
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("BOOTSEER_")
+        and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    }
     return {**base, "PYTHONPATH": ROOT, "BOOTSEER_NODE": "checknode", **extra}
 
 
 def test_three_torchrun_ranks_agree_bit_for_bit(tmp_path):
     trace = tmp_path / "trace"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "bootseer",
-         "check", "--mib", "1", "--trace-dir", str(trace)],
-        env=env(), capture_output=True, text=True, timeout=GUARD)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "3",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "bootseer",
+            "check",
+            "--mib",
+            "1",
+            "--trace-dir",
+            str(trace),
+        ],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "check: 3 ranks over gloo" in out
@@ -53,22 +75,40 @@ def test_three_torchrun_ranks_agree_bit_for_bit(tmp_path):
 def test_the_deviating_rank_and_the_corrupted_sum_are_named(tmp_path):
     trace = tmp_path / "trace"
     proc = subprocess.run(
-        [sys.executable, "-m", "bootseer", "check", "--nproc", "3", "--mib", "1",
-         "--trace-dir", str(trace)],
-        env=env(BOOTSEER_CHECK_FAULT="alignment:1,sum:2"), capture_output=True, text=True,
-        timeout=GUARD)
+        [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "check",
+            "--nproc",
+            "3",
+            "--mib",
+            "1",
+            "--trace-dir",
+            str(trace),
+        ],
+        env=env(BOOTSEER_CHECK_FAULT="alignment:1,sum:2"),
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "sums WRONG on rank 2 (node checknode)" in proc.stdout
     assert "alignment: rank 1 (node checknode) differs from the majority" in proc.stdout
     assert "verdict: FAILED: evict rank 1 (node checknode), rank 2 (node checknode)" in proc.stdout
     records, _ = read_records([trace])
     events = [r for r in records if isinstance(r, Event)]
-    assert [(e.failure_class, e.rank) for e in events] == [("collective_error", 2),
-                                                          ("alignment_mismatch", 1)]
+    assert [(e.failure_class, e.rank) for e in events] == [
+        ("collective_error", 2),
+        ("alignment_mismatch", 1),
+    ]
     assert events[0].evidence["wrong_elements"] == 1
     [verdict] = [r for r in records if isinstance(r, Verdict)]
     assert (verdict.action, verdict.ranks, verdict.nodes) == (
-        "replace_and_restart", (1, 2), ("checknode",))
+        "replace_and_restart",
+        (1, 2),
+        ("checknode",),
+    )
 
 
 def test_one_ulp_changes_the_hashes_and_the_majority_names_it():
@@ -84,8 +124,13 @@ def test_one_ulp_changes_the_hashes_and_the_majority_names_it():
 def test_a_bad_fault_spec_is_refused_by_name():
     with pytest.raises(ValueError, match="alignment:RANK or sum:RANK"):
         parse_faults("alignment:one")
-    proc = subprocess.run([sys.executable, "-m", "bootseer", "check", "--nproc", "1"],
-                          env=env(), capture_output=True, text=True, timeout=GUARD)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bootseer", "check", "--nproc", "1"],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+    )
     assert proc.returncode == 2
     assert "--nproc 1: a check between processes needs at least 2" in proc.stderr
 
@@ -110,23 +155,37 @@ def test_the_node_whose_every_link_is_slow_is_named_and_noise_is_not():
     def result(rank, links):
         return RankResult(rank, f"node{rank}", 0, "o", "g", 0.1, 1 << 20, links)
 
-    slow_1 = [result(0, {"0-1": 0.40, "3-0": 0.004}), result(1, {"0-1": 0.41, "1-2": 0.39}),
-              result(2, {"1-2": 0.38, "2-3": 0.005}), result(3, {"2-3": 0.004, "3-0": 0.003})]
+    slow_1 = [
+        result(0, {"0-1": 0.40, "3-0": 0.004}),
+        result(1, {"0-1": 0.41, "1-2": 0.39}),
+        result(2, {"1-2": 0.38, "2-3": 0.005}),
+        result(3, {"2-3": 0.004, "3-0": 0.003}),
+    ]
     report = CheckReport.from_results(slow_1)
     assert report.link_suspects == (1,) and report.suspects == (1,) and not report.ok
     assert report.links["0-1"] == 0.41  # the slower end's reading
     assert "SLOW on every link of rank 1 (node node1)" in report.text()
     [event] = [r for r in report.records() if isinstance(r, Event)]
     assert (event.failure_class, event.node, event.evidence["check"]) == (
-        "slow_link", "node1", "link_bandwidth")
+        "slow_link",
+        "node1",
+        "link_bandwidth",
+    )
     # one slow link alone (two ends to blame), all slow (the fabric), or within the noise
     # floor: nobody is named
-    one = [result(0, {"0-1": 0.4, "2-0": 0.004}), result(1, {"0-1": 0.4, "1-2": 0.004}),
-           result(2, {"1-2": 0.004, "2-0": 0.004})]
+    one = [
+        result(0, {"0-1": 0.4, "2-0": 0.004}),
+        result(1, {"0-1": 0.4, "1-2": 0.004}),
+        result(2, {"1-2": 0.004, "2-0": 0.004}),
+    ]
     assert link_suspects(one)[0] == ()
-    assert link_suspects([result(r, {"0-1": 0.4, "1-2": 0.4, "2-0": 0.4}) for r in range(3)]
-                         )[0] == ()
-    noise = [result(0, {"0-1": 0.02, "2-0": 0.001}), result(1, {"0-1": 0.02, "1-2": 0.02}),
-             result(2, {"1-2": 0.02, "2-0": 0.001})]
+    assert (
+        link_suspects([result(r, {"0-1": 0.4, "1-2": 0.4, "2-0": 0.4}) for r in range(3)])[0] == ()
+    )
+    noise = [
+        result(0, {"0-1": 0.02, "2-0": 0.001}),
+        result(1, {"0-1": 0.02, "1-2": 0.02}),
+        result(2, {"1-2": 0.02, "2-0": 0.001}),
+    ]
     assert link_suspects(noise)[0] == ()
     assert link_suspects(slow_1[:2])[0] == ()  # two ranks: one link, no culprit

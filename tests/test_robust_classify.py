@@ -31,7 +31,10 @@ def test_a_python_exception_names_its_type():
     code, lines = run_scenario("exception")
     got = classify(code, lines)
     assert (got.failure_class, got.detail["exception"], got.exit_code) == (
-        "python_exception", "KeyError", 1)
+        "python_exception",
+        "KeyError",
+        1,
+    )
     assert got.lines == ("KeyError: 'missing-key'",)
 
 
@@ -46,7 +49,10 @@ def test_memory_error_under_rlimit_as_is_cpu_oom():
     code, lines = run_scenario("memory-error", 400)
     got = classify(code, lines)
     assert (got.failure_class, got.rule, got.detail["exception"]) == (
-        "cpu_oom", "python_memory_error", "MemoryError")
+        "cpu_oom",
+        "python_memory_error",
+        "MemoryError",
+    )
 
 
 @pytest.fixture
@@ -99,14 +105,20 @@ def test_enospc_on_a_full_tmpfs_is_disk_full(tiny_disk):  # noqa: F811 - the fix
 
 def test_botocore_against_a_stopped_moto_server_is_storage_error(s3_server_factory):
     server = s3_server_factory()
-    boto3.client("s3", endpoint_url=server.endpoint_url, region_name="us-east-1",
-                 aws_access_key_id="testing", aws_secret_access_key="testing"
-                 ).create_bucket(Bucket="ckpt-store-down")
+    boto3.client(
+        "s3",
+        endpoint_url=server.endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    ).create_bucket(Bucket="ckpt-store-down")
     server.stop()
     code, lines = run_scenario("s3-put", server.endpoint_url, "ckpt-store-down")
     got = classify(code, lines)
     assert (got.failure_class, got.detail["exception"]) == (
-        "storage_error", "botocore.exceptions.EndpointConnectionError")
+        "storage_error",
+        "botocore.exceptions.EndpointConnectionError",
+    )
 
 
 def test_a_syntax_error_is_a_user_error(tmp_path):
@@ -120,8 +132,9 @@ def test_a_syntax_error_is_a_user_error(tmp_path):
 
 
 def test_a_missing_module_is_a_user_error():
-    proc = subprocess.run([sys.executable, "-c", "import bootseer_no_such_module"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import bootseer_no_such_module"], capture_output=True, text=True
+    )
     got = classify(proc.returncode, proc.stderr.splitlines())
     assert (got.failure_class, got.detail["exception"]) == ("user_error", "ModuleNotFoundError")
 
@@ -132,39 +145,50 @@ QUOTED = {
     "gpu_oom": [
         "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 22.00 MiB. GPU 0 "
         "has a total capacity of 23.65 GiB of which 11.06 MiB is free. Including non-PyTorch "
-        "memory, this process has 23.60 GiB memory in use."],
+        "memory, this process has 23.60 GiB memory in use."
+    ],
     # NVIDIA/TensorRT#3491 and hpcaitech/Open-Sora#694: an asynchronous CUDA fault
     "cuda_error": [
         "RuntimeError: CUDA error: an illegal memory access was encountered",
         "CUDA kernel errors might be asynchronously reported at some other API call, so the "
         "stacktrace below might be incorrect.",
-        "For debugging consider passing CUDA_LAUNCH_BLOCKING=1."],
+        "For debugging consider passing CUDA_LAUNCH_BLOCKING=1.",
+    ],
     # zai-org/CogVLM2#178: NCCL through torch.distributed
     "nccl_error": [
         "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/"
         "ProcessGroupNCCL.cpp:1691, unhandled system error (run with NCCL_DEBUG=INFO for "
-        "details), NCCL version 2.19.3"],
+        "details), NCCL version 2.19.3"
+    ],
     # XPixelGroup/BasicSR#737: the NCCL watchdog, with torch's [rankN]: prefix
     "nccl_timeout": [
         "[rank1]:[E626 06:24:44.903881913 ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught "
         "collective operation timeout: WorkNCCL(SeqNum=808, OpType=ALLREDUCE, "
         "NumelIn=9801523, NumelOut=9801523, Timeout(ms)=600000) ran for 600020 milliseconds "
-        "before timing out."],
+        "before timing out."
+    ],
     # NVIDIA/NVSentinel#155: the kernel log line of Xid 79 (a node check reads dmesg)
     "xid": ["NVRM: Xid (PCI:0000:44:00): 79, GPU has fallen off the bus"],
 }
 
 
-@pytest.mark.parametrize(("quoted", "cls", "detail"), [
-    ("gpu_oom", "gpu_oom", {"exception": "torch.cuda.OutOfMemoryError"}),
-    ("cuda_error", "cuda_error", {"exception": "RuntimeError"}),
-    ("nccl_error", "nccl_error", {"exception": "torch.distributed.DistBackendError"}),
-    ("nccl_timeout", "nccl_error", {}),
-    ("xid", "cuda_error", {"xid": 79}),
-])
+@pytest.mark.parametrize(
+    ("quoted", "cls", "detail"),
+    [
+        ("gpu_oom", "gpu_oom", {"exception": "torch.cuda.OutOfMemoryError"}),
+        ("cuda_error", "cuda_error", {"exception": "RuntimeError"}),
+        ("nccl_error", "nccl_error", {"exception": "torch.distributed.DistBackendError"}),
+        ("nccl_timeout", "nccl_error", {}),
+        ("xid", "cuda_error", {"xid": 79}),
+    ],
+)
 def test_quoted_gpu_lines(quoted, cls, detail):
-    got = classify(1, ["Traceback (most recent call last):", '  File "train.py", line 9',
-                       *QUOTED[quoted]] if detail.get("exception") else QUOTED[quoted])
+    got = classify(
+        1,
+        ["Traceback (most recent call last):", '  File "train.py", line 9', *QUOTED[quoted]]
+        if detail.get("exception")
+        else QUOTED[quoted],
+    )
     assert (got.failure_class, got.detail) == (cls, detail)
 
 
@@ -182,8 +206,10 @@ def test_the_table_is_ordered_data_and_ends_in_unknown():
 
 def test_a_rule_with_a_bad_exit_condition_is_named():
     bad = (Rule("mine", "unknown", exit="nonzero"),)
-    with pytest.raises(ValueError, match="rule mine: exit must be signal, sigkill, error, "
-                                         "always or None, not 'nonzero'"):
+    with pytest.raises(
+        ValueError,
+        match="rule mine: exit must be signal, sigkill, error, always or None, not 'nonzero'",
+    ):
         classify(1, [], rules=bad)
 
 
@@ -194,16 +220,32 @@ def test_under_torchrun_the_ranks_exception_wins_over_its_mates_gloo_error(tmp_p
     torchrun observed first, and the rank comes from torchrun's summary."""
     from robust_helpers import scenario_argv, scenario_env
 
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "--monitor-interval", "2",
-                           *scenario_argv("rank-fault", "exception", tmp_path)[1:]],
-                          capture_output=True, text=True, timeout=120, env=scenario_env())
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--monitor-interval",
+            "2",
+            *scenario_argv("rank-fault", "exception", tmp_path)[1:],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=scenario_env(),
+    )
     lines = (done.stdout + done.stderr).splitlines()
     assert any("ChildFailedError" in line for line in lines)  # the launcher's own traceback
     assert any(line.startswith("[rank0]:") and "gloo" in line for line in lines)  # the mate's
     got = classify(done.returncode, lines)
     assert (got.failure_class, got.detail["exception"], got.detail["rank"]) == (
-        "python_exception", "ValueError", 1)
+        "python_exception",
+        "ValueError",
+        1,
+    )
     assert got.lines == ("ValueError: injected on rank 1",)
 
 
@@ -215,14 +257,30 @@ def test_gloos_abort_on_a_mismatched_collective_is_a_code_fault(tmp_path):
     collective_mismatch, a code fault."""
     from robust_helpers import scenario_argv, scenario_env
 
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "--monitor-interval", "1",
-                           *scenario_argv("rank-fault", "mismatch", tmp_path)[1:]],
-                          capture_output=True, text=True, timeout=120, env=scenario_env())
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--monitor-interval",
+            "1",
+            *scenario_argv("rank-fault", "mismatch", tmp_path)[1:],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=scenario_env(),
+    )
     lines = (done.stdout + done.stderr).splitlines()
     got = classify(done.returncode, lines)
-    assert (got.failure_class, got.rule, got.signal) == ("collective_mismatch",
-                                                         "collective_mismatch", "SIGABRT")
+    assert (got.failure_class, got.rule, got.signal) == (
+        "collective_mismatch",
+        "collective_mismatch",
+        "SIGABRT",
+    )
     assert "third_party/gloo" in got.lines[0] and "collective mismatch" in got.lines[0]
 
 
@@ -260,4 +318,8 @@ Root Cause (first observed failure):
 def test_a_killed_rank_wins_over_the_gloo_error_torchrun_saw_first():
     got = classify(1, _GLOO_FIRST.splitlines())
     assert (got.failure_class, got.signal, got.detail["rank"], got.detail["secondary"]) == (
-        "killed_by_signal", "SIGKILL", 1, "gloo_error")
+        "killed_by_signal",
+        "SIGKILL",
+        1,
+        "gloo_error",
+    )

@@ -34,8 +34,12 @@ def test_hang_threshold_is_learned_from_step_times_without_warmup():
     assert hangs.check(now=48.9) == []
     [hang] = hangs.check(now=49.5)
     assert (hang.kind, hang.rank, hang.step) == ("hang", 0, 6)
-    assert hang.evidence == {"silent_s": 5.5, "threshold_s": 5.0, "threshold_from": "learned",
-                             "last_step": 6}
+    assert hang.evidence == {
+        "silent_s": 5.5,
+        "threshold_s": 5.0,
+        "threshold_from": "learned",
+        "last_step": 6,
+    }
     [rank1] = hangs.check(now=60.0)  # rank 0 once per stall; rank 1 silent too by now
     assert (rank1.rank, rank1.step) == (1, 7)
     hangs.observe(Beat(rank=0, step=7, time=61.0))  # progress ends rank 0's stall
@@ -68,16 +72,23 @@ def test_hang_floor_and_configured_timeout():
 
 def test_nan_and_inf_are_reported_at_their_step():
     metrics = MetricDetector()
-    events = feed(metrics, [Beat(0, 1, 1.0, loss=2.0), Beat(0, 2, 2.0, loss=float("nan")),
-                            Beat(0, 3, 3.0, grad_norm=float("inf"))])
+    events = feed(
+        metrics,
+        [
+            Beat(0, 1, 1.0, loss=2.0),
+            Beat(0, 2, 2.0, loss=float("nan")),
+            Beat(0, 3, 3.0, grad_norm=float("inf")),
+        ],
+    )
     [nan] = events
     assert (nan.kind, nan.rank, nan.step, nan.evidence) == ("nonfinite", 0, 2, {"loss": "nan"})
 
 
 def test_a_missed_nan_is_found_through_first_nonfinite():
     metrics = MetricDetector()
-    [nan] = metrics.observe(Beat(1, 9, 5.0, loss=1.0,
-                                 first_nonfinite={"step": 7, "grad_norm": "inf"}))
+    [nan] = metrics.observe(
+        Beat(1, 9, 5.0, loss=1.0, first_nonfinite={"step": 7, "grad_norm": "inf"})
+    )
     assert (nan.rank, nan.step, nan.evidence) == (1, 7, {"grad_norm": "inf"})
 
 
@@ -85,16 +96,25 @@ def test_a_missed_nan_is_dated_at_its_first_step_even_when_the_beat_read_is_bad_
     """Found by the soak: a NaN gradient at step 3 makes step 4's loss NaN; a reader that
     polled past step 3 must still say 3."""
     metrics = MetricDetector()
-    [nan] = metrics.observe(Beat(0, 4, 5.0, loss=float("nan"), grad_norm=float("nan"),
-                                 first_nonfinite={"step": 3, "grad_norm": "nan"}))
+    [nan] = metrics.observe(
+        Beat(
+            0,
+            4,
+            5.0,
+            loss=float("nan"),
+            grad_norm=float("nan"),
+            first_nonfinite={"step": 3, "grad_norm": "nan"},
+        )
+    )
     assert (nan.step, nan.evidence) == (3, {"grad_norm": "nan"})
 
 
 def test_a_5x_jump_over_the_recent_median():
     metrics = MetricDetector(factor=5.0, window=20, min_history=5)
     losses = [2.0, 2.1, 1.9, 2.0, 2.2, 9.9, 11.0]
-    events = feed(metrics, [Beat(0, s, float(s), loss=v, grad_norm=1.0)
-                            for s, v in enumerate(losses)])
+    events = feed(
+        metrics, [Beat(0, s, float(s), loss=v, grad_norm=1.0) for s, v in enumerate(losses)]
+    )
     [spike] = events  # 9.9 < 5 x 2.0; 11.0 >= 5 x 2.05 (the median with 9.9 in it)
     assert (spike.kind, spike.step) == ("spike", 6)
     assert spike.evidence == {"metric": "loss", "value": 11.0, "median": 2.05, "factor": 5.0}
@@ -115,18 +135,20 @@ def test_fail_slow_rank_and_node_after_three_rounds():
     nodes = {**nodes, 4: "n2", 5: "n2"}
     fresh = FailSlowDetector()
     events = [e for t in (1, 2, 3) for e in fresh.round(both, t, nodes)]
-    assert sorted((e.rank, e.node) for e in events if e.rank is not None) == [(2, "n1"),
-                                                                               (3, "n1")]
+    assert sorted((e.rank, e.node) for e in events if e.rank is not None) == [(2, "n1"), (3, "n1")]
     [node] = [e for e in events if e.rank is None]
     assert (node.node, node.evidence["scope"], node.evidence["ratio"]) == ("n1", "node", 1.905)
 
 
 def test_real_heartbeat_files_from_real_processes(tmp_path):
     """Two ranks train through bootseer.heartbeat; rank 1's loss is NaN at step 3."""
-    procs = [subprocess.Popen(scenario_argv("heartbeats", 8, 0.02, 3 if rank else -1),
-                              env=scenario_env({"BOOTSEER_CONTROL_DIR": str(tmp_path),
-                                                "RANK": str(rank)}))
-             for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            scenario_argv("heartbeats", 8, 0.02, 3 if rank else -1),
+            env=scenario_env({"BOOTSEER_CONTROL_DIR": str(tmp_path), "RANK": str(rank)}),
+        )
+        for rank in (0, 1)
+    ]
     for p in procs:
         assert p.wait(timeout=GUARD) == 0
     beats = read_heartbeats(tmp_path, node="n0")

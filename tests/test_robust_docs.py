@@ -25,12 +25,20 @@ def table_rows(header: str) -> list[list[str]]:
 def test_the_rule_table_in_the_docs_is_the_codes():
     rows = table_rows("| # | rule | class | exit | needs cgroup OOM kill | pattern (last lines) |")
     assert [(r[1], r[2], r[3], r[4] == "yes", None if r[5] == "–" else r[5]) for r in rows] == [
-        (r.name, r.failure_class, r.exit or "any failure", r.oom_kill, r.pattern) for r in RULES]
+        (r.name, r.failure_class, r.exit or "any failure", r.oom_kill, r.pattern) for r in RULES
+    ]
 
 
 def test_the_action_table_in_the_docs_is_the_codes():
     rows = table_rows("| class | action | after a recent update | on repeats (same node) | why |")
-    expected = [(r.failure_class, r.action, r.on_update or "–",
-                 f"{r.escalate[0]}x: {r.escalate[1]}" if r.escalate else "–", r.why)
-                for r in TABLE]
+    expected = [
+        (
+            r.failure_class,
+            r.action,
+            r.on_update or "–",
+            f"{r.escalate[0]}x: {r.escalate[1]}" if r.escalate else "–",
+            r.why,
+        )
+        for r in TABLE
+    ]
     assert [tuple(r) for r in rows] == expected

@@ -14,12 +14,33 @@ from bootseer.trace import Span, TraceWriter, read_traces
 def test_records_round_trip_and_share_the_trace_with_spans(tmp_path):
     trace = TraceWriter(tmp_path, node="node-1")
     trace.record("command_start", 10.0, 10.5)
-    crash = Event("crash", "python_exception", node="node-1", rank=3, step=120, time=11.0,
-                  evidence={"exception": "KeyError", "lines": ["KeyError: 'x'"]})
-    spike = Event("spike", "spike", node="node-1", rank=0, step=7, time=11.5,
-                  evidence={"loss": float("inf"), "median": 2.0})
-    verdict = Verdict("restart_in_place", "python_exception", nodes=("node-1",), ranks=(3,),
-                      reason="transient", time=12.0, evidence={"event": 0})
+    crash = Event(
+        "crash",
+        "python_exception",
+        node="node-1",
+        rank=3,
+        step=120,
+        time=11.0,
+        evidence={"exception": "KeyError", "lines": ["KeyError: 'x'"]},
+    )
+    spike = Event(
+        "spike",
+        "spike",
+        node="node-1",
+        rank=0,
+        step=7,
+        time=11.5,
+        evidence={"loss": float("inf"), "median": 2.0},
+    )
+    verdict = Verdict(
+        "restart_in_place",
+        "python_exception",
+        nodes=("node-1",),
+        ranks=(3,),
+        reason="transient",
+        time=12.0,
+        evidence={"event": 0},
+    )
     for record in (crash, spike, verdict):
         write_record(trace.path, record)
     with open(trace.path, "a") as f:
@@ -45,7 +66,13 @@ def test_an_unknown_kind_is_refused_by_name():
 
 def test_metric_reads_numbers_and_the_clients_strings():
     assert [metric(v) for v in (1, 2.5, "-inf", "x", None, True)] == [
-        1.0, 2.5, float("-inf"), None, None, None]
+        1.0,
+        2.5,
+        float("-inf"),
+        None,
+        None,
+        None,
+    ]
     assert metric("nan") != metric("nan")  # a NaN
 
 

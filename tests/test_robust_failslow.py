@@ -24,20 +24,26 @@ from bootseer.robust.failslow import FailSlowRounds
 from bootseer.robust.remote import ControllerLink
 from bootseer.robust.stacks import ProcessStacks
 
-WAITING = ('Thread 7 (idle): "MainThread"\n'
-           '    all_reduce (torch/distributed/distributed_c10d.py:3252)\n'
-           '    main (controller_job.py:58)\n')
-WORKING = ('Thread 8 (active): "MainThread"\n'
-           '    slow_step (controller_job.py:34)\n'
-           '    main (controller_job.py:57)\n')
+WAITING = (
+    'Thread 7 (idle): "MainThread"\n'
+    "    all_reduce (torch/distributed/distributed_c10d.py:3252)\n"
+    "    main (controller_job.py:58)\n"
+)
+WORKING = (
+    'Thread 8 (active): "MainThread"\n'
+    "    slow_step (controller_job.py:34)\n"
+    "    main (controller_job.py:57)\n"
+)
 
 
 store = test_robust_controller.store  # the fixture: a TCPStore in this process
 
 
 def _samples(outside: set[int], ranks: int = 4) -> list[ProcessStacks]:
-    return [ProcessStacks.from_text(WORKING if r in outside else WAITING, rank=r,
-                                    node=f"n{r // 2}") for r in range(ranks)]
+    return [
+        ProcessStacks.from_text(WORKING if r in outside else WAITING, rank=r, node=f"n{r // 2}")
+        for r in range(ranks)
+    ]
 
 
 # -- the rounds, on constructed records -------------------------------------------------------
@@ -50,11 +56,11 @@ def test_the_rank_outside_the_collective_names_its_group_after_five_rounds() -> 
     layout = {"dp": [[0, 1], [2, 3]], "pp": [[0, 2], [1, 3]]}
     rounds = FailSlowRounds(layout=layout)
     for t in range(3):  # the job's own pace, nobody outside
-        assert rounds.round(dict.fromkeys(range(4), 1.0), float(t), samples=_samples(set())) \
-            is None
+        assert rounds.round(dict.fromkeys(range(4), 1.0), float(t), samples=_samples(set())) is None
     slow = dict.fromkeys(range(4), 2.0)
-    seen = [rounds.round(slow, float(t), samples=_samples({3} if t != 4 else {0}))
-            for t in range(3, 7)]
+    seen = [
+        rounds.round(slow, float(t), samples=_samples({3} if t != 4 else {0})) for t in range(3, 7)
+    ]
     assert seen[:3] == [None] * 3  # rank 3 flagged at 3 and 5, rank 0 at 4
     event = seen[3]
     assert event is not None and (event.kind, event.failure_class) == ("fail_slow", "fail_slow")
@@ -92,8 +98,7 @@ def test_a_slow_node_by_step_time_and_no_verdict_under_three_of_five_rounds() ->
     slow = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.9, 5: 2.0}
     rounds = FailSlowRounds()
     for t in range(4):  # flagged, not, flagged, flagged: 3 flagged, but 5 rounds not in yet
-        assert rounds.round(slow if t != 1 else dict.fromkeys(nodes, 1.0), t,
-                            nodes=nodes) is None
+        assert rounds.round(slow if t != 1 else dict.fromkeys(nodes, 1.0), t, nodes=nodes) is None
     event = rounds.round(slow, 4.0, nodes=nodes)
     assert event is not None
     assert event.evidence["group_nodes"] == ["n2"] and event.evidence["group_ranks"] == [4, 5]
@@ -102,13 +107,17 @@ def test_a_slow_node_by_step_time_and_no_verdict_under_three_of_five_rounds() ->
     assert FailSlowRounds().flags({0: 1.0, 1: 1.4}, {}) == {}  # under 1.5x: not slow
     # 3 of the last 5, not in a row (the soak's straggler: flagged in rounds 21, 23, 24, 26)
     gaps = FailSlowRounds()
-    seen = [gaps.round(slow if t % 2 == 0 else dict.fromkeys(nodes, 1.0), t, nodes=nodes)
-            for t in range(5)]
+    seen = [
+        gaps.round(slow if t % 2 == 0 else dict.fromkeys(nodes, 1.0), t, nodes=nodes)
+        for t in range(5)
+    ]
     assert seen[:4] == [None] * 4 and seen[4] is not None
     assert seen[4].evidence["group_nodes"] == ["n2"]
     twice = FailSlowRounds()
-    assert all(twice.round(slow if t in (1, 3) else dict.fromkeys(nodes, 1.0), t,
-                           nodes=nodes) is None for t in range(6))  # 2 of 5: nobody
+    assert all(
+        twice.round(slow if t in (1, 3) else dict.fromkeys(nodes, 1.0), t, nodes=nodes) is None
+        for t in range(6)
+    )  # 2 of 5: nobody
     with pytest.raises(ValueError, match="need 1 <= rounds <= window"):
         FailSlowRounds(rounds=6, window=5)
 
@@ -127,8 +136,14 @@ def _incident(store, event: Event, answering=("n0", "n1", "n2")):
     for link in links.values():
         link.register()
     links[event.node].publish(event)
-    ctl = Controller(store, settle_s=0, failslow_interval_s=0, check_wait_s=30,
-                     clock=lambda: now[0], log=lambda _: None)
+    ctl = Controller(
+        store,
+        settle_s=0,
+        failslow_interval_s=0,
+        check_wait_s=30,
+        clock=lambda: now[0],
+        log=lambda _: None,
+    )
     assert ctl.step() is None  # opened, the dump ordered
     for n in answering:
         links[n].answer(1, [])
@@ -136,10 +151,10 @@ def _incident(store, event: Event, answering=("n0", "n1", "n2")):
     return ctl, links, now
 
 
-def test_an_unclear_crash_orders_the_checks_and_evicts_the_node_whose_bits_differ(
-        store) -> None:
-    crash = Event("crash", "killed_by_signal", node="n0", time=100.0,
-                  evidence={"signal": "SIGKILL"})
+def test_an_unclear_crash_orders_the_checks_and_evicts_the_node_whose_bits_differ(store) -> None:
+    crash = Event(
+        "crash", "killed_by_signal", node="n0", time=100.0, evidence={"signal": "SIGKILL"}
+    )
     ctl, links, _ = _incident(store, crash)
     assert ctl.step() is None  # the checks are ordered, nothing decided yet
     order = links["n2"].check_order(1)
@@ -151,7 +166,10 @@ def test_an_unclear_crash_orders_the_checks_and_evicts_the_node_whose_bits_diffe
     verdict = ctl.step()
     assert verdict is not None
     assert (verdict.action, verdict.failure_class, verdict.nodes) == (
-        "replace_and_restart", "killed_by_signal", ("n1",))
+        "replace_and_restart",
+        "killed_by_signal",
+        ("n1",),
+    )
     check = verdict.evidence["check"]
     assert [(f["node"], f["check"]) for f in check["failed"]] == [("n1", "bitwise_alignment")]
     out, grad = reference_step()
@@ -163,8 +181,15 @@ def test_an_unclear_crash_orders_the_checks_and_evicts_the_node_whose_bits_diffe
 
 
 def test_a_jump_stops_the_job_and_clean_checks_restart_it_in_place(store) -> None:
-    spike = Event("spike", "spike", node="n2", rank=2, step=40, time=100.0,
-                  evidence={"metric": "loss", "value": 50.0, "median": 2.0, "factor": 5.0})
+    spike = Event(
+        "spike",
+        "spike",
+        node="n2",
+        rank=2,
+        step=40,
+        time=100.0,
+        evidence={"metric": "loss", "value": 50.0, "median": 2.0, "factor": 5.0},
+    )
     ctl, links, _ = _incident(store, spike)
     assert ctl.step() is None
     for i, n in enumerate(("n0", "n1", "n2")):
@@ -252,8 +277,9 @@ def test_a_link_the_tracer_suspects_is_probed_and_its_node_evicted(store) -> Non
     keys = wire.Keys()
     now = [103.0]
     said: list[str] = []
-    shaper = Shaper("127.0.0.1", store.port,
-                    ShaperSettings.from_mb(latency_ms=20, per_conn_mbps=1.0)).start()
+    shaper = Shaper(
+        "127.0.0.1", store.port, ShaperSettings.from_mb(latency_ms=20, per_conn_mbps=1.0)
+    ).start()
     try:
         links = _link_job(store, dict.fromkeys(range(3), 103.0), {1: shaper.address})
         ctl = Controller(store, failslow_interval_s=1.0, clock=lambda: now[0], log=said.append)
@@ -290,29 +316,33 @@ def test_a_link_the_tracer_suspects_is_probed_and_its_node_evicted(store) -> Non
                 break
         assert verdict is not None, said
         assert (verdict.action, verdict.failure_class, verdict.nodes) == (
-            "replace_and_restart", "fail_slow", ("n1",))
+            "replace_and_restart",
+            "fail_slow",
+            ("n1",),
+        )
     finally:
         shaper.stop()
 
 
-def _link_job(store, shipped: dict[int, float], via: dict[int, str] | None = None,
-              wait: tuple[int, ...] = (0, 1, 2)) -> list[ControllerLink]:
+def _link_job(
+    store,
+    shipped: dict[int, float],
+    via: dict[int, str] | None = None,
+    wait: tuple[int, ...] = (0, 1, 2),
+) -> list[ControllerLink]:
     """Nodes n0..n2 with a rank each, linked to the controller's store (node i through
     ``via[i]``, a shaping proxy); each ships its window at ``shipped[i]``: 20 ops of grp-a,
     and the ranks in ``wait`` issued #21 at t=100 and wait in it, alive."""
     from test_colltrace import _history, _windows
 
-    plan = {r: {"grp-a": [*_history(), *([(100.0, None)] if r in wait else [])]}
-            for r in range(3)}
+    plan = {r: {"grp-a": [*_history(), *([(100.0, None)] if r in wait else [])]} for r in range(3)}
     docs = _windows(plan, shipped, name="n")
     links = []
     for i in range(3):
-        link = ControllerLink(store, f"n{i}", address=(via or {}).get(
-            i, f"127.0.0.1:{store.port}"))
+        link = ControllerLink(store, f"n{i}", address=(via or {}).get(i, f"127.0.0.1:{store.port}"))
         link.register()
         link.sample_tool = lambda pid: WAITING
-        wire.put(store, wire.Keys().node(f"n{i}", "colltrace"),
-                  docs[f"n{i}"], wire.MAX_DUMP_BYTES)
+        wire.put(store, wire.Keys().node(f"n{i}", "colltrace"), docs[f"n{i}"], wire.MAX_DUMP_BYTES)
         links.append(link)
     return links
 
@@ -326,8 +356,7 @@ def _probe(links: list[ControllerLink]) -> None:
         link._prober.join(60)
 
 
-def test_a_node_silent_since_the_slowdown_is_named_when_it_cannot_answer_its_probe(
-        store) -> None:
+def test_a_node_silent_since_the_slowdown_is_named_when_it_cannot_answer_its_probe(store) -> None:
     """node1's link carries nothing (the benchmark's tc link stuck): its agent shipped its
     last window at t=99.6, before ranks 0 and 2 issued grp-a #21 (t=100), and answers no
     probe order. Once its window is LINK_STALE_S old the controller suspects it and orders
@@ -344,8 +373,9 @@ def test_a_node_silent_since_the_slowdown_is_named_when_it_cannot_answer_its_pro
     assert ctl.step() is None and not store.check([keys.link_request])  # 2.9 s: not yet
     now[0] = 99.6 + LINK_STALE_S + 0.1
     assert ctl.step() is None
-    assert any("no ring of rank 1 (n1)" in ln and "every node probes its link now" in ln
-               for ln in said), said
+    assert any(
+        "no ring of rank 1 (n1)" in ln and "every node probes its link now" in ln for ln in said
+    ), said
     _probe([n0, n2])
     now[0] += LINK_STALE_S - 1.0
     assert ctl.step() is None and not store.check([keys.open])  # n1's answer still awaited
@@ -356,8 +386,9 @@ def test_a_node_silent_since_the_slowdown_is_named_when_it_cannot_answer_its_pro
     ev = event["evidence"]
     assert (ev["cause"], ev["group_nodes"]) == ("slow_link", ["n1"])
     assert sorted(ev["probes"]) == ["n0", "n1", "n2"]
-    assert ev["probes"]["n1"]["error"].startswith(f"no answer to the probe order in "
-                                                  f"{LINK_STALE_S:.1f} s")
+    assert ev["probes"]["n1"]["error"].startswith(
+        f"no answer to the probe order in {LINK_STALE_S:.1f} s"
+    )
     assert min(ev["probes"]["n0"]["mbps"], ev["probes"]["n2"]["mbps"]) > 0
     assert ev["why"].startswith("could not measure its link to the store: no answer")
 
@@ -377,8 +408,21 @@ def test_probes_that_name_nobody_open_nothing_and_pause_the_orders(store) -> Non
     assert ctl.step() is None
     first = wire.read(store, keys.link_request)["id"]
     for n in ("n0", "n1", "n2"):
-        wire.put(store, keys.link_probe(n, first), {"node": n, "id": first, "probe": {
-            "node": n, "rtt_ms": 0.2, "mbps": 300.0, "up_mbps": 300.0, "down_mbps": 310.0}})
+        wire.put(
+            store,
+            keys.link_probe(n, first),
+            {
+                "node": n,
+                "id": first,
+                "probe": {
+                    "node": n,
+                    "rtt_ms": 0.2,
+                    "mbps": 300.0,
+                    "up_mbps": 300.0,
+                    "down_mbps": 310.0,
+                },
+            },
+        )
     now[0] += 0.25
     assert ctl.step() is None and not store.check([keys.open])
     assert any("link probes of n0, n1, n2 name no node" in ln for ln in said), said
@@ -400,8 +444,12 @@ def _solo(store, tmp_path: Path, argv: list[str], restarts: int):
     link = ControllerLink(store, "solo")
     link.register()
     code, sup = run_solo(store, tmp_path, argv, link, restarts=restarts, failslow_interval_s=0)
-    return code, _records(tmp_path / "ctl.jsonl", "event"), \
-        _records(tmp_path / "ctl.jsonl", "verdict"), sup
+    return (
+        code,
+        _records(tmp_path / "ctl.jsonl", "event"),
+        _records(tmp_path / "ctl.jsonl", "verdict"),
+        sup,
+    )
 
 
 def test_a_jump_goes_to_the_controller_which_stops_the_job(store, tmp_path: Path) -> None:
@@ -409,8 +457,7 @@ def test_a_jump_goes_to_the_controller_which_stops_the_job(store, tmp_path: Path
 
     code, events, verdicts, sup = _solo(store, tmp_path, scenario_argv("spike", 60, 8), 0)
     assert code == 128 + signal.SIGKILL  # stopped on the verdict (no restarts allowed)
-    assert [(e["kind"], e["step"], e["evidence"]["value"]) for e in events] == [
-        ("spike", 8, 10.0)]
+    assert [(e["kind"], e["step"], e["evidence"]["value"]) for e in events] == [("spike", 8, 10.0)]
     assert [(v["class"], v["action"]) for v in verdicts] == [("spike", "restart_in_place")]
     assert "stopped at the jump: resume from the last checkpoint" in verdicts[0]["reason"]
     assert sup.attempts[0].reason == "verdict"  # not a crash: the controller's order
@@ -425,27 +472,47 @@ def test_a_nan_goes_to_the_controller_and_its_verdict_restarts(store, tmp_path: 
     code, events, verdicts, sup = _solo(store, tmp_path, argv, 1)
     assert code == 0  # the second attempt finished
     assert [(e["kind"], e["step"], e["evidence"]) for e in events] == [
-        ("nonfinite", 4, {"loss": "nan"})]
+        ("nonfinite", 4, {"loss": "nan"})
+    ]
     assert [(v["class"], v["action"]) for v in verdicts] == [("nonfinite", "restart_in_place")]
-    assert [(a.reason, a.code) for a in sup.attempts] == [("nonfinite", 128 + signal.SIGKILL),
-                                                          ("exited", 0)]
+    assert [(a.reason, a.code) for a in sup.attempts] == [
+        ("nonfinite", 128 + signal.SIGKILL),
+        ("exited", 0),
+    ]
     mine = _records(tmp_path / "trace" / "solo.jsonl", "verdict")
     assert [(v["action"], v["evidence"].get("from")) for v in mine] == [
-        ("restart_in_place", "controller")]  # the node's own policy did not decide
+        ("restart_in_place", "controller")
+    ]  # the node's own policy did not decide
 
 
 # -- on the cluster ---------------------------------------------------------------------------
 
 
-def test_a_slowed_rank_is_found_by_the_rounds_and_only_its_node_evicted(cluster_factory,
-                                                                        tmp_path: Path) -> None:
+def test_a_slowed_rank_is_found_by_the_rounds_and_only_its_node_evicted(
+    cluster_factory, tmp_path: Path
+) -> None:
     c, out, ctl = _job(cluster_factory, 3, tmp_path, "--failslow-interval", "1")
     # the job steps at its own pace for 6 s (the rounds learn it), then rank 1 slows down
-    script = ["--slow-rank", "1", "--slow-s", "0.4", "--slow-after-s", "6", "--step-time", "0.02",
-              "--steps", "100000"]
+    script = [
+        "--slow-rank",
+        "1",
+        "--slow-s",
+        "0.4",
+        "--slow-after-s",
+        "6",
+        "--step-time",
+        "0.02",
+        "--steps",
+        "100000",
+    ]
     procs = {n.name: _agent(c, n, out, script, nnodes=3, max_restarts=0) for n in c.nodes}
-    verdicts = _wait("verdict", lambda: _records(out / "ctl" / "controller.jsonl", "verdict"),
-                     procs, out, timeout_s=180)
+    verdicts = _wait(
+        "verdict",
+        lambda: _records(out / "ctl" / "controller.jsonl", "verdict"),
+        procs,
+        out,
+        timeout_s=180,
+    )
     verdict = verdicts[0]
     assert (verdict["action"], verdict["class"]) == ("replace_and_restart", "fail_slow")
     assert verdict["nodes"] == ["node1"], verdict
@@ -461,18 +528,33 @@ def test_a_slowed_rank_is_found_by_the_rounds_and_only_its_node_evicted(cluster_
 
 
 def test_a_nan_stops_the_job_and_the_checks_name_the_node_with_wrong_bits(
-        cluster_factory, tmp_path: Path) -> None:
+    cluster_factory, tmp_path: Path
+) -> None:
     """node2 computes wrong bits and node1's link is slow (tc, 50 Mbit/s): the checks after
     the NaN name both, each with the check it failed (node1 by its neighbour links: a
     job-wide collective only shows that some link is slow)."""
     c, out, ctl = _job(cluster_factory, 3, tmp_path, "--failslow-interval", "0")
     c.slow_link(1, rate="50mbit")
     script = ["--nan-rank", "0", "--nan-at", "6", "--step-time", "0.1", "--steps", "100000"]
-    procs = {n.name: _agent(c, n, out, script, nnodes=3, max_restarts=0,
-                            env={"BOOTSEER_CHECK_FAULT": "alignment:*"} if n.name == "node2"
-                            else None) for n in c.nodes}
-    verdicts = _wait("verdict", lambda: _records(out / "ctl" / "controller.jsonl", "verdict"),
-                     procs, out, timeout_s=240)
+    procs = {
+        n.name: _agent(
+            c,
+            n,
+            out,
+            script,
+            nnodes=3,
+            max_restarts=0,
+            env={"BOOTSEER_CHECK_FAULT": "alignment:*"} if n.name == "node2" else None,
+        )
+        for n in c.nodes
+    }
+    verdicts = _wait(
+        "verdict",
+        lambda: _records(out / "ctl" / "controller.jsonl", "verdict"),
+        procs,
+        out,
+        timeout_s=240,
+    )
     verdict = verdicts[0]
     assert (verdict["action"], verdict["class"]) == ("replace_and_restart", "nonfinite")
     assert verdict["nodes"] == ["node1", "node2"], verdict
@@ -483,12 +565,15 @@ def test_a_nan_stops_the_job_and_the_checks_name_the_node_with_wrong_bits(
     check = ev["check"]
     assert sorted(check["nodes"]) == ["node0", "node1", "node2"] and check["missing"] == []
     assert [(f["node"], f["check"]) for f in check["failed"]] == [
-        ("node1", "link_bandwidth"), ("node2", "bitwise_alignment")]
+        ("node1", "link_bandwidth"),
+        ("node2", "bitwise_alignment"),
+    ]
     links = check["failed"][0]["links"]  # node1's two ring links, by the check's ranks
     me, n = check["nodes"].index("node1"), 3
     assert sorted(links) == sorted([f"{(me - 1) % n}-{me}", f"{me}-{(me + 1) % n}"])
-    fast = min(t for r in check["results"].values() for pair, t in r["links"].items()
-               if pair not in links)
+    fast = min(
+        t for r in check["results"].values() for pair, t in r["links"].items() if pair not in links
+    )
     assert min(links.values()) > 4 * fast, (links, fast)
     hashes = {n: (r["output_hash"], r["grad_hash"]) for n, r in check["results"].items()}
     assert hashes["node0"] == hashes["node1"] == reference_step() != hashes["node2"]
@@ -497,8 +582,11 @@ def test_a_nan_stops_the_job_and_the_checks_name_the_node_with_wrong_bits(
         assert proc.wait(timeout=60) != 0, name
     # each node stopped its command before its check and wrote the controller's verdict
     for node in ("node0", "node1", "node2"):
-        mine = [v for v in _records(out / "trace" / f"{node}.jsonl", "verdict")
-                if v["evidence"].get("from") == "controller"]
+        mine = [
+            v
+            for v in _records(out / "trace" / f"{node}.jsonl", "verdict")
+            if v["evidence"].get("from") == "controller"
+        ]
         assert [v["action"] for v in mine] == ["replace_and_restart"], node
         assert "running the stop-time checks" in (out / f"{node}.log").read_text()
     assert list(json.loads((out / "excluded.json").read_text())["nodes"]) == ["node1", "node2"]

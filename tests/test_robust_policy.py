@@ -21,7 +21,8 @@ def test_the_table_covers_every_class_with_known_actions():
     assert {"hang", "nonfinite", "spike", "fail_slow"} <= classes
     for row in TABLE:
         assert {row.action, row.on_update or "stop", (row.escalate or (1, "stop"))[1]} <= set(
-            ACTIONS), row
+            ACTIONS
+        ), row
 
 
 def test_user_errors_stop_and_a_recent_update_is_rolled_back():
@@ -35,8 +36,9 @@ def test_user_errors_stop_and_a_recent_update_is_rolled_back():
 def test_node_faults_replace_the_node_and_hangs_the_suspects():
     cuda = decide(crash("cuda_error"))
     assert (cuda.action, cuda.nodes) == ("replace_and_restart", ("node-2",))
-    hang = decide(Event("hang", "hang", rank=3, time=1.0), suspect_nodes=["node-b"],
-                  suspect_ranks=[2, 3])
+    hang = decide(
+        Event("hang", "hang", rank=3, time=1.0), suspect_nodes=["node-b"], suspect_ranks=[2, 3]
+    )
     assert (hang.action, hang.nodes, hang.ranks) == ("replace_and_restart", ("node-b",), (2, 3))
     nobody = decide(Event("hang", "hang", time=1.0))
     assert nobody.action == "restart_in_place" and "no suspect node" in nobody.reason
@@ -49,17 +51,22 @@ def test_a_repeated_class_on_the_same_node_escalates():
     assert elsewhere.action == "restart_in_place"
     second = decide(crash("nccl_error"), history=[first])
     assert (second.action, second.nodes, second.evidence["repeats"]) == (
-        "replace_and_restart", ("node-2",), 2)
+        "replace_and_restart",
+        ("node-2",),
+        2,
+    )
 
 
 def test_no_progress_across_restarts_stops():
     assert decide(crash("storage_error"), progress=[100, 250, 260]).action == "restart_in_place"
     stuck = decide(crash("storage_error"), progress=[100, 250, 250, 240, 250])
     assert stuck.action == "stop"
-    assert stuck.reason.startswith("no progress across 3 restarts (steps reached: 100, 250, "
-                                   "250, 240, 250)")
+    assert stuck.reason.startswith(
+        "no progress across 3 restarts (steps reached: 100, 250, 250, 240, 250)"
+    )
     assert decide(crash("storage_error"), progress=[100, 250, 250, 240, 251]).action == (
-        "restart_in_place")
+        "restart_in_place"
+    )
 
 
 def _add_many(path, worker):
@@ -78,8 +85,10 @@ def test_exclusion_list_concurrent_writers_lose_nothing(tmp_path):
         assert p.exitcode == 0
     nodes = ExclusionList(path).nodes()
     assert len(nodes) == 40 and nodes["node-3-9"] == {"reason": "worker 3", "time": 9.0}
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".excluded.json.lock",
-                                                          "excluded.json"]  # no temp left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".excluded.json.lock",
+        "excluded.json",
+    ]  # no temp left
     ExclusionList(path).remove(["node-3-9"])
     assert "node-3-9" not in ExclusionList(path) and "node-3-8" in ExclusionList(path)
 
@@ -87,8 +96,9 @@ def test_exclusion_list_concurrent_writers_lose_nothing(tmp_path):
 def test_an_unreadable_exclusion_list_is_refused_and_left_alone(tmp_path):
     path = tmp_path / "excluded.json"
     path.write_text('{"nodes": ["node-1"]')
-    with pytest.raises(ValueError, match=f"exclusion list {path} is not readable .*fix it or "
-                                         "move it away"):
+    with pytest.raises(
+        ValueError, match=f"exclusion list {path} is not readable .*fix it or move it away"
+    ):
         ExclusionList(path).add(["node-2"], "cuda_error")
     assert path.read_text() == '{"nodes": ["node-1"]'
 

@@ -23,9 +23,18 @@ from bootseer.robust.ranks import RankWatch, zombie_status
 
 def _torchrun(fault: str, out: Path, *launch: str) -> list[str]:
     # torchrun looks at its workers every 5 s: the agent must not wait for it
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            "2", "--monitor-interval", "5", *launch,
-            *scenario_argv("rank-fault", fault, out)[1:]]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "5",
+        *launch,
+        *scenario_argv("rank-fault", fault, out)[1:],
+    ]
 
 
 def _one_crash(trace: Path) -> Event:
@@ -38,13 +47,24 @@ def _one_crash(trace: Path) -> Event:
 
 def test_a_rank_killed_under_torchrun_is_seen_before_torchrun_ends(tmp_path: Path) -> None:
     trace = tmp_path / "trace"
-    proc = run_wrapper(trace, "--max-restarts", "0", "--min-free-disk", "0",
-                       "--min-free-memory", "0", command=_torchrun("sigkill", tmp_path))
+    proc = run_wrapper(
+        trace,
+        "--max-restarts",
+        "0",
+        "--min-free-disk",
+        "0",
+        "--min-free-memory",
+        "0",
+        command=_torchrun("sigkill", tmp_path),
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     event = _one_crash(trace)
     # the rank's own death, with its wait status read from /proc while it was a zombie
     assert (event.failure_class, event.rank, event.evidence["signal"]) == (
-        "killed_by_signal", 1, "SIGKILL")
+        "killed_by_signal",
+        1,
+        "SIGKILL",
+    )
     assert event.evidence["detected_by"] == "rank_signal"
     assert event.evidence["pid"] == int((tmp_path / "pid-1").read_text())
     said = [line for line in proc.stderr.splitlines() if line.startswith("bootseer: ")]
@@ -56,14 +76,26 @@ def test_a_rank_killed_under_torchrun_is_seen_before_torchrun_ends(tmp_path: Pat
     assert any("exitcode  : -9" in line for line in lines)
     summary = classify(1, lines)
     assert (summary.failure_class, summary.signal, summary.detail["rank"]) == (
-        "killed_by_signal", "SIGKILL", 1)
+        "killed_by_signal",
+        "SIGKILL",
+        1,
+    )
     agent = Agent(None, "n0", log=lambda _: None)
     agent.start_attempt(0)
-    vanished = Event("crash", "killed_by_signal", node="n0", rank=1, time=123.0,
-                     evidence={"provisional": True, "detected_by": "rank_vanished"})
+    vanished = Event(
+        "crash",
+        "killed_by_signal",
+        node="n0",
+        rank=1,
+        time=123.0,
+        evidence={"provisional": True, "detected_by": "rank_vanished"},
+    )
     better = agent.refine(vanished, 1, lines)
     assert better is not None and (better.failure_class, better.rank, better.time) == (
-        "killed_by_signal", 1, 123.0)  # the detection time stays the first
+        "killed_by_signal",
+        1,
+        123.0,
+    )  # the detection time stays the first
     assert better.evidence["signal"] == "SIGKILL" and better.evidence["refines"]
     assert agent.refine(event, 1, lines) is None  # the rank's own status was enough
 
@@ -76,8 +108,18 @@ def test_a_mismatched_collective_stops_instead_of_a_restart_in_place(tmp_path: P
     lines refine it to collective_mismatch, and the verdict stops the job, restarts left
     or not."""
     trace = tmp_path / "trace"
-    proc = run_wrapper(trace, "--max-restarts", "2", "--backoff", "0.1", "--min-free-disk",
-                       "0", "--min-free-memory", "0", command=_torchrun("mismatch", tmp_path))
+    proc = run_wrapper(
+        trace,
+        "--max-restarts",
+        "2",
+        "--backoff",
+        "0.1",
+        "--min-free-disk",
+        "0",
+        "--min-free-memory",
+        "0",
+        command=_torchrun("mismatch", tmp_path),
+    )
     assert proc.returncode != 0, proc.stderr[-3000:]
     records, _ = read_records([trace])
     events = [r for r in records if isinstance(r, Event)]
@@ -88,8 +130,7 @@ def test_a_mismatched_collective_stops_instead_of_a_restart_in_place(tmp_path: P
     assert refined and refined[0].evidence["refines"] == "killed_by_signal"
     assert refined[0].time == events[0].time  # detected at the death
     assert any("collective mismatch" in line for line in refined[0].evidence["matched"])
-    assert [(v.action, v.failure_class) for v in verdicts] == [("stop",
-                                                                "collective_mismatch")]
+    assert [(v.action, v.failure_class) for v in verdicts] == [("stop", "collective_mismatch")]
     assert "restart 1/2" not in proc.stderr  # one attempt: no blind restart
 
 
@@ -99,14 +140,23 @@ def test_a_forked_ranks_exception_is_seen_at_its_death_with_its_type(tmp_path: P
     which runs neither ``sys.excepthook`` nor ``atexit``; its status record still names the
     exception, so the crash is classed at the rank's death, not from torchrun's summary."""
     trace = tmp_path / "trace"
-    proc = run_wrapper(trace, "--max-restarts", "0", "--min-free-disk", "0",
-                       "--min-free-memory", "0",
-                       command=_torchrun("exception", tmp_path, "--run-path", "--start-method",
-                                         "fork"))
+    proc = run_wrapper(
+        trace,
+        "--max-restarts",
+        "0",
+        "--min-free-disk",
+        "0",
+        "--min-free-memory",
+        "0",
+        command=_torchrun("exception", tmp_path, "--run-path", "--start-method", "fork"),
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     event = _one_crash(trace)
     assert (event.failure_class, event.rank, event.evidence["exception"]) == (
-        "python_exception", 1, "ValueError")
+        "python_exception",
+        1,
+        "ValueError",
+    )
     assert event.evidence["detected_by"] == "rank_exception"
     assert event.evidence["lines"][-1] == "ValueError: injected on rank 1"
     assert event.evidence["pid"] == int((tmp_path / "pid-1").read_text())
@@ -135,15 +185,19 @@ def test_the_status_record_names_the_exception_or_a_normal_end(tmp_path: Path) -
     env = wrapper_env({"BOOTSEER_CONTROL_DIR": str(tmp_path), "RANK": "3"})
     docs, stderr = {}, {}
     for mode in ("raise", "thread"):
-        done = subprocess.run([sys.executable, str(script), mode], env=env,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == (1 if mode == "raise" else 0), done.stderr
         docs[mode] = json.loads((tmp_path / "status-3").read_text())
         stderr[mode] = done.stderr
         assert docs[mode]["pid"] > 0 and docs[mode]["rank"] == 3
     raised = docs["raise"]
     assert (raised["state"], raised["exception"], raised["message"]) == (
-        "exception", "ValueError", "bad batch")
+        "exception",
+        "ValueError",
+        "bad batch",
+    )
     assert raised["lines"][-1] == "ValueError: bad batch"
     assert "ValueError: bad batch" in stderr["raise"]  # the previous hook still printed it
     ended = docs["thread"]
@@ -159,8 +213,9 @@ def test_a_watched_rank_that_exits_is_reported_once_with_its_status(tmp_path: Pa
     procs = {}
     for rank, code in ((0, "exit 5"), (1, "exit 0"), (2, "kill -9 $$")):
         procs[rank] = subprocess.Popen(["sh", "-c", f"read x; {code}"], stdin=subprocess.PIPE)
-        (tmp_path / f"status-{rank}").write_text(json.dumps(
-            {"pid": procs[rank].pid, "rank": rank, "state": "running"}))
+        (tmp_path / f"status-{rank}").write_text(
+            json.dumps({"pid": procs[rank].pid, "rank": rank, "state": "running"})
+        )
     # a record of a process that is not below the root (an earlier attempt's orphaned rank)
     (tmp_path / "status-9").write_text(json.dumps({"pid": 1, "rank": 9, "state": "exception"}))
     watch = RankWatch(tmp_path, root=os.getpid())
@@ -193,7 +248,8 @@ raise ValueError("bad batch")
 
 
 def test_a_rank_kept_alive_after_its_exception_is_a_crash_and_is_killed_alone(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """A launcher (here a shell) whose rank raised but lives on (a leftover non-daemon
     thread): no exit ever comes; the rank's record is the crash, at once, and ``crash_grace_s``
     later that rank's process alone is killed, so that its launcher sees it end and decides
@@ -212,21 +268,36 @@ def test_a_rank_kept_alive_after_its_exception_is_a_crash_and_is_killed_alone(
     logs: list[str] = []
     agent = Agent(trace, "solo", hang=HangDetector(60.0), log=logs.append)
     pid_file = tmp_path / "rank.pid"
-    sup = Supervisor(["sh", "-c", f'RANK=4 setsid "{sys.executable}" "{rank}" "{pid_file}"; '
-                                  'code=$?; echo "launcher: rank ended $code" >&2; exit $code'],
-                     env=scenario_env(), trace=trace, restart=RestartPolicy(0),
-                     hang=HangPolicy(0.0), agent=agent, crash_grace_s=1.0, log=logs.append)
+    sup = Supervisor(
+        [
+            "sh",
+            "-c",
+            f'RANK=4 setsid "{sys.executable}" "{rank}" "{pid_file}"; '
+            'code=$?; echo "launcher: rank ended $code" >&2; exit $code',
+        ],
+        env=scenario_env(),
+        trace=trace,
+        restart=RestartPolicy(0),
+        hang=HangPolicy(0.0),
+        agent=agent,
+        crash_grace_s=1.0,
+        log=logs.append,
+    )
     code = sup.run()
     assert code == 128 + 9  # the launcher's own exit: its rank was killed with SIGKILL
     assert sup.attempts[0].reason == "exited"
     event = _one_crash(tmp_path / "trace")
     assert (event.failure_class, event.rank, event.evidence["exception"]) == (
-        "python_exception", 4, "ValueError")
+        "python_exception",
+        4,
+        "ValueError",
+    )
     assert event.evidence["detected_by"] == "rank_exception"
     assert event.evidence["lines"][-1] == "ValueError: bad batch"
     pid = int(pid_file.read_text())
-    assert any(f"rank 4 (pid {pid}) raised 1s ago and its process still runs" in line
-               for line in logs), logs
+    assert any(
+        f"rank 4 (pid {pid}) raised 1s ago and its process still runs" in line for line in logs
+    ), logs
     assert not any("killing it" in line for line in logs), logs
     assert any("verdict: crash python_exception (ValueError) rank 4" in line for line in logs)
     left = int(pid_file.read_text())
@@ -254,9 +325,18 @@ def test_the_final_save_after_finishing_is_not_a_hang(tmp_path: Path) -> None:
     script.parent.mkdir()
     script.write_text(_FINAL_SAVE)
     trace = tmp_path / "trace"
-    proc = run_wrapper(trace, "--max-restarts", "1", "--hang-timeout", "2.5",
-                       "--min-free-disk", "0", "--min-free-memory", "0",
-                       command=[sys.executable, str(script)])
+    proc = run_wrapper(
+        trace,
+        "--max-restarts",
+        "1",
+        "--hang-timeout",
+        "2.5",
+        "--min-free-disk",
+        "0",
+        "--min-free-memory",
+        "0",
+        command=[sys.executable, str(script)],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got, _ = read_records([trace])
     assert [r for r in got if isinstance(r, Event)] == []

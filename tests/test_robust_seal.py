@@ -85,7 +85,8 @@ def _open_without_secret(key: str, data: bytes) -> bytes:
 
 
 def test_without_a_secret_the_controller_the_agent_and_publish_refuse_to_start(
-        store, monkeypatch, tmp_path) -> None:
+    store, monkeypatch, tmp_path
+) -> None:
     monkeypatch.delenv(seal.SECRET_ENV)
     with pytest.raises(seal.MissingSecret, match="bootseer controller needs the job's secret"):
         Controller(store)
@@ -95,14 +96,44 @@ def test_without_a_secret_the_controller_the_agent_and_publish_refuse_to_start(
         update.publish(store, "job", update.Version("v2", env={"A": "1"}))
     assert wire.get(store, K.version_current) is None
     env = {k: v for k, v in scenario_env().items() if k != seal.SECRET_ENV}
-    for argv in (["controller", "--store", f"127.0.0.1:{store.port}"],
-                 ["controller", "publish", "--store", f"127.0.0.1:{store.port}", "--id", "v9",
-                  "--urgent", "--env", f"BASH_ENV={tmp_path}/evil.sh"],
-                 ["run", "--controller", f"127.0.0.1:{store.port}", "--node", "n0",
-                  "--state-dir", str(tmp_path / "s"), "--trace-dir", str(tmp_path / "t"),
-                  "--min-free-disk", "0", "--min-free-memory", "0", "--", "true"]):
-        done = subprocess.run([sys.executable, "-m", "bootseer", *argv], capture_output=True,
-                              text=True, env=env, timeout=120)
+    for argv in (
+        ["controller", "--store", f"127.0.0.1:{store.port}"],
+        [
+            "controller",
+            "publish",
+            "--store",
+            f"127.0.0.1:{store.port}",
+            "--id",
+            "v9",
+            "--urgent",
+            "--env",
+            f"BASH_ENV={tmp_path}/evil.sh",
+        ],
+        [
+            "run",
+            "--controller",
+            f"127.0.0.1:{store.port}",
+            "--node",
+            "n0",
+            "--state-dir",
+            str(tmp_path / "s"),
+            "--trace-dir",
+            str(tmp_path / "t"),
+            "--min-free-disk",
+            "0",
+            "--min-free-memory",
+            "0",
+            "--",
+            "true",
+        ],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "bootseer", *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert done.returncode == 2, (argv, done.stderr)
         assert "needs the job's secret in BOOTSEER_JOB_SECRET" in done.stderr
     assert wire.get(store, K.version_current) is None and wire.get(store, K.nodes) is None
@@ -114,9 +145,9 @@ def test_without_a_secret_the_controller_the_agent_and_publish_refuse_to_start(
 @dataclass(frozen=True)
 class Case:
     name: str
-    reader: str                     # who reads it: see _READERS
+    reader: str  # who reads it: see _READERS
     key: Callable[[], str]
-    data: Callable[[str], bytes]    # the key -> the bytes written
+    data: Callable[[str], bytes]  # the key -> the bytes written
 
 
 A_DUMP = K.dump("node-a", 1)
@@ -124,84 +155,245 @@ _ANSWER = b'{"node":"node-a","incident":1,"time":1.0,"processes":[]}'
 
 CASES = [
     # a node's dump answer, read by the controller when it closes incident 1
-    Case("files_is_7", "dump", lambda: A_DUMP, lambda k: S(k, (
-        b'{"node":"node-a","incident":1,"time":1.0,"processes":[],"files":7}'))),
-    Case("processes_is_a_string", "dump", lambda: A_DUMP, lambda k: S(k, (
-        b'{"node":"node-a","incident":1,"time":1.0,"processes":"ps"}'))),
-    Case("rank_is_a_string", "dump", lambda: A_DUMP, lambda k: S(k, (
-        b'{"node":"node-a","incident":1,"time":1.0,"processes":[{"rank":"0","text":"T"}]}'))),
-    Case("time_is_NaN", "dump", lambda: A_DUMP, lambda k: S(k, (
-        b'{"node":"node-a","incident":1,"time":NaN,"processes":[]}'))),
-    Case("huge_count", "dump", lambda: A_DUMP, lambda k: S(k, (
-        b'{"node":"node-a","incident":1,"time":1.0,"processes":['
-        + b",".join([b'{"rank":0}'] * 5000) + b"]}"))),
-    Case("huge_string", "dump", lambda: A_DUMP, lambda k: S(k, (
-        b'{"node":"node-a","incident":1,"time":1.0,"processes":[{"rank":0,"text":"'
-        + b"x" * 40000 + b'"}]}'))),
+    Case(
+        "files_is_7",
+        "dump",
+        lambda: A_DUMP,
+        lambda k: S(k, (b'{"node":"node-a","incident":1,"time":1.0,"processes":[],"files":7}')),
+    ),
+    Case(
+        "processes_is_a_string",
+        "dump",
+        lambda: A_DUMP,
+        lambda k: S(k, (b'{"node":"node-a","incident":1,"time":1.0,"processes":"ps"}')),
+    ),
+    Case(
+        "rank_is_a_string",
+        "dump",
+        lambda: A_DUMP,
+        lambda k: S(
+            k, (b'{"node":"node-a","incident":1,"time":1.0,"processes":[{"rank":"0","text":"T"}]}')
+        ),
+    ),
+    Case(
+        "time_is_NaN",
+        "dump",
+        lambda: A_DUMP,
+        lambda k: S(k, (b'{"node":"node-a","incident":1,"time":NaN,"processes":[]}')),
+    ),
+    Case(
+        "huge_count",
+        "dump",
+        lambda: A_DUMP,
+        lambda k: S(
+            k,
+            (
+                b'{"node":"node-a","incident":1,"time":1.0,"processes":['
+                + b",".join([b'{"rank":0}'] * 5000)
+                + b"]}"
+            ),
+        ),
+    ),
+    Case(
+        "huge_string",
+        "dump",
+        lambda: A_DUMP,
+        lambda k: S(
+            k,
+            (
+                b'{"node":"node-a","incident":1,"time":1.0,"processes":[{"rank":0,"text":"'
+                + b"x" * 40000
+                + b'"}]}'
+            ),
+        ),
+    ),
     Case("not_json", "dump", lambda: A_DUMP, lambda k: S(k, b'\xff\xfe{"node":"node-a"')),
-    Case("json_array", "dump", lambda: A_DUMP, lambda k: S(k, (
-        b'[{"node":"node-a","incident":1,"processes":[]}]'))),
-    Case("processes_missing", "dump", lambda: A_DUMP, lambda k: S(k, (
-        b'{"node":"node-a","incident":1,"time":1.0}'))),
+    Case(
+        "json_array",
+        "dump",
+        lambda: A_DUMP,
+        lambda k: S(k, (b'[{"node":"node-a","incident":1,"processes":[]}]')),
+    ),
+    Case(
+        "processes_missing",
+        "dump",
+        lambda: A_DUMP,
+        lambda k: S(k, (b'{"node":"node-a","incident":1,"time":1.0}')),
+    ),
     Case("no_mac", "dump", lambda: A_DUMP, lambda k: _ANSWER),
     Case("wrong_mac", "dump", lambda: A_DUMP, lambda k: S(k, _ANSWER, OTHER)),
-    Case("replayed_from_incident_2", "dump", lambda: A_DUMP, lambda k: S(
-        K.dump("node-a", 2), b'{"node":"node-a","incident":2,"time":1.0,"processes":[]}')),
-    Case("replayed_from_node_b", "dump", lambda: A_DUMP, lambda k: S(
-        K.dump("node-b", 1), b'{"node":"node-b","incident":1,"time":1.0,"processes":[]}')),
-    Case("incident_not_the_keys", "dump", lambda: A_DUMP, lambda k: S(k, (
-        b'{"node":"node-a","incident":2,"time":1.0,"processes":[]}'))),
-    Case("negative_pid", "dump", lambda: A_DUMP, lambda k: S(k, (
-        b'{"node":"node-a","incident":1,"time":1.0,"processes":[{"rank":0,"pid":-5}]}'))),
-    Case("nested_20000_deep", "dump", lambda: A_DUMP, lambda k: S(k, (
-        b'{"node":"node-a","incident":1,"time":1.0,"processes":' + b"[" * 20000
-        + b"]" * 20000 + b"}"))),
+    Case(
+        "replayed_from_incident_2",
+        "dump",
+        lambda: A_DUMP,
+        lambda k: S(
+            K.dump("node-a", 2), b'{"node":"node-a","incident":2,"time":1.0,"processes":[]}'
+        ),
+    ),
+    Case(
+        "replayed_from_node_b",
+        "dump",
+        lambda: A_DUMP,
+        lambda k: S(
+            K.dump("node-b", 1), b'{"node":"node-b","incident":1,"time":1.0,"processes":[]}'
+        ),
+    ),
+    Case(
+        "incident_not_the_keys",
+        "dump",
+        lambda: A_DUMP,
+        lambda k: S(k, (b'{"node":"node-a","incident":2,"time":1.0,"processes":[]}')),
+    ),
+    Case(
+        "negative_pid",
+        "dump",
+        lambda: A_DUMP,
+        lambda k: S(
+            k, (b'{"node":"node-a","incident":1,"time":1.0,"processes":[{"rank":0,"pid":-5}]}')
+        ),
+    ),
+    Case(
+        "nested_20000_deep",
+        "dump",
+        lambda: A_DUMP,
+        lambda k: S(
+            k,
+            (
+                b'{"node":"node-a","incident":1,"time":1.0,"processes":'
+                + b"[" * 20000
+                + b"]" * 20000
+                + b"}"
+            ),
+        ),
+    ),
     # the dump order, read by every agent
-    Case("incident_1e999", "order", lambda: K.dump_request,
-         lambda k: S(k, b'{"incident":1e999,"time":1.0,"reason":"x"}')),
-    Case("incident_negative", "order", lambda: K.dump_request,
-         lambda k: S(k, b'{"incident":-1,"time":1.0}')),
-    Case("incident_a_string", "order", lambda: K.dump_request,
-         lambda k: S(k, b'{"incident":"7","time":1.0}')),
-    Case("incident_40_digits", "order", lambda: K.dump_request,
-         lambda k: S(k, b'{"incident":' + b"9" * 40 + b',"time":1.0}')),
+    Case(
+        "incident_1e999",
+        "order",
+        lambda: K.dump_request,
+        lambda k: S(k, b'{"incident":1e999,"time":1.0,"reason":"x"}'),
+    ),
+    Case(
+        "incident_negative",
+        "order",
+        lambda: K.dump_request,
+        lambda k: S(k, b'{"incident":-1,"time":1.0}'),
+    ),
+    Case(
+        "incident_a_string",
+        "order",
+        lambda: K.dump_request,
+        lambda k: S(k, b'{"incident":"7","time":1.0}'),
+    ),
+    Case(
+        "incident_40_digits",
+        "order",
+        lambda: K.dump_request,
+        lambda k: S(k, b'{"incident":' + b"9" * 40 + b',"time":1.0}'),
+    ),
     Case("incident_missing", "order", lambda: K.dump_request, lambda k: S(k, b'{"time":1.0}')),
-    Case("incident_true", "order", lambda: K.dump_request,
-         lambda k: S(k, b'{"incident":true}')),
-    Case("order_no_mac", "order", lambda: K.dump_request,
-         lambda k: b'{"incident":5,"time":1.0,"reason":"forged"}'),
+    Case("incident_true", "order", lambda: K.dump_request, lambda k: S(k, b'{"incident":true}')),
+    Case(
+        "order_no_mac",
+        "order",
+        lambda: K.dump_request,
+        lambda k: b'{"incident":5,"time":1.0,"reason":"forged"}',
+    ),
     # verdicts, read by the agent waiting for incident 1
-    Case("verdict_no_mac_evicting", "verdict", lambda: K.verdict(1), lambda k: (
-        b'{"action":"replace_and_restart","class":"gpu_oom","nodes":["node-a"],'
-        b'"evidence":{"incident":1}}')),
-    Case("verdict_nodes_is_7", "verdict", lambda: K.verdict(1), lambda k: S(k, (
-        b'{"action":"replace_and_restart","class":"x","nodes":7,"evidence":{"incident":1}}'))),
-    Case("verdict_replayed_from_2", "verdict", lambda: K.verdict(1), lambda k: S(
-        K.verdict(2), b'{"action":"replace_and_restart","class":"x","nodes":["node-a"],'
-                      b'"evidence":{"incident":2}}')),
-    Case("verdict_without_evidence", "verdict", lambda: K.verdict(1),
-         lambda k: S(k, b'{"action":"stop","class":"x"}')),
+    Case(
+        "verdict_no_mac_evicting",
+        "verdict",
+        lambda: K.verdict(1),
+        lambda k: (
+            b'{"action":"replace_and_restart","class":"gpu_oom","nodes":["node-a"],'
+            b'"evidence":{"incident":1}}'
+        ),
+    ),
+    Case(
+        "verdict_nodes_is_7",
+        "verdict",
+        lambda: K.verdict(1),
+        lambda k: S(
+            k, (b'{"action":"replace_and_restart","class":"x","nodes":7,"evidence":{"incident":1}}')
+        ),
+    ),
+    Case(
+        "verdict_replayed_from_2",
+        "verdict",
+        lambda: K.verdict(1),
+        lambda k: S(
+            K.verdict(2),
+            b'{"action":"replace_and_restart","class":"x","nodes":["node-a"],'
+            b'"evidence":{"incident":2}}',
+        ),
+    ),
+    Case(
+        "verdict_without_evidence",
+        "verdict",
+        lambda: K.verdict(1),
+        lambda k: S(k, b'{"action":"stop","class":"x"}'),
+    ),
     # the other orders an agent answers on its own
-    Case("sample_round_1.5", "sample", lambda: K.sample_request,
-         lambda k: S(k, b'{"round":1.5,"time":1.0}')),
-    Case("link_time_Infinity", "link", lambda: K.link_request,
-         lambda k: S(k, b'{"id":3,"time":Infinity}')),
-    Case("check_5000_nodes", "check", lambda: K.check_request(1), lambda k: S(k, (
-        b'{"incident":1,"time":1.0,"nodes":[' + b",".join([b'"node-a"'] * 5000) + b"]}"))),
-    Case("check_no_mac", "check", lambda: K.check_request(1),
-         lambda k: b'{"incident":1,"time":1.0,"nodes":["node-a"]}'),
+    Case(
+        "sample_round_1.5",
+        "sample",
+        lambda: K.sample_request,
+        lambda k: S(k, b'{"round":1.5,"time":1.0}'),
+    ),
+    Case(
+        "link_time_Infinity",
+        "link",
+        lambda: K.link_request,
+        lambda k: S(k, b'{"id":3,"time":Infinity}'),
+    ),
+    Case(
+        "check_5000_nodes",
+        "check",
+        lambda: K.check_request(1),
+        lambda k: S(
+            k, (b'{"incident":1,"time":1.0,"nodes":[' + b",".join([b'"node-a"'] * 5000) + b"]}")
+        ),
+    ),
+    Case(
+        "check_no_mac",
+        "check",
+        lambda: K.check_request(1),
+        lambda k: b'{"incident":1,"time":1.0,"nodes":["node-a"]}',
+    ),
     # a version: what every node runs
-    Case("publish_bash_env_no_mac", "version", lambda: K.version_current, lambda k: (
-        b'{"id":"v9","previous":"base","seq":9,"time":1.0,"urgent":true}')),
-    Case("publish_urgent_a_string", "version", lambda: K.version_current, lambda k: S(k, (
-        b'{"id":"v9","seq":9,"time":1.0,"urgent":"yes","window_s":-1}'))),
+    Case(
+        "publish_bash_env_no_mac",
+        "version",
+        lambda: K.version_current,
+        lambda k: b'{"id":"v9","previous":"base","seq":9,"time":1.0,"urgent":true}',
+    ),
+    Case(
+        "publish_urgent_a_string",
+        "version",
+        lambda: K.version_current,
+        lambda k: S(k, (b'{"id":"v9","seq":9,"time":1.0,"urgent":"yes","window_s":-1}')),
+    ),
     # the exclusion list, and the controller's own state
-    Case("excluded_no_mac", "excluded", lambda: K.excluded,
-         lambda k: b'{"nodes":["node-a"],"reasons":{"node-a":"forged"}}'),
-    Case("event_rank_a_string", "event", lambda: K.event("node-b", 1), lambda k: S(k, (
-        b'{"kind":"crash","class":"gpu_oom","node":"node-b","rank":"0","time":1.0}'))),
-    Case("open_events_is_7", "open", lambda: K.open,
-         lambda k: S(k, b'{"incident":1,"time":1.0,"events":7}')),
+    Case(
+        "excluded_no_mac",
+        "excluded",
+        lambda: K.excluded,
+        lambda k: b'{"nodes":["node-a"],"reasons":{"node-a":"forged"}}',
+    ),
+    Case(
+        "event_rank_a_string",
+        "event",
+        lambda: K.event("node-b", 1),
+        lambda k: S(
+            k, (b'{"kind":"crash","class":"gpu_oom","node":"node-b","rank":"0","time":1.0}')
+        ),
+    ),
+    Case(
+        "open_events_is_7",
+        "open",
+        lambda: K.open,
+        lambda k: S(k, b'{"incident":1,"time":1.0,"events":7}'),
+    ),
 ]
 
 
@@ -213,13 +405,21 @@ class FakeClock:
         return self.now
 
 
-def _incident_with_two_nodes(store, logs: list[str]) -> tuple[Controller, FakeClock, ControllerLink,
-                                                               ControllerLink]:
+def _incident_with_two_nodes(
+    store, logs: list[str]
+) -> tuple[Controller, FakeClock, ControllerLink, ControllerLink]:
     """node-a and node-b registered, node-b's crash opened incident 1, node-b answered and
     node-a acknowledged the order (alive: the controller waits for its answer)."""
     clock = FakeClock()
-    ctl = Controller(store, log=logs.append, clock=clock, failslow_interval_s=0,
-                     dump_wait_s=5.0, settle_s=0.0, crash_window_s=0.0)
+    ctl = Controller(
+        store,
+        log=logs.append,
+        clock=clock,
+        failslow_interval_s=0,
+        dump_wait_s=5.0,
+        settle_s=0.0,
+        crash_window_s=0.0,
+    )
     a, b = ControllerLink(store, "node-a"), ControllerLink(store, "node-b")
     a.register()
     b.register()
@@ -343,10 +543,18 @@ def _read_open(store, case: Case, capsys) -> None:
     assert wire.read(store, K.open)["events"][0]["class"] == "gpu_oom"
 
 
-_READERS = {"dump": _read_dump, "order": _read_order, "verdict": _read_verdict,
-            "sample": _read_sample, "link": _read_link, "check": _read_check,
-            "version": _read_version, "excluded": _read_excluded, "event": _read_event,
-            "open": _read_open}
+_READERS = {
+    "dump": _read_dump,
+    "order": _read_order,
+    "verdict": _read_verdict,
+    "sample": _read_sample,
+    "link": _read_link,
+    "check": _read_check,
+    "version": _read_version,
+    "excluded": _read_excluded,
+    "event": _read_event,
+    "open": _read_open,
+}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -418,8 +626,29 @@ def test_a_poisoned_incident_is_closed_and_the_next_one_is_handled(store, monkey
 
 # -- a fuzzer per record kind ------------------------------------------------------------------
 
-_POOL: list[Any] = [7, -1, 0, 1.5, 1e308, -1e308, 2 ** 63, 10 ** 30, "", "x" * 5000, "node-a",
-                    [], [7], {}, {"a": 1}, None, True, False, [[[[]]]], "nan", "1e999"]
+_POOL: list[Any] = [
+    7,
+    -1,
+    0,
+    1.5,
+    1e308,
+    -1e308,
+    2**63,
+    10**30,
+    "",
+    "x" * 5000,
+    "node-a",
+    [],
+    [7],
+    {},
+    {"a": 1},
+    None,
+    True,
+    False,
+    [[[[]]]],
+    "nan",
+    "1e999",
+]
 
 
 def _mutate_doc(rng: random.Random, doc: Any, depth: int = 0) -> Any:
@@ -453,34 +682,79 @@ def _mutate_bytes(rng: random.Random, data: bytes) -> bytes:
         for _ in range(rng.randint(1, 4)):
             data[rng.randrange(len(data))] = rng.randrange(256)
     elif op < 0.6:
-        del data[rng.randrange(len(data)):]
+        del data[rng.randrange(len(data)) :]
     elif op < 0.8:
         i = rng.randrange(len(data))
         data[i:i] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
     else:
-        data = bytearray(data[seal.OVERHEAD:])  # the body alone, MAC stripped
+        data = bytearray(data[seal.OVERHEAD :])  # the body alone, MAC stripped
     return bytes(data)
 
 
-_PROC = {"rank": 0, "pid": 11, "role": "main", "source": "py-spy",
-         "text": 'Thread 11 (idle): "MainThread"\n    train (train.py:3)\n'}
+_PROC = {
+    "rank": 0,
+    "pid": 11,
+    "role": "main",
+    "source": "py-spy",
+    "text": 'Thread 11 (idle): "MainThread"\n    train (train.py:3)\n',
+}
 KIND_SAMPLES: dict[str, tuple[str, dict[str, Any]]] = {
-    "dump": (A_DUMP, {"node": "node-a", "incident": 1, "time": 1.0, "processes": [_PROC],
-                      "files": ["/tmp/x"]}),
+    "dump": (
+        A_DUMP,
+        {"node": "node-a", "incident": 1, "time": 1.0, "processes": [_PROC], "files": ["/tmp/x"]},
+    ),
     "dump_order": (K.dump_request, {"incident": 1, "time": 1.0, "reason": "crash"}),
-    "verdict": (K.verdict(1), {"action": "replace_and_restart", "class": "gpu_oom",
-                               "nodes": ["node-a"], "ranks": [0], "reason": "r", "time": 1.0,
-                               "evidence": {"incident": 1}}),
+    "verdict": (
+        K.verdict(1),
+        {
+            "action": "replace_and_restart",
+            "class": "gpu_oom",
+            "nodes": ["node-a"],
+            "ranks": [0],
+            "reason": "r",
+            "time": 1.0,
+            "evidence": {"incident": 1},
+        },
+    ),
     "sample_order": (K.sample_request, {"round": 1, "time": 1.0}),
     "link_order": (K.link_request, {"id": 1, "time": 1.0}),
     "check_order": (K.check_request(1), {"incident": 1, "time": 1.0, "nodes": ["node-a"]}),
-    "published": (K.version_current, {"id": "v2", "previous": "base", "seq": 1, "time": 1.0,
-                                      "urgent": True, "window_s": None, "cause": "publish"}),
+    "published": (
+        K.version_current,
+        {
+            "id": "v2",
+            "previous": "base",
+            "seq": 1,
+            "time": 1.0,
+            "urgent": True,
+            "window_s": None,
+            "cause": "publish",
+        },
+    ),
     "excluded": (K.excluded, {"nodes": ["node-b"], "reasons": {"node-b": "oom"}}),
-    "event": (K.event("node-b", 1), {"kind": "crash", "class": "gpu_oom", "node": "node-b",
-                                     "rank": 0, "step": 3, "time": 1.0, "evidence": {}}),
-    "open": (K.open, {"incident": 1, "time": 1.0, "reason": "r", "events": [
-        {"kind": "crash", "class": "gpu_oom", "node": "node-b", "rank": 0, "time": 1.0}]}),
+    "event": (
+        K.event("node-b", 1),
+        {
+            "kind": "crash",
+            "class": "gpu_oom",
+            "node": "node-b",
+            "rank": 0,
+            "step": 3,
+            "time": 1.0,
+            "evidence": {},
+        },
+    ),
+    "open": (
+        K.open,
+        {
+            "incident": 1,
+            "time": 1.0,
+            "reason": "r",
+            "events": [
+                {"kind": "crash", "class": "gpu_oom", "node": "node-b", "rank": 0, "time": 1.0}
+            ],
+        },
+    ),
 }
 
 
@@ -583,17 +857,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _until(what: str, check: Callable[[], Any], procs: list[subprocess.Popen],
-           timeout_s: float = 120.0) -> Any:
+def _until(
+    what: str, check: Callable[[], Any], procs: list[subprocess.Popen], timeout_s: float = 120.0
+) -> Any:
     """Polls ``check`` until it is truthy; fails naming ``what`` when a process exits first
     or it does not come (a bound on a hang, not a timed assertion)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if (got := check()):
+        if got := check():
             return got
         for proc in procs:
-            assert proc.poll() is None, f"{proc.args[:4]} exited with {proc.returncode} " \
-                                        f"while waiting for {what}"
+            assert proc.poll() is None, (
+                f"{proc.args[:4]} exited with {proc.returncode} while waiting for {what}"
+            )
         time.sleep(0.2)
     raise AssertionError(f"no {what} after {timeout_s:.0f} s")
 
@@ -607,7 +883,8 @@ time.sleep(600)
 
 
 def test_live_forged_publish_and_poisoned_dumps_are_ignored_then_a_genuine_incident_is_handled(
-        tmp_path) -> None:
+    tmp_path,
+) -> None:
     """The defects of issue 27 on the real processes: a publish with ``BASH_ENV`` from a
     process without the secret (by the CLI and by hand), a dump order with incident ``1e999``
     (unsealed and sealed), and a node's dump answer with ``"files": 7``. The controller and
@@ -624,46 +901,120 @@ def test_live_forged_publish_and_poisoned_dumps_are_ignored_then_a_genuine_incid
     evil.write_text(f"touch {tmp_path}/pwned\n")
     env = scenario_env()
     ctl = subprocess.Popen(
-        [sys.executable, "-m", "bootseer", "controller", "--port", str(port), "--trace-dir",
-         str(tmp_path / "ctl"), "--dump-wait", "10", "--failslow-interval", "0"],
-        stdout=subprocess.PIPE, stderr=open(tmp_path / "ctl.log", "w"),  # noqa: SIM115
-        text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "controller",
+            "--port",
+            str(port),
+            "--trace-dir",
+            str(tmp_path / "ctl"),
+            "--dump-wait",
+            "10",
+            "--failslow-interval",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "ctl.log", "w"),  # noqa: SIM115
+        text=True,
+        env=env,
+    )
     run = None
     store_pid = None
     try:
         started = wait_for_line(ctl, "READY", "the controller", 60)
         assert "READY controller" in started
-        client = TCPStore("127.0.0.1", port, is_master=False,
-                          timeout=datetime.timedelta(seconds=10))
+        client = TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10)
+        )
         run = subprocess.Popen(
-            [sys.executable, "-m", "bootseer", "run", "--controller", f"127.0.0.1:{port}",
-             "--node", "n0", "--state-dir", str(tmp_path / "state"), "--trace-dir",
-             str(tmp_path / "trace"), "--min-free-disk", "0", "--min-free-memory", "0",
-             "--max-restarts", "5", "--backoff", "0.2", "--controller-wait", "10", "--",
-             sys.executable, str(tmp_path / "cmd.py"), str(out)],
-            stderr=open(tmp_path / "run.log", "w"), env=env)  # noqa: SIM115
+            [
+                sys.executable,
+                "-m",
+                "bootseer",
+                "run",
+                "--controller",
+                f"127.0.0.1:{port}",
+                "--node",
+                "n0",
+                "--state-dir",
+                str(tmp_path / "state"),
+                "--trace-dir",
+                str(tmp_path / "trace"),
+                "--min-free-disk",
+                "0",
+                "--min-free-memory",
+                "0",
+                "--max-restarts",
+                "5",
+                "--backoff",
+                "0.2",
+                "--controller-wait",
+                "10",
+                "--",
+                sys.executable,
+                str(tmp_path / "cmd.py"),
+                str(out),
+            ],
+            stderr=open(tmp_path / "run.log", "w"),
+            env=env,
+        )  # noqa: SIM115
         procs = [ctl, run]
         _until("attempt 0", lambda: (out / "attempt-0.json").exists(), procs)
 
         # 1. a publish with BASH_ENV, by the CLI without the secret: refused, nothing written
         no_secret = {k: v for k, v in env.items() if k != seal.SECRET_ENV}
         cli = subprocess.run(
-            [sys.executable, "-m", "bootseer", "controller", "publish", "--store",
-             f"127.0.0.1:{port}", "--id", "v9", "--urgent", "--env", f"BASH_ENV={evil}"],
-            capture_output=True, text=True, env=no_secret, timeout=120)
+            [
+                sys.executable,
+                "-m",
+                "bootseer",
+                "controller",
+                "publish",
+                "--store",
+                f"127.0.0.1:{port}",
+                "--id",
+                "v9",
+                "--urgent",
+                "--env",
+                f"BASH_ENV={evil}",
+            ],
+            capture_output=True,
+            text=True,
+            env=no_secret,
+            timeout=120,
+        )
         assert cli.returncode == 2 and "BOOTSEER_JOB_SECRET" in cli.stderr
         assert wire.get(client, K.version_current) is None
         # ... and by hand, byte by byte, as a holder of the port would
-        client.set(K.version("v9"), b'{"id":"v9","workdir":null,"env":{"BASH_ENV":"'
-                   + str(evil).encode() + b'"},"time":1.0}')
-        client.set(K.version_current,
-                   b'{"id":"v9","previous":"base","seq":99,"time":1.0,"urgent":true}')
+        client.set(
+            K.version("v9"),
+            b'{"id":"v9","workdir":null,"env":{"BASH_ENV":"'
+            + str(evil).encode()
+            + b'"},"time":1.0}',
+        )
+        client.set(
+            K.version_current, b'{"id":"v9","previous":"base","seq":99,"time":1.0,"urgent":true}'
+        )
         # 2. a dump order with incident 1e999: unsealed, then sealed (a writer's bug)
         client.set(K.dump_request, b'{"incident":1e999,"time":1.0,"reason":"forged"}')
-        _until("the agent's warning", lambda: "warning: bootseer/job/dump/request: not a "
-               "sealed record" in (tmp_path / "run.log").read_text(), procs)
-        _until("the controller's warning", lambda: "bootseer/job/version/current: not a "
-               "published record" in (tmp_path / "ctl.log").read_text(), procs)
+        _until(
+            "the agent's warning",
+            lambda: (
+                "warning: bootseer/job/dump/request: not a "
+                "sealed record" in (tmp_path / "run.log").read_text()
+            ),
+            procs,
+        )
+        _until(
+            "the controller's warning",
+            lambda: (
+                "bootseer/job/version/current: not a "
+                "published record" in (tmp_path / "ctl.log").read_text()
+            ),
+            procs,
+        )
         client.set(K.dump_request, S(K.dump_request, b'{"incident":1e999,"time":1.0}'))
         assert int(client.add(K.incident, 0)) == 0  # the forged publish opened nothing
 
@@ -671,31 +1022,58 @@ def test_live_forged_publish_and_poisoned_dumps_are_ignored_then_a_genuine_incid
         # poisoned ("files": 7), after acknowledging the order (so it is waited for)
         n1 = ControllerLink(client, "n1")
         n1.register()
-        client.set(K.dump_ack("n1", 1), S(K.dump_ack("n1", 1),
-                                          b'{"node":"n1","incident":1,"time":1.0}'))
-        client.set(K.dump("n1", 1), S(K.dump("n1", 1), (
-            b'{"node":"n1","incident":1,"time":1.0,"processes":[],"files":7}')))
+        client.set(
+            K.dump_ack("n1", 1), S(K.dump_ack("n1", 1), b'{"node":"n1","incident":1,"time":1.0}')
+        )
+        client.set(
+            K.dump("n1", 1),
+            S(K.dump("n1", 1), (b'{"node":"n1","incident":1,"time":1.0,"processes":[],"files":7}')),
+        )
         n1.publish(Event("crash", "python_exception", node="n1", rank=1, time=time.time()))
-        first = _until("the verdict of incident 1", lambda: wire.read(client, K.verdict(1)),
-                       procs)
+        first = _until("the verdict of incident 1", lambda: wire.read(client, K.verdict(1)), procs)
         assert (first["action"], first["class"]) == ("restart_in_place", "python_exception")
         assert first["evidence"]["missing_dumps"] == ["n1"] and "n0" in first["evidence"]["dumps"]
-        restarted = json.loads(_until("attempt 1", lambda: (out / "attempt-1.json").exists()
-                                      and (out / "attempt-1.json").read_text(), procs))
+        restarted = json.loads(
+            _until(
+                "attempt 1",
+                lambda: (out / "attempt-1.json").exists() and (out / "attempt-1.json").read_text(),
+                procs,
+            )
+        )
         assert restarted["BOOTSEER_VERSION"] == "base" and "BASH_ENV" not in restarted
         assert seal.SECRET_ENV not in restarted  # the command never gets the secret
 
         # 4. a genuine urgent publish: incident 2, the node restarts on it
         ok = subprocess.run(
-            [sys.executable, "-m", "bootseer", "controller", "publish", "--store",
-             f"127.0.0.1:{port}", "--id", "v2", "--urgent", "--env", "FOO=bar"],
-            capture_output=True, text=True, env=env, timeout=120)
+            [
+                sys.executable,
+                "-m",
+                "bootseer",
+                "controller",
+                "publish",
+                "--store",
+                f"127.0.0.1:{port}",
+                "--id",
+                "v2",
+                "--urgent",
+                "--env",
+                "FOO=bar",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert ok.returncode == 0, ok.stderr
-        second = _until("the verdict of incident 2", lambda: wire.read(client, K.verdict(2)),
-                        procs)
+        second = _until("the verdict of incident 2", lambda: wire.read(client, K.verdict(2)), procs)
         assert (second["class"], second["evidence"]["update"]) == ("update", {"version": "v2"})
-        updated = json.loads(_until("attempt 2", lambda: (out / "attempt-2.json").exists()
-                                    and (out / "attempt-2.json").read_text(), procs))
+        updated = json.loads(
+            _until(
+                "attempt 2",
+                lambda: (out / "attempt-2.json").exists() and (out / "attempt-2.json").read_text(),
+                procs,
+            )
+        )
         assert (updated["BOOTSEER_VERSION"], updated["FOO"]) == ("v2", "bar")
         assert "BASH_ENV" not in updated and not (tmp_path / "pwned").exists()
         assert ctl.poll() is None and run.poll() is None  # both stayed up throughout
@@ -715,7 +1093,8 @@ def test_live_forged_publish_and_poisoned_dumps_are_ignored_then_a_genuine_incid
         if store_pid is None:
             text = (tmp_path / "ctl.log").read_text()
             if "store started on port" in text:
-                store_pid = int(text.split("store started on port")[1].split("(pid ")[1]
-                                .split(")")[0])
+                store_pid = int(
+                    text.split("store started on port")[1].split("(pid ")[1].split(")")[0]
+                )
         if store_pid is not None:
             os.kill(store_pid, signal.SIGTERM)

@@ -67,8 +67,9 @@ def _stop(procs: dict[str, subprocess.Popen]) -> None:
 
 
 def _reference(*args: str) -> str:
-    return subprocess.run([sys.executable, str(JOB), "--reference", *args], capture_output=True,
-                          text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, str(JOB), "--reference", *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def _rendezvous(c: Cluster, run_id: str) -> dict[str, Any] | None:
@@ -78,8 +79,7 @@ def _rendezvous(c: Cluster, run_id: str) -> dict[str, Any] | None:
     from torch.distributed import TCPStore
 
     with c.services.entered():
-        store = TCPStore("127.0.0.1", STORE_PORT, is_master=False,
-                         timeout=timedelta(seconds=20))
+        store = TCPStore("127.0.0.1", STORE_PORT, is_master=False, timeout=timedelta(seconds=20))
         return rendezvous_members(store, run_id)
 
 
@@ -88,8 +88,22 @@ def _job(c: Cluster, tmp_path: Path, bucket: str, *extra: str) -> tuple[Path, li
     out = tmp_path / "out"
     out.mkdir()
     opts = json.dumps({"s3": c.services.storage_options()})
-    script = [str(JOB), "--ckpt", f"s3://{bucket}/run", "--out", str(out), "--storage-options",
-              opts, "--steps", "14", "--save-every", "3", "--hold-at", "9", *extra]
+    script = [
+        str(JOB),
+        "--ckpt",
+        f"s3://{bucket}/run",
+        "--out",
+        str(out),
+        "--storage-options",
+        opts,
+        "--steps",
+        "14",
+        "--save-every",
+        "3",
+        "--hold-at",
+        "9",
+        *extra,
+    ]
     return out, script, opts
 
 
@@ -100,11 +114,24 @@ def test_an_excluded_standby_is_refused_by_name(cluster: Cluster, tmp_path: Path
     c = cluster
     out, _, opts = _job(c, tmp_path, "excl")
     listed = out / "excluded.json"
-    ExclusionList(listed).add(["node2"], "cuda_error: uncorrectable ECC error",
-                              failure_class="cuda_error")
-    ctl = c.services.popen([*BOOTSEER, "controller", "--store", f"127.0.0.1:{STORE_PORT}",
-                            "--job", "standby-c", "--exclusion", str(listed)],
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    ExclusionList(listed).add(
+        ["node2"], "cuda_error: uncorrectable ECC error", failure_class="cuda_error"
+    )
+    ctl = c.services.popen(
+        [
+            *BOOTSEER,
+            "controller",
+            "--store",
+            f"127.0.0.1:{STORE_PORT}",
+            "--job",
+            "standby-c",
+            "--exclusion",
+            str(listed),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         from bootseer.testing.cluster_host import wait_for_line
 
@@ -113,10 +140,28 @@ def test_an_excluded_standby_is_refused_by_name(cluster: Cluster, tmp_path: Path
 
         spare = c.nodes[2]
         state = spare.dirs.work / "state-c"
-        flags = ["--controller", f"{c.services.controller}:{STORE_PORT}", "--job", "standby-c",
-                 "--node", spare.name, "--state-dir", str(state), "--trace-dir",
-                 str(out / "trace"), "--ckpt-url", "s3://excl/run", "--storage-options", opts,
-                 "--ranks", "0-1", "--min-free-disk", "1MiB", "--min-free-memory", "1MiB"]
+        flags = [
+            "--controller",
+            f"{c.services.controller}:{STORE_PORT}",
+            "--job",
+            "standby-c",
+            "--node",
+            spare.name,
+            "--state-dir",
+            str(state),
+            "--trace-dir",
+            str(out / "trace"),
+            "--ckpt-url",
+            "s3://excl/run",
+            "--storage-options",
+            opts,
+            "--ranks",
+            "0-1",
+            "--min-free-disk",
+            "1MiB",
+            "--min-free-memory",
+            "1MiB",
+        ]
         refused = spare.run([*BOOTSEER, "warmup", "--self-check", *flags], check=False)
         assert refused.returncode == 2, refused.stderr
         assert "node node2 is on job standby-c's exclusion list" in refused.stderr
@@ -127,10 +172,13 @@ def test_an_excluded_standby_is_refused_by_name(cluster: Cluster, tmp_path: Path
         # its `bootseer run` (the launcher that would park it at the rendezvous) refuses too,
         # before the command starts
         ran = out / "ran"
-        joined = spare.run([*BOOTSEER, "run", *flags, "--hang-timeout", "0", "--",
-                            "touch", str(ran)], check=False)
-        assert joined.returncode == 2 and "node node2 is on job standby-c's exclusion list" \
-            in joined.stderr, joined.stderr
+        joined = spare.run(
+            [*BOOTSEER, "run", *flags, "--hang-timeout", "0", "--", "touch", str(ran)], check=False
+        )
+        assert (
+            joined.returncode == 2
+            and "node node2 is on job standby-c's exclusion list" in joined.stderr
+        ), joined.stderr
         assert not ran.exists()
     finally:
         ctl.send_signal(signal.SIGTERM)
@@ -149,8 +197,9 @@ def test_the_gate_reads_the_file_and_the_verdicts_through_the_store(tmp_path: Pa
     from bootseer.robust.remote import ControllerLink
     from bootseer.robust.standby import ExcludedNode, check_admission, read_exclusions
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=10))
+    store = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
     listed = ExclusionList(tmp_path / "excluded.json")
     listed.add(["n7"], "disk_full: 0 B free on /var/lib/bootseer")
     ctl = Controller(store, exclusion=listed.path, settle_s=0, log=lambda _: None)
@@ -160,12 +209,14 @@ def test_the_gate_reads_the_file_and_the_verdicts_through_the_store(tmp_path: Pa
         check_admission(store, "n7", where="10.0.0.5:29400")
     assert str(refused.value).startswith(
         "node n7 is on job job's exclusion list (store key bootseer/job/excluded at "
-        f"10.0.0.5:29400, from the controller's file {listed.path}): evicted for 'disk_full")
+        f"10.0.0.5:29400, from the controller's file {listed.path}): evicted for 'disk_full"
+    )
     # a crash verdict evicts n1: the file and the store both hold it, n7 stays
     for node in ("n1", "n2"):
         ControllerLink(store, node).register()
-    ControllerLink(store, "n1").publish(Event("crash", "cuda_error", node="n1", rank=1,
-                                              time=time.time()))
+    ControllerLink(store, "n1").publish(
+        Event("crash", "cuda_error", node="n1", rank=1, time=time.time())
+    )
     for _ in range(6):  # incident 1 opened, both nodes answer its dump order, the verdict
         if ctl.step() is not None:
             break
@@ -192,20 +243,43 @@ def test_a_standby_that_fails_its_self_check_is_not_parked(tmp_path: Path) -> No
     """The health check after the parts: a disk below ``health.min_free_disk`` fails it
     (exit 1, the disk named, a failed ``self_check`` span); --json stays one document."""
     (tmp_path / "ckpt").mkdir()
-    flags = ["--ckpt-url", str(tmp_path / "ckpt"), "--ranks", "0", "--state-dir",
-             str(tmp_path / "state"), "--node", "spare-1", "--min-free-memory", "1MiB",
-             "--no-gpu-check", "--json", "--self-check"]
-    bad = subprocess.run([*BOOTSEER, "warmup", *flags, "--min-free-disk", "1000000TiB"],
-                         capture_output=True, text=True, check=False)
+    flags = [
+        "--ckpt-url",
+        str(tmp_path / "ckpt"),
+        "--ranks",
+        "0",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--node",
+        "spare-1",
+        "--min-free-memory",
+        "1MiB",
+        "--no-gpu-check",
+        "--json",
+        "--self-check",
+    ]
+    bad = subprocess.run(
+        [*BOOTSEER, "warmup", *flags, "--min-free-disk", "1000000TiB"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert bad.returncode == 1, bad.stderr
     assert "self-check failed" in bad.stderr and "disk" in bad.stderr
     doc = json.loads(bad.stdout)
     assert doc["ok"] is False and doc["self_check"] is False
-    good = subprocess.run([*BOOTSEER, "warmup", *flags, "--min-free-disk", "1MiB"],
-                          capture_output=True, text=True, check=True)
+    good = subprocess.run(
+        [*BOOTSEER, "warmup", *flags, "--min-free-disk", "1MiB"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert json.loads(good.stdout)["self_check"] is True
-    spans = [json.loads(line) for line in (tmp_path / "state" / "trace" / "spare-1.jsonl")
-             .read_text().splitlines() if '"self_check"' in line]
+    spans = [
+        json.loads(line)
+        for line in (tmp_path / "state" / "trace" / "spare-1.jsonl").read_text().splitlines()
+        if '"self_check"' in line
+    ]
     assert [s["outcome"] for s in spans] == ["failed", "ok"]
 
 
@@ -222,8 +296,9 @@ def test_the_pool_is_the_p99_of_binomial_losses() -> None:
 
 def test_an_elastic_job_shrinks_goes_on_and_grows_back(cluster: Cluster, tmp_path: Path) -> None:
     c = cluster
-    out, script, _ = _job(c, tmp_path, "elastic", "--hold-again-at", "12",
-                          "--hold-again-world", "1")
+    out, script, _ = _job(
+        c, tmp_path, "elastic", "--hold-again-at", "12", "--hold-again-world", "1"
+    )
     conf = {**PATIENT, "last_call_timeout": 8}  # the first round waits 8 s for the second
 
     def torchrun(node) -> list[str]:
@@ -257,8 +332,7 @@ def test_an_elastic_job_shrinks_goes_on_and_grows_back(cluster: Cluster, tmp_pat
     assert {d["step"] for d in grown.values()} == {11}
     assert {d["digest"] for d in grown.values()} == {_read(out / "saved-0-11.json")["digest"]}
     final = _reference("--reference-worlds", "2:9,1:3,2:2")
-    assert _read(out / "saved-0-11.json")["digest"] == _reference("--reference-worlds",
-                                                                  "2:9,1:3")
+    assert _read(out / "saved-0-11.json")["digest"] == _reference("--reference-worlds", "2:9,1:3")
     for rank in (0, 1):
         assert _read(out / f"final-{rank}.json") == {"digest": final, "world": 2}
 
@@ -276,28 +350,64 @@ def _spans(path: Path) -> list[dict[str, Any]]:
 def test_a_lost_node_is_replaced_by_the_warm_standby(cluster: Cluster, tmp_path: Path) -> None:
     c = cluster
     out, script, opts = _job(c, tmp_path, "standby", "--width", WIDTH)
-    procs = {n.name: _launch(n, n.torchrun(script, nnodes="2:2", rdzv_id="standby",
-                                            rdzv_conf=PATIENT), out, "job")
-             for n in c.nodes[:2]}
+    procs = {
+        n.name: _launch(
+            n, n.torchrun(script, nnodes="2:2", rdzv_id="standby", rdzv_conf=PATIENT), out, "job"
+        )
+        for n in c.nodes[:2]
+    }
     spare = c.nodes[2]
-    node_flags = ["--node", spare.name, "--state-dir", str(spare.dirs.work / "state"),
-                  "--trace-dir", str(out / "trace"), "--ckpt-url", "s3://standby/run",
-                  "--storage-options", opts, "--ranks", "0-1", "--min-free-disk", "1MiB",
-                  "--min-free-memory", "1MiB"]
+    node_flags = [
+        "--node",
+        spare.name,
+        "--state-dir",
+        str(spare.dirs.work / "state"),
+        "--trace-dir",
+        str(out / "trace"),
+        "--ckpt-url",
+        "s3://standby/run",
+        "--storage-options",
+        opts,
+        "--ranks",
+        "0-1",
+        "--min-free-disk",
+        "1MiB",
+        "--min-free-memory",
+        "1MiB",
+    ]
     # the job's environment, built once by a node and published as a snapshot (a custom
     # install command: 2 MB of random bytes in its prefix, so that a restore shows)
     spec = out / "env.txt"
     spec.write_text("# the standby test's environment\n")
 
     def env_flags(node) -> list[str]:
-        return ["--env-spec", str(spec), "--env-prefix", str(node.dirs.work / "venv"),
-                "--env-store", "s3://standby/envs", "--", "sh", "-c",
-                'mkdir -p "$BOOTSEER_PREFIX/bin" && head -c 2000000 /dev/urandom'
-                ' > "$BOOTSEER_PREFIX/blob"']
+        return [
+            "--env-spec",
+            str(spec),
+            "--env-prefix",
+            str(node.dirs.work / "venv"),
+            "--env-store",
+            "s3://standby/envs",
+            "--",
+            "sh",
+            "-c",
+            'mkdir -p "$BOOTSEER_PREFIX/bin" && head -c 2000000 /dev/urandom'
+            ' > "$BOOTSEER_PREFIX/blob"',
+        ]
 
     builder = c.nodes[0]
-    builder.run([*BOOTSEER, "env", "ensure", "--storage-options", opts, "--state-dir",
-                 str(builder.dirs.work / "state"), *env_flags(builder)])
+    builder.run(
+        [
+            *BOOTSEER,
+            "env",
+            "ensure",
+            "--storage-options",
+            opts,
+            "--state-dir",
+            str(builder.dirs.work / "state"),
+            *env_flags(builder),
+        ]
+    )
     try:
         _wait_for([out / "holding-0", out / "holding-1"], procs, 180)
         # the standby: warmed (the environment; the newest checkpoint's shards for any rank
@@ -308,10 +418,20 @@ def test_a_lost_node_is_replaced_by_the_warm_standby(cluster: Cluster, tmp_path:
         assert "restored environment" in warm.stdout, warm.stdout
         blob = (builder.dirs.work / "venv" / "blob").read_bytes()
         assert (spare.dirs.work / "venv" / "blob").read_bytes() == blob
-        procs["node2"] = _launch(spare, [*BOOTSEER, "run", *node_flags, "--hang-timeout", "0",
-                                         "--", *spare.torchrun(script, nnodes="2:2",
-                                                               rdzv_id="standby",
-                                                               rdzv_conf=PATIENT)], out, "job")
+        procs["node2"] = _launch(
+            spare,
+            [
+                *BOOTSEER,
+                "run",
+                *node_flags,
+                "--hang-timeout",
+                "0",
+                "--",
+                *spare.torchrun(script, nnodes="2:2", rdzv_id="standby", rdzv_conf=PATIENT),
+            ],
+            out,
+            "job",
+        )
         deadline = time.monotonic() + 120
         while True:  # torch keeps it in the round's redundancy list: no join timeout there
             state = _rendezvous(c, "standby")
@@ -349,10 +469,14 @@ def test_a_lost_node_is_replaced_by_the_warm_standby(cluster: Cluster, tmp_path:
     # phases all ended before it; after the loss it read the checkpoint from its cache (the
     # bytes it took from S3 then are metadata, not a rank's ~1 MB of tensors)
     spans = _spans(out / "trace" / "node2.jsonl")
-    startup = [s for s in spans if s["phase"] in ("image_prefetch", "environment",
-                                                  "checkpoint_prefetch", "self_check")]
-    assert {s["phase"] for s in startup} >= {"checkpoint_prefetch", "environment",
-                                             "self_check"}, spans
+    startup = [
+        s
+        for s in spans
+        if s["phase"] in ("image_prefetch", "environment", "checkpoint_prefetch", "self_check")
+    ]
+    assert {s["phase"] for s in startup} >= {"checkpoint_prefetch", "environment", "self_check"}, (
+        spans
+    )
     assert all(s["end"] < lost_at for s in startup), (lost_at, startup)
     fetched = [s for s in startup if s["phase"] == "checkpoint_prefetch" and s["bytes"] > 0]
     assert len(fetched) == 1 and fetched[0]["detail"].get("warmup"), startup

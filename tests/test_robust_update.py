@@ -33,7 +33,7 @@ WINDOW_S = 3.0
 
 # the training script of every version: records which code directory runs it and with which
 # variables, heartbeats, and ends when the test says so; ``BAD`` raises after its first step
-TRAIN = '''
+TRAIN = """
 import json, os, time
 from pathlib import Path
 import bootseer
@@ -66,7 +66,7 @@ while True:
     time.sleep(0.1)
     step += 1
 put(f"done-{node}-{attempt}.json", json.dumps({**record, "steps": step}))
-'''
+"""
 
 
 def _code(root: Path, name: str, bad: bool = False) -> Path:
@@ -80,20 +80,32 @@ def _code(root: Path, name: str, bad: bool = False) -> Path:
 def store():
     from torch.distributed import TCPStore
 
-    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                 timeout=datetime.timedelta(seconds=30))
+    s = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=30),
+    )
     yield s
     del s
 
 
 def _bootseer(*argv: str, **kw: Any) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bootseer", *argv], capture_output=True,
-                          text=True, env=scenario_env(), timeout=120, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "bootseer", *argv],
+        capture_output=True,
+        text=True,
+        env=scenario_env(),
+        timeout=120,
+        **kw,
+    )
 
 
 def _publish(store, *argv: str) -> subprocess.CompletedProcess:
-    return _bootseer("controller", "publish", "--store", f"127.0.0.1:{store.port}", "--job",
-                     JOB, *argv)
+    return _bootseer(
+        "controller", "publish", "--store", f"127.0.0.1:{store.port}", "--job", JOB, *argv
+    )
 
 
 def _wait(what: str, ready, out: Path, timeout_s: float = 120) -> Any:
@@ -128,8 +140,7 @@ def _running(out: Path, attempt: int, steps: int = 2) -> bool:
 def _records(path: Path, record: str) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    return [d for d in map(json.loads, path.read_text().splitlines())
-            if d.get("record") == record]
+    return [d for d in map(json.loads, path.read_text().splitlines()) if d.get("record") == record]
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +153,25 @@ def life(store, tmp_path_factory) -> dict[str, Any]:
     codes = {v: _code(root, v, bad=v == "v5") for v in ("v2", "v3", "v4", "v5")}
     seen: dict[str, Any] = {"out": out, "root": root}
     ctl = subprocess.Popen(
-        [sys.executable, "-m", "bootseer", "controller", "--store", f"127.0.0.1:{store.port}",
-         "--job", JOB, "--trace-dir", str(out / "ctl"), "--dump-wait", "15"],
-        stdout=subprocess.PIPE, stderr=open(out / "ctl.log", "w"), text=True,  # noqa: SIM115
-        env=scenario_env())
+        [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "controller",
+            "--store",
+            f"127.0.0.1:{store.port}",
+            "--job",
+            JOB,
+            "--trace-dir",
+            str(out / "ctl"),
+            "--dump-wait",
+            "15",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=open(out / "ctl.log", "w"),
+        text=True,  # noqa: SIM115
+        env=scenario_env(),
+    )
     agents: dict[str, subprocess.Popen] = {}
     try:
         assert ctl.stdout is not None and ctl.stdout.readline().startswith("READY")
@@ -153,22 +179,50 @@ def life(store, tmp_path_factory) -> dict[str, Any]:
             log = open(out / f"{node}.log", "w")  # noqa: SIM115
             with log:
                 agents[node] = subprocess.Popen(
-                    [sys.executable, "-m", "bootseer", "run", "--controller",
-                     f"127.0.0.1:{store.port}", "--job", JOB, "--node", node,
-                     "--state-dir", str(root / f"state-{node}"), "--trace-dir",
-                     str(out / "trace"), "--min-free-disk", "0", "--min-free-memory", "0",
-                     "--max-restarts", "3", "--backoff", "0.2", "--controller-wait", "30",
-                     "--", sys.executable, "train.py"],
-                    cwd=base, stdout=log, stderr=subprocess.STDOUT,
-                    env=scenario_env({"UPDATE_OUT": str(out)}))
+                    [
+                        sys.executable,
+                        "-m",
+                        "bootseer",
+                        "run",
+                        "--controller",
+                        f"127.0.0.1:{store.port}",
+                        "--job",
+                        JOB,
+                        "--node",
+                        node,
+                        "--state-dir",
+                        str(root / f"state-{node}"),
+                        "--trace-dir",
+                        str(out / "trace"),
+                        "--min-free-disk",
+                        "0",
+                        "--min-free-memory",
+                        "0",
+                        "--max-restarts",
+                        "3",
+                        "--backoff",
+                        "0.2",
+                        "--controller-wait",
+                        "30",
+                        "--",
+                        sys.executable,
+                        "train.py",
+                    ],
+                    cwd=base,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=scenario_env({"UPDATE_OUT": str(out)}),
+                )
         # (a) lazy: published while both run, taken only at the next restart (a crash)
         _wait("attempt 0 running", lambda: _running(out, 0), out)
-        pub = _publish(store, "--id", "v2", "--workdir", str(codes["v2"]), "--env",
-                       "FLAVOUR=two")
+        pub = _publish(store, "--id", "v2", "--workdir", str(codes["v2"]), "--env", "FLAVOUR=two")
         seen["publish_v2"] = pub
         at = {n: _step(out, n, 0) for n in NODES}
-        _wait("25 more steps after the publication (the controller passes every 0.25 s)",
-              lambda: all(_step(out, n, 0) >= at[n] + 25 for n in NODES), out)
+        _wait(
+            "25 more steps after the publication (the controller passes every 0.25 s)",
+            lambda: all(_step(out, n, 0) >= at[n] + 25 for n in NODES),
+            out,
+        )
         seen["before_restart"] = {a: _starts(out, a) for a in (0, 1)}
         keys = wire.Keys(JOB)
         seen["incidents_before"] = (int(store.add(keys.incident, 0)), wire.get(store, keys.open))
@@ -176,19 +230,30 @@ def life(store, tmp_path_factory) -> dict[str, Any]:
         seen[1] = _wait("attempt 1 on both nodes", lambda: _starts(out, 1), out)
         # (b) urgent: at once
         _wait("attempt 1 running", lambda: _running(out, 1), out)
-        seen["publish_v3"] = update.publish(store, JOB, update.Version(
-            "v3", str(codes["v3"])), urgent=True)  # the API (the CLI: (a) and (c))
+        seen["publish_v3"] = update.publish(
+            store, JOB, update.Version("v3", str(codes["v3"])), urgent=True
+        )  # the API (the CLI: (a) and (c))
         seen[2] = _wait("attempt 2 on both nodes", lambda: _starts(out, 2), out)
         # (c) forced after its window
         _wait("attempt 2 running", lambda: _running(out, 2), out)
-        seen["publish_v4"] = _publish(store, "--id", "v4", "--workdir", str(codes["v4"]),
-                                      "--env", "FLAVOUR=four", "--window", str(WINDOW_S))
+        seen["publish_v4"] = _publish(
+            store,
+            "--id",
+            "v4",
+            "--workdir",
+            str(codes["v4"]),
+            "--env",
+            "FLAVOUR=four",
+            "--window",
+            str(WINDOW_S),
+        )
         seen["v4_published"] = update.current(store, wire.Keys(JOB))
         seen[3] = _wait("attempt 3 on both nodes", lambda: _starts(out, 3), out)
         # (d) a bad version: it crashes after the update, is rolled back, the job finishes
         _wait("attempt 3 running", lambda: _running(out, 3), out)
-        seen["publish_v5"] = update.publish(store, JOB, update.Version(
-            "v5", str(codes["v5"])), urgent=True)
+        seen["publish_v5"] = update.publish(
+            store, JOB, update.Version("v5", str(codes["v5"])), urgent=True
+        )
         seen[4] = _wait("attempt 4 on both nodes", lambda: _starts(out, 4), out)
         seen[5] = _wait("attempt 5 on both nodes", lambda: _starts(out, 5), out)
         (out / "finish").touch()
@@ -237,8 +302,10 @@ def test_an_urgent_version_restarts_every_node_at_once(life) -> None:
     assert len(urgent) == 1 and "published urgent" in urgent[0]["reason"]
     assert sorted(urgent[0]["evidence"]["answered"]) == list(NODES)
     # the restart was the update's, not a failure: no crash between attempts 1 and 2
-    assert "v3" in life["logs"]["node0"] and "restarting on the updated version" in \
-        life["logs"]["node0"]
+    assert (
+        "v3" in life["logs"]["node0"]
+        and "restarting on the updated version" in life["logs"]["node0"]
+    )
     assert str(urgent[0]["evidence"]["incident"]) == life[2]["node0"]["incident"]
 
 
@@ -247,8 +314,11 @@ def test_a_windowed_version_is_forced_after_its_window(life) -> None:
     assert "forced after 3 s" in life["publish_v4"].stdout
     for record in life[3].values():
         assert (record["version"], record["code"], record["flavour"]) == ("v4", "v4", "four")
-    forced = [v for v in _ctl_verdicts(life) if v["class"] == "update"
-              and v["evidence"]["update"]["version"] == "v4"]
+    forced = [
+        v
+        for v in _ctl_verdicts(life)
+        if v["class"] == "update" and v["evidence"]["update"]["version"] == "v4"
+    ]
     assert len(forced) == 1 and "not run 3 s after its publication" in forced[0]["reason"]
     assert forced[0]["time"] >= life["v4_published"].time + WINDOW_S  # not before the window
 
@@ -260,8 +330,11 @@ def test_a_bad_version_is_rolled_back_and_the_job_finishes_on_the_previous(life)
     assert len(rollback) == 1, _ctl_verdicts(life)
     assert rollback[0]["class"] == "python_exception"
     assert rollback[0]["evidence"]["primary"]["evidence"]["exception"] == "ValueError"
-    assert rollback[0]["evidence"]["update"] == {"failed": "v5", "rolled_back_to": "v4",
-                                                 "epoch": int(life[4]["node0"]["incident"])}
+    assert rollback[0]["evidence"]["update"] == {
+        "failed": "v5",
+        "rolled_back_to": "v4",
+        "epoch": int(life[4]["node0"]["incident"]),
+    }
     for record in life[5].values():  # back on v4, every node
         assert (record["version"], record["code"], record["flavour"]) == ("v4", "v4", "four")
     assert life["codes"] == {"node0": 0, "node1": 0}, life["logs"]
@@ -278,15 +351,29 @@ def test_every_attempt_runs_one_version_on_every_node_and_the_trace_says_which(l
         assert len({r["incident"] for r in starts.values()}) == 1  # the same epoch
         # and torchrun's rendezvous id of that epoch (PET_RDZV_ID), fresh after each verdict
         assert {r["rdzv"] for r in starts.values()} == {
-            f"bootseer-{r['incident']}" for r in starts.values()}
+            f"bootseer-{r['incident']}" for r in starts.values()
+        }
     for node in NODES:
-        updates = [e for e in _records(life["out"] / "trace" / f"{node}.jsonl", "event")
-                   if e["kind"] == "update"]
+        updates = [
+            e
+            for e in _records(life["out"] / "trace" / f"{node}.jsonl", "event")
+            if e["kind"] == "update"
+        ]
         assert [e["evidence"]["version"] for e in updates] == expected
         assert [e["evidence"]["cause"] for e in updates if e["evidence"]["updated"]] == [
-            "publish", "publish", "publish", "publish", "rollback"]
-    report = _bootseer("report", str(life["out"] / "trace"), str(life["out"] / "ctl"),
-                       "--out", str(life["root"] / "report"))
+            "publish",
+            "publish",
+            "publish",
+            "publish",
+            "rollback",
+        ]
+    report = _bootseer(
+        "report",
+        str(life["out"] / "trace"),
+        str(life["out"] / "ctl"),
+        "--out",
+        str(life["root"] / "report"),
+    )
     assert report.returncode == 0, report.stderr
     assert "version v5 -> v4 in " in report.stdout and "(rollback, epoch 5)" in report.stdout
     assert "version v4 published urgent" not in report.stdout
@@ -307,9 +394,11 @@ def test_malformed_and_unknown_versions_are_refused_naming_them(store, tmp_path)
     assert got.returncode == 2 and "is not a directory here" in got.stderr, got.stderr
     with pytest.raises(update.VersionError, match="--env 'LR': expected NAME=VALUE"):
         update.parse_env(["A=1", "LR"])  # the CLI's --env (a process each costs CI time)
-    for env, message in (({"BOOTSEER_NODE": "x"}, "BOOTSEER_NODE belongs to bootseer run"),
-                         ({"1X": "x"}, "'1X' is not a variable name"),
-                         ({"A": "x\0"}, "the value of A must be a string")):
+    for env, message in (
+        ({"BOOTSEER_NODE": "x"}, "BOOTSEER_NODE belongs to bootseer run"),
+        ({"1X": "x"}, "'1X' is not a variable name"),
+        ({"A": "x\0"}, "the value of A must be a string"),
+    ):
         with pytest.raises(update.VersionError, match=message):
             update.Version("v8", env=env).check()
     with pytest.raises(update.VersionError, match="workdir 'code/v8' must be an absolute"):
@@ -318,8 +407,10 @@ def test_malformed_and_unknown_versions_are_refused_naming_them(store, tmp_path)
     update.publish(store, "refusals", update.Version("v2", str(tmp_path), {"A": "1"}))
     with pytest.raises(update.VersionError, match="'v2' is already published with other"):
         update.publish(store, "refusals", update.Version("v2", str(tmp_path), {"A": "2"}))
-    store.set(keys.version("v3"), seal(keys.version("v3"), json.dumps(
-        {"id": "v3", "cmd": ["rm", "-rf"]}).encode()))
+    store.set(
+        keys.version("v3"),
+        seal(keys.version("v3"), json.dumps({"id": "v3", "cmd": ["rm", "-rf"]}).encode()),
+    )
     with pytest.raises(update.VersionError, match=r"version at .*version/v3: unknown field"):
         update.get_version(store, keys, "v3")
     assert update.current(store, keys).id == "v2"  # what was published before is intact
@@ -338,17 +429,39 @@ def test_a_damaged_current_record_keeps_the_running_version(store, tmp_path) -> 
     assert any("bootseer/damaged/version/current: not a published record" in s for s in said)
     # a version whose code is not on this node: bootseer run refuses to start it
     gone = wire.Keys("gone")
-    store.set(gone.version("v2"), seal(gone.version("v2"), json.dumps(
-        {"id": "v2", "workdir": str(tmp_path / "missing"), "env": {}}).encode()))
-    store.set(gone.version_current, seal(gone.version_current,
-                                         json.dumps({"id": "v2", "seq": 1}).encode()))
-    run = _bootseer("run", "--controller", f"127.0.0.1:{store.port}", "--job", "gone",
-                    "--node", "n1", "--state-dir", str(tmp_path / "state"), "--trace-dir",
-                    str(tmp_path / "trace"), "--min-free-disk", "0", "--min-free-memory", "0",
-                    "--", "touch", str(tmp_path / "ran"))
+    store.set(
+        gone.version("v2"),
+        seal(
+            gone.version("v2"),
+            json.dumps({"id": "v2", "workdir": str(tmp_path / "missing"), "env": {}}).encode(),
+        ),
+    )
+    store.set(
+        gone.version_current,
+        seal(gone.version_current, json.dumps({"id": "v2", "seq": 1}).encode()),
+    )
+    run = _bootseer(
+        "run",
+        "--controller",
+        f"127.0.0.1:{store.port}",
+        "--job",
+        "gone",
+        "--node",
+        "n1",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--trace-dir",
+        str(tmp_path / "trace"),
+        "--min-free-disk",
+        "0",
+        "--min-free-memory",
+        "0",
+        "--",
+        "touch",
+        str(tmp_path / "ran"),
+    )
     assert run.returncode == 2, run.stderr
-    assert f"version 'v2': its workdir {tmp_path}/missing does not exist on node n1" in \
-        run.stderr
+    assert f"version 'v2': its workdir {tmp_path}/missing does not exist on node n1" in run.stderr
     assert not (tmp_path / "ran").exists()
 
 
@@ -368,8 +481,11 @@ def test_after_a_rollback_a_second_failure_escalates_as_the_table_says(store) ->
 
     def incident(k: int) -> Any:
         now[0] += 1  # after the last verdict: a new incident
-        links[1].publish(Event("crash", "user_error", node="n1", time=now[0],
-                               evidence={"exception": "ImportError"}))
+        links[1].publish(
+            Event(
+                "crash", "user_error", node="n1", time=now[0], evidence={"exception": "ImportError"}
+            )
+        )
         ctl.step()
         for link in links:
             link.answer(k, [])

@@ -38,6 +38,7 @@ def phases(trace: Path, phase: str) -> list[dict]:
 
 # -- exit codes --------------------------------------------------------------------------------
 
+
 def test_exit_code_is_the_commands(tmp_path):
     proc = run_wrapper(tmp_path / "trace", "--max-restarts", "0", command=child("exit", 3))
     assert proc.returncode == 3, proc.stderr
@@ -51,8 +52,9 @@ def test_killed_by_a_signal_is_128_plus_it(tmp_path):
 
 
 def test_command_not_found_is_127_and_named(tmp_path):
-    proc = run_wrapper(tmp_path / "trace", "--max-restarts", "3",
-                       command=["bootseer-no-such-command", "--flag"])
+    proc = run_wrapper(
+        tmp_path / "trace", "--max-restarts", "3", command=["bootseer-no-such-command", "--flag"]
+    )
     assert proc.returncode == 127
     assert "command not found: bootseer-no-such-command" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -68,6 +70,7 @@ def test_nothing_to_run_is_a_usage_error(tmp_path):
 
 
 # -- signals -----------------------------------------------------------------------------------
+
 
 def test_sigterm_is_forwarded_and_the_commands_exit_returned(tmp_path):
     started, marker = tmp_path / "started", tmp_path / "marker"
@@ -87,8 +90,7 @@ def test_sigterm_is_forwarded_and_the_commands_exit_returned(tmp_path):
 @pytest.mark.parametrize("name", ["SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR2"])
 def test_other_signals_are_forwarded_too(tmp_path, name):
     started, marker = tmp_path / "started", tmp_path / "marker"
-    wrapper = start_wrapper(tmp_path / "trace",
-                            command=child("trap-term", started, marker, name))
+    wrapper = start_wrapper(tmp_path / "trace", command=child("trap-term", started, marker, name))
     try:
         wait_for(started.exists, "the command to start")
         wrapper.send_signal(getattr(signal, name))
@@ -114,11 +116,13 @@ def test_what_the_command_leaves_running_is_stopped(tmp_path):
 
 def test_a_second_sigterm_kills_a_command_that_ignores_the_first(tmp_path):
     started = tmp_path / "started"
-    wrapper = start_wrapper(tmp_path / "trace", "--max-restarts", "3",
-                            command=child("ignore-term", started))
+    wrapper = start_wrapper(
+        tmp_path / "trace", "--max-restarts", "3", command=child("ignore-term", started)
+    )
     try:
-        pid = int(wait_for(lambda: started.exists() and started.read_text(),
-                           "the command to start"))
+        pid = int(
+            wait_for(lambda: started.exists() and started.read_text(), "the command to start")
+        )
         wrapper.send_signal(signal.SIGTERM)
         first = read_until(wrapper.stderr, "SIGTERM: forwarded to the command")
         assert Path(f"/proc/{pid}").exists()  # ignored: still running
@@ -137,12 +141,15 @@ def test_sigusr1_asks_for_stacks_without_killing(tmp_path):
     trace = tmp_path / "trace"
     wrapper = start_wrapper(trace, command=child("dump-on-demand", started, go))
     try:
-        pid = int(wait_for(lambda: started.exists() and started.read_text(),
-                           "the command to start"))
+        pid = int(
+            wait_for(lambda: started.exists() and started.read_text(), "the command to start")
+        )
         wrapper.send_signal(signal.SIGUSR1)
         dump = trace / f"stacks-testnode-rank0-{pid}.txt"
-        wait_for(lambda: dump.exists() and "sleepy_forever_function_waits" in dump.read_text(),
-                 "the stack dump")
+        wait_for(
+            lambda: dump.exists() and "sleepy_forever_function_waits" in dump.read_text(),
+            "the stack dump",
+        )
         go.touch()
         _, err = wrapper.communicate(timeout=GUARD)
     finally:
@@ -166,13 +173,18 @@ def _unshare() -> list[str]:
 def test_as_pid_1_signals_reach_the_command_and_its_code_comes_back(tmp_path):
     unshare = _unshare()
     argv = wrapper_argv(tmp_path / "t1", "--max-restarts", "0", command=child("exit", 3))
-    proc = subprocess.run([*unshare, *argv],
-                          env=wrapper_env(), capture_output=True, text=True, timeout=GUARD)
+    proc = subprocess.run(
+        [*unshare, *argv], env=wrapper_env(), capture_output=True, text=True, timeout=GUARD
+    )
     assert proc.returncode == 3, proc.stderr
     started, marker = tmp_path / "started", tmp_path / "marker"
     wrapper = subprocess.Popen(
         [*unshare, *wrapper_argv(tmp_path / "t2", command=child("trap-term", started, marker))],
-        env=wrapper_env(), stderr=subprocess.PIPE, text=True, start_new_session=True)
+        env=wrapper_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for(started.exists, "the command to start")
         os.killpg(wrapper.pid, signal.SIGTERM)  # unshare passes it on; PID 1 has a handler
@@ -195,8 +207,9 @@ def test_a_stop_during_startup_ends_the_run_before_the_command(tmp_path):
     previous = signal.getsignal(signal.SIGTERM)
     marker = tmp_path / "marker"
     try:
-        code = Supervisor(child("touch", marker), before_attempt=slow_phases,
-                          log=lambda line: None).run()
+        code = Supervisor(
+            child("touch", marker), before_attempt=slow_phases, log=lambda line: None
+        ).run()
     finally:
         release.set()
     assert code == 128 + signal.SIGTERM
@@ -206,12 +219,14 @@ def test_a_stop_during_startup_ends_the_run_before_the_command(tmp_path):
 
 # -- zombies -----------------------------------------------------------------------------------
 
+
 def test_orphans_are_reaped(tmp_path):
     grandchild, go = tmp_path / "grandchild", tmp_path / "go"
     wrapper = start_wrapper(tmp_path / "trace", command=child("double-fork", grandchild, go))
     try:
-        info = json.loads(wait_for(lambda: grandchild.exists() and grandchild.read_text(),
-                                   "the grandchild"))
+        info = json.loads(
+            wait_for(lambda: grandchild.exists() and grandchild.read_text(), "the grandchild")
+        )
         assert info["ppid"] == wrapper.pid  # the wrapper is its subreaper
         wait_for(lambda: process_gone(info["pid"]), "the orphan to be reaped")
         assert zombies_of(wrapper.pid) == []
@@ -223,6 +238,7 @@ def test_orphans_are_reaped(tmp_path):
 
 
 # -- restarts ----------------------------------------------------------------------------------
+
 
 def test_a_crash_is_restarted_and_traced(tmp_path):
     trace, counter = tmp_path / "trace", tmp_path / "count"
@@ -262,6 +278,7 @@ def test_exit_statuses_read_as_a_shell_does():
 
 # -- the client and hangs ----------------------------------------------------------------------
 
+
 def test_ready_gives_a_first_step_span(tmp_path):
     trace = tmp_path / "trace"
     proc = run_wrapper(trace, command=child("ready"))
@@ -278,8 +295,16 @@ def test_ready_gives_a_first_step_span(tmp_path):
 
 def test_a_hang_is_dumped_killed_and_restarted(tmp_path):
     trace, counter = tmp_path / "trace", tmp_path / "count"
-    proc = run_wrapper(trace, "--hang-timeout", "1", "--dump-wait", "20", "--max-restarts", "1",
-                       command=child("hang-once", counter))
+    proc = run_wrapper(
+        trace,
+        "--hang-timeout",
+        "1",
+        "--dump-wait",
+        "20",
+        "--max-restarts",
+        "1",
+        command=child("hang-once", counter),
+    )
     assert proc.returncode == 0, proc.stderr
     assert counter.read_text() == "2"
     assert "hang: no heartbeat for" in proc.stderr
@@ -323,13 +348,21 @@ def test_heartbeats_are_rate_limited_and_atomic(tmp_path, monkeypatch):
 
 # -- startup phases ----------------------------------------------------------------------------
 
+
 def test_a_failing_environment_keeps_the_job_from_starting(tmp_path):
     req = tmp_path / "requirements.txt"
     req.write_text("--no-index\nbootseer-no-such-package-xyz\n")
     marker = tmp_path / "marker"
-    proc = run_wrapper(tmp_path / "trace", "--env-spec", str(req), "--env-prefix",
-                       str(tmp_path / "venv"), "--env-store", str(tmp_path / "store"),
-                       command=child("touch", marker))
+    proc = run_wrapper(
+        tmp_path / "trace",
+        "--env-spec",
+        str(req),
+        "--env-prefix",
+        str(tmp_path / "venv"),
+        "--env-store",
+        str(tmp_path / "store"),
+        command=child("touch", marker),
+    )
     assert proc.returncode != 0
     assert not marker.exists()
     assert f"environment {tmp_path / 'venv'} from {req} could not be made" in proc.stderr
@@ -344,8 +377,14 @@ def test_the_environment_is_on_the_commands_path(tmp_path):
     req = tmp_path / "requirements.txt"
     req.write_text("")
     out, prefix = tmp_path / "env.json", tmp_path / "venv"
-    flags = ["--env-spec", str(req), "--env-prefix", str(prefix),
-             "--env-store", str(tmp_path / "store")]
+    flags = [
+        "--env-spec",
+        str(req),
+        "--env-prefix",
+        str(prefix),
+        "--env-store",
+        str(tmp_path / "store"),
+    ]
     proc = run_wrapper(tmp_path / "trace", *flags, command=["python", *child("touch", out)[1:]])
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(out.read_text())
@@ -361,18 +400,31 @@ def test_the_environment_is_on_the_commands_path(tmp_path):
 
 
 def _unreachable_s3() -> dict[str, str]:
-    options = {"s3": {"key": "testing", "secret": "testing",
-                      "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}",
-                                        "region_name": "us-east-1"}},
-               "striped": {"retries": 0}}
+    options = {
+        "s3": {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {
+                "endpoint_url": f"http://127.0.0.1:{free_port()}",
+                "region_name": "us-east-1",
+            },
+        },
+        "striped": {"retries": 0},
+    }
     return {"BOOTSEER_STORAGE_OPTIONS": json.dumps(options)}
 
 
 def test_an_unreachable_checkpoint_store_fails_loudly(tmp_path):
     marker, url = tmp_path / "marker", "s3://bootseer-unreachable/run1"
-    proc = run_wrapper(tmp_path / "trace", "--ckpt-url", url, "--ckpt-cache-dir",
-                       str(tmp_path / "cache"), command=child("touch", marker),
-                       env=_unreachable_s3())
+    proc = run_wrapper(
+        tmp_path / "trace",
+        "--ckpt-url",
+        url,
+        "--ckpt-cache-dir",
+        str(tmp_path / "cache"),
+        command=child("touch", marker),
+        env=_unreachable_s3(),
+    )
     assert proc.returncode == 2
     assert not marker.exists()
     assert f"checkpoint store {url} is unreachable, the job does not start" in proc.stderr
@@ -382,9 +434,16 @@ def test_an_unreachable_checkpoint_store_fails_loudly(tmp_path):
 
 def test_an_unreachable_checkpoint_store_with_fresh_starts_allowed(tmp_path):
     marker, url = tmp_path / "marker", "s3://bootseer-unreachable/run1"
-    proc = run_wrapper(tmp_path / "trace", "--ckpt-url", url, "--ckpt-cache-dir",
-                       str(tmp_path / "cache"), "--allow-fresh-start",
-                       command=child("touch", marker), env=_unreachable_s3())
+    proc = run_wrapper(
+        tmp_path / "trace",
+        "--ckpt-url",
+        url,
+        "--ckpt-cache-dir",
+        str(tmp_path / "cache"),
+        "--allow-fresh-start",
+        command=child("touch", marker),
+        env=_unreachable_s3(),
+    )
     assert proc.returncode == 0, proc.stderr
     assert marker.exists()
     assert "starting fresh" in proc.stderr
@@ -402,8 +461,16 @@ def test_the_latest_checkpoint_is_prefetched_for_the_command(tmp_path):
         mgr.save(1, {"w": torch.ones(1000), "step": 1}, block=True)
         mgr.save(2, {"w": torch.full((1000,), 2.0), "step": 2}, block=True)
     trace = tmp_path / "trace"
-    proc = run_wrapper(trace, "--ckpt-url", str(store), "--ckpt-cache-dir", str(cache),
-                       "--ranks", "0", command=child("ckpt-load", store, out))
+    proc = run_wrapper(
+        trace,
+        "--ckpt-url",
+        str(store),
+        "--ckpt-cache-dir",
+        str(cache),
+        "--ranks",
+        "0",
+        command=child("ckpt-load", store, out),
+    )
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(out.read_text())
     assert seen["cache"] == str(cache)
@@ -420,18 +487,24 @@ def test_config_errors_name_the_key(tmp_path):
     assert "restart.max_restarts" in proc.stderr
 
 
-
 def test_a_handed_over_cache_naming_another_directory_stops_the_start(tmp_path):
     """BOOTSEER_CKPT_CACHE is what run hands its command, not a setting (earlier versions of
     warmup read it): one naming another directory than ckpt.cache_dir would fill one cache
     while the job reads the other, so the start is refused, naming the setting to use."""
     marker, cache = tmp_path / "marker", tmp_path / "cache"
-    proc = run_wrapper(tmp_path / "trace", "--ckpt-url", str(tmp_path / "store"),
-                       "--ckpt-cache-dir", str(cache), command=child("touch", marker),
-                       env={"BOOTSEER_CKPT_CACHE": str(tmp_path / "old-cache")})
+    proc = run_wrapper(
+        tmp_path / "trace",
+        "--ckpt-url",
+        str(tmp_path / "store"),
+        "--ckpt-cache-dir",
+        str(cache),
+        command=child("touch", marker),
+        env={"BOOTSEER_CKPT_CACHE": str(tmp_path / "old-cache")},
+    )
     assert proc.returncode == 2 and not marker.exists()
-    assert f"BOOTSEER_CKPT_CACHE={tmp_path / 'old-cache'} is what `bootseer run` hands" in \
-        proc.stderr
+    assert (
+        f"BOOTSEER_CKPT_CACHE={tmp_path / 'old-cache'} is what `bootseer run` hands" in proc.stderr
+    )
     assert f"ckpt.cache_dir = '{cache}' (flag --ckpt-cache-dir)" in proc.stderr
     assert "set BOOTSEER_CKPT_CACHE_DIR" in proc.stderr and "Traceback" not in proc.stderr
     assert not cache.exists() and not (tmp_path / "old-cache").exists()
@@ -450,13 +523,17 @@ def test_a_parked_standby_is_no_hang_and_its_own_end_stays_on_its_node(tmp_path)
     job_node = Supervisor(parked, hang=hang, restart=RestartPolicy(0), log=said.append)
     assert job_node.run() != 0
     assert any("hang" in line for line in said), said
-    spare = Supervisor(parked, hang=hang, restart=RestartPolicy(0), standby=True,
-                       log=said.append)
+    spare = Supervisor(parked, hang=hang, restart=RestartPolicy(0), standby=True, log=said.append)
     assert spare.run() == 0
     assert spare.attempts[0].detail.get("parked") is True
-    failing = Supervisor([sys.executable, "-c", "raise SystemExit(3)"], hang=hang,
-                         restart=RestartPolicy(1, backoff_s=0.01), standby=True,
-                         agent=_agent(tmp_path), log=said.append)
+    failing = Supervisor(
+        [sys.executable, "-c", "raise SystemExit(3)"],
+        hang=hang,
+        restart=RestartPolicy(1, backoff_s=0.01),
+        standby=True,
+        agent=_agent(tmp_path),
+        log=said.append,
+    )
     assert failing.run() == 3
     assert len(failing.attempts) == 2  # one restart allowed: the spare's own end counts
     assert sum("the parked launcher ended with exit code 3" in line for line in said) == 2
@@ -481,21 +558,38 @@ def test_a_spare_joins_at_once_only_when_this_verdict_left_a_place(tmp_path, mon
     from bootseer.robust.events import Verdict
     from bootseer.robust.remote import ControllerLink
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=10))
+    store = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=10),
+    )
     monkeypatch.setattr(supervise, "SPARE_REJOIN_WAIT_S", 0.5)
     said: list[str] = []
-    spare = Supervisor(["true"], standby=True, agent=_agent(tmp_path),
-                       remote=ControllerLink(store, "spare"), log=said.append)
+    spare = Supervisor(
+        ["true"],
+        standby=True,
+        agent=_agent(tmp_path),
+        remote=ControllerLink(store, "spare"),
+        log=said.append,
+    )
     spare._signals = supervise._Signals()
     try:
         for verdict, expect in (
-                (Verdict("replace_and_restart", "hang", nodes=("node1",)), "at once"),
-                (Verdict("restart_in_place", "gloo_error",
-                         evidence={"missing_dumps": ["node3"]}), "at once"),
-                (Verdict("restart_in_place", "python_exception",
-                         evidence={"not_waited_for": ["node3"]}), "not complete after"),
-                (Verdict("restart_in_place", "python_exception"), "not complete after")):
+            (Verdict("replace_and_restart", "hang", nodes=("node1",)), "at once"),
+            (
+                Verdict("restart_in_place", "gloo_error", evidence={"missing_dumps": ["node3"]}),
+                "at once",
+            ),
+            (
+                Verdict(
+                    "restart_in_place", "python_exception", evidence={"not_waited_for": ["node3"]}
+                ),
+                "not complete after",
+            ),
+            (Verdict("restart_in_place", "python_exception"), "not complete after"),
+        ):
             said.clear()
             spare._spare_rejoin(AttemptEnd(1, 137, "verdict", detail={"verdict": verdict}))
             assert any(expect in line for line in said), (verdict, said)

@@ -183,7 +183,9 @@ def _cap_holds(measure, cap: float, attempts: int = 3) -> None:
         assert rate <= cap * (1 + TOLERANCE), f"cap exceeded: {rates} MB/s vs cap {cap / MB:g}"
         if _within(rate, cap):
             return
-    raise AssertionError(f"cap not reached in {attempts} attempts: {rates} MB/s vs cap {cap / MB:g}")
+    raise AssertionError(
+        f"cap not reached in {attempts} attempts: {rates} MB/s vs cap {cap / MB:g}"
+    )
 
 
 def test_per_connection_cap_down(upstream: int) -> None:

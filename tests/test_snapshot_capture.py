@@ -57,8 +57,9 @@ def _snapshot(root: Path) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize("store_kind", ["local", "s3"])
-def test_capture_build_then_replay_on_another_node(tmp_path: Path, state: Path, store_kind,
-                                                   request) -> None:
+def test_capture_build_then_replay_on_another_node(
+    tmp_path: Path, state: Path, store_kind, request
+) -> None:
     root = tmp_path / "node1" / "tool"
     _host(root)
     if store_kind == "local":
@@ -66,14 +67,16 @@ def test_capture_build_then_replay_on_another_node(tmp_path: Path, state: Path, 
     else:
         bucket, s3_options = request.getfixturevalue("s3_bucket")
         store, options = f"s3://{bucket}/envs", {"s3": s3_options}
-    built = ensure_capture([str(root)], _command(root), store=store, storage_options=options,
-                           state_dir=state)
+    built = ensure_capture(
+        [str(root)], _command(root), store=store, storage_options=options, state_dir=state
+    )
     assert built.outcome == "built"
     expected = _snapshot(root)
     assert "old" not in expected and expected["keep"][1] == b"changed\n"
 
-    again = ensure_capture([str(root)], _command(root), store=store, storage_options=options,
-                           state_dir=state)
+    again = ensure_capture(
+        [str(root)], _command(root), store=store, storage_options=options, state_dir=state
+    )
     assert again.outcome == "verified"
 
     # Another node: same paths, original state, no local record. The command must not run.
@@ -81,9 +84,14 @@ def test_capture_build_then_replay_on_another_node(tmp_path: Path, state: Path, 
     moved = tmp_path / "node1-built"
     root.rename(moved)
     _host(root)
-    replayed = ensure_capture([str(root)], ["sh", "-c", "exit 99"], store=store,
-                              storage_options=options, key=built_key(built, root),
-                              state_dir=state_two)
+    replayed = ensure_capture(
+        [str(root)],
+        ["sh", "-c", "exit 99"],
+        store=store,
+        storage_options=options,
+        key=built_key(built, root),
+        state_dir=state_two,
+    )
     assert replayed.outcome == "restored"
     replayed_tree, built_tree = _snapshot(root), _snapshot(moved)
     # "untouched" was made by each node itself (its own mtime); everything else is the build's.
@@ -108,12 +116,14 @@ def built_key(result, root: Path):
 def test_capture_detects_changes_after_replay(tmp_path: Path, state: Path) -> None:
     root = tmp_path / "tool"
     _host(root)
-    built = ensure_capture([str(root)], _command(root), store=str(tmp_path / "store"),
-                           state_dir=state)
+    built = ensure_capture(
+        [str(root)], _command(root), store=str(tmp_path / "store"), state_dir=state
+    )
     (root / "bin" / "tool").write_text("tampered\n")
     assert not verify_capture(built.key, state)
-    again = ensure_capture([str(root)], _command(root), store=str(tmp_path / "store"),
-                           state_dir=state)
+    again = ensure_capture(
+        [str(root)], _command(root), store=str(tmp_path / "store"), state_dir=state
+    )
     assert again.outcome == "restored"
     assert b"tool-ok" in (root / "bin" / "tool").read_bytes()
 
@@ -157,8 +167,13 @@ def test_replay_never_follows_a_host_symlink(tmp_path: Path, state: Path) -> Non
     _host(root)
     (root / "share").symlink_to(outside)
     with pytest.raises(SnapshotError, match="never followed"):
-        ensure_capture([str(root)], ["sh", "-c", "exit 99"], store=store,
-                       key=built_key(built, root), state_dir=tmp_path / "state2")
+        ensure_capture(
+            [str(root)],
+            ["sh", "-c", "exit 99"],
+            store=store,
+            key=built_key(built, root),
+            state_dir=tmp_path / "state2",
+        )
     assert list(outside.iterdir()) == []
     assert (root / "old" / "f").read_text() == "old\n"  # refused before any change
     assert (root / "keep").read_text() == "keep\n"
@@ -168,16 +183,16 @@ def test_capture_paths_are_checked(tmp_path: Path, state: Path) -> None:
     with pytest.raises(SnapshotError, match="not allowed"):
         ensure_capture(["/"], ["true"], store=None, state_dir=state)
     with pytest.raises(SnapshotError, match="overlap"):
-        ensure_capture([str(tmp_path), str(tmp_path / "a")], ["true"], store=None,
-                       state_dir=state)
+        ensure_capture([str(tmp_path), str(tmp_path / "a")], ["true"], store=None, state_dir=state)
 
 
-def test_capture_without_a_store_runs_the_setup_and_records_it(tmp_path: Path,
-                                                               state: Path) -> None:
+def test_capture_without_a_store_runs_the_setup_and_records_it(tmp_path: Path, state: Path) -> None:
     root = tmp_path / "tool"
     _host(root)
     result = ensure_capture([str(root)], _command(root), store=None, state_dir=state)
     assert result.outcome == "installed-locally"
     assert (root / "bin" / "tool").exists()
-    assert ensure_capture([str(root)], _command(root), store=None,
-                          state_dir=state).outcome == "verified"
+    assert (
+        ensure_capture([str(root)], _command(root), store=None, state_dir=state).outcome
+        == "verified"
+    )

@@ -35,10 +35,28 @@ def test_four_nodes_build_once(kind, tmp_path, request, monkeypatch, package_ind
     env = use_test_index(monkeypatch)
     req = write_requirements(tmp_path, package_index, "tinybeta", "tinydata")
     prefixes = [tmp_path / f"node-{i}" / "venv" for i in range(NODES)]
-    procs = [subprocess.Popen([PY, "-m", "bootseer", "env", "ensure", "--spec", str(req),
-                               "--prefix", str(prefix), *store.cli_args(), "--json"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for prefix in prefixes]
+    procs = [
+        subprocess.Popen(
+            [
+                PY,
+                "-m",
+                "bootseer",
+                "env",
+                "ensure",
+                "--spec",
+                str(req),
+                "--prefix",
+                str(prefix),
+                *store.cli_args(),
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for prefix in prefixes
+    ]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=180)
@@ -50,7 +68,8 @@ def test_four_nodes_build_once(kind, tmp_path, request, monkeypatch, package_ind
     key = keys.pop()
     # One builder; the three others waited for its snapshot instead of installing.
     assert sorted(r["outcome"] for r in results) == ["built"] + ["restored"] * (NODES - 1), [
-        (r["outcome"], r["warnings"]) for r in results]
+        (r["outcome"], r["warnings"]) for r in results
+    ]
     builder = next(r for r in results if r["outcome"] == "built")
     assert builder["publish"]["published"] is True
     assert_one_snapshot(store, key)  # one manifest, one publisher directory, no lease
@@ -66,9 +85,11 @@ def test_four_nodes_build_once(kind, tmp_path, request, monkeypatch, package_ind
 
 # -- the interleavings a lease alone does not cover, made to happen --------------------------
 
+
 @pytest.mark.parametrize("moment", ["before-the-lease", "while-waiting"])
-def test_a_snapshot_published_meanwhile_is_restored_not_rebuilt(moment, tmp_path, monkeypatch,
-                                                                 package_index):
+def test_a_snapshot_published_meanwhile_is_restored_not_rebuilt(
+    moment, tmp_path, monkeypatch, package_index
+):
     """Another node publishes and lets go of its lease in the moment between this node's
     look for the manifest and its look at the lease: this node must not build again.
 

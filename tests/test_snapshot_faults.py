@@ -76,7 +76,8 @@ class Node:
         assert self.secret.read_text() == "secret" and self.secret.stat().st_nlink == 1
         assert staging_dirs(self.prefix) == []
         assert sorted(p.name for p in self.prefix.parent.iterdir()) == sorted(
-            ["outside", "secret.txt"] + (["venv"] if self.prefix.exists() else []))
+            ["outside", "secret.txt"] + (["venv"] if self.prefix.exists() else [])
+        )
 
 
 @pytest.fixture
@@ -88,41 +89,83 @@ def hostile_cases(node: Node) -> dict[str, tuple[list[tuple], str, str]]:
     """name -> (entries, the member that must be named, a piece of the rule)."""
     out, tmp_like, secret = str(node.outside), str(node.tmp_like), str(node.secret)
     return {
-        "dotdot": ([("d", "lib"), ("f", "lib/../../outside/evil", b"pwned")],
-                   "lib/../../outside/evil", "'..'"),
+        "dotdot": (
+            [("d", "lib"), ("f", "lib/../../outside/evil", b"pwned")],
+            "lib/../../outside/evil",
+            "'..'",
+        ),
         "dotdot-first": ([("f", "../outside/evil", b"pwned")], "../outside/evil", "'..'"),
-        "absolute": ([("d", "lib"), ("f", f"{tmp_like}/evil", b"pwned")], f"{tmp_like}/evil",
-                     "absolute"),
+        "absolute": (
+            [("d", "lib"), ("f", f"{tmp_like}/evil", b"pwned")],
+            f"{tmp_like}/evil",
+            "absolute",
+        ),
         "absolute-dir": ([("d", out)], out, "absolute"),
-        "hardlink-dotdot": ([("f", "a", b"x"), ("h", "b", "../secret.txt")], "b",
-                            "outside the root"),
+        "hardlink-dotdot": (
+            [("f", "a", b"x"), ("h", "b", "../secret.txt")],
+            "b",
+            "outside the root",
+        ),
         "hardlink-absolute": ([("f", "a", b"x"), ("h", "b", secret)], "b", "outside the root"),
-        "hardlink-to-symlink": ([("l", "ln", secret), ("h", "b", "ln")], "b",
-                                "not an earlier regular file"),
-        "file-under-symlink": ([("d", "lib"), ("l", "lib/x", out), ("f", "lib/x/evil", b"pwned")],
-                               "lib/x/evil", "under the symlink"),
-        "dir-under-symlink": ([("l", "lib", tmp_like), ("d", "lib/sub"),
-                               ("f", "lib/sub/evil", b"pwned")], "lib/sub", "under the symlink"),
-        "link-then-file": ([("l", "evil", f"{out}/evil"), ("f", "evil", b"pwned")], "evil",
-                           "duplicate"),
+        "hardlink-to-symlink": (
+            [("l", "ln", secret), ("h", "b", "ln")],
+            "b",
+            "not an earlier regular file",
+        ),
+        "file-under-symlink": (
+            [("d", "lib"), ("l", "lib/x", out), ("f", "lib/x/evil", b"pwned")],
+            "lib/x/evil",
+            "under the symlink",
+        ),
+        "dir-under-symlink": (
+            [("l", "lib", tmp_like), ("d", "lib/sub"), ("f", "lib/sub/evil", b"pwned")],
+            "lib/sub",
+            "under the symlink",
+        ),
+        "link-then-file": (
+            [("l", "evil", f"{out}/evil"), ("f", "evil", b"pwned")],
+            "evil",
+            "duplicate",
+        ),
         "file-then-file": ([("f", "a", b"one"), ("f", "a", b"two")], "a", "duplicate"),
         "char-device": ([("d", "dev"), ("c", "dev/tty")], "dev/tty", "character device"),
         "block-device": ([("d", "dev"), ("b", "dev/sda")], "dev/sda", "block device"),
         "fifo": ([("p", "pipe")], "pipe", "FIFO"),
-        "parent-is-a-file": ([("f", "a", b"x"), ("f", "a/b", b"y")], "a/b",
-                             "not an earlier directory"),
+        "parent-is-a-file": (
+            [("f", "a", b"x"), ("f", "a/b", b"y")],
+            "a/b",
+            "not an earlier directory",
+        ),
     }
 
 
-HOSTILE = ["dotdot", "dotdot-first", "absolute", "absolute-dir", "hardlink-dotdot",
-           "hardlink-absolute", "hardlink-to-symlink", "file-under-symlink",
-           "dir-under-symlink", "link-then-file", "file-then-file", "char-device",
-           "block-device", "fifo", "parent-is-a-file"]
+HOSTILE = [
+    "dotdot",
+    "dotdot-first",
+    "absolute",
+    "absolute-dir",
+    "hardlink-dotdot",
+    "hardlink-absolute",
+    "hardlink-to-symlink",
+    "file-under-symlink",
+    "dir-under-symlink",
+    "link-then-file",
+    "file-then-file",
+    "char-device",
+    "block-device",
+    "fifo",
+    "parent-is-a-file",
+]
 
 
 def legit_snapshot(node: Node) -> str:
-    members, stream = tar_stream([("d", "bin"), ("f", "bin/tool", b"#!/bin/sh\necho ok\n", 0o755),
-                                  ("f", "data.txt", b"older environment\n")])
+    members, stream = tar_stream(
+        [
+            ("d", "bin"),
+            ("f", "bin/tool", b"#!/bin/sh\necho ok\n", 0o755),
+            ("f", "data.txt", b"older environment\n"),
+        ]
+    )
     return publish_crafted(node.store, members, stream, prefix=node.prefix).key
 
 
@@ -150,8 +193,9 @@ def test_hostile_member_is_refused_before_anything_is_written(node, case, existi
 def test_data_beyond_the_stream_is_refused(node):
     members, stream = tar_stream([("d", "lib"), ("f", "lib/big", b"x" * 100)])
     big = members[1]
-    members[1] = type(big)(big.path, big.kind, big.mode, big.mtime_ns, len(stream),
-                           big.offset, big.link)
+    members[1] = type(big)(
+        big.path, big.kind, big.mode, big.mtime_ns, len(stream), big.offset, big.link
+    )
     key = publish_crafted(node.store, members, stream, prefix=node.prefix).key
     with pytest.raises(UnsafeMemberError, match="beyond the tar stream") as caught:
         restore(node.store, key, node.prefix)
@@ -163,13 +207,19 @@ def test_data_beyond_the_stream_is_refused(node):
 def test_links_pointing_outside_are_data_and_setid_bits_are_stripped(node, caplog):
     """Symlinks may point anywhere (a venv's bin/python does): restored as links, and
     nothing is written through them; setuid/setgid bits are dropped with a warning."""
-    entries = [("d", "bin"), ("l", "bin/python", sys.executable),
-               ("l", "bin/to-tmp", str(node.tmp_like)), ("l", "up", "../outside"),
-               ("f", "bin/suid", b"#!/bin/sh\n", 0o6755),
-               ("d", "big"), ("f", "big/spans", bytes(range(256)) * 40, 0o600)]
+    entries = [
+        ("d", "bin"),
+        ("l", "bin/python", sys.executable),
+        ("l", "bin/to-tmp", str(node.tmp_like)),
+        ("l", "up", "../outside"),
+        ("f", "bin/suid", b"#!/bin/sh\n", 0o6755),
+        ("d", "big"),
+        ("f", "big/spans", bytes(range(256)) * 40, 0o600),
+    ]
     members, stream = tar_stream(entries)
-    key = publish_crafted(node.store, members, stream, prefix=node.prefix,
-                          chunk_size=3000).key  # big/spans lies across four chunks
+    key = publish_crafted(
+        node.store, members, stream, prefix=node.prefix, chunk_size=3000
+    ).key  # big/spans lies across four chunks
     with caplog.at_level(logging.WARNING, logger="snapshot"):
         result = restore(node.store, key, node.prefix)
     assert result.chunks > 3
@@ -182,7 +232,9 @@ def test_links_pointing_outside_are_data_and_setid_bits_are_stripped(node, caplo
     assert any("setuid" in r.getMessage() for r in caplog.records)
     spans = node.prefix / "big/spans"
     assert spans.read_bytes() == bytes(range(256)) * 40
-    assert spans.stat().st_mode & 0o777 == 0o600 and spans.stat().st_mtime_ns == members[-1].mtime_ns
+    assert (
+        spans.stat().st_mode & 0o777 == 0o600 and spans.stat().st_mtime_ns == members[-1].mtime_ns
+    )
     node.bait_untouched()
     assert verify(node.prefix, key).ok
 
@@ -203,6 +255,7 @@ def test_a_directory_bootseer_did_not_make_is_only_replaced_when_asked(node):
 
 
 # -- damaged manifests, TOCs and chunks ------------------------------------------------------
+
 
 def _raw_size_beyond_limit(m: dict) -> None:
     m["chunks"][0]["raw_size"] = MAX_CHUNK_RAW + 1
@@ -259,8 +312,9 @@ def test_chunk_that_is_not_zstd_is_refused(node):
 
 
 @pytest.mark.parametrize("kind", ["local", "s3"])
-def test_corrupt_chunk_is_refused_and_the_prefix_untouched(kind, tmp_path, request,
-                                                           monkeypatch, package_index):
+def test_corrupt_chunk_is_refused_and_the_prefix_untouched(
+    kind, tmp_path, request, monkeypatch, package_index
+):
     store = make_store(kind, tmp_path, request)
     use_test_index(monkeypatch)
     req_new = write_requirements(tmp_path, package_index, "tinybeta", "tinydata")
@@ -294,9 +348,11 @@ def test_corrupt_chunk_is_refused_and_the_prefix_untouched(kind, tmp_path, reque
 
 # -- failing installs ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ["local", "s3"])
-def test_failed_install_publishes_nothing_and_keeps_the_older_env(kind, tmp_path, request,
-                                                                  monkeypatch, package_index):
+def test_failed_install_publishes_nothing_and_keeps_the_older_env(
+    kind, tmp_path, request, monkeypatch, package_index
+):
     store = make_store(kind, tmp_path, request)
     use_test_index(monkeypatch)
     prefix = tmp_path / "node" / "venv"
@@ -310,11 +366,14 @@ def test_failed_install_publishes_nothing_and_keeps_the_older_env(kind, tmp_path
     assert store.objects() == []  # no manifest, no chunks, no lease
     assert not prefix.exists() and leftovers(prefix) == []
 
-    old = ensure_env(prefix, store, [write_requirements(tmp_path, package_index,
-                                                        "tinyalpha==1.0")])
+    old = ensure_env(prefix, store, [write_requirements(tmp_path, package_index, "tinyalpha==1.0")])
     before, objects = scan(prefix, exclude=()), store.objects()
-    command = ["sh", "-c", "mkdir -p {prefix} && echo half > {prefix}/partial && "
-                           "echo boom && echo 'to stderr' >&2 && exit 3"]
+    command = [
+        "sh",
+        "-c",
+        "mkdir -p {prefix} && echo half > {prefix}/partial && "
+        "echo boom && echo 'to stderr' >&2 && exit 3",
+    ]
     with pytest.raises(InstallError) as caught:
         ensure_env(prefix, store, command=command)
     assert caught.value.returncode == 3
@@ -329,8 +388,20 @@ def test_failed_install_publishes_nothing_and_keeps_the_older_env(kind, tmp_path
 def test_failed_install_through_the_cli(tmp_path, monkeypatch):
     env = use_test_index(monkeypatch)
     store = tmp_path / "store"
-    proc = bootseer_cli("env", "ensure", "--prefix", str(tmp_path / "venv"), "--store",
-                        str(store), "--", "sh", "-c", "echo boom; exit 3", check=False, env=env)
+    proc = bootseer_cli(
+        "env",
+        "ensure",
+        "--prefix",
+        str(tmp_path / "venv"),
+        "--store",
+        str(store),
+        "--",
+        "sh",
+        "-c",
+        "echo boom; exit 3",
+        check=False,
+        env=env,
+    )
     assert proc.returncode == 2
     assert "bootseer: error: install command failed with exit code 3" in proc.stderr
     assert "boom" in proc.stderr and "Traceback" not in proc.stderr
@@ -339,11 +410,16 @@ def test_failed_install_through_the_cli(tmp_path, monkeypatch):
 
 # -- SIGKILL ---------------------------------------------------------------------------------
 
+
 def start_cli(log: Path, *args: str) -> subprocess.Popen:
     """``bootseer ARGS`` in a new session (its install commands die with it)."""
     with log.open("w") as out:
-        return subprocess.Popen([PY, "-m", "bootseer", *args], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [PY, "-m", "bootseer", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -357,9 +433,13 @@ BIG_FILES, BIG_FILE_MB = 30, 10  # 300 MB of random bytes: a restore takes about
 @pytest.mark.slow
 def test_restore_killed_leaves_the_prefix_untouched(tmp_path):
     store = str(tmp_path / "store")
-    command = ["sh", "-c", f"{PY} -m venv --without-pip {{prefix}} && mkdir {{prefix}}/data && "
-                           f"for i in $(seq 1 {BIG_FILES}); do head -c {BIG_FILE_MB}M /dev/urandom "
-                           f"> {{prefix}}/data/blob$i; done"]
+    command = [
+        "sh",
+        "-c",
+        f"{PY} -m venv --without-pip {{prefix}} && mkdir {{prefix}}/data && "
+        f"for i in $(seq 1 {BIG_FILES}); do head -c {BIG_FILE_MB}M /dev/urandom "
+        f"> {{prefix}}/data/blob$i; done",
+    ]
     source = tmp_path / "builder" / "venv"
     built = ensure_env(source, store, command=command)
     assert built.outcome == "built" and built.publish.bytes > BIG_FILES * BIG_FILE_MB << 20
@@ -372,13 +452,16 @@ def test_restore_killed_leaves_the_prefix_untouched(tmp_path):
             older = ensure_env(prefix, store, command=older_cmd)
             before = scan(prefix, exclude=())
         log = tmp_path / f"restore-{trial}.log"
-        proc = start_cli(log, "env", "ensure", "--prefix", str(prefix), "--store", store,
-                         "--", *command)
+        proc = start_cli(
+            log, "env", "ensure", "--prefix", str(prefix), "--store", store, "--", *command
+        )
         # Killed once the first files have landed in the staging directory, long before the
         # last (a restore of this size takes about a second on 2 cores).
-        staging = wait_for(lambda p=prefix: [s for s in staging_dirs(p)
-                                             if any((s / "data").glob("blob*"))],
-                           60, "files in the staging directory")
+        staging = wait_for(
+            lambda p=prefix: [s for s in staging_dirs(p) if any((s / "data").glob("blob*"))],
+            60,
+            "files in the staging directory",
+        )
         kill_group(proc)
         assert proc.returncode == -signal.SIGKILL, log.read_text()
         assert staging_dirs(prefix) == staging  # left behind, holding part of the env
@@ -393,7 +476,8 @@ def test_restore_killed_leaves_the_prefix_untouched(tmp_path):
         assert staging_dirs(prefix) == [] and leftovers(prefix) == []
         tree = scan(prefix)
         assert {p: e.digest for p, e in tree.items() if p.startswith("data/")} == {
-            p: e.digest for p, e in source_tree.items() if p.startswith("data/")}
+            p: e.digest for p, e in source_tree.items() if p.startswith("data/")
+        }
         out = run_in(prefix, "python", "-c", "import sys; print(sys.prefix)").stdout
         assert out.strip() == str(prefix)
         assert verify(prefix, built.key).ok
@@ -404,13 +488,28 @@ def test_build_killed_mid_install_is_cleared_and_its_lease_expires(tmp_path):
     store = StoreUnderTest("local", str(tmp_path / "store"))
     hold = tmp_path / "hold"
     hold.touch()
-    command = ["sh", "-c", f"{PY} -m venv --without-pip {{prefix}} && echo half > "
-                           f"{{prefix}}/partial && while [ -e {hold} ]; do sleep 0.05; done && "
-                           f"echo complete > {{prefix}}/complete"]
+    command = [
+        "sh",
+        "-c",
+        f"{PY} -m venv --without-pip {{prefix}} && echo half > "
+        f"{{prefix}}/partial && while [ -e {hold} ]; do sleep 0.05; done && "
+        f"echo complete > {{prefix}}/complete",
+    ]
     key = compute_key([], command).key
     prefix = tmp_path / "node" / "venv"
-    proc = start_cli(tmp_path / "build.log", "env", "ensure", "--prefix", str(prefix),
-                     "--store", store.url, "--lease", "1", "--", *command)
+    proc = start_cli(
+        tmp_path / "build.log",
+        "env",
+        "ensure",
+        "--prefix",
+        str(prefix),
+        "--store",
+        store.url,
+        "--lease",
+        "1",
+        "--",
+        *command,
+    )
     wait_for(lambda: (prefix / "partial").exists(), 60, "the install to start")
     assert store.layout()[key]["lock"]
     kill_group(proc)
@@ -433,12 +532,18 @@ def test_build_killed_mid_install_is_cleared_and_its_lease_expires(tmp_path):
 
 # -- the store cannot be reached --------------------------------------------------------------
 
+
 def test_unreachable_store_installs_locally(tmp_path, monkeypatch, package_index, caplog):
     use_test_index(monkeypatch)
     req = write_requirements(tmp_path, package_index, "tinybeta", "tinydata")
     endpoint = f"http://127.0.0.1:{free_port()}"  # nobody listens there
-    options = {"s3": {"key": "testing", "secret": "testing",
-                      "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}}
+    options = {
+        "s3": {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        }
+    }
     store = SnapshotStore("s3://bootseer-unreachable/envs", options, retries=0)
     prefix = tmp_path / "node" / "venv"
     with caplog.at_level(logging.WARNING, logger="snapshot"):
@@ -482,8 +587,9 @@ def test_binary_embedding_the_prefix_refuses_relocation_unless_forced(tmp_path, 
 
     fetched: list[str] = []
     real_fetch = store.fetch
-    monkeypatch.setattr(store, "fetch", lambda key, name, **kw: fetched.append(name) or
-                        real_fetch(key, name, **kw))
+    monkeypatch.setattr(
+        store, "fetch", lambda key, name, **kw: fetched.append(name) or real_fetch(key, name, **kw)
+    )
     target = tmp_path / "elsewhere" / "venv"
     with pytest.raises(RelocationError) as caught:
         restore(store, built.key, target)
@@ -506,13 +612,15 @@ def test_binary_embedding_the_prefix_refuses_relocation_unless_forced(tmp_path, 
 
     # The command line: refused with the reason, then forced.
     cli_target = tmp_path / "cli" / "venv"
-    proc = bootseer_cli("env", "restore", built.key, "--prefix", str(cli_target), "--store",
-                        store_url, check=False)
+    proc = bootseer_cli(
+        "env", "restore", built.key, "--prefix", str(cli_target), "--store", store_url, check=False
+    )
     assert proc.returncode == 2 and "bootseer: error: cannot restore to" in proc.stderr
     assert "bin/tool.bin" in proc.stderr and "Traceback" not in proc.stderr
     assert not os.path.lexists(cli_target)
-    proc = bootseer_cli("env", "restore", built.key, "--prefix", str(cli_target), "--store",
-                        store_url, "--force")
+    proc = bootseer_cli(
+        "env", "restore", built.key, "--prefix", str(cli_target), "--store", store_url, "--force"
+    )
     assert "1 binary file(s) left unchanged" in proc.stderr
     assert (cli_target / "bin/tool.bin").exists()
 

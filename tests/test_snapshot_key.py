@@ -70,11 +70,14 @@ def test_requirement_normalization() -> None:
     assert normalize_requirement("torch == 2.13.0") == "torch==2.13.0"
     assert normalize_requirement("Foo_Bar.baz") == normalize_requirement("foo-bar-baz")
     assert normalize_requirement("x[B, a]>=1, <2") == "x[a,b]<2,>=1"
-    assert normalize_requirement('x; python_version<"3.12"') == \
-        normalize_requirement("x ; python_version < '3.12'")
+    assert normalize_requirement('x; python_version<"3.12"') == normalize_requirement(
+        "x ; python_version < '3.12'"
+    )
     assert normalize_requirement("./local/pkg") == "./local/pkg"
-    assert normalize_requirement("pkg @ https://h/p.whl ; sys_platform=='linux'") == \
-        'pkg @ https://h/p.whl ; sys_platform == "linux"'
+    assert (
+        normalize_requirement("pkg @ https://h/p.whl ; sys_platform=='linux'")
+        == 'pkg @ https://h/p.whl ; sys_platform == "linux"'
+    )
 
 
 def test_version_pin_changes_key(tmp_path: Path) -> None:
@@ -85,10 +88,14 @@ def test_version_pin_changes_key(tmp_path: Path) -> None:
 
 
 def test_options_and_hashes(tmp_path: Path) -> None:
-    a = write(tmp_path / "a" / "req.txt",
-              "--pre\nfoo==1.0 --hash=sha256:bbb \\\n    --hash=sha256:aaa\n-f ./wheels\n")
-    b = write(tmp_path / "b" / "req.txt",
-              "--find-links=./wheels\nFoo == 1.0 --hash sha256:aaa --hash=sha256:bbb\n--pre\n")
+    a = write(
+        tmp_path / "a" / "req.txt",
+        "--pre\nfoo==1.0 --hash=sha256:bbb \\\n    --hash=sha256:aaa\n-f ./wheels\n",
+    )
+    b = write(
+        tmp_path / "b" / "req.txt",
+        "--find-links=./wheels\nFoo == 1.0 --hash sha256:aaa --hash=sha256:bbb\n--pre\n",
+    )
     na = normalize_spec_file(a)
     assert na == normalize_spec_file(b)
     assert na["options"] == ["--find-links=./wheels", "--pre"]
@@ -101,8 +108,9 @@ def test_options_and_hashes(tmp_path: Path) -> None:
 def test_includes_followed_and_cycles_guarded(tmp_path: Path) -> None:
     write(tmp_path / "base.txt", "numpy==1.26.4\n-r requirements.txt\n")
     write(tmp_path / "sub" / "constraints.txt", "urllib3<2\n")
-    top = write(tmp_path / "requirements.txt",
-                "torch==2.13.0\n-r base.txt\n-c sub/constraints.txt\n")
+    top = write(
+        tmp_path / "requirements.txt", "torch==2.13.0\n-r base.txt\n-c sub/constraints.txt\n"
+    )
     spec = normalize_spec_file(top)
     assert spec["entries"] == ["torch==2.13.0"]
     by_path = {inc["path"]: inc for inc in spec["includes"]}
@@ -111,8 +119,14 @@ def test_includes_followed_and_cycles_guarded(tmp_path: Path) -> None:
     base = by_path["base.txt"]
     assert base["option"] == "--requirement"
     assert base["entries"] == ["numpy==1.26.4"]
-    assert base["includes"] == [{"option": "--requirement", "path": "requirements.txt",
-                                 "kind": "requirements", "cycle": True}]
+    assert base["includes"] == [
+        {
+            "option": "--requirement",
+            "path": "requirements.txt",
+            "kind": "requirements",
+            "cycle": True,
+        }
+    ]
     before = key_of(top)
     write(tmp_path / "sub" / "constraints.txt", "urllib3<3\n")
     assert key_of(top) != before
@@ -194,10 +208,14 @@ line-length = {line}
 def test_pyproject_ignores_description_and_tools(tmp_path: Path) -> None:
     deps = '"torch==2.13.0", "numpy>=1.26"'
     a = write(tmp_path / "a" / "pyproject.toml", PYPROJECT.format(desc="one", deps=deps, line=100))
-    b = write(tmp_path / "b" / "pyproject.toml",
-              PYPROJECT.format(desc="two", deps='"NumPy >= 1.26", "torch == 2.13.0"', line=80))
-    c = write(tmp_path / "c" / "pyproject.toml",
-              PYPROJECT.format(desc="one", deps='"torch==2.13.1", "numpy>=1.26"', line=100))
+    b = write(
+        tmp_path / "b" / "pyproject.toml",
+        PYPROJECT.format(desc="two", deps='"NumPy >= 1.26", "torch == 2.13.0"', line=80),
+    )
+    c = write(
+        tmp_path / "c" / "pyproject.toml",
+        PYPROJECT.format(desc="one", deps='"torch==2.13.1", "numpy>=1.26"', line=100),
+    )
     na = normalize_spec_file(a)
     assert na["kind"] == "pyproject" and na["name"] == "my-proj"
     assert na["dependencies"] == ["numpy>=1.26", "torch==2.13.0"]
@@ -254,7 +272,8 @@ def test_other_inputs_change_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_base_image_comes_from_the_caller_or_the_config_never_the_library_env(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     req = write(tmp_path / "requirements.txt", "torch==2.13.0\n")
     digest = "registry.example/train@sha256:" + "a" * 64
     assert compute_key([req]).inputs["base_image"] is None
@@ -269,13 +288,20 @@ def test_base_image_comes_from_the_caller_or_the_config_never_the_library_env(
     # bootseer passes the key env.base_image: its variable, or its flag, gives the same key.
     env = {k: v for k, v in os.environ.items() if not k.startswith("BOOTSEER_")}
     argv = [sys.executable, "-m", "bootseer", "env", "key", "--spec", str(req), "--json"]
-    by_var = subprocess.run(argv, capture_output=True, text=True, check=True,
-                            env={**env, "BOOTSEER_ENV_BASE_IMAGE": digest})
-    by_flag = subprocess.run([*argv, "--base-image", digest], capture_output=True, text=True,
-                             check=True, env=env)
+    by_var = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**env, "BOOTSEER_ENV_BASE_IMAGE": digest},
+    )
+    by_flag = subprocess.run(
+        [*argv, "--base-image", digest], capture_output=True, text=True, check=True, env=env
+    )
     assert json.loads(by_var.stdout)["key"] == json.loads(by_flag.stdout)["key"] == flagged.key
-    old = subprocess.run(argv, capture_output=True, text=True,
-                         env={**env, "BOOTSEER_BASE_IMAGE": digest})
+    old = subprocess.run(
+        argv, capture_output=True, text=True, env={**env, "BOOTSEER_BASE_IMAGE": digest}
+    )
     assert old.returncode == 2 and "use BOOTSEER_ENV_BASE_IMAGE" in old.stderr
 
 
@@ -297,7 +323,10 @@ def test_python_identity_fields_and_errors(tmp_path: Path) -> None:
 
 def test_parse_extras() -> None:
     assert parse_extras(["cuda=12.4", "driver = 550.54", "empty="]) == {
-        "cuda": "12.4", "driver": "550.54", "empty": ""}
+        "cuda": "12.4",
+        "driver": "550.54",
+        "empty": "",
+    }
     assert parse_extras(["cuda=12.4", "cuda=12.4"]) == {"cuda": "12.4"}
     for bad, why in [("cuda", "NAME=VALUE"), ("=12.4", "name"), ("a b=1", "name")]:
         with pytest.raises(ValueError, match=re.escape(repr(bad)) + ".*" + why):
@@ -317,23 +346,42 @@ def test_install_command_string_rejected() -> None:
 def test_inputs_describe_and_json(tmp_path: Path) -> None:
     req = write(tmp_path / "requirements.txt", "torch==2.13.0\n--pre\n-r more.txt\n")
     write(tmp_path / "more.txt", "numpy>=1.26\n")
-    k = compute_key([req], ["pip", "install", "-r", "requirements.txt"],
-                    base_image="sha256:" + "b" * 64, extras={"cuda": "12.4"},
-                    capture=["/opt/tools"])
+    k = compute_key(
+        [req],
+        ["pip", "install", "-r", "requirements.txt"],
+        base_image="sha256:" + "b" * 64,
+        extras={"cuda": "12.4"},
+        capture=["/opt/tools"],
+    )
     assert isinstance(k, EnvKey)
-    assert list(k.inputs) == ["format_version", "python", "spec", "install_command",
-                              "base_image", "extras", "capture"]
+    assert list(k.inputs) == [
+        "format_version",
+        "python",
+        "spec",
+        "install_command",
+        "base_image",
+        "extras",
+        "capture",
+    ]
     assert k.inputs["format_version"] == FORMAT_VERSION
     assert k.inputs["install_command"] == ["pip", "install", "-r", "requirements.txt"]
     assert str(tmp_path) not in json.dumps(k.inputs)  # no absolute spec paths in the key
     text = k.describe()
     assert text.startswith(f"key: {k.key}\n")
-    for needle in ["format_version: 1", f"python: {sys.implementation.name}",
-                   python_identity()["version"], "spec[0]: requirements.txt (requirements)",
-                   "requirement: torch==2.13.0", "option: --pre",
-                   "include: --requirement more.txt", "requirement: numpy>=1.26",
-                   "install_command: pip install -r requirements.txt",
-                   "base_image: sha256:bbbb", "extras: cuda=12.4", "capture: /opt/tools"]:
+    for needle in [
+        "format_version: 1",
+        f"python: {sys.implementation.name}",
+        python_identity()["version"],
+        "spec[0]: requirements.txt (requirements)",
+        "requirement: torch==2.13.0",
+        "option: --pre",
+        "include: --requirement more.txt",
+        "requirement: numpy>=1.26",
+        "install_command: pip install -r requirements.txt",
+        "base_image: sha256:bbbb",
+        "extras: cuda=12.4",
+        "capture: /opt/tools",
+    ]:
         assert needle in text, needle
     for name in k.inputs:
         assert re.search(rf"^{name}(\[\d+\])?: ", text, re.M), name
@@ -348,8 +396,11 @@ def test_inputs_describe_and_json(tmp_path: Path) -> None:
 def test_key_is_path_component_and_stable_across_processes(tmp_path: Path) -> None:
     req = write(tmp_path / "requirements.txt", REQS)
     lock = write(tmp_path / "uv.lock", UV_LOCK)
-    args = dict(install_command=["pip", "install", "-r", "requirements.txt"],
-                extras={"cuda": "12.4", "a": "b"}, capture=["/opt/x", "/opt/a"])
+    args = dict(
+        install_command=["pip", "install", "-r", "requirements.txt"],
+        extras={"cuda": "12.4", "a": "b"},
+        capture=["/opt/x", "/opt/a"],
+    )
     here = compute_key([req, lock], **args)
     assert re.fullmatch(r"[0-9a-f]{40}", here.key)
     assert here.key not in (".", "..") and os.sep not in here.key
@@ -359,13 +410,24 @@ def test_key_is_path_component_and_stable_across_processes(tmp_path: Path) -> No
         "a = json.loads(sys.argv[1])\n"
         "print(compute_key(a.pop('files'), **a).key)\n"
     )
-    env = {**os.environ, "PYTHONHASHSEED": "12345",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONHASHSEED": "12345",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     # The other process sees the files under another path (a symlinked checkout).
     other = tmp_path / "elsewhere"
     other.symlink_to(tmp_path, target_is_directory=True)
-    payload = json.dumps({"files": [str(other / "requirements.txt"), str(other / "uv.lock")],
-                          **args})
-    out = subprocess.run([sys.executable, "-c", code, payload], capture_output=True,
-                         text=True, env=env, cwd=str(other), timeout=60, check=True)
+    payload = json.dumps(
+        {"files": [str(other / "requirements.txt"), str(other / "uv.lock")], **args}
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, payload],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(other),
+        timeout=60,
+        check=True,
+    )
     assert out.stdout.strip() == here.key

@@ -12,18 +12,23 @@ from pathlib import Path
 from snapshot.ensure import clear_interrupted_install
 
 # A custom "install" that is slow enough for the two processes to overlap, and counts runs.
-INSTALL = ("import os, sys, time; p = os.environ['BOOTSEER_PREFIX']; os.makedirs(p + '/bin'); "
-           "open(p + '/bin/tool', 'w').write('v1'); "
-           "open(sys.argv[1], 'a').write('ran\\n'); time.sleep(1.5)")
+INSTALL = (
+    "import os, sys, time; p = os.environ['BOOTSEER_PREFIX']; os.makedirs(p + '/bin'); "
+    "open(p + '/bin/tool', 'w').write('v1'); "
+    "open(sys.argv[1], 'a').write('ran\\n'); time.sleep(1.5)"
+)
 
 
 def _ensure(tmp_path: Path, prefix: Path, counter: Path) -> subprocess.Popen:
-    code = ("import json, sys; from snapshot.ensure import ensure; "
-            f"r = ensure(prefix={str(prefix)!r}, store={str(tmp_path / 'store')!r}, "
-            f"command=[sys.executable, '-c', {INSTALL!r}, {str(counter)!r}]); "
-            "print(json.dumps(r.outcome))")
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    code = (
+        "import json, sys; from snapshot.ensure import ensure; "
+        f"r = ensure(prefix={str(prefix)!r}, store={str(tmp_path / 'store')!r}, "
+        f"command=[sys.executable, '-c', {INSTALL!r}, {str(counter)!r}]); "
+        "print(json.dumps(r.outcome))"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def test_two_processes_on_one_prefix_install_once(tmp_path: Path) -> None:
@@ -113,15 +118,23 @@ def test_restore_of_many_directories_under_a_low_open_file_limit(tmp_path: Path)
         "from snapshot.store import SnapshotStore\n"
         f"restore(SnapshotStore({str(tmp_path / 'store')!r}), {key.key!r}, "
         f"{str(tmp_path / 'node' / 'venv')!r})\n"
-        f"sys.exit(0 if verify({str(tmp_path / 'node' / 'venv')!r}, {key.key!r}).ok else 3)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=False, cwd=Path(__file__).resolve().parents[1])
+        f"sys.exit(0 if verify({str(tmp_path / 'node' / 'venv')!r}, {key.key!r}).ok else 3)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     node = tmp_path / "node" / "venv"
     for i in (0, 99, 199):
         assert (node / "lib" / f"pkg{i}" / "sub/deep/mod.py").read_text() == f"VALUE = {i}\n"
         assert os.readlink(node / "lib" / f"pkg{i}" / "link") == "sub/deep/mod.py"
-    assert (node / "lib/pkg1/hard.py").stat().st_ino == (node / "lib/pkg0/sub/deep/mod.py").stat().st_ino
+    assert (node / "lib/pkg1/hard.py").stat().st_ino == (
+        node / "lib/pkg0/sub/deep/mod.py"
+    ).stat().st_ino
     assert (node / "lib/pkg7").stat().st_mode & 0o777 == 0o750
 
 

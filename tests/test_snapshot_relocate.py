@@ -37,8 +37,9 @@ SITE = f"lib/{PY}/site-packages"
 def base_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real venv with pip at OLD = <tmp>/old, plus a module whose source names OLD."""
     old = tmp_path_factory.mktemp("reloc") / "old"
-    subprocess.run([sys.executable, "-m", "venv", str(old)], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", str(old)], check=True, capture_output=True, timeout=120
+    )
     src = old / SITE / "where_mod.py"
     src.write_text(f'WHERE = "{old}/share"\n')
     py_compile.compile(str(src), cfile=cache_from_source(str(src)), doraise=True)
@@ -78,8 +79,9 @@ def tree_state(root: Path) -> dict[str, tuple]:
 
 
 def run(*cmd: str | Path, **kw) -> str:
-    out = subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True,
-                         timeout=60, **kw)
+    out = subprocess.run(
+        [str(c) for c in cmd], check=True, capture_output=True, text=True, timeout=60, **kw
+    )
     return out.stdout
 
 
@@ -90,10 +92,17 @@ def pip_version(prefix: Path) -> str:
 
 # --- pack time ------------------------------------------------------------------------------
 
+
 def test_scan_finds_real_venv_references(base_venv: Path, base_refs: list[PrefixRef]) -> None:
     kinds = {r.path: r.kind for r in base_refs}
-    for path in ("bin/pip", "bin/pip3", "bin/activate", "bin/activate.fish", "pyvenv.cfg",
-                 f"{SITE}/where_mod.py"):
+    for path in (
+        "bin/pip",
+        "bin/pip3",
+        "bin/activate",
+        "bin/activate.fish",
+        "pyvenv.cfg",
+        f"{SITE}/where_mod.py",
+    ):
         assert kinds.get(path) == "text", path
     pycs = [p for p, k in kinds.items() if k == "pyc"]
     assert pycs and all(p.endswith(".pyc") for p in pycs)
@@ -117,9 +126,19 @@ def test_classify_boundaries() -> None:
     assert kind(b"/opt/venvs /opt/venv.old /opt/venv_x /opt/venv-1") is None
     assert kind(b"/data/opt/venv/bin and http://h/opt/venv") is None  # tails of longer paths
     assert kind(b"nothing here") is None
-    for hit in (b"/opt/venv/x", b'"/opt/venv"', b"'/opt/venv'", b"/opt/venv\n", b"/opt/venv:",
-                b"/opt/venv", b"-I/opt/venv/include", b"prefix=/opt/venv", b"file:///opt/venv",
-                b"/opt/venv2 then /opt/venv/bin", b"\xff\xfe /opt/venv latin-1 \xe9"):
+    for hit in (
+        b"/opt/venv/x",
+        b'"/opt/venv"',
+        b"'/opt/venv'",
+        b"/opt/venv\n",
+        b"/opt/venv:",
+        b"/opt/venv",
+        b"-I/opt/venv/include",
+        b"prefix=/opt/venv",
+        b"file:///opt/venv",
+        b"/opt/venv2 then /opt/venv/bin",
+        b"\xff\xfe /opt/venv latin-1 \xe9",
+    ):
         assert kind(hit) == "text", hit
     assert kind(b"\x7fELF\0\0/opt/venv/lib\0") == "binary"
     assert kind(b"\x7fELF\0\0/opt/venv2/lib\0") is None
@@ -131,8 +150,13 @@ def test_classify_boundaries() -> None:
 
 
 def test_prefix_ref_from_json_rejects_garbage() -> None:
-    for bad in ([], {"path": "a"}, {"path": "", "kind": "text"}, {"path": "a", "kind": "elf"},
-                {"path": 3, "kind": "text"}):
+    for bad in (
+        [],
+        {"path": "a"},
+        {"path": "", "kind": "text"},
+        {"path": "a", "kind": "elf"},
+        {"path": 3, "kind": "text"},
+    ):
         with pytest.raises(SnapshotError):
             PrefixRef.from_json(bad)
 
@@ -145,8 +169,8 @@ def test_rewrite_path_for_symlink_targets() -> None:
 
 # --- restore time ---------------------------------------------------------------------------
 
-def test_relocate_real_venv(base_venv: Path, base_refs: list[PrefixRef],
-                            tmp_path: Path) -> None:
+
+def test_relocate_real_venv(base_venv: Path, base_refs: list[PrefixRef], tmp_path: Path) -> None:
     old = str(base_venv)
     # Extract into a staging directory, relocate, then rename into place (the restore order).
     staging = copy_venv(base_venv, tmp_path / ".staging-new")
@@ -176,11 +200,14 @@ def test_relocate_real_venv(base_venv: Path, base_refs: list[PrefixRef],
     assert (new / "bin" / "pip").read_bytes().startswith(f"#!{new}/bin/{PY}\n".encode())
     assert f"from {new}/{SITE}/pip " in pip_version(new)
     assert run(new / "bin" / "python", "-c", "import sys; print(sys.prefix)").strip() == str(new)
-    assert run("bash", "-c", f'source "{new}/bin/activate" && echo "$VIRTUAL_ENV"'
-               ).strip() == str(new)
+    assert run("bash", "-c", f'source "{new}/bin/activate" && echo "$VIRTUAL_ENV"').strip() == str(
+        new
+    )
     assert f"command = {sys.executable} -m venv {new}" in (new / "pyvenv.cfg").read_text()
-    assert run(new / "bin" / "python", "-c", "import where_mod; print(where_mod.WHERE)"
-               ).strip() == f"{new}/share"
+    assert (
+        run(new / "bin" / "python", "-c", "import where_mod; print(where_mod.WHERE)").strip()
+        == f"{new}/share"
+    )
     # grep: no text file of the relocated tree mentions OLD any more.
     grep = subprocess.run(["grep", "-rIl", "--", old, str(new)], capture_output=True, text=True)
     assert grep.returncode == 1, grep.stdout
@@ -195,8 +222,10 @@ def test_same_length_prefix_drops_stale_pyc(base_venv: Path, base_refs: list[Pre
     try:
         report = relocate(new, str(base_venv), str(new), base_refs)
         assert report.pyc_invalidated
-        assert run(new / "bin" / "python", "-c", "import where_mod; print(where_mod.WHERE)"
-                   ).strip() == f"{new}/share"
+        assert (
+            run(new / "bin" / "python", "-c", "import where_mod; print(where_mod.WHERE)").strip()
+            == f"{new}/share"
+        )
     finally:
         shutil.rmtree(new)
 
@@ -207,14 +236,14 @@ def long_prefix(tmp_path: Path, name: str = "venv") -> Path:
     return prefix
 
 
-def test_long_prefix_uses_trampoline_and_back(base_venv: Path, base_refs: list[PrefixRef],
-                                              tmp_path: Path) -> None:
+def test_long_prefix_uses_trampoline_and_back(
+    base_venv: Path, base_refs: list[PrefixRef], tmp_path: Path
+) -> None:
     long_new = copy_venv(base_venv, long_prefix(tmp_path))
     report = relocate(long_new, str(base_venv), str(long_new), base_refs)
     assert {"bin/pip", "bin/pip3"} <= set(report.shebangs_converted)
     head = (long_new / "bin" / "pip").read_bytes().split(b"\n")[:3]
-    assert head == [b"#!/bin/sh", f"'''exec' {long_new}/bin/{PY} \"$0\" \"$@\"".encode(),
-                    b"' '''"]
+    assert head == [b"#!/bin/sh", f"'''exec' {long_new}/bin/{PY} \"$0\" \"$@\"".encode(), b"' '''"]
     assert f"from {long_new}/{SITE}/pip " in pip_version(long_new)
     assert os.stat(long_new / "bin" / "pip").st_mode & 0o111
 
@@ -225,14 +254,15 @@ def test_long_prefix_uses_trampoline_and_back(base_venv: Path, base_refs: list[P
     short = copy_venv(long_new, tmp_path / "short")
     report = relocate(short, str(long_new), str(short), refs)
     assert "bin/pip" in report.shebangs_converted
-    assert (short / "bin" / "pip").read_bytes() == \
-        (base_venv / "bin" / "pip").read_bytes().replace(str(base_venv).encode(),
-                                                         str(short).encode())
+    assert (short / "bin" / "pip").read_bytes() == (base_venv / "bin" / "pip").read_bytes().replace(
+        str(base_venv).encode(), str(short).encode()
+    )
     assert f"from {short}/{SITE}/pip " in pip_version(short)
 
 
-def test_long_to_long_and_spaces(base_venv: Path, base_refs: list[PrefixRef],
-                                 tmp_path: Path) -> None:
+def test_long_to_long_and_spaces(
+    base_venv: Path, base_refs: list[PrefixRef], tmp_path: Path
+) -> None:
     long_a = copy_venv(base_venv, long_prefix(tmp_path, "a"))
     relocate(long_a, str(base_venv), str(long_a), base_refs)
     refs = scan_tree(long_a, str(long_a))
@@ -241,7 +271,7 @@ def test_long_to_long_and_spaces(base_venv: Path, base_refs: list[PrefixRef],
     report = relocate(spaced, str(long_a), str(spaced), refs)
     assert "bin/pip" not in report.shebangs_converted  # trampoline -> trampoline
     head = (spaced / "bin" / "pip").read_bytes().split(b"\n")[:2]
-    assert head == [b"#!/bin/sh", f"'''exec' \"{spaced}/bin/{PY}\" \"$0\" \"$@\"".encode()]
+    assert head == [b"#!/bin/sh", f'\'\'\'exec\' "{spaced}/bin/{PY}" "$0" "$@"'.encode()]
     assert f"from {spaced}/{SITE}/pip " in pip_version(spaced)
     # And from the quoted trampoline back to a short plain one.
     refs = scan_tree(spaced, str(spaced))
@@ -300,10 +330,22 @@ def test_binary_error_lists_first_ten(tmp_path: Path) -> None:
     assert "lib/b09.so" in msg and "lib/b10.so" not in msg and "15 more" in msg
 
 
-@pytest.mark.parametrize("bad", [
-    "../outside.txt", "/OUTSIDE", "link", "evil/victim.txt", f"lib64/{PY}/x.py", "bin//pip",
-    "./bin/pip", "bin/", "", "fifo", "missing.txt",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "../outside.txt",
+        "/OUTSIDE",
+        "link",
+        "evil/victim.txt",
+        f"lib64/{PY}/x.py",
+        "bin//pip",
+        "./bin/pip",
+        "bin/",
+        "",
+        "fifo",
+        "missing.txt",
+    ],
+)
 def test_unsafe_refs_change_nothing(base_venv: Path, tmp_path: Path, bad: str) -> None:
     outside_dir = tmp_path / "outside"
     outside_dir.mkdir()
@@ -330,8 +372,9 @@ def test_unsafe_refs_change_nothing(base_venv: Path, tmp_path: Path, bad: str) -
     assert (tmp_path / "outside.txt").read_text() == f"{base_venv}/bin\n"
 
 
-def test_same_prefix_is_a_no_op(base_venv: Path, base_refs: list[PrefixRef],
-                                tmp_path: Path) -> None:
+def test_same_prefix_is_a_no_op(
+    base_venv: Path, base_refs: list[PrefixRef], tmp_path: Path
+) -> None:
     tree = copy_venv(base_venv, tmp_path / "tree")
     before = tree_state(tree)
     refs = base_refs + [PrefixRef("lib/x.so", "binary")]  # not even refused

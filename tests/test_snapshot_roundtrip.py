@@ -50,8 +50,9 @@ def current_umask() -> int:
 
 
 @pytest.mark.parametrize("kind, installer", [("local", "uv"), ("local", "pip"), ("s3", "uv")])
-def test_build_verify_repair_and_restore_on_another_node(kind, installer, tmp_path, request,
-                                                          monkeypatch, package_index):
+def test_build_verify_repair_and_restore_on_another_node(
+    kind, installer, tmp_path, request, monkeypatch, package_index
+):
     store = make_store(kind, tmp_path, request)
     use_test_index(monkeypatch)
     req = write_requirements(tmp_path, package_index, "tinybeta", "tinydata")
@@ -109,9 +110,18 @@ def test_build_verify_repair_and_restore_on_another_node(kind, installer, tmp_pa
     assert script.splitlines()[0] == f"#!{node_b}/bin/python"
     assert str(node_a) not in script
     activated = subprocess.run(
-        ["sh", "-c", '. "$1/bin/activate" && printf "%s\\n" "$VIRTUAL_ENV" && command -v python',
-         "sh", str(node_b)], capture_output=True, text=True, check=True,
-        env={"PATH": "/usr/bin:/bin"})
+        [
+            "sh",
+            "-c",
+            '. "$1/bin/activate" && printf "%s\\n" "$VIRTUAL_ENV" && command -v python',
+            "sh",
+            str(node_b),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert activated.stdout.split() == [str(node_b), f"{node_b}/bin/python"]
     link = node_b / "bin" / "python"
     assert link.is_symlink() and os.readlink(link) == os.readlink(node_a / "bin" / "python")
@@ -121,8 +131,7 @@ def test_build_verify_repair_and_restore_on_another_node(kind, installer, tmp_pa
 
     # And through the command line, by key.
     node_c = tmp_path / "node-c" / "venv"
-    proc = bootseer_cli("env", "restore", built.key, "--prefix", str(node_c),
-                        *store.cli_args())
+    proc = bootseer_cli("env", "restore", built.key, "--prefix", str(node_c), *store.cli_args())
     assert f"restored {built.key} to {node_c}: " in proc.stderr
     assert "relocated" in proc.stderr
     assert_env_works(node_c)
@@ -188,9 +197,12 @@ def rich(tmp_path_factory) -> Rich:
 def expected_at(rich: Rich, new: Path) -> dict[str, Entry]:
     """The source tree as it must look at ``new``: absolute links into the prefix follow it."""
     old = str(rich.source)
-    return {path: dataclasses.replace(e, link=str(new) + e.link[len(old):])
-            if e.kind == "l" and (e.link == old or e.link.startswith(old + "/")) else e
-            for path, e in rich.tree.items()}
+    return {
+        path: dataclasses.replace(e, link=str(new) + e.link[len(old) :])
+        if e.kind == "l" and (e.link == old or e.link.startswith(old + "/"))
+        else e
+        for path, e in rich.tree.items()
+    }
 
 
 def test_restore_elsewhere_reproduces_every_entry(rich, tmp_path):
@@ -202,15 +214,18 @@ def test_restore_elsewhere_reproduces_every_entry(rich, tmp_path):
     assert {"bin/tinybeta-cli", "bin/activate", f"{DEMO}/paths.cfg"} <= set(report.rewritten)
     tree = scan(new)
     # A rewritten file's other names (hardlinks) changed with it.
-    changed = set(report.rewritten) | {p for g in hardlink_groups(tree) if g & set(report.rewritten)
-                                       for p in g}
+    changed = set(report.rewritten) | {
+        p for g in hardlink_groups(tree) if g & set(report.rewritten) for p in g
+    }
     assert f"{DEMO}/linked-too.cfg" in changed
 
     # Same paths, kinds, modes, mtimes (ns), link targets and hardlink identity; contents
     # byte-equal except in the rewritten files.
     assert tree_differences(expected_at(rich, new), tree, content_differs=changed) == []
-    assert hardlink_groups(tree) == {frozenset({f"{DEMO}/a.txt", f"{DEMO}/b.txt"}),
-                                     frozenset({f"{DEMO}/linked.cfg", f"{DEMO}/linked-too.cfg"})}
+    assert hardlink_groups(tree) == {
+        frozenset({f"{DEMO}/a.txt", f"{DEMO}/b.txt"}),
+        frozenset({f"{DEMO}/linked.cfg", f"{DEMO}/linked-too.cfg"}),
+    }
     assert tree[f"{DEMO}/a.txt"].nlink == 2
     assert tree[f"{DEMO}/a.txt"].mode == 0o640 and tree[f"{DEMO}/empty.dat"].mode == 0o600
     assert tree[f"{DEMO}/empty"].mode == 0o700
@@ -248,8 +263,10 @@ def test_restored_pyc_files_are_used_as_they_are(rich, tmp_path):
     for package in ("tinybeta", "tinydata", "tinyalpha"):
         # importlib's verbose line for a cached module whose pyc is valid for its source
         assert f"{site}/{package}/__pycache__/__init__." in proc.stderr
-        assert any(line.endswith(f"matches {site}/{package}/__init__.py")
-                   for line in proc.stderr.splitlines()), package
+        assert any(
+            line.endswith(f"matches {site}/{package}/__init__.py")
+            for line in proc.stderr.splitlines()
+        ), package
     # Python wrote nothing: every pyc has its content and mtime, no file was added.
     assert scan(site) == before
 
@@ -268,8 +285,12 @@ def test_chunks_are_one_plain_zstd_tar_stream(rich, tmp_path):
     assert len(stream) == manifest.stream_size
     with tarfile.open(fileobj=io.BytesIO(stream), mode="r:") as tar:
         tar.extractall(out_py, filter="fully_trusted")
-    assert tree_differences(expected, scan(out_py), mtime_resolution_ns=1_000_000_000,
-                            check_link_mtimes=False) == []
+    assert (
+        tree_differences(
+            expected, scan(out_py), mtime_resolution_ns=1_000_000_000, check_link_mtimes=False
+        )
+        == []
+    )
 
     # The system's cat, zstd and tar.
     if not (shutil.which("zstd") and shutil.which("tar")):
@@ -278,10 +299,24 @@ def test_chunks_are_one_plain_zstd_tar_stream(rich, tmp_path):
     out_sh.mkdir()
     chunks = sorted(p.name for p in publisher_dir.glob("*.tar.zst"))
     assert chunks == [c.name.split("/")[1] for c in manifest.chunks]
-    subprocess.run(["sh", "-c", 'cat "$1"/*.tar.zst | zstd -d -q | tar -x -p -C "$2"', "sh",
-                    str(publisher_dir), str(out_sh)], check=True, timeout=60)
-    assert tree_differences(expected, scan(out_sh), mtime_resolution_ns=1_000_000_000,
-                            check_link_mtimes=False) == []
+    subprocess.run(
+        [
+            "sh",
+            "-c",
+            'cat "$1"/*.tar.zst | zstd -d -q | tar -x -p -C "$2"',
+            "sh",
+            str(publisher_dir),
+            str(out_sh),
+        ],
+        check=True,
+        timeout=60,
+    )
+    assert (
+        tree_differences(
+            expected, scan(out_sh), mtime_resolution_ns=1_000_000_000, check_link_mtimes=False
+        )
+        == []
+    )
 
 
 def test_chunks_decompress_independently(rich):
@@ -293,4 +328,4 @@ def test_chunks_decompress_independently(rich):
     for chunk in manifest.chunks:
         data = store.fetch(manifest.key, chunk.name).result()
         raw = zstandard.ZstdDecompressor().decompress(data)
-        assert raw == whole[chunk.offset:chunk.offset + chunk.raw_size]
+        assert raw == whole[chunk.offset : chunk.offset + chunk.raw_size]

@@ -62,26 +62,24 @@ def target(tmp_path: Path) -> Target:
 
 # -- critical: bootseer's own state paths are reserved ----------------------------------------
 
+
 def reserved_cases(canary: Canary) -> dict[str, tuple[list[tuple], str]]:
     """name -> (entries, the member the refusal must name)."""
     root, victim, marker = str(canary.root), str(canary.victim), str(canary.root / "env.json")
     return {
         "state-dir-symlink": ([("l", ".bootseer", root)], ".bootseer"),
-        "state-dir-directory": ([("d", ".bootseer"),
-                                 ("f", ".bootseer/env.json", b'{"key": "forged"}')],
-                                ".bootseer"),
+        "state-dir-directory": (
+            [("d", ".bootseer"), ("f", ".bootseer/env.json", b'{"key": "forged"}')],
+            ".bootseer",
+        ),
         "state-dir-file": ([("f", ".bootseer", b"not a directory")], ".bootseer"),
-        "marker-symlink": ([("d", ".bootseer"), ("l", ".bootseer/env.json", marker)],
-                           ".bootseer"),
-        "toc-symlink": ([("d", ".bootseer"), ("l", ".bootseer/toc.json.zst", victim)],
-                        ".bootseer"),
+        "marker-symlink": ([("d", ".bootseer"), ("l", ".bootseer/env.json", marker)], ".bootseer"),
+        "toc-symlink": ([("d", ".bootseer"), ("l", ".bootseer/toc.json.zst", victim)], ".bootseer"),
         "marker-symlink-alone": ([("l", ".bootseer/env.json", marker)], ".bootseer/env.json"),
-        "toc-symlink-alone": ([("l", ".bootseer/toc.json.zst", victim)],
-                              ".bootseer/toc.json.zst"),
+        "toc-symlink-alone": ([("l", ".bootseer/toc.json.zst", victim)], ".bootseer/toc.json.zst"),
         # spellings that are the same path on a case-insensitive or normalizing filesystem
         "upper-case": ([("l", ".BOOTSEER", root)], ".BOOTSEER"),
-        "mixed-case-dir": ([("d", ".BootSeer"), ("l", ".BootSeer/env.json", marker)],
-                           ".BootSeer"),
+        "mixed-case-dir": ([("d", ".BootSeer"), ("l", ".BootSeer/env.json", marker)], ".BootSeer"),
         "zero-width-joiner": ([("l", ".boot\u200dseer", root)], ".boot\u200dseer"),
         "fullwidth-dot": ([("l", "\uff0ebootseer", root)], "\uff0ebootseer"),
         "trailing-dot": ([("l", ".bootseer.", root)], ".bootseer."),
@@ -123,8 +121,15 @@ def test_state_is_never_written_through_a_planted_state_dir_link(tmp_path: Path)
     _plant_state(root, canary, "state-dir-symlink")
     before = scan(root, exclude=())
     with pytest.raises(UnsafeMemberError) as caught:
-        write_marker(root, "0" * 40, root, [Member("data.txt", "f", 0o644, 0, 5)],
-                     built_at=str(root), store_url=None, published=False)
+        write_marker(
+            root,
+            "0" * 40,
+            root,
+            [Member("data.txt", "f", 0o644, 0, 5)],
+            built_at=str(root),
+            store_url=None,
+            published=False,
+        )
     assert caught.value.member == ".bootseer"
     assert "reserved" in caught.value.rule and "never written through" in caught.value.rule
     canary.assert_unchanged()
@@ -133,8 +138,9 @@ def test_state_is_never_written_through_a_planted_state_dir_link(tmp_path: Path)
 
 
 @pytest.mark.parametrize("how", ["marker-symlink", "toc-symlink"])
-def test_a_link_planted_in_the_state_dir_is_replaced_never_followed(tmp_path: Path,
-                                                                    how: str) -> None:
+def test_a_link_planted_in_the_state_dir_is_replaced_never_followed(
+    tmp_path: Path, how: str
+) -> None:
     """Each state file is written under a new name (O_EXCL | O_NOFOLLOW) and renamed over its
     final name inside the directory's descriptor: a link planted there is replaced by the
     real file, and what it pointed at is unchanged."""
@@ -144,8 +150,15 @@ def test_a_link_planted_in_the_state_dir_is_replaced_never_followed(tmp_path: Pa
     (root / "data.txt").write_text("data\n")
     _plant_state(root, canary, how)
     assert read_marker(root) is None  # a marker reached through a link is not one
-    write_marker(root, "0" * 40, root, [Member("data.txt", "f", 0o644, 0, 5)],
-                 built_at=str(root), store_url=None, published=False)
+    write_marker(
+        root,
+        "0" * 40,
+        root,
+        [Member("data.txt", "f", 0o644, 0, 5)],
+        built_at=str(root),
+        store_url=None,
+        published=False,
+    )
     canary.assert_unchanged()
     state = root / ".bootseer"
     for name in ("env.json", "toc.json.zst"):
@@ -159,8 +172,7 @@ def test_a_directory_planted_at_a_state_file_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "venv"
     (root / ".bootseer" / "env.json").mkdir(parents=True)
     with pytest.raises(UnsafeMemberError) as caught:
-        write_marker(root, "0" * 40, root, [], built_at=str(root), store_url=None,
-                     published=False)
+        write_marker(root, "0" * 40, root, [], built_at=str(root), store_url=None, published=False)
     assert caught.value.member == ".bootseer/env.json" and "reserved" in caught.value.rule
     canary.assert_unchanged()
     assert [p.name for p in (root / ".bootseer").iterdir()] == ["env.json"]  # no temp left
@@ -181,15 +193,18 @@ def test_an_installed_prefix_is_published_again_with_its_state(tmp_path: Path) -
     key = compute_key([], install_command=command)
     assert publish(store, key, prefix).published
     assert read_marker(prefix)["key"] == key.key
-    assert sorted(p.name for p in (prefix / ".bootseer").iterdir()) == ["env.json",
-                                                                       "toc.json.zst"]
+    assert sorted(p.name for p in (prefix / ".bootseer").iterdir()) == ["env.json", "toc.json.zst"]
 
 
 def test_an_install_that_plants_the_state_dir_is_refused(tmp_path: Path) -> None:
     """The install command's tree is content too: a ``.bootseer`` it made is refused."""
     canary = Canary.plant(tmp_path / "canary")
-    command = ["sh", "-c", f"mkdir -p {{prefix}} && echo data > {{prefix}}/data && "
-                           f"ln -s {canary.root} {{prefix}}/.bootseer"]
+    command = [
+        "sh",
+        "-c",
+        f"mkdir -p {{prefix}} && echo data > {{prefix}}/data && "
+        f"ln -s {canary.root} {{prefix}}/.bootseer",
+    ]
     with pytest.raises(UnsafeMemberError) as caught:
         ensure([], prefix=tmp_path / "venv", store=None, command=command)
     assert caught.value.member == ".bootseer" and "reserved" in caught.value.rule
@@ -205,18 +220,22 @@ ENTRIES = [("d", "lib"), ("f", "lib/data", b"a" * (1 << 20)), ("f", "lib/small",
 
 def _grow_declared(size: int):
     """Tamper: the manifest declares ``size`` raw bytes for the one chunk."""
+
     def tamper(m: dict) -> None:
         m["chunks"][0]["raw_size"] = m["stream_size"] = size
+
     return tamper
 
 
 def _toc_object(store: SnapshotStore, members: list[Member], frame_of, raw_size=None):
     """Tamper: the TOC object becomes ``frame_of(toc bytes)``, with the size and sha256 that
     pass the checksum layer, and the manifest's TOC ``raw_size`` if given."""
+
     def tamper(m: dict) -> None:
         replace_object(store, m, m["toc"], frame_of(encode_toc(members)))
         if raw_size is not None:
             m["toc"]["raw_size"] = raw_size
+
     return tamper
 
 
@@ -231,8 +250,9 @@ def bomb_case(target: Target, case: str) -> tuple[str, str, str]:
         options = dict(compress=lambda raw: zstd_frame(raw, content_size=None, inflate=BOMB))
         rule = "no content size"
     elif case == "chunk-header-declares-what-it-inflates-to":
-        options = dict(compress=lambda raw: zstd_frame(raw, content_size=len(raw) + BOMB,
-                                                       inflate=BOMB))
+        options = dict(
+            compress=lambda raw: zstd_frame(raw, content_size=len(raw) + BOMB, inflate=BOMB)
+        )
         rule = "frame declares"
     elif case == "chunk-second-frame":
         options = dict(compress=lambda raw: zstd_frame(raw) + zstd_frame(b"", inflate=BOMB))
@@ -241,17 +261,25 @@ def bomb_case(target: Target, case: str) -> tuple[str, str, str]:
         options = dict(tamper=_grow_declared(MAX_CHUNK_RAW))  # the most a manifest may say
         rule = "frame declares"
     elif case == "manifest-and-header-declare-more-than-the-bytes-hold":
-        options = dict(compress=lambda raw: zstd_frame(raw, content_size=MAX_CHUNK_RAW),
-                       tamper=_grow_declared(MAX_CHUNK_RAW))
+        options = dict(
+            compress=lambda raw: zstd_frame(raw, content_size=MAX_CHUNK_RAW),
+            tamper=_grow_declared(MAX_CHUNK_RAW),
+        )
         rule = "more than zstd can expand"
     elif case == "toc-header-declares-the-manifest-size":
-        options = dict(tamper=_toc_object(target.store, members,
-                                          lambda raw: zstd_frame(raw, inflate=BOMB)))
+        options = dict(
+            tamper=_toc_object(target.store, members, lambda raw: zstd_frame(raw, inflate=BOMB))
+        )
         chunk, rule = "toc", "does not decompress to exactly its declared"
     elif case == "toc-manifest-and-header-declare-the-limit":
-        options = dict(tamper=_toc_object(
-            target.store, members, lambda raw: zstd_frame(raw, content_size=MAX_TOC_RAW),
-            raw_size=MAX_TOC_RAW))
+        options = dict(
+            tamper=_toc_object(
+                target.store,
+                members,
+                lambda raw: zstd_frame(raw, content_size=MAX_TOC_RAW),
+                raw_size=MAX_TOC_RAW,
+            )
+        )
         chunk, rule = "toc", "more than zstd can expand"
     else:  # pragma: no cover
         raise AssertionError(case)
@@ -259,12 +287,16 @@ def bomb_case(target: Target, case: str) -> tuple[str, str, str]:
     return key, chunk, rule
 
 
-BOMB_CASES = ["chunk-header-declares-the-manifest-size", "chunk-header-declares-no-size",
-              "chunk-header-declares-what-it-inflates-to", "chunk-second-frame",
-              "manifest-declares-more-than-the-header",
-              "manifest-and-header-declare-more-than-the-bytes-hold",
-              "toc-header-declares-the-manifest-size",
-              "toc-manifest-and-header-declare-the-limit"]
+BOMB_CASES = [
+    "chunk-header-declares-the-manifest-size",
+    "chunk-header-declares-no-size",
+    "chunk-header-declares-what-it-inflates-to",
+    "chunk-second-frame",
+    "manifest-declares-more-than-the-header",
+    "manifest-and-header-declare-more-than-the-bytes-hold",
+    "toc-header-declares-the-manifest-size",
+    "toc-manifest-and-header-declare-the-limit",
+]
 
 RESTORE_AND_MEASURE = """
 import json, resource, sys
@@ -287,9 +319,13 @@ print(json.dumps(out))
 def restore_in_child(target: Target, key: str) -> dict:
     """Restore in a fresh interpreter; its error, and how much its peak RSS grew (KiB)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", RESTORE_AND_MEASURE, target.store.url, key,
-                           str(target.prefix)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", RESTORE_AND_MEASURE, target.store.url, key, str(target.prefix)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -310,6 +346,7 @@ def test_a_bomb_is_refused_within_the_declared_size(target: Target, case: str) -
 def test_only_the_declared_bytes_of_an_object_are_fetched(target: Target) -> None:
     """The store holds more bytes than the manifest declares (chunk and TOC): a restore reads
     the declared bytes only (a range), never the whole object, and they are the snapshot."""
+
     def grow(m: dict) -> None:
         for ref in (m["chunks"][0], m["toc"]):
             data = target.store.fetch(m["key"], ref["name"]).result()
@@ -323,6 +360,7 @@ def test_only_the_declared_bytes_of_an_object_are_fetched(target: Target) -> Non
 
 # -- high: capture replay never deletes through a symlink -------------------------------------
 
+
 @pytest.fixture
 def state(tmp_path: Path) -> Path:
     """The node's state directory, given to every capture call (never an environment
@@ -334,11 +372,18 @@ def rel(path: Path) -> str:
     return str(path).lstrip("/")
 
 
-def publish_capture(store: SnapshotStore, root: Path, entries: list[tuple],
-                    deleted: list[str]) -> Manifest:
+def publish_capture(
+    store: SnapshotStore, root: Path, entries: list[tuple], deleted: list[str]
+) -> Manifest:
     members, stream = tar_stream(capture_entries([root], entries))
-    return publish_crafted(store, members, stream, prefix="/", kind="capture",
-                           capture={"roots": [str(root)], "deleted": deleted})
+    return publish_crafted(
+        store,
+        members,
+        stream,
+        prefix="/",
+        kind="capture",
+        capture={"roots": [str(root)], "deleted": deleted},
+    )
 
 
 DELETIONS = {"file": "victim.txt", "tree": "tree", "nested": "tree/deep/keep.bin"}
@@ -346,8 +391,9 @@ DELETIONS = {"file": "victim.txt", "tree": "tree", "nested": "tree/deep/keep.bin
 
 @pytest.mark.parametrize("what", sorted(DELETIONS))
 @pytest.mark.parametrize("planted_by", ["host", "earlier-replay"])
-def test_replay_never_deletes_through_a_symlink(tmp_path: Path, state: Path, what: str,
-                                                planted_by: str) -> None:
+def test_replay_never_deletes_through_a_symlink(
+    tmp_path: Path, state: Path, what: str, planted_by: str
+) -> None:
     canary = Canary.plant(tmp_path / "canary")
     store = SnapshotStore(str(tmp_path / "store"))
     root = tmp_path / "host" / "tool"
@@ -373,8 +419,7 @@ def test_replay_never_deletes_through_a_symlink(tmp_path: Path, state: Path, wha
     assert not verify_capture(manifest.key, state)
 
 
-def test_replay_deletes_a_listed_symlink_itself_not_its_target(tmp_path: Path,
-                                                               state: Path) -> None:
+def test_replay_deletes_a_listed_symlink_itself_not_its_target(tmp_path: Path, state: Path) -> None:
     canary = Canary.plant(tmp_path / "canary")
     store = SnapshotStore(str(tmp_path / "store"))
     root = tmp_path / "host" / "tool"
@@ -382,8 +427,12 @@ def test_replay_deletes_a_listed_symlink_itself_not_its_target(tmp_path: Path,
     (root / "sub" / "to-tree").symlink_to(canary.tree)
     (root / "old").mkdir()
     (root / "old" / "f").write_text("old\n")
-    manifest = publish_capture(store, root, [("f", rel(root / "new.txt"), b"new\n")],
-                               [rel(root / "sub" / "to-tree"), rel(root / "old")])
+    manifest = publish_capture(
+        store,
+        root,
+        [("f", rel(root / "new.txt"), b"new\n")],
+        [rel(root / "sub" / "to-tree"), rel(root / "old")],
+    )
     replay(store, manifest, [str(root)], state_dir=state)
     assert not os.path.lexists(root / "sub" / "to-tree") and not (root / "old").exists()
     assert (root / "new.txt").read_text() == "new\n"
@@ -403,8 +452,7 @@ def test_capture_paths_may_not_hold_the_state_dir(tmp_path: Path) -> None:
     assert list(root.iterdir()) == []
 
 
-def test_the_capture_record_is_never_written_through_a_link(tmp_path: Path,
-                                                            state: Path) -> None:
+def test_the_capture_record_is_never_written_through_a_link(tmp_path: Path, state: Path) -> None:
     canary = Canary.plant(tmp_path / "canary")
     state.mkdir()
     (state / "captures").symlink_to(canary.root)
@@ -423,5 +471,9 @@ def test_the_packer_never_writes_a_chunk_restores_refuse(tmp_path: Path) -> None
 
     (tmp_path / "tree").mkdir()
     with pytest.raises(ValueError, match="chunk_size"):
-        pack_tree(tmp_path / "tree", lambda name, data: None, publisher="test",
-                  chunk_size=MAX_CHUNK_RAW + 1)
+        pack_tree(
+            tmp_path / "tree",
+            lambda name, data: None,
+            publisher="test",
+            chunk_size=MAX_CHUNK_RAW + 1,
+        )

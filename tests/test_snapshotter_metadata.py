@@ -154,8 +154,11 @@ def test_update_labels(store):
     assert snap.labels == {"c": "9"} and snap.updated_ns > before
     assert store.update("s", {"a": "1"}, ["labels"]).labels == {"a": "1"}
     store.update("s", {"a": "1", "b": "2", "x.y/z": "3"})
-    snap = store.update("s", {"b": "20", "new": "n", "ignored": "i"},
-                        ["labels.b", "labels.new", "labels.x.y/z", "labels.gone"])
+    snap = store.update(
+        "s",
+        {"b": "20", "new": "n", "ignored": "i"},
+        ["labels.b", "labels.new", "labels.x.y/z", "labels.gone"],
+    )
     assert snap.labels == {"a": "1", "b": "20", "new": "n"}  # x.y/z deleted; ignored unset
     for bad in ("name", "parent", "kind", "labels.", "labelsx"):
         with pytest.raises(InvalidArgumentError, match=repr(bad)):
@@ -194,11 +197,11 @@ def test_list_children_chain(store):
 
 def test_filters_over_rows(store):
     layered(store, "base")
-    store.create("remote", "base", Kind.COMMITTED,
-                 labels={"containerd.io/snapshot.ref": "sha256:abc"})
+    store.create(
+        "remote", "base", Kind.COMMITTED, labels={"containerd.io/snapshot.ref": "sha256:abc"}
+    )
     store.create("work", "remote", Kind.ACTIVE)
-    f = parse(['labels."containerd.io/snapshot.ref"==sha256:abc,parent=="base"',
-               "kind==active"])
+    f = parse(['labels."containerd.io/snapshot.ref"==sha256:abc,parent=="base"', "kind==active"])
     assert [s.name for s in store.list() if f.match(snapshot_adaptor(s))] == ["remote", "work"]
 
 
@@ -329,8 +332,12 @@ for i in range(100000):
 @pytest.mark.parametrize("trial", range(3))
 def test_sigkill_loses_no_answered_commit(tmp_path, trial):
     path = tmp_path / "m.db"
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     printed = []
     try:
         while len(printed) < 20 + 10 * trial:
@@ -360,10 +367,12 @@ def test_sigkill_loses_no_answered_commit(tmp_path, trial):
         for i in range(n + 1):  # every transaction landed whole
             layer = s.get(f"layer{i}")
             assert s.get(f"view{i}").parent == f"layer{i}"
-            assert (layer.labels, layer.source, layer.size) == ({"done": "1"},
-                                                                {"i": i}, i)
+            assert (layer.labels, layer.source, layer.size) == ({"done": "1"}, {"i": i}, i)
             assert layer.parent == (f"layer{i - 1}" if i else "")
         assert names == {f"layer{i}" for i in range(n + 1)} | {f"view{i}" for i in range(n + 1)}
-        assert [x.name for x in s.chain(f"view{n}")][:3] == [f"view{n}", f"layer{n}",
-                                                             f"layer{n - 1}"]
+        assert [x.name for x in s.chain(f"view{n}")][:3] == [
+            f"view{n}",
+            f"layer{n}",
+            f"layer{n - 1}",
+        ]
         assert len(s.chain(f"layer{n}")) == n + 1

@@ -142,9 +142,13 @@ class Node:
         self.jobs: list[str] = []
 
     def snapshotter(self, env: dict[str, str] | None = None, *extra: str) -> SnapshotterProcess:
-        return SnapshotterProcess(self.tmp / "sn", os.path.join(self.sock_dir, "sn.sock"),
-                                  self.tmp / "sn.log", ("--no-push-profiles", "--no-prefetch",
-                                                        *extra), env=env)
+        return SnapshotterProcess(
+            self.tmp / "sn",
+            os.path.join(self.sock_dir, "sn.sock"),
+            self.tmp / "sn.log",
+            ("--no-push-profiles", "--no-prefetch", *extra),
+            env=env,
+        )
 
     @property
     def lazy_dir(self) -> Path:
@@ -211,9 +215,19 @@ class Job:
                 time.sleep(0.5)
         assert pulled.lazy_layers == 2
         self.node.jobs.append(self.name)
-        ctd.ctr("run", "-d", "--snapshotter", "bootseer", "--mount",
-                f"type=bind,src={self.ctl},dst=/ctl,options=rbind:rw", self.ref, self.name,
-                "/bin/sh", "-c", SCRIPT)
+        ctd.ctr(
+            "run",
+            "-d",
+            "--snapshotter",
+            "bootseer",
+            "--mount",
+            f"type=bind,src={self.ctl},dst=/ctl,options=rbind:rw",
+            self.ref,
+            self.name,
+            "/bin/sh",
+            "-c",
+            SCRIPT,
+        )
         self._wait(self.ctl / "mapped", line=False)  # mapped, its first page read
         return self
 
@@ -227,8 +241,9 @@ class Job:
         deadline = time.monotonic() + timeout_s
         while not (path.exists() and (not line or path.read_text().endswith("\n"))):
             if time.monotonic() > deadline:
-                raise AssertionError(f"{path.name} did not come (task {self.status()}):\n"
-                                     f"{self.node.sn.log()}")
+                raise AssertionError(
+                    f"{path.name} did not come (task {self.status()}):\n{self.node.sn.log()}"
+                )
             time.sleep(0.05)
         return path.read_text()
 
@@ -261,13 +276,13 @@ def _code_copy(dst: Path) -> dict[str, str]:
     runs it."""
     for package in ("bootseer", "prefetch", "striped_fs", "snapshot", "ckpt"):
         if (REPO / package).is_dir():
-            shutil.copytree(REPO / package, dst / package,
-                            ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(
+                REPO / package, dst / package, ignore=shutil.ignore_patterns("__pycache__")
+            )
     return {**os.environ, "PYTHONPATH": str(dst)}
 
 
-def _wait_log(sn: SnapshotterProcess, text: str, count: int = 1, timeout_s: float = 30.0
-              ) -> None:
+def _wait_log(sn: SnapshotterProcess, text: str, count: int = 1, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while sn.log_path.read_text(errors="replace").count(text) < count:
         if time.monotonic() > deadline:
@@ -313,8 +328,7 @@ def _restart(node: Node, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["term", "kill-9", "upgrade", "holder-kill-9"])
-def test_running_containers_keep_reading_across_a_restart(image, node, link, registry,
-                                                          how) -> None:
+def test_running_containers_keep_reading_across_a_restart(image, node, link, registry, how) -> None:
     with Job(node, image) as job:
         assert job.read("f0") == (0, _sha(FILES["f0"]))
         _restart(node, how)
@@ -338,7 +352,8 @@ def test_running_containers_keep_reading_across_a_restart(image, node, link, reg
 
 
 def test_a_request_the_killed_snapshotter_had_read_is_answered_by_its_successor(
-        image, node, link) -> None:
+    image, node, link
+) -> None:
     with Job(node, image) as job:
         assert job.read("f0") == (0, _sha(FILES["f0"]))
         link.update(ShaperSettings(per_conn_bps=64e3))  # a 256 KiB frame takes 4 s
@@ -358,10 +373,25 @@ def test_a_request_the_killed_snapshotter_had_read_is_answered_by_its_successor(
 
 def test_one_snapshotter_per_root(image, node) -> None:
     address = os.path.join(node.sock_dir, "second.sock")
-    second = subprocess.run([sys.executable, "-m", "bootseer", "snapshotter", "--root",
-                             str(node.sn.root), "--address", address, "--holder",
-                             node.sn.holder_address, "--takeover-wait", "0.5"],
-                            capture_output=True, text=True, timeout=60)
+    second = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "snapshotter",
+            "--root",
+            str(node.sn.root),
+            "--address",
+            address,
+            "--holder",
+            node.sn.holder_address,
+            "--takeover-wait",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert second.returncode == 1
     assert f"is served by pid {node.sn.proc.pid}: one snapshotter per root" in second.stderr
     assert not os.path.exists(address)
@@ -435,13 +465,11 @@ def _views(raw: bytes, cache: Path, blobs: _Blobs):
     index = LayerIndex.from_blob(lambda s, e: blobs.blob[s:e], len(blobs.blob), result.digest)
     fetcher = FrameFetcher(blobs, BlockCache(cache), connections=4, retries=0)
     views = ViewOperations()
-    views.register(1, lambda: LazyImage([Layer(index, Blob(result.digest, index.frames))],
-                                        fetcher))
+    views.register(1, lambda: LazyImage([Layer(index, Blob(result.digest, index.frames))], fetcher))
     return views, fetcher
 
 
-def test_a_successor_serves_the_node_ids_and_handles_its_predecessor_gave_out(tmp_path
-                                                                              ) -> None:
+def test_a_successor_serves_the_node_ids_and_handles_its_predecessor_gave_out(tmp_path) -> None:
     """Through the kernel: a file opened and a directory half listed under one server are
     read and listed to the end under a successor that shares nothing with it but the
     connection (its own views, tree, fetcher and cache)."""
@@ -479,12 +507,15 @@ def test_a_successor_serves_the_node_ids_and_handles_its_predecessor_gave_out(tm
             second.start()
             seen += [entry.name for entry in it]  # the predecessor's handle and offset
             f.seek(2 << 20)
-            assert f.read(1 << 20) == BIG[2 << 20:3 << 20]  # its node id, its open file
+            assert f.read(1 << 20) == BIG[2 << 20 : 3 << 20]  # its node id, its open file
         assert second_blobs.reads > 0  # served by the successor's own fetcher
         assert sorted(seen) == names and len(seen) == len(set(seen))
         after = os.stat(root / "big.bin")
-        assert (after.st_ino, after.st_mtime_ns, after.st_size) == \
-            (before.st_ino, before.st_mtime_ns, before.st_size)
+        assert (after.st_ino, after.st_mtime_ns, after.st_size) == (
+            before.st_ino,
+            before.st_mtime_ns,
+            before.st_size,
+        )
         assert os.readlink(root / "link") == "big.bin"
         assert b"caf\xe9" in os.listdir(bytes(root))  # names are bytes, as on any Linux fs
         assert (root / os.fsdecode(b"caf\xe9")).read_bytes() == b"latin-1 name\n"
@@ -532,12 +563,16 @@ def holder(tmp_path: Path):
     sock_dir = tempfile.mkdtemp(prefix="bsh-")
     address = os.path.join(sock_dir, "h.sock")
     log = open(tmp_path / "holder.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "prefetch.containerd.holder", "--address",
-                             address], stdout=log, stderr=log)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefetch.containerd.holder", "--address", address],
+        stdout=log,
+        stderr=log,
+    )
     deadline = time.monotonic() + 30
     while not os.path.exists(address):
-        assert proc.poll() is None and time.monotonic() < deadline, \
-            (tmp_path / "holder.log").read_text()
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            tmp_path / "holder.log"
+        ).read_text()
         time.sleep(0.05)
     yield address, proc, tmp_path / "holder.log"
     proc.terminate()
@@ -593,19 +628,25 @@ def test_the_holder_refuses_other_users_and_a_second_holder(holder, tmp_path) ->
     address, proc, log = holder
     os.chmod(os.path.dirname(address), 0o755)  # a mistake in the modes: the peer check holds
     os.chmod(address, 0o666)
-    code = ("import socket\n"
-            "s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
-            f"s.connect({address!r})\n"
-            "try:\n"
-            "    s.send(b'{\"op\": \"list\"}')\n"
-            "    print(repr(s.recv(99)))\n"
-            "except (BrokenPipeError, ConnectionResetError):\n"
-            "    print(repr(b''))\n")
+    code = (
+        "import socket\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+        f"s.connect({address!r})\n"
+        "try:\n"
+        '    s.send(b\'{"op": "list"}\')\n'
+        "    print(repr(s.recv(99)))\n"
+        "except (BrokenPipeError, ConnectionResetError):\n"
+        "    print(repr(b''))\n"
+    )
     out = as_nobody(sys.executable, "-I", "-c", code)
     assert out.stdout.strip() == "b''", out.stderr  # closed without an answer
     assert "refused a connection of pid" in log.read_text()
-    again = subprocess.run([sys.executable, "-m", "prefetch.containerd.holder", "--address",
-                            address], capture_output=True, text=True, timeout=60)
+    again = subprocess.run(
+        [sys.executable, "-m", "prefetch.containerd.holder", "--address", address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert again.returncode == 1 and "another FUSE holder serves" in again.stderr
     assert proc.poll() is None and os.path.exists(address)
 
@@ -627,33 +668,50 @@ def test_the_deploy_files_keep_the_holder_out_of_the_snapshotters_restarts() -> 
         parser.read_string((REPO / "deploy/systemd" / name).read_text().replace("\\\n", " "))
         return parser
 
-    sn_unit, holder_unit = unit("bootseer-snapshotter.service"), unit("bootseer-fuse-holder.service")
+    sn_unit, holder_unit = (
+        unit("bootseer-snapshotter.service"),
+        unit("bootseer-fuse-holder.service"),
+    )
     for dep in ("Requires", "BindsTo", "PartOf", "Requisite"):  # no restart reaches the holder
         assert "bootseer-fuse-holder" not in sn_unit["Unit"].get(dep, "")
         assert "bootseer-snapshotter" not in holder_unit["Unit"].get(dep, "")
     assert "bootseer-fuse-holder.service" in sn_unit["Unit"]["Wants"]
     assert holder_unit["Service"]["UMask"] == "0077"
-    sets = {"bootseer-fuse-holder": yaml.safe_load(
-        (REPO / "deploy/kubernetes/fuse-holder.yaml").read_text()),
+    sets = {
+        "bootseer-fuse-holder": yaml.safe_load(
+            (REPO / "deploy/kubernetes/fuse-holder.yaml").read_text()
+        ),
         "bootseer-snapshotter": yaml.safe_load(
-        (REPO / "deploy/kubernetes/daemonset.yaml").read_text())}
+            (REPO / "deploy/kubernetes/daemonset.yaml").read_text()
+        ),
+    }
     assert sets["bootseer-fuse-holder"]["spec"]["updateStrategy"]["type"] == "OnDelete"
-    commands = {"systemd": (shlex.split(holder_unit["Service"]["ExecStart"])[1:],
-                            shlex.split(sn_unit["Service"]["ExecStart"])[1:])}
+    commands = {
+        "systemd": (
+            shlex.split(holder_unit["Service"]["ExecStart"])[1:],
+            shlex.split(sn_unit["Service"]["ExecStart"])[1:],
+        )
+    }
     pods = {}
     for name, ds in sets.items():
         assert ds["metadata"]["name"] == name
         pods[name] = ds["spec"]["template"]["spec"]
-    commands["kubernetes"] = tuple(pods[n]["containers"][0]["command"][1:]
-                                   for n in ("bootseer-fuse-holder", "bootseer-snapshotter"))
+    commands["kubernetes"] = tuple(
+        pods[n]["containers"][0]["command"][1:]
+        for n in ("bootseer-fuse-holder", "bootseer-snapshotter")
+    )
     for where, (holder_cmd, sn_cmd) in commands.items():
         holder_args = build_parser().parse_args(holder_cmd)
         cfg = config_from_args(build_parser().parse_args(sn_cmd), env={}).snapshotter
         assert (holder_cmd[0], sn_cmd[0]) == ("fuse-holder", "snapshotter"), where
         assert cfg.holder == holder_args.address and not cfg.spawn_holder, where
-    mounts = {n: {m["mountPath"]: m["name"] for m in p["containers"][0]["volumeMounts"]}
-              for n, p in pods.items()}
-    host = {n: {v["name"]: v.get("hostPath", {}).get("path") for v in p["volumes"]}
-            for n, p in pods.items()}
+    mounts = {
+        n: {m["mountPath"]: m["name"] for m in p["containers"][0]["volumeMounts"]}
+        for n, p in pods.items()
+    }
+    host = {
+        n: {v["name"]: v.get("hostPath", {}).get("path") for v in p["volumes"]}
+        for n, p in pods.items()
+    }
     sock_dir = os.path.dirname(cfg.holder)
     assert {host[n][mounts[n][sock_dir]] for n in pods} == {sock_dir}  # one socket for both

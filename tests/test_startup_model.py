@@ -33,44 +33,77 @@ def _truth(n: int, ranks_per_node: int = 1, cpus: int = 2) -> dict[str, float]:
     x = ranks per core; the survivors' checkpoint reads queue at the services' 160 MB/s."""
     x = max(1.0, n * ranks_per_node / cpus)
     queue = max(0.0, (n - 1) * SURVIVOR["s3"] / SERVICE_RATE - SURVIVOR["s3"] / NODE_RATE)
-    return {"fresh_path_s": 30.0, "rendezvous_s": 4.0 + 0.5 * n, "import": 3.0 * x,
-            "process_group_init_s": 0.5 + 0.1 * n * ranks_per_node, "load": 2.0 + x + queue,
-            "first_step_s": 0.5 + 0.2 * x}
+    return {
+        "fresh_path_s": 30.0,
+        "rendezvous_s": 4.0 + 0.5 * n,
+        "import": 3.0 * x,
+        "process_group_init_s": 0.5 + 0.1 * n * ranks_per_node,
+        "load": 2.0 + x + queue,
+        "first_step_s": 0.5 + 0.2 * x,
+    }
 
 
 def _entry(n: int, ranks_per_node: int = 1, scale_max: float = 1.0) -> dict[str, Any]:
     t = _truth(n, ranks_per_node)
-    keys = [f"node{i}/r{i * ranks_per_node + j}" for i in range(n)
-            for j in range(ranks_per_node)]
+    keys = [f"node{i}/r{i * ranks_per_node + j}" for i in range(n) for j in range(ranks_per_node)]
     imports = {k: t["import"] * JITTER[i % len(JITTER)] for i, k in enumerate(keys)}
     loads = {k: t["load"] * JITTER[(i + 3) % len(JITTER)] for i, k in enumerate(keys)}
-    seg = {"fresh_path_s": t["fresh_path_s"], "rendezvous_s": t["rendezvous_s"],
-           "import_s": max(imports.values()), "process_group_init_s": t["process_group_init_s"],
-           "load_s": max(loads.values()), "first_step_s": t["first_step_s"]}
+    seg = {
+        "fresh_path_s": t["fresh_path_s"],
+        "rendezvous_s": t["rendezvous_s"],
+        "import_s": max(imports.values()),
+        "process_group_init_s": t["process_group_init_s"],
+        "load_s": max(loads.values()),
+        "first_step_s": t["first_step_s"],
+    }
     total = sum(seg.values()) * scale_max
-    per_node = {f"node{i}": {"role": "fresh" if i == n - 1 else "survivor",
-                             "first_step_s": total, "phases": {},
-                             "bytes": {o: int(FRESH[o] if i == n - 1 else SURVIVOR[o])
-                                       for o in sm.ORIGINS}, "through_cache": None}
-                for i in range(n)}
-    return {"ttfs": {"p50_s": total, "p90_s": total, "p99_s": total, "max_s": total},
-            "segments": {**seg, "workers_s": total - seg["fresh_path_s"] - seg["rendezvous_s"]},
-            "per_rank": {"import_s": imports, "process_group_init_s": {},
-                         "load_s": loads, "first_step_s": {}},
-            "per_node": per_node, "torch": {}, "ranks": {k: total for k in keys}}
+    per_node = {
+        f"node{i}": {
+            "role": "fresh" if i == n - 1 else "survivor",
+            "first_step_s": total,
+            "phases": {},
+            "bytes": {o: int(FRESH[o] if i == n - 1 else SURVIVOR[o]) for o in sm.ORIGINS},
+            "through_cache": None,
+        }
+        for i in range(n)
+    }
+    return {
+        "ttfs": {"p50_s": total, "p90_s": total, "p99_s": total, "max_s": total},
+        "segments": {**seg, "workers_s": total - seg["fresh_path_s"] - seg["rendezvous_s"]},
+        "per_rank": {
+            "import_s": imports,
+            "process_group_init_s": {},
+            "load_s": loads,
+            "first_step_s": {},
+        },
+        "per_node": per_node,
+        "torch": {},
+        "ranks": {k: total for k in keys},
+    }
 
 
-def _sweep(counts: tuple[int, ...] = (2, 4, 8), methods: tuple[str, ...] = ("bootseer",),
-           ranks_per_node: int = 1) -> dict[str, Any]:
-    return {"suite": "e2e-sweep", "quick": True, "sweep": list(counts),
-            "ranks_per_node": ranks_per_node, "model": "tiny",
-            "machine": {"cpus": 2, "ram_bytes": 2**34},
-            "links": {"node": {"rate": "400mbit", "delay_ms": 1.0},
-                      "services": {"rate": "1280mbit"}},
-            "serve_rates": {str(n): {o: {"rate_Bps": min(n * NODE_RATE, SERVICE_RATE)}
-                                     for o in sm.ORIGINS} for n in counts},
-            "runs": {str(n): {"nodes": n, "methods": {m: _entry(n, ranks_per_node)
-                                                      for m in methods}} for n in counts}}
+def _sweep(
+    counts: tuple[int, ...] = (2, 4, 8),
+    methods: tuple[str, ...] = ("bootseer",),
+    ranks_per_node: int = 1,
+) -> dict[str, Any]:
+    return {
+        "suite": "e2e-sweep",
+        "quick": True,
+        "sweep": list(counts),
+        "ranks_per_node": ranks_per_node,
+        "model": "tiny",
+        "machine": {"cpus": 2, "ram_bytes": 2**34},
+        "links": {"node": {"rate": "400mbit", "delay_ms": 1.0}, "services": {"rate": "1280mbit"}},
+        "serve_rates": {
+            str(n): {o: {"rate_Bps": min(n * NODE_RATE, SERVICE_RATE)} for o in sm.ORIGINS}
+            for n in counts
+        },
+        "runs": {
+            str(n): {"nodes": n, "methods": {m: _entry(n, ranks_per_node) for m in methods}}
+            for n in counts
+        },
+    }
 
 
 def _write(tmp_path: Path, sweep: dict[str, Any]) -> Path:
@@ -82,8 +115,9 @@ def _write(tmp_path: Path, sweep: dict[str, Any]) -> Path:
 def test_growth_fits_pick_the_form_with_the_lower_residual() -> None:
     lin = sm.fit_growth([(2, 2.0), (4, 3.0), (8, 5.0)])
     assert (lin.form, lin.a, lin.b) == ("lin", pytest.approx(1.0), pytest.approx(0.5))
-    log = sm.fit_growth([(2, 1 + 2 * math.log(2)), (4, 1 + 2 * math.log(4)),
-                         (8, 1 + 2 * math.log(8))])
+    log = sm.fit_growth(
+        [(2, 1 + 2 * math.log(2)), (4, 1 + 2 * math.log(4)), (8, 1 + 2 * math.log(8))]
+    )
     assert (log.form, log.a, log.b) == ("log", pytest.approx(1.0), pytest.approx(2.0))
     assert log(4096) == pytest.approx(1 + 2 * math.log(4096))
     assert sm.fit_growth([(2, 2.0), (4, 3.0)]).form == "lin"  # two points: both exact
@@ -103,37 +137,51 @@ def test_the_max_of_n_draws_is_the_order_statistic_of_the_lognormal() -> None:
 def test_the_queue_adds_only_what_n_nodes_at_the_origin_take_beyond_a_node_s_link() -> None:
     # 7 survivors x 17 MB at 160 MB/s: 0.74 s, a node alone 0.34 s: 0.40 s more
     assert sm.queue_delay(7 * 17 * MB, 17 * MB, SERVICE_RATE, NODE_RATE) == pytest.approx(
-        7 * 17 / 160 - 17 / 50)
+        7 * 17 / 160 - 17 / 50
+    )
     assert sm.queue_delay(2 * 17 * MB, 17 * MB, SERVICE_RATE, NODE_RATE) == 0.0  # fits
     # a cache tier serves the demand at its rate and sends the origin its misses
-    assert sm.queue_delay(4096 * 40 * MB, 40 * MB, SERVICE_RATE, NODE_RATE, 1250 * MB,
-                          40 * MB) == pytest.approx(4096 * 40 / 1250 - 40 / 50)
+    assert sm.queue_delay(
+        4096 * 40 * MB, 40 * MB, SERVICE_RATE, NODE_RATE, 1250 * MB, 40 * MB
+    ) == pytest.approx(4096 * 40 / 1250 - 40 / 50)
 
 
 def test_a_cache_tier_shortens_a_cold_start_but_not_the_survivors_checkpoint_reads() -> None:
     t = sm.Traffic(dict(FRESH), dict(SURVIVOR))
-    plain = sm.Setting("x", 8, lambda n: 1.0, NODE_RATE,
-                       {o: SERVICE_RATE for o in sm.ORIGINS})
+    plain = sm.Setting("x", 8, lambda n: 1.0, NODE_RATE, {o: SERVICE_RATE for o in sm.ORIGINS})
     cached = sm.Setting("x", 8, lambda n: 1.0, NODE_RATE, plain.origin_rates, 1250 * MB)
     pre, load = t.queues(plain, 4096, "cold")
-    assert load == 0.0 and pre == pytest.approx(4096 * 40 / 160 - 40 / 50
-                                                + 4096 * 190 / 160 - 190 / 50)
+    assert load == 0.0 and pre == pytest.approx(
+        4096 * 40 / 160 - 40 / 50 + 4096 * 190 / 160 - 190 / 50
+    )
     pre_c, _ = t.queues(cached, 4096, "cold")
     # the image and the environment (190 - 17 MB) miss once; each node's shard every time
-    assert pre_c == pytest.approx(4096 * 40 / 1250 - 40 / 50
-                                  + max(4096 * 190 / 1250, (173 + 4096 * 17) / 160) - 190 / 50)
+    assert pre_c == pytest.approx(
+        4096 * 40 / 1250 - 40 / 50 + max(4096 * 190 / 1250, (173 + 4096 * 17) / 160) - 190 / 50
+    )
     assert pre_c < pre
-    assert t.queues(cached, 4096, "restart")[1] == t.queues(plain, 4096, "restart")[1] == \
-        pytest.approx(4095 * 17 / 160 - 17 / 50)
+    assert (
+        t.queues(cached, 4096, "restart")[1]
+        == t.queues(plain, 4096, "restart")[1]
+        == pytest.approx(4095 * 17 / 160 - 17 / 50)
+    )
 
 
 def test_calibrated_on_2_and_4_the_model_predicts_8_within_15_percent(tmp_path: Path) -> None:
     sweep = sm.read_sweep(_write(tmp_path, _sweep(methods=("baseline", "diy", "bootseer"))))
     v = sm.validate(sweep)
     assert v["calibrated_on"] == [2, 4] and v["predicted"] == 8 and v["ok"] is True
-    truth = sum(_entry(8)["segments"][k] for k in ("fresh_path_s", "rendezvous_s", "import_s",
-                                                   "process_group_init_s", "load_s",
-                                                   "first_step_s"))
+    truth = sum(
+        _entry(8)["segments"][k]
+        for k in (
+            "fresh_path_s",
+            "rendezvous_s",
+            "import_s",
+            "process_group_init_s",
+            "load_s",
+            "first_step_s",
+        )
+    )
     for r in v["methods"].values():
         assert r["measured_max_s"] == pytest.approx(truth)
         assert abs(r["error"]) <= 0.15 and r["ok"]
@@ -160,8 +208,7 @@ def test_a_sweep_whose_largest_count_disagrees_fails_the_check(tmp_path: Path) -
     assert "OUTSIDE 15%: FAIL" in sm.check_lines(v)[0]
 
 
-def test_beyond_the_sweep_the_store_terms_grow_by_tcpstore_s_published_cost(tmp_path: Path
-                                                                           ) -> None:
+def test_beyond_the_sweep_the_store_terms_grow_by_tcpstore_s_published_cost(tmp_path: Path) -> None:
     sweep = sm.read_sweep(_write(tmp_path, _sweep()))
     fitted = sm.calibrate(sweep, "bootseer", [2, 4, 8])
     anchor = sm.Setting("c", 8, lambda n: 1.0, NODE_RATE, sweep.origin_rates, growth="anchor")
@@ -190,7 +237,7 @@ def test_an_old_or_short_sweep_is_refused_with_what_to_do(tmp_path: Path) -> Non
         sm.read_sweep(tmp_path / "e2e-sweep.json")
     v = sm.validate(sm.read_sweep(_write(tmp_path, _sweep(counts=(2, 4)))))
     assert v["ok"] is None and "needs three" in v["why"]
-    assert sm.parse_nodes("2..4096") == [2 ** k for k in range(1, 13)]
+    assert sm.parse_nodes("2..4096") == [2**k for k in range(1, 13)]
     with pytest.raises(sm.ModelError, match="--nodes '8..2'"):
         sm.parse_nodes("8..2")
     assert sm.parse_rate("400mbit") == NODE_RATE and sm.parse_rate("1280mbit") == SERVICE_RATE
@@ -208,9 +255,25 @@ def test_the_script_writes_its_results_and_prints_the_check(tmp_path: Path) -> N
     raw = _sweep(methods=("baseline", "diy", "bootseer"))
     path = _write(tmp_path, raw)
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, str(BENCH / "startup_model.py"), "--sweep", str(path),
-                        "--results", str(out), "--nodes", "2..64", "--cache-rate", "1250",
-                        "--trials", "500"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "startup_model.py"),
+            "--sweep",
+            str(path),
+            "--results",
+            str(out),
+            "--nodes",
+            "2..64",
+            "--cache-rate",
+            "1250",
+            "--trials",
+            "500",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("within 15%: pass") == 3
     res = json.loads((out / "startup-model.json").read_text())
@@ -226,8 +289,18 @@ def test_the_script_writes_its_results_and_prints_the_check(tmp_path: Path) -> N
 
     bad = copy.deepcopy(raw)
     bad["suite"] = "e2e-nodes"
-    r = subprocess.run([sys.executable, str(BENCH / "startup_model.py"), "--sweep",
-                        str(_write(tmp_path, bad)), "--results", str(tmp_path / "bad")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "startup_model.py"),
+            "--sweep",
+            str(_write(tmp_path, bad)),
+            "--results",
+            str(tmp_path / "bad"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "not an e2e-sweep.json" in r.stderr
     assert not (tmp_path / "bad").exists()

@@ -22,8 +22,8 @@ from striped_fs.layout import stripes_dir
 from striped_fs.urls import url_to_fs
 
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:torch.distributed is disabled:UserWarning",
-    "ignore:.*overwrite.*:UserWarning")
+    "ignore:torch.distributed is disabled:UserWarning", "ignore:.*overwrite.*:UserWarning"
+)
 
 STRIPED = {"stripe_size": "4KiB", "retries": 1, "backoff_s": 0.01}
 
@@ -93,6 +93,7 @@ def _nothing_committed(store: Store) -> None:
 
 # -- save and load -------------------------------------------------------------------------------
 
+
 def test_dcp_sync_and_async_save_load(store):
     _, _, state = _trained_state(0)
     dcp.save(state, storage_writer=store.writer())
@@ -123,6 +124,7 @@ def test_dcp_overwrite_false_refuses_and_keeps_the_first(store):
 
 # -- a write that fails part-way -------------------------------------------------------------
 
+
 def test_dcp_failing_write_commits_nothing(store):
     def boom() -> None:
         raise OSError("device lost while saving")
@@ -139,6 +141,7 @@ def test_dcp_failed_overwrite_never_loads_mixed_data(store):
     """DCP's create_stream removes the file it failed to write, and with it the previous
     version: the old checkpoint's metadata is left pointing at a missing file. A load then
     fails naming that file; it never returns old and new tensors mixed."""
+
     def boom() -> None:
         raise OSError("device lost while saving")
 
@@ -174,6 +177,7 @@ def test_dcp_s3_link_lost_mid_save_reaches_the_caller_and_commits_nothing(s3_ser
 
 
 # -- PyTorch's test_remove_on_fail, on striped URLs --------------------------------------------
+
 
 def test_torch_remove_on_fail(store):
     fs = FileSystem()

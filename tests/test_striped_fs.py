@@ -20,12 +20,14 @@ STRIPE = 64 * 1024
 def sfs(request, tmp_path):
     """A striped filesystem over a local directory or fsspec's memory store, and a root path."""
     if request.param == "file":
-        fs = StripedFileSystem(target_protocol="file", stripe_size=STRIPE, concurrency=4,
-                               skip_instance_cache=True)
+        fs = StripedFileSystem(
+            target_protocol="file", stripe_size=STRIPE, concurrency=4, skip_instance_cache=True
+        )
         root = str(tmp_path)
     else:
-        fs = StripedFileSystem(target_protocol="memory", stripe_size=STRIPE, concurrency=4,
-                               skip_instance_cache=True)
+        fs = StripedFileSystem(
+            target_protocol="memory", stripe_size=STRIPE, concurrency=4, skip_instance_cache=True
+        )
         root = f"/t{random.getrandbits(40):x}"
         fs.target.mkdir(root)
     yield fs, root
@@ -55,8 +57,9 @@ def test_stored_layout_is_stripes_plus_manifest(sfs):
     assert raw.startswith(MAGIC)
     manifest = Manifest.from_bytes(raw, path="f")
     assert manifest.stripe_count == 4
-    stored = b"".join(fs.target.cat_file(stripe_path(f"{root}/f", manifest.version, i))
-                      for i in range(4))
+    stored = b"".join(
+        fs.target.cat_file(stripe_path(f"{root}/f", manifest.version, i)) for i in range(4)
+    )
     assert stored == data
 
 
@@ -100,7 +103,7 @@ def test_text_mode_and_readline(sfs):
     fs.pipe_file(f"{root}/t.txt", lines.encode())
     with fs.open(f"{root}/t.txt", "r") as f:
         assert f.readline() == "line 0\n"
-        assert f.read() == lines[len("line 0\n"):]
+        assert f.read() == lines[len("line 0\n") :]
 
 
 def test_open_write_is_invisible_until_close(sfs):
@@ -216,7 +219,9 @@ def test_directory_rm_and_mv(sfs):
     for i in range(3):
         fs.pipe_file(f"{root}/d/f{i}", payload(STRIPE + i, i))
     fs.mv(f"{root}/d", f"{root}/e", recursive=True)
-    assert [fs.cat_file(f"{root}/e/f{i}") for i in range(3)] == [payload(STRIPE + i, i) for i in range(3)]
+    assert [fs.cat_file(f"{root}/e/f{i}") for i in range(3)] == [
+        payload(STRIPE + i, i) for i in range(3)
+    ]
     with pytest.raises(IsADirectoryError):
         fs.rm(f"{root}/e")
     fs.rm(f"{root}/e", recursive=True)
@@ -334,21 +339,23 @@ def test_stripe_options_precedence_in_one_place():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("FSSPEC_", "BOOTSEER_STRIPE"))}
-    plain = subprocess.run([sys.executable, "-c", PRECEDENCE], env=env, capture_output=True,
-                           text=True, check=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSSPEC_", "BOOTSEER_STRIPE"))}
+    plain = subprocess.run(
+        [sys.executable, "-c", PRECEDENCE], env=env, capture_output=True, text=True, check=True
+    )
     assert json.loads(plain.stdout) == [8 << 20, 16, 2 << 20, 16, 4 << 20, 8 << 10]
     env.update(FSSPEC_STRIPED_STRIPE_SIZE="1MiB", FSSPEC_STRIPED_CONCURRENCY="3")
-    configured = subprocess.run([sys.executable, "-c", PRECEDENCE], env=env, capture_output=True,
-                                text=True, check=True)
+    configured = subprocess.run(
+        [sys.executable, "-c", PRECEDENCE], env=env, capture_output=True, text=True, check=True
+    )
     assert json.loads(configured.stdout) == [1 << 20, 3, 2 << 20, 3, 4 << 20, 8 << 10]
 
 
 def test_retired_stripe_variables_are_refused_by_name(monkeypatch):
     monkeypatch.setenv("BOOTSEER_STRIPE_SIZE", "1MiB")
-    with pytest.raises(OptionError, match="BOOTSEER_STRIPE_SIZE is no longer read: set "
-                                          "FSSPEC_STRIPED_STRIPE_SIZE"):
+    with pytest.raises(
+        OptionError, match="BOOTSEER_STRIPE_SIZE is no longer read: set FSSPEC_STRIPED_STRIPE_SIZE"
+    ):
         StripedFileSystem(target_protocol="memory", skip_instance_cache=True)
     monkeypatch.delenv("BOOTSEER_STRIPE_SIZE")
     monkeypatch.setenv("BOOTSEER_STRIPE_CONCURRENCY", "3")
@@ -378,8 +385,9 @@ def test_gc_removes_unreferenced_versions(sfs):
 
 def test_memory_is_bounded_by_window(tmp_path):
     """A reader never holds more than its window of pieces (plus current and previous)."""
-    fs = StripedFileSystem(target_protocol="file", stripe_size=STRIPE, concurrency=3,
-                           skip_instance_cache=True)
+    fs = StripedFileSystem(
+        target_protocol="file", stripe_size=STRIPE, concurrency=3, skip_instance_cache=True
+    )
     (tmp_path / "big").write_bytes(payload(40 * STRIPE))
     with fs.open(str(tmp_path / "big")) as f:
         peak = 0
@@ -410,12 +418,18 @@ def test_direct_io_writes_are_exact_and_fall_back_where_unsupported(where, tmp_p
     from striped_fs.backend import _local_write
 
     with contextlib.ExitStack() as stack:
-        base = tmp_path if where == "disk" else stack.enter_context(
-            tempfile.TemporaryDirectory(dir="/dev/shm"))  # removed: /dev/shm is the host's
+        base = (
+            tmp_path
+            if where == "disk"
+            else stack.enter_context(tempfile.TemporaryDirectory(dir="/dev/shm"))
+        )  # removed: /dev/shm is the host's
         aligned = mmap.mmap(-1, 3 * 4096)
         aligned.write(payload(3 * 4096, 8))
-        cases = {"aligned": memoryview(aligned), "unaligned": memoryview(aligned)[1:4097],
-                 "bytes": payload(5000, 9)}
+        cases = {
+            "aligned": memoryview(aligned),
+            "unaligned": memoryview(aligned)[1:4097],
+            "bytes": payload(5000, 9),
+        }
         for name, data in cases.items():
             path = os.path.join(base, name)
             _local_write(path, data, durable=True, direct=True)

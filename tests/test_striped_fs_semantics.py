@@ -68,8 +68,9 @@ def target(request, tmp_path) -> Iterator[Target]:
         fs.makedirs(t.root)
     else:
         bucket, options = request.getfixturevalue("s3_bucket")
-        fs = StripedFileSystem(target_protocol="s3",
-                               target_options={**options, "skip_instance_cache": True}, **common)
+        fs = StripedFileSystem(
+            target_protocol="s3", target_options={**options, "skip_instance_cache": True}, **common
+        )
         t = Target(fs, bucket, "s3", options)
     yield t
     if kind == "memory" and fs.target.exists(t.root):
@@ -84,6 +85,7 @@ def _names(fs: StripedFileSystem, path: str) -> list[str]:
 
 # -- mv ------------------------------------------------------------------------------------------
 
+
 def test_mv_onto_itself_keeps_the_file(target):
     fs, p = target.fs, f"{target.root}/same.bin"
     data = payload(3 * STRIPE + 5)
@@ -94,8 +96,11 @@ def test_mv_onto_itself_keeps_the_file(target):
 
 def test_mv_glob_moves_the_data_not_only_the_manifests(target):
     fs, d = target.fs, f"{target.root}/d"
-    files = {"a.bin": payload(2 * STRIPE + 1, 1), "b.bin": payload(STRIPE, 2),
-             "keep.txt": b"not matched"}
+    files = {
+        "a.bin": payload(2 * STRIPE + 1, 1),
+        "b.bin": payload(STRIPE, 2),
+        "keep.txt": b"not matched",
+    }
     for name, data in files.items():
         fs.pipe_file(f"{d}/{name}", data)
     fs.mv(f"{d}/*.bin", f"{d}/sub/")
@@ -173,6 +178,7 @@ def test_mv_of_a_missing_source_is_an_error_naming_it(target):
 
 # -- rm ------------------------------------------------------------------------------------------
 
+
 def test_rm_expands_globs(target):
     fs, d = target.fs, f"{target.root}/d"
     fs.pipe_file(f"{d}/a.bin", payload(2 * STRIPE, 1))
@@ -220,14 +226,17 @@ def test_rm_with_maxdepth_keeps_what_is_deeper(target):
 def test_stripes_directories_cannot_be_named(target):
     fs, root = target.fs, target.root
     fs.pipe_file(f"{root}/f.bin", payload(2 * STRIPE))
-    for call in (lambda: fs.rm(f"{root}/.f.bin.stripes", recursive=True),
-                 lambda: fs.mv(f"{root}/.f.bin.stripes", f"{root}/elsewhere")):
+    for call in (
+        lambda: fs.rm(f"{root}/.f.bin.stripes", recursive=True),
+        lambda: fs.mv(f"{root}/.f.bin.stripes", f"{root}/elsewhere"),
+    ):
         with pytest.raises(ValueError, match="stripes"):
             call()
     assert fs.cat_file(f"{root}/f.bin") == payload(2 * STRIPE)
 
 
 # -- ls, get_file ---------------------------------------------------------------------------------
+
 
 def test_ls_of_a_file_reports_the_file_not_its_manifest(target):
     fs, p = target.fs, f"{target.root}/f.bin"
@@ -250,6 +259,7 @@ def test_get_file_creates_the_local_parent_and_takes_a_file_object(target, tmp_p
 
 
 # -- with blocks left by an exception --------------------------------------------------------
+
 
 @pytest.mark.parametrize("how", ["fsspec.open wb", "fsspec.open w", "fs.open wb", "fs.open w"])
 def test_with_block_left_by_an_exception_commits_nothing(target, how):
@@ -307,6 +317,7 @@ def test_close_in_a_finally_while_an_error_propagates_discards_and_commit_commit
 
 # -- exclusive creation ----------------------------------------------------------------------
 
+
 def test_pipe_and_put_with_mode_create_refuse_an_existing_file(target, tmp_path):
     fs, p = target.fs, f"{target.root}/x.bin"
     fs.pipe_file(p, b"first")
@@ -336,6 +347,7 @@ def test_exclusive_create_is_decided_at_the_commit(target):
 
 
 # -- transactions --------------------------------------------------------------------------------
+
 
 def test_transaction_commits_at_its_end(target):
     fs, root = target.fs, target.root
@@ -370,9 +382,12 @@ def test_what_a_transaction_cannot_defer_is_refused(target):
     fs.pipe_file(f"{root}/a.bin", b"kept")
     fs.target.pipe_file(f"{root}/plain.txt", b"plain")
     with fs.transaction:
-        for call in (lambda: fs.rm(f"{root}/a.bin"), lambda: fs.rm_file(f"{root}/a.bin"),
-                     lambda: fs.mv(f"{root}/a.bin", f"{root}/b.bin"),
-                     lambda: fs.cp_file(f"{root}/plain.txt", f"{root}/copy.txt")):
+        for call in (
+            lambda: fs.rm(f"{root}/a.bin"),
+            lambda: fs.rm_file(f"{root}/a.bin"),
+            lambda: fs.mv(f"{root}/a.bin", f"{root}/b.bin"),
+            lambda: fs.cp_file(f"{root}/plain.txt", f"{root}/copy.txt"),
+        ):
             with pytest.raises(NotImplementedError, match="transaction"):
                 call()
     assert fs.cat_file(f"{root}/a.bin") == b"kept" and not fs.exists(f"{root}/b.bin")

@@ -65,9 +65,11 @@ class _S3(_Fixtures):
     @pytest.fixture(scope="class")
     @classmethod
     def fs(cls, s3_server) -> Iterator[StripedFileSystem]:
-        fs = StripedFileSystem(target_protocol="s3", skip_instance_cache=True,
-                               target_options={**s3_server.storage_options(),
-                                               "skip_instance_cache": True})
+        fs = StripedFileSystem(
+            target_protocol="s3",
+            skip_instance_cache=True,
+            target_options={**s3_server.storage_options(), "skip_instance_cache": True},
+        )
         yield fs
         fs.close()
 

@@ -39,12 +39,22 @@ def payload(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-def start_writer(protocol: str, options: dict, path: str, seed: int, size: int,
-                 pause: float) -> subprocess.Popen:
-    cfg = dict(protocol=protocol, options=options, path=path, seed=seed, size=size,
-               stripe=STRIPE, chunk=STRIPE // 2, pause=pause)
-    return subprocess.Popen([sys.executable, "-c", WRITER, json.dumps(cfg)],
-                            stdout=subprocess.PIPE, text=True)
+def start_writer(
+    protocol: str, options: dict, path: str, seed: int, size: int, pause: float
+) -> subprocess.Popen:
+    cfg = dict(
+        protocol=protocol,
+        options=options,
+        path=path,
+        seed=seed,
+        size=size,
+        stripe=STRIPE,
+        chunk=STRIPE // 2,
+        pause=pause,
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITER, json.dumps(cfg)], stdout=subprocess.PIPE, text=True
+    )
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -57,9 +67,13 @@ def target(request, tmp_path):
 
 
 def make_fs(protocol: str, options: dict) -> StripedFileSystem:
-    return StripedFileSystem(target_protocol=protocol,
-                             target_options={**options, **({"skip_instance_cache": True} if options else {})},
-                             stripe_size=STRIPE, concurrency=4, skip_instance_cache=True)
+    return StripedFileSystem(
+        target_protocol=protocol,
+        target_options={**options, **({"skip_instance_cache": True} if options else {})},
+        stripe_size=STRIPE,
+        concurrency=4,
+        skip_instance_cache=True,
+    )
 
 
 def wait_for_a_stripe(fs: StripedFileSystem, path: str, timeout: float = 60.0) -> None:
@@ -69,8 +83,7 @@ def wait_for_a_stripe(fs: StripedFileSystem, path: str, timeout: float = 60.0) -
     while time.monotonic() < deadline:
         fs.target.invalidate_cache()
         try:
-            if any(name.rsplit("/", 1)[-1].isdigit()
-                   for name in fs.target.find(stripes_dir(path))):
+            if any(name.rsplit("/", 1)[-1].isdigit() for name in fs.target.find(stripes_dir(path))):
                 return
         except FileNotFoundError:
             pass
@@ -86,8 +99,9 @@ def test_sigkill_mid_write_leaves_nothing_visible_or_the_previous_version(target
     fs.pipe_file(f"{root}/kept", previous)
     for trial in range(4):
         for name in ("fresh", "kept"):
-            proc = start_writer(protocol, options, f"{root}/{name}", seed=100 + trial,
-                                size=40 * STRIPE, pause=0.01)
+            proc = start_writer(
+                protocol, options, f"{root}/{name}", seed=100 + trial, size=40 * STRIPE, pause=0.01
+            )
             assert proc.stdout.readline().strip() == "WRITING"
             if trial == 0:  # one kill surely after a stripe landed: something for gc below
                 wait_for_a_stripe(fs, f"{root}/{name}")
@@ -107,8 +121,12 @@ def test_sigkill_mid_write_leaves_nothing_visible_or_the_previous_version(target
 
 def test_concurrent_writer_processes_leave_one_complete_version(target):
     protocol, options, root = target
-    procs = [start_writer(protocol, options, f"{root}/shared", seed=200 + i,
-                          size=12 * STRIPE + i, pause=0.0) for i in range(4)]
+    procs = [
+        start_writer(
+            protocol, options, f"{root}/shared", seed=200 + i, size=12 * STRIPE + i, pause=0.0
+        )
+        for i in range(4)
+    ]
     for proc in procs:
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0 and "COMMITTED" in out

@@ -30,8 +30,15 @@ GiB = 1 << 30
 def raw_manifest(**fields: object) -> bytes:
     """A format-1 manifest with ``fields`` replacing (or, as ``None``, removing) the defaults:
     a valid empty file unless told otherwise."""
-    body: dict[str, object] = {"format": 1, "size": 0, "stripe_size": 4096, "version": VERSION,
-                               "checksum": "crc32", "stripes": [], "created": 0}
+    body: dict[str, object] = {
+        "format": 1,
+        "size": 0,
+        "stripe_size": 4096,
+        "version": VERSION,
+        "checksum": "crc32",
+        "stripes": [],
+        "created": 0,
+    }
     body.update(fields)
     body = {k: v for k, v in body.items() if v is not None}
     return RAW_MAGIC + json.dumps(body, separators=(",", ":")).encode()
@@ -56,12 +63,22 @@ def test_the_crafted_manifests_are_small():
 def target(request, tmp_path):
     """A striped filesystem over local disk or fsspec's memory store, and a root directory."""
     if request.param == "file":
-        fs = StripedFileSystem(target_protocol="file", concurrency=4, retries=1, backoff_s=0.01,
-                               skip_instance_cache=True)
+        fs = StripedFileSystem(
+            target_protocol="file",
+            concurrency=4,
+            retries=1,
+            backoff_s=0.01,
+            skip_instance_cache=True,
+        )
         root = str(tmp_path)
     else:
-        fs = StripedFileSystem(target_protocol="memory", concurrency=4, retries=1,
-                               backoff_s=0.01, skip_instance_cache=True)
+        fs = StripedFileSystem(
+            target_protocol="memory",
+            concurrency=4,
+            retries=1,
+            backoff_s=0.01,
+            skip_instance_cache=True,
+        )
         root = f"/attack-{tmp_path.name}"
         fs.target.mkdir(root)
     yield fs, root
@@ -113,8 +130,12 @@ def test_huge_declared_size_fails_without_allocating_it(stripes, op, tmp_path):
         for i in range(4):
             (vdir / f"{i:08d}").write_bytes(b"x")
     out = tmp_path / "out.bin"
-    proc = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "f"), op, str(out)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "f"), op, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     error = result["error"]
@@ -138,8 +159,13 @@ def test_huge_declared_size_on_s3_fails_at_the_stripes(s3_bucket):
     """The same attack against a real object store (moto): missing, empty and over-long
     stripe objects are each named with the rule they break."""
     bucket, options = s3_bucket
-    fs = StripedFileSystem(target_protocol="s3", target_options=options, retries=1,
-                           backoff_s=0.01, skip_instance_cache=True)
+    fs = StripedFileSystem(
+        target_protocol="s3",
+        target_options=options,
+        retries=1,
+        backoff_s=0.01,
+        skip_instance_cache=True,
+    )
     fs.target.pipe_file(f"{bucket}/huge", HUGE)
     with pytest.raises(FileNotFoundError, match=rf"stripe \d of {bucket}/huge.*does not exist"):
         fs.cat_file(f"{bucket}/huge")
@@ -147,10 +173,13 @@ def test_huge_declared_size_on_s3_fails_at_the_stripes(s3_bucket):
     fs.target.pipe_file(f"{bucket}/small", small)
     fs.target.pipe_file(f"{bucket}/.small.stripes/{VERSION}/00000000", b"")
     fs.target.pipe_file(f"{bucket}/.small.stripes/{VERSION}/00000001", b"y" * 5000)
-    with pytest.raises(StripeChecksumError, match="stripe 0 of .*holds 0 bytes, manifest says 4096"):
+    with pytest.raises(
+        StripeChecksumError, match="stripe 0 of .*holds 0 bytes, manifest says 4096"
+    ):
         fs.cat_file(f"{bucket}/small", 0, 4096)
-    with pytest.raises(StripeChecksumError,
-                       match="stripe 1 of .*holds more than 4096 bytes, manifest says 4096"):
+    with pytest.raises(
+        StripeChecksumError, match="stripe 1 of .*holds more than 4096 bytes, manifest says 4096"
+    ):
         fs.cat_file(f"{bucket}/small", 4096, 8192)
 
 
@@ -159,64 +188,125 @@ def test_huge_declared_size_on_s3_fails_at_the_stripes(s3_bucket):
 _REFUSED = [
     # (case, manifest bytes, what the error must say)
     ("negative size", raw_manifest(size=-1), "size -1 must be an integer from 0"),
-    ("size not an integer", raw_manifest(size=4096.0, stripes=[0]), "size 4096.0 must be an integer"),
+    (
+        "size not an integer",
+        raw_manifest(size=4096.0, stripes=[0]),
+        "size 4096.0 must be an integer",
+    ),
     ("size a boolean", raw_manifest(size=True, stripes=[0]), "size True must be an integer"),
     ("size over the cap", raw_manifest(size=1 << 62), f"size {1 << 62} must be an integer from 0"),
     ("negative stripe size", raw_manifest(stripe_size=-4096), "stripe_size -4096 must be"),
     ("zero stripe size", raw_manifest(stripe_size=0), "stripe_size 0 must be"),
-    ("stripe size over the cap", raw_manifest(size=4 * GiB, stripe_size=4 * GiB, stripes=[0]),
-     f"stripe_size {4 * GiB} must be an integer from 1 to {GiB}"),
-    ("fewer checksums than stripes", raw_manifest(size=3 * 4096, stripes=[0, 0]),
-     "(3 stripes) but lists 2 checksums"),
-    ("more checksums than stripes", raw_manifest(size=4096, stripes=[0, 0, 0, 0]),
-     "(1 stripes) but lists 4 checksums"),
-    ("stripes for an empty file", raw_manifest(size=0, stripes=[0]),
-     "(0 stripes) but lists 1 checksums"),
-    ("stripe count over the cap", raw_manifest(size=1 << 40, stripe_size=1, stripes=[0]),
-     f"{1 << 40} stripes: over the limit of {MAX_STRIPES}"),
+    (
+        "stripe size over the cap",
+        raw_manifest(size=4 * GiB, stripe_size=4 * GiB, stripes=[0]),
+        f"stripe_size {4 * GiB} must be an integer from 1 to {GiB}",
+    ),
+    (
+        "fewer checksums than stripes",
+        raw_manifest(size=3 * 4096, stripes=[0, 0]),
+        "(3 stripes) but lists 2 checksums",
+    ),
+    (
+        "more checksums than stripes",
+        raw_manifest(size=4096, stripes=[0, 0, 0, 0]),
+        "(1 stripes) but lists 4 checksums",
+    ),
+    (
+        "stripes for an empty file",
+        raw_manifest(size=0, stripes=[0]),
+        "(0 stripes) but lists 1 checksums",
+    ),
+    (
+        "stripe count over the cap",
+        raw_manifest(size=1 << 40, stripe_size=1, stripes=[0]),
+        f"{1 << 40} stripes: over the limit of {MAX_STRIPES}",
+    ),
     ("stripes not a list", raw_manifest(size=4096, stripes={"0": 0}), "stripes must be a list"),
-    ("checksum negative", raw_manifest(size=8192, stripes=[0, -1]),
-     "checksum of stripe 1 (-1) must be a crc32"),
-    ("checksum too wide", raw_manifest(size=4096, stripes=[1 << 32]),
-     f"checksum of stripe 0 ({1 << 32}) must be a crc32"),
+    (
+        "checksum negative",
+        raw_manifest(size=8192, stripes=[0, -1]),
+        "checksum of stripe 1 (-1) must be a crc32",
+    ),
+    (
+        "checksum too wide",
+        raw_manifest(size=4096, stripes=[1 << 32]),
+        f"checksum of stripe 0 ({1 << 32}) must be a crc32",
+    ),
     ("checksum a string", raw_manifest(size=4096, stripes=["0"]), "checksum of stripe 0 ('0')"),
     # v1 derives each stripe's offset (index x stripe_size) and length: a manifest trying to
     # declare its own offsets (overlapping, out of order) is refused, whatever the field.
-    ("overlapping stripes as objects",
-     raw_manifest(size=8192, stripes=[{"offset": 0, "crc": 0}, {"offset": 100, "crc": 0}]),
-     "checksum of stripe 0 ({'offset': 0, 'crc': 0}) must be a crc32"),
-    ("out-of-order offsets", raw_manifest(size=8192, stripes=[0, 0], offsets=[4096, 0]),
-     "unknown field(s) 'offsets'"),
-    ("stripe lengths", raw_manifest(size=8192, stripes=[0, 0], lengths=[8192, 8192]),
-     "unknown field(s) 'lengths'"),
-    ("duplicate size field",
-     RAW_MAGIC + b'{"format":1,"size":0,"size":4294967296,"stripe_size":4096,"version":"'
-     + VERSION.encode() + b'","checksum":"crc32","stripes":[],"created":0}',
-     "field 'size' appears twice"),
+    (
+        "overlapping stripes as objects",
+        raw_manifest(size=8192, stripes=[{"offset": 0, "crc": 0}, {"offset": 100, "crc": 0}]),
+        "checksum of stripe 0 ({'offset': 0, 'crc': 0}) must be a crc32",
+    ),
+    (
+        "out-of-order offsets",
+        raw_manifest(size=8192, stripes=[0, 0], offsets=[4096, 0]),
+        "unknown field(s) 'offsets'",
+    ),
+    (
+        "stripe lengths",
+        raw_manifest(size=8192, stripes=[0, 0], lengths=[8192, 8192]),
+        "unknown field(s) 'lengths'",
+    ),
+    (
+        "duplicate size field",
+        RAW_MAGIC
+        + b'{"format":1,"size":0,"size":4294967296,"stripe_size":4096,"version":"'
+        + VERSION.encode()
+        + b'","checksum":"crc32","stripes":[],"created":0}',
+        "field 'size' appears twice",
+    ),
     ("missing field", raw_manifest(stripe_size=None), "missing field(s) stripe_size"),
     ("not an object", RAW_MAGIC + b"[1, 2, 3]", "not a JSON object"),
     ("format as a boolean", raw_manifest(format=True), "format True/'crc32' is not supported"),
     ("created not a number", raw_manifest(created="yesterday"), "created 'yesterday' must be"),
-    ("created NaN", RAW_MAGIC + raw_manifest()[len(RAW_MAGIC):].replace(b'"created":0',
-                                                                         b'"created":NaN'),
-     "created nan must be a finite number"),
+    (
+        "created NaN",
+        RAW_MAGIC + raw_manifest()[len(RAW_MAGIC) :].replace(b'"created":0', b'"created":NaN'),
+        "created nan must be a finite number",
+    ),
     # Format 2 is format 1 plus an mtime_ns (integer nanoseconds, signed 64-bit).
     ("mtime_ns in format 1", raw_manifest(mtime_ns=5), "unknown field(s) 'mtime_ns'"),
     ("format 2 without mtime_ns", raw_manifest(format=2), "format 2 is format 1 with an mtime_ns"),
     ("mtime_ns a float", raw_manifest(format=2, mtime_ns=1.5), "mtime_ns 1.5 must be an integer"),
     ("mtime_ns a string", raw_manifest(format=2, mtime_ns="1"), "mtime_ns '1' must be an integer"),
-    ("mtime_ns a boolean", raw_manifest(format=2, mtime_ns=True), "mtime_ns True must be an integer"),
-    ("mtime_ns null", RAW_MAGIC + raw_manifest(format=2, mtime_ns=0)[len(RAW_MAGIC):].replace(
-        b'"mtime_ns":0', b'"mtime_ns":null'), "mtime_ns None must be an integer"),
-    ("mtime_ns over 64 bits", raw_manifest(format=2, mtime_ns=1 << 63),
-     f"mtime_ns {1 << 63} must be an integer"),
-    ("mtime_ns under 64 bits", raw_manifest(format=2, mtime_ns=-(1 << 63) - 1),
-     f"mtime_ns {-(1 << 63) - 1} must be an integer"),
-    ("duplicate mtime_ns", raw_manifest(format=2, mtime_ns=1)[:-1] + b',"mtime_ns":2}',
-     "field 'mtime_ns' appears twice"),
+    (
+        "mtime_ns a boolean",
+        raw_manifest(format=2, mtime_ns=True),
+        "mtime_ns True must be an integer",
+    ),
+    (
+        "mtime_ns null",
+        RAW_MAGIC
+        + raw_manifest(format=2, mtime_ns=0)[len(RAW_MAGIC) :].replace(
+            b'"mtime_ns":0', b'"mtime_ns":null'
+        ),
+        "mtime_ns None must be an integer",
+    ),
+    (
+        "mtime_ns over 64 bits",
+        raw_manifest(format=2, mtime_ns=1 << 63),
+        f"mtime_ns {1 << 63} must be an integer",
+    ),
+    (
+        "mtime_ns under 64 bits",
+        raw_manifest(format=2, mtime_ns=-(1 << 63) - 1),
+        f"mtime_ns {-(1 << 63) - 1} must be an integer",
+    ),
+    (
+        "duplicate mtime_ns",
+        raw_manifest(format=2, mtime_ns=1)[:-1] + b',"mtime_ns":2}',
+        "field 'mtime_ns' appears twice",
+    ),
     ("format 3", raw_manifest(format=3, mtime_ns=1), "format 3/'crc32' is not supported"),
-    ("unknown field in format 2", raw_manifest(format=2, mtime_ns=1, mode=0o644),
-     "unknown field(s) 'mode'"),
+    (
+        "unknown field in format 2",
+        raw_manifest(format=2, mtime_ns=1, mode=0o644),
+        "unknown field(s) 'mode'",
+    ),
 ]
 
 
@@ -224,22 +314,26 @@ def test_mtime_ns_round_trip_and_format_number():
     """A manifest carries an mtime only when one was set, and only then is format 2: files
     nobody set a time on stay readable by readers that know format 1 alone."""
     plain = Manifest(size=0, stripe_size=4096, version=VERSION, created=0)
-    assert json.loads(plain.to_bytes()[len(MAGIC):])["format"] == 1
-    timed = Manifest(size=0, stripe_size=4096, version=VERSION, created=0,
-                     mtime_ns=-(1 << 63))
-    body = json.loads(timed.to_bytes()[len(MAGIC):])
+    assert json.loads(plain.to_bytes()[len(MAGIC) :])["format"] == 1
+    timed = Manifest(size=0, stripe_size=4096, version=VERSION, created=0, mtime_ns=-(1 << 63))
+    body = json.loads(timed.to_bytes()[len(MAGIC) :])
     assert (body["format"], body["mtime_ns"]) == (2, -(1 << 63))
     assert Manifest.from_bytes(timed.to_bytes(), path="f") == timed
-    assert Manifest.from_bytes(raw_manifest(format=2, mtime_ns=(1 << 63) - 1),
-                               path="f").mtime_ns == (1 << 63) - 1
+    assert (
+        Manifest.from_bytes(raw_manifest(format=2, mtime_ns=(1 << 63) - 1), path="f").mtime_ns
+        == (1 << 63) - 1
+    )
 
 
 @pytest.mark.parametrize("case, data, rule", _REFUSED, ids=[c[0] for c in _REFUSED])
 def test_inconsistent_manifest_is_refused_naming_file_and_rule(target, case, data, rule):
     fs, root = target
     fs.target.pipe_file(f"{root}/f", data)
-    for read in (lambda: fs.cat_file(f"{root}/f"), lambda: fs.open(f"{root}/f", "rb"),
-                 lambda: fs.info(f"{root}/f")):
+    for read in (
+        lambda: fs.cat_file(f"{root}/f"),
+        lambda: fs.open(f"{root}/f", "rb"),
+        lambda: fs.info(f"{root}/f"),
+    ):
         with pytest.raises(ManifestError) as err:
             read()
         assert f"{root}/f" in str(err.value) and rule in str(err.value), str(err.value)
@@ -304,7 +398,9 @@ def test_another_files_manifest_reads_only_its_own_stripes(target):
     secret = b"g's private bytes " * 1000
     fs.pipe_file(f"{root}/g", secret)  # an honest file, written by the writer
     fs.target.pipe_file(f"{root}/f", fs.target.cat_file(f"{root}/g"))  # the copy, raw
-    with pytest.raises(FileNotFoundError, match=r"\.f\.stripes/[0-9a-f]{32}/00000000 does not exist"):
+    with pytest.raises(
+        FileNotFoundError, match=r"\.f\.stripes/[0-9a-f]{32}/00000000 does not exist"
+    ):
         fs.cat_file(f"{root}/f")
     with pytest.raises(FileNotFoundError, match=r"\.f\.stripes/"):
         fs.open(f"{root}/f", "rb").read()
@@ -329,8 +425,9 @@ def test_writer_refuses_more_stripes_than_readers_accept(monkeypatch):
 
     monkeypatch.setattr(writer, "MAX_STRIPES", 3)
     fs = StripedFileSystem(target_protocol="memory", stripe_size=4096, skip_instance_cache=True)
-    with pytest.raises(ValueError, match="more than 3 stripes of 4096 bytes; write it with a "
-                                         "larger stripe_size"):
+    with pytest.raises(
+        ValueError, match="more than 3 stripes of 4096 bytes; write it with a larger stripe_size"
+    ):
         with fs.open("/many", "wb") as f:
             f.write(b"z" * 4 * 4096)
     assert not fs.exists("/many")

@@ -26,10 +26,17 @@ OLD_NS = 1_000_000_000_123_456_789  # nanoseconds a float of seconds cannot hold
 
 
 @pytest.fixture(params=["file", "memory", "s3"])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[StripedFileSystem, str]]:
+def target(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[StripedFileSystem, str]]:
     """A striped filesystem with 4 KiB stripes and a root directory on it."""
-    opts: dict[str, Any] = {"stripe_size": 4 * KiB, "concurrency": 4, "retries": 1,
-                            "backoff_s": 0.01, "skip_instance_cache": True}
+    opts: dict[str, Any] = {
+        "stripe_size": 4 * KiB,
+        "concurrency": 4,
+        "retries": 1,
+        "backoff_s": 0.01,
+        "skip_instance_cache": True,
+    }
     if request.param == "file":
         yield StripedFileSystem(target_protocol="file", **opts), str(tmp_path)
     elif request.param == "memory":
@@ -51,7 +58,9 @@ def _manifest(fs: StripedFileSystem, path: str) -> Manifest:
     return Manifest.from_bytes(fs.target.cat_file(path), path=path)
 
 
-def test_set_mtime_replaces_the_manifest_and_no_stripe(target: tuple[StripedFileSystem, str]) -> None:
+def test_set_mtime_replaces_the_manifest_and_no_stripe(
+    target: tuple[StripedFileSystem, str],
+) -> None:
     fs, root = target
     path = f"{root}/f.bin"
     data = random.Random(1).randbytes(10 * KiB + 3)
@@ -61,8 +70,11 @@ def test_set_mtime_replaces_the_manifest_and_no_stripe(target: tuple[StripedFile
 
     fs.set_mtime(path, OLD_NS)
     after = _manifest(fs, path)
-    assert (after.version, after.checksums, after.size) == (before.version, before.checksums,
-                                                            before.size)
+    assert (after.version, after.checksums, after.size) == (
+        before.version,
+        before.checksums,
+        before.size,
+    )
     assert after.mtime_ns == OLD_NS and b'"format":2,' in fs.target.cat_file(path)
     assert _stripes(fs, path) == stripes
     assert fs.cat_file(path) == data
@@ -95,7 +107,8 @@ def test_mv_keeps_the_mtime(target: tuple[StripedFileSystem, str]) -> None:
 
 
 def test_a_reader_of_the_old_manifest_reads_the_same_bytes(
-        target: tuple[StripedFileSystem, str]) -> None:
+    target: tuple[StripedFileSystem, str],
+) -> None:
     """Readers racing with mtime updates: every read returns the file's bytes, whichever
     manifest it resolved."""
     fs, root = target
@@ -145,8 +158,9 @@ def _commit_during_read(monkeypatch: pytest.MonkeyPatch, path: str, writes: list
     monkeypatch.setattr(mtime, "_replace_if_unchanged", commit_then_replace)
 
 
-def test_a_writer_committing_meanwhile_is_not_undone(target: tuple[StripedFileSystem, str],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_writer_committing_meanwhile_is_not_undone(
+    target: tuple[StripedFileSystem, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """set_mtime reads the manifest, then a writer commits a new version (and deletes the
     old version's stripes): putting the old manifest back would lose that write and point
     the file at deleted stripes. It is noticed (S3 If-Match, the local inode, a re-read), and
@@ -163,7 +177,8 @@ def test_a_writer_committing_meanwhile_is_not_undone(target: tuple[StripedFileSy
 
 
 def test_a_file_replaced_on_every_attempt_is_an_error_and_kept(
-        target: tuple[StripedFileSystem, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    target: tuple[StripedFileSystem, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     fs, root = target
     path = f"{root}/f.bin"
     fs.pipe_file(path, b"v0")

@@ -22,8 +22,13 @@ def payload(n: int, seed: int = 0) -> bytes:
 @pytest.fixture
 def s3_striped(s3_bucket):
     bucket, options = s3_bucket
-    fs = StripedFileSystem(target_protocol="s3", target_options={**options, "skip_instance_cache": True},
-                           stripe_size=STRIPE, concurrency=8, skip_instance_cache=True)
+    fs = StripedFileSystem(
+        target_protocol="s3",
+        target_options={**options, "skip_instance_cache": True},
+        stripe_size=STRIPE,
+        concurrency=8,
+        skip_instance_cache=True,
+    )
     yield fs, bucket
     fs.close()
 
@@ -40,6 +45,7 @@ def http_site(tmp_path, nginx_factory):
 
 
 # -- S3 ------------------------------------------------------------------------------------
+
 
 def test_s3_roundtrip_uses_striped_layout(s3_striped):
     fs, bucket = s3_striped
@@ -131,6 +137,7 @@ def test_s3_concurrent_writers_leave_one_complete_version(s3_striped):
 
 # -- HTTP (nginx) --------------------------------------------------------------------------
 
+
 def test_http_ranged_parallel_reads(http_site):
     server, data = http_site
     url = f"striped::{server.url}/model.bin"
@@ -161,6 +168,7 @@ def test_http_is_read_only(http_site):
 
 # -- faults, injected in the shaper ----------------------------------------------------------
 
+
 def _shaped_http(server) -> Shaper:
     return Shaper("127.0.0.1", server.port, ShaperSettings())
 
@@ -169,8 +177,13 @@ def test_dropped_connection_mid_stripe_is_retried(http_site, caplog):
     server, data = http_site
     with _shaped_http(server) as shaper:
         shaper.drop_after(STRIPE // 2, count=3)
-        fs = StripedFileSystem(target_protocol="http", stripe_size=STRIPE, concurrency=4,
-                               backoff_s=0.01, skip_instance_cache=True)
+        fs = StripedFileSystem(
+            target_protocol="http",
+            stripe_size=STRIPE,
+            concurrency=4,
+            backoff_s=0.01,
+            skip_instance_cache=True,
+        )
         url = f"http://{shaper.address}/model.bin"
         assert fs.cat_file(url) == data
     assert "retrying" in caplog.text
@@ -179,8 +192,14 @@ def test_dropped_connection_mid_stripe_is_retried(http_site, caplog):
 def test_permanent_failure_names_path_and_stripe(http_site):
     server, data = http_site
     with _shaped_http(server) as shaper:
-        fs = StripedFileSystem(target_protocol="http", stripe_size=STRIPE, concurrency=2,
-                               retries=2, backoff_s=0.01, skip_instance_cache=True)
+        fs = StripedFileSystem(
+            target_protocol="http",
+            stripe_size=STRIPE,
+            concurrency=2,
+            retries=2,
+            backoff_s=0.01,
+            skip_instance_cache=True,
+        )
         url = f"http://{shaper.address}/model.bin"
         reader = fs.open(url)  # size known before the link fails
         shaper.drop_active()
@@ -197,9 +216,13 @@ def test_permanent_failure_names_path_and_stripe(http_site):
 def _striped_s3_via(shaper: Shaper, s3_server, **options) -> StripedFileSystem:
     """A striped filesystem on the S3 server, reached through the shaper (faults go there)."""
     opts = s3_server.storage_options(endpoint_url=f"http://{shaper.address}")
-    return StripedFileSystem(target_protocol="s3",
-                             target_options={**opts, "skip_instance_cache": True},
-                             stripe_size=STRIPE, skip_instance_cache=True, **options)
+    return StripedFileSystem(
+        target_protocol="s3",
+        target_options={**opts, "skip_instance_cache": True},
+        stripe_size=STRIPE,
+        skip_instance_cache=True,
+        **options,
+    )
 
 
 def test_s3_transient_outage_during_write_is_retried(s3_server, s3_bucket):

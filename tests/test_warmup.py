@@ -41,41 +41,70 @@ def test_usage_errors_are_clear(tmp_path: Path) -> None:
     assert "--ranks 0-7" in no_ranks.stderr
     no_prefix = bootseer_cli("warmup", "--env-spec", "r.txt", env=env, check=False)
     assert no_prefix.returncode == 2 and "--env-prefix" in no_prefix.stderr
-    bad = bootseer_cli("warmup", "--ckpt-url", str(tmp_path), "--ranks", "7-1", env=env,
-                       check=False)
+    bad = bootseer_cli(
+        "warmup", "--ckpt-url", str(tmp_path), "--ranks", "7-1", env=env, check=False
+    )
     assert bad.returncode == 2 and "ckpt.ranks in flag --ranks" in bad.stderr
     assert "'7-1'" in bad.stderr
-    for old, new in (("--ckpt", "--ckpt-url"), ("--image", "--image-ref"),
-                     ("--ckpt-cache", "--ckpt-cache-dir")):
+    for old, new in (
+        ("--ckpt", "--ckpt-url"),
+        ("--image", "--image-ref"),
+        ("--ckpt-cache", "--ckpt-cache-dir"),
+    ):
         renamed = bootseer_cli("warmup", old, "x", env=env, check=False)
         assert renamed.returncode == 2, renamed.stderr
         assert f"{old} is now {new}" in renamed.stderr
-    handed = bootseer_cli("warmup", "--ckpt-url", str(tmp_path), "--ranks", "0",
-                          env={**env, "BOOTSEER_CKPT_CACHE": "/old/cache"}, check=False)
+    handed = bootseer_cli(
+        "warmup",
+        "--ckpt-url",
+        str(tmp_path),
+        "--ranks",
+        "0",
+        env={**env, "BOOTSEER_CKPT_CACHE": "/old/cache"},
+        check=False,
+    )
     assert handed.returncode == 2, handed.stderr
-    assert "BOOTSEER_CKPT_CACHE=/old/cache is what `bootseer run` hands its command" in \
-        handed.stderr
+    assert (
+        "BOOTSEER_CKPT_CACHE=/old/cache is what `bootseer run` hands its command" in handed.stderr
+    )
     assert f"ckpt.cache_dir = '{tmp_path}/state/ckpt'" in handed.stderr
     assert not (tmp_path / "state").exists()  # nothing was started
 
 
 def _spans(trace: Path) -> list[dict]:
-    return [json.loads(line) for f in sorted(trace.glob("*.jsonl"))
-            for line in f.read_text().splitlines()]
+    return [
+        json.loads(line)
+        for f in sorted(trace.glob("*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
 
 
 def test_checkpoint_and_environment_fail_alone_then_warm_then_nothing_to_do(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, package_index) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, package_index
+) -> None:
     env = use_test_index(monkeypatch)
     ckpt_store, ckpt_cache = str(tmp_path / "ckpt"), tmp_path / "ckpt-cache"
     save_both(ckpt_store, 3, seed=3)
     req = write_requirements(tmp_path, package_index, "tinybeta", "tinydata")
     prefix, env_store = tmp_path / "node" / "venv", str(tmp_path / "envs")
     trace = tmp_path / "trace"
-    argv = ["warmup", "--ckpt-url", ckpt_store, "--ckpt-cache-dir", str(ckpt_cache),
-            "--ranks", "0-1",
-            "--env-spec", str(req), "--env-prefix", str(prefix), "--env-store", env_store,
-            "--trace-dir", str(trace)]
+    argv = [
+        "warmup",
+        "--ckpt-url",
+        ckpt_store,
+        "--ckpt-cache-dir",
+        str(ckpt_cache),
+        "--ranks",
+        "0-1",
+        "--env-spec",
+        str(req),
+        "--env-prefix",
+        str(prefix),
+        "--env-store",
+        env_store,
+        "--trace-dir",
+        str(trace),
+    ]
 
     # No snapshot of the environment yet: that part fails (warmup never installs), the
     # checkpoint part completes.
@@ -83,7 +112,9 @@ def test_checkpoint_and_environment_fail_alone_then_warm_then_nothing_to_do(
     assert first.returncode == 1, first.stderr
     lines = first.stdout.splitlines()
     assert lines[0].startswith("warmup: environment FAILED") and "does not install" in lines[0]
-    assert lines[1].startswith("warmup: checkpoint  ok") and "cached step 3 for ranks 0-1" in lines[1]
+    assert (
+        lines[1].startswith("warmup: checkpoint  ok") and "cached step 3 for ranks 0-1" in lines[1]
+    )
     assert "environment" in first.stderr and "1 of 2 part(s) failed (environment)" in first.stderr
     assert not prefix.exists()
     assert (ckpt_cache / store_key(ckpt_store) / "step-3" / "rank-00001.data").exists()
@@ -105,7 +136,10 @@ def test_checkpoint_and_environment_fail_alone_then_warm_then_nothing_to_do(
 
     spans = _spans(trace)
     assert [(s["phase"], s["outcome"]) for s in spans if s["phase"] == "environment"] == [
-        ("environment", "failed"), ("environment", "ok"), ("environment", "ok")]
+        ("environment", "failed"),
+        ("environment", "ok"),
+        ("environment", "ok"),
+    ]
     ckpt_spans = [s for s in spans if s["phase"] == "checkpoint_prefetch"]
     assert [s["outcome"] for s in ckpt_spans] == ["ok"] * 3
     assert ckpt_spans[0]["bytes"] > 0 and ckpt_spans[2]["bytes"] == 0
@@ -129,14 +163,31 @@ def lazy_image(registry) -> str:
     return dst
 
 
-def test_an_unreachable_checkpoint_store_fails_its_part_only(lazy_image: str,
-                                                             tmp_path: Path) -> None:
-    options = {"s3": {"endpoint_url": f"http://127.0.0.1:{free_port()}"},
-               "striped": {"retries": 1, "backoff_s": 0.01}}
-    argv = ["warmup", "--image-ref", lazy_image, "--image-all", "--image-cache",
-            str(tmp_path / "blocks"), "--ckpt-url", "s3://bucket/run", "--ranks", "0-7",
-            "--ckpt-cache-dir", str(tmp_path / "ckpt"), "--storage-options", json.dumps(options),
-            "--trace-dir", str(tmp_path / "trace")]
+def test_an_unreachable_checkpoint_store_fails_its_part_only(
+    lazy_image: str, tmp_path: Path
+) -> None:
+    options = {
+        "s3": {"endpoint_url": f"http://127.0.0.1:{free_port()}"},
+        "striped": {"retries": 1, "backoff_s": 0.01},
+    }
+    argv = [
+        "warmup",
+        "--image-ref",
+        lazy_image,
+        "--image-all",
+        "--image-cache",
+        str(tmp_path / "blocks"),
+        "--ckpt-url",
+        "s3://bucket/run",
+        "--ranks",
+        "0-7",
+        "--ckpt-cache-dir",
+        str(tmp_path / "ckpt"),
+        "--storage-options",
+        json.dumps(options),
+        "--trace-dir",
+        str(tmp_path / "trace"),
+    ]
     proc = bootseer_cli(*argv, check=False)
     assert proc.returncode == 1, proc.stderr
     image, ckpt = proc.stdout.splitlines()
@@ -148,9 +199,17 @@ def test_an_unreachable_checkpoint_store_fails_its_part_only(lazy_image: str,
     assert "1 of 2 part(s) failed (checkpoint); the others completed" in proc.stderr
     assert "Traceback" not in proc.stderr
 
-    again = bootseer_cli("warmup", "--image-ref", lazy_image, "--image-all", "--image-cache",
-                         str(tmp_path / "blocks"), "--trace-dir", str(tmp_path / "trace"),
-                         "--json")
+    again = bootseer_cli(
+        "warmup",
+        "--image-ref",
+        lazy_image,
+        "--image-all",
+        "--image-cache",
+        str(tmp_path / "blocks"),
+        "--trace-dir",
+        str(tmp_path / "trace"),
+        "--json",
+    )
     result = json.loads(again.stdout)
     assert result["ok"] is True
     (part,) = result["parts"]
@@ -159,8 +218,15 @@ def test_an_unreachable_checkpoint_store_fails_its_part_only(lazy_image: str,
 
 
 def test_an_image_without_a_profile_is_not_an_error(lazy_image: str, tmp_path: Path) -> None:
-    proc = bootseer_cli("warmup", "--image-ref", lazy_image, "--image-cache", str(tmp_path / "b"),
-                        "--trace-dir", str(tmp_path / "trace"))
+    proc = bootseer_cli(
+        "warmup",
+        "--image-ref",
+        lazy_image,
+        "--image-cache",
+        str(tmp_path / "b"),
+        "--trace-dir",
+        str(tmp_path / "trace"),
+    )
     assert "no hot-block profile" in proc.stdout and "--image-all" in proc.stdout
 
 
@@ -187,8 +253,11 @@ def _saved_state(step: int) -> dict:
     import torch
 
     g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(4096, generator=g),
-            "b": torch.randn(17, generator=g, dtype=torch.float64), "step": step}
+    return {
+        "w": torch.randn(4096, generator=g),
+        "b": torch.randn(17, generator=g, dtype=torch.float64),
+        "step": step,
+    }
 
 
 def _only_the_commit_record_left(fs, step_dir: str) -> list[str]:
@@ -219,7 +288,8 @@ def _assert_loaded(out: Path, saved: dict) -> dict:
 
 
 def test_warmup_then_run_with_defaults_load_from_what_warmup_fetched(
-        tmp_path: Path, s3_bucket) -> None:
+    tmp_path: Path, s3_bucket
+) -> None:
     import subprocess
     import sys
 
@@ -233,11 +303,20 @@ def test_warmup_then_run_with_defaults_load_from_what_warmup_fetched(
     # Both commands get the same environment and no path setting but the node's state
     # directory (the default of the checkpoint cache and of the trace is under it).
     state = tmp_path / "state"
-    env = _clean_env(BOOTSEER_STATE_DIR=str(state), BOOTSEER_CKPT_URL=url,
-                     BOOTSEER_CKPT_RANKS="0", BOOTSEER_STORAGE_OPTIONS=json.dumps(options),
-                     BOOTSEER_RESTART_MAX_RESTARTS="0")
-    warm = subprocess.run([sys.executable, "-m", "bootseer", "warmup"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    env = _clean_env(
+        BOOTSEER_STATE_DIR=str(state),
+        BOOTSEER_CKPT_URL=url,
+        BOOTSEER_CKPT_RANKS="0",
+        BOOTSEER_STORAGE_OPTIONS=json.dumps(options),
+        BOOTSEER_RESTART_MAX_RESTARTS="0",
+    )
+    warm = subprocess.run(
+        [sys.executable, "-m", "bootseer", "warmup"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert warm.returncode == 0, warm.stderr
     assert "cached step 7 for ranks 0" in warm.stdout
     assert (state / "ckpt" / store_key(url) / "step-7").is_dir()
@@ -246,9 +325,25 @@ def test_warmup_then_run_with_defaults_load_from_what_warmup_fetched(
     _only_the_commit_record_left(store, f"{bucket}/run1/step-7")
 
     out = tmp_path / "loaded.pt"
-    run = subprocess.run([sys.executable, "-m", "bootseer", "run", "--", sys.executable, "-c",
-                          LOAD_SCRIPT, url, json.dumps(options), str(out)],
-                         env=env, capture_output=True, text=True, timeout=180)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "run",
+            "--",
+            sys.executable,
+            "-c",
+            LOAD_SCRIPT,
+            url,
+            json.dumps(options),
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert run.returncode == 0, run.stderr
     seen = _assert_loaded(out, saved)
     assert seen["cache"] == str(state / "ckpt") and seen["step"] == 7
@@ -276,22 +371,44 @@ def test_warmup_and_run_read_one_config_file(tmp_path: Path) -> None:
         mgr.save(3, saved, block=True)
     cache, trace = tmp_path / "node-cache", tmp_path / "node-trace"
     config = tmp_path / "bootseer.toml"
-    config.write_text(f'[run]\ntrace_dir = "{trace}"\n[restart]\nmax_restarts = 0\n'
-                      f'[ckpt]\nurl = "{store}"\ncache_dir = "{cache}"\nranks = "0"\n')
+    config.write_text(
+        f'[run]\ntrace_dir = "{trace}"\n[restart]\nmax_restarts = 0\n'
+        f'[ckpt]\nurl = "{store}"\ncache_dir = "{cache}"\nranks = "0"\n'
+    )
     env = _clean_env(BOOTSEER_STATE_DIR=str(tmp_path / "unused-state"))
 
-    warm = subprocess.run([sys.executable, "-m", "bootseer", "warmup", "--config", str(config)],
-                          env=env, capture_output=True, text=True, timeout=120)
+    warm = subprocess.run(
+        [sys.executable, "-m", "bootseer", "warmup", "--config", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert warm.returncode == 0, warm.stderr
     assert (cache / store_key(store) / "step-3").is_dir()
     fs, root = url_to_fs(store)
     _only_the_commit_record_left(fs, f"{root}/step-3")
 
     out = tmp_path / "loaded.pt"
-    run = subprocess.run([sys.executable, "-m", "bootseer", "run", "--", sys.executable, "-c",
-                          LOAD_SCRIPT, store, "{}", str(out)],
-                         env={**env, "BOOTSEER_CONFIG": str(config)}, capture_output=True,
-                         text=True, timeout=180)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "run",
+            "--",
+            sys.executable,
+            "-c",
+            LOAD_SCRIPT,
+            store,
+            "{}",
+            str(out),
+        ],
+        env={**env, "BOOTSEER_CONFIG": str(config)},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert run.returncode == 0, run.stderr
     seen = _assert_loaded(out, saved)
     assert seen["cache"] == str(cache) and seen["cached_files"] >= 2
@@ -299,8 +416,9 @@ def test_warmup_and_run_read_one_config_file(tmp_path: Path) -> None:
     assert [s["phase"] for s in _spans(trace)].count("checkpoint_prefetch") == 2
 
 
-def test_warmup_fills_the_image_cache_that_image_commands_read(lazy_image: str,
-                                                               tmp_path: Path) -> None:
+def test_warmup_fills_the_image_cache_that_image_commands_read(
+    lazy_image: str, tmp_path: Path
+) -> None:
     env = _clean_env(BOOTSEER_STATE_DIR=str(tmp_path / "state"))
     warm = bootseer_cli("warmup", "--image-ref", lazy_image, "--image-all", env=env)
     assert "prefetched" in warm.stdout and str(tmp_path / "state" / "images") in warm.stdout

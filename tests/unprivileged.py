@@ -80,11 +80,17 @@ def need_setpriv() -> None:
         need("needs root and setpriv (util-linux) to act as nobody")
 
 
-def as_nobody(*argv: str, stdin: str = "", timeout: float = 120
-              ) -> subprocess.CompletedProcess:
+def as_nobody(*argv: str, stdin: str = "", timeout: float = 120) -> subprocess.CompletedProcess:
     """``argv`` run as nobody:nogroup without supplementary groups."""
-    return subprocess.run(["setpriv", *NOBODY, *argv], input=stdin, capture_output=True,
-                          text=True, timeout=timeout, check=False, cwd="/")
+    return subprocess.run(
+        ["setpriv", *NOBODY, *argv],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd="/",
+    )
 
 
 def probe(paths: Iterable[str | os.PathLike]) -> dict[str, dict[str, str]]:
@@ -95,13 +101,17 @@ def probe(paths: Iterable[str | os.PathLike]) -> dict[str, dict[str, str]]:
     return json.loads(proc.stdout)
 
 
-def reached(found: dict[str, dict[str, str]], *, allowed: Iterable[tuple[str, str]] = ()
-            ) -> list[str]:
+def reached(
+    found: dict[str, dict[str, str]], *, allowed: Iterable[tuple[str, str]] = ()
+) -> list[str]:
     """Each (path, operation) that worked, but those ``allowed``."""
     allow = {(os.fspath(p), op) for p, op in allowed}
-    return [f"{path}: {op} -> {outcome}" for path, ops in found.items()
-            for op, outcome in ops.items()
-            if not _refused(outcome) and (path, op) not in allow]
+    return [
+        f"{path}: {op} -> {outcome}"
+        for path, ops in found.items()
+        for op, outcome in ops.items()
+        if not _refused(outcome) and (path, op) not in allow
+    ]
 
 
 def _refused(outcome: str) -> bool:

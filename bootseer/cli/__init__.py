@@ -25,11 +25,12 @@ from .errors import CliError, is_storage_client_error
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="bootseer",
-        description="Fast, safe restarts for large PyTorch training jobs.")
+        prog="bootseer", description="Fast, safe restarts for large PyTorch training jobs."
+    )
     parser.add_argument("--version", action="version", version=f"bootseer {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="more log output (-vv for debug)")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     fs_cmd.register(sub)
     ckpt_cmd.register(sub)
@@ -61,15 +62,16 @@ def main(argv: list[str] | None = None) -> None:
     tail = None
     if "--" in argv:
         at = argv.index("--")
-        argv, tail = argv[:at], argv[at + 1:]
+        argv, tail = argv[:at], argv[at + 1 :]
     args = parser.parse_args(argv)
     if tail is not None:
         if not getattr(args, "takes_command", False):
             parser.error(f"unexpected arguments after --: {' '.join(tail)}")
         args.command = tail
     level = logging.WARNING - 10 * min(args.verbose + 1, 2)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     # -vv shows botocore's debug output (requests with their Authorization headers): every
     # record is redacted before it is formatted, so the debug output stays useful.
     install_log_redaction()
@@ -86,8 +88,15 @@ def main(argv: list[str] | None = None) -> None:
         args.cfg = config_from_args(args)
         register_options(args.cfg.storage.options)  # a config file's secrets: never printed
         code = args.func(args)
-    except (CliError, SnapshotError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError,
-            OSError) as exc:
+    except (
+        CliError,
+        SnapshotError,
+        ValueError,
+        FileNotFoundError,
+        IsADirectoryError,
+        PermissionError,
+        OSError,
+    ) as exc:
         print(f"bootseer: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     except Exception as exc:

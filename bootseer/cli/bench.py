@@ -26,8 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-SUITES = ("striped", "ckpt", "snapshot", "prefetch", "containerd", "fuse", "restart", "update",
-          "memckpt", "colltrace", "e2e", "robust")
+SUITES = (
+    "striped",
+    "ckpt",
+    "snapshot",
+    "prefetch",
+    "containerd",
+    "fuse",
+    "restart",
+    "update",
+    "memckpt",
+    "colltrace",
+    "e2e",
+    "robust",
+)
 # run only when named: the startup model reads a sweep's results (``e2e --sweep``) in --results
 NAMED_ONLY = ("model",)
 RESULT_FILES = {"model": "startup-model"}  # a suite whose results are named otherwise
@@ -38,34 +50,73 @@ STOP_GRACE_S = 300.0  # a suite's own clean-up after SIGTERM (unmounts, containe
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run benchmarks (results: docs/benchmarks.md)")
-    p.add_argument("suites", nargs="*", choices=[*SUITES, *NAMED_ONLY, []], default=[],
-                   help=f"which suites (default all: {', '.join(SUITES)}; model only when "
-                        "named: the startup model of DIR/e2e-sweep.json)")
-    p.add_argument("--quick", action="store_true",
-                   help="small sizes, for a smoke run (marked quick in the results)")
-    p.add_argument("--results", default="bench-results",
-                   help="directory for the results: JSON, markdown tables, PNG charts")
-    p.add_argument("--cache", default=None,
-                   help="cache and work directory of every suite (BOOTSEER_BENCH_CACHE; "
-                        "default ~/.cache/bootseer-bench)")
-    p.add_argument("--base", choices=("auto", "debootstrap", "host"), default=None,
-                   help=f"image base for {', '.join(TAKES_BASE)} (host: a copy of this host's "
-                        "Debian python3.11, no mirror needed)")
-    p.add_argument("--methods", default=None,
-                   help="e2e's restart paths, comma-separated, of baseline, diy, diy-warm, "
-                        "bootseer (default all)")
-    p.add_argument("--nodes", type=int, default=None,
-                   help="e2e on N nodes of a cluster of network namespaces (writes e2e-nodes.*)")
-    p.add_argument("--sweep", default=None,
-                   help="e2e on each node count of a list, e.g. 2,4,8 (writes e2e-sweep.*, "
-                        "the input of `bootseer bench model`)")
-    p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="e2e with --nodes or --sweep: ranks per node (default 2; sweep 1)")
-    p.add_argument("--minutes", type=float, default=None,
-                   help="robust: training minutes per mode (default 20; --quick 5)")
-    p.add_argument("--classes", default=None,
-                   help="robust: fault classes, comma-separated (default all; "
-                        "sigkill,exception: crash detection alone)")
+    p.add_argument(
+        "suites",
+        nargs="*",
+        choices=[*SUITES, *NAMED_ONLY, []],
+        default=[],
+        help=f"which suites (default all: {', '.join(SUITES)}; model only when "
+        "named: the startup model of DIR/e2e-sweep.json)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes, for a smoke run (marked quick in the results)",
+    )
+    p.add_argument(
+        "--results",
+        default="bench-results",
+        help="directory for the results: JSON, markdown tables, PNG charts",
+    )
+    p.add_argument(
+        "--cache",
+        default=None,
+        help="cache and work directory of every suite (BOOTSEER_BENCH_CACHE; "
+        "default ~/.cache/bootseer-bench)",
+    )
+    p.add_argument(
+        "--base",
+        choices=("auto", "debootstrap", "host"),
+        default=None,
+        help=f"image base for {', '.join(TAKES_BASE)} (host: a copy of this host's "
+        "Debian python3.11, no mirror needed)",
+    )
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="e2e's restart paths, comma-separated, of baseline, diy, diy-warm, "
+        "bootseer (default all)",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="e2e on N nodes of a cluster of network namespaces (writes e2e-nodes.*)",
+    )
+    p.add_argument(
+        "--sweep",
+        default=None,
+        help="e2e on each node count of a list, e.g. 2,4,8 (writes e2e-sweep.*, "
+        "the input of `bootseer bench model`)",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="e2e with --nodes or --sweep: ranks per node (default 2; sweep 1)",
+    )
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="robust: training minutes per mode (default 20; --quick 5)",
+    )
+    p.add_argument(
+        "--classes",
+        default=None,
+        help="robust: fault classes, comma-separated (default all; "
+        "sigkill,exception: crash detection alone)",
+    )
     p.set_defaults(func=run)
 
 
@@ -97,6 +148,7 @@ class Child:
 def _sigterm_as_interrupt() -> Iterator[None]:
     def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
+
     try:
         previous = signal.signal(signal.SIGTERM, handler)
     except ValueError:  # not the main thread: the caller handles its own signals
@@ -125,8 +177,14 @@ def run_child(argv: list[str], *, env: dict[str, str] | None = None) -> Child:
     """Run ``argv`` in its own session, its output copied to ours. Ctrl-C or SIGTERM here is
     forwarded to it as SIGTERM, with ``STOP_GRACE_S`` to clean up (a second one kills it);
     whatever is left in its process group is killed when it has exited."""
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     reader = threading.Thread(target=_copy_output, args=(proc.stdout, tail), daemon=True)
     reader.start()
@@ -137,8 +195,11 @@ def run_child(argv: list[str], *, env: dict[str, str] | None = None) -> Child:
                 proc.wait()
             except KeyboardInterrupt:
                 interrupted = True
-                print(f"bootseer bench: interrupted; stopping {Path(argv[1]).name} "
-                      f"(SIGTERM, up to {STOP_GRACE_S:.0f} s to clean up)", flush=True)
+                print(
+                    f"bootseer bench: interrupted; stopping {Path(argv[1]).name} "
+                    f"(SIGTERM, up to {STOP_GRACE_S:.0f} s to clean up)",
+                    flush=True,
+                )
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
                 try:
@@ -211,29 +272,48 @@ class Outcome:
         self.files = self.files or self.suite
 
 
-def run_suite(directory: Path, suite: str, args: argparse.Namespace,
-              env: dict[str, str]) -> tuple[Outcome, bool]:
+def run_suite(
+    directory: Path, suite: str, args: argparse.Namespace, env: dict[str, str]
+) -> tuple[Outcome, bool]:
     """One suite as a child process; its outcome, and whether we were interrupted."""
     results = Path(args.results)
-    argv = ["--results", args.results, *(["--quick"] if args.quick else []),
-            *(["--base", args.base] if args.base and suite in TAKES_BASE else []),
-            *(["--methods", args.methods] if args.methods and suite == "e2e" else []),
-            *(["--nodes", str(args.nodes)] if getattr(args, "nodes", None) and suite == "e2e"
-              else []),
-            *(["--sweep", args.sweep] if getattr(args, "sweep", None) and suite == "e2e"
-              else []),
-            *(["--ranks-per-node", str(args.ranks_per_node)]
-              if getattr(args, "ranks_per_node", None) is not None and suite == "e2e" else []),
-            *(["--minutes", str(args.minutes)] if getattr(args, "minutes", None)
-              and suite == "robust" else []),
-            *(["--classes", args.classes] if getattr(args, "classes", None)
-              and suite == "robust" else [])]
+    argv = [
+        "--results",
+        args.results,
+        *(["--quick"] if args.quick else []),
+        *(["--base", args.base] if args.base and suite in TAKES_BASE else []),
+        *(["--methods", args.methods] if args.methods and suite == "e2e" else []),
+        *(["--nodes", str(args.nodes)] if getattr(args, "nodes", None) and suite == "e2e" else []),
+        *(["--sweep", args.sweep] if getattr(args, "sweep", None) and suite == "e2e" else []),
+        *(
+            ["--ranks-per-node", str(args.ranks_per_node)]
+            if getattr(args, "ranks_per_node", None) is not None and suite == "e2e"
+            else []
+        ),
+        *(
+            ["--minutes", str(args.minutes)]
+            if getattr(args, "minutes", None) and suite == "robust"
+            else []
+        ),
+        *(
+            ["--classes", args.classes]
+            if getattr(args, "classes", None) and suite == "robust"
+            else []
+        ),
+    ]
     env = {**env, "BOOTSEER_BENCH_COMMAND": shlex.join(["bootseer", "bench", suite, *argv])}
-    files = ("e2e-sweep" if "--sweep" in argv else "e2e-nodes" if "--nodes" in argv
-             else RESULT_FILES.get(suite, suite))  # the results' names
+    files = (
+        "e2e-sweep"
+        if "--sweep" in argv
+        else "e2e-nodes"
+        if "--nodes" in argv
+        else RESULT_FILES.get(suite, suite)
+    )  # the results' names
     before = results_state(results, files)
-    print(f"bootseer bench: {suite} ({shlex.join(['python', f'benchmarks/bench_{suite}.py', *argv])})",
-          flush=True)
+    print(
+        f"bootseer bench: {suite} ({shlex.join(['python', f'benchmarks/bench_{suite}.py', *argv])})",
+        flush=True,
+    )
     child = run_child([sys.executable, str(directory / f"bench_{suite}.py"), *argv], env=env)
     if child.interrupted:
         why: str | None = f"interrupted ({_exit_text(child.code)})"
@@ -263,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"bootseer bench: {suite} FAILED: {outcome.why}", flush=True)
         if interrupted:
             break
-    not_run = suites[len(outcomes):]
+    not_run = suites[len(outcomes) :]
     write_summary(Path(args.results), outcomes, not_run)
     failed = [o for o in outcomes if o.why]
     for o in failed:
@@ -272,9 +352,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"  | {line}", file=sys.stderr)
     if not_run:
         print(f"bootseer bench: not run (interrupted): {', '.join(not_run)}", file=sys.stderr)
-    print(f"bootseer bench: {len(outcomes) - len(failed)} of {len(suites)} suites wrote their "
-          f"results; {Path(args.results).resolve()} (summary.md, <suite>.json, <suite>.md, charts)",
-          flush=True)
+    print(
+        f"bootseer bench: {len(outcomes) - len(failed)} of {len(suites)} suites wrote their "
+        f"results; {Path(args.results).resolve()} (summary.md, <suite>.json, <suite>.md, charts)",
+        flush=True,
+    )
     if interrupted:
         return 130
     return 1 if failed else 0
@@ -291,7 +373,15 @@ def write_summary(results: Path, outcomes: list[Outcome], not_run: list[str]) ->
             if chart.exists():
                 parts.append(f"![{o.suite}]({chart.name})\n")
             continue
-        parts += [f"## {o.suite}: FAILED ({o.why})", "", "Its last output lines:", "", "```",
-                  *o.tail, "```", ""]
+        parts += [
+            f"## {o.suite}: FAILED ({o.why})",
+            "",
+            "Its last output lines:",
+            "",
+            "```",
+            *o.tail,
+            "```",
+            "",
+        ]
     parts += [f"## {suite}: not run (interrupted)\n" for suite in not_run]
     (results / "summary.md").write_text("\n".join(parts))

@@ -35,12 +35,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.set_defaults(func=cmd_ls)
 
     verify = ck_sub.add_parser(
-        "verify", help="read every byte and check every checksum",
+        "verify",
+        help="read every byte and check every checksum",
         description="Check a committed checkpoint: its manifest and indexes against their rules "
-                    "(world size and ranks, shapes, offsets, byte ranges, every tensor covered "
-                    "exactly once), every stripe's and tensor's CRC-32, and each objects file's "
-                    "size and CRC-32. Objects are never deserialized: verify runs no unpickler, "
-                    "and says how many objects it left as bytes.")
+        "(world size and ranks, shapes, offsets, byte ranges, every tensor covered "
+        "exactly once), every stripe's and tensor's CRC-32, and each objects file's "
+        "size and CRC-32. Objects are never deserialized: verify runs no unpickler, "
+        "and says how many objects it left as bytes.",
+    )
     verify.add_argument("url")
     which = verify.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="the step to verify (default: the newest)")
@@ -56,26 +58,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     inspect.set_defaults(func=cmd_inspect)
 
     convert = ck_sub.add_parser(
-        "convert", help="convert between torch.distributed.checkpoint (DCP) and bootseer",
+        "convert",
+        help="convert between torch.distributed.checkpoint (DCP) and bootseer",
         description="Convert a checkpoint in one process, holding the whole state in memory. "
-                    "--from dcp: SRC is a DCP checkpoint directory, DST a bootseer checkpoint "
-                    "root (written as step --step, default 0). --from bootseer: SRC is a "
-                    "bootseer root (step --step, default the newest), DST the DCP directory; "
-                    "DST is written as given: a path or s3:// URL gets plain DCP files, a "
-                    "striped:: URL the striped layout.")
+        "--from dcp: SRC is a DCP checkpoint directory, DST a bootseer checkpoint "
+        "root (written as step --step, default 0). --from bootseer: SRC is a "
+        "bootseer root (step --step, default the newest), DST the DCP directory; "
+        "DST is written as given: a path or s3:// URL gets plain DCP files, a "
+        "striped:: URL the striped layout.",
+    )
     convert.add_argument("src", help="path or URL to read")
     convert.add_argument("dst", help="path or URL to write")
-    convert.add_argument("--from", dest="source_format", required=True,
-                         choices=("dcp", "bootseer"), help="the format of SRC")
-    convert.add_argument("--step", type=int,
-                         help="--from dcp: the step to write (default 0); "
-                              "--from bootseer: the step to read (default: the newest)")
-    convert.add_argument("--overwrite", action="store_true",
-                         help="replace an existing destination step / DCP checkpoint")
-    convert.add_argument("--trust-objects", action="store_true",
-                         help="unpickle any object SRC holds, which can run code: only for a "
-                              "checkpoint you trust (default: only torch's weights-only "
-                              "allow-list; --from dcp: also DCP's metadata classes)")
+    convert.add_argument(
+        "--from",
+        dest="source_format",
+        required=True,
+        choices=("dcp", "bootseer"),
+        help="the format of SRC",
+    )
+    convert.add_argument(
+        "--step",
+        type=int,
+        help="--from dcp: the step to write (default 0); "
+        "--from bootseer: the step to read (default: the newest)",
+    )
+    convert.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing destination step / DCP checkpoint",
+    )
+    convert.add_argument(
+        "--trust-objects",
+        action="store_true",
+        help="unpickle any object SRC holds, which can run code: only for a "
+        "checkpoint you trust (default: only torch's weights-only "
+        "allow-list; --from dcp: also DCP's metadata classes)",
+    )
     _options_arg(convert)
     convert.set_defaults(func=cmd_convert)
 
@@ -125,8 +143,10 @@ def _steps(mgr: CheckpointManager) -> tuple[list[int], list[int]]:
 
 def _no_checkpoints(url: str, torn: list[int]) -> CliError:
     if torn:
-        return CliError(f"no committed checkpoint under {url} (incomplete: "
-                        f"{', '.join(f'step-{s}' for s in torn)})")
+        return CliError(
+            f"no committed checkpoint under {url} (incomplete: "
+            f"{', '.join(f'step-{s}' for s in torn)})"
+        )
     return CliError(f"no checkpoints under {url}")
 
 
@@ -138,8 +158,7 @@ def _resolve_step(mgr: CheckpointManager, url: str, step: int | None) -> int:
         return done[-1]
     if step not in done:
         state = "is incomplete (no MANIFEST.json)" if step in torn else "does not exist"
-        raise CliError(f"step {step} {state} under {url}; committed steps: "
-                       f"{_step_list(done)}")
+        raise CliError(f"step {step} {state} under {url}; committed steps: {_step_list(done)}")
     return step
 
 
@@ -171,6 +190,7 @@ def _run_text(run: list[int]) -> str:
 
 # -- ls ---------------------------------------------------------------------------------------
 
+
 @_person_facing
 def cmd_ls(args: argparse.Namespace) -> int:
     with _manager(args) as mgr:
@@ -182,20 +202,34 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for step in sorted({*done, *torn}):
         info = infos.get(step)
         if info is not None:
-            rows.append({"step": step, "committed": True, "world_size": info.world_size,
-                         "bytes": info.total_bytes, "tensors": info.tensor_count,
-                         "created": info.created})
+            rows.append(
+                {
+                    "step": step,
+                    "committed": True,
+                    "world_size": info.world_size,
+                    "bytes": info.total_bytes,
+                    "tensors": info.tensor_count,
+                    "created": info.created,
+                }
+            )
         else:
-            rows.append({"step": step, "committed": False,
-                         "note": "incomplete" if step in torn else "unreadable manifest"})
+            rows.append(
+                {
+                    "step": step,
+                    "committed": False,
+                    "note": "incomplete" if step in torn else "unreadable manifest",
+                }
+            )
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(f"{'STEP':>10}  {'RANKS':>5}  {'SIZE':>10}  {'TENSORS':>7}  CREATED")
     for row in rows:
         if row["committed"]:
-            print(f"{row['step']:>10}  {row['world_size']:>5}  {human_bytes(row['bytes']):>10}  "
-                  f"{row['tensors']:>7}  {_when(row['created'])}")
+            print(
+                f"{row['step']:>10}  {row['world_size']:>5}  {human_bytes(row['bytes']):>10}  "
+                f"{row['tensors']:>7}  {_when(row['created'])}"
+            )
         else:
             print(f"{row['step']:>10}  {'-':>5}  {'-':>10}  {'-':>7}  ({row['note']})")
     committed = sum(r["committed"] for r in rows)
@@ -204,6 +238,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 # -- verify -----------------------------------------------------------------------------------
+
 
 @_person_facing
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -223,8 +258,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             path = f"{step_dir(mgr.root, step)}/{MANIFEST}"
             try:
                 manifest = Manifest.from_json(mgr.fs.cat_file(path), path=path)
-                log.info("verifying step %d under %s: %d rank(s), %s", step, args.url,
-                         manifest.world_size, human_bytes(manifest.total_bytes))
+                log.info(
+                    "verifying step %d under %s: %d rank(s), %s",
+                    step,
+                    args.url,
+                    manifest.world_size,
+                    human_bytes(manifest.total_bytes),
+                )
             except (ValueError, OSError):
                 pass  # verify() reports what is wrong with the manifest
             try:
@@ -235,7 +275,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 ok, checked, problems, unread = False, 0, [str(exc)], ""
             seconds = time.perf_counter() - started
             if ok:
-                print(f"step {step}: ok ({human_bytes(checked)} checked in {seconds:.2f} s{unread})")
+                print(
+                    f"step {step}: ok ({human_bytes(checked)} checked in {seconds:.2f} s{unread})"
+                )
             else:
                 failed += 1
                 print(f"step {step}: FAILED, {len(problems)} problem(s):")
@@ -250,11 +292,14 @@ def _not_deserialized(objects: int, files: int) -> str:
     """verify never unpickles: say what it left as bytes."""
     if not objects:
         return ""
-    return (f"; {objects} object(s) in {files} objects file(s) checked by size and CRC-32, "
-            "not deserialized")
+    return (
+        f"; {objects} object(s) in {files} objects file(s) checked by size and CRC-32, "
+        "not deserialized"
+    )
 
 
 # -- inspect ----------------------------------------------------------------------------------
+
 
 def describe(mgr: CheckpointManager, url: str, step: int) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain data."""
@@ -273,18 +318,33 @@ def describe(mgr: CheckpointManager, url: str, step: int) -> dict[str, Any]:
         info = view.keys[key]
         chunks = info.index.chunks
         itemsize = torch.empty(0, dtype=dtype_of(info.dtype)).element_size()
-        tensors.append({
-            "key": key, "kind": info.kind, "dtype": info.dtype,
-            "shape": list(info.global_shape), "bytes": _numel(info.global_shape) * itemsize,
-            "ranks": sorted({c.rank for c in chunks}), "chunks": len(chunks),
-        })
+        tensors.append(
+            {
+                "key": key,
+                "kind": info.kind,
+                "dtype": info.dtype,
+                "shape": list(info.global_shape),
+                "bytes": _numel(info.global_shape) * itemsize,
+                "ranks": sorted({c.rank for c in chunks}),
+                "chunks": len(chunks),
+            }
+        )
     objects = {idx.rank: idx.object_keys for idx in view.indexes}
     m = view.manifest
-    return {"url": url, "step": step, "world_size": m.world_size, "total_bytes": m.total_bytes,
-            "tensor_count": m.tensor_count, "created": m.created,
-            "data_files": [{"rank": i.rank, "bytes": i.data_size, "objects_bytes": i.objects_size}
-                           for i in view.indexes],
-            "tensors": tensors, "objects": {str(r): keys for r, keys in objects.items()}}
+    return {
+        "url": url,
+        "step": step,
+        "world_size": m.world_size,
+        "total_bytes": m.total_bytes,
+        "tensor_count": m.tensor_count,
+        "created": m.created,
+        "data_files": [
+            {"rank": i.rank, "bytes": i.data_size, "objects_bytes": i.objects_size}
+            for i in view.indexes
+        ],
+        "tensors": tensors,
+        "objects": {str(r): keys for r, keys in objects.items()},
+    }
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -302,18 +362,32 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    print(f"step {step} under {args.url}: {data['world_size']} rank(s), "
-          f"{human_bytes(data['total_bytes'])}, {data['tensor_count']} tensor(s), "
-          f"created {_when(data['created'])}")
-    rows = [(t["key"], t["kind"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]",
-             human_bytes(t["bytes"]), f"{_ranks(t['ranks'])} ({t['chunks']} chunk"
-             f"{'s' if t['chunks'] != 1 else ''})") for t in data["tensors"]]
+    print(
+        f"step {step} under {args.url}: {data['world_size']} rank(s), "
+        f"{human_bytes(data['total_bytes'])}, {data['tensor_count']} tensor(s), "
+        f"created {_when(data['created'])}"
+    )
+    rows = [
+        (
+            t["key"],
+            t["kind"],
+            t["dtype"],
+            "[" + ", ".join(map(str, t["shape"])) + "]",
+            human_bytes(t["bytes"]),
+            f"{_ranks(t['ranks'])} ({t['chunks']} chunk{'s' if t['chunks'] != 1 else ''})",
+        )
+        for t in data["tensors"]
+    ]
     header = ("KEY", "KIND", "DTYPE", "SHAPE", "BYTES", "RANKS")
     widths = [max([len(header[i]), *(len(r[i]) for r in rows)]) for i in range(len(header))]
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
     for row in rows:
-        print("  ".join(c.ljust(w) if i != 4 else c.rjust(w)
-                        for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip())
+        print(
+            "  ".join(
+                c.ljust(w) if i != 4 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            ).rstrip()
+        )
     groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for rank, keys in data["objects"].items():
         groups[tuple(keys)].append(int(rank))
@@ -326,6 +400,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # -- convert ----------------------------------------------------------------------------------
 
+
 @_person_facing
 def cmd_convert(args: argparse.Namespace) -> int:
     from ckpt import CheckpointManager
@@ -337,20 +412,33 @@ def cmd_convert(args: argparse.Namespace) -> int:
             step = 0 if args.step is None else args.step
             if step < 0:
                 raise CliError(f"--step {step}: steps are non-negative")
-            result = dcp_to_bootseer(args.src, args.dst, step, options, overwrite=args.overwrite,
-                                     trust_objects=args.trust_objects)
+            result = dcp_to_bootseer(
+                args.src,
+                args.dst,
+                step,
+                options,
+                overwrite=args.overwrite,
+                trust_objects=args.trust_objects,
+            )
         else:
             with CheckpointManager(args.src, storage_options=options) as mgr:
                 step = _resolve_step(mgr, args.src, args.step)
-            result = bootseer_to_dcp(args.src, args.dst, step, options, overwrite=args.overwrite,
-                                     trust_objects=args.trust_objects)
+            result = bootseer_to_dcp(
+                args.src,
+                args.dst,
+                step,
+                options,
+                overwrite=args.overwrite,
+                trust_objects=args.trust_objects,
+            )
     except FileExistsError as exc:
         raise CliError(f"{exc} (pass --overwrite)") from None
     except RuntimeError as exc:
         raise CliError(f"cannot convert {args.src}: {exc}") from None
     kind = "DCP" if args.source_format == "dcp" else "bootseer"
-    print(f"converted {kind} {args.src} -> {args.dst} (step {result.step}): {result.tensors} "
-          f"tensor(s) {human_bytes(result.tensor_bytes)}, {result.objects} object(s) in "
-          f"{result.seconds:.2f} s")
+    print(
+        f"converted {kind} {args.src} -> {args.dst} (step {result.step}): {result.tensors} "
+        f"tensor(s) {human_bytes(result.tensor_bytes)}, {result.objects} object(s) in "
+        f"{result.seconds:.2f} s"
+    )
     return 0
-

@@ -29,15 +29,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     config = sub.add_parser("config", help="the effective configuration: show")
     config_sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND", required=True)
     show = config_sub.add_parser(
-        "show", help="print every key with its variable, flag, value and source, and the "
-                     "variables that are not settings",
+        "show",
+        help="print every key with its variable, flag, value and source, and the "
+        "variables that are not settings",
         description="Prints the configuration every bootseer command would use with the same "
-                    "file, environment and flags: defaults < TOML file (--config, else "
-                    "$BOOTSEER_CONFIG) < BOOTSEER_<SECTION>_<KEY> variables < flags.")
+        "file, environment and flags: defaults < TOML file (--config, else "
+        "$BOOTSEER_CONFIG) < BOOTSEER_<SECTION>_<KEY> variables < flags.",
+    )
     add_config_arguments(show)
-    show.add_argument("--json", action="store_true",
-                      help='machine-readable: {"config_file", "settings": {section: {key: '
-                           '{"value", "source", "variable", "flag"}}}, "variables": [...]}')
+    show.add_argument(
+        "--json",
+        action="store_true",
+        help='machine-readable: {"config_file", "settings": {section: {key: '
+        '{"value", "source", "variable", "flag"}}}, "variables": [...]}',
+    )
     show.set_defaults(func=cmd_show)
 
 
@@ -60,11 +65,23 @@ def _variables(env: dict[str, str] | os._Environ) -> list[dict[str, str | None]]
     extra = sorted(n for n in env if n.startswith("FSSPEC_STRIPED") and n not in names)
     for v in VARIABLES:
         value = env.get(v.name)
-        rows.append({"name": v.name, "role": v.role, "meaning": v.meaning,
-                     "value": None if value is None else "***" if v.secret else redact(value)})
+        rows.append(
+            {
+                "name": v.name,
+                "role": v.role,
+                "meaning": v.meaning,
+                "value": None if value is None else "***" if v.secret else redact(value),
+            }
+        )
     for name in extra:
-        rows.append({"name": name, "role": "fsspec", "meaning": "fsspec's default for "
-                     "striped:// (an option of striped_fs)", "value": redact(env[name])})
+        rows.append(
+            {
+                "name": name,
+                "role": "fsspec",
+                "meaning": "fsspec's default for striped:// (an option of striped_fs)",
+                "value": redact(env[name]),
+            }
+        )
     return rows
 
 
@@ -76,10 +93,21 @@ def cmd_show(args: argparse.Namespace) -> int:
             section, name = s.key.split(".", 1)
             spec = SCHEMA[section][name]
             settings.setdefault(section, {})[name] = {
-                "value": _shown(s.key, s.value), "source": s.source, "variable": spec.env,
-                "flag": spec.flag_form}
-        print(json.dumps({"config_file": cfg.path, "settings": settings,
-                          "variables": _variables(os.environ)}, indent=1))
+                "value": _shown(s.key, s.value),
+                "source": s.source,
+                "variable": spec.env,
+                "flag": spec.flag_form,
+            }
+        print(
+            json.dumps(
+                {
+                    "config_file": cfg.path,
+                    "settings": settings,
+                    "variables": _variables(os.environ),
+                },
+                indent=1,
+            )
+        )
         return 0
     if sys.stdout.isatty():
         _print_rich(cfg)
@@ -98,14 +126,24 @@ def _rows(cfg: Config) -> list[tuple[str, ...]]:
 
 
 def _variable_rows() -> list[tuple[str, ...]]:
-    return [(str(v["name"]), str(v["role"]), "unset" if v["value"] is None else str(v["value"]),
-             str(v["meaning"])) for v in _variables(os.environ)]
+    return [
+        (
+            str(v["name"]),
+            str(v["role"]),
+            "unset" if v["value"] is None else str(v["value"]),
+            str(v["meaning"]),
+        )
+        for v in _variables(os.environ)
+    ]
 
 
 def _table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
-        print("  ".join(f"{cell:{w}}" for cell, w in zip(row[:-1], widths, strict=True)) + f"  {row[-1]}")
+        print(
+            "  ".join(f"{cell:{w}}" for cell, w in zip(row[:-1], widths, strict=True))
+            + f"  {row[-1]}"
+        )
 
 
 def _print_plain(cfg: Config) -> None:

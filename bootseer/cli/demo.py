@@ -21,14 +21,25 @@ from ..progress import human_bytes
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the main job on embedded defaults (local services)")
-    p.add_argument("scenario", nargs="?", choices=("restart", "striped"), default="restart",
-                   help="restart: the end-to-end restart scenario, quick form (default); "
-                        "striped: striped S3 reads and writes only")
-    p.add_argument("--results", default="demo-results",
-                   help="where the restart scenario writes e2e.json, e2e.md and e2e.png")
+    p.add_argument(
+        "scenario",
+        nargs="?",
+        choices=("restart", "striped"),
+        default="restart",
+        help="restart: the end-to-end restart scenario, quick form (default); "
+        "striped: striped S3 reads and writes only",
+    )
+    p.add_argument(
+        "--results",
+        default="demo-results",
+        help="where the restart scenario writes e2e.json, e2e.md and e2e.png",
+    )
     p.add_argument("--size", default="64MiB", help="file size (default 64MiB)")
-    p.add_argument("--stripe-size", default="2MiB",
-                   help="stripe size for the demo (default 2MiB, so a small file still spans many streams)")
+    p.add_argument(
+        "--stripe-size",
+        default="2MiB",
+        help="stripe size for the demo (default 2MiB, so a small file still spans many streams)",
+    )
     p.add_argument("--per-conn-mbps", type=float, default=10.0)
     p.add_argument("--total-mbps", type=float, default=160.0)
     p.add_argument("--latency-ms", type=float, default=1.0)
@@ -46,11 +57,14 @@ def run_restart(args: argparse.Namespace) -> int:
     from .bench import benchmarks_dir, run_child
 
     results = os.path.abspath(args.results)
-    print("bootseer demo: the end-to-end restart scenario, quick form (a few minutes: an image "
-          "built and pushed, two cold starts, two measured restarts)")
+    print(
+        "bootseer demo: the end-to-end restart scenario, quick form (a few minutes: an image "
+        "built and pushed, two cold starts, two measured restarts)"
+    )
     # The report it prints ends with the breakdown table, the verdict and the chart's path.
-    return run_child([sys.executable, str(benchmarks_dir() / "bench_e2e.py"), "--quick",
-                      "--results", results]).status
+    return run_child(
+        [sys.executable, str(benchmarks_dir() / "bench_e2e.py"), "--quick", "--results", results]
+    ).status
 
 
 def run_striped(args: argparse.Namespace) -> int:
@@ -63,20 +77,31 @@ def run_striped(args: argparse.Namespace) -> int:
     settings = ShaperSettings.from_mb(args.latency_ms, args.per_conn_mbps, args.total_mbps)
     data = os.urandom(size)
     print(f"bootseer demo: {human_bytes(size)} through a shaped link ({settings.describe()})")
-    with MotoS3Server(in_process=False) as server, \
-            ShaperProcess("127.0.0.1", server.port, settings) as shaper:
+    with (
+        MotoS3Server(in_process=False) as server,
+        ShaperProcess("127.0.0.1", server.port, settings) as shaper,
+    ):
         server.create_bucket("demo")
         options = server.storage_options(endpoint_url=f"http://{shaper.address}")
         plain = s3fs.S3FileSystem(**options, skip_instance_cache=True)
-        striped = StripedFileSystem(target_protocol="s3", target_options=options,
-                                    stripe_size=args.stripe_size, skip_instance_cache=True)
+        striped = StripedFileSystem(
+            target_protocol="s3",
+            target_options=options,
+            stripe_size=args.stripe_size,
+            skip_instance_cache=True,
+        )
         rows = []
         for label, write, read in (
-            ("plain s3fs (1 stream)", lambda: plain.pipe_file("demo/plain.bin", data),
-             lambda: plain.cat_file("demo/plain.bin")),
-            (f"striped ({striped.options.concurrency} streams)",
-             lambda: striped.pipe_file("demo/striped.bin", data),
-             lambda: striped.cat_file("demo/striped.bin")),
+            (
+                "plain s3fs (1 stream)",
+                lambda: plain.pipe_file("demo/plain.bin", data),
+                lambda: plain.cat_file("demo/plain.bin"),
+            ),
+            (
+                f"striped ({striped.options.concurrency} streams)",
+                lambda: striped.pipe_file("demo/striped.bin", data),
+                lambda: striped.cat_file("demo/striped.bin"),
+            ),
         ):
             t0 = time.perf_counter()
             write()
@@ -89,6 +114,8 @@ def run_striped(args: argparse.Namespace) -> int:
     print(f"{'method':<26} {'write':>12} {'read':>12}")
     for label, w, r in rows:
         print(f"{label:<26} {w / 1e6:>8.1f} MB/s {r / 1e6:>7.1f} MB/s")
-    print(f"striped speed-up: write {rows[1][1] / rows[0][1]:.1f}x, read {rows[1][2] / rows[0][2]:.1f}x "
-          f"(link cap {args.total_mbps:g} MB/s total); bytes verified equal")
+    print(
+        f"striped speed-up: write {rows[1][1] / rows[0][1]:.1f}x, read {rows[1][2] / rows[0][2]:.1f}x "
+        f"(link cap {args.total_mbps:g} MB/s total); bytes verified equal"
+    )
     return 0

@@ -42,22 +42,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     key.set_defaults(func=cmd_key)
 
     ensure = env_sub.add_parser(
-        "ensure", help="verify, restore or build (install, pack, publish) an environment",
+        "ensure",
+        help="verify, restore or build (install, pack, publish) an environment",
         description="Hit: restore the snapshot (or only verify, when the prefix already holds "
-                    "it). Miss: install (a venv at --prefix with uv when present, else pip, or "
-                    "the command after --), pack and publish. With --capture, snapshot what a "
-                    "setup command changes under those paths, and replay it (env.spec and "
-                    "env.prefix of the file or environment are then not used).")
+        "it). Miss: install (a venv at --prefix with uv when present, else pip, or "
+        "the command after --), pack and publish. With --capture, snapshot what a "
+        "setup command changes under those paths, and replay it (env.spec and "
+        "env.prefix of the file or environment are then not used).",
+    )
     _key_args(ensure, _TARGET_KEYS)
     _target_args(ensure)
-    ensure.add_argument("--lease", type=float, default=60.0, metavar="SECONDS",
-                        help="a builder that stops renewing its lease this long is replaced")
-    ensure.add_argument("--wait-timeout", type=float, default=3600.0, metavar="SECONDS",
-                        help="longest wait for another node's build before building here")
+    ensure.add_argument(
+        "--lease",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a builder that stops renewing its lease this long is replaced",
+    )
+    ensure.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="longest wait for another node's build before building here",
+    )
     ensure.set_defaults(func=cmd_ensure)
 
-    create = env_sub.add_parser("create", help="build and publish, even if the store has it "
-                                               "(replaces nothing there: the first wins)")
+    create = env_sub.add_parser(
+        "create",
+        help="build and publish, even if the store has it (replaces nothing there: the first wins)",
+    )
     _key_args(create, _TARGET_KEYS)
     _target_args(create)
     create.set_defaults(func=cmd_create)
@@ -65,12 +79,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     restore = env_sub.add_parser("restore", help="restore a snapshot by key")
     restore.add_argument("key", help="the key, as `bootseer env key` or `ls` prints it")
     _config_args(restore, ("env.prefix", "env.store", "storage"))
-    restore.add_argument("--force", action="store_true",
-                         help="restore to another prefix even if binaries embed the old one")
-    restore.add_argument("--replace", action="store_true",
-                         help="swap out a non-empty prefix that bootseer did not make")
-    restore.add_argument("--fsync", action="store_true",
-                         help="sync the filesystem before moving the environment into place")
+    restore.add_argument(
+        "--force",
+        action="store_true",
+        help="restore to another prefix even if binaries embed the old one",
+    )
+    restore.add_argument(
+        "--replace",
+        action="store_true",
+        help="swap out a non-empty prefix that bootseer did not make",
+    )
+    restore.add_argument(
+        "--fsync",
+        action="store_true",
+        help="sync the filesystem before moving the environment into place",
+    )
     restore.set_defaults(func=cmd_restore)
 
     verify = env_sub.add_parser("verify", help="does a prefix hold an intact environment?")
@@ -90,18 +113,28 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     gc = env_sub.add_parser("gc", help="delete old snapshots and leftovers of dead publishers")
     _config_args(gc, _STORE_KEYS)
-    gc.add_argument("--older-than", required=True, metavar="AGE",
-                    help="e.g. 3600, 90m, 12h, 14d")
+    gc.add_argument("--older-than", required=True, metavar="AGE", help="e.g. 3600, 90m, 12h, 14d")
     gc.add_argument("--dry-run", action="store_true", help="list, delete nothing")
     gc.set_defaults(func=cmd_gc)
 
 
 #: The short spellings of the [env] keys' flags inside `bootseer env`.
-SHORT = {"env.spec": "--spec", "env.prefix": "--prefix", "env.store": "--store",
-         "env.base_image": "--base-image"}
+SHORT = {
+    "env.spec": "--spec",
+    "env.prefix": "--prefix",
+    "env.store": "--store",
+    "env.base_image": "--base-image",
+}
 _KEY_KEYS = ("env.spec", "env.base_image")
-_TARGET_KEYS = ("state", "env.spec", "env.base_image", "env.prefix", "env.store", "env.uv",
-                "storage")
+_TARGET_KEYS = (
+    "state",
+    "env.spec",
+    "env.base_image",
+    "env.prefix",
+    "env.store",
+    "env.uv",
+    "storage",
+)
 _STORE_KEYS = ("env.store", "storage")
 
 
@@ -112,23 +145,45 @@ def _config_args(p: argparse.ArgumentParser, keys: tuple[str, ...]) -> None:
 def _key_args(p: argparse.ArgumentParser, keys: tuple[str, ...] = _KEY_KEYS) -> None:
     _config_args(p, keys)
     p.add_argument("--python", help="interpreter to build with (default: this one)")
-    p.add_argument("--extra", action="append", default=[], metavar="NAME=VALUE",
-                   help="another input of the key, e.g. cuda=12.4 (repeatable)")
-    p.add_argument("--capture", action="append", default=[], metavar="PATH",
-                   help="capture mode: snapshot what the command changes under PATH "
-                        "(repeatable)")
-    p.add_argument("command", nargs=argparse.REMAINDER,
-                   help="after --: the install (or setup) command; {prefix} is replaced")
+    p.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="another input of the key, e.g. cuda=12.4 (repeatable)",
+    )
+    p.add_argument(
+        "--capture",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="capture mode: snapshot what the command changes under PATH (repeatable)",
+    )
+    p.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="after --: the install (or setup) command; {prefix} is replaced",
+    )
     p.set_defaults(takes_command=True)
 
 
 def _target_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--installer", choices=("auto", "uv", "pip"), default="auto",
-                   help="default install: uv when present (auto), or force one")
-    p.add_argument("--force", action="store_true",
-                   help="restore to another prefix even if binaries embed the old one")
-    p.add_argument("--replace", action="store_true",
-                   help="swap out a non-empty prefix that bootseer did not make")
+    p.add_argument(
+        "--installer",
+        choices=("auto", "uv", "pip"),
+        default="auto",
+        help="default install: uv when present (auto), or force one",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="restore to another prefix even if binaries embed the old one",
+    )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="swap out a non-empty prefix that bootseer did not make",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -147,8 +202,7 @@ def _store(args: argparse.Namespace) -> str | None:
 def _require_store(args: argparse.Namespace) -> str:
     store = _store(args)
     if not store:
-        raise CliError("no snapshot store: pass --store URL or set BOOTSEER_ENV_STORE "
-                       "(env.store)")
+        raise CliError("no snapshot store: pass --store URL or set BOOTSEER_ENV_STORE (env.store)")
     return store
 
 
@@ -173,9 +227,14 @@ def _prefix(args: argparse.Namespace) -> str:
 def _env_key(args: argparse.Namespace):
     from snapshot.key import compute_key, parse_extras
 
-    return compute_key(_spec(args), _command(args), python=args.python,
-                       base_image=args.cfg.env.base_image or None,
-                       extras=parse_extras(args.extra), capture=args.capture)
+    return compute_key(
+        _spec(args),
+        _command(args),
+        python=args.python,
+        base_image=args.cfg.env.base_image or None,
+        extras=parse_extras(args.extra),
+        capture=args.capture,
+    )
 
 
 def cmd_key(args: argparse.Namespace) -> int:
@@ -190,8 +249,10 @@ def cmd_key(args: argparse.Namespace) -> int:
 def _check_target(args: argparse.Namespace) -> None:
     if args.capture:
         if _prefix(args):
-            raise CliError("--capture and --prefix exclude each other: a capture replays "
-                           "changes under its paths")
+            raise CliError(
+                "--capture and --prefix exclude each other: a capture replays "
+                "changes under its paths"
+            )
         if not _command(args):
             raise CliError("--capture needs the setup command after --")
     elif not _prefix(args):
@@ -206,19 +267,34 @@ def cmd_ensure(args: argparse.Namespace) -> int:
     if args.capture:
         from snapshot.capture import ensure_capture
 
-        result = ensure_capture(args.capture, _command(args), store=_store(args),
-                                storage_options=_options(args), key=env_key,
-                                state_dir=args.cfg.state.dir)
+        result = ensure_capture(
+            args.capture,
+            _command(args),
+            store=_store(args),
+            storage_options=_options(args),
+            key=env_key,
+            state_dir=args.cfg.state.dir,
+        )
     else:
         from snapshot.ensure import ensure
 
         prefix = _prefix(args)
         with ByteProgress(f"env {env_key.key[:12]} -> {prefix}") as progress:
-            result = ensure(_spec(args), prefix=prefix, store=_store(args),
-                            command=_command(args), installer=args.installer,
-                            uv=args.cfg.env.uv or None, force=args.force, replace=args.replace,
-                            storage_options=_options(args), lease_s=args.lease,
-                            wait_timeout_s=args.wait_timeout, progress=progress, key=env_key)
+            result = ensure(
+                _spec(args),
+                prefix=prefix,
+                store=_store(args),
+                command=_command(args),
+                installer=args.installer,
+                uv=args.cfg.env.uv or None,
+                force=args.force,
+                replace=args.replace,
+                storage_options=_options(args),
+                lease_s=args.lease,
+                wait_timeout_s=args.wait_timeout,
+                progress=progress,
+                key=env_key,
+            )
     _report(result, args.json)
     return 0
 
@@ -230,15 +306,29 @@ def cmd_create(args: argparse.Namespace) -> int:
     if args.capture:
         from snapshot.capture import ensure_capture
 
-        result = ensure_capture(args.capture, _command(args), store=store,
-                                storage_options=_options(args), key=env_key, rebuild=True,
-                                state_dir=args.cfg.state.dir)
+        result = ensure_capture(
+            args.capture,
+            _command(args),
+            store=store,
+            storage_options=_options(args),
+            key=env_key,
+            rebuild=True,
+            state_dir=args.cfg.state.dir,
+        )
     else:
         from snapshot.ensure import create
 
-        result = create(_spec(args), prefix=_prefix(args), store=store, command=_command(args),
-                        installer=args.installer, uv=args.cfg.env.uv or None,
-                        replace=args.replace, storage_options=_options(args), key=env_key)
+        result = create(
+            _spec(args),
+            prefix=_prefix(args),
+            store=store,
+            command=_command(args),
+            installer=args.installer,
+            uv=args.cfg.env.uv or None,
+            replace=args.replace,
+            storage_options=_options(args),
+            key=env_key,
+        )
     _report(result, args.json)
     return 0
 
@@ -251,13 +341,14 @@ def _report(result: Any, as_json: bool) -> None:
         return
     line = f"env {result.key}: {result.outcome} at {result.prefix} in {result.seconds:.2f}s"
     if result.restore is not None:
-        line += (f" ({result.restore.files} files, {human_bytes(result.restore.bytes)}, "
-                 f"{human_bytes(result.restore.compressed_bytes)} fetched)")
+        line += (
+            f" ({result.restore.files} files, {human_bytes(result.restore.bytes)}, "
+            f"{human_bytes(result.restore.compressed_bytes)} fetched)"
+        )
     if result.installer:
         line += f" (installed with {result.installer})"
     if result.publish is not None:
-        line += (" (published)" if result.publish.published
-                 else " (another node published it first)")
+        line += " (published)" if result.publish.published else " (another node published it first)"
     print(line, file=sys.stderr)
 
 
@@ -270,10 +361,20 @@ def cmd_restore(args: argparse.Namespace) -> int:
         raise CliError("--prefix is required (where the environment goes; env.prefix)")
     store = SnapshotStore(_require_store(args), _options(args))
     with ByteProgress(f"restore {args.key[:12]} -> {prefix}") as progress:
-        result = restore(store, args.key, prefix, force=args.force, replace=args.replace,
-                         fsync=args.fsync, progress=progress)
-    print(f"restored {result.key} to {result.prefix}: {result.files} files, "
-          f"{human_bytes(result.bytes)} in {result.seconds:.2f}s", file=sys.stderr)
+        result = restore(
+            store,
+            args.key,
+            prefix,
+            force=args.force,
+            replace=args.replace,
+            fsync=args.fsync,
+            progress=progress,
+        )
+    print(
+        f"restored {result.key} to {result.prefix}: {result.files} files, "
+        f"{human_bytes(result.bytes)} in {result.seconds:.2f}s",
+        file=sys.stderr,
+    )
     if result.relocation is not None:
         print(result.relocation.summary(), file=sys.stderr)
     return 0
@@ -283,8 +384,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from snapshot.restore import verify
 
     result = verify(args.prefix, args.key)
-    print(f"{args.prefix}: {'intact' if result.ok else 'NOT OK'}: {result.reason} "
-          f"(key {result.key}, {result.checked} entries, {result.seconds:.2f}s)")
+    print(
+        f"{args.prefix}: {'intact' if result.ok else 'NOT OK'}: {result.reason} "
+        f"(key {result.key}, {result.checked} entries, {result.seconds:.2f}s)"
+    )
     for problem in result.problems:
         print(f"  {problem}")
     return 0 if result.ok else 1
@@ -295,11 +398,26 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     manifests = SnapshotStore(_require_store(args), _options(args)).list()
     if args.json:
-        print(json.dumps([{"key": m.key, "kind": m.kind, "prefix": m.prefix,
-                           "created": m.created, "host": m.host, "installer": m.installer,
-                           "files": m.files, "bytes": m.bytes,
-                           "compressed_bytes": m.compressed_size,
-                           "capture": m.capture.get("roots")} for m in manifests], indent=1))
+        print(
+            json.dumps(
+                [
+                    {
+                        "key": m.key,
+                        "kind": m.kind,
+                        "prefix": m.prefix,
+                        "created": m.created,
+                        "host": m.host,
+                        "installer": m.installer,
+                        "files": m.files,
+                        "bytes": m.bytes,
+                        "compressed_bytes": m.compressed_size,
+                        "capture": m.capture.get("roots"),
+                    }
+                    for m in manifests
+                ],
+                indent=1,
+            )
+        )
         return 0
     if not manifests:
         print(f"no snapshots in {_store(args)}")
@@ -308,8 +426,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for m in manifests:
         created = datetime.fromtimestamp(m.created).strftime("%Y-%m-%d %H:%M:%S")
         what = m.prefix if m.kind == "prefix" else "capture " + " ".join(m.capture["roots"])
-        print(f"{m.key:40}  {created}  {m.files:>7}  {human_bytes(m.bytes):>10}  "
-              f"{human_bytes(m.compressed_size):>10}  {what} ({m.installer or m.host})")
+        print(
+            f"{m.key:40}  {created}  {m.files:>7}  {human_bytes(m.bytes):>10}  "
+            f"{human_bytes(m.compressed_size):>10}  {what} ({m.installer or m.host})"
+        )
     return 0
 
 
@@ -326,8 +446,9 @@ def cmd_rm(args: argparse.Namespace) -> int:
 def parse_duration(text: str) -> float:
     match = _DURATION.match(text.strip())
     if not match:
-        raise CliError(f"--older-than {text!r}: use seconds or a number with s, m, h, d or w "
-                       f"(e.g. 12h, 14d)")
+        raise CliError(
+            f"--older-than {text!r}: use seconds or a number with s, m, h, d or w (e.g. 12h, 14d)"
+        )
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
@@ -340,6 +461,5 @@ def cmd_gc(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for path in removed:
         print(f"{verb} {path}")
-    print(f"{verb} {len(removed)} item(s) in {time.monotonic() - started:.1f}s",
-          file=sys.stderr)
+    print(f"{verb} {len(removed)} item(s) in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return 0

@@ -13,12 +13,21 @@ class CliError(Exception):
 
 
 _STORE_HINTS = (
-    (FileNotFoundError, "check the bucket and the path (and endpoint_url in --storage-options "
-                        "or BOOTSEER_STORAGE_OPTIONS for a non-AWS store)"),
-    (PermissionError, "check the credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws, "
-                      "key/secret in --storage-options, or s3://KEY:SECRET@bucket/..."),
-    ((ConnectionError, TimeoutError), "check endpoint_url in --storage-options "
-                                      "(BOOTSEER_STORAGE_OPTIONS) and that the store is up"),
+    (
+        FileNotFoundError,
+        "check the bucket and the path (and endpoint_url in --storage-options "
+        "or BOOTSEER_STORAGE_OPTIONS for a non-AWS store)",
+    ),
+    (
+        PermissionError,
+        "check the credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws, "
+        "key/secret in --storage-options, or s3://KEY:SECRET@bucket/...",
+    ),
+    (
+        (ConnectionError, TimeoutError),
+        "check endpoint_url in --storage-options "
+        "(BOOTSEER_STORAGE_OPTIONS) and that the store is up",
+    ),
 )
 
 
@@ -31,8 +40,9 @@ def naming_the_store(url: str) -> Iterator[None]:
     except CliError:
         raise
     except Exception as exc:
-        if not isinstance(exc, OSError | ConnectionError | TimeoutError) \
-                and not is_storage_client_error(exc):
+        if not isinstance(
+            exc, OSError | ConnectionError | TimeoutError
+        ) and not is_storage_client_error(exc):
             raise
         causes = (exc, exc.__cause__)  # a StripedIOError after retries: what it gave up on
         hint = next((h for kinds, h in _STORE_HINTS for c in causes if isinstance(c, kinds)), None)

@@ -39,8 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     gc = fs_sub.add_parser("gc", help="remove stripes left by killed or failed writers")
     gc.add_argument("url")
-    gc.add_argument("--older-than", type=float, default=3600.0, metavar="SECONDS",
-                    help="only versions untouched this long (default 3600)")
+    gc.add_argument(
+        "--older-than",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="only versions untouched this long (default 3600)",
+    )
     _stripe_args(gc)
     gc.set_defaults(func=cmd_gc)
 
@@ -48,11 +53,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     mount.add_argument("url")
     mount.add_argument("mountpoint")
     mount.add_argument("--read-only", action="store_true")
-    mount.add_argument("--foreground", "-f", action="store_true",
-                       help="stay attached; SIGINT/SIGTERM unmount (default: run in background)")
+    mount.add_argument(
+        "--foreground",
+        "-f",
+        action="store_true",
+        help="stay attached; SIGINT/SIGTERM unmount (default: run in background)",
+    )
     mount.add_argument("--allow-other", action="store_true")
-    mount.add_argument("--timeout", type=float, default=30.0,
-                       help="seconds to wait for a background mount (default 30)")
+    mount.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for a background mount (default 30)",
+    )
     _stripe_args(mount)
     mount.set_defaults(func=cmd_mount)
 
@@ -73,8 +86,9 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _fs(args: argparse.Namespace, url: str):
-    return url_to_fs(url, _options(args), stripe_size=args.stripe_size,
-                     concurrency=args.concurrency)
+    return url_to_fs(
+        url, _options(args), stripe_size=args.stripe_size, concurrency=args.concurrency
+    )
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
@@ -105,8 +119,10 @@ def _cp(args: argparse.Namespace) -> int:
                         fout.write(chunk)
                         progress.relative_update(len(chunk))
     size = info["size"]
-    print(f"copied {human_bytes(size)} in {progress.elapsed_s:.2f} s "
-          f"({human_bytes(size / max(progress.elapsed_s, 1e-9))}/s)")
+    print(
+        f"copied {human_bytes(size)} in {progress.elapsed_s:.2f} s "
+        f"({human_bytes(size / max(progress.elapsed_s, 1e-9))}/s)"
+    )
     return 0
 
 
@@ -151,8 +167,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if not fs.exists(path):
         raise FileNotFoundError(f"{args.url} does not exist: nothing to mount")
     try:
-        fuse.mount(fs, path, args.mountpoint, foreground=True, read_only=args.read_only,
-                   allow_other=args.allow_other)
+        fuse.mount(
+            fs,
+            path,
+            args.mountpoint,
+            foreground=True,
+            read_only=args.read_only,
+            allow_other=args.allow_other,
+        )
     except fuse.MountError as exc:
         raise CliError(str(exc)) from None
     return 0
@@ -162,8 +184,7 @@ def _mount_in_background(args: argparse.Namespace) -> int:
     # The mount outlives this command: its command line (visible to every local user in the
     # process list) carries no credentials; they travel in its environment.
     url, options = split_credentials(args.url, _options(args))
-    argv = [sys.executable, "-m", "bootseer", "fs", "mount", url, args.mountpoint,
-            "--foreground"]
+    argv = [sys.executable, "-m", "bootseer", "fs", "mount", url, args.mountpoint, "--foreground"]
     for flag, value in (("--stripe-size", args.stripe_size), ("--concurrency", args.concurrency)):
         if value is not None:
             argv += [flag, str(value)]
@@ -172,8 +193,9 @@ def _mount_in_background(args: argparse.Namespace) -> int:
         argv.append("--read-only")
     if args.allow_other:
         argv.append("--allow-other")
-    return start_background_mount(argv, args.mountpoint, timeout=args.timeout,
-                                  what=redact(args.url), kind="fs", env=env)
+    return start_background_mount(
+        argv, args.mountpoint, timeout=args.timeout, what=redact(args.url), kind="fs", env=env
+    )
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -184,4 +206,6 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def _jsonable(value: Any) -> bool:
-    return isinstance(value, str | int | float | bool | type(None) | list | dict) or hasattr(value, "isoformat")
+    return isinstance(value, str | int | float | bool | type(None) | list | dict) or hasattr(
+        value, "isoformat"
+    )

@@ -44,8 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     img = sub.add_parser("image", help="lazy images: convert, mount, record, prefetch")
     img_sub = img.add_subparsers(dest="image_command", metavar="SUBCOMMAND", required=True)
 
-    convert = img_sub.add_parser("convert", help="rewrite an image's layers into the seekable "
-                                                 "format and push it (idempotent)")
+    convert = img_sub.add_parser(
+        "convert",
+        help="rewrite an image's layers into the seekable format and push it (idempotent)",
+    )
     convert.add_argument("src")
     convert.add_argument("dst")
     _platform_arg(convert)
@@ -53,8 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     convert.add_argument("--level", type=int, default=None, help="zstd level (default 9)")
     convert.set_defaults(func=cmd_convert)
 
-    mount = img_sub.add_parser("mount", help="the image's root filesystem, lazily (prefetching "
-                                             "its profile when there is one)")
+    mount = img_sub.add_parser(
+        "mount",
+        help="the image's root filesystem, lazily (prefetching its profile when there is one)",
+    )
     mount.add_argument("ref")
     mount.add_argument("mountpoint")
     _open_args(mount)
@@ -70,45 +74,69 @@ def register(sub: argparse._SubParsersAction) -> None:
     umount.set_defaults(func=cmd_umount)
 
     record = img_sub.add_parser(
-        "record", usage="bootseer image record REF [options] -- CMD [ARGS...]",
+        "record",
+        usage="bootseer image record REF [options] -- CMD [ARGS...]",
         help="mount lazily, run CMD in the rootfs (chroot), store the frames it read "
-             "in first-access order as the image's profile")
+        "in first-access order as the image's profile",
+    )
     record.add_argument("ref")
     _open_args(record)
-    record.add_argument("--timeout", type=float, default=600.0,
-                        help="stop recording after this many seconds (default 600)")
-    record.add_argument("--no-chroot", action="store_true",
-                        help="run CMD as is, with $BOOTSEER_ROOTFS set to the mount")
+    record.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="stop recording after this many seconds (default 600)",
+    )
+    record.add_argument(
+        "--no-chroot",
+        action="store_true",
+        help="run CMD as is, with $BOOTSEER_ROOTFS set to the mount",
+    )
     record.set_defaults(func=cmd_record, takes_command=True, command=None)
 
-    prefetch = img_sub.add_parser("prefetch", help="fill the block cache from the profile "
-                                                   "without mounting (what warmup does)")
+    prefetch = img_sub.add_parser(
+        "prefetch", help="fill the block cache from the profile without mounting (what warmup does)"
+    )
     prefetch.add_argument("ref")
     _open_args(prefetch)
-    prefetch.add_argument("--all", action="store_true",
-                          help="every frame, not only the profile's")
+    prefetch.add_argument("--all", action="store_true", help="every frame, not only the profile's")
     prefetch.set_defaults(func=cmd_prefetch)
 
-    verify = img_sub.add_parser("verify", help="download a converted image once and check "
-                                               "that its lazy view equals a plain unpack (every "
-                                               "frame, every TOC entry against its tar header)")
+    verify = img_sub.add_parser(
+        "verify",
+        help="download a converted image once and check "
+        "that its lazy view equals a plain unpack (every "
+        "frame, every TOC entry against its tar header)",
+    )
     verify.add_argument("ref")
     _platform_arg(verify)
     verify.set_defaults(func=cmd_verify)
 
-    pull = img_sub.add_parser("pull", help="put an image into containerd through a "
-                                           "snapshotter: converted layers lazily, others "
-                                           "unpacked")
+    pull = img_sub.add_parser(
+        "pull",
+        help="put an image into containerd through a "
+        "snapshotter: converted layers lazily, others "
+        "unpacked",
+    )
     pull.add_argument("ref")
-    pull.add_argument("--address", default="/run/containerd/containerd.sock",
-                      help="containerd's socket (default %(default)s)")
+    pull.add_argument(
+        "--address",
+        default="/run/containerd/containerd.sock",
+        help="containerd's socket (default %(default)s)",
+    )
     pull.add_argument("--namespace", default="default", help="containerd namespace")
-    pull.add_argument("--snapshotter", default="bootseer",
-                      help="the proxy plugin's name in containerd's config (default bootseer)")
-    pull.add_argument("--local", action="store_true",
-                      help="then fetch every lazy layer whole and write it out on the node: "
-                           "containers start from local files at overlayfs's speed, without "
-                           "the registry (a warm standby)")
+    pull.add_argument(
+        "--snapshotter",
+        default="bootseer",
+        help="the proxy plugin's name in containerd's config (default bootseer)",
+    )
+    pull.add_argument(
+        "--local",
+        action="store_true",
+        help="then fetch every lazy layer whole and write it out on the node: "
+        "containers start from local files at overlayfs's speed, without "
+        "the registry (a warm standby)",
+    )
     _platform_arg(pull)
     pull.set_defaults(func=cmd_pull)
 
@@ -127,9 +155,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         options["level"] = args.level
     result = convert_image(args.src, args.dst, platform=args.cfg.image.platform, **options)
     verb = "converted" if result.converted else "already converted"
-    print(f"{verb} {args.src} -> {args.dst} ({result.digest}): {result.layers} layer(s), "
-          f"{human_bytes(result.size_before)} -> {human_bytes(result.size_after)} in "
-          f"{result.seconds:.1f}s")
+    print(
+        f"{verb} {args.src} -> {args.dst} ({result.digest}): {result.layers} layer(s), "
+        f"{human_bytes(result.size_before)} -> {human_bytes(result.size_after)} in "
+        f"{result.seconds:.1f}s"
+    )
     return 0
 
 
@@ -137,8 +167,9 @@ def _open(args: argparse.Namespace, *, record: bool = False):
     from prefetch.image import open_image
 
     image = args.cfg.image
-    return open_image(args.ref, image.cache, platform=image.platform,
-                      connections=image.connections, record=record)
+    return open_image(
+        args.ref, image.cache, platform=image.platform, connections=image.connections, record=record
+    )
 
 
 def _start_prefetch(image: Any, everything: bool = False) -> str:
@@ -156,17 +187,21 @@ def _start_prefetch(image: Any, everything: bool = False) -> str:
     queued = image.lazy.fetcher.prefetch(plan)
     if profile is not None:
         s = profile_summary(profile, image.blobs)
-        return (f"prefetching {queued} frame(s) ({s['coverage']:.0%} of the image"
-                f"{', then the rest: the profile covers most of it' if full else ''})")
+        return (
+            f"prefetching {queued} frame(s) ({s['coverage']:.0%} of the image"
+            f"{', then the rest: the profile covers most of it' if full else ''})"
+        )
     return f"prefetching all {queued} frame(s)"
 
 
 def _stats_line(image: Any) -> str:
     s = image.lazy.fetcher.report()
-    return (f"frames read {s.frames_read} (cache hits {s.cache_hits}), prefetched "
-            f"{s.prefetched} ({s.prefetched_unused} unused), fetched "
-            f"{human_bytes(s.bytes_fetched)} in {s.requests} request(s), "
-            f"readers waited {s.seconds_waiting:.2f}s")
+    return (
+        f"frames read {s.frames_read} (cache hits {s.cache_hits}), prefetched "
+        f"{s.prefetched} ({s.prefetched_unused} unused), fetched "
+        f"{human_bytes(s.bytes_fetched)} in {s.requests} request(s), "
+        f"readers waited {s.seconds_waiting:.2f}s"
+    )
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -192,15 +227,30 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _mount_in_background(args: argparse.Namespace) -> int:
     image = args.cfg.image
-    argv = [sys.executable, "-m", "bootseer", "-v", "image", "mount", args.ref, args.mountpoint,
-            "--foreground", "--image-cache", image.cache, "--platform", image.platform,
-            "--connections", str(image.connections)]
+    argv = [
+        sys.executable,
+        "-m",
+        "bootseer",
+        "-v",
+        "image",
+        "mount",
+        args.ref,
+        args.mountpoint,
+        "--foreground",
+        "--image-cache",
+        image.cache,
+        "--platform",
+        image.platform,
+        "--connections",
+        str(image.connections),
+    ]
     if args.no_prefetch:
         argv.append("--no-prefetch")
     if args.stats:
         argv += ["--stats", args.stats]
-    return start_background_mount(argv, args.mountpoint, timeout=args.timeout, what=args.ref,
-                                  kind="image")
+    return start_background_mount(
+        argv, args.mountpoint, timeout=args.timeout, what=args.ref, kind="image"
+    )
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -219,12 +269,14 @@ def cmd_record(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise CliError("record needs the start to record after --, e.g. -- python3 -c "
-                       "'import torch'")
+        raise CliError(
+            "record needs the start to record after --, e.g. -- python3 -c 'import torch'"
+        )
     image = _open(args, record=True)
     mnt = tempfile.mkdtemp(prefix="bootseer-record-")
-    thread = threading.Thread(target=mount, args=(image.lazy, mnt), kwargs={"dev_suid": True},
-                              daemon=True)
+    thread = threading.Thread(
+        target=mount, args=(image.lazy, mnt), kwargs={"dev_suid": True}, daemon=True
+    )
     try:
         thread.start()
         fuse.wait_mounted(mnt, timeout=30)
@@ -244,8 +296,10 @@ def cmd_record(args: argparse.Namespace) -> int:
         os.rmdir(mnt)
     try:
         digest = save_profile(image, profile)
-        print(f"recorded {len(profile.frames)} frame(s) in {elapsed:.1f}s (command exit "
-              f"{code}); profile {digest} stored with {args.ref}")
+        print(
+            f"recorded {len(profile.frames)} frame(s) in {elapsed:.1f}s (command exit "
+            f"{code}); profile {digest} stored with {args.ref}"
+        )
         print(_stats_line(image))
     finally:
         image.close()
@@ -261,8 +315,10 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         if not image.lazy.fetcher.wait_idle():
             raise CliError("prefetch did not finish")
         s = image.lazy.fetcher.report()
-        print(f"prefetched {s.prefetched} frame(s), {human_bytes(s.bytes_fetched)} in "
-              f"{time.monotonic() - started:.1f}s into {args.cfg.image.cache}")
+        print(
+            f"prefetched {s.prefetched} frame(s), {human_bytes(s.bytes_fetched)} in "
+            f"{time.monotonic() - started:.1f}s into {args.cfg.image.cache}"
+        )
         if s.failures:
             raise CliError(f"{s.failures} range request(s) failed; see the log")
     finally:
@@ -274,23 +330,36 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from prefetch.image import verify_image
 
     r = verify_image(args.ref, platform=args.cfg.image.platform)
-    print(f"verified {args.ref} ({r.digest}): {r.layers} layer(s), {r.frames} frame(s), "
-          f"{r.members} member(s), {human_bytes(r.bytes)} in {r.seconds:.1f}s: the lazy view "
-          "equals a plain unpack")
+    print(
+        f"verified {args.ref} ({r.digest}): {r.layers} layer(s), {r.frames} frame(s), "
+        f"{r.members} member(s), {human_bytes(r.bytes)} in {r.seconds:.1f}s: the lazy view "
+        "equals a plain unpack"
+    )
     return 0
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from prefetch.containerd.pull import pull_image
 
-    result = pull_image(args.ref, args.address, namespace=args.namespace,
-                        snapshotter=args.snapshotter, platform=args.cfg.image.platform,
-                        local=args.local)
-    print(f"pulled {result.image} ({result.manifest[:19]}) in {result.seconds:.2f} s: "
-          f"{result.lazy_layers} layers lazy, {result.unpacked_layers} unpacked "
-          f"({human_bytes(result.bytes_downloaded)} downloaded), {result.present_layers} "
-          f"already present" + (f", written out locally in {result.phases['local']:.2f} s"
-                                 if "local" in result.phases else "") +
-          f"; run it with: ctr -n {args.namespace} run --snapshotter "
-          f"{args.snapshotter} {result.image} ID CMD")
+    result = pull_image(
+        args.ref,
+        args.address,
+        namespace=args.namespace,
+        snapshotter=args.snapshotter,
+        platform=args.cfg.image.platform,
+        local=args.local,
+    )
+    print(
+        f"pulled {result.image} ({result.manifest[:19]}) in {result.seconds:.2f} s: "
+        f"{result.lazy_layers} layers lazy, {result.unpacked_layers} unpacked "
+        f"({human_bytes(result.bytes_downloaded)} downloaded), {result.present_layers} "
+        f"already present"
+        + (
+            f", written out locally in {result.phases['local']:.2f} s"
+            if "local" in result.phases
+            else ""
+        )
+        + f"; run it with: ctr -n {args.namespace} run --snapshotter "
+        f"{args.snapshotter} {result.image} ID CMD"
+    )
     return 0

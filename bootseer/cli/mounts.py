@@ -27,16 +27,29 @@ def open_log(kind: str, mountpoint: str) -> tuple[str, int]:
     return path, create_private(path, os.O_WRONLY | os.O_APPEND)
 
 
-def start_background_mount(argv: list[str], mountpoint: str, *, timeout: float, what: str,
-                           kind: str, env: dict[str, str] | None = None) -> int:
+def start_background_mount(
+    argv: list[str],
+    mountpoint: str,
+    *,
+    timeout: float,
+    what: str,
+    kind: str,
+    env: dict[str, str] | None = None,
+) -> int:
     """Run ``argv`` (a foreground mount command, with ``env``) detached; return once
     ``mountpoint`` is mounted, or raise CliError with the tail of its log."""
     from striped_fs import fuse
 
     log_path, log_fd = open_log(kind, mountpoint)
     with os.fdopen(log_fd, "ab") as log_file:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=log_file, start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+            start_new_session=True,
+            env=env,
+        )
     try:
         fuse.wait_mounted(mountpoint, timeout=timeout, proc=proc)
     except fuse.MountError as exc:
@@ -44,6 +57,8 @@ def start_background_mount(argv: list[str], mountpoint: str, *, timeout: float, 
             proc.send_signal(signal.SIGTERM)
         with open(log_path, errors="replace") as f:
             raise CliError(f"{exc}\n{f.read()[-4000:]}") from None
-    print(f"mounted {what} at {mountpoint} (pid {proc.pid}, log {log_path}); "
-          f"unmount with: bootseer {kind} umount {mountpoint}")
+    print(
+        f"mounted {what} at {mountpoint} (pid {proc.pid}, log {log_path}); "
+        f"unmount with: bootseer {kind} umount {mountpoint}"
+    )
     return 0

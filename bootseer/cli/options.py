@@ -23,10 +23,17 @@ class _Renamed(argparse.Action):
         super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
         self.new = new
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        parser.error(f"{option_string} is now {self.new}: every setting has one flag, the same "
-                     "in every command (`bootseer config show` lists them)")
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        parser.error(
+            f"{option_string} is now {self.new}: every setting has one flag, the same "
+            "in every command (`bootseer config show` lists them)"
+        )
 
 
 def refuse_renamed_flags(parser: argparse.ArgumentParser, renamed: dict[str, str]) -> None:
@@ -43,5 +50,7 @@ def open_trace(cfg: Any) -> Any:
     try:
         return TraceWriter(cfg.run.trace_dir, cfg.run.node or None)
     except OSError as exc:
-        raise CliError(f"cannot write the trace to {cfg.run.trace_dir} (run.trace_dir, "
-                       f"--trace-dir): {exc.strerror or exc}") from None
+        raise CliError(
+            f"cannot write the trace to {cfg.run.trace_dir} (run.trace_dir, "
+            f"--trace-dir): {exc.strerror or exc}"
+        ) from None

@@ -24,28 +24,45 @@ MAX_WARNINGS = 10
 def register(sub: argparse._SubParsersAction) -> None:
     """Adds the ``report`` subcommand."""
     p = sub.add_parser(
-        "report", help="aggregate startup traces: phase percentiles, stragglers, restarts, "
-                       "the critical path of each restart",
+        "report",
+        help="aggregate startup traces: phase percentiles, stragglers, restarts, "
+        "the critical path of each restart",
         description="Reads the startup traces (*.jsonl) under each TRACE_DIR (or trace files) "
-                    "and prints per-phase p50/p90/max across nodes and ranks, time to first "
-                    "step, stragglers (a phase longer than median + 3 MAD of its peers) and "
-                    "restarts, and per incident (a start or restart) the critical path from "
-                    "the failure to the job's first step with its cost by phase, and the "
-                    "bytes each node read from each remote; writes report.json, report.png "
-                    "and timeline.png.")
-    p.add_argument("trace_dirs", nargs="+", metavar="TRACE_DIR",
-                   help="directories of trace files (searched recursively), or trace files")
-    p.add_argument("--out", metavar="DIR",
-                   help="where report.json and report.png go (default: the first TRACE_DIR)")
+        "and prints per-phase p50/p90/max across nodes and ranks, time to first "
+        "step, stragglers (a phase longer than median + 3 MAD of its peers) and "
+        "restarts, and per incident (a start or restart) the critical path from "
+        "the failure to the job's first step with its cost by phase, and the "
+        "bytes each node read from each remote; writes report.json, report.png "
+        "and timeline.png.",
+    )
+    p.add_argument(
+        "trace_dirs",
+        nargs="+",
+        metavar="TRACE_DIR",
+        help="directories of trace files (searched recursively), or trace files",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="where report.json and report.png go (default: the first TRACE_DIR)",
+    )
     p.add_argument("--json", dest="json_path", metavar="FILE", help="the JSON report's path")
     p.add_argument("--png", dest="png_path", metavar="FILE", help="the chart's path")
-    p.add_argument("--timeline-png", dest="timeline_path", metavar="FILE",
-                   help="the timeline's path (node x phase of the last incident; default "
-                        "timeline.png next to report.png)")
-    p.add_argument("--end", type=float, metavar="EPOCH_S",
-                   help="the job's end for ETTR, in seconds since the epoch (default: the last "
-                        "time the traces hold; a job whose last attempt trained on to its "
-                        "end without an incident left no record there)")
+    p.add_argument(
+        "--timeline-png",
+        dest="timeline_path",
+        metavar="FILE",
+        help="the timeline's path (node x phase of the last incident; default "
+        "timeline.png next to report.png)",
+    )
+    p.add_argument(
+        "--end",
+        type=float,
+        metavar="EPOCH_S",
+        help="the job's end for ETTR, in seconds since the epoch (default: the last "
+        "time the traces hold; a job whose last attempt trained on to its "
+        "end without an incident left no record there)",
+    )
     p.set_defaults(func=cmd_report)
 
 
@@ -68,16 +85,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     for warning in report.warnings[:MAX_WARNINGS]:
         print(f"bootseer: warning: {warning}", file=sys.stderr)
     if len(report.warnings) > MAX_WARNINGS:
-        print(f"bootseer: warning: ... and {len(report.warnings) - MAX_WARNINGS} more "
-              "(all of them are in the JSON report)", file=sys.stderr)
+        print(
+            f"bootseer: warning: ... and {len(report.warnings) - MAX_WARNINGS} more "
+            "(all of them are in the JSON report)",
+            file=sys.stderr,
+        )
 
     print_report(report)
 
     out = _out_dir(args)
     json_path = Path(args.json_path) if args.json_path else out / "report.json"
     png_path = Path(args.png_path) if args.png_path else out / "report.png"
-    timeline_path = (Path(args.timeline_path) if args.timeline_path
-                     else png_path.with_name("timeline.png"))
+    timeline_path = (
+        Path(args.timeline_path) if args.timeline_path else png_path.with_name("timeline.png")
+    )
     try:
         for path in (json_path, png_path, timeline_path):
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,8 +106,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         tmp.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, json_path)
     except OSError as exc:
-        raise CliError(f"cannot write {json_path}: {exc} (choose another place with --out)"
-                       ) from None
+        raise CliError(
+            f"cannot write {json_path}: {exc} (choose another place with --out)"
+        ) from None
     try:
         from ..report_chart import render_chart, render_timeline
     except ImportError as exc:  # pragma: no cover - matplotlib is a dependency
@@ -98,8 +120,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         try:
             render(report, path)
         except OSError as exc:
-            raise CliError(f"cannot write {path}: {exc} (choose another place with --out)"
-                           ) from None
+            raise CliError(
+                f"cannot write {path}: {exc} (choose another place with --out)"
+            ) from None
     ettr_path = None
     if report.robust.get("chart"):  # ETTR over time and each incident's split
         from ..report_chart import render_ettr
@@ -108,8 +131,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         try:
             render_ettr(report.robust["chart"], ettr_path)
         except OSError as exc:
-            raise CliError(f"cannot write {ettr_path}: {exc} (choose another place with "
-                           "--out)") from None
+            raise CliError(
+                f"cannot write {ettr_path}: {exc} (choose another place with --out)"
+            ) from None
     print(f"json: {json_path}")
     print(f"chart: {png_path}")
     if report.incidents:
@@ -135,8 +159,7 @@ def print_report(report: Report, *, terminal: bool | None = None) -> None:
     for title, (header, rows) in table_rows(report).items():
         table = Table(title=title, title_justify="left")
         for i, name in enumerate(header):
-            table.add_column(name, justify="left" if i == 0 or not _numeric(rows, i)
-                             else "right")
+            table.add_column(name, justify="left" if i == 0 or not _numeric(rows, i) else "right")
         for row in rows:
             style = "bold red" if title.startswith("stragglers") else None
             if title == GRID_TITLE:  # each cell coloured by the rank's state in the group

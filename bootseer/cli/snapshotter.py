@@ -17,15 +17,19 @@ from ..config import add_config_arguments
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("snapshotter", help="serve containerd's snapshots API: lazy layers for "
-                                           "`ctr run --snapshotter bootseer`")
+    p = sub.add_parser(
+        "snapshotter",
+        help="serve containerd's snapshots API: lazy layers for `ctr run --snapshotter bootseer`",
+    )
     add_config_arguments(p, ("state", "snapshotter", "image.connections"))
     p.set_defaults(func=cmd_snapshotter)
 
     from prefetch.containerd import holder
 
-    h = sub.add_parser("fuse-holder", help="keep the snapshotter's lazy mount alive across its "
-                                           "restarts (run as its own service)")
+    h = sub.add_parser(
+        "fuse-holder",
+        help="keep the snapshotter's lazy mount alive across its restarts (run as its own service)",
+    )
     holder.add_arguments(h)
     h.set_defaults(func=cmd_fuse_holder)
 
@@ -34,12 +38,22 @@ def cmd_snapshotter(args: argparse.Namespace) -> int:
     from prefetch.containerd.service import serve
 
     cfg = args.cfg.snapshotter
-    options = {"cache_bytes": cfg.cache_size, "connections": args.cfg.image.connections,
-               "record_timeout_s": cfg.record_timeout_s, "push_profiles": cfg.push_profiles,
-               "prefetch": cfg.prefetch,
-               "registry_config_path": cfg.registry_config_path or None}
-    return serve(cfg.root, cfg.address, remote_options=options, holder=cfg.holder or None,
-                 spawn_holder=cfg.spawn_holder, takeover_wait_s=cfg.takeover_wait_s)
+    options = {
+        "cache_bytes": cfg.cache_size,
+        "connections": args.cfg.image.connections,
+        "record_timeout_s": cfg.record_timeout_s,
+        "push_profiles": cfg.push_profiles,
+        "prefetch": cfg.prefetch,
+        "registry_config_path": cfg.registry_config_path or None,
+    }
+    return serve(
+        cfg.root,
+        cfg.address,
+        remote_options=options,
+        holder=cfg.holder or None,
+        spawn_holder=cfg.spawn_holder,
+        takeover_wait_s=cfg.takeover_wait_s,
+    )
 
 
 def cmd_fuse_holder(args: argparse.Namespace) -> int:

@@ -54,8 +54,10 @@ def enable(directory: str | os.PathLike | None = None, *, capacity: int | None =
             try:
                 capacity = int(text)
             except ValueError:
-                raise ValueError(f"{CAPACITY_ENV}={text!r} is not a record count: set it to an "
-                                 "integer >= 1 (or [colltrace] capacity)") from None
+                raise ValueError(
+                    f"{CAPACITY_ENV}={text!r} is not a record count: set it to an "
+                    "integer >= 1 (or [colltrace] capacity)"
+                ) from None
         from striped_fs.privdir import PrivateDir
 
         from .ring import RING_DIR_WHAT

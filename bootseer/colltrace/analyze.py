@@ -38,8 +38,17 @@ from .ring import Op, RingSnapshot
 __all__ = ["Analyzer", "Finding", "GroupView", "pid_alive", "proc_state", "SIZED_OPS"]
 
 #: ops whose element count must be the same on every rank (others may differ: gather, a2a)
-SIZED_OPS = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single",
-             "reduce_scatter_single", "all_reduce_coalesced", "barrier", "monitored_barrier"}
+SIZED_OPS = {
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_reduce_coalesced",
+    "barrier",
+    "monitored_barrier",
+}
 
 
 @dataclass
@@ -57,9 +66,16 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
 
     def to_doc(self) -> dict[str, Any]:
-        return {"kind": self.kind, "group": self.group, "ranks": list(self.ranks),
-                "op": self.op, "seq": self.seq, "line": self.line, "time": self.time,
-                "evidence": self.evidence}
+        return {
+            "kind": self.kind,
+            "group": self.group,
+            "ranks": list(self.ranks),
+            "op": self.op,
+            "seq": self.seq,
+            "line": self.line,
+            "time": self.time,
+            "evidence": self.evidence,
+        }
 
 
 def proc_state(pid: int) -> tuple[str, int] | None:
@@ -132,12 +148,21 @@ STRAGGLER_WARMUP_OPS = 10
 class Analyzer:
     """Stateful across passes: the learned baselines and the findings already said."""
 
-    def __init__(self, *, stuck_s: float = 0.0, floor_s: float = 2.0, k: float = 10.0,
-                 straggler_s: float = 1.0, min_growth_s: float = 0.005, warmup_ops: int = 5, baseline_ops: int = 30,
-                 window_ops: int = 12, alive: Callable[[RingSnapshot], bool | None] | None = None,
-                 node: str | None = None,
-                 state: Callable[[RingSnapshot], tuple[str, int] | None] | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        *,
+        stuck_s: float = 0.0,
+        floor_s: float = 2.0,
+        k: float = 10.0,
+        straggler_s: float = 1.0,
+        min_growth_s: float = 0.005,
+        warmup_ops: int = 5,
+        baseline_ops: int = 30,
+        window_ops: int = 12,
+        alive: Callable[[RingSnapshot], bool | None] | None = None,
+        node: str | None = None,
+        state: Callable[[RingSnapshot], tuple[str, int] | None] | None = None,
+    ) -> None:
         self.stuck_s, self.floor_s, self.k = stuck_s, floor_s, k
         self.straggler_s, self.min_growth_s = straggler_s, min_growth_s
         self.warmup_ops, self.baseline_ops, self.window_ops = warmup_ops, baseline_ops, window_ops
@@ -169,14 +194,13 @@ class Analyzer:
             new += self._mismatches(view, by_rank, now)
             new += self._stragglers(view, by_rank, now)
         new += self._stuck(views, by_rank, now)
-        slow = [f for view in views.values()
-                for f in self._slowdown(view, views, by_rank, now)]
+        slow = [f for view in views.values() for f in self._slowdown(view, views, by_rank, now)]
         if any(f.ranks for f in slow):  # a group slowed by a rank slows the groups after it:
             slow = [f for f in slow if f.ranks]  # those issue together, the cause is named
         new += slow
         for f in new:
             for r in f.ranks:
-                for g in ([f.group] if f.group in self.grid else []):
+                for g in [f.group] if f.group in self.grid else []:
                     self.grid[g][r] = "root"
         self.findings += new
         return new
@@ -185,8 +209,12 @@ class Analyzer:
         """T for ``op`` in this group and where it comes from."""
         if self.stuck_s > 0:
             return self.stuck_s, "configured"
-        durations = [o.t_done - o.t_issue for ops in view.ops.values() for o in ops.values()
-                     if o.op == op and o.t_done is not None and not o.failed]
+        durations = [
+            o.t_done - o.t_issue
+            for ops in view.ops.values()
+            for o in ops.values()
+            if o.op == op and o.t_done is not None and not o.failed
+        ]
         if len(durations) < 3:
             return self.floor_s * 5, "initial"
         return max(self.k * statistics.median(durations), self.floor_s), "learned"
@@ -204,8 +232,9 @@ class Analyzer:
             return None
         return proc_state(snap.pid)
 
-    def _states(self, view: GroupView, by_rank: dict[int, RingSnapshot],
-                now: float) -> dict[int, str]:
+    def _states(
+        self, view: GroupView, by_rank: dict[int, RingSnapshot], now: float
+    ) -> dict[int, str]:
         top = max((view.last_issued(r) for r in view.members), default=0)
         states: dict[int, str] = {}
         for r in view.members:
@@ -240,8 +269,9 @@ class Analyzer:
         snap = by_rank.get(rank)
         return f"rank {rank} ({snap.node})" if snap is not None and snap.node else f"rank {rank}"
 
-    def _mismatches(self, view: GroupView, by_rank: dict[int, RingSnapshot],
-                    now: float) -> list[Finding]:
+    def _mismatches(
+        self, view: GroupView, by_rank: dict[int, RingSnapshot], now: float
+    ) -> list[Finding]:
         found: list[Finding] = []
         seqs = sorted({s for ops in view.ops.values() for s in ops})[-64:]
         for seq in seqs:
@@ -254,27 +284,42 @@ class Analyzer:
             (major, n_major), *rest = count.most_common()
             tie = bool(rest) and rest[0][1] == n_major
             everyone = len(sigs) == len(view.members)
-            if not everyone and (tie or now - min(view.ops[r][seq].t_issue for r in sigs)
-                                 < 2 * self.straggler_s):
+            if not everyone and (
+                tie or now - min(view.ops[r][seq].t_issue for r in sigs) < 2 * self.straggler_s
+            ):
                 continue  # wait for the others: the one still to come may break the tie
             if tie:  # everyone issued it and no side is the odd one out: all named
                 odd = tuple(sorted(sigs))
             else:
                 odd = tuple(sorted(r for r, s in sigs.items() if s != major))
-            desc = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}: {_sig_text(sig)}"
-                             for sig, rs in _by_value(sigs).items())
+            desc = "; ".join(
+                f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}: {_sig_text(sig)}"
+                for sig, rs in _by_value(sigs).items()
+            )
             who = ", ".join(self._where(r, by_rank) for r in odd)
-            line = (f"mismatched collectives at #{seq} in group {view.display}: {who} "
-                    f"differ ({desc})")
+            line = (
+                f"mismatched collectives at #{seq} in group {view.display}: {who} differ ({desc})"
+            )
             self._mismatched.setdefault(view.name, seq)
-            found += self._new(("mismatch", view.name, seq), Finding(
-                "mismatch", view.display, odd, sigs[odd[0]][0], seq, line, now,
-                {"signatures": {str(r): _sig_text(s) for r, s in sigs.items()}}))
+            found += self._new(
+                ("mismatch", view.name, seq),
+                Finding(
+                    "mismatch",
+                    view.display,
+                    odd,
+                    sigs[odd[0]][0],
+                    seq,
+                    line,
+                    now,
+                    {"signatures": {str(r): _sig_text(s) for r, s in sigs.items()}},
+                ),
+            )
             break  # the first mismatch is the cause; later sequence numbers follow from it
         return found
 
-    def _stragglers(self, view: GroupView, by_rank: dict[int, RingSnapshot],
-                    now: float) -> list[Finding]:
+    def _stragglers(
+        self, view: GroupView, by_rank: dict[int, RingSnapshot], now: float
+    ) -> list[Finding]:
         if len(view.members) < 3:
             return []  # with two ranks "the others" is one rank: a wait is not a straggler
         found: list[Finding] = []
@@ -282,8 +327,9 @@ class Analyzer:
         for seq in seqs:
             if seq <= STRAGGLER_WARMUP_OPS:
                 continue  # the first ops follow the group's creation: uneven by nature
-            issued = {r: view.ops[r][seq].t_issue for r in view.members
-                      if seq in view.ops.get(r, {})}
+            issued = {
+                r: view.ops[r][seq].t_issue for r in view.members if seq in view.ops.get(r, {})
+            }
             if len(issued) < len(view.members):
                 continue
             order = sorted(issued, key=issued.get)
@@ -292,15 +338,28 @@ class Analyzer:
                 continue
             r = order[-1]
             op = view.ops[r][seq].op
-            line = (f"{self._where(r, by_rank)} started {op} #{seq} in group {view.display} "
-                    f"{lag:.1f} s after the others (straggler)")
-            found += self._new(("straggler", view.name, seq), Finding(
-                "straggler", view.display, (r,), op, seq, line, now,
-                {"lag_s": round(lag, 3), "issued": {str(k): v for k, v in issued.items()}}))
+            line = (
+                f"{self._where(r, by_rank)} started {op} #{seq} in group {view.display} "
+                f"{lag:.1f} s after the others (straggler)"
+            )
+            found += self._new(
+                ("straggler", view.name, seq),
+                Finding(
+                    "straggler",
+                    view.display,
+                    (r,),
+                    op,
+                    seq,
+                    line,
+                    now,
+                    {"lag_s": round(lag, 3), "issued": {str(k): v for k, v in issued.items()}},
+                ),
+            )
         return found
 
-    def _stuck(self, views: dict[str, GroupView], by_rank: dict[int, RingSnapshot],
-               now: float) -> list[Finding]:
+    def _stuck(
+        self, views: dict[str, GroupView], by_rank: dict[int, RingSnapshot], now: float
+    ) -> list[Finding]:
         """Stuck ops (past T, or failed) and their root cause, following waits across groups."""
         stuck: dict[str, tuple[int, float, str]] = {}  # group -> (seq, since, threshold from)
         for view in views.values():
@@ -314,8 +373,11 @@ class Analyzer:
                     if min(now, self.seen_until.get(r, now)) - o.t_issue > t:
                         old = stuck.get(view.name)
                         if old is None or o.seq < old[0]:
-                            stuck[view.name] = (o.seq, min(o.t_issue, old[1]) if old else
-                                                o.t_issue, src)
+                            stuck[view.name] = (
+                                o.seq,
+                                min(o.t_issue, old[1]) if old else o.t_issue,
+                                src,
+                            )
             failed = [o for ops in view.ops.values() for o in ops.values() if o.failed]
             if failed and view.name not in stuck:
                 first = min(failed, key=lambda o: o.seq)
@@ -332,8 +394,11 @@ class Analyzer:
             for r in view.members:
                 o = view.in_progress(r)
                 seq = o.seq if o is not None else None
-                if view.name in stuck and stuck[view.name][0] in view.ops.get(r, {}) and \
-                        view.ops[r][stuck[view.name][0]].failed:
+                if (
+                    view.name in stuck
+                    and stuck[view.name][0] in view.ops.get(r, {})
+                    and view.ops[r][stuck[view.name][0]].failed
+                ):
                     seq = stuck[view.name][0]  # failed in the stuck op: waited there
                 if seq is None:
                     continue
@@ -344,15 +409,20 @@ class Analyzer:
                     if view.last_issued(m) < seq:
                         waits[r].setdefault(m, (view.name, seq))
         cycle = _cycle({r: set(e) for r, e in waits.items()})
-        if cycle and any(waits[a][b] == (name, stuck[name][0]) for a, b in
-                         zip(cycle, cycle[1:] + cycle[:1], strict=True)
-                         for name in stuck):
+        if cycle and any(
+            waits[a][b] == (name, stuck[name][0])
+            for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True)
+            for name in stuck
+        ):
             return self._deadlock(cycle, waits, views, by_rank, now)
         found: list[Finding] = []
         for name, (seq, since, src) in stuck.items():
             view = views[name]
-            waiting = [r for r in view.members if seq in view.ops.get(r, {})
-                       and view.ops[r][seq].t_done is None]
+            waiting = [
+                r
+                for r in view.members
+                if seq in view.ops.get(r, {}) and view.ops[r][seq].t_done is None
+            ]
             missing = [m for m in view.members if view.last_issued(m) < seq]
             if self._mismatched.get(name, seq + 1) <= seq:
                 continue  # a mismatch before it: said, and the cause of what follows
@@ -361,8 +431,9 @@ class Analyzer:
             # first issue (a window its node stopped shipping): its progress is unknown, not
             # "never issued"; what is known is said, naming nobody
             t_op = self.threshold(view, op)[0]
-            unseen = [m for m in missing if m in self.seen_until
-                      and self.seen_until[m] < since + t_op]
+            unseen = [
+                m for m in missing if m in self.seen_until and self.seen_until[m] < since + t_op
+            ]
             if unseen and now - since > t_op:
                 found += self._unseen(view, seq, op, since, waiting, unseen, by_rank, now)
                 continue
@@ -373,18 +444,24 @@ class Analyzer:
             # one of them still inside an op its peers completed, having issued nothing
             # since: stalled there, and named there (that group and op) once held past the
             # shorter of the two ops' T, whether or not that op passed its own T yet
-            stalls = {m: h for m, (g, q) in elsewhere.items()
-                      if (h := self._stall_held(views[g], m, q, by_rank, now)) is not None}
+            stalls = {
+                m: h
+                for m, (g, q) in elsewhere.items()
+                if (h := self._stall_held(views[g], m, q, by_rank, now)) is not None
+            }
             if stalls:
                 for m, h in stalls.items():
                     g, q = elsewhere[m]
                     t_g = self.threshold(views[g], views[g].ops[m][q].op)[0]
                     if h > min(t_op, t_g):
-                        found += self._stall(views[g], q, [m], h, by_rank, now,
-                                             blocked=(view, seq, waiting))
+                        found += self._stall(
+                            views[g], q, [m], h, by_rank, now, blocked=(view, seq, waiting)
+                        )
                 continue
-            if elsewhere and (any(g in stuck for g, _ in elsewhere.values())
-                              or now - since < 2 * self.threshold(view, op)[0]):
+            if elsewhere and (
+                any(g in stuck for g, _ in elsewhere.values())
+                or now - since < 2 * self.threshold(view, op)[0]
+            ):
                 continue
             held = now - since
             # stuck only because the op failed (a member died in it) and not yet held past T:
@@ -393,49 +470,93 @@ class Analyzer:
             late = src != "failed" or held > self.threshold(view, op)[0]
             if missing and late and ("died", name, seq) not in self.said:
                 gone = [m for m in missing if m in by_rank and self.alive(by_rank[m]) is False]
-                why = {m: ("its process is gone" if m in gone else
-                           "no ring from it" if m not in by_rank else "busy outside collectives")
-                       for m in missing}
-                line = (f"{', '.join(self._where(m, by_rank) for m in missing)} never issued "
-                        f"{op} #{seq} in group {view.display}; {len(waiting)} rank"
-                        f"{'s' if len(waiting) != 1 else ''} wait in it since {held:.1f} s")
+                why = {
+                    m: (
+                        "its process is gone"
+                        if m in gone
+                        else "no ring from it"
+                        if m not in by_rank
+                        else "busy outside collectives"
+                    )
+                    for m in missing
+                }
+                line = (
+                    f"{', '.join(self._where(m, by_rank) for m in missing)} never issued "
+                    f"{op} #{seq} in group {view.display}; {len(waiting)} rank"
+                    f"{'s' if len(waiting) != 1 else ''} wait in it since {held:.1f} s"
+                )
                 if gone:
                     line += f" ({_ranks(gone)}: process gone)"
                 for m, (g, q) in elsewhere.items():
                     why[m] = f"inside {views[g].ops[m][q].op} #{q} of group {views[g].display}"
                     line += f" ({_ranks([m])}: {why[m]})"
-                found += self._new(("never_issued", name, seq, tuple(missing)), Finding(
-                    "never_issued", view.display, tuple(missing), op, seq, line, now,
-                    {"waiting": waiting, "since": since, "held_s": round(held, 3),
-                     "threshold_from": src, "why": {str(k): v for k, v in why.items()},
-                     "pids": {str(m): by_rank[m].pid for m in missing if m in by_rank}}))
+                found += self._new(
+                    ("never_issued", name, seq, tuple(missing)),
+                    Finding(
+                        "never_issued",
+                        view.display,
+                        tuple(missing),
+                        op,
+                        seq,
+                        line,
+                        now,
+                        {
+                            "waiting": waiting,
+                            "since": since,
+                            "held_s": round(held, 3),
+                            "threshold_from": src,
+                            "why": {str(k): v for k, v in why.items()},
+                            "pids": {str(m): by_rank[m].pid for m in missing if m in by_rank},
+                        },
+                    ),
+                )
                 continue
             issued = {r: view.ops[r][seq] for r in view.members if seq in view.ops.get(r, {})}
             never_done = [r for r, o in issued.items() if o.t_done is None]
             failed = [r for r, o in issued.items() if o.failed]
             dead = [r for r in never_done if r in by_rank and self.alive(by_rank[r]) is False]
             culprits = dead or (never_done if failed and never_done else [])
-            stalls = {r: h for r in never_done if not culprits
-                      and (h := self._stall_held(view, r, seq, by_rank, now)) is not None
-                      and h > t_op}
+            stalls = {
+                r: h
+                for r in never_done
+                if not culprits
+                and (h := self._stall_held(view, r, seq, by_rank, now)) is not None
+                and h > t_op
+            }
             if culprits:
-                line = (f"{', '.join(self._where(r, by_rank) for r in culprits)} died in {op} "
-                        f"#{seq} in group {view.display} (issued, never completed"
-                        f"{', process gone' if dead else ''}); {len(failed)} rank"
-                        f"{'s' if len(failed) != 1 else ''} failed in it")
-                found += self._new(("died", name, seq), Finding(
-                    "died", view.display, tuple(culprits), op, seq, line, now,
-                    {"failed": failed, "never_completed": never_done, "since": since,
-                     "pids": {str(r): by_rank[r].pid for r in culprits if r in by_rank}}))
+                line = (
+                    f"{', '.join(self._where(r, by_rank) for r in culprits)} died in {op} "
+                    f"#{seq} in group {view.display} (issued, never completed"
+                    f"{', process gone' if dead else ''}); {len(failed)} rank"
+                    f"{'s' if len(failed) != 1 else ''} failed in it"
+                )
+                found += self._new(
+                    ("died", name, seq),
+                    Finding(
+                        "died",
+                        view.display,
+                        tuple(culprits),
+                        op,
+                        seq,
+                        line,
+                        now,
+                        {
+                            "failed": failed,
+                            "never_completed": never_done,
+                            "since": since,
+                            "pids": {str(r): by_rank[r].pid for r in culprits if r in by_rank},
+                        },
+                    ),
+                )
             elif stalls:
-                found += self._stall(view, seq, list(stalls), max(stalls.values()), by_rank,
-                                     now)
+                found += self._stall(view, seq, list(stalls), max(stalls.values()), by_rank, now)
             elif not missing and len(never_done) == len(view.members):
                 found += self._transport(view, seq, op, since, never_done, by_rank, now)
         return found
 
-    def _stall_held(self, view: GroupView, rank: int, seq: int,
-                    by_rank: dict[int, RingSnapshot], now: float) -> float | None:
+    def _stall_held(
+        self, view: GroupView, rank: int, seq: int, by_rank: dict[int, RingSnapshot], now: float
+    ) -> float | None:
         """How long ``rank`` has been inside op ``seq`` of this group since the last of its
         peers that completed it did (as of its ring's last reading), when it has issued
         nothing after it in any group; None when no peer completed it, or the rank went on.
@@ -447,123 +568,232 @@ class Analyzer:
         snap = by_rank.get(rank)
         if mine is None or mine.t_done is not None or snap is None:
             return None
-        done = [o.t_done for m in view.members if m != rank
-                and (o := view.ops.get(m, {}).get(seq)) is not None
-                and o.t_done is not None and not o.failed]
+        done = [
+            o.t_done
+            for m in view.members
+            if m != rank
+            and (o := view.ops.get(m, {}).get(seq)) is not None
+            and o.t_done is not None
+            and not o.failed
+        ]
         if not done or any(o.t_issue > mine.t_issue for o in snap.ops if o is not mine):
             return None
         return min(now, self.seen_until.get(rank, now)) - max(done)
 
-    def _stall(self, view: GroupView, seq: int, ranks: list[int], held: float,
-               by_rank: dict[int, RingSnapshot], now: float,
-               blocked: tuple[GroupView, int, list[int]] | None = None) -> list[Finding]:
+    def _stall(
+        self,
+        view: GroupView,
+        seq: int,
+        ranks: list[int],
+        held: float,
+        by_rank: dict[int, RingSnapshot],
+        now: float,
+        blocked: tuple[GroupView, int, list[int]] | None = None,
+    ) -> list[Finding]:
         """Ranks still inside op ``seq`` of this group ``held`` seconds after their peers
         completed it, having issued nothing since: the cause, named in this group and op
         (with their process state where their node read it, and the op of another group
         whose ranks wait on them, ``blocked``)."""
         o = view.ops[ranks[0]][seq]
-        done = sorted(m for m in view.members if m not in ranks
-                      and (p := view.ops.get(m, {}).get(seq)) is not None
-                      and p.t_done is not None and not p.failed)
+        done = sorted(
+            m
+            for m in view.members
+            if m not in ranks
+            and (p := view.ops.get(m, {}).get(seq)) is not None
+            and p.t_done is not None
+            and not p.failed
+        )
         procs = {r: st for r in ranks if r in by_rank and (st := self.state(by_rank[r]))}
         frozen = [r for r in ranks if r in procs and procs[r][0] in ("T", "t", "D")]
         if frozen and len(frozen) < len(ranks):
             ranks = frozen  # the others inside it with them are waiting, not frozen
-        line = (f"{', '.join(self._where(r, by_rank) for r in ranks)} still inside {o.op} "
-                f"#{seq} of group {view.display} {held:.1f} s after rank"
-                f"{'s' if len(done) != 1 else ''} {_ranks(done)} completed it, and issued "
-                "nothing since")
+        line = (
+            f"{', '.join(self._where(r, by_rank) for r in ranks)} still inside {o.op} "
+            f"#{seq} of group {view.display} {held:.1f} s after rank"
+            f"{'s' if len(done) != 1 else ''} {_ranks(done)} completed it, and issued "
+            "nothing since"
+        )
         for r in ranks:
             if r in procs and procs[r][0] in _STATE_TEXT:
                 line += f" ({r}: {_STATE_TEXT[procs[r][0]]}, state {procs[r][0]})"
-        ev: dict[str, Any] = {"completed": done, "held_s": round(held, 3),
-                              "proc": {str(r): {"state": st, "cpu_ticks": cpu}
-                                       for r, (st, cpu) in procs.items()}}
+        ev: dict[str, Any] = {
+            "completed": done,
+            "held_s": round(held, 3),
+            "proc": {str(r): {"state": st, "cpu_ticks": cpu} for r, (st, cpu) in procs.items()},
+        }
         if blocked is not None:
             other, other_seq, waiting = blocked
-            line += (f"; {len(waiting)} rank{'s' if len(waiting) != 1 else ''} wait on it in "
-                     f"{other.ops[waiting[0]][other_seq].op} #{other_seq} of group "
-                     f"{other.display}" if waiting else "")
+            line += (
+                f"; {len(waiting)} rank{'s' if len(waiting) != 1 else ''} wait on it in "
+                f"{other.ops[waiting[0]][other_seq].op} #{other_seq} of group "
+                f"{other.display}"
+                if waiting
+                else ""
+            )
             ev["blocks"] = {"group": other.display, "seq": other_seq, "waiting": waiting}
-        return self._new(("stalled", view.name, seq, tuple(ranks)), Finding(
-            "stalled", view.display, tuple(ranks), o.op, seq, line, now, ev))
+        return self._new(
+            ("stalled", view.name, seq, tuple(ranks)),
+            Finding("stalled", view.display, tuple(ranks), o.op, seq, line, now, ev),
+        )
 
-    def _unseen(self, view: GroupView, seq: int, op: str, since: float, waiting: list[int],
-                unseen: list[int], by_rank: dict[int, RingSnapshot],
-                now: float) -> list[Finding]:
+    def _unseen(
+        self,
+        view: GroupView,
+        seq: int,
+        op: str,
+        since: float,
+        waiting: list[int],
+        unseen: list[int],
+        by_rank: dict[int, RingSnapshot],
+        now: float,
+    ) -> list[Finding]:
         """Ranks wait in an op that others were last seen before: their window stopped
         coming (their node's link, or its agent). Nobody is named: the controller's link
         probe tells a slow link from a busy agent."""
         held = now - since
         nodes = {str(m): by_rank[m].node if m in by_rank else "" for m in unseen}
         ages = {str(m): round(now - self.seen_until[m], 1) for m in unseen}
-        who = ", ".join(f"{self._where(m, by_rank)} (last seen {ages[str(m)]:.1f} s ago)"
-                        for m in unseen)
-        line = (f"{op} #{seq} in group {view.display}: {len(waiting)} rank"
-                f"{'s' if len(waiting) != 1 else ''} wait in it since {held:.1f} s; no ring "
-                f"of {who} read since before it: progress unknown (its node's link or agent)")
-        return self._new(("unseen", view.name, seq, tuple(unseen)), Finding(
-            "unseen", view.display, (), op, seq, line, now,
-            {"waiting": waiting, "since": since, "held_s": round(held, 3), "nodes": nodes,
-             "seen_ago_s": ages}))
+        who = ", ".join(
+            f"{self._where(m, by_rank)} (last seen {ages[str(m)]:.1f} s ago)" for m in unseen
+        )
+        line = (
+            f"{op} #{seq} in group {view.display}: {len(waiting)} rank"
+            f"{'s' if len(waiting) != 1 else ''} wait in it since {held:.1f} s; no ring "
+            f"of {who} read since before it: progress unknown (its node's link or agent)"
+        )
+        return self._new(
+            ("unseen", view.name, seq, tuple(unseen)),
+            Finding(
+                "unseen",
+                view.display,
+                (),
+                op,
+                seq,
+                line,
+                now,
+                {
+                    "waiting": waiting,
+                    "since": since,
+                    "held_s": round(held, 3),
+                    "nodes": nodes,
+                    "seen_ago_s": ages,
+                },
+            ),
+        )
 
-    def _transport(self, view: GroupView, seq: int, op: str, since: float,
-                   never_done: list[int], by_rank: dict[int, RingSnapshot],
-                   now: float) -> list[Finding]:
+    def _transport(
+        self,
+        view: GroupView,
+        seq: int,
+        op: str,
+        since: float,
+        never_done: list[int],
+        by_rank: dict[int, RingSnapshot],
+        now: float,
+    ) -> list[Finding]:
         """Issued everywhere, completed nowhere: the transport or a peer. A rank whose process
         is stopped (T, t) or in uninterruptible sleep (D) while the others are not is the
         likely peer, named; else none (gloo shows no per-peer progress)."""
         held = now - since
-        procs = {r: st for r in never_done if r in by_rank
-                 and (st := self.state(by_rank[r])) is not None}
+        procs = {
+            r: st for r in never_done if r in by_rank and (st := self.state(by_rank[r])) is not None
+        }
         frozen = sorted(r for r, (st, _) in procs.items() if st in ("T", "t", "D"))
         if len(frozen) == len(never_done):
             frozen = []  # all of them: nothing tells one apart
-        line = (f"{op} #{seq} in group {view.display} issued by all {len(never_done)} ranks, "
-                f"completed by none for {held:.1f} s: ")
+        line = (
+            f"{op} #{seq} in group {view.display} issued by all {len(never_done)} ranks, "
+            f"completed by none for {held:.1f} s: "
+        )
         if frozen:
-            line += ", ".join(f"{self._where(r, by_rank)} is "
-                              f"{_STATE_TEXT.get(procs[r][0], procs[r][0])} (state "
-                              f"{procs[r][0]}) while the others wait: the likely peer"
-                              for r in frozen)
+            line += ", ".join(
+                f"{self._where(r, by_rank)} is "
+                f"{_STATE_TEXT.get(procs[r][0], procs[r][0])} (state "
+                f"{procs[r][0]}) while the others wait: the likely peer"
+                for r in frozen
+            )
         else:
             line += "transport or peer"
-        return self._new(("transport", view.name, seq, tuple(frozen)), Finding(
-            "transport", view.display, tuple(frozen), op, seq, line, now,
-            {"since": since, "held_s": round(held, 3),
-             "proc": {str(r): {"state": st, "cpu_ticks": cpu}
-                      for r, (st, cpu) in procs.items()}}))
+        return self._new(
+            ("transport", view.name, seq, tuple(frozen)),
+            Finding(
+                "transport",
+                view.display,
+                tuple(frozen),
+                op,
+                seq,
+                line,
+                now,
+                {
+                    "since": since,
+                    "held_s": round(held, 3),
+                    "proc": {
+                        str(r): {"state": st, "cpu_ticks": cpu} for r, (st, cpu) in procs.items()
+                    },
+                },
+            ),
+        )
 
-    def _deadlock(self, cycle: list[int], waits: dict[int, dict[int, tuple[str, int]]],
-                  views: dict[str, GroupView], by_rank: dict[int, RingSnapshot],
-                  now: float) -> list[Finding]:
+    def _deadlock(
+        self,
+        cycle: list[int],
+        waits: dict[int, dict[int, tuple[str, int]]],
+        views: dict[str, GroupView],
+        by_rank: dict[int, RingSnapshot],
+        now: float,
+    ) -> list[Finding]:
         """Ranks wait in each other's groups: each side's op, and who never issued it. The
         named rank(s): the smallest side (the odd order), all of them on a tie."""
         sides: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
         for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True):
             name, seq = waits[a][b]
             view = views[name]
-            waiting = sorted(m for m in view.members if seq in view.ops.get(m, {})
-                             and (view.ops[m][seq].t_done is None or view.ops[m][seq].failed))
+            waiting = sorted(
+                m
+                for m in view.members
+                if seq in view.ops.get(m, {})
+                and (view.ops[m][seq].t_done is None or view.ops[m][seq].failed)
+            )
             missing = sorted(m for m in view.members if view.last_issued(m) < seq)
             sides[(name, seq)] = (waiting, missing)
         parts = []
         for (name, seq), (waiting, missing) in sides.items():
             op = views[name].ops[waiting[0]][seq].op
-            parts.append(f"{', '.join(self._where(r, by_rank) for r in waiting)} wait"
-                         f"{'s' if len(waiting) == 1 else ''} in {op} #{seq} of group "
-                         f"{views[name].display}, which {_ranks(missing)} never issued")
+            parts.append(
+                f"{', '.join(self._where(r, by_rank) for r in waiting)} wait"
+                f"{'s' if len(waiting) == 1 else ''} in {op} #{seq} of group "
+                f"{views[name].display}, which {_ranks(missing)} never issued"
+            )
         smallest = min(len(m) for _, m in sides.values())
         named = sorted({r for _, m in sides.values() if len(m) == smallest for r in m})
         (name, seq), (waiting, _) = next(iter(sides.items()))
         line = "deadlock: " + "; ".join(parts)
-        return self._new(("deadlock", tuple(sorted(sides))), Finding(
-            "deadlock", views[name].display, tuple(named), views[name].ops[waiting[0]][seq].op,
-            seq, line, now, {"sides": {f"{views[n].display}#{q}": {"waiting": w, "missing": m}
-                                       for (n, q), (w, m) in sides.items()}}))
+        return self._new(
+            ("deadlock", tuple(sorted(sides))),
+            Finding(
+                "deadlock",
+                views[name].display,
+                tuple(named),
+                views[name].ops[waiting[0]][seq].op,
+                seq,
+                line,
+                now,
+                {
+                    "sides": {
+                        f"{views[n].display}#{q}": {"waiting": w, "missing": m}
+                        for (n, q), (w, m) in sides.items()
+                    }
+                },
+            ),
+        )
 
-    def _slowdown(self, view: GroupView, views: dict[str, GroupView],
-                  by_rank: dict[int, RingSnapshot], now: float) -> list[Finding]:
+    def _slowdown(
+        self,
+        view: GroupView,
+        views: dict[str, GroupView],
+        by_rank: dict[int, RingSnapshot],
+        now: float,
+    ) -> list[Finding]:
         """Interval doubled or throughput halved against the group's baseline. Named: the rank
         whose lag behind each op's first issue grew past its own baseline lag and well past
         the others' growth, in this group or another group of its members (ops right after a
@@ -578,11 +808,11 @@ class Analyzer:
         starts = {s: max(view.ops[r][s].t_issue for r in view.ops) for s in complete}
         nbytes = {s: max(view.ops[r][s].nbytes for r in view.ops) for s in complete}
         if view.name not in self._baseline:
-            base = complete[self.warmup_ops:self.warmup_ops + self.baseline_ops]
+            base = complete[self.warmup_ops : self.warmup_ops + self.baseline_ops]
             self._baseline[view.name] = _rate(base, starts, nbytes)
             self._wire_base[view.name] = _wire(view, base)
         interval0, tput0 = self._baseline[view.name]
-        recent = complete[-self.window_ops:]
+        recent = complete[-self.window_ops :]
         if recent[0] <= complete[self.warmup_ops + self.baseline_ops - 1]:
             return []
         interval, tput = _rate(recent, starts, nbytes)
@@ -595,8 +825,11 @@ class Analyzer:
         if self._slow.get(view.name):
             return []  # said, with its rank, in this slow episode
         members = set(view.members)
-        growths = [(g, other) for other in views.values() if set(other.members) == members
-                   and (g := self._lag_growth(other)) is not None]
+        growths = [
+            (g, other)
+            for other in views.values()
+            if set(other.members) == members and (g := self._lag_growth(other)) is not None
+        ]
         # the group where one rank's lag grew the most past the others' (ops right after a
         # slowed rank's op issue together: its lag shows in the first group of the step)
         g, where = max(growths, key=lambda x: x[0].margin) if growths else (None, view)
@@ -606,8 +839,12 @@ class Analyzer:
         # by twice the most any other rank's grew: a rank that habitually issues late (its
         # place in the pipeline, a slower node) keeps its baseline lag; load on the machine
         # slows every rank alike. A throughput drop with the interval kept is the transport's
-        passes = (g is not None and interval > 1.5 * interval0 and g.growth > 0.5 * added
-                  and g.growth > max(2 * g.others, self.min_growth_s))
+        passes = (
+            g is not None
+            and interval > 1.5 * interval0
+            and g.growth > 0.5 * added
+            and g.growth > max(2 * g.others, self.min_growth_s)
+        )
         # and only when the ops issued since it passed confirm it (its lag, against the same
         # baseline, the largest and over twice the others'): a slowdown that starts on every
         # rank (a hog takes a core of two) must not blame a lag that the machine gave another
@@ -625,10 +862,14 @@ class Analyzer:
             if not named:
                 self._candidate[view.name] = cand
         pending = passes and not named  # a rank to confirm: the slowdown is said, no rank
-        ev = {"interval_s": round(interval, 4), "baseline_interval_s": round(interval0, 4),
-              "bytes_per_s": round(tput), "baseline_bytes_per_s": round(tput0),
-              "window_ops": len(recent),
-              "lagging": {} if g is None else {**g.doc(), "group": where.display}}
+        ev = {
+            "interval_s": round(interval, 4),
+            "baseline_interval_s": round(interval0, 4),
+            "bytes_per_s": round(tput),
+            "baseline_bytes_per_s": round(tput0),
+            "window_ops": len(recent),
+            "lagging": {} if g is None else {**g.doc(), "group": where.display},
+        }
         ratio = interval / interval0 if interval0 > 0 else float("inf")
         op = next(iter(view.ops.values()))[recent[-1]].op
         said = self._slow.get(view.name)
@@ -636,29 +877,37 @@ class Analyzer:
         if said is not None and not named:
             return []  # said already in this episode (naming nobody); a rank may still follow
         if named and g is not None:
-            line = (f"{self._where(g.rank, by_rank)} slows group {view.display}: its lag behind "
-                    f"the first issue"
-                    + (f" in group {where.display}" if where is not view else "")
-                    + f" grew from {g.base * 1e3:.0f} ms (its baseline) to "
-                    f"{g.recent * 1e3:.0f} ms over the last {g.window} ops, the others' by "
-                    f"{max(g.others, 0.0) * 1e3:.0f} ms at most; op interval {ratio:.1f}x its "
-                    f"baseline")
+            line = (
+                f"{self._where(g.rank, by_rank)} slows group {view.display}: its lag behind "
+                f"the first issue"
+                + (f" in group {where.display}" if where is not view else "")
+                + f" grew from {g.base * 1e3:.0f} ms (its baseline) to "
+                f"{g.recent * 1e3:.0f} ms over the last {g.window} ops, the others' by "
+                f"{max(g.others, 0.0) * 1e3:.0f} ms at most; op interval {ratio:.1f}x its "
+                f"baseline"
+            )
             return [Finding("slow", view.display, (g.rank,), op, recent[-1], line, now, ev)]
         wire0, wire = self._wire_base[view.name], _wire(view, recent)
         ev["wire_s"], ev["baseline_wire_s"] = round(wire, 4), round(wire0, 4)
         if pending and g is not None:  # (one pass of a fresh analyzer, as the controller's
             ev["cause"] = "unconfirmed"  # is, never confirms: its suspicion is this line)
-            line = (f"group {view.display} slowed: op interval {ratio:.1f}x its baseline; "
-                    f"{self._where(g.rank, by_rank)}'s lag grew, not yet borne out by the "
-                    f"ops after it: no rank named yet")
+            line = (
+                f"group {view.display} slowed: op interval {ratio:.1f}x its baseline; "
+                f"{self._where(g.rank, by_rank)}'s lag grew, not yet borne out by the "
+                f"ops after it: no rank named yet"
+            )
         elif wire - wire0 > 0.5 * max(added, 0.0) or interval <= 1.5 * interval0:
             ev["cause"] = "transport"
-            line = (f"group {view.display} slowed: op interval {ratio:.1f}x its baseline, ops "
-                    f"issued together by all ranks: transport (link) or peer")
+            line = (
+                f"group {view.display} slowed: op interval {ratio:.1f}x its baseline, ops "
+                f"issued together by all ranks: transport (link) or peer"
+            )
         else:
             ev["cause"] = "load"
-            line = (f"group {view.display} slowed: op interval {ratio:.1f}x its baseline, no "
-                    f"rank's lag grew past the others': load on all ranks (or a link)")
+            line = (
+                f"group {view.display} slowed: op interval {ratio:.1f}x its baseline, no "
+                f"rank's lag grew past the others': load on all ranks (or a link)"
+            )
         return [Finding("slow", view.display, (), op, recent[-1], line, now, ev)]
 
     def _lag_growth(self, view: GroupView) -> LagGrowth | None:
@@ -668,17 +917,28 @@ class Analyzer:
         the slowdown keeps that lag in its baseline); the rank whose lag grew most, and the
         most any other rank's grew. None before the window is past the first baseline."""
         complete = _complete(view)
-        if len(complete) < self.warmup_ops + self.baseline_ops + self.window_ops or \
-                len(view.ops) < 2:
+        if (
+            len(complete) < self.warmup_ops + self.baseline_ops + self.window_ops
+            or len(view.ops) < 2
+        ):
             return None
-        recent = complete[-self.window_ops:]
-        base = _lags(view, complete[-self.window_ops - self.baseline_ops:-self.window_ops])
+        recent = complete[-self.window_ops :]
+        base = _lags(view, complete[-self.window_ops - self.baseline_ops : -self.window_ops])
         now_lags = _lags(view, recent)
         growth = {r: now_lags[r] - base.get(r, 0.0) for r in now_lags}
         rank = max(growth, key=growth.__getitem__)
         others = max((v for r, v in growth.items() if r != rank), default=0.0)
-        return LagGrowth(rank, growth[rank], others, base.get(rank, 0.0), now_lags[rank],
-                         len(recent), view.name, recent[-1], base)
+        return LagGrowth(
+            rank,
+            growth[rank],
+            others,
+            base.get(rank, 0.0),
+            now_lags[rank],
+            len(recent),
+            view.name,
+            recent[-1],
+            base,
+        )
 
     def _confirmed(self, cand: LagGrowth, view: GroupView) -> bool | None:
         """Whether the ops after ``cand``'s window bear it out (None: too few yet, a quarter
@@ -713,9 +973,14 @@ class LagGrowth:
         return self.growth - max(self.others, 0.0)
 
     def doc(self) -> dict[str, Any]:
-        return {"rank": self.rank, "lag_s": round(self.recent, 4),
-                "baseline_lag_s": round(self.base, 4), "growth_s": round(self.growth, 4),
-                "others_growth_s": round(self.others, 4), "of": self.window}
+        return {
+            "rank": self.rank,
+            "lag_s": round(self.recent, 4),
+            "baseline_lag_s": round(self.base, 4),
+            "growth_s": round(self.growth, 4),
+            "others_growth_s": round(self.others, 4),
+            "of": self.window,
+        }
 
 
 def _lags(view: GroupView, seqs: list[int]) -> dict[int, float]:
@@ -734,7 +999,9 @@ def _wire(view: GroupView, seqs: list[int]) -> float:
         return 0.0
     return statistics.median(
         statistics.median(view.ops[r][s].t_done for r in view.ops)  # type: ignore[type-var]
-        - max(view.ops[r][s].t_issue for r in view.ops) for s in seqs)
+        - max(view.ops[r][s].t_issue for r in view.ops)
+        for s in seqs
+    )
 
 
 _STATE_TEXT = {"T": "stopped", "t": "stopped by a tracer", "D": "in uninterruptible sleep"}
@@ -744,12 +1011,14 @@ def _complete(view: GroupView) -> list[int]:
     """The sequence numbers every member issued and completed, in order."""
     if not view.ops or not set(view.ops) >= set(view.members):
         return []
-    return sorted(s for s in set.intersection(*(set(o) for o in view.ops.values()))
-                  if all(view.ops[r][s].t_done is not None for r in view.ops))
+    return sorted(
+        s
+        for s in set.intersection(*(set(o) for o in view.ops.values()))
+        if all(view.ops[r][s].t_done is not None for r in view.ops)
+    )
 
 
-def _rate(seqs: list[int], starts: dict[int, float], nbytes: dict[int, int]
-          ) -> tuple[float, float]:
+def _rate(seqs: list[int], starts: dict[int, float], nbytes: dict[int, int]) -> tuple[float, float]:
     gaps = [starts[b] - starts[a] for a, b in zip(seqs, seqs[1:], strict=False)]
     span = starts[seqs[-1]] - starts[seqs[0]]
     interval = statistics.median(gaps) if gaps else 0.0
@@ -760,8 +1029,7 @@ def _rate(seqs: list[int], starts: dict[int, float], nbytes: dict[int, int]
 RUN_SKEW_S = 1.0
 
 
-def _one_run(view: GroupView, seq: int, ranks: list[int],
-             by_rank: dict[int, RingSnapshot]) -> bool:
+def _one_run(view: GroupView, seq: int, ranks: list[int], by_rank: dict[int, RingSnapshot]) -> bool:
     """Whether these ranks' ops ``seq`` belong to one run of the group: each was issued
     after every other one's ring was made. Why: after a launcher restarted its ranks, the
     newest ring of a rank that has not started again is the dead process's, whose sequence
@@ -804,7 +1072,7 @@ def _cycle(waits: dict[int, set[int]]) -> list[int]:
                 break
             node = nxt[0]
             if node in seen:
-                return path[path.index(node):]
+                return path[path.index(node) :]
             path.append(node)
             seen.add(node)
     return []

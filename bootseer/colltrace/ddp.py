@@ -58,8 +58,11 @@ def _builtin_equivalent(kind: Any) -> Callable[..., Any]:
 
 
 def _attach(ddp: Any) -> None:
-    if getattr(ddp, "_bootseer_hook", None) is not None or ddp._use_python_reducer or \
-            getattr(ddp, "_delay_all_reduce_all_params", False):
+    if (
+        getattr(ddp, "_bootseer_hook", None) is not None
+        or ddp._use_python_reducer
+        or getattr(ddp, "_delay_all_reduce_all_params", False)
+    ):
         return
     if ddp._get_ddp_logging_data().get("comm_hook"):  # the script's own, registered first
         return
@@ -89,8 +92,10 @@ def _patch_registration(DDP: Any) -> None:  # noqa: N803 - the class
     """A hook registered after the tracer's is run by it (DDP takes one per module). Stays
     patched after :func:`uninstall`: a module hooked while the tracer was on still takes a
     script's late hook; a module without the tracer's hook passes straight through."""
-    _ORIGINALS.update(register_comm_hook=DDP.register_comm_hook,
-                      _register_builtin_comm_hook=DDP._register_builtin_comm_hook)
+    _ORIGINALS.update(
+        register_comm_hook=DDP.register_comm_hook,
+        _register_builtin_comm_hook=DDP._register_builtin_comm_hook,
+    )
 
     def register_comm_hook(self: Any, state: Any, hook: Callable[..., Any]) -> None:
         traced = getattr(self, "_bootseer_hook", None)

@@ -27,14 +27,38 @@ from .ring import RING_DIR_WHAT, Op, RingSnapshot
 
 __all__ = ["dump", "snapshot", "write_dump"]
 
-_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
-           "Long": "int64", "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8",
-           "Bool": "bool"}
-_NAMES = {"allreduce": "all_reduce", "allgather": "all_gather", "_allgather_base":
-          "all_gather_single", "_reduce_scatter_base": "reduce_scatter_single",
-          "alltoall_base": "all_to_all_single", "alltoall": "all_to_all"}
-_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-          "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+_DTYPES = {
+    "Float": "float32",
+    "Double": "float64",
+    "Half": "float16",
+    "BFloat16": "bfloat16",
+    "Long": "int64",
+    "Int": "int32",
+    "Short": "int16",
+    "Char": "int8",
+    "Byte": "uint8",
+    "Bool": "bool",
+}
+_NAMES = {
+    "allreduce": "all_reduce",
+    "allgather": "all_gather",
+    "_allgather_base": "all_gather_single",
+    "_reduce_scatter_base": "reduce_scatter_single",
+    "alltoall_base": "all_to_all_single",
+    "alltoall": "all_to_all",
+}
+_SIZES = {
+    "float32": 4,
+    "float64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 def dump() -> dict[str, Any] | None:
@@ -64,8 +88,15 @@ def write_dump(directory: str | os.PathLike, rank: int) -> Path | None:
 def snapshot(doc: dict[str, Any], rank: int, *, node: str = "", pid: int = 0) -> RingSnapshot:
     """A Flight Recorder dump as the analysis's input (collectives and p2p, per group)."""
     status = doc.get("pg_status") or {}
-    snap = RingSnapshot(path="flight-recorder", rank=rank, world=0, pid=pid, node=node,
-                        created=time.time(), head=len(doc.get("entries") or []))
+    snap = RingSnapshot(
+        path="flight-recorder",
+        rank=rank,
+        world=0,
+        pid=pid,
+        node=node,
+        created=time.time(),
+        head=len(doc.get("entries") or []),
+    )
     for n, e in enumerate(doc.get("entries") or []):
         name, desc = (list(e.get("process_group") or ["?", ""]) + [""])[:2]
         snap.groups.setdefault(name, {"name": name, "desc": desc, "ranks": [], "rank": -1})
@@ -75,12 +106,31 @@ def snapshot(doc: dict[str, Any], rank: int, *, node: str = "", pid: int = 0) ->
         numel = sum(math.prod(s) for s in e.get("input_sizes") or [])
         p2p = bool(e.get("is_p2p"))
         seq = int(e.get("p2p_seq_id") if p2p else e.get("collective_seq_id") or 0)
-        last_done = int((status.get(str(e.get("pg_id"))) or {}).get(
-            "last_completed_collective", -1))
+        last_done = int(
+            (status.get(str(e.get("pg_id"))) or {}).get("last_completed_collective", -1)
+        )
         issued = int(e.get("time_created_ns") or 0) / 1e9
         found = int(e.get("time_discovered_completed_ns") or 0) / 1e9
-        done = e.get("state") == "completed" or bool(e.get("retired")) or (
-            not p2p and seq <= last_done)
-        snap.ops.append(Op(rank, n, name, op, seq, numel, numel * _SIZES.get(dtype, 0), dtype,
-                           issued, (found or issued) if done else None, False, p2p, -1))
+        done = (
+            e.get("state") == "completed"
+            or bool(e.get("retired"))
+            or (not p2p and seq <= last_done)
+        )
+        snap.ops.append(
+            Op(
+                rank,
+                n,
+                name,
+                op,
+                seq,
+                numel,
+                numel * _SIZES.get(dtype, 0),
+                dtype,
+                issued,
+                (found or issued) if done else None,
+                False,
+                p2p,
+                -1,
+            )
+        )
     return snap

@@ -28,8 +28,15 @@ __all__ = ["measure", "slow_node"]
 PAYLOAD = 512 << 10
 
 
-def measure(address: str, *, node: str, payload: int = PAYLOAD, repeats: int = 3,
-            timeout_s: float = 60.0, store: Any = None) -> dict[str, Any]:
+def measure(
+    address: str,
+    *,
+    node: str,
+    payload: int = PAYLOAD,
+    repeats: int = 3,
+    timeout_s: float = 60.0,
+    store: Any = None,
+) -> dict[str, Any]:
     """This host's round trip (ms) and throughput (Mbit/s, up and down) to the store at
     ``address`` (or through ``store``, an open client); its keys are removed after."""
     import torch.distributed  # noqa: F401 - imported before the clock starts (seconds)
@@ -67,15 +74,22 @@ def measure(address: str, *, node: str, payload: int = PAYLOAD, repeats: int = 3
                 pass
     up = payload * 8 / statistics.median(ups) / 1e6
     down = payload * 8 / statistics.median(downs) / 1e6
-    return {"node": node, "rtt_ms": round(rtt * 1e3, 3), "up_mbps": round(up, 2),
-            "down_mbps": round(down, 2), "mbps": round(min(up, down), 2),
-            "payload": payload, "time": time.time(),
-            "connect_s": round(connected - began, 3),
-            "took_s": round(time.perf_counter() - began, 3)}  # connect and measure
+    return {
+        "node": node,
+        "rtt_ms": round(rtt * 1e3, 3),
+        "up_mbps": round(up, 2),
+        "down_mbps": round(down, 2),
+        "mbps": round(min(up, down), 2),
+        "payload": payload,
+        "time": time.time(),
+        "connect_s": round(connected - began, 3),
+        "took_s": round(time.perf_counter() - began, 3),
+    }  # connect and measure
 
 
-def slow_node(measures: dict[str, dict[str, Any]], *, factor: float = 3.0
-              ) -> tuple[str, str] | None:
+def slow_node(
+    measures: dict[str, dict[str, Any]], *, factor: float = 3.0
+) -> tuple[str, str] | None:
     """(node, why) for the one node whose link is ``factor`` x slower than the others'
     median (throughput or round trip), or the one node whose probe failed (``error``) while
     the others measured; else None (none, several, or fewer than 2 nodes)."""
@@ -93,24 +107,42 @@ def slow_node(measures: dict[str, dict[str, Any]], *, factor: float = 3.0
         mbps = statistics.median(o["mbps"] for o in others)
         rtt = statistics.median(o["rtt_ms"] for o in others)
         if m["mbps"] * factor < mbps:
-            slow.append((node, f"{m['mbps']:.1f} Mbit/s to the store against {mbps:.1f} "
-                               "(the other nodes' median)"))
+            slow.append(
+                (
+                    node,
+                    f"{m['mbps']:.1f} Mbit/s to the store against {mbps:.1f} "
+                    "(the other nodes' median)",
+                )
+            )
         elif m["rtt_ms"] > factor * rtt and m["rtt_ms"] - rtt > 5:
-            slow.append((node, f"round trip {m['rtt_ms']:.1f} ms to the store against "
-                               f"{rtt:.1f} ms (the other nodes' median)"))
+            slow.append(
+                (
+                    node,
+                    f"round trip {m['rtt_ms']:.1f} ms to the store against "
+                    f"{rtt:.1f} ms (the other nodes' median)",
+                )
+            )
     return slow[0] if len(slow) == 1 else None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bootseer.colltrace.probe",
-                                description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bootseer.colltrace.probe", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--store", required=True, help="HOST:PORT of the job's c10d store")
     p.add_argument("--node", required=True, help="this node's name (the probe's key)")
     p.add_argument("--payload", type=int, default=PAYLOAD, help="bytes per set/get")
-    p.add_argument("--on-stdin", action="store_true",
-                   help="connect, print 'ready', measure when a line comes on stdin")
-    p.add_argument("--timeout", type=float, default=20.0,
-                   help="seconds to connect and for each request (a node that cannot: named)")
+    p.add_argument(
+        "--on-stdin",
+        action="store_true",
+        help="connect, print 'ready', measure when a line comes on stdin",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=20.0,
+        help="seconds to connect and for each request (a node that cannot: named)",
+    )
     args = p.parse_args(argv)
     began = time.perf_counter()
     try:
@@ -123,14 +155,30 @@ def main(argv: list[str] | None = None) -> int:
             if not sys.stdin.readline():
                 return 0  # closed without an order: nothing to measure
             began = time.perf_counter()
-        print(json.dumps(measure(args.store, node=args.node, payload=args.payload,
-                                 timeout_s=args.timeout, store=store)))
+        print(
+            json.dumps(
+                measure(
+                    args.store,
+                    node=args.node,
+                    payload=args.payload,
+                    timeout_s=args.timeout,
+                    store=store,
+                )
+            )
+        )
     except (RuntimeError, OSError, ValueError) as exc:  # the result too: its link failed
         why = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
-        print(f"bootseer: probe: cannot measure the link to {args.store}: {why}",
-              file=sys.stderr)
-        print(json.dumps({"node": args.node, "error": why, "time": time.time(),
-                          "took_s": round(time.perf_counter() - began, 3)}))
+        print(f"bootseer: probe: cannot measure the link to {args.store}: {why}", file=sys.stderr)
+        print(
+            json.dumps(
+                {
+                    "node": args.node,
+                    "error": why,
+                    "time": time.time(),
+                    "took_s": round(time.perf_counter() - began, 3),
+                }
+            )
+        )
         return 1
     return 0
 

@@ -46,10 +46,17 @@ def _say(line: str) -> None:
 class Watch:
     """Rings of one node's ranks -> findings, written to the trace (see the module doc)."""
 
-    def __init__(self, directory: str | os.PathLike, *, analyzer: Analyzer | None = None,
-                 trace_dir: str | os.PathLike | None = None, node: str = "",
-                 poll_s: float = 1.0, stack_wait_s: float = 2.0,
-                 log: Callable[[str], None] = _say) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        analyzer: Analyzer | None = None,
+        trace_dir: str | os.PathLike | None = None,
+        node: str = "",
+        poll_s: float = 1.0,
+        stack_wait_s: float = 2.0,
+        log: Callable[[str], None] = _say,
+    ) -> None:
         self.base = Path(directory)
         self.directory = self.base
         self.analyzer = analyzer or Analyzer(node=node or None)
@@ -68,8 +75,10 @@ class Watch:
     # -- attempts --------------------------------------------------------------------------
     def child_env(self, attempt: int) -> dict[str, str]:
         """What the command of ``attempt`` needs to record into this watch's directory."""
-        return {"BOOTSEER_COLLTRACE_ENABLED": "1",
-                "BOOTSEER_COLLTRACE_DIR": str(self.base / f"attempt-{attempt}")}
+        return {
+            "BOOTSEER_COLLTRACE_ENABLED": "1",
+            "BOOTSEER_COLLTRACE_DIR": str(self.base / f"attempt-{attempt}"),
+        }
 
     def start(self, attempt: int) -> None:
         """A fresh analysis and ring directory for ``attempt``; older attempts' rings go."""
@@ -77,8 +86,9 @@ class Watch:
         self.attempt = attempt
         self.directory = self.base / f"attempt-{attempt}"
         a = self.analyzer
-        self.analyzer = Analyzer(stuck_s=a.stuck_s, floor_s=a.floor_s, k=a.k,
-                                 straggler_s=a.straggler_s, node=a.node)
+        self.analyzer = Analyzer(
+            stuck_s=a.stuck_s, floor_s=a.floor_s, k=a.k, straggler_s=a.straggler_s, node=a.node
+        )
         # the attempt's directory is made here, 0700, before the command starts; older
         # attempts' go (removed through the base's descriptor, links never followed)
         try:
@@ -112,8 +122,11 @@ class Watch:
 
     def _refuse(self, exc: OSError) -> None:
         """A directory or ring another user could control: said once, never read."""
-        line = f"refused: {exc}" if isinstance(exc, UnsafePath) else f"cannot use the ring " \
-            f"directory {self.directory}: {exc}"
+        line = (
+            f"refused: {exc}"
+            if isinstance(exc, UnsafePath)
+            else f"cannot use the ring directory {self.directory}: {exc}"
+        )
         if line != self._refused:
             self._refused = line
             self.log(line)
@@ -132,15 +145,22 @@ class Watch:
         except Exception as exc:  # noqa: BLE001 - the rings are checked (.validate); a
             # combination of their values the analysis did not foresee costs this pass, never
             # the agent or the job
-            self.refusals.say("#analysis", f"warning: the analysis failed on these rings "
-                              f"({type(exc).__name__}: {exc}): this pass skipped",
-                              type(exc).__name__)
+            self.refusals.say(
+                "#analysis",
+                f"warning: the analysis failed on these rings "
+                f"({type(exc).__name__}: {exc}): this pass skipped",
+                type(exc).__name__,
+            )
             return []
         by_rank = {s.rank: s for s in snaps}
         for f in found:
             if f.kind == "never_issued" and self.trace_dir is not None:
-                stacks = {str(r): s for r in f.ranks if r in by_rank
-                          and (s := stack_of(by_rank[r], self.trace_dir, self.stack_wait_s))}
+                stacks = {
+                    str(r): s
+                    for r in f.ranks
+                    if r in by_rank
+                    and (s := stack_of(by_rank[r], self.trace_dir, self.stack_wait_s))
+                }
                 if stacks:
                     f.evidence["stacks"] = stacks
                     first = next(iter(stacks.values())).splitlines()
@@ -158,9 +178,12 @@ class Watch:
         try:
             return window(snaps, node=self.node, attempt=self.attempt)
         except Exception as exc:  # noqa: BLE001 - as in poll: never the agent's end
-            self.refusals.say("#window", f"warning: cannot make the ring window "
-                              f"({type(exc).__name__}: {exc}): none shipped this pass",
-                              type(exc).__name__)
+            self.refusals.say(
+                "#window",
+                f"warning: cannot make the ring window "
+                f"({type(exc).__name__}: {exc}): none shipped this pass",
+                type(exc).__name__,
+            )
             return window([], node=self.node, attempt=self.attempt)
 
     def lines(self) -> list[str]:
@@ -177,14 +200,22 @@ class Watch:
             self.log(f"warning: cannot write the colltrace record: {exc}")
 
 
-def verdict_docs(found: list[Finding], grid: dict[str, dict[int, str]], node: str,
-                 attempt: int) -> list[dict[str, Any]]:
+def verdict_docs(
+    found: list[Finding], grid: dict[str, dict[int, str]], node: str, attempt: int
+) -> list[dict[str, Any]]:
     """The records of a pass's findings and its grid, as ``colltrace-<node>.ndjson`` holds
     them (:func:`read_verdicts` reads them back; ``bootseer report`` shows them)."""
-    return ([{"colltrace": "verdict", "node": node, "attempt": attempt, **f.to_doc()}
-             for f in found]
-            + [{"colltrace": "grid", "node": node, "attempt": attempt, "time": found[-1].time,
-                "grid": _grid_doc(grid)}])
+    return [
+        {"colltrace": "verdict", "node": node, "attempt": attempt, **f.to_doc()} for f in found
+    ] + [
+        {
+            "colltrace": "grid",
+            "node": node,
+            "attempt": attempt,
+            "time": found[-1].time,
+            "grid": _grid_doc(grid),
+        }
+    ]
 
 
 def _grid_doc(grid: dict[str, dict[int, str]]) -> dict[str, dict[str, str]]:
@@ -233,8 +264,9 @@ def _tail_dump(path: Path, offset: int) -> str:
     return "\n".join(frames[:20])
 
 
-def read_verdicts(paths: list[str | os.PathLike]) -> tuple[list[dict[str, Any]],
-                                                           list[dict[str, Any]]]:
+def read_verdicts(
+    paths: list[str | os.PathLike],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The colltrace verdicts and grids under these trace files or directories."""
     files: list[Path] = []
     for p in map(Path, paths):
@@ -255,8 +287,13 @@ def read_verdicts(paths: list[str | os.PathLike]) -> tuple[list[dict[str, Any]],
             except ValueError:
                 continue
             if isinstance(doc, dict):
-                (verdicts if doc.get("colltrace") == "verdict" else grids
-                 if doc.get("colltrace") == "grid" else []).append(doc)
+                (
+                    verdicts
+                    if doc.get("colltrace") == "verdict"
+                    else grids
+                    if doc.get("colltrace") == "grid"
+                    else []
+                ).append(doc)
     verdicts.sort(key=lambda d: d.get("time") or 0)
     grids.sort(key=lambda d: d.get("time") or 0)
     return verdicts, grids

@@ -46,18 +46,28 @@ __all__ = ["Recorder", "PATCHED", "active"]
 
 #: ProcessGroup method -> (op name in the ring, index of the argument that holds the payload)
 PATCHED: dict[str, tuple[str, int | None]] = {
-    "allreduce": ("all_reduce", 0), "allreduce_coalesced": ("all_reduce_coalesced", 0),
-    "broadcast": ("broadcast", 0), "reduce": ("reduce", 0),
-    "allgather": ("all_gather", 1), "all_gather_single": ("all_gather_single", 1),
-    "_allgather_base": ("all_gather_single", 1), "allgather_coalesced": ("all_gather_coalesced", 1),
+    "allreduce": ("all_reduce", 0),
+    "allreduce_coalesced": ("all_reduce_coalesced", 0),
+    "broadcast": ("broadcast", 0),
+    "reduce": ("reduce", 0),
+    "allgather": ("all_gather", 1),
+    "all_gather_single": ("all_gather_single", 1),
+    "_allgather_base": ("all_gather_single", 1),
+    "allgather_coalesced": ("all_gather_coalesced", 1),
     "allgather_into_tensor_coalesced": ("all_gather_into_tensor_coalesced", 1),
-    "reduce_scatter": ("reduce_scatter", 1), "reduce_scatter_single": ("reduce_scatter_single", 1),
+    "reduce_scatter": ("reduce_scatter", 1),
+    "reduce_scatter_single": ("reduce_scatter_single", 1),
     "_reduce_scatter_base": ("reduce_scatter_single", 1),
     "reduce_scatter_tensor_coalesced": ("reduce_scatter_tensor_coalesced", 1),
-    "alltoall": ("all_to_all", 1), "all_to_all_single": ("all_to_all_single", 1),
-    "alltoall_base": ("all_to_all_single", 1), "barrier": ("barrier", None),
-    "monitored_barrier": ("monitored_barrier", None), "gather": ("gather", 1),
-    "scatter": ("scatter", 0), "send": ("send", 0), "recv": ("recv", 0),
+    "alltoall": ("all_to_all", 1),
+    "all_to_all_single": ("all_to_all_single", 1),
+    "alltoall_base": ("all_to_all_single", 1),
+    "barrier": ("barrier", None),
+    "monitored_barrier": ("monitored_barrier", None),
+    "gather": ("gather", 1),
+    "scatter": ("scatter", 0),
+    "send": ("send", 0),
+    "recv": ("recv", 0),
     "recv_anysource": ("recv_anysource", 0),
 }
 _P2P = {"send", "recv", "recv_anysource"}
@@ -94,8 +104,9 @@ def _payload(x: Any, dtypes: dict[Any, int]) -> tuple[int, int, int]:
 class Recorder:
     """Patches ``ProcessGroup`` and writes one ring record per op (see the module doc)."""
 
-    def __init__(self, directory: str | os.PathLike, *, capacity: int = 4096,
-                 node: str | None = None) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, *, capacity: int = 4096, node: str | None = None
+    ) -> None:
         import torch
 
         self.directory = Path(directory)
@@ -107,8 +118,11 @@ class Recorder:
         self._groups: dict[Any, tuple[int, Any, list[int]]] = {}  # pg -> (id, seq counter, ranks)
         self._p2p: dict[tuple[int, int, int], Any] = {}  # (group, peer, send?) -> counter
         self._originals: dict[str, Callable[..., Any]] = {}
-        self._dtypes = {getattr(torch, name): code for name, code in DTYPE_CODE.items()
-                        if isinstance(getattr(torch, name, None), torch.dtype)}
+        self._dtypes = {
+            getattr(torch, name): code
+            for name, code in DTYPE_CODE.items()
+            if isinstance(getattr(torch, name, None), torch.dtype)
+        }
         self._pg_class = None
 
     # -- on and off ----------------------------------------------------------------------
@@ -140,8 +154,9 @@ class Recorder:
             self.ring.close()
 
     # -- the hot path ----------------------------------------------------------------------
-    def _wrap(self, original: Callable[..., Any], op: int, arg: int | None,
-              p2p: bool) -> Callable[..., Any]:
+    def _wrap(
+        self, original: Callable[..., Any], op: int, arg: int | None, p2p: bool
+    ) -> Callable[..., Any]:
         recorder = self
         dtypes = self._dtypes
         now = time.time_ns
@@ -151,22 +166,25 @@ class Recorder:
             if entry is None:
                 entry = recorder._new_group(pg)
             gid, counter, ranks = entry
-            numel, nbytes, dtype = (0, 0, 0) if arg is None or len(args) <= arg else \
-                _payload(args[arg], dtypes)
+            numel, nbytes, dtype = (
+                (0, 0, 0) if arg is None or len(args) <= arg else _payload(args[arg], dtypes)
+            )
             peer = -1
             if p2p:
                 peer = args[1] if op != OP_CODE["recv_anysource"] and len(args) > 1 else -1
                 key = (gid, peer, op == OP_CODE["send"])
                 counter = recorder._p2p.get(key) or recorder._p2p.setdefault(
-                    key, itertools.count(1))
+                    key, itertools.count(1)
+                )
                 if 0 <= peer < len(ranks):
                     peer = ranks[peer]
             ring = recorder.ring
             if ring is None:  # its directory was refused: untraced, never an error here
                 return original(pg, *args, **kwargs)
             n = next(recorder._numbers)
-            off = ring.write(n, gid, op, FLAG_P2P if p2p else 0, dtype, next(counter), numel,
-                             nbytes, now(), peer)
+            off = ring.write(
+                n, gid, op, FLAG_P2P if p2p else 0, dtype, next(counter), numel, nbytes, now(), peer
+            )
             try:
                 work = original(pg, *args, **kwargs)
             except BaseException:
@@ -206,17 +224,21 @@ class Recorder:
             if pg in self._groups:
                 return self._groups[pg]
             if self.ring is None and not self.refused:
-                rank = dist.get_rank() if dist.is_initialized() else int(
-                    os.environ.get("RANK", "0"))
-                world = dist.get_world_size() if dist.is_initialized() else int(
-                    os.environ.get("WORLD_SIZE", "1"))
+                rank = (
+                    dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+                )
+                world = (
+                    dist.get_world_size()
+                    if dist.is_initialized()
+                    else int(os.environ.get("WORLD_SIZE", "1"))
+                )
                 try:
-                    self.ring = Ring(self.directory, rank, world, capacity=self.capacity,
-                                     node=self.node)
+                    self.ring = Ring(
+                        self.directory, rank, world, capacity=self.capacity, node=self.node
+                    )
                 except (OSError, ValueError) as exc:  # a refused directory: no tracing,
                     self.refused = str(exc)  # and the collective itself goes on
-                    print(f"bootseer: colltrace: not recording: {exc}", file=sys.stderr,
-                          flush=True)
+                    print(f"bootseer: colltrace: not recording: {exc}", file=sys.stderr, flush=True)
             try:
                 ranks = list(dist.get_process_group_ranks(pg))
             except Exception:  # noqa: BLE001 - a group torch does not register (internal)
@@ -229,8 +251,9 @@ class Recorder:
             except Exception:  # noqa: BLE001
                 grank = -1
             if self.ring is not None:
-                self.ring.add_group(gid, {"name": name, "desc": desc, "ranks": ranks,
-                                          "rank": grank})
+                self.ring.add_group(
+                    gid, {"name": name, "desc": desc, "ranks": ranks, "rank": grank}
+                )
             entry = (gid, itertools.count(1), ranks)
             self._groups[pg] = entry
             return entry

@@ -20,9 +20,16 @@ __all__ = ["GRID_TITLE", "STATE_STYLES", "colltrace_section", "colltrace_tables"
 GRID_TITLE = "collectives: ranks x groups at the last verdict"
 HISTORY_TITLE = "collectives: verdicts"
 #: rich styles of the grid's states (the terminal rendering colours cells by them)
-STATE_STYLES = {"root": "bold white on red", "stuck": "yellow", "dead": "bold red",
-                "failed": "red", "behind": "magenta", "in_op": "cyan", "idle": "green",
-                "unseen": "dim"}
+STATE_STYLES = {
+    "root": "bold white on red",
+    "stuck": "yellow",
+    "dead": "bold red",
+    "failed": "red",
+    "behind": "magenta",
+    "in_op": "cyan",
+    "idle": "green",
+    "unseen": "dim",
+}
 
 
 def colltrace_section(paths: list[str | os.PathLike]) -> dict[str, Any]:
@@ -31,8 +38,12 @@ def colltrace_section(paths: list[str | os.PathLike]) -> dict[str, Any]:
     if not verdicts and not grids:
         return {}
     last = grids[-1] if grids else {}
-    return {"verdicts": verdicts, "grid": last.get("grid", {}), "grid_node": last.get("node"),
-            "grid_time": last.get("time")}
+    return {
+        "verdicts": verdicts,
+        "grid": last.get("grid", {}),
+        "grid_node": last.get("node"),
+        "grid_time": last.get("time"),
+    }
 
 
 def _rank_key(text: str) -> tuple[int, str]:
@@ -46,15 +57,26 @@ def colltrace_tables(section: dict[str, Any]) -> dict[str, tuple[list[str], list
     if grid:
         groups = sorted(grid)
         ranks = sorted({r for states in grid.values() for r in states}, key=_rank_key)
-        tables[GRID_TITLE] = (["rank", *groups],
-                              [[r, *(grid[g].get(r, "-") for g in groups)] for r in ranks])
+        tables[GRID_TITLE] = (
+            ["rank", *groups],
+            [[r, *(grid[g].get(r, "-") for g in groups)] for r in ranks],
+        )
     rows = []
     for v in section.get("verdicts") or []:
         when = time.strftime("%H:%M:%S", time.gmtime(v.get("time") or 0))
-        rows.append([when, str(v.get("node") or "-"), str(v.get("attempt", "-")),
-                     str(v.get("kind")), ", ".join(map(str, v.get("ranks") or [])) or "-",
-                     str(v.get("line"))])
+        rows.append(
+            [
+                when,
+                str(v.get("node") or "-"),
+                str(v.get("attempt", "-")),
+                str(v.get("kind")),
+                ", ".join(map(str, v.get("ranks") or [])) or "-",
+                str(v.get("line")),
+            ]
+        )
     if rows:
-        tables[HISTORY_TITLE] = (["time (UTC)", "node", "attempt", "kind", "ranks", "verdict"],
-                                 rows)
+        tables[HISTORY_TITLE] = (
+            ["time (UTC)", "node", "attempt", "kind", "ranks", "verdict"],
+            rows,
+        )
     return tables

@@ -43,9 +43,23 @@ from striped_fs.privdir import PrivateDir, UnsafePath, open_owned
 
 from . import validate
 
-__all__ = ["MAGIC", "OPS", "DTYPES", "Op", "Refusals", "Ring", "RingInvalid", "RingReader",
-           "RingSnapshot", "ring_name", "ring_names", "newest_per_rank", "read_ring", "read_rings",
-           "scan_rings"]
+__all__ = [
+    "MAGIC",
+    "OPS",
+    "DTYPES",
+    "Op",
+    "Refusals",
+    "Ring",
+    "RingInvalid",
+    "RingReader",
+    "RingSnapshot",
+    "ring_name",
+    "ring_names",
+    "newest_per_rank",
+    "read_ring",
+    "read_rings",
+    "scan_rings",
+]
 
 RingInvalid = validate.RingInvalid
 
@@ -56,7 +70,9 @@ GROUPS_SIZE = 65536
 _HEADER = struct.Struct("<8sIIQQiiiqI64s")  # magic .. node
 _HEAD_OFFSET = 24
 _GROUPS_LEN_OFFSET = struct.calcsize("<8sIIQQiiiq")
-_BODY = struct.Struct("<QHHHHQQQqi")  # begin, group, op, flags, dtype, seq, numel, nbytes, t_issue, peer
+_BODY = struct.Struct(
+    "<QHHHHQQQqi"
+)  # begin, group, op, flags, dtype, seq, numel, nbytes, t_issue, peer
 _COMMIT = struct.Struct("<Q")
 _DONE = struct.Struct("<qQ")  # t_done, done
 #: a record as the reader unpacks it: body, 4 bytes of padding, commit, t_done, done; and
@@ -71,19 +87,57 @@ FAILED = 1 << 62
 FLAG_P2P = 1
 
 #: op codes: index into this tuple (names as torch.distributed calls them)
-OPS = ("?", "all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_single",
-       "all_gather_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter",
-       "reduce_scatter_single", "reduce_scatter_tensor_coalesced", "all_to_all",
-       "all_to_all_single", "barrier", "monitored_barrier", "gather", "scatter", "reduce",
-       "send", "recv", "recv_anysource")
+OPS = (
+    "?",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "broadcast",
+    "all_gather",
+    "all_gather_single",
+    "all_gather_coalesced",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "gather",
+    "scatter",
+    "reduce",
+    "send",
+    "recv",
+    "recv_anysource",
+)
 OP_CODE = {name: i for i, name in enumerate(OPS)}
-DTYPES = ("?", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-          "uint8", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2")
+DTYPES = (
+    "?",
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
 DTYPE_CODE = {name: i for i, name in enumerate(DTYPES)}
 #: the format's constants, as :mod:`.validate` checks them (one definition: here)
-_LAYOUT = SimpleNamespace(MAGIC=MAGIC, VERSION=VERSION, HEADER_SIZE=HEADER_SIZE,
-                          GROUPS_SIZE=GROUPS_SIZE, RECORD_SIZE=RECORD_SIZE,
-                          HEADER_STRUCT=_HEADER)
+_LAYOUT = SimpleNamespace(
+    MAGIC=MAGIC,
+    VERSION=VERSION,
+    HEADER_SIZE=HEADER_SIZE,
+    GROUPS_SIZE=GROUPS_SIZE,
+    RECORD_SIZE=RECORD_SIZE,
+    HEADER_STRUCT=_HEADER,
+)
 
 
 def ring_name(rank: int, pid: int) -> str:
@@ -98,12 +152,21 @@ class Ring:
     made 0700 or must be this user's, 0700, not a link (``striped_fs.privdir``); the file is
     created exclusively through the directory's descriptor, never through a link."""
 
-    def __init__(self, directory: str | os.PathLike, rank: int, world: int, *,
-                 capacity: int = 4096, node: str = "") -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        rank: int,
+        world: int,
+        *,
+        capacity: int = 4096,
+        node: str = "",
+    ) -> None:
         if not 1 <= capacity <= validate.MAX_CAPACITY:
-            raise ValueError(f"colltrace ring capacity must be in [1, {validate.MAX_CAPACITY}]"
-                             f", got {capacity} (colltrace.capacity, "
-                             "BOOTSEER_COLLTRACE_CAPACITY)")
+            raise ValueError(
+                f"colltrace ring capacity must be in [1, {validate.MAX_CAPACITY}]"
+                f", got {capacity} (colltrace.capacity, "
+                "BOOTSEER_COLLTRACE_CAPACITY)"
+            )
         self._dir = PrivateDir.open(directory, what=RING_DIR_WHAT)
         name = ring_name(rank, os.getpid())
         self.path = Path(self._dir.where(name))
@@ -116,8 +179,21 @@ class Ring:
         try:
             os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            _HEADER.pack_into(self._mm, 0, MAGIC, VERSION, RECORD_SIZE, capacity, 0, rank,
-                              world, os.getpid(), time.time_ns(), 0, node.encode()[:64])
+            _HEADER.pack_into(
+                self._mm,
+                0,
+                MAGIC,
+                VERSION,
+                RECORD_SIZE,
+                capacity,
+                0,
+                rank,
+                world,
+                os.getpid(),
+                time.time_ns(),
+                0,
+                node.encode()[:64],
+            )
             # an earlier process's file of this pid is replaced (the directory is ours)
             os.replace(tmp, name, src_dir_fd=self._dir.fd, dst_dir_fd=self._dir.fd)
         except BaseException:
@@ -133,18 +209,28 @@ class Ring:
         start = HEADER_SIZE + self._groups_len
         if self._groups_len + len(line) > GROUPS_SIZE:
             return
-        self._mm[start:start + len(line)] = line
+        self._mm[start : start + len(line)] = line
         self._groups_len += len(line)
         struct.pack_into("<I", self._mm, _GROUPS_LEN_OFFSET, self._groups_len)
 
-    def write(self, n: int, group: int, op: int, flags: int, dtype: int, seq: int, numel: int,
-              nbytes: int, t_issue: int, peer: int) -> int:
+    def write(
+        self,
+        n: int,
+        group: int,
+        op: int,
+        flags: int,
+        dtype: int,
+        seq: int,
+        numel: int,
+        nbytes: int,
+        t_issue: int,
+        peer: int,
+    ) -> int:
         """Record op number ``n`` (0-based, unique per process); returns its offset for
         :meth:`complete`."""
         off = HEADER_SIZE + GROUPS_SIZE + (n % self.capacity) * RECORD_SIZE
         mm = self._mm
-        _BODY.pack_into(mm, off, n + 1, group, op, flags, dtype, seq, numel, nbytes, t_issue,
-                        peer)
+        _BODY.pack_into(mm, off, n + 1, group, op, flags, dtype, seq, numel, nbytes, t_issue, peer)
         _COMMIT.pack_into(mm, off + _COMMIT_OFFSET, n + 1)
         _COMMIT.pack_into(mm, _HEAD_OFFSET, n + 1)
         return off
@@ -213,23 +299,26 @@ class RingReader:
     mapped at the exact size its header's capacity gives, and its size is checked again on
     every read: a file cut shorter meanwhile is refused, never read past its end (SIGBUS)."""
 
-    def __init__(self, path: str | os.PathLike, *, dir_fd: int | None = None,
-                 uid: int | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, dir_fd: int | None = None, uid: int | None = None
+    ) -> None:
         self.path = str(path)
-        fd = open_owned(os.path.basename(self.path) if dir_fd is not None else self.path,
-                        dir_fd=dir_fd, uid=uid, where=self.path)
+        fd = open_owned(
+            os.path.basename(self.path) if dir_fd is not None else self.path,
+            dir_fd=dir_fd,
+            uid=uid,
+            where=self.path,
+        )
         try:
             size = os.fstat(fd).st_size
-            hdr = validate.header(os.pread(fd, _HEADER.size, 0), size, self.path,
-                                  layout=_LAYOUT)
+            hdr = validate.header(os.pread(fd, _HEADER.size, 0), size, self.path, layout=_LAYOUT)
             self._mm = mmap.mmap(fd, hdr.size, mmap.MAP_SHARED, mmap.PROT_READ)
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd  # kept: the size is checked on each read (fstat)
         self.header = hdr
-        self.capacity, self.rank, self.world, self.pid = hdr.capacity, hdr.rank, hdr.world, \
-            hdr.pid
+        self.capacity, self.rank, self.world, self.pid = hdr.capacity, hdr.rank, hdr.world, hdr.pid
         self.created = hdr.created_ns / 1e9
         self.node = hdr.node
         self.skips = validate.Skips()
@@ -240,15 +329,16 @@ class RingReader:
     def _check_size(self) -> None:
         size = os.fstat(self._fd).st_size
         if size < self.header.size:
-            raise validate.RingInvalid(self.path, f"cut to {size} bytes while mapped "
-                                                  f"({self.header.size} expected)")
+            raise validate.RingInvalid(
+                self.path, f"cut to {size} bytes while mapped ({self.header.size} expected)"
+            )
 
     def _read_groups(self) -> None:
         (glen,) = struct.unpack_from("<I", self._mm, _GROUPS_LEN_OFFSET)
         glen = validate.groups_len(glen, self.path, GROUPS_SIZE)
         if glen <= self._groups_read:
             return
-        chunk = bytes(self._mm[HEADER_SIZE + self._groups_read:HEADER_SIZE + glen])
+        chunk = bytes(self._mm[HEADER_SIZE + self._groups_read : HEADER_SIZE + glen])
         for line in chunk.splitlines():
             doc = validate.group_line(line, self.world)
             if isinstance(doc, str):
@@ -269,8 +359,16 @@ class RingReader:
         (head,) = struct.unpack_from("<Q", self._mm, _HEAD_OFFSET)
         head = validate.head(head, self.path)
         self._read_groups()
-        snap = RingSnapshot(self.path, self.rank, self.world, self.pid, self.node, self.created,
-                            head, {g["name"]: g for g in self._groups.values()})
+        snap = RingSnapshot(
+            self.path,
+            self.rank,
+            self.world,
+            self.pid,
+            self.node,
+            self.created,
+            head,
+            {g["name"]: g for g in self._groups.values()},
+        )
         skips = validate.Skips(self._group_skips.reasons.copy())
         cap = self.capacity
         # the per-record seqlock, batched: three successive copies of the slots read (the
@@ -284,8 +382,22 @@ class RingReader:
         first = [c for (c,) in _RECORD_COMMIT.iter_unpack(mm[start:end])]
         body = list(_RECORD.iter_unpack(mm[start:end]))
         last = list(_RECORD_BEGIN_DONE.iter_unpack(mm[start:end]))
-        snap.ops = validate.records(first, body, last, lo, head, cap, self.header, skips,
-                                    self._group_name, Op, OPS, DTYPES, FLAG_P2P, FAILED)
+        snap.ops = validate.records(
+            first,
+            body,
+            last,
+            lo,
+            head,
+            cap,
+            self.header,
+            skips,
+            self._group_name,
+            Op,
+            OPS,
+            DTYPES,
+            FLAG_P2P,
+            FAILED,
+        )
         self.skips = snap.skips = skips
         return snap
 
@@ -337,8 +449,9 @@ class Refusals:
         self._said.pop(key, None)
 
 
-def scan_rings(where: PrivateDir, refusals: Refusals,
-               readers: dict[str, RingReader] | None = None) -> list[RingSnapshot]:
+def scan_rings(
+    where: PrivateDir, refusals: Refusals, readers: dict[str, RingReader] | None = None
+) -> list[RingSnapshot]:
     """Every ring file's snapshot in a checked directory (all of them: see
     :func:`newest_per_rank`), each read on its own. A file that is not a usable ring (its
     checks, another user's, a link, unreadable) is said once through ``refusals`` and
@@ -373,8 +486,11 @@ def scan_rings(where: PrivateDir, refusals: Refusals,
             _drop(readers, key, reader)
             continue
         except Exception as exc:  # noqa: BLE001 - a reader's bug must not end the agent
-            refusals.say(key, f"{key}: unreadable ring ({type(exc).__name__}: {exc}): "
-                              "skipped", type(exc).__name__)
+            refusals.say(
+                key,
+                f"{key}: unreadable ring ({type(exc).__name__}: {exc}): skipped",
+                type(exc).__name__,
+            )
             _drop(readers, key, reader)
             continue
         finally:
@@ -382,8 +498,9 @@ def scan_rings(where: PrivateDir, refusals: Refusals,
                 reader.close()
         refusals.clear(key)
         if snap.skips:
-            refusals.say(key + "#skips", f"{key}: {snap.skips.line()}",
-                         frozenset(snap.skips.reasons))
+            refusals.say(
+                key + "#skips", f"{key}: {snap.skips.line()}", frozenset(snap.skips.reasons)
+            )
         snaps.append(snap)
     return snaps
 
@@ -395,8 +512,9 @@ def _drop(readers: dict[str, RingReader] | None, key: str, reader: RingReader | 
         reader.close()
 
 
-def read_rings(directory: str | os.PathLike, *,
-               log: Callable[[str], None] = _say) -> list[RingSnapshot]:
+def read_rings(
+    directory: str | os.PathLike, *, log: Callable[[str], None] = _say
+) -> list[RingSnapshot]:
     """The newest ring of every rank in ``directory`` (none when it does not exist); files
     that are unreadable, not rings, malformed (:mod:`.validate`) or not this user's are said
     through ``log`` and skipped. A directory that is not this user's own (0700, not a link)

@@ -38,13 +38,28 @@ VERSION = 1
 
 
 def _op_row(op: Op) -> list[Any]:
-    return [op.n, op.group, op.op, op.seq, op.numel, op.nbytes, op.dtype,
-            round(op.t_issue, 6), None if op.t_done is None else round(op.t_done, 6),
-            int(op.failed)]
+    return [
+        op.n,
+        op.group,
+        op.op,
+        op.seq,
+        op.numel,
+        op.nbytes,
+        op.dtype,
+        round(op.t_issue, 6),
+        None if op.t_done is None else round(op.t_done, 6),
+        int(op.failed),
+    ]
 
 
-def window(snaps: list[RingSnapshot], *, node: str, per_group: int = PER_GROUP,
-           limit: int = 400 << 10, attempt: int = 0) -> dict[str, Any]:
+def window(
+    snaps: list[RingSnapshot],
+    *,
+    node: str,
+    per_group: int = PER_GROUP,
+    limit: int = 400 << 10,
+    attempt: int = 0,
+) -> dict[str, Any]:
     """The compact window of this node's rings (JSON-ready), at most ``limit`` bytes."""
     import json
 
@@ -59,13 +74,27 @@ def window(snaps: list[RingSnapshot], *, node: str, per_group: int = PER_GROUP,
                     by_group[op.group].append(op)
             rows = [_op_row(o) for ops in by_group.values() for o in ops[-keep:]]
             st = states.get(s.rank)
-            ranks.append({"rank": s.rank, "world": s.world, "pid": s.pid, "head": s.head,
-                          "created": s.created, "state": st[0] if st else "",
-                          "cpu_ticks": st[1] if st else None,
-                          "groups": {g: e for g, e in s.groups.items() if g in by_group},
-                          "ops": sorted(rows)})
-        doc = {"colltrace_window": VERSION, "node": node, "attempt": attempt,
-               "time": time.time(), "per_group": keep, "ranks": ranks}
+            ranks.append(
+                {
+                    "rank": s.rank,
+                    "world": s.world,
+                    "pid": s.pid,
+                    "head": s.head,
+                    "created": s.created,
+                    "state": st[0] if st else "",
+                    "cpu_ticks": st[1] if st else None,
+                    "groups": {g: e for g, e in s.groups.items() if g in by_group},
+                    "ops": sorted(rows),
+                }
+            )
+        doc = {
+            "colltrace_window": VERSION,
+            "node": node,
+            "attempt": attempt,
+            "time": time.time(),
+            "per_group": keep,
+            "ranks": ranks,
+        }
         if keep <= 4 or len(json.dumps(doc)) <= limit:
             return doc
         keep //= 2
@@ -89,16 +118,16 @@ def snapshots_of(doc: dict[str, Any], node: str) -> list[RingSnapshot]:
             if isinstance(op, str):
                 continue
             n, g, name, seq, numel, nbytes, dtype, t0, t1, failed = op
-            ops.append(Op(rank, n, g, name, seq, numel, nbytes, dtype, t0, t1, failed, False,
-                          -1))
-        snaps.append(RingSnapshot(f"{node}/rank{rank}", rank, world, pid, node, created, head,
-                                  groups, ops))
+            ops.append(Op(rank, n, g, name, seq, numel, nbytes, dtype, t0, t1, failed, False, -1))
+        snaps.append(
+            RingSnapshot(f"{node}/rank{rank}", rank, world, pid, node, created, head, groups, ops)
+        )
     return snaps
 
 
-def analyze_windows(docs: dict[str, dict[str, Any]], *, now: float | None = None,
-                    analyzer: Analyzer | None = None
-                    ) -> tuple[list[Finding], dict[str, dict[int, str]]]:
+def analyze_windows(
+    docs: dict[str, dict[str, Any]], *, now: float | None = None, analyzer: Analyzer | None = None
+) -> tuple[list[Finding], dict[str, dict[int, str]]]:
     """The tracer's findings over every node's window (``docs``: node -> window), and the
     grid of ranks x groups. A rank's liveness and state are what its own node read (a zombie
     or a vanished pid: dead). ``analyzer``: one kept across calls (its baselines learned
@@ -119,8 +148,7 @@ def analyze_windows(docs: dict[str, dict[str, Any]], *, now: float | None = None
         for r in doc.get("ranks") if isinstance(doc.get("ranks"), list) else []:
             if isinstance(r, dict) and r.get("rank") in kept:
                 if shipped is not None:  # a rank moved: the newest's
-                    seen_until[r["rank"]] = max(shipped, seen_until.get(r["rank"],
-                                                                        float("-inf")))
+                    seen_until[r["rank"]] = max(shipped, seen_until.get(r["rank"], float("-inf")))
                 st = r.get("state")
                 st = st if isinstance(st, str) and len(st) == 1 else ""
                 ticks = r.get("cpu_ticks")
@@ -144,8 +172,11 @@ def analyze_windows(docs: dict[str, dict[str, Any]], *, now: float | None = None
         found = analyzer.analyze(newest_per_rank(snaps), now)  # a rank moved: its newest ring
     except Exception as exc:  # noqa: BLE001 - the windows are checked (.validate); values
         # the analysis did not foresee cost this verdict's colltrace part, never the caller
-        print(f"bootseer: colltrace: warning: the analysis of the shipped windows failed "
-              f"({type(exc).__name__}: {exc}): no colltrace verdict this time",
-              file=sys.stderr, flush=True)
+        print(
+            f"bootseer: colltrace: warning: the analysis of the shipped windows failed "
+            f"({type(exc).__name__}: {exc}): no colltrace verdict this time",
+            file=sys.stderr,
+            flush=True,
+        )
         return [], {}
     return found, analyzer.grid

@@ -29,10 +29,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GROUP_KEYS", "MAX_CAPACITY", "MAX_COUNT", "MAX_GROUP_LINE", "MAX_NAME",
-           "MAX_OP_NUMBER", "MAX_TIME_NS", "MAX_WORLD", "Header", "RingInvalid",
-           "Skips", "finite_time", "group_entry", "group_line", "groups_len", "head", "header",
-           "records", "window_op", "window_rank"]
+__all__ = [
+    "GROUP_KEYS",
+    "MAX_CAPACITY",
+    "MAX_COUNT",
+    "MAX_GROUP_LINE",
+    "MAX_NAME",
+    "MAX_OP_NUMBER",
+    "MAX_TIME_NS",
+    "MAX_WORLD",
+    "Header",
+    "RingInvalid",
+    "Skips",
+    "finite_time",
+    "group_entry",
+    "group_line",
+    "groups_len",
+    "head",
+    "header",
+    "records",
+    "window_op",
+    "window_rank",
+]
 
 #: records a ring may hold: 4 Mi x 80 bytes = 320 MiB (the writer refuses more, too)
 MAX_CAPACITY = 1 << 22
@@ -59,8 +77,10 @@ class RingInvalid(ValueError):
     field and what was found. The reader logs it once and skips the ring."""
 
     def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"{path}: not a usable colltrace ring ({reason}): skipped; remove it "
-                         "(a rank of this job rewrites its own)")
+        super().__init__(
+            f"{path}: not a usable colltrace ring ({reason}): skipped; remove it "
+            "(a rank of this job rewrites its own)"
+        )
         self.path, self.reason = path, reason
 
 
@@ -103,8 +123,13 @@ def _int(value: Any) -> bool:
 
 def _name_ok(text: str, *, empty: bool = True) -> bool:
     """A name the reader may put in a line or a file name: bounded, printable, no '/'."""
-    return (len(text) <= MAX_NAME and (empty or bool(text)) and text.isprintable()
-            and "/" not in text and text not in (".", ".."))
+    return (
+        len(text) <= MAX_NAME
+        and (empty or bool(text))
+        and text.isprintable()
+        and "/" not in text
+        and text not in (".", "..")
+    )
 
 
 def header(raw: bytes, size: int, path: str, *, layout: Any) -> Header:
@@ -115,10 +140,8 @@ def header(raw: bytes, size: int, path: str, *, layout: Any) -> Header:
         raise RingInvalid(path, "empty file")
     hs = layout.HEADER_STRUCT
     if size < layout.HEADER_SIZE or len(raw) < hs.size:
-        raise RingInvalid(path, f"{size} bytes: shorter than the {layout.HEADER_SIZE}-byte "
-                                "header")
-    magic, version, rsize, cap, head, rank, world, pid, created, glen, node = \
-        hs.unpack_from(raw, 0)
+        raise RingInvalid(path, f"{size} bytes: shorter than the {layout.HEADER_SIZE}-byte header")
+    magic, version, rsize, cap, head, rank, world, pid, created, glen, node = hs.unpack_from(raw, 0)
     if magic != layout.MAGIC:
         raise RingInvalid(path, f"magic {magic!r}, not {layout.MAGIC!r}")
     if version != layout.VERSION:
@@ -141,8 +164,7 @@ def header(raw: bytes, size: int, path: str, *, layout: Any) -> Header:
     if not 0 <= created < MAX_TIME_NS:
         raise RingInvalid(path, f"creation time {created} ns, not in [1970, 2100)")
     if glen > layout.GROUPS_SIZE:
-        raise RingInvalid(path, f"group table length {glen} past its {layout.GROUPS_SIZE} "
-                                "bytes")
+        raise RingInvalid(path, f"group table length {glen} past its {layout.GROUPS_SIZE} bytes")
     name = node.rstrip(b"\0")
     if b"\0" in name:
         raise RingInvalid(path, "a NUL inside the node name")
@@ -167,8 +189,7 @@ def groups_len(value: int, path: str, limit: int) -> int:
     return value
 
 
-def group_entry(doc: Any, world: int | None, *, need_id: bool = True
-                ) -> dict[str, Any] | str:
+def group_entry(doc: Any, world: int | None, *, need_id: bool = True) -> dict[str, Any] | str:
     """A group table entry ({"id", "name", "desc", "ranks", "rank"}) with its types checked
     (ranks within ``world`` when known), or the reason it is refused. Only the known keys are
     kept: the analysis and the report see nothing else."""
@@ -183,8 +204,12 @@ def group_entry(doc: Any, world: int | None, *, need_id: bool = True
         return "group name missing, too long or not printable"
     if not isinstance(desc, str) or len(desc) > MAX_NAME or not desc.isprintable():
         return "group description too long or not printable"
-    if not isinstance(ranks, list) or len(ranks) > limit or \
-            not all(_int(r) and 0 <= r < limit for r in ranks) or len(set(ranks)) != len(ranks):
+    if (
+        not isinstance(ranks, list)
+        or len(ranks) > limit
+        or not all(_int(r) and 0 <= r < limit for r in ranks)
+        or len(set(ranks)) != len(ranks)
+    ):
         return "group ranks not distinct integers within the world"
     if not _int(grank) or not -1 <= grank < limit:
         return "group rank out of range"
@@ -202,10 +227,22 @@ def group_line(line: bytes, world: int) -> dict[str, Any] | str:
     return group_entry(doc, world)
 
 
-def records(first: list[int], body: list[tuple[int, ...]], last: list[tuple[int, int]],
-            lo: int, head: int, cap: int, hdr: Header, skips: Skips,
-            group_name: Callable[[int], str], make: Callable[..., Any], ops: tuple[str, ...],
-            dtypes: tuple[str, ...], p2p_flag: int, failed_bit: int) -> list[Any]:
+def records(
+    first: list[int],
+    body: list[tuple[int, ...]],
+    last: list[tuple[int, int]],
+    lo: int,
+    head: int,
+    cap: int,
+    hdr: Header,
+    skips: Skips,
+    group_name: Callable[[int], str],
+    make: Callable[..., Any],
+    ops: tuple[str, ...],
+    dtypes: tuple[str, ...],
+    p2p_flag: int,
+    failed_bit: int,
+) -> list[Any]:
     """The records of op numbers ``lo`` .. ``head`` that are committed and pass their
     checks, made by ``make`` (:class:`~.ring.Op`: rank, n, group name, op name, seq, numel,
     nbytes, dtype name, issue time, completion time or None, failed, p2p, peer), oldest
@@ -252,10 +289,23 @@ def records(first: list[int], body: list[tuple[int, ...]], last: list[tuple[int,
         elif finished and not 0 <= t_done < max_t:
             skips.add("completion time out of range")
         else:
-            out.append(make(rank, n, group_name(gid), ops[op], seq, numel, nbytes,
-                            dtypes[dtype], t_issue / 1e9, t_done / 1e9 if finished else None,
-                            finished and bool(done & failed_bit), bool(flags & p2p_flag),
-                            peer))
+            out.append(
+                make(
+                    rank,
+                    n,
+                    group_name(gid),
+                    ops[op],
+                    seq,
+                    numel,
+                    nbytes,
+                    dtypes[dtype],
+                    t_issue / 1e9,
+                    t_done / 1e9 if finished else None,
+                    finished and bool(done & failed_bit),
+                    bool(flags & p2p_flag),
+                    peer,
+                )
+            )
     return out
 
 
@@ -307,8 +357,9 @@ def window_rank(r: Any) -> tuple[int, int, int, float, int, dict[str, dict[str, 
     return rank, world, pid, when, hd, checked
 
 
-def window_op(row: Any, *, ops: tuple[str, ...], dtypes: tuple[str, ...]
-              ) -> tuple[int, str, str, int, int, int, str, float, float | None, bool] | str:
+def window_op(
+    row: Any, *, ops: tuple[str, ...], dtypes: tuple[str, ...]
+) -> tuple[int, str, str, int, int, int, str, float, float | None, bool] | str:
     """One op row of a shipped window, checked, or the reason it is refused."""
     if not isinstance(row, list) or len(row) != 10:
         return "op row not a list of 10"
@@ -326,5 +377,3 @@ def window_op(row: Any, *, ops: tuple[str, ...], dtypes: tuple[str, ...]
     if not isinstance(failed, int) or failed not in (0, 1):
         return "failed not 0 or 1"
     return n, group, name, seq, numel, nbytes, dtype, issued, done, bool(failed)
-
-

@@ -48,8 +48,13 @@ from .ranks import RankEnd
 __all__ = ["Agent", "LOCAL_ACTIONS"]
 
 #: verdict action -> what the agent on its own node does
-LOCAL_ACTIONS = {"stop": "stop", "rollback": "stop", "restart_in_place": "restart",
-                 "replace_and_restart": "restart", "continue": "continue"}
+LOCAL_ACTIONS = {
+    "stop": "stop",
+    "rollback": "stop",
+    "restart_in_place": "restart",
+    "replace_and_restart": "restart",
+    "continue": "continue",
+}
 
 
 def _say(line: str) -> None:
@@ -66,9 +71,16 @@ UNEXPLAINED = (*SECONDARY, "killed_by_signal", "unknown")
 class Agent:
     """Events and verdicts of one node's supervised command, across its attempts."""
 
-    def __init__(self, trace: TraceWriter | None, node: str, *,
-                 hang: HangDetector | None = None, max_no_progress: int = 3,
-                 log: Callable[[str], None] = _say, colltrace: Any = None) -> None:
+    def __init__(
+        self,
+        trace: TraceWriter | None,
+        node: str,
+        *,
+        hang: HangDetector | None = None,
+        max_no_progress: int = 3,
+        log: Callable[[str], None] = _say,
+        colltrace: Any = None,
+    ) -> None:
         self.trace = trace
         self.colltrace = colltrace  # a bootseer.colltrace.reader.Watch, or None
         self.node = node
@@ -104,9 +116,17 @@ class Agent:
     def _fresh_detectors(self) -> None:
         self.metrics = MetricDetector()
         t = self._hang_template
-        self.hang = None if t is None else HangDetector(
-            t.timeout_s, k=t.k, floor_s=t.floor_s, warmup_steps=t.warmup_steps,
-            initial_s=t.initial_s)
+        self.hang = (
+            None
+            if t is None
+            else HangDetector(
+                t.timeout_s,
+                k=t.k,
+                floor_s=t.floor_s,
+                warmup_steps=t.warmup_steps,
+                initial_s=t.initial_s,
+            )
+        )
 
     def observe(self, beat: Beat) -> Verdict | None:
         """A heartbeat; a verdict whose action needs the command killed now (a NaN), or None."""
@@ -147,8 +167,9 @@ class Agent:
         events = self.hang.check(now)
         if not events:
             return None
-        return dataclasses.replace(events[0], node=self.node, evidence=self._collective(
-            events[0].evidence))
+        return dataclasses.replace(
+            events[0], node=self.node, evidence=self._collective(events[0].evidence)
+        )
 
     def _collective(self, evidence: dict[str, Any], *, final: bool = False) -> dict[str, Any]:
         """The evidence with the collective tracer's verdicts of this attempt, when it runs."""
@@ -173,16 +194,25 @@ class Agent:
         evidence = self._collective(evidence, final=True)  # a rank killed in a collective
         rank = got.detail.get("rank")  # under torchrun: its root-cause rank
         cls = got.failure_class
-        mismatch = next((f for f in self.colltrace.analyzer.findings if f.kind == "mismatch"),
-                        None) if self.colltrace is not None else None
+        mismatch = (
+            next((f for f in self.colltrace.analyzer.findings if f.kind == "mismatch"), None)
+            if self.colltrace is not None
+            else None
+        )
         if mismatch is not None and cls in UNEXPLAINED:  # the tracer saw the cause
             cls, rank = "collective_mismatch", mismatch.ranks[0]
             evidence.update(rule="colltrace_mismatch", classified_as=got.failure_class)
         if rank is None and self.colltrace is not None:  # else the tracer's first named rank
             rank = next((f.ranks[0] for f in self.colltrace.analyzer.findings if f.ranks), None)
-        return Event("crash", cls, node=self.node, rank=rank,
-                     step=self.progress[-1],
-                     time=time.time(), evidence=evidence)
+        return Event(
+            "crash",
+            cls,
+            node=self.node,
+            rank=rank,
+            step=self.progress[-1],
+            time=time.time(),
+            evidence=evidence,
+        )
 
     def rank_crash(self, ends: list[RankEnd]) -> Event | None:
         """The crash event of ranks that just ended abnormally (:mod:`.ranks`), classified
@@ -200,8 +230,7 @@ class Agent:
         lines = [str(x) for x in record.get("lines") or []]
         thread = record.get("thread_exception") or {}
         if end.how == "vanished":
-            got = Classification("killed_by_signal", "vanished", None, None,
-                                 {"provisional": True})
+            got = Classification("killed_by_signal", "vanished", None, None, {"provisional": True})
         else:
             if end.how == "signal":
                 code = -int(end.status or 0)
@@ -211,14 +240,25 @@ class Agent:
                 lines = [str(x) for x in thread.get("lines") or []]
             oom = bool(self._cgroup) and oom_kills(self._cgroup) > self._oom_before
             got = classify(code, lines, oom_killed=oom)
-        evidence = {**got.evidence(), "lines": lines[-20:], "matched": list(got.lines),
-                    "detected_by": f"rank_{end.how}", "pid": end.pid}
+        evidence = {
+            **got.evidence(),
+            "lines": lines[-20:],
+            "matched": list(got.lines),
+            "detected_by": f"rank_{end.how}",
+            "pid": end.pid,
+        }
         if record.get("exception"):
             evidence["exception"] = record["exception"]
             evidence["raised_at"] = record.get("time")  # the rank's clock; seen at ``time``
-        return Event("crash", got.failure_class, node=self.node, rank=end.rank,
-                     step=self.progress[-1] if self.progress else None, time=end.time,
-                     evidence=evidence)
+        return Event(
+            "crash",
+            got.failure_class,
+            node=self.node,
+            rank=end.rank,
+            step=self.progress[-1] if self.progress else None,
+            time=end.time,
+            evidence=evidence,
+        )
 
     def refine(self, early: Event, exit_code: int | None, lines: list[str]) -> Event | None:
         """``early`` (a rank's death, seen at once) refined by the launcher's own account
@@ -236,22 +276,29 @@ class Agent:
             return None
         if signalled and later.failure_class not in SIGNAL_CAUSES:
             return None  # its own wait status said as much
-        evidence = {**later.evidence, "detected_by": early.evidence.get("detected_by"),
-                    "refines": early.failure_class, "pid": early.evidence.get("pid")}
+        evidence = {
+            **later.evidence,
+            "detected_by": early.evidence.get("detected_by"),
+            "refines": early.failure_class,
+            "pid": early.evidence.get("pid"),
+        }
         rank = early.rank if provisional or signalled else later.rank
-        return dataclasses.replace(later, rank=rank if rank is not None else early.rank,
-                                   time=early.time, evidence=evidence)
+        return dataclasses.replace(
+            later, rank=rank if rank is not None else early.rank, time=early.time, evidence=evidence
+        )
 
     # -- decisions -------------------------------------------------------------------------
     def judge(self, event: Event, *, written: bool = False) -> Verdict:
         """The policy's verdict on ``event``; both written to the trace (the event unless
         ``written`` already) and said in a line."""
         progress = self.progress if any(p is not None for p in self.progress) else ()
-        verdict = decide(event, history=self.verdicts, progress=progress,
-                         max_no_progress=self.max_no_progress)
+        verdict = decide(
+            event, history=self.verdicts, progress=progress, max_no_progress=self.max_no_progress
+        )
         local = self.local_action(verdict)
-        verdict = dataclasses.replace(verdict, evidence={**verdict.evidence, "local": local,
-                                                         "attempt": self.attempt})
+        verdict = dataclasses.replace(
+            verdict, evidence={**verdict.evidence, "local": local, "attempt": self.attempt}
+        )
         self.verdicts.append(verdict)
         if not written:
             self._write(event)
@@ -259,10 +306,12 @@ class Agent:
         where = f" rank {event.rank}" if event.rank is not None else ""
         at = f" at step {event.step}" if event.step is not None else ""
         detail = _detail(event)
-        self.log(f"verdict: {event.kind} {event.failure_class}{detail}{where}{at} (attempt "
-                 f"{self.attempt}) -> {verdict.action}" + (
-                     f" (here: {local})" if local != verdict.action else "") +
-                 f": {verdict.reason}")
+        self.log(
+            f"verdict: {event.kind} {event.failure_class}{detail}{where}{at} (attempt "
+            f"{self.attempt}) -> {verdict.action}"
+            + (f" (here: {local})" if local != verdict.action else "")
+            + f": {verdict.reason}"
+        )
         return verdict
 
     @staticmethod

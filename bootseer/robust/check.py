@@ -43,8 +43,18 @@ from typing import Any
 
 from .events import Event, Verdict
 
-__all__ = ["CHECK_FAULT", "CheckReport", "RankResult", "link_suspects", "parse_faults",
-           "reference_step", "ring_edges", "run_for_incident", "run_local", "run_rank"]
+__all__ = [
+    "CHECK_FAULT",
+    "CheckReport",
+    "RankResult",
+    "link_suspects",
+    "parse_faults",
+    "reference_step",
+    "ring_edges",
+    "run_for_incident",
+    "run_local",
+    "run_rank",
+]
 
 #: Test hook: faults to inject (see the module docstring).
 CHECK_FAULT = "BOOTSEER_CHECK_FAULT"
@@ -65,8 +75,10 @@ def parse_faults(text: str | None) -> dict[str, set[int]]:
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
         kind, _, rank = item.partition(":")
         if kind not in faults or not (rank.isdigit() or rank == "*"):
-            raise ValueError(f"{CHECK_FAULT}={text!r}: each fault is alignment:RANK or "
-                             f"sum:RANK (RANK a number or *), comma-separated")
+            raise ValueError(
+                f"{CHECK_FAULT}={text!r}: each fault is alignment:RANK or "
+                f"sum:RANK (RANK a number or *), comma-separated"
+            )
         faults[kind].add(ANY_RANK if rank == "*" else int(rank))
     return faults
 
@@ -144,7 +156,7 @@ def ring_edges(world: int) -> list[list[tuple[int, int]]]:
     if world == 2:
         return [[(0, 1)]]
     edges = [(i, (i + 1) % world) for i in range(world)]
-    rounds = [edges[0:world - world % 2:2], edges[1:world - world % 2:2]]
+    rounds = [edges[0 : world - world % 2 : 2], edges[1 : world - world % 2 : 2]]
     if world % 2:
         rounds.append([edges[-1]])
     return [r for r in rounds if r]
@@ -178,8 +190,9 @@ def _neighbour_links(rank: int, world: int, nbytes: int = 0, runs: int = 0) -> d
     return mine
 
 
-def link_suspects(results: list[RankResult], *, factor: float = LINK_FACTOR,
-                  floor_s: float = LINK_FLOOR_S) -> tuple[tuple[int, ...], dict[str, float]]:
+def link_suspects(
+    results: list[RankResult], *, factor: float = LINK_FACTOR, floor_s: float = LINK_FLOOR_S
+) -> tuple[tuple[int, ...], dict[str, float]]:
     """The ranks whose every neighbour link is slow (over ``factor`` x the fastest link and
     over ``floor_s``) while some link is not, and every link's seconds (the slower of the two
     ends' readings). Two ranks have one link: a slow one cannot be pinned on either."""
@@ -236,16 +249,23 @@ class CheckReport:
         (top, n), *rest = votes.most_common()
         no_majority = bool(rest) and rest[0][1] == n
         slow, links = link_suspects(results)
-        return cls(results, link_suspects=slow, links=links,
-                   sum_suspects=tuple(r.rank for r in results if r.sum_errors),
-                   alignment_suspects=() if no_majority else tuple(
-                       r.rank for r in results if (r.output_hash, r.grad_hash) != top),
-                   alignment_majority=None if no_majority else top, no_majority=no_majority)
+        return cls(
+            results,
+            link_suspects=slow,
+            links=links,
+            sum_suspects=tuple(r.rank for r in results if r.sum_errors),
+            alignment_suspects=()
+            if no_majority
+            else tuple(r.rank for r in results if (r.output_hash, r.grad_hash) != top),
+            alignment_majority=None if no_majority else top,
+            no_majority=no_majority,
+        )
 
     @property
     def suspects(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.sum_suspects) | set(self.alignment_suspects)
-                            | set(self.link_suspects)))
+        return tuple(
+            sorted(set(self.sum_suspects) | set(self.alignment_suspects) | set(self.link_suspects))
+        )
 
     @property
     def ok(self) -> bool:
@@ -267,34 +287,52 @@ class CheckReport:
         seconds, alg, bus = self.bandwidth()
         lines = [f"check: {n} ranks over gloo"]
         if self.sum_suspects:
-            lines.append(f"collective: all_reduce of {SUM_NUMEL} int64 sums WRONG on "
-                         f"{self._named(self.sum_suspects)}")
+            lines.append(
+                f"collective: all_reduce of {SUM_NUMEL} int64 sums WRONG on "
+                f"{self._named(self.sum_suspects)}"
+            )
         else:
-            lines.append(f"collective: all_reduce of {SUM_NUMEL} int64: sums exact on all "
-                         f"{n} ranks")
+            lines.append(
+                f"collective: all_reduce of {SUM_NUMEL} int64: sums exact on all {n} ranks"
+            )
         mib = self.results[0].nbytes / 2**20
-        lines.append(f"bandwidth: all_reduce of {mib:.1f} MiB in {seconds * 1e3:.2f} ms: "
-                     f"algbw {alg / 1e9:.3f} GB/s, busbw {bus / 1e9:.3f} GB/s")
+        lines.append(
+            f"bandwidth: all_reduce of {mib:.1f} MiB in {seconds * 1e3:.2f} ms: "
+            f"algbw {alg / 1e9:.3f} GB/s, busbw {bus / 1e9:.3f} GB/s"
+        )
         if self.links:
             pairs = ", ".join(f"{pair} {t * 1e3:.1f} ms" for pair, t in sorted(self.links.items()))
-            lines.append(f"neighbour links: all_reduce of {LINK_BYTES / 2**20:.0f} MiB per pair: "
-                         f"{pairs}" + (f"; SLOW on every link of "
-                                       f"{self._named(self.link_suspects)}"
-                                       if self.link_suspects else ""))
+            lines.append(
+                f"neighbour links: all_reduce of {LINK_BYTES / 2**20:.0f} MiB per pair: "
+                f"{pairs}"
+                + (
+                    f"; SLOW on every link of {self._named(self.link_suspects)}"
+                    if self.link_suspects
+                    else ""
+                )
+            )
         if self.no_majority:
-            lines.append("alignment: no majority among the reference step's hashes: "
-                         + "; ".join(f"rank {r.rank} {r.output_hash[:12]}" for r in self.results))
+            lines.append(
+                "alignment: no majority among the reference step's hashes: "
+                + "; ".join(f"rank {r.rank} {r.output_hash[:12]}" for r in self.results)
+            )
         elif self.alignment_suspects:
             out, grad = self.alignment_majority or ("", "")
             verb = "differs" if len(self.alignment_suspects) == 1 else "differ"
-            lines.append(f"alignment: {self._named(self.alignment_suspects)} {verb} from the "
-                         f"majority (output {out[:12]}, gradients {grad[:12]})")
+            lines.append(
+                f"alignment: {self._named(self.alignment_suspects)} {verb} from the "
+                f"majority (output {out[:12]}, gradients {grad[:12]})"
+            )
         else:
             out, grad = self.alignment_majority or ("", "")
-            lines.append(f"alignment: all {n} ranks bit-identical (output {out[:12]}, "
-                         f"gradients {grad[:12]})")
-        lines.append("verdict: ok" if self.ok else
-                     f"verdict: FAILED: evict {self._named(self.suspects) or 'nobody (no majority)'}")
+            lines.append(
+                f"alignment: all {n} ranks bit-identical (output {out[:12]}, gradients {grad[:12]})"
+            )
+        lines.append(
+            "verdict: ok"
+            if self.ok
+            else f"verdict: FAILED: evict {self._named(self.suspects) or 'nobody (no majority)'}"
+        )
         return "\n".join(lines)
 
     def records(self, now: float | None = None) -> list[Event | Verdict]:
@@ -303,45 +341,96 @@ class CheckReport:
         by = {r.rank: r for r in self.results}
         events: list[Event | Verdict] = []
         for rank in self.sum_suspects:
-            events.append(Event("health", "collective_error", node=by[rank].node, rank=rank,
-                                time=now, evidence={"check": "all_reduce_sum",
-                                                    "wrong_elements": by[rank].sum_errors}))
+            events.append(
+                Event(
+                    "health",
+                    "collective_error",
+                    node=by[rank].node,
+                    rank=rank,
+                    time=now,
+                    evidence={"check": "all_reduce_sum", "wrong_elements": by[rank].sum_errors},
+                )
+            )
         for rank in self.alignment_suspects:
-            events.append(Event("health", "alignment_mismatch", node=by[rank].node, rank=rank,
-                                time=now, evidence={"check": "bitwise_alignment",
-                                                    "output": by[rank].output_hash,
-                                                    "gradients": by[rank].grad_hash,
-                                                    "majority": list(self.alignment_majority
-                                                                     or ())}))
+            events.append(
+                Event(
+                    "health",
+                    "alignment_mismatch",
+                    node=by[rank].node,
+                    rank=rank,
+                    time=now,
+                    evidence={
+                        "check": "bitwise_alignment",
+                        "output": by[rank].output_hash,
+                        "gradients": by[rank].grad_hash,
+                        "majority": list(self.alignment_majority or ()),
+                    },
+                )
+            )
         for rank in self.link_suspects:
             own = {p: t for p, t in self.links.items() if rank in map(int, p.split("-"))}
-            events.append(Event("health", "slow_link", node=by[rank].node, rank=rank,
-                                time=now, evidence={"check": "link_bandwidth", "links": own,
-                                                    "fastest_s": min(self.links.values())}))
+            events.append(
+                Event(
+                    "health",
+                    "slow_link",
+                    node=by[rank].node,
+                    rank=rank,
+                    time=now,
+                    evidence={
+                        "check": "link_bandwidth",
+                        "links": own,
+                        "fastest_s": min(self.links.values()),
+                    },
+                )
+            )
         seconds, alg, bus = self.bandwidth()
-        evidence = {"results": [asdict(r) for r in self.results], "bandwidth": {
-            "seconds": seconds, "algbw_bytes_s": alg, "busbw_bytes_s": bus},
-            "no_majority": self.no_majority}
+        evidence = {
+            "results": [asdict(r) for r in self.results],
+            "bandwidth": {"seconds": seconds, "algbw_bytes_s": alg, "busbw_bytes_s": bus},
+            "no_majority": self.no_majority,
+        }
         nodes = tuple(sorted({by[r].node for r in self.suspects}))
-        events.append(Verdict("continue" if self.ok else "replace_and_restart", "check",
-                              nodes=nodes, ranks=self.suspects, time=now,
-                              reason="all checks passed" if self.ok else self.text()
-                              .splitlines()[-1].removeprefix("verdict: "), evidence=evidence))
+        events.append(
+            Verdict(
+                "continue" if self.ok else "replace_and_restart",
+                "check",
+                nodes=nodes,
+                ranks=self.suspects,
+                time=now,
+                reason="all checks passed"
+                if self.ok
+                else self.text().splitlines()[-1].removeprefix("verdict: "),
+                evidence=evidence,
+            )
+        )
         return events
 
 
-def run_rank(rank: int, world: int, *, init: str | None = "env://", nbytes: int = 16 << 20,
-             node: str | None = None, fault: str | None = None,
-             timeout_s: float = 120.0, store: Any = None) -> CheckReport:
+def run_rank(
+    rank: int,
+    world: int,
+    *,
+    init: str | None = "env://",
+    nbytes: int = 16 << 20,
+    node: str | None = None,
+    fault: str | None = None,
+    timeout_s: float = 120.0,
+    store: Any = None,
+) -> CheckReport:
     """This rank's part of both tests; every rank gets the whole report. ``store``: meet
     there (a c10d store) instead of ``init``."""
     import torch.distributed as dist
 
     faults = parse_faults(os.environ.get(CHECK_FAULT) if fault is None else fault)
     node = node or os.environ.get("BOOTSEER_NODE") or os.uname().nodename
-    dist.init_process_group("gloo", init_method=None if store is not None else init,
-                            store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=None if store is not None else init,
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
     try:
         errors = _exact_sum_test(rank, world, _hit(faults, "sum", rank))
         seconds = _bandwidth(nbytes)
@@ -355,8 +444,15 @@ def run_rank(rank: int, world: int, *, init: str | None = "env://", nbytes: int 
     return CheckReport.from_results([RankResult(**g) for g in gathered])
 
 
-def run_for_incident(address: str, *, job: str, incident: int, node: str,
-                     nbytes: int = 16 << 20, timeout_s: float = 120.0) -> CheckReport:
+def run_for_incident(
+    address: str,
+    *,
+    job: str,
+    incident: int,
+    node: str,
+    nbytes: int = 16 << 20,
+    timeout_s: float = 120.0,
+) -> CheckReport:
     """This node's part of the checks the controller ordered for ``incident``: the order's
     nodes are the ranks, the process group meets in the job's store (under the incident's
     prefix, so a rerun never meets an old one), and this node's result goes to its key."""
@@ -369,25 +465,28 @@ def run_for_incident(address: str, *, job: str, incident: int, node: str,
     client = wire.connect(address, timeout_s)
     data = wire.get(client, keys.check_request(incident))
     if data is None:
-        raise ValueError(f"no check order for incident {incident} of job {job} in the store "
-                         f"at {address}: the controller writes it (bootseer controller)")
+        raise ValueError(
+            f"no check order for incident {incident} of job {job} in the store "
+            f"at {address}: the controller writes it (bootseer controller)"
+        )
     nodes = list(wire.decode(data, key=keys.check_request(incident)).get("nodes") or [])
     if node not in nodes:
-        raise ValueError(f"node {node} is not in the check order of incident {incident} "
-                         f"({', '.join(nodes)}): --node must be this node's name")
+        raise ValueError(
+            f"node {node} is not in the check order of incident {incident} "
+            f"({', '.join(nodes)}): --node must be this node's name"
+        )
     group = PrefixStore(f"{keys.prefix}check/{incident}/pg/", client)
-    report = run_rank(nodes.index(node), len(nodes), store=group, nbytes=nbytes, node=node,
-                      timeout_s=timeout_s)
+    report = run_rank(
+        nodes.index(node), len(nodes), store=group, nbytes=nbytes, node=node, timeout_s=timeout_s
+    )
     mine = report.results[nodes.index(node)]
     ControllerLink(client, node, job=job, address=address).answer_check(incident, asdict(mine))
     return report
 
 
-def _spawned(rank: int, world: int, port: int, nbytes: int, fault: str | None,
-             queue: Any) -> None:
+def _spawned(rank: int, world: int, port: int, nbytes: int, fault: str | None, queue: Any) -> None:
     try:
-        report = run_rank(rank, world, init=f"tcp://127.0.0.1:{port}", nbytes=nbytes,
-                          fault=fault)
+        report = run_rank(rank, world, init=f"tcp://127.0.0.1:{port}", nbytes=nbytes, fault=fault)
         if rank == 0:
             queue.put(("ok", [asdict(r) for r in report.results]))
     except BaseException as exc:  # noqa: BLE001 - handed to the parent, which says it
@@ -395,8 +494,9 @@ def _spawned(rank: int, world: int, port: int, nbytes: int, fault: str | None,
         raise
 
 
-def run_local(nproc: int, *, nbytes: int = 16 << 20, fault: str | None = None,
-              timeout_s: float = 300.0) -> CheckReport:
+def run_local(
+    nproc: int, *, nbytes: int = 16 << 20, fault: str | None = None, timeout_s: float = 300.0
+) -> CheckReport:
     """Both tests between ``nproc`` processes of this machine (spawned, gloo on loopback)."""
     import multiprocessing as mp
     import queue as queue_mod
@@ -409,8 +509,15 @@ def run_local(nproc: int, *, nbytes: int = 16 << 20, fault: str | None = None,
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_spawned, args=(r, nproc, port, nbytes, fault, results),
-                         name=f"bootseer-check-{r}", daemon=True) for r in range(nproc)]
+    procs = [
+        ctx.Process(
+            target=_spawned,
+            args=(r, nproc, port, nbytes, fault, results),
+            name=f"bootseer-check-{r}",
+            daemon=True,
+        )
+        for r in range(nproc)
+    ]
     for p in procs:
         p.start()
     try:

@@ -34,12 +34,32 @@ from typing import Any
 
 from ..supervise import _signal_name  # the wrapper's names for signals, shared
 
-__all__ = ["CLASSES", "RULES", "SECONDARY", "Classification", "Rule", "classify", "memory_cgroup",
-           "oom_kills", "tail_lines"]
+__all__ = [
+    "CLASSES",
+    "RULES",
+    "SECONDARY",
+    "Classification",
+    "Rule",
+    "classify",
+    "memory_cgroup",
+    "oom_kills",
+    "tail_lines",
+]
 
-CLASSES = ("killed_by_signal", "python_exception", "cuda_error", "gpu_oom", "cpu_oom",
-           "nccl_error", "gloo_error", "collective_mismatch", "disk_full", "storage_error",
-           "user_error", "unknown")
+CLASSES = (
+    "killed_by_signal",
+    "python_exception",
+    "cuda_error",
+    "gpu_oom",
+    "cpu_oom",
+    "nccl_error",
+    "gloo_error",
+    "collective_mismatch",
+    "disk_full",
+    "storage_error",
+    "user_error",
+    "unknown",
+)
 
 #: crash classes that follow another rank's failure (a peer died first): never the root cause
 #: while another failure is in sight
@@ -48,8 +68,15 @@ SECONDARY = ("gloo_error", "nccl_error")
 # the type of the last exception of a traceback: "pkg.mod.SomeError: message" at a line start
 _EXC = r"(?P<exception>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt))"
 # exceptions that fail the same way on every restart: a restart cannot help
-_DETERMINISTIC = ("SyntaxError", "IndentationError", "TabError", "ImportError",
-                  "ModuleNotFoundError", "NameError", "UnboundLocalError")
+_DETERMINISTIC = (
+    "SyntaxError",
+    "IndentationError",
+    "TabError",
+    "ImportError",
+    "ModuleNotFoundError",
+    "NameError",
+    "UnboundLocalError",
+)
 
 
 @dataclass(frozen=True)
@@ -65,27 +92,46 @@ class Rule:
 
 RULES: tuple[Rule, ...] = (
     Rule("cgroup_oom_kill", "cpu_oom", exit="sigkill", oom_kill=True),
-    Rule("cuda_oom", "gpu_oom",
-         r"CUDA out of memory|(?P<exception>torch\.(?:cuda\.)?OutOfMemoryError)"),
+    Rule(
+        "cuda_oom",
+        "gpu_oom",
+        r"CUDA out of memory|(?P<exception>torch\.(?:cuda\.)?OutOfMemoryError)",
+    ),
     Rule("python_memory_error", "cpu_oom", r"^(?P<exception>MemoryError)\b", exit="error"),
     Rule("xid", "cuda_error", r"NVRM: Xid \([^)]*\): (?P<xid>\d+)"),
-    Rule("cuda_error", "cuda_error",
-         r"CUDA error: |CUBLAS_STATUS_\w+|CUDNN_STATUS_\w+|device-side assert triggered"),
+    Rule(
+        "cuda_error",
+        "cuda_error",
+        r"CUDA error: |CUBLAS_STATUS_\w+|CUDNN_STATUS_\w+|device-side assert triggered",
+    ),
     # before the communication errors: gloo aborts the rank with its own words, and torch's
     # TORCH_DISTRIBUTED_DEBUG=DETAIL check raises with its own
-    Rule("collective_mismatch", "collective_mismatch",
-         r"Received data size doesn't match expected size|collective mismatch in your code"
-         r"|Detected mismatch between collectives on ranks"),
-    Rule("nccl", "nccl_error",
-         r"NCCL error|nccl\w*Error|ProcessGroupNCCL|Watchdog caught collective operation"),
+    Rule(
+        "collective_mismatch",
+        "collective_mismatch",
+        r"Received data size doesn't match expected size|collective mismatch in your code"
+        r"|Detected mismatch between collectives on ranks",
+    ),
+    Rule(
+        "nccl",
+        "nccl_error",
+        r"NCCL error|nccl\w*Error|ProcessGroupNCCL|Watchdog caught collective operation",
+    ),
     Rule("gloo", "gloo_error", r"third_party/gloo/|ProcessGroupGloo|[Gg]loo connect"),
     Rule("enospc", "disk_full", r"No space left on device|\bENOSPC\b|\[Errno 28\]"),
-    Rule("storage", "storage_error",
-         r"botocore\.exceptions\.|EndpointConnectionError|NoSuchBucket"
-         r"|An error occurred \(\w+\) when calling the \w+ operation"
-         r"|org\.apache\.hadoop|\bHDFS\b|hdfs://"),
-    Rule("deterministic_exception", "user_error",
-         rf"^(?P<exception>{'|'.join(_DETERMINISTIC)})\b", exit="error"),
+    Rule(
+        "storage",
+        "storage_error",
+        r"botocore\.exceptions\.|EndpointConnectionError|NoSuchBucket"
+        r"|An error occurred \(\w+\) when calling the \w+ operation"
+        r"|org\.apache\.hadoop|\bHDFS\b|hdfs://",
+    ),
+    Rule(
+        "deterministic_exception",
+        "user_error",
+        rf"^(?P<exception>{'|'.join(_DETERMINISTIC)})\b",
+        exit="error",
+    ),
     Rule("python_exception", "python_exception", rf"^{_EXC}(?::|$)", exit="error"),
     Rule("signal", "killed_by_signal", exit="signal"),
     Rule("fallback", "unknown", exit="always"),
@@ -95,7 +141,8 @@ _PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
 _RANK_PREFIX = re.compile(r"^\[rank(?P<rank>\d+)\]:")  # torch's prefix on a rank's lines
 #: a launcher's own traceback that wraps a rank's failure (torchrun's): not the cause
 _LAUNCHER_ERROR = re.compile(
-    r"^(?:torch\.distributed\.elastic\.multiprocessing\.errors\.)?ChildFailedError\b")
+    r"^(?:torch\.distributed\.elastic\.multiprocessing\.errors\.)?ChildFailedError\b"
+)
 #: torchrun's summary of the first failed rank: "  rank      : 1 (local_rank: 0)"
 _ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank")
 #: and its exit code, below: "  exitcode  : -9 (pid: 1234)" (-N: killed by signal N)
@@ -115,8 +162,13 @@ class Classification:
 
     def evidence(self) -> dict[str, Any]:
         """The form an :class:`~bootseer.robust.events.Event` keeps."""
-        return {"rule": self.rule, "exit_code": self.exit_code, "signal": self.signal,
-                **self.detail, "lines": list(self.lines)}
+        return {
+            "rule": self.rule,
+            "exit_code": self.exit_code,
+            "signal": self.signal,
+            **self.detail,
+            "lines": list(self.lines),
+        }
 
 
 def _signal_of(exit_code: int | None) -> int | None:
@@ -141,8 +193,9 @@ def _exit_matches(rule: Rule, exit_code: int | None, signum: int | None) -> bool
         return signum == signal.SIGKILL
     if rule.exit == "error":
         return exit_code is not None and exit_code != 0 and signum is None
-    raise ValueError(f"rule {rule.name}: exit must be signal, sigkill, error, always or "
-                     f"None, not {rule.exit!r}")
+    raise ValueError(
+        f"rule {rule.name}: exit must be signal, sigkill, error, always or None, not {rule.exit!r}"
+    )
 
 
 def _last_match(pattern: re.Pattern[str], lines: Sequence[str]) -> tuple[int, re.Match[str]] | None:
@@ -161,14 +214,25 @@ def _failures(clean: Sequence[str]) -> list[tuple[int, int | None]]:
     found = []
     for i, line in enumerate(clean):
         if m := _ROOT_CAUSE_RANK.search(line):
-            code = next((int(e["code"]) for later in clean[i + 1:i + 4]
-                         if (e := _ROOT_CAUSE_EXIT.search(later))), None)
+            code = next(
+                (
+                    int(e["code"])
+                    for later in clean[i + 1 : i + 4]
+                    if (e := _ROOT_CAUSE_EXIT.search(later))
+                ),
+                None,
+            )
             found.append((int(m["rank"]), code))
     return found
 
 
-def classify(exit_code: int | None, lines: Sequence[str], *, oom_killed: bool = False,
-             rules: Sequence[Rule] = RULES) -> Classification:
+def classify(
+    exit_code: int | None,
+    lines: Sequence[str],
+    *,
+    oom_killed: bool = False,
+    rules: Sequence[Rule] = RULES,
+) -> Classification:
     """The class of a process that ended with ``exit_code`` (None: unknown) after printing
     ``lines`` (its last ones); ``oom_killed``: the kernel's OOM killer hit its cgroup.
 
@@ -177,8 +241,7 @@ def classify(exit_code: int | None, lines: Sequence[str], *, oom_killed: bool = 
     and of the lines torch prefixes with ``[rankN]:`` only that rank's are read. A
     communication error (:data:`SECONDARY`: a peer's death seen from the other side) loses
     to another rank's own failure in the same lines, whichever torchrun observed first."""
-    raw = [line.rstrip("\n") for line in lines if not _LAUNCHER_ERROR.match(
-        _PREFIX.sub("", line))]
+    raw = [line.rstrip("\n") for line in lines if not _LAUNCHER_ERROR.match(_PREFIX.sub("", line))]
     owner = [int(m["rank"]) if (m := _RANK_PREFIX.match(line)) else None for line in raw]
     clean = [_PREFIX.sub("", line) for line in raw]
     failures = _failures(clean)
@@ -190,16 +253,16 @@ def classify(exit_code: int | None, lines: Sequence[str], *, oom_killed: bool = 
     def of(rank: int | None) -> list[str]:
         return [line for line, r in zip(clean, owner, strict=True) if r is None or r == rank]
 
-    got = _classify(exit_code, of(root) if root is not None and ranks else clean,
-                    oom_killed, rules)
+    got = _classify(exit_code, of(root) if root is not None and ranks else clean, oom_killed, rules)
     if root is not None:
         got.detail["rank"] = root
     if got.failure_class in SECONDARY:  # a consequence: another rank's own failure wins
         for rank in ranks:
             if rank == root:
                 continue
-            other = _classify(exit_code if exit_code not in (None, 0) else 1, of(rank),
-                              oom_killed, rules)
+            other = _classify(
+                exit_code if exit_code not in (None, 0) else 1, of(rank), oom_killed, rules
+            )
             if other.failure_class not in (*SECONDARY, "unknown", "killed_by_signal"):
                 other.detail.update(rank=rank, secondary=got.failure_class)
                 return other
@@ -211,8 +274,9 @@ def classify(exit_code: int | None, lines: Sequence[str], *, oom_killed: bool = 
     return got
 
 
-def _classify(exit_code: int | None, clean: Sequence[str], oom_killed: bool,
-              rules: Sequence[Rule]) -> Classification:
+def _classify(
+    exit_code: int | None, clean: Sequence[str], oom_killed: bool, rules: Sequence[Rule]
+) -> Classification:
     """The first row of ``rules`` that matches (lines already stripped of prefixes)."""
     signum = _signal_of(exit_code)
     sig = _signal_name(signum) if signum is not None else None
@@ -229,8 +293,7 @@ def _classify(exit_code: int | None, clean: Sequence[str], oom_killed: bool,
             index, m = found
             detail = {k: v for k, v in m.groupdict().items() if v is not None}
             matched = (clean[index],)
-        if "exception" not in detail and (exc := _last_match(_COMPILED["python_exception"],
-                                                                clean)):
+        if "exception" not in detail and (exc := _last_match(_COMPILED["python_exception"], clean)):
             detail["exception"] = exc[1].group("exception")
         if "xid" in detail:
             detail["xid"] = int(detail["xid"])

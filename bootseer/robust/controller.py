@@ -83,14 +83,23 @@ def _say(line: str) -> None:
 class Controller:
     """One job's controller over a store client (see the module docstring)."""
 
-    def __init__(self, store: Any, *, job: str = "job", trace_path: str | os.PathLike | None
-                 = None, exclusion: str | os.PathLike | None = None,
-                 layout: Mapping[str, Sequence[Sequence[int]]] | None = None,
-                 dump_wait_s: float = 10.0, settle_s: float = 1.0, crash_window_s: float = 3.0,
-                 failslow_interval_s: float = 10.0, check_wait_s: float = 180.0,
-                 update_recent_s: float = 3600.0,
-                 log: Callable[[str], None] = _say, clock: Callable[[], float] = time.time
-                 ) -> None:
+    def __init__(
+        self,
+        store: Any,
+        *,
+        job: str = "job",
+        trace_path: str | os.PathLike | None = None,
+        exclusion: str | os.PathLike | None = None,
+        layout: Mapping[str, Sequence[Sequence[int]]] | None = None,
+        dump_wait_s: float = 10.0,
+        settle_s: float = 1.0,
+        crash_window_s: float = 3.0,
+        failslow_interval_s: float = 10.0,
+        check_wait_s: float = 180.0,
+        update_recent_s: float = 3600.0,
+        log: Callable[[str], None] = _say,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         seal.require_secret("bootseer controller")  # nothing is trusted nor written without it
         self.store = store
         self.job = job
@@ -125,14 +134,16 @@ class Controller:
         sealed; a forged name must not be waited for, nor named lost in a verdict)."""
         raw = wire.get(self.store, self.keys.nodes) or b""
         names: list[str] = []
-        for line in raw.decode(errors="replace").splitlines()[:wire.MAX_NODES]:
+        for line in raw.decode(errors="replace").splitlines()[: wire.MAX_NODES]:
             if wire.valid_node(line) and line not in names and self._known(line):
                 names.append(line)
         return names
 
     def _known(self, node: str) -> bool:
-        if node not in self._registered and \
-                self._read(self.keys.node(node, "info"), node) is not None:
+        if (
+            node not in self._registered
+            and self._read(self.keys.node(node, "info"), node) is not None
+        ):
             self._registered.add(node)
         return node in self._registered
 
@@ -148,9 +159,14 @@ class Controller:
             last = self._read(self.keys.verdict(int(pointer["incident"]))) if pointer else None
             evidence = (last or {}).get("evidence") or {}
             when = float((last or {}).get("time") or 0.0)
-            self._gone = {n: when for n in [*(evidence.get("missing_dumps") or []),
-                                            *(evidence.get("not_waited_for") or [])]
-                          if isinstance(n, str) and wire.valid_node(n)}
+            self._gone = {
+                n: when
+                for n in [
+                    *(evidence.get("missing_dumps") or []),
+                    *(evidence.get("not_waited_for") or []),
+                ]
+                if isinstance(n, str) and wire.valid_node(n)
+            }
         for node, since in list(self._gone.items()):
             beat = self._read(self.keys.node(node, "beat"), node)
             try:
@@ -177,8 +193,9 @@ class Controller:
                 found.append(Verdict.from_doc(doc))
         return found
 
-    def _read(self, key: str, node: str | None = None,
-              limit: int = wire.MAX_RECORD_BYTES) -> dict[str, Any] | None:
+    def _read(
+        self, key: str, node: str | None = None, limit: int = wire.MAX_RECORD_BYTES
+    ) -> dict[str, Any] | None:
         """The record under ``key``, sealed and valid (:func:`.wire.decode`); else None and
         a warning naming the key, once per key (a flood of bad records is not a flood of
         lines)."""
@@ -229,10 +246,13 @@ class Controller:
                 events = []
             for event in events:
                 if event.time <= closed_at:  # before the last verdict: that incident's
-                    self.log(f"{node}: {event.kind} {event.failure_class} came after the "
-                             "verdict of its incident: recorded, no new incident")
-                    self._write(dataclasses.replace(event, evidence={
-                        **event.evidence, "late": True}))
+                    self.log(
+                        f"{node}: {event.kind} {event.failure_class} came after the "
+                        "verdict of its incident: recorded, no new incident"
+                    )
+                    self._write(
+                        dataclasses.replace(event, evidence={**event.evidence, "late": True})
+                    )
                     continue
                 fresh.append(event)
             self._cursors[node] = cursor
@@ -269,9 +289,14 @@ class Controller:
         now = self.clock()
         first = min(events, key=lambda e: e.time)
         reason = f"{first.kind} {first.failure_class} on {first.node}" + (
-            f" rank {first.rank}" if first.rank is not None else "")
-        opened = {"incident": incident, "time": now, "reason": reason,
-                  "events": [_doc(e) for e in events]}
+            f" rank {first.rank}" if first.rank is not None else ""
+        )
+        opened = {
+            "incident": incident,
+            "time": now,
+            "reason": reason,
+            "events": [_doc(e) for e in events],
+        }
         wire.put(self.store, self.keys.open, opened, wire.MAX_DUMP_BYTES)
         self._flush_cursors()
         self._order(opened)
@@ -301,19 +326,29 @@ class Controller:
             return
         why = published.due(self.clock()) if published else None
         if why is not None and pin is not None and published.seq < pin.seq:
-            self._warn(f"{self.keys.version_current}: publication {published.seq} is older "
-                       f"than the running one ({pin.seq}): a replayed record, not applied")
+            self._warn(
+                f"{self.keys.version_current}: publication {published.seq} is older "
+                f"than the running one ({pin.seq}): a replayed record, not applied"
+            )
             return
         if why is None or published.forced is not None or pin is None or pin.id == published.id:
             return  # lazy, already ordered, nodes (re)starting, or applied
         incident = int(self.store.add(self.keys.incident, 1))
         if not update.mark_forced(self.store, self.keys, published, incident):
             return  # published again meanwhile: the next pass sees the new one
-        when = ("published urgent" if why == "urgent" else
-                f"not run {published.window_s:g} s after its publication")
+        when = (
+            "published urgent"
+            if why == "urgent"
+            else f"not run {published.window_s:g} s after its publication"
+        )
         reason = f"version {published.id} {when}: every node restarts on it (from {pin.id})"
-        opened = {"incident": incident, "time": self.clock(), "reason": reason, "events": [],
-                  "update": published.id}
+        opened = {
+            "incident": incident,
+            "time": self.clock(),
+            "reason": reason,
+            "events": [],
+            "update": published.id,
+        }
         wire.put(self.store, self.keys.open, opened, wire.MAX_DUMP_BYTES)
         self._order(opened)
         self.log(f"incident {incident}: {reason}")
@@ -327,8 +362,14 @@ class Controller:
         except update.VersionError as exc:
             self._warn(str(exc))
             return None
-        if (pin is None or not pin.updated or pin.cause != "publish" or published is None
-                or published.id != pin.id or failed_at - pin.time > self.update_recent_s):
+        if (
+            pin is None
+            or not pin.updated
+            or pin.cause != "publish"
+            or published is None
+            or published.id != pin.id
+            or failed_at - pin.time > self.update_recent_s
+        ):
             return None
         return pin
 
@@ -338,13 +379,15 @@ class Controller:
         waited = self.clock() - float(opened["time"])
         gone = self.gone()
         expected = [n for n in self.nodes() if n not in excluded and n not in gone]
-        answers = {n: self._read(self.keys.dump(n, incident), n, wire.MAX_DUMP_BYTES)
-                   for n in expected}
+        answers = {
+            n: self._read(self.keys.dump(n, incident), n, wire.MAX_DUMP_BYTES) for n in expected
+        }
         missing = [n for n, a in answers.items() if a is None]
         silent = self._silent(missing, opened, waited)
         update_only = bool(opened.get("update")) and not opened["events"]  # nothing to settle
         if (waited < self.settle_s and not update_only) or (
-                set(missing) - set(silent) and waited < self.dump_wait_s):
+            set(missing) - set(silent) and waited < self.dump_wait_s
+        ):
             return None
         if waited < self.crash_window_s and _hang_only(opened):  # a crash may explain it
             return None
@@ -355,8 +398,11 @@ class Controller:
             return None
         checked = None
         # a mismatched collective in the windows is a code fault: no checks, it stops
-        if _needs_checks(opened, missing) and len(expected) >= 2 and (
-                "check" in opened or not self._mismatches(expected)):
+        if (
+            _needs_checks(opened, missing)
+            and len(expected) >= 2
+            and ("check" in opened or not self._mismatches(expected))
+        ):
             checked = self._checks(opened, [n for n in expected if n not in missing])
             if checked is None:
                 return None
@@ -396,8 +442,9 @@ class Controller:
                 silent.append(node)
         return silent
 
-    def _ranks_of(self, nodes: Sequence[str], traced: dict[str, Any] | None
-                  ) -> dict[str, list[int]]:
+    def _ranks_of(
+        self, nodes: Sequence[str], traced: dict[str, Any] | None
+    ) -> dict[str, list[int]]:
         """Each node's ranks, from its last heartbeat summary and its last tracer window
         (a lost node's last words)."""
         windows = (traced or {}).get("windows") or {}
@@ -431,8 +478,10 @@ class Controller:
             wire.put(self.store, self.keys.check_request(incident), order)
             opened["check"] = order
             wire.put(self.store, self.keys.open, opened, wire.MAX_DUMP_BYTES)
-            self.log(f"incident {incident}: stop-time checks ordered on "
-                     f"{', '.join(nodes)} (collective self-test, bitwise alignment)")
+            self.log(
+                f"incident {incident}: stop-time checks ordered on "
+                f"{', '.join(nodes)} (collective self-test, bitwise alignment)"
+            )
             return None
         nodes = list(opened["check"]["nodes"])
         results: dict[str, RankResult] = {}
@@ -445,23 +494,39 @@ class Controller:
                 elif doc is not None:
                     results[node] = RankResult(**{**doc["result"], "node": node})
             except (KeyError, TypeError) as exc:
-                self._warn(f"{self.keys.check_result(node, incident)}: not a check result "
-                           f"({exc})")
+                self._warn(f"{self.keys.check_result(node, incident)}: not a check result ({exc})")
         waited = self.clock() - float(opened["check"]["time"])
         if len(results) + len(errors) < len(nodes) and waited < self.check_wait_s:
             return None
         return {**_check_evidence(results, nodes), "errors": errors}
 
     # -- the verdict -----------------------------------------------------------------------
-    def _close(self, opened: dict[str, Any], answers: dict[str, dict[str, Any]],
-               missing: list[str], checked: dict[str, Any] | None = None) -> Verdict:
+    def _close(
+        self,
+        opened: dict[str, Any],
+        answers: dict[str, dict[str, Any]],
+        missing: list[str],
+        checked: dict[str, Any] | None = None,
+    ) -> Verdict:
         incident = int(opened["incident"])
         if opened.get("update") and not opened["events"]:
-            return self._finish(incident, Verdict(
-                "restart_in_place", "update", reason=opened["reason"], time=self.clock(),
-                evidence={"incident": incident, "reason": opened["reason"],
-                          "update": {"version": opened["update"]}, "answered": sorted(answers),
-                          "missing_dumps": missing, "controller_pid": os.getpid()}))
+            return self._finish(
+                incident,
+                Verdict(
+                    "restart_in_place",
+                    "update",
+                    reason=opened["reason"],
+                    time=self.clock(),
+                    evidence={
+                        "incident": incident,
+                        "reason": opened["reason"],
+                        "update": {"version": opened["update"]},
+                        "answered": sorted(answers),
+                        "missing_dumps": missing,
+                        "controller_pid": os.getpid(),
+                    },
+                ),
+            )
         events = [Event.from_doc(d) for d in opened["events"]]
         processes, dumps = _processes(answers)
         found = _break_tie(localize(processes, self.layout), processes, self.layout)
@@ -474,83 +539,136 @@ class Controller:
         history = self.verdicts()
         pin = self._updated_pin(primary.time)
         lost = self._unheard(missing, opened)
-        mismatch = next((f for f in (traced or {}).get("findings", [])
-                         if f["kind"] == "mismatch"), None)
+        mismatch = next(
+            (f for f in (traced or {}).get("findings", []) if f["kind"] == "mismatch"), None
+        )
         if checked and checked["failed"]:  # a node that fails a check is evicted
             verdict = _check_verdict(primary, checked)
         elif mismatch is not None and primary.kind in ("crash", "hang"):
             # mismatched collectives (gloo aborts a rank on them; the survivors see a peer's
             # death): a code fault, whatever the crash looked like; every restart repeats it
-            of = {r: n for n, rs in self._ranks_of([*answers, *missing], traced).items()
-                  for r in rs}
+            of = {
+                r: n for n, rs in self._ranks_of([*answers, *missing], traced).items() for r in rs
+            }
             ranks = [int(r) for r in mismatch["ranks"]]
-            primary = Event("crash", "collective_mismatch", node=of.get(ranks[0]),
-                            rank=ranks[0], step=primary.step, time=primary.time, evidence={
-                                "rule": "colltrace_mismatch", "colltrace": mismatch["line"],
-                                "signatures": mismatch["evidence"].get("signatures"),
-                                "seen_as": _doc(primary)})
-            verdict = decide(primary, suspect_ranks=ranks,
-                             suspect_nodes={of[r] for r in ranks if r in of}, history=history,
-                             recent_update=pin is not None)
+            primary = Event(
+                "crash",
+                "collective_mismatch",
+                node=of.get(ranks[0]),
+                rank=ranks[0],
+                step=primary.step,
+                time=primary.time,
+                evidence={
+                    "rule": "colltrace_mismatch",
+                    "colltrace": mismatch["line"],
+                    "signatures": mismatch["evidence"].get("signatures"),
+                    "seen_as": _doc(primary),
+                },
+            )
+            verdict = decide(
+                primary,
+                suspect_ranks=ranks,
+                suspect_nodes={of[r] for r in ranks if r in of},
+                history=history,
+                recent_update=pin is not None,
+            )
         elif lost and _lost_explains(primary):
             # the survivors saw their peers die (a communication error, a signal) or wait for
             # them (a hang): the lost node is the subject, never a survivor
             ranks_of = self._ranks_of(lost, traced)
-            primary = Event("crash", "node_lost", node=lost[0], time=primary.time, evidence={
-                "rule": "no_answer", "lost": lost, "ranks": ranks_of,
-                "seen_as": _doc(primary)})
-            verdict = decide(primary, suspect_nodes=lost,
-                             suspect_ranks=[r for rs in ranks_of.values() for r in rs],
-                             history=history)
+            primary = Event(
+                "crash",
+                "node_lost",
+                node=lost[0],
+                time=primary.time,
+                evidence={
+                    "rule": "no_answer",
+                    "lost": lost,
+                    "ranks": ranks_of,
+                    "seen_as": _doc(primary),
+                },
+            )
+            verdict = decide(
+                primary,
+                suspect_nodes=lost,
+                suspect_ranks=[r for rs in ranks_of.values() for r in rs],
+                history=history,
+            )
         elif primary.kind == "fail_slow" and primary.evidence.get("group_nodes"):
             ev = primary.evidence  # the rounds named the group
-            verdict = decide(dataclasses.replace(primary, node=None, rank=None),
-                             suspect_nodes=tuple(ev["group_nodes"]),
-                             suspect_ranks=tuple(ev.get("group_ranks") or ()), history=history,
-                             recent_update=pin is not None)
+            verdict = decide(
+                dataclasses.replace(primary, node=None, rank=None),
+                suspect_nodes=tuple(ev["group_nodes"]),
+                suspect_ranks=tuple(ev.get("group_ranks") or ()),
+                history=history,
+                recent_update=pin is not None,
+            )
         elif primary.kind in ("hang", "fail_slow"):  # every rank may look hung: stacks decide
             anonymous = dataclasses.replace(primary, node=None, rank=None)
-            verdict = decide(anonymous, suspect_nodes=found.domain_nodes or found.suspect_nodes,
-                             suspect_ranks=found.domain_ranks or found.suspects,
-                             history=history, recent_update=pin is not None)
+            verdict = decide(
+                anonymous,
+                suspect_nodes=found.domain_nodes or found.suspect_nodes,
+                suspect_ranks=found.domain_ranks or found.suspects,
+                history=history,
+                recent_update=pin is not None,
+            )
         else:
             verdict = decide(primary, history=history, recent_update=pin is not None)
             if verdict.action == "continue":  # a jump stopped the job: resume it
                 verdict = dataclasses.replace(
-                    verdict, action="restart_in_place",
-                    reason=f"{verdict.reason}; the job was stopped at the jump" + (
-                        " and the checks found no faulty node" if checked else "")
-                    + ": resume from the last checkpoint")
+                    verdict,
+                    action="restart_in_place",
+                    reason=f"{verdict.reason}; the job was stopped at the jump"
+                    + (" and the checks found no faulty node" if checked else "")
+                    + ": resume from the last checkpoint",
+                )
         if checked is not None:
-            verdict = dataclasses.replace(verdict, evidence={**verdict.evidence,
-                                                             "check": checked})
+            verdict = dataclasses.replace(verdict, evidence={**verdict.evidence, "check": checked})
         if verdict.action == "rollback" and pin is not None:  # published before the verdict,
             back = update.roll_back(self.store, self.keys, pin, incident, self.clock())
             verdict = dataclasses.replace(  # so the agents restart on it
-                verdict, reason=f"{verdict.reason}: version {pin.id} rolled back to {back.id}",
-                evidence={**verdict.evidence, "update": {"failed": pin.id, "rolled_back_to":
-                                                         back.id, "epoch": pin.epoch}})
-        evidence = {**verdict.evidence, "incident": incident, "reason": opened["reason"],
-                    "events": opened["events"], "primary": _doc(primary),
-                    "localization": {"suspects": list(found.suspects),
-                                     "suspect_nodes": list(found.suspect_nodes),
-                                     "domain": found.domain, "reason": found.reason,
-                                     **found.evidence},
-                    "dumps": dumps, "missing_dumps": missing, "controller_pid": os.getpid(),
-                    "not_waited_for": opened.get("not_waited_for", []),
-                    "silent": opened.get("silent", []), "lost": lost}
+                verdict,
+                reason=f"{verdict.reason}: version {pin.id} rolled back to {back.id}",
+                evidence={
+                    **verdict.evidence,
+                    "update": {"failed": pin.id, "rolled_back_to": back.id, "epoch": pin.epoch},
+                },
+            )
+        evidence = {
+            **verdict.evidence,
+            "incident": incident,
+            "reason": opened["reason"],
+            "events": opened["events"],
+            "primary": _doc(primary),
+            "localization": {
+                "suspects": list(found.suspects),
+                "suspect_nodes": list(found.suspect_nodes),
+                "domain": found.domain,
+                "reason": found.reason,
+                **found.evidence,
+            },
+            "dumps": dumps,
+            "missing_dumps": missing,
+            "controller_pid": os.getpid(),
+            "not_waited_for": opened.get("not_waited_for", []),
+            "silent": opened.get("silent", []),
+            "lost": lost,
+        }
         if traced:
             evidence["colltrace"] = traced
         verdict = dataclasses.replace(verdict, time=self.clock(), evidence=evidence)
-        why = (f"; the fail-slow rounds named {primary.evidence['group']}"
-               if primary.kind == "fail_slow" and primary.evidence.get("group")
-               else f"; {found.reason}")
+        why = (
+            f"; the fail-slow rounds named {primary.evidence['group']}"
+            if primary.kind == "fail_slow" and primary.evidence.get("group")
+            else f"; {found.reason}"
+        )
         if traced and traced["lines"]:
             why += f"; colltrace: {traced['lines'][0]}"
         return self._finish(incident, verdict, why)
 
-    def _native_dumps(self, nodes: list[str], incident: int
-                      ) -> dict[tuple[str, int], ProcessStacks]:
+    def _native_dumps(
+        self, nodes: list[str], incident: int
+    ) -> dict[tuple[str, int], ProcessStacks]:
         """The native dumps the nodes sent after their answers (``py-spy dump --native``),
         by (node, pid); only those already in: the verdict never waits for them."""
         found: dict[tuple[str, int], ProcessStacks] = {}
@@ -576,16 +694,28 @@ class Controller:
             path = self.trace_path.parent / "colltrace-controller.ndjson"
             try:
                 with open_append(path.parent, path.name) as f:
-                    f.writelines(json.dumps(d, default=str) + "\n"
-                                 for d in verdict_docs(found, grid, "controller", incident))
+                    f.writelines(
+                        json.dumps(d, default=str) + "\n"
+                        for d in verdict_docs(found, grid, "controller", incident)
+                    )
             except OSError as exc:
                 self._warn(f"cannot write {path}: {exc}")
-        return {"lines": [f.line for f in found], "findings": [f.to_doc() for f in found],
-                "windows": {n: {"time": d.get("time"), "attempt": d.get("attempt"),
-                                "ranks": sorted(r.get("rank") for r in d.get("ranks") or []
-                                                if isinstance(r, dict)
-                                                and isinstance(r.get("rank"), int))}
-                            for n, d in sorted(docs.items())}}
+        return {
+            "lines": [f.line for f in found],
+            "findings": [f.to_doc() for f in found],
+            "windows": {
+                n: {
+                    "time": d.get("time"),
+                    "attempt": d.get("attempt"),
+                    "ranks": sorted(
+                        r.get("rank")
+                        for r in d.get("ranks") or []
+                        if isinstance(r, dict) and isinstance(r.get("rank"), int)
+                    ),
+                }
+                for n, d in sorted(docs.items())
+            },
+        }
 
     def _windows(self, nodes: list[str]) -> dict[str, dict[str, Any]]:
         """The ring windows these nodes ship (:mod:`bootseer.colltrace.ship`), by node."""
@@ -598,30 +728,37 @@ class Controller:
 
     def _finish(self, incident: int, verdict: Verdict, why: str = "") -> Verdict:
         """The verdict into the store (the agents act on it), the trace and the log."""
-        wire.put(self.store, self.keys.verdict(incident), _verdict_doc(verdict),
-                 wire.MAX_DUMP_BYTES)
+        wire.put(
+            self.store, self.keys.verdict(incident), _verdict_doc(verdict), wire.MAX_DUMP_BYTES
+        )
         if verdict.action == "replace_and_restart" and verdict.nodes:
             self._exclude(verdict)
         wire.put(self.store, self.keys.verdict_last, {"incident": incident, "time": verdict.time})
         self.store.delete_key(self.keys.open)
         self.store.delete_key(self.keys.failslow)  # the rounds start afresh after an incident
         self._write(verdict)
-        self.log(f"incident {incident}: verdict {verdict.action} ({verdict.failure_class})"
-                 + (f" nodes {', '.join(verdict.nodes)}" if verdict.nodes else "")
-                 + (f" ranks {', '.join(map(str, verdict.ranks))}" if verdict.ranks else "")
-                 + f": {verdict.reason}{why}")
+        self.log(
+            f"incident {incident}: verdict {verdict.action} ({verdict.failure_class})"
+            + (f" nodes {', '.join(verdict.nodes)}" if verdict.nodes else "")
+            + (f" ranks {', '.join(map(str, verdict.ranks))}" if verdict.ranks else "")
+            + f": {verdict.reason}{why}"
+        )
         return verdict
 
     def _exclude(self, verdict: Verdict) -> None:
         if self.exclusion is not None:
-            self.exclusion.add(verdict.nodes, verdict.reason,
-                               failure_class=verdict.failure_class)
+            self.exclusion.add(verdict.nodes, verdict.reason, failure_class=verdict.failure_class)
             publish_exclusions(self.store, self.exclusion, self.job)
             return
         doc = read_exclusions(self.store, self.job, self.log)
         reasons = {**doc.get("reasons", {}), **dict.fromkeys(verdict.nodes, verdict.reason)}
-        wire.put(self.store, self.keys.excluded, exclusion_record(
-            [*doc["nodes"], *verdict.nodes], reasons=reasons, source=doc.get("list")))
+        wire.put(
+            self.store,
+            self.keys.excluded,
+            exclusion_record(
+                [*doc["nodes"], *verdict.nodes], reasons=reasons, source=doc.get("list")
+            ),
+        )
 
     def publish_exclusions(self) -> list[str]:
         """The exclusion file's nodes into the store, where nodes and standbys read them
@@ -657,7 +794,8 @@ class Controller:
                 continue
             beat = self._read(self.keys.node(node, "beat"), node)
             fresh = beat and now - float(beat.get("time", 0)) <= max(
-                3 * self.failslow_interval_s, 5.0)
+                3 * self.failslow_interval_s, 5.0
+            )
             for rank, info in ((beat or {}).get("ranks") or {}).items() if fresh else ():
                 if isinstance(info, dict) and isinstance(info.get("step_time_s"), int | float):
                     step_times[int(rank)] = float(info["step_time_s"])
@@ -675,12 +813,15 @@ class Controller:
             event = rounds.round(step_times, now, nodes=nodes, samples=samples)
             flagged = rounds.history[-1] if rounds.history else {}
             if flagged:
-                self.log(f"fail-slow round {rounds.count}: flagged " + ", ".join(
-                    f"rank {r} ({'+'.join(w)})" for r, w in sorted(flagged.items())))
+                self.log(
+                    f"fail-slow round {rounds.count}: flagged "
+                    + ", ".join(f"rank {r} ({'+'.join(w)})" for r, w in sorted(flagged.items()))
+                )
         asked = int(self.store.add(self.keys.sample_count, 1))  # never reused: an agent
         # answers each order once, across controller restarts and incidents
-        wire.put(self.store, self.keys.failslow, {**rounds.to_doc(), "asked": asked},
-                 wire.MAX_DUMP_BYTES)
+        wire.put(
+            self.store, self.keys.failslow, {**rounds.to_doc(), "asked": asked}, wire.MAX_DUMP_BYTES
+        )
         wire.put(self.store, self.keys.sample_request, {"round": asked, "time": now})
         return event
 
@@ -712,9 +853,13 @@ class Controller:
                 self.store.delete_key(self.keys.link_probe(node, ident))
             for node in missing if silent else ():  # its window stopped, and now its answer
                 age = self._link_silent[node] + now - since
-                probes[node] = {"node": node, "error": (
-                    f"no answer to the probe order in {now - since:.1f} s, and no tracer "
-                    f"window from it for {age:.1f} s while ranks wait on its rank(s)")}
+                probes[node] = {
+                    "node": node,
+                    "error": (
+                        f"no answer to the probe order in {now - since:.1f} s, and no tracer "
+                        f"window from it for {age:.1f} s while ranks wait on its rank(s)"
+                    ),
+                }
             event = self._slow_link(probes, self._rank_nodes(excluded), now)
             if event is None:
                 self._link_quiet_until = now + LINK_QUIET_S
@@ -733,9 +878,8 @@ class Controller:
         """Each training rank's node, from the nodes' fresh beats."""
         found: dict[int, str] = {}
         for node in self.nodes():
-            beat = self._read(self.keys.node(node, "beat"), node) if node not in excluded \
-                else None
-            for rank in ((beat or {}).get("ranks") or {}):
+            beat = self._read(self.keys.node(node, "beat"), node) if node not in excluded else None
+            for rank in (beat or {}).get("ranks") or {}:
                 with contextlib.suppress(TypeError, ValueError):
                     found[int(rank)] = node
         return found
@@ -759,8 +903,9 @@ class Controller:
             self.log(f"fail-slow: {suspect[0].line}: every node probes its link now")
         return bool(suspect)
 
-    def _slow_link(self, probes: dict[str, dict[str, Any]], nodes: dict[int, str],
-                   now: float) -> Event | None:
+    def _slow_link(
+        self, probes: dict[str, dict[str, Any]], nodes: dict[int, str], now: float
+    ) -> Event | None:
         """The node whose link the probes found slow (:func:`bootseer.colltrace.probe.
         slow_node`), as a ``fail_slow`` event naming that node: the link is the group."""
         from ..colltrace.probe import slow_node
@@ -773,10 +918,20 @@ class Controller:
         node, why = named
         self.log(f"fail-slow: {node}'s link is slow: {why}")
         ranks = sorted(r for r, n in nodes.items() if n == node)
-        return Event("fail_slow", "fail_slow", node=node, time=now,
-                     evidence={"group": f"{node}'s link", "group_nodes": [node],
-                               "group_ranks": ranks, "cause": "slow_link", "why": why,
-                               "probes": probes})
+        return Event(
+            "fail_slow",
+            "fail_slow",
+            node=node,
+            time=now,
+            evidence={
+                "group": f"{node}'s link",
+                "group_nodes": [node],
+                "group_ranks": ranks,
+                "cause": "slow_link",
+                "why": why,
+                "probes": probes,
+            },
+        )
 
     # -- the loop --------------------------------------------------------------------------
     def run(self, stop: threading.Event, interval_s: float = 0.25) -> None:
@@ -804,28 +959,46 @@ class Controller:
             opened = self._read(self.keys.open)
             incident = int(opened["incident"]) if opened else None
         except Exception as again:  # noqa: BLE001 - the store itself may be unreachable
-            self._warn(f"a pass failed ({what}), and reading the store too "
-                       f"({type(again).__name__}: {str(again)[:200]})")
+            self._warn(
+                f"a pass failed ({what}), and reading the store too "
+                f"({type(again).__name__}: {str(again)[:200]})"
+            )
             return None
         count = self._failing[1] + 1 if self._failing[0] == incident else 1
         self._failing = (incident, count)
-        self._warn("a pass failed" + (f" on incident {incident}" if incident else "")
-                   + f": {what}")
+        self._warn("a pass failed" + (f" on incident {incident}" if incident else "") + f": {what}")
         if incident is None or count < give_up_after:
             return None
         self._failing = (None, 0)
-        reason = (f"the controller could not localize incident {incident} ({what}) in "
-                  f"{count} passes: restart in place")
+        reason = (
+            f"the controller could not localize incident {incident} ({what}) in "
+            f"{count} passes: restart in place"
+        )
         try:
-            return self._finish(incident, Verdict(
-                "restart_in_place", "unknown", reason=reason, time=self.clock(),
-                evidence={"incident": incident, "reason": str(opened.get("reason", "")),
-                          "rule": "controller_error", "error": what,
-                          "events": opened.get("events", []), "missing_dumps": [],
-                          "not_waited_for": [], "controller_pid": os.getpid()}))
+            return self._finish(
+                incident,
+                Verdict(
+                    "restart_in_place",
+                    "unknown",
+                    reason=reason,
+                    time=self.clock(),
+                    evidence={
+                        "incident": incident,
+                        "reason": str(opened.get("reason", "")),
+                        "rule": "controller_error",
+                        "error": what,
+                        "events": opened.get("events", []),
+                        "missing_dumps": [],
+                        "not_waited_for": [],
+                        "controller_pid": os.getpid(),
+                    },
+                ),
+            )
         except Exception as again:  # noqa: BLE001
-            self._warn(f"incident {incident}: cannot write its verdict "
-                       f"({type(again).__name__}: {str(again)[:200]})")
+            self._warn(
+                f"incident {incident}: cannot write its verdict "
+                f"({type(again).__name__}: {str(again)[:200]})"
+            )
             return None
 
 
@@ -838,8 +1011,11 @@ def link_suspects(found: Sequence[Any]) -> tuple[list[Any], dict[str, float]]:
     for f in found:  # ranks wait on a rank whose node's window stopped coming
         if f.kind != "unseen" or f.ranks:
             continue
-        stale = {node: age for r, node in f.evidence["nodes"].items()
-                 if node and (age := f.evidence["seen_ago_s"][r]) >= LINK_STALE_S}
+        stale = {
+            node: age
+            for r, node in f.evidence["nodes"].items()
+            if node and (age := f.evidence["seen_ago_s"][r]) >= LINK_STALE_S
+        }
         if stale:
             silent.update(stale)
             suspect.append(f)
@@ -856,8 +1032,11 @@ def _attach_native(found: Localization, natives: dict[tuple[str, int], ProcessSt
             evidence["native"] = native_evidence(member, natives[(member.node, member.pid)].threads)
 
 
-def _break_tie(found: Localization, processes: list[ProcessStacks],
-               layout: Mapping[str, Sequence[Sequence[int]]] | None) -> Localization:
+def _break_tie(
+    found: Localization,
+    processes: list[ProcessStacks],
+    layout: Mapping[str, Sequence[Sequence[int]]] | None,
+) -> Localization:
     """With no dominant stack group (two ranks: 1:1), the trainers outside every collective
     are the suspects when the others all wait inside one: they are who the others wait for.
     Anything else stays without a verdict from stacks."""
@@ -872,14 +1051,21 @@ def _break_tie(found: Localization, processes: list[ProcessStacks],
     suspects = {r for g in outside for r in g.ranks}
     domain, ranks = _domain(suspects, layout or {})
     node_of = {p.rank: p.node for p in processes if p.node}
-    why = (f"no dominant stack group; rank(s) {', '.join(map(str, sorted(suspects)))} outside "
-           f"every collective while rank(s) {', '.join(map(str, waiting))} waits inside a "
-           "collective")
-    return Localization(tuple(sorted(suspects)),
-                        tuple(sorted({node_of[r] for r in suspects if r in node_of})),
-                        domain if layout else None, ranks,
-                        tuple(sorted({node_of[r] for r in ranks if r in node_of})),
-                        found.groups, why, found.evidence)
+    why = (
+        f"no dominant stack group; rank(s) {', '.join(map(str, sorted(suspects)))} outside "
+        f"every collective while rank(s) {', '.join(map(str, waiting))} waits inside a "
+        "collective"
+    )
+    return Localization(
+        tuple(sorted(suspects)),
+        tuple(sorted({node_of[r] for r in suspects if r in node_of})),
+        domain if layout else None,
+        ranks,
+        tuple(sorted({node_of[r] for r in ranks if r in node_of})),
+        found.groups,
+        why,
+        found.evidence,
+    )
 
 
 def _hang_only(opened: dict[str, Any]) -> bool:
@@ -895,7 +1081,8 @@ def _needs_checks(opened: dict[str, Any], missing: list[str]) -> bool:
         return False
     primary = _primary([Event.from_doc(d) for d in opened["events"]])
     return primary.kind in ("nonfinite", "spike") or (
-        primary.kind == "crash" and primary.failure_class in CHECKED)
+        primary.kind == "crash" and primary.failure_class in CHECKED
+    )
 
 
 def _check_evidence(results: dict[str, RankResult], nodes: list[str]) -> dict[str, Any]:
@@ -905,50 +1092,76 @@ def _check_evidence(results: dict[str, RankResult], nodes: list[str]) -> dict[st
     if len(results) >= 2:
         # ranks are the order's positions (the check's own ranks, which name its links)
         by = {nodes.index(r.node): r for r in results.values()}
-        report = CheckReport.from_results([dataclasses.replace(r, rank=i)
-                                           for i, r in sorted(by.items())])
+        report = CheckReport.from_results(
+            [dataclasses.replace(r, rank=i) for i, r in sorted(by.items())]
+        )
         for i in report.sum_suspects:
-            failed.append({"node": by[i].node, "check": "all_reduce_sum",
-                           "wrong_elements": by[i].sum_errors})
+            failed.append(
+                {"node": by[i].node, "check": "all_reduce_sum", "wrong_elements": by[i].sum_errors}
+            )
         for i in report.link_suspects:
-            failed.append({"node": by[i].node, "check": "link_bandwidth",
-                           "links": {p: t for p, t in report.links.items()
-                                     if i in map(int, p.split("-"))}})
+            failed.append(
+                {
+                    "node": by[i].node,
+                    "check": "link_bandwidth",
+                    "links": {p: t for p, t in report.links.items() if i in map(int, p.split("-"))},
+                }
+            )
         for i in report.alignment_suspects:
             out, grad = report.alignment_majority or ("", "")
-            failed.append({"node": by[i].node, "check": "bitwise_alignment",
-                           "output": by[i].output_hash, "gradients": by[i].grad_hash,
-                           "majority": [out, grad]})
-    return {"nodes": nodes, "missing": [n for n in nodes if n not in results],  # or errors
-            "failed": failed, "no_majority": bool(report and report.no_majority),
-            "text": report.text() if report else "fewer than two nodes answered",
-            "results": {n: dataclasses.asdict(r) for n, r in sorted(results.items())}}
+            failed.append(
+                {
+                    "node": by[i].node,
+                    "check": "bitwise_alignment",
+                    "output": by[i].output_hash,
+                    "gradients": by[i].grad_hash,
+                    "majority": [out, grad],
+                }
+            )
+    return {
+        "nodes": nodes,
+        "missing": [n for n in nodes if n not in results],  # or errors
+        "failed": failed,
+        "no_majority": bool(report and report.no_majority),
+        "text": report.text() if report else "fewer than two nodes answered",
+        "results": {n: dataclasses.asdict(r) for n, r in sorted(results.items())},
+    }
 
 
 def _check_verdict(primary: Event, checked: dict[str, Any]) -> Verdict:
     nodes = tuple(sorted({f["node"] for f in checked["failed"]}))
     why = "; ".join(f"{f['node']} failed {f['check']}" for f in checked["failed"])
-    return Verdict("replace_and_restart", primary.failure_class, nodes=nodes,
-                   reason=f"stop-time check after {primary.kind} {primary.failure_class}: "
-                          f"{why}",
-                   evidence={"event": _doc(primary), "rule": "stop_time_check",
-                             "on_nodes": list(nodes)})
+    return Verdict(
+        "replace_and_restart",
+        primary.failure_class,
+        nodes=nodes,
+        reason=f"stop-time check after {primary.kind} {primary.failure_class}: {why}",
+        evidence={"event": _doc(primary), "rule": "stop_time_check", "on_nodes": list(nodes)},
+    )
 
 
 def _primary(events: list[Event]) -> Event:
     """The incident's cause among its events (see :func:`_rank_of_cause`); of a crash seen
     at a rank's death and the launcher's refinement of it (same time), the refinement."""
-    return min(events, key=lambda e: (_rank_of_cause(e), e.time,
-                                      bool(e.evidence.get("provisional")),
-                                      not e.evidence.get("refines")))
+    return min(
+        events,
+        key=lambda e: (
+            _rank_of_cause(e),
+            e.time,
+            bool(e.evidence.get("provisional")),
+            not e.evidence.get("refines"),
+        ),
+    )
 
 
 def _lost_explains(primary: Event) -> bool:
     """What the survivors see of a lost node: a hang (their ranks wait for its ranks), or
     a crash that names no cause of its own (a peer's death seen from the other side, a
     signal from their launcher tearing down, nothing)."""
-    return primary.kind == "hang" or (primary.kind == "crash" and primary.failure_class in (
-        *SECONDARY, "killed_by_signal", "unknown"))
+    return primary.kind == "hang" or (
+        primary.kind == "crash"
+        and primary.failure_class in (*SECONDARY, "killed_by_signal", "unknown")
+    )
 
 
 def _rank_of_cause(event: Event) -> int:
@@ -968,8 +1181,9 @@ def _verdict_doc(verdict: Verdict) -> dict[str, Any]:
     return json.loads(verdict.to_json())
 
 
-def _processes(answers: dict[str, dict[str, Any]]
-               ) -> tuple[list[ProcessStacks], dict[str, dict[str, Any]]]:
+def _processes(
+    answers: dict[str, dict[str, Any]],
+) -> tuple[list[ProcessStacks], dict[str, dict[str, Any]]]:
     """The processes of every node's dump answer (the node is the key's, never the record's
     word), and a summary per node for the evidence."""
     processes: list[ProcessStacks] = []
@@ -982,15 +1196,18 @@ def _processes(answers: dict[str, dict[str, Any]]
         for item in items:
             if not isinstance(item, dict) or not isinstance(item.get("rank"), int):
                 continue
-            text = str(item.get("text", ""))[:wire.MAX_STACK_CHARS]
+            text = str(item.get("text", ""))[: wire.MAX_STACK_CHARS]
             pid = item.get("pid") if isinstance(item.get("pid"), int) else None
             role = str(item.get("role") or "main")[:32]
-            stacks = ProcessStacks.from_text(text, rank=item["rank"], node=node, pid=pid,
-                                             role=role)
+            stacks = ProcessStacks.from_text(text, rank=item["rank"], node=node, pid=pid, role=role)
             if stacks.threads:
                 processes.append(stacks)
                 sources.add(str(item.get("source", "?"))[:32])
                 ranks.add(item["rank"])
-        summary[node] = {"processes": len(items), "ranks": sorted(ranks),
-                         "sources": sorted(sources), "files": answer.get("files", [])[:64]}
+        summary[node] = {
+            "processes": len(items),
+            "ranks": sorted(ranks),
+            "sources": sorted(sources),
+            "files": answer.get("files", [])[:64],
+        }
     return processes, summary

@@ -57,11 +57,16 @@ class Beat:
     def from_doc(cls, doc: Mapping[str, Any], node: str | None = None) -> Beat:
         step = doc.get("step")
         first = doc.get("first_nonfinite")
-        return cls(rank=int(doc.get("rank", 0)), step=step if isinstance(step, int) else None,
-                   time=float(doc["time"]), loss=metric(doc.get("loss")),
-                   grad_norm=metric(doc.get("grad_norm")), node=node,
-                   first_nonfinite=dict(first) if isinstance(first, dict) else None,
-                   finishing=doc.get("finishing") is True)
+        return cls(
+            rank=int(doc.get("rank", 0)),
+            step=step if isinstance(step, int) else None,
+            time=float(doc["time"]),
+            loss=metric(doc.get("loss")),
+            grad_norm=metric(doc.get("grad_norm")),
+            node=node,
+            first_nonfinite=dict(first) if isinstance(first, dict) else None,
+            finishing=doc.get("finishing") is True,
+        )
 
 
 def read_heartbeats(control_dir: str | os.PathLike, node: str | None = None) -> list[Beat]:
@@ -93,11 +98,21 @@ class _Rank:
 class HangDetector:
     """No progress from a rank for the threshold (see the module docstring)."""
 
-    def __init__(self, timeout_s: float | None = None, *, k: float = 5.0, floor_s: float = 30.0,
-                 warmup_steps: int = 2, initial_s: float = 600.0, window: int = 200) -> None:
+    def __init__(
+        self,
+        timeout_s: float | None = None,
+        *,
+        k: float = 5.0,
+        floor_s: float = 30.0,
+        warmup_steps: int = 2,
+        initial_s: float = 600.0,
+        window: int = 200,
+    ) -> None:
         if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"hang timeout_s must be positive (got {timeout_s}); "
-                             "leave it unset to learn it from the step times")
+            raise ValueError(
+                f"hang timeout_s must be positive (got {timeout_s}); "
+                "leave it unset to learn it from the step times"
+            )
         self.timeout_s = timeout_s
         self.k, self.floor_s, self.initial_s = k, floor_s, initial_s
         self.warmup_steps = warmup_steps
@@ -116,8 +131,12 @@ class HangDetector:
             return []
         if r.first_step is None:
             r.first_step = beat.step
-        if (r.step is not None and r.time is not None and beat.step > r.step
-                and r.step >= r.first_step + self.warmup_steps):
+        if (
+            r.step is not None
+            and r.time is not None
+            and beat.step > r.step
+            and r.step >= r.first_step + self.warmup_steps
+        ):
             self._step_times.append((beat.time - r.time) / (beat.step - r.step))
         r.step, r.time, r.reported = beat.step, beat.time, False
         return []
@@ -143,10 +162,22 @@ class HangDetector:
             if r.time is None or r.reported or r.finished or now - r.time < threshold:
                 continue
             r.reported = True
-            events.append(Event("hang", "hang", node=r.node, rank=rank, step=r.step, time=now,
-                                evidence={"silent_s": round(now - r.time, 3),
-                                          "threshold_s": round(threshold, 3),
-                                          "threshold_from": source, "last_step": r.step}))
+            events.append(
+                Event(
+                    "hang",
+                    "hang",
+                    node=r.node,
+                    rank=rank,
+                    step=r.step,
+                    time=now,
+                    evidence={
+                        "silent_s": round(now - r.time, 3),
+                        "threshold_s": round(threshold, 3),
+                        "threshold_from": source,
+                        "last_step": r.step,
+                    },
+                )
+            )
         return events
 
 
@@ -158,7 +189,8 @@ class MetricDetector:
     def __init__(self, *, factor: float = 5.0, window: int = 20, min_history: int = 5) -> None:
         self.factor, self.min_history = factor, min_history
         self._history: dict[tuple[int, str], deque[float]] = defaultdict(
-            lambda: deque(maxlen=window))
+            lambda: deque(maxlen=window)
+        )
         self._last: dict[int, tuple[int | None, float]] = {}
         self._nonfinite_told: set[int] = set()
 
@@ -176,10 +208,22 @@ class MetricDetector:
                 # the first one wins: a reader that missed it may see a later bad beat (a NaN
                 # gradient makes the next step's loss NaN too)
                 step = first.get("step", beat.step) if first else beat.step
-                shown = {m: first[m] for m in self.METRICS
-                         if (v := metric(first.get(m))) is not None and not math.isfinite(v)} or bad
-                events.append(Event("nonfinite", "nonfinite", node=beat.node, rank=beat.rank,
-                                    step=step, time=beat.time, evidence=shown))
+                shown = {
+                    m: first[m]
+                    for m in self.METRICS
+                    if (v := metric(first.get(m))) is not None and not math.isfinite(v)
+                } or bad
+                events.append(
+                    Event(
+                        "nonfinite",
+                        "nonfinite",
+                        node=beat.node,
+                        rank=beat.rank,
+                        step=step,
+                        time=beat.time,
+                        evidence=shown,
+                    )
+                )
         for name, value in values.items():
             if value is None or not math.isfinite(value):
                 continue
@@ -187,10 +231,22 @@ class MetricDetector:
             if len(history) >= self.min_history:
                 median = statistics.median(history)
                 if median > 0 and value >= self.factor * median:
-                    events.append(Event("spike", "spike", node=beat.node, rank=beat.rank,
-                                        step=beat.step, time=beat.time,
-                                        evidence={"metric": name, "value": value,
-                                                  "median": median, "factor": self.factor}))
+                    events.append(
+                        Event(
+                            "spike",
+                            "spike",
+                            node=beat.node,
+                            rank=beat.rank,
+                            step=beat.step,
+                            time=beat.time,
+                            evidence={
+                                "metric": name,
+                                "value": value,
+                                "median": median,
+                                "factor": self.factor,
+                            },
+                        )
+                    )
             history.append(value)
         return events
 
@@ -204,29 +260,44 @@ class FailSlowDetector:
     _rank_runs: dict[int, int] = field(default_factory=dict)
     _node_runs: dict[str, int] = field(default_factory=dict)
 
-    def round(self, step_times: Mapping[int, float], now: float,
-              nodes: Mapping[int, str] | None = None) -> list[Event]:
+    def round(
+        self, step_times: Mapping[int, float], now: float, nodes: Mapping[int, str] | None = None
+    ) -> list[Event]:
         """One round: each rank's current step time (seconds), and which node holds it."""
         nodes = nodes or {}
-        events = [Event("fail_slow", "fail_slow", node=nodes.get(rank), rank=rank, time=now,
-                        evidence=evidence)
-                  for rank, evidence in _flag(step_times, self.factor, self.rounds,
-                                              self._rank_runs)]
+        events = [
+            Event(
+                "fail_slow",
+                "fail_slow",
+                node=nodes.get(rank),
+                rank=rank,
+                time=now,
+                evidence=evidence,
+            )
+            for rank, evidence in _flag(step_times, self.factor, self.rounds, self._rank_runs)
+        ]
         by_node: dict[str, list[float]] = defaultdict(list)
         for rank, seconds in step_times.items():
             if rank in nodes:
                 by_node[nodes[rank]].append(seconds)
         if len(by_node) > 1:
             node_times = {n: statistics.median(v) for n, v in by_node.items()}
-            events += [Event("fail_slow", "fail_slow", node=node, time=now,
-                             evidence={**evidence, "scope": "node"})
-                       for node, evidence in _flag(node_times, self.factor, self.rounds,
-                                                   self._node_runs)]
+            events += [
+                Event(
+                    "fail_slow",
+                    "fail_slow",
+                    node=node,
+                    time=now,
+                    evidence={**evidence, "scope": "node"},
+                )
+                for node, evidence in _flag(node_times, self.factor, self.rounds, self._node_runs)
+            ]
         return events
 
 
-def _flag(times: Mapping[Any, float], factor: float, rounds: int,
-          runs: dict[Any, int]) -> Iterable[tuple[Any, dict[str, Any]]]:
+def _flag(
+    times: Mapping[Any, float], factor: float, rounds: int, runs: dict[Any, int]
+) -> Iterable[tuple[Any, dict[str, Any]]]:
     """Members at ``factor`` x the median this round; those whose run reaches ``rounds``
     (reported once per run)."""
     if len(times) < 2:
@@ -237,9 +308,17 @@ def _flag(times: Mapping[Any, float], factor: float, rounds: int,
         if median > 0 and seconds >= factor * median:
             runs[member] = runs.get(member, 0) + 1
             if runs[member] == rounds:
-                flagged.append((member, {"step_time_s": seconds, "median_s": median,
-                                         "ratio": round(seconds / median, 3),
-                                         "rounds": rounds}))
+                flagged.append(
+                    (
+                        member,
+                        {
+                            "step_time_s": seconds,
+                            "median_s": median,
+                            "ratio": round(seconds / median, 3),
+                            "rounds": rounds,
+                        },
+                    )
+                )
         else:
             runs.pop(member, None)
     return flagged

@@ -57,8 +57,16 @@ from typing import Any
 from ..trace import Span, read_traces
 from .events import Event, Verdict, read_records
 
-__all__ = ["STARTUP_PHASES", "EttrReport", "Incident", "compute_ettr", "ettr_from_steps",
-           "job_attempts", "job_launches", "read_ettr"]
+__all__ = [
+    "STARTUP_PHASES",
+    "EttrReport",
+    "Incident",
+    "compute_ettr",
+    "ettr_from_steps",
+    "job_attempts",
+    "job_launches",
+    "read_ettr",
+]
 
 STARTUP_PHASES = ("environment", "checkpoint_prefetch", "image_prefetch", "command_start")
 
@@ -83,9 +91,14 @@ class Incident:
 
     def split(self) -> dict[str, float]:
         """Seconds per part, in order; they add up to ``end - start``."""
-        return {"detection": self.detection_s, "localization": self.localization_s,
-                "teardown": self.teardown_s, **self.startup_s,
-                "failed_attempt": self.failed_attempt_s, "other": self.other_s}
+        return {
+            "detection": self.detection_s,
+            "localization": self.localization_s,
+            "teardown": self.teardown_s,
+            **self.startup_s,
+            "failed_attempt": self.failed_attempt_s,
+            "other": self.other_s,
+        }
 
     @property
     def unproductive_s(self) -> float:
@@ -130,31 +143,61 @@ class EttrReport:
         return points
 
     def to_dict(self) -> dict[str, Any]:
-        return {"start": self.start, "end": self.end, "wall_s": self.wall_s,
-                "productive_s": self.productive_s, "ettr": self.ettr,
-                "incidents": [{"attempt": i.attempt, "generation": i.generation,
-                               "reason": i.reason,
-                               "class": i.failure_class, "start": i.start, "end": i.end,
-                               "split": i.split(), "recomputation_s": i.recomputation_s}
-                              for i in self.incidents]}
+        return {
+            "start": self.start,
+            "end": self.end,
+            "wall_s": self.wall_s,
+            "productive_s": self.productive_s,
+            "ettr": self.ettr,
+            "incidents": [
+                {
+                    "attempt": i.attempt,
+                    "generation": i.generation,
+                    "reason": i.reason,
+                    "class": i.failure_class,
+                    "start": i.start,
+                    "end": i.end,
+                    "split": i.split(),
+                    "recomputation_s": i.recomputation_s,
+                }
+                for i in self.incidents
+            ],
+        }
 
 
-def _incident_event(records: Sequence[Event | Verdict], start: float, end: float
-                    ) -> Event | None:
+def _incident_event(records: Sequence[Event | Verdict], start: float, end: float) -> Event | None:
     """The first detector event of an attempt's life (between its start and its restart);
     without one, the controller's verdict that stopped it (a slow node or a hang elsewhere
     is the controller's finding: the node's trace holds only the verdict)."""
-    events = [r for r in records if isinstance(r, Event) and start <= r.time <= end
-              and r.kind in ("crash", "hang", "nonfinite", "spike", "fail_slow", "health")]
+    events = [
+        r
+        for r in records
+        if isinstance(r, Event)
+        and start <= r.time <= end
+        and r.kind in ("crash", "hang", "nonfinite", "spike", "fail_slow", "health")
+    ]
     if events:
         return min(events, key=lambda e: e.time)
-    verdicts = [r for r in records if isinstance(r, Verdict) and start <= r.time <= end
-                and r.evidence.get("from") == "controller"]
+    verdicts = [
+        r
+        for r in records
+        if isinstance(r, Verdict)
+        and start <= r.time <= end
+        and r.evidence.get("from") == "controller"
+    ]
     first = min(verdicts, key=lambda v: v.time, default=None)
-    return None if first is None else Event(
-        first.failure_class if first.failure_class in ("fail_slow", "hang", "spike",
-                                                       "nonfinite") else "crash",
-        first.failure_class, time=first.time, evidence={"from": "controller"})
+    return (
+        None
+        if first is None
+        else Event(
+            first.failure_class
+            if first.failure_class in ("fail_slow", "hang", "spike", "nonfinite")
+            else "crash",
+            first.failure_class,
+            time=first.time,
+            evidence={"from": "controller"},
+        )
+    )
 
 
 def _recomputation(event: Event | None) -> float | None:
@@ -177,17 +220,27 @@ def job_attempts(spans: Iterable[Span]) -> list[Span]:
     same epoch, restarts it made alone). Spans of a node without epochs keep their numbers."""
     spans = list(spans)
     epoch_of: dict[tuple[str, int], int] = {}
-    for s in sorted((s for s in spans if s.phase == "command_start"
-                     and isinstance((s.detail or {}).get("epoch"), int)),
-                    key=lambda s: (s.node, s.attempt)):
+    for s in sorted(
+        (
+            s
+            for s in spans
+            if s.phase == "command_start" and isinstance((s.detail or {}).get("epoch"), int)
+        ),
+        key=lambda s: (s.node, s.attempt),
+    ):
         epoch = int(s.detail["epoch"])
-        same = sum(1 for (node, _), key in epoch_of.items()
-                   if node == s.node and key // 1000 == epoch)
+        same = sum(
+            1 for (node, _), key in epoch_of.items() if node == s.node and key // 1000 == epoch
+        )
         epoch_of.setdefault((s.node, s.attempt), epoch * 1000 + same)
     if not epoch_of:
         return spans
-    return [dataclasses.replace(s, attempt=epoch_of[(s.node, s.attempt)])
-            if (s.node, s.attempt) in epoch_of else s for s in spans]
+    return [
+        dataclasses.replace(s, attempt=epoch_of[(s.node, s.attempt)])
+        if (s.node, s.attempt) in epoch_of
+        else s
+        for s in spans
+    ]
 
 
 def job_launches(spans: Sequence[Span]) -> list[Span]:
@@ -205,10 +258,14 @@ def job_launches(spans: Sequence[Span]) -> list[Span]:
     began before it (a replacement node joins the round of the loss it replaces). Under a
     controller the job attempt is the epoch's (:func:`job_attempts`), launches within it."""
     spans = list(spans)
-    epochs = any(isinstance((s.detail or {}).get("epoch"), int) for s in spans
-                 if s.phase == "command_start")
-    bounds = sorted((_failed_at(s), s.end, s.phase == "restart") for s in spans
-                    if s.phase == "relaunch" or (s.phase == "restart" and not epochs))
+    epochs = any(
+        isinstance((s.detail or {}).get("epoch"), int) for s in spans if s.phase == "command_start"
+    )
+    bounds = sorted(
+        (_failed_at(s), s.end, s.phase == "restart")
+        for s in spans
+        if s.phase == "relaunch" or (s.phase == "restart" and not epochs)
+    )
     groups: list[list[Any]] = []  # [start, end, a command restarted] of each group
     for lo, hi, restarted in bounds:
         if groups and lo <= groups[-1][1]:
@@ -231,8 +288,11 @@ def job_launches(spans: Sequence[Span]) -> list[Span]:
     for s, run in zip(spans, runs, strict=True):
         if s.phase != "relaunch":
             begins[run] = min(begins.get(run, s.start), s.start)
-    launch_of = {(run, _generation(s)): group_of(_failed_at(s))
-                 for s, run in zip(spans, runs, strict=True) if s.phase == "relaunch"}
+    launch_of = {
+        (run, _generation(s)): group_of(_failed_at(s))
+        for s, run in zip(spans, runs, strict=True)
+        if s.phase == "relaunch"
+    }
 
     def key(s: Span, run: tuple[Any, ...]) -> tuple[int, int]:
         gen = _generation(s)
@@ -243,14 +303,17 @@ def job_launches(spans: Sequence[Span]) -> list[Span]:
         within = [g for g in groups[:group] if g[0] >= begins.get(run, s.start)] if gen else []
         return (s.attempt, len(within))
 
-    return [dataclasses.replace(s, phase="restart" if s.phase == "relaunch" else s.phase,
-                                attempt=key(s, run)) for s, run in zip(spans, runs, strict=True)]
+    return [
+        dataclasses.replace(
+            s, phase="restart" if s.phase == "relaunch" else s.phase, attempt=key(s, run)
+        )
+        for s, run in zip(spans, runs, strict=True)
+    ]
 
 
 def _failed_at(span: Span) -> float:
     exited = (span.detail or {}).get("exited_at")
-    return float(exited) if isinstance(exited, int | float) and exited <= span.start else \
-        span.start
+    return float(exited) if isinstance(exited, int | float) and exited <= span.start else span.start
 
 
 def _node_runs(spans: Sequence[Span]) -> list[tuple[Any, ...]]:
@@ -283,8 +346,13 @@ def _generation(span: Span) -> int:
     return gen if isinstance(gen, int) and gen > 0 else 0
 
 
-def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (), *,
-                 start: float | None = None, end: float | None = None) -> EttrReport:
+def compute_ettr(
+    spans: Iterable[Span],
+    records: Sequence[Event | Verdict] = (),
+    *,
+    start: float | None = None,
+    end: float | None = None,
+) -> EttrReport:
     """The report of one job from its spans (every node's, attempts aligned by
     :func:`job_attempts`; a warmup's are not the job's) and event records. ``end``: the end
     of the job (default: the last time the trace holds); ``start``: where the window opens
@@ -312,10 +380,12 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
         return max(s.end for s in first) if first else None
 
     first_ready = min((r for a in attempts if (r := ready(a)) is not None), default=None)
-    job_start = start if start is not None else (
-        first_ready if first_ready is not None else attempt_start(attempts[0]))
-    job_end = end if end is not None else max(
-        [s.end for s in spans] + [r.time for r in records])
+    job_start = (
+        start
+        if start is not None
+        else (first_ready if first_ready is not None else attempt_start(attempts[0]))
+    )
+    job_end = end if end is not None else max([s.end for s in spans] + [r.time for r in records])
 
     # the failure of each failed attempt: when productive time ended, and how it was seen
     failures: dict[int, dict[str, Any]] = {}
@@ -327,12 +397,16 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
         hangs = by.get(("hang", a))
         exited = restart.detail.get("exited_at", restart.start)
         event = _incident_event(records, attempt_start(a), restart.start)
-        info: dict[str, Any] = {"restart": restart, "event": event,
-                                "reason": restart.detail.get("reason", "crash")}
+        info: dict[str, Any] = {
+            "restart": restart,
+            "event": event,
+            "reason": restart.detail.get("reason", "crash"),
+        }
         if hangs:
             hang = min(hangs, key=lambda s: s.start)
-            detected = float(hang.detail.get("detected_at", hang.start + float(
-                hang.detail.get("silent_s", 0.0))))
+            detected = float(
+                hang.detail.get("detected_at", hang.start + float(hang.detail.get("silent_s", 0.0)))
+            )
             dumped = float(hang.detail.get("dumped_at", detected))
             # the last heartbeat can precede the attempt's ready mark (a step's beat written
             # just before it): productive time ends no earlier than it began
@@ -341,13 +415,21 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
             # ended (its own threshold passed first); the parts stay in order
             dumped = min(dumped, restart.start)
             detected = min(max(detected, fail), dumped)
-            info.update(fail=fail, detection=detected - fail,
-                        localization=dumped - detected, teardown=restart.start - dumped,
-                        cls=event.failure_class if event else "hang")
+            info.update(
+                fail=fail,
+                detection=detected - fail,
+                localization=dumped - detected,
+                teardown=restart.start - dumped,
+                cls=event.failure_class if event else "hang",
+            )
         else:
-            info.update(fail=float(exited), detection=0.0, localization=0.0,
-                        teardown=restart.start - float(exited),
-                        cls=event.failure_class if event else None)
+            info.update(
+                fail=float(exited),
+                detection=0.0,
+                localization=0.0,
+                teardown=restart.start - float(exited),
+                cls=event.failure_class if event else None,
+            )
         if ready(a) is None:  # failed before its first step: all of it was unproductive
             info["failed_attempt"] = info["fail"] - attempt_start(a)
             info["fail"] = attempt_start(a)
@@ -371,8 +453,11 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
             continue  # the cold start failing, before the window: the start-up report's
         # a replacement node's start overlaps the others' restart (they wait for it in the
         # rendezvous): the restart ends where the next attempt's first node began
-        waited = restart.seconds if r_next is None else max(
-            0.0, min(restart.seconds, attempt_start(nxt) - restart.start))
+        waited = (
+            restart.seconds
+            if r_next is None
+            else max(0.0, min(restart.seconds, attempt_start(nxt) - restart.start))
+        )
         startup = {"restart": waited}
         covered = f["detection"] + f["localization"] + f["teardown"] + waited
         if r_next is not None:
@@ -383,17 +468,29 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
                     startup[phase] = max(s.seconds for s in found)  # nodes work in parallel
             named = sum(v for k, v in startup.items() if k != "restart")
             startup["first_step"] = max(0.0, (r_next - t0) - named)
-            covered += (r_next - t0)
+            covered += r_next - t0
         failed = f.get("failed_attempt", 0.0)
         covered += failed
         recompute = _recomputation(f["event"])
         if recompute is not None and r_next is not None:
             recompute_before[nxt] = recompute
-        incidents.append(Incident(
-            attempt=a[0], generation=a[1], reason=f["reason"], failure_class=f["cls"], start=f["fail"],
-            end=inc_end, detection_s=f["detection"], localization_s=f["localization"],
-            teardown_s=f["teardown"], startup_s=startup, failed_attempt_s=failed,
-            other_s=max(0.0, (inc_end - f["fail"]) - covered), recomputation_s=recompute))
+        incidents.append(
+            Incident(
+                attempt=a[0],
+                generation=a[1],
+                reason=f["reason"],
+                failure_class=f["cls"],
+                start=f["fail"],
+                end=inc_end,
+                detection_s=f["detection"],
+                localization_s=f["localization"],
+                teardown_s=f["teardown"],
+                startup_s=startup,
+                failed_attempt_s=failed,
+                other_s=max(0.0, (inc_end - f["fail"]) - covered),
+                recomputation_s=recompute,
+            )
+        )
     for a in attempts:
         r = ready(a)
         if r is None:
@@ -405,8 +502,9 @@ def compute_ettr(spans: Iterable[Span], records: Sequence[Event | Verdict] = (),
     return EttrReport(job_start, job_end, tuple(productive), tuple(incidents))
 
 
-def ettr_from_steps(steps: Iterable[tuple[float, int, Any]], *, end: float,
-                    start: float | None = None) -> EttrReport:
+def ettr_from_steps(
+    steps: Iterable[tuple[float, int, Any]], *, end: float, start: float | None = None
+) -> EttrReport:
     """The same accounting from a job's own step log, where no ``bootseer run`` trace exists
     (the benchmark's torchrun-only peer) or to check the traces' estimate: ``steps`` are
     (time the step finished, the step, the process that ran it), e.g. rank 0's. A step that
@@ -435,8 +533,9 @@ def ettr_from_steps(steps: Iterable[tuple[float, int, Any]], *, end: float,
     return EttrReport(job_start, end, tuple(merged), ())
 
 
-def read_ettr(paths: Sequence[str | os.PathLike], *, start: float | None = None,
-              end: float | None = None) -> EttrReport:
+def read_ettr(
+    paths: Sequence[str | os.PathLike], *, start: float | None = None, end: float | None = None
+) -> EttrReport:
     """:func:`compute_ettr` over trace files or directories: what ``bootseer report
     [--end END] PATHS`` prints."""
     spans, _ = read_traces(paths)

@@ -76,16 +76,29 @@ class Event:
             raise ValueError(f"unknown event kind {self.kind!r}: use one of {', '.join(KINDS)}")
 
     def to_json(self) -> str:
-        doc = {"record": "event", "kind": self.kind, "class": self.failure_class,
-               "node": self.node, "rank": self.rank, "step": self.step, "time": self.time,
-               "evidence": _finite_or_text(self.evidence)}
+        doc = {
+            "record": "event",
+            "kind": self.kind,
+            "class": self.failure_class,
+            "node": self.node,
+            "rank": self.rank,
+            "step": self.step,
+            "time": self.time,
+            "evidence": _finite_or_text(self.evidence),
+        }
         return json.dumps(doc, separators=(",", ":"), default=str)
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> Event:
-        return cls(kind=str(doc["kind"]), failure_class=str(doc["class"]), node=doc.get("node"),
-                   rank=doc.get("rank"), step=doc.get("step"), time=float(doc.get("time", 0)),
-                   evidence=dict(doc.get("evidence") or {}))
+        return cls(
+            kind=str(doc["kind"]),
+            failure_class=str(doc["class"]),
+            node=doc.get("node"),
+            rank=doc.get("rank"),
+            step=doc.get("step"),
+            time=float(doc.get("time", 0)),
+            evidence=dict(doc.get("evidence") or {}),
+        )
 
 
 @dataclass(frozen=True)
@@ -101,17 +114,29 @@ class Verdict:
     evidence: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        doc = {"record": "verdict", "action": self.action, "class": self.failure_class,
-               "nodes": list(self.nodes), "ranks": list(self.ranks), "reason": self.reason,
-               "time": self.time, "evidence": _finite_or_text(self.evidence)}
+        doc = {
+            "record": "verdict",
+            "action": self.action,
+            "class": self.failure_class,
+            "nodes": list(self.nodes),
+            "ranks": list(self.ranks),
+            "reason": self.reason,
+            "time": self.time,
+            "evidence": _finite_or_text(self.evidence),
+        }
         return json.dumps(doc, separators=(",", ":"), default=str)
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any]) -> Verdict:
-        return cls(action=str(doc["action"]), failure_class=str(doc["class"]),
-                   nodes=tuple(doc.get("nodes") or ()), ranks=tuple(doc.get("ranks") or ()),
-                   reason=str(doc.get("reason", "")), time=float(doc.get("time", 0)),
-                   evidence=dict(doc.get("evidence") or {}))
+        return cls(
+            action=str(doc["action"]),
+            failure_class=str(doc["class"]),
+            nodes=tuple(doc.get("nodes") or ()),
+            ranks=tuple(doc.get("ranks") or ()),
+            reason=str(doc.get("reason", "")),
+            time=float(doc.get("time", 0)),
+            evidence=dict(doc.get("evidence") or {}),
+        )
 
 
 def parse_record(line: str) -> Event | Verdict:

@@ -73,12 +73,19 @@ def _slow_members(times: Mapping[Any, float], factor: float) -> set[Any]:
 class FailSlowRounds:
     """The rounds of one job, from one incident to the next (see the module docstring)."""
 
-    def __init__(self, *, factor: float = 1.5, rounds: int = 3, window: int = 5,
-                 layout: Mapping[str, Sequence[Sequence[int]]] | None = None,
-                 baseline: int = 12) -> None:
+    def __init__(
+        self,
+        *,
+        factor: float = 1.5,
+        rounds: int = 3,
+        window: int = 5,
+        layout: Mapping[str, Sequence[Sequence[int]]] | None = None,
+        baseline: int = 12,
+    ) -> None:
         if rounds < 1 or window < rounds:
-            raise ValueError(f"fail-slow rounds={rounds}, window={window}: need 1 <= rounds "
-                             "<= window")
+            raise ValueError(
+                f"fail-slow rounds={rounds}, window={window}: need 1 <= rounds <= window"
+            )
         self.factor, self.rounds, self.window, self.layout = factor, rounds, window, layout
         self.count = 0
         self.history: list[dict[str, list[str]]] = []  # per round: rank -> why flagged
@@ -89,19 +96,22 @@ class FailSlowRounds:
 
     # -- state in the store ------------------------------------------------------------------
     def to_doc(self) -> dict[str, Any]:
-        return {"count": self.count, "history": self.history,
-                "runs": {str(r): n for r, n in self.runs.items()},
-                "nodes": {str(r): n for r, n in self.nodes.items()},
-                "job_times": self.job_times}
+        return {
+            "count": self.count,
+            "history": self.history,
+            "runs": {str(r): n for r, n in self.runs.items()},
+            "nodes": {str(r): n for r, n in self.nodes.items()},
+            "job_times": self.job_times,
+        }
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any], **kwargs: Any) -> FailSlowRounds:
         rounds = cls(**kwargs)
         rounds.count = int(doc.get("count", 0))
-        rounds.history = [dict(h) for h in doc.get("history", [])][-rounds.window:]
+        rounds.history = [dict(h) for h in doc.get("history", [])][-rounds.window :]
         rounds.runs = {int(r): int(n) for r, n in doc.get("runs", {}).items()}
         rounds.nodes = {int(r): str(n) for r, n in doc.get("nodes", {}).items()}
-        rounds.job_times = [float(t) for t in doc.get("job_times", [])][-rounds.baseline:]
+        rounds.job_times = [float(t) for t in doc.get("job_times", [])][-rounds.baseline :]
         return rounds
 
     # -- one round ---------------------------------------------------------------------------
@@ -112,11 +122,17 @@ class FailSlowRounds:
         if len(self.job_times) < 3 or not step_times:
             return False
         return statistics.median(step_times.values()) >= self.factor * statistics.median(
-            self.job_times)
+            self.job_times
+        )
 
-    def flags(self, step_times: Mapping[int, float], nodes: Mapping[int, str],
-              samples: Sequence[ProcessStacks] = (), *,
-              stacks: bool = True) -> dict[int, list[str]]:
+    def flags(
+        self,
+        step_times: Mapping[int, float],
+        nodes: Mapping[int, str],
+        samples: Sequence[ProcessStacks] = (),
+        *,
+        stacks: bool = True,
+    ) -> dict[int, list[str]]:
         """This round's flagged ranks, each with the signals that flagged it (``stacks``:
         whether a rank outside the collective counts, i.e. the job is slow)."""
         why: dict[int, list[str]] = defaultdict(list)
@@ -136,9 +152,14 @@ class FailSlowRounds:
                 why[rank].append("outside_collective")
         return dict(why)
 
-    def round(self, step_times: Mapping[int, float], now: float, *,
-              nodes: Mapping[int, str] | None = None,
-              samples: Sequence[ProcessStacks] = ()) -> Event | None:
+    def round(
+        self,
+        step_times: Mapping[int, float],
+        now: float,
+        *,
+        nodes: Mapping[int, str] | None = None,
+        samples: Sequence[ProcessStacks] = (),
+    ) -> Event | None:
         """One round; a ``fail_slow`` event naming the group once a rank is slow."""
         nodes = dict(nodes or {})
         self.nodes.update(nodes)
@@ -148,9 +169,10 @@ class FailSlowRounds:
         if step_times and (len(self.job_times) < 3 or not slowed):  # a slowdown is not the
             # baseline: it stays the job's pace before it (a lasting one keeps the stacks on)
             self.job_times = [*self.job_times, statistics.median(step_times.values())][
-                -self.baseline:]
+                -self.baseline :
+            ]
         self.count += 1
-        self.history = [*self.history, {str(r): w for r, w in flagged.items()}][-self.window:]
+        self.history = [*self.history, {str(r): w for r, w in flagged.items()}][-self.window :]
         self.runs = {r: self.runs.get(r, 0) + 1 for r in flagged}  # in a row, for the record
         # flagged in `rounds` of the last `window` rounds, not necessarily in a row: a stack
         # sample catches a straggler outside the collective most of the time, not every time
@@ -176,19 +198,28 @@ class FailSlowRounds:
         else:
             group_nodes = sorted({self.nodes[r] for r in most if r in self.nodes})
             group = "node " + ", ".join(group_nodes) if group_nodes else None
-            ranks = tuple(sorted(r for r, n in self.nodes.items() if n in group_nodes)) or \
-                tuple(sorted(most))
+            ranks = tuple(sorted(r for r, n in self.nodes.items() if n in group_nodes)) or tuple(
+                sorted(most)
+            )
         group_nodes = sorted({self.nodes[r] for r in ranks if r in self.nodes})
         first = min(most)
-        return Event("fail_slow", "fail_slow",
-                     node=group_nodes[0] if len(group_nodes) == 1 else None,
-                     rank=first if len(most) == 1 else None, time=now,
-                     evidence={"rule": f"flagged in {self.rounds} of the last {self.window} "
-                                       "rounds; the most flagged over them",
-                               "slow_ranks": slow, "most_flagged": sorted(most),
-                               "rounds_flagged": {str(r): n for r, n in sorted(counts.items())},
-                               "group": group, "group_ranks": list(ranks),
-                               "group_nodes": group_nodes, "rounds": self.history,
-                               "step_times_s": {str(r): round(t, 4)
-                                                for r, t in sorted(step_times.items())},
-                               "factor": self.factor})
+        return Event(
+            "fail_slow",
+            "fail_slow",
+            node=group_nodes[0] if len(group_nodes) == 1 else None,
+            rank=first if len(most) == 1 else None,
+            time=now,
+            evidence={
+                "rule": f"flagged in {self.rounds} of the last {self.window} "
+                "rounds; the most flagged over them",
+                "slow_ranks": slow,
+                "most_flagged": sorted(most),
+                "rounds_flagged": {str(r): n for r, n in sorted(counts.items())},
+                "group": group,
+                "group_ranks": list(ranks),
+                "group_nodes": group_nodes,
+                "rounds": self.history,
+                "step_times_s": {str(r): round(t, 4) for r, t in sorted(step_times.items())},
+                "factor": self.factor,
+            },
+        )

@@ -31,9 +31,16 @@ SHM = "/dev/shm"
 class NodeMemory:
     """The directory and the peer server of one ``bootseer run``; :meth:`close` ends both."""
 
-    def __init__(self, directory: str = "", listen: str = "", durable_every: int = 0,
-                 log: Any = None, layout: str = "", replication: str = "async",
-                 durable_outage_s: float = 600.0) -> None:  # MemoryConfig's default
+    def __init__(
+        self,
+        directory: str = "",
+        listen: str = "",
+        durable_every: int = 0,
+        log: Any = None,
+        layout: str = "",
+        replication: str = "async",
+        durable_outage_s: float = 600.0,
+    ) -> None:  # MemoryConfig's default
         from ckpt.memory import (
             DIR_ENV,
             DURABLE_EVERY_ENV,
@@ -49,18 +56,24 @@ class NodeMemory:
 
         parse_layout(layout, where="ckpt.memory_layout")  # refused before anything is made
         if replication not in REPLICATIONS:
-            raise ValueError(f"ckpt.memory_replication {replication!r} is not one of "
-                             f"{', '.join(REPLICATIONS)}: 'async' (the push overlaps the next "
-                             "step) or 'sync' (save returns once the peer holds the step)")
+            raise ValueError(
+                f"ckpt.memory_replication {replication!r} is not one of "
+                f"{', '.join(REPLICATIONS)}: 'async' (the push overlaps the next "
+                "step) or 'sync' (save returns once the peer holds the step)"
+            )
         host, _, port = listen.rpartition(":")
         if listen and (not host or not port.isdigit()):
-            raise ValueError(f"ckpt.memory_listen {listen!r} is not HOST:PORT (the "
-                             f"address other nodes reach this one at)")
+            raise ValueError(
+                f"ckpt.memory_listen {listen!r} is not HOST:PORT (the "
+                f"address other nodes reach this one at)"
+            )
         if listen and not os.environ.get(TOKEN_ENV):
-            raise ValueError(f"ckpt.memory_listen serves this node's peer copies to the other "
-                             f"nodes: set {TOKEN_ENV} to the job's secret (the same on every "
-                             "node, e.g. from a Kubernetes Secret; python -c 'import secrets; "
-                             "print(secrets.token_hex(32))' makes one)")
+            raise ValueError(
+                f"ckpt.memory_listen serves this node's peer copies to the other "
+                f"nodes: set {TOKEN_ENV} to the job's secret (the same on every "
+                "node, e.g. from a Kubernetes Secret; python -c 'import secrets; "
+                "print(secrets.token_hex(32))' makes one)"
+            )
         self._made = not directory
         self._log = log
         self.checking: threading.Thread | None = None
@@ -69,8 +82,11 @@ class NodeMemory:
         if directory:
             where = PrivateDir.open(directory, what="ckpt.memory_dir")
         else:
-            where = PrivateDir.new(SHM if os.path.isdir(SHM) else tempfile.gettempdir(),
-                                   "bootseer-memckpt-", what="the memory tier's directory")
+            where = PrivateDir.new(
+                SHM if os.path.isdir(SHM) else tempfile.gettempdir(),
+                "bootseer-memckpt-",
+                what="the memory tier's directory",
+            )
         self.directory = where.path if not directory else directory
         self.server = None
         with where:
@@ -97,9 +113,11 @@ class NodeMemory:
             self.env[REPLICATION_ENV] = replication
         if log is not None:
             st = os.statvfs(self.directory)
-            log(f"memory tier: copies in {self.directory} ({st.f_bavail * st.f_frsize / 2**30:.1f}"
+            log(
+                f"memory tier: copies in {self.directory} ({st.f_bavail * st.f_frsize / 2**30:.1f}"
                 f" GiB free; each rank needs 4x its state: 2 own copies, 2 of a peer's)"
-                + (f", peers served at {self.server.address}" if self.server else ""))
+                + (f", peers served at {self.server.address}" if self.server else "")
+            )
 
     def check_copies(self) -> threading.Thread:
         """Verify and stamp every rank's newest copy on a thread (beside the launch); the
@@ -110,13 +128,17 @@ class NodeMemory:
             try:
                 verdicts = verify_copies(self.directory)
             except Exception as exc:  # noqa: BLE001 - unstamped copies are hashed by the trainer
-                self._say(f"memory tier: the check of the copies failed ({exc}); the "
-                          "trainer checks them as it loads")
+                self._say(
+                    f"memory tier: the check of the copies failed ({exc}); the "
+                    "trainer checks them as it loads"
+                )
                 return
             for v in verdicts:
-                self._say(f"memory tier: {os.path.basename(v.path)} step {v.step}: "
-                          f"{'good' if v.ok else 'DAMAGED'} ({v.seconds:.3f} s)"
-                          + (f": {v.message}" if v.message else ""))
+                self._say(
+                    f"memory tier: {os.path.basename(v.path)} step {v.step}: "
+                    f"{'good' if v.ok else 'DAMAGED'} ({v.seconds:.3f} s)"
+                    + (f": {v.message}" if v.message else "")
+                )
 
         self.checking = threading.Thread(target=run, name="memtier-check", daemon=True)
         self.checking.start()
@@ -133,7 +155,10 @@ class NodeMemory:
             self.server.close()
             self.server = None
         base = os.path.basename(self.directory)
-        if self._made and base.startswith("bootseer-memckpt-") and \
-                os.path.dirname(self.directory) in map(os.path.realpath,
-                                                       (SHM, tempfile.gettempdir())):
+        if (
+            self._made
+            and base.startswith("bootseer-memckpt-")
+            and os.path.dirname(self.directory)
+            in map(os.path.realpath, (SHM, tempfile.gettempdir()))
+        ):
             shutil.rmtree(self.directory, ignore_errors=True)

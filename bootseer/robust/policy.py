@@ -55,35 +55,86 @@ class ActionRule:
 
 
 TABLE: tuple[ActionRule, ...] = (
-    ActionRule("user_error", "stop", "deterministic: the same code fails the same way",
-               on_update="rollback"),
+    ActionRule(
+        "user_error",
+        "stop",
+        "deterministic: the same code fails the same way",
+        on_update="rollback",
+    ),
     ActionRule("cuda_error", "replace_and_restart", "a GPU or driver fault stays with the node"),
     ActionRule("disk_full", "replace_and_restart", "the node's disk is full"),
-    ActionRule("nccl_error", "restart_in_place", "often a transient network fault",
-               escalate=(2, "replace_and_restart")),
-    ActionRule("gloo_error", "restart_in_place", "a peer died: the cause is elsewhere",
-               escalate=(3, "replace_and_restart")),
-    ActionRule("collective_mismatch", "stop", "ranks called mismatched collectives: a code "
-               "fault that every restart repeats", on_update="rollback"),
-    ActionRule("node_lost", "replace_and_restart", "the node stopped answering (no dump, no "
-               "acknowledgement, no heartbeat): its ranks are gone with it"),
-    ActionRule("gpu_oom", "restart_in_place", "fragmentation or a rare batch",
-               on_update="rollback", escalate=(2, "stop")),
-    ActionRule("cpu_oom", "restart_in_place", "a leak or a rare batch", on_update="rollback",
-               escalate=(2, "replace_and_restart")),
-    ActionRule("storage_error", "restart_in_place", "the store is shared: a new node would "
-               "not help; restart with backoff"),
-    ActionRule("killed_by_signal", "restart_in_place", "killed from outside (preemption, an "
-               "operator)", escalate=(3, "replace_and_restart")),
-    ActionRule("python_exception", "restart_in_place", "may be transient",
-               on_update="rollback", escalate=(3, "stop")),
+    ActionRule(
+        "nccl_error",
+        "restart_in_place",
+        "often a transient network fault",
+        escalate=(2, "replace_and_restart"),
+    ),
+    ActionRule(
+        "gloo_error",
+        "restart_in_place",
+        "a peer died: the cause is elsewhere",
+        escalate=(3, "replace_and_restart"),
+    ),
+    ActionRule(
+        "collective_mismatch",
+        "stop",
+        "ranks called mismatched collectives: a code fault that every restart repeats",
+        on_update="rollback",
+    ),
+    ActionRule(
+        "node_lost",
+        "replace_and_restart",
+        "the node stopped answering (no dump, no "
+        "acknowledgement, no heartbeat): its ranks are gone with it",
+    ),
+    ActionRule(
+        "gpu_oom",
+        "restart_in_place",
+        "fragmentation or a rare batch",
+        on_update="rollback",
+        escalate=(2, "stop"),
+    ),
+    ActionRule(
+        "cpu_oom",
+        "restart_in_place",
+        "a leak or a rare batch",
+        on_update="rollback",
+        escalate=(2, "replace_and_restart"),
+    ),
+    ActionRule(
+        "storage_error",
+        "restart_in_place",
+        "the store is shared: a new node would not help; restart with backoff",
+    ),
+    ActionRule(
+        "killed_by_signal",
+        "restart_in_place",
+        "killed from outside (preemption, an operator)",
+        escalate=(3, "replace_and_restart"),
+    ),
+    ActionRule(
+        "python_exception",
+        "restart_in_place",
+        "may be transient",
+        on_update="rollback",
+        escalate=(3, "stop"),
+    ),
     ActionRule("hang", "replace_and_restart", "evict the stack outliers' group"),
     ActionRule("fail_slow", "replace_and_restart", "evict the slow node"),
-    ActionRule("nonfinite", "restart_in_place", "resume from the last checkpoint",
-               on_update="rollback", escalate=(2, "replace_and_restart")),
+    ActionRule(
+        "nonfinite",
+        "restart_in_place",
+        "resume from the last checkpoint",
+        on_update="rollback",
+        escalate=(2, "replace_and_restart"),
+    ),
     ActionRule("spike", "continue", "recorded; a NaN or a hang follows if it matters"),
-    ActionRule("unknown", "restart_in_place", "nothing known: try once more",
-               escalate=(3, "replace_and_restart")),
+    ActionRule(
+        "unknown",
+        "restart_in_place",
+        "nothing known: try once more",
+        escalate=(3, "replace_and_restart"),
+    ),
 )
 
 
@@ -106,17 +157,23 @@ def _no_progress(progress: Sequence[int | None], n: int) -> bool:
     return recent is None or (before is not None and recent <= before)
 
 
-def decide(event: Event, *, suspect_nodes: Iterable[str] = (), suspect_ranks: Iterable[int] = (),
-           recent_update: bool = False, history: Sequence[Verdict] = (),
-           progress: Sequence[int | None] = (), max_no_progress: int = 3,
-           table: Sequence[ActionRule] = TABLE) -> Verdict:
+def decide(
+    event: Event,
+    *,
+    suspect_nodes: Iterable[str] = (),
+    suspect_ranks: Iterable[int] = (),
+    recent_update: bool = False,
+    history: Sequence[Verdict] = (),
+    progress: Sequence[int | None] = (),
+    max_no_progress: int = 3,
+    table: Sequence[ActionRule] = TABLE,
+) -> Verdict:
     """The verdict for ``event``: the table's action, after ``recent_update``, repeats of the
     class on the event's node in ``history``, the suspects, and ``progress`` (the highest
     step of each attempt so far, oldest first)."""
     row = _rule(event.failure_class, table)
     nodes = tuple(sorted(set(suspect_nodes) or ({event.node} if event.node else set())))
-    ranks = tuple(sorted(set(suspect_ranks) or ({event.rank} if event.rank is not None
-                                                  else set())))
+    ranks = tuple(sorted(set(suspect_ranks) or ({event.rank} if event.rank is not None else set())))
     evidence: dict[str, Any] = {"event": json.loads(event.to_json()), "rule": row.failure_class}
     action, reason = row.action, row.why
     if recent_update and row.on_update:
@@ -124,8 +181,12 @@ def decide(event: Event, *, suspect_nodes: Iterable[str] = (), suspect_ranks: It
         reason = f"{row.why}; a code or environment update came just before: roll it back"
     elif row.escalate:
         times, stronger = row.escalate
-        seen = 1 + sum(1 for v in history if v.failure_class == event.failure_class
-                       and (not nodes or set(v.evidence.get("on_nodes", ())) & set(nodes)))
+        seen = 1 + sum(
+            1
+            for v in history
+            if v.failure_class == event.failure_class
+            and (not nodes or set(v.evidence.get("on_nodes", ())) & set(nodes))
+        )
         if seen >= times:
             action = stronger
             reason = f"{row.why}; seen {seen} times on {', '.join(nodes) or 'the job'}"
@@ -134,13 +195,21 @@ def decide(event: Event, *, suspect_nodes: Iterable[str] = (), suspect_ranks: It
         action, reason = "restart_in_place", f"{reason}; no suspect node to replace"
     if _no_progress(progress, max_no_progress):
         action = "stop"
-        reason = (f"no progress across {max_no_progress} restarts (steps reached: "
-                  f"{', '.join(map(str, progress))}); last failure: {event.failure_class}")
+        reason = (
+            f"no progress across {max_no_progress} restarts (steps reached: "
+            f"{', '.join(map(str, progress))}); last failure: {event.failure_class}"
+        )
         evidence["progress"] = list(progress)
     evidence["on_nodes"] = list(nodes)  # where it happened, for the next repeat count
-    return Verdict(action, event.failure_class,
-                   nodes=nodes if action == "replace_and_restart" else (), ranks=ranks,
-                   reason=reason, time=event.time, evidence=evidence)
+    return Verdict(
+        action,
+        event.failure_class,
+        nodes=nodes if action == "replace_and_restart" else (),
+        ranks=ranks,
+        reason=reason,
+        time=event.time,
+        evidence=evidence,
+    )
 
 
 class ExclusionList:
@@ -161,11 +230,20 @@ class ExclusionList:
     def __contains__(self, node: object) -> bool:
         return node in self._read()
 
-    def add(self, nodes: Iterable[str], reason: str, *, time: float | None = None,
-            failure_class: str | None = None) -> dict[str, dict[str, Any]]:
+    def add(
+        self,
+        nodes: Iterable[str],
+        reason: str,
+        *,
+        time: float | None = None,
+        failure_class: str | None = None,
+    ) -> dict[str, dict[str, Any]]:
         """Evicts ``nodes`` (a node already there gets the new reason)."""
-        entry = {"reason": reason, "time": _now() if time is None else time,
-                 **({"class": failure_class} if failure_class else {})}
+        entry = {
+            "reason": reason,
+            "time": _now() if time is None else time,
+            **({"class": failure_class} if failure_class else {}),
+        }
         with self._locked():
             current = self._read()
             current.update({n: dict(entry) for n in nodes})
@@ -184,8 +262,11 @@ class ExclusionList:
     @contextmanager
     def _locked(self):
         # the directory made 0700 or checked, the lock file never opened through a link
-        with open_append(self.path.parent, f".{self.path.name}.lock",
-                         what="the controller's exclusion list directory") as lock:
+        with open_append(
+            self.path.parent,
+            f".{self.path.name}.lock",
+            what="the controller's exclusion list directory",
+        ) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
 
@@ -200,8 +281,10 @@ class ExclusionList:
                 raise ValueError(f"expected version {self.VERSION} with a 'nodes' object")
             return {str(k): dict(v) for k, v in doc["nodes"].items()}
         except (ValueError, AttributeError, TypeError) as exc:
-            raise ValueError(f"exclusion list {self.path} is not readable ({exc}); it was "
-                             "left as it is: fix it or move it away") from None
+            raise ValueError(
+                f"exclusion list {self.path} is not readable ({exc}); it was "
+                "left as it is: fix it or move it away"
+            ) from None
 
     def _write(self, nodes: dict[str, dict[str, Any]]) -> None:
         doc = json.dumps({"version": self.VERSION, "nodes": nodes}, indent=1, sort_keys=True)
@@ -228,6 +311,12 @@ def nonfinite_step(verdict: Verdict) -> int | None:
     step on by the attempt that hit it (``ckpt/skip.py``)."""
     ev = verdict.evidence
     docs = [ev.get("event"), ev.get("primary"), *(ev.get("events") or [])]
-    steps = [d["step"] for d in docs if isinstance(d, dict) and d.get("kind") == "nonfinite"
-             and isinstance(d.get("step"), int) and not isinstance(d.get("step"), bool)]
+    steps = [
+        d["step"]
+        for d in docs
+        if isinstance(d, dict)
+        and d.get("kind") == "nonfinite"
+        and isinstance(d.get("step"), int)
+        and not isinstance(d.get("step"), bool)
+    ]
     return min(steps, default=None)

@@ -63,7 +63,7 @@ def zombie_status(pid: int) -> int | None:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rfind(b")") + 2:].split()
+    fields = stat[stat.rfind(b")") + 2 :].split()
     if not fields or fields[0] not in (b"Z", b"X") or len(fields) < 50:
         return None
     try:
@@ -79,7 +79,7 @@ def descends(pid: int, root: int) -> bool:
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 stat = f.read()
-            pid = int(stat[stat.rfind(b")") + 2:].split()[1])
+            pid = int(stat[stat.rfind(b")") + 2 :].split()[1])
         except (OSError, ValueError, IndexError):
             return False
         if pid == root:
@@ -102,8 +102,13 @@ class RankWatch:
     count (None: any); ``skip_pids``: processes whose end the supervisor sees itself (the
     command it spawned, when the command is the rank)."""
 
-    def __init__(self, control_dir: str | os.PathLike, *, root: int | None = None,
-                 skip_pids: Collection[int] = ()) -> None:
+    def __init__(
+        self,
+        control_dir: str | os.PathLike,
+        *,
+        root: int | None = None,
+        skip_pids: Collection[int] = (),
+    ) -> None:
         self.control_dir = Path(control_dir)
         self.root = root
         self.skip_pids = set(skip_pids)
@@ -178,20 +183,25 @@ class RankWatch:
 
     def live(self) -> dict[int, int]:
         """The watched rank processes still running: pid -> rank."""
-        return {pid: rank for pid, (fd, rank) in self._fds.items()
-                if fd >= 0 and not select.select([fd], [], [], 0)[0]}
+        return {
+            pid: rank
+            for pid, (fd, rank) in self._fds.items()
+            if fd >= 0 and not select.select([fd], [], [], 0)[0]
+        }
 
     def close(self) -> None:
         for pid in list(self._fds):
             self._forget(pid)
 
 
-def _end(rank: int, pid: int, record: dict[str, Any], status: int | None, exited: bool,
-         now: float) -> RankEnd | None:
+def _end(
+    rank: int, pid: int, record: dict[str, Any], status: int | None, exited: bool, now: float
+) -> RankEnd | None:
     """How a rank ended, or None for a normal end."""
     if record.get("state") == "exception":  # the rank's own word (its time: "raised_at")
-        return RankEnd(rank, pid, "exception", now, None if status is None else _code(status),
-                       record)
+        return RankEnd(
+            rank, pid, "exception", now, None if status is None else _code(status), record
+        )
     if status is not None:
         if os.WIFSIGNALED(status):
             return RankEnd(rank, pid, "signal", now, os.WTERMSIG(status), record)

@@ -26,7 +26,7 @@ from typing import Any as _Any
 
 __all__ = ["KINDS", "RecordError", "check"]
 
-MAX_INT = 2 ** 53  # integers beyond JSON's safe range are no counter, pid, step or rank
+MAX_INT = 2**53  # integers beyond JSON's safe range are no counter, pid, step or rank
 MAX_TEXT = 32 << 10
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
@@ -82,11 +82,11 @@ class Str(Spec):
         if not isinstance(value, str):
             raise _fail(path, "expected a string", value)
         if len(value) > self.max_len:
-            raise _fail(path, f"expected at most {self.max_len} characters ({len(value)})",
-                        value[:20])
+            raise _fail(
+                path, f"expected at most {self.max_len} characters ({len(value)})", value[:20]
+            )
         if self.node and not _NODE.match(value):
-            raise _fail(path, "expected a node name (1-63 letters, digits, '.', '_', '-')",
-                        value)
+            raise _fail(path, "expected a node name (1-63 letters, digits, '.', '_', '-')", value)
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,7 @@ class Map(Spec):
         if not isinstance(value, dict):
             raise _fail(path, "expected an object", value)
         if len(value) > self.max_items:
-            raise _fail(path, f"expected at most {self.max_items} entries ({len(value)})",
-                        "...")
+            raise _fail(path, f"expected at most {self.max_items} entries ({len(value)})", "...")
         for k, v in value.items():
             if len(k) > self.key_len:
                 raise _fail(path, f"a name over {self.key_len} characters", k[:20])
@@ -158,78 +157,192 @@ def _one(spec: Spec, value: _Any, path: str) -> None:
 # -- the kinds ----------------------------------------------------------------------------------
 
 _T = Num(lo=0.0, hi=1e11)  # a wall-clock time (seconds since 1970)
-_ID = Int(lo=1)            # an incident, a round, a probe order
+_ID = Int(lo=1)  # an incident, a round, a probe order
 _NODE_NAME = Str(max_len=63, node=True)
-_PROCESS = Obj({"rank": Int(hi=1 << 20, need=True), "pid": Int(hi=1 << 31, null=True),
-                "role": Str(max_len=32), "source": Str(max_len=32),
-                "node": Str(max_len=63, null=True), "text": Str(max_len=MAX_TEXT)})
+_PROCESS = Obj(
+    {
+        "rank": Int(hi=1 << 20, need=True),
+        "pid": Int(hi=1 << 31, null=True),
+        "role": Str(max_len=32),
+        "source": Str(max_len=32),
+        "node": Str(max_len=63, null=True),
+        "text": Str(max_len=MAX_TEXT),
+    }
+)
 _PROCESSES = List(_PROCESS, max_items=4096, need=True)
-_EVENT = Obj({"kind": Str(max_len=32, need=True), "class": Str(max_len=128, need=True),
-              "node": Str(max_len=63, null=True), "rank": Int(hi=1 << 20, null=True),
-              "step": Int(lo=-MAX_INT, null=True), "time": Num(lo=-1e11, hi=1e11),
-              "evidence": Map(null=True)})
+_EVENT = Obj(
+    {
+        "kind": Str(max_len=32, need=True),
+        "class": Str(max_len=128, need=True),
+        "node": Str(max_len=63, null=True),
+        "rank": Int(hi=1 << 20, null=True),
+        "step": Int(lo=-MAX_INT, null=True),
+        "time": Num(lo=-1e11, hi=1e11),
+        "evidence": Map(null=True),
+    }
+)
 _NODES = List(_NODE_NAME, max_items=4096)
-_CHECK_ORDER = Obj({"incident": _ID, "nodes": List(_NODE_NAME, max_items=4096, need=True),
-                    "time": _T})
+_CHECK_ORDER = Obj(
+    {"incident": _ID, "nodes": List(_NODE_NAME, max_items=4096, need=True), "time": _T}
+)
 
 #: record kind -> its validator (the key names in :mod:`.wire`)
 KINDS: dict[str, Obj] = {
     "info": Obj({"node": _NODE_NAME, "pid": Int(hi=1 << 31), "time": _T}),
-    "beat": Obj({"node": _NODE_NAME, "time": Num(lo=0.0, hi=1e11, need=True),
-                 "attempt": Int(hi=1 << 20),
-                 "ranks": Map(Obj({"step": Num(null=True), "time": Num(null=True),
-                                   "pid": Int(hi=1 << 31, null=True),
-                                   "step_time_s": Num(null=True)}), max_items=256)}),
+    "beat": Obj(
+        {
+            "node": _NODE_NAME,
+            "time": Num(lo=0.0, hi=1e11, need=True),
+            "attempt": Int(hi=1 << 20),
+            "ranks": Map(
+                Obj(
+                    {
+                        "step": Num(null=True),
+                        "time": Num(null=True),
+                        "pid": Int(hi=1 << 31, null=True),
+                        "step_time_s": Num(null=True),
+                    }
+                ),
+                max_items=256,
+            ),
+        }
+    ),
     "event": _EVENT,
-    "dump_order": Obj({"incident": Int(lo=1, need=True), "time": _T,
-                       "reason": Str(max_len=2048), "update": Str(max_len=63, node=True)}),
+    "dump_order": Obj(
+        {
+            "incident": Int(lo=1, need=True),
+            "time": _T,
+            "reason": Str(max_len=2048),
+            "update": Str(max_len=63, node=True),
+        }
+    ),
     "dump_ack": Obj({"node": _NODE_NAME, "incident": Int(lo=1, need=True), "time": _T}),
-    "dump": Obj({"node": _NODE_NAME, "incident": Int(lo=1, need=True), "time": _T,
-                 "processes": _PROCESSES, "files": List(Str(max_len=4096), max_items=64)}),
-    "native_dump": Obj({"node": _NODE_NAME, "incident": Int(lo=1, need=True), "time": _T,
-                        "processes": _PROCESSES}),
-    "verdict": Obj({"action": Str(max_len=64, need=True), "class": Str(max_len=128, need=True),
-                    "nodes": _NODES, "ranks": List(Int(hi=1 << 20), max_items=1 << 16),
-                    "reason": Str(max_len=MAX_TEXT), "time": _T,
-                    "evidence": Obj({"incident": Int(lo=1, need=True),
-                                     "missing_dumps": List(Str(max_len=63)),
-                                     "not_waited_for": List(Str(max_len=63))}, need=True)}),
+    "dump": Obj(
+        {
+            "node": _NODE_NAME,
+            "incident": Int(lo=1, need=True),
+            "time": _T,
+            "processes": _PROCESSES,
+            "files": List(Str(max_len=4096), max_items=64),
+        }
+    ),
+    "native_dump": Obj(
+        {"node": _NODE_NAME, "incident": Int(lo=1, need=True), "time": _T, "processes": _PROCESSES}
+    ),
+    "verdict": Obj(
+        {
+            "action": Str(max_len=64, need=True),
+            "class": Str(max_len=128, need=True),
+            "nodes": _NODES,
+            "ranks": List(Int(hi=1 << 20), max_items=1 << 16),
+            "reason": Str(max_len=MAX_TEXT),
+            "time": _T,
+            "evidence": Obj(
+                {
+                    "incident": Int(lo=1, need=True),
+                    "missing_dumps": List(Str(max_len=63)),
+                    "not_waited_for": List(Str(max_len=63)),
+                },
+                need=True,
+            ),
+        }
+    ),
     "verdict_last": Obj({"incident": Int(lo=1, need=True), "time": Num(lo=0.0, need=True)}),
-    "open": Obj({"incident": Int(lo=1, need=True), "time": Num(lo=0.0, need=True),
-                 "reason": Str(max_len=4096), "events": List(_EVENT, max_items=4096, need=True),
-                 "update": Str(max_len=63, node=True), "answered_at": Num(lo=0.0),
-                 "check": _CHECK_ORDER, "not_waited_for": _NODES, "silent": _NODES}),
-    "excluded": Obj({"nodes": List(_NODE_NAME, max_items=4096, need=True),
-                     "reasons": Map(Str(max_len=200), max_items=4096), "list": Str(max_len=4096)}),
+    "open": Obj(
+        {
+            "incident": Int(lo=1, need=True),
+            "time": Num(lo=0.0, need=True),
+            "reason": Str(max_len=4096),
+            "events": List(_EVENT, max_items=4096, need=True),
+            "update": Str(max_len=63, node=True),
+            "answered_at": Num(lo=0.0),
+            "check": _CHECK_ORDER,
+            "not_waited_for": _NODES,
+            "silent": _NODES,
+        }
+    ),
+    "excluded": Obj(
+        {
+            "nodes": List(_NODE_NAME, max_items=4096, need=True),
+            "reasons": Map(Str(max_len=200), max_items=4096),
+            "list": Str(max_len=4096),
+        }
+    ),
     "sample_order": Obj({"round": Int(lo=1, need=True), "time": _T}),
-    "sample": Obj({"node": _NODE_NAME, "round": Int(lo=1, need=True), "time": _T,
-                   "processes": _PROCESSES}),
-    "failslow": Obj({"asked": Int(), "count": Int(),
-                     "history": List(Map(List(Str(max_len=64), max_items=16),
-                                         max_items=1 << 16), max_items=1024),
-                     "runs": Map(Int(), max_items=1 << 16),
-                     "nodes": Map(Str(max_len=63), max_items=1 << 16),
-                     "job_times": List(Num(), max_items=1024)}),
+    "sample": Obj(
+        {"node": _NODE_NAME, "round": Int(lo=1, need=True), "time": _T, "processes": _PROCESSES}
+    ),
+    "failslow": Obj(
+        {
+            "asked": Int(),
+            "count": Int(),
+            "history": List(
+                Map(List(Str(max_len=64), max_items=16), max_items=1 << 16), max_items=1024
+            ),
+            "runs": Map(Int(), max_items=1 << 16),
+            "nodes": Map(Str(max_len=63), max_items=1 << 16),
+            "job_times": List(Num(), max_items=1024),
+        }
+    ),
     "check_order": Obj({**_CHECK_ORDER.fields, "incident": Int(lo=1, need=True)}),
-    "check_result": Obj({"node": _NODE_NAME, "incident": Int(lo=1, need=True), "time": _T,
-                         "error": Str(max_len=4096), "result": Map(max_items=64)}),
+    "check_result": Obj(
+        {
+            "node": _NODE_NAME,
+            "incident": Int(lo=1, need=True),
+            "time": _T,
+            "error": Str(max_len=4096),
+            "result": Map(max_items=64),
+        }
+    ),
     "link_order": Obj({"id": Int(lo=1, need=True), "time": Num(lo=0.0, hi=1e11, need=True)}),
-    "link_probe": Obj({"node": _NODE_NAME, "id": Int(lo=1, need=True), "time": _T,
-                       "probe": Map(max_items=256, need=True)}),
-    "colltrace": Obj({"node": _NODE_NAME, "time": Num(lo=0.0, hi=1e11),
-                      "ranks": List(Map(max_items=4096), max_items=4096)}),
-    "version": Obj({"id": Str(max_len=63, node=True, need=True),
-                    "workdir": Str(max_len=4096, null=True),
-                    "env": Map(Str(max_len=4096), max_items=64, key_len=128), "time": Num()}),
-    "published": Obj({"id": Str(max_len=63, node=True, need=True),
-                      "previous": Str(max_len=63, null=True), "seq": Int(), "time": Num(),
-                      "urgent": Bool(), "window_s": Num(lo=0.0, null=True),
-                      "cause": Str(max_len=32), "forced": Int(null=True),
-                      "bad": Str(max_len=63, null=True)}),
-    "pin": Obj({"id": Str(max_len=63, node=True, need=True), "epoch": Int(need=True),
-                "previous": Str(max_len=63, null=True), "updated": Bool(),
-                "cause": Str(max_len=32), "seq": Int(), "node": Str(max_len=63),
-                "time": Num()}),
+    "link_probe": Obj(
+        {
+            "node": _NODE_NAME,
+            "id": Int(lo=1, need=True),
+            "time": _T,
+            "probe": Map(max_items=256, need=True),
+        }
+    ),
+    "colltrace": Obj(
+        {
+            "node": _NODE_NAME,
+            "time": Num(lo=0.0, hi=1e11),
+            "ranks": List(Map(max_items=4096), max_items=4096),
+        }
+    ),
+    "version": Obj(
+        {
+            "id": Str(max_len=63, node=True, need=True),
+            "workdir": Str(max_len=4096, null=True),
+            "env": Map(Str(max_len=4096), max_items=64, key_len=128),
+            "time": Num(),
+        }
+    ),
+    "published": Obj(
+        {
+            "id": Str(max_len=63, node=True, need=True),
+            "previous": Str(max_len=63, null=True),
+            "seq": Int(),
+            "time": Num(),
+            "urgent": Bool(),
+            "window_s": Num(lo=0.0, null=True),
+            "cause": Str(max_len=32),
+            "forced": Int(null=True),
+            "bad": Str(max_len=63, null=True),
+        }
+    ),
+    "pin": Obj(
+        {
+            "id": Str(max_len=63, node=True, need=True),
+            "epoch": Int(need=True),
+            "previous": Str(max_len=63, null=True),
+            "updated": Bool(),
+            "cause": Str(max_len=32),
+            "seq": Int(),
+            "node": Str(max_len=63),
+            "time": Num(),
+        }
+    ),
 }
 
 

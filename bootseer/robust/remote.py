@@ -48,8 +48,14 @@ from . import seal, wire
 from .events import Event, Verdict
 from .standby import ExcludedNode, check_admission
 
-__all__ = ["STEP_WINDOW", "ControllerLink", "ExcludedNode", "descendants", "dump_ranks",
-           "pyspy_text"]
+__all__ = [
+    "STEP_WINDOW",
+    "ControllerLink",
+    "ExcludedNode",
+    "descendants",
+    "dump_ranks",
+    "pyspy_text",
+]
 
 STEP_WINDOW = 8  # heartbeats (at most one a second) a rank's step time is measured over
 
@@ -79,12 +85,23 @@ def _address_of(store: Any) -> str | None:
 class ControllerLink:
     """One node's agent talking to the job's controller through the store."""
 
-    def __init__(self, store: Any, node: str, *, job: str = "job", poll_s: float = 0.5,
-                 beat_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 address: str | None = None, check_timeout_s: float = 180.0) -> None:
+    def __init__(
+        self,
+        store: Any,
+        node: str,
+        *,
+        job: str = "job",
+        poll_s: float = 0.5,
+        beat_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        address: str | None = None,
+        check_timeout_s: float = 180.0,
+    ) -> None:
         if not wire.valid_node(node):
-            raise ValueError(f"node name {node!r} cannot be a controller key: use 1-63 "
-                             "letters, digits, '.', '_' or '-' (--node)")
+            raise ValueError(
+                f"node name {node!r} cannot be a controller key: use 1-63 "
+                "letters, digits, '.', '_' or '-' (--node)"
+            )
         seal.require_secret("bootseer run --controller")  # no record is trusted without it
         self._warned: set[str] = set()  # keys whose refused record was said once
         self.store = store
@@ -128,25 +145,33 @@ class ControllerLink:
         except wire.WireError as exc:
             if key not in self._warned:
                 self._warned.add(key)
-                print(f"bootseer: controller: warning: {str(exc)[:400]}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"bootseer: controller: warning: {str(exc)[:400]}", file=sys.stderr, flush=True
+                )
             return None
 
     @classmethod
-    def connect(cls, address: str, node: str, *, job: str = "job",
-                timeout_s: float = 30.0) -> ControllerLink:
+    def connect(
+        cls, address: str, node: str, *, job: str = "job", timeout_s: float = 30.0
+    ) -> ControllerLink:
         return cls(wire.connect(address, timeout_s), node, job=job, address=address)
 
     def register(self) -> None:
         """Join the job's node list; refused when the controller evicted this node."""
-        check_admission(self.store, self.node, job=self.keys.prefix.split("/")[1],
-                        where=self.where,
-                        log=lambda line: print(f"bootseer: controller: {line}",
-                                               file=sys.stderr, flush=True))
+        check_admission(
+            self.store,
+            self.node,
+            job=self.keys.prefix.split("/")[1],
+            where=self.where,
+            log=lambda line: print(f"bootseer: controller: {line}", file=sys.stderr, flush=True),
+        )
         if self.node not in (wire.get(self.store, self.keys.nodes) or b"").decode().split():
             self.store.append(self.keys.nodes, f"{self.node}\n")
-        wire.put(self.store, self.keys.node(self.node, "info"),
-                 {"node": self.node, "pid": os.getpid(), "time": time.time()})
+        wire.put(
+            self.store,
+            self.keys.node(self.node, "info"),
+            {"node": self.node, "pid": os.getpid(), "time": time.time()},
+        )
         last = self._read(self.keys.verdict_last)
         self.answered = int(last["incident"]) if last else 0
 
@@ -171,11 +196,18 @@ class ControllerLink:
         if now - self._last_beat < self.beat_s:
             return
         self._last_beat = now
-        summary = {str(r): {**{k: v.get(k) for k in ("step", "time", "pid")},
-                            "step_time_s": self.step_time(r)}
-                   for r, v in sorted(ranks.items())[:256]}
-        wire.put(self.store, self.keys.node(self.node, "beat"),
-                 {"node": self.node, "time": time.time(), "attempt": attempt, "ranks": summary})
+        summary = {
+            str(r): {
+                **{k: v.get(k) for k in ("step", "time", "pid")},
+                "step_time_s": self.step_time(r),
+            }
+            for r, v in sorted(ranks.items())[:256]
+        }
+        wire.put(
+            self.store,
+            self.keys.node(self.node, "beat"),
+            {"node": self.node, "time": time.time(), "attempt": attempt, "ranks": summary},
+        )
 
     def ship_colltrace(self, *, force: bool = False) -> bool:
         """This node's collective ring window into the store (at most every ``colltrace_s``
@@ -187,8 +219,7 @@ class ControllerLink:
         self._last_ship = now
         try:
             doc = self.colltrace()
-            wire.put(self.store, self.keys.node(self.node, "colltrace"), doc,
-                     wire.MAX_DUMP_BYTES)
+            wire.put(self.store, self.keys.node(self.node, "colltrace"), doc, wire.MAX_DUMP_BYTES)
         except (RuntimeError, OSError, ValueError, wire.WireError):
             return False
         return True
@@ -230,18 +261,31 @@ class ControllerLink:
                     text = self.sample_tool(pid)
                 except (RuntimeError, OSError):
                     continue
-                processes.append({"rank": rank, "pid": pid, "role": "main",
-                                  "source": "py-spy", "text": text[:wire.MAX_STACK_CHARS]})
-            answer: dict[str, Any] = {"node": self.node, "round": round_, "time": time.time(),
-                                      "processes": processes}
+                processes.append(
+                    {
+                        "rank": rank,
+                        "pid": pid,
+                        "role": "main",
+                        "source": "py-spy",
+                        "text": text[: wire.MAX_STACK_CHARS],
+                    }
+                )
+            answer: dict[str, Any] = {
+                "node": self.node,
+                "round": round_,
+                "time": time.time(),
+                "processes": processes,
+            }
             try:
-                wire.put(self.store, self.keys.sample(self.node, round_), answer,
-                         wire.MAX_DUMP_BYTES)
+                wire.put(
+                    self.store, self.keys.sample(self.node, round_), answer, wire.MAX_DUMP_BYTES
+                )
             except (RuntimeError, OSError, wire.WireError):
                 pass  # the next round asks again
 
-        self._sampler = threading.Thread(target=sample, name=f"bootseer-sample-{round_}",
-                                         daemon=True)
+        self._sampler = threading.Thread(
+            target=sample, name=f"bootseer-sample-{round_}", daemon=True
+        )
         self._sampler.start()
 
     def _answer_link(self) -> None:
@@ -263,13 +307,16 @@ class ControllerLink:
             return
 
         def probe() -> None:
-            answer = {"node": self.node, "id": ident, "time": time.time(),
-                      "probe": self.probe_link()}
+            answer = {
+                "node": self.node,
+                "id": ident,
+                "time": time.time(),
+                "probe": self.probe_link(),
+            }
             with contextlib.suppress(RuntimeError, OSError, wire.WireError):
                 wire.put(self.store, self.keys.link_probe(self.node, ident), answer)
 
-        self._prober = threading.Thread(target=probe, name=f"bootseer-probe-{ident}",
-                                        daemon=True)
+        self._prober = threading.Thread(target=probe, name=f"bootseer-probe-{ident}", daemon=True)
         self._prober.start()
 
     def probe_link(self) -> dict[str, Any]:
@@ -298,37 +345,59 @@ class ControllerLink:
             return None
         if incident > self._acked:  # at once, before the dumps: the controller then waits
             self._acked = incident  # for this node's answer, however long it takes
-            wire.put(self.store, self.keys.dump_ack(self.node, incident),
-                     {"node": self.node, "incident": incident, "time": time.time()})
+            wire.put(
+                self.store,
+                self.keys.dump_ack(self.node, incident),
+                {"node": self.node, "incident": incident, "time": time.time()},
+            )
         return order
 
-    def answer(self, incident: int, processes: list[dict[str, Any]],
-               files: list[str] = ()) -> None:
+    def answer(self, incident: int, processes: list[dict[str, Any]], files: list[str] = ()) -> None:
         """This node's dump for ``incident`` (texts cut to the limits of :mod:`.wire`), and
         its collective ring window as it is now (before the dump: the controller may close
         the incident as soon as the last dump is in)."""
         self.answered = max(self.answered, incident)
         self.ship_colltrace(force=True)
-        wire.put(self.store, self.keys.dump(self.node, incident), {
-            "node": self.node, "incident": incident, "time": time.time(),
-            "processes": _within_limits(processes), "files": list(files)[:64]},
-            wire.MAX_DUMP_BYTES)
+        wire.put(
+            self.store,
+            self.keys.dump(self.node, incident),
+            {
+                "node": self.node,
+                "incident": incident,
+                "time": time.time(),
+                "processes": _within_limits(processes),
+                "files": list(files)[:64],
+            },
+            wire.MAX_DUMP_BYTES,
+        )
 
     def answer_native(self, incident: int, processes: list[dict[str, Any]]) -> None:
         """The same processes dumped again with native frames (``py-spy dump --native``:
         seconds on a loaded node, so after the answer the verdict waits for); the controller
         adds them to its verdict's evidence when they are in by then."""
-        wire.put(self.store, self.keys.native_dump(self.node, incident), {
-            "node": self.node, "incident": incident, "time": time.time(),
-            "processes": _within_limits(processes)}, wire.MAX_DUMP_BYTES)
+        wire.put(
+            self.store,
+            self.keys.native_dump(self.node, incident),
+            {
+                "node": self.node,
+                "incident": incident,
+                "time": time.time(),
+                "processes": _within_limits(processes),
+            },
+            wire.MAX_DUMP_BYTES,
+        )
 
     def verdict(self, incident: int) -> Verdict | None:
         doc = self._read(self.keys.verdict(incident))
         return Verdict.from_doc(doc) if doc is not None else None
 
-    def wait_verdict(self, incident: int, timeout_s: float,
-                     pause: Callable[[float], bool] | None = None,
-                     stop: Callable[[], None] | None = None) -> Verdict | None:
+    def wait_verdict(
+        self,
+        incident: int,
+        timeout_s: float,
+        pause: Callable[[float], bool] | None = None,
+        stop: Callable[[], None] | None = None,
+    ) -> Verdict | None:
         """The verdict of ``incident``, polled every ``poll_s``; None after ``timeout_s`` or
         when ``pause`` (the supervisor's wait, answering signals) says to stop. An order to
         run the stop-time checks meanwhile: ``stop`` (kill the command), the checks in a
@@ -378,18 +447,37 @@ class ControllerLink:
         store (its result goes to the store itself)."""
         incident = int(order["incident"])
         self.checked = max(self.checked, incident)
-        argv = [sys.executable, "-m", "bootseer", "check", "--store", str(self.address),
-                "--job", self.job, "--incident", str(incident), "--node", self.node]
-        print(f"bootseer: controller: incident {incident}: running the stop-time checks "
-              f"with {len(order.get('nodes') or [])} node(s)", file=sys.stderr, flush=True)
+        argv = [
+            sys.executable,
+            "-m",
+            "bootseer",
+            "check",
+            "--store",
+            str(self.address),
+            "--job",
+            self.job,
+            "--incident",
+            str(incident),
+            "--node",
+            self.node,
+        ]
+        print(
+            f"bootseer: controller: incident {incident}: running the stop-time checks "
+            f"with {len(order.get('nodes') or [])} node(s)",
+            file=sys.stderr,
+            flush=True,
+        )
         standby, self._check_standby = self._check_standby, None
         command = python_command(argv)
         if standby is not None and command is not None:
             proc, why = standby.take(command, os.environ, None, [])
             if proc is not None:
                 return proc
-            print(f"bootseer: controller: the checks' interpreter started ahead is not used: "
-                  f"{why}", file=sys.stderr, flush=True)
+            print(
+                f"bootseer: controller: the checks' interpreter started ahead is not used: {why}",
+                file=sys.stderr,
+                flush=True,
+            )
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
 
     def prepare_check(self) -> None:
@@ -401,8 +489,11 @@ class ControllerLink:
         try:
             self._check_standby = Standby.start(sys.executable, CHECK_PRELOAD, os.environ)
         except OSError as exc:
-            print(f"bootseer: controller: cannot start the checks' interpreter ahead ({exc})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"bootseer: controller: cannot start the checks' interpreter ahead ({exc})",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         """Stop what this link started ahead."""
@@ -416,16 +507,25 @@ class ControllerLink:
         if wire.get(self.store, self.keys.check_result(self.node, incident)) is not None:
             return
         why = "timed out" if code is None else f"exited with {code} without a result"
-        wire.put(self.store, self.keys.check_result(self.node, incident), {
-            "node": self.node, "incident": incident, "time": time.time(),
-            "error": f"bootseer check on {self.node} {why}"})
+        wire.put(
+            self.store,
+            self.keys.check_result(self.node, incident),
+            {
+                "node": self.node,
+                "incident": incident,
+                "time": time.time(),
+                "error": f"bootseer check on {self.node} {why}",
+            },
+        )
 
     def answer_check(self, incident: int, result: Mapping[str, Any]) -> None:
         """This node's check result (a :class:`.check.RankResult` as a dict) for the
         controller."""
-        wire.put(self.store, self.keys.check_result(self.node, incident), {
-            "node": self.node, "incident": incident, "time": time.time(),
-            "result": dict(result)})
+        wire.put(
+            self.store,
+            self.keys.check_result(self.node, incident),
+            {"node": self.node, "incident": incident, "time": time.time(), "result": dict(result)},
+        )
 
     def local_action(self, verdict: Verdict) -> str:
         """``stop`` when the verdict stops the job or evicts this node, else ``restart``
@@ -461,7 +561,7 @@ def _within_limits(processes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     many as fit in one record."""
     kept, size = [], 0
     for item in processes:
-        item = {**item, "text": str(item.get("text", ""))[:wire.MAX_STACK_CHARS]}
+        item = {**item, "text": str(item.get("text", ""))[: wire.MAX_STACK_CHARS]}
         size += len(item["text"]) + 200
         if size > wire.MAX_DUMP_BYTES - 4096:
             break
@@ -469,8 +569,9 @@ def _within_limits(processes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept
 
 
-def pyspy_text(pid: int, timeout_s: float = 20.0, *, nonblocking: bool = False,
-               native: bool = False) -> str:
+def pyspy_text(
+    pid: int, timeout_s: float = 20.0, *, nonblocking: bool = False, native: bool = False
+) -> str:
     """``py-spy dump`` of a live process (text); RuntimeError when py-spy cannot.
     ``nonblocking``: the process is not paused (a sample of a healthy job). ``native``: with
     the compiled frames (where inside gloo, NCCL or a C extension it waits); where py-spy
@@ -481,8 +582,9 @@ def pyspy_text(pid: int, timeout_s: float = 20.0, *, nonblocking: bool = False,
     argv = [exe, "dump", "--pid", str(pid), *(["--nonblocking"] if nonblocking else [])]
     for extra in (["--native"], []) if native and not nonblocking else ([],):
         try:
-            done = subprocess.run([*argv, *extra], capture_output=True, text=True,
-                                  timeout=timeout_s)
+            done = subprocess.run(
+                [*argv, *extra], capture_output=True, text=True, timeout=timeout_s
+            )
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"py-spy dump of pid {pid} took over {timeout_s} s") from None
         if done.returncode == 0 and "Thread" in done.stdout:
@@ -495,16 +597,19 @@ def native_dump(pid: int) -> str:
     return pyspy_text(pid, native=True)
 
 
-def dump_ranks(rank_pids: Mapping[int, int], *, node: str,
-               dump: Callable[[int], str] = pyspy_text
-               ) -> tuple[list[dict[str, Any]], list[int]]:
+def dump_ranks(
+    rank_pids: Mapping[int, int], *, node: str, dump: Callable[[int], str] = pyspy_text
+) -> tuple[list[dict[str, Any]], list[int]]:
     """Stacks of each rank's whole process tree (the rank ``main``, its descendants
     ``worker``), and the ranks whose main process could not be dumped this way. The
     processes are dumped at once, each on its own thread: a native dump (``dump=
     native_dump``) takes about 0.8 s on a quiet node (py-spy loads the libraries' symbols)
     and 4-6 s at load 7 on 2 cores, and one after the other they would add up."""
-    trees = [(rank, i, p) for rank, pid in sorted(rank_pids.items())
-             for i, p in enumerate([pid, *descendants(pid)])]
+    trees = [
+        (rank, i, p)
+        for rank, pid in sorted(rank_pids.items())
+        for i, p in enumerate([pid, *descendants(pid)])
+    ]
 
     def one(p: int) -> str | None:
         try:
@@ -515,10 +620,19 @@ def dump_ranks(rank_pids: Mapping[int, int], *, node: str,
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(trees)))) as pool:
         texts = list(pool.map(one, [p for _, _, p in trees]))
     processes: list[dict[str, Any]] = []
-    failed = sorted({rank for (rank, i, _), text in zip(trees, texts, strict=True)
-                     if i == 0 and text is None})
+    failed = sorted(
+        {rank for (rank, i, _), text in zip(trees, texts, strict=True) if i == 0 and text is None}
+    )
     for (rank, i, p), text in zip(trees, texts, strict=True):
         if text is not None and rank not in failed:
-            processes.append({"rank": rank, "pid": p, "role": "main" if i == 0 else "worker",
-                              "node": node, "source": "py-spy", "text": text})
+            processes.append(
+                {
+                    "rank": rank,
+                    "pid": p,
+                    "role": "main" if i == 0 else "worker",
+                    "node": node,
+                    "source": "py-spy",
+                    "text": text,
+                }
+            )
     return processes, failed

@@ -27,8 +27,17 @@ import hmac
 import os
 from collections.abc import Mapping
 
-__all__ = ["MIN_SECRET", "SECRET_ENV", "MissingSecret", "SealError", "job_secret", "mac",
-           "open_sealed", "require_secret", "seal"]
+__all__ = [
+    "MIN_SECRET",
+    "SECRET_ENV",
+    "MissingSecret",
+    "SealError",
+    "job_secret",
+    "mac",
+    "open_sealed",
+    "require_secret",
+    "seal",
+]
 
 SECRET_ENV = "BOOTSEER_JOB_SECRET"
 MIN_SECRET = 16
@@ -53,9 +62,11 @@ def job_secret(env: Mapping[str, str] | None = None) -> bytes | None:
     if not value:
         return None
     if len(value) < MIN_SECRET:
-        raise MissingSecret(f"{SECRET_ENV} is {len(value)} characters: use at least "
-                            f"{MIN_SECRET} random ones (e.g. python -c 'import secrets; "
-                            "print(secrets.token_hex(32))')")
+        raise MissingSecret(
+            f"{SECRET_ENV} is {len(value)} characters: use at least "
+            f"{MIN_SECRET} random ones (e.g. python -c 'import secrets; "
+            "print(secrets.token_hex(32))')"
+        )
     return value.encode()
 
 
@@ -70,7 +81,8 @@ def require_secret(what: str, env: Mapping[str, str] | None = None) -> bytes:
             "controller publish, at least 16 random characters (e.g. python -c 'import "
             "secrets; print(secrets.token_hex(32))'; on Kubernetes the Secret bootseer-job, "
             "deploy/kubernetes/jobset.yaml). Without it no record of the job's store can be "
-            "trusted: the store has no authentication of its own (docs/security.md)")
+            "trusted: the store has no authentication of its own (docs/security.md)"
+        )
     return secret
 
 
@@ -90,13 +102,18 @@ def open_sealed(key: str, data: bytes, secret: bytes | None = None) -> bytes:
     its MAC is not the job's for this key, or no secret is configured."""
     secret = secret if secret is not None else job_secret()
     if secret is None:
-        raise MissingSecret(f"{key}: no job secret ({SECRET_ENV}) to check the record: "
-                            "refused")
-    if not isinstance(data, bytes | bytearray) or len(data) < OVERHEAD \
-            or not data.startswith(PREFIX) or data[OVERHEAD - 1:OVERHEAD] != b".":
+        raise MissingSecret(f"{key}: no job secret ({SECRET_ENV}) to check the record: refused")
+    if (
+        not isinstance(data, bytes | bytearray)
+        or len(data) < OVERHEAD
+        or not data.startswith(PREFIX)
+        or data[OVERHEAD - 1 : OVERHEAD] != b"."
+    ):
         raise SealError(f"{key}: not a sealed record (no MAC): refused")
-    got, body = bytes(data[len(PREFIX):OVERHEAD - 1]), bytes(data[OVERHEAD:])
+    got, body = bytes(data[len(PREFIX) : OVERHEAD - 1]), bytes(data[OVERHEAD:])
     if not hmac.compare_digest(got, mac(secret, key, body).encode()):
-        raise SealError(f"{key}: the MAC is not the job's for this key (forged, replayed "
-                        f"from another key, or another {SECRET_ENV}): refused")
+        raise SealError(
+            f"{key}: the MAC is not the job's for this key (forged, replayed "
+            f"from another key, or another {SECRET_ENV}): refused"
+        )
     return body

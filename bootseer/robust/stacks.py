@@ -45,14 +45,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Localization", "ProcessStacks", "StackGroup", "group_stacks", "localize",
-           "is_native_frame", "native_evidence", "normalize_frame", "parse_dump", "pyspy_dump", "read_stack_files"]
+__all__ = [
+    "Localization",
+    "ProcessStacks",
+    "StackGroup",
+    "group_stacks",
+    "localize",
+    "is_native_frame",
+    "native_evidence",
+    "normalize_frame",
+    "parse_dump",
+    "pyspy_dump",
+    "read_stack_files",
+]
 
 Frame = str  # "function (file)"
 Thread = tuple[Frame, ...]  # most recent call first
 
 _FAULTHANDLER_THREAD = re.compile(
-    r"^(?:Current thread|Thread) (?P<id>0x[0-9a-f]+) \(most recent call first\):")
+    r"^(?:Current thread|Thread) (?P<id>0x[0-9a-f]+) \(most recent call first\):"
+)
 _FAULTHANDLER_ANY = re.compile(_FAULTHANDLER_THREAD.pattern, re.MULTILINE)
 _FAULTHANDLER_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line \d+ in (?P<name>.+)$')
 _PYSPY_THREAD = re.compile(r"^Thread (?P<id>0x[0-9A-Fa-f]+|\d+)")
@@ -127,10 +139,16 @@ def _pyspy_text(text: str) -> list[Thread]:
 def _pyspy_json(doc: Any) -> list[Thread]:
     if isinstance(doc, dict):  # one process's dump in a wrapper object
         doc = doc.get("threads", [doc])
-    return [tuple(normalize_frame(str(f.get("name", "?")),
-                                  str(f.get("filename") or f.get("short_filename") or ""))
-                  for f in thread.get("frames", []))
-            for thread in doc if isinstance(thread, dict)]
+    return [
+        tuple(
+            normalize_frame(
+                str(f.get("name", "?")), str(f.get("filename") or f.get("short_filename") or "")
+            )
+            for f in thread.get("frames", [])
+        )
+        for thread in doc
+        if isinstance(thread, dict)
+    ]
 
 
 def parse_dump(text: str) -> list[Thread]:
@@ -159,8 +177,10 @@ class ProcessStacks:
     @property
     def signature(self) -> tuple[Thread, ...]:
         """The threads' Python stacks, sorted, without the launch's frames."""
-        kept = (tuple(f for f in thread if not _LAUNCH_FRAME.search(f)
-                      and not is_native_frame(f)) for thread in self.threads)
+        kept = (
+            tuple(f for f in thread if not _LAUNCH_FRAME.search(f) and not is_native_frame(f))
+            for thread in self.threads
+        )
         return tuple(sorted(thread for thread in kept if thread))
 
     @property
@@ -168,23 +188,41 @@ class ProcessStacks:
         return any(is_native_frame(f) for thread in self.threads for f in thread)
 
     @classmethod
-    def from_text(cls, text: str, *, rank: int, node: str | None = None,
-                  pid: int | None = None, role: str = "main") -> ProcessStacks:
+    def from_text(
+        cls,
+        text: str,
+        *,
+        rank: int,
+        node: str | None = None,
+        pid: int | None = None,
+        role: str = "main",
+    ) -> ProcessStacks:
         return cls(rank, tuple(parse_dump(text)), node, pid, role)
 
 
-def pyspy_dump(pid: int, *, rank: int, node: str | None = None, role: str = "main",
-               native: bool = False, timeout_s: float = 30.0) -> ProcessStacks:
+def pyspy_dump(
+    pid: int,
+    *,
+    rank: int,
+    node: str | None = None,
+    role: str = "main",
+    native: bool = False,
+    timeout_s: float = 30.0,
+) -> ProcessStacks:
     """Dumps a live process with ``py-spy dump --json`` (root, or ptrace allowed)."""
     exe = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
     if exe is None:
-        raise FileNotFoundError("py-spy is not installed: pip install py-spy (a dependency "
-                                "of bootseer), or dump with SIGUSR1 through bootseer.client")
+        raise FileNotFoundError(
+            "py-spy is not installed: pip install py-spy (a dependency "
+            "of bootseer), or dump with SIGUSR1 through bootseer.client"
+        )
     argv = [exe, "dump", "--json", "--pid", str(pid), *(["--native"] if native else [])]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
-        raise RuntimeError(f"py-spy dump of pid {pid} (rank {rank}) failed: "
-                           f"{done.stderr.strip() or done.stdout.strip()}")
+        raise RuntimeError(
+            f"py-spy dump of pid {pid} (rank {rank}) failed: "
+            f"{done.stderr.strip() or done.stdout.strip()}"
+        )
     return ProcessStacks.from_text(done.stdout, rank=rank, node=node, pid=pid, role=role)
 
 
@@ -195,8 +233,11 @@ def read_stack_files(trace_dir: str | os.PathLike) -> list[ProcessStacks]:
         m = _STACK_FILE.match(path.name)
         text = path.read_text(encoding="utf-8", errors="replace") if m else ""
         if m and text.strip():
-            found.append(ProcessStacks.from_text(text, rank=int(m["rank"]), node=m["node"],
-                                                 pid=int(m["pid"])))
+            found.append(
+                ProcessStacks.from_text(
+                    text, rank=int(m["rank"]), node=m["node"], pid=int(m["pid"])
+                )
+            )
     return found
 
 
@@ -215,17 +256,21 @@ class StackGroup:
     def evidence(self) -> dict[str, Any]:
         """Ranks, nodes and the signature; with native frames, the first member's whole
         stacks too (``native``: where inside compiled code it is)."""
-        found: dict[str, Any] = {"role": self.role, "ranks": list(self.ranks),
-                                 "nodes": sorted({p.node for p in self.members if p.node}),
-                                 "stacks": [list(t) for t in self.signature]}
+        found: dict[str, Any] = {
+            "role": self.role,
+            "ranks": list(self.ranks),
+            "nodes": sorted({p.node for p in self.members if p.node}),
+            "stacks": [list(t) for t in self.signature],
+        }
         first = next((p for p in self.members if p.has_native), None)
         if first is not None:
             found["native"] = native_evidence(first)
         return found
 
 
-def native_evidence(member: ProcessStacks, threads: Iterable[Thread] | None = None
-                    ) -> dict[str, Any]:
+def native_evidence(
+    member: ProcessStacks, threads: Iterable[Thread] | None = None
+) -> dict[str, Any]:
     """A stack group's ``native`` evidence: one member's whole stacks with native frames
     (``threads``: from its separate native dump, else its own)."""
     doc: dict[str, Any] = {"rank": member.rank, "pid": member.pid}
@@ -240,8 +285,10 @@ def group_stacks(processes: Iterable[ProcessStacks]) -> list[StackGroup]:
     by_key: dict[tuple[str, tuple[Thread, ...]], list[ProcessStacks]] = defaultdict(list)
     for p in processes:
         by_key[(p.role, p.signature)].append(p)
-    groups = [StackGroup(role, sig, tuple(sorted(m, key=lambda p: (p.rank, p.pid or 0))))
-              for (role, sig), m in by_key.items()]
+    groups = [
+        StackGroup(role, sig, tuple(sorted(m, key=lambda p: (p.rank, p.pid or 0))))
+        for (role, sig), m in by_key.items()
+    ]
     return sorted(groups, key=lambda g: (-len(g.members), g.ranks))
 
 
@@ -259,8 +306,9 @@ class Localization:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
-def _domain(suspects: set[int], layout: Mapping[str, Sequence[Sequence[int]]]
-            ) -> tuple[str | None, tuple[int, ...]]:
+def _domain(
+    suspects: set[int], layout: Mapping[str, Sequence[Sequence[int]]]
+) -> tuple[str | None, tuple[int, ...]]:
     """The smallest layout group holding every suspect; else the smallest one-dimension
     union of the groups that hold any."""
     best: tuple[int, str, tuple[int, ...]] | None = None
@@ -278,8 +326,9 @@ def _domain(suspects: set[int], layout: Mapping[str, Sequence[Sequence[int]]]
     return (best[1], best[2]) if best else (None, tuple(sorted(suspects)))
 
 
-def localize(processes: Iterable[ProcessStacks],
-             layout: Mapping[str, Sequence[Sequence[int]]] | None = None) -> Localization:
+def localize(
+    processes: Iterable[ProcessStacks], layout: Mapping[str, Sequence[Sequence[int]]] | None = None
+) -> Localization:
     """Suspects (outside each role's dominant group) and the failure domain to evict."""
     processes = list(processes)
     groups = group_stacks(processes)
@@ -294,18 +343,36 @@ def localize(processes: Iterable[ProcessStacks],
         suspects.update(r for g in mine[1:] for r in g.ranks)
     evidence = {"groups": [g.evidence() for g in groups]}
     if undecided and not suspects:
-        return Localization((), (), None, (), (), tuple(groups),
-                            f"no dominant stack group among {', '.join(undecided)} processes: "
-                            "no verdict from stacks", evidence)
+        return Localization(
+            (),
+            (),
+            None,
+            (),
+            (),
+            tuple(groups),
+            f"no dominant stack group among {', '.join(undecided)} processes: "
+            "no verdict from stacks",
+            evidence,
+        )
     if not suspects:
-        return Localization((), (), None, (), (), tuple(groups),
-                            "every process of each role has the same stacks", evidence)
+        return Localization(
+            (),
+            (),
+            None,
+            (),
+            (),
+            tuple(groups),
+            "every process of each role has the same stacks",
+            evidence,
+        )
     domain, ranks = _domain(suspects, layout or {})
     if layout is None:
         domain = None
     nodes = tuple(sorted({node_of[r] for r in suspects if r in node_of}))
     domain_nodes = tuple(sorted({node_of[r] for r in ranks if r in node_of}))
-    reason = (f"ranks {', '.join(map(str, sorted(suspects)))} outside the dominant stack group"
-              + (f"; smallest group holding them: {domain}" if domain else ""))
-    return Localization(tuple(sorted(suspects)), nodes, domain, ranks, domain_nodes,
-                        tuple(groups), reason, evidence)
+    reason = f"ranks {', '.join(map(str, sorted(suspects)))} outside the dominant stack group" + (
+        f"; smallest group holding them: {domain}" if domain else ""
+    )
+    return Localization(
+        tuple(sorted(suspects)), nodes, domain, ranks, domain_nodes, tuple(groups), reason, evidence
+    )

@@ -36,29 +36,37 @@ from typing import Any
 from . import wire
 from .policy import ExclusionList
 
-__all__ = ["ExcludedNode", "check_admission", "exclusion_record", "pool_size",
-           "publish_exclusions", "read_exclusions", "rendezvous_members"]
+__all__ = [
+    "ExcludedNode",
+    "check_admission",
+    "exclusion_record",
+    "pool_size",
+    "publish_exclusions",
+    "read_exclusions",
+    "rendezvous_members",
+]
 
 
 class ExcludedNode(RuntimeError):
     """This node is on the job's exclusion list: it must not join (nor wait as a standby)."""
 
 
-def exclusion_record(nodes: Iterable[str], *, reasons: dict[str, str] | None = None,
-                     source: str | None = None) -> dict[str, Any]:
+def exclusion_record(
+    nodes: Iterable[str], *, reasons: dict[str, str] | None = None, source: str | None = None
+) -> dict[str, Any]:
     """The store's ``excluded`` record (sealed by :func:`.wire.put`): the nodes, why each
     went there, and the file they came from (so a refused node's error can name the list)."""
     doc: dict[str, Any] = {"nodes": sorted(set(nodes))}
     if reasons:
-        doc["reasons"] = {n: str(r)[:200] for n, r in sorted(reasons.items())
-                          if n in doc["nodes"]}
+        doc["reasons"] = {n: str(r)[:200] for n, r in sorted(reasons.items()) if n in doc["nodes"]}
     if source:
         doc["list"] = source
     return doc
 
 
-def read_exclusions(store: Any, job: str = "job",
-                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def read_exclusions(
+    store: Any, job: str = "job", log: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """The store's ``excluded`` document (``{"nodes": []}`` when nobody was evicted, or when
     the record is not sealed under the job's secret or not valid: said through ``log``; a
     forged list must not keep a node out any more than it may put one in)."""
@@ -78,14 +86,26 @@ def publish_exclusions(store: Any, exclusion: ExclusionList, job: str = "job") -
     of the job, or by an operator, is refused too, and one removed from the file after a
     repair is admitted again. Returns the nodes now excluded."""
     listed = exclusion.nodes()
-    wire.put(store, wire.Keys(job).excluded, exclusion_record(
-        listed, reasons={n: str(e.get("reason", "")) for n, e in listed.items()},
-        source=str(exclusion.path)))
+    wire.put(
+        store,
+        wire.Keys(job).excluded,
+        exclusion_record(
+            listed,
+            reasons={n: str(e.get("reason", "")) for n, e in listed.items()},
+            source=str(exclusion.path),
+        ),
+    )
     return sorted(listed)
 
 
-def check_admission(store: Any, node: str, *, job: str = "job", where: str = "",
-                    log: Callable[[str], None] | None = None) -> None:
+def check_admission(
+    store: Any,
+    node: str,
+    *,
+    job: str = "job",
+    where: str = "",
+    log: Callable[[str], None] | None = None,
+) -> None:
     """Raise :class:`ExcludedNode` when ``node`` is on job ``job``'s exclusion list; the
     message names the node, the list (the store key, its address and the controller's file)
     and the reason, and says what to do."""
@@ -101,8 +121,9 @@ def check_admission(store: Any, node: str, *, job: str = "job", where: str = "",
         f"node {node} is on job {job}'s exclusion list ({place})"
         + (f": evicted for {reason!r}" if reason else ": a verdict evicted it")
         + "; it must not join the job, nor wait as a standby: use another node, or repair it, "
-          "remove it from the controller's file (ExclusionList.remove) and restart the "
-          "controller")
+        "remove it from the controller's file (ExclusionList.remove) and restart the "
+        "controller"
+    )
 
 
 def pool_size(nodes: int, p_loss: float, quantile: float = 0.99) -> int:
@@ -110,11 +131,13 @@ def pool_size(nodes: int, p_loss: float, quantile: float = 0.99) -> int:
     ``p_loss`` within one replacement period: the ``quantile`` of the binomial number of
     losses (ByteRobust's rule: 4 spares for 1,024 machines)."""
     if nodes < 1 or not 0 <= p_loss <= 1 or not 0 < quantile < 1:
-        raise ValueError(f"pool_size needs nodes >= 1, 0 <= p_loss <= 1 and 0 < quantile < 1 "
-                         f"(got {nodes}, {p_loss}, {quantile})")
+        raise ValueError(
+            f"pool_size needs nodes >= 1, 0 <= p_loss <= 1 and 0 < quantile < 1 "
+            f"(got {nodes}, {p_loss}, {quantile})"
+        )
     total = 0.0
     for k in range(nodes + 1):
-        total += math.comb(nodes, k) * p_loss ** k * (1 - p_loss) ** (nodes - k)
+        total += math.comb(nodes, k) * p_loss**k * (1 - p_loss) ** (nodes - k)
         if total >= quantile:
             return k
     return nodes
@@ -138,7 +161,10 @@ def rendezvous_members(store: Any, run_id: str) -> dict[str, Any] | None:
     def addresses(nodes: Iterable[Any]) -> list[str]:
         return sorted(n.addr for n in nodes)
 
-    return {"round": state.round, "complete": state.complete,
-            "participants": addresses(state.participants),
-            "waiting": addresses(state.wait_list),
-            "redundancy": addresses(state.redundancy_list)}
+    return {
+        "round": state.round,
+        "complete": state.complete,
+        "participants": addresses(state.participants),
+        "waiting": addresses(state.wait_list),
+        "redundancy": addresses(state.redundancy_list),
+    }

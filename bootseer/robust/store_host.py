@@ -21,20 +21,30 @@ import threading
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bootseer.robust.store_host",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bootseer.robust.store_host", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--port", type=int, required=True, help="TCP port to listen on")
-    parser.add_argument("--exit-on-stdin-eof", action="store_true",
-                        help="also stop when stdin closes (the parent's lifeline)")
+    parser.add_argument(
+        "--exit-on-stdin-eof",
+        action="store_true",
+        help="also stop when stdin closes (the parent's lifeline)",
+    )
     args = parser.parse_args(argv)
     from torch.distributed import TCPStore
 
-    store = TCPStore("0.0.0.0", args.port, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(hours=24))
+    store = TCPStore(
+        "0.0.0.0",
+        args.port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(hours=24),
+    )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     if args.exit_on_stdin_eof:
+
         def watch() -> None:
             while os.read(0, 65536):
                 pass

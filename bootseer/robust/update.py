@@ -44,9 +44,24 @@ from typing import Any
 
 from . import seal, wire
 
-__all__ = ["BASE", "NodeVersions", "Pin", "Published", "Version", "VersionError", "current",
-           "describe", "get_version", "known_versions", "mark_forced", "parse_env", "pin_epoch",
-           "publish", "roll_back", "running"]
+__all__ = [
+    "BASE",
+    "NodeVersions",
+    "Pin",
+    "Published",
+    "Version",
+    "VersionError",
+    "current",
+    "describe",
+    "get_version",
+    "known_versions",
+    "mark_forced",
+    "parse_env",
+    "pin_epoch",
+    "publish",
+    "roll_back",
+    "running",
+]
 
 RESERVED = ("current", "running", "at")  # key names beside the versions
 _VAR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -71,29 +86,38 @@ class Version:
         """The version itself, or a :class:`VersionError` naming it and what is wrong."""
         what = f"version {self.id!r}{where}"
         if not wire.valid_node(self.id) or self.id in RESERVED:
-            raise VersionError(f"{what}: an id is 1-63 letters, digits, '.', '_' or '-', and "
-                               f"not one of {', '.join(RESERVED)}: e.g. v2 or rev-8f3a")
-        if self.workdir is not None and (not isinstance(self.workdir, str)
-                                         or not os.path.isabs(self.workdir)):
-            raise VersionError(f"{what}: workdir {self.workdir!r} must be an absolute path "
-                               "(every node resolves it on its own)")
+            raise VersionError(
+                f"{what}: an id is 1-63 letters, digits, '.', '_' or '-', and "
+                f"not one of {', '.join(RESERVED)}: e.g. v2 or rev-8f3a"
+            )
+        if self.workdir is not None and (
+            not isinstance(self.workdir, str) or not os.path.isabs(self.workdir)
+        ):
+            raise VersionError(
+                f"{what}: workdir {self.workdir!r} must be an absolute path "
+                "(every node resolves it on its own)"
+            )
         if not isinstance(self.env, Mapping) or len(self.env) > MAX_VARS:
             raise VersionError(f"{what}: env must map at most {MAX_VARS} names to strings")
         for name, value in self.env.items():
             if not isinstance(name, str) or not _VAR.match(name):
-                raise VersionError(f"{what}: {name!r} is not a variable name (letters, "
-                                   "digits, '_', not starting with a digit)")
+                raise VersionError(
+                    f"{what}: {name!r} is not a variable name (letters, "
+                    "digits, '_', not starting with a digit)"
+                )
             if name.startswith("BOOTSEER_"):
-                raise VersionError(f"{what}: {name} belongs to bootseer run, a version "
-                                   "cannot set it")
+                raise VersionError(
+                    f"{what}: {name} belongs to bootseer run, a version cannot set it"
+                )
             if not isinstance(value, str) or len(value) > MAX_VALUE or "\0" in value:
-                raise VersionError(f"{what}: the value of {name} must be a string of at "
-                                   f"most {MAX_VALUE} characters without NUL")
+                raise VersionError(
+                    f"{what}: the value of {name} must be a string of at "
+                    f"most {MAX_VALUE} characters without NUL"
+                )
         return self
 
     def to_doc(self) -> dict[str, Any]:
-        return {"id": self.id, "workdir": self.workdir, "env": dict(self.env),
-                "time": self.time}
+        return {"id": self.id, "workdir": self.workdir, "env": dict(self.env), "time": self.time}
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any], where: str = "") -> Version:
@@ -101,8 +125,12 @@ class Version:
         if unknown:
             raise VersionError(f"version{where}: unknown field(s) {', '.join(sorted(unknown))}")
         try:
-            got = cls(str(doc["id"]), doc.get("workdir"), dict(doc.get("env") or {}),
-                      float(doc.get("time") or 0.0))
+            got = cls(
+                str(doc["id"]),
+                doc.get("workdir"),
+                dict(doc.get("env") or {}),
+                float(doc.get("time") or 0.0),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise VersionError(f"version{where}: not a version record ({exc})") from None
         return got.check(where)
@@ -121,9 +149,9 @@ class Published:
     time: float = 0.0
     urgent: bool = False
     window_s: float | None = None  # force a restart this long after ``time``; None: never
-    cause: str = "publish"         # or "rollback"
-    forced: int | None = None      # the update incident the controller opened for it
-    bad: str | None = None         # the version a rollback left
+    cause: str = "publish"  # or "rollback"
+    forced: int | None = None  # the update incident the controller opened for it
+    bad: str | None = None  # the version a rollback left
 
     def due(self, now: float) -> str | None:
         """Why it must be applied now (``urgent``, ``window``), or None: lazily."""
@@ -141,8 +169,8 @@ class Pin:
     id: str
     epoch: int
     previous: str | None = None  # what ran before, kept for rollback
-    updated: bool = False        # this epoch changed the version
-    cause: str = "publish"       # publish, rollback or base
+    updated: bool = False  # this epoch changed the version
+    cause: str = "publish"  # publish, rollback or base
     seq: int = 0
     node: str = ""
     time: float = 0.0
@@ -164,14 +192,17 @@ def _read(store: Any, key: str, cls: type, fields: tuple[str, ...]) -> Any:
             raise ValueError(f"id {got.id!r}")
         return got
     except (wire.WireError, TypeError, ValueError) as exc:
-        raise VersionError(f"{key}: not a {cls.__name__.lower()} record ({exc}); publish "
-                           "again (bootseer controller publish) to replace it") from None
+        raise VersionError(
+            f"{key}: not a {cls.__name__.lower()} record ({exc}); publish "
+            "again (bootseer controller publish) to replace it"
+        ) from None
 
 
 def current(store: Any, keys: wire.Keys) -> Published | None:
     """The published version (None: nothing published yet)."""
-    return _read(store, keys.version_current, Published,
-                 tuple(f.name for f in dataclasses.fields(Published)))
+    return _read(
+        store, keys.version_current, Published, tuple(f.name for f in dataclasses.fields(Published))
+    )
 
 
 def running(store: Any, keys: wire.Keys, epoch: int | None = None) -> Pin | None:
@@ -188,9 +219,11 @@ def get_version(store: Any, keys: wire.Keys, version_id: str) -> Version:
     data = wire.get(store, keys.version(version_id))
     if data is None:
         known = ", ".join(known_versions(store, keys))
-        raise VersionError(f"version {version_id!r} is unknown in job "
-                           f"{keys.prefix.split('/')[1]} (known: {known}): publish it with "
-                           "--workdir and/or --env first")
+        raise VersionError(
+            f"version {version_id!r} is unknown in job "
+            f"{keys.prefix.split('/')[1]} (known: {known}): publish it with "
+            "--workdir and/or --env first"
+        )
     try:
         doc = wire.decode(data, key=keys.version(version_id))
     except wire.WireError as exc:
@@ -206,8 +239,15 @@ def known_versions(store: Any, keys: wire.Keys) -> list[str]:
     return ["base", *dict.fromkeys(data.decode(errors="replace").split())]
 
 
-def publish(store: Any, job: str, version: Version | str, *, urgent: bool = False,
-            window_s: float | None = None, now: float | None = None) -> Published:
+def publish(
+    store: Any,
+    job: str,
+    version: Version | str,
+    *,
+    urgent: bool = False,
+    window_s: float | None = None,
+    now: float | None = None,
+) -> Published:
     """Make ``version`` the one the next epoch runs. A :class:`Version` is stored first (an
     id already stored must have the same content: versions are immutable); a plain id
     publishes a version stored before (a rollback by hand). Returns ``version/current``."""
@@ -222,11 +262,15 @@ def publish(store: Any, job: str, version: Version | str, *, urgent: bool = Fals
             stored = get_version(store, keys, version.id)
         except VersionError:
             stored = None
-        if stored is not None and (stored.workdir, dict(stored.env)) != (version.workdir,
-                                                                         dict(version.env)):
-            raise VersionError(f"version {version.id!r} is already published with other "
-                               f"content (workdir {stored.workdir!r}, env "
-                               f"{sorted(stored.env)}): versions are immutable, use a new id")
+        if stored is not None and (stored.workdir, dict(stored.env)) != (
+            version.workdir,
+            dict(version.env),
+        ):
+            raise VersionError(
+                f"version {version.id!r} is already published with other "
+                f"content (workdir {stored.workdir!r}, env "
+                f"{sorted(stored.env)}): versions are immutable, use a new id"
+            )
         if stored is None:
             wire.put(store, keys.version(version.id), version.to_doc())
             store.append(keys.prefix + "versions", f"{version.id}\n")
@@ -244,14 +288,16 @@ def publish(store: Any, job: str, version: Version | str, *, urgent: bool = Fals
     previous = pinned.id if pinned else (before.id if before else BASE.id)
     # above the running pin's too: a publication with a lower number is a replay (pin_epoch)
     seq = max(before.seq if before else 0, pinned.seq if pinned else 0) + 1
-    doc = Published(version_id, previous=previous, seq=seq, time=now, urgent=urgent,
-                    window_s=window_s)
+    doc = Published(
+        version_id, previous=previous, seq=seq, time=now, urgent=urgent, window_s=window_s
+    )
     store.set(keys.version_current, _doc(keys.version_current, doc))
     return doc
 
 
-def pin_epoch(store: Any, keys: wire.Keys, epoch: int, node: str,
-              log: Callable[[str], None] = lambda _: None) -> Pin:
+def pin_epoch(
+    store: Any, keys: wire.Keys, epoch: int, node: str, log: Callable[[str], None] = lambda _: None
+) -> Pin:
     """The version of ``epoch``: the one pinned by the first node, or pinned now from
     ``version/current``. A damaged ``version/current`` is refused (said through ``log``)
     and the running version pinned instead: nothing changes, nothing is lost."""
@@ -271,23 +317,34 @@ def pin_epoch(store: Any, keys: wire.Keys, epoch: int, node: str,
     try:
         published = current(store, keys)
         if published is not None and before is not None and published.seq < before.seq:
-            raise VersionError(f"{keys.version_current}: publication {published.seq} is older "
-                               f"than the running one ({before.seq}): a replayed record, "
-                               "refused")
+            raise VersionError(
+                f"{keys.version_current}: publication {published.seq} is older "
+                f"than the running one ({before.seq}): a replayed record, "
+                "refused"
+            )
         if published is not None:
             get_version(store, keys, published.id)  # it must exist before anyone runs it
     except VersionError as exc:
-        log(f"warning: {exc}; this epoch keeps version "
-            f"{before.id if before else BASE.id}")
+        log(f"warning: {exc}; this epoch keeps version {before.id if before else BASE.id}")
         published = None
     run_id = published.id if published else (before.id if before else BASE.id)
     old = before.id if before else BASE.id
     changed = run_id != old
-    cause = (published.cause if published and changed else
-             (before.cause if before and not changed else "base"))
-    pin = Pin(run_id, epoch, previous=old if changed else (before.previous if before else None),
-              updated=changed, cause=cause, seq=published.seq if published else 0, node=node,
-              time=time.time())
+    cause = (
+        published.cause
+        if published and changed
+        else (before.cause if before and not changed else "base")
+    )
+    pin = Pin(
+        run_id,
+        epoch,
+        previous=old if changed else (before.previous if before else None),
+        updated=changed,
+        cause=cause,
+        seq=published.seq if published else 0,
+        node=node,
+        time=time.time(),
+    )
     store.compare_set(key, expected, _doc(key, pin).decode())
     won = running(store, keys, epoch)
     if won is None:
@@ -297,13 +354,20 @@ def pin_epoch(store: Any, keys: wire.Keys, epoch: int, node: str,
     return won
 
 
-def roll_back(store: Any, keys: wire.Keys, pin: Pin, incident: int,
-              now: float | None = None) -> Published:
+def roll_back(
+    store: Any, keys: wire.Keys, pin: Pin, incident: int, now: float | None = None
+) -> Published:
     """Publish ``pin.previous`` again because ``pin.id`` failed after its update."""
     before = current(store, keys)
-    doc = Published(pin.previous or BASE.id, previous=None, seq=(before.seq if before else 0) + 1,
-                    time=time.time() if now is None else now, cause="rollback", bad=pin.id,
-                    forced=incident)
+    doc = Published(
+        pin.previous or BASE.id,
+        previous=None,
+        seq=(before.seq if before else 0) + 1,
+        time=time.time() if now is None else now,
+        cause="rollback",
+        bad=pin.id,
+        forced=incident,
+    )
     store.set(keys.version_current, _doc(keys.version_current, doc))
     return doc
 
@@ -319,8 +383,14 @@ class NodeVersions:
     """A node's side: which version to run in an epoch, and the variables and directory
     that apply it."""
 
-    def __init__(self, store: Any, node: str, *, job: str = "job",
-                 log: Callable[[str], None] = lambda _: None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        node: str,
+        *,
+        job: str = "job",
+        log: Callable[[str], None] = lambda _: None,
+    ) -> None:
         self.store = store
         self.node = node
         self.keys = wire.Keys(job)
@@ -332,9 +402,11 @@ class NodeVersions:
         pin = pin_epoch(self.store, self.keys, epoch, self.node, self.log)
         version = get_version(self.store, self.keys, pin.id)
         if version.workdir is not None and not os.path.isdir(version.workdir):
-            raise VersionError(f"version {version.id!r}: its workdir {version.workdir} does not "
-                               f"exist on node {self.node}: put the code there (every node "
-                               "runs the same version) or publish another version")
+            raise VersionError(
+                f"version {version.id!r}: its workdir {version.workdir} does not "
+                f"exist on node {self.node}: put the code there (every node "
+                "runs the same version) or publish another version"
+            )
         return version, pin
 
 
@@ -344,8 +416,7 @@ def describe(pin: Pin, version: Version) -> str:
     env = f", env {', '.join(sorted(version.env))}" if version.env else ""
     if not pin.updated:
         return f"version {pin.id}{where}{env} (epoch {pin.epoch})"
-    return (f"version {pin.previous} -> {pin.id}{where}{env} ({pin.cause}, epoch "
-            f"{pin.epoch})")
+    return f"version {pin.previous} -> {pin.id}{where}{env} ({pin.cause}, epoch {pin.epoch})"
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
@@ -357,4 +428,3 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
             raise VersionError(f"--env {pair!r}: expected NAME=VALUE, e.g. LR=3e-4")
         env[name] = value
     return env
-

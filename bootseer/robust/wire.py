@@ -52,13 +52,25 @@ from typing import Any
 
 from . import records, seal
 
-__all__ = ["MAX_DUMP_BYTES", "MAX_RECORD_BYTES", "MAX_STACK_CHARS", "Keys", "WireError",
-           "connect", "decode", "encode", "parse_address", "put", "read", "sealed",
-           "valid_node"]
+__all__ = [
+    "MAX_DUMP_BYTES",
+    "MAX_RECORD_BYTES",
+    "MAX_STACK_CHARS",
+    "Keys",
+    "WireError",
+    "connect",
+    "decode",
+    "encode",
+    "parse_address",
+    "put",
+    "read",
+    "sealed",
+    "valid_node",
+]
 
 MAX_RECORD_BYTES = 64 << 10  # an event, a beat, a verdict
-MAX_STACK_CHARS = 32 << 10   # one process's dump text
-MAX_DUMP_BYTES = 512 << 10   # one node's whole dump answer
+MAX_STACK_CHARS = 32 << 10  # one process's dump text
+MAX_DUMP_BYTES = 512 << 10  # one node's whole dump answer
 MAX_NODES = 4096
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
@@ -147,14 +159,26 @@ def encode(doc: dict[str, Any], limit: int = MAX_RECORD_BYTES) -> bytes:
 
 
 _NODE_KINDS = {"info": "info", "beat": "beat", "colltrace": "colltrace"}
-_NODE_NUMBERED = {"event": ("event", None), "dump": ("dump", "incident"),
-                  "ack": ("dump_ack", "incident"), "native": ("native_dump", "incident"),
-                  "sample": ("sample", "round"), "link": ("link_probe", "id"),
-                  "check": ("check_result", "incident")}
-_FIXED = {"dump/request": "dump_order", "verdict/last": "verdict_last", "ctl/open": "open",
-          "ctl/failslow": "failslow", "excluded": "excluded", "sample/request": "sample_order",
-          "link/request": "link_order", "version/current": "published",
-          "version/running": "pin"}
+_NODE_NUMBERED = {
+    "event": ("event", None),
+    "dump": ("dump", "incident"),
+    "ack": ("dump_ack", "incident"),
+    "native": ("native_dump", "incident"),
+    "sample": ("sample", "round"),
+    "link": ("link_probe", "id"),
+    "check": ("check_result", "incident"),
+}
+_FIXED = {
+    "dump/request": "dump_order",
+    "verdict/last": "verdict_last",
+    "ctl/open": "open",
+    "ctl/failslow": "failslow",
+    "excluded": "excluded",
+    "sample/request": "sample_order",
+    "link/request": "link_order",
+    "version/current": "published",
+    "version/running": "pin",
+}
 
 
 def kind_of(key: str) -> tuple[str | None, dict[str, Any]]:
@@ -170,13 +194,15 @@ def kind_of(key: str) -> tuple[str | None, dict[str, Any]]:
     bits = rest.split("/")
     if bits[0] == "node" and len(bits) == 3 and bits[2] in _NODE_KINDS:
         return _NODE_KINDS[bits[2]], {"node": bits[1]}
-    if bits[0] == "node" and len(bits) == 4 and bits[2] in _NODE_NUMBERED \
-            and bits[3].isdigit():
+    if bits[0] == "node" and len(bits) == 4 and bits[2] in _NODE_NUMBERED and bits[3].isdigit():
         kind, field = _NODE_NUMBERED[bits[2]]
         return kind, {"node": bits[1], **({field: int(bits[3])} if field else {})}
     if len(bits) == 2 and bits[1].isdigit() and bits[0] in ("verdict", "check"):
-        return ("verdict", {"evidence.incident": int(bits[1])}) if bits[0] == "verdict" \
+        return (
+            ("verdict", {"evidence.incident": int(bits[1])})
+            if bits[0] == "verdict"
             else ("check_order", {"incident": int(bits[1])})
+        )
     if bits[0] == "version" and len(bits) == 3 and bits[1] == "at" and bits[2].isdigit():
         return "pin", {"epoch": int(bits[2])}
     if bits[0] == "version" and len(bits) == 2:
@@ -205,9 +231,15 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number")
 
 
-def decode(data: bytes, *, key: str, node: str | None = None,
-           limit: int = MAX_RECORD_BYTES, kind: str | None = None,
-           expect: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def decode(
+    data: bytes,
+    *,
+    key: str,
+    node: str | None = None,
+    limit: int = MAX_RECORD_BYTES,
+    kind: str | None = None,
+    expect: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """One value read back: sealed for ``key`` under the job's secret, a JSON object of at
     most ``limit`` bytes with finite numbers only, for a node's key naming that node (a node
     may only speak for itself), and a valid record of its key's kind (:func:`kind_of`, or
@@ -226,8 +258,10 @@ def decode(data: bytes, *, key: str, node: str | None = None,
     if not isinstance(doc, dict):
         raise WireError(f"{key}: not a JSON object")
     if node is not None and doc.get("node") != node:
-        raise WireError(f"{key}: the record names node {str(doc.get('node'))[:63]!r}, not "
-                        f"{node!r} whose key holds it: refused")
+        raise WireError(
+            f"{key}: the record names node {str(doc.get('node'))[:63]!r}, not "
+            f"{node!r} whose key holds it: refused"
+        )
     inferred, fixed = kind_of(key)
     kind = kind or inferred
     if kind is not None:
@@ -238,21 +272,29 @@ def decode(data: bytes, *, key: str, node: str | None = None,
     return doc
 
 
-def read(store: Any, key: str, *, node: str | None = None, limit: int = MAX_RECORD_BYTES,
-         kind: str | None = None, expect: Mapping[str, Any] | None = None
-         ) -> dict[str, Any] | None:
+def read(
+    store: Any,
+    key: str,
+    *,
+    node: str | None = None,
+    limit: int = MAX_RECORD_BYTES,
+    kind: str | None = None,
+    expect: Mapping[str, Any] | None = None,
+) -> dict[str, Any] | None:
     """The record under ``key`` (see :func:`decode`), None when the key is not set."""
     data = get(store, key)
-    return None if data is None else decode(data, key=key, node=node, limit=limit, kind=kind,
-                                            expect=expect)
+    return (
+        None
+        if data is None
+        else decode(data, key=key, node=node, limit=limit, kind=kind, expect=expect)
+    )
 
 
 def parse_address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` of a store (ValueError naming the value otherwise)."""
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"controller address {text!r}: expected HOST:PORT, e.g. "
-                         "10.0.0.5:29400")
+        raise ValueError(f"controller address {text!r}: expected HOST:PORT, e.g. 10.0.0.5:29400")
     return host.strip("[]"), int(port)
 
 
@@ -261,8 +303,7 @@ def connect(address: str, timeout_s: float = 30.0) -> Any:
     from torch.distributed import TCPStore
 
     host, port = parse_address(address)
-    return TCPStore(host, port, is_master=False,
-                    timeout=datetime.timedelta(seconds=timeout_s))
+    return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def get(store: Any, key: str) -> bytes | None:

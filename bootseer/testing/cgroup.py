@@ -33,7 +33,8 @@ def cgroup2_root() -> Path:
             return Path(point)
     raise ComponentUnavailable(
         "no writable cgroup2 hierarchy (needed to kill every process of a node at once): "
-        "mount one (mount -t cgroup2 none /sys/fs/cgroup/unified) and run as root")
+        "mount one (mount -t cgroup2 none /sys/fs/cgroup/unified) and run as root"
+    )
 
 
 def _hierarchies() -> list[Path]:
@@ -45,8 +46,13 @@ def _hierarchies() -> list[Path]:
 def groups_named(prefix: str) -> list[Path]:
     """Top-level groups whose name starts with ``prefix``, in every hierarchy: where runc puts
     a container (``/CONTAINERD-NAMESPACE/ID``), outside the group of whoever started it."""
-    return sorted(p for h in _hierarchies() if h.is_dir() for p in h.iterdir()
-                  if p.is_dir() and p.name.startswith(prefix))
+    return sorted(
+        p
+        for h in _hierarchies()
+        if h.is_dir()
+        for p in h.iterdir()
+        if p.is_dir() and p.name.startswith(prefix)
+    )
 
 
 class Cgroup:
@@ -100,9 +106,11 @@ class Cgroup:
         deadline = time.monotonic() + timeout_s
         while self.populated():
             if time.monotonic() > deadline:
-                raise RuntimeError(f"processes {self.pids()} of {self.path} survived SIGKILL "
-                                   f"for {timeout_s:.0f} s (stuck in the kernel, e.g. on a "
-                                   "dead FUSE mount)")
+                raise RuntimeError(
+                    f"processes {self.pids()} of {self.path} survived SIGKILL "
+                    f"for {timeout_s:.0f} s (stuck in the kernel, e.g. on a "
+                    "dead FUSE mount)"
+                )
             time.sleep(0.02)
 
     def _freeze_and_kill(self) -> None:
@@ -124,7 +132,10 @@ class Cgroup:
         """Remove the group and its children, deepest first (they must be empty)."""
         if not self.path.exists():
             return
-        for sub in sorted((p for p in self.path.rglob("*") if p.is_dir()),
-                          key=lambda p: len(p.parts), reverse=True):
+        for sub in sorted(
+            (p for p in self.path.rglob("*") if p.is_dir()),
+            key=lambda p: len(p.parts),
+            reverse=True,
+        ):
             sub.rmdir()
         self.path.rmdir()

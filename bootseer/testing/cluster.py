@@ -41,8 +41,18 @@ from .netns import NETNS_DIR, ip, mounts_under
 from .servers import ComponentUnavailable
 from .switch import Switch
 
-__all__ = ["ALL_SERVICES", "MAX_NODES", "PORTS", "Cluster", "Host", "HostDead", "Link", "Node",
-           "NodeDirs", "Services"]
+__all__ = [
+    "ALL_SERVICES",
+    "MAX_NODES",
+    "PORTS",
+    "Cluster",
+    "Host",
+    "HostDead",
+    "Link",
+    "Node",
+    "NodeDirs",
+    "Services",
+]
 
 MAX_NODES = 8
 SUBNET = "198.18.0."  # RFC 2544's benchmarking range: private to the cluster's namespaces
@@ -63,17 +73,28 @@ class Cluster:
     containerd) per node. ``disk_size``: each node's disk (tmpfs ``size=``). ``workdir``:
     where the cluster's private directory goes (default: the temp directory)."""
 
-    def __init__(self, nodes: int = 2, *, link: Link | None = None,
-                 service_link: Link | None = None, services: Sequence[str] = ALL_SERVICES,
-                 containerd: bool = False, snapshotter: bool = False,
-                 snapshotter_args: Sequence[str] = (), disk_size: str = "512m",
-                 workdir: str | os.PathLike[str] | None = None,
-                 kill_method: KillMethod = "auto", cache: bool = False) -> None:
+    def __init__(
+        self,
+        nodes: int = 2,
+        *,
+        link: Link | None = None,
+        service_link: Link | None = None,
+        services: Sequence[str] = ALL_SERVICES,
+        containerd: bool = False,
+        snapshotter: bool = False,
+        snapshotter_args: Sequence[str] = (),
+        disk_size: str = "512m",
+        workdir: str | os.PathLike[str] | None = None,
+        kill_method: KillMethod = "auto",
+        cache: bool = False,
+    ) -> None:
         if not 1 <= nodes <= MAX_NODES:
             raise ValueError(f"a cluster has 1 to {MAX_NODES} nodes, not {nodes}")
         if not _SIZE.match(disk_size):
-            raise ValueError(f"disk_size {disk_size!r} is not a size: write it as tmpfs does, "
-                             "e.g. '512m' or '2g'")
+            raise ValueError(
+                f"disk_size {disk_size!r} is not a size: write it as tmpfs does, "
+                "e.g. '512m' or '2g'"
+            )
         self.node_count = nodes
         self.link = link or Link()
         self.service_link = service_link or Link()
@@ -97,8 +118,10 @@ class Cluster:
         self._closed = False
 
     def __repr__(self) -> str:
-        return (f"Cluster({self.prefix}, {len(self.nodes)} nodes, {self.link.describe()}, "
-                f"services={list(self.service_names)})")
+        return (
+            f"Cluster({self.prefix}, {len(self.nodes)} nodes, {self.link.describe()}, "
+            f"services={list(self.service_names)})"
+        )
 
     @property
     def services(self) -> Services:
@@ -125,12 +148,16 @@ class Cluster:
         """Build the switch, the services host and the nodes; on failure, remove what was
         built and raise (ComponentUnavailable when something is not installed)."""
         if self.dir is not None or self._closed:
-            raise RuntimeError(f"cluster {self.prefix} was started already: a Cluster starts "
-                               "once (use a new one)")
+            raise RuntimeError(
+                f"cluster {self.prefix} was started already: a Cluster starts once (use a new one)"
+            )
         self._check_machine()
         if swept := sweep_stale():
-            warnings.warn(f"removed the remains of clusters whose owner died: {swept}",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"removed the remains of clusters whose owner died: {swept}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         try:
             self.dir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-", dir=self.workdir))
             cgroup = cgroup2_root() / self.prefix
@@ -138,15 +165,27 @@ class Cluster:
             self._cgroup = Cgroup(cgroup).create()
             self._switch.create()
             self._services = Services(
-                "services", SERVICES_ADDRESS, f"{self.prefix}-services", self.dir / "services",
-                self._cgroup.child("services"), self.kill_method, names=self.service_names,
-                index_dir=self.dir / "services" / "index")
+                "services",
+                SERVICES_ADDRESS,
+                f"{self.prefix}-services",
+                self.dir / "services",
+                self._cgroup.child("services"),
+                self.kill_method,
+                names=self.service_names,
+                index_dir=self.dir / "services" / "index",
+            )
             self._services._create(self._switch, "svc", self.service_link)
             self._services._start()
             if self.cache_tier:
                 self._cache = CacheHost(
-                    "cache", CACHE_ADDRESS, f"{self.prefix}-cache", self.dir / "cache",
-                    self._cgroup.child("cache"), self.kill_method, services=self._services)
+                    "cache",
+                    CACHE_ADDRESS,
+                    f"{self.prefix}-cache",
+                    self.dir / "cache",
+                    self._cgroup.child("cache"),
+                    self.kill_method,
+                    services=self._services,
+                )
                 self._cache._create(self._switch, "cache", self.service_link)
                 self._cache._start()
             self.nodes = [self._new_node(i, 1) for i in range(self.node_count)]
@@ -157,37 +196,57 @@ class Cluster:
 
     def _check_machine(self) -> None:
         if os.geteuid() != 0:
-            raise ComponentUnavailable("the cluster needs root (network namespaces, tc, "
-                                       "cgroups, mounts)")
+            raise ComponentUnavailable(
+                "the cluster needs root (network namespaces, tc, cgroups, mounts)"
+            )
         missing = [t for t in _TOOLS if shutil.which(t) is None]
         if missing:
-            raise ComponentUnavailable(f"the cluster needs {', '.join(missing)} "
-                                       "(apt: iproute2 util-linux mount)")
+            raise ComponentUnavailable(
+                f"the cluster needs {', '.join(missing)} (apt: iproute2 util-linux mount)"
+            )
         if not qdisc_available("tbf"):
             raise ComponentUnavailable("this kernel has no tbf qdisc: links cannot be shaped")
 
     def _new_node(self, index: int, generation: int) -> Node:
         assert self.dir is not None and self._cgroup is not None and self._services
         name = f"node{index}"
-        node = Node(name, f"{SUBNET}{FIRST_NODE + index}", f"{self.prefix}-{name}",
-                    self.dir / f"{name}.{generation}", self._cgroup.child(f"{name}.{generation}"),
-                    self.kill_method, index=index, generation=generation,
-                    services=self._services, link=self.link, cache=self._cache)
+        node = Node(
+            name,
+            f"{SUBNET}{FIRST_NODE + index}",
+            f"{self.prefix}-{name}",
+            self.dir / f"{name}.{generation}",
+            self._cgroup.child(f"{name}.{generation}"),
+            self.kill_method,
+            index=index,
+            generation=generation,
+            services=self._services,
+            link=self.link,
+            cache=self._cache,
+        )
         if index < len(self.nodes):
             self.nodes[index] = node
         else:
             self.nodes.append(node)  # in the list before it starts: close() removes a half one
         node._create(self._switch, f"n{index}", self.link)
-        node._start(self.disk_size, f"{self.prefix}-{name}", containerd=self.containerd,
-                    snapshotter=self.snapshotter, snapshotter_args=self.snapshotter_args,
-                    containerd_namespace=f"{self.prefix}-{name}-g{generation}")
+        node._start(
+            self.disk_size,
+            f"{self.prefix}-{name}",
+            containerd=self.containerd,
+            snapshotter=self.snapshotter,
+            snapshotter_args=self.snapshotter_args,
+            containerd_namespace=f"{self.prefix}-{name}-g{generation}",
+        )
         return node
 
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close(raise_leaks=exc is None)
 
     def close(self, *, raise_leaks: bool = True) -> None:
@@ -209,8 +268,11 @@ class Cluster:
                 self._cgroup.remove()
             except OSError as exc:
                 self._problems.append(f"cgroup {self._cgroup.path}: {exc}")
-        if self.dir is not None and self.dir.name.startswith(f"{self.prefix}-") \
-                and not mounts_under(self.dir):
+        if (
+            self.dir is not None
+            and self.dir.name.startswith(f"{self.prefix}-")
+            and not mounts_under(self.dir)
+        ):
             shutil.rmtree(self.dir, ignore_errors=True)
         left = self.leaks()
         if not left:
@@ -218,8 +280,9 @@ class Cluster:
             return
         if raise_leaks:
             raise RuntimeError(f"cluster {self.prefix} teardown left: {'; '.join(left)}")
-        warnings.warn(f"cluster {self.prefix} teardown left: {'; '.join(left)}",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"cluster {self.prefix} teardown left: {'; '.join(left)}", RuntimeWarning, stacklevel=2
+        )
 
     def leaks(self) -> list[str]:
         """What of this cluster exists after ``close()`` (empty when everything is gone):
@@ -227,8 +290,11 @@ class Cluster:
         processes found in its namespaces at teardown."""
         found = list(self._problems)
         if NETNS_DIR.is_dir():
-            found += [f"network namespace {p.name}" for p in NETNS_DIR.iterdir()
-                      if p.name.startswith(f"{self.prefix}-")]
+            found += [
+                f"network namespace {p.name}"
+                for p in NETNS_DIR.iterdir()
+                if p.name.startswith(f"{self.prefix}-")
+            ]
         if self._cgroup is not None and self._cgroup.path.exists():
             found.append(f"cgroup {self._cgroup.path}")
         found += [f"cgroup {p} (a container's)" for p in groups_named(f"{self.prefix}-")]
@@ -237,8 +303,11 @@ class Cluster:
             if self.dir.exists():
                 found.append(f"directory {self.dir}")
         if RUNC_ROOT.is_dir():
-            found += [f"runc state {p}" for p in RUNC_ROOT.iterdir()
-                      if p.name.startswith(f"{self.prefix}-")]
+            found += [
+                f"runc state {p}"
+                for p in RUNC_ROOT.iterdir()
+                if p.name.startswith(f"{self.prefix}-")
+            ]
         return found
 
     # -- node operations -----------------------------------------------------------------
@@ -257,12 +326,15 @@ class Cluster:
         self._problems += old.close(self._switch, f"n{index}")
         return self._new_node(index, old.generation + 1)
 
-    def slow_link(self, index: int, *, rate: str | None = None,
-                  delay_ms: float | None = None) -> Link:
+    def slow_link(
+        self, index: int, *, rate: str | None = None, delay_ms: float | None = None
+    ) -> Link:
         """Change node ``index``'s link (rate, delay; what is not given stays). Returns it."""
         node = self.nodes[index]
-        link = Link(rate if rate is not None else node.link.rate,
-                    delay_ms if delay_ms is not None else node.link.delay_ms)
+        link = Link(
+            rate if rate is not None else node.link.rate,
+            delay_ms if delay_ms is not None else node.link.delay_ms,
+        )
         self._switch.shape(f"n{index}", node.netns, link)
         node.set_delay(link)
         return link

@@ -43,13 +43,14 @@ START_TIMEOUT_S = 30.0
 
 def _quote(value: str | os.PathLike[str]) -> str:
     text = str(value)
-    if any(c in text for c in "\n\r\0\"\\;{}"):
+    if any(c in text for c in '\n\r\0"\\;{}'):
         raise ValueError(f"path not usable in an nginx config: {text!r}")
     return f'"{text}"'
 
 
-def nginx_cache_config(prefix: Path, listen: str, upstreams: dict[str, tuple[str, int]],
-                       max_size: str = "8g") -> str:
+def nginx_cache_config(
+    prefix: Path, listen: str, upstreams: dict[str, tuple[str, int]], max_size: str = "8g"
+) -> str:
     """nginx.conf of the caching tier: for each cached service, a server on
     ``listen:PORTS[service]`` in front of ``upstreams[service]`` (host, port)."""
     q = _quote
@@ -62,8 +63,9 @@ def nginx_cache_config(prefix: Path, listen: str, upstreams: dict[str, tuple[str
         else:  # S3: GETs without a query string (the stripes bootseer reads through it)
             cached_location = "location /"
         # the rest of the registry's API (tags, manifests, uploads) goes through uncached
-        passthrough = "" if name == "s3" else \
-            f"        location / {{ proxy_pass http://origin_{name}; }}"
+        passthrough = (
+            "" if name == "s3" else f"        location / {{ proxy_pass http://origin_{name}; }}"
+        )
         servers.append(f"""
     upstream origin_{name} {{
         server {host}:{port};
@@ -141,15 +143,20 @@ class CacheHost(Host):
         upstreams = {}
         with self.entered():  # the counting proxies' sockets live on the cache host
             for name in self.names:
-                proxy = Shaper(self.services.address, PORTS[name], ShaperSettings(),
-                               "127.0.0.1", 0).start()
+                proxy = Shaper(
+                    self.services.address, PORTS[name], ShaperSettings(), "127.0.0.1", 0
+                ).start()
                 self._origin[name] = proxy
                 upstreams[name] = ("127.0.0.1", proxy.port)
         conf = prefix / "nginx.conf"
         conf.write_text(nginx_cache_config(prefix, self.address, upstreams))
         with open(self.logs / "nginx.log", "ab") as log:
-            self.nginx = self.popen([binary, "-c", str(conf), "-p", str(prefix)],
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self.nginx = self.popen(
+                [binary, "-c", str(conf), "-p", str(prefix)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
         self._wait_listening()
 
     def _wait_listening(self) -> None:
@@ -160,14 +167,19 @@ class CacheHost(Host):
             if self.nginx.poll() is not None:
                 raise ComponentUnavailable(
                     f"nginx of the cache tier exited {self.nginx.returncode}: "
-                    f"{(self.logs / 'nginx.log').read_text(errors='replace')[-2000:]}")
-            with self.entered(), contextlib.suppress(OSError), socket.create_connection(
-                    (self.address, PORTS[pending[0]]), timeout=0.5):
+                    f"{(self.logs / 'nginx.log').read_text(errors='replace')[-2000:]}"
+                )
+            with (
+                self.entered(),
+                contextlib.suppress(OSError),
+                socket.create_connection((self.address, PORTS[pending[0]]), timeout=0.5),
+            ):
                 pending.pop(0)
                 continue
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the cache tier did not listen on {pending} in "
-                                   f"{START_TIMEOUT_S:.0f} s")
+                raise RuntimeError(
+                    f"the cache tier did not listen on {pending} in {START_TIMEOUT_S:.0f} s"
+                )
             time.sleep(0.05)
 
     def origin_bytes(self, service: str) -> int:
@@ -175,8 +187,7 @@ class CacheHost(Host):
         try:
             return self._origin[service].bytes_down
         except KeyError:
-            raise ValueError(f"the cache tier caches {list(self.names)}, not {service!r}"
-                             ) from None
+            raise ValueError(f"the cache tier caches {list(self.names)}, not {service!r}") from None
 
     def wipe(self) -> None:
         """Forget every cached slice (nginx keeps running: the next reads miss)."""

@@ -69,8 +69,15 @@ class Host:
     """One machine: ``name`` (its host name), ``address`` on the switch, ``netns`` (the
     network namespace's name), a cgroup, and ``root``, its private directory."""
 
-    def __init__(self, name: str, address: str, netns: str, root: Path, cgroup: Cgroup,
-                 kill_method: KillMethod = "auto") -> None:
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        netns: str,
+        root: Path,
+        cgroup: Cgroup,
+        kill_method: KillMethod = "auto",
+    ) -> None:
         self.name = name
         self.address = address
         self.netns = netns
@@ -109,9 +116,14 @@ class Host:
         (nothing outside the cluster is reachable), with gloo and tensorpipe bound to the
         host's interface and dummy S3 credentials; ``extra`` on top."""
         env = {k: v for k, v in os.environ.items() if k.lower() not in _PROXY_VARS}
-        env.update(GLOO_SOCKET_IFNAME=HOST_IFNAME, TP_SOCKET_IFNAME=HOST_IFNAME,
-                   AWS_ACCESS_KEY_ID=DUMMY_AWS_KEY, AWS_SECRET_ACCESS_KEY=DUMMY_AWS_SECRET,
-                   AWS_DEFAULT_REGION=DUMMY_AWS_REGION, AWS_EC2_METADATA_DISABLED="true")
+        env.update(
+            GLOO_SOCKET_IFNAME=HOST_IFNAME,
+            TP_SOCKET_IFNAME=HOST_IFNAME,
+            AWS_ACCESS_KEY_ID=DUMMY_AWS_KEY,
+            AWS_SECRET_ACCESS_KEY=DUMMY_AWS_SECRET,
+            AWS_DEFAULT_REGION=DUMMY_AWS_REGION,
+            AWS_EC2_METADATA_DISABLED="true",
+        )
         env.update(extra or {})
         return env
 
@@ -119,32 +131,53 @@ class Host:
         """``argv`` wrapped to run on this host: its namespaces, then its cgroup, then exec
         (the pid stays the program's)."""
         if not self.alive:
-            raise HostDead(f"{self.name} was killed: replace it (Cluster.replace_node) before "
-                           f"running {list(argv)[:1]} on it")
-        return [*nsenter_argv(self.netns_path, self.uts), "/bin/sh", "-c", _JOIN_CGROUP,
-                str(self.cgroup.procs_file), *argv]
+            raise HostDead(
+                f"{self.name} was killed: replace it (Cluster.replace_node) before "
+                f"running {list(argv)[:1]} on it"
+            )
+        return [
+            *nsenter_argv(self.netns_path, self.uts),
+            "/bin/sh",
+            "-c",
+            _JOIN_CGROUP,
+            str(self.cgroup.procs_file),
+            *argv,
+        ]
 
-    def popen(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-              **kwargs: Any) -> subprocess.Popen:
+    def popen(
+        self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> subprocess.Popen:
         """Start ``argv`` on this host (``subprocess.Popen`` arguments; ``env`` is added to
         :meth:`env`). The host's teardown kills and reaps it."""
         proc = subprocess.Popen(self.argv(argv), env=self.env(env), **kwargs)
         self._procs.append(proc)
         return proc
 
-    def run(self, argv: Sequence[str], *, check: bool = True, timeout: float | None = None,
-            env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        check: bool = True,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> subprocess.CompletedProcess:
         """Run ``argv`` on this host to the end (text output captured unless told otherwise);
         ``check`` raises with its stderr when it fails."""
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
-        proc = subprocess.run(self.argv(argv), env=self.env(env), timeout=timeout, check=False,
-                              **kwargs)
+        proc = subprocess.run(
+            self.argv(argv), env=self.env(env), timeout=timeout, check=False, **kwargs
+        )
         if check and proc.returncode != 0:
-            err = proc.stderr if isinstance(proc.stderr, str) else (proc.stderr or b"").decode(
-                errors="replace")
-            raise RuntimeError(f"{self.name}: {' '.join(argv)} exited {proc.returncode}: "
-                               f"{err.strip()[-2000:]}")
+            err = (
+                proc.stderr
+                if isinstance(proc.stderr, str)
+                else (proc.stderr or b"").decode(errors="replace")
+            )
+            raise RuntimeError(
+                f"{self.name}: {' '.join(argv)} exited {proc.returncode}: {err.strip()[-2000:]}"
+            )
         return proc
 
     @contextlib.contextmanager
@@ -212,16 +245,21 @@ class Host:
         held = [os.open(p, os.O_RDONLY) for p in (self.netns_path, self.uts) if p.exists()]
         inodes = {os.fstat(fd).st_ino for fd in held}
         try:
-            for step in (self._kill_groups, lambda: self._kill_leftovers(inodes, 30.0),
-                         self._reap, self._release):
+            for step in (
+                self._kill_groups,
+                lambda: self._kill_leftovers(inodes, 30.0),
+                self._reap,
+                self._release,
+            ):
                 try:
                     step()
                 except Exception as exc:  # noqa: BLE001 - teardown goes on; say what is left
                     problems.append(f"{self.name}: {exc}")
             self.alive = False
             for point in mounts_under(self.root):
-                proc = subprocess.run(["umount", "-l", str(point)], capture_output=True,
-                                      text=True, check=False)
+                proc = subprocess.run(
+                    ["umount", "-l", str(point)], capture_output=True, text=True, check=False
+                )
                 if proc.returncode != 0:
                     problems.append(f"{self.name}: umount {point}: {proc.stderr.strip()}")
             switch.disconnect(port)

@@ -60,16 +60,30 @@ class Node(Host):
     """``node{index}``: ``dirs``, ``containerd`` and ``snapshotter`` (None unless the cluster
     was asked for them), ``link``, ``bytes_from(service)``."""
 
-    def __init__(self, *args: Any, index: int, generation: int, services: Services,
-                 link: Link, cache: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        index: int,
+        generation: int,
+        services: Services,
+        link: Link,
+        cache: Any = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.index = index
         self.generation = generation
         self.services = services
         self.link = link
         self.cache = cache  # the cluster's cache tier (cluster_cache.CacheHost), or None
-        self.dirs = NodeDirs(self.root, self.root / "disk", self.root / "disk" / "cache",
-                             self.root / "disk" / "work", self.logs, self.root / "run")
+        self.dirs = NodeDirs(
+            self.root,
+            self.root / "disk",
+            self.root / "disk" / "cache",
+            self.root / "disk" / "work",
+            self.logs,
+            self.root / "run",
+        )
         self.containerd: ContainerdServer | None = None
         self.snapshotter: subprocess.Popen | None = None
         self.snapshotter_address: str | None = None
@@ -77,22 +91,51 @@ class Node(Host):
 
     # -- start ---------------------------------------------------------------------------
 
-    def _start(self, disk_size: str, tmpfs_name: str, *, containerd: bool, snapshotter: bool,
-               snapshotter_args: Sequence[str], containerd_namespace: str) -> None:
+    def _start(
+        self,
+        disk_size: str,
+        tmpfs_name: str,
+        *,
+        containerd: bool,
+        snapshotter: bool,
+        snapshotter_args: Sequence[str],
+        containerd_namespace: str,
+    ) -> None:
         self.dirs.run.mkdir(mode=0o700)
         self.dirs.disk.mkdir(mode=0o700)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={disk_size},mode=0700",
-                        tmpfs_name, str(self.dirs.disk)], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "mount",
+                "-t",
+                "tmpfs",
+                "-o",
+                f"size={disk_size},mode=0700",
+                tmpfs_name,
+                str(self.dirs.disk),
+            ],
+            check=True,
+            capture_output=True,
+        )
         self.dirs.cache.mkdir()
         self.dirs.work.mkdir()
         with entered(self.netns_path):  # the proxies' sockets live on the node
             for name in self.services.proxied:
-                proxy = Shaper(self.services.address, PORTS[name], self._proxy_settings(),
-                               LOOPBACK, PORTS[name])
+                proxy = Shaper(
+                    self.services.address,
+                    PORTS[name],
+                    self._proxy_settings(),
+                    LOOPBACK,
+                    PORTS[name],
+                )
                 self._proxies[name] = proxy.start()
             for name in self.cache.names if self.cache is not None else ():
-                proxy = Shaper(self.cache.address, PORTS[name], self._proxy_settings(),
-                               LOOPBACK, CACHE_PORT_OFFSET + PORTS[name])
+                proxy = Shaper(
+                    self.cache.address,
+                    PORTS[name],
+                    self._proxy_settings(),
+                    LOOPBACK,
+                    CACHE_PORT_OFFSET + PORTS[name],
+                )
                 self._proxies[f"{name}-cache"] = proxy.start()
         if containerd or snapshotter:
             self._start_containerd(snapshotter, snapshotter_args, containerd_namespace)
@@ -101,8 +144,9 @@ class Node(Host):
         tc_delays = qdisc_available("netem")
         return ShaperSettings(latency_s=0.0 if tc_delays else self.link.delay_ms / 1e3)
 
-    def _start_containerd(self, snapshotter: bool, snapshotter_args: Sequence[str],
-                          namespace: str) -> None:
+    def _start_containerd(
+        self, snapshotter: bool, snapshotter_args: Sequence[str], namespace: str
+    ) -> None:
         proxies = {}
         self.containerd = ContainerdServer(self.dirs.disk / "containerd", namespace)
         if snapshotter:
@@ -113,15 +157,29 @@ class Node(Host):
             log_path = self.logs / "snapshotter.log"
             with open(log_path, "ab") as log:
                 self.snapshotter = self.popen(
-                    [sys.executable, "-m", "bootseer", "snapshotter", "--state-dir",
-                     str(self.dirs.cache / "bootseer"), "--root",
-                     str(self.containerd.snapshotter_root("bootseer")), "--address",
-                     self.snapshotter_address, *snapshotter_args], stdout=log, stderr=log)
+                    [
+                        sys.executable,
+                        "-m",
+                        "bootseer",
+                        "snapshotter",
+                        "--state-dir",
+                        str(self.dirs.cache / "bootseer"),
+                        "--root",
+                        str(self.containerd.snapshotter_root("bootseer")),
+                        "--address",
+                        self.snapshotter_address,
+                        *snapshotter_args,
+                    ],
+                    stdout=log,
+                    stderr=log,
+                )
             deadline = time.monotonic() + 60
             while not os.path.exists(self.snapshotter_address):
                 if self.snapshotter.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.name}: the bootseer snapshotter did not start: "
-                                       f"{log_path.read_text(errors='replace')[-3000:]}")
+                    raise RuntimeError(
+                        f"{self.name}: the bootseer snapshotter did not start: "
+                        f"{log_path.read_text(errors='replace')[-3000:]}"
+                    )
                 time.sleep(0.05)
         self.containerd.proxy_snapshotters.update(proxies)
         with self.entered():  # containerd pulls and its shims run on the node
@@ -135,8 +193,10 @@ class Node(Host):
         """``127.0.0.1:PORT`` at which this node reaches the cache tier's ``service``
         ("registry" or "s3"; its bytes count as ``bytes_from(f"{service}-cache")``)."""
         if self.cache is None or service not in self.cache.names:
-            raise ValueError(f"the cluster has no cache tier for {service!r}: "
-                             "Cluster(cache=True) with that service")
+            raise ValueError(
+                f"the cluster has no cache tier for {service!r}: "
+                "Cluster(cache=True) with that service"
+            )
         return f"{LOOPBACK}:{CACHE_PORT_OFFSET + PORTS[service]}"
 
     def bytes_from(self, service: str) -> int:
@@ -159,20 +219,40 @@ class Node(Host):
         try:
             return self._proxies[service]
         except KeyError:
-            raise ValueError(f"{self.name} counts bytes of {sorted(self._proxies)}, not "
-                             f"{service!r} (a service of the cluster's services=...)") from None
+            raise ValueError(
+                f"{self.name} counts bytes of {sorted(self._proxies)}, not "
+                f"{service!r} (a service of the cluster's services=...)"
+            ) from None
 
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """``ctr`` against this node's containerd, run on the node (pulls go through its
         link)."""
         if self.containerd is None:
             raise ValueError(f"{self.name} has no containerd: Cluster(..., containerd=True)")
-        return self.run(["ctr", "--address", self.containerd.address, "--namespace",
-                         self.containerd.namespace, *args], check=check)
+        return self.run(
+            [
+                "ctr",
+                "--address",
+                self.containerd.address,
+                "--namespace",
+                self.containerd.namespace,
+                *args,
+            ],
+            check=check,
+        )
 
-    def torchrun(self, script: Sequence[str], *, nnodes: str | int, nproc_per_node: int = 1,
-                 rdzv_id: str | None = "job", max_restarts: int = 3, rdzv_conf: dict[str, Any] | None
-                 = None, python: str = sys.executable, launch: Sequence[str] = ()) -> list[str]:
+    def torchrun(
+        self,
+        script: Sequence[str],
+        *,
+        nnodes: str | int,
+        nproc_per_node: int = 1,
+        rdzv_id: str | None = "job",
+        max_restarts: int = 3,
+        rdzv_conf: dict[str, Any] | None = None,
+        python: str = sys.executable,
+        launch: Sequence[str] = (),
+    ) -> list[str]:
         """The torchrun command line for this node: c10d rendezvous on the controller's store
         (``is_host=false``: no node hosts it), the node's address for the job's own store,
         ``--nnodes MIN:MAX``. A node lost is noticed in about 3 s (keep-alive 1 s x 3).
@@ -184,16 +264,39 @@ class Node(Host):
         ``rdzv_id=None``: none on the command line (torchrun then reads ``PET_RDZV_ID``,
         which ``bootseer run`` under a controller sets per epoch). ``launch``: torchrun's own options for starting the workers (``("--run-path",
         "--start-method", "fork")``: forked from torchrun, torch already imported)."""
-        conf = {"is_host": "false", "keep_alive_interval": 1, "keep_alive_max_attempt": 3,
-                "join_timeout": 600, **(rdzv_conf or {})}
-        return ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", python, "-m",
-                "torch.distributed.run", "--nnodes", str(nnodes),
-                "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", self.services.rendezvous_endpoint,
-                *(["--rdzv-id", rdzv_id] if rdzv_id is not None else []),
-                "--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items()),
-                "--local-addr", self.address, "--max-restarts", str(max_restarts),
-                "--monitor-interval", "0.5", *launch, *script]
+        conf = {
+            "is_host": "false",
+            "keep_alive_interval": 1,
+            "keep_alive_max_attempt": 3,
+            "join_timeout": 600,
+            **(rdzv_conf or {}),
+        }
+        return [
+            "env",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(nnodes),
+            "--nproc-per-node",
+            str(nproc_per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            self.services.rendezvous_endpoint,
+            *(["--rdzv-id", rdzv_id] if rdzv_id is not None else []),
+            "--rdzv-conf",
+            ",".join(f"{k}={v}" for k, v in conf.items()),
+            "--local-addr",
+            self.address,
+            "--max-restarts",
+            str(max_restarts),
+            "--monitor-interval",
+            "0.5",
+            *launch,
+            *script,
+        ]
 
     # -- faults --------------------------------------------------------------------------
 

@@ -34,8 +34,7 @@ class Services(Host):
     ``registry_host``, ``s3_endpoint``, ``index_url``; ``controller`` is this host's address,
     ``rendezvous_endpoint`` where torchrun's c10d store listens on it."""
 
-    def __init__(self, *args: Any, names: tuple[str, ...], index_dir: Path, **kwargs: Any
-                 ) -> None:
+    def __init__(self, *args: Any, names: tuple[str, ...], index_dir: Path, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.names = names
         self.index_dir = index_dir
@@ -91,20 +90,53 @@ class Services(Host):
         """Start the services asked for; the slow ones (moto, torch's store) overlap."""
         waits: list[tuple[subprocess.Popen, str, str]] = []
         if "rendezvous" in self.names:
-            waits.append((self._spawn([sys.executable, "-m", "bootseer.robust.store_host",
-                                       "--port", str(PORTS["rendezvous"]),
-                                       "--exit-on-stdin-eof"], "rendezvous"),
-                          "READY", "the controller's c10d store"))
+            waits.append(
+                (
+                    self._spawn(
+                        [
+                            sys.executable,
+                            "-m",
+                            "bootseer.robust.store_host",
+                            "--port",
+                            str(PORTS["rendezvous"]),
+                            "--exit-on-stdin-eof",
+                        ],
+                        "rendezvous",
+                    ),
+                    "READY",
+                    "the controller's c10d store",
+                )
+            )
         if "index" in self.names:
             self.index_dir.mkdir(parents=True, exist_ok=True)
-            waits.append((self._spawn([sys.executable, "-m", "bootseer.testing.pypi",
-                                       str(self.index_dir), "--port", str(PORTS["index"])],
-                                      "index"), "http://", "the package index"))
+            waits.append(
+                (
+                    self._spawn(
+                        [
+                            sys.executable,
+                            "-m",
+                            "bootseer.testing.pypi",
+                            str(self.index_dir),
+                            "--port",
+                            str(PORTS["index"]),
+                        ],
+                        "index",
+                    ),
+                    "http://",
+                    "the package index",
+                )
+            )
         for name in self.proxied:
-            front = ShaperProcess(LOOPBACK, PORTS[name], listen_host=self.address,
-                                  listen_port=PORTS[name])
-            waits.append((self._spawn(front.command(), f"front-{name}"), "LISTENING",
-                          f"the {name} front proxy"))
+            front = ShaperProcess(
+                LOOPBACK, PORTS[name], listen_host=self.address, listen_port=PORTS[name]
+            )
+            waits.append(
+                (
+                    self._spawn(front.command(), f"front-{name}"),
+                    "LISTENING",
+                    f"the {name} front proxy",
+                )
+            )
         with self.entered():
             if "registry" in self.names:
                 self.registry = RegistryServer(self.root / "registry", port=PORTS["registry"])
@@ -123,8 +155,9 @@ class Services(Host):
         """A service process whose first stdout line says it is ready; stdin is its lifeline
         (it exits when this process dies), stderr goes to ``logs/NAME.log``."""
         with open(self.logs / f"{log_name}.log", "ab") as log:
-            return self.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                              text=True)
+            return self.popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+            )
 
     def _release(self) -> None:
         for server in (self.registry, self.s3):

@@ -43,9 +43,17 @@ def record(prefix: str, directory: Path, cgroup: Path) -> Path:
     """Say that this process owns cluster ``prefix`` (before anything of it exists)."""
     RECORDS.mkdir(mode=0o700, exist_ok=True)
     path = RECORDS / f"{prefix}.json"
-    path.write_text(json.dumps({"prefix": prefix, "pid": os.getpid(),
-                                "start": _start_time(os.getpid()), "dir": str(directory),
-                                "cgroup": str(cgroup)}))
+    path.write_text(
+        json.dumps(
+            {
+                "prefix": prefix,
+                "pid": os.getpid(),
+                "start": _start_time(os.getpid()),
+                "dir": str(directory),
+                "cgroup": str(cgroup),
+            }
+        )
+    )
     return path
 
 
@@ -64,8 +72,11 @@ def remove_remains(rec: dict[str, Any]) -> list[str]:
     network namespaces, cgroups, runc state, directory. Returns what could not be removed."""
     prefix, directory = rec["prefix"], Path(rec["dir"])
     problems: list[str] = []
-    names = [p.name for p in NETNS_DIR.iterdir() if p.name.startswith(f"{prefix}-")] \
-        if NETNS_DIR.is_dir() else []
+    names = (
+        [p.name for p in NETNS_DIR.iterdir() if p.name.startswith(f"{prefix}-")]
+        if NETNS_DIR.is_dir()
+        else []
+    )
     held = []
     for name in names:
         with contextlib.suppress(OSError):

@@ -100,8 +100,11 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
         args.world = dist.get_world_size()
     else:
         # a file store in the ring directory unless a port is given: no port to race for
-        init = (f"tcp://127.0.0.1:{args.port}" if args.port else
-                f"file://{os.path.abspath(os.path.join(_ring_dir(args), '.store'))}")
+        init = (
+            f"tcp://127.0.0.1:{args.port}"
+            if args.port
+            else f"file://{os.path.abspath(os.path.join(_ring_dir(args), '.store'))}"
+        )
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=args.world)
     ranks = list(range(args.world))
     a = dist.new_group(ranks, group_desc="grp-a")
@@ -157,8 +160,10 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
                 dist.all_reduce(t, group=a)
                 continue
         elif step == args.at and args.fault in ("kill", "stop"):
-            _wait_marker(os.path.join(_ring_dir(args), f".{args.fault}"),
-                         ("", "Z", "X") if args.fault == "kill" else ("T", "t"))
+            _wait_marker(
+                os.path.join(_ring_dir(args), f".{args.fault}"),
+                ("", "Z", "X") if args.fault == "kill" else ("T", "t"),
+            )
         # --until: rank 0 adds 1 to grp-a's sum once the file exists; every rank reads the
         # sum and stops after the same step (the op pattern unchanged)
         t.fill_(2.0 if args.until and rank == 0 and os.path.exists(args.until) else 1.0)
@@ -170,16 +175,25 @@ def rank_main(args: argparse.Namespace, rank: int) -> None:
         if stop:
             break
     if rank == 0 and args.alternate:
-        med = {m: [1000 * sorted(x[i] for x in v)[len(v) // 2] for i in (0, 1)]
-               for m, v in per_mode.items() if v}
-        print(f"alt_ms on {med[True][0]:.4f} off {med[False][0]:.4f} cpu_on "
-              f"{med[True][1]:.4f} cpu_off {med[False][1]:.4f} steps "
-              f"{len(per_mode[True])} {len(per_mode[False])}", flush=True)
+        med = {
+            m: [1000 * sorted(x[i] for x in v)[len(v) // 2] for i in (0, 1)]
+            for m, v in per_mode.items()
+            if v
+        }
+        print(
+            f"alt_ms on {med[True][0]:.4f} off {med[False][0]:.4f} cpu_on "
+            f"{med[True][1]:.4f} cpu_off {med[False][1]:.4f} steps "
+            f"{len(per_mode[True])} {len(per_mode[False])}",
+            flush=True,
+        )
     if rank == 0 and len(times) > 6:
         steps = [b - a for a, b in zip(times[5:], times[6:], strict=False)]
         cpu = (time.process_time() - cpu0) / (len(times) - 5)
-        print(f"iter_ms {1000 * sorted(steps)[len(steps) // 2]:.4f} mean "
-              f"{1000 * sum(steps) / len(steps):.4f} cpu_ms {1000 * cpu:.4f}", flush=True)
+        print(
+            f"iter_ms {1000 * sorted(steps)[len(steps) // 2]:.4f} mean "
+            f"{1000 * sum(steps) / len(steps):.4f} cpu_ms {1000 * cpu:.4f}",
+            flush=True,
+        )
     if args.fault == "fsdp":
         _fsdp(args, rank)
         if os.environ.get("TORCH_FR_BUFFER_SIZE"):  # the Flight Recorder's view, beside
@@ -199,8 +213,7 @@ def _write_settled_dump(directory: str, rank: int) -> None:
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         doc = dump() or {}
-        if all(e.get("state") == "completed" or e.get("retired")
-               for e in doc.get("entries") or []):
+        if all(e.get("state") == "completed" or e.get("retired") for e in doc.get("entries") or []):
             break
         time.sleep(0.05)
     write_dump(directory, rank)
@@ -226,19 +239,50 @@ def _fsdp(args: argparse.Namespace, rank: int) -> None:
 class Trial:
     """One injected fault, watched: when it was injected, what the reader found, and when."""
 
-    def __init__(self, fault: str, directory: str, *, world: int = 3, rank: int = 1,
-                 at: int = 20, port: int | None = None, work_ms: float = 20.0,
-                 extra: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        fault: str,
+        directory: str,
+        *,
+        world: int = 3,
+        rank: int = 1,
+        at: int = 20,
+        port: int | None = None,
+        work_ms: float = 20.0,
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         import subprocess
 
         self.fault, self.rank, self.directory = fault, rank, directory
         self.port = port  # None: the job's file store (no port to race for)
-        cmd = [sys.executable, "-m", "bootseer.testing.colltrace_job", "--world", str(world),
-               *(["--port", str(port)] if port else []), "--dir", directory, "--fault", fault, "--rank",
-               str(rank), "--at", str(at), "--work-ms", str(work_ms), *(extra or [])]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True,
-                                     env={**os.environ, **(env or {})})
+        cmd = [
+            sys.executable,
+            "-m",
+            "bootseer.testing.colltrace_job",
+            "--world",
+            str(world),
+            *(["--port", str(port)] if port else []),
+            "--dir",
+            directory,
+            "--fault",
+            fault,
+            "--rank",
+            str(rank),
+            "--at",
+            str(at),
+            "--work-ms",
+            str(work_ms),
+            *(extra or []),
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
         self.injected: float | None = None
         self._passes: list[tuple[float, list[object]]] = []  # (pass ended, its findings)
         self.output: list[str] = []
@@ -273,8 +317,9 @@ class Trial:
         self._reader.join(timeout=10)  # the injection's line may still be in the pipe
         return self.injected is None
 
-    def watch(self, watch: object, timeout_s: float, *, until: object = None,
-              poll_s: float = 0.5) -> list[object]:
+    def watch(
+        self, watch: object, timeout_s: float, *, until: object = None, poll_s: float = 0.5
+    ) -> list[object]:
         """Poll ``watch`` (a :class:`bootseer.colltrace.reader.Watch`) until a finding after
         the injection satisfies ``until`` (default: any), the job ends, or the timeout. The
         findings of passes that ended after the injection; earlier ones go to
@@ -282,8 +327,7 @@ class Trial:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.record(watch.poll(force=True))  # type: ignore[attr-defined]
-            if self.injected is not None and any(
-                    until(f) if until else True for f in self.found):  # type: ignore[operator]
+            if self.injected is not None and any(until(f) if until else True for f in self.found):  # type: ignore[operator]
                 break
             if self.ended_clean():
                 break
@@ -308,10 +352,25 @@ class Probes:
     def __init__(self, hosts: list[Any], address: str) -> None:
         import subprocess
 
-        self.procs = {h.name: h.popen([sys.executable, "-m", "bootseer.colltrace.probe",
-                                       "--store", address, "--node", h.name, "--on-stdin"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True) for h in hosts}
+        self.procs = {
+            h.name: h.popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "bootseer.colltrace.probe",
+                    "--store",
+                    address,
+                    "--node",
+                    h.name,
+                    "--on-stdin",
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for h in hosts
+        }
 
     def measure(self, timeout_s: float = 180.0) -> dict[str, dict[str, Any]]:
         """host name -> measures (``{"error": ...}`` for a host whose probe could not)."""
@@ -325,15 +384,16 @@ class Probes:
                 proc.stdin.flush()
         out: dict[str, dict[str, Any]] = {}
         for name, proc in self.procs.items():  # its result line, not its exit (torch's
-            assert proc.stdout is not None      # teardown takes seconds under load)
+            assert proc.stdout is not None  # teardown takes seconds under load)
             line = _readline(proc.stdout, timeout_s)
             try:  # a probe that could not measure prints its error as its result
                 out[name] = json.loads(line)
             except ValueError:
                 proc.kill()
                 _, stderr = proc.communicate(timeout=30)
-                raise RuntimeError(f"probe on {name} exited {proc.returncode}: "
-                                   f"{stderr[-1000:]}") from None
+                raise RuntimeError(
+                    f"probe on {name} exited {proc.returncode}: {stderr[-1000:]}"
+                ) from None
         return out
 
     def close(self) -> None:
@@ -352,8 +412,9 @@ def _readline(stream: Any, timeout_s: float) -> str:
         return stream.readline() if sel.select(timeout_s) else ""
 
 
-def probe_hosts(hosts: list[Any], address: str, timeout_s: float = 180.0
-                ) -> dict[str, dict[str, Any]]:
+def probe_hosts(
+    hosts: list[Any], address: str, timeout_s: float = 180.0
+) -> dict[str, dict[str, Any]]:
     """:class:`Probes` started and measured at once: host name -> measures."""
     probes = Probes(hosts, address)
     try:
@@ -362,8 +423,9 @@ def probe_hosts(hosts: list[Any], address: str, timeout_s: float = 180.0
         probes.close()
 
 
-def split(passes: list[tuple[float, list[object]]], injected: float | None
-          ) -> tuple[list[object], list[object]]:
+def split(
+    passes: list[tuple[float, list[object]]], injected: float | None
+) -> tuple[list[object], list[object]]:
     """(before, after) the injection's stamp, by when each pass ended. Why not by whether the
     stamp had been read when the pass began: the stamp comes through a pipe and a thread, and
     a killed rank's verdict is there 0.2 s after it, often before the line is read (the
@@ -378,23 +440,38 @@ def split(passes: list[tuple[float, list[object]]], injected: float | None
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=3)
-    p.add_argument("--port", type=int, default=0,
-                   help="a TCP store on this port (default: a file store in the ring directory)")
-    p.add_argument("--torchrun", action="store_true",
-                   help="one rank per process under torchrun (no fork, no --port)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="a TCP store on this port (default: a file store in the ring directory)",
+    )
+    p.add_argument(
+        "--torchrun",
+        action="store_true",
+        help="one rank per process under torchrun (no fork, no --port)",
+    )
     p.add_argument("--numel", type=int, default=4, help="elements per all_reduce")
-    p.add_argument("--alternate", type=int, default=0,
-                   help="trace in blocks of N steps, in turns with N untraced (overhead)")
-    p.add_argument("--alternate-control", action="store_true",
-                   help="with --alternate: the same blocks, the tracer never installed (an "
-                        "A/A control: the spread the alternation shows with no tracer)")
+    p.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        help="trace in blocks of N steps, in turns with N untraced (overhead)",
+    )
+    p.add_argument(
+        "--alternate-control",
+        action="store_true",
+        help="with --alternate: the same blocks, the tracer never installed (an "
+        "A/A control: the spread the alternation shows with no tracer)",
+    )
     p.add_argument("--dir", required=True, help="ring directory")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--rank", type=int, default=1, help="the rank the fault is injected into")
     p.add_argument("--at", type=int, default=20, help="the step of the fault")
     p.add_argument("--steps", type=int, default=100000)
-    p.add_argument("--until", default="",
-                   help="stop (exit 0) after the step in which this file exists")
+    p.add_argument(
+        "--until", default="", help="stop (exit 0) after the step in which this file exists"
+    )
     p.add_argument("--work-ms", type=float, default=20.0)
     p.add_argument("--hold", type=float, default=600.0)
     p.add_argument("--capacity", type=int, default=4096)

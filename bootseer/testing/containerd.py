@@ -42,24 +42,31 @@ class CRIOptions:
 
     def toml(self, state_dir: Path) -> str:
         cri = '[plugins."io.containerd.grpc.v1.cri"]'
-        return (f'{cri}\n  sandbox_image = "{self.sandbox_image}"\n'
-                f'  stream_server_port = "0"\n'
-                # CRI lowers a sandbox's oom_score_adj to -998, which needs CAP_SYS_RESOURCE
-                # (a test machine in a container may lack it): keep containerd's own
-                "  restrict_oom_score_adj = true\n"
-                f"  stats_collect_period = {self.stats_collect_period_s}\n"
-                f"{cri[:-1]}.containerd]\n  snapshotter = \"{self.snapshotter}\"\n"
-                "  disable_snapshot_annotations = "
-                f"{str(self.disable_snapshot_annotations).lower()}\n"
-                f"{cri[:-1]}.cni]\n  bin_dir = \"{state_dir}/cni/bin\"\n"
-                f'  conf_dir = "{state_dir}/cni/net.d"\n'
-                f"{cri[:-1]}.registry]\n  config_path = \"{self.registry_config_path}\"\n")
+        return (
+            f'{cri}\n  sandbox_image = "{self.sandbox_image}"\n'
+            f'  stream_server_port = "0"\n'
+            # CRI lowers a sandbox's oom_score_adj to -998, which needs CAP_SYS_RESOURCE
+            # (a test machine in a container may lack it): keep containerd's own
+            "  restrict_oom_score_adj = true\n"
+            f"  stats_collect_period = {self.stats_collect_period_s}\n"
+            f'{cri[:-1]}.containerd]\n  snapshotter = "{self.snapshotter}"\n'
+            "  disable_snapshot_annotations = "
+            f"{str(self.disable_snapshot_annotations).lower()}\n"
+            f'{cri[:-1]}.cni]\n  bin_dir = "{state_dir}/cni/bin"\n'
+            f'  conf_dir = "{state_dir}/cni/net.d"\n'
+            f'{cri[:-1]}.registry]\n  config_path = "{self.registry_config_path}"\n'
+        )
 
 
 class ContainerdServer:
-    def __init__(self, root_dir: str | os.PathLike, namespace: str = "bootseer-test", *,
-                 proxy_snapshotters: dict[str, str] | None = None,
-                 cri: CRIOptions | None = None) -> None:
+    def __init__(
+        self,
+        root_dir: str | os.PathLike,
+        namespace: str = "bootseer-test",
+        *,
+        proxy_snapshotters: dict[str, str] | None = None,
+        cri: CRIOptions | None = None,
+    ) -> None:
         self.dir = Path(root_dir)
         self.namespace = namespace
         self.cri = cri
@@ -99,26 +106,35 @@ class ContainerdServer:
             + ("" if self.cri else 'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n')
             + f'[grpc]\n  address = "{self.address}"\n'
             + (self.cri.toml(self.dir / "state") if self.cri else "")
-            + "".join(f'[proxy_plugins.{name}]\n  type = "snapshot"\n  address = "{sock}"\n'
-                      for name, sock in self.proxy_snapshotters.items()))
+            + "".join(
+                f'[proxy_plugins.{name}]\n  type = "snapshot"\n  address = "{sock}"\n'
+                for name, sock in self.proxy_snapshotters.items()
+            )
+        )
         with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(["containerd", "--config", str(config)],
-                                          stdout=log, stderr=log)
+            self._proc = subprocess.Popen(
+                ["containerd", "--config", str(config)], stdout=log, stderr=log
+            )
         deadline = time.monotonic() + timeout_s
         while self.ctr("version", check=False).returncode != 0:
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise ComponentUnavailable(
-                    f"containerd did not start: {self.log_path.read_text()[-2000:]}")
+                    f"containerd did not start: {self.log_path.read_text()[-2000:]}"
+                )
             time.sleep(0.2)
         return self
 
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run(["ctr", "--address", self.address, "--namespace",
-                               self.namespace, *args], capture_output=True, text=True)
+        proc = subprocess.run(
+            ["ctr", "--address", self.address, "--namespace", self.namespace, *args],
+            capture_output=True,
+            text=True,
+        )
         if check and proc.returncode != 0:
-            raise AssertionError(f"ctr {' '.join(args)} failed ({proc.returncode}): "
-                                 f"{proc.stderr.strip()}")
+            raise AssertionError(
+                f"ctr {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}"
+            )
         return proc
 
     def cri_client(self) -> CRIClient:

@@ -27,8 +27,10 @@ def parse_rate(text: str) -> int:
     reads it), SI prefixes k, m, g, t."""
     match = _RATE.match(text)
     if match is None:
-        raise ValueError(f"link rate {text!r} is not a rate: write it as tc does, e.g. '100mbit' "
-                         "(bits/s) or '10mbps' (bytes/s)")
+        raise ValueError(
+            f"link rate {text!r} is not a rate: write it as tc does, e.g. '100mbit' "
+            "(bits/s) or '10mbps' (bytes/s)"
+        )
     value = float(match[1]) * _SCALE[match[2].lower()] * (8 if match[3].lower() == "bps" else 1)
     if value < 8000:
         raise ValueError(f"link rate {text!r} is below 8kbit: tc cannot shape that slowly")
@@ -81,12 +83,25 @@ def tc_argv(dev: str, link: Link, *, netem: bool) -> list[str] | None:
         return None
     base = ["tc", "qdisc", "replace", "dev", dev, "root"]
     if delay:
-        return base + ["netem", "delay", f"{delay:g}ms", "limit", "100000",
-                       *(["rate", f"{rate}bit"] if rate else [])]
+        return base + [
+            "netem",
+            "delay",
+            f"{delay:g}ms",
+            "limit",
+            "100000",
+            *(["rate", f"{rate}bit"] if rate else []),
+        ]
     assert rate is not None
     burst = max(rate // 8 // 100, MIN_BURST)  # 10 ms at the rate, at least a few packets
-    return base + ["tbf", "rate", f"{rate}bit", "burst", str(burst), "latency",
-                   f"{QUEUE_LATENCY_MS}ms"]
+    return base + [
+        "tbf",
+        "rate",
+        f"{rate}bit",
+        "burst",
+        str(burst),
+        "latency",
+        f"{QUEUE_LATENCY_MS}ms",
+    ]
 
 
 def shape(netns: str, dev: str, link: Link) -> None:
@@ -99,12 +114,15 @@ def shape(netns: str, dev: str, link: Link) -> None:
     20 Mbit/s died instead (4 of 10 link trials of bench_colltrace; alone, one TCP stream:
     0 bytes/s after an in-place change, 19.1 Mbit/s after delete and add)."""
     argv = tc_argv(dev, link, netem=qdisc_available("netem"))
-    subprocess.run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"],
-                   capture_output=True, check=False)
+    subprocess.run(
+        ["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"], capture_output=True, check=False
+    )
     if argv is None:
         return
-    proc = subprocess.run(["tc", "-n", netns, *argv[1:]], capture_output=True, text=True,
-                          check=False)
+    proc = subprocess.run(
+        ["tc", "-n", netns, *argv[1:]], capture_output=True, text=True, check=False
+    )
     if proc.returncode != 0:
-        raise RuntimeError(f"tc could not shape {dev} in {netns} as {link.describe()}: "
-                           f"{proc.stderr.strip()}")
+        raise RuntimeError(
+            f"tc could not shape {dev} in {netns} as {link.describe()}: {proc.stderr.strip()}"
+        )

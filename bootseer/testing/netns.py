@@ -72,8 +72,9 @@ def delete_netns(name: str) -> None:
 def create_uts(path: Path, hostname: str) -> Path:
     """A new UTS namespace named ``hostname``, kept alive by a bind mount on ``path``."""
     path.touch()
-    subprocess.run(["unshare", f"--uts={path}", "hostname", hostname], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["unshare", f"--uts={path}", "hostname", hostname], check=True, capture_output=True
+    )
     return path
 
 

@@ -59,8 +59,9 @@ def start_on_a_free_port(server: Any, binary: str, what: str) -> None:
             break
         except _PortBusy as exc:
             if attempt + 1 == attempts:
-                raise RuntimeError(f"{what} could not bind 127.0.0.1:{server._port}: {exc}") \
-                    from exc
+                raise RuntimeError(
+                    f"{what} could not bind 127.0.0.1:{server._port}: {exc}"
+                ) from exc
             server._port = free_port()
     server._started_once = True
 

@@ -33,8 +33,19 @@ class Switch:
     def connect(self, port: str, host_netns: str, address: str, link: Link) -> None:
         """A veth pair: ``port`` on the bridge, ``eth0`` with ``address`` in ``host_netns``;
         ``link`` shapes both directions. No IPv6 link-local address: gloo would pick it."""
-        ip("link", "add", port, "type", "veth", "peer", "name", HOST_IFNAME, "netns", host_netns,
-           netns=self.netns)
+        ip(
+            "link",
+            "add",
+            port,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            HOST_IFNAME,
+            "netns",
+            host_netns,
+            netns=self.netns,
+        )
         ip("link", "set", port, "master", BRIDGE, "up", netns=self.netns)
         ip("link", "set", HOST_IFNAME, "addrgenmode", "none", netns=host_netns)
         ip("addr", "add", f"{address}/{PREFIX_LEN}", "dev", HOST_IFNAME, netns=host_netns)

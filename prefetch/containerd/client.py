@@ -110,8 +110,12 @@ class LeaseInfo:
     created: dt.datetime | None = None
 
 
-_KIND_TO_PROTO = {"unknown": snapshots_pb2.UNKNOWN, "view": snapshots_pb2.VIEW,
-                  "active": snapshots_pb2.ACTIVE, "committed": snapshots_pb2.COMMITTED}
+_KIND_TO_PROTO = {
+    "unknown": snapshots_pb2.UNKNOWN,
+    "view": snapshots_pb2.VIEW,
+    "active": snapshots_pb2.ACTIVE,
+    "committed": snapshots_pb2.COMMITTED,
+}
 _KIND_FROM_PROTO = {v: k for k, v in _KIND_TO_PROTO.items()}
 
 
@@ -137,33 +141,48 @@ def mount_from_proto(p: mount_pb2.Mount) -> Mount:
 
 
 def descriptor_to_proto(d: Descriptor) -> descriptor_pb2.Descriptor:
-    return descriptor_pb2.Descriptor(media_type=d.media_type, digest=d.digest, size=d.size,
-                                     annotations=dict(d.annotations))
+    return descriptor_pb2.Descriptor(
+        media_type=d.media_type, digest=d.digest, size=d.size, annotations=dict(d.annotations)
+    )
 
 
 def descriptor_from_proto(p: descriptor_pb2.Descriptor) -> Descriptor:
-    return Descriptor(media_type=p.media_type, digest=p.digest, size=p.size,
-                      annotations=dict(p.annotations))
+    return Descriptor(
+        media_type=p.media_type, digest=p.digest, size=p.size, annotations=dict(p.annotations)
+    )
 
 
 def info_to_proto(info: SnapshotInfo) -> snapshots_pb2.Info:
     """A snapshot Info message; an unknown kind string raises KeyError."""
-    return snapshots_pb2.Info(name=info.name, parent=info.parent, kind=_KIND_TO_PROTO[info.kind],
-                              labels=info.labels, created_at=time_to_proto(info.created),
-                              updated_at=time_to_proto(info.updated))
+    return snapshots_pb2.Info(
+        name=info.name,
+        parent=info.parent,
+        kind=_KIND_TO_PROTO[info.kind],
+        labels=info.labels,
+        created_at=time_to_proto(info.created),
+        updated_at=time_to_proto(info.updated),
+    )
 
 
 def info_from_proto(p: snapshots_pb2.Info) -> SnapshotInfo:
-    return SnapshotInfo(name=p.name, parent=p.parent, kind=_KIND_FROM_PROTO.get(p.kind, "unknown"),
-                        labels=dict(p.labels),
-                        created=time_from_proto(p.created_at, p.HasField("created_at")),
-                        updated=time_from_proto(p.updated_at, p.HasField("updated_at")))
+    return SnapshotInfo(
+        name=p.name,
+        parent=p.parent,
+        kind=_KIND_FROM_PROTO.get(p.kind, "unknown"),
+        labels=dict(p.labels),
+        created=time_from_proto(p.created_at, p.HasField("created_at")),
+        updated=time_from_proto(p.updated_at, p.HasField("updated_at")),
+    )
 
 
 def image_from_proto(p: images_pb2.Image) -> ImageRecord:
-    return ImageRecord(name=p.name, target=descriptor_from_proto(p.target), labels=dict(p.labels),
-                       created=time_from_proto(p.created_at, p.HasField("created_at")),
-                       updated=time_from_proto(p.updated_at, p.HasField("updated_at")))
+    return ImageRecord(
+        name=p.name,
+        target=descriptor_from_proto(p.target),
+        labels=dict(p.labels),
+        created=time_from_proto(p.created_at, p.HasField("created_at")),
+        updated=time_from_proto(p.updated_at, p.HasField("updated_at")),
+    )
 
 
 def label_mask(labels: Mapping[str, str]) -> field_mask_pb2.FieldMask:
@@ -182,10 +201,13 @@ def rfc3339(when: dt.datetime) -> str:
 def dial(address: str) -> grpc.Channel:
     """A channel to containerd's socket: a path, or a ``unix://`` target."""
     target = address if address.startswith("unix:") else "unix://" + address
-    return grpc.insecure_channel(target, options=[
-        ("grpc.max_receive_message_length", _MAX_MESSAGE),
-        ("grpc.max_send_message_length", _MAX_MESSAGE),
-    ])
+    return grpc.insecure_channel(
+        target,
+        options=[
+            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+        ],
+    )
 
 
 def _error(what: str, exc: grpc.RpcError) -> errors.ContainerdError:
@@ -194,8 +216,13 @@ def _error(what: str, exc: grpc.RpcError) -> errors.ContainerdError:
     return errors.from_status(code, f"{what}: {details}")
 
 
-def unary(what: str, method: Callable[..., _T], request: Any, timeout_s: float,
-          metadata: Sequence[tuple[str, str]] = ()) -> _T:
+def unary(
+    what: str,
+    method: Callable[..., _T],
+    request: Any,
+    timeout_s: float,
+    metadata: Sequence[tuple[str, str]] = (),
+) -> _T:
     """One unary call; a gRPC failure is raised as its :mod:`errors` class, naming ``what``."""
     try:
         return method(request, metadata=metadata, timeout=timeout_s)
@@ -206,8 +233,15 @@ def unary(what: str, method: Callable[..., _T], request: Any, timeout_s: float,
 class ContainerdClient:
     """containerd's API in one namespace (and optionally under one lease)."""
 
-    def __init__(self, address: str, namespace: str = "default", *, lease: str | None = None,
-                 timeout_s: float = 120.0, channel: grpc.Channel | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        namespace: str = "default",
+        *,
+        lease: str | None = None,
+        timeout_s: float = 120.0,
+        channel: grpc.Channel | None = None,
+    ) -> None:
         """``channel``: share an open channel (then :meth:`close` leaves it open)."""
         self.address = address
         self.namespace = namespace
@@ -228,13 +262,23 @@ class ContainerdClient:
 
     def with_lease(self, lease_id: str | None) -> ContainerdClient:
         """A client on the same channel whose calls run under ``lease_id`` (None: no lease)."""
-        return ContainerdClient(self.address, self.namespace, lease=lease_id,
-                                timeout_s=self.timeout_s, channel=self._channel)
+        return ContainerdClient(
+            self.address,
+            self.namespace,
+            lease=lease_id,
+            timeout_s=self.timeout_s,
+            channel=self._channel,
+        )
 
     def with_namespace(self, namespace: str) -> ContainerdClient:
         """A client on the same channel for another namespace (same lease)."""
-        return ContainerdClient(self.address, namespace, lease=self.lease_id,
-                                timeout_s=self.timeout_s, channel=self._channel)
+        return ContainerdClient(
+            self.address,
+            namespace,
+            lease=self.lease_id,
+            timeout_s=self.timeout_s,
+            channel=self._channel,
+        )
 
     def close(self) -> None:
         if self._owns_channel:
@@ -246,18 +290,34 @@ class ContainerdClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, what: str, method: Callable[..., _T], request: Any,
-              timeout_s: float | None = None) -> _T:
+    def _call(
+        self, what: str, method: Callable[..., _T], request: Any, timeout_s: float | None = None
+    ) -> _T:
         """One unary call with this client's headers and deadline, errors converted."""
-        return unary(what, method, request, self.timeout_s if timeout_s is None else timeout_s,
-                     self._metadata)
+        return unary(
+            what,
+            method,
+            request,
+            self.timeout_s if timeout_s is None else timeout_s,
+            self._metadata,
+        )
 
-    def _stream(self, what: str, method: Callable[..., Iterable[_T]], request: Any,
-                timeout_s: float | None = None) -> list[_T]:
+    def _stream(
+        self,
+        what: str,
+        method: Callable[..., Iterable[_T]],
+        request: Any,
+        timeout_s: float | None = None,
+    ) -> list[_T]:
         """All messages of a server-streaming call, errors converted."""
         try:
-            return list(method(request, metadata=self._metadata,
-                               timeout=self.timeout_s if timeout_s is None else timeout_s))
+            return list(
+                method(
+                    request,
+                    metadata=self._metadata,
+                    timeout=self.timeout_s if timeout_s is None else timeout_s,
+                )
+            )
         except grpc.RpcError as exc:
             raise _error(what, exc) from exc
 
@@ -278,26 +338,36 @@ class ContainerdClient:
             pass
 
     def list_namespaces(self) -> list[str]:
-        resp = self._call("list namespaces", self._namespaces.List,
-                          namespace_pb2.ListNamespacesRequest())
+        resp = self._call(
+            "list namespaces", self._namespaces.List, namespace_pb2.ListNamespacesRequest()
+        )
         return [ns.name for ns in resp.namespaces]
 
     # -- content ----------------------------------------------------------------------------
 
     def content_info(self, digest: str) -> ContentInfo:
         """Size and labels of a committed blob; NotFoundError when absent."""
-        resp = self._call(f"content info {digest}", self._content.Info,
-                          content_pb2.InfoRequest(digest=digest))
+        resp = self._call(
+            f"content info {digest}", self._content.Info, content_pb2.InfoRequest(digest=digest)
+        )
         return ContentInfo(resp.info.digest, resp.info.size, dict(resp.info.labels))
 
     def list_content(self, *filters: str) -> list[ContentInfo]:
-        resps = self._stream("list content", self._content.List,
-                             content_pb2.ListContentRequest(filters=filters))
+        resps = self._stream(
+            "list content", self._content.List, content_pb2.ListContentRequest(filters=filters)
+        )
         return [ContentInfo(i.digest, i.size, dict(i.labels)) for r in resps for i in r.info]
 
-    def write_content(self, data: bytes | Iterable[bytes], *, digest: str, size: int,
-                      labels: Mapping[str, str] | None = None, ref: str | None = None,
-                      timeout_s: float | None = None) -> bool:
+    def write_content(
+        self,
+        data: bytes | Iterable[bytes],
+        *,
+        digest: str,
+        size: int,
+        labels: Mapping[str, str] | None = None,
+        ref: str | None = None,
+        timeout_s: float | None = None,
+    ) -> bool:
         """Stores a blob whose digest and size are known in advance; containerd verifies both.
 
         Returns False when the blob already existed (``labels`` are then set with an update).
@@ -316,21 +386,35 @@ class ContainerdClient:
             try:
                 for chunk in _chunks(data):
                     yield content_pb2.WriteContentRequest(
-                        action=content_pb2.WRITE, ref=ref, total=size, offset=offset, data=chunk,
-                        expected=digest if first else "")
+                        action=content_pb2.WRITE,
+                        ref=ref,
+                        total=size,
+                        offset=offset,
+                        data=chunk,
+                        expected=digest if first else "",
+                    )
                     offset += len(chunk)
                     first = False
             except Exception as exc:  # surfaced after the call, instead of a bare CANCELLED
                 source_error.append(exc)
                 return
             yield content_pb2.WriteContentRequest(
-                action=content_pb2.COMMIT, ref=ref, total=size, expected=digest, offset=offset,
-                labels=dict(labels or {}))
+                action=content_pb2.COMMIT,
+                ref=ref,
+                total=size,
+                expected=digest,
+                offset=offset,
+                labels=dict(labels or {}),
+            )
 
         try:
-            answers = list(self._content.Write(  # one small answer per message
-                requests(), metadata=self._metadata,
-                timeout=self.timeout_s if timeout_s is None else timeout_s))
+            answers = list(
+                self._content.Write(  # one small answer per message
+                    requests(),
+                    metadata=self._metadata,
+                    timeout=self.timeout_s if timeout_s is None else timeout_s,
+                )
+            )
         except grpc.RpcError as exc:
             err = _error(what, exc)
             if isinstance(err, errors.AlreadyExistsError):
@@ -351,98 +435,134 @@ class ContainerdClient:
 
     def _abort_quietly(self, ref: str) -> None:
         try:
-            self._call(f"abort ingest {ref}", self._content.Abort,
-                       content_pb2.AbortRequest(ref=ref))
+            self._call(
+                f"abort ingest {ref}", self._content.Abort, content_pb2.AbortRequest(ref=ref)
+            )
         except errors.ContainerdError:
             pass  # nothing to abort (already gone) or the daemon is unreachable
 
     def ingest_refs(self) -> list[str]:
         """Refs of unfinished ingests (what a failed write could leave behind)."""
-        resp = self._call("list ingests", self._content.ListStatuses,
-                          content_pb2.ListStatusesRequest())
+        resp = self._call(
+            "list ingests", self._content.ListStatuses, content_pb2.ListStatusesRequest()
+        )
         return [s.ref for s in resp.statuses]
 
     def update_content_labels(self, digest: str, labels: Mapping[str, str]) -> None:
         """Sets these labels on a blob, leaving others; a value of "" removes a label."""
-        req = content_pb2.UpdateRequest(info=content_pb2.Info(digest=digest, labels=labels),
-                                        update_mask=label_mask(labels))
+        req = content_pb2.UpdateRequest(
+            info=content_pb2.Info(digest=digest, labels=labels), update_mask=label_mask(labels)
+        )
         self._call(f"update content labels {digest}", self._content.Update, req)
 
-    def read_content(self, digest: str, *, offset: int = 0, size: int = 0,
-                     timeout_s: float | None = None) -> bytes:
+    def read_content(
+        self, digest: str, *, offset: int = 0, size: int = 0, timeout_s: float | None = None
+    ) -> bytes:
         """The blob's bytes (``size`` 0: to the end)."""
         req = content_pb2.ReadContentRequest(digest=digest, offset=offset, size=size)
         resps = self._stream(f"read content {digest}", self._content.Read, req, timeout_s)
         return b"".join(r.data for r in resps)
 
     def delete_content(self, digest: str) -> None:
-        self._call(f"delete content {digest}", self._content.Delete,
-                   content_pb2.DeleteContentRequest(digest=digest))
+        self._call(
+            f"delete content {digest}",
+            self._content.Delete,
+            content_pb2.DeleteContentRequest(digest=digest),
+        )
 
     # -- images -----------------------------------------------------------------------------
 
-    def put_image(self, name: str, target: Descriptor,
-                  labels: Mapping[str, str] | None = None) -> None:
+    def put_image(
+        self, name: str, target: Descriptor, labels: Mapping[str, str] | None = None
+    ) -> None:
         """Creates the image, or points an existing one at ``target`` (and replaces its labels
         when ``labels`` is given)."""
-        image = images_pb2.Image(name=name, target=descriptor_to_proto(target),
-                                 labels=dict(labels or {}))
+        image = images_pb2.Image(
+            name=name, target=descriptor_to_proto(target), labels=dict(labels or {})
+        )
         try:
-            self._call(f"create image {name}", self._images.Create,
-                       images_pb2.CreateImageRequest(image=image))
+            self._call(
+                f"create image {name}",
+                self._images.Create,
+                images_pb2.CreateImageRequest(image=image),
+            )
             return
         except errors.AlreadyExistsError:
             pass
         paths = ["target"] + (["labels"] if labels is not None else [])
-        self._call(f"update image {name}", self._images.Update, images_pb2.UpdateImageRequest(
-            image=image, update_mask=field_mask_pb2.FieldMask(paths=paths)))
+        self._call(
+            f"update image {name}",
+            self._images.Update,
+            images_pb2.UpdateImageRequest(
+                image=image, update_mask=field_mask_pb2.FieldMask(paths=paths)
+            ),
+        )
 
     def get_image(self, name: str) -> ImageRecord:
-        resp = self._call(f"get image {name}", self._images.Get,
-                          images_pb2.GetImageRequest(name=name))
+        resp = self._call(
+            f"get image {name}", self._images.Get, images_pb2.GetImageRequest(name=name)
+        )
         return image_from_proto(resp.image)
 
     def list_images(self, *filters: str) -> list[ImageRecord]:
         """Images matching any of the filters (containerd syntax, e.g. ``name==x``)."""
-        resp = self._call("list images", self._images.List,
-                          images_pb2.ListImagesRequest(filters=filters))
+        resp = self._call(
+            "list images", self._images.List, images_pb2.ListImagesRequest(filters=filters)
+        )
         return [image_from_proto(i) for i in resp.images]
 
     def delete_image(self, name: str, *, sync: bool = False) -> None:
         """``sync``: containerd garbage-collects before answering."""
-        self._call(f"delete image {name}", self._images.Delete,
-                   images_pb2.DeleteImageRequest(name=name, sync=sync))
+        self._call(
+            f"delete image {name}",
+            self._images.Delete,
+            images_pb2.DeleteImageRequest(name=name, sync=sync),
+        )
 
     # -- leases -----------------------------------------------------------------------------
 
-    def create_lease(self, *, expire_s: float | None = 3600,
-                     labels: Mapping[str, str] | None = None,
-                     lease_id: str | None = None) -> str:
+    def create_lease(
+        self,
+        *,
+        expire_s: float | None = 3600,
+        labels: Mapping[str, str] | None = None,
+        lease_id: str | None = None,
+    ) -> str:
         """A new lease (random id unless given) that expires after ``expire_s`` (None: never),
         so that a crashed process does not pin its objects forever."""
         all_labels = dict(labels or {})
         if expire_s is not None:
             expiry = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=expire_s)
             all_labels[GC_EXPIRE_LABEL] = rfc3339(expiry)
-        req = leases_pb2.CreateRequest(id=lease_id or f"bootseer-{secrets.token_hex(8)}",
-                                       labels=all_labels)
+        req = leases_pb2.CreateRequest(
+            id=lease_id or f"bootseer-{secrets.token_hex(8)}", labels=all_labels
+        )
         resp = self._call(f"create lease {req.id}", self._leases.Create, req)
         return resp.lease.id
 
     def delete_lease(self, lease_id: str, *, sync: bool = False) -> None:
         """Releases the lease's objects to garbage collection (``sync``: collect now)."""
-        self._call(f"delete lease {lease_id}", self._leases.Delete,
-                   leases_pb2.DeleteRequest(id=lease_id, sync=sync))
+        self._call(
+            f"delete lease {lease_id}",
+            self._leases.Delete,
+            leases_pb2.DeleteRequest(id=lease_id, sync=sync),
+        )
 
     def list_leases(self, *filters: str) -> list[LeaseInfo]:
         resp = self._call("list leases", self._leases.List, leases_pb2.ListRequest(filters=filters))
-        return [LeaseInfo(id=le.id, labels=dict(le.labels),
-                          created=time_from_proto(le.created_at, le.HasField("created_at")))
-                for le in resp.leases]
+        return [
+            LeaseInfo(
+                id=le.id,
+                labels=dict(le.labels),
+                created=time_from_proto(le.created_at, le.HasField("created_at")),
+            )
+            for le in resp.leases
+        ]
 
     @contextmanager
-    def lease(self, expire_s: float | None = 3600, *, sync: bool = False
-              ) -> Iterator[ContainerdClient]:
+    def lease(
+        self, expire_s: float | None = 3600, *, sync: bool = False
+    ) -> Iterator[ContainerdClient]:
         """A client working under a fresh lease, which is deleted on exit (what is still
         needed must be referenced by then, e.g. by an image or a committed snapshot's use)."""
         lease_id = self.create_lease(expire_s=expire_s)
@@ -456,19 +576,23 @@ class ContainerdClient:
 
     # -- snapshots --------------------------------------------------------------------------
 
-    def prepare_snapshot(self, snapshotter: str, key: str, parent: str = "",
-                         labels: Mapping[str, str] | None = None) -> list[Mount]:
+    def prepare_snapshot(
+        self, snapshotter: str, key: str, parent: str = "", labels: Mapping[str, str] | None = None
+    ) -> list[Mount]:
         """An active snapshot on ``parent`` (empty: none); returns the mounts to use it."""
-        req = snapshots_pb2.PrepareSnapshotRequest(snapshotter=snapshotter, key=key,
-                                                   parent=parent, labels=dict(labels or {}))
+        req = snapshots_pb2.PrepareSnapshotRequest(
+            snapshotter=snapshotter, key=key, parent=parent, labels=dict(labels or {})
+        )
         resp = self._call(f"prepare snapshot {key} ({snapshotter})", self._snapshots.Prepare, req)
         return [mount_from_proto(m) for m in resp.mounts]
 
-    def view_snapshot(self, snapshotter: str, key: str, parent: str = "",
-                      labels: Mapping[str, str] | None = None) -> list[Mount]:
+    def view_snapshot(
+        self, snapshotter: str, key: str, parent: str = "", labels: Mapping[str, str] | None = None
+    ) -> list[Mount]:
         """A read-only view of ``parent``; returns its mounts."""
-        req = snapshots_pb2.ViewSnapshotRequest(snapshotter=snapshotter, key=key, parent=parent,
-                                                labels=dict(labels or {}))
+        req = snapshots_pb2.ViewSnapshotRequest(
+            snapshotter=snapshotter, key=key, parent=parent, labels=dict(labels or {})
+        )
         resp = self._call(f"view snapshot {key} ({snapshotter})", self._snapshots.View, req)
         return [mount_from_proto(m) for m in resp.mounts]
 
@@ -477,13 +601,14 @@ class ContainerdClient:
         resp = self._call(f"snapshot mounts {key} ({snapshotter})", self._snapshots.Mounts, req)
         return [mount_from_proto(m) for m in resp.mounts]
 
-    def commit_snapshot(self, snapshotter: str, name: str, key: str,
-                        labels: Mapping[str, str] | None = None) -> None:
+    def commit_snapshot(
+        self, snapshotter: str, name: str, key: str, labels: Mapping[str, str] | None = None
+    ) -> None:
         """Turns active snapshot ``key`` into committed snapshot ``name``."""
-        req = snapshots_pb2.CommitSnapshotRequest(snapshotter=snapshotter, name=name, key=key,
-                                                  labels=dict(labels or {}))
-        self._call(f"commit snapshot {key} as {name} ({snapshotter})",
-                   self._snapshots.Commit, req)
+        req = snapshots_pb2.CommitSnapshotRequest(
+            snapshotter=snapshotter, name=name, key=key, labels=dict(labels or {})
+        )
+        self._call(f"commit snapshot {key} as {name} ({snapshotter})", self._snapshots.Commit, req)
 
     def remove_snapshot(self, snapshotter: str, key: str) -> None:
         req = snapshots_pb2.RemoveSnapshotRequest(snapshotter=snapshotter, key=key)
@@ -494,15 +619,23 @@ class ContainerdClient:
         resp = self._call(f"stat snapshot {key} ({snapshotter})", self._snapshots.Stat, req)
         return info_from_proto(resp.info)
 
-    def update_snapshot_labels(self, snapshotter: str, key: str,
-                               labels: Mapping[str, str], *,
-                               timeout_s: float | None = None) -> SnapshotInfo:
+    def update_snapshot_labels(
+        self,
+        snapshotter: str,
+        key: str,
+        labels: Mapping[str, str],
+        *,
+        timeout_s: float | None = None,
+    ) -> SnapshotInfo:
         """Sets these labels, leaving others; a value of "" removes a label."""
         req = snapshots_pb2.UpdateSnapshotRequest(
-            snapshotter=snapshotter, info=snapshots_pb2.Info(name=key, labels=labels),
-            update_mask=label_mask(labels))
-        resp = self._call(f"update snapshot labels {key} ({snapshotter})",
-                          self._snapshots.Update, req, timeout_s)
+            snapshotter=snapshotter,
+            info=snapshots_pb2.Info(name=key, labels=labels),
+            update_mask=label_mask(labels),
+        )
+        resp = self._call(
+            f"update snapshot labels {key} ({snapshotter})", self._snapshots.Update, req, timeout_s
+        )
         return info_from_proto(resp.info)
 
     def list_snapshots(self, snapshotter: str, *filters: str) -> list[SnapshotInfo]:
@@ -522,8 +655,11 @@ class ContainerdClient:
         implement Cleanup (containerd 1.6 answers so for its built-in snapshotters, whose
         space its garbage collector frees)."""
         try:
-            self._call(f"cleanup snapshots ({snapshotter})", self._snapshots.Cleanup,
-                       snapshots_pb2.CleanupRequest(snapshotter=snapshotter))
+            self._call(
+                f"cleanup snapshots ({snapshotter})",
+                self._snapshots.Cleanup,
+                snapshots_pb2.CleanupRequest(snapshotter=snapshotter),
+            )
         except errors.ContainerdError as exc:
             if exc.code == grpc.StatusCode.UNIMPLEMENTED:
                 return False
@@ -532,23 +668,35 @@ class ContainerdClient:
 
     # -- diff -------------------------------------------------------------------------------
 
-    def apply_diff(self, layer: Descriptor, mounts: Sequence[Mount], *,
-                   timeout_s: float | None = None) -> Descriptor:
+    def apply_diff(
+        self, layer: Descriptor, mounts: Sequence[Mount], *, timeout_s: float | None = None
+    ) -> Descriptor:
         """Unpacks ``layer`` (from the content store) onto ``mounts``, which containerd mounts
         itself; returns the uncompressed layer's descriptor (its digest is the diff ID)."""
-        req = diff_pb2.ApplyRequest(diff=descriptor_to_proto(layer),
-                                    mounts=[mount_to_proto(m) for m in mounts])
+        req = diff_pb2.ApplyRequest(
+            diff=descriptor_to_proto(layer), mounts=[mount_to_proto(m) for m in mounts]
+        )
         resp = self._call(f"apply layer {layer.digest}", self._diff.Apply, req, timeout_s)
         return descriptor_from_proto(resp.applied)
 
-    def create_diff(self, left: Sequence[Mount], right: Sequence[Mount], *,
-                    media_type: str = "", ref: str = "",
-                    labels: Mapping[str, str] | None = None,
-                    timeout_s: float | None = None) -> Descriptor:
+    def create_diff(
+        self,
+        left: Sequence[Mount],
+        right: Sequence[Mount],
+        *,
+        media_type: str = "",
+        ref: str = "",
+        labels: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Descriptor:
         """Writes the changes of ``right`` over ``left`` into the content store as a layer."""
-        req = diff_pb2.DiffRequest(left=[mount_to_proto(m) for m in left],
-                                   right=[mount_to_proto(m) for m in right],
-                                   media_type=media_type, ref=ref, labels=dict(labels or {}))
+        req = diff_pb2.DiffRequest(
+            left=[mount_to_proto(m) for m in left],
+            right=[mount_to_proto(m) for m in right],
+            media_type=media_type,
+            ref=ref,
+            labels=dict(labels or {}),
+        )
         resp = self._call("create diff", self._diff.Diff, req, timeout_s)
         return descriptor_from_proto(resp.diff)
 
@@ -559,4 +707,4 @@ def _chunks(data: bytes | Iterable[bytes]) -> Iterator[bytes]:
     for piece in pieces:
         view = memoryview(piece)
         for start in range(0, len(view), CHUNK_SIZE):
-            yield bytes(view[start:start + CHUNK_SIZE])
+            yield bytes(view[start : start + CHUNK_SIZE])

@@ -38,9 +38,16 @@ class UnavailableError(ContainerdError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-_BY_CODE = {cls.code: cls for cls in (NotFoundError, AlreadyExistsError,
-                                      FailedPreconditionError, InvalidArgumentError,
-                                      UnavailableError)}
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        NotFoundError,
+        AlreadyExistsError,
+        FailedPreconditionError,
+        InvalidArgumentError,
+        UnavailableError,
+    )
+}
 
 
 def from_status(code: grpc.StatusCode, message: str) -> ContainerdError:

@@ -41,8 +41,16 @@ Adaptor = Callable[[list[str]], tuple[str, bool]]
 _OPERATORS = ("==", "!=", "~=")
 _OPERATOR_CHARS = frozenset("=!~")
 _QUOTES = frozenset('"/|')
-_SIMPLE_ESCAPES = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t",
-                   "v": "\v", "\\": "\\"}
+_SIMPLE_ESCAPES = {
+    "a": "\a",
+    "b": "\b",
+    "f": "\f",
+    "n": "\n",
+    "r": "\r",
+    "t": "\t",
+    "v": "\v",
+    "\\": "\\",
+}
 _HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 _HEXDIGITS = frozenset("0123456789abcdefABCDEF")
 
@@ -108,11 +116,10 @@ class _Parser:
     def error(self, pos: int, message: str) -> InvalidArgumentError:
         text = self.text
         if pos < len(text):
-            where = f"[{text[:pos]} >|{text[pos]}|< {text[pos + 1:]}]"
+            where = f"[{text[:pos]} >|{text[pos]}|< {text[pos + 1 :]}]"
         else:
             where = "(end of input)"
-        return InvalidArgumentError(
-            f"invalid filter {text!r}: {message} at position {pos} {where}")
+        return InvalidArgumentError(f"invalid filter {text!r}: {message} at position {pos} {where}")
 
     def peek(self) -> str:
         """Skip whitespace; the next character ("" at the end), not consumed."""
@@ -155,20 +162,21 @@ class _Parser:
         if ch == '"':
             return self.quoted()
         if ch in _QUOTES:
-            raise self.error(start, f"{ch}...{ch} quotes only a ~= regular expression; "
-                                    "quote a field with \"...\"")
+            raise self.error(
+                start, f'{ch}...{ch} quotes only a ~= regular expression; quote a field with "..."'
+            )
         if ch == "" or not _is_field_char(ch):
             raise self.error(start, "expected a field or a quoted field")
         while self.pos < len(self.text) and _is_field_char(self.text[self.pos]):
             self.pos += 1
-        return self.text[start:self.pos]
+        return self.text[start : self.pos]
 
     def operator(self) -> str:
         self.peek()
         start = self.pos
         while self.pos < len(self.text) and self.text[self.pos] in _OPERATOR_CHARS:
             self.pos += 1
-        op = self.text[start:self.pos]
+        op = self.text[start : self.pos]
         if not op:
             hint = " (quote a field containing it)" if self.text[start] in "/|" else ""
             raise self.error(start, f'expected an operator ("==", "!=" or "~="){hint}')
@@ -182,13 +190,15 @@ class _Parser:
         if ch == '"' or (ch in _QUOTES and operator == "~="):
             return self.quoted()
         if ch in _QUOTES:
-            raise self.error(start, f"{ch}...{ch} quotes only a ~= regular expression; "
-                                    "quote the value with \"...\"")
+            raise self.error(
+                start,
+                f'{ch}...{ch} quotes only a ~= regular expression; quote the value with "..."',
+            )
         if ch == "" or ch in ".," or ch in _OPERATOR_CHARS or not _is_value_char(ch):
             raise self.error(start, "expected a value or a quoted value")
         while self.pos < len(self.text) and _is_value_char(self.text[self.pos]):
             self.pos += 1
-        return self.text[start:self.pos]
+        return self.text[start : self.pos]
 
     def quoted(self) -> str:
         """Decode the quoted string at ``pos`` (Go escapes; ``\\x`` and octal give bytes)."""
@@ -214,10 +224,11 @@ class _Parser:
                 out += _SIMPLE_ESCAPES.get(esc, esc).encode()
                 i += 2
             elif esc in _HEX_ESCAPES:
-                digits = text[i + 2:i + 2 + _HEX_ESCAPES[esc]]
+                digits = text[i + 2 : i + 2 + _HEX_ESCAPES[esc]]
                 if len(digits) < _HEX_ESCAPES[esc] or not set(digits) <= _HEXDIGITS:
-                    raise self.error(i, f"illegal escape \\{esc}: expected "
-                                        f"{_HEX_ESCAPES[esc]} hex digits")
+                    raise self.error(
+                        i, f"illegal escape \\{esc}: expected {_HEX_ESCAPES[esc]} hex digits"
+                    )
                 code = int(digits, 16)
                 if esc == "x":
                     out.append(code)  # a byte, as in Go
@@ -227,7 +238,7 @@ class _Parser:
                     out += chr(code).encode()
                 i += 2 + len(digits)
             elif esc in "01234567":
-                digits = text[i + 1:i + 4]
+                digits = text[i + 1 : i + 4]
                 if len(digits) < 3 or not set(digits) <= set("01234567") or int(digits, 8) > 255:
                     raise self.error(i, "illegal octal escape: expected 3 octal digits, <= \\377")
                 out.append(int(digits, 8))

@@ -23,13 +23,46 @@ ROOT_ID = 1
 # opcodes
 LOOKUP, FORGET, GETATTR, SETATTR, READLINK, SYMLINK = 1, 2, 3, 4, 5, 6
 MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LINK, OPEN, READ, WRITE = 8, 9, 10, 11, 12, 13, 14, 15, 16
-STATFS, RELEASE, FSYNC, SETXATTR, GETXATTR, LISTXATTR, REMOVEXATTR, FLUSH = \
-    17, 18, 20, 21, 22, 23, 24, 25
-INIT, OPENDIR, READDIR, RELEASEDIR, FSYNCDIR, ACCESS, CREATE, INTERRUPT = \
-    26, 27, 28, 29, 30, 34, 35, 36
+STATFS, RELEASE, FSYNC, SETXATTR, GETXATTR, LISTXATTR, REMOVEXATTR, FLUSH = (
+    17,
+    18,
+    20,
+    21,
+    22,
+    23,
+    24,
+    25,
+)
+INIT, OPENDIR, READDIR, RELEASEDIR, FSYNCDIR, ACCESS, CREATE, INTERRUPT = (
+    26,
+    27,
+    28,
+    29,
+    30,
+    34,
+    35,
+    36,
+)
 DESTROY, BATCH_FORGET, FALLOCATE, RENAME2, TMPFILE = 38, 42, 43, 45, 51
-WRITES = frozenset({SETATTR, SYMLINK, MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LINK, WRITE,
-                    SETXATTR, REMOVEXATTR, CREATE, FALLOCATE, RENAME2, TMPFILE})
+WRITES = frozenset(
+    {
+        SETATTR,
+        SYMLINK,
+        MKNOD,
+        MKDIR,
+        UNLINK,
+        RMDIR,
+        RENAME,
+        LINK,
+        WRITE,
+        SETXATTR,
+        REMOVEXATTR,
+        CREATE,
+        FALLOCATE,
+        RENAME2,
+        TMPFILE,
+    }
+)
 NO_REPLY = frozenset({FORGET, BATCH_FORGET, INTERRUPT})
 
 # INIT flags
@@ -79,9 +112,10 @@ class Request:
     __slots__ = ("opcode", "unique", "nodeid", "uid", "gid", "pid", "body")
 
     def __init__(self, buf: memoryview) -> None:
-        length, self.opcode, self.unique, self.nodeid, self.uid, self.gid, self.pid, _, _ = \
+        length, self.opcode, self.unique, self.nodeid, self.uid, self.gid, self.pid, _, _ = (
             IN_HEADER.unpack_from(buf)
-        self.body = bytes(buf[IN_HEADER.size:length])
+        )
+        self.body = bytes(buf[IN_HEADER.size : length])
 
     def name(self, offset: int = 0) -> str:
         """The NUL-terminated name at ``offset`` of the arguments."""
@@ -114,9 +148,24 @@ def attr(st: dict[str, Any], nodeid: int) -> bytes:
     mode = int(st.get("st_mode", 0))
     size = int(st.get("st_size", 0))
     blocks = int(st.get("st_blocks", (size + 511) // 512))
-    return ATTR.pack(int(st.get("st_ino", nodeid)), size, blocks, a, m, c, an, mn, cn, mode,
-                     int(st.get("st_nlink", 1)), int(st.get("st_uid", 0)),
-                     int(st.get("st_gid", 0)), int(st.get("st_rdev", 0)) & 0xFFFFFFFF, 0, 0)
+    return ATTR.pack(
+        int(st.get("st_ino", nodeid)),
+        size,
+        blocks,
+        a,
+        m,
+        c,
+        an,
+        mn,
+        cn,
+        mode,
+        int(st.get("st_nlink", 1)),
+        int(st.get("st_uid", 0)),
+        int(st.get("st_gid", 0)),
+        int(st.get("st_rdev", 0)) & 0xFFFFFFFF,
+        0,
+        0,
+    )
 
 
 def _valid(seconds: float) -> tuple[int, int]:
@@ -124,8 +173,9 @@ def _valid(seconds: float) -> tuple[int, int]:
     return whole, int((seconds - whole) * 1e9)
 
 
-def entry_out(nodeid: int, st: dict[str, Any] | None, entry_valid: float,
-              attr_valid: float) -> bytes:
+def entry_out(
+    nodeid: int, st: dict[str, Any] | None, entry_valid: float, attr_valid: float
+) -> bytes:
     """A LOOKUP reply; ``st`` None (and nodeid 0) is a cached negative entry."""
     e, en = _valid(entry_valid)
     v, vn = _valid(attr_valid)
@@ -143,9 +193,21 @@ def open_out(fh: int, flags: int) -> bytes:
 
 
 def statfs_out(st: dict[str, Any]) -> bytes:
-    return KSTATFS.pack(*(int(st.get(k, 0)) for k in (
-        "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree", "f_bsize", "f_namemax",
-        "f_frsize")))
+    return KSTATFS.pack(
+        *(
+            int(st.get(k, 0))
+            for k in (
+                "f_blocks",
+                "f_bfree",
+                "f_bavail",
+                "f_files",
+                "f_ffree",
+                "f_bsize",
+                "f_namemax",
+                "f_frsize",
+            )
+        )
+    )
 
 
 def dirents(entries: list[Any], offset: int, size: int) -> bytes:
@@ -175,10 +237,28 @@ def init_reply(request: Request, *, max_write: int, max_pages: int) -> tuple[byt
     if flags & INIT_EXT and len(request.body) >= INIT_IN.size + 4:
         flags |= struct.unpack_from("<I", request.body, INIT_IN.size)[0] << 32
     if major != MAJOR or minor < MIN_KERNEL_MINOR:
-        raise OSError(f"the kernel speaks FUSE {major}.{minor}; bootseer needs 7."
-                      f"{MIN_KERNEL_MINOR} or later (Linux 4.20)")
+        raise OSError(
+            f"the kernel speaks FUSE {major}.{minor}; bootseer needs 7."
+            f"{MIN_KERNEL_MINOR} or later (Linux 4.20)"
+        )
     agreed = flags & WANTED
-    payload = INIT_OUT.pack(MAJOR, min(minor, MINOR), max_readahead, agreed & 0xFFFFFFFF,
-                            0, 0, max_write, 1, max_pages, 0, 0, 0)
-    return payload, {"minor": min(minor, MINOR), "kernel_minor": minor, "flags": agreed,
-                     "resend": bool(flags & HAS_RESEND)}
+    payload = INIT_OUT.pack(
+        MAJOR,
+        min(minor, MINOR),
+        max_readahead,
+        agreed & 0xFFFFFFFF,
+        0,
+        0,
+        max_write,
+        1,
+        max_pages,
+        0,
+        0,
+        0,
+    )
+    return payload, {
+        "minor": min(minor, MINOR),
+        "kernel_minor": minor,
+        "flags": agreed,
+        "resend": bool(flags & HAS_RESEND),
+    }

@@ -102,24 +102,35 @@ def alive(fd: int) -> bool:
     once it is unmounted or aborted)."""
     poller = select.poll()
     poller.register(fd, 0)
-    return not any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL)
-                   for _, ev in poller.poll(0))
+    return not any(
+        ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in poller.poll(0)
+    )
 
 
-def mount(mountpoint: str, *, fsname: str, subtype: str, max_read: int = 1 << 20,
-          allow_other: bool = True) -> Connection:
+def mount(
+    mountpoint: str, *, fsname: str, subtype: str, max_read: int = 1 << 20, allow_other: bool = True
+) -> Connection:
     """Mount an empty FUSE filesystem at ``mountpoint`` (``ro,nodev,nosuid``,
     ``default_permissions``) and answer the kernel's INIT; root only. The caller serves the
     returned connection (:class:`FuseServer`)."""
     fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
     try:
         rootmode = stat.S_IFMT(os.stat(mountpoint).st_mode)
-        data = (f"fd={fd},rootmode={rootmode:o},user_id={os.getuid()},group_id={os.getgid()},"
-                f"default_permissions,max_read={max_read}" + (",allow_other" if allow_other
-                                                              else ""))
+        data = (
+            f"fd={fd},rootmode={rootmode:o},user_id={os.getuid()},group_id={os.getgid()},"
+            f"default_permissions,max_read={max_read}" + (",allow_other" if allow_other else "")
+        )
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.mount(fsname.encode(), os.fsencode(mountpoint), f"fuse.{subtype}".encode(),
-                      ctypes.c_ulong(MS_RDONLY | MS_NOSUID | MS_NODEV), data.encode()) != 0:
+        if (
+            libc.mount(
+                fsname.encode(),
+                os.fsencode(mountpoint),
+                f"fuse.{subtype}".encode(),
+                ctypes.c_ulong(MS_RDONLY | MS_NOSUID | MS_NODEV),
+                data.encode(),
+            )
+            != 0
+        ):
             err = ctypes.get_errno()
             raise OSError(err, f"cannot mount FUSE at {mountpoint}: {os.strerror(err)}")
         try:
@@ -141,8 +152,9 @@ def _handshake(fd: int, max_read: int) -> dict[str, Any]:
     if request.opcode != fp.INIT:
         raise OSError(f"FUSE: expected INIT from the kernel, got opcode {request.opcode}")
     try:
-        payload, meta = fp.init_reply(request, max_write=MAX_WRITE,
-                                      max_pages=max(1, max_read // 4096))
+        payload, meta = fp.init_reply(
+            request, max_write=MAX_WRITE, max_pages=max(1, max_read // 4096)
+        )
     except OSError:
         os.writev(fd, fp.reply(request.unique, error=errno.EPROTO))
         raise
@@ -157,9 +169,17 @@ class FuseServer:
     Timeouts as libfuse's options of the same names; the root's entries (the views, which come
     and go) are never cached by name."""
 
-    def __init__(self, ops: TreeOperations, conn: Connection, *, threads: int = 16,
-                 entry_timeout: float = 3600.0, attr_timeout: float = 3600.0,
-                 negative_timeout: float = 3600.0, keep_cache: bool = True) -> None:
+    def __init__(
+        self,
+        ops: TreeOperations,
+        conn: Connection,
+        *,
+        threads: int = 16,
+        entry_timeout: float = 3600.0,
+        attr_timeout: float = 3600.0,
+        negative_timeout: float = 3600.0,
+        keep_cache: bool = True,
+    ) -> None:
         self.ops = ops
         self.conn = conn
         self.threads = threads
@@ -176,12 +196,22 @@ class FuseServer:
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._workers: list[threading.Thread] = []
         self._handlers: dict[int, Callable[[fp.Request], bytes]] = {
-            fp.LOOKUP: self._lookup, fp.GETATTR: self._getattr, fp.READLINK: self._readlink,
-            fp.OPEN: self._open, fp.READ: self._read, fp.RELEASE: _empty,
-            fp.FLUSH: _empty, fp.STATFS: self._statfs, fp.GETXATTR: self._getxattr,
-            fp.LISTXATTR: self._listxattr, fp.ACCESS: self._access, fp.OPENDIR: self._opendir,
-            fp.READDIR: self._readdir, fp.RELEASEDIR: self._releasedir,
-            fp.DESTROY: self._destroy}
+            fp.LOOKUP: self._lookup,
+            fp.GETATTR: self._getattr,
+            fp.READLINK: self._readlink,
+            fp.OPEN: self._open,
+            fp.READ: self._read,
+            fp.RELEASE: _empty,
+            fp.FLUSH: _empty,
+            fp.STATFS: self._statfs,
+            fp.GETXATTR: self._getxattr,
+            fp.LISTXATTR: self._listxattr,
+            fp.ACCESS: self._access,
+            fp.OPENDIR: self._opendir,
+            fp.READDIR: self._readdir,
+            fp.RELEASEDIR: self._releasedir,
+            fp.DESTROY: self._destroy,
+        }
 
     # -- lifecycle ---------------------------------------------------------------------------
     def resend(self) -> bool:
@@ -191,8 +221,11 @@ class FuseServer:
         try:
             os.write(self.conn.fd, fp.notify_resend())
         except OSError as exc:
-            log.warning("the kernel cannot resend requests a killed predecessor left "
-                        "unanswered (%s; Linux 6.9 can): their callers wait until killed", exc)
+            log.warning(
+                "the kernel cannot resend requests a killed predecessor left "
+                "unanswered (%s; Linux 6.9 can): their callers wait until killed",
+                exc,
+            )
             return False
         return True
 
@@ -263,8 +296,10 @@ class FuseServer:
                 self.resent += 1
                 first = self.resent == 1
             if first:
-                log.info("answering requests a predecessor had read and left unanswered "
-                         "(queued again by the kernel)")
+                log.info(
+                    "answering requests a predecessor had read and left unanswered "
+                    "(queued again by the kernel)"
+                )
         handler = self._handlers.get(req.opcode)
         try:
             if handler is None:
@@ -314,8 +349,7 @@ class FuseServer:
         return fp.entry_out(nodeid, st, 0.0 if top else self.entry_timeout, self.attr_timeout)
 
     def _getattr(self, req: fp.Request) -> bytes:
-        return fp.attr_out(self.ops.getattr(self._path(req.nodeid)), req.nodeid,
-                           self.attr_timeout)
+        return fp.attr_out(self.ops.getattr(self._path(req.nodeid)), req.nodeid, self.attr_timeout)
 
     def _readlink(self, req: fp.Request) -> bytes:
         return fp.encode_name(self.ops.readlink(self._path(req.nodeid)))

@@ -77,8 +77,9 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 
 
 def _peer(sock: socket.socket) -> tuple[int, int]:
-    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                      struct.calcsize("3i")))
+    pid, uid, _ = struct.unpack(
+        "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    )
     return pid, uid
 
 
@@ -142,9 +143,11 @@ class Holder:
             listener.close()
             unserved = [n for n in self._held if n not in self._owners]
             if unserved:
-                log.warning("FUSE holder stopping: the connections of %s end now (nobody else "
-                            "holds them); containers reading them get ENOTCONN",
-                            ", ".join(unserved))
+                log.warning(
+                    "FUSE holder stopping: the connections of %s end now (nobody else "
+                    "holds them); containers reading them get ENOTCONN",
+                    ", ".join(unserved),
+                )
             os.close(lock_fd)
         return 0
 
@@ -182,20 +185,28 @@ class Holder:
         except OSError:
             self._disconnect(fd)
 
-    def _request(self, client: int, pid: int, doc: dict[str, Any], fds: list[int]
-                 ) -> tuple[dict[str, Any], list[int]]:
+    def _request(
+        self, client: int, pid: int, doc: dict[str, Any], fds: list[int]
+    ) -> tuple[dict[str, Any], list[int]]:
         op, name = doc["op"], doc.get("name")
         if op == "list":
-            return {"ok": True, "held": {n: {"meta": h.meta, "owner": self._owner_pid(n)}
-                                        for n, h in self._held.items()}}, []
+            return {
+                "ok": True,
+                "held": {
+                    n: {"meta": h.meta, "owner": self._owner_pid(n)} for n, h in self._held.items()
+                },
+            }, []
         if not isinstance(name, str):
             raise ValueError("no name")
         owner = self._owners.get(name)
         if owner is not None and owner != client:
             for extra in fds:
                 os.close(extra)
-            return {"ok": False, "error": f"{name} is served by pid {self._owner_pid(name)}: "
-                                          "one snapshotter per root"}, []
+            return {
+                "ok": False,
+                "error": f"{name} is served by pid {self._owner_pid(name)}: "
+                "one snapshotter per root",
+            }, []
         self._owners[name] = client
         held = self._held.get(name)
         if op == "take":
@@ -284,27 +295,42 @@ class HolderClient:
                     return
                 except (FileNotFoundError, ConnectionRefusedError) as exc:
                     sock.close()
-                    if self.spawn and (not started or (self._child and
-                                                       self._child.poll() is not None)):
+                    if self.spawn and (
+                        not started or (self._child and self._child.poll() is not None)
+                    ):
                         self._start_holder()
                         started = True
                     if time.monotonic() > deadline:
                         raise HolderError(
                             f"no FUSE holder at {self.address} ({exc}) after "
                             f"{self.timeout_s:.0f} s: start `bootseer fuse-holder --address "
-                            f"{self.address}` (deploy/ runs it as its own service)") from None
+                            f"{self.address}` (deploy/ runs it as its own service)"
+                        ) from None
                     time.sleep(0.05)
 
     def _start_holder(self) -> None:
         self._child = subprocess.Popen(
-            [sys.executable, "-m", "prefetch.containerd.holder", "--address", self.address,
-             "--exit-when-idle"], stdin=subprocess.DEVNULL, start_new_session=True)
-        log.warning("no FUSE holder at %s: started one (pid %d); run `bootseer fuse-holder` as "
-                    "its own service (deploy/) so that it outlives this one's restarts",
-                    self.address, self._child.pid)
+            [
+                sys.executable,
+                "-m",
+                "prefetch.containerd.holder",
+                "--address",
+                self.address,
+                "--exit-when-idle",
+            ],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.warning(
+            "no FUSE holder at %s: started one (pid %d); run `bootseer fuse-holder` as "
+            "its own service (deploy/) so that it outlives this one's restarts",
+            self.address,
+            self._child.pid,
+        )
 
-    def _call(self, doc: dict[str, Any], fds: list[int] | None = None
-              ) -> tuple[dict[str, Any], list[int]]:
+    def _call(
+        self, doc: dict[str, Any], fds: list[int] | None = None
+    ) -> tuple[dict[str, Any], list[int]]:
         with self._lock:
             for _attempt in range(3):
                 if self._sock is None:
@@ -320,8 +346,7 @@ class HolderClient:
                 self._sock.close()  # an idle holder exited as we came: start again
                 self._sock = None
             else:
-                raise HolderError(f"the FUSE holder at {self.address} keeps closing the "
-                                  "connection")
+                raise HolderError(f"the FUSE holder at {self.address} keeps closing the connection")
         if not answer.get("ok"):
             for fd in got:
                 os.close(fd)
@@ -390,8 +415,11 @@ class HolderClient:
                     if self._sock is sock:
                         sock.close()
                         self._sock = None
-                log.warning("the FUSE holder at %s went away: depositing the lazy mount's "
-                            "connection with a new one", self.address)
+                log.warning(
+                    "the FUSE holder at %s went away: depositing the lazy mount's "
+                    "connection with a new one",
+                    self.address,
+                )
 
     def _redeposit(self) -> None:
         try:
@@ -403,8 +431,12 @@ class HolderClient:
                 if self._sock is None:
                     self.connect()
         except (HolderError, OSError) as exc:
-            log.error("cannot reach a FUSE holder at %s (%s); retrying: a restart of this "
-                      "process now would end the lazy mount", self.address, exc)
+            log.error(
+                "cannot reach a FUSE holder at %s (%s); retrying: a restart of this "
+                "process now would end the lazy mount",
+                self.address,
+                exc,
+            )
             time.sleep(1.0)
 
     def close(self) -> None:
@@ -417,26 +449,37 @@ class HolderClient:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bootseer fuse-holder", description=__doc__.split(
-        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bootseer fuse-holder",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     return run(args.address, exit_when_idle=args.exit_when_idle)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default="/run/bootseer/fuse-holder.sock",
-                        help="its unix socket, created 0600 (default %(default)s); the "
-                             "snapshotter's --holder")
-    parser.add_argument("--exit-when-idle", action="store_true",
-                        help="exit once nothing is held and nobody is connected (how the "
-                             "snapshotter starts one when none runs)")
+    parser.add_argument(
+        "--address",
+        default="/run/bootseer/fuse-holder.sock",
+        help="its unix socket, created 0600 (default %(default)s); the snapshotter's --holder",
+    )
+    parser.add_argument(
+        "--exit-when-idle",
+        action="store_true",
+        help="exit once nothing is held and nobody is connected (how the "
+        "snapshotter starts one when none runs)",
+    )
 
 
 def run(address: str, *, exit_when_idle: bool = False) -> int:
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.basicConfig(
+            level=logging.INFO,
+            stream=sys.stderr,
+            format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        )
     try:
         return Holder(address, exit_when_idle=exit_when_idle).serve()
     except OSError as exc:

@@ -122,16 +122,26 @@ def _host(url: str, entry: Any, path: Path) -> RegistryHost | None:
     if parts.path.rstrip("/") not in ("", "/v2") or entry.get("override_path"):
         unsupported.append(f"API root {parts.path!r}")
     if unsupported or not parts.netloc:
-        log.warning("%s: host %s skipped by the snapshotter (%s not supported): layers only "
-                    "it serves are unpacked by containerd", path, url,
-                    ", ".join(unsupported) or "no host name")
+        log.warning(
+            "%s: host %s skipped by the snapshotter (%s not supported): layers only "
+            "it serves are unpacked by containerd",
+            path,
+            url,
+            ", ".join(unsupported) or "no host name",
+        )
         return None
     return RegistryHost(f"{parts.scheme}://{parts.netloc}", caps)
 
 
 # Which capability each registry call needs (containerd's terms: "pull" reads by digest).
-_READS = {"get_blob": "pull", "get_blob_range": "pull", "head_blob": "pull",
-          "get_referrers": "pull", "resolve_image": "resolve", "list_tags": "resolve"}
+_READS = {
+    "get_blob": "pull",
+    "get_blob_range": "pull",
+    "head_blob": "pull",
+    "get_referrers": "pull",
+    "resolve_image": "resolve",
+    "list_tags": "resolve",
+}
 _PUSHES = ("put_blob", "put_manifest", "put_referrer", "mount_blob")
 
 
@@ -188,9 +198,11 @@ class RegistryHosts:
         capability = self._capability(name, args)
         hosts = self._order(capability)
         if not hosts:
-            raise RegistryUnavailable(f"registry {self.registry}: no configured host may "
-                                      f"{capability} (hosts.toml capabilities)",
-                                      registry=self.registry)
+            raise RegistryUnavailable(
+                f"registry {self.registry}: no configured host may "
+                f"{capability} (hosts.toml capabilities)",
+                registry=self.registry,
+            )
         failures: list[tuple[RegistryHost, RegistryError]] = []
         for host in hosts:
             try:
@@ -204,8 +216,11 @@ class RegistryHosts:
             raise failures[0][1]
         kinds = {type(e) for _, e in failures}  # all unreachable: the registry is unreachable
         cls = kinds.pop() if len(kinds) == 1 else RegistryError
-        raise cls(f"registry {self.registry}: no host could serve it: "
-                  + "; ".join(f"{h.url}: {e}" for h, e in failures), registry=self.registry)
+        raise cls(
+            f"registry {self.registry}: no host could serve it: "
+            + "; ".join(f"{h.url}: {e}" for h, e in failures),
+            registry=self.registry,
+        )
 
     def close(self) -> None:
         with self._lock:

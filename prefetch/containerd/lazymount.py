@@ -31,8 +31,7 @@ class LazyMount:
     resumed: bool  # a predecessor's connection, taken over
 
 
-def open_lazy_mount(lazy_dir: Path, holder: HolderClient, *, wait_s: float = 30.0
-                    ) -> LazyMount:
+def open_lazy_mount(lazy_dir: Path, holder: HolderClient, *, wait_s: float = 30.0) -> LazyMount:
     """Take over or make the lazy mount at ``lazy_dir``; raises holder.HolderError when
     another snapshotter still serves it after ``wait_s`` (one per root; a predecessor that is
     stopping is waited for) or no holder can be reached."""
@@ -44,11 +43,15 @@ def open_lazy_mount(lazy_dir: Path, holder: HolderClient, *, wait_s: float = 30.
         if why is None:
             conn = Connection(fd, name, meta)
             holder.keep(name, fd, meta, deposit=False)
-            log.info("taking over the lazy mount at %s (mounted by pid %s)", name,
-                     meta.get("mounted_by"))
+            log.info(
+                "taking over the lazy mount at %s (mounted by pid %s)", name, meta.get("mounted_by")
+            )
             return LazyMount(conn, True)
-        log.warning("the connection the FUSE holder kept for %s cannot be served (%s): "
-                    "mounting anew", name, why)
+        log.warning(
+            "the connection the FUSE holder kept for %s cannot be served (%s): mounting anew",
+            name,
+            why,
+        )
         os.close(fd)
         holder.drop(name)
     if is_mounted(lazy_dir):  # a mount nobody holds: a dead one, or an older version's
@@ -68,8 +71,10 @@ def open_lazy_mount(lazy_dir: Path, holder: HolderClient, *, wait_s: float = 30.
 
 def _unusable(fd: int, meta: dict[str, Any], lazy_dir: Path) -> str | None:
     if meta.get("handoff") != HANDOFF_VERSION:
-        return (f"it was served by a version speaking handoff {meta.get('handoff')}, this one "
-                f"speaks {HANDOFF_VERSION}; running containers on lazy layers lose their files")
+        return (
+            f"it was served by a version speaking handoff {meta.get('handoff')}, this one "
+            f"speaks {HANDOFF_VERSION}; running containers on lazy layers lose their files"
+        )
     if not alive(fd):
         return "the connection ended"
     dev = mount_device(str(lazy_dir))

@@ -75,7 +75,8 @@ def check_diff_id(image: LazyImage, expected_chain: str, parent_chain: str) -> i
         raise FailedPreconditionError(
             f"layer {blob.digest} unpacks to {diff_id}, which does not give its snapshot "
             f"{expected_chain}: the converted image's config names another layer (the image "
-            "is corrupt or was tampered with); remove it from this node")
+            "is corrupt or was tampered with); remove it from this node"
+        )
     return len(frames)
 
 
@@ -116,8 +117,7 @@ def _write_file(image: LazyImage, node: Node, path: bytes) -> int:
         extents = getattr(entry, "sparse", None) or [(0, entry.size)]
         for ext_offset, length in extents:
             for off in range(ext_offset, ext_offset + length, _CHUNK):
-                data = image.read(node, off, min(_CHUNK, ext_offset + length - off),
-                                  record=False)
+                data = image.read(node, off, min(_CHUNK, ext_offset + length - off), record=False)
                 os.pwrite(fd, data, off)
                 written += len(data)
         os.ftruncate(fd, entry.size)  # holes after the last extent

@@ -43,7 +43,8 @@ from prefetch.containerd.errors import (
 SCHEMA_VERSION = 1
 MAX_LABEL_BYTES = 4096  # containerd's limit on one label's key + value (labels.Validate)
 
-_SCHEMA = ("""
+_SCHEMA = (
+    """
 CREATE TABLE snapshots (
     id         INTEGER PRIMARY KEY AUTOINCREMENT,
     name       TEXT NOT NULL UNIQUE CHECK (name <> ''),
@@ -55,7 +56,9 @@ CREATE TABLE snapshots (
     updated_ns INTEGER NOT NULL,
     size       INTEGER NOT NULL DEFAULT 0,
     inodes     INTEGER NOT NULL DEFAULT 0
-)""", "CREATE INDEX snapshots_parent ON snapshots(parent_id)")
+)""",
+    "CREATE INDEX snapshots_parent ON snapshots(parent_id)",
+)
 
 _SELECT = """
 SELECT s.id, s.name, COALESCE(p.name, ''), s.kind, s.labels, s.created_ns, s.updated_ns,
@@ -91,9 +94,18 @@ class SchemaVersionError(RuntimeError):
 
 
 def _row(r: tuple) -> Snapshot:
-    return Snapshot(id=r[0], name=r[1], parent=r[2], kind=Kind(r[3]), labels=json.loads(r[4]),
-                    created_ns=r[5], updated_ns=r[6], source=json.loads(r[7]), size=r[8],
-                    inodes=r[9])
+    return Snapshot(
+        id=r[0],
+        name=r[1],
+        parent=r[2],
+        kind=Kind(r[3]),
+        labels=json.loads(r[4]),
+        created_ns=r[5],
+        updated_ns=r[6],
+        source=json.loads(r[7]),
+        size=r[8],
+        inodes=r[9],
+    )
 
 
 def _check_name(name: str, what: str = "snapshot name") -> None:
@@ -110,7 +122,8 @@ def _check_labels(labels: Mapping[str, str]) -> dict[str, str]:
         if size > MAX_LABEL_BYTES:
             raise InvalidArgumentError(
                 f"label {key[:64]!r}: key and value are {size} bytes, "
-                f"more than the maximum of {MAX_LABEL_BYTES}")
+                f"more than the maximum of {MAX_LABEL_BYTES}"
+            )
         out[key] = value
     return out
 
@@ -139,7 +152,8 @@ class MetadataStore:
         self._lock = threading.RLock()
         self._depth = 0  # transaction nesting; only the lock's owner touches it
         self._conn: sqlite3.Connection | None = sqlite3.connect(
-            self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
+            self.path, isolation_level=None, check_same_thread=False, timeout=30.0
+        )
         try:
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=FULL")
@@ -153,19 +167,23 @@ class MetadataStore:
     def _init_schema(self) -> None:
         with self.transaction():
             db = self._db()
-            db.execute("CREATE TABLE IF NOT EXISTS schema_version ("
-                       "id INTEGER PRIMARY KEY CHECK (id = 1), version INTEGER NOT NULL)")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS schema_version ("
+                "id INTEGER PRIMARY KEY CHECK (id = 1), version INTEGER NOT NULL)"
+            )
             row = db.execute("SELECT version FROM schema_version").fetchone()
             if row is None:
                 for statement in _SCHEMA:  # not executescript(): it would COMMIT first
                     db.execute(statement)
-                db.execute("INSERT INTO schema_version (id, version) VALUES (1, ?)",
-                           (SCHEMA_VERSION,))
+                db.execute(
+                    "INSERT INTO schema_version (id, version) VALUES (1, ?)", (SCHEMA_VERSION,)
+                )
             elif row[0] > SCHEMA_VERSION:
                 raise SchemaVersionError(
                     f"{self.path}: snapshot metadata schema version {row[0]} is newer than "
                     f"this bootseer supports ({SCHEMA_VERSION}); upgrade bootseer, or move "
-                    "the snapshotter's root aside to start empty")
+                    "the snapshotter's root aside to start empty"
+                )
 
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -234,7 +252,10 @@ class MetadataStore:
             " SELECT id, 0 FROM snapshots WHERE name = ?"
             " UNION ALL SELECT s.parent_id, up.depth + 1 FROM snapshots s JOIN up ON s.id = up.id"
             " WHERE s.parent_id IS NOT NULL)"
-            + _SELECT + "JOIN up ON up.id = s.id ORDER BY up.depth", (name,))
+            + _SELECT
+            + "JOIN up ON up.id = s.id ORDER BY up.depth",
+            (name,),
+        )
         if not rows:
             raise NotFoundError(f"snapshot {name!r} not found")
         return rows
@@ -244,8 +265,14 @@ class MetadataStore:
         with self._lock:
             return {r[0] for r in self._db().execute("SELECT id FROM snapshots")}
 
-    def create(self, name: str, parent: str, kind: Kind, labels: Mapping[str, str] | None = None,
-               source: Mapping[str, Any] | None = None) -> Snapshot:
+    def create(
+        self,
+        name: str,
+        parent: str,
+        kind: Kind,
+        labels: Mapping[str, str] | None = None,
+        source: Mapping[str, Any] | None = None,
+    ) -> Snapshot:
         """A new snapshot on ``parent`` ("" for none), which must be committed. ``kind`` may
         be COMMITTED: a remote layer is recorded committed without an active stage."""
         _check_name(name)
@@ -265,17 +292,25 @@ class MetadataStore:
                 if p.kind != Kind.COMMITTED:
                     raise FailedPreconditionError(
                         f"parent snapshot {parent!r} of {name!r} is {p.kind.name.lower()}, "
-                        "not committed")
+                        "not committed"
+                    )
                 parent_id = p.id
             now = time.time_ns()
             self._db().execute(
                 "INSERT INTO snapshots (name, parent_id, kind, labels, source, created_ns,"
                 " updated_ns) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (name, parent_id, int(kind), _json(labels), _json(source or {}), now, now))
+                (name, parent_id, int(kind), _json(labels), _json(source or {}), now, now),
+            )
             return self.get(name)
 
-    def commit(self, key: str, name: str, labels: Mapping[str, str] | None = None,
-               size: int = 0, inodes: int = 0) -> Snapshot:
+    def commit(
+        self,
+        key: str,
+        name: str,
+        labels: Mapping[str, str] | None = None,
+        size: int = 0,
+        inodes: int = 0,
+    ) -> Snapshot:
         """Turn active ``key`` into committed ``name``, keeping its id (its directory).
         ``labels`` replace the active snapshot's, as containerd's own storage does (the
         metadata layer above passes the labels to keep); created and updated become now
@@ -287,7 +322,8 @@ class MetadataStore:
                 raise NotFoundError(f"active snapshot {key!r} not found")
             if snap.kind != Kind.ACTIVE:
                 raise FailedPreconditionError(
-                    f"snapshot {key!r} is {snap.kind.name.lower()}, not active")
+                    f"snapshot {key!r} is {snap.kind.name.lower()}, not active"
+                )
             if self.find(name) is not None:
                 raise AlreadyExistsError(f"snapshot {name!r} already exists")
             merged = _check_labels(dict(labels or {}))
@@ -295,7 +331,8 @@ class MetadataStore:
             self._db().execute(
                 "UPDATE snapshots SET name = ?, kind = ?, labels = ?, size = ?, inodes = ?,"
                 " created_ns = ?, updated_ns = ? WHERE id = ?",
-                (name, int(Kind.COMMITTED), _json(merged), size, inodes, now, now, snap.id))
+                (name, int(Kind.COMMITTED), _json(merged), size, inodes, now, now, snap.id),
+            )
             return self.get(name)
 
     def remove(self, name: str) -> Snapshot:
@@ -308,12 +345,14 @@ class MetadataStore:
                 shown = ", ".join(repr(k) for k in kids[:10])
                 more = f" and {len(kids) - 10} more" if len(kids) > 10 else ""
                 raise FailedPreconditionError(
-                    f"cannot remove snapshot {name!r}: it has children {shown}{more}")
+                    f"cannot remove snapshot {name!r}: it has children {shown}{more}"
+                )
             self._db().execute("DELETE FROM snapshots WHERE id = ?", (snap.id,))
             return snap
 
-    def update(self, name: str, labels: Mapping[str, str],
-               fieldpaths: Sequence[str] = ()) -> Snapshot:
+    def update(
+        self, name: str, labels: Mapping[str, str], fieldpaths: Sequence[str] = ()
+    ) -> Snapshot:
         """containerd's Update: no fieldpaths or "labels" replaces every label; "labels.<k>"
         sets k from ``labels``, or deletes k when ``labels`` lacks it."""
         with self.transaction():
@@ -325,7 +364,7 @@ class MetadataStore:
                 if path == "labels":
                     new = dict(labels)
                 elif path.startswith("labels.") and len(path) > len("labels."):
-                    key = path[len("labels."):]
+                    key = path[len("labels.") :]
                     if key in labels:
                         new[key] = labels[key]
                     else:
@@ -333,19 +372,22 @@ class MetadataStore:
                 else:
                     raise InvalidArgumentError(
                         f"snapshot {name!r}: cannot update field {path!r} "
-                        "(only \"labels\" and \"labels.<key>\")")
+                        '(only "labels" and "labels.<key>")'
+                    )
             new = _check_labels(new)
             self._db().execute(
                 "UPDATE snapshots SET labels = ?, updated_ns = ? WHERE id = ?",
-                (_json(new), time.time_ns(), snap.id))
+                (_json(new), time.time_ns(), snap.id),
+            )
             return self.get(name)
 
     def set_source(self, name: str, source: Mapping[str, Any]) -> None:
         """Replace the snapshotter-private ``source`` (not visible to containerd)."""
         with self.transaction():
             snap = self.get(name)
-            self._db().execute("UPDATE snapshots SET source = ? WHERE id = ?",
-                               (_json(source), snap.id))
+            self._db().execute(
+                "UPDATE snapshots SET source = ? WHERE id = ?", (_json(source), snap.id)
+            )
 
     def close(self) -> None:
         with self._lock:

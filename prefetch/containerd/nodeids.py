@@ -23,8 +23,9 @@ _MASK = (1 << VIEW_SHIFT) - 1
 
 
 def _hash(path: str) -> int:
-    return int.from_bytes(hashlib.blake2b(path.encode("utf-8", "surrogateescape"),
-                                         digest_size=5).digest(), "little")
+    return int.from_bytes(
+        hashlib.blake2b(path.encode("utf-8", "surrogateescape"), digest_size=5).digest(), "little"
+    )
 
 
 class ViewNodeIds:

@@ -58,11 +58,18 @@ def chain_ids(diff_ids: list[str]) -> list[str]:
     return out
 
 
-def pull_image(reference: str, address: str, *, namespace: str = "default",
-               snapshotter: str = "bootseer", platform: str = "linux/amd64",
-               registry_options: dict[str, Any] | None = None,
-               client: ContainerdClient | None = None, local: bool = False,
-               local_timeout_s: float = 3600.0) -> PullResult:
+def pull_image(
+    reference: str,
+    address: str,
+    *,
+    namespace: str = "default",
+    snapshotter: str = "bootseer",
+    platform: str = "linux/amd64",
+    registry_options: dict[str, Any] | None = None,
+    client: ContainerdClient | None = None,
+    local: bool = False,
+    local_timeout_s: float = 3600.0,
+) -> PullResult:
     """Pull ``reference`` into the containerd at ``address`` (see the module docstring).
     ``local``: then every lazy layer fetched whole and written out on the node (the
     snapshotter's :data:`labels.LOCAL`): containers start from local files at overlayfs's
@@ -86,52 +93,87 @@ def pull_image(reference: str, address: str, *, namespace: str = "default",
             if len(diff_ids) != len(layers) or not layers:
                 raise InvalidArgumentError(
                     f"{reference}: {len(layers)} layers but {len(diff_ids)} diff_ids in its "
-                    "config: the image is malformed")
+                    "config: the image is malformed"
+                )
             chains = chain_ids(diff_ids)
             phases["resolve"] = time.perf_counter() - t
             result = PullResult(name, manifest.digest, chains[-1])
             ctd.ensure_namespace()
             with ctd.lease() as leased:
                 t = time.perf_counter()
-                leased.write_content(config_bytes, digest=config_desc["digest"],
-                                     size=len(config_bytes), labels={
-                                         f"containerd.io/gc.ref.snapshot.{snapshotter}":
-                                             chains[-1]})
+                leased.write_content(
+                    config_bytes,
+                    digest=config_desc["digest"],
+                    size=len(config_bytes),
+                    labels={f"containerd.io/gc.ref.snapshot.{snapshotter}": chains[-1]},
+                )
                 refs = {"containerd.io/gc.ref.content.config": config_desc["digest"]}
                 for i, layer in enumerate(layers):
                     refs[f"containerd.io/gc.ref.content.l.{i}"] = layer["digest"]
-                leased.write_content(manifest.data, digest=manifest.digest,
-                                     size=len(manifest.data), labels=refs)
+                leased.write_content(
+                    manifest.data, digest=manifest.digest, size=len(manifest.data), labels=refs
+                )
                 phases["content"] = time.perf_counter() - t
                 t = time.perf_counter()
                 layer_digests = ",".join(layer["digest"] for layer in layers)
                 for i, layer in enumerate(layers):
-                    _unpack_layer(leased, reg, ref, snapshotter, manifest.digest, layer,
-                                  diff_ids[i], chains[i], chains[i - 1] if i else "",
-                                  layer_digests, result)
+                    _unpack_layer(
+                        leased,
+                        reg,
+                        ref,
+                        snapshotter,
+                        manifest.digest,
+                        layer,
+                        diff_ids[i],
+                        chains[i],
+                        chains[i - 1] if i else "",
+                        layer_digests,
+                        result,
+                    )
                 phases["layers"] = time.perf_counter() - t
                 target = Descriptor(manifest.media_type, manifest.digest, len(manifest.data))
                 leased.put_image(name, target)
                 if local:
                     t = time.perf_counter()
-                    leased.update_snapshot_labels(snapshotter, chains[-1], {lbl.LOCAL: "1"},
-                                                  timeout_s=local_timeout_s)
+                    leased.update_snapshot_labels(
+                        snapshotter, chains[-1], {lbl.LOCAL: "1"}, timeout_s=local_timeout_s
+                    )
                     phases["local"] = time.perf_counter() - t
     finally:
         if own_client:
             ctd.close()
     result.phases = phases
     result.seconds = time.perf_counter() - started
-    log.info("pulled %s: %d lazy, %d unpacked, %d present layers in %.2f s", name,
-             result.lazy_layers, result.unpacked_layers, result.present_layers, result.seconds)
+    log.info(
+        "pulled %s: %d lazy, %d unpacked, %d present layers in %.2f s",
+        name,
+        result.lazy_layers,
+        result.unpacked_layers,
+        result.present_layers,
+        result.seconds,
+    )
     return result
 
 
-def _unpack_layer(ctd: ContainerdClient, reg: SyncRegistry, ref: Reference, snapshotter: str,
-                  manifest_digest: str, layer: dict[str, Any], diff_id: str, chain_id: str,
-                  parent: str, layer_digests: str, result: PullResult) -> None:
-    labels = {lbl.SNAPSHOT_REF: chain_id, lbl.IMAGE_REF: str(ref),
-              lbl.MANIFEST_DIGEST: manifest_digest, lbl.LAYER_DIGEST: layer["digest"]}
+def _unpack_layer(
+    ctd: ContainerdClient,
+    reg: SyncRegistry,
+    ref: Reference,
+    snapshotter: str,
+    manifest_digest: str,
+    layer: dict[str, Any],
+    diff_id: str,
+    chain_id: str,
+    parent: str,
+    layer_digests: str,
+    result: PullResult,
+) -> None:
+    labels = {
+        lbl.SNAPSHOT_REF: chain_id,
+        lbl.IMAGE_REF: str(ref),
+        lbl.MANIFEST_DIGEST: manifest_digest,
+        lbl.LAYER_DIGEST: layer["digest"],
+    }
     if len(layer_digests) < 3500:  # containerd limits a label to 4 KiB, as CRI does
         labels[lbl.IMAGE_LAYERS] = layer_digests
     key = f"extract-{secrets.token_hex(6)}-{chain_id}"
@@ -146,14 +188,16 @@ def _unpack_layer(ctd: ContainerdClient, reg: SyncRegistry, ref: Reference, snap
         return
     try:
         desc = Descriptor(layer["mediaType"], layer["digest"], int(layer["size"]))
-        ctd.write_content(reg.iter_blob(ref.repository, desc.digest), digest=desc.digest,
-                          size=desc.size)
+        ctd.write_content(
+            reg.iter_blob(ref.repository, desc.digest), digest=desc.digest, size=desc.size
+        )
         result.bytes_downloaded += desc.size
         applied = ctd.apply_diff(desc, mounts)
         if applied.digest != diff_id:
             raise ContainerdError(
                 f"layer {desc.digest} of {ref} unpacks to {applied.digest}, but the image "
-                f"config says {diff_id}: the image is corrupt or was tampered with")
+                f"config says {diff_id}: the image is corrupt or was tampered with"
+            )
         ctd.commit_snapshot(snapshotter, chain_id, key, {lbl.SNAPSHOT_REF: chain_id})
         result.unpacked_layers += 1
     except BaseException:

@@ -67,6 +67,7 @@ from .labels import LayerRequest
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class RemoteLayer:
     """A converted layer: where it lives, its index and its frame table."""
@@ -81,8 +82,14 @@ class RemoteLayer:
 
     def source(self) -> dict[str, Any]:
         """What the snapshot's metadata keeps to serve this layer again after a restart."""
-        return {"remote": True, "digest": self.digest, "size": self.size,
-                "ref": self.image_ref, "manifest": self.manifest, "index": self.index_digest}
+        return {
+            "remote": True,
+            "digest": self.digest,
+            "size": self.size,
+            "ref": self.image_ref,
+            "manifest": self.manifest,
+            "index": self.index_digest,
+        }
 
 
 @dataclass
@@ -100,12 +107,19 @@ class _Image:
 class RemoteLayers:
     """The registry side of the snapshotter (thread-safe: gRPC and FUSE threads call in)."""
 
-    def __init__(self, root: str | os.PathLike, *, cache_bytes: int = 64 << 30,
-                 connections: int = 16, record_timeout_s: float = 120.0,
-                 push_profiles: bool = True, prefetch: bool = True,
-                 registry_options: dict[str, Any] | None = None,
-                 registry_config_path: str | os.PathLike | None = None,
-                 unreadable_retry_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        cache_bytes: int = 64 << 30,
+        connections: int = 16,
+        record_timeout_s: float = 120.0,
+        push_profiles: bool = True,
+        prefetch: bool = True,
+        registry_options: dict[str, Any] | None = None,
+        registry_config_path: str | os.PathLike | None = None,
+        unreadable_retry_s: float = 30.0,
+    ) -> None:
         self.root = make_dir(root, tighten=True)  # 0700, and each directory in it
         for sub in ("manifests", "indexes", "profiles", "cache"):
             make_dir(self.root / sub, tighten=True)
@@ -128,8 +142,13 @@ class RemoteLayers:
         self._lock = threading.RLock()
         self._layer_locks: dict[tuple[str, str, str, str], threading.Lock] = {}
         self.cache = BlockCache(self.root / "cache", cache_bytes)
-        self.fetcher = FrameFetcher(self._read_range, self.cache, connections=connections,
-                                    on_access=self._on_access, retries=0)
+        self.fetcher = FrameFetcher(
+            self._read_range,
+            self.cache,
+            connections=connections,
+            on_access=self._on_access,
+            retries=0,
+        )
         self.saved_profiles: list[str] = []  # manifest digests whose profile was stored
 
     # -- registry plumbing -------------------------------------------------------------------
@@ -138,17 +157,24 @@ class RemoteLayers:
         reads that file at every pull, so a pull (``reread_hosts``) reads it again."""
         with self._lock:
             reg = self._registries.get(registry)
-        hosts = (registry_hosts(self.registry_config_path, registry)
-                 if reg is None or reread_hosts else reg.hosts)
+        hosts = (
+            registry_hosts(self.registry_config_path, registry)
+            if reg is None or reread_hosts
+            else reg.hosts
+        )
         with self._lock:
             reg = self._registries.get(registry)
             if reg is None or reg.hosts != hosts:
                 if reg is not None:
                     self._retired.append(reg)  # reads in flight may still use it
-                    log.info("registry %s: hosts now %s", registry,
-                             ", ".join(h.url for h in hosts) or "none")
-                reg = self._registries[registry] = RegistryHosts(registry, hosts,
-                                                                 **self._registry_options)
+                    log.info(
+                        "registry %s: hosts now %s",
+                        registry,
+                        ", ".join(h.url for h in hosts) or "none",
+                    )
+                reg = self._registries[registry] = RegistryHosts(
+                    registry, hosts, **self._registry_options
+                )
             return reg
 
     def _read_range(self, digest: str, start: int, end: int) -> bytes:
@@ -156,8 +182,8 @@ class RemoteLayers:
 
     def _blob_reader(self, ref: Reference, digest: str) -> Any:
         def read_range(start: int, end: int) -> bytes:
-            return self._registry(ref.registry).get_blob_range(ref.repository, digest, start,
-                                                                end)
+            return self._registry(ref.registry).get_blob_range(ref.repository, digest, start, end)
+
         return read_range
 
     # -- images and layers -------------------------------------------------------------------
@@ -181,7 +207,8 @@ class RemoteLayers:
             if manifest.is_index:
                 raise InvalidArgumentError(
                     f"{image_ref}@{manifest.digest} is an index, not an image manifest: "
-                    "label the layer with the platform's manifest digest")
+                    "label the layer with the platform's manifest digest"
+                )
             self._store_manifest(manifest, image_ref)
         layers = manifest.parsed.get("layers")
         if not isinstance(layers, list):
@@ -190,25 +217,31 @@ class RemoteLayers:
             image = self._images.setdefault(manifest.digest, _Image(ref, manifest, layers))
         return image
 
-    def _read_manifest(self, ref: Reference, image_ref: str, manifest_digest: str | None
-                       ) -> Manifest:
+    def _read_manifest(
+        self, ref: Reference, image_ref: str, manifest_digest: str | None
+    ) -> Manifest:
         """The manifest from the registry. A failure is remembered for ``unreadable_retry_s``
         so that the other layers of the pull do not wait for the registry again: for that
         manifest, or for the whole registry when it could not be reached at all."""
         key = (ref.registry, manifest_digest or str(ref))
         now = time.monotonic()
         with self._lock:
-            self._unreadable = {k: v for k, v in self._unreadable.items()
-                                if now - v[0] < self.unreadable_retry_s}
+            self._unreadable = {
+                k: v for k, v in self._unreadable.items() if now - v[0] < self.unreadable_retry_s
+            }
             failed = self._unreadable.get(key) or self._unreadable.get((ref.registry, ""))
         if failed is not None:
             raise UnavailableError(
                 f"cannot read the manifest of {image_ref}: {failed[1]} ({now - failed[0]:.1f} s "
-                f"ago; not tried again for {self.unreadable_retry_s:.0f} s)")
+                f"ago; not tried again for {self.unreadable_retry_s:.0f} s)"
+            )
         reg = self._registry(ref.registry, reread_hosts=True)
         try:
-            manifest = (reg.get_manifest(ref.repository, manifest_digest)
-                        if manifest_digest is not None else reg.resolve_image(ref))
+            manifest = (
+                reg.get_manifest(ref.repository, manifest_digest)
+                if manifest_digest is not None
+                else reg.resolve_image(ref)
+            )
         except Exception as exc:  # noqa: BLE001 - a registry error of any kind
             with self._lock:
                 self._unreadable[key] = (time.monotonic(), str(exc))
@@ -223,8 +256,7 @@ class RemoteLayers:
         return self.root / "manifests" / digest.replace(":", "-")
 
     def _store_manifest(self, manifest: Manifest, image_ref: str) -> None:
-        doc = {"media_type": manifest.media_type, "ref": image_ref,
-               "data": manifest.data.decode()}
+        doc = {"media_type": manifest.media_type, "ref": image_ref, "data": manifest.data.decode()}
         _write_atomic(self._manifest_path(manifest.digest), json.dumps(doc).encode())
 
     def _load_manifest(self, digest: str) -> Manifest | None:
@@ -241,20 +273,28 @@ class RemoteLayers:
         """The converted layer the request names, or None when it is not in the bootseer
         format (then containerd unpacks it the normal way)."""
         image = self.image(request.image_ref, request.manifest_digest)
-        desc = next((d for d in image.layers if isinstance(d, dict)
-                     and d.get("digest") == request.layer_digest), None)
+        desc = next(
+            (
+                d
+                for d in image.layers
+                if isinstance(d, dict) and d.get("digest") == request.layer_digest
+            ),
+            None,
+        )
         if desc is None:
             raise InvalidArgumentError(
                 f"layer {request.layer_digest} is not a layer of {request.image_ref} "
-                f"({image.manifest.digest})")
+                f"({image.manifest.digest})"
+            )
         size = desc.get("size")
         if not isinstance(size, int) or size < 0:
             raise InvalidArgumentError(f"layer {request.layer_digest}: invalid size {size!r}")
         index_digest = _index_digest(request.layer_digest, desc, image.manifest.digest)
         if index_digest is None:
             return None
-        layer = self._open_layer(request.layer_digest, size, request.image_ref,
-                                 image.manifest.digest, index_digest)
+        layer = self._open_layer(
+            request.layer_digest, size, request.image_ref, image.manifest.digest, index_digest
+        )
         self._start_image(image)
         return layer
 
@@ -266,8 +306,14 @@ class RemoteLayers:
             image = self.image(request.image_ref, request.manifest_digest)
         except (UnavailableError, InvalidArgumentError):
             return None
-        desc = next((d for d in image.layers if isinstance(d, dict)
-                     and d.get("digest") == request.layer_digest), None)
+        desc = next(
+            (
+                d
+                for d in image.layers
+                if isinstance(d, dict) and d.get("digest") == request.layer_digest
+            ),
+            None,
+        )
         if desc is None:
             return None
         return _index_digest(request.layer_digest, desc, image.manifest.digest) is not None
@@ -280,17 +326,20 @@ class RemoteLayers:
         index_digest = source.get("index")
         if not isinstance(index_digest, str):
             image = self.image(source["ref"], manifest)
-            desc = next((d for d in image.layers if isinstance(d, dict)
-                         and d.get("digest") == digest), {})
+            desc = next(
+                (d for d in image.layers if isinstance(d, dict) and d.get("digest") == digest), {}
+            )
             index_digest = _index_digest(digest, desc, manifest)
             if index_digest is None:
-                raise FailedPreconditionError(f"layer {digest} of {manifest}: no index digest "
-                                              "in its manifest: it cannot be served lazily")
-        return self._open_layer(digest, int(source["size"]), source["ref"], manifest,
-                                index_digest)
+                raise FailedPreconditionError(
+                    f"layer {digest} of {manifest}: no index digest "
+                    "in its manifest: it cannot be served lazily"
+                )
+        return self._open_layer(digest, int(source["size"]), source["ref"], manifest, index_digest)
 
-    def _open_layer(self, digest: str, size: int, image_ref: str, manifest: str,
-                    index_digest: str) -> RemoteLayer:
+    def _open_layer(
+        self, digest: str, size: int, image_ref: str, manifest: str, index_digest: str
+    ) -> RemoteLayer:
         ref = Reference.parse(image_ref)
         key = (digest, index_digest, ref.registry, ref.repository)
         with self._lock:
@@ -309,15 +358,29 @@ class RemoteLayers:
             except NotConvertedError:
                 raise FailedPreconditionError(
                     f"layer {digest} of {image_ref} is annotated {FORMAT_VALUE} but has no "
-                    "bootseer index: convert the image again (bootseer image convert)") from None
+                    "bootseer index: convert the image again (bootseer image convert)"
+                ) from None
             except LayerFormatError as exc:
                 raise FailedPreconditionError(f"layer {digest} of {image_ref}: {exc}") from None
             except (OSError, RuntimeError, RegistryError) as exc:
-                raise UnavailableError(f"cannot read the index of layer {digest} of "
-                                       f"{image_ref}: {exc}") from None
-            layer = RemoteLayer(digest, size, image_ref, manifest, index_digest, index,
-                                Blob(digest, index.frames, index_digest=index_digest,
-                                     check=index.verify_frame, source=read_range))
+                raise UnavailableError(
+                    f"cannot read the index of layer {digest} of {image_ref}: {exc}"
+                ) from None
+            layer = RemoteLayer(
+                digest,
+                size,
+                image_ref,
+                manifest,
+                index_digest,
+                index,
+                Blob(
+                    digest,
+                    index.frames,
+                    index_digest=index_digest,
+                    check=index.verify_frame,
+                    source=read_range,
+                ),
+            )
             with self._lock:
                 self._layers[key] = layer
             return layer
@@ -336,27 +399,37 @@ class RemoteLayers:
                 return LayerIndex.from_tail(tail, size, digest, index_digest=index_digest)
         except (OSError, LayerFormatError, ValueError) as exc:
             if not isinstance(exc, FileNotFoundError):
-                log.warning("index cache %s: %s; reading it from the registry again", path.name,
-                            exc)
+                log.warning(
+                    "index cache %s: %s; reading it from the registry again", path.name, exc
+                )
         tail = LayerIndex.fetch_tail(read_range, size, digest)
         index = LayerIndex.from_tail(tail, size, digest, index_digest=index_digest)
-        _write_atomic(path, tail[index.toc_offset - (size - len(tail)):])  # verified bytes only
+        _write_atomic(path, tail[index.toc_offset - (size - len(tail)) :])  # verified bytes only
         return index
 
-    def lazy_image(self, layers: Iterable[RemoteLayer], *, overlay: bool,
-                   below: Callable[[str], LowerDir | None] | None = None,
-                   keep_whiteouts: bool = False) -> LazyImage:
+    def lazy_image(
+        self,
+        layers: Iterable[RemoteLayer],
+        *,
+        overlay: bool,
+        below: Callable[[str], LowerDir | None] | None = None,
+        keep_whiteouts: bool = False,
+    ) -> LazyImage:
         """The merged tree of ``layers`` (lowest first), read through the shared fetcher
         (``overlay``, ``below``, ``keep_whiteouts``: :func:`prefetch.merge.merge_layers`)."""
-        return LazyImage([Layer(layer.index, layer.blob) for layer in layers], self.fetcher,
-                         overlay=overlay, below=below, keep_whiteouts=keep_whiteouts)
+        return LazyImage(
+            [Layer(layer.index, layer.blob) for layer in layers],
+            self.fetcher,
+            overlay=overlay,
+            below=below,
+            keep_whiteouts=keep_whiteouts,
+        )
 
     def release(self, digest: str, index_digest: str | None = None) -> int:
         """Forget a layer no snapshot uses any more: its cached frames and index go (every
         index of the digest when ``index_digest`` is None)."""
         with self._lock:
-            keys = [k for k in self._layers if k[0] == digest
-                    and index_digest in (None, k[1])]
+            keys = [k for k in self._layers if k[0] == digest and index_digest in (None, k[1])]
             layers = [self._layers.pop(k) for k in keys]
             for k in keys:
                 self._layer_locks.pop(k, None)
@@ -372,8 +445,12 @@ class RemoteLayers:
             if image.profile_checked:
                 return
             image.profile_checked = True
-        threading.Thread(target=self._profile_or_record, args=(image,), daemon=True,
-                         name=f"profile-{image.manifest.digest[7:19]}").start()
+        threading.Thread(
+            target=self._profile_or_record,
+            args=(image,),
+            daemon=True,
+            name=f"profile-{image.manifest.digest[7:19]}",
+        ).start()
 
     def _profile_or_record(self, image: _Image) -> None:
         profile = self._local_profile(image.manifest.digest) if self.prefetch_enabled else None
@@ -389,8 +466,12 @@ class RemoteLayers:
         with image.lock:
             image.recorder, image.timer = recorder, timer
         timer.start()
-        log.info("recording the start of %s (%s) until ready or %.0f s", image.ref,
-                 image.manifest.digest[:19], self.record_timeout_s)
+        log.info(
+            "recording the start of %s (%s) until ready or %.0f s",
+            image.ref,
+            image.manifest.digest[:19],
+            self.record_timeout_s,
+        )
 
     def _prefetch(self, image: _Image, profile: Profile) -> None:
         blobs = []
@@ -400,8 +481,13 @@ class RemoteLayers:
                 index_digest = _index_digest(digest, desc, image.manifest.digest)
                 if index_digest is None:
                     continue  # unpacked the normal way: nothing to prefetch
-                layer = self._open_layer(digest, int(desc.get("size", 0)), str(image.ref),
-                                         image.manifest.digest, index_digest)
+                layer = self._open_layer(
+                    digest,
+                    int(desc.get("size", 0)),
+                    str(image.ref),
+                    image.manifest.digest,
+                    index_digest,
+                )
             except Exception as exc:  # noqa: BLE001 - prefetch is an optimization
                 log.warning("prefetch of %s: layer %s skipped: %s", image.ref, digest, exc)
                 continue
@@ -409,16 +495,20 @@ class RemoteLayers:
         plan, full = plan_prefetch(profile, blobs)
         queued = self.fetcher.prefetch(plan)
         image.prefetched = queued
-        log.info("prefetching %d frames of %s (profile of %d frames%s)", queued, image.ref,
-                 len(profile.frames), ", then the rest" if full else "")
+        log.info(
+            "prefetching %d frames of %s (profile of %d frames%s)",
+            queued,
+            image.ref,
+            len(profile.frames),
+            ", then the rest" if full else "",
+        )
 
     def _on_access(self, blob: Blob, frame: int, t: float) -> None:
         with self._lock:
             images = list(self._images.values())
         for image in images:
             recorder = image.recorder
-            if recorder is not None and any(d.get("digest") == blob.digest
-                                            for d in image.layers):
+            if recorder is not None and any(d.get("digest") == blob.digest for d in image.layers):
                 recorder(blob, frame, t)
 
     def ready(self, digests: Iterable[str]) -> int:
@@ -426,11 +516,15 @@ class RemoteLayers:
         recordings of those images (returns how many were finished)."""
         wanted = set(digests)
         with self._lock:
-            images = [i for i in self._images.values() if i.recorder is not None
-                      and any(d.get("digest") in wanted for d in i.layers)]
+            images = [
+                i
+                for i in self._images.values()
+                if i.recorder is not None and any(d.get("digest") in wanted for d in i.layers)
+            ]
         for image in images:
-            threading.Thread(target=self._finish_recording, args=(image, "ready"),
-                             daemon=True).start()
+            threading.Thread(
+                target=self._finish_recording, args=(image, "ready"), daemon=True
+            ).start()
         return len(images)
 
     def _finish_recording(self, image: _Image, why: str) -> None:
@@ -442,8 +536,13 @@ class RemoteLayers:
         if timer is not None:
             timer.cancel()
         profile = recorder.stop()
-        log.info("recorded %d frames of %s (%s after %.1f s)", len(profile.frames), image.ref,
-                 why, profile.duration_s)
+        log.info(
+            "recorded %d frames of %s (%s after %.1f s)",
+            len(profile.frames),
+            image.ref,
+            why,
+            profile.duration_s,
+        )
         if not profile.frames:
             return
         _write_atomic(self._profile_path(image.manifest.digest), profile.to_bytes())

@@ -44,8 +44,7 @@ _KIND_NAMES = {1: "view", 2: "active", 3: "committed"}
 
 
 def _mounts(specs: list[MountSpec]) -> list[mount_pb2.Mount]:
-    return [mount_pb2.Mount(type=m.type, source=m.source, options=list(m.options))
-            for m in specs]
+    return [mount_pb2.Mount(type=m.type, source=m.source, options=list(m.options)) for m in specs]
 
 
 def _timestamp(ns: int) -> timestamp_pb2.Timestamp:
@@ -53,9 +52,14 @@ def _timestamp(ns: int) -> timestamp_pb2.Timestamp:
 
 
 def info_to_proto(snap: Snapshot) -> pb.Info:
-    return pb.Info(name=snap.name, parent=snap.parent, kind=int(snap.kind),
-                   created_at=_timestamp(snap.created_ns), updated_at=_timestamp(snap.updated_ns),
-                   labels=snap.labels)
+    return pb.Info(
+        name=snap.name,
+        parent=snap.parent,
+        kind=int(snap.kind),
+        created_at=_timestamp(snap.created_ns),
+        updated_at=_timestamp(snap.updated_ns),
+        labels=snap.labels,
+    )
 
 
 class SnapshotsService(pb_grpc.SnapshotsServicer):
@@ -77,13 +81,25 @@ class SnapshotsService(pb_grpc.SnapshotsServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"{what}: {type(exc).__name__}: {exc}")
 
     def Prepare(self, request: Any, context: grpc.ServicerContext) -> Any:
-        specs = self._call(context, f"prepare {request.key!r}", self.sn.prepare, request.key,
-                           request.parent, dict(request.labels))
+        specs = self._call(
+            context,
+            f"prepare {request.key!r}",
+            self.sn.prepare,
+            request.key,
+            request.parent,
+            dict(request.labels),
+        )
         return pb.PrepareSnapshotResponse(mounts=_mounts(specs))
 
     def View(self, request: Any, context: grpc.ServicerContext) -> Any:
-        specs = self._call(context, f"view {request.key!r}", self.sn.view, request.key,
-                           request.parent, dict(request.labels))
+        specs = self._call(
+            context,
+            f"view {request.key!r}",
+            self.sn.view,
+            request.key,
+            request.parent,
+            dict(request.labels),
+        )
         return pb.ViewSnapshotResponse(mounts=_mounts(specs))
 
     def Mounts(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -91,8 +107,14 @@ class SnapshotsService(pb_grpc.SnapshotsServicer):
         return pb.MountsResponse(mounts=_mounts(specs))
 
     def Commit(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self._call(context, f"commit {request.key!r} as {request.name!r}", self.sn.commit,
-                   request.name, request.key, dict(request.labels))
+        self._call(
+            context,
+            f"commit {request.key!r} as {request.name!r}",
+            self.sn.commit,
+            request.name,
+            request.key,
+            dict(request.labels),
+        )
         return empty_pb2.Empty()
 
     def Remove(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -105,8 +127,14 @@ class SnapshotsService(pb_grpc.SnapshotsServicer):
 
     def Update(self, request: Any, context: grpc.ServicerContext) -> Any:
         paths = list(request.update_mask.paths) if request.HasField("update_mask") else []
-        snap = self._call(context, f"update {request.info.name!r}", self.sn.update,
-                          request.info.name, dict(request.info.labels), paths)
+        snap = self._call(
+            context,
+            f"update {request.info.name!r}",
+            self.sn.update,
+            request.info.name,
+            dict(request.info.labels),
+            paths,
+        )
         return pb.UpdateSnapshotResponse(info=info_to_proto(snap))
 
     def List(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -132,20 +160,30 @@ class SnapshotsService(pb_grpc.SnapshotsServicer):
 def start_grpc(snapshotter: Snapshotter, address: str, *, workers: int = 32) -> grpc.Server:
     """Serve the snapshots API on the unix socket ``address``, mode 0600 whatever the umask
     (bound privately, then renamed into place: unixsock.private_socket)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
-                                                    thread_name_prefix="snapshots"))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snapshots")
+    )
     pb_grpc.add_SnapshotsServicer_to_server(SnapshotsService(snapshotter), server)
     with private_socket(address) as bound:
         if server.add_insecure_port(f"unix://{bound}") == 0:
-            raise OSError(f"cannot listen on unix socket {bound} (for {address}; a unix "
-                          "socket path has at most 107 bytes)")
+            raise OSError(
+                f"cannot listen on unix socket {bound} (for {address}; a unix "
+                "socket path has at most 107 bytes)"
+            )
     server.start()
     return server
 
 
-def serve(root: str | os.PathLike, address: str, *, remote_options: dict[str, Any] | None = None,
-          ready: threading.Event | None = None, holder: str | None = None,
-          spawn_holder: bool = True, takeover_wait_s: float = 30.0) -> int:
+def serve(
+    root: str | os.PathLike,
+    address: str,
+    *,
+    remote_options: dict[str, Any] | None = None,
+    ready: threading.Event | None = None,
+    holder: str | None = None,
+    spawn_holder: bool = True,
+    takeover_wait_s: float = 30.0,
+) -> int:
     """Run the snapshotter until SIGTERM/SIGINT/SIGHUP (or an unmount of its lazy directory),
     under umask 077 (the caller's is put back after). ``holder``: the FUSE holder's socket
     (default: ``fuse-holder.sock`` beside ``address``); one is started when none runs unless
@@ -153,10 +191,12 @@ def serve(root: str | os.PathLike, address: str, *, remote_options: dict[str, An
     predecessor still serving the root is waited for."""
     umask = os.umask(0o077)
     try:
-        client = HolderClient(holder or default_holder(address), spawn=spawn_holder,
-                              timeout_s=10.0 if spawn_holder else 60.0)
-        return _serve(Path(root).resolve(), address, remote_options, ready, client,
-                      takeover_wait_s)
+        client = HolderClient(
+            holder or default_holder(address),
+            spawn=spawn_holder,
+            timeout_s=10.0 if spawn_holder else 60.0,
+        )
+        return _serve(Path(root).resolve(), address, remote_options, ready, client, takeover_wait_s)
     finally:
         os.umask(umask)
 
@@ -165,9 +205,14 @@ def default_holder(address: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(address)), "fuse-holder.sock")
 
 
-def _serve(root: Path, address: str, remote_options: dict[str, Any] | None,
-           ready: threading.Event | None, holder: HolderClient, takeover_wait_s: float
-           ) -> int:
+def _serve(
+    root: Path,
+    address: str,
+    remote_options: dict[str, Any] | None,
+    ready: threading.Event | None,
+    holder: HolderClient,
+    takeover_wait_s: float,
+) -> int:
     from .fuseserver import FuseServer
     from .lazymount import open_lazy_mount
     from .remote import RemoteLayers
@@ -183,9 +228,9 @@ def _serve(root: Path, address: str, remote_options: dict[str, Any] | None,
     views = ViewOperations()
     views.mounted_at = lazy.conn.meta.get("mounted_at", views.mounted_at)
     try:  # every lazy snapshot is registered before the first request is read
-        snapshotter = Snapshotter(root, remote=RemoteLayers(root / "remote",
-                                                            **(remote_options or {})),
-                                  views=views)
+        snapshotter = Snapshotter(
+            root, remote=RemoteLayers(root / "remote", **(remote_options or {})), views=views
+        )
     except BaseException:
         holder.close()
         lazy.conn.close()
@@ -198,8 +243,12 @@ def _serve(root: Path, address: str, remote_options: dict[str, Any] | None,
     server: grpc.Server | None = None
     try:
         server = start_grpc(snapshotter, address)
-        log.info("bootseer snapshotter serving %s (root %s, lazy mount %s)", address, root,
-                 "taken over" if lazy.resumed else "new")
+        log.info(
+            "bootseer snapshotter serving %s (root %s, lazy mount %s)",
+            address,
+            root,
+            "taken over" if lazy.resumed else "new",
+        )
         if ready is not None:
             ready.set()
         _wait(fuse)

@@ -95,8 +95,13 @@ def _complete(snap: Snapshot) -> bool:
 class Snapshotter:
     """containerd's snapshots API over a root directory (thread-safe)."""
 
-    def __init__(self, root: str | os.PathLike, *, remote: RemoteLayers | None = None,
-                 views: ViewOperations | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        remote: RemoteLayers | None = None,
+        views: ViewOperations | None = None,
+    ) -> None:
         self.root = make_dir(Path(root).resolve(), tighten=True)
         make_dir(self.root / "snapshots", tighten=True)
         self.lazy_dir = self.root / "lazy"
@@ -142,9 +147,18 @@ class Snapshotter:
         if snap.kind == Kind.ACTIVE:
             if not lowers:
                 return [MountSpec("bind", str(base / "fs"), ("rw", "rbind"))]
-            return [MountSpec("overlay", "overlay", (
-                "index=off", f"workdir={base / 'work'}", f"upperdir={base / 'fs'}",
-                "lowerdir=" + ":".join(lowers)))]
+            return [
+                MountSpec(
+                    "overlay",
+                    "overlay",
+                    (
+                        "index=off",
+                        f"workdir={base / 'work'}",
+                        f"upperdir={base / 'fs'}",
+                        "lowerdir=" + ":".join(lowers),
+                    ),
+                )
+            ]
         if snap.kind == Kind.VIEW or snap.kind == Kind.COMMITTED:
             if not lowers:
                 return [MountSpec("bind", str(base / "fs"), ("ro", "rbind"))]
@@ -154,8 +168,9 @@ class Snapshotter:
         raise InvalidArgumentError(f"snapshot {snap.name!r} has no mounts (kind {snap.kind})")
 
     # -- the API -----------------------------------------------------------------------------
-    def prepare(self, key: str, parent: str = "", labels: dict[str, str] | None = None
-                ) -> list[MountSpec]:
+    def prepare(
+        self, key: str, parent: str = "", labels: dict[str, str] | None = None
+    ) -> list[MountSpec]:
         labels = dict(labels or {})
         request = lbl.layer_request(key, labels)
         converted: bool | None = None  # whether the image marks this layer converted
@@ -164,23 +179,27 @@ class Snapshotter:
                 self._serve_remotely(key, parent, labels, request)  # raises ALREADY_EXISTS
                 converted = False
             except UnavailableError as exc:  # containerd can read what this process cannot
-                log.warning("prepare %s: layer %s of %s cannot be served lazily (%s): "
-                            "containerd downloads and unpacks it", key, request.layer_digest,
-                            request.image_ref, exc)
+                log.warning(
+                    "prepare %s: layer %s of %s cannot be served lazily (%s): "
+                    "containerd downloads and unpacks it",
+                    key,
+                    request.layer_digest,
+                    request.image_ref,
+                    exc,
+                )
                 converted = self.remote.marked_converted(request)
         if lbl.SNAPSHOT_REF in labels and parent and converted is not True:
             # containerd unpacks a layer of a normal pull on ``parent``: what it stands on
             # must not need the registry after the pull either.
-            self._materialize_chain(parent, f"layer {labels[lbl.SNAPSHOT_REF]} is unpacked "
-                                            "on it")
+            self._materialize_chain(parent, f"layer {labels[lbl.SNAPSHOT_REF]} is unpacked on it")
         return self._create(key, parent, Kind.ACTIVE, labels)
 
-    def view(self, key: str, parent: str = "", labels: dict[str, str] | None = None
-             ) -> list[MountSpec]:
+    def view(
+        self, key: str, parent: str = "", labels: dict[str, str] | None = None
+    ) -> list[MountSpec]:
         return self._create(key, parent, Kind.VIEW, dict(labels or {}))
 
-    def _create(self, key: str, parent: str, kind: Kind, labels: dict[str, str]
-                ) -> list[MountSpec]:
+    def _create(self, key: str, parent: str, kind: Kind, labels: dict[str, str]) -> list[MountSpec]:
         with self.db.transaction():
             snap = self.db.create(key, parent, kind, labels)
             base = self._dir(snap)
@@ -192,20 +211,25 @@ class Snapshotter:
                 make_dir(base / "work", 0o711)
         return self._mounts(snap)
 
-    def _serve_remotely(self, key: str, parent: str, labels: dict[str, str],
-                        request: lbl.LayerRequest) -> None:
+    def _serve_remotely(
+        self, key: str, parent: str, labels: dict[str, str], request: lbl.LayerRequest
+    ) -> None:
         target = request.chain_id
         existing = self.db.find(target)
         assert self.remote is not None
         if existing is not None:
             if not _complete(existing) and self.remote.marked_converted(request) is not True:
-                self._materialize_chain(target, f"layer {request.layer_digest} of "
-                                                f"{request.image_ref} is not converted")
+                self._materialize_chain(
+                    target, f"layer {request.layer_digest} of {request.image_ref} is not converted"
+                )
             raise AlreadyExistsError(f"target snapshot {target!r} already exists")
         layer = self.remote.layer(request)  # the registry: outside any transaction
         if layer is None:
-            log.info("prepare %s: layer %s is not in the bootseer format: normal unpack", key,
-                     request.layer_digest)
+            log.info(
+                "prepare %s: layer %s is not in the bootseer format: normal unpack",
+                key,
+                request.layer_digest,
+            )
             return
         keep = {k: v for k, v in labels.items() if k.startswith("containerd.io/snapshot")}
         keep[lbl.SNAPSHOT_REF] = target
@@ -227,8 +251,12 @@ class Snapshotter:
         def build() -> Any:
             run = self._lazy_run(snap.name)
             layers = [remote.layer_from_source(s.source) for s in reversed(run.snapshots)]
-            return remote.lazy_image(layers, overlay=run.has_base, below=lower_dirs(run.below),
-                                     keep_whiteouts=run.more_below)
+            return remote.lazy_image(
+                layers,
+                overlay=run.has_base,
+                below=lower_dirs(run.below),
+                keep_whiteouts=run.more_below,
+            )
 
         self.views.register(snap.id, build)
 
@@ -248,8 +276,9 @@ class Snapshotter:
         for i, snap in enumerate(chain):
             if not _is_lazy(snap):
                 below = list(itertools.takewhile(_complete, chain[i:]))
-                return self._LazyRun(run, True, [self._layer_dir(s) for s in below],
-                                     len(below) < len(chain) - i)
+                return self._LazyRun(
+                    run, True, [self._layer_dir(s) for s in below], len(below) < len(chain) - i
+                )
             run.append(snap)
         return self._LazyRun(run, False, [], False)
 
@@ -283,12 +312,15 @@ class Snapshotter:
         below = [self._layer_dir(s) for s in self.db.chain(snap.name)[1:]]
         try:
             layer = self.remote.layer_from_source(snap.source)
-            image = self.remote.lazy_image([layer], overlay=True, below=lower_dirs(below),
-                                           keep_whiteouts=True)
+            image = self.remote.lazy_image(
+                [layer], overlay=True, below=lower_dirs(below), keep_whiteouts=True
+            )
             if image.tree.problems:
                 raise FailedPreconditionError(
-                    f"layer {layer.digest} cannot be unpacked: " + "; ".join(
-                        image.tree.problems) + " (containerd's own unpack refuses it too)")
+                    f"layer {layer.digest} cannot be unpacked: "
+                    + "; ".join(image.tree.problems)
+                    + " (containerd's own unpack refuses it too)"
+                )
             frames = check_diff_id(image, snap.name, snap.parent)
             if base.exists():  # what an interrupted attempt left
                 shutil.rmtree(base)
@@ -300,24 +332,32 @@ class Snapshotter:
             shutil.rmtree(base, ignore_errors=True)
             raise UnavailableError(
                 f"lazy snapshot {snap.name} (layer {snap.source.get('digest')}) must be "
-                f"written out whole, as {why}, and cannot be now: {exc}") from None
+                f"written out whole, as {why}, and cannot be now: {exc}"
+            ) from None
         except BaseException:
             shutil.rmtree(base, ignore_errors=True)
             raise
         with self.db.transaction():
             self.db.set_source(snap.name, {**snap.source, "materialized": True})
-        log.info("lazy snapshot %s (layer %s) written out whole into %s, as %s: %d files, "
-                 "%d bytes, %d frames in %.2f s", snap.name, snap.source.get("digest"),
-                 base / "fs", why, done.files, done.bytes_written, frames,
-                 time.perf_counter() - started)
+        log.info(
+            "lazy snapshot %s (layer %s) written out whole into %s, as %s: %d files, "
+            "%d bytes, %d frames in %.2f s",
+            snap.name,
+            snap.source.get("digest"),
+            base / "fs",
+            why,
+            done.files,
+            done.bytes_written,
+            frames,
+            time.perf_counter() - started,
+        )
 
     def mounts(self, key: str) -> list[MountSpec]:
         return self._mounts(self.db.get(key))
 
     def commit(self, name: str, key: str, labels: dict[str, str] | None = None) -> Snapshot:
         active = self.db.get(key)
-        size, inodes = (_usage(self._dir(active) / "fs") if active.kind == Kind.ACTIVE
-                        else (0, 0))
+        size, inodes = _usage(self._dir(active) / "fs") if active.kind == Kind.ACTIVE else (0, 0)
         with self.db.transaction():
             snap = self.db.commit(key, name, labels or {}, size=size, inodes=inodes)
         work = self._dir(snap) / "work"
@@ -331,12 +371,15 @@ class Snapshotter:
             self.views.unregister(snap.id)
             self._delete_dir(snap.id)  # materialized
             digest, index = snap.source.get("digest"), snap.source.get("index")
-            still_used = any(s.source.get("digest") == digest and s.source.get("index") == index
-                             for s in self.db.list())
+            still_used = any(
+                s.source.get("digest") == digest and s.source.get("index") == index
+                for s in self.db.list()
+            )
             if self.remote is not None and digest and not still_used:
                 dropped = self.remote.release(digest, index)
-                log.info("removed lazy snapshot %s; %d cached frames of %s dropped", key,
-                         dropped, digest)
+                log.info(
+                    "removed lazy snapshot %s; %d cached frames of %s dropped", key, dropped, digest
+                )
         else:
             self._delete_dir(snap.id)
         return snap
@@ -352,18 +395,20 @@ class Snapshotter:
     def stat(self, key: str) -> Snapshot:
         return self.db.get(key)
 
-    def update(self, name: str, labels: dict[str, str], fieldpaths: Sequence[str] = ()
-               ) -> Snapshot:
+    def update(self, name: str, labels: dict[str, str], fieldpaths: Sequence[str] = ()) -> Snapshot:
         """Labels set as containerd asks; :data:`labels.LOCAL` asked for on a committed
         snapshot also writes out every lazy layer of its chain first (UNAVAILABLE when the
         registry cannot be read now: nothing changes)."""
-        asked = labels.get(lbl.LOCAL) and (not fieldpaths or any(
-            f in (f"labels.{lbl.LOCAL}", "labels") for f in fieldpaths))
+        asked = labels.get(lbl.LOCAL) and (
+            not fieldpaths or any(f in (f"labels.{lbl.LOCAL}", "labels") for f in fieldpaths)
+        )
         if asked:
             snap = self.db.get(name)
             if snap.kind != Kind.COMMITTED:
-                raise InvalidArgumentError(f"{lbl.LOCAL} names committed snapshots (an image's "
-                                           f"layers); {name!r} is {snap.kind}")
+                raise InvalidArgumentError(
+                    f"{lbl.LOCAL} names committed snapshots (an image's "
+                    f"layers); {name!r} is {snap.kind}"
+                )
             self._materialize_chain(name, f"asked for by the label {lbl.LOCAL}")
             labels = {**labels, lbl.LOCAL: "done"}
         with self.db.transaction():

@@ -92,8 +92,12 @@ class ViewOperations(Operations):  # type: ignore[misc,valid-type]
                         raise FuseOSError(errno.ENOENT)
                     self._views[view_id] = ops
                     self._ids[view_id] = ids
-                log.info("lazy snapshot %d: tree of %d nodes built in %.3f s", view_id,
-                         len(ops.image.tree.inodes), time.perf_counter() - started)
+                log.info(
+                    "lazy snapshot %d: tree of %d nodes built in %.3f s",
+                    view_id,
+                    len(ops.image.tree.inodes),
+                    time.perf_counter() - started,
+                )
         return ops
 
     # -- node ids (fuseserver.TreeOperations) ------------------------------------------------
@@ -145,8 +149,17 @@ class ViewOperations(Operations):  # type: ignore[misc,valid-type]
 
     def _dir_stat(self, ino: int, mode: int = 0o755) -> dict[str, Any]:
         t = self.mounted_at
-        return {"st_mode": stat.S_IFDIR | mode, "st_ino": ino, "st_nlink": 2, "st_uid": 0,
-                "st_gid": 0, "st_size": 4096, "st_atime": t, "st_mtime": t, "st_ctime": t}
+        return {
+            "st_mode": stat.S_IFDIR | mode,
+            "st_ino": ino,
+            "st_nlink": 2,
+            "st_uid": 0,
+            "st_gid": 0,
+            "st_size": 4096,
+            "st_atime": t,
+            "st_mtime": t,
+            "st_ctime": t,
+        }
 
     def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
         view_id, rest = self._split(path)
@@ -158,9 +171,15 @@ class ViewOperations(Operations):  # type: ignore[misc,valid-type]
             return self._dir_stat((view_id << _INO_SHIFT) | ((1 << _INO_SHIFT) - 1))
         if control == "ready":
             t = self.mounted_at
-            return {"st_mode": stat.S_IFREG | 0o444, "st_ino": (view_id << _INO_SHIFT)
-                    | ((1 << _INO_SHIFT) - 2), "st_nlink": 1, "st_size": 0,
-                    "st_atime": t, "st_mtime": t, "st_ctime": t}
+            return {
+                "st_mode": stat.S_IFREG | 0o444,
+                "st_ino": (view_id << _INO_SHIFT) | ((1 << _INO_SHIFT) - 2),
+                "st_nlink": 1,
+                "st_size": 0,
+                "st_atime": t,
+                "st_mtime": t,
+                "st_ctime": t,
+            }
         return ops.getattr(rest, fh)
 
     def readdir(self, path: str, fh: Any) -> list[Any]:
@@ -220,8 +239,16 @@ class ViewOperations(Operations):  # type: ignore[misc,valid-type]
         return self._delegate("access", path, amode)
 
     def statfs(self, path: str) -> dict[str, int]:
-        return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": 0, "f_bfree": 0,
-                "f_bavail": 0, "f_files": 0, "f_ffree": 0, "f_namemax": 255}
+        return {
+            "f_bsize": 4096,
+            "f_frsize": 4096,
+            "f_blocks": 0,
+            "f_bfree": 0,
+            "f_bavail": 0,
+            "f_files": 0,
+            "f_ffree": 0,
+            "f_namemax": 255,
+        }
 
 
 def _view_paths(ops: LazyOperations) -> list[str]:
@@ -250,8 +277,13 @@ def mount_views(mountpoint: str) -> Any:
     """
     from .fuseserver import mount
 
-    return mount(mountpoint, fsname="bootseer-snapshots", subtype="bootseer",
-                 max_read=1 << 20, allow_other=True)
+    return mount(
+        mountpoint,
+        fsname="bootseer-snapshots",
+        subtype="bootseer",
+        max_read=1 << 20,
+        allow_other=True,
+    )
 
 
 def lower_dirs(dirs: Sequence[str]) -> Callable[[str], LowerDir | None]:
@@ -266,6 +298,7 @@ def lower_dirs(dirs: Sequence[str]) -> Callable[[str], LowerDir | None]:
     The path comes from a layer index: it is walked one component at a time with
     ``O_NOFOLLOW`` under each directory, so a symlink in an unpacked layer never leads out
     of it."""
+
     def below(path: str) -> LowerDir | None:
         parts = [p.encode("utf-8", "surrogateescape") for p in path.split("/") if p]
         for top in dirs:
@@ -304,10 +337,18 @@ def _lower_dir(top: str, parts: list[bytes]) -> LowerDir | None | bool:
             os.close(fd)
             fd = nxt
         st = os.fstat(fd)
-        xattrs = {name: os.getxattr(fd, name) for name in os.listxattr(fd)
-                  if not name.startswith("trusted.")}
-        return LowerDir(mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid,
-                        mtime_ns=st.st_mtime_ns, xattrs=xattrs)
+        xattrs = {
+            name: os.getxattr(fd, name)
+            for name in os.listxattr(fd)
+            if not name.startswith("trusted.")
+        }
+        return LowerDir(
+            mode=stat.S_IMODE(st.st_mode),
+            uid=st.st_uid,
+            gid=st.st_gid,
+            mtime_ns=st.st_mtime_ns,
+            xattrs=xattrs,
+        )
     except OSError as exc:
         log.warning("unpacked layer %s: cannot read %s: %s", top, b"/".join(parts), exc)
         return None

@@ -34,8 +34,11 @@ def proto_files() -> list[Path]:
 def generated_files(root: Path) -> set[Path]:
     """Generated files under ``root``'s copy of this folder, relative to ``root``."""
     base = root / API_DIR.relative_to(REPO_ROOT)
-    return {p.relative_to(root) for p in base.rglob("*")
-            if p.is_file() and p.name.endswith(GENERATED_SUFFIXES)}
+    return {
+        p.relative_to(root)
+        for p in base.rglob("*")
+        if p.is_file() and p.name.endswith(GENERATED_SUFFIXES)
+    }
 
 
 def run_protoc(out_dir: Path) -> None:
@@ -48,10 +51,13 @@ def run_protoc(out_dir: Path) -> None:
     includes = ["-I", str(REPO_ROOT), "-I", str(well_known)]
     protos = proto_files()
     # gRPC stubs only where there is a service: types/*.proto would get empty modules.
-    with_services = [p for p in protos
-                     if re.search(r"^service\s", (REPO_ROOT / p).read_text(), re.MULTILINE)]
-    runs = [[f"--python_out={out_dir}", f"--pyi_out={out_dir}", *map(str, protos)],
-            [f"--grpc_python_out={out_dir}", *map(str, with_services)]]
+    with_services = [
+        p for p in protos if re.search(r"^service\s", (REPO_ROOT / p).read_text(), re.MULTILINE)
+    ]
+    runs = [
+        [f"--python_out={out_dir}", f"--pyi_out={out_dir}", *map(str, protos)],
+        [f"--grpc_python_out={out_dir}", *map(str, with_services)],
+    ]
     for run in runs:
         if protoc.main(["grpc_tools.protoc", *includes, *run]) != 0:
             raise SystemExit("protoc failed (see above)")
@@ -65,16 +71,21 @@ def check() -> list[str]:
         fresh, committed = generated_files(fresh_root), generated_files(REPO_ROOT)
         problems = [f"missing: {p}" for p in sorted(fresh - committed)]
         problems += [f"stale (no .proto generates it): {p}" for p in sorted(committed - fresh)]
-        problems += [f"differs: {p}" for p in sorted(fresh & committed)
-                     if not filecmp.cmp(fresh_root / p, REPO_ROOT / p, shallow=False)]
+        problems += [
+            f"differs: {p}"
+            for p in sorted(fresh & committed)
+            if not filecmp.cmp(fresh_root / p, REPO_ROOT / p, shallow=False)
+        ]
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prefetch.containerd.api.generate",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 if the committed generated code is out of date")
+    parser = argparse.ArgumentParser(
+        prog="python -m prefetch.containerd.api.generate", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if the committed generated code is out of date"
+    )
     args = parser.parse_args(argv)
     if args.check:
         problems = check()
