@@ -511,7 +511,7 @@ def files_for_ranks(
     load at the saved world size.
 
     A rank reads its own chunks, plus every tensor it holds but did not write (a replicated
-    tensor is written once, by one rank; a DTensor replica by the first rank of its
+    tensor past ``staging.SMALL_REPLICA_BYTES`` is written once, by one rank; a DTensor replica by the first rank of its
     replica group) from the ranks that wrote it: all of that tensor's writers, since the
     index does not say which slice a non-writing rank holds (on a node holding a whole
     tensor-parallel group these are exactly the files it reads). A rank beyond the saved

@@ -714,7 +714,7 @@ def _load_into(
     jobs = []
     for t in targets:
         assert t.info is not None
-        jobs += plan(t, t.info.index.overlapping(t.box), t.tensor.element_size())
+        jobs += plan(t, t.info.index.overlapping(t.box, prefer_rank=rank), t.tensor.element_size())
     report.bytes_read = execute(view, jobs, concurrency, reads)
     for t in targets:
         if t.done is not None:

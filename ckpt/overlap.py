@@ -33,8 +33,14 @@ class ChunkIndex:
         # data; keyed by start they would shadow the real chunk starting at the same offset.
         self.chunks = [c for c in chunks if c.box.numel]
         self._by_start: dict[tuple[int, ...], StoredChunk] = {}
+        # Replicas (the same box in several ranks' files): a load takes its own rank's copy
+        # when there is one, which its node already holds (cache, memory tier).
+        self._copies: dict[tuple[int, ...], dict[int, StoredChunk]] = {}
         for c in self.chunks:
-            self._by_start.setdefault(c.box.offsets, c)  # replicas: any copy will do
+            self._by_start.setdefault(c.box.offsets, c)
+            copies = self._copies.setdefault(c.box.offsets, {})
+            if self._by_start[c.box.offsets].box == c.box:
+                copies.setdefault(c.rank, c)
         ndim = len(global_shape)
         self._bounds = [sorted({c.box.offsets[d] for c in self.chunks}) for d in range(ndim)]
         self.is_grid = self._check_grid()
@@ -49,7 +55,15 @@ class ChunkIndex:
                     return False
         return True
 
-    def overlapping(self, box: Box) -> list[StoredChunk]:
+    def overlapping(self, box: Box, prefer_rank: int | None = None) -> list[StoredChunk]:
+        """The stored chunks that hold part of ``box``, one copy of each replica: the copy
+        in ``prefer_rank``'s file where it has one."""
+        found = self._overlapping(box)
+        if prefer_rank is None:
+            return found
+        return [self._copies[c.box.offsets].get(prefer_rank, c) for c in found]
+
+    def _overlapping(self, box: Box) -> list[StoredChunk]:
         if not self.is_grid:
             return [c for c in self._by_start.values() if c.box.intersect(box) is not None]
         per_dim = []

@@ -69,15 +69,24 @@ class StagingPool:
         return buf[start : start + nbytes]
 
 
+#: Replicated plain tensors up to this size (an optimizer's ``step``, a scaler's scale) are
+#: written by every rank: the copies cost bytes, not time, and a rank's load then reads
+#: them from its own file (its node's cache) instead of a stripe of another rank's file
+#: from the store (issue 29: a survivor read 4-6 MB of others' files for a few scalars).
+SMALL_REPLICA_BYTES = 64 << 10
+
+
 def assign_replicated_writers(leaves: list[TensorLeaf], world_size: int) -> dict[str, int]:
-    """Which rank writes each replicated plain tensor: greedy by size, deterministic.
+    """Which rank writes each replicated plain tensor larger than ``SMALL_REPLICA_BYTES``:
+    greedy by size, deterministic (smaller ones are written by every rank).
 
     Every rank computes the same answer from the same keys and sizes, so no collective
     is needed; the commit checks that every key was written.
     """
     loads = [0] * world_size
     owner: dict[str, int] = {}
-    for leaf in sorted((x for x in leaves if x.kind == "tensor"), key=lambda x: (-x.nbytes, x.key)):
+    large = (x for x in leaves if x.kind == "tensor" and x.nbytes > SMALL_REPLICA_BYTES)
+    for leaf in sorted(large, key=lambda x: (-x.nbytes, x.key)):
         rank = min(range(world_size), key=lambda r: (loads[r], r))
         owner[leaf.key] = rank
         loads[rank] += leaf.nbytes

@@ -59,13 +59,15 @@ def scenarios(world: int) -> list[Scenario]:
     for r in range(world):  # a flipped byte in rank r's own shard: only rank r reads it
         out.append(Scenario(f"data-rank{r}", world, [("data", 3, r)], 2, [(3, r, data_name(r))]))
     out += [
-        # "bias" is replicated, written once (by rank 0) and read by every rank
+        # "bias" is replicated and small: every rank writes its own copy and loads it
+        # (ckpt.staging.SMALL_REPLICA_BYTES); rank 0's is damaged, so rank 0 cannot load
+        # step 3 and every rank falls back
         Scenario(
             "shared-tensor",
             world,
             [("bias", 3, 0)],
             2,
-            [(3, r, data_name(0)) for r in range(world)],
+            [(3, 0, data_name(0))],
         ),
         Scenario(
             "index",
@@ -95,9 +97,17 @@ def scenarios(world: int) -> list[Scenario]:
         # the error wins over damage found in the same round: rank 0 raises rank W-1's error
         Scenario("raises-beside-damage", world, [("data", 3, 0)], None, extra_key_on=(last,)),
     ]
-    if world == 3:  # resharding: loader 2 reads the end of saved rank 1's shard, nobody else
+    if world == 3:  # resharding: loader 2 reads the end of saved rank 1's shard, and loader 1
+        # the same stripe for saved rank 1's copy of "bias" (a load takes its rank's copy)
         out.append(
-            Scenario("reshard-2to3", 3, [("data-end", 3, 1)], 2, [(3, 2, data_name(1))], saved=2)
+            Scenario(
+                "reshard-2to3",
+                3,
+                [("data-end", 3, 1)],
+                2,
+                [(3, 1, data_name(1)), (3, 2, data_name(1))],
+                saved=2,
+            )
         )
     return out
 

@@ -32,6 +32,8 @@ from ckpt import (
 )
 from ckpt.cache import CACHE_ENV, NodeCache, store_key
 from ckpt.layout import MANIFEST, data_name, index_name, objects_name, step_dir
+from ckpt.loader import CheckpointView, Reads, load_into
+from ckpt.staging import SMALL_REPLICA_BYTES
 from striped_fs.layout import Manifest as StripeManifest
 from striped_fs.layout import stripe_path
 
@@ -165,13 +167,36 @@ def test_prefetch_runs_where_torch_is_not_installed(tmp_path: Path) -> None:
     assert cached_files(cache) == step_files(store, 3, want)
 
 
-def test_a_replicated_tensor_brings_the_file_of_the_rank_that_wrote_it(tmp_path: Path) -> None:
+def test_a_large_replicated_tensor_brings_the_file_of_the_rank_that_wrote_it(
+    tmp_path: Path,
+) -> None:
     store, cache = str(tmp_path / "store"), tmp_path / "cache"
-    save_both(store, 1, seed=1, replicated=True)  # "bias" is written once, by rank 0
+    table = torch.randn(SMALL_REPLICA_BYTES // 4 + 1, generator=torch.Generator().manual_seed(3))
+    for rank in (1, 0):  # "table" (past SMALL_REPLICA_BYTES) is written once, by rank 0
+        with CheckpointManager(store, rank=rank, world_size=2, cache_dir=False) as mgr:
+            mgr.save(1, {**rank_state(1, rank), "table": table.clone()}, block=True)
     prefetch_latest(store, cache, [1])
     assert cached_files(cache) == step_files(
         store, 1, metadata() + [data_name(0), data_name(1), objects_name(1)]
     )
+
+
+def test_a_small_replicated_tensor_is_in_every_rank_s_file_and_loaded_from_its_own(
+    tmp_path: Path,
+) -> None:
+    """A survivor's load must not read another rank's file for a few replicated scalars
+    (issue 29: 4-6 MB per rank, a whole stripe of another rank's file each time): every rank
+    writes its own copy of a small replicated tensor, and a load takes its own rank's."""
+    store, cache = str(tmp_path / "store"), tmp_path / "cache"
+    save_both(store, 1, seed=1, replicated=True)  # "bias": 17 floats
+    prefetch_latest(store, cache, [1])
+    assert cached_files(cache) == step_files(store, 1, metadata() + [data_name(1), objects_name(1)])
+    with CheckpointManager(store, rank=1, world_size=2, cache_dir=False) as plain:
+        view = CheckpointView(plain.fs, plain.root, 1)
+        target, reads = blank(1, replicated=True), Reads()
+        load_into(view, target, rank=1, strict=True, concurrency=4, reads=reads)
+    assert_loaded(target, rank_state(1, 1, replicated=True))
+    assert set(reads.pieces) == {1}  # nothing of rank 0's data file
 
 
 def test_load_reads_the_cache_and_nothing_of_the_store_for_cached_files(
