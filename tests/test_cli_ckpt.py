@@ -116,7 +116,8 @@ def test_inspect_table_and_json(run_dir):
     table = {line.split()[0]: line for line in lines[2:5]}
     assert set(table) == {"flat", "model/b", "model/w"}
     assert table["model/w"].split()[1:4] == ["tensor", "float32", "[64,"]
-    assert "8.0 KiB" in table["model/w"] and "(1 chunk)" in table["model/w"]
+    # replicated and small (<= ckpt.staging.SMALL_REPLICA_BYTES): a copy in every rank's file
+    assert "8.0 KiB" in table["model/w"] and "0-1 (2 chunks)" in table["model/w"]
     assert table["flat"].split()[1:4] == ["flat", "int64", "[12]"]
     assert "0-1 (2 chunks)" in table["flat"]
     assert "bfloat16" in table["model/b"]
@@ -127,7 +128,7 @@ def test_inspect_table_and_json(run_dir):
     tensors = {t["key"]: t for t in data["tensors"]}
     assert tensors["model/w"]["shape"] == [64, 32] and tensors["model/w"]["bytes"] == 8192
     assert tensors["flat"]["ranks"] == [0, 1] and tensors["flat"]["chunks"] == 2
-    assert len(tensors["model/w"]["ranks"]) == 1  # replicated: written once
+    assert tensors["model/w"]["ranks"] == [0, 1]  # replicated and small: a copy per rank
     assert data["objects"] == {"0": ["epoch", "rng"], "1": ["epoch", "rng"]}
     assert [f["rank"] for f in data["data_files"]] == [0, 1]
 
