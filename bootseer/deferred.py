@@ -39,6 +39,7 @@ class DeferredFailure:
     what: str
     reason: str
     problems: tuple[str, ...] = ()
+    fix: str = ""  # what to do about it, in words (the supervisor's error says it)
 
     def describe(self) -> str:
         shown = "; ".join(self.problems[:5])
@@ -58,9 +59,11 @@ class DeferredChecks:
         what: str,
         check: Callable[[], Any],
         on_failure: Callable[[DeferredFailure], None] | None = None,
+        fix: str = "",
     ) -> None:
         """Run ``check`` (returning an object with ``ok``, ``reason``, ``problems``) on a
-        thread; ``on_failure`` runs there when it fails (e.g. remove the marker)."""
+        thread; ``on_failure`` runs there when it fails (e.g. remove the marker); ``fix``
+        goes into the failure."""
 
         def run() -> None:
             try:  # this thread only: the command and the supervisor keep their priority
@@ -73,11 +76,11 @@ class DeferredChecks:
                     None
                     if result.ok
                     else DeferredFailure(
-                        what, result.reason, tuple(getattr(result, "problems", ()) or ())
+                        what, result.reason, tuple(getattr(result, "problems", ()) or ()), fix
                     )
                 )
             except Exception as exc:  # noqa: BLE001 - a check that cannot run has failed
-                failed = DeferredFailure(what, f"the check itself failed: {exc}")
+                failed = DeferredFailure(what, f"the check itself failed: {exc}", (), fix)
             if failed is None:
                 return
             if on_failure is not None:
