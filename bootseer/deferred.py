@@ -1,12 +1,13 @@
 """Checks of a warm start that run beside the command instead of before it.
 
 A node whose environment marker matches (the key, the prefix it was restored for, its
-verification record: O(1), ``snapshot.verify(quick=True)``) starts the command at once; the
-file-by-file check (every member's type, size and mtime: 21k stats, about 1 s for a torch
-environment) runs here, on a thread at the lowest CPU priority, while the command imports.
-A mismatch it finds is handed to the supervisor, which stops the job with the check's
-problems and removes the environment's marker, so the next start restores the environment
-instead of trusting it (docs/run.md, "The warm path").
+verification record, bootseer's state private: O(1), ``snapshot.verify(quick=True)``) starts
+the command at once; the file-by-file check (every member's type, size, mtime and mode, and
+entries the snapshot does not hold: 21k stats, about 1 s for a torch environment,
+``snapshot.verify``) runs here, on a thread at the lowest CPU priority, while the command
+imports. A mismatch it finds is handed to the supervisor, which stops the job with the
+check's problems and its fix; the environment's marker is marked damaged, so the next start
+restores it instead of trusting it (docs/run.md, the warm path).
 
 What it cannot do: a file changed since the last start may be read by the command before
 the check reaches it (the window is the check's duration). ``env.verify = "before"`` keeps
