@@ -1,12 +1,13 @@
 """Checks of a warm start that run beside the command instead of before it.
 
 A node whose environment marker matches (the key, the prefix it was restored for, its
-verification record: O(1), ``snapshot.verify(quick=True)``) starts the command at once; the
-file-by-file check (every member's type, size and mtime: 21k stats, about 1 s for a torch
-environment) runs here, on a thread at the lowest CPU priority, while the command imports.
-A mismatch it finds is handed to the supervisor, which stops the job with the check's
-problems and removes the environment's marker, so the next start restores the environment
-instead of trusting it (docs/run.md, "The warm path").
+verification record, bootseer's state private: O(1), ``snapshot.verify(quick=True)``) starts
+the command at once; the file-by-file check (every member's type, size, mtime and mode, and
+entries the snapshot does not hold: 21k stats, about 1 s for a torch environment,
+``snapshot.verify``) runs here, on a thread at the lowest CPU priority, while the command
+imports. A mismatch it finds is handed to the supervisor, which stops the job with the
+check's problems and its fix; the environment's marker is marked damaged, so the next start
+restores it instead of trusting it (docs/run.md, the warm path).
 
 What it cannot do: a file changed since the last start may be read by the command before
 the check reaches it (the window is the check's duration). ``env.verify = "before"`` keeps
@@ -39,6 +40,7 @@ class DeferredFailure:
     what: str
     reason: str
     problems: tuple[str, ...] = ()
+    fix: str = ""  # what to do about it, in words (the supervisor's error says it)
 
     def describe(self) -> str:
         shown = "; ".join(self.problems[:5])
@@ -58,9 +60,11 @@ class DeferredChecks:
         what: str,
         check: Callable[[], Any],
         on_failure: Callable[[DeferredFailure], None] | None = None,
+        fix: str = "",
     ) -> None:
         """Run ``check`` (returning an object with ``ok``, ``reason``, ``problems``) on a
-        thread; ``on_failure`` runs there when it fails (e.g. remove the marker)."""
+        thread; ``on_failure`` runs there when it fails (e.g. remove the marker); ``fix``
+        goes into the failure."""
 
         def run() -> None:
             try:  # this thread only: the command and the supervisor keep their priority
@@ -73,11 +77,11 @@ class DeferredChecks:
                     None
                     if result.ok
                     else DeferredFailure(
-                        what, result.reason, tuple(getattr(result, "problems", ()) or ())
+                        what, result.reason, tuple(getattr(result, "problems", ()) or ()), fix
                     )
                 )
             except Exception as exc:  # noqa: BLE001 - a check that cannot run has failed
-                failed = DeferredFailure(what, f"the check itself failed: {exc}")
+                failed = DeferredFailure(what, f"the check itself failed: {exc}", (), fix)
             if failed is None:
                 return
             if on_failure is not None:

@@ -128,7 +128,7 @@ def environment_phase(
     for warning in done.warnings:
         _say(f"warning: {warning}")
     if not done.files_checked and checks is not None:
-        _check_beside(checks, prefix, done.key)
+        _check_beside(checks, prefix, done.key, plan.env_store)
         result.detail["files"] = "checked beside the command"
     moved = done.restore.bytes if done.restore is not None else 0
     result.bytes = moved
@@ -242,15 +242,23 @@ def _ranks(ranks: list[int]) -> str:
 
 
 #: Phases still running after their command started (the prefetch's tail): the next
-def _check_beside(checks: DeferredChecks, prefix: str, key: str) -> None:
+def _check_beside(checks: DeferredChecks, prefix: str, key: str, store: str = "") -> None:
     """Every file of the environment checked while the command runs; a mismatch marks the
     environment damaged (the next start restores it) and the supervisor stops the job."""
     from snapshot import mark_damaged, verify
+    from striped_fs.redact import redact
 
     def damaged(failure: DeferredFailure) -> None:
         mark_damaged(prefix, failure.describe())
 
-    checks.start(f"environment {prefix}", lambda: verify(prefix, key), damaged)
+    store = redact(store) if store else ""
+    now = f"bootseer env restore {key} --prefix {prefix}" + (f" --store {store}" if store else "")
+    fix = (
+        f"its marker is marked damaged, so the next start restores the environment from the "
+        f"store instead of trusting it (or now: `{now}`); `bootseer env verify {prefix}` "
+        f"lists every file that differs"
+    )
+    checks.start(f"environment {key} at {prefix}", lambda: verify(prefix, key), damaged, fix)
 
 
 #: attempt waits for them, so two copies of one file never run at once.

@@ -846,10 +846,11 @@ class Supervisor:
     def _check_failed(self, attempt: int, pid: int, failed: Any) -> AttemptEnd:
         """A check beside the command (the environment's files) failed: the command is
         stopped before it trains on what the check found, and the job ends (exit 2)."""
-        self.log(
-            f"error: {failed.describe()}: stopping the job; the next start restores "
-            "the environment (bootseer env verify shows every file that differs)"
+        fix = getattr(failed, "fix", "") or (
+            "the next start restores the environment (bootseer env verify shows every "
+            "file that differs)"
         )
+        self.log(f"error: {failed.describe()}: stopping the job; {fix}")
         self._signal_group(pid, signal.SIGKILL)
         self._wait_child(5.0)
         self._record(

@@ -1,6 +1,7 @@
 """``ensure``: the one call a container entrypoint makes. Verified, restored, or built once.
 
-* The prefix already holds the intact environment of the key: a verification (stats only).
+* The prefix already holds the intact environment of the key: a verification (stats only),
+  or its marker alone with ``quick_verify`` (the files then checked beside the command).
 * The store holds a snapshot of the key: restore it.
 * Neither: one process builds it (installs at the prefix, packs, publishes); concurrent
   ``ensure`` calls of the same key wait for that snapshot instead of hammering the package
@@ -98,8 +99,9 @@ def ensure(
     quick_verify: bool = False,
 ) -> EnsureResult:
     """Make ``prefix`` hold the environment the inputs describe; see the module docstring.
-    ``quick_verify``: an environment already there is verified by its marker alone (O(1));
-    the caller checks its files (``verify(prefix, key)``) beside the command."""
+    ``quick_verify``: an environment already there is verified by its marker alone (O(1))
+    when bootseer's state there is private (``snapshot.verify``); the caller checks its
+    files (``verify(prefix, key)``) beside the command when ``files_checked`` is False."""
     start = time.perf_counter()
     prefix = Path(os.path.abspath(prefix))
     env_key = key or compute_key(
@@ -123,7 +125,7 @@ def ensure(
                 str(prefix),
                 "verified",
                 time.perf_counter() - start,
-                files_checked=not quick_verify,
+                files_checked=checked.files_checked,
             )
         warnings: list[str] = []
         snapshots = None

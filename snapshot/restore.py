@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 import tempfile
 import threading
 import time
@@ -34,7 +33,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import zstandard
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
@@ -44,12 +42,8 @@ from striped_fs.redact import redact
 from .errors import CorruptSnapshotError, RelocationError, SnapshotError
 from .extract import Extractor, _umask
 from .manifest import (
-    DIR,
-    FILE,
-    HARDLINK,
     MAX_CHUNK_RAW,
     MAX_TOC_RAW,
-    SYMLINK,
     Chunk,
     Manifest,
     Member,
@@ -57,15 +51,13 @@ from .manifest import (
 )
 from .relocate import PrefixRef, RelocationReport, binary_refusal, relocate, rewrite_path
 from .safety import Plan, plan_extraction
-from .state import has_state, read_state, write_state
+from .state import write_state
 from .store import SnapshotStore
+from .verify import MARKER, VERIFY_TOC, VerifyResult, read_marker, verify, verify_rows
 from .zframe import frame_size, inflate, inflate_into
 
 log = logging.getLogger(__name__)
 
-MARKER = "env.json"
-VERIFY_TOC = "toc.json.zst"
-MAX_MARKER = 1 << 20
 STAGING_TAG = ".bootseer-staging-"
 
 
@@ -83,18 +75,6 @@ class RestoreResult:
     relocation: RelocationReport | None = None
     stripped_setid: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per step, in order
-
-
-@dataclass
-class VerifyResult:
-    """Whether ``prefix`` holds the environment of ``key``, intact (types, sizes, mtimes)."""
-
-    ok: bool
-    reason: str
-    key: str | None = None
-    checked: int = 0
-    problems: list[str] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 # -- pipeline ----------------------------------------------------------------------------------
@@ -300,17 +280,6 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
 
 
-def read_marker(prefix: str | os.PathLike) -> dict[str, Any] | None:
-    """The marker of the environment at ``prefix``; None when there is none, or it is
-    reached through a link (:mod:`snapshot.state`)."""
-    raw = read_state(prefix, MARKER, MAX_MARKER)
-    try:
-        data = json.loads(raw) if raw is not None else None
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def mark_damaged(prefix: str | os.PathLike, reason: str) -> bool:
     """Mark the environment at ``prefix`` damaged (a check beside the command found files
     changed): the next :func:`verify` fails, and the next ensure restores it again (the marker
@@ -382,7 +351,7 @@ def write_marker(
     sizes and mtimes are what was written, except the files a relocation rewrote or removed.
     State is written through descriptors, never through a link (:mod:`snapshot.state`).
     """
-    rows = _verify_rows(root, members, changed)
+    rows = verify_rows(root, members, changed)
     marker = {
         "key": key,
         "prefix": str(prefix),
@@ -400,103 +369,6 @@ def write_marker(
             MARKER: json.dumps(marker, indent=1).encode(),
         },
     )
-
-
-def _verify_rows(
-    root: Path, members: list[Member], changed: RelocationReport | None | bool
-) -> list[list[Any]]:
-    """``[path, kind, size, mtime_ns]`` of every member, as :func:`verify` will compare."""
-    restat: set[str] = set()
-    removed: set[str] = set()
-    if isinstance(changed, RelocationReport):
-        restat, removed = set(changed.rewritten), set(changed.pyc_invalidated)
-    rows = []
-    for m in members:
-        if m.kind != FILE:
-            rows.append([m.path, m.kind, 0, 0])
-        elif m.path in removed:
-            continue
-        elif changed is True or m.path in restat:
-            try:
-                st = os.lstat(root / m.path)
-            except FileNotFoundError:
-                continue
-            rows.append([m.path, m.kind, st.st_size, st.st_mtime_ns])
-        else:
-            rows.append([m.path, m.kind, m.size, m.mtime_ns])
-    return rows
-
-
-def verify(
-    prefix: str | os.PathLike, key: str | None = None, *, quick: bool = False
-) -> VerifyResult:
-    """Check that ``prefix`` holds the intact environment of ``key`` (any key if None):
-    every member's type, and every file's size and mtime. Cheap: stats only, no reads.
-
-    ``quick``: the marker only (the key, the prefix it was written for, the verification
-    record present): O(1), for a start that runs the file-by-file check beside the command
-    (:class:`BackgroundVerify`)."""
-    start = time.perf_counter()
-    prefix = Path(prefix)
-    marker = read_marker(prefix)
-    if marker is None:
-        return VerifyResult(False, "no bootseer environment there")
-    if key is not None and marker.get("key") != key:
-        return VerifyResult(
-            False, f"holds another environment ({marker.get('key')})", key=marker.get("key")
-        )
-    if marker.get("prefix") != str(prefix):
-        return VerifyResult(
-            False, f"was restored for {marker.get('prefix')}, not here", key=marker.get("key")
-        )
-    if marker.get("damaged"):
-        return VerifyResult(
-            False, f"a check found it damaged ({marker['damaged']})", key=marker.get("key")
-        )
-    if quick:
-        if not has_state(prefix, VERIFY_TOC):
-            return VerifyResult(False, "its verification record is missing", key=marker.get("key"))
-        return VerifyResult(
-            True,
-            "marker matches (files checked beside the command)",
-            key=marker.get("key"),
-            seconds=time.perf_counter() - start,
-        )
-    try:
-        data = read_state(prefix, VERIFY_TOC, MAX_TOC_RAW)
-        if data is None:
-            raise OSError("missing, not a regular file, or reached through a link")
-        rows = json.loads(inflate(data, "verification TOC", declared=None, limit=MAX_TOC_RAW))
-    except (OSError, ValueError, CorruptSnapshotError) as exc:
-        return VerifyResult(
-            False, f"its verification record is unreadable ({exc})", key=marker.get("key")
-        )
-    problems: list[str] = []
-    want = {FILE: stat.S_ISREG, HARDLINK: stat.S_ISREG, DIR: stat.S_ISDIR, SYMLINK: stat.S_ISLNK}
-    base = str(prefix) + "/"
-    for path, kind, size, mtime_ns in rows:
-        try:
-            st = os.lstat(base + path)
-        except OSError:
-            problems.append(f"{path}: missing")
-        else:
-            if not want[kind](st.st_mode):
-                problems.append(f"{path}: wrong type")
-            elif kind == FILE and (st.st_size != size or st.st_mtime_ns != mtime_ns):
-                problems.append(f"{path}: changed (size or mtime)")
-        if len(problems) >= 20:
-            break
-    elapsed = time.perf_counter() - start
-    if problems:
-        return VerifyResult(
-            False,
-            f"{len(problems)}+ file(s) missing or changed",
-            key=marker.get("key"),
-            checked=len(rows),
-            problems=problems,
-            seconds=elapsed,
-        )
-    return VerifyResult(True, "intact", key=marker.get("key"), checked=len(rows), seconds=elapsed)
 
 
 # -- entry point -----------------------------------------------------------------------------

@@ -149,6 +149,28 @@ def has_state(root: str | os.PathLike, name: str) -> bool:
         return False
 
 
+def state_not_private(root: str | os.PathLike, names: tuple[str, ...]) -> str | None:
+    """Why ``root``'s state directory or its files ``names`` could have been written by
+    someone else (an owner other than this user or root, write permission for group or
+    others), or None when they are private. bootseer makes them 0755/0644 under any umask;
+    a start trusts the marker without checking the files only when this is None."""
+    allowed = {os.geteuid(), 0}
+    try:
+        with contextlib.ExitStack() as stack:
+            state_fd = open_in(stack, STATE_DIR, DIR_FLAGS, open_in(stack, root, DIR_FLAGS))
+            fds = [(STATE_DIR, state_fd)]
+            fds += [(f"{STATE_DIR}/{n}", open_in(stack, n, _READ_FILE, state_fd)) for n in names]
+            for what, fd in fds:
+                st = os.fstat(fd)
+                if st.st_uid not in allowed:
+                    return f"{what} is owned by uid {st.st_uid}"
+                if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                    return f"{what} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    except OSError as exc:
+        return f"{STATE_DIR} cannot be opened ({exc.strerror})"
+    return None
+
+
 def _read_at_most(fd: int, expected: int, limit: int) -> bytes | None:
     """The file's bytes (``expected`` of them, as fstat said), None past ``limit``."""
     pieces = []

@@ -79,18 +79,19 @@ def test_ensure_verify_ls_gc_rm(tmp_path, cli_env, package_index):
     again = json.loads(bootseer_cli(*ensure, "--json", env=cli_env).stdout)
     assert (again["key"], again["outcome"], again["prefix"]) == (key, "verified", str(prefix))
 
-    # verify: exit 0 when intact, 1 otherwise, with the reason and the problems.
+    # verify: exit 0 when intact, 2 otherwise, with the reason and the problems.
     out = bootseer_cli("env", "verify", str(prefix), "--key", key).stdout
     assert out.startswith(f"{prefix}: intact: intact (key {key}, ")
     other = bootseer_cli("env", "verify", str(prefix), "--key", "0" * 40, check=False)
-    assert other.returncode == 1 and "NOT OK: holds another environment" in other.stdout
+    assert other.returncode == 2 and "NOT OK: holds another environment" in other.stdout
     nothing = bootseer_cli("env", "verify", str(tmp_path / "nowhere"), check=False)
-    assert nothing.returncode == 1 and "NOT OK: no bootseer environment there" in nothing.stdout
+    assert nothing.returncode == 2 and "NOT OK: no bootseer environment there" in nothing.stdout
     blob = prefix / SITE / "tinydata" / "blob.bin"
     data = blob.read_bytes()
     blob.unlink()
     damaged = bootseer_cli("env", "verify", str(prefix), check=False)
-    assert damaged.returncode == 1 and "NOT OK: 1+ file(s) missing or changed" in damaged.stdout
+    assert damaged.returncode == 2, damaged.stdout
+    assert "NOT OK: 1 file(s) missing, changed or extra" in damaged.stdout
     assert f"  {SITE}/tinydata/blob.bin: missing" in damaged.stdout.splitlines()
     restored = bootseer_cli(*ensure, env=cli_env)
     assert f"env {key}: restored at {prefix}" in restored.stderr and "fetched" in restored.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -96,7 +97,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     restore.set_defaults(func=cmd_restore)
 
-    verify = env_sub.add_parser("verify", help="does a prefix hold an intact environment?")
+    verify = env_sub.add_parser(
+        "verify",
+        help="does a prefix hold an intact environment? (every file, now)",
+        description="Check every member of the environment at PREFIX against the record "
+        "its restore wrote: type, size, mtime and mode, and no entries the snapshot does "
+        "not hold (bytecode in __pycache__ aside). Exit 0: intact; 2: not (the first "
+        "mismatches listed; `bootseer env restore` or the next start repairs it).",
+    )
     verify.add_argument("prefix")
     verify.add_argument("--key", help="the key it must hold (default: any)")
     verify.set_defaults(func=cmd_verify)
@@ -383,14 +391,20 @@ def cmd_restore(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from snapshot.restore import verify
 
-    result = verify(args.prefix, args.key)
+    prefix = os.path.abspath(args.prefix)
+    result = verify(prefix, args.key)
     print(
-        f"{args.prefix}: {'intact' if result.ok else 'NOT OK'}: {result.reason} "
+        f"{prefix}: {'intact' if result.ok else 'NOT OK'}: {result.reason} "
         f"(key {result.key}, {result.checked} entries, {result.seconds:.2f}s)"
     )
     for problem in result.problems:
         print(f"  {problem}")
-    return 0 if result.ok else 1
+    if result.key and (result.problems or result.reason.startswith("a check found")):
+        print(
+            f"  repair: bootseer env restore {result.key} --prefix {prefix} --store STORE "
+            f"(or the next `bootseer run` restores it)"
+        )
+    return 0 if result.ok else 2
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
