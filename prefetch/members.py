@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from decimal import ROUND_DOWN, Decimal, InvalidOperation
 from typing import Any
 
+from .errors import PrefetchError
 from .safety import (
     ROOT,
     UnsafeMemberError,
@@ -76,7 +77,7 @@ _MEMBER_KEYS = frozenset(tarfile.PAX_FIELDS) | {"hdrcharset"}
 _MEMBER_PREFIXES = ("GNU.sparse.", XATTR_PREFIX)
 
 
-class ConvertError(ValueError):
+class ConvertError(PrefetchError, ValueError):
     """The input is not a tar stream bootseer can convert (corrupt, truncated, odd types)."""
 
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import PrefetchError
 from .fetcher import Blob
 
 FORMAT = "bootseer-profile/1"
@@ -27,7 +28,7 @@ ARTIFACT_TYPE = "application/vnd.bootseer.profile.v1+json"
 MAX_PROFILE_ENTRIES = 1_000_000
 
 
-class ProfileError(ValueError):
+class ProfileError(PrefetchError, ValueError):
     """A stored profile is malformed: it is ignored (a lazy start without profile)."""
 
 

@@ -71,6 +71,7 @@ from prefetch.auth import (
     merge_scopes,
     parse_challenges,
 )
+from prefetch.errors import PrefetchError
 from prefetch.oci import (
     Descriptor,
     Manifest,
@@ -134,7 +135,7 @@ _RETRYABLE = (
 # -- errors ---------------------------------------------------------------------------------------
 
 
-class RegistryError(Exception):
+class RegistryError(PrefetchError):
     """A registry operation failed. ``str()`` is the full, actionable message; the attributes
     say what it was about (any may be None)."""
 

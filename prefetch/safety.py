@@ -29,12 +29,14 @@ and the TOC stores only that form, which :func:`check_member_path` insists on.
 
 from __future__ import annotations
 
+from .errors import PrefetchError
+
 MAX_PATH = 4096  # PATH_MAX on Linux, including the terminating NUL the kernel counts
 MAX_NAME = 255  # NAME_MAX: bytes in one path component
 ROOT = "."
 
 
-class UnsafeMemberError(ValueError):
+class UnsafeMemberError(PrefetchError, ValueError):
     """A layer member breaks an untrusted-input rule; ``member`` and ``rule`` name both."""
 
     def __init__(self, member: str, rule: str) -> None:

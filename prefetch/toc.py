@@ -54,6 +54,7 @@ from typing import Any
 
 import zstandard
 
+from .errors import PrefetchError
 from .safety import (
     ROOT,
     UnsafeMemberError,
@@ -124,7 +125,7 @@ RULE_COMPLETE = "the TOC must list every member of the tar stream, in order"
 # --- errors -----------------------------------------------------------------------------------
 
 
-class LayerFormatError(Exception):
+class LayerFormatError(PrefetchError):
     """Base class: a layer blob cannot be used as a bootseer seekable layer."""
 
 

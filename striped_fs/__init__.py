@@ -8,17 +8,31 @@ See docs/striped_fs.md for the layout, the options and their defaults.
 """
 
 from .config import DEFAULT_CONCURRENCY, DEFAULT_STRIPE_SIZE, OptionError, StripeOptions, parse_size
-from .errors import ManifestError, StripeChecksumError, StripedIOError
+from .errors import (
+    ManifestError,
+    MountError,
+    MountTimeout,
+    ShortReadError,
+    StripeChecksumError,
+    StripedError,
+    StripedIOError,
+    UnsafePath,
+)
 from .filesystem import StripedFileSystem
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
     "DEFAULT_STRIPE_SIZE",
     "ManifestError",
+    "MountError",
+    "MountTimeout",
     "OptionError",
+    "ShortReadError",
     "StripeChecksumError",
     "StripeOptions",
+    "StripedError",
     "StripedFileSystem",
     "StripedIOError",
+    "UnsafePath",
     "parse_size",
 ]

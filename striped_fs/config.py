@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from .errors import OptionError
+
 MiB = 1 << 20
 
 DEFAULT_STRIPE_SIZE = 8 * MiB
@@ -27,10 +29,6 @@ MAX_CONCURRENCY = 1024
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-class OptionError(ValueError):
-    """A striping option has a value that cannot be used; the message says which and why."""
 
 
 def parse_size(value: int | str, *, name: str = "size") -> int:

@@ -57,6 +57,7 @@ from typing import Any
 
 from fsspec.spec import AbstractBufferedFile
 
+from .errors import MountError, MountTimeout
 from .mtime import mtime_ns_of
 from .redact import install_log_redaction
 
@@ -123,14 +124,6 @@ _MUTATING = frozenset(
         "write",
     }
 )
-
-
-class MountError(RuntimeError):
-    """A mount could not be made, awaited or removed; the message says why."""
-
-
-class MountTimeout(MountError, TimeoutError):
-    """The mount did not appear in time."""
 
 
 def _fuse_error(err: int) -> OSError:

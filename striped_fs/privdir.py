@@ -33,6 +33,8 @@ import shutil
 import stat
 from typing import IO
 
+from .errors import UnsafePath
+
 __all__ = ["TRACE_WHAT", "PrivateDir", "UnsafePath", "open_append", "open_owned", "owned_file"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -44,11 +46,6 @@ _WHAT_TO_DO = (
     "it (or, if it is yours and meant to be, chmod 700 it), or name another "
     "directory"
 )
-
-
-class UnsafePath(PermissionError):
-    """A directory or file that another user could control: refused, never used. The
-    message names the path, what was found, the rule and what to do."""
 
 
 def _owner(uid: int) -> str:

@@ -20,7 +20,7 @@ from . import report as report_cmd
 from . import run as run_cmd
 from . import snapshotter as snapshotter_cmd
 from . import warmup as warmup_cmd
-from .errors import CliError, is_storage_client_error
+from .errors import translate_errors
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     if not getattr(args, "func", None):
         parser.print_help()
         raise SystemExit(2)
-    from snapshot.errors import SnapshotError
-
-    try:
+    # The one place a failure becomes a message (bootseer/cli/errors.py): a known error is one
+    # line and exit code 2, anything else its traceback and 1; -vv shows every traceback.
+    with translate_errors(args):
         from ..config import config_from_args
 
         # Every command checks the configuration file and the BOOTSEER_* variables, and reads
@@ -88,28 +88,4 @@ def main(argv: list[str] | None = None) -> None:
         args.cfg = config_from_args(args)
         register_options(args.cfg.storage.options)  # a config file's secrets: never printed
         code = args.func(args)
-    except (
-        CliError,
-        SnapshotError,
-        ValueError,
-        FileNotFoundError,
-        IsADirectoryError,
-        PermissionError,
-        OSError,
-    ) as exc:
-        print(f"bootseer: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except Exception as exc:
-        if is_storage_client_error(exc) or _is_library_error(exc):
-            print(f"bootseer: error: {exc}", file=sys.stderr)
-            raise SystemExit(2) from None
-        raise
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
     raise SystemExit(code or 0)
-
-
-def _is_library_error(exc: BaseException) -> bool:
-    """prefetch's registry and layer-format errors carry their own what-to-do message (their
-    classes are not imported here: that would load aiohttp for every command)."""
-    return type(exc).__module__.startswith("prefetch.")

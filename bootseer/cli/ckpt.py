@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("url", help="checkpoint root: path or URL (s3://b/run1, striped::file:///x)")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     _options_arg(ls)
-    ls.set_defaults(func=cmd_ls)
+    ls.set_defaults(func=cmd_ls, store_args=("url",))
 
     verify = ck_sub.add_parser(
         "verify",
@@ -48,14 +46,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--step", type=int, help="the step to verify (default: the newest)")
     which.add_argument("--all", action="store_true", help="verify every committed step")
     _options_arg(verify)
-    verify.set_defaults(func=cmd_verify)
+    verify.set_defaults(func=cmd_verify, store_args=("url",))
 
     inspect = ck_sub.add_parser("inspect", help="tensors, shapes and owners of one checkpoint")
     inspect.add_argument("url")
     inspect.add_argument("--step", type=int, help="the step to inspect (default: the newest)")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     _options_arg(inspect)
-    inspect.set_defaults(func=cmd_inspect)
+    inspect.set_defaults(func=cmd_inspect, store_args=("url",))
 
     convert = ck_sub.add_parser(
         "convert",
@@ -95,28 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "allow-list; --from dcp: also DCP's metadata classes)",
     )
     _options_arg(convert)
-    convert.set_defaults(func=cmd_convert)
-
-
-def _person_facing(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Checkpoint errors and storage-client errors (botocore's are not OSErrors) become
-    ``bootseer: error: ...`` lines with exit code 2, never tracebacks."""
-
-    @functools.wraps(fn)
-    def wrapper(args: argparse.Namespace) -> int:
-        from ckpt import CheckpointError
-
-        try:
-            return fn(args)
-        except CheckpointError as exc:
-            raise CliError(str(exc)) from None
-        except Exception as exc:
-            if type(exc).__module__.split(".")[0] in ("botocore", "aiobotocore"):
-                url = getattr(args, "url", None) or getattr(args, "src", "")
-                raise CliError(f"{url}: {type(exc).__name__}: {exc}") from None
-            raise
-
-    return wrapper
+    convert.set_defaults(func=cmd_convert, store_args=("src", "dst"))
 
 
 def _options_arg(p: argparse.ArgumentParser) -> None:
@@ -191,7 +168,6 @@ def _run_text(run: list[int]) -> str:
 # -- ls ---------------------------------------------------------------------------------------
 
 
-@_person_facing
 def cmd_ls(args: argparse.Namespace) -> int:
     with _manager(args) as mgr:
         done, torn = _steps(mgr)
@@ -240,7 +216,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
 # -- verify -----------------------------------------------------------------------------------
 
 
-@_person_facing
 def cmd_verify(args: argparse.Namespace) -> int:
     from ckpt import CheckpointError
     from ckpt.layout import MANIFEST, Manifest, step_dir
@@ -354,7 +329,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-@_person_facing
 def cmd_inspect(args: argparse.Namespace) -> int:
     with _manager(args) as mgr:
         step = _resolve_step(mgr, args.url, args.step)
@@ -401,7 +375,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 # -- convert ----------------------------------------------------------------------------------
 
 
-@_person_facing
 def cmd_convert(args: argparse.Namespace) -> int:
     from ckpt import CheckpointManager
     from ckpt.dcp import bootseer_to_dcp, dcp_to_bootseer

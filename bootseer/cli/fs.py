@@ -13,7 +13,7 @@ from striped_fs.urls import split_credentials, url_to_fs
 
 from ..config import add_config_arguments
 from ..progress import ByteProgress, human_bytes
-from .errors import CliError, naming_the_store
+from .errors import CliError
 from .mounts import start_background_mount
 
 
@@ -25,17 +25,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     cp.add_argument("src", help="path or URL (s3://b/k, http://h/f, striped::file:///x)")
     cp.add_argument("dst", help="path or URL")
     _stripe_args(cp)
-    cp.set_defaults(func=cmd_cp)
+    cp.set_defaults(func=cmd_cp, store_args=("src", "dst"))
 
     stat = fs_sub.add_parser("stat", help="size and layout of a file (JSON)")
     stat.add_argument("url")
     _stripe_args(stat)
-    stat.set_defaults(func=cmd_stat)
+    stat.set_defaults(func=cmd_stat, store_args=("url",))
 
     ls = fs_sub.add_parser("ls", help="list a directory with logical sizes")
     ls.add_argument("url")
     _stripe_args(ls)
-    ls.set_defaults(func=cmd_ls)
+    ls.set_defaults(func=cmd_ls, store_args=("url",))
 
     gc = fs_sub.add_parser("gc", help="remove stripes left by killed or failed writers")
     gc.add_argument("url")
@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="only versions untouched this long (default 3600)",
     )
     _stripe_args(gc)
-    gc.set_defaults(func=cmd_gc)
+    gc.set_defaults(func=cmd_gc, store_args=("url",))
 
     mount = fs_sub.add_parser("mount", help="FUSE-mount a URL (the same striped view)")
     mount.add_argument("url")
@@ -93,11 +93,6 @@ def _fs(args: argparse.Namespace, url: str):
 
 def cmd_cp(args: argparse.Namespace) -> int:
     """A plain path as destination gets a plain file; a URL (s3://, file://) gets stripes."""
-    with naming_the_store(f"cp {args.src} -> {args.dst}"):
-        return _cp(args)
-
-
-def _cp(args: argparse.Namespace) -> int:
     src_fs, src = _fs(args, args.src)
     info = src_fs.info(src)
     if info["type"] == "directory":
@@ -131,17 +126,15 @@ def _is_plain_path(url: str) -> bool:
 
 
 def cmd_stat(args: argparse.Namespace) -> int:
-    with naming_the_store(args.url):
-        fs, path = _fs(args, args.url)
-        info = fs.info(path)
+    fs, path = _fs(args, args.url)
+    info = fs.info(path)
     print(json.dumps({k: v for k, v in info.items() if _jsonable(v)}, indent=2, default=str))
     return 0
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with naming_the_store(args.url):
-        fs, path = _fs(args, args.url)
-        entries = fs.ls(path, detail=True)
+    fs, path = _fs(args, args.url)
+    entries = fs.ls(path, detail=True)
     for entry in entries:
         kind = "d" if entry["type"] == "directory" else ("s" if entry.get("striped") else "-")
         print(f"{kind} {entry.get('size') or 0:>14} {entry['name']}")
@@ -149,9 +142,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    with naming_the_store(args.url):
-        fs, path = _fs(args, args.url)
-        n = fs.gc(path, older_than_s=args.older_than, on_remove=lambda p: print(f"removed {p}"))
+    fs, path = _fs(args, args.url)
+    n = fs.gc(path, older_than_s=args.older_than, on_remove=lambda p: print(f"removed {p}"))
     print(f"{n} unreferenced stripe version(s) removed")
     return 0
 
@@ -160,23 +152,20 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from striped_fs import fuse
 
     if not os.path.isdir(args.mountpoint):
-        raise ValueError(f"mount point {args.mountpoint} is not a directory: create it first")
+        raise CliError(f"mount point {args.mountpoint} is not a directory: create it first")
     if not args.foreground:
         return _mount_in_background(args)
     fs, path = _fs(args, args.url)
     if not fs.exists(path):
         raise FileNotFoundError(f"{args.url} does not exist: nothing to mount")
-    try:
-        fuse.mount(
-            fs,
-            path,
-            args.mountpoint,
-            foreground=True,
-            read_only=args.read_only,
-            allow_other=args.allow_other,
-        )
-    except fuse.MountError as exc:
-        raise CliError(str(exc)) from None
+    fuse.mount(  # a MountError is a StripedError: one line, named by the entry point
+        fs,
+        path,
+        args.mountpoint,
+        foreground=True,
+        read_only=args.read_only,
+        allow_other=args.allow_other,
+    )
     return 0
 
 

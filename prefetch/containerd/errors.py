@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import grpc
 
+from ..errors import PrefetchError
 
-class ContainerdError(Exception):
+
+class ContainerdError(PrefetchError):
     """A containerd API call failed; ``code`` is the gRPC status code."""
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN

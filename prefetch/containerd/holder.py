@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import PrefetchError
 from .unixsock import private_socket
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE = 1 << 16
 
 
-class HolderError(RuntimeError):
+class HolderError(PrefetchError, RuntimeError):
     """The holder refused a request, or none could be reached."""
 
 

@@ -39,6 +39,7 @@ from prefetch.containerd.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
+from prefetch.errors import PrefetchError
 
 SCHEMA_VERSION = 1
 MAX_LABEL_BYTES = 4096  # containerd's limit on one label's key + value (labels.Validate)
@@ -89,7 +90,7 @@ class Snapshot:
     inodes: int = 0
 
 
-class SchemaVersionError(RuntimeError):
+class SchemaVersionError(PrefetchError, RuntimeError):
     """The database was written by a newer schema than this code understands."""
 
 
