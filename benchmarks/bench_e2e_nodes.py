@@ -460,6 +460,11 @@ class MethodRun:
         c = self.c
         for bucket in ("ckpt", "envs"):
             c.services.create_bucket(bucket)
+            if self.tier:  # the mirror's GETs are unsigned: its objects readable without one
+                with c.services.entered():
+                    c.services.s3.admin_client().put_bucket_policy(
+                        Bucket=bucket, Policy=json.dumps(anonymous_read_policy(bucket))
+                    )
         host = c.services.registry_host
         layers = self.b.diy_layers if self.diy else self.b.layers
         tag = "diy" if self.diy else "gzip"
@@ -497,6 +502,23 @@ class MethodRun:
                 '[ckpt]\nurl = "s3://ckpt/bootseer"\ncache_dir = "/var/cache/bootseer/ckpt"\n'
                 f'ranks = "{rank_list(i, self.b.ranks_per_node)}"\n'
             )
+
+    @property
+    def tier(self) -> bool:
+        return bool(getattr(self.b.args, "cache_tier", False))
+
+    def job_storage_options(self) -> dict[str, Any]:
+        """The job's storage options: the services' S3, and with ``--cache-tier`` the cache
+        host's S3 port (127.0.0.1:9001 on each node) as striped's ``mirror``, so the nodes'
+        checkpoint and environment stripe reads go through the cache (docs/striped_fs.md)."""
+        from bootseer.testing.cluster_node import CACHE_PORT_OFFSET
+        from bootseer.testing.cluster_services import PORTS
+
+        options: dict[str, Any] = {"s3": self.c.services.storage_options()}
+        if self.tier:
+            mirror = f"http://127.0.0.1:{PORTS['s3'] + CACHE_PORT_OFFSET}"
+            options["striped"] = {"mirror": mirror}
+        return options
 
     # -- nodes ---------------------------------------------------------------------------------------
     def pull(self, node: Any) -> tuple[float, float]:
@@ -588,7 +610,7 @@ class MethodRun:
         elif self.diy:
             train += ["--local-copy", "/ckpt-local"]
         env = {
-            "BOOTSEER_STORAGE_OPTIONS": json.dumps({"s3": self.c.services.storage_options()}),
+            "BOOTSEER_STORAGE_OPTIONS": json.dumps(self.job_storage_options()),
             "BOOTSEER_E2E_TAG": f"{self.method}-{key}",
             "BOOTSEER_E2E_NODE": node.name,
             "PYTHONUNBUFFERED": "1",
@@ -951,6 +973,21 @@ class MethodRun:
             f"{s['paced_by']} ({s['paced_why']})"
         )
         return out
+
+
+def anonymous_read_policy(bucket: str) -> dict[str, Any]:
+    """A bucket policy letting anyone GET its objects (the cache tier's unsigned reads)."""
+    return {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Effect": "Allow",
+                "Principal": "*",
+                "Action": "s3:GetObject",
+                "Resource": f"arn:aws:s3:::{bucket}/*",
+            }
+        ],
+    }
 
 
 def restart_loads(events: list[dict[str, Any]], kill_t: float) -> dict[str, dict[str, Any]]:

@@ -49,6 +49,7 @@ __all__ = [
     "default_state_dir",
     "load_config",
     "parse_ranks",
+    "storage_options",
 ]
 
 ENV_PREFIX = "BOOTSEER_"
@@ -559,6 +560,16 @@ _KEYS = [
         "fsspec options of every store, keyed by protocol",
     ),
     _spec(
+        "striped",
+        "mirror",
+        "str",
+        "",
+        "--striped-mirror",
+        "base URL of a read-only HTTP cache of the S3 store (the cluster's nginx tier, "
+        "'http://10.0.0.5:9000'): stripe reads go there first, verified, and to the store "
+        "when it fails; merged into storage.options as striped.mirror; '' = none",
+    ),
+    _spec(
         "snapshotter",
         "root",
         "path",
@@ -992,6 +1003,33 @@ def load_config(
         settings[key] = Setting(key, _from_override(spec, value, source), source)
     _derive_paths(settings, env)
     return Config(settings, file)
+
+
+def storage_options(cfg: Config) -> dict[str, Any]:
+    """``storage.options`` with ``striped.mirror`` merged in as ``{"striped": {"mirror":
+    ...}}``: what every command hands striped_fs. The URL is checked here, so a bad one is
+    refused at start naming the key; given both ways with different values, refused too."""
+    from striped_fs.config import OptionError
+    from striped_fs.mirror import check_mirror_url
+
+    options = cfg.get("storage.options")
+    mirror = cfg.get("striped.mirror")
+    if not mirror:
+        return options
+    where = f"striped.mirror ({cfg.source('striped.mirror')})"
+    try:
+        mirror = check_mirror_url(mirror, name=where)
+    except OptionError as exc:
+        raise ConfigError(str(exc)) from None
+    striped = dict(options.get("striped") or {})
+    given = striped.get("mirror")
+    if given and str(given).rstrip("/") != mirror:
+        raise ConfigError(
+            f"{where} = {mirror!r} and storage.options striped.mirror = {given!r} "
+            f"({cfg.source('storage.options')}) differ: give the mirror in one place"
+        )
+    striped["mirror"] = mirror
+    return {**options, "striped": striped}
 
 
 def check_ckpt_cache_handoff(cfg: Config, env: Mapping[str, str] | None = None) -> None:

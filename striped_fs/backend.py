@@ -28,6 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 from .cancel import CancelToken, ReadCancelled
 from .config import StripeOptions
 from .errors import ShortReadError, StripeChecksumError, StripedIOError
+from .mirror import Mirror
 
 log = logging.getLogger("striped_fs")
 
@@ -122,6 +123,9 @@ class Backend:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._busy = 0  # operations submitted and not finished (see ``busy``)
+        #: A read-only cache that immutable, verified reads try first (set by the filesystem
+        #: from its ``mirror`` option; async targets only). See :mod:`striped_fs.mirror`.
+        self.mirror: Mirror | None = None
 
     # -- public operations -------------------------------------------------------------
     def read_range(
@@ -135,9 +139,11 @@ class Backend:
         validate: Validator | None = None,
         stripe: int | None = None,
         cancel: CancelToken | None = None,
+        immutable: bool = False,
     ) -> Future[bytes]:
         """Bytes ``[start, end)`` of ``path``; a short answer is retried like a dropped stream.
-        ``cancel`` (every read here): stops the retries once the set of reads is abandoned."""
+        ``cancel`` (every read here): stops the retries once the set of reads is abandoned.
+        ``immutable`` (with ``validate``): ``path`` never changes, so the mirror may serve it."""
         want = end - start
 
         def check(data: bytes) -> None:
@@ -146,6 +152,12 @@ class Backend:
             if validate is not None:
                 validate(data)
 
+        async def origin() -> bytes:
+            return await self.fs._cat_file(path, start=start, end=end)
+
+        if self._mirrors(immutable, validate):
+            mirrored = self._mirror_first(path, start, end, check, origin, check, exact=True)
+            return self._submit(what, stripe, path, retry, None, None, mirrored, cancel)
         return self._submit(
             what,
             stripe,
@@ -153,7 +165,7 @@ class Backend:
             retry,
             check,
             lambda: self.fs.cat_file(path, start=start, end=end),
-            lambda: self.fs._cat_file(path, start=start, end=end),
+            origin,
             cancel,
         )
 
@@ -167,9 +179,11 @@ class Backend:
         stripe: int | None = None,
         limit: int | None = None,
         cancel: CancelToken | None = None,
+        immutable: bool = False,
     ) -> Future[bytes]:
         """The whole object ``path``, or at most its first ``limit`` bytes when given (so that
-        an object larger than expected is never read, or allocated, whole)."""
+        an object larger than expected is never read, or allocated, whole). ``immutable``
+        (with ``validate`` and ``limit``): ``path`` never changes, so the mirror may serve it."""
         if limit is None:
             return self._submit(
                 what,
@@ -194,6 +208,10 @@ class Backend:
             except OSError as exc:
                 return _empty_if_unsatisfiable(exc)
 
+        if self._mirrors(immutable, validate):
+            assert validate is not None
+            mirrored = self._mirror_first(path, 0, limit, validate, bounded_async, validate)
+            return self._submit(what, stripe, path, retry, None, None, mirrored, cancel)
         return self._submit(what, stripe, path, retry, validate, bounded, bounded_async, cancel)
 
     def read_into(
@@ -207,12 +225,15 @@ class Backend:
         validate: Callable[[memoryview], None] | None = None,
         stripe: int | None = None,
         cancel: CancelToken | None = None,
+        immutable: bool = False,
     ) -> Future[None]:
         """Read ``len(view)`` bytes of ``path`` from ``start`` into ``view`` (no new buffer).
 
         Local files are read with ``preadv`` straight into the destination; other targets
         fetch the range and copy it in. With ``cancel``, no byte lands in ``view`` once the
         token is cancelled (``CancelToken.cancel`` waits for a write under way).
+        ``immutable`` (with ``validate``): ``path`` never changes, so the mirror may serve it;
+        its bytes land in ``view`` only once verified.
         """
         want = view.nbytes
         guard = cancel.writing if cancel is not None else contextlib.nullcontext
@@ -246,6 +267,12 @@ class Backend:
         async def remote() -> None:
             place(await self.fs._cat_file(path, start=start, end=start + want))
 
+        if self._mirrors(immutable, validate):
+            assert validate is not None
+            mirrored = self._mirror_first(
+                path, start, start + want, validate, remote, check, exact=True, deliver=place
+            )
+            return self._submit(what, stripe, path, retry, None, None, mirrored, cancel)
         return self._submit(
             what,
             stripe,
@@ -351,6 +378,49 @@ class Backend:
             if self._pool is not None:
                 self._pool.shutdown(wait=False, cancel_futures=True)
                 self._pool = None
+        if self.mirror is not None:
+            self.mirror.close(getattr(self.fs, "loop", None) if self.is_async else None)
+
+    # -- the mirror --------------------------------------------------------------------
+    def _mirrors(self, immutable: bool, validate: Callable[..., None] | None) -> bool:
+        """A read the mirror may serve: of an immutable object, with a verifier for what comes
+        back (the mirror is trusted no more than the origin), on an async target (whose
+        event loop the mirror's client runs on)."""
+        return self.mirror is not None and immutable and validate is not None and self.is_async
+
+    def _mirror_first(
+        self,
+        path: str,
+        start: int,
+        end: int,
+        verify: Callable[[Any], None],
+        origin: Callable[[], Awaitable[Any]],
+        after_origin: Callable[[Any], None],
+        *,
+        exact: bool = False,
+        deliver: Callable[[bytes], Any] | None = None,
+    ) -> Callable[[], Awaitable[Any]]:
+        """The attempt function of a mirrored read: its first attempt asks the mirror and
+        returns verified bytes (``deliver`` puts them in place); any miss, and every retry,
+        reads ``origin`` and checks it with ``after_origin`` exactly as an unmirrored read
+        would (so a checksum error from the origin is retried as always)."""
+        mirror = self.mirror
+        assert mirror is not None
+        first = True
+
+        async def attempt() -> Any:
+            nonlocal first
+            if first:
+                first = False
+                data = await mirror.read_verified(path, start, end, verify, exact)
+                if data is not None:
+                    return data if deliver is None else deliver(data)
+            result = await origin()
+            after_origin(result)
+            mirror.origin_bytes += end - start if result is None else len(result)
+            return result
+
+        return attempt
 
     @property
     def busy(self) -> int:
@@ -372,7 +442,7 @@ class Backend:
         path: str,
         retry: RetryPolicy,
         validate: Validator | None,
-        sync_call: Callable[[], Any],
+        sync_call: Callable[[], Any] | None,
         async_call: Callable[[], Awaitable[Any]] | None,
         cancel: CancelToken | None = None,
     ) -> Future:

@@ -22,6 +22,9 @@ DEFAULT_CONCURRENCY = 16
 DEFAULT_RETRIES = 5
 DEFAULT_BACKOFF_S = 0.1
 DEFAULT_BACKOFF_CAP_S = 2.0
+#: Seconds a mirror may take to accept a connection, and to send each next byte, before the
+#: read goes to the origin (an idle timeout: a slow but moving transfer is not cut short).
+DEFAULT_MIRROR_TIMEOUT_S = 5.0
 
 MIN_STRIPE_SIZE = 4096
 MAX_STRIPE_SIZE = 1 << 30
@@ -54,6 +57,10 @@ class StripeOptions:
     ``readahead`` is how many stripes a sequential reader keeps in flight or buffered
     ahead of the position; memory per open reader is about ``(readahead + 1) * stripe_size``.
     ``None`` means "same as concurrency".
+
+    ``mirror`` (a filesystem's, not a call's): the base URL of a read-only HTTP cache of the
+    store (``http://10.0.0.5:9000``) that stripe reads try first; '' = none. See
+    :mod:`striped_fs.mirror`.
     """
 
     stripe_size: int = DEFAULT_STRIPE_SIZE
@@ -64,6 +71,8 @@ class StripeOptions:
     backoff_cap_s: float = DEFAULT_BACKOFF_CAP_S
     fsync: bool = True
     direct_io: bool = True
+    mirror: str = ""
+    mirror_timeout_s: float = DEFAULT_MIRROR_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not MIN_STRIPE_SIZE <= self.stripe_size <= MAX_STRIPE_SIZE:
@@ -81,6 +90,13 @@ class StripeOptions:
             )
         if self.retries < 0:
             raise OptionError(f"striped_fs option 'retries'={self.retries}: must be >= 0")
+        from .mirror import check_mirror_url  # here: mirror.py imports this module
+
+        object.__setattr__(self, "mirror", check_mirror_url(self.mirror))
+        if not self.mirror_timeout_s > 0:
+            raise OptionError(
+                f"striped_fs option 'mirror_timeout_s'={self.mirror_timeout_s}: must be > 0"
+            )
 
     @property
     def window(self) -> int:
@@ -114,6 +130,8 @@ RETIRED_ENV = {"BOOTSEER_STRIPE_SIZE": "stripe_size", "BOOTSEER_STRIPE_CONCURREN
 
 
 OPTION_NAMES = frozenset(f.name for f in fields(StripeOptions))
+#: Options of a filesystem as a whole (its backend is built with them), never of one call.
+FILESYSTEM_OPTIONS = frozenset({"mirror", "mirror_timeout_s"})
 
 
 def _coerce(values: dict[str, Any]) -> dict[str, Any]:
@@ -131,8 +149,10 @@ def _coerce(values: dict[str, Any]) -> dict[str, Any]:
                 out[key] = parse_size(value, name=key)
             elif key in ("concurrency", "readahead", "retries"):
                 out[key] = int(value)
-            elif key in ("backoff_s", "backoff_cap_s"):
+            elif key in ("backoff_s", "backoff_cap_s", "mirror_timeout_s"):
                 out[key] = float(value)
+            elif key == "mirror":
+                out[key] = value  # checked (and normalized) by StripeOptions itself
             elif key in ("fsync", "direct_io"):
                 out[key] = (
                     value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")

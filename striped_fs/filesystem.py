@@ -30,7 +30,7 @@ from fsspec.utils import isfilelike
 
 from . import tree
 from .backend import Backend, RetryPolicy, fsync_dir
-from .config import OPTION_NAMES, OptionError, StripeOptions
+from .config import FILESYSTEM_OPTIONS, OPTION_NAMES, OptionError, StripeOptions
 from .errors import ManifestError
 from .layout import (
     MAGIC,
@@ -43,6 +43,7 @@ from .layout import (
     stripes_dir,
     version_dir,
 )
+from .mirror import MIRRORED_PROTOCOLS, Mirror
 from .mtime import mtime_ns_of, set_mtime
 from .reader import (
     InlineSource,
@@ -76,7 +77,9 @@ class StripedFileSystem(ChainedFileSystem):
     Options (constructor, storage options under the ``striped`` key, or per call):
     ``stripe_size`` (bytes or "8MiB"), ``concurrency`` (streams), ``readahead`` (stripes a
     sequential reader keeps ahead), ``retries``, ``backoff_s``, ``fsync`` and ``direct_io``
-    (local targets).
+    (local targets); of the filesystem only (not per call): ``mirror`` and
+    ``mirror_timeout_s`` (an HTTP cache that stripe reads of an S3 target try first, see
+    :mod:`striped_fs.mirror`).
     """
 
     protocol = "striped"
@@ -109,6 +112,7 @@ class StripedFileSystem(ChainedFileSystem):
         self.target = fs
         self.backend = Backend(fs, max_workers=max(64, self.options.concurrency))
         self.backend.direct_io = self.options.direct_io
+        self.backend.mirror = _mirror_for(fs, self.options)
 
     # -- paths -------------------------------------------------------------------------
     @classmethod
@@ -133,6 +137,12 @@ class StripedFileSystem(ChainedFileSystem):
             raise OptionError(
                 f"unknown striped_fs option(s) {', '.join(sorted(unknown))}; known options: "
                 f"{', '.join(sorted(OPTION_NAMES))}"
+            )
+        whole = sorted(FILESYSTEM_OPTIONS & {k for k, v in overrides.items() if v is not None})
+        if whole:
+            raise OptionError(
+                f"striped_fs option(s) {', '.join(whole)} belong to the filesystem, not to one "
+                "call: give them in the storage options (striped={...}) or the constructor"
             )
         return self.options.updated(**overrides) if overrides else self.options
 
@@ -698,6 +708,19 @@ class StripedFileSystem(ChainedFileSystem):
 
     def close(self) -> None:
         self.backend.close()
+
+
+def _mirror_for(fs: fsspec.AbstractFileSystem, opts: StripeOptions) -> Mirror | None:
+    """The mirror the options name, for a target whose paths are ``bucket/key`` (S3); a
+    mirror configured for every store (bootseer's ``striped.mirror``) does nothing for a
+    local or HDFS one, whose reads do not leave the cluster."""
+    if not opts.mirror:
+        return None
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if not MIRRORED_PROTOCOLS & set(protocols):
+        log.debug("striped mirror %s: not used for a %s target", opts.mirror, protocols[0])
+        return None
+    return Mirror(opts.mirror, opts.mirror_timeout_s)
 
 
 class _DeferredCommit:

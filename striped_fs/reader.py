@@ -168,6 +168,7 @@ class StripedSource(Source):
             stripe=index,
             limit=end - start + 1,
             cancel=cancel,
+            immutable=True,  # a stripe object never changes: its version is unique per write
         )
         return start, fut
 
@@ -182,6 +183,7 @@ class StripedSource(Source):
             stripe=index,
             what=f"stripe {index} of {self.path}",
             cancel=cancel,
+            immutable=True,
         )
 
     def check_objects(self) -> None:

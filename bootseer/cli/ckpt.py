@@ -99,11 +99,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _options_arg(p: argparse.ArgumentParser) -> None:
     from ..config import add_config_arguments
 
-    add_config_arguments(p, ("storage",))
+    add_config_arguments(p, ("storage", "striped"))
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    return args.cfg.storage.options
+    from ..config import storage_options
+
+    return storage_options(args.cfg)
 
 
 def _manager(args: argparse.Namespace, url: str | None = None) -> CheckpointManager:

@@ -22,7 +22,7 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
-from ..config import add_config_arguments
+from ..config import add_config_arguments, storage_options
 from ..progress import ByteProgress, human_bytes
 from .errors import CliError
 from .options import trailing_command
@@ -79,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     restore = env_sub.add_parser("restore", help="restore a snapshot by key")
     restore.add_argument("key", help="the key, as `bootseer env key` or `ls` prints it")
-    _config_args(restore, ("env.prefix", "env.store", "storage"))
+    _config_args(restore, ("env.prefix", "env.store", "storage", "striped"))
     restore.add_argument(
         "--force",
         action="store_true",
@@ -142,6 +142,7 @@ _TARGET_KEYS = (
     "env.store",
     "env.uv",
     "storage",
+    "striped",
 )
 _STORE_KEYS = ("env.store", "storage")
 
@@ -196,7 +197,7 @@ def _target_args(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    return args.cfg.storage.options
+    return storage_options(args.cfg)
 
 
 def _command(args: argparse.Namespace) -> list[str] | None:

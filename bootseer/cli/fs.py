@@ -11,7 +11,7 @@ from typing import Any
 from striped_fs.redact import redact
 from striped_fs.urls import split_credentials, url_to_fs
 
-from ..config import add_config_arguments
+from ..config import add_config_arguments, storage_options
 from ..progress import ByteProgress, human_bytes
 from .errors import CliError
 from .mounts import start_background_mount
@@ -78,11 +78,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _stripe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stripe-size", help="bytes per stripe, e.g. 8MiB (default 8MiB)")
     p.add_argument("--concurrency", type=int, help="parallel streams (default 16)")
-    add_config_arguments(p, ("storage",))
+    add_config_arguments(p, ("storage", "striped"))
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    return args.cfg.storage.options
+    return storage_options(args.cfg)
 
 
 def _fs(args: argparse.Namespace, url: str):

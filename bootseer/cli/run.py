@@ -16,6 +16,7 @@ import shutil
 import sys
 import tempfile
 import threading
+from typing import Any
 
 from .errors import CliError
 from .options import open_trace
@@ -38,6 +39,7 @@ RUN_KEYS = (
     "env.verify",
     "ckpt",
     "storage",
+    "striped",
     "colltrace",
 )
 
@@ -90,7 +92,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ranks=parse_ranks(ckpt.ranks, os.environ) if ckpt.url else [],
         ckpt_connections=ckpt.connections,
         allow_fresh_start=cfg.run.allow_fresh_start,
-        storage_options=cfg.storage.options or None,
+        storage_options=_options(cfg) or None,
     )
     trace = open_trace(cfg)
     base_env = dict(os.environ)
@@ -316,3 +318,10 @@ def _exit_if_lingering(message: str | None, code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _options(cfg: Any) -> dict[str, Any]:
+    """``storage.options`` with ``striped.mirror`` merged in."""
+    from ..config import storage_options
+
+    return storage_options(cfg)

@@ -36,6 +36,7 @@ WARMUP_KEYS = (
     "env.base_image",
     "ckpt",
     "storage",
+    "striped",
     "health",
     "controller",
 )
@@ -91,11 +92,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _parts(args: argparse.Namespace) -> list[Any]:
-    from ..config import check_ckpt_cache_handoff, parse_ranks
+    from ..config import check_ckpt_cache_handoff, parse_ranks, storage_options
     from ..warmup import Part, warm_checkpoint, warm_environment, warm_image
 
     cfg = args.cfg
-    options = cfg.storage.options or None
+    options = storage_options(cfg) or None
     image, env, ckpt = cfg.image, cfg.env, cfg.ckpt
     parts = []
     if image.ref:

@@ -49,10 +49,15 @@ def _quote(value: str | os.PathLike[str]) -> str:
 
 
 def nginx_cache_config(
-    prefix: Path, listen: str, upstreams: dict[str, tuple[str, int]], max_size: str = "8g"
+    prefix: Path,
+    listen: str,
+    upstreams: dict[str, tuple[str, int]],
+    max_size: str = "8g",
+    ports: dict[str, int] | None = None,
 ) -> str:
     """nginx.conf of the caching tier: for each cached service, a server on
-    ``listen:PORTS[service]`` in front of ``upstreams[service]`` (host, port)."""
+    ``listen:PORTS[service]`` (or ``ports[service]``: tests on free ports) in front of
+    ``upstreams[service]`` (host, port)."""
     q = _quote
     tmp = prefix / "tmp"
     user = "user root root;\n" if os.geteuid() == 0 else ""
@@ -72,7 +77,7 @@ def nginx_cache_config(
         keepalive 64;
     }}
     server {{
-        listen {listen}:{PORTS[name]};
+        listen {listen}:{(ports or PORTS)[name]};
         client_max_body_size 0;
         proxy_http_version 1.1;
         proxy_set_header Connection "";
