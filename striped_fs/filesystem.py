@@ -30,8 +30,8 @@ from fsspec.utils import isfilelike
 
 from . import tree
 from .backend import Backend, RetryPolicy, fsync_dir
-from .config import FILESYSTEM_OPTIONS, OPTION_NAMES, OptionError, StripeOptions
-from .errors import ManifestError
+from .config import FILESYSTEM_OPTIONS, OPTION_NAMES, StripeOptions
+from .errors import ManifestError, OptionError
 from .layout import (
     MAGIC,
     MAX_MANIFEST_SIZE,

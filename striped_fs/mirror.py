@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from .config import OptionError
+from .errors import OptionError
 from .redact import redact
 
 log = logging.getLogger("striped_fs")

@@ -9,7 +9,7 @@ from urllib.parse import unquote
 
 import fsspec
 
-from .config import OptionError
+from .errors import OptionError
 from .filesystem import StripedFileSystem
 from .redact import redact, register_options, register_secret, register_url
 
