@@ -48,6 +48,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) scripts/mypy-baseline
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_architecture.py
 
 # Regenerates the committed gRPC/protobuf code from prefetch/containerd/api/**/*.proto.
 protos: setup
