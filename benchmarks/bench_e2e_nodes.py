@@ -461,6 +461,8 @@ class MethodRun:
         for bucket in ("ckpt", "envs"):
             c.services.create_bucket(bucket)
             if self.tier:  # the mirror's GETs are unsigned: its objects readable without one
+                from bootseer.testing.cluster_cache import anonymous_read_policy
+
                 with c.services.entered():
                     c.services.s3.admin_client().put_bucket_policy(
                         Bucket=bucket, Policy=json.dumps(anonymous_read_policy(bucket))
@@ -973,21 +975,6 @@ class MethodRun:
             f"{s['paced_by']} ({s['paced_why']})"
         )
         return out
-
-
-def anonymous_read_policy(bucket: str) -> dict[str, Any]:
-    """A bucket policy letting anyone GET its objects (the cache tier's unsigned reads)."""
-    return {
-        "Version": "2012-10-17",
-        "Statement": [
-            {
-                "Effect": "Allow",
-                "Principal": "*",
-                "Action": "s3:GetObject",
-                "Resource": f"arn:aws:s3:::{bucket}/*",
-            }
-        ],
-    }
 
 
 def restart_loads(events: list[dict[str, Any]], kill_t: float) -> dict[str, dict[str, Any]]:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from bootseer.config import ConfigError, load_config, storage_options
-from bootseer.testing.cluster_cache import nginx_cache_config
+from bootseer.testing.cluster_cache import anonymous_read_policy, nginx_cache_config
 from bootseer.testing.servers import ComponentUnavailable, find_nginx, free_port
 from bootseer.testing.shaper import Shaper, ShaperSettings
 from striped_fs.config import OptionError, StripeOptions
@@ -92,19 +92,7 @@ def anonymous_read(s3_server: Any, bucket: str) -> None:
     a bucket the cache tier serves must be (docs/decisions.md)."""
     s3_server.admin_client().put_bucket_policy(
         Bucket=bucket,
-        Policy=json.dumps(
-            {
-                "Version": "2012-10-17",
-                "Statement": [
-                    {
-                        "Effect": "Allow",
-                        "Principal": "*",
-                        "Action": "s3:GetObject",
-                        "Resource": f"arn:aws:s3:::{bucket}/*",
-                    }
-                ],
-            }
-        ),
+        Policy=json.dumps(anonymous_read_policy(bucket)),
     )
 
 

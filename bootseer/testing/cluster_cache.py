@@ -34,7 +34,7 @@ from .cluster_services import PORTS, Services
 from .servers import ComponentUnavailable, find_nginx
 from .shaper import Shaper, ShaperSettings
 
-__all__ = ["CACHED", "CacheHost", "nginx_cache_config"]
+__all__ = ["CACHED", "CacheHost", "anonymous_read_policy", "nginx_cache_config"]
 
 CACHED = ("registry", "s3")  # the services the tier caches
 SLICE = "1m"
@@ -46,6 +46,22 @@ def _quote(value: str | os.PathLike[str]) -> str:
     if any(c in text for c in '\n\r\0"\\;{}'):
         raise ValueError(f"path not usable in an nginx config: {text!r}")
     return f'"{text}"'
+
+
+def anonymous_read_policy(bucket: str) -> dict[str, Any]:
+    """A bucket policy letting anyone GET its objects: the cache tier's reads are unsigned
+    (striped's ``mirror``), so a bucket it serves must allow them (docs/decisions.md)."""
+    return {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Effect": "Allow",
+                "Principal": "*",
+                "Action": "s3:GetObject",
+                "Resource": f"arn:aws:s3:::{bucket}/*",
+            }
+        ],
+    }
 
 
 def nginx_cache_config(
