@@ -495,6 +495,32 @@ def test_a_node_whose_window_stopped_coming_is_unseen_not_never_issued() -> None
     assert link_suspects(found)[1] == {"node1": 6.4}
 
 
+def test_a_hang_verdict_judges_the_answered_windows_as_of_its_dumps() -> None:
+    """The CI failure of 2026-12-03, deterministic: on a loaded machine each all_reduce took
+    0.8 s (learned T = 8 s, past the agents' 3 s heartbeat timeout). Ranks 0 and 2 wait in
+    grp-a #21 since t=100; rank 1 hangs before it. The heartbeats open a hang incident and
+    the nodes answer with their windows: node1's at t=101.5, the others' later. The verdict
+    at t=104 must name rank 1 "never issued" (its window came with its answer, and the
+    heartbeats already said the job is stuck), not "unseen" against a T the incident
+    outlasts. A node that did not answer stays "unseen"; without the incident nothing is
+    said yet (T not passed)."""
+    from bootseer.colltrace.analyze import Analyzer
+    from bootseer.colltrace.ship import analyze_windows
+
+    slow = [(50.0 + i, 50.8 + i) for i in range(20)]
+    plan = {r: {"grp-a": [*slow, *([(100.0, None)] if r != 1 else [])]} for r in range(3)}
+    docs = _windows(plan, {0: 103.0, 1: 101.5, 2: 103.5})
+
+    def verdict(answered: list[str]) -> list[tuple[str, tuple[int, ...]]]:
+        analyzer = Analyzer(node="controller", stuck_cap_s=2.0)
+        found, _ = analyze_windows(docs, now=104.0, analyzer=analyzer, current=answered)
+        return [(f.kind, f.ranks) for f in found]
+
+    assert verdict(["node0", "node1", "node2"]) == [("never_issued", (1,))]
+    assert verdict(["node0", "node2"]) == [("unseen", ())]  # node1 never answered
+    assert analyze_windows(docs, now=104.0)[0] == []  # no incident: 4 s < the learned 8 s
+
+
 #: fault -> (the rank it is injected into, world); all run at once in one module fixture
 FAULTS = {"sleep": 2, "kill": 1, "stop": 1, "mismatch": 0, "deadlock": 2}
 

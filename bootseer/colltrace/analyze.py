@@ -162,8 +162,12 @@ class Analyzer:
         alive: Callable[[RingSnapshot], bool | None] | None = None,
         node: str | None = None,
         state: Callable[[RingSnapshot], tuple[str, int] | None] | None = None,
+        stuck_cap_s: float = 0.0,
     ) -> None:
         self.stuck_s, self.floor_s, self.k = stuck_s, floor_s, k
+        # T at most this (0: no cap). A hang verdict's: the heartbeats already said the job is
+        # stuck, so an op held past the floor is stuck there, however slow the learned T
+        self.stuck_cap_s = stuck_cap_s
         self.straggler_s, self.min_growth_s = straggler_s, min_growth_s
         self.warmup_ops, self.baseline_ops, self.window_ops = warmup_ops, baseline_ops, window_ops
         self.node = node or os.environ.get("BOOTSEER_NODE") or os.uname().nodename
@@ -209,6 +213,12 @@ class Analyzer:
         """T for ``op`` in this group and where it comes from."""
         if self.stuck_s > 0:
             return self.stuck_s, "configured"
+        t, src = self._unconfigured_threshold(view, op)
+        if 0 < self.stuck_cap_s < t:
+            return self.stuck_cap_s, "incident"
+        return t, src
+
+    def _unconfigured_threshold(self, view: GroupView, op: str) -> tuple[float, str]:
         durations = [
             o.t_done - o.t_issue
             for ops in view.ops.values()

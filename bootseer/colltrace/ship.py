@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from typing import Any
 
 from . import validate
@@ -126,13 +127,20 @@ def snapshots_of(doc: dict[str, Any], node: str) -> list[RingSnapshot]:
 
 
 def analyze_windows(
-    docs: dict[str, dict[str, Any]], *, now: float | None = None, analyzer: Analyzer | None = None
+    docs: dict[str, dict[str, Any]],
+    *,
+    now: float | None = None,
+    analyzer: Analyzer | None = None,
+    current: Collection[str] = (),
 ) -> tuple[list[Finding], dict[str, dict[int, str]]]:
     """The tracer's findings over every node's window (``docs``: node -> window), and the
     grid of ranks x groups. A rank's liveness and state are what its own node read (a zombie
     or a vanished pid: dead). ``analyzer``: one kept across calls (its baselines learned
     once, a candidate confirmed by later windows, a finding said once), as a node's Watch
-    keeps its own; none: a fresh one, which sees only what one look shows."""
+    keeps its own; none: a fresh one, which sees only what one look shows. ``current``: the
+    nodes whose window came with their answer to the incident being judged, read as of
+    ``now`` (the verdict is about the state their dumps show, taken with that window): only
+    a node that did not answer can be one whose progress is unknown ("unseen")."""
     snaps: list[RingSnapshot] = []
     states: dict[tuple[str, int], tuple[str, int] | None] = {}
     # a rank is known up to its window's shipping (its node's clock): a node that stopped
@@ -144,6 +152,8 @@ def analyze_windows(
         got = snapshots_of(doc, node)
         snaps += got
         shipped = validate.finite_time(doc.get("time"))
+        if node in current and shipped is not None and now is not None:
+            shipped = max(shipped, now)
         kept = {s.rank for s in got}
         for r in doc.get("ranks") if isinstance(doc.get("ranks"), list) else []:
             if isinstance(r, dict) and r.get("rank") in kept:

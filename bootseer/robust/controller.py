@@ -534,8 +534,10 @@ class Controller:
         _attach_native(found, natives)
         for node in dumps:
             dumps[node]["native"] = any(n == node for n, _ in natives)
-        traced = self._colltrace([*answers, *missing], incident)
         primary = _primary(events)
+        traced = self._colltrace(
+            [*answers, *missing], incident, answered=list(answers), hang=primary.kind == "hang"
+        )
         history = self.verdicts()
         pin = self._updated_pin(primary.time)
         lost = self._unheard(missing, opened)
@@ -678,18 +680,28 @@ class Controller:
             found.update({(node, p.pid): p for p in processes if p.pid is not None})
         return found
 
-    def _colltrace(self, nodes: list[str], incident: int) -> dict[str, Any] | None:
+    def _colltrace(
+        self, nodes: list[str], incident: int, *, answered: Sequence[str] = (), hang: bool = False
+    ) -> dict[str, Any] | None:
         """The collective tracer's verdict over the ring windows the nodes shipped
         (:mod:`bootseer.colltrace.ship`): the same analysis as a node's, across nodes; also
         into ``colltrace-controller.ndjson`` beside the trace (``bootseer report``). None when
-        no node ships one."""
+        no node ships one. The windows of the ``answered`` nodes came with their dumps: they
+        count as read now (the verdict is about what those dumps show). ``hang``: the
+        heartbeats already found the job stuck, so an op held past the tracer's floor is
+        stuck there: a loaded machine's learned T (10 x the median op) may outlast the
+        heartbeat timeout, and the verdict would come before the op counts as stuck."""
         docs = self._windows(nodes)
         if not docs:
             return None
+        from ..colltrace.analyze import Analyzer
         from ..colltrace.reader import verdict_docs
         from ..colltrace.ship import analyze_windows
 
-        found, grid = analyze_windows(docs, now=self.clock())
+        analyzer = Analyzer(node="controller")
+        if hang:
+            analyzer.stuck_cap_s = analyzer.floor_s
+        found, grid = analyze_windows(docs, now=self.clock(), analyzer=analyzer, current=answered)
         if found and self.trace_path is not None:
             path = self.trace_path.parent / "colltrace-controller.ndjson"
             try:
