@@ -818,3 +818,27 @@ def test_module_entry_point(fuse_probe: str | None, tmp_path: Path) -> None:
         stop_mount(m)
     assert proc.returncode == 0
     assert not mounted_in_proc_mounts(mnt)
+
+
+def test_a_mount_nobody_serves_is_found_and_detached_without_a_stat(
+    mounts: Callable[..., Mount],
+) -> None:
+    """The benchmarks' mount helpers on a FUSE mount whose server stopped answering (SIGSTOP:
+    what a snapshotter gone while the FUSE holder keeps its descriptor leaves): every stat of
+    its root blocks in the kernel, so they read the mount table only. Until 2026-12-03 their
+    ``realpath`` hung a benchmark for 24 minutes in ``request_wait_answer``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_prefetch as bp
+
+    m = mounts()
+    m.proc.send_signal(signal.SIGSTOP)
+    try:
+        done: list[bool] = []
+        probe = threading.Thread(target=lambda: done.append(bp.is_mounted(m.path)), daemon=True)
+        probe.start()
+        probe.join(10)
+        assert done == [True], "is_mounted blocked on the unserved mount"
+        bp.unmount(m.path, lazy=True)
+        assert not mounted_in_proc_mounts(m.path)
+    finally:
+        m.proc.send_signal(signal.SIGCONT)
