@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .cache import PrefetchResult, cache_dir_from_env, prefetch_latest
+from .cache import PrefetchResult, cache_dir_from_env, held_step, prefetch_latest
 from .errors import (
     CheckpointCorrupt,
     CheckpointError,
@@ -67,6 +67,7 @@ __all__ = [
     "StateMismatchError",
     "VerifyReport",
     "cache_dir_from_env",
+    "held_step",
     "init_optimizer_state",
     "prefetch_latest",
 ]

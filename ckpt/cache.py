@@ -569,6 +569,23 @@ _STORE_CLIENTS = {
 }
 
 
+def held_step(cache_dir: str | os.PathLike, url: str, ranks: Sequence[int]) -> int | None:
+    """The newest step this node's cache holds as committed (the store's commit record,
+    copied there by a prefetch or a load) with an index for every rank of ``ranks``; None
+    when it holds none. A directory listing and a few stats, no store: the startup uses it
+    to start a warm node's command before the store is reached (a job that finds this step
+    does not start fresh, even with the store down). Nothing is verified here: the load
+    checks every cached file against the store's record, as always."""
+    cache = NodeCache(cache_dir, url)
+    for step in reversed(cache.steps()):
+        directory = cache.root / f"step-{step}"
+        if (directory / MANIFEST).is_file() and all(
+            (directory / index_name(r)).is_file() for r in ranks
+        ):
+            return step
+    return None
+
+
 def _is_store_error(exc: BaseException) -> bool:
     """Errors of reaching the store (connections, timeouts, credentials, permissions)."""
     if isinstance(exc, OSError | TimeoutError):

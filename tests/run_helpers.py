@@ -169,6 +169,14 @@ def main(argv: list[str]) -> int:
     if scenario == "touch":
         Path(args[0]).write_text(json.dumps(dict(os.environ)))
         return 0
+    if scenario == "touch-until":  # marker, directory, text: touch, then wait (<= 60 s) for
+        Path(args[0]).write_text(json.dumps(dict(os.environ)))  # a file there that holds text
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+            args[2] in p.read_text(errors="replace") for p in Path(args[1]).glob("*") if p.is_file()
+        ):
+            time.sleep(0.05)
+        return 0
     if scenario == "trap-term":  # started-file, marker[, signal name (default SIGTERM)]
         trapped = getattr(signal, args[2]) if len(args) > 2 else signal.SIGTERM
 

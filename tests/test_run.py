@@ -432,6 +432,46 @@ def test_an_unreachable_checkpoint_store_fails_loudly(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_warm_node_holding_a_committed_step_starts_its_command_before_the_store(tmp_path):
+    """A node whose cache holds a committed step (``bootseer warmup``, an earlier prefetch)
+    starts the command without waiting for the store (its client's import and a listing:
+    0.8 s of the warm restart): the job cannot start fresh from there, and its load takes
+    the store's newest step. So an unreachable store only costs the prefetch, said as a
+    warning, and the command ran; with the record or a rank's index missing, the job does
+    not start (the test above)."""
+    from ckpt.cache import NodeCache
+    from ckpt.layout import MANIFEST, index_name
+
+    url, cache = "s3://bootseer-unreachable/run1", tmp_path / "cache"
+    step = NodeCache(cache, url).root / "step-3"
+    step.mkdir(parents=True)
+    (step / index_name(0)).write_text("{}")
+
+    def run(marker: Path) -> subprocess.CompletedProcess:
+        return run_wrapper(
+            tmp_path / f"trace-{marker.name}",
+            "--ckpt-url",
+            url,
+            "--ckpt-cache-dir",
+            str(cache),
+            "--ranks",
+            "0",
+            command=child("touch-until", marker, tmp_path / f"trace-{marker.name}", "prefetch"),
+            env=_unreachable_s3(),
+        )
+
+    proc = run(tmp_path / "no-record")  # the rank's index, no commit record: not held
+    assert proc.returncode == 2 and not (tmp_path / "no-record").exists(), proc.stderr
+    (step / MANIFEST).write_text("{}")
+    proc = run(tmp_path / "held")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "held").exists()
+    assert "checkpoint_prefetch" in proc.stderr and "warning" in proc.stderr
+    [span] = phases(tmp_path / "trace-held", "checkpoint_prefetch")
+    assert span["detail"]["held_step"] == 3 and span["outcome"] != "ok"
+    assert "Traceback" not in proc.stderr
+
+
 def test_an_unreachable_checkpoint_store_with_fresh_starts_allowed(tmp_path):
     marker, url = tmp_path / "marker", "s3://bootseer-unreachable/run1"
     proc = run_wrapper(
