@@ -29,6 +29,7 @@ Failures, and why they differ:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -187,6 +188,10 @@ def checkpoint_phase(
     if held is not None:
         result.detail["held_step"] = held
         planned(held)
+        # the command's start (interpreters, imports) is on the critical path now, and the
+        # plan's client import is CPU: yield to it (this thread and the pool it starts)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
     try:
         done = prefetch_latest(
