@@ -19,6 +19,20 @@ from .errors import (
     UnsafePath,
 )
 from .filesystem import StripedFileSystem
+from .private import create_private, make_dir
+
+#: The FUSE helpers, imported on first use (``striped_fs.fuse`` loads libfuse through fusepy,
+#: which a process that only reads or writes a store should not pay for).
+_FUSE_EXPORTS = frozenset({"is_mounted", "run_fuse", "unmount", "wait_mounted"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _FUSE_EXPORTS:
+        from . import fuse
+
+        return getattr(fuse, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
@@ -34,5 +48,11 @@ __all__ = [
     "StripedFileSystem",
     "StripedIOError",
     "UnsafePath",
+    "create_private",
+    "is_mounted",
+    "make_dir",
     "parse_size",
+    "run_fuse",
+    "unmount",
+    "wait_mounted",
 ]
