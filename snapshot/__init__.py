@@ -28,12 +28,25 @@ from .key import EnvKey, compute_key  # noqa: E402
 from .restore import RestoreResult, VerifyResult, mark_damaged, restore, verify  # noqa: E402
 from .store import SnapshotStore  # noqa: E402
 
+#: Lazy environments (:mod:`snapshot.lazy`), imported on first use: they load libfuse.
+_LAZY_EXPORTS = frozenset({"LazyMount", "mount_lazy", "unmount_lazy"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY_EXPORTS:
+        from . import lazy
+
+        return getattr(lazy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "FORMAT_VERSION",
     "CorruptSnapshotError",
     "EnsureResult",
     "EnvKey",
     "InstallError",
+    "LazyMount",
     "PublishResult",
     "RelocationError",
     "RestoreResult",
@@ -48,7 +61,9 @@ __all__ = [
     "ensure",
     "ensure_capture",
     "mark_damaged",
+    "mount_lazy",
     "publish",
     "restore",
+    "unmount_lazy",
     "verify",
 ]
