@@ -29,7 +29,7 @@ from .restore import RestoreResult, VerifyResult, mark_damaged, restore, verify 
 from .store import SnapshotStore  # noqa: E402
 
 #: Lazy environments (:mod:`snapshot.lazy`), imported on first use: they load libfuse.
-_LAZY_EXPORTS = frozenset({"LazyMount", "mount_lazy", "unmount_lazy"})
+_LAZY_EXPORTS = frozenset({"LazyMount", "mount_lazy", "serve_lazy", "unmount_lazy"})
 
 
 def __getattr__(name: str) -> object:
@@ -64,6 +64,7 @@ __all__ = [
     "mount_lazy",
     "publish",
     "restore",
+    "serve_lazy",
     "unmount_lazy",
     "verify",
 ]

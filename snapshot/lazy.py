@@ -331,6 +331,14 @@ def serve(settings: LazySettings) -> int:
     return 0
 
 
+def serve_lazy(store: str, key: str, prefix: str, **settings: Any) -> int:
+    """Serve snapshot ``key`` at ``prefix`` in this process until unmounted (``bootseer env
+    mount --foreground``); ``settings`` are :class:`LazySettings` fields."""
+    prefix = os.path.abspath(prefix)
+    prepare_prefix(prefix)
+    return serve(LazySettings(store=store, key=key, prefix=prefix, **settings))
+
+
 def main() -> int:
     """``python -m snapshot.lazy`` with :class:`LazySettings` as JSON on stdin."""
     logging.basicConfig(
@@ -452,10 +460,12 @@ def mount_lazy(
     connections: int = 8,
     timeout_s: float = MOUNT_TIMEOUT_S,
     stats_path: str | os.PathLike[str] | None = None,
+    log_path: str | os.PathLike[str] | None = None,
 ) -> LazyMount:
     """Mount snapshot ``key`` of ``store`` at ``prefix`` lazily (module docstring); returns
     once the mount is up. SnapshotError when the snapshot cannot be mounted (its message is the
-    child's: the member and rule refused, the store unreachable...)."""
+    child's: the member and rule refused, the store unreachable...). The child's log goes to
+    ours, or to ``log_path`` (a mount that outlives its caller: ``bootseer env mount``)."""
     if record not in ("auto", "always", "never"):
         raise ValueError(f"record={record!r}: use 'auto', 'always' or 'never'")
     prefix = os.path.abspath(prefix)
@@ -480,20 +490,27 @@ def mount_lazy(
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "snapshot.lazy"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=env,
-        start_new_session=True,  # a ^C of the job's terminal does not unmount under it
-    )
+    log_file = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "snapshot.lazy"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=log_file if log_file is not None else subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # a ^C of the job's terminal does not unmount under it
+        )
+    finally:
+        if log_file is not None:
+            log_file.close()
     assert proc.stdin is not None
     proc.stdin.write(json.dumps(settings.to_json()).encode())
     proc.stdin.close()
     try:
         wait_mounted(prefix, timeout_s, proc)
     except MountError as exc:
+        if log_path is not None:
+            exc = MountError(f"{exc}; its log ({log_path}) ends:\n{_tail(log_path)}")
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -505,6 +522,15 @@ def mount_lazy(
         raise SnapshotError(f"could not mount snapshot {key} at {prefix}: {exc}") from exc
     _drain(proc)
     return LazyMount(prefix, key, proc, os.fspath(stats_path), tmpdir)
+
+
+def _tail(path: str | os.PathLike[str], limit: int = 4000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - limit))
+            return f.read().decode("utf-8", "replace").strip()
+    except OSError:
+        return "(unreadable)"
 
 
 def _drain(proc: subprocess.Popen[bytes]) -> None:
