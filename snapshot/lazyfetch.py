@@ -28,7 +28,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import CorruptSnapshotError, SnapshotError
 from .lazycache import ChunkCache
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 ON_DEMAND, PROFILE, BACKGROUND = 0, 1, 2
 DEFAULT_READ_TIMEOUT_S = 60.0
+MAX_FETCH_ORDER = 1024
 
 
 class ChunkUnavailable(OSError):
@@ -62,11 +64,14 @@ class FetchStats:
     profile_queued: int = 0
     corrupt: int = 0  # chunks that failed verification (each fetched once more)
     failures: int = 0  # reads answered with EIO
-    local_chunks: int = 0  # chunks known to be in the node-local cache
     seconds_waiting: float = 0.0
+    local_chunks: int = 0  # chunks known to be in the node-local cache
+    fetch_order: list[int] = field(default_factory=list)  # the first chunks fetched, in order
 
-    def as_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
+    def as_dict(self) -> dict[str, Any]:
+        data = dict(self.__dict__)
+        data["fetch_order"] = list(self.fetch_order)
+        return data
 
 
 class _Memory:
@@ -285,6 +290,8 @@ class ChunkFetcher:
             self.stats.bytes_fetched += len(data)
             if len(data) == info.size and hashlib.sha256(data).hexdigest() == info.sha256:
                 self.stats.chunks_fetched += 1
+                if len(self.stats.fetch_order) < MAX_FETCH_ORDER:
+                    self.stats.fetch_order.append(i)
                 self.stats.raw_bytes_fetched += info.raw_size
                 self.cache.put(info.sha256, data)
                 self._is_local(i)
