@@ -439,3 +439,38 @@ def test_a_non_empty_prefix_or_another_prefix_is_refused(tmp_path, request, moun
     with pytest.raises(SnapshotError, match="is not empty"):
         mount(mounts, sut, manifest.key, tmp_path / "full", tmp_path / "cache")
     assert unmount_lazy(tmp_path / "full") is False
+
+
+# -- bootseer run ---------------------------------------------------------------------------------
+
+
+def test_bootseer_run_mounts_the_environment_lazily_and_unmounts_after(tmp_path):
+    """env.lazy: the first run builds and publishes; on a node without the environment the
+    next run mounts it, the command runs inside it, and the mount is gone when run ends."""
+    from .run_helpers import run_wrapper, spans
+
+    req = tmp_path / "requirements.txt"
+    req.write_text("")
+    prefix = tmp_path / "venv"
+    trace = tmp_path / "trace"
+    flags = ["--env-spec", str(req), "--env-prefix", str(prefix)]
+    flags += ["--env-store", str(tmp_path / "store"), "--env-cache", str(tmp_path / "cache")]
+    probe = [
+        "python",
+        "-c",
+        "import os, sys; print('PREFIX', sys.prefix, os.path.ismount(sys.prefix))",
+    ]
+    built = run_wrapper(trace, *flags, "--env-lazy", command=probe)
+    assert built.returncode == 0, built.stderr
+    assert f"PREFIX {prefix} False" in built.stdout  # a miss: built and published here
+    shutil.rmtree(prefix)
+    lazy = run_wrapper(trace, *flags, "--env-lazy", command=probe)
+    assert lazy.returncode == 0, lazy.stderr
+    assert f"PREFIX {prefix} True" in lazy.stdout
+    span = [s for s in spans(trace) if s["phase"] == "environment"][-1]
+    assert span["detail"]["outcome"] == "mounted-lazily", span
+    assert f"unmounted {prefix}" in lazy.stderr
+    assert not is_mounted(prefix)
+    assert json.loads(
+        SnapshotStore(str(tmp_path / "store")).fetch(span["detail"]["key"], PROFILE_NAME).result()
+    )["chunks"]  # the first lazy start stored its read profile
