@@ -28,6 +28,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -367,9 +368,12 @@ class LazyMount:
     stats_path: str
     _tmpdir: str = ""
     started: float = field(default_factory=time.monotonic)
+    _final: dict[str, Any] | None = None
 
     def stats(self) -> dict[str, Any]:
         """The child's latest statistics (bytes fetched, chunks read, profile...)."""
+        if self._final is not None:
+            return dict(self._final)
         try:
             with open(self.stats_path, encoding="utf-8") as f:
                 data: dict[str, Any] = json.load(f)
@@ -403,11 +407,15 @@ class LazyMount:
                     self.proc.kill()
                     self.proc.wait(timeout=5)
         finally:
-            if is_mounted(self.prefix):
+            if is_mounted(self.prefix) and _dead(self.prefix):  # ours, its process gone
                 unmount_lazy(self.prefix, lazy=True)
             if self.proc.stderr is not None:
                 self.proc.stderr.close()
-        return self.stats()
+        if self._final is None:
+            self._final = self.stats()
+            if self._tmpdir:
+                shutil.rmtree(self._tmpdir, ignore_errors=True)
+        return dict(self._final)
 
     def __enter__(self) -> LazyMount:
         return self
@@ -506,6 +514,7 @@ def mount_lazy(
     assert proc.stdin is not None
     proc.stdin.write(json.dumps(settings.to_json()).encode())
     proc.stdin.close()
+    proc.stdin = None  # closed: communicate() must not flush it (it reads the error)
     try:
         wait_mounted(prefix, timeout_s, proc)
     except MountError as exc:

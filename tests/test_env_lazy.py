@@ -318,7 +318,7 @@ def test_a_damaged_cache_file_is_fetched_again(tmp_path, request, mounts):
 
 
 def test_the_store_lost_mid_read_is_eio_within_the_timeout(tmp_path, s3_server_factory, mounts):
-    server = s3_server_factory(in_process=False)
+    server = s3_server_factory()  # in-process: its objects survive stop() and start()
     bucket = f"lazy-{uuid.uuid4().hex[:12]}"
     server.create_bucket(bucket)
     options = {"s3": server.storage_options(), "striped": {"retries": 1, "backoff_s": 0.1}}
