@@ -34,7 +34,9 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    env = sub.add_parser("env", help="dependency environments: ensure, create, restore, ls, gc")
+    env = sub.add_parser(
+        "env", help="dependency environments: ensure, create, restore, mount, ls, gc"
+    )
     env_sub = env.add_subparsers(dest="env_command", metavar="SUBCOMMAND", required=True)
 
     key = env_sub.add_parser("key", help="print the key of an environment and every input")
