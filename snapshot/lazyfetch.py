@@ -61,7 +61,6 @@ class FetchStats:
     on_demand: int = 0  # chunks a reader waited for
     chunks_read: int = 0  # distinct chunks readers asked for
     cache_hits: int = 0  # of those, found in the node-local cache or memory
-    profile_queued: int = 0
     corrupt: int = 0  # chunks that failed verification (each fetched once more)
     failures: int = 0  # reads answered with EIO
     seconds_waiting: float = 0.0
