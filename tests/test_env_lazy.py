@@ -335,7 +335,12 @@ def test_the_store_lost_mid_read_is_eio_within_the_timeout(tmp_path, s3_server_f
     assert bounded(m.prefix, lambda: errno_of(victim.read_bytes), timeout=40) == errno.EIO
     assert time.monotonic() - started < 30
     assert bounded(m.prefix, first.read_bytes)  # what was read stays readable
-    server.start()  # the store back: the same read now succeeds
+    server.start()  # the store back: the same read succeeds (once the failed fetch ended)
+    deadline = time.monotonic() + 60
+    while (code := bounded(m.prefix, lambda: errno_of(victim.read_bytes))) == errno.EIO:
+        assert time.monotonic() < deadline, "reads still fail a minute after the store is back"
+        time.sleep(0.5)
+    assert code is None
     assert bounded(m.prefix, victim.read_bytes) == (tmp_path / "src/lib/pkg/mod8.py").read_bytes()
 
 
