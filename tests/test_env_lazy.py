@@ -28,19 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from snapshot import SnapshotError, SnapshotStore, mount_lazy, unmount_lazy
-from snapshot.ensure import publish
-from snapshot.key import EnvKey
-from snapshot.lazy import LazyMount
-from snapshot.lazyprofile import PROFILE_NAME
-from snapshot.lazyview import LazyView
-from snapshot.manifest import Member
-from snapshot.restore import fetch_toc, restore
-from striped_fs.fuse import is_mounted
-
-from .fuse_helpers import abort_connection
-from .snapshot_helpers import (
+from fuse_helpers import abort_connection
+from snapshot_helpers import (
     MTIME_NS,
     StoreUnderTest,
     assert_env_works,
@@ -53,6 +42,16 @@ from .snapshot_helpers import (
     use_test_index,
     write_requirements,
 )
+
+from snapshot import SnapshotError, SnapshotStore, mount_lazy, unmount_lazy
+from snapshot.ensure import publish
+from snapshot.key import EnvKey
+from snapshot.lazy import LazyMount
+from snapshot.lazyprofile import PROFILE_NAME
+from snapshot.lazyview import LazyView
+from snapshot.manifest import Member
+from snapshot.restore import fetch_toc, restore
+from striped_fs.fuse import is_mounted
 
 pytestmark = pytest.mark.usefixtures("fuse")
 
@@ -233,7 +232,10 @@ def test_the_profile_records_first_reads_in_order_and_is_fetched_first_next(
     assert not stats["recording"]  # a profile was there: not replaced
     assert stats["profile"]["chunks"] == len(expected)
     assert stats["fetch_order"][: len(expected)] == expected
-    assert sorted(stats["fetch_order"]) == list(range(len(view.manifest.chunks)))
+    # Then every other chunk once (chunks of equal bytes are one cache entry: fetched once).
+    chunks = view.manifest.chunks
+    assert len(set(stats["fetch_order"])) == len(stats["fetch_order"])
+    assert {chunks[i].sha256 for i in stats["fetch_order"]} == {c.sha256 for c in chunks}
     assert stats["complete"]
 
 
@@ -452,7 +454,7 @@ def test_a_non_empty_prefix_or_another_prefix_is_refused(tmp_path, request, moun
 def test_bootseer_run_mounts_the_environment_lazily_and_unmounts_after(tmp_path):
     """env.lazy: the first run builds and publishes; on a node without the environment the
     next run mounts it, the command runs inside it, and the mount is gone when run ends."""
-    from .run_helpers import run_wrapper, spans
+    from run_helpers import run_wrapper, spans
 
     req = tmp_path / "requirements.txt"
     req.write_text("")
