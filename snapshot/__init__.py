@@ -7,6 +7,8 @@
 See docs/snapshot.md.
 """
 
+from typing import TYPE_CHECKING, Any
+
 FORMAT_VERSION = 1
 """Version of the snapshot format (tar stream cut into zstd chunks + manifest); part of the key."""
 
@@ -32,7 +34,11 @@ from .store import SnapshotStore  # noqa: E402
 _LAZY_EXPORTS = frozenset({"LazyMount", "mount_lazy", "serve_lazy", "unmount_lazy"})
 
 
-def __getattr__(name: str) -> object:
+if TYPE_CHECKING:  # what the names are, for type checkers (imported lazily below)
+    from .lazy import LazyMount, mount_lazy, serve_lazy, unmount_lazy
+
+
+def __getattr__(name: str) -> Any:
     if name in _LAZY_EXPORTS:
         from . import lazy
 

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 try:  # fusepy needs libfuse2 at import time
     from fuse import FuseOSError, Operations
 except (ImportError, OSError):  # pragma: no cover - no libfuse: mount_lazy says so
-    Operations = object  # type: ignore[assignment,misc]
+    Operations = object
 
     class FuseOSError(OSError):  # type: ignore[no-redef]
         def __init__(self, err: int) -> None:
@@ -71,7 +71,7 @@ MOUNT_TIMEOUT_S = 60.0
 # -- the file system ------------------------------------------------------------------------------
 
 
-class LazyEnvOperations(Operations):  # type: ignore[misc,valid-type]
+class LazyEnvOperations(Operations):  # type: ignore[misc]
     """fusepy operations over a :class:`LazyView` (read-only: fusepy's defaults answer every
     write with EROFS)."""
 

@@ -7,6 +7,8 @@
 See docs/striped_fs.md for the layout, the options and their defaults.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .config import DEFAULT_CONCURRENCY, DEFAULT_STRIPE_SIZE, OptionError, StripeOptions, parse_size
 from .errors import (
     ManifestError,
@@ -26,7 +28,11 @@ from .private import create_private, make_dir
 _FUSE_EXPORTS = frozenset({"is_mounted", "run_fuse", "unmount", "wait_mounted"})
 
 
-def __getattr__(name: str) -> object:
+if TYPE_CHECKING:  # what the names are, for type checkers (imported lazily below)
+    from .fuse import is_mounted, run_fuse, unmount, wait_mounted
+
+
+def __getattr__(name: str) -> Any:
     if name in _FUSE_EXPORTS:
         from . import fuse
 
