@@ -183,7 +183,14 @@ def _lazy_environment(
     fetched as it reads them, the read profile first, the rest behind); None when ensure's
     path applies instead: no store, no snapshot yet (it is built), the prefix already holds
     an environment (verified as usual), or the mount failed (a warning; the full restore)."""
-    from snapshot import SnapshotError, SnapshotStore, compute_key, mount_lazy, verify
+    from snapshot import (
+        SnapshotError,
+        SnapshotStore,
+        compute_key,
+        mount_lazy,
+        mounted_key,
+        verify,
+    )
 
     result = PhaseResult("environment")
     held = _lazy_mounts.get(prefix)
@@ -198,6 +205,11 @@ def _lazy_environment(
         return None
     try:
         key = compute_key(plan.env_spec, base_image=plan.env_base_image or None).key
+        if mounted_key(prefix) == key[:16]:  # another wrapper on this node mounted it
+            result.summary = f"mounted lazily {prefix} (by another process)"
+            result.detail.update(outcome="mounted-lazily", key=key, prefix=prefix, shared=True)
+            result.env = _env_vars(prefix, base_env)
+            return result
         if verify(prefix, key, quick=True).ok:
             return None  # a warm node: ensure verifies it
         if os.path.isdir(prefix) and any(os.scandir(prefix)):

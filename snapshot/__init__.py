@@ -31,11 +31,11 @@ from .restore import RestoreResult, VerifyResult, mark_damaged, restore, verify 
 from .store import SnapshotStore  # noqa: E402
 
 #: Lazy environments (:mod:`snapshot.lazy`), imported on first use: they load libfuse.
-_LAZY_EXPORTS = frozenset({"LazyMount", "mount_lazy", "serve_lazy", "unmount_lazy"})
+_LAZY_EXPORTS = frozenset({"LazyMount", "mount_lazy", "mounted_key", "serve_lazy", "unmount_lazy"})
 
 
 if TYPE_CHECKING:  # what the names are, for type checkers (imported lazily below)
-    from .lazy import LazyMount, mount_lazy, serve_lazy, unmount_lazy
+    from .lazy import LazyMount, mount_lazy, mounted_key, serve_lazy, unmount_lazy
 
 
 def __getattr__(name: str) -> Any:
@@ -68,6 +68,7 @@ __all__ = [
     "ensure_capture",
     "mark_damaged",
     "mount_lazy",
+    "mounted_key",
     "publish",
     "restore",
     "serve_lazy",

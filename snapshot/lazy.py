@@ -158,6 +158,7 @@ class LazyEnvOperations(Operations):  # type: ignore[misc]
             log.error("read of %s [%d, +%d) failed: %r", path, offset, size, exc)
             raise FuseOSError(errno.EIO) from None
         data = b"".join(parts)
+        self.fetcher.stats.bytes_served += len(data)
         if len(data) != size:
             log.error(
                 "read of %s [%d, +%d): the chunks hold %d bytes", path, offset, size, len(data)
@@ -430,6 +431,26 @@ def _dead(prefix: str) -> bool:
     except OSError as exc:
         return exc.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO)
     return False
+
+
+def mounted_key(prefix: str | os.PathLike[str]) -> str | None:
+    """The key prefix (16 hex digits) of the live lazy environment mounted at ``prefix``, None
+    when there is none (nothing mounted, another file system, or a dead mount)."""
+    target = os.path.abspath(prefix)
+    escaped = "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in target)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) < 10 or fields[4] != escaped or "-" not in fields:
+            continue
+        source = fields[fields.index("-") + 2]
+        if source.startswith("bootseer-env:") and not _dead(target):
+            return source.split(":", 1)[1]
+    return None
 
 
 def prepare_prefix(prefix: str) -> None:

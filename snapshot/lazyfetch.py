@@ -60,6 +60,7 @@ class FetchStats:
     raw_bytes_fetched: int = 0  # their tar-stream bytes
     on_demand: int = 0  # chunks a reader waited for
     chunks_read: int = 0  # distinct chunks readers asked for
+    bytes_served: int = 0  # file bytes the kernel asked for (reads and their readahead)
     cache_hits: int = 0  # of those, found in the node-local cache or memory
     corrupt: int = 0  # chunks that failed verification (each fetched once more)
     failures: int = 0  # reads answered with EIO

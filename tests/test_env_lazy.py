@@ -43,7 +43,7 @@ from snapshot_helpers import (
     write_requirements,
 )
 
-from snapshot import SnapshotError, SnapshotStore, mount_lazy, unmount_lazy
+from snapshot import SnapshotError, SnapshotStore, mount_lazy, mounted_key, unmount_lazy
 from snapshot.ensure import publish
 from snapshot.key import EnvKey
 from snapshot.lazy import LazyMount
@@ -176,8 +176,11 @@ def test_the_mounted_tree_equals_a_full_restore(kind, tmp_path, request, mounts)
     out = subprocess.run([f"{m.prefix}/bin/tool"], capture_output=True, text=True, timeout=30)
     assert out.stdout.strip() == "tool-ok"
     assert errno_of(lambda: open(f"{m.prefix}/new", "w")) in (errno.EROFS, errno.EACCES)
+    assert mounted_key(m.prefix) == key[:16]
     stats = m.close()
+    assert mounted_key(m.prefix) is None
     assert stats["unmounted"] and stats["failures"] == 0
+    assert stats["bytes_served"] >= lazy["lib/pkg/big.so"].size  # every file was read
     assert not is_mounted(m.prefix)
 
 
@@ -481,3 +484,27 @@ def test_bootseer_run_mounts_the_environment_lazily_and_unmounts_after(tmp_path)
     assert json.loads(
         SnapshotStore(str(tmp_path / "store")).fetch(span["detail"]["key"], PROFILE_NAME).result()
     )["chunks"]  # the first lazy start stored its read profile
+
+
+def test_a_second_wrapper_on_the_node_uses_the_mount_it_finds(tmp_path, mounts):
+    """Two `bootseer run` on one node: the second finds the prefix mounted lazily with its
+    key and runs inside it, instead of restoring over the mount."""
+    from bootseer.startup import StartupPlan, environment_phase
+    from snapshot import ensure
+
+    req = tmp_path / "requirements.txt"
+    req.write_text("")
+    prefix = tmp_path / "venv"
+    store = str(tmp_path / "store")
+    key = ensure([req], prefix=prefix, store=store).key
+    shutil.rmtree(prefix)
+    mounts.append(mount_lazy(store, key, prefix, cache_dir=tmp_path / "cache"))
+    plan = StartupPlan(env_spec=[str(req)], env_prefix=str(prefix), env_store=store, env_lazy=True)
+    result = environment_phase(plan, {"PATH": "/usr/bin"})
+    assert result.detail == {
+        "outcome": "mounted-lazily",
+        "key": key,
+        "prefix": str(prefix),
+        "shared": True,
+    }
+    assert result.env["PATH"] == f"{prefix}/bin:/usr/bin"
