@@ -203,6 +203,7 @@ def _lazy_environment(
         _lazy_mounts.pop(prefix, None)
     if not plan.env_store:
         return None
+    key = ""
     try:
         key = compute_key(plan.env_spec, base_image=plan.env_base_image or None).key
         if mounted_key(prefix) == key[:16]:  # another wrapper on this node mounted it
@@ -225,6 +226,11 @@ def _lazy_environment(
             storage_options=plan.storage_options,
         )
     except (SnapshotError, OSError) as exc:
+        if key and mounted_key(prefix) == key[:16]:  # another wrapper's mount won the race
+            result.summary = f"mounted lazily {prefix} (by another process)"
+            result.detail.update(outcome="mounted-lazily", key=key, prefix=prefix, shared=True)
+            result.env = _env_vars(prefix, base_env)
+            return result
         _say(f"warning: environment {prefix}: lazy mount failed ({exc}); restoring it instead")
         return None
     _lazy_mounts[prefix] = mounted
