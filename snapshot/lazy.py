@@ -24,6 +24,7 @@ kernel speed. A read whose chunk cannot be had (corrupt twice, the store lost be
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -394,10 +395,17 @@ class LazyMount:
             time.sleep(0.1)
 
     def close(self, timeout_s: float = 30.0) -> dict[str, Any]:
-        """Unmount (lazily when files are still open), reap the child; its final stats."""
+        """Unmount (lazily when files are still open), reap the child; its final stats. When
+        the unmount cannot be done from here (a container without fusermount or umount), the
+        child is stopped instead: its libfuse unmounts on SIGTERM."""
+        failed: SnapshotError | None = None
         try:
             if self.proc.poll() is None:
-                unmount_lazy(self.prefix, lazy=True)
+                try:
+                    unmount_lazy(self.prefix, lazy=True)
+                except SnapshotError as exc:
+                    failed = exc
+                    self.proc.terminate()
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -408,10 +416,12 @@ class LazyMount:
                     self.proc.kill()
                     self.proc.wait(timeout=5)
         finally:
+            # the log's pump thread reads stderr to its end and closes it: closing it here
+            # while that read blocks would wait on its lock for as long as the child lives
             if is_mounted(self.prefix) and _dead(self.prefix):  # ours, its process gone
                 unmount_lazy(self.prefix, lazy=True)
-            if self.proc.stderr is not None:
-                self.proc.stderr.close()
+        if failed is not None and is_mounted(self.prefix):
+            raise failed
         if self._final is None:
             self._final = self.stats()
             if self._tmpdir:
@@ -575,6 +585,9 @@ def _drain(proc: subprocess.Popen[bytes]) -> None:
                 sys.stderr.write("env-mount: " + line.decode("utf-8", "replace"))
         except (OSError, ValueError):
             pass
+        finally:
+            with contextlib.suppress(OSError):
+                stream.close()
 
     threading.Thread(target=pump, name="env-lazy-log", daemon=True).start()
 
