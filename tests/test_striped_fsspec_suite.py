@@ -1,9 +1,8 @@
 """fsspec's own conformance suite (``fsspec.tests.abstract``) against ``striped::``.
 
 fsspec ships the tests its backends must pass (copy, get, put, open, pipe); here they run
-against ``striped::memory://``, ``striped::file://`` and ``striped::s3://`` (a moto server of
-this module's, in a process of its own), every test of every group, nothing skipped or expected
-to fail. One class per
+against ``striped::memory://``, ``striped::file://`` and ``striped::s3://`` (the session's
+moto server), every test of every group, nothing skipped or expected to fail. One class per
 group and target, as fsspec's own backends do it: in one class, ``AbstractPutTests``'
 ``test_copy_with_source_and_destination_as_list`` would be hidden by the copy group's test
 of the same name.
@@ -13,12 +12,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import fsspec.tests.abstract as abstract
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from bootseer.testing.servers import ComponentUnavailable, MotoS3Server
 from striped_fs import StripedFileSystem
 
 
@@ -62,41 +61,22 @@ class _Local(_Fixtures):
         return str(tmp_path / "remote")
 
 
-@pytest.fixture(scope="module")
-def moto_process() -> Iterator[MotoS3Server]:
-    """moto in a child process for the S3 groups: in a thread of this process (the session's
-    ``s3_server``) its request handling and s3fs's shared one interpreter lock, and the 137
-    S3 tests took a third longer. Its buckets go with the process at the module's end."""
-    from conftest import require_component
-
-    server = MotoS3Server(in_process=False)
-    try:
-        server.start()
-    except ComponentUnavailable as exc:
-        require_component(str(exc))
-    try:
-        yield server
-    finally:
-        server.close()
-
-
 class _S3(_Fixtures):
     @pytest.fixture(scope="class")
     @classmethod
-    def fs(cls, moto_process: MotoS3Server) -> Iterator[StripedFileSystem]:
+    def fs(cls, s3_server) -> Iterator[StripedFileSystem]:
         fs = StripedFileSystem(
             target_protocol="s3",
             skip_instance_cache=True,
-            target_options={**moto_process.storage_options(), "skip_instance_cache": True},
+            target_options={**s3_server.storage_options(), "skip_instance_cache": True},
         )
         yield fs
         fs.close()
 
     @pytest.fixture
-    def fs_path(self, fs: StripedFileSystem, moto_process: MotoS3Server) -> str:
-        """A fresh bucket per test, as fsspec's own s3fs runs give each test a clean root."""
+    def fs_path(self, fs: StripedFileSystem, s3_bucket: tuple[str, dict[str, Any]]) -> str:
         fs.invalidate_cache()
-        return moto_process.create_bucket(f"bootseer-suite-{uuid.uuid4().hex[:16]}")
+        return s3_bucket[0]
 
     @pytest.fixture
     def supports_empty_directories(self) -> bool:
