@@ -220,8 +220,9 @@ def test_sigkill_during_save_local(fork_server: ForkServer, tmp_path: Path) -> N
 
 def test_sigkill_during_save_s3(fork_server: ForkServer, s3_server_factory) -> None:
     """moto in a process of its own, not a thread of this one: the ranks' saves and this
-    process's loads and verifications then no longer share one interpreter lock (47 s ->
-    31 s for this test at load 2.5 on 2 cores, 2026-12-03). Its bucket goes with it."""
+    process's loads and verifications then no longer share one interpreter lock (this test,
+    2026-12-03, 2 cores: 36.7 and 38.3 s in a thread, 32.9 and 35.8 s in a process, runs
+    interleaved at load 3.3 to 3.5). Its bucket goes with it."""
     server = s3_server_factory(in_process=False)
     bucket = server.create_bucket("bootseer-kill-s3")
     outcomes = run_trials(
