@@ -21,7 +21,7 @@ from .errors import (
     UnsafePath,
 )
 from .filesystem import StripedFileSystem
-from .private import create_private, make_dir
+from .private import create_private, make_dir, write_private
 
 #: The FUSE helpers, imported on first use (``striped_fs.fuse`` loads libfuse through fusepy,
 #: which a process that only reads or writes a store should not pay for).
@@ -61,4 +61,5 @@ __all__ = [
     "run_fuse",
     "unmount",
     "wait_mounted",
+    "write_private",
 ]
