@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..process import pid_alive, proc_state
 from .ring import Op, RingSnapshot
 
 __all__ = ["Analyzer", "Finding", "GroupView", "pid_alive", "proc_state", "SIZED_OPS"]
@@ -76,24 +77,6 @@ class Finding:
             "time": self.time,
             "evidence": self.evidence,
         }
-
-
-def proc_state(pid: int) -> tuple[str, int] | None:
-    """(state letter, CPU ticks used) of a process of this pid namespace, None when gone.
-    Why: a rank stopped (T), in uninterruptible sleep (D) or a zombie (Z) while its peers
-    wait is the likely peer of an op issued everywhere and completed nowhere."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[11]) + int(fields[12])  # state, utime + stime
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def pid_alive(pid: int) -> bool:
-    """A process of this pid namespace that still runs (a zombie counts as dead)."""
-    st = proc_state(pid)
-    return st is not None and st[0] not in ("Z", "X")
 
 
 @dataclass
