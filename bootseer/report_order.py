@@ -77,14 +77,14 @@ def straggler_threshold(values: Sequence[float]) -> tuple[float, float, float]:
 _DIGITS = re.compile(r"(\d+)")
 
 
-def natural_key(text: str) -> tuple:
+def natural_key(text: str) -> tuple[Any, ...]:
     """node-2 before node-10."""
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in _DIGITS.split(text) if p)
 
 
-def worker_key(node: str, rank: Any) -> tuple:
+def worker_key(node: str, rank: Any) -> tuple[Any, ...]:
     return (natural_key(node), rank is not None, natural_key(str(rank)) if rank is not None else ())
 
 
-def phase_key(phase: str) -> tuple:
+def phase_key(phase: str) -> tuple[Any, ...]:
     return (PHASE_ORDER.index(phase), "") if phase in PHASE_ORDER else (len(PHASE_ORDER), phase)
