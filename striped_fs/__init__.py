@@ -19,6 +19,15 @@ from .errors import (
     UnsafePath,
 )
 from .filesystem import StripedFileSystem
+from .mount import (
+    canonical_path,
+    is_mounted,
+    load_fusepy,
+    run_fuse,
+    unescape_mountinfo,
+    unmount,
+    wait_mounted,
+)
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
@@ -34,5 +43,12 @@ __all__ = [
     "StripedFileSystem",
     "StripedIOError",
     "UnsafePath",
+    "canonical_path",
+    "is_mounted",
+    "load_fusepy",
     "parse_size",
+    "run_fuse",
+    "unescape_mountinfo",
+    "unmount",
+    "wait_mounted",
 ]
