@@ -112,24 +112,35 @@ LABELS = {
     "diy": "diy: deps baked in the image, full pull + rclone copy + DCP load from disk",
     "diy-warm": "diy-warm: the same, image already on the node",
     "bootseer": "bootseer: lazy image + env snapshot + ckpt prefetch",
+    "bootseer-lazy": "bootseer-lazy: the same, the environment mounted lazily (env.lazy)",
     "bootseer-warm": "bootseer-warm: the same on a node filled by `bootseer warmup`",
     "bootseer-baked": "bootseer-baked: deps baked in, lazy image with its profile + ckpt prefetch",
     "inplace": "bootseer in place: supervisor restart on the same node (info)",
 }
 # --methods, in the order they run: the slowest last, so a run cut short keeps the others
-METHODS = ("diy", "diy-warm", "bootseer", "bootseer-warm", "bootseer-baked", "baseline")
+METHODS = (
+    "diy",
+    "diy-warm",
+    "bootseer",
+    "bootseer-lazy",
+    "bootseer-warm",
+    "bootseer-baked",
+    "baseline",
+)
 ORDER = (
     "baseline",
     "diy",
     "diy-warm",
     "bootseer",
+    "bootseer-lazy",
     "bootseer-warm",
     "bootseer-baked",
     "inplace",
 )  # the rows
 DIY = ("diy", "diy-warm")
 BAKED = ("bootseer-baked",)  # the diy image (torch baked in) converted: no environment phase
-BOOTSEER = ("bootseer", "bootseer-warm", "bootseer-baked")
+BOOTSEER = ("bootseer", "bootseer-lazy", "bootseer-warm", "bootseer-baked")
+LAZY_ENV = ("bootseer-lazy",)  # env.lazy: the container may mount FUSE (/dev/fuse, SYS_ADMIN)
 ENV_ROOT = "/opt/bootseer-env"  # bootseer-warm: the node's environment directory, mounted
 RCLONE = e2e_diy.RcloneTuning()
 
@@ -233,6 +244,7 @@ def compare(runs: dict[str, Any]) -> dict[str, dict[str, float]]:
     share of start-up time it removes (negative: bootseer was slower)."""
     pairs = [("bootseer", m) for m in ("baseline", "diy", "diy-warm")]
     pairs.append(("bootseer-warm", "diy-warm"))  # the like-for-like pair
+    pairs += [("bootseer-lazy", "bootseer"), ("bootseer-lazy", "diy-warm")]
     pairs += [("bootseer-baked", "diy"), ("bootseer-baked", "bootseer")]  # same image / job
     return {
         m if ours == "bootseer" else f"{ours} vs {m}": {
@@ -389,7 +401,11 @@ class Bench:
         self.gzip_ref = f"{registry_addr}/{repo}:gzip"
         log(f"pushed {self.gzip_ref} ({digest[:19]})")
         self.gzip_blobs = [self.registry.blob_path(la["digest"]) for la in layers]
-        if set(self.methods) & {"bootseer", "bootseer-warm"}:  # the converted image
+        if set(self.methods) & {
+            "bootseer",
+            "bootseer-lazy",
+            "bootseer-warm",
+        }:  # the converted image
             log("converting to the bootseer layer format")
             conv = self._helper(
                 "convert",
@@ -450,6 +466,12 @@ class Bench:
             '[ckpt]\nurl = "s3://ckpt/bootseer"\ncache_dir = "/var/cache/bootseer/ckpt"\n'
             'ranks = "0-1"\n'
         )
+        lazy = (
+            (self.job / "bootseer.toml")
+            .read_text()
+            .replace('store = "s3://envs/e2e"\n', 'store = "s3://envs/e2e"\nlazy = true\n')
+        )
+        (self.job / "bootseer-lazy.toml").write_text(lazy)
         (self.job / "bootseer-baked.toml").write_text(  # torch is in the image: no [env]
             '[run]\ntrace_dir = "/var/log/bootseer/trace"\n\n'
             "[restart]\nmax_restarts = 2\nbackoff_s = 1.0\n\n"
@@ -655,7 +677,13 @@ class Bench:
             ]
             ref, snapshotter = self.lazy_ref, "bootseer"
         else:
-            config = "bootseer-baked" if method in BAKED else "bootseer"
+            config = (
+                "bootseer-baked"
+                if method in BAKED
+                else "bootseer-lazy"
+                if method in LAZY_ENV
+                else "bootseer"
+            )
             cmd = [
                 "python3",
                 "-m",
@@ -693,6 +721,10 @@ class Bench:
             "BOOTSEER_E2E_TAG": self.tag(results.name),
             "PYTHONUNBUFFERED": "1",
         }
+        fuse: list[str] = []
+        if method in LAZY_ENV and not warmup:  # the lazy mount inside the container
+            fuse = ["--device", "/dev/fuse", "--cap-add", "CAP_SYS_ADMIN"]
+            env["FUSE_LIBRARY_PATH"] = e2e_image.LIBFUSE
         if method == "bootseer-warm":  # the environment lives on the node, not in the rootfs
             (node.dir / "local" / "env-root").mkdir(exist_ok=True)
             mounts.append((node.dir / "local" / "env-root", ENV_ROOT, "rw"))
@@ -703,6 +735,7 @@ class Bench:
             "--net-host",
             "--snapshotter",
             snapshotter,
+            *fuse,
             *[
                 a
                 for src, dst, mode in mounts
@@ -1142,7 +1175,7 @@ class Bench:
                 "target <= 1.2x)"
                 + (f"; diy-warm {runs['diy-warm']['total']:.1f} s" if "diy-warm" in runs else "")
             )
-        for m in ("baseline", "diy", "diy-warm", "bootseer", "bootseer-warm", "bootseer-baked"):
+        for m in ORDER[:-1]:
             if m in runs:
                 lines.append(
                     f"- {m}: {json.dumps(runs[m]['detail'])}; resumed at step "

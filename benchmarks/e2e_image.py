@@ -37,6 +37,8 @@ from typing import Any
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
+HOST_LIBFUSE = "/usr/lib/x86_64-linux-gnu/libfuse.so.2"
+LIBFUSE = "/usr/lib/x86_64-linux-gnu/libfuse.so.2"  # in the runtime layer
 PROJECT_PACKAGES = ("bootseer", "ckpt", "snapshot", "striped_fs", "prefetch")
 EXCLUDED = {"torch"}  # the job's environment, not the image
 EXTRA_TOOLS = ("pip", "uv")
@@ -119,6 +121,12 @@ def build_runtime_tree(dest: Path) -> dict[str, Any]:
         "[fsspec.specs]\nstriped = striped_fs.filesystem:StripedFileSystem\n"
     )
     (info / "RECORD").write_text("")
+    # libfuse2 for a lazy environment (bootseer-lazy: fusepy loads it by FUSE_LIBRARY_PATH,
+    # the minimal rootfs has no ldconfig cache); no fusermount: the container's root mounts
+    if os.path.exists(HOST_LIBFUSE):
+        lib = dest / LIBFUSE.lstrip("/")
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(os.path.realpath(HOST_LIBFUSE), lib)
     app = dest / "app"
     app.mkdir()
     shutil.copy2(ROOT / "benchmarks/e2e_train.py", app / "train.py")

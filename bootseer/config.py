@@ -426,6 +426,25 @@ _KEYS = [
         "the uv binary of the default install; '' = the uv package's, else uv on PATH (else pip)",
     ),
     _spec(
+        "env",
+        "lazy",
+        "bool",
+        False,
+        "--env-lazy",
+        "bootseer run on a node without the environment: mount the snapshot at env.prefix and "
+        "fetch its chunks as the job reads them (read profile first, then the rest) instead of "
+        "restoring every file before the command starts",
+    ),
+    _spec(
+        "env",
+        "cache",
+        "path",
+        "",
+        "--env-cache",
+        "node-local chunk cache of lazily mounted environments; '' = <state.dir>/envs",
+        under="envs",
+    ),
+    _spec(
         "ckpt",
         "url",
         "str",
@@ -1084,6 +1103,7 @@ _METAVARS = {
     "env.base_image": "DIGEST",
     "ckpt.ranks": "LIST",
     "env.prefix": "DIR",
+    "env.cache": "DIR",
 }
 
 

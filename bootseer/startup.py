@@ -29,6 +29,7 @@ Failures, and why they differ:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -37,13 +38,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import default_state_dir
 from .deferred import DeferredChecks, DeferredFailure
 from .errors import CliError
 from .progress import human_bytes
 from .trace import Span, TraceWriter, remote_bytes, remote_of
 from .variables import CKPT_CACHE_HANDOFF
 
-__all__ = ["PhaseResult", "StartupError", "StartupPlan", "run_startup"]
+__all__ = [
+    "PhaseResult",
+    "StartupError",
+    "StartupPlan",
+    "close_lazy_environments",
+    "run_startup",
+]
 
 
 class StartupError(CliError):
@@ -60,6 +68,8 @@ class StartupPlan:
     env_base_image: str = ""
     env_uv: str = ""
     env_verify: str = "beside"  # a held environment's files: checked beside the command
+    env_lazy: bool = False  # a fresh node mounts the snapshot instead of restoring it
+    env_cache: str = ""  # the node-local chunk cache of lazy mounts
     ckpt_url: str = ""
     ckpt_cache_dir: str = ""
     ranks: list[int] = field(default_factory=lambda: [0])
@@ -110,6 +120,10 @@ def environment_phase(
     from snapshot import ensure
 
     prefix = os.path.abspath(plan.env_prefix)
+    if plan.env_lazy:
+        lazy = _lazy_environment(plan, prefix, base_env)
+        if lazy is not None:
+            return lazy
     beside = checks is not None and plan.env_verify == "beside"
     try:
         done = ensure(
@@ -151,6 +165,109 @@ def environment_phase(
     return result
 
 
+#: Lazily mounted environments by prefix: they serve every attempt of the job and are
+#: unmounted when ``bootseer run`` ends (:func:`close_lazy_environments`).
+_lazy_mounts: dict[str, Any] = {}
+
+
+def _env_vars(prefix: str, base_env: Mapping[str, str]) -> dict[str, str]:
+    path = base_env.get("PATH", os.defpath)
+    return {
+        "PATH": f"{prefix}/bin{os.pathsep}{path}" if path else f"{prefix}/bin",
+        "VIRTUAL_ENV": prefix,
+    }
+
+
+def _lazy_environment(
+    plan: StartupPlan, prefix: str, base_env: Mapping[str, str]
+) -> PhaseResult | None:
+    """``env.lazy``: mount the key's snapshot at the prefix (the chunks the job reads are
+    fetched as it reads them, the read profile first, the rest behind); None when ensure's
+    path applies instead: no store, no snapshot yet (it is built), the prefix already holds
+    an environment (verified as usual), or the mount failed (a warning; the full restore)."""
+    from snapshot import (
+        SnapshotError,
+        SnapshotStore,
+        compute_key,
+        mount_lazy,
+        mounted_key,
+        verify,
+    )
+
+    result = PhaseResult("environment")
+    held = _lazy_mounts.get(prefix)
+    if held is not None and held.proc.poll() is None:
+        result.outcome, result.summary = "ok", f"mounted lazily {prefix} (since an earlier attempt)"
+        result.detail.update(outcome="mounted-lazily", key=held.key, prefix=prefix, reused=True)
+        result.env = _env_vars(prefix, base_env)
+        return result
+    if held is not None:  # its mount process died: the next mount clears the dead mount
+        _lazy_mounts.pop(prefix, None)
+    if not plan.env_store:
+        return None
+    key = ""
+    try:
+        key = compute_key(plan.env_spec, base_image=plan.env_base_image or None).key
+        if mounted_key(prefix) == key[:16]:  # another wrapper on this node mounted it
+            result.summary = f"mounted lazily {prefix} (by another process)"
+            result.detail.update(outcome="mounted-lazily", key=key, prefix=prefix, shared=True)
+            result.env = _env_vars(prefix, base_env)
+            return result
+        if verify(prefix, key, quick=True).ok:
+            return None  # a warm node: ensure verifies it
+        if os.path.isdir(prefix) and any(os.scandir(prefix)):
+            return None  # something else is there: ensure replaces it (or says why not)
+        store = SnapshotStore(plan.env_store, plan.storage_options)
+        if store.read_manifest(key) is None:
+            return None  # a miss: ensure builds and publishes it
+        mounted = mount_lazy(
+            plan.env_store,
+            key,
+            prefix,
+            cache_dir=plan.env_cache or os.path.join(default_state_dir(os.environ), "envs"),
+            storage_options=plan.storage_options,
+        )
+    except (SnapshotError, OSError) as exc:
+        if key and mounted_key(prefix) == key[:16]:  # another wrapper's mount won the race
+            result.summary = f"mounted lazily {prefix} (by another process)"
+            result.detail.update(outcome="mounted-lazily", key=key, prefix=prefix, shared=True)
+            result.env = _env_vars(prefix, base_env)
+            return result
+        _say(f"warning: environment {prefix}: lazy mount failed ({exc}); restoring it instead")
+        return None
+    _lazy_mounts[prefix] = mounted
+    stats = mounted.stats()
+    result.bytes = int(stats.get("bytes_fetched", 0))
+    result.detail.update(
+        outcome="mounted-lazily",
+        key=key,
+        prefix=prefix,
+        profile_chunks=(stats.get("profile") or {}).get("chunks"),
+        env_bytes=stats.get("stream_bytes"),
+    )
+    if plan.env_store and result.bytes:
+        result.bytes_by_remote = remote_bytes(remote_of(plan.env_store), result.bytes)
+    result.summary = f"mounted lazily {prefix} (key {key[:12]})"
+    result.env = _env_vars(prefix, base_env)
+    return result
+
+
+def close_lazy_environments(say: Callable[[str], None] = _say) -> None:
+    """Unmount the environments this process mounted lazily (the command has ended)."""
+    while _lazy_mounts:
+        prefix, mounted = _lazy_mounts.popitem()
+        try:
+            stats = mounted.close()
+        except Exception as exc:  # noqa: BLE001 - reported; the job's exit code stands
+            say(f"warning: could not unmount the lazy environment {prefix}: {exc}")
+            continue
+        fetched = int(stats.get("bytes_fetched", 0))
+        say(
+            f"environment: unmounted {prefix} ({human_bytes(fetched)} fetched, "
+            f"{stats.get('chunks_read', 0)} of {stats.get('chunks', 0)} chunks read)"
+        )
+
+
 def checkpoint_phase(
     plan: StartupPlan, ready: Callable[[dict[str, str]], None] | None = None
 ) -> PhaseResult:
@@ -187,6 +304,10 @@ def checkpoint_phase(
     if held is not None:
         result.detail["held_step"] = held
         planned(held)
+        # the command's start (interpreters, imports) is on the critical path now, and the
+        # plan's client import is CPU: yield to it (this thread and the pool it starts)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
     try:
         done = prefetch_latest(

@@ -7,6 +7,8 @@
 See docs/snapshot.md.
 """
 
+from typing import TYPE_CHECKING, Any
+
 FORMAT_VERSION = 1
 """Version of the snapshot format (tar stream cut into zstd chunks + manifest); part of the key."""
 
@@ -28,12 +30,29 @@ from .key import EnvKey, compute_key  # noqa: E402
 from .restore import RestoreResult, VerifyResult, mark_damaged, restore, verify  # noqa: E402
 from .store import SnapshotStore  # noqa: E402
 
+#: Lazy environments (:mod:`snapshot.lazy`), imported on first use: they load libfuse.
+_LAZY_EXPORTS = frozenset({"LazyMount", "mount_lazy", "mounted_key", "serve_lazy", "unmount_lazy"})
+
+
+if TYPE_CHECKING:  # what the names are, for type checkers (imported lazily below)
+    from .lazy import LazyMount, mount_lazy, mounted_key, serve_lazy, unmount_lazy
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_EXPORTS:
+        from . import lazy
+
+        return getattr(lazy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "FORMAT_VERSION",
     "CorruptSnapshotError",
     "EnsureResult",
     "EnvKey",
     "InstallError",
+    "LazyMount",
     "PublishResult",
     "RelocationError",
     "RestoreResult",
@@ -48,7 +67,11 @@ __all__ = [
     "ensure",
     "ensure_capture",
     "mark_damaged",
+    "mount_lazy",
+    "mounted_key",
     "publish",
     "restore",
+    "serve_lazy",
+    "unmount_lazy",
     "verify",
 ]

@@ -28,9 +28,9 @@ from .errors import CorruptSnapshotError
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "bootseer-env-snapshot"
 MAX_CHUNK_RAW = 64 << 20
-"""Largest decompressed chunk a restore will allocate for, whatever a manifest declares: 8x
-the packer's default chunk, and with the restore's fetches in flight (16) a hostile manifest
-within the caps still asks for at most 1 GiB."""
+"""Largest decompressed chunk a restore will allocate for, whatever a manifest declares: 32x
+the packer's default chunk (8x the 8 MiB default of older snapshots), and with the restore's
+fetches in flight (16) a hostile manifest within the caps still asks for at most 1 GiB."""
 MAX_TOC_RAW = 1 << 30
 
 

@@ -19,6 +19,9 @@ from .errors import (
     UnsafePath,
 )
 from .filesystem import StripedFileSystem
+
+# the FUSE plumbing: never loads fusepy (a process that only reads a store or waits for a
+# mount does not pay for libfuse); striped_fs.fuse serves mounts
 from .mount import (
     canonical_path,
     is_mounted,
@@ -28,6 +31,7 @@ from .mount import (
     unmount,
     wait_mounted,
 )
+from .private import create_private, make_dir
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
@@ -44,8 +48,10 @@ __all__ = [
     "StripedIOError",
     "UnsafePath",
     "canonical_path",
+    "create_private",
     "is_mounted",
     "load_fusepy",
+    "make_dir",
     "parse_size",
     "run_fuse",
     "unescape_mountinfo",

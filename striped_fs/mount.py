@@ -241,5 +241,19 @@ def unmount(path: str | os.PathLike[str], lazy: bool = False, timeout: float = 3
         if r.returncode == 0 or not is_mounted(target):
             return
         errors.append(f"{' '.join(cmd)}: exit {r.returncode}: {r.stderr.strip()}")
+    if is_mounted(target) and os.geteuid() == 0 and _umount2(target, lazy, errors):
+        return
     if is_mounted(target):
         raise MountError(f"could not unmount {target!r}: " + "; ".join(errors or ["no tool found"]))
+
+
+def _umount2(target: str, lazy: bool, errors: list[str]) -> bool:
+    """The system call itself, for root where neither tool exists (a minimal container image
+    with CAP_SYS_ADMIN): True when ``target`` is no longer mounted."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.umount2(os.fsencode(target), 2 if lazy else 0) != 0:  # MNT_DETACH
+        errors.append(f"umount2: {os.strerror(ctypes.get_errno())}")
+        return False
+    return not is_mounted(target)

@@ -842,3 +842,17 @@ def test_a_mount_nobody_serves_is_found_and_detached_without_a_stat(
         assert not mounted_in_proc_mounts(m.path)
     finally:
         m.proc.send_signal(signal.SIGCONT)
+
+
+def test_unmount_without_fusermount_or_umount_uses_the_system_call(
+    mounts: Callable[..., Mount], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A minimal container image has neither tool (the e2e image's lazy environment hung its
+    wrapper's exit there): root unmounts with ``umount2`` itself, and the server ends."""
+    m = mounts()
+    (m.backing / "f").write_bytes(b"ok")
+    assert bounded(m, lambda: (m.path / "f").read_bytes()) == b"ok"
+    monkeypatch.setenv("PATH", "/nonexistent")
+    unmount(m.path)
+    assert not mounted_in_proc_mounts(m.path)
+    assert m.proc.wait(timeout=15) == 0, m.stderr()

@@ -34,7 +34,9 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    env = sub.add_parser("env", help="dependency environments: ensure, create, restore, ls, gc")
+    env = sub.add_parser(
+        "env", help="dependency environments: ensure, create, restore, mount, ls, gc"
+    )
     env_sub = env.add_subparsers(dest="env_command", metavar="SUBCOMMAND", required=True)
 
     key = env_sub.add_parser("key", help="print the key of an environment and every input")
@@ -108,6 +110,65 @@ def register(sub: argparse._SubParsersAction) -> None:
     verify.add_argument("prefix")
     verify.add_argument("--key", help="the key it must hold (default: any)")
     verify.set_defaults(func=cmd_verify)
+
+    mount = env_sub.add_parser(
+        "mount",
+        help="serve a snapshot lazily at PREFIX (FUSE, read-only): chunks fetched as read",
+        description="Mount snapshot KEY read-only at PREFIX (an empty or missing directory) "
+        "and return once it is up: the manifest and TOC were read and every member checked, "
+        "nothing else fetched. The mount process then fetches the chunks the key's read "
+        "profile names, then the rest, into the node-local cache (env.cache); a read jumps "
+        "that queue. The chunks this start reads become the key's profile when it has none. "
+        "A chunk that fails verification is EIO, never wrong bytes. Unmount with "
+        "`bootseer env unmount PREFIX`.",
+    )
+    mount.add_argument("key", help="the key, as `bootseer env key` or `ls` prints it")
+    mount.add_argument("prefix", help="where to mount (the prefix the snapshot was built at)")
+    _config_args(mount, ("env.store", "env.cache", "storage", "striped"))
+    mount.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="fetch only what is read (no profile, no background fetch of the rest)",
+    )
+    mount.add_argument(
+        "--record-profile",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="store the chunks this start reads as the key's profile: when it has none "
+        "(auto), always, or never",
+    )
+    mount.add_argument(
+        "--profile-seconds",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long after the mount reads count for the profile (or until the unmount)",
+    )
+    mount.add_argument(
+        "--read-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a read waits this long for its chunk (the store lost), then fails with EIO",
+    )
+    mount.add_argument(
+        "--foreground", action="store_true", help="serve in this process until unmounted"
+    )
+    mount.add_argument(
+        "--wait-complete",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="after mounting, wait up to this long for every chunk to be local",
+    )
+    mount.set_defaults(func=cmd_mount)
+
+    unmount = env_sub.add_parser("unmount", help="unmount a lazily served environment")
+    unmount.add_argument("prefix")
+    unmount.add_argument(
+        "--lazy", action="store_true", help="detach it even while processes still use it"
+    )
+    unmount.set_defaults(func=cmd_unmount)
 
     ls = env_sub.add_parser("ls", help="snapshots in a store")
     _config_args(ls, _STORE_KEYS)
@@ -386,6 +447,56 @@ def cmd_restore(args: argparse.Namespace) -> int:
     )
     if result.relocation is not None:
         print(result.relocation.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from snapshot import mount_lazy, serve_lazy
+    from striped_fs import make_dir
+
+    prefix = os.path.abspath(args.prefix)
+    store = _require_store(args)
+    cache = args.cfg.env.cache
+    settings = dict(
+        cache_dir=cache,
+        storage_options=_options(args) or None,
+        prefetch=not args.no_prefetch,
+        record=args.record_profile,
+        profile_s=args.profile_seconds,
+        read_timeout_s=args.read_timeout,
+    )
+    if args.foreground:
+        return serve_lazy(store, args.key, prefix, **settings)
+    make_dir(cache)
+    tag = f"{args.key[:16]}-{os.getpid()}"
+    mounted = mount_lazy(
+        store,
+        args.key,
+        prefix,
+        stats_path=os.path.join(cache, f"mount-{tag}.json"),
+        log_path=os.path.join(cache, f"mount-{tag}.log"),
+        **settings,
+    )
+    stats = mounted.stats()
+    line = f"mounted {args.key} at {prefix} (mount process {mounted.proc.pid}; log {cache}/mount-{tag}.log)"
+    if args.wait_complete > 0:
+        done = mounted.wait_complete(args.wait_complete)
+        stats = mounted.stats()
+        line += "; every chunk local" if done else "; still fetching"
+    print(line, file=sys.stderr)
+    if stats.get("profile"):
+        print(f"  read profile: {stats['profile']['chunks']} chunks queued first", file=sys.stderr)
+    return 0
+
+
+def cmd_unmount(args: argparse.Namespace) -> int:
+    from snapshot import unmount_lazy
+
+    prefix = os.path.abspath(args.prefix)
+    if not unmount_lazy(prefix, lazy=args.lazy):
+        print(f"nothing is mounted at {prefix}", file=sys.stderr)
+        return 1
+    print(f"unmounted {prefix}", file=sys.stderr)
     return 0
 
 

@@ -37,6 +37,8 @@ RUN_KEYS = (
     "env.base_image",
     "env.uv",
     "env.verify",
+    "env.lazy",
+    "env.cache",
     "ckpt",
     "storage",
     "striped",
@@ -71,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ..deferred import DeferredChecks
     from ..robust.agent import Agent
     from ..robust.detect import HangDetector
-    from ..startup import StartupPlan, run_startup
+    from ..startup import StartupPlan, close_lazy_environments, run_startup
     from ..supervise import HangPolicy, RestartPolicy, Supervisor
     from ..trace import default_node
 
@@ -87,6 +89,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         env_base_image=env.base_image,
         env_uv=env.uv,
         env_verify=env.verify,
+        env_lazy=env.lazy,
+        env_cache=env.cache,
         ckpt_url=ckpt.url,
         ckpt_cache_dir=ckpt.cache_dir,
         ranks=parse_ranks(ckpt.ranks, os.environ) if ckpt.url else [],
@@ -164,6 +168,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _exit_if_lingering(f"bootseer: error: {exc}", 2)
         raise
     finally:
+        close_lazy_environments()
         if memory is not None:
             memory.close()
         _drop_rings(cfg, colltrace)
