@@ -569,7 +569,7 @@ _STORE_CLIENTS = {
 }
 
 
-def held_step(cache_dir: str | os.PathLike, url: str, ranks: Sequence[int]) -> int | None:
+def held_step(cache_dir: str | os.PathLike[str], url: str, ranks: Sequence[int]) -> int | None:
     """The newest step this node's cache holds as committed (the store's commit record,
     copied there by a prefetch or a load) with an index for every rank of ``ranks``; None
     when it holds none. A directory listing and a few stats, no store: the startup uses it

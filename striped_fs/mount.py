@@ -115,8 +115,8 @@ def run_fuse(ops: Any, mountpoint: str, options: dict[str, Any]) -> None:
         ) from None
     finally:
         restore_sigpipe()
-        for sig, handler in saved.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        for number, handler in saved.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
 
 
 # -- the mount table, for a parent process -------------------------------------------------
