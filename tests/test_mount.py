@@ -2,7 +2,7 @@
 
 A process that only waits for a mount, or removes one, must not load fusepy (and libfuse):
 a benchmark measuring cold imports refused to run when it did. The two FUSE servers
-(striped_fs.fuse, prefetch.lazyfs) share one fusepy and one stand-in for it.
+(striped_fs.fuse, prefetch.lazyfs, snapshot.lazy) share one fusepy and one stand-in for it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import prefetch.lazyfs as lazyfs
+import snapshot.lazy as env_lazy
 import striped_fs
 import striped_fs.fuse as fuse
 from striped_fs import mount
@@ -43,8 +44,9 @@ def test_the_mount_table_helpers_load_no_fusepy() -> None:
     assert out.strip() == "False"
 
 
-def test_both_fuse_servers_share_one_fusepy_and_the_old_names_still_import() -> None:
+def test_the_fuse_servers_share_one_fusepy_and_the_old_names_still_import() -> None:
     assert fuse.FuseOSError is lazyfs.FuseOSError is mount.load_fusepy().FuseOSError
+    assert env_lazy.FuseOSError is fuse.FuseOSError and env_lazy.Operations is fuse._Operations
     assert fuse.is_mounted is mount.is_mounted is striped_fs.is_mounted
     assert fuse.unmount is mount.unmount and fuse.wait_mounted is mount.wait_mounted
     assert fuse.run_fuse is mount.run_fuse and fuse.restore_sigpipe is mount.restore_sigpipe
