@@ -22,6 +22,9 @@ the measured restart, on a fresh node (empty image store, empty caches, page cac
   in the container ``bootseer run``: the environment restored from its snapshot while the
   checkpoint's shards for ranks 0-1 are prefetched into the node-local cache (striped reads),
   then ``torchrun``; ``CheckpointManager.load`` reads the cache;
+* ``bootseer-lazy``: the same with ``env.lazy = true``: the environment's snapshot mounted at
+  its prefix (FUSE inside the container: ``/dev/fuse`` and ``CAP_SYS_ADMIN``, libfuse2 in the
+  runtime layer) and its chunks fetched as the job reads them, the rest behind;
 * ``diy``: the strongest do-it-yourself restart (``e2e_diy.py``): the job's dependencies baked
   into the image (a third gzip layer), ``ctr images pull`` + ``ctr run`` as in the baseline;
   from the restart on, ``rclone copy`` (many streams) copies the newest DCP checkpoint from S3

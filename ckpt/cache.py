@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from striped_fs import ManifestError, StripeChecksumError, StripedFileSystem
-from striped_fs.private import create_private, make_dir
+from striped_fs.private import create_private, make_dir, write_private
 from striped_fs.reader import fetch_pieces
 from striped_fs.redact import redact
 from striped_fs.urls import to_striped_url, url_to_fs
@@ -466,14 +466,7 @@ def _read_or_none(path: Path) -> bytes | None:
 
 
 def _atomic_write(path: Path, data: bytes | memoryview) -> None:
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
-    try:
-        with os.fdopen(create_private(tmp), "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_private(path, data)
 
 
 def _bad_chunk(view: memoryview, index: RankIndex) -> str | None:

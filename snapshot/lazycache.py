@@ -16,10 +16,9 @@ import hashlib
 import logging
 import os
 import re
-import uuid
 from pathlib import Path
 
-from striped_fs import create_private, make_dir
+from striped_fs import make_dir, write_private
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +74,7 @@ class ChunkCache:
         if path.is_file():
             return
         make_dir(path.parent)
-        tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
-        try:
-            with os.fdopen(create_private(tmp), "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_private(path, data)
 
     def size(self) -> int:
         """Bytes held (a walk: for reports, not for every read)."""

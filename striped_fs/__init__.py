@@ -31,7 +31,7 @@ from .mount import (
     unmount,
     wait_mounted,
 )
-from .private import create_private, make_dir
+from .private import create_private, make_dir, write_private
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
@@ -57,4 +57,5 @@ __all__ = [
     "unescape_mountinfo",
     "unmount",
     "wait_mounted",
+    "write_private",
 ]

@@ -15,9 +15,11 @@ downward arrow, not a sixth package).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+import uuid
 from pathlib import Path
 
 PRIVATE_DIR = 0o700
@@ -55,3 +57,20 @@ def create_private(path: str | os.PathLike[str], flags: int = os.O_WRONLY) -> in
     return os.open(
         path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE
     )
+
+
+def write_private(path: str | os.PathLike[str], data: bytes | memoryview) -> None:
+    """``data`` at ``path``, whole or not at all: written to a private temporary file beside
+    it (:func:`create_private`, a unique name), then renamed over it; the temporary file goes
+    on any failure. For caches whose readers must never see a partial file."""
+    path = os.fspath(path)
+    head, name = os.path.split(path)
+    tmp = os.path.join(head, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex}")
+    try:
+        with os.fdopen(create_private(tmp), "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
