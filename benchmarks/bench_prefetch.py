@@ -104,7 +104,6 @@ if str(_ROOT) not in sys.path:  # run as a plain script from a checkout
 # convert, mount) runs in subprocesses of this script (``--helper``, ``--mount-child``).
 from bootseer.testing.registry import RegistryServer  # noqa: E402
 from bootseer.testing.shaper import ShaperProcess, ShaperSettings  # noqa: E402
-from striped_fs import fuse as fuse_mount  # noqa: E402
 
 MB = 1e6
 MiB = 1 << 20
@@ -209,7 +208,7 @@ def mount_child(spec_path: str) -> int:
     from prefetch.lazyfs import mount
     from prefetch.profile import plan_prefetch, profile_summary
     from prefetch.toc import TAIL_GUESS
-    from striped_fs.fuse import wait_mounted
+    from striped_fs.mount import wait_mounted
 
     info: dict[str, Any] = {"t_imports": time.monotonic() - t_start}
     image = open_image(
@@ -418,15 +417,21 @@ def is_mounted(path: Path) -> bool:
     """Whether ``path`` is a mount point, read from the mount table only: a FUSE mount whose
     connection is held but not served (the snapshotter stopped, the FUSE holder keeping its
     descriptor) blocks every stat of its root in the kernel, so nothing here resolves it (a
-    benchmark hung there for 24 minutes, 2026-12-03)."""
-    return fuse_mount.is_mounted(path)
+    benchmark hung there for 24 minutes, 2026-12-03). Imported here, not at the top: striped_fs
+    loads fsspec, and with it zstandard, which main() requires to be cold."""
+    from striped_fs.mount import is_mounted as table_says_mounted
+
+    return table_says_mounted(path)
 
 
 def unmount(path: Path, lazy: bool = False) -> None:
     """Unmount ``path`` if it is mounted (fusermount, then umount); a failure is left to the
     caller's next check, as before."""
-    with contextlib.suppress(fuse_mount.MountError):
-        fuse_mount.unmount(path, lazy=lazy)
+    from striped_fs.errors import MountError
+    from striped_fs.mount import unmount as fuse_unmount
+
+    with contextlib.suppress(MountError):
+        fuse_unmount(path, lazy=lazy)
 
 
 def _command_line() -> str:

@@ -58,6 +58,7 @@ if str(_ROOT) not in sys.path:  # run as a plain script from a checkout
 import fsspec  # noqa: E402
 import s3fs  # noqa: E402
 
+from bootseer.process import pid_alive  # noqa: E402
 from bootseer.testing.servers import MotoS3Server, NginxServer  # noqa: E402
 from bootseer.testing.shaper import ShaperProcess, ShaperSettings  # noqa: E402
 from striped_fs import StripedFileSystem  # noqa: E402
@@ -650,11 +651,11 @@ class Bench:
                     if fuse.is_mounted(mnt):
                         fuse.unmount(mnt, lazy=True)
                 procs |= mount_processes()
-                for p in [p for p in procs if _alive(p)]:
+                for p in [p for p in procs if pid_alive(p)]:
                     if time.monotonic() > deadline - 10:  # SIGTERM: libfuse unmounts and exits
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(p, signal.SIGTERM)
-                alive = [p for p in procs if _alive(p)]
+                alive = [p for p in procs if pid_alive(p)]
                 gone = False
                 with contextlib.suppress(OSError):
                     if not fuse.is_mounted(mnt):
@@ -1418,15 +1419,6 @@ def _cell(r: dict | None) -> str:
 
 def human_or_bytes(n: int) -> str:
     return human(n) if human(n) != f"{n}B" else f"{n / MB:.1f} MB"
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie, exited but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -67,25 +66,26 @@ from .report_nodes import (
     positioned_segments,
     split_by_phase,
 )
+from .report_order import (  # noqa: F401 (re-exported: imported from here before they moved)
+    MAD_FLOOR_FRACTION,
+    MAD_FLOOR_S,
+    MAD_K,
+    PHASE_ORDER,
+    mad,
+    median,
+    natural_key,
+    percentile,
+    phase_key,
+    straggler_threshold,
+    worker_key,
+)
 from .trace import Span, read_traces
 
 REPORT_VERSION = 3
 # v1 lacks the node-level views (they read back empty); v2 the incidents' node_attempts
 READABLE_VERSIONS = (1, 2, 3)
-PHASE_ORDER = (
-    "restart",
-    "environment",
-    "checkpoint_prefetch",
-    "image_prefetch",
-    "command_start",
-    "first_step",
-    "hang",
-)
 # Their length is set by policy (backoff, hang timeout), not by a slow node.
 NOT_STRAGGLER_PHASES = frozenset({"restart", "hang", FAILURE_PHASE})
-MAD_K = 3.0
-MAD_FLOOR_FRACTION = 0.01
-MAD_FLOOR_S = 0.010
 MAX_BYTE_ROWS = 20  # the table's; the JSON has every node
 _REASON_KEYS = ("reason", "exit_code", "returncode", "signal")
 
@@ -290,34 +290,6 @@ def _incident_from_dict(doc: dict[str, Any]) -> Incident:
 # -- statistics --------------------------------------------------------------------------------
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
-    if not values:
-        raise ValueError("percentile of no values")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def median(values: Sequence[float]) -> float:
-    return percentile(values, 50)
-
-
-def mad(values: Sequence[float]) -> float:
-    """Median absolute deviation: robust to the outliers it is used to find."""
-    m = median(values)
-    return median([abs(v - m) for v in values])
-
-
-def straggler_threshold(values: Sequence[float]) -> tuple[float, float, float]:
-    """(median, MAD, threshold): threshold = median + 3 * max(MAD, 1% of median, 10 ms)."""
-    m = median(values)
-    d = mad(values)
-    return m, d, m + MAD_K * max(d, MAD_FLOOR_FRACTION * abs(m), MAD_FLOOR_S)
-
-
 def stats(values: Sequence[float]) -> Stats | None:
     if not values:
         return None
@@ -331,21 +303,6 @@ def stats(values: Sequence[float]) -> Stats | None:
 
 
 # -- grouping ----------------------------------------------------------------------------------
-
-_DIGITS = re.compile(r"(\d+)")
-
-
-def natural_key(text: str) -> tuple:
-    """node-2 before node-10."""
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in _DIGITS.split(text) if p)
-
-
-def worker_key(node: str, rank: Any) -> tuple:
-    return (natural_key(node), rank is not None, natural_key(str(rank)) if rank is not None else ())
-
-
-def phase_key(phase: str) -> tuple:
-    return (PHASE_ORDER.index(phase), "") if phase in PHASE_ORDER else (len(PHASE_ORDER), phase)
 
 
 def worker_label(node: str, rank: int | None) -> str:

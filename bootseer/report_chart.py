@@ -23,8 +23,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .report import PHASE_ORDER, Report, WorkerPhases, phase_key, worker_label
+from .report import Report, WorkerPhases, worker_label
 from .report_nodes import Incident, NodeTimeline
+from .report_order import PHASE_ORDER, phase_key
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

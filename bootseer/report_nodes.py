@@ -39,6 +39,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from .report_order import phase_key, straggler_threshold, worker_key
 from .trace import Span
 
 #: A point event (start == end) a producer may write when it detects a failure, in the failed
@@ -181,8 +182,6 @@ def _incident(attempt: int, spans: list[Span], failures: list[Span]) -> Incident
     for (node, _), end in ready.items():
         ends[node].append(end)
     timeline = []
-    from .report import worker_key  # the report's node order (node-2 before node-10)
-
     for node in sorted(by_node, key=lambda n: worker_key(n, None)):
         # a node is ready when every rank that started a first step reached it
         done = ends.get(node, [])
@@ -232,8 +231,6 @@ def _incident(attempt: int, spans: list[Span], failures: list[Span]) -> Incident
 
 def find_node_stragglers(spans: Iterable[Span], skip: Iterable[str] = ()) -> list[NodeStraggler]:
     """Nodes whose time in a phase (per attempt) exceeds median + 3 MAD of all nodes'."""
-    from .report import phase_key, straggler_threshold, worker_key
-
     skip = frozenset(skip)
     window: dict[tuple[str, int, str], list[float]] = {}
     for s in spans:
@@ -260,8 +257,6 @@ def find_node_stragglers(spans: Iterable[Span], skip: Iterable[str] = ()) -> lis
 
 def remote_totals(spans: Iterable[Span]) -> tuple[list[NodeBytes], dict[str, int]]:
     """Bytes received per node and remote, and the job's totals per remote."""
-    from .report import worker_key
-
     per_node: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     total: dict[str, int] = defaultdict(int)
     for s in spans:
@@ -317,8 +312,6 @@ def _runs(spans: Sequence[Span]) -> list[_Run]:
 def job_attempts(spans: Sequence[Span]) -> tuple[list[int], list[dict[str, list[int]]]]:
     """The job attempt of every span (in order) and, per job attempt, each node's own attempt
     numbers in it; how runs are grouped is in the module docstring."""
-    from .report import worker_key
-
     runs = _runs(spans)
     bounds = {id(r): r.bounds(spans) for r in runs}
     runs.sort(key=lambda r: (bounds[id(r)][0], r.attempt, r.part, worker_key(r.node, None)))

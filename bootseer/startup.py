@@ -38,9 +38,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cli.errors import CliError
 from .config import default_state_dir
 from .deferred import DeferredChecks, DeferredFailure
+from .errors import CliError
 from .progress import human_bytes
 from .trace import Span, TraceWriter, remote_bytes, remote_of
 from .variables import CKPT_CACHE_HANDOFF

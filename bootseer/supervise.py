@@ -49,7 +49,6 @@ and the hook.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import glob
 import json
@@ -70,6 +69,15 @@ from typing import Any
 from striped_fs.privdir import PrivateDir, open_append
 
 from .prestart import Standby, python_command
+from .process import (
+    alive,
+    become_subreaper,
+    exit_code,
+    group_pids,
+    signal_name,
+    since_boot,
+    started_at,
+)
 from .robust.detect import Beat
 from .robust.ranks import RankWatch
 from .tee import OutputTail
@@ -89,7 +97,6 @@ __all__ = [
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 FORWARD_SIGNALS = (signal.SIGUSR2, signal.SIGWINCH)
 HANDLED = (*STOP_SIGNALS, *FORWARD_SIGNALS, signal.SIGUSR1, signal.SIGCHLD)
-PR_SET_CHILD_SUBREAPER = 36
 #: seconds the command's kill waits, after the verdict, for native dumps still being taken
 NATIVE_GRACE_S = 1.0
 # a parked spare's longest wait for the job's nodes to form the new round after a verdict
@@ -145,7 +152,7 @@ class AttemptEnd:
         if self.reason == "crashed":
             return "a rank's crash (the command killed after it)"
         if self.code > 128 and self.reason in ("signaled", "stopped"):
-            return f"signal {_signal_name(self.code - 128)}"
+            return f"signal {signal_name(self.code - 128)}"
         return f"exit code {self.code}"
 
 
@@ -157,51 +164,8 @@ class StopRequested(Exception):
         self.signum = signum
 
 
-def exit_code(status: int) -> int:
-    """A ``waitpid`` status as a shell would report it: the code, or 128+signal."""
-    if os.WIFSIGNALED(status):
-        return 128 + os.WTERMSIG(status)
-    if os.WIFEXITED(status):
-        return os.WEXITSTATUS(status)
-    return 128 + os.WSTOPSIG(status) if os.WIFSTOPPED(status) else 1
-
-
-def become_subreaper() -> bool:
-    """Orphans of the command become the wrapper's children (and are reaped by it). PID 1
-    is one already."""
-    if os.getpid() == 1:
-        return True
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):  # not Linux
-        return False
-
-
 def _stderr(line: str) -> None:
     print(f"bootseer: {line}", file=sys.stderr, flush=True)
-
-
-def group_pids(pgid: int) -> set[int]:
-    """Live processes of a process group (from /proc)."""
-    found: set[int] = set()
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for name in entries:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        # fields[0] is the state, [1] the parent, [2] the process group
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
-            found.add(int(name))
-    return found
 
 
 class _Signals:
@@ -550,7 +514,7 @@ class Supervisor:
             reason = "controller"  # jump, a hang elsewhere), not a crash of its own
         detail: dict[str, Any] = {"reason": reason, "exit_code": previous.code}
         if previous.code > 128 and previous.reason in ("signaled", "hang"):
-            detail["signal"] = _signal_name(previous.code - 128)
+            detail["signal"] = signal_name(previous.code - 128)
         if "exited_at" in previous.detail:  # the end of the attempt, before its teardown
             detail["exited_at"] = previous.detail["exited_at"]
         self._record("restart", start, attempt=attempt, restart=attempt, delay_s=delay, **detail)
@@ -974,7 +938,7 @@ class Supervisor:
         while self._ranks.ended_normally:
             self.agent.finish_rank(self._ranks.ended_normally.pop())
         for end in ends:
-            if end.how == "exception" and _alive(end.pid):
+            if end.how == "exception" and alive(end.pid):
                 self._lingering.setdefault(end.pid, (end.rank, time.monotonic()))
         first = self._early
         if event is not None and (
@@ -983,7 +947,7 @@ class Supervisor:
         ):
             if first is None:
                 self._early_at, self._early_wall = time.monotonic(), time.time()
-                self._early_boot = _since_boot()
+                self._early_boot = since_boot()
             self._early = event
             self.agent.write(event)
             what = (
@@ -1001,17 +965,17 @@ class Supervisor:
                 self.remote.publish(event)
         self._kill_lingering()
         newcomers, self._ranks.started = self._ranks.started, []
-        born = [t for _, p, _ in newcomers if (t := _started_at(p)) is not None]
+        born = [t for _, p, _ in newcomers if (t := started_at(p)) is not None]
         if self._early is not None and (new := [t for t in born if t > self._early_boot]):
             # the new ranks' start on the wall clock
-            self._relaunched(attempt, pid, watch, time.time() - (_since_boot() - min(new)))
+            self._relaunched(attempt, pid, watch, time.time() - (since_boot() - min(new)))
 
     def _kill_lingering(self) -> None:
         """A rank that raised but whose process lives on past ``crash_grace_s`` gets SIGKILL,
         alone: its launcher, which sees only processes, then sees it end and decides."""
         now = time.monotonic()
         for rank_pid, (rank, since) in list(self._lingering.items()):
-            if not _alive(rank_pid):
+            if not alive(rank_pid):
                 del self._lingering[rank_pid]
             elif now - since >= self.crash_grace_s:
                 del self._lingering[rank_pid]
@@ -1258,7 +1222,7 @@ class Supervisor:
             self.agent.write(event)
         self._early = event
         self._early_at, self._early_wall = time.monotonic(), time.time()
-        self._early_boot = _since_boot()
+        self._early_boot = since_boot()
 
     def _kill_processes(self, pid: int, ranks: dict[int, int]) -> None:
         """SIGKILL to each rank's process group (torchrun starts each worker in a session of
@@ -1588,7 +1552,7 @@ class Supervisor:
         for path in self.dump_dir.glob(f"stacks-{glob.escape(self.node)}-rank*.txt"):
             try:
                 pid = int(path.stem.rsplit("-", 1)[1])
-                if path.stat().st_size == 0 and not _alive(pid):
+                if path.stat().st_size == 0 and not alive(pid):
                     path.unlink()
             except (OSError, ValueError):
                 pass
@@ -1800,29 +1764,6 @@ class _Progress:
         return new_ready
 
 
-def _since_boot() -> float:
-    """Seconds since boot, on the clock of ``/proc/<pid>/stat``'s start times."""
-    return time.clock_gettime(time.CLOCK_BOOTTIME)
-
-
-def _started_at(pid: int) -> float | None:
-    """When process ``pid`` started, in seconds since boot (:func:`_since_boot`):
-    ``/proc/<pid>/stat``'s start time in clock ticks; None when unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rfind(b")") + 2 :].split()[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return str(number)
-
-
 def _read_json(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
@@ -1848,13 +1789,3 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -16,7 +16,7 @@ on any Linux file system (:data:`FS_ENCODING`: one that is not UTF-8 is listed a
 any other). ``readdir`` gives each entry's type with its name: overlayfs, which stacks a view
 over normally unpacked layers, recognizes a whiteout only by the character-device type its
 listing reports. Generic FUSE plumbing (wait for a mount, unmount) comes from
-striped_fs.fuse.
+striped_fs.mount.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from striped_fs import MountError, load_fusepy, run_fuse
 
 from .fetcher import Blob, FrameFetcher
 from .merge import LowerDir, MergedTree, Node, merge_layers, unpack_time
@@ -60,17 +62,10 @@ def _name_bytes(name: str) -> bytes:
     return name.encode("utf-8", "surrogateescape")
 
 
-try:  # fusepy needs libfuse2 at import time
-    import fuse as _fusepy
-    from fuse import FuseOSError, Operations
-except (ImportError, OSError) as exc:  # pragma: no cover - no libfuse
-    _fusepy = None
-    _FUSE_IMPORT_ERROR = str(exc)
-    Operations = object  # type: ignore[assignment,misc]
-
-    class FuseOSError(OSError):  # type: ignore[no-redef]
-        def __init__(self, err: int) -> None:
-            super().__init__(err, os.strerror(err))
+# fusepy, or striped_fs's stand-in when libfuse is missing (the operations stay testable)
+_FUSE = load_fusepy()
+Operations: type = _FUSE.Operations
+FuseOSError: type[OSError] = _FUSE.FuseOSError
 
 
 @dataclass(eq=False)
@@ -294,10 +289,7 @@ def mount(
     """Serve ``image`` at ``mountpoint`` until unmounted (SIGINT/SIGTERM unmount cleanly).
     Only the mounting user reaches it unless ``allow_other``; ``dev_suid`` (a chroot that
     must run the image's setuid programs) lifts ``nodev,nosuid``."""
-    from striped_fs.fuse import MountError, run_fuse
-
-    if _fusepy is None:
-        raise MountError(f"FUSE is unavailable: {_FUSE_IMPORT_ERROR}")
+    _FUSE.require()
     if not os.path.isdir(mountpoint):
         raise MountError(f"mountpoint {mountpoint!r} is not a directory")
     options: dict[str, Any] = {

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from striped_fs import MountError, is_mounted, unmount, wait_mounted
+from striped_fs import MountError, is_mounted, load_fusepy, unmount, wait_mounted
 
 from .errors import SnapshotError
 from .lazycache import ChunkCache
@@ -55,14 +55,10 @@ from .store import SnapshotStore
 
 log = logging.getLogger(__name__)
 
-try:  # fusepy needs libfuse2 at import time
-    from fuse import FuseOSError, Operations
-except (ImportError, OSError):  # pragma: no cover - no libfuse: mount_lazy says so
-    Operations = object
-
-    class FuseOSError(OSError):  # type: ignore[no-redef]
-        def __init__(self, err: int) -> None:
-            super().__init__(err, os.strerror(err))
+# fusepy, or striped_fs's stand-in when libfuse is missing (mount_lazy says so)
+_FUSE = load_fusepy()
+Operations: type = _FUSE.Operations
+FuseOSError: type[OSError] = _FUSE.FuseOSError
 
 
 DEFAULT_PROFILE_S = 60.0

@@ -7,8 +7,6 @@
 See docs/striped_fs.md for the layout, the options and their defaults.
 """
 
-from typing import TYPE_CHECKING, Any
-
 from .config import DEFAULT_CONCURRENCY, DEFAULT_STRIPE_SIZE, OptionError, StripeOptions, parse_size
 from .errors import (
     ManifestError,
@@ -21,24 +19,19 @@ from .errors import (
     UnsafePath,
 )
 from .filesystem import StripedFileSystem
+
+# the FUSE plumbing: never loads fusepy (a process that only reads a store or waits for a
+# mount does not pay for libfuse); striped_fs.fuse serves mounts
+from .mount import (
+    canonical_path,
+    is_mounted,
+    load_fusepy,
+    run_fuse,
+    unescape_mountinfo,
+    unmount,
+    wait_mounted,
+)
 from .private import create_private, make_dir, write_private
-
-#: The FUSE helpers, imported on first use (``striped_fs.fuse`` loads libfuse through fusepy,
-#: which a process that only reads or writes a store should not pay for).
-_FUSE_EXPORTS = frozenset({"is_mounted", "run_fuse", "unmount", "wait_mounted"})
-
-
-if TYPE_CHECKING:  # what the names are, for type checkers (imported lazily below)
-    from .fuse import is_mounted, run_fuse, unmount, wait_mounted
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FUSE_EXPORTS:
-        from . import fuse
-
-        return getattr(fuse, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
@@ -54,11 +47,14 @@ __all__ = [
     "StripedFileSystem",
     "StripedIOError",
     "UnsafePath",
+    "canonical_path",
     "create_private",
     "is_mounted",
+    "load_fusepy",
     "make_dir",
     "parse_size",
     "run_fuse",
+    "unescape_mountinfo",
     "unmount",
     "wait_mounted",
     "write_private",

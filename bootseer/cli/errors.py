@@ -32,10 +32,8 @@ from collections.abc import Iterator
 
 from striped_fs.redact import redact
 
-
-class CliError(Exception):
-    """Printed as ``bootseer: error: ...``; exit code 2."""
-
+# its home is below the command line (bootseer.startup raises it too); imported from here
+from ..errors import CliError as CliError
 
 #: Exit codes: a known error (bad input, an unreachable store...), and a bug.
 EXIT_KNOWN = 2
@@ -44,7 +42,7 @@ EXIT_INTERRUPTED = 130
 
 #: (module, class): errors whose message already names the object and the fix.
 KNOWN_ROOTS = (
-    ("bootseer.cli.errors", "CliError"),
+    ("bootseer.errors", "CliError"),
     ("bootseer.config", "ConfigError"),
     ("bootseer.report", "ReportError"),
     ("bootseer.warmup", "WarmupError"),

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..process import pid_alive, proc_state
 from .ring import Op, RingSnapshot
 
 __all__ = ["Analyzer", "Finding", "GroupView", "pid_alive", "proc_state", "SIZED_OPS"]
@@ -76,24 +77,6 @@ class Finding:
             "time": self.time,
             "evidence": self.evidence,
         }
-
-
-def proc_state(pid: int) -> tuple[str, int] | None:
-    """(state letter, CPU ticks used) of a process of this pid namespace, None when gone.
-    Why: a rank stopped (T), in uninterruptible sleep (D) or a zombie (Z) while its peers
-    wait is the likely peer of an op issued everywhere and completed nowhere."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[11]) + int(fields[12])  # state, utime + stime
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def pid_alive(pid: int) -> bool:
-    """A process of this pid namespace that still runs (a zombie counts as dead)."""
-    st = proc_state(pid)
-    return st is not None and st[0] not in ("Z", "X")
 
 
 @dataclass
@@ -143,6 +126,25 @@ def group_views(snaps: Iterable[RingSnapshot]) -> dict[str, GroupView]:
 #: start (lazy init, allocator growth, page faults), and on a loaded machine one rank's 6th op
 #: came 1.1 s after the others' with nothing wrong (a CI run, 2026-11-24; it was 5 then).
 STRAGGLER_WARMUP_OPS = 10
+
+
+@dataclass
+class _StuckCase:
+    """One group's stuck op and what the rules of :attr:`Analyzer.STUCK_RULES` read of it."""
+
+    view: GroupView
+    seq: int
+    since: float  # its first issue
+    src: str  # where its T came from ("failed": stuck because it failed)
+    op: str
+    t_op: float  # its T
+    waiting: list[int]  # members inside it
+    missing: list[int]  # members that never issued it
+    elsewhere: dict[int, tuple[str, int]]  # missing members inside another group's op
+    views: dict[str, GroupView]
+    stuck: dict[str, tuple[int, float, str]]  # every group's stuck op: (seq, since, src)
+    by_rank: dict[int, RingSnapshot]
+    now: float
 
 
 class Analyzer:
@@ -370,7 +372,34 @@ class Analyzer:
     def _stuck(
         self, views: dict[str, GroupView], by_rank: dict[int, RingSnapshot], now: float
     ) -> list[Finding]:
-        """Stuck ops (past T, or failed) and their root cause, following waits across groups."""
+        """Stuck ops (past T, or failed) and their root cause, following waits across groups:
+        a deadlock among the waits is the verdict; else each group's stuck op goes through
+        :attr:`STUCK_RULES` in order, and the first rule that answers says what it is."""
+        stuck = self._stuck_ops(views, now)
+        if not stuck:
+            return []
+        waits, inside = self._waits(views, stuck)
+        cycle = _cycle({r: set(e) for r, e in waits.items()})
+        if cycle and any(
+            waits[a][b] == (name, stuck[name][0])
+            for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True)
+            for name in stuck
+        ):
+            return self._deadlock(cycle, waits, views, by_rank, now)
+        found: list[Finding] = []
+        for name, (seq, since, src) in stuck.items():
+            case = self._stuck_case(views, stuck, inside, name, seq, since, src, by_rank, now)
+            for _, rule in self.STUCK_RULES:
+                said = rule(self, case)
+                if said is not None:
+                    found += said
+                    break
+        return found
+
+    def _stuck_ops(
+        self, views: dict[str, GroupView], now: float
+    ) -> dict[str, tuple[int, float, str]]:
+        """Per group, its oldest op past T (or failed): (seq, since, where T came from)."""
         stuck: dict[str, tuple[int, float, str]] = {}  # group -> (seq, since, threshold from)
         for view in views.values():
             for r in view.members:
@@ -392,12 +421,16 @@ class Analyzer:
             if failed and view.name not in stuck:
                 first = min(failed, key=lambda o: o.seq)
                 stuck[view.name] = (first.seq, first.t_issue, "failed")
-        if not stuck:
-            return []
-        # wait-for edges over every op in progress, stuck or not yet: a rank inside an op ->
-        # the members that never issued it. Why not only the stuck ops: the two sides of a
-        # deadlock pass T at different times, and a rank waiting in the other side's op is
-        # blocked, not the cause (it must not be called "never issued").
+        return stuck
+
+    @staticmethod
+    def _waits(
+        views: dict[str, GroupView], stuck: dict[str, tuple[int, float, str]]
+    ) -> tuple[dict[int, dict[int, tuple[str, int]]], dict[int, tuple[str, int]]]:
+        """Wait-for edges over every op in progress, stuck or not yet: a rank inside an op ->
+        the members that never issued it; and per rank the oldest op it waits in. Why not
+        only the stuck ops: the two sides of a deadlock pass T at different times, and a rank
+        waiting in the other side's op is blocked, not the cause (not "never issued")."""
         waits: dict[int, dict[int, tuple[str, int]]] = defaultdict(dict)
         inside: dict[int, tuple[str, int]] = {}  # rank -> the oldest op it waits in
         for view in views.values():
@@ -418,151 +451,204 @@ class Analyzer:
                 for m in view.members:
                     if view.last_issued(m) < seq:
                         waits[r].setdefault(m, (view.name, seq))
-        cycle = _cycle({r: set(e) for r, e in waits.items()})
-        if cycle and any(
-            waits[a][b] == (name, stuck[name][0])
-            for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True)
-            for name in stuck
-        ):
-            return self._deadlock(cycle, waits, views, by_rank, now)
-        found: list[Finding] = []
-        for name, (seq, since, src) in stuck.items():
-            view = views[name]
-            waiting = [
+        return waits, inside
+
+    def _stuck_case(
+        self,
+        views: dict[str, GroupView],
+        stuck: dict[str, tuple[int, float, str]],
+        inside: dict[int, tuple[str, int]],
+        name: str,
+        seq: int,
+        since: float,
+        src: str,
+        by_rank: dict[int, RingSnapshot],
+        now: float,
+    ) -> _StuckCase:
+        view = views[name]
+        missing = [m for m in view.members if view.last_issued(m) < seq]
+        op = next(o.op for ops in view.ops.values() for s, o in ops.items() if s == seq)
+        return _StuckCase(
+            view=view,
+            seq=seq,
+            since=since,
+            src=src,
+            op=op,
+            t_op=self.threshold(view, op)[0],
+            waiting=[
                 r
                 for r in view.members
                 if seq in view.ops.get(r, {}) and view.ops[r][seq].t_done is None
-            ]
-            missing = [m for m in view.members if view.last_issued(m) < seq]
-            if self._mismatched.get(name, seq + 1) <= seq:
-                continue  # a mismatch before it: said, and the cause of what follows
-            op = next(o.op for ops in view.ops.values() for s, o in ops.items() if s == seq)
-            # a missing rank whose ring was last read before the op could pass T after its
-            # first issue (a window its node stopped shipping): its progress is unknown, not
-            # "never issued"; what is known is said, naming nobody
-            t_op = self.threshold(view, op)[0]
-            unseen = [
-                m for m in missing if m in self.seen_until and self.seen_until[m] < since + t_op
-            ]
-            if unseen and now - since > t_op:
-                found += self._unseen(view, seq, op, since, waiting, unseen, by_rank, now)
-                continue
-            # a missing rank inside another group's op is blocked there: the cause is said
-            # in that group once its op passes T; said here only with that context, and only
-            # if that op stays short of T for long (2 x this op's T)
-            elsewhere = {m: inside[m] for m in missing if m in inside and inside[m][0] != name}
-            # one of them still inside an op its peers completed, having issued nothing
-            # since: stalled there, and named there (that group and op) once held past the
-            # shorter of the two ops' T, whether or not that op passed its own T yet
-            stalls = {
-                m: h
-                for m, (g, q) in elsewhere.items()
-                if (h := self._stall_held(views[g], m, q, by_rank, now)) is not None
-            }
-            if stalls:
-                for m, h in stalls.items():
-                    g, q = elsewhere[m]
-                    t_g = self.threshold(views[g], views[g].ops[m][q].op)[0]
-                    if h > min(t_op, t_g):
-                        found += self._stall(
-                            views[g], q, [m], h, by_rank, now, blocked=(view, seq, waiting)
-                        )
-                continue
-            if elsewhere and (
-                any(g in stuck for g, _ in elsewhere.values())
-                or now - since < 2 * self.threshold(view, op)[0]
-            ):
-                continue
-            held = now - since
-            # stuck only because the op failed (a member died in it) and not yet held past T:
-            # a member that has not issued it yet is not late; who died in it comes first,
-            # and once that is said, members arriving late to a failed op are not the cause
-            late = src != "failed" or held > self.threshold(view, op)[0]
-            if missing and late and ("died", name, seq) not in self.said:
-                gone = [m for m in missing if m in by_rank and self.alive(by_rank[m]) is False]
-                why = {
-                    m: (
-                        "its process is gone"
-                        if m in gone
-                        else "no ring from it"
-                        if m not in by_rank
-                        else "busy outside collectives"
-                    )
-                    for m in missing
-                }
-                line = (
-                    f"{', '.join(self._where(m, by_rank) for m in missing)} never issued "
-                    f"{op} #{seq} in group {view.display}; {len(waiting)} rank"
-                    f"{'s' if len(waiting) != 1 else ''} wait in it since {held:.1f} s"
+            ],
+            missing=missing,
+            # a missing rank inside another group's op is blocked there
+            elsewhere={m: inside[m] for m in missing if m in inside and inside[m][0] != name},
+            views=views,
+            stuck=stuck,
+            by_rank=by_rank,
+            now=now,
+        )
+
+    # -- the rules for one stuck op, in the order of STUCK_RULES ---------------------------
+    # Each returns None when it does not apply (the next rule is asked), else what it says
+    # (an empty list: nothing, and no later rule is asked).
+
+    def _after_a_mismatch(self, c: _StuckCase) -> list[Finding] | None:
+        """A mismatch in the group before this op: said, and the cause of what follows."""
+        return [] if self._mismatched.get(c.view.name, c.seq + 1) <= c.seq else None
+
+    def _missing_unseen(self, c: _StuckCase) -> list[Finding] | None:
+        """A missing rank whose ring was last read before the op could pass T after its first
+        issue (a window its node stopped shipping): its progress is unknown, not "never
+        issued"; what is known is said, naming nobody."""
+        unseen = [
+            m for m in c.missing if m in self.seen_until and self.seen_until[m] < c.since + c.t_op
+        ]
+        if unseen and c.now - c.since > c.t_op:
+            return self._unseen(c.view, c.seq, c.op, c.since, c.waiting, unseen, c.by_rank, c.now)
+        return None
+
+    def _missing_stalled_elsewhere(self, c: _StuckCase) -> list[Finding] | None:
+        """A missing rank still inside an op of another group its peers completed, having
+        issued nothing since: stalled there, and named there (that group and op) once held
+        past the shorter of the two ops' T, whether or not that op passed its own T yet."""
+        views = c.views
+        stalls = {
+            m: h
+            for m, (g, q) in c.elsewhere.items()
+            if (h := self._stall_held(views[g], m, q, c.by_rank, c.now)) is not None
+        }
+        if not stalls:
+            return None
+        found: list[Finding] = []
+        for m, h in stalls.items():
+            g, q = c.elsewhere[m]
+            t_g = self.threshold(views[g], views[g].ops[m][q].op)[0]
+            if h > min(c.t_op, t_g):
+                found += self._stall(
+                    views[g], q, [m], h, c.by_rank, c.now, blocked=(c.view, c.seq, c.waiting)
                 )
-                if gone:
-                    line += f" ({_ranks(gone)}: process gone)"
-                for m, (g, q) in elsewhere.items():
-                    why[m] = f"inside {views[g].ops[m][q].op} #{q} of group {views[g].display}"
-                    line += f" ({_ranks([m])}: {why[m]})"
-                found += self._new(
-                    ("never_issued", name, seq, tuple(missing)),
-                    Finding(
-                        "never_issued",
-                        view.display,
-                        tuple(missing),
-                        op,
-                        seq,
-                        line,
-                        now,
-                        {
-                            "waiting": waiting,
-                            "since": since,
-                            "held_s": round(held, 3),
-                            "threshold_from": src,
-                            "why": {str(k): v for k, v in why.items()},
-                            "pids": {str(m): by_rank[m].pid for m in missing if m in by_rank},
-                        },
-                    ),
-                )
-                continue
-            issued = {r: view.ops[r][seq] for r in view.members if seq in view.ops.get(r, {})}
-            never_done = [r for r, o in issued.items() if o.t_done is None]
-            failed = [r for r, o in issued.items() if o.failed]
-            dead = [r for r in never_done if r in by_rank and self.alive(by_rank[r]) is False]
-            culprits = dead or (never_done if failed and never_done else [])
-            stalls = {
-                r: h
-                for r in never_done
-                if not culprits
-                and (h := self._stall_held(view, r, seq, by_rank, now)) is not None
-                and h > t_op
-            }
-            if culprits:
-                line = (
-                    f"{', '.join(self._where(r, by_rank) for r in culprits)} died in {op} "
-                    f"#{seq} in group {view.display} (issued, never completed"
-                    f"{', process gone' if dead else ''}); {len(failed)} rank"
-                    f"{'s' if len(failed) != 1 else ''} failed in it"
-                )
-                found += self._new(
-                    ("died", name, seq),
-                    Finding(
-                        "died",
-                        view.display,
-                        tuple(culprits),
-                        op,
-                        seq,
-                        line,
-                        now,
-                        {
-                            "failed": failed,
-                            "never_completed": never_done,
-                            "since": since,
-                            "pids": {str(r): by_rank[r].pid for r in culprits if r in by_rank},
-                        },
-                    ),
-                )
-            elif stalls:
-                found += self._stall(view, seq, list(stalls), max(stalls.values()), by_rank, now)
-            elif not missing and len(never_done) == len(view.members):
-                found += self._transport(view, seq, op, since, never_done, by_rank, now)
         return found
+
+    def _missing_blocked_elsewhere(self, c: _StuckCase) -> list[Finding] | None:
+        """A missing rank inside another group's op is blocked there: the cause is said in
+        that group once its op passes T; said here only with that context, and only if that
+        op stays short of T for long (2 x this op's T)."""
+        if c.elsewhere and (
+            any(g in c.stuck for g, _ in c.elsewhere.values()) or c.now - c.since < 2 * c.t_op
+        ):
+            return []
+        return None
+
+    def _never_issued(self, c: _StuckCase) -> list[Finding] | None:
+        """Members that never issued the op the others wait in. Stuck only because the op
+        failed (a member died in it) and not yet held past T: a member that has not issued it
+        yet is not late; who died in it comes first, and once that is said, members arriving
+        late to a failed op are not the cause."""
+        view, seq, op, missing, by_rank = c.view, c.seq, c.op, c.missing, c.by_rank
+        held = c.now - c.since
+        late = c.src != "failed" or held > c.t_op
+        if not (missing and late and ("died", view.name, seq) not in self.said):
+            return None
+        gone = [m for m in missing if m in by_rank and self.alive(by_rank[m]) is False]
+        why = {
+            m: (
+                "its process is gone"
+                if m in gone
+                else "no ring from it"
+                if m not in by_rank
+                else "busy outside collectives"
+            )
+            for m in missing
+        }
+        line = (
+            f"{', '.join(self._where(m, by_rank) for m in missing)} never issued "
+            f"{op} #{seq} in group {view.display}; {len(c.waiting)} rank"
+            f"{'s' if len(c.waiting) != 1 else ''} wait in it since {held:.1f} s"
+        )
+        if gone:
+            line += f" ({_ranks(gone)}: process gone)"
+        for m, (g, q) in c.elsewhere.items():
+            why[m] = f"inside {c.views[g].ops[m][q].op} #{q} of group {c.views[g].display}"
+            line += f" ({_ranks([m])}: {why[m]})"
+        return self._new(
+            ("never_issued", view.name, seq, tuple(missing)),
+            Finding(
+                "never_issued",
+                view.display,
+                tuple(missing),
+                op,
+                seq,
+                line,
+                c.now,
+                {
+                    "waiting": c.waiting,
+                    "since": c.since,
+                    "held_s": round(held, 3),
+                    "threshold_from": c.src,
+                    "why": {str(k): v for k, v in why.items()},
+                    "pids": {str(m): by_rank[m].pid for m in missing if m in by_rank},
+                },
+            ),
+        )
+
+    def _issued_not_done(self, c: _StuckCase) -> list[Finding] | None:
+        """Everyone needed issued it and it never completed: a member that died in it (its
+        process gone, or never completing while others failed), else one stalled in it past
+        T, else, when nobody completed it at all, the transport between them."""
+        view, seq, op, by_rank, now = c.view, c.seq, c.op, c.by_rank, c.now
+        issued = {r: view.ops[r][seq] for r in view.members if seq in view.ops.get(r, {})}
+        never_done = [r for r, o in issued.items() if o.t_done is None]
+        failed = [r for r, o in issued.items() if o.failed]
+        dead = [r for r in never_done if r in by_rank and self.alive(by_rank[r]) is False]
+        culprits = dead or (never_done if failed and never_done else [])
+        stalls = {
+            r: h
+            for r in never_done
+            if not culprits
+            and (h := self._stall_held(view, r, seq, by_rank, now)) is not None
+            and h > c.t_op
+        }
+        if culprits:
+            line = (
+                f"{', '.join(self._where(r, by_rank) for r in culprits)} died in {op} "
+                f"#{seq} in group {view.display} (issued, never completed"
+                f"{', process gone' if dead else ''}); {len(failed)} rank"
+                f"{'s' if len(failed) != 1 else ''} failed in it"
+            )
+            return self._new(
+                ("died", view.name, seq),
+                Finding(
+                    "died",
+                    view.display,
+                    tuple(culprits),
+                    op,
+                    seq,
+                    line,
+                    now,
+                    {
+                        "failed": failed,
+                        "never_completed": never_done,
+                        "since": c.since,
+                        "pids": {str(r): by_rank[r].pid for r in culprits if r in by_rank},
+                    },
+                ),
+            )
+        if stalls:
+            return self._stall(view, seq, list(stalls), max(stalls.values()), by_rank, now)
+        if not c.missing and len(never_done) == len(view.members):
+            return self._transport(view, seq, op, c.since, never_done, by_rank, now)
+        return []
+
+    #: What a stuck op is, asked in this order; the first rule that answers decides.
+    STUCK_RULES: tuple[tuple[str, Callable[[Analyzer, _StuckCase], list[Finding] | None]], ...] = (
+        ("after_a_mismatch", _after_a_mismatch),
+        ("missing_unseen", _missing_unseen),
+        ("missing_stalled_elsewhere", _missing_stalled_elsewhere),
+        ("missing_blocked_elsewhere", _missing_blocked_elsewhere),
+        ("never_issued", _never_issued),
+        ("issued_not_done", _issued_not_done),
+    )
 
     def _stall_held(
         self, view: GroupView, rank: int, seq: int, by_rank: dict[int, RingSnapshot], now: float

@@ -39,7 +39,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from . import ddp
+from .ddp import install as install_ddp
+from .ddp import uninstall as uninstall_ddp
 from .ring import DTYPE_CODE, FLAG_P2P, OP_CODE, Ring
 
 __all__ = ["Recorder", "PATCHED", "active"]
@@ -137,7 +138,7 @@ class Recorder:
                 continue
             self._originals[method] = original
             setattr(ProcessGroup, method, self._wrap(original, OP_CODE[op], arg, method in _P2P))
-        ddp.install()  # DDP's reducer calls the group from C++: its gradients via a hook
+        install_ddp()  # DDP's reducer calls the group from C++: its gradients via a hook
 
     @property
     def installed(self) -> bool:
@@ -146,7 +147,7 @@ class Recorder:
     def uninstall(self, *, close: bool = True) -> None:
         """Give the methods back; ``close=False`` keeps the ring for a later :meth:`install`."""
         if self._originals:
-            ddp.uninstall()
+            uninstall_ddp()
         for method, original in self._originals.items():
             setattr(self._pg_class, method, original)
         self._originals.clear()

@@ -39,9 +39,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+# the module itself, not ``from . import``: that would import the package, whose enable()
+# imports this module (a cycle)
+import bootseer.colltrace.validate as validate
 from striped_fs.privdir import PrivateDir, UnsafePath, open_owned
-
-from . import validate
 
 __all__ = [
     "MAGIC",

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..supervise import _signal_name  # the wrapper's names for signals, shared
+from ..process import signal_name  # the wrapper's names for signals, shared
 
 __all__ = [
     "CLASSES",
@@ -279,7 +279,7 @@ def _classify(
 ) -> Classification:
     """The first row of ``rules`` that matches (lines already stripped of prefixes)."""
     signum = _signal_of(exit_code)
-    sig = _signal_name(signum) if signum is not None else None
+    sig = signal_name(signum) if signum is not None else None
     for rule in rules:
         if not _exit_matches(rule, exit_code, signum) or (rule.oom_kill and not oom_killed):
             continue

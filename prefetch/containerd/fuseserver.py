@@ -86,13 +86,13 @@ class Connection:
 def mount_device(mountpoint: str) -> str | None:
     """The ``major:minor`` of what is mounted at ``mountpoint`` (from mountinfo: nothing on
     the mount itself is touched, which would block on a connection nobody serves)."""
-    from striped_fs.fuse import _canonical, _unescape_mountinfo
+    from striped_fs import canonical_path, unescape_mountinfo
 
-    target, found = _canonical(mountpoint), None
+    target, found = canonical_path(mountpoint), None
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             fields = line.split(" ", 5)
-            if len(fields) > 4 and _unescape_mountinfo(fields[4]) == target:
+            if len(fields) > 4 and unescape_mountinfo(fields[4]) == target:
                 found = fields[2]  # the last one is on top
     return found
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from striped_fs.fuse import is_mounted, unmount
+from striped_fs import is_mounted, unmount
 
 from .fuseserver import HANDOFF_VERSION, Connection, alive, mount_device
 from .holder import HolderClient
