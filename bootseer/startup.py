@@ -300,7 +300,9 @@ def checkpoint_phase(
     # job cannot start fresh from here, so the command need not wait for the store (its
     # client's import and a listing: 0.8 s of a 8.6 s warm restart, benchmarks.md); the
     # load still takes the store's newest step, and checks every cached file against it
-    held = held_step(plan.ckpt_cache_dir, plan.ckpt_url, plan.ranks)
+    held = None
+    with contextlib.suppress(OSError):  # an unreadable cache only costs the cache, as before
+        held = held_step(plan.ckpt_cache_dir, plan.ckpt_url, plan.ranks)
     if held is not None:
         result.detail["held_step"] = held
         planned(held)

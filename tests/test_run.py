@@ -472,6 +472,34 @@ def test_a_warm_node_holding_a_committed_step_starts_its_command_before_the_stor
     assert "Traceback" not in proc.stderr
 
 
+def test_an_unreadable_cache_still_only_costs_the_cache(tmp_path):
+    """The warm check reads the node cache before anything else: a cache whose store
+    directory is not a directory (a damaged disk, a stray file) must not stop the job, as
+    the prefetch's own failure there never did: the command starts."""
+    from ckpt.cache import NodeCache, held_step
+
+    store, cache = tmp_path / "ckpt", tmp_path / "cache"
+    store.mkdir()
+    root = NodeCache(cache, str(store)).root
+    root.parent.mkdir(parents=True)
+    root.write_text("not a directory")
+    with pytest.raises(OSError):
+        held_step(cache, str(store), [0])
+    marker = tmp_path / "ran"
+    proc = run_wrapper(
+        tmp_path / "trace",
+        "--ckpt-url",
+        str(store),
+        "--ckpt-cache-dir",
+        str(cache),
+        "--ranks",
+        "0",
+        command=child("touch", marker),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert marker.exists()
+
+
 def test_an_unreachable_checkpoint_store_with_fresh_starts_allowed(tmp_path):
     marker, url = tmp_path / "marker", "s3://bootseer-unreachable/run1"
     proc = run_wrapper(
