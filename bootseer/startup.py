@@ -5,10 +5,10 @@ environment (its ``bin`` first on ``PATH``) but not the whole checkpoint: it sta
 the environment is ready and the prefetch has *planned* its copy (the store listed, the step
 chosen, its manifest, indexes and objects cached, a temporary file for every data file still
 to come), or at once when the node's cache holds a committed step (``ckpt.held_step``: a
-warm node, which cannot start fresh), while the data files keep arriving. ``CheckpointManager`` reads the node-local
-cache (``ckpt.cache_dir``, handed to the command as ``BOOTSEER_CKPT_CACHE``) and waits for
-each file it needs until the prefetch renames it into place, or reads the store when the
-prefetch gave it up; it never reads a partial file. So the command's own start (interpreter,
+warm node, which cannot start fresh), while the data files keep arriving.
+``CheckpointManager`` reads the node-local cache (``ckpt.cache_dir``, handed to the command
+as ``BOOTSEER_CKPT_CACHE``) and waits for each file it needs until the prefetch renames it
+into place, or reads the store when the prefetch gave it up; it never reads a partial file. So the command's own start (interpreter,
 imports, process group, model) overlaps the tail of the prefetch. Each phase is a span of the
 startup trace (bytes, outcome, the attempt; the prefetch's ``ready_s`` says when the command
 could start). On a restart the same phases run again and take the warm path: the environment
@@ -157,11 +157,7 @@ def environment_phase(
     if done.warnings:
         result.detail["warnings"] = list(done.warnings)
     result.summary = f"{done.outcome} {prefix}" + (f" ({human_bytes(moved)})" if moved else "")
-    path = base_env.get("PATH", os.defpath)
-    result.env = {
-        "PATH": f"{prefix}/bin{os.pathsep}{path}" if path else f"{prefix}/bin",
-        "VIRTUAL_ENV": prefix,
-    }
+    result.env = _env_vars(prefix, base_env)
     return result
 
 
@@ -176,6 +172,16 @@ def _env_vars(prefix: str, base_env: Mapping[str, str]) -> dict[str, str]:
         "PATH": f"{prefix}/bin{os.pathsep}{path}" if path else f"{prefix}/bin",
         "VIRTUAL_ENV": prefix,
     }
+
+
+def _shared_mount(
+    result: PhaseResult, key: str, prefix: str, base_env: Mapping[str, str]
+) -> PhaseResult:
+    """The environment another ``bootseer run`` on this node mounted lazily, used as is."""
+    result.summary = f"mounted lazily {prefix} (by another process)"
+    result.detail.update(outcome="mounted-lazily", key=key, prefix=prefix, shared=True)
+    result.env = _env_vars(prefix, base_env)
+    return result
 
 
 def _lazy_environment(
@@ -209,10 +215,7 @@ def _lazy_environment(
     try:
         key = compute_key(plan.env_spec, base_image=plan.env_base_image or None).key
         if mounted_key(prefix) == key[:16]:  # another wrapper on this node mounted it
-            result.summary = f"mounted lazily {prefix} (by another process)"
-            result.detail.update(outcome="mounted-lazily", key=key, prefix=prefix, shared=True)
-            result.env = _env_vars(prefix, base_env)
-            return result
+            return _shared_mount(result, key, prefix, base_env)
         if verify(prefix, key, quick=True).ok:
             return None  # a warm node: ensure verifies it
         if os.path.isdir(prefix) and any(os.scandir(prefix)):
@@ -229,10 +232,7 @@ def _lazy_environment(
         )
     except (SnapshotError, OSError) as exc:
         if key and mounted_key(prefix) == key[:16]:  # another wrapper's mount won the race
-            result.summary = f"mounted lazily {prefix} (by another process)"
-            result.detail.update(outcome="mounted-lazily", key=key, prefix=prefix, shared=True)
-            result.env = _env_vars(prefix, base_env)
-            return result
+            return _shared_mount(result, key, prefix, base_env)
         _say(f"warning: environment {prefix}: lazy mount failed ({exc}); restoring it instead")
         return None
     _lazy_mounts[prefix] = mounted
