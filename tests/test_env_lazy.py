@@ -381,6 +381,36 @@ def test_kill_9_of_the_mount_process_leaves_a_mount_that_unmount_clears(tmp_path
     assert _cli("env", "unmount", str(prefix)).returncode == 1  # nothing mounted there now
 
 
+def test_close_stops_the_mount_process_when_the_caller_cannot_unmount(
+    tmp_path, request, mounts, monkeypatch
+):
+    """The e2e container's case (2026-12-03): no fusermount, no umount, and the unmount from
+    the caller fails. ``close()`` used to wait forever on the log pipe its reader thread
+    held; now it stops the mount process (its libfuse unmounts on SIGTERM) and returns, the
+    mount gone, while that thread still reads the child's log."""
+    import snapshot.lazy as lazy
+    from snapshot import SnapshotError
+
+    sut = make_store("local", tmp_path, request)
+    key = published(sut.open(), tmp_path)
+    prefix = tmp_path / "lazy"
+    m = mount(mounts, sut, key, prefix, tmp_path / "cache", prefetch=False)
+    assert bounded(m.prefix, lambda: (prefix / "bin/tool").read_text()).endswith("tool-ok\n")
+    assert m.proc.stderr is not None  # the log's pump thread reads it
+
+    def refused(*args: Any, **kwargs: Any) -> bool:
+        raise SnapshotError(f"could not unmount {prefix}: no tool found")
+
+    monkeypatch.setattr(lazy, "unmount_lazy", refused)
+    done: list[dict[str, Any]] = []
+    closer = threading.Thread(target=lambda: done.append(m.close(timeout_s=20)), daemon=True)
+    closer.start()
+    closer.join(40)
+    assert done, "close() hung"
+    assert m.proc.poll() is not None
+    assert not is_mounted(prefix)
+
+
 def test_the_cli_mounts_and_unmounts(tmp_path, request):
     sut = make_store("local", tmp_path, request)
     key = published(sut.open(), tmp_path)
