@@ -14,6 +14,8 @@ import os
 import signal
 import time
 
+from striped_fs import pid_exists
+
 __all__ = [
     "PR_SET_CHILD_SUBREAPER",
     "alive",
@@ -76,13 +78,7 @@ def group_pids(pgid: int) -> set[int]:
 def alive(pid: int) -> bool:
     """Whether ``pid`` exists (``kill(pid, 0)``): a zombie, not yet reaped, still does, and so
     does a process of another user. Use :func:`pid_alive` when a zombie must count as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_exists(pid)
 
 
 def proc_state(pid: int) -> tuple[str, int] | None:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from striped_fs import ManifestError, StripeChecksumError, StripedFileSystem
+from striped_fs import ManifestError, StripeChecksumError, StripedFileSystem, pid_exists
 from striped_fs.private import create_private, make_dir, write_private
 from striped_fs.reader import fetch_pieces
 from striped_fs.redact import redact
@@ -183,7 +183,7 @@ class StepCache:
         progress, last_mtime = started, 0.0
         try:
             while not final.exists():
-                pending = [p for p in _temps_of(self.dir, name) if _alive(_temp_pid(p))]
+                pending = [p for p in _temps_of(self.dir, name) if pid_exists(_temp_pid(p))]
                 if not pending:
                     return final.exists()  # renamed in place between the two looks
                 mtime = max((_mtime(p) for p in pending), default=0.0)
@@ -411,7 +411,7 @@ class StepCache:
     def _remove_dead_temps(self) -> None:
         for name in os.listdir(self.dir):
             m = _TEMP_RE.match(name)
-            if m and not _alive(int(m.group(1))):
+            if m and not pid_exists(int(m.group(1))):
                 try:
                     os.unlink(self.dir / name)
                 except FileNotFoundError:
@@ -441,18 +441,6 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except FileNotFoundError:
         return 0.0
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _read_or_none(path: Path) -> bytes | None:

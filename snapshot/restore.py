@@ -37,6 +37,7 @@ from pathlib import Path
 import zstandard
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 
+from striped_fs import pid_exists
 from striped_fs.redact import redact
 
 from .errors import CorruptSnapshotError, RelocationError, SnapshotError
@@ -241,23 +242,13 @@ def remove_stale_staging(prefix: Path) -> list[Path]:
         if not name.startswith(tag):
             continue
         pid_text = name[len(tag) :].split("-", 1)[0]
-        if pid_text.isdigit() and _alive(int(pid_text)) and int(pid_text) != os.getpid():
+        if pid_text.isdigit() and pid_exists(int(pid_text)) and int(pid_text) != os.getpid():
             continue
         path = prefix.parent / name
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
         log.info("removed %s, left by an interrupted restore", path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _RENAME_EXCHANGE = 2

@@ -31,7 +31,7 @@ from .mount import (
     unmount,
     wait_mounted,
 )
-from .private import create_private, make_dir, write_private
+from .private import create_private, make_dir, pid_exists, write_private
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
@@ -53,6 +53,7 @@ __all__ = [
     "load_fusepy",
     "make_dir",
     "parse_size",
+    "pid_exists",
     "run_fuse",
     "unescape_mountinfo",
     "unmount",

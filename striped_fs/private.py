@@ -74,3 +74,18 @@ def write_private(path: str | os.PathLike[str], data: bytes | memoryview) -> Non
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether process ``pid`` exists (``kill(pid, 0)``), for the owner named in a private
+    temporary file or lock: a zombie not yet reaped still does, and so does another user's
+    process; 0 and negative numbers (process groups to ``kill``) never name an owner."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -42,3 +42,18 @@ def test_create_private_never_follows_a_planted_symlink(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         os.close(create_private(tmp_path / "link"))
     assert not target.exists()
+
+
+def test_pid_exists_names_owners_only() -> None:
+    """A temporary file's owner: this process exists, a reaped child does not, and 0 or a
+    negative number (a process group to kill(2)) names nobody."""
+    import subprocess
+    import sys
+
+    from striped_fs import pid_exists
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert pid_exists(os.getpid())
+    assert not pid_exists(child.pid)
+    assert not pid_exists(0) and not pid_exists(-1)
