@@ -298,3 +298,14 @@ def test_subclass_hooks_run_per_launch(tmp_path: Path) -> None:
         port = server.port
     assert server.events == [f"prepare {port}", "cleanup"]
     assert "pids" in (tmp_path / "configured.log").read_text()  # a given log path is kept
+
+
+def test_the_documented_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/architecture.md's example of the base is code that works."""
+    doc = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    section = doc.split("## bootseer/testing: the fixture library", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "docs/architecture.md", "exec"), {})
+    url = capsys.readouterr().out.splitlines()[0]
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url), url
+    assert refused(int(url.rsplit(":", 1)[1]))  # stopped at the end of the with block
