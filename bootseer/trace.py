@@ -195,6 +195,14 @@ class TraceWriter:
             )
 
 
+def write_trace_file(directory: str | os.PathLike[str], name: str, text: str) -> None:
+    """``text`` as the file ``name`` of the trace directory (a stack dump kept as evidence),
+    replacing what it held: the directory made 0700 or checked, never through a link."""
+    with open_append(directory, name) as f:
+        f.truncate(0)
+        f.write(text)
+
+
 def trace_lines(paths: Iterable[str | os.PathLike]) -> Iterator[tuple[Path, int, str]]:
     """Every non-empty line of these files or directories (``*.jsonl``): (file, number, line)."""
     files: list[Path] = []

@@ -16,10 +16,13 @@ import shutil
 import sys
 import tempfile
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import CliError
 from .options import open_trace
+
+if TYPE_CHECKING:
+    from ..robust.remote import ControllerLink
 
 SHM = "/dev/shm"
 
@@ -238,7 +241,7 @@ def _colltrace_watch(cfg: argparse.Namespace, trace: object, node: str) -> objec
     )
 
 
-def _controller_link(cfg: argparse.Namespace, node: str) -> object | None:
+def _controller_link(cfg: argparse.Namespace, node: str) -> ControllerLink | None:
     """The link to the job's controller, registered; None without ``controller.address``."""
     if not cfg.controller.address:
         return None
