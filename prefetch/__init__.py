@@ -37,7 +37,31 @@ _LAZY_ERRORS = {
     "SchemaVersionError": "prefetch.containerd.metadata",
 }
 
-__all__ = ["PrefetchError", *_LAZY_ERRORS]
+# written out, not ``[*_LAZY_ERRORS]``: tests/test_architecture.py reads it without importing
+__all__ = [
+    "ContainerdError",
+    "ConvertError",
+    "DigestMismatch",
+    "FrameVerificationError",
+    "HolderError",
+    "LayerFormatError",
+    "MalformedLayerError",
+    "NotConvertedError",
+    "PlatformNotFound",
+    "PrefetchError",
+    "ProfileError",
+    "RangeNotSupported",
+    "RegistryAuthError",
+    "RegistryError",
+    "RegistryNotFound",
+    "RegistryProtocolError",
+    "RegistryUnavailable",
+    "SchemaVersionError",
+    "TocMismatchError",
+    "UnboundIndexError",
+    "UnsafeLayerError",
+    "UnsafeMemberError",
+]
 
 
 def __getattr__(name: str) -> Any:
