@@ -21,6 +21,9 @@ from .errors import (
     StateMismatchError,
 )
 
+# the node agent's side of the memory tier: torch-free
+from .memory_env import check_memory_settings, memory_handoff
+
 _LAZY = {
     "LoadReport": "loader",
     "CheckpointInfo": "manager",
@@ -67,7 +70,9 @@ __all__ = [
     "StateMismatchError",
     "VerifyReport",
     "cache_dir_from_env",
+    "check_memory_settings",
     "held_step",
     "init_optimizer_state",
+    "memory_handoff",
     "prefetch_latest",
 ]
