@@ -35,8 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from striped_fs.privdir import TRACE_WHAT, PrivateDir, open_append
-from striped_fs.redact import redact
+from striped_fs import TRACE_WHAT, PrivateDir, open_append, redact
 
 OUTCOMES = ("ok", "failed", "skipped", "killed")
 #: The ``bytes_by_remote`` name of the OCI registry (image blocks).

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from striped_fs.privdir import PrivateDir
+from striped_fs import PrivateDir
 
 from . import agree
 from .agree import DAMAGED, OK, Outcome

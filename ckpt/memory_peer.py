@@ -49,7 +49,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from striped_fs.privdir import PrivateDir
+from striped_fs import PrivateDir
 
 from .memory_env import TOKEN_ENV  # the job's secret, the same on every node
 from .memory_slot import HEADER, SlotDamaged, SlotFile, SlotHeader, newest, slot_paths

@@ -218,7 +218,7 @@ def _colltrace_watch(cfg: argparse.Namespace, trace: object, node: str) -> objec
             f"[colltrace] poll_s = {ct.poll_s}: the reader must pass at least every "
             "2 s; give a value in (0, 2]"
         )
-    from striped_fs.privdir import PrivateDir
+    from striped_fs import PrivateDir
 
     from ..colltrace.analyze import Analyzer
     from ..colltrace.reader import Watch

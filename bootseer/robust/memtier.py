@@ -23,7 +23,7 @@ import tempfile
 import threading
 from typing import Any
 
-from striped_fs.privdir import PrivateDir
+from striped_fs import PrivateDir
 
 SHM = "/dev/shm"
 
@@ -64,7 +64,7 @@ class NodeMemory:
             if listen:
                 where.subdir("peers", what="the memory tier's directory of peer copies").close()
         if listen:
-            from ckpt.memory_peer import PeerServer  # numpy, cryptography: only where it serves
+            from ckpt import PeerServer  # numpy, cryptography: only for a node that serves
 
             peers = os.path.join(self.directory, "peers")
             try:
@@ -92,7 +92,7 @@ class NodeMemory:
     def check_copies(self) -> threading.Thread:
         """Verify and stamp every rank's newest copy on a thread (beside the launch); the
         verdicts go to the log. Returns the thread (tests join it)."""
-        from ckpt.memory_verify import verify_copies
+        from ckpt import verify_copies
 
         def run() -> None:
             try:

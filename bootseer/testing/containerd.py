@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Self
 from .process_server import ComponentUnavailable, ProcessServer
 
 if TYPE_CHECKING:
-    from prefetch.containerd.cri import CRIClient
+    from prefetch import CRIClient
 
 CRI_NAMESPACE = "k8s.io"  # where containerd's CRI plugin keeps images, containers, snapshots
 
@@ -145,7 +145,7 @@ class ContainerdServer(ProcessServer):
         return proc
 
     def cri_client(self) -> CRIClient:
-        from prefetch.containerd.cri import CRIClient
+        from prefetch import CRIClient
 
         return CRIClient(self.address)
 
