@@ -83,7 +83,9 @@ class RestoreResult:
 
 def fetch_toc(store: SnapshotStore, manifest: Manifest) -> list[Member]:
     name = manifest.toc["name"]
-    data = store.fetch(manifest.key, name, size=manifest.toc["size"]).result()
+    data = store.fetch(
+        manifest.key, name, size=manifest.toc["size"], sha256=manifest.toc["sha256"]
+    ).result()
     if len(data) != manifest.toc["size"] or (
         hashlib.sha256(data).hexdigest() != manifest.toc["sha256"]
     ):
@@ -150,7 +152,7 @@ class _ChunkPipeline:
 
     def _fetch(self, index: int) -> Future[bytes]:
         chunk = self.manifest.chunks[index]
-        return self.store.fetch(self.manifest.key, chunk.name, size=chunk.size)
+        return self.store.fetch(self.manifest.key, chunk.name, size=chunk.size, sha256=chunk.sha256)
 
     def _take(self) -> tuple[int, Future[bytes]] | None:
         with self.lock:
