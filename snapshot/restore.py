@@ -379,11 +379,15 @@ def restore(
     fsync: bool = False,
     progress: Callback = DEFAULT_CALLBACK,
     before_move: Callable[[Path], None] | None = None,
+    manifest: Manifest | None = None,
 ) -> RestoreResult:
     """Restore snapshot ``key`` from ``store`` to ``prefix`` (see the module docstring).
 
     ``force`` restores to another prefix even when binaries embed the old one;
-    ``replace`` swaps out a non-empty directory bootseer did not make.
+    ``replace`` swaps out a non-empty directory bootseer did not make. ``manifest``: the
+    key's committed manifest, just read from ``store`` by the caller (``ensure``), so that it
+    is not read twice: an environment's names every file that embeds its prefix (each
+    ``.pyc``: hundreds of KB for torch's), read from the store by every fresh node.
     """
     start = time.perf_counter()
     phases: dict[str, float] = {}
@@ -396,7 +400,10 @@ def restore(
         mark = now
 
     prefix = Path(os.path.abspath(prefix))
-    manifest = store.require_manifest(key)
+    if manifest is None:
+        manifest = store.require_manifest(key)
+    elif manifest.key != key:
+        raise SnapshotError(f"restore of {key}: the manifest given is {manifest.key}'s")
     if manifest.kind != "prefix":
         raise SnapshotError(
             f"snapshot {key} is a capture of {manifest.capture.get('roots')}; "
