@@ -589,3 +589,46 @@ def test_a_fetch_lock_that_cannot_be_had_costs_only_the_sharing(
     want = wide_state(5, 1)
     assert all(torch.equal(target[k].local, want[k].local) for k in want if k != "step")
     assert target["step"] == 5
+
+
+def test_a_load_checks_the_newest_commit_not_every_step_the_store_keeps(
+    s3_bucket: tuple[str, dict[str, Any]],
+) -> None:
+    """Every rank of every restart lists the steps and checks which are committed: newest
+    first, and only until it has one, so ten more steps kept cost the listing's lines, not
+    ten existence checks per rank (measured in bytes over moto)."""
+    from bootseer.testing.shaper import Shaper, ShaperSettings
+
+    bucket, options = s3_bucket
+    state = {"w": torch.randn(1000), "step": 0}
+    for root, steps in (("few", 2), ("many", 12)):
+        with CheckpointManager(
+            f"s3://{bucket}/{root}", storage_options={"s3": options}, cache_dir=False
+        ) as mgr:
+            for step in range(1, steps + 1):
+                mgr.save(step, state, block=True)
+    endpoint = options["client_kwargs"]["endpoint_url"].removeprefix("http://")
+    host, port = endpoint.rsplit(":", 1)
+    read = {}
+    for root, newest in (("few", 2), ("many", 12)):
+        proxy = Shaper(host, int(port), ShaperSettings(), "127.0.0.1", 0).start()
+        try:
+            node = {
+                **options,
+                "client_kwargs": {
+                    **options["client_kwargs"],
+                    "endpoint_url": f"http://{proxy.address}",
+                },
+            }
+            with CheckpointManager(
+                f"s3://{bucket}/{root}", storage_options={"s3": node}, cache_dir=False
+            ) as mgr:
+                assert mgr.latest() == newest
+                target = {"w": torch.zeros(1000), "step": None}
+                assert mgr.load(target) == newest and torch.equal(target["w"], state["w"])
+            read[root] = proxy.bytes_down
+        finally:
+            proxy.stop()
+    # 10 more steps: their listing lines (about 100 bytes each, listed twice), where
+    # checking each step (a HEAD answer is about 400 bytes) twice would cost 8 KB more
+    assert read["many"] - read["few"] < 4000, read
