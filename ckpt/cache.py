@@ -29,7 +29,9 @@ runs as another user than the prefetch has a cache of its own).
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import mmap
@@ -41,7 +43,7 @@ import time
 import uuid
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +80,7 @@ from .layout import (
 log = logging.getLogger("ckpt")
 
 CACHE_ENV = "BOOTSEER_CKPT_CACHE"
+FETCH_LOCK = ".fetch.lock"  # a step's lock for reading what the node lacks (StepCache.fetching)
 _TEMP_RE = re.compile(r"^\..+\.tmp-(\d+)-[0-9a-f]{32}$")
 T = TypeVar("T")
 
@@ -385,6 +388,68 @@ class StepCache:
 
     def put(self, name: str, data: bytes | memoryview) -> None:
         _atomic_write(self.dir / name, data)
+
+    # -- sharing a load's store reads among the node's ranks ------------------------------------
+    @contextlib.contextmanager
+    def fetching(self, poll: float = 0.01) -> Iterator[None]:
+        """Hold this step's fetch lock while reading from the store what the node lacks and
+        putting it here (:meth:`keep`): the node's ranks, restarted together, take turns, and
+        each after the first finds the files in the cache, so the node reads each from the
+        store once (issue 29). The kernel's lock (``flock``): a holder that dies lets go. A
+        wait past ``STALL_S``, or a lock that cannot be had (an unwritable cache), costs only
+        the sharing: the rank reads the store itself."""
+        fd: int | None = None
+        try:
+            fd = os.open(
+                self.dir / FETCH_LOCK,
+                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+            )
+            deadline = time.monotonic() + self.STALL_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        log.warning(
+                            "checkpoint cache: another reader held %s for %.0f s; reading "
+                            "from the store without it",
+                            self.dir / FETCH_LOCK,
+                            self.STALL_S,
+                        )
+                        os.close(fd)
+                        fd = None
+                        break
+                    time.sleep(poll)
+        except OSError as exc:
+            if fd is not None:
+                os.close(fd)
+                fd = None
+            log.warning(
+                "checkpoint cache: cannot lock %s (%s); this rank reads from the store what "
+                "the node lacks, without sharing it",
+                self.dir / FETCH_LOCK,
+                exc,
+            )
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the lock
+
+    def keep(self, name: str, data: bytes | memoryview) -> None:
+        """Put a file read from the store (checked against the commit record) here for the
+        node's other ranks; a local failure (a full disk) is a warning: they read the store."""
+        try:
+            _atomic_write(self.dir / name, data)
+        except OSError as exc:
+            log.warning(
+                "checkpoint cache: cannot keep %s for this node's other ranks (%s); they "
+                "read it from the store",
+                self.dir / name,
+                exc,
+            )
 
     # -- writing through (a save) -------------------------------------------------------------
     def put_saved(self, rank: int, data: memoryview, objects: bytes, index: bytes) -> bool:

@@ -16,7 +16,7 @@ import json
 import re
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -480,6 +480,29 @@ def index_disagreement(index: RankIndex, rank: int, manifest: Manifest) -> str |
             f"{manifest.ranks[rank]['data_size']} (rule: one data size)"
         )
     return None
+
+
+def newest_committed(fs: StripedFileSystem, root: str, at_most: int | None = None) -> Iterator[int]:
+    """The committed steps (not above ``at_most``), newest first, each checked (its
+    ``MANIFEST.json`` exists) only when the caller asks for it: a load that takes the newest
+    makes one listing and one check, not one check per step the store keeps (each rank of
+    each restart pays them)."""
+    fs.invalidate_cache(root)
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return
+    steps = sorted(
+        (
+            s
+            for e in entries
+            if e["type"] == "directory" and (s := parse_step(e["name"])) is not None
+        ),
+        reverse=True,
+    )
+    for s in steps:
+        if (at_most is None or s <= at_most) and fs.exists(f"{step_dir(root, s)}/{MANIFEST}"):
+            yield s
 
 
 def committed_steps(fs: StripedFileSystem, root: str) -> tuple[list[int], list[int]]:

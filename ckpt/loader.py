@@ -16,7 +16,7 @@ import pickle
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -115,8 +115,7 @@ class CheckpointView:
             )
         # The manifest always comes from the store; the cache serves only while it matches.
         self.cache = cache if cache is not None and cache.matches(raw) else None
-        with ThreadPoolExecutor(8) as pool:
-            blobs = list(pool.map(self._read_index, range(self.manifest.world_size)))
+        blobs = self._read_indexes()
         self.indexes: list[RankIndex] = []
         for rank, blob in enumerate(blobs):
             path = f"{self.dir}/{index_name(rank)}"
@@ -186,12 +185,39 @@ class CheckpointView:
         view.cache = cache if cache is not None and cache.matches(self.manifest_raw) else None
         return view
 
-    def _read_index(self, rank: int) -> bytes:
+    def _read_indexes(self) -> list[bytes]:
+        """Every rank's index (a load checks them all): from the node cache where it holds
+        them, the rest from the store. With a cache, the node's ranks take turns fetching
+        what it lacks (``StepCache.fetching``) and leave each index that matches the commit
+        record there, so the node reads each from the store once, not once per rank."""
+        world = self.manifest.world_size
+        blobs = self._cached_indexes(range(world))
+        if len(blobs) < world and self.cache is not None:
+            with self.cache.fetching():
+                blobs.update(self._cached_indexes(r for r in range(world) if r not in blobs))
+                fetched = self._fetch_indexes([r for r in range(world) if r not in blobs])
+                for rank, blob in fetched.items():
+                    if zlib.crc32(blob) == self.manifest.ranks[rank]["index_crc32"]:
+                        self.cache.keep(index_name(rank), blob)
+                blobs.update(fetched)
+        elif len(blobs) < world:
+            blobs.update(self._fetch_indexes([r for r in range(world) if r not in blobs]))
+        return [blobs[r] for r in range(world)]
+
+    def _cached_indexes(self, ranks: Iterable[int]) -> dict[int, bytes]:
+        if self.cache is None:
+            return {}
+        found = {r: self.cache.index(r, self.manifest.ranks[r]["index_crc32"]) for r in ranks}
+        return {r: b for r, b in found.items() if b is not None}
+
+    def _fetch_indexes(self, ranks: list[int]) -> dict[int, bytes]:
+        if not ranks:
+            return {}
+        with ThreadPoolExecutor(min(8, len(ranks))) as pool:
+            return dict(zip(ranks, pool.map(self._fetch_index, ranks), strict=True))
+
+    def _fetch_index(self, rank: int) -> bytes:
         path = f"{self.dir}/{index_name(rank)}"
-        if self.cache is not None:
-            cached = self.cache.index(rank, self.manifest.ranks[rank]["index_crc32"])
-            if cached is not None:
-                return cached
         try:
             return self.fs.cat_file(path)
         except FileNotFoundError:

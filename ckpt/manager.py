@@ -26,7 +26,7 @@ from . import agree
 from .agree import DAMAGED, ERROR, NONE, OK, Outcome
 from .cache import StepCache, open_cache
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointSaveError
-from .layout import MANIFEST, data_name, parse_step, step_dir
+from .layout import MANIFEST, data_name, newest_committed, parse_step, step_dir
 from .loader import (
     CheckpointView,
     LoadReport,
@@ -334,8 +334,7 @@ class CheckpointManager:
         data files is found only by reading them, and ``load`` then falls back (every rank
         together). Steps are numbers: a job that resumed from an older step leaves newer
         ones in place until it saves them again (docs/ckpt.md). Local: no collective."""
-        done, _ = committed_steps(self.fs, self.root)
-        for step in reversed(done):
+        for step in newest_committed(self.fs, self.root):
             try:
                 view = self._open_view(step)
             except (CheckpointCorrupt, StripedIOError, FileNotFoundError) as exc:
@@ -524,14 +523,11 @@ class CheckpointManager:
             if step is not None:
                 candidate = step if step not in failed else NONE
             else:
-                done, _ = committed_steps(self.fs, self.root)
                 candidate = next(
                     (
                         s
-                        for s in reversed(done)
-                        if (bound is None or s <= bound)
-                        and s not in failed
-                        and not self._skipped(s)
+                        for s in newest_committed(self.fs, self.root, at_most=bound)
+                        if s not in failed and not self._skipped(s)
                     ),
                     NONE,
                 )

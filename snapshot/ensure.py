@@ -137,7 +137,7 @@ def ensure(
             log.warning("%s", warnings[-1])
             snapshots, manifest = None, None
         if manifest is not None:
-            return _restored(snapshots, env_key, prefix, force, replace, progress, start)
+            return _restored(snapshots, env_key, prefix, force, replace, progress, start, manifest)
         build = dict(
             spec_files=spec_files,
             command=command,
@@ -161,12 +161,12 @@ def ensure(
         if not snapshots.try_lease(env_key.key, publisher):
             found = _wait_for_builder(snapshots, env_key.key, lease_s, wait_timeout_s)
             if found is not None:
-                return _restored(snapshots, env_key, prefix, force, replace, progress, start)
+                return _restored(snapshots, env_key, prefix, force, replace, progress, start, found)
             snapshots.try_lease(env_key.key, publisher)  # best effort; the commit decides
-        if snapshots.read_manifest(env_key.key) is not None:
+        if (manifest := snapshots.read_manifest(env_key.key)) is not None:
             # Published since the first look, by a builder that has just let go of its lease.
             snapshots.release_lease(env_key.key, publisher)
-            return _restored(snapshots, env_key, prefix, force, replace, progress, start)
+            return _restored(snapshots, env_key, prefix, force, replace, progress, start, manifest)
         renewer = _LeaseRenewer(snapshots, env_key.key, publisher, lease_s)
         try:
             name = install(env_key, prefix, **build)
@@ -246,9 +246,16 @@ def _restored(
     replace: bool,
     progress: Callback,
     start: float,
+    manifest: Manifest | None = None,
 ) -> EnsureResult:
     result = restore(
-        snapshots, env_key.key, prefix, force=force, replace=replace, progress=progress
+        snapshots,
+        env_key.key,
+        prefix,
+        force=force,
+        replace=replace,
+        progress=progress,
+        manifest=manifest,
     )
     log.info(
         "restored environment %s to %s: %d files, %.1f MB in %.2fs",

@@ -282,7 +282,9 @@ class ChunkFetcher:
         what = f"snapshot {self.manifest.key}: chunk {info.name}"
         for attempt in range(2):
             try:
-                data = self.store.fetch(self.manifest.key, info.name, size=info.size).result()
+                data = self.store.fetch(
+                    self.manifest.key, info.name, size=info.size, sha256=info.sha256
+                ).result()
             except (OSError, SnapshotError) as exc:
                 raise ChunkUnavailable(
                     f"{what} could not be fetched from {self.store.url}: {exc}"

@@ -82,7 +82,9 @@ class RestoreResult:
 
 def fetch_toc(store: SnapshotStore, manifest: Manifest) -> list[Member]:
     name = manifest.toc["name"]
-    data = store.fetch(manifest.key, name, size=manifest.toc["size"]).result()
+    data = store.fetch(
+        manifest.key, name, size=manifest.toc["size"], sha256=manifest.toc["sha256"]
+    ).result()
     if len(data) != manifest.toc["size"] or (
         hashlib.sha256(data).hexdigest() != manifest.toc["sha256"]
     ):
@@ -149,7 +151,7 @@ class _ChunkPipeline:
 
     def _fetch(self, index: int) -> Future[bytes]:
         chunk = self.manifest.chunks[index]
-        return self.store.fetch(self.manifest.key, chunk.name, size=chunk.size)
+        return self.store.fetch(self.manifest.key, chunk.name, size=chunk.size, sha256=chunk.sha256)
 
     def _take(self) -> tuple[int, Future[bytes]] | None:
         with self.lock:
@@ -376,11 +378,15 @@ def restore(
     fsync: bool = False,
     progress: Callback = DEFAULT_CALLBACK,
     before_move: Callable[[Path], None] | None = None,
+    manifest: Manifest | None = None,
 ) -> RestoreResult:
     """Restore snapshot ``key`` from ``store`` to ``prefix`` (see the module docstring).
 
     ``force`` restores to another prefix even when binaries embed the old one;
-    ``replace`` swaps out a non-empty directory bootseer did not make.
+    ``replace`` swaps out a non-empty directory bootseer did not make. ``manifest``: the
+    key's committed manifest, just read from ``store`` by the caller (``ensure``), so that it
+    is not read twice: an environment's names every file that embeds its prefix (each
+    ``.pyc``: hundreds of KB for torch's), read from the store by every fresh node.
     """
     start = time.perf_counter()
     phases: dict[str, float] = {}
@@ -393,7 +399,10 @@ def restore(
         mark = now
 
     prefix = Path(os.path.abspath(prefix))
-    manifest = store.require_manifest(key)
+    if manifest is None:
+        manifest = store.require_manifest(key)
+    elif manifest.key != key:
+        raise SnapshotError(f"restore of {key}: the manifest given is {manifest.key}'s")
     if manifest.kind != "prefix":
         raise SnapshotError(
             f"snapshot {key} is a capture of {manifest.capture.get('roots')}; "

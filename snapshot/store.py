@@ -16,6 +16,7 @@ snapshot wins and the losers delete their chunks.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +47,17 @@ def check_key(key: str) -> str:
             f"{key!r} is not a snapshot key (hex, as printed by `bootseer env key`)"
         )
     return key
+
+
+def _sha256_check(expected: str) -> Callable[[bytes], None]:
+    """The cache tier's answer for an object the manifest names by ``expected`` (sha256)."""
+
+    def check(data: bytes) -> None:
+        got = hashlib.sha256(data).hexdigest()
+        if got != expected:
+            raise ValueError(f"sha256 {got[:16]}..., the manifest says {expected[:16]}...")
+
+    return check
 
 
 @dataclass(frozen=True)
@@ -120,14 +133,33 @@ class SnapshotStore:
             raise SnapshotError(f"{self.url}/{key}: manifest names key {manifest.key}")
         return manifest
 
-    def fetch(self, key: str, name: str, *, size: int | None = None) -> Future[bytes]:
+    def fetch(
+        self, key: str, name: str, *, size: int | None = None, sha256: str | None = None
+    ) -> Future[bytes]:
         """The object ``name`` of ``key``; with ``size`` (what the manifest declares), only
-        its first ``size`` bytes: an object the store made longer is never read whole."""
+        its first ``size`` bytes: an object the store made longer is never read whole.
+
+        With ``size`` and ``sha256`` (a chunk or the TOC: named by the committed manifest,
+        written once under its publisher's random directory, so never changed) the read may
+        come from the cluster's cache tier (striped's ``mirror`` option): the tier's answer is
+        used only if its size and sha256 are the manifest's, otherwise the store is read. The
+        store's answer comes back unchecked here: the caller checks every answer, as without
+        a tier (in its own threads, not on the I/O loop)."""
         path = self.path(key, name)
         what = f"snapshot {key} {name}"
         if size is None:
             return self.backend.read_object(path, what=what, retry=self.retry)
-        return self.backend.read_range(path, 0, size, what=what, retry=self.retry)
+        if sha256 is None:
+            return self.backend.read_range(path, 0, size, what=what, retry=self.retry)
+        return self.backend.read_range(
+            path,
+            0,
+            size,
+            what=what,
+            retry=self.retry,
+            immutable=True,
+            mirror_verify=_sha256_check(sha256),
+        )
 
     # -- writing -------------------------------------------------------------------------
     def put(self, key: str, name: str, data: bytes) -> Future[None]:

@@ -140,10 +140,14 @@ class Backend:
         stripe: int | None = None,
         cancel: CancelToken | None = None,
         immutable: bool = False,
+        mirror_verify: Validator | None = None,
     ) -> Future[bytes]:
         """Bytes ``[start, end)`` of ``path``; a short answer is retried like a dropped stream.
         ``cancel`` (every read here): stops the retries once the set of reads is abandoned.
-        ``immutable`` (with ``validate``): ``path`` never changes, so the mirror may serve it."""
+        ``immutable`` (with ``validate`` or ``mirror_verify``): ``path`` never changes, so the
+        mirror may serve it. ``mirror_verify`` checks only the mirror's answer (bytes that fail
+        it are read from the origin): for a caller that checks every answer itself, as the
+        snapshot store's callers check a chunk's sha256 in their own threads."""
         want = end - start
 
         def check(data: bytes) -> None:
@@ -152,11 +156,16 @@ class Backend:
             if validate is not None:
                 validate(data)
 
+        def check_mirror(data: bytes) -> None:
+            check(data)
+            if mirror_verify is not None:
+                mirror_verify(data)
+
         async def origin() -> bytes:
             return await self.fs._cat_file(path, start=start, end=end)
 
-        if self._mirrors(immutable, validate):
-            mirrored = self._mirror_first(path, start, end, check, origin, check, exact=True)
+        if self._mirrors(immutable, validate or mirror_verify):
+            mirrored = self._mirror_first(path, start, end, check_mirror, origin, check, exact=True)
             return self._submit(what, stripe, path, retry, None, None, mirrored, cancel)
         return self._submit(
             what,

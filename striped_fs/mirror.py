@@ -1,16 +1,19 @@
-"""A read-only mirror (an HTTP cache such as the cluster's nginx tier) for immutable stripes.
+"""A read-only mirror (an HTTP cache such as the cluster's nginx tier) for immutable objects.
 
 A stripe object (``dir/.name.stripes/<version>/<index>``) never changes once written: its
 version is a fresh random name per write, and a manifest names its stripes' checksums. So a
 cache in front of the store can serve it to every node, and the origin sends each byte once.
-A stripe read is first a plain ``GET <mirror>/<bucket>/<key>`` with a ``Range`` header (no
-query string, no signature: a request every node makes identically, which nginx caches);
-anything but verified bytes sends the read to the origin, as if no mirror were configured.
+The same holds for an environment snapshot's chunks (``snapshot.store``: a random publisher
+directory, sha256 in the snapshot's manifest). Such a read (``immutable`` with a verifier) is
+first a plain ``GET <mirror>/<bucket>/<key>`` with a ``Range`` header (no query string, no
+signature: a request every node makes identically, which nginx caches); anything but
+verified bytes sends the read to the origin, as if no mirror were configured.
 
-The mirror is as untrusted as the origin: what it returns is checked with the stripe's own
-verifier (length and crc32 from the manifest) before it is used, and bytes that fail are
-dropped and fetched from the origin. Every fallback is counted by cause and logged once per
-cause. Manifests, listings, plain files and writes never go to the mirror.
+The mirror is as untrusted as the origin: what it returns is checked with the read's own
+verifier (a stripe's length and crc32 from the manifest, a chunk's sha256) before it is
+used, and bytes that fail are dropped and fetched from the origin. Every fallback is counted
+by cause and logged once per cause. Manifests, listings, plain files and writes never go to
+the mirror.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -283,10 +284,15 @@ def test_a_damaged_cached_file_is_removed_and_the_store_used(tmp_path: Path, cap
         caplog.text,
     )
     assert f"{step / index_name(0)} does not match the manifest's checksum; removed" in caplog.text
-    assert not (step / data_name(1)).exists() and not (step / index_name(0)).exists()
+    assert not (step / data_name(1)).exists()
+    # the index, read from the store and matching the commit record, is kept for the node's
+    # other ranks in place of the damaged copy
+    with CheckpointManager(store, rank=0, world_size=2, cache_dir=False) as plain:
+        good = plain.fs.cat_file(f"{step_dir(plain.root, 5)}/{index_name(0)}")
+    assert (step / index_name(0)).read_bytes() == good
 
-    again = prefetch_latest(store, cache, [0, 1])  # the next prefetch puts them back
-    assert (again.files, again.cached_already) == (2, 5)
+    again = prefetch_latest(store, cache, [0, 1])  # the next prefetch puts the data back
+    assert (again.files, again.cached_already) == (1, 6)
 
 
 def test_a_truncated_cached_file_is_never_loaded(tmp_path: Path) -> None:
@@ -452,3 +458,177 @@ def test_an_unreachable_store_is_its_own_error_and_quick(tmp_path: Path) -> None
     assert err.value.url == url
     assert url in str(err.value) and "Could not connect" in str(err.value)
     assert not (tmp_path / "cache").exists()
+
+
+# -- a node's ranks share what they read from the store (issue 29) ---------------------------------
+
+WIDE = 4  # ranks: 0 and 1 on this node, 2 and 3 on another
+
+
+def wide_state(seed: int, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s quarter of a state with many small tensors (a large index, as a
+    model's: about 30 KB per rank)."""
+    g = torch.Generator().manual_seed(seed)
+    size = 4_000
+    quarter = size // WIDE
+    state: dict[str, Any] = {"step": seed}
+    for i in range(160):
+        flat = torch.randn(size, generator=g)
+        state[f"layer{i}"] = FlatShard(
+            flat[rank * quarter : (rank + 1) * quarter].clone(), rank * quarter, size
+        )
+    return state
+
+
+def save_wide(url: str, step: int, caches: dict[int, Path], options: dict | None = None) -> None:
+    """Every rank saves ``step`` through its node's cache (rank 0 last: it commits)."""
+    for rank in (3, 2, 1, 0):
+        with CheckpointManager(
+            url, rank=rank, world_size=WIDE, storage_options=options, cache_dir=caches[rank]
+        ) as mgr:
+            mgr.save(step, wide_state(step, rank), block=True)
+
+
+def test_a_survivor_node_s_ranks_read_the_indexes_it_lacks_once(tmp_path: Path) -> None:
+    """The first rank of the node to open the step fetches the other node's indexes and
+    leaves them in the node cache: the next rank finds them there (the store's copies are
+    gone here, so it could not have read them)."""
+    store, here, there = str(tmp_path / "store"), tmp_path / "here", tmp_path / "there"
+    save_wide(store, 5, {0: here, 1: here, 2: there, 3: there})
+    step = here / store_key(store) / "step-5"
+    assert {index_name(2), index_name(3)}.isdisjoint(os.listdir(step))
+    with CheckpointManager(store, rank=0, world_size=WIDE, cache_dir=here) as mgr:
+        assert mgr.latest() == 5
+    assert {index_name(r) for r in range(WIDE)} <= set(os.listdir(step))
+    with CheckpointManager(store, rank=1, world_size=WIDE, cache_dir=False) as plain:
+        for rank in (2, 3):
+            plain.fs.rm_file(f"{step_dir(plain.root, 5)}/{index_name(rank)}")
+    with CheckpointManager(store, rank=1, world_size=WIDE, cache_dir=here) as mgr:
+        assert mgr.latest() == 5  # every index checked, the other node's from this node
+
+
+def test_ranks_restarted_together_fetch_each_missing_index_once(
+    s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Both ranks of the node open the step at the same moment: they take turns on the
+    step's fetch lock, and the node's store bytes are one copy of the two indexes it lacks
+    (and the commit records), not two."""
+    from bootseer.testing.shaper import Shaper, ShaperSettings
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/wide"
+    here, there = tmp_path / "here", tmp_path / "there"
+    save_wide(url, 5, {0: here, 1: here, 2: there, 3: there}, {"s3": options})
+    with CheckpointManager(
+        url, rank=0, world_size=WIDE, storage_options={"s3": options}, cache_dir=False
+    ) as plain:
+        indexes = sum(plain.fs.size(f"{step_dir(plain.root, 5)}/{index_name(r)}") for r in (2, 3))
+    endpoint = options["client_kwargs"]["endpoint_url"].removeprefix("http://")
+    host, port = endpoint.rsplit(":", 1)
+    proxy = Shaper(host, int(port), ShaperSettings(), "127.0.0.1", 0).start()
+    try:
+        node = {
+            **options,
+            "client_kwargs": {
+                **options["client_kwargs"],
+                "endpoint_url": f"http://{proxy.address}",
+            },
+        }
+        start = threading.Barrier(2)
+
+        def open_step(rank: int) -> int | None:
+            with CheckpointManager(
+                url, rank=rank, world_size=WIDE, storage_options={"s3": node}, cache_dir=here
+            ) as mgr:
+                start.wait()
+                return mgr.latest()
+
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(open_step, (0, 1))) == [5, 5]
+        read = proxy.bytes_down
+    finally:
+        proxy.stop()
+    assert indexes > 40_000
+    assert indexes <= read < 1.5 * indexes, (read, indexes)  # not 2 x: once for the node
+
+
+def test_a_fetch_lock_that_cannot_be_had_costs_only_the_sharing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lock held past the stall limit (a reader stuck on the store), or one that cannot be
+    opened (a directory in its place): a warning, and the rank reads the store itself."""
+    import fcntl
+
+    from ckpt.cache import FETCH_LOCK, StepCache
+
+    store, here, there = str(tmp_path / "store"), tmp_path / "here", tmp_path / "there"
+    save_wide(store, 5, {0: here, 1: here, 2: there, 3: there})
+    step = here / store_key(store) / "step-5"
+    monkeypatch.setattr(StepCache, "STALL_S", 0.3)
+    held = os.open(step / FETCH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another reader of the node, stuck on the store
+        t = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="ckpt"):
+            with CheckpointManager(store, rank=0, world_size=WIDE, cache_dir=here) as mgr:
+                assert mgr.latest() == 5
+        assert 0.3 <= time.monotonic() - t < 10
+        assert f"held {step / FETCH_LOCK} for 0 s; reading from the store without it" in caplog.text
+    finally:
+        os.close(held)
+    for rank in (2, 3):
+        (step / index_name(rank)).unlink()
+    (step / FETCH_LOCK).unlink()
+    (step / FETCH_LOCK).mkdir()  # cannot be opened as a file
+    caplog.clear()
+    target = wide_state(0, 1)
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        with CheckpointManager(store, rank=1, world_size=WIDE, cache_dir=here) as mgr:
+            assert mgr.load(target) == 5
+    assert f"cannot lock {step / FETCH_LOCK}" in caplog.text
+    want = wide_state(5, 1)
+    assert all(torch.equal(target[k].local, want[k].local) for k in want if k != "step")
+    assert target["step"] == 5
+
+
+def test_a_load_checks_the_newest_commit_not_every_step_the_store_keeps(
+    s3_bucket: tuple[str, dict[str, Any]],
+) -> None:
+    """Every rank of every restart lists the steps and checks which are committed: newest
+    first, and only until it has one, so ten more steps kept cost the listing's lines, not
+    ten existence checks per rank (measured in bytes over moto)."""
+    from bootseer.testing.shaper import Shaper, ShaperSettings
+
+    bucket, options = s3_bucket
+    state = {"w": torch.randn(1000), "step": 0}
+    for root, steps in (("few", 2), ("many", 12)):
+        with CheckpointManager(
+            f"s3://{bucket}/{root}", storage_options={"s3": options}, cache_dir=False
+        ) as mgr:
+            for step in range(1, steps + 1):
+                mgr.save(step, state, block=True)
+    endpoint = options["client_kwargs"]["endpoint_url"].removeprefix("http://")
+    host, port = endpoint.rsplit(":", 1)
+    read = {}
+    for root, newest in (("few", 2), ("many", 12)):
+        proxy = Shaper(host, int(port), ShaperSettings(), "127.0.0.1", 0).start()
+        try:
+            node = {
+                **options,
+                "client_kwargs": {
+                    **options["client_kwargs"],
+                    "endpoint_url": f"http://{proxy.address}",
+                },
+            }
+            with CheckpointManager(
+                f"s3://{bucket}/{root}", storage_options={"s3": node}, cache_dir=False
+            ) as mgr:
+                assert mgr.latest() == newest
+                target = {"w": torch.zeros(1000), "step": None}
+                assert mgr.load(target) == newest and torch.equal(target["w"], state["w"])
+            read[root] = proxy.bytes_down
+        finally:
+            proxy.stop()
+    # 10 more steps: their listing lines (about 100 bytes each, listed twice), where
+    # checking each step (a HEAD answer is about 400 bytes) twice would cost 8 KB more
+    assert read["many"] - read["few"] < 4000, read

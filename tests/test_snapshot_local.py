@@ -163,3 +163,68 @@ def test_directory_handles_stay_within_their_limit_and_refuse_unknown_paths(tmp_
         with handles.open("d5/e"):
             pass
     handles.close()
+
+
+def test_ensure_reads_the_manifest_once_for_a_restore(
+    s3_bucket: tuple[str, dict], tmp_path: Path
+) -> None:
+    """A fresh node's ensure finds the snapshot and restores it with the manifest it read:
+    an environment's manifest names every file that embeds its prefix (each ``.pyc``:
+    hundreds of KB for torch's), and every fresh node reads it from the store, which no cache
+    tier serves."""
+    from bootseer.testing.shaper import Shaper, ShaperSettings
+    from snapshot.ensure import ensure, publish
+    from snapshot.key import EnvKey
+    from snapshot.store import SnapshotStore
+
+    bucket, options = s3_bucket
+    built = tmp_path / "built" / "venv"
+    (built / "lib").mkdir(parents=True)
+    for i in range(1500):  # files that name the prefix: one manifest entry each
+        (built / "lib" / f"mod{i:04d}.py").write_text(f"# {built}\nVALUE = {i}\n")
+    url = f"s3://{bucket}/envs"
+    key = EnvKey("cd" * 20, {})
+    publish(SnapshotStore(url, {"s3": options}), key, built)
+    manifest = SnapshotStore(url, {"s3": options}).require_manifest(key.key)
+    size = len(manifest.to_bytes())
+    assert len(manifest.prefix_refs) == 1500 and size > 60_000
+    endpoint = options["client_kwargs"]["endpoint_url"].removeprefix("http://")
+    host, port = endpoint.rsplit(":", 1)
+    proxy = Shaper(host, int(port), ShaperSettings(), "127.0.0.1", 0).start()
+    try:
+        node = {
+            **options,
+            "client_kwargs": {
+                **options["client_kwargs"],
+                "endpoint_url": f"http://{proxy.address}",
+            },
+        }
+        result = ensure(
+            prefix=tmp_path / "node" / "venv", store=url, storage_options={"s3": node}, key=key
+        )
+        read = proxy.bytes_down
+    finally:
+        proxy.stop()
+    assert result.outcome == "restored"
+    assert (tmp_path / "node" / "venv" / "lib" / "mod0007.py").read_text().endswith("VALUE = 7\n")
+    stored = sum(c.size for c in manifest.chunks) + manifest.toc["size"]
+    assert size + stored <= read < 1.5 * size + stored, (read, size, stored)
+
+
+def test_a_restore_given_another_key_s_manifest_refuses(tmp_path: Path) -> None:
+    import pytest
+
+    from snapshot import SnapshotError
+    from snapshot.ensure import publish
+    from snapshot.key import EnvKey
+    from snapshot.restore import restore
+    from snapshot.store import SnapshotStore
+
+    built = tmp_path / "built"
+    built.mkdir()
+    (built / "f").write_text("x")
+    store = SnapshotStore(str(tmp_path / "store"))
+    publish(store, EnvKey("ab" * 20, {}), built)
+    other = store.require_manifest("ab" * 20)
+    with pytest.raises(SnapshotError, match=f"the manifest given is {'ab' * 20}'s"):
+        restore(store, "ef" * 20, tmp_path / "node", manifest=other)

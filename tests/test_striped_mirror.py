@@ -6,12 +6,14 @@ bytes. A mirror URL that is not a plain http(s) base is refused naming ``striped
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
 import re
 import socket
 import subprocess
+import tarfile
 import threading
 import time
 from collections.abc import Iterator
@@ -248,6 +250,123 @@ def test_a_checkpoint_load_reads_its_stripes_through_the_mirror(
         )
     assert stats["fallbacks"] == {} and stats["bytes"] >= 5 << 20
     assert share > 0.8
+
+
+def _publish_env(tmp_path: Path, url: str, opts: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
+    """An environment snapshot (incompressible files, several 256 KiB chunks) published
+    straight to the origin: its key and the files."""
+    from snapshot.ensure import publish_tree
+    from snapshot.key import compute_key
+    from snapshot.store import SnapshotStore
+
+    files = {f"lib/m{i}.so": os.urandom(300_000 + i) for i in range(4)}
+    src = tmp_path / "built"
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    key = compute_key([], ["true", "mirror-test"])
+    publish_tree(SnapshotStore(url, {"s3": opts}), key, src, kind="prefix", chunk_size=256 << 10)
+    return key.key, files
+
+
+def _env_options(opts: dict[str, Any], mirror: str) -> dict[str, Any]:
+    """The job's storage options, as ``bootseer run`` makes them from its configuration
+    (``storage.options`` and ``striped.mirror`` from the environment)."""
+    env = {"BOOTSEER_STORAGE_OPTIONS": json.dumps({"s3": opts}), "BOOTSEER_STRIPED_MIRROR": mirror}
+    return storage_options(load_config(env=env))
+
+
+def _same_files(prefix: Path, files: dict[str, bytes]) -> bool:
+    return all((prefix / rel).read_bytes() == data for rel, data in files.items())
+
+
+def test_an_environment_restore_reads_its_chunks_through_the_cache_once(
+    s3_bucket: tuple[str, dict[str, Any]],
+    s3_server: Any,
+    cache: str,
+    origin: Shaper,
+    tmp_path: Path,
+) -> None:
+    """The snapshot's chunks and TOC (named by the manifest's sha256, written once under a
+    random publisher directory) come from the tier, each byte from the origin once: a second
+    node's restore leaves the origin alone. The manifest goes to the store."""
+    from snapshot import restore
+    from snapshot.store import SnapshotStore
+
+    bucket, opts = s3_bucket
+    anonymous_read(s3_server, bucket)
+    url = f"s3://{bucket}/envs"
+    key, files = _publish_env(tmp_path, url, opts)
+    store = SnapshotStore(url, _env_options(opts, cache))
+    manifest = store.require_manifest(key)
+    stored = sum(c.size for c in manifest.chunks) + manifest.toc["size"]
+    assert len(manifest.chunks) >= 4
+    restore(store, key, tmp_path / "node-a")
+    assert _same_files(tmp_path / "node-a", files)
+    assert store.backend.mirror.stats() == {
+        "reads": len(manifest.chunks) + 1,
+        "bytes": stored,
+        "origin_bytes": 0,
+        "fallbacks": {},
+    }
+    fetched = origin.bytes_down
+    assert stored <= fetched < stored * 1.1  # one copy (and the slices' headers)
+    restore(SnapshotStore(url, _env_options(opts, cache)), key, tmp_path / "node-b")
+    assert _same_files(tmp_path / "node-b", files)
+    assert origin.bytes_down == fetched  # the second node's chunks all came from the cache
+
+
+@pytest.mark.parametrize("mode", ["corrupt", "404"])
+def test_environment_chunks_the_cache_alters_are_refused_and_read_from_the_origin(
+    s3_bucket: tuple[str, dict[str, Any]],
+    s3_server: Any,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
+) -> None:
+    """The tier is untrusted: a chunk whose sha256 is not the manifest's (or a miss) is
+    read from the store, by a restore and by the lazy mount's fetcher, and the environment
+    is the published one."""
+    import s3fs
+
+    from snapshot import restore
+    from snapshot.lazycache import ChunkCache
+    from snapshot.lazyfetch import ChunkFetcher
+    from snapshot.store import SnapshotStore
+
+    bucket, opts = s3_bucket
+    anonymous_read(s3_server, bucket)
+    url = f"s3://{bucket}/envs"
+    key, files = _publish_env(tmp_path, url, opts)
+    target = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
+    objects = {f"/{p}": target.cat_file(p) for p in target.find(f"{bucket}/envs/{key}")}
+    mirror = CraftedMirror(objects, mode)
+    caplog.set_level(logging.WARNING, "striped_fs")
+    try:
+        store = SnapshotStore(url, _env_options(opts, mirror.url))
+        manifest = store.require_manifest(key)
+        restore(store, key, tmp_path / "restored")
+        assert _same_files(tmp_path / "restored", files)
+        fetcher = ChunkFetcher(store, manifest, ChunkCache(tmp_path / "lazy-cache"))
+        try:
+            got = b"".join(bytes(fetcher.chunk(i)) for i in range(len(manifest.chunks)))
+        finally:
+            fetcher.close()
+        assert fetcher.stats.corrupt == 0 and fetcher.stats.failures == 0
+        with tarfile.open(fileobj=io.BytesIO(got)) as tar:  # the chunks: the tar stream
+            served = {m.name.lstrip("./"): tar.extractfile(m).read() for m in tar if m.isfile()}
+        assert served == files
+    finally:
+        mirror.close()
+    reads = 2 * len(manifest.chunks) + 1  # restore: chunks and TOC; the fetcher: chunks
+    stats = store.backend.mirror.stats()
+    cause = "failed verification" if mode == "corrupt" else "status 404"
+    assert mirror.requests == reads
+    assert stats["reads"] == 0 and stats["fallbacks"] == {cause: reads}
+    logged = _mirror_logs(caplog, cause)
+    assert len(logged) == 1, logged
+    if mode == "corrupt":
+        assert "sha256" in logged[0] and "the manifest says" in logged[0]
 
 
 # -- a mirror that fails -----------------------------------------------------------------------------

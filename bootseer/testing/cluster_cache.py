@@ -8,10 +8,11 @@ request as aligned 1 MiB slices, each fetched from the origin once whatever rang
 ``proxy_cache_lock`` makes concurrent misses of one slice a single origin request, so N nodes
 starting at once cost the origin one copy. It is a Debian package every cluster already runs.
 What it caches: the registry's blobs by digest (content-addressed: a stale copy cannot exist)
-and S3 GETs without a query string (bootseer sends only its immutable stripes there:
-``striped``'s ``mirror`` option); everything else (manifests by tag, listings, writes, HEADs)
+and S3 GETs without a query string (bootseer sends only immutable objects there, striped
+stripes and environment snapshot chunks: ``striped``'s ``mirror`` option); everything else (manifests by tag, listings, writes, HEADs)
 passes through uncached. A 404 is never cached. Nothing read through the cache is trusted: the
-frames' sha256, the stripes' checksums are checked on every node as for the origin.
+frames' sha256, the stripes' checksums, the chunks' sha256 are checked on every node as for
+the origin.
 
 Layout: the cache host listens on its address at the services' ports (5000 registry, 9000 S3)
 and reaches the origin through counting proxies of its own (``origin_bytes``): the bytes that
