@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from striped_fs.privdir import PrivateDir
+from striped_fs import PrivateDir
 
 from .command import (  # noqa: F401 (FORWARD_SIGNALS, HANDLED: importable from here as before)
     FORWARD_SIGNALS,
@@ -378,7 +378,7 @@ class Supervisor:
         """After a NaN verdict, every later attempt passes over the checkpoints the failed
         attempt saved from the NaN's step on (they hold the NaN: resuming from one NaNs again);
         said once, and handed down as ``BOOTSEER_CKPT_SKIP`` (ckpt/skip.py)."""
-        from ckpt.skip import SkipRule
+        from ckpt import SkipRule
 
         from .robust.policy import nonfinite_step
 
@@ -544,7 +544,7 @@ class Supervisor:
         if self.dump_dir is not None:
             env["BOOTSEER_TRACE_DIR"] = str(self.dump_dir)
         if self._skip_rules:
-            from ckpt.skip import SKIP_ENV, to_env
+            from ckpt import SKIP_ENV, to_env
 
             env[SKIP_ENV] = to_env(self._skip_rules)
         return env
