@@ -108,18 +108,8 @@ class Hangs:
             )
             return None
         code = self.procs.kill(pid)
-        self.record(
-            "hang",
-            hang_start,
-            attempt=attempt,
-            outcome="killed",
-            timeout_s=self.timeout_s,
-            silent_s=round(silent, 3),
-            last_step=watch.last_step,
-            pid=pid,
-            stacks=sorted(p.name for p in grown),
-            detected_at=detected,
-            dumped_at=dumped,
+        self._record_hang(
+            "killed", attempt, pid, watch, silent, hang_start, detected, dumped, grown
         )
         if grown:
             self.log(f"stacks: {', '.join(str(p) for p in sorted(grown))}")
@@ -133,6 +123,35 @@ class Hangs:
             )
             detail["verdict"] = self.agent.judge(event)
         return AttemptEnd(attempt, code, "hang", pid, detail)
+
+    def _record_hang(
+        self,
+        outcome: str,
+        attempt: int,
+        pid: int,
+        watch: Progress,
+        silent: float,
+        hang_start: float,
+        detected: float,
+        dumped: float,
+        grown: set[Path],
+        **extra: Any,
+    ) -> None:
+        """The hang's trace record, the same fields whichever way it ended."""
+        self.record(
+            "hang",
+            hang_start,
+            attempt=attempt,
+            outcome=outcome,
+            timeout_s=self.timeout_s,
+            silent_s=round(silent, 3),
+            last_step=watch.last_step,
+            pid=pid,
+            stacks=sorted(p.name for p in grown),
+            detected_at=detected,
+            dumped_at=dumped,
+            **extra,
+        )
 
     def _ranks_killed(
         self,
@@ -150,18 +169,16 @@ class Hangs:
         """The hung ranks' processes get SIGKILL, the launcher lives: the hang becomes the
         attempt's incident, ended by the launcher's restart of its ranks or by its exit."""
         self.procs.kill_processes(pid, ranks)
-        self.record(
-            "hang",
+        self._record_hang(
+            "ranks_killed",
+            attempt,
+            pid,
+            watch,
+            silent,
             hang_start,
-            attempt=attempt,
-            outcome="ranks_killed",
-            timeout_s=self.timeout_s,
-            silent_s=round(silent, 3),
-            last_step=watch.last_step,
-            pid=pid,
-            stacks=sorted(p.name for p in grown),
-            detected_at=detected,
-            dumped_at=dumped,
+            detected,
+            dumped,
+            grown,
             ranks=sorted(set(ranks.values())),
             generation=watch.generation,
         )
