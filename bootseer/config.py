@@ -776,7 +776,7 @@ def _check_table(spec: KeySpec, value: Any, where: str) -> dict[str, Any]:
 
 
 def _check_size(spec: KeySpec, value: Any, where: str) -> int:
-    from striped_fs.config import OptionError, parse_size
+    from striped_fs import OptionError, parse_size
 
     try:
         size = parse_size(value, name=spec.key)
@@ -1028,8 +1028,7 @@ def storage_options(cfg: Config) -> dict[str, Any]:
     """``storage.options`` with ``striped.mirror`` merged in as ``{"striped": {"mirror":
     ...}}``: what every command hands striped_fs. The URL is checked here, so a bad one is
     refused at start naming the key; given both ways with different values, refused too."""
-    from striped_fs.config import OptionError
-    from striped_fs.mirror import check_mirror_url
+    from striped_fs import OptionError, check_mirror_url
 
     options = cfg.get("storage.options")
     mirror = cfg.get("striped.mirror")

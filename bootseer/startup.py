@@ -283,8 +283,7 @@ def checkpoint_phase(
         return result
     if not plan.ckpt_cache_dir:
         raise StartupError("checkpoint_prefetch: ckpt.url is set but ckpt.cache_dir is not")
-    from ckpt import held_step, prefetch_latest
-    from ckpt.errors import CheckpointStoreUnavailable
+    from ckpt import CheckpointStoreUnavailable, held_step, prefetch_latest
 
     result.detail.update(url=plan.ckpt_url, ranks=list(plan.ranks))
     started = time.time()
@@ -381,7 +380,7 @@ def _check_beside(checks: DeferredChecks, prefix: str, key: str, store: str = ""
     """Every file of the environment checked while the command runs; a mismatch marks the
     environment damaged (the next start restores it) and the supervisor stops the job."""
     from snapshot import mark_damaged, verify
-    from striped_fs.redact import redact
+    from striped_fs import redact
 
     def damaged(failure: DeferredFailure) -> None:
         mark_damaged(prefix, failure.describe())

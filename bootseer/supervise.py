@@ -45,15 +45,15 @@ What it does, and why:
 
 No configuration lives here: :mod:`bootseer.cli.run` turns the configuration into the policies
 and the hook.
+
+Here are the restart and watch loops; the pieces they call are :mod:`bootseer.command` and, in
+``bootseer/robust/``, ``progress``, ``dumps``, ``incident``, ``hangs`` and ``dialogue``, typed
+by ``seams`` (docs/architecture.md). Import the names from here, as before.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import glob
-import json
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -62,27 +62,41 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from striped_fs.privdir import PrivateDir, open_append
+from striped_fs import PrivateDir
 
+from .command import (  # noqa: F401 (FORWARD_SIGNALS, HANDLED: importable from here as before)
+    FORWARD_SIGNALS,
+    HANDLED,
+    STOP_SIGNALS,
+    Processes,
+)
+from .command import Signals as _Signals
 from .prestart import Standby, python_command
-from .process import (
-    alive,
+from .process import (  # noqa: F401 (group_pids: importable from here as before)
     become_subreaper,
     exit_code,
     group_pids,
     signal_name,
-    since_boot,
-    started_at,
 )
 from .robust.detect import Beat
+from .robust.dialogue import ControllerDialogue
+from .robust.dumps import NATIVE_GRACE_S, StackDumps  # noqa: F401 (NATIVE_GRACE_S: as before)
+from .robust.hangs import Hangs
+from .robust.incident import Incident
+from .robust.progress import Progress
 from .robust.ranks import RankWatch
+from .robust.seams import AgentSeam, AttemptEnd, RemoteSeam, VersionsSeam
 from .tee import OutputTail
 from .trace import Span, TraceWriter
 from .variables import INCIDENT_HANDOFF, VERSION_HANDOFF
+
+if TYPE_CHECKING:
+    from .robust.events import Event
+    from .robust.update import Version
 
 __all__ = [
     "AttemptEnd",
@@ -94,11 +108,6 @@ __all__ = [
     "exit_code",
 ]
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-FORWARD_SIGNALS = (signal.SIGUSR2, signal.SIGWINCH)
-HANDLED = (*STOP_SIGNALS, *FORWARD_SIGNALS, signal.SIGUSR1, signal.SIGCHLD)
-#: seconds the command's kill waits, after the verdict, for native dumps still being taken
-NATIVE_GRACE_S = 1.0
 # a parked spare's longest wait for the job's nodes to form the new round after a verdict
 SPARE_REJOIN_WAIT_S = 60.0
 EXIT_NOT_FOUND = 127
@@ -128,34 +137,6 @@ class HangPolicy:
     startup_s: float = 600.0  # allowance before the first ready/heartbeat, if longer
 
 
-@dataclass
-class AttemptEnd:
-    """How an attempt ended: ``reason`` is exited, signaled, hang, nonfinite (a NaN/Inf
-    heartbeat), stopped (a stop signal came), update (stopped for a version update),
-    crashed (killed: it still ran long after one of its ranks died), check-failed (a check
-    beside the command failed: the environment's files) or not-started (the command could
-    not be executed)."""
-
-    attempt: int
-    code: int
-    reason: str
-    pid: int | None = None
-    detail: dict[str, Any] = field(default_factory=dict)
-
-    def describe(self) -> str:
-        if self.reason == "hang":
-            return "a hang"
-        if self.reason == "nonfinite":
-            return "a NaN/Inf"
-        if self.reason == "update":
-            return "a restart for a version update"
-        if self.reason == "crashed":
-            return "a rank's crash (the command killed after it)"
-        if self.code > 128 and self.reason in ("signaled", "stopped"):
-            return f"signal {signal_name(self.code - 128)}"
-        return f"exit code {self.code}"
-
-
 class StopRequested(Exception):
     """A stop signal arrived while no command ran (startup phases, backoff)."""
 
@@ -166,53 +147,6 @@ class StopRequested(Exception):
 
 def _stderr(line: str) -> None:
     print(f"bootseer: {line}", file=sys.stderr, flush=True)
-
-
-class _Signals:
-    """Signals as bytes on a pipe (``signal.set_wakeup_fd``): the main loop waits on it with
-    ``select`` and handles them in order, never inside a handler."""
-
-    def __init__(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("the supervisor must run in the main thread (it owns signals)")
-        self.rfd, self.wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._old_fd = signal.set_wakeup_fd(self.wfd, warn_on_full_buffer=False)
-        self._old = {s: signal.signal(s, self._noop) for s in HANDLED}
-
-    @staticmethod
-    def _noop(signum: int, frame: Any) -> None:
-        """The byte on the pipe is the event; the handler only keeps the default away."""
-
-    def wake(self) -> None:
-        """Ends a wait early (a byte 0, which is no signal)."""
-        try:
-            os.write(self.wfd, b"\0")
-        except OSError:
-            pass
-
-    def wait(self, timeout: float, wake: Sequence[int] = ()) -> list[int]:
-        """Signals that arrived, waiting up to ``timeout`` seconds for the first, or for one
-        of the ``wake`` descriptors to become readable (a rank's pidfd: it exited)."""
-        try:
-            ready, _, _ = select.select([self.rfd, *wake], [], [], max(timeout, 0.0))
-        except InterruptedError:  # pragma: no cover - PEP 475 retries
-            ready = [self.rfd]
-        if not ready:
-            return []
-        if self.rfd not in ready:
-            return []
-        try:
-            data = os.read(self.rfd, 512)
-        except BlockingIOError:
-            return []
-        return [sig for sig in data if sig]
-
-    def close(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old if old is not None else signal.SIG_DFL)
-        signal.set_wakeup_fd(self._old_fd)
-        os.close(self.rfd)
-        os.close(self.wfd)
 
 
 class Supervisor:
@@ -234,16 +168,16 @@ class Supervisor:
         hang: HangPolicy = HangPolicy(),
         trace: TraceWriter | None = None,
         node: str | None = None,
-        dump_dir: str | os.PathLike | None = None,
-        control_dir: str | os.PathLike | None = None,
-        ready_file: str | os.PathLike | None = None,
+        dump_dir: str | os.PathLike[str] | None = None,
+        control_dir: str | os.PathLike[str] | None = None,
+        ready_file: str | os.PathLike[str] | None = None,
         before_attempt: Callable[[int], Mapping[str, str] | None] | None = None,
         kill_grace_s: float = 5.0,
-        agent: Any = None,
+        agent: AgentSeam | None = None,
         tail_lines: int = 200,
-        remote: Any = None,
+        remote: RemoteSeam | None = None,
         remote_wait_s: float = 30.0,
-        versions: Any = None,
+        versions: VersionsSeam | None = None,
         crash_grace_s: float = 15.0,
         preload: Sequence[str] = (),
         standby: bool = False,
@@ -274,16 +208,42 @@ class Supervisor:
         self.crash_grace_s = crash_grace_s  # a rank died: the launcher's time to end
         self.attempts: list[AttemptEnd] = []
         self._ranks: RankWatch | None = None  # the ranks' own processes (with the agent)
-        self._early: Any = None  # this attempt's crash event, seen at a rank's death
-        self._early_at = 0.0  # monotonic, of the first death of the incident
-        self._early_wall = 0.0  # the same, wall clock
-        self._early_boot = 0.0  # the same, seconds since boot (processes' start times)
-        self._lingering: dict[int, tuple[int, float]] = {}  # pid -> (rank, since): raised,
-        # still alive
         self._signals: _Signals | None = None
-        self._stopping: int | None = None
-        self._child: subprocess.Popen[bytes] | None = None
-        self._status: int | None = None
+        # the pieces (docs/architecture.md): the command's processes, its stack dumps, the
+        # attempt's incident while the launcher runs on, the controller dialogue, the hangs
+        self._procs = Processes(kill_grace_s, log)
+        self._dumps = StackDumps(self.node, self.dump_dir, hang.dump_wait_s, self._procs, log)
+        self._incident = Incident(
+            self.agent, self.remote, self._procs, self.tail, crash_grace_s, self._record, log
+        )
+        self._dialogue = (
+            ControllerDialogue(
+                self.remote,
+                agent,
+                node=self.node,
+                wait_s=remote_wait_s,
+                hang_timeout_s=hang.timeout_s,
+                procs=self._procs,
+                dumps=self._dumps,
+                incident=self._incident,
+                record=self._record,
+                log=log,
+            )
+            if self.remote is not None and agent is not None
+            else None
+        )
+        self._hangs = Hangs(
+            node=self.node,
+            timeout_s=hang.timeout_s,
+            dump_dir=self.dump_dir,
+            agent=self.agent,
+            dialogue=self._dialogue,
+            procs=self._procs,
+            dumps=self._dumps,
+            incident=self._incident,
+            record=self._record,
+            log=log,
+        )
         self._skip_rules: list[Any] = []  # ckpt.skip.SkipRule per NaN verdict, for restarts
         self._by_controller = ""  # the class of the controller's verdict on the last attempt
         # --preload: the next attempt's interpreter, started ahead with these modules imported
@@ -299,14 +259,14 @@ class Supervisor:
         # a warm spare node (docs/robust.md, "Warm standby"): its launcher may wait parked at
         # the rendezvous for hours without a rank, which is neither a hang nor a failure
         self.spare = standby
-        self._watching: _Progress | None = None  # the running attempt's ranks' signals
+        self._watching: Progress | None = None  # the running attempt's ranks' signals
         # the warm start's checks beside the command: the first failure
         # (bootseer.deferred.DeferredFailure), or None
         self.checks = checks
 
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> int:
-        self._signals = _Signals()
+        self._signals = self._procs.signals = _Signals()
         become_subreaper()
         # the ranks' status and ready files: a fresh directory (0700, a name nobody can
         # guess), or a named one made 0700 or checked (this user's, 0700, not a link)
@@ -336,7 +296,7 @@ class Supervisor:
             if self.remote is not None and self.preload:
                 self.remote.close()
             self._signals.close()
-            self._signals = None
+            self._signals = self._procs.signals = None
             if self._own_control:
                 shutil.rmtree(self.control_dir, ignore_errors=True)
 
@@ -357,7 +317,7 @@ class Supervisor:
             self.attempts.append(end)
             if (
                 end.reason in ("not-started", "check-failed")
-                or self._stopping is not None
+                or self._procs.stopping is not None
                 or end.code == 0
             ):
                 return end.code
@@ -378,7 +338,8 @@ class Supervisor:
 
     def _judge(self, end: AttemptEnd) -> str:
         """The agent's local action after a failed attempt: stop or restart."""
-        if self.agent is None:
+        agent = self.agent
+        if agent is None:
             return "restart"
         verdict = end.detail.get("verdict")
         self._by_controller = ""
@@ -393,17 +354,20 @@ class Supervisor:
         if end.detail.get("remote"):
             return self.remote.local_action(self._skip_after(self._from_controller(verdict)))
         lines = self.tail.lines() if self.tail else []
-        if verdict is None and self._early is not None:  # seen at the rank's death
-            return self._judge_early(end, lines)
-        if verdict is None and self.remote is not None:  # the controller decides, if it can
-            event = self.agent.crash_event(end.code, lines)
-            verdict = self._remote_verdict(event, end.attempt)
+        if verdict is None and (early := self._incident.event) is not None:  # at its death
+            return self._judge_early(agent, early, end, lines)
+        dialogue = self._dialogue
+        if verdict is None and dialogue is not None:  # the controller decides, if it can
+            event = agent.crash_event(end.code, lines)
+            verdict = dialogue.verdict(event, end.attempt)
             if verdict is not None:
-                return self.remote.local_action(self._skip_after(self._from_controller(verdict)))
-            return self.agent.local_action(self._skip_after(self.agent.judge(event)))
+                return dialogue.remote.local_action(
+                    self._skip_after(self._from_controller(verdict))
+                )
+            return agent.local_action(self._skip_after(agent.judge(event)))
         if verdict is None:  # a crash: classified from its exit and last lines
-            verdict = self.agent.judge_crash(end.code, lines)
-        return self.agent.local_action(self._skip_after(verdict))
+            verdict = agent.judge_crash(end.code, lines)
+        return agent.local_action(self._skip_after(verdict))
 
     def _from_controller(self, verdict: Any) -> Any:
         """Notes that the controller decided (its class: the backoff depends on it)."""
@@ -414,7 +378,7 @@ class Supervisor:
         """After a NaN verdict, every later attempt passes over the checkpoints the failed
         attempt saved from the NaN's step on (they hold the NaN: resuming from one NaNs again);
         said once, and handed down as ``BOOTSEER_CKPT_SKIP`` (ckpt/skip.py)."""
-        from ckpt.skip import SkipRule
+        from ckpt import SkipRule
 
         from .robust.policy import nonfinite_step
 
@@ -433,17 +397,20 @@ class Supervisor:
             )
         return verdict
 
-    def _judge_early(self, end: AttemptEnd, lines: list[str]) -> str:
-        """A crash published when its rank died: the launcher's account refines its class
-        (same detection time), and the verdict is the controller's or the node's."""
-        self._take_refined(self.agent.refine(self._early, end.code, lines))
-        if self.remote is not None:
-            verdict = self._remote_verdict(self._early, end.attempt, published=True)
+    def _judge_early(
+        self, agent: AgentSeam, early: Event, end: AttemptEnd, lines: list[str]
+    ) -> str:
+        """A crash published when its rank died (``early``): the launcher's account refines
+        its class (same detection time), and the verdict is the controller's or the node's."""
+        self._incident.take_refined(agent.refine(early, end.code, lines))
+        early = self._incident.event or early
+        if (dialogue := self._dialogue) is not None:
+            verdict = dialogue.verdict(early, end.attempt, published=True)
             if verdict is not None:
-                return self.remote.local_action(self._skip_after(self._from_controller(verdict)))
-        return self.agent.local_action(
-            self._skip_after(self.agent.judge(self._early, written=True))
-        )
+                return dialogue.remote.local_action(
+                    self._skip_after(self._from_controller(verdict))
+                )
+        return agent.local_action(self._skip_after(agent.judge(early, written=True)))
 
     def _startup(self, attempt: int) -> Mapping[str, str]:
         """The hook in a thread, while the main thread keeps answering signals."""
@@ -508,7 +475,7 @@ class Supervisor:
         deadline = time.monotonic() + delay
         while (left := deadline - time.monotonic()) > 0:
             self._stop_check(self._signals.wait(left))
-        self._reap()
+        self._procs.reap()
         reason = previous.reason if previous.reason in ("hang", "nonfinite", "update") else "crash"
         if previous.reason == "verdict":  # stopped on the controller's order (a slow node, a
             reason = "controller"  # jump, a hang elsewhere), not a crash of its own
@@ -577,7 +544,7 @@ class Supervisor:
         if self.dump_dir is not None:
             env["BOOTSEER_TRACE_DIR"] = str(self.dump_dir)
         if self._skip_rules:
-            from ckpt.skip import SKIP_ENV, to_env
+            from ckpt import SKIP_ENV, to_env
 
             env[SKIP_ENV] = to_env(self._skip_rules)
         return env
@@ -596,10 +563,10 @@ class Supervisor:
         except OSError:
             pass
 
-    def _version(self, attempt: int) -> Any:
+    def _version(self, attempt: int) -> Version | None:
         """The version of this attempt's epoch (None without ``versions``), said in a line
         and written to the trace as an ``update`` event."""
-        if self.versions is None:
+        if self.versions is None or self.remote is None:  # versions come with a remote
             return None
         from .robust.events import Event
         from .robust.update import describe
@@ -640,7 +607,9 @@ class Supervisor:
         spawn_start = time.time()
         pipes = self._output_pipes()
         try:
-            self._child = self._spawn(env, version.workdir if version else None, pipes)
+            child = self._procs.child = self._spawn(
+                env, version.workdir if version else None, pipes
+            )
         except OSError as exc:  # nothing ran: retrying would fail the same way
             for r, w in pipes:
                 os.close(r)
@@ -658,19 +627,18 @@ class Supervisor:
                 error=why,
             )
             return AttemptEnd(attempt, code, "not-started")
-        pid = self._child.pid
+        pid = child.pid
         for (r, w), target in zip(pipes, (1, 2), strict=False):
             os.close(w)
             self.tail.attach(r, target)
         if self.agent is not None:
             self.agent.start_attempt(attempt)
             self._ranks = RankWatch(self.control_dir, root=pid, skip_pids={pid})
-        self._early = None
-        self._lingering.clear()
-        self._status = None
+        self._incident.reset()
+        self._procs.status = None
         # epoch: the controller's newest incident, the same on every node of this attempt
         # (a replacement node's attempt 0 joins the survivors' attempt 5): ETTR's job attempt
-        epoch = {"epoch": self.remote.answered} if self.remote is not None else {}
+        epoch: dict[str, Any] = {"epoch": self.remote.answered} if self.remote is not None else {}
         self._record(
             "command_start", spawn_start, attempt=attempt, command=self.command[0], pid=pid, **epoch
         )
@@ -681,10 +649,10 @@ class Supervisor:
             if self._ranks is not None:
                 self._ranks.close()
                 self._ranks = None
-            self._cleanup_group(pid)
-            self._child.returncode = self._status if self._status is not None else -1
-            self._child = None
-            self._remove_empty_dumps()
+            self._procs.cleanup_group(pid)
+            child.returncode = self._procs.status if self._procs.status is not None else -1
+            self._procs.child = None
+            self._dumps.remove_empty()
             if self.tail is not None:  # its last lines, before the crash is classified
                 self.tail.drain(2.0)
 
@@ -741,21 +709,23 @@ class Supervisor:
 
     def _watch(self, attempt: int, started: float) -> AttemptEnd:
         """Wait for the command, forwarding signals and watching for a hang."""
-        assert self._child is not None
-        pid = self._child.pid
-        watch = self._watching = _Progress(self.control_dir, self.ready_file)
+        assert self._procs.child is not None
+        pid = self._procs.child.pid
+        watch = self._watching = Progress(self.control_dir, self.ready_file)
         watch.began_wall = started
         first_ready = True
         timeout = self.hang.timeout_s
         poll = 0.25 if timeout <= 0 else min(0.25, timeout / 4)
         while True:
-            wake = self._ranks.fds() if self._ranks and self._stopping is None else ()
+            wake = self._ranks.fds() if self._ranks and self._procs.stopping is None else ()
             for sig in self._signals.wait(poll, wake):
                 if self._on_signal(sig, pid):
-                    return self._killed_now(attempt, pid)
-            exited = self._reap()
+                    return AttemptEnd(attempt, self._procs.kill(pid), "stopped", pid)
+            exited = self._procs.reap()
             for rank, when in watch.scan():  # before an exit: a ready just before it counts
-                launch = {"generation": watch.generation} if watch.generation else {}
+                launch: dict[str, Any] = (
+                    {"generation": watch.generation} if watch.generation else {}
+                )
                 self._record(
                     "first_step",
                     watch.began_wall,
@@ -772,12 +742,12 @@ class Supervisor:
                         f"start of attempt {attempt}"
                     )
                     self._prestart()
-            if exited:
-                code = exit_code(self._status)
+            if exited and (status := self._procs.status) is not None:
+                code = exit_code(status)
                 reason = (
                     "stopped"
-                    if self._stopping is not None
-                    else ("signaled" if os.WIFSIGNALED(self._status) else "exited")
+                    if self._procs.stopping is not None
+                    else ("signaled" if os.WIFSIGNALED(status) else "exited")
                 )
                 self.log(
                     f"command exited with {AttemptEnd(attempt, code, reason).describe()} "
@@ -786,24 +756,23 @@ class Supervisor:
                 return AttemptEnd(attempt, code, reason, pid, {"exited_at": time.time()})
             if (
                 self.checks is not None
-                and self._stopping is None
+                and self._procs.stopping is None
                 and (failed := self.checks()) is not None
             ):
                 return self._check_failed(attempt, pid, failed)
-            if self._ranks is not None and self._stopping is None:
-                self._rank_ends(attempt, pid, watch)
-            if self.agent is not None and (end := self._agent_watch(attempt, pid, watch, started)):
+            if self._ranks is not None and self._procs.stopping is None:
+                self._incident.rank_ends(self._ranks, attempt, pid, watch)
+            if self.agent is not None and (
+                end := self._agent_watch(self.agent, attempt, pid, watch)
+            ):
                 return end
-            if self.remote is not None and self._stopping is None:
-                self.remote.beat(attempt, watch.ranks)
-                if (order := self.remote.dump_order()) and (
-                    end := self._on_order(attempt, pid, watch, order, started)
-                ):
+            if self._dialogue is not None and self._procs.stopping is None:
+                if end := self._dialogue.poll(attempt, pid, watch):
                     return end
             if (
                 timeout > 0
-                and self._stopping is None
-                and (end := self._silence(attempt, pid, watch, started))
+                and self._procs.stopping is None
+                and (end := self._silence(attempt, pid, watch))
             ):
                 return end
 
@@ -815,8 +784,7 @@ class Supervisor:
             "file that differs)"
         )
         self.log(f"error: {failed.describe()}: stopping the job; {fix}")
-        self._signal_group(pid, signal.SIGKILL)
-        self._wait_child(5.0)
+        self._procs.kill(pid)
         self._record(
             "check_failed",
             time.time(),
@@ -830,30 +798,30 @@ class Supervisor:
             attempt, EXIT_CHECK_FAILED, "check-failed", pid, {"exited_at": time.time()}
         )
 
-    def _silence(
-        self, attempt: int, pid: int, watch: _Progress, started: float
-    ) -> AttemptEnd | None:
+    def _silence(self, attempt: int, pid: int, watch: Progress) -> AttemptEnd | None:
         """A hang of the control directory's silence: ``timeout_s`` once the ranks reported,
         the start allowance before; after a rank's death the launcher has the start
         allowance, from the death, to restart its ranks or to exit."""
         allowance = max(self.hang.timeout_s, self.hang.startup_s)
-        if self._early is not None:
-            silent = time.monotonic() - self._early_at
+        if (early := self._incident.event) is not None:
+            silent = time.monotonic() - self._incident.at
             if silent < allowance:
                 return None
             self.log(
                 f"the launcher neither restarted its ranks nor exited {silent:.0f}s after "
-                f"rank {self._early.rank} died (the start allowance): a hang"
+                f"rank {early.rank} died (the start allowance): a hang"
             )
-            self._early = None  # the launcher's hang is the incident now
-            return self._hang(attempt, pid, watch, silent, started, launcher=True)
+            self._incident.event = None  # the launcher's hang is the incident now
+            return self._hangs.handle(attempt, pid, watch, silent, self._ranks, launcher=True)
         if watch.all_finishing() or (self.spare and watch.last_change is None):  # parked
             return None
         if watch.last_change is None:
             silent, limit = time.monotonic() - watch.began, allowance
         else:
             silent, limit = time.monotonic() - watch.last_change, self.hang.timeout_s
-        return self._hang(attempt, pid, watch, silent, started) if silent >= limit else None
+        if silent < limit:
+            return None
+        return self._hangs.handle(attempt, pid, watch, silent, self._ranks)
 
     def _on_signal(self, sig: int, pid: int) -> bool:
         """Handle one signal; True when the command must be killed now (a second stop)."""
@@ -861,29 +829,23 @@ class Supervisor:
             return False
         name = signal.Signals(sig).name
         if sig in STOP_SIGNALS:
-            if self._stopping is not None:
+            if self._procs.stopping is not None:
                 self.log(f"{name} again: killing the command")
                 return True
-            self._stopping = sig
+            self._procs.stopping = sig
             self.log(f"{name}: forwarded to the command (send it again to kill it)")
-            self._signal_group(pid, sig)
+            self._procs.signal_group(pid, sig)
         elif sig == signal.SIGUSR1:
-            files = self._request_dumps(pid, everyone=False)
+            files = self._dumps.request(pid, everyone=False)
             self.log(
                 f"SIGUSR1: stack dump requested from {len(files)} process(es) into {self.dump_dir}"
             )
         else:
-            self._signal_group(pid, sig)
+            self._procs.signal_group(pid, sig)
         return False
 
-    def _killed_now(self, attempt: int, pid: int) -> AttemptEnd:
-        self._signal_group(pid, signal.SIGKILL)
-        self._wait_child(5.0)
-        code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
-        return AttemptEnd(attempt, code, "stopped", pid)
-
     def _agent_watch(
-        self, attempt: int, pid: int, watch: _Progress, started: float
+        self, agent: AgentSeam, attempt: int, pid: int, watch: Progress
     ) -> AttemptEnd | None:
         """Heartbeats through the agent's detectors: a NaN/Inf kills the command now, a rank
         silent past the threshold is a hang."""
@@ -892,670 +854,28 @@ class Supervisor:
                 beat = Beat.from_doc(doc, self.node)
             except (KeyError, TypeError, ValueError):
                 continue
-            if self.remote is not None:
-                if end := self._remote_metrics(attempt, pid, beat):
+            if self._dialogue is not None:
+                if end := self._dialogue.metrics(attempt, pid, beat):
                     return end
                 continue
-            verdict = self.agent.observe(beat)
-            if verdict is not None and self._stopping is None:
+            verdict = agent.observe(beat)
+            if verdict is not None and self._procs.stopping is None:
                 self.log(
                     f"killing the command at step {beat.step} (attempt {attempt}): "
                     f"{verdict.failure_class}"
                 )
-                self._signal_group(pid, signal.SIGKILL)
-                self._wait_child(5.0)
-                code = exit_code(self._status) if self._status is not None else 137
+                code = self._procs.kill(pid)
                 return AttemptEnd(
                     attempt, code, "nonfinite", pid, {"verdict": verdict, "exited_at": time.time()}
                 )
         if (
-            self._stopping is None
-            and self._early is None
-            and (event := self.agent.check_hang(time.time()))
+            self._procs.stopping is None
+            and self._incident.event is None
+            and (event := agent.check_hang(time.time()))
         ):  # a crash explains a silence
             silent = float(event.evidence.get("silent_s", 0.0))
-            return self._hang(attempt, pid, watch, silent, started, event=event)
+            return self._hangs.handle(attempt, pid, watch, silent, self._ranks, event=event)
         return None
-
-    def _rank_ends(self, attempt: int, pid: int, watch: _Progress) -> None:
-        """A rank that died while the command runs: the crash event at once (the trace, the
-        controller), classified from what the rank left; a primary failure seen after a
-        communication error is published too.
-
-        The death is an incident to report, never on its own a reason to end the launcher:
-        torchrun may restart its workers (``--max-restarts``) and wait in the rendezvous for
-        a replacement node for as long as that node takes to come. The attempt ends when the
-        launcher ends it (its exit: its own verdict) or on the controller's verdict. What
-        bounds the wait: a rank whose exception is recorded while its process lives on (a
-        thread holds it) is killed alone after ``crash_grace_s``, so its launcher sees it
-        end; a launcher that neither restarts its ranks nor exits within the start
-        allowance is a hang (:meth:`_watch`). New rank processes after the death mean the
-        launcher restarted them: a ``relaunch`` span, and the detectors start afresh."""
-        from .robust.classify import SECONDARY
-
-        ends = self._ranks.poll()
-        event = self.agent.rank_crash(ends)
-        while self._ranks.ended_normally:
-            self.agent.finish_rank(self._ranks.ended_normally.pop())
-        for end in ends:
-            if end.how == "exception" and alive(end.pid):
-                self._lingering.setdefault(end.pid, (end.rank, time.monotonic()))
-        first = self._early
-        if event is not None and (
-            first is None
-            or (first.failure_class in SECONDARY and event.failure_class not in SECONDARY)
-        ):
-            if first is None:
-                self._early_at, self._early_wall = time.monotonic(), time.time()
-                self._early_boot = since_boot()
-            self._early = event
-            self.agent.write(event)
-            what = (
-                event.evidence.get("exception")
-                or event.evidence.get("signal")
-                or ("gone without a record" if event.evidence.get("provisional") else "")
-            )
-            self.log(
-                f"crash: rank {event.rank} (pid {event.evidence.get('pid')}) "
-                f"{event.failure_class}"
-                + (f" ({what})" if what else "")
-                + f" while the command runs (attempt {attempt}); its launcher decides"
-            )
-            if self.remote is not None:
-                self.remote.publish(event)
-        self._kill_lingering()
-        newcomers, self._ranks.started = self._ranks.started, []
-        born = [t for _, p, _ in newcomers if (t := started_at(p)) is not None]
-        if self._early is not None and (new := [t for t in born if t > self._early_boot]):
-            # the new ranks' start on the wall clock
-            self._relaunched(attempt, pid, watch, time.time() - (since_boot() - min(new)))
-
-    def _kill_lingering(self) -> None:
-        """A rank that raised but whose process lives on past ``crash_grace_s`` gets SIGKILL,
-        alone: its launcher, which sees only processes, then sees it end and decides."""
-        now = time.monotonic()
-        for rank_pid, (rank, since) in list(self._lingering.items()):
-            if not alive(rank_pid):
-                del self._lingering[rank_pid]
-            elif now - since >= self.crash_grace_s:
-                del self._lingering[rank_pid]
-                self.log(
-                    f"rank {rank} (pid {rank_pid}) raised {self.crash_grace_s:g}s ago and "
-                    "its process still runs (a thread keeps it): killing that process, "
-                    "so that its launcher sees its end"
-                )
-                try:
-                    os.kill(rank_pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-
-    def _relaunched(self, attempt: int, pid: int, watch: _Progress, began: float) -> None:
-        """The launcher started new ranks after a crash: the incident is over without a
-        restart of the command (a ``relaunch`` span from the death to the new ranks, the
-        unit of ETTR's accounting inside an attempt); hang and metric detection start afresh,
-        with the start allowance, and the new ranks' first steps are recorded."""
-        early = self._early
-        watch.relaunched(self._early_wall, began)
-        self.agent.relaunched()
-        now = min(began, time.time())
-        self.log(
-            f"the launcher restarted its ranks {now - self._early_wall:.1f}s after rank "
-            f"{early.rank}'s crash ({early.failure_class}): recovered without a restart "
-            f"of the command (attempt {attempt}, launch {watch.generation})"
-        )
-        reason = "hang" if early.kind == "hang" else "crash"
-        self._record(
-            "relaunch",
-            self._early_wall,
-            now,
-            attempt=attempt,
-            reason=reason,
-            exited_at=self._early_wall,
-            generation=watch.generation,
-            pid=pid,
-            failed_rank=early.rank,
-            failure_class=early.failure_class,
-        )
-        self._early = None
-
-    def _refine_early(self) -> None:
-        """Under an order: a crash seen at a rank's death with no class of its own (gone
-        without a record) waits up to ``crash_grace_s`` for the launcher's summary, so the
-        controller gets the refined class with the dumps; a communication error (another
-        node's failure, most likely) is refined only if the launcher already ended; a rank
-        killed by a signal is refined from the lines so far (a rank that aborted said why
-        before it died: gloo's "collective mismatch"), with its own exit code while the
-        launcher runs."""
-        from .robust.classify import SECONDARY
-
-        early = self._early
-        if early is None:
-            return
-        provisional = bool(early.evidence.get("provisional"))
-        signalled = early.failure_class == "killed_by_signal" and not provisional
-        if not (provisional or signalled or early.failure_class in SECONDARY):
-            return
-        ended = self._wait_child(self.crash_grace_s if provisional else 0.0)
-        if not ended and not signalled:
-            return
-        if self.tail is not None and ended:
-            self.tail.drain(2.0)
-        code = exit_code(self._status) if ended else early.evidence.get("exit_code")
-        self._take_refined(self.agent.refine(early, code, self.tail.lines() if self.tail else []))
-
-    def _take_refined(self, better: Any) -> None:
-        """The early crash event refined by the launcher's account (same detection time):
-        kept, written to the trace and published (None: nothing better)."""
-        if better is None:
-            return
-        self._early = better
-        self.agent.write(better)
-        if self.remote is not None:
-            self.remote.publish(better)
-
-    def _remote_metrics(self, attempt: int, pid: int, beat: Beat) -> AttemptEnd | None:
-        """Under a controller a NaN/Inf or a jump goes to it. A NaN kills the command at once
-        (no checkpoint of the damaged state), then the verdict (after the controller's checks)
-        decides; a jump is published and the controller's order stops the job."""
-        for event in self.agent.metric_events(beat):
-            self.remote.publish(event)
-            if event.kind != "nonfinite" or self._stopping is not None:
-                continue
-            self.log(
-                f"killing the command at step {beat.step} (attempt {attempt}): "
-                f"{event.failure_class}; the controller decides"
-            )
-            self._signal_group(pid, signal.SIGKILL)
-            self._wait_child(5.0)
-            code = exit_code(self._status) if self._status is not None else 137
-            exited = time.time()
-            verdict = self._remote_verdict(event, attempt, published=True)
-            if verdict is None:
-                return AttemptEnd(
-                    attempt,
-                    code,
-                    "nonfinite",
-                    pid,
-                    {"verdict": self.agent.judge(event), "exited_at": exited},
-                )
-            return AttemptEnd(
-                attempt,
-                code,
-                "nonfinite",
-                pid,
-                {"verdict": verdict, "remote": True, "exited_at": exited},
-            )
-        return None
-
-    # -- hangs -----------------------------------------------------------------------------
-    def _hang(
-        self,
-        attempt: int,
-        pid: int,
-        watch: _Progress,
-        silent: float,
-        started: float,
-        event: Any = None,
-        *,
-        launcher: bool = False,
-    ) -> AttemptEnd | None:
-        """A hang: stacks dumped (the controller's order first, under one), then the ranks
-        killed. Under a launcher that started the ranks (torchrun) only the ranks are killed
-        and the launcher decides, as for a crash (it restarts them, or exits and this attempt
-        ends with the hang's verdict): None. ``launcher``: the launcher itself hangs (it
-        neither restarted its ranks nor exited): the command is killed."""
-        before = (
-            "before its first heartbeat"
-            if watch.last_change is None
-            else (f"after step {watch.last_step}" if watch.last_step is not None else "after ready")
-        )
-        ranks = {} if launcher or self._ranks is None else self._ranks.live()
-        what = (
-            (
-                f"ranks {', '.join(map(str, sorted(set(ranks.values()))))} (their launcher "
-                "then decides)"
-            )
-            if ranks
-            else "the command"
-        )
-        self.log(
-            f"hang: no heartbeat for {silent:.1f}s {before}; dumping stacks to "
-            f"{self.dump_dir} and killing {what}"
-        )
-        hang_start = time.time() - silent
-        detected = time.time()
-        if self.remote is not None:  # the controller localizes across nodes first
-            event = event or self._hang_event(watch, silent, detected)
-            self.remote.publish(event)
-            self.agent.write(event)
-            order = self._wait_order()
-            if order is not None and (
-                end := self._on_order(
-                    attempt,
-                    pid,
-                    watch,
-                    order,
-                    started,
-                    event=event,
-                    since=hang_start,
-                    detected=detected,
-                )
-            ):
-                return end
-            self.log("the controller ordered no dump: the node acts alone")
-        # a signal to everyone only when everyone is killed next: SIGUSR1 ends a launcher
-        sizes = self._request_dumps(pid, everyone=not ranks)
-        grown = self._wait_dumps(sizes)
-        dumped = time.time()
-        if ranks:
-            return self._hung_ranks_killed(
-                attempt, pid, watch, ranks, silent, hang_start, detected, dumped, grown, event
-            )
-        self._signal_group(pid, signal.SIGKILL)
-        self._wait_child(5.0)
-        code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
-        self._record(
-            "hang",
-            hang_start,
-            attempt=attempt,
-            outcome="killed",
-            timeout_s=self.hang.timeout_s,
-            silent_s=round(silent, 3),
-            last_step=watch.last_step,
-            pid=pid,
-            stacks=sorted(p.name for p in grown),
-            detected_at=detected,
-            dumped_at=dumped,
-        )
-        if grown:
-            self.log(f"stacks: {', '.join(str(p) for p in sorted(grown))}")
-        else:
-            self.log("no stack dump arrived (does the command import bootseer?)")
-        detail: dict[str, Any] = {"stacks": sorted(map(str, grown)), "exited_at": time.time()}
-        if self.agent is not None:
-            event = event or self._hang_event(watch, silent, detected)
-            event = dataclasses.replace(
-                event, evidence={**event.evidence, "stacks": sorted(p.name for p in grown)}
-            )
-            detail["verdict"] = self.agent.judge(event)
-        return AttemptEnd(attempt, code, "hang", pid, detail)
-
-    def _hung_ranks_killed(
-        self,
-        attempt: int,
-        pid: int,
-        watch: _Progress,
-        ranks: dict[int, int],
-        silent: float,
-        hang_start: float,
-        detected: float,
-        dumped: float,
-        grown: set[Path],
-        event: Any,
-    ) -> None:
-        """The hung ranks' processes get SIGKILL, the launcher lives: the hang becomes the
-        attempt's incident, ended by the launcher's restart of its ranks or by its exit."""
-        self._kill_processes(pid, ranks)
-        self._record(
-            "hang",
-            hang_start,
-            attempt=attempt,
-            outcome="ranks_killed",
-            timeout_s=self.hang.timeout_s,
-            silent_s=round(silent, 3),
-            last_step=watch.last_step,
-            pid=pid,
-            stacks=sorted(p.name for p in grown),
-            detected_at=detected,
-            dumped_at=dumped,
-            ranks=sorted(set(ranks.values())),
-            generation=watch.generation,
-        )
-        if grown:
-            self.log(f"stacks: {', '.join(str(p) for p in sorted(grown))}")
-        event = event or self._hang_event(watch, silent, detected)
-        event = dataclasses.replace(
-            event,
-            evidence={**event.evidence, "stacks": sorted(p.name for p in grown), "killed": "ranks"},
-        )
-        if self.agent is not None:
-            self.agent.write(event)
-        self._early = event
-        self._early_at, self._early_wall = time.monotonic(), time.time()
-        self._early_boot = since_boot()
-
-    def _kill_processes(self, pid: int, ranks: dict[int, int]) -> None:
-        """SIGKILL to each rank's process group (torchrun starts each worker in a session of
-        its own: its dataloader workers go with it), or to the rank and its descendants when
-        it shares the command's group (forked workers)."""
-        from .robust.remote import descendants
-
-        try:
-            own = os.getpgid(pid)
-        except ProcessLookupError:
-            own = pid
-        for rank_pid in ranks:
-            try:
-                group = os.getpgid(rank_pid)
-            except ProcessLookupError:
-                continue
-            try:
-                if group != own:
-                    os.killpg(group, signal.SIGKILL)
-                else:
-                    for target in (rank_pid, *descendants(rank_pid)):
-                        os.kill(target, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def _hang_event(self, watch: _Progress, silent: float, detected: float) -> Any:
-        """The hang event of the control directory's silence (a ready-only command)."""
-        from .robust.events import Event
-
-        return Event(
-            "hang",
-            "hang",
-            node=self.node,
-            step=watch.last_step,
-            time=detected,
-            evidence={
-                "silent_s": round(silent, 3),
-                "last_step": watch.last_step,
-                "threshold_s": self.hang.timeout_s,
-                "threshold_from": "configured",
-            },
-        )
-
-    # -- the controller: dump everywhere, wait for the verdict, then stop ------------------
-    def _wait_order(self) -> dict[str, Any] | None:
-        """The controller's order to dump, within ``remote_wait_s``."""
-        deadline = time.monotonic() + self.remote_wait_s
-        while time.monotonic() < deadline:
-            if (order := self.remote.dump_order(force=True)) is not None:
-                return order
-            if self._pause(self.remote.poll_s):
-                return None
-        return None
-
-    def _remote_verdict(self, event: Any, attempt: int, published: bool = False) -> Any:
-        """After a crash: the event to the controller, an empty dump when ordered (nothing
-        runs any more), and its verdict (None: no answer in ``remote_wait_s``)."""
-        if not published:
-            self.remote.publish(event)
-            self.agent.write(event)
-        order = self._wait_order()
-        if order is None:
-            self.log("no order from the controller: the node decides alone")
-            return None
-        self.remote.answer(int(order["incident"]), [])
-        verdict = self.remote.wait_verdict(int(order["incident"]), self.remote_wait_s, self._pause)
-        if verdict is not None:
-            self._note_verdict(verdict, attempt)
-        return verdict
-
-    def _note_verdict(self, verdict: Any, attempt: int) -> None:
-        local = self.remote.local_action(verdict)
-        verdict = dataclasses.replace(
-            verdict,
-            evidence={
-                "incident": verdict.evidence.get("incident"),
-                "local": local,
-                "attempt": attempt,
-                "from": "controller",
-            },
-        )
-        self.agent.write(verdict)
-        evicted = self.node in verdict.nodes and verdict.action == "replace_and_restart"
-        self.log(
-            f"controller verdict: {verdict.action} ({verdict.failure_class})"
-            + (f" ranks {', '.join(map(str, verdict.ranks))}" if verdict.ranks else "")
-            + (f" nodes {', '.join(verdict.nodes)}" if verdict.nodes else "")
-            + f" -> here: {local}"
-            + (" (this node is evicted)" if evicted else "")
-        )
-
-    def _on_order(
-        self,
-        attempt: int,
-        pid: int,
-        watch: _Progress,
-        order: dict[str, Any],
-        started: float,
-        *,
-        event: Any = None,
-        since: float | None = None,
-        detected: float | None = None,
-    ) -> AttemptEnd | None:
-        """Dump every process of this node's ranks (py-spy; else SIGUSR1 stack files), hand
-        them to the controller, wait for its verdict, and only then kill the command."""
-        from .robust.remote import dump_ranks
-
-        if order.get("update"):
-            return self._on_update(attempt, pid, watch, order)
-
-        incident = int(order["incident"])
-        detected = detected or time.time()
-        self.log(f"controller: incident {incident} ({order.get('reason')}): dumping stacks")
-        rank_pids = {
-            r: int(v["pid"]) for r, v in watch.ranks.items() if isinstance(v.get("pid"), int)
-        }
-        processes, failed = dump_ranks(rank_pids, node=self.node, dump=self.remote.dump_tool)
-        if failed or not rank_pids:  # the client's faulthandler files instead (only the
-            # processes that registered one: SIGUSR1 kills the others, and no verdict yet)
-            grown = self._wait_dumps(self._request_dumps(pid, everyone=False))
-            for path in sorted(grown):
-                stem = path.stem.rsplit("-", 2)
-                rank = int(stem[1].removeprefix("rank")) if len(stem) == 3 else -1
-                if rank in failed or not rank_pids:
-                    processes.append(
-                        {
-                            "rank": rank,
-                            "pid": int(stem[-1]),
-                            "role": "main",
-                            "node": self.node,
-                            "source": "faulthandler",
-                            "text": _last_dump(path),
-                        }
-                    )
-        files = self._keep_dumps(processes, incident)
-        self._refine_early()  # before the answer: the controller reads it with the dumps
-        self.remote.answer(incident, processes, [p.name for p in files])
-        dumped = time.time()
-        native = self._native_dumps(
-            incident,
-            {
-                p["rank"]: p["pid"]
-                for p in processes
-                if p["role"] == "main" and p["source"] == "py-spy"
-            },
-        )
-        killed_for_check: list[float] = []
-
-        def stop() -> None:  # the stop-time checks need the node: the command goes first
-            native.join(NATIVE_GRACE_S)
-            self._signal_group(pid, signal.SIGKILL)
-            self._wait_child(5.0)
-            killed_for_check.append(time.time())
-
-        verdict = self.remote.wait_verdict(incident, self.remote_wait_s, self._pause, stop)
-        decided = time.time()
-        native.join(NATIVE_GRACE_S)
-        self._signal_group(pid, signal.SIGKILL)
-        self._wait_child(5.0)
-        code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
-        killed = killed_for_check[0] if killed_for_check else time.time()
-        hang = (verdict.failure_class if verdict else (event.kind if event else "")) == "hang"
-        self._record(
-            "hang" if hang else "controller_stop",
-            since or detected,
-            attempt=attempt,
-            outcome="killed",
-            incident=incident,
-            last_step=watch.last_step,
-            pid=pid,
-            stacks=[p.name for p in files],
-            detected_at=detected,
-            dumped_at=dumped,
-            decided_at=decided,
-            killed_at=killed,
-        )
-        detail: dict[str, Any] = {"stacks": [str(p) for p in files], "exited_at": killed}
-        if verdict is None:  # no verdict in time: the node's own policy
-            self.log(
-                f"no verdict for incident {incident} in {self.remote_wait_s:.0f}s: the "
-                "node decides alone"
-            )
-            detail["verdict"] = self.agent.judge(
-                event or self._hang_event(watch, time.time() - (since or detected), detected)
-            )
-        else:
-            self._note_verdict(verdict, attempt)
-            detail.update(verdict=verdict, remote=True)
-        return AttemptEnd(attempt, code, "hang" if hang else "verdict", pid, detail)
-
-    def _on_update(
-        self, attempt: int, pid: int, watch: _Progress, order: dict[str, Any]
-    ) -> AttemptEnd | None:
-        """An update incident: nothing to dump; after its verdict the command is stopped at
-        a step boundary (its next heartbeat, at most ``remote_wait_s`` away) and restarted
-        on the new version. No verdict: it runs on, on the version it has (never mixed)."""
-        incident = int(order["incident"])
-        self.log(f"controller: incident {incident}: {order.get('reason')}")
-        self.remote.answer(incident, [])
-        verdict = self.remote.wait_verdict(incident, self.remote_wait_s, self._pause)
-        if verdict is None:
-            self.log(f"no verdict for incident {incident}: the command runs on")
-            return None
-        decided, step = time.time(), watch.last_step
-        deadline = time.monotonic() + self.remote_wait_s
-        while watch.last_step == step and time.monotonic() < deadline:
-            if self._pause(0.05) or self._reap():
-                break
-            watch.scan()
-        self._signal_group(pid, signal.SIGKILL)
-        self._wait_child(5.0)
-        code = exit_code(self._status) if self._status is not None else 128 + signal.SIGKILL
-        killed = time.time()
-        self._record(
-            "controller_stop",
-            decided,
-            killed,
-            attempt=attempt,
-            outcome="killed",
-            incident=incident,
-            update=order["update"],
-            last_step=watch.last_step,
-            step_before=step,
-            pid=pid,
-            decided_at=decided,
-            killed_at=killed,
-        )
-        self._note_verdict(verdict, attempt)
-        return AttemptEnd(
-            attempt, code, "update", pid, {"verdict": verdict, "remote": True, "exited_at": killed}
-        )
-
-    def _native_dumps(self, incident: int, rank_pids: dict[int, int]) -> threading.Thread:
-        """The ranks' trees dumped again with native frames, on a thread, after the answer:
-        the controller decides on the Python stacks (0.1-0.6 s a node), and the native ones
-        (seconds on a loaded node) go into its evidence when they are in by its verdict. The
-        command is killed no later than ``NATIVE_GRACE_S`` after the verdict, finished or not."""
-        from .robust.remote import dump_ranks
-
-        def run() -> None:
-            if not rank_pids:
-                return
-            try:
-                processes, _ = dump_ranks(rank_pids, node=self.node, dump=self.remote.native_tool)
-                processes = [p for p in processes if p["text"]]
-                self._keep_dumps(processes, incident, suffix="-native")
-                if processes:
-                    self.remote.answer_native(incident, processes)
-            except Exception as exc:  # noqa: BLE001 - evidence only: never the incident's end
-                self.log(f"warning: native dumps for incident {incident}: {exc}")
-
-        thread = threading.Thread(target=run, name="bootseer-native-dumps", daemon=True)
-        thread.start()
-        return thread
-
-    def _keep_dumps(
-        self, processes: list[dict[str, Any]], incident: int, suffix: str = ""
-    ) -> list[Path]:
-        """Each dump also as a file in the trace directory (evidence that outlives the
-        store): ``dump-<node>-i<incident>-rank<r>-<pid><suffix>.txt``."""
-        if self.dump_dir is None:
-            return []
-        kept = []
-        for item in processes:
-            path = self.dump_dir / (
-                f"dump-{self.node}-i{incident}-rank{item['rank']}-{item['pid']}{suffix}.txt"
-            )
-            try:
-                with open_append(self.dump_dir, path.name) as f:  # never through a link
-                    f.truncate(0)
-                    f.write(f"# {item['source']} {item['role']}\n{item['text']}")
-                kept.append(path)
-            except OSError as exc:
-                self.log(f"warning: cannot keep the dump {path}: {exc}")
-        return kept
-
-    def _dump_files(self, pids: set[int]) -> dict[Path, int]:
-        """This node's stack files of live processes of the group, with their sizes."""
-        out: dict[Path, int] = {}
-        if self.dump_dir is None:
-            return out
-        for pid in pids:
-            pattern = f"stacks-{glob.escape(self.node)}-rank*-{pid}.txt"
-            for path in self.dump_dir.glob(pattern):
-                try:
-                    out[path] = path.stat().st_size
-                except OSError:
-                    pass
-        return out
-
-    def _request_dumps(self, pid: int, *, everyone: bool) -> dict[Path, int]:
-        """SIGUSR1 to the group (``everyone``: they are about to be killed anyway) or only to
-        the processes with a registered dump file; their files and sizes before."""
-        members = group_pids(pid)
-        files = self._dump_files(members)
-        if everyone:
-            self._signal_group(pid, signal.SIGUSR1)
-        else:
-            for path in files:
-                try:
-                    os.kill(int(path.stem.rsplit("-", 1)[1]), signal.SIGUSR1)
-                except (ProcessLookupError, ValueError):
-                    pass
-        return files
-
-    def _wait_dumps(self, sizes: dict[Path, int]) -> set[Path]:
-        """Until every expected file has grown and stopped growing, or ``dump_wait_s``."""
-        deadline = time.monotonic() + self.hang.dump_wait_s
-        grown: set[Path] = set()
-        last: dict[Path, int] = dict(sizes)
-        steady = 0
-        while sizes and time.monotonic() < deadline:
-            if self._pause(0.05):
-                break  # stopped: the kill comes now, no restart after it
-            now = {p: _size(p) for p in sizes}
-            grown = {p for p, n in now.items() if n > sizes[p]}
-            steady = steady + 1 if now == last else 0
-            last = now
-            if len(grown) == len(sizes) and steady >= 2:
-                break
-        return grown
-
-    def _remove_empty_dumps(self) -> None:
-        """Every client process leaves an empty stack file; only dumps are worth keeping."""
-        if self.dump_dir is None:
-            return
-        for path in self.dump_dir.glob(f"stacks-{glob.escape(self.node)}-rank*.txt"):
-            try:
-                pid = int(path.stem.rsplit("-", 1)[1])
-                if path.stat().st_size == 0 and not alive(pid):
-                    path.unlink()
-            except (OSError, ValueError):
-                pass
 
     def _record(
         self,
@@ -1587,205 +907,3 @@ class Supervisor:
             self.trace.write(span)
         except OSError as exc:
             self.log(f"warning: cannot write the trace {self.trace.path}: {exc}")
-
-    # -- processes -------------------------------------------------------------------------
-    def _signal_group(self, pid: int, sig: int) -> None:
-        """``sig`` to the command's process group; a SIGKILL or SIGTERM also to the groups of
-        its descendants, found first: torchrun starts each worker in a session of its own,
-        so a SIGKILL to torchrun's group alone would leave its ranks running, orphaned."""
-        from .robust.remote import descendants
-
-        groups = [pid]
-        if sig in (signal.SIGKILL, signal.SIGTERM):
-            for child in descendants(pid):
-                try:
-                    groups.append(os.getpgid(child))
-                except ProcessLookupError:
-                    continue
-        for group in dict.fromkeys(groups):
-            try:
-                os.killpg(group, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def _reap(self) -> bool:
-        """Reap every child that has exited; True once the command itself has."""
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            if self._child is not None and pid == self._child.pid:
-                self._status = status
-        return self._status is not None
-
-    def _wait_child(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not self._reap() and time.monotonic() < deadline:
-            self._pause(0.02)
-        return self._status is not None
-
-    def _pause(self, timeout: float) -> bool:
-        """Wait while the command is being killed; True when a stop signal arrived (the job
-        then ends after this attempt: no restart)."""
-        stop = False
-        for sig in self._signals.wait(timeout):
-            if sig in STOP_SIGNALS:
-                stop = True
-                if self._stopping is None:
-                    self._stopping = sig
-        self._reap()
-        return stop
-
-    def _cleanup_group(self, pgid: int) -> None:
-        """What the command left running in its group is stopped: SIGTERM, a grace period,
-        SIGKILL (a leftover worker would hold its GPU and ports across a restart)."""
-        if not self._group_alive(pgid):
-            return
-        self._signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + self.kill_grace_s
-        while time.monotonic() < deadline:
-            if self._pause(0.05):
-                break
-            if not self._group_alive(pgid):
-                return
-        self.log(f"killing what the command left running (process group {pgid})")
-        self._signal_group(pgid, signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        while self._group_alive(pgid) and time.monotonic() < deadline:
-            self._pause(0.02)
-
-    def _group_alive(self, pgid: int) -> bool:
-        self._reap()
-        try:
-            os.killpg(pgid, 0)  # the cheap answer first: nobody at all
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return bool(group_pids(pgid))
-
-
-class _Progress:
-    """Changes of the control directory's ready/heartbeat files (and of the ready file)."""
-
-    def __init__(self, control_dir: Path | None, ready_file: Path | None) -> None:
-        self.control_dir = control_dir
-        self.ready_file = ready_file
-        self.seen: dict[str, tuple[int, int, int]] = {}
-        self.ready_ranks: set[int] = set()
-        self.last_change: float | None = None  # monotonic
-        self.last_step: int | None = None
-        self.ranks: dict[int, dict[str, Any]] = {}  # the newest heartbeat of each rank
-        self.finishing: set[int] = set()  # ranks that left their loop (client.finishing)
-        self._beats: list[dict[str, Any]] = []
-        self.began = time.monotonic()  # this launch of the ranks (the command's, or the
-        self.began_wall = time.time()  # launcher's restart of them)
-        self.generation = 0  # the launcher's restarts of its ranks in this attempt
-        self.not_before = 0.0  # files written before this wall time are a dead launch's
-
-    def relaunched(self, since: float, began: float) -> None:
-        """The launcher started new ranks: their progress starts from nothing (the start
-        allowance, their own first steps). ``since``: the death (wall clock); every file is
-        read again, and counts only when written after it (a new rank may have written its
-        ready before its launch was known)."""
-        self.seen.clear()
-        self.not_before = since
-        self.ready_ranks.clear()
-        self.last_change = None
-        self.last_step = None
-        self.ranks.clear()
-        self.finishing.clear()
-        self._beats.clear()
-        self.began = time.monotonic() - max(0.0, time.time() - began)
-        self.began_wall = began
-        self.generation += 1
-
-    def all_finishing(self) -> bool:
-        """Every rank that beat said it left its training loop: the silence of its final
-        save and teardown is not a hang."""
-        return bool(self.ranks) and set(self.ranks) <= self.finishing
-
-    def take_beats(self) -> list[dict[str, Any]]:
-        """Heartbeat documents that changed since the last call (with their rank)."""
-        beats, self._beats = self._beats, []
-        return beats
-
-    def scan(self) -> list[tuple[int, float]]:
-        """New ready signals since the last scan: (rank, time)."""
-        entries: list[tuple[str, str]] = []
-        if self.control_dir is not None:
-            try:
-                with os.scandir(self.control_dir) as it:
-                    entries = [
-                        (e.name, e.path) for e in it if e.name.startswith(("ready-", "heartbeat-"))
-                    ]
-            except OSError:
-                pass
-        if self.ready_file is not None:
-            entries.append(("ready", str(self.ready_file)))
-        new_ready: list[tuple[int, float]] = []
-        for name, path in entries:
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            sig = (st.st_ino, st.st_mtime_ns, st.st_size)
-            if self.seen.get(path) == sig:
-                continue
-            self.seen[path] = sig
-            doc = _read_json(path)
-            when = doc.get("time")
-            if isinstance(when, int | float) and when < self.not_before:
-                continue  # a dead launch's rank wrote it (seen again after a relaunch)
-            self.last_change = time.monotonic()
-            kind, _, rank_text = name.partition("-")
-            try:
-                rank = int(rank_text) if rank_text else int(doc.get("rank", 0))
-            except (TypeError, ValueError):
-                rank = 0
-            if kind == "heartbeat":
-                step = doc.get("step")
-                if isinstance(step, int):
-                    self.last_step = step
-                if "time" in doc:
-                    self._beats.append({**doc, "rank": rank})
-                    self.ranks[rank] = doc
-                if doc.get("finishing") is True:
-                    self.finishing.add(rank)
-            elif rank not in self.ready_ranks:
-                self.ready_ranks.add(rank)
-                when = doc.get("time")
-                new_ready.append(
-                    (rank, float(when) if isinstance(when, int | float) else st.st_mtime)
-                )
-        return new_ready
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.loads(f.read() or "{}")
-        return doc if isinstance(doc, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _last_dump(path: Path, limit: int = 32 << 10) -> str:
-    """A stack file's newest dumps, at most ``limit`` characters from its end, starting at
-    a thread header (the parser keeps the last dump of a file)."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if len(text) <= limit:
-        return text
-    tail = text[-limit:]
-    starts = [i for i in (tail.find("\nThread 0x"), tail.find("\nCurrent thread 0x")) if i >= 0]
-    return tail[min(starts) + 1 :] if starts else tail
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0

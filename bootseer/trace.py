@@ -35,8 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from striped_fs.privdir import TRACE_WHAT, PrivateDir, open_append
-from striped_fs.redact import redact
+from striped_fs import TRACE_WHAT, PrivateDir, open_append, redact
 
 OUTCOMES = ("ok", "failed", "skipped", "killed")
 #: The ``bytes_by_remote`` name of the OCI registry (image blocks).
@@ -193,6 +192,14 @@ class TraceWriter:
                 bytes_by_remote=remotes,
                 **info,
             )
+
+
+def write_trace_file(directory: str | os.PathLike[str], name: str, text: str) -> None:
+    """``text`` as the file ``name`` of the trace directory (a stack dump kept as evidence),
+    replacing what it held: the directory made 0700 or checked, never through a link."""
+    with open_append(directory, name) as f:
+        f.truncate(0)
+        f.write(text)
 
 
 def trace_lines(paths: Iterable[str | os.PathLike]) -> Iterator[tuple[Path, int, str]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpt.skip import SKIP_ENV
+from ckpt import SKIP_ENV
 
 __all__ = [
     "Variable",

@@ -97,8 +97,7 @@ def warm_image(
     everything: bool = False,
 ) -> PartResult:
     """Hot frames of a converted image into the block cache (``bootseer image prefetch``)."""
-    from prefetch.image import load_profile, open_image
-    from prefetch.profile import plan_prefetch, profile_summary
+    from prefetch import load_profile, open_image, plan_prefetch, profile_summary
 
     image = open_image(ref, cache_dir, platform=platform, connections=connections)
     try:
@@ -163,10 +162,14 @@ def warm_environment(
     storage_options: dict[str, Any] | None = None,
 ) -> PartResult:
     """Verify or restore the environment at ``prefix``: ``ensure`` without its build step."""
-    from snapshot.ensure import clear_interrupted_install, prefix_lock
-    from snapshot.key import compute_key
-    from snapshot.restore import restore, verify
-    from snapshot.store import SnapshotStore
+    from snapshot import (
+        SnapshotStore,
+        clear_interrupted_install,
+        compute_key,
+        prefix_lock,
+        restore,
+        verify,
+    )
 
     env_key = compute_key(spec_files, command, base_image=base_image, extras=extras)
     key = env_key.key

@@ -21,7 +21,15 @@ from .errors import (
     StateMismatchError,
 )
 
+# the layout, read by tools that never load a step (``bootseer ckpt ls``/``verify``)
+from .layout import MANIFEST, Manifest, committed_steps, element_size, step_dir
+
+# the node agent's side of the memory tier: torch-free, like the NaN skip rules it hands on
+from .memory_env import check_memory_settings, memory_handoff
+from .skip import SKIP_ENV, SkipRule, to_env
+
 _LAZY = {
+    "CheckpointView": "loader",
     "LoadReport": "loader",
     "CheckpointInfo": "manager",
     "CheckpointManager": "manager",
@@ -31,11 +39,18 @@ _LAZY = {
     "SaveResult": "persist",
     "FlatShard": "tensors",
     "PerRank": "tensors",
+    "bootseer_to_dcp": "dcp",
+    "dcp_to_bootseer": "dcp",
+    "PeerServer": "memory_peer",  # numpy, cryptography
+    "verify_copies": "memory_verify",  # numpy, xxhash
 }
 
 if TYPE_CHECKING:
-    from .loader import LoadReport
+    from .dcp import bootseer_to_dcp, dcp_to_bootseer
+    from .loader import CheckpointView, LoadReport
     from .manager import CheckpointInfo, CheckpointManager, SaveHandle, VerifyReport
+    from .memory_peer import PeerServer
+    from .memory_verify import verify_copies
     from .optim import init_optimizer_state
     from .persist import SaveResult
     from .tensors import FlatShard, PerRank
@@ -51,6 +66,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "MANIFEST",
+    "SKIP_ENV",
     "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointInfo",
@@ -58,16 +75,29 @@ __all__ = [
     "CheckpointNotFound",
     "CheckpointSaveError",
     "CheckpointStoreUnavailable",
+    "CheckpointView",
     "FlatShard",
     "LoadReport",
+    "Manifest",
+    "PeerServer",
     "PerRank",
     "PrefetchResult",
     "SaveHandle",
     "SaveResult",
+    "SkipRule",
     "StateMismatchError",
     "VerifyReport",
+    "bootseer_to_dcp",
     "cache_dir_from_env",
+    "check_memory_settings",
+    "committed_steps",
+    "dcp_to_bootseer",
+    "element_size",
     "held_step",
     "init_optimizer_state",
+    "memory_handoff",
     "prefetch_latest",
+    "step_dir",
+    "to_env",
+    "verify_copies",
 ]

@@ -49,11 +49,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from striped_fs import ManifestError, StripeChecksumError, StripedFileSystem, pid_exists
-from striped_fs.private import create_private, make_dir, write_private
-from striped_fs.reader import fetch_pieces
-from striped_fs.redact import redact
-from striped_fs.urls import to_striped_url, url_to_fs
+from striped_fs import (
+    ManifestError,
+    StripeChecksumError,
+    StripedFileSystem,
+    create_private,
+    fetch_pieces,
+    make_dir,
+    pid_exists,
+    redact,
+    to_striped_url,
+    url_to_fs,
+    write_private,
+)
 
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointStoreUnavailable
 from .layout import (

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from striped_fs.urls import to_striped_url
+from striped_fs import to_striped_url
 
 from .errors import CheckpointError, CheckpointNotFound
 from .flatten import flatten_like_dcp, unflatten_like_dcp

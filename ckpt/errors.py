@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from striped_fs.redact import redact
+from striped_fs import redact
 
 
 class CheckpointError(Exception):

@@ -23,9 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from striped_fs import StripedFileSystem, StripedIOError
-from striped_fs.cancel import CancelToken, ReadCancelled
-from striped_fs.reader import StripedSource, fetch_piece_set
+from striped_fs import (
+    CancelToken,
+    ReadCancelled,
+    StripedFileSystem,
+    StripedIOError,
+    StripedSource,
+    fetch_piece_set,
+)
 
 from .errors import CheckpointCorrupt, StateMismatchError
 from .flatten import dcp_slots, walk

@@ -20,9 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from striped_fs import StripedFileSystem, StripedIOError
-from striped_fs.redact import redact
-from striped_fs.urls import url_to_fs
+from striped_fs import StripedFileSystem, StripedIOError, redact, url_to_fs
 
 from . import agree
 from .agree import DAMAGED, ERROR, NONE, OK, Outcome

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from striped_fs.privdir import PrivateDir
+from striped_fs import PrivateDir
 
 from . import agree
 from .agree import DAMAGED, OK, Outcome
@@ -43,7 +43,18 @@ from .errors import CheckpointError
 from .flatten import walk
 from .layout import align, dtype_name, dtype_of
 from .loader import LoadReport
-from .memory_peer import TOKEN_ENV, PeerClient, PeerError
+from .memory_env import (  # the hand-off's variables: bootseer run sets what from_env reads
+    DIR_ENV,
+    DURABLE_EVERY_ENV,
+    DURABLE_OUTAGE_ENV,
+    FRESH_ENV,
+    LAYOUT_ENV,
+    REPLICATION_ENV,
+    REPLICATIONS,
+    SERVER_ENV,
+    TOKEN_ENV,
+)
+from .memory_peer import PeerClient, PeerError
 from .memory_place import choose_peer, nodes_in_order, parse_layout
 from .memory_slot import (
     BLOCK,
@@ -63,17 +74,6 @@ from .skip import poisoned, rules_from_env
 from .tensors import PerRank, describe, is_tensor_leaf
 
 log = logging.getLogger("ckpt")
-
-DIR_ENV, SERVER_ENV, DURABLE_EVERY_ENV = (
-    "BOOTSEER_MEMCKPT_DIR",
-    "BOOTSEER_MEMCKPT_SERVER",
-    "BOOTSEER_MEMCKPT_DURABLE_EVERY",
-)
-LAYOUT_ENV = "BOOTSEER_MEMCKPT_LAYOUT"  # the job's parallel groups (JSON): who keeps the copy
-REPLICATION_ENV = "BOOTSEER_MEMCKPT_REPLICATION"  # "sync": save returns once the peer acked
-REPLICATIONS = ("async", "sync")
-DURABLE_OUTAGE_ENV = "BOOTSEER_MEMCKPT_DURABLE_OUTAGE_S"  # ckpt.durable_outage_s
-FRESH_ENV = "BOOTSEER_MEMCKPT_FRESH"  # "1": the directory was made empty for this run
 
 
 @dataclass

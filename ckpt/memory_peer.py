@@ -49,8 +49,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from striped_fs.privdir import PrivateDir
+from striped_fs import PrivateDir
 
+from .memory_env import TOKEN_ENV  # the job's secret, the same on every node
 from .memory_slot import HEADER, SlotDamaged, SlotFile, SlotHeader, newest, slot_paths
 from .memory_wire import (
     MAX_HELLO,
@@ -91,7 +92,6 @@ OWN_WHAT = "the memory tier's directory (ckpt.memory_dir, BOOTSEER_MEMCKPT_DIR)"
 
 log = logging.getLogger("ckpt")
 
-TOKEN_ENV = "BOOTSEER_MEMCKPT_TOKEN"  # the job's secret, the same on every node
 MIN_TOKEN = 16
 HANDSHAKE_S = 30.0  # from the connection to its request, whole (the hello included)
 PROGRESS_S = 30.0  # a copy's bytes: at most this long without one arriving

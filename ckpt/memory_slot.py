@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from striped_fs.privdir import UnsafePath, owned_file
+from striped_fs import UnsafePath, owned_file
 
 MAGIC = b"BSMEMCK1"
 HEADER = 4096

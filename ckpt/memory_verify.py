@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from striped_fs.privdir import PrivateDir, UnsafePath, open_owned
+from striped_fs import PrivateDir, UnsafePath, open_owned
 
 from .memory_slot import HEADER, STAMP_SUFFIX, SlotDamaged, SlotFile, SlotHeader, newest
 

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from striped_fs.backend import is_transient
+from striped_fs import is_transient
 
 from .errors import CheckpointSaveError, CommitTimeout
 

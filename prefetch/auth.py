@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from striped_fs.redact import redact_text, register_secret
+from striped_fs import redact_text, register_secret
 
 __all__ = [
     "Challenge",

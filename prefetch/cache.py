@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
-from striped_fs.private import create_private, make_dir
+from striped_fs import create_private, make_dir
 
 log = logging.getLogger(__name__)
 

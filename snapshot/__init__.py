@@ -16,7 +16,15 @@ FORMAT_VERSION = 1
 # ``ensure`` and ``restore`` share their modules' names, and binding them here, once, keeps
 # ``snapshot.ensure`` the function whatever is imported later.
 from .capture import ensure_capture  # noqa: E402
-from .ensure import EnsureResult, PublishResult, create, ensure, publish  # noqa: E402
+from .ensure import (  # noqa: E402
+    EnsureResult,
+    PublishResult,
+    clear_interrupted_install,
+    create,
+    ensure,
+    prefix_lock,
+    publish,
+)
 from .errors import (  # noqa: E402
     CorruptSnapshotError,
     InstallError,
@@ -26,7 +34,7 @@ from .errors import (  # noqa: E402
     StoreUnavailable,
     UnsafeMemberError,
 )
-from .key import EnvKey, compute_key  # noqa: E402
+from .key import EnvKey, compute_key, parse_extras  # noqa: E402
 from .restore import RestoreResult, VerifyResult, mark_damaged, restore, verify  # noqa: E402
 from .store import SnapshotStore  # noqa: E402
 
@@ -62,6 +70,7 @@ __all__ = [
     "StoreUnavailable",
     "UnsafeMemberError",
     "VerifyResult",
+    "clear_interrupted_install",
     "compute_key",
     "create",
     "ensure",
@@ -69,6 +78,8 @@ __all__ = [
     "mark_damaged",
     "mount_lazy",
     "mounted_key",
+    "parse_extras",
+    "prefix_lock",
     "publish",
     "restore",
     "serve_lazy",

@@ -36,7 +36,7 @@ from typing import Any
 
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 
-from striped_fs.private import make_dir
+from striped_fs import make_dir
 
 from .ensure import EnsureResult, open_store, publish_tree
 from .errors import SnapshotError, StoreUnavailable, UnsafeMemberError

@@ -37,8 +37,7 @@ from pathlib import Path
 import zstandard
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 
-from striped_fs import pid_exists
-from striped_fs.redact import redact
+from striped_fs import pid_exists, redact
 
 from .errors import CorruptSnapshotError, RelocationError, SnapshotError
 from .extract import Extractor, _umask

@@ -29,9 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from striped_fs.backend import RetryPolicy
-from striped_fs.redact import redact
-from striped_fs.urls import url_to_fs
+from striped_fs import RetryPolicy, redact, url_to_fs
 
 from .errors import SnapshotError, SnapshotNotFound, StoreUnavailable
 from .manifest import MANIFEST_NAME, Manifest

@@ -3,7 +3,9 @@
 * a package imports only the packages below it: ``striped_fs`` at the bottom; ``ckpt``,
   ``snapshot`` and ``prefetch`` on it, none of them importing another; ``bootseer`` on top;
 * a package takes from another only what that package's ``__init__.py`` exports in
-  ``__all__``, never a ``_``-private name;
+  ``__all__``, and from the package itself (``from striped_fs import redact``, not
+  ``from striped_fs.redact import redact``: the submodules are not the contract), never a
+  ``_``-private name; a submodule taken whole (``from striped_fs import fuse``) passes;
 * no import cycle among the modules of ``bootseer/``: every import counts, deferred into a
   function too (that hides a cycle, it does not end it), except under ``if TYPE_CHECKING``;
   importing ``a.b.c`` imports the package ``a.b`` first, so that counts as an import of it.
@@ -18,6 +20,8 @@ import ast
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN_FILE = Path(__file__).with_name("architecture_known.json")
@@ -82,6 +86,8 @@ def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
 
 
 def _exports(root: Path, package: str) -> set[str]:
+    """The names in ``package/__init__.py``'s ``__all__``, which must be a literal list of
+    strings: a name the check cannot read would pass unseen."""
     init = root / package / "__init__.py"
     if not init.exists():
         return set()
@@ -90,8 +96,13 @@ def _exports(root: Path, package: str) -> set[str]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
                 value = node.value
-                if isinstance(value, ast.List | ast.Tuple):
-                    return {e.value for e in value.elts if isinstance(e, ast.Constant)}
+                elts = value.elts if isinstance(value, ast.List | ast.Tuple) else [value]
+                if not all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in elts):
+                    raise ValueError(
+                        f"{init}: __all__ must be a literal list of strings (the check reads "
+                        "it without importing the package); write the names out"
+                    )
+                return {e.value for e in elts if isinstance(e, ast.Constant)}
     return set()
 
 
@@ -123,7 +134,9 @@ def check(root: Path, levels: dict[str, int], cycle_package: str) -> Findings:
                     submodule = f"{target}.{name}"
                     if submodule in modules:  # ``from pkg import submodule``
                         name = None
-                if name is not None and (name.startswith("_") or name not in exports[other]):
+                if name is not None and (
+                    name.startswith("_") or name not in exports[other] or target != other
+                ):
                     findings.unexported.add(f"{module}: {target}.{name}")
         if own != cycle_package:
             continue
@@ -245,6 +258,38 @@ def test_the_checker_finds_private_and_unexported_names(tmp_path: Path) -> None:
     found = check(root, LEVELS_FAKE, "top")
     assert found.unexported == {"top.b: low.m._secret", "top.b: low.m.other"}
     assert not found.upward
+
+
+def test_the_checker_finds_an_exported_name_taken_from_a_submodule(tmp_path: Path) -> None:
+    """``low.m.ok`` is exported, but the contract is ``low``: ``from low.m import ok``
+    reaches past it (and breaks when ``ok`` moves to another module of ``low``)."""
+    root = _tree(
+        tmp_path,
+        {
+            "low/__init__.py": "__all__ = ['ok']\nfrom .sub.m import ok\n",
+            "low/sub/__init__.py": "",
+            "low/sub/m.py": "ok = 1\n",
+            "top/__init__.py": "",
+            "top/b.py": "from low.sub.m import ok\nfrom low.sub import m\nimport low.sub.m\n",
+            "top/c.py": "from low.sub import ok\n",
+        },
+    )
+    assert check(root, LEVELS_FAKE, "top").unexported == {
+        "top.b: low.sub.m.ok",
+        "top.c: low.sub.ok",
+    }
+
+
+def test_the_checker_refuses_an_all_it_cannot_read(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "low/__init__.py": "_LAZY = {'ok': 'm'}\n__all__ = ['PrefetchError', *_LAZY]\n",
+            "top/__init__.py": "",
+        },
+    )
+    with pytest.raises(ValueError, match="__all__ must be a literal list of strings"):
+        check(root, LEVELS_FAKE, "top")
 
 
 def test_the_checker_finds_cycles_deferred_ones_too_but_not_type_checking_ones(

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from striped_fs.redact import install_log_redaction, protect_process, register_options
+from striped_fs import install_log_redaction, protect_process, register_options
 
 from .. import __version__
 from . import check as check_cmd

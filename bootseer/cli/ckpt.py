@@ -115,7 +115,7 @@ def _manager(args: argparse.Namespace, url: str | None = None) -> CheckpointMana
 
 
 def _steps(mgr: CheckpointManager) -> tuple[list[int], list[int]]:
-    from ckpt.layout import committed_steps
+    from ckpt import committed_steps
 
     return committed_steps(mgr.fs, mgr.root)
 
@@ -219,8 +219,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ckpt import CheckpointError
-    from ckpt.layout import MANIFEST, Manifest, step_dir
+    from ckpt import MANIFEST, CheckpointError, Manifest, step_dir
 
     failed = 0
     with _manager(args) as mgr:
@@ -280,11 +279,7 @@ def _not_deserialized(objects: int, files: int) -> str:
 
 def describe(mgr: CheckpointManager, url: str, step: int) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain data."""
-    import torch
-
-    from ckpt import CheckpointError
-    from ckpt.layout import dtype_of
-    from ckpt.loader import CheckpointView
+    from ckpt import CheckpointError, CheckpointView, element_size
 
     try:
         view = CheckpointView(mgr.fs, mgr.root, step)
@@ -294,7 +289,7 @@ def describe(mgr: CheckpointManager, url: str, step: int) -> dict[str, Any]:
     for key in sorted(view.keys):
         info = view.keys[key]
         chunks = info.index.chunks
-        itemsize = torch.empty(0, dtype=dtype_of(info.dtype)).element_size()
+        itemsize = element_size(info.dtype)
         tensors.append(
             {
                 "key": key,
@@ -378,8 +373,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ckpt import CheckpointManager
-    from ckpt.dcp import bootseer_to_dcp, dcp_to_bootseer
+    from ckpt import CheckpointManager, bootseer_to_dcp, dcp_to_bootseer
 
     options = _storage_options(args)
     try:

@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from striped_fs.redact import redact, redact_options
+from striped_fs import redact, redact_options
 
 from ..config import SCHEMA, Config, add_config_arguments
 from ..variables import VARIABLES

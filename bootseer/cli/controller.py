@@ -261,7 +261,7 @@ def _start_store(port: int, log_dir: Path | None) -> None:
     finds the job's state in it)."""
     log = subprocess.DEVNULL
     if log_dir:  # made 0700 or checked (this user's, nobody else writes it), no link followed
-        from striped_fs.privdir import open_append
+        from striped_fs import open_append
 
         log = open_append(log_dir, "store.log")
     proc = subprocess.Popen(

@@ -295,7 +295,7 @@ def _prefix(args: argparse.Namespace) -> str:
 
 
 def _env_key(args: argparse.Namespace):
-    from snapshot.key import compute_key, parse_extras
+    from snapshot import compute_key, parse_extras
 
     return compute_key(
         _spec(args),
@@ -335,7 +335,7 @@ def cmd_ensure(args: argparse.Namespace) -> int:
     _check_target(args)
     env_key = _env_key(args)
     if args.capture:
-        from snapshot.capture import ensure_capture
+        from snapshot import ensure_capture
 
         result = ensure_capture(
             args.capture,
@@ -346,7 +346,7 @@ def cmd_ensure(args: argparse.Namespace) -> int:
             state_dir=args.cfg.state.dir,
         )
     else:
-        from snapshot.ensure import ensure
+        from snapshot import ensure
 
         prefix = _prefix(args)
         with ByteProgress(f"env {env_key.key[:12]} -> {prefix}") as progress:
@@ -374,7 +374,7 @@ def cmd_create(args: argparse.Namespace) -> int:
     store = _require_store(args)
     env_key = _env_key(args)
     if args.capture:
-        from snapshot.capture import ensure_capture
+        from snapshot import ensure_capture
 
         result = ensure_capture(
             args.capture,
@@ -386,7 +386,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             state_dir=args.cfg.state.dir,
         )
     else:
-        from snapshot.ensure import create
+        from snapshot import create
 
         result = create(
             _spec(args),
@@ -423,8 +423,7 @@ def _report(result: Any, as_json: bool) -> None:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from snapshot.restore import restore
-    from snapshot.store import SnapshotStore
+    from snapshot import SnapshotStore, restore
 
     prefix = args.cfg.env.prefix
     if not prefix:
@@ -501,7 +500,7 @@ def cmd_unmount(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from snapshot.restore import verify
+    from snapshot import verify
 
     prefix = os.path.abspath(args.prefix)
     result = verify(prefix, args.key)
@@ -520,7 +519,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from snapshot.store import SnapshotStore
+    from snapshot import SnapshotStore
 
     manifests = SnapshotStore(_require_store(args), _options(args)).list()
     if args.json:
@@ -560,7 +559,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from snapshot.store import SnapshotStore
+    from snapshot import SnapshotStore
 
     store = SnapshotStore(_require_store(args), _options(args))
     for key in args.keys:
@@ -579,7 +578,7 @@ def parse_duration(text: str) -> float:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from snapshot.store import SnapshotStore
+    from snapshot import SnapshotStore
 
     store = SnapshotStore(_require_store(args), _options(args))
     started = time.monotonic()

@@ -30,7 +30,7 @@ import sys
 import traceback
 from collections.abc import Iterator
 
-from striped_fs.redact import redact
+from striped_fs import redact
 
 # its home is below the command line (bootseer.startup raises it too); imported from here
 from ..errors import CliError as CliError

@@ -8,8 +8,7 @@ import os
 import sys
 from typing import Any
 
-from striped_fs.redact import redact
-from striped_fs.urls import split_credentials, url_to_fs
+from striped_fs import redact, split_credentials, url_to_fs
 
 from ..config import add_config_arguments, storage_options
 from ..progress import ByteProgress, human_bytes

@@ -146,7 +146,7 @@ def _open_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from prefetch.image import convert_image
+    from prefetch import convert_image
 
     options: dict[str, Any] = {}
     if args.frame_size:
@@ -164,7 +164,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _open(args: argparse.Namespace, *, record: bool = False):
-    from prefetch.image import open_image
+    from prefetch import open_image
 
     image = args.cfg.image
     return open_image(
@@ -173,8 +173,7 @@ def _open(args: argparse.Namespace, *, record: bool = False):
 
 
 def _start_prefetch(image: Any, everything: bool = False) -> str:
-    from prefetch.image import load_profile
-    from prefetch.profile import plan_prefetch, profile_summary
+    from prefetch import load_profile, plan_prefetch, profile_summary
 
     profile = load_profile(image)
     if profile is None and not everything:
@@ -209,13 +208,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
         raise CliError(f"mount point {args.mountpoint} is not a directory: create it first")
     if not args.foreground:
         return _mount_in_background(args)
-    from prefetch.lazyfs import mount
+    from prefetch import mount_image
 
     image = _open(args)
     try:
         if not args.no_prefetch:
             log.info("%s", _start_prefetch(image))
-        mount(image.lazy, args.mountpoint, foreground=True)
+        mount_image(image.lazy, args.mountpoint, foreground=True)
     finally:
         line = _stats_line(image)
         log.info("unmounted %s: %s", args.mountpoint, line)
@@ -261,8 +260,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from prefetch.image import save_profile
-    from prefetch.lazyfs import mount
+    from prefetch import mount_image, save_profile
     from striped_fs import fuse
 
     command = list(args.command or [])
@@ -275,7 +273,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     image = _open(args, record=True)
     mnt = tempfile.mkdtemp(prefix="bootseer-record-")
     thread = threading.Thread(
-        target=mount, args=(image.lazy, mnt), kwargs={"dev_suid": True}, daemon=True
+        target=mount_image, args=(image.lazy, mnt), kwargs={"dev_suid": True}, daemon=True
     )
     try:
         thread.start()
@@ -327,7 +325,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from prefetch.image import verify_image
+    from prefetch import verify_image
 
     r = verify_image(args.ref, platform=args.cfg.image.platform)
     print(
@@ -339,7 +337,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from prefetch.containerd.pull import pull_image
+    from prefetch import pull_image
 
     result = pull_image(
         args.ref,

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import tempfile
 
-from striped_fs.private import create_private
+from striped_fs import create_private
 
 from .errors import CliError
 

@@ -16,10 +16,13 @@ import shutil
 import sys
 import tempfile
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import CliError
 from .options import open_trace
+
+if TYPE_CHECKING:
+    from ..robust.remote import ControllerLink
 
 SHM = "/dev/shm"
 
@@ -215,7 +218,7 @@ def _colltrace_watch(cfg: argparse.Namespace, trace: object, node: str) -> objec
             f"[colltrace] poll_s = {ct.poll_s}: the reader must pass at least every "
             "2 s; give a value in (0, 2]"
         )
-    from striped_fs.privdir import PrivateDir
+    from striped_fs import PrivateDir
 
     from ..colltrace.analyze import Analyzer
     from ..colltrace.reader import Watch
@@ -238,7 +241,7 @@ def _colltrace_watch(cfg: argparse.Namespace, trace: object, node: str) -> objec
     )
 
 
-def _controller_link(cfg: argparse.Namespace, node: str) -> object | None:
+def _controller_link(cfg: argparse.Namespace, node: str) -> ControllerLink | None:
     """The link to the job's controller, registered; None without ``controller.address``."""
     if not cfg.controller.address:
         return None

@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_snapshotter(args: argparse.Namespace) -> int:
-    from prefetch.containerd.service import serve
+    from prefetch.containerd import service  # a service: its module is the contract
 
     cfg = args.cfg.snapshotter
     options = {
@@ -46,7 +46,7 @@ def cmd_snapshotter(args: argparse.Namespace) -> int:
         "prefetch": cfg.prefetch,
         "registry_config_path": cfg.registry_config_path or None,
     }
-    return serve(
+    return service.serve(
         cfg.root,
         cfg.address,
         remote_options=options,
@@ -57,6 +57,6 @@ def cmd_snapshotter(args: argparse.Namespace) -> int:
 
 
 def cmd_fuse_holder(args: argparse.Namespace) -> int:
-    from prefetch.containerd.holder import run
+    from prefetch.containerd import holder
 
-    return run(args.address, exit_when_idle=args.exit_when_idle)
+    return holder.run(args.address, exit_when_idle=args.exit_when_idle)

@@ -124,7 +124,7 @@ def _parts(args: argparse.Namespace) -> list[Any]:
                 "env.prefix needs env.spec (--env-spec FILE) or the install command "
                 "after --: they make the environment's key"
             )
-        from snapshot.key import parse_extras
+        from snapshot import parse_extras
 
         extras = parse_extras(args.env_extra)
         parts.append(

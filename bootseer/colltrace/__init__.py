@@ -58,7 +58,7 @@ def enable(directory: str | os.PathLike | None = None, *, capacity: int | None =
                     f"{CAPACITY_ENV}={text!r} is not a record count: set it to an "
                     "integer >= 1 (or [colltrace] capacity)"
                 ) from None
-        from striped_fs.privdir import PrivateDir
+        from striped_fs import PrivateDir
 
         from .ring import RING_DIR_WHAT
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from striped_fs.privdir import PrivateDir
+from striped_fs import PrivateDir
 
 from .ring import RING_DIR_WHAT, Op, RingSnapshot
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from striped_fs.privdir import PrivateDir, UnsafePath, open_append
+from striped_fs import PrivateDir, UnsafePath, open_append
 
 from .analyze import Analyzer, Finding
 from .ring import RING_DIR_WHAT, Refusals, RingReader, RingSnapshot, newest_per_rank, scan_rings

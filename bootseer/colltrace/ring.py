@@ -42,7 +42,7 @@ from typing import Any
 # the module itself, not ``from . import``: that would import the package, whose enable()
 # imports this module (a cycle)
 import bootseer.colltrace.validate as validate
-from striped_fs.privdir import PrivateDir, UnsafePath, open_owned
+from striped_fs import PrivateDir, UnsafePath, open_owned
 
 __all__ = [
     "MAGIC",

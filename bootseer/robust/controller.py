@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from striped_fs.privdir import open_append
+from striped_fs import open_append
 
 from . import seal, update, wire
 from .check import CheckReport, RankResult

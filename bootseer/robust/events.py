@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from striped_fs.privdir import open_append
+from striped_fs import open_append
 
 from ..trace import trace_lines
 

@@ -2,9 +2,9 @@
 
 ``bootseer run`` with ``ckpt.memory`` makes a private directory in shared memory (0700, under
 /dev/shm unless ``ckpt.memory_dir`` names one), serves the peers' copies from it when
-``ckpt.memory_listen`` is set (``ckpt.memory_peer.PeerServer``, a thread of the agent), and
-hands both to the job (``BOOTSEER_MEMCKPT_DIR``, ``BOOTSEER_MEMCKPT_SERVER``). The server
-answers only connections that prove they hold the job's secret (``BOOTSEER_MEMCKPT_TOKEN``
+``ckpt.memory_listen`` is set (``ckpt.PeerServer``, a thread of the agent), and hands both
+to the job (``ckpt.memory_handoff``: ``BOOTSEER_MEMCKPT_DIR``, ``BOOTSEER_MEMCKPT_SERVER``).
+The server answers only connections that prove they hold the job's secret (``BOOTSEER_MEMCKPT_TOKEN``
 in the agent's environment, the same on every node; the job inherits it), checks a MAC under
 it on every message and copy after that proof (``ckpt.memory_wire``), and binds only the
 address ``ckpt.memory_listen`` names, never a wildcard. The trainer
@@ -23,7 +23,7 @@ import tempfile
 import threading
 from typing import Any
 
-from striped_fs.privdir import PrivateDir
+from striped_fs import PrivateDir
 
 SHM = "/dev/shm"
 
@@ -41,39 +41,10 @@ class NodeMemory:
         replication: str = "async",
         durable_outage_s: float = 600.0,
     ) -> None:  # MemoryConfig's default
-        from ckpt.memory import (
-            DIR_ENV,
-            DURABLE_EVERY_ENV,
-            DURABLE_OUTAGE_ENV,
-            FRESH_ENV,
-            LAYOUT_ENV,
-            REPLICATION_ENV,
-            REPLICATIONS,
-            SERVER_ENV,
-        )
-        from ckpt.memory_peer import TOKEN_ENV, PeerServer
-        from ckpt.memory_place import parse_layout
+        from ckpt import check_memory_settings, memory_handoff
 
-        parse_layout(layout, where="ckpt.memory_layout")  # refused before anything is made
-        if replication not in REPLICATIONS:
-            raise ValueError(
-                f"ckpt.memory_replication {replication!r} is not one of "
-                f"{', '.join(REPLICATIONS)}: 'async' (the push overlaps the next "
-                "step) or 'sync' (save returns once the peer holds the step)"
-            )
+        check_memory_settings(layout, replication, listen)  # refused before anything is made
         host, _, port = listen.rpartition(":")
-        if listen and (not host or not port.isdigit()):
-            raise ValueError(
-                f"ckpt.memory_listen {listen!r} is not HOST:PORT (the "
-                f"address other nodes reach this one at)"
-            )
-        if listen and not os.environ.get(TOKEN_ENV):
-            raise ValueError(
-                f"ckpt.memory_listen serves this node's peer copies to the other "
-                f"nodes: set {TOKEN_ENV} to the job's secret (the same on every "
-                "node, e.g. from a Kubernetes Secret; python -c 'import secrets; "
-                "print(secrets.token_hex(32))' makes one)"
-            )
         self._made = not directory
         self._log = log
         self.checking: threading.Thread | None = None
@@ -93,24 +64,23 @@ class NodeMemory:
             if listen:
                 where.subdir("peers", what="the memory tier's directory of peer copies").close()
         if listen:
+            from ckpt import PeerServer  # numpy, cryptography: only for a node that serves
+
             peers = os.path.join(self.directory, "peers")
             try:
                 self.server = PeerServer(peers, host, int(port), own=self.directory).start()
             except (OSError, ValueError):
                 self.close()  # the directory made for this run goes too
                 raise
-        self.env = {DIR_ENV: self.directory}
-        if self._made:  # only this run's copies: memory is never older than the durable tier
-            self.env[FRESH_ENV] = "1"
-        if self.server is not None:
-            self.env[SERVER_ENV] = self.server.address
-        if durable_every:
-            self.env[DURABLE_EVERY_ENV] = str(durable_every)
-        self.env[DURABLE_OUTAGE_ENV] = repr(float(durable_outage_s))
-        if layout:
-            self.env[LAYOUT_ENV] = layout
-        if replication != "async":
-            self.env[REPLICATION_ENV] = replication
+        self.env = memory_handoff(
+            self.directory,
+            fresh=self._made,  # only this run's copies: never older than the durable tier
+            server=self.server.address if self.server is not None else "",
+            durable_every=durable_every,
+            durable_outage_s=durable_outage_s,
+            layout=layout,
+            replication=replication,
+        )
         if log is not None:
             st = os.statvfs(self.directory)
             log(
@@ -122,7 +92,7 @@ class NodeMemory:
     def check_copies(self) -> threading.Thread:
         """Verify and stamp every rank's newest copy on a thread (beside the launch); the
         verdicts go to the log. Returns the thread (tests join it)."""
-        from ckpt.memory_verify import verify_copies
+        from ckpt import verify_copies
 
         def run() -> None:
             try:

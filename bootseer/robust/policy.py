@@ -34,7 +34,7 @@ from pathlib import Path
 from time import time as _now
 from typing import Any
 
-from striped_fs.privdir import open_append
+from striped_fs import open_append
 
 from .events import Event, Verdict
 

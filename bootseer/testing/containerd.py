@@ -17,15 +17,14 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Self
 
-from .servers import ComponentUnavailable
+from .process_server import ComponentUnavailable, ProcessServer
 
 if TYPE_CHECKING:
-    from prefetch.containerd.cri import CRIClient
+    from prefetch import CRIClient
 
 CRI_NAMESPACE = "k8s.io"  # where containerd's CRI plugin keeps images, containers, snapshots
 
@@ -58,16 +57,28 @@ class CRIOptions:
         )
 
 
-class ContainerdServer:
+class ContainerdServer(ProcessServer):
+    """``containerd --config`` with its own root, state and socket; ready once ``ctr version``
+    answers on the socket. It listens on no TCP port. Stopped by pid alone (SIGTERM, SIGKILL
+    after 10 s), not by process group: shims it started must not die with it, as on a node."""
+
+    listens_on_tcp = False
+
     def __init__(
         self,
-        root_dir: str | os.PathLike,
+        root_dir: str | os.PathLike[str],
         namespace: str = "bootseer-test",
         *,
         proxy_snapshotters: dict[str, str] | None = None,
         cri: CRIOptions | None = None,
     ) -> None:
         self.dir = Path(root_dir)
+        super().__init__(
+            name="containerd",
+            log_path=self.dir / "containerd.log",
+            process_group=False,
+            poll_interval=0.2,
+        )
         self.namespace = namespace
         self.cri = cri
         # name -> socket of a proxy snapshotter plugin (`ctr run --snapshotter NAME`)
@@ -76,17 +87,14 @@ class ContainerdServer:
         self._sock_dir = tempfile.mkdtemp(prefix="bootseer-ctd-")
         self.sock_dir = self._sock_dir  # short paths for other sockets of the test
         self.address = os.path.join(self._sock_dir, "containerd.sock")
-        self.log_path = self.dir / "containerd.log"
-        self._proc: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        """The daemon's pid while it runs."""
-        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
     @property
     def root(self) -> Path:
         return self.dir / "root"
+
+    @property
+    def config_path(self) -> Path:
+        return self.dir / "config.toml"
 
     def snapshotter_root(self, name: str) -> Path:
         """Where containerd assumes snapshotter ``name`` keeps its files: CRI reports this
@@ -94,14 +102,20 @@ class ContainerdServer:
         return self.root / f"io.containerd.snapshotter.v1.{name}"
 
     def start(self, timeout_s: float = 30.0) -> Self:
+        """Start containerd and wait until ``ctr version`` answers (no-op when running)."""
+        if self.running:
+            return self
         missing = [b for b in ("containerd", "ctr") if shutil.which(b) is None]
         if missing:
             raise ComponentUnavailable(f"needs {', '.join(missing)} (apt: containerd)")
         if os.geteuid() != 0:
             raise ComponentUnavailable("containerd needs root")
+        self.start_timeout = timeout_s
+        return super().start()
+
+    def prepare(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        config = self.dir / "config.toml"
-        config.write_text(
+        self.config_path.write_text(
             f'version = 2\nroot = "{self.root}"\nstate = "{self.dir}/state"\n'
             + ("" if self.cri else 'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n')
             + f'[grpc]\n  address = "{self.address}"\n'
@@ -111,21 +125,14 @@ class ContainerdServer:
                 for name, sock in self.proxy_snapshotters.items()
             )
         )
-        with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                ["containerd", "--config", str(config)], stdout=log, stderr=log
-            )
-        deadline = time.monotonic() + timeout_s
-        while self.ctr("version", check=False).returncode != 0:
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise ComponentUnavailable(
-                    f"containerd did not start: {self.log_path.read_text()[-2000:]}"
-                )
-            time.sleep(0.2)
-        return self
 
-    def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    def argv(self) -> list[str]:
+        return ["containerd", "--config", str(self.config_path)]
+
+    def is_ready(self) -> bool:
+        return self.ctr("version", check=False).returncode == 0
+
+    def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
             ["ctr", "--address", self.address, "--namespace", self.namespace, *args],
             capture_output=True,
@@ -138,7 +145,7 @@ class ContainerdServer:
         return proc
 
     def cri_client(self) -> CRIClient:
-        from prefetch.containerd.cri import CRIClient
+        from prefetch import CRIClient
 
         return CRIClient(self.address)
 
@@ -151,22 +158,13 @@ class ContainerdServer:
                 cri.remove_pod_sandbox(sandbox)
 
     def stop(self) -> None:
-        if self.cri is not None and self._proc is not None and self._proc.poll() is None:
+        """Remove every CRI pod (with CRI on), stop containerd, remove the socket directory."""
+        if self.cri is not None and self.running:
             try:
                 self.remove_pods()
             except Exception as exc:  # noqa: BLE001 - teardown goes on; say what is left
                 print(f"containerd {self.address}: could not remove pods: {exc}")
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        shutil.rmtree(self._sock_dir, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            super().stop()
+        finally:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)

@@ -26,24 +26,17 @@ import json
 import os
 import secrets
 import shutil
-import signal
-import subprocess
 import threading
 import time
 import uuid
-import weakref
 from pathlib import Path
 from typing import Any, Self
 
-from bootseer.testing.servers import (
+from bootseer.testing.process_server import (
     LOOPBACK,
     ComponentUnavailable,
-    _http_probe,
-    _PortBusy,
-    _tail,
-    _terminate,
-    free_port,
-    start_on_a_free_port,
+    ProcessServer,
+    http_ready,
 )
 
 __all__ = ["REGISTRY_BINARY", "RegistryServer", "TokenServer", "find_registry"]
@@ -75,10 +68,6 @@ def _bcrypt_hash(password: str) -> str:
             "pip install bcrypt"
         ) from exc
     return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
-
-
-def _stop_registry(proc: subprocess.Popen[bytes]) -> None:
-    _terminate(proc, signal.SIGTERM, timeout=10, group=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,13 +307,14 @@ class TokenServer:
 # --------------------------------------------------------------------------------------------
 
 
-class RegistryServer:
+class RegistryServer(ProcessServer):
     """``docker-registry serve`` on 127.0.0.1 with storage under ``root_dir``.
 
     ``.host`` is ``127.0.0.1:PORT`` (what a client or an image reference uses), ``.url`` is
     ``http://127.0.0.1:PORT``. ``blob_path(digest)`` is the file that holds a blob's bytes
     (tests corrupt it to check digest verification). ``stop()`` terminates the process and
-    waits; ``start()`` again reuses port and storage.
+    waits; ``start()`` again reuses port and storage. Ready when ``/v2/`` answers with
+    distribution's API version header (401 with auth on).
     """
 
     def __init__(
@@ -338,52 +328,31 @@ class RegistryServer:
         start_timeout: float = 30.0,
     ) -> None:
         self.root_dir = Path(root_dir).resolve()
+        super().__init__(
+            port=port,
+            name="docker-registry",
+            ready=http_ready("/v2/", header="Docker-Distribution-Api-Version"),
+            log_path=self.root_dir / "registry.log",
+            cwd=self.root_dir,
+            start_timeout=start_timeout,
+            poll_interval=0.02,
+        )
         self.htpasswd = htpasswd
         self.token_auth = token_auth
         self.token_grants = token_grants
-        self._fixed_port = port is not None
-        self._port = port if port is not None else free_port()
-        self.start_timeout = start_timeout
         self.token_server: TokenServer | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._finalizer: weakref.finalize | None = None
-        self._started_once = False
+        self._binary = ""
         self._secret = secrets.token_hex(16)
 
     # -- properties -------------------------------------------------------------------------
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    @property
-    def host(self) -> str:
-        """``127.0.0.1:PORT``."""
-        return f"{LOOPBACK}:{self._port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}"
 
     @property
     def storage_dir(self) -> Path:
         return self.root_dir / "storage"
 
     @property
-    def log_path(self) -> Path:
-        return self.root_dir / "registry.log"
-
-    @property
     def config_path(self) -> Path:
         return self.root_dir / "config.yml"
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None and self.running else None
 
     @property
     def credentials(self) -> tuple[str, str] | None:
@@ -408,7 +377,7 @@ class RegistryServer:
                 "maintenance": {"uploadpurging": {"enabled": False}},
             },
             "http": {
-                "addr": f"{LOOPBACK}:{self._port}",
+                "addr": self.host,
                 "secret": self._secret,
                 "headers": {"X-Content-Type-Options": ["nosniff"]},
             },
@@ -439,7 +408,7 @@ class RegistryServer:
         """Start the registry and wait until ``/v2/`` answers (no-op when running)."""
         if self.running:
             return self
-        binary = find_registry()
+        self._binary = find_registry()
         self.root_dir.mkdir(parents=True, exist_ok=True)
         self.storage_dir.mkdir(exist_ok=True)
         if self.htpasswd is not None and not self.token_auth:
@@ -454,80 +423,29 @@ class RegistryServer:
             self.token_server = TokenServer(
                 users, self.root_dir / "token", grants=self.token_grants
             ).start()
-        start_on_a_free_port(self, binary, "docker-registry")
-        return self
+        return super().start()
 
-    def _start_once(self, binary: str) -> None:
-        self.config_path.write_text(self.config_text())
-        env = {k: v for k, v in os.environ.items() if not k.startswith("REGISTRY_")}
-        cmd = [binary, "serve", str(self.config_path)]
-        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        with open(self.log_path, "ab") as log:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                env=env,
-                close_fds=True,
-                cwd=self.root_dir,
-            )
-        self._proc = proc
-        self._finalizer = weakref.finalize(self, _stop_registry, proc)
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            if proc.poll() is not None:
-                self._proc = None
-                self._finalizer.detach()
-                text = self._log_since(log_start)
-                if "address already in use" in text:
-                    raise _PortBusy(text.strip().splitlines()[-1])
-                raise RuntimeError(
-                    f"docker-registry exited with status {proc.returncode} at start "
-                    f"({' '.join(cmd)}):\n{text[-2000:]}"
-                )
-            resp = _http_probe(self._port, "/v2/", timeout=2.0)
-            if resp is not None and resp.getheader("Docker-Distribution-Api-Version"):
-                if proc.poll() is None:
-                    return
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(
-                    f"docker-registry on {self.host} did not answer within "
-                    f"{self.start_timeout:.0f}s; log:\n{_tail(self.log_path)}"
-                )
-            time.sleep(0.02)
+    def prepare(self) -> None:
+        self.config_path.write_text(self.config_text())  # it names the port
 
-    def _log_since(self, offset: int) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(offset)
-                return f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
+    def argv(self) -> list[str]:
+        return [self._binary, "serve", str(self.config_path)]
+
+    def popen_env(self) -> dict[str, str]:
+        # REGISTRY_* variables override the config file: none from the caller's environment
+        return {k: v for k, v in os.environ.items() if not k.startswith("REGISTRY_")}
 
     def stop(self) -> None:
         """Terminate the registry (SIGTERM, SIGKILL after 10 s) and wait; idempotent. The
         token server keeps running (a restarted registry uses it again); ``close()`` stops
         both."""
-        proc, self._proc = self._proc, None
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-        if proc is not None:
-            _stop_registry(proc)
+        super().stop()
 
     def close(self) -> None:
-        self.stop()
+        super().close()
         if self.token_server is not None:
             self.token_server.stop()
             self.token_server = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         auth = "token" if self.token_auth else "htpasswd" if self.htpasswd else "no auth"

@@ -14,17 +14,25 @@ import http.client
 import os
 import pwd
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
+
+from .process_server import (
+    LOOPBACK,
+    ComponentUnavailable,
+    PortBusy,
+    ProcessServer,
+    file_tail,
+    free_port,
+    http_ready,
+    on_a_free_port,
+)
 
 __all__ = [
     "LOOPBACK",
@@ -37,33 +45,11 @@ __all__ = [
     "require_system",
 ]
 
-LOOPBACK = "127.0.0.1"
-"""The only address any component here ever binds or connects to."""
-
 DUMMY_AWS_KEY = "testing"
 DUMMY_AWS_SECRET = "testing"
 DUMMY_AWS_REGION = "us-east-1"
 
 _NGINX_CANDIDATES: tuple[str, ...] = ("/usr/sbin/nginx",)
-
-
-def start_on_a_free_port(server: Any, binary: str, what: str) -> None:
-    """``server._start_once(binary)``, moving to another free port when the chosen one was
-    taken meanwhile (a race with other processes), unless the caller fixed the port or the
-    server ran before (a restart must keep its address)."""
-    may_move = not server._fixed_port and not server._started_once
-    attempts = 5 if may_move else 1
-    for attempt in range(attempts):
-        try:
-            server._start_once(binary)
-            break
-        except _PortBusy as exc:
-            if attempt + 1 == attempts:
-                raise RuntimeError(
-                    f"{what} could not bind 127.0.0.1:{server._port}: {exc}"
-                ) from exc
-            server._port = free_port()
-    server._started_once = True
 
 
 class ConnectionTracking:
@@ -93,72 +79,10 @@ class ConnectionTracking:
                 conn.shutdown(socket.SHUT_RDWR)
 
 
-class ComponentUnavailable(RuntimeError):
-    """A real component (binary, device, Python package) is missing; the message says how to
-    install it. Tests skip on it, or fail when ``BOOTSEER_REQUIRE_SYSTEM=1``."""
-
-
 def require_system() -> bool:
     """True when ``BOOTSEER_REQUIRE_SYSTEM=1``: a missing component is then a failure, not a
     skip (CI on a fully provisioned machine must not silently skip the system tests)."""
     return os.environ.get("BOOTSEER_REQUIRE_SYSTEM", "") == "1"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read, close).
-
-    Another process may grab it before the caller binds it; the servers below retry with a
-    fresh port when they picked it themselves."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
-
-def _http_probe(
-    port: int, path: str = "/", timeout: float = 2.0
-) -> http.client.HTTPResponse | None:
-    """One GET on 127.0.0.1:port (http.client: never goes through an HTTP proxy from the
-    environment). Returns the response (body read) or None when nothing answers."""
-    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=timeout)
-    try:
-        conn.request("GET", path, headers={"Connection": "close"})
-        resp = conn.getresponse()
-        resp.read()
-        return resp
-    except (OSError, http.client.HTTPException):
-        return None
-    finally:
-        conn.close()
-
-
-def _tail(path: Path, limit: int = 2000) -> str:
-    """The end of a log file, for error messages."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return ""
-    return data[-limit:].decode("utf-8", "replace").strip()
-
-
-def _terminate(proc: subprocess.Popen[bytes], sig: int, timeout: float, group: bool) -> None:
-    """Send ``sig``, wait up to ``timeout``, then SIGKILL; with ``group`` the whole process group
-    (nginx workers) is killed too, so nothing outlives the server object."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                if group:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                else:
-                    proc.kill()
-            proc.wait(timeout=timeout)
-    if group:
-        # Workers whose master died abruptly keep serving; make sure none is left.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,8 +148,29 @@ class _InProcessMoto:
         server.cut_connections()
 
 
-def _stop_moto_process(proc: subprocess.Popen[bytes]) -> None:
-    _terminate(proc, signal.SIGTERM, timeout=10, group=False)
+class _MotoProcess(ProcessServer):
+    """``python -m moto.server`` on the port, its own S3 state in that process."""
+
+    def __init__(self, port: int | None, start_timeout: float) -> None:
+        super().__init__(
+            port=port,
+            name="moto S3 server",
+            ready=http_ready("/moto-api/data.json", status=200),
+            start_timeout=start_timeout,
+            poll_interval=0.1,
+        )
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(self.port)]
+
+    def popen_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["AWS_EC2_METADATA_DISABLED"] = "true"
+        env.setdefault("AWS_ACCESS_KEY_ID", DUMMY_AWS_KEY)
+        env.setdefault("AWS_SECRET_ACCESS_KEY", DUMMY_AWS_SECRET)
+        env.setdefault("AWS_DEFAULT_REGION", DUMMY_AWS_REGION)
+        env.pop("MOTO_PORT", None)
+        return env
 
 
 class MotoS3Server:
@@ -234,13 +179,15 @@ class MotoS3Server:
     ``in_process=True`` (tests) serves from a thread of this process: cheap to start, and
     moto's backend state is global to the process, so it survives ``stop()``/``start()`` (and
     is shared with any other in-process moto server or ``mock_aws``). ``in_process=False``
-    (benchmarks) runs ``python -m moto.server`` as a child process, so moto's CPU does not
+    (benchmarks) runs ``python -m moto.server`` as a child process (a
+    :class:`~bootseer.testing.process_server.ProcessServer`), so moto's CPU does not
     compete with the client for this process's GIL; its state lives in that process, so after
     ``stop()``/``start()`` the server is empty again (buckets must be re-created), like a
     storage service that lost its data.
 
     ``stop()`` closes the listening socket and cuts requests in flight (werkzeug does not keep
-    connections alive, so nothing else lingers); ``start()`` again binds the same port, so clients holding the endpoint URL see the storage go away and come back.
+    connections alive, so nothing else lingers); ``start()`` again binds the same port, so
+    clients holding the endpoint URL see the storage go away and come back.
     """
 
     def __init__(
@@ -250,14 +197,15 @@ class MotoS3Server:
         in_process: bool = True,
         start_timeout: float = 60.0,
     ) -> None:
-        self._fixed_port = port is not None
-        self._port = port if port is not None else free_port()
         self.in_process = in_process
         self.start_timeout = start_timeout
+        self._process = None if in_process else _MotoProcess(port, start_timeout)
+        self._fixed_port = port is not None
+        if self._process is not None:
+            self._port = self._process.port
+        else:
+            self._port = port if port is not None else free_port()
         self._thread_server: _InProcessMoto | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._finalizer: weakref.finalize | None = None
-        self._log_dir: Path | None = None
         self._started_once = False
         self._admin: Any = None  # admin_client's, kept while the server runs
 
@@ -266,24 +214,29 @@ class MotoS3Server:
     @property
     def port(self) -> int:
         """The TCP port; fixed for the life of the object once started."""
-        return self._port
+        return self._process.port if self._process is not None else self._port
 
     @property
     def endpoint_url(self) -> str:
         """``http://127.0.0.1:PORT``, the S3 endpoint to hand to clients."""
-        return f"http://{LOOPBACK}:{self._port}"
+        return f"http://{LOOPBACK}:{self.port}"
 
     @property
     def running(self) -> bool:
         """Whether the server is currently started."""
-        if self.in_process:
-            return self._thread_server is not None
-        return self._proc is not None and self._proc.poll() is None
+        if self._process is not None:
+            return self._process.running
+        return self._thread_server is not None
 
     @property
     def pid(self) -> int | None:
         """The child's pid in subprocess mode (None otherwise or when stopped)."""
-        return self._proc.pid if self._proc is not None and self.running else None
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def log_path(self) -> Path | None:
+        """The child's log in subprocess mode (None otherwise, or before the first start)."""
+        return self._process.log_path if self._process is not None else None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -294,28 +247,27 @@ class MotoS3Server:
             return self
         # botocore must never reach for real AWS: no EC2 instance-metadata credential lookups.
         os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
-        may_move = not self._fixed_port and not self._started_once
-        attempts = 5 if may_move else 1
-        for attempt in range(attempts):
+        if self._process is not None:
             try:
-                if self.in_process:
-                    self._start_thread()
-                else:
-                    self._start_process()
-                break
-            except _PortBusy as exc:
-                if attempt + 1 == attempts:
-                    raise RuntimeError(
-                        f"moto S3 server could not bind 127.0.0.1:{self._port}: {exc}"
-                    ) from exc
-                self._port = free_port()
+                import moto.server  # noqa: F401
+            except ImportError as exc:
+                raise ComponentUnavailable(
+                    f"moto server mode is not installed ({exc}): pip install 'moto[server]'"
+                ) from exc
+            self._process.start_timeout = self.start_timeout
+            self._process.start()
+            return self
+        may_move = not self._fixed_port and not self._started_once
+        self._port = on_a_free_port(
+            self._start_thread, self._port, may_move=may_move, what="moto S3 server"
+        )
         self._started_once = True
         return self
 
-    def _start_thread(self) -> None:
+    def _start_thread(self, port: int) -> None:
         deadline = time.monotonic() + self.start_timeout
         while True:
-            server = _InProcessMoto(self._port)
+            server = _InProcessMoto(port)
             try:
                 server.start()
             except OSError as exc:
@@ -324,57 +276,9 @@ class MotoS3Server:
                 if self._started_once and time.monotonic() < deadline:
                     time.sleep(0.1)
                     continue
-                raise _PortBusy(str(exc)) from exc
+                raise PortBusy(str(exc)) from exc
             self._thread_server = server
             return
-
-    def _start_process(self) -> None:
-        try:
-            import moto.server  # noqa: F401
-        except ImportError as exc:
-            raise ComponentUnavailable(
-                f"moto server mode is not installed ({exc}): pip install 'moto[server]'"
-            ) from exc
-        if self._log_dir is None:
-            self._log_dir = Path(tempfile.mkdtemp(prefix="bootseer-moto-"))
-            weakref.finalize(self, shutil.rmtree, self._log_dir, True)
-        log_path = self._log_dir / "moto.log"
-        env = dict(os.environ)
-        env["AWS_EC2_METADATA_DISABLED"] = "true"
-        env.setdefault("AWS_ACCESS_KEY_ID", DUMMY_AWS_KEY)
-        env.setdefault("AWS_SECRET_ACCESS_KEY", DUMMY_AWS_SECRET)
-        env.setdefault("AWS_DEFAULT_REGION", DUMMY_AWS_REGION)
-        env.pop("MOTO_PORT", None)
-        cmd = [sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(self._port)]
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, close_fds=True
-            )
-        self._proc = proc
-        self._finalizer = weakref.finalize(self, _stop_moto_process, proc)
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            if proc.poll() is not None:
-                self._proc = None
-                self._finalizer.detach()
-                log_text = _tail(log_path)
-                if "Address already in use" in log_text:
-                    log_path.unlink(missing_ok=True)
-                    raise _PortBusy(log_text.splitlines()[-1] if log_text else "busy")
-                raise RuntimeError(
-                    f"moto S3 server ({' '.join(cmd)}) exited with status {proc.returncode}:\n"
-                    f"{log_text}"
-                )
-            resp = _http_probe(self._port, "/moto-api/data.json", timeout=2.0)
-            if resp is not None and resp.status == 200 and proc.poll() is None:
-                return
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(
-                    f"moto S3 server on 127.0.0.1:{self._port} did not answer within "
-                    f"{self.start_timeout:.0f}s; log:\n{_tail(log_path)}"
-                )
-            time.sleep(0.1)
 
     def stop(self) -> None:
         """Stop serving: listening socket and open connections are closed (idempotent)."""
@@ -382,19 +286,14 @@ class MotoS3Server:
         if self._thread_server is not None:
             self._thread_server.stop()
             self._thread_server = None
-        if self._proc is not None:
-            proc, self._proc = self._proc, None
-            if self._finalizer is not None:
-                self._finalizer.detach()
-                self._finalizer = None
-            _stop_moto_process(proc)
+        if self._process is not None:
+            self._process.stop()
 
     def close(self) -> None:
         """Stop and remove the subprocess log directory."""
         self.stop()
-        if self._log_dir is not None:
-            shutil.rmtree(self._log_dir, ignore_errors=True)
-            self._log_dir = None
+        if self._process is not None:
+            self._process.close()
 
     def __enter__(self) -> Self:
         return self.start()
@@ -455,7 +354,7 @@ class MotoS3Server:
     def reset(self) -> None:
         """Drop all of moto's state (every bucket) through moto's own reset endpoint. In
         process mode this also resets any other in-process moto user."""
-        conn = http.client.HTTPConnection(LOOPBACK, self._port, timeout=30)
+        conn = http.client.HTTPConnection(LOOPBACK, self.port, timeout=30)
         try:
             conn.request("POST", "/moto-api/reset")
             resp = conn.getresponse()
@@ -469,10 +368,6 @@ class MotoS3Server:
         mode = "in-process" if self.in_process else "subprocess"
         state = "running" if self.running else "stopped"
         return f"MotoS3Server({self.endpoint_url}, {mode}, {state})"
-
-
-class _PortBusy(Exception):
-    """The chosen port was taken by someone else between free_port() and bind()."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -498,21 +393,20 @@ def _nginx_quote(value: str | os.PathLike[str]) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _stop_nginx_process(proc: subprocess.Popen[bytes]) -> None:
-    # SIGTERM is nginx's fast shutdown: open connections are closed at once, which is what a
-    # test simulating "storage went away" wants; graceful SIGQUIT would wait for transfers.
-    _terminate(proc, signal.SIGTERM, timeout=10, group=True)
-
-
-class NginxServer:
+class NginxServer(ProcessServer):
     """nginx serving ``root_dir`` read-only on 127.0.0.1, with HTTP Range (static files).
 
     Everything nginx writes (config, pid, logs, temp dirs) lives in a private prefix directory,
-    so no system nginx configuration is read or touched. Large ranged reads from one file are
-    what moto cannot serve efficiently; this is the component for those figures.
+    made at each start and removed at each stop, so no system nginx configuration is read or
+    touched. Large ranged reads from one file are what moto cannot serve efficiently; this is
+    the component for those figures.
 
     When run as root, workers also run as root (``user root``): the default unprivileged
     worker user could not read test directories, which are mode 0700.
+
+    ``stop()`` is nginx's fast shutdown (SIGTERM: open connections are closed at once, what a
+    test simulating "storage went away" wants; graceful SIGQUIT would wait for transfers), then
+    SIGKILL to the process group after 10 s, so no worker outlives the server.
     """
 
     def __init__(
@@ -523,33 +417,17 @@ class NginxServer:
         worker_processes: int | str = 1,
         start_timeout: float = 30.0,
     ) -> None:
+        super().__init__(
+            port=port,
+            name="nginx",
+            # the Server header: nginx itself answers, not whatever else took the port
+            ready=http_ready("/", header="Server", header_prefix="nginx"),
+            start_timeout=start_timeout,
+        )
         self.root_dir = Path(root_dir).resolve()
-        self._fixed_port = port is not None
-        self._port = port if port is not None else free_port()
         self.worker_processes = worker_processes
-        self.start_timeout = start_timeout
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._binary = ""
         self._prefix: Path | None = None
-        self._started_once = False
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    @property
-    def url(self) -> str:
-        """``http://127.0.0.1:PORT``; a file ``root_dir/a/b`` is at ``url + "/a/b"``."""
-        return f"http://{LOOPBACK}:{self._port}"
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    @property
-    def pid(self) -> int | None:
-        """The nginx master's pid while running."""
-        return self._proc.pid if self._proc is not None and self.running else None
 
     @property
     def prefix(self) -> Path | None:
@@ -594,7 +472,7 @@ http {{
     scgi_temp_path {q(tmp / "scgi")};
 
     server {{
-        listen {LOOPBACK}:{self._port};
+        listen {LOOPBACK}:{self.port};
         server_name localhost;
         root {q(self.root_dir)};
         location / {{
@@ -608,83 +486,35 @@ http {{
         """Start nginx and wait until it answers (no-op when running)."""
         if self.running:
             return self
-        binary = find_nginx()
+        self._binary = find_nginx()
         if not self.root_dir.is_dir():
             raise NotADirectoryError(f"nginx root_dir is not a directory: {self.root_dir}")
-        start_on_a_free_port(self, binary, "nginx")
-        return self
+        return super().start()
 
-    def _start_once(self, binary: str) -> None:
+    def prepare(self) -> None:
         prefix = Path(tempfile.mkdtemp(prefix="bootseer-nginx-"))
         (prefix / "logs").mkdir()
         (prefix / "tmp").mkdir()
-        conf = prefix / "nginx.conf"
-        conf.write_text(self.config_text(prefix))
-        error_log = prefix / "logs" / "error.log"
-        cmd = [binary, "-c", str(conf), "-p", str(prefix), "-e", str(error_log)]
-        with open(prefix / "logs" / "stderr.log", "wb") as stderr:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=stderr,
-                stderr=stderr,
-                close_fds=True,
-                start_new_session=True,  # own process group: workers are stopped with it
-            )
-        self._proc, self._prefix = proc, prefix
-        self._finalizer = weakref.finalize(self, _stop_nginx_process, proc)
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            if proc.poll() is not None:
-                log_text = "\n".join(
-                    t for t in (_tail(error_log), _tail(prefix / "logs" / "stderr.log")) if t
-                )
-                self._cleanup()
-                if "Address already in use" in log_text:
-                    raise _PortBusy(log_text.splitlines()[-1])
-                raise RuntimeError(
-                    f"nginx exited with status {proc.returncode} at start ({' '.join(cmd)}):\n"
-                    f"{log_text}"
-                )
-            resp = _http_probe(self._port, "/", timeout=2.0)
-            if resp is not None and (resp.getheader("Server") or "").startswith("nginx"):
-                if proc.poll() is None:
-                    return
-            if time.monotonic() > deadline:
-                log_text = _tail(error_log)
-                self.stop()
-                raise RuntimeError(
-                    f"nginx on 127.0.0.1:{self._port} did not answer within "
-                    f"{self.start_timeout:.0f}s; error log:\n{log_text}"
-                )
-            time.sleep(0.05)
+        (prefix / "nginx.conf").write_text(self.config_text(prefix))
+        self._prefix = prefix
+        self.log_path = prefix / "logs" / "stderr.log"
 
-    def _cleanup(self) -> None:
-        proc, self._proc = self._proc, None
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-        if proc is not None:
-            _stop_nginx_process(proc)
+    def argv(self) -> list[str]:
+        assert self._prefix is not None
+        conf, error_log = self._prefix / "nginx.conf", self._prefix / "logs" / "error.log"
+        return [self._binary, "-c", str(conf), "-p", str(self._prefix), "-e", str(error_log)]
+
+    def log_tail(self, limit: int = 2000) -> str:
+        """nginx's error log, then its stderr (both from the latest start)."""
+        error_log = self._prefix / "logs" / "error.log" if self._prefix is not None else None
+        return "\n".join(t for t in (file_tail(error_log, limit), super().log_tail(limit)) if t)
+
+    def cleanup(self) -> None:
+        """Remove the private prefix (config, pid, logs)."""
         if self._prefix is not None:
             shutil.rmtree(self._prefix, ignore_errors=True)
             self._prefix = None
-
-    def stop(self) -> None:
-        """Fast shutdown (SIGTERM, then SIGKILL to the process group after 10 s); removes the
-        private prefix. Idempotent; ``start()`` afterwards reuses the same port."""
-        self._cleanup()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+            self.log_path = None
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

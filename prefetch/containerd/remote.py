@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from striped_fs.private import make_dir
+from striped_fs import make_dir
 
 from ..cache import BlockCache
 from ..fetcher import Blob, FrameFetcher

@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 from google.protobuf import empty_pb2, timestamp_pb2
 
-from striped_fs.private import make_dir
+from striped_fs import make_dir
 
 from .api.services.snapshots.v1 import snapshots_pb2 as pb
 from .api.services.snapshots.v1 import snapshots_pb2_grpc as pb_grpc

@@ -48,8 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from striped_fs import is_mounted
-from striped_fs.private import make_dir
+from striped_fs import is_mounted, make_dir
 
 from ..registry import RegistryError
 from . import labels as lbl
