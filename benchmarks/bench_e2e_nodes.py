@@ -733,6 +733,51 @@ class MethodRun:
             },
         )["step"]
 
+    def started_since(self, t: float, nodes: list[str]) -> int:
+        """How many workers on ``nodes`` started after ``t`` (their ``process_start``)."""
+        return len(
+            {
+                (e["node"], e["rank"])
+                for e in self.events()
+                if e["event"] == "process_start" and e["t"] >= t and e["node"] in nodes
+            }
+        )
+
+    def survivor_loads(
+        self, run: NodeRun, start: tuple[float, dict[str, dict[str, int]]], end: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Each survivor's bytes from its restarted workers' start to every rank's first step:
+        its load's (issue 29: survivors read nothing twice). ``exact``: counted from before the
+        first of their loads started (the harness looks once a second)."""
+        t, before = start
+        loads = [
+            e["t"]
+            for e in self.events()
+            if e["event"] == "load_start" and e["t"] >= run.kill_t and e["node"] != run.lost
+        ]
+        return {
+            "counted_from": t,
+            "exact": bool(loads) and t <= min(loads),
+            "bytes_per_node": {
+                n: {s: end[n][s] - v for s, v in before[n].items()} for n in before if n != run.lost
+            },
+        }
+
+    def step_files(self, step: int) -> dict[str, Any]:
+        """The stored bytes of each file of the loaded step (a striped file's manifest object
+        and stripes together): what a survivor's load may read, and the commit record."""
+        return {
+            "step": step,
+            "files": self.helper(
+                "step_files",
+                {
+                    "root": bench_e2e.ckpt_root(self.family),
+                    "step": step,
+                    "options": {"s3": self.c.services.storage_options()},
+                },
+            ),
+        }
+
     def env_built(self, key: str) -> bool:
         """The node's ``bootseer run`` made its environment (raises when it could not)."""
         from bootseer.trace import read_traces
@@ -787,6 +832,7 @@ class MethodRun:
             first_keys,
         )
         cold_s = time.time() - t0
+        cold_bytes, cold_origin = self.counters(), self.cache_origin()  # the cold start's
         log(f"  every node started; first step {cold_s:.1f} s after the first pull")
         step = self.wait_for("a committed checkpoint", self.committed, first_keys)
         last = max(e["step"] for e in self.events() if e["event"] == "step")
@@ -809,6 +855,18 @@ class MethodRun:
             # the restart's bytes: from the loss to every rank's first step after it (the
             # training after it reads and writes for its own saves: not the restart's)
             ranks = b.ranks_per_node * b.nodes
+            alive = [k for k in self.procs if k not in run.ended]
+            survivors = [n.name for n in c.nodes if n.name != run.lost]
+            # the survivors' load: counted from their restarted workers' start (the old
+            # workers, and the commit of their last save, are gone by then) to the first step
+            self.wait_for(
+                "the survivors' restarted workers",
+                lambda: (
+                    self.started_since(run.kill_t, survivors) >= b.ranks_per_node * len(survivors)
+                ),
+                alive,
+            )
+            load_from = time.time(), self.counters()
             self.wait_for(
                 "every rank's first step after the restart",
                 lambda: (
@@ -821,7 +879,7 @@ class MethodRun:
                     )
                     >= ranks
                 ),
-                [k for k in self.procs if k not in run.ended],
+                alive,
             )
             at_first_step, origin_after = self.counters(), self.cache_origin()
             for key, proc in self.procs.items():
@@ -856,6 +914,9 @@ class MethodRun:
             if origin_after is None or origin_before is None
             else {"origin_bytes": {k: v - origin_before[k] for k, v in origin_after.items()}}
         )
+        out["first_start"] = {"bytes_per_node": cold_bytes, "cache_origin_bytes": cold_origin}
+        out["survivor_loads"] = self.survivor_loads(run, load_from, at_first_step)
+        out["checkpoint"] = self.step_files(step) if self.bootseer else None
         out["loadavg_1m"] = {"before": load_before, "after": os.getloadavg()[0]}
         if self.copy is not None:
             st = self.copy.status
@@ -1035,9 +1096,27 @@ def helper(name: str, params: dict[str, Any]) -> int:
                 print(json.dumps({"step": mgr.latest()}))
             finally:
                 mgr.close()
+    elif name == "step_files":
+        print(json.dumps(step_files(params["root"], params["step"], params["options"])))
     else:
         raise SystemExit(f"unknown helper {name}")
     return 0
+
+
+def step_files(root: str, step: int, options: dict[str, Any]) -> dict[str, int]:
+    """``{file: stored bytes}`` of step ``step`` under ``root`` on S3: a striped file's
+    manifest object (``rank-0.data``) and its stripes (``.rank-0.data.stripes/...``) counted
+    as one file."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **options["s3"])
+    base = f"{root.rstrip('/')}/step-{step}/"
+    files: dict[str, int] = {}
+    for path, info in fs.find(base, detail=True).items():
+        first = path[len(base) :].split("/", 1)[0]
+        name = first[1 : -len(".stripes")] if first.endswith(".stripes") else first
+        files[name] = files.get(name, 0) + int(info.get("size") or 0)
+    return dict(sorted(files.items()))
 
 
 def add_scenario_arguments(

@@ -70,3 +70,42 @@ def run_e2e_bench(work: Path) -> E2ERun:
         cwd=ROOT,
     )
     return E2ERun(run, results)
+
+
+# -- egress (issue 29): what left the origins, what a node read --------------------------------
+
+ORIGINS = ("registry", "s3")  # the origins the cache tier fronts
+
+
+def node_reads(counters: dict[str, int]) -> int:
+    """What a node read from the registry and S3, directly and through the cache tier."""
+    return sum(counters.get(s, 0) + counters.get(f"{s}-cache", 0) for s in ORIGINS)
+
+
+def origin_egress(per_node: dict[str, dict[str, int]], tier: dict[str, int]) -> int:
+    """Bytes that left the registry and S3: what the tier fetched from them (its counting
+    proxies) and what the nodes read from them directly (manifests, listings: uncached)."""
+    return sum(tier.get(s, 0) for s in ORIGINS) + sum(
+        b.get(s, 0) for b in per_node.values() for s in ORIGINS
+    )
+
+
+def survivor_allowance(files: dict[str, int], ranks: set[int]) -> int:
+    """What a surviving node holding ``ranks``' files may read from the store for a load: the
+    commit record and the files it does not hold (the other ranks' indexes: every rank's
+    load checks every index; their data and objects it does not need)."""
+    others = [
+        size
+        for name, size in files.items()
+        if name.endswith(".index.json") and rank_of(name) not in ranks
+    ]
+    return files["MANIFEST.json"] + sum(others)
+
+
+def rank_of(name: str) -> int:
+    """The rank of a checkpoint file: ``rank-00002.index.json`` -> 2."""
+    return int(name.split(".")[0].removeprefix("rank-"))
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:.3f} MB"

@@ -368,3 +368,32 @@ def test_the_markdown_names_every_method_and_compares_bootseer_with_each(tmp_pat
     assert "- bootseer vs diy: job back 20.8 s vs 25.8 s" in text
     assert "- in place (the node kept): bootseer 20.8 s" in text
     assert R["reduction"] == pytest.approx(1 - 20.8 / 30.8)
+
+
+def test_the_loaded_step_s_files_are_listed_with_their_stored_bytes(
+    s3_bucket: tuple[str, dict[str, Any]],
+) -> None:
+    """What a survivor may read (issue 29) is priced from these: a striped file's manifest
+    object and its stripes count as one file, and the files are the step's."""
+    import s3fs
+    import torch
+    from bench_e2e_nodes import step_files
+
+    from ckpt import CheckpointManager
+
+    bucket, opts = s3_bucket
+    state = {"w": torch.randn(300_000), "step": 3}
+    with CheckpointManager(f"s3://{bucket}/ckpt", storage_options={"s3": opts}) as mgr:
+        mgr.save(3, state, block=True)
+        mgr.save(6, state, block=True)
+    files = step_files(f"{bucket}/ckpt", 6, {"s3": opts})
+    assert set(files) == {
+        "MANIFEST.json",
+        "rank-00000.data",
+        "rank-00000.index.json",
+        "rank-00000.objects",
+    }
+    target = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
+    stored = target.du(f"{bucket}/ckpt/step-6", total=True)
+    assert sum(files.values()) == stored
+    assert 300_000 * 4 <= files["rank-00000.data"] < 300_000 * 4 + 4096  # its stripes and manifest
