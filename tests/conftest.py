@@ -67,6 +67,26 @@ def need(reason: str | None) -> None:
         require_component(reason)
 
 
+def modules_loaded_by(code: str, modules: tuple[str, ...]) -> list[str]:
+    """Which of ``modules`` a fresh interpreter has loaded after running ``code`` (the
+    repository on its path): the check that a light import stays light."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    probe = f"{code}\nimport json as _j, sys as _s\nprint(_j.dumps([m for m in {modules!r} if m in _s.modules]))\n"
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out.splitlines()[-1])
+
+
 @pytest.fixture
 def system() -> Callable[[str | None], None]:
     """The :func:`need` helper as a fixture: ``system(fuse_available())`` in a test."""

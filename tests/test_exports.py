@@ -7,13 +7,10 @@ packages take only these names."""
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import modules_loaded_by
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("striped_fs", "ckpt", "snapshot", "prefetch")
@@ -58,17 +55,5 @@ def test_redact_is_the_function_and_its_module_still_imports() -> None:
 
 
 def test_importing_the_command_line_and_the_libraries_loads_no_heavy_library() -> None:
-    code = (
-        "import json, sys\n"
-        "import bootseer.cli, ckpt, prefetch, snapshot, striped_fs\n"
-        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert json.loads(out.splitlines()[-1]) == []
+    code = "import bootseer.cli, ckpt, prefetch, snapshot, striped_fs"
+    assert modules_loaded_by(code, HEAVY) == []
