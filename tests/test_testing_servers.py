@@ -5,12 +5,18 @@ left and an error that holds the child's log."""
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
+import random
 import re
 import signal
 import socket
+import socketserver
+import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +30,7 @@ from bootseer.testing.process_server import (
     http_get,
     http_ready,
 )
+from bootseer.testing.shaper import ShaperProcess, ShaperSettings
 
 PY = sys.executable
 
@@ -298,6 +305,104 @@ def test_subclass_hooks_run_per_launch(tmp_path: Path) -> None:
         port = server.port
     assert server.events == [f"prepare {port}", "cleanup"]
     assert "pids" in (tmp_path / "configured.log").read_text()  # a given log path is kept
+
+
+# -- the shaper's child process -----------------------------------------------------------------
+
+
+class _Echo(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        while data := self.request.recv(256 * 1024):
+            self.request.sendall(data)
+
+
+@pytest.fixture
+def echo_port() -> Iterator[int]:
+    """A TCP echo server on a thread: the upstream behind the shaper."""
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Echo)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def echoed(port: int, data: bytes) -> tuple[bytes, float]:
+    """Send ``data`` through 127.0.0.1:port while reading it back: (what came back, seconds)."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sender = threading.Thread(
+            target=lambda: (sock.sendall(data), sock.shutdown(socket.SHUT_WR))
+        )
+        sender.start()
+        back = bytearray()
+        while chunk := sock.recv(256 * 1024):
+            back += chunk
+        sender.join()
+    return bytes(back), time.monotonic() - started
+
+
+def test_shaper_process_shapes_a_real_connection_and_stops(echo_port: int) -> None:
+    shaper = ShaperProcess("127.0.0.1", echo_port, ShaperSettings(latency_s=0.05))
+    assert isinstance(shaper, ProcessServer)
+    port = shaper.port  # chosen free before the start, kept by it
+    assert port > 0 and shaper.address == f"127.0.0.1:{port}" and shaper.host == "127.0.0.1"
+    data = random.Random(7).randbytes(1 << 20)
+
+    with shaper:
+        pid = shaper.pid
+        assert pid is not None and os.getpgid(pid) == pid and shaper.port == port
+        assert f"LISTENING 127.0.0.1:{port}" in shaper.log_tail()  # its readiness
+        back, took = echoed(port, data)
+        assert hashlib.sha256(back).digest() == hashlib.sha256(data).digest()
+        assert took >= 0.1, f"{took:.3f} s: not shaped (50 ms each way)"
+        assert shaper.log_path is not None
+        log_dir = shaper.log_path.parent
+
+    assert not shaper.running and shaper.pid is None
+    assert shaper.returncode == 0  # SIGTERM: the proxy closes and exits cleanly
+    assert gone([pid]) and refused(port)
+    assert not log_dir.exists()
+
+
+def test_shaper_process_moves_off_a_taken_port(echo_port: int) -> None:
+    shaper = ShaperProcess("127.0.0.1", echo_port)
+    chosen = shaper.port
+    with socket.socket() as squatter:  # taken between choosing and the child's bind
+        squatter.bind(("127.0.0.1", chosen))
+        squatter.listen()
+        with shaper:
+            assert shaper.port != chosen
+            assert echoed(shaper.port, b"moved")[0] == b"moved"
+
+
+def test_shaper_process_dies_with_a_killed_parent(echo_port: int, tmp_path: Path) -> None:
+    """Its stdin is a lifeline: a parent killed by SIGKILL (no finalizer runs) leaves no
+    shaper behind."""
+    script = (
+        "import sys, time\n"
+        "from bootseer.testing.shaper import ShaperProcess\n"
+        f"s = ShaperProcess('127.0.0.1', {echo_port})\n"
+        "s.start()\n"
+        "print(s.pid, s.port, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen(
+        [PY, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    try:
+        assert parent.stdout is not None
+        pid, port = (int(x) for x in parent.stdout.readline().split())
+        assert echoed(port, b"alive")[0] == b"alive"
+    finally:
+        parent.kill()
+        parent.wait()
+    assert gone([pid]), "the shaper outlived its SIGKILLed parent"
+    assert refused(port)
 
 
 def test_the_documented_example_runs(capsys: pytest.CaptureFixture[str]) -> None:

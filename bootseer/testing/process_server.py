@@ -16,7 +16,10 @@ it once:
   log's tail;
 - ``stop()`` signals the child (SIGTERM; its process group by default), SIGKILLs it after
   ``stop_grace`` seconds, and leaves no process of the group behind; a dropped server object
-  is stopped by a finalizer.
+  is stopped by a finalizer;
+- with ``stdin_lifeline``, the child's stdin is a pipe this process holds: a child that exits
+  at EOF on stdin (the shaper's ``--exit-on-stdin-eof``) dies with this process even when it is
+  SIGKILLed, when no finalizer runs.
 
 This module must not import pytest: the benchmarks use it too.
 """
@@ -261,10 +264,12 @@ class ProcessServer:
     files that name the port), :meth:`cleanup` (after each stop), :meth:`popen_env`.
     ``start()`` again after ``stop()`` keeps the port. ``close()`` also removes the private
     log directory. A server that listens on no TCP port (containerd: a unix socket) sets
-    ``listens_on_tcp = False``: no port is chosen and ``port`` is 0.
+    ``listens_on_tcp = False``: no port is chosen and ``port`` is 0. A child that exits when
+    its stdin closes sets ``stdin_lifeline = True``: stdin is a pipe held open until ``stop()``.
     """
 
     listens_on_tcp = True
+    stdin_lifeline = False
 
     def __init__(
         self,
@@ -394,7 +399,7 @@ class ProcessServer:
             try:
                 proc = subprocess.Popen(
                     argv,
-                    stdin=subprocess.DEVNULL,
+                    stdin=subprocess.PIPE if self.stdin_lifeline else subprocess.DEVNULL,
                     stdout=log,
                     stderr=log,
                     env=self.popen_env(),
@@ -468,6 +473,9 @@ class ProcessServer:
                 )
                 self._returncode = proc.returncode
         finally:
+            if proc is not None and proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
             self.cleanup()
 
     def close(self) -> None:

@@ -31,17 +31,16 @@ import contextlib
 import dataclasses
 import ipaddress
 import os
-import select
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
+
+from .process_server import ProcessServer
 
 MAX_CHUNK = 256 * 1024  # largest read; unshaped links move data in these
 MIN_CHUNK = 8 * 1024  # smallest read on a slow link, to keep per-chunk overhead bounded
@@ -492,12 +491,21 @@ class Shaper:
 # -- subprocess mode ---------------------------------------------------------------------------
 
 
-class ShaperProcess:
-    """The same proxy in a child process (``python -m bootseer.testing.shaper``).
+class ShaperProcess(ProcessServer):
+    """The same proxy in a child process (``python -m bootseer.testing.shaper``), on the
+    common base (:class:`~bootseer.testing.process_server.ProcessServer`): a free port chosen
+    here (``listen_port=0``; moved when the child logs it taken), its stdout and stderr in a
+    private log, ready at its ``LISTENING`` line, stopped by pid, SIGKILL after the grace.
 
-    Why: in benchmarks the client is Python too; an in-process proxy would take GIL time from
-    the very code being measured. No counters or fault injection here: use :class:`Shaper`.
+    Why a child: in benchmarks the client is Python too; an in-process proxy would take GIL
+    time from the very code being measured. No counters or fault injection here: use
+    :class:`Shaper`. Its stdin is a lifeline (``--exit-on-stdin-eof``): the child exits when
+    this process dies, even by SIGKILL. ``host`` is the listen host and ``address``
+    ``HOST:PORT``, as on :class:`Shaper`; no probe connection is made (it would reach the
+    upstream).
     """
+
+    stdin_lifeline = True
 
     def __init__(
         self,
@@ -509,24 +517,36 @@ class ShaperProcess:
         start_timeout: float = 30.0,
     ) -> None:
         self.upstream = (_check_loopback(upstream_host), int(upstream_port))
-        self.host = _check_loopback(listen_host)
-        self.port = int(listen_port)
+        self.listen_host = _check_loopback(listen_host)
         self.settings = settings if settings is not None else ShaperSettings()
-        self.start_timeout = start_timeout
-        self._proc: subprocess.Popen[bytes] | None = None
+        super().__init__(
+            name="shaper",
+            port=int(listen_port) or None,
+            start_timeout=start_timeout,
+        )
+
+    @property
+    def host(self) -> str:
+        """The listen host (as on :class:`Shaper`; the base's ``host`` is ``HOST:PORT``)."""
+        return self.listen_host
 
     @property
     def address(self) -> str:
         """'127.0.0.1:PORT', what clients connect to."""
-        return _join(self.host, self.port)
+        return _join(self.listen_host, self.port)
+
+    @property
+    def url(self) -> str:
+        """``http://ADDRESS``, for an HTTP server behind the link."""
+        return f"http://{self.address}"
 
     def command(self) -> list[str]:
-        """The child's command line."""
+        """The child's command line (the port final once started)."""
         s = self.settings
         cmd = [
             sys.executable, "-m", "bootseer.testing.shaper",
             "--upstream", _join(*self.upstream),
-            "--listen", _join(self.host, self.port),
+            "--listen", self.address,
             "--latency-ms", repr(s.latency_s * 1e3),
             "--exit-on-stdin-eof",
         ]  # fmt: skip
@@ -536,65 +556,19 @@ class ShaperProcess:
             cmd += ["--total-mbps", repr(s.total_bps / 1e6)]
         return cmd
 
-    def start(self) -> Self:
-        """Launch the child and wait for its LISTENING line."""
-        if self._proc is not None:
-            raise RuntimeError("shaper process already started")
+    def argv(self) -> list[str]:
+        return self.command()
+
+    def popen_env(self) -> dict[str, str]:
+        """This process's environment, this very package first on PYTHONPATH."""
         env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])  # import this very package in the child
+        root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        # stdin stays open as a lifeline: if this process dies, the child sees EOF and exits.
-        self._proc = subprocess.Popen(
-            self.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
-        )
-        try:
-            line = self._read_line()
-            if not line.startswith("LISTENING "):
-                raise RuntimeError(f"shaper process did not start (got {line!r})")
-            self.host, self.port = _split(line.split(" ", 1)[1])
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        return env
 
-    def _read_line(self) -> str:
-        assert self._proc is not None and self._proc.stdout is not None
-        out = self._proc.stdout
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"shaper process not listening after {self.start_timeout} s")
-            ready, _, _ = select.select([out], [], [], left)
-            if ready:
-                line = out.readline().decode(errors="replace").strip()
-                if not line:
-                    code = self._proc.wait(timeout=5)
-                    raise RuntimeError(f"shaper process exited with code {code} before listening")
-                return line
-
-    def stop(self) -> None:
-        """SIGTERM the child (SIGKILL if it lingers); idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def is_ready(self) -> bool:
+        """The child printed ``LISTENING HOST:PORT`` for this very port."""
+        return f"LISTENING {self.address}\n" in self.log_tail(1 << 16) + "\n"
 
 
 async def _serve(shaper: Shaper, watch_stdin: bool) -> None:
