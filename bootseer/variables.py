@@ -144,6 +144,12 @@ VARIABLES: tuple[Variable, ...] = (
         "(ckpt.skip, read by CheckpointManager)",
     ),
     Variable(
+        "BOOTSEER_MOUNT_LOG",
+        "hand-off",
+        "bootseer fs/image mount -> its background mount process: its private log, "
+        "removed by it once it unmounted cleanly",
+    ),
+    Variable(
         "BOOTSEER_ROOTFS",
         "hand-off",
         "bootseer image record --no-chroot -> the recorded command: the image's mount",

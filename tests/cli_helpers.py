@@ -42,6 +42,19 @@ def background_log(stdout: str, kind: str) -> Path:
     return log
 
 
+def log_removed(log: Path, timeout: float = 10.0) -> bool:
+    """A background mount that unmounted cleanly removes its log and the log's private
+    directory (bootseer.cli.mounts.remove_own_log): True once both are gone."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while log.parent.exists():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def remove_background_log(log: Path, kind: str) -> None:
     """Remove the private directory of a background mount's log, and nothing else: never a
     directory that is not that mount's own (an older version logged straight into /tmp)."""

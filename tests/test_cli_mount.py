@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from canary import Canary
-from cli_helpers import background_log, bootseer_cli, remove_background_log
+from cli_helpers import background_log, bootseer_cli, log_removed, remove_background_log
 from unprivileged import as_nobody, mode, need_setpriv, umask
 
 from bootseer.cli.mounts import start_background_mount
@@ -57,6 +57,7 @@ def test_background_mount_of_s3_shows_striped_files(tmp_path, mountpoint, s3_buc
     )
     assert up.returncode == 0, up.stderr
     assert "mounted" in up.stdout and is_mounted(mountpoint)
+    log = background_log(up.stdout, "fs")
     assert sorted(os.listdir(mountpoint)) == ["model.bin", "plain.txt"]  # no hidden stripes
     assert os.stat(mountpoint / "model.bin").st_size == len(data)
     # cp out, dd out in large blocks, Python random access
@@ -82,6 +83,7 @@ def test_background_mount_of_s3_shows_striped_files(tmp_path, mountpoint, s3_buc
     down = run_cli("fs", "umount", str(mountpoint))
     assert down.returncode == 0, down.stderr
     assert not is_mounted(mountpoint)
+    assert log_removed(log), f"the clean mount's log outlived it: {log}"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -126,6 +128,16 @@ def test_mount_of_missing_url_is_a_clear_error(tmp_path, mountpoint):
     assert not is_mounted(mountpoint)
 
 
+def test_background_mount_that_fails_says_why_and_leaves_no_log_directory(tmp_path, mountpoint):
+    """The error carries the log's tail, so the private log directory goes with the failure."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = run_cli("fs", "mount", str(tmp_path / "nope"), str(mountpoint), env={"TMPDIR": str(tmp)})
+    assert proc.returncode != 0 and "does not exist" in proc.stderr, proc.stderr
+    assert not is_mounted(mountpoint)
+    assert list(tmp.iterdir()) == []
+
+
 def test_the_background_log_is_private_and_follows_no_planted_link(tmp_path, mountpoint, capsys):
     """The log used to be /tmp/bootseer-<kind>-<mountpoint's name>-<pid>.log, opened for
     appending as whoever mounted (root): a user who planted a symlink there had the mount
@@ -156,11 +168,10 @@ def test_the_background_log_is_private_and_follows_no_planted_link(tmp_path, mou
         assert (mountpoint / "f").read_bytes() == b"through the mount\n"
         st = os.lstat(log)
         assert stat.S_ISREG(st.st_mode) and (mode(log.parent), mode(log)) == (0o700, 0o600)
+        text = log.read_text()
+        assert f"at {mountpoint} (read_only" in text  # the mount's own log went there
         unmount(mountpoint)
-        deadline = time.monotonic() + 10
-        while "unmounted" not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert "unmounted" in log.read_text()  # the mount's own log went there
+        assert log_removed(log)  # unmounted cleanly: its log and directory removed
         canary.assert_unchanged()
         assert os.readlink(planted) == str(canary.victim)
     finally:

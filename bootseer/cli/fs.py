@@ -13,7 +13,7 @@ from striped_fs import redact, split_credentials, url_to_fs
 from ..config import add_config_arguments, storage_options
 from ..progress import ByteProgress, human_bytes
 from .errors import CliError
-from .mounts import start_background_mount
+from .mounts import remove_own_log, start_background_mount
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -165,6 +165,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         read_only=args.read_only,
         allow_other=args.allow_other,
     )
+    remove_own_log()  # unmounted cleanly: a background mount's log is not needed
     return 0
 
 

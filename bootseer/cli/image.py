@@ -26,7 +26,7 @@ from typing import Any
 from ..config import add_config_arguments
 from ..progress import human_bytes
 from .errors import CliError
-from .mounts import start_background_mount
+from .mounts import remove_own_log, start_background_mount
 
 log = logging.getLogger("bootseer")
 
@@ -221,6 +221,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         if args.stats:
             Path(args.stats).write_text(json.dumps(image.lazy.fetcher.report().as_dict()))
         image.close()
+    remove_own_log()  # unmounted cleanly: a background mount's log is not needed
     return 0
 
 
