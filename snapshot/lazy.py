@@ -555,6 +555,8 @@ def mount_lazy(
                 proc.kill()
         if is_mounted(prefix):
             unmount(prefix, lazy=True)
+        if tmpdir:  # the stats file of a mount that never came up
+            shutil.rmtree(tmpdir, ignore_errors=True)
         raise SnapshotError(f"could not mount snapshot {key} at {prefix}: {exc}") from exc
     _drain(proc)
     return LazyMount(prefix, key, proc, os.fspath(stats_path), tmpdir)

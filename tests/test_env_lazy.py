@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -453,7 +454,10 @@ def _members_with(bad: Member) -> tuple[list[Member], bytes]:
         (Member(".bootseer/env.json", "f", 0o644, MTIME_NS), "reserved"),
     ],
 )
-def test_crafted_members_refuse_the_mount(bad, rule, tmp_path, request, mounts):
+def test_crafted_members_refuse_the_mount(bad, rule, tmp_path, request, mounts, monkeypatch):
+    tmp = tmp_path / "tmp"  # where mount_lazy makes its stats directory
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     sut = make_store("local", tmp_path, request)
     members, stream = _members_with(bad)
     manifest = publish_crafted(sut.open(), members, stream, prefix=tmp_path / "lazy")
@@ -462,6 +466,7 @@ def test_crafted_members_refuse_the_mount(bad, rule, tmp_path, request, mounts):
     assert rule in str(info.value) and bad.path in str(info.value)
     assert not is_mounted(tmp_path / "lazy")
     assert os.listdir(tmp_path / "lazy") == []
+    assert os.listdir(tmp) == []  # the refused mount's bootseer-env-mount-* went with it
 
 
 def test_a_non_empty_prefix_or_another_prefix_is_refused(tmp_path, request, mounts):
