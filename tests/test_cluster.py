@@ -259,10 +259,20 @@ def test_teardown_leaves_nothing_after_a_killed_node_and_an_exception() -> None:
 
     cluster = Cluster(2, services=("s3", "rendezvous"))
     pids: list[int] = []
+    left: list[Path] = []  # what a killed program leaves in its temporary directory
+    leaver = (
+        "import tempfile, time; print(tempfile.mkdtemp(prefix='bootseer-control-'), "
+        "flush=True); time.sleep(600)"
+    )
     try:
         with pytest.raises(RuntimeError, match="the test failed"), cluster as c:
             for node in c.nodes:
                 pids.append(node.popen(["sleep", "600"]).pid)
+                proc = node.popen([sys.executable, "-c", leaver], stdout=subprocess.PIPE, text=True)
+                pids.append(proc.pid)
+                assert proc.stdout is not None
+                left.append(Path(proc.stdout.readline().strip()))
+                assert left[-1].parent == node.tmp and left[-1].is_dir()  # TMPDIR: the node's
             pids += c.services.cgroup.pids()
             c.fill_disk(0)
             c.kill_node(1)
@@ -275,6 +285,7 @@ def test_teardown_leaves_nothing_after_a_killed_node_and_an_exception() -> None:
     assert cluster.dir is not None and not cluster.dir.exists()
     assert mounts_under(cluster.dir) == []
     assert not any(_alive(p) for p in pids)
+    assert not any(p.exists() for p in left)  # went with the node, not left in /tmp
     cluster.close()  # again: a no-op
 
 

@@ -65,6 +65,12 @@ def wait_for_line(proc: subprocess.Popen, prefix: str, what: str, timeout_s: flo
                 return line.strip()
 
 
+MAX_TMPDIR_LEN = 64
+"""Longest host ``TMPDIR`` given: a unix socket path has at most 107 bytes, and
+multiprocessing puts ``pymp-XXXXXXXX/listener-XXXXXXXX`` in it (a deep ``workdir`` keeps
+the inherited one)."""
+
+
 class Host:
     """One machine: ``name`` (its host name), ``address`` on the switch, ``netns`` (the
     network namespace's name), a cgroup, and ``root``, its private directory."""
@@ -100,9 +106,17 @@ class Host:
     def logs(self) -> Path:
         return self.root / "logs"
 
+    @property
+    def tmp(self) -> Path:
+        """The host's own temporary directory (its programs' ``TMPDIR``), removed with
+        ``root``: what they leave there when the host is killed (torchelastic's and
+        multiprocessing's directories, ``bootseer run``'s control directory) goes with it."""
+        return self.root / "tmp"
+
     def _create(self, switch: Switch, port: str, link: Any) -> None:
         self.root.mkdir(mode=0o700)
         self.logs.mkdir()
+        self.tmp.mkdir(mode=0o700)
         create_netns(self.netns)
         switch.connect(port, self.netns, self.address, link)
         create_uts(self.uts, self.name)
@@ -113,9 +127,12 @@ class Host:
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """The environment a program on this host gets: this process's, without HTTP proxies
-        (nothing outside the cluster is reachable), with gloo and tensorpipe bound to the
+        (nothing outside the cluster is reachable), ``TMPDIR`` the host's :attr:`tmp` (when
+        its path is short enough for the sockets made in it), with gloo and tensorpipe bound to the
         host's interface and dummy S3 credentials; ``extra`` on top."""
         env = {k: v for k, v in os.environ.items() if k.lower() not in _PROXY_VARS}
+        if len(str(self.tmp)) <= MAX_TMPDIR_LEN:  # else unix sockets made in it would not fit
+            env["TMPDIR"] = str(self.tmp)
         env.update(
             GLOO_SOCKET_IFNAME=HOST_IFNAME,
             TP_SOCKET_IFNAME=HOST_IFNAME,
