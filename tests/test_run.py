@@ -293,6 +293,26 @@ def test_ready_gives_a_first_step_span(tmp_path):
     assert not list(trace.glob("stacks-*"))  # empty dump files are cleaned up
 
 
+@pytest.mark.parametrize("code", [0, 3])
+def test_the_control_directory_is_removed_when_the_run_ends(tmp_path, code):
+    """The ranks' ready/heartbeat/status files live in a private bootseer-control-* directory
+    of TMPDIR: a run that ends, well or not, removes it with what the ranks wrote there."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = 'echo "control=$BOOTSEER_CONTROL_DIR"; echo "{}" > "$BOOTSEER_CONTROL_DIR/ready-0"'
+    proc = run_wrapper(
+        tmp_path / "trace",
+        "--max-restarts",
+        "0",
+        command=["sh", "-c", f"{script}; exit {code}"],
+        env={"TMPDIR": str(tmp)},
+    )
+    assert proc.returncode == code, proc.stderr
+    control = Path(proc.stdout.split("control=", 1)[1].splitlines()[0])
+    assert control.parent == tmp and control.name.startswith("bootseer-control-"), control
+    assert not control.exists() and list(tmp.iterdir()) == []
+
+
 def test_a_hang_is_dumped_killed_and_restarted(tmp_path):
     trace, counter = tmp_path / "trace", tmp_path / "count"
     proc = run_wrapper(

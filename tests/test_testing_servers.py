@@ -307,6 +307,25 @@ def test_subclass_hooks_run_per_launch(tmp_path: Path) -> None:
     assert "pids" in (tmp_path / "configured.log").read_text()  # a given log path is kept
 
 
+def test_containerd_socket_directory_goes_with_its_server(tmp_path: Path) -> None:
+    """ContainerdServer makes a short bootseer-ctd-* directory in /tmp for its socket at
+    construction: stop() removes it, and so does dropping a server that never started."""
+    from bootseer.testing.containerd import ContainerdServer
+
+    stopped = ContainerdServer(tmp_path / "a")
+    sock_dir = Path(stopped.sock_dir)
+    assert sock_dir.is_dir() and len(stopped.address) < 108
+    stopped.stop()
+    assert not sock_dir.exists()
+
+    dropped = ContainerdServer(tmp_path / "b")
+    sock_dir = Path(dropped.sock_dir)
+    assert sock_dir.is_dir()
+    del dropped
+    gc.collect()
+    assert not sock_dir.exists(), "the socket directory outlived its server object"
+
+
 # -- the shaper's child process -----------------------------------------------------------------
 
 

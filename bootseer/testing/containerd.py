@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Self
@@ -83,8 +84,10 @@ class ContainerdServer(ProcessServer):
         self.cri = cri
         # name -> socket of a proxy snapshotter plugin (`ctr run --snapshotter NAME`)
         self.proxy_snapshotters = dict(proxy_snapshotters or {})
-        # A unix socket path must stay short (108 bytes): not under a deep tmp_path.
+        # A unix socket path must stay short (108 bytes): not under a deep tmp_path. Removed by
+        # stop(); by a finalizer when the object is dropped unstopped (a start that failed).
         self._sock_dir = tempfile.mkdtemp(prefix="bootseer-ctd-")
+        weakref.finalize(self, shutil.rmtree, self._sock_dir, True)
         self.sock_dir = self._sock_dir  # short paths for other sockets of the test
         self.address = os.path.join(self._sock_dir, "containerd.sock")
 
@@ -107,14 +110,17 @@ class ContainerdServer(ProcessServer):
             return self
         missing = [b for b in ("containerd", "ctr") if shutil.which(b) is None]
         if missing:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
             raise ComponentUnavailable(f"needs {', '.join(missing)} (apt: containerd)")
         if os.geteuid() != 0:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
             raise ComponentUnavailable("containerd needs root")
         self.start_timeout = timeout_s
         return super().start()
 
     def prepare(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        os.makedirs(self._sock_dir, mode=0o700, exist_ok=True)  # a restart: stop() removed it
         self.config_path.write_text(
             f'version = 2\nroot = "{self.root}"\nstate = "{self.dir}/state"\n'
             + ("" if self.cri else 'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n')
