@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
-from cli_helpers import bootseer_cli
+from cli_helpers import bootseer_cli, log_removed
 
 from striped_fs.redact import redact_argv
 
@@ -243,9 +243,10 @@ def test_background_mount_keeps_credentials_off_its_command_line_and_log(store, 
             assert secret not in cmdline
         assert f"s3://{bucket}/" in cmdline
         os.listdir(mnt)  # some traffic for the log
+        logs = list(Path(env["TMPDIR"]).glob("bootseer-fs-mount-*/*.log"))  # a private dir each
+        assert logs
+        assert_clean(up, *logs)  # while mounted: a clean unmount removes the log
     finally:
         if is_mounted(mnt):
             unmount(mnt, lazy=True)
-    logs = list(Path(env["TMPDIR"]).glob("bootseer-fs-mount-*/*.log"))  # a private dir each
-    assert logs
-    assert_clean(up, *logs)
+    assert all(log_removed(log) for log in logs)
