@@ -11,7 +11,15 @@ import json
 from typing import Any
 
 import pytest
-from e2e_helpers import E2ERun, mb, node_reads, origin_egress, rank_of, survivor_allowance
+from e2e_helpers import (
+    E2ERun,
+    mb,
+    node_reads,
+    origin_egress,
+    rank_of,
+    save_log,
+    survivor_allowance,
+)
 from test_bench_harness import check_quick_results
 
 
@@ -100,6 +108,7 @@ def test_the_multi_node_restart_resumes_bit_identical_as_the_benchmark_runs_it(
         check=False,
         cwd=ROOT,
     )
+    save_log(run, results.parent / "nodes-bench.log")
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-6000:]
     report = json.loads((results / "e2e-nodes.json").read_text())
     assert not report["errors"], report["errors"]
