@@ -79,7 +79,8 @@ def test_the_multi_node_restart_resumes_bit_identical_as_the_benchmark_runs_it(
     must leave the restart to torchrun: until 2026-12 it killed torchrun 15 s after its
     rank's gloo error, in the middle of the rendezvous, and the restart failed every time.
     Then the egress (issue 29): what left the origins, and what the survivors read.
-    Runs after the one-node form, on its cache (the image's rootfs and the torch wheels)."""
+    Runs after the one-node form, on its cache (the image's rootfs, its layers and their
+    conversion, benchmarks/e2e_cache.py, and the torch wheels)."""
     import subprocess
     import sys
 
