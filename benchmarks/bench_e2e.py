@@ -79,6 +79,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_prefetch as bp  # noqa: E402
+import e2e_cache  # noqa: E402
 import e2e_diy  # noqa: E402
 import e2e_image  # noqa: E402
 from _common import (
@@ -101,6 +102,9 @@ TORCH = "torch==2.13.0"
 LINKS = {"registry": (1.0, 10.0, 160.0), "index": (1.0, 10.0, 160.0), "s3": (1.0, 10.0, 100.0)}
 BUCKETS = ("ckpt", "envs")
 STEP_TIMEOUT_S = 1200.0
+# gzip level by --quick: a quick run's image is built afresh in every CI run (e2e_image's
+# layer_from_tree); the multi-node scenario uses the same, so its layers are the one-node's
+LEVEL = {True: 1, False: 6}
 PHASES = [  # (key, label, colour) in critical-path order
     ("image", "image pull", "#4e79a7"),
     ("container", "container start / restart", "#a0cbe8"),
@@ -279,7 +283,7 @@ def deps_layer(work: Path, image_dir: Path, wheel_dir: Path) -> dict[str, Any]:
     ref = image_dir / "e2e" / f"deps-for-{key}.json"
     with contextlib.suppress(OSError, ValueError):
         meta = json.loads(ref.read_text())
-        if Path(meta["path"]).is_file():
+        if e2e_cache.layer_intact(meta):
             return meta
     tree = work / "deps-tree"
     log(f"baking {TORCH} into a layer (once per set of wheels)")
@@ -359,26 +363,19 @@ class Bench:
         self.stack.callback(self.cleanup)
         image_dir = self.cache / "image"
         image_dir.mkdir(parents=True, exist_ok=True)
-        base = bp.build_base(image_dir, self.args.base or ("host" if self.quick else "auto"))
+        self.R["image"] = e2e_image.training_layers(
+            self.cache,
+            self.work,
+            self.args.base or ("host" if self.quick else "auto"),
+            LEVEL[self.quick],
+        )
+        base, layers = self.R["image"]["base"], self.R["image"]["layers"]
         log(f"image base: {base['source']}, python {base.get('python')}")
-        level = 1 if self.quick else 6  # quick: the image is built afresh in every CI run
-        layers = [
-            e2e_image.layer_from_tree(
-                image_dir / f"base-{base['source']}",
-                image_dir / "e2e",
-                f"base-{base['source']}",
-                level,
-            )
-        ]
-        tree = self.work / "runtime-tree"
-        runtime = e2e_image.build_runtime_tree(tree)
-        layers.append(e2e_image.layer_from_tree(tree, image_dir / "e2e", "runtime", level))
-        shutil.rmtree(tree)
-        self.R["image"] = {"base": base, "layers": layers, **runtime}
         log(
             "image layers: "
             + ", ".join(
                 f"{la['name']} {la['tar_bytes'] / 1e6:.0f} MB tar, {la['size'] / 1e6:.0f} MB gzip"
+                + (" (kept)" if la.get("reused") else "")
                 for la in layers
             )
         )
@@ -409,15 +406,7 @@ class Bench:
             "bootseer-lazy",
             "bootseer-warm",
         }:  # the converted image
-            log("converting to the bootseer layer format")
-            conv = self._helper(
-                "convert",
-                {
-                    "src": f"{self.registry.host}/{repo}:gzip",
-                    "dst": f"{self.registry.host}/{repo}:lazy",
-                    "workdir": str(self.work),
-                },
-            )
+            conv = self.convert(f"{repo}:gzip", f"{repo}:lazy")
             self.R["conversion"] = conv
             self.lazy_ref = f"{registry_addr}/{repo}:lazy"
             self.lazy_blobs = [self.registry.blob_path(d) for d in conv["layer_digests"]]
@@ -432,15 +421,7 @@ class Bench:
                 f"{diy_layers[-1]['size'] / 1e6:.0f} MB gzip more)"
             )
         if set(self.methods) & set(BAKED):  # the diy image in bootseer's layer format
-            log("converting the image with the dependencies baked in")
-            conv = self._helper(
-                "convert",
-                {
-                    "src": f"{self.registry.host}/{repo}:diy",
-                    "dst": f"{self.registry.host}/{repo}:baked-lazy",
-                    "workdir": str(self.work),
-                },
-            )
+            conv = self.convert(f"{repo}:diy", f"{repo}:baked-lazy")
             self.R["conversion_baked"] = conv
             self.baked_ref = f"{registry_addr}/{repo}:baked-lazy"
             self.baked_blobs = [self.registry.blob_path(d) for d in conv["layer_digests"]]
@@ -486,6 +467,21 @@ class Bench:
             + "; ".join(f"{k} {ShaperSettings.from_mb(*v).describe()}" for k, v in LINKS.items())
             + ")"
         )
+
+    def convert(self, src: str, dst: str) -> dict[str, Any]:
+        """Image ``src`` of the run's registry converted to bootseer's layer format as ``dst``:
+        once per source manifest digest in the cache (``e2e_cache.convert_cached``)."""
+        src, dst = f"{self.registry.host}/{src}", f"{self.registry.host}/{dst}"
+        t0 = time.perf_counter()
+        conv = e2e_cache.convert_cached(
+            self.cache / e2e_cache.CONVERTED,
+            src,
+            dst,
+            lambda: self._helper("convert", {"src": src, "dst": dst, "workdir": str(self.work)}),
+        )
+        how = "kept conversion pushed" if conv["cached"] else "converted"
+        log(f"{dst}: {how} to the bootseer layer format in {time.perf_counter() - t0:.1f} s")
+        return conv
 
     def _helper(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
         out = bp.run_checked(

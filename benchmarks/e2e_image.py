@@ -15,7 +15,8 @@ Two gzip layers, as ``docker build`` would push them:
 
 The runtime's distributions are copied from the virtual environment running the benchmark (the
 closure of the project's dependencies without torch): same Python minor, same wheels. Layers
-are cached under ``CACHE/image/e2e`` by the sha256 of their (deterministic) tar stream.
+are cached under ``CACHE/image/e2e`` by a digest of what goes into them (``e2e_cache``), and
+their gzip blobs by the sha256 of their (deterministic) tar stream.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import e2e_cache
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,12 +90,11 @@ def _copy_file(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def build_runtime_tree(dest: Path) -> dict[str, Any]:
-    """``dest`` becomes the runtime layer's tree."""
-    site = dest / SITE
-    bindir = dest / "opt/bootseer/bin"
-    site.mkdir(parents=True)
-    bindir.mkdir(parents=True)
+def runtime_sources() -> tuple[dict[str, Path], list[str]]:
+    """Every file the runtime layer copies, by its path in the tree, and the distributions
+    (``name==version``): what :func:`build_runtime_tree` builds from, and the layer's cache key
+    is a digest of."""
+    files: dict[str, Path] = {}
     dists = runtime_distributions()
     for dist in dists:
         for rel in dist.files or []:
@@ -102,14 +103,32 @@ def build_runtime_tree(dest: Path) -> dict[str, Any]:
                 continue
             if rel.parts[0] == "..":  # console scripts and binaries under the venv's bin/
                 if src.name == "uv":
-                    _copy_file(src, bindir / "uv")
+                    files["opt/bootseer/bin/uv"] = src
                 continue
-            _copy_file(src, site / rel)
-    for pkg in PROJECT_PACKAGES:
-        shutil.copytree(
-            ROOT / pkg, site / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "testing")
-        )
-    # bootseer.testing is not part of the runtime, but bootseer.cli imports nothing from it.
+            files[f"{SITE}/{rel}"] = src
+    for pkg in PROJECT_PACKAGES:  # bootseer.testing is not part of the runtime
+        for dirpath, dirs, names in os.walk(ROOT / pkg):
+            dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "testing"))
+            for name in names:
+                if not name.endswith(".pyc") and name != "testing":
+                    src = Path(dirpath) / name
+                    files[f"{SITE}/{src.relative_to(ROOT)}"] = src
+    # libfuse2 for a lazy environment (bootseer-lazy: fusepy loads it by FUSE_LIBRARY_PATH,
+    # the minimal rootfs has no ldconfig cache); no fusermount: the container's root mounts
+    if os.path.exists(HOST_LIBFUSE):
+        files[LIBFUSE.lstrip("/")] = Path(os.path.realpath(HOST_LIBFUSE))
+    files["app/train.py"] = ROOT / "benchmarks/e2e_train.py"
+    return files, [f"{d.metadata['Name']}=={d.version}" for d in dists]
+
+
+def build_runtime_tree(dest: Path, files: dict[str, Path]) -> None:
+    """``dest`` becomes the runtime layer's tree: ``files`` (:func:`runtime_sources`), the
+    entrypoint's distribution metadata and the bytecode."""
+    (dest / SITE).mkdir(parents=True)
+    (dest / "opt/bootseer/bin").mkdir(parents=True)
+    for rel, src in files.items():
+        _copy_file(src, dest / rel)
+    site = dest / SITE
     version = re.search(r'__version__ = "([^"]+)"', (ROOT / "bootseer/__init__.py").read_text())
     info = site / f"bootseer-{version.group(1) if version else '0'}.dist-info"
     info.mkdir()
@@ -121,17 +140,7 @@ def build_runtime_tree(dest: Path) -> dict[str, Any]:
         "[fsspec.specs]\nstriped = striped_fs.filesystem:StripedFileSystem\n"
     )
     (info / "RECORD").write_text("")
-    # libfuse2 for a lazy environment (bootseer-lazy: fusepy loads it by FUSE_LIBRARY_PATH,
-    # the minimal rootfs has no ldconfig cache); no fusermount: the container's root mounts
-    if os.path.exists(HOST_LIBFUSE):
-        lib = dest / LIBFUSE.lstrip("/")
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(os.path.realpath(HOST_LIBFUSE), lib)
-    app = dest / "app"
-    app.mkdir()
-    shutil.copy2(ROOT / "benchmarks/e2e_train.py", app / "train.py")
     compile_tree(site, f"/{SITE}")
-    return {"distributions": [f"{d.metadata['Name']}=={d.version}" for d in dists]}
 
 
 def compile_tree(tree: Path, ddir: str) -> None:
@@ -219,7 +228,7 @@ def layer_from_tree(tree: Path, cache: Path, name: str, level: int = 6) -> dict[
     tag = diff.hexdigest()[:16] + ("" if level == 6 else f"-gz{level}")
     meta_path = cache / f"{name}-{tag}.json"
     gz_path = cache / f"{name}-{tag}.tar.gz"
-    if meta_path.exists() and gz_path.exists():
+    if meta_path.exists() and e2e_cache.layer_intact(json.loads(meta_path.read_text())):
         tar_path.unlink()
         return json.loads(meta_path.read_text())
     with open(gz_path.with_suffix(".partial"), "wb") as out:
@@ -290,22 +299,39 @@ def push_image(
         return reg.put_manifest(repo, tag, manifest, OCI_MANIFEST)
 
 
-def training_layers(cache: Path, work: Path, base_choice: str) -> dict[str, Any]:
-    """The training image's layers, built once per content under ``cache/image``: the base
-    (``bench_prefetch.build_base``'s ``base_choice``) and the runtime layer; ``work`` holds
-    the runtime tree while it is packed. Returns ``{"base", "layers", **runtime}``."""
+def training_layers(cache: Path, work: Path, base_choice: str, level: int = 6) -> dict[str, Any]:
+    """The training image's layers at gzip ``level``, built once per content under
+    ``cache/image`` (``e2e_cache.cached_layer``): the base (``bench_prefetch.build_base``'s
+    ``base_choice``), keyed by its record and its tree, and the runtime layer, keyed by the
+    files it copies; both by this module's source (the recipe). ``work`` holds the runtime tree
+    while it is packed. Returns ``{"base", "layers", "distributions"}``."""
     import bench_prefetch as bp
 
     image_dir = cache / "image"
     image_dir.mkdir(parents=True, exist_ok=True)
+    layers_dir = image_dir / "e2e"
+    recipe = e2e_cache.file_sha256(Path(__file__))
     base = bp.build_base(image_dir, base_choice)
+    name = f"base-{base['source']}"
+    base_tree = image_dir / name
+    base_key = e2e_cache.content_key(
+        e2e_cache.tree_files(base_tree), recipe, json.dumps(base, sort_keys=True), str(level)
+    )
     layers = [
-        layer_from_tree(
-            image_dir / f"base-{base['source']}", image_dir / "e2e", f"base-{base['source']}"
+        e2e_cache.cached_layer(
+            layers_dir, name, base_key, lambda: layer_from_tree(base_tree, layers_dir, name, level)
         )
     ]
-    tree = work / "runtime-tree"
-    runtime = build_runtime_tree(tree)
-    layers.append(layer_from_tree(tree, image_dir / "e2e", "runtime"))
-    shutil.rmtree(tree)
-    return {"base": base, "layers": layers, **runtime}
+    files, dists = runtime_sources()
+
+    def runtime() -> dict[str, Any]:
+        tree = work / "runtime-tree"
+        try:
+            build_runtime_tree(tree, files)
+            return layer_from_tree(tree, layers_dir, "runtime", level)
+        finally:
+            shutil.rmtree(tree, ignore_errors=True)
+
+    runtime_key = e2e_cache.content_key(files, recipe, sys.version, str(level))
+    layers.append(e2e_cache.cached_layer(layers_dir, "runtime", runtime_key, runtime))
+    return {"base": base, "layers": layers, "distributions": dists}

@@ -11,7 +11,15 @@ import json
 from typing import Any
 
 import pytest
-from e2e_helpers import E2ERun, mb, node_reads, origin_egress, rank_of, survivor_allowance
+from e2e_helpers import (
+    E2ERun,
+    mb,
+    node_reads,
+    origin_egress,
+    rank_of,
+    save_log,
+    survivor_allowance,
+)
 from test_bench_harness import check_quick_results
 
 
@@ -71,7 +79,8 @@ def test_the_multi_node_restart_resumes_bit_identical_as_the_benchmark_runs_it(
     must leave the restart to torchrun: until 2026-12 it killed torchrun 15 s after its
     rank's gloo error, in the middle of the rendezvous, and the restart failed every time.
     Then the egress (issue 29): what left the origins, and what the survivors read.
-    Runs after the one-node form, on its cache (the image's rootfs and the torch wheels)."""
+    Runs after the one-node form, on its cache (the image's rootfs, its layers and their
+    conversion, benchmarks/e2e_cache.py, and the torch wheels)."""
     import subprocess
     import sys
 
@@ -100,6 +109,7 @@ def test_the_multi_node_restart_resumes_bit_identical_as_the_benchmark_runs_it(
         check=False,
         cwd=ROOT,
     )
+    save_log(run, results.parent / "nodes-bench.log")
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-6000:]
     report = json.loads((results / "e2e-nodes.json").read_text())
     assert not report["errors"], report["errors"]
