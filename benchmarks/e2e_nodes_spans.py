@@ -343,7 +343,27 @@ def check_identical(events: list[dict[str, Any]], kill_t: float) -> dict[str, An
         f"{n}/r{k}" for n, k, v in loaded if v is None or saved.get((v["step"], k)) != v["digest"]
     ]
     steps = sorted({v["step"] for _, _, v in loaded if v is not None})
-    return {"ok": bool(loaded) and not bad, "ranks": len(loaded), "steps": steps, "differ": bad}
+    return {
+        "ok": bool(loaded) and not bad,
+        "ranks": len(loaded),
+        "steps": steps,
+        "differ": bad,
+        "why": {f"{r.node}/r{r.rank}": _why_differs(r, saved) for r in ranks} if bad else {},
+    }
+
+
+def _why_differs(run: RankRun, saved: dict[tuple[int, int], str]) -> dict[str, Any]:
+    """What a failed bit-identity check needs to be told apart: a worker that never
+    verified (killed by a later rendezvous round) from wrong bytes, and where they came from."""
+    v, load = run.events.get("verified"), run.events.get("load_end", {})
+    return {
+        "pid": run.events.get("process_start", {}).get("pid"),
+        "events": sorted(run.events),
+        "step": None if v is None else v["step"],
+        "loaded": None if v is None else v["digest"][:16],
+        "saved": None if v is None else (saved.get((v["step"], run.rank)) or "none")[:16],
+        "load": {k: load.get(k) for k in ("bytes", "cached_bytes", "step", "source")},
+    }
 
 
 def node_phases(spans: list[Span], node: str, origin: float) -> dict[str, float]:

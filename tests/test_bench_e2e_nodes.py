@@ -176,9 +176,14 @@ def test_a_replacement_node_s_bootseer_run_spans_join_the_restart(tmp_path: Path
 
 
 def test_a_rank_that_resumed_other_bytes_is_named() -> None:
-    assert check_identical(_restart(), KILL) == {"ok": True, "ranks": 4, "steps": [3], "differ": []}
+    good = check_identical(_restart(), KILL)
+    assert good == {"ok": True, "ranks": 4, "steps": [3], "differ": [], "why": {}}
     bad = check_identical(_restart(fresh_rank1_digest="other"), KILL)
     assert bad["ok"] is False and bad["differ"] == ["node1/r3"]
+    # what tells wrong bytes from a worker that never verified: both digests, the worker
+    why = bad["why"]["node1/r3"]
+    assert (why["step"], why["loaded"], why["saved"], why["pid"]) == (3, "other", "d3", 61)
+    assert why["load"]["bytes"] is not None and "verified" in why["events"]
 
 
 def test_a_missing_milestone_is_named_with_its_node_and_rank() -> None:
