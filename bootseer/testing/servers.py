@@ -129,7 +129,7 @@ class _InProcessMoto:
         class TrackingServer(ConnectionTracking, ThreadedWSGIServer):  # type: ignore[misc, valid-type]
             """Remembers open connections so that stop() can cut them."""
 
-        class CachedDispatcher(DomainDispatcherApplication):  # type: ignore[misc, valid-type]
+        class CachedDispatcher(DomainDispatcherApplication):
             """moto's dispatcher with the host -> backend answer kept (it never changes)."""
 
             def __init__(self, *args: Any, **kwargs: Any) -> None:
