@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import fsspec.tests.abstract as abstract
 import pytest
+from conftest import s3_bucket_of
 from fsspec.implementations.memory import MemoryFileSystem
 
 from striped_fs import StripedFileSystem
@@ -73,10 +73,17 @@ class _S3(_Fixtures):
         yield fs
         fs.close()
 
+    @pytest.fixture(scope="class")
+    @classmethod
+    def bucket(cls, s3_server) -> Iterator[str]:
+        """One bucket per class (emptied and deleted after it); each test a fresh path in it."""
+        for name, _ in s3_bucket_of(s3_server):
+            yield name
+
     @pytest.fixture
-    def fs_path(self, fs: StripedFileSystem, s3_bucket: tuple[str, dict[str, Any]]) -> str:
+    def fs_path(self, fs: StripedFileSystem, bucket: str) -> str:
         fs.invalidate_cache()
-        return s3_bucket[0]
+        return f"{bucket}/suite-{uuid.uuid4().hex[:8]}"
 
     @pytest.fixture
     def supports_empty_directories(self) -> bool:

@@ -98,7 +98,10 @@ class _InProcessMoto:
     - a failed bind raises in ``start()`` (ThreadedMotoServer waits forever for its thread);
     - ``stop()`` also cuts connections with a request in flight, so a client in the middle of
       a transfer sees the storage go away (ThreadedMotoServer lets them finish);
-    - per-request access logging is off (it floods stderr during large transfers).
+    - per-request access logging is off (it floods stderr during large transfers);
+    - which backend serves a host is looked up once per host: moto's lookup lists its package
+      directory (about 150 ``isdir`` calls) on every request, a fifth of a small request's CPU
+      (measured: a HEAD and GET pair 15.2 -> 12.3 ms of CPU), and the S3 tests are CPU-bound.
     """
 
     def __init__(self, port: int) -> None:
@@ -126,7 +129,21 @@ class _InProcessMoto:
         class TrackingServer(ConnectionTracking, ThreadedWSGIServer):  # type: ignore[misc, valid-type]
             """Remembers open connections so that stop() can cut them."""
 
-        app = DomainDispatcherApplication(create_backend_app)
+        class CachedDispatcher(DomainDispatcherApplication):
+            """moto's dispatcher with the host -> backend answer kept (it never changes)."""
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self._backend_of_host: dict[str | None, Any] = {}
+
+            def get_backend_for_host(self, host: str | None) -> Any:
+                try:
+                    return self._backend_of_host[host]
+                except KeyError:
+                    backend = self._backend_of_host[host] = super().get_backend_for_host(host)
+                    return backend
+
+        app = CachedDispatcher(create_backend_app)
         # Binding happens here, in the caller's thread, so a busy port raises right away.
         self._server = TrackingServer(LOOPBACK, self.port, app, handler=QuietHandler)
         self._thread = threading.Thread(
