@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_prefetch as bp  # noqa: E402
-from _common import command_line, log, md_table, reexec, run_bench  # noqa: E402
+from _common import add_smoke_flag, command_line, log, md_table, reexec, run_bench  # noqa: E402
 
 from bootseer.testing.containerd import ContainerdServer  # noqa: E402
 
@@ -387,7 +387,7 @@ class Bench(bp.Bench):
         self.R["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         img = self.R.get("image", {})
         lines = [
-            f"# containerd benchmark ({'quick' if self.quick else 'full'} run)",
+            f"# containerd benchmark ({self.form()} run)",
             "",
             f"- command: `{self.R['command']}`",
             f"- machine: {self.R['machine']['cpus']} CPUs, "
@@ -426,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_containerd.py", description=__doc__.split("\n")[0])
     parser.add_argument("--results", default="bench-results")
     parser.add_argument("--quick", action="store_true", help="numpy only (no torch)")
+    add_smoke_flag(parser)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--cache", help="cache dir (default ~/.cache/bootseer-bench)")
     parser.add_argument("--base", choices=("auto", "debootstrap", "host"), default="auto")

@@ -81,6 +81,7 @@ from typing import Any
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    add_smoke_flag,
     command_line,
     drop_caches,
     fs_type,
@@ -91,6 +92,7 @@ from _common import (  # noqa: E402
     reexec,
     run_bench,
     run_checked,
+    smoke_implies_quick,
     source_state,
     version_of,
 )
@@ -133,6 +135,11 @@ VARIANTS = {
         "packages": ["numpy"],
         "code": "import numpy; numpy.ones(1)",
         "what": "numpy only (--quick)",
+    },
+    "smoke": {  # tests/test_bench_harness.py: no wheel to install, the smallest image
+        "packages": [],
+        "code": "import json; json.dumps([1])",
+        "what": "the base's python3.11 alone (--smoke)",
     },
 }
 HOST_SEEDS = (
@@ -735,7 +742,11 @@ def build_variant(
     rootfs = vdir / "rootfs"
     log(f"building image '{name}' ({variant['what']}) on the {source} base, once")
     run_checked(["cp", "-a", str(image_dir / f"base-{source}"), str(rootfs)], what="cp -a base")
-    wheels_from = pip_install_target(cache, rootfs / SITE, variant["packages"])
+    wheels_from = (
+        pip_install_target(cache, rootfs / SITE, variant["packages"])
+        if variant["packages"]
+        else "none (no packages)"
+    )
     r = _chroot_python(rootfs, variant["code"])
     if r.returncode != 0:
         raise RuntimeError(
@@ -786,8 +797,9 @@ def build_variant(
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.smoke = smoke_implies_quick(args)
         self.quick = bool(args.quick)
-        self.variant = "quick" if self.quick else "full"
+        self.variant = "smoke" if self.smoke else "quick" if self.quick else "full"
         self.repeat = max(1, args.repeat)
         self.cache = (
             Path(
@@ -811,6 +823,7 @@ class Bench:
             "command": _command_line(),
             "source": _source_state(),
             "quick": self.quick,
+            "smoke": self.smoke,
             "repeat": self.repeat,
             "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
             "machine": {
@@ -840,6 +853,10 @@ class Bench:
             "warnings": [],
             "errors": self.errors,
         }
+
+    def form(self) -> str:
+        """What the markdown's title calls this run."""
+        return "quick, smoke" if self.smoke else "quick" if self.quick else "full"
 
     # -- setup ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -1214,7 +1231,11 @@ class Bench:
                     )
             else:
                 self.errors.append("profile: skipped, no profile was recorded")
-            if self.R["runs"]["profile"] and not self.R["runs"]["profile"][-1].get("error"):
+            if (
+                not self.smoke  # info only, and the same lazy start as the others
+                and self.R["runs"]["profile"]
+                and not self.R["runs"]["profile"][-1].get("error")
+            ):
                 # Info: the same start with every frame it reads already in the block cache
                 # (the profile start's cache), page cache dropped: what FUSE, the cache and
                 # decompression cost without any network.
@@ -1401,7 +1422,9 @@ class Bench:
             )
         if self.quick:
             self.R["warnings"].append(
-                "--quick: numpy only (no torch); a smoke run, not the figures"
+                "--smoke: python3.11 alone, no warm start; a test's run, not the figures"
+                if self.smoke
+                else "--quick: numpy only (no torch); a smoke run, not the figures"
             )
         self.R["load_end"] = [round(x, 2) for x in os.getloadavg()]
         print("")
@@ -1452,7 +1475,7 @@ class Bench:
         m, img = self.R["machine"], self.R.get("image", {})
         base = img.get("base", {})
         md = [
-            f"# prefetch benchmark ({'quick' if self.quick else 'full'} run)",
+            f"# prefetch benchmark ({self.form()} run)",
             "",
             f"- command: `{self.R['command']}` (run time {self.R['elapsed_s']:.0f} s, "
             f"{self.R['finished']})",
@@ -1525,6 +1548,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="numpy only (no torch): a smoke run of about a minute once built",
     )
+    add_smoke_flag(parser)
     parser.add_argument(
         "--repeat",
         type=int,

@@ -1,7 +1,8 @@
 """``bootseer bench`` runs every suite, each as a child process, and says which failed and why.
 
-The quick form of each suite runs through ``bootseer bench`` and must leave its results (JSON
-and markdown) with figures in them, marked quick; e2e's is the run test_e2e.py asserts on
+The smoke form of each suite (``--smoke``: a smaller ``--quick``, whose sizes docs/benchmarks.md
+quotes) runs through ``bootseer bench`` and must leave its results (JSON and markdown) with
+figures in them, marked quick and smoke; e2e's quick form is the run test_e2e.py asserts on
 (conftest's ``e2e_bench``: its job is minutes, never run twice). A suite that fails for real
 (its cache path is a file) makes the command exit 1 after the others ran, with the reason and
 the suite's last output lines printed and in ``summary.md``. SIGTERM stops the running suite
@@ -190,13 +191,13 @@ def parent_of(pid: int) -> int | None:
 def run_quick_form(
     suite: str, cache: Path, work: Path
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """``bootseer bench SUITE --quick``: its exit and output, and its results directory."""
+    """``bootseer bench SUITE --smoke``: its exit and output, and its results directory."""
     results = work / "results"
     run = subprocess.run(
         [
             *BENCH,
             suite,
-            "--quick",
+            "--smoke",
             "--base",
             "host",
             "--results",
@@ -236,8 +237,10 @@ def check_quick_results(
     assert "1 of 1 suites wrote their results" in run.stdout
 
     report = json.loads((results / f"{suite}.json").read_text())
-    assert report["quick"] is True  # never mistaken for the documented figures
-    assert report["command"].startswith(f"bootseer bench {suite} --results {results} --quick")
+    assert report["quick"] is True and report["smoke"] is True  # never taken for the figures
+    assert report["command"].startswith(
+        f"bootseer bench {suite} --results {results} --quick --smoke"
+    )
     assert not report.get("errors")
     figures = FIGURES[suite](report)
     bad = {
@@ -265,7 +268,7 @@ def check_quick_results(
         assert not processes_mentioning(str(cache))  # snapshotters and their FUSE holders
 
     md = (results / f"{suite}.md").read_text()
-    assert "quick" in md.splitlines()[0]
+    assert "quick, smoke" in md.splitlines()[0]
     assert re.search(r"^\|.*\d+\.\d+ ?(s|MB/s|MiB|MB)\b", md, re.M), md
     summary = (results / "summary.md").read_text()
     assert md.strip() in summary
