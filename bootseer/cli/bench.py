@@ -343,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
     no_smoke = [s for s in suites if s not in SMOKE_SUITES]
     if getattr(args, "smoke", False) and no_smoke:
         print(
-            f"bootseer bench: --smoke: {', '.join(no_smoke)} has no smoke form; name the suites "
+            f"bootseer bench: --smoke: no smoke form for {', '.join(no_smoke)}; name suites "
             f"that have one ({', '.join(SMOKE_SUITES)}) or use --quick",
             file=sys.stderr,
         )
