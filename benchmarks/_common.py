@@ -122,7 +122,21 @@ def reexec(script: str, argv: list[str]) -> int:
         return 130
 
 
+KEEP_CACHES_ENV = "BOOTSEER_BENCH_KEEP_CACHES"  # "1": --smoke, for the children too
+
+
+def keeps_page_cache() -> bool:
+    """Whether this run keeps the page cache (``--smoke``): every drop evicts torch's libraries
+    for every process on the machine, the tests beside the run included, which then read them
+    back from disk; a smoke run's figures are not cold figures anyway."""
+    return os.environ.get(KEEP_CACHES_ENV) == "1"
+
+
 def drop_caches() -> bool:
+    """``sync; echo 3 > drop_caches``; whether the page cache was dropped (False: not root, or
+    :func:`keeps_page_cache`)."""
+    if keeps_page_cache():
+        return False
     subprocess.run(["sync"], check=False)
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -366,8 +380,10 @@ def add_smoke_flag(parser: Any) -> None:
 
 def smoke_implies_quick(args: Any) -> bool:
     """``--smoke`` is a smaller ``--quick``: every quick mark (JSON ``quick``, the markdown's
-    title) stays, and ``smoke`` is added beside it. Whether this is a smoke run."""
+    title) stays, and ``smoke`` is added beside it; the page cache is never dropped
+    (:func:`keeps_page_cache`). Whether this is a smoke run."""
     args.smoke = bool(getattr(args, "smoke", False))
     if args.smoke:
         args.quick = True
+        os.environ[KEEP_CACHES_ENV] = "1"  # the page cache is kept (keeps_page_cache)
     return args.smoke

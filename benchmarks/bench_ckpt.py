@@ -41,6 +41,7 @@ if str(_ROOT) not in sys.path:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    KEEP_CACHES_ENV,
     add_smoke_flag,
     command_line,
     sigterm_as_interrupt,
@@ -69,6 +70,7 @@ SMOKE = {
     "dcp_async_runs": 1,
     "loads": 1,
     "reshard_runs": 1,
+    "dcp_async_kind": "THREAD",  # in the training loop: no second checkpoint process to start
 }
 S3_LINK = ShaperSettings.from_mb(latency_ms=1.0, per_conn_mbps=10.0, total_mbps=100.0)
 MB = 1e6
@@ -152,6 +154,8 @@ def run_ranks(
 
 
 def drop_caches() -> None:
+    if os.environ.get(KEEP_CACHES_ENV) == "1":  # --smoke: warm, and the machine's cache kept
+        return
     subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=False)
 
 
@@ -374,6 +378,7 @@ def main() -> int:
             f"dd of a fresh file of the same size: {[round(x, 2) for x in floors['read_runs']]} s (for reference)",
             f"- loads ({len(local[0]['ours_load'])} interleaved run(s), page cache dropped before each): bootseer {[round(x, 2) for x in local[0]['ours_load']]} s, DCP {[round(x, 2) for x in local[0]['dcp_load']]} s",
             f"- S3 link: {S3_LINK.describe()}",
+            *(["- --smoke: the page cache is kept (every load and read is warm)"] * args.smoke),
             "",
             *lines,
             "",

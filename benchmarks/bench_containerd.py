@@ -324,7 +324,11 @@ class Bench(bp.Bench):
             else:
                 self.errors.append("profile: skipped, no profile was recorded")
         if not self.cold:
-            self.R["warnings"].append("the page cache could not be dropped: WARM figures")
+            self.R["warnings"].append(
+                "--smoke keeps the page cache: WARM figures"
+                if self.smoke
+                else "the page cache could not be dropped: WARM figures"
+            )
 
     def rows(self) -> list[list[str]]:
         p, fl, de, la = (self.median(m) for m in ("profile", "floor", "default", "lazy"))
@@ -397,7 +401,7 @@ class Bench(bp.Bench):
             f"{img.get('gzip_bytes', 0) / 1e6:.0f} MB, {img.get('bytes', 0) / 1e6:.0f} MB "
             "in files",
             f"- link: registry behind the shaper, {bp.LINK.describe()}",
-            f"- {'cold node: page cache dropped before each method' if self.cold else 'WARM'}",
+            f"- {'cold node: page cache dropped before each method' if self.cold else 'WARM (--smoke keeps the page cache)' if self.smoke else 'WARM'}",
             f'- startup: pull start to the first line of `python3 -c "{self.command}"` '
             "in the container",
             "",

@@ -1246,7 +1246,11 @@ class Bench:
                 )
             self.measure("floor", rnd, self.floor)
         if not self.cold:
-            self.R["warnings"].append("the page cache could not be dropped: WARM figures")
+            self.R["warnings"].append(
+                "--smoke keeps the page cache: WARM figures"
+                if self.smoke
+                else "the page cache could not be dropped: WARM figures"
+            )
 
     # -- report ----------------------------------------------------------------------------------
     def median(self, method: str, key: str = "total") -> float | None:
@@ -1491,7 +1495,7 @@ class Bench:
             ),
             f"- load average: {self.R['loadavg_at_start'][0]:.2f} at start, "
             f"{self.R.get('load_end', ['?'])[0]} at end",
-            f"- {'cold node: `sync; echo 3 > /proc/sys/vm/drop_caches` before each method (the registry blob re-read into the page cache)' if self.cold else 'WARM: the page cache could not be dropped'}",
+            f"- {'cold node: `sync; echo 3 > /proc/sys/vm/drop_caches` before each method (the registry blob re-read into the page cache)' if self.cold else 'WARM: --smoke keeps the page cache' if self.smoke else 'WARM: the page cache could not be dropped'}",
             f"- image: {img.get('what')}; base "
             + (
                 f"`debootstrap --variant=minbase {base.get('suite')}` + apt python3"

@@ -485,7 +485,10 @@ class Bench:
                 f"machine busy before the run (1-min load average {load[0]:.2f} > 0.5 on "
                 f"{cpus} CPUs): other processes compete for CPU and disk; times may be high"
             )
-        if os.geteuid() != 0:
+        if self.smoke:
+            self.cold = False
+            self.warn("--smoke keeps the page cache: every method runs WARM")
+        elif os.geteuid() != 0:
             self.cold = False
             self.warn(
                 "not root: cannot drop the page cache; every method runs WARM (the figures "
@@ -1226,7 +1229,7 @@ class Bench:
             ),
             f"- load average: {self.R['loadavg_at_start'][0]:.2f} at start, "
             f"{self.R.get('load_end', ['?'])[0]} at end",
-            f"- {'cold node: `sync; echo 3 > /proc/sys/vm/drop_caches` before each method' if self.cold else 'WARM: the page cache could not be dropped'}",
+            f"- {'cold node: `sync; echo 3 > /proc/sys/vm/drop_caches` before each method' if self.cold else 'WARM: --smoke keeps the page cache' if self.smoke else 'WARM: the page cache could not be dropped'}",
             f"- environment: `{self.import_code}`; {ref.get('files', '?')} files, "
             f"{ref.get('bytes', 0) / MB:.0f} MB installed, built with `bootseer env create` "
             f"({ref.get('installer')}); wheels {sum(w['bytes'] for w in self.R.get('wheels', [])) / MB:.0f} MB",

@@ -95,7 +95,8 @@ def dcp_state(flat: dict[str, torch.Tensor], mesh) -> dict[str, Any]:
 
 def drop_caches(rank: int) -> None:
     dist.barrier()
-    if rank == 0:
+    # BOOTSEER_BENCH_KEEP_CACHES (bench_ckpt --smoke): warm loads, the machine's cache kept
+    if rank == 0 and os.environ.get("BOOTSEER_BENCH_KEEP_CACHES") != "1":
         subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=False)
     dist.barrier()
 
