@@ -258,6 +258,8 @@ def check_quick_results(
     }
     assert figures and not bad, f"{suite}: figures missing or not positive: {bad or figures}"
 
+    if smoke and suite in ("prefetch", "containerd", "snapshot"):  # said, as it is not cold
+        assert any("--smoke keeps the page cache" in w for w in report["warnings"]), report
     if suite == "fuse":  # every rsync exited 0 and every touch+cat read its file back
         for store in report["stores"].values():
             runs = store["files"] * report["config"]["repeat"]
