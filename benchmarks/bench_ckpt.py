@@ -16,7 +16,8 @@ state (2.3 GB in all; ``--quick``: a few MB). Printed and recorded (``DIR/ckpt.j
   on plain s3fs (model parameters only, to keep the single-stream peer's run short);
 * RSS of a rank after 10 saves.
 
-``python benchmarks/bench_ckpt.py --results DIR [--quick]`` or ``bootseer bench ckpt``.
+``python benchmarks/bench_ckpt.py --results DIR [--quick | --smoke]`` or ``bootseer bench ckpt``
+(``--smoke``: the test's form, smaller than quick, page cache kept).
 Everything listens on 127.0.0.1; the page cache is dropped through /proc/sys/vm/drop_caches
 (root), and data goes under ``~/.cache/bootseer-bench/ckpt-run`` (removed afterwards).
 """

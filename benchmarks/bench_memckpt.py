@@ -27,7 +27,7 @@ link as ``bench_ckpt.py``). Printed and recorded (``DIR/memckpt.json``, ``DIR/me
   state loaded, and the steps lost beyond the one in progress; the loaded parameters are
   checked against their fingerprint at that step.
 
-``python benchmarks/bench_memckpt.py --results DIR [--quick]`` or ``bootseer bench memckpt``.
+``python benchmarks/bench_memckpt.py --results DIR [--quick | --smoke]`` or ``bootseer bench memckpt``.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ startup read.
 ``python benchmarks/bench_prefetch.py --results DIR [--quick] [--repeat N] [--cache DIR]
 [--base auto|debootstrap|host] [--keep]`` or ``bootseer bench prefetch``; root is needed
 (debootstrap, chroot, drop_caches, a FUSE mount with device nodes). ``--quick``: the same base
-with numpy only (``import numpy; numpy.ones(1)``). Writes ``DIR/prefetch.json`` and
+with numpy only (``import numpy; numpy.ones(1)``); ``--smoke`` (the test's form): python3.11 alone,
+no warm start, the page cache kept. Writes ``DIR/prefetch.json`` and
 ``DIR/prefetch.md``; failed targets are MISS, never raised; the exit status is non-zero only when
 a measurement failed. Everything listens on 127.0.0.1; the run's trees (``CACHE/prefetch-run``)
 are removed at the end, Ctrl-C included.
