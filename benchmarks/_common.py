@@ -122,7 +122,21 @@ def reexec(script: str, argv: list[str]) -> int:
         return 130
 
 
+KEEP_CACHES_ENV = "BOOTSEER_BENCH_KEEP_CACHES"  # "1": --smoke, for the children too
+
+
+def keeps_page_cache() -> bool:
+    """Whether this run keeps the page cache (``--smoke``): every drop evicts torch's libraries
+    for every process on the machine, the tests beside the run included, which then read them
+    back from disk; a smoke run's figures are not cold figures anyway."""
+    return os.environ.get(KEEP_CACHES_ENV) == "1"
+
+
 def drop_caches() -> bool:
+    """``sync; echo 3 > drop_caches``; whether the page cache was dropped (False: not root, or
+    :func:`keeps_page_cache`)."""
+    if keeps_page_cache():
+        return False
     subprocess.run(["sync"], check=False)
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -169,7 +183,7 @@ def write_report_json(results_dir: Path, suite: str, report: dict[str, Any]) -> 
 def repeat_args(
     prog: str, doc: str, suite: str, full: int, quick: int, argv: list[str] | None
 ) -> Any:
-    """The command line of a suite that repeats rounds: ``--results``, ``--quick``,
+    """The command line of a suite that repeats rounds: ``--results``, ``--quick``, ``--smoke``,
     ``--repeat`` (at least 1; resolved to ``full`` or ``quick`` when not given)."""
     import argparse
 
@@ -177,7 +191,9 @@ def repeat_args(
     parser.add_argument("--results", default="bench-results", help=f"for {suite}.json/.md")
     parser.add_argument("--quick", action="store_true", help=f"{quick} round(s): smoke")
     parser.add_argument("--repeat", type=int, help=f"rounds ({full}; quick {quick})")
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
+    smoke_implies_quick(args)
     if args.repeat is not None and args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: give at least 1 round")
     args.repeat = args.repeat or (quick if args.quick else full)
@@ -349,3 +365,25 @@ def download_wheels(wheel_dir: Path, requirements: list[str]) -> list[Path]:
         files = sorted(wheel_dir.glob("*.whl"))
     stamp.write_text(json.dumps({"requirements": requirements, "files": [f.name for f in files]}))
     return files
+
+
+SMOKE_HELP = (
+    "smaller than --quick, and implies it: the fewest rounds and smallest sizes that still run "
+    "every code path (tests/test_bench_harness.py's form); marked smoke in the results"
+)
+
+
+def add_smoke_flag(parser: Any) -> None:
+    """``--smoke`` on a suite's parser; :func:`smoke_implies_quick` after parsing."""
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+
+
+def smoke_implies_quick(args: Any) -> bool:
+    """``--smoke`` is a smaller ``--quick``: every quick mark (JSON ``quick``, the markdown's
+    title) stays, and ``smoke`` is added beside it; the page cache is never dropped
+    (:func:`keeps_page_cache`). Whether this is a smoke run."""
+    args.smoke = bool(getattr(args, "smoke", False))
+    if args.smoke:
+        args.quick = True
+        os.environ[KEEP_CACHES_ENV] = "1"  # the page cache is kept (keeps_page_cache)
+    return args.smoke

@@ -16,7 +16,8 @@ state (2.3 GB in all; ``--quick``: a few MB). Printed and recorded (``DIR/ckpt.j
   on plain s3fs (model parameters only, to keep the single-stream peer's run short);
 * RSS of a rank after 10 saves.
 
-``python benchmarks/bench_ckpt.py --results DIR [--quick]`` or ``bootseer bench ckpt``.
+``python benchmarks/bench_ckpt.py --results DIR [--quick | --smoke]`` or ``bootseer bench ckpt``
+(``--smoke``: the test's form, smaller than quick, page cache kept).
 Everything listens on 127.0.0.1; the page cache is dropped through /proc/sys/vm/drop_caches
 (root), and data goes under ``~/.cache/bootseer-bench/ckpt-run`` (removed afterwards).
 """
@@ -40,7 +41,13 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, sigterm_as_interrupt  # noqa: E402
+from _common import (  # noqa: E402
+    KEEP_CACHES_ENV,
+    add_smoke_flag,
+    command_line,
+    sigterm_as_interrupt,
+    smoke_implies_quick,
+)
 
 from bootseer.testing.servers import MotoS3Server  # noqa: E402
 from bootseer.testing.shaper import ShaperProcess, ShaperSettings  # noqa: E402
@@ -48,6 +55,24 @@ from bootseer.testing.shaper import ShaperProcess, ShaperSettings  # noqa: E402
 WORKER = Path(__file__).with_name("ckpt_worker.py")
 FULL = {"vocab": 32768, "d": 1024, "layers": 5, "seq": 64, "train_steps": 12, "save_every": 4}
 QUICK = {"vocab": 2048, "d": 128, "layers": 2, "seq": 16, "train_steps": 4, "save_every": 2}
+# --smoke (tests/test_bench_harness.py): every phase and method once or twice, the quick model
+# smaller still; its figures mean nothing (the counts' defaults, in ckpt_worker, are the runs')
+SMOKE = {
+    **QUICK,
+    "vocab": 512,
+    "d": 64,
+    "layers": 1,
+    "seq": 8,
+    "train_steps": 2,
+    "save_every": 1,
+    "train_reps": 1,
+    "saves": 2,
+    "dcp_saves": 1,
+    "dcp_async_runs": 1,
+    "loads": 1,
+    "reshard_runs": 1,
+    "dcp_async_kind": "THREAD",  # in the training loop: no second checkpoint process to start
+}
 S3_LINK = ShaperSettings.from_mb(latency_ms=1.0, per_conn_mbps=10.0, total_mbps=100.0)
 MB = 1e6
 
@@ -130,6 +155,8 @@ def run_ranks(
 
 
 def drop_caches() -> None:
+    if os.environ.get(KEEP_CACHES_ENV) == "1":  # --smoke: warm, and the machine's cache kept
+        return
     subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=False)
 
 
@@ -167,7 +194,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", default="bench-results")
     ap.add_argument("--quick", action="store_true")
+    add_smoke_flag(ap)
     args = ap.parse_args()
+    smoke_implies_quick(args)
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     cache = Path(os.environ.get("BOOTSEER_BENCH_CACHE", Path.home() / ".cache" / "bootseer-bench"))
@@ -175,16 +204,21 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     started = time.time()
-    cfg = {**(QUICK if args.quick else FULL), "dir": str(work), "out": str(work / "out")}
+    sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
+    cfg = {**sizes, "dir": str(work), "out": str(work / "out")}
     r: dict[str, Any] = {
         "suite": "ckpt",
         "quick": bool(args.quick),
+        "smoke": args.smoke,
         "command": command_line("bench_ckpt.py"),
         "config": cfg,
         "machine": {"cpus": os.cpu_count()},
     }
+    saves = cfg.get("saves", 10)
     try:
-        log("phase local (2 ranks): 10 bootseer saves, DCP save, DCP async_save x2 kinds, loads")
+        log(
+            f"phase local (2 ranks): {saves} bootseer saves, DCP save, DCP async_save x2 kinds, loads"
+        )
         local = launch("local", 2, cfg, work)
         total = sum(x["state_bytes_rank"] for x in local)
         r["state_bytes"] = total
@@ -218,11 +252,10 @@ def main() -> int:
     floor_copy = med(steady(worst(local, "copy_floor_runs")))
     dcp_async = {}
     for kind in ("thread", "process"):
-        runs = [
-            max(x[f"dcp_async_{kind}"][i][k] for x in local) for i in range(3) for k in ("return",)
-        ]
-        safe = [max(x[f"dcp_async_{kind}"][i]["safe"] for x in local) for i in range(3)]
-        durable = [max(x[f"dcp_async_{kind}"][i]["durable"] for x in local) for i in range(3)]
+        n = len(local[0][f"dcp_async_{kind}"])
+        runs = [max(x[f"dcp_async_{kind}"][i]["return"] for x in local) for i in range(n)]
+        safe = [max(x[f"dcp_async_{kind}"][i]["safe"] for x in local) for i in range(n)]
+        durable = [max(x[f"dcp_async_{kind}"][i]["durable"] for x in local) for i in range(n)]
         dcp_async[kind] = {
             "return": med(steady(runs)),
             "safe": med(steady(safe)),
@@ -310,7 +343,7 @@ def main() -> int:
             s3r["s3_dcp_load"] >= 5 * s3r["s3_ours_load"],
         ),
         row(
-            "RSS of a rank after 10 saves",
+            f"RSS of a rank after {saves} saves",
             f"{rss_max:.0f} MiB",
             f"state {local[0]['state_bytes_rank'] / 2**20:.0f} MiB per rank, {total / 2**20:.0f} MiB in all",
             f"<= 1.2x state + 300 MiB = {rss_limit:.0f} MiB",
@@ -326,11 +359,11 @@ def main() -> int:
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     md = "\n".join(
         [
-            f"# ckpt benchmark{' (quick)' if args.quick else ''}",
+            f"# ckpt benchmark{' (quick, smoke)' if args.smoke else ' (quick)' if args.quick else ''}",
             "",
             f"- command: `{r['command']}` ({time.time() - started:.0f} s)",
             f"- state: {total / MB:.0f} MB over 2 ranks (FSDP-style halves of a {cfg['layers'] * 2}-layer d={cfg['d']} transformer + AdamW); training step {t['step_s']:.2f} s",
-            "- stall and copy floor: medians of saves 2-10, each floor copy measured right before its save on both ranks",
+            f"- stall and copy floor: medians of saves 2-{saves}, each floor copy measured right before its save on both ranks",
             f"- training loop: {cfg['train_steps']} steps, a save every {cfg['save_every']}, methods interleaved x{cfg.get('train_reps', 3)}; loop medians: "
             + ", ".join(
                 f"{m} {med(t[f'train_{m}']):.1f} s"
@@ -344,8 +377,9 @@ def main() -> int:
             f"- write floor: dd of the same byte count with fsync, runs {[round(x, 2) for x in floors['write_runs']]} s (best taken)",
             f"- read floor: `cat` of this checkpoint's data files (the same bytes), sequential, page cache dropped, next to each load: runs {[round(x, 2) for x in local[0]['floor_read_runs']]} s; "
             f"dd of a fresh file of the same size: {[round(x, 2) for x in floors['read_runs']]} s (for reference)",
-            f"- loads (3 interleaved runs, page cache dropped before each): bootseer {[round(x, 2) for x in local[0]['ours_load']]} s, DCP {[round(x, 2) for x in local[0]['dcp_load']]} s",
+            f"- loads ({len(local[0]['ours_load'])} interleaved run(s), page cache dropped before each): bootseer {[round(x, 2) for x in local[0]['ours_load']]} s, DCP {[round(x, 2) for x in local[0]['dcp_load']]} s",
             f"- S3 link: {S3_LINK.describe()}",
+            *(["- --smoke: the page cache is kept (every load and read is warm)"] * args.smoke),
             "",
             *lines,
             "",

@@ -58,9 +58,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import (  # noqa: E402
+    add_smoke_flag,
     command_line,
     md_table,
     sigterm_as_interrupt,
+    smoke_implies_quick,
     source_state,
     work_dir,
 )
@@ -969,7 +971,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="N busy processes outside the job for the whole run",
     )
+    add_smoke_flag(p)
     args = p.parse_args(argv)
+    smoke_implies_quick(args)
     only = tuple(f for f in args.only.split(",") if f)
     if bad := [f for f in only if f not in FAULTS]:
         p.error(f"--only: unknown fault class {', '.join(bad)}; known: {', '.join(FAULTS)}")
@@ -1113,6 +1117,7 @@ def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> i
     doc = {
         "command": command_line("bench_colltrace.py"),
         "quick": args.quick,
+        "smoke": args.smoke,
         "load_before": load_before,
         "load_after": _load(),
         "seconds": round(time.time() - started, 1),
@@ -1130,7 +1135,7 @@ def _full(args: argparse.Namespace, work: Path, results: Path, trials: int) -> i
     (results / "colltrace.json").write_text(json.dumps(doc, indent=2))
     rows = _fault_rows(f)
     md = [
-        f"# colltrace ({'quick' if args.quick else 'full'})",
+        f"# colltrace ({'quick, smoke' if args.smoke else 'quick' if args.quick else 'full'})",
         "",
         f"command: `{doc['command']}`; load {load_before} -> {doc['load_after']}",
         "",

@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_prefetch as bp  # noqa: E402
-from _common import command_line, log, md_table, reexec, run_bench  # noqa: E402
+from _common import add_smoke_flag, command_line, log, md_table, reexec, run_bench  # noqa: E402
 
 from bootseer.testing.containerd import ContainerdServer  # noqa: E402
 
@@ -324,7 +324,11 @@ class Bench(bp.Bench):
             else:
                 self.errors.append("profile: skipped, no profile was recorded")
         if not self.cold:
-            self.R["warnings"].append("the page cache could not be dropped: WARM figures")
+            self.R["warnings"].append(
+                "--smoke keeps the page cache: WARM figures"
+                if self.smoke
+                else "the page cache could not be dropped: WARM figures"
+            )
 
     def rows(self) -> list[list[str]]:
         p, fl, de, la = (self.median(m) for m in ("profile", "floor", "default", "lazy"))
@@ -387,7 +391,7 @@ class Bench(bp.Bench):
         self.R["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         img = self.R.get("image", {})
         lines = [
-            f"# containerd benchmark ({'quick' if self.quick else 'full'} run)",
+            f"# containerd benchmark ({self.form()} run)",
             "",
             f"- command: `{self.R['command']}`",
             f"- machine: {self.R['machine']['cpus']} CPUs, "
@@ -397,7 +401,7 @@ class Bench(bp.Bench):
             f"{img.get('gzip_bytes', 0) / 1e6:.0f} MB, {img.get('bytes', 0) / 1e6:.0f} MB "
             "in files",
             f"- link: registry behind the shaper, {bp.LINK.describe()}",
-            f"- {'cold node: page cache dropped before each method' if self.cold else 'WARM'}",
+            f"- {'cold node: page cache dropped before each method' if self.cold else 'WARM (--smoke keeps the page cache)' if self.smoke else 'WARM'}",
             f'- startup: pull start to the first line of `python3 -c "{self.command}"` '
             "in the container",
             "",
@@ -426,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_containerd.py", description=__doc__.split("\n")[0])
     parser.add_argument("--results", default="bench-results")
     parser.add_argument("--quick", action="store_true", help="numpy only (no torch)")
+    add_smoke_flag(parser)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--cache", help="cache dir (default ~/.cache/bootseer-bench)")
     parser.add_argument("--base", choices=("auto", "debootstrap", "host"), default="auto")

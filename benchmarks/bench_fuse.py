@@ -41,11 +41,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    add_smoke_flag,
     code_env,
     command_line,
     final_table,
     log,
     run_bench,
+    smoke_implies_quick,
     source_state,
     verdict,
     work_dir,
@@ -230,6 +232,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.smoke = smoke_implies_quick(args)
         self.quick = bool(args.quick)
         self.stores = [s for s in args.stores.split(",") if s]
         bad = [s for s in self.stores if s not in STORES]
@@ -248,6 +251,7 @@ class Bench:
         self.R: dict[str, Any] = {
             "suite": "fuse",
             "quick": self.quick,
+            "smoke": self.smoke,
             "command": command_line("bench_fuse.py"),
             "source": source_state(["striped_fs", "bootseer/cli", "benchmarks/bench_fuse.py"]),
             "pythonpath": os.environ.get("PYTHONPATH", ""),
@@ -271,7 +275,7 @@ class Bench:
     def run(self) -> None:
         work = work_dir(WORK_PREFIX, self.stack)  # a file at the cache: FileExistsError, exit 1
         log(
-            f"bench fuse: {'quick' if self.quick else 'full'} run; dd {self.size // MiB} MiB, "
+            f"bench fuse: {'quick, smoke' if self.smoke else 'quick' if self.quick else 'full'} run; dd {self.size // MiB} MiB, "
             f"{self.files} files of {self.args.file_size} B, repeat {self.repeat}; "
             f"stores {', '.join(self.stores)}; work {work}"
         )
@@ -369,7 +373,7 @@ class Bench:
         )
         src = self.R["source"]
         md = [
-            f"# FUSE mount benchmark ({'quick' if self.quick else 'full'} run)",
+            f"# FUSE mount benchmark ({'quick, smoke' if self.smoke else 'quick' if self.quick else 'full'} run)",
             "",
             f"- command: `{self.R['command']}` ({self.R['finished']})",
             f"- code measured: {self.R.get('measured_tree', '?')}, commit "
@@ -403,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, help="small files for rsync (300; quick 40)")
     parser.add_argument("--file-size", type=_size, default=4096, help="their size (4096)")
     parser.add_argument("--repeat", type=int, help="runs of each measure (3; quick 1)")
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
     for tool in ("rsync", "dd"):
         if shutil.which(tool) is None:

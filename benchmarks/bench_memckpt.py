@@ -27,7 +27,7 @@ link as ``bench_ckpt.py``). Printed and recorded (``DIR/memckpt.json``, ``DIR/me
   state loaded, and the steps lost beyond the one in progress; the loaded parameters are
   checked against their fingerprint at that step.
 
-``python benchmarks/bench_memckpt.py --results DIR [--quick]`` or ``bootseer bench memckpt``.
+``python benchmarks/bench_memckpt.py --results DIR [--quick | --smoke]`` or ``bootseer bench memckpt``.
 """
 
 from __future__ import annotations
@@ -54,11 +54,13 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    add_smoke_flag,
     code_env,
     command_line,
     final_table,
     log,
     run_bench,
+    smoke_implies_quick,
     source_state,
     verdict,
     work_dir,
@@ -72,6 +74,9 @@ from ckpt.memory_verify import verify_copies  # noqa: E402
 WORKER = Path(__file__).with_name("memckpt_train.py")
 FULL = {"d": 2048, "layers": 4, "batch": 8, "steps": 24, "interval": 10, "rounds": 8, "block": 5}
 QUICK = {"d": 256, "layers": 2, "batch": 16, "steps": 4, "interval": 2, "rounds": 2, "block": 3}
+# --smoke (tests/test_bench_harness.py): the quick run's steps (a durable save before the kill,
+# newer memory copies to load), one overhead round, a smaller model
+SMOKE = {**QUICK, "d": 128, "layers": 1, "batch": 4, "rounds": 1, "block": 2}
 S3_LINK = ShaperSettings.from_mb(latency_ms=1.0, per_conn_mbps=10.0, total_mbps=100.0)
 SHM_PREFIX = "bootseer-memckpt-bench-"
 TARGET_LOCAL, TARGET_PEER = 1.2, 5.0
@@ -155,14 +160,16 @@ class Node:
 
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
+        self.smoke = smoke_implies_quick(args)
         self.quick = bool(args.quick)
-        self.cfg = dict(QUICK if self.quick else FULL)
+        self.cfg = dict(SMOKE if self.smoke else QUICK if self.quick else FULL)
         self.results_dir = Path(args.results)
         self.stack = contextlib.ExitStack()
         self.errors: list[str] = []
         self.R: dict[str, Any] = {
             "suite": "memckpt",
             "quick": self.quick,
+            "smoke": self.smoke,
             "command": command_line("bench_memckpt.py"),
             "source": source_state(
                 ["ckpt", "benchmarks/bench_memckpt.py", "benchmarks/memckpt_train.py"]
@@ -171,6 +178,9 @@ class Bench:
             "config": self.cfg,
             "errors": self.errors,
         }
+
+    def form(self) -> str:
+        return "quick, smoke" if self.smoke else "quick" if self.quick else "full"
 
     def _launch(self, phase: str, spec: dict[str, Any], names: list[str] | None = None) -> Any:
         """Run one job of 2 ranks; the results it wrote under ``names`` (default: the
@@ -226,7 +236,7 @@ class Bench:
         kill_at = steps - 1
         base = {"storage_options": opts, "nodes": [n.spec() for n in nodes]}
         log(
-            f"bench memckpt: {'quick' if self.quick else 'full'} run, {self.cfg}; S3 link "
+            f"bench memckpt: {self.form()} run, {self.cfg}; S3 link "
             f"{S3_LINK.describe()}; memory in {shm}"
         )
         variants = ["none", "durable", "memory-only", "memory"]
@@ -475,7 +485,7 @@ class Bench:
         if "load_after" in m:
             load += f" before, {', '.join(f'{x:.2f}' for x in m['load_after'])} after"
         md = [
-            f"# Memory-tier benchmark ({'quick' if self.quick else 'full'} run)",
+            f"# Memory-tier benchmark ({self.form()} run)",
             "",
             f"- command: `{self.R['command']}` ({self.R['finished']})",
             f"- config {self.cfg}; S3 link {S3_LINK.describe()}",
@@ -492,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_memckpt.py", description=__doc__.split("\n")[0])
     parser.add_argument("--results", default="bench-results")
     parser.add_argument("--quick", action="store_true", help="a small model: a smoke run")
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
     return run_bench(Bench(args), done_key="final_table", report_inside=True, log_fn=log)
 

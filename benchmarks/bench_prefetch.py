@@ -50,7 +50,8 @@ startup read.
 ``python benchmarks/bench_prefetch.py --results DIR [--quick] [--repeat N] [--cache DIR]
 [--base auto|debootstrap|host] [--keep]`` or ``bootseer bench prefetch``; root is needed
 (debootstrap, chroot, drop_caches, a FUSE mount with device nodes). ``--quick``: the same base
-with numpy only (``import numpy; numpy.ones(1)``). Writes ``DIR/prefetch.json`` and
+with numpy only (``import numpy; numpy.ones(1)``); ``--smoke`` (the test's form): python3.11 alone,
+no warm start, the page cache kept. Writes ``DIR/prefetch.json`` and
 ``DIR/prefetch.md``; failed targets are MISS, never raised; the exit status is non-zero only when
 a measurement failed. Everything listens on 127.0.0.1; the run's trees (``CACHE/prefetch-run``)
 are removed at the end, Ctrl-C included.
@@ -81,6 +82,7 @@ from typing import Any
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    add_smoke_flag,
     command_line,
     drop_caches,
     fs_type,
@@ -91,6 +93,7 @@ from _common import (  # noqa: E402
     reexec,
     run_bench,
     run_checked,
+    smoke_implies_quick,
     source_state,
     version_of,
 )
@@ -133,6 +136,19 @@ VARIANTS = {
         "packages": ["numpy"],
         "code": "import numpy; numpy.ones(1)",
         "what": "numpy only (--quick)",
+    },
+    "smoke": {  # tests/test_bench_harness.py: no wheel to install, the smallest image
+        "packages": [],
+        "code": "import json; json.dumps([1])",
+        "what": "the base's python3.11 alone (--smoke)",
+        # not read by the import: a quarter of the base, and of every method's bytes
+        "prune": [
+            "usr/share/locale",
+            "usr/share/man",
+            "usr/lib/x86_64-linux-gnu/gconv",
+            "usr/lib/python3.11/pydoc_data",
+            "usr/lib/python3.11/test",
+        ],
     },
 }
 HOST_SEEDS = (
@@ -735,7 +751,13 @@ def build_variant(
     rootfs = vdir / "rootfs"
     log(f"building image '{name}' ({variant['what']}) on the {source} base, once")
     run_checked(["cp", "-a", str(image_dir / f"base-{source}"), str(rootfs)], what="cp -a base")
-    wheels_from = pip_install_target(cache, rootfs / SITE, variant["packages"])
+    for path in variant.get("prune", []):
+        shutil.rmtree(rootfs / path, ignore_errors=True)
+    wheels_from = (
+        pip_install_target(cache, rootfs / SITE, variant["packages"])
+        if variant["packages"]
+        else "none (no packages)"
+    )
     r = _chroot_python(rootfs, variant["code"])
     if r.returncode != 0:
         raise RuntimeError(
@@ -765,6 +787,7 @@ def build_variant(
         "what": variant["what"],
         "code": variant["code"],
         "packages": variant["packages"],
+        "pruned": variant.get("prune", []),
         "wheels": wheels_from,
         "base": base_meta,
         "entries": entries,
@@ -786,8 +809,9 @@ def build_variant(
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.smoke = smoke_implies_quick(args)
         self.quick = bool(args.quick)
-        self.variant = "quick" if self.quick else "full"
+        self.variant = "smoke" if self.smoke else "quick" if self.quick else "full"
         self.repeat = max(1, args.repeat)
         self.cache = (
             Path(
@@ -811,6 +835,7 @@ class Bench:
             "command": _command_line(),
             "source": _source_state(),
             "quick": self.quick,
+            "smoke": self.smoke,
             "repeat": self.repeat,
             "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
             "machine": {
@@ -840,6 +865,10 @@ class Bench:
             "warnings": [],
             "errors": self.errors,
         }
+
+    def form(self) -> str:
+        """What the markdown's title calls this run."""
+        return "quick, smoke" if self.smoke else "quick" if self.quick else "full"
 
     # -- setup ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -1214,7 +1243,11 @@ class Bench:
                     )
             else:
                 self.errors.append("profile: skipped, no profile was recorded")
-            if self.R["runs"]["profile"] and not self.R["runs"]["profile"][-1].get("error"):
+            if (
+                not self.smoke  # info only, and the same lazy start as the others
+                and self.R["runs"]["profile"]
+                and not self.R["runs"]["profile"][-1].get("error")
+            ):
                 # Info: the same start with every frame it reads already in the block cache
                 # (the profile start's cache), page cache dropped: what FUSE, the cache and
                 # decompression cost without any network.
@@ -1225,7 +1258,11 @@ class Bench:
                 )
             self.measure("floor", rnd, self.floor)
         if not self.cold:
-            self.R["warnings"].append("the page cache could not be dropped: WARM figures")
+            self.R["warnings"].append(
+                "--smoke keeps the page cache: WARM figures"
+                if self.smoke
+                else "the page cache could not be dropped: WARM figures"
+            )
 
     # -- report ----------------------------------------------------------------------------------
     def median(self, method: str, key: str = "total") -> float | None:
@@ -1401,7 +1438,9 @@ class Bench:
             )
         if self.quick:
             self.R["warnings"].append(
-                "--quick: numpy only (no torch); a smoke run, not the figures"
+                "--smoke: python3.11 alone, no warm start; a test's run, not the figures"
+                if self.smoke
+                else "--quick: numpy only (no torch); a smoke run, not the figures"
             )
         self.R["load_end"] = [round(x, 2) for x in os.getloadavg()]
         print("")
@@ -1452,7 +1491,7 @@ class Bench:
         m, img = self.R["machine"], self.R.get("image", {})
         base = img.get("base", {})
         md = [
-            f"# prefetch benchmark ({'quick' if self.quick else 'full'} run)",
+            f"# prefetch benchmark ({self.form()} run)",
             "",
             f"- command: `{self.R['command']}` (run time {self.R['elapsed_s']:.0f} s, "
             f"{self.R['finished']})",
@@ -1468,7 +1507,7 @@ class Bench:
             ),
             f"- load average: {self.R['loadavg_at_start'][0]:.2f} at start, "
             f"{self.R.get('load_end', ['?'])[0]} at end",
-            f"- {'cold node: `sync; echo 3 > /proc/sys/vm/drop_caches` before each method (the registry blob re-read into the page cache)' if self.cold else 'WARM: the page cache could not be dropped'}",
+            f"- {'cold node: `sync; echo 3 > /proc/sys/vm/drop_caches` before each method (the registry blob re-read into the page cache)' if self.cold else 'WARM: --smoke keeps the page cache' if self.smoke else 'WARM: the page cache could not be dropped'}",
             f"- image: {img.get('what')}; base "
             + (
                 f"`debootstrap --variant=minbase {base.get('suite')}` + apt python3"
@@ -1525,6 +1564,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="numpy only (no torch): a smoke run of about a minute once built",
     )
+    add_smoke_flag(parser)
     parser.add_argument(
         "--repeat",
         type=int,

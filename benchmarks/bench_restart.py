@@ -44,11 +44,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    add_smoke_flag,
     code_env,
     command_line,
     final_table,
     log,
     run_bench,
+    smoke_implies_quick,
     source_state,
     verdict,
     work_dir,
@@ -221,6 +223,7 @@ class Bench:
     """One run: the floor, then the restarts (``run_bench``'s protocol)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        self.smoke = smoke_implies_quick(args)
         self.quick = bool(args.quick)
         self.repeat = args.repeat or (QUICK_REPEAT if self.quick else FULL_REPEAT)
         self.results_dir = Path(args.results)
@@ -229,6 +232,7 @@ class Bench:
         self.R: dict[str, Any] = {
             "suite": "restart",
             "quick": self.quick,
+            "smoke": self.smoke,
             "command": command_line("bench_restart.py"),
             "source": source_state(
                 ["prefetch/containerd", "bootseer/cli", "benchmarks/bench_restart.py"]
@@ -243,7 +247,7 @@ class Bench:
     def run(self) -> None:
         work = work_dir(WORK_PREFIX, self.stack)  # a file at the cache: FileExistsError, exit 1
         log(
-            f"bench restart: {'quick' if self.quick else 'full'} run; {self.repeat} repeat(s) "
+            f"bench restart: {'quick, smoke' if self.smoke else 'quick' if self.quick else 'full'} run; {self.repeat} repeat(s) "
             f"of each signal; work {work}"
         )
         floor: list[float] = []
@@ -334,7 +338,7 @@ class Bench:
         if "load_after" in m:
             load += f" before, {', '.join(f'{x:.2f}' for x in m['load_after'])} after"
         md = [
-            f"# Snapshotter restart benchmark ({'quick' if self.quick else 'full'} run)",
+            f"# Snapshotter restart benchmark ({'quick, smoke' if self.smoke else 'quick' if self.quick else 'full'} run)",
             "",
             f"- command: `{self.R['command']}` ({self.R['finished']})",
             f"- commit {src.get('commit', '?')[:12]}"
@@ -366,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeat", type=int, help=f"rounds per signal ({FULL_REPEAT}; quick {QUICK_REPEAT})"
     )
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
     if args.repeat is not None and args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: give at least 1 round per signal")

@@ -59,6 +59,7 @@ from typing import Any
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    add_smoke_flag,
     command_line,
     download_wheels,
     drop_caches,
@@ -70,6 +71,7 @@ from _common import (  # noqa: E402
     reexec,
     run_bench,
     run_checked,
+    smoke_implies_quick,
     source_state,
     version_of,
 )
@@ -333,6 +335,7 @@ class Setting:
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.smoke = smoke_implies_quick(args)
         self.quick = bool(args.quick)
         self.settings_wanted = [
             s.strip()
@@ -375,6 +378,7 @@ class Bench:
             "command": _command_line(),
             "source": _source_state(),
             "quick": self.quick,
+            "smoke": self.smoke,
             "repeat": self.repeat,
             "settings_run": self.settings_wanted,
             "skipped": sorted(self.skip),
@@ -472,7 +476,7 @@ class Bench:
         load = os.getloadavg()
         self.R["loadavg_at_start"] = [round(x, 2) for x in load]
         log(
-            f"bench snapshot: {'quick' if self.quick else 'full'} run; settings "
+            f"bench snapshot: {'quick, smoke' if self.smoke else 'quick' if self.quick else 'full'} run; settings "
             f"{','.join(self.settings_wanted)}; repeat {self.repeat}; {cpus} CPUs, "
             f"{mem_total() / 2**30:.1f} GiB RAM; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
         )
@@ -481,7 +485,10 @@ class Bench:
                 f"machine busy before the run (1-min load average {load[0]:.2f} > 0.5 on "
                 f"{cpus} CPUs): other processes compete for CPU and disk; times may be high"
             )
-        if os.geteuid() != 0:
+        if self.smoke:
+            self.cold = False
+            self.warn("--smoke keeps the page cache: every method runs WARM")
+        elif os.geteuid() != 0:
             self.cold = False
             self.warn(
                 "not root: cannot drop the page cache; every method runs WARM (the figures "
@@ -1206,7 +1213,7 @@ class Bench:
             return
         m, ref = self.R["machine"], self.R.get("reference", {})
         md = [
-            f"# snapshot benchmark ({'quick' if self.quick else 'full'} run)",
+            f"# snapshot benchmark ({'quick, smoke' if self.smoke else 'quick' if self.quick else 'full'} run)",
             "",
             f"- command: `{self.R['command']}` (run time {self.R['elapsed_s']:.0f} s, "
             f"{self.R['finished']})",
@@ -1222,7 +1229,7 @@ class Bench:
             ),
             f"- load average: {self.R['loadavg_at_start'][0]:.2f} at start, "
             f"{self.R.get('load_end', ['?'])[0]} at end",
-            f"- {'cold node: `sync; echo 3 > /proc/sys/vm/drop_caches` before each method' if self.cold else 'WARM: the page cache could not be dropped'}",
+            f"- {'cold node: `sync; echo 3 > /proc/sys/vm/drop_caches` before each method' if self.cold else 'WARM: --smoke keeps the page cache' if self.smoke else 'WARM: the page cache could not be dropped'}",
             f"- environment: `{self.import_code}`; {ref.get('files', '?')} files, "
             f"{ref.get('bytes', 0) / MB:.0f} MB installed, built with `bootseer env create` "
             f"({ref.get('installer')}); wheels {sum(w['bytes'] for w in self.R.get('wheels', [])) / MB:.0f} MB",
@@ -1296,6 +1303,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep CACHE/snapshot-run (trees, stores, logs) for inspection",
     )
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
     bench = Bench(args)
     code = run_bench(bench, done_key="finished")

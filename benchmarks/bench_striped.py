@@ -50,7 +50,14 @@ from typing import Any
 
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, md_table, run_bench, source_state  # noqa: E402
+from _common import (  # noqa: E402
+    add_smoke_flag,
+    command_line,
+    md_table,
+    run_bench,
+    smoke_implies_quick,
+    source_state,
+)
 
 if str(_ROOT) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(_ROOT))
@@ -338,6 +345,7 @@ def run_rclone(args: list[str], env_extra: dict[str, str] | None = None) -> tupl
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.smoke = smoke_implies_quick(args)
         self.quick = bool(args.quick)
         div = QUICK_DIVISOR if self.quick else 1
         self.main_size = parse_size(args.size, name="--size") if args.size else MAIN_SIZE // div
@@ -353,6 +361,7 @@ class Bench:
             "command": command_line("bench_striped.py"),
             "source": source_state(["striped_fs", "bootseer/testing"]),
             "quick": self.quick,
+            "smoke": self.smoke,
             "machine": {
                 "cpus": os.cpu_count(),
                 "python": platform.python_version(),
@@ -432,7 +441,7 @@ class Bench:
     # -- run --------------------------------------------------------------------------------
     def run(self) -> None:
         log(
-            f"bench striped: {'quick' if self.quick else 'full'} run, file {human(self.main_size)}, "
+            f"bench striped: {'quick, smoke' if self.smoke else 'quick' if self.quick else 'full'} run, file {human(self.main_size)}, "
             f"{os.cpu_count()} CPUs, python {platform.python_version()}"
         )
         load = os.getloadavg()
@@ -1368,7 +1377,7 @@ class Bench:
             return
         m = self.R["machine"]
         md = [
-            f"# striped_fs benchmark ({'quick' if self.quick else 'full'} run)",
+            f"# striped_fs benchmark ({'quick, smoke' if self.smoke else 'quick' if self.quick else 'full'} run)",
             "",
             f"- command: `{self.R['command']}` (run time {self.R['elapsed_s']:.0f} s, {self.R['finished']})",
             f"- machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, fsspec {m['fsspec']}, "
@@ -1430,6 +1439,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"sizes / {QUICK_DIVISOR}, no sweep: a smoke run of under 2 minutes",
     )
     parser.add_argument("--size", help="size of the main test file, e.g. 512MiB (default 1GiB)")
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
     bench = Bench(args)
     code = run_bench(bench, done_key="final_table", report_inside=False, log_fn=log)

@@ -107,6 +107,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.quick, self.repeat = bool(args.quick), args.repeat  # see repeat_args
+        self.smoke = bool(args.smoke)  # implies quick (repeat_args)
         self.results_dir = Path(args.results)
         self.procs: list[subprocess.Popen] = []
         self.stack = contextlib.ExitStack()
@@ -114,6 +115,7 @@ class Bench:
         self.R: dict[str, Any] = {
             "suite": "update",
             "quick": self.quick,
+            "smoke": self.smoke,
             "command": command_line("bench_update.py"),
             "source": source_state(
                 ["bootseer/robust", "bootseer/supervise.py", "benchmarks/bench_update.py"]
@@ -214,7 +216,7 @@ class Bench:
         self.out.mkdir()
         self.stack.callback(self._stop_all)
         log(
-            f"bench update: {'quick' if self.quick else 'full'} run; {self.repeat} round(s); "
+            f"bench update: {'quick, smoke' if self.smoke else 'quick' if self.quick else 'full'} run; {self.repeat} round(s); "
             f"work {self.work}"
         )
         floor = []
@@ -359,7 +361,7 @@ class Bench:
         m = self.R["machine"]
         load = load_text(m)
         md = [
-            f"# Hot update benchmark ({'quick' if self.quick else 'full'} run)",
+            f"# Hot update benchmark ({'quick, smoke' if self.smoke else 'quick' if self.quick else 'full'} run)",
             "",
             f"- command: `{self.R['command']}` ({self.R['finished']})",
             f"- commit {self.R['source'].get('commit', '?')[:12]}",

@@ -95,7 +95,8 @@ def dcp_state(flat: dict[str, torch.Tensor], mesh) -> dict[str, Any]:
 
 def drop_caches(rank: int) -> None:
     dist.barrier()
-    if rank == 0:
+    # BOOTSEER_BENCH_KEEP_CACHES (bench_ckpt --smoke): warm loads, the machine's cache kept
+    if rank == 0 and os.environ.get("BOOTSEER_BENCH_KEEP_CACHES") != "1":
         subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=False)
     dist.barrier()
 
@@ -169,7 +170,7 @@ def phase_local(cfg, rank, world, out) -> None:
     mgr = CheckpointManager(str(root / "ours"), rank=rank, world_size=world, keep=2)
     stalls, durables, floors = [], [], []
     floor_buf = torch.empty(out["state_bytes_rank"], dtype=torch.uint8)
-    for step in range(10):
+    for step in range(cfg.get("saves", 10)):
         # the floor, measured right before each save under the same conditions: one copy of
         # this rank's tensors into a preallocated buffer
         dist.barrier()
@@ -183,7 +184,7 @@ def phase_local(cfg, rank, world, out) -> None:
         durables.append(time.perf_counter() - t)
     floor_buf = torch.empty(0)  # the floor's buffer is not ours: release it before reading RSS
     gc.collect()
-    out["rss_after_10_saves"] = rss()
+    out["rss_after_10_saves"] = rss()  # the key kept: after cfg["saves"] saves (10 unless smoke)
     out["ours_stall"] = stalls
     out["ours_durable"] = durables
     out["copy_floor_runs"] = floors
@@ -197,13 +198,13 @@ def phase_local(cfg, rank, world, out) -> None:
                 storage_writer=dcp.FileSystemWriter(str(root / f"dcp-sync-{i}")),
             )
         )
-        for i in range(2)
+        for i in range(cfg.get("dcp_saves", 2))
     ]
     # -- DCP async_save, thread and process checkpointers ----------------------------------------
     for kind in ("THREAD", "PROCESS"):
         stager = make_stager()
         runs = []
-        for i in range(3):
+        for i in range(cfg.get("dcp_async_runs", 3)):
             dist.barrier()
             t = time.perf_counter()
             resp = dcp_async(dcp_state(flat, mesh), str(root / f"dcp-{kind}-{i}"), kind, stager)
@@ -221,8 +222,12 @@ def phase_local(cfg, rank, world, out) -> None:
     ours_mgr = CheckpointManager(str(root / "ours"), rank=rank, world_size=world)
     target = ours_state(flat, rank, world)
     loads_ours, loads_dcp, floor_reads = [], [], []
-    stripes = sorted(str(p) for p in (root / "ours" / "step-9").glob(".rank-*.data.stripes/*/*"))
-    for _ in range(3):
+    last = cfg.get("saves", 10) - 1
+    stripes = sorted(
+        str(p) for p in (root / "ours" / f"step-{last}").glob(".rank-*.data.stripes/*/*")
+    )
+    dcp_dir = str(root / f"dcp-sync-{cfg.get('dcp_saves', 2) - 1}")
+    for _ in range(cfg.get("loads", 3)):
         # the floor: the same bytes (this checkpoint's data files) read sequentially, cold
         drop_caches(rank)
         if rank == 0:
@@ -238,7 +243,7 @@ def phase_local(cfg, rank, world, out) -> None:
             synced(
                 lambda: dcp.load(
                     dcp_state(flat, mesh),
-                    storage_reader=dcp.FileSystemReader(str(root / "dcp-sync-1")),
+                    storage_reader=dcp.FileSystemReader(dcp_dir),
                 )
             )
         )
@@ -261,7 +266,8 @@ def phase_reshard(cfg, rank, world, out) -> None:
         "step": 0,
     }
     runs_ours, runs_dcp = [], []
-    for _ in range(2):
+    dcp_dir = str(root / f"dcp-sync-{cfg.get('dcp_saves', 2) - 1}")
+    for _ in range(cfg.get("reshard_runs", 2)):
         drop_caches(rank)
         runs_ours.append(synced(lambda: mgr.load(ours)))
         drop_caches(rank)
@@ -274,7 +280,7 @@ def phase_reshard(cfg, rank, world, out) -> None:
                             for k, v in local.items()
                         }
                     },
-                    storage_reader=dcp.FileSystemReader(str(root / "dcp-sync-1")),
+                    storage_reader=dcp.FileSystemReader(dcp_dir),
                 )
             )
         )

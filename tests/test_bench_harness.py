@@ -1,7 +1,8 @@
 """``bootseer bench`` runs every suite, each as a child process, and says which failed and why.
 
-The quick form of each suite runs through ``bootseer bench`` and must leave its results (JSON
-and markdown) with figures in them, marked quick; e2e's is the run test_e2e.py asserts on
+The smoke form of each suite (``--smoke``: a smaller ``--quick``, whose sizes docs/benchmarks.md
+quotes) runs through ``bootseer bench`` and must leave its results (JSON and markdown) with
+figures in them, marked quick and smoke; e2e's quick form is the run test_e2e.py asserts on
 (conftest's ``e2e_bench``: its job is minutes, never run twice). A suite that fails for real
 (its cache path is a file) makes the command exit 1 after the others ran, with the reason and
 the suite's last output lines printed and in ``summary.md``. SIGTERM stops the running suite
@@ -27,7 +28,7 @@ from typing import Any
 import pytest
 from conftest import need
 
-from bootseer.cli.bench import SUITES, missing_results, results_state
+from bootseer.cli.bench import SMOKE_SUITES, SUITES, missing_results, results_state
 from bootseer.supervise import group_pids
 from bootseer.testing.servers import fuse_available
 
@@ -187,16 +188,16 @@ def parent_of(pid: int) -> int | None:
     return int(stat[stat.rfind(b")") + 2 :].split()[1])
 
 
-def run_quick_form(
+def run_smoke_form(
     suite: str, cache: Path, work: Path
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """``bootseer bench SUITE --quick``: its exit and output, and its results directory."""
+    """``bootseer bench SUITE --smoke``: its exit and output, and its results directory."""
     results = work / "results"
     run = subprocess.run(
         [
             *BENCH,
             suite,
-            "--quick",
+            "--smoke",
             "--base",
             "host",
             "--results",
@@ -214,30 +215,40 @@ def run_quick_form(
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("suite", [s for s in SUITES if s not in ("e2e", "robust")])
-def test_each_suite_quick_form_leaves_its_results_through_bootseer_bench(
+@pytest.mark.parametrize("suite", SMOKE_SUITES)
+def test_each_suite_smoke_form_leaves_its_results_through_bootseer_bench(
     suite: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    """e2e's quick form is checked the same way in test_e2e.py, beside the run it shares
-    (conftest's e2e_bench), so that parallel test workers never run that job twice. robust's
-    quick form trains 5 minutes per mode (15 with restarts on this machine): its short forms
-    are tests/test_robust_faults.py, its logic tests/test_bench_robust.py."""
+    """``--smoke``: the quick form smaller still (the quick forms' figures are quoted in
+    docs/benchmarks.md, so --quick itself stays). e2e's quick form is checked the same way in
+    test_e2e.py, beside the run it shares (conftest's e2e_bench), so that parallel test workers
+    never run that job twice. robust's quick form trains 5 minutes per mode (15 with restarts
+    on this machine): its short forms are tests/test_robust_faults.py, its logic
+    tests/test_bench_robust.py."""
     need(missing_for(suite))
     cache = request.getfixturevalue("bench_cache")
-    run, results = run_quick_form(suite, cache, tmp_path)
-    check_quick_results(suite, run, results, cache)
+    run, results = run_smoke_form(suite, cache, tmp_path)
+    check_quick_results(suite, run, results, cache, smoke=True)
 
 
 def check_quick_results(
-    suite: str, run: subprocess.CompletedProcess[str], results: Path, cache: Path
+    suite: str,
+    run: subprocess.CompletedProcess[str],
+    results: Path,
+    cache: Path,
+    *,
+    smoke: bool = False,
 ) -> None:
-    """What every suite's quick form run through ``bootseer bench`` must leave behind."""
+    """What every suite's quick (``smoke``: smoke) form run through ``bootseer bench`` must
+    leave behind."""
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert "1 of 1 suites wrote their results" in run.stdout
 
     report = json.loads((results / f"{suite}.json").read_text())
     assert report["quick"] is True  # never mistaken for the documented figures
-    assert report["command"].startswith(f"bootseer bench {suite} --results {results} --quick")
+    assert report.get("smoke", False) is smoke
+    flags = "--quick --smoke" if smoke else "--quick"
+    assert report["command"].startswith(f"bootseer bench {suite} --results {results} {flags}")
     assert not report.get("errors")
     figures = FIGURES[suite](report)
     bad = {
@@ -247,6 +258,8 @@ def check_quick_results(
     }
     assert figures and not bad, f"{suite}: figures missing or not positive: {bad or figures}"
 
+    if smoke and suite in ("prefetch", "containerd", "snapshot"):  # said, as it is not cold
+        assert any("--smoke keeps the page cache" in w for w in report["warnings"]), report
     if suite == "fuse":  # every rsync exited 0 and every touch+cat read its file back
         for store in report["stores"].values():
             runs = store["files"] * report["config"]["repeat"]
@@ -265,12 +278,32 @@ def check_quick_results(
         assert not processes_mentioning(str(cache))  # snapshotters and their FUSE holders
 
     md = (results / f"{suite}.md").read_text()
-    assert "quick" in md.splitlines()[0]
+    assert ("quick, smoke" if smoke else "quick") in md.splitlines()[0]
     assert re.search(r"^\|.*\d+\.\d+ ?(s|MB/s|MiB|MB)\b", md, re.M), md
     summary = (results / "summary.md").read_text()
     assert md.strip() in summary
     assert "FAILED" not in summary
     assert not mounts_under(results.parent) and not mounts_under(cache)
+
+
+def test_smoke_is_refused_for_a_suite_without_a_smoke_form(tmp_path: Path) -> None:
+    """e2e and robust have no smoke form: ``--smoke`` naming them (or all suites) exits 2
+    before any suite runs, saying which and what to do, rather than running their quick form
+    under a smoke label."""
+    for suites, lacking in ((["ckpt", "e2e"], "e2e"), ([], "e2e, robust")):
+        run = subprocess.run(
+            [*BENCH, *suites, "--smoke", "--results", str(tmp_path / "results")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd=ROOT,
+        )
+        assert run.returncode == 2, run.stdout + run.stderr
+        assert f"--smoke: no smoke form for {lacking}; name suites" in run.stderr, run.stderr
+        assert "or use --quick" in run.stderr
+        assert "bootseer bench: ckpt (" not in run.stdout  # nothing ran
+        assert not (tmp_path / "results").exists()
 
 
 def test_a_failed_suite_is_reported_and_the_others_still_run(tmp_path: Path) -> None:

@@ -43,6 +43,9 @@ SUITES = (
 # run only when named: the startup model reads a sweep's results (``e2e --sweep``) in --results
 NAMED_ONLY = ("model",)
 RESULT_FILES = {"model": "startup-model"}  # a suite whose results are named otherwise
+# the suites with a --smoke form (e2e's quick form is the run test_e2e.py shares, robust's
+# short forms are tests/test_robust_faults.py, model only reads a sweep)
+SMOKE_SUITES = tuple(s for s in SUITES if s not in ("e2e", "robust"))
 TAKES_BASE = ("prefetch", "containerd", "e2e")  # the suites that build an image from a base
 TAIL_LINES = 25
 STOP_GRACE_S = 300.0  # a suite's own clean-up after SIGTERM (unmounts, containerd tasks)
@@ -62,6 +65,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--quick",
         action="store_true",
         help="small sizes, for a smoke run (marked quick in the results)",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="smaller still (implies --quick): the fewest rounds and smallest sizes that run "
+        "every code path, the form tests/test_bench_harness.py runs; marked smoke in the "
+        f"results, never figures; suites: {', '.join(SMOKE_SUITES)}",
     )
     p.add_argument(
         "--results",
@@ -280,7 +290,8 @@ def run_suite(
     argv = [
         "--results",
         args.results,
-        *(["--quick"] if args.quick else []),
+        *(["--quick"] if args.quick or getattr(args, "smoke", False) else []),
+        *(["--smoke"] if getattr(args, "smoke", False) else []),
         *(["--base", args.base] if args.base and suite in TAKES_BASE else []),
         *(["--methods", args.methods] if args.methods and suite == "e2e" else []),
         *(["--nodes", str(args.nodes)] if getattr(args, "nodes", None) and suite == "e2e" else []),
@@ -328,12 +339,20 @@ def run_suite(
 def run(args: argparse.Namespace) -> int:
     """Every suite asked for, in order; 0 when each wrote its results, 1 when one failed,
     130 when interrupted (the suites after it are not run)."""
+    suites = list(dict.fromkeys(args.suites or SUITES))
+    no_smoke = [s for s in suites if s not in SMOKE_SUITES]
+    if getattr(args, "smoke", False) and no_smoke:
+        print(
+            f"bootseer bench: --smoke: no smoke form for {', '.join(no_smoke)}; name suites "
+            f"that have one ({', '.join(SMOKE_SUITES)}) or use --quick",
+            file=sys.stderr,
+        )
+        return 2
     directory = benchmarks_dir()
     os.makedirs(args.results, exist_ok=True)
     env = dict(os.environ)
     if args.cache:
         env["BOOTSEER_BENCH_CACHE"] = str(Path(args.cache).expanduser().resolve())
-    suites = list(dict.fromkeys(args.suites or SUITES))
     outcomes: list[Outcome] = []
     interrupted = False
     for suite in suites:
