@@ -343,13 +343,15 @@ def check_identical(events: list[dict[str, Any]], kill_t: float) -> dict[str, An
         f"{n}/r{k}" for n, k, v in loaded if v is None or saved.get((v["step"], k)) != v["digest"]
     ]
     steps = sorted({v["step"] for _, _, v in loaded if v is not None})
-    return {
+    out: dict[str, Any] = {
         "ok": bool(loaded) and not bad,
         "ranks": len(loaded),
         "steps": steps,
         "differ": bad,
-        "why": {f"{r.node}/r{r.rank}": _why_differs(r, saved) for r in ranks} if bad else {},
     }
+    if bad:  # every rank's figures, the good ones too: they tell where the bad one went apart
+        out["why"] = {f"{r.node}/r{r.rank}": _why_differs(r, saved) for r in ranks}
+    return out
 
 
 def _why_differs(run: RankRun, saved: dict[tuple[int, int], str]) -> dict[str, Any]:

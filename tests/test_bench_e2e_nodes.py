@@ -177,7 +177,7 @@ def test_a_replacement_node_s_bootseer_run_spans_join_the_restart(tmp_path: Path
 
 def test_a_rank_that_resumed_other_bytes_is_named() -> None:
     good = check_identical(_restart(), KILL)
-    assert good == {"ok": True, "ranks": 4, "steps": [3], "differ": [], "why": {}}
+    assert good == {"ok": True, "ranks": 4, "steps": [3], "differ": []}
     bad = check_identical(_restart(fresh_rank1_digest="other"), KILL)
     assert bad["ok"] is False and bad["differ"] == ["node1/r3"]
     # what tells wrong bytes from a worker that never verified: both digests, the worker
