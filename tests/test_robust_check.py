@@ -189,3 +189,15 @@ def test_the_node_whose_every_link_is_slow_is_named_and_noise_is_not():
     ]
     assert link_suspects(noise)[0] == ()
     assert link_suspects(slow_1[:2])[0] == ()  # two ranks: one link, no culprit
+
+
+def test_the_cpu_reference_step_does_not_load_torch_s_compiler() -> None:
+    """The deterministic switch imports torch._inductor and torch._dynamo (1.6 s of CPU per
+    rank in torch 2.13); on one CPU thread the step is deterministic without it."""
+    from conftest import modules_loaded_by
+
+    code = (
+        "from bootseer.robust.check import reference_step\n"
+        "a = reference_step()\nassert a == reference_step(), a"
+    )
+    assert modules_loaded_by(code, ("torch", "torch._inductor", "torch._dynamo")) == ["torch"]
