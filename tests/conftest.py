@@ -32,6 +32,7 @@ for _var in ("NO_PROXY", "no_proxy"):
             _hosts.append(_host)
     os.environ[_var] = ",".join(_hosts)
 
+import contextlib  # noqa: E402
 import uuid  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -65,6 +66,23 @@ def need(reason: str | None) -> None:
     :func:`require_component` with its reason."""
     if reason is not None:
         require_component(reason)
+
+
+@contextlib.contextmanager
+def s3_through_a_counter(options: dict[str, Any]) -> Iterator[tuple[dict[str, Any], Any]]:
+    """(storage options, proxy): the same S3 server reached through an unshaped
+    :class:`~bootseer.testing.shaper.Shaper`, so a test measures what a client read from the
+    store (``proxy.bytes_down``) with real HTTP."""
+    from bootseer.testing.shaper import Shaper, ShaperSettings
+
+    endpoint = options["client_kwargs"]["endpoint_url"].removeprefix("http://")
+    host, port = endpoint.rsplit(":", 1)
+    proxy = Shaper(host, int(port), ShaperSettings(), "127.0.0.1", 0).start()
+    try:
+        kwargs = {**options["client_kwargs"], "endpoint_url": f"http://{proxy.address}"}
+        yield {**options, "client_kwargs": kwargs}, proxy
+    finally:
+        proxy.stop()
 
 
 def modules_loaded_by(code: str, modules: tuple[str, ...]) -> list[str]:

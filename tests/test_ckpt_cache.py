@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import s3_through_a_counter
 from unprivileged import mode, umask
 
 from bootseer.testing.servers import free_port
@@ -513,8 +514,6 @@ def test_ranks_restarted_together_fetch_each_missing_index_once(
     """Both ranks of the node open the step at the same moment: they take turns on the
     step's fetch lock, and the node's store bytes are one copy of the two indexes it lacks
     (and the commit records), not two."""
-    from bootseer.testing.shaper import Shaper, ShaperSettings
-
     bucket, options = s3_bucket
     url = f"s3://{bucket}/wide"
     here, there = tmp_path / "here", tmp_path / "there"
@@ -523,17 +522,7 @@ def test_ranks_restarted_together_fetch_each_missing_index_once(
         url, rank=0, world_size=WIDE, storage_options={"s3": options}, cache_dir=False
     ) as plain:
         indexes = sum(plain.fs.size(f"{step_dir(plain.root, 5)}/{index_name(r)}") for r in (2, 3))
-    endpoint = options["client_kwargs"]["endpoint_url"].removeprefix("http://")
-    host, port = endpoint.rsplit(":", 1)
-    proxy = Shaper(host, int(port), ShaperSettings(), "127.0.0.1", 0).start()
-    try:
-        node = {
-            **options,
-            "client_kwargs": {
-                **options["client_kwargs"],
-                "endpoint_url": f"http://{proxy.address}",
-            },
-        }
+    with s3_through_a_counter(options) as (node, proxy):
         start = threading.Barrier(2)
 
         def open_step(rank: int) -> int | None:
@@ -546,8 +535,6 @@ def test_ranks_restarted_together_fetch_each_missing_index_once(
         with ThreadPoolExecutor(2) as pool:
             assert list(pool.map(open_step, (0, 1))) == [5, 5]
         read = proxy.bytes_down
-    finally:
-        proxy.stop()
     assert indexes > 40_000
     assert indexes <= read < 1.5 * indexes, (read, indexes)  # not 2 x: once for the node
 
@@ -597,8 +584,6 @@ def test_a_load_checks_the_newest_commit_not_every_step_the_store_keeps(
     """Every rank of every restart lists the steps and checks which are committed: newest
     first, and only until it has one, so ten more steps kept cost the listing's lines, not
     ten existence checks per rank (measured in bytes over moto)."""
-    from bootseer.testing.shaper import Shaper, ShaperSettings
-
     bucket, options = s3_bucket
     state = {"w": torch.randn(1000), "step": 0}
     for root, steps in (("few", 2), ("many", 12)):
@@ -607,19 +592,9 @@ def test_a_load_checks_the_newest_commit_not_every_step_the_store_keeps(
         ) as mgr:
             for step in range(1, steps + 1):
                 mgr.save(step, state, block=True)
-    endpoint = options["client_kwargs"]["endpoint_url"].removeprefix("http://")
-    host, port = endpoint.rsplit(":", 1)
     read = {}
     for root, newest in (("few", 2), ("many", 12)):
-        proxy = Shaper(host, int(port), ShaperSettings(), "127.0.0.1", 0).start()
-        try:
-            node = {
-                **options,
-                "client_kwargs": {
-                    **options["client_kwargs"],
-                    "endpoint_url": f"http://{proxy.address}",
-                },
-            }
+        with s3_through_a_counter(options) as (node, proxy):
             with CheckpointManager(
                 f"s3://{bucket}/{root}", storage_options={"s3": node}, cache_dir=False
             ) as mgr:
@@ -627,8 +602,6 @@ def test_a_load_checks_the_newest_commit_not_every_step_the_store_keeps(
                 target = {"w": torch.zeros(1000), "step": None}
                 assert mgr.load(target) == newest and torch.equal(target["w"], state["w"])
             read[root] = proxy.bytes_down
-        finally:
-            proxy.stop()
     # 10 more steps: their listing lines (about 100 bytes each, listed twice), where
     # checking each step (a HEAD answer is about 400 bytes) twice would cost 8 KB more
     assert read["many"] - read["few"] < 4000, read

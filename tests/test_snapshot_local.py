@@ -172,7 +172,8 @@ def test_ensure_reads_the_manifest_once_for_a_restore(
     an environment's manifest names every file that embeds its prefix (each ``.pyc``:
     hundreds of KB for torch's), and every fresh node reads it from the store, which no cache
     tier serves."""
-    from bootseer.testing.shaper import Shaper, ShaperSettings
+    from conftest import s3_through_a_counter
+
     from snapshot.ensure import ensure, publish
     from snapshot.key import EnvKey
     from snapshot.store import SnapshotStore
@@ -188,23 +189,11 @@ def test_ensure_reads_the_manifest_once_for_a_restore(
     manifest = SnapshotStore(url, {"s3": options}).require_manifest(key.key)
     size = len(manifest.to_bytes())
     assert len(manifest.prefix_refs) == 1500 and size > 60_000
-    endpoint = options["client_kwargs"]["endpoint_url"].removeprefix("http://")
-    host, port = endpoint.rsplit(":", 1)
-    proxy = Shaper(host, int(port), ShaperSettings(), "127.0.0.1", 0).start()
-    try:
-        node = {
-            **options,
-            "client_kwargs": {
-                **options["client_kwargs"],
-                "endpoint_url": f"http://{proxy.address}",
-            },
-        }
+    with s3_through_a_counter(options) as (node, proxy):
         result = ensure(
             prefix=tmp_path / "node" / "venv", store=url, storage_options={"s3": node}, key=key
         )
         read = proxy.bytes_down
-    finally:
-        proxy.stop()
     assert result.outcome == "restored"
     assert (tmp_path / "node" / "venv" / "lib" / "mod0007.py").read_text().endswith("VALUE = 7\n")
     stored = sum(c.size for c in manifest.chunks) + manifest.toc["size"]
