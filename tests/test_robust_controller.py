@@ -29,12 +29,17 @@ JOB = HERE / "controller_job.py"
 PORT = 29400  # the cluster's c10d store (the fixture's "rendezvous" service)
 
 
-# -- the wire, on a real TCPStore in this process ---------------------------------------------
+# -- the wire, on a real TCPStore in this process, through bootseer's client ------------------
 
 
 @pytest.fixture()
 def store(tcp_store):
-    return tcp_store
+    """bootseer's own client of the test's real TCPStore: what the agents and the
+    controller use (:mod:`bootseer.robust.store_client`)."""
+    from bootseer.robust.store_client import StoreClient
+
+    with StoreClient("127.0.0.1", tcp_store.port, timeout_s=10) as client:
+        yield client
 
 
 def test_a_node_cannot_speak_for_another_and_bad_records_are_skipped(store) -> None:

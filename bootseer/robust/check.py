@@ -464,7 +464,7 @@ def run_for_incident(
     from .remote import ControllerLink
 
     keys = wire.Keys(job)
-    client = wire.connect(address, timeout_s)
+    client = wire.connect_torch(address, timeout_s)
     data = wire.get(client, keys.check_request(incident))
     if data is None:
         raise ValueError(

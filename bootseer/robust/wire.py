@@ -59,6 +59,7 @@ __all__ = [
     "Keys",
     "WireError",
     "connect",
+    "connect_torch",
     "decode",
     "encode",
     "parse_address",
@@ -299,7 +300,18 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def connect(address: str, timeout_s: float = 30.0) -> Any:
-    """A client of the store at ``HOST:PORT`` (torch's TCPStore)."""
+    """A client of the store at ``HOST:PORT``: :class:`.store_client.StoreClient`, which
+    speaks torch's c10d protocol without importing torch (the agent and the controller need
+    nothing else of it) and bounds every reply."""
+    from .store_client import StoreClient
+
+    host, port = parse_address(address)
+    return StoreClient(host, port, timeout_s=timeout_s)
+
+
+def connect_torch(address: str, timeout_s: float = 30.0) -> Any:
+    """torch's own TCPStore client of ``HOST:PORT``, for what needs a ``torch.distributed``
+    Store (a process group that meets in the job's store: ``bootseer check``)."""
     from torch.distributed import TCPStore
 
     host, port = parse_address(address)
