@@ -11,18 +11,18 @@ from there when it is present and intact, and from the store otherwise::
     <cache_dir>/<store-key>/step-<N>/rank-<r>.data|objects  the shards the node's ranks read
 
 ``store-key`` is a hash of the normalized URL, so jobs sharing a node never mix. Trust: the
-store's ``MANIFEST.json`` is always read from the store; a cached step is used only while its
-copy is byte-identical (a store wiped and rewritten under the same URL never matches), and
-every cached file is verified when it is read, as the manifest and indexes say: an index by
-its CRC-32 in the manifest, a data file by its size and every chunk's CRC-32, an objects file
-by its size and CRC-32. A file that fails is removed with a warning and read from the store.
-Files appear under their final names only complete and verified (written aside, renamed).
-A load that starts while a prefetch is still copying (``bootseer run`` starts the command as
-soon as the environment is ready) waits for each data file it needs while the prefetch's
-temporary file for it exists (its owner alive and writing), and reads the store when the
-prefetch gave up on it; it never reads a partial file. A save writes its rank's files into
-the cache too (``CheckpointManager(cache_writes=True)``, the default with a cache), so an
-in-place restart finds the shards this node saved already there.
+store's ``MANIFEST.json`` is read from the store (once per node and torchrun launch:
+:mod:`.sighting`); a cached step is used only while its copy is byte-identical (a store wiped
+and rewritten under the same URL never matches), and every cached file is verified when it is
+read, as the manifest and indexes say: an index by its CRC-32 in the manifest, a data file by
+its size and every chunk's CRC-32, an objects file by its size and CRC-32. A file that fails is
+removed with a warning and read from the store. Files appear under their final names only
+complete and verified (written aside, renamed). A load that starts while a prefetch is still
+copying (``bootseer run`` starts the command as soon as the environment is ready) waits for
+each data file it needs while the prefetch's temporary file for it exists (its owner alive and
+writing), and reads the store when the prefetch gave up on it; it never reads a partial file. A
+save writes its rank's files into the cache too (``CheckpointManager(cache_writes=True)``, the
+default with a cache), so an in-place restart finds the shards this node saved already there.
 The cache is its owner's alone whatever the umask: directories 0700, files 0600 (a job that
 runs as another user than the prefetch has a cache of its own).
 """

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ from .loader import (
 )
 from .outage import DurableOutage
 from .persist import SaveResult, committed_steps, persist
+from .sighting import NodeSighting
 from .skip import poisoned, rules_from_env
 from .staging import StagingPool, stage
 
@@ -165,6 +167,10 @@ class CheckpointManager:
         # this manager's world; False, none; or a ProcessGroup. Resolved at each load.
         self.process_group = process_group
         self._view: CheckpointView | None = None  # the last commit read: latest() -> load
+        # The node's one look at the store for this launch (ckpt/sighting.py): used until
+        # this manager's first load returns or its first save, then the store every time.
+        self._sighting = NodeSighting.for_launch(self.cache.root) if self.cache else None
+        self._sighted: tuple[int, bytes] | None = None  # (step, its commit record) from it
         # The memory tier (ckpt.memory, docs/ckpt.md): a MemoryConfig; None: the one `bootseer
         # run` hands down (BOOTSEER_MEMCKPT_DIR), if any; False: none.
         self.memory = _memory_tier(memory, rank, world_size, process_group, trust_objects)
@@ -196,6 +202,7 @@ class CheckpointManager:
         for up to ``MemoryConfig.durable_outage_s``, and while the store is failing a durable
         save due while the previous one is still being written is skipped (``ckpt.outage``).
         """
+        self._end_sighting()
         if self.memory is None:
             return self._save(step, state, block=block)
         stall = self.memory.save(step, state, acked=False)
@@ -334,7 +341,7 @@ class CheckpointManager:
         data files is found only by reading them, and ``load`` then falls back (every rank
         together). Steps are numbers: a job that resumed from an older step leaves newer
         ones in place until it saves them again (docs/ckpt.md). Local: no collective."""
-        for step in newest_committed(self.fs, self.root):
+        for step in self._newest_committed():
             try:
                 view = self._open_view(step)
             except (CheckpointCorrupt, StripedIOError, FileNotFoundError) as exc:
@@ -350,6 +357,32 @@ class CheckpointManager:
                 continue
             return step
         return None
+
+    def _newest_committed(self, at_most: int | None = None) -> Iterator[int]:
+        """The committed steps not above ``at_most``, newest first (``layout.newest_committed``),
+        the first from the node's sighting while this manager has one."""
+        if self._sighting is not None:
+            newest, raw = self._sighting.look(self._look_at_store)
+            if newest is None:
+                return  # the store held no commit a moment ago, for every rank of the node
+            if at_most is None or newest <= at_most:
+                if raw is not None:
+                    self._sighted = (newest, raw)
+                yield newest
+                at_most = newest - 1
+        yield from newest_committed(self.fs, self.root, at_most=at_most)
+
+    def _look_at_store(self) -> tuple[int | None, bytes | None]:
+        newest = next(newest_committed(self.fs, self.root), None)
+        if newest is None:
+            return None, None
+        try:
+            return newest, read_manifest(self.fs, self.root, newest)
+        except CheckpointCorrupt:  # removed since the listing
+            return newest, None
+
+    def _end_sighting(self) -> None:
+        self._sighting, self._sighted = None, None
 
     def _skipped(self, step: int, created: float | None = None) -> bool:
         """Whether ``step`` was saved after a NaN by the attempt that hit it (said once)."""
@@ -370,7 +403,11 @@ class CheckpointManager:
         """Step ``step``'s manifest and indexes, read and checked; the last one is kept, so
         a load right after ``latest()`` reads only the manifest again (to see it is the same
         commit) and not every rank's index."""
-        raw = read_manifest(self.fs, self.root, step)
+        sighted = self._sighted
+        if sighted is not None and sighted[0] == step:
+            raw = sighted[1]  # the node's look at the store, this launch (ckpt/sighting.py)
+        else:
+            raw = read_manifest(self.fs, self.root, step)
         known = self._view
         if known is not None and known.step == step and known.manifest_raw == raw:
             return known.with_cache(self._cached(step))
@@ -394,6 +431,12 @@ class CheckpointManager:
         self, state: Any, step: int | None = None, *, strict: bool = True
     ) -> LoadReport:
         """``load``, returning what it did: bytes, seconds, keys, and the steps skipped."""
+        try:
+            return self._load_tiers(state, step, strict)
+        finally:
+            self._end_sighting()  # later looks for newer steps ask the store
+
+    def _load_tiers(self, state: Any, step: int | None, strict: bool) -> LoadReport:
         if self.memory is not None and step is None:
             # the memory tier first: the newest step every rank holds in memory, unless the
             # durable tier has a newer commit (every rank decides the same)
@@ -526,7 +569,7 @@ class CheckpointManager:
                 candidate = next(
                     (
                         s
-                        for s in newest_committed(self.fs, self.root, at_most=bound)
+                        for s in self._newest_committed(at_most=bound)
                         if s not in failed and not self._skipped(s)
                     ),
                     NONE,
