@@ -181,9 +181,9 @@ def check_egress(got: dict[str, Any]) -> None:
         assert store < 2 * allowed, f"{said}; {figures}"
         if store > 1.1 * allowed:
             over.append(said)
-    if over:  # issue 29's target, not met yet: what is left is per-rank protocol reads
+    if over:  # issue 29's target, not met yet: what is left is one look's protocol per node
         pytest.xfail(
             "survivors' store bytes over 1.1x the commit record and the indexes they lack "
-            "(each rank reads the commit record twice, lists the steps and checks the newest "
-            f"twice: docs/benchmarks.md): {'; '.join(over)}"
+            "(the node's one look: the listing, the existence check and the commit record's "
+            f"two answers, with their headers: docs/benchmarks.md): {'; '.join(over)}"
         )
