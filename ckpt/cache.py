@@ -400,32 +400,15 @@ class StepCache:
         the sharing: the rank reads the store itself."""
         fd: int | None = None
         try:
-            fd = os.open(
-                self.dir / FETCH_LOCK,
-                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o600,
-            )
-            deadline = time.monotonic() + self.STALL_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        log.warning(
-                            "checkpoint cache: another reader held %s for %.0f s; reading "
-                            "from the store without it",
-                            self.dir / FETCH_LOCK,
-                            self.STALL_S,
-                        )
-                        os.close(fd)
-                        fd = None
-                        break
-                    time.sleep(poll)
+            fd = lock_within(self.dir / FETCH_LOCK, self.STALL_S, poll)
+            if fd is None:
+                log.warning(
+                    "checkpoint cache: another reader held %s for %.0f s; reading "
+                    "from the store without it",
+                    self.dir / FETCH_LOCK,
+                    self.STALL_S,
+                )
         except OSError as exc:
-            if fd is not None:
-                os.close(fd)
-                fd = None
             log.warning(
                 "checkpoint cache: cannot lock %s (%s); this rank reads from the store what "
                 "the node lacks, without sharing it",
@@ -489,6 +472,26 @@ class StepCache:
                     os.unlink(self.dir / name)
                 except FileNotFoundError:
                     pass
+
+
+def lock_within(path: Path, wait_s: float, poll: float = 0.01) -> int | None:
+    """The kernel's lock (``flock``, exclusive) on ``path``, created 0600 and never through a
+    link, as an open descriptor (closing it lets go, as a holder's death does); None when
+    another holder kept it past ``wait_s``. OSError when the file cannot be opened."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                return None
+            time.sleep(poll)
+        except OSError:
+            os.close(fd)
+            raise
 
 
 def _temps_of(directory: Path, name: str) -> list[Path]:

@@ -36,7 +36,6 @@ Usage (what ``CheckpointManager`` does)::
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -46,6 +45,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from striped_fs import make_dir, write_private
+
+from .cache import lock_within
 
 log = logging.getLogger("ckpt")
 
@@ -148,24 +149,8 @@ class NodeSighting:
         fd: int | None = None
         try:
             make_dir(self.root, tighten=True)
-            fd = os.open(
-                self.root / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-            )
-            deadline = time.monotonic() + _LOCK_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        os.close(fd)
-                        fd = None
-                        break
-                    time.sleep(poll)
+            fd = lock_within(self.root / _LOCK, _LOCK_WAIT_S, poll)
         except OSError as exc:
-            if fd is not None:
-                os.close(fd)
-                fd = None
             log.warning("checkpoint cache: cannot lock %s (%s)", self.root / _LOCK, exc)
         try:
             yield

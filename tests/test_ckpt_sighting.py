@@ -157,3 +157,24 @@ def test_a_sighting_is_its_owners_alone(tmp_path: Path) -> None:
     sight = sighting_of(here, store)
     for path in (sight.doc_path, sight.manifest_path):
         assert path.stat().st_mode & 0o777 == 0o600, path
+
+
+def test_a_looker_stuck_on_the_store_holds_up_the_node_only_so_long(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's sighting lock held by a rank stuck on the store (here: by this test): the
+    next rank waits at most the bound, then looks at the store itself."""
+    import ckpt.sighting
+    from ckpt.cache import lock_within
+
+    store, here, there = str(tmp_path / "store"), tmp_path / "here", tmp_path / "there"
+    save_wide(store, 5, {0: here, 1: here, 2: there, 3: there})
+    monkeypatch.setattr(ckpt.sighting, "_LOCK_WAIT_S", 0.3)
+    held = lock_within(here / store_key(store) / ".sight.lock", 1.0)
+    assert held is not None
+    try:
+        started = time.monotonic()
+        assert restart(store, (0,), here) == [5]
+        assert 0.3 <= time.monotonic() - started < 20
+    finally:
+        os.close(held)
