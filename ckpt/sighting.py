@@ -106,7 +106,7 @@ class NodeSighting:
             return newest, manifest
 
     def read(self) -> tuple[int | None, bytes | None] | None:
-        """The sighting, or None when absent, too old or not sound (said once, at debug)."""
+        """The sighting, or None when absent or too old, or not sound (logged at info)."""
         try:
             raw = self.doc_path.read_bytes()
         except FileNotFoundError:
@@ -117,7 +117,7 @@ class NodeSighting:
         try:
             doc = json.loads(raw)
             newest, digest, seen = doc["newest"], doc["manifest_sha256"], float(doc["time"])
-            if not (newest is None or (isinstance(newest, int) and newest >= 0)):
+            if newest is not None and (type(newest) is not int or newest < 0):  # bool too
                 raise ValueError(f"newest {newest!r} is not a step")
             if not 0 <= time.time() - seen <= self.ttl_s:
                 return None
@@ -159,7 +159,7 @@ class NodeSighting:
                 os.close(fd)
 
     def remove_old(self) -> None:
-        """Sightings of earlier launches (older than the TTL) go."""
+        """Sightings of earlier launches go once ten times the TTL old (never one in use)."""
         now = time.time()
         with contextlib.suppress(OSError):
             for path in self.root.glob("SIGHT-*"):

@@ -110,7 +110,14 @@ def sighting_of(cache: Path, store: str) -> NodeSighting:
 
 @pytest.mark.parametrize(
     "damage",
-    ["garbage", "commit record altered", "commit record gone", "step not a number", "too old"],
+    [
+        "garbage",
+        "commit record altered",
+        "commit record gone",
+        "step not a number",
+        "a bool",
+        "too old",
+    ],
 )
 def test_a_sighting_that_is_not_sound_is_ignored(tmp_path: Path, damage: str) -> None:
     """Bytes this test writes over the node's sighting: the rank looks at the store itself
@@ -130,6 +137,8 @@ def test_a_sighting_that_is_not_sound_is_ignored(tmp_path: Path, damage: str) ->
         sight.manifest_path.unlink()
     elif damage == "step not a number":
         sight.doc_path.write_text(json.dumps({**doc, "newest": "../../6"}))
+    elif damage == "a bool":
+        sight.doc_path.write_text(json.dumps({**doc, "newest": True}))
     else:
         sight.doc_path.write_text(json.dumps({**doc, "time": time.time() - 3600}))
     assert restart(store, (1,), here) == [6]
@@ -178,3 +187,20 @@ def test_a_looker_stuck_on_the_store_holds_up_the_node_only_so_long(
         assert 0.3 <= time.monotonic() - started < 20
     finally:
         os.close(held)
+
+
+def test_sightings_of_earlier_launches_are_removed_at_the_next_look(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, here, there = str(tmp_path / "store"), tmp_path / "here", tmp_path / "there"
+    save_wide(store, 5, {0: here, 1: here, 2: there, 3: there})
+    assert restart(store, (0,), here) == [5]
+    old = sighting_of(here, store)
+    hour_ago = time.time() - 3600
+    for path in (old.doc_path, old.manifest_path):
+        os.utime(path, (hour_ago, hour_ago))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")  # the next launch looks again
+    assert restart(store, (0,), here) == [5]
+    new = sighting_of(here, store)
+    assert new.doc_path.exists() and new.manifest_path.exists()
+    assert not old.doc_path.exists() and not old.manifest_path.exists()
